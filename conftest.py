@@ -1,0 +1,44 @@
+"""Test configuration: runtime shape checks and hypothesis profiles.
+
+jaxtyping's import hook must be installed before attnkit is first imported, so that every
+annotated signature (``Float[Tensor, "*batch H Tq Dk"]``) is checked with beartype during the tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import jaxtyping
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+with jaxtyping.install_import_hook("attnkit", "beartype.beartype"):
+    import attnkit  # noqa: F401
+
+settings.register_profile(
+    "default",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+torch.set_num_threads(min(torch.get_num_threads(), 2))
+
+
+@pytest.fixture
+def no_shape_checks() -> Iterator[None]:
+    """Turn off the jaxtyping checks, so that a test sees attnkit's own argument validation."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)

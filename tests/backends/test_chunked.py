@@ -1,0 +1,81 @@
+"""The chunked kernel: memory it keeps, blocks it skips, and its default block sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import attention, masks
+from attnkit.backends import chunked as chunked_module
+from attnkit.backends.chunked import chunked_attention
+from attnkit.testing import assert_close
+
+
+def saved_numels(backend: str, t: int) -> list[int]:
+    q, k, v = (torch.randn(1, 2, t, 8, requires_grad=True) for _ in range(3))
+    sizes: list[int] = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        sizes.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        attention(q, k, v, causal=True, backend=backend)
+    return sizes
+
+
+def test_backward_saves_no_score_sized_tensor() -> None:
+    t = 256
+    assert max(saved_numels("chunked", t)) < t * t // 8
+    assert max(saved_numels("reference", t)) >= t * t  # the check can fail: reference does save
+
+
+def count_blocks(monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> int:
+    computed = []
+    original = chunked_module._Problem.scores
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        s = original(self, *args)
+        computed.append(s is not None)
+        return s
+
+    monkeypatch.setattr(chunked_module._Problem, "scores", counting)
+    q = torch.randn(1, 2, 64, 8)
+    chunked_attention(q, q, q, block_q=8, block_k=8, **kwargs)  # type: ignore[arg-type]
+    return sum(computed)
+
+
+def test_causal_skips_blocks_above_the_diagonal(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert count_blocks(monkeypatch) == 64  # 8 x 8 blocks
+    assert count_blocks(monkeypatch, causal=True) == 36  # the 8 * 9 / 2 on or below the diagonal
+
+
+def test_fully_masked_blocks_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    pad = masks.padding_mask([20], max_len=64)  # keys 20..63 are padding: 3 of 8 key blocks remain
+    assert count_blocks(monkeypatch, mask=pad) == 8 * 3
+    packed = masks.block_diagonal_mask([32, 32])  # two packed sequences: the off-diagonal quarter
+    assert count_blocks(monkeypatch, mask=packed) == 32
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_blocks_equal_reference(causal: bool) -> None:
+    # 600 queries and 700 keys span several of the default (512, 256) blocks, with ragged ends.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 600, 16, dtype=torch.float64, generator=g)
+    k = torch.randn(1, 2, 700, 16, dtype=torch.float64, generator=g)
+    v = torch.randn(1, 2, 700, 8, dtype=torch.float64, generator=g)
+    mask = masks.padding_mask([650], max_len=700)
+    got = attention(q, k, v, mask=mask, causal=causal, backend="chunked")
+    assert_close(got, attention(q, k, v, mask=mask, causal=causal, backend="reference"))
+
+
+def test_scores_rising_late_take_the_safe_path() -> None:
+    # Each key block's scores are 40 higher than the previous one's: the lazy offset from the first
+    # block would overflow exp() by the last block, so the kernel must notice and redo the block.
+    q = torch.ones(1, 1, 4, 1)
+    k = torch.arange(64, dtype=torch.float32).div(8).floor().mul(40).view(1, 1, 64, 1)
+    v = torch.randn(1, 1, 64, 3)
+    got = chunked_attention(q, k, v, scale=1.0, block_q=4, block_k=8)
+    want = attention(q.double(), k.double(), v.double(), scale=1.0, backend="reference")
+    assert got.isfinite().all()
+    assert_close(got, want)

@@ -1,0 +1,78 @@
+"""Shared test helpers: a brute-force attention, and a switch for the chunked block sizes."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from attnkit.backends import chunked as chunked_module
+
+
+def brute_force(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention one query row at a time, straight from the definition, in float64.
+
+    Written independently of attnkit's backends: no GQA views, no -inf tricks; a key is either in
+    the row's softmax or not.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    batch = q.shape[:-3]
+    h, tq, dk = q.shape[-3:]
+    hkv, tk, dv = v.shape[-3:]
+    scale = 1.0 / math.sqrt(dk) if scale is None else scale
+    full = (*batch, h, tq, tk)
+    allowed = torch.ones(full, dtype=torch.bool) if mask is None else mask.expand(full)
+    add = torch.zeros(full, dtype=torch.float64) if bias is None else bias.double().expand(full)
+    out = torch.zeros(*batch, h, tq, dv, dtype=torch.float64)
+    weights = torch.zeros(full, dtype=torch.float64)
+    for b in itertools.product(*[range(n) for n in batch]):
+        for head in range(h):
+            kv_head = head // (h // hkv)
+            for i in range(tq):
+                keys = [
+                    j
+                    for j in range(tk)
+                    if allowed[(*b, head, i, j)] and not (causal and j > i + tk - tq)
+                ]
+                logits = (
+                    torch.stack(
+                        [
+                            (q[(*b, head, i)] * k[(*b, kv_head, j)]).sum() * scale
+                            + add[(*b, head, i, j)]
+                            for j in keys
+                        ]
+                    )
+                    if keys
+                    else torch.zeros(0, dtype=torch.float64)
+                )
+                if not keys or torch.isinf(logits).all():
+                    continue
+                w = torch.softmax(logits, 0)
+                for wj, j in zip(w, keys, strict=True):
+                    weights[(*b, head, i, j)] = wj
+                    out[(*b, head, i)] += wj * v[(*b, kv_head, j)]
+    return out, weights
+
+
+@contextlib.contextmanager
+def chunk_blocks(block_q: int, block_k: int) -> Iterator[None]:
+    """Run the registered ``chunked`` backend with small blocks, so small inputs span many."""
+    saved = chunked_module.DEFAULT_BLOCK_Q, chunked_module.DEFAULT_BLOCK_K
+    chunked_module.DEFAULT_BLOCK_Q, chunked_module.DEFAULT_BLOCK_K = block_q, block_k
+    try:
+        yield
+    finally:
+        chunked_module.DEFAULT_BLOCK_Q, chunked_module.DEFAULT_BLOCK_K = saved

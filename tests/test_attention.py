@@ -1,0 +1,340 @@
+"""attention(): conventions, return values, the registry, auto's choices, explain(), bad input."""
+
+from __future__ import annotations
+
+import re
+
+import jaxtyping
+import pytest
+import torch
+
+import attnkit
+from attnkit import BackendError, attention, explain, masks
+from attnkit.testing import assert_close
+
+from .helpers import brute_force
+
+
+def qkv(
+    b: int = 2, h: int = 4, hkv: int = 4, tq: int = 5, tk: int = 5, d: int = 8, **kw: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        torch.randn(b, h, tq, d, **kw),
+        torch.randn(b, hkv, tk, d, **kw),
+        torch.randn(b, hkv, tk, d, **kw),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Conventions
+
+
+def test_mask_true_means_may_attend() -> None:
+    q, k, v = qkv(tq=3, tk=4, dtype=torch.float64)
+    mask = torch.tensor([True, False, True, False])
+    out = attention(q, k, v, mask=mask)
+    # Dropping the masked keys altogether gives the same result.
+    assert_close(out, attention(q, k[..., [0, 2], :], v[..., [0, 2], :]))
+
+
+def test_causal_is_bottom_right_and_equals_its_mask() -> None:
+    q, k, v = qkv(tq=3, tk=7, dtype=torch.float64)
+    got = attention(q, k, v, causal=True)
+    assert_close(got, attention(q, k, v, mask=masks.causal_mask(3, 7)))
+    # The last query sees every key; the first sees all but the last two.
+    assert_close(got[..., -1, :], attention(q[..., -1:, :], k, v)[..., 0, :])
+    assert_close(got[..., 0, :], attention(q[..., :1, :], k[..., :5, :], v[..., :5, :])[..., 0, :])
+
+
+def test_causal_and_mask_combine_by_and() -> None:
+    q, k, v = qkv(tq=6, tk=6, dtype=torch.float64)
+    pad = masks.padding_mask([4, 6])
+    got = attention(q, k, v, mask=pad, causal=True)
+    assert_close(got, attention(q, k, v, mask=masks.combine_masks(pad, masks.causal_mask(6))))
+
+
+def test_bias_is_added_to_scaled_scores() -> None:
+    q, k, v = qkv(tq=3, tk=4, dtype=torch.float64)
+    bias = torch.randn(4, 3, 4, dtype=torch.float64)
+    out, w = attention(q, k, v, bias=bias, scale=0.3, return_weights=True)
+    want = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + bias, -1)
+    assert_close(w, want)
+    assert_close(out, want @ v)
+
+
+def test_weights_match_brute_force_and_sum_to_one() -> None:
+    q, k, v = qkv(tq=4, tk=6, dtype=torch.float64)
+    mask = torch.rand(2, 1, 4, 6) < 0.6
+    mask[1, 0, 2] = False
+    out, w = attention(q, k, v, mask=mask, causal=True, return_weights=True)
+    bf_out, bf_w = brute_force(q, k, v, mask=mask, causal=True)
+    assert_close(out, bf_out)
+    assert_close(w, bf_w)
+    rows = w.sum(-1)
+    visible = (mask & masks.causal_mask(4, 6)).expand(2, 4, 4, 6).any(-1)
+    assert_close(rows, visible.double())  # 1 where a key is visible, 0 for the empty row
+
+
+def test_batch_dims_any_number() -> None:
+    q = torch.randn(2, 3, 4, 5, 8, dtype=torch.float64)
+    k = torch.randn(2, 3, 4, 6, 8, dtype=torch.float64)
+    out = attention(q, k, k)
+    assert out.shape == (2, 3, 4, 5, 8)
+    assert_close(out[1, 2], attention(q[1, 2], k[1, 2], k[1, 2]))  # (H, T, D): no batch dims
+
+
+def test_return_weights_returns_pair_and_uses_reference() -> None:
+    q, k, v = qkv()
+    res = attention(q, k, v, return_weights=True)
+    assert isinstance(res, tuple)
+    assert len(res) == 2
+    out, w = res
+    assert w.shape == (2, 4, 5, 5)
+    assert_close(
+        out.double(), attention(q, k, v, backend="reference").double(), dtype=torch.float32
+    )
+
+
+def test_half_precision_returns_input_dtype() -> None:
+    q, k, v = qkv(dtype=torch.bfloat16)
+    out, w = attention(q, k, v, return_weights=True)
+    assert out.dtype == w.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------------------------------
+# The registry and auto
+
+
+CHOICES = [
+    ({}, "sdpa"),
+    ({"causal": True}, "sdpa"),
+    ({"mask": torch.ones(2, 1, 1, 5, dtype=torch.bool)}, "sdpa"),
+    ({"bias": torch.zeros(4, 5, 5)}, "sdpa"),
+    ({"dropout_p": 0.1}, "sdpa"),
+    ({"return_weights": True}, "reference"),
+    # causal with a padding mask: torch would need a materialised (B, 1, Tq, Tk) mask.
+    ({"causal": True, "mask": torch.ones(2, 1, 1, 5, dtype=torch.bool)}, "chunked"),
+    # a bias that requires grad runs torch's math kernel, which keeps the probabilities.
+    ({"bias": torch.zeros(4, 5, 5, requires_grad=True)}, "chunked"),
+    # dropout and a materialised mask: sdpa is still better than the reference.
+    ({"causal": True, "mask": torch.ones(5, 5, dtype=torch.bool), "dropout_p": 0.1}, "sdpa"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), CHOICES)
+def test_auto_choice(kwargs: dict[str, object], expected: str) -> None:
+    q, k, v = qkv()
+    assert explain(q, k, v, **kwargs).chosen == expected
+
+
+def test_auto_causal_with_fewer_queries_avoids_materialising() -> None:
+    q, k, v = qkv(tq=3, tk=9)
+    assert explain(q, k, v, causal=True).chosen == "chunked"
+    assert explain(q[..., -1:, :], k, v, causal=True).chosen == "sdpa"  # one query sees all
+
+
+def test_auto_really_runs_the_chosen_backend() -> None:
+    calls = []
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+        calls.append(kw)
+        return torch.zeros(*q.shape[:-1], v.size(-1))
+
+    attnkit.register_backend("spy", spy, auto=True)
+    try:
+        assert attnkit.backends()[0] == "spy"
+        q, k, v = qkv()
+        assert torch.equal(attention(q, k, v), torch.zeros(2, 4, 5, 8))
+        assert len(calls) == 1
+        assert calls[0]["scale"] == pytest.approx(8**-0.5)
+    finally:
+        attnkit.unregister_backend("spy")
+    assert "spy" not in attnkit.backends()
+
+
+def test_user_backend_with_check_is_skipped_by_auto_and_refused_when_forced() -> None:
+    def never(call: attnkit.AttentionCall) -> list[str]:
+        return [f"only handles Tq > 100, got {call.q_len}"]
+
+    attnkit.register_backend("big", lambda q, k, v, **kw: q, check=never, auto=True)
+    try:
+        q, k, v = qkv()
+        assert explain(q, k, v).chosen == "sdpa"
+        with pytest.raises(BackendError, match="only handles Tq > 100, got 5"):
+            attention(q, k, v, backend="big")
+    finally:
+        attnkit.unregister_backend("big")
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_registry_errors() -> None:
+    assert attnkit.backends() == ["sdpa", "chunked", "reference"]
+    with pytest.raises(ValueError, match="'sdpa' is already registered"):
+        attnkit.register_backend("sdpa", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="other than 'auto'"):
+        attnkit.register_backend("auto", lambda *a, **k: None)
+    with pytest.raises(TypeError, match="fn must be callable, got int"):
+        attnkit.register_backend("x", 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="built in"):
+        attnkit.unregister_backend("reference")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        attnkit.unregister_backend("nope")
+
+
+def test_forced_backend_that_cannot_raises_with_reasons() -> None:
+    q, k, v = qkv()
+    with pytest.raises(BackendError) as err:
+        attention(q, k, v, dropout_p=0.1, backend="chunked")
+    msg = str(err.value)
+    assert "backend 'chunked' cannot serve this call" in msg
+    assert "has no dropout (dropout_p=0.1)" in msg
+    assert "q (2, 4, 5, 8)" in msg  # the call is quoted
+    with pytest.raises(BackendError, match="does not return attention weights"):
+        attention(q, k, v, return_weights=True, backend="sdpa")
+
+
+def test_unknown_backend_lists_the_known_ones() -> None:
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="unknown backend 'flash'; choose 'auto' or one of: sdpa"):
+        attention(q, k, v, backend="flash")
+
+
+def test_explain_report_reads_well() -> None:
+    q = torch.empty(2, 8, 128, 64, device="meta")
+    kv = torch.empty(2, 2, 256, 64, device="meta")
+    report = str(
+        explain(
+            q, kv, kv, mask=torch.ones(2, 1, 1, 256, dtype=torch.bool, device="meta"), causal=True
+        )
+    )
+    assert report.splitlines() == [
+        "attention call: q (2, 8, 128, 64), k (2, 2, 256, 64), v (2, 2, 256, 64) float32 on meta, "
+        "mask (2, 1, 1, 256), causal",
+        "auto picks: chunked",
+        "  sdpa       avoided: would materialise a (Tq, Tk) = (128, 256) causal mask: "
+        "Tq != Tk (128 != 256) and torch's is_causal is top-left aligned",
+        "  chunked    chosen",
+        "  reference  avoided: would materialise the scores (..., H, Tq, Tk) = (2, 8, 128, 256); "
+        "auto takes it only when nothing else can",
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: the message names the argument and quotes what it saw
+
+
+BAD = [
+    (
+        lambda q, k, v: ([q, k, v], {"mask": torch.zeros(5, 5)}),
+        TypeError,
+        "mask must be a bool tensor, got float32; a float tensor of additive scores belongs in "
+        "bias=",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"mask": torch.zeros(5, 5, dtype=torch.int64)}),
+        TypeError,
+        "mask must be a bool tensor, got int64; convert it with mask.bool()",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"bias": torch.zeros(5, 5, dtype=torch.bool)}),
+        TypeError,
+        "bias must be a float tensor, got bool; a boolean mask belongs in mask=",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"bias": torch.zeros(5, 5, dtype=torch.float64)}),
+        TypeError,
+        "bias must have the dtype of q (float32), got float64",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"mask": torch.ones(3, 5, 5, dtype=torch.bool)}),
+        ValueError,
+        "mask of shape (3, 5, 5) does not broadcast to (..., H, Tq, Tk) = (2, 4, 5, 5)",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"bias": torch.zeros(1, 1, 1, 5, 6)}),
+        ValueError,
+        "bias of shape (1, 1, 1, 5, 6) does not broadcast to (..., H, Tq, Tk) = (2, 4, 5, 5)",
+    ),
+    (
+        lambda q, k, v: ([q[0, 0], k, v], {}),
+        ValueError,
+        "q must have shape (..., H, Tq, Dk) with 3 or more dims, got 2-d (5, 8)",
+    ),
+    (
+        lambda q, k, v: ([q, k[0], v], {}),
+        ValueError,
+        "k must have as many dims as q (4), got 3-d (4, 5, 8)",
+    ),
+    (lambda q, k, v: ([q, k[:1], v], {}), ValueError, "q, k and v must share their batch dims"),
+    (
+        lambda q, k, v: ([q, k, v[..., :3, :]], {}),
+        ValueError,
+        "k and v must agree on (Hkv, Tk): got k (2, 4, 5, 8) and v (2, 4, 3, 8)",
+    ),
+    (
+        lambda q, k, v: ([q, k[..., :6], v], {}),
+        ValueError,
+        "q and k must share the last dim Dk: got q (2, 4, 5, 8) (Dk=8) and k (2, 4, 5, 6) (Dk=6)",
+    ),
+    (
+        lambda q, k, v: ([q, k[:, :3], v[:, :3]], {}),
+        ValueError,
+        "the heads of q (H=4) must be a multiple of the heads of k and v (Hkv=3)",
+    ),
+    (
+        lambda q, k, v: ([q, k.double(), v], {}),
+        TypeError,
+        "q, k and v must share a dtype, got q float32, k float64, v float32",
+    ),
+    (
+        lambda q, k, v: ([q.long(), k.long(), v.long()], {}),
+        TypeError,
+        "q must be float16, bfloat16, float32 or float64, got int64",
+    ),
+    (
+        lambda q, k, v: ([q, k.to("meta"), v], {}),
+        ValueError,
+        "q, k and v must be on one device, got q on cpu, k on meta, v on cpu",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"dropout_p": 1.0}),
+        ValueError,
+        "dropout_p must be in [0, 1), got 1.0",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"dropout_p": -0.1}),
+        ValueError,
+        "dropout_p must be in [0, 1), got -0.1",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"dropout_p": "0.1"}),
+        TypeError,
+        "dropout_p must be a float in [0, 1), got '0.1'",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"scale": float("nan")}),
+        ValueError,
+        "scale must be finite, got nan",
+    ),
+    (lambda q, k, v: ([q, k, v], {"causal": 1}), TypeError, "causal must be a bool, got 1"),
+    (lambda q, k, v: ([q, k, v], {"backend": 3}), TypeError, "backend must be a string, got int"),
+    (lambda q, k, v: ([q.numpy(), k, v], {}), TypeError, "q must be a torch.Tensor, got ndarray"),
+]
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+@pytest.mark.parametrize(("make", "exc", "message"), BAD)
+def test_bad_input(make, exc: type[Exception], message: str) -> None:  # type: ignore[no-untyped-def]
+    args, kwargs = make(*qkv())
+    with pytest.raises(exc, match=re.escape(message)):
+        attention(*args, **kwargs)
+    with pytest.raises(exc, match=re.escape(message)):
+        explain(*args, **kwargs)
+
+
+def test_shape_annotations_are_checked_at_runtime() -> None:
+    # Under the test suite's jaxtyping hook, a q/k mismatch is caught by the annotations themselves
+    # (before attnkit's own validation): the annotations cannot drift from the code.
+    q, k, v = qkv()
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'k'"):
+        attention(q, k[..., :6], v)
