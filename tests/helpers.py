@@ -70,9 +70,12 @@ def brute_force(
 @contextlib.contextmanager
 def chunk_blocks(block_q: int, block_k: int) -> Iterator[None]:
     """Run the registered ``chunked`` backend with small blocks, so small inputs span many."""
-    saved = chunked_module.DEFAULT_BLOCK_Q, chunked_module.DEFAULT_BLOCK_K
-    chunked_module.DEFAULT_BLOCK_Q, chunked_module.DEFAULT_BLOCK_K = block_q, block_k
+    names = ("DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_Q_CAUSAL", "DEFAULT_BLOCK_K")
+    saved = [getattr(chunked_module, n) for n in names]
+    for name, value in zip(names, (block_q, block_q, block_k), strict=True):
+        setattr(chunked_module, name, value)
     try:
         yield
     finally:
-        chunked_module.DEFAULT_BLOCK_Q, chunked_module.DEFAULT_BLOCK_K = saved
+        for name, value in zip(names, saved, strict=True):
+            setattr(chunked_module, name, value)

@@ -16,17 +16,20 @@ from .attention import (
     register_backend,
     unregister_backend,
 )
+from .capture import AttentionMaps, capture_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionCall",
+    "AttentionMaps",
     "Backend",
     "BackendError",
     "Explanation",
     "__version__",
     "attention",
     "backends",
+    "capture_attention",
     "explain",
     "masks",
     "register_backend",

@@ -251,6 +251,20 @@ def _decide(call: AttentionCall, backend: object) -> Explanation:
     return Explanation(call, backend, chosen, reasons, costs)
 
 
+def _choose(call: AttentionCall, backend: str) -> str:
+    """:func:`_decide`'s choice, without asking every backend when the first one will do."""
+    if backend == "auto":
+        for name, b in _REGISTRY.items():
+            if b.auto and not b.check(call) and not b.cost(call):
+                return name
+    elif backend in _REGISTRY and not _REGISTRY[backend].check(call):
+        return backend
+    decision = _decide(call, backend)
+    if decision.chosen is None:
+        raise BackendError(str(decision))
+    return decision.chosen
+
+
 def _run(
     q: Tensor,
     k: Tensor,
@@ -274,10 +288,8 @@ def _run(
         dropout_p=dropout_p,
         return_weights=return_weights,
     )
-    decision = _decide(call, backend)
-    if decision.chosen is None:
-        raise BackendError(str(decision))
-    return _REGISTRY[decision.chosen].fn(
+    chosen = _choose(call, backend)
+    return _REGISTRY[chosen].fn(
         q,
         k,
         v,

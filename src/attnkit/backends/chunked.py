@@ -33,6 +33,9 @@ from torch import Tensor
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 256
+# Causal calls use square blocks: the partly masked blocks on the diagonal waste less work
+# (at T=4096 on 2 cores: 0.56x the non-causal time, against 0.61x with 512-row blocks).
+DEFAULT_BLOCK_Q_CAUSAL = 256
 # A running sum above this (or inf/NaN) means the lazy offset was too low: redo the block safely.
 _OVERFLOW_GUARD = 2.0**64
 
@@ -383,6 +386,6 @@ def chunked(
         bias=bias,
         causal=causal,
         scale=scale,
-        block_q=DEFAULT_BLOCK_Q,
+        block_q=DEFAULT_BLOCK_Q_CAUSAL if causal else DEFAULT_BLOCK_Q,
         block_k=DEFAULT_BLOCK_K,
     )

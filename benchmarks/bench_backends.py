@@ -1,0 +1,119 @@
+"""attention() backends against torch SDPA and a naive softmax(QK^T)V: time and extra peak memory.
+
+B=1, H=8, D=64, float32, inference (no grad), T = 256 ... 16384. Times are medians of interleaved
+torch.utils.benchmark rounds; "ratio" is time / torch SDPA's time at the same T and causality.
+"extra MiB" is the peak resident memory a call adds beyond its inputs and output, measured in a
+fresh process; "% TxT" relates it to one T x T float32 score matrix.
+
+    python benchmarks/bench_backends.py                # the README's table (takes ~15 minutes)
+    python benchmarks/bench_backends.py --quick        # T = 256, 1024, 4096, fewer rounds
+    python benchmarks/bench_backends.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit.cli.measure import extra_peak_memory, time_side_by_side
+
+B, H, D = 1, 8, 64
+# (label, causal); the naive and reference paths hold two T x T float32 matrices per head.
+CANDIDATES = [
+    ("torch sdpa", False),
+    ("naive", False),
+    ("auto", False),
+    ("sdpa", False),
+    ("chunked", False),
+    ("reference", False),
+    ("torch sdpa", True),
+    ("auto", True),
+    ("chunked", True),
+]
+NAIVE_MAX_T = 8192  # beyond this the naive/reference score matrices need > 16 GiB
+
+
+def build(label: str, causal: bool, t: int) -> tuple[Callable[[], torch.Tensor], int]:
+    """Inputs and a no-grad call for one candidate; module-level so a child process can run it."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, t, D) for _ in range(3))
+    scale = 1 / math.sqrt(D)
+
+    def naive() -> torch.Tensor:
+        s = q @ k.transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(~attnkit.masks.causal_mask(t), float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    def torch_sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def ours() -> torch.Tensor:
+        return attnkit.attention(q, k, v, causal=causal, backend=label)
+
+    fn = {"naive": naive, "torch sdpa": torch_sdpa}.get(label, ours)
+
+    def call() -> torch.Tensor:
+        with torch.inference_mode():
+            return fn()
+
+    return call, q.numel() * q.element_size()
+
+
+def runnable(label: str, t: int) -> bool:
+    return label not in ("naive", "reference") or t <= NAIVE_MAX_T
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[256, 1024, 4096, 8192, 16384])
+    parser.add_argument("--quick", action="store_true", help="T = 256, 1024, 4096; fewer rounds")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    lengths = [256, 1024, 4096] if args.quick else args.lengths
+    rounds = 2 if args.quick else 3
+
+    rows = []
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={B} H={H} D={D} float32"
+    )
+    print(f"{'T':>6}  {'candidate':<20} {'ms':>10} {'ratio':>7} {'extra MiB':>10} {'% TxT':>7}")
+    for t in lengths:
+        for causal in (False, True):
+            labels = [lab for lab, c in CANDIDATES if c == causal and runnable(lab, t)]
+            fns = {lab: build(lab, causal, t)[0] for lab in labels}
+            times = time_side_by_side(fns, rounds=rounds, min_run_time=0.3 if args.quick else 1.0)
+            base = times["torch sdpa"]
+            for lab in labels:
+                mem = None if args.no_memory else extra_peak_memory(build, lab, causal, t)
+                name = lab + (" causal" if causal else "")
+                pct = "" if mem is None else f"{100 * mem / (4 * t * t):.1f}"
+                mib = "" if mem is None else f"{mem / 2**20:.1f}"
+                print(
+                    f"{t:>6}  {name:<20} {times[lab] * 1e3:>10.2f} {times[lab] / base:>7.2f} "
+                    f"{mib:>10} {pct:>7}",
+                    flush=True,
+                )
+                rows.append(
+                    {
+                        "T": t,
+                        "candidate": name,
+                        "seconds": times[lab],
+                        "ratio": times[lab] / base,
+                        "extra_bytes": mem,
+                    }
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
