@@ -5,11 +5,16 @@
 * :func:`extra_peak_memory` runs a callable in a fresh process and reports how far the process's
   peak resident memory rose above what it held before the call, minus the result itself. CPU
   tensors have no allocator statistics in torch; the kernel's high-water mark (``VmHWM``, reset
-  through ``/proc/self/clear_refs``) is the honest measure of what a call needs. Linux only.
+  through ``/proc/self/clear_refs``) is the honest measure of what a call needs. The child runs
+  with glibc's mmap threshold fixed at 64 KiB, so every sizeable buffer is returned to the system
+  when freed and the warm-up call cannot leave a cache behind that hides the measured call's
+  allocations. Linux only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import multiprocessing as mp
 import os
@@ -50,6 +55,8 @@ def _measure_child(
     fn, result_bytes = make(*args)
     fn()  # warm-up: libraries and per-thread buffers are not the call's own memory
     gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak-RSS high-water mark to the current RSS
     before = _status_kib("VmRSS")
@@ -57,6 +64,11 @@ def _measure_child(
     peak = _status_kib("VmHWM")
     del out
     queue.put(max(0, (peak - before) * 1024 - result_bytes))
+
+
+# Fixed thresholds (setting them disables glibc's dynamic adjustment): big blocks are mmapped and
+# unmapped on free, and the heap is trimmed, so resident memory follows live memory.
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def extra_peak_memory(
@@ -73,7 +85,16 @@ def extra_peak_memory(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_measure_child, args=(make, args, queue))
-    proc.start()
+    saved = {k: os.environ.get(k) for k in _MALLOC_ENV}
+    os.environ.update(_MALLOC_ENV)  # a spawned child inherits the environment at start
+    try:
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     proc.join(timeout)
     if proc.exitcode != 0:
         proc.kill()
