@@ -1,7 +1,8 @@
 """Test configuration: runtime shape checks and hypothesis profiles.
 
-jaxtyping's import hook must be installed before attnkit is first imported, so that every
-annotated signature (``Float[Tensor, "*batch H Tq Dk"]``) is checked with beartype during the tests.
+``ATTNKIT_SHAPE_CHECKS=1`` must be set before attnkit is first imported: then every public signature
+annotated with jaxtyping (``Float[Tensor, "*batch H Tq Dk"]``) is checked with beartype on each call
+during the tests (see ``attnkit._typing.shape_checked``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-with jaxtyping.install_import_hook("attnkit", "beartype.beartype"):
-    import attnkit  # noqa: F401
+os.environ["ATTNKIT_SHAPE_CHECKS"] = "1"
+import attnkit
+
+if not attnkit._typing.SHAPE_CHECKS:
+    raise RuntimeError("attnkit was imported before conftest.py could turn on its shape checks")
 
 settings.register_profile(
     "default",

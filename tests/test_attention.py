@@ -333,8 +333,28 @@ def test_bad_input(make, exc: type[Exception], message: str) -> None:  # type: i
 
 
 def test_shape_annotations_are_checked_at_runtime() -> None:
-    # Under the test suite's jaxtyping hook, a q/k mismatch is caught by the annotations themselves
-    # (before attnkit's own validation): the annotations cannot drift from the code.
+    # With ATTNKIT_SHAPE_CHECKS=1 (set by conftest.py) a q/k mismatch is caught by the annotations
+    # themselves, before attnkit's own validation: the annotations cannot drift from the code.
     q, k, v = qkv()
     with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'k'"):
         attention(q, k[..., :6], v)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tracing: under torch.compile / torch.export auto avoids the chunked kernel's Python block loop
+
+
+def test_compile_fullgraph_and_export_match_eager() -> None:
+    q, k, _ = qkv(tq=16, tk=16)
+    pad = masks.padding_mask([16, 11])
+
+    class Attend(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return attention(q, k, k, mask=m, causal=True)
+
+    eager = Attend()(q, k, pad)
+    assert explain(q, k, k, mask=pad, causal=True).chosen == "chunked"  # eager: no O(T^2) mask
+    compiled = torch.compile(Attend(), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, pad), eager)
+    exported = torch.export.export(Attend(), (q, k, pad)).module()
+    torch.testing.assert_close(exported(q, k, pad), eager)

@@ -1,13 +1,23 @@
-"""Shape annotations that cost nothing when jaxtyping is absent.
+"""Shape annotations, checked at runtime on request, free otherwise.
 
 attnkit annotates public tensors as ``Float[Tensor, "*batch H Tq Dk"]``. jaxtyping is a test extra,
-not a runtime dependency: without it the annotations below degrade to plain ``Tensor``. The test
-suite installs jaxtyping's import hook so that every annotated signature is checked at runtime.
+not a runtime dependency: without it the annotations degrade to plain ``Tensor``.
+
+Public functions carry :func:`shape_checked`. With ``ATTNKIT_SHAPE_CHECKS=1`` in the environment
+when attnkit is imported (the test suite sets it; you can too, in your own tests) each call is
+checked against its annotations by jaxtyping and beartype, so the annotations cannot drift from the
+code.
+Otherwise the decorator returns the function unchanged: no wrapper, no cost.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float, Int
@@ -22,4 +32,27 @@ else:
 
         Bool = Float = Int = _Untyped
 
-__all__ = ["Bool", "Float", "Int"]
+__all__ = ["Bool", "Float", "Int", "shape_checked"]
+
+SHAPE_CHECKS = os.environ.get("ATTNKIT_SHAPE_CHECKS", "") not in ("", "0")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def shape_checked(fn: _F) -> _F:
+    """Check ``fn``'s jaxtyping annotations on every call when ``ATTNKIT_SHAPE_CHECKS=1``."""
+    if not SHAPE_CHECKS:
+        return fn
+    from beartype import beartype
+    from jaxtyping import jaxtyped
+
+    checked = jaxtyped(typechecker=beartype)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # torch.compile/export trace the plain function: the checker's internals do not trace.
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        return checked(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, overload, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from ._checks import AttentionCall, check_attention_args, shape_str
-from ._typing import Bool, Float
+from ._typing import Bool, Float, shape_checked
 from .backends.chunked import chunked
 from .backends.reference import reference
 from .backends.sdpa import causal_needs_mask, sdpa
@@ -123,6 +124,11 @@ def _sdpa_cost(call: AttentionCall) -> list[str]:
 
 def _chunked_check(call: AttentionCall) -> list[str]:
     reasons = []
+    if torch.compiler.is_compiling():
+        reasons.append(
+            "torch.compile/export is tracing: its block loop would unroll per block and its "
+            "data-dependent block skipping does not trace"
+        )
     if call.return_weights:
         reasons.append("does not return attention weights (only reference does)")
     if call.dropout_p:
@@ -334,6 +340,7 @@ def attention(
 ) -> tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]: ...
 
 
+@shape_checked
 def attention(
     q: Float[Tensor, "*batch H Tq Dk"],
     k: Float[Tensor, "*batch Hkv Tk Dk"],
@@ -404,6 +411,7 @@ def attention(
     return _run(q, k, v, mask, bias, causal, scale, dropout_p, return_weights, backend)
 
 
+@shape_checked
 def explain(
     q: Float[Tensor, "*batch H Tq Dk"],
     k: Float[Tensor, "*batch Hkv Tk Dk"],

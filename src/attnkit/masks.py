@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._typing import Bool, Int
+from ._typing import Bool, Int, shape_checked
 
 __all__ = [
     "block_diagonal_mask",
@@ -46,6 +46,7 @@ def _offsets(q_len: int, kv_len: int | None, device: torch.device | str | None) 
     return j - (i + kv_len - q_len)
 
 
+@shape_checked
 def causal_mask(
     q_len: int, kv_len: int | None = None, *, device: torch.device | str | None = None
 ) -> Bool[Tensor, "Tq Tk"]:
@@ -72,6 +73,7 @@ def causal_mask(
     return _offsets(q_len, kv_len, device) <= 0
 
 
+@shape_checked
 def sliding_window_mask(
     q_len: int,
     kv_len: int | None = None,
@@ -102,6 +104,7 @@ def sliding_window_mask(
     return (d >= -left) & (d <= right)
 
 
+@shape_checked
 def padding_mask(
     lengths: Int[Tensor, " B"] | Sequence[int],
     max_len: int | None = None,
@@ -146,6 +149,7 @@ def padding_mask(
     return (pos < lens.unsqueeze(-1))[:, None, None, :]
 
 
+@shape_checked
 def block_diagonal_mask(
     q_lens: Sequence[int],
     kv_lens: Sequence[int] | None = None,
