@@ -4,7 +4,7 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
-from . import masks
+from . import distributed, masks
 from ._checks import AttentionCall
 from .attention import (
     Backend,
@@ -30,6 +30,7 @@ __all__ = [
     "attention",
     "backends",
     "capture_attention",
+    "distributed",
     "explain",
     "masks",
     "register_backend",

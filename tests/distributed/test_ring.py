@@ -1,0 +1,326 @@
+"""ring_attention on 2 and 3 gloo ranks against single-process attention, in float64.
+
+Spawning ranks costs seconds, so each world size gets one run that makes every check
+(:func:`ring_checks`); the test functions below read its report.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jaxtyping
+import pytest
+import torch
+import torch.distributed as dist
+
+import attnkit
+from attnkit import masks
+from attnkit.backends import chunked as chunked_module
+from attnkit.distributed import ring_attention, shard_zigzag, unshard_zigzag
+from attnkit.testing import assert_close
+
+from .harness import run_ranks
+
+B, H, HKV, DK, DV = 2, 4, 2, 8, 6  # grouped-query attention, Dv != Dk
+CHUNK = 5  # T = 2 * W * CHUNK: zigzag chunks of 5, contiguous shards of 10
+
+
+def full_inputs(t: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The whole sequence's q, k, v, output gradient and a key mask (the same on every rank).
+
+    Batch 0 pads its last 3 keys; batch 1 pads its first half, so under causality its first
+    queries see no key at all (their output and gradients must be 0, not NaN).
+    """
+    g = torch.Generator().manual_seed(seed)
+    pad = torch.cat(
+        [
+            masks.padding_mask([t - 3], max_len=t),
+            masks.padding_mask([t // 2 - 1], max_len=t, side="left"),
+        ]
+    )
+    return {
+        "q": torch.randn(B, H, t, DK, generator=g).to(dtype),
+        "k": torch.randn(B, HKV, t, DK, generator=g).to(dtype),
+        "v": torch.randn(B, HKV, t, DV, generator=g).to(dtype),
+        "dout": torch.randn(B, H, t, DV, generator=g).to(dtype),
+        "mask": pad,
+    }
+
+
+def shard(x: torch.Tensor, layout: str, rank: int, world: int, dim: int = -2) -> torch.Tensor:
+    if layout == "zigzag":
+        return shard_zigzag(x, rank, world, dim=dim)
+    return x.chunk(world, dim)[rank]
+
+
+def compare_with_single_process(
+    rank: int,
+    world: int,
+    *,
+    layout: str,
+    causal: bool,
+    masked: bool,
+    dtype: torch.dtype = torch.float64,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """This rank's output and q/k/v gradients equal its shard of the whole sequence's."""
+    t = 2 * world * CHUNK
+    x = full_inputs(t, dtype)
+    mask = x["mask"] if masked else None
+    # The spec: float64 reference attention on the whole sequence, on the same rounded inputs.
+    whole = {n: x[n].double().clone().requires_grad_() for n in ("q", "k", "v")}
+    want = attnkit.attention(
+        whole["q"], whole["k"], whole["v"], mask=mask, causal=causal, backend="reference"
+    )
+    want.backward(x["dout"].double())
+
+    local = {n: shard(x[n], layout, rank, world).clone().requires_grad_() for n in ("q", "k", "v")}
+    local_mask = None if mask is None else shard(mask, layout, rank, world, dim=-1)
+    got = ring_attention(
+        local["q"],
+        local["k"],
+        local["v"],
+        causal=causal,
+        mask=local_mask,
+        layout=layout,
+        group=group,
+    )
+    got.backward(shard(x["dout"], layout, rank, world))
+    case = f"layout={layout} causal={causal} masked={masked} {dtype}, rank {rank} of {world}"
+    pairs = [("output", got, want)] + [
+        (f"d{n}", local[n].grad, whole[n].grad) for n in ("q", "k", "v")
+    ]
+    for what, actual, expected in pairs:
+        assert actual is not None
+        assert expected is not None
+        expected = shard(expected, layout, rank, world)
+        assert actual.dtype == dtype, (case, what)
+        if dtype == torch.float64:
+            torch.testing.assert_close(
+                actual, expected, atol=1e-8, rtol=1e-8, msg=lambda m, w=what: f"{case}, {w}: {m}"
+            )
+        else:
+            assert_close(actual, expected)
+
+
+def count_score_blocks(rank: int, world: int, layout: str, causal: bool) -> int:
+    """Score blocks this rank computes for one forward, with CHUNK x CHUNK blocks."""
+    computed = []
+    original = chunked_module._Problem.scores
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        s = original(self, *args, **kwargs)
+        computed.append(s is not None)
+        return s
+
+    t = 2 * world * CHUNK
+    x = full_inputs(t, torch.float64)
+    chunked_module._Problem.scores = counting  # type: ignore[method-assign]
+    try:
+        ring_attention(
+            *(shard(x[n], layout, rank, world) for n in ("q", "k", "v")),
+            causal=causal,
+            layout=layout,
+        )
+    finally:
+        chunked_module._Problem.scores = original  # type: ignore[method-assign]
+    return sum(computed)
+
+
+def largest_saved_numel(rank: int, world: int) -> int:
+    """The largest tensor the autograd graph keeps for one causal zigzag call, in elements."""
+    t = 2 * world * CHUNK
+    x = full_inputs(t, torch.float64)
+    local = [shard(x[n], "zigzag", rank, world).clone().requires_grad_() for n in ("q", "k", "v")]
+    sizes: list[int] = []
+
+    def pack(saved: torch.Tensor) -> torch.Tensor:
+        sizes.append(saved.numel())
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
+        ring_attention(*local, causal=True, layout="zigzag", mask=None)
+    return max(sizes)
+
+
+def error_message(call: Callable[[], object]) -> str:
+    """The ``TypeError``/``ValueError`` a call raises, as ``'TypeName: message'``."""
+    try:
+        call()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("no error raised")
+
+
+def bad_calls(rank: int, world: int) -> dict[str, str]:
+    """Calls that must fail on every rank, promptly: the messages each rank raised."""
+    x = full_inputs(2 * world * CHUNK, torch.float64)
+    q, k, v = (shard(x[n], "contiguous", rank, world) for n in ("q", "k", "v"))
+    uneven_q = x["q"][..., :-1, :].chunk(world, -2)[rank]  # T - 1 does not divide by W
+    errors = {
+        "uneven": error_message(
+            lambda: ring_attention(uneven_q, uneven_q[:, :HKV], uneven_q[:, :HKV])
+        ),
+        "one rank's bad mask": error_message(
+            lambda: ring_attention(q, k, v, mask=torch.ones(q.size(-2)) if rank == 1 else None)
+        ),
+        "causal differs": error_message(lambda: ring_attention(q, k, v, causal=rank == 0)),
+        "odd zigzag": error_message(
+            lambda: ring_attention(q[..., 1:, :], k[..., 1:, :], v[..., 1:, :], layout="zigzag")
+        ),
+        "query mask": error_message(
+            lambda: ring_attention(
+                q, k, v, mask=torch.ones(q.size(-2), k.size(-2), dtype=torch.bool)
+            )
+        ),
+    }
+    # Nothing was left in flight: the ring still works after every rank raised.
+    compare_with_single_process(rank, world, layout="contiguous", causal=False, masked=False)
+    return errors
+
+
+def ring_checks(rank: int, world: int) -> dict[str, Any]:
+    """Every check of one world size, in one spawned run (see the module docstring)."""
+    # Blocks of 4 queries by 3 keys: every piece of the ring spans several chunked blocks, with
+    # ragged ends against the chunk size of 5.
+    chunked_module.DEFAULT_BLOCK_Q = chunked_module.DEFAULT_BLOCK_Q_CAUSAL = 4
+    chunked_module.DEFAULT_BLOCK_K = 3
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            for masked in (False, True):
+                compare_with_single_process(
+                    rank, world, layout=layout, causal=causal, masked=masked
+                )
+    compare_with_single_process(
+        rank, world, layout="zigzag", causal=True, masked=True, dtype=torch.float32
+    )
+    if world == 3:  # a subgroup: ranks 1 and 2 form a ring of their own
+        pair = dist.new_group([1, 2])
+        if rank > 0:
+            compare_with_single_process(
+                rank - 1, 2, layout="zigzag", causal=True, masked=True, group=pair
+            )
+        dist.barrier()
+    report: dict[str, Any] = {"saved": largest_saved_numel(rank, world)}
+    chunked_module.DEFAULT_BLOCK_Q = chunked_module.DEFAULT_BLOCK_Q_CAUSAL = CHUNK
+    chunked_module.DEFAULT_BLOCK_K = CHUNK
+    report["blocks"] = {
+        (layout, causal): count_score_blocks(rank, world, layout, causal)
+        for layout in ("contiguous", "zigzag")
+        for causal in (False, True)
+    }
+    jaxtyping.config.update("jaxtyping_disable", True)  # attnkit's own checks, on every rank
+    report["errors"] = bad_calls(rank, world)
+    return report
+
+
+@functools.cache
+def reports(world: int) -> list[dict[str, Any]]:
+    return run_ranks(ring_checks, world)
+
+
+WORLDS = pytest.mark.parametrize("world", [2, 3])
+
+
+@WORLDS
+def test_output_and_gradients_equal_single_process(world: int) -> None:
+    # Plain, causal, zigzag, padded, float32, a subgroup: compare_with_single_process asserts in
+    # each rank; a failure there fails this test with the rank's traceback.
+    assert len(reports(world)) == world
+
+
+@WORLDS
+def test_causal_skips_blocks_above_the_diagonal_and_zigzag_balances_them(world: int) -> None:
+    blocks = [r["blocks"] for r in reports(world)]
+    # Each rank holds 2 chunks; blocks are chunk x chunk. Without causality, 2 x 2W blocks each.
+    assert [b["contiguous", False] for b in blocks] == [4 * world] * world
+    assert [b["zigzag", False] for b in blocks] == [4 * world] * world
+    # Contiguous: rank r's own block is a 2 x 2 triangle (3 blocks) plus r whole earlier shards.
+    assert [b["contiguous", True] for b in blocks] == [3 + 4 * r for r in range(world)]
+    # Zigzag: the same total, spread evenly: 3 on the diagonal and half of each other shard.
+    assert [b["zigzag", True] for b in blocks] == [3 + 2 * (world - 1)] * world
+
+
+@WORLDS
+def test_autograd_keeps_only_this_ranks_shard(world: int) -> None:
+    local = B * H * 2 * CHUNK * DK  # one rank's q; the whole sequence's is W times larger
+    assert all(r["saved"] <= local for r in reports(world))
+
+
+@WORLDS
+def test_bad_arguments_raise_on_every_rank_instead_of_hanging(world: int) -> None:
+    errors = [r["errors"] for r in reports(world)]
+    shards = [(2 * world * CHUNK - 1 + world - 1 - r) // world for r in range(world)]
+    for r, e in enumerate(errors):
+        assert e["uneven"].startswith("ValueError: ring_attention needs the same q shape")
+        assert f"rank {world - 1}: ({B}, {H}, {shards[-1]}, {DK})" in e["uneven"]
+        assert "does not divide evenly" in e["uneven"]
+        assert e["causal differs"] == (
+            "ValueError: ring_attention needs the same causal on every rank, got "
+            + ", ".join(f"rank {i}: {i == 0}" for i in range(world))
+        )
+        assert "local lengths must be even, got Tq=9 and Tk=9" in e["odd zigzag"]
+        assert e["query mask"].startswith("ValueError: mask must be a key mask")
+        bad_mask = e["one rank's bad mask"]
+        if r == 1:
+            assert bad_mask.startswith("TypeError: mask must be a bool tensor, got float32")
+        else:
+            assert re.match(
+                r"ValueError: ring_attention: rank 1 rejected its arguments, so none ran: "
+                r"mask must be a bool tensor, got float32",
+                bad_mask,
+            )
+
+
+def test_no_process_group_is_a_clear_error() -> None:
+    assert not dist.is_initialized()
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match=r"needs an initialised process group: call "):
+        ring_attention(q, q, q)
+
+
+# --------------------------------------------------------------------------------------------------
+# The zigzag layout (no processes needed)
+
+
+def test_zigzag_shards_hold_chunks_r_and_2w_minus_1_minus_r() -> None:
+    x = torch.arange(24).view(1, 1, 24, 1)  # W = 3: 6 chunks of 4
+    chunks = x.view(6, 4)
+    for r in range(3):
+        got = shard_zigzag(x, r, 3).flatten()
+        assert torch.equal(got, torch.cat([chunks[r], chunks[5 - r]]))
+    mask = masks.padding_mask([20], max_len=24)  # (1, 1, 1, 24): the sequence is dim -1
+    assert torch.equal(
+        unshard_zigzag([shard_zigzag(mask, r, 3, dim=-1) for r in range(3)], dim=-1), mask
+    )
+    assert torch.equal(unshard_zigzag([shard_zigzag(x, r, 3) for r in range(3)]), x)
+
+
+def test_zigzag_errors_quote_values(no_shape_checks: None) -> None:
+    x = torch.zeros(1, 2, 10, 4)
+    with pytest.raises(
+        ValueError,
+        match=r"length 10 \(dim -2 of \(1, 2, 10, 4\)\) does not divide "
+        r"into 2 \* world_size = 6 equal chunks; pad it to a multiple of 6",
+    ):
+        shard_zigzag(x, 0, 3)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\) = \[0, 2\), got 2"):
+        shard_zigzag(x, 2, 2)
+    with pytest.raises(TypeError, match=r"world_size must be an int, got 2\.0"):
+        shard_zigzag(x, 0, 2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dim=4 is out of range for a 4-d tensor"):
+        shard_zigzag(x, 0, 1, dim=4)
+    with pytest.raises(ValueError, match=r"rank 0: \(1, 2, 4, 4\), rank 1: \(1, 2, 6, 4\)"):
+        unshard_zigzag([x[..., :4, :], x[..., :6, :]])
+    with pytest.raises(ValueError, match=r"length along dim -2 must be even; got \(1, 2, 5, 4\)"):
+        unshard_zigzag([x[..., :5, :]])
+    with pytest.raises(TypeError, match="non-empty sequence of tensors"):
+        unshard_zigzag([])
+
+
+def test_importing_attnkit_needs_no_process_group() -> None:
+    assert attnkit.distributed.ring_attention is ring_attention
+    assert not dist.is_initialized()
