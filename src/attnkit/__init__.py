@@ -17,6 +17,11 @@ from .attention import (
     unregister_backend,
 )
 from .capture import AttentionMaps, capture_attention
+from .feedforward import PositionwiseFeedForward
+from .kv_cache import KVCache
+from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
+from .multihead import MultiHeadAttention, from_torch_masks
+from .positional import RotaryEmbedding, SinusoidalPositionalEncoding, alibi_bias, alibi_slopes
 
 __version__ = "0.1.0"
 
@@ -26,12 +31,23 @@ __all__ = [
     "Backend",
     "BackendError",
     "Explanation",
+    "KVCache",
+    "MultiHeadAttention",
+    "PositionwiseFeedForward",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "Transformer",
+    "TransformerDecoderLayer",
+    "TransformerEncoderLayer",
     "__version__",
+    "alibi_bias",
+    "alibi_slopes",
     "attention",
     "backends",
     "capture_attention",
     "distributed",
     "explain",
+    "from_torch_masks",
     "masks",
     "register_backend",
     "unregister_backend",

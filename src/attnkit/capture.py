@@ -1,10 +1,10 @@
 """``capture_attention(model)``: record the attention weights of every attnkit module in a model.
 
 >>> import torch, attnkit
->>> model = torch.nn.Sequential(attnkit.MultiHeadAttention(16, 4))  # doctest: +SKIP
->>> with attnkit.capture_attention(model) as maps:  # doctest: +SKIP
+>>> model = torch.nn.Sequential(attnkit.MultiHeadAttention(16, 4))
+>>> with attnkit.capture_attention(model) as maps:
 ...     _ = model(torch.randn(2, 5, 16))
->>> list(maps), maps["0"][0].shape  # doctest: +SKIP
+>>> list(maps), maps["0"][0].shape
 (['0'], torch.Size([2, 4, 5, 5]))
 
 Outside the context nothing is recorded and no weights are computed: an attention module asks

@@ -1,0 +1,133 @@
+"""KVCache: the keys and values of the tokens decoded so far, preallocated for a maximum length.
+
+Incremental decoding runs the model on the new tokens only; each self-attention layer appends
+their keys and values to its cache and attends over everything cached. Because
+:func:`attnkit.attention`'s ``causal=True`` is bottom-right aligned, the same call serves a prompt
+(``Tq = Tk``), one new token (``Tq = 1``, which sees every cached key) and a chunk of new tokens
+after a cached prefix.
+
+Under grouped-query attention the cache holds the ``Hkv`` key/value heads, not the ``H`` query
+heads: that is the memory GQA saves.
+
+Shape letters: ``B`` batch, ``Hkv`` key/value heads, ``L`` maximum length, ``T`` new tokens,
+``Dk``/``Dv`` key and value head sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ._typing import Float, shape_checked
+
+__all__ = ["KVCache"]
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+class KVCache(nn.Module):
+    """Keys ``(B, Hkv, L, Dk)`` and values ``(B, Hkv, L, Dv)``, filled from position 0 on.
+
+    Args:
+        batch_size: ``B``.
+        max_len: ``L``, the most tokens the cache can hold; going past it is a ``ValueError``.
+        num_kv_heads: ``Hkv``.
+        head_dim: ``Dk``.
+        v_head_dim: ``Dv``, default ``Dk``.
+        dtype, device: of the stored keys and values (the projections' dtype and device).
+
+    :meth:`MultiHeadAttention.make_cache() <attnkit.MultiHeadAttention.make_cache>` builds one with
+    the module's sizes. The buffers are not part of ``state_dict()``; ``cache.to(device)`` moves
+    them. The cache is for inference: :meth:`update` refuses tensors that carry a gradient, since
+    the stored keys would keep the graph of every step alive.
+
+    >>> cache = KVCache(batch_size=2, max_len=16, num_kv_heads=2, head_dim=8)
+    >>> k, v = cache.update(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))  # a 5-token prompt
+    >>> k.shape, cache.length
+    (torch.Size([2, 2, 5, 8]), 5)
+    >>> k, v = cache.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))  # one more token
+    >>> k.shape, cache.length
+    (torch.Size([2, 2, 6, 8]), 6)
+    """
+
+    k_cache: Tensor
+    v_cache: Tensor
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        b = _positive("batch_size", batch_size)
+        self.max_len = _positive("max_len", max_len)
+        h = _positive("num_kv_heads", num_kv_heads)
+        dk = _positive("head_dim", head_dim)
+        dv = dk if v_head_dim is None else _positive("v_head_dim", v_head_dim)
+        self.register_buffer(
+            "k_cache", torch.zeros(b, h, self.max_len, dk, dtype=dtype, device=device), False
+        )
+        self.register_buffer(
+            "v_cache", torch.zeros(b, h, self.max_len, dv, dtype=dtype, device=device), False
+        )
+        self.length = 0  # tokens held; a Python int, so decoding never reads a tensor back
+
+    @shape_checked
+    def update(
+        self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"]
+    ) -> tuple[Float[Tensor, "B Hkv S Dk"], Float[Tensor, "B Hkv S Dv"]]:
+        """Append ``T`` new tokens; return the keys and values of all ``S = length`` tokens held.
+
+        The results are views of the cache (no copy), valid until the next :meth:`update` or
+        :meth:`reset`.
+        """
+        want_k = (*self.k_cache.shape[:2], k.size(-2), self.k_cache.size(-1))
+        want_v = (*self.v_cache.shape[:2], v.size(-2), self.v_cache.size(-1))
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise ValueError(
+                f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = "
+                f"{want_v} for this cache, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+            )
+        if k.dtype != self.k_cache.dtype or v.dtype != self.v_cache.dtype:
+            raise TypeError(
+                f"k and v must have the cache's dtype ({self.k_cache.dtype}), got k {k.dtype} and "
+                f"v {v.dtype}"
+            )
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise ValueError(
+                "KVCache.update() got keys that require grad: the cache is for inference, run "
+                "decoding under torch.no_grad() or torch.inference_mode()"
+            )
+        start, end = self.length, self.length + k.size(-2)
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache overflow: {k.size(-2)} new tokens after the {start} cached exceed "
+                f"max_len ({self.max_len}); make a larger cache or reset() it"
+            )
+        self.k_cache[:, :, start:end] = k
+        self.v_cache[:, :, start:end] = v
+        self.length = end
+        return self.k_cache[:, :, :end], self.v_cache[:, :, :end]
+
+    def reset(self) -> None:
+        """Forget every token (the memory stays allocated)."""
+        self.length = 0
+
+    def extra_repr(self) -> str:
+        b, h, _, dk = self.k_cache.shape
+        return (
+            f"batch_size={b}, max_len={self.max_len}, num_kv_heads={h}, head_dim={dk}, "
+            f"v_head_dim={self.v_cache.size(-1)}, length={self.length}"
+        )

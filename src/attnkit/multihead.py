@@ -1,0 +1,543 @@
+"""MultiHeadAttention: project, call :func:`attnkit.attention` once, project back.
+
+The module is batch-first and takes attnkit's one mask convention (bool, True = may attend). It
+covers self- and cross-attention, key/value inputs of other feature sizes (``kdim``, ``vdim``),
+per-head sizes other than ``d_model / num_heads`` (``head_dim``, ``v_head_dim``), grouped-query
+and multi-query attention (``num_kv_heads``), rotary embeddings and a KV cache for decoding.
+
+The fast path is the default: without ``need_weights`` (and outside
+:func:`~attnkit.capture_attention`) no ``(Tq, Tk)`` weights exist, self-attention projects
+``q, k, v`` with one GEMM, and the heads are strided views of that GEMM's output, so nothing is
+copied between the projections and the fused attention kernel.
+
+Shape letters: ``B`` batch, ``Tq`` queries, ``Tk`` new keys, ``S`` keys attended (``Tk`` plus the
+cached ones), ``D`` d_model, ``Dkv`` the feature sizes of key and value inputs (``kdim``,
+``vdim``), ``H`` query heads, ``Hkv`` key/value heads, ``Dh``/``Dhv`` per-head query-key and
+value sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._checks import shape_str
+from ._typing import Bool, Float, shape_checked
+from .attention import attention
+from .capture import is_capturing, record
+from .kv_cache import KVCache
+
+__all__ = ["MultiHeadAttention", "from_torch_masks"]
+
+
+def _check_int(name: str, value: object, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_probability(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {value!r}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return float(value)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (Vaswani et al., 2017), batch-first, on :func:`attnkit.attention`.
+
+    Args:
+        d_model: ``D``, the size of the queries and of the output.
+        num_heads: ``H``, query heads.
+        kdim, vdim: feature sizes of the key and value inputs (default ``D``), for cross-attention
+            on a memory of another width.
+        head_dim: ``Dh``, per-head size of queries and keys; default ``D / H`` (which must then be
+            an integer).
+        v_head_dim: ``Dhv``, per-head size of values; default ``Dh``. The output projection maps
+            ``H * Dhv`` back to ``D``.
+        num_kv_heads: ``Hkv``, key/value heads (default ``H``). ``H`` must be a multiple: each
+            group of ``H / Hkv`` query heads shares one key/value head (grouped-query attention;
+            ``Hkv = 1`` is multi-query attention). The key/value projections are ``Hkv`` heads wide.
+        bias: biases on the input and output projections.
+        dropout: dropout on the attention weights, in training only.
+        rotary: a module that rotates ``(B, heads, T, Dh)`` queries and keys for their positions,
+            called as ``rotary(x, offset=n)``: :class:`~attnkit.RotaryEmbedding`. With a cache,
+            ``n`` is the number of tokens already cached.
+        backend: passed to :func:`attnkit.attention` (``"auto"`` picks the fastest that fits).
+        device, dtype: of the parameters.
+
+    Parameters follow ``torch.nn.MultiheadAttention``'s names: ``in_proj_weight`` packs the query,
+    key and value projections (``H*Dh + Hkv*Dh + Hkv*Dhv`` rows) when ``kdim == vdim == D``;
+    otherwise they are ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``. ``in_proj_bias``
+    is packed in both cases; ``out_proj`` is an ``nn.Linear``.
+
+    ``forward(query, key=None, value=None, *, mask=None, bias=None, causal=False,
+    need_weights=False, average_weights=True, cache=None)``:
+
+    * ``query`` ``(B, Tq, D)``; ``key`` ``(B, Tk, kdim)`` defaults to ``query`` (self-attention);
+      ``value`` ``(B, Tk, vdim)`` defaults to ``key``.
+    * ``mask``: bool, broadcastable to ``(B, H, Tq, S)``, **True = may attend**; e.g.
+      :func:`attnkit.masks.padding_mask` ``(B, 1, 1, S)``. ``bias``: float, added to the scaled
+      scores, broadcastable likewise (:func:`~attnkit.alibi_bias`).
+    * ``causal``: query ``i`` attends keys ``j <= i + S - Tq`` (bottom-right, as a cache needs).
+    * ``cache``: a :class:`~attnkit.KVCache` (:meth:`make_cache`); the new keys and values are
+      appended to it and the queries attend every cached key.
+    * Returns the output ``(B, Tq, D)``; with ``need_weights=True``, ``(output, weights)`` with the
+      weights averaged over heads ``(B, Tq, S)``, or per head ``(B, H, Tq, S)`` with
+      ``average_weights=False``. Weights are taken before dropout.
+
+    >>> mha = MultiHeadAttention(64, 8, num_kv_heads=2)       # grouped-query: 2 key/value heads
+    >>> x = torch.randn(2, 10, 64)
+    >>> mha(x, causal=True).shape
+    torch.Size([2, 10, 64])
+    >>> memory = torch.randn(2, 7, 64)                        # cross-attention, Tq != Tk
+    >>> out, w = mha(x, memory, need_weights=True)
+    >>> w.shape, bool(torch.allclose(w.sum(-1), torch.ones(2, 10)))
+    (torch.Size([2, 10, 7]), True)
+    """
+
+    in_proj_weight: nn.Parameter | None
+    q_proj_weight: nn.Parameter | None
+    k_proj_weight: nn.Parameter | None
+    v_proj_weight: nn.Parameter | None
+    in_proj_bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        rotary: nn.Module | None = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_model = _check_int("d_model", d_model)
+        self.num_heads = _check_int("num_heads", num_heads)
+        if head_dim is None:
+            if d_model % num_heads:
+                raise ValueError(
+                    f"d_model ({d_model}) is not divisible by num_heads ({num_heads}); pass "
+                    "head_dim= to choose the per-head size"
+                )
+            head_dim = d_model // num_heads
+        self.head_dim = _check_int("head_dim", head_dim)
+        self.v_head_dim = (
+            self.head_dim if v_head_dim is None else _check_int("v_head_dim", v_head_dim)
+        )
+        self.num_kv_heads = (
+            self.num_heads if num_kv_heads is None else _check_int("num_kv_heads", num_kv_heads)
+        )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) is not divisible by num_kv_heads ({num_kv_heads})"
+            )
+        self.kdim = self.d_model if kdim is None else _check_int("kdim", kdim)
+        self.vdim = self.d_model if vdim is None else _check_int("vdim", vdim)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {bias!r}")
+        self.dropout = _check_probability("dropout", dropout)
+        if rotary is not None and not isinstance(rotary, nn.Module):
+            raise TypeError(f"rotary must be an nn.Module or None, got {type(rotary).__name__}")
+        rotary_dim = getattr(rotary, "head_dim", self.head_dim)
+        if rotary_dim != self.head_dim:
+            raise ValueError(
+                f"rotary.head_dim ({rotary_dim}) must equal the head_dim of the queries and keys "
+                f"({self.head_dim})"
+            )
+        self.rotary = rotary
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+        self.backend = backend
+
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+
+        self._sizes = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.num_kv_heads * self.v_head_dim,
+        )
+        nq, nk, nv = self._sizes
+        if self.kdim == self.d_model and self.vdim == self.d_model:
+            self.in_proj_weight = empty(nq + nk + nv, d_model)
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            self.q_proj_weight = empty(nq, d_model)
+            self.k_proj_weight = empty(nk, self.kdim)
+            self.v_proj_weight = empty(nv, self.vdim)
+        if bias:
+            self.in_proj_bias = empty(nq + nk + nv)
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(
+            self.num_heads * self.v_head_dim, d_model, bias=bias, device=device, dtype=dtype
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections (each of q, k, v on its own fan), zero biases."""
+        for w in self._in_weights():
+            nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+        self.out_proj.reset_parameters()
+        if self.out_proj.bias is not None:
+            nn.init.zeros_(self.out_proj.bias)
+
+    def _in_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The query, key and value projection weights (views into ``in_proj_weight`` if packed)."""
+        if self.in_proj_weight is not None:
+            wq, wk, wv = self.in_proj_weight.split(self._sizes)
+            return wq, wk, wv
+        assert self.q_proj_weight is not None
+        assert self.k_proj_weight is not None
+        assert self.v_proj_weight is not None
+        return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+
+    def _in_biases(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        if self.in_proj_bias is None:
+            return None, None, None
+        bq, bk, bv = self.in_proj_bias.split(self._sizes)
+        return bq, bk, bv
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(B, Tq, H*Dh)``, ``(B, Tk, Hkv*Dh)``, ``(B, Tk, Hkv*Dhv)`` in as few GEMMs as fit."""
+        w, b = self.in_proj_weight, self.in_proj_bias
+        if w is not None and key is query and value is query:
+            # Self-attention: one GEMM, and q, k, v are column slices of its output (no copies).
+            q, k, v = F.linear(query, w, b).split(self._sizes, dim=-1)
+            return q, k, v
+        (wq, wk, wv), (bq, bk, bv) = self._in_weights(), self._in_biases()
+        if w is not None and value is key:
+            # Cross-attention on one memory: keys and values in one GEMM.
+            nq = self._sizes[0]
+            k, v = F.linear(key, w[nq:], None if b is None else b[nq:]).split(self._sizes[1:], -1)
+            return F.linear(query, wq, bq), k, v
+        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        if query.ndim != 3 or query.size(-1) != self.d_model:
+            raise ValueError(
+                f"query must have shape (B, Tq, d_model={self.d_model}), got "
+                f"{shape_str(query.shape)}"
+            )
+        for name, t, dim, attr in (
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            if t.ndim != 3 or t.size(-1) != dim or t.size(0) != query.size(0):
+                raise ValueError(
+                    f"{name} must have shape (B={query.size(0)}, Tk, {attr}={dim}), got "
+                    f"{shape_str(t.shape)}"
+                )
+        if key.size(1) != value.size(1):
+            raise ValueError(
+                f"key and value must have the same length Tk, got key {shape_str(key.shape)} and "
+                f"value {shape_str(value.shape)}"
+            )
+
+    @overload
+    def forward(
+        self,
+        query: Float[Tensor, "B Tq D"],
+        key: Float[Tensor, "B Tk Dk"] | None = None,
+        value: Float[Tensor, "B Tk Dv"] | None = None,
+        *,
+        mask: Bool[Tensor, "..."] | None = None,
+        bias: Float[Tensor, "..."] | None = None,
+        causal: bool = False,
+        need_weights: Literal[False] = False,
+        average_weights: bool = True,
+        cache: KVCache | None = None,
+    ) -> Float[Tensor, "B Tq D"]: ...
+
+    @overload
+    def forward(
+        self,
+        query: Float[Tensor, "B Tq D"],
+        key: Float[Tensor, "B Tk Dk"] | None = None,
+        value: Float[Tensor, "B Tk Dv"] | None = None,
+        *,
+        mask: Bool[Tensor, "..."] | None = None,
+        bias: Float[Tensor, "..."] | None = None,
+        causal: bool = False,
+        need_weights: Literal[True],
+        average_weights: bool = True,
+        cache: KVCache | None = None,
+    ) -> tuple[Float[Tensor, "B Tq D"], Float[Tensor, "B *h Tq S"]]: ...
+
+    @shape_checked
+    def forward(
+        self,
+        query: Float[Tensor, "B Tq D"],
+        key: Float[Tensor, "B Tk Dk"] | None = None,
+        value: Float[Tensor, "B Tk Dv"] | None = None,
+        *,
+        mask: Bool[Tensor, "..."] | None = None,
+        bias: Float[Tensor, "..."] | None = None,
+        causal: bool = False,
+        need_weights: bool = False,
+        average_weights: bool = True,
+        cache: KVCache | None = None,
+    ) -> Float[Tensor, "B Tq D"] | tuple[Float[Tensor, "B Tq D"], Float[Tensor, "B *h Tq S"]]:
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value)
+        if not isinstance(need_weights, bool):
+            raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
+
+        q, k, v = self._project(query, key, value)
+        # (B, T, heads*Dh) -> (B, heads, T, Dh): strided views; attention() takes them as they are.
+        q = q.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.unflatten(-1, (self.num_kv_heads, self.v_head_dim)).transpose(1, 2)
+        if self.rotary is not None:
+            offset = 0 if cache is None else cache.length
+            q = self.rotary(q, offset=offset)
+            k = self.rotary(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update(k, v)
+
+        capturing = is_capturing(self)
+        weights: Tensor | None = None
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights or capturing:
+            out, weights = attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                bias=bias,
+                causal=causal,
+                dropout_p=dropout_p,
+                return_weights=True,
+                backend=self.backend,
+            )
+            if capturing:
+                record(self, weights)
+        else:
+            out = attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                bias=bias,
+                causal=causal,
+                dropout_p=dropout_p,
+                backend=self.backend,
+            )
+        # (B, H, Tq, Dhv) -> (B, Tq, H*Dhv): a free view when the kernel laid its output out as
+        # (B, Tq, H, Dhv), which torch's fused CPU kernel does; a copy otherwise.
+        result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
+        if not need_weights:
+            return result
+        assert weights is not None
+        return result, (weights.mean(1) if average_weights else weights)
+
+    def make_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty :class:`~attnkit.KVCache` for this module: ``Hkv`` heads of ``Dh``/``Dhv``, in
+        the parameters' dtype and on their device, for ``batch_size`` sequences of up to
+        ``max_len`` tokens."""
+        w = self._in_weights()[1]
+        return KVCache(
+            batch_size,
+            max_len,
+            self.num_kv_heads,
+            self.head_dim,
+            self.v_head_dim,
+            dtype=w.dtype,
+            device=w.device,
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # torch.nn.MultiheadAttention interop
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """The equivalent of a ``torch.nn.MultiheadAttention``, with copies of its parameters.
+
+        Packed or separate projections, with or without bias, ``kdim``/``vdim`` and either
+        ``batch_first`` are supported; the result is batch-first whatever ``m.batch_first`` says.
+        ``add_bias_kv`` and ``add_zero_attn`` have no equivalent and raise ``ValueError``. Translate
+        torch's ``attn_mask``/``key_padding_mask`` with :func:`from_torch_masks`.
+
+        One difference: in training with dropout, torch returns the weights after dropout,
+        attnkit before.
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(
+                f"from_torch() takes a torch.nn.MultiheadAttention, got {type(m).__name__}"
+            )
+        if m.bias_k is not None or m.bias_v is not None:
+            raise ValueError("from_torch(): add_bias_kv=True has no attnkit equivalent")
+        if m.add_zero_attn:
+            raise ValueError("from_torch(): add_zero_attn=True has no attnkit equivalent")
+        ref = m.out_proj.weight
+        new = cls(
+            m.embed_dim,
+            m.num_heads,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            bias=m.in_proj_bias is not None,
+            dropout=float(m.dropout),
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            if m.in_proj_weight is not None and new.in_proj_weight is not None:
+                new.in_proj_weight.copy_(m.in_proj_weight)
+            else:
+                for ours, theirs in zip(
+                    new._in_weights(),
+                    (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight),
+                    strict=True,
+                ):
+                    ours.copy_(theirs)
+            if new.in_proj_bias is not None:
+                new.in_proj_bias.copy_(m.in_proj_bias)
+            new.out_proj.load_state_dict(m.out_proj.state_dict())
+        return new.train(m.training)
+
+    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
+        """A ``torch.nn.MultiheadAttention`` with copies of these parameters.
+
+        Only plain multi-head attention has one: ``num_kv_heads == num_heads``, ``head_dim ==
+        v_head_dim == d_model / num_heads``, no ``rotary``.
+        """
+        plain = self.d_model // self.num_heads
+        problems = []
+        if self.num_kv_heads != self.num_heads:
+            problems.append(f"num_kv_heads ({self.num_kv_heads}) != num_heads ({self.num_heads})")
+        if self.head_dim * self.num_heads != self.d_model or self.v_head_dim != self.head_dim:
+            problems.append(
+                f"head_dim ({self.head_dim}) and v_head_dim ({self.v_head_dim}) must both be "
+                f"d_model / num_heads ({self.d_model} / {self.num_heads} = {plain})"
+            )
+        if self.rotary is not None:
+            problems.append("rotary embeddings are set")
+        if problems:
+            raise ValueError(
+                "to_torch(): torch.nn.MultiheadAttention has no equivalent: " + "; ".join(problems)
+            )
+        ref = self.out_proj.weight
+        m = nn.MultiheadAttention(
+            self.d_model,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.in_proj_bias is not None,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=batch_first,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            if m.in_proj_weight is not None and self.in_proj_weight is not None:
+                m.in_proj_weight.copy_(self.in_proj_weight)
+            else:
+                for theirs, ours in zip(
+                    (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight),
+                    self._in_weights(),
+                    strict=True,
+                ):
+                    theirs.copy_(ours)
+            if self.in_proj_bias is not None:
+                m.in_proj_bias.copy_(self.in_proj_bias)
+            m.out_proj.load_state_dict(self.out_proj.state_dict())
+        return m.train(self.training)
+
+    def extra_repr(self) -> str:
+        parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}"]
+        if self.num_kv_heads != self.num_heads:
+            parts.append(f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim * self.num_heads != self.d_model:
+            parts.append(f"head_dim={self.head_dim}")
+        if self.v_head_dim != self.head_dim:
+            parts.append(f"v_head_dim={self.v_head_dim}")
+        if self.kdim != self.d_model or self.vdim != self.d_model:
+            parts.append(f"kdim={self.kdim}, vdim={self.vdim}")
+        if self.in_proj_bias is None:
+            parts.append("bias=False")
+        if self.dropout:
+            parts.append(f"dropout={self.dropout}")
+        if self.backend != "auto":
+            parts.append(f"backend={self.backend!r}")
+        return ", ".join(parts)
+
+
+@shape_checked
+def from_torch_masks(
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    *,
+    num_heads: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Bool[Tensor, "..."] | None, Float[Tensor, "..."] | None]:
+    """Translate ``torch.nn.MultiheadAttention``'s masks into attnkit's ``(mask, bias)``.
+
+    torch's bool masks mean **True = may NOT attend** (the opposite of attnkit's); its float masks
+    are added to the scores (attnkit's ``bias``).
+
+    Args:
+        attn_mask: ``(Tq, Tk)`` or ``(B*H, Tq, Tk)``, bool or float.
+        key_padding_mask: ``(B, Tk)``, bool (True = padding) or float.
+        num_heads: ``H``, to unfold a ``(B*H, Tq, Tk)`` mask into ``(B, H, Tq, Tk)``.
+        dtype: of the returned bias (the query's dtype).
+
+    Returns:
+        ``(mask, bias)`` for ``MultiHeadAttention.forward(mask=..., bias=...)``, each broadcastable
+        to ``(B, H, Tq, Tk)`` or None.
+
+    >>> torch_pad = torch.tensor([[False, False, True]])      # torch: True = padding
+    >>> mask, bias = from_torch_masks(key_padding_mask=torch_pad, num_heads=4)
+    >>> mask.int(), bias
+    (tensor([[[[1, 1, 0]]]], dtype=torch.int32), None)
+    """
+    num_heads = _check_int("num_heads", num_heads)
+    masks: list[Tensor] = []
+    biases: list[Tensor] = []
+    if attn_mask is not None:
+        if attn_mask.ndim == 3:
+            if attn_mask.size(0) % num_heads:
+                raise ValueError(
+                    f"a 3-d attn_mask must be (B*H, Tq, Tk) with H = num_heads ({num_heads}), got "
+                    f"{shape_str(attn_mask.shape)}"
+                )
+            attn_mask = attn_mask.unflatten(0, (-1, num_heads))
+        elif attn_mask.ndim != 2:
+            raise ValueError(
+                f"attn_mask must be (Tq, Tk) or (B*H, Tq, Tk), got {shape_str(attn_mask.shape)}"
+            )
+        (masks if attn_mask.dtype == torch.bool else biases).append(attn_mask)
+    if key_padding_mask is not None:
+        if key_padding_mask.ndim != 2:
+            raise ValueError(
+                f"key_padding_mask must be (B, Tk), got {shape_str(key_padding_mask.shape)}"
+            )
+        kpm = key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk)
+        (masks if kpm.dtype == torch.bool else biases).append(kpm)
+    mask = None
+    for m in masks:
+        mask = ~m if mask is None else mask & ~m
+    bias = None
+    for b in biases:
+        bias = b.to(dtype) if bias is None else bias + b.to(dtype)
+    return mask, bias

@@ -1,0 +1,229 @@
+"""Positional information: sinusoidal (absolute), rotary (RoPE) and ALiBi (a bias).
+
+* :class:`SinusoidalPositionalEncoding` adds the fixed encoding of *Attention Is All You Need*
+  (Vaswani et al., 2017, section 3.5) to the token embeddings.
+* :class:`RotaryEmbedding` rotates queries and keys by an angle proportional to their position
+  (Su et al., 2021), so that ``q . k`` depends on the positions only through their difference.
+  Pass it to :class:`~attnkit.MultiHeadAttention` (``rotary=``); with a KV cache the new tokens are
+  rotated at the cache's offset.
+* :func:`alibi_bias` is the linear distance penalty of ALiBi (Press et al., 2022), to pass as
+  ``bias=`` to :func:`~attnkit.attention` or :class:`~attnkit.MultiHeadAttention`.
+
+Angles are computed on the fly in float32 (float64 for float64 inputs) and only then cast to the
+input's dtype: a table stored as a buffer would be rounded by ``model.half()``, and positions
+beyond a few hundred lose their angle in 16-bit floats. Nothing here has a maximum length.
+
+Shape letters: ``B`` batch, ``T`` positions, ``D`` model size, ``H`` heads, ``Dh`` head size,
+``Tq`` queries, ``Tk`` keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ._typing import Float, shape_checked
+from .multihead import _check_int, _check_probability
+
+__all__ = ["RotaryEmbedding", "SinusoidalPositionalEncoding", "alibi_bias", "alibi_slopes"]
+
+
+def _angle_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_offset(offset: object) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset must be an int, got {offset!r}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    return offset
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Adds ``PE[pos, 2i] = sin(pos / base^(2i/D))``, ``PE[pos, 2i+1] = cos(pos / base^(2i/D))``.
+
+    Args:
+        d_model: ``D``, the size of the embeddings the encoding is added to (odd sizes work: the
+            last column is a sine).
+        base: the wavelength scale, 10000 in the paper.
+        dropout: dropout on the sum, in training only (the paper uses 0.1).
+
+    ``forward(x, offset=0)`` takes embeddings ``x`` of shape ``(B, T, D)`` and returns
+    ``x + PE[offset : offset + T]``, same shape. ``offset`` is the position of ``x``'s first token:
+    when decoding with a KV cache, pass ``cache.length``.
+
+    >>> pe = SinusoidalPositionalEncoding(4)
+    >>> pe(torch.zeros(1, 3, 4))
+    tensor([[[ 0.0000,  1.0000,  0.0000,  1.0000],
+             [ 0.8415,  0.5403,  0.0100,  0.9999],
+             [ 0.9093, -0.4161,  0.0200,  0.9998]]])
+
+    The encoding is not scaled; the paper multiplies the embeddings by ``sqrt(D)`` before adding it.
+    """
+
+    def __init__(self, d_model: int, *, base: float = 10000.0, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.d_model = _check_int("d_model", d_model)
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+            raise ValueError(f"base must be a number > 1, got {base!r}")
+        self.base = float(base)
+        self.dropout = nn.Dropout(_check_probability("dropout", dropout))
+
+    @shape_checked
+    def encoding(
+        self,
+        length: int,
+        *,
+        offset: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> Float[Tensor, "T D"]:
+        """The encoding of positions ``offset, ..., offset + length - 1``: ``(length, D)``."""
+        work = _angle_dtype(dtype)
+        pos = torch.arange(offset, offset + length, dtype=work, device=device)
+        two_i = torch.arange(0, self.d_model, 2, dtype=work, device=device)
+        angle = pos[:, None] * torch.exp(
+            two_i * (-math.log(self.base) / self.d_model)
+        )  # (T, ⌈D/2⌉)
+        pe = torch.empty(length, self.d_model, dtype=work, device=device)
+        pe[:, 0::2] = angle.sin()
+        pe[:, 1::2] = angle[:, : self.d_model // 2].cos()
+        return pe.to(dtype)
+
+    @shape_checked
+    def forward(self, x: Float[Tensor, "B T D"], *, offset: int = 0) -> Float[Tensor, "B T D"]:
+        if x.ndim != 3 or x.size(-1) != self.d_model:
+            raise ValueError(
+                f"x must have shape (B, T, d_model={self.d_model}), got {tuple(x.shape)}"
+            )
+        pe = self.encoding(x.size(1), offset=_check_offset(offset), dtype=x.dtype, device=x.device)
+        out: Tensor = self.dropout(x + pe)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, base={self.base:g}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE) for queries and keys of shape ``(B, H, T, Dh)``.
+
+    The head size ``Dh`` is split in two halves ``x = [x1, x2]`` and each pair ``(x1[i], x2[i])`` is
+    rotated by the angle ``pos * base^(-2i/Dh)`` (the "rotate half" layout of GPT-NeoX and
+    Hugging Face's LLaMA; Meta's original LLaMA rotates adjacent pairs instead, which is the same
+    up to a permutation of the projection weights). Rotating both ``q`` and ``k`` makes their dot
+    product a function of ``pos_q - pos_k``.
+
+    Args:
+        head_dim: ``Dh``, even.
+        base: the wavelength scale (10000 in the paper; long-context models use larger values).
+
+    ``forward(x, offset=0)`` rotates ``x`` ``(..., T, Dh)`` as positions ``offset, ...,
+    offset + T - 1`` and returns the same shape. :class:`~attnkit.MultiHeadAttention` calls it with
+    ``offset = cache.length`` so that tokens decoded one at a time get the positions a full forward
+    gives them.
+
+    >>> rope = RotaryEmbedding(8)
+    >>> q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    >>> a = rope(q, offset=5) @ rope(k, offset=3).mT       # positions 5 and 3
+    >>> b = rope(q, offset=12) @ rope(k, offset=10).mT     # positions 12 and 10: same distance
+    >>> torch.allclose(a, b, atol=1e-5)
+    True
+    """
+
+    def __init__(self, head_dim: int, *, base: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim = _check_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+            raise ValueError(f"base must be a number > 1, got {base!r}")
+        self.base = float(base)
+
+    @shape_checked
+    def cos_sin(
+        self,
+        length: int,
+        *,
+        offset: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> tuple[Float[Tensor, "T Dh"], Float[Tensor, "T Dh"]]:
+        """``cos`` and ``sin`` of the angles of positions ``offset ... offset + length - 1``,
+        each ``(length, Dh)`` with the ``Dh / 2`` frequencies repeated for the two halves."""
+        work = _angle_dtype(dtype)
+        half = self.head_dim // 2
+        inv_freq = self.base ** (-torch.arange(half, dtype=work, device=device) / half)
+        pos = torch.arange(offset, offset + length, dtype=work, device=device)
+        angle = (pos[:, None] * inv_freq).repeat(1, 2)  # (T, Dh)
+        return angle.cos().to(dtype), angle.sin().to(dtype)
+
+    @shape_checked
+    def forward(
+        self, x: Float[Tensor, "*batch T Dh"], *, offset: int = 0
+    ) -> Float[Tensor, "*batch T Dh"]:
+        if x.ndim < 2 or x.size(-1) != self.head_dim:
+            raise ValueError(
+                f"x must have shape (..., T, head_dim={self.head_dim}), got {tuple(x.shape)}"
+            )
+        cos, sin = self.cos_sin(
+            x.size(-2), offset=_check_offset(offset), dtype=x.dtype, device=x.device
+        )
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base:g}"
+
+
+@shape_checked
+def alibi_slopes(num_heads: int) -> Float[Tensor, " H"]:
+    """ALiBi's per-head slopes: the geometric sequence ``2^(-8/H), 2^(-16/H), ..., 2^-8``.
+
+    For a head count that is not a power of two, the paper's rule: the slopes of the largest power
+    of two ``n < H``, then every other slope of ``2n`` heads for the rest.
+
+    >>> alibi_slopes(4)
+    tensor([0.2500, 0.0625, 0.0156, 0.0039])
+    """
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    num_heads = _check_int("num_heads", num_heads)
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_two(n) + power_of_two(2 * n)[0::2][: num_heads - n]
+    return torch.tensor(slopes)
+
+
+@shape_checked
+def alibi_bias(
+    num_heads: int,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> Float[Tensor, "H Tq Tk"]:
+    """ALiBi's bias ``-slope[h] * |j - p_i|``, shaped ``(H, Tq, Tk)``, for ``bias=``.
+
+    Query ``i`` sits at key position ``p_i = i + Tk - Tq`` (bottom-right, like ``causal=True``), so
+    the same call serves a KV cache: ``alibi_bias(H, 1, cache_len)`` is the last row of the full
+    bias. With ``causal=True`` only keys ``j <= p_i`` count and this is the paper's bias; without it
+    the distance is symmetric (the usual bidirectional variant).
+
+    >>> alibi_bias(2, 3)[0]        # slope 1/16 for the first of two heads
+    tensor([[-0.0000, -0.0625, -0.1250],
+            [-0.0625, -0.0000, -0.0625],
+            [-0.1250, -0.0625, -0.0000]])
+    """
+    q_len = _check_int("q_len", q_len, minimum=0)
+    kv_len = q_len if kv_len is None else _check_int("kv_len", kv_len, minimum=0)
+    work = _angle_dtype(dtype)
+    pos_q = torch.arange(q_len, dtype=work, device=device) + (kv_len - q_len)
+    pos_k = torch.arange(kv_len, dtype=work, device=device)
+    distance = (pos_k - pos_q[:, None]).abs()  # (Tq, Tk)
+    slopes = alibi_slopes(num_heads).to(dtype=work, device=device)
+    return (-slopes[:, None, None] * distance).to(dtype)

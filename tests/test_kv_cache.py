@@ -1,0 +1,136 @@
+"""KVCache: decoding through the cache equals the full causal forward, in float64 to 1e-10."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import Tensor
+
+from attnkit import KVCache, MultiHeadAttention, RotaryEmbedding, masks
+from attnkit.testing import assert_close
+
+
+def chunks(draw: st.DrawFn, total: int) -> list[int]:
+    """Split ``total`` tokens into a prompt and then steps of 1 or more tokens."""
+    sizes = []
+    left = total
+    while left:
+        n = draw(st.integers(1, left)) if draw(st.booleans()) else 1
+        sizes.append(n)
+        left -= n
+    return sizes
+
+
+def decode(
+    m: MultiHeadAttention, x: Tensor, sizes: list[int], mask: Tensor | None = None
+) -> Tensor:
+    """Run ``x`` through ``m`` in chunks of ``sizes`` tokens with a cache; concatenate."""
+    cache = m.make_cache(x.size(0), max_len=x.size(1) + 3)
+    outs, start = [], 0
+    with torch.no_grad():
+        for n in sizes:
+            m_step = None if mask is None else mask[..., : start + n]  # keys held after this step
+            outs.append(m(x[:, start : start + n], causal=True, cache=cache, mask=m_step))
+            start += n
+    assert cache.length == x.size(1)
+    return torch.cat(outs, dim=1)
+
+
+@given(
+    hkv=st.integers(1, 2),
+    groups=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([2, 4, 6]),
+    rotary=st.booleans(),
+    b=st.integers(1, 2),
+    t=st.integers(1, 12),
+    data=st.data(),
+)
+def test_incremental_equals_full_causal_forward(
+    hkv: int, groups: int, head_dim: int, rotary: bool, b: int, t: int, data: st.DataObject
+) -> None:
+    torch.manual_seed(data.draw(st.integers(0, 2**16)))
+    h = hkv * groups
+    m = MultiHeadAttention(
+        10,
+        h,
+        head_dim=head_dim,
+        num_kv_heads=hkv,
+        rotary=RotaryEmbedding(head_dim) if rotary else None,
+        dtype=torch.float64,
+    ).eval()
+    x = torch.randn(b, t, 10, dtype=torch.float64)
+    with torch.no_grad():
+        full = m(x, causal=True)
+    assert_close(decode(m, x, chunks(data.draw, t)), full)  # float64: atol = rtol = 1e-10
+
+
+def test_prefill_then_single_steps_with_padding() -> None:
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64).eval()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    pad = masks.padding_mask([7, 9], max_len=9, side="left")  # (B, 1, 1, T): two pads, then tokens
+    with torch.no_grad():
+        full = m(x, causal=True, mask=pad)
+    # The pad queries see no real key: 0 before the output projection, in both paths.
+    assert_close(decode(m, x, [5, 1, 1, 1, 1], mask=pad), full)
+
+
+def test_cache_holds_kv_heads_and_the_new_tokens() -> None:
+    m = MultiHeadAttention(16, 4, num_kv_heads=1, dtype=torch.float64).eval()
+    cache = m.make_cache(1, 8)
+    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        m(x, cache=cache, causal=True)
+    assert cache.k_cache.shape == (1, 1, 8, 4)
+    assert cache.length == 3
+    _, k, v = m._project(x, x, x)
+    assert_close(cache.k_cache[:, :, :3], k.view(1, 3, 1, 4).transpose(1, 2))
+    assert_close(cache.v_cache[:, :, :3], v.view(1, 3, 1, 4).transpose(1, 2))
+    assert cache.state_dict() == {}  # not saved with the model
+
+
+def test_overflow_is_a_clear_error() -> None:
+    m = MultiHeadAttention(8, 2).eval()
+    cache = m.make_cache(1, max_len=4)
+    with torch.no_grad():
+        m(torch.randn(1, 3, 8), cache=cache, causal=True)
+        with pytest.raises(
+            ValueError,
+            match=r"KV cache overflow: 2 new tokens after the 3 cached exceed max_len \(4\)",
+        ):
+            m(torch.randn(1, 2, 8), cache=cache, causal=True)
+        assert cache.length == 3  # the failed step changed nothing
+        m(torch.randn(1, 1, 8), cache=cache, causal=True)
+        cache.reset()
+        assert cache.length == 0
+        m(torch.randn(1, 4, 8), cache=cache, causal=True)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_update_errors() -> None:
+    cache = KVCache(2, 8, num_kv_heads=2, head_dim=4, v_head_dim=3)
+    with pytest.raises(
+        ValueError, match=r"\(B, Hkv, T, Dk\) = \(2, 2, 1, 4\) .* got k \(2, 4, 1, 4\)"
+    ):
+        cache.update(torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 3))
+    with pytest.raises(TypeError, match=r"cache's dtype \(torch.float32\), got k torch.float64"):
+        cache.update(torch.randn(2, 2, 1, 4, dtype=torch.float64), torch.randn(2, 2, 1, 3))
+    k = torch.randn(2, 2, 1, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"require grad: the cache is for inference"):
+        cache.update(k, torch.randn(2, 2, 1, 3))
+    with pytest.raises(ValueError, match=r"max_len must be >= 1, got 0"):
+        KVCache(1, 0, 1, 4)
+    with pytest.raises(TypeError, match=r"num_kv_heads must be an int, got 2.0"):
+        KVCache(1, 4, 2.0, 4)  # type: ignore[arg-type]
+
+
+def test_update_returns_views_of_everything_held() -> None:
+    cache = KVCache(1, 6, num_kv_heads=1, head_dim=2)
+    a, b = torch.randn(1, 1, 2, 2), torch.randn(1, 1, 3, 2)
+    cache.update(a, a)
+    k, v = cache.update(b, b)
+    assert torch.equal(k, torch.cat([a, b], dim=2))
+    assert torch.equal(v, k)
+    assert k.data_ptr() == cache.k_cache.data_ptr()  # a view, not a copy

@@ -1,0 +1,285 @@
+"""Transformer layers against torch's, the encoder-decoder Transformer, injected attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from attnkit import (
+    MultiHeadAttention,
+    Transformer,
+    TransformerDecoderLayer,
+    TransformerEncoderLayer,
+    from_torch_masks,
+    masks,
+)
+from attnkit.testing import assert_close
+
+
+def randomize(module: nn.Module) -> None:
+    """Non-trivial LayerNorm affines and biases (torch initialises them to 1 and 0)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(std=0.3).add_(1.0 if p.ndim == 1 else 0.0)
+
+
+def torch_padding(lengths: list[int], t: int) -> Tensor:
+    """torch's key_padding_mask: True = padding."""
+    return ~masks.padding_mask(lengths, max_len=t)[:, 0, 0]
+
+
+@settings(max_examples=30)
+@given(
+    h=st.integers(1, 3),
+    dh=st.integers(1, 4),
+    d_ff=st.integers(1, 12),
+    activation=st.sampled_from(["relu", "gelu"]),
+    norm_first=st.booleans(),
+    bias=st.booleans(),
+    batch_first=st.booleans(),
+    train=st.booleans(),
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_encoder_layer_from_torch(
+    h: int,
+    dh: int,
+    d_ff: int,
+    activation: str,
+    norm_first: bool,
+    bias: bool,
+    batch_first: bool,
+    train: bool,
+    lengths: list[int],
+    seed: int,
+) -> None:
+    torch.manual_seed(seed)
+    d, b, t = h * dh, len(lengths), max(lengths)
+    theirs = nn.TransformerEncoderLayer(
+        d,
+        h,
+        d_ff,
+        dropout=0.0,
+        activation=activation,
+        norm_first=norm_first,
+        bias=bias,
+        batch_first=batch_first,
+        dtype=torch.float64,
+    )
+    randomize(theirs)
+    theirs.train(train)
+    ours = TransformerEncoderLayer.from_torch(theirs)
+    assert ours.training is train
+    x = torch.randn(b, t, d, dtype=torch.float64)
+    kpm = torch_padding(lengths, t)
+    mask, _ = from_torch_masks(key_padding_mask=kpm, num_heads=h)
+    # In eval without grad torch takes its fused fast path; in training its Python path.
+    with torch.set_grad_enabled(train):
+        want = theirs(x if batch_first else x.transpose(0, 1), src_key_padding_mask=kpm)
+        got = ours(x, mask=mask)
+    assert_close(got, want if batch_first else want.transpose(0, 1))
+
+
+def test_encoder_layer_gradients_match_torch() -> None:
+    torch.manual_seed(0)
+    theirs = nn.TransformerEncoderLayer(
+        12, 3, 20, dropout=0.0, batch_first=True, dtype=torch.float64
+    )
+    randomize(theirs)
+    ours = TransformerEncoderLayer.from_torch(theirs)
+    x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 5, 12, dtype=torch.float64)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)  # torch: True = blocked
+    theirs(x, src_mask=causal).backward(g)
+    want = [x.grad.clone(), *(p.grad for p in theirs.parameters())]  # type: ignore[union-attr]
+    x.grad = None
+    ours(x, causal=True).backward(g)
+    got = [x.grad, *(p.grad for p in ours.parameters())]
+    assert len(got) == len(want)
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w)  # type: ignore[arg-type]
+
+
+@settings(max_examples=20)
+@given(
+    norm_first=st.booleans(),
+    activation=st.sampled_from(["relu", "gelu"]),
+    t=st.integers(1, 5),
+    mem_lengths=st.lists(st.integers(1, 6), min_size=1, max_size=2),
+    seed=st.integers(0, 2**16),
+)
+def test_decoder_layer_from_torch(
+    norm_first: bool, activation: str, t: int, mem_lengths: list[int], seed: int
+) -> None:
+    torch.manual_seed(seed)
+    theirs = nn.TransformerDecoderLayer(
+        8,
+        2,
+        16,
+        dropout=0.0,
+        activation=activation,
+        norm_first=norm_first,
+        batch_first=True,
+        dtype=torch.float64,
+    )
+    randomize(theirs)
+    ours = TransformerDecoderLayer.from_torch(theirs).eval()
+    b, tm = len(mem_lengths), max(mem_lengths)
+    x = torch.randn(b, t, 8, dtype=torch.float64)
+    memory = torch.randn(b, tm, 8, dtype=torch.float64)
+    kpm = torch_padding(mem_lengths, tm)
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+    want = theirs(x, memory, tgt_mask=causal, memory_key_padding_mask=kpm)
+    memory_mask, _ = from_torch_masks(key_padding_mask=kpm, num_heads=2)
+    assert_close(ours(x, memory, memory_mask=memory_mask), want)  # causal by default
+    want = theirs(x, memory, memory_key_padding_mask=kpm)
+    assert_close(ours(x, memory, memory_mask=memory_mask, causal=False), want)
+
+
+# torch warns that its pre-norm encoder cannot use nested tensors; nothing to act on.
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+def test_transformer_matches_torch_pre_norm() -> None:
+    torch.manual_seed(0)
+    theirs = nn.Transformer(
+        16, 4, 2, 2, 24, dropout=0.0, norm_first=True, batch_first=True, dtype=torch.float64
+    )
+    randomize(theirs)
+    ours = Transformer(
+        16,
+        4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=24,
+        norm_first=True,
+        dtype=torch.float64,
+    )
+    for i in range(2):
+        ours.encoder_layers[i] = TransformerEncoderLayer.from_torch(theirs.encoder.layers[i])
+        ours.decoder_layers[i] = TransformerDecoderLayer.from_torch(theirs.decoder.layers[i])
+    ours.encoder_norm.load_state_dict(theirs.encoder.norm.state_dict())
+    ours.decoder_norm.load_state_dict(theirs.decoder.norm.state_dict())
+    src = torch.randn(2, 7, 16, dtype=torch.float64)
+    tgt = torch.randn(2, 5, 16, dtype=torch.float64)
+    src_pad = torch_padding([7, 4], 7)
+    want = theirs(
+        src,
+        tgt,
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64),
+        src_key_padding_mask=src_pad,
+        memory_key_padding_mask=src_pad,
+    )
+    pad = masks.padding_mask([7, 4])
+    assert_close(ours(src, tgt, src_mask=pad, memory_mask=pad), want)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_decoding_through_the_cache_equals_the_full_forward(norm_first: bool) -> None:
+    torch.manual_seed(0)
+    model = Transformer(
+        16,
+        4,
+        num_encoder_layers=2,
+        num_decoder_layers=3,
+        num_kv_heads=2,
+        norm_first=norm_first,
+        dtype=torch.float64,
+    ).eval()
+    src = torch.randn(2, 6, 16, dtype=torch.float64)
+    tgt = torch.randn(2, 7, 16, dtype=torch.float64)
+    pad = masks.padding_mask([6, 3])
+    with torch.no_grad():
+        full = model(src, tgt, src_mask=pad, memory_mask=pad)
+        memory = model.encode(src, mask=pad)
+        cache = model.make_cache(2, max_len=7)
+        steps = [model.decode(tgt[:, :3], memory, memory_mask=pad, cache=cache)]  # prompt
+        steps += [
+            model.decode(tgt[:, i : i + 1], memory, memory_mask=pad, cache=cache)
+            for i in range(3, 7)
+        ]
+    assert [c.length for c in cache] == [7, 7, 7]
+    assert_close(torch.cat(steps, 1), full)  # float64: 1e-10
+    with pytest.raises(ValueError, match=r"one KVCache per decoder layer \(3\), got 1"):
+        model.decode(tgt, memory, cache=cache[:1])
+
+
+def test_encoder_layer_as_a_decoder_only_block_with_cache() -> None:
+    torch.manual_seed(0)
+    layer = TransformerEncoderLayer(16, 4, norm_first=True, dtype=torch.float64).eval()
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    assert isinstance(layer.self_attn, MultiHeadAttention)
+    cache = layer.self_attn.make_cache(1, 6)
+    with torch.no_grad():
+        full = layer(x, causal=True)
+        steps = [layer(x[:, i : i + 1], causal=True, cache=cache) for i in range(6)]
+    assert_close(torch.cat(steps, 1), full)
+
+
+class Recorder(nn.Module):
+    """A self-attention built elsewhere: plain MultiHeadAttention that records its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = MultiHeadAttention(8, 2, dtype=torch.float64)
+        self.calls: list[dict[str, object]] = []
+
+    def forward(self, x: Tensor, *, mask: Tensor | None, causal: bool) -> Tensor:
+        self.calls.append({"mask": mask, "causal": causal})
+        out: Tensor = self.inner(x, mask=mask, causal=causal)
+        return out
+
+
+def test_layers_take_attention_built_elsewhere() -> None:
+    torch.manual_seed(0)
+    rec = Recorder()
+    layer = TransformerEncoderLayer(8, attention=rec, d_ff=16, dtype=torch.float64).eval()
+    plain = TransformerEncoderLayer(8, 2, 16, dtype=torch.float64).eval()
+    plain.self_attn.load_state_dict(rec.inner.state_dict())
+    plain.ffn.load_state_dict(layer.ffn.state_dict())
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    pad = masks.padding_mask([5, 2])
+    assert_close(layer(x, mask=pad, causal=True), plain(x, mask=pad, causal=True))
+    assert rec.calls == [{"mask": pad, "causal": True}]
+    assert "self_attn.inner.in_proj_weight" in dict(layer.named_parameters())
+    cross = MultiHeadAttention(8, 2, kdim=3, vdim=3)
+    dec = TransformerDecoderLayer(8, 2, cross_attention=cross)
+    assert dec.cross_attn is cross
+    assert dec(torch.randn(1, 2, 8), torch.randn(1, 4, 3)).shape == (1, 2, 8)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_errors() -> None:
+    with pytest.raises(ValueError, match=r"pass num_heads, or a ready-made attention= module"):
+        TransformerEncoderLayer(8)
+    with pytest.raises(
+        ValueError, match=r"num_heads, rotary configure the attention attnkit builds"
+    ):
+        TransformerEncoderLayer(8, 2, attention=Recorder(), rotary=nn.Identity())
+    with pytest.raises(TypeError, match=r"attention must be an nn.Module, got str"):
+        TransformerEncoderLayer(8, attention="mha")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"pass num_heads, or ready-made attention= and cross_att"):
+        TransformerDecoderLayer(8, attention=Recorder())
+    with pytest.raises(ValueError, match=r"d_model \(10\) is not divisible by num_heads \(4\)"):
+        TransformerEncoderLayer(10, 4)
+    with pytest.raises(ValueError, match=r"activation must be one of"):
+        TransformerEncoderLayer(8, 2, activation="tanh")
+    torch_layer = nn.TransformerEncoderLayer(8, 2, activation=nn.Tanh())
+    with pytest.raises(ValueError, match=r"activation Tanh\(\) has no attnkit equivalent"):
+        TransformerEncoderLayer.from_torch(torch_layer)
+    with pytest.raises(TypeError, match=r"takes a torch.nn.TransformerEncoderLayer, got Linear"):
+        TransformerEncoderLayer.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"num_encoder_layers must be >= 0, got -1"):
+        Transformer(8, 2, num_encoder_layers=-1)
+
+
+def test_dropout_in_training_only() -> None:
+    torch.manual_seed(0)
+    layer = TransformerEncoderLayer(16, 4, dropout=0.3, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    layer.eval()
+    a = layer(x)
+    assert torch.equal(a, layer(x))
+    layer.train()
+    assert not torch.allclose(layer(x), a)

@@ -1,0 +1,457 @@
+"""MultiHeadAttention: against an independent float64 formula and against torch's module."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import attnkit
+from attnkit import MultiHeadAttention, from_torch_masks, masks
+from attnkit.testing import assert_close
+
+# --------------------------------------------------------------------------------------------------
+# An independent formula: explicit per-head weights, GQA by repeating key/value heads, softmax over
+# the allowed keys only.
+
+
+def formula(
+    m: MultiHeadAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Output (B, Tq, D) and per-head weights (B, H, Tq, Tk) of ``m``, in float64."""
+    h, hkv, dh, dhv = m.num_heads, m.num_kv_heads, m.head_dim, m.v_head_dim
+    params = {n: p.detach().double() for n, p in m.named_parameters()}
+    if "in_proj_weight" in params:
+        wq, wk, wv = params["in_proj_weight"].split([h * dh, hkv * dh, hkv * dhv])
+    else:
+        wq, wk, wv = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+    bq = bk = bv = None
+    if "in_proj_bias" in params:
+        bq, bk, bv = params["in_proj_bias"].split([h * dh, hkv * dh, hkv * dhv])
+    b, tq, tk = query.size(0), query.size(1), key.size(1)
+    q = F.linear(query.double(), wq, bq).view(b, tq, h, dh).transpose(1, 2)
+    k = F.linear(key.double(), wk, bk).view(b, tk, hkv, dh).transpose(1, 2)
+    v = F.linear(value.double(), wv, bv).view(b, tk, hkv, dhv).transpose(1, 2)
+    k = k.repeat_interleave(h // hkv, dim=1)  # query head i uses key/value head i // (H / Hkv)
+    v = v.repeat_interleave(h // hkv, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(dh)  # (B, H, Tq, Tk)
+    allowed = torch.ones(b, h, tq, tk, dtype=torch.bool)
+    if mask is not None:
+        allowed = allowed & mask
+    if causal:
+        i = torch.arange(tq)[:, None]
+        j = torch.arange(tk)
+        allowed = allowed & (j <= i + tk - tq)
+    weights = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
+    heads = (weights @ v).transpose(1, 2).reshape(b, tq, h * dhv)
+    out = F.linear(heads, params["out_proj.weight"], params.get("out_proj.bias"))
+    return out, weights
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> dict[str, object]:
+    hkv = draw(st.integers(1, 3))
+    h = hkv * draw(st.sampled_from([1, 2, 3]))
+    sizes = draw(st.sampled_from(["even", "head_dim", "both"]))
+    dh = draw(st.integers(1, 5))
+    kw: dict[str, object] = {"num_kv_heads": hkv, "bias": draw(st.booleans())}
+    d_model = h * dh
+    if sizes != "even":
+        d_model = draw(st.integers(1, 12))
+        kw["head_dim"] = dh
+    if sizes == "both":
+        kw["v_head_dim"] = draw(st.integers(1, 5))
+    if draw(st.booleans()):
+        kw["kdim"] = draw(st.integers(1, 7))
+        kw["vdim"] = draw(st.integers(1, 7))
+    return {"d_model": d_model, "num_heads": h, **kw}
+
+
+@given(
+    cfg=configs(),
+    b=st.integers(1, 2),
+    tq=st.integers(1, 6),
+    tk=st.integers(1, 6),
+    self_attention=st.booleans(),
+    causal=st.booleans(),
+    masked=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_formula(
+    cfg: dict[str, object],
+    b: int,
+    tq: int,
+    tk: int,
+    self_attention: bool,
+    causal: bool,
+    masked: bool,
+    seed: int,
+) -> None:
+    torch.manual_seed(seed)
+    m = MultiHeadAttention(**cfg, dtype=torch.float64)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()  # biases too: zeros would hide a bias applied to the wrong rows
+    query = torch.randn(b, tq, m.d_model, dtype=torch.float64)
+    if self_attention and m.in_proj_weight is not None:
+        key = value = query
+        tk = tq
+    else:
+        key = torch.randn(b, tk, m.kdim, dtype=torch.float64)
+        value = torch.randn(b, tk, m.vdim, dtype=torch.float64)
+    mask = torch.rand(b, 1, tq, tk) < 0.7 if masked else None
+    out, w = m(
+        query,
+        None if key is query else key,
+        None if value is key else value,
+        mask=mask,
+        causal=causal,
+        need_weights=True,
+        average_weights=False,
+    )
+    want_out, want_w = formula(m, query, key, value, mask=mask, causal=causal)
+    assert_close(out, want_out)
+    assert_close(w, want_w)
+    # The fast path (no weights) computes the same output.
+    assert_close(m(query, key, value, mask=mask, causal=causal), want_out)
+
+
+def test_average_weights_and_per_head() -> None:
+    m = MultiHeadAttention(12, 3, dtype=torch.float64)
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    mem = torch.randn(2, 7, 12, dtype=torch.float64)
+    _, per_head = m(x, mem, need_weights=True, average_weights=False)
+    _, avg = m(x, mem, need_weights=True)
+    assert per_head.shape == (2, 3, 5, 7)
+    assert avg.shape == (2, 5, 7)
+    assert_close(avg, per_head.mean(1))
+    assert_close(avg.sum(-1), torch.ones(2, 5, dtype=torch.float64))
+
+
+def test_gqa_parameters_are_hkv_heads_wide() -> None:
+    m = MultiHeadAttention(64, 8, num_kv_heads=2, head_dim=16, v_head_dim=4)
+    assert m.in_proj_weight is not None
+    assert m.in_proj_weight.shape == (8 * 16 + 2 * 16 + 2 * 4, 64)
+    assert m.out_proj.weight.shape == (64, 8 * 4)
+    cache = m.make_cache(3, 10)
+    assert cache.k_cache.shape == (3, 2, 10, 16)
+    assert cache.v_cache.shape == (3, 2, 10, 4)
+
+
+def test_projections_without_bias_and_separate() -> None:
+    m = MultiHeadAttention(8, 2, kdim=5, vdim=3, bias=False)
+    names = {n for n, _ in m.named_parameters()}
+    assert names == {"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"}
+
+
+def test_dropout_in_training_only() -> None:
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, dropout=0.5, dtype=torch.float64)
+    plain = MultiHeadAttention(16, 4, dtype=torch.float64)
+    plain.load_state_dict(m.state_dict())
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    m.eval()
+    assert_close(m(x), plain(x))
+    m.train()
+    out, w = m(x, need_weights=True)
+    assert (out - plain(x)).abs().max() > 1e-3  # dropout changed the output
+    assert_close(w, plain(x, need_weights=True)[1])  # the weights are taken before dropout
+    assert not torch.equal(m(x), m(x))  # fresh dropout each call
+
+
+def test_calls_attention_once_without_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[bool] = []
+    real = attnkit.multihead.attention
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(bool(kwargs.get("return_weights", False)))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attnkit.multihead, "attention", spy)
+    m = MultiHeadAttention(16, 4)
+    m(torch.randn(2, 5, 16), causal=True)
+    assert calls == [False]
+    m(torch.randn(2, 5, 16), need_weights=True)
+    assert calls == [False, True]
+
+
+def test_self_attention_uses_one_projection_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    shapes: list[tuple[int, ...]] = []
+    real = F.linear
+
+    def spy(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        shapes.append(tuple(w.shape))
+        return real(x, w, b)
+
+    monkeypatch.setattr(attnkit.multihead.F, "linear", spy)
+    m = MultiHeadAttention(16, 4, num_kv_heads=2, head_dim=3, v_head_dim=2)
+    x = torch.randn(2, 5, 16)
+    m(x)
+    # q, k, v in one GEMM (12 + 6 + 4 rows), then the output projection (an nn.Linear).
+    assert shapes == [(22, 16), (16, 8)]
+    shapes.clear()
+    m(x, torch.randn(2, 3, 16))  # cross-attention: k and v in one GEMM, then q
+    assert shapes == [(10, 16), (12, 16), (16, 8)]
+
+
+def test_fully_masked_row_is_zero_not_nan() -> None:
+    m = MultiHeadAttention(8, 2)
+    mask = torch.ones(1, 1, 3, 4, dtype=torch.bool)
+    mask[..., 1, :] = False
+    out, w = m(torch.randn(1, 3, 8), torch.randn(1, 4, 8), mask=mask, need_weights=True)
+    assert out.isfinite().all()
+    assert_close(w[:, 1], torch.zeros(1, 4))
+    # The query that sees nothing gets only the output projection's bias.
+    assert_close(out[0, 1], m.out_proj.bias.detach())
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.nn.MultiheadAttention
+
+
+@st.composite
+def torch_cases(draw: st.DrawFn) -> dict[str, object]:
+    h = draw(st.integers(1, 4))
+    e = h * draw(st.integers(1, 4))
+    kdim = draw(st.sampled_from([None, e, e + 2]))
+    vdim = draw(st.sampled_from([None, e, e + 1]))
+    b, tq = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    self_attention = kdim in (None, e) and vdim in (None, e) and draw(st.booleans())
+    tk = tq if self_attention else draw(st.integers(1, 6))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    attn_mask = key_padding_mask = None
+    kind = draw(st.sampled_from(["none", "bool", "bool3d", "float"]))
+    if kind != "none":
+        shape = (b * h, tq, tk) if kind == "bool3d" else (tq, tk)
+        if kind == "float":
+            attn_mask = torch.randn(shape, generator=gen, dtype=torch.float64)
+        else:
+            attn_mask = torch.rand(shape, generator=gen) < 0.4  # True = blocked in torch
+            attn_mask[..., 0] = False  # every query keeps a key: torch gives NaN otherwise
+    pad = draw(st.sampled_from(["none", "bool", "float"]))
+    if pad == "bool":
+        key_padding_mask = torch.rand(b, tk, generator=gen) < 0.4
+        key_padding_mask[:, 0] = False
+    elif pad == "float":
+        key_padding_mask = torch.randn(b, tk, generator=gen, dtype=torch.float64)
+    return {
+        "module": {
+            "embed_dim": e,
+            "num_heads": h,
+            "kdim": kdim,
+            "vdim": vdim,
+            "bias": draw(st.booleans()),
+            "batch_first": draw(st.booleans()),
+        },
+        "shapes": (b, tq, tk),
+        "self_attention": self_attention,
+        "attn_mask": attn_mask,
+        "key_padding_mask": key_padding_mask,
+        "grad": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+# torch warns when attn_mask and key_padding_mask differ in kind (bool and float); it still works.
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
+@settings(max_examples=40)
+@given(case=torch_cases())
+def test_from_torch_matches_torch(case: dict[str, object]) -> None:
+    cfg: dict[str, object] = case["module"]  # type: ignore[assignment]
+    b, tq, tk = case["shapes"]  # type: ignore[misc]
+    torch.manual_seed(case["seed"])  # type: ignore[arg-type]
+    theirs = nn.MultiheadAttention(**cfg, dtype=torch.float64).eval()  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(std=0.5)
+    ours = MultiHeadAttention.from_torch(theirs)
+    e = theirs.embed_dim
+    query = torch.randn(b, tq, e, dtype=torch.float64)
+    if case["self_attention"]:
+        key = value = query
+    else:
+        key = torch.randn(b, tk, theirs.kdim, dtype=torch.float64)
+        value = torch.randn(b, tk, theirs.vdim, dtype=torch.float64)
+
+    def to_theirs(t: Tensor) -> Tensor:
+        return t if theirs.batch_first else t.transpose(0, 1)
+
+    am, kpm = case["attn_mask"], case["key_padding_mask"]
+    mask, bias = from_torch_masks(am, kpm, num_heads=theirs.num_heads, dtype=torch.float64)  # type: ignore[arg-type]
+    with torch.set_grad_enabled(bool(case["grad"])):
+        # Self-attention passes one tensor three times: torch's fast path needs `query is key`.
+        tq_in = to_theirs(query)
+        tk_in = tq_in if case["self_attention"] else to_theirs(key)
+        tv_in = tq_in if case["self_attention"] else to_theirs(value)
+        want = theirs(tq_in, tk_in, tv_in, attn_mask=am, key_padding_mask=kpm, need_weights=False)[
+            0
+        ]
+        got = ours(query, key, value, mask=mask, bias=bias)
+        assert_close(got, to_theirs(want))
+        want, want_w = theirs(
+            tq_in, tk_in, tv_in, attn_mask=am, key_padding_mask=kpm, average_attn_weights=False
+        )
+        got, got_w = ours(
+            query, key, value, mask=mask, bias=bias, need_weights=True, average_weights=False
+        )
+        assert_close(got, to_theirs(want))
+        assert_close(got_w, want_w)
+
+
+def test_gradients_match_torch() -> None:
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(12, 3, batch_first=True, dtype=torch.float64)
+    ours = MultiHeadAttention.from_torch(theirs)
+    x = torch.randn(2, 6, 12, dtype=torch.float64, requires_grad=True)
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    g = torch.randn(2, 6, 12, dtype=torch.float64)
+    theirs(x, x, x, key_padding_mask=pad, need_weights=False)[0].backward(g)
+    want = [x.grad.clone(), *(p.grad for p in theirs.parameters())]  # type: ignore[union-attr]
+    x.grad = None
+    mask, _ = from_torch_masks(key_padding_mask=pad, num_heads=3)
+    ours(x, mask=mask).backward(g)
+    got = [x.grad, *(p.grad for p in ours.parameters())]
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w)  # type: ignore[arg-type]
+
+
+def test_to_torch_round_trip() -> None:
+    torch.manual_seed(1)
+    for kw in ({}, {"kdim": 5, "vdim": 7}, {"bias": False}):
+        ours = MultiHeadAttention(8, 2, dtype=torch.float64, **kw)  # type: ignore[arg-type]
+        for batch_first in (True, False):
+            theirs = ours.to_torch(batch_first=batch_first)
+            assert theirs.batch_first is batch_first
+            back = MultiHeadAttention.from_torch(theirs)
+            for (n1, p1), (n2, p2) in zip(
+                ours.named_parameters(), back.named_parameters(), strict=True
+            ):
+                assert n1 == n2
+                assert torch.equal(p1, p2)
+        x = torch.randn(2, 4, 8, dtype=torch.float64)
+        mem = torch.randn(2, 3, ours.kdim, dtype=torch.float64)
+        val = torch.randn(2, 3, ours.vdim, dtype=torch.float64)
+        theirs = ours.to_torch()
+        assert_close(ours(x, mem, val), theirs(x, mem, val, need_weights=False)[0])
+
+
+def test_to_and_from_torch_refuse_what_has_no_equivalent() -> None:
+    with pytest.raises(ValueError, match=r"num_kv_heads \(2\) != num_heads \(4\)"):
+        MultiHeadAttention(16, 4, num_kv_heads=2).to_torch()
+    with pytest.raises(ValueError, match=r"head_dim \(8\) and v_head_dim \(8\) must both be"):
+        MultiHeadAttention(16, 4, head_dim=8).to_torch()
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True))
+    with pytest.raises(ValueError, match="add_zero_attn"):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_zero_attn=True))
+    with pytest.raises(TypeError, match="got Linear"):
+        MultiHeadAttention.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_from_torch_masks() -> None:
+    am = torch.tensor([[False, True], [False, False]])  # torch: True = blocked
+    kpm = torch.tensor([[False, False], [False, True]])
+    mask, bias = from_torch_masks(am, kpm, num_heads=2)
+    assert bias is None
+    assert mask is not None
+    want = ~am & ~kpm[:, None, None, :]  # (B, 1, Tq, Tk)
+    assert torch.equal(mask.expand(2, 1, 2, 2), want)
+    fm = torch.tensor([[0.0, -1.0], [2.0, 0.0]])
+    mask, bias = from_torch_masks(fm, kpm, num_heads=2, dtype=torch.float64)
+    assert bias is not None
+    assert bias.dtype == torch.float64
+    assert torch.equal(bias, fm.double())
+    assert torch.equal(mask, ~kpm[:, None, None, :])  # type: ignore[arg-type]
+    per_head = torch.zeros(4, 2, 2, dtype=torch.bool)
+    per_head[3, 0, 1] = True
+    mask, _ = from_torch_masks(per_head, num_heads=2)
+    assert mask is not None
+    assert mask.shape == (2, 2, 2, 2)
+    assert not mask[1, 1, 0, 1]
+    with pytest.raises(
+        ValueError, match=r"\(B\*H, Tq, Tk\) with H = num_heads \(3\), got \(4, 2, 2\)"
+    ):
+        from_torch_masks(per_head, num_heads=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors name the argument and quote the values
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"d_model": 30, "num_heads": 4},
+            ValueError,
+            r"d_model \(30\) is not divisible by num_heads \(4\)",
+        ),
+        (
+            {"d_model": 24, "num_heads": 6, "num_kv_heads": 4},
+            ValueError,
+            r"num_heads \(6\) is not divisible by num_kv_heads \(4\)",
+        ),
+        ({"d_model": 8, "num_heads": 0}, ValueError, r"num_heads must be >= 1, got 0"),
+        ({"d_model": 8.0, "num_heads": 2}, TypeError, r"d_model must be an int, got 8.0"),
+        (
+            {"d_model": 8, "num_heads": 2, "dropout": 1.5},
+            ValueError,
+            r"dropout must be in \[0, 1\), got 1.5",
+        ),
+        ({"d_model": 8, "num_heads": 2, "kdim": -1}, ValueError, r"kdim must be >= 1, got -1"),
+        (
+            {"d_model": 8, "num_heads": 2, "rotary": attnkit.RotaryEmbedding(6)},
+            ValueError,
+            r"rotary.head_dim \(6\) must equal the head_dim .* \(4\)",
+        ),
+        (
+            {"d_model": 8, "num_heads": 2, "rotary": "rope"},
+            TypeError,
+            r"rotary must be an nn.Module or None, got str",
+        ),
+    ],
+)
+def test_constructor_errors(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        MultiHeadAttention(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_forward_errors() -> None:
+    m = MultiHeadAttention(8, 2, kdim=6)
+    with pytest.raises(
+        ValueError, match=r"query must have shape \(B, Tq, d_model=8\), got \(2, 5, 7\)"
+    ):
+        m(torch.randn(2, 5, 7), torch.randn(2, 3, 6), torch.randn(2, 3, 8))
+    with pytest.raises(
+        ValueError, match=r"key must have shape \(B=2, Tk, kdim=6\), got \(2, 5, 8\)"
+    ):
+        m(torch.randn(2, 5, 8))
+    with pytest.raises(ValueError, match=r"key and value must have the same length Tk"):
+        m(torch.randn(2, 5, 8), torch.randn(2, 3, 6), torch.randn(2, 4, 8))
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        MultiHeadAttention(8, 2)(torch.randn(1, 3, 8), mask=torch.ones(3, 3))
+    with pytest.raises(
+        ValueError, match=r"mask of shape \(4\) does not broadcast to .* \(1, 2, 3, 3\)"
+    ):
+        MultiHeadAttention(8, 2)(torch.randn(1, 3, 8), mask=masks.padding_mask([4])[0, 0, 0])
+
+
+def test_shape_annotations_are_checked() -> None:
+    m = MultiHeadAttention(8, 2)
+    with pytest.raises(Exception, match="query"):
+        m(torch.randn(2, 5))  # type: ignore[arg-type]

@@ -1,0 +1,125 @@
+"""Sinusoidal encoding, rotary embeddings and ALiBi against their papers' formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import RotaryEmbedding, SinusoidalPositionalEncoding, alibi_bias, alibi_slopes
+from attnkit.testing import assert_close
+
+
+@pytest.mark.parametrize("d_model", [1, 4, 7, 16])
+def test_sinusoidal_is_the_papers_formula(d_model: int) -> None:
+    pe = SinusoidalPositionalEncoding(d_model)
+    want = torch.zeros(6, d_model, dtype=torch.float64)
+    for pos in range(6):
+        for col in range(d_model):
+            i = col // 2
+            angle = pos / 10000 ** (2 * i / d_model)
+            want[pos, col] = math.sin(angle) if col % 2 == 0 else math.cos(angle)
+    x = torch.randn(2, 6, d_model, dtype=torch.float64)
+    assert_close(pe(x), x + want)
+    assert_close(pe.encoding(6, dtype=torch.float32), want, dtype=torch.float32)
+
+
+def test_sinusoidal_offset_and_dropout() -> None:
+    pe = SinusoidalPositionalEncoding(8)
+    full = pe.encoding(10, dtype=torch.float64)
+    assert_close(pe.encoding(3, offset=7, dtype=torch.float64), full[7:])
+    x = torch.zeros(1, 2, 8, dtype=torch.float64)
+    assert_close(pe(x, offset=4)[0], full[4:6])
+    drop = SinusoidalPositionalEncoding(8, dropout=0.5)
+    assert (drop(torch.zeros(1, 50, 8)) == 0).any()
+    assert torch.equal(drop.eval()(x), pe(x))
+
+
+def rope_complex(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """RoPE as complex numbers: the pair (x[i], x[i + D/2]) is z_i, rotated by pos * theta_i."""
+    half = x.size(-1) // 2
+    theta = base ** (-torch.arange(half, dtype=torch.float64) / half)
+    z = torch.complex(x[..., :half], x[..., half:])
+    z = z * torch.polar(torch.ones_like(theta), positions[:, None].double() * theta)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+@given(d=st.sampled_from([2, 4, 8, 12]), t=st.integers(1, 9), offset=st.integers(0, 50))
+def test_rotary_is_a_rotation_by_position(d: int, t: int, offset: int) -> None:
+    rope = RotaryEmbedding(d)
+    x = torch.randn(2, 3, t, d, dtype=torch.float64)
+    got = rope(x, offset=offset)
+    assert_close(got, rope_complex(x, torch.arange(offset, offset + t)))
+    assert_close(got.norm(dim=-1), x.norm(dim=-1))  # rotations keep lengths
+
+
+@given(m=st.integers(0, 100), n=st.integers(0, 100), shift=st.integers(0, 1000))
+def test_rotary_scores_depend_on_distance_only(m: int, n: int, shift: int) -> None:
+    rope = RotaryEmbedding(16, base=500.0)
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    q = torch.randn(1, 16, dtype=torch.float64, generator=gen)
+    k = torch.randn(1, 16, dtype=torch.float64, generator=gen)
+    a = rope(q, offset=m) @ rope(k, offset=n).T
+    b = rope(q, offset=m + shift) @ rope(k, offset=n + shift).T
+    torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_rotary_angles_survive_half_precision() -> None:
+    rope = RotaryEmbedding(8).half()  # no buffer to round: the angles are computed in float32
+    x = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    got = rope(x.half(), offset=3000)
+    assert_close(
+        got, rope_complex(x.half().double(), torch.arange(3000, 3004)), dtype=torch.float16
+    )
+
+
+def test_alibi_slopes_follow_the_paper() -> None:
+    assert_close(alibi_slopes(8), torch.tensor([2.0**-i for i in range(1, 9)]))
+    # Not a power of two: the 4-head slopes, then every other slope of 8 heads.
+    want = [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
+    assert_close(alibi_slopes(6), torch.tensor(want))
+
+
+def test_alibi_bias_is_bottom_right_and_serves_a_cache() -> None:
+    full = alibi_bias(4, 5, dtype=torch.float64)
+    slopes = alibi_slopes(4).double()
+    for h in range(4):
+        for i in range(5):
+            for j in range(5):
+                assert full[h, i, j] == -slopes[h] * abs(i - j)
+    assert_close(alibi_bias(4, 2, 5, dtype=torch.float64), full[:, 3:])  # 2 new after 3 cached
+
+
+def test_alibi_in_attention_and_multihead() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 6, 8, dtype=torch.float64) for _ in range(3))
+    bias = alibi_bias(4, 6, dtype=torch.float64)
+    _, w = attnkit.attention(q, k, v, bias=bias, causal=True, return_weights=True)
+    scores = q @ k.mT / math.sqrt(8) + bias
+    scores = scores.masked_fill(~attnkit.masks.causal_mask(6), -math.inf)
+    assert_close(w, torch.softmax(scores, -1))
+    m = attnkit.MultiHeadAttention(16, 4, dtype=torch.float64)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    assert m(x, bias=bias, causal=True).isfinite().all()
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="head_dim must be even for rotary embeddings, got 5"):
+        RotaryEmbedding(5)
+    with pytest.raises(
+        ValueError, match=r"x must have shape \(\.\.\., T, head_dim=8\), got \(2, 3, 6\)"
+    ):
+        RotaryEmbedding(8)(torch.randn(2, 3, 6))
+    with pytest.raises(ValueError, match="offset must be >= 0, got -1"):
+        RotaryEmbedding(8)(torch.randn(2, 3, 8), offset=-1)
+    with pytest.raises(ValueError, match=r"x must have shape \(B, T, d_model=8\), got \(2, 3, 4\)"):
+        SinusoidalPositionalEncoding(8)(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match=r"base must be a number > 1, got 0\.5"):
+        SinusoidalPositionalEncoding(8, base=0.5)
+    with pytest.raises(ValueError, match="num_heads must be >= 1, got 0"):
+        alibi_slopes(0)
