@@ -21,12 +21,18 @@ Two details make it fast in eager PyTorch:
   keys.
 
 float16/bfloat16 inputs are computed block by block in float32.
+
+A private hook, :class:`ScoreTerm`, adds a score term that is never materialised whole: the kernel
+asks it for the rows of one query block and then for one ``(bq, bk)`` tile at a time, and in the
+backward hands each tile's score gradient back. Relative positions (:mod:`attnkit._relpos`) use it
+to compute their term per block, so their memory stays O(T).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -110,6 +116,33 @@ def _block_mask(
     return tile
 
 
+class ScoreTermRows(Protocol):
+    """A score term for the queries ``qs:qe`` of one block (see :class:`ScoreTerm`)."""
+
+    def tile(self, ks: int, ke: int) -> Tensor:
+        """The term for keys ``ks:ke``, broadcastable to ``(N, Hkv, G, qe-qs, ke-ks)``."""
+        ...
+
+    def backward(self, ks: int, ke: int, ds: Tensor) -> None:
+        """Take the gradient of the scores ``(N, Hkv, G, qe-qs, ke-ks)`` of that tile."""
+        ...
+
+    def flush(self) -> None:
+        """The backward has seen every tile of these rows: turn the tiles into gradients."""
+        ...
+
+
+class ScoreTerm(Protocol):
+    """An additive score term the kernel computes block by block, after the scaled ``q k^T``.
+
+    Unlike ``bias`` it never exists as a whole ``(Tq, Tk)`` tensor: the kernel calls
+    ``rows(qs, qe, key_end)`` once per query block (``key_end``: no tile past that key will be
+    asked for), then ``tile`` per key block. The term owns its inputs and their gradients.
+    """
+
+    def rows(self, qs: int, qe: int, key_end: int) -> ScoreTermRows: ...
+
+
 class _Problem:
     """One call's tensors in the kernel's layout, shared by the forward and backward passes."""
 
@@ -124,6 +157,7 @@ class _Problem:
         scale: float,
         block_q: int,
         block_k: int,
+        score_term: ScoreTerm | None = None,
     ) -> None:
         self.batch = tuple(q.shape[:-3])
         self.n = math.prod(self.batch)
@@ -140,6 +174,17 @@ class _Problem:
         self.scale = scale
         self.bq = max(1, block_q)
         self.bk = max(1, block_k)
+        self.score_term = score_term
+
+    def term_rows(self, qs: int, qe: int) -> ScoreTermRows | None:
+        """The score term's rows for one query block, covering every key block it may visit."""
+        if self.score_term is None:
+            return None
+        key_end = self.tk
+        if self.offset is not None:  # key blocks past the causal diagonal are never visited
+            last_visible = qe - 1 + self.offset
+            key_end = min(self.tk, max(0, (last_visible // self.bk + 1) * self.bk))
+        return self.score_term.rows(qs, qe, key_end)
 
     def q_block(self, qs: int, qe: int) -> Tensor:
         """(N*Hkv, G*bq, Dk) scaled queries of one block, in the work dtype (a small copy)."""
@@ -147,9 +192,19 @@ class _Problem:
         return qb.to(self.work) * self.scale
 
     def scores(
-        self, qb: Tensor, qs: int, qe: int, ks: int, ke: int, offset_rows: Tensor | None
+        self,
+        qb: Tensor,
+        qs: int,
+        qe: int,
+        ks: int,
+        ke: int,
+        offset_rows: Tensor | None,
+        term: ScoreTermRows | None = None,
     ) -> Tensor | None:
-        """Scaled scores of a block minus a per-row offset, masked with -inf; None if all hidden."""
+        """Scaled scores of a block minus a per-row offset, masked with -inf; None if all hidden.
+
+        ``term`` is the block's :class:`ScoreTerm` rows, whose tile is added like ``bias``.
+        """
         vis = _block_mask(self.mask5, qs, qe, ks, ke, self.offset, qb.device)
         if vis is False:
             return None
@@ -161,6 +216,8 @@ class _Problem:
         s5 = s.view(self.n, self.hkv, self.g, qe - qs, ke - ks)
         if self.bias5 is not None:
             s5.add_(_tile(self.bias5, qs, qe, ks, ke))
+        if term is not None:
+            s5.add_(term.tile(ks, ke))
         if isinstance(vis, Tensor):
             s5.masked_fill_(~vis, float("-inf"))
         return s
@@ -179,13 +236,14 @@ def _forward_block(p: _Problem, qs: int, qe: int, lazy: bool) -> tuple[Tensor, T
     ``lazy=False`` is the textbook online softmax (rescale whenever a block's maximum is larger).
     """
     qb = p.q_block(qs, qe)
+    term = p.term_rows(qs, qe)
     rows = qb.size(1)
     acc = qb.new_zeros(qb.size(0), rows, p.dv)
     lsum = qb.new_zeros(qb.size(0), rows, 1)
     m = qb.new_full((qb.size(0), rows, 1), float("-inf"))
     settled = False  # every row has a finite offset, so lazy steps are safe to take
     for ks, ke in p.k_ranges():
-        s = p.scores(qb, qs, qe, ks, ke, m if (lazy and settled) else None)
+        s = p.scores(qb, qs, qe, ks, ke, m if (lazy and settled) else None, term)
         if s is None:
             continue
         vb = p.v3[:, ks:ke].to(p.work)
@@ -250,10 +308,11 @@ def backward(
     for qs in range(0, p.tq, p.bq):
         qe = min(qs + p.bq, p.tq)
         qb = p.q_block(qs, qe)
+        term = p.term_rows(qs, qe)
         lse_b, delta_b, do_b = rows(lse, qs, qe), rows(delta, qs, qe), rows(dout5, qs, qe)
         dq_b = qb.new_zeros(qb.shape)
         for ks, ke in p.k_ranges():
-            s = p.scores(qb, qs, qe, ks, ke, lse_b)
+            s = p.scores(qb, qs, qe, ks, ke, lse_b, term)
             if s is None:
                 continue
             prob = s.exp_()  # (N*Hkv, G*bq, bk): the forward's probabilities, recomputed
@@ -266,6 +325,10 @@ def backward(
             if dbias is not None:
                 tile = _tile(dbias, qs, qe, ks, ke)
                 tile.add_(ds.view(p.n, p.hkv, p.g, qe - qs, ke - ks).sum_to_size(tile.shape))
+            if term is not None:
+                term.backward(ks, ke, ds.view(p.n, p.hkv, p.g, qe - qs, ke - ks))
+        if term is not None:
+            term.flush()
         dq.view(p.n, p.hkv, p.g, p.tq, p.dk)[:, :, :, qs:qe] = dq_b.view(
             p.n, p.hkv, p.g, qe - qs, p.dk
         )

@@ -1,0 +1,288 @@
+"""Relative-position scores (Transformer-XL), materialised for reading and blocked for speed.
+
+:class:`attnkit.RelativeMultiHeadAttention` scores query ``i`` against key ``j`` as
+
+    ((q_i + u) . k_j  +  (q_i + v) . R[a_i - j]) * scale
+
+where ``a_i = i + Tk - Tq`` is the query's position among the keys (queries are the last ``Tq``
+positions) and ``R[d]`` is the projected sinusoidal encoding of the distance ``d``. The module hands
+this file the content queries ``qu = q + u``, the position queries ``qv = q + v`` and the projected
+encodings as a per-head table ``enc``; what the position term needs is a skew of one product:
+
+* **exact** (the default): ``enc`` lists the distances from ``Tk - 1`` down to ``1 - Tq``, so
+  ``R[a_i - j]`` is row ``Tq - 1 - i + j`` of it. Row ``i`` of ``qv @ enc^T`` read from column
+  ``Tq - 1 - i`` onwards is the row of the term: a diagonal skew.
+* **openspeech** (legacy): ``enc`` is the projected *absolute* encoding of positions ``0..T-1``
+  with a zero row in front, and the term is openspeech's pad-and-reshape shift of
+  ``qv @ enc^T``: the ``(T, T+1)`` product read as ``(T+1, T)`` with its first row dropped.
+
+:func:`position_scores` writes either out as a ``(B, H, Tq, Tk)`` tensor (the readable version,
+used for attention weights and dropout). :func:`relative_attention` never does: for a block of
+queries it multiplies ``qv`` by the window of ``enc`` those queries need (``Tk + block - 1``
+distances), and the chunked kernel reads each tile of the term as a strided view of that product
+(see :class:`attnkit.backends.chunked.ScoreTerm`). Memory stays O(T · block).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .backends import chunked as _kernel
+
+# Query rows per block. The position term costs (Tk + block_q - 1) / Tk times q k^T, so smaller
+# blocks waste less of it than the kernel's default 512, at a little more per-block overhead.
+BLOCK_Q = 256
+BLOCK_K = 256
+# openspeech's PositionalEncoding fills a table of this many positions once; the legacy encodings
+# are computed with the same shape so that they come out bit for bit the same.
+OPENSPEECH_MAX_LEN = 5000
+
+
+# --------------------------------------------------------------------------------------------------
+# Sinusoidal encodings
+
+
+def relative_sinusoid(distances: Tensor, dim: int) -> Tensor:
+    """``(P, dim)`` encodings of (possibly negative) distances: ``[sin(d w_k) | cos(d w_k)]``.
+
+    ``w_k = 10000^(-2k / dim)`` for ``k < ceil(dim / 2)``: the sines fill the first half, the
+    cosines the rest (Transformer-XL's layout). Computed in float64 for any input dtype.
+    """
+    half = (dim + 1) // 2
+    freq = torch.pow(10000.0, -2.0 * torch.arange(half, dtype=torch.float64) / dim)
+    angle = distances.to(torch.float64).unsqueeze(-1) * freq.to(distances.device)  # (P, half)
+    return torch.cat([angle.sin(), angle.cos()[:, : dim - half]], dim=-1)
+
+
+def openspeech_sinusoid(length: int, dim: int) -> Tensor:
+    """openspeech's absolute ``PositionalEncoding`` of positions ``0..length-1``, in float32.
+
+    ``pe[p, 2k] = sin(p * f_k)`` and ``pe[p, 2k+1] = cos(p * f_k)`` with
+    ``f_k = exp(2k * -ln(10000) / dim)``, every step in float32 as openspeech computes it: the
+    rounding of ``p * f_k`` alone moves far positions by ~1e-4, so a float64 recomputation would not
+    reproduce a trained model's inputs.
+    """
+    rows = max(length, OPENSPEECH_MAX_LEN)
+    pe = torch.zeros(rows, dim)
+    position = torch.arange(0, rows, dtype=torch.float).unsqueeze(1)
+    freq = torch.exp(torch.arange(0, dim, 2).float() * -(math.log(10000.0) / dim))
+    pe[:, 0::2] = torch.sin(position * freq)
+    pe[:, 1::2] = torch.cos(position * freq[: dim // 2])
+    return pe[:length]
+
+
+# --------------------------------------------------------------------------------------------------
+# The readable version
+
+
+def position_scores(qv: Tensor, enc: Tensor, tk: int, *, legacy: bool) -> Tensor:
+    """The position term ``(B, H, Tq, Tk)`` (unscaled), written out whole.
+
+    ``qv`` is ``(B, H, Tq, Dh)``; ``enc`` is ``(H, Tq + Tk - 1, Dh)`` (exact) or ``(H, T + 1, Dh)``
+    (openspeech, whose first row is zero).
+    """
+    b, h, tq, _ = qv.shape
+    product = qv @ enc.transpose(-1, -2).unsqueeze(0)  # (B, H, Tq, P)
+    if legacy:
+        # openspeech's shift: the (T, T+1) rows, read as T+1 rows of T, lose their first row.
+        return product.reshape(b, h, tq + 1, tk)[:, :, 1:]  # (B, H, T, T)
+    i = torch.arange(tq, device=qv.device).unsqueeze(-1)
+    j = torch.arange(tk, device=qv.device)
+    column = (tq - 1 - i + j).expand(b, h, tq, tk)  # row of enc holding distance a_i - j
+    return product.gather(-1, column)  # (B, H, Tq, Tk)
+
+
+# --------------------------------------------------------------------------------------------------
+# The blocked version: a score term for the chunked kernel
+
+
+class _Skew(NamedTuple):
+    """Where the tile of one query block lies in its product ``qv[rows] @ enc[window]^T``.
+
+    Tile element ``(r, j)`` is element ``offset + r * stride + j`` of the product of each head and
+    batch entry, read as a flat ``(rows, window)`` matrix.
+    """
+
+    row_lo: int
+    row_hi: int
+    enc_lo: int
+    enc_hi: int
+    offset: int
+    stride: int
+
+
+class _RelativeTerm:
+    """The position term as a :class:`~attnkit.backends.chunked.ScoreTerm`.
+
+    ``qv`` ``(N, H, Tq, Dh)`` and ``enc`` ``(H, P, Dh)`` are the inputs; with ``grads`` the rows
+    accumulate ``dqv`` and ``denc`` (in the work dtype) during the backward.
+    """
+
+    def __init__(
+        self, qv: Tensor, enc: Tensor, scale: float, tk: int, legacy: bool, grads: bool
+    ) -> None:
+        self.n, self.h, self.tq, self.dh = qv.shape
+        self.tk = tk
+        self.work = torch.promote_types(qv.dtype, torch.float32)
+        self.qv = qv
+        self.enc = enc.to(self.work)
+        self.scale = scale
+        self.legacy = legacy
+        self.dqv = torch.zeros(qv.shape, dtype=self.work, device=qv.device) if grads else None
+        self.denc = torch.zeros_like(self.enc) if grads else None
+
+    def skew(self, qs: int, qe: int, key_end: int) -> _Skew:
+        bq = qe - qs
+        if self.legacy:
+            # Shifted row i is flat element T * (i + 1) + j of the padded (T, T + 1) product: it
+            # reads the end of product row i and, above the diagonal, the start of row i + 1.
+            t = self.tq
+            return _Skew(qs, min(qe + 1, t), 0, t + 1, t - qs, t)
+        # Columns of the window run from distance a_{qe-1} down to a_qs - (key_end - 1).
+        width = key_end + bq - 1
+        lo = self.tq - qe
+        return _Skew(qs, qe, lo, lo + width, bq - 1, width - 1)
+
+    def rows(self, qs: int, qe: int, key_end: int) -> _RelativeRows:
+        return _RelativeRows(self, self.skew(qs, qe, key_end), qe - qs)
+
+
+class _RelativeRows:
+    """One query block of :class:`_RelativeTerm`; its product is computed at the first tile."""
+
+    def __init__(self, term: _RelativeTerm, skew: _Skew, bq: int) -> None:
+        self.term = term
+        self.skew = skew
+        self.bq = bq
+        self.nrows = skew.row_hi - skew.row_lo
+        self.width = skew.enc_hi - skew.enc_lo
+        self._qv: Tensor | None = None
+        self._product: Tensor | None = None
+        self._grad: Tensor | None = None
+
+    def _qv_rows(self) -> Tensor:
+        """``(H, N * rows, Dh)`` scaled position queries: one GEMM per head against its window."""
+        if self._qv is None:
+            t, s = self.term, self.skew
+            rows = t.qv[:, :, s.row_lo : s.row_hi].transpose(0, 1).to(t.work) * t.scale
+            self._qv = rows.reshape(t.h, t.n * self.nrows, t.dh)
+        return self._qv
+
+    def _window(self) -> Tensor:
+        return self.term.enc[:, self.skew.enc_lo : self.skew.enc_hi]  # (H, W, Dh)
+
+    def _view(self, full: Tensor, ks: int, ke: int) -> Tensor:
+        """The ``(N, H, 1, bq, ke-ks)`` tile of a ``(H, N, rows, W)`` product, without a copy."""
+        t, s = self.term, self.skew
+        assert s.offset + (self.bq - 1) * s.stride + ke <= self.nrows * self.width
+        plane = self.nrows * self.width
+        return full.as_strided(
+            (t.n, t.h, 1, self.bq, ke - ks),
+            (plane, t.n * plane, 1, s.stride, 1),
+            full.storage_offset() + s.offset + ks,
+        )
+
+    def tile(self, ks: int, ke: int) -> Tensor:
+        if self._product is None:
+            self._product = torch.bmm(self._qv_rows(), self._window().transpose(1, 2))
+        return self._view(self._product, ks, ke)
+
+    def backward(self, ks: int, ke: int, ds: Tensor) -> None:
+        if self._grad is None:
+            self._grad = self._qv_rows().new_zeros(
+                self.term.h, self.term.n * self.nrows, self.width
+            )
+        self._view(self._grad, ks, ke).add_(ds)
+
+    def flush(self) -> None:
+        t, s, grad = self.term, self.skew, self._grad
+        if grad is None or t.dqv is None or t.denc is None:
+            return
+        dqv = torch.bmm(grad, self._window()).mul_(t.scale)  # (H, N * rows, Dh)
+        dqv = dqv.view(t.h, t.n, self.nrows, t.dh).transpose(0, 1)
+        # += and not =: openspeech's rows overlap the next block's first row.
+        t.dqv[:, :, s.row_lo : s.row_hi] += dqv
+        t.denc[:, s.enc_lo : s.enc_hi].baddbmm_(grad.transpose(1, 2), self._qv_rows())
+        self._grad = None
+
+
+class _RelativeAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        qu: Tensor,
+        k: Tensor,
+        v: Tensor,
+        qv: Tensor,
+        enc: Tensor,
+        mask: Tensor | None,
+        causal_offset: int | None,
+        scale: float,
+        legacy: bool,
+        block_q: int,
+        block_k: int,
+    ) -> Tensor:
+        term = _RelativeTerm(qv, enc, scale, k.size(-2), legacy, grads=False)
+        p = _kernel._Problem(
+            qu, k, v, mask, None, causal_offset, scale, block_q, block_k, score_term=term
+        )
+        out5, lse = _kernel.forward(p)
+        out = out5.view(*qu.shape[:-1], p.dv).to(qu.dtype)
+        ctx.save_for_backward(qu, k, v, qv, enc, out, lse, *([] if mask is None else [mask]))
+        ctx.args = (causal_offset, scale, legacy, block_q, block_k)  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, dout: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        qu, k, v, qv, enc, out, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
+        mask = rest[0] if rest else None
+        causal_offset, scale, legacy, block_q, block_k = ctx.args  # type: ignore[attr-defined]
+        term = _RelativeTerm(qv, enc, scale, k.size(-2), legacy, grads=True)
+        p = _kernel._Problem(
+            qu, k, v, mask, None, causal_offset, scale, block_q, block_k, score_term=term
+        )
+        dq, dk, dv, _ = _kernel.backward(p, out, lse, dout, False)
+        assert term.dqv is not None
+        assert term.denc is not None
+        return (
+            dq.view(qu.shape).to(qu.dtype),
+            dk.view(k.shape).to(k.dtype),
+            dv.view(v.shape).to(v.dtype),
+            term.dqv.to(qv.dtype),
+            term.denc.to(enc.dtype),
+            *([None] * 6),
+        )
+
+
+# Function.apply is untyped in torch; give it its type once.
+_apply: Callable[..., Tensor] = _RelativeAttention.apply
+
+
+def relative_attention(
+    qu: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qv: Tensor,
+    enc: Tensor,
+    *,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    legacy: bool,
+) -> Tensor:
+    """Attention with the position term computed block by block inside the chunked kernel.
+
+    ``qu``, ``qv`` ``(B, H, Tq, Dh)``, ``k`` ``(B, H, Tk, Dh)``, ``v`` ``(B, H, Tk, Dv)``, ``enc``
+    as in :func:`position_scores`; ``mask`` already validated. Returns ``(B, H, Tq, Dv)``. The block
+    sizes are read at call time, so tests can shrink them to exercise many blocks.
+    """
+    offset = k.size(-2) - qu.size(-2) if causal else None
+    return _apply(qu, k, v, qv, enc, mask, offset, scale, legacy, BLOCK_Q, BLOCK_K)

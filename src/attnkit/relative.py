@@ -1,0 +1,392 @@
+"""``RelativeMultiHeadAttention``: Transformer-XL's relative positions, as in the Conformer.
+
+Query ``i`` scores key ``j`` with a content term and a position term (Dai et al., 2019)::
+
+    score(i, j) = ((q_i + u) . k_j  +  (q_i + v) . W_r r(a_i - j)) / sqrt(head_dim)
+
+``u`` and ``v`` are learned per head, ``W_r`` is a projection without bias, and ``r(d)`` is the
+sinusoidal encoding of the distance ``d``. Queries are the last ``Tq`` of the ``Tk`` positions
+(``a_i = i + Tk - Tq``), so a streaming call with cached keys (Transformer-XL's memory) sees what
+the full call sees. Distances for ``Tq=2, Tk=4``::
+
+                 key j:  0  1  2  3
+    query 0 (a_0 = 2):   2  1  0 -1
+    query 1 (a_1 = 3):   3  2  1  0
+
+The position term is computed block by block inside attnkit's chunked kernel, so neither the
+``(Tq, Tk)`` scores nor the ``(Tq, Tk, head_dim)`` encodings ever exist: memory is O(T), in
+training too. A materialised reference path serves the calls that need the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from . import _relpos, capture
+from ._checks import check_broadcastable, shape_str
+from ._typing import Bool, Float
+from .attention import BackendError, attention
+
+__all__ = ["RelativeMultiHeadAttention"]
+
+_BACKENDS = ("auto", "chunked", "reference")
+_OPENSPEECH_PARTS = ("query_proj", "key_proj", "value_proj", "pos_proj", "out_proj")
+
+
+def _linear_of(module: nn.Module, name: str) -> nn.Linear:
+    """``module.<name>`` as an ``nn.Linear``, looking through openspeech's ``Linear`` wrapper."""
+    part = getattr(module, name, None)
+    inner = getattr(part, "linear", None)
+    if isinstance(part, nn.Linear):
+        return part
+    if isinstance(inner, nn.Linear):
+        return inner
+    raise TypeError(
+        f"from_openspeech() needs {type(module).__name__}.{name} to be an nn.Linear (or "
+        f"openspeech's Linear wrapper around one), got {type(part).__name__}"
+    )
+
+
+class RelativeMultiHeadAttention(nn.Module):
+    """Multi-head attention with Transformer-XL relative positions (Conformer's self-attention).
+
+    Args:
+        d_model: model size; inputs and output are ``(B, T, d_model)``.
+        num_heads: heads; ``d_model`` must be a multiple of it (``head_dim = d_model / num_heads``).
+        dropout: dropout on the attention weights in training mode (as openspeech does). A call
+            that drops takes the materialised reference path; keep it 0 for long sequences.
+        bias: whether the query, key, value and output projections have a bias (the position
+            projection ``pos_proj`` never has one).
+        legacy: ``None`` (default) for the formula above, or ``"openspeech"`` to reproduce
+            openspeech's ``RelativeMultiHeadAttention`` fed by its Conformer; see
+            :meth:`from_openspeech`.
+
+    Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (``nn.Linear``), ``pos_proj``
+    (``W_r``, no bias), ``pos_bias_u`` and ``pos_bias_v`` (``u`` and ``v``, ``(num_heads,
+    head_dim)``).
+
+    Relative encodings ``r(d) = [sin(d w_k) | cos(d w_k)]``, ``w_k = 10000^(-2k / d_model)``, are
+    computed once in float64 for every distance a call needs (``Tq + Tk - 1`` of them: ``2T - 1``
+    for self-attention) and cached per device and dtype.
+
+    >>> import torch, attnkit
+    >>> m = attnkit.RelativeMultiHeadAttention(64, 4)
+    >>> x = torch.randn(2, 10, 64)
+    >>> pad = attnkit.masks.padding_mask([10, 7])       # (B, 1, 1, T), True = real token
+    >>> m(x, mask=pad).shape
+    torch.Size([2, 10, 64])
+    >>> torch.allclose(m(x[:, -3:], x), m(x)[:, -3:], atol=1e-6)  # queries are the last positions
+    True
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        dropout: float = 0.0,
+        bias: bool = True,
+        legacy: Literal["openspeech"] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("d_model", d_model), ("num_heads", num_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if d_model % num_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+            raise TypeError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if legacy not in (None, "openspeech"):
+            raise ValueError(f"legacy must be None or 'openspeech', got {legacy!r}")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.dropout = float(dropout)
+        self.legacy = legacy
+
+        def linear(with_bias: bool) -> nn.Linear:
+            return nn.Linear(d_model, d_model, bias=with_bias, device=device, dtype=dtype)
+
+        self.q_proj = linear(bias)
+        self.k_proj = linear(bias)
+        self.v_proj = linear(bias)
+        self.pos_proj = linear(False)
+        self.out_proj = linear(bias)
+        self.pos_bias_u = nn.Parameter(
+            torch.empty(num_heads, self.head_dim, device=device, dtype=dtype)
+        )
+        self.pos_bias_v = nn.Parameter(
+            torch.empty(num_heads, self.head_dim, device=device, dtype=dtype)
+        )
+        nn.init.xavier_uniform_(self.pos_bias_u)
+        nn.init.xavier_uniform_(self.pos_bias_v)
+        # (device, dtype) -> encodings of distances L .. -L (exact) or positions 0 .. L-1 (legacy).
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[int, Tensor]] = {}
+
+    @property
+    def scale(self) -> float:
+        """What the summed scores are multiplied by: ``1/sqrt(head_dim)``, or openspeech's
+        ``1/sqrt(d_model)`` in legacy mode."""
+        return 1.0 / math.sqrt(self.d_model if self.legacy else self.head_dim)
+
+    def extra_repr(self) -> str:
+        legacy = f", legacy={self.legacy!r}" if self.legacy else ""
+        return f"{self.d_model}, {self.num_heads}, dropout={self.dropout}{legacy}"
+
+    # ----------------------------------------------------------------------------------------------
+    # Encodings
+
+    def _encodings(self, tq: int, tk: int) -> Tensor:
+        """Unprojected encodings, ``(Tq + Tk - 1, d_model)`` of distances ``Tk - 1 .. 1 - Tq``, or
+        in legacy mode ``(T, d_model)`` of absolute positions ``0 .. T - 1``."""
+        weight = self.pos_proj.weight
+        key = (weight.device, weight.dtype)
+        need = tk if self.legacy else max(tq, tk)
+        size, table = self._tables.get(key, (0, weight.new_empty(0)))
+        if size < need:
+            size = max(need, 2 * size)
+            if self.legacy:
+                table = _relpos.openspeech_sinusoid(size, self.d_model)
+            else:
+                distances = torch.arange(size, -size - 1, -1, device=weight.device)
+                table = _relpos.relative_sinusoid(distances, self.d_model)
+            table = table.to(device=weight.device, dtype=weight.dtype)
+            self._tables[key] = (size, table)
+        if self.legacy:
+            return table[:tk]
+        return table[size - (tk - 1) : size + tq]  # rows of distances tk-1 .. 1-tq
+
+    # ----------------------------------------------------------------------------------------------
+    # Forward
+
+    def _check(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Tensor | None,
+        causal: object,
+        need_weights: object,
+        backend: object,
+    ) -> None:
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.ndim != 3 or t.size(-1) != self.d_model:
+                raise ValueError(
+                    f"{name} must be (B, T, d_model={self.d_model}), got {shape_str(t.shape)}"
+                )
+        if key.size(0) != query.size(0) or value.shape[:2] != key.shape[:2]:
+            raise ValueError(
+                f"query (B, Tq, D), key and value (B, Tk, D) must share B and key/value Tk: got "
+                f"query {shape_str(query.shape)}, key {shape_str(key.shape)}, "
+                f"value {shape_str(value.shape)}"
+            )
+        if self.legacy and key.size(1) != query.size(1):
+            raise ValueError(
+                "legacy='openspeech' reproduces openspeech's self-attention, whose shift needs as "
+                f"many keys as queries: got Tq={query.size(1)} and Tk={key.size(1)}"
+            )
+        if mask is not None:
+            if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+                got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+                raise TypeError(f"mask must be a bool tensor (True = may attend), got {got}")
+            scores = (query.size(0), self.num_heads, query.size(1), key.size(1))
+            check_broadcastable("mask", mask, scores, "(B, H, Tq, Tk)")
+        for name, flag in (("causal", causal), ("need_weights", need_weights)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
+
+    def _path(self, need_weights: bool, capturing: bool, backend: str) -> str:
+        """``chunked`` unless the call needs the weights; a forced backend that cannot serve the
+        call raises with the reason."""
+        needs = []
+        if need_weights:
+            needs.append("need_weights=True")
+        if capturing:
+            needs.append("capture_attention() is recording this module")
+        if self.training and self.dropout:
+            needs.append(f"dropout={self.dropout} in training mode")
+        if backend == "chunked" and needs:
+            raise BackendError(
+                "backend 'chunked' cannot serve this call: it computes no attention weights and "
+                "has no dropout, and the call has " + "; ".join(needs)
+            )
+        if backend == "auto":
+            return "reference" if needs else "chunked"
+        return backend
+
+    def forward(
+        self,
+        query: Float[Tensor, "B Tq D"],
+        key: Float[Tensor, "B Tk D"] | None = None,
+        value: Float[Tensor, "B Tk D"] | None = None,
+        *,
+        mask: Bool[Tensor, "*#mb #Tk"] | None = None,
+        causal: bool = False,
+        need_weights: bool = False,
+        backend: str = "auto",
+    ) -> Float[Tensor, "B Tq D"] | tuple[Float[Tensor, "B Tq D"], Float[Tensor, "B H Tq Tk"]]:
+        """Attend from ``query`` to ``key`` (default: ``query``) and ``value`` (default: ``key``).
+
+        Args:
+            query: ``(B, Tq, d_model)``.
+            key: ``(B, Tk, d_model)``; ``Tk > Tq`` is memory or a KV prefix: queries are the last
+                ``Tq`` positions, so ``m(x[:, -n:], x)`` is the last ``n`` rows of ``m(x)``.
+            value: ``(B, Tk, d_model)``.
+            mask: bool, broadcastable to ``(B, H, Tq, Tk)``, **True = may attend** (as everywhere
+                in attnkit; :func:`attnkit.masks.padding_mask` gives ``(B, 1, 1, Tk)``).
+            causal: query ``i`` may attend key ``j`` iff ``j <= i + Tk - Tq``; ANDed with ``mask``.
+            need_weights: also return the per-head weights ``(B, H, Tq, Tk)``.
+            backend: ``"auto"``: the chunked kernel with the position term computed per block
+                (O(T) memory, no weights, no dropout), else the materialised ``"reference"``
+                path when the call needs weights or dropout. ``"chunked"`` raises
+                :class:`attnkit.BackendError` for a call it cannot serve.
+
+        Returns:
+            ``(B, Tq, d_model)``, or ``(output, weights)`` with ``need_weights``. A query with no
+            key it may attend gets zeros from the attention (the output is then ``out_proj``'s
+            bias).
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check(query, key, value, mask, causal, need_weights, backend)
+        capturing = capture.is_capturing(self)
+        path = self._path(need_weights, capturing, backend)
+        b, tq, _ = query.shape
+        tk = key.size(1)
+        h, dh = self.num_heads, self.head_dim
+
+        q = self.q_proj(query).view(b, tq, h, dh)
+        qu = (q + self.pos_bias_u).transpose(1, 2)  # (B, H, Tq, Dh)
+        qv = (q + self.pos_bias_v).transpose(1, 2)  # (B, H, Tq, Dh)
+        k = self.k_proj(key).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
+        v = self.v_proj(value).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
+        enc = self.pos_proj(self._encodings(tq, tk))  # (P, D)
+        enc = enc.view(-1, h, dh).transpose(0, 1)  # (H, P, Dh)
+        if self.legacy:
+            enc = nn.functional.pad(enc, (0, 0, 1, 0))  # the zero column of openspeech's shift
+        legacy = self.legacy is not None
+
+        weights = None
+        if path == "chunked":
+            out = _relpos.relative_attention(
+                qu, k, v, qv, enc, mask=mask, causal=causal, scale=self.scale, legacy=legacy
+            )
+        else:
+            pos = _relpos.position_scores(qv, enc, tk, legacy=legacy)  # (B, H, Tq, Tk)
+            out, weights = attention(
+                qu,
+                k,
+                v,
+                mask=mask,
+                bias=pos * self.scale,
+                causal=causal,
+                scale=self.scale,
+                dropout_p=self.dropout if self.training else 0.0,
+                return_weights=True,
+                backend="reference",
+            )
+            if capturing:
+                capture.record(self, weights)
+        result: Tensor = self.out_proj(out.transpose(1, 2).reshape(b, tq, self.d_model))
+        if need_weights:
+            assert weights is not None
+            return result, weights
+        return result
+
+    # ----------------------------------------------------------------------------------------------
+    # openspeech
+
+    @classmethod
+    def from_openspeech(cls, module: nn.Module) -> RelativeMultiHeadAttention:
+        """A copy of openspeech's ``RelativeMultiHeadAttention``, in legacy mode.
+
+        The result, called as ``m(x, mask=mask)``, returns what openspeech's module returns for
+        ``(x, x, x, pos_embedding, mask=~mask)`` when ``pos_embedding`` is its Conformer's absolute
+        ``PositionalEncoding`` of positions ``0..T-1``, to float64 rounding. It reproduces, on
+        purpose:
+
+        * the encoding: absolute positions (not distances), sin and cos interleaved, computed in
+          float32 as openspeech does;
+        * the pad-and-reshape shift of the position scores, which is a true relative shift only on
+          and below the diagonal: above it, query ``i`` gets 0 at key ``i + 1`` and scores made
+          from query ``i + 1`` further right;
+        * the scale ``1/sqrt(d_model)`` instead of ``1/sqrt(head_dim)``;
+        * dropout on the weights with openspeech's probability.
+
+        What is *not* translated: the mask stays attnkit's (True = may attend), so pass the
+        inverse of an openspeech mask. Masked scores are excluded (``-inf``) where openspeech fills
+        ``-1e4``; outputs agree wherever a query has a visible key. A query with no visible key
+        gets 0 here, and openspeech's uniform average of every value there. Self-attention only,
+        as in openspeech.
+
+        ``module`` needs openspeech's attributes: ``query_proj``, ``key_proj``, ``value_proj``,
+        ``out_proj`` (``nn.Linear`` or openspeech's wrapper with ``.linear``), ``pos_proj`` (no
+        bias), ``u_bias``, ``v_bias`` ``(num_heads, d_head)``, and ``num_heads``.
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"from_openspeech() takes an nn.Module, got {type(module).__name__}")
+        linears = {name: _linear_of(module, name) for name in _OPENSPEECH_PARTS}
+        num_heads = getattr(module, "num_heads", None)
+        u, v = getattr(module, "u_bias", None), getattr(module, "v_bias", None)
+        if not isinstance(num_heads, int) or not isinstance(u, Tensor) or not isinstance(v, Tensor):
+            raise TypeError(
+                f"from_openspeech() needs num_heads (int), u_bias and v_bias (tensors) on "
+                f"{type(module).__name__}, got num_heads={num_heads!r}, "
+                f"u_bias={type(u).__name__}, v_bias={type(v).__name__}"
+            )
+        d_model = linears["query_proj"].in_features
+        if linears["pos_proj"].bias is not None:
+            raise ValueError("from_openspeech(): openspeech's pos_proj has no bias, this one does")
+        has_bias = linears["query_proj"].bias is not None
+        dropout = getattr(module, "dropout", None)
+        weight = linears["query_proj"].weight
+        new = cls(
+            d_model,
+            num_heads,
+            dropout=dropout.p if isinstance(dropout, nn.Dropout) else 0.0,
+            bias=has_bias,
+            legacy="openspeech",
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        ours = {
+            "query_proj": new.q_proj,
+            "key_proj": new.k_proj,
+            "value_proj": new.v_proj,
+            "pos_proj": new.pos_proj,
+            "out_proj": new.out_proj,
+        }
+        with torch.no_grad():
+            for name, linear in linears.items():
+                target = ours[name]
+                if linear.weight.shape != target.weight.shape:
+                    raise ValueError(
+                        f"from_openspeech(): {name}.weight is {shape_str(linear.weight.shape)}, "
+                        f"expected {shape_str(target.weight.shape)} for d_model={d_model}"
+                    )
+                target.weight.copy_(linear.weight)
+                if target.bias is not None:
+                    if linear.bias is None:
+                        raise ValueError(f"from_openspeech(): {name} has no bias, query_proj does")
+                    target.bias.copy_(linear.bias)
+            for name, src, dst in (("u_bias", u, new.pos_bias_u), ("v_bias", v, new.pos_bias_v)):
+                if src.shape != dst.shape:
+                    raise ValueError(
+                        f"from_openspeech(): {name} is {shape_str(src.shape)}, expected "
+                        f"(num_heads, d_head) = {shape_str(dst.shape)}"
+                    )
+                dst.copy_(src)
+        new.train(module.training)
+        return new

@@ -1,0 +1,532 @@
+"""RelativeMultiHeadAttention: the formula, its properties, the blocked path, openspeech legacy."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.autograd import gradcheck
+from torch.func import functional_call
+
+from attnkit import BackendError, RelativeMultiHeadAttention, attention, capture_attention, masks
+from attnkit import _relpos as relpos
+from attnkit.testing import assert_close
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def make(
+    d: int = 12, h: int = 3, *, legacy: str | None = None, seed: int = 0, **kw: object
+) -> RelativeMultiHeadAttention:
+    """A float64 module with every parameter drawn at a scale where each term matters."""
+    torch.manual_seed(seed)
+    m = RelativeMultiHeadAttention(d, h, legacy=legacy, dtype=torch.float64, **kw)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.6)
+    return m
+
+
+def randn(*shape: int, seed: int = 1) -> Tensor:
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+@contextlib.contextmanager
+def blocks(block_q: int, block_k: int) -> Iterator[None]:
+    """Small blocks for the relative path, so small inputs span many of them."""
+    saved = relpos.BLOCK_Q, relpos.BLOCK_K
+    relpos.BLOCK_Q, relpos.BLOCK_K = block_q, block_k
+    try:
+        yield
+    finally:
+        relpos.BLOCK_Q, relpos.BLOCK_K = saved
+
+
+def sinusoid(d: int, dim: int) -> Tensor:
+    """r(d) straight from the formula, one float at a time: sines, then cosines."""
+    half = (dim + 1) // 2
+    freqs = [10000.0 ** (-2.0 * k / dim) for k in range(half)]
+    values = [math.sin(d * f) for f in freqs] + [math.cos(d * f) for f in freqs][: dim - half]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def brute_force(
+    m: RelativeMultiHeadAttention,
+    query: Tensor,
+    key: Tensor,
+    mask: Tensor | None = None,
+    causal: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The module's formula scored one (i, j) pair at a time, in float64, with no shifting."""
+    b, tq, d = query.shape
+    tk = key.size(1)
+    h, dh = m.num_heads, m.head_dim
+    with torch.no_grad():
+        q = m.q_proj(query).view(b, tq, h, dh)
+        k = m.k_proj(key).view(b, tk, h, dh)
+        v = m.v_proj(key).view(b, tk, h, dh)
+        u, vb = m.pos_bias_u, m.pos_bias_v
+        allowed = torch.ones(b, h, tq, tk, dtype=torch.bool)
+        if mask is not None:
+            allowed = allowed & mask
+        ctx = torch.zeros(b, tq, h, dh, dtype=torch.float64)
+        weights = torch.zeros(b, h, tq, tk, dtype=torch.float64)
+        for bi in range(b):
+            for hi in range(h):
+                for i in range(tq):
+                    pos_i = i + tk - tq  # queries are the last tq positions
+                    keys = [j for j in range(tk) if allowed[bi, hi, i, j]]
+                    keys = [j for j in keys if not (causal and j > pos_i)]
+                    if not keys:
+                        continue
+                    scores = []
+                    for j in keys:
+                        r = m.pos_proj(sinusoid(pos_i - j, d)).view(h, dh)[hi]
+                        content = (q[bi, i, hi] + u[hi]) @ k[bi, j, hi]
+                        position = (q[bi, i, hi] + vb[hi]) @ r
+                        scores.append((content + position) / math.sqrt(dh))
+                    w = torch.softmax(torch.stack(scores), 0)
+                    for wj, j in zip(w, keys, strict=True):
+                        weights[bi, hi, i, j] = wj
+                        ctx[bi, i, hi] += wj * v[bi, j, hi]
+        return m.out_proj(ctx.reshape(b, tq, d)), weights
+
+
+# --------------------------------------------------------------------------------------------------
+# The formula
+
+
+@given(
+    tq=st.integers(1, 5),
+    extra=st.integers(0, 3),
+    causal=st.booleans(),
+    masked=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=12)
+def test_equals_brute_force(tq: int, extra: int, causal: bool, masked: bool, seed: int) -> None:
+    m = make(seed=seed)
+    tk = tq + extra
+    x = randn(2, tk, 12, seed=seed)
+    mask = None
+    if masked:
+        mask = torch.rand(2, 1, tq, tk, generator=torch.Generator().manual_seed(seed)) < 0.7
+        mask[0, 0, 0] = False  # a query with no visible key
+    want, want_w = brute_force(m, x[:, -tq:], x, mask, causal)
+    with blocks(2, 3):
+        got = m(x[:, -tq:], x, mask=mask, causal=causal, backend="chunked")
+    ref, w = m(x[:, -tq:], x, mask=mask, causal=causal, need_weights=True)
+    assert_close(got, want)
+    assert_close(ref, want)
+    assert_close(w, want_w)
+
+
+def test_more_queries_than_keys_take_negative_positions() -> None:
+    # Tq > Tk: the first queries sit before position 0; the formula still holds.
+    m = make()
+    q, kv = randn(1, 6, 12, seed=2), randn(1, 3, 12, seed=3)
+    want, _ = brute_force(m, q, kv)
+    with blocks(4, 2):
+        assert_close(m(q, kv, backend="chunked"), want)
+
+
+def test_encodings_are_sinusoids_of_distances() -> None:
+    distances = torch.arange(5, -6, -1)
+    table = relpos.relative_sinusoid(distances, 7)
+    for row, d in zip(table, distances.tolist(), strict=True):
+        assert_close(row, sinusoid(d, 7))
+    # The sines are odd in the distance and the cosines even: left and right differ.
+    assert_close(table[0, :4], -table[-1, :4])
+    assert_close(table[0, 4:], table[-1, 4:])
+
+
+def test_one_encoding_per_distance_the_call_needs() -> None:
+    m = make()
+    rows: list[int] = []
+    m.pos_proj.register_forward_hook(lambda mod, args, out: rows.append(args[0].size(0)))
+    m(randn(1, 10, 12))
+    m(randn(1, 4, 12), randn(1, 9, 12))
+    assert rows == [2 * 10 - 1, 4 + 9 - 1]
+    # The sinusoids are computed once and cached; a longer call extends the cache.
+    ((_, table),) = m._tables.values()
+    m(randn(1, 6, 12))
+    assert m._tables[(table.device, table.dtype)][1] is table
+    m(randn(1, 40, 12))
+    assert m._tables[(table.device, table.dtype)][0] >= 40
+
+
+# --------------------------------------------------------------------------------------------------
+# Properties
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_queries_are_the_last_positions(backend: str, causal: bool) -> None:
+    m = make()
+    x = randn(2, 11, 12)
+    with blocks(3, 4):
+        full = m(x, causal=causal, backend=backend)
+        for n in (1, 4, 11):
+            assert_close(m(x[:, -n:], x, causal=causal, backend=backend), full[:, -n:])
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_does_not_change_real_tokens(backend: str, side: str) -> None:
+    m = make()
+    x = randn(2, 7, 12)
+    junk = randn(2, 5, 12, seed=9) * 3
+    padded = torch.cat([junk, x] if side == "left" else [x, junk], dim=1)
+    real = slice(5, 12) if side == "left" else slice(0, 7)
+    keep = torch.zeros(12, dtype=torch.bool)
+    keep[real] = True
+    with blocks(4, 3):
+        want = m(x, backend=backend)
+        got = m(padded, mask=keep.view(1, 1, 1, 12), backend=backend)
+    assert_close(got[:, real], want)
+
+
+def test_openspeech_legacy_is_not_padding_invariant() -> None:
+    # The property above can fail: openspeech's absolute encodings depend on T.
+    m = make(legacy="openspeech")
+    x = randn(1, 7, 12)
+    padded = torch.cat([x, randn(1, 5, 12, seed=9)], dim=1)
+    keep = (torch.arange(12) < 7).view(1, 1, 1, 12)
+    got = m(padded, mask=keep)[:, :7]
+    assert (got - m(x)).abs().max() > 1e-3
+
+
+def test_not_permutation_equivariant() -> None:
+    m = make()
+    x = randn(2, 9, 12)
+    perm = torch.randperm(9, generator=torch.Generator().manual_seed(0))
+    moved = m(x[:, perm])
+    assert (moved - m(x)[:, perm]).abs().max() > 1e-2
+    # Without the position term it is equivariant, so the check above can tell them apart.
+    with torch.no_grad():
+        m.pos_proj.weight.zero_()
+    assert_close(m(x[:, perm]), m(x)[:, perm])
+
+
+# --------------------------------------------------------------------------------------------------
+# The blocked path against the reference path
+
+
+@given(
+    tq=st.integers(1, 14),
+    extra=st.integers(0, 6),
+    causal=st.booleans(),
+    legacy=st.booleans(),
+    masked=st.booleans(),
+    block=st.tuples(st.integers(1, 6), st.integers(1, 6)),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=25)
+def test_chunked_equals_reference_with_gradients(
+    tq: int,
+    extra: int,
+    causal: bool,
+    legacy: bool,
+    masked: bool,
+    block: tuple[int, int],
+    seed: int,
+) -> None:
+    m = make(legacy="openspeech" if legacy else None, seed=seed)
+    tk = tq if legacy else tq + extra
+    key = randn(2, tk, 12, seed=seed).requires_grad_()
+    query = key[:, -tq:]
+    mask = None
+    if masked:
+        mask = torch.rand(2, 3, tq, tk, generator=torch.Generator().manual_seed(seed)) < 0.7
+        mask[1, 2, 0] = False
+    leaves = [key, *m.parameters()]
+    cot = randn(2, tq, 12, seed=seed + 1)
+
+    def run(backend: str) -> list[Tensor]:
+        out = m(query, key, mask=mask, causal=causal, backend=backend)
+        grads = torch.autograd.grad(out, leaves, cot, materialize_grads=True)
+        return [out, *grads]
+
+    with blocks(*block):
+        fast = run("chunked")
+    for got, want in zip(fast, run("reference"), strict=True):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize(("legacy", "causal"), [(None, False), (None, True), ("openspeech", False)])
+def test_gradcheck(legacy: str | None, causal: bool) -> None:
+    m = make(6, 2, legacy=legacy)
+    x = randn(2, 5, 6).requires_grad_()
+    mask = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(3)) < 0.8
+    names = ["pos_bias_u", "pos_bias_v", "pos_proj.weight", "q_proj.weight"]
+    params = [m.get_parameter(n).detach().clone().requires_grad_() for n in names]
+
+    def f(x: Tensor, *p: Tensor) -> Tensor:
+        with blocks(2, 3):
+            out = functional_call(
+                m, dict(zip(names, p, strict=True)), (x,), {"mask": mask, "causal": causal}
+            )
+        assert isinstance(out, Tensor)
+        return out
+
+    assert gradcheck(f, (x, *params))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_kernel_within_tolerance(dtype: torch.dtype) -> None:
+    # The attention core in float32 / bfloat16 against float64 on the same rounded inputs.
+    g = torch.Generator().manual_seed(0)
+    qu, k, v, qv = (torch.randn(2, 3, 40, 8, generator=g).to(dtype) for _ in range(4))
+    enc = torch.randn(3, 79, 8, generator=g).to(dtype)
+    mask = masks.padding_mask([40, 31])
+
+    def run(*t: Tensor) -> Tensor:
+        return relpos.relative_attention(*t, mask=mask, causal=True, scale=8**-0.5, legacy=False)
+
+    with blocks(16, 8):
+        got = run(qu, k, v, qv, enc)
+    want = relpos.position_scores(qv.double(), enc.double(), 40, legacy=False)
+    expected = attention(
+        qu.double(),
+        k.double(),
+        v.double(),
+        bias=want * 8**-0.5,
+        mask=mask,
+        causal=True,
+        backend="reference",
+    )
+    assert got.dtype == dtype
+    assert_close(got, expected)
+
+
+def test_float32_module_within_tolerance() -> None:
+    m64 = make()
+    m32 = copy.deepcopy(m64).float()
+    m64 = copy.deepcopy(m32).double()  # the float64 spec on the rounded parameters
+    x = randn(2, 30, 12).float()
+    with blocks(8, 8):
+        got = m32(x, causal=True)
+    assert_close(got, m64(x.double(), causal=True, backend="reference"), dtype=torch.float32)
+
+
+def test_training_saves_no_score_sized_tensor() -> None:
+    t = 384
+    sizes: dict[str, int] = {}
+    for backend in ("chunked", "reference"):
+        m = make(16, 2)
+        x = randn(1, t, 16).requires_grad_()
+        seen: list[int] = []
+
+        def pack(s: Tensor, seen: list[int] = seen) -> Tensor:
+            seen.append(s.numel())
+            return s
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+            m(x, backend=backend)
+        sizes[backend] = max(seen)
+    assert sizes["chunked"] < t * t // 8
+    assert sizes["reference"] >= t * t  # the check can fail: the reference path does save them
+
+
+# --------------------------------------------------------------------------------------------------
+# Which path, weights, capture, dropout
+
+
+def test_weights_and_capture() -> None:
+    m = make()
+    model = nn.ModuleDict({"encoder": nn.ModuleList([m])})
+    x = randn(2, 6, 12)
+    mask = masks.padding_mask([6, 4])
+    fast = m(x, mask=mask)
+    out, w = m(x, mask=mask, need_weights=True)
+    assert_close(out, fast)
+    assert w.shape == (2, 3, 6, 6)
+    assert_close(w.sum(-1), torch.ones(2, 3, 6, dtype=torch.float64))
+    assert torch.equal(w[1, :, :, 4:], torch.zeros(3, 6, 2, dtype=torch.float64))
+    with capture_attention(model) as maps:
+        captured = m(x, mask=mask)
+    assert_close(captured, fast)
+    assert list(maps) == ["encoder.0"]
+    assert_close(maps["encoder.0"][0], w)
+
+
+def test_dropout_takes_the_reference_path_in_training_only() -> None:
+    m = make(dropout=0.5)
+    x = randn(1, 8, 12)
+    m.train()
+    torch.manual_seed(0)
+    a, b = m(x), m(x)
+    assert (a - b).abs().max() > 1e-3  # weights are dropped
+    with pytest.raises(BackendError, match=r"dropout=0\.5 in training mode"):
+        m(x, backend="chunked")
+    m.eval()
+    assert_close(m(x), m(x, backend="reference"))
+
+
+def test_chunked_cannot_return_weights() -> None:
+    m = make()
+    with pytest.raises(BackendError, match="need_weights=True"):
+        m(randn(1, 4, 12), need_weights=True, backend="chunked")
+
+
+# --------------------------------------------------------------------------------------------------
+# openspeech, through an independent test double of its module
+
+
+def openspeech_encoding(length: int, dim: int) -> Tensor:
+    """openspeech's PositionalEncoding as its docs give it: absolute positions, sin/cos
+    interleaved, a float32 table of 5000 positions of which the Conformer takes the first T."""
+    pos = torch.arange(5000, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.empty(5000, dim)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)
+    return table[:length]
+
+
+class Wrapped(nn.Module):
+    """openspeech's ``Linear``: an ``nn.Linear`` kept in ``.linear``."""
+
+    def __init__(self, n: int, bias: bool = True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(n, n, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.linear(x)
+        return out
+
+
+class OpenspeechDouble(nn.Module):
+    """What openspeech's RelativeMultiHeadAttention computes, per its formula.
+
+    Inputs (batch, time, dim); ``pos_embedding`` is an absolute encoding (batch, time, dim); mask
+    True = blocked, (batch, 1, time) or (batch, time, time), filled with -1e4. Position scores
+    ``(q + v) . pos`` are shifted by padding a zero column on the left, reading the (T, T+1)
+    result as (T+1, T) and dropping its first row. Both terms are divided by sqrt(dim).
+    """
+
+    def __init__(self, dim: int, num_heads: int, dropout_p: float, wrapped: bool) -> None:
+        super().__init__()
+
+        def lin(bias: bool = True) -> nn.Module:
+            return Wrapped(dim, bias) if wrapped else nn.Linear(dim, dim, bias=bias)
+
+        self.dim, self.num_heads, self.d_head = dim, num_heads, dim // num_heads
+        self.query_proj, self.key_proj, self.value_proj = lin(), lin(), lin()
+        self.pos_proj, self.out_proj = lin(bias=False), lin()
+        self.u_bias = nn.Parameter(torch.randn(num_heads, self.d_head))
+        self.v_bias = nn.Parameter(torch.randn(num_heads, self.d_head))
+        self.dropout = nn.Dropout(dropout_p)
+
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, pos_embedding: Tensor, mask: Tensor
+    ) -> Tensor:
+        b, t, _ = query.shape
+
+        def heads(x: Tensor) -> Tensor:  # (B, T, dim) -> (B, H, T, d_head)
+            return x.view(b, -1, self.num_heads, self.d_head).transpose(1, 2)
+
+        q = self.query_proj(query).view(b, t, self.num_heads, self.d_head)
+        k, v = heads(self.key_proj(key)), heads(self.value_proj(value))
+        p = heads(self.pos_proj(pos_embedding))
+        content = (q + self.u_bias).transpose(1, 2) @ k.transpose(-1, -2)
+        raw = (q + self.v_bias).transpose(1, 2) @ p.transpose(-1, -2)  # (B, H, T, T)
+        padded = torch.cat([raw.new_zeros(b, self.num_heads, t, 1), raw], dim=-1)
+        shifted = padded.reshape(b, self.num_heads, t + 1, t)[:, :, 1:].reshape(raw.shape)
+        score = (content + shifted) / math.sqrt(self.dim)
+        score = score.masked_fill(mask.unsqueeze(1), -1e4)
+        attn = self.dropout(torch.softmax(score, -1))
+        out = (attn @ v).transpose(1, 2).reshape(b, t, self.dim)
+        result: Tensor = self.out_proj(out)
+        return result
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
+    torch.manual_seed(0)
+    theirs = OpenspeechDouble(16, 4, dropout_p=0.1, wrapped=wrapped).double().eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0.0, 0.5)
+    ours = RelativeMultiHeadAttention.from_openspeech(theirs)
+    assert ours.legacy == "openspeech"
+    assert ours.dropout == 0.1
+    assert not ours.training
+    x = randn(3, 13, 16)
+    valid = masks.padding_mask([13, 9, 1])  # (B, 1, 1, T), True = real token
+    pos = openspeech_encoding(13, 16).double().expand(3, 13, 16)
+    want = theirs(x, x, x, pos, ~valid[:, 0])  # openspeech: (B, 1, T), True = blocked
+    with blocks(4, 5):
+        got = ours(x, mask=valid, backend=backend)
+    assert_close(got, want)
+
+
+def test_legacy_shift_is_what_the_docstring_says() -> None:
+    # On and below the diagonal: the encoding of position T-1-(i-j); just above it: 0; further
+    # right: query i+1 against position j-i-2.
+    t = 6
+    qv, enc = randn(1, 1, t, 4), randn(1, t, 4, seed=2)
+    got = relpos.position_scores(qv, nn.functional.pad(enc, (0, 0, 1, 0)), t, legacy=True)
+    for i in range(t):
+        for j in range(t):
+            if j <= i:
+                want = qv[0, 0, i] @ enc[0, t - 1 - (i - j)]
+            elif j == i + 1:
+                want = torch.tensor(0.0, dtype=torch.float64)
+            else:
+                want = qv[0, 0, i + 1] @ enc[0, j - i - 2]
+            assert_close(got[0, 0, i, j], want)
+
+
+def test_legacy_encoding_is_openspeech_bit_for_bit() -> None:
+    assert torch.equal(relpos.openspeech_sinusoid(37, 16), openspeech_encoding(37, 16))
+
+
+def test_default_mode_differs_from_legacy() -> None:
+    legacy = make(legacy="openspeech")
+    exact = make()
+    exact.load_state_dict(legacy.state_dict())
+    x = randn(1, 7, 12)
+    assert exact.scale == 1 / math.sqrt(4)  # 1/sqrt(head_dim)
+    assert legacy.scale == 1 / math.sqrt(12)
+    assert (exact(x) - legacy(x)).abs().max() > 1e-2
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_bad_arguments_quote_values() -> None:
+    with pytest.raises(ValueError, match=r"d_model \(10\) must be divisible by num_heads \(4\)"):
+        RelativeMultiHeadAttention(10, 4)
+    with pytest.raises(ValueError, match="legacy must be None or 'openspeech', got 'espnet'"):
+        RelativeMultiHeadAttention(8, 2, legacy="espnet")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
+        RelativeMultiHeadAttention(8, 2, dropout=1.5)
+    m = make()
+    x = randn(2, 5, 12)
+    with pytest.raises(ValueError, match=r"query must be \(B, T, d_model=12\), got \(2, 5, 8\)"):
+        m(randn(2, 5, 8))
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        m(x, mask=torch.ones(2, 1, 1, 5))
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 1, 1, 5\) does not broadcast"):
+        m(x, mask=torch.ones(3, 1, 1, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="backend must be one of auto, chunked, reference"):
+        m(x, backend="sdpa")
+    legacy = make(legacy="openspeech")
+    with pytest.raises(ValueError, match="got Tq=2 and Tk=5"):
+        legacy(x[:, :2], x)
+    double = OpenspeechDouble(8, 2, 0.0, wrapped=False)
+    double.pos_proj = nn.Identity()  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=r"OpenspeechDouble.pos_proj to be an nn.Linear"):
+        RelativeMultiHeadAttention.from_openspeech(double)
