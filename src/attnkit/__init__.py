@@ -22,6 +22,7 @@ from .kv_cache import KVCache
 from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
 from .multihead import MultiHeadAttention, from_torch_masks
 from .positional import RotaryEmbedding, SinusoidalPositionalEncoding, alibi_bias, alibi_slopes
+from .relative import RelativeMultiHeadAttention
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "PositionwiseFeedForward",
+    "RelativeMultiHeadAttention",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "Transformer",
