@@ -19,6 +19,7 @@ import torch.distributed as dist
 import attnkit
 from attnkit import masks
 from attnkit.backends import chunked as chunked_module
+from attnkit.distributed import ring as ring_module
 from attnkit.distributed import ring_attention, shard_zigzag, unshard_zigzag
 from attnkit.testing import assert_close
 
@@ -107,7 +108,7 @@ def compare_with_single_process(
 
 
 def count_score_blocks(rank: int, world: int, layout: str, causal: bool) -> int:
-    """Score blocks this rank computes for one forward, with CHUNK x CHUNK blocks."""
+    """Score blocks this rank computes for one forward, with CHUNK x CHUNK blocks and tiles."""
     computed = []
     original = chunked_module._Problem.scores
 
@@ -184,16 +185,18 @@ def bad_calls(rank: int, world: int) -> dict[str, str]:
 
 def ring_checks(rank: int, world: int) -> dict[str, Any]:
     """Every check of one world size, in one spawned run (see the module docstring)."""
-    # Blocks of 4 queries by 3 keys: every piece of the ring spans several chunked blocks, with
-    # ragged ends against the chunk size of 5.
+    # Blocks of 4 queries by 3 keys, with ragged ends against the chunk size of 5: every piece of
+    # the ring spans several blocks, and with one block per tile, several tiles.
     chunked_module.DEFAULT_BLOCK_Q = chunked_module.DEFAULT_BLOCK_Q_CAUSAL = 4
     chunked_module.DEFAULT_BLOCK_K = 3
-    for layout in ("contiguous", "zigzag"):
-        for causal in (False, True):
-            for masked in (False, True):
-                compare_with_single_process(
-                    rank, world, layout=layout, causal=causal, masked=masked
-                )
+    for tile_blocks in (1, ring_module.TILE_BLOCKS):
+        ring_module.TILE_BLOCKS = tile_blocks
+        for layout in ("contiguous", "zigzag"):
+            for causal in (False, True):
+                for masked in (False, True):
+                    compare_with_single_process(
+                        rank, world, layout=layout, causal=causal, masked=masked
+                    )
     compare_with_single_process(
         rank, world, layout="zigzag", causal=True, masked=True, dtype=torch.float32
     )
@@ -207,6 +210,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
     report: dict[str, Any] = {"saved": largest_saved_numel(rank, world)}
     chunked_module.DEFAULT_BLOCK_Q = chunked_module.DEFAULT_BLOCK_Q_CAUSAL = CHUNK
     chunked_module.DEFAULT_BLOCK_K = CHUNK
+    ring_module.TILE_BLOCKS = 1  # tiles of one chunk
     report["blocks"] = {
         (layout, causal): count_score_blocks(rank, world, layout, causal)
         for layout in ("contiguous", "zigzag")

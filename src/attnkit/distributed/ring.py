@@ -4,8 +4,9 @@ Each of the ``W`` ranks holds an equal shard of q, k and v. The k/v shards trave
 (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``) while each rank attends its queries to
 the block it holds, so after ``W`` steps every query has met every key and no rank has held more
 than two k/v shards at once (Liu et al., 2023, "Ring Attention with Blockwise Transformers"). Each
-step is the chunked kernel's forward, which returns an output and a log-sum-exp for its keys; the
-partial results are merged into a running pair in float32, the online softmax one level up.
+step runs the chunked kernel's forward tile by tile (a few kernel blocks of queries by a few of
+keys); each tile's output and log-sum-exp are merged into a running pair in float32, the online
+softmax one level up. Causal tiles above the diagonal are never computed.
 
 The backward goes around the ring again. Given the *final* output and log-sum-exp, the chunked
 kernel's backward yields each block's exact share of the gradients: the query gradients stay home,
@@ -34,6 +35,12 @@ from .layout import LAYOUTS, segments
 __all__ = ["ring_attention"]
 
 
+# A tile of the ring's work is TILE_BLOCKS x TILE_BLOCKS kernel blocks: each tile's temporaries
+# (its partial output, its share of the k/v gradients) stay O(block) instead of O(T / W), while the
+# Python work per tile stays small next to its compute.
+TILE_BLOCKS = 4
+
+
 @dataclass(frozen=True)
 class _Plan:
     """One call's settings, shared by the forward and backward rings."""
@@ -46,6 +53,8 @@ class _Plan:
     kv_len: int
     block_q: int
     block_k: int
+    tile_q: int
+    tile_k: int
 
 
 @dataclass(frozen=True)
@@ -62,19 +71,46 @@ class _Piece:
     offset: int | None
 
 
+def _piece(qs: int, qe: int, ks: int, ke: int, offset: int | None) -> _Piece | None:
+    """The piece, with ``offset=None`` when it sees every key; None when it sees none."""
+    if qe <= qs or ke <= ks:
+        return None
+    if offset is not None:
+        if offset + (qe - qs) - 1 < 0:
+            return None  # above the diagonal: not computed at all
+        if offset >= (ke - ks) - 1:
+            offset = None
+    return _Piece(qs, qe, ks, ke, offset)
+
+
 def _pieces(plan: _Plan, src: int) -> list[_Piece]:
-    """What this rank computes against the block that rank ``src`` owns; empty when all hidden."""
+    """What this rank computes against the block that rank ``src`` owns, tile by tile."""
     if not plan.causal:
-        return [_Piece(0, plan.q_len, 0, plan.kv_len, None)]
+        whole = _piece(0, plan.q_len, 0, plan.kv_len, None)
+        return [] if whole is None else _tiles(plan, whole)
     world, pieces = plan.ring.world_size, []
     for lq, gq, nq in segments(plan.layout, plan.ring.rank, world, plan.q_len):
         for lk, gk, nk in segments(plan.layout, src, world, plan.kv_len):
             # Global query gq + i sees global key gk + j iff j <= i + (gq - gk).
-            offset = gq - gk
-            if nq == 0 or nk == 0 or offset + nq - 1 < 0:
-                continue  # above the diagonal: not computed at all
-            pieces.append(_Piece(lq, lq + nq, lk, lk + nk, None if offset >= nk - 1 else offset))
+            piece = _piece(lq, lq + nq, lk, lk + nk, gq - gk)
+            if piece is not None:
+                pieces += _tiles(plan, piece)
     return pieces
+
+
+def _tiles(plan: _Plan, piece: _Piece) -> list[_Piece]:
+    tiles = []
+    for qs in range(piece.qs, piece.qe, plan.tile_q):
+        for ks in range(piece.ks, piece.ke, plan.tile_k):
+            offset = piece.offset
+            if offset is not None:
+                offset += (qs - piece.qs) - (ks - piece.ks)  # the same diagonal, seen from (qs, ks)
+            tile = _piece(
+                qs, min(qs + plan.tile_q, piece.qe), ks, min(ks + plan.tile_k, piece.ke), offset
+            )
+            if tile is not None:
+                tiles.append(tile)
+    return tiles
 
 
 def _problem(
@@ -118,12 +154,12 @@ def _empty_rows(p: _chunked._Problem, piece: _Piece) -> Tensor | None:
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """Fold one block's (output, log-sum-exp) into the running pair, in place."""
+    """Fold one tile's (output, log-sum-exp) into the running pair, in place (block_out too)."""
     new = torch.logaddexp(lse, block_lse)
     # A row that has seen no key on either side stays at -inf; subtracting 0 then keeps both
     # weights at exp(-inf) = 0 instead of exp(-inf + inf) = nan.
     safe = new.masked_fill(new == float("-inf"), 0.0)
-    out.mul_((lse - safe).exp_()).add_(block_out * (block_lse - safe).exp_())
+    out.mul_((lse - safe).exp_()).add_(block_out.mul_((block_lse - safe).exp_()))
     lse.copy_(new)
 
 
@@ -369,6 +405,9 @@ def ring_attention(
         description,
         shape_fields=("q shape", "k shape", "v shape", "mask shape"),
     )
+    # Read at call time, like the chunked backend, so tests can shrink the blocks and tiles.
+    block_q = _chunked.DEFAULT_BLOCK_Q_CAUSAL if causal else _chunked.DEFAULT_BLOCK_Q
+    block_k = _chunked.DEFAULT_BLOCK_K
     plan = _Plan(
         ring=Ring(group),
         causal=call.causal,
@@ -376,8 +415,9 @@ def ring_attention(
         scale=call.scale,
         q_len=call.q_len,
         kv_len=call.kv_len,
-        # Read at call time, like the chunked backend, so tests can shrink the blocks.
-        block_q=_chunked.DEFAULT_BLOCK_Q_CAUSAL if causal else _chunked.DEFAULT_BLOCK_Q,
-        block_k=_chunked.DEFAULT_BLOCK_K,
+        block_q=block_q,
+        block_k=block_k,
+        tile_q=max(1, TILE_BLOCKS * block_q),
+        tile_k=max(1, TILE_BLOCKS * block_k),
     )
     return _apply_ring(q, k, v, key_mask, plan)
