@@ -261,6 +261,8 @@ def test_errors() -> None:
         TransformerEncoderLayer(8, attention="mha")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"pass num_heads, or ready-made attention= and cross_att"):
         TransformerDecoderLayer(8, attention=Recorder())
+    with pytest.raises(ValueError, match=r"memory_dim configure the attention attnkit builds"):
+        TransformerDecoderLayer(8, 2, memory_dim=3, cross_attention=Recorder())
     with pytest.raises(ValueError, match=r"d_model \(10\) is not divisible by num_heads \(4\)"):
         TransformerEncoderLayer(10, 4)
     with pytest.raises(ValueError, match=r"activation must be one of"):
@@ -283,3 +285,12 @@ def test_dropout_in_training_only() -> None:
     assert torch.equal(a, layer(x))
     layer.train()
     assert not torch.allclose(layer(x), a)
+
+
+def test_encoder_layer_exports_with_a_mask() -> None:
+    torch.manual_seed(0)
+    layer = TransformerEncoderLayer(16, 4, norm_first=True).eval()
+    x = torch.randn(2, 6, 16)
+    pad = masks.padding_mask([6, 4])
+    exported = torch.export.export(layer, (x,), {"mask": pad, "causal": True})
+    assert_close(exported.module()(x, mask=pad, causal=True), layer(x, mask=pad, causal=True))

@@ -293,6 +293,8 @@ class TransformerDecoderLayer(nn.Module):
                 device=device,
                 dtype=dtype,
             )
+        else:
+            _reject_options("cross_attention=", memory_dim=memory_dim)
         self.self_attn = _check_module("attention", attention)
         self.cross_attn = _check_module("cross_attention", cross_attention)
         self.ffn = PositionwiseFeedForward(
@@ -400,7 +402,8 @@ class Transformer(nn.Module):
     * ``encode(src, *, mask=None)`` -> memory ``(B, Ts, D)``.
     * ``decode(tgt, memory, *, mask=None, memory_mask=None, cache=None)`` -> ``(B, T, D)``. With a
       cache from :meth:`make_cache`, ``tgt`` holds only the new tokens (their positions start at
-      ``cache[0].length``).
+      ``cache[0].length``) and ``mask``, if any, covers every key held after the step: it
+      broadcasts to ``(B, H, T, S)`` with ``S = cache[0].length + T``.
 
     Greedy decoding, one token at a time through the KV caches:
 
