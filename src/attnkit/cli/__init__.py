@@ -1,4 +1,7 @@
-"""The ``attnkit`` command. Until the demo lands, ``attnkit demo`` runs a short example."""
+"""The ``attnkit`` command: ``attnkit demo``, ``attnkit bench``, ``attnkit explain``.
+
+Run ``attnkit <command> --help`` for each command's options.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import sys
 import torch
 
 import attnkit
+
+from . import bench, explain
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -21,14 +26,49 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="attnkit", description=attnkit.__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run a short example")
-    demo.add_argument("--seed", type=int, default=0)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnkit",
+        description="attnkit: attention for PyTorch. One mask convention (True = may attend), a "
+        "readable reference, and fast paths tested equal to it.",
+    )
+    parser.add_argument("--version", action="version", version=f"attnkit {attnkit.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+
+    demo = sub.add_parser("demo", help="run a short example", description=_demo.__doc__)
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.set_defaults(run=_demo)
+
+    b = sub.add_parser(
+        "bench",
+        help="time attnkit against torch and hand-written attention",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(b)
+    b.set_defaults(run=bench.run)
+
+    e = sub.add_parser(
+        "explain",
+        help="say which backend auto picks for a call, and why not the others",
+        description=explain.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    explain.add_arguments(e)
+    e.set_defaults(run=explain.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except (ValueError, TypeError, RuntimeError) as err:
+        # Bad values that argparse cannot see (shapes that do not fit, an unknown device...).
+        parser.exit(2, f"attnkit {args.command}: error: {err}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, f"attnkit {args.command}: interrupted\n")
     return code
 
 
