@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from attnkit import (
     MultiHeadAttention,
+    RelativeMultiHeadAttention,
     Transformer,
     TransformerDecoderLayer,
     TransformerEncoderLayer,
@@ -294,3 +295,13 @@ def test_encoder_layer_exports_with_a_mask() -> None:
     pad = masks.padding_mask([6, 4])
     exported = torch.export.export(layer, (x,), {"mask": pad, "causal": True})
     assert_close(exported.module()(x, mask=pad, causal=True), layer(x, mask=pad, causal=True))
+
+
+def test_encoder_layer_with_relative_attention() -> None:
+    torch.manual_seed(0)
+    rel = RelativeMultiHeadAttention(16, 4, dtype=torch.float64)
+    layer = TransformerEncoderLayer(16, attention=rel, dtype=torch.float64).eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    pad = masks.padding_mask([5, 3])
+    h = layer.norm1(x + rel(x, mask=pad))  # post-norm, composed by hand
+    assert_close(layer(x, mask=pad), layer.norm2(h + layer.ffn(h)))
