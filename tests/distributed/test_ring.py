@@ -189,8 +189,10 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
     # the ring spans several blocks, and with one block per tile, several tiles.
     chunked_module.DEFAULT_BLOCK_Q = chunked_module.DEFAULT_BLOCK_Q_CAUSAL = 4
     chunked_module.DEFAULT_BLOCK_K = 3
-    for tile_blocks in (1, ring_module.TILE_BLOCKS):
-        ring_module.TILE_BLOCKS = tile_blocks
+    tile_names = ("TILE_BLOCKS_Q", "TILE_BLOCKS_K", "TILE_BLOCKS_K_BACKWARD")
+    for tile_blocks in ((1, 1, 1), tuple(getattr(ring_module, n) for n in tile_names)):
+        for name, value in zip(tile_names, tile_blocks, strict=True):
+            setattr(ring_module, name, value)
         for layout in ("contiguous", "zigzag"):
             for causal in (False, True):
                 for masked in (False, True):
@@ -210,7 +212,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
     report: dict[str, Any] = {"saved": largest_saved_numel(rank, world)}
     chunked_module.DEFAULT_BLOCK_Q = chunked_module.DEFAULT_BLOCK_Q_CAUSAL = CHUNK
     chunked_module.DEFAULT_BLOCK_K = CHUNK
-    ring_module.TILE_BLOCKS = 1  # tiles of one chunk
+    ring_module.TILE_BLOCKS_Q = ring_module.TILE_BLOCKS_K = 1  # forward tiles of one chunk
     report["blocks"] = {
         (layout, causal): count_score_blocks(rank, world, layout, causal)
         for layout in ("contiguous", "zigzag")

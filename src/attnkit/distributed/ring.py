@@ -29,16 +29,20 @@ from torch.distributed import ProcessGroup
 from .._checks import AttentionCall, check_attention_args, shape_str
 from .._typing import Bool, Float, shape_checked
 from ..backends import chunked as _chunked
-from ._comm import Pending, Ring, agree, require_group
+from ._comm import Ring, agree, require_group
 from .layout import LAYOUTS, segments
 
 __all__ = ["ring_attention"]
 
 
-# A tile of the ring's work is TILE_BLOCKS x TILE_BLOCKS kernel blocks: each tile's temporaries
-# (its partial output, its share of the k/v gradients) stay O(block) instead of O(T / W), while the
-# Python work per tile stays small next to its compute.
-TILE_BLOCKS = 4
+# The ring computes each step in tiles of kernel blocks, so that a tile's temporaries are O(block),
+# not O(T / W): its partial output and query gradients (TILE_BLOCKS_Q query blocks), and in the
+# backward its share of the key/value gradients (TILE_BLOCKS_K_BACKWARD key blocks). Forward tiles
+# are longer in keys, which costs no memory there: the kernel takes its slower, rescaling path on
+# the first key block of each tile.
+TILE_BLOCKS_Q = 4
+TILE_BLOCKS_K = 16
+TILE_BLOCKS_K_BACKWARD = 4
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class _Plan:
     block_k: int
     tile_q: int
     tile_k: int
+    tile_k_backward: int
 
 
 @dataclass(frozen=True)
@@ -83,31 +88,29 @@ def _piece(qs: int, qe: int, ks: int, ke: int, offset: int | None) -> _Piece | N
     return _Piece(qs, qe, ks, ke, offset)
 
 
-def _pieces(plan: _Plan, src: int) -> list[_Piece]:
-    """What this rank computes against the block that rank ``src`` owns, tile by tile."""
+def _pieces(plan: _Plan, src: int, tile_k: int) -> list[_Piece]:
+    """What this rank computes against the block that rank ``src`` owns, in tiles."""
     if not plan.causal:
         whole = _piece(0, plan.q_len, 0, plan.kv_len, None)
-        return [] if whole is None else _tiles(plan, whole)
+        return [] if whole is None else _tiles(whole, plan.tile_q, tile_k)
     world, pieces = plan.ring.world_size, []
     for lq, gq, nq in segments(plan.layout, plan.ring.rank, world, plan.q_len):
         for lk, gk, nk in segments(plan.layout, src, world, plan.kv_len):
             # Global query gq + i sees global key gk + j iff j <= i + (gq - gk).
             piece = _piece(lq, lq + nq, lk, lk + nk, gq - gk)
             if piece is not None:
-                pieces += _tiles(plan, piece)
+                pieces += _tiles(piece, plan.tile_q, tile_k)
     return pieces
 
 
-def _tiles(plan: _Plan, piece: _Piece) -> list[_Piece]:
+def _tiles(piece: _Piece, tile_q: int, tile_k: int) -> list[_Piece]:
     tiles = []
-    for qs in range(piece.qs, piece.qe, plan.tile_q):
-        for ks in range(piece.ks, piece.ke, plan.tile_k):
+    for qs in range(piece.qs, piece.qe, tile_q):
+        for ks in range(piece.ks, piece.ke, tile_k):
             offset = piece.offset
             if offset is not None:
                 offset += (qs - piece.qs) - (ks - piece.ks)  # the same diagonal, seen from (qs, ks)
-            tile = _piece(
-                qs, min(qs + plan.tile_q, piece.qe), ks, min(ks + plan.tile_k, piece.ke), offset
-            )
+            tile = _piece(qs, min(qs + tile_q, piece.qe), ks, min(ks + tile_k, piece.ke), offset)
             if tile is not None:
                 tiles.append(tile)
     return tiles
@@ -186,7 +189,7 @@ def _ring_forward(
     for step in range(ring.world_size):
         incoming = ring.exchange(block) if step < ring.world_size - 1 else None
         kb, vb, mb = _unpack(block)
-        for piece in _pieces(plan, (ring.rank - step) % ring.world_size):
+        for piece in _pieces(plan, (ring.rank - step) % ring.world_size, plan.tile_k):
             p = _problem(plan, piece, q, kb, vb, mb)
             block_out, block_lse = _chunked.forward(p)
             empty = _empty_rows(p, piece)
@@ -218,13 +221,14 @@ def _ring_backward(
     dq = torch.zeros(n * hkv, g, plan.q_len, q.size(-1), dtype=lse.dtype, device=q.device)
     ring = plan.ring
     block = [k, v] if mask is None else [k, v, mask]
-    grads_in: Pending | None = None  # the k/v gradients of the next block, from the previous rank
+    # The key/value gradients of the block held: this rank's own block first, then each block's
+    # running sums arrive with it and leave with it.
+    dk = torch.zeros(n * hkv, plan.kv_len, k.size(-1), dtype=lse.dtype, device=q.device)
+    dv = torch.zeros(n * hkv, plan.kv_len, v.size(-1), dtype=lse.dtype, device=q.device)
     for step in range(ring.world_size):
         incoming = ring.exchange(block) if step < ring.world_size - 1 else None
         kb, vb, mb = _unpack(block)
-        dk = torch.zeros(n * hkv, plan.kv_len, k.size(-1), dtype=lse.dtype, device=q.device)
-        dv = torch.zeros(n * hkv, plan.kv_len, v.size(-1), dtype=lse.dtype, device=q.device)
-        for piece in _pieces(plan, (ring.rank - step) % ring.world_size):
+        for piece in _pieces(plan, (ring.rank - step) % ring.world_size, plan.tile_k_backward):
             p = _problem(plan, piece, q, kb, vb, mb)
             rows, keys = slice(piece.qs, piece.qe), slice(piece.ks, piece.ke)
             dq_p, dk_p, dv_p, _ = _chunked.backward(
@@ -233,17 +237,14 @@ def _ring_backward(
             dq[:, :, rows] += dq_p.view(n * hkv, g, piece.qe - piece.qs, q.size(-1))
             dk[:, keys] += dk_p
             dv[:, keys] += dv_p
-        if grads_in is not None:
-            dk_in, dv_in = grads_in.wait()
-            dk += dk_in
-            dv += dv_in
-        # Sent after the compute, received during the next step's: the receiver needs the sums
-        # only once it has its own share of that block.
-        grads_in = ring.exchange([dk, dv])
         if incoming is not None:
             block = incoming.wait()
-    assert grads_in is not None  # the loop runs at least once
-    dk, dv = grads_in.wait()  # the last hop: this rank's own block, with every rank's share
+        del kb, vb, mb
+        # Pass the sums on and take over those of the block that just arrived (after the last
+        # step: this rank's own block, with every rank's share). Waiting here rather than during
+        # the next step's compute keeps two fewer k/v-sized buffers alive; the transfer is small
+        # next to a step's compute.
+        dk, dv = ring.exchange([dk, dv]).wait()
     return dq, dk, dv
 
 
@@ -417,7 +418,8 @@ def ring_attention(
         kv_len=call.kv_len,
         block_q=block_q,
         block_k=block_k,
-        tile_q=max(1, TILE_BLOCKS * block_q),
-        tile_k=max(1, TILE_BLOCKS * block_k),
+        tile_q=max(1, TILE_BLOCKS_Q * block_q),
+        tile_k=max(1, TILE_BLOCKS_K * block_k),
+        tile_k_backward=max(1, TILE_BLOCKS_K_BACKWARD * block_k),
     )
     return _apply_ring(q, k, v, key_mask, plan)
