@@ -13,7 +13,8 @@ kernel's backward yields each block's exact share of the gradients: the query gr
 and the key/value gradients travel with their block, collecting every rank's share, then take one
 last hop back to the block's owner.
 
-The next block is always in flight while the current one is computed.
+In both passes the next k/v block is in flight while the current one is computed; the backward's
+gradient sums move between steps (they are ready only once a step is done).
 """
 
 from __future__ import annotations
