@@ -50,6 +50,28 @@ def blocks(block_q: int, block_k: int) -> Iterator[None]:
         relpos.BLOCK_Q, relpos.BLOCK_K = saved
 
 
+@contextlib.contextmanager
+def sdpa_blocks(block_q: int) -> Iterator[None]:
+    saved = relpos.SDPA_BLOCK_Q
+    relpos.SDPA_BLOCK_Q = block_q
+    try:
+        yield
+    finally:
+        relpos.SDPA_BLOCK_Q = saved
+
+
+def run(m: RelativeMultiHeadAttention, *args: Tensor, backend: str, **kw: object) -> Tensor:
+    """``m(*args, backend=backend)``; the sdpa path has no backward, so it runs under no_grad."""
+    with torch.no_grad() if backend == "sdpa" else contextlib.nullcontext():
+        out = m(*args, backend=backend, **kw)
+    assert isinstance(out, Tensor)
+    return out
+
+
+FAST = ["sdpa", "chunked"]
+ALL = [*FAST, "reference"]
+
+
 def sinusoid(d: int, dim: int) -> Tensor:
     """r(d) straight from the formula, one float at a time: sines, then cosines."""
     half = (dim + 1) // 2
@@ -121,10 +143,10 @@ def test_equals_brute_force(tq: int, extra: int, causal: bool, masked: bool, see
         mask = torch.rand(2, 1, tq, tk, generator=torch.Generator().manual_seed(seed)) < 0.7
         mask[0, 0, 0] = False  # a query with no visible key
     want, want_w = brute_force(m, x[:, -tq:], x, mask, causal)
-    with blocks(2, 3):
-        got = m(x[:, -tq:], x, mask=mask, causal=causal, backend="chunked")
+    with blocks(2, 3), sdpa_blocks(2):
+        for backend in FAST:
+            assert_close(run(m, x[:, -tq:], x, mask=mask, causal=causal, backend=backend), want)
     ref, w = m(x[:, -tq:], x, mask=mask, causal=causal, need_weights=True)
-    assert_close(got, want)
     assert_close(ref, want)
     assert_close(w, want_w)
 
@@ -133,9 +155,10 @@ def test_more_queries_than_keys_take_negative_positions() -> None:
     # Tq > Tk: the first queries sit before position 0; the formula still holds.
     m = make()
     q, kv = randn(1, 6, 12, seed=2), randn(1, 3, 12, seed=3)
-    want, _ = brute_force(m, q, kv)
-    with blocks(4, 2):
-        assert_close(m(q, kv, backend="chunked"), want)
+    want, _ = brute_force(m, q, kv, causal=True)
+    with blocks(4, 2), sdpa_blocks(4):
+        for backend in FAST:
+            assert_close(run(m, q, kv, causal=True, backend=backend), want)
 
 
 def test_encodings_are_sinusoids_of_distances() -> None:
@@ -163,22 +186,32 @@ def test_one_encoding_per_distance_the_call_needs() -> None:
     assert m._tables[(table.device, table.dtype)][0] >= 40
 
 
+def test_training_after_an_inference_mode_call() -> None:
+    # The cached encodings must not be inference tensors, or the backward could not save them.
+    m = make()
+    x = randn(1, 5, 12)
+    with torch.inference_mode():
+        m(x)
+    m(x).sum().backward()
+    assert m.pos_proj.weight.grad is not None
+
+
 # --------------------------------------------------------------------------------------------------
 # Properties
 
 
-@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("causal", [False, True])
 def test_queries_are_the_last_positions(backend: str, causal: bool) -> None:
     m = make()
     x = randn(2, 11, 12)
-    with blocks(3, 4):
-        full = m(x, causal=causal, backend=backend)
+    with blocks(3, 4), sdpa_blocks(3):
+        full = run(m, x, causal=causal, backend=backend)
         for n in (1, 4, 11):
-            assert_close(m(x[:, -n:], x, causal=causal, backend=backend), full[:, -n:])
+            assert_close(run(m, x[:, -n:], x, causal=causal, backend=backend), full[:, -n:])
 
 
-@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padding_does_not_change_real_tokens(backend: str, side: str) -> None:
     m = make()
@@ -188,9 +221,9 @@ def test_padding_does_not_change_real_tokens(backend: str, side: str) -> None:
     real = slice(5, 12) if side == "left" else slice(0, 7)
     keep = torch.zeros(12, dtype=torch.bool)
     keep[real] = True
-    with blocks(4, 3):
-        want = m(x, backend=backend)
-        got = m(padded, mask=keep.view(1, 1, 1, 12), backend=backend)
+    with blocks(4, 3), sdpa_blocks(4):
+        want = run(m, x, backend=backend)
+        got = run(m, padded, mask=keep.view(1, 1, 1, 12), backend=backend)
     assert_close(got[:, real], want)
 
 
@@ -259,6 +292,38 @@ def test_chunked_equals_reference_with_gradients(
         fast = run("chunked")
     for got, want in zip(fast, run("reference"), strict=True):
         assert_close(got, want)
+
+
+@given(
+    tq=st.integers(1, 14),
+    extra=st.integers(0, 6),
+    causal=st.booleans(),
+    legacy=st.booleans(),
+    mask_kind=st.sampled_from(["none", "full", "keys", "vector"]),
+    block_q=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=25)
+def test_sdpa_equals_reference(
+    tq: int,
+    extra: int,
+    causal: bool,
+    legacy: bool,
+    mask_kind: str,
+    block_q: int,
+    seed: int,
+) -> None:
+    m = make(legacy="openspeech" if legacy else None, seed=seed)
+    tk = tq if legacy else tq + extra
+    x = randn(2, tk, 12, seed=seed)
+    shapes = {"full": (2, 3, tq, tk), "keys": (2, 1, 1, tk), "vector": (tk,)}
+    mask = None
+    if mask_kind in shapes:
+        gen = torch.Generator().manual_seed(seed)
+        mask = torch.rand(*shapes[mask_kind], generator=gen) < 0.7  # with empty rows at times
+    with sdpa_blocks(block_q):
+        got = run(m, x[:, -tq:], x, mask=mask, causal=causal, backend="sdpa")
+    assert_close(got, m(x[:, -tq:], x, mask=mask, causal=causal, backend="reference"))
 
 
 @pytest.mark.parametrize(("legacy", "causal"), [(None, False), (None, True), ("openspeech", False)])
@@ -377,6 +442,42 @@ def test_chunked_cannot_return_weights() -> None:
         m(randn(1, 4, 12), need_weights=True, backend="chunked")
 
 
+def test_sdpa_refuses_gradients_and_half_precision() -> None:
+    m = make()
+    x = randn(1, 4, 12)
+    with pytest.raises(BackendError, match=r"backend 'sdpa' cannot serve .* no backward"):
+        m(x, backend="sdpa")
+    with torch.no_grad(), pytest.raises(BackendError, match="round the position term"):
+        m.bfloat16()(x.bfloat16(), backend="sdpa")
+
+
+def test_auto_takes_the_first_path_that_serves_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    taken: list[str] = []
+    for name in ("relative_attention_sdpa", "relative_attention", "position_scores"):
+        original = getattr(relpos, name)
+
+        def spy(*args: object, _name: str = name, _f: object = original, **kw: object) -> Tensor:
+            taken.append(_name)
+            return _f(*args, **kw)  # type: ignore[operator, no-any-return]
+
+        monkeypatch.setattr(relpos, name, spy)
+    m = make()
+    x = randn(1, 4, 12)
+    with torch.inference_mode():
+        m(x)
+    with torch.no_grad():
+        m.bfloat16()(x.bfloat16())  # the sdpa mask would round the position term
+        m.double()
+    m(x)  # parameters require grad: the chunked kernel has a backward
+    m(x, need_weights=True)
+    assert taken == [
+        "relative_attention_sdpa",
+        "relative_attention",
+        "relative_attention",
+        "position_scores",
+    ]
+
+
 # --------------------------------------------------------------------------------------------------
 # openspeech, through an independent test double of its module
 
@@ -450,7 +551,7 @@ class OpenspeechDouble(nn.Module):
 
 
 @pytest.mark.parametrize("wrapped", [False, True])
-@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("backend", ALL)
 def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
     torch.manual_seed(0)
     theirs = OpenspeechDouble(16, 4, dropout_p=0.1, wrapped=wrapped).double().eval()
@@ -465,8 +566,8 @@ def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
     valid = masks.padding_mask([13, 9, 1])  # (B, 1, 1, T), True = real token
     pos = openspeech_encoding(13, 16).double().expand(3, 13, 16)
     want = theirs(x, x, x, pos, ~valid[:, 0])  # openspeech: (B, 1, T), True = blocked
-    with blocks(4, 5):
-        got = ours(x, mask=valid, backend=backend)
+    with blocks(4, 5), sdpa_blocks(4):
+        got = run(ours, x, mask=valid, backend=backend)
     assert_close(got, want)
 
 
@@ -521,8 +622,8 @@ def test_bad_arguments_quote_values() -> None:
         m(x, mask=torch.ones(2, 1, 1, 5))
     with pytest.raises(ValueError, match=r"mask of shape \(3, 1, 1, 5\) does not broadcast"):
         m(x, mask=torch.ones(3, 1, 1, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match="backend must be one of auto, chunked, reference"):
-        m(x, backend="sdpa")
+    with pytest.raises(ValueError, match="backend must be one of auto, sdpa, chunked, reference"):
+        m(x, backend="flash")
     legacy = make(legacy="openspeech")
     with pytest.raises(ValueError, match="got Tq=2 and Tk=5"):
         legacy(x[:, :2], x)

@@ -21,6 +21,8 @@ used for attention weights and dropout). :func:`relative_attention` never does: 
 queries it multiplies ``qv`` by the window of ``enc`` those queries need (``Tk + block - 1``
 distances), and the chunked kernel reads each tile of the term as a strided view of that product
 (see :class:`attnkit.backends.chunked.ScoreTerm`). Memory stays O(T · block).
+:func:`relative_attention_sdpa`, for calls that need no gradient, hands the same per-block view to
+torch's fused ``scaled_dot_product_attention`` as its float mask, one block of queries at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .backends import chunked as _kernel
@@ -38,6 +41,8 @@ from .backends import chunked as _kernel
 # blocks waste less of it than the kernel's default 512, at a little more per-block overhead.
 BLOCK_Q = 256
 BLOCK_K = 256
+# Query rows per torch SDPA call in relative_attention_sdpa: its float mask is (B, H, rows, Tk).
+SDPA_BLOCK_Q = 128
 # openspeech's PositionalEncoding fills a table of this many positions once; the legacy encodings
 # are computed with the same shape so that they come out bit for bit the same.
 OPENSPEECH_MAX_LEN = 5000
@@ -286,3 +291,68 @@ def relative_attention(
     """
     offset = k.size(-2) - qu.size(-2) if causal else None
     return _apply(qu, k, v, qv, enc, mask, offset, scale, legacy, BLOCK_Q, BLOCK_K)
+
+
+def _block_visibility(
+    mask: Tensor | None,
+    causal_offset: int | None,
+    qs: int,
+    qe: int,
+    key_end: int,
+    device: torch.device,
+) -> Tensor | None:
+    """Bool ``(B|1, H|1, qe-qs, key_end)`` visibility of one query block, or None: all visible."""
+    vis = None
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+        vis = mask[..., qs:qe, :] if mask.size(-2) != 1 else mask
+        vis = vis[..., :key_end] if mask.size(-1) != 1 else vis
+    if causal_offset is not None and key_end > qs + causal_offset + 1:  # a key above the diagonal
+        rows = torch.arange(qs, qe, device=device).unsqueeze(-1)
+        causal = torch.arange(key_end, device=device) <= rows + causal_offset  # (bq, key_end)
+        vis = causal if vis is None else vis & causal
+    return vis
+
+
+def relative_attention_sdpa(
+    qu: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qv: Tensor,
+    enc: Tensor,
+    *,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    legacy: bool,
+) -> Tensor:
+    """:func:`relative_attention` for calls that need no gradient, on torch's fused kernel.
+
+    For each block of ``SDPA_BLOCK_Q`` queries the position term is the strided view of one product
+    (as in the chunked path), passed to ``scaled_dot_product_attention`` as its float mask, with
+    ``mask`` and causality folded in as ``-inf``. Keys a causal block cannot see are left out of
+    its call. The mask is in q's dtype, so float16/bfloat16 callers should use the chunked path,
+    which keeps the position term in float32. Memory: O(B · H · block · Tk).
+    """
+    n, h, tq, _ = qu.shape
+    tk = k.size(-2)
+    term = _RelativeTerm(qv, enc, scale, tk, legacy, grads=False)
+    offset = tk - tq if causal else None
+    out = qu.new_zeros(n, h, tq, v.size(-1))
+    for qs in range(0, tq, SDPA_BLOCK_Q):
+        qe = min(qs + SDPA_BLOCK_Q, tq)
+        key_end = tk if offset is None else min(tk, max(0, qe + offset))
+        if key_end == 0:  # no key visible to any query of the block: its output stays 0
+            continue
+        bias = term.rows(qs, qe, key_end).tile(0, key_end).squeeze(2).to(qu.dtype)
+        vis = _block_visibility(mask, offset, qs, qe, key_end, qu.device)
+        if vis is not None:
+            bias = bias.masked_fill(~vis, float("-inf"))
+        block = F.scaled_dot_product_attention(
+            qu[:, :, qs:qe], k[:, :, :key_end], v[:, :, :key_end], attn_mask=bias, scale=scale
+        )
+        if vis is not None:
+            # A query with no visible key gets 0 (torch's CPU kernels agree; not every CUDA one).
+            block = block.masked_fill(~vis.any(-1, keepdim=True), 0.0)
+        out[:, :, qs:qe] = block
+    return out

@@ -33,7 +33,7 @@ from .attention import BackendError, attention
 
 __all__ = ["RelativeMultiHeadAttention"]
 
-_BACKENDS = ("auto", "chunked", "reference")
+_BACKENDS = ("auto", "sdpa", "chunked", "reference")
 _OPENSPEECH_PARTS = ("query_proj", "key_proj", "value_proj", "pos_proj", "out_proj")
 
 
@@ -153,12 +153,14 @@ class RelativeMultiHeadAttention(nn.Module):
         size, table = self._tables.get(key, (0, weight.new_empty(0)))
         if size < need:
             size = max(need, 2 * size)
-            if self.legacy:
-                table = _relpos.openspeech_sinusoid(size, self.d_model)
-            else:
-                distances = torch.arange(size, -size - 1, -1, device=weight.device)
-                table = _relpos.relative_sinusoid(distances, self.d_model)
-            table = table.to(device=weight.device, dtype=weight.dtype)
+            # A table made under inference_mode could never be saved for a later backward.
+            with torch.inference_mode(False), torch.no_grad():
+                if self.legacy:
+                    table = _relpos.openspeech_sinusoid(size, self.d_model)
+                else:
+                    distances = torch.arange(size, -size - 1, -1, device=weight.device)
+                    table = _relpos.relative_sinusoid(distances, self.d_model)
+                table = table.to(device=weight.device, dtype=weight.dtype)
             self._tables[key] = (size, table)
         if self.legacy:
             return table[:tk]
@@ -207,23 +209,34 @@ class RelativeMultiHeadAttention(nn.Module):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
 
-    def _path(self, need_weights: bool, capturing: bool, backend: str) -> str:
-        """``chunked`` unless the call needs the weights; a forced backend that cannot serve the
-        call raises with the reason."""
-        needs = []
+    def _path(
+        self, inputs: tuple[Tensor, ...], need_weights: bool, capturing: bool, backend: str
+    ) -> str:
+        """The path that serves the call: ``auto`` takes the first of sdpa, chunked, reference with
+        no reason against it; a forced backend with a reason raises :class:`BackendError`."""
+        needs = []  # what the call needs that only the reference path has
         if need_weights:
             needs.append("need_weights=True")
         if capturing:
             needs.append("capture_attention() is recording this module")
         if self.training and self.dropout:
             needs.append(f"dropout={self.dropout} in training mode")
-        if backend == "chunked" and needs:
-            raise BackendError(
-                "backend 'chunked' cannot serve this call: it computes no attention weights and "
-                "has no dropout, and the call has " + "; ".join(needs)
+        no_weights = [f"it has no weights or dropout, and the call has {n}" for n in needs]
+        reasons = {"sdpa": list(no_weights), "chunked": no_weights, "reference": []}
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *self.parameters())):
+            # torch would keep each block's probabilities for the backward: O(T^2) in all.
+            reasons["sdpa"].append("it has no backward (use torch.no_grad() or inference_mode())")
+        if inputs[0].dtype in (torch.float16, torch.bfloat16):
+            reasons["sdpa"].append(
+                f"its float mask would round the position term to {inputs[0].dtype}; "
+                "chunked keeps it in float32"
             )
         if backend == "auto":
-            return "reference" if needs else "chunked"
+            return next(name for name, why in reasons.items() if not why)
+        if reasons[backend]:
+            raise BackendError(
+                f"backend {backend!r} cannot serve this call: " + "; ".join(reasons[backend])
+            )
         return backend
 
     def forward(
@@ -248,10 +261,13 @@ class RelativeMultiHeadAttention(nn.Module):
                 in attnkit; :func:`attnkit.masks.padding_mask` gives ``(B, 1, 1, Tk)``).
             causal: query ``i`` may attend key ``j`` iff ``j <= i + Tk - Tq``; ANDed with ``mask``.
             need_weights: also return the per-head weights ``(B, H, Tq, Tk)``.
-            backend: ``"auto"``: the chunked kernel with the position term computed per block
-                (O(T) memory, no weights, no dropout), else the materialised ``"reference"``
-                path when the call needs weights or dropout. ``"chunked"`` raises
-                :class:`attnkit.BackendError` for a call it cannot serve.
+            backend: ``"auto"`` takes the first path that can serve the call:
+                ``"sdpa"`` (no gradient needed, float32/float64: torch's fused kernel, one block of
+                queries at a time with the block's position term as its float mask),
+                ``"chunked"`` (attnkit's blocked kernel with the position term computed inside
+                it, forward and backward), or ``"reference"`` (materialised; the only one with
+                weights and dropout). Both fast paths keep memory O(T). A forced backend that
+                cannot serve the call raises :class:`attnkit.BackendError` saying why.
 
         Returns:
             ``(B, Tq, d_model)``, or ``(output, weights)`` with ``need_weights``. A query with no
@@ -262,7 +278,7 @@ class RelativeMultiHeadAttention(nn.Module):
         value = key if value is None else value
         self._check(query, key, value, mask, causal, need_weights, backend)
         capturing = capture.is_capturing(self)
-        path = self._path(need_weights, capturing, backend)
+        path = self._path((query, key, value), need_weights, capturing, backend)
         b, tq, _ = query.shape
         tk = key.size(1)
         h, dh = self.num_heads, self.head_dim
@@ -279,10 +295,9 @@ class RelativeMultiHeadAttention(nn.Module):
         legacy = self.legacy is not None
 
         weights = None
-        if path == "chunked":
-            out = _relpos.relative_attention(
-                qu, k, v, qv, enc, mask=mask, causal=causal, scale=self.scale, legacy=legacy
-            )
+        if path in ("sdpa", "chunked"):
+            fast = _relpos.relative_attention_sdpa if path == "sdpa" else _relpos.relative_attention
+            out = fast(qu, k, v, qv, enc, mask=mask, causal=causal, scale=self.scale, legacy=legacy)
         else:
             pos = _relpos.position_scores(qv, enc, tk, legacy=legacy)  # (B, H, Tq, Tk)
             out, weights = attention(

@@ -1,0 +1,180 @@
+"""RelativeMultiHeadAttention against MultiHeadAttention and openspeech's module: time and memory.
+
+float32 on this machine's CPU threads. Three measurements, each printed as a table:
+
+* ``speed``: B=4 T=1024 D=512 H=8, forward under ``torch.inference_mode``: attnkit's
+  MultiHeadAttention, RelativeMultiHeadAttention (default and ``legacy="openspeech"``) and the
+  seed module (openspeech's RelativeMultiHeadAttention, read from ``../shared/seeds/002_*.txt`` at
+  run time with its ``Linear`` import pointed at ``torch.nn``; skipped when the file is absent).
+  Medians of interleaved torch.utils.benchmark rounds; "ratio" is time / MultiHeadAttention's.
+* ``memory``: B=1 T=16384 D=512 H=8 inference: the peak resident memory the call adds beyond its
+  inputs and output, in a fresh process (:func:`attnkit.cli.measure.extra_peak_memory`). One
+  ``(H, T, T)`` float32 score tensor would be 8 GiB; the seed holds several.
+* ``training``: B=1 T=8192 D=512 H=8, forward and backward: time, extra peak memory, and the
+  largest tensor autograd saves for the backward (against ``T * T``).
+
+    python benchmarks/bench_relative.py                 # all three (a few minutes)
+    python benchmarks/bench_relative.py --only speed    # or memory, training
+    python benchmarks/bench_relative.py --quick         # smaller T everywhere, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import attnkit
+from attnkit import _relpos
+from attnkit.cli.measure import extra_peak_memory, time_side_by_side
+
+D, H = 512, 8
+SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+
+
+def load_seed() -> type[nn.Module] | None:
+    """openspeech's RelativeMultiHeadAttention from the seed document, or None without it."""
+    paths = sorted(SEEDS.glob("002_*.txt"))
+    if not paths:
+        return None
+    text = paths[0].read_text()
+    code = text[text.index("import math") :]  # the page title above the code is not Python
+    code = code.replace(
+        "from openspeech.modules.wrapper import Linear", "from torch.nn import Linear"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(code, str(paths[0]), "exec"), namespace)
+    cls: type[nn.Module] = namespace["RelativeMultiHeadAttention"]
+    return cls
+
+
+def build(label: str, b: int, t: int, train: bool) -> tuple[Callable[[], Any], int]:
+    """A call of one candidate on fresh inputs; module-level so a child process can run it."""
+    torch.manual_seed(0)
+    x = torch.randn(b, t, D)
+    module: nn.Module
+    if label == "MultiHeadAttention":
+        module = attnkit.MultiHeadAttention(D, H)
+        call: Callable[[], Any] = lambda: module(x)  # noqa: E731
+    elif label.startswith("Relative"):
+        legacy = "openspeech" if "legacy" in label else None
+        module = attnkit.RelativeMultiHeadAttention(D, H, legacy=legacy)
+        call = lambda: module(x)  # noqa: E731
+    elif label == "openspeech (seed)":
+        seed = load_seed()
+        assert seed is not None
+        module = seed(D, H, 0.0)
+        pos = _relpos.openspeech_sinusoid(t, D).expand(b, t, D)
+        call = lambda: module(x, x, x, pos)  # noqa: E731
+    else:
+        raise ValueError(f"unknown candidate {label!r}")
+    if train:
+        module.train()
+
+        def step() -> None:
+            call().sum().backward()
+
+        return step, 0
+    module.eval()
+
+    def infer() -> Any:
+        with torch.inference_mode():
+            return call()
+
+    return infer, b * t * D * 4
+
+
+def largest_saved(b: int, t: int) -> int:
+    """Elements of the largest tensor autograd keeps for the backward of one relative forward."""
+    sizes = [0]
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        sizes.append(x.numel())
+        return x
+
+    torch.manual_seed(0)
+    module = attnkit.RelativeMultiHeadAttention(D, H)
+    x = torch.randn(b, t, D)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        module(x)
+    return max(sizes)
+
+
+def speed(quick: bool) -> list[dict[str, Any]]:
+    b, t = (2, 512) if quick else (4, 1024)
+    labels = ["MultiHeadAttention", "RelativeMultiHeadAttention", "Relative legacy=openspeech"]
+    if load_seed() is not None:
+        labels.append("openspeech (seed)")
+    fns = {lab: build(lab, b, t, train=False)[0] for lab in labels}
+    times = time_side_by_side(fns, rounds=2 if quick else 5, min_run_time=0.5 if quick else 2.0)
+    base = times["MultiHeadAttention"]
+    seed = times.get("openspeech (seed)")
+    print(f"\nforward, B={b} T={t} D={D} H={H} float32, inference_mode")
+    print(f"{'candidate':<30} {'ms':>9} {'/ MHA':>7} {'/ seed':>7}")
+    rows = []
+    for lab in labels:
+        vs_seed = f"{times[lab] / seed:.2f}" if seed else ""
+        print(f"{lab:<30} {times[lab] * 1e3:>9.1f} {times[lab] / base:>7.2f} {vs_seed:>7}")
+        rows.append({"what": "speed", "candidate": lab, "B": b, "T": t, "seconds": times[lab]})
+    return rows
+
+
+def memory(quick: bool) -> list[dict[str, Any]]:
+    t = 4096 if quick else 16384
+    print(f"\ninference, B=1 T={t} D={D} H={H} float32: extra peak memory")
+    print(f"{'candidate':<30} {'extra MiB':>10} {'one (H,T,T) MiB':>16}")
+    rows = []
+    for lab in ["RelativeMultiHeadAttention", "Relative legacy=openspeech"]:
+        mem = extra_peak_memory(build, lab, 1, t, False)
+        mib = "" if mem is None else f"{mem / 2**20:.0f}"
+        print(f"{lab:<30} {mib:>10} {H * t * t * 4 / 2**20:>16.0f}", flush=True)
+        rows.append({"what": "memory", "candidate": lab, "T": t, "extra_bytes": mem})
+    return rows
+
+
+def training(quick: bool) -> list[dict[str, Any]]:
+    t = 2048 if quick else 8192
+    lab = "RelativeMultiHeadAttention"
+    fn, _ = build(lab, 1, t, train=True)
+    seconds = time_side_by_side({lab: fn}, rounds=1, min_run_time=0.1)[lab]
+    mem = extra_peak_memory(build, lab, 1, t, True)
+    saved = largest_saved(1, t)
+    print(f"\ntraining step (forward + backward), B=1 T={t} D={D} H={H} float32")
+    print(f"{'candidate':<30} {'s':>7} {'extra MiB':>10} {'largest saved':>14} {'/ T*T':>8}")
+    mib = "" if mem is None else f"{mem / 2**20:.0f}"
+    print(f"{lab:<30} {seconds:>7.2f} {mib:>10} {saved:>14} {saved / (t * t):>8.4f}")
+    return [
+        {
+            "what": "training",
+            "candidate": lab,
+            "T": t,
+            "seconds": seconds,
+            "extra_bytes": mem,
+            "largest_saved": saved,
+        }
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["speed", "memory", "training"], action="append")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer rounds")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    rows = []
+    for name, fn in (("speed", speed), ("memory", memory), ("training", training)):
+        if args.only is None or name in args.only:
+            rows += fn(args.quick)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
