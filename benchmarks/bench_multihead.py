@@ -48,9 +48,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter timing rounds")
     parser.add_argument("--causal", action="store_true", help="causal self-attention")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
-    rounds, min_run = (2, 0.5) if args.quick else (3, 2.0)
+    rounds, min_run = (2, 0.5) if args.quick else (args.rounds, 2.0)
     causal = args.causal
 
     torch.manual_seed(0)
