@@ -471,3 +471,16 @@ def test_compiles_to_one_graph_including_cached_decoding() -> None:
         steps = [compiled(x[:, :3], causal=True, cache=cache)]
         steps += [compiled(x[:, i : i + 1], causal=True, cache=cache) for i in range(3, 5)]
     assert_close(torch.cat(steps, 1), full)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_precision_against_float64(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, num_kv_heads=2, dtype=dtype)
+    ref = MultiHeadAttention(32, 4, num_kv_heads=2, dtype=torch.float64)
+    ref.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    x = torch.randn(2, 24, 32).to(dtype)
+    pad = masks.padding_mask([24, 17])
+    got = m(x, mask=pad, causal=True)
+    assert got.dtype == dtype
+    assert_close(got, ref(x.double(), mask=pad, causal=True))
