@@ -4,7 +4,7 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
-from . import distributed, masks
+from . import checkpoint, distributed, masks
 from ._checks import AttentionCall
 from .attention import (
     Backend,
@@ -47,6 +47,7 @@ __all__ = [
     "attention",
     "backends",
     "capture_attention",
+    "checkpoint",
     "distributed",
     "explain",
     "from_torch_masks",

@@ -8,22 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 import attnkit
 
-from . import bench, explain
-
-
-def _demo(args: argparse.Namespace) -> int:
-    torch.manual_seed(args.seed)
-    q = torch.randn(1, 8, 1024, 64)
-    kv = torch.randn(1, 2, 1024, 64)
-    pad = attnkit.masks.padding_mask([1000], max_len=1024)
-    out = attnkit.attention(q, kv, kv, mask=pad, causal=True)
-    print(attnkit.explain(q, kv, kv, mask=pad, causal=True))
-    print(f"output {tuple(out.shape)}, mean {out.mean():.4f}, finite: {bool(out.isfinite().all())}")
-    return 0
+from . import bench, demo, explain
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,9 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"attnkit {attnkit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
 
-    demo = sub.add_parser("demo", help="run a short example", description=_demo.__doc__)
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.set_defaults(run=_demo)
+    d = sub.add_parser(
+        "demo",
+        help="train a small Transformer on a sequence task, evaluate it, plot its attention",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_arguments(d)
+    d.set_defaults(run=demo.run)
 
     b = sub.add_parser(
         "bench",

@@ -1,0 +1,102 @@
+"""Saving and loading weights without unpickling arbitrary objects.
+
+* ``.safetensors`` files are read and written with safetensors (the ``cli`` extra installs it).
+* Any other file is read with ``torch.load(weights_only=True)``, which refuses pickled code.
+
+:func:`load_state_dict` checks a state dict against a module before loading it and reports every
+missing, unexpected or mis-shaped parameter with both shapes, instead of torch's first error.
+
+>>> import torch, attnkit
+>>> m = attnkit.MultiHeadAttention(16, 4)
+>>> state = m.state_dict()
+>>> state["out_proj.weight"] = torch.zeros(8, 16)
+>>> attnkit.checkpoint.load_state_dict(m, state, source="ckpt.safetensors")
+Traceback (most recent call last):
+    ...
+ValueError: ckpt.safetensors does not fit MultiHeadAttention:
+  out_proj.weight: shape (8, 16) in ckpt.safetensors, (16, 16) in the module
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["load_checkpoint", "load_state_dict", "save_checkpoint"]
+
+
+def _shape(t: Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def load_state_dict(
+    module: nn.Module, state: Mapping[str, Tensor], *, source: str = "the state dict"
+) -> None:
+    """``module.load_state_dict(state)`` (strict), after listing everything that does not fit.
+
+    Raises ``ValueError`` naming each missing or unexpected key and each parameter whose shape
+    differs, with both shapes.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    expected = module.state_dict()
+    problems = []
+    for key, want in expected.items():
+        if key not in state:
+            problems.append(f"{key}: missing from {source} (the module has shape {_shape(want)})")
+        elif not isinstance(state[key], Tensor):
+            problems.append(f"{key}: a {type(state[key]).__name__} in {source}, not a tensor")
+        elif state[key].shape != want.shape:
+            problems.append(
+                f"{key}: shape {_shape(state[key])} in {source}, {_shape(want)} in the module"
+            )
+    problems += [
+        f"{key}: in {source} but not in the module" for key in state if key not in expected
+    ]
+    if problems:
+        raise ValueError(
+            f"{source} does not fit {type(module).__name__}:\n  " + "\n  ".join(problems)
+        )
+    module.load_state_dict(dict(state))
+
+
+def save_checkpoint(module: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Write ``module``'s state dict as a safetensors file (tensors only: nothing to unpickle)."""
+    from safetensors.torch import save_file
+
+    if not str(path).endswith(".safetensors"):
+        raise ValueError(f"save_checkpoint writes .safetensors files, got {os.fspath(path)!r}")
+    save_file({k: v.detach().contiguous() for k, v in module.state_dict().items()}, str(path))
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], module: nn.Module | None = None
+) -> dict[str, Tensor]:
+    """Read a state dict, and load it into ``module`` (checked) when one is given.
+
+    ``.safetensors`` files go through safetensors; anything else through
+    ``torch.load(weights_only=True)``, which refuses to run pickled code.
+    """
+    name = os.fspath(path)
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(name)
+    else:
+        try:
+            loaded = torch.load(name, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"{name} holds more than tensors, and attnkit does not unpickle arbitrary "
+                f"objects (torch.load(weights_only=True) refused it): {str(err).splitlines()[0]}"
+            ) from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{name} holds a {type(loaded).__name__}, not a state dict")
+        state = loaded
+    if module is not None:
+        load_state_dict(module, state, source=name)
+    return state
