@@ -460,9 +460,8 @@ def test_shape_annotations_are_checked() -> None:
 def test_compiles_to_one_graph_including_cached_decoding() -> None:
     torch.manual_seed(0)
     m = MultiHeadAttention(16, 4, num_kv_heads=2, rotary=attnkit.RotaryEmbedding(4)).eval()
-    # dynamic=False: with symbolic lengths the sdpa adapter's `tq > 1` becomes a SymBool that
-    # torch's kernel refuses as is_causal (reported to the lead; sdpa.py is not this file's).
-    compiled = torch.compile(m, fullgraph=True, dynamic=False)
+    # dynamic=True: symbolic lengths, as a decoder meets them (the prompt, then single steps).
+    compiled = torch.compile(m, fullgraph=True, dynamic=True)
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         full = m(x, causal=True)

@@ -39,7 +39,11 @@ def sdpa(
     return_weights: bool,
 ) -> Tensor:
     tq, tk = q.size(-2), k.size(-2)
-    is_causal = causal and tq > 1
+    # A branch, not `causal and tq > 1`: with symbolic lengths (torch.compile dynamic=True) that
+    # expression is a SymBool, which torch's kernel refuses as is_causal; `if` guards on it.
+    is_causal = False
+    if causal and tq > 1:
+        is_causal = True
     if is_causal and (tq != tk or mask is not None or bias is not None):
         c = causal_mask(tq, tk, device=q.device)
         mask = c if mask is None else mask & c
