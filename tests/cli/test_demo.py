@@ -41,6 +41,8 @@ def test_writes_every_file(run_dir: Path) -> None:
         assert image.shape[0] > 100
     state = load_file(str(run_dir / "model.safetensors"))
     assert "embed.weight" in state
+    # Permissions of an ordinary new file (mkstemp's temporaries are 0600).
+    assert (run_dir / "metrics.json").stat().st_mode & 0o777 == 0o666 & ~demo._UMASK
 
 
 def test_load_evaluates_the_saved_model(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

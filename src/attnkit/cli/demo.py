@@ -240,6 +240,10 @@ def exact_match(generated: Tensor, batch: Batch) -> Tensor:
 # Files
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 @contextlib.contextmanager
 def _atomic(path: Path) -> Iterator[Path]:
     """A temporary path in the same folder, renamed to ``path`` only if the block completes."""
@@ -247,6 +251,7 @@ def _atomic(path: Path) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are ordinary files
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
