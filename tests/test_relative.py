@@ -563,12 +563,32 @@ def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
     assert ours.dropout == 0.1
     assert not ours.training
     x = randn(3, 13, 16)
-    valid = masks.padding_mask([13, 9, 1])  # (B, 1, 1, T), True = real token
     pos = openspeech_encoding(13, 16).double().expand(3, 13, 16)
-    want = theirs(x, x, x, pos, ~valid[:, 0])  # openspeech: (B, 1, T), True = blocked
-    with blocks(4, 5), sdpa_blocks(4):
-        got = run(ours, x, mask=valid, backend=backend)
-    assert_close(got, want)
+    padding = torch.arange(13) >= torch.tensor([13, 9, 1]).unsqueeze(-1)
+    blocked = [padding.unsqueeze(1), torch.rand(3, 13, 13) < 0.5]  # (B, 1, T), (B, T, T)
+    blocked[1][:, :, 0] = False  # every query keeps a key: see the next test for empty rows
+    for os_mask in blocked:
+        want = theirs(x, x, x, pos, os_mask)  # openspeech: True = blocked
+        with blocks(4, 5), sdpa_blocks(4):
+            got = run(ours, x, mask=~os_mask.unsqueeze(1), backend=backend)
+        assert_close(got, want)
+
+
+def test_from_openspeech_empty_rows_differ_as_documented() -> None:
+    theirs = OpenspeechDouble(8, 2, dropout_p=0.0, wrapped=False).double().eval()
+    ours = RelativeMultiHeadAttention.from_openspeech(theirs)
+    x = randn(1, 5, 8)
+    os_mask = torch.zeros(1, 5, 5, dtype=torch.bool)
+    os_mask[0, 2] = True  # query 2 may attend nothing
+    pos = openspeech_encoding(5, 8).double().expand(1, 5, 8)
+    want = theirs(x, x, x, pos, os_mask)
+    got = ours(x, mask=~os_mask.unsqueeze(1))
+    rows = [0, 1, 3, 4]
+    assert_close(got[:, rows], want[:, rows])
+    with torch.no_grad():
+        mean_value = theirs.value_proj(x).mean(1)  # openspeech: -1e4 everywhere, uniform weights
+        assert_close(want[:, 2], theirs.out_proj(mean_value))
+        assert_close(got[:, 2], ours.out_proj.bias.expand(1, 8))  # attnkit: attention output 0
 
 
 def test_legacy_shift_is_what_the_docstring_says() -> None:

@@ -327,10 +327,11 @@ class RelativeMultiHeadAttention(nn.Module):
     def from_openspeech(cls, module: nn.Module) -> RelativeMultiHeadAttention:
         """A copy of openspeech's ``RelativeMultiHeadAttention``, in legacy mode.
 
-        The result, called as ``m(x, mask=mask)``, returns what openspeech's module returns for
-        ``(x, x, x, pos_embedding, mask=~mask)`` when ``pos_embedding`` is its Conformer's absolute
-        ``PositionalEncoding`` of positions ``0..T-1``, to float64 rounding. It reproduces, on
-        purpose:
+        The result, called as ``m(x, mask=~os_mask.unsqueeze(1))``, returns what openspeech's
+        module returns for ``(x, x, x, pos_embedding, os_mask)`` when ``pos_embedding`` is its
+        Conformer's absolute ``PositionalEncoding`` of positions ``0..T-1``, to float64 rounding
+        (``os_mask``: openspeech's ``(B, 1, T)`` or ``(B, T, T)``, True = blocked). It reproduces,
+        on purpose:
 
         * the encoding: absolute positions (not distances), sin and cos interleaved, computed in
           float32 as openspeech does;
