@@ -3,15 +3,17 @@
 float32 on this machine's CPU threads. Three measurements, each printed as a table:
 
 * ``speed``: B=4 T=1024 D=512 H=8, forward under ``torch.inference_mode``: attnkit's
-  MultiHeadAttention, RelativeMultiHeadAttention (default and ``legacy="openspeech"``) and the
+  MultiHeadAttention, RelativeMultiHeadAttention (its default sdpa path, its chunked path, which
+  is what a training forward runs, and ``legacy="openspeech"``) and the
   seed module (openspeech's RelativeMultiHeadAttention, read from ``../shared/seeds/002_*.txt`` at
   run time with its ``Linear`` import pointed at ``torch.nn``; skipped when the file is absent).
   Medians of interleaved torch.utils.benchmark rounds; "ratio" is time / MultiHeadAttention's.
-* ``memory``: B=1 T=16384 D=512 H=8 inference: the peak resident memory the call adds beyond its
-  inputs and output, in a fresh process (:func:`attnkit.cli.measure.extra_peak_memory`). One
-  ``(H, T, T)`` float32 score tensor would be 8 GiB; the seed holds several.
+* ``memory``: B=1 T=16384 D=512 H=8 inference: one call's time and the peak resident memory it
+  adds beyond its inputs and output, in a fresh process
+  (:func:`attnkit.cli.measure.extra_peak_memory`). One ``(H, T, T)`` float32 score tensor would
+  be 8 GiB; the seed holds several, so it is not run there.
 * ``training``: B=1 T=8192 D=512 H=8, forward and backward: time, extra peak memory, and the
-  largest tensor autograd saves for the backward (against ``T * T``).
+  largest tensor autograd saves for the backward (against one ``(T, T)`` float32 matrix).
 
     python benchmarks/bench_relative.py                 # all three (a few minutes)
     python benchmarks/bench_relative.py --only speed    # or memory, training
@@ -63,8 +65,9 @@ def build(label: str, b: int, t: int, train: bool) -> tuple[Callable[[], Any], i
         call: Callable[[], Any] = lambda: module(x)  # noqa: E731
     elif label.startswith("Relative"):
         legacy = "openspeech" if "legacy" in label else None
+        backend = "chunked" if "chunked" in label else "auto"
         module = attnkit.RelativeMultiHeadAttention(D, H, legacy=legacy)
-        call = lambda: module(x)  # noqa: E731
+        call = lambda: module(x, backend=backend)  # noqa: E731
     elif label == "openspeech (seed)":
         seed = load_seed()
         assert seed is not None
@@ -107,7 +110,12 @@ def largest_saved(b: int, t: int) -> int:
 
 def speed(quick: bool) -> list[dict[str, Any]]:
     b, t = (2, 512) if quick else (4, 1024)
-    labels = ["MultiHeadAttention", "RelativeMultiHeadAttention", "Relative legacy=openspeech"]
+    labels = [
+        "MultiHeadAttention",
+        "RelativeMultiHeadAttention",
+        "Relative backend=chunked",
+        "Relative legacy=openspeech",
+    ]
     if load_seed() is not None:
         labels.append("openspeech (seed)")
     fns = {lab: build(lab, b, t, train=False)[0] for lab in labels}
@@ -126,14 +134,19 @@ def speed(quick: bool) -> list[dict[str, Any]]:
 
 def memory(quick: bool) -> list[dict[str, Any]]:
     t = 4096 if quick else 16384
-    print(f"\ninference, B=1 T={t} D={D} H={H} float32: extra peak memory")
-    print(f"{'candidate':<30} {'extra MiB':>10} {'one (H,T,T) MiB':>16}")
+    print(f"\ninference, B=1 T={t} D={D} H={H} float32: one call's time and extra peak memory")
+    print(f"{'candidate':<30} {'s':>7} {'extra MiB':>10} {'one (H,T,T) MiB':>16}")
     rows = []
-    for lab in ["RelativeMultiHeadAttention", "Relative legacy=openspeech"]:
+    for lab in ["MultiHeadAttention", "RelativeMultiHeadAttention", "Relative legacy=openspeech"]:
+        fn, _ = build(lab, 1, t, False)
+        seconds = time_side_by_side({lab: fn}, rounds=1, min_run_time=0.1)[lab]
+        del fn
         mem = extra_peak_memory(build, lab, 1, t, False)
         mib = "" if mem is None else f"{mem / 2**20:.0f}"
-        print(f"{lab:<30} {mib:>10} {H * t * t * 4 / 2**20:>16.0f}", flush=True)
-        rows.append({"what": "memory", "candidate": lab, "T": t, "extra_bytes": mem})
+        print(f"{lab:<30} {seconds:>7.2f} {mib:>10} {H * t * t * 4 / 2**20:>16.0f}", flush=True)
+        rows.append(
+            {"what": "memory", "candidate": lab, "T": t, "seconds": seconds, "extra_bytes": mem}
+        )
     return rows
 
 
@@ -145,9 +158,13 @@ def training(quick: bool) -> list[dict[str, Any]]:
     mem = extra_peak_memory(build, lab, 1, t, True)
     saved = largest_saved(1, t)
     print(f"\ntraining step (forward + backward), B=1 T={t} D={D} H={H} float32")
-    print(f"{'candidate':<30} {'s':>7} {'extra MiB':>10} {'largest saved':>14} {'/ T*T':>8}")
+    print(
+        f"{'candidate':<30} {'s':>7} {'extra MiB':>10} {'largest saved MiB':>18} {'(T,T) MiB':>10}"
+    )
     mib = "" if mem is None else f"{mem / 2**20:.0f}"
-    print(f"{lab:<30} {seconds:>7.2f} {mib:>10} {saved:>14} {saved / (t * t):>8.4f}")
+    print(
+        f"{lab:<30} {seconds:>7.2f} {mib:>10} {saved * 4 / 2**20:>18.0f} {t * t * 4 / 2**20:>10.0f}"
+    )
     return [
         {
             "what": "training",

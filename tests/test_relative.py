@@ -51,13 +51,14 @@ def blocks(block_q: int, block_k: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sdpa_blocks(block_q: int) -> Iterator[None]:
-    saved = relpos.SDPA_BLOCK_Q
-    relpos.SDPA_BLOCK_Q = block_q
+def sdpa_blocks(block_q: int, product_q: int = 2) -> Iterator[None]:
+    """Small SDPA calls (``block_q`` queries) made of smaller position-term products."""
+    saved = relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q
+    relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q = block_q, product_q
     try:
         yield
     finally:
-        relpos.SDPA_BLOCK_Q = saved
+        relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q = saved
 
 
 def run(m: RelativeMultiHeadAttention, *args: Tensor, backend: str, **kw: object) -> Tensor:
@@ -301,6 +302,7 @@ def test_chunked_equals_reference_with_gradients(
     legacy=st.booleans(),
     mask_kind=st.sampled_from(["none", "full", "keys", "vector"]),
     block_q=st.integers(1, 6),
+    product_q=st.integers(1, 4),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=25)
@@ -311,6 +313,7 @@ def test_sdpa_equals_reference(
     legacy: bool,
     mask_kind: str,
     block_q: int,
+    product_q: int,
     seed: int,
 ) -> None:
     m = make(legacy="openspeech" if legacy else None, seed=seed)
@@ -321,7 +324,7 @@ def test_sdpa_equals_reference(
     if mask_kind in shapes:
         gen = torch.Generator().manual_seed(seed)
         mask = torch.rand(*shapes[mask_kind], generator=gen) < 0.7  # with empty rows at times
-    with sdpa_blocks(block_q):
+    with sdpa_blocks(block_q, product_q):
         got = run(m, x[:, -tq:], x, mask=mask, causal=causal, backend="sdpa")
     assert_close(got, m(x[:, -tq:], x, mask=mask, causal=causal, backend="reference"))
 

@@ -42,9 +42,13 @@ from .backends import chunked as _kernel
 # cores took 0.56 s with 128 x 512 blocks, 0.57 s with 256 x 256 and 0.72 s with 512 x 256.
 BLOCK_Q = 128
 BLOCK_K = 512
-# Query rows per torch SDPA call (inference); the float mask is (B, H, rows, Tk). Small blocks keep
-# the product cheap: B=4 T=1024 took ~1.7x MultiHeadAttention with 64 rows, ~1.85x with 128.
-SDPA_BLOCK_Q = 64
+# Inference: query rows per torch SDPA call, whose float mask is (B, H, rows, Tk), and per product
+# of the position term. 192 rows is where torch's CPU flash kernel starts splitting queries by 64
+# rather than 32; 64-row products waste little (Tk + 63 distances for 64 rows). B=4 T=1024 on 2
+# cores, against MultiHeadAttention: 1.66-1.82x, against 1.83-1.87x with 192-row products and
+# 2.05-2.12x with 64-row calls and products.
+SDPA_BLOCK_Q = 192
+SDPA_PRODUCT_Q = 64
 # openspeech's PositionalEncoding fills a table of this many positions once; the legacy encodings
 # are computed with the same shape so that they come out bit for bit the same.
 OPENSPEECH_MAX_LEN = 5000
@@ -142,6 +146,17 @@ class _RelativeTerm:
         self.legacy = legacy
         self.dqv = torch.zeros(qv.shape, dtype=self.work, device=qv.device) if grads else None
         self.denc = torch.zeros_like(self.enc) if grads else None
+        self._buffers: dict[str, Tensor] = {}
+
+    def buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """A reused work tensor: a fresh multi-MiB allocation per block costs page faults (on 2
+        cores, ~10% of an inference call with 128-row blocks)."""
+        numel = math.prod(shape)
+        flat = self._buffers.get(name)
+        if flat is None or flat.numel() < numel:
+            flat = self.enc.new_empty(numel)
+            self._buffers[name] = flat
+        return flat[:numel].view(shape)
 
     def skew(self, qs: int, qe: int, key_end: int) -> _Skew:
         bq = qe - qs
@@ -196,14 +211,15 @@ class _RelativeRows:
 
     def tile(self, ks: int, ke: int) -> Tensor:
         if self._product is None:
-            self._product = torch.bmm(self._qv_rows(), self._window().transpose(1, 2))
+            shape = (self.term.h, self.term.n * self.nrows, self.width)
+            out = self.term.buffer("product", shape)
+            self._product = torch.bmm(self._qv_rows(), self._window().transpose(1, 2), out=out)
         return self._view(self._product, ks, ke)
 
     def backward(self, ks: int, ke: int, ds: Tensor) -> None:
         if self._grad is None:
-            self._grad = self._qv_rows().new_zeros(
-                self.term.h, self.term.n * self.nrows, self.width
-            )
+            shape = (self.term.h, self.term.n * self.nrows, self.width)
+            self._grad = self.term.buffer("grad", shape).zero_()
         self._view(self._grad, ks, ke).add_(ds)
 
     def flush(self) -> None:
@@ -330,11 +346,12 @@ def relative_attention_sdpa(
 ) -> Tensor:
     """:func:`relative_attention` for calls that need no gradient, on torch's fused kernel.
 
-    For each block of ``SDPA_BLOCK_Q`` queries the position term is the strided view of one product
-    (as in the chunked path), passed to ``scaled_dot_product_attention`` as its float mask, with
-    ``mask`` and causality folded in as ``-inf``. Keys a causal block cannot see are left out of
-    its call. The mask is in q's dtype, so float16/bfloat16 callers should use the chunked path,
-    which keeps the position term in float32. Memory: O(B · H · block · Tk).
+    For each block of ``SDPA_BLOCK_Q`` queries the position term (strided views of products of
+    ``SDPA_PRODUCT_Q`` rows, as in the chunked path) is copied into one float mask for
+    ``scaled_dot_product_attention``, with ``mask`` and causality folded in as ``-inf``. Keys a
+    causal block cannot see are left out of its call. The mask is in q's dtype, so float16/bfloat16
+    callers should use the chunked path, which keeps the position term in float32. Memory:
+    O(B · H · block · Tk).
     """
     n, h, tq, _ = qu.shape
     tk = k.size(-2)
@@ -348,12 +365,20 @@ def relative_attention_sdpa(
         if key_end == 0:  # no key visible to any query of the block
             out[:, :, qs:qe] = 0.0
             continue
-        bias = term.rows(qs, qe, key_end).tile(0, key_end).squeeze(2).to(qu.dtype)
+        bias = term.buffer("bias", (n, h, qe - qs, key_end))
+        for ps in range(qs, qe, SDPA_PRODUCT_Q):
+            pe = min(ps + SDPA_PRODUCT_Q, qe)
+            tile = term.rows(ps, pe, key_end).tile(0, key_end)  # (N, H, 1, pe-ps, key_end)
+            bias[:, :, ps - qs : pe - qs] = tile.squeeze(2)
         vis = _block_visibility(mask, offset, qs, qe, key_end, qu.device)
         if vis is not None:
-            bias = bias.masked_fill(~vis, float("-inf"))
+            bias.masked_fill_(~vis, float("-inf"))
         block = F.scaled_dot_product_attention(
-            qu[:, :, qs:qe], k[:, :, :key_end], v[:, :, :key_end], attn_mask=bias, scale=scale
+            qu[:, :, qs:qe],
+            k[:, :, :key_end],
+            v[:, :, :key_end],
+            attn_mask=bias.to(qu.dtype),
+            scale=scale,
         )
         if vis is not None:
             # A query with no visible key gets 0 (torch's CPU kernels agree; not every CUDA one).
