@@ -92,8 +92,8 @@ def build(label: str, b: int, t: int, train: bool) -> tuple[Callable[[], Any], i
     return infer, b * t * D * 4
 
 
-def largest_saved(b: int, t: int) -> int:
-    """Elements of the largest tensor autograd keeps for the backward of one relative forward."""
+def largest_saved(label: str, b: int, t: int) -> int:
+    """Elements of the largest tensor autograd keeps for the backward of one forward."""
     sizes = [0]
 
     def pack(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +101,11 @@ def largest_saved(b: int, t: int) -> int:
         return x
 
     torch.manual_seed(0)
-    module = attnkit.RelativeMultiHeadAttention(D, H)
+    module: nn.Module = (
+        attnkit.MultiHeadAttention(D, H)
+        if label == "MultiHeadAttention"
+        else attnkit.RelativeMultiHeadAttention(D, H)
+    )
     x = torch.randn(b, t, D)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         module(x)
@@ -152,29 +156,34 @@ def memory(quick: bool) -> list[dict[str, Any]]:
 
 def training(quick: bool) -> list[dict[str, Any]]:
     t = 2048 if quick else 8192
-    lab = "RelativeMultiHeadAttention"
-    fn, _ = build(lab, 1, t, train=True)
-    seconds = time_side_by_side({lab: fn}, rounds=1, min_run_time=0.1)[lab]
-    mem = extra_peak_memory(build, lab, 1, t, True)
-    saved = largest_saved(1, t)
     print(f"\ntraining step (forward + backward), B=1 T={t} D={D} H={H} float32")
     print(
         f"{'candidate':<30} {'s':>7} {'extra MiB':>10} {'largest saved MiB':>18} {'(T,T) MiB':>10}"
     )
-    mib = "" if mem is None else f"{mem / 2**20:.0f}"
-    print(
-        f"{lab:<30} {seconds:>7.2f} {mib:>10} {saved * 4 / 2**20:>18.0f} {t * t * 4 / 2**20:>10.0f}"
-    )
-    return [
-        {
-            "what": "training",
-            "candidate": lab,
-            "T": t,
-            "seconds": seconds,
-            "extra_bytes": mem,
-            "largest_saved": saved,
-        }
-    ]
+    rows = []
+    for lab in ["MultiHeadAttention", "RelativeMultiHeadAttention"]:
+        fn, _ = build(lab, 1, t, train=True)
+        seconds = time_side_by_side({lab: fn}, rounds=1, min_run_time=0.1)[lab]
+        del fn
+        mem = extra_peak_memory(build, lab, 1, t, True)
+        saved = largest_saved(lab, 1, t)
+        mib = "" if mem is None else f"{mem / 2**20:.0f}"
+        print(
+            f"{lab:<30} {seconds:>7.2f} {mib:>10} {saved * 4 / 2**20:>18.0f} "
+            f"{t * t * 4 / 2**20:>10.0f}",
+            flush=True,
+        )
+        rows.append(
+            {
+                "what": "training",
+                "candidate": lab,
+                "T": t,
+                "seconds": seconds,
+                "extra_bytes": mem,
+                "largest_saved": saved,
+            }
+        )
+    return rows
 
 
 def main() -> None:
