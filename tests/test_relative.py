@@ -195,6 +195,16 @@ def test_one_encoding_per_distance_the_call_needs() -> None:
     assert m._tables[(table.device, table.dtype)][0] >= 40
 
 
+@pytest.mark.parametrize("legacy", [None, "openspeech"])
+@pytest.mark.parametrize("backend", ALL)
+def test_empty_sequences(legacy: str | None, backend: str) -> None:
+    m = make(legacy=legacy)
+    assert run(m, randn(2, 0, 12), backend=backend).shape == (2, 0, 12)
+    if legacy is None:  # no key at all: attention gives 0, the output is out_proj's bias
+        got = run(m, randn(2, 3, 12), randn(2, 0, 12), backend=backend)
+        assert_close(got, m.out_proj.bias.detach().expand(2, 3, 12))
+
+
 def test_training_after_an_inference_mode_call() -> None:
     # The cached encodings must not be inference tensors, or the backward could not save them.
     m = make()

@@ -13,9 +13,11 @@ the full call sees. Distances for ``Tq=2, Tk=4``::
     query 0 (a_0 = 2):   2  1  0 -1
     query 1 (a_1 = 3):   3  2  1  0
 
-The position term is computed block by block inside attnkit's chunked kernel, so neither the
-``(Tq, Tk)`` scores nor the ``(Tq, Tk, head_dim)`` encodings ever exist: memory is O(T), in
-training too. A materialised reference path serves the calls that need the weights.
+The position term is computed one block of queries at a time (see :mod:`attnkit._relpos`): fed to
+torch's fused SDPA as a float mask when no gradient is needed, computed inside attnkit's chunked
+kernel (which has its own backward) when one is. Neither the ``(Tq, Tk)`` scores nor the
+``(Tq, Tk, head_dim)`` encodings ever exist: memory is O(T), in training too. A materialised
+reference path serves the calls that need the weights or dropout.
 """
 
 from __future__ import annotations
@@ -96,8 +98,10 @@ class RelativeMultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
@@ -150,7 +154,7 @@ class RelativeMultiHeadAttention(nn.Module):
         weight = self.pos_proj.weight
         key = (weight.device, weight.dtype)
         need = tk if self.legacy else max(tq, tk)
-        size, table = self._tables.get(key, (0, weight.new_empty(0)))
+        size, table = self._tables.get(key, (0, weight.new_empty(1, self.d_model)))
         if size < need:
             size = max(need, 2 * size)
             # A table made under inference_mode could never be saved for a later backward.
