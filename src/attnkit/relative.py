@@ -17,7 +17,11 @@ The position term is computed one block of queries at a time (see :mod:`attnkit.
 torch's fused SDPA as a float mask when no gradient is needed, computed inside attnkit's chunked
 kernel (which has its own backward) when one is. Neither the ``(Tq, Tk)`` scores nor the
 ``(Tq, Tk, head_dim)`` encodings ever exist: memory is O(T), in training too. A materialised
-reference path serves the calls that need the weights or dropout.
+reference path serves the calls that need the weights or dropout, and every call traced by
+``torch.compile`` or ``torch.export`` (``torch.onnx.export(..., dynamo=True)`` included): the fast
+paths loop over query blocks in Python and skip blocks on data, which would unroll per block or not
+trace at all, while the materialised path is a few tensor ops that trace with symbolic lengths.
+Traced, the module therefore holds ``(B, H, Tq, Tk)`` scores, like attention with any float mask.
 """
 
 from __future__ import annotations
@@ -152,6 +156,13 @@ class RelativeMultiHeadAttention(nn.Module):
         """Unprojected encodings, ``(Tq + Tk - 1, d_model)`` of distances ``Tk - 1 .. 1 - Tq``, or
         in legacy mode ``(T, d_model)`` of absolute positions ``0 .. T - 1``."""
         weight = self.pos_proj.weight
+        if torch.compiler.is_compiling():
+            # Tracing: a table cached across calls would be a fake tensor left behind after
+            # export, and its size a guard on the traced lengths; make exactly the rows needed.
+            if self.legacy:
+                return _relpos.openspeech_sinusoid(tk, self.d_model).to(weight.device, weight.dtype)
+            distances = torch.arange(tk - 1, -tq, -1, device=weight.device)
+            return _relpos.relative_sinusoid(distances, self.d_model).to(weight.dtype)
         key = (weight.device, weight.dtype)
         need = tk if self.legacy else max(tq, tk)
         size, table = self._tables.get(key, (0, weight.new_empty(1, self.d_model)))
@@ -226,7 +237,15 @@ class RelativeMultiHeadAttention(nn.Module):
         if self.training and self.dropout:
             needs.append(f"dropout={self.dropout} in training mode")
         no_weights = [f"it has no weights or dropout, and the call has {n}" for n in needs]
-        reasons = {"sdpa": list(no_weights), "chunked": no_weights, "reference": []}
+        reasons = {"sdpa": list(no_weights), "chunked": list(no_weights), "reference": []}
+        if torch.compiler.is_compiling():
+            # The materialised path is a few tensor ops that trace with symbolic lengths (and
+            # that the compiler fuses); the fast paths loop over query blocks in Python.
+            for name in ("sdpa", "chunked"):
+                reasons[name].append(
+                    "torch.compile/export is tracing: its Python loop over query blocks would "
+                    "unroll per block and its data-dependent block skipping does not trace"
+                )
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *self.parameters())):
             # torch would keep each block's probabilities for the backward: O(T^2) in all.
             reasons["sdpa"].append("it has no backward (use torch.no_grad() or inference_mode())")
@@ -270,7 +289,8 @@ class RelativeMultiHeadAttention(nn.Module):
                 queries at a time with the block's position term as its float mask),
                 ``"chunked"`` (attnkit's blocked kernel with the position term computed inside
                 it, forward and backward), or ``"reference"`` (materialised; the only one with
-                weights and dropout). Both fast paths keep memory O(T). A forced backend that
+                weights and dropout, and the one taken while torch.compile/export traces the
+                module). Both fast paths keep memory O(T). A forced backend that
                 cannot serve the call raises :class:`attnkit.BackendError` saying why.
 
         Returns:
