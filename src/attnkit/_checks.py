@@ -89,6 +89,24 @@ class AttentionCall:
         return ", ".join(parts)
 
 
+def check_int(name: str, value: object, *, minimum: int = 1) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``, else TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_probability(name: str, value: object) -> float:
+    """``value`` as a float if it is a number in [0, 1) (a dropout rate)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {value!r}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return float(value)
+
+
 def _require_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -212,10 +230,7 @@ def check_attention_args(
         raise TypeError(f"scale must be a float or None, got {scale!r}")
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    dropout_p = check_probability("dropout_p", dropout_p)
 
     return AttentionCall(
         batch_shape=batch,

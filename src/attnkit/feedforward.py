@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._checks import check_int, check_probability
 from ._typing import Float, shape_checked
-from .multihead import _check_int, _check_probability
 
 __all__ = ["PositionwiseFeedForward"]
 
@@ -57,15 +57,15 @@ class PositionwiseFeedForward(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.d_model = _check_int("d_model", d_model)
-        self.d_ff = _check_int("d_ff", d_ff)
+        self.d_model = check_int("d_model", d_model)
+        self.d_ff = check_int("d_ff", d_ff)
         if activation not in _ACTIVATIONS and activation not in _GATED:
             known = ", ".join(repr(a) for a in (*_ACTIVATIONS, *_GATED))
             raise ValueError(f"activation must be one of {known}, got {activation!r}")
         self.activation = activation
         hidden = 2 * d_ff if activation in _GATED else d_ff
         self.linear1 = nn.Linear(d_model, hidden, bias=bias, device=device, dtype=dtype)
-        self.dropout = nn.Dropout(_check_probability("dropout", dropout))
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
 
     @shape_checked

@@ -18,17 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ._checks import check_int
 from ._typing import Float, shape_checked
 
 __all__ = ["KVCache"]
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 class KVCache(nn.Module):
@@ -71,11 +64,11 @@ class KVCache(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        b = _positive("batch_size", batch_size)
-        self.max_len = _positive("max_len", max_len)
-        h = _positive("num_kv_heads", num_kv_heads)
-        dk = _positive("head_dim", head_dim)
-        dv = dk if v_head_dim is None else _positive("v_head_dim", v_head_dim)
+        b = check_int("batch_size", batch_size)
+        self.max_len = check_int("max_len", max_len)
+        h = check_int("num_kv_heads", num_kv_heads)
+        dk = check_int("head_dim", head_dim)
+        dv = dk if v_head_dim is None else check_int("v_head_dim", v_head_dim)
         self.register_buffer(
             "k_cache", torch.zeros(b, h, self.max_len, dk, dtype=dtype, device=device), False
         )

@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._checks import check_int, check_probability
 from ._typing import Bool, Float, shape_checked
 from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
-from .multihead import MultiHeadAttention, _check_int, _check_probability
+from .multihead import MultiHeadAttention
 
 __all__ = ["Transformer", "TransformerDecoderLayer", "TransformerEncoderLayer"]
 
@@ -122,9 +123,9 @@ class TransformerEncoderLayer(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.d_model = _check_int("d_model", d_model)
+        self.d_model = check_int("d_model", d_model)
         d_ff = 4 * d_model if d_ff is None else d_ff
-        dropout = _check_probability("dropout", dropout)
+        dropout = check_probability("dropout", dropout)
         self.norm_first = norm_first
         if attention is None:
             if num_heads is None:
@@ -255,9 +256,9 @@ class TransformerDecoderLayer(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.d_model = _check_int("d_model", d_model)
+        self.d_model = check_int("d_model", d_model)
         d_ff = 4 * d_model if d_ff is None else d_ff
-        dropout = _check_probability("dropout", dropout)
+        dropout = check_probability("dropout", dropout)
         self.norm_first = norm_first
         if attention is None or cross_attention is None:
             if num_heads is None:
@@ -436,8 +437,8 @@ class Transformer(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_int("num_encoder_layers", num_encoder_layers, minimum=0)
-        _check_int("num_decoder_layers", num_decoder_layers, minimum=0)
+        check_int("num_encoder_layers", num_encoder_layers, minimum=0)
+        check_int("num_decoder_layers", num_decoder_layers, minimum=0)
         kw: dict[str, object] = {
             "dropout": dropout,
             "activation": activation,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._checks import check_int
 from ._typing import Bool, Int, shape_checked
 
 __all__ = [
@@ -29,18 +30,10 @@ __all__ = [
 ]
 
 
-def _check_len(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
-
-
 def _offsets(q_len: int, kv_len: int | None, device: torch.device | str | None) -> Tensor:
     """``d[i, j] = j - (i + Tk - Tq)``: a key's distance ahead of its bottom-right-aligned query."""
-    q_len = _check_len("q_len", q_len)
-    kv_len = q_len if kv_len is None else _check_len("kv_len", kv_len)
+    q_len = check_int("q_len", q_len, minimum=0)
+    kv_len = q_len if kv_len is None else check_int("kv_len", kv_len, minimum=0)
     i = torch.arange(q_len, device=device).unsqueeze(-1)
     j = torch.arange(kv_len, device=device)
     return j - (i + kv_len - q_len)
@@ -98,8 +91,8 @@ def sliding_window_mask(
             [0, 0, 1, 1, 1],
             [0, 0, 0, 1, 1]], dtype=torch.int32)
     """
-    left = _check_len("left", left)
-    right = _check_len("right", right)
+    left = check_int("left", left, minimum=0)
+    right = check_int("right", right, minimum=0)
     d = _offsets(q_len, kv_len, device)
     return (d >= -left) & (d <= right)
 
@@ -135,13 +128,15 @@ def padding_mask(
             )
         lens = lengths
     else:
-        lens = torch.as_tensor([_check_len("lengths[]", n) for n in lengths], dtype=torch.long)
+        lens = torch.as_tensor(
+            [check_int("lengths[]", n, minimum=0) for n in lengths], dtype=torch.long
+        )
     if lens.numel() and bool((lens < 0).any()):
         raise ValueError(f"lengths must be >= 0, got {lens.tolist()}")
     longest = int(lens.max()) if lens.numel() else 0
     if max_len is None:
         max_len = longest
-    elif _check_len("max_len", max_len) < longest:
+    elif check_int("max_len", max_len, minimum=0) < longest:
         raise ValueError(f"max_len ({max_len}) is shorter than the longest length ({longest})")
     pos = torch.arange(max_len, device=lens.device)
     if side == "left":
@@ -175,8 +170,8 @@ def block_diagonal_mask(
             [0, 0, 1, 1, 0],
             [0, 0, 1, 1, 1]], dtype=torch.int32)
     """
-    q_lens = [_check_len("q_lens[]", n) for n in q_lens]
-    kv_lens = q_lens if kv_lens is None else [_check_len("kv_lens[]", n) for n in kv_lens]
+    q_lens = [check_int("q_lens[]", n, minimum=0) for n in q_lens]
+    kv_lens = q_lens if kv_lens is None else [check_int("kv_lens[]", n, minimum=0) for n in kv_lens]
     if len(q_lens) != len(kv_lens):
         raise ValueError(
             f"q_lens and kv_lens must list as many segments, got {len(q_lens)} and {len(kv_lens)}"

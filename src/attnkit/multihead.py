@@ -24,29 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import shape_str
+from ._checks import check_int, check_probability, shape_str
 from ._typing import Bool, Float, shape_checked
 from .attention import attention
 from .capture import is_capturing, record
 from .kv_cache import KVCache
 
 __all__ = ["MultiHeadAttention", "from_torch_masks"]
-
-
-def _check_int(name: str, value: object, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_probability(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float in [0, 1), got {value!r}")
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    return float(value)
 
 
 class MultiHeadAttention(nn.Module):
@@ -126,8 +110,8 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.d_model = _check_int("d_model", d_model)
-        self.num_heads = _check_int("num_heads", num_heads)
+        self.d_model = check_int("d_model", d_model)
+        self.num_heads = check_int("num_heads", num_heads)
         if head_dim is None:
             if d_model % num_heads:
                 raise ValueError(
@@ -135,22 +119,22 @@ class MultiHeadAttention(nn.Module):
                     "head_dim= to choose the per-head size"
                 )
             head_dim = d_model // num_heads
-        self.head_dim = _check_int("head_dim", head_dim)
+        self.head_dim = check_int("head_dim", head_dim)
         self.v_head_dim = (
-            self.head_dim if v_head_dim is None else _check_int("v_head_dim", v_head_dim)
+            self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim)
         )
         self.num_kv_heads = (
-            self.num_heads if num_kv_heads is None else _check_int("num_kv_heads", num_kv_heads)
+            self.num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads)
         )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) is not divisible by num_kv_heads ({num_kv_heads})"
             )
-        self.kdim = self.d_model if kdim is None else _check_int("kdim", kdim)
-        self.vdim = self.d_model if vdim is None else _check_int("vdim", vdim)
+        self.kdim = self.d_model if kdim is None else check_int("kdim", kdim)
+        self.vdim = self.d_model if vdim is None else check_int("vdim", vdim)
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {bias!r}")
-        self.dropout = _check_probability("dropout", dropout)
+        self.dropout = check_probability("dropout", dropout)
         if rotary is not None and not isinstance(rotary, nn.Module):
             raise TypeError(f"rotary must be an nn.Module or None, got {type(rotary).__name__}")
         rotary_dim = getattr(rotary, "head_dim", self.head_dim)
@@ -511,7 +495,7 @@ def from_torch_masks(
     >>> mask.int(), bias
     (tensor([[[[1, 1, 0]]]], dtype=torch.int32), None)
     """
-    num_heads = _check_int("num_heads", num_heads)
+    num_heads = check_int("num_heads", num_heads)
     masks: list[Tensor] = []
     biases: list[Tensor] = []
     if attn_mask is not None:

@@ -24,22 +24,14 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ._checks import check_int, check_probability
 from ._typing import Float, shape_checked
-from .multihead import _check_int, _check_probability
 
 __all__ = ["RotaryEmbedding", "SinusoidalPositionalEncoding", "alibi_bias", "alibi_slopes"]
 
 
 def _angle_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check_offset(offset: object) -> int:
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int, got {offset!r}")
-    if offset < 0:
-        raise ValueError(f"offset must be >= 0, got {offset}")
-    return offset
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -66,11 +58,11 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def __init__(self, d_model: int, *, base: float = 10000.0, dropout: float = 0.0) -> None:
         super().__init__()
-        self.d_model = _check_int("d_model", d_model)
+        self.d_model = check_int("d_model", d_model)
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
             raise ValueError(f"base must be a number > 1, got {base!r}")
         self.base = float(base)
-        self.dropout = nn.Dropout(_check_probability("dropout", dropout))
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
 
     @shape_checked
     def encoding(
@@ -99,7 +91,9 @@ class SinusoidalPositionalEncoding(nn.Module):
             raise ValueError(
                 f"x must have shape (B, T, d_model={self.d_model}), got {tuple(x.shape)}"
             )
-        pe = self.encoding(x.size(1), offset=_check_offset(offset), dtype=x.dtype, device=x.device)
+        pe = self.encoding(
+            x.size(1), offset=check_int("offset", offset, minimum=0), dtype=x.dtype, device=x.device
+        )
         out: Tensor = self.dropout(x + pe)
         return out
 
@@ -135,7 +129,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, *, base: float = 10000.0) -> None:
         super().__init__()
-        self.head_dim = _check_int("head_dim", head_dim)
+        self.head_dim = check_int("head_dim", head_dim)
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
@@ -169,7 +163,10 @@ class RotaryEmbedding(nn.Module):
                 f"x must have shape (..., T, head_dim={self.head_dim}), got {tuple(x.shape)}"
             )
         cos, sin = self.cos_sin(
-            x.size(-2), offset=_check_offset(offset), dtype=x.dtype, device=x.device
+            x.size(-2),
+            offset=check_int("offset", offset, minimum=0),
+            dtype=x.dtype,
+            device=x.device,
         )
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -192,7 +189,7 @@ def alibi_slopes(num_heads: int) -> Float[Tensor, " H"]:
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
 
-    num_heads = _check_int("num_heads", num_heads)
+    num_heads = check_int("num_heads", num_heads)
     n = 2 ** math.floor(math.log2(num_heads))
     slopes = power_of_two(n) + power_of_two(2 * n)[0::2][: num_heads - n]
     return torch.tensor(slopes)
@@ -219,8 +216,8 @@ def alibi_bias(
             [-0.0625, -0.0000, -0.0625],
             [-0.1250, -0.0625, -0.0000]])
     """
-    q_len = _check_int("q_len", q_len, minimum=0)
-    kv_len = q_len if kv_len is None else _check_int("kv_len", kv_len, minimum=0)
+    q_len = check_int("q_len", q_len, minimum=0)
+    kv_len = q_len if kv_len is None else check_int("kv_len", kv_len, minimum=0)
     work = _angle_dtype(dtype)
     pos_q = torch.arange(q_len, dtype=work, device=device) + (kv_len - q_len)
     pos_k = torch.arange(kv_len, dtype=work, device=device)
