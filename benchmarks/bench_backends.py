@@ -84,7 +84,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={B} H={H} D={D} float32"
     )
-    print(f"{'T':>6}  {'candidate':<20} {'ms':>10} {'ratio':>7} {'extra MiB':>10} {'% TxT':>7}")
+    print("\n| T | candidate | ms | ratio to torch sdpa | extra MiB | % of one TxT f32 |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
     for t in lengths:
         for causal in (False, True):
             labels = [lab for lab, c in CANDIDATES if c == causal and runnable(lab, t)]
@@ -97,8 +98,8 @@ def main() -> None:
                 pct = "" if mem is None else f"{100 * mem / (4 * t * t):.1f}"
                 mib = "" if mem is None else f"{mem / 2**20:.1f}"
                 print(
-                    f"{t:>6}  {name:<20} {times[lab] * 1e3:>10.2f} {times[lab] / base:>7.2f} "
-                    f"{mib:>10} {pct:>7}",
+                    f"| {t} | {name} | {times[lab] * 1e3:.2f} | {times[lab] / base:.2f} | {mib} "
+                    f"| {pct} |",
                     flush=True,
                 )
                 rows.append(
