@@ -147,3 +147,18 @@ def test_interrupt_leaves_no_half_written_file(
     ]
     json.loads((tmp_path / "config.json").read_text())
     load_file(str(tmp_path / "model.safetensors"))
+
+
+def test_missing_cli_extra_is_explained(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = demo.importlib.util.find_spec
+    monkeypatch.setattr(
+        demo.importlib.util, "find_spec", lambda name: None if name == "tqdm" else real(name)
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", *TINY])
+    assert exit_.value.code == 2
+    assert (
+        "needs tqdm: install the cli extra, pip install 'attnkit[cli]'" in capsys.readouterr().err
+    )

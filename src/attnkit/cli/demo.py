@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -474,7 +475,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _require_cli_extra() -> None:
+    missing = [
+        m for m in ("tqdm", "matplotlib", "safetensors") if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        raise RuntimeError(
+            f"attnkit demo needs {', '.join(missing)}: install the cli extra, "
+            "pip install 'attnkit[cli]'"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
+    _require_cli_extra()
     if args.load is not None:
         model = load_model(args.load)
         accuracy = evaluate(model, eval_set(model.cfg))
