@@ -15,6 +15,7 @@ the first with no reasons. :func:`explain` prints that decision.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, overload, runtime_checkable
@@ -271,6 +272,30 @@ def _choose(call: AttentionCall, backend: str) -> str:
     return decision.chosen
 
 
+def _under_autocast(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
+    """The inputs as torch's SDPA takes them under ``torch.autocast``, and whether it is on.
+
+    Autocast's rule: q, k, v and a float bias (float32 included) go to the autocast dtype;
+    float64 stays. Outside autocast the inputs come back as they are.
+    """
+    # isinstance: the arguments are not validated yet; check_attention_args reports non-tensors.
+    if not isinstance(q, Tensor):
+        return q, k, v, bias, False
+    device = q.device.type
+    # "meta" (explain() without allocating) has no autocast state to ask about.
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return q, k, v, bias, False
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: Tensor) -> Tensor:
+        ok = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if ok else t
+
+    return cast(q), cast(k), cast(v), None if bias is None else cast(bias), True
+
+
 def _run(
     q: Tensor,
     k: Tensor,
@@ -283,6 +308,9 @@ def _run(
     return_weights: bool,
     backend: str,
 ) -> Tensor | tuple[Tensor, Tensor]:
+    # Under torch.autocast, as torch's SDPA: inputs go to the autocast dtype. The backend then runs
+    # with autocast off, or it would turn the float32 softmax accumulation back into bf16 GEMMs.
+    q, k, v, bias, autocast = _under_autocast(q, k, v, bias)
     call = check_attention_args(
         q,
         k,
@@ -295,17 +323,18 @@ def _run(
         return_weights=return_weights,
     )
     chosen = _choose(call, backend)
-    return _REGISTRY[chosen].fn(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        scale=call.scale,
-        dropout_p=dropout_p,
-        return_weights=return_weights,
-    )
+    with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        return _REGISTRY[chosen].fn(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            scale=call.scale,
+            dropout_p=dropout_p,
+            return_weights=return_weights,
+        )
 
 
 @overload
@@ -439,6 +468,7 @@ def explain(
       chunked    could serve it, but comes later in the order
       reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
     """
+    q, k, v, bias, _ = _under_autocast(q, k, v, bias)  # describe the call attention() makes
     call = check_attention_args(
         q,
         k,
