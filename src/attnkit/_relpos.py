@@ -254,7 +254,8 @@ class _RelativeAttention(torch.autograd.Function):
         p = _kernel._Problem(
             qu, k, v, mask, None, causal_offset, scale, block_q, block_k, score_term=term
         )
-        out5, lse = _kernel.forward(p)
+        with _kernel.no_autocast(qu.device):
+            out5, lse = _kernel.forward(p)
         out = out5.view(*qu.shape[:-1], p.dv).to(qu.dtype)
         ctx.save_for_backward(qu, k, v, qv, enc, out, lse, *([] if mask is None else [mask]))
         ctx.args = (causal_offset, scale, legacy, block_q, block_k)  # type: ignore[attr-defined]
@@ -272,7 +273,8 @@ class _RelativeAttention(torch.autograd.Function):
         p = _kernel._Problem(
             qu, k, v, mask, None, causal_offset, scale, block_q, block_k, score_term=term
         )
-        dq, dk, dv, _ = _kernel.backward(p, out, lse, dout, False)
+        with _kernel.no_autocast(dout.device):
+            dq, dk, dv, _ = _kernel.backward(p, out, lse, dout, False)
         assert term.dqv is not None
         assert term.denc is not None
         return (
@@ -353,6 +355,21 @@ def relative_attention_sdpa(
     callers should use the chunked path, which keeps the position term in float32. Memory:
     O(B · H · block · Tk).
     """
+    with _kernel.no_autocast(qu.device):
+        return _relative_attention_sdpa(qu, k, v, qv, enc, mask, causal, scale, legacy)
+
+
+def _relative_attention_sdpa(
+    qu: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qv: Tensor,
+    enc: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    legacy: bool,
+) -> Tensor:
     n, h, tq, _ = qu.shape
     tk = k.size(-2)
     term = _RelativeTerm(qv, enc, scale, tk, legacy, grads=False)

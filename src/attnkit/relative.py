@@ -57,6 +57,19 @@ def _linear_of(module: nn.Module, name: str) -> nn.Linear:
     )
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the projections of ``x`` come out in: the autocast dtype inside
+    ``torch.autocast`` (which leaves float64 alone), else ``x``'s own."""
+    device = x.device.type
+    if (
+        x.dtype != torch.float64
+        and torch.amp.is_autocast_available(device)
+        and torch.is_autocast_enabled(device)
+    ):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 class RelativeMultiHeadAttention(nn.Module):
     """Multi-head attention with Transformer-XL relative positions (Conformer's self-attention).
 
@@ -249,9 +262,10 @@ class RelativeMultiHeadAttention(nn.Module):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *self.parameters())):
             # torch would keep each block's probabilities for the backward: O(T^2) in all.
             reasons["sdpa"].append("it has no backward (use torch.no_grad() or inference_mode())")
-        if inputs[0].dtype in (torch.float16, torch.bfloat16):
+        dtype = _compute_dtype(inputs[0])
+        if dtype in (torch.float16, torch.bfloat16):
             reasons["sdpa"].append(
-                f"its float mask would round the position term to {inputs[0].dtype}; "
+                f"its float mask would round the position term to {dtype}; "
                 "chunked keeps it in float32"
             )
         if backend == "auto":
@@ -308,8 +322,9 @@ class RelativeMultiHeadAttention(nn.Module):
         h, dh = self.num_heads, self.head_dim
 
         q = self.q_proj(query).view(b, tq, h, dh)
-        qu = (q + self.pos_bias_u).transpose(1, 2)  # (B, H, Tq, Dh)
-        qv = (q + self.pos_bias_v).transpose(1, 2)  # (B, H, Tq, Dh)
+        # .to: under torch.autocast q is in the autocast dtype and u, v (float32) would promote it.
+        qu = (q + self.pos_bias_u.to(q.dtype)).transpose(1, 2)  # (B, H, Tq, Dh)
+        qv = (q + self.pos_bias_v.to(q.dtype)).transpose(1, 2)  # (B, H, Tq, Dh)
         k = self.k_proj(key).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
         v = self.v_proj(value).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
         enc = self.pos_proj(self._encodings(tq, tk))  # (P, D)

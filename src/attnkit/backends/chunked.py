@@ -30,6 +30,7 @@ to compute their term per block, so their memory stays O(T).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -44,6 +45,17 @@ DEFAULT_BLOCK_K = 256
 DEFAULT_BLOCK_Q_CAUSAL = 256
 # A running sum above this (or inf/NaN) means the lazy offset was too low: redo the block safely.
 _OVERFLOW_GUARD = 2.0**64
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Autocast off for the kernel's own work, whose dtypes are chosen on purpose.
+
+    Inside ``torch.autocast`` (a forward, or a backward called within it) every ``bmm`` would run
+    in the autocast dtype and meet the float32 running sums.
+    """
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -364,7 +376,8 @@ class _ChunkedAttention(torch.autograd.Function):
         block_k: int,
     ) -> Tensor:
         p = _Problem(q, k, v, mask, bias, causal_offset, scale, block_q, block_k)
-        out5, lse = forward(p)
+        with no_autocast(q.device):
+            out5, lse = forward(p)
         out = out5.view(*q.shape[:-1], p.dv).to(q.dtype)
         optional = [t for t in (mask, bias) if t is not None]
         ctx.save_for_backward(q, k, v, out, lse, *optional)
@@ -383,7 +396,8 @@ class _ChunkedAttention(torch.autograd.Function):
         bias = optional.pop(0) if has_bias else None
         p = _Problem(q, k, v, mask, bias, *ctx.args)  # type: ignore[attr-defined]
         need_bias = bias is not None and ctx.needs_input_grad[4]  # type: ignore[attr-defined]
-        dq, dk, dv, dbias5 = backward(p, out, lse, dout, need_bias)
+        with no_autocast(dout.device):
+            dq, dk, dv, dbias5 = backward(p, out, lse, dout, need_bias)
         dbias = None
         if dbias5 is not None and bias is not None:
             dbias = _unlayout_bias_grad(dbias5, bias, p.batch)
