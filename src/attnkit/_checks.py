@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -17,9 +18,22 @@ from torch import Tensor
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def dim_str(size: int | torch.SymInt) -> str:
+    """One size in a message, never specialising a symbolic one.
+
+    While torch.compile/export trace with dynamic shapes a size may be a ``SymInt``: ``int()``
+    would fix it to the traced value, and dynamo cannot format it at all. Dynamo's messages are
+    only for deciding (an error raised while it traces is raised again by the eager rerun), so
+    they get ``?``; non-strict export prints the symbol.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return "?"
+    return str(size)
+
+
 def shape_str(shape: tuple[int, ...] | torch.Size) -> str:
     """``(2, 8, 128, 64)``: shapes in messages, without the ``torch.Size`` noise."""
-    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+    return "(" + ", ".join(dim_str(s) for s in shape) + ")"
 
 
 def _dtype_str(dtype: torch.dtype) -> str:
@@ -90,12 +104,15 @@ class AttentionCall:
 
 
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``, else TypeError/ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` if it is an int (not a bool) >= ``minimum``, else TypeError/ValueError.
+
+    A ``torch.SymInt`` (a length while torch.export traces with dynamic shapes) is an int here.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return cast(int, value)  # a SymInt stands for an int in the traced program
 
 
 def check_probability(name: str, value: object) -> float:

@@ -23,7 +23,7 @@ from typing import Literal, Protocol, overload, runtime_checkable
 import torch
 from torch import Tensor
 
-from ._checks import AttentionCall, check_attention_args, shape_str
+from ._checks import AttentionCall, check_attention_args, dim_str, shape_str
 from ._typing import Bool, Float, shape_checked
 from .backends.chunked import chunked
 from .backends.reference import reference
@@ -107,7 +107,8 @@ def _sdpa_cost(call: AttentionCall) -> list[str]:
     costs = []
     if causal_needs_mask(call):
         why = (
-            f"Tq != Tk ({call.q_len} != {call.kv_len}) and torch's is_causal is top-left aligned"
+            f"Tq != Tk ({dim_str(call.q_len)} != {dim_str(call.kv_len)}) and torch's is_causal is "
+            "top-left aligned"
             if call.q_len != call.kv_len
             else "torch does not take is_causal together with a mask or bias"
         )
