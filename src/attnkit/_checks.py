@@ -115,6 +115,22 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     return cast(int, value)  # a SymInt stands for an int in the traced program
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a bool: a flag given 0, "yes" or None is a mistake, not a truth value."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_positive(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite number > 0 (an epsilon, a scale)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number > 0, got {value!r}")
+    if not 0.0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def check_probability(name: str, value: object) -> float:
     """``value`` as a float if it is a number in [0, 1) (a dropout rate)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

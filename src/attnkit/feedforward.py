@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import check_int, check_probability
+from ._checks import check_bool, check_int, check_probability
 from ._typing import Float, shape_checked
 
 __all__ = ["PositionwiseFeedForward"]
@@ -64,6 +64,7 @@ class PositionwiseFeedForward(nn.Module):
             raise ValueError(f"activation must be one of {known}, got {activation!r}")
         self.activation = activation
         hidden = 2 * d_ff if activation in _GATED else d_ff
+        bias = check_bool("bias", bias)
         self.linear1 = nn.Linear(d_model, hidden, bias=bias, device=device, dtype=dtype)
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)

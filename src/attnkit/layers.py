@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import check_int, check_probability
+from ._checks import check_bool, check_int, check_positive, check_probability
 from ._typing import Bool, Float, shape_checked
 from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
@@ -126,7 +126,8 @@ class TransformerEncoderLayer(nn.Module):
         self.d_model = check_int("d_model", d_model)
         d_ff = 4 * d_model if d_ff is None else d_ff
         dropout = check_probability("dropout", dropout)
-        self.norm_first = norm_first
+        self.norm_first = check_bool("norm_first", norm_first)
+        check_positive("layer_norm_eps", layer_norm_eps)
         if attention is None:
             if num_heads is None:
                 raise ValueError("pass num_heads, or a ready-made attention= module")
@@ -259,7 +260,8 @@ class TransformerDecoderLayer(nn.Module):
         self.d_model = check_int("d_model", d_model)
         d_ff = 4 * d_model if d_ff is None else d_ff
         dropout = check_probability("dropout", dropout)
-        self.norm_first = norm_first
+        self.norm_first = check_bool("norm_first", norm_first)
+        check_positive("layer_norm_eps", layer_norm_eps)
         if attention is None or cross_attention is None:
             if num_heads is None:
                 raise ValueError("pass num_heads, or ready-made attention= and cross_attention=")
@@ -283,6 +285,8 @@ class TransformerDecoderLayer(nn.Module):
             _reject_options("attention=", rotary=rotary)
         if cross_attention is None:
             assert num_heads is not None
+            if memory_dim is not None:  # named here: the attention would call it kdim
+                check_int("memory_dim", memory_dim)
             cross_attention = MultiHeadAttention(
                 d_model,
                 num_heads,

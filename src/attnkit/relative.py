@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _relpos, capture
-from ._checks import check_broadcastable, shape_str
+from ._checks import check_bool, check_broadcastable, shape_str
 from ._typing import Bool, Float
 from .attention import BackendError, attention
 
@@ -127,6 +127,7 @@ class RelativeMultiHeadAttention(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if legacy not in (None, "openspeech"):
             raise ValueError(f"legacy must be None or 'openspeech', got {legacy!r}")
+        bias = check_bool("bias", bias)
         self.d_model = d_model
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
