@@ -146,6 +146,59 @@ def _require_tensor(name: str, t: object) -> Tensor:
     return t
 
 
+def check_mask(
+    name: str, mask: object, target: tuple[int, ...], legend: str = "(B, H, Tq, Tk)"
+) -> Tensor:
+    """``mask`` if it is a bool tensor that broadcasts to ``target``, else TypeError/ValueError.
+
+    ``name`` is the argument as the caller knows it (``memory_mask``, ``src_mask``, ...).
+    """
+    mask = _require_tensor(name, mask)
+    if mask.dtype != torch.bool:
+        hint = (
+            "; a float tensor of additive scores belongs in bias= (mask is boolean, "
+            "True = may attend)"
+            if mask.is_floating_point()
+            else "; convert it with mask.bool() (True = may attend)"
+        )
+        raise TypeError(f"{name} must be a bool tensor, got {_dtype_str(mask.dtype)}{hint}")
+    check_broadcastable(name, mask, target, legend)
+    return mask
+
+
+def check_input(name: str, t: object, shape: str, width: int | None, params: Tensor) -> Tensor:
+    """A module's input: a float ``(B, T, width)`` tensor in the dtype and on the device of the
+    module's parameters (of which ``params`` is one). ``shape`` writes the layout for the message,
+    e.g. ``"(B, Tq, d_model=8)"``; ``width=None`` leaves the last dim to the caller.
+
+    Inside ``torch.autocast`` the dtype may differ from the parameters': autocast casts both.
+    """
+    t = _require_tensor(name, t)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {_dtype_str(t.dtype)}")
+    if t.ndim != 3 or (width is not None and t.size(-1) != width):
+        raise ValueError(f"{name} must have shape {shape}, got {shape_str(t.shape)}")
+    check_like_parameters(name, t, params)
+    return t
+
+
+def check_like_parameters(name: str, t: Tensor, params: Tensor) -> None:
+    """Raise unless ``t`` can meet the parameters ``params``: same device, same dtype (or any
+    float dtype inside ``torch.autocast``, which casts both)."""
+    if t.device != params.device:
+        raise ValueError(
+            f"{name} is on {t.device} but the module's parameters are on {params.device}"
+        )
+    device = t.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    if t.dtype != params.dtype and not autocast:
+        raise TypeError(
+            f"{name} is {_dtype_str(t.dtype)} but the module's parameters are "
+            f"{_dtype_str(params.dtype)}: convert one of them (module.to(dtype)), or run "
+            "under torch.autocast"
+        )
+
+
 def check_broadcastable(name: str, t: Tensor, target: tuple[int, ...], legend: str) -> None:
     """Raise ``ValueError`` unless ``t`` broadcasts to ``target`` (trailing dims aligned)."""
     ok = t.ndim <= len(target) and all(
@@ -228,16 +281,7 @@ def check_attention_args(
     scores = (*batch, num_heads, q_len, kv_len)
     legend = "(..., H, Tq, Tk)"
     if mask is not None:
-        mask = _require_tensor("mask", mask)
-        if mask.dtype != torch.bool:
-            hint = (
-                "; a float tensor of additive scores belongs in bias= (mask is boolean, "
-                "True = may attend)"
-                if mask.is_floating_point()
-                else "; convert it with mask.bool() (True = may attend)"
-            )
-            raise TypeError(f"mask must be a bool tensor, got {_dtype_str(mask.dtype)}{hint}")
-        check_broadcastable("mask", mask, scores, legend)
+        mask = check_mask("mask", mask, scores, legend)
         if mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     if bias is not None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import check_int, check_probability, shape_str
+from ._checks import check_bool, check_input, check_int, check_probability, shape_str
 from ._typing import Bool, Float, shape_checked
 from .attention import attention
 from .capture import is_capturing, record
@@ -218,20 +218,16 @@ class MultiHeadAttention(nn.Module):
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
-        if query.ndim != 3 or query.size(-1) != self.d_model:
-            raise ValueError(
-                f"query must have shape (B, Tq, d_model={self.d_model}), got "
-                f"{shape_str(query.shape)}"
-            )
+        params = self.out_proj.weight
+        check_input("query", query, f"(B, Tq, d_model={self.d_model})", self.d_model, params)
         for name, t, dim, attr in (
             ("key", key, self.kdim, "kdim"),
             ("value", value, self.vdim, "vdim"),
         ):
-            if t.ndim != 3 or t.size(-1) != dim or t.size(0) != query.size(0):
-                raise ValueError(
-                    f"{name} must have shape (B={query.size(0)}, Tk, {attr}={dim}), got "
-                    f"{shape_str(t.shape)}"
-                )
+            shape = f"(B={query.size(0)}, Tk, {attr}={dim})"
+            check_input(name, t, shape, dim, params)
+            if t.size(0) != query.size(0):
+                raise ValueError(f"{name} must have shape {shape}, got {shape_str(t.shape)}")
         if key.size(1) != value.size(1):
             raise ValueError(
                 f"key and value must have the same length Tk, got key {shape_str(key.shape)} and "
@@ -285,8 +281,10 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
-        if not isinstance(need_weights, bool):
-            raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
+        check_bool("need_weights", need_weights)
+        check_bool("average_weights", average_weights)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
 
         q, k, v = self._project(query, key, value)
         # (B, T, heads*Dh) -> (B, heads, T, Dh): strided views; attention() takes them as they are.
