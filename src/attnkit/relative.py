@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _relpos, capture
-from ._checks import check_bool, check_broadcastable, shape_str
+from ._checks import check_bool, check_input, check_mask, shape_str
 from ._typing import Bool, Float
 from .attention import BackendError, attention
 
@@ -209,12 +209,8 @@ class RelativeMultiHeadAttention(nn.Module):
         backend: object,
     ) -> None:
         for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.ndim != 3 or t.size(-1) != self.d_model:
-                raise ValueError(
-                    f"{name} must be (B, T, d_model={self.d_model}), got {shape_str(t.shape)}"
-                )
+            shape = f"(B, T, d_model={self.d_model})"
+            check_input(name, t, shape, self.d_model, self.out_proj.weight)
         if key.size(0) != query.size(0) or value.shape[:2] != key.shape[:2]:
             raise ValueError(
                 f"query (B, Tq, D), key and value (B, Tk, D) must share B and key/value Tk: got "
@@ -227,11 +223,8 @@ class RelativeMultiHeadAttention(nn.Module):
                 f"many keys as queries: got Tq={query.size(1)} and Tk={key.size(1)}"
             )
         if mask is not None:
-            if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-                got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-                raise TypeError(f"mask must be a bool tensor (True = may attend), got {got}")
             scores = (query.size(0), self.num_heads, query.size(1), key.size(1))
-            check_broadcastable("mask", mask, scores, "(B, H, Tq, Tk)")
+            check_mask("mask", mask, scores)
         for name, flag in (("causal", causal), ("need_weights", need_weights)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
