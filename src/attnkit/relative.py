@@ -210,6 +210,8 @@ class RelativeMultiHeadAttention(nn.Module):
     ) -> None:
         for name, t in (("query", query), ("key", key), ("value", value)):
             shape = f"(B, T, d_model={self.d_model})"
+            if isinstance(t, Tensor) and (t.ndim != 3 or t.size(-1) != self.d_model):
+                raise ValueError(f"{name} must be {shape}, got {shape_str(t.shape)}")
             check_input(name, t, shape, self.d_model, self.out_proj.weight)
         if key.size(0) != query.size(0) or value.shape[:2] != key.shape[:2]:
             raise ValueError(
