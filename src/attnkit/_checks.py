@@ -166,10 +166,13 @@ def check_mask(
     return mask
 
 
-def check_input(name: str, t: object, shape: str, width: int | None, params: Tensor) -> Tensor:
+def check_input(
+    name: str, t: object, shape: str, width: int | None, params: Tensor | None
+) -> Tensor:
     """A module's input: a float ``(B, T, width)`` tensor in the dtype and on the device of the
-    module's parameters (of which ``params`` is one). ``shape`` writes the layout for the message,
-    e.g. ``"(B, Tq, d_model=8)"``; ``width=None`` leaves the last dim to the caller.
+    module's parameters (of which ``params`` is one; None for a module without any). ``shape``
+    writes the layout for the message, e.g. ``"(B, Tq, d_model=8)"``; ``width=None`` leaves the
+    last dim to the caller.
 
     Inside ``torch.autocast`` the dtype may differ from the parameters': autocast casts both.
     """
@@ -178,7 +181,8 @@ def check_input(name: str, t: object, shape: str, width: int | None, params: Ten
         raise TypeError(f"{name} must be a float tensor, got {_dtype_str(t.dtype)}")
     if t.ndim != 3 or (width is not None and t.size(-1) != width):
         raise ValueError(f"{name} must have shape {shape}, got {shape_str(t.shape)}")
-    check_like_parameters(name, t, params)
+    if params is not None:
+        check_like_parameters(name, t, params)
     return t
 
 

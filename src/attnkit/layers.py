@@ -25,7 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import check_bool, check_int, check_positive, check_probability
+from ._checks import (
+    check_bool,
+    check_input,
+    check_int,
+    check_mask,
+    check_positive,
+    check_probability,
+    shape_str,
+)
 from ._typing import Bool, Float, shape_checked
 from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
@@ -59,6 +67,33 @@ def _call_self_attention(
     else:
         out = attn(x, mask=mask, causal=causal, cache=cache)
     return out
+
+
+def _check_sequence(layer: nn.Module, name: str, x: object, width: int | None) -> Tensor:
+    """``x``, checked as the layer's argument ``name``: the attention inside would report a
+    ``query`` or ``key`` the caller never passed, and a LayerNorm a RuntimeError."""
+    shape = f"(B, T, {'D' if width is None else width})"
+    return check_input(name, x, shape, width, next(layer.parameters(), None))
+
+
+def _check_same_batch(name: str, t: Tensor, other_name: str, other: Tensor) -> None:
+    if t.size(0) != other.size(0):
+        raise ValueError(
+            f"{name} {shape_str(t.shape)} and {other_name} {shape_str(other.shape)} must have the "
+            "same batch size"
+        )
+
+
+def _check_layer_mask(
+    name: str, mask: object, attn: nn.Module, batch: int, q_len: int, kv_len: int
+) -> None:
+    """A mask the layer hands to ``attn`` under another name, checked under its own."""
+    if mask is None:
+        return
+    heads = getattr(attn, "num_heads", None)
+    if not isinstance(heads, int):  # an attention built elsewhere: leave the head dim to it
+        heads = mask.size(-3) if isinstance(mask, Tensor) and mask.ndim >= 3 else 1
+    check_mask(name, mask, (batch, heads, q_len, kv_len))
 
 
 def _torch_activation(m: nn.Module) -> str:
@@ -173,6 +208,8 @@ class TransformerEncoderLayer(nn.Module):
         causal: bool = False,
         cache: KVCache | None = None,
     ) -> Float[Tensor, "B T D"]:
+        _check_sequence(self, "x", x, self.d_model)
+
         def sa(h: Tensor) -> Tensor:
             out: Tensor = self.dropout1(
                 _call_self_attention(self.self_attn, h, mask, causal, cache)
@@ -330,6 +367,14 @@ class TransformerDecoderLayer(nn.Module):
         causal: bool = True,
         cache: KVCache | None = None,
     ) -> Float[Tensor, "B T D"]:
+        _check_sequence(self, "x", x, self.d_model)
+        memory_dim = getattr(self.cross_attn, "kdim", None)
+        _check_sequence(self, "memory", memory, memory_dim if isinstance(memory_dim, int) else None)
+        _check_same_batch("memory", memory, "x", x)
+        _check_layer_mask(
+            "memory_mask", memory_mask, self.cross_attn, x.size(0), x.size(1), memory.size(1)
+        )
+
         def sa(h: Tensor) -> Tensor:
             out: Tensor = self.dropout1(
                 _call_self_attention(self.self_attn, h, mask, causal, cache)
@@ -441,6 +486,8 @@ class Transformer(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        self.d_model = check_int("d_model", d_model)
+        self.num_heads = check_int("num_heads", num_heads)
         check_int("num_encoder_layers", num_encoder_layers, minimum=0)
         check_int("num_decoder_layers", num_decoder_layers, minimum=0)
         kw: dict[str, object] = {
@@ -475,6 +522,7 @@ class Transformer(nn.Module):
     def encode(
         self, src: Float[Tensor, "B Ts D"], *, mask: Bool[Tensor, "..."] | None = None
     ) -> Float[Tensor, "B Ts D"]:
+        _check_sequence(self, "src", src, self.d_model)
         for layer in self.encoder_layers:
             src = layer(src, mask=mask)
         out: Tensor = self.encoder_norm(src)
@@ -490,6 +538,9 @@ class Transformer(nn.Module):
         memory_mask: Bool[Tensor, "..."] | None = None,
         cache: list[KVCache] | None = None,
     ) -> Float[Tensor, "B T D"]:
+        _check_sequence(self, "tgt", tgt, self.d_model)
+        _check_sequence(self, "memory", memory, self.d_model)
+        _check_same_batch("memory", memory, "tgt", tgt)
         if cache is not None and len(cache) != len(self.decoder_layers):
             raise ValueError(
                 f"cache must hold one KVCache per decoder layer ({len(self.decoder_layers)}), got "
@@ -516,6 +567,18 @@ class Transformer(nn.Module):
         tgt_mask: Bool[Tensor, "..."] | None = None,
         memory_mask: Bool[Tensor, "..."] | None = None,
     ) -> Float[Tensor, "B T D"]:
+        _check_sequence(self, "src", src, self.d_model)
+        _check_sequence(self, "tgt", tgt, self.d_model)
+        _check_same_batch("tgt", tgt, "src", src)
+        b, ts, t = src.size(0), src.size(1), tgt.size(1)
+        # Checked here under the names the caller used; the layers would say mask/memory_mask.
+        for name, mask, q_len, kv_len in (
+            ("src_mask", src_mask, ts, ts),
+            ("tgt_mask", tgt_mask, t, t),
+            ("memory_mask", memory_mask, t, ts),
+        ):
+            if mask is not None:
+                check_mask(name, mask, (b, self.num_heads, q_len, kv_len))
         memory = self.encode(src, mask=src_mask)
         return self.decode(tgt, memory, mask=tgt_mask, memory_mask=memory_mask)
 
