@@ -146,6 +146,14 @@ def _require_tensor(name: str, t: object) -> Tensor:
     return t
 
 
+def check_float_tensor(name: str, t: object) -> Tensor:
+    """``t`` if it is a floating-point tensor, else TypeError naming ``name``."""
+    t = _require_tensor(name, t)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {_dtype_str(t.dtype)}")
+    return t
+
+
 def check_mask(
     name: str, mask: object, target: tuple[int, ...], legend: str = "(B, H, Tq, Tk)"
 ) -> Tensor:
@@ -176,9 +184,7 @@ def check_input(
 
     Inside ``torch.autocast`` the dtype may differ from the parameters': autocast casts both.
     """
-    t = _require_tensor(name, t)
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a float tensor, got {_dtype_str(t.dtype)}")
+    t = check_float_tensor(name, t)
     if t.ndim != 3 or (width is not None and t.size(-1) != width):
         raise ValueError(f"{name} must have shape {shape}, got {shape_str(t.shape)}")
     if params is not None:

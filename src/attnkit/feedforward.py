@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import check_bool, check_int, check_probability
+from ._checks import (
+    check_bool,
+    check_float_tensor,
+    check_int,
+    check_like_parameters,
+    check_probability,
+    shape_str,
+)
 from ._typing import Float, shape_checked
 
 __all__ = ["PositionwiseFeedForward"]
@@ -71,6 +78,12 @@ class PositionwiseFeedForward(nn.Module):
 
     @shape_checked
     def forward(self, x: Float[Tensor, "*batch D"]) -> Float[Tensor, "*batch D"]:
+        check_float_tensor("x", x)
+        if x.ndim == 0 or x.size(-1) != self.d_model:
+            raise ValueError(
+                f"x must have shape (..., d_model={self.d_model}), got {shape_str(x.shape)}"
+            )
+        check_like_parameters("x", x, self.linear1.weight)
         h = self.linear1(x)
         if self.activation == "swiglu":
             gate, value = h.chunk(2, dim=-1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_int
+from ._checks import check_float_tensor, check_int
 from ._typing import Float, shape_checked
 
 __all__ = ["KVCache"]
@@ -86,8 +86,11 @@ class KVCache(nn.Module):
         The results are views of the cache (no copy), valid until the next :meth:`update` or
         :meth:`reset`.
         """
-        want_k = (*self.k_cache.shape[:2], k.size(-2), self.k_cache.size(-1))
-        want_v = (*self.v_cache.shape[:2], v.size(-2), self.v_cache.size(-1))
+        check_float_tensor("k", k)
+        check_float_tensor("v", v)
+        t = k.size(-2) if k.ndim == 4 else "T"  # v must bring as many tokens as k
+        want_k = (*self.k_cache.shape[:2], t, self.k_cache.size(-1))
+        want_v = (*self.v_cache.shape[:2], t, self.v_cache.size(-1))
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
             raise ValueError(
                 f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = "

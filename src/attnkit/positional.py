@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_int, check_probability
+from ._checks import check_float_tensor, check_int, check_probability
 from ._typing import Float, shape_checked
 
 __all__ = ["RotaryEmbedding", "SinusoidalPositionalEncoding", "alibi_bias", "alibi_slopes"]
@@ -87,6 +87,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     @shape_checked
     def forward(self, x: Float[Tensor, "B T D"], *, offset: int = 0) -> Float[Tensor, "B T D"]:
+        check_float_tensor("x", x)  # an int x would get an encoding truncated to ints
         if x.ndim != 3 or x.size(-1) != self.d_model:
             raise ValueError(
                 f"x must have shape (B, T, d_model={self.d_model}), got {tuple(x.shape)}"
@@ -158,6 +159,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, x: Float[Tensor, "*batch T Dh"], *, offset: int = 0
     ) -> Float[Tensor, "*batch T Dh"]:
+        check_float_tensor("x", x)
         if x.ndim < 2 or x.size(-1) != self.head_dim:
             raise ValueError(
                 f"x must have shape (..., T, head_dim={self.head_dim}), got {tuple(x.shape)}"
