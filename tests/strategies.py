@@ -17,9 +17,13 @@ class Case:
     mask: Tensor | None
     bias: Tensor | None
     causal: bool
+    scale: float | None = None
 
     def kwargs(self) -> dict[str, object]:
-        return {"mask": self.mask, "bias": self.bias, "causal": self.causal}
+        kw: dict[str, object] = {"mask": self.mask, "bias": self.bias, "causal": self.causal}
+        if self.scale is not None:
+            kw["scale"] = self.scale
+        return kw
 
     def to(self, dtype: torch.dtype) -> Case:
         def cast(t: Tensor | None) -> Tensor | None:
@@ -32,6 +36,7 @@ class Case:
             self.mask,
             cast(self.bias),
             self.causal,
+            self.scale,
         )
 
     def __repr__(self) -> str:
@@ -39,7 +44,8 @@ class Case:
         b = None if self.bias is None else tuple(self.bias.shape)
         return (
             f"Case(q={tuple(self.q.shape)}, k={tuple(self.k.shape)}, v={tuple(self.v.shape)}, "
-            f"mask={m}, bias={b}, causal={self.causal})"
+            f"mask={m}, bias={b}, causal={self.causal}, scale={self.scale}, "
+            f"contiguous={self.q.is_contiguous()})"
         )
 
 
@@ -57,7 +63,15 @@ def cases(
     masks: bool = True,
     biases: bool = True,
     allow_empty: bool = True,
+    edges: bool = False,
 ) -> Case:
+    """Random attention calls in float64, with masks that leave some queries nothing to attend.
+
+    ``edges=True`` also draws what breaks attention code (for the differential fuzzing): masks that
+    are all False or pad the keys, biases with ``-inf`` entries (a float mask), large logits,
+    ``scale`` (0 included), and q, k, v laid out as ``(..., T, H, D)`` transposed, as modules pass
+    them.
+    """
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     batch = tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=2)))
@@ -72,9 +86,14 @@ def cases(
     def randn(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    q = randn(*batch, h, tq, dk)
-    k = randn(*batch, hkv, tk, dk)
-    v = randn(*batch, hkv, tk, dv)
+    def heads(hh: int, t: int, d: int) -> Tensor:
+        if edges and draw(st.booleans()):  # (..., T, H, D) memory, seen as (..., H, T, D)
+            return randn(*batch, t, hh, d).transpose(-2, -3)
+        return randn(*batch, hh, t, d)
+
+    q, k, v = heads(h, tq, dk), heads(hkv, tk, dk), heads(hkv, tk, dv)
+    if edges:
+        q = q * draw(st.sampled_from([1.0, 1.0, 40.0]))  # logits in the hundreds
     full = (*batch, h, tq, tk)
     mask = None
     if masks and draw(st.booleans()):
@@ -83,7 +102,18 @@ def cases(
         mask = torch.rand(*shape, generator=gen) < keep
         if mask.ndim >= 2 and mask.size(-2) > 1 and draw(st.booleans()):
             mask[..., 0, :] = False  # a query that may attend nothing
+        if edges:
+            kind = draw(st.sampled_from(["random", "random", "none visible", "padding"]))
+            if kind == "none visible":
+                mask = torch.zeros(shape, dtype=torch.bool)
+            elif kind == "padding":  # (..., 1, 1, Tk): the last keys of each sequence are padding
+                lengths = torch.randint(0, tk + 1, (*batch, 1, 1, 1), generator=gen)
+                mask = torch.arange(tk) < lengths
     bias = None
     if biases and draw(st.booleans()):
         bias = randn(*_broadcast_shape(draw, full)) * draw(st.sampled_from([0.5, 3.0]))
-    return Case(q, k, v, mask, bias, draw(st.booleans()))
+        if edges and draw(st.booleans()):  # a float mask: -inf where a key is excluded
+            bias = bias.masked_fill(torch.rand(bias.shape, generator=gen) < 0.3, float("-inf"))
+    causal = draw(st.booleans())
+    scale = draw(st.sampled_from([None, None, 0.0, 0.1, 2.0])) if edges else None
+    return Case(q, k, v, mask, bias, causal, scale)
