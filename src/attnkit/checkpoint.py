@@ -83,9 +83,13 @@ def load_checkpoint(
     """
     name = os.fspath(path)
     if name.endswith(".safetensors"):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        state = load_file(name)
+        try:
+            state = load_file(name)
+        except SafetensorError as err:  # a plain Exception: say which file, as ValueError
+            raise ValueError(f"{name} is not a readable safetensors file: {err}") from None
     else:
         try:
             loaded = torch.load(name, map_location="cpu", weights_only=True)
