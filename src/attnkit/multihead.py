@@ -383,18 +383,30 @@ class MultiHeadAttention(nn.Module):
             device=ref.device,
             dtype=ref.dtype,
         )
+
+        def copy(name: str, ours: Tensor, theirs: Tensor) -> None:
+            # copy_ would broadcast a tensor of the wrong shape (one row into every row).
+            if theirs.shape != ours.shape:
+                raise ValueError(
+                    f"from_torch(): {name} has shape {shape_str(theirs.shape)}, expected "
+                    f"{shape_str(ours.shape)} for embed_dim={m.embed_dim}, "
+                    f"num_heads={m.num_heads}"
+                )
+            ours.copy_(theirs)
+
         with torch.no_grad():
             if m.in_proj_weight is not None and new.in_proj_weight is not None:
-                new.in_proj_weight.copy_(m.in_proj_weight)
+                copy("in_proj_weight", new.in_proj_weight, m.in_proj_weight)
             else:
-                for ours, theirs in zip(
+                for name, ours, theirs in zip(
+                    ("q_proj_weight", "k_proj_weight", "v_proj_weight"),
                     new._in_weights(),
                     (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight),
                     strict=True,
                 ):
-                    ours.copy_(theirs)
+                    copy(name, ours, theirs)
             if new.in_proj_bias is not None:
-                new.in_proj_bias.copy_(m.in_proj_bias)
+                copy("in_proj_bias", new.in_proj_bias, m.in_proj_bias)
             new.out_proj.load_state_dict(m.out_proj.state_dict())
         return new.train(m.training)
 
