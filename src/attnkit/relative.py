@@ -431,6 +431,11 @@ class RelativeMultiHeadAttention(nn.Module):
                 if target.bias is not None:
                     if linear.bias is None:
                         raise ValueError(f"from_openspeech(): {name} has no bias, query_proj does")
+                    if linear.bias.shape != target.bias.shape:  # copy_ would broadcast it
+                        raise ValueError(
+                            f"from_openspeech(): {name}.bias is {shape_str(linear.bias.shape)}, "
+                            f"expected {shape_str(target.bias.shape)} for d_model={d_model}"
+                        )
                     target.bias.copy_(linear.bias)
             for name, src, dst in (("u_bias", u, new.pos_bias_u), ("v_bias", v, new.pos_bias_v)):
                 if src.shape != dst.shape:
