@@ -1,4 +1,5 @@
-"""Deployment: torch.compile, torch.export and ONNX for the modules people put in production.
+"""Deployment: torch.compile, torch.export and ONNX for the modules people put in production, and
+loading their weights safely.
 
 MultiHeadAttention, RelativeMultiHeadAttention and TransformerEncoderLayer are each traced with a
 padding mask and compared with eager, at the traced length and at others. Tracing is the slow part,
@@ -12,6 +13,7 @@ paths, so every comparison below is also one between two different code paths.
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from torch import Tensor, nn
 
 import attnkit
 from attnkit import masks
+from attnkit.checkpoint import load_checkpoint, save_checkpoint
 from attnkit.testing import assert_close
 
 D_MODEL = 16
@@ -168,3 +171,108 @@ def test_relative_attention_refuses_fast_paths_while_tracing() -> None:
 
     with pytest.raises(attnkit.BackendError, match=re.escape("torch.compile/export is tracing")):
         torch.export.export(Forced(), (x, pad))
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: nothing is unpickled, and a mismatch names the parameter and both shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def loads_of(path: Path) -> list[str]:
+    """Every call in ``path`` that could unpickle: ``torch.load`` without ``weights_only=True``,
+    and any ``pickle``/``dill``/``joblib`` loader."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        owner = node.func.value
+        owner_name = owner.id if isinstance(owner, ast.Name) else None
+        where = f"{path.name}:{node.lineno}"
+        if owner_name == "torch" and node.func.attr == "load":
+            safe = any(
+                kw.arg == "weights_only"
+                and isinstance(kw.value, ast.Constant)
+                and kw.value.value is True
+                for kw in node.keywords
+            )
+            if not safe:
+                found.append(f"{where} torch.load without weights_only=True")
+        if owner_name in ("pickle", "dill", "joblib", "cloudpickle") and "load" in node.func.attr:
+            found.append(f"{where} {owner_name}.{node.func.attr}")
+    return found
+
+
+def test_no_code_path_unpickles_arbitrary_objects(tmp_path: Path) -> None:
+    files = sorted((ROOT / "src" / "attnkit").rglob("*.py")) + sorted(
+        (ROOT / "benchmarks").glob("*.py")
+    )
+    assert len(files) > 20
+    assert [hit for f in files for hit in loads_of(f)] == []
+    # The scan itself can fail: it sees an unsafe load when there is one.
+    bad = tmp_path / "unsafe.py"
+    bad.write_text("import pickle, torch\ntorch.load('m.pt')\npickle.loads(b'')\n")
+    assert loads_of(bad) == [
+        "unsafe.py:2 torch.load without weights_only=True",
+        "unsafe.py:3 pickle.loads",
+    ]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_round_trip_and_mismatch_report(name: str, tmp_path: Path) -> None:
+    m = build(name).module
+    save_checkpoint(m, tmp_path / "m.safetensors")
+    fresh = BUILDERS[name]().module  # other initial weights
+    load_checkpoint(tmp_path / "m.safetensors", fresh)
+    x, pad = inputs(TRACED_LENGTH)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(x, mask=pad), m(x, mask=pad))
+
+    wide = type(m)(d_model=2 * D_MODEL, num_heads=4)  # the same names, other shapes
+    save_checkpoint(wide, tmp_path / "wide.safetensors")
+    with pytest.raises(ValueError, match="does not fit") as err:
+        load_checkpoint(tmp_path / "wide.safetensors", m)
+    key, want = next(iter(m.state_dict().items()))
+    got = wide.state_dict()[key]
+    source = tmp_path / "wide.safetensors"
+    assert f"{key}: shape {tuple(got.shape)} in {source}, {tuple(want.shape)}" in str(err.value)
+
+
+def test_torch_load_state_dict_reports_both_shapes_for_every_module() -> None:
+    # No attnkit module loads its state in its own way: torch's strict loading names the
+    # parameter and both shapes.
+    for m in (build(name).module for name in NAMES):
+        state = m.state_dict()
+        key = next(iter(state))
+        state[key] = torch.zeros(*state[key].shape[:-1], state[key].shape[-1] + 1)
+        with pytest.raises(RuntimeError) as err:
+            m.load_state_dict(state)
+        message = str(err.value)
+        assert f"size mismatch for {key}" in message
+        assert f"torch.Size({list(state[key].shape)})" in message
+        assert f"torch.Size({list(m.state_dict()[key].shape)})" in message
+
+
+def test_importers_refuse_tensors_of_the_wrong_shape() -> None:
+    theirs = nn.MultiheadAttention(D_MODEL, 4, batch_first=True)
+    theirs.in_proj_weight = nn.Parameter(torch.randn(1, D_MODEL))  # would broadcast into each row
+    with pytest.raises(
+        ValueError, match=re.escape("in_proj_weight has shape (1, 16), expected (48, 16)")
+    ):
+        attnkit.MultiHeadAttention.from_torch(theirs)
+
+    class Openspeech(nn.Module):  # the attributes from_openspeech reads
+        def __init__(self) -> None:
+            super().__init__()
+            for part in ("query_proj", "key_proj", "value_proj", "out_proj"):
+                setattr(self, part, nn.Linear(D_MODEL, D_MODEL))
+            self.pos_proj = nn.Linear(D_MODEL, D_MODEL, bias=False)
+            self.u_bias = nn.Parameter(torch.zeros(4, D_MODEL // 4))
+            self.v_bias = nn.Parameter(torch.zeros(4, D_MODEL // 4))
+            self.num_heads = 4
+
+    os_module = Openspeech()
+    attnkit.RelativeMultiHeadAttention.from_openspeech(os_module)  # fits as it is
+    os_module.key_proj.bias = nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match=re.escape("key_proj.bias is (1), expected (16)")):
+        attnkit.RelativeMultiHeadAttention.from_openspeech(os_module)
