@@ -22,9 +22,10 @@ def dim_str(size: int | torch.SymInt) -> str:
     """One size in a message, never specialising a symbolic one.
 
     While torch.compile/export trace with dynamic shapes a size may be a ``SymInt``: ``int()``
-    would fix it to the traced value, and dynamo cannot format it at all. Dynamo's messages are
-    only for deciding (an error raised while it traces is raised again by the eager rerun), so
-    they get ``?``; non-strict export prints the symbol.
+    would fix it to the traced value, an f-string would too (a recompilation per length), and
+    ``str()`` does not trace. Dynamo cannot tell a symbolic size from a constant one here
+    (``isinstance`` and ``type`` both say int), so under dynamo every size prints as ``?``; the
+    decisions made from the messages' sizes are unaffected. Non-strict export prints the symbol.
     """
     if torch.compiler.is_dynamo_compiling():
         return "?"
