@@ -101,6 +101,18 @@ def test_compiled_training_step_matches_eager(name: str) -> None:
         assert_close(q.grad, p.grad)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_under_autocast_matches_eager(name: str) -> None:
+    # bfloat16 inference of float32 weights, compiled: the autocast casts trace too.
+    m = build(name)
+    compiled = torch.compile(m, fullgraph=True)
+    x, pad = inputs(TRACED_LENGTH)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = compiled(x, pad), m(x, pad)
+    assert got.dtype == want.dtype
+    assert_close(got, want.double(), dtype=torch.bfloat16)
+
+
 # --------------------------------------------------------------------------------------------------
 # torch.export and ONNX: one export per module, shared
 
