@@ -53,6 +53,10 @@ def sdpa(
         attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     if attn_mask is not None and attn_mask.ndim < 2:
         attn_mask = attn_mask.unsqueeze(0)  # torch wants (..., Tq|1, Tk); ours may be just (Tk,)
+    if scale == 0.0:
+        # torch's causal kernels scale their -inf too (0 * -inf = NaN, torch 2.13 CPU): zero
+        # queries with scale 1 give the same all-zero scores and the same zero gradient of q.
+        q, scale = q * 0.0, 1.0
     out = F.scaled_dot_product_attention(
         q,
         k,
