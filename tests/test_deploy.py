@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -76,6 +76,17 @@ def inputs(length: int) -> tuple[Tensor, Tensor]:
 # torch.compile
 
 
+@pytest.fixture
+def fresh_compiler() -> Iterator[None]:
+    """Empty dynamo caches. WithMask.forward is one code object for every module, grad mode and
+    autocast state here (and the suite compiles other modules too): in one process they would
+    pass dynamo's recompile limit of 8, a hard error with fullgraph=True."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("name", NAMES)
 def test_compile_fullgraph_matches_eager(name: str) -> None:
     m = build(name)
@@ -87,6 +98,7 @@ def test_compile_fullgraph_matches_eager(name: str) -> None:
             assert_close(compiled(x, pad), m(x, pad), dtype=torch.float32)
 
 
+@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("name", NAMES)
 def test_compiled_training_step_matches_eager(name: str) -> None:
     m = build(name).train()  # no dropout in these modules: training is deterministic
@@ -101,6 +113,7 @@ def test_compiled_training_step_matches_eager(name: str) -> None:
         assert_close(q.grad, p.grad)
 
 
+@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("name", NAMES)
 def test_compiled_under_autocast_matches_eager(name: str) -> None:
     # bfloat16 inference of float32 weights, compiled: the autocast casts trace too.
