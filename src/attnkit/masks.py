@@ -30,6 +30,13 @@ __all__ = [
 ]
 
 
+def _lengths(name: str, lengths: object) -> list[int]:
+    """A sequence of ints >= 0, each checked; a lone int is a TypeError naming ``name``."""
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(lengths).__name__}")
+    return [check_int(f"{name}[]", n, minimum=0) for n in lengths]
+
+
 def _offsets(q_len: int, kv_len: int | None, device: torch.device | str | None) -> Tensor:
     """``d[i, j] = j - (i + Tk - Tq)``: a key's distance ahead of its bottom-right-aligned query."""
     q_len = check_int("q_len", q_len, minimum=0)
@@ -128,9 +135,7 @@ def padding_mask(
             )
         lens = lengths
     else:
-        lens = torch.as_tensor(
-            [check_int("lengths[]", n, minimum=0) for n in lengths], dtype=torch.long
-        )
+        lens = torch.as_tensor(_lengths("lengths", lengths), dtype=torch.long)
     if lens.numel() and bool((lens < 0).any()):
         raise ValueError(f"lengths must be >= 0, got {lens.tolist()}")
     longest = int(lens.max()) if lens.numel() else 0
@@ -170,8 +175,8 @@ def block_diagonal_mask(
             [0, 0, 1, 1, 0],
             [0, 0, 1, 1, 1]], dtype=torch.int32)
     """
-    q_lens = [check_int("q_lens[]", n, minimum=0) for n in q_lens]
-    kv_lens = q_lens if kv_lens is None else [check_int("kv_lens[]", n, minimum=0) for n in kv_lens]
+    q_lens = _lengths("q_lens", q_lens)
+    kv_lens = q_lens if kv_lens is None else _lengths("kv_lens", kv_lens)
     if len(q_lens) != len(kv_lens):
         raise ValueError(
             f"q_lens and kv_lens must list as many segments, got {len(q_lens)} and {len(kv_lens)}"
