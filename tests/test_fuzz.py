@@ -519,8 +519,9 @@ def test_bad_attention_arguments_are_named(
 
 
 # Constructors and helpers: each argument with a bad value of its kind. Kinds: "int" (>= 1),
-# "int0" (>= 0), "bool", "probability", "base" (a number > 1), "eps" (a number > 0), or a tuple of
-# the accepted strings. None is valid for optional arguments, so it is drawn for required ones only.
+# "int0" (>= 0), "bool", "probability", "base" (a number > 1), "eps" (a number > 0), "lengths"
+# (a sequence of ints >= 0), or a tuple of the accepted strings. None is valid for optional
+# arguments, so it is drawn for required ones only.
 BAD_VALUES = {
     "int": st.one_of(st.integers(max_value=0), st.floats(), st.text(max_size=2), st.booleans()),
     "int0": st.one_of(st.integers(max_value=-1), st.floats(), st.text(max_size=2), st.booleans()),
@@ -530,6 +531,13 @@ BAD_VALUES = {
     ),
     "base": st.one_of(st.floats(max_value=1.0), st.text(max_size=2), st.booleans()),
     "eps": st.one_of(st.floats(max_value=0.0), st.text(max_size=2), st.booleans()),
+    "lengths": st.one_of(
+        st.integers(),
+        st.text(min_size=1, max_size=3),
+        st.lists(st.integers(max_value=-1), min_size=1, max_size=3),
+        st.lists(st.floats(), min_size=1, max_size=3),
+        st.just(torch.tensor([1.0, 2.0])),
+    ),
 }
 
 
@@ -634,7 +642,14 @@ TARGETS = {
     "padding_mask": Target(
         masks.padding_mask,
         {"lengths": [3, 1]},
-        {"max_len": "int0", "side": ("right", "left")},
+        {"lengths": "lengths", "max_len": "int0", "side": ("right", "left")},
+        ("lengths",),
+    ),
+    "block_diagonal_mask": Target(
+        masks.block_diagonal_mask,
+        {"q_lens": [2, 3], "kv_lens": [1, 4]},
+        {"q_lens": "lengths", "kv_lens": "lengths"},
+        ("q_lens",),
     ),
     "alibi_bias": Target(
         attnkit.alibi_bias,
