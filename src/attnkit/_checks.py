@@ -200,9 +200,10 @@ def check_like_parameters(name: str, t: Tensor, params: Tensor) -> None:
         raise ValueError(
             f"{name} is on {t.device} but the module's parameters are on {params.device}"
         )
+    if t.dtype == params.dtype:
+        return
     device = t.device.type
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-    if t.dtype != params.dtype and not autocast:
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
         raise TypeError(
             f"{name} is {_dtype_str(t.dtype)} but the module's parameters are "
             f"{_dtype_str(params.dtype)}: convert one of them (module.to(dtype)), or run "

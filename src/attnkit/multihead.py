@@ -224,6 +224,8 @@ class MultiHeadAttention(nn.Module):
             ("key", key, self.kdim, "kdim"),
             ("value", value, self.vdim, "vdim"),
         ):
+            if t is query and dim == self.d_model:  # self-attention: checked just above
+                continue
             shape = f"(B={query.size(0)}, Tk, {attr}={dim})"
             check_input(name, t, shape, dim, params)
             if t.size(0) != query.size(0):
