@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
+
+_T = TypeVar("_T")
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -139,6 +141,13 @@ def check_probability(name: str, value: object) -> float:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")
     return float(value)
+
+
+def present(value: _T | None, what: str) -> _T:
+    """``value``, known not to be None by the caller's logic (and checked even under ``-O``)."""
+    if value is None:
+        raise RuntimeError(f"attnkit internal error: {what} is None here; please report it")
+    return value
 
 
 def _require_tensor(name: str, t: object) -> Tensor:

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._checks import present
 from .backends import chunked as _kernel
 
 # Blocks of the chunked path. The position term costs (Tk + block_q - 1) / Tk times q k^T, so
@@ -201,7 +202,9 @@ class _RelativeRows:
     def _view(self, full: Tensor, ks: int, ke: int) -> Tensor:
         """The ``(N, H, 1, bq, ke-ks)`` tile of a ``(H, N, rows, W)`` product, without a copy."""
         t, s = self.term, self.skew
-        assert s.offset + (self.bq - 1) * s.stride + ke <= self.nrows * self.width
+        if s.offset + (self.bq - 1) * s.stride + ke > self.nrows * self.width:
+            # as_strided does not check bounds: never let a wrong skew read past the product.
+            raise RuntimeError("attnkit internal error: relative-position tile out of bounds")
         plane = self.nrows * self.width
         return full.as_strided(
             (t.n, t.h, 1, self.bq, ke - ks),
@@ -275,14 +278,13 @@ class _RelativeAttention(torch.autograd.Function):
         )
         with _kernel.no_autocast(dout.device):
             dq, dk, dv, _ = _kernel.backward(p, out, lse, dout, False)
-        assert term.dqv is not None
-        assert term.denc is not None
+        dqv, denc = present(term.dqv, "dqv"), present(term.denc, "denc")
         return (
             dq.view(qu.shape).to(qu.dtype),
             dk.view(k.shape).to(k.dtype),
             dv.view(v.shape).to(v.dtype),
-            term.dqv.to(qv.dtype),
-            term.denc.to(enc.dtype),
+            dqv.to(qv.dtype),
+            denc.to(enc.dtype),
             *([None] * 6),
         )
 

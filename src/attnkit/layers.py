@@ -32,6 +32,7 @@ from ._checks import (
     check_mask,
     check_positive,
     check_probability,
+    present,
     shape_str,
 )
 from ._typing import Bool, Float, shape_checked
@@ -307,10 +308,9 @@ class TransformerDecoderLayer(nn.Module):
                 "attention= and cross_attention=", num_heads=num_heads, num_kv_heads=num_kv_heads
             )
         if attention is None:
-            assert num_heads is not None
             attention = MultiHeadAttention(
                 d_model,
-                num_heads,
+                present(num_heads, "num_heads"),
                 num_kv_heads=num_kv_heads,
                 bias=bias,
                 dropout=dropout,
@@ -321,7 +321,7 @@ class TransformerDecoderLayer(nn.Module):
         else:
             _reject_options("attention=", rotary=rotary)
         if cross_attention is None:
-            assert num_heads is not None
+            num_heads = present(num_heads, "num_heads")
             if memory_dim is not None:  # named here: the attention would call it kdim
                 check_int("memory_dim", memory_dim)
             cross_attention = MultiHeadAttention(

@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import check_bool, check_input, check_int, check_probability, shape_str
+from ._checks import (
+    check_bool,
+    check_input,
+    check_int,
+    check_probability,
+    present,
+    shape_str,
+)
 from ._typing import Bool, Float, shape_checked
 from .attention import attention
 from .capture import is_capturing, record
@@ -191,10 +198,11 @@ class MultiHeadAttention(nn.Module):
         if self.in_proj_weight is not None:
             wq, wk, wv = self.in_proj_weight.split(self._sizes)
             return wq, wk, wv
-        assert self.q_proj_weight is not None
-        assert self.k_proj_weight is not None
-        assert self.v_proj_weight is not None
-        return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        return (
+            present(self.q_proj_weight, "q_proj_weight"),
+            present(self.k_proj_weight, "k_proj_weight"),
+            present(self.v_proj_weight, "v_proj_weight"),
+        )
 
     def _in_biases(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         if self.in_proj_bias is None:
@@ -333,7 +341,7 @@ class MultiHeadAttention(nn.Module):
         result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
         if not need_weights:
             return result
-        assert weights is not None
+        weights = present(weights, "weights")
         return result, (weights.mean(1) if average_weights else weights)
 
     def make_cache(self, batch_size: int, max_len: int) -> KVCache:

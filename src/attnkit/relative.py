@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _relpos, capture
-from ._checks import check_bool, check_input, check_mask, shape_str
+from ._checks import check_bool, check_input, check_mask, present, shape_str
 from ._typing import Bool, Float
 from .attention import BackendError, attention
 
@@ -351,8 +351,7 @@ class RelativeMultiHeadAttention(nn.Module):
                 capture.record(self, weights)
         result: Tensor = self.out_proj(out.transpose(1, 2).reshape(b, tq, self.d_model))
         if need_weights:
-            assert weights is not None
-            return result, weights
+            return result, present(weights, "weights")
         return result
 
     # ----------------------------------------------------------------------------------------------
