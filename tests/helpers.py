@@ -70,12 +70,9 @@ def brute_force(
 @contextlib.contextmanager
 def chunk_blocks(block_q: int, block_k: int) -> Iterator[None]:
     """Run the registered ``chunked`` backend with small blocks, so small inputs span many."""
-    names = ("DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_Q_CAUSAL", "DEFAULT_BLOCK_K")
-    saved = [getattr(chunked_module, n) for n in names]
-    for name, value in zip(names, (block_q, block_q, block_k), strict=True):
-        setattr(chunked_module, name, value)
+    saved = chunked_module.default_blocks
+    chunked_module.default_blocks = lambda causal, groups: (block_q, block_k)
     try:
         yield
     finally:
-        for name, value in zip(names, saved, strict=True):
-            setattr(chunked_module, name, value)
+        chunked_module.default_blocks = saved

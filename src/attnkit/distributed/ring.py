@@ -408,8 +408,7 @@ def ring_attention(
         shape_fields=("q shape", "k shape", "v shape", "mask shape"),
     )
     # Read at call time, like the chunked backend, so tests can shrink the blocks and tiles.
-    block_q = _chunked.DEFAULT_BLOCK_Q_CAUSAL if causal else _chunked.DEFAULT_BLOCK_Q
-    block_k = _chunked.DEFAULT_BLOCK_K
+    block_q, block_k = _chunked.default_blocks(call.causal, call.groups)
     plan = _Plan(
         ring=Ring(group),
         causal=call.causal,
