@@ -21,6 +21,8 @@ Shape letters: ``B`` batch, ``T`` target (or encoder input) positions, ``Tm`` me
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -108,8 +110,28 @@ def _torch_activation(m: nn.Module) -> str:
     raise ValueError(f"from_torch(): activation {act!r} has no attnkit equivalent (relu, gelu)")
 
 
-def _copy_linear(ours: nn.Linear, theirs: nn.Linear) -> None:
-    ours.load_state_dict(theirs.state_dict())
+def _torch_layer_options(
+    m: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
+) -> dict[str, Any]:
+    """The constructor arguments a torch Transformer layer implies for ours (all but attention)."""
+    return {
+        "d_ff": m.linear1.out_features,
+        "dropout": float(m.dropout.p),
+        "activation": _torch_activation(m),
+        "norm_first": m.norm_first,
+        "layer_norm_eps": m.norm1.eps,
+        "bias": m.linear1.bias is not None,
+        "device": m.linear1.weight.device,
+        "dtype": m.linear1.weight.dtype,
+    }
+
+
+def _copy_torch_layer(ours: nn.Module, theirs: nn.Module, norms: int) -> None:
+    """Copy the feed-forward and the ``norm1 .. norm<norms>`` LayerNorms of a torch layer."""
+    for name in ("linear1", "linear2"):
+        getattr(ours.ffn, name).load_state_dict(getattr(theirs, name).state_dict())
+    for i in range(1, norms + 1):
+        getattr(ours, f"norm{i}").load_state_dict(getattr(theirs, f"norm{i}").state_dict())
 
 
 class TransformerEncoderLayer(nn.Module):
@@ -240,19 +262,9 @@ class TransformerEncoderLayer(nn.Module):
         layer = cls(
             m.linear1.in_features,
             attention=MultiHeadAttention.from_torch(m.self_attn),
-            d_ff=m.linear1.out_features,
-            dropout=float(m.dropout.p),
-            activation=_torch_activation(m),
-            norm_first=m.norm_first,
-            layer_norm_eps=m.norm1.eps,
-            bias=m.linear1.bias is not None,
-            device=m.linear1.weight.device,
-            dtype=m.linear1.weight.dtype,
+            **_torch_layer_options(m),
         )
-        _copy_linear(layer.ffn.linear1, m.linear1)
-        _copy_linear(layer.ffn.linear2, m.linear2)
-        layer.norm1.load_state_dict(m.norm1.state_dict())
-        layer.norm2.load_state_dict(m.norm2.state_dict())
+        _copy_torch_layer(layer, m, norms=2)
         return layer.train(m.training)
 
 
@@ -412,23 +424,9 @@ class TransformerDecoderLayer(nn.Module):
             m.linear1.in_features,
             attention=MultiHeadAttention.from_torch(m.self_attn),
             cross_attention=MultiHeadAttention.from_torch(m.multihead_attn),
-            d_ff=m.linear1.out_features,
-            dropout=float(m.dropout.p),
-            activation=_torch_activation(m),
-            norm_first=m.norm_first,
-            layer_norm_eps=m.norm1.eps,
-            bias=m.linear1.bias is not None,
-            device=m.linear1.weight.device,
-            dtype=m.linear1.weight.dtype,
+            **_torch_layer_options(m),
         )
-        _copy_linear(layer.ffn.linear1, m.linear1)
-        _copy_linear(layer.ffn.linear2, m.linear2)
-        for ours, theirs in (
-            (layer.norm1, m.norm1),
-            (layer.norm2, m.norm2),
-            (layer.norm3, m.norm3),
-        ):
-            ours.load_state_dict(theirs.state_dict())
+        _copy_torch_layer(layer, m, norms=3)
         return layer.train(m.training)
 
 
