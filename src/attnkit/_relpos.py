@@ -260,7 +260,8 @@ class _RelativeAttention(torch.autograd.Function):
         with _kernel.no_autocast(qu.device):
             out5, lse = _kernel.forward(p)
         out = out5.view(*qu.shape[:-1], p.dv).to(qu.dtype)
-        ctx.save_for_backward(qu, k, v, qv, enc, out, lse, *([] if mask is None else [mask]))
+        # O before rounding, for the backward's rowsum(dO * O) (see the chunked backend).
+        ctx.save_for_backward(qu, k, v, qv, enc, out5, lse, *([] if mask is None else [mask]))
         ctx.args = (causal_offset, scale, legacy, block_q, block_k)  # type: ignore[attr-defined]
         return out
 

@@ -261,7 +261,8 @@ class _RingAttention(torch.autograd.Function):
     ) -> Tensor:
         out5, lse = _ring_forward(plan, q, k, v, mask)
         out = out5.view(*q.shape[:-1], v.size(-1)).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *([] if mask is None else [mask]))
+        # O before rounding, for the backward's rowsum(dO * O) (see the chunked backend).
+        ctx.save_for_backward(q, k, v, out5, lse, *([] if mask is None else [mask]))
         ctx.plan = plan  # type: ignore[attr-defined]
         return out
 
