@@ -71,7 +71,7 @@ def brute_force(
 def chunk_blocks(block_q: int, block_k: int) -> Iterator[None]:
     """Run the registered ``chunked`` backend with small blocks, so small inputs span many."""
     saved = chunked_module.default_blocks
-    chunked_module.default_blocks = lambda causal, groups: (block_q, block_k)
+    chunked_module.default_blocks = lambda causal, groups, q_len: (block_q, block_k)
     try:
         yield
     finally:

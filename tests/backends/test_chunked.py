@@ -58,15 +58,27 @@ def test_fully_masked_blocks_are_skipped(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_default_blocks_equal_reference(causal: bool) -> None:
-    # 600 queries and 700 keys span several of the default (512, 256) blocks, with ragged ends.
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_default_blocks_equal_reference(causal: bool, kv_heads: int) -> None:
+    # 600 queries and 700 keys span several default blocks (512 x 256; causal 256 x 128, or 256 x
+    # 256 with grouped heads), with ragged ends.
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 600, 16, dtype=torch.float64, generator=g)
-    k = torch.randn(1, 2, 700, 16, dtype=torch.float64, generator=g)
-    v = torch.randn(1, 2, 700, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(1, kv_heads, 700, 16, dtype=torch.float64, generator=g)
+    v = torch.randn(1, kv_heads, 700, 8, dtype=torch.float64, generator=g)
     mask = masks.padding_mask([650], max_len=700)
     got = attention(q, k, v, mask=mask, causal=causal, backend="chunked")
     assert_close(got, attention(q, k, v, mask=mask, causal=causal, backend="reference"))
+
+
+def test_causal_query_blocks_are_shorter_below_4096() -> None:
+    # Short causal calls need shorter query blocks to have blocks to skip; key blocks stay 128.
+    blocks = chunked_module.default_blocks
+    assert [blocks(True, 1, t) for t in (1, 600, 4095, 4096, 8192)] == [(256, 128)] * 3 + [
+        (512, 128)
+    ] * 2
+    assert blocks(False, 1, 1024) == (512, 256)
+    assert blocks(True, 2, 1024) == (256, 256)
 
 
 def test_scores_rising_late_take_the_safe_path() -> None:

@@ -187,7 +187,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
     """Every check of one world size, in one spawned run (see the module docstring)."""
     # Blocks of 4 queries by 3 keys, with ragged ends against the chunk size of 5: every piece of
     # the ring spans several blocks, and with one block per tile, several tiles.
-    chunked_module.default_blocks = lambda causal, groups: (4, 3)
+    chunked_module.default_blocks = lambda causal, groups, q_len: (4, 3)
     tile_names = ("TILE_BLOCKS_Q", "TILE_BLOCKS_K", "TILE_BLOCKS_K_BACKWARD")
     for tile_blocks in ((1, 1, 1), tuple(getattr(ring_module, n) for n in tile_names)):
         for name, value in zip(tile_names, tile_blocks, strict=True):
@@ -209,7 +209,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
             )
         dist.barrier()
     report: dict[str, Any] = {"saved": largest_saved_numel(rank, world)}
-    chunked_module.default_blocks = lambda causal, groups: (CHUNK, CHUNK)
+    chunked_module.default_blocks = lambda causal, groups, q_len: (CHUNK, CHUNK)
     ring_module.TILE_BLOCKS_Q = ring_module.TILE_BLOCKS_K = 1  # forward tiles of one chunk
     report["blocks"] = {
         (layout, causal): count_score_blocks(rank, world, layout, causal)

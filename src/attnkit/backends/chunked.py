@@ -42,19 +42,25 @@ DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 256
 # Causal calls: the diagonal's partly visible blocks waste work. Narrow key blocks, whose rows that
 # see none of their keys are skipped (_Problem.first_row), waste least: at T=4096 on 2 cores a
-# causal call takes 0.53x the non-causal time (0.61x with the non-causal 512 x 256 blocks). With
-# grouped heads rows cannot be skipped, and square 256 blocks do best (0.57x).
+# causal call takes 0.53x the non-causal time (0.61x with the non-causal 512 x 256 blocks). Below
+# T=4096 there are too few 512-row query blocks to skip work in, so they take 256 rows: at T=1024
+# 0.58x forward and 0.57x forward + backward (0.69x and 0.57x with 512 rows; 128 rows gives 0.56x
+# forward but 0.65x with the backward). With grouped heads rows cannot be skipped, and square 256
+# blocks do best (0.57x).
 DEFAULT_BLOCK_Q_CAUSAL = 512
+SHORT_BLOCK_Q_CAUSAL = 256  # when Tq < SHORT_CAUSAL_BELOW
+SHORT_CAUSAL_BELOW = 4096
 DEFAULT_BLOCK_K_CAUSAL = 128
 DEFAULT_BLOCK_GROUPED_CAUSAL = 256
 
 
-def default_blocks(causal: bool, groups: int) -> tuple[int, int]:
+def default_blocks(causal: bool, groups: int, q_len: int) -> tuple[int, int]:
     """``(block_q, block_k)`` for a call; read at call time, so tests can shrink them."""
     if not causal:
         return DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
     if groups == 1:
-        return DEFAULT_BLOCK_Q_CAUSAL, DEFAULT_BLOCK_K_CAUSAL
+        short = q_len < SHORT_CAUSAL_BELOW
+        return SHORT_BLOCK_Q_CAUSAL if short else DEFAULT_BLOCK_Q_CAUSAL, DEFAULT_BLOCK_K_CAUSAL
     return DEFAULT_BLOCK_GROUPED_CAUSAL, DEFAULT_BLOCK_GROUPED_CAUSAL
 
 
@@ -494,7 +500,7 @@ def chunked(
     return_weights: bool,
 ) -> Tensor:
     """The registered backend (see :func:`chunked_attention`); it has no dropout and no weights."""
-    block_q, block_k = default_blocks(causal, q.size(-3) // k.size(-3))
+    block_q, block_k = default_blocks(causal, q.size(-3) // k.size(-3), q.size(-2))
     return chunked_attention(
         q,
         k,

@@ -409,7 +409,7 @@ def ring_attention(
         shape_fields=("q shape", "k shape", "v shape", "mask shape"),
     )
     # Read at call time, like the chunked backend, so tests can shrink the blocks and tiles.
-    block_q, block_k = _chunked.default_blocks(call.causal, call.groups)
+    block_q, block_k = _chunked.default_blocks(call.causal, call.groups, call.q_len)
     plan = _Plan(
         ring=Ring(group),
         causal=call.causal,
