@@ -90,7 +90,8 @@ def gradient_error(backend: str, dtype: torch.dtype, seed: int) -> float:
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_chunked_gradients_are_as_accurate_as_torch_sdpa(dtype: torch.dtype) -> None:
-    # The chunked backward once took O rounded to float16 for rowsum(dO * O): 5x torch's error.
+    # The chunked backward once took O rounded to the input dtype for rowsum(dO * O): 20-30x the
+    # error of torch's kernel here.
     ours = max(gradient_error("chunked", dtype, seed) for seed in range(40))
     torch_sdpa = max(gradient_error("sdpa", dtype, seed) for seed in range(40))
     assert ours <= 1.25 * torch_sdpa, (ours, torch_sdpa)
