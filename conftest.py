@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import jaxtyping
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -20,6 +19,8 @@ import attnkit
 
 if not attnkit._typing.SHAPE_CHECKS:
     raise RuntimeError("attnkit was imported before conftest.py could turn on its shape checks")
+
+from tests.helpers import attnkit_checks_only  # imports attnkit: after the switch above
 
 settings.register_profile(
     "default",
@@ -41,8 +42,5 @@ torch.set_num_threads(min(torch.get_num_threads(), 2))
 @pytest.fixture
 def no_shape_checks() -> Iterator[None]:
     """Turn off the jaxtyping checks, so that a test sees attnkit's own argument validation."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
+    with attnkit_checks_only():
         yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)

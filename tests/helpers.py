@@ -7,6 +7,7 @@ import itertools
 import math
 from collections.abc import Iterator
 
+import jaxtyping
 import torch
 from torch import Tensor
 
@@ -76,3 +77,13 @@ def chunk_blocks(block_q: int, block_k: int) -> Iterator[None]:
         yield
     finally:
         chunked_module.default_blocks = saved
+
+
+@contextlib.contextmanager
+def attnkit_checks_only() -> Iterator[None]:
+    """jaxtyping's annotation checks off, so that attnkit's own argument validation answers."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)

@@ -22,7 +22,6 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import jaxtyping
 import pytest
 import torch
 from hypothesis import given
@@ -34,7 +33,7 @@ from attnkit import BackendError, attention, masks
 from attnkit import _relpos as relpos
 from attnkit.testing import assert_close
 
-from .helpers import chunk_blocks
+from .helpers import attnkit_checks_only, chunk_blocks
 from .strategies import Case, cases
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -52,16 +51,6 @@ def small_blocks(block_q: int, block_k: int) -> Iterator[None]:
             yield
     finally:
         relpos.BLOCK_Q, relpos.BLOCK_K, relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q = saved
-
-
-@contextlib.contextmanager
-def attnkit_checks_only() -> Iterator[None]:
-    """jaxtyping's annotation checks off, so that attnkit's own validation answers."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 def widened(t: Tensor | None) -> Tensor | None:
