@@ -142,14 +142,14 @@ def test_auto_really_runs_the_chosen_backend() -> None:
 
     attnkit.register_backend("spy", spy, auto=True)
     try:
-        assert attnkit.backends()[0] == "spy"
+        assert attnkit.available_backends()[0] == "spy"
         q, k, v = qkv()
         assert torch.equal(attention(q, k, v), torch.zeros(2, 4, 5, 8))
         assert len(calls) == 1
         assert calls[0]["scale"] == pytest.approx(8**-0.5)
     finally:
         attnkit.unregister_backend("spy")
-    assert "spy" not in attnkit.backends()
+    assert "spy" not in attnkit.available_backends()
 
 
 def test_user_backend_with_check_is_skipped_by_auto_and_refused_when_forced() -> None:
@@ -168,7 +168,7 @@ def test_user_backend_with_check_is_skipped_by_auto_and_refused_when_forced() ->
 
 @pytest.mark.usefixtures("no_shape_checks")
 def test_registry_errors() -> None:
-    assert attnkit.backends() == ["sdpa", "chunked", "reference"]
+    assert attnkit.available_backends() == ["sdpa", "chunked", "reference"]
     with pytest.raises(ValueError, match="'sdpa' is already registered"):
         attnkit.register_backend("sdpa", lambda *a, **k: None)
     with pytest.raises(ValueError, match="other than 'auto'"):

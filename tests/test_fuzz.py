@@ -242,7 +242,7 @@ def test_multihead_attention_agrees_with_reference(data: st.DataObject) -> None:
         head_dim=head_dim,
         v_head_dim=draw(st.sampled_from([None, 3])),
         num_kv_heads=hkv,
-        bias=draw(st.booleans()),
+        proj_bias=draw(st.booleans()),
         rotary=attnkit.RotaryEmbedding(head_dim) if rotary else None,
     ).eval()
     b, tq = draw(st.integers(1, 2)), draw(st.integers(0, 9))
@@ -287,7 +287,7 @@ def test_relative_attention_agrees_with_reference(data: st.DataObject) -> None:
     legacy = draw(st.sampled_from([None, None, "openspeech"]))
     torch.manual_seed(draw(st.integers(0, 2**16)))
     m = attnkit.RelativeMultiHeadAttention(
-        d_model, h, legacy=legacy, bias=draw(st.booleans())
+        d_model, h, legacy=legacy, proj_bias=draw(st.booleans())
     ).eval()
     b, tq = draw(st.integers(1, 2)), draw(st.integers(0, 9))
     tk = tq if legacy else draw(st.integers(0, 9))  # openspeech's shift is self-attention only
@@ -483,7 +483,9 @@ def bad_attention_calls(draw: st.DrawFn) -> tuple[str, list[object], dict[str, o
             st.one_of(
                 st.none(),
                 st.integers(),
-                st.text(max_size=8).filter(lambda b: b != "auto" and b not in attnkit.backends()),
+                st.text(max_size=8).filter(
+                    lambda b: b != "auto" and b not in attnkit.available_backends()
+                ),
             )
         )
     else:  # a BackendError (a ValueError) names what the backend lacks
@@ -560,7 +562,7 @@ TARGETS = {
                 ["d_model", "num_heads", "kdim", "vdim", "head_dim", "v_head_dim", "num_kv_heads"],
                 "int",
             ),
-            "bias": "bool",
+            "proj_bias": "bool",
             "dropout": "probability",
         },
         ("d_model", "num_heads"),
@@ -572,7 +574,7 @@ TARGETS = {
             "d_model": "int",
             "num_heads": "int",
             "dropout": "probability",
-            "bias": "bool",
+            "proj_bias": "bool",
             "legacy": ("openspeech",),
         },
         ("d_model", "num_heads"),

@@ -65,7 +65,7 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
     h = hkv * draw(st.sampled_from([1, 2, 3]))
     sizes = draw(st.sampled_from(["even", "head_dim", "both"]))
     dh = draw(st.integers(1, 5))
-    kw: dict[str, object] = {"num_kv_heads": hkv, "bias": draw(st.booleans())}
+    kw: dict[str, object] = {"num_kv_heads": hkv, "proj_bias": draw(st.booleans())}
     d_model = h * dh
     if sizes != "even":
         d_model = draw(st.integers(1, 12))
@@ -150,7 +150,7 @@ def test_gqa_parameters_are_hkv_heads_wide() -> None:
 
 
 def test_projections_without_bias_and_separate() -> None:
-    m = MultiHeadAttention(8, 2, kdim=5, vdim=3, bias=False)
+    m = MultiHeadAttention(8, 2, kdim=5, vdim=3, proj_bias=False)
     names = {n for n, _ in m.named_parameters()}
     assert names == {"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"}
 
@@ -328,7 +328,7 @@ def test_gradients_match_torch() -> None:
 
 def test_to_torch_round_trip() -> None:
     torch.manual_seed(1)
-    for kw in ({}, {"kdim": 5, "vdim": 7}, {"bias": False}):
+    for kw in ({}, {"kdim": 5, "vdim": 7}, {"proj_bias": False}):
         ours = MultiHeadAttention(8, 2, dtype=torch.float64, **kw)  # type: ignore[arg-type]
         for batch_first in (True, False):
             theirs = ours.to_torch(batch_first=batch_first)

@@ -4,14 +4,14 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
-from . import checkpoint, distributed, masks
+from . import backends, checkpoint, distributed, masks
 from ._checks import AttentionCall
 from .attention import (
     Backend,
     BackendError,
     Explanation,
     attention,
-    backends,
+    available_backends,
     explain,
     register_backend,
     unregister_backend,
@@ -45,6 +45,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "attention",
+    "available_backends",
     "backends",
     "capture_attention",
     "checkpoint",

@@ -35,7 +35,7 @@ __all__ = [
     "BackendError",
     "Explanation",
     "attention",
-    "backends",
+    "available_backends",
     "explain",
     "register_backend",
     "unregister_backend",
@@ -193,7 +193,7 @@ def unregister_backend(name: str) -> None:
     del _REGISTRY[name]
 
 
-def backends() -> list[str]:
+def available_backends() -> list[str]:
     """Names of the registered backends, in ``auto``'s order of preference."""
     return list(_REGISTRY)
 
@@ -414,9 +414,9 @@ def attention(
         dropout_p: dropout on the attention weights (always applied when > 0: pass 0 in eval).
         return_weights: also return the softmax weights ``(..., H, Tq, Tk)`` (before dropout).
             Only the ``reference`` backend computes them, so ask only when you need them.
-        backend: ``"auto"`` (default) or a name from :func:`backends`. ``auto`` takes the fastest
-            backend that can serve the call without materialising a ``(Tq, Tk)`` tensor it does not
-            need; :func:`explain` tells which and why.
+        backend: ``"auto"`` (default) or a name from :func:`available_backends`. ``auto`` takes the
+            fastest backend that can serve the call without materialising a ``(Tq, Tk)`` tensor it
+            does not need; :func:`explain` tells which and why.
 
     Returns:
         The output ``(..., H, Tq, Dv)`` in q's dtype, or ``(output, weights)``.

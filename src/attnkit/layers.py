@@ -185,6 +185,7 @@ class TransformerEncoderLayer(nn.Module):
         d_ff = 4 * d_model if d_ff is None else d_ff
         dropout = check_probability("dropout", dropout)
         self.norm_first = check_bool("norm_first", norm_first)
+        bias = check_bool("bias", bias)
         check_positive("layer_norm_eps", layer_norm_eps)
         if attention is None:
             if num_heads is None:
@@ -193,7 +194,7 @@ class TransformerEncoderLayer(nn.Module):
                 d_model,
                 num_heads,
                 num_kv_heads=num_kv_heads,
-                bias=bias,
+                proj_bias=bias,
                 dropout=dropout,
                 rotary=rotary,
                 device=device,
@@ -311,6 +312,7 @@ class TransformerDecoderLayer(nn.Module):
         d_ff = 4 * d_model if d_ff is None else d_ff
         dropout = check_probability("dropout", dropout)
         self.norm_first = check_bool("norm_first", norm_first)
+        bias = check_bool("bias", bias)
         check_positive("layer_norm_eps", layer_norm_eps)
         if attention is None or cross_attention is None:
             if num_heads is None:
@@ -324,7 +326,7 @@ class TransformerDecoderLayer(nn.Module):
                 d_model,
                 present(num_heads, "num_heads"),
                 num_kv_heads=num_kv_heads,
-                bias=bias,
+                proj_bias=bias,
                 dropout=dropout,
                 rotary=rotary,
                 device=device,
@@ -342,7 +344,7 @@ class TransformerDecoderLayer(nn.Module):
                 kdim=memory_dim,
                 vdim=memory_dim,
                 num_kv_heads=num_kv_heads,
-                bias=bias,
+                proj_bias=bias,
                 dropout=dropout,
                 device=device,
                 dtype=dtype,
@@ -488,6 +490,7 @@ class Transformer(nn.Module):
         self.num_heads = check_int("num_heads", num_heads)
         check_int("num_encoder_layers", num_encoder_layers, minimum=0)
         check_int("num_decoder_layers", num_decoder_layers, minimum=0)
+        check_bool("bias", bias)
         kw: dict[str, object] = {
             "dropout": dropout,
             "activation": activation,

@@ -55,7 +55,8 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: ``Hkv``, key/value heads (default ``H``). ``H`` must be a multiple: each
             group of ``H / Hkv`` query heads shares one key/value head (grouped-query attention;
             ``Hkv = 1`` is multi-query attention). The key/value projections are ``Hkv`` heads wide.
-        bias: biases on the input and output projections.
+        proj_bias: biases on the input and output projections (``forward``'s ``bias`` is the
+            additive score bias, something else).
         dropout: dropout on the attention weights, in training only.
         rotary: a module that rotates ``(B, heads, T, Dh)`` queries and keys for their positions,
             called as ``rotary(x, offset=n)``: :class:`~attnkit.RotaryEmbedding`. With a cache,
@@ -109,7 +110,7 @@ class MultiHeadAttention(nn.Module):
         head_dim: int | None = None,
         v_head_dim: int | None = None,
         num_kv_heads: int | None = None,
-        bias: bool = True,
+        proj_bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
         backend: str = "auto",
@@ -139,8 +140,7 @@ class MultiHeadAttention(nn.Module):
             )
         self.kdim = self.d_model if kdim is None else check_int("kdim", kdim)
         self.vdim = self.d_model if vdim is None else check_int("vdim", vdim)
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {bias!r}")
+        proj_bias = check_bool("proj_bias", proj_bias)
         self.dropout = check_probability("dropout", dropout)
         if rotary is not None and not isinstance(rotary, nn.Module):
             raise TypeError(f"rotary must be an nn.Module or None, got {type(rotary).__name__}")
@@ -174,12 +174,12 @@ class MultiHeadAttention(nn.Module):
             self.q_proj_weight = empty(nq, d_model)
             self.k_proj_weight = empty(nk, self.kdim)
             self.v_proj_weight = empty(nv, self.vdim)
-        if bias:
+        if proj_bias:
             self.in_proj_bias = empty(nq + nk + nv)
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(
-            self.num_heads * self.v_head_dim, d_model, bias=bias, device=device, dtype=dtype
+            self.num_heads * self.v_head_dim, d_model, bias=proj_bias, device=device, dtype=dtype
         )
         self.reset_parameters()
 
@@ -388,7 +388,7 @@ class MultiHeadAttention(nn.Module):
             m.num_heads,
             kdim=m.kdim,
             vdim=m.vdim,
-            bias=m.in_proj_bias is not None,
+            proj_bias=m.in_proj_bias is not None,
             dropout=float(m.dropout),
             device=ref.device,
             dtype=ref.dtype,
@@ -479,7 +479,7 @@ class MultiHeadAttention(nn.Module):
         if self.kdim != self.d_model or self.vdim != self.d_model:
             parts.append(f"kdim={self.kdim}, vdim={self.vdim}")
         if self.in_proj_bias is None:
-            parts.append("bias=False")
+            parts.append("proj_bias=False")
         if self.dropout:
             parts.append(f"dropout={self.dropout}")
         if self.backend != "auto":

@@ -78,8 +78,8 @@ class RelativeMultiHeadAttention(nn.Module):
         num_heads: heads; ``d_model`` must be a multiple of it (``head_dim = d_model / num_heads``).
         dropout: dropout on the attention weights in training mode (as openspeech does). A call
             that drops takes the materialised reference path; keep it 0 for long sequences.
-        bias: whether the query, key, value and output projections have a bias (the position
-            projection ``pos_proj`` never has one).
+        proj_bias: whether the query, key, value and output projections have a bias (the
+            position projection ``pos_proj`` never has one).
         legacy: ``None`` (default) for the formula above, or ``"openspeech"`` to reproduce
             openspeech's ``RelativeMultiHeadAttention`` fed by its Conformer; see
             :meth:`from_openspeech`.
@@ -108,7 +108,7 @@ class RelativeMultiHeadAttention(nn.Module):
         num_heads: int,
         *,
         dropout: float = 0.0,
-        bias: bool = True,
+        proj_bias: bool = True,
         legacy: Literal["openspeech"] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -127,7 +127,7 @@ class RelativeMultiHeadAttention(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if legacy not in (None, "openspeech"):
             raise ValueError(f"legacy must be None or 'openspeech', got {legacy!r}")
-        bias = check_bool("bias", bias)
+        proj_bias = check_bool("proj_bias", proj_bias)
         self.d_model = d_model
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
@@ -137,11 +137,11 @@ class RelativeMultiHeadAttention(nn.Module):
         def linear(with_bias: bool) -> nn.Linear:
             return nn.Linear(d_model, d_model, bias=with_bias, device=device, dtype=dtype)
 
-        self.q_proj = linear(bias)
-        self.k_proj = linear(bias)
-        self.v_proj = linear(bias)
+        self.q_proj = linear(proj_bias)
+        self.k_proj = linear(proj_bias)
+        self.v_proj = linear(proj_bias)
         self.pos_proj = linear(False)
-        self.out_proj = linear(bias)
+        self.out_proj = linear(proj_bias)
         self.pos_bias_u = nn.Parameter(
             torch.empty(num_heads, self.head_dim, device=device, dtype=dtype)
         )
@@ -406,7 +406,7 @@ class RelativeMultiHeadAttention(nn.Module):
             d_model,
             num_heads,
             dropout=dropout.p if isinstance(dropout, nn.Dropout) else 0.0,
-            bias=has_bias,
+            proj_bias=has_bias,
             legacy="openspeech",
             device=weight.device,
             dtype=weight.dtype,

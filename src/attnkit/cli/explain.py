@@ -56,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opts.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout_p")
     opts.add_argument("--weights", action="store_true", help="return_weights=True")
     opts.add_argument(
-        "--backend", default="auto", help=f"auto or one of {', '.join(attnkit.backends())}"
+        "--backend",
+        default="auto",
+        help=f"auto or one of {', '.join(attnkit.available_backends())}",
     )
 
 

@@ -3,7 +3,7 @@
 >>> import attnkit
 >>> from attnkit.distributed import register_ring_backend
 >>> register_ring_backend("ring", layout="zigzag")  # needs no process group yet
->>> "ring" in attnkit.backends()
+>>> "ring" in attnkit.available_backends()
 True
 >>> attnkit.unregister_backend("ring")
 
