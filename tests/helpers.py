@@ -1,4 +1,4 @@
-"""Shared test helpers: a brute-force attention, and a switch for the chunked block sizes."""
+"""Shared test helpers: a brute-force attention, and the chunked backend with small blocks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jaxtyping
 import torch
 from torch import Tensor
 
-from attnkit.backends import chunked as chunked_module
+import attnkit
 
 
 def brute_force(
@@ -23,11 +23,14 @@ def brute_force(
     bias: Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention one query row at a time, straight from the definition, in float64.
 
     Written independently of attnkit's backends: no GQA views, no -inf tricks; a key is either in
-    the row's softmax or not.
+    the row's softmax or not. ``softcap`` caps ``q . k * scale`` before the bias; a sink adds
+    ``exp(sink[h])`` to each row's denominator and nothing to its output.
     """
     q, k, v = q.double(), k.double(), v.double()
     batch = q.shape[:-3]
@@ -48,35 +51,32 @@ def brute_force(
                     for j in range(tk)
                     if allowed[(*b, head, i, j)] and not (causal and j > i + tk - tq)
                 ]
+                raw = [(q[(*b, head, i)] * k[(*b, kv_head, j)]).sum() * scale for j in keys]
+                if softcap is not None:
+                    raw = [softcap * torch.tanh(s / softcap) for s in raw]
                 logits = (
-                    torch.stack(
-                        [
-                            (q[(*b, head, i)] * k[(*b, kv_head, j)]).sum() * scale
-                            + add[(*b, head, i, j)]
-                            for j in keys
-                        ]
-                    )
+                    torch.stack([s + add[(*b, head, i, j)] for s, j in zip(raw, keys, strict=True)])
                     if keys
                     else torch.zeros(0, dtype=torch.float64)
                 )
                 if not keys or torch.isinf(logits).all():
                     continue
-                w = torch.softmax(logits, 0)
+                if sinks is None:
+                    w = torch.softmax(logits, 0)
+                else:
+                    e = torch.exp(logits - logits.max())
+                    w = e / (e.sum() + torch.exp(sinks[head].double() - logits.max()))
                 for wj, j in zip(w, keys, strict=True):
                     weights[(*b, head, i, j)] = wj
                     out[(*b, head, i)] += wj * v[(*b, kv_head, j)]
     return out, weights
 
 
-@contextlib.contextmanager
-def chunk_blocks(block_q: int, block_k: int) -> Iterator[None]:
-    """Run the registered ``chunked`` backend with small blocks, so small inputs span many."""
-    saved = chunked_module.default_blocks
-    chunked_module.default_blocks = lambda causal, groups, q_len: (block_q, block_k)
-    try:
-        yield
-    finally:
-        chunked_module.default_blocks = saved
+def blocked(backend: str, block_q: int, block_k: int) -> str | attnkit.Backend:
+    """``backend``, with small blocks when it is the chunked kernel, so small inputs span many."""
+    if backend == "chunked":
+        return attnkit.backends.Chunked(block_q=block_q, block_k=block_k)
+    return backend
 
 
 @contextlib.contextmanager

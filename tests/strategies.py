@@ -117,3 +117,109 @@ def cases(
     causal = draw(st.booleans())
     scale = draw(st.sampled_from([None, None, 0.0, 0.1, 2.0])) if edges else None
     return Case(q, k, v, mask, bias, causal, scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# Structured masks, each with its dense meaning written out here independently of attnkit.masks
+
+
+@dataclass
+class Structured:
+    """A structured mask and the bool ``(B, H, Tq, Tk)`` tensor it means (True = may attend)."""
+
+    mask: object  # an attnkit.masks.Mask
+    dense: Tensor
+    label: str
+
+
+def _positions(tq: int, tk: int) -> tuple[Tensor, Tensor]:
+    """``(Tq, 1)`` bottom-right query positions and ``(1, Tk)`` key positions."""
+    return torch.arange(tq).unsqueeze(-1) + (tk - tq), torch.arange(tk).unsqueeze(0)
+
+
+@st.composite
+def structured_masks(
+    draw: st.DrawFn, b: int, h: int, tq: int, tk: int, depth: int = 1
+) -> Structured:
+    """A structured mask for calls with ``b`` batch rows, ``h`` heads, ``tq``/``tk`` lengths."""
+    from attnkit import masks
+
+    qpos, kpos = _positions(tq, tk)
+    full = (b, h, tq, tk)
+    kind = draw(
+        st.sampled_from(
+            ["causal", "top_left", "window", "documents", "ids", "padding", "valid", "fn", "tensor"]
+            + (["and", "or"] if depth else [])
+        )
+    )
+    if kind == "causal":
+        return Structured(masks.causal(), (kpos <= qpos).expand(full), kind)
+    if kind == "top_left":
+        i = torch.arange(tq).unsqueeze(-1)
+        return Structured(masks.causal(align="top_left"), (kpos <= i).expand(full), kind)
+    if kind == "window":
+        left, right = draw(st.integers(0, 6)), draw(st.integers(0, 4))
+        d = kpos - qpos
+        dense = (d >= -left) & (d <= right)
+        return Structured(masks.sliding_window(left, right), dense.expand(full), kind)
+    if kind in ("documents", "ids"):
+        per_row = kind == "documents" and b > 1 and draw(st.booleans())
+        rows = []
+        for _ in range(b if per_row else 1):
+            cuts = sorted(draw(st.lists(st.integers(0, tk), min_size=0, max_size=3)))
+            bounds = [0, *cuts, tk]
+            rows.append([bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)])
+        ids = torch.tensor(
+            [[s for s, n in enumerate(r) for _ in range(n)] for r in rows], dtype=torch.long
+        )
+        ids = ids.reshape(len(rows), tk)
+        if kind == "ids":  # arbitrary labels, not in order
+            labels = torch.tensor(draw(st.permutations([7, -3, 11, 0, 5])))
+            ids = labels[ids]
+            mask = masks.documents(ids=ids if b == 1 or draw(st.booleans()) else ids[0])
+        else:
+            mask = masks.documents(rows if per_row else rows[0])
+        # Query i belongs to the document of key position i + Tk - Tq (none before key 0).
+        dense = torch.zeros(ids.size(0), tq, tk, dtype=torch.bool)
+        for i in range(tq):
+            p = i + tk - tq
+            if p >= 0:
+                dense[:, i] = ids == ids[:, p : p + 1]
+        return Structured(mask, dense.unsqueeze(1).expand(full), kind)
+    if kind in ("padding", "valid"):
+        lengths = draw(st.lists(st.integers(0, tk), min_size=b, max_size=b))
+        side = draw(st.sampled_from(["right", "left"]))
+        j = torch.arange(tk)
+        valid = torch.stack(
+            [(j < n) if side == "right" else (j >= tk - n) for n in lengths]
+        ).reshape(b, tk)
+        if kind == "valid":
+            mask = masks.key_padding(valid=valid)
+        else:
+            mask = masks.key_padding(lengths, side=side)
+        return Structured(mask, valid[:, None, None, :].expand(full), kind)
+    if kind == "fn":
+        prefix = draw(st.integers(0, 5))
+        heads_differ = draw(st.booleans())
+
+        def prefix_lm(bb: Tensor, hh: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            keep = (kv_idx <= q_idx) | (kv_idx < prefix)
+            return keep & (hh % 2 == 0) if heads_differ else keep
+
+        i = torch.arange(tq).view(1, 1, tq, 1)
+        jj = torch.arange(tk).view(1, 1, 1, tk)
+        hh = torch.arange(h).view(1, h, 1, 1)
+        dense = (jj <= i) | (jj < prefix)
+        if heads_differ:
+            dense = dense & (hh % 2 == 0)
+        return Structured(masks.from_fn(prefix_lm), dense.expand(full), kind)
+    if kind == "tensor":  # per head and position (batch-dependent tensors: see cases())
+        shape = _broadcast_shape(draw, full[1:])
+        seed = draw(st.integers(0, 2**16))
+        t = torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) < 0.7
+        return Structured(masks.causal() & t, (kpos <= qpos) & t.expand(full), "causal & tensor")
+    a = draw(structured_masks(b, h, tq, tk, depth - 1))
+    c = draw(structured_masks(b, h, tq, tk, depth - 1))
+    if kind == "and":
+        return Structured(a.mask & c.mask, a.dense & c.dense, f"({a.label}) & ({c.label})")  # type: ignore[operator]
+    return Structured(a.mask | c.mask, a.dense | c.dense, f"({a.label}) | ({c.label})")  # type: ignore[operator]

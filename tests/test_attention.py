@@ -95,10 +95,30 @@ def test_return_weights_returns_pair_and_uses_reference() -> None:
     )
 
 
-def test_half_precision_returns_input_dtype() -> None:
+@pytest.mark.parametrize("backend", ["sdpa", "chunked", "reference"])
+def test_half_precision_returns_input_dtype_and_the_float64_values(backend: str) -> None:
     q, k, v = qkv(dtype=torch.bfloat16)
-    out, w = attention(q, k, v, return_weights=True)
-    assert out.dtype == w.dtype == torch.bfloat16
+    spec = attention(q.double(), k.double(), v.double(), causal=True, backend="reference")
+    out = attention(q, k, v, causal=True, backend=backend)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, spec)
+    if backend == "reference":
+        _, w = attention(q, k, v, return_weights=True, backend=backend)
+        _, w_spec = attention(q.double(), k.double(), v.double(), return_weights=True)
+        assert w.dtype == torch.bfloat16
+        assert_close(w, w_spec)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "chunked", "reference"])
+def test_default_scale_is_one_over_root_dk(backend: str) -> None:
+    # Against softmax(q k^T / sqrt(Dk)) v written out, with Dk != Dv, so a scale taken from the
+    # wrong size (or none at all) shows.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 5, 9, dtype=torch.float64, generator=g) * 2
+    k = torch.randn(1, 2, 7, 9, dtype=torch.float64, generator=g)
+    v = torch.randn(1, 2, 7, 4, dtype=torch.float64, generator=g)
+    want = torch.softmax(q @ k.transpose(-1, -2) / 3.0, -1) @ v
+    assert_close(attention(q, k, v, backend=backend), want)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,11 +186,91 @@ def test_user_backend_with_check_is_skipped_by_auto_and_refused_when_forced() ->
         attnkit.unregister_backend("big")
 
 
+def test_register_checks_check_and_cost_and_keeps_built_ins() -> None:
+    fn = lambda q, k, v, **kw: q  # noqa: E731
+    with pytest.raises(TypeError, match=r"backend 'x': check must be a function of the call"):
+        attnkit.register_backend("x", fn, check=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"backend 'x': cost must be a function of the call"):
+        attnkit.register_backend("x", fn, cost="cheap")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backend 'x': auto must be a bool, got 1"):
+        attnkit.register_backend("x", fn, auto=1)  # type: ignore[arg-type]
+    for name in ("sdpa", "chunked", "reference"):
+        with pytest.raises(
+            ValueError, match=f"backend '{name}' is built in and cannot be replaced"
+        ):
+            attnkit.register_backend(name, fn, replace=True)
+    assert "x" not in attnkit.available_backends()  # nothing half-registered
+    assert attnkit.available_backends() == ["sdpa", "chunked", "reference"]
+
+
+def test_replacing_a_user_backend_keeps_its_place_in_auto() -> None:
+    fn = lambda q, k, v, **kw: torch.zeros(*q.shape[:-1], v.size(-1))  # noqa: E731
+    attnkit.register_backend("first", fn, auto=True)
+    attnkit.register_backend("second", fn, auto=True)
+    try:
+        order = attnkit.available_backends()
+        assert order[:2] == ["second", "first"]
+        attnkit.register_backend("first", fn, auto=True, replace=True)
+        assert attnkit.available_backends() == order
+    finally:
+        attnkit.unregister_backend("first")
+        attnkit.unregister_backend("second")
+
+
+def test_a_check_returning_nonsense_is_named() -> None:
+    attnkit.register_backend("odd", lambda q, k, v, **kw: q, check=lambda call: "no")  # type: ignore[arg-type, return-value]
+    try:
+        q, k, v = qkv()
+        with pytest.raises(TypeError, match=r"backend 'odd': check\(call\) must return a list"):
+            attention(q, k, v, backend="odd")
+    finally:
+        attnkit.unregister_backend("odd")
+
+
+def test_registry_changes_while_other_threads_call_attention() -> None:
+    import threading
+
+    q, k, v = qkv(tq=3, tk=3)
+    want = attention(q, k, v)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def call() -> None:
+        while not stop.is_set():
+            try:
+                assert_close(attention(q, k, v), want)
+                explain(q, k, v)
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+                return
+
+    def churn() -> None:
+        fn = lambda q, k, v, **kw: attention(q, k, v, backend="sdpa")  # noqa: E731
+        for i in range(300):
+            attnkit.register_backend(f"t{i % 3}", fn, auto=i % 2 == 0, replace=True)
+            if i % 5 == 0:
+                attnkit.unregister_backend(f"t{i % 3}")
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        churn()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for name in list(attnkit.available_backends()):
+            if name.startswith("t"):
+                attnkit.unregister_backend(name)
+    assert not errors, errors[0]
+
+
 @pytest.mark.usefixtures("no_shape_checks")
 def test_registry_errors() -> None:
     assert attnkit.available_backends() == ["sdpa", "chunked", "reference"]
-    with pytest.raises(ValueError, match="'sdpa' is already registered"):
-        attnkit.register_backend("sdpa", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="'sdpa' is built in and cannot be replaced"):
+        attnkit.register_backend("sdpa", lambda *a, **k: None, replace=True)
     with pytest.raises(ValueError, match="other than 'auto'"):
         attnkit.register_backend("auto", lambda *a, **k: None)
     with pytest.raises(TypeError, match="fn must be callable, got int"):
@@ -314,11 +414,34 @@ BAD = [
     (
         lambda q, k, v: ([q, k, v], {"scale": float("nan")}),
         ValueError,
-        "scale must be finite, got nan",
+        "scale must be finite and at most 3.4e+38 in magnitude (the largest float32, in which the "
+        "scores are computed), got nan",
     ),
     (lambda q, k, v: ([q, k, v], {"causal": 1}), TypeError, "causal must be a bool, got 1"),
-    (lambda q, k, v: ([q, k, v], {"backend": 3}), TypeError, "backend must be a string, got int"),
+    (
+        lambda q, k, v: ([q, k, v], {"backend": 3}),
+        TypeError,
+        "backend must be a backend name or an attnkit.Backend, got int",
+    ),
     (lambda q, k, v: ([q.numpy(), k, v], {}), TypeError, "q must be a torch.Tensor, got ndarray"),
+    (
+        lambda q, k, v: ([q, k, v], {"mask": torch.ones(5, 5, dtype=torch.bool, device="meta")}),
+        ValueError,
+        "mask is on meta but q is on cpu",
+    ),
+    (
+        lambda q, k, v: (
+            [q, k, v],
+            {"mask": masks.causal() & torch.ones(5, 5, dtype=torch.bool, device="meta")},
+        ),
+        ValueError,
+        "mask holds a tensor on meta but q is on cpu",
+    ),
+    (
+        lambda q, k, v: ([q, k, v], {"bias": torch.zeros(5, 5, device="meta")}),
+        ValueError,
+        "bias is on meta but q is on cpu",
+    ),
 ]
 
 

@@ -15,11 +15,10 @@ runs 1000 per test.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -30,27 +29,24 @@ from torch import Tensor, nn
 
 import attnkit
 from attnkit import BackendError, attention, masks
-from attnkit import _relpos as relpos
+from attnkit.backends import SDPA, Backend, Chunked
 from attnkit.testing import assert_close
 
-from .helpers import attnkit_checks_only, chunk_blocks
+from .helpers import attnkit_checks_only
 from .strategies import Case, cases
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["reference", "sdpa", "chunked"]
 
 
-@contextlib.contextmanager
-def small_blocks(block_q: int, block_k: int) -> Iterator[None]:
-    """Blocks of a few rows for every blocked path, so that small inputs span many blocks."""
-    saved = (relpos.BLOCK_Q, relpos.BLOCK_K, relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q)
-    relpos.BLOCK_Q, relpos.BLOCK_K = block_q, block_k
-    relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q = block_q, max(1, block_q // 2)
-    try:
-        with chunk_blocks(block_q, block_k):
-            yield
-    finally:
-        relpos.BLOCK_Q, relpos.BLOCK_K, relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q = saved
+def small(backend: str, sizes: tuple[int, int]) -> str | Backend:
+    """``backend`` with blocks of a few rows, so that small inputs span many blocks."""
+    block_q, block_k = sizes
+    if backend == "chunked":
+        return Chunked(block_q=block_q, block_k=block_k)
+    if backend == "sdpa":
+        return SDPA(block_q=block_q, product_q=max(1, block_q // 2))
+    return backend
 
 
 def widened(t: Tensor | None) -> Tensor | None:
@@ -99,7 +95,7 @@ def test_every_backend_agrees_with_reference(
         leaves = [t.requires_grad_() for t in leaves]
         spec = [t.requires_grad_() for t in spec]
 
-    def call(tensors: list[Tensor], backend: str) -> Tensor:
+    def call(tensors: list[Tensor], backend: str | Backend) -> Tensor:
         q, k, v, *bias = tensors
         return attention(
             q,
@@ -112,8 +108,7 @@ def test_every_backend_agrees_with_reference(
             backend=backend,
         )
 
-    with small_blocks(*sizes):
-        out = call(leaves, backend)
+    out = call(leaves, small(backend, sizes))
     want = call(spec, "reference")
     assert out.dtype == dtype
     assert out.isfinite().all(), "finite inputs gave a non-finite output"
@@ -123,8 +118,7 @@ def test_every_backend_agrees_with_reference(
         cot = torch.randn(
             out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
         )
-        with small_blocks(*sizes):
-            got = torch.autograd.grad(out, leaves, cot.to(dtype), materialize_grads=True)
+        got = torch.autograd.grad(out, leaves, cot.to(dtype), materialize_grads=True)
         ref = torch.autograd.grad(want, spec, cot, materialize_grads=True)
         for name, g, r in zip(("q", "k", "v", "bias"), got, ref, strict=False):
             assert g.isfinite().all(), f"non-finite gradient of {name}"
@@ -213,7 +207,7 @@ def compare(
             assert_close(p.grad, q.grad)
 
 
-def set_backend(model: nn.Module, backend: str) -> nn.Module:
+def set_backend(model: nn.Module, backend: str | Backend) -> nn.Module:
     """Every MultiHeadAttention inside ``model`` on ``backend``."""
     for module in model.modules():
         if isinstance(module, attnkit.MultiHeadAttention):
@@ -268,14 +262,13 @@ def test_multihead_attention_agrees_with_reference(data: st.DataObject) -> None:
     )
     dtype = draw(st.sampled_from(DTYPES))
     low, spec = rounded_pair(m, dtype)
-    set_backend(low, backend)
+    set_backend(low, small(backend, draw(blocks)))
     set_backend(spec, "reference")
-    with small_blocks(*draw(blocks)):
-        if refuse:
-            with pytest.raises(BackendError, match="weights"):
-                call.run(low, dtype)
-            return
-        compare(low, call, spec, call, dtype, draw(st.booleans()))
+    if refuse:
+        with pytest.raises(BackendError, match="weights"):
+            call.run(low, dtype)
+        return
+    compare(low, call, spec, call, dtype, draw(st.booleans()))
 
 
 @given(data=st.data())
@@ -298,13 +291,13 @@ def test_relative_attention_agrees_with_reference(data: st.DataObject) -> None:
     # What a path cannot do it refuses with the reason, never serving the call differently. Such
     # calls are drawn now and then; the others are ones the path serves.
     reasons = {
-        "sdpa": ["weights", "backward", "position term"],
+        "sdpa": ["weights", "without gradients", "score term"],
         "chunked": ["weights"],
     }.get(backend, [])
     refusal = draw(st.sampled_from(reasons)) if reasons and draw(st.integers(0, 9)) == 0 else None
     need_weights = refusal == "weights" or (not reasons and draw(st.booleans()))
-    grad = refusal == "backward" or (backend != "sdpa" and draw(st.booleans()))
-    if refusal == "position term":
+    grad = refusal == "without gradients" or (backend != "sdpa" and draw(st.booleans()))
+    if refusal == "score term":
         dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
     elif backend == "sdpa":
         dtype = draw(st.sampled_from([torch.float64, torch.float32]))
@@ -316,16 +309,15 @@ def test_relative_attention_agrees_with_reference(data: st.DataObject) -> None:
             "mask": draw_mask(draw, gen, b, h, tq, tk),
             "causal": draw(st.booleans()),
             "need_weights": need_weights,
-            "backend": backend,
+            "backend": small(backend, draw(blocks)),
         },
     )
     low, spec = rounded_pair(m, dtype)
-    with small_blocks(*draw(blocks)):
-        if refusal:
-            with pytest.raises(BackendError, match=refusal), torch.set_grad_enabled(grad):
-                call.run(low, dtype)
-            return
-        compare(low, call, spec, call.but(backend="reference"), dtype, grad)
+    if refusal:
+        with pytest.raises(BackendError, match=refusal), torch.set_grad_enabled(grad):
+            call.run(low, dtype)
+        return
+    compare(low, call, spec, call.but(backend="reference"), dtype, grad)
 
 
 @given(data=st.data())
@@ -375,10 +367,9 @@ def test_transformer_layers_agree_with_reference(data: st.DataObject) -> None:
         )
     dtype = draw(st.sampled_from(DTYPES))
     low, spec = rounded_pair(m.eval(), dtype)
-    set_backend(low, draw(st.sampled_from(["auto", *BACKENDS])))
+    set_backend(low, small(draw(st.sampled_from(["auto", *BACKENDS])), draw(blocks)))
     set_backend(spec, "reference")
-    with small_blocks(*draw(blocks)):
-        compare(low, call, spec, call, dtype, draw(st.booleans()))
+    compare(low, call, spec, call, dtype, draw(st.booleans()))
 
 
 # --------------------------------------------------------------------------------------------------

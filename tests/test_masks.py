@@ -1,4 +1,5 @@
-"""Mask helpers: each equals its definition written as a loop, and bad arguments are explained."""
+"""Masks: each equals its definition written out here, block plans are sound, bad arguments are
+explained."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnkit import masks
+from attnkit.masks import _Geometry
+
+from .strategies import structured_masks
 
 lengths = st.integers(0, 9)
 
@@ -110,5 +114,162 @@ BAD = [
 @pytest.mark.usefixtures("no_shape_checks")
 @pytest.mark.parametrize(("call", "exc", "message"), BAD)
 def test_bad_arguments(call, exc: type[Exception], message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(exc, match=re.escape(message)):
+        call()
+
+
+# --------------------------------------------------------------------------------------------------
+# Structured masks
+
+
+shapes = st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(0, 11), st.integers(0, 11))
+
+
+@given(shape=shapes, data=st.data())
+def test_structured_masks_equal_their_definition(
+    shape: tuple[int, int, int, int], data: st.DataObject
+) -> None:
+    b, h, tq, tk = shape
+    s = data.draw(structured_masks(b, h, tq, tk))
+    got = s.mask.dense(tq, tk, batch_size=b, num_heads=h)
+    assert got.dtype == torch.bool
+    assert torch.equal(got.expand(b, h, tq, tk), s.dense), s.label
+
+
+@given(shape=shapes, block=st.tuples(st.integers(1, 5), st.integers(1, 5)), data=st.data())
+def test_block_states_and_rows_are_sound(
+    shape: tuple[int, int, int, int], block: tuple[int, int], data: st.DataObject
+) -> None:
+    # EMPTY blocks hold no visible pair, FULL blocks only visible ones, and the rows a block is
+    # said to need include every row that sees one of its keys: the kernel skips the rest.
+    b, h, tq, tk = shape
+    s = data.draw(structured_masks(b, h, tq, tk))
+    geo = _Geometry((b,), h, tq, tk, torch.device("cpu"))
+    bq, bk = block
+    states = s.mask._states(geo, (0, tq, bq), (0, tk, bk))
+    assert states.shape == (len(range(0, tq, bq)), len(range(0, tk, bk)))
+    for i, qs in enumerate(range(0, tq, bq)):
+        for j, ks in enumerate(range(0, tk, bk)):
+            tile = s.dense[:, :, qs : qs + bq, ks : ks + bk]
+            if states[i, j] == masks.EMPTY:
+                assert not tile.any(), (s.label, i, j)
+            if states[i, j] == masks.FULL:
+                assert tile.all(), (s.label, i, j)
+            r0, r1 = s.mask._rows(geo, qs, min(qs + bq, tq), ks, min(ks + bk, tk))
+            seen = tile.flatten(0, 1).any(0).any(-1).nonzero().flatten().tolist()
+            assert all(r0 <= r < r1 for r in seen), (s.label, (r0, r1), seen)
+
+
+def test_states_are_not_all_partial() -> None:
+    # The property above holds trivially if every block is PARTIAL: the structure must show.
+    geo = _Geometry((1,), 1, 8, 8, torch.device("cpu"))
+    grid = ((0, 8, 2), (0, 8, 2))
+    # Causal: skipped above the diagonal, no mask work below it, a tile on it.
+    assert masks.causal()._states(geo, *grid).tolist() == [
+        [1, 0, 0, 0],
+        [2, 1, 0, 0],
+        [2, 2, 1, 0],
+        [2, 2, 2, 1],
+    ]
+    docs = masks.documents([4, 4])._states(geo, *grid)
+    assert docs.tolist() == [[2, 2, 0, 0], [2, 2, 0, 0], [0, 0, 2, 2], [0, 0, 2, 2]]
+    padded = masks.key_padding([3])._states(geo, *grid)
+    assert padded[0].tolist() == [2, 1, 0, 0]
+
+
+def test_composition_keeps_structure_and_takes_tensors_on_either_side() -> None:
+    pad = masks.padding_mask([3, 2])  # (B, 1, 1, T)
+    m = masks.causal() & masks.key_padding([3, 2]) & masks.sliding_window(1)
+    assert repr(m) == "causal() & key_padding(lengths=[3, 2]) & sliding_window(left=1, right=0)"
+    left, right = pad & masks.causal(), masks.causal() & pad
+    want = masks.causal_mask(3) & pad
+    for mixed in (left, right):
+        assert torch.equal(mixed.dense(3, batch_size=2).expand(2, 1, 3, 3), want)
+    either = masks.sliding_window(0) | masks.documents([1, 2])
+    assert repr(either) == "sliding_window(left=0, right=0) | documents(lengths=[1, 2])"
+    with pytest.raises(TypeError, match=r"the right operand is a float32 tensor"):
+        masks.causal() & torch.ones(3)
+    with pytest.raises(TypeError, match=r"the left operand is 3"):
+        3 & masks.causal()  # type: ignore[operator]
+
+
+def test_from_fn_sees_raw_indices_and_any_batch_or_head() -> None:
+    calls = []
+
+    def fn(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        calls.append((b.shape, h.shape, q.shape, kv.shape))
+        return (kv == q) | (b == h)
+
+    dense = masks.from_fn(fn).dense(2, 3, batch_size=2, num_heads=2)
+    assert calls == [((2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 3))]
+    assert dense[0, 0].all()  # b == h
+    assert dense[1, 1].all()
+    assert dense[0, 1].int().tolist() == [[1, 0, 0], [0, 1, 0]]  # raw q_idx, not bottom-right
+
+
+STRUCTURED_BAD = [
+    (
+        lambda: masks.documents([2, 2]).dense(3),
+        ValueError,
+        "mask: documents(lengths=[2, 2]) covers 4 positions but the call has Tk = 3 keys",
+    ),
+    (
+        lambda: masks.documents([[1, 2], [3, 0]]).dense(3, batch_size=3),
+        ValueError,
+        "documents(lengths=[[1, 2], [3, 0]]) describes 2 batch rows but the call has B = 3",
+    ),
+    (
+        lambda: masks.documents([[1, 2], [3, 1]]),
+        ValueError,
+        "every batch row must cover the same Tk, got row totals [3, 4]",
+    ),
+    (lambda: masks.documents(), TypeError, "documents() takes lengths or ids=, exactly one"),
+    (
+        lambda: masks.documents(ids=torch.zeros(3)),
+        TypeError,
+        "ids must be an integer tensor (Tk,) or (B, Tk), got torch.float32",
+    ),
+    (lambda: masks.sliding_window(-1), ValueError, "left must be >= 0, got -1"),
+    (lambda: masks.sliding_window(2, right=-3), ValueError, "right must be >= 0, got -3"),
+    (lambda: masks.sliding_window(2.5), TypeError, "left must be an int, got 2.5"),
+    (
+        lambda: masks.causal(align="top"),
+        ValueError,
+        "align must be 'bottom_right' or 'top_left', got 'top'",
+    ),
+    (
+        lambda: masks.key_padding([4, 2]).dense(2, 3, batch_size=2),
+        ValueError,
+        "mask: key_padding(lengths=[4, 2]) has a length 4 > Tk = 3",
+    ),
+    (
+        lambda: masks.key_padding([1, 2, 3]).dense(2, 3, batch_size=2),
+        ValueError,
+        "key_padding(lengths=[1, 2, 3]) has 3 batch rows but the call has B = 2",
+    ),
+    (
+        lambda: masks.key_padding(valid=torch.ones(2, 3)),
+        TypeError,
+        "valid must be a (B, Tk) bool tensor, True = real key; got float32 of shape (2, 3)",
+    ),
+    (lambda: masks.key_padding(3), TypeError, "lengths must be a sequence of ints, got int"),
+    (
+        lambda: masks.from_fn(lambda b, h, q, k: (k - q).float()).dense(2),
+        TypeError,
+        "mask: from_fn(<lambda>) must return a bool tensor (True = may attend), got torch.float32",
+    ),
+    (
+        lambda: masks.from_fn(lambda b, h, q, k: torch.ones(5, dtype=torch.bool)).dense(2),
+        ValueError,
+        "from_fn(<lambda>) returned shape (5), which does not broadcast to (B, H, Tq, Tk) = "
+        "(1, 1, 2, 2)",
+    ),
+    (lambda: masks.from_fn(3), TypeError, "from_fn() takes a function, got int"),
+]
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+@pytest.mark.parametrize(("call", "exc", "message"), STRUCTURED_BAD)
+def test_bad_structured_masks(call, exc: type[Exception], message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(exc, match=re.escape(message)):
         call()

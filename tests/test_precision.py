@@ -22,7 +22,7 @@ import attnkit
 from attnkit import attention, masks
 from attnkit.testing import assert_close
 
-from .helpers import chunk_blocks
+from .helpers import blocked
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HALF = [torch.bfloat16, torch.float16]
@@ -57,8 +57,8 @@ def test_every_backend_forward_and_backward_in_each_dtype(backend: str, dtype: t
     spec = [t.detach().double().requires_grad_() for t in low]  # the same rounded values
     cot = randn(2, 4, 20, 6, seed=5).to(dtype)
 
-    with chunk_blocks(8, 8):  # many blocks, partly masked ones included
-        out = attention(*low[:3], bias=low[3], mask=mask, causal=True, backend=backend)
+    small = blocked(backend, 8, 8)  # many blocks, partly masked ones included
+    out = attention(*low[:3], bias=low[3], mask=mask, causal=True, backend=small)
     want = attention(*spec[:3], bias=spec[3], mask=mask, causal=True, backend="reference")
     assert out.dtype == dtype
     assert_close(out, want)
@@ -337,6 +337,6 @@ def test_relative_sdpa_path_refuses_autocast_half() -> None:
     with (
         torch.no_grad(),
         torch.autocast("cpu", dtype=torch.bfloat16),
-        pytest.raises(attnkit.BackendError, match=re.escape("round the position term")),
+        pytest.raises(attnkit.BackendError, match=re.escape("round the score term")),
     ):
         m(x_only()[0], backend="sdpa")

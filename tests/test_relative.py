@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,6 +16,10 @@ from torch.func import functional_call
 
 from attnkit import BackendError, RelativeMultiHeadAttention, attention, capture_attention, masks
 from attnkit import _relpos as relpos
+from attnkit.backends import SDPA, Backend, Chunked
+from attnkit.backends import chunked as chunked_module
+from attnkit.backends import sdpa as sdpa_module
+from attnkit.scores import RelativePositionTerm, ScoreShape
 from attnkit.testing import assert_close
 
 # --------------------------------------------------------------------------------------------------
@@ -39,31 +42,24 @@ def randn(*shape: int, seed: int = 1) -> Tensor:
     return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-@contextlib.contextmanager
-def blocks(block_q: int, block_k: int) -> Iterator[None]:
-    """Small blocks for the relative path, so small inputs span many of them."""
-    saved = relpos.BLOCK_Q, relpos.BLOCK_K
-    relpos.BLOCK_Q, relpos.BLOCK_K = block_q, block_k
-    try:
-        yield
-    finally:
-        relpos.BLOCK_Q, relpos.BLOCK_K = saved
+def small(
+    backend: str, block: tuple[int, int] = (3, 4), sdpa: tuple[int, int] = (3, 2)
+) -> str | Backend:
+    """``backend`` with small blocks, so small inputs span many of them: ``block`` is the chunked
+    kernel's ``(block_q, block_k)``, ``sdpa`` the queries per fused call and per term product."""
+    if backend == "chunked":
+        return Chunked(block_q=block[0], block_k=block[1])
+    if backend == "sdpa":
+        return SDPA(block_q=sdpa[0], product_q=sdpa[1])
+    return backend
 
 
-@contextlib.contextmanager
-def sdpa_blocks(block_q: int, product_q: int = 2) -> Iterator[None]:
-    """Small SDPA calls (``block_q`` queries) made of smaller position-term products."""
-    saved = relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q
-    relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q = block_q, product_q
-    try:
-        yield
-    finally:
-        relpos.SDPA_BLOCK_Q, relpos.SDPA_PRODUCT_Q = saved
-
-
-def run(m: RelativeMultiHeadAttention, *args: Tensor, backend: str, **kw: object) -> Tensor:
+def run(
+    m: RelativeMultiHeadAttention, *args: Tensor, backend: str | Backend, **kw: object
+) -> Tensor:
     """``m(*args, backend=backend)``; the sdpa path has no backward, so it runs under no_grad."""
-    with torch.no_grad() if backend == "sdpa" else contextlib.nullcontext():
+    sdpa = backend == "sdpa" or isinstance(backend, SDPA)
+    with torch.no_grad() if sdpa else contextlib.nullcontext():
         out = m(*args, backend=backend, **kw)
     assert isinstance(out, Tensor)
     return out
@@ -152,9 +148,9 @@ def test_equals_brute_force(tq: int, extra: int, causal: bool, masked: bool, see
         mask = torch.rand(2, 1, tq, tk, generator=torch.Generator().manual_seed(seed)) < 0.7
         mask[0, 0, 0] = False  # a query with no visible key
     want, want_w = brute_force(m, x[:, -tq:], x, mask, causal)
-    with blocks(2, 3), sdpa_blocks(2):
-        for backend in FAST:
-            assert_close(run(m, x[:, -tq:], x, mask=mask, causal=causal, backend=backend), want)
+    for backend in FAST:
+        fast = small(backend, (2, 3), (2, 2))
+        assert_close(run(m, x[:, -tq:], x, mask=mask, causal=causal, backend=fast), want)
     ref, w = m(x[:, -tq:], x, mask=mask, causal=causal, need_weights=True)
     assert_close(ref, want)
     assert_close(w, want_w)
@@ -165,9 +161,8 @@ def test_more_queries_than_keys_take_negative_positions() -> None:
     m = make()
     q, kv = randn(1, 6, 12, seed=2), randn(1, 3, 12, seed=3)
     want, _ = brute_force(m, q, kv, causal=True)
-    with blocks(4, 2), sdpa_blocks(4):
-        for backend in FAST:
-            assert_close(run(m, q, kv, causal=True, backend=backend), want)
+    for backend in FAST:
+        assert_close(run(m, q, kv, causal=True, backend=small(backend, (4, 2), (4, 2))), want)
 
 
 def test_encodings_are_sinusoids_of_distances() -> None:
@@ -192,7 +187,7 @@ def test_one_encoding_per_distance_the_call_needs() -> None:
     m(randn(1, 6, 12))
     assert m._tables[(table.device, table.dtype)][1] is table
     m(randn(1, 40, 12))
-    assert m._tables[(table.device, table.dtype)][0] >= 40
+    assert m._tables[(table.device, table.dtype)][0] >= 39  # distances -39 .. 39
 
 
 @pytest.mark.parametrize("legacy", [None, "openspeech"])
@@ -224,10 +219,10 @@ def test_training_after_an_inference_mode_call() -> None:
 def test_queries_are_the_last_positions(backend: str, causal: bool) -> None:
     m = make()
     x = randn(2, 11, 12)
-    with blocks(3, 4), sdpa_blocks(3):
-        full = run(m, x, causal=causal, backend=backend)
-        for n in (1, 4, 11):
-            assert_close(run(m, x[:, -n:], x, causal=causal, backend=backend), full[:, -n:])
+    chosen = small(backend)
+    full = run(m, x, causal=causal, backend=chosen)
+    for n in (1, 4, 11):
+        assert_close(run(m, x[:, -n:], x, causal=causal, backend=chosen), full[:, -n:])
 
 
 @pytest.mark.parametrize("backend", ALL)
@@ -240,9 +235,9 @@ def test_padding_does_not_change_real_tokens(backend: str, side: str) -> None:
     real = slice(5, 12) if side == "left" else slice(0, 7)
     keep = torch.zeros(12, dtype=torch.bool)
     keep[real] = True
-    with blocks(4, 3), sdpa_blocks(4):
-        want = run(m, x, backend=backend)
-        got = run(m, padded, mask=keep.view(1, 1, 1, 12), backend=backend)
+    chosen = small(backend, (4, 3), (4, 2))
+    want = run(m, x, backend=chosen)
+    got = run(m, padded, mask=keep.view(1, 1, 1, 12), backend=chosen)
     assert_close(got[:, real], want)
 
 
@@ -299,13 +294,12 @@ def test_chunked_equals_reference_with_gradients(
     leaves = [key, *m.parameters()]
     cot = randn(2, tq, 12, seed=seed + 1)
 
-    def run(backend: str) -> list[Tensor]:
+    def run(backend: str | Backend) -> list[Tensor]:
         out = m(query, key, mask=mask, causal=causal, backend=backend)
         grads = torch.autograd.grad(out, leaves, cot, materialize_grads=True)
         return [out, *grads]
 
-    with blocks(*block):
-        fast = run("chunked")
+    fast = run(Chunked(block_q=block[0], block_k=block[1]))
     for got, want in zip(fast, run("reference"), strict=True):
         assert_close(got, want)
 
@@ -335,8 +329,8 @@ def test_sdpa_equals_reference(
     tk = tq if legacy else tq + extra
     x = randn(2, tk, 12, seed=seed)
     mask = random_mask(mask_kind, tq, tk, seed)
-    with sdpa_blocks(block_q, product_q):
-        got = run(m, x[:, -tq:], x, mask=mask, causal=causal, backend="sdpa")
+    fast = SDPA(block_q=block_q, product_q=product_q)
+    got = run(m, x[:, -tq:], x, mask=mask, causal=causal, backend=fast)
     assert_close(got, m(x[:, -tq:], x, mask=mask, causal=causal, backend="reference"))
 
 
@@ -349,10 +343,8 @@ def test_gradcheck(legacy: str | None, causal: bool) -> None:
     params = [m.get_parameter(n).detach().clone().requires_grad_() for n in names]
 
     def f(x: Tensor, *p: Tensor) -> Tensor:
-        with blocks(2, 3):
-            out = functional_call(
-                m, dict(zip(names, p, strict=True)), (x,), {"mask": mask, "causal": causal}
-            )
+        kw = {"mask": mask, "causal": causal, "backend": Chunked(block_q=2, block_k=3)}
+        out = functional_call(m, dict(zip(names, p, strict=True)), (x,), kw)
         assert isinstance(out, Tensor)
         return out
 
@@ -367,21 +359,17 @@ def test_low_precision_kernel_within_tolerance(dtype: torch.dtype) -> None:
     enc = torch.randn(3, 79, 8, generator=g).to(dtype)
     mask = masks.padding_mask([40, 31])
 
-    def run(*t: Tensor) -> Tensor:
-        return relpos.relative_attention(*t, mask=mask, causal=True, scale=8**-0.5, legacy=False)
+    def run(
+        qu: Tensor, k: Tensor, v: Tensor, qv: Tensor, enc: Tensor, backend: str | Backend
+    ) -> Tensor:
+        term = RelativePositionTerm(qv, enc, 8**-0.5)
+        return attention(
+            qu, k, v, bias=term, mask=mask, causal=True, scale=8**-0.5, backend=backend
+        )
 
-    with blocks(16, 8):
-        got = run(qu, k, v, qv, enc)
-    want = relpos.position_scores(qv.double(), enc.double(), 40, legacy=False)
-    expected = attention(
-        qu.double(),
-        k.double(),
-        v.double(),
-        bias=want * 8**-0.5,
-        mask=mask,
-        causal=True,
-        backend="reference",
-    )
+    got = run(qu, k, v, qv, enc, Chunked(block_q=16, block_k=8))
+    spec = [t.double() for t in (qu, k, v, qv, enc)]
+    expected = run(*spec, "reference")
     assert got.dtype == dtype
     assert_close(got, expected)
 
@@ -391,8 +379,7 @@ def test_float32_module_within_tolerance() -> None:
     m32 = copy.deepcopy(m64).float()
     m64 = copy.deepcopy(m32).double()  # the float64 spec on the rounded parameters
     x = randn(2, 30, 12).float()
-    with blocks(8, 8):
-        got = m32(x, causal=True)
+    got = m32(x, causal=True, backend=Chunked(block_q=8, block_k=8))
     assert_close(got, m64(x.double(), causal=True, backend="reference"), dtype=torch.float32)
 
 
@@ -444,7 +431,7 @@ def test_dropout_takes_the_reference_path_in_training_only() -> None:
     torch.manual_seed(0)
     a, b = m(x), m(x)
     assert (a - b).abs().max() > 1e-3  # weights are dropped
-    with pytest.raises(BackendError, match=r"dropout=0\.5 in training mode"):
+    with pytest.raises(BackendError, match=r"chunked .* has no dropout \(dropout_p=0\.5\)"):
         m(x, backend="chunked")
     m.eval()
     assert_close(m(x), m(x, backend="reference"))
@@ -452,29 +439,34 @@ def test_dropout_takes_the_reference_path_in_training_only() -> None:
 
 def test_chunked_cannot_return_weights() -> None:
     m = make()
-    with pytest.raises(BackendError, match="need_weights=True"):
+    with pytest.raises(BackendError, match="does not return attention weights"):
         m(randn(1, 4, 12), need_weights=True, backend="chunked")
 
 
 def test_sdpa_refuses_gradients_and_half_precision() -> None:
     m = make()
     x = randn(1, 4, 12)
-    with pytest.raises(BackendError, match=r"backend 'sdpa' cannot serve .* no backward"):
+    with pytest.raises(BackendError, match=r"(?s)backend 'sdpa' cannot .* only without gradients"):
         m(x, backend="sdpa")
-    with torch.no_grad(), pytest.raises(BackendError, match="round the position term"):
+    with torch.no_grad(), pytest.raises(BackendError, match="round the score term"):
         m.bfloat16()(x.bfloat16(), backend="sdpa")
 
 
 def test_auto_takes_the_first_path_that_serves_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[str] = []
-    for name in ("relative_attention_sdpa", "relative_attention", "position_scores"):
-        original = getattr(relpos, name)
+    spies = [
+        (sdpa_module, "_blocked_term", "sdpa"),
+        (chunked_module, "kernel_attention", "chunked"),
+        (RelativePositionTerm, "dense", "reference"),
+    ]
+    for owner, name, label in spies:
+        original = getattr(owner, name)
 
-        def spy(*args: object, _name: str = name, _f: object = original, **kw: object) -> Tensor:
-            taken.append(_name)
-            return _f(*args, **kw)  # type: ignore[operator, no-any-return]
+        def spy(*args: object, _label: str = label, _f: object = original, **kw: object) -> object:
+            taken.append(_label)
+            return _f(*args, **kw)  # type: ignore[operator]
 
-        monkeypatch.setattr(relpos, name, spy)
+        monkeypatch.setattr(owner, name, spy)
     m = make()
     x = randn(1, 4, 12)
     with torch.inference_mode():
@@ -484,12 +476,7 @@ def test_auto_takes_the_first_path_that_serves_the_call(monkeypatch: pytest.Monk
         m.double()
     m(x)  # parameters require grad: the chunked kernel has a backward
     m(x, need_weights=True)
-    assert taken == [
-        "relative_attention_sdpa",
-        "relative_attention",
-        "relative_attention",
-        "position_scores",
-    ]
+    assert taken == ["sdpa", "chunked", "chunked", "reference"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -583,8 +570,7 @@ def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
     blocked[1][:, :, 0] = False  # every query keeps a key: see the next test for empty rows
     for os_mask in blocked:
         want = theirs(x, x, x, pos, os_mask)  # openspeech: True = blocked
-        with blocks(4, 5), sdpa_blocks(4):
-            got = run(ours, x, mask=~os_mask.unsqueeze(1), backend=backend)
+        got = run(ours, x, mask=~os_mask.unsqueeze(1), backend=small(backend, (4, 5), (4, 2)))
         assert_close(got, want)
 
 
@@ -610,7 +596,10 @@ def test_legacy_shift_is_what_the_docstring_says() -> None:
     # right: query i+1 against position j-i-2.
     t = 6
     qv, enc = randn(1, 1, t, 4), randn(1, t, 4, seed=2)
-    got = relpos.position_scores(qv, nn.functional.pad(enc, (0, 0, 1, 0)), t, legacy=True)
+    padded = nn.functional.pad(enc, (0, 0, 1, 0))
+    term = RelativePositionTerm(qv, padded, 1.0, legacy=True)
+    shape = ScoreShape(1, 1, t, t, torch.float64, qv.device)
+    got = term.dense((qv, padded), shape)
     for i in range(t):
         for j in range(t):
             if j <= i:
@@ -656,7 +645,7 @@ def test_bad_arguments_quote_values() -> None:
         m(x, mask=torch.ones(2, 1, 1, 5))
     with pytest.raises(ValueError, match=r"mask of shape \(3, 1, 1, 5\) does not broadcast"):
         m(x, mask=torch.ones(3, 1, 1, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match="backend must be one of auto, sdpa, chunked, reference"):
+    with pytest.raises(ValueError, match="unknown backend 'flash'; choose 'auto' or one of: sdpa"):
         m(x, backend="flash")
     legacy = make(legacy="openspeech")
     with pytest.raises(ValueError, match="got Tq=2 and Tk=5"):

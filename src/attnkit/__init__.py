@@ -4,8 +4,8 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
-from . import backends, checkpoint, distributed, masks
-from ._checks import AttentionCall
+from . import backends, checkpoint, distributed, kernel, masks, scores
+from ._call import AttentionCall
 from .attention import (
     Backend,
     BackendError,
@@ -52,7 +52,9 @@ __all__ = [
     "distributed",
     "explain",
     "from_torch_masks",
+    "kernel",
     "masks",
     "register_backend",
+    "scores",
     "unregister_backend",
 ]

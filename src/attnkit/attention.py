@@ -1,9 +1,9 @@
 """``attention()``, ``explain()`` and the backend registry.
 
 ``attention()`` validates its arguments once, asks the registry which backend can serve the call,
-and hands over. A backend is a function with ``attention()``'s signature (all arguments validated,
-``scale`` resolved to a float) plus two functions of the call's description
-(:class:`AttentionCall`):
+and hands over. A backend (:class:`~attnkit.Backend`) is a function with ``attention()``'s
+arguments (all validated, ``mask`` and ``causal`` folded into one mask, ``scale`` a float) plus two
+functions of the call's description (:class:`~attnkit.AttentionCall`):
 
 * ``check(call)``: the reasons it *cannot* serve the call (empty: it can);
 * ``cost(call)``: the reasons ``auto`` should prefer another backend even though this one can serve
@@ -11,23 +11,32 @@ and hands over. A backend is a function with ``attention()``'s signature (all ar
 
 ``backend="auto"`` takes, in preference order, the first backend with no reasons and no costs, else
 the first with no reasons. :func:`explain` prints that decision.
+
+The registry may be changed while other threads call ``attention()``: every call reads one
+consistent snapshot of it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import dataclasses
+import threading
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, overload, runtime_checkable
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
 
-from ._checks import AttentionCall, check_attention_args, dim_str, shape_str
+from ._call import AttentionCall, check_attention_args
+from ._checks import shape_str
 from ._typing import Bool, Float, shape_checked
-from .backends.chunked import chunked
+from .backends.base import Backend, BackendError, BackendFn, CallCheck
+from .backends.chunked import Chunked, finite
 from .backends.reference import reference
-from .backends.sdpa import causal_needs_mask, sdpa
+from .backends.sdpa import SDPA
+from .kernel import default_blocks, make_plan
+from .masks import Mask
+from .scores import ScoreTerm
 
 __all__ = [
     "AttentionCall",
@@ -42,109 +51,23 @@ __all__ = [
 ]
 
 
-@runtime_checkable
-class BackendFn(Protocol):
-    """The signature every backend implements (the arguments of :func:`attention`, validated)."""
-
-    def __call__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        mask: Tensor | None,
-        bias: Tensor | None,
-        causal: bool,
-        scale: float,
-        dropout_p: float,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]: ...
-
-
-CallCheck = Callable[[AttentionCall], list[str]]
-
-
-def _no_reasons(call: AttentionCall) -> list[str]:
-    return []
-
-
-@dataclass(frozen=True)
-class Backend:
-    """A registered backend: its function and what it says about a call."""
-
-    name: str
-    fn: BackendFn
-    check: CallCheck = _no_reasons
-    cost: CallCheck = _no_reasons
-    auto: bool = True
-
-
-class BackendError(ValueError):
-    """A backend was asked for a call it cannot serve; the message lists its reasons."""
-
-
-# --------------------------------------------------------------------------------------------------
-# What the built-in backends can do
-
-
-def _scores(call: AttentionCall) -> str:
-    return f"(..., H, Tq, Tk) = {shape_str(call.scores_shape)}"
-
-
 def _reference_cost(call: AttentionCall) -> list[str]:
     return [
-        f"would materialise the scores {_scores(call)}; auto takes it only when nothing else can"
+        f"would materialise the scores (..., H, Tq, Tk) = {shape_str(call.scores_shape)}; auto "
+        "takes it only when nothing else can"
     ]
 
 
-def _sdpa_check(call: AttentionCall) -> list[str]:
-    if call.return_weights:
-        return ["does not return attention weights (only reference does)"]
-    return []
-
-
-def _sdpa_cost(call: AttentionCall) -> list[str]:
-    costs = []
-    if causal_needs_mask(call):
-        why = (
-            f"Tq != Tk ({dim_str(call.q_len)} != {dim_str(call.kv_len)}) and torch's is_causal is "
-            "top-left aligned"
-            if call.q_len != call.kv_len
-            else "torch does not take is_causal together with a mask or bias"
-        )
-        costs.append(
-            f"would materialise a (Tq, Tk) = {shape_str((call.q_len, call.kv_len))} causal mask: "
-            + why
-        )
-    if call.bias_requires_grad:
-        costs.append(
-            f"would keep the probabilities {_scores(call)} for the backward: torch computes a "
-            "bias gradient only in its math kernel"
-        )
-    return costs
-
-
-def _chunked_check(call: AttentionCall) -> list[str]:
-    reasons = []
-    if torch.compiler.is_compiling():
-        reasons.append(
-            "torch.compile/export is tracing: its block loop would unroll per block and its "
-            "data-dependent block skipping does not trace"
-        )
-    if call.return_weights:
-        reasons.append("does not return attention weights (only reference does)")
-    if call.dropout_p:
-        reasons.append(f"has no dropout (dropout_p={call.dropout_p}); sdpa and reference do")
-    return reasons
-
-
-# Insertion order is auto's order of preference: fastest first, the materialising spec last.
+_BUILTIN = ("sdpa", "chunked", "reference")
+# Insertion order is auto's order of preference: user backends registered with auto=True first,
+# then the fastest built-in, the materialising spec last. Never changed in place: a change
+# publishes a new dict, so a reader that took it once sees one consistent registry.
 _REGISTRY: dict[str, Backend] = {
-    "sdpa": Backend("sdpa", sdpa, check=_sdpa_check, cost=_sdpa_cost),
-    "chunked": Backend("chunked", chunked, check=_chunked_check),
+    "sdpa": SDPA(),
+    "chunked": Chunked(),
     "reference": Backend("reference", reference, cost=_reference_cost),
 }
-_BUILTIN = frozenset(_REGISTRY)
+_WRITE = threading.Lock()
 
 
 def register_backend(
@@ -158,44 +81,70 @@ def register_backend(
 ) -> None:
     """Register ``fn`` as backend ``name``, usable as ``attention(..., backend=name)``.
 
-    ``fn`` takes ``(q, k, v, *, mask, bias, causal, scale, dropout_p, return_weights)`` with every
-    argument already validated and ``scale`` a float, and returns the output (or ``(output,
-    weights)`` when ``return_weights``), following :func:`attention`'s conventions: bool mask with
-    True = may attend, bottom-right causal, zeros for a query with no visible key.
+    ``fn`` takes ``(q, k, v, *, mask, bias, scale, softcap, sinks, dropout_p, return_weights)``
+    with every argument already validated (see :class:`~attnkit.backends.base.BackendFn`) and
+    returns the output (or ``(output, weights)`` when ``return_weights``), following
+    :func:`attention`'s conventions: True = may attend, zeros for a query with no visible key.
 
     ``check(call)`` returns the reasons it cannot serve an :class:`AttentionCall` (default: none);
     ``cost(call)`` the reasons ``auto`` should prefer another backend. With ``auto=True`` the
-    backend is tried by ``backend="auto"`` before the built-in ones.
+    backend is tried by ``backend="auto"`` before the built-in ones. ``replace=True`` replaces a
+    backend registered earlier under ``name`` (keeping its place in the order); the built-in
+    backends cannot be replaced.
     """
-    if not isinstance(name, str) or not name or name == "auto":
-        raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
-    if not callable(fn):
-        raise TypeError(f"backend {name!r}: fn must be callable, got {type(fn).__name__}")
-    if name in _REGISTRY and not replace:
-        raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
-    backend = Backend(name, fn, check or _no_reasons, cost or _no_reasons, auto)
-    _REGISTRY.pop(name, None)
-    if auto:  # user backends go first in auto's preference order
-        rest = dict(_REGISTRY)
-        _REGISTRY.clear()
-        _REGISTRY[name] = backend
-        _REGISTRY.update(rest)
-    else:
-        _REGISTRY[name] = backend
+    backend = Backend(name, fn, check=check, cost=cost, auto=auto)
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be a bool, got {replace!r}")
+    with _WRITE:
+        global _REGISTRY
+        if name in _BUILTIN:
+            raise ValueError(
+                f"backend {name!r} is built in and cannot be replaced; register yours under "
+                f"another name (auto=True tries it first)"
+            )
+        if name in _REGISTRY and not replace:
+            raise ValueError(
+                f"backend {name!r} is already registered; pass replace=True to replace it"
+            )
+        if name in _REGISTRY:
+            _REGISTRY = {n: backend if n == name else b for n, b in _REGISTRY.items()}
+        elif auto:
+            _REGISTRY = {name: backend, **_REGISTRY}
+        else:
+            _REGISTRY = {**_REGISTRY, name: backend}
 
 
 def unregister_backend(name: str) -> None:
     """Remove a backend registered with :func:`register_backend`."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; registered: {', '.join(_REGISTRY)}")
-    if name in _BUILTIN:
-        raise ValueError(f"backend {name!r} is built in and cannot be unregistered")
-    del _REGISTRY[name]
+    with _WRITE:
+        global _REGISTRY
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown backend {name!r}; registered: {', '.join(_REGISTRY)}")
+        if name in _BUILTIN:
+            raise ValueError(f"backend {name!r} is built in and cannot be unregistered")
+        _REGISTRY = {n: b for n, b in _REGISTRY.items() if n != name}
 
 
 def available_backends() -> list[str]:
     """Names of the registered backends, in ``auto``'s order of preference."""
     return list(_REGISTRY)
+
+
+def check_backend(backend: object, name: str = "backend") -> str | Backend:
+    """``backend`` if it is ``"auto"``, a registered name or a :class:`Backend`; else an error."""
+    if isinstance(backend, Backend):
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"{name} must be a backend name or an attnkit.Backend, got {type(backend).__name__}"
+        )
+    registry = _REGISTRY
+    if backend != "auto" and backend not in registry:
+        raise ValueError(
+            f"unknown {name} {backend!r}; choose 'auto' or one of: {', '.join(registry)} (a "
+            "backend registered later must be registered before it is used)"
+        )
+    return backend
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,6 +163,7 @@ class Explanation:
     chosen: str | None
     reasons: dict[str, list[str]] = field(default_factory=dict)
     costs: dict[str, list[str]] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"attention call: {self.call.describe()}"]
@@ -238,104 +188,174 @@ class Explanation:
             else:
                 head = "could serve it, but comes later in the order"
             lines.append(f"  {name:<{width}}  {head}")
+            lines += [f"  {'':<{width}}  {note}" for note in self.notes.get(name, [])]
         return "\n".join(lines)
 
 
-def _decide(call: AttentionCall, backend: object) -> Explanation:
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    if backend != "auto" and backend not in _REGISTRY:
-        raise ValueError(
-            f"unknown backend {backend!r}; choose 'auto' or one of: {', '.join(_REGISTRY)}"
-        )
-    reasons = {name: b.check(call) for name, b in _REGISTRY.items()}
-    costs = {name: b.cost(call) for name, b in _REGISTRY.items()}
-    if backend != "auto":
-        chosen = None if reasons[backend] else backend
+def _plan_note(call: AttentionCall, backend: Backend) -> list[str]:
+    """What the kernel does with a structured mask, when it can be told without data."""
+    if call.mask is None or call.device.type == "meta" or not isinstance(backend, Chunked):
+        return []
+    geo = call.geometry
+    bq, bk = default_blocks(call.mask._distances(geo)[1] < float("inf"), call.groups, call.q_len)
+    plan = make_plan(
+        call.mask,
+        geo,
+        q_start=0,
+        q_len=call.q_len,
+        k_start=0,
+        kv_len=call.kv_len,
+        block_q=backend.block_q or bq,
+        block_k=backend.block_k or bk,
+    )
+    return [f"block plan: {plan.describe()}"]
+
+
+def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
+    registry = _REGISTRY
+    if isinstance(backend, Backend):
+        registry = {
+            backend.name: backend,
+            **{n: b for n, b in registry.items() if b is not backend},
+        }
+        if backend.name in _REGISTRY and _REGISTRY[backend.name] is not backend:
+            registry = {f"{backend!r}": backend, **_REGISTRY}
+        requested = next(n for n, b in registry.items() if b is backend)
     else:
-        able = [n for n, b in _REGISTRY.items() if b.auto and not reasons[n]]
+        requested = backend
+    reasons, costs, notes = {}, {}, {}
+    for name, b in registry.items():
+        reasons[name], costs[name] = b.reasons(call)
+        notes[name] = _plan_note(call, b) if not reasons[name] else []
+    if requested != "auto":
+        chosen = None if reasons[requested] else requested
+    else:
+        able = [n for n, b in registry.items() if b.auto and not reasons[n]]
         cheap = [n for n in able if not costs[n]]
         chosen = cheap[0] if cheap else able[0] if able else None
-    return Explanation(call, backend, chosen, reasons, costs)
+    return Explanation(call, requested, chosen, reasons, costs, notes)
 
 
-def _choose(call: AttentionCall, backend: str) -> str:
+def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
     """:func:`_decide`'s choice, without asking every backend when the first one will do."""
-    if backend == "auto":
-        for name, b in _REGISTRY.items():
+    registry = _REGISTRY
+    if isinstance(backend, Backend):
+        if not backend.reasons(call)[0]:
+            return backend
+    elif backend == "auto":
+        for b in registry.values():
             if b.auto and not b.check(call) and not b.cost(call):
-                return name
-    elif backend in _REGISTRY and not _REGISTRY[backend].check(call):
-        return backend
+                return b
+    elif backend in registry and not registry[backend].check(call):
+        return registry[backend]
     decision = _decide(call, backend)
     if decision.chosen is None:
         raise BackendError(str(decision))
-    return decision.chosen
+    return backend if isinstance(backend, Backend) else registry[decision.chosen]
 
 
 def _under_autocast(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
-    """The inputs as torch's SDPA takes them under ``torch.autocast``, and whether it is on.
+    tensors: tuple[object, ...],
+) -> tuple[tuple[object, ...], bool, str | None]:
+    """The tensors as torch's SDPA takes them under ``torch.autocast``, whether it is on, and the
+    autocast dtype's name.
 
-    Autocast's rule: q, k, v and a float bias (float32 included) go to the autocast dtype;
+    Autocast's rule: q, k, v and float tensors (float32 included) go to the autocast dtype;
     float64 stays. Outside autocast the inputs come back as they are.
     """
+    q = tensors[0]
     # isinstance: the arguments are not validated yet; check_attention_args reports non-tensors.
     if not isinstance(q, Tensor):
-        return q, k, v, bias, False
+        return tensors, False, None
     device = q.device.type
     # "meta" (explain() without allocating) has no autocast state to ask about.
     if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
-        return q, k, v, bias, False
+        return tensors, False, None
     dtype = torch.get_autocast_dtype(device)
 
-    def cast(t: Tensor) -> Tensor:
+    def cast(t: object) -> object:
         ok = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
-        return t.to(dtype) if ok else t
+        return t.to(dtype) if ok and isinstance(t, Tensor) else t
 
-    return cast(q), cast(k), cast(v), None if bias is None else cast(bias), True
+    return tuple(cast(t) for t in tensors), True, str(dtype).removeprefix("torch.")
 
 
-def _run(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    bias: Tensor | None,
-    causal: bool,
-    scale: float | None,
-    dropout_p: float,
-    return_weights: bool,
-    backend: str,
-) -> Tensor | tuple[Tensor, Tensor]:
-    # Under torch.autocast, as torch's SDPA: inputs go to the autocast dtype. The backend then runs
-    # with autocast off, or it would turn the float32 softmax accumulation back into bf16 GEMMs.
-    q, k, v, bias, autocast = _under_autocast(q, k, v, bias)
-    call = check_attention_args(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        scale=scale,
-        dropout_p=dropout_p,
-        return_weights=return_weights,
-    )
-    chosen = _choose(call, backend)
-    with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        return _REGISTRY[chosen].fn(
+def _call_of(
+    args: tuple[object, ...],
+    mask: object,
+    causal: object,
+    scale: object,
+    softcap: object,
+    dropout_p: object,
+    return_weights: object,
+    autocast: str | None,
+) -> AttentionCall:
+    """The validated call; under autocast a dtype error also says what autocast did."""
+    q, k, v, bias, sinks = args
+    try:
+        return check_attention_args(
             q,
             k,
             v,
             mask=mask,
             bias=bias,
             causal=causal,
-            scale=call.scale,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
             dropout_p=dropout_p,
             return_weights=return_weights,
         )
+    except TypeError as error:
+        if autocast is None or "dtype" not in str(error):
+            raise
+        raise TypeError(
+            f"{error} (inside torch.autocast, float16/bfloat16/float32 inputs are cast to "
+            f"{autocast} and float64 ones are not, so mixing float64 with others fails there)"
+        ) from None
+
+
+def _run(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | Mask | None,
+    bias: Tensor | ScoreTerm | None,
+    causal: bool,
+    scale: float | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+    dropout_p: float,
+    return_weights: bool,
+    backend: str | Backend,
+) -> Tensor | tuple[Tensor, Tensor]:
+    # Under torch.autocast, as torch's SDPA: inputs go to the autocast dtype. The backend then runs
+    # with autocast off, or it would turn the float32 softmax accumulation back into bf16 GEMMs.
+    args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
+    call = _call_of(args, mask, causal, scale, softcap, dropout_p, return_weights, autocast_dtype)
+    q, k, v, bias, sinks = args  # type: ignore[assignment]
+    backend = check_backend(backend)
+    if call.requires_grad and not torch.compiler.is_compiling():
+        # Whether torch's backward may take the call: masked NaN must not reach any gradient.
+        call = dataclasses.replace(call, finite=finite(q, k, v))
+    chosen = _choose(call, backend)
+    with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        return chosen.fn(
+            q,
+            k,
+            v,
+            mask=call.mask,
+            bias=bias,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=sinks,
+            dropout_p=call.dropout_p,
+            return_weights=return_weights,
+        )
+
+
+_MaskArg = Bool[Tensor, "*#mb #Tk"] | Mask | None
+_BiasArg = Float[Tensor, "*#bb #Tk"] | ScoreTerm | None
 
 
 @overload
@@ -344,13 +364,15 @@ def attention(
     k: Float[Tensor, "*batch Hkv Tk Dk"],
     v: Float[Tensor, "*batch Hkv Tk Dv"],
     *,
-    mask: Bool[Tensor, "*#mb #Tk"] | None = None,
-    bias: Float[Tensor, "*#bb #Tk"] | None = None,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[False] = False,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
 ) -> Float[Tensor, "*batch H Tq Dv"]: ...
 
 
@@ -360,14 +382,37 @@ def attention(
     k: Float[Tensor, "*batch Hkv Tk Dk"],
     v: Float[Tensor, "*batch Hkv Tk Dv"],
     *,
-    mask: Bool[Tensor, "*#mb #Tk"] | None = None,
-    bias: Float[Tensor, "*#bb #Tk"] | None = None,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[True],
-    backend: str = "auto",
+    backend: str | Backend = "auto",
 ) -> tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]: ...
+
+
+@overload
+def attention(
+    q: Float[Tensor, "*batch H Tq Dk"],
+    k: Float[Tensor, "*batch Hkv Tk Dk"],
+    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    *,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool,
+    backend: str | Backend = "auto",
+) -> (
+    Float[Tensor, "*batch H Tq Dv"]
+    | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]
+): ...
 
 
 @shape_checked
@@ -376,18 +421,20 @@ def attention(
     k: Float[Tensor, "*batch Hkv Tk Dk"],
     v: Float[Tensor, "*batch Hkv Tk Dv"],
     *,
-    mask: Bool[Tensor, "*#mb #Tk"] | None = None,
-    bias: Float[Tensor, "*#bb #Tk"] | None = None,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
 ) -> (
     Float[Tensor, "*batch H Tq Dv"]
     | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]
 ):
-    """Scaled dot-product attention: ``softmax(q k^T * scale + bias, masked) v``.
+    """Scaled dot-product attention: ``softmax(cap(q k^T * scale) + bias, masked) v``.
 
     Args:
         q: queries ``(..., H, Tq, Dk)``.
@@ -395,12 +442,20 @@ def attention(
             group of ``H / Hkv`` query heads shares one key/value head (grouped-query attention;
             ``Hkv = 1`` is multi-query attention). k and v are not copied per head.
         v: values ``(..., Hkv, Tk, Dv)``.
-        mask: bool, broadcastable to ``(..., H, Tq, Tk)``; **True = this query may attend this key**
-            (torch SDPA's convention). See :mod:`attnkit.masks` for helpers.
-        bias: float, q's dtype, broadcastable to ``(..., H, Tq, Tk)``, added to the scaled scores
-            (relative positions, ALiBi). Differentiable.
-        causal: query ``i`` may attend key ``j`` iff ``j <= i + Tk - Tq``. The alignment is
-            bottom-right, which is what a KV cache needs: new queries sit after the cached keys::
+        mask: which pairs may attend, **True = this query may attend this key** (torch SDPA's
+            convention): a bool tensor broadcastable to ``(..., H, Tq, Tk)``, or a structured
+            :class:`~attnkit.masks.Mask` (:func:`~attnkit.masks.causal`,
+            :func:`~attnkit.masks.sliding_window`, :func:`~attnkit.masks.documents`,
+            :func:`~attnkit.masks.key_padding`, :func:`~attnkit.masks.from_fn`, combined with
+            ``&`` and ``|``), which is never written out as a ``(Tq, Tk)`` matrix by the chunked
+            backend: it skips the blocks the mask hides.
+        bias: added to the scores: a float tensor in q's dtype, broadcastable to
+            ``(..., H, Tq, Tk)`` (ALiBi, a T5 bias, an additive float mask), or a lazy
+            :class:`~attnkit.scores.ScoreTerm` computed tile by tile (relative positions).
+            Differentiable. ``-inf`` masks that pair; NaN and ``+inf`` are a ``ValueError``.
+        causal: shorthand for ``mask=masks.causal()`` (ANDed with ``mask``): query ``i`` may
+            attend key ``j`` iff ``j <= i + Tk - Tq``. The alignment is bottom-right, which is what
+            a KV cache needs: new queries sit after the cached keys::
 
                 Tq=2, Tk=5        Tq=5, Tk=2
                 1 1 1 1 0         0 0
@@ -409,36 +464,57 @@ def attention(
                                   1 0
                                   1 1
 
-            Combined with ``mask`` by logical AND.
-        scale: multiplies ``q k^T``; default ``1 / sqrt(Dk)``.
+            (``masks.causal(align="top_left")`` is the other alignment.)
+        scale: multiplies ``q k^T``; default ``1 / sqrt(Dk)``. Must be finite and representable
+            in the dtype the scores are computed in.
+        softcap: caps the scaled scores, ``softcap * tanh(s / softcap)``, before ``bias`` and the
+            mask (Gemma 2's logit softcapping). A number > 0, or None.
+        sinks: ``(H,)`` logits in q's dtype, one per head, that join every row's softmax
+            denominator and attend to nothing (attention sinks, as in GPT-OSS): the row's
+            weights sum to less than 1. Differentiable.
         dropout_p: dropout on the attention weights (always applied when > 0: pass 0 in eval).
-        return_weights: also return the softmax weights ``(..., H, Tq, Tk)`` (before dropout).
-            Only the ``reference`` backend computes them, so ask only when you need them.
-        backend: ``"auto"`` (default) or a name from :func:`available_backends`. ``auto`` takes the
-            fastest backend that can serve the call without materialising a ``(Tq, Tk)`` tensor it
-            does not need; :func:`explain` tells which and why.
+        return_weights: also return the softmax weights ``(..., H, Tq, Tk)`` (before dropout,
+            without the sinks' share). Only the ``reference`` backend computes them, so ask only
+            when you need them.
+        backend: ``"auto"`` (default), a name from :func:`available_backends`, or a
+            :class:`~attnkit.Backend` such as ``attnkit.backends.Chunked(block_q=64)``. ``auto``
+            takes the fastest backend that can serve the call without materialising a
+            ``(Tq, Tk)`` tensor it does not need; :func:`explain` tells which and why.
 
     Returns:
         The output ``(..., H, Tq, Dv)`` in q's dtype, or ``(output, weights)``.
 
-    A query with no key it may attend (a fully masked row, or ``Tk = 0``) gets output 0, weights 0
-    and zero gradients in every backend, never NaN. float16 and bfloat16 inputs accumulate the
-    softmax in float32.
+    Masked pairs and non-finite values, in every backend:
+
+    * a query with no key it may attend (a fully masked row, or ``Tk = 0``) gets output 0,
+      weights 0 and zero gradients, never NaN;
+    * a masked pair never influences any output or gradient, whatever q, k, v or ``bias`` hold
+      there: NaN padding is harmless;
+    * a NaN or inf in a visible input reaches exactly the outputs that depend on it (as NaN or
+      inf, never hidden as 0): a query's row, or the value dims of the queries that see that key.
+
+    float16 and bfloat16 inputs accumulate the softmax in float32.
 
     Raises:
         TypeError, ValueError: for bad arguments, naming the argument and quoting shapes or values.
         BackendError: when the requested backend cannot serve the call (a ``ValueError``).
 
     >>> import torch
+    >>> from attnkit import masks
     >>> q = torch.randn(2, 8, 5, 16)     # (B, H, Tq, Dk)
     >>> kv = torch.randn(2, 2, 7, 16)    # grouped-query: 2 key/value heads for 8 query heads
     >>> attention(q, kv, kv, causal=True).shape
+    torch.Size([2, 8, 5, 16])
+    >>> window = masks.sliding_window(3) & masks.key_padding([7, 4])
+    >>> attention(q, kv, kv, mask=window, softcap=30.0).shape
     torch.Size([2, 8, 5, 16])
 
     Shape legend: ``...`` batch dims, ``H`` query heads, ``Hkv`` key/value heads, ``Tq`` queries,
     ``Tk`` keys, ``Dk`` query/key size, ``Dv`` value size.
     """
-    return _run(q, k, v, mask, bias, causal, scale, dropout_p, return_weights, backend)
+    return _run(
+        q, k, v, mask, bias, causal, scale, softcap, sinks, dropout_p, return_weights, backend
+    )
 
 
 @shape_checked
@@ -447,20 +523,24 @@ def explain(
     k: Float[Tensor, "*batch Hkv Tk Dk"],
     v: Float[Tensor, "*batch Hkv Tk Dv"],
     *,
-    mask: Bool[Tensor, "*#mb #Tk"] | None = None,
-    bias: Float[Tensor, "*#bb #Tk"] | None = None,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
 ) -> Explanation:
     """Which backend :func:`attention` would use for these arguments, and why not the others.
 
     Takes :func:`attention`'s arguments and runs nothing. Tensors on ``device="meta"`` work, so a
-    call can be explained without allocating it. ``print()`` the result for the report:
+    call can be explained without allocating it. ``print()`` the result for the report; for a
+    structured mask it also says how many blocks the chunked kernel would compute:
 
     >>> import torch
+    >>> from attnkit import masks
     >>> q = torch.empty(1, 8, 4096, 64, device="meta")
     >>> print(explain(q, q, q, causal=True))
     attention call: q (1, 8, 4096, 64), k (1, 8, 4096, 64), v (1, 8, 4096, 64) float32 on meta,
@@ -468,17 +548,15 @@ def explain(
       sdpa       chosen
       chunked    could serve it, but comes later in the order
       reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
+    >>> q = torch.empty(1, 8, 4096, 64)
+    >>> print(explain(q, q, q, mask=masks.sliding_window(512)))
+    attention call: ... float32 on cpu, mask sliding_window(left=512, right=0)
+    auto picks: chunked
+      sdpa       avoided: would materialise the mask sliding_window(left=512, right=0) as a ...
+      chunked    chosen
+                 block plan: 60 of 256 blocks of 512 x 128 computed, 60 with a mask tile
+      reference  avoided: would materialise the scores ...
     """
-    q, k, v, bias, _ = _under_autocast(q, k, v, bias)  # describe the call attention() makes
-    call = check_attention_args(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        scale=scale,
-        dropout_p=dropout_p,
-        return_weights=return_weights,
-    )
-    return _decide(call, backend)
+    args, _, autocast_dtype = _under_autocast((q, k, v, bias, sinks))  # the call attention() makes
+    call = _call_of(args, mask, causal, scale, softcap, dropout_p, return_weights, autocast_dtype)
+    return _decide(call, check_backend(backend))

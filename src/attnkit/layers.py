@@ -40,6 +40,7 @@ from ._checks import (
 from ._typing import Bool, Float, shape_checked
 from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
+from .masks import Mask
 from .multihead import MultiHeadAttention
 
 __all__ = ["Transformer", "TransformerDecoderLayer", "TransformerEncoderLayer"]
@@ -62,7 +63,7 @@ def _reject_options(given: str, **options: object) -> None:
 
 
 def _call_self_attention(
-    attn: nn.Module, x: Tensor, mask: Tensor | None, causal: bool, cache: KVCache | None
+    attn: nn.Module, x: Tensor, mask: Tensor | Mask | None, causal: bool, cache: KVCache | None
 ) -> Tensor:
     # cache= only when there is one, so that an injected module need not know about caches.
     if cache is None:
@@ -228,7 +229,7 @@ class TransformerEncoderLayer(nn.Module):
         self,
         x: Float[Tensor, "B T D"],
         *,
-        mask: Bool[Tensor, "..."] | None = None,
+        mask: Bool[Tensor, "..."] | Mask | None = None,
         causal: bool = False,
         cache: KVCache | None = None,
     ) -> Float[Tensor, "B T D"]:
@@ -376,8 +377,8 @@ class TransformerDecoderLayer(nn.Module):
         x: Float[Tensor, "B T D"],
         memory: Float[Tensor, "B Tm Dm"],
         *,
-        mask: Bool[Tensor, "..."] | None = None,
-        memory_mask: Bool[Tensor, "..."] | None = None,
+        mask: Bool[Tensor, "..."] | Mask | None = None,
+        memory_mask: Bool[Tensor, "..."] | Mask | None = None,
         causal: bool = True,
         cache: KVCache | None = None,
     ) -> Float[Tensor, "B T D"]:
@@ -521,7 +522,7 @@ class Transformer(nn.Module):
 
     @shape_checked
     def encode(
-        self, src: Float[Tensor, "B Ts D"], *, mask: Bool[Tensor, "..."] | None = None
+        self, src: Float[Tensor, "B Ts D"], *, mask: Bool[Tensor, "..."] | Mask | None = None
     ) -> Float[Tensor, "B Ts D"]:
         _check_sequence(self, "src", src, self.d_model)
         for layer in self.encoder_layers:
@@ -535,8 +536,8 @@ class Transformer(nn.Module):
         tgt: Float[Tensor, "B T D"],
         memory: Float[Tensor, "B Ts D"],
         *,
-        mask: Bool[Tensor, "..."] | None = None,
-        memory_mask: Bool[Tensor, "..."] | None = None,
+        mask: Bool[Tensor, "..."] | Mask | None = None,
+        memory_mask: Bool[Tensor, "..."] | Mask | None = None,
         cache: list[KVCache] | None = None,
     ) -> Float[Tensor, "B T D"]:
         _check_sequence(self, "tgt", tgt, self.d_model)
@@ -564,9 +565,9 @@ class Transformer(nn.Module):
         src: Float[Tensor, "B Ts D"],
         tgt: Float[Tensor, "B T D"],
         *,
-        src_mask: Bool[Tensor, "..."] | None = None,
-        tgt_mask: Bool[Tensor, "..."] | None = None,
-        memory_mask: Bool[Tensor, "..."] | None = None,
+        src_mask: Bool[Tensor, "..."] | Mask | None = None,
+        tgt_mask: Bool[Tensor, "..."] | Mask | None = None,
+        memory_mask: Bool[Tensor, "..."] | Mask | None = None,
     ) -> Float[Tensor, "B T D"]:
         _check_sequence(self, "src", src, self.d_model)
         _check_sequence(self, "tgt", tgt, self.d_model)

@@ -36,6 +36,7 @@ from ._typing import Bool, Float, shape_checked
 from .attention import attention
 from .capture import is_capturing, record
 from .kv_cache import KVCache
+from .masks import Mask
 
 __all__ = ["MultiHeadAttention", "from_torch_masks"]
 
@@ -251,7 +252,7 @@ class MultiHeadAttention(nn.Module):
         key: Float[Tensor, "B Tk Dk"] | None = None,
         value: Float[Tensor, "B Tk Dv"] | None = None,
         *,
-        mask: Bool[Tensor, "..."] | None = None,
+        mask: Bool[Tensor, "..."] | Mask | None = None,
         bias: Float[Tensor, "..."] | None = None,
         causal: bool = False,
         need_weights: Literal[False] = False,
@@ -266,7 +267,7 @@ class MultiHeadAttention(nn.Module):
         key: Float[Tensor, "B Tk Dk"] | None = None,
         value: Float[Tensor, "B Tk Dv"] | None = None,
         *,
-        mask: Bool[Tensor, "..."] | None = None,
+        mask: Bool[Tensor, "..."] | Mask | None = None,
         bias: Float[Tensor, "..."] | None = None,
         causal: bool = False,
         need_weights: Literal[True],
@@ -281,7 +282,7 @@ class MultiHeadAttention(nn.Module):
         key: Float[Tensor, "B Tk Dk"] | None = None,
         value: Float[Tensor, "B Tk Dv"] | None = None,
         *,
-        mask: Bool[Tensor, "..."] | None = None,
+        mask: Bool[Tensor, "..."] | Mask | None = None,
         bias: Float[Tensor, "..."] | None = None,
         causal: bool = False,
         need_weights: bool = False,

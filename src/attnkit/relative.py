@@ -13,15 +13,18 @@ the full call sees. Distances for ``Tq=2, Tk=4``::
     query 0 (a_0 = 2):   2  1  0 -1
     query 1 (a_1 = 3):   3  2  1  0
 
-The position term is computed one block of queries at a time (see :mod:`attnkit._relpos`): fed to
-torch's fused SDPA as a float mask when no gradient is needed, computed inside attnkit's chunked
-kernel (which has its own backward) when one is. Neither the ``(Tq, Tk)`` scores nor the
-``(Tq, Tk, head_dim)`` encodings ever exist: memory is O(T), in training too. A materialised
-reference path serves the calls that need the weights or dropout, and every call traced by
-``torch.compile`` or ``torch.export`` (``torch.onnx.export(..., dynamo=True)`` included): the fast
-paths loop over query blocks in Python and skip blocks on data, which would unroll per block or not
-trace at all, while the materialised path is a few tensor ops that trace with symbolic lengths.
-Traced, the module therefore holds ``(B, H, Tq, Tk)`` scores, like attention with any float mask.
+A relative call is an :func:`attnkit.attention` call whose ``bias`` is the position term as a
+:class:`~attnkit.scores.RelativePositionTerm`: the backend computes it one tile at a time, so
+neither the ``(Tq, Tk)`` scores nor the ``(Tq, Tk, head_dim)`` encodings ever exist and memory is
+O(T), in training too. ``auto`` takes torch's fused SDPA, one block of queries at a time with the
+block's term as its float mask, when no gradient is needed, and attnkit's kernel otherwise; the
+reference (materialised) serves the calls that need the weights or dropout, and every call traced
+by ``torch.compile`` or ``torch.export``. ``attnkit.capture_attention`` and a registered backend see
+a module's call like any other.
+
+With a sliding-window mask (``mask=attnkit.masks.sliding_window(left, right)``, the limited context
+of streaming Conformers) the encodings cover only the window's distances and the kernel computes
+only the blocks in the band: time grows linearly with ``T`` and memory does not.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ from torch import Tensor, nn
 from . import _relpos, capture
 from ._checks import check_bool, check_input, check_mask, present, shape_str
 from ._typing import Bool, Float
-from .attention import BackendError, attention
+from .attention import attention, check_backend
+from .backends.base import Backend
+from .masks import Mask, _Geometry
+from .scores import RelativePositionTerm
 
 __all__ = ["RelativeMultiHeadAttention"]
 
-_BACKENDS = ("auto", "sdpa", "chunked", "reference")
 _OPENSPEECH_PARTS = ("query_proj", "key_proj", "value_proj", "pos_proj", "out_proj")
 
 
@@ -57,19 +62,6 @@ def _linear_of(module: nn.Module, name: str) -> nn.Linear:
     )
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the projections of ``x`` come out in: the autocast dtype inside
-    ``torch.autocast`` (which leaves float64 alone), else ``x``'s own."""
-    device = x.device.type
-    if (
-        x.dtype != torch.float64
-        and torch.amp.is_autocast_available(device)
-        and torch.is_autocast_enabled(device)
-    ):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
-
-
 class RelativeMultiHeadAttention(nn.Module):
     """Multi-head attention with Transformer-XL relative positions (Conformer's self-attention).
 
@@ -83,6 +75,7 @@ class RelativeMultiHeadAttention(nn.Module):
         legacy: ``None`` (default) for the formula above, or ``"openspeech"`` to reproduce
             openspeech's ``RelativeMultiHeadAttention`` fed by its Conformer; see
             :meth:`from_openspeech`.
+        backend: passed to :func:`attnkit.attention` (``"auto"`` picks the fastest that fits).
 
     Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (``nn.Linear``), ``pos_proj``
     (``W_r``, no bias), ``pos_bias_u`` and ``pos_bias_v`` (``u`` and ``v``, ``(num_heads,
@@ -110,6 +103,7 @@ class RelativeMultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         proj_bias: bool = True,
         legacy: Literal["openspeech"] | None = None,
+        backend: str | Backend = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -128,6 +122,7 @@ class RelativeMultiHeadAttention(nn.Module):
         if legacy not in (None, "openspeech"):
             raise ValueError(f"legacy must be None or 'openspeech', got {legacy!r}")
         proj_bias = check_bool("proj_bias", proj_bias)
+        self.backend = check_backend(backend)
         self.d_model = d_model
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
@@ -166,19 +161,19 @@ class RelativeMultiHeadAttention(nn.Module):
     # ----------------------------------------------------------------------------------------------
     # Encodings
 
-    def _encodings(self, tq: int, tk: int) -> Tensor:
-        """Unprojected encodings, ``(Tq + Tk - 1, d_model)`` of distances ``Tk - 1 .. 1 - Tq``, or
-        in legacy mode ``(T, d_model)`` of absolute positions ``0 .. T - 1``."""
+    def _encodings(self, tq: int, tk: int, top: int, bottom: int) -> Tensor:
+        """Unprojected encodings ``(top - bottom + 1, d_model)`` of the distances ``top`` down to
+        ``bottom``, or in legacy mode ``(T, d_model)`` of the absolute positions ``0 .. T - 1``."""
         weight = self.pos_proj.weight
         if torch.compiler.is_compiling():
             # Tracing: a table cached across calls would be a fake tensor left behind after
             # export, and its size a guard on the traced lengths; make exactly the rows needed.
             if self.legacy:
                 return _relpos.openspeech_sinusoid(tk, self.d_model).to(weight.device, weight.dtype)
-            distances = torch.arange(tk - 1, -tq, -1, device=weight.device)
+            distances = torch.arange(top, bottom - 1, -1, device=weight.device)
             return _relpos.relative_sinusoid(distances, self.d_model).to(weight.dtype)
         key = (weight.device, weight.dtype)
-        need = tk if self.legacy else max(tq, tk)
+        need = tk if self.legacy else max(abs(top), abs(bottom), 1)
         size, table = self._tables.get(key, (0, weight.new_empty(1, self.d_model)))
         if size < need:
             size = max(need, 2 * size)
@@ -193,7 +188,23 @@ class RelativeMultiHeadAttention(nn.Module):
             self._tables[key] = (size, table)
         if self.legacy:
             return table[:tk]
-        return table[size - (tk - 1) : size + tq]  # rows of distances tk-1 .. 1-tq
+        return table[size - top : size - bottom + 1]  # rows of distances top .. bottom
+
+    def _distances(
+        self, mask: Tensor | Mask | None, causal: bool, b: int, tq: int, tk: int
+    ) -> tuple[int, int]:
+        """The distances ``i' - j`` a call can need, largest first: ``Tk - 1 .. 1 - Tq``, cut to
+        what a structured mask (a sliding window, causal) leaves visible."""
+        top, bottom = tk - 1, 1 - tq
+        if isinstance(mask, Mask) or causal:
+            geo = _Geometry((b,), self.num_heads, tq, tk, torch.device("cpu"))
+            lo, hi = mask._distances(geo) if isinstance(mask, Mask) else (-math.inf, math.inf)
+            if causal:
+                hi = min(hi, 0)
+            # j - i' in [lo, hi]  <=>  i' - j in [-hi, -lo]
+            top = int(min(top, -lo)) if lo > -math.inf else top
+            bottom = int(max(bottom, -hi)) if hi < math.inf else bottom
+        return top, min(bottom, top)
 
     # ----------------------------------------------------------------------------------------------
     # Forward
@@ -203,7 +214,7 @@ class RelativeMultiHeadAttention(nn.Module):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        mask: Tensor | None,
+        mask: Tensor | Mask | None,
         causal: object,
         need_weights: object,
         backend: object,
@@ -230,47 +241,8 @@ class RelativeMultiHeadAttention(nn.Module):
         for name, flag in (("causal", causal), ("need_weights", need_weights)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
-
-    def _path(
-        self, inputs: tuple[Tensor, ...], need_weights: bool, capturing: bool, backend: str
-    ) -> str:
-        """The path that serves the call: ``auto`` takes the first of sdpa, chunked, reference with
-        no reason against it; a forced backend with a reason raises :class:`BackendError`."""
-        needs = []  # what the call needs that only the reference path has
-        if need_weights:
-            needs.append("need_weights=True")
-        if capturing:
-            needs.append("capture_attention() is recording this module")
-        if self.training and self.dropout:
-            needs.append(f"dropout={self.dropout} in training mode")
-        no_weights = [f"it has no weights or dropout, and the call has {n}" for n in needs]
-        reasons = {"sdpa": list(no_weights), "chunked": list(no_weights), "reference": []}
-        if torch.compiler.is_compiling():
-            # The materialised path is a few tensor ops that trace with symbolic lengths (and
-            # that the compiler fuses); the fast paths loop over query blocks in Python.
-            for name in ("sdpa", "chunked"):
-                reasons[name].append(
-                    "torch.compile/export is tracing: its Python loop over query blocks would "
-                    "unroll per block and its data-dependent block skipping does not trace"
-                )
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *self.parameters())):
-            # torch would keep each block's probabilities for the backward: O(T^2) in all.
-            reasons["sdpa"].append("it has no backward (use torch.no_grad() or inference_mode())")
-        dtype = _compute_dtype(inputs[0])
-        if dtype in (torch.float16, torch.bfloat16):
-            reasons["sdpa"].append(
-                f"its float mask would round the position term to {dtype}; "
-                "chunked keeps it in float32"
-            )
-        if backend == "auto":
-            return next(name for name, why in reasons.items() if not why)
-        if reasons[backend]:
-            raise BackendError(
-                f"backend {backend!r} cannot serve this call: " + "; ".join(reasons[backend])
-            )
-        return backend
+        if backend is not None:
+            check_backend(backend)
 
     def forward(
         self,
@@ -278,10 +250,10 @@ class RelativeMultiHeadAttention(nn.Module):
         key: Float[Tensor, "B Tk D"] | None = None,
         value: Float[Tensor, "B Tk D"] | None = None,
         *,
-        mask: Bool[Tensor, "*#mb #Tk"] | None = None,
+        mask: Bool[Tensor, "*#mb #Tk"] | Mask | None = None,
         causal: bool = False,
         need_weights: bool = False,
-        backend: str = "auto",
+        backend: str | Backend | None = None,
     ) -> Float[Tensor, "B Tq D"] | tuple[Float[Tensor, "B Tq D"], Float[Tensor, "B H Tq Tk"]]:
         """Attend from ``query`` to ``key`` (default: ``query``) and ``value`` (default: ``key``).
 
@@ -290,18 +262,14 @@ class RelativeMultiHeadAttention(nn.Module):
             key: ``(B, Tk, d_model)``; ``Tk > Tq`` is memory or a KV prefix: queries are the last
                 ``Tq`` positions, so ``m(x[:, -n:], x)`` is the last ``n`` rows of ``m(x)``.
             value: ``(B, Tk, d_model)``.
-            mask: bool, broadcastable to ``(B, H, Tq, Tk)``, **True = may attend** (as everywhere
-                in attnkit; :func:`attnkit.masks.padding_mask` gives ``(B, 1, 1, Tk)``).
+            mask: **True = may attend** (as everywhere in attnkit): a bool tensor broadcastable to
+                ``(B, H, Tq, Tk)`` (:func:`attnkit.masks.padding_mask` gives ``(B, 1, 1, Tk)``) or
+                a structured mask such as ``masks.sliding_window(64, 64) & masks.key_padding(n)``.
             causal: query ``i`` may attend key ``j`` iff ``j <= i + Tk - Tq``; ANDed with ``mask``.
             need_weights: also return the per-head weights ``(B, H, Tq, Tk)``.
-            backend: ``"auto"`` takes the first path that can serve the call:
-                ``"sdpa"`` (no gradient needed, float32/float64: torch's fused kernel, one block of
-                queries at a time with the block's position term as its float mask),
-                ``"chunked"`` (attnkit's blocked kernel with the position term computed inside
-                it, forward and backward), or ``"reference"`` (materialised; the only one with
-                weights and dropout, and the one taken while torch.compile/export traces the
-                module). Both fast paths keep memory O(T). A forced backend that
-                cannot serve the call raises :class:`attnkit.BackendError` saying why.
+            backend: this call's backend, default the module's (see :func:`attnkit.attention`).
+                A forced backend that cannot serve the call raises
+                :class:`attnkit.BackendError` saying why.
 
         Returns:
             ``(B, Tq, d_model)``, or ``(output, weights)`` with ``need_weights``. A query with no
@@ -312,7 +280,6 @@ class RelativeMultiHeadAttention(nn.Module):
         value = key if value is None else value
         self._check(query, key, value, mask, causal, need_weights, backend)
         capturing = capture.is_capturing(self)
-        path = self._path((query, key, value), need_weights, capturing, backend)
         b, tq, _ = query.shape
         tk = key.size(1)
         h, dh = self.num_heads, self.head_dim
@@ -323,30 +290,30 @@ class RelativeMultiHeadAttention(nn.Module):
         qv = (q + self.pos_bias_v.to(q.dtype)).transpose(1, 2)  # (B, H, Tq, Dh)
         k = self.k_proj(key).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
         v = self.v_proj(value).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
-        enc = self.pos_proj(self._encodings(tq, tk))  # (P, D)
-        enc = enc.view(-1, h, dh).transpose(0, 1)  # (H, P, Dh)
         if self.legacy:
+            enc = self.pos_proj(self._encodings(tq, tk, 0, 0)).view(-1, h, dh).transpose(0, 1)
             enc = nn.functional.pad(enc, (0, 0, 1, 0))  # the zero column of openspeech's shift
-        legacy = self.legacy is not None
-
-        weights = None
-        if path in ("sdpa", "chunked"):
-            fast = _relpos.relative_attention_sdpa if path == "sdpa" else _relpos.relative_attention
-            out = fast(qu, k, v, qv, enc, mask=mask, causal=causal, scale=self.scale, legacy=legacy)
+            term = RelativePositionTerm(qv, enc, self.scale, legacy=True)
         else:
-            pos = _relpos.position_scores(qv, enc, tk, legacy=legacy)  # (B, H, Tq, Tk)
-            out, weights = attention(
-                qu,
-                k,
-                v,
-                mask=mask,
-                bias=pos * self.scale,
-                causal=causal,
-                scale=self.scale,
-                dropout_p=self.dropout if self.training else 0.0,
-                return_weights=True,
-                backend="reference",
-            )
+            top, bottom = self._distances(mask, causal, b, tq, tk)
+            enc = self.pos_proj(self._encodings(tq, tk, top, bottom))  # (P, D)
+            enc = enc.view(-1, h, dh).transpose(0, 1)  # (H, P, Dh)
+            term = RelativePositionTerm(qv, enc, self.scale, max_distance=top)
+        out = attention(
+            qu,
+            k,
+            v,
+            mask=mask,
+            bias=term,
+            causal=causal,
+            scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=need_weights or capturing,
+            backend=self.backend if backend is None else backend,
+        )
+        weights = None
+        if isinstance(out, tuple):
+            out, weights = out
             if capturing:
                 capture.record(self, weights)
         result: Tensor = self.out_proj(out.transpose(1, 2).reshape(b, tq, self.d_model))

@@ -11,7 +11,7 @@ from torch.autograd import gradcheck
 from attnkit import attention
 from attnkit.testing import assert_close
 
-from ..helpers import brute_force, chunk_blocks
+from ..helpers import blocked, brute_force
 from ..strategies import Case, cases
 
 FAST = ["sdpa", "chunked"]
@@ -19,8 +19,7 @@ ALL = ["reference", *FAST]
 
 
 def run(backend: str, case: Case, blocks: tuple[int, int] = (5, 3)) -> torch.Tensor:
-    with chunk_blocks(*blocks):
-        return attention(case.q, case.k, case.v, backend=backend, **case.kwargs())
+    return attention(case.q, case.k, case.v, backend=blocked(backend, *blocks), **case.kwargs())
 
 
 @pytest.mark.parametrize("backend", FAST)
@@ -70,8 +69,7 @@ def test_gradcheck(backend: str, causal: bool) -> None:
     mask[0, 0, 2] = False
 
     def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        with chunk_blocks(4, 2):
-            return attention(q, k, v, mask=mask, bias=b, causal=causal, backend=backend)
+        return attention(q, k, v, mask=mask, bias=b, causal=causal, backend=blocked(backend, 4, 2))
 
     assert gradcheck(f, (q, k, v, bias))
 
@@ -83,8 +81,7 @@ def test_fully_masked_rows_are_zero_with_zero_gradients(backend: str) -> None:
     v = torch.randn(1, 2, 6, 8, requires_grad=True)
     mask = torch.ones(1, 1, 4, 6, dtype=torch.bool)
     mask[..., 1, :] = False
-    with chunk_blocks(2, 2):
-        out = attention(q, k, v, mask=mask, backend=backend)
+    out = attention(q, k, v, mask=mask, backend=blocked(backend, 2, 2))
     assert torch.equal(out[:, :, 1], torch.zeros(1, 2, 8))
     assert out.isfinite().all()
     out.square().sum().backward()
@@ -159,8 +156,7 @@ def test_logits_of_magnitude_1e4_do_not_overflow(backend: str, dtype: torch.dtyp
     q = q * (1e4 / logits.abs().amax(-1, keepdim=True))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     expected = attention(q.double(), k.double(), v.double(), backend="reference")
-    with chunk_blocks(16, 16):
-        out = attention(q, k, v, backend=backend)
+    out = attention(q, k, v, backend=blocked(backend, 16, 16))
     assert out.isfinite().all()
     assert_close(out, expected)
 
@@ -171,8 +167,7 @@ def test_grouped_query_equals_repeated_heads(backend: str) -> None:
     k = torch.randn(2, 2, 9, 4, dtype=torch.float64)
     v = torch.randn(2, 2, 9, 3, dtype=torch.float64)
     mask = torch.rand(2, 6, 7, 9) < 0.8
-    with chunk_blocks(3, 4):
-        got = attention(q, k, v, mask=mask, causal=True, backend=backend)
+    got = attention(q, k, v, mask=mask, causal=True, backend=blocked(backend, 3, 4))
     # Head h of q uses key/value head h // (H / Hkv): repeat_interleave, not repeat.
     kr, vr = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
     want = attention(q, kr, vr, mask=mask, causal=True, backend="reference")
@@ -185,8 +180,7 @@ def test_non_contiguous_inputs(backend: str) -> None:
     q = torch.randn(2, 7, 4, 8, dtype=torch.float64).transpose(1, 2)
     k = torch.randn(2, 9, 2, 8, dtype=torch.float64).transpose(1, 2)
     v = torch.randn(2, 9, 2, 5, dtype=torch.float64).transpose(1, 2)
-    with chunk_blocks(3, 4):
-        got = attention(q, k, v, causal=True, backend=backend)
+    got = attention(q, k, v, causal=True, backend=blocked(backend, 3, 4))
     want = attention(
         q.contiguous(), k.contiguous(), v.contiguous(), causal=True, backend="reference"
     )

@@ -1,13 +1,13 @@
-"""The chunked kernel: memory it keeps, blocks it skips, and its default block sizes."""
+"""The chunked backend: memory it keeps, blocks it skips, and its default block sizes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attnkit import attention, masks
-from attnkit.backends import chunked as chunked_module
-from attnkit.backends.chunked import chunked_attention
+from attnkit import attention, kernel, masks
+from attnkit.backends import Chunked
+from attnkit.kernel import softmax
 from attnkit.testing import assert_close
 
 
@@ -31,17 +31,17 @@ def test_backward_saves_no_score_sized_tensor() -> None:
 
 
 def count_blocks(monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> int:
+    """Score blocks the kernel computes for a 64 x 64 call with 8 x 8 blocks."""
     computed = []
-    original = chunked_module._Problem.scores
+    original = softmax.Problem.scores
 
-    def counting(self, *args):  # type: ignore[no-untyped-def]
-        s = original(self, *args)
-        computed.append(s is not None)
-        return s
+    def counting(self, *args, **kw):  # type: ignore[no-untyped-def]
+        computed.append(1)
+        return original(self, *args, **kw)
 
-    monkeypatch.setattr(chunked_module._Problem, "scores", counting)
+    monkeypatch.setattr(softmax.Problem, "scores", counting)
     q = torch.randn(1, 2, 64, 8)
-    chunked_attention(q, q, q, block_q=8, block_k=8, **kwargs)  # type: ignore[arg-type]
+    attention(q, q, q, backend=Chunked(block_q=8, block_k=8), **kwargs)  # type: ignore[arg-type]
     return sum(computed)
 
 
@@ -55,6 +55,11 @@ def test_fully_masked_blocks_are_skipped(monkeypatch: pytest.MonkeyPatch) -> Non
     assert count_blocks(monkeypatch, mask=pad) == 8 * 3
     packed = masks.block_diagonal_mask([32, 32])  # two packed sequences: the off-diagonal quarter
     assert count_blocks(monkeypatch, mask=packed) == 32
+    # The same masks as structured masks skip the same blocks, and a window only its band.
+    assert count_blocks(monkeypatch, mask=masks.key_padding([20])) == 8 * 3
+    assert count_blocks(monkeypatch, mask=masks.documents([32, 32])) == 32
+    assert count_blocks(monkeypatch, mask=masks.documents([32, 32]) & masks.causal()) == 20
+    assert count_blocks(monkeypatch, mask=masks.sliding_window(8)) == 8 + 7  # diagonal + below
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -73,7 +78,7 @@ def test_default_blocks_equal_reference(causal: bool, kv_heads: int) -> None:
 
 def test_causal_query_blocks_are_shorter_below_4096() -> None:
     # Short causal calls need shorter query blocks to have blocks to skip; key blocks stay 128.
-    blocks = chunked_module.default_blocks
+    blocks = kernel.default_blocks
     assert [blocks(True, 1, t) for t in (1, 600, 4095, 4096, 8192)] == [(256, 128)] * 3 + [
         (512, 128)
     ] * 2
@@ -87,7 +92,7 @@ def test_scores_rising_late_take_the_safe_path() -> None:
     q = torch.ones(1, 1, 4, 1)
     k = torch.arange(64, dtype=torch.float32).div(8).floor().mul(40).view(1, 1, 64, 1)
     v = torch.randn(1, 1, 64, 3)
-    got = chunked_attention(q, k, v, scale=1.0, block_q=4, block_k=8)
+    got = attention(q, k, v, scale=1.0, backend=Chunked(block_q=4, block_k=8))
     want = attention(q.double(), k.double(), v.double(), scale=1.0, backend="reference")
     assert got.isfinite().all()
     assert_close(got, want)

@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit import masks
-from attnkit.backends import chunked as chunked_module
-from attnkit.distributed import ring as ring_module
-from attnkit.distributed import ring_attention, shard_zigzag, unshard_zigzag
+from attnkit.distributed import RingBackend, ring_attention, shard_zigzag, unshard_zigzag
+from attnkit.kernel import softmax
 from attnkit.testing import assert_close
 
 from .harness import run_ranks
@@ -66,8 +65,10 @@ def compare_with_single_process(
     masked: bool,
     dtype: torch.dtype = torch.float64,
     group: dist.ProcessGroup | None = None,
+    ring: RingBackend | None = None,
 ) -> None:
-    """This rank's output and q/k/v gradients equal its shard of the whole sequence's."""
+    """This rank's output and q/k/v gradients equal its shard of the whole sequence's, through
+    ``ring_attention`` or through ``attention()`` with the backend ``ring``."""
     t = 2 * world * CHUNK
     x = full_inputs(t, dtype)
     mask = x["mask"] if masked else None
@@ -80,15 +81,20 @@ def compare_with_single_process(
 
     local = {n: shard(x[n], layout, rank, world).clone().requires_grad_() for n in ("q", "k", "v")}
     local_mask = None if mask is None else shard(mask, layout, rank, world, dim=-1)
-    got = ring_attention(
-        local["q"],
-        local["k"],
-        local["v"],
-        causal=causal,
-        mask=local_mask,
-        layout=layout,
-        group=group,
-    )
+    if ring is None:
+        got = ring_attention(
+            local["q"],
+            local["k"],
+            local["v"],
+            causal=causal,
+            mask=local_mask,
+            layout=layout,
+            group=group,
+        )
+    else:
+        got = attnkit.attention(
+            local["q"], local["k"], local["v"], causal=causal, mask=local_mask, backend=ring
+        )
     got.backward(shard(x["dout"], layout, rank, world))
     case = f"layout={layout} causal={causal} masked={masked} {dtype}, rank {rank} of {world}"
     pairs = [("output", got, want)] + [
@@ -110,24 +116,24 @@ def compare_with_single_process(
 def count_score_blocks(rank: int, world: int, layout: str, causal: bool) -> int:
     """Score blocks this rank computes for one forward, with CHUNK x CHUNK blocks and tiles."""
     computed = []
-    original = chunked_module._Problem.scores
+    original = softmax.Problem.scores
 
     def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        s = original(self, *args, **kwargs)
-        computed.append(s is not None)
-        return s
+        computed.append(1)
+        return original(self, *args, **kwargs)
 
     t = 2 * world * CHUNK
     x = full_inputs(t, torch.float64)
-    chunked_module._Problem.scores = counting  # type: ignore[method-assign]
+    ring = RingBackend(layout=layout, block_q=CHUNK, block_k=CHUNK, tile_blocks=(1, 1, 1))
+    softmax.Problem.scores = counting  # type: ignore[method-assign]
     try:
-        ring_attention(
+        attnkit.attention(
             *(shard(x[n], layout, rank, world) for n in ("q", "k", "v")),
             causal=causal,
-            layout=layout,
+            backend=ring,
         )
     finally:
-        chunked_module._Problem.scores = original  # type: ignore[method-assign]
+        softmax.Problem.scores = original  # type: ignore[method-assign]
     return sum(computed)
 
 
@@ -187,16 +193,13 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
     """Every check of one world size, in one spawned run (see the module docstring)."""
     # Blocks of 4 queries by 3 keys, with ragged ends against the chunk size of 5: every piece of
     # the ring spans several blocks, and with one block per tile, several tiles.
-    chunked_module.default_blocks = lambda causal, groups, q_len: (4, 3)
-    tile_names = ("TILE_BLOCKS_Q", "TILE_BLOCKS_K", "TILE_BLOCKS_K_BACKWARD")
-    for tile_blocks in ((1, 1, 1), tuple(getattr(ring_module, n) for n in tile_names)):
-        for name, value in zip(tile_names, tile_blocks, strict=True):
-            setattr(ring_module, name, value)
+    for tiles in ((1, 1, 1), (4, 16, 4)):
         for layout in ("contiguous", "zigzag"):
+            ring = RingBackend(layout=layout, block_q=4, block_k=3, tile_blocks=tiles)
             for causal in (False, True):
                 for masked in (False, True):
                     compare_with_single_process(
-                        rank, world, layout=layout, causal=causal, masked=masked
+                        rank, world, layout=layout, causal=causal, masked=masked, ring=ring
                     )
     compare_with_single_process(
         rank, world, layout="zigzag", causal=True, masked=True, dtype=torch.float32
@@ -209,8 +212,6 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
             )
         dist.barrier()
     report: dict[str, Any] = {"saved": largest_saved_numel(rank, world)}
-    chunked_module.default_blocks = lambda causal, groups, q_len: (CHUNK, CHUNK)
-    ring_module.TILE_BLOCKS_Q = ring_module.TILE_BLOCKS_K = 1  # forward tiles of one chunk
     report["blocks"] = {
         (layout, causal): count_score_blocks(rank, world, layout, causal)
         for layout in ("contiguous", "zigzag")
@@ -263,11 +264,11 @@ def test_bad_arguments_raise_on_every_rank_instead_of_hanging(world: int) -> Non
         assert f"rank {world - 1}: ({B}, {H}, {shards[-1]}, {DK})" in e["uneven"]
         assert "does not divide evenly" in e["uneven"]
         assert e["causal differs"] == (
-            "ValueError: ring_attention needs the same causal on every rank, got "
-            + ", ".join(f"rank {i}: {i == 0}" for i in range(world))
+            "ValueError: ring_attention needs the same mask on every rank, got "
+            + ", ".join(f"rank {i}: {repr('causal()') if i == 0 else None}" for i in range(world))
         )
         assert "local lengths must be even, got Tq=9 and Tk=9" in e["odd zigzag"]
-        assert e["query mask"].startswith("ValueError: mask must be a key mask")
+        assert e["query mask"].startswith("ValueError: ring_attention: key masks only (..., 1, Tk)")
         bad_mask = e["one rank's bad mask"]
         if r == 1:
             assert bad_mask.startswith("TypeError: mask must be a bool tensor, got float32")

@@ -1,16 +1,38 @@
 """The reference backend: attention as the formula reads. Every other backend is tested against it.
 
 It materialises the ``(..., H, Tq, Tk)`` scores, so it is the slow path, and the only backend that
-returns the attention weights.
+returns the attention weights. It is also what torch.compile/export trace for calls with a score
+term; while tracing, the two data-dependent steps of the non-finite policy (keeping masked NaN out
+of the gradients, marking outputs a non-finite value reaches) are left out.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import causal_mask
+from ..masks import Mask, _Geometry
+from ..scores import ScoreShape, ScoreTerm
+
+
+def _batched(t: Tensor, batch: tuple[int, ...]) -> Tensor:
+    """``(B|1, ...)`` with the batch dims flattened -> ``(*batch|1, ...)``."""
+    return t.reshape(
+        (*batch, *t.shape[1:]) if t.size(0) != 1 else (*(1,) * len(batch), *t.shape[1:])
+    )
+
+
+def _product(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` whose gradients never multiply a non-finite entry by 0: a NaN at a masked position
+    must not reach any gradient. The values are the plain product's."""
+    plain = a @ b
+    if torch.compiler.is_compiling() or bool(torch.isfinite(a).all() & torch.isfinite(b).all()):
+        return plain
+    clean = a.masked_fill(~torch.isfinite(a), 0.0) @ b.masked_fill(~torch.isfinite(b), 0.0)
+    return clean + (plain - clean).detach()
 
 
 def reference(
@@ -18,35 +40,48 @@ def reference(
     k: Tensor,
     v: Tensor,
     *,
-    mask: Tensor | None,
-    bias: Tensor | None,
-    causal: bool,
+    mask: Mask | None,
+    bias: Tensor | ScoreTerm | None,
     scale: float,
+    softcap: float | None,
+    sinks: Tensor | None,
     dropout_p: float,
     return_weights: bool,
 ) -> Tensor | tuple[Tensor, Tensor]:
     # float16/bfloat16 run in float32; float64 stays float64 (it is the spec the tests compare to).
     work = torch.promote_types(q.dtype, torch.float32)
-    groups = q.size(-3) // k.size(-3)
-    qg = q.to(work).unflatten(-3, (-1, groups))  # (..., Hkv, G, Tq, Dk): GQA without copying k, v
-    kg = k.to(work).unsqueeze(-3)  # (..., Hkv, 1, Tk, Dk)
-    vg = v.to(work).unsqueeze(-3)  # (..., Hkv, 1, Tk, Dv)
+    batch, (h, tq, _), (hkv, tk, _) = tuple(q.shape[:-3]), q.shape[-3:], k.shape[-3:]
+    qg = q.to(work).unflatten(-3, (hkv, -1))  # (..., Hkv, G, Tq, Dk): GQA without copying k, v
+    kg, vg = k.to(work).unsqueeze(-3), v.to(work).unsqueeze(-3)  # (..., Hkv, 1, Tk, D)
 
-    s = (qg @ kg.transpose(-1, -2) * scale).flatten(-4, -3)  # (..., H, Tq, Tk)
-    if bias is not None:
-        s = s + bias
-    if causal:
-        mask = causal_mask(q.size(-2), k.size(-2), device=q.device) & (
-            True if mask is None else mask
-        )
+    s = (_product(qg, kg.transpose(-1, -2)) * scale).flatten(-4, -3)  # (..., H, Tq, Tk)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    visible = torch.ones((), dtype=torch.bool, device=q.device)
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        geo = _Geometry(batch, h, tq, tk, q.device)
+        visible = _batched(mask._tile(geo, 0, tq, 0, tk), batch)  # (...|1, H|1, Tq|1, Tk|1)
+    if isinstance(bias, ScoreTerm):
+        shape = ScoreShape(math.prod(batch), h, tq, tk, work, q.device)
+        s = s + _batched(bias.dense(bias.inputs(), shape), batch)
+    elif bias is not None:
+        s = s + bias
+        visible = visible & (bias != float("-inf"))  # -inf in bias masks that pair
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # one more logit per row, attending to nothing
+        s = torch.cat([s, sinks.to(work)[:, None, None].expand(*s.shape[:-1], 1)], -1)
     # A row with no key to attend would be softmax(-inf, ..., -inf) = NaN: give it weights 0.
     empty = (s == float("-inf")).all(-1, keepdim=True)  # (..., H, Tq, 1)
-    w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)  # (..., H, Tq, Tk)
+    w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    w = w[..., :tk]  # (..., H, Tq, Tk): without the sink's share
 
     p = F.dropout(w, dropout_p) if dropout_p else w
-    out: Tensor = (p.unflatten(-3, (-1, groups)) @ vg).flatten(-4, -3)  # (..., H, Tq, Dv)
-    if return_weights:
-        return out.to(q.dtype), w.to(q.dtype)
-    return out.to(q.dtype)
+    bad = ~torch.isfinite(vg)  # a non-finite value reaches exactly the outputs that see its key
+    out = (p.unflatten(-3, (hkv, -1)) @ vg.masked_fill(bad, 0.0)).flatten(
+        -4, -3
+    )  # (..., H, Tq, Dv)
+    if not torch.compiler.is_compiling() and bool(bad.any()):
+        seen = visible.expand(*w.shape).unflatten(-3, (hkv, -1)).to(work) @ bad.to(work)
+        out = out.masked_fill(seen.flatten(-4, -3) > 0, float("nan"))
+    result: Tensor = out.to(q.dtype)
+    return (result, w.to(q.dtype)) if return_weights else result

@@ -1,56 +1,186 @@
 """The sdpa backend: torch's fused ``scaled_dot_product_attention``.
 
 torch picks its own kernel (flash, memory-efficient, cuDNN or math) for the device and inputs; this
-adapter translates attnkit's conventions, which differ from torch's in two places:
+adapter translates attnkit's conventions, which differ from torch's in three places:
 
-* ``causal=True`` is bottom-right aligned in attnkit and top-left in torch (they agree when
-  ``Tq == Tk``), and torch refuses ``is_causal`` together with a mask. Both cases need an explicit
-  ``(Tq, Tk)`` mask here, which is why the dispatcher prefers the chunked backend for them.
-* attnkit's ``bias`` is torch's float ``attn_mask``; with a bool mask as well, the two are merged
-  into one float tensor.
+* attnkit's causal alignment is bottom-right and torch's ``is_causal`` top-left (they agree when
+  ``Tq == Tk``), and torch refuses ``is_causal`` together with a mask: such calls, and every
+  structured mask other than key padding, need a bool mask written out, which is why ``auto``
+  prefers the chunked backend for them.
+* attnkit's ``bias`` is torch's float ``attn_mask``; with a mask as well, the two are merged.
+* A :class:`~attnkit.scores.ScoreTerm` (no gradients) is served one block of queries at a time,
+  with the block's term, bias and mask as the float ``attn_mask`` of one fused call: memory
+  O(B * H * block * Tk).
+
+torch's kernels do not follow attnkit's non-finite policy by themselves (a NaN in a masked key
+reaches the output; a query whose scores are all NaN gets 0). So, outside torch.compile, the
+backend looks at its output, one small reduction over ``(..., H, Tq)``: if it holds NaN/inf, or a
+query whose row is not empty got exactly 0, the call is recomputed by attnkit's kernel, which
+applies the policy exactly. Calls that need gradients are not given to this backend at all when
+their inputs hold NaN/inf (torch's backward would let masked ones into the gradients).
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._checks import AttentionCall
-from ..masks import causal_mask
+from .._call import AttentionCall
+from .._checks import check_int, dim_str, shape_str
+from ..kernel import make_plan, no_autocast
+from ..masks import Mask, _Causal, _Dense, _Geometry, _KeyPadding
+from ..scores import ScoreShape, ScoreTerm
+from .base import Backend
+from .chunked import kernel_attention
+from .reference import reference
+
+__all__ = ["SDPA", "sdpa_check", "sdpa_cost"]
 
 
-def causal_needs_mask(call: AttentionCall) -> bool:
-    """True when ``causal`` cannot be passed to torch as ``is_causal`` and must become a mask."""
-    if not call.causal or call.q_len <= 1:  # one query, bottom-right: it sees every key
+def _batched(t: Tensor, batch: tuple[int, ...]) -> Tensor:
+    """``(B|1, ...)`` with the batch dims flattened -> ``(*batch|1, ...)``."""
+    if t.size(0) == 1:
+        return t.reshape(*(1,) * len(batch), *t.shape[1:])
+    return t.reshape(*batch, *t.shape[1:])
+
+
+def _is_causal(call_q: int, call_k: int, mask: Mask | None, has_bias: bool) -> bool | None:
+    """True: torch's ``is_causal`` serves the mask; False: no mask at all; None: write it out."""
+    if mask is None:
         return False
-    return call.q_len != call.kv_len or call.mask_shape is not None or call.bias_shape is not None
+    if isinstance(mask, _Causal) and not has_bias:
+        if mask.align == "top_left":  # torch's own alignment
+            return True
+        if call_q <= 1:  # one query, bottom-right: it sees every key
+            return False
+        if call_q == call_k:
+            return True
+    return None
 
 
-def sdpa(
+def _cheap_mask(mask: Mask) -> bool:
+    """The mask's dense form costs nothing new: a tensor given as is, or key padding."""
+    return isinstance(mask, (_Dense, _KeyPadding))
+
+
+def sdpa_check(call: AttentionCall) -> list[str]:
+    """Why torch's SDPA cannot serve a call (empty when it can)."""
+    reasons = []
+    if call.return_weights:
+        reasons.append("does not return attention weights (only reference does)")
+    if call.softcap is not None:
+        reasons.append("torch's kernel has no softcap")
+    if call.sinks:
+        reasons.append("torch's kernel has no sinks")
+    if call.score_term is not None:
+        if torch.compiler.is_compiling():
+            reasons.append(
+                "torch.compile/export is tracing: its loop over blocks of queries would unroll "
+                "per block"
+            )
+        if call.requires_grad:
+            reasons.append(
+                "serves a score term only without gradients (torch would keep each block's "
+                "probabilities for the backward); use torch.no_grad() or inference_mode()"
+            )
+        if call.dtype in (torch.float16, torch.bfloat16):
+            reasons.append(
+                f"its float mask would round the score term to {str(call.dtype)[6:]}; chunked "
+                "keeps it in float32"
+            )
+    if call.finite is False and call.requires_grad:
+        reasons.append(
+            "q, k or v hold NaN/inf and gradients are needed: torch's backward would let masked "
+            "ones into the gradients"
+        )
+    return reasons
+
+
+def sdpa_cost(call: AttentionCall) -> list[str]:
+    """Why ``auto`` should prefer another backend although torch's SDPA could serve the call."""
+    costs = []
+    mask = call.mask
+    if (
+        mask is not None
+        and call.score_term is None
+        and _is_causal(call.q_len, call.kv_len, mask, call.bias_shape is not None) is None
+        and not _cheap_mask(mask)
+    ):
+        size = shape_str((call.q_len, call.kv_len))
+        if call.causal and call.q_len != call.kv_len:
+            why = (
+                f"a (Tq, Tk) = {size} causal mask: Tq != Tk ({dim_str(call.q_len)} != "
+                f"{dim_str(call.kv_len)}) and torch's is_causal is top-left aligned"
+            )
+        elif call.causal:
+            why = (
+                f"a (Tq, Tk) = {size} causal mask: torch does not take is_causal together with "
+                "a mask or bias"
+            )
+        else:
+            why = f"the mask {mask!r} as a (Tq, Tk) = {size} tensor"
+        costs.append(f"would materialise {why}")
+    if call.bias_requires_grad and call.score_term is None:
+        costs.append(
+            f"would keep the probabilities (..., H, Tq, Tk) = {shape_str(call.scores_shape)} for "
+            "the backward: torch computes a bias gradient only in its math kernel"
+        )
+    return costs
+
+
+def _empty_rows(mask: Tensor | None, attn_mask: Tensor | None) -> Tensor | None:
+    """Bool ``(..., Tq, 1)`` rows with no key they may attend, or None when there are none."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        return ~attn_mask.any(-1, keepdim=True)
+    return (attn_mask == float("-inf")).all(-1, keepdim=True)
+
+
+def _trustworthy(out: Tensor, attn_mask: Tensor | None) -> bool:
+    """Whether torch's output follows attnkit's rules: no NaN/inf, and exact zeros only in the rows
+    that have no visible key. One reduction and one read of the result in the common case."""
+    if not out.numel():
+        return True
+    peaks = torch.linalg.vector_norm(out, ord=math.inf, dim=-1)  # (..., H, Tq): NaN/inf/0 show
+    low, high = torch.aminmax(peaks)
+    low_f, high_f = torch.stack([low, high]).tolist()
+    if not math.isfinite(high_f):
+        return False
+    if low_f > 0:
+        return True
+    empty = _empty_rows(None, attn_mask)
+    if empty is None:
+        return False  # a zero row no mask explains: torch hid a NaN, or v is 0 there
+    return bool(((peaks == 0) <= empty.squeeze(-1).expand_as(peaks)).all())
+
+
+def _plain(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    *,
-    mask: Tensor | None,
+    mask: Mask | None,
     bias: Tensor | None,
-    causal: bool,
     scale: float,
     dropout_p: float,
-    return_weights: bool,
-) -> Tensor:
-    tq, tk = q.size(-2), k.size(-2)
-    # A branch, not `causal and tq > 1`: with symbolic lengths (torch.compile dynamic=True) that
-    # expression is a SymBool, which torch's kernel refuses as is_causal; `if` guards on it.
+) -> tuple[Tensor, Tensor | None]:
+    """One fused call; returns the output and the float/bool mask torch saw."""
+    batch = tuple(q.shape[:-3])
+    h, tq, _ = q.shape[-3:]
+    tk = k.size(-2)
     is_causal = False
-    if causal and tq > 1:
+    attn_mask: Tensor | None = None
+    causal = _is_causal(tq, tk, mask, bias is not None)
+    if causal is None and mask is not None:
+        geo = _Geometry(batch, h, tq, tk, q.device)
+        attn_mask = _batched(mask._tile(geo, 0, tq, 0, tk), batch)
+    elif causal:
         is_causal = True
-    if is_causal and (tq != tk or mask is not None or bias is not None):
-        c = causal_mask(tq, tk, device=q.device)
-        mask = c if mask is None else mask & c
-        is_causal = False
-    attn_mask = mask
     if bias is not None:
-        attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
     if attn_mask is not None and attn_mask.ndim < 2:
         attn_mask = attn_mask.unsqueeze(0)  # torch wants (..., Tq|1, Tk); ours may be just (Tk,)
     if scale == 0.0:
@@ -67,8 +197,130 @@ def sdpa(
         scale=scale,
         enable_gqa=q.size(-3) != k.size(-3),
     )
-    if mask is not None and q.device.type != "cpu":
+    empty = _empty_rows(None, attn_mask)
+    if empty is not None and q.device.type != "cpu":
         # On CPU torch >= 2.5 returns 0 for a query with no visible key (its math and flash kernels
         # use a safe softmax); the CUDA kernels have differed between releases, so make sure.
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    return out
+        out = out.masked_fill(empty, 0.0)
+    return out, attn_mask
+
+
+def _blocked_term(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | None,
+    bias: Tensor | None,
+    term: ScoreTerm,
+    scale: float,
+    dropout_p: float,
+    block_q: int,
+    product_q: int,
+) -> tuple[Tensor, bool]:
+    """A score term without gradients: per block of queries, one fused call whose float mask is
+    the block's term (+ bias, masked with -inf). Keys no query of the block may see are left out.
+    Returns the output and whether every block's output looked trustworthy."""
+    batch = tuple(q.shape[:-3])
+    h, tq, _ = q.shape[-3:]
+    hkv, tk, dv = v.shape[-3:]
+    n = math.prod(batch)
+    q4, k4, v4 = (t.reshape(n, *t.shape[-3:]) for t in (q, k, v))
+    bias4 = None
+    if bias is not None:
+        bias4 = bias.reshape((1,) * (len(batch) + 3 - bias.ndim) + tuple(bias.shape))
+        bias4 = bias4.expand(*batch, *bias4.shape[len(batch) :]).reshape(-1, *bias4.shape[-3:])
+    geo = _Geometry(batch, h, tq, tk, q.device)
+    work = torch.promote_types(q.dtype, torch.float32)
+    shape = ScoreShape(n, h, tq, tk, work, q.device)
+    inputs = tuple(term.inputs())
+    # The plan says which keys each block of queries can see (64-key resolution).
+    plan = make_plan(
+        mask, geo, q_start=0, q_len=tq, k_start=0, kv_len=tk, block_q=block_q, block_k=64
+    )
+    # (N, Tq, H, Dv) memory, so that a caller's merge of the heads is a view, not a copy.
+    out = q.new_empty(n, tq, h, dv).transpose(1, 2)
+    trusted = True
+    for qb in plan.blocks:
+        qs, qe = qb.qs, qb.qe
+        lo, hi = qb.key_range
+        if hi <= lo:
+            out[:, :, qs:qe] = 0.0
+            continue
+        add = torch.empty(n, h, qe - qs, hi - lo, dtype=work, device=q.device)
+        for ps in range(qs, qe, product_q):
+            pe = min(ps + product_q, qe)
+            tile = term.block(inputs, shape, ps, pe, lo, hi, grads=None).tile(lo, hi)
+            add[:, :, ps - qs : pe - qs] = tile
+        if bias4 is not None:
+            add += (bias4[..., qs:qe, :] if bias4.size(-2) != 1 else bias4)[..., lo:hi]
+        covered = sum(vt.ke - vt.ks for vt in qb.visits) == hi - lo
+        if mask is not None and (not covered or any(vt.partial for vt in qb.visits)):
+            add.masked_fill_(~mask._tile(geo, qs, qe, lo, hi), float("-inf"))
+        attn_mask = add.to(q.dtype)
+        block = F.scaled_dot_product_attention(
+            q4[:, :, qs:qe],
+            k4[:, :, lo:hi],
+            v4[:, :, lo:hi],
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=h != hkv,
+        )
+        if q.device.type != "cpu":
+            block = block.masked_fill((attn_mask == float("-inf")).all(-1, keepdim=True), 0.0)
+        if trusted and not torch.compiler.is_compiling():
+            trusted = _trustworthy(block, attn_mask)
+        out[:, :, qs:qe] = block
+    return out.reshape(*batch, h, tq, dv), trusted
+
+
+class SDPA(Backend):
+    """torch's SDPA as a backend; ``block_q`` and ``product_q`` size the blocks of a call with a
+    score term (queries per fused call, and per product of the term)."""
+
+    def __init__(self, *, block_q: int = 192, product_q: int = 64) -> None:
+        self.block_q = check_int("block_q", block_q)
+        self.product_q = check_int("product_q", product_q)
+
+        def run(
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            *,
+            mask: Mask | None,
+            bias: Tensor | ScoreTerm | None,
+            scale: float,
+            softcap: float | None,
+            sinks: Tensor | None,
+            dropout_p: float,
+            return_weights: bool,
+        ) -> Tensor:
+            if isinstance(bias, ScoreTerm):
+                with no_autocast(q.device):
+                    out, trusted = _blocked_term(
+                        q, k, v, mask, None, bias, scale, dropout_p, self.block_q, self.product_q
+                    )
+                attn_mask = None
+            else:
+                out, attn_mask = _plain(q, k, v, mask, bias, scale, dropout_p)
+                trusted = (
+                    torch.compiler.is_compiling()
+                    or (torch.is_grad_enabled() and out.requires_grad)
+                    or _trustworthy(out, attn_mask)
+                )
+            if trusted:
+                return out
+            # NaN/inf in the result, or a zero no mask explains: let attnkit apply the policy (the
+            # reference when there is dropout, which the kernel does not have).
+            if dropout_p:
+                redo = reference(
+                    q, k, v, mask=mask, bias=bias, scale=scale, softcap=None, sinks=None,
+                    dropout_p=dropout_p, return_weights=False,
+                )  # fmt: skip
+                return redo[0] if isinstance(redo, tuple) else redo
+            return kernel_attention(q, k, v, mask=mask, bias=bias, scale=scale)
+
+        super().__init__("sdpa", run, check=sdpa_check, cost=sdpa_cost)
+
+    def __repr__(self) -> str:
+        return f"SDPA(block_q={self.block_q}, product_q={self.product_q})"

@@ -4,9 +4,10 @@ Each of the ``W`` ranks holds an equal shard of q, k and v. The k/v shards trave
 (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``) while each rank attends its queries to
 the block it holds, so after ``W`` steps every query has met every key and no rank has held more
 than two k/v shards at once (Liu et al., 2023, "Ring Attention with Blockwise Transformers"). Each
-step runs the chunked kernel's forward tile by tile (a few kernel blocks of queries by a few of
-keys); each tile's output and log-sum-exp are merged into a running pair in float32, the online
-softmax one level up. Causal tiles above the diagonal are never computed.
+step runs attnkit's kernel (:mod:`attnkit.kernel`) tile by tile (a few kernel blocks of queries by
+a few of keys), with the call's mask evaluated at the tile's global positions; each tile's output
+and log-sum-exp are merged into a running pair in float32, the online softmax one level up. Causal
+tiles above the diagonal are never computed.
 
 The backward goes around the ring again. Given the *final* output and log-sum-exp, the chunked
 kernel's backward yields each block's exact share of the gradients: the query gradients stay home,
@@ -27,9 +28,21 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from .._checks import AttentionCall, check_attention_args, shape_str
+from .._call import AttentionCall, check_attention_args
+from .._checks import check_int, shape_str
 from .._typing import Bool, Float, shape_checked
-from ..backends import chunked as _chunked
+from ..backends.base import Backend
+from ..kernel import (
+    Problem,
+    backward,
+    default_blocks,
+    delta_of,
+    finish,
+    forward,
+    make_plan,
+    sink_grad,
+)
+from ..masks import Mask, _Band, _block_reduce, _Dense, _FromFn, _Geometry, _states_from
 from ._comm import Ring, agree, require_group
 from .layout import LAYOUTS, segments
 
@@ -54,6 +67,9 @@ class _Plan:
     causal: bool
     layout: str
     scale: float
+    softcap: float | None
+    structure: Mask | None  # the call's mask without its traveling key mask, global positions
+    geo: _Geometry  # the whole sequence's call
     q_len: int  # local lengths
     kv_len: int
     block_q: int
@@ -61,100 +77,105 @@ class _Plan:
     tile_q: int
     tile_k: int
     tile_k_backward: int
+    careful: bool  # NaN/inf in some rank's q, k or v: the kernel's careful mode everywhere
 
 
 @dataclass(frozen=True)
 class _Piece:
-    """Local queries ``[qs, qe)`` against keys ``[ks, ke)`` of the block held.
-
-    Query ``i`` of the piece sees key ``j`` iff ``j <= i + offset``; ``offset=None``: every key.
-    """
+    """Local queries ``[qs, qe)`` against keys ``[ks, ke)`` of the block held, which sit at the
+    global positions ``gq...`` and ``gk...`` (a piece never spans two runs of a zigzag shard)."""
 
     qs: int
     qe: int
     ks: int
     ke: int
-    offset: int | None
-
-
-def _piece(qs: int, qe: int, ks: int, ke: int, offset: int | None) -> _Piece | None:
-    """The piece, with ``offset=None`` when it sees every key; None when it sees none."""
-    if qe <= qs or ke <= ks:
-        return None
-    if offset is not None:
-        if offset + (qe - qs) - 1 < 0:
-            return None  # above the diagonal: not computed at all
-        if offset >= (ke - ks) - 1:
-            offset = None
-    return _Piece(qs, qe, ks, ke, offset)
+    gq: int
+    gk: int
 
 
 def _pieces(plan: _Plan, src: int, tile_k: int) -> list[_Piece]:
-    """What this rank computes against the block that rank ``src`` owns, in tiles."""
-    if not plan.causal:
-        whole = _piece(0, plan.q_len, 0, plan.kv_len, None)
-        return [] if whole is None else _tiles(whole, plan.tile_q, tile_k)
+    """What this rank computes against the block that rank ``src`` owns, in tiles; tiles whose
+    every key comes after every query are left out under a causal mask."""
     world, pieces = plan.ring.world_size, []
     for lq, gq, nq in segments(plan.layout, plan.ring.rank, world, plan.q_len):
         for lk, gk, nk in segments(plan.layout, src, world, plan.kv_len):
-            # Global query gq + i sees global key gk + j iff j <= i + (gq - gk).
-            piece = _piece(lq, lq + nq, lk, lk + nk, gq - gk)
-            if piece is not None:
-                pieces += _tiles(piece, plan.tile_q, tile_k)
+            for qs in range(lq, lq + nq, plan.tile_q):
+                qe = min(qs + plan.tile_q, lq + nq)
+                for ks in range(lk, lk + nk, tile_k):
+                    ke = min(ks + tile_k, lk + nk)
+                    g_q, g_k = gq + qs - lq, gk + ks - lk
+                    if plan.causal and g_k > g_q + (qe - qs) - 1:
+                        continue  # above the diagonal: not computed at all
+                    pieces.append(_Piece(qs, qe, ks, ke, g_q, g_k))
     return pieces
 
 
-def _tiles(piece: _Piece, tile_q: int, tile_k: int) -> list[_Piece]:
-    tiles = []
-    for qs in range(piece.qs, piece.qe, tile_q):
-        for ks in range(piece.ks, piece.ke, tile_k):
-            offset = piece.offset
-            if offset is not None:
-                offset += (qs - piece.qs) - (ks - piece.ks)  # the same diagonal, seen from (qs, ks)
-            tile = _piece(qs, min(qs + tile_q, piece.qe), ks, min(ks + tile_k, piece.ke), offset)
-            if tile is not None:
-                tiles.append(tile)
-    return tiles
+class _ShardKeys(Mask):
+    """The key mask of the block a rank holds (it travels with its keys), asked at global key
+    positions: local key ``j`` sits at global position ``j + start``."""
+
+    def __init__(self, t: Tensor, start: int) -> None:
+        self.t, self.start = t, start
+
+    def _describe(self) -> str:
+        return f"key mask shard {shape_str(self.t.shape)}"
+
+    def _keys(self, ks: int, ke: int) -> Tensor:
+        """``(N|1, H|1, 1, keys|1)`` for global keys ``ks:ke``."""
+        t = self.t.reshape((1,) * max(0, 4 - self.t.ndim) + tuple(self.t.shape))
+        t = t.reshape(-1, *t.shape[-3:])
+        return t[..., ks - self.start : ke - self.start] if t.size(-1) != 1 else t
+
+    def _tile(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+        return self._keys(ks, ke)
+
+    def _states(self, geo: _Geometry, q: tuple[int, int, int], k: tuple[int, int, int]) -> Tensor:
+        k0, k1, bk = k
+        keys = self._keys(k0, k1).flatten(0, 2)  # (N*H | 1, keys | 1)
+        anys, _ = _block_reduce(keys.any(0, keepdim=True), k0, k1, bk, 1)
+        _, alls = _block_reduce(keys.all(0, keepdim=True), k0, k1, bk, 1)
+        return _states_from(~anys[0], alls[0]).cpu().expand(len(range(*q)), -1)
+
+    @property
+    def _keys_only(self) -> bool:
+        return True
 
 
 def _problem(
     plan: _Plan, piece: _Piece, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
-) -> _chunked._Problem:
-    keys = slice(piece.ks, piece.ke)
-    if mask is not None and mask.size(-1) != 1:
-        mask = mask[..., keys]
-    return _chunked._Problem(
-        q[..., piece.qs : piece.qe, :],
-        k[..., keys, :],
-        v[..., keys, :],
-        mask,
-        None,
-        piece.offset,
-        plan.scale,
-        plan.block_q,
-        plan.block_k,
-    )
-
-
-def _empty_rows(p: _chunked._Problem, piece: _Piece) -> Tensor | None:
-    """The piece's rows that see no key, ``(N|1, Hkv|1, G|1, rows, 1)``; None when there are none.
-
-    The chunked kernel gives such rows a log-sum-exp of 0 (its backward needs a finite value), which
-    a merge would read as weight ``exp(0) = 1``: they must enter the merge as -inf instead.
-    """
+) -> Problem:
+    """The kernel's problem for one piece, its mask asked at the piece's global positions."""
+    visible = plan.structure
+    if mask is not None:
+        shard = _ShardKeys(mask, piece.gk - piece.ks)
+        visible = shard if visible is None else visible & shard
+    hkv = k.size(-3)
+    n = math.prod(q.shape[:-3])
     rows, keys = piece.qe - piece.qs, piece.ke - piece.ks
-    device = p.q5.device
-    if piece.offset is None:
-        last = torch.full((rows,), keys - 1, device=device)
-    else:
-        last = (torch.arange(rows, device=device) + piece.offset).clamp(max=keys - 1)
-    sees = last >= 0  # (rows,): the row's last visible key, causally
-    if p.mask5 is None:
-        return None if bool(sees.all()) else ~sees.view(rows, 1)
-    counts = p.mask5.cumsum(-1)  # (N|1, Hkv|1, G|1, 1, keys|1): unmasked keys up to each position
-    index = last.clamp(min=0) if counts.size(-1) > 1 else torch.zeros_like(last)
-    seen = counts.index_select(-1, index) > 0  # (..., 1, rows)
-    return (~(seen & sees)).transpose(-1, -2)
+    qp = q[..., piece.qs : piece.qe, :]
+    kp, vp = k[..., piece.ks : piece.ke, :], v[..., piece.ks : piece.ke, :]
+    return Problem(
+        q5=qp.reshape(n, hkv, q.size(-3) // hkv, rows, q.size(-1)),
+        k3=kp.reshape(n * hkv, keys, k.size(-1)),
+        v3=vp.reshape(n * hkv, keys, v.size(-1)),
+        scale=plan.scale,
+        plan=make_plan(
+            visible,
+            plan.geo,
+            q_start=piece.gq,
+            q_len=rows,
+            k_start=piece.gk,
+            kv_len=keys,
+            block_q=plan.block_q,
+            block_k=plan.block_k,
+        ),
+        geo=plan.geo,
+        mask=visible,
+        softcap=plan.softcap,
+        q_start=piece.gq,
+        k_start=piece.gk,
+        careful=plan.careful,
+    )
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -163,7 +184,8 @@ def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> No
     # A row that has seen no key on either side stays at -inf; subtracting 0 then keeps both
     # weights at exp(-inf) = 0 instead of exp(-inf + inf) = nan.
     safe = new.masked_fill(new == float("-inf"), 0.0)
-    out.mul_((lse - safe).exp_()).add_(block_out.mul_((block_lse - safe).exp_()))
+    out.mul_((lse - safe).exp_().unsqueeze(-1))
+    out.add_(block_out.mul_((block_lse - safe).exp_().unsqueeze(-1)))
     lse.copy_(new)
 
 
@@ -180,11 +202,12 @@ def _unpack(block: list[Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
 def _ring_forward(
     plan: _Plan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """Output ``(N, Hkv, G, Tq, Dv)`` and log-sum-exp ``(N, Hkv, G, Tq, 1)`` in the work dtype."""
+    """Output ``(N, Hkv, G, Tq, Dv)`` and log-sum-exp ``(N, Hkv, G, Tq)`` in the work dtype;
+    ``-inf`` for queries that see no key anywhere (their output is 0)."""
     n, hkv, g = _kernel_shape(q, v)
     work = torch.promote_types(q.dtype, torch.float32)
     out = q.new_zeros(n, hkv, g, plan.q_len, v.size(-1), dtype=work)
-    lse = q.new_full((n, hkv, g, plan.q_len, 1), float("-inf"), dtype=work)
+    lse = q.new_full((n, hkv, g, plan.q_len), float("-inf"), dtype=work)
     ring = plan.ring
     block = [k, v] if mask is None else [k, v, mask]
     for step in range(ring.world_size):
@@ -192,16 +215,11 @@ def _ring_forward(
         kb, vb, mb = _unpack(block)
         for piece in _pieces(plan, (ring.rank - step) % ring.world_size, plan.tile_k):
             p = _problem(plan, piece, q, kb, vb, mb)
-            block_out, block_lse = _chunked.forward(p)
-            empty = _empty_rows(p, piece)
-            if empty is not None:
-                block_lse.masked_fill_(empty, float("-inf"))
+            block_out, block_lse = forward(p)
             rows = slice(piece.qs, piece.qe)
             _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
         if incoming is not None:
             block = incoming.wait()
-    # Rows that saw no key at all have output 0; the chunked backward wants their lse at 0.
-    lse.masked_fill_(lse == float("-inf"), 0.0)
     return out, lse
 
 
@@ -211,15 +229,14 @@ def _ring_backward(
     k: Tensor,
     v: Tensor,
     mask: Tensor | None,
-    out: Tensor,
     lse: Tensor,
+    delta: Tensor,
     dout: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of the local q, k, v in the kernel layout and the work dtype."""
     n, hkv, g = _kernel_shape(q, v)
-    out5 = out.reshape(n, hkv, g, plan.q_len, v.size(-1))
     dout5 = dout.reshape(n, hkv, g, plan.q_len, v.size(-1))
-    dq = torch.zeros(n * hkv, g, plan.q_len, q.size(-1), dtype=lse.dtype, device=q.device)
+    dq = torch.zeros(n, hkv, g, plan.q_len, q.size(-1), dtype=lse.dtype, device=q.device)
     ring = plan.ring
     block = [k, v] if mask is None else [k, v, mask]
     # The key/value gradients of the block held: this rank's own block first, then each block's
@@ -232,12 +249,17 @@ def _ring_backward(
         for piece in _pieces(plan, (ring.rank - step) % ring.world_size, plan.tile_k_backward):
             p = _problem(plan, piece, q, kb, vb, mb)
             rows, keys = slice(piece.qs, piece.qe), slice(piece.ks, piece.ke)
-            dq_p, dk_p, dv_p, _ = _chunked.backward(
-                p, out5[:, :, :, rows], lse[:, :, :, rows], dout5[:, :, :, rows], False
+            grads = backward(
+                p,
+                lse[:, :, :, rows],
+                delta[:, :, :, rows],
+                dout5[:, :, :, rows],
+                bias_grad=False,
+                term_grads=False,
             )
-            dq[:, :, rows] += dq_p.view(n * hkv, g, piece.qe - piece.qs, q.size(-1))
-            dk[:, keys] += dk_p
-            dv[:, keys] += dv_p
+            dq[:, :, :, rows] += grads.dq
+            dk[:, keys] += grads.dk
+            dv[:, keys] += grads.dv
         if incoming is not None:
             block = incoming.wait()
         del kb, vb, mb
@@ -253,17 +275,21 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
+        plan: _Plan,
         q: Tensor,
         k: Tensor,
         v: Tensor,
         mask: Tensor | None,
-        plan: _Plan,
+        sinks: Tensor | None,
     ) -> Tensor:
+        _, hkv, g = _kernel_shape(q, v)
         out5, lse = _ring_forward(plan, q, k, v, mask)
+        out5, lse = finish(out5, lse, None if sinks is None else sinks.view(hkv, g))
         out = out5.view(*q.shape[:-1], v.size(-1)).to(q.dtype)
-        # O before rounding, for the backward's rowsum(dO * O) (see the chunked backend).
-        ctx.save_for_backward(q, k, v, out5, lse, *([] if mask is None else [mask]))
+        # O before rounding, for the backward's rowsum(dO * O) (see attnkit.kernel.delta_of).
+        ctx.save_for_backward(q, k, v, out5, lse, *(t for t in (mask, sinks) if t is not None))
         ctx.plan = plan  # type: ignore[attr-defined]
+        ctx.has = (mask is not None, sinks is not None)  # type: ignore[attr-defined]
         return out
 
     @staticmethod
@@ -272,19 +298,72 @@ class _RingAttention(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, dout: Tensor
     ) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
-        mask = rest[0] if rest else None
-        dq, dk, dv = _ring_backward(ctx.plan, q, k, v, mask, out, lse, dout)  # type: ignore[attr-defined]
+        has_mask, has_sinks = ctx.has  # type: ignore[attr-defined]
+        mask = rest.pop(0) if has_mask else None
+        sinks = rest.pop(0) if has_sinks else None
+        _, hkv, g = _kernel_shape(q, v)
+        delta = delta_of(out, dout.reshape(out.shape))
+        plan = ctx.plan  # type: ignore[attr-defined]
+        dq, dk, dv = _ring_backward(plan, q, k, v, mask, lse, delta, dout)
+        dsinks = None
+        if sinks is not None:
+            dsinks = sink_grad(lse, delta, sinks.view(hkv, g)).reshape(sinks.shape).to(sinks.dtype)
         return (
-            dq.view(q.shape).to(q.dtype),
+            None,
+            dq.reshape(q.shape).to(q.dtype),
             dk.view(k.shape).to(k.dtype),
             dv.view(v.shape).to(v.dtype),
             None,
-            None,
+            dsinks,
         )
 
 
 # Function.apply is untyped in torch; give it its type once.
 _apply_ring: Callable[..., Tensor] = _RingAttention.apply
+
+
+def _structure(mask: Mask | None) -> tuple[Mask | None, Tensor | None, list[str]]:
+    """Split a call's mask into what every rank evaluates at global positions (causal, windows,
+    functions of the indices) and the dense key mask that travels with its keys; and the reasons
+    ring attention cannot take the rest."""
+    if mask is None:
+        return None, None, []
+    parts = mask._parts
+    if len(parts) > 1 and getattr(mask, "op", "and") != "and":
+        return None, None, ["a mask combined with | cannot be split into traveling key masks"]
+    structure: Mask | None = None
+    travel: Tensor | None = None
+    reasons = []
+    for part in parts:
+        if isinstance(part, (_Band, _FromFn)):
+            structure = part if structure is None else structure & part
+        elif isinstance(part, _Dense) and part._keys_only and travel is None:
+            travel = part.t
+        elif isinstance(part, _Dense):
+            reasons.append(
+                "key masks only (..., 1, Tk): a mask that depends on the query cannot travel"
+            )
+        else:
+            reasons.append(
+                f"takes causal, sliding_window, from_fn and this rank's shard of a dense key mask; "
+                f"give {part!r} as a (..., 1, Tk) bool tensor sharded like the keys"
+            )
+    return structure, travel, reasons
+
+
+def ring_check(call: AttentionCall) -> list[str]:
+    """Why ring attention cannot serve a call (empty when it can)."""
+    reasons = []
+    if call.bias_shape is not None or call.score_term is not None:
+        reasons.append("no bias: a (Tq, Tk) bias cannot be sharded along with the keys")
+    if call.dropout_p:
+        reasons.append("no dropout")
+    if call.return_weights:
+        reasons.append("no weights: they would be the whole sequence's (Tq, Tk) matrix")
+    if call.causal and call.q_len != call.kv_len:
+        reasons.append(f"causal needs Tq = Tk on each rank, got {call.q_len} and {call.kv_len}")
+    reasons += _structure(call.mask)[2]
+    return reasons
 
 
 def _check_local(
@@ -295,8 +374,10 @@ def _check_local(
     causal: object,
     layout: object,
     scale: object,
-) -> tuple[AttentionCall, Tensor | None]:
-    """This rank's own argument checks; returns the call and the mask as a ``q.ndim``-d key mask."""
+    softcap: object,
+    sinks: object,
+) -> AttentionCall:
+    """This rank's own argument checks."""
     call = check_attention_args(
         q,
         k,
@@ -305,33 +386,173 @@ def _check_local(
         bias=None,
         causal=causal,
         scale=scale,
-        dropout_p=0.0,
-        return_weights=False,
+        softcap=softcap,
+        sinks=sinks,
     )
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    key_mask = None
-    if isinstance(mask, Tensor):
-        ndim = len(call.scores_shape)
-        key_mask = mask.reshape((1,) * (ndim - mask.ndim) + tuple(mask.shape))
-        if key_mask.size(-2) != 1:
-            raise ValueError(
-                f"mask must be a key mask, broadcastable to (..., H, 1, Tk) so that it can travel "
-                f"with its keys, got {shape_str(mask.shape)} for (..., H, Tq, Tk) = "
-                f"{shape_str(call.scores_shape)}; "
-                f"a key padding mask is attnkit.masks.padding_mask(...) sharded along its last dim"
-            )
-    if causal and call.q_len != call.kv_len:
-        raise ValueError(
-            f"causal ring attention needs q and k to hold the same positions, got local lengths "
-            f"Tq={call.q_len} and Tk={call.kv_len}"
-        )
+    reasons = ring_check(call)
+    if reasons:
+        raise ValueError("ring_attention: " + "; ".join(reasons))
     if layout == "zigzag" and (call.q_len % 2 or call.kv_len % 2):
         raise ValueError(
             f"layout='zigzag' holds two equal chunks per rank, so the local lengths must be even, "
             f"got Tq={call.q_len} and Tk={call.kv_len}; shard with attnkit.distributed.shard_zigzag"
         )
-    return call, key_mask
+    return call
+
+
+def _ring(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | None,
+    scale: float,
+    softcap: float | None,
+    sinks: Tensor | None,
+    layout: str,
+    group: ProcessGroup | None,
+    blocks: tuple[int | None, int | None],
+    tiles: tuple[int, int, int],
+) -> Tensor:
+    """The ring backend's work, on arguments ``attention()`` has validated on this rank."""
+    require_group(group, "ring_attention")
+    structure, travel, reasons = _structure(mask)
+    causal = structure is not None and any(
+        isinstance(p, _Band) and p.hi == 0 and p.lo == -math.inf for p in structure._parts
+    )
+    description: dict[str, object] = {
+        "q shape": tuple(q.shape),
+        "k shape": tuple(k.shape),
+        "v shape": tuple(v.shape),
+        "dtype": str(q.dtype).removeprefix("torch."),
+        "device type": q.device.type,
+        "mask": None if structure is None else repr(structure),
+        "key mask shape": None if travel is None else tuple(travel.shape),
+        "layout": layout,
+        "scale": scale,
+        "softcap": softcap,
+        "sinks": sinks is not None,
+    }
+    agree(
+        group,
+        "ring_attention",
+        "; ".join(reasons) or None,
+        description,
+        shape_fields=("q shape", "k shape", "v shape", "key mask shape"),
+    )
+    if reasons:
+        raise ValueError("ring_attention: " + "; ".join(reasons))
+    ring = Ring(group)
+    h, q_len = q.size(-3), q.size(-2)
+    kv_len = k.size(-2)
+    groups = h // k.size(-3)
+    key_mask = None
+    if travel is not None:
+        ndim = q.ndim
+        key_mask = travel.reshape((1,) * (ndim - travel.ndim) + tuple(travel.shape))
+    block_q, block_k = default_blocks(causal, groups, q_len)
+    block_q, block_k = blocks[0] or block_q, blocks[1] or block_k
+    careful = (
+        not bool(torch.stack([torch.isfinite(t).all() for t in (q, k, v) if t.numel()]).all())
+        if q.numel() and k.numel()
+        else False
+    )
+    flags = torch.tensor([float(careful)])
+    if torch.distributed.get_backend(group) != "nccl":
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+    plan = _Plan(
+        ring=ring,
+        causal=causal,
+        layout=layout,
+        scale=scale,
+        softcap=softcap,
+        structure=structure,
+        geo=_Geometry(
+            tuple(q.shape[:-3]), h, q_len * ring.world_size, kv_len * ring.world_size, q.device
+        ),
+        q_len=q_len,
+        kv_len=kv_len,
+        block_q=block_q,
+        block_k=block_k,
+        tile_q=tiles[0] * block_q,
+        tile_k=tiles[1] * block_k,
+        tile_k_backward=tiles[2] * block_k,
+        careful=bool(flags.item()),
+    )
+    return _apply_ring(plan, q, k, v, key_mask, sinks)
+
+
+class RingBackend(Backend):
+    """Ring attention as an :func:`attnkit.attention` backend: q, k, v and the mask are this
+    rank's shards of a sequence laid out as ``layout`` across ``group``. Never picked by
+    ``auto``.
+
+    ``block_q`` and ``block_k`` are the kernel's block sizes (default: the chunked backend's);
+    ``tile_blocks`` how many blocks of queries, of keys, and of keys in the backward one tile of
+    a ring step computes at once (a tile's temporaries are O(tile)).
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: str = "contiguous",
+        group: ProcessGroup | None = None,
+        name: str = "ring",
+        block_q: int | None = None,
+        block_k: int | None = None,
+        tile_blocks: tuple[int, int, int] = (TILE_BLOCKS_Q, TILE_BLOCKS_K, TILE_BLOCKS_K_BACKWARD),
+    ) -> None:
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise ValueError(
+                f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}"
+            )
+        blocks = (
+            None if block_q is None else check_int("block_q", block_q),
+            None if block_k is None else check_int("block_k", block_k),
+        )
+        if not isinstance(tile_blocks, tuple) or len(tile_blocks) != 3:
+            raise TypeError(f"tile_blocks must be a tuple of 3 ints, got {tile_blocks!r}")
+        tiles = (
+            check_int("tile_blocks[0]", tile_blocks[0]),
+            check_int("tile_blocks[1]", tile_blocks[1]),
+            check_int("tile_blocks[2]", tile_blocks[2]),
+        )
+        self.layout, self.group = layout, group
+
+        def run(
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            *,
+            mask: Mask | None,
+            bias: object,
+            scale: float,
+            softcap: float | None,
+            sinks: Tensor | None,
+            dropout_p: float,
+            return_weights: bool,
+        ) -> Tensor:
+            # ring_check has turned away bias, dropout and weights before this runs.
+            return _ring(
+                q,
+                k,
+                v,
+                mask=mask,
+                scale=scale,
+                softcap=softcap,
+                sinks=sinks,
+                layout=layout,
+                group=group,
+                blocks=blocks,
+                tiles=tiles,
+            )
+
+        super().__init__(name, run, check=ring_check, auto=False)
+
+    def __repr__(self) -> str:
+        return f"RingBackend(layout={self.layout!r})"
 
 
 @shape_checked
@@ -341,15 +562,21 @@ def ring_attention(
     v: Float[Tensor, "*batch Hkv Tk Dv"],
     *,
     causal: bool = False,
-    mask: Bool[Tensor, "*#mb #Tk"] | None = None,
+    mask: Bool[Tensor, "*#mb #Tk"] | Mask | None = None,
     layout: str = "contiguous",
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
     group: ProcessGroup | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> Float[Tensor, "*batch H Tq Dv"]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Every rank calls it with its own shard; the output is this rank's shard of what
-    :func:`attnkit.attention` gives on the whole sequence, and so are the gradients.
+    :func:`attnkit.attention` gives on the whole sequence, and so are the gradients. It is
+    ``attention(q, k, v, ..., backend=RingBackend(layout=layout, group=group))``, after every rank
+    has checked its arguments with the others.
 
     Args:
         q: this rank's queries ``(..., H, Tq, Dk)``; ``Tq = T / W`` for ``W`` ranks.
@@ -357,15 +584,20 @@ def ring_attention(
         v: this rank's values ``(..., Hkv, Tk, Dv)``.
         causal: query ``i`` sees key ``j`` iff ``j <= i`` in the whole sequence's positions (needs
             ``Tq = Tk``). Blocks above the diagonal are not computed.
-        mask: a key mask for this rank's keys, bool, broadcastable to ``(..., H, 1, Tk)``, True =
-            may attend: this rank's shard of :func:`attnkit.masks.padding_mask`. It travels around
-            the ring with its keys. A query with no key it may attend gets output 0, never NaN.
+        mask: this rank's shard of a key mask, bool, broadcastable to ``(..., H, 1, Tk)``, True =
+            may attend (the shard of :func:`attnkit.masks.padding_mask`; it travels around the
+            ring with its keys), and/or structured masks without data
+            (:func:`~attnkit.masks.causal`, :func:`~attnkit.masks.sliding_window`,
+            :func:`~attnkit.masks.from_fn`), which every rank evaluates at the whole sequence's
+            positions. A query with no key it may attend gets output 0, never NaN.
         layout: which positions each rank holds, ``"contiguous"`` (rank ``r`` holds the ``r``-th of
             ``W`` equal slices, ``x.chunk(W, dim)[r]``) or ``"zigzag"`` (chunks ``r`` and
             ``2W-1-r`` of ``2W``, from :func:`attnkit.distributed.shard_zigzag`, which gives every
             rank the same causal work). q, k, v and mask share it; the output follows it.
         scale: multiplies ``q k^T``; default ``1 / sqrt(Dk)``.
+        softcap, sinks: as in :func:`attnkit.attention`.
         group: the process group whose ranks form the ring; default the whole world.
+        block_q, block_k: the kernel's block sizes (default: the chunked backend's).
 
     Returns:
         This rank's output ``(..., H, Tq, Dv)``, in q's dtype.
@@ -384,43 +616,22 @@ def ring_attention(
     Shape legend: ``...`` batch dims, ``H`` query heads, ``Hkv`` key/value heads, ``Tq``/``Tk``
     this rank's query/key count, ``Dk`` query/key size, ``Dv`` value size.
     """
+    from ..attention import attention
+
     require_group(group, "ring_attention")
     try:
-        call, key_mask = _check_local(q, k, v, mask, causal, layout, scale)
+        _check_local(q, k, v, mask, causal, layout, scale, softcap, sinks)
     except (TypeError, ValueError) as error:
         agree(group, "ring_attention", str(error), {})  # the other ranks raise too, then so do we
         raise
-    description: dict[str, object] = {
-        "q shape": tuple(q.shape),
-        "k shape": tuple(k.shape),
-        "v shape": tuple(v.shape),
-        "dtype": str(call.dtype).removeprefix("torch."),
-        "device type": call.device.type,
-        "mask shape": None if key_mask is None else tuple(key_mask.shape),
-        "causal": call.causal,
-        "layout": layout,
-        "scale": call.scale,
-    }
-    agree(
-        group,
-        "ring_attention",
-        None,
-        description,
-        shape_fields=("q shape", "k shape", "v shape", "mask shape"),
+    return attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        softcap=softcap,
+        sinks=sinks,
+        backend=RingBackend(layout=layout, group=group, block_q=block_q, block_k=block_k),
     )
-    # Read at call time, like the chunked backend, so tests can shrink the blocks and tiles.
-    block_q, block_k = _chunked.default_blocks(call.causal, call.groups, call.q_len)
-    plan = _Plan(
-        ring=Ring(group),
-        causal=call.causal,
-        layout=layout,
-        scale=call.scale,
-        q_len=call.q_len,
-        kv_len=call.kv_len,
-        block_q=block_q,
-        block_k=block_k,
-        tile_q=max(1, TILE_BLOCKS_Q * block_q),
-        tile_k=max(1, TILE_BLOCKS_K * block_k),
-        tile_k_backward=max(1, TILE_BLOCKS_K_BACKWARD * block_k),
-    )
-    return _apply_ring(q, k, v, key_mask, plan)

@@ -1,0 +1,335 @@
+"""An ``attention()`` call: its arguments checked once, and its description for the backends.
+
+Every check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value),
+names the argument, and quotes the shapes or values it saw. Only two checks read tensor data, and
+both are skipped while torch.compile/export trace: a ``bias`` must not hold NaN or ``+inf``, and
+(for calls that need gradients) whether q, k and v hold any non-finite value. Everything else runs
+on ``device="meta"`` tensors too, which is how ``explain`` describes a call without allocating it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._checks import _dtype_str, _require_tensor, check_broadcastable, check_probability, shape_str
+from .masks import Mask, _Dense, _Geometry, _visibility
+from .scores import ScoreShape, ScoreTerm
+
+__all__ = ["AttentionCall", "check_attention_args"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """Everything about an ``attention()`` call that decides which backend can serve it.
+
+    It holds shapes, dtypes, flags and the call's structured mask and score term (descriptions, not
+    data a backend would read here). Backends receive it in their ``check`` and ``cost`` functions;
+    ``explain()`` reports it.
+
+    Shape letters: ``H`` query heads, ``Hkv`` key/value heads (``H`` is a multiple of ``Hkv``),
+    ``Tq`` and ``Tk`` query and key lengths, ``Dk`` and ``Dv`` the per-head sizes of keys and
+    values.
+    """
+
+    batch_shape: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    kv_len: int
+    qk_dim: int
+    v_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    #: the call's visibility, ``mask`` and ``causal`` together (a bool tensor is wrapped as is)
+    mask: Mask | None
+    #: the ``mask`` argument as given, described: a tensor's shape or a structured mask
+    mask_given: str | None
+    #: the shape of a dense bool ``mask`` tensor, if one was given (alone or inside ``mask``)
+    mask_shape: tuple[int, ...] | None
+    causal: bool
+    bias_shape: tuple[int, ...] | None
+    bias_requires_grad: bool
+    score_term: ScoreTerm | None
+    softcap: float | None
+    sinks: bool
+    scale: float
+    dropout_p: float
+    return_weights: bool
+    requires_grad: bool
+    #: False when q, k or v hold NaN/inf (checked for calls that need gradients); None: not checked
+    finite: bool | None = None
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 for plain multi-head attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def scores_shape(self) -> tuple[int, ...]:
+        """The full ``(..., H, Tq, Tk)`` score shape that masks and biases broadcast to."""
+        return (*self.batch_shape, self.num_heads, self.q_len, self.kv_len)
+
+    @property
+    def geometry(self) -> _Geometry:
+        return _Geometry(self.batch_shape, self.num_heads, self.q_len, self.kv_len, self.device)
+
+    def describe(self) -> str:
+        """One line: ``q (2, 8, 128, 64), k (2, 2, 256, 64), v (...) float32 on cpu, causal``."""
+        b = self.batch_shape
+        parts = [
+            f"q {shape_str((*b, self.num_heads, self.q_len, self.qk_dim))}, "
+            f"k {shape_str((*b, self.num_kv_heads, self.kv_len, self.qk_dim))}, "
+            f"v {shape_str((*b, self.num_kv_heads, self.kv_len, self.v_dim))} "
+            f"{_dtype_str(self.dtype)} on {self.device}"
+        ]
+        if self.mask_given is not None:
+            parts.append(f"mask {self.mask_given}")
+        if self.causal:
+            parts.append("causal")
+        if self.bias_shape is not None:
+            grad = " (requires grad)" if self.bias_requires_grad else ""
+            parts.append(f"bias {shape_str(self.bias_shape)}{grad}")
+        if self.score_term is not None:
+            parts.append(f"bias {self.score_term.describe()}")
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.dropout_p:
+            parts.append(f"dropout_p={self.dropout_p}")
+        if self.return_weights:
+            parts.append("return_weights")
+        if self.finite is False:
+            parts.append("non-finite values in q/k/v")
+        return ", ".join(parts)
+
+    def score_shape(self) -> ScoreShape:
+        work = torch.promote_types(self.dtype, torch.float32)
+        n = math.prod(self.batch_shape)
+        return ScoreShape(n, self.num_heads, self.q_len, self.kv_len, work, self.device)
+
+
+def _check_scale(scale: object, qk_dim: int, work: torch.dtype) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(qk_dim) if qk_dim else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
+    limit = torch.finfo(work).max
+    if not math.isfinite(scale) or abs(scale) > limit:
+        raise ValueError(
+            f"scale must be finite and at most {limit:.3g} in magnitude (the largest "
+            f"{_dtype_str(work)}, in which the scores are computed), got {scale!r}"
+        )
+    return float(scale)
+
+
+def _check_softcap(softcap: object) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number > 0 or None, got {softcap!r}")
+    if not 0.0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
+    return float(softcap)
+
+
+def _check_bias_values(bias: Tensor) -> None:
+    """NaN or +inf in a bias has no meaning (-inf does: that pair is masked)."""
+    if torch.compiler.is_compiling() or bias.device.type == "meta" or not bias.numel():
+        return
+    top = float(bias.detach().max())  # NaN propagates through max, +inf is the max
+    if math.isnan(top) or top == math.inf:
+        raise ValueError(
+            f"bias holds {'NaN' if math.isnan(top) else '+inf'}: a bias may hold -inf (that pair "
+            "is then masked) but not NaN or +inf, which would make the softmax undefined"
+        )
+
+
+def check_attention_args(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    mask: object,
+    bias: object,
+    causal: object,
+    scale: object,
+    softcap: object = None,
+    sinks: object = None,
+    dropout_p: object = 0.0,
+    return_weights: object = False,
+) -> AttentionCall:
+    """Validate the arguments of ``attention()`` and describe the call."""
+    q = _require_tensor("q", q)
+    k = _require_tensor("k", k)
+    v = _require_tensor("v", v)
+    if q.ndim < 3:
+        raise ValueError(
+            f"q must have shape (..., H, Tq, Dk) with 3 or more dims, got {q.ndim}-d "
+            f"{shape_str(q.shape)}"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.ndim != q.ndim:
+            raise ValueError(
+                f"{name} must have as many dims as q ({q.ndim}), got {t.ndim}-d "
+                f"{shape_str(t.shape)} for q {shape_str(q.shape)}"
+            )
+    batch = tuple(q.shape[:-3])
+    if tuple(k.shape[:-3]) != batch or tuple(v.shape[:-3]) != batch:
+        raise ValueError(
+            f"q, k and v must share their batch dims (...): got q {shape_str(q.shape)}, "
+            f"k {shape_str(k.shape)}, v {shape_str(v.shape)}"
+        )
+    num_heads, q_len, qk_dim = q.shape[-3:]
+    num_kv_heads, kv_len, k_dim = k.shape[-3:]
+    if tuple(v.shape[-3:-1]) != (num_kv_heads, kv_len):
+        raise ValueError(
+            f"k and v must agree on (Hkv, Tk): got k {shape_str(k.shape)} and "
+            f"v {shape_str(v.shape)}"
+        )
+    if k_dim != qk_dim:
+        raise ValueError(
+            f"q and k must share the last dim Dk: got q {shape_str(q.shape)} (Dk={qk_dim}) and "
+            f"k {shape_str(k.shape)} (Dk={k_dim})"
+        )
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"the heads of q (H={num_heads}) must be a multiple of the heads of k and v "
+            f"(Hkv={num_kv_heads}); got q {shape_str(q.shape)}, k {shape_str(k.shape)}"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got {_dtype_str(t.dtype)}"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"q, k and v must share a dtype, got q {_dtype_str(q.dtype)}, k {_dtype_str(k.dtype)}, "
+            f"v {_dtype_str(v.dtype)}"
+        )
+    if not q.device == k.device == v.device:
+        raise ValueError(
+            f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, "
+            f"v on {v.device}"
+        )
+    work = torch.promote_types(q.dtype, torch.float32)
+    scores = (*batch, num_heads, q_len, kv_len)
+    legend = "(..., H, Tq, Tk)"
+    geo = _Geometry(batch, num_heads, q_len, kv_len, q.device)
+
+    mask_shape = None
+    mask_given = None
+    if mask is not None:
+        if isinstance(mask, Tensor):
+            from ._checks import check_mask
+
+            check_mask("mask", mask, scores, legend)
+            mask_shape = tuple(mask.shape)
+            mask_given = shape_str(mask.shape)
+            if mask.device != q.device:
+                raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+        elif isinstance(mask, Mask):
+            mask._check(geo, "mask")
+            mask_given = repr(mask)
+            dense = [p.t for p in mask._parts if isinstance(p, _Dense)]
+            for t in dense:
+                if t.device != q.device:
+                    raise ValueError(f"mask holds a tensor on {t.device} but q is on {q.device}")
+            if len(dense) == 1:
+                mask_shape = tuple(dense[0].shape)
+        else:
+            raise TypeError(
+                f"mask must be a bool tensor (True = may attend) or an attnkit.masks.Mask, got "
+                f"{type(mask).__name__}"
+            )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+
+    term = None
+    bias_shape = None
+    bias_grad = False
+    if isinstance(bias, ScoreTerm):
+        term = bias
+        for i, t in enumerate(term.inputs()):
+            if not isinstance(t, Tensor):
+                raise TypeError(
+                    f"bias: {term.describe()}.inputs() must return tensors, item {i} is "
+                    f"{type(t).__name__}"
+                )
+            if t.device != q.device:
+                raise ValueError(
+                    f"bias: {term.describe()}'s input {i} is on {t.device} but q is on {q.device}"
+                )
+        bias_grad = any(t.requires_grad for t in term.inputs())
+    elif bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(
+                f"bias must be a float tensor or an attnkit.scores.ScoreTerm, got "
+                f"{type(bias).__name__}"
+            )
+        if not bias.is_floating_point():
+            hint = "; a boolean mask belongs in mask=" if bias.dtype == torch.bool else ""
+            raise TypeError(f"bias must be a float tensor, got {_dtype_str(bias.dtype)}{hint}")
+        if bias.dtype != q.dtype:
+            raise TypeError(
+                f"bias must have the dtype of q ({_dtype_str(q.dtype)}), got "
+                f"{_dtype_str(bias.dtype)}; use bias.to(q.dtype)"
+            )
+        check_broadcastable("bias", bias, scores, legend)
+        if bias.device != q.device:
+            raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
+        _check_bias_values(bias)
+        bias_shape = tuple(bias.shape)
+        bias_grad = bias.requires_grad
+
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+            got = _dtype_str(sinks.dtype) if isinstance(sinks, Tensor) else type(sinks).__name__
+            raise TypeError(f"sinks must be a float tensor (H,) or None, got {got}")
+        if tuple(sinks.shape) != (num_heads,):
+            raise ValueError(
+                f"sinks must have shape (H,) = ({num_heads},), one logit per query head, got "
+                f"{shape_str(sinks.shape)}"
+            )
+        if sinks.dtype != q.dtype:
+            raise TypeError(
+                f"sinks must have the dtype of q ({_dtype_str(q.dtype)}), got "
+                f"{_dtype_str(sinks.dtype)}; use sinks.to(q.dtype)"
+            )
+        if sinks.device != q.device:
+            raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
+    dropout = check_probability("dropout_p", dropout_p)
+    tensors = [q, k, v, *([] if sinks is None else [sinks])]
+    requires_grad = bias_grad or any(t.requires_grad for t in tensors)
+    return AttentionCall(
+        batch_shape=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        qk_dim=qk_dim,
+        v_dim=v.shape[-1],
+        dtype=q.dtype,
+        device=q.device,
+        mask=_visibility(mask, causal),
+        mask_given=mask_given,
+        mask_shape=mask_shape,
+        causal=causal,
+        bias_shape=bias_shape,
+        bias_requires_grad=bias_grad,
+        score_term=term,
+        softcap=_check_softcap(softcap),
+        sinks=sinks is not None,
+        scale=_check_scale(scale, qk_dim, work),
+        dropout_p=dropout,
+        return_weights=return_weights,
+        requires_grad=requires_grad and torch.is_grad_enabled(),
+    )

@@ -1,0 +1,114 @@
+"""The block plan: which (query block, key block) pairs of a call to compute, decided once.
+
+A structured mask answers, for a grid of blocks, whether each block is EMPTY (no pair may attend:
+skipped), FULL (every pair may: no mask work) or PARTIAL (a bool tile decides). The plan lists, for
+every query block, the key blocks to visit and, where the mask can tell, the rows of the query
+block that see any key of that block (a causal diagonal block needs only its lower rows). The
+forward and the backward walk the same plan, and nothing in either asks the mask again whether a
+block is empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..masks import EMPTY, FULL, Mask, _Geometry
+
+__all__ = ["Plan", "QueryBlock", "Visit", "make_plan"]
+
+
+@dataclass(frozen=True)
+class Visit:
+    """Keys ``ks:ke`` (local to the call's key tensor) for rows ``r0:r1`` of a query block;
+    ``partial``: the block needs a mask tile."""
+
+    ks: int
+    ke: int
+    r0: int
+    r1: int
+    partial: bool
+
+
+@dataclass(frozen=True)
+class QueryBlock:
+    """Queries ``qs:qe`` (local to the call's query tensor) and the key blocks they visit."""
+
+    qs: int
+    qe: int
+    visits: tuple[Visit, ...]
+
+    @property
+    def key_range(self) -> tuple[int, int]:
+        """The keys the block's visits cover, first to last (``(0, 0)`` when there are none)."""
+        if not self.visits:
+            return 0, 0
+        return self.visits[0].ks, self.visits[-1].ke
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The blocks of one call: ``blocks`` per query block, and counts for reports."""
+
+    block_q: int
+    block_k: int
+    blocks: tuple[QueryBlock, ...]
+    total: int  # blocks in the grid
+    partial: int  # of which need a tile
+
+    @property
+    def visited(self) -> int:
+        return sum(len(b.visits) for b in self.blocks)
+
+    def describe(self) -> str:
+        return (
+            f"{self.visited} of {self.total} blocks of {self.block_q} x {self.block_k} computed, "
+            f"{self.partial} with a mask tile"
+        )
+
+
+def make_plan(
+    mask: Mask | None,
+    geo: _Geometry,
+    *,
+    q_start: int,
+    q_len: int,
+    k_start: int,
+    kv_len: int,
+    block_q: int,
+    block_k: int,
+) -> Plan:
+    """The plan for queries ``q_start : q_start + q_len`` against keys ``k_start : k_start +
+    kv_len`` of the call ``geo`` (the whole call, unless ring attention computes one shard pair).
+
+    Blocks are cut from the local tensors' first position, so local block ``i`` holds queries
+    ``i * block_q ...``; the mask is asked in the call's coordinates. One host synchronisation at
+    most (for masks whose states are computed on the device).
+    """
+    bq, bk = max(1, block_q), max(1, block_k)
+    nq, nk = len(range(0, q_len, bq)), len(range(0, kv_len, bk))
+    if mask is None:
+        states = None
+    else:
+        states = mask._states(
+            geo, (q_start, q_start + q_len, bq), (k_start, k_start + kv_len, bk)
+        ).tolist()
+    blocks = []
+    partial = 0
+    for i in range(nq):
+        qs, qe = i * bq, min((i + 1) * bq, q_len)
+        visits = []
+        for j in range(nk):
+            ks, ke = j * bk, min((j + 1) * bk, kv_len)
+            state = FULL if states is None else states[i][j]
+            if state == EMPTY:
+                continue
+            r0, r1 = (0, qe - qs)
+            if mask is not None:
+                r0, r1 = mask._rows(geo, qs + q_start, qe + q_start, ks + k_start, ke + k_start)
+                r0, r1 = max(0, r0), min(qe - qs, r1)
+            if r0 >= r1:
+                continue
+            visits.append(Visit(ks, ke, r0, r1, state != FULL))
+            partial += state != FULL
+        blocks.append(QueryBlock(qs, qe, tuple(visits)))
+    return Plan(bq, bk, tuple(blocks), nq * nk, partial)

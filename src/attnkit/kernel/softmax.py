@@ -1,0 +1,438 @@
+"""The online softmax: exact attention in O(T * block) memory, forward and backward, in PyTorch.
+
+The forward walks the query blocks of a :class:`~attnkit.kernel.plan.Plan` and, within each, the key
+blocks the plan visits, keeping a running maximum, sum and weighted sum per query row, so the
+``(Tq, Tk)`` scores never exist at once. The backward recomputes each visited block's scores from
+the saved log-sum-exp instead of saving the probabilities (the FlashAttention recipe; Dao et al.,
+2022). What a call adds to ``q k^T`` (softcap, a dense ``bias``, a lazy :class:`ScoreTerm`, the
+mask's tiles on partial blocks, sinks) is applied here, once, for every backend built on it.
+
+Two details make it fast in eager PyTorch:
+
+* **Lazy rescaling.** The textbook online softmax takes the maximum of every score block and
+  rescales the running sums whenever it grows: two extra passes over each block. Here each query row
+  keeps a fixed offset ``m`` (the maximum of the first blocks it sees) and later blocks are computed
+  directly as ``q k^T - m`` by one ``baddbmm``. Any offset is exact as long as ``exp`` does not
+  overflow (it cannot underflow more than with the true maximum, which is >= ``m``). Overflow, of
+  the running sum or of the weighted values, is detected once per query block and that block is
+  redone with the textbook rescaling.
+* **Grouped-query attention without copies.** The ``G = H / Hkv`` query heads that share a key head
+  are stacked as rows of one matrix (query-major: row ``t * G + g``), so each score block is a
+  single batched GEMM against the shared keys, and a block's first rows can be skipped for every
+  group at once.
+
+The single rule for a query with no visible key lives here too: its log-sum-exp is ``-inf``, its
+output 0, and the backward reads its log-sum-exp as 0 so that its probabilities ``exp(-inf - 0)``
+are 0 and its gradients vanish.
+
+Non-finite inputs (a call's ``careful`` mode, decided once per call): scores of masked pairs are
+replaced by ``-inf`` after the product, so NaN at masked positions of q, k or ``bias`` never
+matters; values enter the weighted sum with their non-finite entries zeroed, and an output entry is
+made NaN exactly when a visible key's value is non-finite there; the backward's products use the
+zeroed q, k and v and drop masked pairs explicitly.
+
+float16/bfloat16 inputs are computed block by block in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask, _Geometry
+from ..scores import ScoreShape, ScoreTerm, TermBlock
+from .plan import Plan, QueryBlock, Visit
+
+__all__ = ["Problem", "backward", "finish", "forward", "no_autocast", "sink_grad"]
+
+# A running sum at or above this (or inf/NaN) means the lazy offset was too low: redo the block.
+_OVERFLOW_GUARD = 2.0**64
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Autocast off for the kernel's own work, whose dtypes are chosen on purpose.
+
+    Inside ``torch.autocast`` (a forward, or a backward called within it) every ``bmm`` would run
+    in the autocast dtype and meet the float32 running sums.
+    """
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _bad(t: Tensor) -> Tensor:
+    return ~torch.isfinite(t)
+
+
+def _clean(t: Tensor) -> Tensor:
+    """``t`` with its non-finite entries replaced by 0."""
+    return t.masked_fill(_bad(t), 0.0)
+
+
+@dataclass
+class Problem:
+    """One call (or one shard pair of a ring call) in the kernel's layout.
+
+    ``q5`` is ``(N, Hkv, G, Tq, Dk)`` (batch dims flattened to ``N``), ``k3``/``v3`` are
+    ``(N*Hkv, Tk, D)``; ``bias5`` is a ``(N|1, Hkv|1, G|1, Tq|1, Tk|1)`` view of a dense bias;
+    ``sinks`` is ``(Hkv, G)``. ``geo`` is the call the mask and the score term are asked about, and
+    ``q_start``/``k_start`` where the local queries and keys sit in it.
+    """
+
+    q5: Tensor
+    k3: Tensor
+    v3: Tensor
+    scale: float
+    plan: Plan
+    geo: _Geometry
+    mask: Mask | None = None
+    bias5: Tensor | None = None
+    softcap: float | None = None
+    term: ScoreTerm | None = None
+    term_inputs: tuple[Tensor, ...] = ()
+    q_start: int = 0
+    k_start: int = 0
+    careful: bool = False
+    work: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.work = torch.promote_types(self.q5.dtype, torch.float32)
+        self.n, self.hkv, self.g, self.tq, self.dk = self.q5.shape
+        self.tk, self.dv = self.v3.shape[-2:]
+        # Only the careful mode looks at values: masked NaN values would otherwise meet 0 weights.
+        self.v_bad = self.careful and bool(_bad(self.v3).any())
+
+    # ----------------------------------------------------------------------------------------------
+    # Rows of a query block: (N*Hkv, rows*G, X), query-major
+
+    def rows(self, t5: Tensor, qs: int, qe: int) -> Tensor:
+        """The block's rows of a ``(N, Hkv, G, Tq, X)`` tensor, as ``(N*Hkv, rows*G, X)`` in the
+        work dtype (a copy)."""
+        block = t5[:, :, :, qs:qe].transpose(2, 3)
+        out = torch.empty(block.shape, dtype=self.work, device=t5.device)
+        out.copy_(block)
+        return out.view(self.n * self.hkv, (qe - qs) * self.g, t5.size(-1))
+
+    def q_rows(self, qs: int, qe: int, clean: bool = False) -> Tensor:
+        """Scaled queries of a block, ``(N*Hkv, rows*G, Dk)``; ``clean``: non-finite entries 0."""
+        block = self.q5[:, :, :, qs:qe].transpose(2, 3)
+        out = torch.empty(block.shape, dtype=self.work, device=block.device)
+        if block.dtype == self.work:
+            torch.mul(block, self.scale, out=out)
+        else:  # a float16 product would be rounded before it reached out
+            out.copy_(block).mul_(self.scale)
+        if clean:
+            out.masked_fill_(_bad(out), 0.0)
+        return out.view(self.n * self.hkv, (qe - qs) * self.g, self.dk)
+
+    def keys(self, ks: int, ke: int, clean: bool = False) -> Tensor:
+        kb = self.k3[:, ks:ke]
+        kb = kb if kb.dtype == self.work else kb.to(self.work)
+        return _clean(kb) if clean else kb
+
+    def values(self, ks: int, ke: int) -> Tensor:
+        vb = self.v3[:, ks:ke]
+        vb = vb if vb.dtype == self.work else vb.to(self.work)
+        return _clean(vb) if self.careful else vb
+
+    # ----------------------------------------------------------------------------------------------
+    # Tiles in the score block's (N, Hkv, rows, G, keys) layout
+
+    def _to_rows(self, t: Tensor) -> Tensor:
+        """``(N|1, H|1, rows|1, keys|1)`` -> ``(N|1, Hkv|1, rows|1, G|1, keys|1)`` (a view)."""
+        if t.size(1) == 1:
+            return t.unsqueeze(3)
+        out: Tensor = t.unflatten(1, (self.hkv, self.g)).transpose(2, 3)
+        return out
+
+    def bias_tile(self, qs: int, qe: int, ks: int, ke: int) -> Tensor | None:
+        if self.bias5 is None:
+            return None
+        return _tile5(self.bias5, qs, qe, ks, ke).transpose(2, 3)
+
+    def mask_tile(self, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+        if self.mask is None:
+            raise RuntimeError("attnkit internal error: a partial block without a mask")
+        tile = self.mask._tile(
+            self.geo, qs + self.q_start, qe + self.q_start, ks + self.k_start, ke + self.k_start
+        )
+        return self._to_rows(tile)
+
+    def term_block(self, qb: QueryBlock, grads: list[Tensor | None] | None) -> TermBlock | None:
+        if self.term is None or not qb.visits:
+            return None
+        lo, hi = qb.key_range
+        return self.term.block(
+            self.term_inputs,
+            _score_shape(self),
+            qb.qs + self.q_start,
+            qb.qe + self.q_start,
+            lo + self.k_start,
+            hi + self.k_start,
+            grads=grads,
+        )
+
+    def scores(
+        self,
+        qr: Tensor,
+        qs: int,
+        visit: Visit,
+        offset: Tensor | None,
+        tb: TermBlock | None,
+        keep_tanh: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Scores of one visit minus ``offset`` (per row), masked with ``-inf``.
+
+        ``qr`` holds the visit's rows ``r0:r1`` of the block starting at query ``qs``. Returns the
+        scores ``(N*Hkv, rows*G, keys)``, ``tanh(scores / softcap)`` before the bias when
+        ``keep_tanh`` (the backward's softcap factor), and the visit's mask tile (partial blocks).
+        """
+        ks, ke = visit.ks, visit.ke
+        lo, hi = qs + visit.r0, qs + visit.r1
+        kt = self.keys(ks, ke).transpose(1, 2)
+        plain = self.softcap is None and self.bias5 is None and tb is None
+        if offset is not None and plain:
+            s = torch.baddbmm(offset, qr, kt, beta=-1.0)  # q k^T - m in one GEMM
+        else:
+            s = torch.bmm(qr, kt)
+        tanh = None
+        if self.softcap is not None:
+            s.mul_(1.0 / self.softcap).tanh_()
+            tanh = s.clone() if keep_tanh else None
+            s.mul_(self.softcap)
+        s5 = s.view(self.n, self.hkv, hi - lo, self.g, ke - ks)
+        bias = self.bias_tile(lo, hi, ks, ke)
+        if bias is not None:
+            s5.add_(bias)
+        if tb is not None:
+            tile = tb.tile(ks + self.k_start, ke + self.k_start)[..., visit.r0 : visit.r1, :]
+            s5.add_(self._to_rows(tile))
+        vis = None
+        if visit.partial:
+            vis = self.mask_tile(lo, hi, ks, ke)
+            s5.masked_fill_(~vis, float("-inf"))
+        if offset is not None and not plain:
+            s.sub_(offset)
+        return s, tanh, vis
+
+    def visible(self, qs: int, visit: Visit, vis: Tensor | None) -> Tensor:
+        """``(N*Hkv, rows*G, keys)`` float: 1 where the visit's pairs are visible, counting a
+        ``-inf`` bias as masked (the careful mode's rule for non-finite values)."""
+        lo, hi = qs + visit.r0, qs + visit.r1
+        shape = (self.n, self.hkv, hi - lo, self.g, visit.ke - visit.ks)
+        out = torch.ones(shape, dtype=self.work, device=self.q5.device)
+        if vis is not None:
+            out.masked_fill_(~vis, 0.0)
+        bias = self.bias_tile(lo, hi, visit.ks, visit.ke)
+        if bias is not None:
+            out.masked_fill_(bias == float("-inf"), 0.0)
+        return out.view(self.n * self.hkv, (hi - lo) * self.g, visit.ke - visit.ks)
+
+
+def _tile5(t: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    """The ``(qs:qe, ks:ke)`` block of a 5-d broadcastable bias; broadcast dims stay size 1."""
+    if t.size(-2) != 1:
+        t = t[..., qs:qe, :]
+    if t.size(-1) != 1:
+        t = t[..., ks:ke]
+    return t
+
+
+def _score_shape(p: Problem) -> ScoreShape:
+    return ScoreShape(p.geo.batch, p.geo.heads, p.geo.q_len, p.geo.kv_len, p.work, p.q5.device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+
+
+def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tensor]:
+    """Output (normalised) and log-sum-exp of one query block, as rows.
+
+    ``lazy=False`` is the textbook online softmax (rescale whenever a block's maximum is larger).
+    """
+    qr_all = p.q_rows(qb.qs, qb.qe)
+    tb = p.term_block(qb, None)
+    rows = qr_all.size(1)
+    acc = qr_all.new_zeros(qr_all.size(0), rows, p.dv)
+    lsum = qr_all.new_zeros(qr_all.size(0), rows, 1)
+    m = qr_all.new_full((qr_all.size(0), rows, 1), float("-inf"))
+    spoiled = qr_all.new_zeros(qr_all.size(0), rows, p.dv) if p.v_bad else None
+    settled = False  # every row has a finite offset, so lazy steps are safe to take
+    for visit in qb.visits:
+        lo, hi = visit.r0 * p.g, visit.r1 * p.g
+        step = lazy and settled
+        s, _, vis = p.scores(qr_all[:, lo:hi], qb.qs, visit, m[:, lo:hi] if step else None, tb)
+        vb = p.values(visit.ks, visit.ke)
+        if step:
+            s.exp_()
+        else:
+            m_old = m[:, lo:hi]
+            m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
+            # Rows that have seen no visible key keep m = -inf (so a later block sets it from its
+            # own maximum) but subtract 0: their scores are all -inf and exp(-inf - 0) = 0.
+            m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            alpha = (m_old - m_sub).exp_()
+            s.sub_(m_sub).exp_()
+            lsum[:, lo:hi].mul_(alpha)
+            acc[:, lo:hi].mul_(alpha)
+            m[:, lo:hi] = m_new
+            if lazy:
+                settled = bool(torch.isfinite(m).all())
+        lsum[:, lo:hi].add_(s.sum(-1, keepdim=True))
+        acc[:, lo:hi].baddbmm_(s, vb)
+        if spoiled is not None:
+            bad = _bad(p.v3[:, visit.ks : visit.ke]).to(p.work)
+            spoiled[:, lo:hi].baddbmm_(p.visible(qb.qs, visit, vis), bad)
+    if lazy and not bool(((lsum < _OVERFLOW_GUARD) & torch.isfinite(acc).all(-1, True)).all()):
+        return _forward_block(p, qb, lazy=False)  # false for inf and NaN too
+    empty = lsum == 0  # rows with no key they may attend: output 0, never 0/0
+    out = acc.div_(lsum.masked_fill(empty, 1.0))
+    if spoiled is not None:
+        out.masked_fill_(spoiled > 0, float("nan"))
+    lse = m.add_(lsum.log_())  # -inf for empty rows: m = -inf and log(0) = -inf
+    return out, lse
+
+
+def forward(p: Problem) -> tuple[Tensor, Tensor]:
+    """Output ``(N, Hkv, G, Tq, Dv)`` in the work dtype (laid out in memory as ``(N, Tq, H, Dv)``)
+    and log-sum-exp ``(N, Hkv, G, Tq)``, ``-inf`` for queries with no visible key. No sinks."""
+    out = torch.empty(p.n, p.tq, p.hkv, p.g, p.dv, dtype=p.work, device=p.q5.device)
+    out = out.permute(0, 2, 3, 1, 4)
+    lse = torch.empty(p.n, p.hkv, p.g, p.tq, dtype=p.work, device=p.q5.device)
+    for qb in p.plan.blocks:
+        rows = qb.qe - qb.qs
+        if not qb.visits:
+            out[:, :, :, qb.qs : qb.qe] = 0.0
+            lse[:, :, :, qb.qs : qb.qe] = float("-inf")
+            continue
+        o, lse_b = _forward_block(p, qb, lazy=True)
+        out[:, :, :, qb.qs : qb.qe] = o.view(p.n, p.hkv, rows, p.g, p.dv).transpose(2, 3)
+        lse[:, :, :, qb.qs : qb.qe] = lse_b.view(p.n, p.hkv, rows, p.g).transpose(2, 3)
+    return out, lse
+
+
+def finish(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Fold the sinks ``(Hkv, G)`` into a forward's output and log-sum-exp (in place for ``out``).
+
+    A sink joins each row's softmax denominator with its logit and attends to nothing, so the row's
+    output shrinks by ``exp(lse - lse_with_sink)``; a row with no visible key stays 0.
+    """
+    if sinks is None:
+        return out, lse
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, :, None])
+    out.mul_((lse - total).exp_().unsqueeze(-1))
+    return out, total
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+
+
+@dataclass
+class Grads:
+    """Gradients in the kernel's layout and work dtype."""
+
+    dq: Tensor  # (N, Hkv, G, Tq, Dk)
+    dk: Tensor  # (N*Hkv, Tk, Dk)
+    dv: Tensor  # (N*Hkv, Tk, Dv)
+    dbias5: Tensor | None
+    dterm: list[Tensor | None]
+
+
+def backward(
+    p: Problem,
+    lse: Tensor,
+    delta: Tensor,
+    dout: Tensor,
+    *,
+    bias_grad: bool,
+    term_grads: bool,
+) -> Grads:
+    """Gradients of one problem given the call's final log-sum-exp and ``delta = rowsum(dO * O)``
+    (both ``(N, Hkv, G, Tq)``, sinks included) and ``dout`` ``(N, Hkv, G, Tq, Dv)``."""
+    # The empty-row rule: such rows read lse 0, so their probabilities exp(-inf - 0) are 0.
+    lse = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
+    delta = delta.unsqueeze(-1)
+    dev = p.q5.device
+    dq = torch.zeros(p.n, p.hkv, p.tq, p.g, p.dk, dtype=p.work, device=dev)
+    dk = torch.zeros(p.n * p.hkv, p.tk, p.dk, dtype=p.work, device=dev)
+    dv = torch.zeros(p.n * p.hkv, p.tk, p.dv, dtype=p.work, device=dev)
+    dbias = None
+    if bias_grad and p.bias5 is not None:
+        dbias = torch.zeros(p.bias5.shape, dtype=p.work, device=dev)
+    dterm: list[Tensor | None] = [None] * len(p.term_inputs)
+    for qb in p.plan.blocks:
+        if not qb.visits:
+            continue
+        qr = p.q_rows(qb.qs, qb.qe)
+        qr_clean = p.q_rows(qb.qs, qb.qe, clean=True) if p.careful else qr
+        lse_b, delta_b, do_b = p.rows(lse, qb.qs, qb.qe), p.rows(delta, qb.qs, qb.qe), None
+        do_b = p.rows(dout, qb.qs, qb.qe)
+        dq_b = torch.zeros_like(qr)
+        tb = p.term_block(qb, dterm if term_grads else None)
+        for visit in qb.visits:
+            lo, hi = visit.r0 * p.g, visit.r1 * p.g
+            s, tanh, vis = p.scores(
+                qr[:, lo:hi], qb.qs, visit, lse_b[:, lo:hi], tb, keep_tanh=p.softcap is not None
+            )
+            prob = s.exp_()  # (N*Hkv, rows*G, keys): the forward's probabilities, recomputed
+            shape5 = (p.n, p.hkv, (hi - lo) // p.g, p.g, visit.ke - visit.ks)
+            if p.careful and vis is not None:
+                prob.view(shape5).masked_fill_(~vis, 0.0)
+            kb = p.keys(visit.ks, visit.ke, clean=p.careful)
+            vb = p.values(visit.ks, visit.ke)
+            do_r = do_b[:, lo:hi]
+            dv[:, visit.ks : visit.ke].baddbmm_(prob.transpose(1, 2), do_r)
+            ds = torch.bmm(do_r, vb.transpose(1, 2)).sub_(delta_b[:, lo:hi]).mul_(prob)  # dL/dS
+            ds5 = ds.view(shape5)
+            if p.careful and vis is not None:
+                ds5.masked_fill_(~vis, 0.0)
+            if dbias is not None:
+                tile = _tile5(dbias, qb.qs + visit.r0, qb.qs + visit.r1, visit.ks, visit.ke)
+                tile = tile.transpose(2, 3)
+                tile.add_(ds5.sum_to_size(tile.shape))
+            if tb is not None:  # (N, H, rows, keys): a view unless heads are grouped
+                ds_heads = ds5.transpose(2, 3).reshape(p.n, p.hkv * p.g, *shape5[2::2])
+                tb.backward(visit.ks + p.k_start, visit.ke + p.k_start, ds_heads, visit.r0)
+            if tanh is not None:  # d softcap * tanh(x / softcap) / dx = 1 - tanh^2
+                ds = tanh.mul_(tanh).neg_().add_(1.0).mul_(ds)
+            dq_b[:, lo:hi].baddbmm_(ds, kb)
+            dk[:, visit.ks : visit.ke].baddbmm_(ds.transpose(1, 2), qr_clean[:, lo:hi])
+        if tb is not None:
+            tb.flush()
+        dq[:, :, qb.qs : qb.qe] = dq_b.view(p.n, p.hkv, qb.qe - qb.qs, p.g, p.dk)
+    dq.mul_(p.scale)
+    return Grads(dq.transpose(2, 3), dk, dv, dbias, dterm)
+
+
+def sink_grad(lse: Tensor, delta: Tensor, sinks: Tensor) -> Tensor:
+    """``d loss / d sinks`` ``(Hkv, G)``: each row's sink has probability ``exp(sink - lse)`` and
+    value 0, so it moves the output by ``-p_sink * O``: ``-sum_rows p_sink * rowsum(dO * O)``."""
+    p_sink = (sinks.to(lse.dtype)[None, :, :, None] - lse).exp_()
+    return -(p_sink * delta).sum(dim=(0, 3))
+
+
+def delta_of(out: Tensor, dout: Tensor) -> Tensor:
+    """``rowsum(dO * O)`` ``(N, Hkv, G, Tq)`` in the work dtype, from the unrounded output: with
+    float16 O and a near one-hot softmax, ``dO . (v_j - O)`` cancels and O's rounding error would
+    dominate the gradients."""
+    return (dout.to(out.dtype) * out).sum(-1)
+
+
+def default_blocks(causal_like: bool, groups: int, q_len: int) -> tuple[int, int]:
+    """``(block_q, block_k)`` that run well on CPUs.
+
+    Non-causal calls take 512 x 256 blocks. Causal calls waste work in the diagonal's partly
+    visible blocks; narrow key blocks, whose rows that see none of their keys are skipped, waste
+    least: 512 x 128, with 256-row query blocks below 4096 queries (too few 512-row blocks to skip
+    in), and square 256 blocks with grouped heads.
+    """
+    if not causal_like:
+        return 512, 256
+    if groups == 1:
+        return (256 if q_len < 4096 else 512), 128
+    return 256, 256

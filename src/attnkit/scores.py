@@ -1,0 +1,435 @@
+"""Score terms: what a call adds to ``q k^T``, computed one tile at a time.
+
+``attention(q, k, v, bias=...)`` adds a bias to the scaled scores. A dense ``(Tq, Tk)`` tensor is
+the simple form; a :class:`ScoreTerm` is the lazy one: attnkit asks it for the tile of the scores it
+is computing, so the ``(Tq, Tk)`` term never exists and memory stays O(T), in training too. Its
+gradients reach the tensors the term reads.
+
+A term subclasses :class:`ScoreTerm` and implements :meth:`~ScoreTerm.tile`: the term for queries
+at key positions ``q_pos`` and keys at ``k_pos``. ALiBi (Press et al., 2022) in a few lines:
+
+>>> import torch, attnkit
+>>> from attnkit.scores import ScoreTerm
+>>> class ALiBi(ScoreTerm):
+...     '''-slope[h] * |j - i'|: a linear penalty on distance, one slope per head.'''
+...     def __init__(self, slopes):                    # (H,)
+...         self.slopes = slopes
+...     def inputs(self):                              # what gradients flow to
+...         return (self.slopes,)
+...     def tile(self, inputs, q_pos, k_pos):          # (rows, 1) and (1, keys) positions
+...         (slopes,) = inputs
+...         return -slopes[:, None, None] * (k_pos - q_pos).abs()   # (H, rows, keys)
+>>> q, k, v = (torch.randn(1, 4, 300, 16) for _ in range(3))
+>>> slopes = attnkit.alibi_slopes(4)
+>>> lazy = attnkit.attention(q, k, v, bias=ALiBi(slopes), causal=True)
+>>> dense = attnkit.attention(q, k, v, bias=attnkit.alibi_bias(4, 300), causal=True)
+>>> torch.allclose(lazy, dense, atol=1e-5)
+True
+
+Positions are bottom-right aligned, as everywhere in attnkit: query ``i`` sits at key position
+``i + Tk - Tq``, so a term written with distances ``k_pos - q_pos`` works with a KV cache. A term
+may depend on the batch row and head by returning ``(B, H, rows, keys)`` (batch dims flattened to
+``B``); smaller shapes broadcast.
+
+:class:`RelativePositionTerm`, Transformer-XL's position term, shows the other level of the
+protocol: a term that knows its structure overrides :meth:`ScoreTerm.block` to share work across
+the tiles of a query block and to write its own gradients.
+
+Shape letters: ``B`` batch, ``H`` heads, ``Tq`` queries, ``Tk`` keys, ``Dh`` head size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._checks import shape_str
+
+__all__ = ["RelativePositionTerm", "ScoreShape", "ScoreTerm", "TermBlock"]
+
+
+@dataclass(frozen=True)
+class ScoreShape:
+    """The call a term computes for: ``batch`` rows (batch dims flattened), ``heads`` query heads,
+    ``q_len`` and ``kv_len``; tiles are computed in ``dtype`` (float32 for float16/bfloat16 calls)
+    on ``device``."""
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def q_positions(self, qs: int, qe: int) -> Tensor:
+        """``(rows, 1)`` key positions of queries ``qs:qe``: ``i + Tk - Tq`` (bottom-right)."""
+        shift = self.kv_len - self.q_len
+        return torch.arange(qs + shift, qe + shift, device=self.device).unsqueeze(-1)
+
+    def k_positions(self, ks: int, ke: int) -> Tensor:
+        """``(1, keys)`` positions of keys ``ks:ke``."""
+        return torch.arange(ks, ke, device=self.device).unsqueeze(0)
+
+
+class TermBlock:
+    """A term's view of one query block (queries ``qs:qe`` against keys ``key_lo:key_hi``), asked
+    for the tiles the kernel computes and, in the backward, handed their score gradients."""
+
+    def tile(self, ks: int, ke: int) -> Tensor:
+        """The term for keys ``ks:ke``: float, broadcastable to ``(B, H, rows, ke-ks)``."""
+        raise NotImplementedError
+
+    def backward(self, ks: int, ke: int, ds: Tensor, row0: int) -> None:
+        """Take ``d loss / d term`` ``(B, H, r, ke-ks)`` for the block's rows ``row0:row0+r``."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Every tile of the block has been handed back: add the gradients up."""
+
+
+class ScoreTerm:
+    """An additive term of the attention scores that attnkit computes tile by tile.
+
+    Subclasses implement :meth:`tile` (and :meth:`inputs` if gradients should reach tensors);
+    :meth:`block` and :meth:`dense` have defaults built on it. The term is added to the scaled
+    scores after ``softcap`` and before the mask, like ``bias``.
+    """
+
+    def inputs(self) -> tuple[Tensor, ...]:
+        """The tensors the term reads; ``attention()`` returns their gradients. Default: none."""
+        return ()
+
+    def tile(self, inputs: tuple[Tensor, ...], q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """The term for queries at key positions ``q_pos`` ``(rows, 1)`` and keys ``k_pos``
+        ``(1, keys)`` (int64), as a float tensor broadcastable to ``(B, H, rows, keys)``.
+
+        Compute it from ``inputs`` (which are :meth:`inputs`, or stand-ins for them while the
+        gradients are computed), with differentiable tensor operations.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement tile()")
+
+    def block(
+        self,
+        inputs: tuple[Tensor, ...],
+        shape: ScoreShape,
+        qs: int,
+        qe: int,
+        key_lo: int,
+        key_hi: int,
+        *,
+        grads: list[Tensor | None] | None,
+    ) -> TermBlock:
+        """The term for the queries ``qs:qe``, whose tiles all lie in keys ``key_lo:key_hi``.
+
+        With ``grads`` (one entry per input, None until something is added), the block adds the
+        inputs' gradients there in :meth:`TermBlock.flush`. The default computes each tile with
+        :meth:`tile` and its gradients with autograd.
+        """
+        return _TileBlock(self, inputs, shape, qs, qe, grads)
+
+    def dense(self, inputs: tuple[Tensor, ...], shape: ScoreShape) -> Tensor:
+        """The whole term ``(B|1, H|1, Tq, Tk)``, differentiable (the reference backend's form)."""
+        out = self.tile(
+            inputs, shape.q_positions(0, shape.q_len), shape.k_positions(0, shape.kv_len)
+        )
+        return _checked(self, out, shape, shape.q_len, shape.kv_len)
+
+    def describe(self) -> str:
+        """A few words for :func:`attnkit.explain`."""
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+def _checked(term: ScoreTerm, t: object, shape: ScoreShape, rows: int, keys: int) -> Tensor:
+    want = (shape.batch, shape.heads, rows, keys)
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        got = str(t.dtype).removeprefix("torch.") if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"bias: {term.describe()}.tile() must return a float tensor, got {got}")
+    if t.ndim > 4 or any(
+        s not in (1, w) for s, w in zip(reversed(t.shape), reversed(want), strict=False)
+    ):
+        raise ValueError(
+            f"bias: {term.describe()}.tile() returned {shape_str(t.shape)}, which does not "
+            f"broadcast to (B, H, rows, keys) = {shape_str(want)}"
+        )
+    return t.reshape((1,) * (4 - t.ndim) + tuple(t.shape)).to(shape.dtype)
+
+
+class _TileBlock(TermBlock):
+    """The default block: :meth:`ScoreTerm.tile` per tile, gradients by autograd per tile."""
+
+    def __init__(
+        self,
+        term: ScoreTerm,
+        inputs: tuple[Tensor, ...],
+        shape: ScoreShape,
+        qs: int,
+        qe: int,
+        grads: list[Tensor | None] | None,
+    ) -> None:
+        self.term, self.shape, self.grads = term, shape, grads
+        self.inputs = inputs
+        self.q_pos = shape.q_positions(qs, qe)
+
+    def tile(self, ks: int, ke: int) -> Tensor:
+        with torch.no_grad():
+            t = self.term.tile(self.inputs, self.q_pos, self.shape.k_positions(ks, ke))
+        return _checked(self.term, t, self.shape, self.q_pos.size(0), ke - ks)
+
+    def backward(self, ks: int, ke: int, ds: Tensor, row0: int) -> None:
+        if self.grads is None:
+            return
+        wanted = [i for i, x in enumerate(self.inputs) if x.requires_grad]
+        if not wanted:
+            return
+        with torch.enable_grad():
+            live = tuple(
+                x.detach().requires_grad_(x.requires_grad) if x.is_floating_point() else x
+                for x in self.inputs
+            )
+            q_pos = self.q_pos[row0 : row0 + ds.size(-2)]
+            t = self.term.tile(live, q_pos, self.shape.k_positions(ks, ke))
+            t = _checked(self.term, t, self.shape, q_pos.size(0), ke - ks)
+            got = torch.autograd.grad(
+                t, [live[i] for i in wanted], ds.sum_to_size(t.shape), allow_unused=True
+            )
+        for i, g in zip(wanted, got, strict=True):
+            if g is not None:
+                old = self.grads[i]
+                self.grads[i] = g if old is None else old + g
+
+
+# --------------------------------------------------------------------------------------------------
+# Transformer-XL's position term
+
+
+class _Skew(NamedTuple):
+    """Where the tiles of one query block lie in the product ``qv[rows] @ enc[window]^T``.
+
+    Tile element ``(r, c)`` for key ``key_lo + c`` is element ``offset + r * stride + c`` of the
+    product of each head and batch row, read as a flat ``(rows, window)`` matrix. ``enc_lo`` may be
+    negative and ``enc_hi`` past the table: those rows of the window are zero.
+    """
+
+    row_lo: int
+    row_hi: int
+    enc_lo: int
+    enc_hi: int
+    offset: int
+    stride: int
+
+
+class RelativePositionTerm(ScoreTerm):
+    """Transformer-XL's position term (Dai et al., 2019): ``scale * qv_i . R[i' - j]``.
+
+    Args:
+        qv: the position queries ``q + v`` ``(B, H, Tq, Dh)``.
+        enc: the projected encodings ``(H, P, Dh)`` of the distances ``max_distance``,
+            ``max_distance - 1``, ..., ``max_distance - P + 1`` (largest first), where the distance
+            of query ``i`` to key ``j`` is ``i' - j`` with ``i' = i + Tk - Tq``. A pair whose
+            distance the table does not list gets a term of 0 (give the table every distance the
+            mask leaves visible: with a sliding window only those of the window).
+        scale: multiplies the term (the call's ``scale``).
+        max_distance: the distance of ``enc``'s first row; default ``Tk - 1`` (the table lists
+            ``Tk - 1`` down to ``1 - Tq``, ``Tq + Tk - 1`` rows).
+        legacy: openspeech's variant: ``enc`` is ``(H, T + 1, Dh)``, the projected *absolute*
+            encodings of positions ``0..T-1`` after a zero row, and the term is openspeech's
+            pad-and-reshape shift of ``qv @ enc^T`` (self-attention only).
+
+    For a block of queries it multiplies ``qv`` by the rows of ``enc`` those queries can need
+    (``keys + rows - 1`` of them) and reads each tile as a strided view of that product, so neither
+    ``(Tq, Tk)`` nor ``(Tq, Tk, Dh)`` tensors exist; its backward turns each tile's score gradient
+    into gradients of ``qv`` and ``enc`` the same way.
+    """
+
+    def __init__(
+        self,
+        qv: Tensor,
+        enc: Tensor,
+        scale: float,
+        *,
+        max_distance: int | None = None,
+        legacy: bool = False,
+    ) -> None:
+        self.qv, self.enc, self.scale = qv, enc, scale
+        self.max_distance = max_distance
+        self.legacy = legacy
+        self._buffers: dict[str, Tensor] = {}
+
+    def inputs(self) -> tuple[Tensor, ...]:
+        return self.qv, self.enc
+
+    def describe(self) -> str:
+        kind = "openspeech " if self.legacy else ""
+        return f"{kind}relative position term ({self.enc.size(1)} distances)"
+
+    def _top(self, shape: ScoreShape) -> int:
+        return shape.kv_len - 1 if self.max_distance is None else self.max_distance
+
+    def tile(self, inputs: tuple[Tensor, ...], q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        raise NotImplementedError(
+            "RelativePositionTerm computes its tiles in block() and the whole term in dense()"
+        )
+
+    def buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """A work tensor reused by the blocks of one call: a fresh multi-MiB allocation per block
+        costs page faults, about a tenth of an inference call with 128-row blocks on a CPU."""
+        numel = math.prod(shape)
+        flat = self._buffers.get(name)
+        if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != device:
+            flat = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = flat
+        return flat[:numel].view(shape)
+
+    def dense(self, inputs: tuple[Tensor, ...], shape: ScoreShape) -> Tensor:
+        qv, enc = inputs
+        b, h, tq, _ = qv.shape
+        tk = shape.kv_len
+        product = qv.to(shape.dtype) @ enc.to(shape.dtype).transpose(-1, -2).unsqueeze(0)
+        if self.legacy:
+            # openspeech's shift: the (T, T+1) rows, read as T+1 rows of T, lose their first row.
+            return product.reshape(b, h, tq + 1, tk)[:, :, 1:] * self.scale  # (B, H, T, T)
+        i = shape.q_positions(0, tq)  # (Tq, 1): i'
+        j = shape.k_positions(0, tk)
+        index = self._top(shape) - (i - j)  # row of enc holding distance i' - j
+        found = (index >= 0) & (index < enc.size(1))
+        column = index.clamp(0, max(0, enc.size(1) - 1)).expand(b, h, tq, tk)
+        out = product.gather(-1, column) if enc.size(1) else product.new_zeros(b, h, tq, tk)
+        return out.masked_fill(~found, 0.0) * self.scale  # (B, H, Tq, Tk)
+
+    def block(
+        self,
+        inputs: tuple[Tensor, ...],
+        shape: ScoreShape,
+        qs: int,
+        qe: int,
+        key_lo: int,
+        key_hi: int,
+        *,
+        grads: list[Tensor | None] | None,
+    ) -> TermBlock:
+        return _RelativeBlock(self, inputs, shape, qs, qe, key_lo, key_hi, grads)
+
+
+class _RelativeBlock(TermBlock):
+    """One query block of :class:`RelativePositionTerm`; its product is computed at the first
+    tile, in a buffer shared by the blocks of one call."""
+
+    def __init__(
+        self,
+        term: RelativePositionTerm,
+        inputs: tuple[Tensor, ...],
+        shape: ScoreShape,
+        qs: int,
+        qe: int,
+        key_lo: int,
+        key_hi: int,
+        grads: list[Tensor | None] | None,
+    ) -> None:
+        self.term, self.shape, self.grads = term, shape, grads
+        self.qv, self.enc = inputs
+        self.n, self.h, _, self.dh = self.qv.shape
+        self.bq = qe - qs
+        self.key_lo = key_lo
+        if term.legacy:
+            # Shifted row i is flat element T * (i + 1) + j of the padded (T, T + 1) product: it
+            # reads the end of product row i and, above the diagonal, the start of row i + 1.
+            t = shape.q_len
+            self.skew = _Skew(qs, min(qe + 1, t), 0, t + 1, t - qs, t)
+            self.key_lo = 0
+        else:
+            # Window columns run from distance (qs' - key_lo)... : row of enc for query i, key j
+            # is top - (i' - j); over the block it spans top - (qe-1)' + key_lo ... + width - 1.
+            width = (key_hi - key_lo) + self.bq - 1
+            shift = shape.kv_len - shape.q_len
+            lo = term._top(shape) - (qe - 1 + shift) + key_lo
+            self.skew = _Skew(qs, qe, lo, lo + width, self.bq - 1, width - 1)
+        self.nrows = self.skew.row_hi - self.skew.row_lo
+        self.width = self.skew.enc_hi - self.skew.enc_lo
+        self._qv: Tensor | None = None
+        self._product: Tensor | None = None
+        self._grad: Tensor | None = None
+
+    def _qv_rows(self) -> Tensor:
+        """``(H, N * rows, Dh)`` scaled position queries: one GEMM per head against its window."""
+        if self._qv is None:
+            s = self.skew
+            rows = self.qv[:, :, s.row_lo : s.row_hi].transpose(0, 1).to(self.shape.dtype)
+            self._qv = (rows * self.term.scale).reshape(self.h, self.n * self.nrows, self.dh)
+        return self._qv
+
+    def _window(self) -> tuple[Tensor, int, int]:
+        """The rows of ``enc`` in the window that exist, and where they go in it."""
+        s = self.skew
+        lo, hi = max(s.enc_lo, 0), min(s.enc_hi, self.enc.size(1))
+        return self.enc[:, lo:hi].to(self.shape.dtype), lo - s.enc_lo, max(lo, hi) - s.enc_lo
+
+    def _view(self, full: Tensor, ks: int, ke: int) -> Tensor:
+        """The ``(N, H, bq, ke-ks)`` tile of a ``(H, N, rows, W)`` product, without a copy."""
+        s = self.skew
+        start = s.offset + (ks - self.key_lo)
+        if start < 0 or start + (self.bq - 1) * s.stride + (ke - ks) > self.nrows * self.width:
+            # as_strided does not check bounds: never let a wrong skew read past the product.
+            raise RuntimeError("attnkit internal error: relative-position tile out of bounds")
+        plane = self.nrows * self.width
+        return full.as_strided(
+            (self.n, self.h, self.bq, ke - ks),
+            (plane, self.n * plane, s.stride, 1),
+            full.storage_offset() + start,
+        )
+
+    def tile(self, ks: int, ke: int) -> Tensor:
+        if self._product is None:
+            window, a, b = self._window()
+            shape = (self.h, self.n * self.nrows, self.width)
+            out = self.term.buffer("product", shape, self.shape.dtype, self.qv.device)
+            if (a, b) == (0, self.width):
+                torch.bmm(self._qv_rows(), window.transpose(1, 2), out=out)
+            else:  # part of the window lies outside the table: those distances get 0
+                out.zero_()
+                if b > a:
+                    out[:, :, a:b] = torch.bmm(self._qv_rows(), window.transpose(1, 2))
+            self._product = out
+        return self._view(self._product, ks, ke)
+
+    def backward(self, ks: int, ke: int, ds: Tensor, row0: int) -> None:
+        if self.grads is None:
+            return
+        if self._grad is None:
+            shape = (self.h, self.n * self.nrows, self.width)
+            self._grad = self.term.buffer("grad", shape, self.shape.dtype, self.qv.device).zero_()
+        self._view(self._grad, ks, ke)[:, :, row0 : row0 + ds.size(-2)].add_(ds)
+
+    def flush(self) -> None:
+        grads, grad = self.grads, self._grad
+        if grads is None or grad is None:
+            return
+        s = self.skew
+        window, a, b = self._window()
+        if self.qv.requires_grad:
+            dqv = torch.bmm(grad[:, :, a:b], window).mul_(self.term.scale)  # (H, N * rows, Dh)
+            dqv = dqv.view(self.h, self.n, self.nrows, self.dh).transpose(0, 1)
+            dqv_all = grads[0]
+            if dqv_all is None:
+                dqv_all = grads[0] = torch.zeros(
+                    self.qv.shape, dtype=self.shape.dtype, device=dqv.device
+                )
+            # += and not =: openspeech's rows overlap the next block's first row.
+            dqv_all[:, :, s.row_lo : s.row_hi] += dqv
+        if self.enc.requires_grad and b > a:
+            denc = grads[1]
+            if denc is None:
+                denc = grads[1] = torch.zeros(
+                    self.enc.shape, dtype=self.shape.dtype, device=self.enc.device
+                )
+            lo = s.enc_lo + a
+            denc[:, lo : lo + (b - a)].baddbmm_(grad[:, :, a:b].transpose(1, 2), self._qv_rows())
+        self._grad = None

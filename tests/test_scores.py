@@ -1,0 +1,163 @@
+"""Score terms: the protocol with autograd gradients, and Transformer-XL's term with windows."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch import Tensor
+
+import attnkit
+from attnkit import attention, masks
+from attnkit.backends import SDPA, Chunked
+from attnkit.scores import RelativePositionTerm, ScoreShape, ScoreTerm
+from attnkit.testing import assert_close
+
+
+class T5Bias(ScoreTerm):
+    """T5's bucketed relative bias: a learned (buckets, H) table read at the bucket of j - i'."""
+
+    def __init__(self, table: Tensor, max_distance: int = 20) -> None:
+        self.table, self.max_distance = table, max_distance
+
+    def inputs(self) -> tuple[Tensor, ...]:
+        return (self.table,)
+
+    def tile(self, inputs: tuple[Tensor, ...], q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        (table,) = inputs
+        half = table.size(0) // 2
+        d = k_pos - q_pos
+        exact = half // 2
+        scaled = torch.log(d.abs().clamp(min=1).double() / exact) / math.log(
+            self.max_distance / exact
+        )
+        far = (exact + (scaled * (half - exact)).long()).clamp(max=half - 1)
+        bucket = torch.where(d.abs() < exact, d.abs(), far) + half * (d > 0)
+        return table[bucket].permute(2, 0, 1)  # (H, rows, keys)
+
+
+def t5_dense(table: Tensor, tq: int, tk: int, max_distance: int = 20) -> Tensor:
+    """The same bias written out one pair at a time, from T5's bucketing rule."""
+    half = table.size(0) // 2
+    exact = half // 2
+    out = torch.zeros(table.size(1), tq, tk, dtype=table.dtype)
+    for i in range(tq):
+        for j in range(tk):
+            d = j - (i + tk - tq)
+            n = abs(d)
+            if n < exact:
+                b = n
+            else:
+                scaled = math.log(n / exact) / math.log(max_distance / exact) * (half - exact)
+                b = min(exact + int(scaled), half - 1)
+            out[:, i, j] = table[b + (half if d > 0 else 0)]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "sdpa"])
+def test_a_t5_bias_written_as_a_term_equals_its_dense_form(backend: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(16, 3, dtype=torch.float64, generator=g)
+    q = torch.randn(2, 3, 9, 8, dtype=torch.float64, generator=g)
+    kv = torch.randn(2, 3, 40, 8, dtype=torch.float64, generator=g)
+    fast = {"chunked": Chunked(block_q=4, block_k=8), "sdpa": SDPA(block_q=4, product_q=2)}
+    chosen = fast.get(backend, backend)
+    mask = masks.key_padding([40, 29])
+    dense_table = table.clone().requires_grad_()
+    want = attention(q, kv, kv, bias=t5_dense(dense_table, 9, 40), mask=mask)
+    if backend == "sdpa":  # no gradients through a term there
+        with torch.no_grad():
+            got = attention(q, kv, kv, bias=T5Bias(table), mask=mask, backend=chosen)
+        assert_close(got, want)
+        return
+    lazy_table = table.clone().requires_grad_()
+    got = attention(q, kv, kv, bias=T5Bias(lazy_table), mask=mask, backend=chosen)
+    assert_close(got, want)
+    cot = torch.randn(got.shape, dtype=torch.float64, generator=g)
+    (want * cot).sum().backward()
+    (got * cot).sum().backward()
+    assert lazy_table.grad is not None
+    assert dense_table.grad is not None
+    assert_close(lazy_table.grad, dense_table.grad)
+
+
+def test_a_term_never_exists_whole_in_the_kernel() -> None:
+    seen: list[tuple[int, ...]] = []
+
+    class Spy(ScoreTerm):
+        def tile(self, inputs: tuple[Tensor, ...], q_pos: Tensor, k_pos: Tensor) -> Tensor:
+            seen.append((q_pos.size(0), k_pos.size(1)))
+            return (k_pos - q_pos).double() * 0.01
+
+    q = torch.randn(1, 2, 64, 8, dtype=torch.float64)
+    attention(q, q, q, bias=Spy(), causal=True, backend=Chunked(block_q=16, block_k=8))
+    assert max(r * k for r, k in seen) == 16 * 8
+    assert len(seen) == 2 + 4 + 6 + 8  # per query block, the key blocks up to the diagonal
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_a_term_that_returns_nonsense_is_named() -> None:
+    class Wrong(ScoreTerm):
+        def __init__(self, out: object) -> None:
+            self.out = out
+
+        def tile(self, inputs: tuple[Tensor, ...], q_pos: Tensor, k_pos: Tensor) -> Tensor:
+            return self.out  # type: ignore[return-value]
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=r"bias: Wrong\.tile\(\) must return a float tensor"):
+        attention(q, q, q, bias=Wrong(torch.ones(4, 4, dtype=torch.long)), backend="chunked")
+    with pytest.raises(ValueError, match=re.escape("Wrong.tile() returned (3, 4, 4), which does")):
+        attention(q, q, q, bias=Wrong(torch.ones(3, 4, 4)), backend="reference")
+
+    class Inputs(ScoreTerm):
+        def inputs(self) -> tuple[Tensor, ...]:
+            return ([1.0],)  # type: ignore[return-value]
+
+    with pytest.raises(TypeError, match=r"Inputs\.inputs\(\) must return tensors, item 0 is list"):
+        attention(q, q, q, bias=Inputs())
+
+
+def test_relative_term_with_a_window_table_equals_the_full_table() -> None:
+    # With a sliding window only the window's distances are needed; a table of just those (and a
+    # max_distance saying where it starts) gives the same attention as the whole table.
+    g = torch.Generator().manual_seed(0)
+    tq = tk = 30
+    qu, k, v, qv = (torch.randn(1, 2, tq, 4, dtype=torch.float64, generator=g) for _ in range(4))
+    full = torch.randn(2, tq + tk - 1, 4, dtype=torch.float64, generator=g)  # distances 29..-29
+    window = masks.sliding_window(3, right=2)  # distances i' - j in [-2, 3]
+    part = full[:, (tk - 1) - 3 : (tk - 1) + 2 + 1]  # rows of distances 3 .. -2
+    want = attention(qu, k, v, bias=RelativePositionTerm(qv, full, 0.5), mask=window, scale=0.5)
+    for backend in ("reference", Chunked(block_q=4, block_k=5), SDPA(block_q=4, product_q=2)):
+        term = RelativePositionTerm(qv, part, 0.5, max_distance=3)
+        got = attention(qu, k, v, bias=term, mask=window, scale=0.5, backend=backend)
+        assert_close(got, want)
+    # The check can fail: the window table read as if it started at the largest distance.
+    wrong = attention(qu, k, v, bias=RelativePositionTerm(qv, part, 0.5), mask=window, scale=0.5)
+    assert (wrong - want).abs().max() > 1e-3
+
+
+def test_windowed_relative_attention_is_dense_band_attention_with_a_window_sized_table() -> None:
+    torch.manual_seed(0)
+    m = attnkit.RelativeMultiHeadAttention(16, 2, dtype=torch.float64)
+    rows: list[int] = []
+    m.pos_proj.register_forward_hook(lambda mod, args, out: rows.append(args[0].size(0)))
+    x = torch.randn(2, 50, 16, dtype=torch.float64)
+    pad = masks.key_padding([50, 37])
+    band = masks.sliding_window_mask(50, left=4, right=3) & masks.padding_mask([50, 37])
+    want = m(x, mask=band)  # a dense band: the whole table of 99 distances
+    for backend in ("chunked", "reference"):
+        got = m(x, mask=masks.sliding_window(4, right=3) & pad, backend=backend)
+        assert_close(got, want)
+    with torch.no_grad():
+        got = m(x, mask=masks.sliding_window(4, right=3) & pad, backend="sdpa")
+    assert_close(got, want)
+    assert rows == [99] + [4 + 3 + 1] * 3
+
+
+def test_score_shape_positions_are_bottom_right() -> None:
+    shape = ScoreShape(1, 1, 2, 5, torch.float32, torch.device("cpu"))
+    assert shape.q_positions(0, 2).flatten().tolist() == [3, 4]
+    assert shape.k_positions(1, 3).flatten().tolist() == [1, 2]
