@@ -305,3 +305,94 @@ def test_encoder_layer_with_relative_attention() -> None:
     pad = masks.padding_mask([5, 3])
     h = layer.norm1(x + rel(x, mask=pad))  # post-norm, composed by hand
     assert_close(layer(x, mask=pad), layer.norm2(h + layer.ffn(h)))
+
+
+# --------------------------------------------------------------------------------------------------
+# A decoding step that fails changes no cache
+
+
+class Interrupted(nn.Module):
+    """Stands in for a sublayer that fails after the self-attention appended to its cache."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+        self.calls = 0
+
+    def forward(self, *args: object, **kwargs: object) -> Tensor:
+        self.calls += 1
+        raise self.error
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_transformer_decode_step_is_all_or_nothing() -> None:
+    torch.manual_seed(0)
+    model = Transformer(
+        16, 4, num_encoder_layers=1, num_decoder_layers=3, dtype=torch.float64
+    ).eval()
+    src = torch.randn(2, 5, 16, dtype=torch.float64)
+    tgt = torch.randn(2, 4, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full = model(src, tgt)
+        memory = model.encode(src)
+        cache = model.make_cache(2, max_len=4)
+        steps = [model.decode(tgt[:, :2], memory, cache=cache)]
+        # A mask that does not fit the keys held after the step (S = 3): refused in layer 0.
+        with pytest.raises(ValueError, match=r"mask of shape \(1, 1, 1, 4\) does not broadcast"):
+            model.decode(
+                tgt[:, 2:3], memory, mask=torch.ones(1, 1, 1, 4, dtype=torch.bool), cache=cache
+            )
+        assert [c.length for c in cache] == [2, 2, 2]
+        # A failure in the last layer, after layers 0 and 1 (and its own self-attention)
+        # appended: Ctrl-C in its feed-forward, then an error in its cross-attention.
+        last = model.decoder_layers[2]
+        ffn, cross = last.ffn, last.cross_attn
+        for name, error in (("ffn", KeyboardInterrupt()), ("cross_attn", RuntimeError("boom"))):
+            broken = Interrupted(error)
+            setattr(last, name, broken)
+            with pytest.raises(type(error)):
+                model.decode(tgt[:, 2:3], memory, cache=cache)
+            assert broken.calls == 1
+            assert [c.length for c in cache] == [2, 2, 2], name
+        last.ffn, last.cross_attn = ffn, cross
+        steps += [model.decode(tgt[:, i : i + 1], memory, cache=cache) for i in (2, 3)]
+    assert [c.length for c in cache] == [4, 4, 4]
+    assert_close(torch.cat(steps, 1), full)
+    with pytest.raises(ValueError, match=r"cache\[0\] and cache\[2\] are the same KVCache"):
+        model.decode(tgt[:, :1], memory, cache=[cache[0], cache[1], cache[0]])
+
+
+class AppendsThenFails(nn.Module):
+    """A self-attention built elsewhere that appends to the cache, then fails when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = MultiHeadAttention(8, 2, dtype=torch.float64)
+        self.fail = False
+
+    def forward(
+        self, x: Tensor, *, mask: Tensor | None, causal: bool, cache: object = None
+    ) -> Tensor:
+        out: Tensor = self.inner(x, mask=mask, causal=causal, cache=cache)
+        if self.fail:
+            raise ValueError("the module built elsewhere refused the call")
+        return out
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_layer_with_attention_built_elsewhere_rewinds_its_cache() -> None:
+    torch.manual_seed(0)
+    attn = AppendsThenFails()
+    layer = TransformerEncoderLayer(8, attention=attn, d_ff=16, dtype=torch.float64).eval()
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    cache = attn.inner.make_cache(1, 4)
+    with torch.no_grad():
+        full = layer(x, causal=True)
+        steps = [layer(x[:, :2], causal=True, cache=cache)]
+        attn.fail = True
+        with pytest.raises(ValueError, match="refused the call"):
+            layer(x[:, 2:3], causal=True, cache=cache)
+        assert cache.length == 2
+        attn.fail = False
+        steps += [layer(x[:, i : i + 1], causal=True, cache=cache) for i in (2, 3)]
+    assert_close(torch.cat(steps, 1), full)

@@ -79,7 +79,9 @@ class MultiHeadAttention(nn.Module):
       scores, broadcastable likewise (:func:`~attnkit.alibi_bias`).
     * ``causal``: query ``i`` attends keys ``j <= i + S - Tq`` (bottom-right, as a cache needs).
     * ``cache``: a :class:`~attnkit.KVCache` (:meth:`make_cache`); the new keys and values are
-      appended to it and the queries attend every cached key.
+      appended to it and the queries attend every cached key. They are held only once the call
+      succeeded: a call that raises (a mask that does not fit, ``causal=1``...) leaves the cache
+      as it was, so it can be retried.
     * Returns the output ``(B, Tq, D)``; with ``need_weights=True``, ``(output, weights)`` with the
       weights averaged over heads ``(B, Tq, S)``, or per head ``(B, H, Tq, S)`` with
       ``average_weights=False``. Weights are taken before dropout.
@@ -306,7 +308,9 @@ class MultiHeadAttention(nn.Module):
             q = self.rotary(q, offset=offset)
             k = self.rotary(k, offset=offset)
         if cache is not None:
-            k, v = cache.update(k, v)
+            # Written past the cache's length, invisible until the commit below: attention()
+            # validates mask, bias and causal, and a call it refuses must leave the cache as it was.
+            k, v = cache.stage(k, v)
 
         capturing = is_capturing(self)
         weights: Tensor | None = None
@@ -339,6 +343,8 @@ class MultiHeadAttention(nn.Module):
         # (B, H, Tq, Dhv) -> (B, Tq, H*Dhv): a free view when the kernel laid its output out as
         # (B, Tq, H, Dhv), which torch's fused CPU kernel does; a copy otherwise.
         result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
+        if cache is not None:
+            cache.commit()
         if not need_weights:
             return result
         weights = present(weights, "weights")
