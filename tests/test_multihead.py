@@ -385,6 +385,46 @@ def test_from_torch_masks() -> None:
         from_torch_masks(per_head, num_heads=3)
 
 
+@pytest.mark.parametrize("name", ["key_padding_mask", "attn_mask"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bool, torch.float64, torch.float32, torch.uint8, torch.int64, torch.int8]
+)
+def test_from_torch_masks_follows_torch_for_each_dtype(name: str, dtype: torch.dtype) -> None:
+    # What torch.nn.MultiheadAttention itself does with a mask of this dtype is the spec: the
+    # same output, or (where torch refuses the dtype) a TypeError naming the argument.
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64).eval()
+    ours = MultiHeadAttention.from_torch(theirs)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    pad = torch.tensor([[0, 0, 1], [0, 1, 1]])  # 1 = padding in bool; a score of +1 in float
+    mask_in = (pad if name == "key_padding_mask" else pad[:1].expand(3, 3)).to(dtype)
+    try:
+        want = theirs(x, x, x, **{name: mask_in}, need_weights=False)[0]  # type: ignore[arg-type]
+    except AssertionError:  # torch: "only bool and floating types of ... are supported"
+        want = None
+    if want is None:
+        words = rf"{name} must be a bool tensor .* got {str(dtype).removeprefix('torch.')}\."
+        with pytest.raises(TypeError, match=words):
+            from_torch_masks(**{name: mask_in}, num_heads=2)  # type: ignore[arg-type]
+        return
+    mask, bias = from_torch_masks(**{name: mask_in}, num_heads=2, dtype=torch.float64)  # type: ignore[arg-type]
+    assert_close(ours(x, mask=mask, bias=bias), want)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_from_torch_masks_refuses_what_is_not_a_mask() -> None:
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a torch.Tensor .* got list"):
+        from_torch_masks(key_padding_mask=[[False, True]], num_heads=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"attn_mask must be a torch.Tensor .* got ndarray"):
+        from_torch_masks(torch.zeros(2, 2).numpy(), num_heads=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"attn_mask must be a bool tensor .* got uint8"):
+        from_torch_masks(torch.zeros(2, 2, dtype=torch.uint8), num_heads=2)
+    with pytest.raises(
+        TypeError, match=r"dtype must be a floating-point torch.dtype, got torch.int"
+    ):
+        from_torch_masks(torch.zeros(2, 2), num_heads=2, dtype=torch.int32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Errors name the argument and quote the values
 

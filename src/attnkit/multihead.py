@@ -503,14 +503,16 @@ def from_torch_masks(
 ) -> tuple[Bool[Tensor, "..."] | None, Float[Tensor, "..."] | None]:
     """Translate ``torch.nn.MultiheadAttention``'s masks into attnkit's ``(mask, bias)``.
 
-    torch's bool masks mean **True = may NOT attend** (the opposite of attnkit's); its float masks
-    are added to the scores (attnkit's ``bias``).
+    The rules are torch's: a bool mask means **True = may NOT attend** (the opposite of
+    attnkit's); a float mask is added to the scores (attnkit's ``bias``); any other dtype (an
+    integer or uint8 mask, which older torch read as bool) is a ``TypeError``, as torch raises
+    for it. Reading a 0/1 integer mask as a bias would add +1 to the keys it means to block.
 
     Args:
         attn_mask: ``(Tq, Tk)`` or ``(B*H, Tq, Tk)``, bool or float.
         key_padding_mask: ``(B, Tk)``, bool (True = padding) or float.
         num_heads: ``H``, to unfold a ``(B*H, Tq, Tk)`` mask into ``(B, H, Tq, Tk)``.
-        dtype: of the returned bias (the query's dtype).
+        dtype: of the returned bias (the query's dtype), a floating-point dtype.
 
     Returns:
         ``(mask, bias)`` for ``MultiHeadAttention.forward(mask=..., bias=...)``, each broadcastable
@@ -522,9 +524,12 @@ def from_torch_masks(
     (tensor([[[[1, 1, 0]]]], dtype=torch.int32), None)
     """
     num_heads = check_int("num_heads", num_heads)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     masks: list[Tensor] = []
     biases: list[Tensor] = []
     if attn_mask is not None:
+        _check_torch_mask("attn_mask", attn_mask)
         if attn_mask.ndim == 3:
             if attn_mask.size(0) % num_heads:
                 raise ValueError(
@@ -538,6 +543,7 @@ def from_torch_masks(
             )
         (masks if attn_mask.dtype == torch.bool else biases).append(attn_mask)
     if key_padding_mask is not None:
+        _check_torch_mask("key_padding_mask", key_padding_mask)
         if key_padding_mask.ndim != 2:
             raise ValueError(
                 f"key_padding_mask must be (B, Tk), got {shape_str(key_padding_mask.shape)}"
@@ -551,3 +557,19 @@ def from_torch_masks(
     for b in biases:
         bias = b.to(dtype) if bias is None else bias + b.to(dtype)
     return mask, bias
+
+
+def _check_torch_mask(name: str, mask: object) -> None:
+    """Raise unless ``mask`` is a mask torch.nn.MultiheadAttention takes: a bool or float tensor."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor (bool, True = may not attend; or float, added to the "
+            f"scores) or None, got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        dtype = str(mask.dtype).removeprefix("torch.")
+        raise TypeError(
+            f"{name} must be a bool tensor (True = may not attend) or a float tensor (added to "
+            f"the scores), as torch.nn.MultiheadAttention requires; got {dtype}. For a 0/1 "
+            f"mask where 1 means padding, pass {name}.bool()"
+        )
