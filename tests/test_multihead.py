@@ -471,6 +471,39 @@ def test_constructor_errors(
 
 
 @pytest.mark.usefixtures("no_shape_checks")
+def test_backend_is_checked_when_the_module_is_built() -> None:
+    names = ", ".join(attnkit.available_backends())
+    with pytest.raises(
+        ValueError,
+        match=rf"backend 'nope' is not registered; choose 'auto' or one of: {names}\. A backend "
+        r"of your own must be registered \(attnkit.register_backend\) before a module",
+    ):
+        MultiHeadAttention(8, 2, backend="nope")
+    with pytest.raises(
+        TypeError, match=r"backend must be 'auto', .* or an attnkit.Backend, got int"
+    ):
+        MultiHeadAttention(8, 2, backend=3)  # type: ignore[arg-type]
+    # A backend registered before the module is built serves it; a Backend object is taken as is.
+    calls: list[int] = []
+
+    def mine(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Tensor:
+        calls.append(q.size(-2))
+        out: Tensor = attnkit.attention(q, k, v, **kwargs, backend="reference")  # type: ignore[arg-type]
+        return out
+
+    attnkit.register_backend("mine-for-test", mine)
+    try:
+        m = MultiHeadAttention(8, 2, backend="mine-for-test", dtype=torch.float64)
+        x = torch.randn(1, 3, 8, dtype=torch.float64)
+        assert_close(m(x), formula(m, x, x, x)[0])
+        assert calls == [3]
+    finally:
+        attnkit.unregister_backend("mine-for-test")
+    obj = attnkit.Backend("an-object", mine)
+    assert MultiHeadAttention(8, 2, backend=obj).backend is obj
+
+
+@pytest.mark.usefixtures("no_shape_checks")
 def test_forward_errors() -> None:
     m = MultiHeadAttention(8, 2, kdim=6)
     with pytest.raises(

@@ -18,7 +18,7 @@ value sizes.
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from ._checks import (
     shape_str,
 )
 from ._typing import Bool, Float, shape_checked
-from .attention import attention
+from .attention import Backend, attention, available_backends
 from .capture import is_capturing, record
 from .kv_cache import KVCache
 
@@ -61,7 +61,9 @@ class MultiHeadAttention(nn.Module):
         rotary: a module that rotates ``(B, heads, T, Dh)`` queries and keys for their positions,
             called as ``rotary(x, offset=n)``: :class:`~attnkit.RotaryEmbedding`. With a cache,
             ``n`` is the number of tokens already cached.
-        backend: passed to :func:`attnkit.attention` (``"auto"`` picks the fastest that fits).
+        backend: passed to :func:`attnkit.attention`: ``"auto"`` (the fastest that fits), the
+            name of a registered backend (registered before the module is built: a misspelt name
+            fails here, not at the first call) or an :class:`attnkit.Backend`.
         device, dtype: of the parameters.
 
     Parameters follow ``torch.nn.MultiheadAttention``'s names: ``in_proj_weight`` packs the query,
@@ -115,7 +117,7 @@ class MultiHeadAttention(nn.Module):
         proj_bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
+        backend: str | Backend = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -153,9 +155,7 @@ class MultiHeadAttention(nn.Module):
                 f"({self.head_dim})"
             )
         self.rotary = rotary
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-        self.backend = backend
+        self.backend = _check_backend(backend)
 
         def empty(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
@@ -313,6 +313,7 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.stage(k, v)
 
         capturing = is_capturing(self)
+        backend: Any = self.backend  # a name or a Backend: attention() takes either
         weights: Tensor | None = None
         dropout_p = self.dropout if self.training else 0.0
         if need_weights or capturing:
@@ -325,7 +326,7 @@ class MultiHeadAttention(nn.Module):
                 causal=causal,
                 dropout_p=dropout_p,
                 return_weights=True,
-                backend=self.backend,
+                backend=backend,
             )
             if capturing:
                 record(self, weights)
@@ -338,7 +339,7 @@ class MultiHeadAttention(nn.Module):
                 bias=bias,
                 causal=causal,
                 dropout_p=dropout_p,
-                backend=self.backend,
+                backend=backend,
             )
         # (B, H, Tq, Dhv) -> (B, Tq, H*Dhv): a free view when the kernel laid its output out as
         # (B, Tq, H, Dhv), which torch's fused CPU kernel does; a copy otherwise.
@@ -491,6 +492,25 @@ class MultiHeadAttention(nn.Module):
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)
+
+
+def _check_backend(backend: object) -> str | Backend:
+    """``backend`` if :func:`attnkit.attention` can take it, checked when the module is built."""
+    if isinstance(backend, Backend):
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(
+            "backend must be 'auto', the name of a registered backend or an attnkit.Backend, "
+            f"got {type(backend).__name__}"
+        )
+    names = available_backends()
+    if backend != "auto" and backend not in names:
+        raise ValueError(
+            f"backend {backend!r} is not registered; choose 'auto' or one of: {', '.join(names)}. "
+            "A backend of your own must be registered (attnkit.register_backend) before a module "
+            "that names it is built"
+        )
+    return backend
 
 
 @shape_checked
