@@ -244,10 +244,55 @@ def test_layers_take_attention_built_elsewhere() -> None:
     assert_close(layer(x, mask=pad, causal=True), plain(x, mask=pad, causal=True))
     assert rec.calls == [{"mask": pad, "causal": True}]
     assert "self_attn.inner.in_proj_weight" in dict(layer.named_parameters())
-    cross = MultiHeadAttention(8, 2, kdim=3, vdim=3)
-    dec = TransformerDecoderLayer(8, 2, cross_attention=cross)
+    # A cross-attention on a memory of another width (kdim = vdim = 3), built elsewhere.
+    cross = MultiHeadAttention(8, 2, kdim=3, vdim=3, dtype=torch.float64)
+    dec = TransformerDecoderLayer(8, 2, cross_attention=cross, dtype=torch.float64).eval()
     assert dec.cross_attn is cross
-    assert dec(torch.randn(1, 2, 8), torch.randn(1, 4, 3)).shape == (1, 2, 8)
+    randomize(dec)
+    y = torch.randn(2, 3, 8, dtype=torch.float64)
+    memory = torch.randn(2, 4, 3, dtype=torch.float64)
+    memory_pad = masks.padding_mask([4, 2])
+    assert_close(
+        dec(y, memory, memory_mask=memory_pad), decoder_by_hand(dec, y, memory, memory_pad)
+    )
+
+
+def decoder_by_hand(
+    dec: TransformerDecoderLayer, x: Tensor, memory: Tensor, memory_mask: Tensor
+) -> Tensor:
+    """A post-norm decoder layer in float64 from its definition: causal self-attention, then
+    cross-attention on ``memory``, then the ReLU feed-forward, each as ``norm(x + sublayer(x))``;
+    attention as explicit softmax weights over the heads' projections."""
+
+    def mha(m: nn.Module, q_in: Tensor, kv_in: Tensor, allowed: Tensor) -> Tensor:
+        h, dh = m.num_heads, m.head_dim
+        params = {n: p.detach().double() for n, p in m.named_parameters()}
+        if "in_proj_weight" in params:
+            wq, wk, wv = params["in_proj_weight"].chunk(3)
+        else:
+            wq, wk, wv = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+        bq, bk, bv = params["in_proj_bias"].chunk(3)
+        b, tq, tk = q_in.size(0), q_in.size(1), kv_in.size(1)
+        q = (q_in @ wq.T + bq).view(b, tq, h, dh).transpose(1, 2)
+        k = (kv_in @ wk.T + bk).view(b, tk, h, dh).transpose(1, 2)
+        v = (kv_in @ wv.T + bv).view(b, tk, h, dh).transpose(1, 2)
+        scores = (q @ k.transpose(-1, -2) / dh**0.5).masked_fill(~allowed, float("-inf"))
+        heads = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, tq, h * dh)
+        out: Tensor = heads @ params["out_proj.weight"].T + params["out_proj.bias"]
+        return out
+
+    def norm(m: nn.LayerNorm, t: Tensor) -> Tensor:
+        mean, var = t.mean(-1, keepdim=True), t.var(-1, unbiased=False, keepdim=True)
+        out: Tensor = (t - mean) / (var + m.eps).sqrt() * m.weight.detach() + m.bias.detach()
+        return out
+
+    t = x.size(1)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    x = norm(dec.norm1, x + mha(dec.self_attn, x, x, causal))
+    x = norm(dec.norm2, x + mha(dec.cross_attn, x, memory, memory_mask))
+    ffn = dec.ffn
+    hidden = (x @ ffn.linear1.weight.detach().T + ffn.linear1.bias.detach()).relu()
+    return norm(dec.norm3, x + hidden @ ffn.linear2.weight.detach().T + ffn.linear2.bias.detach())
 
 
 @pytest.mark.usefixtures("no_shape_checks")

@@ -84,6 +84,7 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
     tq=st.integers(1, 6),
     tk=st.integers(1, 6),
     self_attention=st.booleans(),
+    shared_memory=st.booleans(),
     causal=st.booleans(),
     masked=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -94,6 +95,7 @@ def test_matches_formula(
     tq: int,
     tk: int,
     self_attention: bool,
+    shared_memory: bool,
     causal: bool,
     masked: bool,
     seed: int,
@@ -107,6 +109,10 @@ def test_matches_formula(
     if self_attention and m.in_proj_weight is not None:
         key = value = query
         tk = tq
+    elif shared_memory and m.kdim == m.vdim:
+        # Cross-attention on one memory, passed as key and value (or as key alone): keys and
+        # values are then projected from one tensor, in one GEMM when the weights are packed.
+        key = value = torch.randn(b, tk, m.kdim, dtype=torch.float64)
     else:
         key = torch.randn(b, tk, m.kdim, dtype=torch.float64)
         value = torch.randn(b, tk, m.vdim, dtype=torch.float64)
