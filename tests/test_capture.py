@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
 import attnkit
-from attnkit import MultiHeadAttention, Transformer, capture_attention, masks
+from attnkit import AttentionMaps, MultiHeadAttention, Transformer, capture_attention, masks
 from attnkit.testing import assert_close
 
 
@@ -113,3 +117,116 @@ def test_capture_takes_a_module() -> None:
         capture_attention("model"),  # type: ignore[arg-type]
     ):
         pass
+
+
+# --------------------------------------------------------------------------------------------------
+# A capture belongs to the thread (or asyncio task) that opened it
+
+
+def spy_on_weights(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """(thread name, whether weights were asked) for every attention() call of the modules."""
+    asked: list[tuple[str, bool]] = []
+    real = attnkit.multihead.attention
+
+    def spy(*args: object, **kwargs: object) -> object:
+        asked.append((threading.current_thread().name, bool(kwargs.get("return_weights"))))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attnkit.multihead, "attention", spy)
+    return asked
+
+
+def test_other_threads_are_not_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = spy_on_weights(monkeypatch)
+    model = small_transformer()
+    src = torch.randn(1, 5, 16, dtype=torch.float64)
+    opened, other_done = threading.Event(), threading.Event()
+    maps: dict[str, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def in_thread(name: str, body: Callable[[], None]) -> threading.Thread:
+        def run() -> None:
+            try:
+                body()
+            except BaseException as err:  # reported by the main thread below
+                errors.append(err)
+                opened.set()
+                other_done.set()
+
+        return threading.Thread(target=run, name=name)
+
+    def capturing() -> None:
+        with capture_attention(model) as m:
+            opened.set()
+            assert other_done.wait(60)  # the other thread's call happens inside this capture
+            model(src, src)
+        maps.update(m)
+
+    def other() -> None:
+        assert opened.wait(60)
+        model(src, src)  # the same modules, while the capture is open in the first thread
+        other_done.set()
+
+    threads = [in_thread("capturing", capturing), in_thread("other", other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(maps) == [
+        "decoder_layers.0.cross_attn",
+        "decoder_layers.0.self_attn",
+        "encoder_layers.0.self_attn",
+        "encoder_layers.1.self_attn",
+    ]
+    assert all(len(v) == 1 for v in maps.values())  # the capturing thread's call only
+    assert sorted(asked) == [("capturing", True)] * 4 + [("other", False)] * 4  # fast path
+
+
+def test_other_asyncio_tasks_are_not_recorded() -> None:
+    mha = MultiHeadAttention(8, 2, dtype=torch.float64)
+    x = torch.randn(1, 3, 8, dtype=torch.float64)
+    y = torch.randn(1, 4, 8, dtype=torch.float64)
+
+    async def main() -> AttentionMaps:
+        opened, other_done = asyncio.Event(), asyncio.Event()
+
+        async def capturing() -> AttentionMaps:
+            with capture_attention(mha) as maps:
+                opened.set()
+                await other_done.wait()
+                mha(x)
+            return maps
+
+        async def other() -> None:
+            await opened.wait()
+            mha(y)  # the capture of the other task is open
+            other_done.set()
+
+        maps, _ = await asyncio.gather(capturing(), other())
+        return maps
+
+    maps = asyncio.run(main())
+    assert [tuple(w.shape) for w in maps[""]] == [(1, 2, 3, 3)]  # x's call, not y's
+    assert_close(maps[""][0], mha(x, need_weights=True, average_weights=False)[1])
+
+
+def test_compiled_calls_are_recorded_in_the_capturing_thread_only() -> None:
+    torch._dynamo.reset()  # a fresh recompile budget: each capture state is its own graph
+    try:
+        mha = MultiHeadAttention(8, 2, dtype=torch.float64).eval()
+        # Dynamo alone ("eager"): what decides is what it traces and guards, not the codegen.
+        compiled = torch.compile(mha, fullgraph=True, backend="eager")
+        x = torch.randn(1, 3, 8, dtype=torch.float64)
+        with torch.no_grad():
+            assert_close(compiled(x), mha(x))
+            with capture_attention(mha) as maps:
+                compiled(x)
+                other = threading.Thread(target=compiled, args=(x,))
+                other.start()
+                other.join()
+            compiled(x)
+        assert len(maps[""]) == 1
+        assert_close(maps[""][0], mha(x, need_weights=True, average_weights=False)[1])
+    finally:
+        torch._dynamo.reset()

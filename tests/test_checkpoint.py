@@ -39,9 +39,35 @@ def test_pickled_code_is_refused(tmp_path: Path) -> None:
     _Payload.target = str(tmp_path / "pwned")
     with open(tmp_path / "evil.pt", "wb") as f:
         pickle.dump({"w": _Payload()}, f, protocol=2)
-    with pytest.raises(ValueError, match="does not unpickle arbitrary objects"):
+    with pytest.raises(
+        ValueError, match=r"does not unpickle arbitrary objects: .* refused it: Unsupported global"
+    ):
         load_checkpoint(tmp_path / "evil.pt")
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_damaged_files_are_a_value_error_naming_the_file(tmp_path: Path, suffix: str) -> None:
+    m = attnkit.MultiHeadAttention(16, 4)
+    good = tmp_path / f"good{suffix}"
+    if suffix == ".pt":
+        torch.save(m.state_dict(), good)
+    else:
+        save_checkpoint(m, good)
+    data = good.read_bytes()
+    for name, content in [
+        ("truncated", data[: len(data) // 2]),
+        ("cut-short", data[:-5]),
+        ("empty", b""),
+        ("garbage", b"not a checkpoint at all"),
+    ]:
+        path = tmp_path / f"{name}{suffix}"
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} is not a readable") as err:
+            load_checkpoint(path, attnkit.MultiHeadAttention(16, 4))
+        assert err.value.__cause__ is None
+    with pytest.raises(FileNotFoundError):  # a file that is not there is no ValueError
+        load_checkpoint(tmp_path / f"missing{suffix}")
 
 
 def test_mismatch_report_lists_every_problem() -> None:

@@ -134,3 +134,56 @@ def test_update_returns_views_of_everything_held() -> None:
     assert torch.equal(k, torch.cat([a, b], dim=2))
     assert torch.equal(v, k)
     assert k.data_ptr() == cache.k_cache.data_ptr()  # a view, not a copy
+
+
+# --------------------------------------------------------------------------------------------------
+# A call that raises leaves the cache as it was
+
+
+def bad_calls(t: int, held: int) -> list[tuple[dict[str, object], type[Exception], str]]:
+    """Keyword arguments that attention() refuses, for ``t`` new tokens after ``held`` cached."""
+    s = held + t
+    return [
+        ({"mask": torch.ones(1, 1, t, s + 1, dtype=torch.bool)}, ValueError, "does not broadcast"),
+        ({"mask": torch.ones(t, s)}, TypeError, "mask must be a bool tensor, got float32"),
+        ({"causal": 1}, TypeError, "causal must be a bool, got 1"),
+        ({"bias": torch.zeros(t, s, dtype=torch.float64)}, TypeError, "bias must have the dtype"),
+    ]
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_a_refused_call_leaves_the_cache_unchanged() -> None:
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, num_kv_heads=2, rotary=RotaryEmbedding(4)).eval()
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        full = m(x, causal=True)
+        cache = m.make_cache(2, 8)
+        outs = [m(x[:, :4], causal=True, cache=cache)]
+        for kwargs, error, message in bad_calls(t=2, held=4):
+            with pytest.raises(error, match=message):
+                m(x[:, 4:6], cache=cache, **{"causal": True, **kwargs})  # type: ignore[arg-type]
+            assert cache.length == 4, kwargs
+        # The retry sees exactly the four tokens held: the same output as the uncached call.
+        outs.append(m(x[:, 4:6], causal=True, cache=cache))
+        outs.append(m(x[:, 6:], causal=True, cache=cache))
+    assert cache.length == 7
+    assert_close(torch.cat(outs, 1), full)
+
+
+def test_stage_then_commit() -> None:
+    cache = KVCache(1, 6, num_kv_heads=1, head_dim=2)
+    a, b, c = torch.randn(1, 1, 2, 2), torch.randn(1, 1, 3, 2), torch.randn(1, 1, 1, 2)
+    cache.update(a, a)
+    k, v = cache.stage(b, b)
+    assert torch.equal(k, torch.cat([a, b], dim=2))  # the staged tokens are attended...
+    assert torch.equal(v, k)
+    assert cache.length == 2  # ...but not held until the commit
+    k, _ = cache.stage(c, c)  # a second stage replaces the first
+    assert torch.equal(k, torch.cat([a, c], dim=2))
+    cache.commit()
+    assert cache.length == 3
+    cache.commit()  # nothing staged: nothing changes
+    assert cache.length == 3
+    k, _ = cache.update(b, b)
+    assert torch.equal(k, torch.cat([a, c, b], dim=2))

@@ -244,10 +244,55 @@ def test_layers_take_attention_built_elsewhere() -> None:
     assert_close(layer(x, mask=pad, causal=True), plain(x, mask=pad, causal=True))
     assert rec.calls == [{"mask": pad, "causal": True}]
     assert "self_attn.inner.in_proj_weight" in dict(layer.named_parameters())
-    cross = MultiHeadAttention(8, 2, kdim=3, vdim=3)
-    dec = TransformerDecoderLayer(8, 2, cross_attention=cross)
+    # A cross-attention on a memory of another width (kdim = vdim = 3), built elsewhere.
+    cross = MultiHeadAttention(8, 2, kdim=3, vdim=3, dtype=torch.float64)
+    dec = TransformerDecoderLayer(8, 2, cross_attention=cross, dtype=torch.float64).eval()
     assert dec.cross_attn is cross
-    assert dec(torch.randn(1, 2, 8), torch.randn(1, 4, 3)).shape == (1, 2, 8)
+    randomize(dec)
+    y = torch.randn(2, 3, 8, dtype=torch.float64)
+    memory = torch.randn(2, 4, 3, dtype=torch.float64)
+    memory_pad = masks.padding_mask([4, 2])
+    assert_close(
+        dec(y, memory, memory_mask=memory_pad), decoder_by_hand(dec, y, memory, memory_pad)
+    )
+
+
+def decoder_by_hand(
+    dec: TransformerDecoderLayer, x: Tensor, memory: Tensor, memory_mask: Tensor
+) -> Tensor:
+    """A post-norm decoder layer in float64 from its definition: causal self-attention, then
+    cross-attention on ``memory``, then the ReLU feed-forward, each as ``norm(x + sublayer(x))``;
+    attention as explicit softmax weights over the heads' projections."""
+
+    def mha(m: nn.Module, q_in: Tensor, kv_in: Tensor, allowed: Tensor) -> Tensor:
+        h, dh = m.num_heads, m.head_dim
+        params = {n: p.detach().double() for n, p in m.named_parameters()}
+        if "in_proj_weight" in params:
+            wq, wk, wv = params["in_proj_weight"].chunk(3)
+        else:
+            wq, wk, wv = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+        bq, bk, bv = params["in_proj_bias"].chunk(3)
+        b, tq, tk = q_in.size(0), q_in.size(1), kv_in.size(1)
+        q = (q_in @ wq.T + bq).view(b, tq, h, dh).transpose(1, 2)
+        k = (kv_in @ wk.T + bk).view(b, tk, h, dh).transpose(1, 2)
+        v = (kv_in @ wv.T + bv).view(b, tk, h, dh).transpose(1, 2)
+        scores = (q @ k.transpose(-1, -2) / dh**0.5).masked_fill(~allowed, float("-inf"))
+        heads = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, tq, h * dh)
+        out: Tensor = heads @ params["out_proj.weight"].T + params["out_proj.bias"]
+        return out
+
+    def norm(m: nn.LayerNorm, t: Tensor) -> Tensor:
+        mean, var = t.mean(-1, keepdim=True), t.var(-1, unbiased=False, keepdim=True)
+        out: Tensor = (t - mean) / (var + m.eps).sqrt() * m.weight.detach() + m.bias.detach()
+        return out
+
+    t = x.size(1)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    x = norm(dec.norm1, x + mha(dec.self_attn, x, x, causal))
+    x = norm(dec.norm2, x + mha(dec.cross_attn, x, memory, memory_mask))
+    ffn = dec.ffn
+    hidden = (x @ ffn.linear1.weight.detach().T + ffn.linear1.bias.detach()).relu()
+    return norm(dec.norm3, x + hidden @ ffn.linear2.weight.detach().T + ffn.linear2.bias.detach())
 
 
 @pytest.mark.usefixtures("no_shape_checks")
@@ -305,3 +350,94 @@ def test_encoder_layer_with_relative_attention() -> None:
     pad = masks.padding_mask([5, 3])
     h = layer.norm1(x + rel(x, mask=pad))  # post-norm, composed by hand
     assert_close(layer(x, mask=pad), layer.norm2(h + layer.ffn(h)))
+
+
+# --------------------------------------------------------------------------------------------------
+# A decoding step that fails changes no cache
+
+
+class Interrupted(nn.Module):
+    """Stands in for a sublayer that fails after the self-attention appended to its cache."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+        self.calls = 0
+
+    def forward(self, *args: object, **kwargs: object) -> Tensor:
+        self.calls += 1
+        raise self.error
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_transformer_decode_step_is_all_or_nothing() -> None:
+    torch.manual_seed(0)
+    model = Transformer(
+        16, 4, num_encoder_layers=1, num_decoder_layers=3, dtype=torch.float64
+    ).eval()
+    src = torch.randn(2, 5, 16, dtype=torch.float64)
+    tgt = torch.randn(2, 4, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full = model(src, tgt)
+        memory = model.encode(src)
+        cache = model.make_cache(2, max_len=4)
+        steps = [model.decode(tgt[:, :2], memory, cache=cache)]
+        # A mask that does not fit the keys held after the step (S = 3): refused in layer 0.
+        with pytest.raises(ValueError, match=r"mask of shape \(1, 1, 1, 4\) does not broadcast"):
+            model.decode(
+                tgt[:, 2:3], memory, mask=torch.ones(1, 1, 1, 4, dtype=torch.bool), cache=cache
+            )
+        assert [c.length for c in cache] == [2, 2, 2]
+        # A failure in the last layer, after layers 0 and 1 (and its own self-attention)
+        # appended: Ctrl-C in its feed-forward, then an error in its cross-attention.
+        last = model.decoder_layers[2]
+        ffn, cross = last.ffn, last.cross_attn
+        for name, error in (("ffn", KeyboardInterrupt()), ("cross_attn", RuntimeError("boom"))):
+            broken = Interrupted(error)
+            setattr(last, name, broken)
+            with pytest.raises(type(error)):
+                model.decode(tgt[:, 2:3], memory, cache=cache)
+            assert broken.calls == 1
+            assert [c.length for c in cache] == [2, 2, 2], name
+        last.ffn, last.cross_attn = ffn, cross
+        steps += [model.decode(tgt[:, i : i + 1], memory, cache=cache) for i in (2, 3)]
+    assert [c.length for c in cache] == [4, 4, 4]
+    assert_close(torch.cat(steps, 1), full)
+    with pytest.raises(ValueError, match=r"cache\[0\] and cache\[2\] are the same KVCache"):
+        model.decode(tgt[:, :1], memory, cache=[cache[0], cache[1], cache[0]])
+
+
+class AppendsThenFails(nn.Module):
+    """A self-attention built elsewhere that appends to the cache, then fails when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = MultiHeadAttention(8, 2, dtype=torch.float64)
+        self.fail = False
+
+    def forward(
+        self, x: Tensor, *, mask: Tensor | None, causal: bool, cache: object = None
+    ) -> Tensor:
+        out: Tensor = self.inner(x, mask=mask, causal=causal, cache=cache)
+        if self.fail:
+            raise ValueError("the module built elsewhere refused the call")
+        return out
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_layer_with_attention_built_elsewhere_rewinds_its_cache() -> None:
+    torch.manual_seed(0)
+    attn = AppendsThenFails()
+    layer = TransformerEncoderLayer(8, attention=attn, d_ff=16, dtype=torch.float64).eval()
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    cache = attn.inner.make_cache(1, 4)
+    with torch.no_grad():
+        full = layer(x, causal=True)
+        steps = [layer(x[:, :2], causal=True, cache=cache)]
+        attn.fail = True
+        with pytest.raises(ValueError, match="refused the call"):
+            layer(x[:, 2:3], causal=True, cache=cache)
+        assert cache.length == 2
+        attn.fail = False
+        steps += [layer(x[:, i : i + 1], causal=True, cache=cache) for i in (2, 3)]
+    assert_close(torch.cat(steps, 1), full)

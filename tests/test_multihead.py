@@ -84,6 +84,7 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
     tq=st.integers(1, 6),
     tk=st.integers(1, 6),
     self_attention=st.booleans(),
+    shared_memory=st.booleans(),
     causal=st.booleans(),
     masked=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -94,6 +95,7 @@ def test_matches_formula(
     tq: int,
     tk: int,
     self_attention: bool,
+    shared_memory: bool,
     causal: bool,
     masked: bool,
     seed: int,
@@ -107,6 +109,10 @@ def test_matches_formula(
     if self_attention and m.in_proj_weight is not None:
         key = value = query
         tk = tq
+    elif shared_memory and m.kdim == m.vdim:
+        # Cross-attention on one memory, passed as key and value (or as key alone): keys and
+        # values are then projected from one tensor, in one GEMM when the weights are packed.
+        key = value = torch.randn(b, tk, m.kdim, dtype=torch.float64)
     else:
         key = torch.randn(b, tk, m.kdim, dtype=torch.float64)
         value = torch.randn(b, tk, m.vdim, dtype=torch.float64)
@@ -385,6 +391,46 @@ def test_from_torch_masks() -> None:
         from_torch_masks(per_head, num_heads=3)
 
 
+@pytest.mark.parametrize("name", ["key_padding_mask", "attn_mask"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bool, torch.float64, torch.float32, torch.uint8, torch.int64, torch.int8]
+)
+def test_from_torch_masks_follows_torch_for_each_dtype(name: str, dtype: torch.dtype) -> None:
+    # What torch.nn.MultiheadAttention itself does with a mask of this dtype is the spec: the
+    # same output, or (where torch refuses the dtype) a TypeError naming the argument.
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64).eval()
+    ours = MultiHeadAttention.from_torch(theirs)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    pad = torch.tensor([[0, 0, 1], [0, 1, 1]])  # 1 = padding in bool; a score of +1 in float
+    mask_in = (pad if name == "key_padding_mask" else pad[:1].expand(3, 3)).to(dtype)
+    try:
+        want = theirs(x, x, x, **{name: mask_in}, need_weights=False)[0]  # type: ignore[arg-type]
+    except AssertionError:  # torch: "only bool and floating types of ... are supported"
+        want = None
+    if want is None:
+        words = rf"{name} must be a bool tensor .* got {str(dtype).removeprefix('torch.')}\."
+        with pytest.raises(TypeError, match=words):
+            from_torch_masks(**{name: mask_in}, num_heads=2)  # type: ignore[arg-type]
+        return
+    mask, bias = from_torch_masks(**{name: mask_in}, num_heads=2, dtype=torch.float64)  # type: ignore[arg-type]
+    assert_close(ours(x, mask=mask, bias=bias), want)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_from_torch_masks_refuses_what_is_not_a_mask() -> None:
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a torch.Tensor .* got list"):
+        from_torch_masks(key_padding_mask=[[False, True]], num_heads=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"attn_mask must be a torch.Tensor .* got ndarray"):
+        from_torch_masks(torch.zeros(2, 2).numpy(), num_heads=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"attn_mask must be a bool tensor .* got uint8"):
+        from_torch_masks(torch.zeros(2, 2, dtype=torch.uint8), num_heads=2)
+    with pytest.raises(
+        TypeError, match=r"dtype must be a floating-point torch.dtype, got torch.int"
+    ):
+        from_torch_masks(torch.zeros(2, 2), num_heads=2, dtype=torch.int32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Errors name the argument and quote the values
 
@@ -428,6 +474,39 @@ def test_constructor_errors(
 ) -> None:
     with pytest.raises(error, match=message):
         MultiHeadAttention(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_backend_is_checked_when_the_module_is_built() -> None:
+    names = ", ".join(attnkit.available_backends())
+    with pytest.raises(
+        ValueError,
+        match=rf"backend 'nope' is not registered; choose 'auto' or one of: {names}\. A backend "
+        r"of your own must be registered \(attnkit.register_backend\) before a module",
+    ):
+        MultiHeadAttention(8, 2, backend="nope")
+    with pytest.raises(
+        TypeError, match=r"backend must be 'auto', .* or an attnkit.Backend, got int"
+    ):
+        MultiHeadAttention(8, 2, backend=3)  # type: ignore[arg-type]
+    # A backend registered before the module is built serves it; a Backend object is taken as is.
+    calls: list[int] = []
+
+    def mine(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Tensor:
+        calls.append(q.size(-2))
+        out: Tensor = attnkit.attention(q, k, v, **kwargs, backend="reference")  # type: ignore[arg-type]
+        return out
+
+    attnkit.register_backend("mine-for-test", mine)
+    try:
+        m = MultiHeadAttention(8, 2, backend="mine-for-test", dtype=torch.float64)
+        x = torch.randn(1, 3, 8, dtype=torch.float64)
+        assert_close(m(x), formula(m, x, x, x)[0])
+        assert calls == [3]
+    finally:
+        attnkit.unregister_backend("mine-for-test")
+    obj = attnkit.Backend("an-object", mine)
+    assert MultiHeadAttention(8, 2, backend=obj).backend is obj
 
 
 @pytest.mark.usefixtures("no_shape_checks")

@@ -39,6 +39,45 @@ def test_sinusoidal_offset_and_dropout() -> None:
     assert torch.equal(drop.eval()(x), pe(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sinusoidal_far_positions_keep_their_own_angles(dtype: torch.dtype) -> None:
+    # float32 holds integers exactly only up to 2^24: angles computed in it gave positions 2^24
+    # and 2^24 + 1 one encoding, 0.89 away from the second one's.
+    d_model, first = 6, 2**24
+    pe = SinusoidalPositionalEncoding(d_model)
+    want = torch.zeros(3, d_model, dtype=torch.float64)
+    for row, pos in enumerate(range(first, first + 3)):
+        for col in range(d_model):
+            angle = pos / 10000 ** (2 * (col // 2) / d_model)
+            want[row, col] = math.sin(angle) if col % 2 == 0 else math.cos(angle)
+    # An angle of 1.7e7 rad is itself known to 1.7e7 * 2^-52 = 4e-9 only, in any float64 formula.
+    conditioning = max(1.0, first * 2**-52 / 1e-10) if dtype == torch.float64 else 1.0
+    x = torch.zeros(1, 3, d_model, dtype=dtype)
+    assert_close(pe(x, offset=first)[0], want, conditioning=conditioning)
+    assert_close(pe.encoding(3, offset=first, dtype=dtype), want, conditioning=conditioning)
+    # The last position float64 tells apart is still served.
+    last = pe.encoding(1, offset=2**53 - 1, dtype=torch.float64)
+    assert last.isfinite().all()
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_sinusoidal_positions_beyond_float64_are_refused() -> None:
+    pe = SinusoidalPositionalEncoding(4)
+    with pytest.raises(
+        ValueError,
+        match=r"offset \(1180591620717411303424\) \+ length \(3\) must be at most 2\^53",
+    ):
+        pe(torch.zeros(1, 3, 4), offset=2**70)
+    with pytest.raises(ValueError, match=r"offset \(9007199254740991\) \+ length \(2\) must be"):
+        pe.encoding(2, offset=2**53 - 1)
+    with pytest.raises(ValueError, match=r"offset must be >= 0, got -1"):
+        pe(torch.zeros(1, 3, 4), offset=-1)
+    with pytest.raises(TypeError, match=r"offset must be an int, got 2.0"):
+        pe(torch.zeros(1, 3, 4), offset=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"length must be >= 0, got -2"):
+        pe.encoding(-2)
+
+
 def rope_complex(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """RoPE as complex numbers: the pair (x[i], x[i + D/2]) is z_i, rotated by pos * theta_i."""
     half = x.size(-1) // 2

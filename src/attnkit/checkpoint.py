@@ -33,6 +33,23 @@ def _shape(t: Tensor) -> str:
     return str(tuple(t.shape))
 
 
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else "(no message)"
+
+
+def _refusal(err: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler objected to, without its advice on unsafe loading."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error:" in line:
+            detail = line.split("WeightsUnpickler error:", 1)[1].strip()
+            if not detail and i + 1 < len(lines):  # the reason can be on the next line
+                detail = lines[i + 1]
+            return detail
+    return _first_line(err)
+
+
 def load_state_dict(
     module: nn.Module, state: Mapping[str, Tensor], *, source: str = "the state dict"
 ) -> None:
@@ -80,6 +97,10 @@ def load_checkpoint(
 
     ``.safetensors`` files go through safetensors; anything else through
     ``torch.load(weights_only=True)``, which refuses to run pickled code.
+
+    Raises ``ValueError`` naming the file when it cannot be read as a checkpoint (truncated,
+    damaged, holding pickled objects, not a dict) or does not fit ``module``; ``OSError`` when it
+    cannot be opened (missing, no permission).
     """
     name = os.fspath(path)
     if name.endswith(".safetensors"):
@@ -91,13 +112,31 @@ def load_checkpoint(
         except SafetensorError as err:  # a plain Exception: say which file, as ValueError
             raise ValueError(f"{name} is not a readable safetensors file: {err}") from None
     else:
-        try:
-            loaded = torch.load(name, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise ValueError(
-                f"{name} holds more than tensors, and attnkit does not unpickle arbitrary "
-                f"objects (torch.load(weights_only=True) refused it): {str(err).splitlines()[0]}"
-            ) from None
+        # Opened here, so that a file that is missing or forbidden raises its OSError from open();
+        # whatever torch.load raises after that is about the content.
+        with open(name, "rb") as f:
+            try:
+                loaded = torch.load(f, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as err:
+                reason = _refusal(err)
+                if "Unsupported global" in reason:  # a class or function to import and call
+                    raise ValueError(
+                        f"{name} holds more than tensors (or is damaged), and attnkit does not "
+                        "unpickle arbitrary objects: torch.load(weights_only=True) refused it: "
+                        f"{reason}"
+                    ) from None
+                raise ValueError(
+                    f"{name} is not a readable torch checkpoint (truncated or damaged?): {reason}"
+                ) from None
+            except MemoryError:
+                raise
+            except Exception as err:
+                # A truncated or damaged file fails deep inside torch.load, as whatever its reader
+                # hit first: RuntimeError or OSError (the zip reader), EOFError (an empty file)...
+                raise ValueError(
+                    f"{name} is not a readable torch checkpoint (truncated or damaged?): "
+                    f"{type(err).__name__}: {_first_line(err)}"
+                ) from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{name} holds a {type(loaded).__name__}, not a state dict")
         state = loaded

@@ -40,6 +40,9 @@ class KVCache(nn.Module):
     them. The cache is for inference: :meth:`update` refuses tensors that carry a gradient, since
     the stored keys would keep the graph of every step alive.
 
+    A module that can still fail after writing its keys uses :meth:`stage` and :meth:`commit`
+    instead of :meth:`update`, so that a call that raises leaves the cache as it was.
+
     >>> cache = KVCache(batch_size=2, max_len=16, num_kv_heads=2, head_dim=8)
     >>> k, v = cache.update(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))  # a 5-token prompt
     >>> k.shape, cache.length
@@ -76,6 +79,7 @@ class KVCache(nn.Module):
             "v_cache", torch.zeros(b, h, self.max_len, dv, dtype=dtype, device=device), False
         )
         self.length = 0  # tokens held; a Python int, so decoding never reads a tensor back
+        self._staged = 0  # tokens written by stage() after `length` and not yet committed
 
     @shape_checked
     def update(
@@ -83,8 +87,25 @@ class KVCache(nn.Module):
     ) -> tuple[Float[Tensor, "B Hkv S Dk"], Float[Tensor, "B Hkv S Dv"]]:
         """Append ``T`` new tokens; return the keys and values of all ``S = length`` tokens held.
 
-        The results are views of the cache (no copy), valid until the next :meth:`update` or
-        :meth:`reset`.
+        The results are views of the cache (no copy), valid until the next :meth:`update`,
+        :meth:`stage` or :meth:`reset`. Equivalent to :meth:`stage` then :meth:`commit`.
+        """
+        keys, values = self.stage(k, v)
+        self.commit()
+        return keys, values
+
+    @shape_checked
+    def stage(
+        self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"]
+    ) -> tuple[Float[Tensor, "B Hkv S Dk"], Float[Tensor, "B Hkv S Dv"]]:
+        """Write ``T`` new tokens after the ``length`` held, without holding them yet.
+
+        Returns views of the ``S = length + T`` keys and values, as :meth:`update` does, but
+        ``length`` stays where it was until :meth:`commit`. A caller that can still fail after
+        writing (the attention call, the layers above) commits only once everything succeeded:
+        tokens staged and never committed sit past ``length``, where nothing reads them, and the
+        next :meth:`stage` or :meth:`update` writes over them. Every check runs before anything
+        is written, so a call that raises leaves the cache as it was.
         """
         check_float_tensor("k", k)
         check_float_tensor("v", v)
@@ -103,7 +124,7 @@ class KVCache(nn.Module):
             )
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise ValueError(
-                "KVCache.update() got keys that require grad: the cache is for inference, run "
+                "KVCache got keys that require grad: the cache is for inference, run "
                 "decoding under torch.no_grad() or torch.inference_mode()"
             )
         start, end = self.length, self.length + k.size(-2)
@@ -114,12 +135,25 @@ class KVCache(nn.Module):
             )
         self.k_cache[:, :, start:end] = k
         self.v_cache[:, :, start:end] = v
-        self.length = end
+        self._staged = k.size(-2)
         return self.k_cache[:, :, :end], self.v_cache[:, :, :end]
+
+    def commit(self) -> None:
+        """Hold the tokens of the last :meth:`stage` (nothing happens if none are staged)."""
+        self.length = self.length + self._staged
+        self._staged = 0
+
+    def _rewind(self, length: int) -> None:
+        """Forget every token from position ``length`` on, as if the calls that appended them had
+        never run: what a multi-step call (a layer, a stack of layers) uses to undo its earlier
+        steps when a later one fails."""
+        self.length = min(self.length, length)
+        self._staged = 0
 
     def reset(self) -> None:
         """Forget every token (the memory stays allocated)."""
         self.length = 0
+        self._staged = 0
 
     def extra_repr(self) -> str:
         b, h, _, dk = self.k_cache.shape

@@ -10,7 +10,9 @@ sublayer (``norm_first=True``, pre-norm, which trains deep stacks without warm-u
 
 The self-attention of a layer can be built elsewhere and passed in (``attention=``), e.g. relative
 attention for a Conformer-style stack. It is called as ``attention(x, mask=mask, causal=causal)``
-(plus ``cache=cache`` when a cache is given) and returns ``(B, T, D)``.
+(plus ``cache=cache`` when a cache is given) and returns ``(B, T, D)``. Whatever fails in a layer
+called with a :class:`~attnkit.KVCache` (that module included), the cache keeps the length it had
+before the call.
 
 Masks follow attnkit's one convention (bool, True = may attend) and broadcast to the scores
 ``(B, H, Tq, Tk)``; for padded batches pass :func:`attnkit.masks.padding_mask` ``(B, 1, 1, T)``.
@@ -21,6 +23,7 @@ Shape letters: ``B`` batch, ``T`` target (or encoder input) positions, ``Tm`` me
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +74,25 @@ def _call_self_attention(
     else:
         out = attn(x, mask=mask, causal=causal, cache=cache)
     return out
+
+
+def _undo_on_error(caches: Sequence[object], step: Callable[[], Tensor]) -> Tensor:
+    """``step()``; if it raises (or is interrupted), every :class:`KVCache` in ``caches`` is wound
+    back to the length it had before, whichever sublayer or layer failed.
+
+    A layer appends to its cache in its self-attention and can still fail afterwards (in the
+    cross-attention, in a module built elsewhere, on Ctrl-C); a stack of layers can fail in its
+    last layer after the first ones appended. Without the rewind the caches would hold a step the
+    caller never got, at lengths that differ from layer to layer. What was written past the old
+    length stays in the buffers, where nothing reads it and the next step overwrites it.
+    """
+    held = [(c, c.length) for c in caches if isinstance(c, KVCache)]
+    try:
+        return step()
+    except BaseException:
+        for c, length in held:
+            c._rewind(length)
+        raise
 
 
 def _check_sequence(layer: nn.Module, name: str, x: object, width: int | None) -> Tensor:
@@ -234,7 +256,11 @@ class TransformerEncoderLayer(nn.Module):
         cache: KVCache | None = None,
     ) -> Float[Tensor, "B T D"]:
         _check_sequence(self, "x", x, self.d_model)
+        if cache is None:
+            return self._layer(x, mask, causal, None)
+        return _undo_on_error([cache], lambda: self._layer(x, mask, causal, cache))
 
+    def _layer(self, x: Tensor, mask: Tensor | None, causal: bool, cache: KVCache | None) -> Tensor:
         def sa(h: Tensor) -> Tensor:
             out: Tensor = self.dropout1(
                 _call_self_attention(self.self_attn, h, mask, causal, cache)
@@ -389,7 +415,21 @@ class TransformerDecoderLayer(nn.Module):
         _check_layer_mask(
             "memory_mask", memory_mask, self.cross_attn, x.size(0), x.size(1), memory.size(1)
         )
+        if cache is None:
+            return self._layer(x, memory, mask, memory_mask, causal, None)
+        return _undo_on_error(
+            [cache], lambda: self._layer(x, memory, mask, memory_mask, causal, cache)
+        )
 
+    def _layer(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        mask: Tensor | None,
+        memory_mask: Tensor | None,
+        causal: bool,
+        cache: KVCache | None,
+    ) -> Tensor:
         def sa(h: Tensor) -> Tensor:
             out: Tensor = self.dropout1(
                 _call_self_attention(self.self_attn, h, mask, causal, cache)
@@ -454,7 +494,8 @@ class Transformer(nn.Module):
     * ``decode(tgt, memory, *, mask=None, memory_mask=None, cache=None)`` -> ``(B, T, D)``. With a
       cache from :meth:`make_cache`, ``tgt`` holds only the new tokens (their positions start at
       ``cache[0].length``) and ``mask``, if any, covers every key held after the step: it
-      broadcasts to ``(B, H, T, S)`` with ``S = cache[0].length + T``.
+      broadcasts to ``(B, H, T, S)`` with ``S = cache[0].length + T``. A step is all or nothing:
+      if any layer raises (or the step is interrupted), every cache keeps the length it had.
 
     Greedy decoding, one token at a time through the KV caches:
 
@@ -543,11 +584,32 @@ class Transformer(nn.Module):
         _check_sequence(self, "tgt", tgt, self.d_model)
         _check_sequence(self, "memory", memory, self.d_model)
         _check_same_batch("memory", memory, "tgt", tgt)
-        if cache is not None and len(cache) != len(self.decoder_layers):
+        if cache is None:
+            return self._decode(tgt, memory, mask, memory_mask, None)
+        if len(cache) != len(self.decoder_layers):
             raise ValueError(
                 f"cache must hold one KVCache per decoder layer ({len(self.decoder_layers)}), got "
                 f"{len(cache)}; use make_cache()"
             )
+        for i, c in enumerate(cache):
+            for j in range(i):
+                if cache[j] is c:  # two layers would append to one cache, each seeing the other's
+                    raise ValueError(
+                        f"cache[{j}] and cache[{i}] are the same KVCache; each decoder layer needs "
+                        "its own (make_cache() makes them)"
+                    )
+        # All or nothing: a step that fails in a later layer must not leave the earlier layers'
+        # caches one step ahead.
+        return _undo_on_error(cache, lambda: self._decode(tgt, memory, mask, memory_mask, cache))
+
+    def _decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        mask: Tensor | None,
+        memory_mask: Tensor | None,
+        cache: list[KVCache] | None,
+    ) -> Tensor:
         for i, layer in enumerate(self.decoder_layers):
             tgt = layer(
                 tgt,

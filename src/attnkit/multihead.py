@@ -18,7 +18,7 @@ value sizes.
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from ._checks import (
     shape_str,
 )
 from ._typing import Bool, Float, shape_checked
-from .attention import attention
+from .attention import Backend, attention, available_backends
 from .capture import is_capturing, record
 from .kv_cache import KVCache
 from .masks import Mask
@@ -62,7 +62,9 @@ class MultiHeadAttention(nn.Module):
         rotary: a module that rotates ``(B, heads, T, Dh)`` queries and keys for their positions,
             called as ``rotary(x, offset=n)``: :class:`~attnkit.RotaryEmbedding`. With a cache,
             ``n`` is the number of tokens already cached.
-        backend: passed to :func:`attnkit.attention` (``"auto"`` picks the fastest that fits).
+        backend: passed to :func:`attnkit.attention`: ``"auto"`` (the fastest that fits), the
+            name of a registered backend (registered before the module is built: a misspelt name
+            fails here, not at the first call) or an :class:`attnkit.Backend`.
         device, dtype: of the parameters.
 
     Parameters follow ``torch.nn.MultiheadAttention``'s names: ``in_proj_weight`` packs the query,
@@ -80,7 +82,9 @@ class MultiHeadAttention(nn.Module):
       scores, broadcastable likewise (:func:`~attnkit.alibi_bias`).
     * ``causal``: query ``i`` attends keys ``j <= i + S - Tq`` (bottom-right, as a cache needs).
     * ``cache``: a :class:`~attnkit.KVCache` (:meth:`make_cache`); the new keys and values are
-      appended to it and the queries attend every cached key.
+      appended to it and the queries attend every cached key. They are held only once the call
+      succeeded: a call that raises (a mask that does not fit, ``causal=1``...) leaves the cache
+      as it was, so it can be retried.
     * Returns the output ``(B, Tq, D)``; with ``need_weights=True``, ``(output, weights)`` with the
       weights averaged over heads ``(B, Tq, S)``, or per head ``(B, H, Tq, S)`` with
       ``average_weights=False``. Weights are taken before dropout.
@@ -114,7 +118,7 @@ class MultiHeadAttention(nn.Module):
         proj_bias: bool = True,
         dropout: float = 0.0,
         rotary: nn.Module | None = None,
-        backend: str = "auto",
+        backend: str | Backend = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -152,9 +156,7 @@ class MultiHeadAttention(nn.Module):
                 f"({self.head_dim})"
             )
         self.rotary = rotary
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-        self.backend = backend
+        self.backend = _check_backend(backend)
 
         def empty(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
@@ -307,9 +309,12 @@ class MultiHeadAttention(nn.Module):
             q = self.rotary(q, offset=offset)
             k = self.rotary(k, offset=offset)
         if cache is not None:
-            k, v = cache.update(k, v)
+            # Written past the cache's length, invisible until the commit below: attention()
+            # validates mask, bias and causal, and a call it refuses must leave the cache as it was.
+            k, v = cache.stage(k, v)
 
         capturing = is_capturing(self)
+        backend: Any = self.backend  # a name or a Backend: attention() takes either
         weights: Tensor | None = None
         dropout_p = self.dropout if self.training else 0.0
         if need_weights or capturing:
@@ -322,7 +327,7 @@ class MultiHeadAttention(nn.Module):
                 causal=causal,
                 dropout_p=dropout_p,
                 return_weights=True,
-                backend=self.backend,
+                backend=backend,
             )
             if capturing:
                 record(self, weights)
@@ -335,11 +340,13 @@ class MultiHeadAttention(nn.Module):
                 bias=bias,
                 causal=causal,
                 dropout_p=dropout_p,
-                backend=self.backend,
+                backend=backend,
             )
         # (B, H, Tq, Dhv) -> (B, Tq, H*Dhv): a free view when the kernel laid its output out as
         # (B, Tq, H, Dhv), which torch's fused CPU kernel does; a copy otherwise.
         result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
+        if cache is not None:
+            cache.commit()
         if not need_weights:
             return result
         weights = present(weights, "weights")
@@ -488,6 +495,25 @@ class MultiHeadAttention(nn.Module):
         return ", ".join(parts)
 
 
+def _check_backend(backend: object) -> str | Backend:
+    """``backend`` if :func:`attnkit.attention` can take it, checked when the module is built."""
+    if isinstance(backend, Backend):
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(
+            "backend must be 'auto', the name of a registered backend or an attnkit.Backend, "
+            f"got {type(backend).__name__}"
+        )
+    names = available_backends()
+    if backend != "auto" and backend not in names:
+        raise ValueError(
+            f"backend {backend!r} is not registered; choose 'auto' or one of: {', '.join(names)}. "
+            "A backend of your own must be registered (attnkit.register_backend) before a module "
+            "that names it is built"
+        )
+    return backend
+
+
 @shape_checked
 def from_torch_masks(
     attn_mask: Tensor | None = None,
@@ -498,14 +524,16 @@ def from_torch_masks(
 ) -> tuple[Bool[Tensor, "..."] | None, Float[Tensor, "..."] | None]:
     """Translate ``torch.nn.MultiheadAttention``'s masks into attnkit's ``(mask, bias)``.
 
-    torch's bool masks mean **True = may NOT attend** (the opposite of attnkit's); its float masks
-    are added to the scores (attnkit's ``bias``).
+    The rules are torch's: a bool mask means **True = may NOT attend** (the opposite of
+    attnkit's); a float mask is added to the scores (attnkit's ``bias``); any other dtype (an
+    integer or uint8 mask, which older torch read as bool) is a ``TypeError``, as torch raises
+    for it. Reading a 0/1 integer mask as a bias would add +1 to the keys it means to block.
 
     Args:
         attn_mask: ``(Tq, Tk)`` or ``(B*H, Tq, Tk)``, bool or float.
         key_padding_mask: ``(B, Tk)``, bool (True = padding) or float.
         num_heads: ``H``, to unfold a ``(B*H, Tq, Tk)`` mask into ``(B, H, Tq, Tk)``.
-        dtype: of the returned bias (the query's dtype).
+        dtype: of the returned bias (the query's dtype), a floating-point dtype.
 
     Returns:
         ``(mask, bias)`` for ``MultiHeadAttention.forward(mask=..., bias=...)``, each broadcastable
@@ -517,9 +545,12 @@ def from_torch_masks(
     (tensor([[[[1, 1, 0]]]], dtype=torch.int32), None)
     """
     num_heads = check_int("num_heads", num_heads)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     masks: list[Tensor] = []
     biases: list[Tensor] = []
     if attn_mask is not None:
+        _check_torch_mask("attn_mask", attn_mask)
         if attn_mask.ndim == 3:
             if attn_mask.size(0) % num_heads:
                 raise ValueError(
@@ -533,6 +564,7 @@ def from_torch_masks(
             )
         (masks if attn_mask.dtype == torch.bool else biases).append(attn_mask)
     if key_padding_mask is not None:
+        _check_torch_mask("key_padding_mask", key_padding_mask)
         if key_padding_mask.ndim != 2:
             raise ValueError(
                 f"key_padding_mask must be (B, Tk), got {shape_str(key_padding_mask.shape)}"
@@ -546,3 +578,19 @@ def from_torch_masks(
     for b in biases:
         bias = b.to(dtype) if bias is None else bias + b.to(dtype)
     return mask, bias
+
+
+def _check_torch_mask(name: str, mask: object) -> None:
+    """Raise unless ``mask`` is a mask torch.nn.MultiheadAttention takes: a bool or float tensor."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor (bool, True = may not attend; or float, added to the "
+            f"scores) or None, got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        dtype = str(mask.dtype).removeprefix("torch.")
+        raise TypeError(
+            f"{name} must be a bool tensor (True = may not attend) or a float tensor (added to "
+            f"the scores), as torch.nn.MultiheadAttention requires; got {dtype}. For a 0/1 "
+            f"mask where 1 means padding, pass {name}.bool()"
+        )

@@ -9,9 +9,12 @@
 * :func:`alibi_bias` is the linear distance penalty of ALiBi (Press et al., 2022), to pass as
   ``bias=`` to :func:`~attnkit.attention` or :class:`~attnkit.MultiHeadAttention`.
 
-Angles are computed on the fly in float32 (float64 for float64 inputs) and only then cast to the
-input's dtype: a table stored as a buffer would be rounded by ``model.half()``, and positions
-beyond a few hundred lose their angle in 16-bit floats. Nothing here has a maximum length.
+Angles are computed on the fly and only then cast to the input's dtype: a table stored as a
+buffer would be rounded by ``model.half()``, and positions beyond a few hundred lose their angle in
+16-bit floats. The sinusoidal encoding computes its angles in float64: float32 holds integers
+exactly only up to 2^24, so positions 2^24 and 2^24 + 1 would get one encoding, and its angles
+drift by ``pos * 6e-8`` radians well before that. Rotary embeddings and ALiBi work in float32
+(float64 for float64 inputs), on the relative distances attention sees.
 
 Shape letters: ``B`` batch, ``T`` positions, ``D`` model size, ``H`` heads, ``Dh`` head size,
 ``Tq`` queries, ``Tk`` keys.
@@ -34,6 +37,11 @@ def _angle_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# The first position float64 cannot tell from its successor: the largest encoding computed is that
+# of position 2^53 - 1.
+_MAX_POSITION = 2**53
+
+
 class SinusoidalPositionalEncoding(nn.Module):
     """Adds ``PE[pos, 2i] = sin(pos / base^(2i/D))``, ``PE[pos, 2i+1] = cos(pos / base^(2i/D))``.
 
@@ -45,7 +53,9 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     ``forward(x, offset=0)`` takes embeddings ``x`` of shape ``(B, T, D)`` and returns
     ``x + PE[offset : offset + T]``, same shape. ``offset`` is the position of ``x``'s first token:
-    when decoding with a KV cache, pass ``cache.length``.
+    when decoding with a KV cache, pass ``cache.length``. Angles are computed in float64 (on the
+    CPU for a device without float64), so every position below 2^53 gets its own encoding; later
+    positions are a ``ValueError``.
 
     >>> pe = SinusoidalPositionalEncoding(4)
     >>> pe(torch.zeros(1, 3, 4))
@@ -74,16 +84,24 @@ class SinusoidalPositionalEncoding(nn.Module):
         device: torch.device | str | None = None,
     ) -> Float[Tensor, "T D"]:
         """The encoding of positions ``offset, ..., offset + length - 1``: ``(length, D)``."""
-        work = _angle_dtype(dtype)
-        pos = torch.arange(offset, offset + length, dtype=work, device=device)
-        two_i = torch.arange(0, self.d_model, 2, dtype=work, device=device)
+        length = check_int("length", length, minimum=0)
+        offset = check_int("offset", offset, minimum=0)
+        if offset + length > _MAX_POSITION:
+            raise ValueError(
+                f"offset ({offset}) + length ({length}) must be at most 2^53 = {_MAX_POSITION}: "
+                "float64 angles cannot tell later positions apart"
+            )
+        # Apple's MPS has no float64: the (T, D) table is small, so it is computed on the CPU.
+        work = "cpu" if device is not None and torch.device(device).type == "mps" else device
+        pos = torch.arange(offset, offset + length, dtype=torch.float64, device=work)
+        two_i = torch.arange(0, self.d_model, 2, dtype=torch.float64, device=work)
         angle = pos[:, None] * torch.exp(
             two_i * (-math.log(self.base) / self.d_model)
         )  # (T, ⌈D/2⌉)
-        pe = torch.empty(length, self.d_model, dtype=work, device=device)
+        pe = torch.empty(length, self.d_model, dtype=torch.float64, device=work)
         pe[:, 0::2] = angle.sin()
         pe[:, 1::2] = angle[:, : self.d_model // 2].cos()
-        return pe.to(dtype)
+        return pe.to(dtype=dtype, device=device)
 
     @shape_checked
     def forward(self, x: Float[Tensor, "B T D"], *, offset: int = 0) -> Float[Tensor, "B T D"]:
@@ -92,9 +110,7 @@ class SinusoidalPositionalEncoding(nn.Module):
             raise ValueError(
                 f"x must have shape (B, T, d_model={self.d_model}), got {tuple(x.shape)}"
             )
-        pe = self.encoding(
-            x.size(1), offset=check_int("offset", offset, minimum=0), dtype=x.dtype, device=x.device
-        )
+        pe = self.encoding(x.size(1), offset=offset, dtype=x.dtype, device=x.device)
         out: Tensor = self.dropout(x + pe)
         return out
 

@@ -7,7 +7,7 @@ Two groups of rows, float32 on the CPU, inference (no grad):
   code uses (masking by ``masked_fill``);
 * **multi-head module** ``(B, T, d_model)``: ``attnkit.MultiHeadAttention`` against
   ``torch.nn.MultiheadAttention(need_weights=False)`` with the same weights, and a hand-written
-  module of the seeds' kind (four ``nn.Linear`` and the naive core).
+  module as tutorials write it (four ``nn.Linear`` and the naive core).
 
 Time is the median of interleaved ``torch.utils.benchmark`` rounds; "ratio" divides by the torch row
 of the same group; "extra MiB" is the peak memory a call adds beyond its inputs and output,
@@ -80,7 +80,7 @@ def _naive_core(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None) -> Tens
 
 
 class _NaiveMHA(nn.Module):
-    """Multi-head attention as the seeds write it: four Linear layers around the naive core."""
+    """Multi-head attention as tutorials write it: four Linear layers around the naive core."""
 
     def __init__(self, d_model: int, heads: int) -> None:
         super().__init__()

@@ -9,22 +9,30 @@ through the decoder's KV caches, and reports exact-match accuracy. The run write
   source tokens on the x axis and the generated tokens on the y axis;
 * ``loss.png``: the training curve;
 * ``model.safetensors`` and ``config.json``: the trained model (no pickle), which
-  ``attnkit demo --load DIR`` evaluates again.
+  ``attnkit demo --load DIR`` evaluates again;
+* ``manifest.json``: the run's id and the SHA-256 of every other file.
 
-Every file is written to a temporary name and renamed into place, so an interrupted run leaves no
-half-written file behind.
+The results are written into a new hidden folder beside ``--out`` and swapped in once all are
+there, so an interrupted run leaves ``--out`` as it was: never half-written, never one run's
+weights next to another run's configuration. A run replaces the folder of an earlier run, and
+refuses a folder that holds anything else. ``--load`` checks every file against the manifest.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import json
 import math
 import os
+import shutil
+import signal
 import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -238,58 +246,193 @@ def exact_match(generated: Tensor, batch: Batch) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# Files
+# Files: a run writes its results into a new hidden folder next to --out, then swaps it in whole
 
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
+RUN_FORMAT = "attnkit-demo-run/1"
+MANIFEST = "manifest.json"
+# Every name a run writes. A folder that holds nothing else is an earlier run, which a new run
+# replaces; a run never replaces a folder holding anything else.
+RESULT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "metrics.json",
+    "loss.png",
+    "attention.png",
+    MANIFEST,
+)
+
+
+def _os_reason(err: OSError) -> str:
+    """``Permission denied: 'path'``: an OSError in one line, without the errno."""
+    if err.strerror is None:
+        return str(err)
+    return err.strerror + (f": {os.fspath(err.filename)!r}" if err.filename is not None else "")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """List every file in ``folder`` with its SHA-256 under a new run id, in manifest.json.
+
+    Written last: ``--load`` then refuses a folder whose files do not all match it, such as the
+    weights of one run next to the configuration of another.
+    """
+    files = {
+        p.name: _sha256(p.read_bytes()) for p in sorted(folder.iterdir()) if p.name != MANIFEST
+    }
+    manifest = {"format": RUN_FORMAT, "run": uuid.uuid4().hex, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _foreign_files(folder: Path) -> list[str]:
+    """What in ``folder`` a run did not write (empty for an earlier run's folder)."""
+    return sorted(p.name for p in folder.iterdir() if p.name not in RESULT_FILES)
+
+
+def _check_replaceable(target: Path, out: Path) -> None:
+    """Refuse an ``--out`` that is not a folder, or holds files no run wrote: the run replaces
+    the whole folder, and must not take the user's other files with it."""
+    here = Path.cwd().resolve()
+    if target == here or target in here.parents:
+        raise ValueError(f"--out {out} is the current folder or holds it; choose another folder")
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    foreign = _foreign_files(target)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(
+            f"--out {out} holds files attnkit demo does not write ({shown}); a run replaces "
+            "the whole folder, so choose a new or empty folder, or one of an earlier run"
+        )
+
+
+def _prepare_out(out: Path) -> tuple[Path, Path]:
+    """``(target, staging)``: the folder the run will replace (links followed) and the new
+    hidden folder beside it that receives the results."""
+    try:
+        target = out.resolve()
+        _check_replaceable(target, out)
+        existing = next(p for p in target.parents if p.exists())  # the root exists
+        if not existing.is_dir():  # mkdir would say "File exists"
+            raise ValueError(f"--out {out}: {existing} is not a directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent)
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot write there: {_os_reason(err)}") from None
+    return target, Path(staging)
+
 
 @contextlib.contextmanager
-def _atomic(path: Path) -> Iterator[Path]:
-    """A temporary path in the same folder, renamed to ``path`` only if the block completes."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
+def _interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C during the block takes effect when it ends: between the two renames of a swap,
+    ``--out`` does not exist. (Python runs signal handlers in the main thread only.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are ordinary files
-        os.replace(tmp, path)
+        yield
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt
 
 
-def _prepare_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as err:
-        raise ValueError(f"--out {out} is not a writable directory: {err.strerror}") from None
+def _swap_in(staging: Path, target: Path, out: Path) -> None:
+    """Put the finished results at ``target``, replacing the earlier run there if any."""
+    # mkdtemp makes 0700 and safetensors writes 0600: results are an ordinary folder and files.
+    os.chmod(staging, 0o777 & ~_UMASK)
+    for p in staging.iterdir():
+        os.chmod(p, 0o666 & ~_UMASK)
+    # Checked again: files may have been added during the minutes of training.
+    _check_replaceable(target, out)
+    with _interrupts_deferred():
+        if not os.path.lexists(target):
+            os.rename(staging, target)
+            return
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(target, old)
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            os.rename(old, target)  # the earlier run stays where it was
+            raise
+        shutil.rmtree(old, ignore_errors=True)
 
 
-def save_model(model: Seq2Seq, out: Path) -> None:
+def save_model(model: Seq2Seq, folder: Path) -> None:
     from safetensors.torch import save_file
 
-    with _atomic(out / "model.safetensors") as tmp:
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
-    with _atomic(out / "config.json") as tmp:
-        tmp.write_text(json.dumps(model.cfg.to_json(), indent=1) + "\n")
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(folder / "model.safetensors"),
+    )
+    (folder / "config.json").write_text(json.dumps(model.cfg.to_json(), indent=1) + "\n")
+
+
+def _read_run(folder: Path, needed: tuple[str, ...]) -> dict[str, bytes]:
+    """The contents of the ``needed`` files of the run saved in ``folder``, once every file its
+    manifest lists is there with the SHA-256 recorded when the run was written."""
+    where = f"--load {folder}"
+    manifest_path = folder / MANIFEST
+    try:
+        if not folder.is_dir():
+            raise ValueError(f"{where}: no such folder")
+        for name in (*needed, MANIFEST):
+            if not (folder / name).is_file():
+                raise ValueError(f"{where}: no {name} (was it written by attnkit demo?)")
+        raw = manifest_path.read_bytes()
+        try:
+            manifest = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{manifest_path} is not valid JSON: {err}") from None
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if (
+            not isinstance(files, dict)
+            or manifest.get("format") != RUN_FORMAT
+            or not all(
+                n in RESULT_FILES and n != MANIFEST and isinstance(h, str) for n, h in files.items()
+            )
+        ):
+            raise ValueError(f"{manifest_path} is not an attnkit demo manifest ({RUN_FORMAT})")
+        contents = {}
+        for name, digest in files.items():
+            if not (folder / name).is_file():
+                raise ValueError(f"{where}: {name}, listed in {MANIFEST}, is missing")
+            data = (folder / name).read_bytes()
+            if _sha256(data) != digest:
+                raise ValueError(
+                    f"{where}: {name} is not the file its run wrote (its SHA-256 differs from "
+                    f"the one in {MANIFEST}): the folder mixes files of different runs, or {name} "
+                    "was changed since"
+                )
+            contents[name] = data
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read the run: {_os_reason(err)}") from None
+    for name in needed:
+        if name not in contents:
+            raise ValueError(f"{manifest_path} does not list {name}")
+    return {name: contents[name] for name in needed}
 
 
 def load_model(folder: Path) -> Seq2Seq:
-    """The model saved by :func:`save_model`; errors say which file is wrong and how."""
+    """The model of the run saved in ``folder``; errors say which file is wrong and how."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
+    contents = _read_run(folder, ("config.json", "model.safetensors"))
     config_path, weights_path = folder / "config.json", folder / "model.safetensors"
-    for p in (config_path, weights_path):
-        if not p.is_file():
-            raise ValueError(f"--load {folder}: no {p.name} (was it written by attnkit demo?)")
     try:
-        data = json.loads(config_path.read_text())
+        data = json.loads(contents["config.json"])
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{config_path} is not valid JSON: {err}") from None
     try:
@@ -297,8 +440,8 @@ def load_model(folder: Path) -> Seq2Seq:
     except TypeError as err:  # a field of the wrong type reaches the dataclass
         raise ValueError(f"{config_path}: {err}") from None
     try:
-        state = load_file(str(weights_path))
-    except (SafetensorError, OSError) as err:
+        state = load(contents["model.safetensors"])
+    except SafetensorError as err:
         raise ValueError(f"{weights_path} is not a readable safetensors file: {err}") from None
     model = Seq2Seq(cfg)
     attnkit.checkpoint.load_state_dict(model, state, source=str(weights_path))
@@ -318,8 +461,7 @@ def plot_loss(losses: list[float], path: Path) -> None:
     ax.plot(range(k, k + len(smooth)), smooth, lw=1.5, label=f"mean of {k}")
     ax.set(xlabel="step", ylabel="cross-entropy", yscale="log", title="training loss")
     ax.legend()
-    with _atomic(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+    fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
 
 
@@ -361,8 +503,7 @@ def plot_attention(model: Seq2Seq, batch: Batch, path: Path) -> None:
             if r == len(layers) - 1:
                 ax.set_xlabel("source")
     fig.suptitle(f"cross-attention, task {model.cfg.task}")
-    with _atomic(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+    fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
 
 
@@ -444,7 +585,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=Path("attnkit-demo"),
-        help="folder for the results (default ./attnkit-demo)",
+        help="folder for the results (default ./attnkit-demo); a new folder, an empty one, or "
+        "that of an earlier run, which the new results replace",
     )
     p.add_argument(
         "--task",
@@ -498,28 +640,34 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cfg = DemoConfig(task=args.task, attention=args.attention, steps=args.steps, seed=args.seed)
     out: Path = args.out
-    _prepare_out(out)
-    start = time.perf_counter()
-    model, losses, rate = train(cfg, progress=not args.quiet)
-    seqs = eval_set(cfg)
-    accuracy = evaluate(model, seqs)
-    seconds = time.perf_counter() - start
-    metrics = {
-        "accuracy": accuracy,
-        "steps": cfg.steps,
-        "seconds": round(seconds, 2),
-        "train_tokens_per_second": round(rate),
-        "final_loss": losses[-1],
-        "eval_size": len(seqs),
-        "config": cfg.to_json(),
-        "torch": torch.__version__,
-        "attnkit": attnkit.__version__,
-    }
-    save_model(model, out)
-    plot_loss(losses, out / "loss.png")
-    plot_attention(model, make_batch(cfg, seqs[:1]), out / "attention.png")
-    with _atomic(out / "metrics.json") as tmp:
-        tmp.write_text(json.dumps(metrics, indent=1) + "\n")
+    target, staging = _prepare_out(out)
+    try:
+        start = time.perf_counter()
+        model, losses, rate = train(cfg, progress=not args.quiet)
+        seqs = eval_set(cfg)
+        accuracy = evaluate(model, seqs)
+        seconds = time.perf_counter() - start
+        metrics = {
+            "accuracy": accuracy,
+            "steps": cfg.steps,
+            "seconds": round(seconds, 2),
+            "train_tokens_per_second": round(rate),
+            "final_loss": losses[-1],
+            "eval_size": len(seqs),
+            "config": cfg.to_json(),
+            "torch": torch.__version__,
+            "attnkit": attnkit.__version__,
+        }
+        save_model(model, staging)
+        plot_loss(losses, staging / "loss.png")
+        plot_attention(model, make_batch(cfg, seqs[:1]), staging / "attention.png")
+        (staging / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        write_manifest(staging)
+        _swap_in(staging, target, out)
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot write the results: {_os_reason(err)}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already once swapped in
     print(
         f"exact-match accuracy {accuracy:.4f} on {len(seqs)} held-out sequences "
         f"({cfg.task}), {seconds:.0f} s; results in {out}/"
