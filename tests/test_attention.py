@@ -421,7 +421,7 @@ BAD = [
     (
         lambda q, k, v: ([q, k, v], {"backend": 3}),
         TypeError,
-        "backend must be a backend name or an attnkit.Backend, got int",
+        "backend must be 'auto', the name of a registered backend or an attnkit.Backend, got int",
     ),
     (lambda q, k, v: ([q.numpy(), k, v], {}), TypeError, "q must be a torch.Tensor, got ndarray"),
     (

@@ -481,8 +481,8 @@ def test_backend_is_checked_when_the_module_is_built() -> None:
     names = ", ".join(attnkit.available_backends())
     with pytest.raises(
         ValueError,
-        match=rf"backend 'nope' is not registered; choose 'auto' or one of: {names}\. A backend "
-        r"of your own must be registered \(attnkit.register_backend\) before a module",
+        match=rf"unknown backend 'nope'; choose 'auto' or one of: {names} \(a backend of your "
+        r"own must be registered with attnkit.register_backend before it is named\)",
     ):
         MultiHeadAttention(8, 2, backend="nope")
     with pytest.raises(

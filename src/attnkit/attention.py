@@ -136,13 +136,15 @@ def check_backend(backend: object, name: str = "backend") -> str | Backend:
         return backend
     if not isinstance(backend, str):
         raise TypeError(
-            f"{name} must be a backend name or an attnkit.Backend, got {type(backend).__name__}"
+            f"{name} must be 'auto', the name of a registered backend or an attnkit.Backend, got "
+            f"{type(backend).__name__}"
         )
     registry = _REGISTRY
     if backend != "auto" and backend not in registry:
         raise ValueError(
             f"unknown {name} {backend!r}; choose 'auto' or one of: {', '.join(registry)} (a "
-            "backend registered later must be registered before it is used)"
+            "backend of your own must be registered with attnkit.register_backend before it is "
+            "named)"
         )
     return backend
 

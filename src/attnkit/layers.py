@@ -260,7 +260,9 @@ class TransformerEncoderLayer(nn.Module):
             return self._layer(x, mask, causal, None)
         return _undo_on_error([cache], lambda: self._layer(x, mask, causal, cache))
 
-    def _layer(self, x: Tensor, mask: Tensor | None, causal: bool, cache: KVCache | None) -> Tensor:
+    def _layer(
+        self, x: Tensor, mask: Tensor | Mask | None, causal: bool, cache: KVCache | None
+    ) -> Tensor:
         def sa(h: Tensor) -> Tensor:
             out: Tensor = self.dropout1(
                 _call_self_attention(self.self_attn, h, mask, causal, cache)
@@ -425,8 +427,8 @@ class TransformerDecoderLayer(nn.Module):
         self,
         x: Tensor,
         memory: Tensor,
-        mask: Tensor | None,
-        memory_mask: Tensor | None,
+        mask: Tensor | Mask | None,
+        memory_mask: Tensor | Mask | None,
         causal: bool,
         cache: KVCache | None,
     ) -> Tensor:
@@ -606,8 +608,8 @@ class Transformer(nn.Module):
         self,
         tgt: Tensor,
         memory: Tensor,
-        mask: Tensor | None,
-        memory_mask: Tensor | None,
+        mask: Tensor | Mask | None,
+        memory_mask: Tensor | Mask | None,
         cache: list[KVCache] | None,
     ) -> Tensor:
         for i, layer in enumerate(self.decoder_layers):

@@ -18,7 +18,7 @@ value sizes.
 
 from __future__ import annotations
 
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from ._checks import (
     shape_str,
 )
 from ._typing import Bool, Float, shape_checked
-from .attention import Backend, attention, available_backends
+from .attention import Backend, attention, check_backend
 from .capture import is_capturing, record
 from .kv_cache import KVCache
 from .masks import Mask
@@ -156,7 +156,7 @@ class MultiHeadAttention(nn.Module):
                 f"({self.head_dim})"
             )
         self.rotary = rotary
-        self.backend = _check_backend(backend)
+        self.backend = check_backend(backend)
 
         def empty(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
@@ -314,7 +314,7 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.stage(k, v)
 
         capturing = is_capturing(self)
-        backend: Any = self.backend  # a name or a Backend: attention() takes either
+        backend = self.backend
         weights: Tensor | None = None
         dropout_p = self.dropout if self.training else 0.0
         if need_weights or capturing:
@@ -493,25 +493,6 @@ class MultiHeadAttention(nn.Module):
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)
-
-
-def _check_backend(backend: object) -> str | Backend:
-    """``backend`` if :func:`attnkit.attention` can take it, checked when the module is built."""
-    if isinstance(backend, Backend):
-        return backend
-    if not isinstance(backend, str):
-        raise TypeError(
-            "backend must be 'auto', the name of a registered backend or an attnkit.Backend, "
-            f"got {type(backend).__name__}"
-        )
-    names = available_backends()
-    if backend != "auto" and backend not in names:
-        raise ValueError(
-            f"backend {backend!r} is not registered; choose 'auto' or one of: {', '.join(names)}. "
-            "A backend of your own must be registered (attnkit.register_backend) before a module "
-            "that names it is built"
-        )
-    return backend
 
 
 @shape_checked
