@@ -21,7 +21,13 @@ from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
 from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
 from .multihead import MultiHeadAttention, from_torch_masks
-from .positional import RotaryEmbedding, SinusoidalPositionalEncoding, alibi_bias, alibi_slopes
+from .positional import (
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    alibi_bias,
+    alibi_slopes,
+    relative_encoding,
+)
 from .relative import RelativeMultiHeadAttention
 
 __version__ = "0.1.0"
@@ -54,5 +60,6 @@ __all__ = [
     "from_torch_masks",
     "masks",
     "register_backend",
+    "relative_encoding",
     "unregister_backend",
 ]

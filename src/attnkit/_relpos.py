@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ._checks import present
 from .backends import chunked as _kernel
+from .positional import relative_encoding
 
 # Blocks of the chunked path. The position term costs (Tk + block_q - 1) / Tk times q k^T, so
 # query blocks below the kernel's default 512 waste less of it: a training step at T=2048 on 2
@@ -60,15 +61,9 @@ OPENSPEECH_MAX_LEN = 5000
 
 
 def relative_sinusoid(distances: Tensor, dim: int) -> Tensor:
-    """``(P, dim)`` encodings of (possibly negative) distances: ``[sin(d w_k) | cos(d w_k)]``.
-
-    ``w_k = 10000^(-2k / dim)`` for ``k < ceil(dim / 2)``: the sines fill the first half, the
-    cosines the rest (Transformer-XL's layout). Computed in float64 for any input dtype.
-    """
-    half = (dim + 1) // 2
-    freq = torch.pow(10000.0, -2.0 * torch.arange(half, dtype=torch.float64) / dim)
-    angle = distances.to(torch.float64).unsqueeze(-1) * freq.to(distances.device)  # (P, half)
-    return torch.cat([angle.sin(), angle.cos()[:, : dim - half]], dim=-1)
+    """``(P, dim)`` float64 encodings of (possibly negative) distances, sines then cosines: see
+    :func:`attnkit.relative_encoding`, which this is in float64."""
+    return relative_encoding(distances, dim, dtype=torch.float64)
 
 
 def openspeech_sinusoid(length: int, dim: int) -> Tensor:
@@ -83,6 +78,24 @@ def openspeech_sinusoid(length: int, dim: int) -> Tensor:
     pe = torch.zeros(rows, dim)
     position = torch.arange(0, rows, dtype=torch.float).unsqueeze(1)
     freq = torch.exp(torch.arange(0, dim, 2).float() * -(math.log(10000.0) / dim))
+    pe[:, 0::2] = torch.sin(position * freq)
+    pe[:, 1::2] = torch.cos(position * freq[: dim // 2])
+    return pe[:length]
+
+
+def espnet_legacy_sinusoid(length: int, dim: int, max_len: int) -> Tensor:
+    """ESPnet's ``LegacyRelPositionalEncoding`` for an input of ``length`` frames, in float32.
+
+    ESPnet builds a table of ``L = max(max_len, length)`` rows for the *reversed* positions
+    ``L - 1, L - 2, ..., 0`` (interleaved ``sin``/``cos`` as :func:`openspeech_sinusoid`, every step
+    in float32) and hands its first ``length`` rows to the attention: positions ``L - 1`` down to
+    ``L - length``. The table is computed with ESPnet's shape so that it comes out bit for bit the
+    same (its positions reach ``max_len - 1``, where float32 rounding of the angles is ~1e-4).
+    """
+    rows = max(length, max_len)
+    pe = torch.zeros(rows, dim)
+    position = torch.arange(rows - 1, -1, -1.0, dtype=torch.float32).unsqueeze(1)
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * -(math.log(10000.0) / dim))
     pe[:, 0::2] = torch.sin(position * freq)
     pe[:, 1::2] = torch.cos(position * freq[: dim // 2])
     return pe[:length]
