@@ -33,7 +33,15 @@ import torch
 from torch import Tensor, nn
 
 from . import _relpos, capture
-from ._checks import check_bool, check_input, check_mask, present, shape_str
+from ._checks import (
+    check_bool,
+    check_input,
+    check_int,
+    check_mask,
+    check_positive,
+    present,
+    shape_str,
+)
 from ._typing import Bool, Float
 from .attention import BackendError, attention
 
@@ -80,9 +88,27 @@ class RelativeMultiHeadAttention(nn.Module):
             that drops takes the materialised reference path; keep it 0 for long sequences.
         proj_bias: whether the query, key, value and output projections have a bias (the
             position projection ``pos_proj`` never has one).
-        legacy: ``None`` (default) for the formula above, or ``"openspeech"`` to reproduce
-            openspeech's ``RelativeMultiHeadAttention`` fed by its Conformer; see
-            :meth:`from_openspeech`.
+        encoding: which ``r(d)`` the position term projects. ``"signed"`` (default):
+            ``r(d) = [sin(d w_k) | cos(d w_k)]``, whose sines tell a key ``d`` frames before the
+            query from one ``d`` frames after it (Transformer-XL, ESPnet, NeMo).
+            ``"symmetric"``: ``r(|d|)``, so the position term is the same for ``+d`` and ``-d``.
+            That is what SpeechBrain's ``RelPosEncXL`` computes (its future half repeats the past
+            half's sines); use it only to run models trained with it (:meth:`from_speechbrain`).
+        scale: what the summed scores are multiplied by; ``None`` (default) for
+            ``1/sqrt(head_dim)`` (``1/sqrt(d_model)`` with ``legacy="openspeech"``). SpeechBrain's
+            ``RelPosMHAXL`` uses ``1/sqrt(d_model)``.
+        legacy: ``None`` (default) for the formula above, or a toolkit whose relative attention is
+            *not* a function of the distance, reproduced for its trained checkpoints:
+            ``"openspeech"``, openspeech's ``RelativeMultiHeadAttention`` fed by its Conformer
+            (see :meth:`from_openspeech`), or ``"espnet"``, ESPnet's
+            ``LegacyRelPositionMultiHeadedAttention`` fed by its ``LegacyRelPositionalEncoding``
+            (see :meth:`from_espnet`). Both feed absolute encodings through a pad-and-reshape
+            shift that is a true relative shift only on and below the diagonal. Self-attention
+            only.
+        legacy_max_len: with ``legacy="espnet"``, the ``max_len`` of the
+            ``LegacyRelPositionalEncoding`` (ESPnet's default 5000; espnet2's
+            ``max_pos_emb_len``): its encodings are of the positions ``L - 1`` down to ``L - T``
+            with ``L = max(legacy_max_len, T)``, so the number matters. ``None`` otherwise.
 
     Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (``nn.Linear``), ``pos_proj``
     (``W_r``, no bias), ``pos_bias_u`` and ``pos_bias_v`` (``u`` and ``v``, ``(num_heads,
@@ -90,7 +116,8 @@ class RelativeMultiHeadAttention(nn.Module):
 
     Relative encodings ``r(d) = [sin(d w_k) | cos(d w_k)]``, ``w_k = 10000^(-2k / d_model)``, are
     computed once in float64 for every distance a call needs (``Tq + Tk - 1`` of them: ``2T - 1``
-    for self-attention) and cached per device and dtype.
+    for self-attention) and cached per device and dtype: :func:`attnkit.relative_encoding` gives
+    the table (its layout, row order and precision) for reading or for mapping other weights.
 
     >>> import torch, attnkit
     >>> m = attnkit.RelativeMultiHeadAttention(64, 4)
@@ -109,7 +136,10 @@ class RelativeMultiHeadAttention(nn.Module):
         *,
         dropout: float = 0.0,
         proj_bias: bool = True,
-        legacy: Literal["openspeech"] | None = None,
+        encoding: Literal["signed", "symmetric"] = "signed",
+        scale: float | None = None,
+        legacy: Literal["openspeech", "espnet"] | None = None,
+        legacy_max_len: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -125,14 +155,35 @@ class RelativeMultiHeadAttention(nn.Module):
             raise TypeError(f"dropout must be a float in [0, 1), got {dropout!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-        if legacy not in (None, "openspeech"):
-            raise ValueError(f"legacy must be None or 'openspeech', got {legacy!r}")
+        if legacy not in (None, "openspeech", "espnet"):
+            raise ValueError(f"legacy must be None, 'openspeech' or 'espnet', got {legacy!r}")
+        if encoding not in ("signed", "symmetric"):
+            raise ValueError(f"encoding must be 'signed' or 'symmetric', got {encoding!r}")
+        if legacy and encoding != "signed":
+            raise ValueError(
+                f"encoding={encoding!r} does not apply to legacy={legacy!r}, which reproduces that "
+                "toolkit's own (absolute) encodings"
+            )
+        if legacy == "espnet":
+            legacy_max_len = check_int(
+                "legacy_max_len", 5000 if legacy_max_len is None else legacy_max_len
+            )
+        elif legacy_max_len is not None:
+            raise ValueError(
+                f"legacy_max_len applies to legacy='espnet' only, got legacy_max_len="
+                f"{legacy_max_len!r} with legacy={legacy!r}"
+            )
+        default_scale = 1.0 / math.sqrt(d_model if legacy == "openspeech" else d_model // num_heads)
         proj_bias = check_bool("proj_bias", proj_bias)
         self.d_model = d_model
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
         self.dropout = float(dropout)
+        self.encoding = encoding
         self.legacy = legacy
+        self.legacy_max_len = legacy_max_len
+        self._scale = default_scale if scale is None else check_positive("scale", scale)
+        self._default_scale = default_scale
 
         def linear(with_bias: bool) -> nn.Linear:
             return nn.Linear(d_model, d_model, bias=with_bias, device=device, dtype=dtype)
@@ -150,50 +201,75 @@ class RelativeMultiHeadAttention(nn.Module):
         )
         nn.init.xavier_uniform_(self.pos_bias_u)
         nn.init.xavier_uniform_(self.pos_bias_v)
-        # (device, dtype) -> encodings of distances L .. -L (exact) or positions 0 .. L-1 (legacy).
+        # (device, dtype) -> encodings of distances L .. -L (exact), or of the legacy positions.
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[int, Tensor]] = {}
 
     @property
     def scale(self) -> float:
-        """What the summed scores are multiplied by: ``1/sqrt(head_dim)``, or openspeech's
-        ``1/sqrt(d_model)`` in legacy mode."""
-        return 1.0 / math.sqrt(self.d_model if self.legacy else self.head_dim)
+        """What the summed scores are multiplied by: ``1/sqrt(head_dim)`` unless the constructor's
+        ``scale=`` said otherwise (``1/sqrt(d_model)`` with ``legacy="openspeech"``)."""
+        return self._scale
 
     def extra_repr(self) -> str:
-        legacy = f", legacy={self.legacy!r}" if self.legacy else ""
-        return f"{self.d_model}, {self.num_heads}, dropout={self.dropout}{legacy}"
+        parts = [f"{self.d_model}, {self.num_heads}, dropout={self.dropout}"]
+        if self.encoding != "signed":
+            parts.append(f"encoding={self.encoding!r}")
+        if self.legacy:
+            parts.append(f"legacy={self.legacy!r}")
+        if self.legacy == "espnet":
+            parts.append(f"legacy_max_len={self.legacy_max_len}")
+        if self.scale != self._default_scale:
+            parts.append(f"scale={self.scale:.6g}")
+        return ", ".join(parts)
 
     # ----------------------------------------------------------------------------------------------
     # Encodings
 
     def _encodings(self, tq: int, tk: int) -> Tensor:
-        """Unprojected encodings, ``(Tq + Tk - 1, d_model)`` of distances ``Tk - 1 .. 1 - Tq``, or
-        in legacy mode ``(T, d_model)`` of absolute positions ``0 .. T - 1``."""
+        """Unprojected encodings, ``(Tq + Tk - 1, d_model)`` of distances ``Tk - 1 .. 1 - Tq`` (of
+        their absolute values with ``encoding="symmetric"``), or in legacy mode ``(T, d_model)``
+        of that toolkit's absolute positions."""
         weight = self.pos_proj.weight
         if torch.compiler.is_compiling():
             # Tracing: a table cached across calls would be a fake tensor left behind after
             # export, and its size a guard on the traced lengths; make exactly the rows needed.
             if self.legacy:
-                return _relpos.openspeech_sinusoid(tk, self.d_model).to(weight.device, weight.dtype)
+                return self._table(tk, weight.device).to(weight.device, weight.dtype)
             distances = torch.arange(tk - 1, -tq, -1, device=weight.device)
+            if self.encoding == "symmetric":
+                distances = distances.abs()
             return _relpos.relative_sinusoid(distances, self.d_model).to(weight.dtype)
+        max_len = self.legacy_max_len or 0
+        if self.legacy == "espnet" and tk > max_len:
+            # ESPnet rebuilds its table for an input longer than max_len: positions tk-1 .. 0.
+            with torch.inference_mode(False), torch.no_grad():
+                return self._table(tk, weight.device).to(weight.device, weight.dtype)
         key = (weight.device, weight.dtype)
-        need = tk if self.legacy else max(tq, tk)
+        need = {None: max(tq, tk), "openspeech": tk, "espnet": max_len}[self.legacy]
         size, table = self._tables.get(key, (0, weight.new_empty(1, self.d_model)))
         if size < need:
-            size = max(need, 2 * size)
+            size = need if self.legacy == "espnet" else max(need, 2 * size)
             # A table made under inference_mode could never be saved for a later backward.
             with torch.inference_mode(False), torch.no_grad():
-                if self.legacy:
-                    table = _relpos.openspeech_sinusoid(size, self.d_model)
-                else:
-                    distances = torch.arange(size, -size - 1, -1, device=weight.device)
-                    table = _relpos.relative_sinusoid(distances, self.d_model)
-                table = table.to(device=weight.device, dtype=weight.dtype)
+                table = self._table(size, weight.device).to(weight.device, weight.dtype)
             self._tables[key] = (size, table)
         if self.legacy:
             return table[:tk]
         return table[size - (tk - 1) : size + tq]  # rows of distances tk-1 .. 1-tq
+
+    def _table(self, size: int, device: torch.device) -> Tensor:
+        """The encodings of distances ``size .. -size`` (float64), or in legacy mode the toolkit's
+        table for an input of ``size`` frames (float32, as the toolkit computes it)."""
+        if self.legacy == "openspeech":
+            return _relpos.openspeech_sinusoid(size, self.d_model)
+        if self.legacy == "espnet":
+            return _relpos.espnet_legacy_sinusoid(
+                size, self.d_model, present(self.legacy_max_len, "legacy_max_len")
+            )
+        distances = torch.arange(size, -size - 1, -1, device=device)
+        if self.encoding == "symmetric":
+            distances = distances.abs()
+        return _relpos.relative_sinusoid(distances, self.d_model)
 
     # ----------------------------------------------------------------------------------------------
     # Forward
@@ -221,8 +297,8 @@ class RelativeMultiHeadAttention(nn.Module):
             )
         if self.legacy and key.size(1) != query.size(1):
             raise ValueError(
-                "legacy='openspeech' reproduces openspeech's self-attention, whose shift needs as "
-                f"many keys as queries: got Tq={query.size(1)} and Tk={key.size(1)}"
+                f"legacy={self.legacy!r} reproduces {self.legacy}'s self-attention, whose shift "
+                f"needs as many keys as queries: got Tq={query.size(1)} and Tk={key.size(1)}"
             )
         if mask is not None:
             scores = (query.size(0), self.num_heads, query.size(1), key.size(1))
