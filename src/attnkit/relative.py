@@ -182,7 +182,10 @@ class RelativeMultiHeadAttention(nn.Module):
         self.encoding = encoding
         self.legacy = legacy
         self.legacy_max_len = legacy_max_len
-        self._scale = default_scale if scale is None else check_positive("scale", scale)
+        # A one-element tuple, not a float attribute: torch.compile(dynamic=True) traces a module's
+        # float attributes as symbolic values, which attention()'s checks of the scale cannot take;
+        # the elements of a tuple stay constants.
+        self._scale = (default_scale if scale is None else check_positive("scale", scale),)
         self._default_scale = default_scale
 
         def linear(with_bias: bool) -> nn.Linear:
@@ -208,7 +211,7 @@ class RelativeMultiHeadAttention(nn.Module):
     def scale(self) -> float:
         """What the summed scores are multiplied by: ``1/sqrt(head_dim)`` unless the constructor's
         ``scale=`` said otherwise (``1/sqrt(d_model)`` with ``legacy="openspeech"``)."""
-        return self._scale
+        return self._scale[0]
 
     def extra_repr(self) -> str:
         parts = [f"{self.d_model}, {self.num_heads}, dropout={self.dropout}"]
