@@ -17,6 +17,7 @@ from .attention import (
     unregister_backend,
 )
 from .capture import AttentionMaps, capture_attention
+from .conformer import ConformerLayer
 from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
 from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
@@ -37,6 +38,7 @@ __all__ = [
     "AttentionMaps",
     "Backend",
     "BackendError",
+    "ConformerLayer",
     "Explanation",
     "KVCache",
     "MultiHeadAttention",
