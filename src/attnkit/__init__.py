@@ -4,7 +4,7 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
-from . import backends, checkpoint, distributed, masks
+from . import backends, checkpoint, distributed, interop, masks
 from ._checks import AttentionCall
 from .attention import (
     Backend,
@@ -60,6 +60,7 @@ __all__ = [
     "distributed",
     "explain",
     "from_torch_masks",
+    "interop",
     "masks",
     "register_backend",
     "relative_encoding",

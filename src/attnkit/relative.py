@@ -524,3 +524,43 @@ class RelativeMultiHeadAttention(nn.Module):
                 dst.copy_(src)
         new.train(module.training)
         return new
+
+    # ----------------------------------------------------------------------------------------------
+    # ESPnet, NeMo, SpeechBrain
+
+    @classmethod
+    def from_espnet(cls, module: nn.Module, *, max_len: int = 5000) -> RelativeMultiHeadAttention:
+        """A copy of ESPnet's or NeMo's relative self-attention, computing what it computes.
+
+        ``module``: ESPnet's ``RelPositionMultiHeadedAttention`` or NeMo's
+        ``RelPositionMultiHeadAttention`` (fed by their ``RelPositionalEncoding``), which compute
+        this module's default formula: their ``linear_pos.weight`` columns are permuted from the
+        interleaved layout of their encodings to attnkit's (:func:`attnkit.relative_encoding`).
+        Or ESPnet's ``LegacyRelPositionMultiHeadedAttention`` (fed by
+        ``LegacyRelPositionalEncoding``), reproduced by ``legacy="espnet"``; ``max_len`` is then
+        that encoding's ``max_len`` (ESPnet's default 5000; espnet2's ``max_pos_emb_len``).
+
+        Masks: ESPnet's ``(B, 1, T)`` (True = real) is ``mask.unsqueeze(1)`` here; NeMo's
+        ``(B, T, T)`` (True = blocked) is ``~mask.unsqueeze(1)``. The mapping table, and what is
+        refused: :mod:`attnkit.interop.espnet`.
+        """
+        from .interop import espnet
+
+        return espnet.relative_attention(module, max_len=max_len)
+
+    @classmethod
+    def from_speechbrain(
+        cls, module: nn.Module, *, encoding: Literal["symmetric", "signed"] = "symmetric"
+    ) -> RelativeMultiHeadAttention:
+        """A copy of SpeechBrain's ``RelPosMHAXL`` fed by ``RelPosEncXL``, as shipped.
+
+        SpeechBrain's encoding gives distances ``+d`` and ``-d`` the same vector
+        (``encoding="symmetric"``, the default here) and its scale is ``1/sqrt(d_model)``; its
+        packed ``in_proj_weight`` and ``(head_dim, H)`` biases are unpacked. ``encoding="signed"``
+        loads a model trained with an encoding that keeps the sign. Mask:
+        ``~key_padding_mask[:, None, None, :]``. The mapping table, and what is not reproduced:
+        :mod:`attnkit.interop.speechbrain`.
+        """
+        from .interop import speechbrain
+
+        return speechbrain.relative_attention(module, encoding=encoding)
