@@ -677,6 +677,8 @@ MODES: list[dict[str, object]] = [
     {"encoding": "symmetric"},
     {"scale": 0.2},
     {"encoding": "symmetric", "scale": 1 / math.sqrt(12)},
+    {"encoding_dtype": torch.float32},
+    {"encoding": "symmetric", "encoding_dtype": torch.float32},
     {"legacy": "espnet", "legacy_max_len": 20},
     {"legacy": "espnet", "legacy_max_len": 4},  # shorter than the inputs: ESPnet's rebuilt table
 ]
@@ -742,8 +744,34 @@ def test_espnet_legacy_table_length_is_max_len_or_the_input() -> None:
         assert torch.equal(table[row], want)
 
 
+def test_float32_encodings_are_the_toolkits_table() -> None:
+    # ESPnet's, NeMo's and SpeechBrain's expression, every step in float32, interleaved; attnkit's
+    # table holds the same numbers with the sines first.
+    distances = torch.arange(300, -301, -1)
+    f = torch.exp(torch.arange(0, 8, 2, dtype=torch.float32) * -(math.log(10000.0) / 8))
+    angle = distances.float()[:, None] * f
+    theirs = torch.stack([angle.sin(), angle.cos()], -1).flatten(1)  # sin w0, cos w0, sin w1, ...
+    ours = relpos.float32_sinusoid(distances, 8)
+    assert torch.equal(ours, theirs[:, [0, 2, 4, 6, 1, 3, 5, 7]])
+    # ~1e-5 off the sinusoids at 300 frames: what encoding_dtype=torch.float32 is for.
+    error = (ours.double() - relpos.relative_sinusoid(distances, 8)).abs().max()
+    assert 1e-6 < error < 1e-4
+    m = make(encoding_dtype=torch.float32)
+    assert "encoding_dtype=torch.float32" in repr(m)
+    assert (m(randn(1, 5, 12)) - make()(randn(1, 5, 12))).abs().max() < 1e-5
+
+
 @pytest.mark.usefixtures("no_shape_checks")
 def test_mode_arguments_quote_values() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"encoding_dtype must be torch\.float64 or torch\.float32, got torch\.float16",
+    ):
+        RelativeMultiHeadAttention(8, 2, encoding_dtype=torch.float16)
+    with pytest.raises(
+        ValueError, match=r"encoding_dtype=torch\.float32 does not apply to legacy="
+    ):
+        RelativeMultiHeadAttention(8, 2, encoding_dtype=torch.float32, legacy="openspeech")
     with pytest.raises(ValueError, match="encoding must be 'signed' or 'symmetric', got 'odd'"):
         RelativeMultiHeadAttention(8, 2, encoding="odd")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="encoding='symmetric' does not apply to legacy='espnet'"):

@@ -66,6 +66,19 @@ def relative_sinusoid(distances: Tensor, dim: int) -> Tensor:
     return relative_encoding(distances, dim, dtype=torch.float64)
 
 
+def float32_sinusoid(distances: Tensor, dim: int) -> Tensor:
+    """``(P, dim)`` float32 encodings of distances computed as ESPnet, NeMo and SpeechBrain compute
+    their relative tables, in attnkit's layout (sines, then cosines).
+
+    Every step is theirs, in float32: ``f_k = exp(2k * -ln(10000) / dim)``, the product of the
+    distance and ``f_k``, its sine and cosine. Far distances lose their phase to the rounding of the
+    product (~1e-4 radians at ``d = 1000``), and a model trained on these tables has learnt them.
+    """
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * -(math.log(10000.0) / dim))
+    angle = distances.to(torch.float32).unsqueeze(-1) * freq.to(distances.device)  # (P, half)
+    return torch.cat([angle.sin(), angle.cos()[:, : dim // 2]], dim=-1)
+
+
 def openspeech_sinusoid(length: int, dim: int) -> Tensor:
     """openspeech's absolute ``PositionalEncoding`` of positions ``0..length-1``, in float32.
 

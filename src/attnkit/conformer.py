@@ -309,13 +309,20 @@ class ConformerLayer(nn.Module):
     # ESPnet
 
     @classmethod
-    def from_espnet(cls, layer: nn.Module, *, max_len: int = 5000) -> ConformerLayer:
+    def from_espnet(
+        cls,
+        layer: nn.Module,
+        *,
+        max_len: int = 5000,
+        encoding_dtype: torch.dtype = torch.float32,
+    ) -> ConformerLayer:
         """A copy of ESPnet's Conformer ``EncoderLayer`` (macaron feed-forwards, relative
         self-attention, convolution module, pre-norm), eval outputs equal to ESPnet's on unpadded
         input; see :func:`attnkit.interop.espnet.conformer_layer` for what maps where and what
         differs on padded batches. ``max_len``: the ``LegacyRelPositionalEncoding``'s, for a layer
-        with ESPnet's legacy relative attention.
+        with ESPnet's legacy relative attention; ``encoding_dtype``: see
+        :meth:`RelativeMultiHeadAttention.from_espnet`.
         """
         from .interop import espnet
 
-        return espnet.conformer_layer(layer, max_len=max_len)
+        return espnet.conformer_layer(layer, max_len=max_len, encoding_dtype=encoding_dtype)

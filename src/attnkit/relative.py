@@ -94,6 +94,13 @@ class RelativeMultiHeadAttention(nn.Module):
             ``"symmetric"``: ``r(|d|)``, so the position term is the same for ``+d`` and ``-d``.
             That is what SpeechBrain's ``RelPosEncXL`` computes (its future half repeats the past
             half's sines); use it only to run models trained with it (:meth:`from_speechbrain`).
+        encoding_dtype: what the encodings' angles are computed in. ``torch.float64`` (default):
+            the sinusoids to float64 rounding, whatever the parameters' dtype. ``torch.float32``:
+            every step in float32 as ESPnet, NeMo and SpeechBrain compute their tables (their
+            frequency formula, products and sines rounded to float32: ~1e-4 radians off at
+            distance 1000), so that a model trained with those tables gets them;
+            :meth:`from_espnet` and :meth:`from_speechbrain` choose it. Legacy modes always use
+            their toolkit's own table.
         scale: what the summed scores are multiplied by; ``None`` (default) for
             ``1/sqrt(head_dim)`` (``1/sqrt(d_model)`` with ``legacy="openspeech"``). SpeechBrain's
             ``RelPosMHAXL`` uses ``1/sqrt(d_model)``.
@@ -115,9 +122,10 @@ class RelativeMultiHeadAttention(nn.Module):
     head_dim)``).
 
     Relative encodings ``r(d) = [sin(d w_k) | cos(d w_k)]``, ``w_k = 10000^(-2k / d_model)``, are
-    computed once in float64 for every distance a call needs (``Tq + Tk - 1`` of them: ``2T - 1``
-    for self-attention) and cached per device and dtype: :func:`attnkit.relative_encoding` gives
-    the table (its layout, row order and precision) for reading or for mapping other weights.
+    computed once in float64 (or ``encoding_dtype``) for every distance a call needs (``Tq + Tk -
+    1`` of them: ``2T - 1`` for self-attention) and cached per device and dtype:
+    :func:`attnkit.relative_encoding` gives the table (its layout, row order and precision) for
+    reading or for mapping other weights.
 
     >>> import torch, attnkit
     >>> m = attnkit.RelativeMultiHeadAttention(64, 4)
@@ -137,6 +145,7 @@ class RelativeMultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         proj_bias: bool = True,
         encoding: Literal["signed", "symmetric"] = "signed",
+        encoding_dtype: torch.dtype = torch.float64,
         scale: float | None = None,
         legacy: Literal["openspeech", "espnet"] | None = None,
         legacy_max_len: int | None = None,
@@ -164,6 +173,15 @@ class RelativeMultiHeadAttention(nn.Module):
                 f"encoding={encoding!r} does not apply to legacy={legacy!r}, which reproduces that "
                 "toolkit's own (absolute) encodings"
             )
+        if encoding_dtype not in (torch.float64, torch.float32):
+            raise ValueError(
+                f"encoding_dtype must be torch.float64 or torch.float32, got {encoding_dtype!r}"
+            )
+        if legacy and encoding_dtype != torch.float64:
+            raise ValueError(
+                f"encoding_dtype={encoding_dtype} does not apply to legacy={legacy!r}, which "
+                "reproduces that toolkit's own float32 table"
+            )
         if legacy == "espnet":
             legacy_max_len = check_int(
                 "legacy_max_len", 5000 if legacy_max_len is None else legacy_max_len
@@ -180,6 +198,7 @@ class RelativeMultiHeadAttention(nn.Module):
         self.head_dim = d_model // num_heads
         self.dropout = float(dropout)
         self.encoding = encoding
+        self.encoding_dtype = encoding_dtype
         self.legacy = legacy
         self.legacy_max_len = legacy_max_len
         # A one-element tuple, not a float attribute: torch.compile(dynamic=True) traces a module's
@@ -217,6 +236,8 @@ class RelativeMultiHeadAttention(nn.Module):
         parts = [f"{self.d_model}, {self.num_heads}, dropout={self.dropout}"]
         if self.encoding != "signed":
             parts.append(f"encoding={self.encoding!r}")
+        if self.encoding_dtype != torch.float64:
+            parts.append(f"encoding_dtype={self.encoding_dtype}")
         if self.legacy:
             parts.append(f"legacy={self.legacy!r}")
         if self.legacy == "espnet":
@@ -239,9 +260,7 @@ class RelativeMultiHeadAttention(nn.Module):
             if self.legacy:
                 return self._table(tk, weight.device).to(weight.device, weight.dtype)
             distances = torch.arange(tk - 1, -tq, -1, device=weight.device)
-            if self.encoding == "symmetric":
-                distances = distances.abs()
-            return _relpos.relative_sinusoid(distances, self.d_model).to(weight.dtype)
+            return self._sinusoids(distances).to(weight.dtype)
         max_len = self.legacy_max_len or 0
         if self.legacy == "espnet" and tk > max_len:
             # ESPnet rebuilds its table for an input longer than max_len: positions tk-1 .. 0.
@@ -261,17 +280,22 @@ class RelativeMultiHeadAttention(nn.Module):
         return table[size - (tk - 1) : size + tq]  # rows of distances tk-1 .. 1-tq
 
     def _table(self, size: int, device: torch.device) -> Tensor:
-        """The encodings of distances ``size .. -size`` (float64), or in legacy mode the toolkit's
-        table for an input of ``size`` frames (float32, as the toolkit computes it)."""
+        """The encodings of distances ``size .. -size``, or in legacy mode the toolkit's table for
+        an input of ``size`` frames (float32, as the toolkit computes it)."""
         if self.legacy == "openspeech":
             return _relpos.openspeech_sinusoid(size, self.d_model)
         if self.legacy == "espnet":
             return _relpos.espnet_legacy_sinusoid(
                 size, self.d_model, present(self.legacy_max_len, "legacy_max_len")
             )
-        distances = torch.arange(size, -size - 1, -1, device=device)
+        return self._sinusoids(torch.arange(size, -size - 1, -1, device=device))
+
+    def _sinusoids(self, distances: Tensor) -> Tensor:
+        """The unprojected ``r(d)`` of ``distances`` as ``encoding`` and ``encoding_dtype`` say."""
         if self.encoding == "symmetric":
             distances = distances.abs()
+        if self.encoding_dtype == torch.float32:
+            return _relpos.float32_sinusoid(distances, self.d_model)
         return _relpos.relative_sinusoid(distances, self.d_model)
 
     # ----------------------------------------------------------------------------------------------
@@ -529,7 +553,13 @@ class RelativeMultiHeadAttention(nn.Module):
     # ESPnet, NeMo, SpeechBrain
 
     @classmethod
-    def from_espnet(cls, module: nn.Module, *, max_len: int = 5000) -> RelativeMultiHeadAttention:
+    def from_espnet(
+        cls,
+        module: nn.Module,
+        *,
+        max_len: int = 5000,
+        encoding_dtype: torch.dtype = torch.float32,
+    ) -> RelativeMultiHeadAttention:
         """A copy of ESPnet's or NeMo's relative self-attention, computing what it computes.
 
         ``module``: ESPnet's ``RelPositionMultiHeadedAttention`` or NeMo's
@@ -539,6 +569,8 @@ class RelativeMultiHeadAttention(nn.Module):
         Or ESPnet's ``LegacyRelPositionMultiHeadedAttention`` (fed by
         ``LegacyRelPositionalEncoding``), reproduced by ``legacy="espnet"``; ``max_len`` is then
         that encoding's ``max_len`` (ESPnet's default 5000; espnet2's ``max_pos_emb_len``).
+        ``encoding_dtype``: float32 (default) computes the encodings as ESPnet and NeMo do,
+        float64 the exact sinusoids (see the constructor); the legacy class has its own table.
 
         Masks: ESPnet's ``(B, 1, T)`` (True = real) is ``mask.unsqueeze(1)`` here; NeMo's
         ``(B, T, T)`` (True = blocked) is ``~mask.unsqueeze(1)``. The mapping table, and what is
@@ -546,21 +578,28 @@ class RelativeMultiHeadAttention(nn.Module):
         """
         from .interop import espnet
 
-        return espnet.relative_attention(module, max_len=max_len)
+        return espnet.relative_attention(module, max_len=max_len, encoding_dtype=encoding_dtype)
 
     @classmethod
     def from_speechbrain(
-        cls, module: nn.Module, *, encoding: Literal["symmetric", "signed"] = "symmetric"
+        cls,
+        module: nn.Module,
+        *,
+        encoding: Literal["symmetric", "signed"] = "symmetric",
+        encoding_dtype: torch.dtype = torch.float32,
     ) -> RelativeMultiHeadAttention:
         """A copy of SpeechBrain's ``RelPosMHAXL`` fed by ``RelPosEncXL``, as shipped.
 
         SpeechBrain's encoding gives distances ``+d`` and ``-d`` the same vector
         (``encoding="symmetric"``, the default here) and its scale is ``1/sqrt(d_model)``; its
         packed ``in_proj_weight`` and ``(head_dim, H)`` biases are unpacked. ``encoding="signed"``
-        loads a model trained with an encoding that keeps the sign. Mask:
+        loads a model trained with an encoding that keeps the sign. ``encoding_dtype``: float32
+        (default) computes the encodings as ``RelPosEncXL`` does, float64 the exact sinusoids. Mask:
         ``~key_padding_mask[:, None, None, :]``. The mapping table, and what is not reproduced:
         :mod:`attnkit.interop.speechbrain`.
         """
         from .interop import speechbrain
 
-        return speechbrain.relative_attention(module, encoding=encoding)
+        return speechbrain.relative_attention(
+            module, encoding=encoding, encoding_dtype=encoding_dtype
+        )

@@ -91,8 +91,10 @@ def espnet_attention(
     legacy: bool = False,
     max_len: int = 5000,
     nemo: bool = False,
+    exact: bool = False,
 ) -> Tensor:
-    """``m(x, x, x, pos_emb, mask)`` with ``pos_emb`` from the matching encoding module.
+    """``m(x, x, x, pos_emb, mask)`` with ``pos_emb`` from the matching encoding module, whose
+    table is computed in float32 (``exact=True``: the float64 sinusoids instead).
 
     ESPnet mask ``(B, 1, T)`` True = real; NeMo mask ``(B, T, T)`` True = blocked.
     """
@@ -102,7 +104,8 @@ def espnet_attention(
         positions = torch.arange(size - 1, -1, -1.0, dtype=torch.float32)
         pos_emb = interleaved_table(positions, E).to(F64)[:t]  # ESPnet's float32 table
     else:  # RelPositionalEncoding: distances T-1 .. -(T-1)
-        pos_emb = interleaved_table(torch.arange(t - 1, -t, -1, dtype=F64), E)
+        distances = torch.arange(t - 1, -t, -1, dtype=F64 if exact else torch.float32)
+        pos_emb = interleaved_table(distances, E).to(F64)
     q = m.linear_q(x).view(b, t, H, DK)
     k = m.linear_k(x).view(b, t, H, DK).transpose(1, 2)
     v = m.linear_v(x).view(b, t, H, DK).transpose(1, 2)
@@ -135,13 +138,16 @@ def espnet_mask(lengths: list[int], t: int) -> Tensor:
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_from_espnet_equals_espnets_math(bias: bool) -> None:
+@pytest.mark.parametrize("exact", [False, True])
+def test_from_espnet_equals_espnets_math(bias: bool, exact: bool) -> None:
+    # ESPnet's float32 table by default; with encoding_dtype=float64 both use the exact sinusoids.
     theirs = randomize(RelPositionMultiHeadedAttention(bias=bias))
-    ours = RelativeMultiHeadAttention.from_espnet(theirs)
+    dtype = torch.float64 if exact else torch.float32
+    ours = RelativeMultiHeadAttention.from_espnet(theirs, encoding_dtype=dtype)
     x = randn(3, 9, E)
     mask = espnet_mask([9, 6, 0], 9)  # the last sequence is all padding: rows of zeros
     with torch.no_grad():
-        want = espnet_attention(theirs, x, mask)
+        want = espnet_attention(theirs, x, mask, exact=exact)
         for backend in ("reference", "sdpa", "chunked"):
             got = ours(x, mask=mask.unsqueeze(1), backend=backend)
             agrees(got, want)
@@ -156,6 +162,19 @@ def test_from_espnet_is_nemos_math_too() -> None:
     blocked = ~espnet_mask([8, 5], 8).expand(2, 8, 8)  # NeMo: (B, T, T), True = blocked
     with torch.no_grad():
         agrees(ours(x, mask=~blocked.unsqueeze(1)), espnet_attention(theirs, x, blocked, nemo=True))
+
+
+def test_float32_table_matters_at_long_distances() -> None:
+    # At a few hundred frames ESPnet's float32 angles are off by ~1e-5 radians: the default load
+    # reproduces them, the exact sinusoids do not (the negative control of the option).
+    theirs = randomize(RelPositionMultiHeadedAttention(), seed=8)
+    x = randn(1, 400, E, seed=9)
+    with torch.no_grad():
+        want = espnet_attention(theirs, x, None)
+        agrees(RelativeMultiHeadAttention.from_espnet(theirs)(x), want)
+        exact = RelativeMultiHeadAttention.from_espnet(theirs, encoding_dtype=torch.float64)
+        assert (exact(x) - want).abs().max() > 1e-8
+        agrees(exact(x), espnet_attention(theirs, x, None, exact=True))
 
 
 def test_unpermuted_linear_pos_is_far_off() -> None:

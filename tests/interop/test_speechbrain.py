@@ -50,17 +50,19 @@ def randn(*shape: int, seed: int = 1) -> Tensor:
     return torch.randn(*shape, dtype=F64, generator=torch.Generator().manual_seed(seed))
 
 
-def rel_pos_enc_xl(t: int, *, signed: bool = False) -> Tensor:
+def rel_pos_enc_xl(t: int, *, signed: bool = False, exact: bool = False) -> Tensor:
     """``RelPosEncXL``: rows of distances ``T-1 .. 0`` (the past, flipped), then ``-1 .. -(T-1)``
-    (the future) whose sines are the past's (``signed=True``: of the negative distance)."""
-    f = torch.exp(torch.arange(0, E, 2, dtype=F64) * -(math.log(10000.0) / E))
-    p = torch.arange(t, dtype=F64)[:, None]
-    past = torch.zeros(t, E, dtype=F64)
-    future = torch.zeros(t, E, dtype=F64)
+    (the future) whose sines are the past's (``signed=True``: of the negative distance). Computed
+    in float32 as SpeechBrain does (``exact=True``: in float64), returned in float64."""
+    work = F64 if exact else torch.float32
+    f = torch.exp(torch.arange(0, E, 2, dtype=work) * -(math.log(10000.0) / E))
+    p = torch.arange(t, dtype=work)[:, None]
+    past = torch.zeros(t, E, dtype=work)
+    future = torch.zeros(t, E, dtype=work)
     past[:, 0::2], past[:, 1::2] = torch.sin(p * f), torch.cos(p * f)
     future[:, 0::2] = torch.sin(-p * f) if signed else torch.sin(p * f)
     future[:, 1::2] = torch.cos(-p * f)
-    return torch.cat([past.flip(0), future[1:]])  # (2T-1, E)
+    return torch.cat([past.flip(0), future[1:]]).to(F64)  # (2T-1, E)
 
 
 def speechbrain_attention(
@@ -71,6 +73,7 @@ def speechbrain_attention(
     signed: bool = False,
     layout: str = "per_head",
     u_read: str = "view",
+    exact: bool = False,
 ) -> Tensor:
     """``m(x, x, x, pos_embs, key_padding_mask=...)``: SpeechBrain's self-attention path.
 
@@ -84,7 +87,7 @@ def speechbrain_attention(
         q, k, v = (nn.functional.linear(x, w).view(b, t, H, DH) for w in m.in_proj_weight.chunk(3))
     if m.vbias is not None:
         v = v + m.value_bias_weight.view(1, 1, H, DH)
-    pos = rel_pos_enc_xl(t, signed=signed)
+    pos = rel_pos_enc_xl(t, signed=signed, exact=exact)
     p_k = m.linear_pos(pos).view(1, -1, H, DH)
 
     def bias(p: Tensor) -> Tensor:
@@ -136,6 +139,23 @@ def test_signed_encoding_loads_with_encoding_signed() -> None:
     x = randn(2, 8, E, seed=3)
     with torch.no_grad():
         agrees(ours(x), speechbrain_attention(theirs, x, signed=True))
+
+
+@pytest.mark.parametrize("encoding", ["symmetric", "signed"])
+def test_exact_sinusoids_with_encoding_dtype_float64(encoding: str) -> None:
+    theirs = make(seed=6)
+    ours = RelativeMultiHeadAttention.from_speechbrain(
+        theirs,
+        encoding=encoding,  # type: ignore[arg-type]
+        encoding_dtype=torch.float64,
+    )
+    x = randn(2, 300, E, seed=7)
+    signed = encoding == "signed"
+    with torch.no_grad():
+        got = ours(x)
+        agrees(got, speechbrain_attention(theirs, x, signed=signed, exact=True))
+        # SpeechBrain's own float32 table is another function at a few hundred frames.
+        assert (got - speechbrain_attention(theirs, x, signed=signed)).abs().max() > 1e-8
 
 
 def test_each_mapping_matters() -> None:

@@ -17,8 +17,9 @@ ESPnet / NeMo                  attnkit ``RelativeMultiHeadAttention``
 ``dropout.p``                  ``dropout``
 =============================  ==================================================================
 
-ESPnet and NeMo compute the encoding table in float32, attnkit in float64: the angles differ by
-ESPnet's float32 rounding, about ``|d| * w_k * 1e-7`` radians at distance ``d``.
+ESPnet and NeMo compute their encoding tables in float32, which rounds the angles by about
+``|d| * w_k * 1e-7`` radians at distance ``d``; the loaded module computes its table the same way
+(``encoding_dtype=torch.float32``) unless told to use the exact sinusoids (``torch.float64``).
 
 ESPnet's ``LegacyRelPositionMultiHeadedAttention`` fed by its ``LegacyRelPositionalEncoding`` is
 not a function of the distance: it projects the *absolute* encodings of the positions ``L - 1``
@@ -89,7 +90,9 @@ _PARTS = {
 }
 
 
-def relative_attention(module: nn.Module, *, max_len: int = 5000) -> RelativeMultiHeadAttention:
+def relative_attention(
+    module: nn.Module, *, max_len: int = 5000, encoding_dtype: torch.dtype = torch.float32
+) -> RelativeMultiHeadAttention:
     """attnkit's copy of ESPnet's or NeMo's relative self-attention (see the module docstring).
 
     ``module`` is one of ``RelPositionMultiHeadedAttention`` (ESPnet, with
@@ -97,7 +100,9 @@ def relative_attention(module: nn.Module, *, max_len: int = 5000) -> RelativeMul
     ``RelPositionalEncoding``) or ``LegacyRelPositionMultiHeadedAttention`` (ESPnet, with
     ``LegacyRelPositionalEncoding``: the result has ``legacy="espnet"``), recognised by its class
     name. ``max_len`` is the ``LegacyRelPositionalEncoding``'s (ESPnet's default 5000; espnet2's
-    ``max_pos_emb_len``) and matters only for the legacy class.
+    ``max_pos_emb_len``) and matters only for the legacy class. ``encoding_dtype``: float32
+    (default) for the tables ESPnet and NeMo compute, float64 for the exact sinusoids; not for the
+    legacy class, whose own float32 table is reproduced.
 
     What is refused, with a ValueError: ``zero_triu=True`` (the position term zeroed above the
     diagonal), ``qk_norm`` (a LayerNorm on q and k), an odd ``d_model`` (the toolkits' tables need
@@ -142,6 +147,7 @@ def relative_attention(module: nn.Module, *, max_len: int = 5000) -> RelativeMul
         heads,
         dropout=_copy.dropout_p(module, "dropout"),
         proj_bias=with_bias["linear_q"],
+        encoding_dtype=torch.float64 if legacy else encoding_dtype,
         legacy="espnet" if legacy else None,
         legacy_max_len=max_len if legacy else None,
         device=weight.device,
@@ -173,13 +179,16 @@ def _activation(module: object, who: str) -> str:
     )
 
 
-def conformer_layer(layer: nn.Module, *, max_len: int = 5000) -> ConformerLayer:
+def conformer_layer(
+    layer: nn.Module, *, max_len: int = 5000, encoding_dtype: torch.dtype = torch.float32
+) -> ConformerLayer:
     """attnkit's copy of ESPnet's Conformer ``EncoderLayer`` (see the module docstring).
 
     ``layer`` needs ESPnet's attributes: ``self_attn`` (any class :func:`relative_attention`
     takes), ``feed_forward`` and ``feed_forward_macaron`` (``PositionwiseFeedForward``: ``w_1``,
     ``w_2``, ``activation``, ``dropout``), ``conv_module`` (``ConvolutionModule``), the five
-    LayerNorms, ``dropout``, ``normalize_before=True`` and ``concat_after=False``.
+    LayerNorms, ``dropout``, ``normalize_before=True`` and ``concat_after=False``. ``max_len`` and
+    ``encoding_dtype`` go to :func:`relative_attention`.
     """
     from ..conformer import ConformerLayer
 
@@ -240,7 +249,9 @@ def conformer_layer(layer: nn.Module, *, max_len: int = 5000) -> ConformerLayer:
         activation=next(iter(activations.values())),
         bias=next(iter(biases.values())),
         attention=relative_attention(
-            _copy.part(layer, "self_attn", nn.Module, who), max_len=max_len
+            _copy.part(layer, "self_attn", nn.Module, who),
+            max_len=max_len,
+            encoding_dtype=encoding_dtype,
         ),
         device=weight.device,
         dtype=weight.dtype,

@@ -38,7 +38,8 @@ queries anyway; the result reproduces the self-attention path, the one its Confo
 ``mask_pos_future`` needs nothing: SpeechBrain zeroes the position term above the diagonal before
 cropping the shifted product to the keys, so on self-attention it changes nothing. SpeechBrain
 computes its table in float32 and the softmax in float32 (a float64 ``RelPosMHAXL`` fails in its
-own matmul); attnkit computes the table in float64 and everything else in the parameters' dtype.
+own matmul); the loaded module computes the table as SpeechBrain does (``encoding_dtype``) and
+everything else in its parameters' dtype.
 
 The mask: SpeechBrain's ``key_padding_mask`` ``(B, S)`` is True = padding: pass
 ``~key_padding_mask[:, None, None, :]``. Its boolean ``attn_mask`` is True = blocked: pass
@@ -61,12 +62,18 @@ __all__ = ["relative_attention"]
 
 
 def relative_attention(
-    module: nn.Module, *, encoding: Literal["symmetric", "signed"] = "symmetric"
+    module: nn.Module,
+    *,
+    encoding: Literal["symmetric", "signed"] = "symmetric",
+    encoding_dtype: torch.dtype = torch.float32,
 ) -> RelativeMultiHeadAttention:
     """attnkit's copy of SpeechBrain's ``RelPosMHAXL`` (see the module docstring).
 
     ``encoding``: ``"symmetric"`` (default) for ``RelPosEncXL`` as SpeechBrain ships it;
     ``"signed"`` for a model trained with a relative encoding that keeps the sign of the distance.
+    ``encoding_dtype``: float32 (default) for the table ``RelPosEncXL`` computes (since 1.0.1;
+    1.0.0 computed it in the input's dtype from float32 frequencies), float64 for the exact
+    sinusoids.
     """
     who = "from_speechbrain()"
     if not isinstance(module, nn.Module):
@@ -107,6 +114,7 @@ def relative_attention(
         dropout=_copy.dropout_p(module, "dropout_att"),
         proj_bias=True,
         encoding=encoding,
+        encoding_dtype=encoding_dtype,
         scale=float(scale),
         device=packed.device,
         dtype=packed.dtype,
