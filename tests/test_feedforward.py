@@ -16,7 +16,7 @@ def gelu_erf(x: Tensor) -> Tensor:
     return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu", "swiglu"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_matches_formula(activation: str, bias: bool) -> None:
     torch.manual_seed(0)
@@ -30,6 +30,8 @@ def test_matches_formula(activation: str, bias: bool) -> None:
         h = h.clamp(min=0)
     elif activation == "gelu":
         h = gelu_erf(h)
+    elif activation == "silu":
+        h = h / (1 + torch.exp(-h))  # Swish: x * sigmoid(x)
     else:
         gate, value = h[..., :10], h[..., 10:]  # W and V of SwiGLU, packed in linear1
         h = gate * torch.sigmoid(gate) * value
@@ -62,7 +64,7 @@ def test_any_leading_dims() -> None:
 @pytest.mark.usefixtures("no_shape_checks")
 def test_errors() -> None:
     with pytest.raises(
-        ValueError, match=r"activation must be one of 'relu', 'gelu', 'swiglu', got 'tanh'"
+        ValueError, match=r"activation must be one of 'relu', 'gelu', 'silu', 'swiglu', got 'tanh'"
     ):
         PositionwiseFeedForward(4, 8, activation="tanh")
     with pytest.raises(ValueError, match=r"d_ff must be >= 1, got 0"):

@@ -162,3 +162,46 @@ def test_errors() -> None:
         SinusoidalPositionalEncoding(8, base=0.5)
     with pytest.raises(ValueError, match="num_heads must be >= 1, got 0"):
         alibi_slopes(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# relative_encoding
+
+
+@pytest.mark.parametrize("dim", [1, 6, 7])
+def test_relative_encoding_is_the_formula_in_both_layouts(dim: int) -> None:
+    distances = torch.tensor([5, 1, 0, -1, -5, 4000])
+    halves = attnkit.relative_encoding(distances, dim, dtype=torch.float64)
+    interleaved = attnkit.relative_encoding(
+        distances, dim, layout="interleaved", dtype=torch.float64
+    )
+    half = (dim + 1) // 2
+    for row, d in enumerate(distances.tolist()):
+        sines = [math.sin(d * 10000 ** (-2 * k / dim)) for k in range(half)]
+        cosines = [math.cos(d * 10000 ** (-2 * k / dim)) for k in range(dim - half)]
+        assert_close(halves[row], torch.tensor(sines + cosines, dtype=torch.float64))
+        mixed = [v for pair in zip(sines, cosines, strict=False) for v in pair]
+        mixed += sines[len(cosines) :]  # an odd dim ends on a sine
+        assert_close(interleaved[row], torch.tensor(mixed, dtype=torch.float64))
+    # The layouts are one column permutation apart: sines from the even columns, then cosines.
+    perm = torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
+    assert torch.equal(interleaved[:, perm], halves)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_relative_encoding_dtype_and_bad_arguments() -> None:
+    d = torch.tensor([3, -3])
+    assert attnkit.relative_encoding(d, 4).dtype == torch.float32
+    # Computed in float64 then rounded: the same as rounding the float64 table.
+    assert torch.equal(
+        attnkit.relative_encoding(d, 4, dtype=torch.float16),
+        attnkit.relative_encoding(d, 4, dtype=torch.float64).half(),
+    )
+    with pytest.raises(ValueError, match="layout must be 'halves' or 'interleaved', got 'pairs'"):
+        attnkit.relative_encoding(d, 4, layout="pairs")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dim must be >= 1, got 0"):
+        attnkit.relative_encoding(d, 0)
+    with pytest.raises(TypeError, match="distances must be an integer tensor"):
+        attnkit.relative_encoding(torch.tensor([1.5]), 4)
+    with pytest.raises(ValueError, match=r"distances must be 1-d \(P,\), got shape \(1, 2\)"):
+        attnkit.relative_encoding(d[None], 4)

@@ -657,8 +657,10 @@ def test_default_mode_differs_from_legacy() -> None:
 def test_bad_arguments_quote_values() -> None:
     with pytest.raises(ValueError, match=r"d_model \(10\) must be divisible by num_heads \(4\)"):
         RelativeMultiHeadAttention(10, 4)
-    with pytest.raises(ValueError, match="legacy must be None or 'openspeech', got 'espnet'"):
-        RelativeMultiHeadAttention(8, 2, legacy="espnet")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match="legacy must be None, 'openspeech' or 'espnet', got 'fairseq'"
+    ):
+        RelativeMultiHeadAttention(8, 2, legacy="fairseq")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
         RelativeMultiHeadAttention(8, 2, dropout=1.5)
     m = make()
@@ -678,3 +680,120 @@ def test_bad_arguments_quote_values() -> None:
     double.pos_proj = nn.Identity()  # type: ignore[assignment]
     with pytest.raises(TypeError, match=r"OpenspeechDouble.pos_proj to be an nn.Linear"):
         RelativeMultiHeadAttention.from_openspeech(double)
+
+
+# --------------------------------------------------------------------------------------------------
+# Modes for other toolkits' checkpoints: encoding=, scale=, legacy="espnet"
+# (their agreement with ESPnet's and SpeechBrain's math is tested in tests/interop/)
+
+MODES: list[dict[str, object]] = [
+    {"encoding": "symmetric"},
+    {"scale": 0.2},
+    {"encoding": "symmetric", "scale": 1 / math.sqrt(12)},
+    {"encoding_dtype": torch.float32},
+    {"encoding": "symmetric", "encoding_dtype": torch.float32},
+    {"legacy": "espnet", "legacy_max_len": 20},
+    {"legacy": "espnet", "legacy_max_len": 4},  # shorter than the inputs: ESPnet's rebuilt table
+]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("backend", FAST)
+def test_modes_fast_paths_equal_reference(mode: dict[str, object], backend: str) -> None:
+    m = make(**mode)
+    x = randn(2, 7, 12)
+    mask = masks.padding_mask([7, 5])
+    want = m(x, mask=mask, backend="reference")
+    assert_close(run(m, x, mask=mask, backend=small(backend, (2, 3), (2, 2))), want)
+    if backend == "chunked":  # and the chunked backward
+        x.requires_grad_()
+        chunked = Chunked(block_q=2, block_k=3)
+        got = torch.autograd.grad(m(x, backend=chunked).sum(), [x, *m.parameters()])
+        expected = torch.autograd.grad(m(x, backend="reference").sum(), [x, *m.parameters()])
+        for g, e in zip(got, expected, strict=True):
+            assert_close(g, e)
+
+
+def test_symmetric_encoding_cannot_tell_past_from_future() -> None:
+    # With r(|d|) the scores depend on |i - j| only: reversing time reverses the output. The
+    # signed encoding tells keys before a query from keys after it, so it does not.
+    x = randn(1, 9, 12)
+    for encoding, equivariant in (("symmetric", True), ("signed", False)):
+        m = make(encoding=encoding)
+        flipped = m(x.flip(1)).flip(1)
+        assert torch.allclose(flipped, m(x), atol=1e-12) is equivariant
+    # Same weights, only the encoding differs: a different function.
+    signed, symmetric = make(), make(encoding="symmetric")
+    assert (signed(x) - symmetric(x)).abs().max() > 1e-2
+
+
+def test_scale_multiplies_both_terms() -> None:
+    # scale=s is the default module with its scores multiplied by s * sqrt(head_dim): the same as
+    # scaling q (hence q + u and q + v) when u and v are scaled too.
+    m, scaled = make(), make(scale=0.75 / math.sqrt(4))
+    x = randn(2, 6, 12)
+    with torch.no_grad():
+        for p in (m.q_proj.weight, m.q_proj.bias, m.pos_bias_u, m.pos_bias_v):
+            p.mul_(0.75)
+    assert_close(m(x), scaled(x))
+    assert scaled.scale == 0.75 / 2
+    assert "scale=0.375" in repr(scaled)
+    assert "scale" not in repr(make())
+
+
+def test_espnet_legacy_table_length_is_max_len_or_the_input() -> None:
+    # L = max(legacy_max_len, T): a table shorter than the input is ESPnet's rebuilt one.
+    x = randn(1, 7, 12)
+    short, exact = make(legacy="espnet", legacy_max_len=3), make(legacy="espnet", legacy_max_len=7)
+    assert_close(short(x), exact(x))
+    longer = make(legacy="espnet", legacy_max_len=30)
+    assert (longer(x) - exact(x)).abs().max() > 1e-3
+    # ESPnet's positions L-1 .. L-T, interleaved, computed in float32 like ESPnet's.
+    table = relpos.espnet_legacy_sinusoid(3, 6, 10)
+    f = torch.exp(torch.arange(0, 6, 2).float() * -(math.log(10000.0) / 6))
+    for row, position in enumerate([9.0, 8.0, 7.0]):
+        want = torch.stack([torch.sin(position * f), torch.cos(position * f)], -1).flatten()
+        assert torch.equal(table[row], want)
+
+
+def test_float32_encodings_are_the_toolkits_table() -> None:
+    # ESPnet's, NeMo's and SpeechBrain's expression, every step in float32, interleaved; attnkit's
+    # table holds the same numbers with the sines first.
+    distances = torch.arange(300, -301, -1)
+    f = torch.exp(torch.arange(0, 8, 2, dtype=torch.float32) * -(math.log(10000.0) / 8))
+    angle = distances.float()[:, None] * f
+    theirs = torch.stack([angle.sin(), angle.cos()], -1).flatten(1)  # sin w0, cos w0, sin w1, ...
+    ours = relpos.float32_sinusoid(distances, 8)
+    assert torch.equal(ours, theirs[:, [0, 2, 4, 6, 1, 3, 5, 7]])
+    # ~1e-5 off the sinusoids at 300 frames: what encoding_dtype=torch.float32 is for.
+    error = (ours.double() - relpos.relative_sinusoid(distances, 8)).abs().max()
+    assert 1e-6 < error < 1e-4
+    m = make(encoding_dtype=torch.float32)
+    assert "encoding_dtype=torch.float32" in repr(m)
+    assert (m(randn(1, 5, 12)) - make()(randn(1, 5, 12))).abs().max() < 1e-5
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_mode_arguments_quote_values() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"encoding_dtype must be torch\.float64 or torch\.float32, got torch\.float16",
+    ):
+        RelativeMultiHeadAttention(8, 2, encoding_dtype=torch.float16)
+    with pytest.raises(
+        ValueError, match=r"encoding_dtype=torch\.float32 does not apply to legacy="
+    ):
+        RelativeMultiHeadAttention(8, 2, encoding_dtype=torch.float32, legacy="openspeech")
+    with pytest.raises(ValueError, match="encoding must be 'signed' or 'symmetric', got 'odd'"):
+        RelativeMultiHeadAttention(8, 2, encoding="odd")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="encoding='symmetric' does not apply to legacy='espnet'"):
+        RelativeMultiHeadAttention(8, 2, encoding="symmetric", legacy="espnet")
+    with pytest.raises(ValueError, match="legacy_max_len applies to legacy='espnet' only, got "):
+        RelativeMultiHeadAttention(8, 2, legacy_max_len=100)
+    with pytest.raises(ValueError, match="legacy_max_len must be >= 1, got 0"):
+        RelativeMultiHeadAttention(8, 2, legacy="espnet", legacy_max_len=0)
+    with pytest.raises(ValueError, match="scale must be a finite number > 0, got -1"):
+        RelativeMultiHeadAttention(8, 2, scale=-1)
+    legacy = make(legacy="espnet")
+    with pytest.raises(ValueError, match="legacy='espnet' reproduces espnet's self-attention"):
+        legacy(randn(1, 2, 12), randn(1, 5, 12))

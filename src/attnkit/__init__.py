@@ -4,7 +4,7 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
-from . import backends, checkpoint, distributed, kernel, masks, scores
+from . import backends, checkpoint, distributed, interop, kernel, masks, scores
 from ._call import AttentionCall
 from .attention import (
     Backend,
@@ -17,11 +17,18 @@ from .attention import (
     unregister_backend,
 )
 from .capture import AttentionMaps, capture_attention
+from .conformer import ConformerLayer
 from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
 from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
 from .multihead import MultiHeadAttention, from_torch_masks
-from .positional import RotaryEmbedding, SinusoidalPositionalEncoding, alibi_bias, alibi_slopes
+from .positional import (
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    alibi_bias,
+    alibi_slopes,
+    relative_encoding,
+)
 from .relative import RelativeMultiHeadAttention
 
 __version__ = "0.1.0"
@@ -31,6 +38,7 @@ __all__ = [
     "AttentionMaps",
     "Backend",
     "BackendError",
+    "ConformerLayer",
     "Explanation",
     "KVCache",
     "MultiHeadAttention",
@@ -52,9 +60,11 @@ __all__ = [
     "distributed",
     "explain",
     "from_torch_masks",
+    "interop",
     "kernel",
     "masks",
     "register_backend",
+    "relative_encoding",
     "scores",
     "unregister_backend",
 ]

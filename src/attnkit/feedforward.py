@@ -1,9 +1,10 @@
 """PositionwiseFeedForward: the two-layer network applied to every position on its own.
 
 ``relu`` and ``gelu`` give the paper's ``W2 · act(W1 x + b1) + b2`` (Vaswani et al., 2017, section
-3.3); ``swiglu`` gives ``W2 · (silu(W x) ⊙ V x)`` (Shazeer, 2020, "GLU Variants Improve
-Transformer"), with ``W`` and ``V`` packed into one ``linear1`` of ``2 * d_ff`` outputs so that the
-input is read by a single GEMM.
+3.3), ``silu`` the same with Swish, ``x · sigmoid(x)`` (the Conformer's); ``swiglu`` gives
+``W2 · (silu(W x) ⊙ V x)`` (Shazeer, 2020, "GLU Variants Improve Transformer"), with ``W`` and
+``V`` packed into one ``linear1`` of ``2 * d_ff`` outputs so that the input is read by a single
+GEMM.
 
 Shape letters: ``B`` batch, ``T`` positions, ``D`` d_model.
 """
@@ -28,7 +29,11 @@ from ._typing import Float, shape_checked
 
 __all__ = ["PositionwiseFeedForward"]
 
-_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu}
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
 _GATED = ("swiglu",)
 
 
@@ -39,7 +44,8 @@ class PositionwiseFeedForward(nn.Module):
         d_model: ``D``.
         d_ff: hidden units (the paper: ``4 * D``; SwiGLU models often use ``8/3 * D`` to keep the
             parameter count).
-        activation: ``"relu"``, ``"gelu"`` (exact, erf-based) or ``"swiglu"``.
+        activation: ``"relu"``, ``"gelu"`` (exact, erf-based), ``"silu"`` (Swish) or
+            ``"swiglu"``.
         dropout: on the hidden activations, in training only (where torch's Transformer layers
             put it).
         bias: biases on both linear layers.

@@ -1,7 +1,9 @@
-"""Positional information: sinusoidal (absolute), rotary (RoPE) and ALiBi (a bias).
+"""Positional information: sinusoidal (absolute and relative), rotary (RoPE) and ALiBi (a bias).
 
 * :class:`SinusoidalPositionalEncoding` adds the fixed encoding of *Attention Is All You Need*
   (Vaswani et al., 2017, section 3.5) to the token embeddings.
+* :func:`relative_encoding` is the sinusoidal encoding of (signed) distances that
+  :class:`~attnkit.RelativeMultiHeadAttention` projects into its position term.
 * :class:`RotaryEmbedding` rotates queries and keys by an angle proportional to their position
   (Su et al., 2021), so that ``q . k`` depends on the positions only through their difference.
   Pass it to :class:`~attnkit.MultiHeadAttention` (``rotary=``); with a KV cache the new tokens are
@@ -23,14 +25,21 @@ Shape letters: ``B`` batch, ``T`` positions, ``D`` model size, ``H`` heads, ``Dh
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from ._checks import check_float_tensor, check_int, check_probability
-from ._typing import Float, shape_checked
+from ._typing import Float, Int, shape_checked
 
-__all__ = ["RotaryEmbedding", "SinusoidalPositionalEncoding", "alibi_bias", "alibi_slopes"]
+__all__ = [
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "alibi_bias",
+    "alibi_slopes",
+    "relative_encoding",
+]
 
 
 def _angle_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -116,6 +125,60 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, base={self.base:g}"
+
+
+@shape_checked
+def relative_encoding(
+    distances: Int[Tensor, " P"],
+    dim: int,
+    *,
+    layout: Literal["halves", "interleaved"] = "halves",
+    dtype: torch.dtype = torch.float32,
+) -> Float[Tensor, "P D"]:
+    """Sinusoidal encodings of signed distances: ``(P, dim)``, one row per entry of ``distances``.
+
+    Row ``p`` encodes ``d = distances[p]`` with the frequencies ``w_k = 10000^(-2k / dim)``,
+    ``k < ceil(dim / 2)``, in one of two column layouts:
+
+    * ``"halves"`` (attnkit's, Transformer-XL's): ``[sin(d w_0), ..., sin(d w_K) | cos(d w_0),
+      ..., cos(d w_K')]``, every sine first, then the cosines (one fewer for an odd ``dim``);
+    * ``"interleaved"`` (ESPnet's, NeMo's and SpeechBrain's): ``[sin(d w_0), cos(d w_0),
+      sin(d w_1), ...]``. The two differ by a permutation of the columns, which is why a
+      toolkit's ``linear_pos`` weight is permuted when loaded into attnkit.
+
+    The angles are computed in float64 whatever ``dtype`` (the result's), so that far distances
+    keep their phase; toolkits that compute them in float32 are off by about
+    ``|d| * w_k * 1e-7`` radians.
+
+    :class:`~attnkit.RelativeMultiHeadAttention` encodes, in the ``"halves"`` layout, the distances
+    ``Tk - 1, Tk - 2, ..., 1 - Tq`` (from the query's position ``a_i = i + Tk - Tq`` back to key
+    ``j``: positive for keys before the query, negative after), ``Tq + Tk - 1`` rows; with
+    ``encoding="symmetric"`` it encodes ``|d|`` instead. Sines are odd in ``d`` and cosines even:
+
+    >>> relative_encoding(torch.tensor([1, 0, -1]), 4)  # sin w0, sin w1 | cos w0, cos w1
+    tensor([[ 0.8415,  0.0100,  0.5403,  0.9999],
+            [ 0.0000,  0.0000,  1.0000,  1.0000],
+            [-0.8415, -0.0100,  0.5403,  0.9999]])
+    >>> relative_encoding(torch.tensor([1]), 4, layout="interleaved")
+    tensor([[0.8415, 0.5403, 0.0100, 0.9999]])
+    """
+    if not isinstance(distances, Tensor) or distances.dtype.is_floating_point:
+        raise TypeError(f"distances must be an integer tensor, got {distances!r}")
+    if distances.ndim != 1:
+        raise ValueError(f"distances must be 1-d (P,), got shape {tuple(distances.shape)}")
+    dim = check_int("dim", dim)
+    if layout not in ("halves", "interleaved"):
+        raise ValueError(f"layout must be 'halves' or 'interleaved', got {layout!r}")
+    half = (dim + 1) // 2
+    freq = torch.pow(10000.0, -2.0 * torch.arange(half, dtype=torch.float64) / dim)
+    angle = distances.to(torch.float64).unsqueeze(-1) * freq.to(distances.device)  # (P, half)
+    sin, cos = angle.sin(), angle.cos()[:, : dim - half]  # (P, half), (P, dim - half)
+    if layout == "halves":
+        return torch.cat([sin, cos], dim=-1).to(dtype)
+    out = torch.empty(distances.size(0), dim, dtype=torch.float64, device=distances.device)
+    out[:, 0::2] = sin
+    out[:, 1::2] = cos
+    return out.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):

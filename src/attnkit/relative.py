@@ -36,7 +36,15 @@ import torch
 from torch import Tensor, nn
 
 from . import _relpos, capture
-from ._checks import check_bool, check_input, check_mask, present, shape_str
+from ._checks import (
+    check_bool,
+    check_input,
+    check_int,
+    check_mask,
+    check_positive,
+    present,
+    shape_str,
+)
 from ._typing import Bool, Float
 from .attention import attention, check_backend
 from .backends.base import Backend
@@ -72,9 +80,34 @@ class RelativeMultiHeadAttention(nn.Module):
             that drops takes the materialised reference path; keep it 0 for long sequences.
         proj_bias: whether the query, key, value and output projections have a bias (the
             position projection ``pos_proj`` never has one).
-        legacy: ``None`` (default) for the formula above, or ``"openspeech"`` to reproduce
-            openspeech's ``RelativeMultiHeadAttention`` fed by its Conformer; see
-            :meth:`from_openspeech`.
+        encoding: which ``r(d)`` the position term projects. ``"signed"`` (default):
+            ``r(d) = [sin(d w_k) | cos(d w_k)]``, whose sines tell a key ``d`` frames before the
+            query from one ``d`` frames after it (Transformer-XL, ESPnet, NeMo).
+            ``"symmetric"``: ``r(|d|)``, so the position term is the same for ``+d`` and ``-d``.
+            That is what SpeechBrain's ``RelPosEncXL`` computes (its future half repeats the past
+            half's sines); use it only to run models trained with it (:meth:`from_speechbrain`).
+        encoding_dtype: what the encodings' angles are computed in. ``torch.float64`` (default):
+            the sinusoids to float64 rounding, whatever the parameters' dtype. ``torch.float32``:
+            every step in float32 as ESPnet, NeMo and SpeechBrain compute their tables (their
+            frequency formula, products and sines rounded to float32: ~1e-4 radians off at
+            distance 1000), so that a model trained with those tables gets them;
+            :meth:`from_espnet` and :meth:`from_speechbrain` choose it. Legacy modes always use
+            their toolkit's own table.
+        scale: what the summed scores are multiplied by; ``None`` (default) for
+            ``1/sqrt(head_dim)`` (``1/sqrt(d_model)`` with ``legacy="openspeech"``). SpeechBrain's
+            ``RelPosMHAXL`` uses ``1/sqrt(d_model)``.
+        legacy: ``None`` (default) for the formula above, or a toolkit whose relative attention is
+            *not* a function of the distance, reproduced for its trained checkpoints:
+            ``"openspeech"``, openspeech's ``RelativeMultiHeadAttention`` fed by its Conformer
+            (see :meth:`from_openspeech`), or ``"espnet"``, ESPnet's
+            ``LegacyRelPositionMultiHeadedAttention`` fed by its ``LegacyRelPositionalEncoding``
+            (see :meth:`from_espnet`). Both feed absolute encodings through a pad-and-reshape
+            shift that is a true relative shift only on and below the diagonal. Self-attention
+            only.
+        legacy_max_len: with ``legacy="espnet"``, the ``max_len`` of the
+            ``LegacyRelPositionalEncoding`` (ESPnet's default 5000; espnet2's
+            ``max_pos_emb_len``): its encodings are of the positions ``L - 1`` down to ``L - T``
+            with ``L = max(legacy_max_len, T)``, so the number matters. ``None`` otherwise.
         backend: passed to :func:`attnkit.attention` (``"auto"`` picks the fastest that fits).
 
     Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (``nn.Linear``), ``pos_proj``
@@ -82,8 +115,10 @@ class RelativeMultiHeadAttention(nn.Module):
     head_dim)``).
 
     Relative encodings ``r(d) = [sin(d w_k) | cos(d w_k)]``, ``w_k = 10000^(-2k / d_model)``, are
-    computed once in float64 for every distance a call needs (``Tq + Tk - 1`` of them: ``2T - 1``
-    for self-attention) and cached per device and dtype.
+    computed once in float64 (or ``encoding_dtype``) for every distance a call needs (``Tq + Tk -
+    1`` of them: ``2T - 1`` for self-attention) and cached per device and dtype:
+    :func:`attnkit.relative_encoding` gives the table (its layout, row order and precision) for
+    reading or for mapping other weights.
 
     >>> import torch, attnkit
     >>> m = attnkit.RelativeMultiHeadAttention(64, 4)
@@ -102,7 +137,11 @@ class RelativeMultiHeadAttention(nn.Module):
         *,
         dropout: float = 0.0,
         proj_bias: bool = True,
-        legacy: Literal["openspeech"] | None = None,
+        encoding: Literal["signed", "symmetric"] = "signed",
+        encoding_dtype: torch.dtype = torch.float64,
+        scale: float | None = None,
+        legacy: Literal["openspeech", "espnet"] | None = None,
+        legacy_max_len: int | None = None,
         backend: str | Backend = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -119,15 +158,49 @@ class RelativeMultiHeadAttention(nn.Module):
             raise TypeError(f"dropout must be a float in [0, 1), got {dropout!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-        if legacy not in (None, "openspeech"):
-            raise ValueError(f"legacy must be None or 'openspeech', got {legacy!r}")
+        if legacy not in (None, "openspeech", "espnet"):
+            raise ValueError(f"legacy must be None, 'openspeech' or 'espnet', got {legacy!r}")
+        if encoding not in ("signed", "symmetric"):
+            raise ValueError(f"encoding must be 'signed' or 'symmetric', got {encoding!r}")
+        if legacy and encoding != "signed":
+            raise ValueError(
+                f"encoding={encoding!r} does not apply to legacy={legacy!r}, which reproduces that "
+                "toolkit's own (absolute) encodings"
+            )
+        if encoding_dtype not in (torch.float64, torch.float32):
+            raise ValueError(
+                f"encoding_dtype must be torch.float64 or torch.float32, got {encoding_dtype!r}"
+            )
+        if legacy and encoding_dtype != torch.float64:
+            raise ValueError(
+                f"encoding_dtype={encoding_dtype} does not apply to legacy={legacy!r}, which "
+                "reproduces that toolkit's own float32 table"
+            )
+        if legacy == "espnet":
+            legacy_max_len = check_int(
+                "legacy_max_len", 5000 if legacy_max_len is None else legacy_max_len
+            )
+        elif legacy_max_len is not None:
+            raise ValueError(
+                f"legacy_max_len applies to legacy='espnet' only, got legacy_max_len="
+                f"{legacy_max_len!r} with legacy={legacy!r}"
+            )
+        default_scale = 1.0 / math.sqrt(d_model if legacy == "openspeech" else d_model // num_heads)
         proj_bias = check_bool("proj_bias", proj_bias)
         self.backend = check_backend(backend)
         self.d_model = d_model
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
         self.dropout = float(dropout)
+        self.encoding = encoding
+        self.encoding_dtype = encoding_dtype
         self.legacy = legacy
+        self.legacy_max_len = legacy_max_len
+        # A one-element tuple, not a float attribute: torch.compile(dynamic=True) traces a module's
+        # float attributes as symbolic values, which attention()'s checks of the scale cannot take;
+        # the elements of a tuple stay constants.
+        self._scale = (default_scale if scale is None else check_positive("scale", scale),)
+        self._default_scale = default_scale
 
         def linear(with_bias: bool) -> nn.Linear:
             return nn.Linear(d_model, d_model, bias=with_bias, device=device, dtype=dtype)
@@ -145,46 +218,59 @@ class RelativeMultiHeadAttention(nn.Module):
         )
         nn.init.xavier_uniform_(self.pos_bias_u)
         nn.init.xavier_uniform_(self.pos_bias_v)
-        # (device, dtype) -> encodings of distances L .. -L (exact) or positions 0 .. L-1 (legacy).
+        # (device, dtype) -> encodings of distances L .. -L (exact), or of the legacy positions.
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[int, Tensor]] = {}
 
     @property
     def scale(self) -> float:
-        """What the summed scores are multiplied by: ``1/sqrt(head_dim)``, or openspeech's
-        ``1/sqrt(d_model)`` in legacy mode."""
-        return 1.0 / math.sqrt(self.d_model if self.legacy else self.head_dim)
+        """What the summed scores are multiplied by: ``1/sqrt(head_dim)`` unless the constructor's
+        ``scale=`` said otherwise (``1/sqrt(d_model)`` with ``legacy="openspeech"``)."""
+        return self._scale[0]
 
     def extra_repr(self) -> str:
-        legacy = f", legacy={self.legacy!r}" if self.legacy else ""
-        return f"{self.d_model}, {self.num_heads}, dropout={self.dropout}{legacy}"
+        parts = [f"{self.d_model}, {self.num_heads}, dropout={self.dropout}"]
+        if self.encoding != "signed":
+            parts.append(f"encoding={self.encoding!r}")
+        if self.encoding_dtype != torch.float64:
+            parts.append(f"encoding_dtype={self.encoding_dtype}")
+        if self.legacy:
+            parts.append(f"legacy={self.legacy!r}")
+        if self.legacy == "espnet":
+            parts.append(f"legacy_max_len={self.legacy_max_len}")
+        if self.scale != self._default_scale:
+            parts.append(f"scale={self.scale:.6g}")
+        return ", ".join(parts)
 
     # ----------------------------------------------------------------------------------------------
     # Encodings
 
     def _encodings(self, tq: int, tk: int, top: int, bottom: int) -> Tensor:
         """Unprojected encodings ``(top - bottom + 1, d_model)`` of the distances ``top`` down to
-        ``bottom``, or in legacy mode ``(T, d_model)`` of the absolute positions ``0 .. T - 1``."""
+        ``bottom`` (of their absolute values with ``encoding="symmetric"``), or in legacy mode
+        ``(T, d_model)`` of that toolkit's absolute positions."""
         weight = self.pos_proj.weight
         if torch.compiler.is_compiling():
             # Tracing: a table cached across calls would be a fake tensor left behind after
             # export, and its size a guard on the traced lengths; make exactly the rows needed.
             if self.legacy:
-                return _relpos.openspeech_sinusoid(tk, self.d_model).to(weight.device, weight.dtype)
+                return self._table(tk, weight.device).to(weight.device, weight.dtype)
             distances = torch.arange(top, bottom - 1, -1, device=weight.device)
-            return _relpos.relative_sinusoid(distances, self.d_model).to(weight.dtype)
+            return self._sinusoids(distances).to(weight.dtype)
+        max_len = self.legacy_max_len or 0
+        if self.legacy == "espnet" and tk > max_len:
+            # ESPnet rebuilds its table for an input longer than max_len: positions tk-1 .. 0.
+            with torch.inference_mode(False), torch.no_grad():
+                return self._table(tk, weight.device).to(weight.device, weight.dtype)
         key = (weight.device, weight.dtype)
-        need = tk if self.legacy else max(abs(top), abs(bottom), 1)
+        need = {None: max(abs(top), abs(bottom), 1), "openspeech": tk, "espnet": max_len}[
+            self.legacy
+        ]
         size, table = self._tables.get(key, (0, weight.new_empty(1, self.d_model)))
         if size < need:
-            size = max(need, 2 * size)
+            size = need if self.legacy == "espnet" else max(need, 2 * size)
             # A table made under inference_mode could never be saved for a later backward.
             with torch.inference_mode(False), torch.no_grad():
-                if self.legacy:
-                    table = _relpos.openspeech_sinusoid(size, self.d_model)
-                else:
-                    distances = torch.arange(size, -size - 1, -1, device=weight.device)
-                    table = _relpos.relative_sinusoid(distances, self.d_model)
-                table = table.to(device=weight.device, dtype=weight.dtype)
+                table = self._table(size, weight.device).to(weight.device, weight.dtype)
             self._tables[key] = (size, table)
         if self.legacy:
             return table[:tk]
@@ -205,6 +291,25 @@ class RelativeMultiHeadAttention(nn.Module):
             top = int(min(top, -lo)) if lo > -math.inf else top
             bottom = int(max(bottom, -hi)) if hi < math.inf else bottom
         return top, min(bottom, top)
+
+    def _table(self, size: int, device: torch.device) -> Tensor:
+        """The encodings of distances ``size .. -size``, or in legacy mode the toolkit's table for
+        an input of ``size`` frames (float32, as the toolkit computes it)."""
+        if self.legacy == "openspeech":
+            return _relpos.openspeech_sinusoid(size, self.d_model)
+        if self.legacy == "espnet":
+            return _relpos.espnet_legacy_sinusoid(
+                size, self.d_model, present(self.legacy_max_len, "legacy_max_len")
+            )
+        return self._sinusoids(torch.arange(size, -size - 1, -1, device=device))
+
+    def _sinusoids(self, distances: Tensor) -> Tensor:
+        """The unprojected ``r(d)`` of ``distances`` as ``encoding`` and ``encoding_dtype`` say."""
+        if self.encoding == "symmetric":
+            distances = distances.abs()
+        if self.encoding_dtype == torch.float32:
+            return _relpos.float32_sinusoid(distances, self.d_model)
+        return _relpos.relative_sinusoid(distances, self.d_model)
 
     # ----------------------------------------------------------------------------------------------
     # Forward
@@ -232,8 +337,8 @@ class RelativeMultiHeadAttention(nn.Module):
             )
         if self.legacy and key.size(1) != query.size(1):
             raise ValueError(
-                "legacy='openspeech' reproduces openspeech's self-attention, whose shift needs as "
-                f"many keys as queries: got Tq={query.size(1)} and Tk={key.size(1)}"
+                f"legacy={self.legacy!r} reproduces {self.legacy}'s self-attention, whose shift "
+                f"needs as many keys as queries: got Tq={query.size(1)} and Tk={key.size(1)}"
             )
         if mask is not None:
             scores = (query.size(0), self.num_heads, query.size(1), key.size(1))
@@ -412,3 +517,58 @@ class RelativeMultiHeadAttention(nn.Module):
                 dst.copy_(src)
         new.train(module.training)
         return new
+
+    # ----------------------------------------------------------------------------------------------
+    # ESPnet, NeMo, SpeechBrain
+
+    @classmethod
+    def from_espnet(
+        cls,
+        module: nn.Module,
+        *,
+        max_len: int = 5000,
+        encoding_dtype: torch.dtype = torch.float32,
+    ) -> RelativeMultiHeadAttention:
+        """A copy of ESPnet's or NeMo's relative self-attention, computing what it computes.
+
+        ``module``: ESPnet's ``RelPositionMultiHeadedAttention`` or NeMo's
+        ``RelPositionMultiHeadAttention`` (fed by their ``RelPositionalEncoding``), which compute
+        this module's default formula: their ``linear_pos.weight`` columns are permuted from the
+        interleaved layout of their encodings to attnkit's (:func:`attnkit.relative_encoding`).
+        Or ESPnet's ``LegacyRelPositionMultiHeadedAttention`` (fed by
+        ``LegacyRelPositionalEncoding``), reproduced by ``legacy="espnet"``; ``max_len`` is then
+        that encoding's ``max_len`` (ESPnet's default 5000; espnet2's ``max_pos_emb_len``).
+        ``encoding_dtype``: float32 (default) computes the encodings as ESPnet and NeMo do,
+        float64 the exact sinusoids (see the constructor); the legacy class has its own table.
+
+        Masks: ESPnet's ``(B, 1, T)`` (True = real) is ``mask.unsqueeze(1)`` here; NeMo's
+        ``(B, T, T)`` (True = blocked) is ``~mask.unsqueeze(1)``. The mapping table, and what is
+        refused: :mod:`attnkit.interop.espnet`.
+        """
+        from .interop import espnet
+
+        return espnet.relative_attention(module, max_len=max_len, encoding_dtype=encoding_dtype)
+
+    @classmethod
+    def from_speechbrain(
+        cls,
+        module: nn.Module,
+        *,
+        encoding: Literal["symmetric", "signed"] = "symmetric",
+        encoding_dtype: torch.dtype = torch.float32,
+    ) -> RelativeMultiHeadAttention:
+        """A copy of SpeechBrain's ``RelPosMHAXL`` fed by ``RelPosEncXL``, as shipped.
+
+        SpeechBrain's encoding gives distances ``+d`` and ``-d`` the same vector
+        (``encoding="symmetric"``, the default here) and its scale is ``1/sqrt(d_model)``; its
+        packed ``in_proj_weight`` and ``(head_dim, H)`` biases are unpacked. ``encoding="signed"``
+        loads a model trained with an encoding that keeps the sign. ``encoding_dtype``: float32
+        (default) computes the encodings as ``RelPosEncXL`` does, float64 the exact sinusoids. Mask:
+        ``~key_padding_mask[:, None, None, :]``. The mapping table, and what is not reproduced:
+        :mod:`attnkit.interop.speechbrain`.
+        """
+        from .interop import speechbrain
+
+        return speechbrain.relative_attention(
+            module, encoding=encoding, encoding_dtype=encoding_dtype
+        )
