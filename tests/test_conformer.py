@@ -5,6 +5,8 @@ Its agreement with ESPnet's Conformer block is tested in tests/interop/test_espn
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -159,3 +161,38 @@ def test_bad_arguments_quote_values() -> None:
         layer(torch.randn(2, 5, 6))
     with pytest.raises(ValueError, match="more than one real frame per channel, got 1"):
         layer.train()(x[:1, :2], mask=torch.tensor([[True, False]]))
+
+
+def test_context_is_a_window_and_key_padding_a_mask() -> None:
+    # context=(left, right) attends like the dense band mask; masks.key_padding says which frames
+    # are real, as the bool padding mask does.
+    torch.manual_seed(0)
+    layer = ConformerLayer(16, 2, kernel_size=5, context=(3, 2), dtype=torch.float64).eval()
+    x = torch.randn(2, 30, 16, dtype=torch.float64)
+    lengths = [30, 21]
+    band = masks.sliding_window_mask(30, left=3, right=2)
+    want_layer = copy.deepcopy(layer)
+    want_layer.context = None
+    want_layer.attn = _BandAttention(want_layer.attn, band)
+    with torch.no_grad():
+        got = layer(x, mask=masks.key_padding(lengths))
+        want = want_layer(x, mask=masks.padding_mask(lengths))
+    assert_close(got[0], want[0])
+    assert_close(got[1, :21], want[1, :21])
+    with pytest.raises(TypeError, match="a window over the frames is the layer's context"):
+        layer(x, mask=masks.causal())
+
+
+class _BandAttention(torch.nn.Module):
+    """Relative attention with a dense band mask ANDed to the layer's padding mask."""
+
+    def __init__(self, attn: torch.nn.Module, band: torch.Tensor) -> None:
+        super().__init__()
+        self.attn, self.band = attn, band
+
+    def forward(self, x: torch.Tensor, *, mask: object = None) -> torch.Tensor:
+        dense = (
+            self.band if mask is None else mask.dense(x.size(1), batch_size=x.size(0)) & self.band
+        )  # type: ignore[attr-defined]
+        out: torch.Tensor = self.attn(x, mask=dense)
+        return out

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import masks
 from ._checks import (
     check_bool,
     check_input,
@@ -44,6 +45,7 @@ from ._checks import (
 )
 from ._typing import Bool, Float, shape_checked
 from .feedforward import PositionwiseFeedForward
+from .masks import Mask
 from .relative import RelativeMultiHeadAttention
 
 __all__ = ["ConformerConvolution", "ConformerLayer"]
@@ -186,15 +188,20 @@ class ConformerLayer(nn.Module):
         bias: biases of the projections, feed-forwards and convolutions.
         layer_norm_eps: the LayerNorms' epsilon (ESPnet's are 1e-12).
         attention: a self-attention module built elsewhere, called as ``attention(x, mask=m)``
-            with ``m`` ``(B, 1, 1, T)``, e.g. a :class:`~attnkit.RelativeMultiHeadAttention`
-            with ``encoding=`` or ``legacy=``.
+            with ``m`` a :class:`~attnkit.masks.Mask` (key padding, and the context window), e.g.
+            a :class:`~attnkit.RelativeMultiHeadAttention` with ``encoding=`` or ``legacy=``.
+        context: ``(left, right)``: each frame attends only the ``left`` frames before it and the
+            ``right`` after it (limited context, for streaming and for long recordings: time then
+            grows linearly with ``T`` and attention memory does not). ``None`` (default): every
+            frame.
         device, dtype: of the parameters.
 
     Submodules: ``ff1_norm``, ``ff1``, ``attn_norm``, ``attn``, ``conv_norm``, ``conv``
     (:class:`ConformerConvolution`), ``ff2_norm``, ``ff2``, ``final_norm``.
 
-    ``forward(x, *, mask=None)``: ``mask`` is a padding mask, bool, True at real frames:
-    ``(B, T)`` or :func:`attnkit.masks.padding_mask`'s ``(B, 1, 1, T)``.
+    ``forward(x, *, mask=None)``: ``mask`` says which frames are real: a bool ``(B, T)`` or
+    :func:`attnkit.masks.padding_mask`'s ``(B, 1, 1, T)`` (True = real frame), or
+    :func:`attnkit.masks.key_padding`.
 
     >>> import torch, attnkit
     >>> layer = ConformerLayer(32, 4, kernel_size=7).eval()
@@ -218,6 +225,7 @@ class ConformerLayer(nn.Module):
         bias: bool = True,
         layer_norm_eps: float = 1e-5,
         attention: nn.Module | None = None,
+        context: tuple[int, int] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -242,6 +250,14 @@ class ConformerLayer(nn.Module):
             )
         if not isinstance(attention, nn.Module):
             raise TypeError(f"attention must be an nn.Module, got {type(attention).__name__}")
+        self.context = None
+        if context is not None:
+            if not isinstance(context, tuple) or len(context) != 2:
+                raise TypeError(f"context must be a (left, right) tuple of ints, got {context!r}")
+            self.context = (
+                check_int("context[0]", context[0], minimum=0),
+                check_int("context[1]", context[1], minimum=0),
+            )
 
         def norm() -> nn.LayerNorm:
             return nn.LayerNorm(d_model, eps=eps, device=device, dtype=dtype)
@@ -269,14 +285,17 @@ class ConformerLayer(nn.Module):
 
     @shape_checked
     def forward(
-        self, x: Float[Tensor, "B T D"], *, mask: Bool[Tensor, "..."] | None = None
+        self, x: Float[Tensor, "B T D"], *, mask: Bool[Tensor, "..."] | Mask | None = None
     ) -> Float[Tensor, "B T D"]:
         check_input("x", x, f"(B, T, {self.d_model})", self.d_model, self.final_norm.weight)
         valid = self._valid_frames(mask, x)
-        key_mask = None
+        key_mask: Mask | None = None
         if valid is not None:
             x = x.masked_fill(~valid.unsqueeze(-1), 0.0)  # whatever padding holds, NaN included
-            key_mask = valid[:, None, None, :]  # (B, 1, 1, T)
+            key_mask = masks.key_padding(valid=valid)
+        if self.context is not None:
+            window = masks.sliding_window(*self.context)
+            key_mask = window if key_mask is None else key_mask & window
         x = x + 0.5 * self.dropout(self.ff1(self.ff1_norm(x)))
         x = x + self.dropout(self.attn(self.attn_norm(x), mask=key_mask))
         x = x + self.dropout(self.conv(self.conv_norm(x), valid))
@@ -290,6 +309,14 @@ class ConformerLayer(nn.Module):
         if mask is None:
             return None
         b, t = x.shape[:2]
+        if isinstance(mask, masks._KeyPadding):
+            mask._check(masks._Geometry((b,), 1, t, t, x.device), "mask")
+            return mask._keys(masks._Geometry((b,), 1, t, t, x.device), 0, t).expand(b, t)
+        if isinstance(mask, Mask):
+            raise TypeError(
+                f"mask must say which frames are real (a padding mask or masks.key_padding), got "
+                f"{mask!r}; a window over the frames is the layer's context=(left, right)"
+            )
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise TypeError(
                 f"mask must be a bool tensor (True = real frame), got "
