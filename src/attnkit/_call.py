@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 from torch import Tensor
@@ -115,9 +116,10 @@ class AttentionCall:
         return ScoreShape(n, self.num_heads, self.q_len, self.kv_len, work, self.device)
 
 
-def _check_scale(scale: object, qk_dim: int, work: torch.dtype) -> float:
+def _check_scale(scale: object, qk_dim: int, dtype: torch.dtype) -> float:
     if scale is None:
         return 1.0 / math.sqrt(qk_dim) if qk_dim else 1.0
+    work = torch.promote_types(dtype, torch.float32)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
     limit = torch.finfo(work).max
@@ -151,21 +153,8 @@ def _check_bias_values(bias: Tensor) -> None:
         )
 
 
-def check_attention_args(
-    q: object,
-    k: object,
-    v: object,
-    *,
-    mask: object,
-    bias: object,
-    causal: object,
-    scale: object,
-    softcap: object = None,
-    sinks: object = None,
-    dropout_p: object = 0.0,
-    return_weights: object = False,
-) -> AttentionCall:
-    """Validate the arguments of ``attention()`` and describe the call."""
+def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
+    """Raise the error that says what is wrong with q, k and v (they failed the quick check)."""
     q = _require_tensor("q", q)
     k = _require_tensor("k", k)
     v = _require_tensor("v", v)
@@ -186,7 +175,7 @@ def check_attention_args(
             f"q, k and v must share their batch dims (...): got q {shape_str(q.shape)}, "
             f"k {shape_str(k.shape)}, v {shape_str(v.shape)}"
         )
-    num_heads, q_len, qk_dim = q.shape[-3:]
+    num_heads, qk_dim = q.shape[-3], q.shape[-1]
     num_kv_heads, kv_len, k_dim = k.shape[-3:]
     if tuple(v.shape[-3:-1]) != (num_kv_heads, kv_len):
         raise ValueError(
@@ -218,10 +207,53 @@ def check_attention_args(
             f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, "
             f"v on {v.device}"
         )
-    work = torch.promote_types(q.dtype, torch.float32)
+    raise RuntimeError("attnkit internal error: q, k and v failed a check and passed another")
+
+
+def check_attention_args(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    mask: object,
+    bias: object,
+    causal: object,
+    scale: object,
+    softcap: object = None,
+    sinks: object = None,
+    dropout_p: object = 0.0,
+    return_weights: object = False,
+) -> AttentionCall:
+    """Validate the arguments of ``attention()`` and describe the call."""
+    # One quick test of everything q, k and v must satisfy: this runs on every call (a decode
+    # step included); the messages are worked out only when it fails.
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        _explain_qkv(q, k, v)
+    qs, ks, vs = q.shape, k.shape, v.shape
+    dt, dev = q.dtype, q.device
+    nd = len(qs)
+    if not (
+        nd >= 3
+        and len(ks) == nd
+        and len(vs) == nd
+        and ks[:-3] == qs[:-3]
+        and vs[:-3] == qs[:-3]
+        and vs[-3:-1] == ks[-3:-1]
+        and ks[-1] == qs[-1]
+        and ks[-3] != 0
+        and qs[-3] % ks[-3] == 0
+        and dt in _FLOAT_DTYPES
+        and k.dtype == dt
+        and v.dtype == dt
+        and k.device == dev
+        and v.device == dev
+    ):
+        _explain_qkv(q, k, v)
+    batch = tuple(qs[:-3])
+    num_heads, q_len, qk_dim = qs[-3:]
+    num_kv_heads, kv_len = ks[-3], ks[-2]
     scores = (*batch, num_heads, q_len, kv_len)
     legend = "(..., H, Tq, Tk)"
-    geo = _Geometry(batch, num_heads, q_len, kv_len, q.device)
 
     mask_shape = None
     mask_given = None
@@ -235,7 +267,7 @@ def check_attention_args(
             if mask.device != q.device:
                 raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
         elif isinstance(mask, Mask):
-            mask._check(geo, "mask")
+            mask._check(_Geometry(batch, num_heads, q_len, kv_len, dev), "mask")
             mask_given = repr(mask)
             dense = [p.t for p in mask._parts if isinstance(p, _Dense)]
             for t in dense:
@@ -306,9 +338,14 @@ def check_attention_args(
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
-    dropout = check_probability("dropout_p", dropout_p)
-    tensors = [q, k, v, *([] if sinks is None else [sinks])]
-    requires_grad = bias_grad or any(t.requires_grad for t in tensors)
+    dropout = dropout_p if dropout_p == 0.0 else check_probability("dropout_p", dropout_p)
+    requires_grad = torch.is_grad_enabled() and (
+        bias_grad
+        or q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (sinks is not None and sinks.requires_grad)
+    )
     return AttentionCall(
         batch_shape=batch,
         num_heads=num_heads,
@@ -316,9 +353,9 @@ def check_attention_args(
         q_len=q_len,
         kv_len=kv_len,
         qk_dim=qk_dim,
-        v_dim=v.shape[-1],
-        dtype=q.dtype,
-        device=q.device,
+        v_dim=vs[-1],
+        dtype=dt,
+        device=dev,
         mask=_visibility(mask, causal),
         mask_given=mask_given,
         mask_shape=mask_shape,
@@ -326,10 +363,10 @@ def check_attention_args(
         bias_shape=bias_shape,
         bias_requires_grad=bias_grad,
         score_term=term,
-        softcap=_check_softcap(softcap),
+        softcap=None if softcap is None else _check_softcap(softcap),
         sinks=sinks is not None,
-        scale=_check_scale(scale, qk_dim, work),
-        dropout_p=dropout,
+        scale=_check_scale(scale, qk_dim, dt),
+        dropout_p=float(dropout),
         return_weights=return_weights,
-        requires_grad=requires_grad and torch.is_grad_enabled(),
+        requires_grad=requires_grad,
     )
