@@ -45,7 +45,7 @@ def small(backend: str, sizes: tuple[int, int]) -> str | Backend:
     if backend == "chunked":
         return Chunked(block_q=block_q, block_k=block_k)
     if backend == "sdpa":
-        return SDPA(block_q=block_q, product_q=max(1, block_q // 2))
+        return SDPA(block_q=block_q)
     return backend
 
 
@@ -716,7 +716,7 @@ MODULE_CALLS = {
             "need_weights": "flag",
             "backend": "backend",
         },
-        ("key", "value"),
+        ("key", "value", "backend"),  # backend=None: the module's own
     ),
     "TransformerEncoderLayer": ModuleCall(
         attnkit.TransformerEncoderLayer(D, 2, norm_first=True),
@@ -816,8 +816,9 @@ def bad_module_calls(draw: st.DrawFn) -> tuple[str, ModuleCall, dict[str, object
                 st.just(attnkit.KVCache(B, 2, 2, 4)),  # too short for T tokens
             )
         )
-    else:
-        value = draw(st.one_of(st.integers(), st.none(), st.text(max_size=5)))
+    else:  # a backend: None is the module's own where the argument is optional
+        nothing = st.nothing() if name in target.optional else st.none()
+        value = draw(st.one_of(st.integers(), nothing, st.text(max_size=5)))
     return name, target, {**target.valid, name: value}
 
 

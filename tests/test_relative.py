@@ -42,15 +42,13 @@ def randn(*shape: int, seed: int = 1) -> Tensor:
     return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-def small(
-    backend: str, block: tuple[int, int] = (3, 4), sdpa: tuple[int, int] = (3, 2)
-) -> str | Backend:
+def small(backend: str, block: tuple[int, int] = (3, 4), sdpa: int = 3) -> str | Backend:
     """``backend`` with small blocks, so small inputs span many of them: ``block`` is the chunked
-    kernel's ``(block_q, block_k)``, ``sdpa`` the queries per fused call and per term product."""
+    kernel's ``(block_q, block_k)``, ``sdpa`` the queries per fused call."""
     if backend == "chunked":
         return Chunked(block_q=block[0], block_k=block[1])
     if backend == "sdpa":
-        return SDPA(block_q=sdpa[0], product_q=sdpa[1])
+        return SDPA(block_q=sdpa)
     return backend
 
 
@@ -149,7 +147,7 @@ def test_equals_brute_force(tq: int, extra: int, causal: bool, masked: bool, see
         mask[0, 0, 0] = False  # a query with no visible key
     want, want_w = brute_force(m, x[:, -tq:], x, mask, causal)
     for backend in FAST:
-        fast = small(backend, (2, 3), (2, 2))
+        fast = small(backend, (2, 3), 2)
         assert_close(run(m, x[:, -tq:], x, mask=mask, causal=causal, backend=fast), want)
     ref, w = m(x[:, -tq:], x, mask=mask, causal=causal, need_weights=True)
     assert_close(ref, want)
@@ -162,7 +160,7 @@ def test_more_queries_than_keys_take_negative_positions() -> None:
     q, kv = randn(1, 6, 12, seed=2), randn(1, 3, 12, seed=3)
     want, _ = brute_force(m, q, kv, causal=True)
     for backend in FAST:
-        assert_close(run(m, q, kv, causal=True, backend=small(backend, (4, 2), (4, 2))), want)
+        assert_close(run(m, q, kv, causal=True, backend=small(backend, (4, 2), 4)), want)
 
 
 def test_encodings_are_sinusoids_of_distances() -> None:
@@ -259,7 +257,7 @@ def test_padding_does_not_change_real_tokens(backend: str, side: str) -> None:
     real = slice(5, 12) if side == "left" else slice(0, 7)
     keep = torch.zeros(12, dtype=torch.bool)
     keep[real] = True
-    chosen = small(backend, (4, 3), (4, 2))
+    chosen = small(backend, (4, 3), 4)
     want = run(m, x, backend=chosen)
     got = run(m, padded, mask=keep.view(1, 1, 1, 12), backend=chosen)
     assert_close(got[:, real], want)
@@ -335,7 +333,6 @@ def test_chunked_equals_reference_with_gradients(
     legacy=st.booleans(),
     mask_kind=st.sampled_from(["none", "full", "keys", "vector"]),
     block_q=st.integers(1, 6),
-    product_q=st.integers(1, 4),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=25)
@@ -346,14 +343,13 @@ def test_sdpa_equals_reference(
     legacy: bool,
     mask_kind: str,
     block_q: int,
-    product_q: int,
     seed: int,
 ) -> None:
     m = make(legacy="openspeech" if legacy else None, seed=seed)
     tk = tq if legacy else tq + extra
     x = randn(2, tk, 12, seed=seed)
     mask = random_mask(mask_kind, tq, tk, seed)
-    fast = SDPA(block_q=block_q, product_q=product_q)
+    fast = SDPA(block_q=block_q)
     got = run(m, x[:, -tq:], x, mask=mask, causal=causal, backend=fast)
     assert_close(got, m(x[:, -tq:], x, mask=mask, causal=causal, backend="reference"))
 
@@ -594,7 +590,7 @@ def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
     blocked[1][:, :, 0] = False  # every query keeps a key: see the next test for empty rows
     for os_mask in blocked:
         want = theirs(x, x, x, pos, os_mask)  # openspeech: True = blocked
-        got = run(ours, x, mask=~os_mask.unsqueeze(1), backend=small(backend, (4, 5), (4, 2)))
+        got = run(ours, x, mask=~os_mask.unsqueeze(1), backend=small(backend, (4, 5), 4))
         assert_close(got, want)
 
 
@@ -704,7 +700,7 @@ def test_modes_fast_paths_equal_reference(mode: dict[str, object], backend: str)
     x = randn(2, 7, 12)
     mask = masks.padding_mask([7, 5])
     want = m(x, mask=mask, backend="reference")
-    assert_close(run(m, x, mask=mask, backend=small(backend, (2, 3), (2, 2))), want)
+    assert_close(run(m, x, mask=mask, backend=small(backend, (2, 3), 2)), want)
     if backend == "chunked":  # and the chunked backward
         x.requires_grad_()
         chunked = Chunked(block_q=2, block_k=3)

@@ -62,7 +62,7 @@ def test_a_t5_bias_written_as_a_term_equals_its_dense_form(backend: str) -> None
     table = torch.randn(16, 3, dtype=torch.float64, generator=g)
     q = torch.randn(2, 3, 9, 8, dtype=torch.float64, generator=g)
     kv = torch.randn(2, 3, 40, 8, dtype=torch.float64, generator=g)
-    fast = {"chunked": Chunked(block_q=4, block_k=8), "sdpa": SDPA(block_q=4, product_q=2)}
+    fast = {"chunked": Chunked(block_q=4, block_k=8), "sdpa": SDPA(block_q=4)}
     chosen = fast.get(backend, backend)
     mask = masks.key_padding([40, 29])
     dense_table = table.clone().requires_grad_()
@@ -130,7 +130,7 @@ def test_relative_term_with_a_window_table_equals_the_full_table() -> None:
     window = masks.sliding_window(3, right=2)  # distances i' - j in [-2, 3]
     part = full[:, (tk - 1) - 3 : (tk - 1) + 2 + 1]  # rows of distances 3 .. -2
     want = attention(qu, k, v, bias=RelativePositionTerm(qv, full, 0.5), mask=window, scale=0.5)
-    for backend in ("reference", Chunked(block_q=4, block_k=5), SDPA(block_q=4, product_q=2)):
+    for backend in ("reference", Chunked(block_q=4, block_k=5), SDPA(block_q=4)):
         term = RelativePositionTerm(qv, part, 0.5, max_distance=3)
         got = attention(qu, k, v, bias=term, mask=window, scale=0.5, backend=backend)
         assert_close(got, want)

@@ -31,10 +31,9 @@ from ._call import AttentionCall, check_attention_args
 from ._checks import shape_str
 from ._typing import Bool, Float, shape_checked
 from .backends.base import Backend, BackendError, BackendFn, CallCheck
-from .backends.chunked import Chunked, finite
+from .backends.chunked import Chunked, finite, plan_for
 from .backends.reference import reference
 from .backends.sdpa import SDPA
-from .kernel import default_blocks, make_plan
 from .masks import Mask
 from .scores import ScoreTerm
 
@@ -198,18 +197,8 @@ def _plan_note(call: AttentionCall, backend: Backend) -> list[str]:
     """What the kernel does with a structured mask, when it can be told without data."""
     if call.mask is None or call.device.type == "meta" or not isinstance(backend, Chunked):
         return []
-    geo = call.geometry
-    bq, bk = default_blocks(call.mask._distances(geo)[1] < float("inf"), call.groups, call.q_len)
-    plan = make_plan(
-        call.mask,
-        geo,
-        q_start=0,
-        q_len=call.q_len,
-        k_start=0,
-        kv_len=call.kv_len,
-        block_q=backend.block_q or bq,
-        block_k=backend.block_k or bk,
-    )
+    term = call.score_term is not None
+    plan = plan_for(call.mask, call.geometry, call.groups, term, backend.block_q, backend.block_k)
     return [f"block plan: {plan.describe()}"]
 
 

@@ -79,6 +79,9 @@ class TermBlock:
     """A term's view of one query block (queries ``qs:qe`` against keys ``key_lo:key_hi``), asked
     for the tiles the kernel computes and, in the backward, handed their score gradients."""
 
+    #: True when the tiles are views of a buffer the block owns: a caller may write to them.
+    writable: bool = False
+
     def tile(self, ks: int, ke: int) -> Tensor:
         """The term for keys ``ks:ke``: float, broadcastable to ``(B, H, rows, ke-ks)``."""
         raise NotImplementedError
@@ -261,6 +264,7 @@ class RelativePositionTerm(ScoreTerm):
         self.max_distance = max_distance
         self.legacy = legacy
         self._buffers: dict[str, Tensor] = {}
+        self._rows: tuple[Tensor, torch.dtype, Tensor] | None = None
 
     def inputs(self) -> tuple[Tensor, ...]:
         return self.qv, self.enc
@@ -288,6 +292,20 @@ class RelativePositionTerm(ScoreTerm):
             flat = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[name] = flat
         return flat[:numel].view(shape)
+
+    def scaled_rows(self, qv: Tensor, dtype: torch.dtype) -> Tensor:
+        """``scale * qv`` as ``(H, Tq, B, Dh)`` in ``dtype``, made once per call: every block's
+        rows are then a view ``(H, rows * B, Dh)``, one GEMM per head against its window."""
+        if self._rows is None or self._rows[0] is not qv or self._rows[1] != dtype:
+            rows = torch.empty(
+                qv.size(1), qv.size(2), qv.size(0), qv.size(3), dtype=dtype, device=qv.device
+            )
+            if qv.dtype == dtype:
+                torch.mul(qv.permute(1, 2, 0, 3), self.scale, out=rows)
+            else:  # a float16 product would be rounded before it reached rows
+                rows.copy_(qv.permute(1, 2, 0, 3)).mul_(self.scale)
+            self._rows = (qv, dtype, rows)
+        return self._rows[2]
 
     def dense(self, inputs: tuple[Tensor, ...], shape: ScoreShape) -> Tensor:
         qv, enc = inputs
@@ -322,6 +340,8 @@ class RelativePositionTerm(ScoreTerm):
 class _RelativeBlock(TermBlock):
     """One query block of :class:`RelativePositionTerm`; its product is computed at the first
     tile, in a buffer shared by the blocks of one call."""
+
+    writable = True
 
     def __init__(
         self,
@@ -359,11 +379,21 @@ class _RelativeBlock(TermBlock):
         self._grad: Tensor | None = None
 
     def _qv_rows(self) -> Tensor:
-        """``(H, N * rows, Dh)`` scaled position queries: one GEMM per head against its window."""
+        """``(H, N * rows, Dh)`` scaled position queries: one GEMM per head against its window.
+
+        Rows are query-major (row ``r * N + n``), a view of :meth:`RelativePositionTerm.
+        scaled_rows`; openspeech's shift reads past the end of a row into the next query's, so
+        there they are batch-major (row ``n * rows + r``), a copy."""
         if self._qv is None:
             s = self.skew
-            rows = self.qv[:, :, s.row_lo : s.row_hi].transpose(0, 1).to(self.shape.dtype)
-            self._qv = (rows * self.term.scale).reshape(self.h, self.n * self.nrows, self.dh)
+            if self.term.legacy:
+                rows = self.qv[:, :, s.row_lo : s.row_hi].transpose(0, 1).to(self.shape.dtype)
+                self._qv = (rows * self.term.scale).reshape(self.h, self.n * self.nrows, self.dh)
+            else:
+                all_rows = self.term.scaled_rows(self.qv, self.shape.dtype)
+                self._qv = all_rows[:, s.row_lo : s.row_hi].reshape(
+                    self.h, self.nrows * self.n, self.dh
+                )
         return self._qv
 
     def _window(self) -> tuple[Tensor, int, int]:
@@ -373,23 +403,31 @@ class _RelativeBlock(TermBlock):
         return self.enc[:, lo:hi].to(self.shape.dtype), lo - s.enc_lo, max(lo, hi) - s.enc_lo
 
     def _view(self, full: Tensor, ks: int, ke: int) -> Tensor:
-        """The ``(N, H, bq, ke-ks)`` tile of a ``(H, N, rows, W)`` product, without a copy."""
+        """The ``(N, H, bq, ke-ks)`` tile of a ``(H, rows * N, W)`` product, without a copy.
+
+        Tile element ``(r, c)`` of a batch row and head is element ``offset + r * stride + c`` of
+        that row's ``(rows, W)`` product read flat (the skew): with query-major rows, row ``r`` of
+        batch row ``n`` starts at ``(r * N + n) * W``."""
         s = self.skew
         start = s.offset + (ks - self.key_lo)
-        if start < 0 or start + (self.bq - 1) * s.stride + (ke - ks) > self.nrows * self.width:
+        n, w = self.n, self.width
+        plane = self.nrows * n * w
+        if self.term.legacy:
+            strides = (self.nrows * w, plane, s.stride, 1)
+        else:
+            strides = (w, plane, s.stride + (n - 1) * w, 1)
+        last = start + (self.bq - 1) * strides[2] + (n - 1) * strides[0] + (ke - ks)
+        if start < 0 or last > plane:
             # as_strided does not check bounds: never let a wrong skew read past the product.
             raise RuntimeError("attnkit internal error: relative-position tile out of bounds")
-        plane = self.nrows * self.width
         return full.as_strided(
-            (self.n, self.h, self.bq, ke - ks),
-            (plane, self.n * plane, s.stride, 1),
-            full.storage_offset() + start,
+            (n, self.h, self.bq, ke - ks), strides, full.storage_offset() + start
         )
 
     def tile(self, ks: int, ke: int) -> Tensor:
         if self._product is None:
             window, a, b = self._window()
-            shape = (self.h, self.n * self.nrows, self.width)
+            shape = (self.h, self.nrows * self.n, self.width)
             out = self.term.buffer("product", shape, self.shape.dtype, self.qv.device)
             if (a, b) == (0, self.width):
                 torch.bmm(self._qv_rows(), window.transpose(1, 2), out=out)
@@ -404,7 +442,7 @@ class _RelativeBlock(TermBlock):
         if self.grads is None:
             return
         if self._grad is None:
-            shape = (self.h, self.n * self.nrows, self.width)
+            shape = (self.h, self.nrows * self.n, self.width)
             self._grad = self.term.buffer("grad", shape, self.shape.dtype, self.qv.device).zero_()
         self._view(self._grad, ks, ke)[:, :, row0 : row0 + ds.size(-2)].add_(ds)
 
@@ -415,8 +453,11 @@ class _RelativeBlock(TermBlock):
         s = self.skew
         window, a, b = self._window()
         if self.qv.requires_grad:
-            dqv = torch.bmm(grad[:, :, a:b], window).mul_(self.term.scale)  # (H, N * rows, Dh)
-            dqv = dqv.view(self.h, self.n, self.nrows, self.dh).transpose(0, 1)
+            dqv = torch.bmm(grad[:, :, a:b], window).mul_(self.term.scale)  # (H, rows, Dh)
+            if self.term.legacy:  # batch-major rows
+                dqv = dqv.view(self.h, self.n, self.nrows, self.dh).transpose(0, 1)
+            else:  # query-major rows
+                dqv = dqv.view(self.h, self.nrows, self.n, self.dh).permute(2, 0, 1, 3)
             dqv_all = grads[0]
             if dqv_all is None:
                 dqv_all = grads[0] = torch.zeros(

@@ -65,9 +65,21 @@ def _unlayout_bias_grad(d5: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Ten
 
 
 def finite(*tensors: Tensor) -> bool:
-    """True when none of ``tensors`` holds NaN or inf (one host synchronisation)."""
-    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
-    return bool(torch.stack(flags).all()) if flags else True
+    """True when none of ``tensors`` holds NaN or inf (one host synchronisation).
+
+    A sum is NaN or inf when any term is, and one sum is a fraction of ``isfinite().all()``'s
+    cost. It can also overflow on finite values far beyond any activation's scale (1e32 in
+    float32); the answer is then False, which only costs the caller its careful path.
+    """
+    total = 0.0
+    sums = [
+        t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32))
+        for t in tensors
+        if t.numel()
+    ]
+    if sums:
+        total = float(torch.stack(sums).sum()) if len(sums) > 1 else float(sums[0])
+    return math.isfinite(total)
 
 
 @dataclass(frozen=True)
@@ -187,6 +199,29 @@ class _KernelAttention(torch.autograd.Function):
 _apply: Callable[..., Tensor] = _KernelAttention.apply
 
 
+def plan_for(
+    mask: Mask | None,
+    geo: _Geometry,
+    groups: int,
+    term: bool,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> Plan:
+    """The block plan of a whole call, with the default block sizes where none are given."""
+    banded = mask is not None and mask._distances(geo)[1] < math.inf
+    bq, bk = default_blocks(banded, groups, geo.q_len, term)
+    return make_plan(
+        mask,
+        geo,
+        q_start=0,
+        q_len=geo.q_len,
+        k_start=0,
+        kv_len=geo.kv_len,
+        block_q=block_q or bq,
+        block_k=block_k or bk,
+    )
+
+
 def kernel_attention(
     q: Tensor,
     k: Tensor,
@@ -205,19 +240,8 @@ def kernel_attention(
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
     geo = _Geometry(batch, h, tq, tk, q.device)
-    banded = mask is not None and mask._distances(geo)[1] < math.inf
-    bq, bk = default_blocks(banded, h // hkv, tq)
-    plan = make_plan(
-        mask,
-        geo,
-        q_start=0,
-        q_len=tq,
-        k_start=0,
-        kv_len=tk,
-        block_q=block_q or bq,
-        block_k=block_k or bk,
-    )
     term = bias if isinstance(bias, ScoreTerm) else None
+    plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k)
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
     spec = _Spec(

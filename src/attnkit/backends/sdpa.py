@@ -140,21 +140,28 @@ def _empty_rows(mask: Tensor | None, attn_mask: Tensor | None) -> Tensor | None:
     return (attn_mask == float("-inf")).all(-1, keepdim=True)
 
 
-def _trustworthy(out: Tensor, attn_mask: Tensor | None) -> bool:
+def _trustworthy(out: Tensor, attn_mask: Tensor | None, empty: Tensor | None = None) -> bool:
     """Whether torch's output follows attnkit's rules: no NaN/inf, and exact zeros only in the rows
-    that have no visible key. Three small reductions in the common case (a decode step's cost)."""
+    that have no visible key (``empty``, or the rows ``attn_mask`` hides whole). A few small
+    reductions in the common case (a decode step's cost)."""
     if not out.numel():
         return True
-    peaks = out.abs().amax(-1)  # (..., H, Tq): NaN and inf show, and so does a row of zeros
+    # (..., H, Tq): NaN and inf show, and so does a row of zeros. abs() would copy a big output.
+    if out.numel() <= 1 << 16:
+        peaks = out.abs().amax(-1)
+    else:
+        peaks = torch.linalg.vector_norm(out, ord=math.inf, dim=-1)
     low, high = torch.aminmax(peaks)
     if not math.isfinite(high.item()):
         return False
     if low.item() > 0:
         return True
-    empty = _empty_rows(None, attn_mask)
+    if empty is None:
+        empty = _empty_rows(None, attn_mask)
+        empty = None if empty is None else empty.squeeze(-1)
     if empty is None:
         return False  # a zero row no mask explains: torch hid a NaN, or v is 0 there
-    return bool(((peaks == 0) <= empty.squeeze(-1).expand_as(peaks)).all())
+    return bool(((peaks == 0) <= empty.expand_as(peaks)).all())
 
 
 def _plain(
@@ -214,11 +221,14 @@ def _blocked_term(
     scale: float,
     dropout_p: float,
     block_q: int,
-    product_q: int,
 ) -> tuple[Tensor, bool]:
     """A score term without gradients: per block of queries, one fused call whose float mask is
     the block's term (+ bias, masked with -inf). Keys no query of the block may see are left out.
-    Returns the output and whether every block's output looked trustworthy."""
+    Returns the output and whether it looked trustworthy.
+
+    torch takes a strided float mask as it is, so a term whose tiles are views of its own product
+    (relative positions) reaches the fused kernel without a copy when nothing is added to it.
+    """
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, dv = v.shape[-3:]
@@ -232,54 +242,65 @@ def _blocked_term(
     work = torch.promote_types(q.dtype, torch.float32)
     shape = ScoreShape(n, h, tq, tk, work, q.device)
     inputs = tuple(term.inputs())
+    empties: list[Tensor] = []  # (N, H, rows): queries of each block that see no key
     # The plan says which keys each block of queries can see (64-key resolution).
     plan = make_plan(
         mask, geo, q_start=0, q_len=tq, k_start=0, kv_len=tk, block_q=block_q, block_k=64
     )
     # (N, Tq, H, Dv) memory, so that a caller's merge of the heads is a view, not a copy.
     out = q.new_empty(n, tq, h, dv).transpose(1, 2)
-    trusted = True
+    buffer: Tensor | None = None  # for masks that must be written: reused, not one per block
     for qb in plan.blocks:
         qs, qe = qb.qs, qb.qe
         lo, hi = qb.key_range
-        if hi <= lo:
+        if hi <= lo:  # no query of the block sees a key
             out[:, :, qs:qe] = 0.0
+            empties.append(torch.ones((), dtype=torch.bool, device=q.device).expand(n, h, qe - qs))
             continue
-        add = torch.empty(n, h, qe - qs, hi - lo, dtype=work, device=q.device)
-        for ps in range(qs, qe, product_q):
-            pe = min(ps + product_q, qe)
-            tile = term.block(inputs, shape, ps, pe, lo, hi, grads=None).tile(lo, hi)
-            add[:, :, ps - qs : pe - qs] = tile
-        if bias4 is not None:
-            add += (bias4[..., qs:qe, :] if bias4.size(-2) != 1 else bias4)[..., lo:hi]
+        tb = term.block(inputs, shape, qs, qe, lo, hi, grads=None)
+        attn_mask = tb.tile(lo, hi)  # (N|1, H|1, rows, keys)
         covered = sum(vt.ke - vt.ks for vt in qb.visits) == hi - lo
-        if mask is not None and (not covered or any(vt.partial for vt in qb.visits)):
-            add.masked_fill_(~mask._tile(geo, qs, qe, lo, hi), float("-inf"))
-        attn_mask = add.to(q.dtype)
+        masked = mask is not None and (not covered or any(vt.partial for vt in qb.visits))
+        if bias4 is not None or masked:
+            full = (n, h, qe - qs, hi - lo)
+            if not (tb.writable and tuple(attn_mask.shape) == full):
+                if buffer is None:
+                    widest = max(b.key_range[1] - b.key_range[0] for b in plan.blocks)
+                    buffer = torch.empty(n * h * block_q * widest, dtype=work, device=q.device)
+                attn_mask = buffer[: math.prod(full)].view(full).copy_(attn_mask)
+            if bias4 is not None:
+                attn_mask.add_((bias4[..., qs:qe, :] if bias4.size(-2) != 1 else bias4)[..., lo:hi])
+            if masked and mask is not None:
+                attn_mask.masked_fill_(~mask._tile(geo, qs, qe, lo, hi), float("-inf"))
         block = F.scaled_dot_product_attention(
             q4[:, :, qs:qe],
             k4[:, :, lo:hi],
             v4[:, :, lo:hi],
-            attn_mask=attn_mask,
+            attn_mask=attn_mask.to(q.dtype),
             dropout_p=dropout_p,
             scale=scale,
             enable_gqa=h != hkv,
         )
-        if q.device.type != "cpu":
-            block = block.masked_fill((attn_mask == float("-inf")).all(-1, keepdim=True), 0.0)
-        if trusted and not torch.compiler.is_compiling():
-            trusted = _trustworthy(block, attn_mask)
+        if masked or bias4 is not None:
+            empty = (attn_mask == float("-inf")).all(-1)
+            if q.device.type != "cpu":
+                block = block.masked_fill(empty.unsqueeze(-1), 0.0)
+            empties.append(empty.expand(n, h, qe - qs))
+        else:
+            empties.append(torch.zeros((), dtype=torch.bool, device=q.device).expand(n, h, qe - qs))
         out[:, :, qs:qe] = block
+    trusted = torch.compiler.is_compiling() or _trustworthy(
+        out, None, torch.cat(empties, -1) if empties else None
+    )
     return out.reshape(*batch, h, tq, dv), trusted
 
 
 class SDPA(Backend):
-    """torch's SDPA as a backend; ``block_q`` and ``product_q`` size the blocks of a call with a
-    score term (queries per fused call, and per product of the term)."""
+    """torch's SDPA as a backend; ``block_q`` is the queries per fused call (and per product of
+    the term) of a call with a score term."""
 
-    def __init__(self, *, block_q: int = 192, product_q: int = 64) -> None:
+    def __init__(self, *, block_q: int = 64) -> None:
         self.block_q = check_int("block_q", block_q)
-        self.product_q = check_int("product_q", product_q)
 
         def run(
             q: Tensor,
@@ -297,7 +318,7 @@ class SDPA(Backend):
             if isinstance(bias, ScoreTerm):
                 with no_autocast(q.device):
                     out, trusted = _blocked_term(
-                        q, k, v, mask, None, bias, scale, dropout_p, self.block_q, self.product_q
+                        q, k, v, mask, None, bias, scale, dropout_p, self.block_q
                     )
                 attn_mask = None
             else:
@@ -322,4 +343,4 @@ class SDPA(Backend):
         super().__init__("sdpa", run, check=sdpa_check, cost=sdpa_cost)
 
     def __repr__(self) -> str:
-        return f"SDPA(block_q={self.block_q}, product_q={self.product_q})"
+        return f"SDPA(block_q={self.block_q})"

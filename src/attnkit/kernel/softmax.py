@@ -287,8 +287,10 @@ def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tens
         if spoiled is not None:
             bad = _bad(p.v3[:, visit.ks : visit.ke]).to(p.work)
             spoiled[:, lo:hi].baddbmm_(p.visible(qb.qs, visit, vis), bad)
-    if lazy and not bool(((lsum < _OVERFLOW_GUARD) & torch.isfinite(acc).all(-1, True)).all()):
-        return _forward_block(p, qb, lazy=False)  # false for inf and NaN too
+    # The lazy offset was too low if a running sum passed the guard or the weighted values
+    # overflowed: one number tells both (NaN/inf in acc makes it NaN, and NaN < guard is false).
+    if lazy and not float(acc.sum().mul_(0.0).add_(lsum.amax())) < _OVERFLOW_GUARD:
+        return _forward_block(p, qb, lazy=False)
     empty = lsum == 0  # rows with no key they may attend: output 0, never 0/0
     out = acc.div_(lsum.masked_fill(empty, 1.0))
     if spoiled is not None:
@@ -423,14 +425,20 @@ def delta_of(out: Tensor, dout: Tensor) -> Tensor:
     return (dout.to(out.dtype) * out).sum(-1)
 
 
-def default_blocks(causal_like: bool, groups: int, q_len: int) -> tuple[int, int]:
+def default_blocks(
+    causal_like: bool, groups: int, q_len: int, term: bool = False
+) -> tuple[int, int]:
     """``(block_q, block_k)`` that run well on CPUs.
 
     Non-causal calls take 512 x 256 blocks. Causal calls waste work in the diagonal's partly
     visible blocks; narrow key blocks, whose rows that see none of their keys are skipped, waste
     least: 512 x 128, with 256-row query blocks below 4096 queries (too few 512-row blocks to skip
-    in), and square 256 blocks with grouped heads.
+    in), and square 256 blocks with grouped heads. With a score term such as relative positions,
+    whose product for a block of queries spans ``block_q - 1`` more distances than keys, short
+    query blocks waste least: 128 x 512 (128 x 128 within a band).
     """
+    if term:
+        return 128, 128 if causal_like else 512
     if not causal_like:
         return 512, 256
     if groups == 1:
