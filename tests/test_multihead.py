@@ -562,3 +562,18 @@ def test_low_precision_against_float64(dtype: torch.dtype) -> None:
     got = m(x, mask=pad, causal=True)
     assert got.dtype == dtype
     assert_close(got, ref(x.double(), mask=pad, causal=True))
+
+
+def test_explain_describes_the_call_the_module_makes() -> None:
+    m = MultiHeadAttention(16, 4, num_kv_heads=2)
+    x = torch.randn(2, 10, 16)
+    report = m.explain(x, mask=attnkit.masks.sliding_window(3))
+    assert "q (2, 4, 10, 4), k (2, 2, 10, 4), v (2, 2, 10, 4) float32 on cpu" in str(report)
+    assert report.chosen == "chunked"
+    cache = m.make_cache(2, 32)
+    with torch.no_grad():
+        m(x, cache=cache)
+        step = m.explain(x[:, :1], cache=cache)
+    assert "k (2, 2, 11, 4)" in str(step)  # the cached keys count
+    assert cache.length == 10  # explain wrote nothing
+    assert m.explain(x, need_weights=True).chosen == "reference"

@@ -793,3 +793,26 @@ def test_mode_arguments_quote_values() -> None:
     legacy = make(legacy="espnet")
     with pytest.raises(ValueError, match="legacy='espnet' reproduces espnet's self-attention"):
         legacy(randn(1, 2, 12), randn(1, 5, 12))
+
+
+def test_explain_describes_the_call_the_module_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = make()
+    x = randn(1, 40, 12)
+    window = masks.sliding_window(4, right=4)
+    report = m.explain(x, mask=window)
+    assert report.chosen == "chunked"  # parameters need gradients: the kernel has a backward
+    assert "bias relative position term (9 distances)" in str(report)
+    with torch.no_grad():
+        assert m.explain(x, mask=window).chosen == "sdpa"
+        assert m.explain(x, need_weights=True).chosen == "reference"
+    # The report names what the forward really runs.
+    ran: list[str] = []
+    original = chunked_module.kernel_attention
+
+    def spy(*args: object, **kw: object) -> Tensor:
+        ran.append("chunked")
+        return original(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(chunked_module, "kernel_attention", spy)
+    m(x, mask=window)
+    assert ran == ["chunked"]

@@ -33,10 +33,11 @@ from ._checks import (
     shape_str,
 )
 from ._typing import Bool, Float, shape_checked
-from .attention import Backend, attention, check_backend
+from .attention import Backend, Explanation, attention, check_backend, explain
 from .capture import is_capturing, record
 from .kv_cache import KVCache
 from .masks import Mask
+from .scores import ScoreTerm
 
 __all__ = ["MultiHeadAttention", "from_torch_masks"]
 
@@ -255,7 +256,7 @@ class MultiHeadAttention(nn.Module):
         value: Float[Tensor, "B Tk Dv"] | None = None,
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
-        bias: Float[Tensor, "..."] | None = None,
+        bias: Float[Tensor, "..."] | ScoreTerm | None = None,
         causal: bool = False,
         need_weights: Literal[False] = False,
         average_weights: bool = True,
@@ -270,7 +271,7 @@ class MultiHeadAttention(nn.Module):
         value: Float[Tensor, "B Tk Dv"] | None = None,
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
-        bias: Float[Tensor, "..."] | None = None,
+        bias: Float[Tensor, "..."] | ScoreTerm | None = None,
         causal: bool = False,
         need_weights: Literal[True],
         average_weights: bool = True,
@@ -285,7 +286,7 @@ class MultiHeadAttention(nn.Module):
         value: Float[Tensor, "B Tk Dv"] | None = None,
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
-        bias: Float[Tensor, "..."] | None = None,
+        bias: Float[Tensor, "..."] | ScoreTerm | None = None,
         causal: bool = False,
         need_weights: bool = False,
         average_weights: bool = True,
@@ -351,6 +352,55 @@ class MultiHeadAttention(nn.Module):
             return result
         weights = present(weights, "weights")
         return result, (weights.mean(1) if average_weights else weights)
+
+    def explain(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Tensor | Mask | None = None,
+        bias: Tensor | ScoreTerm | None = None,
+        causal: bool = False,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+    ) -> Explanation:
+        """Which backend ``self(query, key, value, ...)`` would run its attention on, and why:
+        :func:`attnkit.explain` for the call the module makes. Runs nothing (no projection, no
+        cache write).
+
+        >>> mha = MultiHeadAttention(64, 8)
+        >>> x = torch.randn(2, 100, 64)
+        >>> print(mha.explain(x, causal=True))  # doctest: +ELLIPSIS
+        attention call: q (2, 8, 100, 8), k (2, 8, 100, 8), v (2, 8, 100, 8) float32 on cpu, causal
+        auto picks: sdpa
+        ...
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value)
+        b, tq, tk = query.size(0), query.size(1), key.size(1) + (cache.length if cache else 0)
+        ref = self.out_proj.weight
+
+        # Tensors of the call's shapes that hold nothing (stride 0); they need gradients when the
+        # module's call would.
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, *self.parameters()))
+
+        def shaped(heads: int, t: int, d: int) -> Tensor:
+            base = torch.empty((), dtype=ref.dtype, device=ref.device, requires_grad=grad)
+            return base.expand(b, heads, t, d)
+
+        return explain(
+            shaped(self.num_heads, tq, self.head_dim),
+            shaped(self.num_kv_heads, tk, self.head_dim),
+            shaped(self.num_kv_heads, tk, self.v_head_dim),
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=need_weights or is_capturing(self),
+            backend=self.backend,
+        )
 
     def make_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty :class:`~attnkit.KVCache` for this module: ``Hkv`` heads of ``Dh``/``Dhv``, in

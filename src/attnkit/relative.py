@@ -46,7 +46,7 @@ from ._checks import (
     shape_str,
 )
 from ._typing import Bool, Float
-from .attention import attention, check_backend
+from .attention import Explanation, attention, check_backend, explain
 from .backends.base import Backend
 from .masks import Mask, _Geometry
 from .scores import RelativePositionTerm
@@ -442,6 +442,66 @@ class RelativeMultiHeadAttention(nn.Module):
         if need_weights:
             return result, present(weights, "weights")
         return result
+
+    def explain(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Tensor | Mask | None = None,
+        causal: bool = False,
+        need_weights: bool = False,
+        backend: str | Backend | None = None,
+    ) -> Explanation:
+        """Which backend ``self(query, key, value, ...)`` would run its attention on, and why:
+        :func:`attnkit.explain` for the call the module makes (an attention call whose bias is
+        the position term). Runs nothing.
+
+        >>> import torch, attnkit
+        >>> m = attnkit.RelativeMultiHeadAttention(64, 4)
+        >>> window = attnkit.masks.sliding_window(64, 64)
+        >>> print(m.explain(torch.randn(1, 2000, 64), mask=window))  # doctest: +ELLIPSIS
+        attention call: ... bias relative position term (129 distances)
+        auto picks: chunked
+        ...
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check(query, key, value, mask, causal, need_weights, backend)
+        b, tq, tk = query.size(0), query.size(1), key.size(1)
+        h, dh = self.num_heads, self.head_dim
+        ref = self.out_proj.weight
+
+        # Tensors of the call's shapes that hold nothing (stride 0); they need gradients when the
+        # module's call would.
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, *self.parameters()))
+
+        def shaped(*size: int) -> Tensor:
+            base = torch.empty((), dtype=ref.dtype, device=ref.device, requires_grad=grad)
+            return base.expand(*size)
+
+        if self.legacy:
+            term = RelativePositionTerm(
+                shaped(b, h, tq, dh), shaped(h, tk + 1, dh), self.scale, legacy=True
+            )
+        else:
+            top, bottom = self._distances(mask, causal, b, tq, tk)
+            term = RelativePositionTerm(
+                shaped(b, h, tq, dh), shaped(h, top - bottom + 1, dh), self.scale, max_distance=top
+            )
+        return explain(
+            shaped(b, h, tq, dh),
+            shaped(b, h, tk, dh),
+            shaped(b, h, tk, dh),
+            mask=mask,
+            bias=term,
+            causal=causal,
+            scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=need_weights or capture.is_capturing(self),
+            backend=self.backend if backend is None else backend,
+        )
 
     # ----------------------------------------------------------------------------------------------
     # openspeech

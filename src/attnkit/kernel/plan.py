@@ -10,6 +10,7 @@ block is empty.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..masks import EMPTY, FULL, Mask, _Geometry
@@ -86,22 +87,38 @@ def make_plan(
     """
     bq, bk = max(1, block_q), max(1, block_k)
     nq, nk = len(range(0, q_len, bq)), len(range(0, kv_len, bk))
+    # Per query block: the first key block asked about, and the states from there on.
+    strips: list[tuple[int, list[int]]]
+    lo, hi = (-math.inf, math.inf) if mask is None else mask._distances(geo)
     if mask is None:
-        states = None
+        strips = [(0, [FULL] * nk)] * nq
+    elif lo > -math.inf or hi < math.inf:
+        # A band (causal, a window): each query block asks only about the key blocks its band can
+        # reach, so a long sequence with a window costs O(T) here too, not O(T^2) blocks.
+        strips = []
+        for i in range(nq):
+            qs, qe = i * bq + q_start, min((i + 1) * bq, q_len) + q_start
+            # Keys j with lo <= j - i' <= hi for some query i' of the block, as local positions.
+            first = 0 if lo == -math.inf else qs + geo.shift + int(lo) - k_start
+            last = kv_len - 1 if hi == math.inf else qe - 1 + geo.shift + int(hi) - k_start
+            j0, j1 = max(0, first) // bk, min(nk - 1, last // bk) if last >= 0 else -1
+            if j1 < j0 or first >= kv_len:
+                strips.append((0, []))
+                continue
+            keys = (j0 * bk + k_start, min((j1 + 1) * bk, kv_len) + k_start, bk)
+            strips.append((j0, mask._states(geo, (qs, qe, bq), keys).tolist()[0]))
     else:
-        states = mask._states(
-            geo, (q_start, q_start + q_len, bq), (k_start, k_start + kv_len, bk)
-        ).tolist()
+        grid = mask._states(geo, (q_start, q_start + q_len, bq), (k_start, k_start + kv_len, bk))
+        strips = [(0, row) for row in grid.tolist()]
     blocks = []
     partial = 0
-    for i in range(nq):
+    for i, (j0, states) in enumerate(strips):
         qs, qe = i * bq, min((i + 1) * bq, q_len)
         visits = []
-        for j in range(nk):
-            ks, ke = j * bk, min((j + 1) * bk, kv_len)
-            state = FULL if states is None else states[i][j]
+        for j, state in enumerate(states, start=j0):
             if state == EMPTY:
                 continue
+            ks, ke = j * bk, min((j + 1) * bk, kv_len)
             r0, r1 = (0, qe - qs)
             if mask is not None:
                 r0, r1 = mask._rows(geo, qs + q_start, qe + q_start, ks + k_start, ke + k_start)

@@ -1,0 +1,59 @@
+"""The block plan: it visits exactly the blocks that hold a visible pair, and no others."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnkit.kernel import make_plan
+from attnkit.masks import _Geometry
+
+from ..strategies import structured_masks
+
+
+@given(
+    shape=st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(0, 17), st.integers(0, 17)),
+    block=st.tuples(st.integers(1, 6), st.integers(1, 6)),
+    start=st.tuples(st.integers(0, 5), st.integers(0, 5)),
+    data=st.data(),
+)
+def test_plan_visits_the_blocks_with_a_visible_pair(
+    shape: tuple[int, int, int, int],
+    block: tuple[int, int],
+    start: tuple[int, int],
+    data: st.DataObject,
+) -> None:
+    # The plan of a piece of a call (as ring attention asks: queries and keys starting at some
+    # global position) against the dense mask: a block is visited iff it holds a visible pair,
+    # marked full only if it holds no hidden one (partial is always safe), and its rows cover every row that sees it.
+    b, h, tq, tk = shape
+    s = data.draw(structured_masks(b, h, tq, tk))
+    geo = _Geometry((b,), h, tq, tk, torch.device("cpu"))
+    q0, k0 = min(start[0], tq), min(start[1], tk)
+    plan = make_plan(
+        s.mask,
+        geo,
+        q_start=q0,
+        q_len=tq - q0,
+        k_start=k0,
+        kv_len=tk - k0,
+        block_q=block[0],
+        block_k=block[1],
+    )
+    dense = s.dense[:, :, q0:, k0:].flatten(0, 1).any(0)  # (rows, keys): visible for anyone
+    hidden = ~s.dense[:, :, q0:, k0:].flatten(0, 1).all(0)
+    seen = set()
+    for qb in plan.blocks:
+        for v in qb.visits:
+            seen.add((qb.qs, v.ks))
+            tile = dense[qb.qs : qb.qe, v.ks : v.ke]
+            assert tile.any(), (s.label, qb.qs, v.ks)
+            if not v.partial:
+                assert not hidden[qb.qs : qb.qe, v.ks : v.ke].any(), (s.label, qb.qs, v.ks)
+            rows = tile.any(-1).nonzero().flatten().tolist()
+            assert all(v.r0 <= r < v.r1 for r in rows), (s.label, rows, v.r0, v.r1)
+    for qs in range(0, tq - q0, block[0]):
+        for ks in range(0, tk - k0, block[1]):
+            if dense[qs : qs + block[0], ks : ks + block[1]].any():
+                assert (qs, ks) in seen, (s.label, qs, ks)
