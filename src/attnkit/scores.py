@@ -429,12 +429,16 @@ class _RelativeBlock(TermBlock):
             window, a, b = self._window()
             shape = (self.h, self.nrows * self.n, self.width)
             out = self.term.buffer("product", shape, self.shape.dtype, self.qv.device)
-            if (a, b) == (0, self.width):
-                torch.bmm(self._qv_rows(), window.transpose(1, 2), out=out)
-            else:  # part of the window lies outside the table: those distances get 0
-                out.zero_()
-                if b > a:
-                    out[:, :, a:b] = torch.bmm(self._qv_rows(), window.transpose(1, 2))
+            if (a, b) != (0, self.width):
+                # Part of the window lies outside the table: those distances get 0, from zero
+                # rows (a GEMM into a column slice of the product would be far slower).
+                size = (window.size(0), self.width, window.size(2))
+                padded = self.term.buffer("window", size, window.dtype, window.device)
+                padded[:, :a] = 0.0
+                padded[:, b:] = 0.0
+                padded[:, a:b] = window
+                window = padded
+            torch.bmm(self._qv_rows(), window.transpose(1, 2), out=out)
             self._product = out
         return self._view(self._product, ks, ke)
 

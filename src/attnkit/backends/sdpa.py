@@ -271,7 +271,8 @@ def _blocked_term(
             if bias4 is not None:
                 attn_mask.add_((bias4[..., qs:qe, :] if bias4.size(-2) != 1 else bias4)[..., lo:hi])
             if masked and mask is not None:
-                attn_mask.masked_fill_(~mask._tile(geo, qs, qe, lo, hi), float("-inf"))
+                hidden = ~mask._tile(geo, qs, qe, lo, hi)
+                attn_mask.masked_fill_(hidden, float("-inf"))
         block = F.scaled_dot_product_attention(
             q4[:, :, qs:qe],
             k4[:, :, lo:hi],
@@ -281,8 +282,11 @@ def _blocked_term(
             scale=scale,
             enable_gqa=h != hkv,
         )
-        if masked or bias4 is not None:
+        if bias4 is not None:  # a -inf bias may empty a row too
             empty = (attn_mask == float("-inf")).all(-1)
+        elif masked:
+            empty = hidden.all(-1)
+        if masked or bias4 is not None:
             if q.device.type != "cpu":
                 block = block.masked_fill(empty.unsqueeze(-1), 0.0)
             empties.append(empty.expand(n, h, qe - qs))
