@@ -481,3 +481,16 @@ def test_compile_fullgraph_and_export_match_eager() -> None:
     torch.testing.assert_close(compiled(q, k, pad), eager)
     exported = torch.export.export(Attend(), (q, k, pad)).module()
     torch.testing.assert_close(exported(q, k, pad), eager)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_autocast_dtype_errors_say_what_autocast_did() -> None:
+    # float64 stays float64 under autocast while float32 becomes bfloat16: the message says so,
+    # instead of naming a dtype the caller never passed without a word about why.
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    bias = torch.zeros(3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError) as err:
+        attention(q, q, q, bias=bias)
+    message = str(err.value)
+    assert "bias must have the dtype of q (float64), got bfloat16" in message
+    assert "inside torch.autocast, float16/bfloat16/float32 inputs are cast to bfloat16" in message

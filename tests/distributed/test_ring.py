@@ -66,21 +66,26 @@ def compare_with_single_process(
     dtype: torch.dtype = torch.float64,
     group: dist.ProcessGroup | None = None,
     ring: RingBackend | None = None,
+    window: int | None = None,
 ) -> None:
     """This rank's output and q/k/v gradients equal its shard of the whole sequence's, through
     ``ring_attention`` or through ``attention()`` with the backend ``ring``."""
     t = 2 * world * CHUNK
     x = full_inputs(t, dtype)
     mask = x["mask"] if masked else None
+    band = None if window is None else masks.sliding_window(window, right=1)
+    spec_mask = mask if band is None else (band if mask is None else band & mask)
     # The spec: float64 reference attention on the whole sequence, on the same rounded inputs.
     whole = {n: x[n].double().clone().requires_grad_() for n in ("q", "k", "v")}
     want = attnkit.attention(
-        whole["q"], whole["k"], whole["v"], mask=mask, causal=causal, backend="reference"
+        whole["q"], whole["k"], whole["v"], mask=spec_mask, causal=causal, backend="reference"
     )
     want.backward(x["dout"].double())
 
     local = {n: shard(x[n], layout, rank, world).clone().requires_grad_() for n in ("q", "k", "v")}
     local_mask = None if mask is None else shard(mask, layout, rank, world, dim=-1)
+    if band is not None:  # a structured mask: every rank asks it at global positions
+        local_mask = band if local_mask is None else band & local_mask
     if ring is None:
         got = ring_attention(
             local["q"],
@@ -204,6 +209,12 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
     compare_with_single_process(
         rank, world, layout="zigzag", causal=True, masked=True, dtype=torch.float32
     )
+    for layout in ("contiguous", "zigzag"):  # a window across shards, with and without padding
+        ring = RingBackend(layout=layout, block_q=4, block_k=3)
+        for masked in (False, True):
+            compare_with_single_process(
+                rank, world, layout=layout, causal=False, masked=masked, ring=ring, window=4
+            )
     if world == 3:  # a subgroup: ranks 1 and 2 form a ring of their own
         pair = dist.new_group([1, 2])
         if rank > 0:

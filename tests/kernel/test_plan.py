@@ -26,7 +26,8 @@ def test_plan_visits_the_blocks_with_a_visible_pair(
 ) -> None:
     # The plan of a piece of a call (as ring attention asks: queries and keys starting at some
     # global position) against the dense mask: a block is visited iff it holds a visible pair,
-    # marked full only if it holds no hidden one (partial is always safe), and its rows cover every row that sees it.
+    # marked full only if it holds no hidden one (partial is always safe), and its rows cover
+    # every row that sees it.
     b, h, tq, tk = shape
     s = data.draw(structured_masks(b, h, tq, tk))
     geo = _Geometry((b,), h, tq, tk, torch.device("cpu"))
