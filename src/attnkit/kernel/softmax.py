@@ -116,14 +116,15 @@ class Problem:
         out.copy_(block)
         return out.view(self.n * self.hkv, (qe - qs) * self.g, t5.size(-1))
 
-    def q_rows(self, qs: int, qe: int, clean: bool = False) -> Tensor:
-        """Scaled queries of a block, ``(N*Hkv, rows*G, Dk)``; ``clean``: non-finite entries 0."""
+    def q_rows(self, qs: int, qe: int, clean: bool = False, factor: float = 1.0) -> Tensor:
+        """Queries of a block times ``scale * factor``, ``(N*Hkv, rows*G, Dk)``; ``clean``:
+        non-finite entries 0."""
         block = self.q5[:, :, :, qs:qe].transpose(2, 3)
         out = torch.empty(block.shape, dtype=self.work, device=block.device)
         if block.dtype == self.work:
-            torch.mul(block, self.scale, out=out)
+            torch.mul(block, self.scale * factor, out=out)
         else:  # a float16 product would be rounded before it reached out
-            out.copy_(block).mul_(self.scale)
+            out.copy_(block).mul_(self.scale * factor)
         if clean:
             out.masked_fill_(_bad(out), 0.0)
         return out.view(self.n * self.hkv, (qe - qs) * self.g, self.dk)
@@ -183,11 +184,13 @@ class Problem:
         offset: Tensor | None,
         tb: TermBlock | None,
         keep_tanh: bool = False,
+        capped_rows: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Scores of one visit minus ``offset`` (per row), masked with ``-inf``.
 
-        ``qr`` holds the visit's rows ``r0:r1`` of the block starting at query ``qs``. Returns the
-        scores ``(N*Hkv, rows*G, keys)``, ``tanh(scores / softcap)`` before the bias when
+        ``qr`` holds the visit's rows ``r0:r1`` of the block starting at query ``qs``, already
+        divided by ``softcap`` when ``capped_rows`` (the forward's, which saves a pass). Returns
+        the scores ``(N*Hkv, rows*G, keys)``, ``tanh(scores / softcap)`` before the bias when
         ``keep_tanh`` (the backward's softcap factor), and the visit's mask tile (partial blocks).
         """
         ks, ke = visit.ks, visit.ke
@@ -200,9 +203,16 @@ class Problem:
             s = torch.bmm(qr, kt)
         tanh = None
         if self.softcap is not None:
-            s.mul_(1.0 / self.softcap).tanh_()
+            if not capped_rows:
+                s.mul_(1.0 / self.softcap)
+            s.tanh_()
             tanh = s.clone() if keep_tanh else None
-            s.mul_(self.softcap)
+            if offset is not None and self.bias5 is None and tb is None:
+                # softcap * tanh - m in one pass; the mask's -inf comes after and stays -inf.
+                torch.add(offset.neg(), s, alpha=self.softcap, out=s)
+                plain = True  # the offset is taken
+            else:
+                s.mul_(self.softcap)
         s5 = s.view(self.n, self.hkv, hi - lo, self.g, ke - ks)
         bias = self.bias_tile(lo, hi, ks, ke)
         if bias is not None:
@@ -254,7 +264,8 @@ def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tens
 
     ``lazy=False`` is the textbook online softmax (rescale whenever a block's maximum is larger).
     """
-    qr_all = p.q_rows(qb.qs, qb.qe)
+    capped = p.softcap is not None  # the rows carry 1 / softcap: one pass less per block
+    qr_all = p.q_rows(qb.qs, qb.qe, factor=1.0 / p.softcap if p.softcap else 1.0)
     tb = p.term_block(qb, None)
     rows = qr_all.size(1)
     acc = qr_all.new_zeros(qr_all.size(0), rows, p.dv)
@@ -265,7 +276,8 @@ def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tens
     for visit in qb.visits:
         lo, hi = visit.r0 * p.g, visit.r1 * p.g
         step = lazy and settled
-        s, _, vis = p.scores(qr_all[:, lo:hi], qb.qs, visit, m[:, lo:hi] if step else None, tb)
+        offset = m[:, lo:hi] if step else None
+        s, _, vis = p.scores(qr_all[:, lo:hi], qb.qs, visit, offset, tb, capped_rows=capped)
         vb = p.values(visit.ks, visit.ke)
         if step:
             s.exp_()
