@@ -5,15 +5,14 @@ torch.utils.benchmark rounds; "ratio" is time / torch SDPA's time at the same T 
 "extra MiB" is the peak resident memory a call adds beyond its inputs and output, measured in a
 fresh process; "% TxT" relates it to one T x T float32 score matrix.
 
-    python benchmarks/bench_backends.py                # the README's table (takes ~15 minutes)
+    python benchmarks/bench_backends.py                # every length (takes ~15 minutes)
     python benchmarks/bench_backends.py --quick        # T = 256, 1024, 4096, fewer rounds
-    python benchmarks/bench_backends.py --json out.json
+    python benchmarks/bench_backends.py --json docs/benchmarks/data/backends.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
 
@@ -22,6 +21,8 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit.cli.measure import extra_peak_memory, time_side_by_side
+
+import results
 
 B, H, D = 1, 8, 64
 # (label, causal); the naive and reference paths hold two T x T float32 matrices per head.
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="*", default=[256, 1024, 4096, 8192, 16384])
     parser.add_argument("--quick", action="store_true", help="T = 256, 1024, 4096; fewer rounds")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     lengths = [256, 1024, 4096] if args.quick else args.lengths
     rounds = 2 if args.quick else 3
@@ -106,14 +107,16 @@ def main() -> None:
                     {
                         "T": t,
                         "candidate": name,
+                        "backend": lab,
+                        "causal": causal,
                         "seconds": times[lab],
                         "ratio": times[lab] / base,
                         "extra_bytes": mem,
                     }
                 )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        config = {"B": B, "H": H, "D": D, "dtype": "float32", "pass": "inference", "rounds": rounds}
+        results.save(args.json, "backends", rows, config=config)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ the peak resident memory a call adds beyond its inputs and output, measured in a
 * decode: one query against 4096 keys, attnkit.attention() against torch's SDPA: the dispatch cost.
 
     python benchmarks/bench_masks.py                      # every case (~20 minutes on 2 cores)
-    python benchmarks/bench_masks.py --cases plain decode --json out.json
+    python benchmarks/bench_masks.py --cases plain decode --json docs/benchmarks/data/masks.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from collections.abc import Callable
 
@@ -31,6 +30,8 @@ import torch.nn.functional as F
 import attnkit
 from attnkit import masks
 from attnkit.cli.measure import extra_peak_memory, time_side_by_side
+
+import results
 
 H, D = 8, 64
 
@@ -175,7 +176,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="also time forward + backward")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, "
@@ -219,8 +220,8 @@ def main() -> None:
                 }
             )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+        config = {"H": H, "D": D, "dtype": "float32", "rounds": args.rounds}
+        results.save(args.json, "masks", rows, config=config)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,15 @@ Self-attention, B=4, T=1024, D=512, H=8, float32 on CPU, both modules holding th
 Times are medians of interleaved torch.utils.benchmark rounds (attnkit.cli.measure), so a slow
 minute on a shared machine hurts every candidate alike; the ratios are what to read.
 
-    python benchmarks/bench_multihead.py            # the README's table (about 2 minutes)
+    python benchmarks/bench_multihead.py            # about 2 minutes
     python benchmarks/bench_multihead.py --quick    # shorter rounds
     python benchmarks/bench_multihead.py --causal   # causal self-attention instead
+    python benchmarks/bench_multihead.py --json docs/benchmarks/data/multihead.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 
 import torch
@@ -33,6 +33,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import attnkit
 from attnkit.cli.measure import time_side_by_side
+
+import results
 
 B, T, D, H = 4, 1024, 512, 8
 
@@ -49,7 +51,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter timing rounds")
     parser.add_argument("--causal", action="store_true", help="causal self-attention")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     rounds, min_run = (2, 0.5) if args.quick else (args.rounds, 2.0)
     causal = args.causal
@@ -147,12 +149,24 @@ def main() -> None:
     for name, t in train.items():
         print(f"{'training: ' + name:<22} {t * 1e3:>9.1f} {t / train['torch']:>8.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"causal": causal, "torch_fast_path": fast, "inference": infer, "training": train},
-                f,
-                indent=1,
-            )
+        rows = [
+            {"pass": "inference", "candidate": name, "seconds": t, "ratio": t / infer["torch"]}
+            for name, t in infer.items()
+        ] + [
+            {"pass": "training step", "candidate": name, "seconds": t, "ratio": t / train["torch"]}
+            for name, t in train.items()
+        ]
+        config = {
+            "B": B,
+            "T": T,
+            "D": D,
+            "H": H,
+            "dtype": "float32",
+            "causal": causal,
+            "torch_fast_path": fast,
+            "max_abs_diff": diff,
+        }
+        results.save(args.json, "multihead", rows, config=config)
 
 
 if __name__ == "__main__":

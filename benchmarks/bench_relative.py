@@ -1,31 +1,39 @@
 """RelativeMultiHeadAttention against MultiHeadAttention and openspeech's module: time and memory.
 
-float32 on this machine's CPU threads. Three measurements, each printed as a table:
+float32 on the CPU, torch's default threads. Three measurements, each printed as a table:
 
 * ``speed``: B=4 T=1024 D=512 H=8, forward under ``torch.inference_mode``: attnkit's
   MultiHeadAttention, RelativeMultiHeadAttention (its default sdpa path, its chunked path, which
-  is what a training forward runs, and ``legacy="openspeech"``) and the
-  seed module (openspeech's RelativeMultiHeadAttention, read from ``../shared/seeds/002_*.txt`` at
-  run time with its ``Linear`` import pointed at ``torch.nn``; skipped when the file is absent).
-  Medians of interleaved torch.utils.benchmark rounds; "ratio" is time / MultiHeadAttention's.
+  is what a training forward runs, and ``legacy="openspeech"``) and openspeech's own
+  RelativeMultiHeadAttention, fed its absolute encoding, when the ``openspeech-core`` package is
+  installed. Medians of interleaved torch.utils.benchmark rounds; "ratio" is time /
+  MultiHeadAttention's.
 * ``memory``: B=1 T=16384 D=512 H=8 inference: one call's time and the peak resident memory it
   adds beyond its inputs and output, in a fresh process
   (:func:`attnkit.cli.measure.extra_peak_memory`). One ``(H, T, T)`` float32 score tensor would
-  be 8 GiB; the seed holds several, so it is not run there.
+  be 8 GiB; openspeech's module holds several, so it is not run there.
 * ``training``: B=1 T=8192 D=512 H=8, forward and backward: time, extra peak memory, and the
   largest tensor autograd saves for the backward (against one ``(T, T)`` float32 matrix).
 
     python benchmarks/bench_relative.py                 # all three (a few minutes)
     python benchmarks/bench_relative.py --only speed    # or memory, training
     python benchmarks/bench_relative.py --quick         # smaller T everywhere, for a smoke run
+    python benchmarks/bench_relative.py --json docs/benchmarks/data/relative.json
+
+openspeech's module is the one openspeech-core 0.4.0 ships. Install it without its dependencies,
+``pip install --no-deps openspeech-core==0.4.0``: they serve openspeech's training stack
+(Lightning, Hydra, wandb, librosa), and the module needs only torch. The script imports the
+module's two files from the installed package without running ``openspeech/__init__.py``, which
+would import that stack.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+import types
 from collections.abc import Callable
-from pathlib import Path
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -35,23 +43,29 @@ import attnkit
 from attnkit import _relpos
 from attnkit.cli.measure import extra_peak_memory, time_side_by_side
 
+import results
+
 D, H = 512, 8
-SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+OPENSPEECH = "openspeech (openspeech-core)"
 
 
-def load_seed() -> type[nn.Module] | None:
-    """openspeech's RelativeMultiHeadAttention from the seed document, or None without it."""
-    paths = sorted(SEEDS.glob("002_*.txt"))
-    if not paths:
+def load_openspeech() -> type[nn.Module] | None:
+    """openspeech-core's RelativeMultiHeadAttention, or None when the package is not installed."""
+    try:
+        root = metadata.distribution("openspeech-core").locate_file("openspeech")
+    except metadata.PackageNotFoundError:
         return None
-    text = paths[0].read_text()
-    code = text[text.index("import math") :]  # the page title above the code is not Python
-    code = code.replace(
-        "from openspeech.modules.wrapper import Linear", "from torch.nn import Linear"
+    # Empty parent packages, so that importing the module does not run openspeech/__init__.py.
+    for name, path in (("openspeech", root), ("openspeech.modules", root / "modules")):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(path)]
+            sys.modules[name] = package
+    from openspeech.modules.relative_multi_head_attention import (  # type: ignore[import-not-found]
+        RelativeMultiHeadAttention,
     )
-    namespace: dict[str, Any] = {}
-    exec(compile(code, str(paths[0]), "exec"), namespace)
-    cls: type[nn.Module] = namespace["RelativeMultiHeadAttention"]
+
+    cls: type[nn.Module] = RelativeMultiHeadAttention
     return cls
 
 
@@ -68,10 +82,10 @@ def build(label: str, b: int, t: int, train: bool) -> tuple[Callable[[], Any], i
         backend = "chunked" if "chunked" in label else "auto"
         module = attnkit.RelativeMultiHeadAttention(D, H, legacy=legacy)
         call = lambda: module(x, backend=backend)  # noqa: E731
-    elif label == "openspeech (seed)":
-        seed = load_seed()
-        assert seed is not None
-        module = seed(D, H, 0.0)
+    elif label == OPENSPEECH:
+        theirs = load_openspeech()
+        assert theirs is not None
+        module = theirs(D, H, 0.0)
         pos = _relpos.openspeech_sinusoid(t, D).expand(b, t, D)
         call = lambda: module(x, x, x, pos)  # noqa: E731
     else:
@@ -120,19 +134,30 @@ def speed(quick: bool) -> list[dict[str, Any]]:
         "Relative backend=chunked",
         "Relative legacy=openspeech",
     ]
-    if load_seed() is not None:
-        labels.append("openspeech (seed)")
+    if load_openspeech() is not None:
+        labels.append(OPENSPEECH)
+    else:
+        print("openspeech-core is not installed: its row is skipped", file=sys.stderr)
     fns = {lab: build(lab, b, t, train=False)[0] for lab in labels}
     times = time_side_by_side(fns, rounds=2 if quick else 5, min_run_time=0.5 if quick else 2.0)
     base = times["MultiHeadAttention"]
-    seed = times.get("openspeech (seed)")
+    theirs = times.get(OPENSPEECH)
     print(f"\nforward, B={b} T={t} D={D} H={H} float32, inference_mode")
-    print(f"{'candidate':<30} {'ms':>9} {'/ MHA':>7} {'/ seed':>7}")
+    print(f"{'candidate':<30} {'ms':>9} {'/ MHA':>7} {'/ openspeech':>13}")
     rows = []
     for lab in labels:
-        vs_seed = f"{times[lab] / seed:.2f}" if seed else ""
-        print(f"{lab:<30} {times[lab] * 1e3:>9.1f} {times[lab] / base:>7.2f} {vs_seed:>7}")
-        rows.append({"what": "speed", "candidate": lab, "B": b, "T": t, "seconds": times[lab]})
+        vs_theirs = f"{times[lab] / theirs:.2f}" if theirs else ""
+        print(f"{lab:<30} {times[lab] * 1e3:>9.1f} {times[lab] / base:>7.2f} {vs_theirs:>13}")
+        rows.append(
+            {
+                "what": "speed",
+                "candidate": lab,
+                "B": b,
+                "T": t,
+                "seconds": times[lab],
+                "ratio": times[lab] / base,
+            }
+        )
     return rows
 
 
@@ -149,7 +174,14 @@ def memory(quick: bool) -> list[dict[str, Any]]:
         mib = "" if mem is None else f"{mem / 2**20:.0f}"
         print(f"{lab:<30} {seconds:>7.2f} {mib:>10} {H * t * t * 4 / 2**20:>16.0f}", flush=True)
         rows.append(
-            {"what": "memory", "candidate": lab, "T": t, "seconds": seconds, "extra_bytes": mem}
+            {
+                "what": "memory",
+                "candidate": lab,
+                "B": 1,
+                "T": t,
+                "seconds": seconds,
+                "extra_bytes": mem,
+            }
         )
     return rows
 
@@ -177,6 +209,7 @@ def training(quick: bool) -> list[dict[str, Any]]:
             {
                 "what": "training",
                 "candidate": lab,
+                "B": 1,
                 "T": t,
                 "seconds": seconds,
                 "extra_bytes": mem,
@@ -190,7 +223,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["speed", "memory", "training"], action="append")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer rounds")
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     rows = []
@@ -198,8 +231,7 @@ def main() -> None:
         if args.only is None or name in args.only:
             rows += fn(args.quick)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        results.save(args.json, "relative", rows, config={"D": D, "H": H, "dtype": "float32"})
 
 
 if __name__ == "__main__":

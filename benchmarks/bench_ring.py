@@ -30,7 +30,6 @@ import contextlib
 import ctypes
 import datetime
 import gc
-import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -42,6 +41,8 @@ from torch.utils import benchmark
 import attnkit
 from attnkit.distributed import ring_attention, shard_zigzag
 
+import results
+
 MIB = 2**20
 
 
@@ -52,6 +53,7 @@ class Row:
     seconds: float
     inputs_mib: float
     extra_mib: list[float]  # per rank (one entry for the single process)
+    ratio: float | None = None  # to the first single-process row of the same causality
 
 
 def _status_kib(field: str) -> int:
@@ -133,7 +135,7 @@ def main() -> None:
         default=["chunked", "auto"],
         help="attnkit.attention backends to run in one process on the whole sequence",
     )
-    parser.add_argument("--json", help="rank 0 also writes the rows to this file")
+    parser.add_argument("--json", help="rank 0 also writes the results to this file as JSON")
     args = parser.parse_args()
 
     if args.device == "cuda":
@@ -235,7 +237,8 @@ def main() -> None:
         base = {c: next((r.seconds for r in rows if r.causal == c and "one" in r.candidate), 0.0)
                 for c in (False, True)}  # fmt: skip
         for row in rows:
-            ratio = f"{row.seconds / base[row.causal]:.2f}" if base[row.causal] else "-"
+            row.ratio = row.seconds / base[row.causal] if base[row.causal] else None
+            ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
             extras = ", ".join(f"{e:.1f}" for e in row.extra_mib)
             print(
                 f"{row.candidate:<28} {row.seconds:>9.2f} {ratio:>7} {row.inputs_mib:>11.1f}  "
@@ -243,8 +246,19 @@ def main() -> None:
                 flush=True,
             )
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump([asdict(r) for r in rows], f, indent=1)
+            config = {
+                "world_size": world,
+                "threads": threads,
+                "T": t,
+                "B": b,
+                "H": h,
+                "D": d,
+                "dtype": "float32",
+                "backward": args.backward,
+                "device": device.type,
+                "repeat": args.repeat,
+            }
+            results.save(args.json, "ring", [asdict(r) for r in rows], config=config, device=device)
     dist.destroy_process_group()
 
 

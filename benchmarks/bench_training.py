@@ -6,6 +6,7 @@ multi-head module hands the core). Times are medians of interleaved torch.utils.
 
     python benchmarks/bench_training.py            # ~3 minutes
     python benchmarks/bench_training.py --quick
+    python benchmarks/bench_training.py --json docs/benchmarks/data/training.json
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit.cli.measure import time_side_by_side
+
+import results
 
 H, D = 8, 64
 SHAPES = [(4, 1024), (1, 4096)]  # (B, T)
@@ -43,11 +46,22 @@ def step(candidate: str, b: int, t: int, causal: bool) -> Callable[[], None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter rounds")
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        metavar="BxT",
+        help="(B, T) shapes to time, e.g. 4x1024 1x4096 (the default)",
+    )
+    parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(n) for n in s.lower().split("x")) for s in args.shapes]
+    rows = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, H={H} D={D} float32")
     print("\n| B, T | causal | candidate | ms | ratio to torch sdpa |")
     print("| --- | --- | --- | ---: | ---: |")
-    for b, t in SHAPES:
+    for b, t in shapes:
         for causal in (False, True):
             fns = {c: step(c, b, t, causal) for c in ("torch sdpa", "auto", "chunked")}
             times = time_side_by_side(
@@ -58,6 +72,19 @@ def main() -> None:
                 print(
                     f"| {b}, {t} | {causal} | {name} | {sec * 1e3:.1f} | {ratio:.2f} |", flush=True
                 )
+                rows.append(
+                    {
+                        "B": b,
+                        "T": t,
+                        "causal": causal,
+                        "candidate": name,
+                        "seconds": sec,
+                        "ratio": ratio,
+                    }
+                )
+    if args.json:
+        config = {"H": H, "D": D, "dtype": "float32", "pass": "forward + backward"}
+        results.save(args.json, "training", rows, config=config)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """On a CUDA machine: check every backend against the float64 reference, then time them in bf16.
 
     python benchmarks/gpu_check.py              # checks + timings, a table on stdout
-    python benchmarks/gpu_check.py --json out.json
+    python benchmarks/gpu_check.py --json docs/benchmarks/data/gpu.json
 
 Part 1 runs each backend on CUDA over a grid of cases (plain, causal with Tq == Tk and Tq < Tk,
 padding and random masks with fully masked rows, bias, GQA, float32/bfloat16/float16) and compares
@@ -13,7 +13,6 @@ against torch's own scaled_dot_product_attention. It exits non-zero if any check
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 
@@ -24,6 +23,8 @@ from torch.utils import benchmark
 import attnkit
 from attnkit import masks
 from attnkit.testing import assert_close
+
+import results
 
 DEV = "cuda"
 
@@ -176,8 +177,8 @@ def main() -> int:
     failures = check([b for b in attnkit.available_backends() if b != "reference"])
     rows = timings(args.lengths)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"failures": failures, "timings": rows}, f, indent=1)
+        config = {"B": 4, "H": 16, "D": 64, "dtype": "bfloat16", "failures": failures}
+        results.save(args.json, "gpu", rows, config=config, device=DEV)
     print(f"\n{len(failures)} failed checks" + (": " + ", ".join(failures) if failures else ""))
     return 1 if failures else 0
 

@@ -1,0 +1,472 @@
+"""Benchmark results (JSON) -> the Markdown tables and matplotlib plots of the benchmarks page.
+
+    python benchmarks/report.py                      # docs/benchmarks/data -> ./benchmark-report
+    python benchmarks/report.py DATA_DIR --out DIR   # DIR/benchmarks.md and DIR/plots/*.png
+
+The documentation build calls :func:`build` on ``docs/benchmarks/data`` (see ``docs/_ext/hooks.py``)
+and puts each section where ``docs/benchmarks.md`` says ``<!-- benchmarks: NAME -->``, so the page
+always shows the JSON files committed next to it. To refresh the figures, rerun the scripts with
+``--json docs/benchmarks/data/NAME.json`` and rebuild the docs.
+
+Every ``*.json`` in the folder is one run, in the format of ``benchmarks/results.py``; its
+``benchmark`` field says which section it belongs to, and several files may feed one section
+(say ``multihead.json`` and ``multihead-causal.json``). A file holding a bare list of rows is the
+output of ``attnkit bench --json`` (section ``cli``), which records no machine.
+
+Rows per section (what the scripts write; times in seconds unless the key says ``ms``):
+
+* ``backends`` (bench_backends.py): ``T``, ``candidate``, ``backend``, ``causal``, ``seconds``,
+  ``ratio`` (to torch SDPA), ``extra_bytes``.
+* ``training`` (bench_training.py): ``B``, ``T``, ``causal``, ``candidate``, ``seconds``, ``ratio``.
+* ``masks`` (bench_masks.py): ``case``, ``pass``, ``seconds``, ``baseline``,
+  ``baseline_seconds``, ``ratio``, ``extra_bytes``.
+* ``multihead`` (bench_multihead.py): ``pass``, ``candidate``, ``seconds``, ``ratio`` (to torch).
+* ``relative`` (bench_relative.py): ``what`` (speed, memory, training), ``candidate``, ``B``,
+  ``T``, ``seconds``, ``ratio`` (speed: to MultiHeadAttention), ``extra_bytes``,
+  ``largest_saved`` (elements).
+* ``ring`` (bench_ring.py): ``candidate``, ``causal``, ``seconds``, ``ratio``, ``inputs_mib``,
+  ``extra_mib`` (one entry per rank).
+* ``gpu`` (gpu_check.py): ``T``, ``causal``, ``mode``, ``candidate``, ``ms``, ``ratio``.
+* ``cli`` (attnkit bench --json): ``scenario``, ``candidate``, ``ms``, ``ratio``, ``extra_mib``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+
+PLOTS = "plots"  # where the page's PNGs go, relative to the page
+MIB = 2**20
+
+
+@dataclass
+class Run:
+    """One JSON file."""
+
+    name: str  # the file's stem
+    benchmark: str
+    rows: list[dict[str, Any]]
+    command: str | None = None
+    date: str | None = None
+    environment: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """Markdown per section, and the PNG files the Markdown links to (``plots/NAME.png``)."""
+
+    sections: dict[str, str]
+    images: dict[str, bytes]
+
+
+def load(data_dir: str | Path) -> list[Run]:
+    runs = []
+    for path in sorted(Path(data_dir).glob("*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, list):  # attnkit bench --json
+            runs.append(Run(path.stem, "cli", data))
+            continue
+        runs.append(
+            Run(
+                path.stem,
+                data["benchmark"],
+                data["rows"],
+                data.get("command"),
+                data.get("date"),
+                data.get("environment", {}),
+                data.get("config", {}),
+            )
+        )
+    return runs
+
+
+# ------------------------------------------------------------------------------------------------
+# Formatting
+
+
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _s(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds:.2f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def _mib(nbytes: float | None) -> str:
+    return "" if nbytes is None else f"{nbytes / MIB:.1f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
+    align = ["---:" if i in right else "---" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def provenance(run: Run) -> str:
+    """Which machine and software produced a run, in one paragraph."""
+    env = run.environment
+    if not env:
+        return f"`{run.name}.json` records no machine or versions."
+    where = env.get("gpu") or env.get("cpu", "unknown CPU")
+    cores = f"{env.get('cpu_count')} cores, {env.get('torch_threads')} torch threads"
+    soft = f"Python {env.get('python')}, torch {env.get('torch')}, attnkit {env.get('attnkit')}"
+    text = f"Measured on {where} ({cores}; {env.get('platform')}), {soft}"
+    if run.date:
+        text += f", {run.date[:10]}"
+    if run.command:
+        text += f", by `{run.command}`"
+    return text + "."
+
+
+def config_line(run: Run, keys: Sequence[str]) -> str:
+    parts = [f"{k}={run.config[k]}" for k in keys if k in run.config]
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _png(fig: plt.Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _bars(labels: Sequence[str], values: Sequence[float], xlabel: str, title: str) -> bytes:
+    fig, ax = plt.subplots(figsize=(6.5, 0.35 * len(labels) + 1.2))
+    y = range(len(labels))
+    ax.barh(list(y), list(values), color="#3f51b5")
+    ax.set_yticks(list(y), list(labels), fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    return _png(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections
+
+
+def _backends(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    body = table(
+        ["T", "candidate", "ms", "ratio to torch sdpa", "extra MiB", "% of one TxT f32"],
+        [
+            [
+                r["T"],
+                r["candidate"],
+                _ms(r["seconds"]),
+                _ratio(r["ratio"]),
+                _mib(r.get("extra_bytes")),
+                ""
+                if r.get("extra_bytes") is None
+                else f"{100 * r['extra_bytes'] / (4 * r['T'] ** 2):.1f}",
+            ]
+            for r in rows
+        ],
+        right=(0, 2, 3, 4, 5),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, causal in zip(axes, (False, True), strict=True):
+        for cand in dict.fromkeys(r["backend"] for r in rows if r.get("causal") == causal):
+            pts = [
+                (r["T"], r["seconds"])
+                for r in rows
+                if r["backend"] == cand and r["causal"] == causal
+            ]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=cand)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel("seconds per call")
+        ax.set_title("causal" if causal else "no mask", fontsize=10)
+        ax.legend(fontsize=8)
+    images[f"{run.name}-time.png"] = _png(fig)
+    measured = [r for r in rows if r.get("extra_bytes") is not None]
+    text = f"![time against T]({PLOTS}/{run.name}-time.png)\n\n"
+    if measured:
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for cand in dict.fromkeys(r["candidate"] for r in measured):
+            pts = [
+                (r["T"], max(r["extra_bytes"], 1) / MIB) for r in measured if r["candidate"] == cand
+            ]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=cand)
+        ts = sorted({r["T"] for r in measured})
+        ax.plot(
+            ts, [4 * t * t / MIB for t in ts], color="black", linestyle="--", label="one TxT f32"
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel("extra peak memory, MiB")
+        ax.legend(fontsize=7, ncol=2)
+        images[f"{run.name}-memory.png"] = _png(fig)
+        text += f"![memory against T]({PLOTS}/{run.name}-memory.png)\n\n"
+    return text + body
+
+
+def _training(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    labels = [
+        f"B={r['B']} T={r['T']}{' causal' if r['causal'] else ''}: {r['candidate']}" for r in rows
+    ]
+    images[f"{run.name}.png"] = _bars(
+        labels, [r["ratio"] for r in rows], "time / torch SDPA", "forward + backward"
+    )
+    body = table(
+        ["B", "T", "causal", "candidate", "ms", "ratio to torch sdpa"],
+        [
+            [r["B"], r["T"], r["causal"], r["candidate"], _ms(r["seconds"]), _ratio(r["ratio"])]
+            for r in rows
+        ],
+        right=(0, 1, 4, 5),
+    )
+    return f"![training step ratios]({PLOTS}/{run.name}.png)\n\n{body}"
+
+
+def _masks(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    labels = [f"{r['case']} ({r['pass']})" for r in rows]
+    images[f"{run.name}.png"] = _bars(
+        labels, [r["ratio"] for r in rows], "attnkit time / baseline time", ""
+    )
+    body = table(
+        ["case", "pass", "attnkit ms", "baseline", "baseline ms", "ratio", "attnkit extra MiB"],
+        [
+            [
+                r["case"],
+                r["pass"],
+                _ms(r["seconds"]),
+                r["baseline"],
+                _ms(r["baseline_seconds"]),
+                _ratio(r["ratio"]),
+                _mib(r.get("extra_bytes")),
+            ]
+            for r in rows
+        ],
+        right=(2, 4, 5, 6),
+    )
+    return f"![structured mask ratios]({PLOTS}/{run.name}.png)\n\n{body}"
+
+
+def _multihead(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    labels = [f"{r['pass']}: {r['candidate']}" for r in rows]
+    images[f"{run.name}.png"] = _bars(
+        labels, [r["ratio"] for r in rows], "time / torch's module", ""
+    )
+    body = table(
+        ["pass", "candidate", "ms", "ratio to torch"],
+        [[r["pass"], r["candidate"], _ms(r["seconds"]), _ratio(r["ratio"])] for r in rows],
+        right=(2, 3),
+    )
+    fast = run.config.get("torch_fast_path")
+    note = "" if fast is None else f"\n\ntorch's module took its native fast path: {fast}."
+    return f"![MultiHeadAttention ratios]({PLOTS}/{run.name}.png)\n\n{body}{note}"
+
+
+def _relative(run: Run, images: dict[str, bytes]) -> str:
+    parts = []
+    speed = [r for r in run.rows if r["what"] == "speed"]
+    if speed:
+        images[f"{run.name}-speed.png"] = _bars(
+            [r["candidate"] for r in speed],
+            [r["ratio"] for r in speed],
+            "time / MultiHeadAttention",
+            f"forward, B={speed[0]['B']} T={speed[0]['T']}, inference",
+        )
+        parts.append(f"![relative attention speed]({PLOTS}/{run.name}-speed.png)")
+        parts.append(
+            table(
+                ["forward (inference)", "B", "T", "ms", "ratio to MultiHeadAttention"],
+                [
+                    [r["candidate"], r["B"], r["T"], _ms(r["seconds"]), _ratio(r["ratio"])]
+                    for r in speed
+                ],
+                right=(1, 2, 3, 4),
+            )
+        )
+    rest = [r for r in run.rows if r["what"] != "speed"]
+    if rest:
+        parts.append(
+            table(
+                [
+                    "measurement",
+                    "candidate",
+                    "T",
+                    "s",
+                    "extra peak MiB",
+                    "largest saved MiB",
+                    "one (T, T) f32 MiB",
+                ],
+                [
+                    [
+                        "inference" if r["what"] == "memory" else "training step",
+                        r["candidate"],
+                        r["T"],
+                        _s(r["seconds"]),
+                        _mib(r.get("extra_bytes")),
+                        "" if r.get("largest_saved") is None else _mib(4 * r["largest_saved"]),
+                        _mib(4 * r["T"] ** 2),
+                    ]
+                    for r in rest
+                ],
+                right=(2, 3, 4, 5, 6),
+            )
+        )
+    return "\n\n".join(parts)
+
+
+def _ring(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    images[f"{run.name}.png"] = _bars(
+        [r["candidate"] for r in rows],
+        [r["ratio"] if r.get("ratio") is not None else math.nan for r in rows],
+        "time / one process, first baseline",
+        "backward" if run.config.get("backward") else "forward",
+    )
+    body = table(
+        ["candidate", "s", "ratio", "inputs MiB per rank", "extra MiB per rank"],
+        [
+            [
+                r["candidate"],
+                _s(r["seconds"]),
+                _ratio(r.get("ratio")),
+                f"{r['inputs_mib']:.1f}",
+                ", ".join(f"{e:.1f}" for e in r["extra_mib"]),
+            ]
+            for r in rows
+        ],
+        right=(1, 2, 3),
+    )
+    return f"![ring attention]({PLOTS}/{run.name}.png)\n\n{body}"
+
+
+def _gpu(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    failures = run.config.get("failures", [])
+    body = table(
+        ["T", "causal", "pass", "candidate", "ms", "ratio to torch sdpa"],
+        [
+            [r["T"], r["causal"], r["mode"], r["candidate"], f"{r['ms']:.3f}", _ratio(r["ratio"])]
+            for r in rows
+        ],
+        right=(0, 4, 5),
+    )
+    checks = f"{len(failures)} failed correctness checks" + (
+        ": " + ", ".join(failures) if failures else ""
+    )
+    return f"{checks}.\n\n{body}"
+
+
+def _cli(run: Run, images: dict[str, bytes]) -> str:
+    return table(
+        ["scenario", "candidate", "ms", "ratio", "extra MiB"],
+        [
+            [
+                r["scenario"],
+                r["candidate"],
+                f"{r['ms']:.2f}",
+                _ratio(r["ratio"]),
+                "" if r["extra_mib"] is None else f"{r['extra_mib']:.1f}",
+            ]
+            for r in run.rows
+        ],
+        right=(2, 3, 4),
+    )
+
+
+SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str], str]] = {
+    # name: (renderer, config keys worth a line, the command that produces it)
+    "backends": (
+        _backends,
+        ("B", "H", "D", "dtype", "pass"),
+        "python benchmarks/bench_backends.py",
+    ),
+    "training": (_training, ("H", "D", "dtype"), "python benchmarks/bench_training.py"),
+    "masks": (_masks, ("H", "D", "dtype"), "python benchmarks/bench_masks.py"),
+    "multihead": (
+        _multihead,
+        ("B", "T", "D", "H", "dtype", "causal"),
+        "python benchmarks/bench_multihead.py",
+    ),
+    "relative": (_relative, ("D", "H", "dtype"), "python benchmarks/bench_relative.py"),
+    "ring": (
+        _ring,
+        ("world_size", "threads", "T", "B", "H", "D", "dtype", "backward", "device"),
+        "torchrun --standalone --nproc-per-node 2 benchmarks/bench_ring.py",
+    ),
+    "gpu": (_gpu, ("B", "H", "D", "dtype"), "python benchmarks/gpu_check.py"),
+    "cli": (_cli, (), "attnkit bench --json"),
+}
+
+
+def build(data_dir: str | Path) -> Report:
+    """Every section's Markdown, and the PNGs it links to, from the JSON files in ``data_dir``."""
+    runs = load(data_dir)
+    sections: dict[str, str] = {}
+    images: dict[str, bytes] = {}
+    for name, (render, keys, command) in SECTIONS.items():
+        mine = [r for r in runs if r.benchmark == name]
+        if not mine:
+            sections[name] = (
+                f"No results yet: run `{command} --json docs/benchmarks/data/{name}.json` "
+                "and rebuild the docs."
+            )
+            continue
+        parts = []
+        for run in mine:
+            head = provenance(run)
+            conf = config_line(run, keys)
+            if conf:
+                head += f" Fixed sizes: {conf}."
+            parts.append(f"{head}\n\n{render(run, images)}")
+        sections[name] = "\n\n".join(parts)
+    unknown = sorted({r.benchmark for r in runs} - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"{data_dir}: no section for benchmark(s) {', '.join(unknown)}")
+    return Report(sections, images)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "data", nargs="?", default="docs/benchmarks/data", help="folder of JSON files"
+    )
+    parser.add_argument(
+        "--out", default="benchmark-report", help="folder for benchmarks.md and plots/"
+    )
+    args = parser.parse_args()
+    report = build(args.data)
+    out = Path(args.out)
+    (out / PLOTS).mkdir(parents=True, exist_ok=True)
+    for name, png in report.images.items():
+        (out / PLOTS / name).write_bytes(png)
+    text = "\n\n".join(f"## {name}\n\n{body}" for name, body in report.sections.items())
+    (out / "benchmarks.md").write_text(f"# Benchmarks\n\n{text}\n")
+    print(f"wrote {out / 'benchmarks.md'} and {len(report.images)} plots in {out / PLOTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The README as a front door, the API reference's coverage, and the docstring translation.
+
+``make docs`` (part of ``make test``) builds the site strictly, which runs the tutorial and every
+executed example; these tests check what a build cannot see: that the README stays short, that
+every public name has a place on the reference pages, and that the reStructuredText habits of the
+docstrings become the Markdown the site renders.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import types
+from pathlib import Path
+
+import pytest
+
+import attnkit
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "docs" / "reference"
+README_LIMIT = 12_000
+
+
+def test_readme_is_a_front_door() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text) <= README_LIMIT, (
+        f"README.md has {len(text)} characters (at most {README_LIMIT})"
+    )
+    assert "pip install" in text
+    assert "make demo" in text
+    assert "make test" in text
+    assert ">>> " in text  # its example runs as a doctest (pyproject's testpaths)
+
+
+def test_readme_links_to_pages_that_exist() -> None:
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\((docs/[^)#]+)", text)
+    assert links
+    for link in links:
+        assert (ROOT / link).is_file(), link
+
+
+def _directives() -> set[str]:
+    """Every ``::: path`` on the reference pages."""
+    found = set()
+    for page in REFERENCE.glob("*.md"):
+        found.update(re.findall(r"^::: ([\w.]+)", page.read_text(), flags=re.MULTILINE))
+    return found
+
+
+def _public_names() -> list[tuple[str, object]]:
+    """(path, object) for every public name: attnkit.__all__, the __all__ of the subpackages it
+    exports (and of their public submodules), attnkit.testing, and attnkit.integrations' modules
+    when the package has them."""
+    names: list[tuple[str, object]] = []
+
+    def visit(prefix: str, module: types.ModuleType) -> None:
+        for name in getattr(module, "__all__", []):
+            if name.startswith("__"):
+                continue
+            obj = getattr(module, name)
+            names.append((f"{prefix}.{name}", obj))
+            if isinstance(obj, types.ModuleType):
+                visit(f"{prefix}.{name}", obj)
+
+    visit("attnkit", attnkit)
+    names.append(("attnkit.testing", importlib.import_module("attnkit.testing")))
+    if importlib.util.find_spec("attnkit.integrations") is not None:
+        integrations = importlib.import_module("attnkit.integrations")
+        for path in sorted(Path(integrations.__file__).parent.glob("[!_]*.py")):
+            name = f"attnkit.integrations.{path.stem}"
+            names.append((name, types.ModuleType(name)))
+    return names
+
+
+def test_every_public_name_is_on_the_reference_pages() -> None:
+    rendered = _directives()
+    missing = []
+    for path, obj in _public_names():
+        if isinstance(obj, types.ModuleType):
+            if path not in rendered:
+                missing.append(path)
+            continue
+        module, _, name = path.rpartition(".")
+        canonical = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+        # A module's page renders its __all__, except a name that is also one of the package's
+        # submodules (attnkit.backends.reference, attnkit.attention): the documentation tools read
+        # the sources, where that name is the submodule, so the object needs its own directive.
+        parent = importlib.import_module(module)
+        shadowed = (
+            hasattr(parent, "__path__") and importlib.util.find_spec(f"{module}.{name}") is not None
+        )
+        on_module_page = module in rendered and module != "attnkit" and not shadowed
+        if not (on_module_page or {path, canonical} & rendered):
+            missing.append(path)
+    assert not missing, f"not on any docs/reference page: {', '.join(missing)}"
+
+
+def test_reference_pages_are_in_the_nav() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in REFERENCE.glob("*.md"):
+        assert f"reference/{page.name}" in nav, page.name
+
+
+# ------------------------------------------------------------------------------------------------
+# The griffe extension that turns the docstrings' reStructuredText habits into Markdown
+
+
+@pytest.fixture(scope="module")
+def rst() -> types.ModuleType:
+    pytest.importorskip("griffe")
+    spec = importlib.util.spec_from_file_location(
+        "rst_docstrings", ROOT / "docs" / "_ext" / "rst_docstrings.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def converter(rst: types.ModuleType) -> tuple[object, object]:
+    import griffe
+
+    loader = griffe.GriffeLoader(extensions=griffe.load_extensions(rst.RstDocstrings()))
+    package = loader.load("attnkit")
+    extension = next(e for e in loader.extensions._extensions if isinstance(e, rst.RstDocstrings))
+    return extension, package
+
+
+def test_docstrings_keep_no_rst_markup(converter: tuple[object, object]) -> None:
+    _, package = converter
+    masks = package["masks"]
+    text = masks.docstring.value
+    assert not re.search(r"(?<!`)``[^`\n]+``(?!`)", text)
+    assert ":func:" not in text
+    assert "[`causal()`][attnkit.masks.causal]" in text
+    assert "```pycon\n>>> import torch" in text
+
+
+def test_literal_blocks_and_tables_become_markdown(rst: types.ModuleType) -> None:
+    ext = rst.RstDocstrings()
+    ext.collection, ext.public = {}, set()
+    text = (
+        "Drawn::\n\n    1 0\n    1 1\n\nAfter.\n\n"
+        "=====  =========\n"
+        "name   meaning\n"
+        "=====  =========\n"
+        "``a``,  the first,\n"
+        "b      and more\n"
+        "c      plain\n"
+        "       continued\n"
+        "=====  =========\n"
+    )
+
+    class Obj:
+        path = "x"
+        parent = None
+
+    out = ext.convert(text, Obj())
+    assert "Drawn:\n\n```text\n1 0\n1 1\n```" in out
+    assert "| name | meaning |" in out
+    assert "| `a`, b | the first, and more |" in out
+    assert "| c | plain continued |" in out
+
+
+def test_args_entry_naming_two_arguments_and_a_closing_sentence(rst: types.ModuleType) -> None:
+    lines = [
+        "Args:",
+        "    d_model, num_heads: as for the layers.",
+        "    Every other keyword argument goes to the layers,",
+        "    each of them.",
+        "",
+        "Returns:",
+    ]
+    out = rst._close_arg_sections(lines)
+    assert out == [
+        "Args:",
+        "    d_model, num_heads: as for the layers.",
+        "",
+        "Every other keyword argument goes to the layers,",
+        "each of them.",
+        "",
+        "Returns:",
+    ]
