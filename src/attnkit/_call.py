@@ -338,7 +338,9 @@ def check_attention_args(
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
-    dropout = dropout_p if dropout_p == 0.0 else check_probability("dropout_p", dropout_p)
+    # The common 0.0 without a call; anything else (False included) is checked.
+    zero = type(dropout_p) is float and dropout_p == 0.0
+    dropout = 0.0 if zero else check_probability("dropout_p", dropout_p)
     requires_grad = torch.is_grad_enabled() and (
         bias_grad
         or q.requires_grad
@@ -366,7 +368,7 @@ def check_attention_args(
         softcap=None if softcap is None else _check_softcap(softcap),
         sinks=sinks is not None,
         scale=_check_scale(scale, qk_dim, dt),
-        dropout_p=float(dropout),
+        dropout_p=dropout,
         return_weights=return_weights,
         requires_grad=requires_grad,
     )

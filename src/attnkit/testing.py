@@ -19,18 +19,11 @@ its weight by ``|s| * eps``, whatever the kernel, so larger logits need ``condit
 differential fuzzing passes ``max(1, max|s| / 16)``).
 
 The same table judges everything attnkit's tests compare with float64, the differential fuzzing
-of ``tests/test_fuzz.py`` included. ``tests/test_precision.py`` measures the margins, the largest
-error seen as a fraction of the tolerance:
-
-* every backend's output and its gradients (q, k, v, bias) in each dtype, against the reference
-  in float64 on the rounded inputs: 0.12 (chunked's bias gradient in float16);
-* every module (attention, relative attention, layers, the Transformer, feed-forward) converted to
-  a dtype, against a float64 copy of its *rounded* parameters on the rounded input: 0.19 (a
-  two-layer Transformer in bfloat16);
-* modules kept in float32 and run under ``torch.autocast(dtype=...)``, against their float64 copy:
-  0.21 (MultiHeadAttention in bfloat16). Autocast rounds each projection's inputs and weights to
-  ``dtype`` on the way in, an error of the same order as running in that dtype. Pass ``dtype=``
-  the autocast dtype there: an output that leaves through a LayerNorm is float32.
+of ``tests/test_fuzz.py`` included: every backend's output and its gradients (q, k, v, bias) in
+each dtype against the reference on the rounded inputs; every module converted to a dtype against
+a float64 copy of its *rounded* parameters; and modules kept in float32 and run under
+``torch.autocast(dtype=...)``, whose projections round their inputs and weights on the way in (pass
+``dtype=`` the autocast dtype there: an output that leaves through a LayerNorm is float32).
 
 float16 and bfloat16 compute the softmax, its running sums and the kernels' backward in float32,
 so the error is that of rounding the inputs and the output, not of summing thousands of keys in 8

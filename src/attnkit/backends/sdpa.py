@@ -221,6 +221,7 @@ def _blocked_term(
     scale: float,
     dropout_p: float,
     block_q: int,
+    product_q: int,
 ) -> tuple[Tensor, bool]:
     """A score term without gradients: per block of queries, one fused call whose float mask is
     the block's term (+ bias, masked with -inf). Keys no query of the block may see are left out.
@@ -257,13 +258,28 @@ def _blocked_term(
             out[:, :, qs:qe] = 0.0
             empties.append(torch.ones((), dtype=torch.bool, device=q.device).expand(n, h, qe - qs))
             continue
-        tb = term.block(inputs, shape, qs, qe, lo, hi, grads=None)
-        attn_mask = tb.tile(lo, hi)  # (N|1, H|1, rows, keys)
         covered = sum(vt.ke - vt.ks for vt in qb.visits) == hi - lo
         masked = mask is not None and (not covered or any(vt.partial for vt in qb.visits))
+        full = (n, h, qe - qs, hi - lo)
+        if qe - qs <= product_q:
+            tb = term.block(inputs, shape, qs, qe, lo, hi, grads=None)
+            attn_mask = tb.tile(lo, hi)  # (N|1, H|1, rows, keys)
+            writable = tb.writable and tuple(attn_mask.shape) == full
+        else:
+            # Products of a few rows waste little (a product spans rows - 1 more distances than
+            # keys); one fused call over many rows costs less per query: copy the products' tiles
+            # into one float mask.
+            if buffer is None:
+                widest = max(b.key_range[1] - b.key_range[0] for b in plan.blocks)
+                buffer = torch.empty(n * h * block_q * widest, dtype=work, device=q.device)
+            attn_mask = buffer[: math.prod(full)].view(full)
+            for ps in range(qs, qe, product_q):
+                pe = min(ps + product_q, qe)
+                tile = term.block(inputs, shape, ps, pe, lo, hi, grads=None).tile(lo, hi)
+                attn_mask[:, :, ps - qs : pe - qs] = tile
+            writable = True
         if bias4 is not None or masked:
-            full = (n, h, qe - qs, hi - lo)
-            if not (tb.writable and tuple(attn_mask.shape) == full):
+            if not writable:
                 if buffer is None:
                     widest = max(b.key_range[1] - b.key_range[0] for b in plan.blocks)
                     buffer = torch.empty(n * h * block_q * widest, dtype=work, device=q.device)
@@ -300,11 +316,13 @@ def _blocked_term(
 
 
 class SDPA(Backend):
-    """torch's SDPA as a backend; ``block_q`` is the queries per fused call (and per product of
-    the term) of a call with a score term."""
+    """torch's SDPA as a backend; ``block_q`` and ``product_q`` size the blocks of a call with a
+    score term: queries per fused call, and per product of the term (when ``product_q >=
+    block_q`` the term's tiles go to torch as they are, without a copy)."""
 
-    def __init__(self, *, block_q: int = 64) -> None:
+    def __init__(self, *, block_q: int = 192, product_q: int = 64) -> None:
         self.block_q = check_int("block_q", block_q)
+        self.product_q = check_int("product_q", product_q)
 
         def run(
             q: Tensor,
@@ -322,7 +340,7 @@ class SDPA(Backend):
             if isinstance(bias, ScoreTerm):
                 with no_autocast(q.device):
                     out, trusted = _blocked_term(
-                        q, k, v, mask, None, bias, scale, dropout_p, self.block_q
+                        q, k, v, mask, None, bias, scale, dropout_p, self.block_q, self.product_q
                     )
                 attn_mask = None
             else:
@@ -347,4 +365,4 @@ class SDPA(Backend):
         super().__init__("sdpa", run, check=sdpa_check, cost=sdpa_cost)
 
     def __repr__(self) -> str:
-        return f"SDPA(block_q={self.block_q})"
+        return f"SDPA(block_q={self.block_q}, product_q={self.product_q})"
