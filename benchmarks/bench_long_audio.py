@@ -8,13 +8,12 @@ adds beyond its input and output, measured in a fresh process. Linear cost means
 10x from T = 9,000 to T = 90,000 and the extra memory stays flat but for the O(T) activations.
 
     python benchmarks/bench_long_audio.py                 # T = 9,000 and 90,000 (~10 minutes)
-    python benchmarks/bench_long_audio.py --lengths 9000 30000 --json out.json
+    python benchmarks/bench_long_audio.py --json docs/benchmarks/data/long_audio.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from collections.abc import Callable
 
@@ -22,6 +21,8 @@ import torch
 
 import attnkit
 from attnkit.cli.measure import extra_peak_memory, time_side_by_side
+
+import results
 
 D, H, CONTEXT = 256, 4, 128
 
@@ -78,8 +79,12 @@ def main() -> None:
             )
             rows.append({"module": what, "T": t, "seconds": seconds, "extra_bytes": mem})
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+        results.save(
+            args.json,
+            "long_audio",
+            rows,
+            config={"D": D, "H": H, "context": CONTEXT, "dtype": "float32", "B": 1},
+        )
 
 
 if __name__ == "__main__":

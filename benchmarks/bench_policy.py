@@ -9,14 +9,13 @@ off (by replacing them in this process only), side by side:
 * MultiHeadAttention(512, 8), B=4 T=1024, a training step (forward + backward);
 * one decode call: attention() with one query against 4096 keys, B=1 H=8 D=64.
 
-    python benchmarks/bench_policy.py [--json out.json]
+    python benchmarks/bench_policy.py [--json docs/benchmarks/data/policy.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 from collections.abc import Callable, Iterator
 
@@ -26,6 +25,8 @@ import attnkit
 from attnkit import attention as attention_module
 from attnkit.backends import sdpa as sdpa_module
 from attnkit.cli.measure import time_side_by_side
+
+import results
 
 
 @contextlib.contextmanager
@@ -94,8 +95,7 @@ def main() -> None:
         )
         rows.append({"call": name, "with": times["on"], "without": times["off"]})
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+        results.save(args.json, "policy", rows, config={"threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

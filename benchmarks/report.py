@@ -397,6 +397,53 @@ def _cli(run: Run, images: dict[str, bytes]) -> str:
     )
 
 
+def _policy(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    body = table(
+        ["call", "with the checks", "without", "difference", "ratio"],
+        [
+            [
+                r["call"],
+                _ms(r["with"]),
+                _ms(r["without"]),
+                f"{(r['with'] - r['without']) * 1e6:+.1f} us",
+                _ratio(r["with"] / r["without"]),
+            ]
+            for r in rows
+        ],
+        right=(1, 2, 3, 4),
+    )
+    return body
+
+
+def _long_audio(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    for module in sorted({r["module"] for r in rows}):
+        mine = [r for r in rows if r["module"] == module]
+        ts = [r["T"] for r in mine]
+        axes[0].plot(ts, [r["seconds"] for r in mine], marker="o", label=module)
+        if all(r.get("extra_bytes") is not None for r in mine):
+            axes[1].plot(ts, [r["extra_bytes"] / 2**20 for r in mine], marker="o", label=module)
+    axes[0].set(xlabel="frames (40 ms each)", ylabel="seconds", title="forward time")
+    axes[1].set(xlabel="frames (40 ms each)", ylabel="MiB", title="extra peak memory")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    images[f"{run.name}.png"] = _png(fig)
+    body = table(
+        ["module", "frames", "audio", "seconds", "extra MiB"],
+        [
+            [r["module"], str(r["T"]), f"{r['T'] * 0.04 / 60:.0f} min", _s(r["seconds"]),
+             _mib(r.get("extra_bytes"))]
+            for r in rows
+        ],
+        right=(1, 2, 3, 4),
+    )  # fmt: skip
+    return f"![long audio]({PLOTS}/{run.name}.png)\n\n{body}"
+
+
 SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str], str]] = {
     # name: (renderer, config keys worth a line, the command that produces it)
     "backends": (
@@ -416,6 +463,12 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         _ring,
         ("world_size", "threads", "T", "B", "H", "D", "dtype", "backward", "device"),
         "torchrun --standalone --nproc-per-node 2 benchmarks/bench_ring.py",
+    ),
+    "policy": (_policy, ("threads",), "python benchmarks/bench_policy.py"),
+    "long_audio": (
+        _long_audio,
+        ("B", "D", "H", "context", "dtype"),
+        "python benchmarks/bench_long_audio.py",
     ),
     "gpu": (_gpu, ("B", "H", "D", "dtype"), "python benchmarks/gpu_check.py"),
     "cli": (_cli, (), "attnkit bench --json"),
