@@ -419,10 +419,12 @@ class _Documents(Mask):
         # keys are disjoint, full when both hold one and the same id (sound for any ids).
         def ranges(ids: Tensor, start: int, stop: int, block: int) -> tuple[Tensor, Tensor]:
             n = -(-(stop - start) // block)
+            # Padding by concatenation: F.pad takes its value as a float, and iinfo.max of int64
+            # rounds up to 2**63, which wraps to the smallest int64.
             big = torch.iinfo(ids.dtype).max
-            pad = n * block - ids.size(1)
-            lo = torch.nn.functional.pad(ids, (0, pad), value=big).unflatten(1, (n, block))
-            hi = torch.nn.functional.pad(ids, (0, pad), value=-big).unflatten(1, (n, block))
+            pad = ids.new_full((ids.size(0), n * block - ids.size(1)), big)
+            lo = torch.cat([ids, pad], 1).unflatten(1, (n, block))
+            hi = torch.cat([ids, pad.neg()], 1).unflatten(1, (n, block))
             return lo.amin(-1), hi.amax(-1)  # (B|1, n)
 
         (q0, q1, bq), (k0, k1, bk) = q, k

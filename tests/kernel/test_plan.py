@@ -25,7 +25,8 @@ def test_plan_visits_the_blocks_with_a_visible_pair(
     data: st.DataObject,
 ) -> None:
     # The plan of a piece of a call (as ring attention asks: queries and keys starting at some
-    # global position) against the dense mask: a block is visited iff it holds a visible pair,
+    # global position) against the dense mask: a block is visited iff it holds a visible pair
+    # (with two exceptions, below),
     # marked full only if it holds no hidden one (partial is always safe), and its rows cover
     # every row that sees it.
     b, h, tq, tk = shape
@@ -49,7 +50,11 @@ def test_plan_visits_the_blocks_with_a_visible_pair(
         for v in qb.visits:
             seen.add((qb.qs, v.ks))
             tile = dense[qb.qs : qb.qe, v.ks : v.ke]
-            assert tile.any(), (s.label, qb.qs, v.ks)
+            # Two cases may visit a block without a visible pair, with a mask tile (safe): an AND
+            # of two partial blocks (each part sees pairs the other hides) and document ids out
+            # of order (a block's range of ids can hold an id it lacks). Nothing else may.
+            loose = "&" in s.label or "ids" in s.label
+            assert tile.any() or (v.partial and loose), (s.label, qb.qs, v.ks)
             if not v.partial:
                 assert not hidden[qb.qs : qb.qe, v.ks : v.ke].any(), (s.label, qb.qs, v.ks)
             rows = tile.any(-1).nonzero().flatten().tolist()
@@ -58,3 +63,16 @@ def test_plan_visits_the_blocks_with_a_visible_pair(
         for ks in range(0, tk - k0, block[1]):
             if dense[qs : qs + block[0], ks : ks + block[1]].any():
                 assert (qs, ks) in seen, (s.label, qs, ks)
+
+
+def test_documents_plan_with_keys_that_do_not_fill_their_last_block() -> None:
+    # Key ids padded out to whole blocks must not widen the range of ids a block holds: a query
+    # block of document 0 never visits a key block that holds only document 1.
+    from attnkit.masks import documents
+
+    geo = _Geometry((1,), 1, 2, 2, torch.device("cpu"))
+    plan = make_plan(
+        documents([1, 1]), geo, q_start=0, q_len=2, k_start=1, kv_len=1, block_q=1, block_k=2
+    )
+    assert [len(qb.visits) for qb in plan.blocks] == [0, 1]
+    assert not plan.blocks[1].visits[0].partial
