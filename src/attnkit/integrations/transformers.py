@@ -462,7 +462,7 @@ def _attention_forward(
     query: Float[Tensor, "B H Tq D"],
     key: Float[Tensor, "B Hkv Tk D"],
     value: Float[Tensor, "B Hkv Tk Dv"],
-    attention_mask: TransformersMask | Tensor | None,
+    attention_mask: object,
     *,
     backend: str | Backend,
     dropout: float = 0.0,
@@ -484,10 +484,19 @@ def _attention_forward(
                 f"k {shape_str(key.shape)}"
             )
         keys, mask, causal = attention_mask.keys, attention_mask.mask, attention_mask.causal
-    elif isinstance(attention_mask, Tensor) and attention_mask.dtype == torch.bool:
-        mask = attention_mask
-    elif isinstance(attention_mask, Tensor) and attention_mask.is_floating_point():
-        bias = attention_mask.to(query.dtype)
+    elif isinstance(attention_mask, Tensor):
+        if attention_mask.ndim != 4 or not (
+            attention_mask.dtype == torch.bool or attention_mask.is_floating_point()
+        ):
+            # A 2-d padding mask here would broadcast over the wrong axes without a word.
+            raise ValueError(
+                f"{_layer(module)}: a tensor attention_mask must be 4-d (B|1, H|1, Tq, Tk), bool "
+                f"or float, got {attention_mask.dtype} of shape {shape_str(attention_mask.shape)}"
+            )
+        if attention_mask.dtype == torch.bool:
+            mask = attention_mask
+        else:
+            bias = attention_mask.to(query.dtype)
     elif attention_mask is None:
         if "cu_seq_lens_q" in kwargs or "cu_seq_lens_k" in kwargs:
             raise ValueError(
@@ -503,10 +512,11 @@ def _attention_forward(
                 mask = _top_left_causal(q_len, kv_len, query.device)
     else:
         raise TypeError(
-            f"{_layer(module)}: attention_mask must be a bool or float tensor, a TransformersMask "
-            f"or None, got {type(attention_mask).__name__}"
+            f"{_layer(module)}: attention_mask must be a 4-d bool or float tensor, a "
+            f"TransformersMask or None, got {type(attention_mask).__name__}"
         )
     if position_bias is not None:
+        position_bias = position_bias.to(query.dtype)
         bias = position_bias if bias is None else position_bias + bias
     if keys < kv_len:
         key, value = key[..., :keys, :], value[..., :keys, :]
