@@ -7,6 +7,7 @@ way (eager: a uniform average; sdpa and attnkit: zeros), which reaches no real t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -179,9 +180,32 @@ def inputs(name: str, side: str, dtype: torch.dtype) -> tuple[dict[str, Any], Te
     return dict(args, decoder_attention_mask=dec_mask), dec_mask.bool()
 
 
-def run(m: Any, impl: str, **kwargs: Any) -> Any:
+@contextlib.contextmanager
+def use(m: Any, impl: str) -> Iterator[None]:
+    """Run ``m`` with attention ``impl``; for attnkit's, check that its layers really call attnkit
+    (a model that ignores the setting would compare transformers with itself and pass)."""
     m.set_attn_implementation(impl)
-    with torch.no_grad():
+    if not impl.startswith("attnkit"):
+        yield
+        return
+    calls = 0
+    forward = hf._attention_forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return forward(*args, **kwargs)
+
+    hf._attention_forward = counted
+    try:
+        yield
+    finally:
+        hf._attention_forward = forward
+    assert calls, f"{type(m).__name__} never called attnkit with attn_implementation={impl!r}"
+
+
+def run(m: Any, impl: str, **kwargs: Any) -> Any:
+    with use(m, impl), torch.no_grad():
         return m(**kwargs)
 
 
@@ -407,15 +431,15 @@ def test_generate_matches_eager_and_sdpa(name: str, cache: str) -> None:
         kwargs = dict(input_features=inputs(name, "left", torch.float32)[0]["input_features"][:2])
     generated = {}
     for impl in ["attnkit", *references(name)]:
-        m.set_attn_implementation(impl)
-        generated[impl] = m.generate(
-            **kwargs,
-            max_new_tokens=6,
-            do_sample=False,
-            cache_implementation=cache,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
+        with use(m, impl):
+            generated[impl] = m.generate(
+                **kwargs,
+                max_new_tokens=6,
+                do_sample=False,
+                cache_implementation=cache,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
     ours = generated.pop("attnkit")
     for impl, theirs in generated.items():
         assert torch.equal(ours.sequences, theirs.sequences), impl
@@ -443,9 +467,9 @@ def test_gradients_match(name: str, side: str) -> None:
         refs.remove("eager")
     grads = {}
     for impl in ["attnkit", *refs]:
-        m.set_attn_implementation(impl)
         m.zero_grad(set_to_none=True)
-        logits = m(**batch).logits
+        with use(m, impl):
+            logits = m(**batch).logits
         (logits * weight)[real].sum().backward()
         grads[impl] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
     m.zero_grad(set_to_none=True)
@@ -481,16 +505,16 @@ def test_output_attentions_with_a_static_cache() -> None:
     ids, mask = padded([6, 3], 6, "left")
     out = {}
     for impl in ("eager", "attnkit"):
-        m.set_attn_implementation(impl)
-        out[impl] = m.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=2,
-            do_sample=False,
-            cache_implementation="static",
-            return_dict_in_generate=True,
-            output_attentions=True,
-        ).attentions
+        with use(m, impl):
+            out[impl] = m.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=2,
+                do_sample=False,
+                cache_implementation="static",
+                return_dict_in_generate=True,
+                output_attentions=True,
+            ).attentions
     for step_ours, step_theirs in zip(out["attnkit"], out["eager"], strict=True):
         for a, b in zip(step_ours, step_theirs, strict=True):
             assert a.shape == b.shape  # the whole static cache, empty slots weighing 0
@@ -500,8 +524,7 @@ def test_output_attentions_with_a_static_cache() -> None:
 def test_capture_attention_records_every_layer() -> None:
     m = model("t5")
     batch, _ = inputs("t5", "right", torch.float32)
-    m.set_attn_implementation("attnkit")
-    with attnkit.capture_attention(m) as maps, torch.no_grad():
+    with use(m, "attnkit"), attnkit.capture_attention(m) as maps, torch.no_grad():
         m(**batch)
     theirs = run(m, "eager", **batch, output_attentions=True)
     assert sorted(maps) == sorted(
@@ -558,23 +581,26 @@ def test_dropout_only_in_training() -> None:
     assert not torch.allclose(f(layer, q, k, v, None, dropout=0.5)[0], plain)
 
 
-def test_training_dropout_in_a_model() -> None:
+def test_training_dropout_in_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    rates: list[float] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        rates.append(kwargs["dropout_p"])
+        return attnkit.attention(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "attention", spy)
     m = model("bert")
     batch, _ = inputs("bert", "right", torch.float32)
-    m.set_attn_implementation("attnkit")
-    m.config.attention_probs_dropout_prob = 0.5
+    for layer in m.encoder.layer:
+        monkeypatch.setattr(layer.attention.self.dropout, "p", 0.5)
     try:
         m.train()
-        for layer in m.encoder.layer:
-            layer.attention.self.dropout.p = 0.5
-        torch.manual_seed(0)
-        a = m(**batch).last_hidden_state
-        b = m(**batch).last_hidden_state
-        assert not torch.allclose(a, b)
+        with use(m, "attnkit"):
+            m(**batch)
     finally:
-        for layer in m.encoder.layer:
-            layer.attention.self.dropout.p = 0.1
         m.eval()
+    run(m, "attnkit", **batch)
+    assert rates == [0.5, 0.5, 0.0, 0.0]  # two layers in training, then two in eval
 
 
 # --------------------------------------------------------------------------------------------------
@@ -621,15 +647,15 @@ def test_control_top_left_when_transformers_skips_the_mask(
         ids = padded([6, 6], 6, "left")[0]
         logits = {}
         for impl in ("sdpa", "attnkit_hf_masks"):
-            m.set_attn_implementation(impl)
-            logits[impl] = m.generate(
-                input_ids=ids,
-                max_new_tokens=4,  # a static cache of 10 slots
-                do_sample=False,
-                cache_implementation="static",
-                return_dict_in_generate=True,
-                output_logits=True,
-            ).logits[0]  # the prefill's
+            with use(m, impl):
+                logits[impl] = m.generate(
+                    input_ids=ids,
+                    max_new_tokens=4,  # a static cache of 10 slots
+                    do_sample=False,
+                    cache_implementation="static",
+                    return_dict_in_generate=True,
+                    output_logits=True,
+                ).logits[0]  # the prefill's
         same = torch.allclose(logits["attnkit_hf_masks"], logits["sdpa"], atol=1e-10, rtol=0)
         assert same is matches
     finally:
@@ -713,8 +739,10 @@ def test_register_with_a_backend_object() -> None:
 
 
 def test_missing_or_old_transformers_is_one_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hf.importlib.metadata, "version", lambda _: "5.3.0")
-    with pytest.raises(ImportError, match=r"needs transformers>=5\.4, found 5\.3\.0: pip install "):
+    monkeypatch.setattr(hf.importlib.metadata, "version", lambda _: "5.19.2")
+    with pytest.raises(
+        ImportError, match=r"needs transformers>=5\.20, found 5\.19\.2: pip install "
+    ):
         hf.register()
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(ImportError, match=r"not installed: pip install 'attnkit\[hf\]'"):

@@ -7,7 +7,7 @@
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="attnkit")
     # or, on a model already loaded: model.set_attn_implementation("attnkit")
 
-:func:`register` installs two functions under one name (transformers 5.4 or later):
+:func:`register` installs two functions under one name (transformers 5.20 or later):
 
 * a **mask function** (transformers' ``AttentionMaskInterface``). Each model forward calls it once
   per kind of layer, with the query and key ranges, the 2-d padding mask and a pattern function
@@ -69,8 +69,10 @@ from ..masks import causal_mask, combine_masks, sliding_window_mask
 
 __all__ = ["TransformersMask", "register"]
 
-# The mask interface takes (q_length, q_offset) from 5.4 on; 5.0-5.3 passed a cache_position tensor.
-MIN_TRANSFORMERS = (5, 4)
+# The oldest transformers the tests pass on. Mask functions take (q_length, q_offset) from 5.4 on
+# (a cache_position tensor before); T5 calls the attention interface from 5.15, and its encoder and
+# decoder follow set_attn_implementation() from 5.20 (before, they silently kept their own).
+MIN_TRANSFORMERS = (5, 20)
 _INSTALL = "pip install 'attnkit[hf]'"
 
 
@@ -221,8 +223,13 @@ class TransformersMask:
             [1, 1, 1, 0, 0, 0]], dtype=torch.int32)
     """
 
-    # transformers asks a mask it is handed back for ``ndim`` (a prepared 4-d mask passes through).
+    # generate() builds the masks ahead of the forward when the cache is static and treats them as
+    # prepared 4-d masks: it asks for ``ndim`` and (before transformers 5.24) ``contiguous()``.
     ndim = 4
+
+    def contiguous(self) -> TransformersMask:
+        """Itself: it holds nothing to lay out."""
+        return self
 
     def __init__(
         self,
@@ -587,7 +594,7 @@ def register(name: str = "attnkit", *, backend: str | Backend = "auto") -> None:
             that serves each call) or a backend name or object.
 
     Raises:
-        ImportError: transformers is missing or older than 5.4 (``pip install 'attnkit[hf]'``).
+        ImportError: transformers is missing or older than 5.20 (``pip install 'attnkit[hf]'``).
         ValueError, TypeError: for a name transformers would misread, or an unknown backend.
     """
     if not isinstance(name, str) or not name:
