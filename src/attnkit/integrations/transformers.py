@@ -65,7 +65,7 @@ from .._checks import shape_str
 from .._typing import Float, shape_checked
 from ..attention import Backend, attention, available_backends
 from ..capture import is_capturing, record
-from ..masks import causal_mask, combine_masks, sliding_window_mask
+from ..masks import causal_mask, sliding_window_mask
 
 __all__ = ["TransformersMask", "register"]
 
@@ -241,6 +241,7 @@ class TransformersMask:
         mask: Tensor | None,
         causal: bool,
         form: str,
+        device: torch.device | str,
     ) -> None:
         self.batch_size = batch_size
         self.q_len = q_len
@@ -249,6 +250,7 @@ class TransformersMask:
         self.mask = mask
         self.causal = causal
         self.form = form
+        self.device = torch.device(device)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -261,12 +263,11 @@ class TransformersMask:
 
     def dense(self) -> Tensor:
         """The ``(B|1, 1, Tq, Tk)`` bool mask the attention call applies (True = may attend)."""
-        device = self.mask.device if self.mask is not None else None
-        visible = torch.ones(self.q_len, self.keys, dtype=torch.bool, device=device)
+        visible = torch.ones(self.q_len, self.keys, dtype=torch.bool, device=self.device)
         if self.mask is not None:
             visible = visible & self.mask
         if self.causal:
-            visible = visible & causal_mask(self.q_len, self.keys, device=device)
+            visible = visible & causal_mask(self.q_len, self.keys, device=self.device)
         visible = visible.reshape((1,) * (4 - visible.ndim) + tuple(visible.shape))
         return F.pad(visible, (0, self.kv_len - self.keys), value=False)
 
@@ -300,7 +301,7 @@ class TransformersMask:
             keys = max(keys, 0)
             if pattern.window is not None and pattern.window < keys:
                 # transformers' window of w keys ends at the query's own key: w - 1 to its left.
-                window = _window_mask(q_len, keys, pattern.window - 1, 0, device)
+                window = _window(q_len, keys, pattern.window - 1, 0, device)
                 notes.append(f"sliding window of {pattern.window}")
         elif pattern.window is not None:
             reach = max(kv_len - 1 - shift, q_len - 1 + shift)
@@ -310,7 +311,7 @@ class TransformersMask:
                         f"a bidirectional window with queries not aligned to the last keys "
                         f"(q_offset={q_offset}, kv_offset={kv_offset}, Tq={q_len}, Tk={kv_len})"
                     )
-                window = _window_mask(q_len, keys, pattern.window, pattern.window, device)
+                window = _window(q_len, keys, pattern.window, pattern.window, device)
                 notes.append(f"window of +-{pattern.window}")
         valid = None if padding is None else _real_keys(padding, kv_offset, keys)
         if valid is not None:
@@ -322,9 +323,10 @@ class TransformersMask:
             q_len=q_len,
             kv_len=kv_len,
             keys=keys,
-            mask=combine_masks(window, None if valid is None else _key_padding(valid)),
+            mask=_both(window, None if valid is None else _key_padding(valid)),
             causal=causal,
             form="; ".join(notes),
+            device=device,
         )
 
 
@@ -341,15 +343,18 @@ def _real_keys(padding: Tensor, kv_offset: int, keys: int) -> Tensor | None:
 
 
 def _key_padding(valid: Tensor) -> Tensor:
-    """Key padding for attention(): ``(B, 1, 1, Tk)``, broadcast over heads and queries."""
+    """Row ``b`` may attend its real keys only: ``(B, 1, 1, Tk)``, broadcast over heads, queries."""
     return valid[:, None, None, :]
 
 
-def _window_mask(
-    q_len: int, kv_len: int, left: int, right: int, device: torch.device | str
-) -> Tensor:
+def _window(q_len: int, kv_len: int, left: int, right: int, device: torch.device | str) -> Tensor:
     """Keys ``left`` before to ``right`` after each (bottom-right aligned) query: ``(Tq, Tk)``."""
     return sliding_window_mask(q_len, kv_len, left=left, right=right, device=device)
+
+
+def _both(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """Pairs both masks let through (either one alone; None for none)."""
+    return b if a is None else a if b is None else a & b
 
 
 def _dense(reason: str, **kwargs: Any) -> TransformersMask:
@@ -366,6 +371,7 @@ def _dense(reason: str, **kwargs: Any) -> TransformersMask:
         mask=mask,
         causal=False,
         form=f"dense (B, 1, Tq, Tk) = {shape_str(mask.shape)}: {reason}",
+        device=mask.device,
     )
 
 
