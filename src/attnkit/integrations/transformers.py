@@ -26,23 +26,23 @@ tokens are silently attended to.
 
 What transformers passes, and what the attention function makes of it:
 
-==========================  ======================================================================
-transformers passes         attnkit gets
-==========================  ======================================================================
-a ``TransformersMask``      its ``mask`` and ``causal``; keys that no query may see (a static
-                            cache's unfilled slots) are left out of the call
-a bool 4-d tensor           ``mask=`` (True = may attend): a mask the caller built
-a float 4-d tensor          ``bias=``: an additive, eager-style mask the caller built
-``None``                    transformers' meaning: causal **top-left** (query ``i`` sees keys
-                            ``j <= i``) if the module is causal and ``Tq > 1``, else no mask
-``position_bias`` (T5)      ``bias=`` (summed with a float mask)
-``softcap`` (Gemma 2)       ``softcap=``
-``s_aux``/``sinks`` (GPT-OSS) ``sinks=``
-``dropout``                 ``dropout_p=``, only while ``module.training``
-attention weights wanted    ``return_weights=True`` when the model collects them
-                            (``output_attentions=True``) or :func:`attnkit.capture_attention`
-                            covers the layer; captured under the layer's module name
-==========================  ======================================================================
+=============================  ===================================================================
+transformers passes            attnkit gets
+=============================  ===================================================================
+a ``TransformersMask``         its ``mask`` and ``causal``; keys that no query may see (a static
+                               cache's unfilled slots) are left out of the call
+a bool 4-d tensor              ``mask=`` (True = may attend): a mask the caller built
+a float 4-d tensor             ``bias=``: an additive, eager-style mask the caller built
+``None``                       transformers' meaning: causal **top-left** (query ``i`` sees keys
+                               ``j <= i``) if the module is causal and ``Tq > 1``, else no mask
+``position_bias`` (T5)         ``bias=`` (summed with a float mask)
+``softcap`` (Gemma 2)          ``softcap=``
+``s_aux``/``sinks`` (GPT-OSS)  ``sinks=``
+``dropout``                    ``dropout_p=``, only while ``module.training``
+attention weights wanted       ``return_weights=True`` when the model collects them
+                               (``output_attentions=True``) or :func:`attnkit.capture_attention`
+                               covers the layer; captured under the layer's module name
+=============================  ===================================================================
 
 Shape letters: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``Tq`` queries, ``Tk``
 keys, ``D`` head size.
@@ -67,11 +67,11 @@ from ..attention import Backend, attention, available_backends
 from ..capture import is_capturing, record
 from ..masks import causal_mask, sliding_window_mask
 
-__all__ = ["TransformersMask", "register"]
+__all__ = ["TransformersMask", "build_mask", "register"]
 
-# The oldest transformers the tests pass on. Mask functions take (q_length, q_offset) from 5.4 on
-# (a cache_position tensor before); T5 calls the attention interface from 5.15, and its encoder and
-# decoder follow set_attn_implementation() from 5.20 (before, they silently kept their own).
+# The oldest transformers where all of this holds. Mask functions take (q_length, q_offset) from 5.4
+# on (a cache_position tensor before); T5 calls the attention interface from 5.15, and its encoder
+# and decoder follow set_attn_implementation() from 5.20 (before, they silently kept their own).
 MIN_TRANSFORMERS = (5, 20)
 _INSTALL = "pip install 'attnkit[hf]'"
 
