@@ -24,15 +24,17 @@ sdpa's (eager is not run there: its ``(B, H, T, T)`` float32 scores alone are 16
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from attnkit.cli.measure import extra_peak_memory, time_side_by_side
 from attnkit.integrations.transformers import register
+
+import results
 
 B, LAYERS, HIDDEN, HEADS, KV_HEADS, MLP, VOCAB = 1, 4, 512, 8, 2, 1408, 256
 IMPLEMENTATIONS = ["eager", "sdpa", "attnkit"]
@@ -123,8 +125,9 @@ def main() -> None:
     if args.check:
         rows += memory_check(args.check)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        config = {"B": B, "layers": LAYERS, "hidden": HIDDEN, "H": HEADS, "Hkv": KV_HEADS}
+        config |= {"dtype": "float32", "transformers": transformers.__version__}
+        results.save(args.json, "transformers", rows, config=config)
 
 
 if __name__ == "__main__":

@@ -444,6 +444,29 @@ def _long_audio(run: Run, images: dict[str, bytes]) -> str:
     return f"![long audio]({PLOTS}/{run.name}.png)\n\n{body}"
 
 
+def _transformers(run: Run, images: dict[str, bytes]) -> str:
+    timed = [r for r in run.rows if r.get("seconds") is not None]
+    sdpa = {(r["T"], r["padding"]): r["seconds"] for r in timed if r["impl"] == "sdpa"}
+    body = table(
+        ["T", "padding", "attention", "forward", "/ sdpa", "extra MiB"],
+        [
+            [str(r["T"]), "yes" if r["padding"] else "no", r["impl"], _ms(r["seconds"]),
+             _ratio(r["seconds"] / sdpa[r["T"], r["padding"]]), _mib(r.get("extra_bytes"))]
+            for r in timed
+        ],
+        right=(0, 3, 4, 5),
+    )  # fmt: skip
+    memory = [r for r in run.rows if r.get("seconds") is None]
+    if memory:
+        mem = {r["impl"]: r["extra_bytes"] for r in memory}
+        t = memory[0]["T"]
+        body += (
+            f"\n\nExtra peak memory of one forward at T={t} with padding: sdpa {_mib(mem['sdpa'])} "
+            f"MiB, attnkit {_mib(mem['attnkit'])} MiB ({mem['attnkit'] / mem['sdpa']:.2f}x sdpa)."
+        )
+    return body
+
+
 SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str], str]] = {
     # name: (renderer, config keys worth a line, the command that produces it)
     "backends": (
@@ -469,6 +492,11 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         _long_audio,
         ("B", "D", "H", "context", "dtype"),
         "python benchmarks/bench_long_audio.py",
+    ),
+    "transformers": (
+        _transformers,
+        ("layers", "hidden", "H", "Hkv", "dtype", "transformers"),
+        "python benchmarks/bench_transformers.py",
     ),
     "gpu": (_gpu, ("B", "H", "D", "dtype"), "python benchmarks/gpu_check.py"),
     "cli": (_cli, (), "attnkit bench --json"),
