@@ -261,3 +261,50 @@ def test_modules_keep_padding_garbage_out(module: str) -> None:
     assert_close(got[0], want[0])
     assert_close(got[1, :4], want[1, :4])
     assert got[1, 4:].isnan().all()  # the padded queries themselves are garbage: they stay so
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("spoil", ["nan_query", "zero_values", "none"])
+def test_sdpa_checks_big_outputs_in_either_layout(layout: str, spoil: str) -> None:
+    # Outputs over 65536 elements take the fast screen (one matrix-vector product), in torch's
+    # (B, T, H, D) layout as well as in (B, H, T, D). A NaN query must come out NaN in its row
+    # only, and values that are zero for one batch row (a zero output no mask explains) must still
+    # give what the reference gives, whichever layout the inputs have.
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 300, 4, 64) if layout == "bthd" else (2, 4, 300, 64)
+    q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
+    if layout == "bthd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if spoil == "nan_query":
+        q[0, 1, 7, 3] = float("nan")
+    elif spoil == "zero_values":
+        v[1] = 0.0
+    with torch.no_grad():
+        out = attention(q, k, v, backend="sdpa")
+        want = attention(q.double(), k.double(), v.double(), backend="reference")
+    nan = torch.zeros(out.shape[:-1], dtype=torch.bool)
+    if spoil == "nan_query":
+        nan[0, 1, 7] = True
+    assert torch.equal(out.isnan().any(-1), nan)
+    assert_close(out.masked_fill(nan[..., None], 0), want.masked_fill(nan[..., None], 0))
+
+
+def test_screen_of_big_outputs() -> None:
+    from attnkit.backends.sdpa import _screened, _trustworthy
+
+    out = torch.randn(2, 4, 300, 64)
+    assert _screened(out)
+    assert _screened(out.transpose(1, 2).contiguous().transpose(1, 2))
+    for value in (float("nan"), float("inf"), 0.0):
+        bad = out.clone()
+        bad[1, 2, 5] = value
+        assert not _screened(bad)
+        assert not _trustworthy(bad, None)
+    # A row orthogonal to the screen's weights is a false alarm: the exact test still trusts it.
+    w = torch.rand(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.5
+    w = w * torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0).double()
+    odd = out.double()
+    odd[1, 2, 5] = 0.0
+    odd[1, 2, 5, 0], odd[1, 2, 5, 1] = w[1], -w[0]  # dot product w[0] w[1] - w[1] w[0] = 0
+    assert not _screened(odd)
+    assert _trustworthy(odd, None)

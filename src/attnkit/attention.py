@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Literal, overload
@@ -33,7 +34,7 @@ from ._typing import Bool, Float, shape_checked
 from .backends.base import Backend, BackendError, BackendFn, CallCheck
 from .backends.chunked import Chunked, finite, plan_for
 from .backends.reference import reference
-from .backends.sdpa import SDPA
+from .backends.sdpa import SDPA, _documents
 from .masks import Mask
 from .scores import ScoreTerm
 
@@ -195,7 +196,14 @@ class Explanation:
 
 def _plan_note(call: AttentionCall, backend: Backend) -> list[str]:
     """What the kernel does with a structured mask, when it can be told without data."""
-    if call.mask is None or call.device.type == "meta" or not isinstance(backend, Chunked):
+    if call.mask is None:
+        return []
+    if isinstance(backend, SDPA) and call.bias_shape is None and call.score_term is None:
+        docs = _documents(call.mask, call.q_len, call.kv_len)  # the documents' lengths: no data
+        if docs:
+            n = sum(sum(b > a for a, b in itertools.pairwise(row)) for row in docs[0])
+            return [f"one fused call per document: {n} calls"]
+    if call.device.type == "meta" or not isinstance(backend, Chunked):
         return []
     term = call.score_term is not None
     plan = plan_for(call.mask, call.geometry, call.groups, term, backend.block_q, backend.block_k)

@@ -400,6 +400,21 @@ class _Documents(Mask):
     def _ids(self, geo: _Geometry) -> Tensor:
         return _on(self.ids, geo.device, self._devices)
 
+    def _runs(self) -> list[list[int]] | None:
+        """Per row of ``ids`` the positions where a document starts, then ``Tk``; None when some
+        document's positions are not one contiguous run. Computed once (one host read)."""
+        if not hasattr(self, "_run_bounds"):
+            ids = self.ids
+            starts = torch.ones_like(ids, dtype=torch.bool)
+            starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+            distinct = [int(torch.unique(r).numel()) for r in ids]
+            cuts = [[*r.nonzero().flatten().tolist(), ids.size(1)] for r in starts]
+            runs = (
+                None if any(len(c) - 1 != n for c, n in zip(cuts, distinct, strict=True)) else cuts
+            )
+            self._run_bounds: list[list[int]] | None = runs
+        return self._run_bounds
+
     def _q_ids(self, geo: _Geometry, qs: int, qe: int) -> Tensor:
         """``(B|1, qe-qs)`` ids of queries ``qs:qe``; -1 (a document no key has) before key 0."""
         ids = self._ids(geo)

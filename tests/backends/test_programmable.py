@@ -156,9 +156,12 @@ def test_explain_says_which_backends_take_each_modifier() -> None:
     assert "softcap=30.0, sinks" in report
     assert "auto picks: chunked" in report
     assert "sdpa       cannot: torch's kernel has no softcap; torch's kernel has no sinks" in report
-    report = str(explain(q, q, q, mask=masks.documents([100, 156])))
-    assert "mask documents(lengths=[100, 156])" in report
+    report = str(explain(q, q, q, mask=masks.documents([50, 50, 156])))
+    assert "mask documents(lengths=[50, 50, 156])" in report
     assert "sdpa       avoided: would materialise the mask documents" in report
+    report = str(explain(q, q, q, mask=masks.documents([100, 156])))  # long enough: a call each
+    assert "auto picks: sdpa" in report
+    assert "one fused call per document: 2 calls" in report
     with pytest.raises(BackendError, match="torch's kernel has no sinks"):
         attention(q, q, q, sinks=sinks, backend="sdpa")
 
@@ -231,3 +234,43 @@ def test_the_kernel_reuses_one_plan_for_forward_and_backward(
     out = attention(q, q, q, mask=masks.sliding_window(5), backend="chunked")
     out.sum().backward()
     assert plans == [1]
+
+
+@pytest.mark.parametrize(
+    "docs",
+    [
+        pytest.param(lambda: masks.documents([300, 0, 400, 324]), id="lengths"),
+        pytest.param(lambda: masks.documents([[300, 724], [1000, 24]]), id="per-row"),
+        pytest.param(lambda: masks.documents(ids=torch.tensor([4] * 500 + [2] * 524)), id="ids"),
+    ],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_serves_long_documents_one_call_each(docs: object, causal: bool) -> None:
+    # Packed documents of 128 tokens or more on average go to torch one document at a time (no
+    # (Tq, Tk) mask is written): the same numbers as the reference, gradients included.
+    mask = docs()  # type: ignore[operator]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1024, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 1024, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+    assert explain(q, k, v, mask=mask, causal=causal).chosen == "sdpa"
+    out = attention(q, k, v, mask=mask, causal=causal, backend="sdpa")
+    want = attention(q, k, v, mask=mask, causal=causal, backend="reference")
+    assert_close(out, want)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(want, (q, k, v), grad)
+    for a, b in zip(got, expected, strict=True):
+        assert_close(a, b)
+
+
+def test_short_or_scattered_documents_stay_on_the_kernel() -> None:
+    q = torch.randn(1, 2, 1024, 16)
+    short = masks.documents([64] * 16)  # a call per 64-token document costs more than it saves
+    scattered = masks.documents(ids=torch.arange(1024) % 2)  # a document in pieces
+    for mask in (short, scattered):
+        e = explain(q, q, q, mask=mask)
+        assert e.chosen == "chunked"
+        assert "would materialise" in " ".join(e.costs["sdpa"])
+        assert_close(attention(q, q, q, mask=mask, backend="sdpa"), attention(q, q, q, mask=mask))

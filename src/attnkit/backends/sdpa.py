@@ -22,6 +22,7 @@ their inputs hold NaN/inf (torch's backward would let masked ones into the gradi
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -31,7 +32,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, dim_str, shape_str
 from ..kernel import make_plan, no_autocast
-from ..masks import Mask, _Causal, _Dense, _Geometry, _KeyPadding
+from ..masks import Mask, _Causal, _Combined, _Dense, _Documents, _Geometry, _KeyPadding
 from ..scores import ScoreShape, ScoreTerm
 from .base import Backend
 from .chunked import kernel_attention
@@ -59,6 +60,62 @@ def _is_causal(call_q: int, call_k: int, mask: Mask | None, has_bias: bool) -> b
         if call_q == call_k:
             return True
     return None
+
+
+# Packed documents go to torch one document at a time (as variable-length kernels do) when they
+# are long enough for a call per document to cost less than the blocked kernel.
+MIN_DOCUMENT_MEAN = 128
+
+
+def _documents(mask: Mask | None, q_len: int, kv_len: int) -> tuple[list[list[int]], bool] | None:
+    """``(bounds, causal)`` when the mask is packed documents (alone or with causal) that torch can
+    serve one document at a time: per batch row (one row when all rows share them) the positions
+    where documents start, then ``Tk``; ``causal`` whether each document is causal inside. None for
+    any other mask, for ``Tq != Tk``, for documents whose ids are not contiguous runs, and for
+    documents shorter than ``MIN_DOCUMENT_MEAN`` on average."""
+    if mask is None or q_len != kv_len or not kv_len:
+        return None
+    parts = mask._parts if isinstance(mask, _Combined) and mask.op == "and" else (mask,)
+    docs = [p for p in parts if isinstance(p, _Documents)]
+    causal = [p for p in parts if isinstance(p, _Causal)]
+    if len(docs) != 1 or len(docs) + len(causal) != len(parts):
+        return None
+    bounds = docs[0]._runs()
+    if bounds is None or kv_len < MIN_DOCUMENT_MEAN * max(len(b) - 1 for b in bounds):
+        return None
+    return bounds, bool(causal)
+
+
+def _per_document(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bounds: list[list[int]],
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
+    """One fused call per document of each batch row, the outputs joined along the queries."""
+    gqa = q.size(-3) != k.size(-3)
+
+    def row(q: Tensor, k: Tensor, v: Tensor, cuts: list[int]) -> Tensor:
+        pieces = []
+        for a, b in itertools.pairwise(cuts):
+            if b > a:
+                pieces.append(
+                    F.scaled_dot_product_attention(
+                        q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], dropout_p=dropout_p,
+                        is_causal=causal, scale=scale, enable_gqa=gqa,
+                    )
+                )  # fmt: skip
+        return torch.cat(pieces, -2)
+
+    if len(bounds) == 1:
+        return row(q, k, v, bounds[0])
+    batch = q.shape[:-3]
+    q3, k3, v3 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+    out = torch.stack([row(q3[b], k3[b], v3[b], bounds[b]) for b in range(len(bounds))])
+    return out.reshape(*batch, *out.shape[-3:])
 
 
 def _cheap_mask(mask: Mask) -> bool:
@@ -108,6 +165,7 @@ def sdpa_cost(call: AttentionCall) -> list[str]:
         and call.score_term is None
         and _is_causal(call.q_len, call.kv_len, mask, call.bias_shape is not None) is None
         and not _cheap_mask(mask)
+        and (call.bias_shape is not None or _documents(mask, call.q_len, call.kv_len) is None)
     ):
         size = shape_str((call.q_len, call.kv_len))
         if call.causal and call.q_len != call.kv_len:
@@ -140,19 +198,48 @@ def _empty_rows(mask: Tensor | None, attn_mask: Tensor | None) -> Tensor | None:
     return (attn_mask == float("-inf")).all(-1, keepdim=True)
 
 
+_SCREEN_WEIGHTS: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def _screened(out: Tensor) -> bool:
+    """A fast sufficient test: True when no row holds NaN or inf and no row is all zeros.
+
+    Each row's dot product with a fixed vector of non-zero weights is one matrix-vector product
+    (per-row reductions cost several times more, and a decode step reads back a few numbers
+    instead of two reductions' results): a non-finite row gives a non-finite product, a zero row
+    gives 0. A product that is 0 or overflows for a finite, non-zero row is a false alarm, which
+    only sends the caller to the exact test."""
+    d = out.size(-1)
+    if out.is_contiguous():
+        rows = out.view(-1, d)
+    elif out.ndim >= 3 and out.transpose(-3, -2).is_contiguous():  # torch's (B, T, H, D) layout
+        rows = out.transpose(-3, -2).view(-1, d)
+    else:
+        return False
+    key = (d, out.dtype, out.device)
+    weights = _SCREEN_WEIGHTS.get(key)
+    if weights is None:
+        g = torch.Generator().manual_seed(0)
+        w = torch.rand(d, generator=g, dtype=torch.float64).add_(0.5)  # in [0.5, 1.5): never 0
+        w = w * torch.where(torch.arange(d) % 2 == 0, 1.0, -1.0).double()
+        weights = _SCREEN_WEIGHTS.setdefault(key, w.to(out.device, out.dtype))
+    products = torch.mv(rows, weights)
+    if products.numel() <= 256:  # a decode step: one read of a few numbers
+        return all(x != 0.0 and -math.inf < x < math.inf for x in products.tolist())
+    low, high = torch.aminmax(products.abs_())
+    return bool(low.item() > 0) and math.isfinite(high.item())
+
+
 def _trustworthy(out: Tensor, attn_mask: Tensor | None, empty: Tensor | None = None) -> bool:
     """Whether torch's output follows attnkit's rules: no NaN/inf, and exact zeros only in the rows
     that have no visible key (``empty``, or the rows ``attn_mask`` hides whole). A few small
     reductions in the common case (a decode step's cost)."""
     if not out.numel():
         return True
-    # (..., H, Tq) largest magnitude per row: NaN and inf show, and so does a row of zeros. On a
-    # big output abs() would copy it (and vector_norm is slower still): max(max, -min) reads it
-    # twice, writing nothing of its size.
-    if out.numel() <= 1 << 16:
-        peaks = out.abs().amax(-1)
-    else:
-        peaks = torch.maximum(out.amax(-1), out.amin(-1).neg_())
+    if _screened(out):
+        return True
+    # (..., H, Tq) largest magnitude per row: NaN and inf show, and so does a row of zeros.
+    peaks = out.abs().amax(-1)
     low, high = torch.aminmax(peaks)
     if not math.isfinite(high.item()):
         return False
@@ -345,6 +432,13 @@ class SDPA(Backend):
                         q, k, v, mask, None, bias, scale, dropout_p, self.block_q, self.product_q
                     )
                 attn_mask = None
+            elif bias is None and (docs := _documents(mask, q.size(-2), k.size(-2))):
+                out, attn_mask = _per_document(q, k, v, *docs, scale, dropout_p), None
+                trusted = (
+                    torch.compiler.is_compiling()
+                    or (torch.is_grad_enabled() and out.requires_grad)
+                    or _trustworthy(out, None)
+                )
             else:
                 out, attn_mask = _plain(q, k, v, mask, bias, scale, dropout_p)
                 trusted = (
