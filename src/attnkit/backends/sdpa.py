@@ -432,16 +432,15 @@ class SDPA(Backend):
                     out, trusted = _blocked_term(
                         q, k, v, mask, None, bias, scale, dropout_p, self.block_q, self.product_q
                     )
-                attn_mask = None
-            elif bias is None and (docs := _documents(mask, q.size(-2), k.size(-2))):
-                out, attn_mask = _per_document(q, k, v, *docs, scale, dropout_p), None
-                trusted = (
-                    torch.compiler.is_compiling()
-                    or (torch.is_grad_enabled() and out.requires_grad)
-                    or _trustworthy(out, None)
-                )
             else:
-                out, attn_mask = _plain(q, k, v, mask, bias, scale, dropout_p)
+                # Documents read their lengths on the host: not while torch.compile traces.
+                docs = None
+                if bias is None and not torch.compiler.is_compiling():
+                    docs = _documents(mask, q.size(-2), k.size(-2))
+                if docs:
+                    out, attn_mask = _per_document(q, k, v, *docs, scale, dropout_p), None
+                else:
+                    out, attn_mask = _plain(q, k, v, mask, bias, scale, dropout_p)
                 trusted = (
                     torch.compiler.is_compiling()
                     or (torch.is_grad_enabled() and out.requires_grad)
