@@ -254,7 +254,9 @@ def test_sdpa_serves_long_documents_one_call_each(docs: object, causal: bool) ->
     k, v = (torch.randn(2, 2, 1024, 16, dtype=torch.float64, generator=g) for _ in range(2))
     k.requires_grad_(True)
     v.requires_grad_(True)
-    assert explain(q, k, v, mask=mask, causal=causal).chosen == "sdpa"
+    report = explain(q, k, v, mask=mask, causal=causal)
+    assert report.chosen == "sdpa"
+    assert "one fused call per document" in str(report)
     out = attention(q, k, v, mask=mask, causal=causal, backend="sdpa")
     want = attention(q, k, v, mask=mask, causal=causal, backend="reference")
     assert_close(out, want)

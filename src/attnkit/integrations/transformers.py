@@ -533,39 +533,29 @@ def _attention_forward(
     sink = s_aux if s_aux is not None else sinks
     dropout_p = float(dropout) if module.training else 0.0
     capturing = is_capturing(module)
+    want_weights = bool(output_attentions) or capturing or _model_collects_weights()
+    result = attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        scale=scaling,
+        softcap=softcap,
+        sinks=sink,
+        dropout_p=dropout_p,
+        return_weights=want_weights,
+        backend=backend,
+    )
     weights: Tensor | None = None
-    if bool(output_attentions) or capturing or _model_collects_weights():
-        out, weights = attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            scale=scaling,
-            softcap=softcap,
-            sinks=sink,
-            dropout_p=dropout_p,
-            return_weights=True,
-            backend=backend,
-        )
+    if isinstance(result, tuple):
+        out, weights = result
         weights = F.pad(weights, (0, kv_len - keys))
         if capturing:
             record(module, weights)
     else:
-        out = attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            scale=scaling,
-            softcap=softcap,
-            sinks=sink,
-            dropout_p=dropout_p,
-            backend=backend,
-        )
+        out = result
     return out.transpose(1, 2).contiguous(), weights
 
 
