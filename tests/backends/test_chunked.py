@@ -96,3 +96,34 @@ def test_scores_rising_late_take_the_safe_path() -> None:
     want = attention(q.double(), k.double(), v.double(), scale=1.0, backend="reference")
     assert got.isfinite().all()
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("level", [-100.0, -30.0, -10.0, 0.0, 10.0, 20.0, 30.0, 100.0])
+@pytest.mark.parametrize("extra", [None, "bias", "softcap"])
+def test_score_levels_either_side_of_the_zero_offset(level: float, extra: str | None) -> None:
+    # Rows whose scores sit near `level` (natural units): within +-22 the kernel takes offset 0
+    # after the first key block (forward) and folds exp(-lse) into dO and delta (backward); beyond
+    # that it subtracts per-row offsets. Both must equal the float64 reference, values and grads.
+    gen = torch.Generator().manual_seed(int(level) + 100)
+    q = torch.randn(1, 2, 40, 8, generator=gen)
+    k = torch.randn(1, 2, 50, 8, generator=gen)
+    v = torch.randn(1, 2, 50, 8, generator=gen)
+    bias = torch.full((40, 50), level) if extra == "bias" else None
+    kwargs = {"scale": 1 / 3, "softcap": 80.0} if extra == "softcap" else {"scale": 1 / 3}
+    cot = torch.randn(1, 2, 40, 8, generator=gen)
+
+    def grads(dtype: torch.dtype, backend: object) -> list[torch.Tensor]:
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        qq, kk, vv = leaves
+        if extra != "bias":  # move every score by `level`: a constant extra feature
+            qq = torch.cat([qq, qq.new_ones(1, 2, 40, 1)], -1)
+            kk = torch.cat([kk, kk.new_full((1, 2, 50, 1), level * 3.0)], -1)
+        b = None if bias is None else bias.to(dtype)
+        out = attention(qq, kk, vv, bias=b, mask=masks.causal(), backend=backend, **kwargs)
+        return [out, *torch.autograd.grad(out, leaves, cot.to(dtype))]
+
+    got = grads(torch.float32, Chunked(block_q=16, block_k=16))
+    want = grads(torch.float64, "reference")
+    for g, w in zip(got, want, strict=True):
+        assert g.isfinite().all()
+        assert_close(g, w)

@@ -15,7 +15,12 @@ Two details make it fast in eager PyTorch:
   directly as ``q k^T - m`` by one ``baddbmm``. Any offset is exact as long as ``exp`` does not
   overflow (it cannot underflow more than with the true maximum, which is >= ``m``). Overflow, of
   the running sum or of the weighted values, is detected once per query block and that block is
-  redone with the textbook rescaling.
+  redone with the textbook rescaling. When every offset of a block is small (within ``2^+-32``),
+  the offset is 0 and the subtraction disappears; the backward likewise folds ``exp(-lse)`` into
+  ``dO`` and ``delta`` per row instead of subtracting ``lse`` from every score.
+* **Cheap elementwise work.** Scores are kept in base 2 (``log2(e)`` rides on the queries, and on
+  the adds of a bias or score term) because ``exp2`` costs about half of ``exp`` on CPUs, and a
+  softcap is computed through a sigmoid, a fraction of the cost of ``tanh``.
 * **Grouped-query attention without copies.** The ``G = H / Hkv`` query heads that share a key head
   are stacked as rows of one matrix (query-major: row ``t * G + g``), so each score block is a
   single batched GEMM against the shared keys, and a block's first rows can be skipped for every
@@ -37,6 +42,7 @@ float16/bfloat16 inputs are computed block by block in float32.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +56,11 @@ __all__ = ["Problem", "backward", "finish", "forward", "no_autocast", "sink_grad
 
 # A running sum at or above this (or inf/NaN) means the lazy offset was too low: redo the block.
 _OVERFLOW_GUARD = 2.0**64
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+# Rows whose offsets (base 2) are all within +-32 take offset 0: the sums of 2^score stay far from
+# float32's limits unless a later score is 2^32 times larger, which the guard catches.
+_ZERO_BITS = 32.0
 
 
 def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -176,6 +187,11 @@ class Problem:
             grads=grads,
         )
 
+    def score_factor(self) -> float:
+        """What the rows given to :meth:`scores` carry beyond ``scale``: ``2 / softcap`` with a
+        softcap (the sigmoid form below), else ``log2(e)`` (scores in base 2)."""
+        return 2.0 / self.softcap if self.softcap is not None else _LOG2E
+
     def scores(
         self,
         qr: Tensor,
@@ -183,50 +199,54 @@ class Problem:
         visit: Visit,
         offset: Tensor | None,
         tb: TermBlock | None,
-        keep_tanh: bool = False,
-        capped_rows: bool = False,
+        keep_sigmoid: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Scores of one visit minus ``offset`` (per row), masked with ``-inf``.
+        """Scores of one visit in base 2 (times ``log2(e)``) minus ``offset`` (per row), masked
+        with ``-inf``.
 
-        ``qr`` holds the visit's rows ``r0:r1`` of the block starting at query ``qs``, already
-        divided by ``softcap`` when ``capped_rows`` (the forward's, which saves a pass). Returns
-        the scores ``(N*Hkv, rows*G, keys)``, ``tanh(scores / softcap)`` before the bias when
-        ``keep_tanh`` (the backward's softcap factor), and the visit's mask tile (partial blocks).
+        ``qr`` holds the visit's rows ``r0:r1`` of the block starting at query ``qs``, times
+        ``scale * score_factor()``. A softcap is computed as
+        ``c * tanh(x / c) = 2c * sigmoid(2x / c) - c``: the same numbers to float rounding of ``c``
+        (the absolute error of a capped score is ``c`` times the float epsilon, as for ``tanh`` near
+        saturation), and a sigmoid costs a fraction of a tanh on CPUs. Returns the scores
+        ``(N*Hkv, rows*G, keys)``, the sigmoid when ``keep_sigmoid`` (the backward's softcap
+        factor), and the visit's mask tile (partial blocks).
         """
         ks, ke = visit.ks, visit.ke
         lo, hi = qs + visit.r0, qs + visit.r1
         kt = self.keys(ks, ke).transpose(1, 2)
-        plain = self.softcap is None and self.bias5 is None and tb is None
-        if offset is not None and plain:
+        added = self.bias5 is not None or tb is not None
+        pending = offset  # subtracted at the end unless taken on the way
+        if self.softcap is None and offset is not None and not added:
             s = torch.baddbmm(offset, qr, kt, beta=-1.0)  # q k^T - m in one GEMM
+            pending = None
         else:
             s = torch.bmm(qr, kt)
-        tanh = None
+        sig = None
         if self.softcap is not None:
-            if not capped_rows:
-                s.mul_(1.0 / self.softcap)
-            s.tanh_()
-            tanh = s.clone() if keep_tanh else None
-            if offset is not None and self.bias5 is None and tb is None:
-                # softcap * tanh - m in one pass; the mask's -inf comes after and stays -inf.
-                torch.add(offset.neg(), s, alpha=self.softcap, out=s)
-                plain = True  # the offset is taken
+            c = self.softcap
+            s.sigmoid_()
+            sig = s.clone() if keep_sigmoid else None
+            if pending is not None and not added:
+                # (2c sigmoid - c) * log2(e) - m in one pass; the mask's -inf comes after.
+                torch.add(pending.add(c * _LOG2E).neg_(), s, alpha=2.0 * c * _LOG2E, out=s)
+                pending = None
             else:
-                s.mul_(self.softcap)
+                s.mul_(2.0 * c * _LOG2E).sub_(c * _LOG2E)
         s5 = s.view(self.n, self.hkv, hi - lo, self.g, ke - ks)
         bias = self.bias_tile(lo, hi, ks, ke)
         if bias is not None:
-            s5.add_(bias)
+            s5.add_(bias, alpha=_LOG2E)
         if tb is not None:
             tile = tb.tile(ks + self.k_start, ke + self.k_start)[..., visit.r0 : visit.r1, :]
-            s5.add_(self._to_rows(tile))
+            s5.add_(self._to_rows(tile), alpha=_LOG2E)
         vis = None
         if visit.partial:
             vis = self.mask_tile(lo, hi, ks, ke)
             s5.masked_fill_(~vis, float("-inf"))
-        if offset is not None and not plain:
-            s.sub_(offset)
-        return s, tanh, vis
+        if pending is not None:
+            s.sub_(pending)
+        return s, sig, vis
 
     def visible(self, qs: int, visit: Visit, vis: Tensor | None) -> Tensor:
         """``(N*Hkv, rows*G, keys)`` float: 1 where the visit's pairs are visible, counting a
@@ -264,8 +284,7 @@ def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tens
 
     ``lazy=False`` is the textbook online softmax (rescale whenever a block's maximum is larger).
     """
-    capped = p.softcap is not None  # the rows carry 1 / softcap: one pass less per block
-    qr_all = p.q_rows(qb.qs, qb.qe, factor=1.0 / p.softcap if p.softcap else 1.0)
+    qr_all = p.q_rows(qb.qs, qb.qe, factor=p.score_factor())
     tb = p.term_block(qb, None)
     rows = qr_all.size(1)
     acc = qr_all.new_zeros(qr_all.size(0), rows, p.dv)
@@ -273,29 +292,39 @@ def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tens
     m = qr_all.new_full((qr_all.size(0), rows, 1), float("-inf"))
     spoiled = qr_all.new_zeros(qr_all.size(0), rows, p.dv) if p.v_bad else None
     settled = False  # every row has a finite offset, so lazy steps are safe to take
+    zero = False  # ... and it is taken as 0 (the offsets were small): no subtraction at all
     for visit in qb.visits:
         lo, hi = visit.r0 * p.g, visit.r1 * p.g
         step = lazy and settled
-        offset = m[:, lo:hi] if step else None
-        s, _, vis = p.scores(qr_all[:, lo:hi], qb.qs, visit, offset, tb, capped_rows=capped)
+        offset = m[:, lo:hi] if step and not zero else None
+        s, _, vis = p.scores(qr_all[:, lo:hi], qb.qs, visit, offset, tb)
         vb = p.values(visit.ks, visit.ke)
         if step:
-            s.exp_()
+            torch.exp2_(s)
         else:
             m_old = m[:, lo:hi]
             m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
             # Rows that have seen no visible key keep m = -inf (so a later block sets it from its
             # own maximum) but subtract 0: their scores are all -inf and exp(-inf - 0) = 0.
             m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0)
-            alpha = (m_old - m_sub).exp_()
-            s.sub_(m_sub).exp_()
+            alpha = torch.exp2_(m_old - m_sub)
+            torch.exp2_(s.sub_(m_sub))
             lsum[:, lo:hi].mul_(alpha)
             acc[:, lo:hi].mul_(alpha)
             m[:, lo:hi] = m_new
-            if lazy:
-                settled = bool(torch.isfinite(m).all())
         lsum[:, lo:hi].add_(s.sum(-1, keepdim=True))
         acc[:, lo:hi].baddbmm_(s, vb)
+        if lazy and not step:
+            largest = float(m.abs().amax())
+            settled = largest < math.inf
+            if settled and p.softcap is None and largest <= _ZERO_BITS:
+                # Offsets within 2^+-32: take 0 instead (the sums so far move onto it), so later
+                # blocks are exp(q k^T) with no pass to subtract anything.
+                shift = torch.exp2_(m.clone())
+                lsum.mul_(shift)
+                acc.mul_(shift)
+                m.zero_()
+                zero = True
         if spoiled is not None:
             bad = _bad(p.v3[:, visit.ks : visit.ke]).to(p.work)
             spoiled[:, lo:hi].baddbmm_(p.visible(qb.qs, visit, vis), bad)
@@ -307,7 +336,8 @@ def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tens
     out = acc.div_(lsum.masked_fill(empty, 1.0))
     if spoiled is not None:
         out.masked_fill_(spoiled > 0, float("nan"))
-    lse = m.add_(lsum.log_())  # -inf for empty rows: m = -inf and log(0) = -inf
+    # -inf for empty rows: m = -inf and log(0) = -inf
+    lse = m.add_(lsum.log2_()).mul_(_LN2)
     return out, lse
 
 
@@ -382,18 +412,31 @@ def backward(
     for qb in p.plan.blocks:
         if not qb.visits:
             continue
-        qr = p.q_rows(qb.qs, qb.qe)
-        qr_clean = p.q_rows(qb.qs, qb.qe, clean=True) if p.careful else qr
-        lse_b, delta_b, do_b = p.rows(lse, qb.qs, qb.qe), p.rows(delta, qb.qs, qb.qe), None
+        qr = p.q_rows(qb.qs, qb.qe, factor=p.score_factor())  # for the scores
+        qr_clean = p.q_rows(qb.qs, qb.qe, clean=p.careful)  # for dK
+        lse_b, delta_b = p.rows(lse, qb.qs, qb.qe).mul_(_LOG2E), p.rows(delta, qb.qs, qb.qe)
         do_b = p.rows(dout, qb.qs, qb.qe)
+        offset: Tensor | None = lse_b
+        if p.softcap is None and float(lse_b.abs().amax()) <= _ZERO_BITS:
+            # P = exp(S - lse) = exp(S) * w with w = exp(-lse) per row, small enough to carry in
+            # dO and delta instead: dV = exp(S)^T (w dO), dS = exp(S) (w dO V^T - w delta).
+            w = torch.exp2_(lse_b.neg())
+            do_b.mul_(w)
+            delta_b.mul_(w)
+            offset = None
         dq_b = torch.zeros_like(qr)
         tb = p.term_block(qb, dterm if term_grads else None)
         for visit in qb.visits:
             lo, hi = visit.r0 * p.g, visit.r1 * p.g
-            s, tanh, vis = p.scores(
-                qr[:, lo:hi], qb.qs, visit, lse_b[:, lo:hi], tb, keep_tanh=p.softcap is not None
+            s, sig, vis = p.scores(
+                qr[:, lo:hi],
+                qb.qs,
+                visit,
+                None if offset is None else offset[:, lo:hi],
+                tb,
+                keep_sigmoid=p.softcap is not None,
             )
-            prob = s.exp_()  # (N*Hkv, rows*G, keys): the forward's probabilities, recomputed
+            prob = torch.exp2_(s)  # (N*Hkv, rows*G, keys): the forward's probabilities, recomputed
             shape5 = (p.n, p.hkv, (hi - lo) // p.g, p.g, visit.ke - visit.ks)
             if p.careful and vis is not None:
                 prob.view(shape5).masked_fill_(~vis, 0.0)
@@ -412,14 +455,17 @@ def backward(
             if tb is not None:  # (N, H, rows, keys): a view unless heads are grouped
                 ds_heads = ds5.transpose(2, 3).reshape(p.n, p.hkv * p.g, *shape5[2::2])
                 tb.backward(visit.ks + p.k_start, visit.ke + p.k_start, ds_heads, visit.r0)
-            if tanh is not None:  # d softcap * tanh(x / softcap) / dx = 1 - tanh^2
-                ds = tanh.mul_(tanh).neg_().add_(1.0).mul_(ds)
+            if sig is not None:  # d c tanh(x/c) / dx = 1 - tanh^2 = 4 s (1 - s), s = sigmoid(2x/c)
+                ds.mul_(sig.addcmul_(sig, sig, value=-1.0))  # the 4 is applied to dQ and dK below
             dq_b[:, lo:hi].baddbmm_(ds, kb)
             dk[:, visit.ks : visit.ke].baddbmm_(ds.transpose(1, 2), qr_clean[:, lo:hi])
         if tb is not None:
             tb.flush()
         dq[:, :, qb.qs : qb.qe] = dq_b.view(p.n, p.hkv, qb.qe - qb.qs, p.g, p.dk)
-    dq.mul_(p.scale)
+    capped = 4.0 if p.softcap is not None else 1.0
+    dq.mul_(p.scale * capped)
+    if p.softcap is not None:
+        dk.mul_(capped)
     return Grads(dq.transpose(2, 3), dk, dv, dbias, dterm)
 
 
