@@ -73,9 +73,11 @@ def brute_force(
 
 
 def blocked(backend: str, block_q: int, block_k: int) -> str | attnkit.Backend:
-    """``backend``, with small blocks when it is the chunked kernel, so small inputs span many."""
+    """``backend``, with small blocks when it is the chunked kernel, so small inputs span many,
+    and fully visible stretches of two query blocks or more given to torch's fused kernel (merged
+    with the partial blocks around them), so small inputs take that path too."""
     if backend == "chunked":
-        return attnkit.backends.Chunked(block_q=block_q, block_k=block_k)
+        return attnkit.backends.Chunked(block_q=block_q, block_k=block_k, fused_rows=2 * block_q)
     return backend
 
 

@@ -32,7 +32,7 @@ from ._call import AttentionCall, check_attention_args
 from ._checks import shape_str
 from ._typing import Bool, Float, shape_checked
 from .backends.base import Backend, BackendError, BackendFn, CallCheck
-from .backends.chunked import Chunked, finite, plan_for
+from .backends.chunked import Chunked, finite, fused_note, plan_for
 from .backends.reference import reference
 from .backends.sdpa import SDPA, _documents
 from .masks import Mask
@@ -195,10 +195,9 @@ class Explanation:
 
 
 def _plan_note(call: AttentionCall, backend: Backend) -> list[str]:
-    """What the kernel does with a structured mask, when it can be told without data."""
-    if call.mask is None:
-        return []
-    if isinstance(backend, SDPA) and call.bias_shape is None and call.score_term is None:
+    """What the kernel does with a call's blocks, when it can be told without data."""
+    plain = call.bias_shape is None and call.score_term is None
+    if call.mask is not None and isinstance(backend, SDPA) and plain:
         docs = _documents(call.mask, call.q_len, call.kv_len)  # the documents' lengths: no data
         if docs:
             n = sum(sum(b > a for a, b in itertools.pairwise(row)) for row in docs[0])
@@ -207,7 +206,9 @@ def _plan_note(call: AttentionCall, backend: Backend) -> list[str]:
         return []
     term = call.score_term is not None
     plan = plan_for(call.mask, call.geometry, call.groups, term, backend.block_q, backend.block_k)
-    return [f"block plan: {plan.describe()}"]
+    notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
+    fused = fused_note(call, plan, backend.fused_rows)
+    return notes + ([fused] if fused else [])
 
 
 def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:

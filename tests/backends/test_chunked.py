@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attnkit
 from attnkit import attention, kernel, masks
 from attnkit.backends import Chunked
 from attnkit.kernel import softmax
@@ -127,3 +128,118 @@ def test_score_levels_either_side_of_the_zero_offset(level: float, extra: str | 
     for g, w in zip(got, want, strict=True):
         assert g.isfinite().all()
         assert_close(g, w)
+
+
+class FusedCalls:
+    """Stand-ins for torch's fused CPU kernel that count calls (or refuse them)."""
+
+    def __init__(self, allowed: bool = True) -> None:
+        assert softmax._FUSED is not None
+        self.real = softmax._FUSED
+        self.allowed = allowed
+        self.forward = self.backward = 0
+
+    def ops(self) -> tuple[object, object]:
+        def fwd(*args: object, **kw: object) -> object:
+            assert self.allowed, "the fused kernel was given work it cannot compute"
+            self.forward += 1
+            return self.real[0](*args, **kw)
+
+        def bwd(*args: object, **kw: object) -> object:
+            assert self.allowed, "the fused kernel was given work it cannot compute"
+            self.backward += 1
+            return self.real[1](*args, **kw)
+
+        return fwd, bwd
+
+
+def fused_calls(monkeypatch: pytest.MonkeyPatch, allowed: bool = True) -> FusedCalls:
+    calls = FusedCalls(allowed)
+    monkeypatch.setattr(softmax, "_FUSED", calls.ops())
+    return calls
+
+
+FUSED_CASES = {
+    "plain": (None, False),
+    "causal": (masks.causal(), False),
+    "documents": (masks.documents([13, 0, 27]), False),
+    "padding": (masks.key_padding([40, 25]), False),
+    "prefix LM": (masks.from_fn(lambda b, h, q, kv: (kv <= q) | (kv < 12)), False),
+    "window": (masks.sliding_window(20), False),
+    "sinks": (masks.causal(), True),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_stretches_equal_reference(
+    monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype
+) -> None:
+    # Fully visible stretches of 8+ queries go to torch's fused kernel and are merged with the
+    # partial blocks of the same rows; the backward gives it the call's final output and
+    # log-sum-exp. Grouped heads, Tq != Tk for the masks that allow it, values and gradients
+    # against float64.
+    mask, with_sinks = FUSED_CASES[case]
+    tk = 40 if case in ("documents", "prefix LM", "causal", "sinks") else 46
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 40, 8, generator=g)
+    k, v = torch.randn(2, 2, tk, 8, generator=g), torch.randn(2, 2, tk, 8, generator=g)
+    sinks = torch.randn(4, generator=g) if with_sinks else None
+    cot = torch.randn(2, 4, 40, 8, generator=g)
+    calls = fused_calls(monkeypatch)
+
+    def run(dt: torch.dtype, backend: object) -> list[torch.Tensor]:
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        extra = [] if sinks is None else [sinks.to(dt).requires_grad_()]
+        kw = {} if sinks is None else {"sinks": extra[0]}
+        out = attention(*leaves, mask=mask, backend=backend, **kw)  # type: ignore[arg-type]
+        return [out, *torch.autograd.grad(out, leaves + extra, cot.to(dt))]
+
+    got = run(dtype, Chunked(block_q=4, block_k=4, fused_rows=8))
+    assert calls.forward > 0  # the path under test was taken
+    assert calls.backward > 0
+    want = run(torch.float64, "reference")
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
+
+
+def test_fused_kernel_gets_only_what_it_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # softcap, a bias, a score term, Dv != Dk, half precision, non-finite inputs and a last
+    # dimension that is not contiguous (which the fused kernel would misread) stay in attnkit's
+    # kernel, and still equal the reference.
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g) for _ in range(3))
+    small = Chunked(block_q=4, block_k=4, fused_rows=8)
+    strided = torch.randn(1, 2, 8, 32, generator=g).transpose(-1, -2)
+    nan_v = v.clone()
+    nan_v[..., 30:, :] = float("nan")  # hidden by the padding mask below
+    calls: list[tuple[tuple[torch.Tensor, ...], dict[str, object]]] = [
+        ((q, k, v), {"softcap": 5.0}),
+        ((q, k, v), {"bias": torch.randn(32, 32, generator=g)}),
+        ((q, k, v[..., :6]), {}),
+        ((q.half(), k.half(), v.half()), {}),
+        ((q, k, nan_v), {"mask": masks.key_padding([30])}),
+        ((strided, k, v), {}),
+        ((q, strided, v), {}),
+    ]
+    fused_calls(monkeypatch, allowed=False)
+    for args, kw in calls:
+        leaves = [t.detach().requires_grad_() for t in args]
+        got = attention(*leaves, backend=small, **kw)  # type: ignore[arg-type]
+        got.sum().backward()
+        kw64 = {n: x.double() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+        want = attention(*(t.double() for t in args), backend="reference", **kw64)  # type: ignore[arg-type]
+        assert_close(got, want)
+    # The control: the same call without any of those takes the fused path, which would fail here.
+    with pytest.raises(AssertionError, match="cannot compute"):
+        attention(q, k, v, backend=small)
+
+
+def test_explain_tells_what_the_fused_kernel_computes() -> None:
+    q = torch.randn(1, 2, 64, 8)
+    plain = str(attnkit.explain(q, q, q, backend=Chunked(block_q=8, block_k=8, fused_rows=16)))
+    assert "torch's fused CPU kernel: 100% of the pairs in 1 call" in plain
+    capped = attnkit.explain(q, q, q, softcap=5.0, backend=Chunked(block_q=8, fused_rows=16))
+    assert "fused CPU kernel" not in str(capped)
+    off = attnkit.explain(q, q, q, backend=Chunked(block_q=8, block_k=8, fused_rows=None))
+    assert "fused CPU kernel" not in str(off)

@@ -28,7 +28,7 @@ B, H, HKV, DK, DV = 2, 4, 2, 8, 6  # grouped-query attention, Dv != Dk
 CHUNK = 5  # T = 2 * W * CHUNK: zigzag chunks of 5, contiguous shards of 10
 
 
-def full_inputs(t: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+def full_inputs(t: int, dtype: torch.dtype, seed: int = 0, dv: int = DV) -> dict[str, torch.Tensor]:
     """The whole sequence's q, k, v, output gradient and a key mask (the same on every rank).
 
     Batch 0 pads its last 3 keys; batch 1 pads its first half, so under causality its first
@@ -44,8 +44,8 @@ def full_inputs(t: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Te
     return {
         "q": torch.randn(B, H, t, DK, generator=g).to(dtype),
         "k": torch.randn(B, HKV, t, DK, generator=g).to(dtype),
-        "v": torch.randn(B, HKV, t, DV, generator=g).to(dtype),
-        "dout": torch.randn(B, H, t, DV, generator=g).to(dtype),
+        "v": torch.randn(B, HKV, t, dv, generator=g).to(dtype),
+        "dout": torch.randn(B, H, t, dv, generator=g).to(dtype),
         "mask": pad,
     }
 
@@ -67,11 +67,12 @@ def compare_with_single_process(
     group: dist.ProcessGroup | None = None,
     ring: RingBackend | None = None,
     window: int | None = None,
+    dv: int = DV,
 ) -> None:
     """This rank's output and q/k/v gradients equal its shard of the whole sequence's, through
     ``ring_attention`` or through ``attention()`` with the backend ``ring``."""
     t = 2 * world * CHUNK
-    x = full_inputs(t, dtype)
+    x = full_inputs(t, dtype, dv=dv)
     mask = x["mask"] if masked else None
     band = None if window is None else masks.sliding_window(window, right=1)
     spec_mask = mask if band is None else (band if mask is None else band & mask)
@@ -209,6 +210,15 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
     compare_with_single_process(
         rank, world, layout="zigzag", causal=True, masked=True, dtype=torch.float32
     )
+    # Fully visible stretches through torch's fused CPU kernel (which needs Dv = Dk), merged with
+    # the partial blocks around them (and, in the backward, given the call's final output and lse).
+    for layout in ("contiguous", "zigzag"):
+        ring = RingBackend(layout=layout, block_q=4, block_k=3, fused_rows=4)
+        for causal in (False, True):
+            for masked in (False, True):
+                compare_with_single_process(
+                    rank, world, layout=layout, causal=causal, masked=masked, ring=ring, dv=DK
+                )
     for layout in ("contiguous", "zigzag"):  # a window across shards, with and without padding
         ring = RingBackend(layout=layout, block_q=4, block_k=3)
         for masked in (False, True):

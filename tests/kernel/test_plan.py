@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnkit.kernel import make_plan
+from attnkit.kernel import Plan, Run, make_plan, split_runs
 from attnkit.masks import _Geometry
 
 from ..strategies import structured_masks
@@ -76,3 +76,78 @@ def test_documents_plan_with_keys_that_do_not_fill_their_last_block() -> None:
     )
     assert [len(qb.visits) for qb in plan.blocks] == [0, 1]
     assert not plan.blocks[1].visits[0].partial
+
+
+def pairs(qs: int, qe: int, ks: int, ke: int) -> set[tuple[int, int]]:
+    return {(i, j) for i in range(qs, qe) for j in range(ks, ke)}
+
+
+@given(
+    shape=st.tuples(st.integers(1, 2), st.integers(0, 24), st.integers(0, 24)),
+    block=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+    min_rows=st.integers(1, 12),
+    data=st.data(),
+)
+def test_runs_take_fully_visible_work_exactly_once(
+    shape: tuple[int, int, int],
+    block: tuple[int, int],
+    min_rows: int,
+    data: st.DataObject,
+) -> None:
+    # What the runs take plus what the blocks keep is what the plan visits, each pair once; a run
+    # takes only pairs of FULL blocks, is at least min_rows tall, and every block it covers is
+    # marked fused (their results are merged with the run's, not written over it).
+    b, tq, tk = shape
+    s = data.draw(structured_masks(b, 1, tq, tk))
+    geo = _Geometry((b,), 1, tq, tk, torch.device("cpu"))
+    plan = make_plan(
+        s.mask, geo, q_start=0, q_len=tq, k_start=0, kv_len=tk, block_q=block[0], block_k=block[1]
+    )
+    runs, blocks = split_runs(plan, min_rows)
+    full: set[tuple[int, int]] = set()
+    visited: set[tuple[int, int]] = set()
+    for qb in plan.blocks:
+        for v in qb.visits:
+            p = pairs(qb.qs + v.r0, qb.qs + v.r1, v.ks, v.ke)
+            visited |= p
+            if not v.partial and (v.r0, v.r1) == (0, qb.qe - qb.qs):
+                full |= p
+    taken: set[tuple[int, int]] = set()
+    for run in runs:
+        assert run.qe - run.qs >= min_rows
+        p = pairs(run.qs, run.qe, run.ks, run.ke)
+        assert p <= full, (s.label, run)
+        assert not p & taken, (s.label, run)
+        taken |= p
+    kept: set[tuple[int, int]] = set()
+    for qb, left in zip(plan.blocks, blocks, strict=True):
+        assert (left.qs, left.qe) == (qb.qs, qb.qe)
+        assert left.fused == any(r.qs <= qb.qs and qb.qe <= r.qe for r in runs)
+        assert set(left.visits) <= set(qb.visits)
+        for v in left.visits:
+            kept |= pairs(qb.qs + v.r0, qb.qs + v.r1, v.ks, v.ke)
+    assert not taken & kept
+    assert taken | kept == visited
+
+
+def runs_of(mask: object, t: int, block: int, min_rows: int) -> tuple[Run, ...]:
+    from attnkit import masks
+
+    geo = _Geometry((1,), 1, t, t, torch.device("cpu"))
+    m = None if mask is None else getattr(masks, str(mask))()
+    plan: Plan = make_plan(
+        m, geo, q_start=0, q_len=t, k_start=0, kv_len=t, block_q=block, block_k=block
+    )
+    return split_runs(plan, min_rows)[0]
+
+
+def test_runs_of_a_plain_call_and_a_causal_one() -> None:
+    # No mask: every block the same stretch, one run over everything.
+    assert runs_of(None, 64, 8, 16) == (Run(0, 64, 0, 64),)
+    assert runs_of(None, 64, 8, 100) == ()  # too short for min_rows
+    # Causal, blocks of 8: block i sees keys 0..8i fully. Blocks pair up until they hold 16
+    # queries, over the keys both see fully (block 0 has none: its only block is the diagonal).
+    assert runs_of("causal", 48, 8, 16) == (
+        Run(8, 24, 0, 8),
+        Run(24, 40, 0, 24),
+    )

@@ -5,9 +5,17 @@ skip the blocks they hide (a causal call does about half the work, a sliding win
 per query), score terms are computed tile by tile, and softcap and sinks have exact gradients. It
 has no dropout and returns no weights (``reference`` does both).
 
-``attnkit.backends.Chunked(block_q=..., block_k=...)`` is the backend with other block sizes: one
-``(H, block_q, block_k)`` score block exists at a time, so smaller blocks use less memory and cost
-more per-block overhead.
+On CPUs, fully visible stretches of the block plan that at least 768 queries share (every pair of
+the stretch may attend, and nothing is added to the scores) are computed by torch's fused CPU
+attention kernel, the one behind its SDPA, and merged with the rest of each row by log-sum-exp:
+a call without a mask is one fused call, and the inside of long documents or of a prefix-LM's
+prefix runs at the fused kernel's speed. Its backward is given the call's final output and
+log-sum-exp, so it computes exactly those keys' share of the gradients.
+
+``attnkit.backends.Chunked(block_q=..., block_k=..., fused_rows=...)`` is the backend with other
+block sizes: one ``(H, block_q, block_k)`` score block exists at a time, so smaller blocks use less
+memory and cost more per-block overhead. ``fused_rows=None`` keeps every block in attnkit's own
+kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int
 from ..kernel import (
+    FUSED_ROWS,
     Plan,
     Problem,
     backward,
@@ -29,15 +38,17 @@ from ..kernel import (
     delta_of,
     finish,
     forward,
+    fused_serves,
     make_plan,
     no_autocast,
     sink_grad,
+    split_runs,
 )
 from ..masks import Mask, _Geometry
 from ..scores import ScoreTerm
 from .base import Backend
 
-__all__ = ["Chunked", "chunked_check", "kernel_attention"]
+__all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention"]
 
 
 def _flatten_batch(t: Tensor, batch: tuple[int, ...], n: int) -> Tensor:
@@ -96,6 +107,7 @@ class _Spec:
     has_bias: bool
     has_sinks: bool
     n_term: int
+    fused_rows: int | None
 
 
 def _problem(
@@ -122,6 +134,7 @@ def _problem(
         term=spec.term,
         term_inputs=term_inputs,
         careful=spec.careful,
+        fused_rows=spec.fused_rows,
     )
 
 
@@ -167,6 +180,7 @@ class _KernelAttention(torch.autograd.Function):
             delta = delta_of(out5, dout5)
             grads = backward(
                 p,
+                out5,
                 lse,
                 delta,
                 dout5,
@@ -234,6 +248,7 @@ def kernel_attention(
     sinks: Tensor | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    fused_rows: int | None = FUSED_ROWS,
 ) -> Tensor:
     """Run the kernel on a validated call (what the ``chunked`` backend does)."""
     batch = tuple(q.shape[:-3])
@@ -255,8 +270,29 @@ def kernel_attention(
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
+        fused_rows=fused_rows,
     )
     return _apply(spec, q, k, v, dense, sinks, *term_inputs)
+
+
+def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
+    """What of a call's plan goes to torch's fused CPU kernel, for explain() (None: nothing)."""
+    added = call.bias_shape is not None or call.score_term is not None
+    serves = fused_serves(
+        call.device, call.dtype, call.qk_dim, call.v_dim, softcap=call.softcap, added=added
+    )
+    if fused_rows is None or not serves or call.finite is False:
+        return None
+    runs, _ = split_runs(plan, fused_rows)
+    if not runs:
+        return None
+    pairs = sum((v.r1 - v.r0) * (v.ke - v.ks) for b in plan.blocks for v in b.visits)
+    fused = sum((r.qe - r.qs) * (r.ke - r.ks) for r in runs)
+    calls = f"{len(runs)} call{'s' if len(runs) > 1 else ''}"
+    return (
+        f"torch's fused CPU kernel: {100 * fused / max(pairs, 1):.0f}% of the pairs in {calls} "
+        f"(fully visible stretches of {fused_rows}+ queries, finite inputs)"
+    )
 
 
 def chunked_check(call: AttentionCall) -> list[str]:
@@ -277,6 +313,9 @@ def chunked_check(call: AttentionCall) -> list[str]:
 class Chunked(Backend):
     """The chunked backend with chosen block sizes (default: sizes that run well on CPUs).
 
+    ``fused_rows``: fully visible stretches of the block plan shared by at least this many queries
+    go to torch's fused CPU kernel (see :mod:`attnkit.backends.chunked`); ``None``: never.
+
     >>> import torch, attnkit
     >>> q = torch.randn(1, 2, 100, 8)
     >>> small = attnkit.backends.Chunked(block_q=16, block_k=32)
@@ -285,9 +324,16 @@ class Chunked(Backend):
     True
     """
 
-    def __init__(self, *, block_q: int | None = None, block_k: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        block_q: int | None = None,
+        block_k: int | None = None,
+        fused_rows: int | None = FUSED_ROWS,
+    ) -> None:
         self.block_q = None if block_q is None else check_int("block_q", block_q)
         self.block_k = None if block_k is None else check_int("block_k", block_k)
+        self.fused_rows = None if fused_rows is None else check_int("fused_rows", fused_rows)
 
         def run(
             q: Tensor,
@@ -313,10 +359,13 @@ class Chunked(Backend):
                 sinks=sinks,
                 block_q=self.block_q,
                 block_k=self.block_k,
+                fused_rows=self.fused_rows,
             )
 
         super().__init__("chunked", run, check=chunked_check)
 
     def __repr__(self) -> str:
         sizes = [f"{n}={v}" for n, v in (("block_q", self.block_q), ("block_k", self.block_k)) if v]
+        if self.fused_rows != FUSED_ROWS:
+            sizes.append(f"fused_rows={self.fused_rows}")
         return f"Chunked({', '.join(sizes)})"

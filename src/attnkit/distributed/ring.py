@@ -33,6 +33,7 @@ from .._checks import check_int, shape_str
 from .._typing import Bool, Float, shape_checked
 from ..backends.base import Backend
 from ..kernel import (
+    FUSED_ROWS,
     Problem,
     backward,
     default_blocks,
@@ -40,6 +41,7 @@ from ..kernel import (
     finish,
     forward,
     make_plan,
+    merge,
     sink_grad,
 )
 from ..masks import Mask, _Band, _block_reduce, _Dense, _FromFn, _Geometry, _states_from
@@ -78,6 +80,7 @@ class _Plan:
     tile_k: int
     tile_k_backward: int
     careful: bool  # NaN/inf in some rank's q, k or v: the kernel's careful mode everywhere
+    fused_rows: int | None  # see attnkit.backends.Chunked
 
 
 @dataclass(frozen=True)
@@ -175,18 +178,8 @@ def _problem(
         q_start=piece.gq,
         k_start=piece.gk,
         careful=plan.careful,
+        fused_rows=plan.fused_rows,
     )
-
-
-def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """Fold one tile's (output, log-sum-exp) into the running pair, in place (block_out too)."""
-    new = torch.logaddexp(lse, block_lse)
-    # A row that has seen no key on either side stays at -inf; subtracting 0 then keeps both
-    # weights at exp(-inf) = 0 instead of exp(-inf + inf) = nan.
-    safe = new.masked_fill(new == float("-inf"), 0.0)
-    out.mul_((lse - safe).exp_().unsqueeze(-1))
-    out.add_(block_out.mul_((block_lse - safe).exp_().unsqueeze(-1)))
-    lse.copy_(new)
 
 
 def _kernel_shape(q: Tensor, v: Tensor) -> tuple[int, int, int]:
@@ -217,7 +210,7 @@ def _ring_forward(
             p = _problem(plan, piece, q, kb, vb, mb)
             block_out, block_lse = forward(p)
             rows = slice(piece.qs, piece.qe)
-            _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
+            merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
         if incoming is not None:
             block = incoming.wait()
     return out, lse
@@ -229,6 +222,7 @@ def _ring_backward(
     k: Tensor,
     v: Tensor,
     mask: Tensor | None,
+    out: Tensor,
     lse: Tensor,
     delta: Tensor,
     dout: Tensor,
@@ -251,6 +245,7 @@ def _ring_backward(
             rows, keys = slice(piece.qs, piece.qe), slice(piece.ks, piece.ke)
             grads = backward(
                 p,
+                out[:, :, :, rows],
                 lse[:, :, :, rows],
                 delta[:, :, :, rows],
                 dout5[:, :, :, rows],
@@ -304,7 +299,7 @@ class _RingAttention(torch.autograd.Function):
         _, hkv, g = _kernel_shape(q, v)
         delta = delta_of(out, dout.reshape(out.shape))
         plan = ctx.plan  # type: ignore[attr-defined]
-        dq, dk, dv = _ring_backward(plan, q, k, v, mask, lse, delta, dout)
+        dq, dk, dv = _ring_backward(plan, q, k, v, mask, out, lse, delta, dout)
         dsinks = None
         if sinks is not None:
             dsinks = sink_grad(lse, delta, sinks.view(hkv, g)).reshape(sinks.shape).to(sinks.dtype)
@@ -415,6 +410,7 @@ def _ring(
     group: ProcessGroup | None,
     blocks: tuple[int | None, int | None],
     tiles: tuple[int, int, int],
+    fused_rows: int | None,
 ) -> Tensor:
     """The ring backend's work, on arguments ``attention()`` has validated on this rank."""
     require_group(group, "ring_attention")
@@ -480,6 +476,7 @@ def _ring(
         tile_k=tiles[1] * block_k,
         tile_k_backward=tiles[2] * block_k,
         careful=bool(flags.item()),
+        fused_rows=fused_rows,
     )
     return _apply_ring(plan, q, k, v, key_mask, sinks)
 
@@ -491,7 +488,8 @@ class RingBackend(Backend):
 
     ``block_q`` and ``block_k`` are the kernel's block sizes (default: the chunked backend's);
     ``tile_blocks`` how many blocks of queries, of keys, and of keys in the backward one tile of
-    a ring step computes at once (a tile's temporaries are O(tile)).
+    a ring step computes at once (a tile's temporaries are O(tile)); ``fused_rows`` when fully
+    visible work goes to torch's fused CPU kernel, as in :class:`attnkit.backends.Chunked`.
     """
 
     def __init__(
@@ -503,6 +501,7 @@ class RingBackend(Backend):
         block_q: int | None = None,
         block_k: int | None = None,
         tile_blocks: tuple[int, int, int] = (TILE_BLOCKS_Q, TILE_BLOCKS_K, TILE_BLOCKS_K_BACKWARD),
+        fused_rows: int | None = FUSED_ROWS,
     ) -> None:
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise ValueError(
@@ -519,6 +518,7 @@ class RingBackend(Backend):
             check_int("tile_blocks[1]", tile_blocks[1]),
             check_int("tile_blocks[2]", tile_blocks[2]),
         )
+        fused = None if fused_rows is None else check_int("fused_rows", fused_rows)
         self.layout, self.group = layout, group
 
         def run(
@@ -547,6 +547,7 @@ class RingBackend(Backend):
                 group=group,
                 blocks=blocks,
                 tiles=tiles,
+                fused_rows=fused,
             )
 
         super().__init__(name, run, check=ring_check, auto=False)

@@ -5,8 +5,9 @@ inside it tile by tile; ring attention runs it on each pair of shards it holds. 
 :mod:`attnkit.kernel.softmax` for the algorithm and :mod:`attnkit.kernel.plan` for the block plan.
 """
 
-from .plan import Plan, QueryBlock, Visit, make_plan
+from .plan import Plan, QueryBlock, Run, Visit, make_plan, split_runs
 from .softmax import (
+    FUSED_ROWS,
     Grads,
     Problem,
     backward,
@@ -14,22 +15,29 @@ from .softmax import (
     delta_of,
     finish,
     forward,
+    fused_serves,
+    merge,
     no_autocast,
     sink_grad,
 )
 
 __all__ = [
+    "FUSED_ROWS",
     "Grads",
     "Plan",
     "Problem",
     "QueryBlock",
+    "Run",
     "Visit",
     "backward",
     "default_blocks",
     "delta_of",
     "finish",
     "forward",
+    "fused_serves",
     "make_plan",
+    "merge",
     "no_autocast",
     "sink_grad",
+    "split_runs",
 ]

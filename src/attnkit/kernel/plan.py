@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..masks import EMPTY, FULL, Mask, _Geometry
 
-__all__ = ["Plan", "QueryBlock", "Visit", "make_plan"]
+__all__ = ["Plan", "QueryBlock", "Run", "Visit", "make_plan", "split_runs"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class QueryBlock:
     qs: int
     qe: int
     visits: tuple[Visit, ...]
+    fused: bool = False  # a Run computes these rows against other keys (see split_runs)
 
     @property
     def key_range(self) -> tuple[int, int]:
@@ -129,3 +130,64 @@ def make_plan(
             partial += state != FULL
         blocks.append(QueryBlock(qs, qe, tuple(visits)))
     return Plan(bq, bk, tuple(blocks), nq * nk, partial)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Queries ``qs:qe`` against keys ``ks:ke`` (local), every pair visible and full rows: work
+    that one call of a fused kernel can do."""
+
+    qs: int
+    qe: int
+    ks: int
+    ke: int
+
+
+def _full_stretch(qb: QueryBlock) -> tuple[int, int] | None:
+    """The longest stretch of consecutive keys whose blocks are FULL for every row of ``qb``."""
+    best: tuple[int, int] | None = None
+    cur: tuple[int, int] | None = None
+    for v in qb.visits:
+        if v.partial or v.r0 != 0 or v.r1 != qb.qe - qb.qs:
+            cur = None
+            continue
+        cur = (cur[0], v.ke) if cur is not None and cur[1] == v.ks else (v.ks, v.ke)
+        if best is None or cur[1] - cur[0] > best[1] - best[0]:
+            best = cur
+    return best
+
+
+def split_runs(plan: Plan, min_rows: int) -> tuple[tuple[Run, ...], tuple[QueryBlock, ...]]:
+    """Take fully visible work out of ``plan`` as :class:`Run` s.
+
+    Consecutive query blocks form a run over the keys that are FULL for all of them: blocks join
+    while their stretch of FULL keys is the run's, or, until the run holds ``min_rows`` queries (a
+    fused kernel's tiles want tall query blocks), while it overlaps the run's (a causal call's
+    blocks pair up over the keys before the first one's diagonal). Returns the runs, and the
+    plan's query blocks with the visits no run took, marked ``fused`` where a run covers their
+    rows (their results are merged with the run's).
+    """
+    blocks = list(plan.blocks)
+    stretches = [_full_stretch(qb) for qb in blocks]
+    runs = []
+    i = 0
+    while i < len(blocks):
+        keys = stretches[i]
+        j = i
+        while keys is not None and j + 1 < len(blocks):
+            nxt = stretches[j + 1]
+            if nxt is None:
+                break
+            common = (max(keys[0], nxt[0]), min(keys[1], nxt[1]))
+            short = blocks[j].qe - blocks[i].qs < min_rows
+            if nxt != keys and not (short and common[0] < common[1]):
+                break
+            keys, j = common, j + 1
+        if keys is not None and blocks[j].qe - blocks[i].qs >= min_rows:
+            ks, ke = keys
+            runs.append(Run(blocks[i].qs, blocks[j].qe, ks, ke))
+            for b in range(i, j + 1):
+                rest = tuple(v for v in blocks[b].visits if not (ks <= v.ks and v.ke <= ke))
+                blocks[b] = QueryBlock(blocks[b].qs, blocks[b].qe, rest, fused=True)
+        i = j + 1
+    return tuple(runs), tuple(blocks)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,9 +51,19 @@ from torch import Tensor
 
 from ..masks import Mask, _Geometry
 from ..scores import ScoreShape, ScoreTerm, TermBlock
-from .plan import Plan, QueryBlock, Visit
+from .plan import Plan, QueryBlock, Run, Visit, split_runs
 
-__all__ = ["Problem", "backward", "finish", "forward", "no_autocast", "sink_grad"]
+__all__ = [
+    "FUSED_ROWS",
+    "Problem",
+    "backward",
+    "finish",
+    "forward",
+    "fused_serves",
+    "merge",
+    "no_autocast",
+    "sink_grad",
+]
 
 # A running sum at or above this (or inf/NaN) means the lazy offset was too low: redo the block.
 _OVERFLOW_GUARD = 2.0**64
@@ -61,6 +72,47 @@ _LOG2E = 1.0 / _LN2
 # Rows whose offsets (base 2) are all within +-32 take offset 0: the sums of 2^score stay far from
 # float32's limits unless a later score is 2^32 times larger, which the guard catches.
 _ZERO_BITS = 32.0
+# Fully visible work of at least this many queries goes to torch's fused CPU kernel, whose tiles
+# are tallest (and fastest) from 768 queries up.
+FUSED_ROWS = 768
+
+
+def _fused_ops() -> (
+    tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, ...]]] | None
+):
+    """torch's fused CPU attention forward and backward (the kernel behind its SDPA on CPUs)."""
+    try:
+        return (
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        )
+    except (AttributeError, RuntimeError):  # a build without them: the kernel does the work
+        return None
+
+
+_FUSED = _fused_ops()
+
+
+def fused_serves(
+    device: torch.device,
+    dtype: torch.dtype,
+    dk: int,
+    dv: int,
+    *,
+    softcap: float | None,
+    added: bool,
+) -> bool:
+    """Whether torch's fused CPU kernel computes what a call asks of its fully visible blocks:
+    plain ``softmax(q k^T * scale) v`` (no softcap, nothing ``added`` to the scores) in float32 or
+    float64 on the CPU, keys and values of one width."""
+    return (
+        _FUSED is not None
+        and device.type == "cpu"
+        and dtype in (torch.float32, torch.float64)
+        and dk == dv
+        and softcap is None
+        and not added
+    )
 
 
 def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -90,7 +142,9 @@ class Problem:
     ``q5`` is ``(N, Hkv, G, Tq, Dk)`` (batch dims flattened to ``N``), ``k3``/``v3`` are
     ``(N*Hkv, Tk, D)``; ``bias5`` is a ``(N|1, Hkv|1, G|1, Tq|1, Tk|1)`` view of a dense bias;
     ``sinks`` is ``(Hkv, G)``. ``geo`` is the call the mask and the score term are asked about, and
-    ``q_start``/``k_start`` where the local queries and keys sit in it.
+    ``q_start``/``k_start`` where the local queries and keys sit in it. ``fused_rows``: runs of
+    fully visible blocks with at least this many queries go to torch's fused CPU kernel when
+    nothing is added to the scores (``None``: never).
     """
 
     q5: Tensor
@@ -107,6 +161,7 @@ class Problem:
     q_start: int = 0
     k_start: int = 0
     careful: bool = False
+    fused_rows: int | None = None
     work: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +170,28 @@ class Problem:
         self.tk, self.dv = self.v3.shape[-2:]
         # Only the careful mode looks at values: masked NaN values would otherwise meet 0 weights.
         self.v_bad = self.careful and bool(_bad(self.v3).any())
+        self.runs: tuple[Run, ...] = ()
+        self.blocks = self.plan.blocks
+        if self.fused_rows is not None and self._fusable():
+            self.runs, self.blocks = split_runs(self.plan, self.fused_rows)
+
+    def _fusable(self) -> bool:
+        """:func:`fused_serves`, on finite tensors of one dtype whose last dimension is contiguous
+        (the fused kernel misreads any other)."""
+        dtype = self.q5.dtype
+        return (
+            fused_serves(
+                self.q5.device,
+                dtype,
+                self.dk,
+                self.dv,
+                softcap=self.softcap,
+                added=self.term is not None or self.bias5 is not None,
+            )
+            and self.k3.dtype == dtype == self.v3.dtype
+            and not self.careful
+            and all(t.stride(-1) == 1 for t in (self.q5, self.k3, self.v3))
+        )
 
     # ----------------------------------------------------------------------------------------------
     # Rows of a query block: (N*Hkv, rows*G, X), query-major
@@ -347,16 +424,57 @@ def forward(p: Problem) -> tuple[Tensor, Tensor]:
     out = torch.empty(p.n, p.tq, p.hkv, p.g, p.dv, dtype=p.work, device=p.q5.device)
     out = out.permute(0, 2, 3, 1, 4)
     lse = torch.empty(p.n, p.hkv, p.g, p.tq, dtype=p.work, device=p.q5.device)
-    for qb in p.plan.blocks:
+    if p.runs:
+        _fused_forward(p, out, lse)
+    for qb in p.blocks:
         rows = qb.qe - qb.qs
         if not qb.visits:
-            out[:, :, :, qb.qs : qb.qe] = 0.0
-            lse[:, :, :, qb.qs : qb.qe] = float("-inf")
+            if not qb.fused:
+                out[:, :, :, qb.qs : qb.qe] = 0.0
+                lse[:, :, :, qb.qs : qb.qe] = float("-inf")
             continue
         o, lse_b = _forward_block(p, qb, lazy=True)
-        out[:, :, :, qb.qs : qb.qe] = o.view(p.n, p.hkv, rows, p.g, p.dv).transpose(2, 3)
-        lse[:, :, :, qb.qs : qb.qe] = lse_b.view(p.n, p.hkv, rows, p.g).transpose(2, 3)
+        o5 = o.view(p.n, p.hkv, rows, p.g, p.dv).transpose(2, 3)
+        lse5 = lse_b.view(p.n, p.hkv, rows, p.g).transpose(2, 3)
+        if qb.fused:
+            merge(out[:, :, :, qb.qs : qb.qe], lse[:, :, :, qb.qs : qb.qe], o5, lse5)
+        else:
+            out[:, :, :, qb.qs : qb.qe] = o5
+            lse[:, :, :, qb.qs : qb.qe] = lse5
     return out, lse
+
+
+def _kv4(p: Problem, run: Run) -> tuple[Tensor, Tensor]:
+    """The run's keys and values as ``(N, Hkv, keys, D)`` views."""
+    k4 = p.k3.unflatten(0, (p.n, p.hkv))[:, :, run.ks : run.ke]
+    return k4, p.v3.unflatten(0, (p.n, p.hkv))[:, :, run.ks : run.ke]
+
+
+def _fused_forward(p: Problem, out: Tensor, lse: Tensor) -> None:
+    """The problem's runs through torch's fused kernel, one call per run and query group (the
+    ``G`` query heads that share a key head are ``G`` calls on views, no copies)."""
+    assert _FUSED is not None
+    for run in p.runs:
+        k4, v4 = _kv4(p, run)
+        for g in range(p.g):
+            o, lse_g = _FUSED[0](p.q5[:, :, g, run.qs : run.qe], k4, v4, scale=p.scale)
+            out[:, :, g, run.qs : run.qe] = o
+            lse[:, :, g, run.qs : run.qe] = lse_g
+
+
+def merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """Fold one part's (output, log-sum-exp) into a running pair, in place (``block_out`` too).
+
+    Two parts of one row's keys combine exactly: ``lse = logaddexp(lse_a, lse_b)`` and each output
+    weighs ``exp(lse_part - lse)``.
+    """
+    new = torch.logaddexp(lse, block_lse)
+    # A row that has seen no key on either side stays at -inf; subtracting 0 then keeps both
+    # weights at exp(-inf) = 0 instead of exp(-inf + inf) = nan.
+    safe = new.masked_fill(new == float("-inf"), 0.0)
+    out.mul_((lse - safe).exp_().unsqueeze(-1))
+    out.add_(block_out.mul_((block_lse - safe).exp_().unsqueeze(-1)))
+    lse.copy_(new)
 
 
 def finish(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -389,6 +507,7 @@ class Grads:
 
 def backward(
     p: Problem,
+    out: Tensor,
     lse: Tensor,
     delta: Tensor,
     dout: Tensor,
@@ -396,8 +515,10 @@ def backward(
     bias_grad: bool,
     term_grads: bool,
 ) -> Grads:
-    """Gradients of one problem given the call's final log-sum-exp and ``delta = rowsum(dO * O)``
-    (both ``(N, Hkv, G, Tq)``, sinks included) and ``dout`` ``(N, Hkv, G, Tq, Dv)``."""
+    """Gradients of one problem given the call's final output ``(N, Hkv, G, Tq, Dv)`` (before
+    rounding), log-sum-exp and ``delta = rowsum(dO * O)`` (both ``(N, Hkv, G, Tq)``, sinks
+    included) and ``dout`` ``(N, Hkv, G, Tq, Dv)``."""
+    final_lse = lse
     # The empty-row rule: such rows read lse 0, so their probabilities exp(-inf - 0) are 0.
     lse = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
     delta = delta.unsqueeze(-1)
@@ -409,7 +530,7 @@ def backward(
     if bias_grad and p.bias5 is not None:
         dbias = torch.zeros(p.bias5.shape, dtype=p.work, device=dev)
     dterm: list[Tensor | None] = [None] * len(p.term_inputs)
-    for qb in p.plan.blocks:
+    for qb in p.blocks:
         if not qb.visits:
             continue
         qr = p.q_rows(qb.qs, qb.qe, factor=p.score_factor())  # for the scores
@@ -466,7 +587,42 @@ def backward(
     dq.mul_(p.scale * capped)
     if p.softcap is not None:
         dk.mul_(capped)
+    if p.runs:
+        _fused_backward(p, out, final_lse, dout, dq.transpose(2, 3), dk, dv)
     return Grads(dq.transpose(2, 3), dk, dv, dbias, dterm)
+
+
+def _unit_stride(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _fused_backward(
+    p: Problem, out: Tensor, lse: Tensor, dout: Tensor, dq5: Tensor, dk: Tensor, dv: Tensor
+) -> None:
+    """Add the runs' gradients. Given the call's final output and log-sum-exp, the fused
+    backward of a run's keys computes exactly their share: the probabilities ``exp(S - lse)`` and
+    ``rowsum(dO * O)`` are those of the whole row."""
+    assert _FUSED is not None
+    out, dout = _unit_stride(out), _unit_stride(dout)
+    dk4, dv4 = dk.unflatten(0, (p.n, p.hkv)), dv.unflatten(0, (p.n, p.hkv))
+    for run in p.runs:
+        k4, v4 = _kv4(p, run)
+        rows = slice(run.qs, run.qe)
+        for g in range(p.g):
+            dq_g, dk_g, dv_g = _FUSED[1](
+                dout[:, :, g, rows],
+                p.q5[:, :, g, rows],
+                k4,
+                v4,
+                out[:, :, g, rows],
+                lse[:, :, g, rows],
+                0.0,
+                False,
+                scale=p.scale,
+            )
+            dq5[:, :, g, rows] += dq_g
+            dk4[:, :, run.ks : run.ke] += dk_g
+            dv4[:, :, run.ks : run.ke] += dv_g
 
 
 def sink_grad(lse: Tensor, delta: Tensor, sinks: Tensor) -> Tensor:
