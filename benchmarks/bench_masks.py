@@ -10,8 +10,11 @@ the peak resident memory a call adds beyond its inputs and output, measured in a
   one SDPA call per document.
 * prefix_lm: ``masks.from_fn`` (the first 1024 tokens see each other, the rest is causal) at
   T=16384, against SDPA with the same mask as a dense bool tensor (256 MiB).
-* plain, softcap, sinks: the chunked backend at T=4096 against SDPA, and with softcap or sinks
-  against plain chunked.
+* plain, softcap, sinks: the chunked backend at T=4096 against SDPA (a call without a mask is one
+  call of torch's fused CPU kernel), and with softcap or sinks against plain chunked.
+* kernel, softcap_vs_kernel: the same plain call with every block in attnkit's own kernel
+  (``Chunked(fused_rows=None)``) against SDPA, and softcap (which always runs there) against it:
+  the cost of the softcap itself.
 * decode: one query against 4096 keys, attnkit.attention() against torch's SDPA: the dispatch cost.
 
     python benchmarks/bench_masks.py                      # every case (~20 minutes on 2 cores)
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks
+from attnkit.backends import Chunked
 from attnkit.cli.measure import extra_peak_memory, time_side_by_side
 
 import results
@@ -106,15 +110,18 @@ def build(case: str, who: str, backward: bool = False) -> tuple[Callable[[], obj
             def fn() -> torch.Tensor:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
 
-    elif case in ("plain", "softcap", "sinks"):
+    elif case in ("plain", "kernel", "softcap", "softcap_vs_kernel", "sinks"):
         t = 4096
         q, k, v = _qkv(t, grad=backward)
         kw: dict[str, object] = {}
-        if who == "ours" and case == "softcap":
+        backend: object = "chunked"
+        if who == "ours" and case.startswith("softcap"):
             kw["softcap"] = 30.0
         if who == "ours" and case == "sinks":
             kw["sinks"] = torch.zeros(H)
-        if who == "baseline" and case == "plain":
+        if who == "ours" and case == "kernel":
+            backend = Chunked(fused_rows=None)  # attnkit's own kernel for every block
+        if who == "baseline" and case in ("plain", "kernel"):
 
             def fn() -> torch.Tensor:
                 return F.scaled_dot_product_attention(q, k, v)
@@ -122,7 +129,7 @@ def build(case: str, who: str, backward: bool = False) -> tuple[Callable[[], obj
         else:
 
             def fn() -> torch.Tensor:
-                return attnkit.attention(q, k, v, backend="chunked", **kw)  # type: ignore[call-overload]
+                return attnkit.attention(q, k, v, backend=backend, **kw)  # type: ignore[call-overload]
 
     elif case == "decode":
         q = torch.randn(1, H, 1, D)
@@ -164,7 +171,9 @@ PAIRS = {
     "documents": "torch SDPA, one call per document",
     "prefix_lm": "torch SDPA with the dense bool mask",
     "plain": "torch SDPA",
+    "kernel": "torch SDPA",
     "softcap": "plain chunked",
+    "softcap_vs_kernel": "plain chunked, own kernel only",
     "sinks": "plain chunked",
     "decode": "torch SDPA",
 }
@@ -190,6 +199,8 @@ def main() -> None:
             base_case, base_who = case, "baseline"
             if case in ("softcap", "sinks"):
                 base_case, base_who = "plain", "ours"
+            if case == "softcap_vs_kernel":
+                base_case, base_who = "kernel", "ours"
             fns = {
                 "ours": build(case, "ours", backward)[0],
                 "baseline": build(base_case, base_who, backward)[0],

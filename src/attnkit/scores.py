@@ -368,7 +368,7 @@ class _RelativeBlock(TermBlock):
         else:
             # Window columns run from distance (qs' - key_lo)... : row of enc for query i, key j
             # is top - (i' - j); over the block it spans top - (qe-1)' + key_lo ... + width - 1.
-            # Rounded up to 16 columns: a GEMM writing rows of an odd width runs ~25% slower.
+            # Rounded up to 16 columns: GEMMs writing rows of an odd width run markedly slower.
             width = -(-((key_hi - key_lo) + self.bq - 1) // 16) * 16
             shift = shape.kv_len - shape.q_len
             lo = term._top(shape) - (qe - 1 + shift) + key_lo

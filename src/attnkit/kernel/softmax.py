@@ -26,6 +26,12 @@ Two details make it fast in eager PyTorch:
   single batched GEMM against the shared keys, and a block's first rows can be skipped for every
   group at once.
 
+**Fully visible stretches** of the plan (see :func:`~attnkit.kernel.plan.split_runs`) go, on CPUs
+and when it computes the same thing, to torch's fused CPU attention kernel: one call per run and
+query group, merged with the rest of each row by log-sum-exp (:func:`merge`). Its backward, given
+the call's final output and log-sum-exp, computes exactly those keys' share of the gradients,
+because the probabilities ``exp(S - lse)`` and ``rowsum(dO * O)`` it forms are the whole row's.
+
 The single rule for a query with no visible key lives here too: its log-sum-exp is ``-inf``, its
 output 0, and the backward reads its log-sum-exp as 0 so that its probabilities ``exp(-inf - 0)``
 are 0 and its gradients vanish.
