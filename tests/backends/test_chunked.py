@@ -243,3 +243,30 @@ def test_explain_tells_what_the_fused_kernel_computes() -> None:
     assert "fused CPU kernel" not in str(capped)
     off = attnkit.explain(q, q, q, backend=Chunked(block_q=8, block_k=8, fused_rows=None))
     assert "fused CPU kernel" not in str(off)
+
+
+@pytest.mark.parametrize("cotangent", ["sum", "transposed"])
+def test_fused_backward_takes_any_output_gradient_layout(
+    monkeypatch: pytest.MonkeyPatch, cotangent: str
+) -> None:
+    # The fused backward gets the output gradient in whatever layout autograd hands it:
+    # out.sum().backward() gives one with every stride 0, a transposed cotangent one whose last
+    # dimension is not contiguous.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    cot = torch.randn(1, 2, 8, 32, generator=g, dtype=torch.float64).transpose(-1, -2)
+    calls = fused_calls(monkeypatch)
+
+    def grads(backend: object) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, mask=masks.causal(), backend=backend)  # type: ignore[call-overload]
+        if cotangent == "sum":
+            out.sum().backward()
+        else:
+            out.backward(cot)
+        return [t.grad for t in leaves]  # type: ignore[misc]
+
+    got = grads(Chunked(block_q=4, block_k=4, fused_rows=8))
+    assert calls.backward > 0
+    for a, b in zip(got, grads("reference"), strict=True):
+        assert_close(a, b)
