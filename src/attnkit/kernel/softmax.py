@@ -99,6 +99,13 @@ def _fused_ops() -> (
 _FUSED = _fused_ops()
 
 
+def _fused() -> tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, ...]]]:
+    """The fused ops, for a problem whose runs were split off because they exist."""
+    if _FUSED is None:
+        raise RuntimeError("attnkit internal error: runs planned without torch's fused kernel")
+    return _FUSED
+
+
 def fused_serves(
     device: torch.device,
     dtype: torch.dtype,
@@ -459,11 +466,11 @@ def _kv4(p: Problem, run: Run) -> tuple[Tensor, Tensor]:
 def _fused_forward(p: Problem, out: Tensor, lse: Tensor) -> None:
     """The problem's runs through torch's fused kernel, one call per run and query group (the
     ``G`` query heads that share a key head are ``G`` calls on views, no copies)."""
-    assert _FUSED is not None
+    fused_forward = _fused()[0]
     for run in p.runs:
         k4, v4 = _kv4(p, run)
         for g in range(p.g):
-            o, lse_g = _FUSED[0](p.q5[:, :, g, run.qs : run.qe], k4, v4, scale=p.scale)
+            o, lse_g = fused_forward(p.q5[:, :, g, run.qs : run.qe], k4, v4, scale=p.scale)
             out[:, :, g, run.qs : run.qe] = o
             lse[:, :, g, run.qs : run.qe] = lse_g
 
@@ -608,14 +615,14 @@ def _fused_backward(
     """Add the runs' gradients. Given the call's final output and log-sum-exp, the fused
     backward of a run's keys computes exactly their share: the probabilities ``exp(S - lse)`` and
     ``rowsum(dO * O)`` are those of the whole row."""
-    assert _FUSED is not None
+    fused_backward = _fused()[1]
     out, dout = _unit_stride(out), _unit_stride(dout)
     dk4, dv4 = dk.unflatten(0, (p.n, p.hkv)), dv.unflatten(0, (p.n, p.hkv))
     for run in p.runs:
         k4, v4 = _kv4(p, run)
         rows = slice(run.qs, run.qe)
         for g in range(p.g):
-            dq_g, dk_g, dv_g = _FUSED[1](
+            dq_g, dk_g, dv_g = fused_backward(
                 dout[:, :, g, rows],
                 p.q5[:, :, g, rows],
                 k4,
