@@ -212,13 +212,28 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
     )
     # Fully visible stretches through torch's fused CPU kernel (which needs Dv = Dk), merged with
     # the partial blocks around them (and, in the backward, given the call's final output and lse).
-    for layout in ("contiguous", "zigzag"):
-        ring = RingBackend(layout=layout, block_q=4, block_k=3, fused_rows=4)
-        for causal in (False, True):
-            for masked in (False, True):
-                compare_with_single_process(
-                    rank, world, layout=layout, causal=causal, masked=masked, ring=ring, dv=DK
-                )
+    real = softmax._FUSED
+    assert real is not None
+    fused_calls = [0, 0]
+
+    def counted(i: int) -> Callable[..., Any]:
+        def op(*args: Any, **kw: Any) -> Any:
+            fused_calls[i] += 1
+            return real[i](*args, **kw)
+
+        return op
+
+    softmax._FUSED = (counted(0), counted(1))
+    try:
+        for layout in ("contiguous", "zigzag"):
+            ring = RingBackend(layout=layout, block_q=4, block_k=3, fused_rows=4)
+            for causal in (False, True):
+                for masked in (False, True):
+                    compare_with_single_process(
+                        rank, world, layout=layout, causal=causal, masked=masked, ring=ring, dv=DK
+                    )
+    finally:
+        softmax._FUSED = real
     for layout in ("contiguous", "zigzag"):  # a window across shards, with and without padding
         ring = RingBackend(layout=layout, block_q=4, block_k=3)
         for masked in (False, True):
@@ -232,7 +247,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
                 rank - 1, 2, layout="zigzag", causal=True, masked=True, group=pair
             )
         dist.barrier()
-    report: dict[str, Any] = {"saved": largest_saved_numel(rank, world)}
+    report: dict[str, Any] = {"saved": largest_saved_numel(rank, world), "fused": fused_calls}
     report["blocks"] = {
         (layout, causal): count_score_blocks(rank, world, layout, causal)
         for layout in ("contiguous", "zigzag")
@@ -256,6 +271,9 @@ def test_output_and_gradients_equal_single_process(world: int) -> None:
     # Plain, causal, zigzag, padded, float32, a subgroup: compare_with_single_process asserts in
     # each rank; a failure there fails this test with the rank's traceback.
     assert len(reports(world)) == world
+    # ... and the runs with fused stretches did go through torch's fused kernel, both ways.
+    for report in reports(world):
+        assert min(report["fused"]) > 0, report["fused"]
 
 
 @WORLDS
