@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 
@@ -10,7 +11,7 @@ import torch
 from torch import Tensor
 
 import attnkit
-from attnkit import attention, masks
+from attnkit import attention, masks, scores
 from attnkit.backends import SDPA, Chunked
 from attnkit.scores import RelativePositionTerm, ScoreShape, ScoreTerm
 from attnkit.testing import assert_close
@@ -137,6 +138,52 @@ def test_relative_term_with_a_window_table_equals_the_full_table() -> None:
     # The check can fail: the window table read as if it started at the largest distance.
     wrong = attention(qu, k, v, bias=RelativePositionTerm(qv, part, 0.5), mask=window, scale=0.5)
     assert (wrong - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "window", "padding"])
+def test_relative_products_per_tile_equal_the_reference(
+    monkeypatch: pytest.MonkeyPatch, mask: str | None
+) -> None:
+    # Over long inputs the position term's product is computed for each tile's keys instead of
+    # once per query block, and the sdpa backend asks for the tiles a few keys at a time. Here
+    # every product is per tile: outputs and gradients of qv and enc must not change.
+    monkeypatch.setattr(scores, "_WHOLE_WIDTH", 0)
+    monkeypatch.setattr(importlib.import_module("attnkit.backends.sdpa"), "_TERM_KEYS", 7)
+    windows: list[tuple[int, int]] = []
+    set_window = scores._RelativeBlock._set_window
+
+    def spy(block: scores._RelativeBlock, lo: int, hi: int) -> None:
+        windows.append((lo, hi))
+        set_window(block, lo, hi)
+
+    monkeypatch.setattr(scores._RelativeBlock, "_set_window", spy)
+    g = torch.Generator().manual_seed(1)
+    b, h, tq, tk, dh = 2, 2, 23, 31, 4
+    qu, qv = (torch.randn(b, h, tq, dh, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, h, tk, dh, dtype=torch.float64, generator=g) for _ in range(2))
+    enc = torch.randn(h, tq + tk - 1, dh, dtype=torch.float64, generator=g)
+    given = {
+        None: None,
+        "causal": masks.causal(),
+        "window": masks.sliding_window(6, right=3),
+        "padding": masks.key_padding([31, 12]),
+    }[mask]
+    leaves = [t.requires_grad_() for t in (qu, k, v, qv, enc)]
+    dout = torch.randn(b, h, tq, dh, dtype=torch.float64, generator=g)
+
+    def run(backend: object) -> tuple[Tensor, tuple[Tensor, ...]]:
+        term = RelativePositionTerm(qv, enc, 0.5)
+        out = attention(qu, k, v, bias=term, mask=given, scale=0.5, backend=backend)
+        return out, torch.autograd.grad(out, leaves, dout) if out.requires_grad else ()
+
+    want, want_grads = run("reference")
+    got, got_grads = run(Chunked(block_q=5, block_k=8))
+    assert_close(got, want)
+    for a, w in zip(got_grads, want_grads, strict=True):
+        assert_close(a, w)
+    assert len(windows) > 2 * len(range(0, tq, 5))  # per tile, in the forward and the backward
+    with torch.no_grad():
+        assert_close(run(SDPA(block_q=8, product_q=4))[0], want)
 
 
 def test_windowed_relative_attention_is_dense_band_attention_with_a_window_sized_table() -> None:

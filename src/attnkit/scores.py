@@ -212,6 +212,13 @@ class _TileBlock(TermBlock):
 # Transformer-XL's position term
 
 
+# A query block's product of the position term spans at most this many distances when it is
+# computed once for the block; wider ones are computed once per tile. A GEMM writing long rows runs
+# at about half the speed of one whose output stays in the CPU's caches, which outweighs the
+# ``rows - 1`` distances that each tile's window adds.
+_WHOLE_WIDTH = 2048
+
+
 class _Skew(NamedTuple):
     """Where the tiles of one query block lie in the product ``qv[rows] @ enc[window]^T``.
 
@@ -246,7 +253,8 @@ class RelativePositionTerm(ScoreTerm):
             pad-and-reshape shift of ``qv @ enc^T`` (self-attention only).
 
     For a block of queries it multiplies ``qv`` by the rows of ``enc`` those queries can need
-    (``keys + rows - 1`` of them) and reads each tile as a strided view of that product, so neither
+    (``keys + rows - 1`` of them; for each tile's keys separately when the block's product would
+    outgrow the CPU's caches) and reads each tile as a strided view of that product, so neither
     ``(Tq, Tk)`` nor ``(Tq, Tk, Dh)`` tensors exist; its backward turns each tile's score gradient
     into gradients of ``qv`` and ``enc`` the same way.
     """
@@ -338,8 +346,10 @@ class RelativePositionTerm(ScoreTerm):
 
 
 class _RelativeBlock(TermBlock):
-    """One query block of :class:`RelativePositionTerm`; its product is computed at the first
-    tile, in a buffer shared by the blocks of one call."""
+    """One query block of :class:`RelativePositionTerm`. Its product ``qv @ enc[window]^T`` is
+    computed at the first tile, in a buffer shared by the blocks of one call: once for the block's
+    whole key range, or once per tile's key range when the whole range spans more than
+    ``_WHOLE_WIDTH`` distances."""
 
     writable = True
 
@@ -357,27 +367,48 @@ class _RelativeBlock(TermBlock):
         self.term, self.shape, self.grads = term, shape, grads
         self.qv, self.enc = inputs
         self.n, self.h, _, self.dh = self.qv.shape
-        self.bq = qe - qs
-        self.key_lo = key_lo
+        self.qs, self.qe, self.bq = qs, qe, qe - qs
+        self.whole = True  # one product for the block's whole key range
         if term.legacy:
             # Shifted row i is flat element T * (i + 1) + j of the padded (T, T + 1) product: it
             # reads the end of product row i and, above the diagonal, the start of row i + 1.
             t = shape.q_len
-            self.skew = _Skew(qs, min(qe + 1, t), 0, t + 1, t - qs, t)
             self.key_lo = 0
+            self.skew = _Skew(qs, min(qe + 1, t), 0, t + 1, t - qs, t)
         else:
-            # Window columns run from distance (qs' - key_lo)... : row of enc for query i, key j
-            # is top - (i' - j); over the block it spans top - (qe-1)' + key_lo ... + width - 1.
-            # Rounded up to 16 columns: GEMMs writing rows of an odd width run markedly slower.
-            width = -(-((key_hi - key_lo) + self.bq - 1) // 16) * 16
-            shift = shape.kv_len - shape.q_len
-            lo = term._top(shape) - (qe - 1 + shift) + key_lo
-            self.skew = _Skew(qs, qe, lo, lo + width, self.bq - 1, width - 1)
-        self.nrows = self.skew.row_hi - self.skew.row_lo
-        self.width = self.skew.enc_hi - self.skew.enc_lo
+            self._set_window(key_lo, key_hi)
+            self.whole = self.width <= _WHOLE_WIDTH
         self._qv: Tensor | None = None
         self._product: Tensor | None = None
         self._grad: Tensor | None = None
+
+    def _set_window(self, key_lo: int, key_hi: int) -> None:
+        """Make the product's window the distances of keys ``key_lo:key_hi``."""
+        # Window columns run from distance (qs' - key_lo)... : row of enc for query i, key j is
+        # top - (i' - j); over the block it spans top - (qe-1)' + key_lo ... + width - 1. Rounded
+        # up to 16 columns: GEMMs writing rows of an odd width run markedly slower.
+        width = -(-((key_hi - key_lo) + self.bq - 1) // 16) * 16
+        shift = self.shape.kv_len - self.shape.q_len
+        lo = self.term._top(self.shape) - (self.qe - 1 + shift) + key_lo
+        self.key_lo, self.key_hi = key_lo, key_hi
+        self.skew = _Skew(self.qs, self.qe, lo, lo + width, self.bq - 1, width - 1)
+
+    def _cover(self, ks: int, ke: int) -> None:
+        """Per-tile products: make the window that of keys ``ks:ke`` (gradients of the previous
+        window are added up first)."""
+        if self.whole or (ks, ke) == (self.key_lo, self.key_hi):
+            return
+        self.flush()
+        self._set_window(ks, ke)
+        self._product = None
+
+    @property
+    def nrows(self) -> int:
+        return self.skew.row_hi - self.skew.row_lo
+
+    @property
+    def width(self) -> int:
+        return self.skew.enc_hi - self.skew.enc_lo
 
     def _qv_rows(self) -> Tensor:
         """``(H, N * rows, Dh)`` scaled position queries: one GEMM per head against its window.
@@ -426,6 +457,7 @@ class _RelativeBlock(TermBlock):
         )
 
     def tile(self, ks: int, ke: int) -> Tensor:
+        self._cover(ks, ke)
         if self._product is None:
             window, a, b = self._window()
             shape = (self.h, self.nrows * self.n, self.width)
@@ -446,6 +478,7 @@ class _RelativeBlock(TermBlock):
     def backward(self, ks: int, ke: int, ds: Tensor, row0: int) -> None:
         if self.grads is None:
             return
+        self._cover(ks, ke)
         if self._grad is None:
             shape = (self.h, self.nrows * self.n, self.width)
             self._grad = self.term.buffer("grad", shape, self.shape.dtype, self.qv.device).zero_()

@@ -40,6 +40,10 @@ from .reference import reference
 
 __all__ = ["SDPA", "sdpa_check", "sdpa_cost"]
 
+# A score term's tiles are asked for this many keys at a time: a term that computes a product per
+# tile (relative positions over long inputs) then keeps it in the CPU's caches.
+_TERM_KEYS = 1024
+
 
 def _batched(t: Tensor, batch: tuple[int, ...]) -> Tensor:
     """``(B|1, ...)`` with the batch dims flattened -> ``(*batch|1, ...)``."""
@@ -365,8 +369,10 @@ def _blocked_term(
             attn_mask = buffer[: math.prod(full)].view(full)
             for ps in range(qs, qe, product_q):
                 pe = min(ps + product_q, qe)
-                tile = term.block(inputs, shape, ps, pe, lo, hi, grads=None).tile(lo, hi)
-                attn_mask[:, :, ps - qs : pe - qs] = tile
+                tb = term.block(inputs, shape, ps, pe, lo, hi, grads=None)
+                for ks in range(lo, hi, _TERM_KEYS):
+                    ke = min(ks + _TERM_KEYS, hi)
+                    attn_mask[:, :, ps - qs : pe - qs, ks - lo : ke - lo] = tb.tile(ks, ke)
             writable = True
         if bias4 is not None or masked:
             if not writable:
