@@ -214,8 +214,8 @@ class _TileBlock(TermBlock):
 
 # A query block's product of the position term spans at most this many distances when it is
 # computed once for the block; wider ones are computed once per tile. A GEMM writing long rows runs
-# at about half the speed of one whose output stays in the CPU's caches, which outweighs the
-# ``rows - 1`` distances that each tile's window adds.
+# markedly slower than one whose output stays in the CPU's caches, by more than the ``rows - 1``
+# distances that each tile's window adds.
 _WHOLE_WIDTH = 2048
 
 
@@ -253,10 +253,10 @@ class RelativePositionTerm(ScoreTerm):
             pad-and-reshape shift of ``qv @ enc^T`` (self-attention only).
 
     For a block of queries it multiplies ``qv`` by the rows of ``enc`` those queries can need
-    (``keys + rows - 1`` of them; for each tile's keys separately when the block's product would
-    outgrow the CPU's caches) and reads each tile as a strided view of that product, so neither
-    ``(Tq, Tk)`` nor ``(Tq, Tk, Dh)`` tensors exist; its backward turns each tile's score gradient
-    into gradients of ``qv`` and ``enc`` the same way.
+    (``keys + rows - 1`` of them; over long inputs, for each tile's keys separately, so that the
+    product stays in the CPU's caches) and reads each tile as a strided view of that product, so
+    neither ``(Tq, Tk)`` nor ``(Tq, Tk, Dh)`` tensors exist; its backward turns each tile's score
+    gradient into gradients of ``qv`` and ``enc`` the same way.
     """
 
     def __init__(
