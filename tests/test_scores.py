@@ -84,6 +84,89 @@ def test_a_t5_bias_written_as_a_term_equals_its_dense_form(backend: str) -> None
     assert_close(lazy_table.grad, dense_table.grad)
 
 
+class _KeepingBlock(scores.TermBlock):
+    """A dense bias's block that keeps the score gradients it is handed and adds them up only in
+    flush(), as the protocol allows."""
+
+    def __init__(self, bias: Tensor, qs: int, qe: int, grads: list[Tensor | None] | None) -> None:
+        self.bias, self.qs, self.qe, self.grads = bias, qs, qe, grads
+        self.kept: list[tuple[int, int, int, Tensor]] = []
+
+    def tile(self, ks: int, ke: int) -> Tensor:
+        return self.bias[:, self.qs : self.qe, ks:ke].detach()
+
+    def backward(self, ks: int, ke: int, ds: Tensor, row0: int) -> None:
+        self.kept.append((ks, ke, row0, ds))
+
+    def flush(self) -> None:
+        if self.grads is None:
+            return
+        grad = self.grads[0]
+        if grad is None:
+            grad = self.grads[0] = torch.zeros_like(self.bias)
+        for ks, ke, row0, ds in self.kept:
+            r0 = self.qs + row0
+            grad[:, r0 : r0 + ds.size(-2), ks:ke] += ds.sum(0)
+        self.kept.clear()
+
+
+class _KeepingTerm(ScoreTerm):
+    def __init__(self, bias: Tensor) -> None:
+        self.bias = bias  # (H, Tq, Tk)
+
+    def inputs(self) -> tuple[Tensor, ...]:
+        return (self.bias,)
+
+    def block(
+        self,
+        inputs: tuple[Tensor, ...],
+        shape: ScoreShape,
+        qs: int,
+        qe: int,
+        key_lo: int,
+        key_hi: int,
+        *,
+        grads: list[Tensor | None] | None,
+    ) -> scores.TermBlock:
+        return _KeepingBlock(inputs[0], qs, qe, grads)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_a_term_block_may_keep_the_score_gradients_until_flush(softcap: float | None) -> None:
+    """The kernel reuses its work buffers from one tile to the next; what it hands a term's block
+    must stay the block's own."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 24, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 40, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    table = torch.randn(2, 24, 40, dtype=torch.float64, generator=g)
+    mask = masks.key_padding([40, 31])
+    dense = table.clone().requires_grad_()
+    want = attention(q, k, v, bias=dense, mask=mask, softcap=softcap)
+    lazy = table.clone().requires_grad_()
+    got = attention(
+        q,
+        k,
+        v,
+        bias=_KeepingTerm(lazy),
+        mask=mask,
+        softcap=softcap,
+        backend=Chunked(block_q=8, block_k=8),
+    )
+    assert_close(got, want)
+    if softcap is None:  # sdpa: the block's (H, rows, keys) tiles become torch's float mask
+        with torch.no_grad():
+            served = attention(
+                q, k, v, bias=_KeepingTerm(table), mask=mask, backend=SDPA(block_q=8)
+            )
+        assert_close(served, want)
+    cot = torch.randn(got.shape, dtype=torch.float64, generator=g)
+    (want * cot).sum().backward()
+    (got * cot).sum().backward()
+    assert lazy.grad is not None
+    assert dense.grad is not None
+    assert_close(lazy.grad, dense.grad)
+
+
 def test_a_term_never_exists_whole_in_the_kernel() -> None:
     seen: list[tuple[int, ...]] = []
 
