@@ -87,7 +87,9 @@ class TermBlock:
         raise NotImplementedError
 
     def backward(self, ks: int, ke: int, ds: Tensor, row0: int) -> None:
-        """Take ``d loss / d term`` ``(B, H, r, ke-ks)`` for the block's rows ``row0:row0+r``."""
+        """Take ``d loss / d term`` ``(B, H, r, ke-ks)`` for the block's rows ``row0:row0+r``.
+        ``ds`` is the block's own: nothing else writes to it, so it may be kept until
+        :meth:`flush`."""
         raise NotImplementedError
 
     def flush(self) -> None:
