@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, _Geometry
-from ..scores import ScoreShape, ScoreTerm, TermBlock
+from ..scores import ScoreShape, ScoreTerm, TermBlock, reused
 from .plan import Plan, QueryBlock, Run, Visit, split_runs
 
 __all__ = [
@@ -211,15 +211,9 @@ class Problem:
         )
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        """A work tensor of ``shape`` in the work dtype that every visit of this problem reuses:
-        GEMMs and elementwise passes into one multi-MiB buffer run measurably faster than into a
-        fresh allocation per visit. Its contents are gone at the next request of ``name``."""
-        numel = math.prod(shape)
-        flat = self._scratch.get(name)
-        if flat is None or flat.numel() < numel:
-            flat = torch.empty(numel, dtype=self.work, device=self.q5.device)
-            self._scratch[name] = flat
-        return flat[:numel].view(shape)
+        """A work tensor of ``shape`` in the work dtype that every visit of this problem reuses
+        (see :func:`~attnkit.scores.reused`)."""
+        return reused(self._scratch, name, shape, self.work, self.q5.device)
 
     # ----------------------------------------------------------------------------------------------
     # Rows of a query block: (N*Hkv, rows*G, X), query-major
