@@ -16,6 +16,7 @@ from .attention import (
     register_backend,
     unregister_backend,
 )
+from .backends.base import CallInputs, Dispatch, record_dispatch
 from .capture import AttentionMaps, capture_attention
 from .conformer import ConformerLayer
 from .feedforward import PositionwiseFeedForward
@@ -39,7 +40,9 @@ __all__ = [
     "AttentionMaps",
     "Backend",
     "BackendError",
+    "CallInputs",
     "ConformerLayer",
+    "Dispatch",
     "Explanation",
     "KVCache",
     "MultiHeadAttention",
@@ -63,6 +66,7 @@ __all__ = [
     "from_torch_masks",
     "interop",
     "masks",
+    "record_dispatch",
     "register_backend",
     "relative_encoding",
     "scores",

@@ -19,8 +19,6 @@ consistent snapshot of it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Literal, overload
@@ -29,12 +27,18 @@ import torch
 from torch import Tensor
 
 from ._call import AttentionCall, check_attention_args
-from ._checks import shape_str
 from ._typing import Bool, Float, shape_checked
-from .backends.base import Backend, BackendError, BackendFn, CallCheck
-from .backends.chunked import Chunked, finite, fused_note, plan_for
-from .backends.reference import reference
-from .backends.sdpa import SDPA, _documents
+from .backends import builtin_backends
+from .backends.base import (
+    Backend,
+    BackendError,
+    BackendFn,
+    CallCheck,
+    CallInputs,
+    Dispatch,
+    Output,
+    recording,
+)
 from .masks import Mask
 from .scores import ScoreTerm
 
@@ -45,37 +49,28 @@ __all__ = [
     "Explanation",
     "attention",
     "available_backends",
+    "dispatch",
     "explain",
     "register_backend",
     "unregister_backend",
 ]
 
 
-def _reference_cost(call: AttentionCall) -> list[str]:
-    return [
-        f"would materialise the scores (..., H, Tq, Tk) = {shape_str(call.scores_shape)}; auto "
-        "takes it only when nothing else can"
-    ]
-
-
-_BUILTIN = ("sdpa", "chunked", "reference")
 # Insertion order is auto's order of preference: user backends registered with auto=True first,
 # then the fastest built-in, the materialising spec last. Never changed in place: a change
 # publishes a new dict, so a reader that took it once sees one consistent registry.
-_REGISTRY: dict[str, Backend] = {
-    "sdpa": SDPA(),
-    "chunked": Chunked(),
-    "reference": Backend("reference", reference, cost=_reference_cost),
-}
+_REGISTRY: dict[str, Backend] = {b.name: b for b in builtin_backends()}
+_BUILTIN = tuple(_REGISTRY)
 _WRITE = threading.Lock()
 
 
 def register_backend(
     name: str,
-    fn: BackendFn,
+    fn: BackendFn | Backend,
     *,
     check: CallCheck | None = None,
     cost: CallCheck | None = None,
+    notes: CallCheck | None = None,
     auto: bool = False,
     replace: bool = False,
 ) -> None:
@@ -87,12 +82,24 @@ def register_backend(
     :func:`attention`'s conventions: True = may attend, zeros for a query with no visible key.
 
     ``check(call)`` returns the reasons it cannot serve an :class:`AttentionCall` (default: none);
-    ``cost(call)`` the reasons ``auto`` should prefer another backend. With ``auto=True`` the
+    ``cost(call)`` the reasons ``auto`` should prefer another backend; ``notes(call)`` the lines
+    :func:`explain` prints under it. ``fn`` may also be a :class:`Backend` (a subclass that
+    implements ``run(call, inputs)``), registered under ``name``. With ``auto=True`` the
     backend is tried by ``backend="auto"`` before the built-in ones. ``replace=True`` replaces a
     backend registered earlier under ``name`` (keeping its place in the order); the built-in
     backends cannot be replaced.
     """
-    backend = Backend(name, fn, check=check, cost=cost, auto=auto)
+    if isinstance(fn, Backend):
+        if any(f is not None for f in (check, cost, notes)):
+            raise TypeError(
+                f"backend {name!r}: a Backend object brings its own check/cost/notes methods"
+            )
+        if not isinstance(auto, bool):
+            raise TypeError(f"backend {name!r}: auto must be a bool, got {auto!r}")
+        backend: Backend = fn
+        backend.name, backend.auto = name, auto
+    else:
+        backend = Backend(name, fn, check=check, cost=cost, notes=notes, auto=auto)
     if not isinstance(replace, bool):
         raise TypeError(f"replace must be a bool, got {replace!r}")
     with _WRITE:
@@ -190,25 +197,9 @@ class Explanation:
             else:
                 head = "could serve it, but comes later in the order"
             lines.append(f"  {name:<{width}}  {head}")
-            lines += [f"  {'':<{width}}  {note}" for note in self.notes.get(name, [])]
+            if name == self.chosen:  # what runs; the others' notes stay in self.notes
+                lines += [f"  {'':<{width}}  {note}" for note in self.notes.get(name, [])]
         return "\n".join(lines)
-
-
-def _plan_note(call: AttentionCall, backend: Backend) -> list[str]:
-    """What the kernel does with a call's blocks, when it can be told without data."""
-    plain = call.bias_shape is None and call.score_term is None
-    if call.mask is not None and isinstance(backend, SDPA) and plain:
-        docs = _documents(call.mask, call.q_len, call.kv_len)  # the documents' lengths: no data
-        if docs:
-            n = sum(sum(b > a for a, b in itertools.pairwise(row)) for row in docs[0])
-            return [f"one fused call per document: {n} calls"]
-    if call.device.type == "meta" or not isinstance(backend, Chunked):
-        return []
-    term = call.score_term is not None
-    plan = plan_for(call.mask, call.geometry, call.groups, term, backend.block_q, backend.block_k)
-    notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
-    fused = fused_note(call, plan, backend.fused_rows)
-    return notes + ([fused] if fused else [])
 
 
 def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
@@ -226,7 +217,7 @@ def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
     reasons, costs, notes = {}, {}, {}
     for name, b in registry.items():
         reasons[name], costs[name] = b.reasons(call)
-        notes[name] = _plan_note(call, b) if not reasons[name] else []
+        notes[name] = b.explain_notes(call) if not reasons[name] else []
     if requested != "auto":
         chosen = None if reasons[requested] else requested
     else:
@@ -244,9 +235,9 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
             return backend
     elif backend == "auto":
         for b in registry.values():
-            if b.auto and not b.check(call) and not b.cost(call):
+            if b.auto and not b.reasons(call)[0] and not b.reasons(call)[1]:
                 return b
-    elif backend in registry and not registry[backend].check(call):
+    elif backend in registry and not registry[backend].reasons(call)[0]:
         return registry[backend]
     decision = _decide(call, backend)
     if decision.chosen is None:
@@ -305,6 +296,7 @@ def _call_of(
             sinks=sinks,
             dropout_p=dropout_p,
             return_weights=return_weights,
+            check_finite=True,
         )
     except TypeError as error:
         if autocast is None or "dtype" not in str(error):
@@ -334,24 +326,19 @@ def _run(
     args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
     call = _call_of(args, mask, causal, scale, softcap, dropout_p, return_weights, autocast_dtype)
     q, k, v, bias, sinks = args  # type: ignore[assignment]
-    backend = check_backend(backend)
-    if call.requires_grad and not torch.compiler.is_compiling():
-        # Whether torch's backward may take the call: masked NaN must not reach any gradient.
-        call = dataclasses.replace(call, finite=finite(q, k, v))
-    chosen = _choose(call, backend)
+    dense = bias if isinstance(bias, Tensor) else None
     with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        return chosen.fn(
-            q,
-            k,
-            v,
-            mask=call.mask,
-            bias=bias,
-            scale=call.scale,
-            softcap=call.softcap,
-            sinks=sinks,
-            dropout_p=call.dropout_p,
-            return_weights=return_weights,
-        )
+        return dispatch(call, CallInputs(q, k, v, dense, sinks), check_backend(backend))
+
+
+def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) -> Output:
+    """Choose the backend for a validated call and run it (what :func:`attention` does after
+    validating; entry points that validate a call themselves, such as ring attention, call it)."""
+    chosen = _choose(call, backend)
+    record = None if torch.compiler.is_compiling() else recording()
+    if record is not None:
+        record.append(Dispatch(call, chosen.name))
+    return chosen.run(call, inputs)
 
 
 _MaskArg = Bool[Tensor, "*#mb #Tk"] | Mask | None
@@ -543,19 +530,25 @@ def explain(
     >>> from attnkit import masks
     >>> q = torch.empty(1, 8, 4096, 64, device="meta")
     >>> print(explain(q, q, q, causal=True))
-    attention call: q (1, 8, 4096, 64), k (1, 8, 4096, 64), v (1, 8, 4096, 64) float32 on meta,
-    causal auto picks: sdpa
+    attention call: q (1, 8, 4096, 64), k (1, 8, 4096, 64), v (1, 8, 4096, 64) float32 on meta, ...
+    auto picks: sdpa
       sdpa       chosen
+                 hands the call to chunked if torch's output breaks the non-finite policy (NaN/...
       chunked    could serve it, but comes later in the order
       reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
     >>> q = torch.empty(1, 8, 4096, 64)
     >>> print(explain(q, q, q, mask=masks.sliding_window(512)))
-    attention call: ... float32 on cpu, mask sliding_window(left=512, right=0)
+    attention call: q (1, 8, 4096, 64), k (1, 8, 4096, 64), v (1, 8, 4096, 64) float32 on cpu, ...
     auto picks: chunked
       sdpa       avoided: would materialise the mask sliding_window(left=512, right=0) as a ...
       chunked    chosen
                  block plan: 60 of 256 blocks of 512 x 128 computed, 60 with a mask tile
-      reference  avoided: would materialise the scores ...
+      reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
+
+    The report's long lines are cut at ``...`` here. With a structured mask on a real device it
+    also says how many blocks the chunked kernel computes; for a call that needs gradients it
+    reads whether q, k and v are finite, as :func:`attention` does, so it names the backend that
+    will run.
     """
     args, _, autocast_dtype = _under_autocast((q, k, v, bias, sinks))  # the call attention() makes
     call = _call_of(args, mask, causal, scale, softcap, dropout_p, return_weights, autocast_dtype)

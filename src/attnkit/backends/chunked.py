@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._call import AttentionCall
+from .._call import AttentionCall, finite
 from .._checks import check_int
 from .._kernel import (
     FUSED_ROWS,
@@ -46,7 +46,7 @@ from .._kernel import (
 )
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
-from .base import Backend
+from .base import Backend, CallInputs
 
 __all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention"]
 
@@ -73,24 +73,6 @@ def _unlayout_bias_grad(d5: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Ten
     padded = (1,) * (len(batch) + 3 - bias.ndim) + tuple(bias.shape)
     d = d.reshape(*lead, *d.shape[1:]).sum_to_size(padded)
     return d.reshape(bias.shape).to(bias.dtype)
-
-
-def finite(*tensors: Tensor) -> bool:
-    """True when none of ``tensors`` holds NaN or inf (one host synchronisation).
-
-    A sum is NaN or inf when any term is, and one sum is a fraction of ``isfinite().all()``'s
-    cost. It can also overflow on finite values far beyond any activation's scale (1e32 in
-    float32); the answer is then False, which only costs the caller its careful path.
-    """
-    total = 0.0
-    sums = [
-        t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32))
-        for t in tensors
-        if t.numel()
-    ]
-    if sums:
-        total = float(torch.stack(sums).sum()) if len(sums) > 1 else float(sums[0])
-    return math.isfinite(total)
 
 
 @dataclass(frozen=True)
@@ -249,8 +231,10 @@ def kernel_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     fused_rows: int | None = FUSED_ROWS,
+    is_finite: bool | None = None,
 ) -> Tensor:
-    """Run the kernel on a validated call (what the ``chunked`` backend does)."""
+    """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
+    whether q, k and v hold only finite values, if the caller knows (None: find out)."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -266,7 +250,7 @@ def kernel_attention(
         scale=scale,
         softcap=softcap,
         term=term,
-        careful=not finite(q, k, v),
+        careful=not (finite(q, k, v) if is_finite is None else is_finite),
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
@@ -331,38 +315,40 @@ class Chunked(Backend):
         block_k: int | None = None,
         fused_rows: int | None = FUSED_ROWS,
     ) -> None:
+        super().__init__("chunked")
         self.block_q = None if block_q is None else check_int("block_q", block_q)
         self.block_k = None if block_k is None else check_int("block_k", block_k)
         self.fused_rows = None if fused_rows is None else check_int("fused_rows", fused_rows)
 
-        def run(
-            q: Tensor,
-            k: Tensor,
-            v: Tensor,
-            *,
-            mask: Mask | None,
-            bias: Tensor | ScoreTerm | None,
-            scale: float,
-            softcap: float | None,
-            sinks: Tensor | None,
-            dropout_p: float,
-            return_weights: bool,
-        ) -> Tensor:
-            return kernel_attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                bias=bias,
-                scale=scale,
-                softcap=softcap,
-                sinks=sinks,
-                block_q=self.block_q,
-                block_k=self.block_k,
-                fused_rows=self.fused_rows,
-            )
+    def check(self, call: AttentionCall) -> list[str]:
+        return chunked_check(call)
 
-        super().__init__("chunked", run, check=chunked_check)
+    def notes(self, call: AttentionCall) -> list[str]:
+        """The block plan of a structured mask, and the share of torch's fused CPU kernel (what
+        can be told without data: nothing on ``meta`` tensors)."""
+        if call.device.type == "meta":
+            return []
+        term = call.score_term is not None
+        plan = plan_for(call.mask, call.geometry, call.groups, term, self.block_q, self.block_k)
+        notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
+        fused = fused_note(call, plan, self.fused_rows)
+        return notes + ([fused] if fused else [])
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
+        return kernel_attention(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            mask=call.mask,
+            bias=inputs.bias if inputs.bias is not None else call.score_term,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=inputs.sinks,
+            block_q=self.block_q,
+            block_k=self.block_k,
+            fused_rows=self.fused_rows,
+            is_finite=call.finite,
+        )
 
     def __repr__(self) -> str:
         sizes = [f"{n}={v}" for n, v in (("block_q", self.block_q), ("block_k", self.block_k)) if v]

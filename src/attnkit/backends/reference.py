@@ -8,14 +8,17 @@ of the gradients, marking outputs a non-finite value reaches) are left out.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._call import AttentionCall
+from .._checks import shape_str
 from ..masks import Geometry, Mask
-from ..scores import ScoreShape, ScoreTerm
+from ..scores import ScoreTerm
+from .base import Backend, CallInputs, Output
+
+__all__ = ["Reference", "reference"]
 
 
 def _batched(t: Tensor, batch: tuple[int, ...]) -> Tensor:
@@ -62,7 +65,7 @@ def reference(
         geo = Geometry(batch, h, tq, tk, q.device)
         visible = _batched(mask.tile(geo, 0, tq, 0, tk), batch)  # (...|1, H|1, Tq|1, Tk|1)
     if isinstance(bias, ScoreTerm):
-        shape = ScoreShape(math.prod(batch), h, tq, tk, work, q.device)
+        shape = Geometry(batch, h, tq, tk, q.device, work)
         s = s + _batched(bias.dense(bias.inputs(), shape), batch)
     elif bias is not None:
         s = s + bias
@@ -85,3 +88,31 @@ def reference(
         out = out.masked_fill(seen.flatten(-4, -3) > 0, float("nan"))
     result: Tensor = out.to(q.dtype)
     return (result, w.to(q.dtype)) if return_weights else result
+
+
+class Reference(Backend):
+    """The reference as a backend: it serves every call, and ``auto`` takes it only when nothing
+    else can (it materialises the scores)."""
+
+    def __init__(self) -> None:
+        super().__init__("reference")
+
+    def cost(self, call: AttentionCall) -> list[str]:
+        return [
+            f"would materialise the scores (..., H, Tq, Tk) = {shape_str(call.scores_shape)}; "
+            "auto takes it only when nothing else can"
+        ]
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        return reference(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            mask=call.mask,
+            bias=inputs.bias if inputs.bias is not None else call.score_term,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=inputs.sinks,
+            dropout_p=call.dropout_p,
+            return_weights=call.return_weights,
+        )
