@@ -43,7 +43,9 @@ def count_blocks(monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> int:
 
     monkeypatch.setattr(softmax.Problem, "scores", counting)
     q = torch.randn(1, 2, 64, 8)
-    attention(q, q, q, backend=Chunked(block_q=8, block_k=8), **kwargs)  # type: ignore[arg-type]
+    # The eager kernel's blocks are counted; the native kernel walks the same plan.
+    small = Chunked(block_q=8, block_k=8, native=False)
+    attention(q, q, q, backend=small, **kwargs)  # type: ignore[arg-type]
     return sum(computed)
 
 
@@ -64,9 +66,10 @@ def test_fully_masked_blocks_are_skipped(monkeypatch: pytest.MonkeyPatch) -> Non
     assert count_blocks(monkeypatch, mask=masks.sliding_window(8)) == 8 + 7  # diagonal + below
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_default_blocks_equal_reference(causal: bool, kv_heads: int) -> None:
+def test_default_blocks_equal_reference(causal: bool, kv_heads: int, native: bool) -> None:
     # 600 queries and 700 keys span several default blocks (512 x 256; causal 256 x 128, or 256 x
     # 256 with grouped heads), with ragged ends.
     g = torch.Generator().manual_seed(0)
@@ -74,7 +77,7 @@ def test_default_blocks_equal_reference(causal: bool, kv_heads: int) -> None:
     k = torch.randn(1, kv_heads, 700, 16, dtype=torch.float64, generator=g)
     v = torch.randn(1, kv_heads, 700, 8, dtype=torch.float64, generator=g)
     mask = masks.padding_mask([650], max_len=700)
-    got = attention(q, k, v, mask=mask, causal=causal, backend="chunked")
+    got = attention(q, k, v, mask=mask, causal=causal, backend=Chunked(native=native))
     assert_close(got, attention(q, k, v, mask=mask, causal=causal, backend="reference"))
 
 
@@ -88,21 +91,25 @@ def test_causal_query_blocks_are_shorter_below_4096() -> None:
     assert blocks(True, 2, 1024) == (256, 256)
 
 
-def test_scores_rising_late_take_the_safe_path() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_scores_rising_late_take_the_safe_path(native: bool) -> None:
     # Each key block's scores are 40 higher than the previous one's: the lazy offset from the first
     # block would overflow exp() by the last block, so the kernel must notice and redo the block.
     q = torch.ones(1, 1, 4, 1)
     k = torch.arange(64, dtype=torch.float32).div(8).floor().mul(40).view(1, 1, 64, 1)
     v = torch.randn(1, 1, 64, 3)
-    got = attention(q, k, v, scale=1.0, backend=Chunked(block_q=4, block_k=8))
+    got = attention(q, k, v, scale=1.0, backend=Chunked(block_q=4, block_k=8, native=native))
     want = attention(q.double(), k.double(), v.double(), scale=1.0, backend="reference")
     assert got.isfinite().all()
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("level", [-100.0, -30.0, -10.0, 0.0, 10.0, 20.0, 30.0, 100.0])
 @pytest.mark.parametrize("extra", [None, "bias", "softcap"])
-def test_score_levels_either_side_of_the_zero_offset(level: float, extra: str | None) -> None:
+def test_score_levels_either_side_of_the_zero_offset(
+    level: float, extra: str | None, native: bool
+) -> None:
     # Rows whose scores sit near `level` (natural units): within +-22 the kernel takes offset 0
     # after the first key block (forward) and folds exp(-lse) into dO and delta (backward); beyond
     # that it subtracts per-row offsets. Both must equal the float64 reference, values and grads.
@@ -124,7 +131,7 @@ def test_score_levels_either_side_of_the_zero_offset(level: float, extra: str | 
         out = attention(qq, kk, vv, bias=b, mask=masks.causal(), backend=backend, **kwargs)
         return [out, *torch.autograd.grad(out, leaves, cot.to(dtype))]
 
-    got = grads(torch.float32, Chunked(block_q=16, block_k=16))
+    got = grads(torch.float32, Chunked(block_q=16, block_k=16, native=native))
     want = grads(torch.float64, "reference")
     for g, w in zip(got, want, strict=True):
         assert g.isfinite().all()
@@ -196,7 +203,7 @@ def test_fused_stretches_equal_reference(
         out = attention(*leaves, mask=mask, backend=backend, **kw)  # type: ignore[arg-type]
         return [out, *torch.autograd.grad(out, leaves + extra, cot.to(dt))]
 
-    got = run(dtype, Chunked(block_q=4, block_k=4, fused_rows=8))
+    got = run(dtype, Chunked(block_q=4, block_k=4, fused_rows=8, native=False))
     assert calls.forward > 0  # the path under test was taken
     assert calls.backward > 0
     want = run(torch.float64, "reference")
@@ -210,7 +217,7 @@ def test_fused_kernel_gets_only_what_it_computes(monkeypatch: pytest.MonkeyPatch
     # kernel, and still equal the reference.
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 32, 8, generator=g) for _ in range(3))
-    small = Chunked(block_q=4, block_k=4, fused_rows=8)
+    small = Chunked(block_q=4, block_k=4, fused_rows=8, native=False)
     strided = torch.randn(1, 2, 8, 32, generator=g).transpose(-1, -2)
     nan_v = v.clone()
     nan_v[..., 30:, :] = float("nan")  # hidden by the padding mask below
@@ -238,9 +245,13 @@ def test_fused_kernel_gets_only_what_it_computes(monkeypatch: pytest.MonkeyPatch
 
 def test_explain_tells_what_the_fused_kernel_computes() -> None:
     q = torch.randn(1, 2, 64, 8)
-    plain = str(attnkit.explain(q, q, q, backend=Chunked(block_q=8, block_k=8, fused_rows=16)))
+    plain = str(
+        attnkit.explain(q, q, q, backend=Chunked(block_q=8, block_k=8, fused_rows=16, native=False))
+    )
     assert "torch's fused CPU kernel: 100% of the pairs in 1 call" in plain
-    capped = attnkit.explain(q, q, q, softcap=5.0, backend=Chunked(block_q=8, fused_rows=16))
+    capped = attnkit.explain(
+        q, q, q, softcap=5.0, backend=Chunked(block_q=8, fused_rows=16, native=False)
+    )
     assert "fused CPU kernel" not in str(capped)
     off = attnkit.explain(q, q, q, backend=Chunked(block_q=8, block_k=8, fused_rows=None))
     assert "fused CPU kernel" not in str(off)
@@ -267,7 +278,7 @@ def test_fused_backward_takes_any_output_gradient_layout(
             out.backward(cot)
         return [t.grad for t in leaves]  # type: ignore[misc]
 
-    got = grads(Chunked(block_q=4, block_k=4, fused_rows=8))
+    got = grads(Chunked(block_q=4, block_k=4, fused_rows=8, native=False))
     assert calls.backward > 0
     for a, b in zip(got, grads("reference"), strict=True):
         assert_close(a, b)

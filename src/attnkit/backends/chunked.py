@@ -31,6 +31,7 @@ from .._call import AttentionCall, finite
 from .._checks import check_int
 from .._kernel import (
     FUSED_ROWS,
+    Grads,
     Plan,
     Problem,
     backward,
@@ -44,11 +45,14 @@ from .._kernel import (
     sink_grad,
     split_runs,
 )
+from .._native import load as load_native
+from .._native.kernel import NativeCall, native_call, why_not_native
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
-from .base import Backend, CallInputs
+from .base import Backend, CallInputs, Output
+from .reference import Reference
 
-__all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention"]
+__all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention", "native_serves"]
 
 
 def _flatten_batch(t: Tensor, batch: tuple[int, ...], n: int) -> Tensor:
@@ -90,6 +94,22 @@ class _Spec:
     has_sinks: bool
     n_term: int
     fused_rows: int | None
+    native: NativeCall | None  # None: the eager kernel
+
+
+def _layout(
+    spec: _Spec, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """q, k, v and a dense bias in the kernel's layout (see :class:`Problem`)."""
+    batch = spec.geo.batch_shape
+    n = spec.geo.batch
+    hkv = k.size(-3)
+    return (
+        q.reshape(n, hkv, q.size(-3) // hkv, q.size(-2), q.size(-1)),
+        k.reshape(n * hkv, k.size(-2), k.size(-1)),
+        v.reshape(n * hkv, v.size(-2), v.size(-1)),
+        None if bias is None else _as_5d(bias, batch, n, hkv),
+    )
 
 
 def _problem(
@@ -100,18 +120,16 @@ def _problem(
     bias: Tensor | None,
     term_inputs: tuple[Tensor, ...],
 ) -> Problem:
-    batch = spec.geo.batch_shape
-    n = spec.geo.batch
-    hkv = k.size(-3)
+    q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
     return Problem(
-        q5=q.reshape(n, hkv, q.size(-3) // hkv, q.size(-2), q.size(-1)),
-        k3=k.reshape(n * hkv, k.size(-2), k.size(-1)),
-        v3=v.reshape(n * hkv, v.size(-2), v.size(-1)),
+        q5=q5,
+        k3=k3,
+        v3=v3,
         scale=spec.scale,
         plan=spec.plan,
         geo=spec.geo,
         mask=spec.mask,
-        bias5=None if bias is None else _as_5d(bias, batch, n, hkv),
+        bias5=bias5,
         softcap=spec.softcap,
         term=spec.term,
         term_inputs=term_inputs,
@@ -132,13 +150,17 @@ class _KernelAttention(torch.autograd.Function):
         sinks: Tensor | None,
         *term_inputs: Tensor,
     ) -> Tensor:
-        p = _problem(spec, q, k, v, bias, term_inputs)
+        hkv = k.size(-3)
         with no_autocast(q.device):
-            out5, lse = forward(p)
-            sinks2 = None if sinks is None else sinks.view(p.hkv, p.g)
+            if spec.native is not None:
+                q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
+                out5, lse = spec.native.forward(q5, k3, v3, bias5)
+            else:
+                out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs))
+            sinks2 = None if sinks is None else sinks.view(hkv, -1)
             out5, lse = finish(out5, lse, sinks2)
         # (N, Hkv, G, Tq, Dv) laid out as (N, Tq, H, Dv): a view of q's shape, like torch's SDPA.
-        out = out5.flatten(1, 2).reshape(*q.shape[:-1], p.dv).to(q.dtype)
+        out = out5.flatten(1, 2).reshape(*q.shape[:-1], v.size(-1)).to(q.dtype)
         optional = [t for t in (bias, sinks) if t is not None]
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse, *optional, *term_inputs)
@@ -155,23 +177,31 @@ class _KernelAttention(torch.autograd.Function):
         bias = rest.pop(0) if spec.has_bias else None
         sinks = rest.pop(0) if spec.has_sinks else None
         term_inputs = tuple(rest)
-        p = _problem(spec, q, k, v, bias, term_inputs)
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
         with no_autocast(dout.device):
-            dout5 = dout.reshape(p.n, p.hkv, p.g, p.tq, p.dv)
+            dout5 = dout.reshape(out5.shape)
             delta = delta_of(out5, dout5)
-            grads = backward(
-                p,
-                out5,
-                lse,
-                delta,
-                dout5,
-                bias_grad=bias is not None and needs[4],
-                term_grads=any(needs[6:]),
-            )
+            bias_grad = bias is not None and needs[4]
+            if spec.native is not None:
+                q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
+                dq, dk, dv, dbias5 = spec.native.backward(
+                    q5, k3, v3, bias5, dout5, lse, delta, bias_grad
+                )
+                grads = Grads(dq, dk, dv, dbias5, [])
+            else:
+                grads = backward(
+                    _problem(spec, q, k, v, bias, term_inputs),
+                    out5,
+                    lse,
+                    delta,
+                    dout5,
+                    bias_grad=bias_grad,
+                    term_grads=any(needs[6:]),
+                )
             dsinks = None
             if sinks is not None and needs[5]:
-                dsinks = sink_grad(lse, delta, sinks.view(p.hkv, p.g)).reshape(sinks.shape)
+                groups = sinks.view(out5.size(1), -1)
+                dsinks = sink_grad(lse, delta, groups).reshape(sinks.shape)
         dbias = None
         if grads.dbias5 is not None and bias is not None:
             dbias = _unlayout_bias_grad(grads.dbias5, bias, spec.geo.batch_shape)
@@ -232,9 +262,14 @@ def kernel_attention(
     block_k: int | None = None,
     fused_rows: int | None = FUSED_ROWS,
     is_finite: bool | None = None,
+    native: bool = True,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
-    whether q, k and v hold only finite values, if the caller knows (None: find out)."""
+    whether q, k and v hold only finite values, if the caller knows (None: find out).
+
+    ``native``: use the native kernel where it computes the same thing (see
+    :func:`native_serves`); ``dropout_p`` needs it."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -243,6 +278,15 @@ def kernel_attention(
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k)
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
+    careful = not (finite(q, k, v) if is_finite is None else is_finite)
+    fast = None
+    if native_serves(q.device, term, careful, native):
+        seed = int(torch.randint(-(2**63), 2**63 - 1, ())) if dropout_p else 0
+        fast = native_call(
+            mask, geo, plan, scale=scale, softcap=softcap, p_drop=dropout_p, seed=seed
+        )
+    elif dropout_p:
+        raise RuntimeError("attnkit internal error: dropout without the native kernel")
     spec = _Spec(
         mask=mask,
         geo=geo,
@@ -250,13 +294,29 @@ def kernel_attention(
         scale=scale,
         softcap=softcap,
         term=term,
-        careful=not (finite(q, k, v) if is_finite is None else is_finite),
+        careful=careful,
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
         fused_rows=fused_rows,
+        native=fast,
     )
     return _apply(spec, q, k, v, dense, sinks, *term_inputs)
+
+
+def native_serves(
+    device: torch.device, term: ScoreTerm | None, careful: bool, native: bool
+) -> bool:
+    """Whether the native kernel runs a call: on CPUs, without a score term, on finite q, k and
+    v (the eager kernel handles non-finite inputs), when it is built (see :mod:`attnkit._native`).
+    """
+    return (
+        native
+        and device.type == "cpu"
+        and term is None
+        and not careful
+        and load_native() is not None
+    )
 
 
 def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
@@ -279,8 +339,9 @@ def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str |
     )
 
 
-def chunked_check(call: AttentionCall) -> list[str]:
-    """Why the kernel cannot serve a call (empty when it can)."""
+def chunked_check(call: AttentionCall, native: bool = True) -> list[str]:
+    """Why the kernel cannot serve a call (empty when it can); ``native``: whether the native
+    kernel may serve it (dropout needs it)."""
     reasons = []
     if torch.compiler.is_compiling():
         reasons.append(
@@ -290,7 +351,12 @@ def chunked_check(call: AttentionCall) -> list[str]:
     if call.return_weights:
         reasons.append("does not return attention weights (only reference does)")
     if call.dropout_p:
-        reasons.append(f"has no dropout (dropout_p={call.dropout_p}); sdpa and reference do")
+        why = why_not_native(call, native)
+        if why is not None:
+            reasons.append(
+                f"has dropout (dropout_p={call.dropout_p}) only in the native kernel, and runs "
+                f"{why}; sdpa and reference have dropout"
+            )
     return reasons
 
 
@@ -299,6 +365,8 @@ class Chunked(Backend):
 
     ``fused_rows``: fully visible stretches of the block plan shared by at least this many queries
     go to torch's fused CPU kernel (see :mod:`attnkit.backends.chunked`); ``None``: never.
+    ``native=False``: always the eager kernel, never the native one (:mod:`attnkit._native`); the
+    native kernel runs every block itself, so ``fused_rows`` matters only to the eager one.
 
     >>> import torch, attnkit
     >>> q = torch.randn(1, 2, 100, 8)
@@ -314,27 +382,42 @@ class Chunked(Backend):
         block_q: int | None = None,
         block_k: int | None = None,
         fused_rows: int | None = FUSED_ROWS,
+        native: bool = True,
     ) -> None:
         super().__init__("chunked")
+        if not isinstance(native, bool):
+            raise TypeError(f"native must be a bool, got {native!r}")
+        self.native = native
         self.block_q = None if block_q is None else check_int("block_q", block_q)
         self.block_k = None if block_k is None else check_int("block_k", block_k)
         self.fused_rows = None if fused_rows is None else check_int("fused_rows", fused_rows)
 
     def check(self, call: AttentionCall) -> list[str]:
-        return chunked_check(call)
+        return chunked_check(call, self.native)
 
     def notes(self, call: AttentionCall) -> list[str]:
-        """The block plan of a structured mask, and the share of torch's fused CPU kernel (what
-        can be told without data: nothing on ``meta`` tensors)."""
+        """The block plan of a structured mask, which kernel runs it ("native kernel" or why
+        not), and the share of torch's fused CPU kernel (what can be told without data: nothing
+        on ``meta`` tensors)."""
         if call.device.type == "meta":
             return []
         term = call.score_term is not None
         plan = plan_for(call.mask, call.geometry, call.groups, term, self.block_q, self.block_k)
         notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
+        why = why_not_native(call, self.native)
+        if why is None:
+            return [*notes, "native kernel"]
         fused = fused_note(call, plan, self.fused_rows)
-        return notes + ([fused] if fused else [])
+        return [*notes, why, *([fused] if fused else [])]
 
-    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        careful = call.finite is False or (
+            call.finite is None and not finite(inputs.q, inputs.k, inputs.v)
+        )
+        term = call.score_term if inputs.bias is None else None
+        if call.dropout_p and not native_serves(call.device, term, careful, self.native):
+            why = "dropout, and the native kernel does not serve the call"
+            return self.hand_over(call, inputs, Reference(), why)
         return kernel_attention(
             inputs.q,
             inputs.k,
@@ -347,11 +430,15 @@ class Chunked(Backend):
             block_q=self.block_q,
             block_k=self.block_k,
             fused_rows=self.fused_rows,
-            is_finite=call.finite,
+            is_finite=not careful,
+            native=self.native,
+            dropout_p=call.dropout_p,
         )
 
     def __repr__(self) -> str:
         sizes = [f"{n}={v}" for n, v in (("block_q", self.block_q), ("block_k", self.block_k)) if v]
         if self.fused_rows != FUSED_ROWS:
             sizes.append(f"fused_rows={self.fused_rows}")
+        if not self.native:
+            sizes.append("native=False")
         return f"Chunked({', '.join(sizes)})"

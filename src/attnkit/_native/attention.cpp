@@ -1,0 +1,516 @@
+// attnkit's native CPU kernel: the online softmax of attnkit._kernel.softmax, fused per block.
+//
+// One parallel region per call. The forward's work items are (batch, key/value head, query
+// block); each runs every visited key block of its row of the block plan, for each of the G query
+// heads that share the key/value head, with thread-local buffers: a GEMM for the scores, one pass
+// for softcap, bias, mask and dropout, exp2 and the row sums, and a GEMM for the weighted values.
+// The backward's items are (batch, key/value head, a stretch of query blocks): each recomputes
+// its blocks' probabilities from the saved log-sum-exp and accumulates dq for its own rows and
+// dk/dv for its key/value head, in place when it is the head's only stretch, else in its own
+// buffer, summed after the parallel region. No two items write the same memory.
+//
+// Scores are kept in base 2 (log2(e) rides on the GEMM's alpha or on the adds), as in the eager
+// kernel; the log-sum-exp returned is in natural units. A row that sees no key has log-sum-exp
+// -inf and output 0; its probabilities in the backward are exp2(-inf - 0) = 0.
+//
+// Masks arrive as index arithmetic: a band lo <= j - (i + shift) <= hi, key flags (N|1, Tk), or
+// bool tiles computed by the caller for the plan's partial blocks. FULL blocks do no mask work and
+// EMPTY blocks are not in the plan.
+//
+// Dropout keeps a pair (n, h, i, j) iff the top 24 bits of splitmix64's output for the counter
+// ((n * H + h) * Tq + i) * Tk + j (from the call's seed) are >= p * 2^24; the backward regenerates
+// the same decisions. attnkit._native.dropout_keep computes the same mask in PyTorch.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+extern "C" {
+// The BLAS that torch links (weak: a build without it uses the loops below). Called inside the
+// parallel region, an OpenMP BLAS runs each GEMM on the calling thread.
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
+            const float*, const int*, const float*, const int*, const float*, float*,
+            const int*) __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*,
+            const double*, const int*, const double*, const int*, const double*, double*,
+            const int*) __attribute__((weak));
+}
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.6931471805599453;
+
+// Row-major C (m x n) = alpha * op(A) op(B) + beta * C, op(A) m x k, op(B) k x n. A column-major
+// BLAS computes C^T = op(B)^T op(A)^T: the operands swap, their flags stay.
+template <typename T>
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+          const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const char fa = ta ? 'T' : 'N', fb = tb ? 'T' : 'N';
+  const int M = (int)n, N = (int)m, K = (int)k, LA = (int)ldb, LB = (int)lda, LC = (int)ldc;
+  if constexpr (std::is_same_v<T, float>) {
+    if (sgemm_ != nullptr) {
+      sgemm_(&fb, &fa, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
+      return;
+    }
+  } else {
+    if (dgemm_ != nullptr) {
+      dgemm_(&fb, &fa, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
+      return;
+    }
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      T sum = 0;
+      for (int64_t p = 0; p < k; ++p) {
+        const T x = ta ? a[p * lda + i] : a[i * lda + p];
+        const T y = tb ? b[j * ldb + p] : b[p * ldb + j];
+        sum += x * y;
+      }
+      c[i * ldc + j] = alpha * sum + (beta == T(0) ? T(0) : beta * c[i * ldc + j]);
+    }
+  }
+}
+
+inline uint64_t splitmix64(uint64_t counter, uint64_t seed) {
+  uint64_t z = seed + (counter + 1) * 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Everything a call's items read: pointers into contiguous tensors, and the plan.
+template <typename T>
+struct Call {
+  int64_t N, Hkv, G, Tq, Tk, Dk, Dv, bq;
+  const T* q;  // (N, Hkv, G, Tq, Dk)
+  const T* k;  // (N*Hkv, Tk, Dk)
+  const T* v;  // (N*Hkv, Tk, Dv)
+  const int64_t* off;     // (nqb + 1): query block b visits visits[off[b] : off[b + 1]]
+  const int64_t* visits;  // (nv, 6): ks, ke, r0, r1, partial, tile index
+  int64_t nqb;
+  double scale, softcap;  // softcap <= 0: none
+  const T* bias = nullptr;  // a (N, Hkv, G, Tq, Tk) view with strides bs (0 where broadcast)
+  int64_t bs[5] = {0, 0, 0, 0, 0};
+  bool band = false;
+  double lo = 0, hi = 0;
+  int64_t shift = 0;
+  const uint8_t* key_ok = nullptr;  // (N|1, Tk)
+  int64_t key_rows = 1;
+  const uint8_t* tiles = nullptr;  // (P, Nm, Hm, bq, bk)
+  int64_t tile_n = 1, tile_h = 1, tile_k = 1;
+  double p_drop = 0;
+  uint64_t seed = 0;
+
+  bool partial_visible(int64_t n, int64_t h, int64_t i, int64_t j, int64_t tile, int64_t r,
+                       int64_t c) const {
+    if (band) {
+      const double d = double(j - i - shift);
+      if (d < lo || d > hi) return false;
+    }
+    if (key_ok != nullptr && !key_ok[(key_rows == 1 ? 0 : n) * Tk + j]) return false;
+    if (tiles != nullptr) {
+      const int64_t nm = tile_n == 1 ? 0 : n, hm = tile_h == 1 ? 0 : h;
+      const int64_t at = (((tile * tile_n + nm) * tile_h + hm) * bq + r) * tile_k + c;
+      if (!tiles[at]) return false;
+    }
+    return true;
+  }
+
+  uint64_t drop_threshold() const { return (uint64_t)(p_drop * 16777216.0); }
+};
+
+// Scores of one visit, rows r0:r1 of query block qs for head (n, hk, g), in base 2, into s
+// (rows x keys, leading dimension ld). With softcap, tanh of the capped argument goes to t.
+template <typename T>
+void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, const int64_t* vis,
+            T* s, int64_t ld, T* t) {
+  const int64_t ks = vis[0], ke = vis[1], r0 = vis[2], r1 = vis[3];
+  const int64_t nr = r1 - r0, nk = ke - ks;
+  const T* qp = c.q + (((n * c.Hkv + hk) * c.G + g) * c.Tq + qs + r0) * c.Dk;
+  const T* kp = c.k + ((n * c.Hkv + hk) * c.Tk + ks) * c.Dk;
+  const bool capped = c.softcap > 0;
+  const T alpha = T(capped ? c.scale : c.scale * kLog2e);
+  gemm<T>(false, true, nr, nk, c.Dk, alpha, qp, c.Dk, kp, c.Dk, T(0), s, ld);
+  const T inf = std::numeric_limits<T>::infinity();
+  const int64_t h = hk * c.G + g;
+  using V = at::vec::Vectorized<T>;
+  for (int64_t r = 0; r < nr; ++r) {
+    T* row = s + r * ld;
+    const int64_t i = qs + r0 + r;
+    if (capped) {
+      T* trow = t + r * ld;
+      const V inv(T(1.0 / c.softcap)), mul(T(c.softcap * kLog2e));
+      int64_t j = 0;
+      for (; j + V::size() <= nk; j += V::size()) {
+        V x = (V::loadu(row + j) * inv).tanh();
+        x.store(trow + j);
+        (x * mul).store(row + j);
+      }
+      for (; j < nk; ++j) {
+        trow[j] = std::tanh(row[j] / T(c.softcap));
+        row[j] = trow[j] * T(c.softcap * kLog2e);
+      }
+    }
+    if (c.bias != nullptr) {
+      const T* b = c.bias + n * c.bs[0] + hk * c.bs[1] + g * c.bs[2] + i * c.bs[3] + ks * c.bs[4];
+      const int64_t st = c.bs[4];
+      for (int64_t j = 0; j < nk; ++j) row[j] += b[j * st] * T(kLog2e);
+    }
+    if (vis[4]) {
+      for (int64_t j = 0; j < nk; ++j) {
+        if (!c.partial_visible(n, h, i, ks + j, vis[5], r0 + r, j)) row[j] = -inf;
+      }
+    }
+  }
+}
+
+// Dropout on rows of probabilities p (in place): kept entries scaled by 1 / (1 - p_drop).
+template <typename T>
+void drop(const Call<T>& c, int64_t n, int64_t h, int64_t i0, int64_t ks, int64_t nr, int64_t nk,
+          T* p, int64_t ld) {
+  const uint64_t thresh = c.drop_threshold();
+  const T keep = T(1.0 / (1.0 - c.p_drop));
+  for (int64_t r = 0; r < nr; ++r) {
+    const uint64_t base = ((uint64_t)(n * c.Hkv * c.G + h) * c.Tq + i0 + r) * c.Tk + ks;
+    T* row = p + r * ld;
+    for (int64_t j = 0; j < nk; ++j) {
+      row[j] = (splitmix64(base + j, c.seed) >> 40) >= thresh ? row[j] * keep : T(0);
+    }
+  }
+}
+
+template <typename T>
+T row_max(const T* x, int64_t n) {
+  using V = at::vec::Vectorized<T>;
+  T m = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  if (n >= V::size()) {
+    V acc = V::loadu(x);
+    for (j = V::size(); j + V::size() <= n; j += V::size()) acc = at::vec::maximum(acc, V::loadu(x + j));
+    m = at::vec::vec_reduce_all<T>([](V& a, V& b) { return at::vec::maximum(a, b); }, acc);
+  }
+  for (; j < n; ++j) m = (std::isnan(x[j]) || x[j] > m) ? x[j] : m;
+  return m;
+}
+
+// x = exp2(x - m) in place; returns the sum.
+template <typename T>
+T exp2_sum(T* x, int64_t n, T m) {
+  using V = at::vec::Vectorized<T>;
+  V acc(T(0));
+  const V mv(m);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    V e = (V::loadu(x + j) - mv).exp2();
+    e.store(x + j);
+    acc = acc + e;
+  }
+  T sum = at::vec::vec_reduce_all<T>([](V& a, V& b) { return a + b; }, acc);
+  for (; j < n; ++j) {
+    x[j] = std::exp2(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
+
+template <typename T>
+void scale_row(T* x, int64_t n, T a) {
+  using V = at::vec::Vectorized<T>;
+  const V av(a);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) (V::loadu(x + j) * av).store(x + j);
+  for (; j < n; ++j) x[j] *= a;
+}
+
+template <typename T>
+void forward_impl(const Call<T>& c, T* out, T* lse) {
+  const int64_t items = c.N * c.Hkv * c.nqb;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const int64_t bk_max = c.tile_k;
+    std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0);
+    std::vector<T> acc(c.bq * c.Dv), m(c.bq), l(c.bq);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t qb = item % c.nqb, nh = item / c.nqb, n = nh / c.Hkv, hk = nh % c.Hkv;
+      const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
+      for (int64_t g = 0; g < c.G; ++g) {
+        std::fill(acc.begin(), acc.end(), T(0));
+        std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
+        std::fill(l.begin(), l.end(), T(0));
+        for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
+          const int64_t* vis = c.visits + vi * 6;
+          const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
+          scores(c, n, hk, g, qs, vis, s.data(), nk, t.data());
+          for (int64_t r = 0; r < nr; ++r) {
+            T* row = s.data() + r * nk;
+            const int64_t R = r0 + r;
+            const T mnew = std::max(m[R], row_max(row, nk));
+            const T safe = std::isinf(mnew) && mnew < 0 ? T(0) : mnew;
+            const T alpha = std::exp2(m[R] - safe);
+            l[R] = l[R] * alpha + exp2_sum(row, nk, safe);
+            if (alpha != T(1)) scale_row(acc.data() + R * c.Dv, c.Dv, alpha);
+            m[R] = mnew;
+          }
+          if (c.p_drop > 0) drop(c, n, hk * c.G + g, qs + r0, ks, nr, nk, s.data(), nk);
+          const T* vp = c.v + ((n * c.Hkv + hk) * c.Tk + ks) * c.Dv;
+          gemm<T>(false, false, nr, c.Dv, nk, T(1), s.data(), nk, vp, c.Dv, T(1),
+                  acc.data() + r0 * c.Dv, c.Dv);
+        }
+        const int64_t row0 = ((n * c.Hkv + hk) * c.G + g) * c.Tq + qs;
+        for (int64_t r = 0; r < rows; ++r) {
+          T* o = out + (row0 + r) * c.Dv;
+          if (l[r] > T(0)) {
+            const T inv = T(1) / l[r];
+            for (int64_t d = 0; d < c.Dv; ++d) o[d] = acc[r * c.Dv + d] * inv;
+            lse[row0 + r] = T((m[r] + std::log2(l[r])) * kLn2);
+          } else {
+            for (int64_t d = 0; d < c.Dv; ++d) o[d] = T(0);
+            lse[row0 + r] = -std::numeric_limits<T>::infinity();
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta, T* dq, T* dk,
+                   T* dv, T* dbias) {
+  // Stretches of query blocks per key/value head, enough for every thread to have work.
+  const int64_t heads = c.N * c.Hkv;
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::max<int64_t>(
+      1, std::min<int64_t>(c.nqb, (2 * threads + heads - 1) / heads));
+  // Stretches balanced by visits: stretch p holds query blocks first[p] : first[p + 1].
+  std::vector<int64_t> first(parts + 1, c.nqb);
+  first[0] = 0;
+  {
+    const int64_t total = c.off[c.nqb];
+    int64_t p = 1;
+    for (int64_t b = 0; b < c.nqb && p < parts; ++b) {
+      if (c.off[b + 1] * parts >= p * total) first[p++] = b + 1;
+    }
+  }
+  std::vector<int64_t> kmin(parts), kmax(parts);
+  for (int64_t p = 0; p < parts; ++p) {
+    kmin[p] = c.Tk;
+    kmax[p] = 0;
+    for (int64_t vi = c.off[first[p]]; vi < c.off[first[p + 1]]; ++vi) {
+      kmin[p] = std::min(kmin[p], c.visits[vi * 6]);
+      kmax[p] = std::max(kmax[p], c.visits[vi * 6 + 1]);
+    }
+  }
+  std::vector<std::vector<T>> dk_parts(parts > 1 ? heads * parts : 0);
+  std::vector<std::vector<T>> dv_parts(parts > 1 ? heads * parts : 0);
+  const T inf = std::numeric_limits<T>::infinity();
+  at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
+    const int64_t bk_max = c.tile_k;
+    std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0), dp(c.bq * bk_max);
+    std::vector<T> pd(c.p_drop > 0 ? c.bq * bk_max : 0), dqa(c.bq * c.Dk);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t nh = item / parts, p = item % parts, n = nh / c.Hkv, hk = nh % c.Hkv;
+      if (kmax[p] <= kmin[p]) continue;
+      T *dkh, *dvh;
+      int64_t k0;
+      if (parts == 1) {
+        dkh = dk + nh * c.Tk * c.Dk;
+        dvh = dv + nh * c.Tk * c.Dv;
+        k0 = 0;
+      } else {
+        auto& bk = dk_parts[item];
+        auto& bv = dv_parts[item];
+        bk.assign((kmax[p] - kmin[p]) * c.Dk, T(0));
+        bv.assign((kmax[p] - kmin[p]) * c.Dv, T(0));
+        dkh = bk.data();
+        dvh = bv.data();
+        k0 = kmin[p];
+      }
+      const T* kh = c.k + nh * c.Tk * c.Dk;
+      const T* vh = c.v + nh * c.Tk * c.Dv;
+      for (int64_t g = 0; g < c.G; ++g) {
+        const int64_t h = hk * c.G + g;
+        for (int64_t qb = first[p]; qb < first[p + 1]; ++qb) {
+          const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
+          const int64_t row0 = (nh * c.G + g) * c.Tq + qs;
+          std::fill(dqa.begin(), dqa.end(), T(0));
+          for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
+            const int64_t* vis = c.visits + vi * 6;
+            const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
+            scores(c, n, hk, g, qs, vis, s.data(), nk, t.data());
+            for (int64_t r = 0; r < nr; ++r) {
+              const T L = lse[row0 + r0 + r];
+              const T base = (std::isinf(L) && L < 0) ? T(0) : T(L * kLog2e);
+              exp2_sum(s.data() + r * nk, nk, base);
+            }
+            const T* dop = dout + (row0 + r0) * c.Dv;
+            // dP = dO V^T (rows x keys)
+            gemm<T>(false, true, nr, nk, c.Dv, T(1), dop, c.Dv, vh + ks * c.Dv, c.Dv, T(0),
+                    dp.data(), nk);
+            const T* pv = s.data();
+            if (c.p_drop > 0) {
+              std::copy(s.begin(), s.begin() + nr * nk, pd.begin());
+              drop(c, n, h, qs + r0, ks, nr, nk, pd.data(), nk);
+              // dP of the kept probabilities: the same mask and scale.
+              for (int64_t x = 0; x < nr * nk; ++x) {
+                dp[x] = s[x] > T(0) ? dp[x] * pd[x] / s[x] : T(0);
+              }
+              pv = pd.data();
+            }
+            // dV += P^T dO
+            gemm<T>(true, false, nk, c.Dv, nr, T(1), pv, nk, dop, c.Dv, T(1),
+                    dvh + (ks - k0) * c.Dv, c.Dv);
+            for (int64_t r = 0; r < nr; ++r) {
+              const T dl = delta[row0 + r0 + r];
+              T* pr = s.data() + r * nk;
+              T* dr = dp.data() + r * nk;
+              for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl);
+              if (dbias != nullptr) {
+                T* db = dbias + (row0 + r0 + r) * c.Tk + ks;
+                for (int64_t j = 0; j < nk; ++j) db[j] += dr[j];
+              }
+              if (c.softcap > 0) {
+                const T* tr = t.data() + r * nk;
+                for (int64_t j = 0; j < nk; ++j) dr[j] *= T(1) - tr[j] * tr[j];
+              }
+            }
+            (void)inf;
+            // dQ += scale dS K, dK += scale dS^T Q
+            gemm<T>(false, false, nr, c.Dk, nk, T(c.scale), dp.data(), nk, kh + ks * c.Dk, c.Dk,
+                    T(1), dqa.data() + r0 * c.Dk, c.Dk);
+            const T* qp = c.q + (row0 + r0) * c.Dk;
+            gemm<T>(true, false, nk, c.Dk, nr, T(c.scale), dp.data(), nk, qp, c.Dk, T(1),
+                    dkh + (ks - k0) * c.Dk, c.Dk);
+          }
+          std::copy(dqa.begin(), dqa.begin() + rows * c.Dk, dq + row0 * c.Dk);
+        }
+      }
+    }
+  });
+  if (parts > 1) {
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nh = begin; nh < end; ++nh) {
+        for (int64_t p = 0; p < parts; ++p) {
+          const auto& bk = dk_parts[nh * parts + p];
+          const auto& bv = dv_parts[nh * parts + p];
+          if (bk.empty()) continue;
+          T* dkh = dk + (nh * c.Tk + kmin[p]) * c.Dk;
+          T* dvh = dv + (nh * c.Tk + kmin[p]) * c.Dv;
+          for (size_t x = 0; x < bk.size(); ++x) dkh[x] += bk[x];
+          for (size_t x = 0; x < bv.size(); ++x) dvh[x] += bv[x];
+        }
+      }
+    });
+  }
+}
+
+template <typename T>
+Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& off, const at::Tensor& visits, int64_t block_q,
+                  int64_t block_k, double scale, double softcap,
+                  const c10::optional<at::Tensor>& bias, std::vector<double> band, int64_t shift,
+                  const c10::optional<at::Tensor>& key_ok, const c10::optional<at::Tensor>& tiles,
+                  double p_drop, int64_t seed) {
+  Call<T> c;
+  c.N = q.size(0);
+  c.Hkv = q.size(1);
+  c.G = q.size(2);
+  c.Tq = q.size(3);
+  c.Dk = q.size(4);
+  c.Tk = k.size(1);
+  c.Dv = v.size(2);
+  c.bq = block_q;
+  c.tile_k = block_k;
+  c.q = q.data_ptr<T>();
+  c.k = k.data_ptr<T>();
+  c.v = v.data_ptr<T>();
+  c.off = off.data_ptr<int64_t>();
+  c.visits = visits.data_ptr<int64_t>();
+  c.nqb = off.size(0) - 1;
+  c.scale = scale;
+  c.softcap = softcap;
+  if (bias.has_value()) {
+    c.bias = bias->data_ptr<T>();
+    for (int d = 0; d < 5; ++d) c.bs[d] = bias->size(d) == 1 ? 0 : bias->stride(d);
+  }
+  if (band.size() == 2) {
+    c.band = true;
+    c.lo = band[0];
+    c.hi = band[1];
+    c.shift = shift;
+  }
+  if (key_ok.has_value()) {
+    c.key_ok = key_ok->data_ptr<uint8_t>();
+    c.key_rows = key_ok->size(0);
+  }
+  if (tiles.has_value()) {
+    c.tiles = tiles->data_ptr<uint8_t>();
+    c.tile_n = tiles->size(1);
+    c.tile_h = tiles->size(2);
+  }
+  c.p_drop = p_drop;
+  c.seed = (uint64_t)seed;
+  return c;
+}
+
+std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor off,
+                                at::Tensor visits, int64_t block_q, int64_t block_k, double scale,
+                                double softcap, c10::optional<at::Tensor> bias,
+                                std::vector<double> band, int64_t shift,
+                                c10::optional<at::Tensor> key_ok, c10::optional<at::Tensor> tiles,
+                                double p_drop, int64_t seed) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous q, k, v");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3), v.size(2)}, q.options());
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_forward", [&] {
+    auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
+                                 band, shift, key_ok, tiles, p_drop, seed);
+    forward_impl<scalar_t>(c, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+  });
+  return {out, lse};
+}
+
+std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor off,
+                                 at::Tensor visits, int64_t block_q, int64_t block_k,
+                                 double scale, double softcap, c10::optional<at::Tensor> bias,
+                                 std::vector<double> band, int64_t shift,
+                                 c10::optional<at::Tensor> key_ok,
+                                 c10::optional<at::Tensor> tiles, double p_drop, int64_t seed,
+                                 at::Tensor dout, at::Tensor lse, at::Tensor delta,
+                                 bool bias_grad) {
+  TORCH_CHECK(dout.is_contiguous() && lse.is_contiguous() && delta.is_contiguous(),
+              "contiguous dout, lse, delta");
+  auto dq = at::empty_like(q);
+  auto dk = at::zeros_like(k);
+  auto dv = at::zeros_like(v);
+  at::Tensor dbias;
+  if (bias_grad) {
+    dbias = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3), k.size(1)}, q.options());
+  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_backward", [&] {
+    auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
+                                 band, shift, key_ok, tiles, p_drop, seed);
+    backward_impl<scalar_t>(c, dout.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+                            delta.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(),
+                            dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                            bias_grad ? dbias.data_ptr<scalar_t>() : nullptr);
+  });
+  if (bias_grad) return {dq, dk, dv, dbias};
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "attention forward: (out, lse)");
+  m.def("backward", &backward, "attention backward: (dq, dk, dv[, dbias])");
+}

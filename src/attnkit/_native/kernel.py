@@ -1,0 +1,227 @@
+"""A call in the native kernel's terms: the block plan as index tensors, the mask as arithmetic.
+
+The native kernel reads the same :class:`~attnkit._kernel.plan.Plan` as the eager one (its EMPTY
+blocks are not in it, its FULL blocks do no mask work) and sees a partial block's mask in one of
+three forms, the cheapest that is exact: a band ``lo <= j - (i + shift) <= hi`` (causal, sliding
+windows), per-key flags (key padding), both for a band and key flags joined by ``&``, or else bool
+tiles asked of the mask here, once per partial block of the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._call import AttentionCall
+from .._kernel import Plan
+from ..masks import Geometry, Mask
+from . import load, status
+
+__all__ = ["NativeCall", "dropout_keep", "native_call", "why_not_native"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """A uint64 constant as the int64 torch holds it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(z: Tensor, bits: int) -> Tensor:
+    """A logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def dropout_keep(seed: int, p: float, shape: tuple[int, int, int, int]) -> Tensor:
+    """Bool ``(N, H, Tq, Tk)``: which pairs the native kernel's dropout keeps for ``seed``.
+
+    Pair ``(n, h, i, j)`` is kept iff the top 24 bits of splitmix64 at counter
+    ``((n * H + h) * Tq + i) * Tk + j`` (from ``seed``) are at least ``p * 2^24``.
+    """
+    n, h, tq, tk = shape
+    counter = torch.arange(n * h * tq * tk, dtype=torch.int64).view(n, h, tq, tk)
+    z = seed + (counter + 1) * _signed(0x9E3779B97F4A7C15)
+    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 40) >= int(p * 16777216.0)
+
+
+def why_not_native(call: AttentionCall, native: bool) -> str | None:
+    """Why the native kernel does not serve ``call`` (None: it does). Builds it on first use."""
+    if not native:
+        return "the eager kernel (Chunked(native=False))"
+    if call.device.type != "cpu":
+        return f"the eager kernel (the native kernel runs on CPUs, not {call.device.type})"
+    if call.score_term is not None:
+        return (
+            f"the eager kernel (the native kernel does not fuse the score term {call.score_term!r})"
+        )
+    if call.finite is False:
+        return "the eager kernel (non-finite values in q/k/v)"
+    available, why = status()
+    return None if available else f"the eager kernel (native kernel: {why})"
+
+
+@dataclass(frozen=True)
+class NativeCall:
+    """One call's plan and mask in the native kernel's terms (built once, used by the forward
+    and the backward)."""
+
+    off: Tensor  # (nqb + 1,) int64
+    visits: Tensor  # (nv, 6) int64: ks, ke, r0, r1, partial, tile
+    block_q: int
+    block_k: int
+    scale: float
+    softcap: float  # 0: none
+    band: list[float]  # [lo, hi] or []
+    shift: int
+    key_ok: Tensor | None  # (N|1, Tk) uint8
+    tiles: Tensor | None  # (P, N|1, H|1, block_q, block_k) uint8
+    p_drop: float
+    seed: int
+
+    def _args(self) -> tuple[object, ...]:
+        return (
+            self.off,
+            self.visits,
+            self.block_q,
+            self.block_k,
+            self.scale,
+            self.softcap,
+        )
+
+    def forward(
+        self, q5: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """``(out5, lse)`` in the work dtype, as :func:`attnkit._kernel.forward` returns them."""
+        module = load()
+        if module is None:
+            raise RuntimeError("attnkit internal error: native call without the native kernel")
+        work = torch.promote_types(q5.dtype, torch.float32)
+        out, lse = module.forward(
+            q5.to(work).contiguous(),
+            k3.to(work).contiguous(),
+            v3.to(work).contiguous(),
+            *self._args(),
+            None if bias5 is None else bias5.to(work),
+            self.band,
+            self.shift,
+            self.key_ok,
+            self.tiles,
+            self.p_drop,
+            self.seed,
+        )
+        return out, lse
+
+    def backward(
+        self,
+        q5: Tensor,
+        k3: Tensor,
+        v3: Tensor,
+        bias5: Tensor | None,
+        dout5: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        bias_grad: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``(dq5, dk3, dv3, dbias5)`` in the work dtype (``dbias5`` in ``bias5``'s shape)."""
+        module = load()
+        if module is None:
+            raise RuntimeError("attnkit internal error: native call without the native kernel")
+        work = torch.promote_types(q5.dtype, torch.float32)
+        grads = module.backward(
+            q5.to(work).contiguous(),
+            k3.to(work).contiguous(),
+            v3.to(work).contiguous(),
+            *self._args(),
+            None if bias5 is None else bias5.to(work),
+            self.band,
+            self.shift,
+            self.key_ok,
+            self.tiles,
+            self.p_drop,
+            self.seed,
+            dout5.to(work).contiguous(),
+            lse.to(work).contiguous(),
+            delta.to(work).contiguous(),
+            bias_grad and bias5 is not None,
+        )
+        dbias = None
+        if len(grads) == 4 and bias5 is not None:
+            dbias = grads[3].sum_to_size(bias5.shape)
+        return grads[0], grads[1], grads[2], dbias
+
+
+def _mask_form(mask: Mask | None, geo: Geometry) -> tuple[list[float], Tensor | None, bool]:
+    """``(band, key flags, needs tiles)`` for a mask (see the module's docstring)."""
+    if mask is None:
+        return [], None, False
+    parts = mask.parts if mask.op == "and" else (mask,)
+    bands = [m for m in parts if m.band is not None]
+    keyed = [m for m in parts if m.band is None and m.keys_only]
+    if len(bands) > 1 or len(bands) + len(keyed) != len(parts):
+        return [], None, True
+    band: list[float] = []
+    if bands:
+        lo, hi = bands[0].distances(geo)
+        band = [float(lo), float(hi)]
+    key_ok = None
+    for m in keyed:
+        flags = m.key_tile(geo, 0, geo.kv_len).reshape(-1, geo.kv_len)
+        key_ok = flags if key_ok is None else key_ok & flags
+    if key_ok is not None:
+        key_ok = key_ok.to(torch.uint8).contiguous()
+    return band, key_ok, False
+
+
+def native_call(
+    mask: Mask | None,
+    geo: Geometry,
+    plan: Plan,
+    *,
+    scale: float,
+    softcap: float | None,
+    p_drop: float = 0.0,
+    seed: int = 0,
+) -> NativeCall:
+    """The plan of a whole call, and its mask, in the native kernel's terms."""
+    band, key_ok, tiled = _mask_form(mask, geo)
+    off = [0]
+    rows: list[list[int]] = []
+    tiles: list[tuple[Tensor, int, int]] = []  # a partial block's tile, its rows and keys
+    for qb in plan.blocks:
+        for v in qb.visits:
+            tile = -1
+            if v.partial and tiled and mask is not None:
+                tile = len(tiles)
+                t = mask.tile(geo, qb.qs, qb.qe, v.ks, v.ke)
+                tiles.append(
+                    (t.reshape((1,) * (4 - t.ndim) + tuple(t.shape)), qb.qe - qb.qs, v.ke - v.ks)
+                )
+            rows.append([v.ks, v.ke, v.r0, v.r1, int(v.partial), tile])
+        off.append(len(rows))
+    packed = None
+    if tiles:
+        tn = max(t.size(0) for t, _, _ in tiles)
+        th = max(t.size(1) for t, _, _ in tiles)
+        packed = torch.zeros(len(tiles), tn, th, plan.block_q, plan.block_k, dtype=torch.uint8)
+        for i, (t, nr, nk) in enumerate(tiles):
+            packed[i, :, :, :nr, :nk] = t.expand(tn, th, nr, nk)
+    visits = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
+    return NativeCall(
+        off=torch.tensor(off, dtype=torch.int64),
+        visits=visits,
+        block_q=plan.block_q,
+        block_k=plan.block_k,
+        scale=float(scale),
+        softcap=0.0 if softcap is None else float(softcap),
+        band=band,
+        shift=geo.shift,
+        key_ok=key_ok,
+        tiles=packed,
+        p_drop=float(p_drop),
+        seed=seed,
+    )
