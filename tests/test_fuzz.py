@@ -36,14 +36,15 @@ from .helpers import attnkit_checks_only
 from .strategies import Case, cases
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-BACKENDS = ["reference", "sdpa", "chunked"]
+# "eager": the chunked backend on its eager kernel (Chunked(native=False)).
+BACKENDS = ["reference", "sdpa", "chunked", "eager"]
 
 
 def small(backend: str, sizes: tuple[int, int]) -> str | Backend:
     """``backend`` with blocks of a few rows, so that small inputs span many blocks."""
     block_q, block_k = sizes
-    if backend == "chunked":
-        return Chunked(block_q=block_q, block_k=block_k)
+    if backend in ("chunked", "eager"):
+        return Chunked(block_q=block_q, block_k=block_k, native=backend == "chunked")
     if backend == "sdpa":
         return SDPA(block_q=block_q)
     return backend
@@ -480,7 +481,7 @@ def bad_attention_calls(draw: st.DrawFn) -> tuple[str, list[object], dict[str, o
             )
         )
     else:  # a BackendError (a ValueError) names what the backend lacks
-        kwargs.update(backend="chunked", dropout_p=0.5)
+        kwargs.update(backend=Chunked(native=False), dropout_p=0.5)
         fault = "dropout_p"
     return fault, args, kwargs
 
@@ -494,7 +495,8 @@ def test_bad_attention_arguments_are_named(
         with pytest.raises((TypeError, ValueError)) as err:
             attention(*args, **kwargs)  # type: ignore[arg-type]
         assert_names(err, fault)
-        if kwargs.get("backend") != "chunked":  # explain() reports what cannot serve, no raise
+        # explain() reports what a backend cannot serve, it does not raise.
+        if not isinstance(kwargs.get("backend"), Chunked):
             with pytest.raises((TypeError, ValueError)) as err:
                 attnkit.explain(*args, **kwargs)  # type: ignore[arg-type]
             assert_names(err, fault)

@@ -187,7 +187,7 @@ def test_non_contiguous_inputs(backend: str) -> None:
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
 def test_dropout_is_unbiased(backend: str) -> None:
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)

@@ -1,0 +1,277 @@
+"""The native CPU kernel: equal to the float64 reference, honest about itself, dropout in O(T)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import _native, attention, masks
+from attnkit._native.kernel import dropout_keep
+from attnkit.backends import Chunked
+from attnkit.testing import assert_close
+
+AVAILABLE, WHY = _native.status()
+needs_native = pytest.mark.skipif(not AVAILABLE, reason=f"native kernel: {WHY}")
+
+
+def small(native: bool = True) -> Chunked:
+    return Chunked(block_q=8, block_k=16, native=native)
+
+
+MASKS = {
+    "none": None,
+    "causal": masks.causal(),
+    "top-left causal": masks.causal(align="top_left"),
+    "window": masks.sliding_window(5, 2),
+    "padding": masks.key_padding([13, 0]),  # the second row sees no key at all
+    "padding & causal": masks.key_padding([30, 9]) & masks.causal(),
+    "documents": masks.documents([[10, 20, 7], [37]]),
+    "from_fn": masks.from_fn(lambda b, h, i, j: (i + j + h) % 3 != 0),
+}
+
+
+def grads_of(
+    backend: object, dtype: torch.dtype, seed: int = 0, tq: int = 30, tk: int = 37, **kw: object
+) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, tq, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, tk, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, tk, 6, generator=g, dtype=torch.float64)
+    extra = {}
+    if kw.pop("with_bias", False):
+        extra["bias"] = torch.randn(4, tq, tk, generator=g, dtype=torch.float64)
+    if kw.pop("with_sinks", False):
+        extra["sinks"] = torch.randn(4, generator=g, dtype=torch.float64)
+    cot = torch.randn(2, 4, tq, 6, generator=g, dtype=torch.float64)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, *extra.values())]
+    named = dict(zip(extra, leaves[3:], strict=True))
+    out = attention(*leaves[:3], backend=backend, **named, **kw)  # type: ignore[arg-type]
+    return [out, *torch.autograd.grad(out, leaves, cot.to(dtype), materialize_grads=True)]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_native_equals_reference(mask: str, dtype: torch.dtype) -> None:
+    kw = {"mask": MASKS[mask], "softcap": 4.0, "with_bias": True, "with_sinks": True}
+    got = grads_of(small(), dtype, **kw)
+    want = grads_of("reference", torch.float64, **kw)
+    for a, b in zip(got, want, strict=True):
+        assert a.isfinite().all()
+        assert_close(a, b, dtype=dtype)
+
+
+@needs_native
+def test_rows_without_keys_are_zero_with_zero_gradients() -> None:
+    out, dq, dk, dv = grads_of(small(), torch.float32, mask=masks.key_padding([13, 0]))
+    assert out[1].abs().max() == 0
+    assert dq[1].abs().max() == 0
+    assert dk[1].abs().max() == 0
+    assert dv[1].abs().max() == 0
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_counts_give_the_same_result(threads: int) -> None:
+    # One key/value head per call: the backward splits its query blocks into stretches with
+    # their own dk/dv buffers, summed at the end; several heads take the in-place path.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        g = torch.Generator().manual_seed(4)
+        for shape in [(1, 1, 70, 8), (2, 4, 70, 8)]:
+            q, k, v = (torch.randn(*shape, generator=g).requires_grad_() for _ in range(3))
+            got = attention(q, k, v, causal=True, backend=small())
+            grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+            want = attention(*(t.double() for t in (q, k, v)), causal=True, backend="reference")
+            wants = torch.autograd.grad(want.square().sum(), (q, k, v))
+            assert_close(got, want)
+            for a, b in zip(grads, wants, strict=True):
+                assert_close(a, b)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_native
+def test_explain_says_which_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(1, 2, 16, 8)
+    assert "native kernel" in str(attnkit.explain(q, q, q, backend="chunked"))
+    eager = str(attnkit.explain(q, q, q, backend=Chunked(native=False)))
+    assert "the eager kernel (Chunked(native=False))" in eager
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    off = str(attnkit.explain(q, q, q, backend="chunked"))
+    assert "the eager kernel (native kernel: disabled by ATTNKIT_NATIVE=0)" in off
+    assert_close(attention(q, q, q, backend="chunked"), attention(q, q, q, backend="reference"))
+
+
+def test_a_failed_build_says_why_and_calls_still_work(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    broken = tmp_path / "attention.cpp"
+    broken.write_text('#error "this source does not compile"\n')
+    monkeypatch.setattr(_native, "_SOURCES", (broken,))
+    monkeypatch.setattr(_native, "_state", {})
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path / "cache"))
+    available, why = _native.status()
+    assert not available
+    if "no C++ compiler" not in why and "ninja" not in why:
+        assert why.startswith("build failed: ")
+        assert "this source does not compile" in why
+    q = torch.randn(1, 2, 16, 8)
+    assert f"native kernel: {why}" in str(attnkit.explain(q, q, q, backend="chunked"))
+    assert_close(attention(q, q, q, backend="chunked"), attention(q, q, q, backend="reference"))
+
+
+@needs_native
+def test_first_use_logs_one_line_with_its_time(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_native, "_state", {})
+    with caplog.at_level(logging.INFO, logger="attnkit"):
+        _native.load()
+        _native.load()
+    lines = [r.getMessage() for r in caplog.records if "native kernel" in r.getMessage()]
+    assert len(lines) == 1
+    assert "native kernel loaded from the cache in" in lines[0] or "built in" in lines[0]
+
+
+def test_without_a_compiler_the_eager_kernel_runs(tmp_path: pathlib.Path) -> None:
+    # A PATH with neither c++ nor g++ and an empty cache: the call works and explain() says why.
+    script = (
+        "import torch, attnkit\n"
+        "q = torch.randn(1, 2, 16, 8)\n"
+        "print(attnkit.explain(q, q, q, backend='chunked'))\n"
+        "got = attnkit.attention(q, q, q, causal=True, backend='chunked')\n"
+        "want = attnkit.attention(q, q, q, causal=True, backend='reference')\n"
+        "print('equal', torch.allclose(got, want, atol=1e-6))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX", "ATTNKIT_NATIVE")}
+    env.update(PATH=str(tmp_path), ATTNKIT_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the eager kernel (native kernel: no C++ compiler (c++ is not on PATH))" in done.stdout
+    assert "equal True" in done.stdout
+    assert not any((tmp_path / "cache").glob("**/*.so"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Dropout
+
+
+def test_dropout_mask_keeps_at_the_rate_and_independently() -> None:
+    keep = dropout_keep(12345, 0.25, (2, 3, 64, 96)).double()
+    n = keep.numel()
+    # The keep rate within 4 standard deviations of 0.75.
+    assert abs(float(keep.mean()) - 0.75) < 4 * (0.75 * 0.25 / n) ** 0.5
+    # Neighbours along every axis are uncorrelated (correlation within 4 / sqrt(pairs)).
+    centred = keep - keep.mean()
+    for dim in range(4):
+        a, b = (
+            centred.narrow(dim, 0, keep.size(dim) - 1),
+            centred.narrow(dim, 1, keep.size(dim) - 1),
+        )
+        corr = float((a * b).mean() / centred.square().mean())
+        assert abs(corr) < 4 / a.numel() ** 0.5, (dim, corr)
+    # Another seed gives another mask.
+    assert (dropout_keep(12346, 0.25, (2, 3, 64, 96)).double() != keep).float().mean() > 0.3
+
+
+@needs_native
+def test_dropout_equals_the_reference_with_the_same_mask() -> None:
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 20, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 25, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 25, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    cot = torch.randn(2, 4, 20, 8, generator=g, dtype=torch.float64)
+    p = 0.3
+    torch.manual_seed(11)
+    got = attention(q, k, v, causal=True, dropout_p=p, backend=small())
+    got_grads = torch.autograd.grad(got, (q, k, v), cot)
+    torch.manual_seed(11)
+    seed = int(torch.randint(-(2**63), 2**63 - 1, ()))  # the draw the kernel made
+    keep = dropout_keep(seed, p, (2, 4, 20, 25))
+    _, weights = attention(q, k, v, causal=True, return_weights=True, backend="reference")
+    want = (weights * keep / (1 - p)) @ v.repeat_interleave(2, dim=1)
+    want_grads = torch.autograd.grad(want, (q, k, v), cot)
+    assert_close(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert_close(a, b)
+    # The same seed gives the same output; the next call draws another.
+    torch.manual_seed(11)
+    assert torch.equal(attention(q, k, v, causal=True, dropout_p=p, backend=small()), got)
+    assert not torch.equal(attention(q, k, v, causal=True, dropout_p=p, backend=small()), got)
+
+
+def test_dropout_without_the_native_kernel_is_refused_or_handed_over() -> None:
+    q = torch.randn(1, 2, 16, 8)
+    with pytest.raises(attnkit.BackendError, match="only in the native kernel"):
+        attention(q, q, q, dropout_p=0.1, backend=Chunked(native=False))
+
+
+# --------------------------------------------------------------------------------------------------
+# Fuzz: the native kernel against the float64 reference, values and gradients
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    mask=st.sampled_from(list(MASKS)),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_native_fuzz_against_reference(data: st.DataObject, mask: str, dtype: torch.dtype) -> None:
+    draw = data.draw
+    b, hkv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    tq, tk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    dk, dv = draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 3, 8]))
+    if mask in ("padding", "padding & causal", "documents"):
+        tk = tq = max(tq, 37)  # the masks above describe 37 keys, two batch rows
+        b = 2
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    h = hkv * groups
+    q = torch.randn(b, h, tq, dk, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, tk, dk, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, tk, dv, generator=g, dtype=torch.float64)
+    kw: dict[str, object] = {"scale": draw(st.sampled_from([None, 0.1, 1.0]))}
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([0.5, 3.0, 50.0]))
+    tensors = [q, k, v]
+    names = []
+    if draw(st.booleans()):
+        tensors.append(torch.randn(h, tq, tk, generator=g, dtype=torch.float64))
+        names.append("bias")
+    if draw(st.booleans()):
+        tensors.append(torch.randn(h, generator=g, dtype=torch.float64))
+        names.append("sinks")
+    the_mask = MASKS[mask]
+    if mask in ("padding", "padding & causal", "documents"):
+        the_mask = {
+            "padding": masks.key_padding([tk, 13]),
+            "padding & causal": masks.key_padding([tk, 9]) & masks.causal(),
+            "documents": masks.documents([[tk - 17, 17], [tk]]),
+        }[mask]
+    sizes = (draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 5, 16, 32])))
+    cot = torch.randn(b, h, tq, dv, generator=g, dtype=torch.float64)
+
+    def run(ts: list[torch.Tensor], backend: object) -> list[torch.Tensor]:
+        leaves = [t.requires_grad_() for t in ts]
+        extra = dict(zip(names, leaves[3:], strict=True))
+        out = attention(*leaves[:3], mask=the_mask, backend=backend, **extra, **kw)  # type: ignore[arg-type]
+        return [out, *torch.autograd.grad(out, leaves, cot.to(out.dtype), materialize_grads=True)]
+
+    got = run([t.to(dtype) for t in tensors], Chunked(block_q=sizes[0], block_k=sizes[1]))
+    want = run([t.clone() for t in tensors], "reference")
+    for a, w in zip(got, want, strict=True):
+        assert a.isfinite().all()
+        assert_close(a, w, dtype=dtype)
