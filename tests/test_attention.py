@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import BackendError, _native, attention, explain, masks
-from attnkit.backends import Chunked
+from attnkit import BackendError, attention, explain, masks
 from attnkit.testing import assert_close
 
 from .helpers import brute_force
@@ -137,12 +136,8 @@ CHOICES = [
     ({"causal": True, "mask": torch.ones(2, 1, 1, 5, dtype=torch.bool)}, "chunked"),
     # a bias that requires grad runs torch's math kernel, which keeps the probabilities.
     ({"bias": torch.zeros(4, 5, 5, requires_grad=True)}, "chunked"),
-    # dropout and a materialised mask: the native kernel's dropout, in O(T) memory (without it,
-    # sdpa is still better than the reference).
-    (
-        {"causal": True, "mask": torch.ones(5, 5, dtype=torch.bool), "dropout_p": 0.1},
-        "chunked" if _native.status()[0] else "sdpa",
-    ),
+    # dropout and a materialised mask: the kernel's dropout needs no (Tq, Tk) mask or weights.
+    ({"causal": True, "mask": torch.ones(5, 5, dtype=torch.bool), "dropout_p": 0.1}, "chunked"),
 ]
 
 
@@ -289,10 +284,10 @@ def test_registry_errors() -> None:
 def test_forced_backend_that_cannot_raises_with_reasons() -> None:
     q, k, v = qkv()
     with pytest.raises(BackendError) as err:
-        attention(q, k, v, dropout_p=0.1, backend=Chunked(native=False))
+        attention(q, k, v, return_weights=True, backend="chunked")
     msg = str(err.value)
-    assert "backend 'Chunked(native=False)' cannot serve this call" in msg
-    assert "has dropout (dropout_p=0.1) only in the native kernel" in msg
+    assert "backend 'chunked' cannot serve this call" in msg
+    assert "does not return attention weights (return_weights=True" in msg
     assert "q (2, 4, 5, 8)" in msg  # the call is quoted
     with pytest.raises(BackendError, match="does not return attention weights"):
         attention(q, k, v, return_weights=True, backend="sdpa")

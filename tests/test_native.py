@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import _native, attention, masks
-from attnkit._native.kernel import dropout_keep
+from attnkit._kernel import draw_seed, dropout_mask
 from attnkit.backends import Chunked
 from attnkit.testing import assert_close
 
@@ -77,6 +77,20 @@ def test_rows_without_keys_are_zero_with_zero_gradients() -> None:
     assert dq[1].abs().max() == 0
     assert dk[1].abs().max() == 0
     assert dv[1].abs().max() == 0
+
+
+@needs_native
+def test_query_blocks_the_plan_skips_get_zero_gradients() -> None:
+    # 40 queries, 10 keys, bottom-right causal: queries 0..29 see no key, and their blocks of 8
+    # are not visited at all (the gradient buffer must not keep what memory held before).
+    q = torch.randn(1, 2, 40, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, 10, 8, requires_grad=True) for _ in range(2))
+    out = attention(q, k, v, causal=True, backend=small())
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert out[:, :, :30].abs().max() == 0
+    assert dq[:, :, :30].abs().max() == 0
+    want = attention(q, k, v, causal=True, backend="reference")
+    assert_close(dq, torch.autograd.grad(want.sum(), q)[0])
 
 
 @needs_native
@@ -170,7 +184,7 @@ def test_without_a_compiler_the_eager_kernel_runs(tmp_path: pathlib.Path) -> Non
 
 
 def test_dropout_mask_keeps_at_the_rate_and_independently() -> None:
-    keep = dropout_keep(12345, 0.25, (2, 3, 64, 96)).double()
+    keep = dropout_mask(12345, 0.25, (2, 3, 64, 96)).double()
     n = keep.numel()
     # The keep rate within 4 standard deviations of 0.75.
     assert abs(float(keep.mean()) - 0.75) < 4 * (0.75 * 0.25 / n) ** 0.5
@@ -184,23 +198,23 @@ def test_dropout_mask_keeps_at_the_rate_and_independently() -> None:
         corr = float((a * b).mean() / centred.square().mean())
         assert abs(corr) < 4 / a.numel() ** 0.5, (dim, corr)
     # Another seed gives another mask.
-    assert (dropout_keep(12346, 0.25, (2, 3, 64, 96)).double() != keep).float().mean() > 0.3
+    assert (dropout_mask(12346, 0.25, (2, 3, 64, 96)).double() != keep).float().mean() > 0.3
 
 
-@needs_native
-def test_dropout_equals_the_reference_with_the_same_mask() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_dropout_equals_the_reference_with_the_same_mask(native: bool) -> None:
     g = torch.Generator().manual_seed(7)
     q = torch.randn(2, 4, 20, 8, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 25, 8, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 25, 8, generator=g, dtype=torch.float64, requires_grad=True)
     cot = torch.randn(2, 4, 20, 8, generator=g, dtype=torch.float64)
     p = 0.3
+    backend = small(native)
     torch.manual_seed(11)
-    got = attention(q, k, v, causal=True, dropout_p=p, backend=small())
+    got = attention(q, k, v, causal=True, dropout_p=p, backend=backend)
     got_grads = torch.autograd.grad(got, (q, k, v), cot)
     torch.manual_seed(11)
-    seed = int(torch.randint(-(2**63), 2**63 - 1, ()))  # the draw the kernel made
-    keep = dropout_keep(seed, p, (2, 4, 20, 25))
+    keep = dropout_mask(draw_seed(), p, (2, 4, 20, 25))  # the draw the kernel made
     _, weights = attention(q, k, v, causal=True, return_weights=True, backend="reference")
     want = (weights * keep / (1 - p)) @ v.repeat_interleave(2, dim=1)
     want_grads = torch.autograd.grad(want, (q, k, v), cot)
@@ -209,14 +223,14 @@ def test_dropout_equals_the_reference_with_the_same_mask() -> None:
         assert_close(a, b)
     # The same seed gives the same output; the next call draws another.
     torch.manual_seed(11)
-    assert torch.equal(attention(q, k, v, causal=True, dropout_p=p, backend=small()), got)
-    assert not torch.equal(attention(q, k, v, causal=True, dropout_p=p, backend=small()), got)
+    assert torch.equal(attention(q, k, v, causal=True, dropout_p=p, backend=backend), got)
+    assert not torch.equal(attention(q, k, v, causal=True, dropout_p=p, backend=backend), got)
 
 
-def test_dropout_without_the_native_kernel_is_refused_or_handed_over() -> None:
-    q = torch.randn(1, 2, 16, 8)
-    with pytest.raises(attnkit.BackendError, match="only in the native kernel"):
-        attention(q, q, q, dropout_p=0.1, backend=Chunked(native=False))
+def test_dropout_mask_blocks_are_parts_of_the_whole() -> None:
+    whole = dropout_mask(99, 0.5, (2, 3, 40, 50))
+    block = dropout_mask(99, 0.5, (2, 3, 40, 50), queries=(8, 24), keys=(10, 45))
+    assert torch.equal(block, whole[:, :, 8:24, 10:45])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ inside it tile by tile; ring attention runs it on each pair of shards it holds. 
 :mod:`attnkit._kernel.softmax` for the algorithm and :mod:`attnkit._kernel.plan` for the block plan.
 """
 
+from .dropout import draw_seed, dropout_mask
 from .plan import Plan, QueryBlock, Run, Visit, make_plan, split_runs
 from .softmax import (
     FUSED_ROWS,
@@ -32,6 +33,8 @@ __all__ = [
     "backward",
     "default_blocks",
     "delta_of",
+    "draw_seed",
+    "dropout_mask",
     "finish",
     "forward",
     "fused_serves",

@@ -60,6 +60,7 @@ from torch import Tensor
 
 from ..masks import Geometry, Mask
 from ..scores import ScoreShape, ScoreTerm, TermBlock, reused
+from .dropout import dropout_mask
 from .plan import Plan, QueryBlock, Run, Visit, split_runs
 
 __all__ = [
@@ -178,6 +179,7 @@ class Problem:
     k_start: int = 0
     careful: bool = False
     fused_rows: int | None = None
+    dropout: tuple[float, int] | None = None  # (p, seed): see attnkit._kernel.dropout
     work: torch.dtype = field(init=False)
     _scratch: dict[str, Tensor] = field(init=False, default_factory=dict)
 
@@ -189,7 +191,7 @@ class Problem:
         self.v_bad = self.careful and bool(_bad(self.v3).any())
         self.runs: tuple[Run, ...] = ()
         self.blocks = self.plan.blocks
-        if self.fused_rows is not None and self._fusable():
+        if self.fused_rows is not None and self.dropout is None and self._fusable():
             self.runs, self.blocks = split_runs(self.plan, self.fused_rows)
 
     def _fusable(self) -> bool:
@@ -351,6 +353,21 @@ class Problem:
             s.sub_(pending)
         return s, sig, vis
 
+    def keep(self, qs: int, visit: Visit) -> Tensor | None:
+        """Dropout's ``1 / (1 - p)`` on the visit's kept pairs and 0 on the others, as rows
+        ``(N*Hkv, rows*G, keys)`` (None without dropout)."""
+        if self.dropout is None:
+            return None
+        p, seed = self.dropout
+        lo, hi = qs + visit.r0 + self.q_start, qs + visit.r1 + self.q_start
+        shape = (self.n, self.hkv * self.g, self.geo.q_len, self.geo.kv_len)
+        keys = (visit.ks + self.k_start, visit.ke + self.k_start)
+        kept = dropout_mask(seed, p, shape, queries=(lo, hi), keys=keys, device=self.q5.device)
+        rows = kept.unflatten(1, (self.hkv, self.g)).transpose(2, 3)
+        rows = rows.reshape(self.n * self.hkv, (hi - lo) * self.g, keys[1] - keys[0])
+        out: Tensor = rows.to(self.work).mul_(1.0 / (1.0 - p))
+        return out
+
     def visible(self, qs: int, visit: Visit, vis: Tensor | None) -> Tensor:
         """``(N*Hkv, rows*G, keys)`` float: 1 where the visit's pairs are visible, counting a
         ``-inf`` bias as masked (the careful mode's rule for non-finite values)."""
@@ -417,7 +434,8 @@ def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tens
             acc[:, lo:hi].mul_(alpha)
             m[:, lo:hi] = m_new
         lsum[:, lo:hi].add_(s.sum(-1, keepdim=True))
-        acc[:, lo:hi].baddbmm_(s, vb)
+        keep = p.keep(qb.qs, visit)
+        acc[:, lo:hi].baddbmm_(s if keep is None else s.mul_(keep), vb)
         if lazy and not step:
             largest = float(m.abs().amax())
             settled = largest < math.inf
@@ -591,11 +609,15 @@ def backward(
             kb = p.keys(visit.ks, visit.ke, clean=p.careful)
             vb = p.values(visit.ks, visit.ke)
             do_r = do_b[:, lo:hi]
-            dv[:, visit.ks : visit.ke].baddbmm_(prob.transpose(1, 2), do_r)
+            keep = p.keep(qb.qs, visit)  # dropout: the forward's weights were prob * keep
+            kept = prob if keep is None else prob * keep
+            dv[:, visit.ks : visit.ke].baddbmm_(kept.transpose(1, 2), do_r)
             # A term's block may keep the score gradients it is handed: then they are its own.
             ds = torch.bmm(
                 do_r, vb.transpose(1, 2), out=None if tb is not None else p.scratch("ds", s.shape)
             )
+            if keep is not None:
+                ds.mul_(keep)
             ds.sub_(delta_b[:, lo:hi]).mul_(prob)  # dL/dS
             ds5 = ds.view(shape5)
             if p.careful and vis is not None:

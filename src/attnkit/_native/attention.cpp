@@ -19,7 +19,7 @@
 //
 // Dropout keeps a pair (n, h, i, j) iff the top 24 bits of splitmix64's output for the counter
 // ((n * H + h) * Tq + i) * Tk + j (from the call's seed) are >= p * 2^24; the backward regenerates
-// the same decisions. attnkit._native.dropout_keep computes the same mask in PyTorch.
+// the same decisions. attnkit._kernel.dropout computes the same mask in PyTorch.
 
 #include <torch/extension.h>
 
@@ -489,7 +489,7 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                                  bool bias_grad) {
   TORCH_CHECK(dout.is_contiguous() && lse.is_contiguous() && delta.is_contiguous(),
               "contiguous dout, lse, delta");
-  auto dq = at::empty_like(q);
+  auto dq = at::zeros_like(q);  // rows that see no key keep 0
   auto dk = at::zeros_like(k);
   auto dv = at::zeros_like(v);
   at::Tensor dbias;

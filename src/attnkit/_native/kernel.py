@@ -19,34 +19,7 @@ from .._kernel import Plan
 from ..masks import Geometry, Mask
 from . import load, status
 
-__all__ = ["NativeCall", "dropout_keep", "native_call", "why_not_native"]
-
-_MASK64 = (1 << 64) - 1
-
-
-def _signed(x: int) -> int:
-    """A uint64 constant as the int64 torch holds it."""
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _shr(z: Tensor, bits: int) -> Tensor:
-    """A logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def dropout_keep(seed: int, p: float, shape: tuple[int, int, int, int]) -> Tensor:
-    """Bool ``(N, H, Tq, Tk)``: which pairs the native kernel's dropout keeps for ``seed``.
-
-    Pair ``(n, h, i, j)`` is kept iff the top 24 bits of splitmix64 at counter
-    ``((n * H + h) * Tq + i) * Tk + j`` (from ``seed``) are at least ``p * 2^24``.
-    """
-    n, h, tq, tk = shape
-    counter = torch.arange(n * h * tq * tk, dtype=torch.int64).view(n, h, tq, tk)
-    z = seed + (counter + 1) * _signed(0x9E3779B97F4A7C15)
-    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
-    z = z ^ _shr(z, 31)
-    return _shr(z, 40) >= int(p * 16777216.0)
+__all__ = ["NativeCall", "native_call", "why_not_native"]
 
 
 def why_not_native(call: AttentionCall, native: bool) -> str | None:
@@ -157,7 +130,7 @@ class NativeCall:
 
 def _mask_form(mask: Mask | None, geo: Geometry) -> tuple[list[float], Tensor | None, bool]:
     """``(band, key flags, needs tiles)`` for a mask (see the module's docstring)."""
-    if mask is None:
+    if mask is None or geo.kv_len == 0 or geo.q_len == 0:  # no pair to mask
         return [], None, False
     parts = mask.parts if mask.op == "and" else (mask,)
     bands = [m for m in parts if m.band is not None]
@@ -170,7 +143,13 @@ def _mask_form(mask: Mask | None, geo: Geometry) -> tuple[list[float], Tensor | 
         band = [float(lo), float(hi)]
     key_ok = None
     for m in keyed:
-        flags = m.key_tile(geo, 0, geo.kv_len).reshape(-1, geo.kv_len)
+        # The first query's tile: a keys-only mask may still differ between heads (a dense
+        # (H, 1, Tk) mask), which key flags cannot say.
+        t = m.tile(geo, 0, 1, 0, geo.kv_len)
+        t = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
+        if t.size(1) != 1:
+            return [], None, True
+        flags = t[:, 0, 0, :].expand(t.size(0), geo.kv_len)
         key_ok = flags if key_ok is None else key_ok & flags
     if key_ok is not None:
         key_ok = key_ok.to(torch.uint8).contiguous()

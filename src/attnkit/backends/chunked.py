@@ -3,7 +3,8 @@
 Exact attention in O(T * block) memory, forward and backward, in plain PyTorch: structured masks
 skip the blocks they hide (a causal call does about half the work, a sliding window a fixed amount
 per query), score terms are computed tile by tile, and softcap and sinks have exact gradients. It
-has no dropout and returns no weights (``reference`` does both).
+returns no weights (``reference`` does). Dropout costs no memory: both kernels regenerate the same
+mask block by block from one seed per call (:mod:`attnkit._kernel.dropout`).
 
 On CPUs, fully visible stretches of the block plan that at least 768 queries share (every pair of
 the stretch may attend, and nothing is added to the scores) are computed by torch's fused CPU
@@ -37,6 +38,7 @@ from .._kernel import (
     backward,
     default_blocks,
     delta_of,
+    draw_seed,
     finish,
     forward,
     fused_serves,
@@ -49,8 +51,7 @@ from .._native import load as load_native
 from .._native.kernel import NativeCall, native_call, why_not_native
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
-from .base import Backend, CallInputs, Output
-from .reference import Reference
+from .base import Backend, CallInputs
 
 __all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention", "native_serves"]
 
@@ -95,6 +96,7 @@ class _Spec:
     n_term: int
     fused_rows: int | None
     native: NativeCall | None  # None: the eager kernel
+    dropout: tuple[float, int] | None  # (p, seed), see attnkit._kernel.dropout
 
 
 def _layout(
@@ -135,6 +137,7 @@ def _problem(
         term_inputs=term_inputs,
         careful=spec.careful,
         fused_rows=spec.fused_rows,
+        dropout=spec.dropout,
     )
 
 
@@ -269,7 +272,8 @@ def kernel_attention(
     whether q, k and v hold only finite values, if the caller knows (None: find out).
 
     ``native``: use the native kernel where it computes the same thing (see
-    :func:`native_serves`); ``dropout_p`` needs it."""
+    :func:`native_serves`). ``dropout_p``: both kernels drop the same pairs for a seed drawn here
+    (:mod:`attnkit._kernel.dropout`)."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -279,14 +283,12 @@ def kernel_attention(
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
     careful = not (finite(q, k, v) if is_finite is None else is_finite)
+    seed = draw_seed() if dropout_p else 0
     fast = None
     if native_serves(q.device, term, careful, native):
-        seed = int(torch.randint(-(2**63), 2**63 - 1, ())) if dropout_p else 0
         fast = native_call(
             mask, geo, plan, scale=scale, softcap=softcap, p_drop=dropout_p, seed=seed
         )
-    elif dropout_p:
-        raise RuntimeError("attnkit internal error: dropout without the native kernel")
     spec = _Spec(
         mask=mask,
         geo=geo,
@@ -300,6 +302,7 @@ def kernel_attention(
         n_term=len(term_inputs),
         fused_rows=fused_rows,
         native=fast,
+        dropout=(dropout_p, seed) if dropout_p else None,
     )
     return _apply(spec, q, k, v, dense, sinks, *term_inputs)
 
@@ -325,7 +328,7 @@ def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str |
     serves = fused_serves(
         call.device, call.dtype, call.qk_dim, call.v_dim, softcap=call.softcap, added=added
     )
-    if fused_rows is None or not serves or call.finite is False:
+    if fused_rows is None or not serves or call.finite is False or call.dropout_p:
         return None
     runs, _ = split_runs(plan, fused_rows)
     if not runs:
@@ -339,9 +342,8 @@ def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str |
     )
 
 
-def chunked_check(call: AttentionCall, native: bool = True) -> list[str]:
-    """Why the kernel cannot serve a call (empty when it can); ``native``: whether the native
-    kernel may serve it (dropout needs it)."""
+def chunked_check(call: AttentionCall) -> list[str]:
+    """Why the kernel cannot serve a call (empty when it can)."""
     reasons = []
     if torch.compiler.is_compiling():
         reasons.append(
@@ -349,14 +351,9 @@ def chunked_check(call: AttentionCall, native: bool = True) -> list[str]:
             "block plan is computed from data"
         )
     if call.return_weights:
-        reasons.append("does not return attention weights (only reference does)")
-    if call.dropout_p:
-        why = why_not_native(call, native)
-        if why is not None:
-            reasons.append(
-                f"has dropout (dropout_p={call.dropout_p}) only in the native kernel, and runs "
-                f"{why}; sdpa and reference have dropout"
-            )
+        reasons.append(
+            "does not return attention weights (return_weights=True: only reference does)"
+        )
     return reasons
 
 
@@ -393,7 +390,7 @@ class Chunked(Backend):
         self.fused_rows = None if fused_rows is None else check_int("fused_rows", fused_rows)
 
     def check(self, call: AttentionCall) -> list[str]:
-        return chunked_check(call, self.native)
+        return chunked_check(call)
 
     def notes(self, call: AttentionCall) -> list[str]:
         """The block plan of a structured mask, which kernel runs it ("native kernel" or why
@@ -410,14 +407,7 @@ class Chunked(Backend):
         fused = fused_note(call, plan, self.fused_rows)
         return [*notes, why, *([fused] if fused else [])]
 
-    def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
-        careful = call.finite is False or (
-            call.finite is None and not finite(inputs.q, inputs.k, inputs.v)
-        )
-        term = call.score_term if inputs.bias is None else None
-        if call.dropout_p and not native_serves(call.device, term, careful, self.native):
-            why = "dropout, and the native kernel does not serve the call"
-            return self.hand_over(call, inputs, Reference(), why)
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
         return kernel_attention(
             inputs.q,
             inputs.k,
@@ -430,7 +420,7 @@ class Chunked(Backend):
             block_q=self.block_q,
             block_k=self.block_k,
             fused_rows=self.fused_rows,
-            is_finite=not careful,
+            is_finite=call.finite,
             native=self.native,
             dropout_p=call.dropout_p,
         )
