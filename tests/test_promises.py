@@ -178,7 +178,8 @@ def test_issue_example_nan_padding_with_softcap(backend: str) -> None:
     k.requires_grad_()
     out = attention(q, k, v, mask=masks.key_padding([3]), softcap=5.0, backend=backend_of(backend))
     dq, dk = torch.autograd.grad(out.sum(), [q, k])
-    assert dq.isfinite().all() and dk.isfinite().all()
+    assert dq.isfinite().all()
+    assert dk.isfinite().all()
     assert torch.equal(dk[..., 3, :], torch.zeros_like(dk[..., 3, :]))
 
 
@@ -192,7 +193,9 @@ def test_a_nan_or_infinite_sink_is_an_error(value: float, backend: str) -> None:
     q = randn(1, 2, 5, 8)
     sinks = torch.tensor([value, 0.0], dtype=torch.float64)
     what = "NaN" if math.isnan(value) else r"\+inf"
-    with pytest.raises(ValueError, match=rf"sinks holds {what}: a sink may be -inf"):
+    with pytest.raises(
+        ValueError, match=rf"sinks holds {what}: a sink may be -inf \(no sink\) but not NaN"
+    ):
         attention(q, q, q, sinks=sinks, backend=backend)
 
 
@@ -278,3 +281,105 @@ def test_a_minus_inf_term_masks_that_pair(backend: str) -> None:
     mask[:, 4] = False
     want = attention(q, k, v, bias=Slopes(slopes, hidden=-1), mask=mask, backend="reference")
     assert_close(got, want)
+
+
+# --------------------------------------------------------------------------------------------------
+# Integers beyond int64: a ValueError naming the argument; a window's reach saturates
+
+HUGE = 10**30
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: attnkit.MultiHeadAttention(8, 2).make_cache(1, HUGE), "max_len"),
+        (lambda: attnkit.MultiHeadAttention(8, 2).make_cache(2**63, 4), "batch_size"),
+        (lambda: masks.key_padding([2**63, 1]), r"lengths\[\]"),
+        (lambda: masks.documents([HUGE, 0]), r"lengths\[\]"),
+        (lambda: masks.documents([2**62, 2**62]), "lengths must sum"),
+        (lambda: masks.documents([[1, 2], [2**63 - 1, 1]]), r"lengths\[1\] must sum"),
+        (lambda: masks.causal().dense(HUGE), "q_len"),
+        (lambda: masks.causal().dense(4, HUGE), "kv_len"),
+        (lambda: attnkit.RotaryEmbedding(8)(randn(1, 2, 5, 8), offset=2**70), "offset"),
+        (lambda: attnkit.RotaryEmbedding(8)(randn(1, 2, 5, 8), offset=2**63 - 1), "offset"),
+        (lambda: attnkit.backends.SDPA(block_q=HUGE), "block_q"),
+        (lambda: attnkit.MultiHeadAttention(HUGE, 2), "d_model"),
+    ],
+)
+def test_an_integer_past_int64_is_a_value_error_naming_it(call: object, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        call()  # type: ignore[operator]
+
+
+def test_a_window_longer_than_any_sequence_is_unbounded() -> None:
+    q, k, v = (randn(1, 2, 6, 8, seed=i) for i in range(3))
+    full = attention(q, k, v, backend="reference")
+    for backend in ("auto", "reference", "chunked", "sdpa"):
+        got = attention(q, k, v, mask=masks.sliding_window(HUGE, HUGE), backend=backend)
+        assert_close(got, full)
+    past = attention(q, k, v, mask=masks.sliding_window(HUGE), backend="chunked")
+    assert_close(past, attention(q, k, v, causal=True, backend="reference"))
+    dense = masks.sliding_window(HUGE, 2).dense(6)
+    assert torch.equal(dense.reshape(6, 6), torch.ones(6, 6, dtype=torch.bool).tril(2))
+
+
+@pytest.mark.parametrize("size", [HUGE, 2**63 - 1])
+def test_a_block_larger_than_the_sequence_is_the_sequence(size: int) -> None:
+    q, k, v = (randn(1, 2, 6, 8, seed=i) for i in range(3))
+    backend = attnkit.backends.Chunked(block_q=size, block_k=size, fused_rows=size)
+    got = attention(q, k, v, causal=True, backend=backend)
+    assert_close(got, attention(q, k, v, causal=True, backend="reference"))
+
+
+def test_a_conformer_context_past_any_sequence_is_unbounded() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, 8)
+    layer = attnkit.ConformerLayer(8, 2, context=(HUGE, 0)).eval()
+    bounded = attnkit.ConformerLayer(8, 2, context=(4, 0)).eval()
+    bounded.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(layer(x), bounded(x))  # 4 back reaches every earlier frame of 5
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["explain", "-t", str(10**20)],
+        ["explain", "--heads", str(10**19)],
+        ["explain", "--kv-len", str(-(2**63) - 1)],
+        ["demo", "--steps", str(HUGE)],
+        ["demo", "--seed", str(HUGE)],
+        ["bench", "--threads", str(HUGE)],
+    ],
+)
+def test_the_cli_names_an_integer_past_int64(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attnkit.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    option = argv[1]
+    assert f"argument {option}" in err or f"/{option}" in err
+    assert "must be" in err
+    assert "Exception raised from" not in err
+    assert "Traceback" not in err
+
+
+def test_the_cli_gives_one_line_for_an_overflow(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Sizes that fit an int64 each may still overflow together in Python code torch runs.
+    from attnkit import cli
+    from attnkit.cli import main
+
+    def run(args: object) -> int:
+        raise OverflowError("cannot fit 'int' into an index-sized integer")
+
+    monkeypatch.setattr(cli.explain, "run", run)
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "attnkit explain: error: cannot fit 'int' into an index-sized integer\n"

@@ -16,7 +16,14 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-from ._checks import check_broadcastable, check_probability, dtype_str, require_tensor, shape_str
+from ._checks import (
+    check_broadcastable,
+    check_logits,
+    check_probability,
+    dtype_str,
+    require_tensor,
+    shape_str,
+)
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 
@@ -334,6 +341,7 @@ def check_attention_args(
             )
         if sinks.device != q.device:
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+        check_logits("sinks", sinks, "a sink may be -inf (no sink)")
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     # The common 0.0 without a call; anything else (False included) is checked.
