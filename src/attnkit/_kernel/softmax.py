@@ -297,11 +297,19 @@ class Problem:
 
     def score_factor(self) -> float:
         """What the rows given to :meth:`scores` carry beyond ``scale``: ``2 / softcap`` with a
-        softcap in the sigmoid form, 1 in the tanh form (``x / softcap`` could overflow in the
-        rows of a tiny cap), else ``log2(e)`` (scores in base 2)."""
+        softcap in the sigmoid form, ``1 / softcap`` or 1 in the tanh form, else ``log2(e)``
+        (scores in base 2)."""
         if self.softcap is None:
             return _LOG2E
-        return 2.0 / self.softcap if self.cap_sigmoid else 1.0
+        if self.cap_sigmoid:
+            return 2.0 / self.softcap
+        return 1.0 / self.softcap if self._cap_in_rows() else 1.0
+
+    def _cap_in_rows(self) -> bool:
+        """Whether the tanh form's ``1 / softcap`` rides on the rows (saving a pass over the
+        scores): for caps from 1 to 2^32, where it can neither overflow nor lose the rows'
+        precision to underflow."""
+        return self.softcap is not None and 1.0 <= self.softcap <= 2.0**32
 
     def scores(
         self,
@@ -343,7 +351,7 @@ class Problem:
                 s.sigmoid_()
                 two, shift = 2.0 * c * _LOG2E, c * _LOG2E  # (2c sigmoid - c) * log2(e)
             else:
-                s.div_(c).tanh_()
+                (s if self._cap_in_rows() else s.div_(c)).tanh_()
                 two, shift = c * _LOG2E, 0.0  # c tanh * log2(e)
             sig = self.scratch("sigmoid", tuple(s.shape)).copy_(s) if keep_sigmoid else None
             if pending is not None and not added:
@@ -638,8 +646,8 @@ def backward(
             if sig is not None:  # d c tanh(x/c) / dx = 1 - tanh^2 = 4 s (1 - s), s = sigmoid(2x/c)
                 if p.cap_sigmoid:  # the 4 is applied to dQ and dK below
                     factor = sig.addcmul_(sig, sig, value=-1.0)
-                else:
-                    factor = sig.square_().neg_().add_(1.0)
+                else:  # tanh^2 - 1: the sign is applied to dQ and dK below
+                    factor = sig.mul_(sig).sub_(1.0)
                 if p.careful and vis is not None:  # a masked pair's NaN score: 0 * NaN
                     factor.view(shape5).masked_fill_(~vis, 0.0)
                 ds = ds.mul_(factor) if tb is None else ds * factor  # the term's stay as handed
@@ -648,7 +656,7 @@ def backward(
         if tb is not None:
             tb.flush()
         dq[:, :, qb.qs : qb.qe] = dq_b.view(p.n, p.hkv, qb.qe - qb.qs, p.g, p.dk)
-    capped = 4.0 if p.cap_sigmoid else 1.0
+    capped = 1.0 if p.softcap is None else 4.0 if p.cap_sigmoid else -1.0
     dq.mul_(p.scale * capped)
     if p.softcap is not None:
         dk.mul_(capped)
