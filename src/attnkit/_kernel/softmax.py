@@ -41,11 +41,12 @@ The single rule for a query with no visible key lives here too: its log-sum-exp 
 output 0, and the backward reads its log-sum-exp as 0 so that its probabilities ``exp(-inf - 0)``
 are 0 and its gradients vanish.
 
-Non-finite inputs (a call's ``careful`` mode, decided once per call): scores of masked pairs are
-replaced by ``-inf`` after the product, so NaN at masked positions of q, k or ``bias`` never
-matters; values enter the weighted sum with their non-finite entries zeroed, and an output entry is
-made NaN exactly when a visible key's value is non-finite there; the backward's products use the
-zeroed q, k and v and drop masked pairs explicitly.
+Non-finite inputs (a call's ``careful`` mode, decided once per call): scores of masked pairs (by
+the mask, or by a ``-inf`` bias or score term) are replaced by ``-inf`` after the product, so NaN
+at masked positions of q, k or ``bias`` never matters; values enter the weighted sum with their
+non-finite entries zeroed, and an output entry is made NaN exactly when a visible key's value is
+non-finite there; the backward's products use the zeroed q, k and v and drop masked pairs
+explicitly, the softcap's factor included.
 
 float16/bfloat16 inputs are computed block by block in float32.
 """
