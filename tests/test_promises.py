@@ -304,6 +304,7 @@ HUGE = 10**30
         (lambda: attnkit.RotaryEmbedding(8)(randn(1, 2, 5, 8), offset=2**63 - 1), "offset"),
         (lambda: attnkit.backends.SDPA(block_q=HUGE), "block_q"),
         (lambda: attnkit.MultiHeadAttention(HUGE, 2), "d_model"),
+        (lambda: attnkit.RelativeMultiHeadAttention(HUGE, 2), "d_model"),
     ],
 )
 def test_an_integer_past_int64_is_a_value_error_naming_it(call: object, name: str) -> None:

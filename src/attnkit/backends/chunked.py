@@ -45,7 +45,7 @@ from .._kernel import (
     split_runs,
 )
 from ..masks import Geometry, Mask
-from ..scores import ScoreTerm, term_error
+from ..scores import ScoreTerm, softcap_form, term_error
 from .base import Backend
 
 __all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention"]
@@ -299,8 +299,15 @@ def kernel_attention(
 def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
     """What of a call's plan goes to torch's fused CPU kernel, for explain() (None: nothing)."""
     added = call.bias_shape is not None or call.score_term is not None
+    work = torch.promote_types(call.dtype, torch.float32)
+    capped = call.softcap is not None and softcap_form(call.softcap, work) is not None
     serves = fused_serves(
-        call.device, call.dtype, call.qk_dim, call.v_dim, softcap=call.softcap, added=added
+        call.device,
+        call.dtype,
+        call.qk_dim,
+        call.v_dim,
+        softcap=1.0 if capped else None,
+        added=added,
     )
     if fused_rows is None or not serves or call.finite is False:
         return None
