@@ -189,7 +189,7 @@ def softcap_form(softcap: float, dtype: torch.dtype) -> Softcap | None:
 
 
 def cap_scores(s: Tensor, softcap: float) -> Tensor:
-    """``softcap * tanh(s / softcap)``, exact for any ``softcap > 0`` (see :func:`softcap_form`)."""
+    """``softcap * tanh(s / softcap)``, exact for any ``softcap > 0`` (see ``softcap_form``)."""
     form = softcap_form(softcap, s.dtype)
     return s if form is None else form.cap * torch.tanh(s / form.cap)
 

@@ -21,8 +21,7 @@ A few details make it fast in eager PyTorch:
 * **Cheap elementwise work.** Scores are kept in base 2 (``log2(e)`` rides on the queries, and on
   the adds of a bias or score term) because ``exp2`` costs about half of ``exp`` on CPUs, and a
   softcap up to a few dozen is computed through a sigmoid, a fraction of the cost of ``tanh``
-  (larger caps, where that form would cancel, through ``tanh``; see
-  :func:`~attnkit.scores.softcap_form`).
+  (larger caps, where that form would cancel, through ``tanh``; see ``scores.softcap_form``).
 * **One buffer per kind of work.** Each visit's scores (and in the backward their gradients and
   the softcap's sigmoid) are written into a buffer the whole call reuses (:meth:`Problem.scratch`):
   a GEMM and the passes after it run measurably faster there than in a fresh multi-MiB tensor.
