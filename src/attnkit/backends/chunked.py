@@ -50,7 +50,7 @@ from .._kernel import (
 from .._native import load as load_native
 from .._native.kernel import NativeCall, native_call, why_not_native
 from ..masks import Geometry, Mask
-from ..scores import ScoreTerm
+from ..scores import ScoreTerm, softcap_form, term_error
 from .base import Backend, CallInputs
 
 __all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention", "native_serves"]
@@ -80,6 +80,21 @@ def _unlayout_bias_grad(d5: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Ten
     return d.reshape(bias.shape).to(bias.dtype)
 
 
+def _check_term(term: ScoreTerm, lse: Tensor) -> None:
+    """Raise when a score term gave NaN or +inf at a visible pair (one host synchronisation).
+
+    With finite q, k, v and term inputs (and a bias already checked), only the term can make a
+    visible score NaN or +inf, and any such score makes its row's log-sum-exp NaN or +inf: one
+    look at the ``(N, H, Tq)`` log-sum-exp replaces a pass over every tile. (Scores overflowing
+    the work dtype, ``|q . k| * scale`` beyond 3e38 in float32, would read the same.)
+    """
+    if not lse.numel():
+        return
+    top = float(lse.max())  # NaN propagates through max; -inf rows (no visible key) are fine
+    if math.isnan(top) or top == math.inf:
+        raise term_error(term)
+
+
 @dataclass(frozen=True)
 class _Spec:
     """What the backward needs besides the saved tensors: the call, and its plan."""
@@ -91,6 +106,8 @@ class _Spec:
     softcap: float | None
     term: ScoreTerm | None
     careful: bool
+    #: q, k, v and the term's inputs are finite: a non-finite log-sum-exp is the term's doing
+    check_term: bool
     has_bias: bool
     has_sinks: bool
     n_term: int
@@ -152,7 +169,7 @@ class _KernelAttention(torch.autograd.Function):
         bias: Tensor | None,
         sinks: Tensor | None,
         *term_inputs: Tensor,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         hkv = k.size(-3)
         with no_autocast(q.device):
             if spec.native is not None:
@@ -160,6 +177,8 @@ class _KernelAttention(torch.autograd.Function):
                 out5, lse = spec.native.forward(q5, k3, v3, bias5)
             else:
                 out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs))
+            if spec.check_term and spec.term is not None:
+                _check_term(spec.term, lse)
             sinks2 = None if sinks is None else sinks.view(hkv, -1)
             out5, lse = finish(out5, lse, sinks2)
         # (N, Hkv, G, Tq, Dv) laid out as (N, Tq, H, Dv): a view of q's shape, like torch's SDPA.
@@ -168,12 +187,14 @@ class _KernelAttention(torch.autograd.Function):
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse, *optional, *term_inputs)
         ctx.spec = spec  # type: ignore[attr-defined]
-        return out
+        ctx.set_materialize_grads(False)
+        # (N, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included.
+        return out, lse.flatten(1, 2).reshape(q.shape[:-1]).clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, dout: Tensor
+        ctx: torch.autograd.function.FunctionCtx, dout: Tensor | None, dlse: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         spec: _Spec = ctx.spec  # type: ignore[attr-defined]
         q, k, v, out5, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -181,9 +202,13 @@ class _KernelAttention(torch.autograd.Function):
         sinks = rest.pop(0) if spec.has_sinks else None
         term_inputs = tuple(rest)
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
-        with no_autocast(dout.device):
-            dout5 = dout.reshape(out5.shape)
+        with no_autocast(q.device):
+            # dout is None when only the log-sum-exp is used.
+            dout5 = out5.new_zeros(out5.shape) if dout is None else dout.reshape(out5.shape)
             delta = delta_of(out5, dout5)
+            if dlse is not None:
+                # d lse / d s = the softmax: the score gradient P * (dP - delta) gains P * dlse.
+                delta = delta - dlse.reshape(lse.shape).to(delta.dtype)
             bias_grad = bias is not None and needs[4]
             if spec.native is not None:
                 q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
@@ -225,7 +250,7 @@ class _KernelAttention(torch.autograd.Function):
 
 
 # Function.apply is untyped in torch; give it its type once.
-_apply: Callable[..., Tensor] = _KernelAttention.apply
+_apply: Callable[..., tuple[Tensor, Tensor]] = _KernelAttention.apply
 
 
 def plan_for(
@@ -265,11 +290,13 @@ def kernel_attention(
     block_k: int | None = None,
     fused_rows: int | None = FUSED_ROWS,
     is_finite: bool | None = None,
+    return_lse: bool = False,
     native: bool = True,
     dropout_p: float = 0.0,
-) -> Tensor:
+) -> Tensor | tuple[Tensor, Tensor]:
     """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
     whether q, k and v hold only finite values, if the caller knows (None: find out).
+    ``return_lse``: also return the natural-log log-sum-exp ``(..., H, Tq)`` (differentiable).
 
     ``native``: use the native kernel where it computes the same thing (see
     :func:`native_serves`). ``dropout_p``: both kernels drop the same pairs for a seed drawn here
@@ -297,6 +324,7 @@ def kernel_attention(
         softcap=softcap,
         term=term,
         careful=careful,
+        check_term=term is not None and not careful and finite(*term_inputs),
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
@@ -304,7 +332,8 @@ def kernel_attention(
         native=fast,
         dropout=(dropout_p, seed) if dropout_p else None,
     )
-    return _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    return (out, lse) if return_lse else out
 
 
 def native_serves(
@@ -325,8 +354,15 @@ def native_serves(
 def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
     """What of a call's plan goes to torch's fused CPU kernel, for explain() (None: nothing)."""
     added = call.bias_shape is not None or call.score_term is not None
+    work = torch.promote_types(call.dtype, torch.float32)
+    capped = call.softcap is not None and softcap_form(call.softcap, work) is not None
     serves = fused_serves(
-        call.device, call.dtype, call.qk_dim, call.v_dim, softcap=call.softcap, added=added
+        call.device,
+        call.dtype,
+        call.qk_dim,
+        call.v_dim,
+        softcap=1.0 if capped else None,
+        added=added,
     )
     if fused_rows is None or not serves or call.finite is False or call.dropout_p:
         return None
@@ -385,9 +421,12 @@ class Chunked(Backend):
         if not isinstance(native, bool):
             raise TypeError(f"native must be a bool, got {native!r}")
         self.native = native
-        self.block_q = None if block_q is None else check_int("block_q", block_q)
-        self.block_k = None if block_k is None else check_int("block_k", block_k)
-        self.fused_rows = None if fused_rows is None else check_int("fused_rows", fused_rows)
+        # Sizes past any sequence mean the same as the sequence: they saturate.
+        self.block_q = None if block_q is None else check_int("block_q", block_q, saturate=True)
+        self.block_k = None if block_k is None else check_int("block_k", block_k, saturate=True)
+        self.fused_rows = (
+            None if fused_rows is None else check_int("fused_rows", fused_rows, saturate=True)
+        )
 
     def check(self, call: AttentionCall) -> list[str]:
         return chunked_check(call)
@@ -407,7 +446,7 @@ class Chunked(Backend):
         fused = fused_note(call, plan, self.fused_rows)
         return [*notes, why, *([fused] if fused else [])]
 
-    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
         return kernel_attention(
             inputs.q,
             inputs.k,
@@ -421,6 +460,7 @@ class Chunked(Backend):
             block_k=self.block_k,
             fused_rows=self.fused_rows,
             is_finite=call.finite,
+            return_lse=call.return_lse,
             native=self.native,
             dropout_p=call.dropout_p,
         )
