@@ -630,10 +630,13 @@ def explain(
     auto picks: chunked
       sdpa       avoided: would materialise the mask sliding_window(left=512, right=0) as a ...
       chunked    chosen
-                 block plan: 60 of 256 blocks of 512 x 128 computed, 60 with a mask tile
+                 block plan: ... computed, ... with a mask tile
+                 ...
       reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
 
-    The report's long lines are cut at ``...`` here. With a structured mask on a real device it
+    The report's long lines are cut at ``...`` here, as are the block counts and the kernel that
+    runs the call (the native kernel, or the eager one and why: see the native kernel's guide).
+    With a structured mask on a real device it
     also says how many blocks the chunked kernel computes; for a call that needs gradients it
     reads whether q, k and v are finite, as :func:`attention` does, so it names the backend that
     will run.

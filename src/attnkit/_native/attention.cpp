@@ -171,7 +171,15 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
       const int64_t st = c.bs[4];
       for (int64_t j = 0; j < nk; ++j) row[j] += b[j * st] * T(kLog2e);
     }
-    if (vis[4]) {
+    if (vis[4] && c.band && c.key_ok == nullptr && c.tiles == nullptr) {
+      // A band alone: row i sees keys ks + [first, last], two runs to hide.
+      const double base = double(i + c.shift - ks);
+      const double f = std::ceil(base + c.lo), l = std::floor(base + c.hi);
+      const int64_t first = f <= 0 ? 0 : (f >= double(nk) ? nk : int64_t(f));
+      const int64_t last = l < 0 ? -1 : (l >= double(nk) ? nk - 1 : int64_t(l));
+      for (int64_t j = 0; j < std::min(first, nk); ++j) row[j] = -inf;
+      for (int64_t j = std::max<int64_t>(last + 1, first); j < nk; ++j) row[j] = -inf;
+    } else if (vis[4]) {
       for (int64_t j = 0; j < nk; ++j) {
         if (!c.partial_visible(n, h, i, ks + j, vis[5], r0 + r, j)) row[j] = -inf;
       }

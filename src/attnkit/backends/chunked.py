@@ -253,6 +253,10 @@ class _KernelAttention(torch.autograd.Function):
 _apply: Callable[..., tuple[Tensor, Tensor]] = _KernelAttention.apply
 
 
+# The native kernel's default blocks (banded masks, others): its score buffer stays in L2.
+NATIVE_BLOCKS = {True: (128, 128), False: (128, 256)}
+
+
 def plan_for(
     mask: Mask | None,
     geo: Geometry,
@@ -260,10 +264,12 @@ def plan_for(
     term: bool,
     block_q: int | None = None,
     block_k: int | None = None,
+    native: bool = False,
 ) -> Plan:
-    """The block plan of a whole call, with the default block sizes where none are given."""
+    """The block plan of a whole call, with the default block sizes where none are given (those
+    of the native kernel when ``native``)."""
     banded = mask is not None and mask.distances(geo)[1] < math.inf
-    bq, bk = default_blocks(banded, groups, geo.q_len, term)
+    bq, bk = NATIVE_BLOCKS[banded] if native else default_blocks(banded, groups, geo.q_len, term)
     return make_plan(
         mask,
         geo,
@@ -306,13 +312,14 @@ def kernel_attention(
     hkv, tk, _ = k.shape[-3:]
     geo = Geometry(batch, h, tq, tk, q.device)
     term = bias if isinstance(bias, ScoreTerm) else None
-    plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k)
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
     careful = not (finite(q, k, v) if is_finite is None else is_finite)
     seed = draw_seed() if dropout_p else 0
     fast = None
-    if native_serves(q.device, term, careful, native):
+    served = native_serves(q.device, term, careful, native)
+    plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k, native=served)
+    if served:
         fast = native_call(
             mask, geo, plan, scale=scale, softcap=softcap, p_drop=dropout_p, seed=seed
         )
@@ -438,9 +445,17 @@ class Chunked(Backend):
         if call.device.type == "meta":
             return []
         term = call.score_term is not None
-        plan = plan_for(call.mask, call.geometry, call.groups, term, self.block_q, self.block_k)
-        notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
         why = why_not_native(call, self.native)
+        plan = plan_for(
+            call.mask,
+            call.geometry,
+            call.groups,
+            term,
+            self.block_q,
+            self.block_k,
+            native=why is None,
+        )
+        notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
         if why is None:
             return [*notes, "native kernel"]
         fused = fused_note(call, plan, self.fused_rows)
