@@ -1,10 +1,10 @@
 """The native CPU kernel against torch SDPA (and attnkit's eager kernel), side by side in one run.
 
-float32, B=1 H=8 D=64. Each row times the chunked backend on its native kernel ("native"), the same
-backend on its eager kernel with every block in attnkit's own code ("eager", ``Chunked(native=False,
-fused_rows=None)``) and torch's ``scaled_dot_product_attention`` ("sdpa") in interleaved rounds of
-``torch.utils.benchmark``; the table gives each one's median over the rounds, the worst round, and
-the ratio of medians to SDPA.
+float32, B=1 H=8 D=64. Each row times the chunked backend on its native kernel ("native") and
+torch's ``scaled_dot_product_attention`` ("sdpa"), with ``--eager`` also the same backend on its
+eager kernel with every block in attnkit's own code ("eager", ``Chunked(native=False,
+fused_rows=None)``), in interleaved rounds of ``torch.utils.benchmark``; the table gives each
+one's median over the rounds, the worst round, and the ratio of medians to SDPA.
 
 * plain, causal, softcap: T=4096; softcap (30) against SDPA without softcap (which has none).
 * window: ``masks.sliding_window(512)`` at T=65536 against SDPA on the 128 independent 512-token
@@ -56,8 +56,8 @@ def _step(fn: Callable[[], torch.Tensor], backward: bool) -> Callable[[], object
     return step
 
 
-def build(case: str, backward: bool) -> dict[str, Callable[[], object]]:
-    """The calls of one row: native, eager and SDPA."""
+def build(case: str, backward: bool, eager_too: bool) -> dict[str, Callable[[], object]]:
+    """The calls of one row: native, SDPA and (``eager_too``) eager."""
     native, eager = Chunked(), Chunked(native=False, fused_rows=None)
     if case == "window":
         t, w = 65536, 512
@@ -87,11 +87,10 @@ def build(case: str, backward: bool) -> dict[str, Callable[[], object]]:
         def sdpa() -> torch.Tensor:
             return F.scaled_dot_product_attention(q, k, v, is_causal=case == "causal")
 
-    return {
-        "native": _step(ours(native), backward),
-        "eager": _step(ours(eager), backward),
-        "sdpa": _step(sdpa, backward),
-    }
+    fns = {"native": _step(ours(native), backward), "sdpa": _step(sdpa, backward)}
+    if eager_too:
+        fns["eager"] = _step(ours(eager), backward)
+    return fns
 
 
 def measure(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
@@ -112,6 +111,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--busy", action="store_true", help="a second process spins on one core")
+    parser.add_argument("--eager", action="store_true", help="also time the eager kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     _, why = attnkit._native.status()
@@ -123,7 +123,7 @@ def main() -> None:
     try:
         print(f"{'case':<10} {'what':<8} {'median ms':>10} {'worst ms':>9} {'/ sdpa':>7}")
         for case in args.cases:
-            samples = measure(build(case, args.backward), args.rounds)
+            samples = measure(build(case, args.backward, args.eager), args.rounds)
             base = statistics.median(samples["sdpa"])
             for name, s in samples.items():
                 med = statistics.median(s)
