@@ -68,10 +68,12 @@ __all__ = [
     "backward",
     "finish",
     "forward",
+    "folds",
     "fused_serves",
     "merge",
     "no_autocast",
     "sink_grad",
+    "zero_offset_safe",
 ]
 
 # A running sum at or above this (or inf/NaN) means the lazy offset was too low: redo the block.
@@ -81,6 +83,9 @@ _LOG2E = 1.0 / _LN2
 # Rows whose offsets (base 2) are all within +-32 take offset 0: the sums of 2^score stay far from
 # float32's limits unless a later score is 2^32 times larger, which the guard catches.
 _ZERO_BITS = 32.0
+# A row that takes offset 0 before it has seen a visible key must end with a sum at least this
+# large (its largest score then lies within the zero offset's range).
+_TINY_SUM = 2.0**-_ZERO_BITS
 # Fully visible work of at least this many queries goes to torch's fused CPU kernel, whose tiles
 # are tallest (and fastest) from 768 queries up.
 FUSED_ROWS = 768
@@ -160,7 +165,8 @@ class Problem:
     ``sinks`` is ``(Hkv, G)``. ``geo`` is the call the mask and the score term are asked about, and
     ``q_start``/``k_start`` where the local queries and keys sit in it. ``fused_rows``: runs of
     fully visible blocks with at least this many queries go to torch's fused CPU kernel when
-    nothing is added to the scores (``None``: never).
+    nothing is added to the scores (``None``: never). ``zero_offset``: what :func:`zero_offset_safe`
+    answers for the call, when the caller knows it (``None``: the forward asks, one host read).
     """
 
     q5: Tensor
@@ -178,6 +184,7 @@ class Problem:
     k_start: int = 0
     careful: bool = False
     fused_rows: int | None = None
+    zero_offset: bool | None = None
     work: torch.dtype = field(init=False)
     _scratch: dict[str, Tensor] = field(init=False, default_factory=dict)
 
@@ -382,23 +389,53 @@ def _score_shape(p: Problem) -> ScoreShape:
 # Forward
 
 
-def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tensor]:
-    """Output (normalised) and log-sum-exp of one query block, as rows.
+def zero_offset_safe(p: Problem) -> bool:
+    """Whether every block of the call may take offset 0 from its first key: no softcap and nothing
+    added to the scores, and ``|q| |k| * scale`` bounds every score (base 2) within
+    ``2^+-_ZERO_BITS`` while ``Tk * 2^bound * max|v|`` stays within the work dtype's range (no sum
+    can overflow). Three norms of the call, one host read."""
+    if p.softcap is not None or p.bias5 is not None or p.term is not None or p.careful:
+        return False
+    if not (p.q5.numel() and p.k3.numel() and p.v3.numel()):
+        return False
+    norms = torch.stack(
+        [
+            torch.linalg.vector_norm(p.q5, dim=-1, dtype=p.work).amax(),
+            torch.linalg.vector_norm(p.k3, dim=-1, dtype=p.work).amax(),
+            torch.linalg.vector_norm(p.v3, ord=math.inf, dtype=p.work),
+        ]
+    )
+    q_norm, k_norm, v_max = norms.tolist()
+    bound = abs(p.scale) * _LOG2E * q_norm * k_norm
+    # NaN compares False: such a call takes the per-row offsets.
+    return bound <= _ZERO_BITS and p.tk * 2.0**bound * v_max <= torch.finfo(p.work).max / 4
 
-    ``lazy=False`` is the textbook online softmax (rescale whenever a block's maximum is larger).
+
+def _forward_block(p: Problem, qb: QueryBlock, mode: str) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Output (normalised) and log-sum-exp of one query block, as rows, and for ``mode="lazy"`` a
+    bool tensor: whether the lazy offsets were safe (False: redo the block ``"exact"``).
+
+    ``"exact"`` is the textbook online softmax (rescale whenever a block's maximum is larger).
+    ``"zero"`` takes offset 0 for every key (:func:`zero_offset_safe` holds for the call). ``"lazy"``
+    rescales on the visits that reach rows no earlier visit of the block reached, as the plan says,
+    and keeps each row's offset afterwards; once every row has been reached it takes offset 0 if
+    the offsets are small (no softcap). A row the plan reached that has seen no visible key keeps
+    offset ``-inf``, so any key it sees later makes its sum inf or NaN and fails the check.
     """
     qr_all = p.q_rows(qb.qs, qb.qe, factor=p.score_factor())
     tb = p.term_block(qb, None)
     rows = qr_all.size(1)
     acc = qr_all.new_zeros(qr_all.size(0), rows, p.dv)
     lsum = qr_all.new_zeros(qr_all.size(0), rows, 1)
-    m = qr_all.new_full((qr_all.size(0), rows, 1), float("-inf"))
+    zero = mode == "zero"  # offset 0: no subtraction at all
+    m = qr_all.new_full((qr_all.size(0), rows, 1), 0.0 if zero else float("-inf"))
     spoiled = qr_all.new_zeros(qr_all.size(0), rows, p.dv) if p.v_bad else None
-    settled = False  # every row has a finite offset, so lazy steps are safe to take
-    zero = False  # ... and it is taken as 0 (the offsets were small): no subtraction at all
+    # Rows of the block some visit has reached (lazy mode), as the plan says: no data is read.
+    reached = bytearray(qb.qe - qb.qs) if mode == "lazy" else None
+    unsure: list[Tensor] = []  # conditions under which the offset 0 taken in lazy mode was wrong
     for visit in qb.visits:
         lo, hi = visit.r0 * p.g, visit.r1 * p.g
-        step = lazy and settled
+        step = zero or (reached is not None and reached.find(0, visit.r0, visit.r1) < 0)
         offset = m[:, lo:hi] if step and not zero else None
         s, _, vis = p.scores(qr_all[:, lo:hi], qb.qs, visit, offset, tb)
         vb = p.values(visit.ks, visit.ke)
@@ -417,12 +454,15 @@ def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tens
             m[:, lo:hi] = m_new
         lsum[:, lo:hi].add_(s.sum(-1, keepdim=True))
         acc[:, lo:hi].baddbmm_(s, vb)
-        if lazy and not step:
-            largest = float(m.abs().amax())
-            settled = largest < math.inf
-            if settled and p.softcap is None and largest <= _ZERO_BITS:
-                # Offsets within 2^+-32: take 0 instead (the sums so far move onto it), so later
-                # blocks are exp(q k^T) with no pass to subtract anything.
+        if reached is not None and not step:
+            reached[visit.r0 : visit.r1] = b"\x01" * (visit.r1 - visit.r0)
+            if p.softcap is None and reached.find(0) < 0:
+                # Every row reached: offsets within 2^+-32 move onto 0 (the sums so far with them),
+                # so later blocks are exp(q k^T) with no pass to subtract anything. Taken on
+                # trust, checked at the end: a larger offset, or a row that had seen no key and
+                # ends with a tiny sum (its keys may have underflowed), redoes the block.
+                empty = m == float("-inf")
+                unsure += [~(empty | (m.abs() <= _ZERO_BITS)), empty]
                 shift = torch.exp2_(m.clone())
                 lsum.mul_(shift)
                 acc.mul_(shift)
@@ -431,43 +471,78 @@ def _forward_block(p: Problem, qb: QueryBlock, lazy: bool) -> tuple[Tensor, Tens
         if spoiled is not None:
             bad = _bad(p.v3[:, visit.ks : visit.ke]).to(p.work)
             spoiled[:, lo:hi].baddbmm_(p.visible(qb.qs, visit, vis), bad)
-    # The lazy offset was too low if a running sum passed the guard or the weighted values
-    # overflowed: one number tells both (NaN/inf in acc makes it NaN, and NaN < guard is false).
-    if lazy and not float(acc.sum().mul_(0.0).add_(lsum.amax())) < _OVERFLOW_GUARD:
-        return _forward_block(p, qb, lazy=False)
-    empty = lsum == 0  # rows with no key they may attend: output 0, never 0/0
-    out = acc.div_(lsum.masked_fill(empty, 1.0))
+    safe = None
+    if mode == "lazy":
+        # The lazy offset was too low if a running sum passed the guard or the weighted values
+        # overflowed: one number tells both (NaN/inf in acc makes it NaN, and NaN < guard is false).
+        safe = acc.sum().mul_(0.0).add_(lsum.amax()) < _OVERFLOW_GUARD
+        if unsure:
+            wrong, empty = unsure
+            safe &= ~(wrong | (empty & (lsum < _TINY_SUM))).any()
+    empty_rows = lsum == 0  # rows with no key they may attend: output 0, never 0/0
+    out = acc.div_(lsum.masked_fill(empty_rows, 1.0))
     if spoiled is not None:
         out.masked_fill_(spoiled > 0, float("nan"))
-    # -inf for empty rows: m = -inf and log(0) = -inf
+    # -inf for empty rows: m = -inf (or 0) and log(0) = -inf
     lse = m.add_(lsum.log2_()).mul_(_LN2)
-    return out, lse
+    return out, lse, safe
 
 
 def forward(p: Problem) -> tuple[Tensor, Tensor]:
     """Output ``(N, Hkv, G, Tq, Dv)`` in the work dtype (laid out in memory as ``(N, Tq, H, Dv)``)
-    and log-sum-exp ``(N, Hkv, G, Tq)``, ``-inf`` for queries with no visible key. No sinks."""
+    and log-sum-exp ``(N, Hkv, G, Tq)``, ``-inf`` for queries with no visible key. No sinks.
+
+    At most two host reads, whatever the number of blocks: :func:`zero_offset_safe` (unless the problem
+    was told), and in lazy mode one check of every block's offsets at the end (the blocks that
+    fail it are redone with the textbook rescaling).
+    """
     out = torch.empty(p.n, p.tq, p.hkv, p.g, p.dv, dtype=p.work, device=p.q5.device)
     out = out.permute(0, 2, 3, 1, 4)
     lse = torch.empty(p.n, p.hkv, p.g, p.tq, dtype=p.work, device=p.q5.device)
     if p.runs:
         _fused_forward(p, out, lse)
-    for qb in p.blocks:
-        rows = qb.qe - qb.qs
+    zero = p.zero_offset if p.zero_offset is not None else zero_offset_safe(p)
+    mode = "zero" if zero else "lazy"
+    # In lazy mode a fused block's part is merged only once it is known to be exact.
+    held: dict[int, tuple[Tensor, Tensor]] = {}
+    checks: list[tuple[int, Tensor]] = []
+    for i, qb in enumerate(p.blocks):
         if not qb.visits:
             if not qb.fused:
                 out[:, :, :, qb.qs : qb.qe] = 0.0
                 lse[:, :, :, qb.qs : qb.qe] = float("-inf")
             continue
-        o, lse_b = _forward_block(p, qb, lazy=True)
-        o5 = o.view(p.n, p.hkv, rows, p.g, p.dv).transpose(2, 3)
-        lse5 = lse_b.view(p.n, p.hkv, rows, p.g).transpose(2, 3)
-        if qb.fused:
-            merge(out[:, :, :, qb.qs : qb.qe], lse[:, :, :, qb.qs : qb.qe], o5, lse5)
+        o, lse_b, safe = _forward_block(p, qb, mode)
+        if safe is not None:
+            checks.append((i, safe))
+        if qb.fused and safe is not None:
+            held[i] = (o, lse_b)
         else:
-            out[:, :, :, qb.qs : qb.qe] = o5
-            lse[:, :, :, qb.qs : qb.qe] = lse5
+            _store(p, qb, out, lse, o, lse_b)
+    if checks:
+        verdicts = torch.stack([safe for _, safe in checks]).tolist()
+        for (i, _), fine in zip(checks, verdicts, strict=True):
+            if not fine:
+                o, lse_b, _ = _forward_block(p, p.blocks[i], "exact")
+                if i in held:
+                    held[i] = (o, lse_b)
+                else:
+                    _store(p, p.blocks[i], out, lse, o, lse_b)
+    for i, (o, lse_b) in held.items():
+        _store(p, p.blocks[i], out, lse, o, lse_b)
     return out, lse
+
+
+def _store(p: Problem, qb: QueryBlock, out: Tensor, lse: Tensor, o: Tensor, lse_b: Tensor) -> None:
+    """Write one query block's rows into the output, or merge them with a run's part of them."""
+    rows = qb.qe - qb.qs
+    o5 = o.view(p.n, p.hkv, rows, p.g, p.dv).transpose(2, 3)
+    lse5 = lse_b.view(p.n, p.hkv, rows, p.g).transpose(2, 3)
+    if qb.fused:
+        merge(out[:, :, :, qb.qs : qb.qe], lse[:, :, :, qb.qs : qb.qe], o5, lse5)
+    else:
+        out[:, :, :, qb.qs : qb.qe] = o5
+        lse[:, :, :, qb.qs : qb.qe] = lse5
 
 
 def _kv4(p: Problem, run: Run) -> tuple[Tensor, Tensor]:
@@ -540,11 +615,15 @@ def backward(
     *,
     bias_grad: bool,
     term_grads: bool,
+    fold: bool | None = None,
 ) -> Grads:
     """Gradients of one problem given the call's final output ``(N, Hkv, G, Tq, Dv)`` (before
     rounding), log-sum-exp and ``delta = rowsum(dO * O)`` (both ``(N, Hkv, G, Tq)``, sinks
-    included) and ``dout`` ``(N, Hkv, G, Tq, Dv)``."""
+    included) and ``dout`` ``(N, Hkv, G, Tq, Dv)``. ``fold``: what :func:`folds` answers for the
+    call's log-sum-exp, when the caller knows it (``None``: asked here, one host read)."""
     final_lse = lse
+    if fold is None:
+        fold = folds(lse, p.softcap)
     # The empty-row rule: such rows read lse 0, so their probabilities exp(-inf - 0) are 0.
     lse = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
     delta = delta.unsqueeze(-1)
@@ -564,7 +643,7 @@ def backward(
         lse_b, delta_b = p.rows(lse, qb.qs, qb.qe).mul_(_LOG2E), p.rows(delta, qb.qs, qb.qe)
         do_b = p.rows(dout, qb.qs, qb.qe)
         offset: Tensor | None = lse_b
-        if p.softcap is None and float(lse_b.abs().amax()) <= _ZERO_BITS:
+        if fold:
             # P = exp(S - lse) = exp(S) * w with w = exp(-lse) per row, small enough to carry in
             # dO and delta instead: dV = exp(S)^T (w dO), dS = exp(S) (w dO V^T - w delta).
             w = torch.exp2_(lse_b.neg())
@@ -621,6 +700,18 @@ def backward(
     if p.runs:
         _fused_backward(p, out, final_lse, dout, dq.transpose(2, 3), dk, dv)
     return Grads(dq.transpose(2, 3), dk, dv, dbias, dterm)
+
+
+def folds(lse: Tensor, softcap: float | None) -> bool:
+    """Whether the backward may fold ``exp(-lse)`` into ``dO`` and ``delta`` (every row's
+    log-sum-exp, base 2, within ``2^+-_ZERO_BITS``, no softcap) instead of subtracting it from
+    every score. Decided once for the call, one host read."""
+    if softcap is not None:
+        return False
+    if not lse.numel():
+        return True
+    largest = lse.masked_fill(lse == float("-inf"), 0.0).abs().amax().mul_(_LOG2E)
+    return float(largest) <= _ZERO_BITS
 
 
 def _unit_stride(t: Tensor) -> Tensor:
