@@ -57,7 +57,8 @@ def _syncs(t: int, backend: str) -> tuple[dict[str, int], dict[str, int]]:
     dout = torch.randn(out.shape, generator=gen)
     with _counting() as backward:
         out.backward(dout)
-    assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert q.grad is not None
+    assert torch.isfinite(q.grad).all()
     return dict(forward), dict(backward)
 
 

@@ -289,8 +289,8 @@ class _Band(Mask):
     def block_states(
         self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
     ) -> Tensor:
-        qf, ql = block_edges(*q)
-        kf, kl = block_edges(*k)
+        qf, ql = block_edges(*q, device=geo.device)
+        kf, kl = block_edges(*k, device=geo.device)
         off = self._offset(geo)
         qf, ql = qf.unsqueeze(-1) + off, ql.unsqueeze(-1) + off
         # j - i' over the block runs from kf - ql (its minimum) to kl - qf (its maximum).
@@ -487,7 +487,7 @@ class _Documents(Mask):
         kmin, kmax = kmin.unsqueeze(-2), kmax.unsqueeze(-2)
         empty = ((qmax < kmin) | (kmax < qmin) | (qmax < 0)).all(0)
         full = ((qmin == qmax) & (kmin == kmax) & (qmin == kmin) & (qmin >= 0)).all(0)
-        return states_from(empty, full).cpu()
+        return states_from(empty, full)
 
 
 def documents(
@@ -600,7 +600,7 @@ class _KeyPadding(Mask):
     ) -> Tensor:
         k0, k1, bk = k
         anys, alls = block_reduce(self.key_tile(geo, k0, k1), k0, k1, bk, 1)
-        states = states_from(~anys.any(0), alls.all(0)).cpu()  # (nk,)
+        states = states_from(~anys.any(0), alls.all(0))  # (nk,)
         return states.expand(len(range(*q)), -1)
 
     @property
@@ -767,7 +767,7 @@ class _Dense(Mask):
         _, all_rows = block_reduce(t.all(0), q0, q1, bq, 0)
         anys, _ = block_reduce(any_rows, k0, k1, bk, 1)
         _, alls = block_reduce(all_rows, k0, k1, bk, 1)
-        return states_from(~anys, alls).cpu()
+        return states_from(~anys, alls)
 
     @property
     def keys_only(self) -> bool:
@@ -805,6 +805,7 @@ class _Combined(Mask):
         states = [p.block_states(geo, q, k) for p in self.parts]
         out = states[0]
         for s in states[1:]:
+            s = s.to(out.device)  # a mask of the user's may answer on another device
             out = torch.minimum(out, s) if self.op == "and" else torch.maximum(out, s)
         return out
 

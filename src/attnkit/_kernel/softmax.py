@@ -14,10 +14,17 @@ A few details make it fast in eager PyTorch:
   keeps a fixed offset ``m`` (the maximum of the first blocks it sees) and later blocks are computed
   directly as ``q k^T - m`` by one ``baddbmm``. Any offset is exact as long as ``exp`` does not
   overflow (it cannot underflow more than with the true maximum, which is >= ``m``). Overflow, of
-  the running sum or of the weighted values, is detected once per query block and that block is
-  redone with the textbook rescaling. When every offset of a block is small (within ``2^+-32``),
-  the offset is 0 and the subtraction disappears; the backward likewise folds ``exp(-lse)`` into
-  ``dO`` and ``delta`` per row instead of subtracting ``lse`` from every score.
+  the running sum or of the weighted values, is checked for every query block at once at the end of
+  the call, and the blocks that overflowed are redone with the textbook rescaling. When every
+  offset of a block is small (within ``2^+-32``), the offset is 0 and the subtraction disappears.
+* **Decided per call, not per block.** The loops never read a number back to the host: what they
+  need is decided once. When ``|q| |k| * scale`` bounds every score of the call within
+  ``2^+-32`` (base 2) and nothing is added to the scores, every block takes offset 0 from its
+  first key and nothing can overflow (three norms, one read). Otherwise the first block whose rows
+  are all reached asks whether its offsets are small, and the others move onto 0 on that answer,
+  checked with the overflow at the end. The backward asks once whether every row's log-sum-exp is
+  within ``2^+-32``, and then folds ``exp(-lse)`` into ``dO`` and ``delta`` per row instead of
+  subtracting ``lse`` from every score.
 * **Cheap elementwise work.** Scores are kept in base 2 (``log2(e)`` rides on the queries, and on
   the adds of a bias or score term) because ``exp2`` costs about half of ``exp`` on CPUs, and a
   softcap is computed through a sigmoid, a fraction of the cost of ``tanh``.
@@ -67,12 +74,14 @@ __all__ = [
     "Problem",
     "backward",
     "finish",
-    "forward",
     "folds",
+    "forward",
     "fused_serves",
     "merge",
     "no_autocast",
+    "norms",
     "sink_grad",
+    "small_scores",
     "zero_offset_safe",
 ]
 
@@ -391,36 +400,54 @@ def _score_shape(p: Problem) -> ScoreShape:
 
 def zero_offset_safe(p: Problem) -> bool:
     """Whether every block of the call may take offset 0 from its first key: no softcap and nothing
-    added to the scores, and ``|q| |k| * scale`` bounds every score (base 2) within
-    ``2^+-_ZERO_BITS`` while ``Tk * 2^bound * max|v|`` stays within the work dtype's range (no sum
-    can overflow). Three norms of the call, one host read."""
+    added to the scores, and :func:`small_scores` holds for its q, k and v. One host read."""
     if p.softcap is not None or p.bias5 is not None or p.term is not None or p.careful:
         return False
     if not (p.q5.numel() and p.k3.numel() and p.v3.numel()):
         return False
-    norms = torch.stack(
+    q_norm, k_norm, v_max = torch.stack(
         [
             torch.linalg.vector_norm(p.q5, dim=-1, dtype=p.work).amax(),
-            torch.linalg.vector_norm(p.k3, dim=-1, dtype=p.work).amax(),
-            torch.linalg.vector_norm(p.v3, ord=math.inf, dtype=p.work),
+            *norms(p.k3, p.v3, p.work),
         ]
+    ).tolist()
+    return small_scores(q_norm, k_norm, v_max, p.scale, p.tk, p.work)
+
+
+def norms(k: Tensor, v: Tensor, work: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The largest key norm and the largest ``|v|`` (0-d tensors), for :func:`small_scores`."""
+    return (
+        torch.linalg.vector_norm(k, dim=-1, dtype=work).amax(),
+        torch.linalg.vector_norm(v, ord=math.inf, dtype=work),
     )
-    q_norm, k_norm, v_max = norms.tolist()
-    bound = abs(p.scale) * _LOG2E * q_norm * k_norm
-    # NaN compares False: such a call takes the per-row offsets.
-    return bound <= _ZERO_BITS and p.tk * 2.0**bound * v_max <= torch.finfo(p.work).max / 4
 
 
-def _forward_block(p: Problem, qb: QueryBlock, mode: str) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Output (normalised) and log-sum-exp of one query block, as rows, and for ``mode="lazy"`` a
-    bool tensor: whether the lazy offsets were safe (False: redo the block ``"exact"``).
+def small_scores(
+    q_norm: float, k_norm: float, v_max: float, scale: float, keys: int, work: torch.dtype
+) -> bool:
+    """Whether queries and keys of at most these norms give scores (base 2) within
+    ``2^+-_ZERO_BITS`` (Cauchy-Schwarz: ``|q . k| <= |q| |k|``), and ``keys`` of them, weighting
+    values of at most ``v_max``, sums that stay within ``work``'s range: then offset 0 is exact for
+    every row. NaN compares False."""
+    bound = abs(scale) * _LOG2E * q_norm * k_norm
+    return bound <= _ZERO_BITS and keys * 2.0**bound * v_max <= torch.finfo(work).max / 4
+
+
+def _forward_block(
+    p: Problem, qb: QueryBlock, mode: str, switch: bool | None = False
+) -> tuple[Tensor, Tensor, Tensor | None, bool | None]:
+    """Output (normalised) and log-sum-exp of one query block, as rows; for ``mode="lazy"`` a
+    bool tensor, whether the lazy offsets were safe (False: redo the block ``"exact"``), and
+    whether it moved its offsets onto 0.
 
     ``"exact"`` is the textbook online softmax (rescale whenever a block's maximum is larger).
-    ``"zero"`` takes offset 0 for every key (:func:`zero_offset_safe` holds for the call). ``"lazy"``
-    rescales on the visits that reach rows no earlier visit of the block reached, as the plan says,
-    and keeps each row's offset afterwards; once every row has been reached it takes offset 0 if
-    the offsets are small (no softcap). A row the plan reached that has seen no visible key keeps
-    offset ``-inf``, so any key it sees later makes its sum inf or NaN and fails the check.
+    ``"zero"`` takes offset 0 for every key (:func:`zero_offset_safe` holds for the call).
+    ``"lazy"`` rescales on the visits that reach rows no earlier visit of the block reached, as
+    the plan says, and keeps each row's offset afterwards. A row the plan reached that has seen no
+    visible key keeps offset ``-inf``, so any key it sees later makes its sum inf or NaN and fails
+    the check.
+    Once every row is reached, ``switch`` says whether the offsets move onto 0: ``None`` asks
+    (one host read: are they all within ``2^+-32``), True takes it on trust (checked at the end).
     """
     qr_all = p.q_rows(qb.qs, qb.qe, factor=p.score_factor())
     tb = p.term_block(qb, None)
@@ -432,7 +459,8 @@ def _forward_block(p: Problem, qb: QueryBlock, mode: str) -> tuple[Tensor, Tenso
     spoiled = qr_all.new_zeros(qr_all.size(0), rows, p.dv) if p.v_bad else None
     # Rows of the block some visit has reached (lazy mode), as the plan says: no data is read.
     reached = bytearray(qb.qe - qb.qs) if mode == "lazy" else None
-    unsure: list[Tensor] = []  # conditions under which the offset 0 taken in lazy mode was wrong
+    switched: bool | None = None
+    unsure: list[Tensor] = []  # where the offset 0 taken on trust may have been wrong
     for visit in qb.visits:
         lo, hi = visit.r0 * p.g, visit.r1 * p.g
         step = zero or (reached is not None and reached.find(0, visit.r0, visit.r1) < 0)
@@ -456,18 +484,23 @@ def _forward_block(p: Problem, qb: QueryBlock, mode: str) -> tuple[Tensor, Tenso
         acc[:, lo:hi].baddbmm_(s, vb)
         if reached is not None and not step:
             reached[visit.r0 : visit.r1] = b"\x01" * (visit.r1 - visit.r0)
-            if p.softcap is None and reached.find(0) < 0:
+            if switch is not False and reached.find(0) < 0:
                 # Every row reached: offsets within 2^+-32 move onto 0 (the sums so far with them),
-                # so later blocks are exp(q k^T) with no pass to subtract anything. Taken on
-                # trust, checked at the end: a larger offset, or a row that had seen no key and
-                # ends with a tiny sum (its keys may have underflowed), redoes the block.
+                # so later blocks are exp(q k^T) with no pass to subtract anything. A row that has
+                # seen no key yet takes 0 too, and must end with a sum that is not tiny (else its
+                # keys may have underflowed): the check at the end redoes the block.
                 empty = m == float("-inf")
-                unsure += [~(empty | (m.abs() <= _ZERO_BITS)), empty]
-                shift = torch.exp2_(m.clone())
-                lsum.mul_(shift)
-                acc.mul_(shift)
-                m.zero_()
-                zero = True
+                offsets = m.masked_fill(empty, 0.0).abs()
+                if switch is None:
+                    switch = float(offsets.amax()) <= _ZERO_BITS  # NaN: False
+                if switch:
+                    unsure += [~(offsets <= _ZERO_BITS), empty]
+                    shift = torch.exp2_(m.clone())
+                    lsum.mul_(shift)
+                    acc.mul_(shift)
+                    m.zero_()
+                    zero = True
+                switched = switch
         if spoiled is not None:
             bad = _bad(p.v3[:, visit.ks : visit.ke]).to(p.work)
             spoiled[:, lo:hi].baddbmm_(p.visible(qb.qs, visit, vis), bad)
@@ -485,16 +518,17 @@ def _forward_block(p: Problem, qb: QueryBlock, mode: str) -> tuple[Tensor, Tenso
         out.masked_fill_(spoiled > 0, float("nan"))
     # -inf for empty rows: m = -inf (or 0) and log(0) = -inf
     lse = m.add_(lsum.log2_()).mul_(_LN2)
-    return out, lse, safe
+    return out, lse, safe, switched
 
 
 def forward(p: Problem) -> tuple[Tensor, Tensor]:
     """Output ``(N, Hkv, G, Tq, Dv)`` in the work dtype (laid out in memory as ``(N, Tq, H, Dv)``)
     and log-sum-exp ``(N, Hkv, G, Tq)``, ``-inf`` for queries with no visible key. No sinks.
 
-    At most two host reads, whatever the number of blocks: :func:`zero_offset_safe` (unless the problem
-    was told), and in lazy mode one check of every block's offsets at the end (the blocks that
-    fail it are redone with the textbook rescaling).
+    At most three host reads, whatever the number of blocks: :func:`zero_offset_safe` (unless the
+    problem was told); in lazy mode, whether the first block's offsets may move onto 0 (the later
+    blocks then do so on trust), and one check of every block at the end (the blocks that fail it
+    are redone with the textbook rescaling).
     """
     out = torch.empty(p.n, p.tq, p.hkv, p.g, p.dv, dtype=p.work, device=p.q5.device)
     out = out.permute(0, 2, 3, 1, 4)
@@ -503,6 +537,8 @@ def forward(p: Problem) -> tuple[Tensor, Tensor]:
         _fused_forward(p, out, lse)
     zero = p.zero_offset if p.zero_offset is not None else zero_offset_safe(p)
     mode = "zero" if zero else "lazy"
+    # A softcap's offsets ride on its sigmoid pass for free: they never move onto 0.
+    switch: bool | None = None if p.softcap is None else False
     # In lazy mode a fused block's part is merged only once it is known to be exact.
     held: dict[int, tuple[Tensor, Tensor]] = {}
     checks: list[tuple[int, Tensor]] = []
@@ -512,7 +548,9 @@ def forward(p: Problem) -> tuple[Tensor, Tensor]:
                 out[:, :, :, qb.qs : qb.qe] = 0.0
                 lse[:, :, :, qb.qs : qb.qe] = float("-inf")
             continue
-        o, lse_b, safe = _forward_block(p, qb, mode)
+        o, lse_b, safe, switched = _forward_block(p, qb, mode, switch)
+        if switch is None:
+            switch = switched
         if safe is not None:
             checks.append((i, safe))
         if qb.fused and safe is not None:
@@ -523,7 +561,7 @@ def forward(p: Problem) -> tuple[Tensor, Tensor]:
         verdicts = torch.stack([safe for _, safe in checks]).tolist()
         for (i, _), fine in zip(checks, verdicts, strict=True):
             if not fine:
-                o, lse_b, _ = _forward_block(p, p.blocks[i], "exact")
+                o, lse_b, _, _ = _forward_block(p, p.blocks[i], "exact")
                 if i in held:
                     held[i] = (o, lse_b)
                 else:

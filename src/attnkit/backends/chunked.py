@@ -93,6 +93,9 @@ def finite(*tensors: Tensor) -> bool:
     return math.isfinite(total)
 
 
+_finite = finite  # kernel_attention's argument of the same name hides it there
+
+
 @dataclass(frozen=True)
 class _Spec:
     """What the backward needs besides the saved tensors: the call, and its plan."""
@@ -249,8 +252,13 @@ def kernel_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     fused_rows: int | None = FUSED_ROWS,
+    finite: bool | None = None,
 ) -> Tensor:
-    """Run the kernel on a validated call (what the ``chunked`` backend does)."""
+    """Run the kernel on a validated call (what the ``chunked`` backend does).
+
+    ``finite``: whether q, k and v are known to hold no NaN or inf (what :func:`finite` answers),
+    when the caller has asked already; ``None``: asked here (one host read).
+    """
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -266,7 +274,7 @@ def kernel_attention(
         scale=scale,
         softcap=softcap,
         term=term,
-        careful=not finite(q, k, v),
+        careful=not (_finite(q, k, v) if finite is None else finite),
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
