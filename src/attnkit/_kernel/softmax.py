@@ -79,8 +79,8 @@ __all__ = [
     "fused_serves",
     "merge",
     "no_autocast",
-    "norms",
     "sink_grad",
+    "sizes",
     "small_scores",
     "zero_offset_safe",
 ]
@@ -405,20 +405,20 @@ def zero_offset_safe(p: Problem) -> bool:
         return False
     if not (p.q5.numel() and p.k3.numel() and p.v3.numel()):
         return False
-    q_norm, k_norm, v_max = torch.stack(
-        [
-            torch.linalg.vector_norm(p.q5, dim=-1, dtype=p.work).amax(),
-            *norms(p.k3, p.v3, p.work),
-        ]
-    ).tolist()
+    q_norm, k_norm, v_max = sizes(p.q5, p.k3, p.v3, p.work).tolist()
     return small_scores(q_norm, k_norm, v_max, p.scale, p.tk, p.work)
 
 
-def norms(k: Tensor, v: Tensor, work: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The largest key norm and the largest ``|v|`` (0-d tensors), for :func:`small_scores`."""
-    return (
-        torch.linalg.vector_norm(k, dim=-1, dtype=work).amax(),
-        torch.linalg.vector_norm(v, ord=math.inf, dtype=work),
+def sizes(q: Tensor, k: Tensor, v: Tensor, work: torch.dtype) -> Tensor:
+    """The largest query norm, key norm and ``|v|`` entry (over the last dimension of non-empty
+    ``q``, ``k``, ``v``) as one tensor of 3 in ``work``, for :func:`small_scores`: one pass over
+    each. Inf or NaN where an input holds inf or NaN (or where a square overflows)."""
+    return torch.stack(
+        [
+            torch.linalg.vector_norm(q, dim=-1, dtype=work).amax(),
+            torch.linalg.vector_norm(k, dim=-1, dtype=work).amax(),
+            torch.linalg.vector_norm(v, ord=math.inf, dtype=work),
+        ]
     )
 
 

@@ -42,6 +42,8 @@ from .._kernel import (
     make_plan,
     no_autocast,
     sink_grad,
+    sizes,
+    small_scores,
     split_runs,
 )
 from ..masks import Geometry, Mask
@@ -93,9 +95,6 @@ def finite(*tensors: Tensor) -> bool:
     return math.isfinite(total)
 
 
-_finite = finite  # kernel_attention's argument of the same name hides it there
-
-
 @dataclass(frozen=True)
 class _Spec:
     """What the backward needs besides the saved tensors: the call, and its plan."""
@@ -111,6 +110,7 @@ class _Spec:
     has_sinks: bool
     n_term: int
     fused_rows: int | None
+    zero_offset: bool | None = None
 
 
 def _problem(
@@ -138,6 +138,7 @@ def _problem(
         term_inputs=term_inputs,
         careful=spec.careful,
         fused_rows=spec.fused_rows,
+        zero_offset=spec.zero_offset,
     )
 
 
@@ -257,7 +258,8 @@ def kernel_attention(
     """Run the kernel on a validated call (what the ``chunked`` backend does).
 
     ``finite``: whether q, k and v are known to hold no NaN or inf (what :func:`finite` answers),
-    when the caller has asked already; ``None``: asked here (one host read).
+    when the caller has asked already; ``None``: asked here, in the same host read as the sizes
+    that tell whether the kernel may take offset 0 throughout (:func:`attnkit._kernel.sizes`).
     """
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
@@ -267,6 +269,15 @@ def kernel_attention(
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k)
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
+    zero_offset = None  # asked by the kernel's forward
+    if finite is None:
+        finite = True
+        if q.numel() and k.numel() and v.numel():
+            work = torch.promote_types(q.dtype, torch.float32)
+            q_norm, k_norm, v_max = sizes(q, k, v, work).tolist()
+            finite = math.isfinite(q_norm + k_norm + v_max)
+            plain = softcap is None and bias is None
+            zero_offset = finite and plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
     spec = _Spec(
         mask=mask,
         geo=geo,
@@ -274,11 +285,12 @@ def kernel_attention(
         scale=scale,
         softcap=softcap,
         term=term,
-        careful=not (_finite(q, k, v) if finite is None else finite),
+        careful=not finite,
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
         fused_rows=fused_rows,
+        zero_offset=zero_offset,
     )
     return _apply(spec, q, k, v, dense, sinks, *term_inputs)
 

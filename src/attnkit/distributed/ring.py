@@ -43,9 +43,9 @@ from .._kernel import (
     forward,
     make_plan,
     merge,
-    norms,
     restrict,
     sink_grad,
+    sizes,
     small_scores,
 )
 from .._typing import Bool, Float, shape_checked
@@ -501,11 +501,10 @@ def _ring(
     # Whether every piece may take offset 0 (see attnkit._kernel.small_scores) needs the largest
     # key and value of every rank: asked with the careful flag, once for the call.
     work = torch.promote_types(q.dtype, torch.float32)
-    sizes = [0.0, 0.0, 0.0]
+    largest = [0.0, 0.0, 0.0]
     if q.numel() and k.numel() and v.numel() and not careful:
-        qn = torch.linalg.vector_norm(q, dim=-1, dtype=work).amax()
-        sizes = torch.stack([qn, *norms(k, v, work)]).tolist()
-    flags = torch.tensor([float(careful), *sizes[1:]], dtype=torch.float64)
+        largest = sizes(q, k, v, work).tolist()
+    flags = torch.tensor([float(careful), *largest[1:]], dtype=torch.float64)
     reduced = torch.distributed.get_backend(group) != "nccl"
     if reduced:
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -516,7 +515,7 @@ def _ring(
         zero_offset = (
             not careful_any
             and softcap is None
-            and small_scores(sizes[0], k_norm, v_max, scale, kv_len * ring.world_size, work)
+            and small_scores(largest[0], k_norm, v_max, scale, kv_len * ring.world_size, work)
         )
     plan = _Plan(
         ring=ring,
