@@ -18,6 +18,7 @@ import torch
 
 import attnkit
 from attnkit import masks
+from attnkit._kernel import make_plan
 
 # What reads a tensor's numbers back to the host.
 _READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu")
@@ -68,6 +69,32 @@ def test_sliding_window_syncs_do_not_grow_with_length(backend: str) -> None:
     long_fwd, long_bwd = _syncs(16384, backend)
     assert long_fwd == short_fwd, "forward"
     assert long_bwd == short_bwd, "backward"
+
+
+def _within_7(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return (j - i).abs() < 7
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        lambda t: masks.documents([t // 4, t // 2, t // 4]) & masks.causal(),
+        lambda t: masks.sliding_window(256) & masks.from_fn(_within_7),
+        lambda t: masks.key_padding([t - 100]),
+    ],
+    ids=["documents&causal", "window&from_fn", "key_padding"],
+)
+def test_plans_read_their_block_states_once(mask: Callable[[int], masks.Mask]) -> None:
+    # A band's plan asks the mask one strip of blocks per query block; the strips are read back
+    # together, wherever the mask computed them.
+    def reads(t: int) -> dict[str, int]:
+        geo = masks.Geometry((1,), 1, t, t, torch.device("cpu"))
+        m = mask(t)
+        with _counting() as counts:
+            make_plan(m, geo, q_start=0, q_len=t, k_start=0, kv_len=t, block_q=512, block_k=128)
+        return dict(counts)
+
+    assert reads(2048) == reads(16384) == {"tolist": 1}
 
 
 def test_counting_sees_host_reads() -> None:

@@ -553,11 +553,18 @@ class _KeyPadding(Mask):
     def __init__(self, lengths: Tensor | None, valid: Tensor | None, side: str) -> None:
         self.lengths, self.valid, self.side = lengths, valid, side
         self._devices: dict[torch.device, Tensor] = {}
+        self._read: list[int] | None = None
+
+    def _lengths_read(self) -> list[int]:
+        """The lengths as ints, read back once: every call describes and checks the mask."""
+        if self._read is None:
+            self._read = [] if self.lengths is None else self.lengths.tolist()
+        return self._read
 
     def describe(self) -> str:
         if self.lengths is not None:
             side = "" if self.side == "right" else ", side='left'"
-            return f"key_padding(lengths={self.lengths.tolist()}{side})"
+            return f"key_padding(lengths={self._lengths_read()}{side})"
         v = self.valid
         return f"key_padding(valid {shape_str(v.shape) if v is not None else '?'})"
 
@@ -578,7 +585,7 @@ class _KeyPadding(Mask):
                 f"Tk = {dim_str(geo.kv_len)}"
             )
         if self.lengths is not None and self.lengths.numel():
-            longest = int(self.lengths.max())
+            longest = max(self._lengths_read())
             if longest > geo.kv_len:
                 raise ValueError(
                     f"{name}: {self.describe()} has a length {longest} > Tk = {dim_str(geo.kv_len)}"
@@ -648,9 +655,12 @@ def key_padding(
             )
         if lengths.numel() and bool((lengths < 0).any()):
             raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
-        return _KeyPadding(lengths.long(), None, side)
+        # A copy: the lengths are read back once (see _KeyPadding), so they must not change.
+        return _KeyPadding(lengths.to(torch.long, copy=True), None, side)
     lens = check_lengths("lengths", lengths)
-    return _KeyPadding(torch.tensor(lens, dtype=torch.long), None, side)
+    mask = _KeyPadding(torch.tensor(lens, dtype=torch.long), None, side)
+    mask._read = lens
+    return mask
 
 
 # --------------------------------------------------------------------------------------------------
