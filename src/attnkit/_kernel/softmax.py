@@ -391,7 +391,8 @@ def _tile5(t: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
 
 
 def _score_shape(p: Problem) -> ScoreShape:
-    return ScoreShape(p.geo.batch, p.geo.heads, p.geo.q_len, p.geo.kv_len, p.work, p.q5.device)
+    geo = p.geo
+    return Geometry(geo.batch_shape, geo.heads, geo.q_len, geo.kv_len, p.q5.device, p.work)
 
 
 # --------------------------------------------------------------------------------------------------

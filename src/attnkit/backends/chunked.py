@@ -48,7 +48,7 @@ from .._kernel import (
 )
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
-from .base import Backend
+from .base import Backend, CallInputs
 
 __all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention"]
 
@@ -75,24 +75,6 @@ def _unlayout_bias_grad(d5: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Ten
     padded = (1,) * (len(batch) + 3 - bias.ndim) + tuple(bias.shape)
     d = d.reshape(*lead, *d.shape[1:]).sum_to_size(padded)
     return d.reshape(bias.shape).to(bias.dtype)
-
-
-def finite(*tensors: Tensor) -> bool:
-    """True when none of ``tensors`` holds NaN or inf (one host synchronisation).
-
-    A sum is NaN or inf when any term is, and one sum is a fraction of ``isfinite().all()``'s
-    cost. It can also overflow on finite values far beyond any activation's scale (1e32 in
-    float32); the answer is then False, which only costs the caller its careful path.
-    """
-    total = 0.0
-    sums = [
-        t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32))
-        for t in tensors
-        if t.numel()
-    ]
-    if sums:
-        total = float(torch.stack(sums).sum()) if len(sums) > 1 else float(sums[0])
-    return math.isfinite(total)
 
 
 @dataclass(frozen=True)
@@ -153,7 +135,7 @@ class _KernelAttention(torch.autograd.Function):
         bias: Tensor | None,
         sinks: Tensor | None,
         *term_inputs: Tensor,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         p = _problem(spec, q, k, v, bias, term_inputs)
         with no_autocast(q.device):
             out5, lse = forward(p)
@@ -165,12 +147,14 @@ class _KernelAttention(torch.autograd.Function):
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse, *optional, *term_inputs)
         ctx.spec = spec  # type: ignore[attr-defined]
-        return out
+        ctx.set_materialize_grads(False)
+        # (N, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included.
+        return out, lse.flatten(1, 2).reshape(q.shape[:-1]).clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, dout: Tensor
+        ctx: torch.autograd.function.FunctionCtx, dout: Tensor | None, dlse: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         spec: _Spec = ctx.spec  # type: ignore[attr-defined]
         q, k, v, out5, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -179,9 +163,15 @@ class _KernelAttention(torch.autograd.Function):
         term_inputs = tuple(rest)
         p = _problem(spec, q, k, v, bias, term_inputs)
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
-        with no_autocast(dout.device):
-            dout5 = dout.reshape(p.n, p.hkv, p.g, p.tq, p.dv)
+        with no_autocast(q.device):
+            if dout is None:  # only the log-sum-exp is used
+                dout5 = out5.new_zeros(out5.shape)
+            else:
+                dout5 = dout.reshape(p.n, p.hkv, p.g, p.tq, p.dv)
             delta = delta_of(out5, dout5)
+            if dlse is not None:
+                # d lse / d s = the softmax: the score gradient P * (dP - delta) gains P * dlse.
+                delta = delta - dlse.reshape(p.n, p.hkv, p.g, p.tq).to(delta.dtype)
             grads = backward(
                 p,
                 out5,
@@ -214,7 +204,7 @@ class _KernelAttention(torch.autograd.Function):
 
 
 # Function.apply is untyped in torch; give it its type once.
-_apply: Callable[..., Tensor] = _KernelAttention.apply
+_apply: Callable[..., tuple[Tensor, Tensor]] = _KernelAttention.apply
 
 
 def plan_for(
@@ -253,14 +243,14 @@ def kernel_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     fused_rows: int | None = FUSED_ROWS,
-    finite: bool | None = None,
-) -> Tensor:
-    """Run the kernel on a validated call (what the ``chunked`` backend does).
-
-    ``finite``: whether q, k and v are known to hold no NaN or inf (what :func:`finite` answers),
-    when the caller has asked already; ``None``: asked here, in the same host read as the sizes
-    that tell whether the kernel may take offset 0 throughout (:func:`attnkit._kernel.sizes`).
-    """
+    is_finite: bool | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
+    whether q, k and v hold only finite values, if the caller knows (None: find out, in the same
+    host read as the sizes that tell whether the kernel may take offset 0 throughout, see
+    :func:`attnkit._kernel.sizes`). ``return_lse``: also return the natural-log log-sum-exp
+    ``(..., H, Tq)`` (differentiable)."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -270,14 +260,14 @@ def kernel_attention(
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
     zero_offset = None  # asked by the kernel's forward
-    if finite is None:
-        finite = True
+    if is_finite is None:
+        is_finite = True
         if q.numel() and k.numel() and v.numel():
             work = torch.promote_types(q.dtype, torch.float32)
             q_norm, k_norm, v_max = sizes(q, k, v, work).tolist()
-            finite = math.isfinite(q_norm + k_norm + v_max)
-            plain = softcap is None and bias is None
-            zero_offset = finite and plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
+            is_finite = math.isfinite(q_norm + k_norm + v_max)
+            plain = is_finite and softcap is None and bias is None
+            zero_offset = plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
     spec = _Spec(
         mask=mask,
         geo=geo,
@@ -285,14 +275,15 @@ def kernel_attention(
         scale=scale,
         softcap=softcap,
         term=term,
-        careful=not finite,
+        careful=not is_finite,
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
         fused_rows=fused_rows,
         zero_offset=zero_offset,
     )
-    return _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    return (out, lse) if return_lse else out
 
 
 def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
@@ -351,38 +342,41 @@ class Chunked(Backend):
         block_k: int | None = None,
         fused_rows: int | None = FUSED_ROWS,
     ) -> None:
+        super().__init__("chunked")
         self.block_q = None if block_q is None else check_int("block_q", block_q)
         self.block_k = None if block_k is None else check_int("block_k", block_k)
         self.fused_rows = None if fused_rows is None else check_int("fused_rows", fused_rows)
 
-        def run(
-            q: Tensor,
-            k: Tensor,
-            v: Tensor,
-            *,
-            mask: Mask | None,
-            bias: Tensor | ScoreTerm | None,
-            scale: float,
-            softcap: float | None,
-            sinks: Tensor | None,
-            dropout_p: float,
-            return_weights: bool,
-        ) -> Tensor:
-            return kernel_attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                bias=bias,
-                scale=scale,
-                softcap=softcap,
-                sinks=sinks,
-                block_q=self.block_q,
-                block_k=self.block_k,
-                fused_rows=self.fused_rows,
-            )
+    def check(self, call: AttentionCall) -> list[str]:
+        return chunked_check(call)
 
-        super().__init__("chunked", run, check=chunked_check)
+    def notes(self, call: AttentionCall) -> list[str]:
+        """The block plan of a structured mask, and the share of torch's fused CPU kernel (what
+        can be told without data: nothing on ``meta`` tensors)."""
+        if call.device.type == "meta":
+            return []
+        term = call.score_term is not None
+        plan = plan_for(call.mask, call.geometry, call.groups, term, self.block_q, self.block_k)
+        notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
+        fused = fused_note(call, plan, self.fused_rows)
+        return notes + ([fused] if fused else [])
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
+        return kernel_attention(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            mask=call.mask,
+            bias=inputs.bias if inputs.bias is not None else call.score_term,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=inputs.sinks,
+            block_q=self.block_q,
+            block_k=self.block_k,
+            fused_rows=self.fused_rows,
+            is_finite=call.finite,
+            return_lse=call.return_lse,
+        )
 
     def __repr__(self) -> str:
         sizes = [f"{n}={v}" for n, v in (("block_q", self.block_q), ("block_k", self.block_k)) if v]

@@ -8,14 +8,17 @@ of the gradients, marking outputs a non-finite value reaches) are left out.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._call import AttentionCall
+from .._checks import shape_str
 from ..masks import Geometry, Mask
-from ..scores import ScoreShape, ScoreTerm
+from ..scores import ScoreTerm
+from .base import Backend, CallInputs, Output
+
+__all__ = ["Reference", "reference"]
 
 
 def _batched(t: Tensor, batch: tuple[int, ...]) -> Tensor:
@@ -47,7 +50,8 @@ def reference(
     sinks: Tensor | None,
     dropout_p: float,
     return_weights: bool,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     # float16/bfloat16 run in float32; float64 stays float64 (it is the spec the tests compare to).
     work = torch.promote_types(q.dtype, torch.float32)
     batch, (h, tq, _), (hkv, tk, _) = tuple(q.shape[:-3]), q.shape[-3:], k.shape[-3:]
@@ -62,7 +66,7 @@ def reference(
         geo = Geometry(batch, h, tq, tk, q.device)
         visible = _batched(mask.tile(geo, 0, tq, 0, tk), batch)  # (...|1, H|1, Tq|1, Tk|1)
     if isinstance(bias, ScoreTerm):
-        shape = ScoreShape(math.prod(batch), h, tq, tk, work, q.device)
+        shape = Geometry(batch, h, tq, tk, q.device, work)
         s = s + _batched(bias.dense(bias.inputs(), shape), batch)
     elif bias is not None:
         s = s + bias
@@ -73,6 +77,8 @@ def reference(
     # A row with no key to attend would be softmax(-inf, ..., -inf) = NaN: give it weights 0.
     empty = (s == float("-inf")).all(-1, keepdim=True)  # (..., H, Tq, 1)
     w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    # (..., H, Tq), the sinks' share included; -inf (and no gradient) for a row with nothing.
+    lse = torch.logsumexp(s.masked_fill(empty, 0.0), -1).masked_fill(empty[..., 0], float("-inf"))
     w = w[..., :tk]  # (..., H, Tq, Tk): without the sink's share
 
     p = F.dropout(w, dropout_p) if dropout_p else w
@@ -84,4 +90,35 @@ def reference(
         seen = visible.expand(*w.shape).unflatten(-3, (hkv, -1)).to(work) @ bad.to(work)
         out = out.masked_fill(seen.flatten(-4, -3) > 0, float("nan"))
     result: Tensor = out.to(q.dtype)
-    return (result, w.to(q.dtype)) if return_weights else result
+    extra = [w.to(q.dtype)] if return_weights else []
+    extra += [lse] if return_lse else []
+    return (result, *extra) if extra else result  # type: ignore[return-value]
+
+
+class Reference(Backend):
+    """The reference as a backend: it serves every call, and ``auto`` takes it only when nothing
+    else can (it materialises the scores)."""
+
+    def __init__(self) -> None:
+        super().__init__("reference")
+
+    def cost(self, call: AttentionCall) -> list[str]:
+        return [
+            f"would materialise the scores (..., H, Tq, Tk) = {shape_str(call.scores_shape)}; "
+            "auto takes it only when nothing else can"
+        ]
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        return reference(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            mask=call.mask,
+            bias=inputs.bias if inputs.bias is not None else call.score_term,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=inputs.sinks,
+            dropout_p=call.dropout_p,
+            return_weights=call.return_weights,
+            return_lse=call.return_lse,
+        )
