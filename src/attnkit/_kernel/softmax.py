@@ -411,16 +411,10 @@ def zero_offset_safe(p: Problem) -> bool:
 
 
 def sizes(q: Tensor, k: Tensor, v: Tensor, work: torch.dtype) -> Tensor:
-    """The largest query norm, key norm and ``|v|`` entry (over the last dimension of non-empty
-    ``q``, ``k``, ``v``) as one tensor of 3 in ``work``, for :func:`small_scores`: one pass over
-    each. Inf or NaN where an input holds inf or NaN (or where a square overflows)."""
-    return torch.stack(
-        [
-            torch.linalg.vector_norm(q, dim=-1, dtype=work).amax(),
-            torch.linalg.vector_norm(k, dim=-1, dtype=work).amax(),
-            torch.linalg.vector_norm(v, ord=math.inf, dtype=work),
-        ]
-    )
+    """The largest row norm (over the last dimension) of non-empty ``q``, ``k`` and ``v``, as one
+    tensor of 3 in ``work``, for :func:`small_scores` (a value row's norm bounds its entries): one
+    pass over each. Inf or NaN where an input holds inf or NaN (or where a square overflows)."""
+    return torch.stack([torch.linalg.vector_norm(t, dim=-1, dtype=work).amax() for t in (q, k, v)])
 
 
 def small_scores(
@@ -428,8 +422,8 @@ def small_scores(
 ) -> bool:
     """Whether queries and keys of at most these norms give scores (base 2) within
     ``2^+-_ZERO_BITS`` (Cauchy-Schwarz: ``|q . k| <= |q| |k|``), and ``keys`` of them, weighting
-    values of at most ``v_max``, sums that stay within ``work``'s range: then offset 0 is exact for
-    every row. NaN compares False."""
+    values no larger than ``v_max``, sums that stay within ``work``'s range: then offset 0 is
+    exact for every row. NaN compares False."""
     bound = abs(scale) * _LOG2E * q_norm * k_norm
     return bound <= _ZERO_BITS and keys * 2.0**bound * v_max <= torch.finfo(work).max / 4
 
