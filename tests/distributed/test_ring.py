@@ -143,6 +143,32 @@ def count_score_blocks(rank: int, world: int, layout: str, causal: bool) -> int:
     return sum(computed)
 
 
+def count_plans(rank: int, world: int) -> tuple[int, int]:
+    """Block plans made by one windowed, padded zigzag call's forward, and by its backward."""
+    from attnkit.distributed import ring as ring_module
+
+    made = []
+    original = ring_module.make_plan
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return original(*args, **kwargs)
+
+    t = 2 * world * CHUNK
+    x = full_inputs(t, torch.float64)
+    local = {n: shard(x[n], "zigzag", rank, world).requires_grad_() for n in ("q", "k", "v")}
+    mask = masks.sliding_window(4, right=1) & shard(x["mask"], "zigzag", rank, world, dim=-1)
+    ring = RingBackend(layout="zigzag", block_q=4, block_k=3)
+    ring_module.make_plan = counting  # type: ignore[assignment]
+    try:
+        out = attnkit.attention(local["q"], local["k"], local["v"], mask=mask, backend=ring)
+        forward = len(made)
+        out.backward(shard(x["dout"], "zigzag", rank, world))
+    finally:
+        ring_module.make_plan = original
+    return forward, len(made) - forward
+
+
 def largest_saved_numel(rank: int, world: int) -> int:
     """The largest tensor the autograd graph keeps for one causal zigzag call, in elements."""
     t = 2 * world * CHUNK
@@ -248,6 +274,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
             )
         dist.barrier()
     report: dict[str, Any] = {"saved": largest_saved_numel(rank, world), "fused": fused_calls}
+    report["plans"] = count_plans(rank, world)
     report["blocks"] = {
         (layout, causal): count_score_blocks(rank, world, layout, causal)
         for layout in ("contiguous", "zigzag")
@@ -286,6 +313,13 @@ def test_causal_skips_blocks_above_the_diagonal_and_zigzag_balances_them(world: 
     assert [b["contiguous", True] for b in blocks] == [3 + 4 * r for r in range(world)]
     # Zigzag: the same total, spread evenly: 3 on the diagonal and half of each other shard.
     assert [b["zigzag", True] for b in blocks] == [3 + 2 * (world - 1)] * world
+
+
+@WORLDS
+def test_the_backward_reuses_the_forwards_block_plans(world: int) -> None:
+    for forward, backward in (r["plans"] for r in reports(world)):
+        assert forward > 0
+        assert backward == 0
 
 
 @WORLDS
