@@ -7,6 +7,7 @@ import torch
 
 from attnkit import masks
 from attnkit.distributed import shard_zigzag, unshard_zigzag
+from attnkit.distributed.layout import LAYOUTS, segments
 
 
 def test_zigzag_shards_hold_chunks_r_and_2w_minus_1_minus_r() -> None:
@@ -42,3 +43,25 @@ def test_zigzag_errors_quote_values(no_shape_checks: None) -> None:
         unshard_zigzag([x[..., :5, :]])
     with pytest.raises(TypeError, match="non-empty sequence of tensors"):
         unshard_zigzag([])
+
+
+@pytest.mark.parametrize(("layout", "world"), [("contiguous", 3), ("zigzag", 3), ("zigzag", 1)])
+def test_segments_name_the_global_positions_each_rank_holds(layout: str, world: int) -> None:
+    # Every rank's runs, laid out at their global starts, cover the sequence once and in order
+    # within each shard; for zigzag they are where shard_zigzag puts them.
+    length = 12  # local length; the sequence is world * length
+    positions = torch.arange(world * length).view(1, 1, -1, 1)
+    covered = []
+    for rank in range(world):
+        runs = segments(layout, rank, world, length)
+        local = [g + i for _, g, n in runs for i in range(n)]
+        assert [s for s, _, _ in runs] == sorted(s for s, _, _ in runs)
+        assert sum(n for _, _, n in runs) == length
+        assert local == sorted(local)  # positions only increase within a shard
+        if layout == "zigzag":
+            assert shard_zigzag(positions, rank, world).flatten().tolist() == local
+        else:
+            assert positions.chunk(world, dim=-2)[rank].flatten().tolist() == local
+        covered += local
+    assert sorted(covered) == list(range(world * length))
+    assert set(LAYOUTS) == {"contiguous", "zigzag"}
