@@ -235,3 +235,19 @@ def test_repr_and_constructor_checks(no_shape_checks: None) -> None:
     with pytest.raises(TypeError, match=r"term_keys must be an int, got 2\.5"):
         SDPA(term_keys=2.5)  # type: ignore[arg-type]
     assert isinstance(attnkit.backends.SDPA(), attnkit.Backend)
+
+
+def test_dropout_is_unbiased_and_a_fully_dropped_row_is_not_redrawn() -> None:
+    # Query 0 of a causal call sees key 0 only: with dropout 0.5 its output is 2 * v0 or 0, each
+    # with probability 1/2. Redrawing the rows that came out 0 (as if torch had hidden a NaN)
+    # would bias the mean towards 2 * v0.
+    torch.manual_seed(0)
+    b, t = 4000, 6
+    q = torch.randn(b, 1, t, 4)
+    k = torch.randn(b, 1, t, 4)
+    v = torch.ones(b, 1, t, 4)
+    sdpa = attnkit.backends.SDPA()
+    out = attnkit.attention(q, k, v, causal=True, dropout_p=0.5, backend=sdpa)
+    assert sdpa.handovers == 0
+    mean = float(out[:, 0, 0].mean())
+    assert abs(mean - 1.0) < 0.1, mean  # std of the mean: 1 / sqrt(4000) = 0.016
