@@ -13,6 +13,7 @@ from .attention import (
     attention,
     available_backends,
     explain,
+    merge_attention,
     register_backend,
     unregister_backend,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "from_torch_masks",
     "interop",
     "masks",
+    "merge_attention",
     "record_dispatch",
     "register_backend",
     "relative_encoding",

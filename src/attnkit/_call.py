@@ -63,6 +63,8 @@ class AttentionCall:
     dropout_p: float
     return_weights: bool
     requires_grad: bool
+    #: also return the natural-log log-sum-exp ``(..., H, Tq)``
+    return_lse: bool = False
     #: False when q, k or v hold NaN/inf (checked for calls that need gradients); None: not checked
     finite: bool | None = None
 
@@ -116,6 +118,8 @@ class AttentionCall:
             parts.append(f"dropout_p={self.dropout_p}")
         if self.return_weights:
             parts.append("return_weights")
+        if self.return_lse:
+            parts.append("return_lse")
         if self.finite is False:
             parts.append("non-finite values in q/k/v")
         return ", ".join(parts)
@@ -362,6 +366,7 @@ def check_attention_args(
     sinks: object = None,
     dropout_p: object = 0.0,
     return_weights: object = False,
+    return_lse: object = False,
     check_finite: bool = False,
 ) -> AttentionCall:
     """Validate the arguments of ``attention()`` and describe the call, once.
@@ -387,6 +392,8 @@ def check_attention_args(
     sink_t = None if sinks is None else _check_sinks(sinks, q, num_heads)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     # The common 0.0 without a call; anything else (False included) is checked.
     zero = type(dropout_p) is float and dropout_p == 0.0
     dropout = 0.0 if zero else check_probability("dropout_p", dropout_p)
@@ -428,5 +435,6 @@ def check_attention_args(
         dropout_p=dropout,
         return_weights=return_weights,
         requires_grad=requires_grad,
+        return_lse=return_lse,
         finite=is_finite,
     )

@@ -19,7 +19,9 @@ consistent snapshot of it.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ._call import AttentionCall, check_attention_args
+from ._checks import shape_str
 from ._typing import Bool, Float, shape_checked
 from .backends import builtin_backends
 from .backends.base import (
@@ -51,6 +54,7 @@ __all__ = [
     "available_backends",
     "dispatch",
     "explain",
+    "merge_attention",
     "register_backend",
     "unregister_backend",
 ]
@@ -279,6 +283,7 @@ def _call_of(
     softcap: object,
     dropout_p: object,
     return_weights: object,
+    return_lse: object,
     autocast: str | None,
 ) -> AttentionCall:
     """The validated call; under autocast a dtype error also says what autocast did."""
@@ -296,6 +301,7 @@ def _call_of(
             sinks=sinks,
             dropout_p=dropout_p,
             return_weights=return_weights,
+            return_lse=return_lse,
             check_finite=True,
         )
     except TypeError as error:
@@ -319,12 +325,15 @@ def _run(
     sinks: Tensor | None,
     dropout_p: float,
     return_weights: bool,
+    return_lse: bool,
     backend: str | Backend,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Output:
     # Under torch.autocast, as torch's SDPA: inputs go to the autocast dtype. The backend then runs
     # with autocast off, or it would turn the float32 softmax accumulation back into bf16 GEMMs.
     args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
-    call = _call_of(args, mask, causal, scale, softcap, dropout_p, return_weights, autocast_dtype)
+    call = _call_of(
+        args, mask, causal, scale, softcap, dropout_p, return_weights, return_lse, autocast_dtype
+    )
     q, k, v, bias, sinks = args  # type: ignore[assignment]
     dense = bias if isinstance(bias, Tensor) else None
     with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
@@ -359,6 +368,7 @@ def attention(
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[False] = False,
+    return_lse: Literal[False] = False,
     backend: str | Backend = "auto",
 ) -> Float[Tensor, "*batch H Tq Dv"]: ...
 
@@ -377,6 +387,7 @@ def attention(
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[True],
+    return_lse: Literal[False] = False,
     backend: str | Backend = "auto",
 ) -> tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]: ...
 
@@ -394,11 +405,59 @@ def attention(
     softcap: float | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
+    return_weights: Literal[False] = False,
+    return_lse: Literal[True],
+    backend: str | Backend = "auto",
+) -> tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq"]]: ...
+
+
+@overload
+def attention(
+    q: Float[Tensor, "*batch H Tq Dk"],
+    k: Float[Tensor, "*batch Hkv Tk Dk"],
+    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    *,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
+    dropout_p: float = 0.0,
     return_weights: bool,
+    return_lse: Literal[False] = False,
     backend: str | Backend = "auto",
 ) -> (
     Float[Tensor, "*batch H Tq Dv"]
     | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]
+): ...
+
+
+@overload
+def attention(
+    q: Float[Tensor, "*batch H Tq Dk"],
+    k: Float[Tensor, "*batch Hkv Tk Dk"],
+    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    *,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    backend: str | Backend = "auto",
+) -> (
+    Float[Tensor, "*batch H Tq Dv"]
+    | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]
+    | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq"]]
+    | tuple[
+        Float[Tensor, "*batch H Tq Dv"],
+        Float[Tensor, "*batch H Tq Tk"],
+        Float[Tensor, "*batch H Tq"],
+    ]
 ): ...
 
 
@@ -416,10 +475,17 @@ def attention(
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    return_lse: bool = False,
     backend: str | Backend = "auto",
 ) -> (
     Float[Tensor, "*batch H Tq Dv"]
     | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]
+    | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq"]]
+    | tuple[
+        Float[Tensor, "*batch H Tq Dv"],
+        Float[Tensor, "*batch H Tq Tk"],
+        Float[Tensor, "*batch H Tq"],
+    ]
 ):
     """Scaled dot-product attention: ``softmax(cap(q k^T * scale) + bias, masked) v``.
 
@@ -463,13 +529,20 @@ def attention(
         return_weights: also return the softmax weights ``(..., H, Tq, Tk)`` (before dropout,
             without the sinks' share). Only the ``reference`` backend computes them, so ask only
             when you need them.
+        return_lse: also return the natural-log log-sum-exp of each query's scores
+            ``(..., H, Tq)`` in the dtype the scores are computed in (float32 for float16/bfloat16,
+            the sinks' share included; ``-inf`` for a query with no visible key), the log of the
+            softmax's denominator. Differentiable. With it, partial attentions over disjoint sets
+            of keys (chunked prefill, cascades, shards) merge exactly:
+            :func:`merge_attention`. Served by ``chunked`` and ``reference``.
         backend: ``"auto"`` (default), a name from :func:`available_backends`, or a
             :class:`~attnkit.Backend` such as ``attnkit.backends.Chunked(block_q=64)``. ``auto``
             takes the fastest backend that can serve the call without materialising a
             ``(Tq, Tk)`` tensor it does not need; :func:`explain` tells which and why.
 
     Returns:
-        The output ``(..., H, Tq, Dv)`` in q's dtype, or ``(output, weights)``.
+        The output ``(..., H, Tq, Dv)`` in q's dtype; ``(output, weights)``, ``(output, lse)`` or
+        ``(output, weights, lse)`` when asked for.
 
     Masked pairs and non-finite values, in every backend:
 
@@ -499,8 +572,20 @@ def attention(
     Shape legend: ``...`` batch dims, ``H`` query heads, ``Hkv`` key/value heads, ``Tq`` queries,
     ``Tk`` keys, ``Dk`` query/key size, ``Dv`` value size.
     """
-    return _run(
-        q, k, v, mask, bias, causal, scale, softcap, sinks, dropout_p, return_weights, backend
+    return _run(  # type: ignore[return-value]
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        causal,
+        scale,
+        softcap,
+        sinks,
+        dropout_p,
+        return_weights,
+        return_lse,
+        backend,
     )
 
 
@@ -518,6 +603,7 @@ def explain(
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    return_lse: bool = False,
     backend: str | Backend = "auto",
 ) -> Explanation:
     """Which backend :func:`attention` would use for these arguments, and why not the others.
@@ -551,5 +637,49 @@ def explain(
     will run.
     """
     args, _, autocast_dtype = _under_autocast((q, k, v, bias, sinks))  # the call attention() makes
-    call = _call_of(args, mask, causal, scale, softcap, dropout_p, return_weights, autocast_dtype)
+    call = _call_of(
+        args, mask, causal, scale, softcap, dropout_p, return_weights, return_lse, autocast_dtype
+    )
     return _decide(call, check_backend(backend))
+
+
+def merge_attention(
+    outs: Sequence[Tensor], lses: Sequence[Tensor]
+) -> tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq"]]:
+    """Merge partial attentions of the same queries over disjoint sets of keys into the attention
+    over all of them: ``(out, lse)`` from ``attention(..., return_lse=True)`` calls.
+
+    ``out = sum_i exp(lse_i - lse) * out_i`` with ``lse = logsumexp_i lse_i``: exact (to rounding),
+    and differentiable. A query no part lets see any key stays 0 with ``lse = -inf``. A sink must
+    join one part only (its share is in that part's ``lse``).
+
+    >>> import torch
+    >>> q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    >>> a = attention(q, k[..., :3, :], v[..., :3, :], return_lse=True)
+    >>> b = attention(q, k[..., 3:, :], v[..., 3:, :], return_lse=True)
+    >>> out, lse = merge_attention([a[0], b[0]], [a[1], b[1]])
+    >>> torch.allclose(out, attention(q, k, v))
+    True
+    """
+    if not outs or len(outs) != len(lses):
+        raise ValueError(
+            f"merge_attention() takes as many outputs as log-sum-exps, at least one; got "
+            f"{len(outs)} and {len(lses)}"
+        )
+    shape = tuple(outs[0].shape)
+    for i, (o, lse) in enumerate(zip(outs, lses, strict=True)):
+        if tuple(o.shape) != shape or tuple(lse.shape) != shape[:-1]:
+            raise ValueError(
+                f"merge_attention(): part {i} has out {shape_str(o.shape)} and lse "
+                f"{shape_str(lse.shape)}; every out must be {shape_str(shape)} and every lse "
+                f"{shape_str(shape[:-1])}"
+            )
+    stacked = torch.stack([lse.to(torch.promote_types(lse.dtype, torch.float32)) for lse in lses])
+    nothing = (stacked == float("-inf")).all(0)  # no part sees a key: 0, and no NaN gradients
+    total = torch.logsumexp(stacked.masked_fill(nothing, 0.0), 0).masked_fill(nothing, -math.inf)
+    anchor = total.masked_fill(nothing, 0.0)
+    out = sum(
+        (lse - anchor).exp().unsqueeze(-1) * o.to(stacked.dtype)
+        for o, lse in zip(outs, stacked, strict=True)
+    )
+    return out.to(outs[0].dtype), total

@@ -47,7 +47,7 @@ from ._checks import (
 from ._typing import Bool, Float
 from .attention import Explanation, attention, check_backend, explain
 from .backends.base import Backend
-from .masks import Geometry, Mask, check_mask
+from .masks import Geometry, Mask, check_mask, visibility
 from .scores import RelativePositionTerm
 
 __all__ = ["RelativeMultiHeadAttention"]
@@ -282,11 +282,10 @@ class RelativeMultiHeadAttention(nn.Module):
         """The distances ``i' - j`` a call can need, largest first: ``Tk - 1 .. 1 - Tq``, cut to
         what a structured mask (a sliding window, causal) leaves visible."""
         top, bottom = tk - 1, 1 - tq
-        if isinstance(mask, Mask) or causal:
+        seen = visibility(mask, causal)  # the call's mask and causal, as attention() folds them
+        if seen is not None:
             geo = Geometry((b,), self.num_heads, tq, tk, torch.device("cpu"))
-            lo, hi = mask.distances(geo) if isinstance(mask, Mask) else (-math.inf, math.inf)
-            if causal:
-                hi = min(hi, 0)
+            lo, hi = seen.distances(geo)
             # j - i' in [lo, hi]  <=>  i' - j in [-hi, -lo]
             top = int(min(top, -lo)) if lo > -math.inf else top
             bottom = int(max(bottom, -hi)) if hi < math.inf else bottom

@@ -58,7 +58,8 @@ class CallInputs:
     sinks: Tensor | None = None
 
 
-Output = Tensor | tuple[Tensor, Tensor]
+#: What a backend returns: the output, or a tuple of the output, the weights and/or the lse.
+Output = Tensor | tuple[Tensor, ...]
 
 
 @runtime_checkable

@@ -131,7 +131,7 @@ class _KernelAttention(torch.autograd.Function):
         bias: Tensor | None,
         sinks: Tensor | None,
         *term_inputs: Tensor,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         p = _problem(spec, q, k, v, bias, term_inputs)
         with no_autocast(q.device):
             out5, lse = forward(p)
@@ -143,12 +143,14 @@ class _KernelAttention(torch.autograd.Function):
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse, *optional, *term_inputs)
         ctx.spec = spec  # type: ignore[attr-defined]
-        return out
+        ctx.set_materialize_grads(False)
+        # (N, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included.
+        return out, lse.flatten(1, 2).reshape(q.shape[:-1]).clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, dout: Tensor
+        ctx: torch.autograd.function.FunctionCtx, dout: Tensor | None, dlse: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         spec: _Spec = ctx.spec  # type: ignore[attr-defined]
         q, k, v, out5, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -157,9 +159,15 @@ class _KernelAttention(torch.autograd.Function):
         term_inputs = tuple(rest)
         p = _problem(spec, q, k, v, bias, term_inputs)
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
-        with no_autocast(dout.device):
-            dout5 = dout.reshape(p.n, p.hkv, p.g, p.tq, p.dv)
+        with no_autocast(q.device):
+            if dout is None:  # only the log-sum-exp is used
+                dout5 = out5.new_zeros(out5.shape)
+            else:
+                dout5 = dout.reshape(p.n, p.hkv, p.g, p.tq, p.dv)
             delta = delta_of(out5, dout5)
+            if dlse is not None:
+                # d lse / d s = the softmax: the score gradient P * (dP - delta) gains P * dlse.
+                delta = delta - dlse.reshape(p.n, p.hkv, p.g, p.tq).to(delta.dtype)
             grads = backward(
                 p,
                 out5,
@@ -192,7 +200,7 @@ class _KernelAttention(torch.autograd.Function):
 
 
 # Function.apply is untyped in torch; give it its type once.
-_apply: Callable[..., Tensor] = _KernelAttention.apply
+_apply: Callable[..., tuple[Tensor, Tensor]] = _KernelAttention.apply
 
 
 def plan_for(
@@ -232,9 +240,11 @@ def kernel_attention(
     block_k: int | None = None,
     fused_rows: int | None = FUSED_ROWS,
     is_finite: bool | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
-    whether q, k and v hold only finite values, if the caller knows (None: find out)."""
+    whether q, k and v hold only finite values, if the caller knows (None: find out).
+    ``return_lse``: also return the natural-log log-sum-exp ``(..., H, Tq)`` (differentiable)."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -256,7 +266,8 @@ def kernel_attention(
         n_term=len(term_inputs),
         fused_rows=fused_rows,
     )
-    return _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    return (out, lse) if return_lse else out
 
 
 def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
@@ -334,7 +345,7 @@ class Chunked(Backend):
         fused = fused_note(call, plan, self.fused_rows)
         return notes + ([fused] if fused else [])
 
-    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
         return kernel_attention(
             inputs.q,
             inputs.k,
@@ -348,6 +359,7 @@ class Chunked(Backend):
             block_k=self.block_k,
             fused_rows=self.fused_rows,
             is_finite=call.finite,
+            return_lse=call.return_lse,
         )
 
     def __repr__(self) -> str:

@@ -50,7 +50,8 @@ def reference(
     sinks: Tensor | None,
     dropout_p: float,
     return_weights: bool,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     # float16/bfloat16 run in float32; float64 stays float64 (it is the spec the tests compare to).
     work = torch.promote_types(q.dtype, torch.float32)
     batch, (h, tq, _), (hkv, tk, _) = tuple(q.shape[:-3]), q.shape[-3:], k.shape[-3:]
@@ -76,6 +77,8 @@ def reference(
     # A row with no key to attend would be softmax(-inf, ..., -inf) = NaN: give it weights 0.
     empty = (s == float("-inf")).all(-1, keepdim=True)  # (..., H, Tq, 1)
     w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    # (..., H, Tq), the sinks' share included; -inf (and no gradient) for a row with nothing.
+    lse = torch.logsumexp(s.masked_fill(empty, 0.0), -1).masked_fill(empty[..., 0], float("-inf"))
     w = w[..., :tk]  # (..., H, Tq, Tk): without the sink's share
 
     p = F.dropout(w, dropout_p) if dropout_p else w
@@ -87,7 +90,9 @@ def reference(
         seen = visible.expand(*w.shape).unflatten(-3, (hkv, -1)).to(work) @ bad.to(work)
         out = out.masked_fill(seen.flatten(-4, -3) > 0, float("nan"))
     result: Tensor = out.to(q.dtype)
-    return (result, w.to(q.dtype)) if return_weights else result
+    extra = [w.to(q.dtype)] if return_weights else []
+    extra += [lse] if return_lse else []
+    return (result, *extra) if extra else result  # type: ignore[return-value]
 
 
 class Reference(Backend):
@@ -115,4 +120,5 @@ class Reference(Backend):
             sinks=inputs.sinks,
             dropout_p=call.dropout_p,
             return_weights=call.return_weights,
+            return_lse=call.return_lse,
         )

@@ -132,6 +132,8 @@ def sdpa_check(call: AttentionCall) -> list[str]:
     reasons = []
     if call.return_weights:
         reasons.append("does not return attention weights (only reference does)")
+    if call.return_lse:
+        reasons.append("torch's SDPA returns no log-sum-exp (chunked and reference do)")
     if call.softcap is not None:
         reasons.append("torch's kernel has no softcap")
     if call.sinks:

@@ -358,6 +358,8 @@ def ring_check(call: AttentionCall) -> list[str]:
         reasons.append("no dropout")
     if call.return_weights:
         reasons.append("no weights: they would be the whole sequence's (Tq, Tk) matrix")
+    if call.return_lse:
+        reasons.append("no log-sum-exp (use the chunked backend per shard and merge_attention)")
     if call.causal and call.q_len != call.kv_len:
         reasons.append(f"causal needs Tq = Tk on each rank, got {call.q_len} and {call.kv_len}")
     reasons += _structure(call.mask)[2]
