@@ -411,7 +411,6 @@ def _attend(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One :func:`attnkit.attention` call on ``(B, H, T, D)`` views: the output ``(B, Tq, H,
     Dv)``, the LSE ``(B, H, Tq)`` if wanted, the weights if wanted."""
-    extra = {"return_lse": True} if want_lse else {}
     result = attention(
         q,
         k,
@@ -423,7 +422,7 @@ def _attend(
         sinks=sinks,
         dropout_p=dropout_p,
         return_weights=want_probs,
-        **extra,
+        return_lse=want_lse,
     )
     lse = probs = None
     if isinstance(result, tuple):
@@ -1030,9 +1029,9 @@ def flash_attn_with_kvcache(
             )
         else:
             where = (cache_rows[:, None].expand(batch, new), at)
-        where = tuple(w.to(k_cache.device) for w in where)
-        k_cache.index_put_(where, k.to(k_cache.dtype))
-        v_cache.index_put_(where, v.to(v_cache.dtype))
+        index = tuple(w.to(k_cache.device) for w in where)
+        k_cache.index_put_(index, k.to(k_cache.dtype))
+        v_cache.index_put_(index, v.to(v_cache.dtype))
 
     kv_len = max(lengths, default=0)
     if paged:
