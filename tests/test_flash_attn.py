@@ -203,8 +203,12 @@ def test_sinks_join_the_softmax() -> None:
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 5, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
     sinks = torch.randn(4, generator=g, dtype=torch.float64)
-    want, _ = reference(q, k, v, causal=True, sinks=sinks)
-    assert_close(fa.flash_attn_func(q, k, v, causal=True, learnable_sink=sinks), want)
+    want, want_lse = reference(q, k, v, causal=True, sinks=sinks)
+    out, lse, _ = fa.flash_attn_func(
+        q, k, v, causal=True, return_attn_probs=True, learnable_sink=sinks
+    )
+    assert_close(out, want)
+    assert_close(lse, want_lse)  # the sinks' share is in the LSE
     assert_close(fa.flash_attn_func(q, k, v, causal=True, s_aux=sinks), want)
     with pytest.raises(TypeError, match="learnable_sink or s_aux, not both"):
         fa.flash_attn_func(q, k, v, learnable_sink=sinks, s_aux=sinks)
