@@ -971,6 +971,7 @@ def flash_attn_with_kvcache(
         raise TypeError("cache_seqlens is needed with k and v: it says where they are written")
     seen = _per_row("cache_seqlens", cache_seqlens, batch, capacity)
     start = _per_row("cache_leftpad", cache_leftpad, batch, 0)
+    rows = list(range(batch))
     if cache_batch_idx is not None:
         rows = _per_row("cache_batch_idx", cache_batch_idx, batch, 0)
         if min(rows) < 0 or max(rows) >= k_cache.size(0):
@@ -1015,11 +1016,7 @@ def flash_attn_with_kvcache(
         q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         k = _rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
 
-    cache_rows = (
-        torch.arange(batch)
-        if cache_batch_idx is None
-        else torch.tensor(_per_row("cache_batch_idx", cache_batch_idx, batch, 0))
-    )
+    cache_rows = torch.tensor(rows, dtype=torch.long)
     if k is not None and v is not None and new:
         at = torch.tensor(seen)[:, None] + torch.arange(new)  # (B, new) positions in each row
         if paged:

@@ -612,9 +612,7 @@ def _attention_forward(
             f"{_layer(module)}: attention_mask must be a 4-d bool or float tensor, a "
             f"TransformersMask or None, got {type(attention_mask).__name__}"
         )
-    if isinstance(attention_mask, TransformersMask | Tensor) and not getattr(
-        attention_mask, "packed", False
-    ):
+    if isinstance(attention_mask, TransformersMask) and not attention_mask.packed:
         # transformers builds a packed mask only without a cache (training usually runs with
         # use_cache=True all the same); its flash-attention path reads the packing from the
         # positions whatever the mask, and so does this one.
