@@ -98,7 +98,7 @@ def _grid(n: int, seed: int) -> list[dict[str, Any]]:
     lens = [(1, 1), (1, 147), (113, 203), (128, 217), (113, 211), (108, 256), (256, 128), (3, 7)]
     lens += [(7, 3), (33, 33), (300, 300), (17, 64), (64, 17)]
     windows: list[tuple[int | None, int | None]] = [(-1, -1), (5, 3), (0, 0), (20, -1)]
-    windows += [(-1, 7), (None, -11), (4, -2), (-3, 9)]
+    windows += [(-1, 7), (None, -11), (4, -2), (-3, 9), (-5, None)]
     cases = []
     for _ in range(n):
         tq, tk = rng.choice(lens)
@@ -197,6 +197,18 @@ def test_positional_arguments_follow_flash_attn_order() -> None:
     out = fa.flash_attn_func(q, k, v, 0.0, 0.3, True, (2, -1), 1.5, slopes)
     want, _ = reference(q, k, v, scale=0.3, causal=True, window=(2, -1), softcap=1.5, slopes=slopes)
     assert_close(out, want)
+
+
+@pytest.mark.parametrize("window", [(-5, -1), (-5, None), (None, -6), (-1, 3), (2, -1)])
+@pytest.mark.parametrize(("tq", "tk"), [(3, 3), (4, 9), (9, 4)])
+def test_one_sided_windows(window: tuple[int | None, int | None], tq: int, tk: int) -> None:
+    """Windows bounded on one side only, negative bounds included, at lengths shorter than the
+    bound: rows without a key give 0, never an error."""
+    g = torch.Generator().manual_seed(tq * 10 + tk)
+    q = torch.randn(1, tq, 2, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, tk, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    want, _ = reference(q, k, v, window=window)
+    assert_close(fa.flash_attn_func(q, k, v, window_size=window), want)
 
 
 def test_sinks_join_the_softmax() -> None:

@@ -148,8 +148,9 @@ def _band_mask(lo: float, hi: float, q_len: int, kv_len: int) -> Mask | None:
         return None
     if lo == -math.inf and hi == 0:
         return causal()
-    # j - i' lies in [-(Tk - 1), Tq - 1]: a bound of Tk on the left (Tq on the right) is none.
-    right = max(q_len, int(-lo) if lo > -math.inf else 0) if hi == math.inf else int(hi)
+    # j - i' lies in [-(Tk - 1), Tq - 1]: a bound of Tk on the left (Tq on the right) is none;
+    # an unbounded side also reaches past the other bound, so the band is never empty.
+    right = max(q_len, int(lo)) if hi == math.inf else int(hi)
     left = max(kv_len, -right) if lo == -math.inf else int(-lo)
     return _sliding_window(left, right)
 
