@@ -86,7 +86,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._checks import dtype_str, shape_str
+from ._checks import check_bool, check_probability, dtype_str, shape_str
 from .attention import attention
 from .masks import EMPTY, FULL, PARTIAL, Geometry, Mask, band_visibility, causal, documents
 from .masks import sliding_window as _sliding_window
@@ -446,18 +446,6 @@ def _finish(out: Tensor, lse: Tensor | None, probs: Tensor | None, asked: bool) 
     return out, lse, probs
 
 
-def _check_dropout(dropout_p: object) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    return float(dropout_p)
-
-
-def _check_flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
-
-
 def flash_attn_func(
     q: Tensor,
     k: Tensor,
@@ -498,9 +486,9 @@ def flash_attn_func(
     k = _four_d("k", k, "(batch, seqlen_k, nheads_k, headdim)")
     v = _four_d("v", v, "(batch, seqlen_k, nheads_k, headdim_v)")
     lo, hi = _band(window_size, causal)
-    _check_flag("deterministic", deterministic)
-    asked = _check_flag("return_attn_probs", return_attn_probs)
-    p = _check_dropout(dropout_p)
+    check_bool("deterministic", deterministic)
+    asked = check_bool("return_attn_probs", return_attn_probs)
+    p = check_probability("dropout_p", dropout_p)
     batch, q_len, heads = q.shape[:3]
     kv_len = k.size(1)
     bias = None
@@ -713,9 +701,9 @@ def flash_attn_varlen_func(
             "must describe the same sequences"
         )
     lo, hi = _band(window_size, causal)
-    _check_flag("deterministic", deterministic)
-    asked = _check_flag("return_attn_probs", return_attn_probs)
-    p = _check_dropout(dropout_p)
+    check_bool("deterministic", deterministic)
+    asked = check_bool("return_attn_probs", return_attn_probs)
+    p = check_probability("dropout_p", dropout_p)
     bias = None
     if alibi_slopes is not None:
         slopes = _slopes(alibi_slopes, q.size(1), rows, q.dtype)
@@ -954,8 +942,8 @@ def flash_attn_with_kvcache(
     v_cache = _four_d("v_cache", v_cache, layout)
     batch, q_len = q.shape[:2]
     lo, hi = _band(window_size, causal)
-    want_lse = _check_flag("return_softmax_lse", return_softmax_lse)
-    _check_flag("rotary_interleaved", rotary_interleaved)
+    want_lse = check_bool("return_softmax_lse", return_softmax_lse)
+    check_bool("rotary_interleaved", rotary_interleaved)
     if paged:
         table = _check_block_table(block_table, batch).long()
         capacity = table.size(1) * k_cache.size(1)
