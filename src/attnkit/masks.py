@@ -40,7 +40,6 @@ queries, ``Tk`` keys.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -57,7 +56,15 @@ from ._blocks import (
     block_reduce,
     states_from,
 )
-from ._checks import check_broadcastable, check_int, check_lengths, dim_str, dtype_str, shape_str
+from ._checks import (
+    INT_MAX,
+    check_broadcastable,
+    check_int,
+    check_lengths,
+    dim_str,
+    dtype_str,
+    shape_str,
+)
 from ._dense_masks import (
     block_diagonal_mask,
     causal_mask,
@@ -381,9 +388,10 @@ def sliding_window(left: int, right: int = 0) -> Mask:
             [1, 1, 0, 0],
             [0, 1, 1, 0]], dtype=torch.int32)
     """
-    # Any int bound, negative ones included; only a band without a single key is an error.
-    left = check_int("left", left, minimum=-sys.maxsize)
-    right = check_int("right", right, minimum=-sys.maxsize)
+    # Either bound may be negative (a band that leaves out the diagonal), and a reach past every
+    # sequence is unbounded: it saturates. Only a band without a single key is an error.
+    left = check_int("left", left, minimum=-INT_MAX, saturate=True)
+    right = check_int("right", right, minimum=-INT_MAX, saturate=True)
     if left + right < 0:
         raise ValueError(
             f"sliding_window(left={left}, right={right}) holds no key: the band runs from "
@@ -412,8 +420,15 @@ def _document_rows(lengths: object) -> list[list[int]]:
         )
     nested = [isinstance(x, Sequence) and not isinstance(x, (str, bytes)) for x in lengths]
     if lengths and all(nested):
-        return [check_lengths(f"lengths[{b}]", row) for b, row in enumerate(lengths)]
-    return [check_lengths("lengths", lengths)]
+        rows = [
+            (f"lengths[{b}]", check_lengths(f"lengths[{b}]", row)) for b, row in enumerate(lengths)
+        ]
+    else:
+        rows = [("lengths", check_lengths("lengths", lengths))]
+    for name, row in rows:  # a row's documents end at the sum of their lengths: an int64 too
+        if sum(row) > INT_MAX:
+            raise ValueError(f"{name} must sum to at most 2**63 - 1 = {INT_MAX}, got {sum(row)}")
+    return [row for _, row in rows]
 
 
 def _on(t: Tensor, device: torch.device, cache: dict[torch.device, Tensor]) -> Tensor:
