@@ -297,8 +297,8 @@ class _Band(Mask):
     def block_states(
         self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
     ) -> Tensor:
-        qf, ql = block_edges(*q)
-        kf, kl = block_edges(*k)
+        qf, ql = block_edges(*q, device=geo.device)
+        kf, kl = block_edges(*k, device=geo.device)
         off = self._offset(geo)
         qf, ql = qf.unsqueeze(-1) + off, ql.unsqueeze(-1) + off
         # j - i' over the block runs from kf - ql (its minimum) to kl - qf (its maximum).
@@ -519,7 +519,7 @@ class _Documents(Mask):
         kmin, kmax = kmin.unsqueeze(-2), kmax.unsqueeze(-2)
         empty = ((qmax < kmin) | (kmax < qmin) | (qmax < 0)).all(0)
         full = ((qmin == qmax) & (kmin == kmax) & (qmin == kmin) & (qmin >= 0)).all(0)
-        return states_from(empty, full).cpu()
+        return states_from(empty, full)
 
 
 def documents(
@@ -585,11 +585,18 @@ class _KeyPadding(Mask):
     def __init__(self, lengths: Tensor | None, valid: Tensor | None, side: str) -> None:
         self.lengths, self.valid, self.side = lengths, valid, side
         self._devices: dict[torch.device, Tensor] = {}
+        self._read: list[int] | None = None
+
+    def _lengths_read(self) -> list[int]:
+        """The lengths as ints, read back once: every call describes and checks the mask."""
+        if self._read is None:
+            self._read = [] if self.lengths is None else self.lengths.tolist()
+        return self._read
 
     def describe(self) -> str:
         if self.lengths is not None:
             side = "" if self.side == "right" else ", side='left'"
-            return f"key_padding(lengths={self.lengths.tolist()}{side})"
+            return f"key_padding(lengths={self._lengths_read()}{side})"
         v = self.valid
         return f"key_padding(valid {shape_str(v.shape) if v is not None else '?'})"
 
@@ -610,7 +617,7 @@ class _KeyPadding(Mask):
                 f"Tk = {dim_str(geo.kv_len)}"
             )
         if self.lengths is not None and self.lengths.numel():
-            longest = int(self.lengths.max())
+            longest = max(self._lengths_read())
             if longest > geo.kv_len:
                 raise ValueError(
                     f"{name}: {self.describe()} has a length {longest} > Tk = {dim_str(geo.kv_len)}"
@@ -632,7 +639,7 @@ class _KeyPadding(Mask):
     ) -> Tensor:
         k0, k1, bk = k
         anys, alls = block_reduce(self.key_tile(geo, k0, k1), k0, k1, bk, 1)
-        states = states_from(~anys.any(0), alls.all(0)).cpu()  # (nk,)
+        states = states_from(~anys.any(0), alls.all(0))  # (nk,)
         return states.expand(len(range(*q)), -1)
 
     @property
@@ -680,9 +687,12 @@ def key_padding(
             )
         if lengths.numel() and bool((lengths < 0).any()):
             raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
-        return _KeyPadding(lengths.long(), None, side)
+        # A copy: the lengths are read back once (see _KeyPadding), so they must not change.
+        return _KeyPadding(lengths.to(torch.long, copy=True), None, side)
     lens = check_lengths("lengths", lengths)
-    return _KeyPadding(torch.tensor(lens, dtype=torch.long), None, side)
+    mask = _KeyPadding(torch.tensor(lens, dtype=torch.long), None, side)
+    mask._read = lens
+    return mask
 
 
 # --------------------------------------------------------------------------------------------------
@@ -799,7 +809,7 @@ class _Dense(Mask):
         _, all_rows = block_reduce(t.all(0), q0, q1, bq, 0)
         anys, _ = block_reduce(any_rows, k0, k1, bk, 1)
         _, alls = block_reduce(all_rows, k0, k1, bk, 1)
-        return states_from(~anys, alls).cpu()
+        return states_from(~anys, alls)
 
     @property
     def keys_only(self) -> bool:
@@ -837,6 +847,7 @@ class _Combined(Mask):
         states = [p.block_states(geo, q, k) for p in self.parts]
         out = states[0]
         for s in states[1:]:
+            s = s.to(out.device)  # a mask of the user's may answer on another device
             out = torch.minimum(out, s) if self.op == "and" else torch.maximum(out, s)
         return out
 

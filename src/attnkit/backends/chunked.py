@@ -42,6 +42,8 @@ from .._kernel import (
     make_plan,
     no_autocast,
     sink_grad,
+    sizes,
+    small_scores,
     split_runs,
 )
 from ..masks import Geometry, Mask
@@ -107,6 +109,7 @@ class _Spec:
     has_sinks: bool
     n_term: int
     fused_rows: int | None
+    zero_offset: bool | None = None
 
 
 def _problem(
@@ -134,6 +137,7 @@ def _problem(
         term_inputs=term_inputs,
         careful=spec.careful,
         fused_rows=spec.fused_rows,
+        zero_offset=spec.zero_offset,
     )
 
 
@@ -262,8 +266,10 @@ def kernel_attention(
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
-    whether q, k and v hold only finite values, if the caller knows (None: find out).
-    ``return_lse``: also return the natural-log log-sum-exp ``(..., H, Tq)`` (differentiable)."""
+    whether q, k and v hold only finite values, if the caller knows (None: find out, in the same
+    host read as the sizes that tell whether the kernel may take offset 0 throughout, see
+    :func:`attnkit._kernel.sizes`). ``return_lse``: also return the natural-log log-sum-exp
+    ``(..., H, Tq)`` (differentiable)."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -272,7 +278,16 @@ def kernel_attention(
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k)
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
-    careful = not (finite(q, k, v) if is_finite is None else is_finite)
+    zero_offset = None  # asked by the kernel's forward
+    if is_finite is None:
+        is_finite = True
+        if q.numel() and k.numel() and v.numel():
+            work = torch.promote_types(q.dtype, torch.float32)
+            q_norm, k_norm, v_max = sizes(q, k, v, work).tolist()
+            is_finite = math.isfinite(q_norm + k_norm + v_max)
+            plain = is_finite and softcap is None and bias is None
+            zero_offset = plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
+    careful = not is_finite
     spec = _Spec(
         mask=mask,
         geo=geo,
@@ -286,6 +301,7 @@ def kernel_attention(
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
         fused_rows=fused_rows,
+        zero_offset=zero_offset,
     )
     out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs)
     return (out, lse) if return_lse else out
