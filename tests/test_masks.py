@@ -33,6 +33,36 @@ def test_structured_masks_equal_their_definition(
     assert torch.equal(got.expand(b, h, tq, tk), s.dense), s.label
 
 
+@given(
+    tq=st.integers(0, 9),
+    tk=st.integers(0, 9),
+    left=st.integers(-6, 9),
+    right=st.integers(-6, 9),
+)
+def test_sliding_window_with_negative_bounds(tq: int, tk: int, left: int, right: int) -> None:
+    """A band that leaves out the diagonal (flash-attn 4's negative window bounds): the mask and
+    its block plan agree with the definition."""
+    if left + right < 0:
+        with pytest.raises(ValueError, match="holds no key"):
+            masks.sliding_window(left, right)
+        return
+    want = torch.tensor(
+        [[-left <= j - (i + tk - tq) <= right for j in range(tk)] for i in range(tq)],
+        dtype=torch.bool,
+    ).reshape(tq, tk)
+    m = masks.sliding_window(left, right)
+    assert torch.equal(m.dense(tq, tk)[0, 0], want)
+    if tq and tk:
+        geo = Geometry((1,), 1, tq, tk, torch.device("cpu"))
+        states = m.block_states(geo, (0, tq, 2), (0, tk, 3))
+        for bi, qs in enumerate(range(0, tq, 2)):
+            for bj, ks in enumerate(range(0, tk, 3)):
+                block = want[qs : qs + 2, ks : ks + 3]
+                state = int(states[bi, bj])
+                assert state != masks.EMPTY or not block.any()
+                assert state != masks.FULL or block.all()
+
+
 @given(shape=shapes, block=st.tuples(st.integers(1, 5), st.integers(1, 5)), data=st.data())
 def test_block_states_and_rows_are_sound(
     shape: tuple[int, int, int, int], block: tuple[int, int], data: st.DataObject
@@ -126,8 +156,16 @@ STRUCTURED_BAD = [
         TypeError,
         "ids must be an integer tensor (Tk,) or (B, Tk), got torch.float32",
     ),
-    (lambda: masks.sliding_window(-1), ValueError, "left must be >= 0, got -1"),
-    (lambda: masks.sliding_window(2, right=-3), ValueError, "right must be >= 0, got -3"),
+    (
+        lambda: masks.sliding_window(-1),
+        ValueError,
+        "sliding_window(left=-1, right=0) holds no key: the band runs from 1 to 0",
+    ),
+    (
+        lambda: masks.sliding_window(2, right=-3),
+        ValueError,
+        "sliding_window(left=2, right=-3) holds no key: the band runs from -2 to -3",
+    ),
     (lambda: masks.sliding_window(2.5), TypeError, "left must be an int, got 2.5"),
     (
         lambda: masks.causal(align="top"),

@@ -366,8 +366,11 @@ def sliding_window(left: int, right: int = 0) -> Mask:
     ``i' - left <= j <= i' + right``.
 
     ``right=0`` (the default) is causal local attention over ``left + 1`` keys, as in Mistral;
-    ``left`` and ``right`` both > 0 is the limited context of streaming speech encoders. Blocks
-    outside the band are never computed, so time grows linearly with ``T`` and memory does not.
+    ``left`` and ``right`` both > 0 is the limited context of streaming speech encoders. Either
+    bound may be negative, for a band that leaves out the diagonal (``right=-1``: strictly earlier
+    keys, as flash-attn 4's negative window bounds); a band with no key (``left + right < 0``) is
+    refused. Blocks outside the band are never computed, so time grows linearly with ``T`` and
+    memory does not.
 
     >>> sliding_window(2).dense(5)[0, 0].int()
     tensor([[1, 0, 0, 0, 0],
@@ -379,12 +382,22 @@ def sliding_window(left: int, right: int = 0) -> Mask:
     tensor([[0, 1, 1, 1, 0],
             [0, 0, 1, 1, 1],
             [0, 0, 0, 1, 1]], dtype=torch.int32)
+    >>> sliding_window(2, right=-1).dense(4)[0, 0].int()     # the two keys before the diagonal
+    tensor([[0, 0, 0, 0],
+            [1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 1, 1, 0]], dtype=torch.int32)
     """
-    # A reach past every sequence is unbounded: it saturates.
-    return _Window(
-        check_int("left", left, minimum=0, saturate=True),
-        check_int("right", right, minimum=0, saturate=True),
-    )
+    # Either bound may be negative (a band that leaves out the diagonal), and a reach past every
+    # sequence is unbounded: it saturates. Only a band without a single key is an error.
+    left = check_int("left", left, minimum=-INT_MAX, saturate=True)
+    right = check_int("right", right, minimum=-INT_MAX, saturate=True)
+    if left + right < 0:
+        raise ValueError(
+            f"sliding_window(left={left}, right={right}) holds no key: the band runs from "
+            f"{-left} to {right} keys from the diagonal (left + right must be >= 0)"
+        )
+    return _Window(left, right)
 
 
 # --------------------------------------------------------------------------------------------------
