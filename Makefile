@@ -3,12 +3,17 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# An index to take torch from first, e.g. https://download.pytorch.org/whl/cpu for the CPU build
+# (pip's default torch on Linux is the multi-GB CUDA build). Empty: torch comes with the rest.
+TORCH_INDEX ?=
 
 .PHONY: demo test lint typecheck pytest docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "Creating $(VENV): torch, attnkit and its development tools (a few minutes, once)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet -c constraints.txt torch --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 

@@ -319,7 +319,8 @@ def test_missing_cli_extra_is_explained(
         main(["demo", *TINY])
     assert exit_.value.code == 2
     assert (
-        "needs tqdm: install the cli extra, pip install 'attnkit[cli]'" in capsys.readouterr().err
+        'needs tqdm: install the cli extra, pip install "attnkit[cli]" (or ".[cli]" from a '
+        "checkout)" in capsys.readouterr().err
     )
 
 

@@ -624,7 +624,7 @@ def _require_cli_extra() -> None:
     if missing:
         raise RuntimeError(
             f"attnkit demo needs {', '.join(missing)}: install the cli extra, "
-            "pip install 'attnkit[cli]'"
+            'pip install "attnkit[cli]" (or ".[cli]" from a checkout)'
         )
 
 
