@@ -34,7 +34,8 @@ pytest: $(STAMP)
 
 # The site, built strictly: a broken cross-reference, a docstring that does not parse or a tutorial
 # step that raises fails the build. It runs the tutorial's code and draws the benchmark plots from
-# the JSON in docs/benchmarks/data/. Open site/index.html.
+# the JSON in docs/benchmarks/data/. Open site/index.html: the site works from disk (pages are
+# page.html files, search works offline, and the build fails on a link that leads to no file).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
