@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnkit import masks
-from attnkit.masks import _Geometry
+from attnkit.masks import Geometry
 
 from .strategies import structured_masks
 
@@ -144,9 +144,9 @@ def test_block_states_and_rows_are_sound(
     # said to need include every row that sees one of its keys: the kernel skips the rest.
     b, h, tq, tk = shape
     s = data.draw(structured_masks(b, h, tq, tk))
-    geo = _Geometry((b,), h, tq, tk, torch.device("cpu"))
+    geo = Geometry((b,), h, tq, tk, torch.device("cpu"))
     bq, bk = block
-    states = s.mask._states(geo, (0, tq, bq), (0, tk, bk))
+    states = s.mask.block_states(geo, (0, tq, bq), (0, tk, bk))
     assert states.shape == (len(range(0, tq, bq)), len(range(0, tk, bk)))
     for i, qs in enumerate(range(0, tq, bq)):
         for j, ks in enumerate(range(0, tk, bk)):
@@ -155,25 +155,25 @@ def test_block_states_and_rows_are_sound(
                 assert not tile.any(), (s.label, i, j)
             if states[i, j] == masks.FULL:
                 assert tile.all(), (s.label, i, j)
-            r0, r1 = s.mask._rows(geo, qs, min(qs + bq, tq), ks, min(ks + bk, tk))
+            r0, r1 = s.mask.visible_rows(geo, qs, min(qs + bq, tq), ks, min(ks + bk, tk))
             seen = tile.flatten(0, 1).any(0).any(-1).nonzero().flatten().tolist()
             assert all(r0 <= r < r1 for r in seen), (s.label, (r0, r1), seen)
 
 
 def test_states_are_not_all_partial() -> None:
     # The property above holds trivially if every block is PARTIAL: the structure must show.
-    geo = _Geometry((1,), 1, 8, 8, torch.device("cpu"))
+    geo = Geometry((1,), 1, 8, 8, torch.device("cpu"))
     grid = ((0, 8, 2), (0, 8, 2))
     # Causal: skipped above the diagonal, no mask work below it, a tile on it.
-    assert masks.causal()._states(geo, *grid).tolist() == [
+    assert masks.causal().block_states(geo, *grid).tolist() == [
         [1, 0, 0, 0],
         [2, 1, 0, 0],
         [2, 2, 1, 0],
         [2, 2, 2, 1],
     ]
-    docs = masks.documents([4, 4])._states(geo, *grid)
+    docs = masks.documents([4, 4]).block_states(geo, *grid)
     assert docs.tolist() == [[2, 2, 0, 0], [2, 2, 0, 0], [0, 0, 2, 2], [0, 0, 2, 2]]
-    padded = masks.key_padding([3])._states(geo, *grid)
+    padded = masks.key_padding([3]).block_states(geo, *grid)
     assert padded[0].tolist() == [2, 1, 0, 0]
 
 

@@ -38,7 +38,7 @@ _log = logging.getLogger("mkdocs.plugins.attnkit.rst_docstrings")
 # Modules documented besides those attnkit.__all__ reaches, with their members.
 EXTRA_PUBLIC = ("attnkit.testing",)
 # Modules whose docstring alone is on the reference pages (their members are reached elsewhere).
-MODULE_DOCS = ("attnkit.kernel.plan", "attnkit.kernel.softmax")
+MODULE_DOCS = ("attnkit._kernel.plan", "attnkit._kernel.softmax")
 
 _INLINE = re.compile(r":(?P<role>[a-z]+):`(?P<tilde>~?)(?P<target>[^`]+)`|``(?P<literal>[^`]+?)``")
 _RULE = re.compile(r"^\s*=+( +=+)+\s*$")
@@ -312,6 +312,8 @@ def _shadowed(obj: griffe.Object | griffe.Alias) -> griffe.Object | griffe.Alias
     while the sources (and griffe) see the module ``attnkit/attention.py`` under that name.
     """
     if obj.is_alias or not obj.is_module or obj.name not in obj.members:
+        return obj
+    if obj.members[obj.name].is_alias:  # ``import torch`` inside ``attnkit/interop/torch.py``
         return obj
     if not obj.members[obj.name].is_module:
         return obj.members[obj.name]

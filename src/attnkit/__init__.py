@@ -4,7 +4,7 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
-from . import backends, checkpoint, distributed, interop, kernel, masks, scores
+from . import backends, checkpoint, distributed, interop, masks, scores
 from ._call import AttentionCall
 from .attention import (
     Backend,
@@ -19,9 +19,10 @@ from .attention import (
 from .capture import AttentionMaps, capture_attention
 from .conformer import ConformerLayer
 from .feedforward import PositionwiseFeedForward
+from .interop.torch import from_torch_masks
 from .kv_cache import KVCache
 from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
-from .multihead import MultiHeadAttention, from_torch_masks
+from .multihead import MultiHeadAttention
 from .positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
@@ -61,7 +62,6 @@ __all__ = [
     "explain",
     "from_torch_masks",
     "interop",
-    "kernel",
     "masks",
     "register_backend",
     "relative_encoding",

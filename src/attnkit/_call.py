@@ -16,8 +16,8 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-from ._checks import _dtype_str, _require_tensor, check_broadcastable, check_probability, shape_str
-from .masks import Mask, _Dense, _Geometry, _visibility
+from ._checks import check_broadcastable, check_probability, dtype_str, require_tensor, shape_str
+from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 
 __all__ = ["AttentionCall", "check_attention_args"]
@@ -77,8 +77,8 @@ class AttentionCall:
         return (*self.batch_shape, self.num_heads, self.q_len, self.kv_len)
 
     @property
-    def geometry(self) -> _Geometry:
-        return _Geometry(self.batch_shape, self.num_heads, self.q_len, self.kv_len, self.device)
+    def geometry(self) -> Geometry:
+        return Geometry(self.batch_shape, self.num_heads, self.q_len, self.kv_len, self.device)
 
     def describe(self) -> str:
         """One line: ``q (2, 8, 128, 64), k (2, 2, 256, 64), v (...) float32 on cpu, causal``."""
@@ -87,7 +87,7 @@ class AttentionCall:
             f"q {shape_str((*b, self.num_heads, self.q_len, self.qk_dim))}, "
             f"k {shape_str((*b, self.num_kv_heads, self.kv_len, self.qk_dim))}, "
             f"v {shape_str((*b, self.num_kv_heads, self.kv_len, self.v_dim))} "
-            f"{_dtype_str(self.dtype)} on {self.device}"
+            f"{dtype_str(self.dtype)} on {self.device}"
         ]
         if self.mask_given is not None:
             parts.append(f"mask {self.mask_given}")
@@ -126,7 +126,7 @@ def _check_scale(scale: object, qk_dim: int, dtype: torch.dtype) -> float:
     if not math.isfinite(scale) or abs(scale) > limit:
         raise ValueError(
             f"scale must be finite and at most {limit:.3g} in magnitude (the largest "
-            f"{_dtype_str(work)}, in which the scores are computed), got {scale!r}"
+            f"{dtype_str(work)}, in which the scores are computed), got {scale!r}"
         )
     return float(scale)
 
@@ -155,9 +155,9 @@ def _check_bias_values(bias: Tensor) -> None:
 
 def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
     """Raise the error that says what is wrong with q, k and v (they failed the quick check)."""
-    q = _require_tensor("q", q)
-    k = _require_tensor("k", k)
-    v = _require_tensor("v", v)
+    q = require_tensor("q", q)
+    k = require_tensor("k", k)
+    v = require_tensor("v", v)
     if q.ndim < 3:
         raise ValueError(
             f"q must have shape (..., H, Tq, Dk) with 3 or more dims, got {q.ndim}-d "
@@ -195,12 +195,12 @@ def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(
-                f"{name} must be float16, bfloat16, float32 or float64, got {_dtype_str(t.dtype)}"
+                f"{name} must be float16, bfloat16, float32 or float64, got {dtype_str(t.dtype)}"
             )
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(
-            f"q, k and v must share a dtype, got q {_dtype_str(q.dtype)}, k {_dtype_str(k.dtype)}, "
-            f"v {_dtype_str(v.dtype)}"
+            f"q, k and v must share a dtype, got q {dtype_str(q.dtype)}, k {dtype_str(k.dtype)}, "
+            f"v {dtype_str(v.dtype)}"
         )
     if not q.device == k.device == v.device:
         raise ValueError(
@@ -259,17 +259,15 @@ def check_attention_args(
     mask_given = None
     if mask is not None:
         if isinstance(mask, Tensor):
-            from ._checks import check_mask
-
             check_mask("mask", mask, scores, legend)
             mask_shape = tuple(mask.shape)
             mask_given = shape_str(mask.shape)
             if mask.device != q.device:
                 raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
         elif isinstance(mask, Mask):
-            mask._check(_Geometry(batch, num_heads, q_len, kv_len, dev), "mask")
+            mask.check(Geometry(batch, num_heads, q_len, kv_len, dev), "mask")
             mask_given = repr(mask)
-            dense = [p.t for p in mask._parts if isinstance(p, _Dense)]
+            dense = [p.tensor for p in mask.parts if p.tensor is not None]
             for t in dense:
                 if t.device != q.device:
                     raise ValueError(f"mask holds a tensor on {t.device} but q is on {q.device}")
@@ -307,11 +305,11 @@ def check_attention_args(
             )
         if not bias.is_floating_point():
             hint = "; a boolean mask belongs in mask=" if bias.dtype == torch.bool else ""
-            raise TypeError(f"bias must be a float tensor, got {_dtype_str(bias.dtype)}{hint}")
+            raise TypeError(f"bias must be a float tensor, got {dtype_str(bias.dtype)}{hint}")
         if bias.dtype != q.dtype:
             raise TypeError(
-                f"bias must have the dtype of q ({_dtype_str(q.dtype)}), got "
-                f"{_dtype_str(bias.dtype)}; use bias.to(q.dtype)"
+                f"bias must have the dtype of q ({dtype_str(q.dtype)}), got "
+                f"{dtype_str(bias.dtype)}; use bias.to(q.dtype)"
             )
         check_broadcastable("bias", bias, scores, legend)
         if bias.device != q.device:
@@ -322,7 +320,7 @@ def check_attention_args(
 
     if sinks is not None:
         if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
-            got = _dtype_str(sinks.dtype) if isinstance(sinks, Tensor) else type(sinks).__name__
+            got = dtype_str(sinks.dtype) if isinstance(sinks, Tensor) else type(sinks).__name__
             raise TypeError(f"sinks must be a float tensor (H,) or None, got {got}")
         if tuple(sinks.shape) != (num_heads,):
             raise ValueError(
@@ -331,8 +329,8 @@ def check_attention_args(
             )
         if sinks.dtype != q.dtype:
             raise TypeError(
-                f"sinks must have the dtype of q ({_dtype_str(q.dtype)}), got "
-                f"{_dtype_str(sinks.dtype)}; use sinks.to(q.dtype)"
+                f"sinks must have the dtype of q ({dtype_str(q.dtype)}), got "
+                f"{dtype_str(sinks.dtype)}; use sinks.to(q.dtype)"
             )
         if sinks.device != q.device:
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
@@ -358,7 +356,7 @@ def check_attention_args(
         v_dim=vs[-1],
         dtype=dt,
         device=dev,
-        mask=_visibility(mask, causal),
+        mask=visibility(mask, causal),
         mask_given=mask_given,
         mask_shape=mask_shape,
         causal=causal,

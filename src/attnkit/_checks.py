@@ -9,13 +9,11 @@ without allocating it).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, TypeVar, cast
+from collections.abc import Sequence
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .masks import Mask
 
 _T = TypeVar("_T")
 
@@ -41,7 +39,7 @@ def shape_str(shape: tuple[int, ...] | torch.Size) -> str:
     return "(" + ", ".join(dim_str(s) for s in shape) + ")"
 
 
-def _dtype_str(dtype: torch.dtype) -> str:
+def dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -55,6 +53,13 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return cast(int, value)  # a SymInt stands for an int in the traced program
+
+
+def check_lengths(name: str, lengths: object) -> list[int]:
+    """A sequence of ints >= 0, each checked; a lone int is a TypeError naming ``name``."""
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(lengths).__name__}")
+    return [check_int(f"{name}[]", n, minimum=0) for n in lengths]
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -89,7 +94,7 @@ def present(value: _T | None, what: str) -> _T:
     return value
 
 
-def _require_tensor(name: str, t: object) -> Tensor:
+def require_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return t
@@ -97,40 +102,10 @@ def _require_tensor(name: str, t: object) -> Tensor:
 
 def check_float_tensor(name: str, t: object) -> Tensor:
     """``t`` if it is a floating-point tensor, else TypeError naming ``name``."""
-    t = _require_tensor(name, t)
+    t = require_tensor(name, t)
     if not t.is_floating_point():
-        raise TypeError(f"{name} must be a float tensor, got {_dtype_str(t.dtype)}")
+        raise TypeError(f"{name} must be a float tensor, got {dtype_str(t.dtype)}")
     return t
-
-
-def check_mask(
-    name: str, mask: object, target: tuple[int, ...], legend: str = "(B, H, Tq, Tk)"
-) -> Tensor | Mask:
-    """``mask`` if it is a structured :class:`~attnkit.masks.Mask` that fits a call with scores
-    ``target``, or a bool tensor that broadcasts to ``target``; else TypeError/ValueError.
-
-    ``name`` is the argument as the caller knows it (``memory_mask``, ``src_mask``, ...).
-    """
-    from .masks import Mask, _Geometry
-
-    if isinstance(mask, Mask):
-        *batch, heads, q_len, kv_len = target
-        mask._check(_Geometry(tuple(batch), heads, q_len, kv_len, torch.device("cpu")), name)
-        return mask
-    if not isinstance(mask, Tensor):
-        raise TypeError(
-            f"{name} must be a bool tensor or an attnkit.masks.Mask, got {type(mask).__name__}"
-        )
-    if mask.dtype != torch.bool:
-        hint = (
-            "; a float tensor of additive scores belongs in bias= (mask is boolean, "
-            "True = may attend)"
-            if mask.is_floating_point()
-            else "; convert it with mask.bool() (True = may attend)"
-        )
-        raise TypeError(f"{name} must be a bool tensor, got {_dtype_str(mask.dtype)}{hint}")
-    check_broadcastable(name, mask, target, legend)
-    return mask
 
 
 def check_input(
@@ -163,8 +138,8 @@ def check_like_parameters(name: str, t: Tensor, params: Tensor) -> None:
     device = t.device.type
     if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
         raise TypeError(
-            f"{name} is {_dtype_str(t.dtype)} but the module's parameters are "
-            f"{_dtype_str(params.dtype)}: convert one of them (module.to(dtype)), or run "
+            f"{name} is {dtype_str(t.dtype)} but the module's parameters are "
+            f"{dtype_str(params.dtype)}: convert one of them (module.to(dtype)), or run "
             "under torch.autocast"
         )
 

@@ -309,9 +309,10 @@ class ConformerLayer(nn.Module):
         if mask is None:
             return None
         b, t = x.shape[:2]
-        if isinstance(mask, masks._KeyPadding):
-            mask._check(masks._Geometry((b,), 1, t, t, x.device), "mask")
-            return mask._keys(masks._Geometry((b,), 1, t, t, x.device), 0, t).expand(b, t)
+        if isinstance(mask, Mask) and mask.keys_only and mask.tensor is None:
+            geo = masks.Geometry((b,), 1, t, t, x.device)
+            mask.check(geo, "mask")
+            return mask.key_tile(geo, 0, t).expand(b, t)
         if isinstance(mask, Mask):
             raise TypeError(
                 f"mask must say which frames are real (a padding mask or masks.key_padding), got "

@@ -34,7 +34,6 @@ from ._checks import (
     check_bool,
     check_input,
     check_int,
-    check_mask,
     check_positive,
     check_probability,
     present,
@@ -43,7 +42,7 @@ from ._checks import (
 from ._typing import Bool, Float, shape_checked
 from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
-from .masks import Mask
+from .masks import Mask, check_mask
 from .multihead import MultiHeadAttention
 
 __all__ = ["Transformer", "TransformerDecoderLayer", "TransformerEncoderLayer"]

@@ -41,20 +41,42 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from ._checks import check_int, dim_str, shape_str
-from ._typing import Bool, Int, shape_checked
+from ._blocks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    Geometry,
+    band_visibility,
+    block_edges,
+    block_reduce,
+    states_from,
+)
+from ._checks import check_broadcastable, check_int, check_lengths, dim_str, dtype_str, shape_str
+from ._dense_masks import (
+    block_diagonal_mask,
+    causal_mask,
+    combine_masks,
+    padding_mask,
+    sliding_window_mask,
+)
+from ._typing import Bool, Int
 
 __all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "Geometry",
     "Mask",
+    "band_visibility",
     "block_diagonal_mask",
     "causal",
     "causal_mask",
+    "check_mask",
     "combine_masks",
     "documents",
     "from_fn",
@@ -62,59 +84,8 @@ __all__ = [
     "padding_mask",
     "sliding_window",
     "sliding_window_mask",
+    "visibility",
 ]
-
-# Block states of a block plan: no pair may attend, some may, all may.
-EMPTY, PARTIAL, FULL = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """The call a mask is asked about: batch dims ``batch_shape`` (structured masks see them
-    flattened to ``batch`` rows), ``heads`` query heads, ``q_len`` queries and ``kv_len`` keys, on
-    ``device``. Block and tile positions are always in these coordinates (ring attention's shards
-    pass their global positions)."""
-
-    batch_shape: tuple[int, ...]
-    heads: int
-    q_len: int
-    kv_len: int
-    device: torch.device
-
-    @property
-    def batch(self) -> int:
-        return math.prod(self.batch_shape)
-
-    @property
-    def shift(self) -> int:
-        """``Tk - Tq``: query ``i`` sits at key position ``i + shift`` (bottom-right)."""
-        return self.kv_len - self.q_len
-
-
-def _edges(start: int, stop: int, block: int) -> tuple[Tensor, Tensor]:
-    """First and last (inclusive) positions of the blocks of ``block`` in ``[start, stop)``."""
-    first = torch.arange(start, stop, block)
-    last = torch.clamp(first + block - 1, max=stop - 1)
-    return first, last
-
-
-def _states_from(empty: Tensor, full: Tensor) -> Tensor:
-    return torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.uint8)
-
-
-def _block_reduce(t: Tensor, start: int, stop: int, block: int, dim: int) -> tuple[Tensor, Tensor]:
-    """``(any, all)`` of the bool tensor ``t`` over the blocks of ``[start, stop)`` along ``dim``
-    (size ``stop - start`` there, or 1 to broadcast)."""
-    n = -(-(stop - start) // block)
-    if t.size(dim) == 1:
-        shape = list(t.shape)
-        shape[dim] = n
-        return t.expand(shape), t.expand(shape)
-    pad = n * block - (stop - start)
-    t = t.movedim(dim, -1)
-    anys = torch.nn.functional.pad(t, (0, pad), value=False).unflatten(-1, (n, block)).any(-1)
-    alls = torch.nn.functional.pad(t, (0, pad), value=True).unflatten(-1, (n, block)).all(-1)
-    return anys.movedim(-1, dim), alls.movedim(-1, dim)
 
 
 class Mask:
@@ -122,10 +93,24 @@ class Mask:
     matrix. Build one with :func:`causal`, :func:`sliding_window`, :func:`documents`,
     :func:`key_padding` or :func:`from_fn`; combine with ``&`` and ``|`` (bool tensors work on
     either side). Pass it as ``mask=`` to :func:`attnkit.attention` or to any attnkit module.
-    """
 
-    # ----------------------------------------------------------------------------------------------
-    # Public
+    **The mask protocol.** What a backend may ask of a mask, each question about a call described
+    by a :class:`Geometry` (positions are the call's, bottom-right aligned where that matters):
+
+    * :meth:`tile` (required): the bool visibility of a rectangle of the scores;
+    * :meth:`block_states`: ``EMPTY``/``PARTIAL``/``FULL`` for a grid of blocks (the default asks
+      :meth:`tile`, tile by tile; masks with structure answer from it);
+    * :meth:`visible_rows`, :meth:`distances`, :attr:`keys_only`, :meth:`key_tile`: bounds that
+      let a kernel skip work (the defaults bound nothing);
+    * :attr:`band`, :meth:`document_starts`, :attr:`tensor`, :attr:`parts` and :attr:`op`: what
+      the mask is, for backends that serve some kinds natively (torch's ``is_causal``, one call
+      per document);
+    * :meth:`check` and :meth:`describe`: validation and the one-line description.
+
+    A subclass implements :meth:`tile` and :meth:`describe`, and may answer the others; every
+    backend then serves it. Answers must be sound: a block said ``EMPTY`` must have no visible
+    pair, one said ``FULL`` no hidden pair (``PARTIAL`` is always safe).
+    """
 
     def __and__(self, other: object) -> Mask:
         return _combine("and", self, other)
@@ -152,66 +137,110 @@ class Mask:
         does not depend on it). ``kv_len`` defaults to ``q_len``."""
         q_len = check_int("q_len", q_len, minimum=0)
         kv_len = q_len if kv_len is None else check_int("kv_len", kv_len, minimum=0)
-        geo = _Geometry(
+        geo = Geometry(
             (check_int("batch_size", batch_size),),
             check_int("num_heads", num_heads),
             q_len,
             kv_len,
             torch.device("cpu") if device is None else torch.device(device),
         )
-        self._check(geo, "mask")
-        return self._tile(geo, 0, q_len, 0, kv_len).expand(-1, -1, q_len, kv_len)
+        self.check(geo, "mask")
+        return self.tile(geo, 0, q_len, 0, kv_len).expand(-1, -1, q_len, kv_len)
 
     def __repr__(self) -> str:
-        return self._describe()
+        return self.describe()
 
     # ----------------------------------------------------------------------------------------------
-    # What the kernel asks (every subclass implements _describe, _tile and, for speed, _states)
+    # The protocol
 
-    def _describe(self) -> str:
-        raise NotImplementedError
+    def describe(self) -> str:
+        """One line that names the mask, as ``repr()`` prints it. Reads no tensor data."""
+        return type(self).__name__
 
-    def _check(self, geo: _Geometry, name: str) -> None:
+    def check(self, geo: Geometry, name: str) -> None:
         """Raise ``ValueError``/``TypeError`` naming ``name`` if the mask does not fit the call."""
 
-    def _tile(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
-        """Bool ``(B|1, H|1, qe-qs|1, ke-ks|1)``: may queries ``qs:qe`` attend keys ``ks:ke``."""
-        raise NotImplementedError
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+        """Bool ``(B|1, H|1, qe-qs|1, ke-ks|1)`` on ``geo.device``: may queries ``qs:qe`` attend
+        keys ``ks:ke`` (True = may attend)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement Mask.tile()")
 
-    def _states(self, geo: _Geometry, q: tuple[int, int, int], k: tuple[int, int, int]) -> Tensor:
-        """uint8 ``(nq, nk)`` on the CPU: EMPTY, PARTIAL or FULL for each block of the grid.
+    def block_states(
+        self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
+    ) -> Tensor:
+        """uint8 ``(nq, nk)``: ``EMPTY``, ``PARTIAL`` or ``FULL`` for each block of the grid.
 
         ``q = (start, stop, block)`` cuts the queries ``[start, stop)`` into blocks of ``block``
         rows; ``k`` likewise the keys. The default evaluates the whole grid tile by tile; masks
-        with structure answer from it.
+        with structure answer from it. The answer may stay on ``geo.device``: the caller reads it
+        once per plan.
         """
         return _states_by_tiles(self, geo, q, k)
 
-    def _rows(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> tuple[int, int]:
+    def visible_rows(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> tuple[int, int]:
         """Rows ``r0:r1`` (relative to ``qs``) outside which no query of ``qs:qe`` sees a key of
         ``ks:ke``. Masks that cannot tell cheaply answer all rows."""
         return 0, qe - qs
 
-    def _distances(self, geo: _Geometry) -> tuple[float, float]:
+    def distances(self, geo: Geometry) -> tuple[float, float]:
         """Bounds on ``j - i'`` (key position minus the query's bottom-right position) over every
         visible pair; infinite where the mask does not bound it."""
         return -math.inf, math.inf
 
     @property
-    def _keys_only(self) -> bool:
+    def keys_only(self) -> bool:
         """True when visibility depends on the key (and batch row) only, never on the query."""
         return False
 
     @property
-    def _parts(self) -> tuple[Mask, ...]:
+    def positional(self) -> bool:
+        """True when visibility is a function of the positions alone (no tensor of the call's
+        lengths): it can then be evaluated at any positions, e.g. a shard's global ones."""
+        return False
+
+    def key_tile(self, geo: Geometry, ks: int, ke: int) -> Tensor:
+        """Bool ``(B|1, ke-ks)``: which keys ``ks:ke`` are visible, for a :attr:`keys_only` mask
+        (every head and query sees the same keys)."""
+        if not self.keys_only:
+            raise ValueError(f"{self.describe()} depends on the query: it has no key tile")
+        t = self.tile(geo, 0, min(1, geo.q_len), ks, ke)
+        return t.any(1).any(1) if t.size(-2) else t[:, 0, 0]
+
+    @property
+    def band(self) -> tuple[float, float, str] | None:
+        """``(lo, hi, align)`` when the mask is exactly a band around the diagonal: query ``i``
+        may attend key ``j`` iff ``lo <= j - (i + offset) <= hi`` with ``offset = Tk - Tq``
+        (``align="bottom_right"``) or 0 (``"top_left"``). :func:`causal` is ``(-inf, 0)``."""
+        return None
+
+    def document_starts(self) -> list[list[int]] | None:
+        """For packed documents whose positions are contiguous runs: per batch row (one row when
+        all rows share them) the positions where a document starts, then ``Tk``. None for any
+        other mask."""
+        return None
+
+    @property
+    def tensor(self) -> Tensor | None:
+        """The bool tensor a dense mask wraps, as given; None for structured masks."""
+        return None
+
+    @property
+    def op(self) -> str | None:
+        """``"and"`` or ``"or"`` for a combination of masks (see :attr:`parts`), else None."""
+        return None
+
+    @property
+    def parts(self) -> tuple[Mask, ...]:
+        """The masks a combination joins with :attr:`op`; ``(self,)`` for any other mask."""
         return (self,)
 
 
 def _states_by_tiles(
-    mask: Mask, geo: _Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
+    mask: Mask, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
 ) -> Tensor:
     """Block states from the mask's own tiles, one query block at a time and in strips of keys, so
-    the evaluation holds about 4M elements at most whatever ``Tq`` and ``Tk`` are."""
+    the evaluation holds about 4M elements at most whatever ``Tq`` and ``Tk`` are. The states stay
+    on the mask's device until the caller reads them."""
     (q0, q1, bq), (k0, k1, bk) = q, k
     width = max(1, (1 << 22) // max(1, geo.batch * geo.heads * bq) // bk) * bk
     rows = []
@@ -220,11 +249,11 @@ def _states_by_tiles(
         strips = []
         for ks in range(k0, k1, width):
             ke = min(ks + width, k1)
-            t = mask._tile(geo, qs, qe, ks, ke).flatten(0, 2)  # (B*H*rows | 1, keys | 1)
-            anys, _ = _block_reduce(t.any(0, keepdim=True), ks, ke, bk, 1)
-            _, alls = _block_reduce(t.all(0, keepdim=True), ks, ke, bk, 1)
-            strips.append(_states_from(~anys[0], alls[0]))
-        rows.append(torch.cat(strips).cpu() if strips else torch.zeros(0, dtype=torch.uint8))
+            t = mask.tile(geo, qs, qe, ks, ke).flatten(0, 2)  # (B*H*rows | 1, keys | 1)
+            anys, _ = block_reduce(t.any(0, keepdim=True), ks, ke, bk, 1)
+            _, alls = block_reduce(t.all(0, keepdim=True), ks, ke, bk, 1)
+            strips.append(states_from(~anys[0], alls[0]))
+        rows.append(torch.cat(strips) if strips else torch.zeros(0, dtype=torch.uint8))
     if not rows:
         return torch.zeros(0, len(range(k0, k1, bk)), dtype=torch.uint8)
     return torch.stack(rows)
@@ -241,29 +270,36 @@ class _Band(Mask):
     def __init__(self, lo: float, hi: float, align: str) -> None:
         self.lo, self.hi, self.align = lo, hi, align
 
-    def _offset(self, geo: _Geometry) -> int:
+    def _offset(self, geo: Geometry) -> int:
         return geo.shift if self.align == "bottom_right" else 0
 
-    def _tile(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
         i = torch.arange(qs, qe, device=geo.device).unsqueeze(-1) + self._offset(geo)
-        d = torch.arange(ks, ke, device=geo.device) - i  # (rows, keys): j - i'
-        vis = d <= self.hi if self.hi < math.inf else torch.ones_like(d, dtype=torch.bool)
-        if self.lo > -math.inf:
-            vis = vis & (d >= self.lo)
-        return vis[None, None]
+        j = torch.arange(ks, ke, device=geo.device)
+        return band_visibility(i, j, self.lo, self.hi)[None, None]
 
-    def _states(self, geo: _Geometry, q: tuple[int, int, int], k: tuple[int, int, int]) -> Tensor:
-        qf, ql = _edges(*q)
-        kf, kl = _edges(*k)
+    @property
+    def band(self) -> tuple[float, float, str]:
+        return self.lo, self.hi, self.align
+
+    @property
+    def positional(self) -> bool:
+        return True
+
+    def block_states(
+        self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
+    ) -> Tensor:
+        qf, ql = block_edges(*q)
+        kf, kl = block_edges(*k)
         off = self._offset(geo)
         qf, ql = qf.unsqueeze(-1) + off, ql.unsqueeze(-1) + off
         # j - i' over the block runs from kf - ql (its minimum) to kl - qf (its maximum).
         dmin, dmax = kf - ql, kl - qf
         empty = (dmax < self.lo) | (dmin > self.hi)
         full = (dmin >= self.lo) & (dmax <= self.hi)
-        return _states_from(empty, full)
+        return states_from(empty, full)
 
-    def _rows(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> tuple[int, int]:
+    def visible_rows(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> tuple[int, int]:
         off = self._offset(geo)
         # Row i sees some key of ks:ke iff ks - hi <= i' and i' <= ke - 1 - lo.
         rows = qe - qs
@@ -271,7 +307,7 @@ class _Band(Mask):
         r1 = rows if self.lo == -math.inf else min(rows, int(ke - 1 - self.lo) - off - qs + 1)
         return r0, max(r0, r1)
 
-    def _distances(self, geo: _Geometry) -> tuple[float, float]:
+    def distances(self, geo: Geometry) -> tuple[float, float]:
         shift = self._offset(geo) - geo.shift  # top-left: i + 0 = i' - (Tk - Tq)
         return self.lo + shift, self.hi + shift
 
@@ -280,7 +316,7 @@ class _Causal(_Band):
     def __init__(self, align: str) -> None:
         super().__init__(-math.inf, 0, align)
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         return "causal()" if self.align == "bottom_right" else "causal(align='top_left')"
 
 
@@ -289,7 +325,7 @@ class _Window(_Band):
         super().__init__(-left, right, "bottom_right")
         self.left, self.right = left, right
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         return f"sliding_window(left={self.left}, right={self.right})"
 
 
@@ -359,8 +395,8 @@ def _document_rows(lengths: object) -> list[list[int]]:
         )
     nested = [isinstance(x, Sequence) and not isinstance(x, (str, bytes)) for x in lengths]
     if lengths and all(nested):
-        return [_lengths(f"lengths[{b}]", row) for b, row in enumerate(lengths)]
-    return [_lengths("lengths", lengths)]
+        return [check_lengths(f"lengths[{b}]", row) for b, row in enumerate(lengths)]
+    return [check_lengths("lengths", lengths)]
 
 
 def _on(t: Tensor, device: torch.device, cache: dict[torch.device, Tensor]) -> Tensor:
@@ -381,26 +417,26 @@ class _Documents(Mask):
         self.what = what
         self._devices: dict[torch.device, Tensor] = {}
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         return f"documents({self.what})"
 
-    def _check(self, geo: _Geometry, name: str) -> None:
+    def check(self, geo: Geometry, name: str) -> None:
         rows, length = self.ids.shape
         if length != geo.kv_len:
             raise ValueError(
-                f"{name}: {self._describe()} covers {length} positions but the call has "
+                f"{name}: {self.describe()} covers {length} positions but the call has "
                 f"Tk = {dim_str(geo.kv_len)} keys"
             )
         if rows not in (1, geo.batch):
             raise ValueError(
-                f"{name}: {self._describe()} describes {rows} batch rows but the call has "
+                f"{name}: {self.describe()} describes {rows} batch rows but the call has "
                 f"B = {geo.batch}"
             )
 
-    def _ids(self, geo: _Geometry) -> Tensor:
+    def _ids(self, geo: Geometry) -> Tensor:
         return _on(self.ids, geo.device, self._devices)
 
-    def _runs(self) -> list[list[int]] | None:
+    def document_starts(self) -> list[list[int]] | None:
         """Per row of ``ids`` the positions where a document starts, then ``Tk``; None when some
         document's positions are not one contiguous run. Computed once (one host read)."""
         if not hasattr(self, "_run_bounds"):
@@ -415,7 +451,7 @@ class _Documents(Mask):
             self._run_bounds: list[list[int]] | None = runs
         return self._run_bounds
 
-    def _q_ids(self, geo: _Geometry, qs: int, qe: int) -> Tensor:
+    def _q_ids(self, geo: Geometry, qs: int, qe: int) -> Tensor:
         """``(B|1, qe-qs)`` ids of queries ``qs:qe``; -1 (a document no key has) before key 0."""
         ids = self._ids(geo)
         lo, hi = qs + geo.shift, qe + geo.shift
@@ -424,12 +460,14 @@ class _Documents(Mask):
             out = torch.cat([out.new_full((out.size(0), min(hi, 0) - lo), -1), out], 1)
         return out
 
-    def _tile(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
         qi = self._q_ids(geo, qs, qe).unsqueeze(-1)  # (B|1, rows, 1)
         kj = self._ids(geo)[:, ks:ke].unsqueeze(-2)  # (B|1, 1, keys)
         return ((qi == kj) & (qi >= 0)).unsqueeze(1)  # (B|1, 1, rows, keys)
 
-    def _states(self, geo: _Geometry, q: tuple[int, int, int], k: tuple[int, int, int]) -> Tensor:
+    def block_states(
+        self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
+    ) -> Tensor:
         # Per block the range of ids: a block pair is empty when the ranges of its queries and
         # keys are disjoint, full when both hold one and the same id (sound for any ids).
         def ranges(ids: Tensor, start: int, stop: int, block: int) -> tuple[Tensor, Tensor]:
@@ -449,7 +487,7 @@ class _Documents(Mask):
         kmin, kmax = kmin.unsqueeze(-2), kmax.unsqueeze(-2)
         empty = ((qmax < kmin) | (kmax < qmin) | (qmax < 0)).all(0)
         full = ((qmin == qmax) & (kmin == kmax) & (qmin == kmin) & (qmin >= 0)).all(0)
-        return _states_from(empty, full).cpu()
+        return states_from(empty, full).cpu()
 
 
 def documents(
@@ -516,7 +554,7 @@ class _KeyPadding(Mask):
         self.lengths, self.valid, self.side = lengths, valid, side
         self._devices: dict[torch.device, Tensor] = {}
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         if self.lengths is not None:
             side = "" if self.side == "right" else ", side='left'"
             return f"key_padding(lengths={self.lengths.tolist()}{side})"
@@ -528,26 +566,25 @@ class _KeyPadding(Mask):
             return self.valid.size(0), self.valid.size(1)
         return len(self.lengths) if self.lengths is not None else 0, None
 
-    def _check(self, geo: _Geometry, name: str) -> None:
+    def check(self, geo: Geometry, name: str) -> None:
         rows, length = self._rows_and_len()
         if rows not in (1, geo.batch):
             raise ValueError(
-                f"{name}: {self._describe()} has {rows} batch rows but the call has B = {geo.batch}"
+                f"{name}: {self.describe()} has {rows} batch rows but the call has B = {geo.batch}"
             )
         if length is not None and length != geo.kv_len:
             raise ValueError(
-                f"{name}: {self._describe()} covers {length} keys but the call has "
+                f"{name}: {self.describe()} covers {length} keys but the call has "
                 f"Tk = {dim_str(geo.kv_len)}"
             )
         if self.lengths is not None and self.lengths.numel():
             longest = int(self.lengths.max())
             if longest > geo.kv_len:
                 raise ValueError(
-                    f"{name}: {self._describe()} has a length {longest} > Tk = "
-                    f"{dim_str(geo.kv_len)}"
+                    f"{name}: {self.describe()} has a length {longest} > Tk = {dim_str(geo.kv_len)}"
                 )
 
-    def _keys(self, geo: _Geometry, ks: int, ke: int) -> Tensor:
+    def key_tile(self, geo: Geometry, ks: int, ke: int) -> Tensor:
         """``(B|1, ke-ks)`` bool: which of the keys ``ks:ke`` are real."""
         if self.valid is not None:
             return _on(self.valid, geo.device, self._devices)[:, ks:ke]
@@ -555,17 +592,19 @@ class _KeyPadding(Mask):
         j = torch.arange(ks, ke, device=geo.device)
         return j < lengths if self.side == "right" else j >= geo.kv_len - lengths
 
-    def _tile(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
-        return self._keys(geo, ks, ke)[:, None, None, :]
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+        return self.key_tile(geo, ks, ke)[:, None, None, :]
 
-    def _states(self, geo: _Geometry, q: tuple[int, int, int], k: tuple[int, int, int]) -> Tensor:
+    def block_states(
+        self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
+    ) -> Tensor:
         k0, k1, bk = k
-        anys, alls = _block_reduce(self._keys(geo, k0, k1), k0, k1, bk, 1)
-        states = _states_from(~anys.any(0), alls.all(0)).cpu()  # (nk,)
+        anys, alls = block_reduce(self.key_tile(geo, k0, k1), k0, k1, bk, 1)
+        states = states_from(~anys.any(0), alls.all(0)).cpu()  # (nk,)
         return states.expand(len(range(*q)), -1)
 
     @property
-    def _keys_only(self) -> bool:
+    def keys_only(self) -> bool:
         return True
 
 
@@ -610,7 +649,7 @@ def key_padding(
         if lengths.numel() and bool((lengths < 0).any()):
             raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
         return _KeyPadding(lengths.long(), None, side)
-    lens = _lengths("lengths", lengths)
+    lens = check_lengths("lengths", lengths)
     return _KeyPadding(torch.tensor(lens, dtype=torch.long), None, side)
 
 
@@ -622,10 +661,10 @@ class _FromFn(Mask):
     def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> None:
         self.fn = fn
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         return f"from_fn({getattr(self.fn, '__name__', type(self.fn).__name__)})"
 
-    def _tile(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
         dev = geo.device
         b = torch.arange(geo.batch, device=dev).view(-1, 1, 1, 1)
         h = torch.arange(geo.heads, device=dev).view(1, -1, 1, 1)
@@ -636,18 +675,22 @@ class _FromFn(Mask):
         if not isinstance(out, Tensor) or out.dtype != torch.bool:
             got = f"{out.dtype}" if isinstance(out, Tensor) else type(out).__name__
             raise TypeError(
-                f"mask: {self._describe()} must return a bool tensor (True = may attend), got {got}"
+                f"mask: {self.describe()} must return a bool tensor (True = may attend), got {got}"
             )
         if out.ndim > 4 or any(
             s not in (1, w) for s, w in zip(reversed(out.shape), reversed(want), strict=False)
         ):
             raise ValueError(
-                f"mask: {self._describe()} returned shape {shape_str(out.shape)}, which does not "
+                f"mask: {self.describe()} returned shape {shape_str(out.shape)}, which does not "
                 f"broadcast to (B, H, Tq, Tk) = {shape_str(want)} for index tensors b "
                 f"{shape_str(b.shape)}, h {shape_str(h.shape)}, q_idx {shape_str(qi.shape)}, "
                 f"kv_idx {shape_str(kj.shape)}"
             )
         return out.reshape((1,) * (4 - out.ndim) + tuple(out.shape))
+
+    @property
+    def positional(self) -> bool:
+        return True
 
 
 def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Mask:
@@ -679,10 +722,14 @@ class _Dense(Mask):
     def __init__(self, t: Tensor) -> None:
         self.t = t
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         return f"tensor{shape_str(self.t.shape)}"
 
-    def _as4(self, geo: _Geometry) -> Tensor:
+    @property
+    def tensor(self) -> Tensor:
+        return self.t
+
+    def _as4(self, geo: Geometry) -> Tensor:
         """``(B|1, H|1, Tq|1, Tk|1)``: the call's batch dims flattened (expanded where needed)."""
         t = self.t
         nb = len(geo.batch_shape)
@@ -692,7 +739,7 @@ class _Dense(Mask):
             return t.reshape(1, *t.shape[nb:])
         return t.expand(*geo.batch_shape, *t.shape[nb:]).reshape(geo.batch, *t.shape[nb:])
 
-    def _check(self, geo: _Geometry, name: str) -> None:
+    def check(self, geo: Geometry, name: str) -> None:
         want = (*geo.batch_shape, geo.heads, geo.q_len, geo.kv_len)
         ok = self.t.ndim <= len(want) and all(
             s in (1, w) for s, w in zip(reversed(self.t.shape), reversed(want), strict=False)
@@ -703,7 +750,7 @@ class _Dense(Mask):
                 f"(..., H, Tq, Tk) = {shape_str(want)}"
             )
 
-    def _tile(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
         t = self._as4(geo)
         if t.size(-2) != 1:
             t = t[..., qs:qe, :]
@@ -711,17 +758,19 @@ class _Dense(Mask):
             t = t[..., ks:ke]
         return t
 
-    def _states(self, geo: _Geometry, q: tuple[int, int, int], k: tuple[int, int, int]) -> Tensor:
+    def block_states(
+        self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
+    ) -> Tensor:
         (q0, q1, bq), (k0, k1, bk) = q, k
-        t = self._tile(geo, q0, q1, k0, k1).flatten(0, 1)  # (BH|1, rows|1, keys|1)
-        any_rows, _ = _block_reduce(t.any(0), q0, q1, bq, 0)
-        _, all_rows = _block_reduce(t.all(0), q0, q1, bq, 0)
-        anys, _ = _block_reduce(any_rows, k0, k1, bk, 1)
-        _, alls = _block_reduce(all_rows, k0, k1, bk, 1)
-        return _states_from(~anys, alls).cpu()
+        t = self.tile(geo, q0, q1, k0, k1).flatten(0, 1)  # (BH|1, rows|1, keys|1)
+        any_rows, _ = block_reduce(t.any(0), q0, q1, bq, 0)
+        _, all_rows = block_reduce(t.all(0), q0, q1, bq, 0)
+        anys, _ = block_reduce(any_rows, k0, k1, bk, 1)
+        _, alls = block_reduce(all_rows, k0, k1, bk, 1)
+        return states_from(~anys, alls).cpu()
 
     @property
-    def _keys_only(self) -> bool:
+    def keys_only(self) -> bool:
         return self.t.ndim < 2 or self.t.size(-2) == 1
 
 
@@ -729,54 +778,64 @@ class _Combined(Mask):
     """``&`` (all parts) or ``|`` (any part) of several masks."""
 
     def __init__(self, op: str, parts: tuple[Mask, ...]) -> None:
-        self.op, self.parts = op, parts
+        self._op, self._members = op, parts
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         sep = " & " if self.op == "and" else " | "
         return sep.join(
-            f"({p._describe()})" if isinstance(p, _Combined) else p._describe() for p in self.parts
+            f"({p.describe()})" if isinstance(p, _Combined) else p.describe() for p in self.parts
         )
 
-    def _check(self, geo: _Geometry, name: str) -> None:
+    def check(self, geo: Geometry, name: str) -> None:
         for p in self.parts:
-            p._check(geo, name)
+            p.check(geo, name)
 
-    def _tile(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
-        out = self.parts[0]._tile(geo, qs, qe, ks, ke)
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+        out = self.parts[0].tile(geo, qs, qe, ks, ke)
         for p in self.parts[1:]:
-            t = p._tile(geo, qs, qe, ks, ke)
+            t = p.tile(geo, qs, qe, ks, ke)
             out = out & t if self.op == "and" else out | t
         return out
 
-    def _states(self, geo: _Geometry, q: tuple[int, int, int], k: tuple[int, int, int]) -> Tensor:
+    def block_states(
+        self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
+    ) -> Tensor:
         # EMPTY < PARTIAL < FULL: an AND is as visible as its least visible part, an OR as its most.
         # (A PARTIAL answer is always safe: the tile then decides.)
-        states = [p._states(geo, q, k) for p in self.parts]
+        states = [p.block_states(geo, q, k) for p in self.parts]
         out = states[0]
         for s in states[1:]:
             out = torch.minimum(out, s) if self.op == "and" else torch.maximum(out, s)
         return out
 
-    def _rows(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> tuple[int, int]:
-        spans = [p._rows(geo, qs, qe, ks, ke) for p in self.parts]
+    def visible_rows(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> tuple[int, int]:
+        spans = [p.visible_rows(geo, qs, qe, ks, ke) for p in self.parts]
         if self.op == "and":
             r0, r1 = max(s[0] for s in spans), min(s[1] for s in spans)
             return r0, max(r0, r1)
         return min(s[0] for s in spans), max(s[1] for s in spans)
 
-    def _distances(self, geo: _Geometry) -> tuple[float, float]:
-        spans = [p._distances(geo) for p in self.parts]
+    def distances(self, geo: Geometry) -> tuple[float, float]:
+        spans = [p.distances(geo) for p in self.parts]
         if self.op == "and":
             return max(s[0] for s in spans), min(s[1] for s in spans)
         return min(s[0] for s in spans), max(s[1] for s in spans)
 
     @property
-    def _keys_only(self) -> bool:
-        return all(p._keys_only for p in self.parts)
+    def keys_only(self) -> bool:
+        return all(p.keys_only for p in self.parts)
 
     @property
-    def _parts(self) -> tuple[Mask, ...]:
-        return self.parts
+    def positional(self) -> bool:
+        return all(p.positional for p in self.parts)
+
+    @property
+    def op(self) -> str:
+        return self._op
+
+    @property
+    def parts(self) -> tuple[Mask, ...]:
+        return self._members
 
 
 def _as_mask(x: object, side: str) -> Mask:
@@ -799,7 +858,7 @@ def _combine(op: str, a: object, b: object) -> Mask:
     return _Combined(op, tuple(parts))
 
 
-def _visibility(mask: Tensor | Mask | None, causal_flag: bool) -> Mask | None:
+def visibility(mask: Tensor | Mask | None, causal_flag: bool) -> Mask | None:
     """A call's ``mask`` and ``causal`` as one mask (None: every pair may attend)."""
     m = None if mask is None else _as_mask(mask, "given")
     if not causal_flag:
@@ -807,199 +866,29 @@ def _visibility(mask: Tensor | Mask | None, causal_flag: bool) -> Mask | None:
     return _Causal("bottom_right") if m is None else _Causal("bottom_right") & m
 
 
-# --------------------------------------------------------------------------------------------------
-# Dense helpers (bool tensors)
+def check_mask(
+    name: str, mask: object, target: tuple[int, ...], legend: str = "(B, H, Tq, Tk)"
+) -> Tensor | Mask:
+    """``mask`` if it is a structured :class:`~attnkit.masks.Mask` that fits a call with scores
+    ``target``, or a bool tensor that broadcasts to ``target``; else TypeError/ValueError.
 
-
-def _lengths(name: str, lengths: object) -> list[int]:
-    """A sequence of ints >= 0, each checked; a lone int is a TypeError naming ``name``."""
-    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(lengths).__name__}")
-    return [check_int(f"{name}[]", n, minimum=0) for n in lengths]
-
-
-def _offsets(q_len: int, kv_len: int | None, device: torch.device | str | None) -> Tensor:
-    """``d[i, j] = j - (i + Tk - Tq)``: a key's distance ahead of its bottom-right-aligned query."""
-    q_len = check_int("q_len", q_len, minimum=0)
-    kv_len = q_len if kv_len is None else check_int("kv_len", kv_len, minimum=0)
-    i = torch.arange(q_len, device=device).unsqueeze(-1)
-    j = torch.arange(kv_len, device=device)
-    return j - (i + kv_len - q_len)
-
-
-@shape_checked
-def causal_mask(
-    q_len: int, kv_len: int | None = None, *, device: torch.device | str | None = None
-) -> Bool[Tensor, "Tq Tk"]:
-    """Dense causal mask aligned bottom-right: query ``i`` may attend key ``j`` iff
-    ``j <= i + Tk - Tq`` (:func:`causal` without the ``(Tq, Tk)`` tensor).
-
-    ``kv_len`` defaults to ``q_len``. With ``Tq < Tk`` (new tokens after a cache) the last query
-    sees every key; with ``Tq > Tk`` the first ``Tq - Tk`` queries see nothing (and attend to
-    zeros).
-
-    >>> causal_mask(3).int()
-    tensor([[1, 0, 0],
-            [1, 1, 0],
-            [1, 1, 1]], dtype=torch.int32)
-    >>> causal_mask(3, 5).int()  # 3 new queries after 2 cached keys
-    tensor([[1, 1, 1, 0, 0],
-            [1, 1, 1, 1, 0],
-            [1, 1, 1, 1, 1]], dtype=torch.int32)
-    >>> causal_mask(4, 2).int()  # more queries than keys: the first two rows are empty
-    tensor([[0, 0],
-            [0, 0],
-            [1, 0],
-            [1, 1]], dtype=torch.int32)
+    ``name`` is the argument as the caller knows it (``memory_mask``, ``src_mask``, ...).
     """
-    return _offsets(q_len, kv_len, device) <= 0
-
-
-@shape_checked
-def sliding_window_mask(
-    q_len: int,
-    kv_len: int | None = None,
-    *,
-    left: int,
-    right: int = 0,
-    device: torch.device | str | None = None,
-) -> Bool[Tensor, "Tq Tk"]:
-    """Dense local attention: query ``i`` (at key position ``p = i + Tk - Tq``) may attend keys
-    ``p - left <= j <= p + right`` (:func:`sliding_window` without the ``(Tq, Tk)`` tensor).
-
-    ``right=0`` (the default) is causal local attention with a window of ``left + 1`` keys.
-
-    >>> sliding_window_mask(5, left=2).int()
-    tensor([[1, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0],
-            [1, 1, 1, 0, 0],
-            [0, 1, 1, 1, 0],
-            [0, 0, 1, 1, 1]], dtype=torch.int32)
-    >>> sliding_window_mask(3, 5, left=1, right=1).int()
-    tensor([[0, 1, 1, 1, 0],
-            [0, 0, 1, 1, 1],
-            [0, 0, 0, 1, 1]], dtype=torch.int32)
-    """
-    left = check_int("left", left, minimum=0)
-    right = check_int("right", right, minimum=0)
-    d = _offsets(q_len, kv_len, device)
-    return (d >= -left) & (d <= right)
-
-
-@shape_checked
-def padding_mask(
-    lengths: Int[Tensor, " B"] | Sequence[int],
-    max_len: int | None = None,
-    *,
-    side: str = "right",
-) -> Bool[Tensor, "B 1 1 T"]:
-    """Dense key padding mask from sequence lengths, shaped ``(B, 1, 1, T)`` to broadcast over
-    heads and queries. True marks the real tokens (:func:`key_padding` is the structured form).
-
-    ``side="right"`` means the padding follows the tokens, ``side="left"`` that it precedes them.
-    ``max_len`` defaults to the longest length.
-
-    >>> padding_mask([3, 1, 4])[:, 0, 0].int()
-    tensor([[1, 1, 1, 0],
-            [1, 0, 0, 0],
-            [1, 1, 1, 1]], dtype=torch.int32)
-    >>> padding_mask([3, 1], max_len=5, side="left")[:, 0, 0].int()
-    tensor([[0, 0, 1, 1, 1],
-            [0, 0, 0, 0, 1]], dtype=torch.int32)
-    """
-    if side not in ("right", "left"):
-        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
-    if isinstance(lengths, Tensor):
-        if lengths.ndim != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
-            raise TypeError(
-                f"lengths must be a 1-d integer tensor, got {lengths.dtype} of shape "
-                f"{tuple(lengths.shape)}"
-            )
-        lens = lengths
-    else:
-        lens = torch.as_tensor(_lengths("lengths", lengths), dtype=torch.long)
-    if lens.numel() and bool((lens < 0).any()):
-        raise ValueError(f"lengths must be >= 0, got {lens.tolist()}")
-    longest = int(lens.max()) if lens.numel() else 0
-    if max_len is None:
-        max_len = longest
-    elif check_int("max_len", max_len, minimum=0) < longest:
-        raise ValueError(f"max_len ({max_len}) is shorter than the longest length ({longest})")
-    pos = torch.arange(max_len, device=lens.device)
-    if side == "left":
-        pos = pos.flip(0)
-    return (pos < lens.unsqueeze(-1))[:, None, None, :]
-
-
-@shape_checked
-def block_diagonal_mask(
-    q_lens: Sequence[int],
-    kv_lens: Sequence[int] | None = None,
-    *,
-    device: torch.device | str | None = None,
-) -> Bool[Tensor, "Tq Tk"]:
-    """Dense mask for packed sequences: the queries of segment ``s`` may attend only the keys of
-    segment ``s`` (:func:`documents` is the structured form). ``kv_lens`` defaults to ``q_lens``;
-    both list the segment lengths in packing order.
-
-    For causal packed sequences, AND it with :func:`causal_mask` (with equal query and key
-    segments, the global causal mask is causal within every block).
-
-    >>> block_diagonal_mask([2, 3]).int()
-    tensor([[1, 1, 0, 0, 0],
-            [1, 1, 0, 0, 0],
-            [0, 0, 1, 1, 1],
-            [0, 0, 1, 1, 1],
-            [0, 0, 1, 1, 1]], dtype=torch.int32)
-    >>> combine_masks(block_diagonal_mask([2, 3]), causal_mask(5)).int()
-    tensor([[1, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0],
-            [0, 0, 1, 0, 0],
-            [0, 0, 1, 1, 0],
-            [0, 0, 1, 1, 1]], dtype=torch.int32)
-    """
-    q_lens = _lengths("q_lens", q_lens)
-    kv_lens = q_lens if kv_lens is None else _lengths("kv_lens", kv_lens)
-    if len(q_lens) != len(kv_lens):
-        raise ValueError(
-            f"q_lens and kv_lens must list as many segments, got {len(q_lens)} and {len(kv_lens)}"
+    if isinstance(mask, Mask):
+        *batch, heads, q_len, kv_len = target
+        mask.check(Geometry(tuple(batch), heads, q_len, kv_len, torch.device("cpu")), name)
+        return mask
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"{name} must be a bool tensor or an attnkit.masks.Mask, got {type(mask).__name__}"
         )
-    segments = torch.arange(len(q_lens), device=device)
-    q_seg = segments.repeat_interleave(torch.as_tensor(q_lens, dtype=torch.long, device=device))
-    kv_seg = segments.repeat_interleave(torch.as_tensor(kv_lens, dtype=torch.long, device=device))
-    return q_seg.unsqueeze(-1) == kv_seg
-
-
-def combine_masks(*masks: Tensor | None) -> Tensor | None:
-    """AND dense bool masks together, broadcasting; ``None`` (no mask) is skipped.
-
-    Returns ``None`` when every argument is ``None``. (Structured masks combine with ``&``.)
-
-    >>> combine_masks(causal_mask(3), None, padding_mask([2, 3])).int()[:, 0]
-    tensor([[[1, 0, 0],
-             [1, 1, 0],
-             [1, 1, 0]],
-    <BLANKLINE>
-            [[1, 0, 0],
-             [1, 1, 0],
-             [1, 1, 1]]], dtype=torch.int32)
-    """
-    out: Tensor | None = None
-    for i, m in enumerate(masks):
-        if m is None:
-            continue
-        if not isinstance(m, Tensor) or m.dtype != torch.bool:
-            got = m.dtype if isinstance(m, Tensor) else type(m).__name__
-            raise TypeError(f"combine_masks() takes bool tensors or None; argument {i} is {got}")
-        if out is None:
-            out = m
-            continue
-        try:
-            torch.broadcast_shapes(out.shape, m.shape)
-        except RuntimeError:
-            raise ValueError(
-                f"combine_masks(): argument {i} of shape {tuple(m.shape)} does not broadcast with "
-                f"the masks before it, of shape {tuple(out.shape)}"
-            ) from None
-        out = out & m
-    return out
+    if mask.dtype != torch.bool:
+        hint = (
+            "; a float tensor of additive scores belongs in bias= (mask is boolean, "
+            "True = may attend)"
+            if mask.is_floating_point()
+            else "; convert it with mask.bool() (True = may attend)"
+        )
+        raise TypeError(f"{name} must be a bool tensor, got {dtype_str(mask.dtype)}{hint}")
+    check_broadcastable(name, mask, target, legend)
+    return mask

@@ -39,7 +39,7 @@ from .kv_cache import KVCache
 from .masks import Mask
 from .scores import ScoreTerm
 
-__all__ = ["MultiHeadAttention", "from_torch_masks"]
+__all__ = ["MultiHeadAttention"]
 
 
 class MultiHeadAttention(nn.Module):
@@ -189,7 +189,7 @@ class MultiHeadAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """Xavier-uniform projections (each of q, k, v on its own fan), zero biases."""
-        for w in self._in_weights():
+        for w in self.in_weights():
             nn.init.xavier_uniform_(w)
         if self.in_proj_bias is not None:
             nn.init.zeros_(self.in_proj_bias)
@@ -197,7 +197,7 @@ class MultiHeadAttention(nn.Module):
         if self.out_proj.bias is not None:
             nn.init.zeros_(self.out_proj.bias)
 
-    def _in_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+    def in_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         """The query, key and value projection weights (views into ``in_proj_weight`` if packed)."""
         if self.in_proj_weight is not None:
             wq, wk, wv = self.in_proj_weight.split(self._sizes)
@@ -221,7 +221,7 @@ class MultiHeadAttention(nn.Module):
             # Self-attention: one GEMM, and q, k, v are column slices of its output (no copies).
             q, k, v = F.linear(query, w, b).split(self._sizes, dim=-1)
             return q, k, v
-        (wq, wk, wv), (bq, bk, bv) = self._in_weights(), self._in_biases()
+        (wq, wk, wv), (bq, bk, bv) = self.in_weights(), self._in_biases()
         if w is not None and value is key:
             # Cross-attention on one memory: keys and values in one GEMM.
             nq = self._sizes[0]
@@ -406,7 +406,7 @@ class MultiHeadAttention(nn.Module):
         """An empty :class:`~attnkit.KVCache` for this module: ``Hkv`` heads of ``Dh``/``Dhv``, in
         the parameters' dtype and on their device, for ``batch_size`` sequences of up to
         ``max_len`` tokens."""
-        w = self._in_weights()[1]
+        w = self.in_weights()[1]
         return KVCache(
             batch_size,
             max_len,
@@ -418,113 +418,22 @@ class MultiHeadAttention(nn.Module):
         )
 
     # ----------------------------------------------------------------------------------------------
-    # torch.nn.MultiheadAttention interop
+    # torch.nn.MultiheadAttention interop (attnkit.interop.torch)
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
-        """The equivalent of a ``torch.nn.MultiheadAttention``, with copies of its parameters.
+        """The equivalent of a ``torch.nn.MultiheadAttention``, with copies of its parameters:
+        :func:`attnkit.interop.torch.from_torch`."""
+        from .interop.torch import from_torch
 
-        Packed or separate projections, with or without bias, ``kdim``/``vdim`` and either
-        ``batch_first`` are supported; the result is batch-first whatever ``m.batch_first`` says.
-        ``add_bias_kv`` and ``add_zero_attn`` have no equivalent and raise ``ValueError``. Translate
-        torch's ``attn_mask``/``key_padding_mask`` with :func:`from_torch_masks`.
-
-        One difference: in training with dropout, torch returns the weights after dropout,
-        attnkit before.
-        """
-        if not isinstance(m, nn.MultiheadAttention):
-            raise TypeError(
-                f"from_torch() takes a torch.nn.MultiheadAttention, got {type(m).__name__}"
-            )
-        if m.bias_k is not None or m.bias_v is not None:
-            raise ValueError("from_torch(): add_bias_kv=True has no attnkit equivalent")
-        if m.add_zero_attn:
-            raise ValueError("from_torch(): add_zero_attn=True has no attnkit equivalent")
-        ref = m.out_proj.weight
-        new = cls(
-            m.embed_dim,
-            m.num_heads,
-            kdim=m.kdim,
-            vdim=m.vdim,
-            proj_bias=m.in_proj_bias is not None,
-            dropout=float(m.dropout),
-            device=ref.device,
-            dtype=ref.dtype,
-        )
-
-        def copy(name: str, ours: Tensor, theirs: Tensor) -> None:
-            # copy_ would broadcast a tensor of the wrong shape (one row into every row).
-            if theirs.shape != ours.shape:
-                raise ValueError(
-                    f"from_torch(): {name} has shape {shape_str(theirs.shape)}, expected "
-                    f"{shape_str(ours.shape)} for embed_dim={m.embed_dim}, "
-                    f"num_heads={m.num_heads}"
-                )
-            ours.copy_(theirs)
-
-        with torch.no_grad():
-            if m.in_proj_weight is not None and new.in_proj_weight is not None:
-                copy("in_proj_weight", new.in_proj_weight, m.in_proj_weight)
-            else:
-                for name, ours, theirs in zip(
-                    ("q_proj_weight", "k_proj_weight", "v_proj_weight"),
-                    new._in_weights(),
-                    (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight),
-                    strict=True,
-                ):
-                    copy(name, ours, theirs)
-            if new.in_proj_bias is not None:
-                copy("in_proj_bias", new.in_proj_bias, m.in_proj_bias)
-            new.out_proj.load_state_dict(m.out_proj.state_dict())
-        return new.train(m.training)
+        return from_torch(m)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """A ``torch.nn.MultiheadAttention`` with copies of these parameters.
+        """A ``torch.nn.MultiheadAttention`` with copies of these parameters:
+        :func:`attnkit.interop.torch.to_torch`."""
+        from .interop.torch import to_torch
 
-        Only plain multi-head attention has one: ``num_kv_heads == num_heads``, ``head_dim ==
-        v_head_dim == d_model / num_heads``, no ``rotary``.
-        """
-        plain = self.d_model // self.num_heads
-        problems = []
-        if self.num_kv_heads != self.num_heads:
-            problems.append(f"num_kv_heads ({self.num_kv_heads}) != num_heads ({self.num_heads})")
-        if self.head_dim * self.num_heads != self.d_model or self.v_head_dim != self.head_dim:
-            problems.append(
-                f"head_dim ({self.head_dim}) and v_head_dim ({self.v_head_dim}) must both be "
-                f"d_model / num_heads ({self.d_model} / {self.num_heads} = {plain})"
-            )
-        if self.rotary is not None:
-            problems.append("rotary embeddings are set")
-        if problems:
-            raise ValueError(
-                "to_torch(): torch.nn.MultiheadAttention has no equivalent: " + "; ".join(problems)
-            )
-        ref = self.out_proj.weight
-        m = nn.MultiheadAttention(
-            self.d_model,
-            self.num_heads,
-            dropout=self.dropout,
-            bias=self.in_proj_bias is not None,
-            kdim=self.kdim,
-            vdim=self.vdim,
-            batch_first=batch_first,
-            device=ref.device,
-            dtype=ref.dtype,
-        )
-        with torch.no_grad():
-            if m.in_proj_weight is not None and self.in_proj_weight is not None:
-                m.in_proj_weight.copy_(self.in_proj_weight)
-            else:
-                for theirs, ours in zip(
-                    (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight),
-                    self._in_weights(),
-                    strict=True,
-                ):
-                    theirs.copy_(ours)
-            if self.in_proj_bias is not None:
-                m.in_proj_bias.copy_(self.in_proj_bias)
-            m.out_proj.load_state_dict(self.out_proj.state_dict())
-        return m.train(self.training)
+        return to_torch(self, batch_first=batch_first)
 
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}"]
@@ -543,85 +452,3 @@ class MultiHeadAttention(nn.Module):
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)
-
-
-@shape_checked
-def from_torch_masks(
-    attn_mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    *,
-    num_heads: int,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[Bool[Tensor, "..."] | None, Float[Tensor, "..."] | None]:
-    """Translate ``torch.nn.MultiheadAttention``'s masks into attnkit's ``(mask, bias)``.
-
-    The rules are torch's: a bool mask means **True = may NOT attend** (the opposite of
-    attnkit's); a float mask is added to the scores (attnkit's ``bias``); any other dtype (an
-    integer or uint8 mask, which older torch read as bool) is a ``TypeError``, as torch raises
-    for it. Reading a 0/1 integer mask as a bias would add +1 to the keys it means to block.
-
-    Args:
-        attn_mask: ``(Tq, Tk)`` or ``(B*H, Tq, Tk)``, bool or float.
-        key_padding_mask: ``(B, Tk)``, bool (True = padding) or float.
-        num_heads: ``H``, to unfold a ``(B*H, Tq, Tk)`` mask into ``(B, H, Tq, Tk)``.
-        dtype: of the returned bias (the query's dtype), a floating-point dtype.
-
-    Returns:
-        ``(mask, bias)`` for ``MultiHeadAttention.forward(mask=..., bias=...)``, each broadcastable
-        to ``(B, H, Tq, Tk)`` or None.
-
-    >>> torch_pad = torch.tensor([[False, False, True]])      # torch: True = padding
-    >>> mask, bias = from_torch_masks(key_padding_mask=torch_pad, num_heads=4)
-    >>> mask.int(), bias
-    (tensor([[[[1, 1, 0]]]], dtype=torch.int32), None)
-    """
-    num_heads = check_int("num_heads", num_heads)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    masks: list[Tensor] = []
-    biases: list[Tensor] = []
-    if attn_mask is not None:
-        _check_torch_mask("attn_mask", attn_mask)
-        if attn_mask.ndim == 3:
-            if attn_mask.size(0) % num_heads:
-                raise ValueError(
-                    f"a 3-d attn_mask must be (B*H, Tq, Tk) with H = num_heads ({num_heads}), got "
-                    f"{shape_str(attn_mask.shape)}"
-                )
-            attn_mask = attn_mask.unflatten(0, (-1, num_heads))
-        elif attn_mask.ndim != 2:
-            raise ValueError(
-                f"attn_mask must be (Tq, Tk) or (B*H, Tq, Tk), got {shape_str(attn_mask.shape)}"
-            )
-        (masks if attn_mask.dtype == torch.bool else biases).append(attn_mask)
-    if key_padding_mask is not None:
-        _check_torch_mask("key_padding_mask", key_padding_mask)
-        if key_padding_mask.ndim != 2:
-            raise ValueError(
-                f"key_padding_mask must be (B, Tk), got {shape_str(key_padding_mask.shape)}"
-            )
-        kpm = key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk)
-        (masks if kpm.dtype == torch.bool else biases).append(kpm)
-    mask = None
-    for m in masks:
-        mask = ~m if mask is None else mask & ~m
-    bias = None
-    for b in biases:
-        bias = b.to(dtype) if bias is None else bias + b.to(dtype)
-    return mask, bias
-
-
-def _check_torch_mask(name: str, mask: object) -> None:
-    """Raise unless ``mask`` is a mask torch.nn.MultiheadAttention takes: a bool or float tensor."""
-    if not isinstance(mask, Tensor):
-        raise TypeError(
-            f"{name} must be a torch.Tensor (bool, True = may not attend; or float, added to the "
-            f"scores) or None, got {type(mask).__name__}"
-        )
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        dtype = str(mask.dtype).removeprefix("torch.")
-        raise TypeError(
-            f"{name} must be a bool tensor (True = may not attend) or a float tensor (added to "
-            f"the scores), as torch.nn.MultiheadAttention requires; got {dtype}. For a 0/1 "
-            f"mask where 1 means padding, pass {name}.bool()"
-        )

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import attention, kernel, masks
+from attnkit import _kernel as kernel
+from attnkit import attention, masks
+from attnkit._kernel import softmax
 from attnkit.backends import Chunked
-from attnkit.kernel import softmax
 from attnkit.testing import assert_close
 
 

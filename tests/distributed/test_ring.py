@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit import masks
+from attnkit._kernel import softmax
 from attnkit.distributed import RingBackend, ring_attention, shard_zigzag, unshard_zigzag
-from attnkit.kernel import softmax
 from attnkit.testing import assert_close
 
 from .harness import run_ranks

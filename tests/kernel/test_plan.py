@@ -6,8 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnkit.kernel import Plan, Run, make_plan, split_runs
-from attnkit.masks import _Geometry
+from attnkit._kernel import Plan, Run, make_plan, split_runs
+from attnkit.masks import Geometry
 
 from ..strategies import structured_masks
 
@@ -31,7 +31,7 @@ def test_plan_visits_the_blocks_with_a_visible_pair(
     # every row that sees it.
     b, h, tq, tk = shape
     s = data.draw(structured_masks(b, h, tq, tk))
-    geo = _Geometry((b,), h, tq, tk, torch.device("cpu"))
+    geo = Geometry((b,), h, tq, tk, torch.device("cpu"))
     q0, k0 = min(start[0], tq), min(start[1], tk)
     plan = make_plan(
         s.mask,
@@ -70,7 +70,7 @@ def test_documents_plan_with_keys_that_do_not_fill_their_last_block() -> None:
     # block of document 0 never visits a key block that holds only document 1.
     from attnkit.masks import documents
 
-    geo = _Geometry((1,), 1, 2, 2, torch.device("cpu"))
+    geo = Geometry((1,), 1, 2, 2, torch.device("cpu"))
     plan = make_plan(
         documents([1, 1]), geo, q_start=0, q_len=2, k_start=1, kv_len=1, block_q=1, block_k=2
     )
@@ -99,7 +99,7 @@ def test_runs_take_fully_visible_work_exactly_once(
     # marked fused (their results are merged with the run's, not written over it).
     b, tq, tk = shape
     s = data.draw(structured_masks(b, 1, tq, tk))
-    geo = _Geometry((b,), 1, tq, tk, torch.device("cpu"))
+    geo = Geometry((b,), 1, tq, tk, torch.device("cpu"))
     plan = make_plan(
         s.mask, geo, q_start=0, q_len=tq, k_start=0, kv_len=tk, block_q=block[0], block_k=block[1]
     )
@@ -133,7 +133,7 @@ def test_runs_take_fully_visible_work_exactly_once(
 def runs_of(mask: object, t: int, block: int, min_rows: int) -> tuple[Run, ...]:
     from attnkit import masks
 
-    geo = _Geometry((1,), 1, t, t, torch.device("cpu"))
+    geo = Geometry((1,), 1, t, t, torch.device("cpu"))
     m = None if mask is None else getattr(masks, str(mask))()
     plan: Plan = make_plan(
         m, geo, q_start=0, q_len=t, k_start=0, kv_len=t, block_q=block, block_k=block

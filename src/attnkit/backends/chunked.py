@@ -1,4 +1,4 @@
-"""The chunked backend: attnkit's kernel (:mod:`attnkit.kernel`) as an ``attention()`` backend.
+"""The chunked backend: attnkit's kernel (:mod:`attnkit._kernel`) as an ``attention()`` backend.
 
 Exact attention in O(T * block) memory, forward and backward, in plain PyTorch: structured masks
 skip the blocks they hide (a causal call does about half the work, a sliding window a fixed amount
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .._checks import check_int
-from ..kernel import (
+from .._kernel import (
     FUSED_ROWS,
     Plan,
     Problem,
@@ -44,7 +44,7 @@ from ..kernel import (
     sink_grad,
     split_runs,
 )
-from ..masks import Mask, _Geometry
+from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
 from .base import Backend
 
@@ -98,7 +98,7 @@ class _Spec:
     """What the backward needs besides the saved tensors: the call, and its plan."""
 
     mask: Mask | None
-    geo: _Geometry
+    geo: Geometry
     plan: Plan
     scale: float
     softcap: float | None
@@ -215,14 +215,14 @@ _apply: Callable[..., Tensor] = _KernelAttention.apply
 
 def plan_for(
     mask: Mask | None,
-    geo: _Geometry,
+    geo: Geometry,
     groups: int,
     term: bool,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> Plan:
     """The block plan of a whole call, with the default block sizes where none are given."""
-    banded = mask is not None and mask._distances(geo)[1] < math.inf
+    banded = mask is not None and mask.distances(geo)[1] < math.inf
     bq, bk = default_blocks(banded, groups, geo.q_len, term)
     return make_plan(
         mask,
@@ -254,7 +254,7 @@ def kernel_attention(
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
-    geo = _Geometry(batch, h, tq, tk, q.device)
+    geo = Geometry(batch, h, tq, tk, q.device)
     term = bias if isinstance(bias, ScoreTerm) else None
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k)
     dense = bias if isinstance(bias, Tensor) else None

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import Mask, _Geometry
+from ..masks import Geometry, Mask
 from ..scores import ScoreShape, ScoreTerm
 
 
@@ -59,8 +59,8 @@ def reference(
         s = softcap * torch.tanh(s / softcap)
     visible = torch.ones((), dtype=torch.bool, device=q.device)
     if mask is not None:
-        geo = _Geometry(batch, h, tq, tk, q.device)
-        visible = _batched(mask._tile(geo, 0, tq, 0, tk), batch)  # (...|1, H|1, Tq|1, Tk|1)
+        geo = Geometry(batch, h, tq, tk, q.device)
+        visible = _batched(mask.tile(geo, 0, tq, 0, tk), batch)  # (...|1, H|1, Tq|1, Tk|1)
     if isinstance(bias, ScoreTerm):
         shape = ScoreShape(math.prod(batch), h, tq, tk, work, q.device)
         s = s + _batched(bias.dense(bias.inputs(), shape), batch)

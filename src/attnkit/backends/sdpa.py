@@ -31,8 +31,8 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .._checks import check_int, dim_str, shape_str
-from ..kernel import make_plan, no_autocast
-from ..masks import Mask, _Causal, _Combined, _Dense, _Documents, _Geometry, _KeyPadding
+from .._kernel import make_plan, no_autocast
+from ..masks import Geometry, Mask
 from ..scores import ScoreShape, ScoreTerm
 from .base import Backend
 from .chunked import kernel_attention
@@ -56,8 +56,9 @@ def _is_causal(call_q: int, call_k: int, mask: Mask | None, has_bias: bool) -> b
     """True: torch's ``is_causal`` serves the mask; False: no mask at all; None: write it out."""
     if mask is None:
         return False
-    if isinstance(mask, _Causal) and not has_bias:
-        if mask.align == "top_left":  # torch's own alignment
+    band = mask.band
+    if band is not None and band[:2] == (-math.inf, 0) and not has_bias:
+        if band[2] == "top_left":  # torch's own alignment
             return True
         if call_q <= 1:  # one query, bottom-right: it sees every key
             return False
@@ -79,12 +80,11 @@ def _documents(mask: Mask | None, q_len: int, kv_len: int) -> tuple[list[list[in
     documents shorter than ``MIN_DOCUMENT_MEAN`` on average."""
     if mask is None or q_len != kv_len or not kv_len:
         return None
-    parts = mask._parts if isinstance(mask, _Combined) and mask.op == "and" else (mask,)
-    docs = [p for p in parts if isinstance(p, _Documents)]
-    causal = [p for p in parts if isinstance(p, _Causal)]
-    if len(docs) != 1 or len(docs) + len(causal) != len(parts):
+    parts = mask.parts if mask.op == "and" else (mask,)
+    causal = [p for p in parts if p.band is not None and p.band[:2] == (-math.inf, 0)]
+    if len(parts) - len(causal) != 1:
         return None
-    bounds = docs[0]._runs()
+    bounds = next(p for p in parts if p not in causal).document_starts()
     if bounds is None or kv_len < MIN_DOCUMENT_MEAN * max(len(b) - 1 for b in bounds):
         return None
     return bounds, bool(causal)
@@ -124,7 +124,7 @@ def _per_document(
 
 def _cheap_mask(mask: Mask) -> bool:
     """The mask's dense form costs nothing new: a tensor given as is, or key padding."""
-    return isinstance(mask, (_Dense, _KeyPadding))
+    return mask.tensor is not None or mask.keys_only
 
 
 def sdpa_check(call: AttentionCall) -> list[str]:
@@ -275,8 +275,8 @@ def _plain(
     attn_mask: Tensor | None = None
     causal = _is_causal(tq, tk, mask, bias is not None)
     if causal is None and mask is not None:
-        geo = _Geometry(batch, h, tq, tk, q.device)
-        attn_mask = _batched(mask._tile(geo, 0, tq, 0, tk), batch)
+        geo = Geometry(batch, h, tq, tk, q.device)
+        attn_mask = _batched(mask.tile(geo, 0, tq, 0, tk), batch)
     elif causal:
         is_causal = True
     if bias is not None:
@@ -333,7 +333,7 @@ def _blocked_term(
     if bias is not None:
         bias4 = bias.reshape((1,) * (len(batch) + 3 - bias.ndim) + tuple(bias.shape))
         bias4 = bias4.expand(*batch, *bias4.shape[len(batch) :]).reshape(-1, *bias4.shape[-3:])
-    geo = _Geometry(batch, h, tq, tk, q.device)
+    geo = Geometry(batch, h, tq, tk, q.device)
     work = torch.promote_types(q.dtype, torch.float32)
     shape = ScoreShape(n, h, tq, tk, work, q.device)
     inputs = tuple(term.inputs())
@@ -383,7 +383,7 @@ def _blocked_term(
             if bias4 is not None:
                 attn_mask.add_((bias4[..., qs:qe, :] if bias4.size(-2) != 1 else bias4)[..., lo:hi])
             if masked and mask is not None:
-                hidden = ~mask._tile(geo, qs, qe, lo, hi)
+                hidden = ~mask.tile(geo, qs, qe, lo, hi)
                 attn_mask.masked_fill_(hidden, float("-inf"))
         block = F.scaled_dot_product_attention(
             q4[:, :, qs:qe],

@@ -4,7 +4,7 @@ Each of the ``W`` ranks holds an equal shard of q, k and v. The k/v shards trave
 (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``) while each rank attends its queries to
 the block it holds, so after ``W`` steps every query has met every key and no rank has held more
 than two k/v shards at once (Liu et al., 2023, "Ring Attention with Blockwise Transformers"). Each
-step runs attnkit's kernel (:mod:`attnkit.kernel`) tile by tile (a few kernel blocks of queries by
+step runs attnkit's kernel (:mod:`attnkit._kernel`) tile by tile (a few kernel blocks of queries by
 a few of keys), with the call's mask evaluated at the tile's global positions; each tile's output
 and log-sum-exp are merged into a running pair in float32, the online softmax one level up. Causal
 tiles above the diagonal are never computed.
@@ -28,11 +28,10 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from .._blocks import block_reduce, states_from
 from .._call import AttentionCall, check_attention_args
 from .._checks import check_int, shape_str
-from .._typing import Bool, Float, shape_checked
-from ..backends.base import Backend
-from ..kernel import (
+from .._kernel import (
     FUSED_ROWS,
     Problem,
     backward,
@@ -44,7 +43,9 @@ from ..kernel import (
     merge,
     sink_grad,
 )
-from ..masks import Mask, _Band, _block_reduce, _Dense, _FromFn, _Geometry, _states_from
+from .._typing import Bool, Float, shape_checked
+from ..backends.base import Backend
+from ..masks import Geometry, Mask
 from ._comm import Ring, agree, require_group
 from .layout import LAYOUTS, segments
 
@@ -71,7 +72,7 @@ class _Plan:
     scale: float
     softcap: float | None
     structure: Mask | None  # the call's mask without its traveling key mask, global positions
-    geo: _Geometry  # the whole sequence's call
+    geo: Geometry  # the whole sequence's call
     q_len: int  # local lengths
     kv_len: int
     block_q: int
@@ -120,7 +121,7 @@ class _ShardKeys(Mask):
     def __init__(self, t: Tensor, start: int) -> None:
         self.t, self.start = t, start
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         return f"key mask shard {shape_str(self.t.shape)}"
 
     def _keys(self, ks: int, ke: int) -> Tensor:
@@ -129,18 +130,20 @@ class _ShardKeys(Mask):
         t = t.reshape(-1, *t.shape[-3:])
         return t[..., ks - self.start : ke - self.start] if t.size(-1) != 1 else t
 
-    def _tile(self, geo: _Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
         return self._keys(ks, ke)
 
-    def _states(self, geo: _Geometry, q: tuple[int, int, int], k: tuple[int, int, int]) -> Tensor:
+    def block_states(
+        self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
+    ) -> Tensor:
         k0, k1, bk = k
         keys = self._keys(k0, k1).flatten(0, 2)  # (N*H | 1, keys | 1)
-        anys, _ = _block_reduce(keys.any(0, keepdim=True), k0, k1, bk, 1)
-        _, alls = _block_reduce(keys.all(0, keepdim=True), k0, k1, bk, 1)
-        return _states_from(~anys[0], alls[0]).cpu().expand(len(range(*q)), -1)
+        anys, _ = block_reduce(keys.any(0, keepdim=True), k0, k1, bk, 1)
+        _, alls = block_reduce(keys.all(0, keepdim=True), k0, k1, bk, 1)
+        return states_from(~anys[0], alls[0]).cpu().expand(len(range(*q)), -1)
 
     @property
-    def _keys_only(self) -> bool:
+    def keys_only(self) -> bool:
         return True
 
 
@@ -281,7 +284,7 @@ class _RingAttention(torch.autograd.Function):
         out5, lse = _ring_forward(plan, q, k, v, mask)
         out5, lse = finish(out5, lse, None if sinks is None else sinks.view(hkv, g))
         out = out5.view(*q.shape[:-1], v.size(-1)).to(q.dtype)
-        # O before rounding, for the backward's rowsum(dO * O) (see attnkit.kernel.delta_of).
+        # O before rounding, for the backward's rowsum(dO * O) (see attnkit._kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse, *(t for t in (mask, sinks) if t is not None))
         ctx.plan = plan  # type: ignore[attr-defined]
         ctx.has = (mask is not None, sinks is not None)  # type: ignore[attr-defined]
@@ -323,18 +326,18 @@ def _structure(mask: Mask | None) -> tuple[Mask | None, Tensor | None, list[str]
     ring attention cannot take the rest."""
     if mask is None:
         return None, None, []
-    parts = mask._parts
-    if len(parts) > 1 and getattr(mask, "op", "and") != "and":
+    parts = mask.parts
+    if mask.op == "or":
         return None, None, ["a mask combined with | cannot be split into traveling key masks"]
     structure: Mask | None = None
     travel: Tensor | None = None
     reasons = []
     for part in parts:
-        if isinstance(part, (_Band, _FromFn)):
+        if part.positional:
             structure = part if structure is None else structure & part
-        elif isinstance(part, _Dense) and part._keys_only and travel is None:
-            travel = part.t
-        elif isinstance(part, _Dense):
+        elif part.tensor is not None and part.keys_only and travel is None:
+            travel = part.tensor
+        elif part.tensor is not None:
             reasons.append(
                 "key masks only (..., 1, Tk): a mask that depends on the query cannot travel"
             )
@@ -416,7 +419,7 @@ def _ring(
     require_group(group, "ring_attention")
     structure, travel, reasons = _structure(mask)
     causal = structure is not None and any(
-        isinstance(p, _Band) and p.hi == 0 and p.lo == -math.inf for p in structure._parts
+        p.band is not None and p.band[:2] == (-math.inf, 0) for p in structure.parts
     )
     description: dict[str, object] = {
         "q shape": tuple(q.shape),
@@ -465,7 +468,7 @@ def _ring(
         scale=scale,
         softcap=softcap,
         structure=structure,
-        geo=_Geometry(
+        geo=Geometry(
             tuple(q.shape[:-3]), h, q_len * ring.world_size, kv_len * ring.world_size, q.device
         ),
         q_len=q_len,

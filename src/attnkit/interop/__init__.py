@@ -7,7 +7,9 @@ and copies the parameters, mapped where the two lay them out differently:
 * :mod:`attnkit.interop.espnet`: ESPnet's ``RelPositionMultiHeadedAttention`` and
   ``LegacyRelPositionMultiHeadedAttention``, NeMo's ``RelPositionMultiHeadAttention`` (same
   parameter names), and ESPnet's Conformer ``EncoderLayer``;
-* :mod:`attnkit.interop.speechbrain`: SpeechBrain's ``RelPosMHAXL``.
+* :mod:`attnkit.interop.speechbrain`: SpeechBrain's ``RelPosMHAXL``;
+* :mod:`attnkit.interop.openspeech`: openspeech's Conformer ``RelativeMultiHeadAttention``;
+* :mod:`attnkit.interop.torch`: ``torch.nn.MultiheadAttention`` and its masks, in and out.
 
 The usual entry points are the class methods :meth:`attnkit.RelativeMultiHeadAttention.from_espnet`,
 :meth:`~attnkit.RelativeMultiHeadAttention.from_speechbrain` and
@@ -15,6 +17,6 @@ The usual entry points are the class methods :meth:`attnkit.RelativeMultiHeadAtt
 attend; each loader's docstring says how to turn the toolkit's into one.
 """
 
-from . import espnet, speechbrain
+from . import espnet, openspeech, speechbrain, torch
 
-__all__ = ["espnet", "speechbrain"]
+__all__ = ["espnet", "openspeech", "speechbrain", "torch"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..masks import EMPTY, FULL, Mask, _Geometry
+from ..masks import EMPTY, FULL, Geometry, Mask
 
 __all__ = ["Plan", "QueryBlock", "Run", "Visit", "make_plan", "split_runs"]
 
@@ -70,7 +70,7 @@ class Plan:
 
 def make_plan(
     mask: Mask | None,
-    geo: _Geometry,
+    geo: Geometry,
     *,
     q_start: int,
     q_len: int,
@@ -90,7 +90,7 @@ def make_plan(
     nq, nk = len(range(0, q_len, bq)), len(range(0, kv_len, bk))
     # Per query block: the first key block asked about, and the states from there on.
     strips: list[tuple[int, list[int]]]
-    lo, hi = (-math.inf, math.inf) if mask is None else mask._distances(geo)
+    lo, hi = (-math.inf, math.inf) if mask is None else mask.distances(geo)
     if mask is None:
         strips = [(0, [FULL] * nk)] * nq
     elif lo > -math.inf or hi < math.inf:
@@ -107,9 +107,11 @@ def make_plan(
                 strips.append((0, []))
                 continue
             keys = (j0 * bk + k_start, min((j1 + 1) * bk, kv_len) + k_start, bk)
-            strips.append((j0, mask._states(geo, (qs, qe, bq), keys).tolist()[0]))
+            strips.append((j0, mask.block_states(geo, (qs, qe, bq), keys).tolist()[0]))
     else:
-        grid = mask._states(geo, (q_start, q_start + q_len, bq), (k_start, k_start + kv_len, bk))
+        grid = mask.block_states(
+            geo, (q_start, q_start + q_len, bq), (k_start, k_start + kv_len, bk)
+        )
         strips = [(0, row) for row in grid.tolist()]
     blocks = []
     partial = 0
@@ -122,7 +124,9 @@ def make_plan(
             ks, ke = j * bk, min((j + 1) * bk, kv_len)
             r0, r1 = (0, qe - qs)
             if mask is not None:
-                r0, r1 = mask._rows(geo, qs + q_start, qe + q_start, ks + k_start, ke + k_start)
+                r0, r1 = mask.visible_rows(
+                    geo, qs + q_start, qe + q_start, ks + k_start, ke + k_start
+                )
                 r0, r1 = max(0, r0), min(qe - qs, r1)
             if r0 >= r1:
                 continue

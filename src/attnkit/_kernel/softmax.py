@@ -1,7 +1,7 @@
 """The online softmax: exact attention in O(T * block) memory, forward and backward, in PyTorch.
 
-The forward walks the query blocks of a :class:`~attnkit.kernel.plan.Plan` and, within each, the key
-blocks the plan visits, keeping a running maximum, sum and weighted sum per query row, so the
+The forward walks the query blocks of a :class:`~attnkit._kernel.plan.Plan` and, within each, the
+key blocks the plan visits, keeping a running maximum, sum and weighted sum per query row, so the
 ``(Tq, Tk)`` scores never exist at once. The backward recomputes each visited block's scores from
 the saved log-sum-exp instead of saving the probabilities (the FlashAttention recipe; Dao et al.,
 2022). What a call adds to ``q k^T`` (softcap, a dense ``bias``, a lazy :class:`ScoreTerm`, the
@@ -29,7 +29,7 @@ A few details make it fast in eager PyTorch:
   single batched GEMM against the shared keys, and a block's first rows can be skipped for every
   group at once.
 
-**Fully visible stretches** of the plan (see :func:`~attnkit.kernel.plan.split_runs`) go, on CPUs
+**Fully visible stretches** of the plan (see :func:`~attnkit._kernel.plan.split_runs`) go, on CPUs
 and when it computes the same thing, to torch's fused CPU attention kernel: one call per run and
 query group, merged with the rest of each row by log-sum-exp (:func:`merge`). Its backward, given
 the call's final output and log-sum-exp, computes exactly those keys' share of the gradients,
@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..masks import Mask, _Geometry
+from ..masks import Geometry, Mask
 from ..scores import ScoreShape, ScoreTerm, TermBlock, reused
 from .plan import Plan, QueryBlock, Run, Visit, split_runs
 
@@ -168,7 +168,7 @@ class Problem:
     v3: Tensor
     scale: float
     plan: Plan
-    geo: _Geometry
+    geo: Geometry
     mask: Mask | None = None
     bias5: Tensor | None = None
     softcap: float | None = None
@@ -270,7 +270,7 @@ class Problem:
     def mask_tile(self, qs: int, qe: int, ks: int, ke: int) -> Tensor:
         if self.mask is None:
             raise RuntimeError("attnkit internal error: a partial block without a mask")
-        tile = self.mask._tile(
+        tile = self.mask.tile(
             self.geo, qs + self.q_start, qe + self.q_start, ks + self.k_start, ke + self.k_start
         )
         return self._to_rows(tile)

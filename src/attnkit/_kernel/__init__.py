@@ -2,7 +2,7 @@
 
 The ``chunked`` backend runs it on a whole call; score terms (relative positions) are computed
 inside it tile by tile; ring attention runs it on each pair of shards it holds. See
-:mod:`attnkit.kernel.softmax` for the algorithm and :mod:`attnkit.kernel.plan` for the block plan.
+:mod:`attnkit._kernel.softmax` for the algorithm and :mod:`attnkit._kernel.plan` for the block plan.
 """
 
 from .plan import Plan, QueryBlock, Run, Visit, make_plan, split_runs

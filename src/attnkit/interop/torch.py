@@ -1,0 +1,207 @@
+"""torch.nn.MultiheadAttention in and out: modules and masks.
+
+* :func:`from_torch`: an attnkit :class:`~attnkit.MultiHeadAttention` computing what a
+  ``torch.nn.MultiheadAttention`` computes, with copies of its parameters (also
+  ``MultiHeadAttention.from_torch``);
+* :func:`to_torch`: the other way (also ``MultiHeadAttention.to_torch``);
+* :func:`from_torch_masks`: torch's ``attn_mask``/``key_padding_mask`` (True = may NOT attend) as
+  attnkit's ``(mask, bias)`` (True = may attend); also ``attnkit.from_torch_masks``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import check_int, shape_str
+from .._typing import Bool, Float, shape_checked
+from ..multihead import MultiHeadAttention
+
+__all__ = ["from_torch", "from_torch_masks", "to_torch"]
+
+
+def from_torch(m: nn.MultiheadAttention) -> MultiHeadAttention:
+    """The equivalent of a ``torch.nn.MultiheadAttention``, with copies of its parameters.
+
+    Packed or separate projections, with or without bias, ``kdim``/``vdim`` and either
+    ``batch_first`` are supported; the result is batch-first whatever ``m.batch_first`` says.
+    ``add_bias_kv`` and ``add_zero_attn`` have no equivalent and raise ``ValueError``. Translate
+    torch's ``attn_mask``/``key_padding_mask`` with :func:`from_torch_masks`.
+
+    One difference: in training with dropout, torch returns the weights after dropout,
+    attnkit before.
+    """
+    if not isinstance(m, nn.MultiheadAttention):
+        raise TypeError(f"from_torch() takes a torch.nn.MultiheadAttention, got {type(m).__name__}")
+    if m.bias_k is not None or m.bias_v is not None:
+        raise ValueError("from_torch(): add_bias_kv=True has no attnkit equivalent")
+    if m.add_zero_attn:
+        raise ValueError("from_torch(): add_zero_attn=True has no attnkit equivalent")
+    ref = m.out_proj.weight
+    new = MultiHeadAttention(
+        m.embed_dim,
+        m.num_heads,
+        kdim=m.kdim,
+        vdim=m.vdim,
+        proj_bias=m.in_proj_bias is not None,
+        dropout=float(m.dropout),
+        device=ref.device,
+        dtype=ref.dtype,
+    )
+
+    def copy(name: str, ours: Tensor, theirs: Tensor) -> None:
+        # copy_ would broadcast a tensor of the wrong shape (one row into every row).
+        if theirs.shape != ours.shape:
+            raise ValueError(
+                f"from_torch(): {name} has shape {shape_str(theirs.shape)}, expected "
+                f"{shape_str(ours.shape)} for embed_dim={m.embed_dim}, "
+                f"num_heads={m.num_heads}"
+            )
+        ours.copy_(theirs)
+
+    with torch.no_grad():
+        if m.in_proj_weight is not None and new.in_proj_weight is not None:
+            copy("in_proj_weight", new.in_proj_weight, m.in_proj_weight)
+        else:
+            for name, ours, theirs in zip(
+                ("q_proj_weight", "k_proj_weight", "v_proj_weight"),
+                new.in_weights(),
+                (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight),
+                strict=True,
+            ):
+                copy(name, ours, theirs)
+        if new.in_proj_bias is not None:
+            copy("in_proj_bias", new.in_proj_bias, m.in_proj_bias)
+        new.out_proj.load_state_dict(m.out_proj.state_dict())
+    return new.train(m.training)
+
+
+def to_torch(module: MultiHeadAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
+    """A ``torch.nn.MultiheadAttention`` with copies of these parameters.
+
+    Only plain multi-head attention has one: ``num_kv_heads == num_heads``, ``head_dim ==
+    v_head_dim == d_model / num_heads``, no ``rotary``.
+    """
+    plain = module.d_model // module.num_heads
+    problems = []
+    if module.num_kv_heads != module.num_heads:
+        problems.append(f"num_kv_heads ({module.num_kv_heads}) != num_heads ({module.num_heads})")
+    if module.head_dim * module.num_heads != module.d_model or module.v_head_dim != module.head_dim:
+        problems.append(
+            f"head_dim ({module.head_dim}) and v_head_dim ({module.v_head_dim}) must both be "
+            f"d_model / num_heads ({module.d_model} / {module.num_heads} = {plain})"
+        )
+    if module.rotary is not None:
+        problems.append("rotary embeddings are set")
+    if problems:
+        raise ValueError(
+            "to_torch(): torch.nn.MultiheadAttention has no equivalent: " + "; ".join(problems)
+        )
+    ref = module.out_proj.weight
+    m = nn.MultiheadAttention(
+        module.d_model,
+        module.num_heads,
+        dropout=module.dropout,
+        bias=module.in_proj_bias is not None,
+        kdim=module.kdim,
+        vdim=module.vdim,
+        batch_first=batch_first,
+        device=ref.device,
+        dtype=ref.dtype,
+    )
+    with torch.no_grad():
+        if m.in_proj_weight is not None and module.in_proj_weight is not None:
+            m.in_proj_weight.copy_(module.in_proj_weight)
+        else:
+            for theirs, ours in zip(
+                (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight),
+                module.in_weights(),
+                strict=True,
+            ):
+                theirs.copy_(ours)
+        if module.in_proj_bias is not None:
+            m.in_proj_bias.copy_(module.in_proj_bias)
+        m.out_proj.load_state_dict(module.out_proj.state_dict())
+    return m.train(module.training)
+
+
+@shape_checked
+def from_torch_masks(
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    *,
+    num_heads: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Bool[Tensor, "..."] | None, Float[Tensor, "..."] | None]:
+    """Translate ``torch.nn.MultiheadAttention``'s masks into attnkit's ``(mask, bias)``.
+
+    The rules are torch's: a bool mask means **True = may NOT attend** (the opposite of
+    attnkit's); a float mask is added to the scores (attnkit's ``bias``); any other dtype (an
+    integer or uint8 mask, which older torch read as bool) is a ``TypeError``, as torch raises
+    for it. Reading a 0/1 integer mask as a bias would add +1 to the keys it means to block.
+
+    Args:
+        attn_mask: ``(Tq, Tk)`` or ``(B*H, Tq, Tk)``, bool or float.
+        key_padding_mask: ``(B, Tk)``, bool (True = padding) or float.
+        num_heads: ``H``, to unfold a ``(B*H, Tq, Tk)`` mask into ``(B, H, Tq, Tk)``.
+        dtype: of the returned bias (the query's dtype), a floating-point dtype.
+
+    Returns:
+        ``(mask, bias)`` for ``MultiHeadAttention.forward(mask=..., bias=...)``, each broadcastable
+        to ``(B, H, Tq, Tk)`` or None.
+
+    >>> torch_pad = torch.tensor([[False, False, True]])      # torch: True = padding
+    >>> mask, bias = from_torch_masks(key_padding_mask=torch_pad, num_heads=4)
+    >>> mask.int(), bias
+    (tensor([[[[1, 1, 0]]]], dtype=torch.int32), None)
+    """
+    num_heads = check_int("num_heads", num_heads)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    masks: list[Tensor] = []
+    biases: list[Tensor] = []
+    if attn_mask is not None:
+        _check_torch_mask("attn_mask", attn_mask)
+        if attn_mask.ndim == 3:
+            if attn_mask.size(0) % num_heads:
+                raise ValueError(
+                    f"a 3-d attn_mask must be (B*H, Tq, Tk) with H = num_heads ({num_heads}), got "
+                    f"{shape_str(attn_mask.shape)}"
+                )
+            attn_mask = attn_mask.unflatten(0, (-1, num_heads))
+        elif attn_mask.ndim != 2:
+            raise ValueError(
+                f"attn_mask must be (Tq, Tk) or (B*H, Tq, Tk), got {shape_str(attn_mask.shape)}"
+            )
+        (masks if attn_mask.dtype == torch.bool else biases).append(attn_mask)
+    if key_padding_mask is not None:
+        _check_torch_mask("key_padding_mask", key_padding_mask)
+        if key_padding_mask.ndim != 2:
+            raise ValueError(
+                f"key_padding_mask must be (B, Tk), got {shape_str(key_padding_mask.shape)}"
+            )
+        kpm = key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk)
+        (masks if kpm.dtype == torch.bool else biases).append(kpm)
+    mask = None
+    for m in masks:
+        mask = ~m if mask is None else mask & ~m
+    bias = None
+    for b in biases:
+        bias = b.to(dtype) if bias is None else bias + b.to(dtype)
+    return mask, bias
+
+
+def _check_torch_mask(name: str, mask: object) -> None:
+    """Raise unless ``mask`` is a mask torch.nn.MultiheadAttention takes: a bool or float tensor."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor (bool, True = may not attend; or float, added to the "
+            f"scores) or None, got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        dtype = str(mask.dtype).removeprefix("torch.")
+        raise TypeError(
+            f"{name} must be a bool tensor (True = may not attend) or a float tensor (added to "
+            f"the scores), as torch.nn.MultiheadAttention requires; got {dtype}. For a 0/1 "
+            f"mask where 1 means padding, pass {name}.bool()"
+        )
