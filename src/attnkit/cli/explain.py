@@ -129,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.chosen is not None else 1
 
 
-def _mask(spec: str, b: int, h: int, tq: int, tk: int, device: torch.device) -> object:
+def _mask(
+    spec: str, b: int, h: int, tq: int, tk: int, device: torch.device
+) -> torch.Tensor | attnkit.masks.Mask | None:
     """The ``mask=`` of the call that ``--mask spec`` describes."""
     if spec == "none":
         return None
