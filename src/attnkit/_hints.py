@@ -56,8 +56,9 @@ def torch_keywords(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        if kwargs and not foreign.keys().isdisjoint(kwargs):
-            used = [k for k in kwargs if k in foreign]
+        # A comprehension, not dict_keys.isdisjoint: torch.compile traces this wrapper.
+        used = [k for k in kwargs if k in foreign] if kwargs else []
+        if used:
             advice = "; ".join(f"instead of {k}=, pass {foreign[k]}" for k in used)
             raise TypeError(f"{name}() takes no {'=, '.join(used)}= (torch's name): {advice}")
         return fn(*args, **kwargs)
