@@ -7,6 +7,7 @@ import re
 import jaxtyping
 import pytest
 import torch
+from torch import Tensor
 
 import attnkit
 from attnkit import BackendError, attention, explain, masks
@@ -494,3 +495,89 @@ def test_autocast_dtype_errors_say_what_autocast_did() -> None:
     message = str(err.value)
     assert "bias must have the dtype of q (float64), got bfloat16" in message
     assert "inside torch.autocast, float16/bfloat16/float32 inputs are cast to bfloat16" in message
+
+
+# --------------------------------------------------------------------------------------------------
+# The log-sum-exp, and merging partial attentions
+
+
+def _lse_formula(q: Tensor, k: Tensor, mask: Tensor, scale: float, sinks: Tensor | None) -> Tensor:
+    """logsumexp over the visible scores (and the sink), written out in float64."""
+    g = q.size(-3) // k.size(-3)
+    s = (q @ k.repeat_interleave(g, -3).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks[:, None, None].expand(*s.shape[:-1], 1)], -1)
+    return torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference", "auto"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_lse_is_the_log_of_the_softmax_denominator(backend: str, with_sinks: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 11, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 2, 13, 8, dtype=torch.float64, generator=g)
+    sinks = torch.randn(4, dtype=torch.float64, generator=g) if with_sinks else None
+    mask = masks.causal() & masks.key_padding([13, 0])  # row 1 sees nothing
+    out, lse = attention(q, k, k, mask=mask, sinks=sinks, return_lse=True, backend=backend)
+    dense = mask.dense(11, 13, batch_size=2)
+    want = _lse_formula(q, k, dense, 8**-0.5, sinks)
+    torch.testing.assert_close(lse, want)
+    if not with_sinks:
+        assert (lse[1] == float("-inf")).all()
+    torch.testing.assert_close(out, attention(q, k, k, mask=mask, sinks=sinks, backend="reference"))
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+def test_merged_halves_equal_the_whole_call_forward_and_backward(backend: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 9, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 20, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 20, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    window = masks.sliding_window(4)  # the first half of the keys is out of reach of most queries
+    whole = attention(q, k, v, mask=window, backend="reference")
+    dense = window.dense(9, 20)
+    parts = [
+        attention(
+            q, k[..., a:b, :], v[..., a:b, :], mask=dense[..., a:b], return_lse=True,
+            backend=backend,
+        )
+        for a, b in ((0, 10), (10, 20))
+    ]  # fmt: skip
+    out, lse = attnkit.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    torch.testing.assert_close(out, whole)
+    torch.testing.assert_close(lse, _lse_formula(q, k, dense, 8**-0.5, None))
+    dout = torch.randn_like(whole)
+    want = torch.autograd.grad(whole, (q, k, v), dout)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w)
+
+
+def test_lse_gradients_equal_the_references() -> None:
+    g = torch.Generator().manual_seed(5)
+    leaves = [
+        torch.randn(1, 2, 7, 4, dtype=torch.float64, generator=g, requires_grad=True)
+        for _ in range(3)
+    ]
+    sinks = torch.randn(2, dtype=torch.float64, generator=g, requires_grad=True)
+    weights = torch.randn(1, 2, 7, dtype=torch.float64, generator=g)
+
+    def grads(backend: str) -> tuple[Tensor, ...]:
+        _, lse = attention(*leaves, causal=True, sinks=sinks, return_lse=True, backend=backend)
+        q, k, _ = leaves  # the lse does not depend on the values
+        return torch.autograd.grad((lse * weights).sum(), (q, k, sinks))
+
+    for a, w in zip(grads("chunked"), grads("reference"), strict=True):
+        torch.testing.assert_close(a, w)
+
+
+def test_sdpa_gives_no_lse_and_auto_goes_elsewhere() -> None:
+    q = torch.randn(1, 2, 5, 8)
+    report = attnkit.explain(q, q, q, return_lse=True)
+    assert report.chosen == "chunked"
+    assert "returns no log-sum-exp" in report.reasons["sdpa"][-1]
+    with pytest.raises(ValueError, match="as many outputs as log-sum-exps"):
+        attnkit.merge_attention([q], [])
+    with pytest.raises(ValueError, match=r"and every lse \(1, 2, 5\)"):
+        attnkit.merge_attention([q], [q])

@@ -235,7 +235,7 @@ def test_training_with_nan_padding_does_not_go_through_sdpa() -> None:
     x = spoil_padding(padded_call(), float("nan"))
     q = x["q"].requires_grad_()
     report = str(attnkit.explain(q, x["k"], x["v"], mask=x["pad"]))
-    assert "auto picks: sdpa" in report  # explain() does not read values
+    assert "auto picks: chunked" in report  # explain() decides from what attention() sees
     with pytest.raises(attnkit.BackendError, match="hold NaN/inf and gradients are needed"):
         attention(q, x["k"], x["v"], mask=x["pad"], backend="sdpa")
     out = attention(q, x["k"], x["v"], mask=x["pad"])  # auto: the chunked kernel

@@ -618,7 +618,7 @@ def test_legacy_shift_is_what_the_docstring_says() -> None:
     qv, enc = randn(1, 1, t, 4), randn(1, t, 4, seed=2)
     padded = nn.functional.pad(enc, (0, 0, 1, 0))
     term = RelativePositionTerm(qv, padded, 1.0, legacy=True)
-    shape = ScoreShape(1, 1, t, t, torch.float64, qv.device)
+    shape = ScoreShape((1,), 1, t, t, qv.device, torch.float64)
     got = term.dense((qv, padded), shape)
     for i in range(t):
         for j in range(t):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 
@@ -230,8 +229,6 @@ def test_relative_products_per_tile_equal_the_reference(
     # Over long inputs the position term's product is computed for each tile's keys instead of
     # once per query block, and the sdpa backend asks for the tiles a few keys at a time. Here
     # every product is per tile: outputs and gradients of qv and enc must not change.
-    monkeypatch.setattr(scores, "_WHOLE_WIDTH", 0)
-    monkeypatch.setattr(importlib.import_module("attnkit.backends.sdpa"), "_TERM_KEYS", 7)
     windows: list[tuple[int, int]] = []
     set_window = scores._RelativeBlock._set_window
 
@@ -255,7 +252,7 @@ def test_relative_products_per_tile_equal_the_reference(
     dout = torch.randn(b, h, tq, dh, dtype=torch.float64, generator=g)
 
     def run(backend: object) -> tuple[Tensor, tuple[Tensor, ...]]:
-        term = RelativePositionTerm(qv, enc, 0.5)
+        term = RelativePositionTerm(qv, enc, 0.5, whole_width=0)
         out = attention(qu, k, v, bias=term, mask=given, scale=0.5, backend=backend)
         return out, torch.autograd.grad(out, leaves, dout) if out.requires_grad else ()
 
@@ -266,7 +263,7 @@ def test_relative_products_per_tile_equal_the_reference(
         assert_close(a, w)
     assert len(windows) > 2 * len(range(0, tq, 5))  # per tile, in the forward and the backward
     with torch.no_grad():
-        assert_close(run(SDPA(block_q=8, product_q=4))[0], want)
+        assert_close(run(SDPA(block_q=8, product_q=4, term_keys=7))[0], want)
 
 
 def test_windowed_relative_attention_is_dense_band_attention_with_a_window_sized_table() -> None:
@@ -288,6 +285,6 @@ def test_windowed_relative_attention_is_dense_band_attention_with_a_window_sized
 
 
 def test_score_shape_positions_are_bottom_right() -> None:
-    shape = ScoreShape(1, 1, 2, 5, torch.float32, torch.device("cpu"))
+    shape = ScoreShape((1,), 1, 2, 5, torch.device("cpu"), torch.float32)
     assert shape.q_positions(0, 2).flatten().tolist() == [3, 4]
     assert shape.k_positions(1, 3).flatten().tolist() == [1, 2]

@@ -13,9 +13,11 @@ from .attention import (
     attention,
     available_backends,
     explain,
+    merge_attention,
     register_backend,
     unregister_backend,
 )
+from .backends.base import CallInputs, Dispatch, record_dispatch
 from .capture import AttentionMaps, capture_attention
 from .conformer import ConformerLayer
 from .feedforward import PositionwiseFeedForward
@@ -39,7 +41,9 @@ __all__ = [
     "AttentionMaps",
     "Backend",
     "BackendError",
+    "CallInputs",
     "ConformerLayer",
+    "Dispatch",
     "Explanation",
     "KVCache",
     "MultiHeadAttention",
@@ -63,6 +67,8 @@ __all__ = [
     "from_torch_masks",
     "interop",
     "masks",
+    "merge_attention",
+    "record_dispatch",
     "register_backend",
     "relative_encoding",
     "scores",

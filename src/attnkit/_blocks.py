@@ -59,6 +59,14 @@ class Geometry:
         """``Tk - Tq``: query ``i`` sits at key position ``i + shift`` (bottom-right)."""
         return self.kv_len - self.q_len
 
+    def q_positions(self, qs: int, qe: int) -> Tensor:
+        """``(rows, 1)`` key positions of queries ``qs:qe``: ``i + Tk - Tq`` (bottom-right)."""
+        return torch.arange(qs + self.shift, qe + self.shift, device=self.device).unsqueeze(-1)
+
+    def k_positions(self, ks: int, ke: int) -> Tensor:
+        """``(1, keys)`` positions of keys ``ks:ke``."""
+        return torch.arange(ks, ke, device=self.device).unsqueeze(0)
+
 
 def band_visibility(i: Tensor, j: Tensor, lo: float, hi: float) -> Tensor:
     """Bool: may a query at key position ``i`` attend key ``j``, i.e. ``lo <= j - i <= hi``.

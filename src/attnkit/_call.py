@@ -16,11 +16,18 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-from ._checks import check_broadcastable, check_probability, dtype_str, require_tensor, shape_str
+from ._checks import (
+    check_broadcastable,
+    check_logits,
+    check_probability,
+    dtype_str,
+    require_tensor,
+    shape_str,
+)
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 
-__all__ = ["AttentionCall", "check_attention_args"]
+__all__ = ["AttentionCall", "check_attention_args", "finite"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -49,8 +56,8 @@ class AttentionCall:
     device: torch.device
     #: the call's visibility, ``mask`` and ``causal`` together (a bool tensor is wrapped as is)
     mask: Mask | None
-    #: the ``mask`` argument as given, described: a tensor's shape or a structured mask
-    mask_given: str | None
+    #: the ``mask`` argument as given: a structured mask, or a tensor's shape
+    given_mask: Mask | tuple[int, ...] | None
     #: the shape of a dense bool ``mask`` tensor, if one was given (alone or inside ``mask``)
     mask_shape: tuple[int, ...] | None
     causal: bool
@@ -63,8 +70,20 @@ class AttentionCall:
     dropout_p: float
     return_weights: bool
     requires_grad: bool
+    #: also return the natural-log log-sum-exp ``(..., H, Tq)``
+    return_lse: bool = False
     #: False when q, k or v hold NaN/inf (checked for calls that need gradients); None: not checked
     finite: bool | None = None
+
+    @property
+    def mask_given(self) -> str | None:
+        """The ``mask`` argument as given, described (a structured mask's repr, or a tensor's
+        shape); worked out when asked, as a mask's description may read its lengths."""
+        if self.given_mask is None:
+            return None
+        if isinstance(self.given_mask, Mask):
+            return repr(self.given_mask)
+        return shape_str(self.given_mask)
 
     @property
     def groups(self) -> int:
@@ -106,14 +125,17 @@ class AttentionCall:
             parts.append(f"dropout_p={self.dropout_p}")
         if self.return_weights:
             parts.append("return_weights")
+        if self.return_lse:
+            parts.append("return_lse")
         if self.finite is False:
             parts.append("non-finite values in q/k/v")
         return ", ".join(parts)
 
     def score_shape(self) -> ScoreShape:
         work = torch.promote_types(self.dtype, torch.float32)
-        n = math.prod(self.batch_shape)
-        return ScoreShape(n, self.num_heads, self.q_len, self.kv_len, work, self.device)
+        return Geometry(
+            self.batch_shape, self.num_heads, self.q_len, self.kv_len, self.device, work
+        )
 
 
 def _check_scale(scale: object, qk_dim: int, dtype: torch.dtype) -> float:
@@ -210,23 +232,27 @@ def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
     raise RuntimeError("attnkit internal error: q, k and v failed a check and passed another")
 
 
-def check_attention_args(
-    q: object,
-    k: object,
-    v: object,
-    *,
-    mask: object,
-    bias: object,
-    causal: object,
-    scale: object,
-    softcap: object = None,
-    sinks: object = None,
-    dropout_p: object = 0.0,
-    return_weights: object = False,
-) -> AttentionCall:
-    """Validate the arguments of ``attention()`` and describe the call."""
-    # One quick test of everything q, k and v must satisfy: this runs on every call (a decode
-    # step included); the messages are worked out only when it fails.
+def finite(*tensors: Tensor) -> bool:
+    """True when none of ``tensors`` holds NaN or inf (one host synchronisation).
+
+    A sum is NaN or inf when any term is, and one sum is a fraction of ``isfinite().all()``'s
+    cost. It can also overflow on finite values far beyond any activation's scale (1e32 in
+    float32); the answer is then False, which only costs the caller its careful path.
+    """
+    sums = [
+        t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32))
+        for t in tensors
+        if t.numel()
+    ]
+    if not sums:
+        return True
+    total = float(torch.stack(sums).sum()) if len(sums) > 1 else float(sums[0])
+    return math.isfinite(total)
+
+
+def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v if they fit together; one quick test on every call (a decode step included),
+    the messages worked out only when it fails."""
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         _explain_qkv(q, k, v)
     qs, ks, vs = q.shape, k.shape, v.shape
@@ -249,93 +275,133 @@ def check_attention_args(
         and v.device == dev
     ):
         _explain_qkv(q, k, v)
-    batch = tuple(qs[:-3])
-    num_heads, q_len, qk_dim = qs[-3:]
-    num_kv_heads, kv_len = ks[-3], ks[-2]
+    return q, k, v
+
+
+def _check_mask_arg(
+    mask: object, q: Tensor, scores: tuple[int, ...], legend: str
+) -> tuple[Tensor | Mask | None, tuple[int, ...] | None]:
+    """``mask`` and the shape of the one dense tensor it holds (None: none, or several)."""
+    if mask is None:
+        return None, None
+    if isinstance(mask, Tensor):
+        check_mask("mask", mask, scores, legend)
+        if mask.device != q.device:
+            raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+        return mask, tuple(mask.shape)
+    if isinstance(mask, Mask):
+        *batch, heads, q_len, kv_len = scores
+        mask.check(Geometry(tuple(batch), heads, q_len, kv_len, q.device), "mask")
+        dense = [p.tensor for p in mask.parts if p.tensor is not None]
+        for t in dense:
+            if t.device != q.device:
+                raise ValueError(f"mask holds a tensor on {t.device} but q is on {q.device}")
+        return mask, tuple(dense[0].shape) if len(dense) == 1 else None
+    raise TypeError(
+        f"mask must be a bool tensor (True = may attend) or an attnkit.masks.Mask, got "
+        f"{type(mask).__name__}"
+    )
+
+
+def _check_term(term: ScoreTerm, q: Tensor) -> bool:
+    """Whether a score term's inputs need gradients; its inputs must be tensors on q's device."""
+    for i, t in enumerate(term.inputs()):
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"bias: {term.describe()}.inputs() must return tensors, item {i} is "
+                f"{type(t).__name__}"
+            )
+        if t.device != q.device:
+            raise ValueError(
+                f"bias: {term.describe()}'s input {i} is on {t.device} but q is on {q.device}"
+            )
+    return any(t.requires_grad for t in term.inputs())
+
+
+def _check_bias_arg(bias: object, q: Tensor, scores: tuple[int, ...], legend: str) -> Tensor:
+    """A dense ``bias``: a float tensor in q's dtype and on its device, broadcastable to the
+    scores, holding no NaN or +inf."""
+    if not isinstance(bias, Tensor):
+        raise TypeError(
+            f"bias must be a float tensor or an attnkit.scores.ScoreTerm, got {type(bias).__name__}"
+        )
+    if not bias.is_floating_point():
+        hint = "; a boolean mask belongs in mask=" if bias.dtype == torch.bool else ""
+        raise TypeError(f"bias must be a float tensor, got {dtype_str(bias.dtype)}{hint}")
+    if bias.dtype != q.dtype:
+        raise TypeError(
+            f"bias must have the dtype of q ({dtype_str(q.dtype)}), got "
+            f"{dtype_str(bias.dtype)}; use bias.to(q.dtype)"
+        )
+    check_broadcastable("bias", bias, scores, legend)
+    if bias.device != q.device:
+        raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
+    _check_bias_values(bias)
+    return bias
+
+
+def _check_sinks(sinks: object, q: Tensor, num_heads: int) -> Tensor:
+    """``(H,)`` float logits in q's dtype and on its device, each finite or -inf (no sink)."""
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        got = dtype_str(sinks.dtype) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise TypeError(f"sinks must be a float tensor (H,) or None, got {got}")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(
+            f"sinks must have shape (H,) = ({num_heads},), one logit per query head, got "
+            f"{shape_str(sinks.shape)}"
+        )
+    if sinks.dtype != q.dtype:
+        raise TypeError(
+            f"sinks must have the dtype of q ({dtype_str(q.dtype)}), got "
+            f"{dtype_str(sinks.dtype)}; use sinks.to(q.dtype)"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    check_logits("sinks", sinks, "a sink may be -inf (no sink)")
+    return sinks
+
+
+def check_attention_args(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    mask: object,
+    bias: object,
+    causal: object,
+    scale: object,
+    softcap: object = None,
+    sinks: object = None,
+    dropout_p: object = 0.0,
+    return_weights: object = False,
+    return_lse: object = False,
+    check_finite: bool = False,
+) -> AttentionCall:
+    """Validate the arguments of ``attention()`` and describe the call, once.
+
+    ``check_finite``: for a call that needs gradients, also find out (one host synchronisation)
+    whether q, k and v hold NaN/inf, so that backends whose backward would let masked ones into
+    the gradients can decline it. Skipped while torch.compile traces and on ``meta`` tensors.
+    """
+    q, k, v = _check_qkv(q, k, v)
+    batch = tuple(q.shape[:-3])
+    num_heads, q_len, qk_dim = q.shape[-3:]
+    num_kv_heads, kv_len = k.shape[-3], k.shape[-2]
     scores = (*batch, num_heads, q_len, kv_len)
     legend = "(..., H, Tq, Tk)"
-
-    mask_shape = None
-    mask_given = None
-    if mask is not None:
-        if isinstance(mask, Tensor):
-            check_mask("mask", mask, scores, legend)
-            mask_shape = tuple(mask.shape)
-            mask_given = shape_str(mask.shape)
-            if mask.device != q.device:
-                raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
-        elif isinstance(mask, Mask):
-            mask.check(Geometry(batch, num_heads, q_len, kv_len, dev), "mask")
-            mask_given = repr(mask)
-            dense = [p.tensor for p in mask.parts if p.tensor is not None]
-            for t in dense:
-                if t.device != q.device:
-                    raise ValueError(f"mask holds a tensor on {t.device} but q is on {q.device}")
-            if len(dense) == 1:
-                mask_shape = tuple(dense[0].shape)
-        else:
-            raise TypeError(
-                f"mask must be a bool tensor (True = may attend) or an attnkit.masks.Mask, got "
-                f"{type(mask).__name__}"
-            )
+    given, mask_shape = _check_mask_arg(mask, q, scores, legend)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-
-    term = None
-    bias_shape = None
-    bias_grad = False
-    if isinstance(bias, ScoreTerm):
-        term = bias
-        for i, t in enumerate(term.inputs()):
-            if not isinstance(t, Tensor):
-                raise TypeError(
-                    f"bias: {term.describe()}.inputs() must return tensors, item {i} is "
-                    f"{type(t).__name__}"
-                )
-            if t.device != q.device:
-                raise ValueError(
-                    f"bias: {term.describe()}'s input {i} is on {t.device} but q is on {q.device}"
-                )
-        bias_grad = any(t.requires_grad for t in term.inputs())
-    elif bias is not None:
-        if not isinstance(bias, Tensor):
-            raise TypeError(
-                f"bias must be a float tensor or an attnkit.scores.ScoreTerm, got "
-                f"{type(bias).__name__}"
-            )
-        if not bias.is_floating_point():
-            hint = "; a boolean mask belongs in mask=" if bias.dtype == torch.bool else ""
-            raise TypeError(f"bias must be a float tensor, got {dtype_str(bias.dtype)}{hint}")
-        if bias.dtype != q.dtype:
-            raise TypeError(
-                f"bias must have the dtype of q ({dtype_str(q.dtype)}), got "
-                f"{dtype_str(bias.dtype)}; use bias.to(q.dtype)"
-            )
-        check_broadcastable("bias", bias, scores, legend)
-        if bias.device != q.device:
-            raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
-        _check_bias_values(bias)
-        bias_shape = tuple(bias.shape)
-        bias_grad = bias.requires_grad
-
-    if sinks is not None:
-        if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
-            got = dtype_str(sinks.dtype) if isinstance(sinks, Tensor) else type(sinks).__name__
-            raise TypeError(f"sinks must be a float tensor (H,) or None, got {got}")
-        if tuple(sinks.shape) != (num_heads,):
-            raise ValueError(
-                f"sinks must have shape (H,) = ({num_heads},), one logit per query head, got "
-                f"{shape_str(sinks.shape)}"
-            )
-        if sinks.dtype != q.dtype:
-            raise TypeError(
-                f"sinks must have the dtype of q ({dtype_str(q.dtype)}), got "
-                f"{dtype_str(sinks.dtype)}; use sinks.to(q.dtype)"
-            )
-        if sinks.device != q.device:
-            raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    term = bias if isinstance(bias, ScoreTerm) else None
+    dense = None if bias is None or term is not None else _check_bias_arg(bias, q, scores, legend)
+    bias_grad = (
+        _check_term(term, q) if term is not None else dense is not None and dense.requires_grad
+    )
+    sink_t = None if sinks is None else _check_sinks(sinks, q, num_heads)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     # The common 0.0 without a call; anything else (False included) is checked.
     zero = type(dropout_p) is float and dropout_p == 0.0
     dropout = 0.0 if zero else check_probability("dropout_p", dropout_p)
@@ -344,8 +410,16 @@ def check_attention_args(
         or q.requires_grad
         or k.requires_grad
         or v.requires_grad
-        or (sinks is not None and sinks.requires_grad)
+        or (sink_t is not None and sink_t.requires_grad)
     )
+    is_finite = None
+    if (
+        check_finite
+        and requires_grad
+        and q.device.type != "meta"
+        and not torch.compiler.is_compiling()
+    ):
+        is_finite = finite(q, k, v)
     return AttentionCall(
         batch_shape=batch,
         num_heads=num_heads,
@@ -353,20 +427,22 @@ def check_attention_args(
         q_len=q_len,
         kv_len=kv_len,
         qk_dim=qk_dim,
-        v_dim=vs[-1],
-        dtype=dt,
-        device=dev,
-        mask=visibility(mask, causal),
-        mask_given=mask_given,
+        v_dim=v.shape[-1],
+        dtype=q.dtype,
+        device=q.device,
+        mask=visibility(given, causal),
+        given_mask=given if isinstance(given, Mask) else mask_shape,
         mask_shape=mask_shape,
         causal=causal,
-        bias_shape=bias_shape,
+        bias_shape=None if dense is None else tuple(dense.shape),
         bias_requires_grad=bias_grad,
         score_term=term,
         softcap=None if softcap is None else _check_softcap(softcap),
-        sinks=sinks is not None,
-        scale=_check_scale(scale, qk_dim, dt),
+        sinks=sink_t is not None,
+        scale=_check_scale(scale, qk_dim, q.dtype),
         dropout_p=dropout,
         return_weights=return_weights,
         requires_grad=requires_grad,
+        return_lse=return_lse,
+        finite=is_finite,
     )

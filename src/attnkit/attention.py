@@ -19,9 +19,9 @@ consistent snapshot of it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
+import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
@@ -31,10 +31,17 @@ from torch import Tensor
 from ._call import AttentionCall, check_attention_args
 from ._checks import shape_str
 from ._typing import Bool, Float, shape_checked
-from .backends.base import Backend, BackendError, BackendFn, CallCheck
-from .backends.chunked import Chunked, finite, fused_note, plan_for
-from .backends.reference import reference
-from .backends.sdpa import SDPA, _documents
+from .backends import builtin_backends
+from .backends.base import (
+    Backend,
+    BackendError,
+    BackendFn,
+    CallCheck,
+    CallInputs,
+    Dispatch,
+    Output,
+    recording,
+)
 from .masks import Mask
 from .scores import ScoreTerm
 
@@ -45,37 +52,29 @@ __all__ = [
     "Explanation",
     "attention",
     "available_backends",
+    "dispatch",
     "explain",
+    "merge_attention",
     "register_backend",
     "unregister_backend",
 ]
 
 
-def _reference_cost(call: AttentionCall) -> list[str]:
-    return [
-        f"would materialise the scores (..., H, Tq, Tk) = {shape_str(call.scores_shape)}; auto "
-        "takes it only when nothing else can"
-    ]
-
-
-_BUILTIN = ("sdpa", "chunked", "reference")
 # Insertion order is auto's order of preference: user backends registered with auto=True first,
 # then the fastest built-in, the materialising spec last. Never changed in place: a change
 # publishes a new dict, so a reader that took it once sees one consistent registry.
-_REGISTRY: dict[str, Backend] = {
-    "sdpa": SDPA(),
-    "chunked": Chunked(),
-    "reference": Backend("reference", reference, cost=_reference_cost),
-}
+_REGISTRY: dict[str, Backend] = {b.name: b for b in builtin_backends()}
+_BUILTIN = tuple(_REGISTRY)
 _WRITE = threading.Lock()
 
 
 def register_backend(
     name: str,
-    fn: BackendFn,
+    fn: BackendFn | Backend,
     *,
     check: CallCheck | None = None,
     cost: CallCheck | None = None,
+    notes: CallCheck | None = None,
     auto: bool = False,
     replace: bool = False,
 ) -> None:
@@ -87,12 +86,24 @@ def register_backend(
     :func:`attention`'s conventions: True = may attend, zeros for a query with no visible key.
 
     ``check(call)`` returns the reasons it cannot serve an :class:`AttentionCall` (default: none);
-    ``cost(call)`` the reasons ``auto`` should prefer another backend. With ``auto=True`` the
+    ``cost(call)`` the reasons ``auto`` should prefer another backend; ``notes(call)`` the lines
+    :func:`explain` prints under it. ``fn`` may also be a :class:`Backend` (a subclass that
+    implements ``run(call, inputs)``), registered under ``name``. With ``auto=True`` the
     backend is tried by ``backend="auto"`` before the built-in ones. ``replace=True`` replaces a
     backend registered earlier under ``name`` (keeping its place in the order); the built-in
     backends cannot be replaced.
     """
-    backend = Backend(name, fn, check=check, cost=cost, auto=auto)
+    if isinstance(fn, Backend):
+        if any(f is not None for f in (check, cost, notes)):
+            raise TypeError(
+                f"backend {name!r}: a Backend object brings its own check/cost/notes methods"
+            )
+        if not isinstance(auto, bool):
+            raise TypeError(f"backend {name!r}: auto must be a bool, got {auto!r}")
+        backend: Backend = fn
+        backend.name, backend.auto = name, auto
+    else:
+        backend = Backend(name, fn, check=check, cost=cost, notes=notes, auto=auto)
     if not isinstance(replace, bool):
         raise TypeError(f"replace must be a bool, got {replace!r}")
     with _WRITE:
@@ -190,25 +201,9 @@ class Explanation:
             else:
                 head = "could serve it, but comes later in the order"
             lines.append(f"  {name:<{width}}  {head}")
-            lines += [f"  {'':<{width}}  {note}" for note in self.notes.get(name, [])]
+            if name == self.chosen:  # what runs; the others' notes stay in self.notes
+                lines += [f"  {'':<{width}}  {note}" for note in self.notes.get(name, [])]
         return "\n".join(lines)
-
-
-def _plan_note(call: AttentionCall, backend: Backend) -> list[str]:
-    """What the kernel does with a call's blocks, when it can be told without data."""
-    plain = call.bias_shape is None and call.score_term is None
-    if call.mask is not None and isinstance(backend, SDPA) and plain:
-        docs = _documents(call.mask, call.q_len, call.kv_len)  # the documents' lengths: no data
-        if docs:
-            n = sum(sum(b > a for a, b in itertools.pairwise(row)) for row in docs[0])
-            return [f"one fused call per document: {n} calls"]
-    if call.device.type == "meta" or not isinstance(backend, Chunked):
-        return []
-    term = call.score_term is not None
-    plan = plan_for(call.mask, call.geometry, call.groups, term, backend.block_q, backend.block_k)
-    notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
-    fused = fused_note(call, plan, backend.fused_rows)
-    return notes + ([fused] if fused else [])
 
 
 def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
@@ -226,7 +221,7 @@ def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
     reasons, costs, notes = {}, {}, {}
     for name, b in registry.items():
         reasons[name], costs[name] = b.reasons(call)
-        notes[name] = _plan_note(call, b) if not reasons[name] else []
+        notes[name] = b.explain_notes(call) if not reasons[name] else []
     if requested != "auto":
         chosen = None if reasons[requested] else requested
     else:
@@ -244,9 +239,9 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
             return backend
     elif backend == "auto":
         for b in registry.values():
-            if b.auto and not b.check(call) and not b.cost(call):
+            if b.auto and not b.reasons(call)[0] and not b.reasons(call)[1]:
                 return b
-    elif backend in registry and not registry[backend].check(call):
+    elif backend in registry and not registry[backend].reasons(call)[0]:
         return registry[backend]
     decision = _decide(call, backend)
     if decision.chosen is None:
@@ -288,6 +283,7 @@ def _call_of(
     softcap: object,
     dropout_p: object,
     return_weights: object,
+    return_lse: object,
     autocast: str | None,
 ) -> AttentionCall:
     """The validated call; under autocast a dtype error also says what autocast did."""
@@ -305,6 +301,8 @@ def _call_of(
             sinks=sinks,
             dropout_p=dropout_p,
             return_weights=return_weights,
+            return_lse=return_lse,
+            check_finite=True,
         )
     except TypeError as error:
         if autocast is None or "dtype" not in str(error):
@@ -327,31 +325,29 @@ def _run(
     sinks: Tensor | None,
     dropout_p: float,
     return_weights: bool,
+    return_lse: bool,
     backend: str | Backend,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Output:
     # Under torch.autocast, as torch's SDPA: inputs go to the autocast dtype. The backend then runs
     # with autocast off, or it would turn the float32 softmax accumulation back into bf16 GEMMs.
     args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
-    call = _call_of(args, mask, causal, scale, softcap, dropout_p, return_weights, autocast_dtype)
+    call = _call_of(
+        args, mask, causal, scale, softcap, dropout_p, return_weights, return_lse, autocast_dtype
+    )
     q, k, v, bias, sinks = args  # type: ignore[assignment]
-    backend = check_backend(backend)
-    if call.requires_grad and not torch.compiler.is_compiling():
-        # Whether torch's backward may take the call: masked NaN must not reach any gradient.
-        call = dataclasses.replace(call, finite=finite(q, k, v))
-    chosen = _choose(call, backend)
+    dense = bias if isinstance(bias, Tensor) else None
     with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        return chosen.fn(
-            q,
-            k,
-            v,
-            mask=call.mask,
-            bias=bias,
-            scale=call.scale,
-            softcap=call.softcap,
-            sinks=sinks,
-            dropout_p=call.dropout_p,
-            return_weights=return_weights,
-        )
+        return dispatch(call, CallInputs(q, k, v, dense, sinks), check_backend(backend))
+
+
+def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) -> Output:
+    """Choose the backend for a validated call and run it (what :func:`attention` does after
+    validating; entry points that validate a call themselves, such as ring attention, call it)."""
+    chosen = _choose(call, backend)
+    record = None if torch.compiler.is_compiling() else recording()
+    if record is not None:
+        record.append(Dispatch(call, chosen.name))
+    return chosen.run(call, inputs)
 
 
 _MaskArg = Bool[Tensor, "*#mb #Tk"] | Mask | None
@@ -372,6 +368,7 @@ def attention(
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[False] = False,
+    return_lse: Literal[False] = False,
     backend: str | Backend = "auto",
 ) -> Float[Tensor, "*batch H Tq Dv"]: ...
 
@@ -390,6 +387,7 @@ def attention(
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[True],
+    return_lse: Literal[False] = False,
     backend: str | Backend = "auto",
 ) -> tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]: ...
 
@@ -407,11 +405,59 @@ def attention(
     softcap: float | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
+    return_weights: Literal[False] = False,
+    return_lse: Literal[True],
+    backend: str | Backend = "auto",
+) -> tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq"]]: ...
+
+
+@overload
+def attention(
+    q: Float[Tensor, "*batch H Tq Dk"],
+    k: Float[Tensor, "*batch Hkv Tk Dk"],
+    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    *,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
+    dropout_p: float = 0.0,
     return_weights: bool,
+    return_lse: Literal[False] = False,
     backend: str | Backend = "auto",
 ) -> (
     Float[Tensor, "*batch H Tq Dv"]
     | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]
+): ...
+
+
+@overload
+def attention(
+    q: Float[Tensor, "*batch H Tq Dk"],
+    k: Float[Tensor, "*batch Hkv Tk Dk"],
+    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    *,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    backend: str | Backend = "auto",
+) -> (
+    Float[Tensor, "*batch H Tq Dv"]
+    | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]
+    | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq"]]
+    | tuple[
+        Float[Tensor, "*batch H Tq Dv"],
+        Float[Tensor, "*batch H Tq Tk"],
+        Float[Tensor, "*batch H Tq"],
+    ]
 ): ...
 
 
@@ -429,10 +475,17 @@ def attention(
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    return_lse: bool = False,
     backend: str | Backend = "auto",
 ) -> (
     Float[Tensor, "*batch H Tq Dv"]
     | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq Tk"]]
+    | tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq"]]
+    | tuple[
+        Float[Tensor, "*batch H Tq Dv"],
+        Float[Tensor, "*batch H Tq Tk"],
+        Float[Tensor, "*batch H Tq"],
+    ]
 ):
     """Scaled dot-product attention: ``softmax(cap(q k^T * scale) + bias, masked) v``.
 
@@ -468,21 +521,30 @@ def attention(
         scale: multiplies ``q k^T``; default ``1 / sqrt(Dk)``. Must be finite and representable
             in the dtype the scores are computed in.
         softcap: caps the scaled scores, ``softcap * tanh(s / softcap)``, before ``bias`` and the
-            mask (Gemma 2's logit softcapping). A number > 0, or None.
+            mask (Gemma 2's logit softcapping). Any number > 0, exact in every backend (a huge
+            cap is no cap, a tiny one a hard limit), or None.
         sinks: ``(H,)`` logits in q's dtype, one per head, that join every row's softmax
             denominator and attend to nothing (attention sinks, as in GPT-OSS): the row's
-            weights sum to less than 1. Differentiable.
+            weights sum to less than 1. Differentiable. ``-inf`` is no sink for that head; NaN
+            and ``+inf`` are a ``ValueError``.
         dropout_p: dropout on the attention weights (always applied when > 0: pass 0 in eval).
         return_weights: also return the softmax weights ``(..., H, Tq, Tk)`` (before dropout,
             without the sinks' share). Only the ``reference`` backend computes them, so ask only
             when you need them.
+        return_lse: also return the natural-log log-sum-exp of each query's scores
+            ``(..., H, Tq)`` in the dtype the scores are computed in (float32 for float16/bfloat16,
+            the sinks' share included; ``-inf`` for a query with no visible key), the log of the
+            softmax's denominator. Differentiable. With it, partial attentions over disjoint sets
+            of keys (chunked prefill, cascades, shards) merge exactly:
+            :func:`merge_attention`. Served by ``chunked`` and ``reference``.
         backend: ``"auto"`` (default), a name from :func:`available_backends`, or a
             :class:`~attnkit.Backend` such as ``attnkit.backends.Chunked(block_q=64)``. ``auto``
             takes the fastest backend that can serve the call without materialising a
             ``(Tq, Tk)`` tensor it does not need; :func:`explain` tells which and why.
 
     Returns:
-        The output ``(..., H, Tq, Dv)`` in q's dtype, or ``(output, weights)``.
+        The output ``(..., H, Tq, Dv)`` in q's dtype; ``(output, weights)``, ``(output, lse)`` or
+        ``(output, weights, lse)`` when asked for.
 
     Masked pairs and non-finite values, in every backend:
 
@@ -512,8 +574,20 @@ def attention(
     Shape legend: ``...`` batch dims, ``H`` query heads, ``Hkv`` key/value heads, ``Tq`` queries,
     ``Tk`` keys, ``Dk`` query/key size, ``Dv`` value size.
     """
-    return _run(
-        q, k, v, mask, bias, causal, scale, softcap, sinks, dropout_p, return_weights, backend
+    return _run(  # type: ignore[return-value]
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        causal,
+        scale,
+        softcap,
+        sinks,
+        dropout_p,
+        return_weights,
+        return_lse,
+        backend,
     )
 
 
@@ -531,6 +605,7 @@ def explain(
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    return_lse: bool = False,
     backend: str | Backend = "auto",
 ) -> Explanation:
     """Which backend :func:`attention` would use for these arguments, and why not the others.
@@ -543,20 +618,70 @@ def explain(
     >>> from attnkit import masks
     >>> q = torch.empty(1, 8, 4096, 64, device="meta")
     >>> print(explain(q, q, q, causal=True))
-    attention call: q (1, 8, 4096, 64), k (1, 8, 4096, 64), v (1, 8, 4096, 64) float32 on meta,
-    causal auto picks: sdpa
+    attention call: q (1, 8, 4096, 64), k (1, 8, 4096, 64), v (1, 8, 4096, 64) float32 on meta, ...
+    auto picks: sdpa
       sdpa       chosen
+                 hands the call to chunked if torch's output breaks the non-finite policy (NaN/...
       chunked    could serve it, but comes later in the order
       reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
     >>> q = torch.empty(1, 8, 4096, 64)
     >>> print(explain(q, q, q, mask=masks.sliding_window(512)))
-    attention call: ... float32 on cpu, mask sliding_window(left=512, right=0)
+    attention call: q (1, 8, 4096, 64), k (1, 8, 4096, 64), v (1, 8, 4096, 64) float32 on cpu, ...
     auto picks: chunked
       sdpa       avoided: would materialise the mask sliding_window(left=512, right=0) as a ...
       chunked    chosen
                  block plan: 60 of 256 blocks of 512 x 128 computed, 60 with a mask tile
-      reference  avoided: would materialise the scores ...
+      reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
+
+    The report's long lines are cut at ``...`` here. With a structured mask on a real device it
+    also says how many blocks the chunked kernel computes; for a call that needs gradients it
+    reads whether q, k and v are finite, as :func:`attention` does, so it names the backend that
+    will run.
     """
     args, _, autocast_dtype = _under_autocast((q, k, v, bias, sinks))  # the call attention() makes
-    call = _call_of(args, mask, causal, scale, softcap, dropout_p, return_weights, autocast_dtype)
+    call = _call_of(
+        args, mask, causal, scale, softcap, dropout_p, return_weights, return_lse, autocast_dtype
+    )
     return _decide(call, check_backend(backend))
+
+
+def merge_attention(
+    outs: Sequence[Tensor], lses: Sequence[Tensor]
+) -> tuple[Float[Tensor, "*batch H Tq Dv"], Float[Tensor, "*batch H Tq"]]:
+    """Merge partial attentions of the same queries over disjoint sets of keys into the attention
+    over all of them: ``(out, lse)`` from ``attention(..., return_lse=True)`` calls.
+
+    ``out = sum_i exp(lse_i - lse) * out_i`` with ``lse = logsumexp_i lse_i``: exact (to rounding),
+    and differentiable. A query no part lets see any key stays 0 with ``lse = -inf``. A sink must
+    join one part only (its share is in that part's ``lse``).
+
+    >>> import torch
+    >>> q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    >>> a = attention(q, k[..., :3, :], v[..., :3, :], return_lse=True)
+    >>> b = attention(q, k[..., 3:, :], v[..., 3:, :], return_lse=True)
+    >>> out, lse = merge_attention([a[0], b[0]], [a[1], b[1]])
+    >>> torch.allclose(out, attention(q, k, v))
+    True
+    """
+    if not outs or len(outs) != len(lses):
+        raise ValueError(
+            f"merge_attention() takes as many outputs as log-sum-exps, at least one; got "
+            f"{len(outs)} and {len(lses)}"
+        )
+    shape = tuple(outs[0].shape)
+    for i, (o, lse) in enumerate(zip(outs, lses, strict=True)):
+        if tuple(o.shape) != shape or tuple(lse.shape) != shape[:-1]:
+            raise ValueError(
+                f"merge_attention(): part {i} has out {shape_str(o.shape)} and lse "
+                f"{shape_str(lse.shape)}; every out must be {shape_str(shape)} and every lse "
+                f"{shape_str(shape[:-1])}"
+            )
+    stacked = torch.stack([lse.to(torch.promote_types(lse.dtype, torch.float32)) for lse in lses])
+    nothing = (stacked == float("-inf")).all(0)  # no part sees a key: 0, and no NaN gradients
+    total = torch.logsumexp(stacked.masked_fill(nothing, 0.0), 0).masked_fill(nothing, -math.inf)
+    anchor = total.masked_fill(nothing, 0.0)
+    out = sum(
+        (lse - anchor).exp().unsqueeze(-1) * o.to(stacked.dtype)
+        for o, lse in zip(outs, stacked, strict=True)
+    )
+    return out.to(outs[0].dtype), total

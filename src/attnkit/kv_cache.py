@@ -151,7 +151,7 @@ class KVCache(nn.Module):
         self.length = self.length + self._staged
         self._staged = 0
 
-    def _rewind(self, length: int) -> None:
+    def rewind(self, length: int) -> None:
         """Forget every token from position ``length`` on, as if the calls that appended them had
         never run: what a multi-step call (a layer, a stack of layers) uses to undo its earlier
         steps when a later one fails."""

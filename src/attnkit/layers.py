@@ -91,7 +91,7 @@ def _undo_on_error(caches: Sequence[object], step: Callable[[], Tensor]) -> Tens
         return step()
     except BaseException:
         for c, length in held:
-            c._rewind(length)
+            c.rewind(length)
         raise
 
 

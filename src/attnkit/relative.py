@@ -48,7 +48,7 @@ from ._hints import torch_keywords, warn_torch_convention
 from ._typing import Bool, Float
 from .attention import Explanation, attention, check_backend, explain
 from .backends.base import Backend
-from .masks import Geometry, Mask, check_mask
+from .masks import Geometry, Mask, check_mask, visibility
 from .scores import RelativePositionTerm
 
 __all__ = ["RelativeMultiHeadAttention"]
@@ -131,11 +131,7 @@ class RelativeMultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("d_model", d_model), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        d_model, num_heads = check_int("d_model", d_model), check_int("num_heads", num_heads)
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
@@ -283,11 +279,10 @@ class RelativeMultiHeadAttention(nn.Module):
         """The distances ``i' - j`` a call can need, largest first: ``Tk - 1 .. 1 - Tq``, cut to
         what a structured mask (a sliding window, causal) leaves visible."""
         top, bottom = tk - 1, 1 - tq
-        if isinstance(mask, Mask) or causal:
+        seen = visibility(mask, causal)  # the call's mask and causal, as attention() folds them
+        if seen is not None:
             geo = Geometry((b,), self.num_heads, tq, tk, torch.device("cpu"))
-            lo, hi = mask.distances(geo) if isinstance(mask, Mask) else (-math.inf, math.inf)
-            if causal:
-                hi = min(hi, 0)
+            lo, hi = seen.distances(geo)
             # j - i' in [lo, hi]  <=>  i' - j in [-hi, -lo]
             top = int(min(top, -lo)) if lo > -math.inf else top
             bottom = int(max(bottom, -hi)) if hi < math.inf else bottom

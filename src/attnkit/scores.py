@@ -41,38 +41,20 @@ Shape letters: ``B`` batch, ``H`` heads, ``Tq`` queries, ``Tk`` keys, ``Dh`` hea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ._checks import shape_str
+from ._blocks import Geometry
+from ._checks import check_int, shape_str
 
 __all__ = ["RelativePositionTerm", "ScoreShape", "ScoreTerm", "TermBlock"]
 
 
-@dataclass(frozen=True)
-class ScoreShape:
-    """The call a term computes for: ``batch`` rows (batch dims flattened), ``heads`` query heads,
-    ``q_len`` and ``kv_len``; tiles are computed in ``dtype`` (float32 for float16/bfloat16 calls)
-    on ``device``."""
-
-    batch: int
-    heads: int
-    q_len: int
-    kv_len: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def q_positions(self, qs: int, qe: int) -> Tensor:
-        """``(rows, 1)`` key positions of queries ``qs:qe``: ``i + Tk - Tq`` (bottom-right)."""
-        shift = self.kv_len - self.q_len
-        return torch.arange(qs + shift, qe + shift, device=self.device).unsqueeze(-1)
-
-    def k_positions(self, ks: int, ke: int) -> Tensor:
-        """``(1, keys)`` positions of keys ``ks:ke``."""
-        return torch.arange(ks, ke, device=self.device).unsqueeze(0)
+#: The call a term computes for: the :class:`~attnkit.masks.Geometry` masks are asked about too
+#: (``batch`` rows, ``heads``, ``q_len``, ``kv_len``, tiles computed in ``dtype`` on ``device``).
+ScoreShape = Geometry
 
 
 class TermBlock:
@@ -102,6 +84,11 @@ class ScoreTerm:
     Subclasses implement :meth:`tile` (and :meth:`inputs` if gradients should reach tensors);
     :meth:`block` and :meth:`dense` have defaults built on it. The term is added to the scaled
     scores after ``softcap`` and before the mask, like ``bias``.
+
+    Its values follow ``bias``'s rule: ``-inf`` masks that pair; NaN or ``+inf`` at a pair the mask
+    leaves visible is a ``ValueError`` when the term's inputs, q and k are finite (a NaN the inputs
+    bring is a NaN in the call's inputs: it reaches the outputs that depend on it). What a term
+    holds at masked pairs never matters.
     """
 
     def inputs(self) -> tuple[Tensor, ...]:
@@ -149,6 +136,54 @@ class ScoreTerm:
 
     def __repr__(self) -> str:
         return self.describe()
+
+
+# Caps up to these (in the dtype the scores are computed in) are computed as 2c sigmoid(2x/c) - c,
+# a fraction of tanh's cost on CPUs. That form is off by about c times the float epsilon whatever x,
+# so larger caps take c tanh(x/c), whose error is that of x: below these limits the sigmoid form's
+# error stays several times inside the tolerances of attnkit.testing (float32 2e-5, float64 1e-10).
+_SIGMOID_CAPS = {torch.float32: 64.0, torch.float64: 65536.0}
+
+
+class Softcap(NamedTuple):
+    """How a call's scores are capped in their work dtype: ``cap`` is the cap computed with, and
+    ``sigmoid`` whether as ``2 cap sigmoid(2x / cap) - cap`` (else ``cap * tanh(x / cap)``)."""
+
+    cap: float
+    sigmoid: bool
+
+
+def softcap_form(softcap: float, dtype: torch.dtype) -> Softcap | None:
+    """How ``softcap * tanh(s / softcap)`` is computed exactly for scores in ``dtype``, for any
+    ``softcap > 0``; None: as no cap.
+
+    A cap above the dtype's largest number is no cap: it moves a score by ``s^3 / (3 cap^2)``,
+    which changes a weight only where scores sit far above 1e30, and there the spacing of the
+    dtype's numbers already makes the softmax pick the largest. A cap below the dtype's smallest
+    normal number is computed as that number: every capped score then rounds to 0 beside the
+    others (the weights are uniform over the visible keys either way).
+    """
+    info = torch.finfo(dtype)
+    if softcap > info.max:
+        return None
+    cap = max(softcap, info.tiny)
+    return Softcap(cap, 1.0 <= cap <= _SIGMOID_CAPS.get(dtype, 0.0))
+
+
+def cap_scores(s: Tensor, softcap: float) -> Tensor:
+    """``softcap * tanh(s / softcap)``, exact for any ``softcap > 0`` (see ``softcap_form``)."""
+    form = softcap_form(softcap, s.dtype)
+    return s if form is None else form.cap * torch.tanh(s / form.cap)
+
+
+def term_error(term: ScoreTerm) -> ValueError:
+    """The error for a term that gave NaN or +inf at a visible pair although its inputs (and q and
+    k) were finite."""
+    return ValueError(
+        f"bias: {term.describe()}.tile() returned NaN or +inf at a pair the mask leaves visible, "
+        "from finite inputs: a score term may hold -inf (that pair is then masked) but not NaN or "
+        "+inf, which would make the softmax undefined"
+    )
 
 
 def reused(
@@ -239,7 +274,7 @@ class _TileBlock(TermBlock):
 # computed once for the block; wider ones are computed once per tile. A GEMM writing long rows runs
 # markedly slower than one whose output stays in the CPU's caches, by more than the ``rows - 1``
 # distances that each tile's window adds.
-_WHOLE_WIDTH = 2048
+WHOLE_WIDTH = 2048
 
 
 class _Skew(NamedTuple):
@@ -274,6 +309,9 @@ class RelativePositionTerm(ScoreTerm):
         legacy: openspeech's variant: ``enc`` is ``(H, T + 1, Dh)``, the projected *absolute*
             encodings of positions ``0..T-1`` after a zero row, and the term is openspeech's
             pad-and-reshape shift of ``qv @ enc^T`` (self-attention only).
+        whole_width: a query block whose product spans at most this many distances computes it
+            once; a wider one computes it per tile's keys (0: always per tile). The result is the
+            same; the default keeps the product in the CPU's caches.
 
     For a block of queries it multiplies ``qv`` by the rows of ``enc`` those queries can need
     (``keys + rows - 1`` of them; over long inputs, for each tile's keys separately, so that the
@@ -290,10 +328,12 @@ class RelativePositionTerm(ScoreTerm):
         *,
         max_distance: int | None = None,
         legacy: bool = False,
+        whole_width: int = WHOLE_WIDTH,
     ) -> None:
         self.qv, self.enc, self.scale = qv, enc, scale
         self.max_distance = max_distance
         self.legacy = legacy
+        self.whole_width = check_int("whole_width", whole_width, minimum=0)
         self._buffers: dict[str, Tensor] = {}
         self._rows: tuple[Tensor, torch.dtype, Tensor] | None = None
 
@@ -366,7 +406,7 @@ class _RelativeBlock(TermBlock):
     """One query block of :class:`RelativePositionTerm`. Its product ``qv @ enc[window]^T`` is
     computed at the first tile, in a buffer shared by the blocks of one call: once for the block's
     whole key range, or once per tile's key range when the whole range spans more than
-    ``_WHOLE_WIDTH`` distances."""
+    ``whole_width`` distances."""
 
     writable = True
 
@@ -394,7 +434,7 @@ class _RelativeBlock(TermBlock):
             self.skew = _Skew(qs, min(qe + 1, t), 0, t + 1, t - qs, t)
         else:
             self._set_window(key_lo, key_hi)
-            self.whole = self.width <= _WHOLE_WIDTH
+            self.whole = self.width <= term.whole_width
         self._qv: Tensor | None = None
         self._product: Tensor | None = None
         self._grad: Tensor | None = None

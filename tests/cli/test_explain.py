@@ -100,7 +100,7 @@ def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["-t", "-5"], "argument -t/--q-len: must be at least 1, got -5"),
         (["--kv-heads", "0"], "argument --kv-heads: must be at least 1, got 0"),
-        (["-d", "x"], "argument -d/--head-dim: not an integer: 'x'"),
+        (["-d", "x"], "argument -d/--head-dim: invalid int value: 'x'"),
         (["--mask", "window"], "window:N, documents:N, key-padding:N (a structured mask)"),
     ],
 )

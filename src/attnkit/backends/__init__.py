@@ -10,9 +10,27 @@ Pass a name (``backend="chunked"``) or an instance (``backend=Chunked(block_q=64
 :func:`attnkit.attention`.
 """
 
-from .base import Backend, BackendError, BackendFn
+from .base import Backend, BackendError, BackendFn, CallInputs, Dispatch, record_dispatch
 from .chunked import Chunked
-from .reference import reference
+from .reference import Reference, reference
 from .sdpa import SDPA
 
-__all__ = ["SDPA", "Backend", "BackendError", "BackendFn", "Chunked", "reference"]
+__all__ = [
+    "SDPA",
+    "Backend",
+    "BackendError",
+    "BackendFn",
+    "CallInputs",
+    "Chunked",
+    "Dispatch",
+    "Reference",
+    "builtin_backends",
+    "record_dispatch",
+    "reference",
+]
+
+
+def builtin_backends() -> tuple[Backend, ...]:
+    """New instances of the built-in backends, in ``auto``'s order of preference: the fastest
+    first, the materialising spec last."""
+    return (SDPA(), Chunked(), Reference())

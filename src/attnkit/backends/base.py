@@ -1,8 +1,30 @@
-"""What a backend is: a function with ``attention()``'s arguments, and what it says about a call."""
+"""The backend protocol: what a backend says about a call, and how it serves one.
+
+A backend is a :class:`Backend`: four methods of one validated call object
+(:class:`~attnkit.AttentionCall`), and nothing else the dispatcher knows of it.
+
+* ``check(call)``: the reasons it *cannot* serve the call (empty: it can);
+* ``cost(call)``: the reasons ``auto`` should prefer another backend although this one can serve
+  the call (``(Tq, Tk)``-sized tensors it would materialise that the call does not need);
+* ``notes(call)``: what :func:`~attnkit.explain` prints under it (its plan for the call, a path it
+  may take at run time);
+* ``run(call, inputs)``: the output, from the call and its tensors (:class:`CallInputs`).
+
+Write one by subclassing :class:`Backend` and overriding the methods, or by handing
+:func:`~attnkit.register_backend` a function with :func:`~attnkit.attention`'s arguments
+(:class:`BackendFn`).
+
+A backend serves every call its ``check`` accepts, or hands it to another backend *visibly*
+(:meth:`Backend.hand_over`): the hand-over is counted in :attr:`Backend.handovers` and recorded
+by :func:`record_dispatch`, and its ``notes`` say when it can happen.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -11,16 +33,43 @@ from .._call import AttentionCall
 from ..masks import Mask
 from ..scores import ScoreTerm
 
-__all__ = ["Backend", "BackendError", "BackendFn", "CallCheck"]
+__all__ = [
+    "Backend",
+    "BackendError",
+    "BackendFn",
+    "CallCheck",
+    "CallInputs",
+    "Dispatch",
+    "record_dispatch",
+]
+
+
+@dataclass(frozen=True)
+class CallInputs:
+    """The tensors of a validated call, as :func:`~attnkit.attention` received them (cast under
+    ``torch.autocast``): ``q (..., H, Tq, Dk)``, ``k (..., Hkv, Tk, Dk)``, ``v (..., Hkv, Tk, Dv)``,
+    a dense float ``bias`` broadcastable to ``(..., H, Tq, Tk)`` or None, ``sinks (H,)`` or None.
+    A lazy score term is ``call.score_term``; the call's visibility is ``call.mask``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    bias: Tensor | None = None
+    sinks: Tensor | None = None
+
+
+#: What a backend returns: the output, or a tuple of the output, the weights and/or the lse.
+Output = Tensor | tuple[Tensor, ...]
 
 
 @runtime_checkable
 class BackendFn(Protocol):
-    """The signature every backend implements: :func:`attnkit.attention`'s arguments, validated.
+    """A backend as one function: :func:`attnkit.attention`'s arguments, validated.
 
     ``mask`` is the call's visibility as one :class:`~attnkit.masks.Mask` (``mask`` and ``causal``
     together; a bool tensor arrives wrapped, ``mask.dense(...)`` writes it out) or None; ``bias``
-    is a float tensor or a :class:`~attnkit.scores.ScoreTerm`; ``scale`` is a float.
+    is a float tensor or a :class:`~attnkit.scores.ScoreTerm`; ``scale`` is a float. Returns the
+    output, or ``(output, weights)`` when ``return_weights``.
     """
 
     def __call__(
@@ -36,10 +85,55 @@ class BackendFn(Protocol):
         sinks: Tensor | None,
         dropout_p: float,
         return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]: ...
+    ) -> Output: ...
 
 
 CallCheck = Callable[[AttentionCall], list[str]]
+
+
+@dataclass
+class Dispatch:
+    """One :func:`~attnkit.attention` call as :func:`record_dispatch` saw it: the backend chosen,
+    and every hand-over from one backend to another with its reason, in order."""
+
+    call: AttentionCall
+    chosen: str
+    handovers: list[tuple[str, str, str]] = field(default_factory=list)  # (from, to, why)
+
+    @property
+    def served_by(self) -> str:
+        """The backend that computed the output."""
+        return self.handovers[-1][1] if self.handovers else self.chosen
+
+
+_RECORD: contextvars.ContextVar[list[Dispatch] | None] = contextvars.ContextVar(
+    "attnkit_dispatch_record", default=None
+)
+
+
+@contextlib.contextmanager
+def record_dispatch() -> Iterator[list[Dispatch]]:
+    """Record every :func:`~attnkit.attention` call in the block: which backend was chosen and
+    which (after a hand-over) served it.
+
+    >>> import torch, attnkit
+    >>> q = torch.randn(1, 2, 8, 4)
+    >>> with attnkit.record_dispatch() as calls:
+    ...     _ = attnkit.attention(q, q, q, softcap=5.0)
+    >>> [(c.chosen, c.served_by) for c in calls]
+    [('chunked', 'chunked')]
+    """
+    record: list[Dispatch] = []
+    token = _RECORD.set(record)
+    try:
+        yield record
+    finally:
+        _RECORD.reset(token)
+
+
+def recording() -> list[Dispatch] | None:
+    """The active record of :func:`record_dispatch`, if any (what the dispatcher appends to)."""
+    return _RECORD.get()
 
 
 def _no_reasons(call: AttentionCall) -> list[str]:
@@ -47,13 +141,12 @@ def _no_reasons(call: AttentionCall) -> list[str]:
 
 
 class Backend:
-    """A backend: its function and what it says about a call.
+    """A backend: what it says about a call and how it serves it (see :mod:`attnkit.backends.base`).
 
-    * ``check(call)``: the reasons it *cannot* serve an :class:`~attnkit.AttentionCall` (empty:
-      it can);
-    * ``cost(call)``: the reasons ``auto`` should prefer another backend even though this one can
-      serve the call (``(Tq, Tk)``-sized tensors it would materialise that the call does not need);
-    * ``auto``: whether ``backend="auto"`` may pick it.
+    Subclass it and override :meth:`run` (and :meth:`check`, :meth:`cost`, :meth:`notes` as
+    needed), or pass ``fn``, a function with :func:`attnkit.attention`'s arguments
+    (:class:`BackendFn`), and optional ``check``/``cost``/``notes`` functions of the call.
+    ``auto``: whether ``backend="auto"`` may pick it.
 
     Pass a name to :func:`attnkit.attention` for a registered backend, or a ``Backend`` itself (for
     example ``attnkit.backends.Chunked(block_q=64, block_k=64)``).
@@ -62,44 +155,96 @@ class Backend:
     def __init__(
         self,
         name: str,
-        fn: BackendFn,
+        fn: BackendFn | None = None,
         *,
         check: CallCheck | None = None,
         cost: CallCheck | None = None,
+        notes: CallCheck | None = None,
         auto: bool = True,
     ) -> None:
         if not isinstance(name, str) or not name or name == "auto":
             raise ValueError(
                 f"backend name must be a non-empty string other than 'auto', got {name!r}"
             )
-        if not callable(fn):
+        if fn is not None and not callable(fn):
             raise TypeError(f"backend {name!r}: fn must be callable, got {type(fn).__name__}")
-        for what, f in (("check", check), ("cost", cost)):
+        for what, f in (("check", check), ("cost", cost), ("notes", notes)):
             if f is not None and not callable(f):
                 raise TypeError(
                     f"backend {name!r}: {what} must be a function of the call returning a list "
-                    f"of reasons, or None; got {f!r}"
+                    f"of strings, or None; got {f!r}"
                 )
         if not isinstance(auto, bool):
             raise TypeError(f"backend {name!r}: auto must be a bool, got {auto!r}")
         self.name = name
-        self.fn = fn
-        self.check: CallCheck = check or _no_reasons
-        self.cost: CallCheck = cost or _no_reasons
         self.auto = auto
+        #: How many calls this backend handed to another one at run time (see :meth:`hand_over`).
+        self.handovers = 0
+        self._fn = fn
+        self._check, self._cost, self._notes = check, cost, notes
+
+    # ----------------------------------------------------------------------------------------------
+    # The protocol
+
+    def check(self, call: AttentionCall) -> list[str]:
+        """The reasons this backend cannot serve ``call`` (empty: it can)."""
+        return self._check(call) if self._check is not None else []
+
+    def cost(self, call: AttentionCall) -> list[str]:
+        """The reasons ``auto`` should prefer another backend for ``call``."""
+        return self._cost(call) if self._cost is not None else []
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        """Lines :func:`~attnkit.explain` prints under this backend when it can serve ``call``."""
+        return self._notes(call) if self._notes is not None else []
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        """The output ``(..., H, Tq, Dv)`` of ``call`` (or ``(output, weights)`` when
+        ``call.return_weights``), following :func:`~attnkit.attention`'s conventions."""
+        if self._fn is None:
+            raise NotImplementedError(f"backend {self.name!r} must implement run(call, inputs)")
+        bias: Tensor | ScoreTerm | None = inputs.bias
+        if bias is None:
+            bias = call.score_term
+        return self._fn(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            mask=call.mask,
+            bias=bias,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=inputs.sinks,
+            dropout_p=call.dropout_p,
+            return_weights=call.return_weights,
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # For the dispatcher and for backends
 
     def reasons(self, call: AttentionCall) -> tuple[list[str], list[str]]:
         """``(check(call), cost(call))``, each checked to be a list of strings."""
-        out = []
-        for what, f in (("check", self.check), ("cost", self.cost)):
-            got = f(call)
-            if not isinstance(got, list) or not all(isinstance(r, str) for r in got):
-                raise TypeError(
-                    f"backend {self.name!r}: {what}(call) must return a list of strings, got "
-                    f"{got!r}"
-                )
-            out.append(got)
-        return out[0], out[1]
+        return self._strings("check", self.check(call)), self._strings("cost", self.cost(call))
+
+    def explain_notes(self, call: AttentionCall) -> list[str]:
+        """``notes(call)``, checked to be a list of strings."""
+        return self._strings("notes", self.notes(call))
+
+    def _strings(self, what: str, got: object) -> list[str]:
+        if not isinstance(got, list) or not all(isinstance(r, str) for r in got):
+            raise TypeError(
+                f"backend {self.name!r}: {what}(call) must return a list of strings, got {got!r}"
+            )
+        return got
+
+    def hand_over(self, call: AttentionCall, inputs: CallInputs, to: Backend, why: str) -> Output:
+        """Serve ``call`` with backend ``to`` instead, visibly: counted in :attr:`handovers` and
+        recorded by :func:`record_dispatch` with ``why``."""
+        self.handovers += 1
+        record = _RECORD.get()
+        if record:
+            record[-1].handovers.append((self.name, to.name, why))
+        return to.run(call, inputs)
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"

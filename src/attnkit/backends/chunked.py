@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._call import AttentionCall
+from .._call import AttentionCall, finite
 from .._checks import check_int
 from .._kernel import (
     FUSED_ROWS,
@@ -45,8 +45,8 @@ from .._kernel import (
     split_runs,
 )
 from ..masks import Geometry, Mask
-from ..scores import ScoreTerm
-from .base import Backend
+from ..scores import ScoreTerm, softcap_form, term_error
+from .base import Backend, CallInputs
 
 __all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention"]
 
@@ -75,22 +75,19 @@ def _unlayout_bias_grad(d5: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Ten
     return d.reshape(bias.shape).to(bias.dtype)
 
 
-def finite(*tensors: Tensor) -> bool:
-    """True when none of ``tensors`` holds NaN or inf (one host synchronisation).
+def _check_term(term: ScoreTerm, lse: Tensor) -> None:
+    """Raise when a score term gave NaN or +inf at a visible pair (one host synchronisation).
 
-    A sum is NaN or inf when any term is, and one sum is a fraction of ``isfinite().all()``'s
-    cost. It can also overflow on finite values far beyond any activation's scale (1e32 in
-    float32); the answer is then False, which only costs the caller its careful path.
+    With finite q, k, v and term inputs (and a bias already checked), only the term can make a
+    visible score NaN or +inf, and any such score makes its row's log-sum-exp NaN or +inf: one
+    look at the ``(N, H, Tq)`` log-sum-exp replaces a pass over every tile. (Scores overflowing
+    the work dtype, ``|q . k| * scale`` beyond 3e38 in float32, would read the same.)
     """
-    total = 0.0
-    sums = [
-        t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32))
-        for t in tensors
-        if t.numel()
-    ]
-    if sums:
-        total = float(torch.stack(sums).sum()) if len(sums) > 1 else float(sums[0])
-    return math.isfinite(total)
+    if not lse.numel():
+        return
+    top = float(lse.max())  # NaN propagates through max; -inf rows (no visible key) are fine
+    if math.isnan(top) or top == math.inf:
+        raise term_error(term)
 
 
 @dataclass(frozen=True)
@@ -104,6 +101,8 @@ class _Spec:
     softcap: float | None
     term: ScoreTerm | None
     careful: bool
+    #: q, k, v and the term's inputs are finite: a non-finite log-sum-exp is the term's doing
+    check_term: bool
     has_bias: bool
     has_sinks: bool
     n_term: int
@@ -149,10 +148,12 @@ class _KernelAttention(torch.autograd.Function):
         bias: Tensor | None,
         sinks: Tensor | None,
         *term_inputs: Tensor,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         p = _problem(spec, q, k, v, bias, term_inputs)
         with no_autocast(q.device):
             out5, lse = forward(p)
+            if spec.check_term and spec.term is not None:
+                _check_term(spec.term, lse)
             sinks2 = None if sinks is None else sinks.view(p.hkv, p.g)
             out5, lse = finish(out5, lse, sinks2)
         # (N, Hkv, G, Tq, Dv) laid out as (N, Tq, H, Dv): a view of q's shape, like torch's SDPA.
@@ -161,12 +162,14 @@ class _KernelAttention(torch.autograd.Function):
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse, *optional, *term_inputs)
         ctx.spec = spec  # type: ignore[attr-defined]
-        return out
+        ctx.set_materialize_grads(False)
+        # (N, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included.
+        return out, lse.flatten(1, 2).reshape(q.shape[:-1]).clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, dout: Tensor
+        ctx: torch.autograd.function.FunctionCtx, dout: Tensor | None, dlse: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         spec: _Spec = ctx.spec  # type: ignore[attr-defined]
         q, k, v, out5, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -175,9 +178,15 @@ class _KernelAttention(torch.autograd.Function):
         term_inputs = tuple(rest)
         p = _problem(spec, q, k, v, bias, term_inputs)
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
-        with no_autocast(dout.device):
-            dout5 = dout.reshape(p.n, p.hkv, p.g, p.tq, p.dv)
+        with no_autocast(q.device):
+            if dout is None:  # only the log-sum-exp is used
+                dout5 = out5.new_zeros(out5.shape)
+            else:
+                dout5 = dout.reshape(p.n, p.hkv, p.g, p.tq, p.dv)
             delta = delta_of(out5, dout5)
+            if dlse is not None:
+                # d lse / d s = the softmax: the score gradient P * (dP - delta) gains P * dlse.
+                delta = delta - dlse.reshape(p.n, p.hkv, p.g, p.tq).to(delta.dtype)
             grads = backward(
                 p,
                 out5,
@@ -210,7 +219,7 @@ class _KernelAttention(torch.autograd.Function):
 
 
 # Function.apply is untyped in torch; give it its type once.
-_apply: Callable[..., Tensor] = _KernelAttention.apply
+_apply: Callable[..., tuple[Tensor, Tensor]] = _KernelAttention.apply
 
 
 def plan_for(
@@ -249,8 +258,12 @@ def kernel_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     fused_rows: int | None = FUSED_ROWS,
-) -> Tensor:
-    """Run the kernel on a validated call (what the ``chunked`` backend does)."""
+    is_finite: bool | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
+    whether q, k and v hold only finite values, if the caller knows (None: find out).
+    ``return_lse``: also return the natural-log log-sum-exp ``(..., H, Tq)`` (differentiable)."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -259,6 +272,7 @@ def kernel_attention(
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k)
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
+    careful = not (finite(q, k, v) if is_finite is None else is_finite)
     spec = _Spec(
         mask=mask,
         geo=geo,
@@ -266,20 +280,29 @@ def kernel_attention(
         scale=scale,
         softcap=softcap,
         term=term,
-        careful=not finite(q, k, v),
+        careful=careful,
+        check_term=term is not None and not careful and finite(*term_inputs),
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
         fused_rows=fused_rows,
     )
-    return _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    return (out, lse) if return_lse else out
 
 
 def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
     """What of a call's plan goes to torch's fused CPU kernel, for explain() (None: nothing)."""
     added = call.bias_shape is not None or call.score_term is not None
+    work = torch.promote_types(call.dtype, torch.float32)
+    capped = call.softcap is not None and softcap_form(call.softcap, work) is not None
     serves = fused_serves(
-        call.device, call.dtype, call.qk_dim, call.v_dim, softcap=call.softcap, added=added
+        call.device,
+        call.dtype,
+        call.qk_dim,
+        call.v_dim,
+        softcap=1.0 if capped else None,
+        added=added,
     )
     if fused_rows is None or not serves or call.finite is False:
         return None
@@ -331,38 +354,44 @@ class Chunked(Backend):
         block_k: int | None = None,
         fused_rows: int | None = FUSED_ROWS,
     ) -> None:
-        self.block_q = None if block_q is None else check_int("block_q", block_q)
-        self.block_k = None if block_k is None else check_int("block_k", block_k)
-        self.fused_rows = None if fused_rows is None else check_int("fused_rows", fused_rows)
+        super().__init__("chunked")
+        # Sizes past any sequence mean the same as the sequence: they saturate.
+        self.block_q = None if block_q is None else check_int("block_q", block_q, saturate=True)
+        self.block_k = None if block_k is None else check_int("block_k", block_k, saturate=True)
+        self.fused_rows = (
+            None if fused_rows is None else check_int("fused_rows", fused_rows, saturate=True)
+        )
 
-        def run(
-            q: Tensor,
-            k: Tensor,
-            v: Tensor,
-            *,
-            mask: Mask | None,
-            bias: Tensor | ScoreTerm | None,
-            scale: float,
-            softcap: float | None,
-            sinks: Tensor | None,
-            dropout_p: float,
-            return_weights: bool,
-        ) -> Tensor:
-            return kernel_attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                bias=bias,
-                scale=scale,
-                softcap=softcap,
-                sinks=sinks,
-                block_q=self.block_q,
-                block_k=self.block_k,
-                fused_rows=self.fused_rows,
-            )
+    def check(self, call: AttentionCall) -> list[str]:
+        return chunked_check(call)
 
-        super().__init__("chunked", run, check=chunked_check)
+    def notes(self, call: AttentionCall) -> list[str]:
+        """The block plan of a structured mask, and the share of torch's fused CPU kernel (what
+        can be told without data: nothing on ``meta`` tensors)."""
+        if call.device.type == "meta":
+            return []
+        term = call.score_term is not None
+        plan = plan_for(call.mask, call.geometry, call.groups, term, self.block_q, self.block_k)
+        notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
+        fused = fused_note(call, plan, self.fused_rows)
+        return notes + ([fused] if fused else [])
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
+        return kernel_attention(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            mask=call.mask,
+            bias=inputs.bias if inputs.bias is not None else call.score_term,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=inputs.sinks,
+            block_q=self.block_q,
+            block_k=self.block_k,
+            fused_rows=self.fused_rows,
+            is_finite=call.finite,
+            return_lse=call.return_lse,
+        )
 
     def __repr__(self) -> str:
         sizes = [f"{n}={v}" for n, v in (("block_q", self.block_q), ("block_k", self.block_k)) if v]

@@ -14,8 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._call import AttentionCall
+from .._checks import shape_str
 from ..masks import Geometry, Mask
-from ..scores import ScoreShape, ScoreTerm
+from ..scores import ScoreTerm, cap_scores, term_error
+from .base import Backend, CallInputs, Output
+
+__all__ = ["Reference", "reference"]
 
 
 def _batched(t: Tensor, batch: tuple[int, ...]) -> Tensor:
@@ -35,6 +40,16 @@ def _product(a: Tensor, b: Tensor) -> Tensor:
     return clean + (plain - clean).detach()
 
 
+def _check_term(term: ScoreTerm, dense: Tensor, visible: Tensor) -> None:
+    """Raise when the term holds NaN or +inf at a visible pair although its inputs are finite."""
+    if torch.compiler.is_compiling() or dense.device.type == "meta":
+        return
+    if not all(bool(torch.isfinite(t).all()) for t in term.inputs() if t.is_floating_point()):
+        return  # a NaN the inputs bring spreads like a NaN in q
+    if bool((visible & ~(dense < math.inf)).any()):  # NaN or +inf, where visible
+        raise term_error(term)
+
+
 def reference(
     q: Tensor,
     k: Tensor,
@@ -47,7 +62,8 @@ def reference(
     sinks: Tensor | None,
     dropout_p: float,
     return_weights: bool,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     # float16/bfloat16 run in float32; float64 stays float64 (it is the spec the tests compare to).
     work = torch.promote_types(q.dtype, torch.float32)
     batch, (h, tq, _), (hkv, tk, _) = tuple(q.shape[:-3]), q.shape[-3:], k.shape[-3:]
@@ -55,24 +71,34 @@ def reference(
     kg, vg = k.to(work).unsqueeze(-3), v.to(work).unsqueeze(-3)  # (..., Hkv, 1, Tk, D)
 
     s = (_product(qg, kg.transpose(-1, -2)) * scale).flatten(-4, -3)  # (..., H, Tq, Tk)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
     visible = torch.ones((), dtype=torch.bool, device=q.device)
     if mask is not None:
         geo = Geometry(batch, h, tq, tk, q.device)
         visible = _batched(mask.tile(geo, 0, tq, 0, tk), batch)  # (...|1, H|1, Tq|1, Tk|1)
+    added = None
     if isinstance(bias, ScoreTerm):
-        shape = ScoreShape(math.prod(batch), h, tq, tk, work, q.device)
-        s = s + _batched(bias.dense(bias.inputs(), shape), batch)
+        shape = Geometry(batch, h, tq, tk, q.device, work)
+        added = _batched(bias.dense(bias.inputs(), shape), batch)
     elif bias is not None:
-        s = s + bias
-        visible = visible & (bias != float("-inf"))  # -inf in bias masks that pair
+        added = bias
+    if added is not None:
+        visible = visible & (added != float("-inf"))  # -inf in a bias or term masks that pair
+    if isinstance(bias, ScoreTerm) and added is not None:
+        _check_term(bias, added, visible)
+    if softcap is not None:
+        # A masked score may be NaN (garbage in a padded key): cap 0 there, so that the gradient
+        # of tanh, 0 * NaN, never reaches q or k.
+        s = cap_scores(s.masked_fill(~visible, 0.0), softcap)
+    if added is not None:
+        s = s + added
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:  # one more logit per row, attending to nothing
         s = torch.cat([s, sinks.to(work)[:, None, None].expand(*s.shape[:-1], 1)], -1)
     # A row with no key to attend would be softmax(-inf, ..., -inf) = NaN: give it weights 0.
     empty = (s == float("-inf")).all(-1, keepdim=True)  # (..., H, Tq, 1)
     w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    # (..., H, Tq), the sinks' share included; -inf (and no gradient) for a row with nothing.
+    lse = torch.logsumexp(s.masked_fill(empty, 0.0), -1).masked_fill(empty[..., 0], float("-inf"))
     w = w[..., :tk]  # (..., H, Tq, Tk): without the sink's share
 
     p = F.dropout(w, dropout_p) if dropout_p else w
@@ -84,4 +110,35 @@ def reference(
         seen = visible.expand(*w.shape).unflatten(-3, (hkv, -1)).to(work) @ bad.to(work)
         out = out.masked_fill(seen.flatten(-4, -3) > 0, float("nan"))
     result: Tensor = out.to(q.dtype)
-    return (result, w.to(q.dtype)) if return_weights else result
+    extra = [w.to(q.dtype)] if return_weights else []
+    extra += [lse] if return_lse else []
+    return (result, *extra) if extra else result  # type: ignore[return-value]
+
+
+class Reference(Backend):
+    """The reference as a backend: it serves every call, and ``auto`` takes it only when nothing
+    else can (it materialises the scores)."""
+
+    def __init__(self) -> None:
+        super().__init__("reference")
+
+    def cost(self, call: AttentionCall) -> list[str]:
+        return [
+            f"would materialise the scores (..., H, Tq, Tk) = {shape_str(call.scores_shape)}; "
+            "auto takes it only when nothing else can"
+        ]
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        return reference(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            mask=call.mask,
+            bias=inputs.bias if inputs.bias is not None else call.score_term,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=inputs.sinks,
+            dropout_p=call.dropout_p,
+            return_weights=call.return_weights,
+            return_lse=call.return_lse,
+        )

@@ -33,16 +33,16 @@ from .._call import AttentionCall
 from .._checks import check_int, dim_str, shape_str
 from .._kernel import make_plan, no_autocast
 from ..masks import Geometry, Mask
-from ..scores import ScoreShape, ScoreTerm
-from .base import Backend
-from .chunked import kernel_attention
-from .reference import reference
+from ..scores import ScoreTerm
+from .base import Backend, CallInputs
+from .chunked import Chunked
+from .reference import Reference
 
 __all__ = ["SDPA", "sdpa_check", "sdpa_cost"]
 
 # A score term's tiles are asked for this many keys at a time: a term that computes a product per
 # tile (relative positions over long inputs) then keeps it in the CPU's caches.
-_TERM_KEYS = 1024
+TERM_KEYS = 1024
 
 
 def _batched(t: Tensor, batch: tuple[int, ...]) -> Tensor:
@@ -132,6 +132,8 @@ def sdpa_check(call: AttentionCall) -> list[str]:
     reasons = []
     if call.return_weights:
         reasons.append("does not return attention weights (only reference does)")
+    if call.return_lse:
+        reasons.append("torch's SDPA returns no log-sum-exp (chunked and reference do)")
     if call.softcap is not None:
         reasons.append("torch's kernel has no softcap")
     if call.sinks:
@@ -235,10 +237,27 @@ def _screened(out: Tensor) -> bool:
     return bool(low.item() > 0) and math.isfinite(high.item())
 
 
-def _trustworthy(out: Tensor, attn_mask: Tensor | None, empty: Tensor | None = None) -> bool:
+def _explained_by_values(peaks: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Bool like ``peaks`` ``(..., H, Tq)``: rows whose zero output the values explain. A row is
+    exactly 0 when its head's values are all 0; it is the right answer when the row's query and
+    its head's keys are finite (torch would give 0 for a row of NaN scores too)."""
+    hkv = k.size(-3)
+    zero_v = (v == 0).flatten(-2).all(-1)  # (..., Hkv)
+    finite_k = torch.isfinite(k).flatten(-2).all(-1)  # (..., Hkv)
+    head_ok = (zero_v & finite_k).repeat_interleave(q.size(-3) // hkv, dim=-1)  # (..., H)
+    return head_ok.unsqueeze(-1) & torch.isfinite(q).all(-1)  # (..., H, Tq)
+
+
+def _trustworthy(
+    out: Tensor,
+    attn_mask: Tensor | None,
+    empty: Tensor | None = None,
+    qkv: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> bool:
     """Whether torch's output follows attnkit's rules: no NaN/inf, and exact zeros only in the rows
-    that have no visible key (``empty``, or the rows ``attn_mask`` hides whole). A few small
-    reductions in the common case (a decode step's cost)."""
+    that have no visible key (``empty``, or the rows ``attn_mask`` hides whole) or whose head's
+    values are all zero (``qkv`` given). A few small reductions in the common case (a decode
+    step's cost)."""
     if not out.numel():
         return True
     if _screened(out):
@@ -253,9 +272,13 @@ def _trustworthy(out: Tensor, attn_mask: Tensor | None, empty: Tensor | None = N
     if empty is None:
         empty = _empty_rows(None, attn_mask)
         empty = None if empty is None else empty.squeeze(-1)
-    if empty is None:
-        return False  # a zero row no mask explains: torch hid a NaN, or v is 0 there
-    return bool(((peaks == 0) <= empty.expand_as(peaks)).all())
+    explained = torch.zeros((), dtype=torch.bool, device=out.device)
+    if empty is not None:
+        explained = explained | empty
+    if qkv is not None:
+        explained = explained | _explained_by_values(peaks, *qkv)
+    # A zero row nothing explains: torch hid a NaN.
+    return bool(((peaks == 0) <= explained.expand_as(peaks)).all())
 
 
 def _plain(
@@ -316,6 +339,7 @@ def _blocked_term(
     dropout_p: float,
     block_q: int,
     product_q: int,
+    term_keys: int = TERM_KEYS,
 ) -> tuple[Tensor, bool]:
     """A score term without gradients: per block of queries, one fused call whose float mask is
     the block's term (+ bias, masked with -inf). Keys no query of the block may see are left out.
@@ -335,7 +359,7 @@ def _blocked_term(
         bias4 = bias4.expand(*batch, *bias4.shape[len(batch) :]).reshape(-1, *bias4.shape[-3:])
     geo = Geometry(batch, h, tq, tk, q.device)
     work = torch.promote_types(q.dtype, torch.float32)
-    shape = ScoreShape(n, h, tq, tk, work, q.device)
+    shape = Geometry(batch, h, tq, tk, q.device, work)
     inputs = tuple(term.inputs())
     empties: list[Tensor] = []  # (N, H, rows): queries of each block that see no key
     # The plan says which keys each block of queries can see (64-key resolution).
@@ -370,8 +394,8 @@ def _blocked_term(
             for ps in range(qs, qe, product_q):
                 pe = min(ps + product_q, qe)
                 tb = term.block(inputs, shape, ps, pe, lo, hi, grads=None)
-                for ks in range(lo, hi, _TERM_KEYS):
-                    ke = min(ks + _TERM_KEYS, hi)
+                for ks in range(lo, hi, term_keys):
+                    ke = min(ks + term_keys, hi)
                     attn_mask[:, :, ps - qs : pe - qs, ks - lo : ke - lo] = tb.tile(ks, ke)
             writable = True
         if bias4 is not None or masked:
@@ -406,65 +430,86 @@ def _blocked_term(
             empties.append(torch.zeros((), dtype=torch.bool, device=q.device).expand(n, h, qe - qs))
         out[:, :, qs:qe] = block
     trusted = torch.compiler.is_compiling() or _trustworthy(
-        out, None, torch.cat(empties, -1) if empties else None
+        out, None, torch.cat(empties, -1) if empties else None, (q4, k4, v4)
     )
     return out.reshape(*batch, h, tq, dv), trusted
 
 
 class SDPA(Backend):
-    """torch's SDPA as a backend; ``block_q`` and ``product_q`` size the blocks of a call with a
-    score term: queries per fused call, and per product of the term (when ``product_q >=
-    block_q`` the term's tiles go to torch as they are, without a copy)."""
+    """torch's SDPA as a backend; ``block_q``, ``product_q`` and ``term_keys`` size the blocks of a
+    call with a score term: queries per fused call, queries per product of the term (when
+    ``product_q >= block_q`` the term's tiles go to torch as they are, without a copy), and keys
+    per tile asked of the term.
 
-    def __init__(self, *, block_q: int = 192, product_q: int = 64) -> None:
+    When torch's output breaks attnkit's non-finite policy (NaN/inf, or a zero row that neither
+    the mask nor the values explain), the call is handed over to ``chunked`` (``reference`` with
+    dropout), visibly: :attr:`handovers` counts it and :func:`~attnkit.record_dispatch` records
+    it; ``explain()`` says when it can happen.
+    """
+
+    def __init__(
+        self, *, block_q: int = 192, product_q: int = 64, term_keys: int = TERM_KEYS
+    ) -> None:
+        super().__init__("sdpa")
         self.block_q = check_int("block_q", block_q)
         self.product_q = check_int("product_q", product_q)
+        self.term_keys = check_int("term_keys", term_keys)
+        self._exact = Chunked()
+        self._with_dropout = Reference()
 
-        def run(
-            q: Tensor,
-            k: Tensor,
-            v: Tensor,
-            *,
-            mask: Mask | None,
-            bias: Tensor | ScoreTerm | None,
-            scale: float,
-            softcap: float | None,
-            sinks: Tensor | None,
-            dropout_p: float,
-            return_weights: bool,
-        ) -> Tensor:
-            if isinstance(bias, ScoreTerm):
-                with no_autocast(q.device):
-                    out, trusted = _blocked_term(
-                        q, k, v, mask, None, bias, scale, dropout_p, self.block_q, self.product_q
-                    )
-            else:
-                # Documents read their lengths on the host: not while torch.compile traces.
-                docs = None
-                if bias is None and not torch.compiler.is_compiling():
-                    docs = _documents(mask, q.size(-2), k.size(-2))
-                if docs:
-                    out, attn_mask = _per_document(q, k, v, *docs, scale, dropout_p), None
-                else:
-                    out, attn_mask = _plain(q, k, v, mask, bias, scale, dropout_p)
-                trusted = (
-                    torch.compiler.is_compiling()
-                    or (torch.is_grad_enabled() and out.requires_grad)
-                    or _trustworthy(out, attn_mask)
-                )
-            if trusted:
-                return out
-            # NaN/inf in the result, or a zero no mask explains: let attnkit apply the policy (the
-            # reference when there is dropout, which the kernel does not have).
-            if dropout_p:
-                redo = reference(
-                    q, k, v, mask=mask, bias=bias, scale=scale, softcap=None, sinks=None,
-                    dropout_p=dropout_p, return_weights=False,
+    def check(self, call: AttentionCall) -> list[str]:
+        return sdpa_check(call)
+
+    def cost(self, call: AttentionCall) -> list[str]:
+        return sdpa_cost(call)
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        notes = []
+        plain = call.bias_shape is None and call.score_term is None
+        if call.mask is not None and plain:
+            docs = _documents(call.mask, call.q_len, call.kv_len)  # the documents' lengths: no data
+            if docs:
+                n = sum(sum(b > a for a, b in itertools.pairwise(row)) for row in docs[0])
+                notes.append(f"one fused call per document: {n} calls")
+        if not call.requires_grad:
+            fallback = "reference" if call.dropout_p else "chunked"
+            notes.append(
+                f"hands the call to {fallback} if torch's output breaks the non-finite policy "
+                "(NaN/inf, or a zero row that neither the mask nor the values explain)"
+            )
+        return notes
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
+        q, k, v = inputs.q, inputs.k, inputs.v
+        mask, scale, dropout_p = call.mask, call.scale, call.dropout_p
+        if call.score_term is not None:
+            with no_autocast(q.device):
+                out, trusted = _blocked_term(
+                    q, k, v, mask, None, call.score_term, scale, dropout_p, self.block_q,
+                    self.product_q, self.term_keys,
                 )  # fmt: skip
-                return redo[0] if isinstance(redo, tuple) else redo
-            return kernel_attention(q, k, v, mask=mask, bias=bias, scale=scale)
-
-        super().__init__("sdpa", run, check=sdpa_check, cost=sdpa_cost)
+        else:
+            bias = inputs.bias
+            # Documents read their lengths on the host: not while torch.compile traces.
+            docs = None
+            if bias is None and not torch.compiler.is_compiling():
+                docs = _documents(mask, q.size(-2), k.size(-2))
+            if docs:
+                out, attn_mask = _per_document(q, k, v, *docs, scale, dropout_p), None
+            else:
+                out, attn_mask = _plain(q, k, v, mask, bias, scale, dropout_p)
+            trusted = (
+                torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and out.requires_grad)
+                or _trustworthy(out, attn_mask, qkv=(q, k, v))
+            )
+        if trusted:
+            return out
+        # NaN/inf in the result, or a zero no mask explains: let attnkit apply the policy (the
+        # reference when there is dropout, which the kernel does not have).
+        to = self._with_dropout if dropout_p else self._exact
+        result = self.hand_over(call, inputs, to, "torch's output broke the non-finite policy")
+        return result[0] if isinstance(result, tuple) else result
 
     def __repr__(self) -> str:
         return f"SDPA(block_q={self.block_q}, product_q={self.product_q})"

@@ -34,6 +34,7 @@ import torch
 
 import attnkit
 
+from .._checks import int_arg
 from ._demo_model import TASKS, DemoConfig, eval_set, evaluate, make_batch
 from ._demo_plot import plot_attention, plot_loss
 from ._demo_run import _os_reason, _prepare_out, _swap_in, load_model, save_model, write_manifest
@@ -65,10 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="encoder self-attention: mha (absolute positions) or relative "
         "(Transformer-XL relative positions, as in Conformer); default mha",
     )
-    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
+    p.add_argument(
+        "--steps", type=int_arg, default=d.steps, help=f"training steps (default {d.steps})"
+    )
     p.add_argument(
         "--seed",
-        type=int,
+        type=int_arg,
         default=d.seed,
         help="seed for the weights and the data; a run is deterministic for a seed",
     )
@@ -80,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=int_arg,
         metavar="N",
         help="torch threads for the run (default: 1 for a model of this size, which a second "
         "thread does not speed up and a busy machine slows down a lot)",

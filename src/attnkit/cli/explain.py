@@ -12,6 +12,8 @@ import torch
 
 import attnkit
 
+from .._checks import int_arg
+
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -29,10 +31,7 @@ def _size(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer of at least ``minimum`` (its message names the option)."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        value = int_arg(text)  # argparse's error for a non-integer or one past int64
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value

@@ -41,4 +41,4 @@ def register_ring_backend(
     Registering needs no process group; calling the backend does.
     """
     ring = RingBackend(layout=layout, group=group, name=name)
-    register_backend(name, ring.fn, check=ring.check, auto=False, replace=replace)
+    register_backend(name, ring, auto=False, replace=replace)

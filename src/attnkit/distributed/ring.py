@@ -44,7 +44,7 @@ from .._kernel import (
     sink_grad,
 )
 from .._typing import Bool, Float, shape_checked
-from ..backends.base import Backend
+from ..backends.base import Backend, CallInputs
 from ..masks import Geometry, Mask
 from ._comm import Ring, agree, require_group
 from .layout import LAYOUTS, segments
@@ -358,46 +358,12 @@ def ring_check(call: AttentionCall) -> list[str]:
         reasons.append("no dropout")
     if call.return_weights:
         reasons.append("no weights: they would be the whole sequence's (Tq, Tk) matrix")
+    if call.return_lse:
+        reasons.append("no log-sum-exp (use the chunked backend per shard and merge_attention)")
     if call.causal and call.q_len != call.kv_len:
         reasons.append(f"causal needs Tq = Tk on each rank, got {call.q_len} and {call.kv_len}")
     reasons += _structure(call.mask)[2]
     return reasons
-
-
-def _check_local(
-    q: object,
-    k: object,
-    v: object,
-    mask: object,
-    causal: object,
-    layout: object,
-    scale: object,
-    softcap: object,
-    sinks: object,
-) -> AttentionCall:
-    """This rank's own argument checks."""
-    call = check_attention_args(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=None,
-        causal=causal,
-        scale=scale,
-        softcap=softcap,
-        sinks=sinks,
-    )
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    reasons = ring_check(call)
-    if reasons:
-        raise ValueError("ring_attention: " + "; ".join(reasons))
-    if layout == "zigzag" and (call.q_len % 2 or call.kv_len % 2):
-        raise ValueError(
-            f"layout='zigzag' holds two equal chunks per rank, so the local lengths must be even, "
-            f"got Tq={call.q_len} and Tk={call.kv_len}; shard with attnkit.distributed.shard_zigzag"
-        )
-    return call
 
 
 def _ring(
@@ -522,38 +488,36 @@ class RingBackend(Backend):
             check_int("tile_blocks[2]", tile_blocks[2]),
         )
         fused = None if fused_rows is None else check_int("fused_rows", fused_rows)
+        super().__init__(name, auto=False)
         self.layout, self.group = layout, group
+        self._blocks, self._tiles, self._fused_rows = blocks, tiles, fused
 
-        def run(
-            q: Tensor,
-            k: Tensor,
-            v: Tensor,
-            *,
-            mask: Mask | None,
-            bias: object,
-            scale: float,
-            softcap: float | None,
-            sinks: Tensor | None,
-            dropout_p: float,
-            return_weights: bool,
-        ) -> Tensor:
-            # ring_check has turned away bias, dropout and weights before this runs.
-            return _ring(
-                q,
-                k,
-                v,
-                mask=mask,
-                scale=scale,
-                softcap=softcap,
-                sinks=sinks,
-                layout=layout,
-                group=group,
-                blocks=blocks,
-                tiles=tiles,
-                fused_rows=fused,
+    def check(self, call: AttentionCall) -> list[str]:
+        reasons = ring_check(call)
+        if self.layout == "zigzag" and (call.q_len % 2 or call.kv_len % 2):
+            reasons.append(
+                f"layout='zigzag' holds two equal chunks per rank, so the local lengths must be "
+                f"even, got Tq={call.q_len} and Tk={call.kv_len}; shard with "
+                "attnkit.distributed.shard_zigzag"
             )
+        return reasons
 
-        super().__init__(name, run, check=ring_check, auto=False)
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
+        # check() has turned away bias, dropout and weights before this runs.
+        return _ring(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            mask=call.mask,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=inputs.sinks,
+            layout=self.layout,
+            group=self.group,
+            blocks=self._blocks,
+            tiles=self._tiles,
+            fused_rows=self._fused_rows,
+        )
 
     def __repr__(self) -> str:
         return f"RingBackend(layout={self.layout!r})"
@@ -620,22 +584,25 @@ def ring_attention(
     Shape legend: ``...`` batch dims, ``H`` query heads, ``Hkv`` key/value heads, ``Tq``/``Tk``
     this rank's query/key count, ``Dk`` query/key size, ``Dv`` value size.
     """
-    from ..attention import attention
+    from ..attention import dispatch
 
     require_group(group, "ring_attention")
     try:
-        _check_local(q, k, v, mask, causal, layout, scale, softcap, sinks)
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise ValueError(
+                f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}"
+            )
+        backend = RingBackend(layout=layout, group=group, block_q=block_q, block_k=block_k)
+        call = check_attention_args(
+            q, k, v, mask=mask, bias=None, causal=causal, scale=scale, softcap=softcap,
+            sinks=sinks,
+        )  # fmt: skip
+        reasons = backend.check(call)
+        if reasons:
+            raise ValueError("ring_attention: " + "; ".join(reasons))
     except (TypeError, ValueError) as error:
         agree(group, "ring_attention", str(error), {})  # the other ranks raise too, then so do we
         raise
-    return attention(
-        q,
-        k,
-        v,
-        mask=mask,
-        causal=causal,
-        scale=scale,
-        softcap=softcap,
-        sinks=sinks,
-        backend=RingBackend(layout=layout, group=group, block_q=block_q, block_k=block_k),
-    )
+    # The call is validated once, here; the dispatcher runs it on the ring.
+    inputs = CallInputs(q, k, v, None, sinks)
+    return dispatch(call, inputs, backend)  # type: ignore[return-value]

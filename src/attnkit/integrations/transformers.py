@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ from .._checks import shape_str
 from .._typing import Float, shape_checked
 from ..attention import Backend, attention, available_backends
 from ..capture import is_capturing, record
-from ..masks import Mask, causal_mask, key_padding, sliding_window
+from ..masks import Mask, band_visibility, causal_mask, key_padding, sliding_window
 
 __all__ = ["TransformersMask", "build_mask", "register"]
 
@@ -113,12 +114,11 @@ class _Pattern:
 
     def visible(self, q: Tensor, k: Tensor) -> Tensor:
         """Which (query, key) position pairs this pattern lets through (broadcast int tensors)."""
-        if self.causal:
-            ok = k <= q
-            return ok if self.window is None else ok & (k > q - self.window)
-        if self.window is None:
-            return torch.ones_like(k - q, dtype=torch.bool)
-        return (k - q).abs() <= self.window
+        if self.causal:  # the window counts the query's own key
+            lo = -math.inf if self.window is None else -(self.window - 1)
+            return band_visibility(q, k, lo, 0)
+        bound = math.inf if self.window is None else self.window
+        return band_visibility(q, k, -bound, bound)
 
 
 def _free_variables(fn: object) -> dict[str, Any]:
@@ -443,7 +443,7 @@ def build_mask(
 def _top_left_causal(q_len: int, kv_len: int, device: torch.device) -> Tensor:
     """Query ``i`` sees keys ``j <= i`` (torch SDPA's ``is_causal``), as a ``(Tq, Tk)`` mask."""
     i = torch.arange(q_len, device=device).unsqueeze(-1)
-    return torch.arange(kv_len, device=device) <= i
+    return band_visibility(i, torch.arange(kv_len, device=device), -math.inf, 0)
 
 
 def _model_collects_weights() -> bool:

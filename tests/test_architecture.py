@@ -1,0 +1,178 @@
+"""The package's structure: imports run one way, privates stay private, and the map is true."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "attnkit"
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _package(name: str) -> str:
+    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _resolve(name: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = _package(name).split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+# The thin entry points that defer to a loader in attnkit.interop (the loader imports the module
+# it builds, so the entry point imports the loader when called, never at import time).
+DEFERRED = {"from_espnet", "from_speechbrain", "from_openspeech", "from_torch", "to_torch"}
+
+
+def _top_level_imports(name: str) -> set[str]:
+    """attnkit modules ``name`` imports, at import time or inside its functions (but not in the
+    ``DEFERRED`` entry points, and not only for type checkers): ``from x import y`` counts ``x.y``
+    when that is a module, else ``x``."""
+    tree = ast.parse(MODULES[name].read_text())
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in DEFERRED:
+                continue
+            if isinstance(node, ast.If | ast.Try | ast.With | ast.For | ast.While):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                continue
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                visit(node.body)
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("attnkit"))
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(name, node)
+                if not target.startswith("attnkit"):
+                    continue
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    found.add(sub if sub in MODULES else target)
+
+    visit(tree.body)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def test_there_are_no_import_cycles() -> None:
+    graph = {name: _top_level_imports(name) for name in MODULES}
+    # A package imports its submodules; a submodule importing a sibling goes through the
+    # package's __init__ only for names it re-exports, which is not a cycle of modules.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + "."):  # a package importing its own submodules
+                continue
+            if node.startswith(nxt + "."):  # a submodule importing its package's names
+                continue
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt) :], nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                walk(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in MODULES:
+        if name not in state:
+            walk(name)
+
+
+def _private_names_used(tree: ast.Module) -> set[str]:
+    """``x._name`` attributes read on anything but ``self``/``cls``/a class of the module."""
+    used = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "ctx"))
+        ):
+            used.add(node.attr)
+    return used
+
+
+def _names_defined(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+# Private attributes of torch and of the standard library that attnkit reads on purpose.
+_FOREIGN = {
+    "_C",  # torch._C, torch's own
+    "_dynamo",
+    "_ambiguous",  # placeholder, never read
+    "_fields",
+    "_asdict",
+    "_replace",
+    "_get_tracing_state",
+    "_is_fx_tracing",
+    "_functorch",
+    "_subclasses",
+    "_inductor",
+    "_export",
+    "_guards",
+    "_version",  # Tensor._version: the in-place counter autograd checks
+    "_scaled_dot_product_flash_attention_for_cpu",  # torch.ops.aten's fused CPU kernel
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+}
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    problems = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and _resolve(name, node).startswith("attnkit"):
+                for alias in node.names:
+                    sub = f"{_resolve(name, node)}.{alias.name}"
+                    if alias.name.startswith("_") and sub not in MODULES:
+                        problems.append(f"{name} imports {alias.name} from {_resolve(name, node)}")
+        foreign = _private_names_used(tree) - _names_defined(tree) - _FOREIGN
+        problems += [f"{name} reads ._{n[1:]} defined elsewhere" for n in sorted(foreign)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_module_is_on_the_architecture_page() -> None:
+    text = DOCS.read_text()
+    missing = [
+        name
+        for name, path in MODULES.items()
+        if not re.search(rf"`{re.escape(path.relative_to(SRC).as_posix())}`", text)
+    ]
+    assert not missing, f"docs/architecture.md does not place: {', '.join(missing)}"
