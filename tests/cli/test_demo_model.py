@@ -23,6 +23,6 @@ def test_training_never_sees_the_held_out_sequences() -> None:
     cfg = _demo_model.DemoConfig(min_len=1, max_len=2, symbols=3, eval_size=5)
     held_out = {tuple(s) for s in _demo_model.eval_set(cfg)}
     gen = torch.Generator().manual_seed(0)
-    seen = {tuple(s) for s in _demo_model._sequences(cfg, gen, 400, avoid=held_out)}
+    seen = {tuple(s) for s in _demo_model.sequences(cfg, gen, 400, avoid=held_out)}
     assert not seen & held_out
     assert len(seen) == 12 - 5  # every other sequence of length 1 or 2 over 3 symbols

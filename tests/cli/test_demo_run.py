@@ -35,7 +35,7 @@ def test_a_failed_swap_puts_the_earlier_run_back(
 
     monkeypatch.setattr(_demo_run.os, "rename", rename)
     with pytest.raises(OSError, match="Input/output error"):
-        _demo_run._swap_in(staging, out, out)
+        _demo_run.swap_in(staging, out, out)
     assert listing(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.new-test", "out"]
 

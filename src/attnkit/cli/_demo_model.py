@@ -101,7 +101,7 @@ class Batch:
         return attnkit.masks.padding_mask(self.src_len, self.src.size(1))  # (B, 1, 1, Ts)
 
 
-def _sequences(
+def sequences(
     cfg: DemoConfig,
     gen: torch.Generator,
     n: int,
@@ -217,7 +217,7 @@ def exact_match(generated: Tensor, batch: Batch) -> Tensor:
 
 def eval_set(cfg: DemoConfig) -> list[list[int]]:
     gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
-    return _sequences(cfg, gen, cfg.eval_size, avoid=set(), unique=True)
+    return sequences(cfg, gen, cfg.eval_size, avoid=set(), unique=True)
 
 
 def evaluate(model: Seq2Seq, seqs: list[list[int]]) -> float:

@@ -41,7 +41,7 @@ RESULT_FILES = (
 )
 
 
-def _os_reason(err: OSError) -> str:
+def os_reason(err: OSError) -> str:
     """``Permission denied: 'path'``: an OSError in one line, without the errno."""
     if err.strerror is None:
         return str(err)
@@ -89,7 +89,7 @@ def _check_replaceable(target: Path, out: Path) -> None:
         )
 
 
-def _prepare_out(out: Path) -> tuple[Path, Path]:
+def prepare_out(out: Path) -> tuple[Path, Path]:
     """``(target, staging)``: the folder the run will replace (links followed) and the new
     hidden folder beside it that receives the results."""
     try:
@@ -101,7 +101,7 @@ def _prepare_out(out: Path) -> tuple[Path, Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent)
     except OSError as err:
-        raise ValueError(f"--out {out}: cannot write there: {_os_reason(err)}") from None
+        raise ValueError(f"--out {out}: cannot write there: {os_reason(err)}") from None
     return target, Path(staging)
 
 
@@ -122,7 +122,7 @@ def _interrupts_deferred() -> Iterator[None]:
         previous(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt
 
 
-def _swap_in(staging: Path, target: Path, out: Path) -> None:
+def swap_in(staging: Path, target: Path, out: Path) -> None:
     """Put the finished results at ``target``, replacing the earlier run there if any."""
     # mkdtemp makes 0700 and safetensors writes 0600: results are an ordinary folder and files.
     os.chmod(staging, 0o777 & ~_UMASK)
@@ -192,7 +192,7 @@ def _read_run(folder: Path, needed: tuple[str, ...]) -> dict[str, bytes]:
                 )
             contents[name] = data
     except OSError as err:
-        raise ValueError(f"{where}: cannot read the run: {_os_reason(err)}") from None
+        raise ValueError(f"{where}: cannot read the run: {os_reason(err)}") from None
     for name in needed:
         if name not in contents:
             raise ValueError(f"{manifest_path} does not list {name}")

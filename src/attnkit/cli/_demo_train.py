@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._demo_model import PAD, DemoConfig, Seq2Seq, _sequences, eval_set, make_batch
+from ._demo_model import PAD, DemoConfig, Seq2Seq, eval_set, make_batch, sequences
 
 # Steps timed before the duration of the rest is estimated (the first ones pay for warm-up).
 _WARMUP_STEPS, _TIMED_STEPS = 5, 20
@@ -88,7 +88,7 @@ def train(
             left = per_step * (cfg.steps - step)
             line = f"about {_duration(left)} of training left ({per_step * 1000:.0f} ms a step)"
             (bar.write if progress else say)(line)
-        batch = make_batch(cfg, _sequences(cfg, gen, cfg.batch_size, avoid=held_out))
+        batch = make_batch(cfg, sequences(cfg, gen, cfg.batch_size, avoid=held_out))
         logits = model(batch)
         labels = batch.tgt[:, 1:]
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels.reshape(-1), ignore_index=PAD)

@@ -37,7 +37,7 @@ import attnkit
 from .._checks import int_arg
 from ._demo_model import TASKS, DemoConfig, eval_set, evaluate, make_batch
 from ._demo_plot import plot_attention, plot_loss
-from ._demo_run import _os_reason, _prepare_out, _swap_in, load_model, save_model, write_manifest
+from ._demo_run import load_model, os_reason, prepare_out, save_model, swap_in, write_manifest
 from ._demo_train import default_threads, threads, train
 
 # --------------------------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cfg = DemoConfig(task=args.task, attention=args.attention, steps=args.steps, seed=args.seed)
     out: Path = args.out
-    target, staging = _prepare_out(out)
+    target, staging = prepare_out(out)
     n_threads = args.threads or default_threads(cfg)
     print(
         f"attnkit demo: trains a Transformer of attnkit modules ({cfg.layers} encoder and "
@@ -164,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
             plot_attention(model, make_batch(cfg, seqs[:1]), staging / "attention.png")
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
         write_manifest(staging)
-        _swap_in(staging, target, out)
+        swap_in(staging, target, out)
     except OSError as err:
-        raise ValueError(f"--out {out}: cannot write the results: {_os_reason(err)}") from None
+        raise ValueError(f"--out {out}: cannot write the results: {os_reason(err)}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already once swapped in
     print(
