@@ -394,7 +394,9 @@ class MultiHeadAttention(nn.Module):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, *self.parameters()))
 
         def shaped(heads: int, t: int, d: int) -> Tensor:
-            base = torch.empty((), dtype=ref.dtype, device=ref.device, requires_grad=grad)
+            # zeros, not empty: explain() reads whether q, k and v are finite when the call
+            # needs gradients, and uninitialised memory may hold NaN.
+            base = torch.zeros((), dtype=ref.dtype, device=ref.device, requires_grad=grad)
             return base.expand(b, heads, t, d)
 
         return explain(
