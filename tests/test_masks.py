@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import attnkit
 from attnkit import masks
 from attnkit.masks import Geometry
 
@@ -208,3 +209,61 @@ STRUCTURED_BAD = [
 def test_bad_structured_masks(call, exc: type[Exception], message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(exc, match=re.escape(message)):
         call()
+
+
+# ------------------------------------------------------------------------------------------------
+# The mistakes people make, and what the errors say
+
+
+def test_a_mask_cannot_be_negated_and_the_error_says_what_to_write() -> None:
+    with pytest.raises(TypeError) as err:
+        ~masks.causal()
+    message = str(err.value)
+    assert message.startswith("~causal(): attnkit masks cannot be negated")
+    assert "_Causal" not in message
+    assert "from_fn(" in message
+
+
+def test_from_fn_with_python_and_or_says_to_use_tensor_operators() -> None:
+    def prefix_lm(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> object:
+        return (k <= q) or (k < 2)
+
+    with pytest.raises(TypeError, match=r"from_fn\(prefix_lm\) used Python's and/or/not") as err:
+        masks.from_fn(prefix_lm).dense(4)  # type: ignore[arg-type]
+    assert "& (and), | (or) and ~ (not)" in str(err.value)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="used Python's and/or/not"):
+        attnkit.attention(q, q, q, mask=masks.from_fn(prefix_lm))  # type: ignore[arg-type]
+
+
+def test_dense_of_a_batched_mask_names_batch_size() -> None:
+    with pytest.raises(ValueError, match=r"has 2 batch rows, .* pass batch_size=2"):
+        masks.key_padding([3, 2]).dense(4)
+    with pytest.raises(ValueError, match=r"pass batch_size=2"):
+        (masks.causal() & masks.key_padding([3, 2])).dense(4)
+    assert masks.key_padding([3, 2]).dense(4, batch_size=2).shape == (2, 1, 4, 4)
+
+
+def test_a_b_tk_padding_mask_gets_the_key_padding_hint() -> None:
+    q = torch.randn(2, 4, 5, 8)
+    valid = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    with pytest.raises(ValueError, match="does not broadcast") as err:
+        attnkit.attention(q, q, q, mask=valid)
+    assert "attnkit.masks.key_padding(valid=mask)" in str(err.value)
+    assert "mask[:, None, None, :]" in str(err.value)
+    # The hint's two spellings give the same result.
+    a = attnkit.attention(q, q, q, mask=masks.key_padding(valid=valid))
+    b = attnkit.attention(q, q, q, mask=valid[:, None, None, :])
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_an_int64_attention_mask_is_led_to_key_padding_not_to_the_broadcast_error() -> None:
+    q = torch.randn(2, 4, 5, 8)
+    hf = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])  # Hugging Face: 1 = token
+    with pytest.raises(TypeError, match="got int64") as err:
+        attnkit.attention(q, q, q, mask=hf)
+    assert "attnkit.masks.key_padding(valid=mask.bool())" in str(err.value)
+    assert "convert it with mask.bool()" not in str(err.value)
+    with pytest.raises(TypeError, match=r"convert it with mask.bool\(\)"):
+        attnkit.attention(q, q, q, mask=torch.ones(5, 5, dtype=torch.long))

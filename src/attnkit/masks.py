@@ -72,6 +72,7 @@ from ._dense_masks import (
     padding_mask,
     sliding_window_mask,
 )
+from ._hints import padding_mask_hint
 from ._typing import Bool, Int
 
 __all__ = [
@@ -132,6 +133,16 @@ class Mask:
     def __ror__(self, other: object) -> Mask:
         return _combine("or", other, self)
 
+    def __invert__(self) -> Mask:
+        # Python's own message would name the private class (bad operand type for unary ~).
+        raise TypeError(
+            f"~{self.describe()}: attnkit masks cannot be negated (the complement of a mask "
+            "that says which keys exist, such as key_padding, would attend the padding). Say "
+            "what may attend instead: another mask (causal() & ..., sliding_window(...)), "
+            "from_fn(lambda b, h, q_idx, kv_idx: ...) written with ~, & and |, or the dense "
+            "tensor ~mask.dense(Tq, Tk)"
+        )
+
     def dense(
         self,
         q_len: int,
@@ -152,6 +163,12 @@ class Mask:
             kv_len,
             torch.device("cpu") if device is None else torch.device(device),
         )
+        rows = _batch_rows(self)
+        if batch_size == 1 and rows is not None and rows > 1:
+            raise ValueError(
+                f"dense(): {self.describe()} has {rows} batch rows, and dense() writes "
+                f"batch_size=1 unless told: pass batch_size={rows}"
+            )
         self.check(geo, "mask")
         return self.tile(geo, 0, q_len, 0, kv_len).expand(-1, -1, q_len, kv_len)
 
@@ -712,7 +729,18 @@ class _FromFn(Mask):
         h = torch.arange(geo.heads, device=dev).view(1, -1, 1, 1)
         qi = torch.arange(qs, qe, device=dev).view(1, 1, -1, 1)
         kj = torch.arange(ks, ke, device=dev).view(1, 1, 1, -1)
-        out = self.fn(b, h, qi, kj)
+        try:
+            out = self.fn(b, h, qi, kj)
+        except RuntimeError as err:
+            if "Boolean value of Tensor" not in str(err):
+                raise
+            # Python's `and`, `or`, `not` and `if` ask a tensor for one truth value.
+            raise TypeError(
+                f"mask: {self.describe()} used Python's and/or/not (or an if) on its index "
+                "tensors, which hold a whole tile of positions: write it with the tensor "
+                "operators & (and), | (or) and ~ (not), e.g. (kv_idx <= q_idx) & (kv_idx < 8), "
+                "and torch.where for a choice"
+            ) from None
         want = (geo.batch, geo.heads, qe - qs, ke - ks)
         if not isinstance(out, Tensor) or out.dtype != torch.bool:
             got = f"{out.dtype}" if isinstance(out, Tensor) else type(out).__name__
@@ -909,6 +937,21 @@ def visibility(mask: Tensor | Mask | None, causal_flag: bool) -> Mask | None:
     return _Causal("bottom_right") if m is None else _Causal("bottom_right") & m
 
 
+def _batch_rows(mask: Mask) -> int | None:
+    """The batch rows ``mask`` describes, when it says (key padding, documents, a tensor with
+    batch dims); ``None`` when it fits any batch."""
+    if isinstance(mask, _KeyPadding):
+        return mask._rows_and_len()[0]
+    if isinstance(mask, _Documents):
+        return mask.ids.size(0) if mask.ids.ndim == 2 else None
+    if isinstance(mask, _Dense):
+        return mask.t.shape[:-3].numel() if mask.t.ndim >= 4 else None
+    if isinstance(mask, _Combined):
+        found = [r for r in map(_batch_rows, mask.parts) if r is not None]
+        return max(found) if found else None
+    return None
+
+
 def check_mask(
     name: str, mask: object, target: tuple[int, ...], legend: str = "(B, H, Tq, Tk)"
 ) -> Tensor | Mask:
@@ -926,12 +969,24 @@ def check_mask(
             f"{name} must be a bool tensor or an attnkit.masks.Mask, got {type(mask).__name__}"
         )
     if mask.dtype != torch.bool:
-        hint = (
-            "; a float tensor of additive scores belongs in bias= (mask is boolean, "
-            "True = may attend)"
-            if mask.is_floating_point()
-            else "; convert it with mask.bool() (True = may attend)"
-        )
+        if mask.is_floating_point():
+            hint = (
+                "; a float tensor of additive scores belongs in bias= (mask is boolean, "
+                "True = may attend)"
+            )
+        elif mask.ndim == 2 and len(target) >= 4 and tuple(mask.shape) == (target[0], target[-1]):
+            # A Hugging Face attention_mask: (B, Tk), 1 = real token. mask.bool() alone would
+            # lead straight into the broadcast error below.
+            hint = (
+                f"; a (B, Tk) 0/1 padding mask (1 = real token, as a Hugging Face "
+                f"attention_mask) goes in as attnkit.masks.key_padding(valid={name}.bool()), "
+                f"or as {name}.bool()[:, None, None, :]"
+            )
+        else:
+            hint = f"; convert it with {name}.bool() (True = may attend)"
         raise TypeError(f"{name} must be a bool tensor, got {dtype_str(mask.dtype)}{hint}")
-    check_broadcastable(name, mask, target, legend)
+    try:
+        check_broadcastable(name, mask, target, legend)
+    except ValueError as err:
+        raise ValueError(f"{err}{padding_mask_hint(tuple(mask.shape), target)}") from None
     return mask

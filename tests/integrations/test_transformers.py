@@ -820,11 +820,15 @@ def test_register_with_a_backend_object() -> None:
 def test_missing_or_old_transformers_is_one_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hf.importlib.metadata, "version", lambda _: "5.19.2")
     with pytest.raises(
-        ImportError, match=r"needs transformers>=5\.20, found 5\.19\.2: pip install "
+        ImportError, match=r"needs transformers>=5\.20, found 5\.19\.2: install the hf extra"
     ):
         hf.register()
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
-    with pytest.raises(ImportError, match=r"not installed: pip install 'attnkit\[hf\]'"):
+    with pytest.raises(
+        ImportError,
+        match=r'not installed: install the hf extra: pip install "attnkit\[hf\]" '
+        r'\(or "\.\[hf\]" from a checkout\)',
+    ):
         hf.register()
 
 

@@ -80,7 +80,7 @@ __all__ = ["TransformersMask", "build_mask", "register"]
 # on (a cache_position tensor before); T5 calls the attention interface from 5.15, and its encoder
 # and decoder follow set_attn_implementation() from 5.20 (before, they silently kept their own).
 MIN_TRANSFORMERS = (5, 20)
-_INSTALL = "pip install 'attnkit[hf]'"
+_INSTALL = 'install the hf extra: pip install "attnkit[hf]" (or ".[hf]" from a checkout)'
 
 
 def _require_transformers() -> None:
@@ -679,7 +679,8 @@ def register(name: str = "attnkit", *, backend: str | Backend = "auto") -> None:
             that serves each call) or a backend name or object.
 
     Raises:
-        ImportError: transformers is missing or older than 5.20 (``pip install 'attnkit[hf]'``).
+        ImportError: transformers is missing or older than 5.20 (the hf extra:
+            ``pip install "attnkit[hf]"``, or ``".[hf]"`` from a checkout).
         ValueError, TypeError: for a name transformers would misread, or an unknown backend.
     """
     if not isinstance(name, str) or not name:
