@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ._call import AttentionCall, check_attention_args
 from ._checks import shape_str
+from ._hints import torch_keywords, warn_torch_convention
 from ._typing import Bool, Float, shape_checked
 from .backends import builtin_backends
 from .backends.base import (
@@ -334,6 +335,8 @@ def _run(
     call = _call_of(
         args, mask, causal, scale, softcap, dropout_p, return_weights, return_lse, autocast_dtype
     )
+    if isinstance(mask, Tensor):
+        warn_torch_convention(mask)  # True = may NOT attend, as in torch's modules? (warned once)
     q, k, v, bias, sinks = args  # type: ignore[assignment]
     dense = bias if isinstance(bias, Tensor) else None
     with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
@@ -461,6 +464,7 @@ def attention(
 ): ...
 
 
+@torch_keywords
 @shape_checked
 def attention(
     q: Float[Tensor, "*batch H Tq Dk"],
@@ -591,6 +595,7 @@ def attention(
     )
 
 
+@torch_keywords
 @shape_checked
 def explain(
     q: Float[Tensor, "*batch H Tq Dk"],

@@ -6,7 +6,7 @@ inside it tile by tile; ring attention runs it on each pair of shards it holds. 
 """
 
 from .dropout import draw_seed, dropout_mask
-from .plan import Plan, QueryBlock, Run, Visit, make_plan, split_runs
+from .plan import Plan, QueryBlock, Run, Visit, make_plan, restrict, split_runs
 from .softmax import (
     FUSED_ROWS,
     Grads,
@@ -15,11 +15,15 @@ from .softmax import (
     default_blocks,
     delta_of,
     finish,
+    folds,
     forward,
     fused_serves,
     merge,
     no_autocast,
     sink_grad,
+    sizes,
+    small_scores,
+    zero_offset_safe,
 )
 
 __all__ = [
@@ -36,11 +40,16 @@ __all__ = [
     "draw_seed",
     "dropout_mask",
     "finish",
+    "folds",
     "forward",
     "fused_serves",
     "make_plan",
     "merge",
     "no_autocast",
+    "restrict",
     "sink_grad",
+    "sizes",
+    "small_scores",
     "split_runs",
+    "zero_offset_safe",
 ]

@@ -153,11 +153,14 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
       T* trow = t + r * ld;
       const V inv(T(1.0 / c.softcap)), mul(T(c.softcap * kLog2e));
       int64_t j = 0;
-      const V one(T(1)), two(T(2));
+      const V two(T(2)), lim(T(30));
       for (; j + V::size() <= nk; j += V::size()) {
-        // tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both ends (exp gives 0 or inf), an absolute
-        // error of a few ulps near 0, and far cheaper than a vector tanh.
-        V x = one - two / ((V::loadu(row + j) * inv * two).exp() + one);
+        // tanh(y) = e / (e + 2) with e = expm1(2y): a few ulps relative to tanh near 0 (where a
+        // huge cap puts every score) and far cheaper than a vector tanh; |y| >= 30 is +-1 in
+        // float64 already, and clamping keeps e finite.
+        const V y = at::vec::clamp(V::loadu(row + j) * inv, -lim, lim);
+        const V e = (y * two).expm1();
+        V x = e / (e + two);
         x.store(trow + j);
         (x * mul).store(row + j);
       }

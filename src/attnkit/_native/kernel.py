@@ -17,6 +17,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._kernel import Plan
 from ..masks import Geometry, Mask
+from ..scores import softcap_form
 from . import load, status
 
 __all__ = ["NativeCall", "native_call", "why_not_native"]
@@ -163,11 +164,15 @@ def native_call(
     *,
     scale: float,
     softcap: float | None,
+    dtype: torch.dtype,
     p_drop: float = 0.0,
     seed: int = 0,
 ) -> NativeCall:
-    """The plan of a whole call, and its mask, in the native kernel's terms."""
+    """The plan of a whole call, and its mask, in the native kernel's terms (``dtype``: the
+    inputs', which decides how a softcap is computed, see :func:`attnkit.scores.softcap_form`)."""
     band, key_ok, tiled = _mask_form(mask, geo)
+    work = torch.promote_types(dtype, torch.float32)
+    form = None if softcap is None else softcap_form(softcap, work)
     off = [0]
     rows: list[list[int]] = []
     tiles: list[tuple[Tensor, int, int]] = []  # a partial block's tile, its rows and keys
@@ -196,7 +201,7 @@ def native_call(
         block_q=plan.block_q,
         block_k=plan.block_k,
         scale=float(scale),
-        softcap=0.0 if softcap is None else float(softcap),
+        softcap=0.0 if form is None else float(form.cap),
         band=band,
         shift=geo.shift,
         key_ok=key_ok,

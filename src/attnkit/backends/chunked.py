@@ -45,6 +45,8 @@ from .._kernel import (
     make_plan,
     no_autocast,
     sink_grad,
+    sizes,
+    small_scores,
     split_runs,
 )
 from .._native import load as load_native
@@ -114,6 +116,7 @@ class _Spec:
     fused_rows: int | None
     native: NativeCall | None  # None: the eager kernel
     dropout: tuple[float, int] | None  # (p, seed), see attnkit._kernel.dropout
+    zero_offset: bool | None = None
 
 
 def _layout(
@@ -155,6 +158,7 @@ def _problem(
         careful=spec.careful,
         fused_rows=spec.fused_rows,
         dropout=spec.dropout,
+        zero_offset=spec.zero_offset,
     )
 
 
@@ -301,8 +305,10 @@ def kernel_attention(
     dropout_p: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
-    whether q, k and v hold only finite values, if the caller knows (None: find out).
-    ``return_lse``: also return the natural-log log-sum-exp ``(..., H, Tq)`` (differentiable).
+    whether q, k and v hold only finite values, if the caller knows (None: find out, in the same
+    host read as the sizes that tell whether the kernel may take offset 0 throughout, see
+    :func:`attnkit._kernel.sizes`). ``return_lse``: also return the natural-log log-sum-exp
+    ``(..., H, Tq)`` (differentiable).
 
     ``native``: use the native kernel where it computes the same thing (see
     :func:`native_serves`). ``dropout_p``: both kernels drop the same pairs for a seed drawn here
@@ -314,14 +320,30 @@ def kernel_attention(
     term = bias if isinstance(bias, ScoreTerm) else None
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
-    careful = not (finite(q, k, v) if is_finite is None else is_finite)
+    zero_offset = None  # asked by the kernel's forward
+    if is_finite is None:
+        is_finite = True
+        if q.numel() and k.numel() and v.numel():
+            work = torch.promote_types(q.dtype, torch.float32)
+            q_norm, k_norm, v_max = sizes(q, k, v, work).tolist()
+            is_finite = math.isfinite(q_norm + k_norm + v_max)
+            plain = is_finite and softcap is None and bias is None
+            zero_offset = plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
+    careful = not is_finite
     seed = draw_seed() if dropout_p else 0
     fast = None
     served = native_serves(q.device, term, careful, native)
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k, native=served)
     if served:
         fast = native_call(
-            mask, geo, plan, scale=scale, softcap=softcap, p_drop=dropout_p, seed=seed
+            mask,
+            geo,
+            plan,
+            scale=scale,
+            softcap=softcap,
+            dtype=q.dtype,
+            p_drop=dropout_p,
+            seed=seed,
         )
     spec = _Spec(
         mask=mask,
@@ -338,6 +360,7 @@ def kernel_attention(
         fused_rows=fused_rows,
         native=fast,
         dropout=(dropout_p, seed) if dropout_p else None,
+        zero_offset=zero_offset,
     )
     out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs)
     return (out, lse) if return_lse else out
