@@ -16,7 +16,6 @@ what ``explain()`` prints.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -79,7 +78,14 @@ def _build_name(cap: str) -> str:
 
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on ``folder`` between processes (where the system has ``flock``; torch's
+    own build lock remains elsewhere)."""
     folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
     with open(folder / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
