@@ -71,7 +71,7 @@ def _build_name(cap: str) -> str:
     digest = hashlib.sha256()
     for src in _SOURCES:
         digest.update(src.read_bytes())
-    digest.update(" ".join(_CAPABILITY_FLAGS.get(cap, [])).encode())
+    digest.update(" ".join(["-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]).encode())
     version = re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
     return f"attnkit_native_{version}_{cap.lower()}_{digest.hexdigest()[:12]}"
 
@@ -131,7 +131,9 @@ def _try_load() -> tuple[ModuleType | None, str]:
             module = cpp_extension.load(
                 name=name,
                 sources=[str(s) for s in _SOURCES],
-                extra_cflags=["-O3", *_CAPABILITY_FLAGS.get(cap, [])],
+                # -fopenmp: at::parallel_for is inline OpenMP, serial without it.
+                extra_cflags=["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])],
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
                 verbose=False,
             )

@@ -153,14 +153,18 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
       T* trow = t + r * ld;
       const V inv(T(1.0 / c.softcap)), mul(T(c.softcap * kLog2e));
       int64_t j = 0;
-      const V two(T(2)), lim(T(30));
+      const V one(T(1)), two(T(2)), small(T(1.0 / 64)), c3(T(-1.0 / 3)), c5(T(2.0 / 15));
+      const V c7(T(-17.0 / 315));
       for (; j + V::size() <= nk; j += V::size()) {
-        // tanh(y) = e / (e + 2) with e = expm1(2y): a few ulps relative to tanh near 0 (where a
-        // huge cap puts every score) and far cheaper than a vector tanh; |y| >= 30 is +-1 in
-        // float64 already, and clamping keeps e finite.
-        const V y = at::vec::clamp(V::loadu(row + j) * inv, -lim, lim);
-        const V e = (y * two).expm1();
-        V x = e / (e + two);
+        // tanh(y) = 1 - 2 / (exp(2y) + 1), exact at both ends (exp gives 0 or inf) and far
+        // cheaper than a vector tanh; below |y| = 1/64 (where a huge cap puts every score) its
+        // cancellation would cost digits, and the series y - y^3/3 + 2y^5/15 - 17y^7/315 is
+        // exact to rounding there.
+        const V y = V::loadu(row + j) * inv;
+        const V y2 = y * y;
+        const V series = y * (one + y2 * (c3 + y2 * (c5 + y2 * c7)));
+        const V far = one - two / ((y * two).exp() + one);
+        V x = V::blendv(far, series, y.abs() < small);
         x.store(trow + j);
         (x * mul).store(row + j);
       }
