@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 from ._checks import check_broadcastable, check_probability, dtype_str, require_tensor, shape_str
+from ._score_mod import ScoreMod, captured_tensors, check_score_mod
+from ._score_mod import describe as describe_score_mod
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 
@@ -67,6 +69,9 @@ class AttentionCall:
     return_lse: bool = False
     #: False when q, k or v hold NaN/inf (checked for calls that need gradients); None: not checked
     finite: bool | None = None
+    #: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scores after softcap and
+    #: ``bias``, before the mask; only backends whose ``accepts_score_mod`` is True serve it
+    score_mod: ScoreMod | None = None
 
     @property
     def mask_given(self) -> str | None:
@@ -112,6 +117,8 @@ class AttentionCall:
             parts.append(f"bias {self.score_term.describe()}")
         if self.softcap is not None:
             parts.append(f"softcap={self.softcap}")
+        if self.score_mod is not None:
+            parts.append(describe_score_mod(self.score_mod))
         if self.sinks:
             parts.append("sinks")
         if self.dropout_p:
@@ -367,6 +374,7 @@ def check_attention_args(
     dropout_p: object = 0.0,
     return_weights: object = False,
     return_lse: object = False,
+    score_mod: object = None,
     check_finite: bool = False,
 ) -> AttentionCall:
     """Validate the arguments of ``attention()`` and describe the call, once.
@@ -390,6 +398,7 @@ def check_attention_args(
         _check_term(term, q) if term is not None else dense is not None and dense.requires_grad
     )
     sink_t = None if sinks is None else _check_sinks(sinks, q, num_heads)
+    mod = check_score_mod(score_mod)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     if not isinstance(return_lse, bool):
@@ -403,6 +412,7 @@ def check_attention_args(
         or k.requires_grad
         or v.requires_grad
         or (sink_t is not None and sink_t.requires_grad)
+        or (mod is not None and bool(captured_tensors(mod)))
     )
     is_finite = None
     if (
@@ -437,4 +447,5 @@ def check_attention_args(
         requires_grad=requires_grad,
         return_lse=return_lse,
         finite=is_finite,
+        score_mod=mod,
     )

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ._call import AttentionCall, check_attention_args
+from ._score_mod import ScoreMod, captured_tensors, check_captured
 from ._checks import shape_str
 from ._typing import Bool, Float, shape_checked
 from .backends import builtin_backends
@@ -285,6 +286,7 @@ def _call_of(
     return_weights: object,
     return_lse: object,
     autocast: str | None,
+    score_mod: object = None,
 ) -> AttentionCall:
     """The validated call; under autocast a dtype error also says what autocast did."""
     q, k, v, bias, sinks = args
@@ -302,6 +304,7 @@ def _call_of(
             dropout_p=dropout_p,
             return_weights=return_weights,
             return_lse=return_lse,
+            score_mod=score_mod,
             check_finite=True,
         )
     except TypeError as error:
@@ -327,17 +330,33 @@ def _run(
     return_weights: bool,
     return_lse: bool,
     backend: str | Backend,
+    score_mod: ScoreMod | None = None,
 ) -> Output:
     # Under torch.autocast, as torch's SDPA: inputs go to the autocast dtype. The backend then runs
     # with autocast off, or it would turn the float32 softmax accumulation back into bf16 GEMMs.
     args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
     call = _call_of(
-        args, mask, causal, scale, softcap, dropout_p, return_weights, return_lse, autocast_dtype
+        args,
+        mask,
+        causal,
+        scale,
+        softcap,
+        dropout_p,
+        return_weights,
+        return_lse,
+        autocast_dtype,
+        score_mod,
     )
     q, k, v, bias, sinks = args  # type: ignore[assignment]
     dense = bias if isinstance(bias, Tensor) else None
+    captured: tuple[Tensor, ...] = ()
+    if call.score_mod is not None and torch.is_grad_enabled():
+        captured = captured_tensors(call.score_mod)
+        if not torch.compiler.is_compiling():
+            check_captured(call.score_mod, captured, q.dtype, q.device)
+    inputs = CallInputs(q, k, v, dense, sinks, captured)
     with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        return dispatch(call, CallInputs(q, k, v, dense, sinks), check_backend(backend))
+        return dispatch(call, inputs, check_backend(backend))
 
 
 def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) -> Output:
@@ -365,6 +384,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[False] = False,
@@ -384,6 +404,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[True],
@@ -403,6 +424,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[False] = False,
@@ -422,6 +444,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool,
@@ -444,6 +467,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -472,6 +496,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -487,7 +512,7 @@ def attention(
         Float[Tensor, "*batch H Tq"],
     ]
 ):
-    """Scaled dot-product attention: ``softmax(cap(q k^T * scale) + bias, masked) v``.
+    """Scaled dot-product attention: ``softmax(mod(cap(q k^T * scale) + bias), masked) v``.
 
     Args:
         q: queries ``(..., H, Tq, Dk)``.
@@ -522,6 +547,16 @@ def attention(
             in the dtype the scores are computed in.
         softcap: caps the scaled scores, ``softcap * tanh(s / softcap)``, before ``bias`` and the
             mask (Gemma 2's logit softcapping). A number > 0, or None.
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, any
+            function of the scores written with tensor operations, applied after ``softcap``
+            and ``bias`` and before the mask (so a masked pair stays masked whatever it returns
+            there). ``score`` is a float tile ``(B, H, rows, keys)`` and the indices are int64
+            tensors broadcastable to it, ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``, ``(1, 1, rows, 1)``
+            and ``(1, 1, 1, keys)`` (``b`` counts the batch dims flattened; ``q_idx`` and
+            ``kv_idx`` are raw positions). Differentiable: gradients reach q, k and the tensors
+            it captures in its closure, default arguments, the globals it names or its object's
+            attributes (a captured tensor that needs gradients and is reached otherwise is a
+            ``ValueError``). Served by ``chunked`` (tile by tile, O(T) memory) and ``reference``.
         sinks: ``(H,)`` logits in q's dtype, one per head, that join every row's softmax
             denominator and attend to nothing (attention sinks, as in GPT-OSS): the row's
             weights sum to less than 1. Differentiable.
@@ -586,6 +621,7 @@ def attention(
         return_weights,
         return_lse,
         backend,
+        score_mod,
     )
 
 
@@ -600,6 +636,7 @@ def explain(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -638,7 +675,16 @@ def explain(
     """
     args, _, autocast_dtype = _under_autocast((q, k, v, bias, sinks))  # the call attention() makes
     call = _call_of(
-        args, mask, causal, scale, softcap, dropout_p, return_weights, return_lse, autocast_dtype
+        args,
+        mask,
+        causal,
+        scale,
+        softcap,
+        dropout_p,
+        return_weights,
+        return_lse,
+        autocast_dtype,
+        score_mod,
     )
     return _decide(call, check_backend(backend))
 
