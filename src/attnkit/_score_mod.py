@@ -38,7 +38,7 @@ def check_score_mod(score_mod: object) -> ScoreMod | None:
             "score_mod must be a function score_mod(score, b, h, q_idx, kv_idx) -> score, or "
             f"None; got {type(score_mod).__name__}"
         )
-    return score_mod  # type: ignore[return-value]
+    return score_mod
 
 
 def describe(score_mod: ScoreMod) -> str:
@@ -87,7 +87,7 @@ def captured_tensors(score_mod: ScoreMod) -> tuple[Tensor, ...]:
     if code is None:  # a callable object: its attributes
         add(fn)
         add(getattr(fn, "__dict__", {}))
-        call = getattr(type(fn), "__call__", None)
+        call = type(fn).__call__
         code = getattr(call, "__code__", None)
         fn = call
     for cell in getattr(fn, "__closure__", None) or ():

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from ._call import AttentionCall, check_attention_args
-from ._score_mod import ScoreMod, captured_tensors, check_captured
 from ._checks import shape_str
+from ._score_mod import ScoreMod, captured_tensors, check_captured
 from ._typing import Bool, Float, shape_checked
 from .backends import builtin_backends
 from .backends.base import (

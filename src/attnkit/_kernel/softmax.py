@@ -45,6 +45,14 @@ matters; values enter the weighted sum with their non-finite entries zeroed, and
 made NaN exactly when a visible key's value is non-finite there; the backward's products use the
 zeroed q, k and v and drop masked pairs explicitly.
 
+**A score_mod** (``score_mod(score, b, h, q_idx, kv_idx)``, any function) is applied to each
+visit's natural-log scores, after softcap and bias and before the mask, with the tile's broadcast
+index tensors; the backward recomputes the tile's scores, calls the score_mod again under
+``torch.enable_grad()``, and turns the modified scores' gradient into the scores' gradient and
+the gradients of the tensors it captures (``mod_inputs``) with ``torch.autograd.grad``. Nothing
+else changes: masked pairs are ``-inf`` whatever it returns there, and a row it leaves with no
+finite score follows the empty-row rule.
+
 float16/bfloat16 inputs are computed block by block in float32.
 """
 
@@ -58,6 +66,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .._score_mod import ScoreMod, index_tensors
+from .._score_mod import apply as apply_score_mod
 from ..masks import Geometry, Mask
 from ..scores import ScoreShape, ScoreTerm, TermBlock, reused
 from .plan import Plan, QueryBlock, Run, Visit, split_runs
@@ -160,7 +170,8 @@ class Problem:
     ``sinks`` is ``(Hkv, G)``. ``geo`` is the call the mask and the score term are asked about, and
     ``q_start``/``k_start`` where the local queries and keys sit in it. ``fused_rows``: runs of
     fully visible blocks with at least this many queries go to torch's fused CPU kernel when
-    nothing is added to the scores (``None``: never).
+    nothing is added to the scores (``None``: never). ``score_mod`` and the tensors it captures,
+    ``mod_inputs``, are described in the module docstring.
     """
 
     q5: Tensor
@@ -178,6 +189,8 @@ class Problem:
     k_start: int = 0
     careful: bool = False
     fused_rows: int | None = None
+    score_mod: ScoreMod | None = None
+    mod_inputs: tuple[Tensor, ...] = ()
     work: torch.dtype = field(init=False)
     _scratch: dict[str, Tensor] = field(init=False, default_factory=dict)
 
@@ -203,12 +216,17 @@ class Problem:
                 self.dk,
                 self.dv,
                 softcap=self.softcap,
-                added=self.term is not None or self.bias5 is not None,
+                added=self.term is not None or self.bias5 is not None or self.modded,
             )
             and self.k3.dtype == dtype == self.v3.dtype
             and not self.careful
             and all(t.stride(-1) == 1 for t in (self.q5, self.k3, self.v3))
         )
+
+    @property
+    def modded(self) -> bool:
+        """Whether a score_mod applies: the scores are then computed in natural log first."""
+        return self.score_mod is not None
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> Tensor:
         """A work tensor of ``shape`` in the work dtype that every visit of this problem reuses
@@ -291,8 +309,70 @@ class Problem:
 
     def score_factor(self) -> float:
         """What the rows given to :meth:`scores` carry beyond ``scale``: ``2 / softcap`` with a
-        softcap (the sigmoid form below), else ``log2(e)`` (scores in base 2)."""
-        return 2.0 / self.softcap if self.softcap is not None else _LOG2E
+        softcap (the sigmoid form below), else ``log2(e)`` (scores in base 2), or 1 with a
+        score_mod (which sees natural-log scores)."""
+        if self.softcap is not None:
+            return 2.0 / self.softcap
+        return 1.0 if self.modded else _LOG2E
+
+    def mod_view(self, s5: Tensor) -> Tensor:
+        """``(N, Hkv, rows, G, keys)`` -> ``(N, H, rows, keys)``, the layout a score_mod sees (a
+        copy when heads are grouped)."""
+        n, hkv, rows, g, keys = s5.shape
+        return s5.permute(0, 1, 3, 2, 4).reshape(n, hkv * g, rows, keys)
+
+    def mod_indices(
+        self, lo: int, hi: int, ks: int, ke: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A score_mod's index tensors for queries ``lo:hi`` and keys ``ks:ke`` of this problem,
+        in the call's positions."""
+        return index_tensors(
+            self.n,
+            self.hkv * self.g,
+            lo + self.q_start,
+            hi + self.q_start,
+            ks + self.k_start,
+            ke + self.k_start,
+            self.q5.device,
+        )
+
+    def apply_mod(self, s5: Tensor, lo: int, hi: int, ks: int, ke: int) -> None:
+        """The score_mod on natural-log scores ``(N, Hkv, rows, G, keys)``, in place."""
+        if self.score_mod is None:
+            raise RuntimeError("attnkit internal error: apply_mod without a score_mod")
+        y = apply_score_mod(self.score_mod, self.mod_view(s5), self.mod_indices(lo, hi, ks, ke))
+        s5.copy_(y.view(s5.size(0), s5.size(1), s5.size(3), s5.size(2), -1).transpose(2, 3))
+
+    def mod_backward(
+        self,
+        pre5: Tensor,
+        ds5: Tensor,
+        lo: int,
+        hi: int,
+        ks: int,
+        ke: int,
+        dmod: list[Tensor | None],
+    ) -> None:
+        """Turn ``ds5``, the gradient of the score_mod's output, into that of its input (in
+        place), adding the captured tensors' gradients to ``dmod``; ``pre5`` holds its input."""
+        if self.score_mod is None:
+            raise RuntimeError("attnkit internal error: mod_backward without a score_mod")
+        x = self.mod_view(pre5).detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = apply_score_mod(self.score_mod, x, self.mod_indices(lo, hi, ks, ke))
+            grads = torch.autograd.grad(
+                y, (x, *self.mod_inputs), self.mod_view(ds5), allow_unused=True
+            )
+        dx = grads[0]
+        if dx is None:  # the score_mod ignores the scores: they get no gradient
+            ds5.zero_()
+        else:
+            ds5.copy_(
+                dx.view(ds5.size(0), ds5.size(1), ds5.size(3), ds5.size(2), -1).transpose(2, 3)
+            )
+        for i, g in enumerate(grads[1:]):
+            if g is not None:
+                dmod[i] = g if dmod[i] is None else dmod[i].add_(g)  # type: ignore[union-attr]
 
     def scores(
         self,
@@ -302,6 +382,7 @@ class Problem:
         offset: Tensor | None,
         tb: TermBlock | None,
         keep_sigmoid: bool = False,
+        keep_pre: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Scores of one visit in base 2 (times ``log2(e)``) minus ``offset`` (per row), masked
         with ``-inf``.
@@ -312,12 +393,15 @@ class Problem:
         (the absolute error of a capped score is ``c`` times the float epsilon, as for ``tanh`` near
         saturation), and a sigmoid costs a fraction of a tanh on CPUs. Returns the scores
         ``(N*Hkv, rows*G, keys)``, the sigmoid when ``keep_sigmoid`` (the backward's softcap
-        factor), and the visit's mask tile (partial blocks).
+        factor), and the visit's mask tile (partial blocks). With a score_mod the rows carry no
+        ``log2(e)``: the natural-log scores go through it first (``keep_pre``: and are kept in
+        the ``"pre"`` scratch buffer for the backward).
         """
         ks, ke = visit.ks, visit.ke
         lo, hi = qs + visit.r0, qs + visit.r1
         kt = self.keys(ks, ke).transpose(1, 2)
-        added = self.bias5 is not None or tb is not None
+        added = self.bias5 is not None or tb is not None or self.modded
+        unit = 1.0 if self.modded else _LOG2E  # a score_mod sees natural-log scores
         pending = offset  # subtracted at the end unless taken on the way
         out = self.scratch("scores", (qr.size(0), qr.size(1), ke - ks))
         if self.softcap is None and offset is not None and not added:
@@ -335,14 +419,19 @@ class Problem:
                 torch.add(pending.add(c * _LOG2E).neg_(), s, alpha=2.0 * c * _LOG2E, out=s)
                 pending = None
             else:
-                s.mul_(2.0 * c * _LOG2E).sub_(c * _LOG2E)
+                s.mul_(2.0 * c * unit).sub_(c * unit)
         s5 = s.view(self.n, self.hkv, hi - lo, self.g, ke - ks)
         bias = self.bias_tile(lo, hi, ks, ke)
         if bias is not None:
-            s5.add_(bias, alpha=_LOG2E)
+            s5.add_(bias, alpha=unit)
         if tb is not None:
             tile = tb.tile(ks + self.k_start, ke + self.k_start)[..., visit.r0 : visit.r1, :]
-            s5.add_(self._to_rows(tile), alpha=_LOG2E)
+            s5.add_(self._to_rows(tile), alpha=unit)
+        if self.modded:
+            if keep_pre:
+                self.scratch("pre", tuple(s.shape)).copy_(s)
+            self.apply_mod(s5, lo, hi, ks, ke)
+            s.mul_(_LOG2E)
         vis = None
         if visit.partial:
             vis = self.mask_tile(lo, hi, ks, ke)
@@ -530,6 +619,7 @@ class Grads:
     dv: Tensor  # (N*Hkv, Tk, Dv)
     dbias5: Tensor | None
     dterm: list[Tensor | None]
+    dmod: list[Tensor | None] = field(default_factory=list)
 
 
 def backward(
@@ -557,6 +647,7 @@ def backward(
     if bias_grad and p.bias5 is not None:
         dbias = torch.zeros(p.bias5.shape, dtype=p.work, device=dev)
     dterm: list[Tensor | None] = [None] * len(p.term_inputs)
+    dmod: list[Tensor | None] = [None] * len(p.mod_inputs)
     for qb in p.blocks:
         if not qb.visits:
             continue
@@ -583,6 +674,7 @@ def backward(
                 None if offset is None else offset[:, lo:hi],
                 tb,
                 keep_sigmoid=p.softcap is not None,
+                keep_pre=p.modded,
             )
             prob = torch.exp2_(s)  # (N*Hkv, rows*G, keys): the forward's probabilities, recomputed
             shape5 = (p.n, p.hkv, (hi - lo) // p.g, p.g, visit.ke - visit.ks)
@@ -600,6 +692,12 @@ def backward(
             ds5 = ds.view(shape5)
             if p.careful and vis is not None:
                 ds5.masked_fill_(~vis, 0.0)
+            if p.modded:
+                pre5 = p.scratch("pre", tuple(s.shape)).view(shape5)
+                lo_q, hi_q = qb.qs + visit.r0, qb.qs + visit.r1
+                p.mod_backward(pre5, ds5, lo_q, hi_q, visit.ks, visit.ke, dmod)
+                if vis is not None:  # a masked pair's score gets no gradient, whatever the mod
+                    ds5.masked_fill_(~vis, 0.0)
             if dbias is not None:
                 tile = _tile5(dbias, qb.qs + visit.r0, qb.qs + visit.r1, visit.ks, visit.ke)
                 tile = tile.transpose(2, 3)
@@ -621,7 +719,7 @@ def backward(
         dk.mul_(capped)
     if p.runs:
         _fused_backward(p, out, final_lse, dout, dq.transpose(2, 3), dk, dv)
-    return Grads(dq.transpose(2, 3), dk, dv, dbias, dterm)
+    return Grads(dq.transpose(2, 3), dk, dv, dbias, dterm, dmod)
 
 
 def _unit_stride(t: Tensor) -> Tensor:

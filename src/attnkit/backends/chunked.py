@@ -44,6 +44,7 @@ from .._kernel import (
     sink_grad,
     split_runs,
 )
+from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
 from .base import Backend, CallInputs
@@ -90,6 +91,7 @@ class _Spec:
     has_sinks: bool
     n_term: int
     fused_rows: int | None
+    score_mod: ScoreMod | None = None
 
 
 def _problem(
@@ -99,6 +101,7 @@ def _problem(
     v: Tensor,
     bias: Tensor | None,
     term_inputs: tuple[Tensor, ...],
+    mod_inputs: tuple[Tensor, ...] = (),
 ) -> Problem:
     batch = spec.geo.batch_shape
     n = spec.geo.batch
@@ -117,6 +120,8 @@ def _problem(
         term_inputs=term_inputs,
         careful=spec.careful,
         fused_rows=spec.fused_rows,
+        score_mod=spec.score_mod,
+        mod_inputs=mod_inputs,
     )
 
 
@@ -130,9 +135,11 @@ class _KernelAttention(torch.autograd.Function):
         v: Tensor,
         bias: Tensor | None,
         sinks: Tensor | None,
-        *term_inputs: Tensor,
+        *extra: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        p = _problem(spec, q, k, v, bias, term_inputs)
+        # extra: the score term's inputs, then the tensors the score_mod captures
+        term_inputs, mod_inputs = extra[: spec.n_term], extra[spec.n_term :]
+        p = _problem(spec, q, k, v, bias, term_inputs, mod_inputs)
         with no_autocast(q.device):
             out5, lse = forward(p)
             sinks2 = None if sinks is None else sinks.view(p.hkv, p.g)
@@ -141,7 +148,7 @@ class _KernelAttention(torch.autograd.Function):
         out = out5.flatten(1, 2).reshape(*q.shape[:-1], p.dv).to(q.dtype)
         optional = [t for t in (bias, sinks) if t is not None]
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
-        ctx.save_for_backward(q, k, v, out5, lse, *optional, *term_inputs)
+        ctx.save_for_backward(q, k, v, out5, lse, *optional, *extra)
         ctx.spec = spec  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
         # (N, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included.
@@ -156,8 +163,8 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, out5, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
         bias = rest.pop(0) if spec.has_bias else None
         sinks = rest.pop(0) if spec.has_sinks else None
-        term_inputs = tuple(rest)
-        p = _problem(spec, q, k, v, bias, term_inputs)
+        term_inputs, mod_inputs = tuple(rest[: spec.n_term]), tuple(rest[spec.n_term :])
+        p = _problem(spec, q, k, v, bias, term_inputs, mod_inputs)
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
         with no_autocast(q.device):
             if dout is None:  # only the log-sum-exp is used
@@ -175,7 +182,7 @@ class _KernelAttention(torch.autograd.Function):
                 delta,
                 dout5,
                 bias_grad=bias is not None and needs[4],
-                term_grads=any(needs[6:]),
+                term_grads=any(needs[6 : 6 + spec.n_term]),
             )
             dsinks = None
             if sinks is not None and needs[5]:
@@ -186,7 +193,9 @@ class _KernelAttention(torch.autograd.Function):
         # An input no tile reached (no queries, every block skipped) gets zeros, not None.
         dterm = [
             (torch.zeros_like(t) if need else None) if g is None else g.to(t.dtype)
-            for g, t, need in zip(grads.dterm, term_inputs, needs[6:], strict=True)
+            for g, t, need in zip(
+                [*grads.dterm, *grads.dmod], [*term_inputs, *mod_inputs], needs[6:], strict=True
+            )
         ]
         return (
             None,
@@ -241,10 +250,14 @@ def kernel_attention(
     fused_rows: int | None = FUSED_ROWS,
     is_finite: bool | None = None,
     return_lse: bool = False,
+    score_mod: ScoreMod | None = None,
+    captured: tuple[Tensor, ...] = (),
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
     whether q, k and v hold only finite values, if the caller knows (None: find out).
-    ``return_lse``: also return the natural-log log-sum-exp ``(..., H, Tq)`` (differentiable)."""
+    ``return_lse``: also return the natural-log log-sum-exp ``(..., H, Tq)`` (differentiable).
+    ``score_mod``: applied to each tile; ``captured``: the tensors it captures that need
+    gradients (they receive theirs)."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -265,14 +278,15 @@ def kernel_attention(
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
         fused_rows=fused_rows,
+        score_mod=score_mod,
     )
-    out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs, *captured)
     return (out, lse) if return_lse else out
 
 
 def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
     """What of a call's plan goes to torch's fused CPU kernel, for explain() (None: nothing)."""
-    added = call.bias_shape is not None or call.score_term is not None
+    added = call.bias_shape is not None or call.score_term is not None or call.score_mod is not None
     serves = fused_serves(
         call.device, call.dtype, call.qk_dim, call.v_dim, softcap=call.softcap, added=added
     )
@@ -308,6 +322,9 @@ def chunked_check(call: AttentionCall) -> list[str]:
 class Chunked(Backend):
     """The chunked backend with chosen block sizes (default: sizes that run well on CPUs).
 
+    It applies a call's ``score_mod`` tile by tile, forward and backward (see
+    :mod:`attnkit._kernel.softmax`).
+
     ``fused_rows``: fully visible stretches of the block plan shared by at least this many queries
     go to torch's fused CPU kernel (see :mod:`attnkit.backends.chunked`); ``None``: never.
 
@@ -318,6 +335,8 @@ class Chunked(Backend):
     >>> torch.allclose(out, attnkit.attention(q, q, q, causal=True, backend="reference"), atol=1e-6)
     True
     """
+
+    accepts_score_mod = True
 
     def __init__(
         self,
@@ -360,6 +379,8 @@ class Chunked(Backend):
             fused_rows=self.fused_rows,
             is_finite=call.finite,
             return_lse=call.return_lse,
+            score_mod=call.score_mod,
+            captured=inputs.captured,
         )
 
     def __repr__(self) -> str:
