@@ -367,12 +367,14 @@ class Problem:
         if dx is None:  # the score_mod ignores the scores: they get no gradient
             ds5.zero_()
         else:
-            ds5.copy_(
-                dx.view(ds5.size(0), ds5.size(1), ds5.size(3), ds5.size(2), -1).transpose(2, 3)
-            )
-        for i, g in enumerate(grads[1:]):
-            if g is not None:
-                dmod[i] = g if dmod[i] is None else dmod[i].add_(g)  # type: ignore[union-attr]
+            if dx.untyped_storage().data_ptr() == ds5.untyped_storage().data_ptr():
+                dx = dx.clone()  # an additive mod hands back the gradient it was given
+            n, hkv, rows, g, keys = ds5.shape
+            ds5.copy_(dx.reshape(n, hkv, g, rows, keys).transpose(2, 3))
+        for i, d in enumerate(grads[1:]):
+            if d is not None:
+                total = dmod[i]
+                dmod[i] = d.clone() if total is None else total.add_(d)
 
     def scores(
         self,
