@@ -193,6 +193,8 @@ class Problem:
     mod_inputs: tuple[Tensor, ...] = ()
     work: torch.dtype = field(init=False)
     _scratch: dict[str, Tensor] = field(init=False, default_factory=dict)
+    # the score_mod's (input, output) of the visit the backward is at (see apply_mod)
+    _graph: tuple[Tensor, Tensor] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.work = torch.promote_types(self.q5.dtype, torch.float32)
@@ -336,33 +338,35 @@ class Problem:
             self.q5.device,
         )
 
-    def apply_mod(self, s5: Tensor, lo: int, hi: int, ks: int, ke: int) -> None:
-        """The score_mod on natural-log scores ``(N, Hkv, rows, G, keys)``, in place."""
+    def apply_mod(
+        self, s5: Tensor, lo: int, hi: int, ks: int, ke: int, keep_graph: bool = False
+    ) -> None:
+        """The score_mod on natural-log scores ``(N, Hkv, rows, G, keys)``, in place, its result
+        times ``log2(e)`` (one pass). ``keep_graph``: under autograd, for :meth:`mod_backward`."""
         if self.score_mod is None:
             raise RuntimeError("attnkit internal error: apply_mod without a score_mod")
-        y = apply_score_mod(self.score_mod, self.mod_view(s5), self.mod_indices(lo, hi, ks, ke))
-        s5.copy_(y.view(s5.size(0), s5.size(1), s5.size(3), s5.size(2), -1).transpose(2, 3))
+        idx = self.mod_indices(lo, hi, ks, ke)
+        if keep_graph:
+            x = self.mod_view(s5).clone().requires_grad_(True)  # saved by the mod's graph
+            with torch.enable_grad():
+                y = apply_score_mod(self.score_mod, x, idx)
+            self._graph = (x, y)
+        else:
+            y = apply_score_mod(self.score_mod, self.mod_view(s5), idx)
+        n, hkv, rows, g, keys = s5.shape
+        torch.mul(y.detach().reshape(n, hkv, g, rows, keys).transpose(2, 3), _LOG2E, out=s5)
 
-    def mod_backward(
-        self,
-        pre5: Tensor,
-        ds5: Tensor,
-        lo: int,
-        hi: int,
-        ks: int,
-        ke: int,
-        dmod: list[Tensor | None],
-    ) -> None:
-        """Turn ``ds5``, the gradient of the score_mod's output, into that of its input (in
-        place), adding the captured tensors' gradients to ``dmod``; ``pre5`` holds its input."""
-        if self.score_mod is None:
-            raise RuntimeError("attnkit internal error: mod_backward without a score_mod")
-        x = self.mod_view(pre5).detach().requires_grad_(True)
-        with torch.enable_grad():
-            y = apply_score_mod(self.score_mod, x, self.mod_indices(lo, hi, ks, ke))
-            grads = torch.autograd.grad(
-                y, (x, *self.mod_inputs), self.mod_view(ds5), allow_unused=True
-            )
+    def mod_backward(self, ds5: Tensor, dmod: list[Tensor | None]) -> None:
+        """Turn ``ds5``, the gradient of the last :meth:`apply_mod`'s output (kept with
+        ``keep_graph``), into that of its input (in place), adding the captured tensors'
+        gradients to ``dmod``."""
+        if self._graph is None:
+            raise RuntimeError("attnkit internal error: mod_backward without a kept graph")
+        (x, y), self._graph = self._graph, None
+        if not y.requires_grad:  # the score_mod depends on nothing that needs gradients
+            ds5.zero_()
+            return
+        grads = torch.autograd.grad(y, (x, *self.mod_inputs), self.mod_view(ds5), allow_unused=True)
         dx = grads[0]
         if dx is None:  # the score_mod ignores the scores: they get no gradient
             ds5.zero_()
@@ -384,7 +388,7 @@ class Problem:
         offset: Tensor | None,
         tb: TermBlock | None,
         keep_sigmoid: bool = False,
-        keep_pre: bool = False,
+        keep_graph: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Scores of one visit in base 2 (times ``log2(e)``) minus ``offset`` (per row), masked
         with ``-inf``.
@@ -396,8 +400,8 @@ class Problem:
         saturation), and a sigmoid costs a fraction of a tanh on CPUs. Returns the scores
         ``(N*Hkv, rows*G, keys)``, the sigmoid when ``keep_sigmoid`` (the backward's softcap
         factor), and the visit's mask tile (partial blocks). With a score_mod the rows carry no
-        ``log2(e)``: the natural-log scores go through it first (``keep_pre``: and are kept in
-        the ``"pre"`` scratch buffer for the backward).
+        ``log2(e)``: the natural-log scores go through it first (``keep_graph``: under autograd,
+        for :meth:`mod_backward`).
         """
         ks, ke = visit.ks, visit.ke
         lo, hi = qs + visit.r0, qs + visit.r1
@@ -430,10 +434,7 @@ class Problem:
             tile = tb.tile(ks + self.k_start, ke + self.k_start)[..., visit.r0 : visit.r1, :]
             s5.add_(self._to_rows(tile), alpha=unit)
         if self.modded:
-            if keep_pre:
-                self.scratch("pre", tuple(s.shape)).copy_(s)
-            self.apply_mod(s5, lo, hi, ks, ke)
-            s.mul_(_LOG2E)
+            self.apply_mod(s5, lo, hi, ks, ke, keep_graph)
         vis = None
         if visit.partial:
             vis = self.mask_tile(lo, hi, ks, ke)
@@ -676,7 +677,7 @@ def backward(
                 None if offset is None else offset[:, lo:hi],
                 tb,
                 keep_sigmoid=p.softcap is not None,
-                keep_pre=p.modded,
+                keep_graph=p.modded,
             )
             prob = torch.exp2_(s)  # (N*Hkv, rows*G, keys): the forward's probabilities, recomputed
             shape5 = (p.n, p.hkv, (hi - lo) // p.g, p.g, visit.ke - visit.ks)
@@ -695,9 +696,7 @@ def backward(
             if p.careful and vis is not None:
                 ds5.masked_fill_(~vis, 0.0)
             if p.modded:
-                pre5 = p.scratch("pre", tuple(s.shape)).view(shape5)
-                lo_q, hi_q = qb.qs + visit.r0, qb.qs + visit.r1
-                p.mod_backward(pre5, ds5, lo_q, hi_q, visit.ks, visit.ke, dmod)
+                p.mod_backward(ds5, dmod)
                 if vis is not None:  # a masked pair's score gets no gradient, whatever the mod
                     ds5.masked_fill_(~vis, 0.0)
             if dbias is not None:
