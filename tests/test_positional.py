@@ -65,9 +65,11 @@ def test_sinusoidal_positions_beyond_float64_are_refused() -> None:
     pe = SinusoidalPositionalEncoding(4)
     with pytest.raises(
         ValueError,
-        match=r"offset \(1180591620717411303424\) \+ length \(3\) must be at most 2\^53",
+        match=r"offset \(1152921504606846976\) \+ length \(3\) must be at most 2\^53",
     ):
-        pe(torch.zeros(1, 3, 4), offset=2**70)
+        pe(torch.zeros(1, 3, 4), offset=2**60)
+    with pytest.raises(ValueError, match=r"offset must be at most 2\*\*63 - 1 .*, got 2361183"):
+        pe(torch.zeros(1, 3, 4), offset=2**71)
     with pytest.raises(ValueError, match=r"offset \(9007199254740991\) \+ length \(2\) must be"):
         pe.encoding(2, offset=2**53 - 1)
     with pytest.raises(ValueError, match=r"offset must be >= 0, got -1"):

@@ -16,7 +16,14 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-from ._checks import check_broadcastable, check_probability, dtype_str, require_tensor, shape_str
+from ._checks import (
+    check_broadcastable,
+    check_logits,
+    check_probability,
+    dtype_str,
+    require_tensor,
+    shape_str,
+)
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
 from .masks import Geometry, Mask, check_mask, visibility
@@ -341,7 +348,7 @@ def _check_bias_arg(bias: object, q: Tensor, scores: tuple[int, ...], legend: st
 
 
 def _check_sinks(sinks: object, q: Tensor, num_heads: int) -> Tensor:
-    """``(H,)`` float logits in q's dtype and on its device."""
+    """``(H,)`` float logits in q's dtype and on its device, each finite or -inf (no sink)."""
     if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
         got = dtype_str(sinks.dtype) if isinstance(sinks, Tensor) else type(sinks).__name__
         raise TypeError(f"sinks must be a float tensor (H,) or None, got {got}")
@@ -357,6 +364,7 @@ def _check_sinks(sinks: object, q: Tensor, num_heads: int) -> Tensor:
         )
     if sinks.device != q.device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    check_logits("sinks", sinks, "a sink may be -inf (no sink)")
     return sinks
 
 

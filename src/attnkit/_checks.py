@@ -1,13 +1,14 @@
 """Argument validation shared by every entry point.
 
 Every check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value),
-names the argument, and quotes the shapes or values it saw. Nothing here touches tensor data, so the
-checks also run on ``device="meta"`` tensors (which is how ``explain`` and the CLI describe a call
-without allocating it).
+names the argument, and quotes the shapes or values it saw. Only :func:`check_logits` touches tensor
+data (and not on ``device="meta"`` or while torch.compile/export trace), so the checks also run on
+meta tensors (which is how ``explain`` and the CLI describe a call without allocating it).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from typing import TypeVar, cast
@@ -43,16 +44,40 @@ def dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``, else TypeError/ValueError.
+#: The largest size, length or position torch holds (an int64): every integer argument fits it.
+INT_MAX = 2**63 - 1
 
+
+def check_int(name: str, value: object, *, minimum: int = 1, saturate: bool = False) -> int:
+    """``value`` if it is an int (not a bool) from ``minimum`` to :data:`INT_MAX`, else
+    TypeError/ValueError naming ``name``.
+
+    ``saturate``: for a size that only bounds a window (a sliding window's reach, a block size),
+    where any value past every sequence means the same, a larger value is taken as ``INT_MAX``.
     A ``torch.SymInt`` (a length while torch.export traces with dynamic shapes) is an int here.
     """
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if isinstance(value, int) and value > INT_MAX:
+        if saturate:
+            return INT_MAX
+        raise ValueError(f"{name} must be at most 2**63 - 1 = {INT_MAX} (an int64), got {value}")
     return cast(int, value)  # a SymInt stands for an int in the traced program
+
+
+def int_arg(text: str) -> int:
+    """A command-line integer (argparse's ``type=``) that fits an int64, else argparse's error
+    with :func:`check_int`'s reason (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    try:
+        return check_int("the value", value, minimum=-INT_MAX - 1)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def check_lengths(name: str, lengths: object) -> list[int]:
@@ -153,4 +178,19 @@ def check_broadcastable(name: str, t: Tensor, target: tuple[int, ...], legend: s
         raise ValueError(
             f"{name} of shape {shape_str(t.shape)} does not broadcast to "
             f"{legend} = {shape_str(target)}"
+        )
+
+
+def check_logits(name: str, t: Tensor, what: str) -> None:
+    """Raise unless ``t`` holds logits: finite or ``-inf``, never NaN or ``+inf``, which would make
+    the softmax undefined. ``what`` says what -inf means there, as in "a sink may be -inf (no
+    sink)". One host synchronisation; skipped on meta tensors and while torch.compile/export
+    trace."""
+    if torch.compiler.is_compiling() or t.device.type == "meta" or not t.numel():
+        return
+    top = float(t.detach().max())  # NaN propagates through max, +inf is the max
+    if math.isnan(top) or top == math.inf:
+        raise ValueError(
+            f"{name} holds {'NaN' if math.isnan(top) else '+inf'}: {what} but not NaN or +inf, "
+            "which would make the softmax undefined"
         )

@@ -87,8 +87,8 @@ def sliding_window_mask(
             [0, 0, 1, 1, 1],
             [0, 0, 0, 1, 1]], dtype=torch.int32)
     """
-    left = check_int("left", left, minimum=0)
-    right = check_int("right", right, minimum=0)
+    left = check_int("left", left, minimum=0, saturate=True)
+    right = check_int("right", right, minimum=0, saturate=True)
     return band_visibility(*_positions(q_len, kv_len, device), -left, right)
 
 

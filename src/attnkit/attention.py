@@ -546,7 +546,8 @@ def attention(
         scale: multiplies ``q k^T``; default ``1 / sqrt(Dk)``. Must be finite and representable
             in the dtype the scores are computed in.
         softcap: caps the scaled scores, ``softcap * tanh(s / softcap)``, before ``bias`` and the
-            mask (Gemma 2's logit softcapping). A number > 0, or None.
+            mask (Gemma 2's logit softcapping). Any number > 0, exact in every backend (a huge
+            cap is no cap, a tiny one a hard limit), or None.
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, any
             function of the scores written with tensor operations, applied after ``softcap``
             and ``bias`` and before the mask (so a masked pair stays masked whatever it returns
@@ -559,7 +560,8 @@ def attention(
             ``ValueError``). Served by ``chunked`` (tile by tile, O(T) memory) and ``reference``.
         sinks: ``(H,)`` logits in q's dtype, one per head, that join every row's softmax
             denominator and attend to nothing (attention sinks, as in GPT-OSS): the row's
-            weights sum to less than 1. Differentiable.
+            weights sum to less than 1. Differentiable. ``-inf`` is no sink for that head; NaN
+            and ``+inf`` are a ``ValueError``.
         dropout_p: dropout on the attention weights (always applied when > 0: pass 0 in eval).
         return_weights: also return the softmax weights ``(..., H, Tq, Tk)`` (before dropout,
             without the sinks' share). Only the ``reference`` backend computes them, so ask only

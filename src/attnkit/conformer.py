@@ -255,8 +255,8 @@ class ConformerLayer(nn.Module):
             if not isinstance(context, tuple) or len(context) != 2:
                 raise TypeError(f"context must be a (left, right) tuple of ints, got {context!r}")
             self.context = (
-                check_int("context[0]", context[0], minimum=0),
-                check_int("context[1]", context[1], minimum=0),
+                check_int("context[0]", context[0], minimum=0, saturate=True),
+                check_int("context[1]", context[1], minimum=0, saturate=True),
             )
 
         def norm() -> nn.LayerNorm:

@@ -56,7 +56,15 @@ from ._blocks import (
     block_reduce,
     states_from,
 )
-from ._checks import check_broadcastable, check_int, check_lengths, dim_str, dtype_str, shape_str
+from ._checks import (
+    INT_MAX,
+    check_broadcastable,
+    check_int,
+    check_lengths,
+    dim_str,
+    dtype_str,
+    shape_str,
+)
 from ._dense_masks import (
     block_diagonal_mask,
     causal_mask,
@@ -372,7 +380,11 @@ def sliding_window(left: int, right: int = 0) -> Mask:
             [0, 0, 1, 1, 1],
             [0, 0, 0, 1, 1]], dtype=torch.int32)
     """
-    return _Window(check_int("left", left, minimum=0), check_int("right", right, minimum=0))
+    # A reach past every sequence is unbounded: it saturates.
+    return _Window(
+        check_int("left", left, minimum=0, saturate=True),
+        check_int("right", right, minimum=0, saturate=True),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,8 +407,15 @@ def _document_rows(lengths: object) -> list[list[int]]:
         )
     nested = [isinstance(x, Sequence) and not isinstance(x, (str, bytes)) for x in lengths]
     if lengths and all(nested):
-        return [check_lengths(f"lengths[{b}]", row) for b, row in enumerate(lengths)]
-    return [check_lengths("lengths", lengths)]
+        rows = [
+            (f"lengths[{b}]", check_lengths(f"lengths[{b}]", row)) for b, row in enumerate(lengths)
+        ]
+    else:
+        rows = [("lengths", check_lengths("lengths", lengths))]
+    for name, row in rows:  # a row's documents end at the sum of their lengths: an int64 too
+        if sum(row) > INT_MAX:
+            raise ValueError(f"{name} must sum to at most 2**63 - 1 = {INT_MAX}, got {sum(row)}")
+    return [row for _, row in rows]
 
 
 def _on(t: Tensor, device: torch.device, cache: dict[torch.device, Tensor]) -> Tensor:

@@ -227,6 +227,13 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[Float[Tensor, "T Dh"], Float[Tensor, "T Dh"]]:
         """``cos`` and ``sin`` of the angles of positions ``offset ... offset + length - 1``,
         each ``(length, Dh)`` with the ``Dh / 2`` frequencies repeated for the two halves."""
+        length = check_int("length", length, minimum=0)
+        offset = check_int("offset", offset, minimum=0)
+        if offset + length > _MAX_POSITION:
+            raise ValueError(
+                f"offset ({offset}) + length ({length}) must be at most 2^53 = {_MAX_POSITION}: "
+                "float64 cannot tell later positions apart"
+            )
         work = _angle_dtype(dtype)
         half = self.head_dim // 2
         inv_freq = self.base ** (-torch.arange(half, dtype=work, device=device) / half)

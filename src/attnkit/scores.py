@@ -84,6 +84,11 @@ class ScoreTerm:
     Subclasses implement :meth:`tile` (and :meth:`inputs` if gradients should reach tensors);
     :meth:`block` and :meth:`dense` have defaults built on it. The term is added to the scaled
     scores after ``softcap`` and before the mask, like ``bias``.
+
+    Its values follow ``bias``'s rule: ``-inf`` masks that pair; NaN or ``+inf`` at a pair the mask
+    leaves visible is a ``ValueError`` when the term's inputs, q and k are finite (a NaN the inputs
+    bring is a NaN in the call's inputs: it reaches the outputs that depend on it). What a term
+    holds at masked pairs never matters.
     """
 
     def inputs(self) -> tuple[Tensor, ...]:
@@ -131,6 +136,54 @@ class ScoreTerm:
 
     def __repr__(self) -> str:
         return self.describe()
+
+
+# Caps up to these (in the dtype the scores are computed in) are computed as 2c sigmoid(2x/c) - c,
+# a fraction of tanh's cost on CPUs. That form is off by about c times the float epsilon whatever x,
+# so larger caps take c tanh(x/c), whose error is that of x: below these limits the sigmoid form's
+# error stays several times inside the tolerances of attnkit.testing (float32 2e-5, float64 1e-10).
+_SIGMOID_CAPS = {torch.float32: 64.0, torch.float64: 65536.0}
+
+
+class Softcap(NamedTuple):
+    """How a call's scores are capped in their work dtype: ``cap`` is the cap computed with, and
+    ``sigmoid`` whether as ``2 cap sigmoid(2x / cap) - cap`` (else ``cap * tanh(x / cap)``)."""
+
+    cap: float
+    sigmoid: bool
+
+
+def softcap_form(softcap: float, dtype: torch.dtype) -> Softcap | None:
+    """How ``softcap * tanh(s / softcap)`` is computed exactly for scores in ``dtype``, for any
+    ``softcap > 0``; None: as no cap.
+
+    A cap above the dtype's largest number is no cap: it moves a score by ``s^3 / (3 cap^2)``,
+    which changes a weight only where scores sit far above 1e30, and there the spacing of the
+    dtype's numbers already makes the softmax pick the largest. A cap below the dtype's smallest
+    normal number is computed as that number: every capped score then rounds to 0 beside the
+    others (the weights are uniform over the visible keys either way).
+    """
+    info = torch.finfo(dtype)
+    if softcap > info.max:
+        return None
+    cap = max(softcap, info.tiny)
+    return Softcap(cap, 1.0 <= cap <= _SIGMOID_CAPS.get(dtype, 0.0))
+
+
+def cap_scores(s: Tensor, softcap: float) -> Tensor:
+    """``softcap * tanh(s / softcap)``, exact for any ``softcap > 0`` (see ``softcap_form``)."""
+    form = softcap_form(softcap, s.dtype)
+    return s if form is None else form.cap * torch.tanh(s / form.cap)
+
+
+def term_error(term: ScoreTerm) -> ValueError:
+    """The error for a term that gave NaN or +inf at a visible pair although its inputs (and q and
+    k) were finite."""
+    return ValueError(
+        f"bias: {term.describe()}.tile() returned NaN or +inf at a pair the mask leaves visible, "
+        "from finite inputs: a score term may hold -inf (that pair is then masked) but not NaN or "
+        "+inf, which would make the softmax undefined"
+    )
 
 
 def reused(

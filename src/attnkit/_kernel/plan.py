@@ -86,7 +86,8 @@ def make_plan(
     ``i * block_q ...``; the mask is asked in the call's coordinates. One host synchronisation at
     most (for masks whose states are computed on the device).
     """
-    bq, bk = max(1, block_q), max(1, block_k)
+    # A block longer than the sequence is the sequence (a block size may be as large as INT_MAX).
+    bq, bk = max(1, min(block_q, q_len)), max(1, min(block_k, kv_len))
     nq, nk = len(range(0, q_len, bq)), len(range(0, kv_len, bk))
     # Per query block: the first key block asked about, and the states from there on.
     strips: list[tuple[int, list[int]]]

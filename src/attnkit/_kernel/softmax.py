@@ -20,7 +20,8 @@ A few details make it fast in eager PyTorch:
   ``dO`` and ``delta`` per row instead of subtracting ``lse`` from every score.
 * **Cheap elementwise work.** Scores are kept in base 2 (``log2(e)`` rides on the queries, and on
   the adds of a bias or score term) because ``exp2`` costs about half of ``exp`` on CPUs, and a
-  softcap is computed through a sigmoid, a fraction of the cost of ``tanh``.
+  softcap up to a few dozen is computed through a sigmoid, a fraction of the cost of ``tanh``
+  (larger caps, where that form would cancel, through ``tanh``; see ``scores.softcap_form``).
 * **One buffer per kind of work.** Each visit's scores (and in the backward their gradients and
   the softcap's sigmoid) are written into a buffer the whole call reuses (:meth:`Problem.scratch`):
   a GEMM and the passes after it run measurably faster there than in a fresh multi-MiB tensor.
@@ -39,11 +40,12 @@ The single rule for a query with no visible key lives here too: its log-sum-exp 
 output 0, and the backward reads its log-sum-exp as 0 so that its probabilities ``exp(-inf - 0)``
 are 0 and its gradients vanish.
 
-Non-finite inputs (a call's ``careful`` mode, decided once per call): scores of masked pairs are
-replaced by ``-inf`` after the product, so NaN at masked positions of q, k or ``bias`` never
-matters; values enter the weighted sum with their non-finite entries zeroed, and an output entry is
-made NaN exactly when a visible key's value is non-finite there; the backward's products use the
-zeroed q, k and v and drop masked pairs explicitly.
+Non-finite inputs (a call's ``careful`` mode, decided once per call): scores of masked pairs (by
+the mask, or by a ``-inf`` bias or score term) are replaced by ``-inf`` after the product, so NaN
+at masked positions of q, k or ``bias`` never matters; values enter the weighted sum with their
+non-finite entries zeroed, and an output entry is made NaN exactly when a visible key's value is
+non-finite there; the backward's products use the zeroed q, k and v and drop masked pairs
+explicitly, the softcap's factor included.
 
 **A score_mod** (``score_mod(score, b, h, q_idx, kv_idx)``, any function) is applied to each
 visit's natural-log scores, after softcap and bias and before the mask, with the tile's broadcast
@@ -69,7 +71,7 @@ from torch import Tensor
 from .._score_mod import ScoreMod, index_tensors
 from .._score_mod import apply as apply_score_mod
 from ..masks import Geometry, Mask
-from ..scores import ScoreShape, ScoreTerm, TermBlock, reused
+from ..scores import ScoreShape, ScoreTerm, TermBlock, reused, softcap_form
 from .plan import Plan, QueryBlock, Run, Visit, split_runs
 
 __all__ = [
@@ -198,6 +200,10 @@ class Problem:
 
     def __post_init__(self) -> None:
         self.work = torch.promote_types(self.q5.dtype, torch.float32)
+        # The cap computed with, and its form (None: a cap too large to change a score is none).
+        form = None if self.softcap is None else softcap_form(self.softcap, self.work)
+        self.softcap = None if form is None else form.cap
+        self.cap_sigmoid = form is not None and form.sigmoid
         self.n, self.hkv, self.g, self.tq, self.dk = self.q5.shape
         self.tk, self.dv = self.v3.shape[-2:]
         # Only the careful mode looks at values: masked NaN values would otherwise meet 0 weights.
@@ -311,11 +317,19 @@ class Problem:
 
     def score_factor(self) -> float:
         """What the rows given to :meth:`scores` carry beyond ``scale``: ``2 / softcap`` with a
-        softcap (the sigmoid form below), else ``log2(e)`` (scores in base 2), or 1 with a
-        score_mod (which sees natural-log scores)."""
-        if self.softcap is not None:
+        softcap in the sigmoid form, ``1 / softcap`` or 1 in the tanh form, else ``log2(e)``
+        (scores in base 2), or 1 with a score_mod (which sees natural-log scores)."""
+        if self.softcap is None:
+            return 1.0 if self.modded else _LOG2E
+        if self.cap_sigmoid:
             return 2.0 / self.softcap
-        return 1.0 if self.modded else _LOG2E
+        return 1.0 / self.softcap if self._cap_in_rows() else 1.0
+
+    def _cap_in_rows(self) -> bool:
+        """Whether the tanh form's ``1 / softcap`` rides on the rows (saving a pass over the
+        scores): for caps from 1 to 2^32, where it can neither overflow nor lose the rows'
+        precision to underflow."""
+        return self.softcap is not None and 1.0 <= self.softcap <= 2.0**32
 
     def mod_view(self, s5: Tensor) -> Tensor:
         """``(N, Hkv, rows, G, keys)`` -> ``(N, H, rows, keys)``, the layout a score_mod sees (a
@@ -394,14 +408,16 @@ class Problem:
         with ``-inf``.
 
         ``qr`` holds the visit's rows ``r0:r1`` of the block starting at query ``qs``, times
-        ``scale * score_factor()``. A softcap is computed as
+        ``scale * score_factor()``. A softcap up to a few dozen is computed as
         ``c * tanh(x / c) = 2c * sigmoid(2x / c) - c``: the same numbers to float rounding of ``c``
         (the absolute error of a capped score is ``c`` times the float epsilon, as for ``tanh`` near
-        saturation), and a sigmoid costs a fraction of a tanh on CPUs. Returns the scores
-        ``(N*Hkv, rows*G, keys)``, the sigmoid when ``keep_sigmoid`` (the backward's softcap
-        factor), and the visit's mask tile (partial blocks). With a score_mod the rows carry no
-        ``log2(e)``: the natural-log scores go through it first (``keep_graph``: under autograd,
-        for :meth:`mod_backward`).
+        saturation), and a sigmoid costs a fraction of a tanh on CPUs; a larger cap, where that
+        error would show, as ``c * tanh(x / c)``. Returns the scores ``(N*Hkv, rows*G, keys)``, the
+        sigmoid (or tanh) when ``keep_sigmoid`` (the backward's softcap factor), and the visit's
+        visibility: the mask tile of a partial block, and in the careful mode also the pairs a
+        ``-inf`` bias or term hides (``NaN + -inf`` is NaN, not ``-inf``). With a score_mod the
+        rows carry no ``log2(e)``: the natural-log scores go through it before the mask
+        (``keep_graph``: under autograd, for :meth:`mod_backward`).
         """
         ks, ke = visit.ks, visit.ke
         lo, hi = qs + visit.r0, qs + visit.r1
@@ -418,43 +434,59 @@ class Problem:
         sig = None
         if self.softcap is not None:
             c = self.softcap
-            s.sigmoid_()
+            if self.cap_sigmoid:
+                s.sigmoid_()
+                two, shift = 2.0 * c * unit, c * unit  # (2c sigmoid - c) * log2(e)
+            else:
+                (s if self._cap_in_rows() else s.div_(c)).tanh_()
+                two, shift = c * unit, 0.0  # c tanh * log2(e)
             sig = self.scratch("sigmoid", tuple(s.shape)).copy_(s) if keep_sigmoid else None
             if pending is not None and not added:
-                # (2c sigmoid - c) * log2(e) - m in one pass; the mask's -inf comes after.
-                torch.add(pending.add(c * _LOG2E).neg_(), s, alpha=2.0 * c * _LOG2E, out=s)
+                # ... - m in one pass; the mask's -inf comes after.
+                torch.add(pending.add(shift).neg_(), s, alpha=two, out=s)
                 pending = None
+            elif shift:
+                s.mul_(two).sub_(shift)
             else:
-                s.mul_(2.0 * c * unit).sub_(c * unit)
+                s.mul_(two)
         s5 = s.view(self.n, self.hkv, hi - lo, self.g, ke - ks)
+        vis = self.mask_tile(lo, hi, ks, ke) if visit.partial else None
         bias = self.bias_tile(lo, hi, ks, ke)
         if bias is not None:
             s5.add_(bias, alpha=unit)
+            if self.careful:
+                vis = _hide(vis, bias)
         if tb is not None:
-            tile = tb.tile(ks + self.k_start, ke + self.k_start)[..., visit.r0 : visit.r1, :]
-            s5.add_(self._to_rows(tile), alpha=unit)
+            tile = self._to_rows(
+                tb.tile(ks + self.k_start, ke + self.k_start)[..., visit.r0 : visit.r1, :]
+            )
+            s5.add_(tile, alpha=unit)
+            if self.careful:
+                vis = _hide(vis, tile)
         if self.modded:
             self.apply_mod(s5, lo, hi, ks, ke, keep_graph)
-        vis = None
-        if visit.partial:
-            vis = self.mask_tile(lo, hi, ks, ke)
+        if vis is not None:
             s5.masked_fill_(~vis, float("-inf"))
         if pending is not None:
             s.sub_(pending)
         return s, sig, vis
 
     def visible(self, qs: int, visit: Visit, vis: Tensor | None) -> Tensor:
-        """``(N*Hkv, rows*G, keys)`` float: 1 where the visit's pairs are visible, counting a
-        ``-inf`` bias as masked (the careful mode's rule for non-finite values)."""
+        """``(N*Hkv, rows*G, keys)`` float: 1 where the visit's pairs are visible, given the
+        careful mode's visibility from :meth:`scores` (which counts a ``-inf`` bias or term as
+        masked)."""
         lo, hi = qs + visit.r0, qs + visit.r1
         shape = (self.n, self.hkv, hi - lo, self.g, visit.ke - visit.ks)
         out = torch.ones(shape, dtype=self.work, device=self.q5.device)
         if vis is not None:
             out.masked_fill_(~vis, 0.0)
-        bias = self.bias_tile(lo, hi, visit.ks, visit.ke)
-        if bias is not None:
-            out.masked_fill_(bias == float("-inf"), 0.0)
         return out.view(self.n * self.hkv, (hi - lo) * self.g, visit.ke - visit.ks)
+
+
+def _hide(vis: Tensor | None, added: Tensor) -> Tensor:
+    """``vis`` with the pairs that ``added`` (a bias or term tile) sets to ``-inf`` masked too."""
+    keep = added != float("-inf")
+    return keep if vis is None else vis & keep
 
 
 def _tile5(t: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
@@ -600,12 +632,14 @@ def finish(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tens
     """Fold the sinks ``(Hkv, G)`` into a forward's output and log-sum-exp (in place for ``out``).
 
     A sink joins each row's softmax denominator with its logit and attends to nothing, so the row's
-    output shrinks by ``exp(lse - lse_with_sink)``; a row with no visible key stays 0.
+    output shrinks by ``exp(lse - lse_with_sink)``; a row with no visible key stays 0. A ``-inf``
+    sink is no sink: a row with no visible key then keeps log-sum-exp ``-inf``.
     """
     if sinks is None:
         return out, lse
     total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, :, None])
-    out.mul_((lse - total).exp_().unsqueeze(-1))
+    # exp(-inf - 0) = 0 where both are -inf, not exp(-inf + inf) = NaN
+    out.mul_((lse - total.masked_fill(total == float("-inf"), 0.0)).exp_().unsqueeze(-1))
     return out, total
 
 
@@ -707,14 +741,19 @@ def backward(
                 ds_heads = ds5.transpose(2, 3).reshape(p.n, p.hkv * p.g, *shape5[2::2])
                 tb.backward(visit.ks + p.k_start, visit.ke + p.k_start, ds_heads, visit.r0)
             if sig is not None:  # d c tanh(x/c) / dx = 1 - tanh^2 = 4 s (1 - s), s = sigmoid(2x/c)
-                factor = sig.addcmul_(sig, sig, value=-1.0)  # the 4 is applied to dQ and dK below
+                if p.cap_sigmoid:  # the 4 is applied to dQ and dK below
+                    factor = sig.addcmul_(sig, sig, value=-1.0)
+                else:  # tanh^2 - 1: the sign is applied to dQ and dK below
+                    factor = sig.mul_(sig).sub_(1.0)
+                if p.careful and vis is not None:  # a masked pair's NaN score: 0 * NaN
+                    factor.view(shape5).masked_fill_(~vis, 0.0)
                 ds = ds.mul_(factor) if tb is None else ds * factor  # the term's stay as handed
             dq_b[:, lo:hi].baddbmm_(ds, kb)
             dk[:, visit.ks : visit.ke].baddbmm_(ds.transpose(1, 2), qr_clean[:, lo:hi])
         if tb is not None:
             tb.flush()
         dq[:, :, qb.qs : qb.qe] = dq_b.view(p.n, p.hkv, qb.qe - qb.qs, p.g, p.dk)
-    capped = 4.0 if p.softcap is not None else 1.0
+    capped = 1.0 if p.softcap is None else 4.0 if p.cap_sigmoid else -1.0
     dq.mul_(p.scale * capped)
     if p.softcap is not None:
         dk.mul_(capped)
@@ -759,7 +798,10 @@ def _fused_backward(
 def sink_grad(lse: Tensor, delta: Tensor, sinks: Tensor) -> Tensor:
     """``d loss / d sinks`` ``(Hkv, G)``: each row's sink has probability ``exp(sink - lse)`` and
     value 0, so it moves the output by ``-p_sink * O``: ``-sum_rows p_sink * rowsum(dO * O)``."""
-    p_sink = (sinks.to(lse.dtype)[None, :, :, None] - lse).exp_()
+    # A -inf sink of a row with no visible key (lse -inf too) has probability 0, not exp(NaN).
+    p_sink = (
+        sinks.to(lse.dtype)[None, :, :, None] - lse.masked_fill(lse == float("-inf"), 0.0)
+    ).exp_()
     return -(p_sink * delta).sum(dim=(0, 3))
 
 

@@ -46,7 +46,7 @@ from .._kernel import (
 )
 from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
-from ..scores import ScoreTerm
+from ..scores import ScoreTerm, softcap_form, term_error
 from .base import Backend, CallInputs
 
 __all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention"]
@@ -76,6 +76,21 @@ def _unlayout_bias_grad(d5: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Ten
     return d.reshape(bias.shape).to(bias.dtype)
 
 
+def _check_term(term: ScoreTerm, lse: Tensor) -> None:
+    """Raise when a score term gave NaN or +inf at a visible pair (one host synchronisation).
+
+    With finite q, k, v and term inputs (and a bias already checked), only the term can make a
+    visible score NaN or +inf, and any such score makes its row's log-sum-exp NaN or +inf: one
+    look at the ``(N, H, Tq)`` log-sum-exp replaces a pass over every tile. (Scores overflowing
+    the work dtype, ``|q . k| * scale`` beyond 3e38 in float32, would read the same.)
+    """
+    if not lse.numel():
+        return
+    top = float(lse.max())  # NaN propagates through max; -inf rows (no visible key) are fine
+    if math.isnan(top) or top == math.inf:
+        raise term_error(term)
+
+
 @dataclass(frozen=True)
 class _Spec:
     """What the backward needs besides the saved tensors: the call, and its plan."""
@@ -87,6 +102,8 @@ class _Spec:
     softcap: float | None
     term: ScoreTerm | None
     careful: bool
+    #: q, k, v and the term's inputs are finite: a non-finite log-sum-exp is the term's doing
+    check_term: bool
     has_bias: bool
     has_sinks: bool
     n_term: int
@@ -142,6 +159,8 @@ class _KernelAttention(torch.autograd.Function):
         p = _problem(spec, q, k, v, bias, term_inputs, mod_inputs)
         with no_autocast(q.device):
             out5, lse = forward(p)
+            if spec.check_term and spec.term is not None:
+                _check_term(spec.term, lse)
             sinks2 = None if sinks is None else sinks.view(p.hkv, p.g)
             out5, lse = finish(out5, lse, sinks2)
         # (N, Hkv, G, Tq, Dv) laid out as (N, Tq, H, Dv): a view of q's shape, like torch's SDPA.
@@ -266,6 +285,7 @@ def kernel_attention(
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k)
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
+    careful = not (finite(q, k, v) if is_finite is None else is_finite)
     spec = _Spec(
         mask=mask,
         geo=geo,
@@ -273,7 +293,8 @@ def kernel_attention(
         scale=scale,
         softcap=softcap,
         term=term,
-        careful=not (finite(q, k, v) if is_finite is None else is_finite),
+        careful=careful,
+        check_term=term is not None and not careful and finite(*term_inputs),
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
@@ -287,8 +308,15 @@ def kernel_attention(
 def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
     """What of a call's plan goes to torch's fused CPU kernel, for explain() (None: nothing)."""
     added = call.bias_shape is not None or call.score_term is not None or call.score_mod is not None
+    work = torch.promote_types(call.dtype, torch.float32)
+    capped = call.softcap is not None and softcap_form(call.softcap, work) is not None
     serves = fused_serves(
-        call.device, call.dtype, call.qk_dim, call.v_dim, softcap=call.softcap, added=added
+        call.device,
+        call.dtype,
+        call.qk_dim,
+        call.v_dim,
+        softcap=1.0 if capped else None,
+        added=added,
     )
     if fused_rows is None or not serves or call.finite is False:
         return None
@@ -346,9 +374,12 @@ class Chunked(Backend):
         fused_rows: int | None = FUSED_ROWS,
     ) -> None:
         super().__init__("chunked")
-        self.block_q = None if block_q is None else check_int("block_q", block_q)
-        self.block_k = None if block_k is None else check_int("block_k", block_k)
-        self.fused_rows = None if fused_rows is None else check_int("fused_rows", fused_rows)
+        # Sizes past any sequence mean the same as the sequence: they saturate.
+        self.block_q = None if block_q is None else check_int("block_q", block_q, saturate=True)
+        self.block_k = None if block_k is None else check_int("block_k", block_k, saturate=True)
+        self.fused_rows = (
+            None if fused_rows is None else check_int("fused_rows", fused_rows, saturate=True)
+        )
 
     def check(self, call: AttentionCall) -> list[str]:
         return chunked_check(call)

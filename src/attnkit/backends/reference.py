@@ -19,7 +19,7 @@ from .._checks import shape_str
 from .._score_mod import ScoreMod, index_tensors
 from .._score_mod import apply as apply_score_mod
 from ..masks import Geometry, Mask
-from ..scores import ScoreTerm
+from ..scores import ScoreTerm, cap_scores, term_error
 from .base import Backend, CallInputs, Output
 
 __all__ = ["Reference", "reference"]
@@ -40,6 +40,16 @@ def _product(a: Tensor, b: Tensor) -> Tensor:
         return plain
     clean = a.masked_fill(~torch.isfinite(a), 0.0) @ b.masked_fill(~torch.isfinite(b), 0.0)
     return clean + (plain - clean).detach()
+
+
+def _check_term(term: ScoreTerm, dense: Tensor, visible: Tensor) -> None:
+    """Raise when the term holds NaN or +inf at a visible pair although its inputs are finite."""
+    if torch.compiler.is_compiling() or dense.device.type == "meta":
+        return
+    if not all(bool(torch.isfinite(t).all()) for t in term.inputs() if t.is_floating_point()):
+        return  # a NaN the inputs bring spreads like a NaN in q
+    if bool((visible & ~(dense < math.inf)).any()):  # NaN or +inf, where visible
+        raise term_error(term)
 
 
 def reference(
@@ -64,22 +74,32 @@ def reference(
     kg, vg = k.to(work).unsqueeze(-3), v.to(work).unsqueeze(-3)  # (..., Hkv, 1, Tk, D)
 
     s = (_product(qg, kg.transpose(-1, -2)) * scale).flatten(-4, -3)  # (..., H, Tq, Tk)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
     visible = torch.ones((), dtype=torch.bool, device=q.device)
     if mask is not None:
         geo = Geometry(batch, h, tq, tk, q.device)
         visible = _batched(mask.tile(geo, 0, tq, 0, tk), batch)  # (...|1, H|1, Tq|1, Tk|1)
+    added = None
     if isinstance(bias, ScoreTerm):
         shape = Geometry(batch, h, tq, tk, q.device, work)
-        s = s + _batched(bias.dense(bias.inputs(), shape), batch)
+        added = _batched(bias.dense(bias.inputs(), shape), batch)
     elif bias is not None:
-        s = s + bias
-        visible = visible & (bias != float("-inf"))  # -inf in bias masks that pair
+        added = bias
+    if added is not None:
+        visible = visible & (added != float("-inf"))  # -inf in a bias or term masks that pair
+    if isinstance(bias, ScoreTerm) and added is not None:
+        _check_term(bias, added, visible)
+    if softcap is not None:
+        # A masked score may be NaN (garbage in a padded key): cap 0 there, so that the gradient
+        # of tanh, 0 * NaN, never reaches q or k.
+        s = cap_scores(s.masked_fill(~visible, 0.0), softcap)
+    if added is not None:
+        s = s + added
     if score_mod is not None:  # on (B, H, Tq, Tk) with the batch dims flattened, as the kernel
         n = math.prod(batch)
         idx = index_tensors(n, h, 0, tq, 0, tk, q.device)
-        s = apply_score_mod(score_mod, s.reshape(n, h, tq, tk), idx).reshape(s.shape)
+        # masked scores (maybe NaN garbage) enter as 0, as for the softcap: no 0 * NaN gradient
+        s = s.masked_fill(~visible, 0.0).reshape(n, h, tq, tk)
+        s = apply_score_mod(score_mod, s, idx).reshape(*batch, h, tq, tk)
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:  # one more logit per row, attending to nothing
         s = torch.cat([s, sinks.to(work)[:, None, None].expand(*s.shape[:-1], 1)], -1)

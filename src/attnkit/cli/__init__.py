@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code: int = args.run(args)
-    except (ValueError, TypeError, RuntimeError) as err:
-        # Bad values that argparse cannot see (shapes that do not fit, an unknown device...).
+    except (ValueError, TypeError, RuntimeError, OverflowError) as err:
+        # Bad values that argparse cannot see (shapes that do not fit, an unknown device, a
+        # product of sizes past what torch holds...).
         parser.exit(2, f"attnkit {args.command}: error: {err}\n")
     except OSError as err:
         # A file or folder the user cannot read or write, a full disk: theirs to fix, so one

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 import attnkit
 
+from .._checks import int_arg
 from .measure import extra_peak_memory, time_side_by_side
 
 
@@ -207,7 +208,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="two small shapes, fewer rounds (~1 min)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int_arg, default=None, help="torch threads (default: torch's)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -44,6 +44,8 @@ from torch import Tensor, nn
 
 import attnkit
 
+from .._checks import int_arg
+
 PAD, BOS, EOS = 0, 1, 2
 FIRST_SYMBOL = 3
 TASKS: dict[str, Callable[[list[int]], list[int]]] = {
@@ -601,10 +603,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="encoder self-attention: mha (absolute positions) or relative "
         "(Transformer-XL relative positions, as in Conformer); default mha",
     )
-    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
+    p.add_argument(
+        "--steps", type=int_arg, default=d.steps, help=f"training steps (default {d.steps})"
+    )
     p.add_argument(
         "--seed",
-        type=int,
+        type=int_arg,
         default=d.seed,
         help="seed for the weights and the data; a run is deterministic for a seed",
     )

@@ -11,6 +11,8 @@ import torch
 
 import attnkit
 
+from .._checks import int_arg
+
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -23,15 +25,17 @@ BIASES = ("none", "heads", "full")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     shape = p.add_argument_group("shapes")
-    shape.add_argument("-b", "--batch", type=int, default=1, help="batch size B (default 1)")
-    shape.add_argument("--heads", type=int, default=8, help="query heads H (default 8)")
+    shape.add_argument("-b", "--batch", type=int_arg, default=1, help="batch size B (default 1)")
+    shape.add_argument("--heads", type=int_arg, default=8, help="query heads H (default 8)")
     shape.add_argument(
-        "--kv-heads", type=int, default=None, help="key/value heads Hkv (default: H)"
+        "--kv-heads", type=int_arg, default=None, help="key/value heads Hkv (default: H)"
     )
-    shape.add_argument("-t", "--q-len", type=int, default=1024, help="queries Tq (default 1024)")
-    shape.add_argument("--kv-len", type=int, default=None, help="keys Tk (default: Tq)")
-    shape.add_argument("-d", "--head-dim", type=int, default=64, help="Dk (default 64)")
-    shape.add_argument("--v-dim", type=int, default=None, help="Dv (default: Dk)")
+    shape.add_argument(
+        "-t", "--q-len", type=int_arg, default=1024, help="queries Tq (default 1024)"
+    )
+    shape.add_argument("--kv-len", type=int_arg, default=None, help="keys Tk (default: Tq)")
+    shape.add_argument("-d", "--head-dim", type=int_arg, default=64, help="Dk (default 64)")
+    shape.add_argument("--v-dim", type=int_arg, default=None, help="Dv (default: Dk)")
     opts = p.add_argument_group("options")
     opts.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     opts.add_argument(
