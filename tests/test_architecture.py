@@ -1,4 +1,5 @@
-"""The package's structure: imports run one way, privates stay private, and the map is true."""
+"""The package's structure: imports run one way, privates stay private, the map is true, and every
+module has its test file."""
 
 from __future__ import annotations
 
@@ -176,3 +177,50 @@ def test_every_module_is_on_the_architecture_page() -> None:
         if not re.search(rf"`{re.escape(path.relative_to(SRC).as_posix())}`", text)
     ]
     assert not missing, f"docs/architecture.md does not place: {', '.join(missing)}"
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+# Modules without a test file of their own, each with the tests that cover it.
+NO_MIRROR = {
+    "__init__.py": "the public API: every test imports it; tests/test_docs.py documents its names",
+    "_kernel/__init__.py": "re-exports only: tests/kernel/test_plan.py, test_softmax.py",
+    "_typing.py": "its shape checks run in every test (conftest.py turns them on); "
+    "tests/test_attention.py asserts one fires",
+    "backends/__init__.py": "the built-in backends, in auto's order: tests/test_attention.py",
+    "cli/__init__.py": "the command's entry point: tests/cli/test_main.py",
+    "distributed/__init__.py": "re-exports only: tests/distributed/test_ring.py",
+    "distributed/_comm.py": "the ranks' messages and agreement: tests/distributed/test_ring.py",
+    "distributed/backend.py": "register_ring_backend: tests/distributed/test_ddp.py",
+    "integrations/__init__.py": "re-exports only: tests/integrations/test_transformers.py",
+    "interop/__init__.py": "re-exports only: the tests in tests/interop/",
+}
+
+
+def _mirror(relative: pathlib.PurePosixPath) -> pathlib.PurePosixPath:
+    """``X/_name.py`` or ``X/name.py`` -> ``X/test_name.py``, leading underscores dropped from the
+    folders too (``_kernel/softmax.py`` -> ``kernel/test_softmax.py``)."""
+    folders = [part.removeprefix("_") for part in relative.parent.parts]
+    return pathlib.PurePosixPath(*folders, "test_" + relative.name.removeprefix("_"))
+
+
+def test_every_module_has_its_mirror_test_file() -> None:
+    missing = []
+    for path in MODULES.values():
+        relative = pathlib.PurePosixPath(path.relative_to(SRC).as_posix())
+        if str(relative) in NO_MIRROR:
+            continue
+        if not (TESTS / _mirror(relative)).is_file():
+            missing.append(f"src/attnkit/{relative} -> tests/{_mirror(relative)}")
+    assert not missing, "modules without their test file:\n" + "\n".join(missing)
+
+
+def test_the_modules_without_a_mirror_exist_and_have_none() -> None:
+    # A stale entry (a module renamed, or a test file added since) would hide the next one.
+    for name in NO_MIRROR:
+        relative = pathlib.PurePosixPath(name)
+        assert (SRC / relative).is_file(), f"NO_MIRROR lists {name}, which is not a module"
+        if relative.name != "__init__.py":
+            assert not (TESTS / _mirror(relative)).is_file(), (
+                f"{name} has tests/{_mirror(relative)}"
+            )

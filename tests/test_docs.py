@@ -186,3 +186,43 @@ def test_args_entry_naming_two_arguments_and_a_closing_sentence(rst: types.Modul
         "",
         "Returns:",
     ]
+
+
+def test_doctest_markup_is_not_shown(rst: types.ModuleType) -> None:
+    ext = rst.RstDocstrings()
+    ext.collection, ext.public = {}, set()
+
+    class Obj:
+        path = "x"
+        parent = None
+
+    text = ">>> print('a\\n\\nb')  # doctest: +ELLIPSIS\na\n<BLANKLINE>\nb\n"
+    out = ext.convert(text, Obj())
+    assert out == "```pycon\n>>> print('a\\n\\nb')\na\n\nb\n```"
+
+
+def test_signatures_show_no_private_alias(converter: tuple[object, object]) -> None:
+    _, package = converter
+    fn = package["attention"]["attention"]  # type: ignore[index]
+    shown = " ".join(str(p.annotation) for p in fn.parameters)
+    assert "_MaskArg" not in shown
+    assert "_BiasArg" not in shown
+    assert "Mask | None" in shown
+
+
+def test_site_links_that_fail_from_disk_are_found(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "site_links", ROOT / "docs" / "_ext" / "site_links.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    site_links = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site_links)
+    (tmp_path / "guide").mkdir()
+    (tmp_path / "guide" / "masks.html").write_text('<a href="../index.html#top">home</a>')
+    (tmp_path / "index.html").write_text(
+        '<a href="guide/masks.html">ok</a> <a href="guide/">folder</a> <a href="#x">here</a>'
+        '<img src="data:image/png;base64,AA"> <a href="https://example.org/">web</a>'
+        '<script src="missing.js"></script>'
+    )
+    assert site_links.broken_links(tmp_path) == ["index.html: guide/", "index.html: missing.js"]

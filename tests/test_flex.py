@@ -468,3 +468,18 @@ def test_block_mask_is_lazy_and_dense_on_request() -> None:
     assert torch.equal(small.to_dense(), want)
     assert "mask_mod=causal" in repr(small)
     assert torch.equal(flex.noop_mask(*[torch.zeros(1, dtype=torch.long)] * 4), torch.tensor(True))
+
+
+@pytest.mark.parametrize("backend", [SMALL, "chunked"])
+def test_a_score_mod_far_from_the_raw_scores_needs_no_offset_assumption(backend: object) -> None:
+    """Small q and k would let the kernel take offset 0; a shift of 100 (softmax-invariant) must
+    not overflow there: 2^(100 log2(e)) is beyond float32."""
+    q, k, v = (0.01 * t for t in _qkv(torch.float32))
+
+    def shift(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return s + 100.0
+
+    got = attnkit.attention(q, k, v, score_mod=shift, causal=True, backend=backend)  # type: ignore[arg-type]
+    assert_close(
+        got, attnkit.attention(q.double(), k.double(), v.double(), causal=True), dtype=torch.float32
+    )

@@ -187,3 +187,15 @@ def test_stage_then_commit() -> None:
     assert cache.length == 3
     k, _ = cache.update(b, b)
     assert torch.equal(k, torch.cat([a, c, b], dim=2))
+
+
+def test_a_cache_of_another_batch_size_names_both() -> None:
+    mha = MultiHeadAttention(16, 4)
+    cache = mha.make_cache(batch_size=3, max_len=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="batch_size=2") as err:
+        mha(torch.randn(2, 1, 16), cache=cache)
+    message = str(err.value)
+    assert "KVCache holds a batch of 3 sequences (batch_size=3)" in message
+    assert "brings a batch of 2" in message
+    assert "k and v" not in message
+    assert cache.length == 0

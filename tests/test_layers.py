@@ -72,7 +72,7 @@ def test_encoder_layer_from_torch(
     )
     randomize(theirs)
     theirs.train(train)
-    ours = TransformerEncoderLayer.from_torch(theirs)
+    ours = TransformerEncoderLayer.from_torch(theirs, batch_first=True)  # fed x batch-first
     assert ours.training is train
     x = torch.randn(b, t, d, dtype=torch.float64)
     kpm = torch_padding(lengths, t)

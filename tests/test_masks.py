@@ -1,5 +1,5 @@
-"""Masks: each equals its definition written out here, block plans are sound, bad arguments are
-explained."""
+"""Structured masks: each equals its definition written out here, block plans are sound, bad
+arguments are explained (the dense helpers are tested in ``tests/test_dense_masks.py``)."""
 
 from __future__ import annotations
 
@@ -10,113 +10,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import attnkit
 from attnkit import masks
 from attnkit.masks import Geometry
 
 from .strategies import structured_masks
-
-lengths = st.integers(0, 9)
-
-
-@given(tq=lengths, tk=lengths)
-def test_causal_mask_definition(tq: int, tk: int) -> None:
-    want = torch.tensor(
-        [[j <= i + tk - tq for j in range(tk)] for i in range(tq)], dtype=torch.bool
-    )
-    assert torch.equal(masks.causal_mask(tq, tk), want.reshape(tq, tk))
-
-
-@given(tq=lengths, tk=lengths, left=lengths, right=lengths)
-def test_sliding_window_definition(tq: int, tk: int, left: int, right: int) -> None:
-    want = torch.tensor(
-        [[-left <= j - (i + tk - tq) <= right for j in range(tk)] for i in range(tq)],
-        dtype=torch.bool,
-    ).reshape(tq, tk)
-    assert torch.equal(masks.sliding_window_mask(tq, tk, left=left, right=right), want)
-
-
-def test_sliding_window_with_left_past_the_start_is_causal() -> None:
-    assert torch.equal(masks.sliding_window_mask(6, left=6), masks.causal_mask(6))
-
-
-@given(lens=st.lists(lengths, min_size=1, max_size=4), extra=st.integers(0, 3))
-def test_padding_mask_definition(lens: list[int], extra: int) -> None:
-    t = max(lens) + extra
-    right = masks.padding_mask(lens, t)
-    left = masks.padding_mask(torch.tensor(lens), t, side="left")
-    assert right.shape == left.shape == (len(lens), 1, 1, t)
-    for b, n in enumerate(lens):
-        assert right[b, 0, 0].tolist() == [True] * n + [False] * (t - n)
-        assert left[b, 0, 0].tolist() == [False] * (t - n) + [True] * n
-
-
-@given(q_lens=st.lists(lengths, min_size=1, max_size=4), data=st.data())
-def test_block_diagonal_definition(q_lens: list[int], data: st.DataObject) -> None:
-    kv_lens = data.draw(st.lists(lengths, min_size=len(q_lens), max_size=len(q_lens)))
-    q_seg = [s for s, n in enumerate(q_lens) for _ in range(n)]
-    kv_seg = [s for s, n in enumerate(kv_lens) for _ in range(n)]
-    want = torch.tensor([[a == b for b in kv_seg] for a in q_seg], dtype=torch.bool)
-    got = masks.block_diagonal_mask(q_lens, kv_lens)
-    assert torch.equal(got, want.reshape(len(q_seg), len(kv_seg)))
-
-
-def test_combine_masks() -> None:
-    a = masks.causal_mask(4)
-    b = masks.padding_mask([2, 4])
-    assert masks.combine_masks() is None
-    assert masks.combine_masks(None, None) is None
-    assert masks.combine_masks(None, a) is a
-    assert torch.equal(masks.combine_masks(a, b), a & b)
-
-
-BAD = [
-    (lambda: masks.causal_mask(-1), ValueError, "q_len must be >= 0, got -1"),
-    (lambda: masks.causal_mask(3, 2.0), TypeError, "kv_len must be an int, got 2.0"),
-    (lambda: masks.sliding_window_mask(3, left=-2), ValueError, "left must be >= 0, got -2"),
-    (
-        lambda: masks.padding_mask([3, 1], side="top"),
-        ValueError,
-        "side must be 'right' or 'left', got 'top'",
-    ),
-    (
-        lambda: masks.padding_mask([3, 5], max_len=4),
-        ValueError,
-        "max_len (4) is shorter than the longest length (5)",
-    ),
-    (
-        lambda: masks.padding_mask(torch.tensor([1.0, 2.0])),
-        TypeError,
-        "lengths must be a 1-d integer tensor, got torch.float32 of shape (2,)",
-    ),
-    (
-        lambda: masks.padding_mask(torch.tensor([1, -2])),
-        ValueError,
-        "lengths must be >= 0, got [1, -2]",
-    ),
-    (
-        lambda: masks.block_diagonal_mask([1, 2], [3]),
-        ValueError,
-        "q_lens and kv_lens must list as many segments, got 2 and 1",
-    ),
-    (
-        lambda: masks.combine_masks(masks.causal_mask(3), torch.ones(3)),
-        TypeError,
-        "combine_masks() takes bool tensors or None; argument 1 is torch.float32",
-    ),
-    (
-        lambda: masks.combine_masks(masks.causal_mask(3), masks.causal_mask(4)),
-        ValueError,
-        "argument 1 of shape (4, 4) does not broadcast with the masks before it, of shape (3, 3)",
-    ),
-]
-
-
-@pytest.mark.usefixtures("no_shape_checks")
-@pytest.mark.parametrize(("call", "exc", "message"), BAD)
-def test_bad_arguments(call, exc: type[Exception], message: str) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(exc, match=re.escape(message)):
-        call()
-
 
 # --------------------------------------------------------------------------------------------------
 # Structured masks
@@ -134,6 +32,36 @@ def test_structured_masks_equal_their_definition(
     got = s.mask.dense(tq, tk, batch_size=b, num_heads=h)
     assert got.dtype == torch.bool
     assert torch.equal(got.expand(b, h, tq, tk), s.dense), s.label
+
+
+@given(
+    tq=st.integers(0, 9),
+    tk=st.integers(0, 9),
+    left=st.integers(-6, 9),
+    right=st.integers(-6, 9),
+)
+def test_sliding_window_with_negative_bounds(tq: int, tk: int, left: int, right: int) -> None:
+    """A band that leaves out the diagonal (flash-attn 4's negative window bounds): the mask and
+    its block plan agree with the definition."""
+    if left + right < 0:
+        with pytest.raises(ValueError, match="holds no key"):
+            masks.sliding_window(left, right)
+        return
+    want = torch.tensor(
+        [[-left <= j - (i + tk - tq) <= right for j in range(tk)] for i in range(tq)],
+        dtype=torch.bool,
+    ).reshape(tq, tk)
+    m = masks.sliding_window(left, right)
+    assert torch.equal(m.dense(tq, tk)[0, 0], want)
+    if tq and tk:
+        geo = Geometry((1,), 1, tq, tk, torch.device("cpu"))
+        states = m.block_states(geo, (0, tq, 2), (0, tk, 3))
+        for bi, qs in enumerate(range(0, tq, 2)):
+            for bj, ks in enumerate(range(0, tk, 3)):
+                block = want[qs : qs + 2, ks : ks + 3]
+                state = int(states[bi, bj])
+                assert state != masks.EMPTY or not block.any()
+                assert state != masks.FULL or block.all()
 
 
 @given(shape=shapes, block=st.tuples(st.integers(1, 5), st.integers(1, 5)), data=st.data())
@@ -229,8 +157,16 @@ STRUCTURED_BAD = [
         TypeError,
         "ids must be an integer tensor (Tk,) or (B, Tk), got torch.float32",
     ),
-    (lambda: masks.sliding_window(-1), ValueError, "left must be >= 0, got -1"),
-    (lambda: masks.sliding_window(2, right=-3), ValueError, "right must be >= 0, got -3"),
+    (
+        lambda: masks.sliding_window(-1),
+        ValueError,
+        "sliding_window(left=-1, right=0) holds no key: the band runs from 1 to 0",
+    ),
+    (
+        lambda: masks.sliding_window(2, right=-3),
+        ValueError,
+        "sliding_window(left=2, right=-3) holds no key: the band runs from -2 to -3",
+    ),
     (lambda: masks.sliding_window(2.5), TypeError, "left must be an int, got 2.5"),
     (
         lambda: masks.causal(align="top"),
@@ -273,3 +209,61 @@ STRUCTURED_BAD = [
 def test_bad_structured_masks(call, exc: type[Exception], message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(exc, match=re.escape(message)):
         call()
+
+
+# ------------------------------------------------------------------------------------------------
+# The mistakes people make, and what the errors say
+
+
+def test_a_mask_cannot_be_negated_and_the_error_says_what_to_write() -> None:
+    with pytest.raises(TypeError) as err:
+        ~masks.causal()
+    message = str(err.value)
+    assert message.startswith("~causal(): attnkit masks cannot be negated")
+    assert "_Causal" not in message
+    assert "from_fn(" in message
+
+
+def test_from_fn_with_python_and_or_says_to_use_tensor_operators() -> None:
+    def prefix_lm(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> object:
+        return (k <= q) or (k < 2)
+
+    with pytest.raises(TypeError, match=r"from_fn\(prefix_lm\) used Python's and/or/not") as err:
+        masks.from_fn(prefix_lm).dense(4)  # type: ignore[arg-type]
+    assert "& (and), | (or) and ~ (not)" in str(err.value)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="used Python's and/or/not"):
+        attnkit.attention(q, q, q, mask=masks.from_fn(prefix_lm))  # type: ignore[arg-type]
+
+
+def test_dense_of_a_batched_mask_names_batch_size() -> None:
+    with pytest.raises(ValueError, match=r"has 2 batch rows, .* pass batch_size=2"):
+        masks.key_padding([3, 2]).dense(4)
+    with pytest.raises(ValueError, match=r"pass batch_size=2"):
+        (masks.causal() & masks.key_padding([3, 2])).dense(4)
+    assert masks.key_padding([3, 2]).dense(4, batch_size=2).shape == (2, 1, 4, 4)
+
+
+def test_a_b_tk_padding_mask_gets_the_key_padding_hint() -> None:
+    q = torch.randn(2, 4, 5, 8)
+    valid = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    with pytest.raises(ValueError, match="does not broadcast") as err:
+        attnkit.attention(q, q, q, mask=valid)
+    assert "attnkit.masks.key_padding(valid=mask)" in str(err.value)
+    assert "mask[:, None, None, :]" in str(err.value)
+    # The hint's two spellings give the same result.
+    a = attnkit.attention(q, q, q, mask=masks.key_padding(valid=valid))
+    b = attnkit.attention(q, q, q, mask=valid[:, None, None, :])
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_an_int64_attention_mask_is_led_to_key_padding_not_to_the_broadcast_error() -> None:
+    q = torch.randn(2, 4, 5, 8)
+    hf = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])  # Hugging Face: 1 = token
+    with pytest.raises(TypeError, match="got int64") as err:
+        attnkit.attention(q, q, q, mask=hf)
+    assert "attnkit.masks.key_padding(valid=mask.bool())" in str(err.value)
+    assert "convert it with mask.bool()" not in str(err.value)
+    with pytest.raises(TypeError, match=r"convert it with mask.bool\(\)"):
+        attnkit.attention(q, q, q, mask=torch.ones(5, 5, dtype=torch.long))

@@ -281,7 +281,7 @@ def test_from_torch_matches_torch(case: dict[str, object]) -> None:
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(std=0.5)
-    ours = MultiHeadAttention.from_torch(theirs)
+    ours = MultiHeadAttention.from_torch(theirs, batch_first=True)  # fed batch-first inputs
     e = theirs.embed_dim
     query = torch.randn(b, tq, e, dtype=torch.float64)
     if case["self_attention"]:
@@ -339,7 +339,7 @@ def test_to_torch_round_trip() -> None:
         for batch_first in (True, False):
             theirs = ours.to_torch(batch_first=batch_first)
             assert theirs.batch_first is batch_first
-            back = MultiHeadAttention.from_torch(theirs)
+            back = MultiHeadAttention.from_torch(theirs, batch_first=True)
             for (n1, p1), (n2, p2) in zip(
                 ours.named_parameters(), back.named_parameters(), strict=True
             ):
@@ -577,3 +577,21 @@ def test_explain_describes_the_call_the_module_makes() -> None:
     assert "k (2, 2, 11, 4)" in str(step)  # the cached keys count
     assert cache.length == 10  # explain wrote nothing
     assert m.explain(x, need_weights=True).chosen == "reference"
+
+
+def test_from_torch_refuses_a_sequence_first_module_and_says_how() -> None:
+    theirs = nn.MultiheadAttention(8, 2, dtype=torch.float64).eval()  # batch_first=False
+    with pytest.raises(ValueError, match="has batch_first=False, so it takes") as err:
+        MultiHeadAttention.from_torch(theirs)
+    assert "from_torch(m, batch_first=True)" in str(err.value)
+    with pytest.raises(ValueError, match="takes batch-first inputs"):
+        MultiHeadAttention.from_torch(theirs, batch_first=False)
+    with pytest.raises(ValueError, match="batch_first=False"):
+        attnkit.TransformerEncoderLayer.from_torch(nn.TransformerEncoderLayer(8, 2))
+    # As the message says: the copy, given the inputs transposed, gives torch's result.
+    ours = MultiHeadAttention.from_torch(theirs, batch_first=True)
+    x = torch.randn(5, 3, 8, dtype=torch.float64)  # (T, B, E), torch's default layout
+    with torch.no_grad():
+        want, _ = theirs(x, x, x)
+        got = ours(x.transpose(0, 1)).transpose(0, 1)
+    assert_close(got, want)

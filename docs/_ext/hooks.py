@@ -6,6 +6,8 @@
   into Markdown tables and PNG plots. Each ``<!-- benchmarks: NAME -->`` line of
   ``docs/benchmarks.md`` is replaced by that section, and the plots are added to the site as
   generated files, so nothing generated is committed and a new JSON file shows on the next build.
+* After the build, every relative link of every page must lead to a file of the site, so the site
+  works opened from disk (``site_links.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 HERE = Path(__file__).resolve().parent
@@ -67,3 +70,15 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Files) -> 
         return _report.sections[name]
 
     return MARKER.sub(section, markdown)
+
+
+def on_post_build(*, config: Any) -> None:
+    from site_links import broken_links
+
+    broken = broken_links(Path(config["site_dir"]))
+    if broken:
+        shown = "\n  ".join(broken[:20])
+        raise PluginError(
+            f"{len(broken)} links of the built site lead to no file when it is opened from disk "
+            f"(a folder, or nothing):\n  {shown}"
+        )

@@ -31,8 +31,8 @@ def _emit(fig: plt.Figure, alt: str) -> str:
     return f'<img alt="{alt}" src="data:image/png;base64,{data}">'
 
 
-def _grid(n: int, size: float) -> tuple[plt.Figure, list[plt.Axes]]:
-    fig, axes = plt.subplots(1, n, figsize=(size * n, size), squeeze=False)
+def _grid(n: int, size: float, layout: str | None = None) -> tuple[plt.Figure, list[plt.Axes]]:
+    fig, axes = plt.subplots(1, n, figsize=(size * n, size), squeeze=False, layout=layout)
     return fig, list(axes[0])
 
 
@@ -55,19 +55,26 @@ def heatmaps(
     cmap: str = "viridis",
     size: float = 2.8,
     values: bool = False,
+    shared_scale: bool = False,
 ) -> str:
     """One ``<img>`` with a heat map of each ``(Tq, Tk)`` matrix, side by side.
 
     ``-inf`` entries (masked scores) are drawn in grey; ``labels`` name the rows and columns
-    (tokens); ``values`` writes each entry in its cell.
+    (tokens); ``values`` writes each entry in its cell. ``shared_scale`` draws every map on one
+    colour scale, shown by one colour bar, so that maps differing only in size look different
+    (by default each map spans the whole colour map).
     """
-    fig, axes = _grid(len(maps), size)
-    for ax, m, title in zip(axes, maps, list(titles) + [""] * len(maps), strict=False):
-        m = torch.as_tensor(m).detach().double().cpu()
+    mats = [torch.as_tensor(m).detach().double().cpu() for m in maps]
+    vmin = vmax = None
+    if shared_scale:
+        finite = torch.cat([m[m.isfinite()] for m in mats])
+        vmin, vmax = float(finite.min()), float(finite.max())
+    fig, axes = _grid(len(mats), size, layout="constrained" if shared_scale else None)
+    for ax, m, title in zip(axes, mats, list(titles) + [""] * len(mats), strict=False):
         shown = m.masked_fill(~m.isfinite(), float("nan")).numpy()
         colours = plt.get_cmap(cmap).copy()
         colours.set_bad("#cfd8dc")
-        ax.imshow(shown, cmap=colours)
+        image = ax.imshow(shown, cmap=colours, vmin=vmin, vmax=vmax)
         ax.set_title(title, fontsize=9)
         _label(ax, m.shape[0], m.shape[1], labels, labels)
         if values:
@@ -76,7 +83,10 @@ def heatmaps(
             ):
                 text = "-inf" if x == float("-inf") else f"{x:.2f}"
                 ax.text(j, i, text, ha="center", va="center", fontsize=6, color="white")
-    fig.tight_layout()
+    if shared_scale:
+        fig.colorbar(image, ax=axes, shrink=0.8, pad=0.02)
+    else:
+        fig.tight_layout()
     return _emit(fig, ", ".join(titles) or "attention map")
 
 

@@ -11,8 +11,13 @@ each docstring as Markdown before mkdocstrings parses it, so the sources stay as
   object, which the reference pages render; otherwise a code span (``contextvars``, private
   helpers). ``~`` keeps only the last component as the title, as in Sphinx;
 * a paragraph ending in ``::`` and the indented block after it become a fenced text block;
-* doctest blocks (``>>>``) become fenced ``pycon`` blocks;
+* doctest blocks (``>>>``) become fenced ``pycon`` blocks, without what only the doctest runner
+  reads: ``<BLANKLINE>`` becomes the blank line it stands for, and ``# doctest: +FLAG``
+  comments go;
 * simple tables (``====  ====`` rules) become Markdown tables.
+
+Signatures show no private names: a parameter annotated with a private alias of the module
+(``mask: _MaskArg``) shows the alias's value (``Bool[Tensor, ...] | Mask | None``).
 
 Public means: a name in ``attnkit.__all__``, in the ``__all__`` of an exported subpackage (or a
 public submodule of one), ``attnkit.testing``, and the public members of those classes. The test
@@ -39,6 +44,7 @@ _INLINE = re.compile(r":(?P<role>[a-z]+):`(?P<tilde>~?)(?P<target>[^`]+)`|``(?P<
 _RULE = re.compile(r"^\s*=+( +=+)+\s*$")
 _ARG = re.compile(r"^\s*\*{0,2}\w+(, \*{0,2}\w+)*( \([^)]*\))?:(\s|$)")
 _ITEM_HEAD = re.compile(r"^\s*\*?\*?[\w.]+( \([^)]*\))?:( |$)")
+_DOCTEST_DIRECTIVE = re.compile(r"\s*# doctest:[^#]*$")
 
 
 def _indent(line: str) -> int:
@@ -58,6 +64,8 @@ class RstDocstrings(griffe.Extension):
         for obj in _walk(pkg):
             if obj.docstring is not None:
                 obj.docstring.value = self.convert(obj.docstring.value, obj)
+            if obj.is_function:
+                _expand_private_aliases(obj)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------------------------------------
 
@@ -80,7 +88,8 @@ class RstDocstrings(griffe.Extension):
                 j = i
                 while j < len(lines) and lines[j].strip():
                     j += 1
-                out.extend(_fence("pycon", lines[i:j], _indent(line), blank_before=out))
+                block = [_doctest_only_removed(ln) for ln in lines[i:j]]
+                out.extend(_fence("pycon", block, _indent(line), blank_before=out))
                 i = j
                 continue
             if _RULE.match(line) and _is_table(lines, i):
@@ -193,6 +202,28 @@ def _close_arg_sections(lines: list[str]) -> list[str]:
                 continue
         out.append(line)
     return out
+
+
+def _doctest_only_removed(line: str) -> str:
+    """A doctest line as a reader sees it: ``<BLANKLINE>`` is a blank line, and a ``# doctest:``
+    directive is for the test runner."""
+    if line.strip() == "<BLANKLINE>":
+        return ""
+    return _DOCTEST_DIRECTIVE.sub("", line)
+
+
+def _expand_private_aliases(func: griffe.Function) -> None:
+    """Annotations naming a private alias of the function's module show the alias's value."""
+    for param in func.parameters:
+        ann = param.annotation
+        if not isinstance(ann, griffe.ExprName) or not ann.name.startswith("_"):
+            continue
+        target = func.module.members.get(ann.name)
+        if target is None or target.is_alias or not target.is_attribute:
+            continue
+        value = target.value  # type: ignore[union-attr]
+        if isinstance(value, griffe.Expr):
+            param.annotation = value
 
 
 def _code(text: str) -> str:

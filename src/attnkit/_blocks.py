@@ -82,9 +82,11 @@ def band_visibility(i: Tensor, j: Tensor, lo: float, hi: float) -> Tensor:
     return vis
 
 
-def block_edges(start: int, stop: int, block: int) -> tuple[Tensor, Tensor]:
+def block_edges(
+    start: int, stop: int, block: int, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
     """First and last (inclusive) positions of the blocks of ``block`` in ``[start, stop)``."""
-    first = torch.arange(start, stop, block)
+    first = torch.arange(start, stop, block, device=device)
     last = torch.clamp(first + block - 1, max=stop - 1)
     return first, last
 

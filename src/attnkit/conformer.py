@@ -43,6 +43,7 @@ from ._checks import (
     check_probability,
     shape_str,
 )
+from ._hints import torch_keywords, warn_torch_convention
 from ._typing import Bool, Float, shape_checked
 from .feedforward import PositionwiseFeedForward
 from .masks import Mask
@@ -283,6 +284,7 @@ class ConformerLayer(nn.Module):
         self.final_norm = norm()
         self.dropout = nn.Dropout(dropout)
 
+    @torch_keywords
     @shape_checked
     def forward(
         self, x: Float[Tensor, "B T D"], *, mask: Bool[Tensor, "..."] | Mask | None = None
@@ -323,10 +325,10 @@ class ConformerLayer(nn.Module):
                 f"mask must be a bool tensor (True = real frame), got "
                 f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}"
             )
-        if tuple(mask.shape) == (b, 1, 1, t):
-            return mask[:, 0, 0]
-        if tuple(mask.shape) == (b, t):
-            return mask
+        if tuple(mask.shape) in ((b, 1, 1, t), (b, t)):
+            valid = mask.reshape(b, t)
+            warn_torch_convention(valid[:, None, None, :])  # a torch key_padding_mask?
+            return valid
         raise ValueError(
             f"mask must be a padding mask (B, T) or (B, 1, 1, T) = ({b}, {t}) or "
             f"({b}, 1, 1, {t}), True = real frame, got {shape_str(mask.shape)}: the convolution "

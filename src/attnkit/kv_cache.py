@@ -109,6 +109,14 @@ class KVCache(nn.Module):
         """
         check_float_tensor("k", k)
         check_float_tensor("v", v)
+        cached = self.k_cache.size(0)
+        if k.ndim == 4 and k.size(0) != cached:
+            # The caller's batch, not "k and v", which a module's user never passed.
+            raise ValueError(
+                f"this KVCache holds a batch of {cached} sequences (batch_size={cached}) but the "
+                f"call brings a batch of {k.size(0)} (the keys and values k, v): make a cache "
+                f"with batch_size={k.size(0)} for this batch (make_cache(batch_size=...))"
+            )
         t = k.size(-2) if k.ndim == 4 else "T"  # v must bring as many tokens as k
         want_k = (*self.k_cache.shape[:2], t, self.k_cache.size(-1))
         want_v = (*self.v_cache.shape[:2], t, self.v_cache.size(-1))

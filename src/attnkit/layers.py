@@ -39,6 +39,7 @@ from ._checks import (
     present,
     shape_str,
 )
+from ._hints import torch_keywords
 from ._typing import Bool, Float, shape_checked
 from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
@@ -245,6 +246,7 @@ class TransformerEncoderLayer(nn.Module):
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
 
+    @torch_keywords
     @shape_checked
     def forward(
         self,
@@ -280,18 +282,23 @@ class TransformerEncoderLayer(nn.Module):
         return out
 
     @classmethod
-    def from_torch(cls, m: nn.TransformerEncoderLayer) -> TransformerEncoderLayer:
+    def from_torch(
+        cls, m: nn.TransformerEncoderLayer, *, batch_first: bool | None = None
+    ) -> TransformerEncoderLayer:
         """The equivalent of a ``torch.nn.TransformerEncoderLayer`` (post- or pre-norm), with copies
-        of its parameters. The result is batch-first whatever ``m.batch_first`` says; translate
-        torch's ``src_mask``/``src_key_padding_mask`` with :func:`~attnkit.from_torch_masks`."""
+        of its parameters. The result is batch-first, ``(B, T, D)``: a layer with
+        ``batch_first=False`` is refused unless ``batch_first=True`` says the copy will get
+        batch-first inputs (as :meth:`MultiHeadAttention.from_torch`). Translate torch's
+        ``src_mask``/``src_key_padding_mask`` with :func:`~attnkit.from_torch_masks`."""
         if not isinstance(m, nn.TransformerEncoderLayer):
             raise TypeError(
                 f"from_torch() takes a torch.nn.TransformerEncoderLayer, got {type(m).__name__}"
             )
+        options = _torch_layer_options(m)  # its errors first: they hold whatever batch_first
         layer = cls(
             m.linear1.in_features,
-            attention=MultiHeadAttention.from_torch(m.self_attn),
-            **_torch_layer_options(m),
+            attention=MultiHeadAttention.from_torch(m.self_attn, batch_first=batch_first),
+            **options,
         )
         _copy_torch_layer(layer, m, norms=2)
         return layer.train(m.training)
@@ -398,6 +405,7 @@ class TransformerDecoderLayer(nn.Module):
         self.dropout2 = nn.Dropout(dropout)
         self.dropout3 = nn.Dropout(dropout)
 
+    @torch_keywords
     @shape_checked
     def forward(
         self,
@@ -455,8 +463,12 @@ class TransformerDecoderLayer(nn.Module):
         return out
 
     @classmethod
-    def from_torch(cls, m: nn.TransformerDecoderLayer) -> TransformerDecoderLayer:
+    def from_torch(
+        cls, m: nn.TransformerDecoderLayer, *, batch_first: bool | None = None
+    ) -> TransformerDecoderLayer:
         """The equivalent of a ``torch.nn.TransformerDecoderLayer``, with copies of its parameters.
+        The result is batch-first; for ``batch_first``, see
+        :meth:`TransformerEncoderLayer.from_torch`.
 
         torch's decoder layer is causal only when given a causal ``tgt_mask``: call the result with
         ``causal=True`` for that, ``causal=False`` otherwise."""
@@ -464,11 +476,14 @@ class TransformerDecoderLayer(nn.Module):
             raise TypeError(
                 f"from_torch() takes a torch.nn.TransformerDecoderLayer, got {type(m).__name__}"
             )
+        options = _torch_layer_options(m)
         layer = cls(
             m.linear1.in_features,
-            attention=MultiHeadAttention.from_torch(m.self_attn),
-            cross_attention=MultiHeadAttention.from_torch(m.multihead_attn),
-            **_torch_layer_options(m),
+            attention=MultiHeadAttention.from_torch(m.self_attn, batch_first=batch_first),
+            cross_attention=MultiHeadAttention.from_torch(
+                m.multihead_attn, batch_first=batch_first
+            ),
+            **options,
         )
         _copy_torch_layer(layer, m, norms=3)
         return layer.train(m.training)
@@ -622,6 +637,7 @@ class Transformer(nn.Module):
         out: Tensor = self.decoder_norm(tgt)
         return out
 
+    @torch_keywords
     @shape_checked
     def forward(
         self,

@@ -72,6 +72,7 @@ from ._dense_masks import (
     padding_mask,
     sliding_window_mask,
 )
+from ._hints import padding_mask_hint
 from ._typing import Bool, Int
 
 __all__ = [
@@ -132,6 +133,16 @@ class Mask:
     def __ror__(self, other: object) -> Mask:
         return _combine("or", other, self)
 
+    def __invert__(self) -> Mask:
+        # Python's own message would name the private class (bad operand type for unary ~).
+        raise TypeError(
+            f"~{self.describe()}: attnkit masks cannot be negated (the complement of a mask "
+            "that says which keys exist, such as key_padding, would attend the padding). Say "
+            "what may attend instead: another mask (causal() & ..., sliding_window(...)), "
+            "from_fn(lambda b, h, q_idx, kv_idx: ...) written with ~, & and |, or the dense "
+            "tensor ~mask.dense(Tq, Tk)"
+        )
+
     def dense(
         self,
         q_len: int,
@@ -152,6 +163,12 @@ class Mask:
             kv_len,
             torch.device("cpu") if device is None else torch.device(device),
         )
+        rows = _batch_rows(self)
+        if batch_size == 1 and rows is not None and rows > 1:
+            raise ValueError(
+                f"dense(): {self.describe()} has {rows} batch rows, and dense() writes "
+                f"batch_size=1 unless told: pass batch_size={rows}"
+            )
         self.check(geo, "mask")
         return self.tile(geo, 0, q_len, 0, kv_len).expand(-1, -1, q_len, kv_len)
 
@@ -297,8 +314,8 @@ class _Band(Mask):
     def block_states(
         self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
     ) -> Tensor:
-        qf, ql = block_edges(*q)
-        kf, kl = block_edges(*k)
+        qf, ql = block_edges(*q, device=geo.device)
+        kf, kl = block_edges(*k, device=geo.device)
         off = self._offset(geo)
         qf, ql = qf.unsqueeze(-1) + off, ql.unsqueeze(-1) + off
         # j - i' over the block runs from kf - ql (its minimum) to kl - qf (its maximum).
@@ -366,8 +383,11 @@ def sliding_window(left: int, right: int = 0) -> Mask:
     ``i' - left <= j <= i' + right``.
 
     ``right=0`` (the default) is causal local attention over ``left + 1`` keys, as in Mistral;
-    ``left`` and ``right`` both > 0 is the limited context of streaming speech encoders. Blocks
-    outside the band are never computed, so time grows linearly with ``T`` and memory does not.
+    ``left`` and ``right`` both > 0 is the limited context of streaming speech encoders. Either
+    bound may be negative, for a band that leaves out the diagonal (``right=-1``: strictly earlier
+    keys, as flash-attn 4's negative window bounds); a band with no key (``left + right < 0``) is
+    refused. Blocks outside the band are never computed, so time grows linearly with ``T`` and
+    memory does not.
 
     >>> sliding_window(2).dense(5)[0, 0].int()
     tensor([[1, 0, 0, 0, 0],
@@ -379,12 +399,22 @@ def sliding_window(left: int, right: int = 0) -> Mask:
     tensor([[0, 1, 1, 1, 0],
             [0, 0, 1, 1, 1],
             [0, 0, 0, 1, 1]], dtype=torch.int32)
+    >>> sliding_window(2, right=-1).dense(4)[0, 0].int()     # the two keys before the diagonal
+    tensor([[0, 0, 0, 0],
+            [1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 1, 1, 0]], dtype=torch.int32)
     """
-    # A reach past every sequence is unbounded: it saturates.
-    return _Window(
-        check_int("left", left, minimum=0, saturate=True),
-        check_int("right", right, minimum=0, saturate=True),
-    )
+    # Either bound may be negative (a band that leaves out the diagonal), and a reach past every
+    # sequence is unbounded: it saturates. Only a band without a single key is an error.
+    left = check_int("left", left, minimum=-INT_MAX, saturate=True)
+    right = check_int("right", right, minimum=-INT_MAX, saturate=True)
+    if left + right < 0:
+        raise ValueError(
+            f"sliding_window(left={left}, right={right}) holds no key: the band runs from "
+            f"{-left} to {right} keys from the diagonal (left + right must be >= 0)"
+        )
+    return _Window(left, right)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -506,7 +536,7 @@ class _Documents(Mask):
         kmin, kmax = kmin.unsqueeze(-2), kmax.unsqueeze(-2)
         empty = ((qmax < kmin) | (kmax < qmin) | (qmax < 0)).all(0)
         full = ((qmin == qmax) & (kmin == kmax) & (qmin == kmin) & (qmin >= 0)).all(0)
-        return states_from(empty, full).cpu()
+        return states_from(empty, full)
 
 
 def documents(
@@ -572,11 +602,18 @@ class _KeyPadding(Mask):
     def __init__(self, lengths: Tensor | None, valid: Tensor | None, side: str) -> None:
         self.lengths, self.valid, self.side = lengths, valid, side
         self._devices: dict[torch.device, Tensor] = {}
+        self._read: list[int] | None = None
+
+    def _lengths_read(self) -> list[int]:
+        """The lengths as ints, read back once: every call describes and checks the mask."""
+        if self._read is None:
+            self._read = [] if self.lengths is None else self.lengths.tolist()
+        return self._read
 
     def describe(self) -> str:
         if self.lengths is not None:
             side = "" if self.side == "right" else ", side='left'"
-            return f"key_padding(lengths={self.lengths.tolist()}{side})"
+            return f"key_padding(lengths={self._lengths_read()}{side})"
         v = self.valid
         return f"key_padding(valid {shape_str(v.shape) if v is not None else '?'})"
 
@@ -597,7 +634,7 @@ class _KeyPadding(Mask):
                 f"Tk = {dim_str(geo.kv_len)}"
             )
         if self.lengths is not None and self.lengths.numel():
-            longest = int(self.lengths.max())
+            longest = max(self._lengths_read())
             if longest > geo.kv_len:
                 raise ValueError(
                     f"{name}: {self.describe()} has a length {longest} > Tk = {dim_str(geo.kv_len)}"
@@ -619,7 +656,7 @@ class _KeyPadding(Mask):
     ) -> Tensor:
         k0, k1, bk = k
         anys, alls = block_reduce(self.key_tile(geo, k0, k1), k0, k1, bk, 1)
-        states = states_from(~anys.any(0), alls.all(0)).cpu()  # (nk,)
+        states = states_from(~anys.any(0), alls.all(0))  # (nk,)
         return states.expand(len(range(*q)), -1)
 
     @property
@@ -667,9 +704,12 @@ def key_padding(
             )
         if lengths.numel() and bool((lengths < 0).any()):
             raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
-        return _KeyPadding(lengths.long(), None, side)
+        # A copy: the lengths are read back once (see _KeyPadding), so they must not change.
+        return _KeyPadding(lengths.to(torch.long, copy=True), None, side)
     lens = check_lengths("lengths", lengths)
-    return _KeyPadding(torch.tensor(lens, dtype=torch.long), None, side)
+    mask = _KeyPadding(torch.tensor(lens, dtype=torch.long), None, side)
+    mask._read = lens
+    return mask
 
 
 # --------------------------------------------------------------------------------------------------
@@ -689,7 +729,18 @@ class _FromFn(Mask):
         h = torch.arange(geo.heads, device=dev).view(1, -1, 1, 1)
         qi = torch.arange(qs, qe, device=dev).view(1, 1, -1, 1)
         kj = torch.arange(ks, ke, device=dev).view(1, 1, 1, -1)
-        out = self.fn(b, h, qi, kj)
+        try:
+            out = self.fn(b, h, qi, kj)
+        except RuntimeError as err:
+            if "Boolean value of Tensor" not in str(err):
+                raise
+            # Python's `and`, `or`, `not` and `if` ask a tensor for one truth value.
+            raise TypeError(
+                f"mask: {self.describe()} used Python's and/or/not (or an if) on its index "
+                "tensors, which hold a whole tile of positions: write it with the tensor "
+                "operators & (and), | (or) and ~ (not), e.g. (kv_idx <= q_idx) & (kv_idx < 8), "
+                "and torch.where for a choice"
+            ) from None
         want = (geo.batch, geo.heads, qe - qs, ke - ks)
         if not isinstance(out, Tensor) or out.dtype != torch.bool:
             got = f"{out.dtype}" if isinstance(out, Tensor) else type(out).__name__
@@ -786,7 +837,7 @@ class _Dense(Mask):
         _, all_rows = block_reduce(t.all(0), q0, q1, bq, 0)
         anys, _ = block_reduce(any_rows, k0, k1, bk, 1)
         _, alls = block_reduce(all_rows, k0, k1, bk, 1)
-        return states_from(~anys, alls).cpu()
+        return states_from(~anys, alls)
 
     @property
     def keys_only(self) -> bool:
@@ -824,6 +875,7 @@ class _Combined(Mask):
         states = [p.block_states(geo, q, k) for p in self.parts]
         out = states[0]
         for s in states[1:]:
+            s = s.to(out.device)  # a mask of the user's may answer on another device
             out = torch.minimum(out, s) if self.op == "and" else torch.maximum(out, s)
         return out
 
@@ -885,6 +937,21 @@ def visibility(mask: Tensor | Mask | None, causal_flag: bool) -> Mask | None:
     return _Causal("bottom_right") if m is None else _Causal("bottom_right") & m
 
 
+def _batch_rows(mask: Mask) -> int | None:
+    """The batch rows ``mask`` describes, when it says (key padding, documents, a tensor with
+    batch dims); ``None`` when it fits any batch."""
+    if isinstance(mask, _KeyPadding):
+        return mask._rows_and_len()[0]
+    if isinstance(mask, _Documents):
+        return mask.ids.size(0) if mask.ids.ndim == 2 else None
+    if isinstance(mask, _Dense):
+        return mask.t.shape[:-3].numel() if mask.t.ndim >= 4 else None
+    if isinstance(mask, _Combined):
+        found = [r for r in map(_batch_rows, mask.parts) if r is not None]
+        return max(found) if found else None
+    return None
+
+
 def check_mask(
     name: str, mask: object, target: tuple[int, ...], legend: str = "(B, H, Tq, Tk)"
 ) -> Tensor | Mask:
@@ -902,12 +969,24 @@ def check_mask(
             f"{name} must be a bool tensor or an attnkit.masks.Mask, got {type(mask).__name__}"
         )
     if mask.dtype != torch.bool:
-        hint = (
-            "; a float tensor of additive scores belongs in bias= (mask is boolean, "
-            "True = may attend)"
-            if mask.is_floating_point()
-            else "; convert it with mask.bool() (True = may attend)"
-        )
+        if mask.is_floating_point():
+            hint = (
+                "; a float tensor of additive scores belongs in bias= (mask is boolean, "
+                "True = may attend)"
+            )
+        elif mask.ndim == 2 and len(target) >= 4 and tuple(mask.shape) == (target[0], target[-1]):
+            # A Hugging Face attention_mask: (B, Tk), 1 = real token. mask.bool() alone would
+            # lead straight into the broadcast error below.
+            hint = (
+                f"; a (B, Tk) 0/1 padding mask (1 = real token, as a Hugging Face "
+                f"attention_mask) goes in as attnkit.masks.key_padding(valid={name}.bool()), "
+                f"or as {name}.bool()[:, None, None, :]"
+            )
+        else:
+            hint = f"; convert it with {name}.bool() (True = may attend)"
         raise TypeError(f"{name} must be a bool tensor, got {dtype_str(mask.dtype)}{hint}")
-    check_broadcastable(name, mask, target, legend)
+    try:
+        check_broadcastable(name, mask, target, legend)
+    except ValueError as err:
+        raise ValueError(f"{err}{padding_mask_hint(tuple(mask.shape), target)}") from None
     return mask

@@ -32,6 +32,7 @@ from ._checks import (
     present,
     shape_str,
 )
+from ._hints import torch_keywords, warn_torch_convention
 from ._typing import Bool, Float, shape_checked
 from .attention import Backend, Explanation, attention, check_backend, explain
 from .capture import is_capturing, record
@@ -78,9 +79,12 @@ class MultiHeadAttention(nn.Module):
 
     * ``query`` ``(B, Tq, D)``; ``key`` ``(B, Tk, kdim)`` defaults to ``query`` (self-attention);
       ``value`` ``(B, Tk, vdim)`` defaults to ``key``.
-    * ``mask``: bool, broadcastable to ``(B, H, Tq, S)``, **True = may attend**; e.g.
-      :func:`attnkit.masks.padding_mask` ``(B, 1, 1, S)``. ``bias``: float, added to the scaled
-      scores, broadcastable likewise (:func:`~attnkit.alibi_bias`).
+    * ``mask``: bool, broadcastable to ``(B, H, Tq, S)``, **True = may attend**, or a structured
+      mask; e.g. :func:`attnkit.masks.key_padding` or :func:`attnkit.masks.padding_mask`
+      ``(B, 1, 1, S)``. torch's ``attn_mask``/``key_padding_mask`` are the opposite (True = may
+      NOT attend): ``mask, bias = attnkit.from_torch_masks(attn_mask, key_padding_mask,
+      num_heads=H)`` converts them. ``bias``: float, added to the scaled scores, broadcastable
+      likewise (:func:`~attnkit.alibi_bias`).
     * ``causal``: query ``i`` attends keys ``j <= i + S - Tq`` (bottom-right, as a cache needs).
     * ``cache``: a :class:`~attnkit.KVCache` (:meth:`make_cache`); the new keys and values are
       appended to it and the queries attend every cached key. They are held only once the call
@@ -278,6 +282,7 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
     ) -> tuple[Float[Tensor, "B Tq D"], Float[Tensor, "B *h Tq S"]]: ...
 
+    @torch_keywords
     @shape_checked
     def forward(
         self,
@@ -299,6 +304,8 @@ class MultiHeadAttention(nn.Module):
         check_bool("average_weights", average_weights)
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
+        if isinstance(mask, Tensor):
+            warn_torch_convention(mask)
 
         q, k, v = self._project(query, key, value)
         # (B, T, heads*Dh) -> (B, heads, T, Dh): strided views; attention() takes them as they are.
@@ -387,7 +394,9 @@ class MultiHeadAttention(nn.Module):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, *self.parameters()))
 
         def shaped(heads: int, t: int, d: int) -> Tensor:
-            base = torch.empty((), dtype=ref.dtype, device=ref.device, requires_grad=grad)
+            # zeros, not empty: explain() reads whether q, k and v are finite when the call
+            # needs gradients, and uninitialised memory may hold NaN.
+            base = torch.zeros((), dtype=ref.dtype, device=ref.device, requires_grad=grad)
             return base.expand(b, heads, t, d)
 
         return explain(
@@ -421,12 +430,15 @@ class MultiHeadAttention(nn.Module):
     # torch.nn.MultiheadAttention interop (attnkit.interop.torch)
 
     @classmethod
-    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+    def from_torch(
+        cls, m: nn.MultiheadAttention, *, batch_first: bool | None = None
+    ) -> MultiHeadAttention:
         """The equivalent of a ``torch.nn.MultiheadAttention``, with copies of its parameters:
-        :func:`attnkit.interop.torch.from_torch`."""
+        :func:`attnkit.interop.torch.from_torch` (a module with ``batch_first=False`` needs
+        ``batch_first=True``: the copy takes ``(B, T, E)``)."""
         from .interop.torch import from_torch
 
-        return from_torch(m)
+        return from_torch(m, batch_first=batch_first)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` with copies of these parameters:

@@ -44,6 +44,7 @@ from ._checks import (
     present,
     shape_str,
 )
+from ._hints import torch_keywords, warn_torch_convention
 from ._typing import Bool, Float
 from .attention import Explanation, attention, check_backend, explain
 from .backends.base import Backend
@@ -344,6 +345,7 @@ class RelativeMultiHeadAttention(nn.Module):
         if backend is not None:
             check_backend(backend)
 
+    @torch_keywords
     def forward(
         self,
         query: Float[Tensor, "B Tq D"],
@@ -365,6 +367,8 @@ class RelativeMultiHeadAttention(nn.Module):
             mask: **True = may attend** (as everywhere in attnkit): a bool tensor broadcastable to
                 ``(B, H, Tq, Tk)`` (:func:`attnkit.masks.padding_mask` gives ``(B, 1, 1, Tk)``) or
                 a structured mask such as ``masks.sliding_window(64, 64) & masks.key_padding(n)``.
+                torch's masks are the opposite (True = may NOT attend):
+                :func:`attnkit.from_torch_masks` converts them.
             causal: query ``i`` may attend key ``j`` iff ``j <= i + Tk - Tq``; ANDed with ``mask``.
             need_weights: also return the per-head weights ``(B, H, Tq, Tk)``.
             backend: this call's backend, default the module's (see :func:`attnkit.attention`).
@@ -379,6 +383,8 @@ class RelativeMultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         self._check(query, key, value, mask, causal, need_weights, backend)
+        if isinstance(mask, Tensor):
+            warn_torch_convention(mask)
         capturing = capture.is_capturing(self)
         b, tq, _ = query.shape
         tk = key.size(1)
@@ -456,7 +462,9 @@ class RelativeMultiHeadAttention(nn.Module):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, *self.parameters()))
 
         def shaped(*size: int) -> Tensor:
-            base = torch.empty((), dtype=ref.dtype, device=ref.device, requires_grad=grad)
+            # zeros, not empty: explain() reads whether q, k and v are finite when the call
+            # needs gradients, and uninitialised memory may hold NaN.
+            base = torch.zeros((), dtype=ref.dtype, device=ref.device, requires_grad=grad)
             return base.expand(*size)
 
         if self.legacy:

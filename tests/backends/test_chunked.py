@@ -271,3 +271,85 @@ def test_fused_backward_takes_any_output_gradient_layout(
     assert calls.backward > 0
     for a, b in zip(got, grads("reference"), strict=True):
         assert_close(a, b)
+
+
+def _lazy_case(mask_kind: str, extra: str | None) -> dict[str, object]:
+    """A call for the kernel's lazy offsets: |q| |k| scale is far beyond 2^32 in base 2 (a large
+    feature of q meets a zero one of k, and the reverse), so offset 0 is not known to hold for the
+    call, while most scores are small. Some rows see no key in the first key block the plan gives
+    them; with ``extra="bias"`` some rows' scores are all about -120 (e^-120 underflows float32)."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 2, 40, 8, generator=gen)
+    k = torch.randn(2, 2, 40, 8, generator=gen)
+    q[..., 6:], k[..., 6:] = 0.0, 0.0
+    q[..., 7], k[..., 6] = 30.0, 30.0
+    v = torch.randn(2, 2, 40, 8, generator=gen)
+    bias = torch.randn(40, 40, generator=gen) if extra == "bias" else None
+    mask: masks.Mask
+    if mask_kind == "documents":  # a document starts mid-block: its rows see nothing before it
+        mask = masks.documents([24, 16])
+        if bias is not None:
+            bias[24:] -= 120.0
+    elif mask_kind == "padding":  # batch row 1 has no real key: its rows see nothing at all
+        mask = masks.key_padding([40, 0])
+    else:  # a window, and a -inf bias that hides the first keys of some rows
+        mask = masks.sliding_window(20)
+        if bias is None:
+            bias = torch.zeros(40, 40)
+        else:
+            bias[36:] -= 120.0
+        bias[20:28, :16] = float("-inf")
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "mask": mask,
+        "bias": bias,
+        "softcap": 30.0 if extra == "softcap" else None,
+    }
+
+
+@pytest.mark.parametrize("extra", [None, "bias", "softcap"])
+@pytest.mark.parametrize("mask_kind", ["documents", "padding", "window"])
+def test_lazy_offsets_of_rows_that_see_no_key_at_first(mask_kind: str, extra: str | None) -> None:
+    # Such a row keeps offset -inf (or takes 0 once every row of the block is reached), so the
+    # check at the end must send its block to the textbook path whenever that was not exact.
+    x = _lazy_case(mask_kind, extra)
+    cot = torch.randn(2, 2, 40, 8, generator=torch.Generator().manual_seed(8))
+
+    def grads(dtype: torch.dtype, backend: object) -> list[torch.Tensor]:
+        leaves = [x[n].to(dtype).requires_grad_() for n in ("q", "k", "v")]  # type: ignore[union-attr]
+        bias = x["bias"]
+        out = attention(
+            *leaves,
+            mask=x["mask"],
+            bias=None if bias is None else bias.to(dtype),  # type: ignore[union-attr]
+            softcap=x["softcap"],
+            backend=backend,
+        )  # type: ignore[call-overload]
+        return [out, *torch.autograd.grad(out, leaves, cot.to(dtype))]
+
+    got = grads(torch.float32, Chunked(block_q=16, block_k=16, fused_rows=None))
+    want = grads(torch.float64, "reference")
+    for g, w in zip(got, want, strict=True):
+        assert g.isfinite().all()
+        assert_close(g, w)
+
+
+def test_each_block_is_computed_once_when_the_offsets_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Offset 0 for the whole call (small scores), and lazy offsets that need no redo (large
+    # scores rising nowhere): every visited block once, as the plan says.
+    computed = []
+    original = softmax.Problem.scores
+
+    def counting(self, *args, **kw):  # type: ignore[no-untyped-def]
+        computed.append(1)
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(softmax.Problem, "scores", counting)
+    gen = torch.Generator().manual_seed(0)
+    for size in (1.0, 4.0):
+        q, k, v = (torch.randn(1, 2, 64, 8, generator=gen) * size for _ in range(3))
+        computed.clear()
+        attention(q, k, v, mask=masks.causal(), backend=Chunked(block_q=8, block_k=8))
+        assert sum(computed) == 36, size

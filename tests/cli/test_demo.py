@@ -1,12 +1,10 @@
-"""`attnkit demo`: files written and valid, determinism, --load, errors, interruption."""
+"""`attnkit demo`, the command: files written and valid, determinism, --load, errors, Ctrl-C."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -14,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from attnkit.cli import demo, main
+from attnkit.cli import _demo_run, demo, main
 
 TINY = ["--steps", "3", "--quiet"]
 
@@ -44,7 +42,7 @@ def test_writes_every_file(run_dir: Path) -> None:
         if p.name != "manifest.json"
     }
     assert not [p for p in run_dir.parent.iterdir() if p.name.startswith(".")]  # no leftovers
-    assert run_dir.stat().st_mode & 0o777 == 0o777 & ~demo._UMASK  # mkdtemp makes 0700
+    assert run_dir.stat().st_mode & 0o777 == 0o777 & ~_demo_run._UMASK  # mkdtemp makes 0700
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["steps"] == 3
     assert 0.0 <= metrics["accuracy"] <= 1.0
@@ -58,7 +56,7 @@ def test_writes_every_file(run_dir: Path) -> None:
     assert "embed.weight" in state
     # Permissions of an ordinary new file (mkstemp's temporaries and safetensors' files are 0600).
     for p in run_dir.iterdir():
-        assert p.stat().st_mode & 0o777 == 0o666 & ~demo._UMASK, p.name
+        assert p.stat().st_mode & 0o777 == 0o666 & ~_demo_run._UMASK, p.name
 
 
 def test_load_evaluates_the_saved_model(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,27 +82,6 @@ def test_same_seed_same_run_replacing_an_earlier_one(run_dir: Path, tmp_path: Pa
     runs = [json.loads((d / "manifest.json").read_text())["run"] for d in (run_dir, out)]
     assert runs[0] != runs[1]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the earlier run's folder is gone
-
-
-def test_greedy_decoding_with_cache_equals_full_forward() -> None:
-    # The KV-cached greedy decoder must produce what the uncached model scores highest.
-    cfg = demo.DemoConfig(steps=1, eval_size=8)
-    model = demo.Seq2Seq(cfg).eval()
-    batch = demo.make_batch(cfg, demo.eval_set(cfg))
-    generated = demo.greedy_decode(model, batch)
-    tgt = torch.cat([torch.full((8, 1), demo.BOS), generated], 1)
-    with torch.no_grad():
-        full = model.decode(tgt[:, :-1], model.encode(batch.src, batch.src_mask), batch.src_mask)
-    assert torch.equal(full.argmax(-1), generated)
-
-
-def test_training_never_sees_the_held_out_sequences() -> None:
-    cfg = demo.DemoConfig(min_len=1, max_len=2, symbols=3, eval_size=5)
-    held_out = {tuple(s) for s in demo.eval_set(cfg)}
-    gen = torch.Generator().manual_seed(0)
-    seen = {tuple(s) for s in demo._sequences(cfg, gen, 400, avoid=held_out)}
-    assert not seen & held_out
-    assert len(seen) == 12 - 5  # every other sequence of length 1 or 2 over 3 symbols
 
 
 def test_relative_attention_runs(tmp_path: Path) -> None:
@@ -147,7 +124,7 @@ def test_corrupt_and_mismatched_checkpoints(
     del state["out.bias"]
     save_file(state, str(other / "model.safetensors"))
     for d in (corrupt, other):  # each is one run's files: the manifest says so
-        demo.write_manifest(d)
+        _demo_run.write_manifest(d)
     for folder, message in [
         (corrupt, "is not a readable safetensors file"),
         (other, "out.weight: shape (7, 64) in"),
@@ -195,29 +172,6 @@ def test_interrupted_first_run_leaves_nothing(
         assert exit_.value.code == 130
     assert [p.name for p in tmp_path.iterdir()] == ["empty"]
     assert not list((tmp_path / "empty").iterdir())
-
-
-def test_a_failed_swap_puts_the_earlier_run_back(
-    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    out = tmp_path / "out"
-    shutil.copytree(run_dir, out)
-    before = listing(out)
-    staging = tmp_path / ".out.new-test"
-    staging.mkdir()
-    (staging / "config.json").write_text("{}")
-    real_rename = demo.os.rename
-
-    def rename(src: object, dst: object) -> None:
-        if Path(str(src)) == staging:
-            raise OSError(5, "Input/output error", str(src))
-        real_rename(src, dst)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(demo.os, "rename", rename)
-    with pytest.raises(OSError, match="Input/output error"):
-        demo._swap_in(staging, out, out)
-    assert listing(out) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.new-test", "out"]
 
 
 def test_out_holding_other_files_is_refused(
@@ -319,19 +273,27 @@ def test_missing_cli_extra_is_explained(
         main(["demo", *TINY])
     assert exit_.value.code == 2
     assert (
-        "needs tqdm: install the cli extra, pip install 'attnkit[cli]'" in capsys.readouterr().err
+        'needs tqdm: install the cli extra, pip install "attnkit[cli]" (or ".[cli]" from a '
+        "checkout)" in capsys.readouterr().err
     )
 
 
-def test_ctrl_c_during_the_swap_takes_effect_after_it() -> None:
-    done = []
+def test_a_run_says_what_it_does_and_lists_what_it_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = torch.get_num_threads()
+    out = tmp_path / "out"
+    assert main(["demo", "--out", str(out), "--threads", "1", *TINY]) == 0
+    assert torch.get_num_threads() == before  # the run's thread count was for the run only
+    text = capsys.readouterr().out
+    assert "3 steps on 1 CPU thread" in text
+    listed = [line.split()[0] for line in text.splitlines() if line.startswith("  ")]
+    assert sorted(listed) == sorted(str(p) for p in out.iterdir())
+    assert json.loads((out / "metrics.json").read_text())["threads"] == 1
 
-    def swap() -> None:
-        with demo._interrupts_deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            done.append("the block ran to its end")
 
-    with pytest.raises(KeyboardInterrupt):
-        swap()
-    assert done == ["the block ran to its end"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+def test_threads_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--out", str(tmp_path / "out"), "--threads", "0", *TINY])
+    assert exit_.value.code == 2
+    assert "--threads must be a positive integer, got 0" in capsys.readouterr().err

@@ -93,3 +93,34 @@ def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
         "--backend",
     ):
         assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-t", "-5"], "argument -t/--q-len: must be at least 1, got -5"),
+        (["--kv-heads", "0"], "argument --kv-heads: must be at least 1, got 0"),
+        (["-d", "x"], "argument -d/--head-dim: invalid int value: 'x'"),
+        (["--mask", "window"], "window:N, documents:N, key-padding:N (a structured mask)"),
+    ],
+)
+def test_bad_sizes_and_masks_are_argparse_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", *args])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("mask", "described"),
+    [
+        ("window:512", "mask sliding_window(left=512, right=0)"),
+        ("documents:4", "mask documents(lengths=[1024, 1024, 1024, 1024])"),
+        ("key-padding:1000", "mask key_padding(lengths=[1000, 1000])"),
+    ],
+)
+def test_structured_masks(mask: str, described: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "-b", "2", "-t", "4096", "--mask", mask]) == 0
+    assert described in capsys.readouterr().out

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import attnkit
 from attnkit import masks
 from attnkit._kernel import softmax
-from attnkit.distributed import RingBackend, ring_attention, shard_zigzag, unshard_zigzag
+from attnkit.distributed import RingBackend, ring_attention, shard_zigzag
 from attnkit.testing import assert_close
 
 from .harness import run_ranks
@@ -143,6 +143,32 @@ def count_score_blocks(rank: int, world: int, layout: str, causal: bool) -> int:
     return sum(computed)
 
 
+def count_plans(rank: int, world: int) -> tuple[int, int]:
+    """Block plans made by one windowed, padded zigzag call's forward, and by its backward."""
+    from attnkit.distributed import ring as ring_module
+
+    made = []
+    original = ring_module.make_plan
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return original(*args, **kwargs)
+
+    t = 2 * world * CHUNK
+    x = full_inputs(t, torch.float64)
+    local = {n: shard(x[n], "zigzag", rank, world).requires_grad_() for n in ("q", "k", "v")}
+    mask = masks.sliding_window(4, right=1) & shard(x["mask"], "zigzag", rank, world, dim=-1)
+    ring = RingBackend(layout="zigzag", block_q=4, block_k=3)
+    ring_module.make_plan = counting  # type: ignore[assignment]
+    try:
+        out = attnkit.attention(local["q"], local["k"], local["v"], mask=mask, backend=ring)
+        forward = len(made)
+        out.backward(shard(x["dout"], "zigzag", rank, world))
+    finally:
+        ring_module.make_plan = original
+    return forward, len(made) - forward
+
+
 def largest_saved_numel(rank: int, world: int) -> int:
     """The largest tensor the autograd graph keeps for one causal zigzag call, in elements."""
     t = 2 * world * CHUNK
@@ -248,6 +274,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
             )
         dist.barrier()
     report: dict[str, Any] = {"saved": largest_saved_numel(rank, world), "fused": fused_calls}
+    report["plans"] = count_plans(rank, world)
     report["blocks"] = {
         (layout, causal): count_score_blocks(rank, world, layout, causal)
         for layout in ("contiguous", "zigzag")
@@ -289,6 +316,13 @@ def test_causal_skips_blocks_above_the_diagonal_and_zigzag_balances_them(world: 
 
 
 @WORLDS
+def test_the_backward_reuses_the_forwards_block_plans(world: int) -> None:
+    for forward, backward in (r["plans"] for r in reports(world)):
+        assert forward > 0
+        assert backward == 0
+
+
+@WORLDS
 def test_autograd_keeps_only_this_ranks_shard(world: int) -> None:
     local = B * H * 2 * CHUNK * DK  # one rank's q; the whole sequence's is W times larger
     assert all(r["saved"] <= local for r in reports(world))
@@ -324,45 +358,6 @@ def test_no_process_group_is_a_clear_error() -> None:
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match=r"needs an initialised process group: call "):
         ring_attention(q, q, q)
-
-
-# --------------------------------------------------------------------------------------------------
-# The zigzag layout (no processes needed)
-
-
-def test_zigzag_shards_hold_chunks_r_and_2w_minus_1_minus_r() -> None:
-    x = torch.arange(24).view(1, 1, 24, 1)  # W = 3: 6 chunks of 4
-    chunks = x.view(6, 4)
-    for r in range(3):
-        got = shard_zigzag(x, r, 3).flatten()
-        assert torch.equal(got, torch.cat([chunks[r], chunks[5 - r]]))
-    mask = masks.padding_mask([20], max_len=24)  # (1, 1, 1, 24): the sequence is dim -1
-    assert torch.equal(
-        unshard_zigzag([shard_zigzag(mask, r, 3, dim=-1) for r in range(3)], dim=-1), mask
-    )
-    assert torch.equal(unshard_zigzag([shard_zigzag(x, r, 3) for r in range(3)]), x)
-
-
-def test_zigzag_errors_quote_values(no_shape_checks: None) -> None:
-    x = torch.zeros(1, 2, 10, 4)
-    with pytest.raises(
-        ValueError,
-        match=r"length 10 \(dim -2 of \(1, 2, 10, 4\)\) does not divide "
-        r"into 2 \* world_size = 6 equal chunks; pad it to a multiple of 6",
-    ):
-        shard_zigzag(x, 0, 3)
-    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\) = \[0, 2\), got 2"):
-        shard_zigzag(x, 2, 2)
-    with pytest.raises(TypeError, match=r"world_size must be an int, got 2\.0"):
-        shard_zigzag(x, 0, 2.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"dim=4 is out of range for a 4-d tensor"):
-        shard_zigzag(x, 0, 1, dim=4)
-    with pytest.raises(ValueError, match=r"rank 0: \(1, 2, 4, 4\), rank 1: \(1, 2, 6, 4\)"):
-        unshard_zigzag([x[..., :4, :], x[..., :6, :]])
-    with pytest.raises(ValueError, match=r"length along dim -2 must be even; got \(1, 2, 5, 4\)"):
-        unshard_zigzag([x[..., :5, :]])
-    with pytest.raises(TypeError, match="non-empty sequence of tensors"):
-        unshard_zigzag([])
 
 
 def test_importing_attnkit_needs_no_process_group() -> None:

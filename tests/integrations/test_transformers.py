@@ -670,6 +670,107 @@ def test_custom_masks_bool_and_float() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Packed sequences without padding (DataCollatorWithFlattening)
+
+PACKED = [[9, 4, 7], [5, 11, 2]]  # token counts of each training example, two batches
+
+
+def _examples(lengths: list[int]) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(sum(lengths))
+    return [{"input_ids": torch.randint(3, V, (n,), generator=g).tolist()} for n in lengths]
+
+
+def _loss_and_grads(m: Any, impl: str, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+    m.zero_grad(set_to_none=True)
+    with use(m, impl):
+        loss = m(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_packed_training_equals_padded(name: str, flash_kwargs: bool) -> None:
+    """DataCollatorWithFlattening's batches (no padding) give the loss and the gradients of the
+    same examples padded, on the CPU: each example attends only to itself."""
+    m = model(name, torch.float64)
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    for lengths in PACKED:
+        examples = _examples(lengths)
+        packed = collate(examples)
+        ids, mask = padded(lengths, max(lengths), "right")
+        for row, ex in enumerate(examples):
+            ids[row, : lengths[row]] = torch.tensor(ex["input_ids"])
+        labels = ids.masked_fill(mask == 0, -100)
+        padded_batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+        loss, grads = _loss_and_grads(m, "attnkit", packed)
+        want, want_grads = _loss_and_grads(m, "sdpa", padded_batch)
+        # transformers computes the loss (and rotary angles) in float32 even for a float64 model.
+        torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-6)
+        assert grads.keys() == want_grads.keys()
+        for n, g in grads.items():
+            torch.testing.assert_close(g, want_grads[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_packed_position_ids_become_documents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' packed-sequence mask reaches attention as documents & causal, never dense;
+    it equals transformers' own dense mask."""
+    seen: list[Any] = []
+    real = hf.attention
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "attention", spy)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    ids = mu.find_packed_sequence_indices(positions)
+    for base in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(2)):
+        fn = mu.and_masks(
+            mu.remap_positions_for_packed_sequence(base, positions),
+            mu.packed_sequence_mask_function(ids),
+        )
+        kwargs = dict(batch_size=1, q_length=9, kv_length=9, mask_function=fn)
+        built = hf.build_mask(**kwargs)
+        assert "packed sequences" in repr(built)
+        assert isinstance(built.mask, attnkit.masks.Mask)
+        assert torch.equal(built.dense(), _hf_dense(**kwargs))
+    m = model("llama")
+    batch = transformers.DataCollatorWithFlattening()(_examples([3, 5, 4]))
+    run(m, "attnkit", **batch)
+    assert seen
+    assert all("documents(" in repr(kw["mask"]) and kw["causal"] for kw in seen)
+
+
+def test_cu_seq_lens_without_a_mask_follow_flash_attention() -> None:
+    """The attention function alone, handed cu_seq_lens as transformers' flash path is: the
+    sequences are independent, causal within each (a window too, as ``sliding_window`` says)."""
+    layer = _Layer().eval()
+    f = AttentionInterface()["attnkit"]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, 10, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 10, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    for window in (None, 2):
+        extra = {} if window is None else {"sliding_window": window}
+        out = f(layer, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                max_length_q=5, max_length_k=5, **extra)[0]  # fmt: skip
+        for a, b in zip(cu.tolist(), cu.tolist()[1:], strict=False):
+            n = b - a
+            allowed = mu.sdpa_mask(
+                batch_size=1, q_length=n, kv_length=n,
+                mask_function=mu.causal_mask_function if window is None
+                else mu.sliding_window_causal_mask_function(window),
+                allow_is_causal_skip=False,
+            )  # fmt: skip
+            part = (t[:, :, a:b] for t in (q, k, v))
+            want = sdpa_attention_forward(layer, *part, allowed, scaling=0.3)[0]
+            torch.testing.assert_close(out[:, a:b], want)
+
+
+# --------------------------------------------------------------------------------------------------
 # What it cannot serve, and registration
 
 
@@ -681,8 +782,11 @@ def test_unservable_masks_are_errors() -> None:
         f(layer, q, k, v, {"full_attention": None})
     with pytest.raises(ValueError, match=r"must be 4-d .* got torch.bool of shape \(2, 5\)"):
         f(layer, q, k, v, torch.ones(2, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match="cu_seq_lens_q/cu_seq_lens_k"):
+    with pytest.raises(ValueError, match="need both cu_seq_lens_q and cu_seq_lens_k, got only"):
         f(layer, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 5]))
+    cu = torch.tensor([0, 2, 5])
+    with pytest.raises(ValueError, match=r"come in one batch row, got q \(2, 4, 5, 8\)"):
+        f(layer, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
     wrong = hf.build_mask(batch_size=2, q_length=5, kv_length=9, q_offset=4)
     with pytest.raises(ValueError, match=r"does not fit q \(2, 4, 5, 8\) and k \(2, 2, 5, 8\)"):
         f(layer, q, k, v, wrong)
@@ -716,11 +820,15 @@ def test_register_with_a_backend_object() -> None:
 def test_missing_or_old_transformers_is_one_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hf.importlib.metadata, "version", lambda _: "5.19.2")
     with pytest.raises(
-        ImportError, match=r"needs transformers>=5\.20, found 5\.19\.2: pip install "
+        ImportError, match=r"needs transformers>=5\.20, found 5\.19\.2: install the hf extra"
     ):
         hf.register()
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
-    with pytest.raises(ImportError, match=r"not installed: pip install 'attnkit\[hf\]'"):
+    with pytest.raises(
+        ImportError,
+        match=r'not installed: install the hf extra: pip install "attnkit\[hf\]" '
+        r'\(or "\.\[hf\]" from a checkout\)',
+    ):
         hf.register()
 
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnkit._kernel import Plan, Run, make_plan, split_runs
+from attnkit._kernel import Plan, Run, make_plan, restrict, split_runs
 from attnkit.masks import Geometry
 
 from ..strategies import structured_masks
@@ -151,3 +151,32 @@ def test_runs_of_a_plain_call_and_a_causal_one() -> None:
         Run(8, 24, 0, 8),
         Run(24, 40, 0, 24),
     )
+
+
+@given(
+    shape=st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(0, 17), st.integers(1, 17)),
+    block=st.tuples(st.integers(1, 6), st.integers(1, 6)),
+    cut=st.tuples(st.integers(0, 4), st.integers(1, 4)),
+    data=st.data(),
+)
+def test_a_restricted_plan_is_the_plan_of_its_keys(
+    shape: tuple[int, int, int, int],
+    block: tuple[int, int],
+    cut: tuple[int, int],
+    data: st.DataObject,
+) -> None:
+    # Ring attention's backward cuts its plans from the forward's: what make_plan says for keys
+    # ks:ke of the call (cut on the block grid, ke possibly the last key).
+    b, h, tq, tk = shape
+    s = data.draw(structured_masks(b, h, tq, tk))
+    geo = Geometry((b,), h, tq, tk, torch.device("cpu"))
+    bq, bk = block
+    ks = min(cut[0] * bk, (tk - 1) // bk * bk)
+    ke = min(ks + cut[1] * bk, tk)
+
+    def plan(k_start: int, kv_len: int) -> Plan:
+        return make_plan(
+            s.mask, geo, q_start=0, q_len=tq, k_start=k_start, kv_len=kv_len, block_q=bq, block_k=bk
+        )
+
+    assert restrict(plan(0, tk), ks, ke) == plan(ks, ke - ks), s.label

@@ -5,7 +5,7 @@ inside it tile by tile; ring attention runs it on each pair of shards it holds. 
 :mod:`attnkit._kernel.softmax` for the algorithm and :mod:`attnkit._kernel.plan` for the block plan.
 """
 
-from .plan import Plan, QueryBlock, Run, Visit, make_plan, split_runs
+from .plan import Plan, QueryBlock, Run, Visit, make_plan, restrict, split_runs
 from .softmax import (
     FUSED_ROWS,
     Grads,
@@ -14,11 +14,15 @@ from .softmax import (
     default_blocks,
     delta_of,
     finish,
+    folds,
     forward,
     fused_serves,
     merge,
     no_autocast,
     sink_grad,
+    sizes,
+    small_scores,
+    zero_offset_safe,
 )
 
 __all__ = [
@@ -33,11 +37,16 @@ __all__ = [
     "default_blocks",
     "delta_of",
     "finish",
+    "folds",
     "forward",
     "fused_serves",
     "make_plan",
     "merge",
     "no_autocast",
+    "restrict",
     "sink_grad",
+    "sizes",
+    "small_scores",
     "split_runs",
+    "zero_offset_safe",
 ]

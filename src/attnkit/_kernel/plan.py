@@ -13,9 +13,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from ..masks import EMPTY, FULL, Geometry, Mask
 
-__all__ = ["Plan", "QueryBlock", "Run", "Visit", "make_plan", "split_runs"]
+__all__ = ["Plan", "QueryBlock", "Run", "Visit", "make_plan", "restrict", "split_runs"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def make_plan(
 
     Blocks are cut from the local tensors' first position, so local block ``i`` holds queries
     ``i * block_q ...``; the mask is asked in the call's coordinates. One host synchronisation at
-    most (for masks whose states are computed on the device).
+    most (the states are read back once, wherever the mask computed them).
     """
     # A block longer than the sequence is the sequence (a block size may be as large as INT_MAX).
     bq, bk = max(1, min(block_q, q_len)), max(1, min(block_k, kv_len))
@@ -96,8 +99,9 @@ def make_plan(
         strips = [(0, [FULL] * nk)] * nq
     elif lo > -math.inf or hi < math.inf:
         # A band (causal, a window): each query block asks only about the key blocks its band can
-        # reach, so a long sequence with a window costs O(T) here too, not O(T^2) blocks.
-        strips = []
+        # reach, so a long sequence with a window costs O(T) here too, not O(T^2) blocks. The
+        # strips are read back together.
+        firsts, asked = [], []
         for i in range(nq):
             qs, qe = i * bq + q_start, min((i + 1) * bq, q_len) + q_start
             # Keys j with lo <= j - i' <= hi for some query i' of the block, as local positions.
@@ -105,10 +109,16 @@ def make_plan(
             last = kv_len - 1 if hi == math.inf else qe - 1 + geo.shift + int(hi) - k_start
             j0, j1 = max(0, first) // bk, min(nk - 1, last // bk) if last >= 0 else -1
             if j1 < j0 or first >= kv_len:
-                strips.append((0, []))
+                firsts.append((0, 0))
                 continue
             keys = (j0 * bk + k_start, min((j1 + 1) * bk, kv_len) + k_start, bk)
-            strips.append((j0, mask.block_states(geo, (qs, qe, bq), keys).tolist()[0]))
+            firsts.append((j0, j1 + 1 - j0))
+            asked.append(mask.block_states(geo, (qs, qe, bq), keys)[0])
+        read = _read(asked)
+        strips, at = [], 0
+        for j0, width in firsts:
+            strips.append((j0, read[at : at + width]))
+            at += width
     else:
         grid = mask.block_states(
             geo, (q_start, q_start + q_len, bq), (k_start, k_start + kv_len, bk)
@@ -135,6 +145,33 @@ def make_plan(
             partial += state != FULL
         blocks.append(QueryBlock(qs, qe, tuple(visits)))
     return Plan(bq, bk, tuple(blocks), nq * nk, partial)
+
+
+def restrict(plan: Plan, ks: int, ke: int) -> Plan:
+    """The part of ``plan`` against its keys ``ks:ke`` (both on its block grid, or ``ke`` its
+    last key), as a plan of its own whose keys start at 0: what :func:`make_plan` gives for those
+    keys, without asking the mask again (ring attention's backward computes a forward tile's keys
+    in several parts)."""
+    blocks, partial = [], 0
+    for qb in plan.blocks:
+        visits = tuple(
+            Visit(v.ks - ks, v.ke - ks, v.r0, v.r1, v.partial)
+            for v in qb.visits
+            if ks <= v.ks and v.ke <= ke
+        )
+        partial += sum(v.partial for v in visits)
+        blocks.append(QueryBlock(qb.qs, qb.qe, visits))
+    bk = max(1, min(plan.block_k, ke - ks))  # clamped to the keys, as make_plan clamps it
+    nk = len(range(0, ke - ks, bk))
+    return Plan(plan.block_q, bk, tuple(blocks), len(blocks) * nk, partial)
+
+
+def _read(states: list[Tensor]) -> list[int]:
+    """The states of several strips, read back to the host at once, concatenated."""
+    if not states:
+        return []
+    device = states[0].device
+    return torch.cat([t.to(device) for t in states]).tolist()
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ from .._kernel import (
     make_plan,
     no_autocast,
     sink_grad,
+    sizes,
+    small_scores,
     split_runs,
 )
 from .._score_mod import ScoreMod
@@ -109,6 +111,7 @@ class _Spec:
     n_term: int
     fused_rows: int | None
     score_mod: ScoreMod | None = None
+    zero_offset: bool | None = None
 
 
 def _problem(
@@ -139,6 +142,7 @@ def _problem(
         fused_rows=spec.fused_rows,
         score_mod=spec.score_mod,
         mod_inputs=mod_inputs,
+        zero_offset=spec.zero_offset,
     )
 
 
@@ -273,10 +277,11 @@ def kernel_attention(
     captured: tuple[Tensor, ...] = (),
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Run the kernel on a validated call (what the ``chunked`` backend does). ``is_finite``:
-    whether q, k and v hold only finite values, if the caller knows (None: find out).
-    ``return_lse``: also return the natural-log log-sum-exp ``(..., H, Tq)`` (differentiable).
-    ``score_mod``: applied to each tile; ``captured``: the tensors it captures that need
-    gradients (they receive theirs)."""
+    whether q, k and v hold only finite values, if the caller knows (None: find out, in the same
+    host read as the sizes that tell whether the kernel may take offset 0 throughout, see
+    :func:`attnkit._kernel.sizes`). ``return_lse``: also return the natural-log log-sum-exp
+    ``(..., H, Tq)`` (differentiable). ``score_mod``: applied to each tile; ``captured``: the
+    tensors it captures that need gradients (they receive theirs)."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -285,7 +290,16 @@ def kernel_attention(
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k)
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
-    careful = not (finite(q, k, v) if is_finite is None else is_finite)
+    zero_offset = None  # asked by the kernel's forward
+    if is_finite is None:
+        is_finite = True
+        if q.numel() and k.numel() and v.numel():
+            work = torch.promote_types(q.dtype, torch.float32)
+            q_norm, k_norm, v_max = sizes(q, k, v, work).tolist()
+            is_finite = math.isfinite(q_norm + k_norm + v_max)
+            plain = is_finite and softcap is None and bias is None and score_mod is None
+            zero_offset = plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
+    careful = not is_finite
     spec = _Spec(
         mask=mask,
         geo=geo,
@@ -300,6 +314,7 @@ def kernel_attention(
         n_term=len(term_inputs),
         fused_rows=fused_rows,
         score_mod=score_mod,
+        zero_offset=zero_offset,
     )
     out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs, *captured)
     return (out, lse) if return_lse else out

@@ -237,14 +237,17 @@ def _screened(out: Tensor) -> bool:
     return bool(low.item() > 0) and math.isfinite(high.item())
 
 
-def _explained_by_values(peaks: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Bool like ``peaks`` ``(..., H, Tq)``: rows whose zero output the values explain. A row is
-    exactly 0 when its head's values are all 0; it is the right answer when the row's query and
-    its head's keys are finite (torch would give 0 for a row of NaN scores too)."""
+def _explained_by_values(
+    peaks: Tensor, q: Tensor, k: Tensor, v: Tensor, dropout: bool = False
+) -> Tensor:
+    """Bool like ``peaks`` ``(..., H, Tq)``: rows whose zero output the inputs explain, when the
+    row's query and its head's keys are finite (torch gives 0 for a row of NaN scores too, which
+    attnkit's policy makes NaN): its head's values are all 0, or, with dropout, every weight of
+    the row was dropped (a legitimate draw, which must not be redrawn)."""
     hkv = k.size(-3)
-    zero_v = (v == 0).flatten(-2).all(-1)  # (..., Hkv)
     finite_k = torch.isfinite(k).flatten(-2).all(-1)  # (..., Hkv)
-    head_ok = (zero_v & finite_k).repeat_interleave(q.size(-3) // hkv, dim=-1)  # (..., H)
+    head_ok = finite_k if dropout else finite_k & (v == 0).flatten(-2).all(-1)
+    head_ok = head_ok.repeat_interleave(q.size(-3) // hkv, dim=-1)  # (..., H)
     return head_ok.unsqueeze(-1) & torch.isfinite(q).all(-1)  # (..., H, Tq)
 
 
@@ -253,6 +256,7 @@ def _trustworthy(
     attn_mask: Tensor | None,
     empty: Tensor | None = None,
     qkv: tuple[Tensor, Tensor, Tensor] | None = None,
+    dropout: bool = False,
 ) -> bool:
     """Whether torch's output follows attnkit's rules: no NaN/inf, and exact zeros only in the rows
     that have no visible key (``empty``, or the rows ``attn_mask`` hides whole) or whose head's
@@ -276,7 +280,7 @@ def _trustworthy(
     if empty is not None:
         explained = explained | empty
     if qkv is not None:
-        explained = explained | _explained_by_values(peaks, *qkv)
+        explained = explained | _explained_by_values(peaks, *qkv, dropout=dropout)
     # A zero row nothing explains: torch hid a NaN.
     return bool(((peaks == 0) <= explained.expand_as(peaks)).all())
 
@@ -430,7 +434,7 @@ def _blocked_term(
             empties.append(torch.zeros((), dtype=torch.bool, device=q.device).expand(n, h, qe - qs))
         out[:, :, qs:qe] = block
     trusted = torch.compiler.is_compiling() or _trustworthy(
-        out, None, torch.cat(empties, -1) if empties else None, (q4, k4, v4)
+        out, None, torch.cat(empties, -1) if empties else None, (q4, k4, v4), dropout_p > 0
     )
     return out.reshape(*batch, h, tq, dv), trusted
 
@@ -501,7 +505,7 @@ class SDPA(Backend):
             trusted = (
                 torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and out.requires_grad)
-                or _trustworthy(out, attn_mask, qkv=(q, k, v))
+                or _trustworthy(out, attn_mask, qkv=(q, k, v), dropout=dropout_p > 0)
             )
         if trusted:
             return out

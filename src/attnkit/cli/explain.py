@@ -6,6 +6,7 @@ The call is built from ``device="meta"`` tensors, so nothing is allocated and an
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
@@ -19,23 +20,48 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-MASKS = ("none", "padding", "full", "query")
+# Dense bool masks, by shape.
+DENSE_MASKS = ("none", "padding", "full", "query")
+# Structured masks (never written out): NAME or NAME:N.
+STRUCTURED_MASKS = ("window:N", "documents:N", "key-padding:N")
 BIASES = ("none", "heads", "full")
+
+
+def _size(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (its message names the option)."""
+
+    def parse(text: str) -> int:
+        value = int_arg(text)  # argparse's error for a non-integer or one past int64
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "size"  # argparse names the type in some messages
+    return parse
+
+
+def _mask_spec(text: str) -> str:
+    name, _, n = text.partition(":")
+    if text in DENSE_MASKS or (name in ("window", "documents", "key-padding") and n):
+        if n:
+            _size(1)(n)
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid mask {text!r}: one of {', '.join(DENSE_MASKS)} (a dense bool tensor), or "
+        f"{', '.join(STRUCTURED_MASKS)} (a structured mask)"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     shape = p.add_argument_group("shapes")
-    shape.add_argument("-b", "--batch", type=int_arg, default=1, help="batch size B (default 1)")
-    shape.add_argument("--heads", type=int_arg, default=8, help="query heads H (default 8)")
-    shape.add_argument(
-        "--kv-heads", type=int_arg, default=None, help="key/value heads Hkv (default: H)"
-    )
-    shape.add_argument(
-        "-t", "--q-len", type=int_arg, default=1024, help="queries Tq (default 1024)"
-    )
-    shape.add_argument("--kv-len", type=int_arg, default=None, help="keys Tk (default: Tq)")
-    shape.add_argument("-d", "--head-dim", type=int_arg, default=64, help="Dk (default 64)")
-    shape.add_argument("--v-dim", type=int_arg, default=None, help="Dv (default: Dk)")
+    one = _size(1)
+    shape.add_argument("-b", "--batch", type=one, default=1, help="batch size B (default 1)")
+    shape.add_argument("--heads", type=one, default=8, help="query heads H (default 8)")
+    shape.add_argument("--kv-heads", type=one, help="key/value heads Hkv (default: H)")
+    shape.add_argument("-t", "--q-len", type=one, default=1024, help="queries Tq (default 1024)")
+    shape.add_argument("--kv-len", type=one, default=None, help="keys Tk (default: Tq)")
+    shape.add_argument("-d", "--head-dim", type=one, default=64, help="Dk (default 64)")
+    shape.add_argument("--v-dim", type=one, default=None, help="Dv (default: Dk)")
     opts = p.add_argument_group("options")
     opts.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     opts.add_argument(
@@ -45,9 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     opts.add_argument(
         "--mask",
-        choices=MASKS,
+        type=_mask_spec,
         default="none",
-        help="none; padding (B,1,1,Tk); full (B,H,Tq,Tk); query (Tq,Tk), e.g. sliding window",
+        metavar="MASK",
+        help="a dense bool mask: none; padding (B,1,1,Tk); full (B,H,Tq,Tk); query (Tq,Tk). Or a "
+        "structured mask: window:N (sliding window of N keys), documents:N (N packed documents "
+        "of equal length), key-padding:N (every row N real keys). Default none",
     )
     opts.add_argument("--causal", action="store_true", help="bottom-right causal masking")
     opts.add_argument(
@@ -79,8 +108,7 @@ def run(args: argparse.Namespace) -> int:
     def empty(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.empty(*shape, dtype=dt, device=device)
 
-    mask_shapes = {"padding": (b, 1, 1, tk), "full": (b, h, tq, tk), "query": (tq, tk)}
-    mask = None if args.mask == "none" else empty(*mask_shapes[args.mask], dt=torch.bool)
+    mask = _mask(args.mask, b, h, tq, tk, device)
     bias = None
     if args.bias != "none":
         bias = empty(*((h, tq, tk) if args.bias == "heads" else (b, h, tq, tk)))
@@ -98,3 +126,26 @@ def run(args: argparse.Namespace) -> int:
     )
     print(report)
     return 0 if report.chosen is not None else 1
+
+
+def _mask(
+    spec: str, b: int, h: int, tq: int, tk: int, device: torch.device
+) -> torch.Tensor | attnkit.masks.Mask | None:
+    """The ``mask=`` of the call that ``--mask spec`` describes."""
+    if spec == "none":
+        return None
+    dense = {"padding": (b, 1, 1, tk), "full": (b, h, tq, tk), "query": (tq, tk)}
+    if spec in dense:
+        return torch.empty(*dense[spec], dtype=torch.bool, device=device)
+    name, _, count = spec.partition(":")
+    n = int(count)
+    if name == "window":
+        return attnkit.masks.sliding_window(n)
+    if name == "key-padding":
+        if n > tk:
+            raise ValueError(f"--mask {spec}: {n} real keys of Tk = {tk}")
+        return attnkit.masks.key_padding([n] * b)
+    if n > tk:
+        raise ValueError(f"--mask {spec}: {n} documents in Tk = {tk} keys")
+    lengths = [tk // n + (1 if i < tk % n else 0) for i in range(n)]
+    return attnkit.masks.documents(lengths)

@@ -23,13 +23,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils import benchmark
 
 
 def time_side_by_side(
     fns: dict[str, Callable[[], object]], *, rounds: int = 3, min_run_time: float = 0.5
 ) -> dict[str, float]:
     """Median seconds per call of each callable, measured in ``rounds`` interleaved rounds."""
+    # Imported here, not with the module: torch.utils.benchmark imports torch.utils.cpp_extension,
+    # which on a CUDA build of torch without a GPU logs "No CUDA runtime is found" to stderr, and
+    # every `attnkit` command (--help included) imports this module.
+    from torch.utils import benchmark
+
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():  # warm-up: first-call costs (kernel selection, allocations)
         fn()

@@ -33,15 +33,20 @@ from .._call import AttentionCall, check_attention_args
 from .._checks import check_int, shape_str
 from .._kernel import (
     FUSED_ROWS,
+    Plan,
     Problem,
     backward,
     default_blocks,
     delta_of,
     finish,
+    folds,
     forward,
     make_plan,
     merge,
+    restrict,
     sink_grad,
+    sizes,
+    small_scores,
 )
 from .._typing import Bool, Float, shape_checked
 from ..backends.base import Backend, CallInputs
@@ -82,6 +87,7 @@ class _Plan:
     tile_k_backward: int
     careful: bool  # NaN/inf in some rank's q, k or v: the kernel's careful mode everywhere
     fused_rows: int | None  # see attnkit.backends.Chunked
+    zero_offset: bool | None  # see attnkit._kernel.Problem; None: each piece decides
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,7 @@ class _ShardKeys(Mask):
         keys = self._keys(k0, k1).flatten(0, 2)  # (N*H | 1, keys | 1)
         anys, _ = block_reduce(keys.any(0, keepdim=True), k0, k1, bk, 1)
         _, alls = block_reduce(keys.all(0, keepdim=True), k0, k1, bk, 1)
-        return states_from(~anys[0], alls[0]).cpu().expand(len(range(*q)), -1)
+        return states_from(~anys[0], alls[0]).expand(len(range(*q)), -1)
 
     @property
     def keys_only(self) -> bool:
@@ -148,9 +154,16 @@ class _ShardKeys(Mask):
 
 
 def _problem(
-    plan: _Plan, piece: _Piece, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
+    plan: _Plan,
+    piece: _Piece,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    blocks: Plan | None = None,
 ) -> Problem:
-    """The kernel's problem for one piece, its mask asked at the piece's global positions."""
+    """The kernel's problem for one piece, its mask asked at the piece's global positions
+    (unless its block plan is given)."""
     visible = plan.structure
     if mask is not None:
         shard = _ShardKeys(mask, piece.gk - piece.ks)
@@ -165,7 +178,9 @@ def _problem(
         k3=kp.reshape(n * hkv, keys, k.size(-1)),
         v3=vp.reshape(n * hkv, keys, v.size(-1)),
         scale=plan.scale,
-        plan=make_plan(
+        plan=blocks
+        if blocks is not None
+        else make_plan(
             visible,
             plan.geo,
             q_start=piece.gq,
@@ -182,6 +197,7 @@ def _problem(
         k_start=piece.gk,
         careful=plan.careful,
         fused_rows=plan.fused_rows,
+        zero_offset=plan.zero_offset,
     )
 
 
@@ -195,28 +211,45 @@ def _unpack(block: list[Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
     return block[0], block[1], block[2] if len(block) == 3 else None
 
 
+# The block plans of a call's forward pieces, by the rank whose block they met and their first
+# query: the backward takes its pieces' plans from them instead of asking the mask again.
+_Plans = dict[tuple[int, int], list[tuple[_Piece, Plan]]]
+
+
 def _ring_forward(
     plan: _Plan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """Output ``(N, Hkv, G, Tq, Dv)`` and log-sum-exp ``(N, Hkv, G, Tq)`` in the work dtype;
-    ``-inf`` for queries that see no key anywhere (their output is 0)."""
+) -> tuple[Tensor, Tensor, _Plans]:
+    """Output ``(N, Hkv, G, Tq, Dv)`` and log-sum-exp ``(N, Hkv, G, Tq)`` in the work dtype
+    (``-inf`` for queries that see no key anywhere, whose output is 0), and the pieces' plans."""
     n, hkv, g = _kernel_shape(q, v)
     work = torch.promote_types(q.dtype, torch.float32)
     out = q.new_zeros(n, hkv, g, plan.q_len, v.size(-1), dtype=work)
     lse = q.new_full((n, hkv, g, plan.q_len), float("-inf"), dtype=work)
     ring = plan.ring
     block = [k, v] if mask is None else [k, v, mask]
+    plans: _Plans = {}
     for step in range(ring.world_size):
         incoming = ring.exchange(block) if step < ring.world_size - 1 else None
         kb, vb, mb = _unpack(block)
-        for piece in _pieces(plan, (ring.rank - step) % ring.world_size, plan.tile_k):
+        src = (ring.rank - step) % ring.world_size
+        for piece in _pieces(plan, src, plan.tile_k):
             p = _problem(plan, piece, q, kb, vb, mb)
+            plans.setdefault((src, piece.qs), []).append((piece, p.plan))
             block_out, block_lse = forward(p)
             rows = slice(piece.qs, piece.qe)
             merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
         if incoming is not None:
             block = incoming.wait()
-    return out, lse
+    return out, lse, plans
+
+
+def _forward_plan(plans: _Plans, src: int, piece: _Piece) -> Plan | None:
+    """A backward piece's block plan, cut from the forward piece that holds its keys (None when
+    none does: tiles of the two passes that do not nest)."""
+    for f, fplan in plans.get((src, piece.qs), []):
+        if f.ks <= piece.ks and piece.ke <= f.ke and f.gk - f.ks == piece.gk - piece.ks:
+            return restrict(fplan, piece.ks - f.ks, piece.ke - f.ks)
+    return None
 
 
 def _ring_backward(
@@ -229,9 +262,12 @@ def _ring_backward(
     lse: Tensor,
     delta: Tensor,
     dout: Tensor,
+    plans: _Plans,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of the local q, k, v in the kernel layout and the work dtype."""
+    """Gradients of the local q, k, v in the kernel layout and the work dtype, the pieces planned
+    as the forward's ``plans``."""
     n, hkv, g = _kernel_shape(q, v)
+    fold = folds(lse, plan.softcap)  # once for the call, not per piece
     dout5 = dout.reshape(n, hkv, g, plan.q_len, v.size(-1))
     dq = torch.zeros(n, hkv, g, plan.q_len, q.size(-1), dtype=lse.dtype, device=q.device)
     ring = plan.ring
@@ -243,8 +279,9 @@ def _ring_backward(
     for step in range(ring.world_size):
         incoming = ring.exchange(block) if step < ring.world_size - 1 else None
         kb, vb, mb = _unpack(block)
-        for piece in _pieces(plan, (ring.rank - step) % ring.world_size, plan.tile_k_backward):
-            p = _problem(plan, piece, q, kb, vb, mb)
+        src = (ring.rank - step) % ring.world_size
+        for piece in _pieces(plan, src, plan.tile_k_backward):
+            p = _problem(plan, piece, q, kb, vb, mb, _forward_plan(plans, src, piece))
             rows, keys = slice(piece.qs, piece.qe), slice(piece.ks, piece.ke)
             grads = backward(
                 p,
@@ -254,6 +291,7 @@ def _ring_backward(
                 dout5[:, :, :, rows],
                 bias_grad=False,
                 term_grads=False,
+                fold=fold,
             )
             dq[:, :, :, rows] += grads.dq
             dk[:, keys] += grads.dk
@@ -281,12 +319,13 @@ class _RingAttention(torch.autograd.Function):
         sinks: Tensor | None,
     ) -> Tensor:
         _, hkv, g = _kernel_shape(q, v)
-        out5, lse = _ring_forward(plan, q, k, v, mask)
+        out5, lse, plans = _ring_forward(plan, q, k, v, mask)
         out5, lse = finish(out5, lse, None if sinks is None else sinks.view(hkv, g))
         out = out5.view(*q.shape[:-1], v.size(-1)).to(q.dtype)
         # O before rounding, for the backward's rowsum(dO * O) (see attnkit._kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse, *(t for t in (mask, sinks) if t is not None))
         ctx.plan = plan  # type: ignore[attr-defined]
+        ctx.plans = plans  # type: ignore[attr-defined]
         ctx.has = (mask is not None, sinks is not None)  # type: ignore[attr-defined]
         return out
 
@@ -302,7 +341,8 @@ class _RingAttention(torch.autograd.Function):
         _, hkv, g = _kernel_shape(q, v)
         delta = delta_of(out, dout.reshape(out.shape))
         plan = ctx.plan  # type: ignore[attr-defined]
-        dq, dk, dv = _ring_backward(plan, q, k, v, mask, out, lse, delta, dout)
+        plans = ctx.plans  # type: ignore[attr-defined]
+        dq, dk, dv = _ring_backward(plan, q, k, v, mask, out, lse, delta, dout, plans)
         dsinks = None
         if sinks is not None:
             dsinks = sink_grad(lse, delta, sinks.view(hkv, g)).reshape(sinks.shape).to(sinks.dtype)
@@ -424,9 +464,25 @@ def _ring(
         if q.numel() and k.numel()
         else False
     )
-    flags = torch.tensor([float(careful)])
-    if torch.distributed.get_backend(group) != "nccl":
+    # Whether every piece may take offset 0 (see attnkit._kernel.small_scores) needs the largest
+    # key and value of every rank: asked with the careful flag, once for the call.
+    work = torch.promote_types(q.dtype, torch.float32)
+    largest = [0.0, 0.0, 0.0]
+    if q.numel() and k.numel() and v.numel() and not careful:
+        largest = sizes(q, k, v, work).tolist()
+    flags = torch.tensor([float(careful), *largest[1:]], dtype=torch.float64)
+    reduced = torch.distributed.get_backend(group) != "nccl"
+    if reduced:
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+    careful_any, k_norm, v_max = flags.tolist()
+    # Without the all-reduce, each piece decides from its own tensors.
+    zero_offset = None
+    if reduced:
+        zero_offset = (
+            not careful_any
+            and softcap is None
+            and small_scores(largest[0], k_norm, v_max, scale, kv_len * ring.world_size, work)
+        )
     plan = _Plan(
         ring=ring,
         causal=causal,
@@ -444,8 +500,9 @@ def _ring(
         tile_q=tiles[0] * block_q,
         tile_k=tiles[1] * block_k,
         tile_k_backward=tiles[2] * block_k,
-        careful=bool(flags.item()),
+        careful=bool(careful_any),
         fused_rows=fused_rows,
+        zero_offset=zero_offset,
     )
     return _apply_ring(plan, q, k, v, key_mask, sinks)
 

@@ -14,9 +14,10 @@
   (causal, sliding window, bidirectional). It returns a :class:`TransformersMask`: the pattern and
   the key padding already in :func:`attnkit.attention`'s terms, built once for all layers. The
   common case, causal plus padding, never becomes a ``(Tq, Tk)`` tensor, so ``auto`` can take an
-  O(T)-memory backend. A pattern it does not recognise (chunked attention, packed sequences, a
-  model's own ``or``/``and`` overlays) becomes transformers' own dense bool mask, exactly as
-  ``sdpa`` would get it; the mask's ``repr()`` says which form it took and why.
+  O(T)-memory backend; so do packed sequences (``DataCollatorWithFlattening``'s packed
+  ``position_ids``), as :func:`attnkit.masks.documents`. A pattern it does not recognise (chunked
+  attention, a model's own ``or``/``and`` overlays) becomes transformers' own dense bool mask,
+  exactly as ``sdpa`` would get it; the mask's ``repr()`` says which form it took and why.
 * an **attention function** (``AttentionInterface``), which every attention layer calls with
   ``(module, q, k, v, mask, **kwargs)`` in the ``(B, H, T, D)`` layout. It returns the output as
   ``(B, T, H, D)``, and the weights when the model collects them.
@@ -38,6 +39,10 @@ a float 4-d tensor             ``bias=``: an additive, eager-style mask the call
 ``position_bias`` (T5)         ``bias=`` (summed with a float mask)
 ``softcap`` (Gemma 2)          ``softcap=``
 ``s_aux``/``sinks`` (GPT-OSS)  ``sinks=``
+``cu_seq_lens_q/k``             packed sequences without padding, as transformers' flash-attention
+``max_length_q/k``               path takes them: :func:`attnkit.flash_attn.varlen_mask` (documents,
+                               causal within each when the module is causal) ANDed with the mask
+packed ``position_ids``        with no mask: the same, the sequences read from the positions
 ``dropout``                    ``dropout_p=``, only while ``module.training``
 attention weights wanted       ``return_weights=True`` when the model collects them
                                (``output_attentions=True``) or :func:`attnkit.capture_attention`
@@ -66,7 +71,8 @@ from .._checks import shape_str
 from .._typing import Float, shape_checked
 from ..attention import Backend, attention, available_backends
 from ..capture import is_capturing, record
-from ..masks import Mask, band_visibility, causal_mask, key_padding, sliding_window
+from ..flash_attn import varlen_mask
+from ..masks import Mask, band_visibility, causal_mask, documents, key_padding, sliding_window
 
 __all__ = ["TransformersMask", "build_mask", "register"]
 
@@ -74,7 +80,7 @@ __all__ = ["TransformersMask", "build_mask", "register"]
 # on (a cache_position tensor before); T5 calls the attention interface from 5.15, and its encoder
 # and decoder follow set_attn_implementation() from 5.20 (before, they silently kept their own).
 MIN_TRANSFORMERS = (5, 20)
-_INSTALL = "pip install 'attnkit[hf]'"
+_INSTALL = 'install the hf extra: pip install "attnkit[hf]" (or ".[hf]" from a checkout)'
 
 
 def _require_transformers() -> None:
@@ -161,6 +167,38 @@ def _recognise(fn: object) -> _Pattern | None:
     return None
 
 
+def _unpack(fn: object) -> tuple[Callable[..., Tensor], Tensor] | None:
+    """``(pattern function, document ids (B, T))`` when ``fn`` is transformers' mask of packed
+    sequences: a pattern remapped to each sequence's positions and ANDed with "same sequence".
+
+    transformers starts a new sequence wherever the positions do not step by 1, so within a
+    sequence the remapped positions differ as the token indices do, and a pattern of position
+    differences (causal, windows) reads the same on indices. That is checked on the positions.
+    """
+    if getattr(fn, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _free_variables(fn).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    remapped, same = parts
+    if not getattr(remapped, "__qualname__", "").startswith("remap_positions_for_packed_sequence."):
+        return None
+    if not getattr(same, "__qualname__", "").startswith("packed_sequence_mask_function."):
+        return None
+    inner = _free_variables(remapped).get("mask_function")
+    positions = _free_variables(remapped).get("position_ids")
+    ids = _free_variables(same).get("packed_sequence_mask")
+    if not (callable(inner) and isinstance(positions, Tensor) and isinstance(ids, Tensor)):
+        return None
+    if positions.shape != ids.shape or positions.ndim != 2:
+        return None
+    steps = torch.diff(positions, dim=-1)
+    new_sequence = torch.diff(ids, dim=-1) != 0
+    if not bool(((steps == 1) | new_sequence).all()):
+        return None
+    return inner, ids
+
+
 _AGREED: dict[_Pattern, bool] = {}
 
 
@@ -242,7 +280,9 @@ class TransformersMask:
         causal: bool,
         form: str,
         device: torch.device | str,
+        packed: bool = False,
     ) -> None:
+        self.packed = packed
         self.batch_size = batch_size
         self.q_len = q_len
         self.kv_len = kv_len
@@ -288,8 +328,12 @@ class TransformersMask:
         kv_offset: int,
         padding: Tensor | None,
         device: torch.device | str,
+        packed: Tensor | None = None,
     ) -> TransformersMask | str:
-        """The mask for a recognised pattern, or why it cannot be served without a dense mask."""
+        """The mask for a recognised pattern, or why it cannot be served without a dense mask.
+
+        ``packed``: ``(B, Tk)`` document ids of packed sequences (the pattern then holds within
+        each document)."""
         shift = q_offset - kv_offset  # query i sits at key index i + shift
         keys, causal = kv_len, pattern.causal
         notes = ["causal" if causal else "bidirectional"]
@@ -321,6 +365,12 @@ class TransformersMask:
         valid = None if padding is None else _real_keys(padding, kv_offset, keys)
         if valid is not None:
             notes.append("key padding")
+        docs = None
+        if packed is not None:
+            if packed.shape != (batch_size, keys) or keys != q_len:
+                return f"packed sequences with Tq={q_len} and Tk={kv_len}"
+            docs = documents(ids=packed)
+            notes.append("packed sequences")
         if keys < kv_len:
             notes.append(f"{keys} keys used, {kv_len - keys} never visible left out")
         return cls(
@@ -328,10 +378,11 @@ class TransformersMask:
             q_len=q_len,
             kv_len=kv_len,
             keys=keys,
-            mask=_both(window, None if valid is None else key_padding(valid=valid)),
+            mask=_both(_both(window, None if valid is None else key_padding(valid=valid)), docs),
             causal=causal,
             form="; ".join(notes),
             device=device,
+            packed=docs is not None,
         )
 
 
@@ -415,6 +466,10 @@ def build_mask(
         attention_mask=padding,
         device=device,
     )
+    packed = None
+    unpacked = _unpack(fn) if padding is None and (q_offset, kv_offset) == (0, 0) else None
+    if unpacked is not None:  # dense_args keeps the packed function, should it come to that
+        fn, packed = unpacked
     pattern = _recognise(fn)
     if pattern is None:
         name = getattr(fn, "__qualname__", type(fn).__name__)
@@ -432,6 +487,7 @@ def build_mask(
         kv_offset=kv_offset,
         padding=padding,
         device=device,
+        packed=packed,
     )
     return _dense(built, **dense_args) if isinstance(built, str) else built
 
@@ -444,6 +500,37 @@ def _top_left_causal(q_len: int, kv_len: int, device: torch.device) -> Tensor:
     """Query ``i`` sees keys ``j <= i`` (torch SDPA's ``is_causal``), as a ``(Tq, Tk)`` mask."""
     i = torch.arange(q_len, device=device).unsqueeze(-1)
     return band_visibility(i, torch.arange(kv_len, device=device), -math.inf, 0)
+
+
+def _packed(
+    module: nn.Module, query: Tensor, key: Tensor, kwargs: dict[str, Any]
+) -> tuple[Tensor, Tensor] | None:
+    """``(cu_seq_lens_q, cu_seq_lens_k)`` of packed sequences without padding, as transformers
+    hands them to its flash-attention path: given, or read from packed ``position_ids`` of one
+    batch row (a new sequence wherever the positions do not step by 1). None otherwise."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if (cu_q is None) != (cu_k is None):
+        raise ValueError(
+            f"{_layer(module)}: packed sequences need both cu_seq_lens_q and cu_seq_lens_k, got "
+            f"only {'cu_seq_lens_q' if cu_k is None else 'cu_seq_lens_k'}"
+        )
+    if cu_q is None:
+        ids = kwargs.get("position_ids")
+        if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.size(0) != 1:
+            return None
+        if ids.size(1) != query.size(-2) or query.size(-2) != key.size(-2) or ids.size(1) < 2:
+            return None
+        starts = (torch.diff(ids[0]) != 1).nonzero().flatten() + 1
+        if not starts.numel():
+            return None
+        edges = [0, *starts.tolist(), ids.size(1)]
+        cu_q = cu_k = torch.tensor(edges, dtype=torch.int32)
+    if query.size(0) != 1:
+        raise ValueError(
+            f"{_layer(module)}: packed sequences (cu_seq_lens_q/cu_seq_lens_k) come in one batch "
+            f"row, got q {shape_str(query.shape)}"
+        )
+    return torch.as_tensor(cu_q), torch.as_tensor(cu_q if cu_k is None else cu_k)
 
 
 def _model_collects_weights() -> bool:
@@ -506,14 +593,16 @@ def _attention_forward(
         else:
             bias = attention_mask.to(query.dtype)
     elif attention_mask is None:
-        if "cu_seq_lens_q" in kwargs or "cu_seq_lens_k" in kwargs:
-            raise ValueError(
-                f"{_layer(module)}: packed sequences described by cu_seq_lens_q/cu_seq_lens_k "
-                "(flash-attention style, or continuous batching) without a mask are not "
-                "supported; pass position_ids so that transformers builds the mask"
-            )
         causal_module = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        if causal_module and q_len > 1:
+        packed = _packed(module, query, key, kwargs)
+        if packed is not None:  # as transformers' flash-attention path: bottom-right per sequence
+            window = kwargs.get("sliding_window")
+            mask = varlen_mask(
+                *packed,
+                causal=bool(causal_module),
+                window_size=(window - 1, window - 1) if window else (-1, -1),
+            )
+        elif causal_module and q_len > 1:
             if q_len <= kv_len:  # top-left: the keys after the last query are never seen
                 keys, causal = q_len, True
             else:
@@ -523,6 +612,15 @@ def _attention_forward(
             f"{_layer(module)}: attention_mask must be a 4-d bool or float tensor, a "
             f"TransformersMask or None, got {type(attention_mask).__name__}"
         )
+    if isinstance(attention_mask, TransformersMask) and not attention_mask.packed:
+        # transformers builds a packed mask only without a cache (training usually runs with
+        # use_cache=True all the same); its flash-attention path reads the packing from the
+        # positions whatever the mask, and so does this one.
+        packed = _packed(module, query, key, kwargs)
+        if packed is not None:  # the mask holds the pattern; the sequences are ANDed in
+            sequences = varlen_mask(*packed)
+            if sequences is not None:
+                mask = sequences if mask is None else sequences & mask
     if position_bias is not None:
         position_bias = position_bias.to(query.dtype)
         bias = position_bias if bias is None else position_bias + bias
@@ -581,7 +679,8 @@ def register(name: str = "attnkit", *, backend: str | Backend = "auto") -> None:
             that serves each call) or a backend name or object.
 
     Raises:
-        ImportError: transformers is missing or older than 5.20 (``pip install 'attnkit[hf]'``).
+        ImportError: transformers is missing or older than 5.20 (the hf extra:
+            ``pip install "attnkit[hf]"``, or ``".[hf]"`` from a checkout).
         ValueError, TypeError: for a name transformers would misread, or an unknown backend.
     """
     if not isinstance(name, str) or not name:

@@ -20,13 +20,18 @@ from ..multihead import MultiHeadAttention
 __all__ = ["from_torch", "from_torch_masks", "to_torch"]
 
 
-def from_torch(m: nn.MultiheadAttention) -> MultiHeadAttention:
+def from_torch(m: nn.MultiheadAttention, *, batch_first: bool | None = None) -> MultiHeadAttention:
     """The equivalent of a ``torch.nn.MultiheadAttention``, with copies of its parameters.
 
-    Packed or separate projections, with or without bias, ``kdim``/``vdim`` and either
-    ``batch_first`` are supported; the result is batch-first whatever ``m.batch_first`` says.
+    Packed or separate projections, with or without bias, and ``kdim``/``vdim`` are supported.
     ``add_bias_kv`` and ``add_zero_attn`` have no equivalent and raise ``ValueError``. Translate
     torch's ``attn_mask``/``key_padding_mask`` with :func:`from_torch_masks`.
+
+    attnkit's module is batch-first: it takes ``(B, T, E)``. torch's default,
+    ``batch_first=False``, takes ``(T, B, E)``, which the copy would read as a batch of ``T``
+    sequences of length ``B``, without an error. So a module with ``batch_first=False`` is
+    refused unless ``batch_first=True`` says that the copy will be given batch-first inputs
+    (``x.transpose(0, 1)`` of the torch module's inputs, and the output transposed back).
 
     One difference: in training with dropout, torch returns the weights after dropout,
     attnkit before.
@@ -37,6 +42,20 @@ def from_torch(m: nn.MultiheadAttention) -> MultiHeadAttention:
         raise ValueError("from_torch(): add_bias_kv=True has no attnkit equivalent")
     if m.add_zero_attn:
         raise ValueError("from_torch(): add_zero_attn=True has no attnkit equivalent")
+    if batch_first is False:
+        raise ValueError(
+            "from_torch(batch_first=False): attnkit's MultiHeadAttention takes batch-first "
+            "inputs (B, T, E) only; pass batch_first=True and transpose (T, B, E) inputs with "
+            "x.transpose(0, 1)"
+        )
+    if batch_first is None and not m.batch_first:
+        raise ValueError(
+            "from_torch(): this torch.nn.MultiheadAttention has batch_first=False, so it takes "
+            "(T, B, E) inputs, but attnkit's MultiHeadAttention takes (B, T, E): given (T, B, E) "
+            "it would silently attend across the batch. Call from_torch(m, batch_first=True) "
+            "and give the copy x.transpose(0, 1) (its output transposed back), or build the "
+            "torch module with batch_first=True"
+        )
     ref = m.out_proj.weight
     new = MultiHeadAttention(
         m.embed_dim,

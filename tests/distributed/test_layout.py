@@ -1,0 +1,67 @@
+"""The contiguous and zigzag layouts of a sequence over ranks (no processes needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import masks
+from attnkit.distributed import shard_zigzag, unshard_zigzag
+from attnkit.distributed.layout import LAYOUTS, segments
+
+
+def test_zigzag_shards_hold_chunks_r_and_2w_minus_1_minus_r() -> None:
+    x = torch.arange(24).view(1, 1, 24, 1)  # W = 3: 6 chunks of 4
+    chunks = x.view(6, 4)
+    for r in range(3):
+        got = shard_zigzag(x, r, 3).flatten()
+        assert torch.equal(got, torch.cat([chunks[r], chunks[5 - r]]))
+    mask = masks.padding_mask([20], max_len=24)  # (1, 1, 1, 24): the sequence is dim -1
+    assert torch.equal(
+        unshard_zigzag([shard_zigzag(mask, r, 3, dim=-1) for r in range(3)], dim=-1), mask
+    )
+    assert torch.equal(unshard_zigzag([shard_zigzag(x, r, 3) for r in range(3)]), x)
+
+
+def test_zigzag_errors_quote_values(no_shape_checks: None) -> None:
+    x = torch.zeros(1, 2, 10, 4)
+    with pytest.raises(
+        ValueError,
+        match=r"length 10 \(dim -2 of \(1, 2, 10, 4\)\) does not divide "
+        r"into 2 \* world_size = 6 equal chunks; pad it to a multiple of 6",
+    ):
+        shard_zigzag(x, 0, 3)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\) = \[0, 2\), got 2"):
+        shard_zigzag(x, 2, 2)
+    with pytest.raises(TypeError, match=r"world_size must be an int, got 2\.0"):
+        shard_zigzag(x, 0, 2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dim=4 is out of range for a 4-d tensor"):
+        shard_zigzag(x, 0, 1, dim=4)
+    with pytest.raises(ValueError, match=r"rank 0: \(1, 2, 4, 4\), rank 1: \(1, 2, 6, 4\)"):
+        unshard_zigzag([x[..., :4, :], x[..., :6, :]])
+    with pytest.raises(ValueError, match=r"length along dim -2 must be even; got \(1, 2, 5, 4\)"):
+        unshard_zigzag([x[..., :5, :]])
+    with pytest.raises(TypeError, match="non-empty sequence of tensors"):
+        unshard_zigzag([])
+
+
+@pytest.mark.parametrize(("layout", "world"), [("contiguous", 3), ("zigzag", 3), ("zigzag", 1)])
+def test_segments_name_the_global_positions_each_rank_holds(layout: str, world: int) -> None:
+    # Every rank's runs, laid out at their global starts, cover the sequence once and in order
+    # within each shard; for zigzag they are where shard_zigzag puts them.
+    length = 12  # local length; the sequence is world * length
+    positions = torch.arange(world * length).view(1, 1, -1, 1)
+    covered = []
+    for rank in range(world):
+        runs = segments(layout, rank, world, length)
+        local = [g + i for _, g, n in runs for i in range(n)]
+        assert [s for s, _, _ in runs] == sorted(s for s, _, _ in runs)
+        assert sum(n for _, _, n in runs) == length
+        assert local == sorted(local)  # positions only increase within a shard
+        if layout == "zigzag":
+            assert shard_zigzag(positions, rank, world).flatten().tolist() == local
+        else:
+            assert positions.chunk(world, dim=-2)[rank].flatten().tolist() == local
+        covered += local
+    assert sorted(covered) == list(range(world * length))
+    assert set(LAYOUTS) == {"contiguous", "zigzag"}

@@ -1,0 +1,144 @@
+"""``attnkit.interop.torch``: modules to and from ``torch.nn.MultiheadAttention`` compute what
+torch computes, and ``from_torch_masks`` masks what torch masks. (The property-based comparisons
+over many configurations are in ``tests/test_multihead.py``.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from attnkit import MultiHeadAttention
+from attnkit.interop.torch import from_torch, from_torch_masks, to_torch
+from attnkit.testing import assert_close
+
+
+def randn(*shape: int, seed: int) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def drawn(m: nn.Module, seed: int) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    return m
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"kdim": 5, "vdim": 7},  # separate projections
+        {"proj_bias": False},
+    ],
+    ids=["packed", "kdim-vdim", "no-bias"],
+)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_to_torch_computes_what_the_module_computes(
+    config: dict[str, object], batch_first: bool
+) -> None:
+    ours = drawn(MultiHeadAttention(8, 2, dtype=torch.float64, **config), seed=1).eval()  # type: ignore[arg-type]
+    assert isinstance(ours, MultiHeadAttention)
+    theirs = to_torch(ours, batch_first=batch_first)
+    assert theirs.batch_first is batch_first
+    query = randn(3, 4, 8, seed=2)
+    key, value = randn(3, 6, ours.kdim, seed=3), randn(3, 6, ours.vdim, seed=4)
+
+    def t(x: Tensor) -> Tensor:
+        return x if batch_first else x.transpose(0, 1)
+
+    want, want_w = theirs(t(query), t(key), t(value), average_attn_weights=False)
+    got, got_w = ours(query, key, value, need_weights=True, average_weights=False)
+    assert_close(got, t(want))
+    assert_close(got_w, want_w)
+    # ... and back: the same parameters, the same function
+    back = from_torch(theirs)
+    assert back.state_dict().keys() == ours.state_dict().keys()
+    for name, p in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[name], p), name
+    assert_close(back(query, key, value), got)
+
+
+def test_from_torch_keeps_the_training_mode_and_dropout() -> None:
+    theirs = nn.MultiheadAttention(8, 2, dropout=0.25, dtype=torch.float64)
+    ours = from_torch(theirs.eval())
+    assert ours.dropout == 0.25
+    assert not ours.training
+    assert from_torch(theirs.train()).training
+
+
+def test_from_torch_masks_masks_what_torch_masks() -> None:
+    # A per-head float attn_mask (B*H, Tq, Tk) with -inf entries and a bool key padding mask.
+    theirs = drawn(nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64), seed=5)
+    ours = from_torch(theirs.eval())
+    x = randn(2, 5, 8, seed=6)
+    attn_mask = randn(4, 5, 5, seed=7)
+    attn_mask[1, :, 0] = -float("inf")
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])  # True = padding
+    float_padding = torch.zeros(2, 5, dtype=torch.float64).masked_fill(padding, -float("inf"))
+    mask, bias = from_torch_masks(attn_mask, float_padding, num_heads=2, dtype=torch.float64)
+    assert mask is None
+    assert bias is not None
+    with torch.no_grad():
+        want = theirs(
+            x, x, x, attn_mask=attn_mask, key_padding_mask=float_padding, need_weights=False
+        )[0]
+        assert_close(ours(x, mask=None, bias=bias), want)
+        mask, bias = from_torch_masks(attn_mask, padding, num_heads=2, dtype=torch.float64)
+        assert mask is not None
+        assert tuple(mask.shape) == (2, 1, 1, 5)
+        assert_close(ours(x, mask=mask, bias=bias), want)
+        # A bool attn_mask: True means "may not attend" in torch, "may attend" in attnkit.
+        blocked = torch.rand(5, 5, generator=torch.Generator().manual_seed(8)) < 0.3
+        blocked[:, 0] = False
+        mask, bias = from_torch_masks(blocked, num_heads=2)
+        assert bias is None
+        assert mask is not None
+        assert torch.equal(mask, ~blocked)
+        want = theirs(x, x, x, attn_mask=blocked, need_weights=False)[0]
+        assert_close(ours(x, mask=mask), want)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_refusals_quote_the_values() -> None:
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "to_torch(): torch.nn.MultiheadAttention has no equivalent: num_kv_heads (1) != "
+            "num_heads (2); head_dim (3) and v_head_dim (3) must both be d_model / num_heads "
+            "(8 / 2 = 4)"
+        ),
+    ):
+        to_torch(MultiHeadAttention(8, 2, num_kv_heads=1, head_dim=3))
+    theirs = nn.MultiheadAttention(8, 2)
+    theirs.in_proj_weight = nn.Parameter(torch.zeros(20, 8))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "from_torch(): in_proj_weight has shape (20, 8), expected (24, 8) for embed_dim=8, "
+            "num_heads=2"
+        ),
+    ):
+        from_torch(theirs)
+    with pytest.raises(
+        TypeError, match=re.escape("from_torch() takes a torch.nn.MultiheadAttention, got Linear")
+    ):
+        from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "a 3-d attn_mask must be (B*H, Tq, Tk) with H = num_heads (2), got (3, 4, 4)"
+        ),
+    ):
+        from_torch_masks(torch.zeros(3, 4, 4), num_heads=2)
+    with pytest.raises(
+        ValueError, match=re.escape("key_padding_mask must be (B, Tk), got (2, 1, 4)")
+    ):
+        from_torch_masks(key_padding_mask=torch.zeros(2, 1, 4, dtype=torch.bool), num_heads=2)
+    with pytest.raises(
+        TypeError, match=re.escape("dtype must be a floating-point torch.dtype, got torch.int64")
+    ):
+        from_torch_masks(num_heads=2, dtype=torch.int64)

@@ -1,0 +1,327 @@
+"""The validated call: ``AttentionCall``'s fields and properties, ``describe()``, the per-argument
+checks of ``check_attention_args`` (each names its argument and quotes the values), ``finite()``."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch import Tensor
+
+from attnkit import masks
+from attnkit._call import AttentionCall, check_attention_args, finite
+from attnkit.scores import RelativePositionTerm
+
+
+def qkv(
+    batch: tuple[int, ...] = (2,),
+    h: int = 4,
+    hkv: int = 2,
+    tq: int = 3,
+    tk: int = 5,
+    dk: int = 8,
+    dv: int = 6,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> tuple[Tensor, Tensor, Tensor]:
+    def t(*shape: int) -> Tensor:
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    return t(*batch, h, tq, dk), t(*batch, hkv, tk, dk), t(*batch, hkv, tk, dv)
+
+
+def call_of(q: object, k: object, v: object, **kw: object) -> AttentionCall:
+    args: dict[str, object] = {"mask": None, "bias": None, "causal": False, "scale": None}
+    args.update(kw)
+    return check_attention_args(q, k, v, **args)  # type: ignore[arg-type]
+
+
+def test_fields_and_properties_of_a_grouped_query_call() -> None:
+    q, k, v = qkv(batch=(2, 3))
+    c = call_of(q, k, v, causal=True, softcap=30, sinks=torch.zeros(4))
+    assert (c.batch_shape, c.num_heads, c.num_kv_heads) == ((2, 3), 4, 2)
+    assert (c.q_len, c.kv_len, c.qk_dim, c.v_dim) == (3, 5, 8, 6)
+    assert (c.dtype, c.device) == (torch.float32, torch.device("cpu"))
+    assert c.groups == 2
+    assert c.scores_shape == (2, 3, 4, 3, 5)
+    assert c.scale == 1 / math.sqrt(8)
+    assert c.softcap == 30.0
+    assert isinstance(c.softcap, float)
+    assert c.sinks
+    assert c.causal
+    assert not c.requires_grad
+    assert c.finite is None
+    geo = c.geometry
+    assert (geo.batch_shape, geo.heads, geo.q_len, geo.kv_len) == ((2, 3), 4, 3, 5)
+    assert geo.batch == 6
+    assert geo.shift == 2
+    assert c.score_shape().dtype == torch.float32
+    assert call_of(*qkv(dtype=torch.float64)).score_shape().dtype == torch.float64
+    assert call_of(*qkv(dtype=torch.bfloat16)).score_shape().dtype == torch.float32
+
+
+def test_the_mask_folds_causal_in_and_keeps_what_was_given() -> None:
+    q, k, v = qkv()
+    dense = torch.rand(2, 1, 3, 5) < 0.5
+    c = call_of(q, k, v, mask=dense, causal=True)
+    assert c.mask_shape == (2, 1, 3, 5)
+    assert c.given_mask == (2, 1, 3, 5)
+    assert c.mask_given == "(2, 1, 3, 5)"
+    geo = c.geometry
+    want = dense & masks.causal_mask(3, 5)
+    assert c.mask is not None
+    assert torch.equal(c.mask.tile(geo, 0, 3, 0, 5).expand(2, 4, 3, 5), want.expand(2, 4, 3, 5))
+    window = masks.sliding_window(1)
+    c = call_of(q, k, v, mask=window)
+    assert c.mask is window
+    assert c.given_mask is window
+    assert c.mask_shape is None
+    assert c.mask_given == repr(window)
+    plain = call_of(q, k, v)
+    assert plain.mask is None
+    assert plain.mask_given is None
+
+
+def test_describe_says_everything_that_decides_the_backend() -> None:
+    q, k, v = qkv()
+    assert call_of(q, k, v).describe() == (
+        "q (2, 4, 3, 8), k (2, 2, 5, 8), v (2, 2, 5, 6) float32 on cpu"
+    )
+    bias = torch.zeros(3, 5, requires_grad=True)
+    c = call_of(
+        q,
+        k,
+        v,
+        mask=masks.sliding_window(2),
+        causal=True,
+        bias=bias,
+        softcap=5.0,
+        sinks=torch.zeros(4),
+        dropout_p=0.25,
+        return_weights=True,
+    )
+    assert c.describe() == (
+        "q (2, 4, 3, 8), k (2, 2, 5, 8), v (2, 2, 5, 6) float32 on cpu, "
+        "mask sliding_window(left=2, right=0), causal, bias (3, 5) (requires grad), softcap=5.0, "
+        "sinks, dropout_p=0.25, return_weights"
+    )
+    assert c.bias_shape == (3, 5)
+    assert c.bias_requires_grad
+    assert c.requires_grad
+
+
+def test_a_score_term_is_described_and_its_gradients_counted() -> None:
+    q, k, v = qkv(batch=(1,), h=2, hkv=2, tq=4, tk=4)
+    qv = torch.randn(1, 2, 4, 8, requires_grad=True)
+    term = RelativePositionTerm(qv, torch.randn(1, 7, 8), 1.0)
+    c = call_of(q, k, v, bias=term)
+    assert c.score_term is term
+    assert c.bias_shape is None
+    assert c.bias_requires_grad
+    assert c.requires_grad
+    assert c.describe().endswith(f", bias {term.describe()}")
+    with torch.no_grad():
+        assert not call_of(q, k, v, bias=term).requires_grad
+
+
+def test_finiteness_is_checked_only_for_calls_that_need_gradients() -> None:
+    q, k, v = qkv()
+    k[0, 0, 0, 0] = float("nan")
+    assert call_of(q, k, v, check_finite=True).finite is None
+    q.requires_grad_()
+    c = call_of(q, k, v, check_finite=True)
+    assert c.finite is False
+    assert c.describe().endswith(", non-finite values in q/k/v")
+    assert call_of(q, k, v).finite is None  # not asked
+    k[0, 0, 0, 0] = 0.0
+    assert call_of(q, k, v, check_finite=True).finite is True
+
+
+def test_meta_tensors_are_described_without_data() -> None:
+    c = call_of(*qkv(device="meta"), causal=True, check_finite=True)
+    assert c.device.type == "meta"
+    assert c.describe().endswith("on meta, causal")
+
+
+def test_finite() -> None:
+    x = torch.ones(3, 4)
+    assert finite(x, x.double(), torch.ones(2, dtype=torch.bfloat16))
+    assert finite()  # nothing to look at
+    assert finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[1, 2] = bad
+        assert not finite(x, y)
+    # +inf and -inf together are NaN in the sum, still not finite
+    y = x.clone()
+    y[0, 0], y[0, 1] = float("inf"), -float("inf")
+    assert not finite(y)
+    # float16 sums in float32: 70000 is more than float16 holds, but it is finite
+    assert finite(torch.full((7,), 10000.0, dtype=torch.float16))
+
+
+# (keyword arguments changed from a good call, exception type, the message's text)
+Q, K, V = qkv()
+BAD: list[tuple[dict[str, object], type[Exception], str]] = [
+    ({"q": [1.0]}, TypeError, "q must be a torch.Tensor, got list"),
+    ({"v": None}, TypeError, "v must be a torch.Tensor, got NoneType"),
+    (
+        {"q": torch.zeros(3, 8)},
+        ValueError,
+        "q must have shape (..., H, Tq, Dk) with 3 or more dims, got 2-d (3, 8)",
+    ),
+    (
+        {"k": torch.zeros(2, 5, 8)},
+        ValueError,
+        "k must have as many dims as q (4), got 3-d (2, 5, 8) for q (2, 4, 3, 8)",
+    ),
+    (
+        {"k": torch.zeros(1, 2, 5, 8), "v": torch.zeros(1, 2, 5, 6)},
+        ValueError,
+        "q, k and v must share their batch dims (...): got q (2, 4, 3, 8), k (1, 2, 5, 8), "
+        "v (1, 2, 5, 6)",
+    ),
+    (
+        {"v": torch.zeros(2, 2, 4, 6)},
+        ValueError,
+        "k and v must agree on (Hkv, Tk): got k (2, 2, 5, 8) and v (2, 2, 4, 6)",
+    ),
+    (
+        {"k": torch.zeros(2, 2, 5, 7)},
+        ValueError,
+        "q and k must share the last dim Dk: got q (2, 4, 3, 8) (Dk=8) and k (2, 2, 5, 7) (Dk=7)",
+    ),
+    (
+        {"k": torch.zeros(2, 3, 5, 8), "v": torch.zeros(2, 3, 5, 6)},
+        ValueError,
+        "the heads of q (H=4) must be a multiple of the heads of k and v (Hkv=3); "
+        "got q (2, 4, 3, 8), k (2, 3, 5, 8)",
+    ),
+    (
+        {"q": Q.long(), "k": K.long(), "v": V.long()},
+        TypeError,
+        "q must be float16, bfloat16, float32 or float64, got int64",
+    ),
+    (
+        {"v": V.double()},
+        TypeError,
+        "q, k and v must share a dtype, got q float32, k float32, v float64",
+    ),
+    (
+        {"k": K.to("meta")},
+        ValueError,
+        "q, k and v must be on one device, got q on cpu, k on meta, v on cpu",
+    ),
+    (
+        {"mask": torch.ones(3, 5)},
+        TypeError,
+        "mask must be a bool tensor",
+    ),
+    (
+        {"mask": torch.ones(4, 5, dtype=torch.bool)},
+        ValueError,
+        "mask of shape (4, 5) does not broadcast to (..., H, Tq, Tk) = (2, 4, 3, 5)",
+    ),
+    (
+        {"mask": "causal"},
+        TypeError,
+        "mask must be a bool tensor (True = may attend) or an attnkit.masks.Mask, got str",
+    ),
+    (
+        {"mask": torch.ones(5, dtype=torch.bool, device="meta")},
+        ValueError,
+        "mask is on meta but q is on cpu",
+    ),
+    (
+        {"mask": masks.causal() & torch.ones(5, dtype=torch.bool, device="meta")},
+        ValueError,
+        "mask holds a tensor on meta but q is on cpu",
+    ),
+    ({"causal": 1}, TypeError, "causal must be a bool, got 1"),
+    (
+        {"bias": [0.0]},
+        TypeError,
+        "bias must be a float tensor or an attnkit.scores.ScoreTerm, got list",
+    ),
+    (
+        {"bias": torch.ones(3, 5, dtype=torch.bool)},
+        TypeError,
+        "bias must be a float tensor, got bool; a boolean mask belongs in mask=",
+    ),
+    (
+        {"bias": torch.zeros(3, 5, dtype=torch.float64)},
+        TypeError,
+        "bias must have the dtype of q (float32), got float64; use bias.to(q.dtype)",
+    ),
+    (
+        {"bias": torch.zeros(3, 4)},
+        ValueError,
+        "bias of shape (3, 4) does not broadcast to (..., H, Tq, Tk) = (2, 4, 3, 5)",
+    ),
+    ({"bias": torch.zeros(5, device="meta")}, ValueError, "bias is on meta but q is on cpu"),
+    (
+        {"bias": torch.tensor([0.0, 0.0, float("nan"), 0.0, 0.0])},
+        ValueError,
+        "bias holds NaN: a bias may hold -inf (that pair is then masked) but not NaN or +inf, "
+        "which would make the softmax undefined",
+    ),
+    (
+        {"bias": torch.tensor([0.0, float("inf"), 0.0, 0.0, 0.0])},
+        ValueError,
+        "bias holds +inf: a bias may hold -inf",
+    ),
+    ({"scale": "1"}, TypeError, "scale must be a float or None, got '1'"),
+    ({"scale": True}, TypeError, "scale must be a float or None, got True"),
+    (
+        {"scale": float("inf")},
+        ValueError,
+        "scale must be finite and at most 3.4e+38 in magnitude (the largest float32, in which "
+        "the scores are computed), got inf",
+    ),
+    ({"softcap": "5"}, TypeError, "softcap must be a number > 0 or None, got '5'"),
+    ({"softcap": -1.0}, ValueError, "softcap must be a finite number > 0, got -1.0"),
+    ({"sinks": [0.0] * 4}, TypeError, "sinks must be a float tensor (H,) or None, got list"),
+    (
+        {"sinks": torch.zeros(4, dtype=torch.int64)},
+        TypeError,
+        "sinks must be a float tensor (H,) or None, got int64",
+    ),
+    (
+        {"sinks": torch.zeros(2)},
+        ValueError,
+        "sinks must have shape (H,) = (4,), one logit per query head, got (2)",
+    ),
+    (
+        {"sinks": torch.zeros(4, dtype=torch.float64)},
+        TypeError,
+        "sinks must have the dtype of q (float32), got float64; use sinks.to(q.dtype)",
+    ),
+    ({"sinks": torch.zeros(4, device="meta")}, ValueError, "sinks is on meta but q is on cpu"),
+    ({"return_weights": 0}, TypeError, "return_weights must be a bool, got 0"),
+    ({"dropout_p": 1.0}, ValueError, "dropout_p must be in [0, 1), got 1.0"),
+    ({"dropout_p": False}, TypeError, "dropout_p must be a float in [0, 1), got False"),
+]
+
+
+@pytest.mark.parametrize(("change", "exc", "message"), BAD, ids=lambda x: None)
+def test_each_argument_is_checked_and_its_values_quoted(
+    change: dict[str, object], exc: type[Exception], message: str
+) -> None:
+    args: dict[str, object] = {"q": Q, "k": K, "v": V}
+    args.update(change)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(exc, match="^" + re.escape(message)):
+        call_of(q, k, v, **args)
+
+
+def test_the_good_call_of_the_table_passes() -> None:
+    c = call_of(Q, K, V)
+    assert c.dropout_p == 0.0
+    assert not c.return_weights
+    assert c.softcap is None
+    assert not c.sinks
+    assert call_of(Q, K, V, dropout_p=0).dropout_p == 0.0  # an int 0 is checked, and fine
+    assert call_of(Q, K, V, scale=2).scale == 2.0
+    assert call_of(Q, K, V, bias=torch.full((5,), -float("inf"))).bias_shape == (5,)

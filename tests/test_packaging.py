@@ -1,0 +1,138 @@
+"""attnkit as a package: what `python -m build` makes installs and works, the version is written
+once, and every install hint the code and the docs print names an extra that exists, in both the
+form for a package index and the form for a checkout."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnkit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What a run of the tests, the docs build or the demo leaves in a checkout: not the package's.
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git", ".venv", "site", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
+    ".hypothesis", "attnkit-demo",
+)  # fmt: skip
+
+SMOKE = """
+import importlib.metadata, sys
+from pathlib import Path
+import torch, attnkit
+assert Path(attnkit.__file__).is_relative_to(sys.prefix), attnkit.__file__
+assert importlib.metadata.version("attnkit") == attnkit.__version__
+q, k, v = (torch.randn(2, 4, 33, 16, dtype=torch.float64) for _ in range(3))
+mask = attnkit.masks.causal() & attnkit.masks.key_padding([33, 20])
+out = attnkit.attention(q, k, v, mask=mask, backend="chunked")
+ref = attnkit.attention(q, k, v, mask=mask, backend="reference")
+torch.testing.assert_close(out, ref)
+print(attnkit.__version__)
+"""
+
+
+@pytest.mark.packaging
+def test_wheel_and_sdist_build_install_and_work(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=_NOT_SOURCES)
+    dist = tmp_path / "dist"
+    # The wheel is built from the sdist (build's default), so the sdist is known to be complete.
+    subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    version = attnkit.__version__
+    wheel = dist / f"attnkit-{version}-py3-none-any.whl"
+    sdist = dist / f"attnkit-{version}.tar.gz"
+    assert sorted(p.name for p in dist.iterdir()) == sorted([wheel.name, sdist.name])
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    for name in ("README.md", "LICENSE", "CHANGELOG.md", "src/attnkit/py.typed"):
+        assert name in names, name
+    with zipfile.ZipFile(wheel) as whl:
+        names = set(whl.namelist())
+    assert "attnkit/py.typed" in names
+    assert "attnkit/cli/__init__.py" in names
+
+    # A new venv with nothing of this checkout in it; torch (several hundred MB) is reused from
+    # the running interpreter through a .pth line, which adds its folder but runs none of the
+    # .pth files there (so not the editable install of attnkit either).
+    env = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env)
+    python = env / "bin" / "python"
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (Path(site) / "torch_from_parent.pth").write_text(f"{Path(torch.__file__).parents[1]}\n")
+    pip = [sys.executable, "-m", "pip", "--python", python]
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "--quiet", wheel],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    smoke = subprocess.run(
+        [python, "-c", SMOKE], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert smoke.returncode == 0, smoke.stderr
+    assert smoke.stdout.strip() == version
+    command = subprocess.run(
+        [env / "bin" / "attnkit", "--version"], capture_output=True, text=True, timeout=300
+    )
+    assert command.stdout.strip() == f"attnkit {version}", command.stderr
+
+
+def test_the_version_is_written_once() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert not re.search(r"^version\s*=\s*\"", pyproject, flags=re.MULTILINE)
+    assert 'dynamic = ["version"]' in pyproject
+    assert importlib.metadata.version("attnkit") == attnkit.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", attnkit.__version__)
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    released = re.findall(r"^## (\d+\.\d+\.\d+)", changelog, flags=re.MULTILINE)
+    assert released
+    assert released[0] == attnkit.__version__
+
+
+def _hint_files() -> list[Path]:
+    return [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+        *sorted((ROOT / "src" / "attnkit").rglob("*.py")),
+    ]
+
+
+def test_every_install_hint_names_a_real_extra_in_both_forms() -> None:
+    extras = importlib.metadata.metadata("attnkit").get_all("Provides-Extra") or []
+    assert "hf" in extras
+    found = 0
+    for path in _hint_files():
+        text = path.read_text()
+        for m in re.finditer(r"pip install (['\"]?)(attnkit|\.)\[([\w,]+)\]\1", text):
+            found += 1
+            where = f"{path.relative_to(ROOT)}: {m.group(0)}"
+            assert m.group(1) == '"', f"{where}: quote the extra with double quotes"
+            for extra in m.group(3).split(","):
+                assert extra in extras, f"{where}: no extra {extra!r} in pyproject.toml"
+            if m.group(2) == "attnkit" and path.suffix == ".py":
+                # What the code prints must also work from a checkout, where there is no
+                # package of that name to download.
+                near = text[m.end() : m.end() + 80]
+                assert f'".[{m.group(3)}]"' in near, f"{where}: says nothing of a checkout"
+    assert found
