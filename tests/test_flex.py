@@ -15,7 +15,6 @@ import attnkit
 from attnkit import flex
 from attnkit._call import check_attention_args
 from attnkit.backends import Chunked
-from attnkit.backends.flex import Flex
 from attnkit.testing import assert_close
 
 torch_flex = pytest.importorskip("torch.nn.attention.flex_attention")
@@ -412,22 +411,6 @@ def test_backends_that_do_not_apply_a_score_mod_decline_it() -> None:
         attnkit.attention(q, q, q, score_mod=squared, backend=mine)
     with pytest.raises(TypeError, match=r"score_mod must be a function .*; got float"):
         check_attention_args(q, q, q, mask=None, bias=None, causal=False, scale=None, score_mod=3.0)
-
-
-def test_flex_backend_declines_on_cpu_with_reasons() -> None:
-    q = torch.randn(1, 2, 8, 4)
-    call = attnkit.explain(q, q, q, score_mod=squared).call
-    reasons = Flex().check(call)
-    assert any("CUDA only" in r and "chunked" in r for r in reasons)
-    plain = attnkit.explain(q, q, q, softcap=2.0, mask=attnkit.masks.causal()).call
-    reasons = Flex().check(plain)
-    assert any("has no mask_mod" in r for r in reasons)
-    assert any("softcap" in r for r in reasons)
-    mod_mask = flex.create_block_mask(causal, None, None, 8, 8).mask
-    assert not any(
-        "has no mask_mod" in r for r in Flex().check(attnkit.explain(q, q, q, mask=mod_mask).call)
-    )
-    assert Flex.accepts_score_mod
 
 
 def test_flex_api_errors_name_the_argument() -> None:
