@@ -54,8 +54,12 @@ def test_to_torch_computes_what_the_module_computes(
     got, got_w = ours(query, key, value, need_weights=True, average_weights=False)
     assert_close(got, t(want))
     assert_close(got_w, want_w)
-    # ... and back: the same parameters, the same function
-    back = from_torch(theirs)
+    # ... and back: the same parameters, the same function (a sequence-first module is refused
+    # unless the caller says it will give the copy batch-first inputs)
+    if not batch_first:
+        with pytest.raises(ValueError, match="batch_first=False"):
+            from_torch(theirs)
+    back = from_torch(theirs, batch_first=True)
     assert back.state_dict().keys() == ours.state_dict().keys()
     for name, p in ours.state_dict().items():
         assert torch.equal(back.state_dict()[name], p), name
