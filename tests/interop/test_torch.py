@@ -67,7 +67,7 @@ def test_to_torch_computes_what_the_module_computes(
 
 
 def test_from_torch_keeps_the_training_mode_and_dropout() -> None:
-    theirs = nn.MultiheadAttention(8, 2, dropout=0.25, dtype=torch.float64)
+    theirs = nn.MultiheadAttention(8, 2, dropout=0.25, batch_first=True, dtype=torch.float64)
     ours = from_torch(theirs.eval())
     assert ours.dropout == 0.25
     assert not ours.training
@@ -117,7 +117,7 @@ def test_refusals_quote_the_values() -> None:
         ),
     ):
         to_torch(MultiHeadAttention(8, 2, num_kv_heads=1, head_dim=3))
-    theirs = nn.MultiheadAttention(8, 2)
+    theirs = nn.MultiheadAttention(8, 2, batch_first=True)
     theirs.in_proj_weight = nn.Parameter(torch.zeros(20, 8))
     with pytest.raises(
         ValueError,
