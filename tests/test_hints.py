@@ -129,3 +129,18 @@ def test_the_padding_hint_only_for_a_b_tk_mask() -> None:
     assert "mask[:, None, None, :]" in _hints.padding_mask_hint((2, 7), (2, 4, 5, 7))
     assert _hints.padding_mask_hint((3, 7), (2, 4, 5, 7)) == ""
     assert _hints.padding_mask_hint((2, 1, 7), (2, 4, 5, 7)) == ""
+
+
+def test_attention_itself_names_torch_s_keywords_and_warns_at_the_callers_line() -> None:
+    q = torch.randn(2, 2, 5, 8)
+    with pytest.raises(TypeError, match=r"attention\(\) takes no is_causal= .*pass causal=True"):
+        attnkit.attention(q, q, q, is_causal=True)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"explain\(\) takes no attn_mask="):
+        attnkit.explain(q, q, q, attn_mask=None)  # type: ignore[call-arg]
+    kpm = torch_key_padding([5, 3], 5)[:, None, None, :]  # True = padding: row 0 sees nothing
+    with pytest.warns(UserWarning, match="from_torch_masks") as record:
+        attnkit.attention(q, q, q, mask=kpm)
+    assert record[0].filename == __file__  # the user's line, not attnkit's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        attnkit.attention(q, q, q, mask=kpm)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import types
 import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -113,9 +115,27 @@ def warn_torch_convention(mask: Tensor, name: str = "mask") -> None:
             )
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside attnkit (and the shape-checking wrappers
+    around its functions): the user's line that made the call."""
+    here = inspect.currentframe()
+    frame: types.FrameType | None = None if here is None else here.f_back
+    level = 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_PACKAGE) or "jaxtyping" in name or "beartype" in name):
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _warn(kind: str, message: str) -> None:
     _warned.add(kind)
-    warnings.warn(f"{message} (this warning is given once)", UserWarning, stacklevel=3)
+    level = _outside_stacklevel()
+    warnings.warn(f"{message} (this warning is given once)", UserWarning, stacklevel=level)
 
 
 def padding_mask_hint(shape: tuple[int, ...], target: tuple[int, ...]) -> str:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ._call import AttentionCall, check_attention_args
 from ._checks import shape_str
+from ._hints import torch_keywords, warn_torch_convention
 from ._score_mod import ScoreMod, captured_tensors, check_captured
 from ._typing import Bool, Float, shape_checked
 from .backends import builtin_backends
@@ -347,6 +348,8 @@ def _run(
         autocast_dtype,
         score_mod,
     )
+    if isinstance(mask, Tensor):
+        warn_torch_convention(mask)  # True = may NOT attend, as in torch's modules? (warned once)
     q, k, v, bias, sinks = args  # type: ignore[assignment]
     dense = bias if isinstance(bias, Tensor) else None
     captured: tuple[Tensor, ...] = ()
@@ -485,6 +488,7 @@ def attention(
 ): ...
 
 
+@torch_keywords
 @shape_checked
 def attention(
     q: Float[Tensor, "*batch H Tq Dk"],
@@ -627,6 +631,7 @@ def attention(
     )
 
 
+@torch_keywords
 @shape_checked
 def explain(
     q: Float[Tensor, "*batch H Tq Dk"],

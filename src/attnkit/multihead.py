@@ -32,7 +32,7 @@ from ._checks import (
     present,
     shape_str,
 )
-from ._hints import torch_keywords, warn_torch_convention
+from ._hints import torch_keywords
 from ._typing import Bool, Float, shape_checked
 from .attention import Backend, Explanation, attention, check_backend, explain
 from .capture import is_capturing, record
@@ -304,8 +304,6 @@ class MultiHeadAttention(nn.Module):
         check_bool("average_weights", average_weights)
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
-        if isinstance(mask, Tensor):
-            warn_torch_convention(mask)
 
         q, k, v = self._project(query, key, value)
         # (B, T, heads*Dh) -> (B, heads, T, Dh): strided views; attention() takes them as they are.

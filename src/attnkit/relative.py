@@ -44,7 +44,7 @@ from ._checks import (
     present,
     shape_str,
 )
-from ._hints import torch_keywords, warn_torch_convention
+from ._hints import torch_keywords
 from ._typing import Bool, Float
 from .attention import Explanation, attention, check_backend, explain
 from .backends.base import Backend
@@ -383,8 +383,6 @@ class RelativeMultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         self._check(query, key, value, mask, causal, need_weights, backend)
-        if isinstance(mask, Tensor):
-            warn_torch_convention(mask)
         capturing = capture.is_capturing(self)
         b, tq, _ = query.shape
         tk = key.size(1)
