@@ -241,7 +241,7 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
             return backend
     elif backend == "auto":
         for b in registry.values():
-            if b.auto and not b.reasons(call)[0] and not b.reasons(call)[1]:
+            if b.auto and not any(b.reasons(call)):  # no reasons and no costs
                 return b
     elif backend in registry and not registry[backend].reasons(call)[0]:
         return registry[backend]
