@@ -170,18 +170,6 @@ def _check_softcap(softcap: object) -> float | None:
     return float(softcap)
 
 
-def _check_bias_values(bias: Tensor) -> None:
-    """NaN or +inf in a bias has no meaning (-inf does: that pair is masked)."""
-    if torch.compiler.is_compiling() or bias.device.type == "meta" or not bias.numel():
-        return
-    top = float(bias.detach().max())  # NaN propagates through max, +inf is the max
-    if math.isnan(top) or top == math.inf:
-        raise ValueError(
-            f"bias holds {'NaN' if math.isnan(top) else '+inf'}: a bias may hold -inf (that pair "
-            "is then masked) but not NaN or +inf, which would make the softmax undefined"
-        )
-
-
 def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
     """Raise the error that says what is wrong with q, k and v (they failed the quick check)."""
     q = require_tensor("q", q)
@@ -343,7 +331,7 @@ def _check_bias_arg(bias: object, q: Tensor, scores: tuple[int, ...], legend: st
     check_broadcastable("bias", bias, scores, legend)
     if bias.device != q.device:
         raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
-    _check_bias_values(bias)
+    check_logits("bias", bias, "a bias may hold -inf (that pair is then masked)")
     return bias
 
 
