@@ -4,7 +4,7 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
-from . import backends, checkpoint, distributed, flash_attn, interop, masks, scores
+from . import backends, checkpoint, distributed, flash_attn, flex, interop, masks, scores
 from ._call import AttentionCall
 from .attention import (
     Backend,
@@ -65,6 +65,7 @@ __all__ = [
     "distributed",
     "explain",
     "flash_attn",
+    "flex",
     "from_torch_masks",
     "interop",
     "masks",

@@ -24,6 +24,8 @@ from ._checks import (
     require_tensor,
     shape_str,
 )
+from ._score_mod import ScoreMod, captured_tensors, check_score_mod
+from ._score_mod import describe as describe_score_mod
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 
@@ -74,6 +76,9 @@ class AttentionCall:
     return_lse: bool = False
     #: False when q, k or v hold NaN/inf (checked for calls that need gradients); None: not checked
     finite: bool | None = None
+    #: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scores after softcap and
+    #: ``bias``, before the mask; only backends whose ``accepts_score_mod`` is True serve it
+    score_mod: ScoreMod | None = None
 
     @property
     def mask_given(self) -> str | None:
@@ -119,6 +124,8 @@ class AttentionCall:
             parts.append(f"bias {self.score_term.describe()}")
         if self.softcap is not None:
             parts.append(f"softcap={self.softcap}")
+        if self.score_mod is not None:
+            parts.append(describe_score_mod(self.score_mod))
         if self.sinks:
             parts.append("sinks")
         if self.dropout_p:
@@ -161,18 +168,6 @@ def _check_softcap(softcap: object) -> float | None:
     if not 0.0 < softcap < math.inf:
         raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
     return float(softcap)
-
-
-def _check_bias_values(bias: Tensor) -> None:
-    """NaN or +inf in a bias has no meaning (-inf does: that pair is masked)."""
-    if torch.compiler.is_compiling() or bias.device.type == "meta" or not bias.numel():
-        return
-    top = float(bias.detach().max())  # NaN propagates through max, +inf is the max
-    if math.isnan(top) or top == math.inf:
-        raise ValueError(
-            f"bias holds {'NaN' if math.isnan(top) else '+inf'}: a bias may hold -inf (that pair "
-            "is then masked) but not NaN or +inf, which would make the softmax undefined"
-        )
 
 
 def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
@@ -336,7 +331,7 @@ def _check_bias_arg(bias: object, q: Tensor, scores: tuple[int, ...], legend: st
     check_broadcastable("bias", bias, scores, legend)
     if bias.device != q.device:
         raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
-    _check_bias_values(bias)
+    check_logits("bias", bias, "a bias may hold -inf (that pair is then masked)")
     return bias
 
 
@@ -375,6 +370,7 @@ def check_attention_args(
     dropout_p: object = 0.0,
     return_weights: object = False,
     return_lse: object = False,
+    score_mod: object = None,
     check_finite: bool = False,
 ) -> AttentionCall:
     """Validate the arguments of ``attention()`` and describe the call, once.
@@ -398,6 +394,7 @@ def check_attention_args(
         _check_term(term, q) if term is not None else dense is not None and dense.requires_grad
     )
     sink_t = None if sinks is None else _check_sinks(sinks, q, num_heads)
+    mod = check_score_mod(score_mod)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     if not isinstance(return_lse, bool):
@@ -411,6 +408,7 @@ def check_attention_args(
         or k.requires_grad
         or v.requires_grad
         or (sink_t is not None and sink_t.requires_grad)
+        or (mod is not None and bool(captured_tensors(mod)))
     )
     is_finite = None
     if (
@@ -445,4 +443,5 @@ def check_attention_args(
         requires_grad=requires_grad,
         return_lse=return_lse,
         finite=is_finite,
+        score_mod=mod,
     )

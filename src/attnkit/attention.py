@@ -31,6 +31,7 @@ from torch import Tensor
 from ._call import AttentionCall, check_attention_args
 from ._checks import shape_str
 from ._hints import torch_keywords, warn_torch_convention
+from ._score_mod import ScoreMod, captured_tensors, check_captured
 from ._typing import Bool, Float, shape_checked
 from .backends import builtin_backends
 from .backends.base import (
@@ -240,7 +241,7 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
             return backend
     elif backend == "auto":
         for b in registry.values():
-            if b.auto and not b.reasons(call)[0] and not b.reasons(call)[1]:
+            if b.auto and not any(b.reasons(call)):  # no reasons and no costs
                 return b
     elif backend in registry and not registry[backend].reasons(call)[0]:
         return registry[backend]
@@ -286,6 +287,7 @@ def _call_of(
     return_weights: object,
     return_lse: object,
     autocast: str | None,
+    score_mod: object = None,
 ) -> AttentionCall:
     """The validated call; under autocast a dtype error also says what autocast did."""
     q, k, v, bias, sinks = args
@@ -303,6 +305,7 @@ def _call_of(
             dropout_p=dropout_p,
             return_weights=return_weights,
             return_lse=return_lse,
+            score_mod=score_mod,
             check_finite=True,
         )
     except TypeError as error:
@@ -328,19 +331,35 @@ def _run(
     return_weights: bool,
     return_lse: bool,
     backend: str | Backend,
+    score_mod: ScoreMod | None = None,
 ) -> Output:
     # Under torch.autocast, as torch's SDPA: inputs go to the autocast dtype. The backend then runs
     # with autocast off, or it would turn the float32 softmax accumulation back into bf16 GEMMs.
     args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
     call = _call_of(
-        args, mask, causal, scale, softcap, dropout_p, return_weights, return_lse, autocast_dtype
+        args,
+        mask,
+        causal,
+        scale,
+        softcap,
+        dropout_p,
+        return_weights,
+        return_lse,
+        autocast_dtype,
+        score_mod,
     )
     if isinstance(mask, Tensor):
         warn_torch_convention(mask)  # True = may NOT attend, as in torch's modules? (warned once)
     q, k, v, bias, sinks = args  # type: ignore[assignment]
     dense = bias if isinstance(bias, Tensor) else None
+    captured: tuple[Tensor, ...] = ()
+    if call.score_mod is not None and torch.is_grad_enabled():
+        captured = captured_tensors(call.score_mod)
+        if not torch.compiler.is_compiling():
+            check_captured(call.score_mod, captured, q.dtype, q.device)
+    inputs = CallInputs(q, k, v, dense, sinks, captured)
     with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        return dispatch(call, CallInputs(q, k, v, dense, sinks), check_backend(backend))
+        return dispatch(call, inputs, check_backend(backend))
 
 
 def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) -> Output:
@@ -368,6 +387,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[False] = False,
@@ -387,6 +407,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[True],
@@ -406,6 +427,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: Literal[False] = False,
@@ -425,6 +447,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool,
@@ -447,6 +470,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -476,6 +500,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -491,7 +516,7 @@ def attention(
         Float[Tensor, "*batch H Tq"],
     ]
 ):
-    """Scaled dot-product attention: ``softmax(cap(q k^T * scale) + bias, masked) v``.
+    """Scaled dot-product attention: ``softmax(mod(cap(q k^T * scale) + bias), masked) v``.
 
     Args:
         q: queries ``(..., H, Tq, Dk)``.
@@ -527,6 +552,16 @@ def attention(
         softcap: caps the scaled scores, ``softcap * tanh(s / softcap)``, before ``bias`` and the
             mask (Gemma 2's logit softcapping). Any number > 0, exact in every backend (a huge
             cap is no cap, a tiny one a hard limit), or None.
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, any
+            function of the scores written with tensor operations, applied after ``softcap``
+            and ``bias`` and before the mask (so a masked pair stays masked whatever it returns
+            there). ``score`` is a float tile ``(B, H, rows, keys)`` and the indices are int64
+            tensors broadcastable to it, ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``, ``(1, 1, rows, 1)``
+            and ``(1, 1, 1, keys)`` (``b`` counts the batch dims flattened; ``q_idx`` and
+            ``kv_idx`` are raw positions). Differentiable: gradients reach q, k and the tensors
+            it captures in its closure, default arguments, the globals it names or its object's
+            attributes (a captured tensor that needs gradients and is reached otherwise is a
+            ``ValueError``). Served by ``chunked`` (tile by tile, O(T) memory) and ``reference``.
         sinks: ``(H,)`` logits in q's dtype, one per head, that join every row's softmax
             denominator and attend to nothing (attention sinks, as in GPT-OSS): the row's
             weights sum to less than 1. Differentiable. ``-inf`` is no sink for that head; NaN
@@ -592,6 +627,7 @@ def attention(
         return_weights,
         return_lse,
         backend,
+        score_mod,
     )
 
 
@@ -607,6 +643,7 @@ def explain(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -648,7 +685,16 @@ def explain(
     """
     args, _, autocast_dtype = _under_autocast((q, k, v, bias, sinks))  # the call attention() makes
     call = _call_of(
-        args, mask, causal, scale, softcap, dropout_p, return_weights, return_lse, autocast_dtype
+        args,
+        mask,
+        causal,
+        scale,
+        softcap,
+        dropout_p,
+        return_weights,
+        return_lse,
+        autocast_dtype,
+        score_mod,
     )
     return _decide(call, check_backend(backend))
 

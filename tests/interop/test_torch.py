@@ -54,8 +54,12 @@ def test_to_torch_computes_what_the_module_computes(
     got, got_w = ours(query, key, value, need_weights=True, average_weights=False)
     assert_close(got, t(want))
     assert_close(got_w, want_w)
-    # ... and back: the same parameters, the same function
-    back = from_torch(theirs)
+    # ... and back: the same parameters, the same function (a sequence-first module is refused
+    # unless the caller says it will give the copy batch-first inputs)
+    if not batch_first:
+        with pytest.raises(ValueError, match="batch_first=False"):
+            from_torch(theirs)
+    back = from_torch(theirs, batch_first=True)
     assert back.state_dict().keys() == ours.state_dict().keys()
     for name, p in ours.state_dict().items():
         assert torch.equal(back.state_dict()[name], p), name
@@ -63,7 +67,7 @@ def test_to_torch_computes_what_the_module_computes(
 
 
 def test_from_torch_keeps_the_training_mode_and_dropout() -> None:
-    theirs = nn.MultiheadAttention(8, 2, dropout=0.25, dtype=torch.float64)
+    theirs = nn.MultiheadAttention(8, 2, dropout=0.25, batch_first=True, dtype=torch.float64)
     ours = from_torch(theirs.eval())
     assert ours.dropout == 0.25
     assert not ours.training
@@ -113,7 +117,7 @@ def test_refusals_quote_the_values() -> None:
         ),
     ):
         to_torch(MultiHeadAttention(8, 2, num_kv_heads=1, head_dim=3))
-    theirs = nn.MultiheadAttention(8, 2)
+    theirs = nn.MultiheadAttention(8, 2, batch_first=True)
     theirs.in_proj_weight = nn.Parameter(torch.zeros(20, 8))
     with pytest.raises(
         ValueError,

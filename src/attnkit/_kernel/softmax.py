@@ -54,6 +54,14 @@ non-finite entries zeroed, and an output entry is made NaN exactly when a visibl
 non-finite there; the backward's products use the zeroed q, k and v and drop masked pairs
 explicitly, the softcap's factor included.
 
+**A score_mod** (``score_mod(score, b, h, q_idx, kv_idx)``, any function) is applied to each
+visit's natural-log scores, after softcap and bias and before the mask, with the tile's broadcast
+index tensors; the backward recomputes the tile's scores, calls the score_mod again under
+``torch.enable_grad()``, and turns the modified scores' gradient into the scores' gradient and
+the gradients of the tensors it captures (``mod_inputs``) with ``torch.autograd.grad``. Nothing
+else changes: masked pairs are ``-inf`` whatever it returns there, and a row it leaves with no
+finite score follows the empty-row rule.
+
 float16/bfloat16 inputs are computed block by block in float32.
 """
 
@@ -67,6 +75,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .._score_mod import ScoreMod, index_tensors
+from .._score_mod import apply as apply_score_mod
 from ..masks import Geometry, Mask
 from ..scores import ScoreShape, ScoreTerm, TermBlock, reused, softcap_form
 from .dropout import dropout_mask
@@ -177,8 +187,10 @@ class Problem:
     ``sinks`` is ``(Hkv, G)``. ``geo`` is the call the mask and the score term are asked about, and
     ``q_start``/``k_start`` where the local queries and keys sit in it. ``fused_rows``: runs of
     fully visible blocks with at least this many queries go to torch's fused CPU kernel when
-    nothing is added to the scores (``None``: never). ``zero_offset``: what :func:`zero_offset_safe`
-    answers for the call, when the caller knows it (``None``: the forward asks, one host read).
+    nothing is added to the scores (``None``: never). ``zero_offset``: what
+    :func:`zero_offset_safe` answers for the call, when the caller knows it (``None``: the forward
+    asks, one host read). ``score_mod`` and the tensors it captures, ``mod_inputs``, are described
+    in the module docstring.
     """
 
     q5: Tensor
@@ -197,9 +209,13 @@ class Problem:
     careful: bool = False
     fused_rows: int | None = None
     dropout: tuple[float, int] | None = None  # (p, seed): see attnkit._kernel.dropout
+    score_mod: ScoreMod | None = None
+    mod_inputs: tuple[Tensor, ...] = ()
     zero_offset: bool | None = None
     work: torch.dtype = field(init=False)
     _scratch: dict[str, Tensor] = field(init=False, default_factory=dict)
+    # the score_mod's (input, output) of the visit the backward is at (see apply_mod)
+    _graph: tuple[Tensor, Tensor] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.work = torch.promote_types(self.q5.dtype, torch.float32)
@@ -227,12 +243,17 @@ class Problem:
                 self.dk,
                 self.dv,
                 softcap=self.softcap,
-                added=self.term is not None or self.bias5 is not None,
+                added=self.term is not None or self.bias5 is not None or self.modded,
             )
             and self.k3.dtype == dtype == self.v3.dtype
             and not self.careful
             and all(t.stride(-1) == 1 for t in (self.q5, self.k3, self.v3))
         )
+
+    @property
+    def modded(self) -> bool:
+        """Whether a score_mod applies: the scores are then computed in natural log first."""
+        return self.score_mod is not None
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> Tensor:
         """A work tensor of ``shape`` in the work dtype that every visit of this problem reuses
@@ -316,9 +337,9 @@ class Problem:
     def score_factor(self) -> float:
         """What the rows given to :meth:`scores` carry beyond ``scale``: ``2 / softcap`` with a
         softcap in the sigmoid form, ``1 / softcap`` or 1 in the tanh form, else ``log2(e)``
-        (scores in base 2)."""
+        (scores in base 2), or 1 with a score_mod (which sees natural-log scores)."""
         if self.softcap is None:
-            return _LOG2E
+            return 1.0 if self.modded else _LOG2E
         if self.cap_sigmoid:
             return 2.0 / self.softcap
         return 1.0 / self.softcap if self._cap_in_rows() else 1.0
@@ -329,6 +350,69 @@ class Problem:
         precision to underflow."""
         return self.softcap is not None and 1.0 <= self.softcap <= 2.0**32
 
+    def mod_view(self, s5: Tensor) -> Tensor:
+        """``(N, Hkv, rows, G, keys)`` -> ``(N, H, rows, keys)``, the layout a score_mod sees (a
+        copy when heads are grouped)."""
+        n, hkv, rows, g, keys = s5.shape
+        return s5.permute(0, 1, 3, 2, 4).reshape(n, hkv * g, rows, keys)
+
+    def mod_indices(
+        self, lo: int, hi: int, ks: int, ke: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A score_mod's index tensors for queries ``lo:hi`` and keys ``ks:ke`` of this problem,
+        in the call's positions."""
+        return index_tensors(
+            self.n,
+            self.hkv * self.g,
+            lo + self.q_start,
+            hi + self.q_start,
+            ks + self.k_start,
+            ke + self.k_start,
+            self.q5.device,
+        )
+
+    def apply_mod(
+        self, s5: Tensor, lo: int, hi: int, ks: int, ke: int, keep_graph: bool = False
+    ) -> None:
+        """The score_mod on natural-log scores ``(N, Hkv, rows, G, keys)``, in place, its result
+        times ``log2(e)`` (one pass). ``keep_graph``: under autograd, for :meth:`mod_backward`."""
+        if self.score_mod is None:
+            raise RuntimeError("attnkit internal error: apply_mod without a score_mod")
+        idx = self.mod_indices(lo, hi, ks, ke)
+        if keep_graph:
+            x = self.mod_view(s5).clone().requires_grad_(True)  # saved by the mod's graph
+            with torch.enable_grad():
+                y = apply_score_mod(self.score_mod, x, idx)
+            self._graph = (x, y)
+        else:
+            y = apply_score_mod(self.score_mod, self.mod_view(s5), idx)
+        n, hkv, rows, g, keys = s5.shape
+        torch.mul(y.detach().reshape(n, hkv, g, rows, keys).transpose(2, 3), _LOG2E, out=s5)
+
+    def mod_backward(self, ds5: Tensor, dmod: list[Tensor | None]) -> None:
+        """Turn ``ds5``, the gradient of the last :meth:`apply_mod`'s output (kept with
+        ``keep_graph``), into that of its input (in place), adding the captured tensors'
+        gradients to ``dmod``."""
+        if self._graph is None:
+            raise RuntimeError("attnkit internal error: mod_backward without a kept graph")
+        (x, y), self._graph = self._graph, None
+        if not y.requires_grad:  # the score_mod depends on nothing that needs gradients
+            ds5.zero_()
+            return
+        grads = torch.autograd.grad(y, (x, *self.mod_inputs), self.mod_view(ds5), allow_unused=True)
+        dx = grads[0]
+        if dx is None:  # the score_mod ignores the scores: they get no gradient
+            ds5.zero_()
+        else:
+            if dx.untyped_storage().data_ptr() == ds5.untyped_storage().data_ptr():
+                dx = dx.clone()  # an additive mod hands back the gradient it was given
+            n, hkv, rows, g, keys = ds5.shape
+            ds5.copy_(dx.reshape(n, hkv, g, rows, keys).transpose(2, 3))
+        for i, d in enumerate(grads[1:]):
+            if d is not None:
+                total = dmod[i]
+                dmod[i] = d.clone() if total is None else total.add_(d)
+
     def scores(
         self,
         qr: Tensor,
@@ -337,6 +421,7 @@ class Problem:
         offset: Tensor | None,
         tb: TermBlock | None,
         keep_sigmoid: bool = False,
+        keep_graph: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Scores of one visit in base 2 (times ``log2(e)``) minus ``offset`` (per row), masked
         with ``-inf``.
@@ -349,12 +434,15 @@ class Problem:
         error would show, as ``c * tanh(x / c)``. Returns the scores ``(N*Hkv, rows*G, keys)``, the
         sigmoid (or tanh) when ``keep_sigmoid`` (the backward's softcap factor), and the visit's
         visibility: the mask tile of a partial block, and in the careful mode also the pairs a
-        ``-inf`` bias or term hides (``NaN + -inf`` is NaN, not ``-inf``).
+        ``-inf`` bias or term hides (``NaN + -inf`` is NaN, not ``-inf``). With a score_mod the
+        rows carry no ``log2(e)``: the natural-log scores go through it before the mask
+        (``keep_graph``: under autograd, for :meth:`mod_backward`).
         """
         ks, ke = visit.ks, visit.ke
         lo, hi = qs + visit.r0, qs + visit.r1
         kt = self.keys(ks, ke).transpose(1, 2)
-        added = self.bias5 is not None or tb is not None
+        added = self.bias5 is not None or tb is not None or self.modded
+        unit = 1.0 if self.modded else _LOG2E  # a score_mod sees natural-log scores
         pending = offset  # subtracted at the end unless taken on the way
         out = self.scratch("scores", (qr.size(0), qr.size(1), ke - ks))
         if self.softcap is None and offset is not None and not added:
@@ -367,10 +455,10 @@ class Problem:
             c = self.softcap
             if self.cap_sigmoid:
                 s.sigmoid_()
-                two, shift = 2.0 * c * _LOG2E, c * _LOG2E  # (2c sigmoid - c) * log2(e)
+                two, shift = 2.0 * c * unit, c * unit  # (2c sigmoid - c) * log2(e)
             else:
                 (s if self._cap_in_rows() else s.div_(c)).tanh_()
-                two, shift = c * _LOG2E, 0.0  # c tanh * log2(e)
+                two, shift = c * unit, 0.0  # c tanh * log2(e)
             sig = self.scratch("sigmoid", tuple(s.shape)).copy_(s) if keep_sigmoid else None
             if pending is not None and not added:
                 # ... - m in one pass; the mask's -inf comes after.
@@ -384,16 +472,18 @@ class Problem:
         vis = self.mask_tile(lo, hi, ks, ke) if visit.partial else None
         bias = self.bias_tile(lo, hi, ks, ke)
         if bias is not None:
-            s5.add_(bias, alpha=_LOG2E)
+            s5.add_(bias, alpha=unit)
             if self.careful:
                 vis = _hide(vis, bias)
         if tb is not None:
             tile = self._to_rows(
                 tb.tile(ks + self.k_start, ke + self.k_start)[..., visit.r0 : visit.r1, :]
             )
-            s5.add_(tile, alpha=_LOG2E)
+            s5.add_(tile, alpha=unit)
             if self.careful:
                 vis = _hide(vis, tile)
+        if self.modded:
+            self.apply_mod(s5, lo, hi, ks, ke, keep_graph)
         if vis is not None:
             s5.masked_fill_(~vis, float("-inf"))
         if pending is not None:
@@ -453,8 +543,11 @@ def _score_shape(p: Problem) -> ScoreShape:
 
 def zero_offset_safe(p: Problem) -> bool:
     """Whether every block of the call may take offset 0 from its first key: no softcap and nothing
-    added to the scores, and :func:`small_scores` holds for its q, k and v. One host read."""
+    added to the scores (a score_mod can make any score of bounded q and k unbounded), and
+    :func:`small_scores` holds for its q, k and v. One host read."""
     if p.softcap is not None or p.bias5 is not None or p.term is not None or p.careful:
+        return False
+    if p.modded:
         return False
     if not (p.q5.numel() and p.k3.numel() and p.v3.numel()):
         return False
@@ -692,6 +785,7 @@ class Grads:
     dv: Tensor  # (N*Hkv, Tk, Dv)
     dbias5: Tensor | None
     dterm: list[Tensor | None]
+    dmod: list[Tensor | None] = field(default_factory=list)
 
 
 def backward(
@@ -723,6 +817,7 @@ def backward(
     if bias_grad and p.bias5 is not None:
         dbias = torch.zeros(p.bias5.shape, dtype=p.work, device=dev)
     dterm: list[Tensor | None] = [None] * len(p.term_inputs)
+    dmod: list[Tensor | None] = [None] * len(p.mod_inputs)
     for qb in p.blocks:
         if not qb.visits:
             continue
@@ -749,6 +844,7 @@ def backward(
                 None if offset is None else offset[:, lo:hi],
                 tb,
                 keep_sigmoid=p.softcap is not None,
+                keep_graph=p.modded,
             )
             prob = torch.exp2_(s)  # (N*Hkv, rows*G, keys): the forward's probabilities, recomputed
             shape5 = (p.n, p.hkv, (hi - lo) // p.g, p.g, visit.ke - visit.ks)
@@ -770,6 +866,10 @@ def backward(
             ds5 = ds.view(shape5)
             if p.careful and vis is not None:
                 ds5.masked_fill_(~vis, 0.0)
+            if p.modded:
+                p.mod_backward(ds5, dmod)
+                if vis is not None:  # a masked pair's score gets no gradient, whatever the mod
+                    ds5.masked_fill_(~vis, 0.0)
             if dbias is not None:
                 tile = _tile5(dbias, qb.qs + visit.r0, qb.qs + visit.r1, visit.ks, visit.ke)
                 tile = tile.transpose(2, 3)
@@ -796,7 +896,7 @@ def backward(
         dk.mul_(capped)
     if p.runs:
         _fused_backward(p, out, final_lse, dout, dq.transpose(2, 3), dk, dv)
-    return Grads(dq.transpose(2, 3), dk, dv, dbias, dterm)
+    return Grads(dq.transpose(2, 3), dk, dv, dbias, dterm, dmod)
 
 
 def folds(lse: Tensor, softcap: float | None) -> bool:

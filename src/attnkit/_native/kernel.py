@@ -33,6 +33,8 @@ def why_not_native(call: AttentionCall, native: bool) -> str | None:
         return (
             f"the eager kernel (the native kernel does not fuse the score term {call.score_term!r})"
         )
+    if call.score_mod is not None:
+        return "the eager kernel (the native kernel does not fuse a score_mod)"
     if call.finite is False:
         return "the eager kernel (non-finite values in q/k/v)"
     available, why = status()

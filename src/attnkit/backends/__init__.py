@@ -1,6 +1,8 @@
 """The built-in backends of :func:`attnkit.attention`, and what a backend is.
 
 * ``sdpa`` (:class:`SDPA`): torch's fused ``scaled_dot_product_attention``;
+* ``flex`` (:class:`Flex`): calls with a ``score_mod`` or ``mask_mod`` handed to torch's
+  compiled FlexAttention on CUDA (registered where torch has CUDA and FlexAttention);
 * ``chunked`` (:class:`Chunked`): attnkit's own blocked kernel (:mod:`attnkit._kernel`), O(T)
   memory, every mask, score term, softcap and sinks;
 * ``reference`` (:func:`reference`): the formula as it reads, materialised; the spec the others are
@@ -12,6 +14,7 @@ Pass a name (``backend="chunked"``) or an instance (``backend=Chunked(block_q=64
 
 from .base import Backend, BackendError, BackendFn, CallInputs, Dispatch, record_dispatch
 from .chunked import Chunked
+from .flex import Flex, flex_available
 from .reference import Reference, reference
 from .sdpa import SDPA
 
@@ -23,6 +26,7 @@ __all__ = [
     "CallInputs",
     "Chunked",
     "Dispatch",
+    "Flex",
     "Reference",
     "builtin_backends",
     "record_dispatch",
@@ -32,5 +36,6 @@ __all__ = [
 
 def builtin_backends() -> tuple[Backend, ...]:
     """New instances of the built-in backends, in ``auto``'s order of preference: the fastest
-    first, the materialising spec last."""
-    return (SDPA(), Chunked(), Reference())
+    first, the materialising spec last; ``flex`` only where torch has CUDA and FlexAttention."""
+    flex = (Flex(),) if flex_available() else ()
+    return (SDPA(), *flex, Chunked(), Reference())

@@ -48,14 +48,17 @@ __all__ = [
 class CallInputs:
     """The tensors of a validated call, as :func:`~attnkit.attention` received them (cast under
     ``torch.autocast``): ``q (..., H, Tq, Dk)``, ``k (..., Hkv, Tk, Dk)``, ``v (..., Hkv, Tk, Dv)``,
-    a dense float ``bias`` broadcastable to ``(..., H, Tq, Tk)`` or None, ``sinks (H,)`` or None.
-    A lazy score term is ``call.score_term``; the call's visibility is ``call.mask``."""
+    a dense float ``bias`` broadcastable to ``(..., H, Tq, Tk)`` or None, ``sinks (H,)`` or None,
+    and ``captured``: the tensors needing gradients that ``call.score_mod`` captures (a backend
+    that computes the scores' gradients itself returns theirs). A lazy score term is
+    ``call.score_term``; the call's visibility is ``call.mask``."""
 
     q: Tensor
     k: Tensor
     v: Tensor
     bias: Tensor | None = None
     sinks: Tensor | None = None
+    captured: tuple[Tensor, ...] = ()
 
 
 #: What a backend returns: the output, or a tuple of the output, the weights and/or the lse.
@@ -150,7 +153,14 @@ class Backend:
 
     Pass a name to :func:`attnkit.attention` for a registered backend, or a ``Backend`` itself (for
     example ``attnkit.backends.Chunked(block_q=64, block_k=64)``).
+
+    A call with a ``score_mod`` goes only to a backend whose :attr:`accepts_score_mod` is True (a
+    class attribute, False by default), so a backend written before score_mods existed can never
+    ignore one.
     """
+
+    #: Whether :meth:`run` applies ``call.score_mod`` (the dispatcher declines the call otherwise).
+    accepts_score_mod: bool = False
 
     def __init__(
         self,
@@ -223,8 +233,12 @@ class Backend:
     # For the dispatcher and for backends
 
     def reasons(self, call: AttentionCall) -> tuple[list[str], list[str]]:
-        """``(check(call), cost(call))``, each checked to be a list of strings."""
-        return self._strings("check", self.check(call)), self._strings("cost", self.cost(call))
+        """``(check(call), cost(call))``, each checked to be a list of strings; a call with a
+        ``score_mod`` gains a reason unless :attr:`accepts_score_mod`."""
+        reasons = self._strings("check", self.check(call))
+        if call.score_mod is not None and not self.accepts_score_mod:
+            reasons = [*reasons, "does not apply a score_mod (chunked and reference do)"]
+        return reasons, self._strings("cost", self.cost(call))
 
     def explain_notes(self, call: AttentionCall) -> list[str]:
         """``notes(call)``, checked to be a list of strings."""

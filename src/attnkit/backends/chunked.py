@@ -51,6 +51,7 @@ from .._kernel import (
 )
 from .._native import load as load_native
 from .._native.kernel import NativeCall, native_call, why_not_native
+from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm, softcap_form, term_error
 from .base import Backend, CallInputs
@@ -116,6 +117,7 @@ class _Spec:
     fused_rows: int | None
     native: NativeCall | None  # None: the eager kernel
     dropout: tuple[float, int] | None  # (p, seed), see attnkit._kernel.dropout
+    score_mod: ScoreMod | None = None
     zero_offset: bool | None = None
 
 
@@ -141,6 +143,7 @@ def _problem(
     v: Tensor,
     bias: Tensor | None,
     term_inputs: tuple[Tensor, ...],
+    mod_inputs: tuple[Tensor, ...] = (),
 ) -> Problem:
     q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
     return Problem(
@@ -158,6 +161,8 @@ def _problem(
         careful=spec.careful,
         fused_rows=spec.fused_rows,
         dropout=spec.dropout,
+        score_mod=spec.score_mod,
+        mod_inputs=mod_inputs,
         zero_offset=spec.zero_offset,
     )
 
@@ -172,15 +177,17 @@ class _KernelAttention(torch.autograd.Function):
         v: Tensor,
         bias: Tensor | None,
         sinks: Tensor | None,
-        *term_inputs: Tensor,
+        *extra: Tensor,
     ) -> tuple[Tensor, Tensor]:
         hkv = k.size(-3)
+        # extra: the score term's inputs, then the tensors the score_mod captures
+        term_inputs, mod_inputs = extra[: spec.n_term], extra[spec.n_term :]
         with no_autocast(q.device):
             if spec.native is not None:
                 q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
                 out5, lse = spec.native.forward(q5, k3, v3, bias5)
             else:
-                out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs))
+                out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs, mod_inputs))
             if spec.check_term and spec.term is not None:
                 _check_term(spec.term, lse)
             sinks2 = None if sinks is None else sinks.view(hkv, -1)
@@ -189,7 +196,7 @@ class _KernelAttention(torch.autograd.Function):
         out = out5.flatten(1, 2).reshape(*q.shape[:-1], v.size(-1)).to(q.dtype)
         optional = [t for t in (bias, sinks) if t is not None]
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
-        ctx.save_for_backward(q, k, v, out5, lse, *optional, *term_inputs)
+        ctx.save_for_backward(q, k, v, out5, lse, *optional, *extra)
         ctx.spec = spec  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
         # (N, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included.
@@ -204,7 +211,7 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, out5, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
         bias = rest.pop(0) if spec.has_bias else None
         sinks = rest.pop(0) if spec.has_sinks else None
-        term_inputs = tuple(rest)
+        term_inputs, mod_inputs = tuple(rest[: spec.n_term]), tuple(rest[spec.n_term :])
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
         with no_autocast(q.device):
             # dout is None when only the log-sum-exp is used.
@@ -222,13 +229,13 @@ class _KernelAttention(torch.autograd.Function):
                 grads = Grads(dq, dk, dv, dbias5, [])
             else:
                 grads = backward(
-                    _problem(spec, q, k, v, bias, term_inputs),
+                    _problem(spec, q, k, v, bias, term_inputs, mod_inputs),
                     out5,
                     lse,
                     delta,
                     dout5,
                     bias_grad=bias_grad,
-                    term_grads=any(needs[6:]),
+                    term_grads=any(needs[6 : 6 + spec.n_term]),
                 )
             dsinks = None
             if sinks is not None and needs[5]:
@@ -240,7 +247,9 @@ class _KernelAttention(torch.autograd.Function):
         # An input no tile reached (no queries, every block skipped) gets zeros, not None.
         dterm = [
             (torch.zeros_like(t) if need else None) if g is None else g.to(t.dtype)
-            for g, t, need in zip(grads.dterm, term_inputs, needs[6:], strict=True)
+            for g, t, need in zip(
+                [*grads.dterm, *grads.dmod], [*term_inputs, *mod_inputs], needs[6:], strict=True
+            )
         ]
         return (
             None,
@@ -301,6 +310,8 @@ def kernel_attention(
     fused_rows: int | None = FUSED_ROWS,
     is_finite: bool | None = None,
     return_lse: bool = False,
+    score_mod: ScoreMod | None = None,
+    captured: tuple[Tensor, ...] = (),
     native: bool = True,
     dropout_p: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -308,11 +319,12 @@ def kernel_attention(
     whether q, k and v hold only finite values, if the caller knows (None: find out, in the same
     host read as the sizes that tell whether the kernel may take offset 0 throughout, see
     :func:`attnkit._kernel.sizes`). ``return_lse``: also return the natural-log log-sum-exp
-    ``(..., H, Tq)`` (differentiable).
+    ``(..., H, Tq)`` (differentiable). ``score_mod``: applied to each tile; ``captured``: the
+    tensors it captures that need gradients (they receive theirs).
 
     ``native``: use the native kernel where it computes the same thing (see
-    :func:`native_serves`). ``dropout_p``: both kernels drop the same pairs for a seed drawn here
-    (:mod:`attnkit._kernel.dropout`)."""
+    :func:`native_serves`; never with a ``score_mod``). ``dropout_p``: both kernels drop the same
+    pairs for a seed drawn here (:mod:`attnkit._kernel.dropout`)."""
     batch = tuple(q.shape[:-3])
     h, tq, _ = q.shape[-3:]
     hkv, tk, _ = k.shape[-3:]
@@ -327,12 +339,12 @@ def kernel_attention(
             work = torch.promote_types(q.dtype, torch.float32)
             q_norm, k_norm, v_max = sizes(q, k, v, work).tolist()
             is_finite = math.isfinite(q_norm + k_norm + v_max)
-            plain = is_finite and softcap is None and bias is None
+            plain = is_finite and softcap is None and bias is None and score_mod is None
             zero_offset = plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
     careful = not is_finite
     seed = draw_seed() if dropout_p else 0
     fast = None
-    served = native_serves(q.device, term, careful, native)
+    served = score_mod is None and native_serves(q.device, term, careful, native)
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k, native=served)
     if served:
         fast = native_call(
@@ -360,9 +372,10 @@ def kernel_attention(
         fused_rows=fused_rows,
         native=fast,
         dropout=(dropout_p, seed) if dropout_p else None,
+        score_mod=score_mod,
         zero_offset=zero_offset,
     )
-    out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs)
+    out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs, *captured)
     return (out, lse) if return_lse else out
 
 
@@ -383,7 +396,7 @@ def native_serves(
 
 def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str | None:
     """What of a call's plan goes to torch's fused CPU kernel, for explain() (None: nothing)."""
-    added = call.bias_shape is not None or call.score_term is not None
+    added = call.bias_shape is not None or call.score_term is not None or call.score_mod is not None
     work = torch.promote_types(call.dtype, torch.float32)
     capped = call.softcap is not None and softcap_form(call.softcap, work) is not None
     serves = fused_serves(
@@ -426,6 +439,9 @@ def chunked_check(call: AttentionCall) -> list[str]:
 class Chunked(Backend):
     """The chunked backend with chosen block sizes (default: sizes that run well on CPUs).
 
+    It applies a call's ``score_mod`` tile by tile, forward and backward (see
+    :mod:`attnkit._kernel.softmax`).
+
     ``fused_rows``: fully visible stretches of the block plan shared by at least this many queries
     go to torch's fused CPU kernel (see :mod:`attnkit.backends.chunked`); ``None``: never.
     ``native=False``: always the eager kernel, never the native one (:mod:`attnkit._native`); the
@@ -438,6 +454,8 @@ class Chunked(Backend):
     >>> torch.allclose(out, attnkit.attention(q, q, q, causal=True, backend="reference"), atol=1e-6)
     True
     """
+
+    accepts_score_mod = True
 
     def __init__(
         self,
@@ -501,6 +519,8 @@ class Chunked(Backend):
             return_lse=call.return_lse,
             native=self.native,
             dropout_p=call.dropout_p,
+            score_mod=call.score_mod,
+            captured=inputs.captured,
         )
 
     def __repr__(self) -> str:

@@ -16,6 +16,8 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .._checks import shape_str
+from .._score_mod import ScoreMod, index_tensors
+from .._score_mod import apply as apply_score_mod
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm, cap_scores, term_error
 from .base import Backend, CallInputs, Output
@@ -63,6 +65,7 @@ def reference(
     dropout_p: float,
     return_weights: bool,
     return_lse: bool = False,
+    score_mod: ScoreMod | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     # float16/bfloat16 run in float32; float64 stays float64 (it is the spec the tests compare to).
     work = torch.promote_types(q.dtype, torch.float32)
@@ -91,6 +94,12 @@ def reference(
         s = cap_scores(s.masked_fill(~visible, 0.0), softcap)
     if added is not None:
         s = s + added
+    if score_mod is not None:  # on (B, H, Tq, Tk) with the batch dims flattened, as the kernel
+        n = math.prod(batch)
+        idx = index_tensors(n, h, 0, tq, 0, tk, q.device)
+        # masked scores (maybe NaN garbage) enter as 0, as for the softcap: no 0 * NaN gradient
+        s = s.masked_fill(~visible, 0.0).reshape(n, h, tq, tk)
+        s = apply_score_mod(score_mod, s, idx).reshape(*batch, h, tq, tk)
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:  # one more logit per row, attending to nothing
         s = torch.cat([s, sinks.to(work)[:, None, None].expand(*s.shape[:-1], 1)], -1)
@@ -119,6 +128,8 @@ class Reference(Backend):
     """The reference as a backend: it serves every call, and ``auto`` takes it only when nothing
     else can (it materialises the scores)."""
 
+    accepts_score_mod = True
+
     def __init__(self) -> None:
         super().__init__("reference")
 
@@ -141,4 +152,5 @@ class Reference(Backend):
             dropout_p=call.dropout_p,
             return_weights=call.return_weights,
             return_lse=call.return_lse,
+            score_mod=call.score_mod,
         )

@@ -1,0 +1,381 @@
+"""FlexAttention's API on attnkit: ``flex_attention``, ``create_block_mask``, ``and_masks``, ...
+
+The functions of ``torch.nn.attention.flex_attention``, with their arguments, layouts
+``(B, H, T, D)`` and semantics, served by :func:`attnkit.attention`: any ``score_mod`` and
+``mask_mod``, forward and backward, on any device, in O(T) memory (the chunked kernel applies
+them tile by tile), so FlexAttention code trains on the CPU. On CUDA, where torch's compiled
+FlexAttention runs, the ``flex`` backend hands the call to it.
+
+>>> import torch
+>>> from attnkit.flex import create_block_mask, flex_attention
+>>> def causal(b, h, q_idx, kv_idx):
+...     return q_idx >= kv_idx
+>>> def relative(score, b, h, q_idx, kv_idx):
+...     return score + 0.1 * (kv_idx - q_idx)
+>>> q = torch.randn(2, 4, 64, 16, requires_grad=True)    # (B, H, T, D)
+>>> block_mask = create_block_mask(causal, None, None, 64, 64)
+>>> out = flex_attention(q, q, q, score_mod=relative, block_mask=block_mask)
+>>> out.sum().backward()                                   # on the CPU, too
+>>> out.shape, q.grad.shape
+(torch.Size([2, 4, 64, 16]), torch.Size([2, 4, 64, 16]))
+
+**Captured tensors.** A ``score_mod`` may read tensors (a learnable bias table, per-head
+multipliers): gradients reach those that need them when attnkit can see them, in the function's
+closure, its default arguments, the module globals it names or the attributes of its object (a
+callable object or a bound method's ``self``). A score_mod that reaches a tensor needing
+gradients any other way is refused with a ``ValueError`` rather than leaving it without gradient.
+
+Shape legend: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``T`` (``Q_LEN``,
+``KV_LEN``) lengths, ``D`` size per head (the letters FlexAttention's documentation uses).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._checks import check_int, shape_str
+from ._score_mod import ScoreMod
+from .attention import attention
+from .masks import Geometry, Mask, from_fn
+
+__all__ = [
+    "AuxOutput",
+    "AuxRequest",
+    "BlockMask",
+    "and_masks",
+    "create_block_mask",
+    "flex_attention",
+    "noop_mask",
+    "or_masks",
+]
+
+#: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend)
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def noop_mask(batch: Tensor, head: Tensor, token_q: Tensor, token_kv: Tensor) -> Tensor:
+    """The mask_mod under which every pair may attend."""
+    return batch.new_ones((), dtype=torch.bool)
+
+
+def _check_mods(what: str, mods: tuple[object, ...]) -> tuple[MaskMod, ...]:
+    for i, m in enumerate(mods):
+        if not callable(m):
+            raise TypeError(f"{what}() takes mask_mod functions, argument {i} is {m!r}")
+    return mods  # type: ignore[return-value]
+
+
+def and_masks(*mask_mods: MaskMod) -> MaskMod:
+    """The mask_mod that allows a pair where every one of ``mask_mods`` does (all of them: the
+    noop mask when none is given).
+
+    >>> both = and_masks(lambda b, h, q, kv: q >= kv, lambda b, h, q, kv: q - kv < 2)
+    >>> create_block_mask(both, None, None, 4, 4).to_dense()[0, 0].int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 1, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+    """
+    mods = _check_mods("and_masks", mask_mods)
+
+    def and_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = b.new_ones((), dtype=torch.bool)
+        for m in mods:
+            out = out & m(b, h, q_idx, kv_idx)
+        return out
+
+    return and_mask
+
+
+def or_masks(*mask_mods: MaskMod) -> MaskMod:
+    """The mask_mod that allows a pair where any of ``mask_mods`` does (none: no pair).
+
+    >>> prefix_lm = or_masks(lambda b, h, q, kv: q >= kv, lambda b, h, q, kv: kv < 2)
+    >>> create_block_mask(prefix_lm, None, None, 4, 4).to_dense()[0, 0].int()
+    tensor([[1, 1, 0, 0],
+            [1, 1, 0, 0],
+            [1, 1, 1, 0],
+            [1, 1, 1, 1]], dtype=torch.int32)
+    """
+    mods = _check_mods("or_masks", mask_mods)
+
+    def or_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = b.new_zeros((), dtype=torch.bool)
+        for m in mods:
+            out = out | m(b, h, q_idx, kv_idx)
+        return out
+
+    return or_mask
+
+
+class _ModMask(Mask):
+    """A mask_mod as an attnkit mask (:func:`attnkit.masks.from_fn`, raw indices), keeping the
+    function as ``mask_mod`` for backends that hand it to FlexAttention."""
+
+    def __init__(self, mask_mod: MaskMod, name: str) -> None:
+        self.mask_mod = mask_mod
+        self._name = name
+        self._inner = from_fn(mask_mod)
+
+    def describe(self) -> str:
+        return f"mask_mod={self._name}"
+
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+        return self._inner.tile(geo, qs, qe, ks, ke)
+
+    @property
+    def positional(self) -> bool:
+        return True
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+class BlockMask:
+    """What :func:`create_block_mask` returns: a ``mask_mod`` and the sizes it was made for.
+
+    Unlike torch's ``BlockMask`` it computes nothing when made: attnkit's kernel asks the
+    mask_mod about each block of a call once, to skip the blocks it hides, and again on the
+    partial ones, so neither the ``(Q_LEN, KV_LEN)`` mask nor a block table is ever stored.
+    ``shape`` is ``(B, H, Q_LEN, KV_LEN)`` with 1 for a ``B`` or ``H`` of None (the mask is the
+    same for every batch row or head); :attr:`mask` is the same visibility as an
+    :class:`attnkit.masks.Mask`, for ``attnkit.attention(mask=...)``.
+    """
+
+    def __init__(
+        self,
+        mask_mod: MaskMod,
+        shape: tuple[int, int, int, int],
+        device: torch.device | None,
+        block_size: tuple[int, int],
+    ) -> None:
+        self.mask_mod = mask_mod
+        self.shape = shape
+        self.device = device
+        self.BLOCK_SIZE = block_size
+        self.mask: Mask = _ModMask(mask_mod, _name(mask_mod))
+
+    @property
+    def seq_lengths(self) -> tuple[int, int]:
+        """``(Q_LEN, KV_LEN)``."""
+        return self.shape[2], self.shape[3]
+
+    def to_dense(self) -> Tensor:
+        """The mask written out, bool ``(B, H, Q_LEN, KV_LEN)`` (this materialises it: for
+        inspection)."""
+        b, h, q_len, kv_len = self.shape
+        geo = Geometry((b,), h, q_len, kv_len, self.device or torch.device("cpu"))
+        return self.mask.tile(geo, 0, q_len, 0, kv_len).expand(b, h, q_len, kv_len)
+
+    def __repr__(self) -> str:
+        return f"BlockMask(mask_mod={_name(self.mask_mod)}, shape={shape_str(self.shape)})"
+
+
+def create_block_mask(
+    mask_mod: MaskMod,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: torch.device | str | None = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+    _compile: bool = False,
+    **kwargs: Any,
+) -> BlockMask:
+    """A :class:`BlockMask` for ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend),
+    torch's signature. ``B`` or ``H`` None: the same mask for every batch row or head.
+
+    ``mask_mod`` is called with int64 index tensors shaped ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``,
+    ``(1, 1, rows, 1)``, ``(1, 1, 1, keys)`` for one tile at a time (never for the whole
+    matrix): write it with tensor operations, as FlexAttention requires. ``device``,
+    ``BLOCK_SIZE``, ``_compile`` and torch's other tuning arguments are accepted and change
+    nothing: attnkit chooses its own blocks for each call.
+    """
+    if not callable(mask_mod):
+        raise TypeError(f"create_block_mask() takes a mask_mod function, got {mask_mod!r}")
+    b = 1 if B is None else check_int("B", B)
+    h = 1 if H is None else check_int("H", H)
+    q_len = check_int("Q_LEN", Q_LEN, minimum=0)
+    kv_len = check_int("KV_LEN", KV_LEN, minimum=0)
+    sizes = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    dev = None if device is None else torch.device(device)
+    return BlockMask(mask_mod, (b, h, q_len, kv_len), dev, (int(sizes[0]), int(sizes[1])))
+
+
+@dataclass(frozen=True)
+class AuxRequest:
+    """Which extra outputs :func:`flex_attention` returns (torch's ``AuxRequest``; torch's own
+    class works too). ``max_scores`` is not available in attnkit."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+@dataclass(frozen=True)
+class AuxOutput:
+    """The extra outputs of :func:`flex_attention`: ``lse (B, H, Q_LEN)``, the natural-log
+    log-sum-exp of each query's modified scores (``-inf`` for a query that sees no key)."""
+
+    lse: Tensor | None = None
+    max_scores: Tensor | None = None
+
+
+def _torch_block_mask_fn(block_mask: Any) -> tuple[MaskMod, tuple[int, int, int, int]]:
+    """A mask_mod equal to a torch ``BlockMask``'s visibility, and its ``(B, H, Q_LEN, KV_LEN)``:
+    its mask_mod, and its block table (blocks it lists neither as partial nor as full are
+    hidden), which a BlockMask built with ``from_kv_blocks`` needs."""
+    inner: MaskMod = block_mask.mask_mod
+    shape = tuple(int(s) for s in block_mask.shape)
+    q_len, kv_len = (int(s) for s in block_mask.seq_lengths)
+    table = block_mask.to_dense().to(torch.bool)  # (B, H, Q_LEN / BQ, KV_LEN / BK), block-sized
+    bq, bk = (int(s) for s in block_mask.BLOCK_SIZE)
+    many_b, many_h = table.size(0) > 1, table.size(1) > 1
+    name = _name(inner)
+
+    def block_table_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        t = table.to(q_idx.device)
+        listed: Tensor = t[b if many_b else 0, h if many_h else 0, q_idx // bq, kv_idx // bk]
+        return listed & inner(b, h, q_idx, kv_idx)
+
+    block_table_mask.__name__ = name
+    return block_table_mask, (shape[0], shape[1], q_len, kv_len)
+
+
+def _is_torch_block_mask(obj: object) -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    except ImportError:  # a torch without FlexAttention
+        return False
+    return isinstance(obj, TorchBlockMask)
+
+
+def _mask_of(block_mask: object, b: int, h: int, q_len: int, kv_len: int) -> Mask | None:
+    """The attnkit mask of a ``block_mask`` argument, checked against the call's sizes."""
+    if block_mask is None:
+        return None
+    mask: Mask | None
+    if isinstance(block_mask, BlockMask):
+        shape = block_mask.shape
+        mask = None if block_mask.mask_mod is noop_mask else block_mask.mask
+    elif _is_torch_block_mask(block_mask):
+        fn, shape = _torch_block_mask_fn(block_mask)
+        mask = _ModMask(fn, _name(block_mask.mask_mod))  # type: ignore[attr-defined]
+    else:
+        raise TypeError(
+            "block_mask must be a BlockMask from attnkit.flex.create_block_mask or "
+            f"torch.nn.attention.flex_attention.create_block_mask, or None; got "
+            f"{type(block_mask).__name__}"
+        )
+    mb, mh, mq, mk = shape
+    if mb not in (1, b) or mh not in (1, h) or mq < q_len or mk < kv_len:
+        raise ValueError(
+            f"block_mask was made for (B, H, Q_LEN, KV_LEN) = {shape_str(shape)} but the call "
+            f"has {shape_str((b, h, q_len, kv_len))}: B and H must match or be 1 (None), and "
+            "the lengths must be at least the call's"
+        )
+    return mask
+
+
+def _check_4d(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a tensor (B, H, T, D), got {type(t).__name__}")
+    if t.ndim != 4:
+        raise ValueError(
+            f"{name} must be 4-d (B, H, T, D) as FlexAttention takes it, got {t.ndim}-d "
+            f"{shape_str(t.shape)}"
+        )
+    return t
+
+
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | Any | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict[str, Any] | None = None,
+    *,
+    return_aux: AuxRequest | Any | None = None,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, AuxOutput]:
+    """FlexAttention's ``flex_attention``, torch's signature and semantics, on attnkit.
+
+    Args:
+        query: ``(B, H, Q_LEN, D)``.
+        key: ``(B|1, Hkv, KV_LEN, D)``; a batch of 1 is shared by every query batch row.
+        value: ``(B|1, Hkv, KV_LEN, Dv)``.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled
+            scores (float32 for float16/bfloat16 inputs) with broadcastable int64 index tensors
+            ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``, ``(1, 1, rows, 1)``, ``(1, 1, 1, keys)``.
+            Differentiable, captured tensors included (see the module docstring).
+        block_mask: a :class:`BlockMask` from :func:`create_block_mask`, a torch ``BlockMask``
+            (its ``mask_mod``, sizes and block table are used), or None (every pair). Masked
+            pairs stay masked whatever ``score_mod`` returns there.
+        scale: multiplies ``q k^T``; default ``1 / sqrt(D)``.
+        enable_gqa: must be True when ``Hkv < H`` (each ``H / Hkv`` query heads share a
+            key/value head), as in torch.
+        return_lse: also return the log-sum-exp ``(B, H, Q_LEN)`` (torch's older form).
+        kernel_options: torch's kernel tuning; accepted, and changes nothing here.
+        return_aux: ``AuxRequest(lse=True)``: return ``(out, AuxOutput(lse=...))``.
+
+    Returns:
+        ``out (B, H, Q_LEN, Dv)`` in query's dtype; ``(out, lse)`` with ``return_lse``;
+        ``(out, aux)`` with ``return_aux``. A query that sees no key gets output 0 (and lse
+        ``-inf``), with zero gradients.
+    """
+    query, key, value = _check_4d("query", query), _check_4d("key", key), _check_4d("value", value)
+    b, h, q_len, _ = query.shape
+    kb, hkv, kv_len, _ = key.shape
+    if value.size(0) != kb:
+        raise ValueError(
+            f"key and value must share their batch size: key {shape_str(key.shape)}, value "
+            f"{shape_str(value.shape)}"
+        )
+    if kb != b:
+        if kb != 1:
+            raise ValueError(
+                f"key and value must have the batch size of query ({b}) or 1, got key "
+                f"{shape_str(key.shape)}"
+            )
+        key, value = key.expand(b, *key.shape[1:]), value.expand(b, *value.shape[1:])
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
+    if hkv != h and not enable_gqa:
+        raise ValueError(
+            f"query has {h} heads and key/value {hkv}: pass enable_gqa=True for grouped-query "
+            "attention (as torch's flex_attention requires)"
+        )
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {kernel_options!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    if return_aux is not None:
+        if return_lse:
+            raise ValueError("pass return_aux=AuxRequest(lse=True) or return_lse=True, not both")
+        if not hasattr(return_aux, "lse"):
+            raise TypeError(f"return_aux must be an AuxRequest or None, got {return_aux!r}")
+        if getattr(return_aux, "max_scores", False):
+            raise ValueError(
+                "return_aux=AuxRequest(max_scores=True) is not available in attnkit: its kernel "
+                "keeps no per-row maximum of the modified scores"
+            )
+    mask = _mask_of(block_mask, b, h, q_len, kv_len)
+    want_lse = return_lse or bool(getattr(return_aux, "lse", False))
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.size(-1)) if query.size(-1) else 1.0
+    if not want_lse:
+        out = attention(query, key, value, mask=mask, scale=scale, score_mod=score_mod)
+        return out if return_aux is None else (out, AuxOutput())
+    out, lse = attention(
+        query, key, value, mask=mask, scale=scale, score_mod=score_mod, return_lse=True
+    )
+    return (out, lse) if return_aux is None else (out, AuxOutput(lse=lse))

@@ -1,0 +1,468 @@
+"""attnkit.flex against torch's own eager FlexAttention (values) and a float64 dense formula
+(gradients, captured tensors included); score_mod in attention() and the backends."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+import attnkit
+from attnkit import flex
+from attnkit._call import check_attention_args
+from attnkit.backends import Chunked
+from attnkit.testing import assert_close
+
+torch_flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+T_Q, T_K, H, HKV, D = 37, 45, 4, 2, 8
+SMALL = Chunked(block_q=16, block_k=16)  # several tiles, partial ones included, for every test
+
+# ------------------------------------------------------------------------------------------------
+# The mask_mods and score_mods FlexAttention's documentation shows
+
+DOCS = torch.tensor([0] * 12 + [1] * 20 + [2] * 13)  # documents of the T_K=45 positions
+
+
+def causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return q >= kv
+
+
+def sliding_window(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return (q >= kv) & (q - kv <= 7)
+
+
+def prefix_lm(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return (kv <= q) | (kv < 10)
+
+
+def document(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return DOCS[q] == DOCS[kv]
+
+
+MASK_MODS: dict[str, Callable[..., Tensor] | None] = {
+    "none": None,
+    "causal": causal,
+    "sliding_window": sliding_window,
+    "prefix_lm": prefix_lm,
+    "document": document,
+    "document_causal": flex.and_masks(document, causal),
+    "or_masks": flex.or_masks(sliding_window, lambda b, h, q, kv: kv < 3),
+}
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def relative(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return s + 0.1 * (q - kv)
+
+
+def alibi(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return s + SLOPES[h] * (kv - q)
+
+
+def softcap(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return 2.0 * torch.tanh(s / 2.0)
+
+
+def head_offset(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return s + h - 1.5 * b
+
+
+def squared(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return s * s
+
+
+def sin_cos(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return torch.sin(torch.cos(s))
+
+
+def by_value(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return torch.where(s > 0.8, -math.inf, s)  # a mask by the score's own value
+
+
+SCORE_MODS: dict[str, Callable[..., Tensor] | None] = {
+    "none": None,
+    "relative": relative,
+    "alibi": alibi,
+    "softcap": softcap,
+    "head_offset": head_offset,
+    "squared": squared,
+    "sin_cos": sin_cos,
+    "by_value": by_value,
+}
+
+
+def _qkv(dtype: torch.dtype = torch.float64, b: int = 2, kb: int | None = None) -> list[Tensor]:
+    g = torch.Generator().manual_seed(0)
+    kb = b if kb is None else kb
+    return [
+        torch.randn(b, H, T_Q, D, generator=g, dtype=dtype),
+        torch.randn(kb, HKV, T_K, D, generator=g, dtype=dtype),
+        torch.randn(kb, HKV, T_K, D, generator=g, dtype=dtype),
+    ]
+
+
+def _torch_flex(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
+    """torch's eager flex_attention (no gradients: it has no CPU backward), output and lse."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "called without torch.compile()"
+        out, aux = torch_flex.flex_attention(
+            q, k, v, return_aux=torch_flex.AuxRequest(lse=True), enable_gqa=True, **kwargs
+        )
+    return out, aux.lse
+
+
+def _torch_block_mask(fn: Callable[..., Tensor] | None, b: int | None = None) -> object:
+    if fn is None:
+        return None
+    return torch_flex.create_block_mask(fn, b, None, T_Q, T_K, device="cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# Values against torch's FlexAttention
+
+
+@pytest.mark.parametrize(
+    ("mod_name", "mask_name"),
+    [(m, "none") for m in SCORE_MODS]
+    + [
+        (m, mask)
+        for m, mask in zip(SCORE_MODS, ["causal", "document_causal", "prefix_lm"] * 3, strict=False)
+    ],
+)
+def test_flex_attention_matches_torch(mod_name: str, mask_name: str) -> None:
+    q, k, v = _qkv()
+    mod, mask_mod = SCORE_MODS[mod_name], MASK_MODS[mask_name]
+    want, want_lse = _torch_flex(q, k, v, score_mod=mod, block_mask=_torch_block_mask(mask_mod))
+    ours = None if mask_mod is None else flex.create_block_mask(mask_mod, None, None, T_Q, T_K)
+    got, aux = flex.flex_attention(
+        q, k, v, mod, ours, enable_gqa=True, return_aux=flex.AuxRequest(lse=True)
+    )
+    assert_close(got, want)
+    assert aux.lse is not None
+    torch.testing.assert_close(aux.lse, want_lse.to(aux.lse.dtype))
+
+
+@pytest.mark.parametrize("mask_name", [m for m in MASK_MODS if m != "none"])
+def test_torch_block_masks_are_accepted(mask_name: str) -> None:
+    """A BlockMask from torch's own create_block_mask, batch-dependent (B=2) for the document."""
+    q, k, v = _qkv(torch.float32)
+    block_mask = _torch_block_mask(MASK_MODS[mask_name], b=2)
+    want, want_lse = _torch_flex(q, k, v, score_mod=alibi, block_mask=block_mask)
+    got, lse = flex.flex_attention(q, k, v, alibi, block_mask, enable_gqa=True, return_lse=True)
+    assert_close(got, want)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_block_mask_from_kv_blocks_keeps_its_block_table() -> None:
+    """A BlockMask built from block tables (mask_mod noop): the listed blocks are its mask."""
+    q, k, v = _qkv()
+    q, k, v = q[..., :32, :], k[..., :32, :], v[..., :32, :]
+    # blocks of 16: query block 0 sees key block 0; query block 1 sees key blocks 0 and 1
+    num = torch.tensor([1, 2], dtype=torch.int32).view(1, 1, 2)
+    idx = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32).view(1, 1, 2, 2)
+    block_mask = torch_flex.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, seq_lengths=(32, 32))
+    got = flex.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    dense = torch.zeros(32, 32, dtype=torch.bool)
+    dense[:16, :16] = True
+    dense[16:, :] = True
+    want = attnkit.attention(q, k, v, mask=dense, backend="reference")
+    assert_close(got, want)
+
+
+def test_keys_with_batch_one_are_shared() -> None:
+    q, k, v = _qkv(b=3, kb=1)
+    # torch asks for a block mask of the queries' batch then; attnkit does not need one
+    want, _ = _torch_flex(q, k, v, score_mod=head_offset, block_mask=_torch_block_mask(causal, 3))
+    got = flex.flex_attention(
+        q, k, v, head_offset, flex.create_block_mask(causal, 3, H, T_Q, T_K), enable_gqa=True
+    )
+    assert_close(got, want)
+    assert_close(
+        flex.flex_attention(q, k, v, head_offset, enable_gqa=True),
+        _torch_flex(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1), score_mod=head_offset)[0],
+    )
+
+
+def test_return_lse_forms_and_scale() -> None:
+    q, k, v = _qkv()
+    want, want_lse = _torch_flex(q, k, v, scale=0.3)
+    out, lse = flex.flex_attention(q, k, v, scale=0.3, enable_gqa=True, return_lse=True)
+    out2, aux = flex.flex_attention(
+        q, k, v, scale=0.3, enable_gqa=True, return_aux=torch_flex.AuxRequest(lse=True)
+    )
+    assert_close(out, want)
+    assert_close(out2, want)
+    torch.testing.assert_close(lse, want_lse)
+    assert aux.lse is not None
+    torch.testing.assert_close(aux.lse, want_lse)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gradients against a float64 dense formula
+
+
+def _dense_flex(
+    q: Tensor, k: Tensor, v: Tensor, mod: Callable[..., Tensor] | None, mask_mod: object
+) -> Tensor:
+    """softmax(mod(q k^T / sqrt(D)) masked) v, written out; a row with no key gives 0."""
+    b, h, tq, d = q.shape
+    tk = k.size(-2)
+    g = h // k.size(1)
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(d)
+    idx = (
+        torch.arange(b).view(-1, 1, 1, 1),
+        torch.arange(h).view(1, -1, 1, 1),
+        torch.arange(tq).view(1, 1, -1, 1),
+        torch.arange(tk).view(1, 1, 1, -1),
+    )
+    if mod is not None:
+        s = mod(s, *idx).expand(s.shape)
+    if callable(mask_mod):
+        s = s.masked_fill(~mask_mod(*idx), -math.inf)
+    empty = (s == -math.inf).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    return p @ vv
+
+
+def _grads(fn: Callable[[], Tensor], tensors: list[Tensor]) -> list[Tensor]:
+    for t in tensors:
+        t.grad = None
+    out = fn()
+    (out * torch.linspace(-1, 1, out.size(-1), dtype=out.dtype)).sum().backward()
+    return [out.detach(), *[t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]]
+
+
+@pytest.mark.parametrize(
+    ("mod_name", "mask_name"),
+    [
+        ("relative", "causal"),
+        ("alibi", "sliding_window"),
+        ("softcap", "document"),
+        ("head_offset", "prefix_lm"),
+        ("squared", "causal"),
+        ("sin_cos", "document"),
+        ("by_value", "sliding_window"),
+    ],
+)
+def test_gradients_match_the_dense_formula(mod_name: str, mask_name: str) -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    mod, mask_mod = SCORE_MODS[mod_name], MASK_MODS[mask_name]
+    block_mask = flex.create_block_mask(mask_mod, None, None, T_Q, T_K)  # type: ignore[arg-type]
+    got = _grads(lambda: flex.flex_attention(q, k, v, mod, block_mask, enable_gqa=True), [q, k, v])
+    want = _grads(lambda: _dense_flex(q, k, v, mod, mask_mod), [q, k, v])
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
+
+
+BIAS_TABLE = torch.randn(T_Q + T_K, dtype=torch.float64, requires_grad=True)
+
+
+def global_bias(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return s + BIAS_TABLE[q - kv + T_K]  # FlexAttention's "learnable bias" recipe
+
+
+def test_gradients_reach_captured_tensors() -> None:
+    """Closures, defaults and globals: each captured tensor gets its gradient, in float64 and
+    through the chunked kernel's tiles."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    per_head = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64, requires_grad=True)
+    table = torch.randn(H, T_Q, T_K, dtype=torch.float64, requires_grad=True)
+
+    def closure(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return s * per_head[h] + table[h, qi, kv]
+
+    def default(
+        s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor, scale: Tensor = per_head
+    ) -> Tensor:
+        return torch.tanh(s * scale[h])
+
+    for mod, captured in (
+        (closure, [per_head, table]),
+        (default, [per_head]),
+        (global_bias, [BIAS_TABLE]),
+    ):
+        tensors = [q, k, v, *captured]
+        for backend in (SMALL, "chunked", "reference"):
+            got = _grads(
+                lambda m=mod, be=backend: attnkit.attention(
+                    q, k, v, score_mod=m, causal=True, backend=be
+                ),
+                tensors,
+            )
+            want = _grads(
+                lambda m=mod: _dense_flex(q, k, v, m, lambda b, h, qi, kv: kv <= qi + T_K - T_Q),
+                tensors,
+            )
+            for a, b in zip(got, want, strict=True):
+                assert_close(a, b)
+
+
+def test_a_derived_captured_tensor_gets_its_gradient_through_the_graph() -> None:
+    q, k, v = _qkv()
+    param = torch.randn(H, dtype=torch.float64, requires_grad=True)
+
+    def make_mod() -> Callable[..., Tensor]:
+        scaled = param * 2.0  # not a leaf: its gradient flows on to param
+
+        def mod(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+            return s + scaled[h]
+
+        return mod
+
+    got = _grads(lambda: attnkit.attention(q, k, v, score_mod=make_mod(), backend=SMALL), [param])
+    want = _grads(lambda: _dense_flex(q, k, v, make_mod(), None), [param])
+    assert_close(got[1], want[1])
+    assert float(want[1].abs().sum()) > 0
+
+
+_HIDDEN = torch.ones(H, requires_grad=True)
+
+
+def _hidden_bias() -> Tensor:
+    return _HIDDEN
+
+
+def test_a_tensor_it_cannot_see_is_refused() -> None:
+    q, k, v = _qkv(torch.float32)
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return s + _hidden_bias()[h]
+
+    with pytest.raises(ValueError, match=r"require grad which attnkit cannot see \(shapes \(4\)\)"):
+        flex.flex_attention(q, k, v, mod, enable_gqa=True)
+    with torch.no_grad():  # nothing to differentiate: nothing to refuse
+        flex.flex_attention(q, k, v, mod, enable_gqa=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Masked pairs and empty rows
+
+
+def test_masked_pairs_stay_masked_whatever_the_score_mod_returns() -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv())
+
+    def poison(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return torch.where(qi >= kv, s, math.nan)  # NaN exactly where the mask hides
+
+    bm = flex.create_block_mask(causal, None, None, T_Q, T_K)
+    got = _grads(lambda: flex.flex_attention(q, k, v, poison, bm, enable_gqa=True), [q, k, v])
+    want = _grads(lambda: _dense_flex(q, k, v, None, causal), [q, k, v])
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", [SMALL, "reference"])
+def test_a_row_the_score_mod_empties_gives_zero_and_zero_gradients(backend: object) -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv())
+
+    def drop_row_5(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return torch.where(qi == 5, -math.inf, s)
+
+    out, lse = attnkit.attention(
+        q,
+        k,
+        v,
+        score_mod=drop_row_5,
+        return_lse=True,
+        backend=backend,  # type: ignore[arg-type]
+    )
+    assert torch.equal(out[:, :, 5], torch.zeros_like(out[:, :, 5]))
+    assert bool((lse[:, :, 5] == -math.inf).all())
+    out.sum().backward()
+    assert q.grad is not None
+    assert bool(torch.isfinite(q.grad).all())
+    assert torch.equal(q.grad[:, :, 5], torch.zeros_like(q.grad[:, :, 5]))
+
+
+# ------------------------------------------------------------------------------------------------
+# attention(score_mod=...), the backends, errors
+
+
+def test_score_mod_composes_with_softcap_bias_and_mask_in_documented_order() -> None:
+    """mod(cap(s) + bias), masked: chunked tiles against reference, float32 against float64."""
+    q, k, v = _qkv(torch.float32)
+    bias = torch.randn(H, T_Q, T_K)
+    kwargs = dict(score_mod=squared, softcap=3.0, bias=bias, mask=attnkit.masks.sliding_window(9))
+    got = attnkit.attention(q, k, v, backend=SMALL, **kwargs)  # type: ignore[arg-type]
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    s = q64 @ k64.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(D)
+    s = 3.0 * torch.tanh(s / 3.0)
+    s = (s + bias.double()) ** 2
+    s = s.masked_fill(~attnkit.masks.sliding_window(9).dense(T_Q, T_K), -math.inf)
+    want = torch.softmax(s, -1) @ v64.repeat_interleave(2, 1)
+    assert_close(got, want, dtype=torch.float32, conditioning=10.0)
+
+
+def test_backends_that_do_not_apply_a_score_mod_decline_it() -> None:
+    q = _qkv(torch.float32)[0]
+    report = attnkit.explain(q, q, q, score_mod=squared)
+    assert "score_mod=squared" in str(report)
+    assert "does not apply a score_mod" in " ".join(report.reasons["sdpa"])
+    assert report.chosen == "chunked"
+    mine = attnkit.Backend("mine", lambda q, k, v, **kw: q)
+    with pytest.raises(attnkit.BackendError, match="does not apply a score_mod"):
+        attnkit.attention(q, q, q, score_mod=squared, backend=mine)
+    with pytest.raises(TypeError, match=r"score_mod must be a function .*; got float"):
+        check_attention_args(q, q, q, mask=None, bias=None, causal=False, scale=None, score_mod=3.0)
+
+
+def test_flex_api_errors_name_the_argument() -> None:
+    q, k, v = _qkv(torch.float32)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        flex.flex_attention(q, k, v)
+    with pytest.raises(ValueError, match=r"block_mask was made for .*\(1, 1, 10, 45\)"):
+        flex.flex_attention(
+            q, k, v, block_mask=flex.create_block_mask(causal, None, None, 10, T_K), enable_gqa=True
+        )
+    with pytest.raises(ValueError, match=r"batch size of query \(2\) or 1"):
+        flex.flex_attention(
+            q, k[:1].expand(3, -1, -1, -1), v[:1].expand(3, -1, -1, -1), enable_gqa=True
+        )
+    with pytest.raises(ValueError, match="max_scores"):
+        flex.flex_attention(q, k, v, enable_gqa=True, return_aux=flex.AuxRequest(max_scores=True))
+    with pytest.raises(ValueError, match="4-d"):
+        flex.flex_attention(q[0], k[0], v[0], enable_gqa=True)
+    with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
+        flex.flex_attention(
+            q, k, v, block_mask=torch.ones(T_Q, T_K, dtype=torch.bool), enable_gqa=True
+        )
+
+
+def test_block_mask_is_lazy_and_dense_on_request() -> None:
+    calls = []
+
+    def counted(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        calls.append(1)
+        return q >= kv
+
+    bm = flex.create_block_mask(counted, None, None, 1 << 20, 1 << 20)
+    assert not calls  # nothing evaluated, nothing (Q_LEN, KV_LEN) stored
+    assert bm.shape == (1, 1, 1 << 20, 1 << 20)
+    assert bm.seq_lengths == (1 << 20, 1 << 20)
+    small = flex.create_block_mask(causal, 2, None, 3, 4)
+    want = torch_flex.create_mask(causal, 2, 1, 3, 4, device="cpu")
+    assert torch.equal(small.to_dense(), want)
+    assert "mask_mod=causal" in repr(small)
+    assert torch.equal(flex.noop_mask(*[torch.zeros(1, dtype=torch.long)] * 4), torch.tensor(True))
+
+
+@pytest.mark.parametrize("backend", [SMALL, "chunked"])
+def test_a_score_mod_far_from_the_raw_scores_needs_no_offset_assumption(backend: object) -> None:
+    """Small q and k would let the kernel take offset 0; a shift of 100 (softmax-invariant) must
+    not overflow there: 2^(100 log2(e)) is beyond float32."""
+    q, k, v = (0.01 * t for t in _qkv(torch.float32))
+
+    def shift(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return s + 100.0
+
+    got = attnkit.attention(q, k, v, score_mod=shift, causal=True, backend=backend)  # type: ignore[arg-type]
+    assert_close(
+        got, attnkit.attention(q.double(), k.double(), v.double(), causal=True), dtype=torch.float32
+    )
