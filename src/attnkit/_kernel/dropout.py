@@ -47,7 +47,7 @@ def dropout_mask(
     keys: tuple[int, int] | None = None,
     device: torch.device | None = None,
 ) -> Tensor:
-    """Bool ``(N, H, rows, keys)``: which pairs dropout keeps, for a call of ``shape = (N, H, Tq,
+    """Bool ``(B, H, rows, keys)``: which pairs dropout keeps, for a call of ``shape = (B, H, Tq,
     Tk)``; ``queries``/``keys`` (start, stop) select a block (default: all)."""
     n, h, tq, tk = shape
     q0, q1 = queries or (0, tq)

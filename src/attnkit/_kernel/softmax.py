@@ -182,8 +182,8 @@ def _clean(t: Tensor) -> Tensor:
 class Problem:
     """One call (or one shard pair of a ring call) in the kernel's layout.
 
-    ``q5`` is ``(N, Hkv, G, Tq, Dk)`` (batch dims flattened to ``N``), ``k3``/``v3`` are
-    ``(N*Hkv, Tk, D)``; ``bias5`` is a ``(N|1, Hkv|1, G|1, Tq|1, Tk|1)`` view of a dense bias;
+    ``q5`` is ``(B, Hkv, G, Tq, Dk)`` (batch dims flattened to ``B``), ``k3``/``v3`` are
+    ``(B*Hkv, Tk, D)``; ``bias5`` is a ``(B|1, Hkv|1, G|1, Tq|1, Tk|1)`` view of a dense bias;
     ``sinks`` is ``(Hkv, G)``. ``geo`` is the call the mask and the score term are asked about, and
     ``q_start``/``k_start`` where the local queries and keys sit in it. ``fused_rows``: runs of
     fully visible blocks with at least this many queries go to torch's fused CPU kernel when
@@ -261,10 +261,10 @@ class Problem:
         return reused(self._scratch, name, shape, self.work, self.q5.device)
 
     # ----------------------------------------------------------------------------------------------
-    # Rows of a query block: (N*Hkv, rows*G, X), query-major
+    # Rows of a query block: (B*Hkv, rows*G, X), query-major
 
     def rows(self, t5: Tensor, qs: int, qe: int) -> Tensor:
-        """The block's rows of a ``(N, Hkv, G, Tq, X)`` tensor, as ``(N*Hkv, rows*G, X)`` in the
+        """The block's rows of a ``(B, Hkv, G, Tq, X)`` tensor, as ``(B*Hkv, rows*G, X)`` in the
         work dtype (a copy)."""
         block = t5[:, :, :, qs:qe].transpose(2, 3)
         out = torch.empty(block.shape, dtype=self.work, device=t5.device)
@@ -272,7 +272,7 @@ class Problem:
         return out.view(self.n * self.hkv, (qe - qs) * self.g, t5.size(-1))
 
     def q_rows(self, qs: int, qe: int, clean: bool = False, factor: float = 1.0) -> Tensor:
-        """Queries of a block times ``scale * factor``, ``(N*Hkv, rows*G, Dk)``; ``clean``:
+        """Queries of a block times ``scale * factor``, ``(B*Hkv, rows*G, Dk)``; ``clean``:
         non-finite entries 0."""
         block = self.q5[:, :, :, qs:qe].transpose(2, 3)
         out = torch.empty(block.shape, dtype=self.work, device=block.device)
@@ -295,10 +295,10 @@ class Problem:
         return _clean(vb) if self.careful else vb
 
     # ----------------------------------------------------------------------------------------------
-    # Tiles in the score block's (N, Hkv, rows, G, keys) layout
+    # Tiles in the score block's (B, Hkv, rows, G, keys) layout
 
     def _to_rows(self, t: Tensor) -> Tensor:
-        """``(N|1, H|1, rows|1, keys|1)`` -> ``(N|1, Hkv|1, rows|1, G|1, keys|1)`` (a view).
+        """``(B|1, H|1, rows|1, keys|1)`` -> ``(B|1, Hkv|1, rows|1, G|1, keys|1)`` (a view).
         Fewer dimensions are leading ones (a term's block may return ``(H, rows, keys)``)."""
         if t.ndim < 4:
             t = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
@@ -351,7 +351,7 @@ class Problem:
         return self.softcap is not None and 1.0 <= self.softcap <= 2.0**32
 
     def mod_view(self, s5: Tensor) -> Tensor:
-        """``(N, Hkv, rows, G, keys)`` -> ``(N, H, rows, keys)``, the layout a score_mod sees (a
+        """``(B, Hkv, rows, G, keys)`` -> ``(B, H, rows, keys)``, the layout a score_mod sees (a
         copy when heads are grouped)."""
         n, hkv, rows, g, keys = s5.shape
         return s5.permute(0, 1, 3, 2, 4).reshape(n, hkv * g, rows, keys)
@@ -374,7 +374,7 @@ class Problem:
     def apply_mod(
         self, s5: Tensor, lo: int, hi: int, ks: int, ke: int, keep_graph: bool = False
     ) -> None:
-        """The score_mod on natural-log scores ``(N, Hkv, rows, G, keys)``, in place, its result
+        """The score_mod on natural-log scores ``(B, Hkv, rows, G, keys)``, in place, its result
         times ``log2(e)`` (one pass). ``keep_graph``: under autograd, for :meth:`mod_backward`."""
         if self.score_mod is None:
             raise RuntimeError("attnkit internal error: apply_mod without a score_mod")
@@ -431,7 +431,7 @@ class Problem:
         ``c * tanh(x / c) = 2c * sigmoid(2x / c) - c``: the same numbers to float rounding of ``c``
         (the absolute error of a capped score is ``c`` times the float epsilon, as for ``tanh`` near
         saturation), and a sigmoid costs a fraction of a tanh on CPUs; a larger cap, where that
-        error would show, as ``c * tanh(x / c)``. Returns the scores ``(N*Hkv, rows*G, keys)``, the
+        error would show, as ``c * tanh(x / c)``. Returns the scores ``(B*Hkv, rows*G, keys)``, the
         sigmoid (or tanh) when ``keep_sigmoid`` (the backward's softcap factor), and the visit's
         visibility: the mask tile of a partial block, and in the careful mode also the pairs a
         ``-inf`` bias or term hides (``NaN + -inf`` is NaN, not ``-inf``). With a score_mod the
@@ -492,7 +492,7 @@ class Problem:
 
     def keep(self, qs: int, visit: Visit) -> Tensor | None:
         """Dropout's ``1 / (1 - p)`` on the visit's kept pairs and 0 on the others, as rows
-        ``(N*Hkv, rows*G, keys)`` (None without dropout)."""
+        ``(B*Hkv, rows*G, keys)`` (None without dropout)."""
         if self.dropout is None:
             return None
         p, seed = self.dropout
@@ -506,7 +506,7 @@ class Problem:
         return out
 
     def visible(self, qs: int, visit: Visit, vis: Tensor | None) -> Tensor:
-        """``(N*Hkv, rows*G, keys)`` float: 1 where the visit's pairs are visible, given the
+        """``(B*Hkv, rows*G, keys)`` float: 1 where the visit's pairs are visible, given the
         careful mode's visibility from :meth:`scores` (which counts a ``-inf`` bias or term as
         masked)."""
         lo, hi = qs + visit.r0, qs + visit.r1
@@ -663,8 +663,8 @@ def _forward_block(
 
 
 def forward(p: Problem) -> tuple[Tensor, Tensor]:
-    """Output ``(N, Hkv, G, Tq, Dv)`` in the work dtype (laid out in memory as ``(N, Tq, H, Dv)``)
-    and log-sum-exp ``(N, Hkv, G, Tq)``, ``-inf`` for queries with no visible key. No sinks.
+    """Output ``(B, Hkv, G, Tq, Dv)`` in the work dtype (laid out in memory as ``(B, Tq, H, Dv)``)
+    and log-sum-exp ``(B, Hkv, G, Tq)``, ``-inf`` for queries with no visible key. No sinks.
 
     At most three host reads, whatever the number of blocks: :func:`zero_offset_safe` (unless the
     problem was told); in lazy mode, whether the first block's offsets may move onto 0 (the later
@@ -725,7 +725,7 @@ def _store(p: Problem, qb: QueryBlock, out: Tensor, lse: Tensor, o: Tensor, lse_
 
 
 def _kv4(p: Problem, run: Run) -> tuple[Tensor, Tensor]:
-    """The run's keys and values as ``(N, Hkv, keys, D)`` views."""
+    """The run's keys and values as ``(B, Hkv, keys, D)`` views."""
     k4 = p.k3.unflatten(0, (p.n, p.hkv))[:, :, run.ks : run.ke]
     return k4, p.v3.unflatten(0, (p.n, p.hkv))[:, :, run.ks : run.ke]
 
@@ -780,9 +780,9 @@ def finish(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tens
 class Grads:
     """Gradients in the kernel's layout and work dtype."""
 
-    dq: Tensor  # (N, Hkv, G, Tq, Dk)
-    dk: Tensor  # (N*Hkv, Tk, Dk)
-    dv: Tensor  # (N*Hkv, Tk, Dv)
+    dq: Tensor  # (B, Hkv, G, Tq, Dk)
+    dk: Tensor  # (B*Hkv, Tk, Dk)
+    dv: Tensor  # (B*Hkv, Tk, Dv)
     dbias5: Tensor | None
     dterm: list[Tensor | None]
     dmod: list[Tensor | None] = field(default_factory=list)
@@ -799,9 +799,9 @@ def backward(
     term_grads: bool,
     fold: bool | None = None,
 ) -> Grads:
-    """Gradients of one problem given the call's final output ``(N, Hkv, G, Tq, Dv)`` (before
-    rounding), log-sum-exp and ``delta = rowsum(dO * O)`` (both ``(N, Hkv, G, Tq)``, sinks
-    included) and ``dout`` ``(N, Hkv, G, Tq, Dv)``. ``fold``: what :func:`folds` answers for the
+    """Gradients of one problem given the call's final output ``(B, Hkv, G, Tq, Dv)`` (before
+    rounding), log-sum-exp and ``delta = rowsum(dO * O)`` (both ``(B, Hkv, G, Tq)``, sinks
+    included) and ``dout`` ``(B, Hkv, G, Tq, Dv)``. ``fold``: what :func:`folds` answers for the
     call's log-sum-exp, when the caller knows it (``None``: asked here, one host read)."""
     final_lse = lse
     if fold is None:
@@ -846,7 +846,7 @@ def backward(
                 keep_sigmoid=p.softcap is not None,
                 keep_graph=p.modded,
             )
-            prob = torch.exp2_(s)  # (N*Hkv, rows*G, keys): the forward's probabilities, recomputed
+            prob = torch.exp2_(s)  # (B*Hkv, rows*G, keys): the forward's probabilities, recomputed
             shape5 = (p.n, p.hkv, (hi - lo) // p.g, p.g, visit.ke - visit.ks)
             if p.careful and vis is not None:
                 prob.view(shape5).masked_fill_(~vis, 0.0)
@@ -874,7 +874,7 @@ def backward(
                 tile = _tile5(dbias, qb.qs + visit.r0, qb.qs + visit.r1, visit.ks, visit.ke)
                 tile = tile.transpose(2, 3)
                 tile.add_(ds5.sum_to_size(tile.shape))
-            if tb is not None:  # (N, H, rows, keys): a view unless heads are grouped
+            if tb is not None:  # (B, H, rows, keys): a view unless heads are grouped
                 ds_heads = ds5.transpose(2, 3).reshape(p.n, p.hkv * p.g, *shape5[2::2])
                 tb.backward(visit.ks + p.k_start, visit.ke + p.k_start, ds_heads, visit.r0)
             if sig is not None:  # d c tanh(x/c) / dx = 1 - tanh^2 = 4 s (1 - s), s = sigmoid(2x/c)
@@ -955,7 +955,7 @@ def sink_grad(lse: Tensor, delta: Tensor, sinks: Tensor) -> Tensor:
 
 
 def delta_of(out: Tensor, dout: Tensor) -> Tensor:
-    """``rowsum(dO * O)`` ``(N, Hkv, G, Tq)`` in the work dtype, from the unrounded output: with
+    """``rowsum(dO * O)`` ``(B, Hkv, G, Tq)`` in the work dtype, from the unrounded output: with
     float16 O and a near one-hot softmax, ``dO . (v_j - O)`` cancels and O's rounding error would
     dominate the gradients."""
     return (dout.to(out.dtype) * out).sum(-1)

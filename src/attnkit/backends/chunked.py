@@ -60,7 +60,7 @@ __all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention", "native
 
 
 def _flatten_batch(t: Tensor, batch: tuple[int, ...], n: int) -> Tensor:
-    """(...|1, X, Y, Z) broadcastable to (*batch, X, Y, Z) -> (N or 1, X, Y, Z)."""
+    """(...|1, X, Y, Z) broadcastable to (*batch, X, Y, Z) -> (B or 1, X, Y, Z)."""
     t = t.reshape((1,) * (len(batch) + 3 - t.ndim) + tuple(t.shape))
     lead = t.shape[: len(batch)]
     if all(s == 1 for s in lead):
@@ -69,13 +69,13 @@ def _flatten_batch(t: Tensor, batch: tuple[int, ...], n: int) -> Tensor:
 
 
 def _as_5d(t: Tensor, batch: tuple[int, ...], n: int, kv_heads: int) -> Tensor:
-    """A bias broadcastable to ``(*batch, H, Tq, Tk)`` as ``(N|1, Hkv|1, G|1, Tq|1, Tk|1)``."""
+    """A bias broadcastable to ``(*batch, H, Tq, Tk)`` as ``(B|1, Hkv|1, G|1, Tq|1, Tk|1)``."""
     t = _flatten_batch(t, batch, n)
     return t.unsqueeze(2) if t.size(1) == 1 else t.unflatten(1, (kv_heads, -1))
 
 
 def _unlayout_bias_grad(d5: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Tensor:
-    """(N|1, Hkv|1, G|1, Tq|1, Tk|1) gradient -> the bias's own (broadcast) shape and dtype."""
+    """(B|1, Hkv|1, G|1, Tq|1, Tk|1) gradient -> the bias's own (broadcast) shape and dtype."""
     d = d5.flatten(1, 2)
     lead = batch if d.size(0) != 1 else (1,) * len(batch)
     padded = (1,) * (len(batch) + 3 - bias.ndim) + tuple(bias.shape)
@@ -88,7 +88,7 @@ def _check_term(term: ScoreTerm, lse: Tensor) -> None:
 
     With finite q, k, v and term inputs (and a bias already checked), only the term can make a
     visible score NaN or +inf, and any such score makes its row's log-sum-exp NaN or +inf: one
-    look at the ``(N, H, Tq)`` log-sum-exp replaces a pass over every tile. (Scores overflowing
+    look at the ``(B, H, Tq)`` log-sum-exp replaces a pass over every tile. (Scores overflowing
     the work dtype, ``|q . k| * scale`` beyond 3e38 in float32, would read the same.)
     """
     if not lse.numel():
@@ -192,14 +192,14 @@ class _KernelAttention(torch.autograd.Function):
                 _check_term(spec.term, lse)
             sinks2 = None if sinks is None else sinks.view(hkv, -1)
             out5, lse = finish(out5, lse, sinks2)
-        # (N, Hkv, G, Tq, Dv) laid out as (N, Tq, H, Dv): a view of q's shape, like torch's SDPA.
+        # (B, Hkv, G, Tq, Dv) laid out as (B, Tq, H, Dv): a view of q's shape, like torch's SDPA.
         out = out5.flatten(1, 2).reshape(*q.shape[:-1], v.size(-1)).to(q.dtype)
         optional = [t for t in (bias, sinks) if t is not None]
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse, *optional, *extra)
         ctx.spec = spec  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
-        # (N, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included.
+        # (B, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included.
         return out, lse.flatten(1, 2).reshape(q.shape[:-1]).clone()
 
     @staticmethod

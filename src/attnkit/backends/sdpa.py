@@ -365,12 +365,12 @@ def _blocked_term(
     work = torch.promote_types(q.dtype, torch.float32)
     shape = Geometry(batch, h, tq, tk, q.device, work)
     inputs = tuple(term.inputs())
-    empties: list[Tensor] = []  # (N, H, rows): queries of each block that see no key
+    empties: list[Tensor] = []  # (B, H, rows): queries of each block that see no key
     # The plan says which keys each block of queries can see (64-key resolution).
     plan = make_plan(
         mask, geo, q_start=0, q_len=tq, k_start=0, kv_len=tk, block_q=block_q, block_k=64
     )
-    # (N, Tq, H, Dv) memory, so that a caller's merge of the heads is a view, not a copy.
+    # (B, Tq, H, Dv) memory, so that a caller's merge of the heads is a view, not a copy.
     out = q.new_empty(n, tq, h, dv).transpose(1, 2)
     buffer: Tensor | None = None  # for masks that must be written: reused, not one per block
     for qb in plan.blocks:
@@ -385,7 +385,7 @@ def _blocked_term(
         full = (n, h, qe - qs, hi - lo)
         if qe - qs <= product_q:
             tb = term.block(inputs, shape, qs, qe, lo, hi, grads=None)
-            attn_mask = tb.tile(lo, hi)  # (N|1, H|1, rows, keys)
+            attn_mask = tb.tile(lo, hi)  # (B|1, H|1, rows, keys)
             writable = tb.writable and tuple(attn_mask.shape) == full
         else:
             # Products of a few rows waste little (a product spans rows - 1 more distances than

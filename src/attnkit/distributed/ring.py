@@ -131,7 +131,7 @@ class _ShardKeys(Mask):
         return f"key mask shard {shape_str(self.t.shape)}"
 
     def _keys(self, ks: int, ke: int) -> Tensor:
-        """``(N|1, H|1, 1, keys|1)`` for global keys ``ks:ke``."""
+        """``(B|1, H|1, 1, keys|1)`` for global keys ``ks:ke``."""
         t = self.t.reshape((1,) * max(0, 4 - self.t.ndim) + tuple(self.t.shape))
         t = t.reshape(-1, *t.shape[-3:])
         return t[..., ks - self.start : ke - self.start] if t.size(-1) != 1 else t
@@ -143,7 +143,7 @@ class _ShardKeys(Mask):
         self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
     ) -> Tensor:
         k0, k1, bk = k
-        keys = self._keys(k0, k1).flatten(0, 2)  # (N*H | 1, keys | 1)
+        keys = self._keys(k0, k1).flatten(0, 2)  # (B*H | 1, keys | 1)
         anys, _ = block_reduce(keys.any(0, keepdim=True), k0, k1, bk, 1)
         _, alls = block_reduce(keys.all(0, keepdim=True), k0, k1, bk, 1)
         return states_from(~anys[0], alls[0]).expand(len(range(*q)), -1)
@@ -202,7 +202,7 @@ def _problem(
 
 
 def _kernel_shape(q: Tensor, v: Tensor) -> tuple[int, int, int]:
-    """(N, Hkv, G): batch dims flattened, and query heads per key/value head."""
+    """(B, Hkv, G): batch dims flattened, and query heads per key/value head."""
     hkv = v.size(-3)
     return math.prod(q.shape[:-3]), hkv, q.size(-3) // hkv
 
@@ -219,7 +219,7 @@ _Plans = dict[tuple[int, int], list[tuple[_Piece, Plan]]]
 def _ring_forward(
     plan: _Plan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
 ) -> tuple[Tensor, Tensor, _Plans]:
-    """Output ``(N, Hkv, G, Tq, Dv)`` and log-sum-exp ``(N, Hkv, G, Tq)`` in the work dtype
+    """Output ``(B, Hkv, G, Tq, Dv)`` and log-sum-exp ``(B, Hkv, G, Tq)`` in the work dtype
     (``-inf`` for queries that see no key anywhere, whose output is 0), and the pieces' plans."""
     n, hkv, g = _kernel_shape(q, v)
     work = torch.promote_types(q.dtype, torch.float32)
