@@ -23,6 +23,15 @@ AVAILABLE, WHY = _native.status()
 needs_native = pytest.mark.skipif(not AVAILABLE, reason=f"native kernel: {WHY}")
 
 
+@pytest.mark.skipif(
+    not os.environ.get("CI") or os.environ.get("ATTNKIT_NATIVE") == "0",
+    reason="CI builds the native kernel; elsewhere a machine may lack a compiler",
+)
+def test_ci_builds_the_native_kernel() -> None:
+    # Every native test skips when the kernel is unavailable: CI must not pass that way.
+    assert AVAILABLE, WHY
+
+
 def small(native: bool = True) -> Chunked:
     return Chunked(block_q=8, block_k=16, native=native)
 
