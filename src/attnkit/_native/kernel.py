@@ -76,8 +76,17 @@ class NativeCall:
         module = load()
         if module is None:
             raise RuntimeError("attnkit internal error: native call without the native kernel")
-        work = torch.promote_types(q5.dtype, torch.float32)
         out, lse = module.forward(
+            *self._inputs(q5, k3, v3, bias5),
+        )
+        return out, lse
+
+    def _inputs(
+        self, q5: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None
+    ) -> tuple[object, ...]:
+        """The arguments the forward and the backward share, in the work dtype, in order."""
+        work = torch.promote_types(q5.dtype, torch.float32)
+        return (
             q5.to(work).contiguous(),
             k3.to(work).contiguous(),
             v3.to(work).contiguous(),
@@ -90,7 +99,6 @@ class NativeCall:
             self.p_drop,
             self.seed,
         )
-        return out, lse
 
     def backward(
         self,
@@ -109,17 +117,7 @@ class NativeCall:
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         work = torch.promote_types(q5.dtype, torch.float32)
         grads = module.backward(
-            q5.to(work).contiguous(),
-            k3.to(work).contiguous(),
-            v3.to(work).contiguous(),
-            *self._args(),
-            None if bias5 is None else bias5.to(work),
-            self.band,
-            self.shift,
-            self.key_ok,
-            self.tiles,
-            self.p_drop,
-            self.seed,
+            *self._inputs(q5, k3, v3, bias5),
             dout5.to(work).contiguous(),
             lse.to(work).contiguous(),
             delta.to(work).contiguous(),
