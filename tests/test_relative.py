@@ -14,7 +14,14 @@ from torch import Tensor, nn
 from torch.autograd import gradcheck
 from torch.func import functional_call
 
-from attnkit import BackendError, RelativeMultiHeadAttention, attention, capture_attention, masks
+from attnkit import (
+    BackendError,
+    RelativeMultiHeadAttention,
+    _native,
+    attention,
+    capture_attention,
+    masks,
+)
 from attnkit import _relpos as relpos
 from attnkit.backends import SDPA, Backend, Chunked
 from attnkit.backends import chunked as chunked_module
@@ -321,9 +328,11 @@ def test_chunked_equals_reference_with_gradients(
         grads = torch.autograd.grad(out, leaves, cot, materialize_grads=True)
         return [out, *grads]
 
-    fast = run(Chunked(block_q=block[0], block_k=block[1]))
-    for got, want in zip(fast, run("reference"), strict=True):
-        assert_close(got, want)
+    want = run("reference")
+    for native in (True, False):  # the native kernel fuses the position term; the eager one too
+        fast = run(Chunked(block_q=block[0], block_k=block[1], native=native))
+        for got, w in zip(fast, want, strict=True):
+            assert_close(got, w)
 
 
 @given(
@@ -493,13 +502,18 @@ def test_auto_takes_the_first_path_that_serves_the_call(monkeypatch: pytest.Monk
     m = make()
     x = randn(1, 4, 12)
     with torch.inference_mode():
-        m(x)
+        m(x)  # on the CPU the native kernel fuses the term: chunked, else sdpa
     with torch.no_grad():
         m.bfloat16()(x.bfloat16())  # the sdpa mask would round the position term
         m.double()
     m(x)  # parameters require grad: the chunked kernel has a backward
     m(x, need_weights=True)
-    assert taken == ["sdpa", "chunked", "chunked", "reference"]
+    first = "chunked" if _native.status()[0] else "sdpa"
+    assert taken == [first, "chunked", "chunked", "reference"]
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    with torch.inference_mode():
+        m(x)
+    assert taken[-1] == "sdpa"  # without the native kernel sdpa serves inference
 
 
 # --------------------------------------------------------------------------------------------------
@@ -689,8 +703,8 @@ def test_explain_describes_the_call_the_module_makes(monkeypatch: pytest.MonkeyP
     report = m.explain(x, mask=window)
     assert report.chosen == "chunked"  # parameters need gradients: the kernel has a backward
     assert "bias relative position term (9 distances)" in str(report)
-    with torch.no_grad():
-        assert m.explain(x, mask=window).chosen == "sdpa"
+    with torch.no_grad():  # the native kernel fuses the position term, else sdpa
+        assert m.explain(x, mask=window).chosen == ("chunked" if _native.status()[0] else "sdpa")
         assert m.explain(x, need_weights=True).chosen == "reference"
     # The report names what the forward really runs.
     ran: list[str] = []

@@ -17,6 +17,7 @@ import attnkit
 from attnkit import _native, attention, masks
 from attnkit._kernel import draw_seed, dropout_mask
 from attnkit.backends import Chunked
+from attnkit.scores import RelativePositionTerm
 from attnkit.testing import assert_close
 
 AVAILABLE, WHY = _native.status()
@@ -274,3 +275,72 @@ def test_native_fuzz_against_reference(data: st.DataObject, mask: str, dtype: to
     for a, w in zip(got, want, strict=True):
         assert a.isfinite().all()
         assert_close(a, w, dtype=dtype)
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    mask=st.sampled_from(["none", "causal", "window", "padding & causal", "from_fn"]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_native_position_term_fuzz_against_reference(
+    data: st.DataObject, mask: str, dtype: torch.dtype
+) -> None:
+    # Transformer-XL's position term, fused in the native kernel: tables that list every
+    # distance, only some (a window's) or start elsewhere (max_distance), products per query
+    # block or per visit (whole_width=0), softcap before the term, GQA, Tq != Tk.
+    draw = data.draw
+    b, hkv, groups = 2, draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    tq, tk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    if mask == "padding & causal":
+        tk = tq = max(tq, 37)
+    dk = draw(st.sampled_from([1, 4, 8]))
+    h = hkv * groups
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    top = draw(st.one_of(st.none(), st.integers(-5, tk + 5)))
+    rows = draw(st.integers(0, tq + tk + 4))
+    q, qv = (torch.randn(b, h, tq, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(b, hkv, tk, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    enc = torch.randn(h, rows, dk, generator=g, dtype=torch.float64)
+    whole = draw(st.sampled_from([0, 20, 2048]))
+    kw: dict[str, object] = {"scale": draw(st.sampled_from([None, 0.5]))}
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([0.5, 5.0]))
+    sizes = (draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 5, 16])))
+    cot = torch.randn(b, h, tq, dk, generator=g, dtype=torch.float64)
+
+    def run(ts: list[torch.Tensor], backend: object) -> list[torch.Tensor]:
+        leaves = [t.requires_grad_() for t in ts]
+        term = RelativePositionTerm(leaves[3], leaves[4], 0.7, max_distance=top, whole_width=whole)
+        the_mask = (
+            masks.key_padding([tk, 9]) & masks.causal()
+            if mask == "padding & causal"
+            else MASKS[mask]
+        )
+        out = attention(*leaves[:3], mask=the_mask, bias=term, backend=backend, **kw)  # type: ignore[arg-type]
+        return [out, *torch.autograd.grad(out, leaves, cot.to(out.dtype), materialize_grads=True)]
+
+    fast = Chunked(block_q=sizes[0], block_k=sizes[1])
+    tensors = [q, k, v, qv, enc]
+    leaves = [t.to(dtype) for t in tensors]
+    assert "native kernel" in str(
+        attnkit.explain(
+            *leaves[:3], bias=RelativePositionTerm(leaves[3], leaves[4], 0.7), backend=fast
+        )
+    )
+    got = run(leaves, fast)
+    want = run([t.clone() for t in tensors], "reference")
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, dtype=dtype)
+
+
+@needs_native
+def test_explain_says_which_score_terms_the_native_kernel_fuses() -> None:
+    q = torch.randn(1, 2, 9, 4)
+    table = torch.randn(2, 17, 4)
+    fused = RelativePositionTerm(q, table, 0.5)
+    legacy = RelativePositionTerm(q, torch.randn(2, 10, 4), 0.5, legacy=True)
+    assert "native kernel" in str(attnkit.explain(q, q, q, bias=fused, backend="chunked"))
+    text = str(attnkit.explain(q, q, q, bias=legacy, backend="chunked"))
+    assert "the native kernel does not fuse the score term" in text

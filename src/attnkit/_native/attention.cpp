@@ -112,6 +112,17 @@ struct Call {
   int64_t tile_n = 1, tile_h = 1, tile_k = 1;
   double p_drop = 0;
   uint64_t seed = 0;
+  // Transformer-XL's position term rel_scale * qv[n, h, i] . enc[h, top - (i + Tk - Tq - j)], 0
+  // where that row is not in the table (see attnkit.scores.RelativePositionTerm).
+  const T* qv = nullptr;   // (N, H, Tq, Dh)
+  const T* enc = nullptr;  // (H, P, Dh)
+  int64_t Dh = 0, P = 0, top = 0;
+  double rel_scale = 0;
+  // A query block whose product spans at most this many columns computes it once for all its
+  // keys; a wider one computes it per visit (a GEMM whose output stays in the CPU's caches runs
+  // markedly faster than one writing long rows).
+  int64_t whole_width = 0;
+
 
   bool partial_visible(int64_t n, int64_t h, int64_t i, int64_t j, int64_t tile, int64_t r,
                        int64_t c) const {
@@ -131,11 +142,94 @@ struct Call {
   uint64_t drop_threshold() const { return (uint64_t)(p_drop * 16777216.0); }
 };
 
+// Where the position term of a stretch of queries and keys lies in a product. The terms of rows
+// R0:R1 of query block qs and keys K0:K1 read rows lo, lo + 1, ..., lo + width - 1 of enc, with
+// lo = top - (Tk - Tq) - (qs + R1 - 1) + K0 and width = (K1 - K0) + (R1 - R0) - 1: the term of
+// (row R, key j) is element (R1 - 1 - R) + (j - K0) of row R - R0 of the product
+// qv[rows] @ enc[lo : lo + width]^T (the skew). Columns a:b of it exist in the table; the others
+// are zeros.
+template <typename T>
+struct Window {
+  int64_t R0 = 0, R1 = 0, K0 = 0, K1 = 0, lo = 0, width = 0, a = 0, b = 0;
+  T* p = nullptr;  // the product, rows x width (the forward's) or its gradient (the backward's)
+
+  Window() = default;
+  Window(const Call<T>& c, int64_t qs, int64_t r0, int64_t r1, int64_t k0, int64_t k1, T* buf)
+      : R0(r0), R1(r1), K0(k0), K1(k1), p(buf) {
+    width = (K1 - K0) + (R1 - R0) - 1;
+    lo = c.top - (c.Tk - c.Tq) - (qs + R1 - 1) + K0;
+    a = std::clamp<int64_t>(-lo, 0, width);
+    b = std::clamp<int64_t>(c.P - lo, a, width);
+  }
+  bool covers(int64_t r0, int64_t r1, int64_t ks, int64_t ke) const {
+    return p != nullptr && R0 <= r0 && r1 <= R1 && K0 <= ks && ke <= K1;
+  }
+  // The terms of row R from key ks on.
+  T* at(int64_t R, int64_t ks) const { return p + (R - R0) * width + (R1 - 1 - R) + (ks - K0); }
+  // Its rows of qv (the query block's rows R0:R1 for head h of batch row n).
+  int64_t qv_row(const Call<T>& c, int64_t n, int64_t h, int64_t qs) const {
+    return ((n * c.Hkv * c.G + h) * c.Tq + qs + R0) * c.Dh;
+  }
+
+  // p = rel_scale * log2(e) * qv[rows] @ enc[lo : lo + width]^T, zeros where enc has no row.
+  void compute(const Call<T>& c, int64_t n, int64_t h, int64_t qs) const {
+    const int64_t rows = R1 - R0;
+    if (b > a) {
+      gemm<T>(false, true, rows, b - a, c.Dh, T(c.rel_scale * kLog2e), c.qv + qv_row(c, n, h, qs),
+              c.Dh, c.enc + (h * c.P + lo + a) * c.Dh, c.Dh, T(0), p + a, width);
+    }
+    if (a > 0 || b < width) zero_outside();
+  }
+  void zero_outside() const {
+    for (int64_t r = 0; r < R1 - R0; ++r) {
+      std::fill(p + r * width, p + r * width + a, T(0));
+      std::fill(p + r * width + b, p + (r + 1) * width, T(0));
+    }
+  }
+  // The backward of compute() for a gradient in p: dqv[rows] += rel_scale p enc[window] and
+  // denc[window] += rel_scale p^T qv[rows] (either may be null).
+  void backward(const Call<T>& c, int64_t n, int64_t h, int64_t qs, T* dqv, T* denc) const {
+    if (b <= a) return;
+    const int64_t rows = R1 - R0, qrow = qv_row(c, n, h, qs);
+    if (dqv != nullptr) {
+      gemm<T>(false, false, rows, c.Dh, b - a, T(c.rel_scale), p + a, width,
+              c.enc + (h * c.P + lo + a) * c.Dh, c.Dh, T(1), dqv + qrow, c.Dh);
+    }
+    if (denc != nullptr) {
+      gemm<T>(true, false, b - a, c.Dh, rows, T(c.rel_scale), p + a, width, c.qv + qrow, c.Dh,
+              T(1), denc + (h * c.P + lo + a) * c.Dh, c.Dh);
+    }
+  }
+};
+
+// The window of a whole query block (keys of all its visits), or an empty one when that is wider
+// than the call's whole_width or the call has no position term.
+template <typename T>
+Window<T> block_window(const Call<T>& c, int64_t qb, T* buf) {
+  if (c.qv == nullptr || c.off[qb] == c.off[qb + 1]) return {};
+  const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
+  int64_t k0 = c.Tk, k1 = 0;
+  for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
+    k0 = std::min(k0, c.visits[vi * 6]);
+    k1 = std::max(k1, c.visits[vi * 6 + 1]);
+  }
+  if ((k1 - k0) + rows - 1 > c.whole_width) return {};
+  return Window<T>(c, qs, 0, rows, k0, k1, buf);
+}
+
+// The buffer a window needs: the whole block's, or one visit's.
+template <typename T>
+int64_t window_size(const Call<T>& c) {
+  if (c.qv == nullptr) return 0;
+  const int64_t whole = std::min(c.whole_width, c.Tk + c.bq - 1);
+  return c.bq * std::max(whole, c.tile_k + c.bq - 1);
+}
+
 // Scores of one visit, rows r0:r1 of query block qs for head (n, hk, g), in base 2, into s
 // (rows x keys, leading dimension ld). With softcap, tanh of the capped argument goes to t.
 template <typename T>
 void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, const int64_t* vis,
-            T* s, int64_t ld, T* t) {
+            T* s, int64_t ld, T* t, const Window<T>& pos) {
   const int64_t ks = vis[0], ke = vis[1], r0 = vis[2], r1 = vis[3];
   const int64_t nr = r1 - r0, nk = ke - ks;
   const T* qp = c.q + (((n * c.Hkv + hk) * c.G + g) * c.Tq + qs + r0) * c.Dk;
@@ -172,6 +266,14 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
         trow[j] = std::tanh(row[j] / T(c.softcap));
         row[j] = trow[j] * T(c.softcap * kLog2e);
       }
+    }
+    if (c.qv != nullptr) {
+      const T* pr = pos.at(r0 + r, ks);
+      int64_t j = 0;
+      for (; j + V::size() <= nk; j += V::size()) {
+        (V::loadu(row + j) + V::loadu(pr + j)).store(row + j);
+      }
+      for (; j < nk; ++j) row[j] += pr[j];
     }
     if (c.bias != nullptr) {
       const T* b = c.bias + n * c.bs[0] + hk * c.bs[1] + g * c.bs[2] + i * c.bs[3] + ks * c.bs[4];
@@ -271,6 +373,7 @@ void forward_impl(const Call<T>& c, T* out, T* lse) {
     OneBlasThread one;
     const int64_t bk_max = c.tile_k;
     std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0);
+    std::vector<T> pos(window_size(c));
     std::vector<T> acc(c.bq * c.Dv), m(c.bq), l(c.bq);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t qb = item % c.nqb, nh = item / c.nqb, n = nh / c.Hkv, hk = nh % c.Hkv;
@@ -279,10 +382,17 @@ void forward_impl(const Call<T>& c, T* out, T* lse) {
         std::fill(acc.begin(), acc.end(), T(0));
         std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
         std::fill(l.begin(), l.end(), T(0));
+        const Window<T> whole = block_window(c, qb, pos.data());
+        if (whole.p != nullptr) whole.compute(c, n, hk * c.G + g, qs);
         for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
           const int64_t* vis = c.visits + vi * 6;
           const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
-          scores(c, n, hk, g, qs, vis, s.data(), nk, t.data());
+          Window<T> w = whole;
+          if (c.qv != nullptr && whole.p == nullptr) {
+            w = Window<T>(c, qs, r0, vis[3], ks, vis[1], pos.data());
+            w.compute(c, n, hk * c.G + g, qs);
+          }
+          scores(c, n, hk, g, qs, vis, s.data(), nk, t.data(), w);
           for (int64_t r = 0; r < nr; ++r) {
             T* row = s.data() + r * nk;
             const int64_t R = r0 + r;
@@ -317,7 +427,7 @@ void forward_impl(const Call<T>& c, T* out, T* lse) {
 
 template <typename T>
 void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta, T* dq, T* dk,
-                   T* dv, T* dbias) {
+                   T* dv, T* dbias, T* dqv, T* denc) {
   // Stretches of query blocks per key/value head, enough for every thread to have work.
   const int64_t heads = c.N * c.Hkv;
   const int64_t threads = at::get_num_threads();
@@ -344,11 +454,20 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
   }
   std::vector<std::vector<T>> dk_parts(parts > 1 ? heads * parts : 0);
   std::vector<std::vector<T>> dv_parts(parts > 1 ? heads * parts : 0);
-  const T inf = std::numeric_limits<T>::infinity();
+  // Every query block of every batch row adds to enc's gradient: each thread adds into its own.
+  std::vector<std::vector<T>> denc_threads(denc != nullptr ? at::get_num_threads() : 0);
+  const bool position = c.qv != nullptr && (dqv != nullptr || denc != nullptr);
   at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
     const int64_t bk_max = c.tile_k;
     std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0), dp(c.bq * bk_max);
+    std::vector<T> pos(window_size(c)), dpos(position ? window_size(c) : 0);
+    T* denc_own = nullptr;
+    if (denc != nullptr) {
+      auto& own = denc_threads.at(at::get_thread_num());
+      if (own.empty()) own.assign(c.Hkv * c.G * c.P * c.Dh, T(0));
+      denc_own = own.data();
+    }
     std::vector<T> pd(c.p_drop > 0 ? c.bq * bk_max : 0), dqa(c.bq * c.Dk);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nh = item / parts, p = item % parts, n = nh / c.Hkv, hk = nh % c.Hkv;
@@ -376,10 +495,26 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
           const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
           const int64_t row0 = (nh * c.G + g) * c.Tq + qs;
           std::fill(dqa.begin(), dqa.end(), T(0));
+          // The position product, and its gradient (dwhole, dw: the same windows in dpos).
+          const Window<T> whole = block_window(c, qb, pos.data());
+          Window<T> dwhole = whole;
+          if (whole.p != nullptr) {
+            whole.compute(c, n, h, qs);
+            dwhole.p = dpos.data();
+            if (position) std::fill(dpos.begin(), dpos.begin() + rows * whole.width, T(0));
+          }
           for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
             const int64_t* vis = c.visits + vi * 6;
             const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
-            scores(c, n, hk, g, qs, vis, s.data(), nk, t.data());
+            Window<T> w = whole, dw = dwhole;
+            if (c.qv != nullptr && whole.p == nullptr) {
+              w = Window<T>(c, qs, r0, vis[3], ks, vis[1], pos.data());
+              w.compute(c, n, h, qs);
+              dw = w;
+              dw.p = dpos.data();
+              if (position) std::fill(dpos.begin(), dpos.begin() + nr * w.width, T(0));
+            }
+            scores(c, n, hk, g, qs, vis, s.data(), nk, t.data(), w);
             for (int64_t r = 0; r < nr; ++r) {
               const T L = lse[row0 + r0 + r];
               const T base = (std::isinf(L) && L < 0) ? T(0) : T(L * kLog2e);
@@ -411,12 +546,14 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
                 T* db = dbias + (row0 + r0 + r) * c.Tk + ks;
                 for (int64_t j = 0; j < nk; ++j) db[j] += dr[j];
               }
+              // The term's score gradient, in its place in the product's gradient.
+              if (position) std::copy(dr, dr + nk, dw.at(r0 + r, ks));
               if (c.softcap > 0) {
                 const T* tr = t.data() + r * nk;
                 for (int64_t j = 0; j < nk; ++j) dr[j] *= T(1) - tr[j] * tr[j];
               }
             }
-            (void)inf;
+            if (position && whole.p == nullptr) dw.backward(c, n, h, qs, dqv, denc_own);
             // dQ += scale dS K, dK += scale dS^T Q
             gemm<T>(false, false, nr, c.Dk, nk, T(c.scale), dp.data(), nk, kh + ks * c.Dk, c.Dk,
                     T(1), dqa.data() + r0 * c.Dk, c.Dk);
@@ -424,11 +561,21 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
             gemm<T>(true, false, nk, c.Dk, nr, T(c.scale), dp.data(), nk, qp, c.Dk, T(1),
                     dkh + (ks - k0) * c.Dk, c.Dk);
           }
+          if (position && whole.p != nullptr) dwhole.backward(c, n, h, qs, dqv, denc_own);
           std::copy(dqa.begin(), dqa.begin() + rows * c.Dk, dq + row0 * c.Dk);
         }
       }
     }
   });
+  if (denc != nullptr) {
+    const int64_t size = c.Hkv * c.G * c.P * c.Dh;
+    at::parallel_for(0, size, 4096, [&](int64_t begin, int64_t end) {
+      for (const auto& own : denc_threads) {
+        if (own.empty()) continue;
+        for (int64_t x = begin; x < end; ++x) denc[x] += own[x];
+      }
+    });
+  }
   if (parts > 1) {
     at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t nh = begin; nh < end; ++nh) {
@@ -452,7 +599,9 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   int64_t block_k, double scale, double softcap,
                   const c10::optional<at::Tensor>& bias, std::vector<double> band, int64_t shift,
                   const c10::optional<at::Tensor>& key_ok, const c10::optional<at::Tensor>& tiles,
-                  double p_drop, int64_t seed) {
+                  double p_drop, int64_t seed, const c10::optional<at::Tensor>& qv,
+                  const c10::optional<at::Tensor>& enc, double rel_scale, int64_t top,
+                  int64_t whole_width) {
   Call<T> c;
   c.N = q.size(0);
   c.Hkv = q.size(1);
@@ -492,6 +641,18 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   c.p_drop = p_drop;
   c.seed = (uint64_t)seed;
+  if (qv.has_value() && enc.has_value()) {
+    TORCH_CHECK(qv->is_contiguous() && enc->is_contiguous(), "contiguous qv, enc");
+    TORCH_CHECK(qv->numel() == c.N * c.Hkv * c.G * c.Tq * enc->size(2), "qv is (N, H, Tq, Dh)");
+    TORCH_CHECK(enc->size(0) == c.Hkv * c.G, "enc is (H, P, Dh)");
+    c.qv = qv->data_ptr<T>();
+    c.enc = enc->data_ptr<T>();
+    c.Dh = enc->size(2);
+    c.P = enc->size(1);
+    c.top = top;
+    c.rel_scale = rel_scale;
+    c.whole_width = whole_width;
+  }
   return c;
 }
 
@@ -500,13 +661,16 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
                                 double softcap, c10::optional<at::Tensor> bias,
                                 std::vector<double> band, int64_t shift,
                                 c10::optional<at::Tensor> key_ok, c10::optional<at::Tensor> tiles,
-                                double p_drop, int64_t seed) {
+                                double p_drop, int64_t seed, c10::optional<at::Tensor> qv,
+                                c10::optional<at::Tensor> enc, double rel_scale, int64_t top,
+                                int64_t whole_width) {
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous q, k, v");
   auto out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3), v.size(2)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_forward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
-                                 band, shift, key_ok, tiles, p_drop, seed);
+                                 band, shift, key_ok, tiles, p_drop, seed, qv, enc, rel_scale,
+                                 top, whole_width);
     forward_impl<scalar_t>(c, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
   });
   return {out, lse};
@@ -518,8 +682,10 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                                  std::vector<double> band, int64_t shift,
                                  c10::optional<at::Tensor> key_ok,
                                  c10::optional<at::Tensor> tiles, double p_drop, int64_t seed,
-                                 at::Tensor dout, at::Tensor lse, at::Tensor delta,
-                                 bool bias_grad) {
+                                 c10::optional<at::Tensor> qv, c10::optional<at::Tensor> enc,
+                                 double rel_scale, int64_t top, int64_t whole_width,
+                                 at::Tensor dout, at::Tensor lse,
+                                 at::Tensor delta, bool bias_grad, bool qv_grad, bool enc_grad) {
   TORCH_CHECK(dout.is_contiguous() && lse.is_contiguous() && delta.is_contiguous(),
               "contiguous dout, lse, delta");
   auto dq = at::zeros_like(q);  // rows that see no key keep 0
@@ -529,21 +695,28 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   if (bias_grad) {
     dbias = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3), k.size(1)}, q.options());
   }
+  const bool position = qv.has_value() && enc.has_value();
+  at::Tensor dqv, denc;
+  if (position && qv_grad) dqv = at::zeros_like(*qv);
+  if (position && enc_grad) denc = at::zeros_like(*enc);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_backward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
-                                 band, shift, key_ok, tiles, p_drop, seed);
+                                 band, shift, key_ok, tiles, p_drop, seed, qv, enc, rel_scale,
+                                 top, whole_width);
     backward_impl<scalar_t>(c, dout.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
                             delta.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(),
                             dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                            bias_grad ? dbias.data_ptr<scalar_t>() : nullptr);
+                            bias_grad ? dbias.data_ptr<scalar_t>() : nullptr,
+                            dqv.defined() ? dqv.data_ptr<scalar_t>() : nullptr,
+                            denc.defined() ? denc.data_ptr<scalar_t>() : nullptr);
   });
-  if (bias_grad) return {dq, dk, dv, dbias};
-  return {dq, dk, dv};
+  // Undefined tensors (gradients not asked for) reach Python as None.
+  return {dq, dk, dv, dbias, dqv, denc};
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "attention forward: (out, lse)");
-  m.def("backward", &backward, "attention backward: (dq, dk, dv[, dbias])");
+  m.def("backward", &backward, "attention backward: (dq, dk, dv, dbias, dqv, denc), None where not asked");
 }

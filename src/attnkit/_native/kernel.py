@@ -17,10 +17,25 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._kernel import Plan
 from ..masks import Geometry, Mask
-from ..scores import softcap_form
+from ..scores import RelativePositionTerm, ScoreTerm, softcap_form
 from . import load, status
 
-__all__ = ["NativeCall", "native_call", "why_not_native"]
+__all__ = ["NativeCall", "fuses", "native_call", "why_not_native"]
+
+
+def fuses(term: ScoreTerm | None, geo: Geometry | None = None) -> bool:
+    """Whether the native kernel computes a score term itself: Transformer-XL's position term
+    (:class:`~attnkit.scores.RelativePositionTerm`, not openspeech's variant) with ``qv`` of shape
+    ``(B, H, Tq, Dh)`` for the call's ``geo``, whose product ``qv @ enc^T`` the kernel takes per
+    block over the block's distances and reads with the shift as index arithmetic."""
+    if term is None:
+        return True
+    if not isinstance(term, RelativePositionTerm) or term.legacy:
+        return False
+    qv, enc = term.qv, term.enc
+    if qv.dim() != 4 or enc.dim() != 3 or qv.size(-1) != enc.size(-1):
+        return False
+    return geo is None or (tuple(qv.shape[:3]) == (geo.batch, geo.heads, geo.q_len))
 
 
 def why_not_native(call: AttentionCall, native: bool) -> str | None:
@@ -29,7 +44,7 @@ def why_not_native(call: AttentionCall, native: bool) -> str | None:
         return "the eager kernel (Chunked(native=False))"
     if call.device.type != "cpu":
         return f"the eager kernel (the native kernel runs on CPUs, not {call.device.type})"
-    if call.score_term is not None:
+    if call.score_term is not None and not fuses(call.score_term, call.geometry):
         return (
             f"the eager kernel (the native kernel does not fuse the score term {call.score_term!r})"
         )
@@ -58,6 +73,8 @@ class NativeCall:
     tiles: Tensor | None  # (P, N|1, H|1, block_q, block_k) uint8
     p_drop: float
     seed: int
+    #: the position term's (scale, distance of enc's first row, whole_width), or None
+    position: tuple[float, int, int] | None = None
 
     def _args(self) -> tuple[object, ...]:
         return (
@@ -70,22 +87,36 @@ class NativeCall:
         )
 
     def forward(
-        self, q5: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None
+        self,
+        q5: Tensor,
+        k3: Tensor,
+        v3: Tensor,
+        bias5: Tensor | None,
+        term_inputs: tuple[Tensor, ...] = (),
     ) -> tuple[Tensor, Tensor]:
-        """``(out5, lse)`` in the work dtype, as :func:`attnkit._kernel.forward` returns them."""
+        """``(out5, lse)`` in the work dtype, as :func:`attnkit._kernel.forward` returns them
+        (``term_inputs``: the position term's ``(qv, enc)``)."""
         module = load()
         if module is None:
             raise RuntimeError("attnkit internal error: native call without the native kernel")
-        out, lse = module.forward(
-            *self._inputs(q5, k3, v3, bias5),
-        )
+        out, lse = module.forward(*self._inputs(q5, k3, v3, bias5, term_inputs))
         return out, lse
 
     def _inputs(
-        self, q5: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None
+        self,
+        q5: Tensor,
+        k3: Tensor,
+        v3: Tensor,
+        bias5: Tensor | None,
+        term_inputs: tuple[Tensor, ...],
     ) -> tuple[object, ...]:
         """The arguments the forward and the backward share, in the work dtype, in order."""
         work = torch.promote_types(q5.dtype, torch.float32)
+        qv = enc = None
+        scale, top, whole = 0.0, 0, 0
+        if self.position is not None:
+            qv, enc = (t.to(work).contiguous() for t in term_inputs)
+            scale, top, whole = self.position
         return (
             q5.to(work).contiguous(),
             k3.to(work).contiguous(),
@@ -98,6 +129,11 @@ class NativeCall:
             self.tiles,
             self.p_drop,
             self.seed,
+            qv,
+            enc,
+            scale,
+            top,
+            whole,
         )
 
     def backward(
@@ -110,23 +146,29 @@ class NativeCall:
         lse: Tensor,
         delta: Tensor,
         bias_grad: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """``(dq5, dk3, dv3, dbias5)`` in the work dtype (``dbias5`` in ``bias5``'s shape)."""
+        term_inputs: tuple[Tensor, ...] = (),
+        term_grads: tuple[bool, ...] = (),
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor | None]]:
+        """``(dq5, dk3, dv3, dbias5, dterm)`` in the work dtype (``dbias5`` in ``bias5``'s shape;
+        ``dterm``: the gradients of ``term_inputs`` that ``term_grads`` asks for, else None)."""
         module = load()
         if module is None:
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         work = torch.promote_types(q5.dtype, torch.float32)
-        grads = module.backward(
-            *self._inputs(q5, k3, v3, bias5),
+        qv_grad, enc_grad = term_grads if self.position is not None else (False, False)
+        dq, dk, dv, dbias, dqv, denc = module.backward(
+            *self._inputs(q5, k3, v3, bias5, term_inputs),
             dout5.to(work).contiguous(),
             lse.to(work).contiguous(),
             delta.to(work).contiguous(),
             bias_grad and bias5 is not None,
+            qv_grad,
+            enc_grad,
         )
-        dbias = None
-        if len(grads) == 4 and bias5 is not None:
-            dbias = grads[3].sum_to_size(bias5.shape)
-        return grads[0], grads[1], grads[2], dbias
+        if dbias is not None and bias5 is not None:
+            dbias = dbias.sum_to_size(bias5.shape)
+        dterm: list[Tensor | None] = [dqv, denc] if self.position is not None else []
+        return dq, dk, dv, dbias, dterm
 
 
 def _mask_form(mask: Mask | None, geo: Geometry) -> tuple[list[float], Tensor | None, bool]:
@@ -167,6 +209,7 @@ def native_call(
     dtype: torch.dtype,
     p_drop: float = 0.0,
     seed: int = 0,
+    term: ScoreTerm | None = None,
 ) -> NativeCall:
     """The plan of a whole call, and its mask, in the native kernel's terms (``dtype``: the
     inputs', which decides how a softcap is computed, see :func:`attnkit.scores.softcap_form`)."""
@@ -208,4 +251,14 @@ def native_call(
         tiles=packed,
         p_drop=float(p_drop),
         seed=seed,
+        position=_position(term, geo),
     )
+
+
+def _position(term: ScoreTerm | None, geo: Geometry) -> tuple[float, int, int] | None:
+    if term is None:
+        return None
+    if not isinstance(term, RelativePositionTerm) or term.legacy:
+        raise RuntimeError(f"attnkit internal error: the native kernel cannot fuse {term!r}")
+    top = geo.kv_len - 1 if term.max_distance is None else term.max_distance
+    return float(term.scale), int(top), term.whole_width

@@ -50,7 +50,7 @@ from .._kernel import (
     split_runs,
 )
 from .._native import load as load_native
-from .._native.kernel import NativeCall, native_call, why_not_native
+from .._native.kernel import NativeCall, fuses, native_call, why_not_native
 from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm, softcap_form, term_error
@@ -185,7 +185,7 @@ class _KernelAttention(torch.autograd.Function):
         with no_autocast(q.device):
             if spec.native is not None:
                 q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
-                out5, lse = spec.native.forward(q5, k3, v3, bias5)
+                out5, lse = spec.native.forward(q5, k3, v3, bias5, term_inputs)
             else:
                 out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs, mod_inputs))
             if spec.check_term and spec.term is not None:
@@ -223,10 +223,19 @@ class _KernelAttention(torch.autograd.Function):
             bias_grad = bias is not None and needs[4]
             if spec.native is not None:
                 q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
-                dq, dk, dv, dbias5 = spec.native.backward(
-                    q5, k3, v3, bias5, dout5, lse, delta, bias_grad
+                dq, dk, dv, dbias5, dterm5 = spec.native.backward(
+                    q5,
+                    k3,
+                    v3,
+                    bias5,
+                    dout5,
+                    lse,
+                    delta,
+                    bias_grad,
+                    term_inputs,
+                    tuple(needs[6 : 6 + spec.n_term]),
                 )
-                grads = Grads(dq, dk, dv, dbias5, [])
+                grads = Grads(dq, dk, dv, dbias5, dterm5)
             else:
                 grads = backward(
                     _problem(spec, q, k, v, bias, term_inputs, mod_inputs),
@@ -344,7 +353,7 @@ def kernel_attention(
     careful = not is_finite
     seed = draw_seed() if dropout_p else 0
     fast = None
-    served = score_mod is None and native_serves(q.device, term, careful, native)
+    served = score_mod is None and native_serves(q.device, term, careful, native, geo)
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k, native=served)
     if served:
         fast = native_call(
@@ -356,6 +365,7 @@ def kernel_attention(
             dtype=q.dtype,
             p_drop=dropout_p,
             seed=seed,
+            term=term,
         )
     spec = _Spec(
         mask=mask,
@@ -380,15 +390,20 @@ def kernel_attention(
 
 
 def native_serves(
-    device: torch.device, term: ScoreTerm | None, careful: bool, native: bool
+    device: torch.device,
+    term: ScoreTerm | None,
+    careful: bool,
+    native: bool,
+    geo: Geometry | None = None,
 ) -> bool:
-    """Whether the native kernel runs a call: on CPUs, without a score term, on finite q, k and
-    v (the eager kernel handles non-finite inputs), when it is built (see :mod:`attnkit._native`).
+    """Whether the native kernel runs a call: on CPUs, with no score term or one it fuses (see
+    :func:`attnkit._native.kernel.fuses`), on finite q, k and v (the eager kernel handles
+    non-finite inputs), when it is built (see :mod:`attnkit._native`).
     """
     return (
         native
         and device.type == "cpu"
-        and term is None
+        and fuses(term, geo)
         and not careful
         and load_native() is not None
     )

@@ -32,6 +32,8 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, dim_str, shape_str
 from .._kernel import make_plan, no_autocast
+from .._native import load as load_native
+from .._native.kernel import fuses
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
 from .base import Backend, CallInputs
@@ -191,6 +193,18 @@ def sdpa_cost(call: AttentionCall) -> list[str]:
         costs.append(
             f"would keep the probabilities (..., H, Tq, Tk) = {shape_str(call.scores_shape)} for "
             "the backward: torch computes a bias gradient only in its math kernel"
+        )
+    term = call.score_term
+    if (
+        term is not None
+        and call.device.type == "cpu"
+        and call.finite is not False
+        and fuses(term, call.geometry)
+        and load_native() is not None
+    ):
+        costs.append(
+            f"would add the {term.describe()} beside torch's kernel, block by block: the chunked "
+            "backend's native kernel fuses it"
         )
     return costs
 
