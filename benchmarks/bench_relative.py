@@ -8,6 +8,10 @@ float32 on the CPU, torch's default threads. Three measurements, each printed as
   RelativeMultiHeadAttention, fed its absolute encoding, when the ``openspeech-core`` package is
   installed. Medians of interleaved torch.utils.benchmark rounds; "ratio" is time /
   MultiHeadAttention's.
+* ``train-speed``: training steps (forward + backward) of both modules at the same size.
+* ``dropout``: a RelativeMultiHeadAttention training step at B=1 T=4096 with attention dropout
+  0.1 against none: time and extra peak memory (dropout decisions are regenerated in the
+  backward, never stored).
 * ``memory``: B=1 T=16384 D=512 H=8 inference: one call's time and the peak resident memory it
   adds beyond its inputs and output, in a fresh process
   (:func:`attnkit.cli.measure.extra_peak_memory`). One ``(H, T, T)`` float32 score tensor would
@@ -69,18 +73,20 @@ def load_openspeech() -> type[nn.Module] | None:
     return cls
 
 
-def build(label: str, b: int, t: int, train: bool) -> tuple[Callable[[], Any], int]:
+def build(
+    label: str, b: int, t: int, train: bool, dropout: float = 0.0
+) -> tuple[Callable[[], Any], int]:
     """A call of one candidate on fresh inputs; module-level so a child process can run it."""
     torch.manual_seed(0)
     x = torch.randn(b, t, D)
     module: nn.Module
     if label == "MultiHeadAttention":
-        module = attnkit.MultiHeadAttention(D, H)
+        module = attnkit.MultiHeadAttention(D, H, dropout=dropout)
         call: Callable[[], Any] = lambda: module(x)  # noqa: E731
     elif label.startswith("Relative"):
         legacy = "openspeech" if "legacy" in label else None
         backend = "chunked" if "chunked" in label else "auto"
-        module = attnkit.RelativeMultiHeadAttention(D, H, legacy=legacy)
+        module = attnkit.RelativeMultiHeadAttention(D, H, legacy=legacy, dropout=dropout)
         call = lambda: module(x, backend=backend)  # noqa: E731
     elif label == OPENSPEECH:
         theirs = load_openspeech()
@@ -161,6 +167,60 @@ def speed(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def train_speed(quick: bool) -> list[dict[str, Any]]:
+    """Training steps (forward + backward) of both modules at the speed table's size."""
+    b, t = (2, 512) if quick else (4, 1024)
+    labels = ["MultiHeadAttention", "RelativeMultiHeadAttention"]
+    fns = {lab: build(lab, b, t, train=True)[0] for lab in labels}
+    times = time_side_by_side(fns, rounds=2 if quick else 5, min_run_time=0.5 if quick else 2.0)
+    base = times["MultiHeadAttention"]
+    print(f"\ntraining step (forward + backward), B={b} T={t} D={D} H={H} float32")
+    print(f"{'candidate':<30} {'ms':>9} {'/ MHA':>7}")
+    rows = []
+    for lab in labels:
+        print(f"{lab:<30} {times[lab] * 1e3:>9.1f} {times[lab] / base:>7.2f}")
+        rows.append(
+            {
+                "what": "train-speed",
+                "candidate": lab,
+                "B": b,
+                "T": t,
+                "seconds": times[lab],
+                "ratio": times[lab] / base,
+            }
+        )
+    return rows
+
+
+def dropout(quick: bool) -> list[dict[str, Any]]:
+    """A RelativeMultiHeadAttention training step with attention dropout 0.1 against none."""
+    t = 1024 if quick else 4096
+    label = "RelativeMultiHeadAttention"
+    fns = {p: build(label, 1, t, True, p)[0] for p in (0.0, 0.1)}
+    times = time_side_by_side(fns, rounds=2 if quick else 3, min_run_time=0.5 if quick else 2.0)
+    print(f"\ntraining step of {label}, B=1 T={t} D={D} H={H} float32: attention dropout")
+    print(f"{'dropout':<10} {'s':>7} {'/ none':>7} {'extra MiB':>10} {'/ none':>7}")
+    mems = {p: extra_peak_memory(build, label, 1, t, True, p) for p in fns}
+    rows = []
+    for p in fns:
+        mem, base = mems[p], mems[0.0]
+        mib = "" if mem is None else f"{mem / 2**20:.0f}"
+        vs = "" if mem is None or not base else f"{mem / base:.2f}"
+        print(f"{p:<10} {times[p]:>7.3f} {times[p] / times[0.0]:>7.2f} {mib:>10} {vs:>7}")
+        rows.append(
+            {
+                "what": "dropout",
+                "candidate": label,
+                "dropout": p,
+                "B": 1,
+                "T": t,
+                "seconds": times[p],
+                "extra_bytes": mem,
+            }
+        )
+    return rows
+
+
 def memory(quick: bool) -> list[dict[str, Any]]:
     t = 4096 if quick else 16384
     print(f"\ninference, B=1 T={t} D={D} H={H} float32: one call's time and extra peak memory")
@@ -221,13 +281,24 @@ def training(quick: bool) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["speed", "memory", "training"], action="append")
+    parser.add_argument(
+        "--only",
+        choices=["speed", "train-speed", "dropout", "memory", "training"],
+        action="append",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer rounds")
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     rows = []
-    for name, fn in (("speed", speed), ("memory", memory), ("training", training)):
+    sections = (
+        ("speed", speed),
+        ("train-speed", train_speed),
+        ("dropout", dropout),
+        ("memory", memory),
+        ("training", training),
+    )
+    for name, fn in sections:
         if args.only is None or name in args.only:
             rows += fn(args.quick)
     if args.json:

@@ -16,11 +16,13 @@ the full call sees. Distances for ``Tq=2, Tk=4``::
 A relative call is an :func:`attnkit.attention` call whose ``bias`` is the position term as a
 :class:`~attnkit.scores.RelativePositionTerm`: the backend computes it one tile at a time, so
 neither the ``(Tq, Tk)`` scores nor the ``(Tq, Tk, head_dim)`` encodings ever exist and memory is
-O(T), in training too. ``auto`` takes torch's fused SDPA, one block of queries at a time with the
-block's term as its float mask, when no gradient is needed, and attnkit's kernel otherwise; the
-reference (materialised) serves the calls that need the weights or dropout, and every call traced
-by ``torch.compile`` or ``torch.export``. ``attnkit.capture_attention`` and a registered backend see
-a module's call like any other.
+O(T), in training too. On CPUs ``auto`` takes attnkit's native kernel, which fuses the term
+(its product with the distances a block needs, the shift as index arithmetic), dropout included;
+elsewhere, or without the native kernel, it takes torch's fused SDPA one block of queries at a
+time with the block's term as its float mask when no gradient is needed, and attnkit's eager
+kernel otherwise. The reference (materialised) serves the calls that need the weights, and every
+call traced by ``torch.compile`` or ``torch.export``. ``attnkit.capture_attention`` and a
+registered backend see a module's call like any other.
 
 With a sliding-window mask (``mask=attnkit.masks.sliding_window(left, right)``, the limited context
 of streaming Conformers) the encodings cover only the window's distances and the kernel computes
@@ -60,8 +62,8 @@ class RelativeMultiHeadAttention(nn.Module):
     Args:
         d_model: model size; inputs and output are ``(B, T, d_model)``.
         num_heads: heads; ``d_model`` must be a multiple of it (``head_dim = d_model / num_heads``).
-        dropout: dropout on the attention weights in training mode (as openspeech does). A call
-            that drops takes the materialised reference path; keep it 0 for long sequences.
+        dropout: dropout on the attention weights in training mode (as openspeech does). The
+            kernel regenerates its dropout mask in the backward, so memory stays O(T).
         proj_bias: whether the query, key, value and output projections have a bias (the
             position projection ``pos_proj`` never has one).
         encoding: which ``r(d)`` the position term projects. ``"signed"`` (default):

@@ -49,6 +49,19 @@ MASKS = {
 }
 
 
+def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A (B, H, T, D) leaf of ``t``'s values at another layout: "token-major" is a transposed view
+    of (B, T, H, D) memory (what projections give), "packed" a slice of a wider last dimension
+    (as q, k, v split from one qkv projection). Leaves of other shapes stay as they are."""
+    if t.dim() != 4 or layout == "contiguous":
+        return t
+    if layout == "token-major":
+        return t.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    wide = torch.zeros(*t.shape[:-1], 3 * t.size(-1), dtype=t.dtype)
+    wide[..., t.size(-1) : 2 * t.size(-1)] = t.detach()
+    return wide.transpose(1, 2).contiguous().transpose(1, 2)[..., t.size(-1) : 2 * t.size(-1)]
+
+
 def grads_of(
     backend: object, dtype: torch.dtype, seed: int = 0, tq: int = 30, tk: int = 37, **kw: object
 ) -> list[torch.Tensor]:
@@ -270,7 +283,11 @@ def test_native_fuzz_against_reference(data: st.DataObject, mask: str, dtype: to
         out = attention(*leaves[:3], mask=the_mask, backend=backend, **extra, **kw)  # type: ignore[arg-type]
         return [out, *torch.autograd.grad(out, leaves, cot.to(out.dtype), materialize_grads=True)]
 
-    got = run([t.to(dtype) for t in tensors], Chunked(block_q=sizes[0], block_k=sizes[1]))
+    layout = draw(st.sampled_from(["contiguous", "token-major", "packed"]))
+    got = run(
+        [laid_out(t.to(dtype), layout) for t in tensors],
+        Chunked(block_q=sizes[0], block_k=sizes[1]),
+    )
     want = run([t.clone() for t in tensors], "reference")
     for a, w in zip(got, want, strict=True):
         assert a.isfinite().all()
@@ -323,7 +340,8 @@ def test_native_position_term_fuzz_against_reference(
 
     fast = Chunked(block_q=sizes[0], block_k=sizes[1])
     tensors = [q, k, v, qv, enc]
-    leaves = [t.to(dtype) for t in tensors]
+    layout = draw(st.sampled_from(["contiguous", "token-major", "packed"]))
+    leaves = [laid_out(t.to(dtype), layout) for t in tensors]
     assert "native kernel" in str(
         attnkit.explain(
             *leaves[:3], bias=RelativePositionTerm(leaves[3], leaves[4], 0.7), backend=fast

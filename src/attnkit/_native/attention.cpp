@@ -90,13 +90,49 @@ inline uint64_t splitmix64(uint64_t counter, uint64_t seed) {
   return z ^ (z >> 31);
 }
 
-// Everything a call's items read: pointers into contiguous tensors, and the plan.
+// Rows of a (N, Hkv, G, T, D) tensor, or of a (N, X, T, D) one (its g stride 0), each row
+// contiguous, at any strides between them: q, k and v come as views of the layout the caller has
+// ((B, T, H, D) as well as (B, H, T, D)), and GEMMs read the rows with their stride as leading
+// dimension.
+template <typename P>
+struct Rows {
+  P p = nullptr;
+  int64_t s[4] = {0, 0, 0, 0};  // strides of n, hk (or x), g, the row
+
+  P at(int64_t n, int64_t hk, int64_t g, int64_t i) const {
+    return p + n * s[0] + hk * s[1] + g * s[2] + i * s[3];
+  }
+  int64_t ld() const { return s[3]; }
+};
+
+template <typename P>
+Rows<P> rows_of(const at::Tensor& t, P p) {
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, "rows must be contiguous");
+  Rows<P> r;
+  r.p = p;
+  if (t.dim() == 5) {
+    for (int d = 0; d < 4; ++d) r.s[d] = t.stride(d);
+  } else {
+    TORCH_CHECK(t.dim() == 4, "a 4-d or 5-d tensor");
+    r.s[0] = t.stride(0);
+    r.s[1] = t.stride(1);
+    r.s[3] = t.stride(2);
+  }
+  // A leading dimension must be at least the row's length (for a single row, any will do).
+  if (r.s[3] < std::max<int64_t>(t.size(-1), 1)) {
+    TORCH_CHECK(t.size(-2) <= 1, "rows must not overlap");
+    r.s[3] = std::max<int64_t>(t.size(-1), 1);
+  }
+  return r;
+}
+
+// Everything a call's items read: pointers into the tensors, and the plan.
 template <typename T>
 struct Call {
   int64_t N, Hkv, G, Tq, Tk, Dk, Dv, bq;
-  const T* q;  // (N, Hkv, G, Tq, Dk)
-  const T* k;  // (N*Hkv, Tk, Dk)
-  const T* v;  // (N*Hkv, Tk, Dv)
+  Rows<const T*> q;  // (N, Hkv, G, Tq, Dk)
+  Rows<const T*> k;  // (N, Hkv, Tk, Dk)
+  Rows<const T*> v;  // (N, Hkv, Tk, Dv)
   const int64_t* off;     // (nqb + 1): query block b visits visits[off[b] : off[b + 1]]
   const int64_t* visits;  // (nv, 6): ks, ke, r0, r1, partial, tile index
   int64_t nqb;
@@ -114,7 +150,7 @@ struct Call {
   uint64_t seed = 0;
   // Transformer-XL's position term rel_scale * qv[n, h, i] . enc[h, top - (i + Tk - Tq - j)], 0
   // where that row is not in the table (see attnkit.scores.RelativePositionTerm).
-  const T* qv = nullptr;   // (N, H, Tq, Dh)
+  Rows<const T*> qv;       // (N, H, Tq, Dh)
   const T* enc = nullptr;  // (H, P, Dh)
   int64_t Dh = 0, P = 0, top = 0;
   double rel_scale = 0;
@@ -166,17 +202,13 @@ struct Window {
   }
   // The terms of row R from key ks on.
   T* at(int64_t R, int64_t ks) const { return p + (R - R0) * width + (R1 - 1 - R) + (ks - K0); }
-  // Its rows of qv (the query block's rows R0:R1 for head h of batch row n).
-  int64_t qv_row(const Call<T>& c, int64_t n, int64_t h, int64_t qs) const {
-    return ((n * c.Hkv * c.G + h) * c.Tq + qs + R0) * c.Dh;
-  }
 
   // p = rel_scale * log2(e) * qv[rows] @ enc[lo : lo + width]^T, zeros where enc has no row.
   void compute(const Call<T>& c, int64_t n, int64_t h, int64_t qs) const {
     const int64_t rows = R1 - R0;
     if (b > a) {
-      gemm<T>(false, true, rows, b - a, c.Dh, T(c.rel_scale * kLog2e), c.qv + qv_row(c, n, h, qs),
-              c.Dh, c.enc + (h * c.P + lo + a) * c.Dh, c.Dh, T(0), p + a, width);
+      gemm<T>(false, true, rows, b - a, c.Dh, T(c.rel_scale * kLog2e), c.qv.at(n, h, 0, qs + R0),
+              c.qv.ld(), c.enc + (h * c.P + lo + a) * c.Dh, c.Dh, T(0), p + a, width);
     }
     if (a > 0 || b < width) zero_outside();
   }
@@ -187,17 +219,18 @@ struct Window {
     }
   }
   // The backward of compute() for a gradient in p: dqv[rows] += rel_scale p enc[window] and
-  // denc[window] += rel_scale p^T qv[rows] (either may be null).
+  // denc[window] += rel_scale p^T qv[rows] (either may be null; dqv is (N, H, Tq, Dh) contiguous).
   void backward(const Call<T>& c, int64_t n, int64_t h, int64_t qs, T* dqv, T* denc) const {
     if (b <= a) return;
-    const int64_t rows = R1 - R0, qrow = qv_row(c, n, h, qs);
+    const int64_t rows = R1 - R0;
     if (dqv != nullptr) {
+      T* out = dqv + ((n * c.Hkv * c.G + h) * c.Tq + qs + R0) * c.Dh;
       gemm<T>(false, false, rows, c.Dh, b - a, T(c.rel_scale), p + a, width,
-              c.enc + (h * c.P + lo + a) * c.Dh, c.Dh, T(1), dqv + qrow, c.Dh);
+              c.enc + (h * c.P + lo + a) * c.Dh, c.Dh, T(1), out, c.Dh);
     }
     if (denc != nullptr) {
-      gemm<T>(true, false, b - a, c.Dh, rows, T(c.rel_scale), p + a, width, c.qv + qrow, c.Dh,
-              T(1), denc + (h * c.P + lo + a) * c.Dh, c.Dh);
+      gemm<T>(true, false, b - a, c.Dh, rows, T(c.rel_scale), p + a, width,
+              c.qv.at(n, h, 0, qs + R0), c.qv.ld(), T(1), denc + (h * c.P + lo + a) * c.Dh, c.Dh);
     }
   }
 };
@@ -206,7 +239,7 @@ struct Window {
 // than the call's whole_width or the call has no position term.
 template <typename T>
 Window<T> block_window(const Call<T>& c, int64_t qb, T* buf) {
-  if (c.qv == nullptr || c.off[qb] == c.off[qb + 1]) return {};
+  if (c.qv.p == nullptr || c.off[qb] == c.off[qb + 1]) return {};
   const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
   int64_t k0 = c.Tk, k1 = 0;
   for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
@@ -220,7 +253,7 @@ Window<T> block_window(const Call<T>& c, int64_t qb, T* buf) {
 // The buffer a window needs: the whole block's, or one visit's.
 template <typename T>
 int64_t window_size(const Call<T>& c) {
-  if (c.qv == nullptr) return 0;
+  if (c.qv.p == nullptr) return 0;
   const int64_t whole = std::min(c.whole_width, c.Tk + c.bq - 1);
   return c.bq * std::max(whole, c.tile_k + c.bq - 1);
 }
@@ -232,11 +265,11 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
             T* s, int64_t ld, T* t, const Window<T>& pos) {
   const int64_t ks = vis[0], ke = vis[1], r0 = vis[2], r1 = vis[3];
   const int64_t nr = r1 - r0, nk = ke - ks;
-  const T* qp = c.q + (((n * c.Hkv + hk) * c.G + g) * c.Tq + qs + r0) * c.Dk;
-  const T* kp = c.k + ((n * c.Hkv + hk) * c.Tk + ks) * c.Dk;
+  const T* qp = c.q.at(n, hk, g, qs + r0);
+  const T* kp = c.k.at(n, hk, 0, ks);
   const bool capped = c.softcap > 0;
   const T alpha = T(capped ? c.scale : c.scale * kLog2e);
-  gemm<T>(false, true, nr, nk, c.Dk, alpha, qp, c.Dk, kp, c.Dk, T(0), s, ld);
+  gemm<T>(false, true, nr, nk, c.Dk, alpha, qp, c.q.ld(), kp, c.k.ld(), T(0), s, ld);
   const T inf = std::numeric_limits<T>::infinity();
   const int64_t h = hk * c.G + g;
   using V = at::vec::Vectorized<T>;
@@ -267,7 +300,7 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
         row[j] = trow[j] * T(c.softcap * kLog2e);
       }
     }
-    if (c.qv != nullptr) {
+    if (c.qv.p != nullptr) {
       const T* pr = pos.at(r0 + r, ks);
       int64_t j = 0;
       for (; j + V::size() <= nk; j += V::size()) {
@@ -367,7 +400,7 @@ struct OneBlasThread {
 };
 
 template <typename T>
-void forward_impl(const Call<T>& c, T* out, T* lse) {
+void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
   const int64_t items = c.N * c.Hkv * c.nqb;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
@@ -388,7 +421,7 @@ void forward_impl(const Call<T>& c, T* out, T* lse) {
           const int64_t* vis = c.visits + vi * 6;
           const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
           Window<T> w = whole;
-          if (c.qv != nullptr && whole.p == nullptr) {
+          if (c.qv.p != nullptr && whole.p == nullptr) {
             w = Window<T>(c, qs, r0, vis[3], ks, vis[1], pos.data());
             w.compute(c, n, hk * c.G + g, qs);
           }
@@ -404,13 +437,12 @@ void forward_impl(const Call<T>& c, T* out, T* lse) {
             m[R] = mnew;
           }
           if (c.p_drop > 0) drop(c, n, hk * c.G + g, qs + r0, ks, nr, nk, s.data(), nk);
-          const T* vp = c.v + ((n * c.Hkv + hk) * c.Tk + ks) * c.Dv;
-          gemm<T>(false, false, nr, c.Dv, nk, T(1), s.data(), nk, vp, c.Dv, T(1),
-                  acc.data() + r0 * c.Dv, c.Dv);
+          gemm<T>(false, false, nr, c.Dv, nk, T(1), s.data(), nk, c.v.at(n, hk, 0, ks), c.v.ld(),
+                  T(1), acc.data() + r0 * c.Dv, c.Dv);
         }
         const int64_t row0 = ((n * c.Hkv + hk) * c.G + g) * c.Tq + qs;
         for (int64_t r = 0; r < rows; ++r) {
-          T* o = out + (row0 + r) * c.Dv;
+          T* o = out.at(n, hk, g, qs + r);
           if (l[r] > T(0)) {
             const T inv = T(1) / l[r];
             for (int64_t d = 0; d < c.Dv; ++d) o[d] = acc[r * c.Dv + d] * inv;
@@ -426,8 +458,8 @@ void forward_impl(const Call<T>& c, T* out, T* lse) {
 }
 
 template <typename T>
-void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta, T* dq, T* dk,
-                   T* dv, T* dbias, T* dqv, T* denc) {
+void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, const T* delta,
+                   const Rows<T*>& dq, T* dk, T* dv, T* dbias, T* dqv, T* denc) {
   // Stretches of query blocks per key/value head, enough for every thread to have work.
   const int64_t heads = c.N * c.Hkv;
   const int64_t threads = at::get_num_threads();
@@ -456,7 +488,7 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
   std::vector<std::vector<T>> dv_parts(parts > 1 ? heads * parts : 0);
   // Every query block of every batch row adds to enc's gradient: each thread adds into its own.
   std::vector<std::vector<T>> denc_threads(denc != nullptr ? at::get_num_threads() : 0);
-  const bool position = c.qv != nullptr && (dqv != nullptr || denc != nullptr);
+  const bool position = c.qv.p != nullptr && (dqv != nullptr || denc != nullptr);
   at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
     const int64_t bk_max = c.tile_k;
@@ -487,8 +519,9 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
         dvh = bv.data();
         k0 = kmin[p];
       }
-      const T* kh = c.k + nh * c.Tk * c.Dk;
-      const T* vh = c.v + nh * c.Tk * c.Dv;
+      const T* kh = c.k.at(n, hk, 0, 0);
+      const T* vh = c.v.at(n, hk, 0, 0);
+      const int64_t ldk = c.k.ld(), ldv = c.v.ld();
       for (int64_t g = 0; g < c.G; ++g) {
         const int64_t h = hk * c.G + g;
         for (int64_t qb = first[p]; qb < first[p + 1]; ++qb) {
@@ -507,7 +540,7 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
             const int64_t* vis = c.visits + vi * 6;
             const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
             Window<T> w = whole, dw = dwhole;
-            if (c.qv != nullptr && whole.p == nullptr) {
+            if (c.qv.p != nullptr && whole.p == nullptr) {
               w = Window<T>(c, qs, r0, vis[3], ks, vis[1], pos.data());
               w.compute(c, n, h, qs);
               dw = w;
@@ -520,9 +553,9 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
               const T base = (std::isinf(L) && L < 0) ? T(0) : T(L * kLog2e);
               exp2_sum(s.data() + r * nk, nk, base);
             }
-            const T* dop = dout + (row0 + r0) * c.Dv;
+            const T* dop = dout.at(n, hk, g, qs + r0);
             // dP = dO V^T (rows x keys)
-            gemm<T>(false, true, nr, nk, c.Dv, T(1), dop, c.Dv, vh + ks * c.Dv, c.Dv, T(0),
+            gemm<T>(false, true, nr, nk, c.Dv, T(1), dop, dout.ld(), vh + ks * ldv, ldv, T(0),
                     dp.data(), nk);
             const T* pv = s.data();
             if (c.p_drop > 0) {
@@ -535,7 +568,7 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
               pv = pd.data();
             }
             // dV += P^T dO
-            gemm<T>(true, false, nk, c.Dv, nr, T(1), pv, nk, dop, c.Dv, T(1),
+            gemm<T>(true, false, nk, c.Dv, nr, T(1), pv, nk, dop, dout.ld(), T(1),
                     dvh + (ks - k0) * c.Dv, c.Dv);
             for (int64_t r = 0; r < nr; ++r) {
               const T dl = delta[row0 + r0 + r];
@@ -555,14 +588,15 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
             }
             if (position && whole.p == nullptr) dw.backward(c, n, h, qs, dqv, denc_own);
             // dQ += scale dS K, dK += scale dS^T Q
-            gemm<T>(false, false, nr, c.Dk, nk, T(c.scale), dp.data(), nk, kh + ks * c.Dk, c.Dk,
+            gemm<T>(false, false, nr, c.Dk, nk, T(c.scale), dp.data(), nk, kh + ks * ldk, ldk,
                     T(1), dqa.data() + r0 * c.Dk, c.Dk);
-            const T* qp = c.q + (row0 + r0) * c.Dk;
-            gemm<T>(true, false, nk, c.Dk, nr, T(c.scale), dp.data(), nk, qp, c.Dk, T(1),
-                    dkh + (ks - k0) * c.Dk, c.Dk);
+            gemm<T>(true, false, nk, c.Dk, nr, T(c.scale), dp.data(), nk, c.q.at(n, hk, g, qs + r0),
+                    c.q.ld(), T(1), dkh + (ks - k0) * c.Dk, c.Dk);
           }
           if (position && whole.p != nullptr) dwhole.backward(c, n, h, qs, dqv, denc_own);
-          std::copy(dqa.begin(), dqa.begin() + rows * c.Dk, dq + row0 * c.Dk);
+          for (int64_t r = 0; r < rows; ++r) {
+            std::copy(dqa.begin() + r * c.Dk, dqa.begin() + (r + 1) * c.Dk, dq.at(n, hk, g, qs + r));
+          }
         }
       }
     }
@@ -608,13 +642,13 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   c.G = q.size(2);
   c.Tq = q.size(3);
   c.Dk = q.size(4);
-  c.Tk = k.size(1);
-  c.Dv = v.size(2);
+  c.Tk = k.size(2);
+  c.Dv = v.size(3);
   c.bq = block_q;
   c.tile_k = block_k;
-  c.q = q.data_ptr<T>();
-  c.k = k.data_ptr<T>();
-  c.v = v.data_ptr<T>();
+  c.q = rows_of<const T*>(q, q.data_ptr<T>());
+  c.k = rows_of<const T*>(k, k.data_ptr<T>());
+  c.v = rows_of<const T*>(v, v.data_ptr<T>());
   c.off = off.data_ptr<int64_t>();
   c.visits = visits.data_ptr<int64_t>();
   c.nqb = off.size(0) - 1;
@@ -642,10 +676,12 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   c.p_drop = p_drop;
   c.seed = (uint64_t)seed;
   if (qv.has_value() && enc.has_value()) {
-    TORCH_CHECK(qv->is_contiguous() && enc->is_contiguous(), "contiguous qv, enc");
-    TORCH_CHECK(qv->numel() == c.N * c.Hkv * c.G * c.Tq * enc->size(2), "qv is (N, H, Tq, Dh)");
+    TORCH_CHECK(enc->is_contiguous(), "contiguous enc");
+    TORCH_CHECK(qv->dim() == 4 && qv->size(0) == c.N && qv->size(1) == c.Hkv * c.G &&
+                    qv->size(2) == c.Tq && qv->size(3) == enc->size(2),
+                "qv is (N, H, Tq, Dh)");
     TORCH_CHECK(enc->size(0) == c.Hkv * c.G, "enc is (H, P, Dh)");
-    c.qv = qv->data_ptr<T>();
+    c.qv = rows_of<const T*>(*qv, qv->data_ptr<T>());
     c.enc = enc->data_ptr<T>();
     c.Dh = enc->size(2);
     c.P = enc->size(1);
@@ -656,6 +692,21 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return c;
 }
 
+// A (N, Hkv, G, T, d) tensor laid out like q: (N, T, Hkv, G, d) in memory when q's rows are
+// token-major (a view of (B, T, H, D), as projections give), so that the caller's transpose back
+// is free; else contiguous.
+at::Tensor like_q(const at::Tensor& q, int64_t d, bool zero) {
+  const bool token_major = q.size(3) > 1 && q.stride(3) >= q.size(1) * q.size(2) * q.size(4);
+  auto o = q.options();
+  if (!token_major) {
+    return zero ? at::zeros({q.size(0), q.size(1), q.size(2), q.size(3), d}, o)
+                : at::empty({q.size(0), q.size(1), q.size(2), q.size(3), d}, o);
+  }
+  std::vector<int64_t> shape = {q.size(0), q.size(3), q.size(1), q.size(2), d};
+  auto t = zero ? at::zeros(shape, o) : at::empty(shape, o);
+  return t.permute({0, 2, 3, 1, 4});
+}
+
 std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor off,
                                 at::Tensor visits, int64_t block_q, int64_t block_k, double scale,
                                 double softcap, c10::optional<at::Tensor> bias,
@@ -664,14 +715,15 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
                                 double p_drop, int64_t seed, c10::optional<at::Tensor> qv,
                                 c10::optional<at::Tensor> enc, double rel_scale, int64_t top,
                                 int64_t whole_width) {
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous q, k, v");
-  auto out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3), v.size(2)}, q.options());
+  TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4, "q (N, Hkv, G, Tq, D), k, v 4-d");
+  auto out = like_q(q, v.size(3), false);
   auto lse = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_forward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
                                  band, shift, key_ok, tiles, p_drop, seed, qv, enc, rel_scale,
                                  top, whole_width);
-    forward_impl<scalar_t>(c, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+    forward_impl<scalar_t>(c, rows_of<scalar_t*>(out, out.data_ptr<scalar_t>()),
+                           lse.data_ptr<scalar_t>());
   });
   return {out, lse};
 }
@@ -686,25 +738,26 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                                  double rel_scale, int64_t top, int64_t whole_width,
                                  at::Tensor dout, at::Tensor lse,
                                  at::Tensor delta, bool bias_grad, bool qv_grad, bool enc_grad) {
-  TORCH_CHECK(dout.is_contiguous() && lse.is_contiguous() && delta.is_contiguous(),
-              "contiguous dout, lse, delta");
-  auto dq = at::zeros_like(q);  // rows that see no key keep 0
-  auto dk = at::zeros_like(k);
-  auto dv = at::zeros_like(v);
+  TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous(), "contiguous lse, delta");
+  auto dq = like_q(q, q.size(4), true);  // rows that see no key keep 0
+  // (N * Hkv, Tk, D), contiguous
+  auto dk = at::zeros({k.size(0) * k.size(1), k.size(2), k.size(3)}, k.options());
+  auto dv = at::zeros({v.size(0) * v.size(1), v.size(2), v.size(3)}, v.options());
   at::Tensor dbias;
   if (bias_grad) {
-    dbias = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3), k.size(1)}, q.options());
+    dbias = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3), k.size(2)}, q.options());
   }
   const bool position = qv.has_value() && enc.has_value();
   at::Tensor dqv, denc;
-  if (position && qv_grad) dqv = at::zeros_like(*qv);
+  if (position && qv_grad) dqv = at::zeros(qv->sizes(), qv->options());  // contiguous
   if (position && enc_grad) denc = at::zeros_like(*enc);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_backward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
                                  band, shift, key_ok, tiles, p_drop, seed, qv, enc, rel_scale,
                                  top, whole_width);
-    backward_impl<scalar_t>(c, dout.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-                            delta.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(),
+    backward_impl<scalar_t>(c, rows_of<const scalar_t*>(dout, dout.data_ptr<scalar_t>()),
+                            lse.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+                            rows_of<scalar_t*>(dq, dq.data_ptr<scalar_t>()),
                             dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
                             bias_grad ? dbias.data_ptr<scalar_t>() : nullptr,
                             dqv.defined() ? dqv.data_ptr<scalar_t>() : nullptr,

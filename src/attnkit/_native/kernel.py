@@ -89,8 +89,8 @@ class NativeCall:
     def forward(
         self,
         q5: Tensor,
-        k3: Tensor,
-        v3: Tensor,
+        k4: Tensor,
+        v4: Tensor,
         bias5: Tensor | None,
         term_inputs: tuple[Tensor, ...] = (),
     ) -> tuple[Tensor, Tensor]:
@@ -99,14 +99,14 @@ class NativeCall:
         module = load()
         if module is None:
             raise RuntimeError("attnkit internal error: native call without the native kernel")
-        out, lse = module.forward(*self._inputs(q5, k3, v3, bias5, term_inputs))
+        out, lse = module.forward(*self._inputs(q5, k4, v4, bias5, term_inputs))
         return out, lse
 
     def _inputs(
         self,
         q5: Tensor,
-        k3: Tensor,
-        v3: Tensor,
+        k4: Tensor,
+        v4: Tensor,
         bias5: Tensor | None,
         term_inputs: tuple[Tensor, ...],
     ) -> tuple[object, ...]:
@@ -115,12 +115,12 @@ class NativeCall:
         qv = enc = None
         scale, top, whole = 0.0, 0, 0
         if self.position is not None:
-            qv, enc = (t.to(work).contiguous() for t in term_inputs)
+            qv, enc = _rows(term_inputs[0], work), term_inputs[1].to(work).contiguous()
             scale, top, whole = self.position
         return (
-            q5.to(work).contiguous(),
-            k3.to(work).contiguous(),
-            v3.to(work).contiguous(),
+            _rows(q5, work),
+            _rows(k4, work),
+            _rows(v4, work),
             *self._args(),
             None if bias5 is None else bias5.to(work),
             self.band,
@@ -139,8 +139,8 @@ class NativeCall:
     def backward(
         self,
         q5: Tensor,
-        k3: Tensor,
-        v3: Tensor,
+        k4: Tensor,
+        v4: Tensor,
         bias5: Tensor | None,
         dout5: Tensor,
         lse: Tensor,
@@ -149,7 +149,7 @@ class NativeCall:
         term_inputs: tuple[Tensor, ...] = (),
         term_grads: tuple[bool, ...] = (),
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor | None]]:
-        """``(dq5, dk3, dv3, dbias5, dterm)`` in the work dtype (``dbias5`` in ``bias5``'s shape;
+        """``(dq5, dk4, dv4, dbias5, dterm)`` in the work dtype (``dbias5`` in ``bias5``'s shape;
         ``dterm``: the gradients of ``term_inputs`` that ``term_grads`` asks for, else None)."""
         module = load()
         if module is None:
@@ -157,8 +157,8 @@ class NativeCall:
         work = torch.promote_types(q5.dtype, torch.float32)
         qv_grad, enc_grad = term_grads if self.position is not None else (False, False)
         dq, dk, dv, dbias, dqv, denc = module.backward(
-            *self._inputs(q5, k3, v3, bias5, term_inputs),
-            dout5.to(work).contiguous(),
+            *self._inputs(q5, k4, v4, bias5, term_inputs),
+            _rows(dout5, work),
             lse.to(work).contiguous(),
             delta.to(work).contiguous(),
             bias_grad and bias5 is not None,
@@ -169,6 +169,15 @@ class NativeCall:
             dbias = dbias.sum_to_size(bias5.shape)
         dterm: list[Tensor | None] = [dqv, denc] if self.position is not None else []
         return dq, dk, dv, dbias, dterm
+
+
+def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` with contiguous rows (its last dimension), at any other strides: the
+    kernel reads rows at their stride, so a ``(B, T, H, D)`` view needs no copy."""
+    t = t.to(dtype)
+    unit = t.stride(-1) == 1 or t.size(-1) <= 1
+    apart = t.dim() < 2 or t.size(-2) <= 1 or t.stride(-2) >= max(t.size(-1), 1)
+    return t if unit and apart else t.contiguous()
 
 
 def _mask_form(mask: Mask | None, geo: Geometry) -> tuple[list[float], Tensor | None, bool]:

@@ -122,16 +122,18 @@ class _Spec:
 
 
 def _layout(
-    spec: _Spec, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None
+    spec: _Spec, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, native: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """q, k, v and a dense bias in the kernel's layout (see :class:`Problem`)."""
+    """q, k, v and a dense bias in the kernel's layout (see :class:`Problem`); for the native
+    kernel k and v stay ``(B, Hkv, Tk, D)``, views at the caller's strides where they can be."""
     batch = spec.geo.batch_shape
     n = spec.geo.batch
     hkv = k.size(-3)
+    kv = (n, hkv) if native else (n * hkv,)
     return (
         q.reshape(n, hkv, q.size(-3) // hkv, q.size(-2), q.size(-1)),
-        k.reshape(n * hkv, k.size(-2), k.size(-1)),
-        v.reshape(n * hkv, v.size(-2), v.size(-1)),
+        k.reshape(*kv, k.size(-2), k.size(-1)),
+        v.reshape(*kv, v.size(-2), v.size(-1)),
         None if bias is None else _as_5d(bias, batch, n, hkv),
     )
 
@@ -184,8 +186,8 @@ class _KernelAttention(torch.autograd.Function):
         term_inputs, mod_inputs = extra[: spec.n_term], extra[spec.n_term :]
         with no_autocast(q.device):
             if spec.native is not None:
-                q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
-                out5, lse = spec.native.forward(q5, k3, v3, bias5, term_inputs)
+                q5, k4, v4, bias5 = _layout(spec, q, k, v, bias, native=True)
+                out5, lse = spec.native.forward(q5, k4, v4, bias5, term_inputs)
             else:
                 out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs, mod_inputs))
             if spec.check_term and spec.term is not None:
@@ -222,11 +224,11 @@ class _KernelAttention(torch.autograd.Function):
                 delta = delta - dlse.reshape(lse.shape).to(delta.dtype)
             bias_grad = bias is not None and needs[4]
             if spec.native is not None:
-                q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
+                q5, k4, v4, bias5 = _layout(spec, q, k, v, bias, native=True)
                 dq, dk, dv, dbias5, dterm5 = spec.native.backward(
                     q5,
-                    k3,
-                    v3,
+                    k4,
+                    v4,
                     bias5,
                     dout5,
                     lse,
