@@ -526,8 +526,6 @@ class Chunked(Backend):
         # A score_mod that is exactly a softcap runs as softcap=: in the native kernel, with no
         # Python per tile. It captures no tensor needing gradients (softcap_of refuses those).
         cap = None if inputs.captured else as_softcap(call)
-        if cap is not None:
-            call = replace(call, softcap=cap, score_mod=None)
         return kernel_attention(
             inputs.q,
             inputs.k,
@@ -535,7 +533,7 @@ class Chunked(Backend):
             mask=call.mask,
             bias=inputs.bias if inputs.bias is not None else call.score_term,
             scale=call.scale,
-            softcap=call.softcap,
+            softcap=call.softcap if cap is None else cap,
             sinks=inputs.sinks,
             block_q=self.block_q,
             block_k=self.block_k,
@@ -544,7 +542,7 @@ class Chunked(Backend):
             return_lse=call.return_lse,
             native=self.native,
             dropout_p=call.dropout_p,
-            score_mod=call.score_mod,
+            score_mod=call.score_mod if cap is None else None,
             captured=inputs.captured,
         )
 
