@@ -424,7 +424,7 @@ def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str |
 
 def as_softcap(call: AttentionCall) -> float | None:
     """The cap ``c`` when the call's score_mod is exactly ``c * tanh(score / c)`` (see
-    :func:`attnkit._score_mod.softcap_of`) and nothing comes before it in the scores (no
+    ``attnkit._score_mod.softcap_of``) and nothing comes before it in the scores (no
     ``softcap``, no ``bias``): the call is then the same as one with ``softcap=c``."""
     if call.score_mod is None or call.softcap is not None:
         return None
