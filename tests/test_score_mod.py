@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from attnkit import _score_mod as score_mod_module
 from attnkit._score_mod import apply, captured_tensors, check_captured, index_tensors, softcap_of
 
 TABLE = torch.randn(8, requires_grad=True)
@@ -159,3 +160,15 @@ def test_the_cache_follows_what_the_function_reads() -> None:
     assert softcap_of(half) is None
     d = 4.0
     assert softcap_of(half) == 4.0
+
+
+def test_a_score_mod_without_tanh_is_never_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    traced = []
+    monkeypatch.setattr(score_mod_module, "_trace_softcap", lambda fn: traced.append(fn))
+    scale = torch.tensor(0.5)
+    assert softcap_of(lambda s, b, h, q, kv: s * scale) is None
+    scale.mul_(2.0)  # a 0-d tensor written in place each step: no trace per call either
+    assert softcap_of(lambda s, b, h, q, kv: s * scale) is None
+    assert not traced
+    assert softcap_of(lambda s, b, h, q, kv: torch.tanh(s) * scale) is None
+    assert len(traced) == 1

@@ -396,7 +396,9 @@ def softcap_of(score_mod: ScoreMod) -> float | None:
     >>> softcap_of(lambda s, b, h, q_idx, kv_idx: 30.0 * torch.tanh(s / 20.0)) is None
     True
     """
-    if type(score_mod) is not types.FunctionType:
+    # Every spelling of tanh in the function's own code names it (torch.tanh, score.tanh(), ...):
+    # a score_mod that does not is no softcap, and costs no trace.
+    if type(score_mod) is not types.FunctionType or "tanh" not in score_mod.__code__.co_names:
         return None
     reads = _reads(score_mod)
     if reads is None:
