@@ -1,31 +1,48 @@
 """attnkit.flex with a score_mod against the same call through attention()'s own arguments.
 
-A softcap as a score_mod (``c * tanh(s / c)``) against ``attention(softcap=c)``, and an additive
-relative bias as a score_mod (``s + table[q_idx - kv_idx]``) against ``attention(bias=...)`` with
-that bias written out as a (T, T) tensor (``auto`` takes torch's SDPA for it; the chunked
-kernel's figure is there too). B=1, H=8, D=64, float32 on the CPU, no mask; forward
-(no grad) and forward+backward. Times are medians of interleaved torch.utils.benchmark rounds;
-"ratio" is flex's time over attention()'s. ``--memory`` also measures the extra peak memory of
-flex's forward+backward in a fresh process.
+A softcap as a score_mod (``c * tanh(s / c)``) against ``attention(softcap=c)``: attnkit
+recognises that score_mod and runs the call as ``softcap=c``, in the native kernel (the row
+"per tile" is the same function wrapped in a ``functools.partial``, which is never recognised:
+the eager kernel applying it tile by tile). An additive relative bias as a score_mod
+(``s + table[q_idx - kv_idx]``) runs tile by tile; it is timed against ``attention(bias=...)``
+with that bias written out as a (T, T) tensor (``auto`` takes torch's SDPA for it; the chunked
+kernel's figure is there too). B=1, H=8, D=64, float32 on the CPU, no mask; forward (no grad) and
+forward+backward.
+
+Every round times each call once with torch.utils.benchmark (interleaved, so a slow minute of
+the machine hurts all of them); "ratio" is flex's time over attention()'s in the same round,
+given as the median over the rounds and their range. It also prints what recognising the
+softcap costs per call (a cache lookup) and the first time (a torch.fx trace). ``--memory``
+also measures the extra peak memory of flex's forward+backward in a fresh process.
 
     python benchmarks/bench_flex.py              # T = 4096
+    python benchmarks/bench_flex.py --t 128 --rounds 5 --threads 1   # a busy machine: 1 thread
     python benchmarks/bench_flex.py --t 1024 --memory
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import statistics
+import timeit
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.utils import benchmark
 
 import attnkit
-from attnkit.cli.measure import extra_peak_memory, time_side_by_side
+from attnkit._score_mod import _SOFTCAPS, softcap_of
+from attnkit.cli.measure import extra_peak_memory
 from attnkit.flex import flex_attention
 
 B, H, D = 1, 8, 64
 CAP = 20.0
+
+
+def capped(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+    return CAP * torch.tanh(s / CAP)
 
 
 def _inputs(t: int, grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -36,13 +53,11 @@ def _inputs(t: int, grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def calls(t: int, grad: bool) -> dict[str, Callable[[], object]]:
-    """The four calls at length ``t``, forward only or forward+backward."""
+    """The calls at length ``t``, forward only or forward+backward."""
     q, k, v, table = _inputs(t, grad)
     pos = torch.arange(t)
     dense = table[pos[:, None] - pos[None, :] + t]  # (T, T)
-
-    def capped(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
-        return CAP * torch.tanh(s / CAP)
+    per_tile = functools.partial(capped)  # not a plain function: never recognised
 
     def relative(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
         return s + table[qi - kv + t]
@@ -61,12 +76,54 @@ def calls(t: int, grad: bool) -> dict[str, Callable[[], object]]:
     return {
         "softcap: attention(softcap=)": run(lambda: attnkit.attention(q, k, v, softcap=CAP)),
         "softcap: flex score_mod": run(lambda: flex_attention(q, k, v, capped)),  # type: ignore[arg-type,return-value]
+        "softcap: flex per tile": run(lambda: flex_attention(q, k, v, per_tile)),  # type: ignore[arg-type,return-value]
         "bias: attention(bias=)": run(lambda: attnkit.attention(q, k, v, bias=dense)),
         "bias: chunked(bias=)": run(
             lambda: attnkit.attention(q, k, v, bias=dense, backend="chunked")
         ),
         "bias: flex score_mod": run(lambda: flex_attention(q, k, v, relative)),  # type: ignore[arg-type,return-value]
     }
+
+
+PAIRS = [
+    ("softcap: attention(softcap=)", "softcap: flex score_mod"),
+    ("softcap: attention(softcap=)", "softcap: flex per tile"),
+    ("bias: attention(bias=)", "bias: flex score_mod"),
+    ("bias: chunked(bias=)", "bias: flex score_mod"),
+]
+
+
+def time_rounds(
+    fns: dict[str, Callable[[], object]], rounds: int, min_run_time: float
+) -> dict[str, list[float]]:
+    """Seconds per call of each callable in each of ``rounds`` interleaved rounds."""
+    for fn in fns.values():  # warm-up: first-call costs (kernel selection, allocations)
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+            samples[name].append(timer.blocked_autorange(min_run_time=min_run_time).median)
+    return samples
+
+
+def ratio_text(base: list[float], other: list[float]) -> str:
+    """``median [min-max]`` of the per-round ratios ``other / base``."""
+    ratios = [o / b for b, o in zip(base, other, strict=True)]
+    return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
+def recognition_cost() -> tuple[float, float]:
+    """Seconds softcap_of takes on a score_mod it has seen (a lookup), and on a new one (a
+    trace)."""
+    softcap_of(capped)
+    n = 2000
+    hit = timeit.timeit(lambda: softcap_of(capped), number=n) / n
+    cold = []
+    for _ in range(5):
+        _SOFTCAPS.clear()
+        cold.append(timeit.timeit(lambda: softcap_of(capped), number=1))
+    return hit, statistics.median(cold)
 
 
 def _make_flex_train(t: int) -> tuple[Callable[[], object], int]:
@@ -79,18 +136,25 @@ def main() -> None:
     parser.add_argument("--t", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"B={B} H={H} T={args.t} D={D} float32, {torch.get_num_threads()} threads")
     for grad in (False, True):
-        times = time_side_by_side(calls(args.t, grad), rounds=args.rounds, min_run_time=0.1)
-        names = list(times)
+        samples = time_rounds(calls(args.t, grad), rounds=args.rounds, min_run_time=0.1)
         mode = "forward+backward" if grad else "forward"
-        for base, flex in ((names[0], names[1]), (names[2], names[4]), (names[3], names[4])):
-            ratio = times[flex] / times[base]
+        for base, flex in PAIRS:
+            b, f = statistics.median(samples[base]), statistics.median(samples[flex])
             print(
-                f"{mode:<17} {base:<30} {times[base]:8.3f} s   {flex:<24} "
-                f"{times[flex]:8.3f} s   ratio {ratio:.2f}"
+                f"{mode:<17} {base:<30} {b * 1e3:9.2f} ms   {flex:<24} {f * 1e3:9.2f} ms   "
+                f"ratio {ratio_text(samples[base], samples[flex])}"
             )
+    hit, cold = recognition_cost()
+    print(
+        f"recognising the softcap score_mod: {hit * 1e6:.1f} us per call once seen, "
+        f"{cold * 1e3:.2f} ms the first time (torch.fx trace)"
+    )
     if args.memory:
         extra = extra_peak_memory(_make_flex_train, args.t)
         if extra is not None:

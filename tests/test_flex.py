@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -411,6 +412,70 @@ def test_backends_that_do_not_apply_a_score_mod_decline_it() -> None:
         attnkit.attention(q, q, q, score_mod=squared, backend=mine)
     with pytest.raises(TypeError, match=r"score_mod must be a function .*; got float"):
         check_attention_args(q, q, q, mask=None, bias=None, causal=False, scale=None, score_mod=3.0)
+
+
+CAP_T = torch.tensor(2.5)
+
+SOFTCAPS: dict[str, tuple[Callable[..., Tensor], float]] = {
+    "c * tanh(s / c)": (lambda s, b, h, q, kv: 2.5 * torch.tanh(s / 2.5), 2.5),
+    "tanh(s / c) * c": (lambda s, b, h, q, kv: torch.tanh(s / 2.5) * 2.5, 2.5),
+    "methods": (lambda s, b, h, q, kv: s.div(2.5).tanh().mul(2.5), 2.5),
+    "0-d tensor": (lambda s, b, h, q, kv: CAP_T * torch.tanh(s / CAP_T), 2.5),
+}
+
+
+def _chunked_notes(**kwargs: object) -> str:
+    q, k, v = _qkv(torch.float32)
+    report = attnkit.explain(q, k, v, backend="chunked", **kwargs)  # type: ignore[arg-type]
+    return " ".join(report.notes["chunked"])
+
+
+@pytest.mark.parametrize("name", SOFTCAPS)
+def test_a_softcap_score_mod_runs_as_softcap(name: str) -> None:
+    """Recognised: the same output as attention(softcap=c) (the very same computation), and the
+    gradients of the per-tile path and of the float64 formula."""
+    mod, cap = SOFTCAPS[name]
+    assert f"recognised as softcap={cap}" in _chunked_notes(score_mod=mod)
+    q, k, v = (t.requires_grad_() for t in _qkv(torch.float32))
+    got = _grads(lambda: flex.flex_attention(q, k, v, mod, enable_gqa=True), [q, k, v])
+    fused = _grads(lambda: attnkit.attention(q, k, v, softcap=cap), [q, k, v])
+    assert torch.equal(got[0], fused[0])
+    # A partial is never recognised: this is the per-tile score_mod path.
+    per_tile = functools.partial(mod)
+    assert "recognised" not in _chunked_notes(score_mod=per_tile)
+    eager = _grads(lambda: attnkit.attention(q, k, v, score_mod=per_tile), [q, k, v])
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = _grads(lambda: _dense_flex(q64, k64, v64, mod, None), [q64, k64, v64])
+    for a, b, c, w in zip(got, fused, eager, want, strict=True):
+        assert_close(a, w, dtype=torch.float32)
+        assert_close(b, w, dtype=torch.float32)
+        assert_close(c, w, dtype=torch.float32)
+
+
+def test_a_softcap_score_mod_after_softcap_or_bias_is_not_rewritten() -> None:
+    """cap(cap(s)) and cap(s + bias) are not softcap=c: the per-tile path, and right."""
+    mod, cap = SOFTCAPS["c * tanh(s / c)"]
+    q, k, v = _qkv(torch.float32)
+    bias = torch.randn(H, T_Q, T_K)
+    for kwargs in ({"softcap": 3.0}, {"bias": bias}):
+        notes = _chunked_notes(score_mod=mod, **kwargs)
+        assert "recognised" not in notes
+        assert "does not fuse a score_mod" in notes
+        got = attnkit.attention(q, k, v, score_mod=mod, **kwargs)  # type: ignore[arg-type]
+        s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(D)
+        s = 3.0 * torch.tanh(s / 3.0) if "softcap" in kwargs else s + bias.double()
+        want = torch.softmax(cap * torch.tanh(s / cap), -1) @ v.double().repeat_interleave(2, 1)
+        assert_close(got, want, dtype=torch.float32)
+
+
+def test_softcap_look_alikes_keep_the_per_tile_path() -> None:
+    grad = torch.tensor(2.5, requires_grad=True)
+    for mod in (
+        lambda s, b, h, q, kv: 2.5 * torch.tanh(s / 2.0),
+        lambda s, b, h, q, kv: grad * torch.tanh(s / grad),
+        lambda s, b, h, q, kv: 2.5 * torch.tanh(s / 2.5) + 0.0 * (q - kv),
+    ):
+        assert "does not fuse a score_mod" in _chunked_notes(score_mod=mod)
 
 
 def test_flex_api_errors_name_the_argument() -> None:

@@ -1,4 +1,5 @@
-"""Score mods: which captured tensors are found, what is refused, how a tile's result is checked."""
+"""Score mods: which captured tensors are found, what is refused, how a tile's result is checked,
+which are recognised as a softcap."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from attnkit._score_mod import apply, captured_tensors, check_captured, index_tensors
+from attnkit import _score_mod as score_mod_module
+from attnkit._score_mod import apply, captured_tensors, check_captured, index_tensors, softcap_of
 
 TABLE = torch.randn(8, requires_grad=True)
 FROZEN = torch.randn(8)
@@ -84,3 +86,89 @@ def test_a_tiles_result_is_checked_and_broadcast() -> None:
         apply(lambda s, b, h, q, kv: q > kv, s, idx)
     with pytest.raises(ValueError, match=r"returned shape \(7\), which does not broadcast"):
         apply(lambda s, b, h, q, kv: torch.zeros(7), s, idx)
+
+
+CAP = 20.0
+CAP_T = torch.tensor(20.0)
+CAP_GRAD = torch.tensor(20.0, requires_grad=True)
+OTHER = 21.0
+
+
+def global_cap(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return CAP * torch.tanh(s / CAP)
+
+
+def _closure(c: float) -> object:
+    return lambda s, b, h, q, kv: torch.tanh(s / c) * c
+
+
+RECOGNISED: dict[str, tuple[object, float]] = {
+    "global": (global_cap, 20.0),
+    "closure": (_closure(3.5), 3.5),
+    "methods": (lambda s, b, h, q, kv: s.div(CAP).tanh().mul(CAP), 20.0),
+    "functions": (lambda s, b, h, q, kv: torch.mul(torch.tanh(torch.div(s, 2)), 2), 2.0),
+    "tensor": (lambda s, b, h, q, kv: CAP_T * torch.tanh(s / CAP_T), 20.0),
+    "tensor methods": (lambda s, b, h, q, kv: (s / CAP_T).tanh() * CAP_T, 20.0),
+    "default": (lambda s, b, h, q, kv, c=5.0: c * torch.tanh(s / c), 5.0),
+}
+
+LOOK_ALIKES: dict[str, object] = {
+    "two constants": lambda s, b, h, q, kv: CAP * torch.tanh(s / OTHER),
+    "tensor needing grad": lambda s, b, h, q, kv: CAP_GRAD * torch.tanh(s / CAP_GRAD),
+    "uses q_idx": lambda s, b, h, q, kv: CAP * torch.tanh(s / CAP) + 0 * q,
+    "uses h": lambda s, b, h, q, kv: CAP * torch.tanh(s / (CAP + h)),
+    "one more op": lambda s, b, h, q, kv: CAP * torch.tanh(s / CAP) * 1.0,
+    "reciprocal": lambda s, b, h, q, kv: CAP * torch.tanh(s * (1 / CAP)),
+    "branch on a score": lambda s, b, h, q, kv: CAP * torch.tanh(s / CAP) if s.max() < 3 else s,
+    "negative c": lambda s, b, h, q, kv: -2.0 * torch.tanh(s / -2.0),
+    "per-head c": lambda s, b, h, q, kv: FROZEN[h] * torch.tanh(s / FROZEN[h]),
+    "identity": lambda s, b, h, q, kv: s,
+    "tanh only": lambda s, b, h, q, kv: torch.tanh(s),
+    "partial": functools.partial(lambda s, b, h, q, kv, c: c * torch.tanh(s / c), c=2.0),
+    "module": Biased(),
+    "calls a Python function": lambda s, b, h, q, kv: global_cap(s, b, h, q, kv),
+}
+
+
+@pytest.mark.parametrize("name", RECOGNISED)
+def test_a_softcap_score_mod_is_recognised_in_its_spellings(name: str) -> None:
+    fn, cap = RECOGNISED[name]
+    assert softcap_of(fn) == cap  # type: ignore[arg-type]
+    assert softcap_of(fn) == cap  # type: ignore[arg-type]  # from the cache
+
+
+@pytest.mark.parametrize("name", LOOK_ALIKES)
+def test_look_alikes_are_not_recognised(name: str) -> None:
+    assert softcap_of(LOOK_ALIKES[name]) is None  # type: ignore[arg-type]
+
+
+def test_the_cache_follows_what_the_function_reads() -> None:
+    c = 2.0
+    mod = lambda s, b, h, q, kv: c * torch.tanh(s / c)  # noqa: E731
+    assert softcap_of(mod) == 2.0
+    c = 4.0  # rebinding the closure's cell
+    assert softcap_of(mod) == 4.0
+    t = torch.tensor(3.0)
+    tmod = lambda s, b, h, q, kv: t * torch.tanh(s / t)  # noqa: E731
+    assert softcap_of(tmod) == 3.0
+    t.fill_(6.0)  # in place: the tensor's version changes
+    assert softcap_of(tmod) == 6.0
+    t.requires_grad_()
+    assert softcap_of(tmod) is None
+    d = 2.0
+    half = lambda s, b, h, q, kv: c * torch.tanh(s / d)  # noqa: E731
+    assert softcap_of(half) is None
+    d = 4.0
+    assert softcap_of(half) == 4.0
+
+
+def test_a_score_mod_without_tanh_is_never_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    traced = []
+    monkeypatch.setattr(score_mod_module, "_trace_softcap", lambda fn: traced.append(fn))
+    scale = torch.tensor(0.5)
+    assert softcap_of(lambda s, b, h, q, kv: s * scale) is None
+    scale.mul_(2.0)  # a 0-d tensor written in place each step: no trace per call either
+    assert softcap_of(lambda s, b, h, q, kv: s * scale) is None
+    assert not traced
+    assert softcap_of(lambda s, b, h, q, kv: torch.tanh(s) * scale) is None
+    assert len(traced) == 1

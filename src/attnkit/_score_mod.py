@@ -11,11 +11,21 @@ and in the attributes of a callable object or the ``self`` of a bound method. A 
 reaches a tensor needing gradients some other way (through another function it calls, say) is
 refused by :func:`check_captured`, which follows the autograd graph of a probe call: such a tensor
 would otherwise silently get no gradient from the kernel's backward.
+
+Which score_mods are recognised as softcap (:func:`softcap_of`): a plain function (a ``def`` or a
+lambda) computing exactly ``c * tanh(score / c)`` for one constant ``c > 0``, in any spelling of
+the three operations (``c * torch.tanh(score / c)``, ``torch.tanh(score / c) * c``,
+``score.div(c).tanh().mul(c)``, ...), with ``c`` a Python number or a 0-d tensor that needs no
+gradient, read from its closure, its default arguments or the globals it names. A backend may
+then run the call as ``softcap=c``, the same function of the scores.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import operator
+import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -23,7 +33,14 @@ from torch import Tensor
 
 from ._checks import shape_str
 
-__all__ = ["ScoreMod", "captured_tensors", "check_captured", "check_score_mod", "index_tensors"]
+__all__ = [
+    "ScoreMod",
+    "captured_tensors",
+    "check_captured",
+    "check_score_mod",
+    "index_tensors",
+    "softcap_of",
+]
 
 #: ``score_mod(score, b, h, q_idx, kv_idx) -> score``
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -184,3 +201,214 @@ def check_captured(
             "it names and the attributes of its object; reach them from there (for example "
             "def mod(score, b, h, q_idx, kv_idx, bias=bias)), or detach them"
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# Recognising a score_mod that is exactly a softcap
+
+# The spellings of the three operations as torch.fx records them: call_function targets, and the
+# names of call_method targets (a Tensor method on the score, or on a tensor constant).
+_FUNCTIONS: dict[object, str] = {
+    operator.truediv: "div",
+    torch.div: "div",
+    torch.true_divide: "div",
+    torch.divide: "div",
+    torch.Tensor.div: "div",
+    torch.tanh: "tanh",
+    torch.Tensor.tanh: "tanh",
+    operator.mul: "mul",
+    torch.mul: "mul",
+    torch.multiply: "mul",
+    torch.Tensor.mul: "mul",
+}
+_METHODS = {
+    "div": "div",
+    "true_divide": "div",
+    "divide": "div",
+    "tanh": "tanh",
+    "mul": "mul",
+    "multiply": "mul",
+}
+
+
+def _op(node: object) -> str | None:
+    """``"div"``, ``"tanh"`` or ``"mul"`` for an fx node computing that without keywords."""
+    if not isinstance(node, torch.fx.Node) or node.kwargs:
+        return None
+    if node.op == "call_function":
+        return _FUNCTIONS.get(node.target)
+    if node.op == "call_method" and isinstance(node.target, str):
+        return _METHODS.get(node.target)
+    return None
+
+
+def _constant(arg: object, root: torch.nn.Module) -> float | None:
+    """The value of a Python number, or of a 0-d real tensor needing no gradient (an fx
+    get_attr node), else None."""
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return float(arg)
+    if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
+        return None
+    if not isinstance(arg.target, str):
+        return None
+    t = getattr(root, arg.target, None)
+    if not isinstance(t, Tensor) or t.ndim or t.requires_grad or t.device.type == "meta":
+        return None
+    if t.dtype == torch.bool or t.is_complex():
+        return None
+    return float(t.item())
+
+
+def _only_arg(node: torch.fx.Node, op: str, count: int) -> tuple[object, ...] | None:
+    """The arguments of ``node`` if it computes ``op`` with ``count`` of them and only one node
+    uses its result."""
+    if _op(node) != op or len(node.args) != count or len(node.users) != 1:
+        return None
+    return tuple(node.args)
+
+
+def _graph_softcap(graph: torch.fx.Graph, root: torch.nn.Module) -> float | None:
+    """``c`` when ``graph`` (traced from ``(score, b, h, q_idx, kv_idx)``) is exactly
+    ``mul(tanh(div(score, c)), c)``, mul's operands in either order, and nothing else."""
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    calls = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
+    out = nodes[-1]
+    if len(placeholders) != 5 or len(calls) != 3 or out.op != "output" or len(out.args) != 1:
+        return None
+    score, *indices = placeholders
+    if any(i.users for i in indices) or len(score.users) != 1:  # b, h, q_idx or kv_idx used
+        return None
+    result = out.args[0]
+    mul = _only_arg(result, "mul", 2) if isinstance(result, torch.fx.Node) else None
+    if mul is None:
+        return None
+    tanh, c2 = mul if _op(mul[0]) == "tanh" else mul[::-1]
+    tanh_args = _only_arg(tanh, "tanh", 1) if isinstance(tanh, torch.fx.Node) else None
+    if tanh_args is None or not isinstance(tanh_args[0], torch.fx.Node):
+        return None
+    div = _only_arg(tanh_args[0], "div", 2)
+    if div is None or div[0] is not score:
+        return None
+    c1 = _constant(div[1], root)
+    if c1 is None or c1 != _constant(c2, root) or not 0.0 < c1 < math.inf:
+        return None
+    return c1
+
+
+class _Absent:
+    """A name a function's code reads that its globals do not hold, or an empty closure cell."""
+
+
+_ABSENT = _Absent()
+
+
+def _stable_token(value: object) -> object | None:
+    """A hashable token for a value a score_mod reads that cannot change without the token
+    changing (numbers by type and value, a 0-d tensor by identity and version, torch's modules
+    and functions by identity); None for anything else."""
+    if value is None or value is _ABSENT:
+        return ("const", value)
+    if isinstance(value, (int, float, complex, str)):
+        return ("number", type(value), value)
+    if isinstance(value, Tensor):
+        # A tensor needing gradients must reach the kernel's backward, and a tensor of more than
+        # one value is no softcap constant: neither is recognised.
+        if value.ndim or value.requires_grad:
+            return None
+        # Its identity, and what changes with its values: in-place writes bump the version,
+        # ``t.data = ...`` moves its storage.
+        return ("tensor", id(value), value._version, value.data_ptr(), value.dtype)
+    if isinstance(value, types.ModuleType):
+        name = value.__name__
+        ok = name in ("math", "operator", "torch") or name.startswith("torch.")
+        return ("module", value) if ok else None
+    if isinstance(value, types.BuiltinFunctionType):
+        owner = getattr(value, "__self__", None)
+        ok = owner is None or isinstance(owner, (types.ModuleType, type))
+        return ("builtin", value) if ok else None
+    if isinstance(value, types.FunctionType) and value.__module__.startswith("torch."):
+        return ("function", value)
+    if value is torch.Tensor:
+        return ("class", value)
+    return None
+
+
+def _reads(fn: types.FunctionType) -> tuple[tuple[object, ...], list[Tensor]] | None:
+    """What ``fn`` may read besides its arguments, as a hashable key (its code, then tokens of
+    its closure cells, its defaults and the globals its code names), and the tensors among them;
+    None when any of it could change unseen (a list, an object, another Python function)."""
+    code = fn.__code__
+    if any(isinstance(c, types.CodeType) for c in code.co_consts):  # nested functions
+        return None
+    values: list[object] = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            values.append(_ABSENT)
+    values.extend(fn.__defaults__ or ())
+    kwdefaults = fn.__kwdefaults__ or {}
+    values.extend(kwdefaults.values())
+    module_globals = fn.__globals__
+    values.extend(module_globals.get(name, _ABSENT) for name in code.co_names)
+    key: list[object] = [code, *kwdefaults]
+    tensors: list[Tensor] = []
+    for v in values:
+        token = _stable_token(v)
+        if token is None:
+            return None
+        if isinstance(v, Tensor):
+            tensors.append(v)
+        key.append(token)
+    return tuple(key), tensors
+
+
+# (code, what it reads) -> (the cap or None, the tensors read, kept alive so that their ids in
+# the key stay theirs)
+_SOFTCAPS: dict[tuple[object, ...], tuple[float | None, list[Tensor]]] = {}
+_MAX_CACHED = 256
+
+
+def _trace_softcap(fn: types.FunctionType) -> float | None:
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return fn(score, b, h, q_idx, kv_idx)  # type: ignore[no-any-return]
+
+    tracer = torch.fx.Tracer()
+    try:
+        graph = tracer.trace(score_mod)
+    except Exception:  # any function fx cannot trace is simply not recognised
+        return None
+    return _graph_softcap(graph, tracer.root)
+
+
+def softcap_of(score_mod: ScoreMod) -> float | None:
+    """``c`` when ``score_mod`` is exactly the softcap ``c * tanh(score / c)`` (see the module
+    docstring for what is recognised), else None.
+
+    The function is traced once with torch.fx (symbolically: no tensor is computed, and one that
+    branches on a score's value cannot be traced, so it is not recognised) and the result kept
+    for its code and the current values of everything it reads, so a later call costs a lookup,
+    and rebinding a name it reads (or changing a 0-d tensor it reads in place) traces it again.
+
+    >>> softcap_of(lambda s, b, h, q_idx, kv_idx: 30.0 * torch.tanh(s / 30.0))
+    30.0
+    >>> softcap_of(lambda s, b, h, q_idx, kv_idx: 30.0 * torch.tanh(s / 20.0)) is None
+    True
+    """
+    # Every spelling of tanh in the function's own code names it (torch.tanh, score.tanh(), ...):
+    # a score_mod that does not is no softcap, and costs no trace.
+    if type(score_mod) is not types.FunctionType or "tanh" not in score_mod.__code__.co_names:
+        return None
+    reads = _reads(score_mod)
+    if reads is None:
+        return None
+    key, tensors = reads
+    hit = _SOFTCAPS.get(key)
+    if hit is not None:
+        return hit[0]
+    cap = _trace_softcap(score_mod)
+    if len(_SOFTCAPS) >= _MAX_CACHED:
+        _SOFTCAPS.clear()
+    _SOFTCAPS[key] = (cap, tensors)
+    return cap

@@ -19,6 +19,11 @@ FlexAttention runs, the ``flex`` backend hands the call to it.
 >>> out.shape, q.grad.shape
 (torch.Size([2, 4, 64, 16]), torch.Size([2, 4, 64, 16]))
 
+**Speed.** The chunked kernel calls a score_mod from Python once per tile (and again in the
+backward). A score_mod that is exactly a softcap, ``c * tanh(score / c)`` with a constant
+``c``, is recognised and the call runs as ``attention(softcap=c)``, in the native kernel (the
+FlexAttention guide lists the forms recognised); ``attnkit.explain()`` says when.
+
 **Captured tensors.** A ``score_mod`` may read tensors (a learnable bias table, per-head
 multipliers): gradients reach those that need them when attnkit can see them, in the function's
 closure, its default arguments, the module globals it names or the attributes of its object (a

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -51,7 +51,8 @@ from .._kernel import (
 )
 from .._native import load as load_native
 from .._native.kernel import NativeCall, fuses, native_call, why_not_native
-from .._score_mod import ScoreMod
+from .._score_mod import ScoreMod, softcap_of
+from .._score_mod import describe as describe_score_mod
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm, softcap_form, term_error
 from .base import Backend, CallInputs
@@ -438,6 +439,17 @@ def fused_note(call: AttentionCall, plan: Plan, fused_rows: int | None) -> str |
     )
 
 
+def as_softcap(call: AttentionCall) -> float | None:
+    """The cap ``c`` when the call's score_mod is exactly ``c * tanh(score / c)`` (see
+    ``attnkit._score_mod.softcap_of``) and nothing comes before it in the scores (no
+    ``softcap``, no ``bias``): the call is then the same as one with ``softcap=c``."""
+    if call.score_mod is None or call.softcap is not None:
+        return None
+    if call.bias_shape is not None or call.score_term is not None:
+        return None
+    return softcap_of(call.score_mod)
+
+
 def chunked_check(call: AttentionCall) -> list[str]:
     """Why the kernel cannot serve a call (empty when it can)."""
     reasons = []
@@ -502,6 +514,14 @@ class Chunked(Backend):
         on ``meta`` tensors)."""
         if call.device.type == "meta":
             return []
+        rewrite = []
+        cap = as_softcap(call)
+        if cap is not None and call.score_mod is not None:
+            rewrite = [
+                f"{describe_score_mod(call.score_mod)} recognised as softcap={cap} "
+                f"(c * tanh(score / c) exactly): runs as attention(softcap={cap})"
+            ]
+            call = replace(call, softcap=cap, score_mod=None)
         term = call.score_term is not None
         why = why_not_native(call, self.native)
         plan = plan_for(
@@ -513,13 +533,16 @@ class Chunked(Backend):
             self.block_k,
             native=why is None,
         )
-        notes = [] if call.mask is None else [f"block plan: {plan.describe()}"]
+        notes = [*rewrite, *([] if call.mask is None else [f"block plan: {plan.describe()}"])]
         if why is None:
             return [*notes, "native kernel"]
         fused = fused_note(call, plan, self.fused_rows)
         return [*notes, why, *([fused] if fused else [])]
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
+        # A score_mod that is exactly a softcap runs as softcap=: in the native kernel, with no
+        # Python per tile. It captures no tensor needing gradients (softcap_of refuses those).
+        cap = None if inputs.captured else as_softcap(call)
         return kernel_attention(
             inputs.q,
             inputs.k,
@@ -527,7 +550,7 @@ class Chunked(Backend):
             mask=call.mask,
             bias=inputs.bias if inputs.bias is not None else call.score_term,
             scale=call.scale,
-            softcap=call.softcap,
+            softcap=call.softcap if cap is None else cap,
             sinks=inputs.sinks,
             block_q=self.block_q,
             block_k=self.block_k,
@@ -536,7 +559,7 @@ class Chunked(Backend):
             return_lse=call.return_lse,
             native=self.native,
             dropout_p=call.dropout_p,
-            score_mod=call.score_mod,
+            score_mod=call.score_mod if cap is None else None,
             captured=inputs.captured,
         )
 
