@@ -345,6 +345,17 @@ def kernel_attention(
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
     zero_offset = None  # asked by the kernel's forward
+    term_finite: bool | None = None
+    if (
+        is_finite is None
+        and score_mod is None
+        and native_serves(q.device, term, False, native, geo)
+    ):
+        # The native kernel needs to know only that q, k, v (and the term's inputs) are finite:
+        # one sum each, in one host read.
+        is_finite = term_finite = finite(q, k, v, *term_inputs)
+        if not is_finite and term_inputs:
+            is_finite, term_finite = finite(q, k, v), None
     if is_finite is None:
         is_finite = True
         if q.numel() and k.numel() and v.numel():
@@ -378,7 +389,9 @@ def kernel_attention(
         softcap=softcap,
         term=term,
         careful=careful,
-        check_term=term is not None and not careful and finite(*term_inputs),
+        check_term=term is not None
+        and not careful
+        and (finite(*term_inputs) if term_finite is None else term_finite),
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
