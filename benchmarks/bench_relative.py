@@ -9,6 +9,9 @@ float32 on the CPU, torch's default threads. Three measurements, each printed as
   installed. Medians of interleaved torch.utils.benchmark rounds; "ratio" is time /
   MultiHeadAttention's.
 * ``train-speed``: training steps (forward + backward) of both modules at the same size.
+* ``load``: the forward of both modules (B=4 T=1024) in 10 rounds on a quiet machine, then 10
+  with another process spinning on one core (started and stopped by the script): the busy
+  median and the worst busy round over the quiet median.
 * ``dropout``: a RelativeMultiHeadAttention training step at B=1 T=4096 with attention dropout
   0.1 against none: time and extra peak memory (dropout decisions are regenerated in the
   backward, never stored).
@@ -34,6 +37,8 @@ would import that stack.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import statistics
 import sys
 import types
 from collections.abc import Callable
@@ -192,6 +197,60 @@ def train_speed(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _rounds(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each callable in each of ``rounds`` interleaved rounds."""
+    from torch.utils import benchmark
+
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+            samples[name].append(timer.blocked_autorange(min_run_time=0.3).median)
+    return samples
+
+
+def load(quick: bool) -> list[dict[str, Any]]:
+    """Forward calls on a quiet machine, then with another process spinning on one core."""
+    b, t = (2, 512) if quick else (4, 1024)
+    rounds = 3 if quick else 10
+    labels = ["MultiHeadAttention", "RelativeMultiHeadAttention"]
+    fns = {lab: build(lab, b, t, train=False)[0] for lab in labels}
+    for fn in fns.values():
+        fn()
+    quiet = _rounds(fns, rounds)
+    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    spinner.start()
+    try:
+        busy = _rounds(fns, rounds)
+    finally:
+        spinner.terminate()
+        spinner.join()
+    print(f"\nforward, B={b} T={t}, {rounds} rounds quiet then {rounds} with one core busy")
+    print(f"{'candidate':<30} {'quiet ms':>9} {'busy ms':>8} {'median x':>9} {'worst x':>8}")
+    rows = []
+    for lab in labels:
+        q, w = statistics.median(quiet[lab]), statistics.median(busy[lab])
+        worst = max(busy[lab]) / q
+        print(f"{lab:<30} {q * 1e3:>9.1f} {w * 1e3:>8.1f} {w / q:>9.2f} {worst:>8.2f}")
+        rows.append(
+            {
+                "what": "load",
+                "candidate": lab,
+                "B": b,
+                "T": t,
+                "quiet_seconds": q,
+                "busy_seconds": w,
+                "busy_worst_seconds": max(busy[lab]),
+            }
+        )
+    return rows
+
+
 def dropout(quick: bool) -> list[dict[str, Any]]:
     """A RelativeMultiHeadAttention training step with attention dropout 0.1 against none."""
     t = 1024 if quick else 4096
@@ -283,7 +342,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
-        choices=["speed", "train-speed", "dropout", "memory", "training"],
+        choices=["speed", "train-speed", "load", "dropout", "memory", "training"],
         action="append",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer rounds")
@@ -294,6 +353,7 @@ def main() -> None:
     sections = (
         ("speed", speed),
         ("train-speed", train_speed),
+        ("load", load),
         ("dropout", dropout),
         ("memory", memory),
         ("training", training),

@@ -232,6 +232,34 @@ def test_dropout_equals_the_reference_with_the_same_mask(native: bool) -> None:
     assert not torch.equal(attention(q, k, v, causal=True, dropout_p=p, backend=backend), got)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_relative_attention_trains_with_dropout_by_the_same_mask(native: bool) -> None:
+    # The position term and dropout together: both kernels drop the pairs the exposed mask
+    # says, and the gradients of qv and the table follow the same mask.
+    g = torch.Generator().manual_seed(3)
+    q, qv = (torch.randn(1, 2, 18, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, 18, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    enc = torch.randn(2, 35, 4, generator=g, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (q, k, v, qv, enc)]
+    cot = torch.randn(1, 2, 18, 4, generator=g, dtype=torch.float64)
+    p = 0.25
+    window = masks.sliding_window(6, 2)
+    torch.manual_seed(5)
+    term = RelativePositionTerm(qv, enc, 0.5)
+    got = attention(q, k, v, mask=window, bias=term, dropout_p=p, backend=small(native))
+    got_grads = torch.autograd.grad(got, leaves, cot)
+    torch.manual_seed(5)
+    keep = dropout_mask(draw_seed(), p, (1, 2, 18, 18))
+    _, weights = attention(
+        q, k, v, mask=window, bias=RelativePositionTerm(qv, enc, 0.5), return_weights=True
+    )
+    want = (weights * keep / (1 - p)) @ v
+    for a, b in zip(
+        [got, *got_grads], [want, *torch.autograd.grad(want, leaves, cot)], strict=True
+    ):
+        assert_close(a, b)
+
+
 # --------------------------------------------------------------------------------------------------
 # Fuzz: the native kernel against the float64 reference, values and gradients
 
