@@ -9,6 +9,7 @@ adds beyond its input and output, measured in a fresh process. Linear cost means
 
     python benchmarks/bench_long_audio.py                 # T = 9,000 and 90,000 (~10 minutes)
     python benchmarks/bench_long_audio.py --json docs/benchmarks/data/long_audio.json
+    python benchmarks/bench_long_audio.py --modules relative --no-memory
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="*", default=[9000, 90000])
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--modules", nargs="*", choices=["relative", "conformer"], default=["relative", "conformer"]
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     print(
@@ -63,7 +67,7 @@ def main() -> None:
     print("\n| module | T (frames) | audio | seconds | growth from the first T | extra MiB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rows = []
-    for what in ("relative", "conformer"):
+    for what in args.modules:
         first = None
         for t in args.lengths:
             seconds = time_side_by_side({what: build(what, t)[0]}, rounds=1, min_run_time=2.0)[what]

@@ -1,17 +1,27 @@
-"""Shared test helpers: a brute-force attention, and the chunked backend with small blocks."""
+"""Shared test helpers: a brute-force attention, the chunked backend with small blocks, and a mark
+for tests that need a C++ compiler."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import math
+import os
+import shutil
 from collections.abc import Iterator
 
 import jaxtyping
+import pytest
 import torch
 from torch import Tensor
 
 import attnkit
+
+#: torch.compile's CPU backend (inductor) compiles C++: without a compiler it cannot run.
+needs_cxx = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None,
+    reason="torch.compile's CPU backend compiles C++, and no C++ compiler is on PATH",
+)
 
 
 def brute_force(

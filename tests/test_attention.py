@@ -13,7 +13,7 @@ import attnkit
 from attnkit import BackendError, attention, explain, masks
 from attnkit.testing import assert_close
 
-from .helpers import brute_force
+from .helpers import brute_force, needs_cxx
 
 
 def qkv(
@@ -468,6 +468,7 @@ def test_shape_annotations_are_checked_at_runtime() -> None:
 # Tracing: under torch.compile / torch.export auto avoids the chunked kernel's Python block loop
 
 
+@needs_cxx
 def test_compile_fullgraph_and_export_match_eager() -> None:
     q, k, _ = qkv(tq=16, tk=16)
     pad = masks.padding_mask([16, 11])

@@ -28,6 +28,8 @@ from attnkit import masks
 from attnkit.checkpoint import load_checkpoint, save_checkpoint
 from attnkit.testing import assert_close
 
+from .helpers import needs_cxx
+
 D_MODEL = 16
 TRACED_LENGTH = 8
 OTHER_LENGTHS = (5, 13)  # lengths the traced forms never saw
@@ -86,6 +88,7 @@ def fresh_compiler() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+@needs_cxx
 @pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("name", NAMES)
 def test_compile_fullgraph_matches_eager(name: str) -> None:
@@ -98,6 +101,7 @@ def test_compile_fullgraph_matches_eager(name: str) -> None:
             assert_close(compiled(x, pad), m(x, pad), dtype=torch.float32)
 
 
+@needs_cxx
 @pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("name", NAMES)
 def test_compiled_training_step_matches_eager(name: str) -> None:
@@ -113,6 +117,7 @@ def test_compiled_training_step_matches_eager(name: str) -> None:
         assert_close(q.grad, p.grad)
 
 
+@needs_cxx
 @pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("name", NAMES)
 def test_compiled_under_autocast_matches_eager(name: str) -> None:

@@ -15,6 +15,8 @@ import attnkit
 from attnkit import MultiHeadAttention, from_torch_masks, masks
 from attnkit.testing import assert_close
 
+from .helpers import needs_cxx
+
 # --------------------------------------------------------------------------------------------------
 # An independent formula: explicit per-head weights, GQA by repeating key/value heads, softmax over
 # the allowed keys only.
@@ -536,6 +538,7 @@ def test_shape_annotations_are_checked() -> None:
         m(torch.randn(2, 5))  # type: ignore[arg-type]
 
 
+@needs_cxx
 def test_compiles_to_one_graph_including_cached_decoding() -> None:
     torch.manual_seed(0)
     m = MultiHeadAttention(16, 4, num_kv_heads=2, rotary=attnkit.RotaryEmbedding(4)).eval()
