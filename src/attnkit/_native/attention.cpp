@@ -3,7 +3,8 @@
 // One parallel region per call. The forward's work items are (batch, key/value head, query
 // block); each runs every visited key block of its row of the block plan, for each of the G query
 // heads that share the key/value head, with thread-local buffers: a GEMM for the scores, one pass
-// for softcap, bias, mask and dropout, exp2 and the row sums, and a GEMM for the weighted values.
+// for softcap, the position term, bias, mask and dropout, exp2 and the row sums, and a GEMM for
+// the weighted values. q, k, v are read at the caller's strides (rows contiguous).
 // The backward's items are (batch, key/value head, a stretch of query blocks): each recomputes
 // its blocks' probabilities from the saved log-sum-exp and accumulates dq for its own rows and
 // dk/dv for its key/value head, in place when it is the head's only stretch, else in its own
