@@ -124,6 +124,45 @@ def test_thread_counts_give_the_same_result(threads: int) -> None:
         torch.set_num_threads(before)
 
 
+def _grads_with_bias(
+    backend: object, ts: list[torch.Tensor], cot: torch.Tensor
+) -> list[torch.Tensor]:
+    leaves = [t.clone().requires_grad_() for t in ts]
+    out = attention(*leaves[:3], bias=leaves[3], causal=True, backend=backend)  # type: ignore[arg-type]
+    return list(torch.autograd.grad(out, leaves, cot))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 4, 30, 37), (2, 1, 30, 37), (30, 37), (2, 4, 1, 37), (37,), (2, 4, 30, 37)],
+    ids=["over batch", "over heads", "over both", "over queries", "keys only", "full"],
+)
+def test_a_broadcast_bias_gets_the_summed_gradient(shape: tuple[int, ...], threads: int) -> None:
+    # The kernel adds the bias gradient into a buffer of the bias's own shape: items of other
+    # batch rows, heads or query stretches add to the same elements (one key/value head of one
+    # batch row below is split into stretches of query blocks).
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        g = torch.Generator().manual_seed(5)
+        for b, hkv in [(2, 2), (1, 1)]:
+            bias = torch.randn(shape, generator=g, dtype=torch.float64)
+            if b == 1 and len(shape) == 4:
+                bias = bias[:1]
+            q = torch.randn(b, 4, 30, 8, generator=g, dtype=torch.float64)
+            k, v = (torch.randn(b, hkv, 37, 8, generator=g, dtype=torch.float64) for _ in "kv")
+            cot = torch.randn(b, 4, 30, 8, generator=g, dtype=torch.float64)
+            got = _grads_with_bias(small(), [t.float() for t in (q, k, v, bias)], cot.float())
+            want = _grads_with_bias("reference", [q, k, v, bias], cot)
+            assert got[3].shape == bias.shape
+            for a, w in zip(got, want, strict=True):
+                assert_close(a, w, dtype=torch.float32)
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_native
 def test_explain_says_which_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(1, 2, 16, 8)

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 extern "C" {
@@ -315,9 +316,10 @@ void forward_impl(const Call<T>& c, T* out, T* lse) {
   });
 }
 
+// dbias (when not null) has the bias's own shape, contiguous, with strides ds (0 where broadcast).
 template <typename T>
 void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta, T* dq, T* dk,
-                   T* dv, T* dbias) {
+                   T* dv, T* dbias, const int64_t* ds, int64_t dbias_numel) {
   // Stretches of query blocks per key/value head, enough for every thread to have work.
   const int64_t heads = c.N * c.Hkv;
   const int64_t threads = at::get_num_threads();
@@ -345,11 +347,22 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
   std::vector<std::vector<T>> dk_parts(parts > 1 ? heads * parts : 0);
   std::vector<std::vector<T>> dv_parts(parts > 1 ? heads * parts : 0);
   const T inf = std::numeric_limits<T>::infinity();
+  // A bias broadcast over the batch, the key/value heads or (with several stretches) the queries
+  // has elements that several items add to: then the thread that runs item 0 adds into dbias,
+  // every other into its own buffer of the bias's shape, summed into dbias after the parallel
+  // region. Otherwise every item owns its part of dbias and adds in place.
+  const bool dbias_shared =
+      dbias != nullptr && ((c.N > 1 && ds[0] == 0) || (c.Hkv > 1 && ds[1] == 0) ||
+                           (parts > 1 && ds[3] == 0));
+  std::mutex dbias_lock;
+  std::vector<std::vector<T>> dbias_parts;
   at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
     const int64_t bk_max = c.tile_k;
     std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0), dp(c.bq * bk_max);
     std::vector<T> pd(c.p_drop > 0 ? c.bq * bk_max : 0), dqa(c.bq * c.Dk);
+    std::vector<T> own_dbias(dbias_shared && begin > 0 ? dbias_numel : 0);
+    T* db0 = own_dbias.empty() ? dbias : own_dbias.data();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nh = item / parts, p = item % parts, n = nh / c.Hkv, hk = nh % c.Hkv;
       if (kmax[p] <= kmin[p]) continue;
@@ -407,9 +420,10 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
               T* pr = s.data() + r * nk;
               T* dr = dp.data() + r * nk;
               for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl);
-              if (dbias != nullptr) {
-                T* db = dbias + (row0 + r0 + r) * c.Tk + ks;
-                for (int64_t j = 0; j < nk; ++j) db[j] += dr[j];
+              if (db0 != nullptr) {
+                T* db = db0 + n * ds[0] + hk * ds[1] + g * ds[2] + (qs + r0 + r) * ds[3] +
+                        ks * ds[4];
+                for (int64_t j = 0; j < nk; ++j) db[j * ds[4]] += dr[j];
               }
               if (c.softcap > 0) {
                 const T* tr = t.data() + r * nk;
@@ -428,7 +442,18 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
         }
       }
     }
+    if (!own_dbias.empty()) {
+      std::lock_guard<std::mutex> lock(dbias_lock);
+      dbias_parts.push_back(std::move(own_dbias));
+    }
   });
+  if (!dbias_parts.empty()) {
+    at::parallel_for(0, dbias_numel, 4096, [&](int64_t begin, int64_t end) {
+      for (const auto& part : dbias_parts) {
+        for (int64_t x = begin; x < end; ++x) dbias[x] += part[x];
+      }
+    });
+  }
   if (parts > 1) {
     at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t nh = begin; nh < end; ++nh) {
@@ -526,8 +551,11 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   auto dk = at::zeros_like(k);
   auto dv = at::zeros_like(v);
   at::Tensor dbias;
+  int64_t ds[5] = {0, 0, 0, 0, 0};
   if (bias_grad) {
-    dbias = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3), k.size(1)}, q.options());
+    TORCH_CHECK(bias.has_value() && bias->dim() == 5, "bias_grad without a 5-d bias");
+    dbias = at::zeros(bias->sizes(), q.options());  // the bias's shape, not (N, Hkv, G, Tq, Tk)
+    for (int d = 0; d < 5; ++d) ds[d] = dbias.size(d) == 1 ? 0 : dbias.stride(d);
   }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_backward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
@@ -535,7 +563,8 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
     backward_impl<scalar_t>(c, dout.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
                             delta.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(),
                             dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                            bias_grad ? dbias.data_ptr<scalar_t>() : nullptr);
+                            bias_grad ? dbias.data_ptr<scalar_t>() : nullptr, ds,
+                            bias_grad ? dbias.numel() : 0);
   });
   if (bias_grad) return {dq, dk, dv, dbias};
   return {dq, dk, dv};

@@ -123,9 +123,7 @@ class NativeCall:
             delta.to(work).contiguous(),
             bias_grad and bias5 is not None,
         )
-        dbias = None
-        if len(grads) == 4 and bias5 is not None:
-            dbias = grads[3].sum_to_size(bias5.shape)
+        dbias = grads[3] if len(grads) == 4 else None  # already in bias5's shape
         return grads[0], grads[1], grads[2], dbias
 
 
