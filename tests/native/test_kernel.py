@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import _native, attention, masks
 from attnkit._kernel import draw_seed, dropout_mask
+from attnkit._native.kernel import native_call
 from attnkit.backends import Chunked
+from attnkit.backends.chunked import plan_for
+from attnkit.masks import Geometry
 from attnkit.testing import assert_close
 
 AVAILABLE, WHY = _native.status()
@@ -44,6 +47,7 @@ MASKS = {
     "padding": masks.key_padding([13, 0]),  # the second row sees no key at all
     "padding & causal": masks.key_padding([30, 9]) & masks.causal(),
     "documents": masks.documents([[10, 20, 7], [37]]),
+    "same documents": masks.documents([10, 0, 20, 7]),  # every row: FULL visits, no tiles
     "from_fn": masks.from_fn(lambda b, h, i, j: (i + j + h) % 3 != 0),
 }
 
@@ -163,6 +167,29 @@ def test_a_broadcast_bias_gets_the_summed_gradient(shape: tuple[int, ...], threa
         torch.set_num_threads(before)
 
 
+def test_packed_documents_need_no_tiles() -> None:
+    # 40 queries (shift 3: query i is in the document of key i + 3) in blocks of 8 against keys
+    # in blocks of 16: the cut blocks become one FULL visit per document, rows and keys clipped.
+    mask = masks.documents([5, 0, 20, 18])
+    geo = Geometry((2,), 4, 40, 43, torch.device("cpu"))
+    plan = plan_for(mask, geo, 1, False, 8, 16, native=True)
+    call = native_call(mask, geo, plan, scale=1.0, softcap=None, dtype=torch.float32)
+    assert call.tiles is None
+    visits = call.visits.tolist()
+    assert all(partial == 0 for *_, partial, _ in visits)
+    # Query block 0 (queries 0:8, keys 3:11): document 0 (keys 0:5) for rows 0:2, document 2
+    # (keys 5:25, in two key blocks) for rows 2:8.
+    want = [[0, 5, 0, 2, 0, -1], [5, 16, 2, 8, 0, -1], [16, 25, 2, 8, 0, -1]]
+    assert visits[: call.off[1]] == want
+    dense = mask.dense(40, 43)[0, 0]
+    covered = torch.zeros(40, 43, dtype=torch.bool)
+    for b in range(len(call.off) - 1):
+        for ks, ke, r0, r1, _, _ in visits[call.off[b] : call.off[b + 1]]:
+            assert not covered[b * 8 + r0 : b * 8 + r1, ks:ke].any()  # no pair twice
+            covered[b * 8 + r0 : b * 8 + r1, ks:ke] = True
+    assert torch.equal(covered, dense)
+
+
 @needs_native
 def test_explain_says_which_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(1, 2, 16, 8)
@@ -273,7 +300,7 @@ def test_native_fuzz_against_reference(data: st.DataObject, mask: str, dtype: to
     b, hkv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     tq, tk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
     dk, dv = draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 3, 8]))
-    if mask in ("padding", "padding & causal", "documents"):
+    if mask in ("padding", "padding & causal", "documents", "same documents"):
         tk = tq = max(tq, 37)  # the masks above describe 37 keys, two batch rows
         b = 2
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
@@ -293,11 +320,12 @@ def test_native_fuzz_against_reference(data: st.DataObject, mask: str, dtype: to
         tensors.append(torch.randn(h, generator=g, dtype=torch.float64))
         names.append("sinks")
     the_mask = MASKS[mask]
-    if mask in ("padding", "padding & causal", "documents"):
+    if mask in ("padding", "padding & causal", "documents", "same documents"):
         the_mask = {
             "padding": masks.key_padding([tk, 13]),
             "padding & causal": masks.key_padding([tk, 9]) & masks.causal(),
             "documents": masks.documents([[tk - 17, 17], [tk]]),
+            "same documents": masks.documents([5, tk - 22, 0, 17]),
         }[mask]
     sizes = (draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 5, 16, 32])))
     cot = torch.randn(b, h, tq, dv, generator=g, dtype=torch.float64)

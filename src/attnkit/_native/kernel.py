@@ -4,18 +4,21 @@ The native kernel reads the same :class:`~attnkit._kernel.plan.Plan` as the eage
 blocks are not in it, its FULL blocks do no mask work) and sees a partial block's mask in one of
 three forms, the cheapest that is exact: a band ``lo <= j - (i + shift) <= hi`` (causal, sliding
 windows), per-key flags (key padding), both for a band and key flags joined by ``&``, or else bool
-tiles asked of the mask here, once per partial block of the plan.
+tiles asked of the mask here, once per partial block of the plan. Packed documents (the same in
+every batch row) need no mask at all: a block they cut becomes one FULL visit per document in it,
+its rows and keys restricted to that document.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._call import AttentionCall
-from .._kernel import Plan
+from .._kernel import Plan, Visit
 from ..masks import Geometry, Mask
 from ..scores import softcap_form
 from . import load, status
@@ -155,6 +158,34 @@ def _mask_form(mask: Mask | None, geo: Geometry) -> tuple[list[float], Tensor | 
     return band, key_ok, False
 
 
+def _document_starts(mask: Mask | None, geo: Geometry) -> list[int] | None:
+    """Where documents start (then Tk) when ``mask`` is packed documents, each one run of
+    positions, the same in every batch row; else None."""
+    if mask is None or mask.op is not None or geo.kv_len == 0 or geo.q_len == 0:
+        return None
+    starts = mask.document_starts()
+    if starts is None or any(row != starts[0] for row in starts[1:]):
+        return None
+    return starts[0]
+
+
+def _document_visits(v: Visit, qs: int, shift: int, starts: list[int]) -> list[list[int]]:
+    """A partial visit of packed documents as the FULL rectangles of the documents it cuts: the
+    rows of query block ``qs`` and the keys that one document holds (query ``i`` is in the
+    document of key ``i + shift``)."""
+    out = []
+    first = max(bisect.bisect_right(starts, v.ks) - 1, 0)
+    for d in range(first, len(starts) - 1):
+        a, b = starts[d], starts[d + 1]
+        if a >= v.ke:
+            break
+        r0, r1 = max(v.r0, a - shift - qs), min(v.r1, b - shift - qs)
+        ks, ke = max(v.ks, a), min(v.ke, b)
+        if r0 < r1 and ks < ke:
+            out.append([ks, ke, r0, r1, 0, -1])
+    return out
+
+
 def native_call(
     mask: Mask | None,
     geo: Geometry,
@@ -169,6 +200,8 @@ def native_call(
     """The plan of a whole call, and its mask, in the native kernel's terms (``dtype``: the
     inputs', which decides how a softcap is computed, see :func:`attnkit.scores.softcap_form`)."""
     band, key_ok, tiled = _mask_form(mask, geo)
+    # Packed documents need no tiles: a block they cut is one FULL visit per document in it.
+    starts = _document_starts(mask, geo) if tiled else None
     work = torch.promote_types(dtype, torch.float32)
     form = None if softcap is None else softcap_form(softcap, work)
     off = [0]
@@ -177,6 +210,9 @@ def native_call(
     for qb in plan.blocks:
         for v in qb.visits:
             tile = -1
+            if v.partial and starts is not None:
+                rows.extend(_document_visits(v, qb.qs, geo.shift, starts))
+                continue
             if v.partial and tiled and mask is not None:
                 tile = len(tiles)
                 t = mask.tile(geo, qb.qs, qb.qe, v.ks, v.ke)
