@@ -190,6 +190,39 @@ def test_packed_documents_need_no_tiles() -> None:
     assert torch.equal(covered, dense)
 
 
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.sliding_window(37),
+        masks.sliding_window(20, 9),
+        masks.causal(),
+        masks.causal("top_left"),
+    ],
+)
+def test_band_visits_cover_every_visible_pair_once(mask: masks.Mask) -> None:
+    # A band's visits are cut at its edges, not at key blocks: FULL visits hold visible pairs
+    # only, partial ones at most one block of keys, every visible pair is in exactly one visit,
+    # and fewer pairs are computed than the plan's key blocks hold.
+    geo = Geometry((1,), 2, 150, 170, torch.device("cpu"))
+    plan = plan_for(mask, geo, 1, False, 32, 48, native=True)
+    call = native_call(mask, geo, plan, scale=1.0, softcap=None, dtype=torch.float32)
+    dense = mask.dense(150, 170)[0, 0]
+    count = torch.zeros(150, 170, dtype=torch.int64)
+    computed = 0
+    for b in range(len(call.off) - 1):
+        for ks, ke, r0, r1, partial, _ in call.visits[call.off[b] : call.off[b + 1]].tolist():
+            assert 0 < ke - ks <= 48
+            assert 0 <= r0 < r1 <= 32
+            rows = slice(b * 32 + r0, b * 32 + r1)
+            if not partial:
+                assert dense[rows, ks:ke].all()
+            count[rows, ks:ke] += 1
+            computed += (ke - ks) * (r1 - r0)
+    assert torch.equal(count[dense], torch.ones(int(dense.sum()), dtype=torch.int64))
+    blocks = sum((v.ke - v.ks) * (v.r1 - v.r0) for qb in plan.blocks for v in qb.visits)
+    assert computed < blocks
+
+
 @needs_native
 def test_explain_says_which_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(1, 2, 16, 8)

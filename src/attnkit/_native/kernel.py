@@ -12,13 +12,14 @@ its rows and keys restricted to that document.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._call import AttentionCall
-from .._kernel import Plan, Visit
+from .._kernel import Plan, QueryBlock, Visit
 from ..masks import Geometry, Mask
 from ..scores import softcap_form
 from . import load, status
@@ -186,6 +187,69 @@ def _document_visits(v: Visit, qs: int, shift: int, starts: list[int]) -> list[l
     return out
 
 
+# Visits of a band are cut at multiples of this many keys where they can be: the kernel's rows
+# are then whole vectors (16 float32 lanes of AVX-512), without scalar tails.
+_ALIGN = 16
+
+
+def _band_visits(qb: QueryBlock, band: list[float], shift: int, block_k: int) -> list[list[int]]:
+    """A query block's visits under a band alone, cut at the band's own edges instead of at key
+    blocks: the keys every row sees as FULL visits of at most ``block_k`` keys, split evenly, and
+    the two triangles at the band's edges (each about one block's rows wide) as partial ones,
+    every visit's rows those that see some of its keys; the cuts are rounded outwards to
+    multiples of ``_ALIGN`` keys."""
+    if not qb.visits:
+        return []
+    lo, hi = band
+    k0, k1 = qb.key_range
+    r0 = min(v.r0 for v in qb.visits)
+    r1 = max(v.r1 for v in qb.visits)
+    i0, i1 = qb.qs + r0 + shift, qb.qs + r1 - 1 + shift  # the rows' diagonals, first and last
+
+    def left(i: int) -> int:  # row i's first visible key, at least k0
+        return k0 if math.isinf(lo) else max(k0, math.ceil(i + lo))
+
+    def right(i: int) -> int:  # one past row i's last visible key, at most k1
+        return k1 if math.isinf(hi) else min(k1, math.floor(i + hi) + 1)
+
+    def down(x: int) -> int:
+        return max(k0, x - x % _ALIGN)
+
+    def up(x: int) -> int:
+        return min(k1, x + (-x) % _ALIGN)
+
+    # Keys seen by some row: [first, last); by every row: [full0, full1) (maybe empty).
+    first, last = down(left(i0)), up(right(i1))
+    full0, full1 = up(max(first, left(i1))), down(min(last, right(i0)))
+    if full0 >= full1:
+        full0 = full1 = last
+    out = []
+    for a, b, partial in ((first, full0, 1), (full0, full1, 0), (full1, last, 1)):
+        ks = a
+        while ks < b:
+            pieces = -(-(b - ks) // block_k)  # what is left, in even pieces of <= block_k keys
+            ke = ks + -(-(b - ks) // pieces)
+            if ke < b and ke - ke % _ALIGN > ks:
+                ke -= ke % _ALIGN
+            # Rows that see a key of ks:ke: diagonal + hi >= ks and diagonal + lo <= ke - 1.
+            lo_row = r0 if math.isinf(hi) else max(r0, math.ceil(ks - hi - shift - qb.qs))
+            hi_row = r1 if math.isinf(lo) else min(r1, math.floor(ke - 1 - lo - shift - qb.qs) + 1)
+            if not partial or hi_row - lo_row < 2 * _ALIGN:
+                if lo_row < hi_row:
+                    out.append([ks, ke, lo_row, hi_row, partial, -1])
+            else:
+                # A triangle: each half of its rows over the keys that half sees, which skips
+                # about a quarter of the masked pairs.
+                mid = (lo_row + hi_row) // 2
+                for ra, rb in ((lo_row, mid), (mid, hi_row)):
+                    ka = max(ks, down(left(qb.qs + ra + shift)))
+                    kb = min(ke, up(right(qb.qs + rb - 1 + shift)))
+                    if ka < kb:
+                        out.append([ka, kb, ra, rb, 1, -1])
+            ks = ke
+    return out
+
+
 def native_call(
     mask: Mask | None,
     geo: Geometry,
@@ -202,12 +266,17 @@ def native_call(
     band, key_ok, tiled = _mask_form(mask, geo)
     # Packed documents need no tiles: a block they cut is one FULL visit per document in it.
     starts = _document_starts(mask, geo) if tiled else None
+    band_only = bool(band) and key_ok is None and not tiled
     work = torch.promote_types(dtype, torch.float32)
     form = None if softcap is None else softcap_form(softcap, work)
     off = [0]
     rows: list[list[int]] = []
     tiles: list[tuple[Tensor, int, int]] = []  # a partial block's tile, its rows and keys
     for qb in plan.blocks:
+        if band_only:
+            rows.extend(_band_visits(qb, band, geo.shift, plan.block_k))
+            off.append(len(rows))
+            continue
         for v in qb.visits:
             tile = -1
             if v.partial and starts is not None:
