@@ -28,6 +28,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -265,15 +266,23 @@ struct OneBlasThread {
   }
 };
 
+// Each thread of a parallel region claims the next unclaimed item until none is left, instead
+// of running a fixed share: on a core shared with another process a thread runs slower, and
+// the others then take more of the items rather than wait for it at the region's end.
+inline int64_t claim(std::atomic<int64_t>& next) {
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 template <typename T>
 void forward_impl(const Call<T>& c, T* out, T* lse) {
   const int64_t items = c.N * c.Hkv * c.nqb;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
     OneBlasThread one;
     const int64_t bk_max = c.tile_k;
     std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0);
     std::vector<T> acc(c.bq * c.Dv), m(c.bq), l(c.bq);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = claim(next); item < items; item = claim(next)) {
       const int64_t qb = item % c.nqb, nh = item / c.nqb, n = nh / c.Hkv, hk = nh % c.Hkv;
       const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
       for (int64_t g = 0; g < c.G; ++g) {
@@ -348,22 +357,23 @@ void backward_impl(const Call<T>& c, const T* dout, const T* lse, const T* delta
   std::vector<std::vector<T>> dv_parts(parts > 1 ? heads * parts : 0);
   const T inf = std::numeric_limits<T>::infinity();
   // A bias broadcast over the batch, the key/value heads or (with several stretches) the queries
-  // has elements that several items add to: then the thread that runs item 0 adds into dbias,
-  // every other into its own buffer of the bias's shape, summed into dbias after the parallel
-  // region. Otherwise every item owns its part of dbias and adds in place.
+  // has elements that several items add to: then the first thread adds into dbias, every
+  // other into its own buffer of the bias's shape, summed into dbias after the parallel region.
+  // Otherwise every item owns its part of dbias and adds in place.
   const bool dbias_shared =
       dbias != nullptr && ((c.N > 1 && ds[0] == 0) || (c.Hkv > 1 && ds[1] == 0) ||
                            (parts > 1 && ds[3] == 0));
   std::mutex dbias_lock;
   std::vector<std::vector<T>> dbias_parts;
-  at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
+  at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t) {
     OneBlasThread one;
     const int64_t bk_max = c.tile_k;
     std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0), dp(c.bq * bk_max);
     std::vector<T> pd(c.p_drop > 0 ? c.bq * bk_max : 0), dqa(c.bq * c.Dk);
     std::vector<T> own_dbias(dbias_shared && begin > 0 ? dbias_numel : 0);
     T* db0 = own_dbias.empty() ? dbias : own_dbias.data();
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = claim(next); item < heads * parts; item = claim(next)) {
       const int64_t nh = item / parts, p = item % parts, n = nh / c.Hkv, hk = nh % c.Hkv;
       if (kmax[p] <= kmin[p]) continue;
       T *dkh, *dvh;
