@@ -18,7 +18,7 @@ one's median over the rounds, the worst round, and the ratio of medians to SDPA.
 spinning on one core for the whole run: the machine under load. ``--load both`` runs quiet and
 busy rounds alternately (the spinning process is paused in the quiet ones) and adds, per
 candidate, its busy median and its worst busy round over its quiet median. ``--memory`` adds the
-native call's extra peak memory (beyond inputs and result, in a fresh process).
+native call's extra peak memory (beyond its inputs, output and gradients, in a fresh process).
 
     python benchmarks/bench_native.py --threads 2
     python benchmarks/bench_native.py --backward --load both --rounds 10 --cases causal window
@@ -160,7 +160,8 @@ def native_memory(case: str, backward: bool) -> tuple[Callable[[], object], int]
         out = attnkit.attention(q, k, v, backend="chunked", **kw)
         return torch.autograd.grad(out, (q, k, v), cot)
 
-    return step, 3 * size
+    # The result: the three gradients, and the output the step holds until they are computed.
+    return step, 4 * size
 
 
 class Load:
