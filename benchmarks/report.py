@@ -20,6 +20,10 @@ Rows per section (what the scripts write; times in seconds unless the key says `
 * ``training`` (bench_training.py): ``B``, ``T``, ``causal``, ``candidate``, ``seconds``, ``ratio``.
 * ``masks`` (bench_masks.py): ``case``, ``pass``, ``seconds``, ``baseline``,
   ``baseline_seconds``, ``ratio``, ``extra_bytes``.
+* ``native`` (bench_native.py): ``case``, ``pass``, ``candidate``, ``load`` (quiet, busy),
+  ``seconds`` (median), ``worst_seconds``, ``rounds``, ``ratio`` (to torch SDPA under the same
+  load), ``busy_ratio`` and ``worst_ratio`` (busy median and worst busy round over the quiet
+  median, with ``--load both``), ``extra_bytes`` (the native call, with ``--memory``).
 * ``multihead`` (bench_multihead.py): ``pass``, ``candidate``, ``seconds``, ``ratio`` (to torch).
 * ``relative`` (bench_relative.py): ``what`` (speed, memory, training), ``candidate``, ``B``,
   ``T``, ``seconds``, ``ratio`` (speed: to MultiHeadAttention), ``extra_bytes``,
@@ -303,6 +307,36 @@ def _multihead(run: Run, images: dict[str, bytes]) -> str:
     return f"![MultiHeadAttention ratios]({PLOTS}/{run.name}.png)\n\n{body}{note}"
 
 
+def _native(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    busy = any(r.get("busy_ratio") is not None for r in rows)
+    headers = ["case", "pass", "candidate", "load", "median ms", "worst ms", "ratio to sdpa"]
+    if busy:
+        headers += ["busy / quiet", "worst busy / quiet"]
+    headers.append("extra MiB")
+    body = table(
+        headers,
+        [
+            [
+                r["case"],
+                r["pass"],
+                r["candidate"],
+                r["load"],
+                _ms(r["seconds"]),
+                _ms(r["worst_seconds"]),
+                _ratio(r["ratio"]),
+                *([_ratio(r.get("busy_ratio")), _ratio(r.get("worst_ratio"))] if busy else []),
+                _mib(r.get("extra_bytes")),
+            ]
+            for r in rows
+        ],
+        right=tuple(range(4, len(headers))),
+    )
+    load = run.config.get("loadavg")
+    note = "" if load is None else f"\n\nLoad average (1 min) at the start and the end: {load}."
+    return f"{body}{note}"
+
+
 def _relative(run: Run, images: dict[str, bytes]) -> str:
     parts = []
     speed = [r for r in run.rows if r["what"] == "speed"]
@@ -492,6 +526,11 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
     ),
     "training": (_training, ("H", "D", "dtype"), "python benchmarks/bench_training.py"),
     "masks": (_masks, ("H", "D", "dtype"), "python benchmarks/bench_masks.py"),
+    "native": (
+        _native,
+        ("H", "D", "dtype", "threads", "rounds", "load"),
+        "python benchmarks/bench_native.py",
+    ),
     "multihead": (
         _multihead,
         ("B", "T", "D", "H", "dtype", "causal"),

@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import _native, attention, masks
 from attnkit._kernel import draw_seed, dropout_mask
+from attnkit._native.kernel import native_call
 from attnkit.backends import Chunked
+from attnkit.backends.chunked import plan_for
+from attnkit.masks import Geometry
 from attnkit.scores import RelativePositionTerm
 from attnkit.testing import assert_close
 
@@ -45,6 +48,7 @@ MASKS = {
     "padding": masks.key_padding([13, 0]),  # the second row sees no key at all
     "padding & causal": masks.key_padding([30, 9]) & masks.causal(),
     "documents": masks.documents([[10, 20, 7], [37]]),
+    "same documents": masks.documents([10, 0, 20, 7]),  # every row: FULL visits, no tiles
     "from_fn": masks.from_fn(lambda b, h, i, j: (i + j + h) % 3 != 0),
 }
 
@@ -136,6 +140,101 @@ def test_thread_counts_give_the_same_result(threads: int) -> None:
                 assert_close(a, b)
     finally:
         torch.set_num_threads(before)
+
+
+def _grads_with_bias(
+    backend: object, ts: list[torch.Tensor], cot: torch.Tensor
+) -> list[torch.Tensor]:
+    leaves = [t.clone().requires_grad_() for t in ts]
+    out = attention(*leaves[:3], bias=leaves[3], causal=True, backend=backend)  # type: ignore[arg-type]
+    return list(torch.autograd.grad(out, leaves, cot))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 4, 30, 37), (2, 1, 30, 37), (30, 37), (2, 4, 1, 37), (37,), (2, 4, 30, 37)],
+    ids=["over batch", "over heads", "over both", "over queries", "keys only", "full"],
+)
+def test_a_broadcast_bias_gets_the_summed_gradient(shape: tuple[int, ...], threads: int) -> None:
+    # The kernel adds the bias gradient into a buffer of the bias's own shape: items of other
+    # batch rows, heads or query stretches add to the same elements (one key/value head of one
+    # batch row below is split into stretches of query blocks).
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        g = torch.Generator().manual_seed(5)
+        for b, hkv in [(2, 2), (1, 1)]:
+            bias = torch.randn(shape, generator=g, dtype=torch.float64)
+            if b == 1 and len(shape) == 4:
+                bias = bias[:1]
+            q = torch.randn(b, 4, 30, 8, generator=g, dtype=torch.float64)
+            k, v = (torch.randn(b, hkv, 37, 8, generator=g, dtype=torch.float64) for _ in "kv")
+            cot = torch.randn(b, 4, 30, 8, generator=g, dtype=torch.float64)
+            got = _grads_with_bias(small(), [t.float() for t in (q, k, v, bias)], cot.float())
+            want = _grads_with_bias("reference", [q, k, v, bias], cot)
+            assert got[3].shape == bias.shape
+            for a, w in zip(got, want, strict=True):
+                assert_close(a, w, dtype=torch.float32)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_packed_documents_need_no_tiles() -> None:
+    # 40 queries (shift 3: query i is in the document of key i + 3) in blocks of 8 against keys
+    # in blocks of 16: the cut blocks become one FULL visit per document, rows and keys clipped.
+    mask = masks.documents([5, 0, 20, 18])
+    geo = Geometry((2,), 4, 40, 43, torch.device("cpu"))
+    plan = plan_for(mask, geo, 1, False, 8, 16, native=True)
+    call = native_call(mask, geo, plan, scale=1.0, softcap=None, dtype=torch.float32)
+    assert call.tiles is None
+    visits = call.visits.tolist()
+    assert all(partial == 0 for *_, partial, _ in visits)
+    # Query block 0 (queries 0:8, keys 3:11): document 0 (keys 0:5) for rows 0:2, document 2
+    # (keys 5:25, in two key blocks) for rows 2:8.
+    want = [[0, 5, 0, 2, 0, -1], [5, 16, 2, 8, 0, -1], [16, 25, 2, 8, 0, -1]]
+    assert visits[: call.off[1]] == want
+    dense = mask.dense(40, 43)[0, 0]
+    covered = torch.zeros(40, 43, dtype=torch.bool)
+    for b in range(len(call.off) - 1):
+        for ks, ke, r0, r1, _, _ in visits[call.off[b] : call.off[b + 1]]:
+            assert not covered[b * 8 + r0 : b * 8 + r1, ks:ke].any()  # no pair twice
+            covered[b * 8 + r0 : b * 8 + r1, ks:ke] = True
+    assert torch.equal(covered, dense)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.sliding_window(37),
+        masks.sliding_window(20, 9),
+        masks.causal(),
+        masks.causal("top_left"),
+    ],
+)
+def test_band_visits_cover_every_visible_pair_once(mask: masks.Mask) -> None:
+    # A band's visits are cut at its edges, not at key blocks: FULL visits hold visible pairs
+    # only, partial ones at most one block of keys, every visible pair is in exactly one visit,
+    # and fewer pairs are computed than the plan's key blocks hold.
+    geo = Geometry((1,), 2, 150, 170, torch.device("cpu"))
+    plan = plan_for(mask, geo, 1, False, 32, 48, native=True)
+    call = native_call(mask, geo, plan, scale=1.0, softcap=None, dtype=torch.float32)
+    dense = mask.dense(150, 170)[0, 0]
+    count = torch.zeros(150, 170, dtype=torch.int64)
+    computed = 0
+    for b in range(len(call.off) - 1):
+        for ks, ke, r0, r1, partial, _ in call.visits[call.off[b] : call.off[b + 1]].tolist():
+            assert 0 < ke - ks <= 48
+            assert 0 <= r0 < r1 <= 32
+            rows = slice(b * 32 + r0, b * 32 + r1)
+            if not partial:
+                assert dense[rows, ks:ke].all()
+            count[rows, ks:ke] += 1
+            computed += (ke - ks) * (r1 - r0)
+    assert torch.equal(count[dense], torch.ones(int(dense.sum()), dtype=torch.int64))
+    blocks = sum((v.ke - v.ks) * (v.r1 - v.r0) for qb in plan.blocks for v in qb.visits)
+    assert computed < blocks
 
 
 @needs_native
@@ -276,7 +375,7 @@ def test_native_fuzz_against_reference(data: st.DataObject, mask: str, dtype: to
     b, hkv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     tq, tk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
     dk, dv = draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 3, 8]))
-    if mask in ("padding", "padding & causal", "documents"):
+    if mask in ("padding", "padding & causal", "documents", "same documents"):
         tk = tq = max(tq, 37)  # the masks above describe 37 keys, two batch rows
         b = 2
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
@@ -296,11 +395,12 @@ def test_native_fuzz_against_reference(data: st.DataObject, mask: str, dtype: to
         tensors.append(torch.randn(h, generator=g, dtype=torch.float64))
         names.append("sinks")
     the_mask = MASKS[mask]
-    if mask in ("padding", "padding & causal", "documents"):
+    if mask in ("padding", "padding & causal", "documents", "same documents"):
         the_mask = {
             "padding": masks.key_padding([tk, 13]),
             "padding & causal": masks.key_padding([tk, 9]) & masks.causal(),
             "documents": masks.documents([[tk - 17, 17], [tk]]),
+            "same documents": masks.documents([5, tk - 22, 0, 17]),
         }[mask]
     sizes = (draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 5, 16, 32])))
     cot = torch.randn(b, h, tq, dv, generator=g, dtype=torch.float64)

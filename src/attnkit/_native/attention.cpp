@@ -29,9 +29,11 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 extern "C" {
@@ -400,16 +402,24 @@ struct OneBlasThread {
   }
 };
 
+// Each thread of a parallel region claims the next unclaimed item until none is left, instead
+// of running a fixed share: on a core shared with another process a thread runs slower, and
+// the others then take more of the items rather than wait for it at the region's end.
+inline int64_t claim(std::atomic<int64_t>& next) {
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 template <typename T>
 void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
   const int64_t items = c.N * c.Hkv * c.nqb;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
     OneBlasThread one;
     const int64_t bk_max = c.tile_k;
     std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0);
     std::vector<T> pos(window_size(c));
     std::vector<T> acc(c.bq * c.Dv), m(c.bq), l(c.bq);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = claim(next); item < items; item = claim(next)) {
       const int64_t qb = item % c.nqb, nh = item / c.nqb, n = nh / c.Hkv, hk = nh % c.Hkv;
       const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
       for (int64_t g = 0; g < c.G; ++g) {
@@ -458,9 +468,11 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
   });
 }
 
+// dbias (when not null) has the bias's own shape, contiguous, with strides ds (0 where broadcast).
 template <typename T>
 void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, const T* delta,
-                   const Rows<T*>& dq, T* dk, T* dv, T* dbias, T* dqv, T* denc) {
+                   const Rows<T*>& dq, T* dk, T* dv, T* dbias, const int64_t* ds,
+                   int64_t dbias_numel, T* dqv, T* denc) {
   // Stretches of query blocks per key/value head, enough for every thread to have work.
   const int64_t heads = c.N * c.Hkv;
   const int64_t threads = at::get_num_threads();
@@ -490,7 +502,17 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
   // Every query block of every batch row adds to enc's gradient: each thread adds into its own.
   std::vector<std::vector<T>> denc_threads(denc != nullptr ? at::get_num_threads() : 0);
   const bool position = c.qv.p != nullptr && (dqv != nullptr || denc != nullptr);
-  at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
+  // A bias broadcast over the batch, the key/value heads or (with several stretches) the queries
+  // has elements that several items add to: then the first thread adds into dbias, every
+  // other into its own buffer of the bias's shape, summed into dbias after the parallel region.
+  // Otherwise every item owns its part of dbias and adds in place.
+  const bool dbias_shared =
+      dbias != nullptr && ((c.N > 1 && ds[0] == 0) || (c.Hkv > 1 && ds[1] == 0) ||
+                           (parts > 1 && ds[3] == 0));
+  std::mutex dbias_lock;
+  std::vector<std::vector<T>> dbias_parts;
+  std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
+  at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t) {
     OneBlasThread one;
     const int64_t bk_max = c.tile_k;
     std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0), dp(c.bq * bk_max);
@@ -502,7 +524,9 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
       denc_own = own.data();
     }
     std::vector<T> pd(c.p_drop > 0 ? c.bq * bk_max : 0), dqa(c.bq * c.Dk);
-    for (int64_t item = begin; item < end; ++item) {
+    std::vector<T> own_dbias(dbias_shared && begin > 0 ? dbias_numel : 0);
+    T* db0 = own_dbias.empty() ? dbias : own_dbias.data();
+    for (int64_t item = claim(next); item < heads * parts; item = claim(next)) {
       const int64_t nh = item / parts, p = item % parts, n = nh / c.Hkv, hk = nh % c.Hkv;
       if (kmax[p] <= kmin[p]) continue;
       T *dkh, *dvh;
@@ -576,9 +600,10 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
               T* pr = s.data() + r * nk;
               T* dr = dp.data() + r * nk;
               for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl);
-              if (dbias != nullptr) {
-                T* db = dbias + (row0 + r0 + r) * c.Tk + ks;
-                for (int64_t j = 0; j < nk; ++j) db[j] += dr[j];
+              if (db0 != nullptr) {
+                T* db = db0 + n * ds[0] + hk * ds[1] + g * ds[2] + (qs + r0 + r) * ds[3] +
+                        ks * ds[4];
+                for (int64_t j = 0; j < nk; ++j) db[j * ds[4]] += dr[j];
               }
               // The term's score gradient, in its place in the product's gradient.
               if (position) std::copy(dr, dr + nk, dw.at(r0 + r, ks));
@@ -601,6 +626,10 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
         }
       }
     }
+    if (!own_dbias.empty()) {
+      std::lock_guard<std::mutex> lock(dbias_lock);
+      dbias_parts.push_back(std::move(own_dbias));
+    }
   });
   if (denc != nullptr) {
     const int64_t size = c.Hkv * c.G * c.P * c.Dh;
@@ -608,6 +637,13 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
       for (const auto& own : denc_threads) {
         if (own.empty()) continue;
         for (int64_t x = begin; x < end; ++x) denc[x] += own[x];
+      }
+    });
+  }
+  if (!dbias_parts.empty()) {
+    at::parallel_for(0, dbias_numel, 4096, [&](int64_t begin, int64_t end) {
+      for (const auto& part : dbias_parts) {
+        for (int64_t x = begin; x < end; ++x) dbias[x] += part[x];
       }
     });
   }
@@ -745,8 +781,11 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   auto dk = at::zeros({k.size(0) * k.size(1), k.size(2), k.size(3)}, k.options());
   auto dv = at::zeros({v.size(0) * v.size(1), v.size(2), v.size(3)}, v.options());
   at::Tensor dbias;
+  int64_t ds[5] = {0, 0, 0, 0, 0};
   if (bias_grad) {
-    dbias = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3), k.size(2)}, q.options());
+    TORCH_CHECK(bias.has_value() && bias->dim() == 5, "bias_grad without a 5-d bias");
+    dbias = at::zeros(bias->sizes(), q.options());  // the bias's shape, not (N, Hkv, G, Tq, Tk)
+    for (int d = 0; d < 5; ++d) ds[d] = dbias.size(d) == 1 ? 0 : dbias.stride(d);
   }
   const bool position = qv.has_value() && enc.has_value();
   at::Tensor dqv, denc;
@@ -760,7 +799,8 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                             lse.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
                             rows_of<scalar_t*>(dq, dq.data_ptr<scalar_t>()),
                             dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                            bias_grad ? dbias.data_ptr<scalar_t>() : nullptr,
+                            bias_grad ? dbias.data_ptr<scalar_t>() : nullptr, ds,
+                            bias_grad ? dbias.numel() : 0,
                             dqv.defined() ? dqv.data_ptr<scalar_t>() : nullptr,
                             denc.defined() ? denc.data_ptr<scalar_t>() : nullptr);
   });

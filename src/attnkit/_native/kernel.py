@@ -4,18 +4,22 @@ The native kernel reads the same :class:`~attnkit._kernel.plan.Plan` as the eage
 blocks are not in it, its FULL blocks do no mask work) and sees a partial block's mask in one of
 three forms, the cheapest that is exact: a band ``lo <= j - (i + shift) <= hi`` (causal, sliding
 windows), per-key flags (key padding), both for a band and key flags joined by ``&``, or else bool
-tiles asked of the mask here, once per partial block of the plan.
+tiles asked of the mask here, once per partial block of the plan. Packed documents (the same in
+every batch row) need no mask at all: a block they cut becomes one FULL visit per document in it,
+its rows and keys restricted to that document.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._call import AttentionCall
-from .._kernel import Plan
+from .._kernel import Plan, QueryBlock, Visit
 from ..masks import Geometry, Mask
 from ..scores import RelativePositionTerm, ScoreTerm, softcap_form
 from . import load, status
@@ -165,8 +169,7 @@ class NativeCall:
             qv_grad,
             enc_grad,
         )
-        if dbias is not None and bias5 is not None:
-            dbias = dbias.sum_to_size(bias5.shape)
+        # dbias is already in bias5's shape
         dterm: list[Tensor | None] = [dqv, denc] if self.position is not None else []
         return dq, dk, dv, dbias, dterm
 
@@ -208,6 +211,97 @@ def _mask_form(mask: Mask | None, geo: Geometry) -> tuple[list[float], Tensor | 
     return band, key_ok, False
 
 
+def _document_starts(mask: Mask | None, geo: Geometry) -> list[int] | None:
+    """Where documents start (then Tk) when ``mask`` is packed documents, each one run of
+    positions, the same in every batch row; else None."""
+    if mask is None or mask.op is not None or geo.kv_len == 0 or geo.q_len == 0:
+        return None
+    starts = mask.document_starts()
+    if starts is None or any(row != starts[0] for row in starts[1:]):
+        return None
+    return starts[0]
+
+
+def _document_visits(v: Visit, qs: int, shift: int, starts: list[int]) -> list[list[int]]:
+    """A partial visit of packed documents as the FULL rectangles of the documents it cuts: the
+    rows of query block ``qs`` and the keys that one document holds (query ``i`` is in the
+    document of key ``i + shift``)."""
+    out = []
+    first = max(bisect.bisect_right(starts, v.ks) - 1, 0)
+    for d in range(first, len(starts) - 1):
+        a, b = starts[d], starts[d + 1]
+        if a >= v.ke:
+            break
+        r0, r1 = max(v.r0, a - shift - qs), min(v.r1, b - shift - qs)
+        ks, ke = max(v.ks, a), min(v.ke, b)
+        if r0 < r1 and ks < ke:
+            out.append([ks, ke, r0, r1, 0, -1])
+    return out
+
+
+# Visits of a band are cut at multiples of this many keys where they can be: the kernel's rows
+# are then whole vectors (16 float32 lanes of AVX-512), without scalar tails.
+_ALIGN = 16
+
+
+def _band_visits(qb: QueryBlock, band: list[float], shift: int, block_k: int) -> list[list[int]]:
+    """A query block's visits under a band alone, cut at the band's own edges instead of at key
+    blocks: the keys every row sees as FULL visits of at most ``block_k`` keys, split evenly, and
+    the two triangles at the band's edges (each about one block's rows wide) as partial ones,
+    every visit's rows those that see some of its keys; the cuts are rounded outwards to
+    multiples of ``_ALIGN`` keys."""
+    if not qb.visits:
+        return []
+    lo, hi = band
+    k0, k1 = qb.key_range
+    r0 = min(v.r0 for v in qb.visits)
+    r1 = max(v.r1 for v in qb.visits)
+    i0, i1 = qb.qs + r0 + shift, qb.qs + r1 - 1 + shift  # the rows' diagonals, first and last
+
+    def left(i: int) -> int:  # row i's first visible key, at least k0
+        return k0 if math.isinf(lo) else max(k0, math.ceil(i + lo))
+
+    def right(i: int) -> int:  # one past row i's last visible key, at most k1
+        return k1 if math.isinf(hi) else min(k1, math.floor(i + hi) + 1)
+
+    def down(x: int) -> int:
+        return max(k0, x - x % _ALIGN)
+
+    def up(x: int) -> int:
+        return min(k1, x + (-x) % _ALIGN)
+
+    # Keys seen by some row: [first, last); by every row: [full0, full1) (maybe empty).
+    first, last = down(left(i0)), up(right(i1))
+    full0, full1 = up(max(first, left(i1))), down(min(last, right(i0)))
+    if full0 >= full1:
+        full0 = full1 = last
+    out = []
+    for a, b, partial in ((first, full0, 1), (full0, full1, 0), (full1, last, 1)):
+        ks = a
+        while ks < b:
+            pieces = -(-(b - ks) // block_k)  # what is left, in even pieces of <= block_k keys
+            ke = ks + -(-(b - ks) // pieces)
+            if ke < b and ke - ke % _ALIGN > ks:
+                ke -= ke % _ALIGN
+            # Rows that see a key of ks:ke: diagonal + hi >= ks and diagonal + lo <= ke - 1.
+            lo_row = r0 if math.isinf(hi) else max(r0, math.ceil(ks - hi - shift - qb.qs))
+            hi_row = r1 if math.isinf(lo) else min(r1, math.floor(ke - 1 - lo - shift - qb.qs) + 1)
+            if not partial or hi_row - lo_row < 2 * _ALIGN:
+                if lo_row < hi_row:
+                    out.append([ks, ke, lo_row, hi_row, partial, -1])
+            else:
+                # A triangle: each half of its rows over the keys that half sees, which skips
+                # about a quarter of the masked pairs.
+                mid = (lo_row + hi_row) // 2
+                for ra, rb in ((lo_row, mid), (mid, hi_row)):
+                    ka = max(ks, down(left(qb.qs + ra + shift)))
+                    kb = min(ke, up(right(qb.qs + rb - 1 + shift)))
+                    if ka < kb:
+                        out.append([ka, kb, ra, rb, 1, -1])
+            ks = ke
+    return out
+
+
 def native_call(
     mask: Mask | None,
     geo: Geometry,
@@ -223,14 +317,24 @@ def native_call(
     """The plan of a whole call, and its mask, in the native kernel's terms (``dtype``: the
     inputs', which decides how a softcap is computed, see :func:`attnkit.scores.softcap_form`)."""
     band, key_ok, tiled = _mask_form(mask, geo)
+    # Packed documents need no tiles: a block they cut is one FULL visit per document in it.
+    starts = _document_starts(mask, geo) if tiled else None
+    band_only = bool(band) and key_ok is None and not tiled
     work = torch.promote_types(dtype, torch.float32)
     form = None if softcap is None else softcap_form(softcap, work)
     off = [0]
     rows: list[list[int]] = []
     tiles: list[tuple[Tensor, int, int]] = []  # a partial block's tile, its rows and keys
     for qb in plan.blocks:
+        if band_only:
+            rows.extend(_band_visits(qb, band, geo.shift, plan.block_k))
+            off.append(len(rows))
+            continue
         for v in qb.visits:
             tile = -1
+            if v.partial and starts is not None:
+                rows.extend(_document_visits(v, qb.qs, geo.shift, starts))
+                continue
             if v.partial and tiled and mask is not None:
                 tile = len(tiles)
                 t = mask.tile(geo, qb.qs, qb.qe, v.ks, v.ke)
