@@ -25,9 +25,10 @@ Rows per section (what the scripts write; times in seconds unless the key says `
   load), ``busy_ratio`` and ``worst_ratio`` (busy median and worst busy round over the quiet
   median, with ``--load both``), ``extra_bytes`` (the native call, with ``--memory``).
 * ``multihead`` (bench_multihead.py): ``pass``, ``candidate``, ``seconds``, ``ratio`` (to torch).
-* ``relative`` (bench_relative.py): ``what`` (speed, memory, training), ``candidate``, ``B``,
-  ``T``, ``seconds``, ``ratio`` (speed: to MultiHeadAttention), ``extra_bytes``,
-  ``largest_saved`` (elements).
+* ``relative`` (bench_relative.py): ``what`` (speed, train-speed, load, dropout, memory,
+  training), ``candidate``, ``B``, ``T``, ``seconds``, ``ratio`` (speed, train-speed: to
+  MultiHeadAttention), ``extra_bytes``, ``largest_saved`` (elements), ``dropout``, and for load
+  ``quiet_seconds``, ``busy_seconds``, ``busy_worst_seconds``.
 * ``ring`` (bench_ring.py): ``candidate``, ``causal``, ``seconds``, ``ratio``, ``inputs_mib``,
   ``extra_mib`` (one entry per rank).
 * ``gpu`` (gpu_check.py): ``T``, ``causal``, ``mode``, ``candidate``, ``ms``, ``ratio``.
@@ -358,7 +359,84 @@ def _relative(run: Run, images: dict[str, bytes]) -> str:
                 right=(1, 2, 3, 4),
             )
         )
-    rest = [r for r in run.rows if r["what"] != "speed"]
+    steps = [r for r in run.rows if r["what"] == "train-speed"]
+    if steps:
+        parts.append(
+            table(
+                [
+                    "training step (forward + backward)",
+                    "B",
+                    "T",
+                    "ms",
+                    "ratio to MultiHeadAttention",
+                ],
+                [
+                    [r["candidate"], r["B"], r["T"], _ms(r["seconds"]), _ratio(r["ratio"])]
+                    for r in steps
+                ],
+                right=(1, 2, 3, 4),
+            )
+        )
+    busy = [r for r in run.rows if r["what"] == "load"]
+    if busy:
+        parts.append(
+            table(
+                [
+                    "forward, one core busy",
+                    "B",
+                    "T",
+                    "quiet ms",
+                    "busy median ms",
+                    "busy / quiet",
+                    "worst busy round / quiet",
+                ],
+                [
+                    [
+                        r["candidate"],
+                        r["B"],
+                        r["T"],
+                        _ms(r["quiet_seconds"]),
+                        _ms(r["busy_seconds"]),
+                        _ratio(r["busy_seconds"] / r["quiet_seconds"]),
+                        _ratio(r["busy_worst_seconds"] / r["quiet_seconds"]),
+                    ]
+                    for r in busy
+                ],
+                right=(1, 2, 3, 4, 5, 6),
+            )
+        )
+    drops = [r for r in run.rows if r["what"] == "dropout"]
+    if drops:
+        none = next((r for r in drops if r["dropout"] == 0.0), drops[0])
+        parts.append(
+            table(
+                [
+                    "training step",
+                    "dropout",
+                    "T",
+                    "s",
+                    "/ no dropout",
+                    "extra peak MiB",
+                    "/ no dropout",
+                ],
+                [
+                    [
+                        r["candidate"],
+                        r["dropout"],
+                        r["T"],
+                        _s(r["seconds"]),
+                        _ratio(r["seconds"] / none["seconds"]),
+                        _mib(r.get("extra_bytes")),
+                        ""
+                        if not r.get("extra_bytes") or not none.get("extra_bytes")
+                        else _ratio(r["extra_bytes"] / none["extra_bytes"]),
+                    ]
+                    for r in drops
+                ],
+                right=(1, 2, 3, 4, 5, 6),
+            )
+        )
+    rest = [r for r in run.rows if r["what"] in ("memory", "training")]
     if rest:
         parts.append(
             table(
