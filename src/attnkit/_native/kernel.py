@@ -6,7 +6,8 @@ three forms, the cheapest that is exact: a band ``lo <= j - (i + shift) <= hi`` 
 windows), per-key flags (key padding), both for a band and key flags joined by ``&``, or else bool
 tiles asked of the mask here, once per partial block of the plan. Packed documents (the same in
 every batch row) need no mask at all: a block they cut becomes one FULL visit per document in it,
-its rows and keys restricted to that document.
+its rows and keys restricted to that document. A band alone is cut at its own edges rather than
+at key blocks (see :func:`_band_visits`).
 """
 
 from __future__ import annotations
