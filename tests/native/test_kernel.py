@@ -49,6 +49,7 @@ MASKS = {
     "padding & causal": masks.key_padding([30, 9]) & masks.causal(),
     "documents": masks.documents([[10, 20, 7], [37]]),
     "same documents": masks.documents([10, 0, 20, 7]),  # every row: FULL visits, no tiles
+    "same documents & causal": masks.documents([10, 0, 20, 7]) & masks.causal(),
     "from_fn": masks.from_fn(lambda b, h, i, j: (i + j + h) % 3 != 0),
 }
 
@@ -211,15 +212,19 @@ def test_packed_documents_need_no_tiles() -> None:
         masks.sliding_window(20, 9),
         masks.causal(),
         masks.causal("top_left"),
+        masks.documents([40, 0, 70, 60]) & masks.causal(),
+        masks.sliding_window(20, 9) & masks.documents([40, 0, 70, 60]),
     ],
 )
 def test_band_visits_cover_every_visible_pair_once(mask: masks.Mask) -> None:
-    # A band's visits are cut at its edges, not at key blocks: FULL visits hold visible pairs
-    # only, partial ones at most one block of keys, every visible pair is in exactly one visit,
-    # and fewer pairs are computed than the plan's key blocks hold.
+    # A band's visits are cut at its edges (and at the documents' bounds), not at key blocks:
+    # FULL visits hold visible pairs only, partial ones at most one block of keys, every visible
+    # pair is in exactly one visit, fewer pairs are computed than the plan's key blocks hold,
+    # and no tile is needed.
     geo = Geometry((1,), 2, 150, 170, torch.device("cpu"))
     plan = plan_for(mask, geo, 1, False, 32, 48, native=True)
     call = native_call(mask, geo, plan, scale=1.0, softcap=None, dtype=torch.float32)
+    assert call.tiles is None
     dense = mask.dense(150, 170)[0, 0]
     count = torch.zeros(150, 170, dtype=torch.int64)
     computed = 0
@@ -375,7 +380,13 @@ def test_native_fuzz_against_reference(data: st.DataObject, mask: str, dtype: to
     b, hkv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     tq, tk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
     dk, dv = draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 3, 8]))
-    if mask in ("padding", "padding & causal", "documents", "same documents"):
+    if mask in (
+        "padding",
+        "padding & causal",
+        "documents",
+        "same documents",
+        "same documents & causal",
+    ):
         tk = tq = max(tq, 37)  # the masks above describe 37 keys, two batch rows
         b = 2
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
@@ -395,12 +406,19 @@ def test_native_fuzz_against_reference(data: st.DataObject, mask: str, dtype: to
         tensors.append(torch.randn(h, generator=g, dtype=torch.float64))
         names.append("sinks")
     the_mask = MASKS[mask]
-    if mask in ("padding", "padding & causal", "documents", "same documents"):
+    if mask in (
+        "padding",
+        "padding & causal",
+        "documents",
+        "same documents",
+        "same documents & causal",
+    ):
         the_mask = {
             "padding": masks.key_padding([tk, 13]),
             "padding & causal": masks.key_padding([tk, 9]) & masks.causal(),
             "documents": masks.documents([[tk - 17, 17], [tk]]),
             "same documents": masks.documents([5, tk - 22, 0, 17]),
+            "same documents & causal": masks.documents([5, tk - 22, 0, 17]) & masks.causal(),
         }[mask]
     sizes = (draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 5, 16, 32])))
     cot = torch.randn(b, h, tq, dv, generator=g, dtype=torch.float64)

@@ -6,7 +6,8 @@ three forms, the cheapest that is exact: a band ``lo <= j - (i + shift) <= hi`` 
 windows), per-key flags (key padding), both for a band and key flags joined by ``&``, or else bool
 tiles asked of the mask here, once per partial block of the plan. Packed documents (the same in
 every batch row) need no mask at all: a block they cut becomes one FULL visit per document in it,
-its rows and keys restricted to that document.
+its rows and keys restricted to that document. A band alone is cut at its own edges rather than
+at key blocks (see :func:`_band_visits`).
 """
 
 from __future__ import annotations
@@ -239,6 +240,39 @@ def _document_visits(v: Visit, qs: int, shift: int, starts: list[int]) -> list[l
     return out
 
 
+def _documents_and_band(mask: Mask | None, geo: Geometry) -> tuple[list[float], list[int] | None]:
+    """``(band, document starts)`` when ``mask`` is packed documents (as in
+    :func:`_document_starts`) ``&`` one band, else ``([], None)``."""
+    if mask is None or mask.op != "and" or len(mask.parts) != 2:
+        return [], None
+    bands = [m for m in mask.parts if m.band is not None]
+    others = [m for m in mask.parts if m.band is None]
+    if len(bands) != 1 or len(others) != 1:
+        return [], None
+    starts = _document_starts(others[0], geo)
+    if starts is None:
+        return [], None
+    lo, hi = bands[0].distances(geo)
+    return [float(lo), float(hi)], starts
+
+
+def _clip_to_band(visit: list[int], qs: int, band: list[float], shift: int) -> list[int] | None:
+    """A FULL visit of one document under a band: its rows that see some of its keys, partial
+    unless the band holds all its pairs (None: it holds none)."""
+    ks, ke, r0, r1, _, _ = visit
+    lo, hi = band
+    # Row i (diagonal i + shift) sees key j iff lo <= j - (i + shift) <= hi.
+    if not math.isinf(hi):
+        r0 = max(r0, math.ceil(ks - hi - shift - qs))
+    if not math.isinf(lo):
+        r1 = min(r1, math.floor(ke - 1 - lo - shift - qs) + 1)
+    if r0 >= r1:
+        return None
+    first, last = qs + r0 + shift, qs + r1 - 1 + shift
+    full = ks - last >= lo and ke - 1 - first <= hi
+    return [ks, ke, r0, r1, 0 if full else 1, -1]
+
+
 # Visits of a band are cut at multiples of this many keys where they can be: the kernel's rows
 # are then whole vectors (16 float32 lanes of AVX-512), without scalar tails.
 _ALIGN = 16
@@ -317,9 +351,13 @@ def native_call(
     """The plan of a whole call, and its mask, in the native kernel's terms (``dtype``: the
     inputs', which decides how a softcap is computed, see :func:`attnkit.scores.softcap_form`)."""
     band, key_ok, tiled = _mask_form(mask, geo)
-    # Packed documents need no tiles: a block they cut is one FULL visit per document in it.
+    # Packed documents need no tiles: a block they cut is one FULL visit per document in it
+    # (with a band, such as causal, the band's edges are then its only mask).
     starts = _document_starts(mask, geo) if tiled else None
-    band_only = bool(band) and key_ok is None and not tiled
+    if tiled and starts is None:
+        band, starts = _documents_and_band(mask, geo)
+    tiled = tiled and starts is None
+    band_only = bool(band) and key_ok is None and not tiled and starts is None
     work = torch.promote_types(dtype, torch.float32)
     form = None if softcap is None else softcap_form(softcap, work)
     off = [0]
@@ -333,7 +371,10 @@ def native_call(
         for v in qb.visits:
             tile = -1
             if v.partial and starts is not None:
-                rows.extend(_document_visits(v, qb.qs, geo.shift, starts))
+                for r in _document_visits(v, qb.qs, geo.shift, starts):
+                    clipped = _clip_to_band(r, qb.qs, band, geo.shift) if band else r
+                    if clipped is not None:
+                        rows.append(clipped)
                 continue
             if v.partial and tiled and mask is not None:
                 tile = len(tiles)
