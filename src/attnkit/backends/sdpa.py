@@ -38,7 +38,6 @@ from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
 from .base import Backend, CallInputs
 from .chunked import Chunked
-from .reference import Reference
 
 __all__ = ["SDPA", "sdpa_check", "sdpa_cost"]
 
@@ -473,7 +472,6 @@ class SDPA(Backend):
         self.product_q = check_int("product_q", product_q)
         self.term_keys = check_int("term_keys", term_keys)
         self._exact = Chunked()
-        self._with_dropout = Reference()
 
     def check(self, call: AttentionCall) -> list[str]:
         return sdpa_check(call)
@@ -490,9 +488,8 @@ class SDPA(Backend):
                 n = sum(sum(b > a for a, b in itertools.pairwise(row)) for row in docs[0])
                 notes.append(f"one fused call per document: {n} calls")
         if not call.requires_grad:
-            fallback = "reference" if call.dropout_p else "chunked"
             notes.append(
-                f"hands the call to {fallback} if torch's output breaks the non-finite policy "
+                "hands the call to chunked if torch's output breaks the non-finite policy "
                 "(NaN/inf, or a zero row that neither the mask nor the values explain)"
             )
         return notes
@@ -523,10 +520,11 @@ class SDPA(Backend):
             )
         if trusted:
             return out
-        # NaN/inf in the result, or a zero no mask explains: let attnkit apply the policy (the
-        # reference when there is dropout, which the kernel does not have).
-        to = self._with_dropout if dropout_p else self._exact
-        result = self.hand_over(call, inputs, to, "torch's output broke the non-finite policy")
+        # NaN/inf in the result, or a zero no mask explains: let attnkit's kernel apply the
+        # policy (dropout included: it drops in O(T) memory too).
+        result = self.hand_over(
+            call, inputs, self._exact, "torch's output broke the non-finite policy"
+        )
         return result[0] if isinstance(result, tuple) else result
 
     def __repr__(self) -> str:
