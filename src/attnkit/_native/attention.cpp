@@ -200,9 +200,6 @@ struct Window {
     a = std::clamp<int64_t>(-lo, 0, width);
     b = std::clamp<int64_t>(c.P - lo, a, width);
   }
-  bool covers(int64_t r0, int64_t r1, int64_t ks, int64_t ke) const {
-    return p != nullptr && R0 <= r0 && r1 <= R1 && K0 <= ks && ke <= K1;
-  }
   // The terms of row R from key ks on.
   T* at(int64_t R, int64_t ks) const { return p + (R - R0) * width + (R1 - 1 - R) + (ks - K0); }
 
@@ -689,6 +686,14 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   c.off = off.data_ptr<int64_t>();
   c.visits = visits.data_ptr<int64_t>();
   c.nqb = off.size(0) - 1;
+  // Every buffer is sized by the blocks: a visit larger than them would write past its end.
+  TORCH_CHECK(visits.is_contiguous() && off.is_contiguous(), "contiguous plan");
+  for (int64_t vi = 0; vi < visits.size(0); ++vi) {
+    const int64_t* vis = c.visits + vi * 6;
+    TORCH_CHECK(0 <= vis[0] && vis[0] <= vis[1] && vis[1] - vis[0] <= block_k && vis[1] <= c.Tk &&
+                    0 <= vis[2] && vis[2] <= vis[3] && vis[3] <= block_q,
+                "attnkit internal error: a visit outside its block");
+  }
   c.scale = scale;
   c.softcap = softcap;
   if (bias.has_value()) {
