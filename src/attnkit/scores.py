@@ -344,7 +344,9 @@ class RelativePositionTerm(ScoreTerm):
         kind = "openspeech " if self.legacy else ""
         return f"{kind}relative position term ({self.enc.size(1)} distances)"
 
-    def _top(self, shape: ScoreShape) -> int:
+    def top(self, shape: ScoreShape) -> int:
+        """The distance of ``enc``'s first row in a call of ``shape``: ``max_distance``, else
+        ``Tk - 1``."""
         return shape.kv_len - 1 if self.max_distance is None else self.max_distance
 
     def tile(self, inputs: tuple[Tensor, ...], q_pos: Tensor, k_pos: Tensor) -> Tensor:
@@ -382,7 +384,7 @@ class RelativePositionTerm(ScoreTerm):
             return product.reshape(b, h, tq + 1, tk)[:, :, 1:] * self.scale  # (B, H, T, T)
         i = shape.q_positions(0, tq)  # (Tq, 1): i'
         j = shape.k_positions(0, tk)
-        index = self._top(shape) - (i - j)  # row of enc holding distance i' - j
+        index = self.top(shape) - (i - j)  # row of enc holding distance i' - j
         found = (index >= 0) & (index < enc.size(1))
         column = index.clamp(0, max(0, enc.size(1) - 1)).expand(b, h, tq, tk)
         out = product.gather(-1, column) if enc.size(1) else product.new_zeros(b, h, tq, tk)
@@ -446,7 +448,7 @@ class _RelativeBlock(TermBlock):
         # up to 16 columns: GEMMs writing rows of an odd width run markedly slower.
         width = -(-((key_hi - key_lo) + self.bq - 1) // 16) * 16
         shift = self.shape.kv_len - self.shape.q_len
-        lo = self.term._top(self.shape) - (self.qe - 1 + shift) + key_lo
+        lo = self.term.top(self.shape) - (self.qe - 1 + shift) + key_lo
         self.key_lo, self.key_hi = key_lo, key_hi
         self.skew = _Skew(self.qs, self.qe, lo, lo + width, self.bq - 1, width - 1)
 

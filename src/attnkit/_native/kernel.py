@@ -414,5 +414,4 @@ def _position(term: ScoreTerm | None, geo: Geometry) -> tuple[float, int, int] |
         return None
     if not isinstance(term, RelativePositionTerm) or term.legacy:
         raise RuntimeError(f"attnkit internal error: the native kernel cannot fuse {term!r}")
-    top = geo.kv_len - 1 if term.max_distance is None else term.max_distance
-    return float(term.scale), int(top), term.whole_width
+    return float(term.scale), int(term.top(geo)), term.whole_width

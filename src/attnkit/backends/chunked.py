@@ -348,11 +348,9 @@ def kernel_attention(
     term_inputs = () if term is None else tuple(term.inputs())
     zero_offset = None  # asked by the kernel's forward
     term_finite: bool | None = None
-    if (
-        is_finite is None
-        and score_mod is None
-        and native_serves(q.device, term, False, native, geo)
-    ):
+    # The native kernel serves the call if its inputs are finite (it has no careful mode).
+    native_ok = score_mod is None and native_serves(q.device, term, False, native, geo)
+    if is_finite is None and native_ok:
         # The native kernel needs to know only that q, k, v (and the term's inputs) are finite:
         # one sum each, in one host read.
         is_finite = term_finite = finite(q, k, v, *term_inputs)
@@ -369,7 +367,7 @@ def kernel_attention(
     careful = not is_finite
     seed = draw_seed() if dropout_p else 0
     fast = None
-    served = score_mod is None and native_serves(q.device, term, careful, native, geo)
+    served = native_ok and not careful
     plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k, native=served)
     if served:
         fast = native_call(
