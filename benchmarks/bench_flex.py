@@ -1,13 +1,13 @@
 """attnkit.flex with a score_mod against the same call through attention()'s own arguments.
 
 A softcap as a score_mod (``c * tanh(s / c)``) against ``attention(softcap=c)``: attnkit
-recognises that score_mod and runs the call as ``softcap=c``, in the native kernel (the row
-"per tile" is the same function wrapped in a ``functools.partial``, which is never recognised:
-the eager kernel applying it tile by tile). An additive relative bias as a score_mod
-(``s + table[q_idx - kv_idx]``) runs tile by tile; it is timed against ``attention(bias=...)``
-with that bias written out as a (T, T) tensor (``auto`` takes torch's SDPA for it; the chunked
-kernel's figure is there too). B=1, H=8, D=64, float32 on the CPU, no mask; forward (no grad) and
-forward+backward.
+recognises that score_mod and runs the call as ``softcap=c``, in the native kernel. An additive
+relative bias as a score_mod (``s + table[q_idx - kv_idx]``) is recognised as a bias by distance
+and runs as a ``DistanceBias`` table, in the native kernel too; it is timed against
+``attention(bias=...)`` with that bias written out as a (T, T) tensor (``auto``'s choice, and the
+chunked backend's). The rows "per tile" are the same functions wrapped in a
+``functools.partial``, which is never recognised: the eager kernel applying them tile by tile.
+B=1, H=8, D=64, float32 on the CPU, no mask; forward (no grad) and forward+backward.
 
 Every round times each call once with torch.utils.benchmark (interleaved, so a slow minute of
 the machine hurts all of them); "ratio" is flex's time over attention()'s in the same round,
@@ -33,9 +33,10 @@ from torch import Tensor
 from torch.utils import benchmark
 
 import attnkit
-from attnkit._score_mod import _SOFTCAPS, softcap_of
+from attnkit._score_mod import _SOFTCAPS, distance_bias_of, softcap_of
 from attnkit.cli.measure import extra_peak_memory
 from attnkit.flex import flex_attention
+from attnkit.masks import Geometry
 
 B, H, D = 1, 8, 64
 CAP = 20.0
@@ -62,6 +63,8 @@ def calls(t: int, grad: bool) -> dict[str, Callable[[], object]]:
     def relative(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
         return s + table[qi - kv + t]
 
+    relative_per_tile = functools.partial(relative)
+
     def run(fn: Callable[[], Tensor]) -> Callable[[], object]:
         def go() -> object:
             if not grad:
@@ -82,6 +85,7 @@ def calls(t: int, grad: bool) -> dict[str, Callable[[], object]]:
             lambda: attnkit.attention(q, k, v, bias=dense, backend="chunked")
         ),
         "bias: flex score_mod": run(lambda: flex_attention(q, k, v, relative)),  # type: ignore[arg-type,return-value]
+        "bias: flex per tile": run(lambda: flex_attention(q, k, v, relative_per_tile)),  # type: ignore[arg-type,return-value]
     }
 
 
@@ -90,6 +94,7 @@ PAIRS = [
     ("softcap: attention(softcap=)", "softcap: flex per tile"),
     ("bias: attention(bias=)", "bias: flex score_mod"),
     ("bias: chunked(bias=)", "bias: flex score_mod"),
+    ("bias: attention(bias=)", "bias: flex per tile"),
 ]
 
 
@@ -126,9 +131,28 @@ def recognition_cost() -> tuple[float, float]:
     return hit, statistics.median(cold)
 
 
+def table_cost(t: int) -> float:
+    """Seconds distance_bias_of takes per call on the benchmark's bias score_mod once it has
+    been traced: a lookup, two calls of the score_mod and the table's concatenation."""
+    table = _inputs(t, grad=False)[3]
+
+    def relative(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return s + table[qi - kv + t]
+
+    geo = Geometry((B,), H, t, t, torch.device("cpu"))
+    distance_bias_of(relative, geo, torch.float32)
+    n = 200
+    return timeit.timeit(lambda: distance_bias_of(relative, geo, torch.float32), number=n) / n
+
+
 def _make_flex_train(t: int) -> tuple[Callable[[], object], int]:
     fns = calls(t, grad=True)
     return fns["softcap: flex score_mod"], 4 * B * H * t * D * 4
+
+
+def _make_flex_bias_train(t: int) -> tuple[Callable[[], object], int]:
+    fns = calls(t, grad=True)
+    return fns["bias: flex score_mod"], 4 * B * H * t * D * 4
 
 
 def main() -> None:
@@ -155,14 +179,19 @@ def main() -> None:
         f"recognising the softcap score_mod: {hit * 1e6:.1f} us per call once seen, "
         f"{cold * 1e3:.2f} ms the first time (torch.fx trace)"
     )
+    print(
+        f"recognising the bias score_mod and computing its table: {table_cost(args.t) * 1e6:.0f} "
+        "us per call once seen"
+    )
     if args.memory:
-        extra = extra_peak_memory(_make_flex_train, args.t)
-        if extra is not None:
-            txt = args.t * args.t * H * 4
-            print(
-                f"flex softcap forward+backward: {extra / 2**20:.0f} MiB extra peak "
-                f"({100 * extra / txt:.1f}% of one (H, T, T) float32 score matrix)"
-            )
+        for name, make in (("softcap", _make_flex_train), ("bias", _make_flex_bias_train)):
+            extra = extra_peak_memory(make, args.t)
+            if extra is not None:
+                txt = args.t * args.t * H * 4
+                print(
+                    f"flex {name} forward+backward: {extra / 2**20:.0f} MiB extra peak "
+                    f"({100 * extra / txt:.1f}% of one (H, T, T) float32 score matrix)"
+                )
 
 
 if __name__ == "__main__":

@@ -531,3 +531,121 @@ def test_a_score_mod_far_from_the_raw_scores_needs_no_offset_assumption(backend:
     assert_close(
         got, attnkit.attention(q.double(), k.double(), v.double(), causal=True), dtype=torch.float32
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# A bias by distance as a score_mod runs as a DistanceBias (in the native kernel)
+
+HEAD_TABLE = torch.randn(H, T_Q + T_K, dtype=torch.float64)
+
+
+def t5_buckets(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    """T5's scheme, shortened: exact buckets near, logarithmic ones far, per head."""
+    d = (kv - q).abs()
+    far = 4 + (torch.log(d.clamp(min=1).to(s.dtype) / 4) * 2).to(torch.int64)
+    return s + HEAD_TABLE[h, torch.where(d < 4, d, far).clamp(max=T_Q + T_K - 1)]
+
+
+BY_DISTANCE: dict[str, Callable[..., Tensor]] = {
+    "relative": relative,
+    "alibi": alibi,
+    "head_offset": head_offset,  # b and h only
+    "learnable": global_bias,
+    "per head": lambda s, b, h, q, kv: s + HEAD_TABLE[h, q - kv + T_K],
+    "t5": t5_buckets,
+    "minus": lambda s, b, h, q, kv: s - HEAD_TABLE[h, kv - q + T_Q],
+    "torch.add": lambda s, b, h, q, kv: torch.add(HEAD_TABLE[h, q - kv + T_K], s),
+    "method": lambda s, b, h, q, kv: s.add(0.25 * (q - kv).abs() - b),
+    "wraps": lambda s, b, h, q, kv: s + HEAD_TABLE[h, q - kv],  # negative indices wrap, as torch's
+}
+
+NOT_BY_DISTANCE: dict[str, Callable[..., Tensor]] = {
+    "query alone": lambda s, b, h, q, kv: s + HEAD_TABLE[h, q],
+    "sum of indices": lambda s, b, h, q, kv: s + 0.1 * (q + kv),
+    "product": lambda s, b, h, q, kv: s + 0.01 * q * kv,
+    "bias minus score": lambda s, b, h, q, kv: 0.1 * (q - kv) - s,
+    "scaled score": lambda s, b, h, q, kv: 2 * s + 0.1 * (q - kv),
+    "score twice": lambda s, b, h, q, kv: s + s,
+    "alpha": lambda s, b, h, q, kv: torch.add(s, 0.1 * (q - kv), alpha=2.0),
+    "partial": functools.partial(relative),
+}
+
+
+@pytest.mark.parametrize("name", BY_DISTANCE)
+def test_a_bias_by_distance_is_recognised(name: str) -> None:
+    assert "recognised as score + a bias by distance" in _chunked_notes(score_mod=BY_DISTANCE[name])
+    assert "native kernel" in _chunked_notes(score_mod=BY_DISTANCE[name])
+
+
+@pytest.mark.parametrize("name", NOT_BY_DISTANCE)
+def test_other_score_mods_are_not_taken_for_a_bias_by_distance(name: str) -> None:
+    notes = _chunked_notes(score_mod=NOT_BY_DISTANCE[name])
+    assert "recognised" not in notes
+    assert "does not fuse a score_mod" in notes
+
+
+@pytest.mark.parametrize(
+    ("name", "mask_name", "native"),
+    [
+        ("relative", "causal", True),
+        ("alibi", "sliding_window", True),
+        ("head_offset", "document_causal", True),
+        ("learnable", "none", True),
+        ("per head", "prefix_lm", False),
+        ("t5", "causal", True),
+        ("minus", "document", False),
+        ("wraps", "none", True),
+    ],
+)
+def test_a_bias_by_distance_equals_the_per_tile_path_and_the_formula(
+    name: str, mask_name: str, native: bool
+) -> None:
+    """Recognised (native or eager kernel) against the same function as a partial (never
+    recognised: tile by tile) and the float64 dense formula; values and gradients, the captured
+    table's included. GQA, Tq != Tk and a batch of 2 throughout."""
+    mod, mask_mod = BY_DISTANCE[name], MASK_MODS[mask_name]
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    tensors = [q, k, v, BIAS_TABLE]
+    mask = None if mask_mod is None else flex.create_block_mask(mask_mod, None, None, T_Q, T_K).mask
+    backend = Chunked(block_q=16, block_k=16, native=native)
+
+    def run(m: Callable[..., Tensor]) -> Tensor:
+        return attnkit.attention(q, k, v, mask=mask, score_mod=m, backend=backend)
+
+    got = _grads(lambda: run(mod), tensors)
+    per_tile = _grads(lambda: run(functools.partial(mod)), tensors)
+    want = _grads(lambda: _dense_flex(q, k, v, mod, mask_mod), tensors)
+    for a, b, w in zip(got, per_tile, want, strict=True):
+        assert_close(a, w)
+        assert_close(b, w)
+
+
+def test_a_bias_by_distance_in_float32_and_without_gradients() -> None:
+    q, k, v = _qkv(torch.float32)
+    table = HEAD_TABLE.float()
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return s + table[h, qi - kv + T_K]
+
+    with torch.no_grad():
+        got = flex.flex_attention(q, k, v, mod, enable_gqa=True)
+    want = _dense_flex(q.double(), k.double(), v.double(), mod, None)
+    assert_close(got, want, dtype=torch.float32)
+    out, lse = _torch_flex(q, k, v, score_mod=mod)
+    got, got_lse = flex.flex_attention(q, k, v, mod, enable_gqa=True, return_lse=True)
+    assert_close(got, out, dtype=torch.float32)
+    assert_close(got_lse, lse, dtype=torch.float32)
+
+
+def test_a_bias_by_distance_that_fails_on_some_distance_keeps_the_per_tile_path() -> None:
+    """Its table is computed at every distance of the call; where the function raises for one,
+    the call runs tile by tile, which meets the same error only if a tile holds that distance."""
+    q, k, v = _qkv()
+    short = torch.randn(T_Q, dtype=torch.float64)  # distances q - kv >= 0 only, and not all
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return s + short[qi - kv + T_Q]
+
+    assert "recognised" not in _chunked_notes(score_mod=mod)
+    with pytest.raises(IndexError):
+        attnkit.attention(q, k, v, score_mod=mod)

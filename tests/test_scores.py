@@ -289,3 +289,82 @@ def test_score_shape_positions_are_bottom_right() -> None:
     shape = ScoreShape((1,), 1, 2, 5, torch.device("cpu"), torch.float32)
     assert shape.q_positions(0, 2).flatten().tolist() == [3, 4]
     assert shape.k_positions(1, 3).flatten().tolist() == [1, 2]
+
+
+# ------------------------------------------------------------------------------------------------
+# A bias by distance
+
+
+def _distance_dense(table: Tensor, first: int, tq: int, tk: int) -> Tensor:
+    """table[..., (k_pos - q_pos) - first] written out one pair at a time (bottom-right)."""
+    out = torch.zeros(*table.shape[:-1], tq, tk, dtype=table.dtype)
+    for i in range(tq):
+        for j in range(tk):
+            out[..., i, j] = table[..., j - (i + tk - tq) - first]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("lead", "heads", "kv_heads", "tq", "tk", "mask"),
+    [
+        ((), 4, 4, 37, 53, None),
+        ((4,), 4, 2, 53, 37, masks.causal()),
+        ((2, 4), 4, 1, 60, 60, masks.sliding_window(9)),
+        ((4,), 4, 4, 1, 70, None),  # one query: a decoding step
+    ],
+)
+@pytest.mark.parametrize("backend", ["reference", Chunked(block_q=16, block_k=16), "native=False"])
+def test_a_distance_bias_equals_its_dense_form(
+    lead: tuple[int, ...],
+    heads: int,
+    kv_heads: int,
+    tq: int,
+    tk: int,
+    mask: masks.Mask | None,
+    backend: object,
+) -> None:
+    """Values and gradients (the table's included) against the same bias written out, in
+    float64; GQA, Tq != Tk both ways, per-batch tables and a table longer than needed."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, tq, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (
+        torch.randn(2, kv_heads, tk, 8, dtype=torch.float64, generator=g, requires_grad=True)
+        for _ in range(2)
+    )
+    first = -(tk - 1) - 3
+    table = torch.randn(*lead, tq + tk + 5, dtype=torch.float64, generator=g, requires_grad=True)
+    if backend == "native=False":
+        backend = Chunked(native=False)
+    tensors = [q, k, v, table]
+
+    def grads(bias: object, be: object) -> list[Tensor]:
+        out = attention(q, k, v, bias=bias, mask=mask, backend=be)  # type: ignore[arg-type]
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+        return [out, *torch.autograd.grad((out * weights).sum(), tensors)]
+
+    got = grads(scores.DistanceBias(table, first), backend)
+    want = grads(_distance_dense(table, first, tq, tk), "reference")
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
+
+
+def test_a_distance_bias_must_hold_every_distance_of_the_call() -> None:
+    q = torch.randn(1, 2, 10, 8)
+    k = torch.randn(1, 2, 12, 8)
+    exact = scores.DistanceBias(torch.randn(21), first=-11)
+    attention(q, k, k, bias=exact)
+    for table, first, what in (
+        (torch.randn(20), -11, "distances -11 to 8, and the call .* -11 to 9"),
+        (torch.randn(21), -10, "distances -10 to 10, and the call .* -11 to 9"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            attention(q, k, k, bias=scores.DistanceBias(table, first))
+        with pytest.raises(ValueError, match=what):
+            attention(q, k, k, bias=scores.DistanceBias(table, first), backend="reference")
+    with pytest.raises(ValueError, match=r"has H=3, the call H=2"):
+        attention(q, k, k, bias=scores.DistanceBias(torch.randn(3, 21), -11))
+    with pytest.raises(TypeError, match="table must be a float tensor"):
+        scores.DistanceBias(torch.arange(21), -11)
+    with pytest.raises(ValueError, match=r"\(L,\), \(H, L\) or \(B, H, L\)"):
+        scores.DistanceBias(torch.randn(1, 1, 1, 21), -11)
+    assert "native kernel" in " ".join(attnkit.explain(q, k, k, bias=exact).notes["chunked"])

@@ -18,6 +18,15 @@ the three operations (``c * torch.tanh(score / c)``, ``torch.tanh(score / c) * c
 ``score.div(c).tanh().mul(c)``, ...), with ``c`` a Python number or a 0-d tensor that needs no
 gradient, read from its closure, its default arguments or the globals it names. A backend may
 then run the call as ``softcap=c``, the same function of the scores.
+
+Which are recognised as a bias by distance (:func:`distance_bias_of`): a plain function whose
+result is ``score + x`` or ``score - x`` (``x`` computed without the score) where ``x`` reads
+``q_idx`` and ``kv_idx`` only through their difference (``q_idx - kv_idx`` or ``kv_idx - q_idx``,
+any number of times) and may read ``b``, ``h`` and any tensors: a learned relative bias
+``table[h, q_idx - kv_idx + c]``, ALiBi's ``slope[h] * (kv_idx - q_idx)``, T5's buckets of the
+distance. Its values are then a table over the call's distances, which the function computes
+itself at the call's own indices, so the table has its gradients; a backend may run the call with
+that table as a :class:`~attnkit.scores.DistanceBias`.
 """
 
 from __future__ import annotations
@@ -32,12 +41,14 @@ import torch
 from torch import Tensor
 
 from ._checks import shape_str
+from .scores import DistanceBias, ScoreShape
 
 __all__ = [
     "ScoreMod",
     "captured_tensors",
     "check_captured",
     "check_score_mod",
+    "distance_bias_of",
     "index_tensors",
     "softcap_of",
 ]
@@ -334,10 +345,12 @@ def _stable_token(value: object) -> object | None:
     return None
 
 
-def _reads(fn: types.FunctionType) -> tuple[tuple[object, ...], list[Tensor]] | None:
-    """What ``fn`` may read besides its arguments, as a hashable key (its code, then tokens of
-    its closure cells, its defaults and the globals its code names), and the tensors among them;
-    None when any of it could change unseen (a list, an object, another Python function)."""
+def _reads(
+    fn: types.FunctionType, token: Callable[[object], object | None] = _stable_token
+) -> tuple[tuple[object, ...], list[Tensor]] | None:
+    """What ``fn`` may read besides its arguments, as a hashable key (its code, then ``token``
+    of its closure cells, its defaults and the globals its code names), and the tensors among
+    them; None when any of it could change unseen (a list, an object, another Python function)."""
     code = fn.__code__
     if any(isinstance(c, types.CodeType) for c in code.co_consts):  # nested functions
         return None
@@ -355,12 +368,12 @@ def _reads(fn: types.FunctionType) -> tuple[tuple[object, ...], list[Tensor]] | 
     key: list[object] = [code, *kwdefaults]
     tensors: list[Tensor] = []
     for v in values:
-        token = _stable_token(v)
-        if token is None:
+        got = token(v)
+        if got is None:
             return None
         if isinstance(v, Tensor):
             tensors.append(v)
-        key.append(token)
+        key.append(got)
     return tuple(key), tensors
 
 
@@ -412,3 +425,170 @@ def softcap_of(score_mod: ScoreMod) -> float | None:
         _SOFTCAPS.clear()
     _SOFTCAPS[key] = (cap, tensors)
     return cap
+
+
+# ------------------------------------------------------------------------------------------------
+# Recognising a score_mod that adds a bias by distance
+
+_ADDS: dict[object, str] = {
+    operator.add: "add",
+    torch.add: "add",
+    torch.Tensor.add: "add",
+    operator.sub: "sub",
+    torch.sub: "sub",
+    torch.subtract: "sub",
+    torch.Tensor.sub: "sub",
+}
+_ADD_METHODS = {"add": "add", "sub": "sub", "subtract": "sub"}
+
+
+def _add_op(node: object) -> str | None:
+    """``"add"`` or ``"sub"`` for an fx node computing that of two operands, without keywords."""
+    if not isinstance(node, torch.fx.Node) or node.kwargs or len(node.args) != 2:
+        return None
+    if node.op == "call_function":
+        return _ADDS.get(node.target)
+    if node.op == "call_method" and isinstance(node.target, str):
+        return _ADD_METHODS.get(node.target)
+    return None
+
+
+def _metadata(node: torch.fx.Node) -> bool:
+    """Whether ``node`` reads a tensor's dtype or device (``score.dtype``), not its values."""
+    return (
+        node.op == "call_function"
+        and node.target is getattr
+        and len(node.args) == 2
+        and node.args[1] in ("dtype", "device")
+    )
+
+
+def _graph_by_distance(graph: torch.fx.Graph) -> bool:
+    """Whether ``graph`` (traced from ``(score, b, h, q_idx, kv_idx)``) returns ``score + x`` or
+    ``score - x`` with ``x`` free of the score and reading ``q_idx`` and ``kv_idx`` only through
+    their difference."""
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    out = nodes[-1]
+    if len(placeholders) != 5 or out.op != "output" or len(out.args) != 1:
+        return False
+    score, _, _, q_idx, kv_idx = placeholders
+    # From the score to the result, a chain of adds and subtractions of terms that do not read
+    # it ((s + h) - b, say): each link's only user is the next, which uses it once (and as what
+    # is subtracted from, in a subtraction).
+    node, result = score, out.args[0]
+    while node is not result:
+        users = [u for u in node.users if not _metadata(u)]  # score.dtype reads no value
+        if len(users) != 1:
+            return False
+        (link,) = users
+        op = _add_op(link)
+        if op is None or (link.args[0] is node) == (link.args[1] is node):
+            return False
+        if op == "sub" and link.args[0] is not node:
+            return False
+        node = link
+    if node is score:  # the score itself: no bias at all
+        return False
+    pairs = ((q_idx, kv_idx), (kv_idx, q_idx))
+    return all(
+        _add_op(user) == "sub" and tuple(user.args) in pairs
+        for index in (q_idx, kv_idx)
+        for user in index.users
+    )
+
+
+def _shape_token(value: object) -> object | None:
+    """A hashable token of what a value may change in a trace's structure: a tensor's shape and
+    dtype (not its values: a score_mod computes, it does not branch on a tensor's values), else as
+    :func:`_stable_token`."""
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    return _stable_token(value)
+
+
+# (code, what it reads) -> whether the function adds a bias by distance
+_BY_DISTANCE: dict[tuple[object, ...], bool] = {}
+
+
+def _by_distance(score_mod: ScoreMod) -> bool:
+    """Whether ``score_mod`` is a plain function of the form :func:`distance_bias_of` takes
+    (traced once per code and shapes of what it reads, as :func:`softcap_of` does)."""
+    if type(score_mod) is not types.FunctionType:
+        return False
+    reads = _reads(score_mod, _shape_token)
+    if reads is None:
+        return False
+    key = reads[0]
+    hit = _BY_DISTANCE.get(key)
+    if hit is not None:
+        return hit
+
+    def traced(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score_mod(score, b, h, q_idx, kv_idx)  # type: ignore[no-any-return]
+
+    try:
+        found = _graph_by_distance(torch.fx.Tracer().trace(traced))
+    except Exception:  # any function fx cannot trace is simply not recognised
+        found = False
+    if len(_BY_DISTANCE) >= _MAX_CACHED:
+        _BY_DISTANCE.clear()
+    _BY_DISTANCE[key] = found
+    return found
+
+
+@functools.lru_cache(maxsize=16)
+def _distance_indices(
+    n: int, heads: int, tq: int, tk: int, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The arguments of :func:`distance_bias_of`'s two evaluations: a 0 score, ``b``, ``h``,
+    queries ``0..Tq-1``, the index 0, keys ``1..Tk-1`` (None for one key)."""
+    zero = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device)
+    at0 = torch.zeros((1, 1, 1, 1), dtype=torch.int64, device=device)
+    b = torch.arange(n, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    queries = torch.arange(tq, device=device).view(1, 1, -1, 1)
+    keys = torch.arange(1, tk, device=device).view(1, 1, 1, -1) if tk > 1 else None
+    return zero, b, h, queries, at0, keys
+
+
+def distance_bias_of(
+    score_mod: ScoreMod, shape: ScoreShape, dtype: torch.dtype
+) -> DistanceBias | None:
+    """The call's ``score_mod`` as a :class:`~attnkit.scores.DistanceBias` (see the module
+    docstring for which are), or None.
+
+    The table is ``score_mod(0, b, h, q_idx, kv_idx)`` at the call's own indices: queries
+    ``0..Tq-1`` against key 0 (distances ``q_idx - kv_idx >= 0``), and query 0 against keys
+    ``1..Tk-1`` (the negative ones), under the caller's grad mode, so tensors the function reads
+    get their gradients through it. ``shape``: the call (queries and keys at flex's indices,
+    ``0..Tq-1`` and ``0..Tk-1``); ``dtype``: the scores'. A function whose results do not have the
+    shapes of those two evaluations, or that raises, is not taken (the call then applies it tile
+    by tile, as any other).
+    """
+    n, heads, tq, tk = shape.batch, shape.heads, shape.q_len, shape.kv_len
+    if not tq or not tk or not _by_distance(score_mod):
+        return None
+    zero, b, h, queries, at0, keys = _distance_indices(n, heads, tq, tk, shape.device, dtype)
+    try:
+        ahead = score_mod(zero, b, h, queries, at0)
+        behind = None if keys is None else score_mod(zero, b, h, at0, keys)
+    except (IndexError, RuntimeError, TypeError, ValueError):
+        return None
+    parts = [(ahead, (n, heads, tq, 1))]
+    if behind is not None:
+        parts.append((behind, (n, heads, 1, tk - 1)))
+    rows = []
+    for t, want in parts:
+        if not isinstance(t, Tensor) or not t.is_floating_point() or t.ndim > 4:
+            return None
+        t4 = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
+        if any(s not in (1, w) for s, w in zip(t4.shape, want, strict=True)):
+            return None
+        rows.append(t4.expand(*t4.shape[:2], *want[2:]).reshape(*t4.shape[:2], -1))
+    lead = tuple(max(r.size(d) for r in rows) for d in (0, 1))
+    # Distances kv_idx - q_idx from -(Tk - 1) up: queries Tq-1 .. 0 against key 0 (the table's
+    # distance k_pos - q_pos is that minus Tk - Tq), then query 0 against keys 1 .. Tk-1.
+    ahead2 = rows[0].expand(*lead, tq).flip(-1)
+    table = ahead2 if len(rows) == 1 else torch.cat([ahead2, rows[1].expand(*lead, tk - 1)], -1)
+    return DistanceBias(table.to(dtype), first=-(tk - 1))

@@ -31,9 +31,11 @@ Positions are bottom-right aligned, as everywhere in attnkit: query ``i`` sits a
 may depend on the batch row and head by returning ``(B, H, rows, keys)`` (batch dims flattened to
 ``B``); smaller shapes broadcast.
 
-:class:`RelativePositionTerm`, Transformer-XL's position term, shows the other level of the
-protocol: a term that knows its structure overrides :meth:`ScoreTerm.block` to share work across
-the tiles of a query block and to write its own gradients.
+:class:`DistanceBias` is the form such terms often take, a table read by distance, which the
+native kernel reads without tiles. :class:`RelativePositionTerm`, Transformer-XL's position term,
+shows the other level of the protocol: a term that knows its structure overrides
+:meth:`ScoreTerm.block` to share work across the tiles of a query block and to write its own
+gradients.
 
 Shape letters: ``B`` batch, ``H`` heads, ``Tq`` queries, ``Tk`` keys, ``Dh`` head size.
 """
@@ -47,9 +49,9 @@ import torch
 from torch import Tensor
 
 from ._blocks import Geometry
-from ._checks import check_int, shape_str
+from ._checks import INT_MAX, check_int, shape_str
 
-__all__ = ["RelativePositionTerm", "ScoreShape", "ScoreTerm", "TermBlock"]
+__all__ = ["DistanceBias", "RelativePositionTerm", "ScoreShape", "ScoreTerm", "TermBlock"]
 
 
 #: The call a term computes for: the :class:`~attnkit.masks.Geometry` masks are asked about too
@@ -264,6 +266,119 @@ class _TileBlock(TermBlock):
             if g is not None:
                 old = self.grads[i]
                 self.grads[i] = g if old is None else old + g
+
+
+# --------------------------------------------------------------------------------------------------
+# A bias by distance
+
+
+class DistanceBias(ScoreTerm):
+    """A bias that depends only on how far a key is from its query (and on the head, the batch
+    row): ``table[..., (k_pos - q_pos) - first]``.
+
+    T5's and Swin's learned relative biases, ALiBi and FlexAttention's ``score + table[q_idx -
+    kv_idx]`` are all of this form. The ``(Tq, Tk)`` bias is never formed: a kernel reads the
+    table by index arithmetic (the native kernel reads each row of a tile as one stretch of the
+    table), and the table's gradient is the sum of the score gradients along each diagonal.
+
+    Args:
+        table: ``(L,)``, ``(H, L)`` or ``(B, H, L)`` (``B`` the call's batch dimensions flattened,
+            either of ``B`` and ``H`` may be 1): entry ``x`` is the bias at distance ``first + x``.
+        first: the distance of the table's first entry. Distances are ``k_pos - q_pos``, positions
+            bottom-right aligned as everywhere in attnkit: with ``Tq == Tk``, key ``j`` is at
+            distance ``j - i`` from query ``i``.
+
+    The table must hold every distance of the call, ``-(Tk - 1)`` to ``Tq - 1``, including those the
+    mask hides (their entries are read, then masked): a call it does not cover is a
+    ``ValueError``.
+
+    >>> import torch, attnkit
+    >>> T, H = 6, 2
+    >>> table = torch.randn(H, 2 * T - 1)                   # distances -(T-1) .. T-1
+    >>> q, k, v = (torch.randn(1, H, T, 8) for _ in range(3))
+    >>> lazy = attnkit.attention(q, k, v, bias=DistanceBias(table, first=-(T - 1)))
+    >>> j = torch.arange(T)
+    >>> dense = table[:, j[None, :] - j[:, None] + T - 1]   # (H, T, T)
+    >>> torch.allclose(lazy, attnkit.attention(q, k, v, bias=dense), atol=1e-6)
+    True
+    """
+
+    def __init__(self, table: Tensor, first: int) -> None:
+        if not isinstance(table, Tensor) or not table.is_floating_point():
+            got = str(table.dtype) if isinstance(table, Tensor) else type(table).__name__
+            raise TypeError(f"DistanceBias: table must be a float tensor, got {got}")
+        if not 1 <= table.ndim <= 3 or table.size(-1) == 0:
+            raise ValueError(
+                "DistanceBias: table must be (L,), (H, L) or (B, H, L) with L >= 1, got "
+                f"{shape_str(table.shape)}"
+            )
+        self.table = table
+        self.first = check_int("first", first, minimum=-INT_MAX)
+
+    def inputs(self) -> tuple[Tensor, ...]:
+        return (self.table,)
+
+    def describe(self) -> str:
+        return f"DistanceBias({shape_str(self.table.shape)} table from distance {self.first})"
+
+    def check(self, shape: ScoreShape) -> None:
+        """Refuse a call whose distances or heads the table does not cover."""
+        lead = (1,) * (3 - self.table.ndim) + tuple(self.table.shape)
+        for name, got, want in (("B", lead[0], shape.batch), ("H", lead[1], shape.heads)):
+            if got not in (1, want):
+                raise ValueError(
+                    f"bias: {self.describe()} has {name}={got}, the call {name}={want} (1 "
+                    "broadcasts)"
+                )
+        if not shape.q_len or not shape.kv_len:
+            return
+        lo, hi = -(shape.kv_len - 1), shape.q_len - 1
+        last = self.first + self.table.size(-1) - 1
+        if self.first > lo or last < hi:
+            raise ValueError(
+                f"bias: {self.describe()} holds distances {self.first} to {last}, and the call "
+                f"(Tq={shape.q_len}, Tk={shape.kv_len}) has distances {lo} to {hi}: the table must "
+                "hold all of them (entries at distances the mask hides are read, then masked)"
+            )
+
+    def tile(self, inputs: tuple[Tensor, ...], q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        (table,) = inputs
+        return table[..., k_pos - q_pos - self.first]
+
+    def block(
+        self,
+        inputs: tuple[Tensor, ...],
+        shape: ScoreShape,
+        qs: int,
+        qe: int,
+        key_lo: int,
+        key_hi: int,
+        *,
+        grads: list[Tensor | None] | None,
+    ) -> TermBlock:
+        self.check(shape)
+        return super().block(inputs, shape, qs, qe, key_lo, key_hi, grads=grads)
+
+    def dense(self, inputs: tuple[Tensor, ...], shape: ScoreShape) -> Tensor:
+        self.check(shape)
+        return super().dense(inputs, shape)
+
+    def layout(self, shape: ScoreShape, groups: int) -> list[int]:
+        """Where the bias of ``(n, hk, g, i, j)`` (query ``i`` of ``Tq``, head ``hk * groups + g``)
+        lies in the contiguous table: strides of the five indices (``-1`` and ``1`` for ``i`` and
+        ``j``), then the element of ``(0, 0, 0, 0, 0)``."""
+        self.check(shape)
+        lead = (1,) * (3 - self.table.ndim) + tuple(self.table.shape)
+        length = lead[2]
+        heads = length if lead[1] > 1 else 0
+        return [
+            lead[1] * length if lead[0] > 1 else 0,
+            heads * groups,
+            heads,
+            -1,
+            1,
+            -(shape.kv_len - shape.q_len) - self.first,
+        ]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import _native, attention, masks
+from attnkit import _native, attention, masks, scores
 from attnkit._kernel import draw_seed, dropout_mask
 from attnkit._native.kernel import native_call
 from attnkit.backends import Chunked
@@ -508,3 +508,60 @@ def test_explain_says_which_score_terms_the_native_kernel_fuses() -> None:
     assert "native kernel" in str(attnkit.explain(q, q, q, bias=fused, backend="chunked"))
     text = str(attnkit.explain(q, q, q, bias=legacy, backend="chunked"))
     assert "the native kernel does not fuse the score term" in text
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    mask=st.sampled_from(["none", "causal", "window", "padding & causal", "from_fn"]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_native_distance_bias_fuzz_against_reference(
+    data: st.DataObject, mask: str, dtype: torch.dtype
+) -> None:
+    # A bias by distance, read by the kernel as a bias with strides -1 and 1 in its table:
+    # tables per head, per batch row or shared, longer than the call needs, GQA, Tq != Tk,
+    # softcap before it, one or two threads adding to the table's gradient.
+    draw = data.draw
+    b, hkv, groups = 2, draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    tq, tk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    if mask == "padding & causal":
+        tk = tq = max(tq, 37)
+    h = hkv * groups
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    lead = draw(st.sampled_from([(), (h,), (1, h), (b, h), (b, 1)]))
+    before, after = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    q = torch.randn(b, h, tq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, tk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    table = torch.randn(*lead, before + tq + tk - 1 + after, generator=g, dtype=torch.float64)
+    first = -(tk - 1) - before
+    kw: dict[str, object] = {}
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([0.5, 5.0]))
+    sizes = (draw(st.sampled_from([1, 4, 8, 16])), draw(st.sampled_from([1, 5, 16])))
+    cot = torch.randn(b, h, tq, 8, generator=g, dtype=torch.float64)
+    the_mask = (
+        masks.key_padding([tk, 9]) & masks.causal() if mask == "padding & causal" else MASKS[mask]
+    )
+
+    def run(ts: list[torch.Tensor], backend: object) -> list[torch.Tensor]:
+        leaves = [t.requires_grad_() for t in ts]
+        term = scores.DistanceBias(leaves[3], first)
+        out = attention(*leaves[:3], mask=the_mask, bias=term, backend=backend, **kw)  # type: ignore[arg-type]
+        return [out, *torch.autograd.grad(out, leaves, cot.to(out.dtype), materialize_grads=True)]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(draw(st.sampled_from([1, 2])))
+        layout = draw(st.sampled_from(["contiguous", "token-major", "packed"]))
+        leaves = [laid_out(t.to(dtype), layout) for t in (q, k, v)] + [table.to(dtype)]
+        fast = Chunked(block_q=sizes[0], block_k=sizes[1])
+        term = scores.DistanceBias(leaves[3], first)
+        assert "native kernel" in str(attnkit.explain(*leaves[:3], bias=term, backend=fast))
+        got = run(leaves, fast)
+    finally:
+        torch.set_num_threads(threads)
+    want = run([t.clone() for t in (q, k, v, table)], "reference")
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, dtype=dtype)

@@ -140,8 +140,12 @@ struct Call {
   const int64_t* visits;  // (nv, 6): ks, ke, r0, r1, partial, tile index
   int64_t nqb;
   double scale, softcap;  // softcap <= 0: none
-  const T* bias = nullptr;  // a (N, Hkv, G, Tq, Tk) view with strides bs (0 where broadcast)
+  // A (N, Hkv, G, Tq, Tk) view with strides bs (0 where broadcast), or a bias by distance: a
+  // table whose element for (i, j) depends on j - i, strides -1 and 1 along i and j from a base
+  // inside it (see attnkit.scores.DistanceBias).
+  const T* bias = nullptr;
   int64_t bs[5] = {0, 0, 0, 0, 0};
+  bool bias_aliased = false;  // pairs share elements of the bias (a bias by distance)
   bool band = false;
   double lo = 0, hi = 0;
   int64_t shift = 0;
@@ -311,7 +315,16 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
     if (c.bias != nullptr) {
       const T* b = c.bias + n * c.bs[0] + hk * c.bs[1] + g * c.bs[2] + i * c.bs[3] + ks * c.bs[4];
       const int64_t st = c.bs[4];
-      for (int64_t j = 0; j < nk; ++j) row[j] += b[j * st] * T(kLog2e);
+      if (st == 1) {
+        const V l2e = V(T(kLog2e));
+        int64_t j = 0;
+        for (; j + V::size() <= nk; j += V::size()) {
+          at::vec::fmadd(V::loadu(b + j), l2e, V::loadu(row + j)).store(row + j);
+        }
+        for (; j < nk; ++j) row[j] += b[j] * T(kLog2e);
+      } else {
+        for (int64_t j = 0; j < nk; ++j) row[j] += b[j * st] * T(kLog2e);
+      }
     }
     if (vis[4] && c.band && c.key_ok == nullptr && c.tiles == nullptr) {
       // A band alone: row i sees keys ks + [first, last], two runs to hide.
@@ -469,7 +482,8 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
 template <typename T>
 void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, const T* delta,
                    const Rows<T*>& dq, T* dk, T* dv, T* dbias, const int64_t* ds,
-                   int64_t dbias_numel, T* dqv, T* denc) {
+                   int64_t dbias_numel, int64_t dbias_base, T* dqv, T* denc) {
+  using V = at::vec::Vectorized<T>;
   // Stretches of query blocks per key/value head, enough for every thread to have work.
   const int64_t heads = c.N * c.Hkv;
   const int64_t threads = at::get_num_threads();
@@ -504,8 +518,8 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
   // other into its own buffer of the bias's shape, summed into dbias after the parallel region.
   // Otherwise every item owns its part of dbias and adds in place.
   const bool dbias_shared =
-      dbias != nullptr && ((c.N > 1 && ds[0] == 0) || (c.Hkv > 1 && ds[1] == 0) ||
-                           (parts > 1 && ds[3] == 0));
+      dbias != nullptr && (c.bias_aliased || (c.N > 1 && ds[0] == 0) ||
+                           (c.Hkv > 1 && ds[1] == 0) || (parts > 1 && ds[3] == 0));
   std::mutex dbias_lock;
   std::vector<std::vector<T>> dbias_parts;
   std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
@@ -523,6 +537,7 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
     std::vector<T> pd(c.p_drop > 0 ? c.bq * bk_max : 0), dqa(c.bq * c.Dk);
     std::vector<T> own_dbias(dbias_shared && begin > 0 ? dbias_numel : 0);
     T* db0 = own_dbias.empty() ? dbias : own_dbias.data();
+    if (db0 != nullptr) db0 += dbias_base;
     for (int64_t item = claim(next); item < heads * parts; item = claim(next)) {
       const int64_t nh = item / parts, p = item % parts, n = nh / c.Hkv, hk = nh % c.Hkv;
       if (kmax[p] <= kmin[p]) continue;
@@ -600,7 +615,15 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
               if (db0 != nullptr) {
                 T* db = db0 + n * ds[0] + hk * ds[1] + g * ds[2] + (qs + r0 + r) * ds[3] +
                         ks * ds[4];
-                for (int64_t j = 0; j < nk; ++j) db[j * ds[4]] += dr[j];
+                if (ds[4] == 1) {
+                  int64_t j = 0;
+                  for (; j + V::size() <= nk; j += V::size()) {
+                    (V::loadu(db + j) + V::loadu(dr + j)).store(db + j);
+                  }
+                  for (; j < nk; ++j) db[j] += dr[j];
+                } else {
+                  for (int64_t j = 0; j < nk; ++j) db[j * ds[4]] += dr[j];
+                }
               }
               // The term's score gradient, in its place in the product's gradient.
               if (position) std::copy(dr, dr + nk, dw.at(r0 + r, ks));
@@ -665,7 +688,8 @@ template <typename T>
 Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& off, const at::Tensor& visits, int64_t block_q,
                   int64_t block_k, double scale, double softcap,
-                  const c10::optional<at::Tensor>& bias, std::vector<double> band, int64_t shift,
+                  const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& layout,
+                  std::vector<double> band, int64_t shift,
                   const c10::optional<at::Tensor>& key_ok, const c10::optional<at::Tensor>& tiles,
                   double p_drop, int64_t seed, const c10::optional<at::Tensor>& qv,
                   const c10::optional<at::Tensor>& enc, double rel_scale, int64_t top,
@@ -696,9 +720,24 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   c.scale = scale;
   c.softcap = softcap;
-  if (bias.has_value()) {
+  if (bias.has_value() && layout.empty()) {
     c.bias = bias->data_ptr<T>();
     for (int d = 0; d < 5; ++d) c.bs[d] = bias->size(d) == 1 ? 0 : bias->stride(d);
+  } else if (bias.has_value()) {
+    // (strides of n, hk, g, i, j, then the base): every element read lies in the tensor.
+    TORCH_CHECK(layout.size() == 6 && bias->is_contiguous(), "a bias layout is 5 strides, a base");
+    const int64_t sizes[5] = {c.N, c.Hkv, c.G, c.Tq, c.Tk};
+    int64_t lo = layout[5], hi = layout[5];
+    for (int d = 0; d < 5; ++d) {
+      c.bs[d] = layout[d];
+      const int64_t span = layout[d] * std::max<int64_t>(sizes[d] - 1, 0);
+      lo += std::min<int64_t>(span, 0);
+      hi += std::max<int64_t>(span, 0);
+    }
+    TORCH_CHECK(sizes[3] * sizes[4] == 0 || (lo >= 0 && hi < bias->numel()),
+                "attnkit internal error: a bias layout outside its table");
+    c.bias = bias->data_ptr<T>() + layout[5];
+    c.bias_aliased = true;
   }
   if (band.size() == 2) {
     c.band = true;
@@ -752,8 +791,9 @@ at::Tensor like_q(const at::Tensor& q, int64_t d, bool zero) {
 std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor off,
                                 at::Tensor visits, int64_t block_q, int64_t block_k, double scale,
                                 double softcap, c10::optional<at::Tensor> bias,
-                                std::vector<double> band, int64_t shift,
-                                c10::optional<at::Tensor> key_ok, c10::optional<at::Tensor> tiles,
+                                std::vector<int64_t> layout, std::vector<double> band,
+                                int64_t shift, c10::optional<at::Tensor> key_ok,
+                                c10::optional<at::Tensor> tiles,
                                 double p_drop, int64_t seed, c10::optional<at::Tensor> qv,
                                 c10::optional<at::Tensor> enc, double rel_scale, int64_t top,
                                 int64_t whole_width) {
@@ -762,8 +802,8 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
   auto lse = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_forward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
-                                 band, shift, key_ok, tiles, p_drop, seed, qv, enc, rel_scale,
-                                 top, whole_width);
+                                 layout, band, shift, key_ok, tiles, p_drop, seed, qv, enc,
+                                 rel_scale, top, whole_width);
     forward_impl<scalar_t>(c, rows_of<scalar_t*>(out, out.data_ptr<scalar_t>()),
                            lse.data_ptr<scalar_t>());
   });
@@ -773,7 +813,8 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
 std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor off,
                                  at::Tensor visits, int64_t block_q, int64_t block_k,
                                  double scale, double softcap, c10::optional<at::Tensor> bias,
-                                 std::vector<double> band, int64_t shift,
+                                 std::vector<int64_t> layout, std::vector<double> band,
+                                 int64_t shift,
                                  c10::optional<at::Tensor> key_ok,
                                  c10::optional<at::Tensor> tiles, double p_drop, int64_t seed,
                                  c10::optional<at::Tensor> qv, c10::optional<at::Tensor> enc,
@@ -787,10 +828,17 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   auto dv = at::zeros({v.size(0) * v.size(1), v.size(2), v.size(3)}, v.options());
   at::Tensor dbias;
   int64_t ds[5] = {0, 0, 0, 0, 0};
+  int64_t dbias_base = 0;
   if (bias_grad) {
-    TORCH_CHECK(bias.has_value() && bias->dim() == 5, "bias_grad without a 5-d bias");
+    TORCH_CHECK(bias.has_value() && (bias->dim() == 5 || !layout.empty()),
+                "bias_grad without a 5-d bias or a layout");
     dbias = at::zeros(bias->sizes(), q.options());  // the bias's shape, not (N, Hkv, G, Tq, Tk)
-    for (int d = 0; d < 5; ++d) ds[d] = dbias.size(d) == 1 ? 0 : dbias.stride(d);
+    if (layout.empty()) {
+      for (int d = 0; d < 5; ++d) ds[d] = dbias.size(d) == 1 ? 0 : dbias.stride(d);
+    } else {
+      for (int d = 0; d < 5; ++d) ds[d] = layout[d];
+      dbias_base = layout[5];
+    }
   }
   const bool position = qv.has_value() && enc.has_value();
   at::Tensor dqv, denc;
@@ -798,14 +846,14 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   if (position && enc_grad) denc = at::zeros_like(*enc);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_backward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
-                                 band, shift, key_ok, tiles, p_drop, seed, qv, enc, rel_scale,
-                                 top, whole_width);
+                                 layout, band, shift, key_ok, tiles, p_drop, seed, qv, enc,
+                                 rel_scale, top, whole_width);
     backward_impl<scalar_t>(c, rows_of<const scalar_t*>(dout, dout.data_ptr<scalar_t>()),
                             lse.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
                             rows_of<scalar_t*>(dq, dq.data_ptr<scalar_t>()),
                             dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
                             bias_grad ? dbias.data_ptr<scalar_t>() : nullptr, ds,
-                            bias_grad ? dbias.numel() : 0,
+                            bias_grad ? dbias.numel() : 0, dbias_base,
                             dqv.defined() ? dqv.data_ptr<scalar_t>() : nullptr,
                             denc.defined() ? denc.data_ptr<scalar_t>() : nullptr);
   });

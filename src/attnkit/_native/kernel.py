@@ -22,7 +22,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._kernel import Plan, QueryBlock, Visit
 from ..masks import Geometry, Mask
-from ..scores import RelativePositionTerm, ScoreTerm, softcap_form
+from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm, softcap_form
 from . import load, status
 
 __all__ = ["NativeCall", "fuses", "native_call", "why_not_native"]
@@ -32,8 +32,10 @@ def fuses(term: ScoreTerm | None, geo: Geometry | None = None) -> bool:
     """Whether the native kernel computes a score term itself: Transformer-XL's position term
     (:class:`~attnkit.scores.RelativePositionTerm`, not openspeech's variant) with ``qv`` of shape
     ``(B, H, Tq, Dh)`` for the call's ``geo``, whose product ``qv @ enc^T`` the kernel takes per
-    block over the block's distances and reads with the shift as index arithmetic."""
-    if term is None:
+    block over the block's distances and reads with the shift as index arithmetic; or a bias by
+    distance (:class:`~attnkit.scores.DistanceBias`), read as a bias whose rows are stretches of
+    its table."""
+    if term is None or isinstance(term, DistanceBias):
         return True
     if not isinstance(term, RelativePositionTerm) or term.legacy:
         return False
@@ -80,6 +82,8 @@ class NativeCall:
     seed: int
     #: the position term's (scale, distance of enc's first row, whole_width), or None
     position: tuple[float, int, int] | None = None
+    #: a bias by distance's layout in its table (see DistanceBias.layout), or [] for none
+    layout: tuple[int, ...] = ()
 
     def _args(self) -> tuple[object, ...]:
         return (
@@ -122,12 +126,16 @@ class NativeCall:
         if self.position is not None:
             qv, enc = _rows(term_inputs[0], work), term_inputs[1].to(work).contiguous()
             scale, top, whole = self.position
+        bias = None if bias5 is None else bias5.to(work)
+        if self.layout:  # a bias by distance: its table
+            bias = term_inputs[0].to(work).contiguous()
         return (
             _rows(q5, work),
             _rows(k4, work),
             _rows(v4, work),
             *self._args(),
-            None if bias5 is None else bias5.to(work),
+            bias,
+            list(self.layout),
             self.band,
             self.shift,
             self.key_ok,
@@ -161,17 +169,22 @@ class NativeCall:
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         work = torch.promote_types(q5.dtype, torch.float32)
         qv_grad, enc_grad = term_grads if self.position is not None else (False, False)
+        table_grad = bool(self.layout) and term_grads[0]
         dq, dk, dv, dbias, dqv, denc = module.backward(
             *self._inputs(q5, k4, v4, bias5, term_inputs),
             _rows(dout5, work),
             lse.to(work).contiguous(),
             delta.to(work).contiguous(),
-            bias_grad and bias5 is not None,
+            table_grad or (bias_grad and bias5 is not None),
             qv_grad,
             enc_grad,
         )
-        # dbias is already in bias5's shape
-        dterm: list[Tensor | None] = [dqv, denc] if self.position is not None else []
+        # dbias is already in bias5's shape (a bias by distance's: in its table's)
+        dterm: list[Tensor | None] = []
+        if self.position is not None:
+            dterm = [dqv, denc]
+        elif self.layout:
+            dterm, dbias = [dbias], None
         return dq, dk, dv, dbias, dterm
 
 
@@ -347,9 +360,11 @@ def native_call(
     p_drop: float = 0.0,
     seed: int = 0,
     term: ScoreTerm | None = None,
+    groups: int = 1,
 ) -> NativeCall:
     """The plan of a whole call, and its mask, in the native kernel's terms (``dtype``: the
-    inputs', which decides how a softcap is computed, see :func:`attnkit.scores.softcap_form`)."""
+    inputs', which decides how a softcap is computed, see :func:`attnkit.scores.softcap_form`;
+    ``groups``: query heads per key/value head)."""
     band, key_ok, tiled = _mask_form(mask, geo)
     # Packed documents need no tiles: a block they cut is one FULL visit per document in it
     # (with a band, such as causal, the band's edges are then its only mask).
@@ -406,11 +421,12 @@ def native_call(
         p_drop=float(p_drop),
         seed=seed,
         position=_position(term, geo),
+        layout=tuple(term.layout(geo, groups)) if isinstance(term, DistanceBias) else (),
     )
 
 
 def _position(term: ScoreTerm | None, geo: Geometry) -> tuple[float, int, int] | None:
-    if term is None:
+    if term is None or isinstance(term, DistanceBias):
         return None
     if not isinstance(term, RelativePositionTerm) or term.legacy:
         raise RuntimeError(f"attnkit internal error: the native kernel cannot fuse {term!r}")

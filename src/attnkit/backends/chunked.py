@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .._call import AttentionCall, finite
-from .._checks import check_int
+from .._checks import check_int, shape_str
 from .._kernel import (
     FUSED_ROWS,
     Grads,
@@ -51,10 +51,10 @@ from .._kernel import (
 )
 from .._native import load as load_native
 from .._native.kernel import NativeCall, fuses, native_call, why_not_native
-from .._score_mod import ScoreMod, softcap_of
+from .._score_mod import ScoreMod, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
 from ..masks import Geometry, Mask
-from ..scores import ScoreTerm, softcap_form, term_error
+from ..scores import DistanceBias, ScoreTerm, softcap_form, term_error
 from .base import Backend, CallInputs
 
 __all__ = ["Chunked", "chunked_check", "fused_note", "kernel_attention", "native_serves"]
@@ -380,6 +380,7 @@ def kernel_attention(
             p_drop=dropout_p,
             seed=seed,
             term=term,
+            groups=h // hkv,
         )
     spec = _Spec(
         mask=mask,
@@ -463,6 +464,15 @@ def as_softcap(call: AttentionCall) -> float | None:
     return softcap_of(call.score_mod)
 
 
+def as_distance_bias(call: AttentionCall) -> DistanceBias | None:
+    """The call's score_mod as a bias by distance (see ``attnkit._score_mod.distance_bias_of``)
+    when nothing else adds to the scores (no ``bias``, no score term); None otherwise."""
+    if call.score_mod is None or call.bias_shape is not None or call.score_term is not None:
+        return None
+    work = torch.promote_types(call.dtype, torch.float32)
+    return distance_bias_of(call.score_mod, call.geometry, work)
+
+
 def chunked_check(call: AttentionCall) -> list[str]:
     """Why the kernel cannot serve a call (empty when it can)."""
     reasons = []
@@ -535,6 +545,14 @@ class Chunked(Backend):
                 f"(c * tanh(score / c) exactly): runs as attention(softcap={cap})"
             ]
             call = replace(call, softcap=cap, score_mod=None)
+        by_distance = None if cap is not None else as_distance_bias(call)
+        if by_distance is not None and call.score_mod is not None:
+            table = shape_str(by_distance.table.shape)
+            rewrite = [
+                f"{describe_score_mod(call.score_mod)} recognised as score + a bias by distance "
+                f"(of b, h, q_idx - kv_idx): runs as a DistanceBias, a {table} table"
+            ]
+            call = replace(call, score_mod=None, score_term=by_distance)
         term = call.score_term is not None
         why = why_not_native(call, self.native)
         plan = plan_for(
@@ -556,12 +574,17 @@ class Chunked(Backend):
         # A score_mod that is exactly a softcap runs as softcap=: in the native kernel, with no
         # Python per tile. It captures no tensor needing gradients (softcap_of refuses those).
         cap = None if inputs.captured else as_softcap(call)
+        # A score_mod that adds a bias by distance runs as a DistanceBias: in the native kernel,
+        # its table's gradient reaching what the score_mod read through the table's autograd.
+        by_distance = None if cap is not None else as_distance_bias(call)
+        mod = None if cap is not None or by_distance is not None else call.score_mod
+        added = inputs.bias if inputs.bias is not None else call.score_term
         return kernel_attention(
             inputs.q,
             inputs.k,
             inputs.v,
             mask=call.mask,
-            bias=inputs.bias if inputs.bias is not None else call.score_term,
+            bias=added if by_distance is None else by_distance,
             scale=call.scale,
             softcap=call.softcap if cap is None else cap,
             sinks=inputs.sinks,
@@ -572,8 +595,8 @@ class Chunked(Backend):
             return_lse=call.return_lse,
             native=self.native,
             dropout_p=call.dropout_p,
-            score_mod=call.score_mod if cap is None else None,
-            captured=inputs.captured,
+            score_mod=mod,
+            captured=() if mod is None else inputs.captured,
         )
 
     def __repr__(self) -> str:
