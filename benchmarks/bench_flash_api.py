@@ -14,6 +14,7 @@ calls in reverse order). The tiny size gets five times the rounds, each shorter.
 
     python benchmarks/bench_flash_api.py                       # tiny, B=2 T=1024, B=1 T=4096
     python benchmarks/bench_flash_api.py --quick --threads 1   # tiny and T=1024 only
+    python benchmarks/bench_flash_api.py --json docs/benchmarks/data/front_ends-flash.json
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from torch.utils import benchmark
 
 import attnkit
 from attnkit.flash_attn import flash_attn_func
+
+import results
 
 H, D = 8, 64
 SIZES = [("tiny", 1, 16, 2, 16), ("B=2 T=1024", 2, 1024, H, D), ("B=1 T=4096", 1, 4096, H, D)]
@@ -86,10 +89,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="rounds at the realistic sizes")
     parser.add_argument("--quick", action="store_true", help="the tiny size and T=1024 only")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"causal, float32, {torch.get_num_threads()} threads")
+    rows: list[dict[str, object]] = []
     for name, b, t, h, d in SIZES[:2] if args.quick else SIZES:
         for grad in (False, True):
             # The tiny size: many short rounds, its calls take microseconds.
@@ -101,10 +106,27 @@ def main() -> None:
             for what in ("attention() + copy", "flash_attn_func"):
                 diff = statistics.median(samples[what]) - statistics.median(base)
                 cells.append(f"{what} {overhead_text(base, samples[what])} ({diff * 1e6:+.0f} us)")
+                ratios = [o / a for a, o in zip(base, samples[what], strict=True)]
+                rows.append(
+                    {
+                        "api": "flash_attn",
+                        "pass": f"{name}, {mode}",
+                        "call": what,
+                        "baseline": "attention()",
+                        "ms": statistics.median(samples[what]) * 1e3,
+                        "baseline_ms": statistics.median(base) * 1e3,
+                        "ratio": statistics.median(ratios),
+                        "ratio_min": min(ratios),
+                        "ratio_max": max(ratios),
+                    }
+                )
             print(
                 f"{name:<11} {mode:<17} attention() {statistics.median(base) * 1e3:8.3f} ms   "
                 + "   ".join(cells)
             )
+    if args.json:
+        config = {"H": H, "D": D, "dtype": "float32", "threads": torch.get_num_threads()}
+        results.save(args.json, "front_ends", rows, config=config)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ also measures the extra peak memory of flex's forward+backward in a fresh proces
     python benchmarks/bench_flex.py              # T = 4096
     python benchmarks/bench_flex.py --t 128 --rounds 5 --threads 1   # a busy machine: 1 thread
     python benchmarks/bench_flex.py --t 1024 --memory
+    python benchmarks/bench_flex.py --rounds 5 --memory --json front_ends-flex.json
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from attnkit._score_mod import _SOFTCAPS, distance_bias_of, softcap_of
 from attnkit.cli.measure import extra_peak_memory
 from attnkit.flex import flex_attention
 from attnkit.masks import Geometry
+
+import results
 
 B, H, D = 1, 8, 64
 CAP = 20.0
@@ -161,10 +164,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"B={B} H={H} T={args.t} D={D} float32, {torch.get_num_threads()} threads")
+    rows: list[dict[str, object]] = []
     for grad in (False, True):
         samples = time_rounds(calls(args.t, grad), rounds=args.rounds, min_run_time=0.1)
         mode = "forward+backward" if grad else "forward"
@@ -173,6 +178,20 @@ def main() -> None:
             print(
                 f"{mode:<17} {base:<30} {b * 1e3:9.2f} ms   {flex:<24} {f * 1e3:9.2f} ms   "
                 f"ratio {ratio_text(samples[base], samples[flex])}"
+            )
+            ratios = [o / a for a, o in zip(samples[base], samples[flex], strict=True)]
+            rows.append(
+                {
+                    "api": "flex",
+                    "pass": mode,
+                    "call": flex,
+                    "baseline": base,
+                    "ms": f * 1e3,
+                    "baseline_ms": b * 1e3,
+                    "ratio": statistics.median(ratios),
+                    "ratio_min": min(ratios),
+                    "ratio_max": max(ratios),
+                }
             )
     hit, cold = recognition_cost()
     print(
@@ -183,15 +202,29 @@ def main() -> None:
         f"recognising the bias score_mod and computing its table: {table_cost(args.t) * 1e6:.0f} "
         "us per call once seen"
     )
+    extras: dict[str, float] = {}
     if args.memory:
         for name, make in (("softcap", _make_flex_train), ("bias", _make_flex_bias_train)):
             extra = extra_peak_memory(make, args.t)
             if extra is not None:
+                extras[name] = extra / 2**20
                 txt = args.t * args.t * H * 4
                 print(
                     f"flex {name} forward+backward: {extra / 2**20:.0f} MiB extra peak "
                     f"({100 * extra / txt:.1f}% of one (H, T, T) float32 score matrix)"
                 )
+    if args.json:
+        config = {
+            "B": B,
+            "H": H,
+            "T": args.t,
+            "D": D,
+            "dtype": "float32",
+            "threads": torch.get_num_threads(),
+            "rounds": args.rounds,
+            "extra_mib": {k: round(v, 1) for k, v in extras.items()},
+        }
+        results.save(args.json, "front_ends", rows, config=config)
 
 
 if __name__ == "__main__":

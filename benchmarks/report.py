@@ -33,6 +33,9 @@ Rows per section (what the scripts write; times in seconds unless the key says `
   ``extra_mib`` (one entry per rank).
 * ``gpu`` (gpu_check.py): ``T``, ``causal``, ``mode``, ``candidate``, ``ms``, ``ratio``.
 * ``cli`` (attnkit bench --json): ``scenario``, ``candidate``, ``ms``, ``ratio``, ``extra_mib``.
+* ``front_ends`` (bench_flex.py, bench_flash_api.py): ``api``, ``pass``, ``call``, ``baseline``,
+  ``ms``, ``baseline_ms``, ``ratio`` (the median of the per-round ratios), ``ratio_min``,
+  ``ratio_max``.
 """
 
 from __future__ import annotations
@@ -492,6 +495,31 @@ def _ring(run: Run, images: dict[str, bytes]) -> str:
     return f"![ring attention]({PLOTS}/{run.name}.png)\n\n{body}"
 
 
+def _front_ends(run: Run, images: dict[str, bytes]) -> str:
+    body = table(
+        ["pass", "call", "against", "ms", "against ms", "ratio", "range"],
+        [
+            [
+                r["pass"],
+                r["call"],
+                r["baseline"],
+                f"{r['ms']:.2f}",
+                f"{r['baseline_ms']:.2f}",
+                _ratio(r["ratio"]),
+                f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+            ]
+            for r in run.rows
+        ],
+        right=(3, 4, 5, 6),
+    )
+    extra = run.config.get("extra_mib") or {}
+    note = ""
+    if extra:
+        parts = ", ".join(f"{name} {mib:.0f} MiB" for name, mib in extra.items())
+        note = f"\n\nExtra peak memory of flex's forward+backward: {parts}."
+    return f"{body}{note}"
+
+
 def _gpu(run: Run, images: dict[str, bytes]) -> str:
     rows = run.rows
     failures = run.config.get("failures", [])
@@ -630,6 +658,11 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         _transformers,
         ("layers", "hidden", "H", "Hkv", "dtype", "transformers"),
         "python benchmarks/bench_transformers.py",
+    ),
+    "front_ends": (
+        _front_ends,
+        ("B", "H", "T", "D", "dtype", "threads", "rounds"),
+        "python benchmarks/bench_flex.py",
     ),
     "gpu": (_gpu, ("B", "H", "D", "dtype"), "python benchmarks/gpu_check.py"),
     "cli": (_cli, (), "attnkit bench --json"),
