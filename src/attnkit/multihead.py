@@ -376,7 +376,8 @@ class MultiHeadAttention(nn.Module):
 
         >>> mha = MultiHeadAttention(64, 8)
         >>> x = torch.randn(2, 100, 64)
-        >>> print(mha.explain(x, causal=True))  # doctest: +ELLIPSIS
+        >>> with torch.no_grad():  # inference (training on CPUs goes to the native kernel)
+        ...     print(mha.explain(x, causal=True))  # doctest: +ELLIPSIS
         attention call: q (2, 8, 100, 8), k (2, 8, 100, 8), v (2, 8, 100, 8) float32 on cpu, causal
         auto picks: sdpa
         ...

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import BackendError, attention, explain, masks
+from attnkit import BackendError, _native, attention, explain, masks
 from attnkit.testing import assert_close
 
 from ..helpers import blocked, brute_force
@@ -254,7 +254,8 @@ def test_sdpa_serves_long_documents_one_call_each(docs: object, causal: bool) ->
     k, v = (torch.randn(2, 2, 1024, 16, dtype=torch.float64, generator=g) for _ in range(2))
     k.requires_grad_(True)
     v.requires_grad_(True)
-    report = explain(q, k, v, mask=mask, causal=causal)
+    with torch.no_grad():  # training on CPUs goes to the native kernel (see below)
+        report = explain(q, k, v, mask=mask, causal=causal)
     assert report.chosen == "sdpa"
     assert "one fused call per document" in str(report)
     out = attention(q, k, v, mask=mask, causal=causal, backend="sdpa")
@@ -276,3 +277,16 @@ def test_short_or_scattered_documents_stay_on_the_kernel() -> None:
         assert e.chosen == "chunked"
         assert "would materialise" in " ".join(e.costs["sdpa"])
         assert_close(attention(q, q, q, mask=mask, backend="sdpa"), attention(q, q, q, mask=mask))
+
+
+@pytest.mark.skipif(_native.load() is None, reason="needs the native kernel")
+def test_training_on_cpus_prefers_the_native_kernel() -> None:
+    """torch's CPU backward is the slower: auto trains float32/float64 in the native kernel, and
+    keeps torch's kernel for inference and for the half types, which torch computes natively."""
+    q = torch.randn(1, 2, 64, 16, requires_grad=True)
+    report = explain(q, q, q)
+    assert report.chosen == "chunked"
+    assert "trains slower on CPUs" in " ".join(report.costs["sdpa"])
+    with torch.no_grad():
+        assert explain(q, q, q).chosen == "sdpa"
+    assert explain(*(q.to(torch.bfloat16) for _ in range(3))).chosen == "sdpa"

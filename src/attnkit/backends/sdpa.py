@@ -205,6 +205,23 @@ def sdpa_cost(call: AttentionCall) -> list[str]:
             f"would add the {term.describe()} beside torch's kernel, block by block: the chunked "
             "backend's native kernel fuses it"
         )
+    if (
+        not costs
+        and call.requires_grad
+        and call.device.type == "cpu"
+        and call.dtype in (torch.float32, torch.float64)
+        and call.finite is not False
+        and (term is None or fuses(term, call.geometry))
+        and load_native() is not None
+    ):
+        # Where nothing else speaks against torch's CPU kernel: it computes the same thing, but
+        # its backward is the slower of the two, and a training step spends most of its attention
+        # time there (half types excepted: torch computes those in their own precision, the
+        # native kernel in float32).
+        costs.append(
+            "trains slower on CPUs than the chunked backend's native kernel (float32/float64: "
+            "torch's CPU backward is the slower)"
+        )
     return costs
 
 
