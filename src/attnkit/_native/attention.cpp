@@ -263,7 +263,8 @@ int64_t window_size(const Call<T>& c) {
 }
 
 // Scores of one visit, rows r0:r1 of query block qs for head (n, hk, g), in base 2, into s
-// (rows x keys, leading dimension ld). With softcap, tanh of the capped argument goes to t.
+// (rows x keys, leading dimension ld). With softcap, tanh of the capped argument goes to t (the
+// backward's; null in the forward, which does not need it).
 template <typename T>
 void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, const int64_t* vis,
             T* s, int64_t ld, T* t, const Window<T>& pos) {
@@ -281,7 +282,7 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
     T* row = s + r * ld;
     const int64_t i = qs + r0 + r;
     if (capped) {
-      T* trow = t + r * ld;
+      T* trow = t == nullptr ? nullptr : t + r * ld;
       const V inv(T(1.0 / c.softcap)), mul(T(c.softcap * kLog2e));
       int64_t j = 0;
       const V one(T(1)), two(T(2)), small(T(1.0 / 64)), c3(T(-1.0 / 3)), c5(T(2.0 / 15));
@@ -296,12 +297,13 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
         const V series = y * (one + y2 * (c3 + y2 * (c5 + y2 * c7)));
         const V far = one - two / ((y * two).exp() + one);
         V x = V::blendv(far, series, y.abs() < small);
-        x.store(trow + j);
+        if (trow != nullptr) x.store(trow + j);
         (x * mul).store(row + j);
       }
       for (; j < nk; ++j) {
-        trow[j] = std::tanh(row[j] / T(c.softcap));
-        row[j] = trow[j] * T(c.softcap * kLog2e);
+        const T x = std::tanh(row[j] / T(c.softcap));
+        if (trow != nullptr) trow[j] = x;
+        row[j] = x * T(c.softcap * kLog2e);
       }
     }
     if (c.qv.p != nullptr) {
@@ -439,7 +441,7 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
     OneBlasThread one;
     const int64_t bk_max = c.tile_k;
-    std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0);
+    std::vector<T> s(c.bq * bk_max);
     std::vector<T> pos(window_size(c));
     std::vector<T> acc(c.bq * c.Dv), m(c.bq), l(c.bq);
     for (int64_t item = claim(next); item < items; item = claim(next)) {
@@ -459,7 +461,7 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
             w = Window<T>(c, qs, r0, vis[3], ks, vis[1], pos.data());
             w.compute(c, n, hk * c.G + g, qs);
           }
-          scores(c, n, hk, g, qs, vis, s.data(), nk, t.data(), w);
+          scores(c, n, hk, g, qs, vis, s.data(), nk, static_cast<T*>(nullptr), w);
           for (int64_t r = 0; r < nr; ++r) {
             T* row = s.data() + r * nk;
             const int64_t R = r0 + r;
