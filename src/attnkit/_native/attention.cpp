@@ -373,26 +373,13 @@ T row_max(const T* x, int64_t n) {
   return m;
 }
 
-// x = exp2(x - m) in place; returns the sum. For a finite m in float32, as exp((x - m) ln 2)
-// with at::vec's exp_u20 (within 20 ulp, what torch's own CPU attention kernel uses for its
-// softmax, a fraction of the cost of the exact exp2); it is exact at -inf (0), and a NaN or +inf
-// in the row makes m non-finite, which takes the exact exp2 that propagates them.
+// x = exp2(x - m) in place; returns the sum.
 template <typename T>
 T exp2_sum(T* x, int64_t n, T m) {
   using V = at::vec::Vectorized<T>;
   V acc(T(0));
   const V mv(m);
   int64_t j = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    if (std::isfinite(m)) {
-      const V ln2 = V(T(kLn2));
-      for (; j + V::size() <= n; j += V::size()) {
-        V e = ((V::loadu(x + j) - mv) * ln2).exp_u20();
-        e.store(x + j);
-        acc = acc + e;
-      }
-    }
-  }
   for (; j + V::size() <= n; j += V::size()) {
     V e = (V::loadu(x + j) - mv).exp2();
     e.store(x + j);
