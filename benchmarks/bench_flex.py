@@ -18,6 +18,7 @@ also measures the extra peak memory of flex's forward+backward in a fresh proces
     python benchmarks/bench_flex.py              # T = 4096
     python benchmarks/bench_flex.py --t 128 --rounds 5 --threads 1   # a busy machine: 1 thread
     python benchmarks/bench_flex.py --t 1024 --memory
+    python benchmarks/bench_flex.py --busy      # with one core kept spinning by another process
     python benchmarks/bench_flex.py --rounds 5 --memory --json front_ends-flex.json
 """
 
@@ -30,6 +31,7 @@ import timeit
 from collections.abc import Callable
 
 import torch
+from bench_native import Load
 from torch import Tensor
 from torch.utils import benchmark
 
@@ -158,20 +160,12 @@ def _make_flex_bias_train(t: int) -> tuple[Callable[[], object], int]:
     return fns["bias: flex score_mod"], 4 * B * H * t * D * 4
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--t", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--memory", action="store_true")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    parser.add_argument("--json", help="also write the results to this file as JSON")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"B={B} H={H} T={args.t} D={D} float32, {torch.get_num_threads()} threads")
+def time_pairs(t: int, rounds: int) -> list[dict[str, object]]:
+    """Time every pair at length ``t``, forward then forward+backward; print each pair's times
+    and ratio, and return them as the rows of the JSON."""
     rows: list[dict[str, object]] = []
     for grad in (False, True):
-        samples = time_rounds(calls(args.t, grad), rounds=args.rounds, min_run_time=0.1)
+        samples = time_rounds(calls(t, grad), rounds=rounds, min_run_time=0.1)
         mode = "forward+backward" if grad else "forward"
         for base, flex in PAIRS:
             b, f = statistics.median(samples[base]), statistics.median(samples[flex])
@@ -193,6 +187,28 @@ def main() -> None:
                     "ratio_max": max(ratios),
                 }
             )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--t", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--busy", action="store_true", help="one core kept spinning throughout")
+    parser.add_argument("--json", help="also write the results to this file as JSON")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load = "one core busy" if args.busy else "quiet"
+    print(f"B={B} H={H} T={args.t} D={D} float32, {torch.get_num_threads()} threads, {load}")
+    spinner = Load() if args.busy else None
+    try:
+        rows = time_pairs(args.t, args.rounds)
+    finally:
+        if spinner is not None:
+            spinner.stop()
     hit, cold = recognition_cost()
     print(
         f"recognising the softcap score_mod: {hit * 1e6:.1f} us per call once seen, "
@@ -222,6 +238,7 @@ def main() -> None:
             "dtype": "float32",
             "threads": torch.get_num_threads(),
             "rounds": args.rounds,
+            "load": load,
             "extra_mib": {k: round(v, 1) for k, v in extras.items()},
         }
         results.save(args.json, "front_ends", rows, config=config)

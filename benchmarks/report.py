@@ -661,7 +661,7 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
     ),
     "front_ends": (
         _front_ends,
-        ("B", "H", "T", "D", "dtype", "threads", "rounds"),
+        ("B", "H", "T", "D", "dtype", "threads", "rounds", "load"),
         "python benchmarks/bench_flex.py",
     ),
     "gpu": (_gpu, ("B", "H", "D", "dtype"), "python benchmarks/gpu_check.py"),

@@ -231,6 +231,13 @@ _FUNCTIONS: dict[object, str] = {
     torch.mul: "mul",
     torch.multiply: "mul",
     torch.Tensor.mul: "mul",
+    operator.add: "add",
+    torch.add: "add",
+    torch.Tensor.add: "add",
+    operator.sub: "sub",
+    torch.sub: "sub",
+    torch.subtract: "sub",
+    torch.Tensor.sub: "sub",
 }
 _METHODS = {
     "div": "div",
@@ -239,11 +246,15 @@ _METHODS = {
     "tanh": "tanh",
     "mul": "mul",
     "multiply": "mul",
+    "add": "add",
+    "sub": "sub",
+    "subtract": "sub",
 }
 
 
 def _op(node: object) -> str | None:
-    """``"div"``, ``"tanh"`` or ``"mul"`` for an fx node computing that without keywords."""
+    """``"div"``, ``"tanh"``, ``"mul"``, ``"add"`` or ``"sub"`` for an fx node computing that
+    without keywords."""
     if not isinstance(node, torch.fx.Node) or node.kwargs:
         return None
     if node.op == "call_function":
@@ -430,27 +441,13 @@ def softcap_of(score_mod: ScoreMod) -> float | None:
 # ------------------------------------------------------------------------------------------------
 # Recognising a score_mod that adds a bias by distance
 
-_ADDS: dict[object, str] = {
-    operator.add: "add",
-    torch.add: "add",
-    torch.Tensor.add: "add",
-    operator.sub: "sub",
-    torch.sub: "sub",
-    torch.subtract: "sub",
-    torch.Tensor.sub: "sub",
-}
-_ADD_METHODS = {"add": "add", "sub": "sub", "subtract": "sub"}
-
 
 def _add_op(node: object) -> str | None:
     """``"add"`` or ``"sub"`` for an fx node computing that of two operands, without keywords."""
-    if not isinstance(node, torch.fx.Node) or node.kwargs or len(node.args) != 2:
+    op = _op(node)
+    if op not in ("add", "sub") or not isinstance(node, torch.fx.Node) or len(node.args) != 2:
         return None
-    if node.op == "call_function":
-        return _ADDS.get(node.target)
-    if node.op == "call_method" and isinstance(node.target, str):
-        return _ADD_METHODS.get(node.target)
-    return None
+    return op
 
 
 def _metadata(node: torch.fx.Node) -> bool:
