@@ -38,7 +38,7 @@ def randn(*shape: int, seed: int = 0) -> Tensor:
 
 
 CAPS = [1e-300, 3e-39, 1e-30, 1e-3, 0.5, 1.0, 30.0, 50.0, 64.0, 100.0, 3000.0, 1e5, 1e12]
-CAPS += [1e30, 1e39, 1e300]
+CAPS += [1e30, 3e38, 1e39, 1e300, 1.5e308]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])

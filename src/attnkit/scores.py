@@ -163,12 +163,15 @@ def softcap_form(softcap: float, dtype: torch.dtype) -> Softcap | None:
     which changes a weight only where scores sit far above 1e30, and there the spacing of the
     dtype's numbers already makes the softmax pick the largest. A cap below the dtype's smallest
     normal number is computed as that number: every capped score then rounds to 0 beside the
-    others (the weights are uniform over the visible keys either way).
+    others (the weights are uniform over the visible keys either way). A cap above half the
+    largest number is computed as that half, so that capped scores stay finite in the kernels'
+    base 2 (times ``log2(e)``): scores that large are at least ~1e23 apart where they differ, and
+    the softmax gives the largest all the weight under either cap.
     """
     info = torch.finfo(dtype)
     if softcap > info.max:
         return None
-    cap = max(softcap, info.tiny)
+    cap = min(max(softcap, info.tiny), info.max / 2)
     return Softcap(cap, 1.0 <= cap <= _SIGMOID_CAPS.get(dtype, 0.0))
 
 

@@ -143,6 +143,51 @@ def test_thread_counts_give_the_same_result(threads: int) -> None:
         torch.set_num_threads(before)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("softcap", [1e-3, 0.5, 30.0, 1e4, 3e38, 1.5e308])
+def test_softcap_is_exact_across_tanhs_range(softcap: float, dtype: torch.dtype) -> None:
+    # Rows of 64 keys run the kernel's vector tanh. Row i's scores reach about 10^(-5 + i/5)
+    # caps (at most 300): from far below 1, where 1 - 2 / (exp(2y) + 1) would cancel, to deep in
+    # tanh's flat ends, beyond 9, where float32's tanh is 1. Caps of 3e38 and 1.5e308 overflow
+    # the dtype when multiplied by log2(e).
+    if softcap > torch.finfo(dtype).max:
+        pytest.skip("a cap above the dtype's largest number is no cap")
+    g = torch.Generator().manual_seed(5)
+    t, d = 40, 4
+    k = torch.randn(1, 1, 64, d, generator=g, dtype=torch.float64)
+    unit = torch.randn(1, 1, t, d, generator=g, dtype=torch.float64)
+    unit = unit / unit.norm(dim=-1, keepdim=True)
+    reach = 10.0 ** (-5 + torch.arange(t, dtype=torch.float64) / 5)  # in caps
+    amplitude = torch.clamp(reach * softcap, max=300.0) / k.norm(dim=-1).max()
+    q = unit * amplitude[:, None] * d**0.5
+    v = torch.randn(1, 1, 64, 3, generator=g, dtype=torch.float64)
+    cot = torch.randn(1, 1, t, 3, generator=g, dtype=torch.float64)
+
+    def run(backend: object, dt: torch.dtype, k: torch.Tensor = k) -> list[torch.Tensor]:
+        leaves = [x.to(dt).requires_grad_() for x in (q, k, v)]
+        out = attention(*leaves, softcap=softcap, backend=backend)  # type: ignore[arg-type]
+        return [out, *torch.autograd.grad(out, leaves, cot.to(dt))]
+
+    how = attnkit.explain(*(x.to(dtype) for x in (q, k, v)), softcap=softcap, backend=Chunked())
+    assert "native kernel" in str(how)
+    got, want = run(Chunked(), dtype), run("reference", torch.float64)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        try:
+            assert_close(a, b, dtype=dtype)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None
+    # An infinite score is capped to +-softcap like any other (in both kernels); a NaN one makes
+    # its rows NaN.
+    bad = k.clone()
+    bad[..., 9, 0] = float("inf")
+    want = run("reference", torch.float64, bad)[0]
+    for backend in (Chunked(), Chunked(native=False)):
+        assert_close(run(backend, dtype, bad)[0], want, dtype=dtype)
+    bad[..., 7, 0] = float("nan")
+    assert run(Chunked(), dtype, bad)[0].isnan().all()
+
+
 def _grads_with_bias(
     backend: object, ts: list[torch.Tensor], cot: torch.Tensor
 ) -> list[torch.Tensor]:

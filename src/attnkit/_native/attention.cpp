@@ -262,6 +262,39 @@ int64_t window_size(const Call<T>& c) {
   return c.bq * std::max(whole, c.tile_k + c.bq - 1);
 }
 
+// scale * tanh of a vector, exact to float32's rounding (relative error below 5e-7, where the cancellation
+// of an exp-based formula near 0 is what a huge cap would hit) and far cheaper than a vector tanh.
+// float32: y P(y^2) / Q(y^2) on |y| <= 9, a rational fit of relative error 6e-8 (beyond 9, tanh
+// is +-1 in float32); ends at +-1 for +-inf, NaN stays NaN. float64: 1 - 2 / (exp(2y) + 1), with
+// the series y - y^3/3 + 2y^5/15 - 17y^7/315 below |y| = 1/64, where it is exact to rounding.
+template <typename T>
+at::vec::Vectorized<T> tanh_of(const at::vec::Vectorized<T>& y, T scale = T(1)) {
+  using V = at::vec::Vectorized<T>;
+  if constexpr (std::is_same_v<T, float>) {
+    const V z = at::vec::minimum(at::vec::maximum(y, V(-9.f)), V(9.f));
+    const V z2 = z * z;
+    // scale rides on P's coefficients
+    V p = V(1.8254990911999118e-11f * scale);
+    p = at::vec::fmadd(p, z2, V(-1.2780316225106994e-08f * scale));
+    p = at::vec::fmadd(p, z2, V(9.267370493286322e-06f * scale));
+    p = at::vec::fmadd(p, z2, V(0.0029207555329809043f * scale));
+    p = at::vec::fmadd(p, z2, V(0.1291922228931715f * scale));
+    p = at::vec::fmadd(p, z2, V(0.9999999411956766f * scale));
+    V q = V(0.00022809937599888665f);
+    q = at::vec::fmadd(q, z2, V(0.023763141958005666f));
+    q = at::vec::fmadd(q, z2, V(0.46252506145899247f));
+    q = at::vec::fmadd(q, z2, V(1.f));
+    return z * p / q;
+  } else {
+    const V one(T(1)), two(T(2)), small(T(1.0 / 64)), c3(T(-1.0 / 3)), c5(T(2.0 / 15));
+    const V c7(T(-17.0 / 315));
+    const V y2 = y * y;
+    const V series = y * (one + y2 * (c3 + y2 * (c5 + y2 * c7)));
+    const V far = one - two / ((y * two).exp() + one);
+    return V::blendv(far, series, y.abs() < small) * V(scale);
+  }
+}
+
 // Scores of one visit, rows r0:r1 of query block qs for head (n, hk, g), in base 2, into s
 // (rows x keys, leading dimension ld). With softcap, tanh of the capped argument goes to t (the
 // backward's; null in the forward, which does not need it).
@@ -273,7 +306,10 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
   const T* qp = c.q.at(n, hk, g, qs + r0);
   const T* kp = c.k.at(n, hk, 0, ks);
   const bool capped = c.softcap > 0;
-  const T alpha = T(capped ? c.scale : c.scale * kLog2e);
+  // With softcap the GEMM gives s / softcap, tanh's argument, unless that factor is subnormal (a
+  // cap near the dtype's largest number): then the division comes after.
+  const bool fold = capped && c.scale / c.softcap >= double(std::numeric_limits<T>::min());
+  const T alpha = T(!capped ? c.scale * kLog2e : (fold ? c.scale / c.softcap : c.scale));
   gemm<T>(false, true, nr, nk, c.Dk, alpha, qp, c.q.ld(), kp, c.k.ld(), T(0), s, ld);
   const T inf = std::numeric_limits<T>::infinity();
   const int64_t h = hk * c.G + g;
@@ -283,27 +319,24 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
     const int64_t i = qs + r0 + r;
     if (capped) {
       T* trow = t == nullptr ? nullptr : t + r * ld;
-      const V inv(T(1.0 / c.softcap)), mul(T(c.softcap * kLog2e));
+      // x * softcap * log2(e); for a huge cap, softcap * log2(e) would overflow: (x * cap) first.
+      const V mul = V(T(fold ? c.softcap * kLog2e : c.softcap));
+      const V cap = V(T(c.softcap)), l2e = V(T(kLog2e));
       int64_t j = 0;
-      const V one(T(1)), two(T(2)), small(T(1.0 / 64)), c3(T(-1.0 / 3)), c5(T(2.0 / 15));
-      const V c7(T(-17.0 / 315));
       for (; j + V::size() <= nk; j += V::size()) {
-        // tanh(y) = 1 - 2 / (exp(2y) + 1), exact at both ends (exp gives 0 or inf) and far
-        // cheaper than a vector tanh; below |y| = 1/64 (where a huge cap puts every score) its
-        // cancellation would cost digits, and the series y - y^3/3 + 2y^5/15 - 17y^7/315 is
-        // exact to rounding there.
-        const V y = V::loadu(row + j) * inv;
-        const V y2 = y * y;
-        const V series = y * (one + y2 * (c3 + y2 * (c5 + y2 * c7)));
-        const V far = one - two / ((y * two).exp() + one);
-        V x = V::blendv(far, series, y.abs() < small);
+        const V y = fold ? V::loadu(row + j) : V::loadu(row + j) / cap;
+        if (trow == nullptr && fold) {
+          tanh_of(y, T(c.softcap * kLog2e)).store(row + j);
+          continue;
+        }
+        const V x = tanh_of(y);
         if (trow != nullptr) x.store(trow + j);
-        (x * mul).store(row + j);
+        (fold ? x * mul : x * mul * l2e).store(row + j);
       }
       for (; j < nk; ++j) {
-        const T x = std::tanh(row[j] / T(c.softcap));
+        const T x = std::tanh(fold ? row[j] : row[j] / T(c.softcap));
         if (trow != nullptr) trow[j] = x;
-        row[j] = x * T(c.softcap * kLog2e);
+        row[j] = fold ? x * T(c.softcap * kLog2e) : x * T(c.softcap) * T(kLog2e);
       }
     }
     if (c.qv.p != nullptr) {
