@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -186,6 +187,39 @@ def test_softcap_is_exact_across_tanhs_range(softcap: float, dtype: torch.dtype)
         assert_close(run(backend, dtype, bad)[0], want, dtype=dtype)
     bad[..., 7, 0] = float("nan")
     assert run(Chunked(), dtype, bad)[0].isnan().all()
+
+
+LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    # (2, 37, 3, 4, 16) memory seen as a call brings it
+    "contiguous": lambda m: m,
+    "token-major": lambda m: m[:, :, 0].transpose(1, 2),
+    "packed": lambda m: m[:, :, 1].transpose(1, 2),
+    "every other column": lambda m: m[..., ::2],
+    "rows of 2368": lambda m: m.reshape(-1, 2368)[:, 100:],
+    "broadcast": lambda m: m[:1, :1, :1, :1].expand(2, 5, 3, 4, 16),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_finiteness_check_reads_every_element(layout: str, dtype: torch.dtype) -> None:
+    # attnkit._call.finite runs in the native kernel once it is loaded: one bad element anywhere
+    # in a view is found, and values near the dtype's largest number (which a sum overflows) are
+    # finite.
+    from attnkit._call import finite
+
+    g = torch.Generator().manual_seed(3)
+    other = torch.randn(4, 16, generator=g, dtype=dtype)
+    memory = torch.randn(2, 37, 3, 4, 16, generator=g, dtype=dtype)
+    assert finite(other, LAYOUTS[layout](memory))
+    for trial in range(30):
+        view = LAYOUTS[layout](memory.clone())
+        at = tuple(int(torch.randint(s, (1,), generator=g)) for s in view.shape)
+        view[at] = (float("nan"), float("inf"), -float("inf"))[trial % 3]
+        assert not finite(other, view), (at, view[at])
+    big = torch.finfo(dtype).max / 2
+    assert finite(LAYOUTS[layout](torch.full_like(memory, big)), other.fill_(-big))
 
 
 def _grads_with_bias(

@@ -28,7 +28,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["cache_dir", "load", "status"]
+__all__ = ["cache_dir", "load", "loaded", "status"]
 
 _log = logging.getLogger("attnkit")
 _SOURCES = (Path(__file__).with_name("attention.cpp"),)
@@ -160,6 +160,14 @@ def load() -> ModuleType | None:
         return None
     if "load" not in _state:
         _state["load"] = _try_load()
+    return _state["load"][0]
+
+
+def loaded() -> ModuleType | None:
+    """The compiled kernel if an earlier call loaded it, else None; never builds it (for helpers
+    that are only faster with it, such as :func:`attnkit._call.finite`)."""
+    if _disabled() or "load" not in _state:
+        return None
     return _state["load"][0]
 
 

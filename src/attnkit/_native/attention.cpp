@@ -513,10 +513,17 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
   });
 }
 
+// Rows t0:t1 of head (n, hk) of a (N, Hkv, T, D) gradient, set to 0.
+template <typename T>
+void zero_rows(const Rows<T*>& r, int64_t n, int64_t hk, int64_t t0, int64_t t1, int64_t d) {
+  for (int64_t i = t0; i < t1; ++i) std::fill(r.at(n, hk, 0, i), r.at(n, hk, 0, i) + d, T(0));
+}
+
 // dbias (when not null) has the bias's own shape, contiguous, with strides ds (0 where broadcast).
 template <typename T>
 void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, const T* delta,
-                   const Rows<T*>& dq, T* dk, T* dv, T* dbias, const int64_t* ds,
+                   const Rows<T*>& dq, const Rows<T*>& dk, const Rows<T*>& dv, T* dbias,
+                   const int64_t* ds,
                    int64_t dbias_numel, int64_t dbias_base, T* dqv, T* denc) {
   using V = at::vec::Vectorized<T>;
   // Stretches of query blocks per key/value head, enough for every thread to have work.
@@ -575,14 +582,30 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
     if (db0 != nullptr) db0 += dbias_base;
     for (int64_t item = claim(next); item < heads * parts; item = claim(next)) {
       const int64_t nh = item / parts, p = item % parts, n = nh / c.Hkv, hk = nh % c.Hkv;
-      if (kmax[p] <= kmin[p]) continue;
-      T *dkh, *dvh;
-      int64_t k0;
+      // dq, dk and dv come uninitialised: every item writes all of its rows.
       if (parts == 1) {
-        dkh = dk + nh * c.Tk * c.Dk;
-        dvh = dv + nh * c.Tk * c.Dv;
+        zero_rows(dk, n, hk, 0, c.Tk, c.Dk);
+        zero_rows(dv, n, hk, 0, c.Tk, c.Dv);
+      }
+      if (kmax[p] <= kmin[p]) {
+        for (int64_t g = 0; g < c.G; ++g) {
+          for (int64_t i = first[p] * c.bq; i < std::min(first[p + 1] * c.bq, c.Tq); ++i) {
+            std::fill(dq.at(n, hk, g, i), dq.at(n, hk, g, i) + c.Dk, T(0));
+          }
+        }
+        continue;
+      }
+      T *dkh, *dvh;
+      int64_t k0, lk, lv;  // the first key and the leading dimensions of dkh, dvh
+      if (parts == 1) {
+        dkh = dk.at(n, hk, 0, 0);
+        dvh = dv.at(n, hk, 0, 0);
+        lk = dk.ld();
+        lv = dv.ld();
         k0 = 0;
       } else {
+        lk = c.Dk;
+        lv = c.Dv;
         auto& bk = dk_parts[item];
         auto& bv = dv_parts[item];
         bk.assign((kmax[p] - kmin[p]) * c.Dk, T(0));
@@ -641,7 +664,7 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
             }
             // dV += P^T dO
             gemm<T>(true, false, nk, c.Dv, nr, T(1), pv, nk, dop, dout.ld(), T(1),
-                    dvh + (ks - k0) * c.Dv, c.Dv);
+                    dvh + (ks - k0) * lv, lv);
             for (int64_t r = 0; r < nr; ++r) {
               const T dl = delta[row0 + r0 + r];
               T* pr = s.data() + r * nk;
@@ -672,7 +695,7 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
             gemm<T>(false, false, nr, c.Dk, nk, T(c.scale), dp.data(), nk, kh + ks * ldk, ldk,
                     T(1), dqa.data() + r0 * c.Dk, c.Dk);
             gemm<T>(true, false, nk, c.Dk, nr, T(c.scale), dp.data(), nk, c.q.at(n, hk, g, qs + r0),
-                    c.q.ld(), T(1), dkh + (ks - k0) * c.Dk, c.Dk);
+                    c.q.ld(), T(1), dkh + (ks - k0) * lk, lk);
           }
           if (position && whole.p != nullptr) dwhole.backward(c, n, h, qs, dqv, denc_own);
           for (int64_t r = 0; r < rows; ++r) {
@@ -705,14 +728,19 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
   if (parts > 1) {
     at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t nh = begin; nh < end; ++nh) {
+        const int64_t n = nh / c.Hkv, hk = nh % c.Hkv;
+        zero_rows(dk, n, hk, 0, c.Tk, c.Dk);
+        zero_rows(dv, n, hk, 0, c.Tk, c.Dv);
         for (int64_t p = 0; p < parts; ++p) {
           const auto& bk = dk_parts[nh * parts + p];
           const auto& bv = dv_parts[nh * parts + p];
           if (bk.empty()) continue;
-          T* dkh = dk + (nh * c.Tk + kmin[p]) * c.Dk;
-          T* dvh = dv + (nh * c.Tk + kmin[p]) * c.Dv;
-          for (size_t x = 0; x < bk.size(); ++x) dkh[x] += bk[x];
-          for (size_t x = 0; x < bv.size(); ++x) dvh[x] += bv[x];
+          for (int64_t j = 0; j < kmax[p] - kmin[p]; ++j) {
+            T* rk = dk.at(n, hk, 0, kmin[p] + j);
+            T* rv = dv.at(n, hk, 0, kmin[p] + j);
+            for (int64_t d = 0; d < c.Dk; ++d) rk[d] += bk[j * c.Dk + d];
+            for (int64_t d = 0; d < c.Dv; ++d) rv[d] += bv[j * c.Dv + d];
+          }
         }
       }
     });
@@ -823,6 +851,132 @@ at::Tensor like_q(const at::Tensor& q, int64_t d, bool zero) {
   return t.permute({0, 2, 3, 1, 4});
 }
 
+// acc += x * 0 over n elements from p: x * 0 is 0 for a finite x, NaN for inf or NaN.
+template <typename T>
+void add_zeros(const T* p, int64_t n, at::vec::Vectorized<T> (&acc)[4], T& tail) {
+  using V = at::vec::Vectorized<T>;
+  const V zero(T(0));
+  constexpr int64_t W = V::size();
+  int64_t j = 0;
+  for (; j + 4 * W <= n; j += 4 * W) {
+    for (int u = 0; u < 4; ++u) acc[u] = at::vec::fmadd(V::loadu(p + j + u * W), zero, acc[u]);
+  }
+  for (; j + W <= n; j += W) acc[0] = at::vec::fmadd(V::loadu(p + j), zero, acc[0]);
+  for (; j < n; ++j) tail += p[j] * T(0);
+}
+
+template <typename T>
+bool all_zero(at::vec::Vectorized<T> (&acc)[4], T tail) {
+  using V = at::vec::Vectorized<T>;
+  const V sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  return at::vec::vec_reduce_all<T>([](V& a, V& b) { return a + b; }, sum) + tail == T(0);
+}
+
+// One tensor as stretches: its dimensions by decreasing stride, size-1 ones dropped and
+// neighbours that are one run of memory merged; each stretch is a run of the last dimension (or one element, when that
+// dimension is not contiguous), cut into pieces of at most kPiece elements.
+struct Stretches {
+  static constexpr int64_t kPiece = 16384;
+  const char* base = nullptr;
+  bool dbl = false;
+  std::vector<int64_t> size, stride;  // the outer dimensions
+  int64_t len = 1, pieces = 1, count = 1;
+
+  explicit Stretches(const at::Tensor& t) : base(static_cast<const char*>(t.data_ptr())) {
+    dbl = t.scalar_type() == at::kDouble;
+    // The order of the elements does not matter: dimensions by decreasing stride.
+    std::vector<int64_t> order;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (t.size(d) != 1) order.push_back(d);
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+    std::vector<int64_t> sz, st;
+    for (int64_t d : order) {
+      if (!sz.empty() && st.back() == t.stride(d) * t.size(d)) {
+        sz.back() *= t.size(d);
+        st.back() = t.stride(d);
+      } else {
+        sz.push_back(t.size(d));
+        st.push_back(t.stride(d));
+      }
+    }
+    if (!sz.empty() && st.back() == 1) {
+      len = sz.back();
+      sz.pop_back();
+      st.pop_back();
+    }
+    size = sz;
+    stride = st;
+    pieces = (len + kPiece - 1) / kPiece;
+    for (int64_t x : size) count *= x;
+    count *= pieces;
+  }
+
+  // Pieces u0:u1 are finite.
+  bool finite(int64_t u0, int64_t u1) const {
+    return dbl ? finite_as<double>(u0, u1) : finite_as<float>(u0, u1);
+  }
+
+  template <typename T>
+  bool finite_as(int64_t u0, int64_t u1) const {
+    const int64_t dims = (int64_t)size.size();
+    std::vector<int64_t> idx(dims, 0);
+    int64_t row = u0 / pieces, piece = u0 % pieces, off = 0;
+    for (int64_t d = dims - 1; d >= 0; --d) {
+      idx[d] = row % size[d];
+      row /= size[d];
+      off += idx[d] * stride[d];
+    }
+    const T* p = reinterpret_cast<const T*>(base);
+    at::vec::Vectorized<T> acc[4] = {T(0), T(0), T(0), T(0)};
+    T tail = 0;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t a = piece * kPiece;
+      add_zeros(p + off + a, std::min(kPiece, len - a), acc, tail);
+      if (++piece == pieces) {  // the next row: an odometer over the outer dimensions
+        piece = 0;
+        for (int64_t d = dims - 1; d >= 0; --d) {
+          off += stride[d];
+          if (++idx[d] < size[d]) break;
+          off -= stride[d] * size[d];
+          idx[d] = 0;
+        }
+      }
+    }
+    return all_zero(acc, tail);
+  }
+};
+
+// Whether every element of these float32/float64 tensors is finite: one read of each, in one
+// parallel region (a sum would take a pass per tensor, and overflow past 1e38).
+bool all_finite(std::vector<at::Tensor> ts) {
+  std::vector<Stretches> parts;
+  std::vector<int64_t> first = {0};
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+                "all_finite: float32 or float64 tensors");
+    if (t.numel() == 0) continue;
+    parts.emplace_back(t);
+    first.push_back(first.back() + parts.back().count);
+  }
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, first.back(), 8, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < parts.size() && ok.load(std::memory_order_relaxed); ++i) {
+      const int64_t a = std::max(begin, first[i]), b = std::min(end, first[i + 1]);
+      if (a < b && !parts[i].finite(a - first[i], b - first[i])) ok = false;
+    }
+  });
+  return ok.load();
+}
+
+// A (N, Hkv, T, D) tensor like k or v: token-major when it is, else contiguous.
+at::Tensor like_kv(const at::Tensor& k) {
+  const bool token_major = k.size(2) > 1 && k.stride(2) >= k.size(1) * k.size(3);
+  if (!token_major) return at::empty(k.sizes(), k.options());
+  return at::empty({k.size(0), k.size(2), k.size(1), k.size(3)}, k.options()).permute({0, 2, 1, 3});
+}
+
 std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor off,
                                 at::Tensor visits, int64_t block_q, int64_t block_k, double scale,
                                 double softcap, c10::optional<at::Tensor> bias,
@@ -857,10 +1011,10 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                                  at::Tensor dout, at::Tensor lse,
                                  at::Tensor delta, bool bias_grad, bool qv_grad, bool enc_grad) {
   TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous(), "contiguous lse, delta");
-  auto dq = like_q(q, q.size(4), true);  // rows that see no key keep 0
-  // (N * Hkv, Tk, D), contiguous
-  auto dk = at::zeros({k.size(0) * k.size(1), k.size(2), k.size(3)}, k.options());
-  auto dv = at::zeros({v.size(0) * v.size(1), v.size(2), v.size(3)}, v.options());
+  // Laid out as the inputs are (token-major or contiguous), so that the caller's transpose back
+  // is free; the kernel writes every element.
+  auto dq = like_q(q, q.size(4), false);
+  auto dk = like_kv(k), dv = like_kv(v);
   at::Tensor dbias;
   int64_t ds[5] = {0, 0, 0, 0, 0};
   int64_t dbias_base = 0;
@@ -886,7 +1040,8 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
     backward_impl<scalar_t>(c, rows_of<const scalar_t*>(dout, dout.data_ptr<scalar_t>()),
                             lse.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
                             rows_of<scalar_t*>(dq, dq.data_ptr<scalar_t>()),
-                            dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                            rows_of<scalar_t*>(dk, dk.data_ptr<scalar_t>()),
+                            rows_of<scalar_t*>(dv, dv.data_ptr<scalar_t>()),
                             bias_grad ? dbias.data_ptr<scalar_t>() : nullptr, ds,
                             bias_grad ? dbias.numel() : 0, dbias_base,
                             dqv.defined() ? dqv.data_ptr<scalar_t>() : nullptr,
@@ -900,5 +1055,6 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "attention forward: (out, lse)");
+  m.def("all_finite", &all_finite, "whether every element of the tensors is finite");
   m.def("backward", &backward, "attention backward: (dq, dk, dv, dbias, dqv, denc), None where not asked");
 }

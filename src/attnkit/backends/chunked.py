@@ -266,8 +266,8 @@ class _KernelAttention(torch.autograd.Function):
         return (
             None,
             grads.dq.reshape(q.shape).to(q.dtype),
-            grads.dk.view(k.shape).to(k.dtype),
-            grads.dv.view(v.shape).to(v.dtype),
+            grads.dk.reshape(k.shape).to(k.dtype),
+            grads.dv.reshape(v.shape).to(v.dtype),
             dbias,
             None if dsinks is None else dsinks.to(sinks.dtype),  # type: ignore[union-attr]
             *dterm,
@@ -352,7 +352,7 @@ def kernel_attention(
     native_ok = score_mod is None and native_serves(q.device, term, False, native, geo)
     if is_finite is None and native_ok:
         # The native kernel needs to know only that q, k, v (and the term's inputs) are finite:
-        # one sum each, in one host read.
+        # one host read (see attnkit._call.finite).
         is_finite = term_finite = finite(q, k, v, *term_inputs)
         if not is_finite and term_inputs:
             is_finite, term_finite = finite(q, k, v), None
