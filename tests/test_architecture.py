@@ -149,6 +149,7 @@ _FOREIGN = {
     "_export",
     "_guards",
     "_version",  # Tensor._version: the in-place counter autograd checks
+    "_base",  # Tensor._base: the tensor a view was made from
     "_scaled_dot_product_flash_attention_for_cpu",  # torch.ops.aten's fused CPU kernel
     "_scaled_dot_product_flash_attention_for_cpu_backward",
 }

@@ -33,6 +33,7 @@ from ._checks import (
     shape_str,
 )
 from ._hints import torch_keywords
+from ._packing import split_packed
 from ._typing import Bool, Float, shape_checked
 from .attention import Backend, Explanation, attention, check_backend, explain
 from .capture import is_capturing, record
@@ -223,13 +224,15 @@ class MultiHeadAttention(nn.Module):
         w, b = self.in_proj_weight, self.in_proj_bias
         if w is not None and key is query and value is query:
             # Self-attention: one GEMM, and q, k, v are column slices of its output (no copies).
-            q, k, v = F.linear(query, w, b).split(self._sizes, dim=-1)
+            q, k, v = split_packed(F.linear(query, w, b), self._sizes)
             return q, k, v
         (wq, wk, wv), (bq, bk, bv) = self.in_weights(), self._in_biases()
         if w is not None and value is key:
             # Cross-attention on one memory: keys and values in one GEMM.
             nq = self._sizes[0]
-            k, v = F.linear(key, w[nq:], None if b is None else b[nq:]).split(self._sizes[1:], -1)
+            k, v = split_packed(
+                F.linear(key, w[nq:], None if b is None else b[nq:]), self._sizes[1:]
+            )
             return F.linear(query, wq, bq), k, v
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 

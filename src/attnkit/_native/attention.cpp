@@ -1009,12 +1009,29 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                                  c10::optional<at::Tensor> qv, c10::optional<at::Tensor> enc,
                                  double rel_scale, int64_t top, int64_t whole_width,
                                  at::Tensor dout, at::Tensor lse,
-                                 at::Tensor delta, bool bias_grad, bool qv_grad, bool enc_grad) {
+                                 at::Tensor delta, bool bias_grad, bool qv_grad, bool enc_grad,
+                                 std::vector<at::Tensor> grads_out) {
   TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous(), "contiguous lse, delta");
-  // Laid out as the inputs are (token-major or contiguous), so that the caller's transpose back
-  // is free; the kernel writes every element.
-  auto dq = like_q(q, q.size(4), false);
-  auto dk = like_kv(k), dv = like_kv(v);
+  // dq, dk, dv: where the caller gives them (q's, k's and v's own shapes and dtype, rows
+  // contiguous), else laid out as the inputs are (token-major or contiguous), so that the
+  // caller's transpose back is free. The kernel writes every element.
+  at::Tensor dq, dk, dv;
+  if (grads_out.empty()) {
+    dq = like_q(q, q.size(4), false);
+    dk = like_kv(k);
+    dv = like_kv(v);
+  } else {
+    TORCH_CHECK(grads_out.size() == 3, "grads_out: dq, dk, dv");
+    dq = grads_out[0];
+    dk = grads_out[1];
+    dv = grads_out[2];
+    const at::Tensor* like[3] = {&q, &k, &v};
+    for (int x = 0; x < 3; ++x) {
+      TORCH_CHECK(grads_out[x].sizes() == like[x]->sizes() &&
+                      grads_out[x].scalar_type() == like[x]->scalar_type(),
+                  "grads_out: the inputs' shapes and dtype");
+    }
+  }
   at::Tensor dbias;
   int64_t ds[5] = {0, 0, 0, 0, 0};
   int64_t dbias_base = 0;

@@ -161,23 +161,31 @@ class NativeCall:
         bias_grad: bool,
         term_inputs: tuple[Tensor, ...] = (),
         term_grads: tuple[bool, ...] = (),
+        grads_out: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor | None]]:
         """``(dq5, dk4, dv4, dbias5, dterm)`` in the work dtype (``dbias5`` in ``bias5``'s shape;
-        ``dterm``: the gradients of ``term_inputs`` that ``term_grads`` asks for, else None)."""
+        ``dterm``: the gradients of ``term_inputs`` that ``term_grads`` asks for, else None).
+        ``grads_out``: tensors of q5's, k4's and v4's shapes to write dq5, dk4 and dv4 into (used
+        when the inputs are in the work dtype with contiguous rows)."""
         module = load()
         if module is None:
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         work = torch.promote_types(q5.dtype, torch.float32)
         qv_grad, enc_grad = term_grads if self.position is not None else (False, False)
         table_grad = bool(self.layout) and term_grads[0]
+        inputs = self._inputs(q5, k4, v4, bias5, term_inputs)
+        own = grads_out is not None and all(
+            a is b for a, b in zip(inputs[:3], (q5, k4, v4), strict=True)
+        )
         dq, dk, dv, dbias, dqv, denc = module.backward(
-            *self._inputs(q5, k4, v4, bias5, term_inputs),
+            *inputs,
             _rows(dout5, work),
             lse.to(work).contiguous(),
             delta.to(work).contiguous(),
             table_grad or (bias_grad and bias5 is not None),
             qv_grad,
             enc_grad,
+            list(grads_out) if own and grads_out is not None else [],
         )
         # dbias is already in bias5's shape (a bias by distance's: in its table's)
         dterm: list[Tensor | None] = []

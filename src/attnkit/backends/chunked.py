@@ -51,6 +51,7 @@ from .._kernel import (
 )
 from .._native import load as load_native
 from .._native.kernel import NativeCall, fuses, native_call, why_not_native
+from .._packing import joint_grads
 from .._score_mod import ScoreMod, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
 from ..masks import Geometry, Mask
@@ -226,6 +227,7 @@ class _KernelAttention(torch.autograd.Function):
             bias_grad = bias is not None and needs[4]
             if spec.native is not None:
                 q5, k4, v4, bias5 = _layout(spec, q, k, v, bias, native=True)
+                joint = joint_grads(q, k, v)
                 dq, dk, dv, dbias5, dterm5 = spec.native.backward(
                     q5,
                     k4,
@@ -237,6 +239,7 @@ class _KernelAttention(torch.autograd.Function):
                     bias_grad,
                     term_inputs,
                     tuple(needs[6 : 6 + spec.n_term]),
+                    None if joint is None else _layout(spec, *joint, None, native=True)[:3],
                 )
                 grads = Grads(dq, dk, dv, dbias5, dterm5)
             else:
