@@ -623,6 +623,24 @@ def _transformers(run: Run, images: dict[str, bytes]) -> str:
     return body
 
 
+def _floor(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    rate = rows[0]["gemm_flops_per_second"] / 1e9 if rows else 0.0
+    body = table(
+        ["case", "pass", "visited / visible pairs", "floor (ms)", "native (ms)", "sdpa (ms)",
+         "native / floor", "sdpa / floor", "floor / sdpa"],
+        [
+            [r["case"], r["pass"], f"{r['visited_pairs'] / r['visible_pairs']:.3f}",
+             _ms(r["floor_seconds"]), _ms(r["native_seconds"]), _ms(r["sdpa_seconds"]),
+             _ratio(r["native_over_floor"]), _ratio(r["sdpa_over_floor"]),
+             _ratio(r["floor_over_sdpa"])]
+            for r in rows
+        ],
+        right=(2, 3, 4, 5, 6, 7, 8),
+    )  # fmt: skip
+    return f"GEMM rate at the native kernel's block shape: {rate:.0f} GFLOP/s.\n\n{body}"
+
+
 SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str], str]] = {
     # name: (renderer, config keys worth a line, the command that produces it)
     "backends": (
@@ -637,6 +655,7 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         ("H", "D", "dtype", "threads", "rounds", "load"),
         "python benchmarks/bench_native.py",
     ),
+    "floor": (_floor, ("H", "D", "threads"), "python benchmarks/bench_floor.py"),
     "multihead": (
         _multihead,
         ("B", "T", "D", "H", "dtype", "causal"),

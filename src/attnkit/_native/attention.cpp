@@ -11,7 +11,8 @@
 // buffer, summed after the parallel region. No two items write the same memory.
 //
 // Scores are kept in base 2 (log2(e) rides on the GEMM's alpha or on the adds), as in the eager
-// kernel; the log-sum-exp returned is in natural units. A row that sees no key has log-sum-exp
+// kernel; the log-sum-exp returned is in natural units. Softcapped scores with nothing added are
+// bounded by the cap, and the forward's softmax then runs without a running maximum. A row that sees no key has log-sum-exp
 // -inf and output 0; its probabilities in the backward are exp2(-inf - 0) = 0.
 //
 // Masks arrive as index arithmetic: a band lo <= j - (i + shift) <= hi, key flags (N|1, Tk), or
@@ -457,6 +458,11 @@ inline int64_t claim(std::atomic<int64_t>& next) {
 template <typename T>
 void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
   const int64_t items = c.N * c.Hkv * c.nqb;
+  // Capped scores with nothing added lie in [-cap, cap] log2(e): with a cap of at most 69 their
+  // exp2 are normal numbers whose sum over 2^20 keys stays finite, so the softmax needs no
+  // running maximum (and no rescaling of the accumulated rows): it is taken as 0.
+  const bool bounded = c.softcap > 0 && c.softcap * kLog2e <= 100.0 && c.bias == nullptr &&
+                       c.qv.p == nullptr && c.Tk <= (int64_t(1) << 20);
   std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
     OneBlasThread one;
@@ -485,6 +491,11 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
           for (int64_t r = 0; r < nr; ++r) {
             T* row = s.data() + r * nk;
             const int64_t R = r0 + r;
+            if (bounded) {
+              l[R] += exp2_sum(row, nk, T(0));
+              m[R] = T(0);
+              continue;
+            }
             const T mnew = std::max(m[R], row_max(row, nk));
             const T safe = std::isinf(mnew) && mnew < 0 ? T(0) : mnew;
             const T alpha = std::exp2(m[R] - safe);
