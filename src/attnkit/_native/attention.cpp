@@ -11,9 +11,10 @@
 // buffer, summed after the parallel region. No two items write the same memory.
 //
 // Scores are kept in base 2 (log2(e) rides on the GEMM's alpha or on the adds), as in the eager
-// kernel; the log-sum-exp returned is in natural units. Softcapped scores with nothing added are
-// bounded by the cap, and the forward's softmax then runs without a running maximum. A row that sees no key has log-sum-exp
-// -inf and output 0; its probabilities in the backward are exp2(-inf - 0) = 0.
+// kernel; the log-sum-exp returned is in natural units. A row that sees no key has log-sum-exp
+// -inf and output 0; its probabilities in the backward are exp2(-inf - 0) = 0. Softcapped scores
+// with nothing added are bounded by the cap: the forward's softmax then runs without a running
+// maximum.
 //
 // Masks arrive as index arithmetic: a band lo <= j - (i + shift) <= hi, key flags (N|1, Tk), or
 // bool tiles computed by the caller for the plan's partial blocks. FULL blocks do no mask work and
@@ -263,8 +264,8 @@ int64_t window_size(const Call<T>& c) {
   return c.bq * std::max(whole, c.tile_k + c.bq - 1);
 }
 
-// scale * tanh of a vector, exact to float32's rounding (relative error below 5e-7, where the cancellation
-// of an exp-based formula near 0 is what a huge cap would hit) and far cheaper than a vector tanh.
+// scale * tanh of a vector, exact to the dtype's rounding (float32: relative error below 5e-7,
+// also near 0, where an exp-based formula would cancel) and far cheaper than a vector tanh.
 // float32: y P(y^2) / Q(y^2) on |y| <= 9, a rational fit of relative error 6e-8 (beyond 9, tanh
 // is +-1 in float32); ends at +-1 for +-inf, NaN stays NaN. float64: 1 - 2 / (exp(2y) + 1), with
 // the series y - y^3/3 + 2y^5/15 - 17y^7/315 below |y| = 1/64, where it is exact to rounding.
@@ -850,16 +851,11 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // A (N, Hkv, G, T, d) tensor laid out like q: (N, T, Hkv, G, d) in memory when q's rows are
 // token-major (a view of (B, T, H, D), as projections give), so that the caller's transpose back
 // is free; else contiguous.
-at::Tensor like_q(const at::Tensor& q, int64_t d, bool zero) {
+at::Tensor like_q(const at::Tensor& q, int64_t d) {
   const bool token_major = q.size(3) > 1 && q.stride(3) >= q.size(1) * q.size(2) * q.size(4);
-  auto o = q.options();
-  if (!token_major) {
-    return zero ? at::zeros({q.size(0), q.size(1), q.size(2), q.size(3), d}, o)
-                : at::empty({q.size(0), q.size(1), q.size(2), q.size(3), d}, o);
-  }
-  std::vector<int64_t> shape = {q.size(0), q.size(3), q.size(1), q.size(2), d};
-  auto t = zero ? at::zeros(shape, o) : at::empty(shape, o);
-  return t.permute({0, 2, 3, 1, 4});
+  if (!token_major) return at::empty({q.size(0), q.size(1), q.size(2), q.size(3), d}, q.options());
+  return at::empty({q.size(0), q.size(3), q.size(1), q.size(2), d}, q.options())
+      .permute({0, 2, 3, 1, 4});
 }
 
 // acc += x * 0 over n elements from p: x * 0 is 0 for a finite x, NaN for inf or NaN.
@@ -884,8 +880,8 @@ bool all_zero(at::vec::Vectorized<T> (&acc)[4], T tail) {
 }
 
 // One tensor as stretches: its dimensions by decreasing stride, size-1 ones dropped and
-// neighbours that are one run of memory merged; each stretch is a run of the last dimension (or one element, when that
-// dimension is not contiguous), cut into pieces of at most kPiece elements.
+// neighbours that are one run of memory merged; each stretch is a run of the innermost dimension
+// (or one element, when that is not contiguous), cut into pieces of at most kPiece elements.
 struct Stretches {
   static constexpr int64_t kPiece = 16384;
   const char* base = nullptr;
@@ -895,10 +891,11 @@ struct Stretches {
 
   explicit Stretches(const at::Tensor& t) : base(static_cast<const char*>(t.data_ptr())) {
     dbl = t.scalar_type() == at::kDouble;
-    // The order of the elements does not matter: dimensions by decreasing stride.
+    // Neither the order of the elements nor their repeats matter: dimensions by decreasing
+    // stride, broadcast ones dropped.
     std::vector<int64_t> order;
     for (int64_t d = 0; d < t.dim(); ++d) {
-      if (t.size(d) != 1) order.push_back(d);
+      if (t.size(d) != 1 && t.stride(d) != 0) order.push_back(d);  // stride 0: repeats
     }
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
@@ -998,7 +995,7 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
                                 c10::optional<at::Tensor> enc, double rel_scale, int64_t top,
                                 int64_t whole_width) {
   TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4, "q (N, Hkv, G, Tq, D), k, v 4-d");
-  auto out = like_q(q, v.size(3), false);
+  auto out = like_q(q, v.size(3));
   auto lse = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_forward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
@@ -1028,7 +1025,7 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   // caller's transpose back is free. The kernel writes every element.
   at::Tensor dq, dk, dv;
   if (grads_out.empty()) {
-    dq = like_q(q, q.size(4), false);
+    dq = like_q(q, q.size(4));
     dk = like_kv(k);
     dv = like_kv(v);
   } else {
