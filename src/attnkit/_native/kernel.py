@@ -13,6 +13,7 @@ at key blocks (see :func:`_band_visits`).
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -303,8 +304,8 @@ def _band_visits(qb: QueryBlock, band: list[float], shift: int, block_k: int) ->
     """A query block's visits under a band alone, cut at the band's own edges instead of at key
     blocks: the keys every row sees as FULL visits of at most ``block_k`` keys, split evenly, and
     the two triangles at the band's edges (each about one block's rows wide) as partial ones,
-    every visit's rows those that see some of its keys; the cuts are rounded outwards to
-    multiples of ``_ALIGN`` keys."""
+    cut into stretches of ``_ALIGN`` rows, every visit's rows those that see some of its keys;
+    the cuts are rounded outwards to multiples of ``_ALIGN`` keys."""
     if not qb.visits:
         return []
     lo, hi = band
@@ -345,10 +346,12 @@ def _band_visits(qb: QueryBlock, band: list[float], shift: int, block_k: int) ->
                 if lo_row < hi_row:
                     out.append([ks, ke, lo_row, hi_row, partial, -1])
             else:
-                # A triangle: each half of its rows over the keys that half sees, which skips
-                # about a quarter of the masked pairs.
-                mid = (lo_row + hi_row) // 2
-                for ra, rb in ((lo_row, mid), (mid, hi_row)):
+                # A triangle: each stretch of _ALIGN rows over the keys it sees (keys are cut
+                # at multiples of _ALIGN too): of the masked pairs, all but about one stretch's
+                # worth are skipped.
+                n = (hi_row - lo_row) // _ALIGN
+                cuts = [lo_row + (hi_row - lo_row) * x // n for x in range(n + 1)]
+                for ra, rb in itertools.pairwise(cuts):
                     ka = max(ks, down(left(qb.qs + ra + shift)))
                     kb = min(ke, up(right(qb.qs + rb - 1 + shift)))
                     if ka < kb:
