@@ -304,14 +304,20 @@ def test_band_visits_cover_every_visible_pair_once(mask: masks.Mask) -> None:
 
 
 @pytest.mark.parametrize(
-    "mask", [masks.sliding_window(300, 40), masks.sliding_window(512), masks.causal()]
+    ("mask", "most"),
+    [
+        (masks.sliding_window(300, 40), 1.12),
+        (masks.sliding_window(512), 1.08),
+        (masks.causal(), 1.08),
+    ],
 )
-def test_band_triangles_are_cut_into_stretches_of_16_rows(mask: masks.Mask) -> None:
-    # The native kernel's 128-row blocks: each triangle at a band's edge is 8 visits of 16 rows.
-    # Here they compute 4-7% more pairs than the band holds (halves of 64 rows: 10-18%; a
-    # window of 512 at T=65536: 2.9% against 12.3%).
+def test_band_triangles_are_cut_into_stretches_of_rows(mask: masks.Mask, most: float) -> None:
+    # The native kernel's 128-row blocks: each triangle at a band's edge is one visit per 64
+    # keys of the band's width, of at least 16 rows (5, 8 and 8 here). They compute at most
+    # `most` times the pairs the band holds; halves of 64 rows compute 1.18, 1.13 and 1.10 times
+    # (a window of 512 at T=65536: 1.029 against 1.123).
     computed, visible = _check_band_visits(mask, 600, 700, 128, 256)
-    assert computed < 1.08 * visible
+    assert computed < most * visible
 
 
 def _check_band_visits(mask: masks.Mask, tq: int, tk: int, bq: int, bk: int) -> tuple[int, int]:

@@ -304,11 +304,12 @@ def _band_visits(qb: QueryBlock, band: list[float], shift: int, block_k: int) ->
     """A query block's visits under a band alone, cut at the band's own edges instead of at key
     blocks: the keys every row sees as FULL visits of at most ``block_k`` keys, split evenly, and
     the two triangles at the band's edges (each about one block's rows wide) as partial ones,
-    cut into stretches of ``_ALIGN`` rows, every visit's rows those that see some of its keys;
+    cut into stretches of rows (see below), every visit's rows those that see some of its keys;
     the cuts are rounded outwards to multiples of ``_ALIGN`` keys."""
     if not qb.visits:
         return []
     lo, hi = band
+    width = math.inf if math.isinf(lo) or math.isinf(hi) else hi - lo + 1  # keys a row may see
     k0, k1 = qb.key_range
     r0 = min(v.r0 for v in qb.visits)
     r1 = max(v.r1 for v in qb.visits)
@@ -346,10 +347,12 @@ def _band_visits(qb: QueryBlock, band: list[float], shift: int, block_k: int) ->
                 if lo_row < hi_row:
                     out.append([ks, ke, lo_row, hi_row, partial, -1])
             else:
-                # A triangle: each stretch of _ALIGN rows over the keys it sees (keys are cut
-                # at multiples of _ALIGN too): of the masked pairs, all but about one stretch's
-                # worth are skipped.
-                n = (hi_row - lo_row) // _ALIGN
+                # A triangle: stretches of its rows, each over the keys it sees, which skips
+                # most of its masked pairs. Stretches of _ALIGN rows (the keys' alignment) at
+                # the finest; fewer for a narrow band, whose rows do too little work to pay for
+                # more visits: one stretch per 64 keys of the band's width.
+                finest = (hi_row - lo_row) // _ALIGN
+                n = finest if math.isinf(width) else int(min(finest, max(2, width // 64)))
                 cuts = [lo_row + (hi_row - lo_row) * x // n for x in range(n + 1)]
                 for ra, rb in itertools.pairwise(cuts):
                     ka = max(ks, down(left(qb.qs + ra + shift)))
