@@ -94,7 +94,9 @@ def test_split_packed_takes_joint_gradients_without_a_copy(monkeypatch: pytest.M
 
 
 @pytest.mark.skipif(not _native.status()[0], reason="needs the native kernel")
-def test_self_attention_training_step_copies_no_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_self_attention_training_step_concatenates_no_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # MultiHeadAttention's packed projection: the native backward writes dq, dk, dv into one
     # tensor and the split returns it; its gradients are torch.nn.MultiheadAttention's.
     torch.manual_seed(0)
