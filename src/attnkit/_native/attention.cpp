@@ -56,12 +56,110 @@ using Vec = at::vec::Vectorized<float>;
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Products whose right operand is row-major (B(p, j) = b[p * ldb + j], j contiguous) in float32
+// run in register tiles here instead of the BLAS: a tile of R rows of C by NV vectors of columns
+// lives in R * NV of the 32 vector registers for the whole sum over p, each step loading NV
+// vectors of B's row p and broadcasting R elements of A. Every such product in this kernel has
+// the head's width as its columns (o += p v, dq += ds k, dk += ds^T q, dv += p^T do), so no
+// packing is needed, and at these sizes (a few dozen to a few hundred rows, 64 columns) the
+// BLAS's packing and dispatch cost it a fifth or more of its time.
+bool use_tiles = true;
+
+// C rows (R of them) += or = alpha * sum_p A(i, p) B(p, :) over NV full vectors of columns, the
+// last of them holding `tail` columns when tail > 0 (masked load and store).
+template <int R, int NV>
+inline void tile(int64_t k, float alpha, const float* a, int64_t sai, int64_t sak,
+                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int64_t tail) {
+  constexpr int W = Vec::size();
+  Vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec(0.f);
+  for (int64_t p = 0; p < k; ++p) {
+    Vec bv[NV];
+    const float* bp = b + p * ldb;
+    for (int v = 0; v < NV; ++v)
+      bv[v] = (tail > 0 && v == NV - 1) ? Vec::loadu(bp + v * W, tail) : Vec::loadu(bp + v * W);
+    const float* ap = a + p * sak;
+    for (int r = 0; r < R; ++r) {
+      const Vec x = Vec(ap[r * sai]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(x, bv[v], acc[r][v]);
+    }
+  }
+  const Vec al(alpha), be(beta);
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) {
+      float* cp = c + r * ldc + v * W;
+      const bool part = tail > 0 && v == NV - 1;
+      Vec o = acc[r][v] * al;
+      if (beta != 0.f) o = at::vec::fmadd(part ? Vec::loadu(cp, tail) : Vec::loadu(cp), be, o);
+      if (part) {
+        o.store(cp, tail);
+      } else {
+        o.store(cp);
+      }
+    }
+  }
+}
+
+template <int NV>
+void tile_rows(int64_t m, int64_t k, float alpha, const float* a, int64_t sai, int64_t sak,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int64_t tail) {
+  constexpr int R = 6;
+  int64_t i = 0;
+  for (; i + R <= m; i += R)
+    tile<R, NV>(k, alpha, a + i * sai, sai, sak, b, ldb, beta, c + i * ldc, ldc, tail);
+  const float* ai = a + i * sai;
+  float* ci = c + i * ldc;
+  switch (m - i) {
+    case 5: tile<5, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
+    case 4: tile<4, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
+    case 3: tile<3, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
+    case 2: tile<2, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
+    case 1: tile<1, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
+    default: break;
+  }
+}
+
+// Row-major C (m x n) = alpha * A B + beta * C with A(i, p) = a[i * sai + p * sak] (A or A^T of
+// a row-major matrix) and B row-major: columns in stretches of 4 vectors, then of 1, then a
+// masked rest.
+void tiled(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t sai,
+           int64_t sak, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  constexpr int W = Vec::size();
+  // Every tile of rows streams all of B. Rows of B far apart (v, k or q laid out token-major,
+  // where a row's stride is all the heads' widths) fall on a few of L1's sets and evict each
+  // other between tiles: B is copied into a contiguous thread-local buffer first when more than
+  // one tile of rows reads it.
+  if (ldb > n && m > 6) {
+    thread_local std::vector<float> packed;
+    if (packed.size() < size_t(k * n)) packed.resize(size_t(k * n));
+    for (int64_t p = 0; p < k; ++p) std::copy(b + p * ldb, b + p * ldb + n, packed.data() + p * n);
+    b = packed.data();
+    ldb = n;
+  }
+  int64_t j = 0;
+  for (; j + 4 * W <= n; j += 4 * W)
+    tile_rows<4>(m, k, alpha, a, sai, sak, b + j, ldb, beta, c + j, ldc, 0);
+  for (; j + W <= n; j += W) tile_rows<1>(m, k, alpha, a, sai, sak, b + j, ldb, beta, c + j, ldc, 0);
+  if (j < n) tile_rows<1>(m, k, alpha, a, sai, sak, b + j, ldb, beta, c + j, ldc, n - j);
+}
+#endif
+
 // Row-major C (m x n) = alpha * op(A) op(B) + beta * C, op(A) m x k, op(B) k x n. A column-major
 // BLAS computes C^T = op(B)^T op(A)^T: the operands swap, their flags stay.
 template <typename T>
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
           const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_tiles && !tb) {
+      tiled(m, n, k, alpha, a, ta ? 1 : lda, ta ? lda : 1, b, ldb, beta, c, ldc);
+      return;
+    }
+  }
+#endif
   const char fa = ta ? 'T' : 'N', fb = tb ? 'T' : 'N';
   const int M = (int)n, N = (int)m, K = (int)k, LA = (int)ldb, LB = (int)lda, LC = (int)ldc;
   if constexpr (std::is_same_v<T, float>) {
@@ -1081,5 +1179,19 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "attention forward: (out, lse)");
   m.def("all_finite", &all_finite, "whether every element of the tensors is finite");
+  m.def(
+      "use_tiles",
+      [](bool on) {
+#if defined(CPU_CAPABILITY_AVX512)
+        const bool before = use_tiles;
+        use_tiles = on;
+        return before;
+#else
+        (void)on;
+        return false;
+#endif
+      },
+      "float32 products with a row-major right operand in the kernel's own register tiles (true) "
+      "or the BLAS; returns the previous setting (always false where the build has no AVX-512)");
   m.def("backward", &backward, "attention backward: (dq, dk, dv, dbias, dqv, denc), None where not asked");
 }
