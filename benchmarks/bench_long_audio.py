@@ -3,8 +3,9 @@
 One hour of 40 ms frames is T = 90,000. The module is RelativeMultiHeadAttention(256, 4) with
 ``masks.sliding_window(128, 128)`` (128 frames of context on each side, as a limited-context
 Conformer uses), and a whole ConformerLayer(256, 4, context=(128, 128)). Inference, float32, batch
-1. Times are medians of torch.utils.benchmark runs; "extra MiB" is the peak resident memory a call
-adds beyond its input and output, measured in a fresh process. Linear cost means the time grows
+1. Times are medians of torch.utils.benchmark runs, every length in the same interleaved rounds;
+"extra MiB" is the peak resident memory a call adds beyond its input and output, measured in a
+fresh process. Linear cost means the time grows
 10x from T = 9,000 to T = 90,000 and the extra memory stays flat but for the O(T) activations.
 
     python benchmarks/bench_long_audio.py                 # T = 9,000 and 90,000 (~10 minutes)
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument(
         "--modules", nargs="*", choices=["relative", "conformer"], default=["relative", "conformer"]
     )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
     parser.add_argument("--json")
     args = parser.parse_args()
     print(
@@ -68,9 +70,16 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for what in args.modules:
+        # Every length of a module in the same interleaved rounds: the growth is a ratio of two
+        # times, and a machine whose load changes between them would skew it.
+        calls = {t: build(what, t)[0] for t in args.lengths}
+        times = time_side_by_side(
+            {str(t): call for t, call in calls.items()}, rounds=args.rounds, min_run_time=2.0
+        )
+        del calls
         first = None
         for t in args.lengths:
-            seconds = time_side_by_side({what: build(what, t)[0]}, rounds=1, min_run_time=2.0)[what]
+            seconds = times[str(t)]
             first = first or (t, seconds)
             mem = None if args.no_memory else extra_peak_memory(build, what, t)
             mib = "" if mem is None else f"{mem / 2**20:.0f}"

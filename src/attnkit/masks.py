@@ -40,7 +40,7 @@ queries, ``Tk`` keys.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
 import torch
@@ -259,6 +259,33 @@ class Mask:
         """The masks a combination joins with :attr:`op`; ``(self,)`` for any other mask."""
         return (self,)
 
+    @property
+    def plan_key(self) -> Hashable | None:
+        """What the mask hides, as a hashable value, or None (the default). Calls on one geometry
+        whose masks have equal keys share one block plan, made by the first of them, instead of
+        asking the mask again on every call (at T = 65536 a sliding window's plan takes longer
+        to make than 10% of its attention). Equal keys must mean equal answers to every question
+        above, for every geometry. attnkit's masks name their numbers by value (two
+        ``causal()`` share a plan) and their tensors by identity and version, never by reading
+        them: an in-place write, which advances ``tensor._version``, makes a new plan. A mask
+        of a function has no key: the function may change what it returns."""
+        return None
+
+
+def _tensor_key(t: Tensor | None) -> Hashable | None:
+    """A tensor's identity and version, for :attr:`Mask.plan_key` ("none" for no tensor; None
+    where the tensor has no version counter: one made under ``torch.inference_mode``)."""
+    if t is None:
+        return "none"
+    try:
+        return (id(t), t._version)
+    except RuntimeError:
+        return None
+
+
+def _keys_of(*keys: Hashable | None) -> tuple[Hashable, ...] | None:
+    return None if any(k is None for k in keys) else keys
+
 
 def _states_by_tiles(
     mask: Mask, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
@@ -306,6 +333,10 @@ class _Band(Mask):
     @property
     def band(self) -> tuple[float, float, str]:
         return self.lo, self.hi, self.align
+
+    @property
+    def plan_key(self) -> Hashable:
+        return ("band", self.lo, self.hi, self.align)
 
     @property
     def positional(self) -> bool:
@@ -469,6 +500,10 @@ class _Documents(Mask):
     def describe(self) -> str:
         return f"documents({self.what})"
 
+    @property
+    def plan_key(self) -> Hashable | None:
+        return _keys_of("documents", _tensor_key(self.ids))
+
     def check(self, geo: Geometry, name: str) -> None:
         rows, length = self.ids.shape
         if length != geo.kv_len:
@@ -616,6 +651,12 @@ class _KeyPadding(Mask):
             return f"key_padding(lengths={self._lengths_read()}{side})"
         v = self.valid
         return f"key_padding(valid {shape_str(v.shape) if v is not None else '?'})"
+
+    @property
+    def plan_key(self) -> Hashable | None:
+        return _keys_of(
+            "key_padding", _tensor_key(self.lengths), _tensor_key(self.valid), self.side
+        )
 
     def _rows_and_len(self) -> tuple[int, int | None]:
         if self.valid is not None:
@@ -796,6 +837,10 @@ class _Dense(Mask):
         return f"tensor{shape_str(self.t.shape)}"
 
     @property
+    def plan_key(self) -> Hashable | None:
+        return _keys_of("tensor", _tensor_key(self.t))
+
+    @property
     def tensor(self) -> Tensor:
         return self.t
 
@@ -855,6 +900,10 @@ class _Combined(Mask):
         return sep.join(
             f"({p.describe()})" if isinstance(p, _Combined) else p.describe() for p in self.parts
         )
+
+    @property
+    def plan_key(self) -> Hashable | None:
+        return _keys_of(self.op, *(p.plan_key for p in self.parts))
 
     def check(self, geo: Geometry, name: str) -> None:
         for p in self.parts:

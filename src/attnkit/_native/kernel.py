@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -375,10 +375,24 @@ def native_call(
     seed: int = 0,
     term: ScoreTerm | None = None,
     groups: int = 1,
+    layout_of: NativeCall | None = None,
 ) -> NativeCall:
     """The plan of a whole call, and its mask, in the native kernel's terms (``dtype``: the
     inputs', which decides how a softcap is computed, see :func:`attnkit.scores.softcap_form`;
-    ``groups``: query heads per key/value head)."""
+    ``groups``: query heads per key/value head; ``layout_of``: an earlier call of this mask,
+    geometry and plan, whose visits are reused)."""
+    work = torch.promote_types(dtype, torch.float32)
+    form = None if softcap is None else softcap_form(softcap, work)
+    if layout_of is not None:  # the same mask, geometry and plan: only the numbers differ
+        return replace(
+            layout_of,
+            scale=float(scale),
+            softcap=0.0 if form is None else float(form.cap),
+            p_drop=float(p_drop),
+            seed=seed,
+            position=_position(term, geo),
+            layout=tuple(term.layout(geo, groups)) if isinstance(term, DistanceBias) else (),
+        )
     band, key_ok, tiled = _mask_form(mask, geo)
     # Packed documents need no tiles: a block they cut is one FULL visit per document in it
     # (with a band, such as causal, the band's edges are then its only mask).
@@ -387,8 +401,6 @@ def native_call(
         band, starts = _documents_and_band(mask, geo)
     tiled = tiled and starts is None
     band_only = bool(band) and key_ok is None and not tiled and starts is None
-    work = torch.promote_types(dtype, torch.float32)
-    form = None if softcap is None else softcap_form(softcap, work)
     off = [0]
     rows: list[list[int]] = []
     tiles: list[tuple[Tensor, int, int]] = []  # a partial block's tile, its rows and keys

@@ -22,7 +22,9 @@ kernel.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 
 import torch
@@ -312,6 +314,48 @@ def plan_for(
     )
 
 
+# The plans of recent calls (see Mask.plan_key): a training or serving loop calls with one mask
+# and one geometry again and again, and making a long call's plan in Python costs a tenth of its
+# attention or more. Each entry holds its mask, so a key made of a tensor's id names that tensor.
+_PLANS: OrderedDict[Hashable, tuple[Mask | None, Plan, NativeCall | None]] = OrderedDict()
+_PLANS_KEPT = 16
+_PLANS_LOCK = threading.Lock()
+
+
+def _planned(
+    mask: Mask | None,
+    geo: Geometry,
+    groups: int,
+    term: bool,
+    block_q: int | None,
+    block_k: int | None,
+    native: bool,
+) -> tuple[Plan, NativeCall | None]:
+    """:func:`plan_for`'s plan and, when ``native``, the native kernel's visits of it (a
+    :class:`NativeCall` whose per-call numbers :func:`native_call` fills in), from the cache when
+    an earlier call had the same mask (by :attr:`Mask.plan_key`) and geometry."""
+    mask_key = "no mask" if mask is None else mask.plan_key
+    key = None if mask_key is None else (mask_key, geo, groups, term, block_q, block_k, native)
+    if key is not None:
+        with _PLANS_LOCK:
+            hit = _PLANS.get(key)
+            if hit is not None:
+                _PLANS.move_to_end(key)
+                return hit[1], hit[2]
+    plan = plan_for(mask, geo, groups, term, block_q, block_k, native=native)
+    visits = None
+    if native:
+        visits = native_call(
+            mask, geo, plan, scale=1.0, softcap=None, dtype=geo.dtype, groups=groups
+        )
+    if key is not None:
+        with _PLANS_LOCK:
+            _PLANS[key] = (mask, plan, visits)
+            while len(_PLANS) > _PLANS_KEPT:
+                _PLANS.popitem(last=False)
+    return plan, visits
+
+
 def kernel_attention(
     q: Tensor,
     k: Tensor,
@@ -371,8 +415,8 @@ def kernel_attention(
     seed = draw_seed() if dropout_p else 0
     fast = None
     served = native_ok and not careful
-    plan = plan_for(mask, geo, h // hkv, term is not None, block_q, block_k, native=served)
-    if served:
+    plan, fast = _planned(mask, geo, h // hkv, term is not None, block_q, block_k, served)
+    if fast is not None:
         fast = native_call(
             mask,
             geo,
@@ -384,6 +428,7 @@ def kernel_attention(
             seed=seed,
             term=term,
             groups=h // hkv,
+            layout_of=fast,
         )
     spec = _Spec(
         mask=mask,
