@@ -68,9 +68,12 @@ bool use_tiles = true;
 
 // C rows (R of them) += or = alpha * sum_p A(i, p) B(p, :) over NV full vectors of columns, the
 // last of them holding `tail` columns when tail > 0 (masked load and store).
+// B's vector v of row p is at b + p * ldb + v * vs: vs = W for a row-major B, the panel size
+// for K^T in panels (see KeyPanels).
 template <int R, int NV>
 inline void tile(int64_t k, float alpha, const float* a, int64_t sai, int64_t sak,
-                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int64_t tail) {
+                 const float* b, int64_t ldb, int64_t vs, float beta, float* c, int64_t ldc,
+                 int64_t tail) {
   constexpr int W = Vec::size();
   Vec acc[R][NV];
   for (int r = 0; r < R; ++r)
@@ -79,7 +82,7 @@ inline void tile(int64_t k, float alpha, const float* a, int64_t sai, int64_t sa
     Vec bv[NV];
     const float* bp = b + p * ldb;
     for (int v = 0; v < NV; ++v)
-      bv[v] = (tail > 0 && v == NV - 1) ? Vec::loadu(bp + v * W, tail) : Vec::loadu(bp + v * W);
+      bv[v] = (tail > 0 && v == NV - 1) ? Vec::loadu(bp + v * vs, tail) : Vec::loadu(bp + v * vs);
     const float* ap = a + p * sak;
     for (int r = 0; r < R; ++r) {
       const Vec x = Vec(ap[r * sai]);
@@ -104,19 +107,20 @@ inline void tile(int64_t k, float alpha, const float* a, int64_t sai, int64_t sa
 
 template <int NV>
 void tile_rows(int64_t m, int64_t k, float alpha, const float* a, int64_t sai, int64_t sak,
-               const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int64_t tail) {
+               const float* b, int64_t ldb, int64_t vs, float beta, float* c, int64_t ldc,
+               int64_t tail) {
   constexpr int R = 6;
   int64_t i = 0;
   for (; i + R <= m; i += R)
-    tile<R, NV>(k, alpha, a + i * sai, sai, sak, b, ldb, beta, c + i * ldc, ldc, tail);
+    tile<R, NV>(k, alpha, a + i * sai, sai, sak, b, ldb, vs, beta, c + i * ldc, ldc, tail);
   const float* ai = a + i * sai;
   float* ci = c + i * ldc;
   switch (m - i) {
-    case 5: tile<5, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
-    case 4: tile<4, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
-    case 3: tile<3, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
-    case 2: tile<2, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
-    case 1: tile<1, NV>(k, alpha, ai, sai, sak, b, ldb, beta, ci, ldc, tail); break;
+    case 5: tile<5, NV>(k, alpha, ai, sai, sak, b, ldb, vs, beta, ci, ldc, tail); break;
+    case 4: tile<4, NV>(k, alpha, ai, sai, sak, b, ldb, vs, beta, ci, ldc, tail); break;
+    case 3: tile<3, NV>(k, alpha, ai, sai, sak, b, ldb, vs, beta, ci, ldc, tail); break;
+    case 2: tile<2, NV>(k, alpha, ai, sai, sak, b, ldb, vs, beta, ci, ldc, tail); break;
+    case 1: tile<1, NV>(k, alpha, ai, sai, sak, b, ldb, vs, beta, ci, ldc, tail); break;
     default: break;
   }
 }
@@ -140,10 +144,57 @@ void tiled(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t
   }
   int64_t j = 0;
   for (; j + 4 * W <= n; j += 4 * W)
-    tile_rows<4>(m, k, alpha, a, sai, sak, b + j, ldb, beta, c + j, ldc, 0);
-  for (; j + W <= n; j += W) tile_rows<1>(m, k, alpha, a, sai, sak, b + j, ldb, beta, c + j, ldc, 0);
-  if (j < n) tile_rows<1>(m, k, alpha, a, sai, sak, b + j, ldb, beta, c + j, ldc, n - j);
+    tile_rows<4>(m, k, alpha, a, sai, sak, b + j, ldb, W, beta, c + j, ldc, 0);
+  for (; j + W <= n; j += W)
+    tile_rows<1>(m, k, alpha, a, sai, sak, b + j, ldb, W, beta, c + j, ldc, 0);
+  if (j < n) tile_rows<1>(m, k, alpha, a, sai, sak, b + j, ldb, W, beta, c + j, ldc, n - j);
 }
+
+// K^T for the keys [k0, k1) of one head, in panels of W keys: panel i holds keys k0 + W i ...,
+// its row d (W floats) their d-th elements, so a product with q reads W keys' element d as one
+// vector and a tile's NV vectors as NV contiguous streams. Made once per query block, before
+// its visits, from keys laid out however the caller has them.
+struct KeyPanels {
+  static constexpr int W = Vec::size();
+  std::vector<float> buf;
+  int64_t k0 = 0, k1 = 0, D = 0;
+  bool ready = false;
+
+  void pack(const float* k, int64_t ld, int64_t first, int64_t last, int64_t width) {
+    k0 = first, k1 = last, D = width;
+    const int64_t panels = (k1 - k0 + W - 1) / W;
+    if (buf.size() < size_t(panels * W * D)) buf.resize(size_t(panels * W * D));
+    for (int64_t i = 0; i < panels; ++i) {
+      const int64_t keys = std::min<int64_t>(W, k1 - k0 - i * W);
+      float* dst = buf.data() + i * W * D;
+      if (keys < W) std::fill(dst, dst + W * D, 0.f);
+      at::vec::transpose_mxn<float>(k + (k0 + i * W) * ld, ld, dst, W, int(keys), int(D));
+    }
+    ready = true;
+  }
+  // Whether the keys [ks, ke) are packed, starting a panel.
+  bool holds(int64_t ks, int64_t ke) const {
+    return ready && ks >= k0 && ke <= k1 && (ks - k0) % W == 0;
+  }
+  // s (rows x (ke - ks), ld) = alpha * q[rows] k[ks:ke]^T.
+  void scores(int64_t rows, int64_t ks, int64_t ke, float alpha, const float* q, int64_t ldq,
+              float* s, int64_t ld) const {
+    const float* b = buf.data() + (ks - k0) / W * W * D;
+    const int64_t n = ke - ks, vs = W * D;
+    int64_t j = 0;
+    for (; j + 4 * W <= n; j += 4 * W)
+      tile_rows<4>(rows, D, alpha, q, ldq, 1, b + j * D, W, vs, 0.f, s + j, ld, 0);
+    for (; j + W <= n; j += W)
+      tile_rows<1>(rows, D, alpha, q, ldq, 1, b + j * D, W, vs, 0.f, s + j, ld, 0);
+    if (j < n) tile_rows<1>(rows, D, alpha, q, ldq, 1, b + j * D, W, vs, 0.f, s + j, ld, n - j);
+  }
+};
+#else
+struct KeyPanels {
+  bool ready = false;
+  bool holds(int64_t, int64_t) const { return false; }
+  void scores(int64_t, int64_t, int64_t, float, const float*, int64_t, float*, int64_t) const {}
+};
 #endif
 
 // Row-major C (m x n) = alpha * op(A) op(B) + beta * C, op(A) m x k, op(B) k x n. A column-major
@@ -400,7 +451,7 @@ at::vec::Vectorized<T> tanh_of(const at::vec::Vectorized<T>& y, T scale = T(1)) 
 // backward's; null in the forward, which does not need it).
 template <typename T>
 void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, const int64_t* vis,
-            T* s, int64_t ld, T* t, const Window<T>& pos) {
+            T* s, int64_t ld, T* t, const Window<T>& pos, const KeyPanels* panels = nullptr) {
   const int64_t ks = vis[0], ke = vis[1], r0 = vis[2], r1 = vis[3];
   const int64_t nr = r1 - r0, nk = ke - ks;
   const T* qp = c.q.at(n, hk, g, qs + r0);
@@ -410,7 +461,15 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
   // cap near the dtype's largest number): then the division comes after.
   const bool fold = capped && c.scale / c.softcap >= double(std::numeric_limits<T>::min());
   const T alpha = T(!capped ? c.scale * kLog2e : (fold ? c.scale / c.softcap : c.scale));
-  gemm<T>(false, true, nr, nk, c.Dk, alpha, qp, c.q.ld(), kp, c.k.ld(), T(0), s, ld);
+  if constexpr (std::is_same_v<T, float>) {
+    if (panels != nullptr && panels->holds(ks, ke)) {
+      panels->scores(nr, ks, ke, alpha, qp, c.q.ld(), s, ld);
+    } else {
+      gemm<T>(false, true, nr, nk, c.Dk, alpha, qp, c.q.ld(), kp, c.k.ld(), T(0), s, ld);
+    }
+  } else {
+    gemm<T>(false, true, nr, nk, c.Dk, alpha, qp, c.q.ld(), kp, c.k.ld(), T(0), s, ld);
+  }
   const T inf = std::numeric_limits<T>::infinity();
   const int64_t h = hk * c.G + g;
   using V = at::vec::Vectorized<T>;
@@ -554,6 +613,30 @@ inline int64_t claim(std::atomic<int64_t>& next) {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
+// The keys (or values) of a query block's visits, packed for its products with q (or dO) when
+// they run in register tiles (float32, AVX-512): at least 16 rows to share the packing, and at
+// most 2^20 floats (4 MiB, past which a block's keys no longer stay in cache anyway).
+template <typename T>
+void pack_keys(const Call<T>& c, const Rows<const T*>& x, int64_t width, int64_t n, int64_t hk,
+               int64_t qb, int64_t rows, KeyPanels& panels) {
+  panels.ready = false;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    if (!use_tiles || rows < 16 || c.off[qb] == c.off[qb + 1]) return;
+    int64_t k0 = c.Tk, k1 = 0;
+    for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
+      k0 = std::min(k0, c.visits[vi * 6]);
+      k1 = std::max(k1, c.visits[vi * 6 + 1]);
+    }
+    k0 -= k0 % KeyPanels::W;
+    if ((k1 - k0) * width > (int64_t(1) << 20)) return;
+    panels.pack(x.at(n, hk, 0, 0), x.ld(), k0, k1, width);
+  }
+#else
+  (void)c, (void)x, (void)width, (void)n, (void)hk, (void)qb, (void)rows;
+#endif
+}
+
 template <typename T>
 void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
   const int64_t items = c.N * c.Hkv * c.nqb;
@@ -569,9 +652,11 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
     std::vector<T> s(c.bq * bk_max);
     std::vector<T> pos(window_size(c));
     std::vector<T> acc(c.bq * c.Dv), m(c.bq), l(c.bq);
+    KeyPanels panels;
     for (int64_t item = claim(next); item < items; item = claim(next)) {
       const int64_t qb = item % c.nqb, nh = item / c.nqb, n = nh / c.Hkv, hk = nh % c.Hkv;
       const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
+      pack_keys(c, c.k, c.Dk, n, hk, qb, rows, panels);
       for (int64_t g = 0; g < c.G; ++g) {
         std::fill(acc.begin(), acc.end(), T(0));
         std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
@@ -586,7 +671,7 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
             w = Window<T>(c, qs, r0, vis[3], ks, vis[1], pos.data());
             w.compute(c, n, hk * c.G + g, qs);
           }
-          scores(c, n, hk, g, qs, vis, s.data(), nk, static_cast<T*>(nullptr), w);
+          scores(c, n, hk, g, qs, vis, s.data(), nk, static_cast<T*>(nullptr), w, &panels);
           for (int64_t r = 0; r < nr; ++r) {
             T* row = s.data() + r * nk;
             const int64_t R = r0 + r;
@@ -687,6 +772,7 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
       denc_own = own.data();
     }
     std::vector<T> pd(c.p_drop > 0 ? c.bq * bk_max : 0), dqa(c.bq * c.Dk);
+    KeyPanels kpanels, vpanels;
     std::vector<T> own_dbias(dbias_shared && begin > 0 ? dbias_numel : 0);
     T* db0 = own_dbias.empty() ? dbias : own_dbias.data();
     if (db0 != nullptr) db0 += dbias_base;
@@ -733,6 +819,8 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
           const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
           const int64_t row0 = (nh * c.G + g) * c.Tq + qs;
           std::fill(dqa.begin(), dqa.end(), T(0));
+          pack_keys(c, c.k, c.Dk, n, hk, qb, rows, kpanels);
+          pack_keys(c, c.v, c.Dv, n, hk, qb, rows, vpanels);
           // The position product, and its gradient (dwhole, dw: the same windows in dpos).
           const Window<T> whole = block_window(c, qb, pos.data());
           Window<T> dwhole = whole;
@@ -752,7 +840,7 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
               dw.p = dpos.data();
               if (position) std::fill(dpos.begin(), dpos.begin() + nr * w.width, T(0));
             }
-            scores(c, n, hk, g, qs, vis, s.data(), nk, t.data(), w);
+            scores(c, n, hk, g, qs, vis, s.data(), nk, t.data(), w, &kpanels);
             for (int64_t r = 0; r < nr; ++r) {
               const T L = lse[row0 + r0 + r];
               const T base = (std::isinf(L) && L < 0) ? T(0) : T(L * kLog2e);
@@ -760,8 +848,17 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
             }
             const T* dop = dout.at(n, hk, g, qs + r0);
             // dP = dO V^T (rows x keys)
-            gemm<T>(false, true, nr, nk, c.Dv, T(1), dop, dout.ld(), vh + ks * ldv, ldv, T(0),
-                    dp.data(), nk);
+            bool tiled_dp = false;
+            if constexpr (std::is_same_v<T, float>) {
+              if (vpanels.holds(ks, vis[1])) {
+                vpanels.scores(nr, ks, vis[1], 1.f, dop, dout.ld(), dp.data(), nk);
+                tiled_dp = true;
+              }
+            }
+            if (!tiled_dp) {
+              gemm<T>(false, true, nr, nk, c.Dv, T(1), dop, dout.ld(), vh + ks * ldv, ldv, T(0),
+                      dp.data(), nk);
+            }
             const T* pv = s.data();
             if (c.p_drop > 0) {
               std::copy(s.begin(), s.begin() + nr * nk, pd.begin());
