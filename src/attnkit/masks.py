@@ -268,7 +268,8 @@ class Mask:
         above, for every geometry. attnkit's masks name their numbers by value (two
         ``causal()`` share a plan) and their tensors by identity and version, never by reading
         them: an in-place write, which advances ``tensor._version``, makes a new plan. A mask
-        of a function has no key: the function may change what it returns."""
+        of a function has no key (the function may change what it returns), nor has a dense
+        tensor (a kept plan would keep it alive)."""
         return None
 
 
@@ -838,7 +839,9 @@ class _Dense(Mask):
 
     @property
     def plan_key(self) -> Hashable | None:
-        return _keys_of("tensor", _tensor_key(self.t))
+        # None: a cached plan would keep the tensor alive, and a dense mask can be (Tq, Tk) per
+        # head and made anew every step.
+        return None
 
     @property
     def tensor(self) -> Tensor:

@@ -87,17 +87,13 @@ def test_a_mask_tensor_written_in_place_makes_a_new_plan(native: bool) -> None:
     backend = Chunked(block_q=8, block_k=8, native=native)
     q, k, v = qkv()
     valid = torch.ones(2, 40, dtype=torch.bool)
-    dense = torch.ones(2, 1, 40, 40, dtype=torch.bool).tril()
-    cases = (
-        (masks.key_padding(valid=valid), valid, lambda: masks.key_padding(valid=valid.clone())),
-        (dense, dense, lambda: dense.clone()),
-    )
-    for mask, tensor, now in cases:
-        before = attention(q, k, v, mask=mask, backend=backend)
-        tensor[..., 20:] = False
-        got = attention(q, k, v, mask=mask, backend=backend)
-        assert_close(got, attention(q, k, v, mask=now(), backend="reference"))
-        assert (got - before).abs().max() > 0.1  # the write changed the answer
+    mask = masks.key_padding(valid=valid) & masks.causal()
+    before = attention(q, k, v, mask=mask, backend=backend)
+    valid[:, 20:] = False
+    got = attention(q, k, v, mask=mask, backend=backend)
+    want = attention(q, k, v, mask=masks.key_padding(valid=valid.clone()) & masks.causal())
+    assert_close(got, want)
+    assert (got - before).abs().max() > 0.1  # the write changed the answer
 
 
 def test_keys_name_what_the_masks_hide() -> None:
@@ -110,13 +106,26 @@ def test_keys_name_what_the_masks_hide() -> None:
     both = masks.causal() & masks.sliding_window(4, 0)
     assert both.plan_key == (masks.causal() & masks.sliding_window(4, 0)).plan_key
     assert masks.from_fn(lambda b, h, i, j: i >= j).plan_key is None
+    dense = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    assert (masks.causal() & dense).plan_key is None  # a kept plan would keep the tensor alive
     assert (masks.causal() & masks.from_fn(lambda b, h, i, j: i >= j)).plan_key is None
     with torch.inference_mode():  # no version counter: no key
         assert masks.key_padding(valid=torch.ones(1, 4, dtype=torch.bool)).plan_key is None
 
 
-def test_the_cache_keeps_a_bounded_number_of_plans() -> None:
+def test_the_cache_keeps_a_bounded_number_of_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = qkv()
     for i in range(3 * chunked_module._PLANS_KEPT):
         attention(q, k, v, mask=Counted(("bounded", i)), backend=Chunked(block_q=8, block_k=8))
     assert len(chunked_module._PLANS) == chunked_module._PLANS_KEPT
+    # ... and of visits: a plan of 15 visits (blocks of 8 under j <= i, 40 x 40) fits in 40
+    # twice, not three times, and a plan larger than the bound is not kept at all.
+    monkeypatch.setattr(chunked_module, "_PLANS_VISITS", 40)
+    for i in range(3):
+        attention(q, k, v, mask=Counted(("visits", i)), backend=Chunked(block_q=8, block_k=8))
+    assert [entry[3] for entry in chunked_module._PLANS.values()] == [15, 15]
+    monkeypatch.setattr(chunked_module, "_PLANS_VISITS", 10)
+    big = Counted("too big")
+    for _ in range(2):
+        attention(q, k, v, mask=big, backend=Chunked(block_q=8, block_k=8))
+    assert big.asked == 2

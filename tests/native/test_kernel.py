@@ -148,21 +148,23 @@ def test_thread_counts_give_the_same_result(threads: int) -> None:
 @pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("dims", [(8, 8), (17, 5), (64, 64), (72, 100), (130, 33)])
 def test_products_in_register_tiles_equal_the_blas(tiles: bool, dims: tuple[int, int]) -> None:
-    # In float32 on AVX-512 the kernel runs its products with a row-major right operand in its
-    # own register tiles: columns in 4-vector and 1-vector stretches and a masked rest, rows in
-    # tiles of 6 and a rest. Both paths must equal the float64 reference; 70 rows in blocks of
-    # 32 leave rests of every kind, and a window makes triangle visits of few rows.
+    # In float32 on AVX-512 the kernel runs its products in its own register tiles: columns in
+    # 4-vector and 1-vector stretches and a masked rest, rows in tiles of 6 and a rest, keys and
+    # values packed into panels of 16 keys for query blocks of 16 rows or more. Both paths must
+    # equal the float64 reference: 70 rows in blocks of 32 leave rests of every kind, a window
+    # makes triangle visits of few rows, documents visits that start off the panels' grid (the
+    # BLAS computes those), and two query heads share each key/value head's panels.
     dk, dv = dims
     module = _native.load()
     assert module is not None
     before = module.use_tiles(tiles)
     try:
         g = torch.Generator().manual_seed(dk * 1000 + dv)
-        q = torch.randn(2, 2, 70, dk, generator=g, dtype=torch.float64)
+        q = torch.randn(2, 4, 70, dk, generator=g, dtype=torch.float64)
         k = torch.randn(2, 2, 61, dk, generator=g, dtype=torch.float64)
         v = torch.randn(2, 2, 61, dv, generator=g, dtype=torch.float64)
-        cot = torch.randn(2, 2, 70, dv, generator=g, dtype=torch.float64)
-        for mask in (None, masks.sliding_window(20, 3)):
+        cot = torch.randn(2, 4, 70, dv, generator=g, dtype=torch.float64)
+        for mask in (None, masks.sliding_window(20, 3), masks.documents([23, 38])):
             leaves = [laid_out(t.float(), "token-major").requires_grad_() for t in (q, k, v)]
             got = attention(*leaves, mask=mask, backend=Chunked(block_q=32, block_k=32))
             grads = torch.autograd.grad(got, leaves, cot.float())

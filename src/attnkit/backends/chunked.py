@@ -317,8 +317,10 @@ def plan_for(
 # The plans of recent calls (see Mask.plan_key): a training or serving loop calls with one mask
 # and one geometry again and again, and making a long call's plan in Python costs a tenth of its
 # attention or more. Each entry holds its mask, so a key made of a tensor's id names that tensor.
-_PLANS: OrderedDict[Hashable, tuple[Mask | None, Plan, NativeCall | None]] = OrderedDict()
+# At most 16 plans and 2^17 visits in all (a few dozen MiB of Python objects at most).
+_PLANS: OrderedDict[Hashable, tuple[Mask | None, Plan, NativeCall | None, int]] = OrderedDict()
 _PLANS_KEPT = 16
+_PLANS_VISITS = 1 << 17
 _PLANS_LOCK = threading.Lock()
 
 
@@ -348,11 +350,13 @@ def _planned(
         visits = native_call(
             mask, geo, plan, scale=1.0, softcap=None, dtype=geo.dtype, groups=groups
         )
-    if key is not None:
+    size = plan.visited
+    if key is not None and size <= _PLANS_VISITS:
         with _PLANS_LOCK:
-            _PLANS[key] = (mask, plan, visits)
-            while len(_PLANS) > _PLANS_KEPT:
-                _PLANS.popitem(last=False)
+            _PLANS[key] = (mask, plan, visits, size)
+            held = sum(entry[3] for entry in _PLANS.values())
+            while len(_PLANS) > _PLANS_KEPT or held > _PLANS_VISITS:
+                held -= _PLANS.popitem(last=False)[1][3]
     return plan, visits
 
 
@@ -413,10 +417,10 @@ def kernel_attention(
             zero_offset = plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
     careful = not is_finite
     seed = draw_seed() if dropout_p else 0
-    fast = None
     served = native_ok and not careful
-    plan, fast = _planned(mask, geo, h // hkv, term is not None, block_q, block_k, served)
-    if fast is not None:
+    plan, layout = _planned(mask, geo, h // hkv, term is not None, block_q, block_k, served)
+    fast = None
+    if layout is not None:
         fast = native_call(
             mask,
             geo,
@@ -428,7 +432,7 @@ def kernel_attention(
             seed=seed,
             term=term,
             groups=h // hkv,
-            layout_of=fast,
+            layout_of=layout,
         )
     spec = _Spec(
         mask=mask,
