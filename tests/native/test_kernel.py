@@ -177,6 +177,50 @@ def test_products_in_register_tiles_equal_the_blas(tiles: bool, dims: tuple[int,
         module.use_tiles(before)
 
 
+def _with_position(
+    ts: list[torch.Tensor],
+    backend: object,
+    *,
+    mask: masks.Mask | None,
+    softcap: float | None,
+    whole: int,
+    cot: torch.Tensor,
+) -> list[torch.Tensor]:
+    """attention(q, k, v) with the position term of (qv, enc) = ts[3:], and its gradients."""
+    leaves = [t.requires_grad_() for t in ts]
+    term = RelativePositionTerm(leaves[3], leaves[4], 0.7, whole_width=whole)
+    out = attention(*leaves[:3], mask=mask, bias=term, softcap=softcap, backend=backend)  # type: ignore[arg-type]
+    return [out, *torch.autograd.grad(out, leaves, cot.to(out.dtype))]
+
+
+@needs_native
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("whole", [0, 2048])
+def test_position_term_in_register_tiles(tiles: bool, whole: int) -> None:
+    # Transformer-XL's position term on the tiles' paths (query blocks of 32 rows: keys in
+    # panels) and the BLAS's, its product per visit (whole=0) or per block, with a window and
+    # with a softcap before the term.
+    module = _native.load()
+    assert module is not None
+    before = module.use_tiles(tiles)
+    try:
+        g = torch.Generator().manual_seed(whole + tiles)
+        q, qv = (torch.randn(2, 4, 70, 24, generator=g, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(2, 2, 61, 24, generator=g, dtype=torch.float64) for _ in range(2))
+        enc = torch.randn(4, 70 + 61 - 1, 24, generator=g, dtype=torch.float64)
+        cot = torch.randn(2, 4, 70, 24, generator=g, dtype=torch.float64)
+        tensors = [q, k, v, qv, enc]
+        tiled = Chunked(block_q=32, block_k=32)
+        for mask, softcap in ((None, None), (masks.sliding_window(20, 3), None), (None, 5.0)):
+            kw = {"mask": mask, "softcap": softcap, "whole": whole, "cot": cot}
+            got = _with_position([t.float() for t in tensors], tiled, **kw)
+            want = _with_position([t.clone() for t in tensors], "reference", **kw)
+            for a, b in zip(got, want, strict=True):
+                assert_close(a, b, dtype=torch.float32)
+    finally:
+        module.use_tiles(before)
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("softcap", [1e-3, 0.5, 30.0, 1e4, 3e38, 1.5e308])
