@@ -125,12 +125,27 @@ void tile_rows(int64_t m, int64_t k, float alpha, const float* a, int64_t sai, i
   }
 }
 
+// C (m x n) = alpha * A B + beta * C in stretches of columns: 4 vectors, then 1, then a masked
+// rest. Column j of B starts at b + j * step (1 for a row-major B; the width for panels), its
+// vector v at + v * vs and its row p at + p * ldb.
+void columns(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t sai,
+             int64_t sak, const float* b, int64_t ldb, int64_t vs, int64_t step, float beta,
+             float* c, int64_t ldc) {
+  constexpr int W = Vec::size();
+  int64_t j = 0;
+  for (; j + 4 * W <= n; j += 4 * W)
+    tile_rows<4>(m, k, alpha, a, sai, sak, b + j * step, ldb, vs, beta, c + j, ldc, 0);
+  for (; j + W <= n; j += W)
+    tile_rows<1>(m, k, alpha, a, sai, sak, b + j * step, ldb, vs, beta, c + j, ldc, 0);
+  if (j < n) {
+    tile_rows<1>(m, k, alpha, a, sai, sak, b + j * step, ldb, vs, beta, c + j, ldc, n - j);
+  }
+}
+
 // Row-major C (m x n) = alpha * A B + beta * C with A(i, p) = a[i * sai + p * sak] (A or A^T of
-// a row-major matrix) and B row-major: columns in stretches of 4 vectors, then of 1, then a
-// masked rest.
+// a row-major matrix) and B row-major.
 void tiled(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t sai,
            int64_t sak, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  constexpr int W = Vec::size();
   // Every tile of rows streams all of B. Rows of B far apart (v, k or q laid out token-major,
   // where a row's stride is all the heads' widths) fall on a few of L1's sets and evict each
   // other between tiles: B is copied into a contiguous thread-local buffer first when more than
@@ -142,12 +157,7 @@ void tiled(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t
     b = packed.data();
     ldb = n;
   }
-  int64_t j = 0;
-  for (; j + 4 * W <= n; j += 4 * W)
-    tile_rows<4>(m, k, alpha, a, sai, sak, b + j, ldb, W, beta, c + j, ldc, 0);
-  for (; j + W <= n; j += W)
-    tile_rows<1>(m, k, alpha, a, sai, sak, b + j, ldb, W, beta, c + j, ldc, 0);
-  if (j < n) tile_rows<1>(m, k, alpha, a, sai, sak, b + j, ldb, W, beta, c + j, ldc, n - j);
+  columns(m, n, k, alpha, a, sai, sak, b, ldb, Vec::size(), 1, beta, c, ldc);
 }
 
 // K^T for the keys [k0, k1) of one head, in panels of W keys: panel i holds keys k0 + W i ...,
@@ -180,13 +190,7 @@ struct KeyPanels {
   void scores(int64_t rows, int64_t ks, int64_t ke, float alpha, const float* q, int64_t ldq,
               float* s, int64_t ld) const {
     const float* b = buf.data() + (ks - k0) / W * W * D;
-    const int64_t n = ke - ks, vs = W * D;
-    int64_t j = 0;
-    for (; j + 4 * W <= n; j += 4 * W)
-      tile_rows<4>(rows, D, alpha, q, ldq, 1, b + j * D, W, vs, 0.f, s + j, ld, 0);
-    for (; j + W <= n; j += W)
-      tile_rows<1>(rows, D, alpha, q, ldq, 1, b + j * D, W, vs, 0.f, s + j, ld, 0);
-    if (j < n) tile_rows<1>(rows, D, alpha, q, ldq, 1, b + j * D, W, vs, 0.f, s + j, ld, n - j);
+    columns(rows, ke - ks, D, alpha, q, ldq, 1, b, W, W * D, D, 0.f, s, ld);
   }
 };
 #else
@@ -235,6 +239,20 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
       c[i * ldc + j] = alpha * sum + (beta == T(0) ? T(0) : beta * c[i * ldc + j]);
     }
   }
+}
+
+// out (rows x (ke - ks), ld) = alpha * a[rows] x[ks:ke]^T, x's rows (keys or values) at stride
+// ldx: from the query block's panels of x when they hold those keys, else by the BLAS.
+template <typename T>
+void times_keys(const KeyPanels* panels, int64_t rows, int64_t ks, int64_t ke, int64_t width,
+                T alpha, const T* a, int64_t lda, const T* x, int64_t ldx, T* out, int64_t ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (panels != nullptr && panels->holds(ks, ke)) {
+      panels->scores(rows, ks, ke, alpha, a, lda, out, ld);
+      return;
+    }
+  }
+  gemm<T>(false, true, rows, ke - ks, width, alpha, a, lda, x + ks * ldx, ldx, T(0), out, ld);
 }
 
 inline uint64_t splitmix64(uint64_t counter, uint64_t seed) {
@@ -455,21 +473,13 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
   const int64_t ks = vis[0], ke = vis[1], r0 = vis[2], r1 = vis[3];
   const int64_t nr = r1 - r0, nk = ke - ks;
   const T* qp = c.q.at(n, hk, g, qs + r0);
-  const T* kp = c.k.at(n, hk, 0, ks);
   const bool capped = c.softcap > 0;
   // With softcap the GEMM gives s / softcap, tanh's argument, unless that factor is subnormal (a
   // cap near the dtype's largest number): then the division comes after.
   const bool fold = capped && c.scale / c.softcap >= double(std::numeric_limits<T>::min());
   const T alpha = T(!capped ? c.scale * kLog2e : (fold ? c.scale / c.softcap : c.scale));
-  if constexpr (std::is_same_v<T, float>) {
-    if (panels != nullptr && panels->holds(ks, ke)) {
-      panels->scores(nr, ks, ke, alpha, qp, c.q.ld(), s, ld);
-    } else {
-      gemm<T>(false, true, nr, nk, c.Dk, alpha, qp, c.q.ld(), kp, c.k.ld(), T(0), s, ld);
-    }
-  } else {
-    gemm<T>(false, true, nr, nk, c.Dk, alpha, qp, c.q.ld(), kp, c.k.ld(), T(0), s, ld);
-  }
+  times_keys<T>(panels, nr, ks, ke, c.Dk, alpha, qp, c.q.ld(), c.k.at(n, hk, 0, 0), c.k.ld(), s,
+                ld);
   const T inf = std::numeric_limits<T>::infinity();
   const int64_t h = hk * c.G + g;
   using V = at::vec::Vectorized<T>;
@@ -848,17 +858,8 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
             }
             const T* dop = dout.at(n, hk, g, qs + r0);
             // dP = dO V^T (rows x keys)
-            bool tiled_dp = false;
-            if constexpr (std::is_same_v<T, float>) {
-              if (vpanels.holds(ks, vis[1])) {
-                vpanels.scores(nr, ks, vis[1], 1.f, dop, dout.ld(), dp.data(), nk);
-                tiled_dp = true;
-              }
-            }
-            if (!tiled_dp) {
-              gemm<T>(false, true, nr, nk, c.Dv, T(1), dop, dout.ld(), vh + ks * ldv, ldv, T(0),
-                      dp.data(), nk);
-            }
+            times_keys<T>(&vpanels, nr, ks, vis[1], c.Dv, T(1), dop, dout.ld(), vh, ldv, dp.data(),
+                          nk);
             const T* pv = s.data();
             if (c.p_drop > 0) {
               std::copy(s.begin(), s.begin() + nr * nk, pd.begin());
