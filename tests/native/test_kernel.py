@@ -194,31 +194,84 @@ def _with_position(
 
 
 @needs_native
-@pytest.mark.parametrize("tiles", [True, False])
-@pytest.mark.parametrize("whole", [0, 2048])
-def test_position_term_in_register_tiles(tiles: bool, whole: int) -> None:
-    # Transformer-XL's position term on the tiles' paths (query blocks of 32 rows: keys in
-    # panels) and the BLAS's, its product per visit (whole=0) or per block, with a window and
-    # with a softcap before the term.
+@pytest.mark.parametrize(
+    ("tiles", "fuse", "whole"),
+    [
+        (True, True, 2048),
+        (True, False, 0),
+        (True, False, 2048),
+        (False, False, 0),
+        (False, False, 2048),
+    ],
+    ids=["skewed", "tiles per visit", "tiles per block", "blas per visit", "blas per block"],
+)
+def test_position_term_in_register_tiles(tiles: bool, fuse: bool, whole: int) -> None:
+    # Transformer-XL's position term on every path: added by the skewed register tiles (its
+    # gradients too), or as a product per visit (whole=0) or per block in the tiles or the BLAS.
+    # 70 queries in blocks of 32 leave row rests of every size under 6 (the skewed tiles' groups),
+    # 61 keys visits of 32 and 29; a window, causal, documents and key padding make partial
+    # visits, a softcap comes before the term, and two query heads share each key/value head.
     module = _native.load()
     assert module is not None
-    before = module.use_tiles(tiles)
+    before = module.use_tiles(tiles), module.fuse_position(fuse)
     try:
-        g = torch.Generator().manual_seed(whole + tiles)
+        g = torch.Generator().manual_seed(whole + tiles + 2 * fuse)
         q, qv = (torch.randn(2, 4, 70, 24, generator=g, dtype=torch.float64) for _ in range(2))
         k, v = (torch.randn(2, 2, 61, 24, generator=g, dtype=torch.float64) for _ in range(2))
         enc = torch.randn(4, 70 + 61 - 1, 24, generator=g, dtype=torch.float64)
         cot = torch.randn(2, 4, 70, 24, generator=g, dtype=torch.float64)
         tensors = [q, k, v, qv, enc]
         tiled = Chunked(block_q=32, block_k=32)
-        for mask, softcap in ((None, None), (masks.sliding_window(20, 3), None), (None, 5.0)):
+        cases = [
+            (None, None),
+            (masks.sliding_window(20, 3), None),
+            (masks.causal(), None),
+            (masks.documents([23, 38]) & masks.key_padding([61, 50]), None),
+            (None, 5.0),
+            (masks.sliding_window(20, 3), 5.0),
+        ]
+        for mask, softcap in cases:
             kw = {"mask": mask, "softcap": softcap, "whole": whole, "cot": cot}
             got = _with_position([t.float() for t in tensors], tiled, **kw)
             want = _with_position([t.clone() for t in tensors], "reference", **kw)
-            for a, b in zip(got, want, strict=True):
-                assert_close(a, b, dtype=torch.float32)
+            for name, a, b in zip(("out", "dq", "dk", "dv", "dqv", "denc"), got, want, strict=True):
+                try:
+                    assert_close(a, b, dtype=torch.float32)
+                except AssertionError as err:
+                    raise AssertionError(f"{mask}, softcap {softcap}: {name}: {err}") from None
     finally:
-        module.use_tiles(before)
+        module.use_tiles(before[0])
+        module.fuse_position(before[1])
+
+
+@needs_native
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_pair_beyond_the_position_table_gets_no_term(fuse: bool) -> None:
+    # A table of 10 distances (4 .. -5) and a band whose pairs lie 20 .. 40 before their query:
+    # every visible pair is beyond the table and gets the term 0, so an infinite qv changes
+    # nothing. The skewed tiles would multiply it by their zeros outside the table (inf * 0 =
+    # NaN): those visits take the per-visit product, which leaves such pairs out. With a table
+    # of every distance the same qv row sees infinite terms: its row is NaN, as in the
+    # reference (not the zeros of a row that sees no key).
+    module = _native.load()
+    assert module is not None
+    before = module.fuse_position(fuse)
+    try:
+        g = torch.Generator().manual_seed(11)
+        q, k, v, qv = (torch.randn(1, 2, 70, 16, generator=g) for _ in range(4))
+        enc = torch.randn(2, 10, 16, generator=g)
+        qv[0, 1, 50] = float("inf")
+        far = masks.sliding_window(40, -20)
+        for mask, top in ((far, 4), (masks.causal(), 69)):
+            table = enc if top == 4 else torch.randn(2, 70, 16, generator=g)
+            term = RelativePositionTerm(qv, table, 0.5, max_distance=top)
+            got = attention(q, k, v, mask=mask, bias=term, backend=Chunked(block_q=32, block_k=32))
+            want = attention(q, k, v, mask=mask, bias=term, backend="reference")
+            assert got[0, 1, 50].isfinite().all() == want[0, 1, 50].isfinite().all() == (top == 4)
+            got[0, 1, 50] = want[0, 1, 50] = 0  # NaN in both where top != 4
+            assert_close(got, want, dtype=torch.float32)
+    finally:
+        module.fuse_position(before)
 
 
 @needs_native

@@ -186,13 +186,151 @@ struct KeyPanels {
   bool holds(int64_t ks, int64_t ke) const {
     return ready && ks >= k0 && ke <= k1 && (ks - k0) % W == 0;
   }
+  // The panel of key ks (which holds() says is packed).
+  const float* at(int64_t ks) const { return buf.data() + (ks - k0) / W * W * D; }
   // s (rows x (ke - ks), ld) = alpha * q[rows] k[ks:ke]^T.
   void scores(int64_t rows, int64_t ks, int64_t ke, float alpha, const float* q, int64_t ldq,
               float* s, int64_t ld) const {
-    const float* b = buf.data() + (ks - k0) / W * W * D;
-    columns(rows, ke - ks, D, alpha, q, ldq, 1, b, W, W * D, D, 0.f, s, ld);
+    columns(rows, ke - ks, D, alpha, q, ldq, 1, at(ks), W, W * D, D, 0.f, s, ld);
   }
 };
+
+// Transformer-XL's position term added to a visit's scores: C(r, j) += beta * T(r, j) with
+// T(r, j) = qv_r . enc[e0 - r + j] (the skew: row r reads the encodings shifted by one per row).
+// On the diagonals u = j - r the term is a plain product, T(r, u + r) = qv_r . enc[e0 + u], whose
+// right operand is shared by all rows: register tiles of it as in tile(), each tile's rows then
+// added to C at their own offset (lanes outside the visit's keys masked). The encodings come as
+// enc^T in panels of W (SkewPanels), so that a tile reads contiguous, aligned vectors from a few
+// pages. A tile of 6 rows covers the diagonals its rows need (keys + 5, rounded out to whole
+// panels), so the term costs about what its pairs need, and neither the block's window of
+// distances nor a pass adding it exist.
+bool fuse_position = true;
+
+// Rows g .. g + R - 1 of C (n keys) += beta * (the tile over the NV vectors of diagonals from u0,
+// a multiple of W away from the panels' origin). a: qv's row g; b: u0's panel, row 0.
+template <int R, int NV>
+inline void skew_tile(int64_t k, const float* a, int64_t lda, const float* b, int64_t vs,
+                      float beta, float* c, int64_t ldc, int64_t g, int64_t u0, int64_t n) {
+  constexpr int W = Vec::size();
+  Vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec(0.f);
+  for (int64_t p = 0; p < k; ++p) {
+    Vec bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = Vec::loadu(b + p * W + v * vs);
+    for (int r = 0; r < R; ++r) {
+      const Vec x = Vec(a[r * lda + p]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(x, bv[v], acc[r][v]);
+    }
+  }
+  const __m512 be = _mm512_set1_ps(beta);
+  if (u0 + g >= 0 && u0 + g + R - 1 + NV * W <= n) {  // every lane is a key
+    for (int r = 0; r < R; ++r) {
+      float* row = c + (g + r) * ldc + u0 + g + r;
+      for (int v = 0; v < NV; ++v) {
+        _mm512_storeu_ps(row + v * W,
+                         _mm512_fmadd_ps(acc[r][v], be, _mm512_loadu_ps(row + v * W)));
+      }
+    }
+    return;
+  }
+  for (int r = 0; r < R; ++r) {
+    float* row = c + (g + r) * ldc;
+    for (int v = 0; v < NV; ++v) {
+      const int64_t j = u0 + v * W + g + r;  // the key of the vector's first lane
+      const int64_t lo = std::clamp<int64_t>(-j, 0, W), hi = std::clamp<int64_t>(n - j, 0, W);
+      if (lo >= hi) continue;
+      const __mmask16 mask = __mmask16(((1u << hi) - 1) & ~((1u << lo) - 1));
+      const __m512 old = _mm512_maskz_loadu_ps(mask, row + j);
+      _mm512_mask_storeu_ps(row + j, mask, _mm512_fmadd_ps(acc[r][v], be, old));
+    }
+  }
+}
+
+// enc^T of one head in panels of W encodings: panel i holds encodings first + W i ...; its row d
+// (W floats) their d-th elements. Zeros outside the table.
+struct SkewPanels {
+  static constexpr int W = Vec::size();
+  const float* p = nullptr;  // the head's first panel
+  int64_t D = 0, first = 0;
+  const float* panel(int64_t i) const { return p + i * W * D; }
+};
+
+// s (m x n, ld) += beta * T for m rows of qv (width D) and n keys, T(r, j) reading encoding
+// e0 - r + j. Groups of 6 rows (and the rest) run innermost, over stretches of 4 vectors of their
+// diagonals: the next group's stretch starts at most one panel before, so its panels are in L1.
+void add_skewed(int64_t m, int64_t n, const float* qv, int64_t ldqv, const SkewPanels& et,
+                int64_t e0, float beta, float* s, int64_t ld) {
+  constexpr int R = 6, W = Vec::size();
+  const int64_t D = et.D, vs = W * D;
+  const int64_t groups = (m + R - 1) / R;
+  int64_t most = 0;  // vectors of the widest group
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const int64_t g = gi * R, rows = std::min<int64_t>(R, m - g);
+    // Rows g .. g + rows - 1 need the encodings e0 - (g + rows - 1) ... e0 + n - 1 - g.
+    const int64_t lo = e0 - (g + rows - 1) - et.first, hi = e0 + n - g - et.first;
+    most = std::max(most, (hi + W - 1) / W - lo / W);
+  }
+  for (int64_t at = 0; at < most; at += 4) {
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int64_t g = gi * R, rows = std::min<int64_t>(R, m - g);
+      const int64_t lo = e0 - (g + rows - 1) - et.first, hi = e0 + n - g - et.first;
+      const int64_t i0 = lo / W + at;                 // this stretch's first panel
+      const int64_t left = (hi + W - 1) / W - i0;      // its vectors
+      if (left <= 0) continue;
+      const int64_t u0 = i0 * W + et.first - e0;      // its first diagonal
+      const float* a = qv + g * ldqv;
+      const float* b = et.panel(i0);
+#define ATTNKIT_SKEW(NR)                                                                   \
+  if (left >= 4) {                                                                         \
+    skew_tile<NR, 4>(D, a, ldqv, b, vs, beta, s, ld, g, u0, n);                            \
+  } else {                                                                                 \
+    for (int64_t v = 0; v < left; ++v)                                                     \
+      skew_tile<NR, 1>(D, a, ldqv, b + v * vs, vs, beta, s, ld, g, u0 + v * W, n);         \
+  }
+      switch (rows) {
+        case 6: ATTNKIT_SKEW(6) break;
+        case 5: ATTNKIT_SKEW(5) break;
+        case 4: ATTNKIT_SKEW(4) break;
+        case 3: ATTNKIT_SKEW(3) break;
+        case 2: ATTNKIT_SKEW(2) break;
+        default: ATTNKIT_SKEW(1) break;
+      }
+#undef ATTNKIT_SKEW
+    }
+  }
+}
+
+// The gradients of add_skewed's term from its score gradient dS (m rows, n keys; dsp: row 0's
+// key 0, rows ldp apart, with at least 5 zeros before and after each row's keys). On the
+// diagonals both are plain products: dqv_r += alpha sum_u dS(r, u + r) enc[e0 + u], a tile of 6
+// rows summing over the n + 5 diagonals they need (A read along the diagonal, stride ldp + 1), and
+// denc[e0 + u] += alpha sum_r dS(r, u + r) qv_r, a tile of 6 diagonals summing over the rows that
+// have keys on them. ez: enc's row e0 (row-major, width D, readable at every row a pair reads).
+void skewed_dqv(int64_t m, int64_t n, int64_t D, const float* dsp, int64_t ldp, const float* ez,
+                float alpha, float* dqv, int64_t ldc) {
+  constexpr int R = 6;
+  for (int64_t g = 0; g < m; g += R) {
+    const int64_t rows = std::min<int64_t>(R, m - g);
+    // Row g + r's element p is its key p - (rows - 1) + r: diagonal p - (g + rows - 1).
+    columns(rows, D, n + rows - 1, alpha, dsp + g * ldp - (rows - 1), ldp + 1, 1,
+            ez - (g + rows - 1) * D, D, Vec::size(), 1, 1.f, dqv + g * ldc, ldc);
+  }
+}
+
+// qvc: the m rows of qv, contiguous (width D); denc: enc's gradient at row e0 (width D).
+void skewed_denc(int64_t m, int64_t n, int64_t D, const float* dsp, int64_t ldp, const float* qvc,
+                 float alpha, float* denc) {
+  constexpr int R = 6;
+  for (int64_t u0 = -(m - 1); u0 < n; u0 += R) {
+    const int64_t diagonals = std::min<int64_t>(R, n - u0);
+    // Rows with a key on one of the diagonals u0 ... u0 + diagonals - 1.
+    const int64_t r0 = std::max<int64_t>(0, -(u0 + diagonals - 1)), r1 = std::min(m, n - u0);
+    if (r0 >= r1) continue;
+    columns(diagonals, D, r1 - r0, alpha, dsp + r0 * ldp + u0 + r0, 1, ldp + 1, qvc + r0 * D, D,
+            Vec::size(), 1, 1.f, denc + u0 * D, D);
+  }
+}
 #else
 struct KeyPanels {
   bool ready = false;
@@ -334,6 +472,14 @@ struct Call {
   // keys; a wider one computes it per visit (a GEMM whose output stays in the CPU's caches runs
   // markedly faster than one writing long rows).
   int64_t whole_width = 0;
+  // enc^T for add_skewed (float32 with register tiles): (H, et_panels, Dh, W), SkewPanels of
+  // the encodings et_first ... (zeros outside the table), every row in [et_first, et_last].
+  const T* et = nullptr;
+  int64_t et_panels = 0, et_first = 0, et_last = -1;
+  // The same encodings row-major (H, et_panels * W, Dh), for the backward's skewed products.
+  const T* ez = nullptr;
+  // The rows of the backward's enc gradient buffers: encodings dfirst ... dfirst + drows - 1.
+  int64_t dfirst = 0, drows = 0;
 
 
   bool partial_visible(int64_t n, int64_t h, int64_t i, int64_t j, int64_t tile, int64_t r,
@@ -352,6 +498,31 @@ struct Call {
   }
 
   uint64_t drop_threshold() const { return (uint64_t)(p_drop * 16777216.0); }
+
+  // The rows of enc a visit's terms read, e = top - (Tk - Tq) - i + j: [first, last].
+  void enc_rows(int64_t qs, const int64_t* vis, int64_t& first, int64_t& last) const {
+    const int64_t base = top - (Tk - Tq);
+    first = base - (qs + vis[3] - 1) + vis[0];
+    last = base - (qs + vis[2]) + vis[1] - 1;
+  }
+
+  // Whether add_skewed can add a visit's position term: et holds every row the visit reads, and
+  // every row that a pair it may see reads is in the table. (A pair outside the table has the
+  // term 0; add_skewed would give it qv . 0, which is NaN for an infinite qv, so only pairs the
+  // mask hides, whose scores become -inf, may read et's zero margins.)
+  bool skew_fits(int64_t qs, const int64_t* vis) const {
+    if (et == nullptr) return false;
+    int64_t first, last;
+    enc_rows(qs, vis, first, last);
+    if (first < et_first || last > et_last) return false;
+    double seen_first = double(first), seen_last = double(last);
+    if (band) {  // a pair is seen only if lo <= j - i - shift <= hi
+      const double base = double(top - (Tk - Tq) + shift);
+      seen_first = std::max(seen_first, base + lo);
+      seen_last = std::min(seen_last, base + hi);
+    }
+    return seen_first > seen_last || (seen_first >= 0 && seen_last <= double(P - 1));
+  }
 };
 
 // Where the position term of a stretch of queries and keys lies in a product. The terms of rows
@@ -392,7 +563,8 @@ struct Window {
     }
   }
   // The backward of compute() for a gradient in p: dqv[rows] += rel_scale p enc[window] and
-  // denc[window] += rel_scale p^T qv[rows] (either may be null; dqv is (N, H, Tq, Dh) contiguous).
+  // denc[window] += rel_scale p^T qv[rows] (either may be null; dqv is (N, H, Tq, Dh) contiguous,
+  // denc a buffer of c.drows encodings from c.dfirst per head).
   void backward(const Call<T>& c, int64_t n, int64_t h, int64_t qs, T* dqv, T* denc) const {
     if (b <= a) return;
     const int64_t rows = R1 - R0;
@@ -403,7 +575,8 @@ struct Window {
     }
     if (denc != nullptr) {
       gemm<T>(true, false, b - a, c.Dh, rows, T(c.rel_scale), p + a, width,
-              c.qv.at(n, h, 0, qs + R0), c.qv.ld(), T(1), denc + (h * c.P + lo + a) * c.Dh, c.Dh);
+              c.qv.at(n, h, 0, qs + R0), c.qv.ld(), T(1),
+              denc + (h * c.drows + lo + a - c.dfirst) * c.Dh, c.Dh);
     }
   }
 };
@@ -469,7 +642,8 @@ at::vec::Vectorized<T> tanh_of(const at::vec::Vectorized<T>& y, T scale = T(1)) 
 // backward's; null in the forward, which does not need it).
 template <typename T>
 void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, const int64_t* vis,
-            T* s, int64_t ld, T* t, const Window<T>& pos, const KeyPanels* panels = nullptr) {
+            T* s, int64_t ld, T* t, const Window<T>& pos, const KeyPanels* panels = nullptr,
+            bool skew = false) {
   const int64_t ks = vis[0], ke = vis[1], r0 = vis[2], r1 = vis[3];
   const int64_t nr = r1 - r0, nk = ke - ks;
   const T* qp = c.q.at(n, hk, g, qs + r0);
@@ -478,37 +652,54 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
   // cap near the dtype's largest number): then the division comes after.
   const bool fold = capped && c.scale / c.softcap >= double(std::numeric_limits<T>::min());
   const T alpha = T(!capped ? c.scale * kLog2e : (fold ? c.scale / c.softcap : c.scale));
+  const int64_t h = hk * c.G + g;
   times_keys<T>(panels, nr, ks, ke, c.Dk, alpha, qp, c.q.ld(), c.k.at(n, hk, 0, 0), c.k.ld(), s,
                 ld);
   const T inf = std::numeric_limits<T>::infinity();
-  const int64_t h = hk * c.G + g;
   using V = at::vec::Vectorized<T>;
+  // softcap first: the position term, the bias and the mask come after tanh.
+  for (int64_t r = 0; r < nr && capped; ++r) {
+    T* row = s + r * ld;
+    T* trow = t == nullptr ? nullptr : t + r * ld;
+    // x * softcap * log2(e); for a huge cap, softcap * log2(e) would overflow: (x * cap) first.
+    const V mul = V(T(fold ? c.softcap * kLog2e : c.softcap));
+    const V cap = V(T(c.softcap)), l2e = V(T(kLog2e));
+    int64_t j = 0;
+    for (; j + V::size() <= nk; j += V::size()) {
+      const V y = fold ? V::loadu(row + j) : V::loadu(row + j) / cap;
+      if (trow == nullptr && fold) {
+        tanh_of(y, T(c.softcap * kLog2e)).store(row + j);
+        continue;
+      }
+      const V x = tanh_of(y);
+      if (trow != nullptr) x.store(trow + j);
+      (fold ? x * mul : x * mul * l2e).store(row + j);
+    }
+    for (; j < nk; ++j) {
+      const T x = std::tanh(fold ? row[j] : row[j] / T(c.softcap));
+      if (trow != nullptr) trow[j] = x;
+      row[j] = fold ? x * T(c.softcap * kLog2e) : x * T(c.softcap) * T(kLog2e);
+    }
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    if (skew) {  // the position term (the caller checked c.skew_fits)
+      int64_t first, last;
+      c.enc_rows(qs, vis, first, last);
+      SkewPanels et;
+      et.p = c.et + h * c.et_panels * KeyPanels::W * c.Dh;
+      et.D = c.Dh;
+      et.first = c.et_first;
+      // Row r0's first key reads enc row first + nr - 1.
+      add_skewed(nr, nk, c.qv.at(n, h, 0, qs + r0), c.qv.ld(), et, first + nr - 1,
+                 float(c.rel_scale * kLog2e), s, ld);
+    }
+  }
+#endif
   for (int64_t r = 0; r < nr; ++r) {
     T* row = s + r * ld;
     const int64_t i = qs + r0 + r;
-    if (capped) {
-      T* trow = t == nullptr ? nullptr : t + r * ld;
-      // x * softcap * log2(e); for a huge cap, softcap * log2(e) would overflow: (x * cap) first.
-      const V mul = V(T(fold ? c.softcap * kLog2e : c.softcap));
-      const V cap = V(T(c.softcap)), l2e = V(T(kLog2e));
-      int64_t j = 0;
-      for (; j + V::size() <= nk; j += V::size()) {
-        const V y = fold ? V::loadu(row + j) : V::loadu(row + j) / cap;
-        if (trow == nullptr && fold) {
-          tanh_of(y, T(c.softcap * kLog2e)).store(row + j);
-          continue;
-        }
-        const V x = tanh_of(y);
-        if (trow != nullptr) x.store(trow + j);
-        (fold ? x * mul : x * mul * l2e).store(row + j);
-      }
-      for (; j < nk; ++j) {
-        const T x = std::tanh(fold ? row[j] : row[j] / T(c.softcap));
-        if (trow != nullptr) trow[j] = x;
-        row[j] = fold ? x * T(c.softcap * kLog2e) : x * T(c.softcap) * T(kLog2e);
-      }
-    }
-    if (c.qv.p != nullptr) {
+    if (c.qv.p != nullptr && !skew) {
       const T* pr = pos.at(r0 + r, ks);
       int64_t j = 0;
       for (; j + V::size() <= nk; j += V::size()) {
@@ -647,6 +838,17 @@ void pack_keys(const Call<T>& c, const Rows<const T*>& x, int64_t width, int64_t
 #endif
 }
 
+// Whether every visit of query block qb adds its position term by add_skewed (then no window of
+// the term's product is computed for the block's scores).
+template <typename T>
+bool skew_block(const Call<T>& c, int64_t qb) {
+  if (c.et == nullptr) return false;
+  for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
+    if (!c.skew_fits(qb * c.bq, c.visits + vi * 6)) return false;
+  }
+  return true;
+}
+
 template <typename T>
 void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
   const int64_t items = c.N * c.Hkv * c.nqb;
@@ -667,21 +869,22 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
       const int64_t qb = item % c.nqb, nh = item / c.nqb, n = nh / c.Hkv, hk = nh % c.Hkv;
       const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
       pack_keys(c, c.k, c.Dk, n, hk, qb, rows, panels);
+      const bool skew = skew_block(c, qb);
       for (int64_t g = 0; g < c.G; ++g) {
         std::fill(acc.begin(), acc.end(), T(0));
         std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
         std::fill(l.begin(), l.end(), T(0));
-        const Window<T> whole = block_window(c, qb, pos.data());
+        const Window<T> whole = skew ? Window<T>() : block_window(c, qb, pos.data());
         if (whole.p != nullptr) whole.compute(c, n, hk * c.G + g, qs);
         for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
           const int64_t* vis = c.visits + vi * 6;
           const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
           Window<T> w = whole;
-          if (c.qv.p != nullptr && whole.p == nullptr) {
+          if (c.qv.p != nullptr && whole.p == nullptr && !skew) {
             w = Window<T>(c, qs, r0, vis[3], ks, vis[1], pos.data());
             w.compute(c, n, hk * c.G + g, qs);
           }
-          scores(c, n, hk, g, qs, vis, s.data(), nk, static_cast<T*>(nullptr), w, &panels);
+          scores(c, n, hk, g, qs, vis, s.data(), nk, static_cast<T*>(nullptr), w, &panels, skew);
           for (int64_t r = 0; r < nr; ++r) {
             T* row = s.data() + r * nk;
             const int64_t R = r0 + r;
@@ -704,7 +907,9 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
         const int64_t row0 = ((n * c.Hkv + hk) * c.G + g) * c.Tq + qs;
         for (int64_t r = 0; r < rows; ++r) {
           T* o = out.at(n, hk, g, qs + r);
-          if (l[r] > T(0)) {
+          // A NaN sum (a NaN or +inf score the row sees) makes the row NaN, as in the reference;
+          // only a row that sees no key gets zeros.
+          if (l[r] > T(0) || std::isnan(l[r])) {
             const T inv = T(1) / l[r];
             for (int64_t d = 0; d < c.Dv; ++d) o[d] = acc[r * c.Dv + d] * inv;
             lse[row0 + r] = T((m[r] + std::log2(l[r])) * kLn2);
@@ -716,6 +921,33 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
       }
     }
   });
+}
+
+// A visit's share of the position term's gradients (dqv, denc: either may be null) from its score
+// gradient (dsp, ldp: see skewed_dqv), for a block whose term add_skewed added.
+template <typename T>
+void skew_backward(const Call<T>& c, int64_t n, int64_t h, int64_t qs, const int64_t* vis,
+                   const T* dsp, int64_t ldp, const T* qvc, T* dqv, T* denc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t nr = vis[3] - vis[2], nk = vis[1] - vis[0];
+    int64_t first, last;
+    c.enc_rows(qs, vis, first, last);
+    const int64_t e0 = first + nr - 1;  // row vis[2]'s first key
+    if (dqv != nullptr) {
+      float* out = dqv + ((n * c.Hkv * c.G + h) * c.Tq + qs + vis[2]) * c.Dh;
+      const float* ez = c.ez + (h * c.et_panels * KeyPanels::W + e0 - c.et_first) * c.Dh;
+      skewed_dqv(nr, nk, c.Dh, dsp, ldp, ez, float(c.rel_scale), out, c.Dh);
+    }
+    if (denc != nullptr) {
+      skewed_denc(nr, nk, c.Dh, dsp, ldp, qvc + vis[2] * c.Dh, float(c.rel_scale),
+                  denc + (h * c.drows + e0 - c.dfirst) * c.Dh);
+    }
+    return;
+  }
+#endif
+  (void)c, (void)n, (void)h, (void)qs, (void)vis, (void)dsp, (void)ldp, (void)qvc, (void)dqv;
+  (void)denc;
 }
 
 // Rows t0:t1 of head (n, hk) of a (N, Hkv, T, D) gradient, set to 0.
@@ -775,10 +1007,15 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
     const int64_t bk_max = c.tile_k;
     std::vector<T> s(c.bq * bk_max), t(c.softcap > 0 ? c.bq * bk_max : 0), dp(c.bq * bk_max);
     std::vector<T> pos(window_size(c)), dpos(position ? window_size(c) : 0);
+    // The score gradient with zeros around each row, and the block's rows of qv contiguous, for
+    // skewed_dqv and skewed_denc.
+    constexpr int64_t kPad = 16;
+    const int64_t ldp = bk_max + 2 * kPad;
+    std::vector<T> dsp(c.ez != nullptr ? c.bq * ldp : 0, T(0)), qvc(c.ez != nullptr ? c.bq * c.Dh : 0);
     T* denc_own = nullptr;
     if (denc != nullptr) {
       auto& own = denc_threads.at(at::get_thread_num());
-      if (own.empty()) own.assign(c.Hkv * c.G * c.P * c.Dh, T(0));
+      if (own.empty()) own.assign(c.Hkv * c.G * c.drows * c.Dh, T(0));
       denc_own = own.data();
     }
     std::vector<T> pd(c.p_drop > 0 ? c.bq * bk_max : 0), dqa(c.bq * c.Dk);
@@ -831,26 +1068,34 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
           std::fill(dqa.begin(), dqa.end(), T(0));
           pack_keys(c, c.k, c.Dk, n, hk, qb, rows, kpanels);
           pack_keys(c, c.v, c.Dv, n, hk, qb, rows, vpanels);
-          // The position product, and its gradient (dwhole, dw: the same windows in dpos).
-          const Window<T> whole = block_window(c, qb, pos.data());
+          const bool skew = skew_block(c, qb);
+          // The position product, and its gradient (dwhole, dw: the same windows in dpos), unless
+          // the block's term and its gradients are skewed products.
+          const Window<T> whole = skew ? Window<T>() : block_window(c, qb, pos.data());
           Window<T> dwhole = whole;
           if (whole.p != nullptr) {
             whole.compute(c, n, h, qs);
             dwhole.p = dpos.data();
             if (position) std::fill(dpos.begin(), dpos.begin() + rows * whole.width, T(0));
           }
+          if (skew && denc != nullptr) {
+            for (int64_t r = 0; r < rows; ++r) {
+              const T* src = c.qv.at(n, h, 0, qs + r);
+              std::copy(src, src + c.Dh, qvc.data() + r * c.Dh);
+            }
+          }
           for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
             const int64_t* vis = c.visits + vi * 6;
             const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
             Window<T> w = whole, dw = dwhole;
-            if (c.qv.p != nullptr && whole.p == nullptr) {
+            if (c.qv.p != nullptr && whole.p == nullptr && !skew) {
               w = Window<T>(c, qs, r0, vis[3], ks, vis[1], pos.data());
               w.compute(c, n, h, qs);
               dw = w;
               dw.p = dpos.data();
               if (position) std::fill(dpos.begin(), dpos.begin() + nr * w.width, T(0));
             }
-            scores(c, n, hk, g, qs, vis, s.data(), nk, t.data(), w, &kpanels);
+            scores(c, n, hk, g, qs, vis, s.data(), nk, t.data(), w, &kpanels, skew);
             for (int64_t r = 0; r < nr; ++r) {
               const T L = lse[row0 + r0 + r];
               const T base = (std::isinf(L) && L < 0) ? T(0) : T(L * kLog2e);
@@ -892,13 +1137,24 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
                 }
               }
               // The term's score gradient, in its place in the product's gradient.
-              if (position) std::copy(dr, dr + nk, dw.at(r0 + r, ks));
+              if (position && skew) {
+                T* row = dsp.data() + r * ldp;
+                std::fill(row, row + kPad, T(0));
+                std::copy(dr, dr + nk, row + kPad);
+                std::fill(row + kPad + nk, row + 2 * kPad + nk, T(0));
+              } else if (position) {
+                std::copy(dr, dr + nk, dw.at(r0 + r, ks));
+              }
               if (c.softcap > 0) {
                 const T* tr = t.data() + r * nk;
                 for (int64_t j = 0; j < nk; ++j) dr[j] *= T(1) - tr[j] * tr[j];
               }
             }
-            if (position && whole.p == nullptr) dw.backward(c, n, h, qs, dqv, denc_own);
+            if (position && skew) {
+              skew_backward(c, n, h, qs, vis, dsp.data() + kPad, ldp, qvc.data(), dqv, denc_own);
+            } else if (position && whole.p == nullptr) {
+              dw.backward(c, n, h, qs, dqv, denc_own);
+            }
             // dQ += scale dS K, dK += scale dS^T Q
             gemm<T>(false, false, nr, c.Dk, nk, T(c.scale), dp.data(), nk, kh + ks * ldk, ldk,
                     T(1), dqa.data() + r0 * c.Dk, c.Dk);
@@ -918,11 +1174,16 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
     }
   });
   if (denc != nullptr) {
-    const int64_t size = c.Hkv * c.G * c.P * c.Dh;
-    at::parallel_for(0, size, 4096, [&](int64_t begin, int64_t end) {
+    // The buffers' rows that are rows of enc, into denc.
+    const int64_t e0 = std::max<int64_t>(0, c.dfirst), e1 = std::min(c.P, c.dfirst + c.drows);
+    const int64_t per_head = std::max<int64_t>(0, e1 - e0) * c.Dh;
+    at::parallel_for(0, c.Hkv * c.G * per_head, 4096, [&](int64_t begin, int64_t end) {
       for (const auto& own : denc_threads) {
         if (own.empty()) continue;
-        for (int64_t x = begin; x < end; ++x) denc[x] += own[x];
+        for (int64_t x = begin; x < end; ++x) {
+          const int64_t h = x / per_head, y = x % per_head;
+          denc[h * c.P * c.Dh + e0 * c.Dh + y] += own[(h * c.drows + e0 - c.dfirst) * c.Dh + y];
+        }
       }
     });
   }
@@ -1040,8 +1301,53 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     c.top = top;
     c.rel_scale = rel_scale;
     c.whole_width = whole_width;
+    c.drows = c.P;
   }
   return c;
+}
+
+// enc^T for add_skewed and enc row-major for the backward's skewed products (see Call::et and
+// Call::ez), or nothing where they do not run: float32 with register tiles and a position term.
+// Its columns are the rows of enc the plan's visits read, up to a block's rows and keys beyond
+// the table (zeros there); a visit reading further takes the product of its window.
+template <typename T>
+std::vector<at::Tensor> skew_table(Call<T>& c, const c10::optional<at::Tensor>& enc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    if (!use_tiles || !fuse_position || c.qv.p == nullptr) return {};
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+    for (int64_t qb = 0; qb < c.nqb; ++qb) {
+      for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
+        int64_t first, last;
+        c.enc_rows(qb * c.bq, c.visits + vi * 6, first, last);
+        lo = std::min(lo, first);
+        hi = std::max(hi, last);
+      }
+    }
+    const int64_t margin = c.bq + c.tile_k;
+    lo = std::max(lo, -margin);
+    hi = std::min(hi, c.P - 1 + margin);
+    if (lo > hi) return {};
+    // Whole panels of W encodings (add_skewed reads whole panels, the lanes beyond a tile's
+    // pairs masked).
+    constexpr int64_t W = Vec::size();
+    const int64_t panels = (hi - lo + W) / W;
+    at::Tensor ez = at::zeros({c.Hkv * c.G, panels * W, c.Dh}, enc->options());
+    const int64_t a = std::max<int64_t>(lo, 0), b = std::min(hi, c.P - 1);
+    if (a <= b) ez.narrow(1, a - lo, b - a + 1).copy_(enc->narrow(1, a, b - a + 1));
+    at::Tensor et = ez.view({c.Hkv * c.G, panels, W, c.Dh}).transpose(2, 3).contiguous();
+    c.et = et.data_ptr<float>();
+    c.et_panels = panels;
+    c.et_first = lo;
+    c.et_last = hi;
+    c.ez = ez.data_ptr<float>();
+    c.dfirst = lo;
+    c.drows = panels * W;
+    return {et, ez};
+  }
+#endif
+  (void)c, (void)enc;
+  return {};
 }
 
 // A (N, Hkv, G, T, d) tensor laid out like q: (N, T, Hkv, G, d) in memory when q's rows are
@@ -1197,6 +1503,7 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
                                  layout, band, shift, key_ok, tiles, p_drop, seed, qv, enc,
                                  rel_scale, top, whole_width);
+    const auto tables = skew_table(c, enc);
     forward_impl<scalar_t>(c, rows_of<scalar_t*>(out, out.data_ptr<scalar_t>()),
                            lse.data_ptr<scalar_t>());
   });
@@ -1258,6 +1565,7 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
                                  layout, band, shift, key_ok, tiles, p_drop, seed, qv, enc,
                                  rel_scale, top, whole_width);
+    const auto tables = skew_table(c, enc);
     backward_impl<scalar_t>(c, rows_of<const scalar_t*>(dout, dout.data_ptr<scalar_t>()),
                             lse.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
                             rows_of<scalar_t*>(dq, dq.data_ptr<scalar_t>()),
@@ -1291,5 +1599,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "float32 products with a row-major right operand in the kernel's own register tiles (true) "
       "or the BLAS; returns the previous setting (always false where the build has no AVX-512)");
+  m.def(
+      "fuse_position",
+      [](bool on) {
+#if defined(CPU_CAPABILITY_AVX512)
+        const bool before = fuse_position;
+        fuse_position = on;
+        return before;
+#else
+        (void)on;
+        return false;
+#endif
+      },
+      "float32 scores with Transformer-XL's position term in one register-tile product (true) or "
+      "the term's product per block added after; returns the previous setting (always false "
+      "where the build has no AVX-512)");
   m.def("backward", &backward, "attention backward: (dq, dk, dv, dbias, dqv, denc), None where not asked");
 }
