@@ -3,8 +3,9 @@
 // One parallel region per call. The forward's work items are (batch, key/value head, query
 // block); each runs every visited key block of its row of the block plan, for each of the G query
 // heads that share the key/value head, with thread-local buffers: a GEMM for the scores, one pass
-// for softcap, the position term, bias, mask and dropout, exp2 and the row sums, and a GEMM for
-// the weighted values. q, k, v are read at the caller's strides (rows contiguous).
+// for softcap, a product along the scores' diagonals for Transformer-XL's position term (see
+// add_skewed), one pass for bias, mask and dropout, exp2 and the row sums, and a GEMM for the
+// weighted values. q, k, v are read at the caller's strides (rows contiguous).
 // The backward's items are (batch, key/value head, a stretch of query blocks): each recomputes
 // its blocks' probabilities from the saved log-sum-exp and accumulates dq for its own rows and
 // dk/dv for its key/value head, in place when it is the head's only stretch, else in its own
@@ -56,6 +57,23 @@ using Vec = at::vec::Vectorized<float>;
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
 
+// Switches for A/B runs in one process (see the module's use_tiles and fuse_position); they take
+// effect only where the build has AVX-512.
+bool use_tiles = true;      // float32 products in register tiles (tile) instead of the BLAS
+bool fuse_position = true;  // the position term along the diagonals (add_skewed)
+
+// Sets a switch, returning its previous setting (false where the build has no AVX-512).
+bool switch_to(bool& flag, bool on) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool before = flag;
+  flag = on;
+  return before;
+#else
+  (void)flag, (void)on;
+  return false;
+#endif
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // Products whose right operand is row-major (B(p, j) = b[p * ldb + j], j contiguous) in float32
 // run in register tiles here instead of the BLAS: a tile of R rows of C by NV vectors of columns
@@ -64,18 +82,16 @@ constexpr double kLn2 = 0.6931471805599453;
 // the head's width as its columns (o += p v, dq += ds k, dk += ds^T q, dv += p^T do), so no
 // packing is needed, and at these sizes (a few dozen to a few hundred rows, 64 columns) the
 // BLAS's packing and dispatch on every call cost it a tenth to a third of its time.
-bool use_tiles = true;
 
 // C rows (R of them) += or = alpha * sum_p A(i, p) B(p, :) over NV full vectors of columns, the
 // last of them holding `tail` columns when tail > 0 (masked load and store).
 // B's vector v of row p is at b + p * ldb + v * vs: vs = W for a row-major B, the panel size
 // for K^T in panels (see KeyPanels).
+// acc = sum_p A(r, p) B(p, :) for R rows and NV vectors (the last holding `tail` columns when
+// tail > 0): the loop every register tile runs.
 template <int R, int NV>
-inline void tile(int64_t k, float alpha, const float* a, int64_t sai, int64_t sak,
-                 const float* b, int64_t ldb, int64_t vs, float beta, float* c, int64_t ldc,
-                 int64_t tail) {
-  constexpr int W = Vec::size();
-  Vec acc[R][NV];
+inline void sum_tile(Vec (&acc)[R][NV], int64_t k, const float* a, int64_t sai, int64_t sak,
+                     const float* b, int64_t ldb, int64_t vs, int64_t tail) {
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = Vec(0.f);
   for (int64_t p = 0; p < k; ++p) {
@@ -89,6 +105,15 @@ inline void tile(int64_t k, float alpha, const float* a, int64_t sai, int64_t sa
       for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(x, bv[v], acc[r][v]);
     }
   }
+}
+
+template <int R, int NV>
+inline void tile(int64_t k, float alpha, const float* a, int64_t sai, int64_t sak,
+                 const float* b, int64_t ldb, int64_t vs, float beta, float* c, int64_t ldc,
+                 int64_t tail) {
+  constexpr int W = Vec::size();
+  Vec acc[R][NV];
+  sum_tile<R, NV>(acc, k, a, sai, sak, b, ldb, vs, tail);
   const Vec al(alpha), be(beta);
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) {
@@ -204,7 +229,6 @@ struct KeyPanels {
 // pages. A tile of 6 rows covers the diagonals its rows need (keys + 5, rounded out to whole
 // panels), so the term costs about what its pairs need, and neither the block's window of
 // distances nor a pass adding it exist.
-bool fuse_position = true;
 
 // Rows g .. g + R - 1 of C (n keys) += beta * (the tile over the NV vectors of diagonals from u0,
 // a multiple of W away from the panels' origin). a: qv's row g; b: u0's panel, row 0.
@@ -213,16 +237,7 @@ inline void skew_tile(int64_t k, const float* a, int64_t lda, const float* b, in
                       float beta, float* c, int64_t ldc, int64_t g, int64_t u0, int64_t n) {
   constexpr int W = Vec::size();
   Vec acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = Vec(0.f);
-  for (int64_t p = 0; p < k; ++p) {
-    Vec bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = Vec::loadu(b + p * W + v * vs);
-    for (int r = 0; r < R; ++r) {
-      const Vec x = Vec(a[r * lda + p]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(x, bv[v], acc[r][v]);
-    }
-  }
+  sum_tile<R, NV>(acc, k, a, lda, 1, b, W, vs, 0);
   const __m512 be = _mm512_set1_ps(beta);
   if (u0 + g >= 0 && u0 + g + R - 1 + NV * W <= n) {  // every lane is a key
     for (int r = 0; r < R; ++r) {
@@ -1586,33 +1601,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "attention forward: (out, lse)");
   m.def("all_finite", &all_finite, "whether every element of the tensors is finite");
   m.def(
-      "use_tiles",
-      [](bool on) {
-#if defined(CPU_CAPABILITY_AVX512)
-        const bool before = use_tiles;
-        use_tiles = on;
-        return before;
-#else
-        (void)on;
-        return false;
-#endif
-      },
+      "use_tiles", [](bool on) { return switch_to(use_tiles, on); },
       "float32 products with a row-major right operand in the kernel's own register tiles (true) "
       "or the BLAS; returns the previous setting (always false where the build has no AVX-512)");
   m.def(
-      "fuse_position",
-      [](bool on) {
-#if defined(CPU_CAPABILITY_AVX512)
-        const bool before = fuse_position;
-        fuse_position = on;
-        return before;
-#else
-        (void)on;
-        return false;
-#endif
-      },
-      "float32 scores with Transformer-XL's position term in one register-tile product (true) or "
-      "the term's product per block added after; returns the previous setting (always false "
-      "where the build has no AVX-512)");
+      "fuse_position", [](bool on) { return switch_to(fuse_position, on); },
+      "float32 position terms and their gradients as register-tile products along the scores' "
+      "diagonals (true) or as products against each block's window of distances; returns the "
+      "previous setting (always false where the build has no AVX-512)");
   m.def("backward", &backward, "attention backward: (dq, dk, dv, dbias, dqv, denc), None where not asked");
 }
