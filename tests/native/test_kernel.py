@@ -253,6 +253,49 @@ def test_position_term_in_register_tiles(tiles: bool, fuse: bool, whole: int) ->
 
 @needs_native
 @pytest.mark.parametrize("fuse", [True, False])
+def test_position_gradients_come_in_the_callers_layout(fuse: bool) -> None:
+    # As RelativeMultiHeadAttention hands them over: qv a (B, H, T, D) view of token-major memory,
+    # enc an (H, P, D) view of (P, H, D) memory. The gradients come back in the same layouts (the
+    # transposes back are then free) and equal the reference's, also for the 200 queries that see
+    # no key (bottom-right causal, 300 queries, 100 keys): blocks the plan never visits, whose dqv
+    # rows must be zeros, not what the memory held before.
+    module = _native.load()
+    assert module is not None
+    before = module.fuse_position(fuse)
+    try:
+        g = torch.Generator().manual_seed(5)
+        q, qv = (torch.randn(1, 300, 4, 16, generator=g).transpose(1, 2) for _ in range(2))
+        k, v = (torch.randn(1, 100, 4, 16, generator=g).transpose(1, 2) for _ in range(2))
+        enc = torch.randn(399, 4, 16, generator=g).transpose(0, 1)
+        cot = torch.randn(1, 4, 300, 16, generator=g)
+
+        def run(backend: object, dtype: torch.dtype) -> list[torch.Tensor]:
+            leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, qv, enc)]
+            if dtype == torch.float32:  # layouts as above (to() keeps them)
+                assert leaves[3].transpose(1, 2).is_contiguous()
+                assert leaves[4].transpose(0, 1).is_contiguous()
+            term = RelativePositionTerm(leaves[3], leaves[4], 0.5)
+            out = attention(*leaves[:3], bias=term, causal=True, backend=backend)  # type: ignore[arg-type]
+            torch.full((4 * 300 * 16,), float("nan")).sum()  # freed memory of dqv's size, NaN
+            return [out, *torch.autograd.grad(out, leaves, cot.to(dtype))]
+
+        got = run(Chunked(block_q=32, block_k=32), torch.float32)
+        want = run("reference", torch.float64)
+        for name, a, b in zip(("out", "dq", "dk", "dv", "dqv", "denc"), got, want, strict=True):
+            try:
+                assert_close(a, b, dtype=torch.float32)
+            except AssertionError as err:
+                raise AssertionError(f"{name}: {err}") from None
+        dqv, denc = got[4], got[5]
+        assert dqv[:, :, :200].abs().max() == 0
+        assert dqv.transpose(1, 2).is_contiguous()
+        assert denc.transpose(0, 1).is_contiguous()
+    finally:
+        module.fuse_position(before)
+
+
+@needs_native
+@pytest.mark.parametrize("fuse", [True, False])
 def test_a_pair_beyond_the_position_table_gets_no_term(fuse: bool) -> None:
     # A table of 10 distances (4 .. -5) and a band whose pairs lie 20 .. 40 before their query:
     # every visible pair is beyond the table and gets the term 0, so an infinite qv changes

@@ -480,7 +480,8 @@ struct Call {
   // Transformer-XL's position term rel_scale * qv[n, h, i] . enc[h, top - (i + Tk - Tq - j)], 0
   // where that row is not in the table (see attnkit.scores.RelativePositionTerm).
   Rows<const T*> qv;       // (N, H, Tq, Dh)
-  const T* enc = nullptr;  // (H, P, Dh)
+  const T* enc = nullptr;  // (H, P, Dh), rows contiguous: head h's row e at h * enc_hs + e * enc_ld
+  int64_t enc_hs = 0, enc_ld = 0;
   int64_t Dh = 0, P = 0, top = 0;
   double rel_scale = 0;
   // A query block whose product spans at most this many columns computes it once for all its
@@ -496,6 +497,7 @@ struct Call {
   // The rows of the backward's enc gradient buffers: encodings dfirst ... dfirst + drows - 1.
   int64_t dfirst = 0, drows = 0;
 
+  const T* enc_row(int64_t h, int64_t e) const { return enc + h * enc_hs + e * enc_ld; }
 
   bool partial_visible(int64_t n, int64_t h, int64_t i, int64_t j, int64_t tile, int64_t r,
                        int64_t c) const {
@@ -567,7 +569,7 @@ struct Window {
     const int64_t rows = R1 - R0;
     if (b > a) {
       gemm<T>(false, true, rows, b - a, c.Dh, T(c.rel_scale * kLog2e), c.qv.at(n, h, 0, qs + R0),
-              c.qv.ld(), c.enc + (h * c.P + lo + a) * c.Dh, c.Dh, T(0), p + a, width);
+              c.qv.ld(), c.enc_row(h, lo + a), c.enc_ld, T(0), p + a, width);
     }
     if (a > 0 || b < width) zero_outside();
   }
@@ -578,15 +580,15 @@ struct Window {
     }
   }
   // The backward of compute() for a gradient in p: dqv[rows] += rel_scale p enc[window] and
-  // denc[window] += rel_scale p^T qv[rows] (either may be null; dqv is (N, H, Tq, Dh) contiguous,
-  // denc a buffer of c.drows encodings from c.dfirst per head).
-  void backward(const Call<T>& c, int64_t n, int64_t h, int64_t qs, T* dqv, T* denc) const {
+  // denc[window] += rel_scale p^T qv[rows] (either may be null: dqv.p, denc; dqv is laid out as
+  // qv, denc a buffer of c.drows encodings from c.dfirst per head).
+  void backward(const Call<T>& c, int64_t n, int64_t h, int64_t qs, const Rows<T*>& dqv,
+                T* denc) const {
     if (b <= a) return;
     const int64_t rows = R1 - R0;
-    if (dqv != nullptr) {
-      T* out = dqv + ((n * c.Hkv * c.G + h) * c.Tq + qs + R0) * c.Dh;
-      gemm<T>(false, false, rows, c.Dh, b - a, T(c.rel_scale), p + a, width,
-              c.enc + (h * c.P + lo + a) * c.Dh, c.Dh, T(1), out, c.Dh);
+    if (dqv.p != nullptr) {
+      gemm<T>(false, false, rows, c.Dh, b - a, T(c.rel_scale), p + a, width, c.enc_row(h, lo + a),
+              c.enc_ld, T(1), dqv.at(n, h, 0, qs + R0), dqv.ld());
     }
     if (denc != nullptr) {
       gemm<T>(true, false, b - a, c.Dh, rows, T(c.rel_scale), p + a, width,
@@ -942,17 +944,17 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
 // gradient (dsp, ldp: see skewed_dqv), for a block whose term add_skewed added.
 template <typename T>
 void skew_backward(const Call<T>& c, int64_t n, int64_t h, int64_t qs, const int64_t* vis,
-                   const T* dsp, int64_t ldp, const T* qvc, T* dqv, T* denc) {
+                   const T* dsp, int64_t ldp, const T* qvc, const Rows<T*>& dqv, T* denc) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
     const int64_t nr = vis[3] - vis[2], nk = vis[1] - vis[0];
     int64_t first, last;
     c.enc_rows(qs, vis, first, last);
     const int64_t e0 = first + nr - 1;  // row vis[2]'s first key
-    if (dqv != nullptr) {
-      float* out = dqv + ((n * c.Hkv * c.G + h) * c.Tq + qs + vis[2]) * c.Dh;
+    if (dqv.p != nullptr) {
       const float* ez = c.ez + (h * c.et_panels * KeyPanels::W + e0 - c.et_first) * c.Dh;
-      skewed_dqv(nr, nk, c.Dh, dsp, ldp, ez, float(c.rel_scale), out, c.Dh);
+      skewed_dqv(nr, nk, c.Dh, dsp, ldp, ez, float(c.rel_scale), dqv.at(n, h, 0, qs + vis[2]),
+                 dqv.ld());
     }
     if (denc != nullptr) {
       skewed_denc(nr, nk, c.Dh, dsp, ldp, qvc + vis[2] * c.Dh, float(c.rel_scale),
@@ -972,11 +974,13 @@ void zero_rows(const Rows<T*>& r, int64_t n, int64_t hk, int64_t t0, int64_t t1,
 }
 
 // dbias (when not null) has the bias's own shape, contiguous, with strides ds (0 where broadcast).
+// dqv (when dqv.p is not null) comes uninitialised, laid out as qv; denc (when not null) comes
+// zeroed, laid out as enc.
 template <typename T>
 void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, const T* delta,
                    const Rows<T*>& dq, const Rows<T*>& dk, const Rows<T*>& dv, T* dbias,
                    const int64_t* ds,
-                   int64_t dbias_numel, int64_t dbias_base, T* dqv, T* denc) {
+                   int64_t dbias_numel, int64_t dbias_base, const Rows<T*>& dqv, T* denc) {
   using V = at::vec::Vectorized<T>;
   // Stretches of query blocks per key/value head, enough for every thread to have work.
   const int64_t heads = c.N * c.Hkv;
@@ -1006,7 +1010,7 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
   std::vector<std::vector<T>> dv_parts(parts > 1 ? heads * parts : 0);
   // Every query block of every batch row adds to enc's gradient: each thread adds into its own.
   std::vector<std::vector<T>> denc_threads(denc != nullptr ? at::get_num_threads() : 0);
-  const bool position = c.qv.p != nullptr && (dqv != nullptr || denc != nullptr);
+  const bool position = c.qv.p != nullptr && (dqv.p != nullptr || denc != nullptr);
   // A bias broadcast over the batch, the key/value heads or (with several stretches) the queries
   // has elements that several items add to: then the first thread adds into dbias, every
   // other into its own buffer of the bias's shape, summed into dbias after the parallel region.
@@ -1044,6 +1048,13 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
       if (parts == 1) {
         zero_rows(dk, n, hk, 0, c.Tk, c.Dk);
         zero_rows(dv, n, hk, 0, c.Tk, c.Dv);
+      }
+      // dq and dqv too: every item writes its rows' (dqv's are summed, so zeroed first).
+      for (int64_t g = 0; g < c.G && dqv.p != nullptr; ++g) {
+        for (int64_t i = first[p] * c.bq; i < std::min(first[p + 1] * c.bq, c.Tq); ++i) {
+          T* row = dqv.at(n, hk * c.G + g, 0, i);
+          std::fill(row, row + c.Dh, T(0));
+        }
       }
       if (kmax[p] <= kmin[p]) {
         for (int64_t g = 0; g < c.G; ++g) {
@@ -1191,13 +1202,15 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
   if (denc != nullptr) {
     // The buffers' rows that are rows of enc, into denc.
     const int64_t e0 = std::max<int64_t>(0, c.dfirst), e1 = std::min(c.P, c.dfirst + c.drows);
-    const int64_t per_head = std::max<int64_t>(0, e1 - e0) * c.Dh;
-    at::parallel_for(0, c.Hkv * c.G * per_head, 4096, [&](int64_t begin, int64_t end) {
+    const int64_t per_head = std::max<int64_t>(0, e1 - e0);
+    at::parallel_for(0, c.Hkv * c.G * per_head, 64, [&](int64_t begin, int64_t end) {
       for (const auto& own : denc_threads) {
         if (own.empty()) continue;
         for (int64_t x = begin; x < end; ++x) {
-          const int64_t h = x / per_head, y = x % per_head;
-          denc[h * c.P * c.Dh + e0 * c.Dh + y] += own[(h * c.drows + e0 - c.dfirst) * c.Dh + y];
+          const int64_t h = x / per_head, e = e0 + x % per_head;
+          T* to = denc + h * c.enc_hs + e * c.enc_ld;
+          const T* from = own.data() + (h * c.drows + e - c.dfirst) * c.Dh;
+          for (int64_t d = 0; d < c.Dh; ++d) to[d] += from[d];
         }
       }
     });
@@ -1304,13 +1317,17 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   c.p_drop = p_drop;
   c.seed = (uint64_t)seed;
   if (qv.has_value() && enc.has_value()) {
-    TORCH_CHECK(enc->is_contiguous(), "contiguous enc");
+    TORCH_CHECK(enc->dim() == 3 && (enc->stride(2) == 1 || enc->size(2) <= 1),
+                "enc's rows must be contiguous");
     TORCH_CHECK(qv->dim() == 4 && qv->size(0) == c.N && qv->size(1) == c.Hkv * c.G &&
                     qv->size(2) == c.Tq && qv->size(3) == enc->size(2),
                 "qv is (N, H, Tq, Dh)");
     TORCH_CHECK(enc->size(0) == c.Hkv * c.G, "enc is (H, P, Dh)");
     c.qv = rows_of<const T*>(*qv, qv->data_ptr<T>());
     c.enc = enc->data_ptr<T>();
+    c.enc_hs = enc->stride(0);
+    c.enc_ld = std::max<int64_t>(enc->stride(1), enc->size(2));
+    TORCH_CHECK(enc->size(1) <= 1 || enc->stride(1) >= enc->size(2), "enc's rows must not overlap");
     c.Dh = enc->size(2);
     c.P = enc->size(1);
     c.top = top;
@@ -1347,10 +1364,29 @@ std::vector<at::Tensor> skew_table(Call<T>& c, const c10::optional<at::Tensor>& 
     // pairs masked).
     constexpr int64_t W = Vec::size();
     const int64_t panels = (hi - lo + W) / W;
-    at::Tensor ez = at::zeros({c.Hkv * c.G, panels * W, c.Dh}, enc->options());
-    const int64_t a = std::max<int64_t>(lo, 0), b = std::min(hi, c.P - 1);
-    if (a <= b) ez.narrow(1, a - lo, b - a + 1).copy_(enc->narrow(1, a, b - a + 1));
-    at::Tensor et = ez.view({c.Hkv * c.G, panels, W, c.Dh}).transpose(2, 3).contiguous();
+    const int64_t H = c.Hkv * c.G, D = c.Dh;
+    at::Tensor ez = at::empty({H, panels * W, D}, enc->options());
+    at::Tensor et = at::empty({H, panels, D, W}, enc->options());
+    float* z = ez.data_ptr<float>();
+    float* t = et.data_ptr<float>();
+    // One pass per panel: its encodings row-major into ez and transposed into et.
+    at::parallel_for(0, H * panels, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t x = begin; x < end; ++x) {
+        const int64_t h = x / panels, i = x % panels;
+        float* zp = z + (h * panels + i) * W * D;
+        float* tp = t + (h * panels + i) * D * W;
+        for (int64_t w = 0; w < W; ++w) {
+          const int64_t e = lo + i * W + w;
+          float* row = zp + w * D;
+          if (e >= 0 && e < c.P) {
+            std::copy(c.enc_row(h, e), c.enc_row(h, e) + D, row);
+          } else {
+            std::fill(row, row + D, 0.f);
+          }
+          for (int64_t d = 0; d < D; ++d) tp[d * W + w] = row[d];
+        }
+      }
+    });
     c.et = et.data_ptr<float>();
     c.et_panels = panels;
     c.et_first = lo;
@@ -1574,8 +1610,13 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   }
   const bool position = qv.has_value() && enc.has_value();
   at::Tensor dqv, denc;
-  if (position && qv_grad) dqv = at::zeros(qv->sizes(), qv->options());  // contiguous
-  if (position && enc_grad) denc = at::zeros_like(*enc);
+  // dqv laid out as qv (token-major or contiguous; backward_impl writes every row), denc as enc,
+  // so that the caller's transposes back are free.
+  if (position && qv_grad) dqv = like_kv(*qv);
+  if (position && enc_grad) {
+    denc = at::zeros_like(*enc);
+    TORCH_CHECK(denc.strides() == enc->strides(), "attnkit internal error: denc's layout");
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_backward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
                                  layout, band, shift, key_ok, tiles, p_drop, seed, qv, enc,
@@ -1588,7 +1629,8 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                             rows_of<scalar_t*>(dv, dv.data_ptr<scalar_t>()),
                             bias_grad ? dbias.data_ptr<scalar_t>() : nullptr, ds,
                             bias_grad ? dbias.numel() : 0, dbias_base,
-                            dqv.defined() ? dqv.data_ptr<scalar_t>() : nullptr,
+                            dqv.defined() ? rows_of<scalar_t*>(dqv, dqv.data_ptr<scalar_t>())
+                                          : Rows<scalar_t*>(),
                             denc.defined() ? denc.data_ptr<scalar_t>() : nullptr);
   });
   // Undefined tensors (gradients not asked for) reach Python as None.

@@ -125,7 +125,7 @@ class NativeCall:
         qv = enc = None
         scale, top, whole = 0.0, 0, 0
         if self.position is not None:
-            qv, enc = _rows(term_inputs[0], work), term_inputs[1].to(work).contiguous()
+            qv, enc = _rows(term_inputs[0], work), _rows(term_inputs[1], work)
             scale, top, whole = self.position
         bias = None if bias5 is None else bias5.to(work)
         if self.layout:  # a bias by distance: its table
