@@ -239,6 +239,24 @@ def test_training_after_an_inference_mode_call() -> None:
     assert math.isclose(analytic, numeric, rel_tol=1e-8), (analytic, numeric)
 
 
+@pytest.mark.parametrize("backend", ALL)
+def test_inference_adds_the_bias_in_place_only_to_its_own_tensor(backend: str) -> None:
+    # Where no gradient flows to q, forward adds pos_bias_u to q_proj's output in place (one
+    # (B, T, d_model) tensor fewer): the result is still the formula's, and a q_proj that
+    # returns its input (nn.Identity) leaves the caller's tensor as it was.
+    m = make()
+    x = randn(2, 7, 12)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            assert_close(m(x, backend=backend), brute_force(m, x, x)[0])
+    m.q_proj = nn.Identity()  # type: ignore[assignment]
+    kept = x.clone()
+    with torch.inference_mode():
+        out = m(x, backend=backend)
+    assert torch.equal(x, kept)
+    assert_close(out, brute_force(m, x, x)[0])
+
+
 # --------------------------------------------------------------------------------------------------
 # Properties
 

@@ -347,6 +347,27 @@ class RelativeMultiHeadAttention(nn.Module):
         if backend is not None:
             check_backend(backend)
 
+    def _biased_queries(self, query: Tensor) -> tuple[Tensor, Tensor]:
+        """``q + pos_bias_u`` and ``q + pos_bias_v`` as ``(B, H, Tq, Dh)`` views of token-major
+        tensors. Where no gradient flows to ``q``, ``pos_bias_u`` is added in place: a long input
+        then allocates and writes one ``(B, Tq, d_model)`` tensor fewer."""
+        b, tq, _ = query.shape
+        h, dh = self.num_heads, self.head_dim
+        q = self.q_proj(query).view(b, tq, h, dh)
+        # .to: under torch.autocast q is in the autocast dtype and u, v (float32) would promote it.
+        u, v = self.pos_bias_u.to(q.dtype), self.pos_bias_v.to(q.dtype)
+        owned = not (
+            q.requires_grad
+            or torch.compiler.is_compiling()
+            # a q_proj replaced by one that returns its input (nn.Identity) must not write to it
+            or q.untyped_storage().data_ptr() == query.untyped_storage().data_ptr()
+        )
+        if owned:
+            qu = q.add_(u)
+            qv = qu + (self.pos_bias_v - self.pos_bias_u).to(q.dtype)
+            return qu.transpose(1, 2), qv.transpose(1, 2)
+        return (q + u).transpose(1, 2), (q + v).transpose(1, 2)
+
     @torch_keywords
     def forward(
         self,
@@ -390,10 +411,7 @@ class RelativeMultiHeadAttention(nn.Module):
         tk = key.size(1)
         h, dh = self.num_heads, self.head_dim
 
-        q = self.q_proj(query).view(b, tq, h, dh)
-        # .to: under torch.autocast q is in the autocast dtype and u, v (float32) would promote it.
-        qu = (q + self.pos_bias_u.to(q.dtype)).transpose(1, 2)  # (B, H, Tq, Dh)
-        qv = (q + self.pos_bias_v.to(q.dtype)).transpose(1, 2)  # (B, H, Tq, Dh)
+        qu, qv = self._biased_queries(query)  # (B, H, Tq, Dh) each
         k = self.k_proj(key).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
         v = self.v_proj(value).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
         if self.legacy:
