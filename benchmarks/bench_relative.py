@@ -1,14 +1,17 @@
 """RelativeMultiHeadAttention against MultiHeadAttention and openspeech's module: time and memory.
 
-float32 on the CPU, torch's default threads. Three measurements, each printed as a table:
+float32 on the CPU, torch's default threads. Six measurements, each printed as a table:
 
 * ``speed``: B=4 T=1024 D=512 H=8, forward under ``torch.inference_mode``: attnkit's
   MultiHeadAttention, RelativeMultiHeadAttention (its default sdpa path, its chunked path, which
   is what a training forward runs, and ``legacy="openspeech"``) and openspeech's own
   RelativeMultiHeadAttention, fed its absolute encoding, when the ``openspeech-core`` package is
   installed. Medians of interleaved torch.utils.benchmark rounds; "ratio" is time /
-  MultiHeadAttention's.
-* ``train-speed``: training steps (forward + backward) of both modules at the same size.
+  MultiHeadAttention's. "paired" is the median of the ratios taken round by round in 20 more
+  rounds of 3 calls each, the order reversed every other round: a drift of a shared machine's
+  speed then lands on both sides of each ratio (see :func:`paired_ratios`).
+* ``train-speed``: training steps (forward + backward) of both modules at the same size, the
+  paired ratio from 30 rounds of one step each, with its quartiles.
 * ``load``: the forward of both modules (B=4 T=1024) in 10 rounds on a quiet machine, then 10
   with another process spinning on one core (started and stopped by the script): the busy
   median and the worst busy round over the quiet median.
@@ -137,6 +140,40 @@ def largest_saved(label: str, b: int, t: int) -> int:
     return max(sizes)
 
 
+def paired_ratios(
+    fns: dict[str, Callable[[], Any]], base: str, pairs: int, number: int
+) -> dict[str, list[float]]:
+    """Each callable's time over ``base``'s, once per round: ``pairs`` rounds, each timing
+    every callable for ``number`` calls back to back, in an order reversed every other round, so
+    that a drift of the machine's speed (another tenant, a clock change) lands on both sides of a
+    ratio alike."""
+    from torch.utils import benchmark
+
+    names = list(fns)
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(pairs):
+        seconds = {}
+        for name in names if i % 2 == 0 else names[::-1]:
+            timer = benchmark.Timer(
+                "fn()", globals={"fn": fns[name]}, num_threads=torch.get_num_threads()
+            )
+            seconds[name] = timer.timeit(number).median
+        for name in names:
+            ratios[name].append(seconds[name] / seconds[base])
+    return ratios
+
+
+def _paired_fields(ratios: list[float]) -> dict[str, float]:
+    """The median of a candidate's per-round ratios and their quartiles."""
+    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios * 3)
+    return {
+        "paired_ratio": statistics.median(ratios),
+        "paired_low": low,
+        "paired_high": high,
+        "pairs": len(ratios),
+    }
+
+
 def speed(quick: bool) -> list[dict[str, Any]]:
     b, t = (2, 512) if quick else (4, 1024)
     labels = [
@@ -151,14 +188,19 @@ def speed(quick: bool) -> list[dict[str, Any]]:
         print("openspeech-core is not installed: its row is skipped", file=sys.stderr)
     fns = {lab: build(lab, b, t, train=False)[0] for lab in labels}
     times = time_side_by_side(fns, rounds=2 if quick else 5, min_run_time=0.5 if quick else 2.0)
+    pairs = paired_ratios(fns, "MultiHeadAttention", 4 if quick else 20, 3)
     base = times["MultiHeadAttention"]
     theirs = times.get(OPENSPEECH)
     print(f"\nforward, B={b} T={t} D={D} H={H} float32, inference_mode")
-    print(f"{'candidate':<30} {'ms':>9} {'/ MHA':>7} {'/ openspeech':>13}")
+    print(f"{'candidate':<30} {'ms':>9} {'/ MHA':>7} {'paired / MHA':>13} {'/ openspeech':>13}")
     rows = []
     for lab in labels:
         vs_theirs = f"{times[lab] / theirs:.2f}" if theirs else ""
-        print(f"{lab:<30} {times[lab] * 1e3:>9.1f} {times[lab] / base:>7.2f} {vs_theirs:>13}")
+        paired = _paired_fields(pairs[lab])
+        print(
+            f"{lab:<30} {times[lab] * 1e3:>9.1f} {times[lab] / base:>7.2f} "
+            f"{paired['paired_ratio']:>13.2f} {vs_theirs:>13}"
+        )
         rows.append(
             {
                 "what": "speed",
@@ -167,6 +209,7 @@ def speed(quick: bool) -> list[dict[str, Any]]:
                 "T": t,
                 "seconds": times[lab],
                 "ratio": times[lab] / base,
+                **paired,
             }
         )
     return rows
@@ -178,12 +221,18 @@ def train_speed(quick: bool) -> list[dict[str, Any]]:
     labels = ["MultiHeadAttention", "RelativeMultiHeadAttention"]
     fns = {lab: build(lab, b, t, train=True)[0] for lab in labels}
     times = time_side_by_side(fns, rounds=2 if quick else 5, min_run_time=0.5 if quick else 2.0)
+    pairs = paired_ratios(fns, "MultiHeadAttention", 4 if quick else 30, 1)
     base = times["MultiHeadAttention"]
     print(f"\ntraining step (forward + backward), B={b} T={t} D={D} H={H} float32")
-    print(f"{'candidate':<30} {'ms':>9} {'/ MHA':>7}")
+    print(f"{'candidate':<30} {'ms':>9} {'/ MHA':>7} {'paired / MHA':>13} {'quartiles':>12}")
     rows = []
     for lab in labels:
-        print(f"{lab:<30} {times[lab] * 1e3:>9.1f} {times[lab] / base:>7.2f}")
+        paired = _paired_fields(pairs[lab])
+        quartiles = f"{paired['paired_low']:.2f}-{paired['paired_high']:.2f}"
+        print(
+            f"{lab:<30} {times[lab] * 1e3:>9.1f} {times[lab] / base:>7.2f} "
+            f"{paired['paired_ratio']:>13.2f} {quartiles:>12}"
+        )
         rows.append(
             {
                 "what": "train-speed",
@@ -192,6 +241,7 @@ def train_speed(quick: bool) -> list[dict[str, Any]]:
                 "T": t,
                 "seconds": times[lab],
                 "ratio": times[lab] / base,
+                **paired,
             }
         )
     return rows

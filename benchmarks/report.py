@@ -27,8 +27,9 @@ Rows per section (what the scripts write; times in seconds unless the key says `
 * ``multihead`` (bench_multihead.py): ``pass``, ``candidate``, ``seconds``, ``ratio`` (to torch).
 * ``relative`` (bench_relative.py): ``what`` (speed, train-speed, load, dropout, memory,
   training), ``candidate``, ``B``, ``T``, ``seconds``, ``ratio`` (speed, train-speed: to
-  MultiHeadAttention), ``extra_bytes``, ``largest_saved`` (elements), ``dropout``, and for load
-  ``quiet_seconds``, ``busy_seconds``, ``busy_worst_seconds``.
+  MultiHeadAttention; ``paired_ratio``, its quartiles ``paired_low`` and ``paired_high`` and
+  ``pairs``, from alternating rounds), ``extra_bytes``, ``largest_saved`` (elements),
+  ``dropout``, and for load ``quiet_seconds``, ``busy_seconds``, ``busy_worst_seconds``.
 * ``ring`` (bench_ring.py): ``candidate``, ``causal``, ``seconds``, ``ratio``, ``inputs_mib``,
   ``extra_mib`` (one entry per rank).
 * ``gpu`` (gpu_check.py): ``T``, ``causal``, ``mode``, ``candidate``, ``ms``, ``ratio``.
@@ -341,6 +342,16 @@ def _native(run: Run, images: dict[str, bytes]) -> str:
     return f"{body}{note}"
 
 
+# The paired ratio of a relative row (see bench_relative.paired_ratios): blank for data without.
+_PAIRED = ("paired ratio", "its quartiles")
+
+
+def _paired(row: dict[str, Any]) -> list[str]:
+    if "paired_ratio" not in row:
+        return ["", ""]
+    return [_ratio(row["paired_ratio"]), f"{row['paired_low']:.2f}-{row['paired_high']:.2f}"]
+
+
 def _relative(run: Run, images: dict[str, bytes]) -> str:
     parts = []
     speed = [r for r in run.rows if r["what"] == "speed"]
@@ -354,12 +365,19 @@ def _relative(run: Run, images: dict[str, bytes]) -> str:
         parts.append(f"![relative attention speed]({PLOTS}/{run.name}-speed.png)")
         parts.append(
             table(
-                ["forward (inference)", "B", "T", "ms", "ratio to MultiHeadAttention"],
+                ["forward (inference)", "B", "T", "ms", "ratio to MultiHeadAttention", *_PAIRED],
                 [
-                    [r["candidate"], r["B"], r["T"], _ms(r["seconds"]), _ratio(r["ratio"])]
+                    [
+                        r["candidate"],
+                        r["B"],
+                        r["T"],
+                        _ms(r["seconds"]),
+                        _ratio(r["ratio"]),
+                        *_paired(r),
+                    ]
                     for r in speed
                 ],
-                right=(1, 2, 3, 4),
+                right=(1, 2, 3, 4, 5, 6),
             )
         )
     steps = [r for r in run.rows if r["what"] == "train-speed"]
@@ -372,12 +390,20 @@ def _relative(run: Run, images: dict[str, bytes]) -> str:
                     "T",
                     "ms",
                     "ratio to MultiHeadAttention",
+                    *_PAIRED,
                 ],
                 [
-                    [r["candidate"], r["B"], r["T"], _ms(r["seconds"]), _ratio(r["ratio"])]
+                    [
+                        r["candidate"],
+                        r["B"],
+                        r["T"],
+                        _ms(r["seconds"]),
+                        _ratio(r["ratio"]),
+                        *_paired(r),
+                    ]
                     for r in steps
                 ],
-                right=(1, 2, 3, 4),
+                right=(1, 2, 3, 4, 5, 6),
             )
         )
     busy = [r for r in run.rows if r["what"] == "load"]
