@@ -257,6 +257,50 @@ def test_inference_adds_the_bias_in_place_only_to_its_own_tensor(backend: str) -
     assert_close(out, brute_force(m, x, x)[0])
 
 
+@pytest.mark.parametrize(
+    "window", [(3, 2), (4, 0), (0, 5), (6, -2)], ids=["both sides", "past", "future", "off"]
+)
+def test_long_banded_inference_runs_in_stretches(
+    window: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Inference under a band alone runs stretch by stretch of queries once the input holds two
+    # stretches (here of 16 * the band's width, the least there is): each stretch one attention
+    # call, and the whole exactly the formula, on every side of the band and at the ragged end.
+    # With gradients, a mask beside the band, or causal=True, the call runs whole.
+    import attnkit.relative as relative_module
+
+    calls = []
+
+    def counted(*args: object, **kw: object) -> object:
+        calls.append(1)
+        return attention(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(relative_module, "attention", counted)
+    monkeypatch.setattr(RelativeMultiHeadAttention, "_STRETCH_BYTES", 1)
+    m = make()
+    band = masks.sliding_window(*window)
+    lo, hi = band.distances(masks.Geometry((1,), 3, 10, 10, torch.device("cpu")))
+    stretch = 16 * int(hi - lo)
+    t = 2 * stretch + 37
+    x = randn(2, t, 12)
+    allowed = torch.zeros(t, t, dtype=torch.bool)
+    for i in range(t):
+        allowed[i, max(i + int(lo), 0) : max(min(i + int(hi) + 1, t), 0)] = True
+    want = brute_force(m, x, x, mask=allowed)[0]
+    with torch.inference_mode():
+        got = m(x, mask=band)
+    assert len(calls) == 3
+    assert_close(got, want)
+    calls.clear()
+    with torch.no_grad():
+        m(x, mask=band & masks.key_padding([t, t - 5]))
+        m(x, mask=band, causal=True)
+    assert len(calls) == 2
+    calls.clear()
+    assert_close(m(x, mask=band), want)
+    assert len(calls) == 1
+
+
 # --------------------------------------------------------------------------------------------------
 # Properties
 

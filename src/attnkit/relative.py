@@ -368,6 +368,67 @@ class RelativeMultiHeadAttention(nn.Module):
             return qu.transpose(1, 2), qv.transpose(1, 2)
         return (q + u).transpose(1, 2), (q + v).transpose(1, 2)
 
+    # A stretch of queries in _in_stretches is about this many bytes of one (B, T, d_model) tensor:
+    # the six or so tensors of a stretch's call then stay in the CPU's last-level cache, and the
+    # allocator reuses their memory from stretch to stretch.
+    _STRETCH_BYTES = 1 << 23
+
+    def _stretch(
+        self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | Mask | None, causal: bool
+    ) -> int:
+        """The queries per stretch for :meth:`_in_stretches`, or 0 where the call runs whole:
+        only inference (no gradients) of self-aligned sequences (as many keys as queries) under a
+        band alone (:func:`attnkit.masks.sliding_window`) that sees a few stretches' worth of
+        keys at most, and long enough for two stretches."""
+        if (
+            not isinstance(mask, Mask)
+            or mask.band is None
+            or causal
+            or self.legacy
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or query.device.type != "cpu"
+            or key.size(1) != query.size(1)
+            or any(t.requires_grad for t in (query, key, value))
+        ):
+            return 0
+        b, t, d = query.shape
+        lo, hi = mask.distances(Geometry((b,), self.num_heads, t, t, query.device))
+        if math.isinf(lo) or math.isinf(hi) or hi < lo:
+            return 0
+        row_bytes = max(b * d * query.element_size(), 1)
+        stretch = max(self._STRETCH_BYTES // row_bytes, 16 * int(hi - lo))
+        return stretch if t >= 2 * stretch else 0
+
+    def _in_stretches(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Mask,
+        stretch: int,
+        backend: str | Backend | None,
+    ) -> Tensor:
+        """The output of a long banded call, computed stretch by stretch of queries: the queries
+        ``a:e`` see keys ``a + lo`` up to ``e - 1 + hi`` only, so each stretch is a call of its own
+        on those keys. Its queries run on to ``e + hi`` (and are dropped after ``e``), so that the
+        stretch's last query is its last key, as the module aligns them. Equal to the whole call:
+        every pair, its position term and its mask are the same."""
+        b, t = query.shape[:2]
+        geo = Geometry((b,), self.num_heads, t, t, query.device)
+        lo, hi = (int(x) for x in mask.distances(geo))
+        out = None
+        for a in range(0, t, stretch):
+            e = min(a + stretch, t)
+            qe, ka = min(e + max(hi, 0), t), max(a + min(lo, 0), 0)
+            part = self(query[:, a:qe], key[:, ka:qe], value[:, ka:qe], mask=mask, backend=backend)
+            assert isinstance(part, Tensor)
+            if out is None:
+                out = part.new_empty(b, t, part.size(-1))
+            out[:, a:e] = part[:, : e - a]
+        assert out is not None
+        return out
+
     @torch_keywords
     def forward(
         self,
@@ -407,6 +468,10 @@ class RelativeMultiHeadAttention(nn.Module):
         value = key if value is None else value
         self._check(query, key, value, mask, causal, need_weights, backend)
         capturing = capture.is_capturing(self)
+        if not (need_weights or capturing):
+            stretch = self._stretch(query, key, value, mask, causal)
+            if stretch and isinstance(mask, Mask):
+                return self._in_stretches(query, key, value, mask, stretch, backend)
         b, tq, _ = query.shape
         tk = key.size(1)
         h, dh = self.num_heads, self.head_dim
