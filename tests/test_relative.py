@@ -265,8 +265,9 @@ def test_long_banded_inference_runs_in_stretches(
 ) -> None:
     # Inference under a band alone runs stretch by stretch of queries once the input holds two
     # stretches (here of 16 * the band's width, the least there is): each stretch one attention
-    # call, and the whole exactly the formula, on every side of the band and at the ragged end.
-    # With gradients, a mask beside the band, or causal=True, the call runs whole.
+    # call, and the whole exactly the formula, on every side of the band and at the ragged end;
+    # the module's hooks see one call. With gradients, a mask beside the band, causal=True or
+    # dropout in training, the call runs whole.
     import attnkit.relative as relative_module
 
     calls = []
@@ -287,17 +288,23 @@ def test_long_banded_inference_runs_in_stretches(
     for i in range(t):
         allowed[i, max(i + int(lo), 0) : max(min(i + int(hi) + 1, t), 0)] = True
     want = brute_force(m, x, x, mask=allowed)[0]
+    hooked = []
+    m.register_forward_hook(lambda *_: hooked.append(1))
     with torch.inference_mode():
         got = m(x, mask=band)
     assert len(calls) == 3
+    assert len(hooked) == 1
     assert_close(got, want)
     calls.clear()
     with torch.no_grad():
         m(x, mask=band & masks.key_padding([t, t - 5]))
         m(x, mask=band, causal=True)
-    assert len(calls) == 2
+        m.dropout = 0.1
+        m.train()(x, mask=band)
+    assert len(calls) == 3
     calls.clear()
-    assert_close(m(x, mask=band), want)
+    m.dropout = 0.0
+    assert_close(m.eval()(x, mask=band), want)
     assert len(calls) == 1
 
 

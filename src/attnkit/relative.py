@@ -377,9 +377,9 @@ class RelativeMultiHeadAttention(nn.Module):
         self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | Mask | None, causal: bool
     ) -> int:
         """The queries per stretch for :meth:`_in_stretches`, or 0 where the call runs whole:
-        only inference (no gradients) of self-aligned sequences (as many keys as queries) under a
-        band alone (:func:`attnkit.masks.sliding_window`) that sees a few stretches' worth of
-        keys at most, and long enough for two stretches."""
+        only calls on the CPU without gradients or dropout, with as many keys as queries, under a
+        band alone that is finite on both sides (:func:`attnkit.masks.sliding_window`), and long
+        enough for two stretches."""
         if (
             not isinstance(mask, Mask)
             or mask.band is None
@@ -388,6 +388,7 @@ class RelativeMultiHeadAttention(nn.Module):
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
             or query.device.type != "cpu"
+            or (self.training and self.dropout > 0)
             or key.size(1) != query.size(1)
             or any(t.requires_grad for t in (query, key, value))
         ):
@@ -421,7 +422,10 @@ class RelativeMultiHeadAttention(nn.Module):
         for a in range(0, t, stretch):
             e = min(a + stretch, t)
             qe, ka = min(e + max(hi, 0), t), max(a + min(lo, 0), 0)
-            part = self(query[:, a:qe], key[:, ka:qe], value[:, ka:qe], mask=mask, backend=backend)
+            keys = slice(ka, qe)
+            part = self._attend(
+                query[:, a:qe], key[:, keys], value[:, keys], mask, False, False, False, backend
+            )
             assert isinstance(part, Tensor)
             if out is None:
                 out = part.new_empty(b, t, part.size(-1))
@@ -472,6 +476,20 @@ class RelativeMultiHeadAttention(nn.Module):
             stretch = self._stretch(query, key, value, mask, causal)
             if stretch and isinstance(mask, Mask):
                 return self._in_stretches(query, key, value, mask, stretch, backend)
+        return self._attend(query, key, value, mask, causal, need_weights, capturing, backend)
+
+    def _attend(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Tensor | Mask | None,
+        causal: bool,
+        need_weights: bool,
+        capturing: bool,
+        backend: str | Backend | None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """forward() after its checks, in one call."""
         b, tq, _ = query.shape
         tk = key.size(1)
         h, dh = self.num_heads, self.head_dim

@@ -290,6 +290,19 @@ def test_position_gradients_come_in_the_callers_layout(fuse: bool) -> None:
         assert dqv[:, :, :200].abs().max() == 0
         assert dqv.transpose(1, 2).is_contiguous()
         assert denc.transpose(0, 1).is_contiguous()
+        # One table for every head: an expanded view (head stride 0) is read as it is, and its
+        # gradient is the sum over the heads.
+        shared = enc[:1].detach().clone()
+        for dtype in (torch.float32, torch.float64):
+            base = shared.to(dtype).requires_grad_()
+            term = RelativePositionTerm(qv.to(dtype), base.expand(4, -1, -1), 0.5)
+            backend = Chunked(block_q=32, block_k=32) if dtype == torch.float32 else "reference"
+            out = attention(q.to(dtype), k.to(dtype), v.to(dtype), bias=term, backend=backend)  # type: ignore[arg-type]
+            (grad,) = torch.autograd.grad(out, base, cot.to(dtype))
+            if dtype == torch.float32:
+                got_out, got_grad = out, grad
+        assert_close(got_out, out, dtype=torch.float32)
+        assert_close(got_grad, grad, dtype=torch.float32)
     finally:
         module.fuse_position(before)
 

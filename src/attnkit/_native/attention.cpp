@@ -975,12 +975,13 @@ void zero_rows(const Rows<T*>& r, int64_t n, int64_t hk, int64_t t0, int64_t t1,
 
 // dbias (when not null) has the bias's own shape, contiguous, with strides ds (0 where broadcast).
 // dqv (when dqv.p is not null) comes uninitialised, laid out as qv; denc (when not null) comes
-// zeroed, laid out as enc.
+// zeroed, head h's row e at h * dhs[0] + e * dhs[1].
 template <typename T>
 void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, const T* delta,
                    const Rows<T*>& dq, const Rows<T*>& dk, const Rows<T*>& dv, T* dbias,
                    const int64_t* ds,
-                   int64_t dbias_numel, int64_t dbias_base, const Rows<T*>& dqv, T* denc) {
+                   int64_t dbias_numel, int64_t dbias_base, const Rows<T*>& dqv, T* denc,
+                   const int64_t* dhs) {
   using V = at::vec::Vectorized<T>;
   // Stretches of query blocks per key/value head, enough for every thread to have work.
   const int64_t heads = c.N * c.Hkv;
@@ -1208,7 +1209,7 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
         if (own.empty()) continue;
         for (int64_t x = begin; x < end; ++x) {
           const int64_t h = x / per_head, e = e0 + x % per_head;
-          T* to = denc + h * c.enc_hs + e * c.enc_ld;
+          T* to = denc + h * dhs[0] + e * dhs[1];
           const T* from = own.data() + (h * c.drows + e - c.dfirst) * c.Dh;
           for (int64_t d = 0; d < c.Dh; ++d) to[d] += from[d];
         }
@@ -1613,10 +1614,9 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   // dqv laid out as qv (token-major or contiguous; backward_impl writes every row), denc as enc,
   // so that the caller's transposes back are free.
   if (position && qv_grad) dqv = like_kv(*qv);
-  if (position && enc_grad) {
-    denc = at::zeros_like(*enc);
-    TORCH_CHECK(denc.strides() == enc->strides(), "attnkit internal error: denc's layout");
-  }
+  if (position && enc_grad) denc = at::zeros_like(*enc);  // enc's layout where it is dense
+  int64_t dhs[2] = {0, 0};
+  if (denc.defined()) dhs[0] = denc.stride(0), dhs[1] = denc.stride(1);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_backward", [&] {
     auto c = make_call<scalar_t>(q, k, v, off, visits, block_q, block_k, scale, softcap, bias,
                                  layout, band, shift, key_ok, tiles, p_drop, seed, qv, enc,
@@ -1631,7 +1631,7 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                             bias_grad ? dbias.numel() : 0, dbias_base,
                             dqv.defined() ? rows_of<scalar_t*>(dqv, dqv.data_ptr<scalar_t>())
                                           : Rows<scalar_t*>(),
-                            denc.defined() ? denc.data_ptr<scalar_t>() : nullptr);
+                            denc.defined() ? denc.data_ptr<scalar_t>() : nullptr, dhs);
   });
   // Undefined tensors (gradients not asked for) reach Python as None.
   return {dq, dk, dv, dbias, dqv, denc};
