@@ -150,6 +150,12 @@ _FOREIGN = {
     "_guards",
     "_version",  # Tensor._version: the in-place counter autograd checks
     "_base",  # Tensor._base: the tensor a view was made from
+    # nn.Module's hooks, and torch.nn.modules.module's global ones: a projection that has any
+    # must run as a module, not as its weight
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
     "_scaled_dot_product_flash_attention_for_cpu",  # torch.ops.aten's fused CPU kernel
     "_scaled_dot_product_flash_attention_for_cpu_backward",
 }

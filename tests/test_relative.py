@@ -308,6 +308,62 @@ def test_long_banded_inference_runs_in_stretches(
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("encoding", ["signed", "symmetric"])
+@pytest.mark.parametrize(("top", "bottom"), [(9, -9), (3, -11), (11, -3), (0, -5)])
+def test_mirrored_projection_equals_the_whole_table(encoding: str, top: int, bottom: int) -> None:
+    # The projection of distances top .. bottom from those of 0 .. -m alone equals the whole
+    # table's product, and so does weight's gradient, for an odd dimension too (one more sine).
+    for d in (12, 13):
+        m = RelativeMultiHeadAttention(d, 1, encoding=encoding, dtype=torch.float64)  # type: ignore[arg-type]
+        w = m.pos_proj.weight
+        whole = m._encodings(1, 1, top, bottom) @ w.t()
+        negative = m._encodings(1, 1, 0, -max(top, -bottom))
+        got = relpos.mirrored_projection(w, negative, top, bottom, odd=encoding == "signed")
+        cot = randn(*whole.shape, seed=d)
+        assert_close(got, whole)
+        assert_close(torch.autograd.grad(got, w, cot)[0], torch.autograd.grad(whole, w, cot)[0])
+
+
+def test_module_projects_a_table_of_both_signs_mirrored(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Training and inference with the mirrored projection equal the formula, gradients too (here
+    # for tables of 2 or more distances of each sign); a pos_proj with a hook runs as a module.
+    mirrored = []
+    original = relpos.mirrored_projection
+
+    def counted(*args: object, **kw: object) -> Tensor:
+        mirrored.append(1)
+        return original(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(relpos, "mirrored_projection", counted)
+    x, cot = randn(2, 9, 12), randn(2, 9, 12, seed=2)
+    want = make()
+    got = make()
+    monkeypatch.setattr(RelativeMultiHeadAttention, "_MIRROR_ROWS", 10**9)
+    want(x).backward(cot)
+    window = masks.sliding_window(3, 4)
+    with torch.no_grad():
+        want_window = want(x, mask=window)
+    assert not mirrored
+    monkeypatch.setattr(RelativeMultiHeadAttention, "_MIRROR_ROWS", 2)
+    out = got(x)
+    out.backward(cot)
+    assert len(mirrored) == 1
+    assert_close(out, brute_force(got, x, x)[0])
+    for (name, a), b in zip(got.named_parameters(), want.parameters(), strict=True):
+        try:
+            assert_close(a.grad, b.grad)  # type: ignore[arg-type]
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None
+    with torch.no_grad():
+        assert_close(got(x, mask=window), want_window)
+    assert len(mirrored) == 2
+    seen = []
+    got.pos_proj.register_forward_hook(lambda *_: seen.append(1))
+    got(x)
+    assert seen == [1]
+    assert len(mirrored) == 2
+
+
 # --------------------------------------------------------------------------------------------------
 # Properties
 

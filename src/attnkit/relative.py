@@ -265,15 +265,45 @@ class RelativeMultiHeadAttention(nn.Module):
         the projection of ``Tq + Tk - 1`` encodings is a fifth of the module's matmul work."""
         weight = self.pos_proj.weight
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad):
-            out: Tensor = self.pos_proj(self._encodings(tq, tk, top, bottom))
-            return out
+            return self._projection(tq, tk, top, bottom)
         key = (weight.data_ptr(), weight._version, weight.device, weight.dtype, tq, tk, top, bottom)
         if self._last_projection is not None and self._last_projection[0] == key:
             return self._last_projection[1]
         with torch.inference_mode(False), torch.no_grad():  # usable by a later training call
-            out = self.pos_proj(self._encodings(tq, tk, top, bottom))
+            out = self._projection(tq, tk, top, bottom)
         self._last_projection = (key, out)
         return out
+
+    # The projection takes the mirrored path (see _projection) when the table holds at least this
+    # many distances of each sign: below, its few extra passes cost what the products save.
+    _MIRROR_ROWS = 32
+
+    def _projection(self, tq: int, tk: int, top: int, bottom: int) -> Tensor:
+        """``pos_proj`` of :meth:`_encodings`. A table of both signs of distances is projected
+        from its distances ``0, -1, ..., -m`` alone (:func:`attnkit._relpos.mirrored_projection`:
+        half the products), where ``pos_proj`` is a plain ``nn.Linear`` without bias or hooks."""
+        proj = self.pos_proj
+        plain = (
+            type(proj) is nn.Linear
+            and proj.bias is None
+            and not (proj._forward_hooks or proj._forward_pre_hooks)
+            and not nn.modules.module._global_forward_hooks
+            and not nn.modules.module._global_forward_pre_hooks
+        )
+        if (
+            not plain
+            or self.legacy
+            or torch.compiler.is_compiling()
+            or min(top, -bottom) < self._MIRROR_ROWS
+            or torch.is_autocast_enabled(proj.weight.device.type)
+        ):
+            out: Tensor = proj(self._encodings(tq, tk, top, bottom))
+            return out
+        m = max(top, -bottom)
+        negative = self._encodings(tq, tk, 0, -m)  # distances 0, -1, ..., -m
+        return _relpos.mirrored_projection(
+            proj.weight, negative, top, bottom, odd=self.encoding != "symmetric"
+        )
 
     def _distances(
         self, mask: Tensor | Mask | None, causal: bool, b: int, tq: int, tk: int
