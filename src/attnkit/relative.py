@@ -448,20 +448,18 @@ class RelativeMultiHeadAttention(nn.Module):
         b, t = query.shape[:2]
         geo = Geometry((b,), self.num_heads, t, t, query.device)
         lo, hi = (int(x) for x in mask.distances(geo))
-        out = None
+        out: Tensor | None = None
         for a in range(0, t, stretch):
             e = min(a + stretch, t)
             qe, ka = min(e + max(hi, 0), t), max(a + min(lo, 0), 0)
             keys = slice(ka, qe)
-            part = self._attend(
+            part, _ = self._attend(
                 query[:, a:qe], key[:, keys], value[:, keys], mask, False, False, False, backend
             )
-            assert isinstance(part, Tensor)
             if out is None:
                 out = part.new_empty(b, t, part.size(-1))
             out[:, a:e] = part[:, : e - a]
-        assert out is not None
-        return out
+        return present(out, "the output")
 
     @torch_keywords
     def forward(
@@ -506,7 +504,12 @@ class RelativeMultiHeadAttention(nn.Module):
             stretch = self._stretch(query, key, value, mask, causal)
             if stretch and isinstance(mask, Mask):
                 return self._in_stretches(query, key, value, mask, stretch, backend)
-        return self._attend(query, key, value, mask, causal, need_weights, capturing, backend)
+        result, weights = self._attend(
+            query, key, value, mask, causal, need_weights, capturing, backend
+        )
+        if need_weights:
+            return result, present(weights, "weights")
+        return result
 
     def _attend(
         self,
@@ -518,8 +521,9 @@ class RelativeMultiHeadAttention(nn.Module):
         need_weights: bool,
         capturing: bool,
         backend: str | Backend | None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """forward() after its checks, in one call."""
+    ) -> tuple[Tensor, Tensor | None]:
+        """forward() after its checks, in one call: the output, and the weights when asked for
+        (``need_weights`` or ``capturing``)."""
         b, tq, _ = query.shape
         tk = key.size(1)
         h, dh = self.num_heads, self.head_dim
@@ -554,9 +558,7 @@ class RelativeMultiHeadAttention(nn.Module):
             if capturing:
                 capture.record(self, weights)
         result: Tensor = self.out_proj(out.transpose(1, 2).reshape(b, tq, self.d_model))
-        if need_weights:
-            return result, present(weights, "weights")
-        return result
+        return result, weights
 
     def explain(
         self,
