@@ -83,7 +83,7 @@ def espnet_legacy_sinusoid(length: int, dim: int, max_len: int) -> Tensor:
 
 
 class _Mirrored(torch.autograd.Function):
-    """``table @ weight^T`` for the encodings of distances ``top .. bottom`` (``top > 0 > bottom``)
+    """``table @ weight^T`` for the encodings of distances ``top .. bottom`` (``top >= 0 > bottom``)
     from those of ``0, -1, ..., -m`` alone (``m = max(top, -bottom)``): see
     :func:`mirrored_projection`."""
 

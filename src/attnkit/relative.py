@@ -275,7 +275,7 @@ class RelativeMultiHeadAttention(nn.Module):
         return out
 
     # The projection takes the mirrored path (see _projection) when the table holds at least this
-    # many distances of each sign: below, its few extra passes cost what the products save.
+    # many distances of each sign: a smaller table saves few products for the path's extra passes.
     _MIRROR_ROWS = 32
 
     def _projection(self, tq: int, tk: int, top: int, bottom: int) -> Tensor:
@@ -385,7 +385,7 @@ class RelativeMultiHeadAttention(nn.Module):
         h, dh = self.num_heads, self.head_dim
         q = self.q_proj(query).view(b, tq, h, dh)
         # .to: under torch.autocast q is in the autocast dtype and u, v (float32) would promote it.
-        u, v = self.pos_bias_u.to(q.dtype), self.pos_bias_v.to(q.dtype)
+        u = self.pos_bias_u.to(q.dtype)
         owned = not (
             q.requires_grad
             or torch.compiler.is_compiling()
@@ -396,7 +396,7 @@ class RelativeMultiHeadAttention(nn.Module):
             qu = q.add_(u)
             qv = qu + (self.pos_bias_v - self.pos_bias_u).to(q.dtype)
             return qu.transpose(1, 2), qv.transpose(1, 2)
-        return (q + u).transpose(1, 2), (q + v).transpose(1, 2)
+        return (q + u).transpose(1, 2), (q + self.pos_bias_v.to(q.dtype)).transpose(1, 2)
 
     # A stretch of queries in _in_stretches is about this many bytes of one (B, T, d_model) tensor:
     # the six or so tensors of a stretch's call then stay in the CPU's last-level cache, and the
@@ -405,8 +405,9 @@ class RelativeMultiHeadAttention(nn.Module):
 
     def _stretch(
         self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | Mask | None, causal: bool
-    ) -> int:
-        """The queries per stretch for :meth:`_in_stretches`, or 0 where the call runs whole:
+    ) -> tuple[int, int, int] | None:
+        """``(queries per stretch, lo, hi)`` for :meth:`_in_stretches` (the band's distances
+        ``lo <= j - i <= hi``), or None where the call runs whole:
         only calls on the CPU without gradients or dropout, with as many keys as queries, under a
         band alone that is finite on both sides (:func:`attnkit.masks.sliding_window`), and long
         enough for two stretches."""
@@ -422,14 +423,14 @@ class RelativeMultiHeadAttention(nn.Module):
             or key.size(1) != query.size(1)
             or any(t.requires_grad for t in (query, key, value))
         ):
-            return 0
+            return None
         b, t, d = query.shape
         lo, hi = mask.distances(Geometry((b,), self.num_heads, t, t, query.device))
         if math.isinf(lo) or math.isinf(hi) or hi < lo:
-            return 0
+            return None
         row_bytes = max(b * d * query.element_size(), 1)
         stretch = max(self._STRETCH_BYTES // row_bytes, 16 * int(hi - lo))
-        return stretch if t >= 2 * stretch else 0
+        return (stretch, int(lo), int(hi)) if t >= 2 * stretch else None
 
     def _in_stretches(
         self,
@@ -437,7 +438,7 @@ class RelativeMultiHeadAttention(nn.Module):
         key: Tensor,
         value: Tensor,
         mask: Mask,
-        stretch: int,
+        stretches: tuple[int, int, int],
         backend: str | Backend | None,
     ) -> Tensor:
         """The output of a long banded call, computed stretch by stretch of queries: the queries
@@ -446,8 +447,7 @@ class RelativeMultiHeadAttention(nn.Module):
         stretch's last query is its last key, as the module aligns them. Equal to the whole call:
         every pair, its position term and its mask are the same."""
         b, t = query.shape[:2]
-        geo = Geometry((b,), self.num_heads, t, t, query.device)
-        lo, hi = (int(x) for x in mask.distances(geo))
+        stretch, lo, hi = stretches
         out: Tensor | None = None
         for a in range(0, t, stretch):
             e = min(a + stretch, t)
@@ -501,9 +501,9 @@ class RelativeMultiHeadAttention(nn.Module):
         self._check(query, key, value, mask, causal, need_weights, backend)
         capturing = capture.is_capturing(self)
         if not (need_weights or capturing):
-            stretch = self._stretch(query, key, value, mask, causal)
-            if stretch and isinstance(mask, Mask):
-                return self._in_stretches(query, key, value, mask, stretch, backend)
+            stretches = self._stretch(query, key, value, mask, causal)
+            if stretches is not None and isinstance(mask, Mask):
+                return self._in_stretches(query, key, value, mask, stretches, backend)
         result, weights = self._attend(
             query, key, value, mask, causal, need_weights, capturing, backend
         )
