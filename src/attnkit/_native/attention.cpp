@@ -986,7 +986,8 @@ void backward_impl(const Call<T>& c, const Rows<const T*>& dout, const T* lse, c
   // Stretches of query blocks per key/value head, enough for every thread to have work.
   const int64_t heads = c.N * c.Hkv;
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::max<int64_t>(
+  // An empty batch (no heads) still gets one stretch: it divides nothing by zero.
+  const int64_t parts = heads == 0 ? 1 : std::max<int64_t>(
       1, std::min<int64_t>(c.nqb, (2 * threads + heads - 1) / heads));
   // Stretches balanced by visits: stretch p holds query blocks first[p] : first[p + 1].
   std::vector<int64_t> first(parts + 1, c.nqb);
