@@ -503,7 +503,7 @@ ERRORS = [
     (lambda q: fa.flash_attn_func(q, q, q, window_size=(-4, 2)), ValueError,
      "window_size=(-4, 2) holds no key: the band runs from 4 to 2 keys from the diagonal"),
     (lambda q: fa.flash_attn_func(q, q, q, softcap=-1.0), ValueError,
-     "softcap must be > 0, or 0.0 for none, got -1.0"),
+     "softcap must be a finite number > 0, or 0.0 for none, got -1.0"),
     (lambda q: fa.flash_attn_func(q, q, q, alibi_slopes=torch.ones(3)), ValueError,
      "alibi_slopes must be (nheads,) = (2,) or (batch, nheads) = (1, 2), got (3)"),
     (lambda q: fa.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 2]),
@@ -573,3 +573,307 @@ def test_structured_masks_keep_memory_linear() -> None:
             assert int(states[bi, bj]) != masks.FULL or block.all()
     assert (states == masks.EMPTY).any()
     assert (states == masks.FULL).any()
+
+
+# --------------------------------------------------------------------------------------------------
+# Refused calls: every argument checked, and a refused cache call changes nothing
+
+
+def _kv_call(paged: bool) -> dict[str, Any]:
+    """A valid flash_attn_with_kvcache call that writes 2 new tokens per row, by keyword: rotary,
+    ALiBi, sinks and softcap on, two rows at different lengths, pages of 4 when ``paged``."""
+    g = torch.Generator().manual_seed(21)
+
+    def r(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    batch, heads, hkv, d, capacity, new = 2, 4, 2, 8, 12, 2
+    angles = r(16, 2) * 3
+    call: dict[str, Any] = dict(
+        q=r(batch, 1, heads, d),
+        k=r(batch, new, hkv, d),
+        v=r(batch, new, hkv, 6),
+        rotary_cos=angles.cos(),
+        rotary_sin=angles.sin(),
+        cache_seqlens=torch.tensor([3, 7], dtype=torch.int32),
+        causal=True,
+        softcap=5.0,
+        alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64),
+        learnable_sink=r(heads),
+    )
+    if paged:  # 3 pages a row, in a shuffled pool of 7 (page 6 belongs to no row)
+        call["block_table"] = torch.tensor([[4, 0, 2], [5, 1, 3]], dtype=torch.int32)
+        call["k_cache"], call["v_cache"] = r(7, 4, hkv, d), r(7, 4, hkv, 6)
+    else:
+        call["k_cache"], call["v_cache"] = r(batch, capacity, hkv, d), r(batch, capacity, hkv, 6)
+    return call
+
+
+def _snapshot(call: dict[str, Any]) -> dict[str, Tensor]:
+    return {name: t.clone() for name, t in call.items() if isinstance(t, Tensor)}
+
+
+def _assert_unchanged(call: dict[str, Any], before: dict[str, Tensor]) -> None:
+    """Every tensor of the call holds the bits it held (NaN arguments included)."""
+    for name, t in before.items():
+        now = call[name]
+        assert (now.dtype, now.shape) == (t.dtype, t.shape), f"{name} changed"
+        same = torch.equal(now.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8))
+        assert same, f"{name} changed"
+
+
+def _refused_kv_calls(paged: bool) -> list[tuple[str, dict[str, Any], type[Exception], str]]:
+    """(what, overrides of _kv_call, exception, message fragment): each a call that must fail."""
+    nan, inf = float("nan"), float("inf")
+    slopes = torch.tensor([0.5, 0.25, nan, 0.0625], dtype=torch.float64)
+    g = torch.Generator().manual_seed(22)
+    cases = [
+        ("softcap < 0", dict(softcap=-1.0), ValueError, "softcap must be a finite number > 0"),
+        ("softcap nan", dict(softcap=nan), ValueError, "softcap must be a finite number > 0"),
+        ("softcap inf", dict(softcap=inf), ValueError, "softcap must be a finite number > 0"),
+        ("softcap str", dict(softcap="5"), TypeError, "softcap must be a number"),
+        ("scale nan", dict(softmax_scale=nan), ValueError, "softmax_scale must be finite"),
+        ("scale inf", dict(softmax_scale=-inf), ValueError, "softmax_scale must be finite"),
+        ("scale huge", dict(softmax_scale=1e309 / 1e10), ValueError, "softmax_scale must be"),
+        ("scale str", dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
+        ("slopes shape", dict(alibi_slopes=torch.ones(3, dtype=torch.float64)), ValueError,
+         "alibi_slopes must be (nheads,) = (4,)"),
+        ("slopes int", dict(alibi_slopes=torch.ones(4, dtype=torch.int64)), TypeError,
+         "alibi_slopes must be a float tensor"),
+        ("slopes nan", dict(alibi_slopes=slopes), ValueError,
+         "alibi_slopes must be finite, got alibi_slopes[2] = nan"),
+        ("sinks shape", dict(learnable_sink=torch.zeros(3, dtype=torch.float64)), ValueError,
+         "learnable_sink must be (nheads,) = (4,)"),
+        ("sinks nan", dict(learnable_sink=torch.tensor([0.0, nan, 0.0, 0.0])), ValueError,
+         "learnable_sink holds NaN"),
+        ("sinks +inf", dict(learnable_sink=torch.tensor([0.0, inf, 0.0, 0.0])), ValueError,
+         "learnable_sink holds +inf"),
+        ("sinks int", dict(learnable_sink=torch.zeros(4, dtype=torch.int64)), TypeError,
+         "learnable_sink must be a float tensor"),
+        ("sinks twice", dict(s_aux=torch.zeros(4, dtype=torch.float64)), TypeError,
+         "learnable_sink or s_aux, not both"),
+        ("q headdim", dict(q=torch.randn(2, 1, 4, 16, generator=g, dtype=torch.float64)),
+         ValueError, "q's headdim (16) must be k_cache's (8)"),
+        ("q heads", dict(q=torch.randn(2, 1, 3, 8, generator=g, dtype=torch.float64)),
+         ValueError, "q's nheads (3) must be a multiple of the cache's nheads_k (2)"),
+        ("q dtype", dict(q=torch.randn(2, 1, 4, 8, generator=g)), TypeError,
+         "must share a dtype"),
+        ("k headdim", dict(k=torch.randn(2, 2, 2, 4, generator=g, dtype=torch.float64)),
+         ValueError, "k (2, 2, 2, 4) must have k_cache's (nheads_k, headdim) = (2, 8)"),
+        ("v headdim", dict(v=torch.randn(2, 2, 2, 8, generator=g, dtype=torch.float64)),
+         ValueError, "v (2, 2, 2, 8) must have v_cache's (nheads_k, headdim) = (2, 6)"),
+        ("rotary wide", dict(rotary_cos=torch.ones(16, 6, dtype=torch.float64),
+                             rotary_sin=torch.ones(16, 6, dtype=torch.float64)), ValueError,
+         "rotary_cos has 6 columns"),
+        ("rotary sin", dict(rotary_sin=torch.ones(16, 1, dtype=torch.float64)), ValueError,
+         "rotary_sin (16, 1) must have rotary_cos's shape (16, 2)"),
+        ("rotary short", dict(rotary_cos=torch.ones(5, 2, dtype=torch.float64),
+                              rotary_sin=torch.ones(5, 2, dtype=torch.float64)), ValueError,
+         "rotary_cos has 5 positions, fewer than the 9"),
+        ("window", dict(window_size=(2.5, 0)), TypeError, "window_size left bound"),
+        ("lse flag", dict(return_softmax_lse=1), TypeError, "return_softmax_lse must be a bool"),
+        ("too long", dict(cache_seqlens=torch.tensor([3, 11], dtype=torch.int32)), ValueError,
+         "do not fit the cache's 12 positions"),
+        ("leftpad", dict(cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)), ValueError,
+         "cache_leftpad [4, 0] must lie in 0..cache_seqlens [3, 7]"),
+    ]  # fmt: skip
+    if paged:
+        cases += [
+            ("table < 0", dict(block_table=torch.tensor([[4, 0, 2], [5, -1, 3]])), ValueError,
+             "block_table[1, 1] = -1 is not a page: k_cache (7, 4, 2, 8) holds 7 pages"),
+            ("table > pages", dict(block_table=torch.tensor([[4, 7, 2], [5, 1, 3]])), ValueError,
+             "block_table[0, 1] = 7 is not a page: k_cache (7, 4, 2, 8) holds 7 pages, numbered "
+             "0 to 6"),
+            ("table float", dict(block_table=torch.tensor([[4.0, 0, 2], [5, 1, 3]])), TypeError,
+             "block_table must be an integer tensor (batch, max_blocks) of page numbers, got "
+             "float32"),
+            ("table rows", dict(block_table=torch.tensor([[4, 0, 2]])), ValueError,
+             "block_table must be (batch, max_blocks) with batch = 2, got shape (1, 3)"),
+            ("v pages", dict(v_cache=torch.zeros(6, 4, 2, 6, dtype=torch.float64)), ValueError,
+             "k_cache (7, 4, 2, 8) and v_cache (6, 4, 2, 6) must agree"),
+        ]  # fmt: skip
+    else:
+        cases += [
+            ("cache rows", dict(cache_batch_idx=torch.tensor([0, 2])), ValueError,
+             "cache_batch_idx must index the 2 cache rows, got [0, 2]"),
+        ]  # fmt: skip
+    return cases
+
+
+KV_REFUSED = [(paged, *case) for paged in (False, True) for case in _refused_kv_calls(paged)]
+
+
+@pytest.mark.parametrize(
+    ("paged", "what", "overrides", "exc", "message"),
+    KV_REFUSED,
+    ids=[f"{'paged' if c[0] else 'rows'}-{c[1]}" for c in KV_REFUSED],
+)
+def test_a_refused_kvcache_call_changes_nothing(
+    paged: bool, what: str, overrides: dict[str, Any], exc: type[Exception], message: str
+) -> None:
+    import re
+
+    good = _kv_call(paged)
+    # The same call without the bad argument writes into the cache: what must not happen here.
+    written = {n: t.clone() if isinstance(t, Tensor) else t for n, t in good.items()}
+    fa.flash_attn_with_kvcache(**written)
+    assert not torch.equal(written["k_cache"], good["k_cache"])
+    assert not torch.equal(written["v_cache"], good["v_cache"])
+    call = {**good, **overrides}
+    before = _snapshot(call)
+    with pytest.raises(exc, match=re.escape(message)):
+        fa.flash_attn_with_kvcache(**call)
+    _assert_unchanged(call, before)
+
+
+def test_the_early_checks_follow_autocast() -> None:
+    """Under torch.autocast attention() casts q and the cache to one dtype; the checks made
+    before the write allow what attention() then serves."""
+    call = _kv_call(paged=False)
+    call["q"] = call["q"].float()
+    del call["learnable_sink"]
+    with pytest.raises(TypeError, match="must share a dtype"):
+        fa.flash_attn_with_kvcache(**{n: t.clone() if isinstance(t, Tensor) else t
+                                      for n, t in call.items()})  # fmt: skip
+    call["k_cache"], call["v_cache"] = call["k_cache"].float(), call["v_cache"].float()
+    call["q"] = call["q"].bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fa.flash_attn_with_kvcache(**call)
+    assert out.dtype == torch.bfloat16
+
+
+# Block tables: every page a call reads or writes must exist.
+
+
+def _paged_varlen(table: Tensor) -> Any:
+    g = torch.Generator().manual_seed(23)
+    q = torch.randn(5, 2, 8, generator=g, dtype=torch.float64)
+    kp, vp = (torch.randn(4, 4, 1, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    return fa.flash_attn_varlen_func(q, kp, vp, _cu([2, 3]), _cu([6, 3]), block_table=table)
+
+
+@pytest.mark.parametrize(
+    ("table", "exc", "message"),
+    [
+        ([[0, 2], [-1, 3]], ValueError,
+         "block_table[1, 0] = -1 is not a page: the paged k (4, 4, 1, 8) holds 4 pages, numbered "
+         "0 to 3 (row 1 reads its first 1 entries)"),
+        ([[0, 4], [1, 3]], ValueError, "block_table[0, 1] = 4 is not a page"),
+        ([[0, 2], [1, 99]], None, None),  # sequence 1's 3 keys fill one page: 99 is not read
+        ([[0, 2], [1, -1]], None, None),
+        ([[0.0, 2.0], [1.0, 3.0]], TypeError,
+         "block_table must be an integer tensor (batch, max_blocks) of page numbers, got "
+         "float32"),
+        ([[True, False], [True, True]], TypeError, "got bool"),
+    ],
+)  # fmt: skip
+def test_varlen_block_table_entries_are_pages(
+    table: list[list[Any]], exc: type[Exception] | None, message: str | None
+) -> None:
+    import re
+
+    t = torch.tensor(table)
+    if exc is None:
+        want = _paged_varlen(torch.tensor([[0, 2], [1, 3]]))
+        assert_close(_paged_varlen(t), want)
+        return
+    with pytest.raises(exc, match=re.escape(str(message))):
+        _paged_varlen(t)
+
+
+def test_kvcache_reads_only_the_pages_its_rows_fill() -> None:
+    """Entries past a row's last page (padding, here -1 and 99) are not read, and the pages a
+    row does read are those of its own entries."""
+    call = _kv_call(paged=True)
+    call["cache_seqlens"] = torch.tensor([1, 7], dtype=torch.int32)  # row 0 fills 1 page of 3
+    padded = {n: t.clone() if isinstance(t, Tensor) else t for n, t in call.items()}
+    padded["block_table"] = torch.tensor([[4, -1, 99], [5, 1, 3]], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(**padded)
+    assert_close(out, fa.flash_attn_with_kvcache(**call))
+    assert torch.equal(padded["k_cache"], call["k_cache"])  # the same tokens went in, in place
+
+
+# NaN and infinity in every float argument of every function
+
+
+def _fa_inputs(fn: str) -> tuple[Any, ...]:
+    g = torch.Generator().manual_seed(24)
+
+    def r(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    return {
+        "flash_attn_func": (r(2, 5, 4, 8), r(2, 6, 2, 8), r(2, 6, 2, 8)),
+        "flash_attn_qkvpacked_func": (r(2, 5, 3, 4, 8),),
+        "flash_attn_kvpacked_func": (r(2, 5, 4, 8), r(2, 6, 2, 2, 8)),
+        "flash_attn_varlen_func": (r(9, 4, 8), r(11, 2, 8), r(11, 2, 8), _cu([4, 5]), _cu([5, 6])),
+        "flash_attn_varlen_qkvpacked_func": (r(9, 3, 4, 8), _cu([4, 5])),
+        "flash_attn_varlen_kvpacked_func": (r(9, 4, 8), r(11, 2, 2, 8), _cu([4, 5]), _cu([5, 6])),
+        "varlen_mask": ([0, 4, 9],),
+    }[fn]
+
+
+_ALL_FLOATS = ["dropout_p", "softmax_scale", "softcap", "alibi_slopes", "learnable_sink", "s_aux",
+               "window_size left", "window_size right"]  # fmt: skip
+FLOAT_ARGS = {
+    **{fn: _ALL_FLOATS for fn in fa.__all__ if fn.startswith("flash_attn")},
+    "flash_attn_with_kvcache": [a for a in _ALL_FLOATS if a != "dropout_p"],
+    "varlen_mask": ["window_size left", "window_size right"],
+}
+assert set(FLOAT_ARGS) == set(fa.__all__) - {"install"}  # a new function gets its row here
+NONFINITE = [
+    (fn, arg, bad)
+    for fn, args in FLOAT_ARGS.items()
+    for arg in args
+    for bad in ("nan", "inf", "-inf")
+    if not (arg in ("learnable_sink", "s_aux") and bad == "-inf")  # -inf: no sink, allowed
+]
+
+
+@pytest.mark.parametrize(("fn", "arg", "bad"), NONFINITE)
+def test_nan_and_inf_are_refused_by_name(fn: str, arg: str, bad: str) -> None:
+    value = float(bad)
+    if arg.startswith("window_size"):
+        kw: dict[str, Any] = {"window_size": (value, -1) if arg.endswith("left") else (-1, value)}
+        name = arg
+    elif arg in ("alibi_slopes", "learnable_sink", "s_aux"):
+        t = torch.full((4,), 0.5, dtype=torch.float64)
+        t[1] = value
+        kw, name = {arg: t}, arg
+    else:
+        kw, name = {arg: value}, arg
+    if fn == "flash_attn_with_kvcache":
+        call = _kv_call(paged=False)
+        call.pop("learnable_sink")
+        call.update(kw)
+        before = _snapshot(call)
+        with pytest.raises((ValueError, TypeError)) as info:
+            fa.flash_attn_with_kvcache(**call)
+        _assert_unchanged(call, before)
+    else:
+        with pytest.raises((ValueError, TypeError)) as info:
+            getattr(fa, fn)(*_fa_inputs(fn), **kw)
+    text = str(info.value)
+    assert text.startswith(name), text
+    assert bad.lstrip("-") in text.lower(), text  # the message quotes the value
+
+
+def test_a_sink_of_minus_inf_is_no_sink() -> None:
+    q, k, v = _fa_inputs("flash_attn_func")
+    none = torch.full((4,), -math.inf, dtype=torch.float64)
+    assert_close(fa.flash_attn_func(q, k, v, learnable_sink=none), fa.flash_attn_func(q, k, v))
+
+
+def test_rotary_tables_wider_than_the_head_are_named() -> None:
+    call = _kv_call(paged=False)
+    call["rotary_cos"] = call["rotary_sin"] = torch.ones(16, 5, dtype=torch.float64)
+    message = (
+        "rotary_cos has 5 columns (rotary_dim / 2) and so rotates 10 dims, more than the headdim "
+        "of 8: it may have at most 4 columns, got shape (16, 5)"
+    )
+    import re
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fa.flash_attn_with_kvcache(**call)
+    call["rotary_cos"] = call["rotary_sin"] = torch.ones(16, 4, dtype=torch.float64)
+    fa.flash_attn_with_kvcache(**call)  # rotary_dim = headdim: the whole head turns

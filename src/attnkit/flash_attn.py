@@ -86,7 +86,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._checks import check_bool, check_probability, dtype_str, shape_str
+from ._call import check_attention_args
+from ._checks import check_bool, check_logits, check_probability, dtype_str, shape_str
 from .attention import attention
 from .masks import EMPTY, FULL, PARTIAL, Geometry, Mask, band_visibility, causal, documents
 from .masks import sliding_window as _sliding_window
@@ -185,21 +186,52 @@ def _lengths(name: str, cu: object, total: int) -> list[int]:
     return lengths
 
 
-def _sinks(learnable_sink: Tensor | None, s_aux: Tensor | None, q: Tensor) -> Tensor | None:
+def _sinks(learnable_sink: object, s_aux: object, q: Tensor, heads: int) -> Tensor | None:
+    """The sinks as attention() takes them: ``(H,)`` logits in q's dtype, each finite or -inf."""
     if learnable_sink is not None and s_aux is not None:
         raise TypeError("give the sinks once: learnable_sink or s_aux, not both")
-    sinks = learnable_sink if learnable_sink is not None else s_aux
-    if isinstance(sinks, Tensor) and sinks.is_floating_point():
-        return sinks.to(q.dtype)  # flash-attn keeps them in bfloat16; attnkit wants q's dtype
+    name, sinks = ("learnable_sink", learnable_sink) if s_aux is None else ("s_aux", s_aux)
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        got = dtype_str(sinks.dtype) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise TypeError(f"{name} must be a float tensor (nheads,), got {got}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"{name} must be (nheads,) = ({heads},), one logit per query head, got "
+            f"{shape_str(sinks.shape)}"
+        )
+    sinks = sinks.to(q.dtype)  # flash-attn keeps them in bfloat16; attnkit wants q's dtype
+    check_logits(name, sinks, "a sink may be -inf (no sink)")
     return sinks
 
 
 def _softcap(softcap: object) -> float | None:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a number (0.0: no softcap), got {softcap!r}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be > 0, or 0.0 for none, got {softcap!r}")
+    # NaN is neither < 0 nor > 0: without the explicit range it would pass as "no softcap".
+    if not 0.0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number > 0, or 0.0 for none, got {softcap!r}")
     return float(softcap) if softcap > 0 else None
+
+
+def _softmax_scale(softmax_scale: object, dtype: torch.dtype) -> float | None:
+    """``softmax_scale`` if it is None (``1 / sqrt(headdim)``) or a finite number that the scores'
+    dtype (q's, at least float32) holds."""
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(
+            f"softmax_scale must be a float or None (1 / sqrt(headdim)), got {softmax_scale!r}"
+        )
+    work = torch.promote_types(dtype, torch.float32)
+    limit = torch.finfo(work).max
+    if not abs(softmax_scale) <= limit:  # also NaN, which fails every comparison
+        raise ValueError(
+            f"softmax_scale must be finite and at most {limit:.3g} in magnitude (the largest "
+            f"{dtype_str(work)}, in which the scores are computed), got {softmax_scale!r}"
+        )
+    return float(softmax_scale)
 
 
 def _slopes(alibi_slopes: object, heads: int, rows: int, dtype: torch.dtype) -> Tensor:
@@ -217,6 +249,16 @@ def _slopes(alibi_slopes: object, heads: int, rows: int, dtype: torch.dtype) -> 
             f"alibi_slopes must be (nheads,) = ({heads},) or (batch, nheads) = ({rows}, {heads}), "
             f"got {shape_str(s.shape)}"
         )
+    if s.device.type != "meta" and not torch.compiler.is_compiling() and s.numel():
+        bad = ~torch.isfinite(s)
+        if bool(bad.any()):  # one host read; the message's details only when it fails
+            at = [int(i) for i in bad.nonzero()[0]]
+            where = ", ".join(map(str, at))
+            raise ValueError(
+                f"alibi_slopes must be finite, got alibi_slopes[{where}] = "
+                f"{float(s[tuple(at)])}: a NaN or infinite slope makes the scores it touches "
+                "NaN or infinite"
+            )
     return s.reshape(-1, heads).to(torch.float64 if dtype == torch.float64 else torch.float32)
 
 
@@ -405,13 +447,14 @@ def _attend(
     bias: ScoreTerm | None,
     dropout_p: float,
     softmax_scale: float | None,
-    softcap: object,
+    softcap: float | None,
     sinks: Tensor | None,
     want_lse: bool,
     want_probs: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One :func:`attnkit.attention` call on ``(B, H, T, D)`` views: the output ``(B, Tq, H,
-    Dv)``, the LSE ``(B, H, Tq)`` if wanted, the weights if wanted."""
+    Dv)``, the LSE ``(B, H, Tq)`` if wanted, the weights if wanted (``softmax_scale`` and
+    ``softcap`` already checked: softcap None for none)."""
     result = attention(
         q,
         k,
@@ -419,7 +462,7 @@ def _attend(
         mask=mask,
         bias=bias,
         scale=softmax_scale,
-        softcap=_softcap(softcap),
+        softcap=softcap,
         sinks=sinks,
         dropout_p=dropout_p,
         return_weights=want_probs,
@@ -489,6 +532,8 @@ def flash_attn_func(
     check_bool("deterministic", deterministic)
     asked = check_bool("return_attn_probs", return_attn_probs)
     p = check_probability("dropout_p", dropout_p)
+    cap = _softcap(softcap)
+    scale = _softmax_scale(softmax_scale, q.dtype)
     batch, q_len, heads = q.shape[:3]
     kv_len = k.size(1)
     bias = None
@@ -502,9 +547,9 @@ def flash_attn_func(
         mask=_band_mask(lo, hi, q_len, kv_len),
         bias=bias,
         dropout_p=p,
-        softmax_scale=softmax_scale,
-        softcap=softcap,
-        sinks=_sinks(learnable_sink, s_aux, q),
+        softmax_scale=scale,
+        softcap=cap,
+        sinks=_sinks(learnable_sink, s_aux, q, heads),
         want_lse=asked,
         want_probs=asked and p > 0,
     )
@@ -609,22 +654,55 @@ def _pages(cache: Tensor, block_table: Tensor, lengths: list[int]) -> Tensor:
 
 
 def _check_block_table(block_table: object, rows: int) -> Tensor:
-    if (
-        not isinstance(block_table, Tensor)
-        or block_table.ndim != 2
-        or block_table.is_floating_point()
-        or block_table.size(0) != rows
-    ):
-        got = (
-            f"{dtype_str(block_table.dtype)} of shape {shape_str(block_table.shape)}"
-            if isinstance(block_table, Tensor)
-            else type(block_table).__name__
+    if not isinstance(block_table, Tensor):
+        raise TypeError(
+            "block_table must be an integer tensor (batch, max_blocks) of page numbers, got "
+            f"{type(block_table).__name__}"
         )
+    if (
+        block_table.is_floating_point()
+        or block_table.is_complex()
+        or block_table.dtype == torch.bool
+    ):
+        raise TypeError(
+            "block_table must be an integer tensor (batch, max_blocks) of page numbers, got "
+            f"{dtype_str(block_table.dtype)}"
+        )
+    if block_table.ndim != 2 or block_table.size(0) != rows:
         raise ValueError(
-            f"block_table must be an integer tensor (batch, max_blocks) with batch = {rows}, "
-            f"got {got}"
+            f"block_table must be (batch, max_blocks) with batch = {rows}, got shape "
+            f"{shape_str(block_table.shape)}"
         )
     return block_table
+
+
+def _pages_used(lengths: list[int], page: int) -> list[int]:
+    """How many pages of ``page`` tokens each sequence of ``lengths`` tokens fills."""
+    return [-(-n // page) if page else 0 for n in lengths]
+
+
+def _page_table(table: Tensor, used: list[int], pages: int, what: str) -> Tensor:
+    """``table`` as int64 indices, after checking that the first ``used[b]`` entries of each row
+    ``b`` are pages of the ``pages`` that ``what`` holds; the entries past them, which name no
+    page the call reads, are replaced by 0 so that gathering whole rows cannot fail on them.
+
+    Indexing would take a negative entry from the end (another sequence's page, read or written
+    without a word) and fail on one past the end with an IndexError naming nothing: both are
+    refused here, with one host read.
+    """
+    if not table.numel() or table.device.type == "meta" or torch.compiler.is_compiling():
+        return table.long()
+    cols = torch.arange(table.size(1), device=table.device)
+    needed = cols < torch.tensor(used, device=table.device)[:, None]
+    bad = needed & ((table < 0) | (table >= pages))
+    if bool(bad.any()):
+        row, col = (int(x) for x in bad.nonzero()[0])
+        numbered = f", numbered 0 to {pages - 1}" if pages else ""
+        raise ValueError(
+            f"block_table[{row}, {col}] = {int(table[row, col])} is not a page: {what} holds "
+            f"{pages} pages{numbered} (row {row} reads its first {used[row]} entries)"
+        )
+    return torch.where(needed, table.long(), 0)
 
 
 def flash_attn_varlen_func(
@@ -690,6 +768,13 @@ def flash_attn_varlen_func(
                 f"cu_seqlens_k gives a sequence {max(k_lengths)} keys, more than its "
                 f"{table.size(1)} pages of {k.size(1)} hold"
             )
+        if v.shape[:2] != k.shape[:2]:
+            raise ValueError(
+                f"k {shape_str(k.shape)} and v {shape_str(v.shape)} must be the same pages "
+                "(num_blocks, page_block_size, ...)"
+            )
+        used = _pages_used(k_lengths, k.size(1))
+        table = _page_table(table, used, k.size(0), f"the paged k {shape_str(k.shape)}")
         k, v = _pages(k, table, k_lengths), _pages(v, table, k_lengths)
     else:
         k = _three_d("k", k, "(total_k, nheads_k, headdim)")
@@ -704,6 +789,8 @@ def flash_attn_varlen_func(
     check_bool("deterministic", deterministic)
     asked = check_bool("return_attn_probs", return_attn_probs)
     p = check_probability("dropout_p", dropout_p)
+    cap = _softcap(softcap)
+    scale = _softmax_scale(softmax_scale, q.dtype)
     bias = None
     if alibi_slopes is not None:
         slopes = _slopes(alibi_slopes, q.size(1), rows, q.dtype)
@@ -727,9 +814,9 @@ def flash_attn_varlen_func(
         mask=_sequences(q_lengths, k_lengths, lo, hi, q.device),
         bias=bias,
         dropout_p=p,
-        softmax_scale=softmax_scale,
-        softcap=softcap,
-        sinks=_sinks(learnable_sink, s_aux, q),
+        softmax_scale=scale,
+        softcap=cap,
+        sinks=_sinks(learnable_sink, s_aux, q, q.size(1)),
         want_lse=asked,
         want_probs=asked and p > 0,
     )
@@ -869,6 +956,93 @@ def _rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved:
     return torch.cat((turned, rest), dim=-1)
 
 
+def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """The cache's shapes against each other and against q's heads and head size."""
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache {shape_str(k_cache.shape)} and v_cache {shape_str(v_cache.shape)} must agree "
+            "on all but the head size"
+        )
+    heads, kv_heads = q.size(2), k_cache.size(2)
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"q's nheads ({heads}) must be a multiple of the cache's nheads_k ({kv_heads}); got "
+            f"q {shape_str(q.shape)}, k_cache {shape_str(k_cache.shape)}"
+        )
+    if q.size(3) != k_cache.size(3):
+        raise ValueError(
+            f"q's headdim ({q.size(3)}) must be k_cache's ({k_cache.size(3)}); got q "
+            f"{shape_str(q.shape)}, k_cache {shape_str(k_cache.shape)}"
+        )
+
+
+def _check_new(name: str, new: Tensor, cache: Tensor, cache_name: str) -> None:
+    """New keys or values against the cache they are written into."""
+    if new.shape[2:] != cache.shape[2:]:
+        raise ValueError(
+            f"{name} {shape_str(new.shape)} must have {cache_name}'s (nheads_k, headdim) = "
+            f"{shape_str(cache.shape[2:])}"
+        )
+    if not new.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {dtype_str(new.dtype)}")
+    if new.device != cache.device:
+        raise ValueError(f"{name} is on {new.device} but {cache_name} is on {cache.device}")
+
+
+def _rotary_table(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        got = dtype_str(t.dtype) if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be a float tensor (seqlen_ro, rotary_dim / 2), got {got}")
+    if t.ndim != 2:
+        raise ValueError(
+            f"{name} must be (seqlen_ro, rotary_dim / 2), got shape {shape_str(t.shape)}"
+        )
+    return t
+
+
+def _check_rotary(cos: object, sin: object, head_dim: int, reach: int) -> tuple[Tensor, Tensor]:
+    """``rotary_cos`` and ``rotary_sin``: float ``(seqlen_ro, rotary_dim / 2)`` tables of at least
+    ``reach`` positions, with ``rotary_dim`` at most ``head_dim``."""
+    cos = _rotary_table("rotary_cos", cos)
+    sin = _rotary_table("rotary_sin", sin)
+    if sin.shape != cos.shape:
+        raise ValueError(
+            f"rotary_sin {shape_str(sin.shape)} must have rotary_cos's shape {shape_str(cos.shape)}"
+        )
+    half = cos.size(1)
+    if 2 * half > head_dim:
+        raise ValueError(
+            f"rotary_cos has {half} columns (rotary_dim / 2) and so rotates {2 * half} dims, more "
+            f"than the headdim of {head_dim}: it may have at most {head_dim // 2} columns, got "
+            f"shape {shape_str(cos.shape)}"
+        )
+    if reach > cos.size(0):
+        raise ValueError(
+            f"rotary_cos has {cos.size(0)} positions, fewer than the {reach} this call reaches "
+            "(cache_seqlens plus the new tokens, and the queries' positions)"
+        )
+    return cos, sin
+
+
+def _attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention() takes a tensor of ``dtype`` in: under torch.autocast it casts
+    float16, bfloat16 and float32 to autocast's dtype, and float64 stays (torch's SDPA rule)."""
+    kind = device.type
+    if (
+        dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and torch.amp.is_autocast_available(kind)
+        and torch.is_autocast_enabled(kind)
+    ):
+        return torch.get_autocast_dtype(kind)
+    return dtype
+
+
+def _stand_in(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A tensor of ``shape`` with ``t``'s device and the dtype attention() takes it in, and no
+    data: one zero, expanded."""
+    return torch.zeros((), dtype=_attention_dtype(t.dtype, t.device), device=t.device).expand(shape)
+
+
 def flash_attn_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -931,6 +1105,8 @@ def flash_attn_with_kvcache(
     >>> out.shape, bool(k_cache[1, 5].eq(k[1, 0]).all())   # k was written at position 5 of row 1
     (torch.Size([2, 1, 4, 8]), True)
     """
+    # Every check comes before the new tokens are written: a refused call leaves the cache as it
+    # was, so the caller can fix the call and repeat it.
     q = _four_d("q", q, "(batch, seqlen_q, nheads, headdim)")
     paged = block_table is not None
     layout = (
@@ -940,12 +1116,16 @@ def flash_attn_with_kvcache(
     )
     k_cache = _four_d("k_cache", k_cache, layout)
     v_cache = _four_d("v_cache", v_cache, layout)
-    batch, q_len = q.shape[:2]
+    batch, q_len, heads = q.shape[:3]
     lo, hi = _band(window_size, causal)
     want_lse = check_bool("return_softmax_lse", return_softmax_lse)
     check_bool("rotary_interleaved", rotary_interleaved)
+    _check_cache(q, k_cache, v_cache)
+    cap = _softcap(softcap)
+    scale = _softmax_scale(softmax_scale, q.dtype)
+    sinks = _sinks(learnable_sink, s_aux, q, heads)
     if paged:
-        table = _check_block_table(block_table, batch).long()
+        table = _check_block_table(block_table, batch)
         capacity = table.size(1) * k_cache.size(1)
     else:
         capacity = k_cache.size(1)
@@ -963,7 +1143,7 @@ def flash_attn_with_kvcache(
     rows = list(range(batch))
     if cache_batch_idx is not None:
         rows = _per_row("cache_batch_idx", cache_batch_idx, batch, 0)
-        if min(rows) < 0 or max(rows) >= k_cache.size(0):
+        if rows and (min(rows) < 0 or max(rows) >= k_cache.size(0)):
             raise ValueError(
                 f"cache_batch_idx must index the {k_cache.size(0)} cache rows, got {rows}"
             )
@@ -976,6 +1156,8 @@ def flash_attn_with_kvcache(
                 f"k {shape_str(k.shape)} and v {shape_str(v.shape)} must be (batch={batch}, "
                 "seqlen_new, nheads_k, ...)"
             )
+        _check_new("k", k, k_cache, "k_cache")
+        _check_new("v", v, v_cache, "v_cache")
         new = k.size(1)
     lengths = [s + new for s in seen]
     if max(lengths, default=0) > capacity or min(seen, default=0) < 0:
@@ -984,6 +1166,9 @@ def flash_attn_with_kvcache(
         )
     if any(not 0 <= a <= n for a, n in zip(start, seen, strict=True)):
         raise ValueError(f"cache_leftpad {start} must lie in 0..cache_seqlens {seen}")
+    if paged:
+        used = _pages_used(lengths, k_cache.size(1))
+        table = _page_table(table, used, k_cache.size(0), f"k_cache {shape_str(k_cache.shape)}")
 
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None or v is None:
@@ -991,44 +1176,19 @@ def flash_attn_with_kvcache(
                 "rotary_cos and rotary_sin come together, and with k and v (the new tokens they "
                 "rotate), as in flash-attn"
             )
-        base = torch.tensor([s - a for s, a in zip(seen, start, strict=True)], device=q.device)
-        steps = torch.arange(new, device=q.device)
-        k_pos = base[:, None] + steps
-        if max(lengths, default=0) > rotary_cos.size(0):
-            raise ValueError(
-                f"rotary_cos has {rotary_cos.size(0)} positions; the cache reaches {max(lengths)}"
-            )
         # flash-attn's rule: causal or windowed queries sit at their own positions.
         positional = causal or not (lo == -math.inf and hi == math.inf)
-        q_pos = base[:, None] + (torch.arange(q_len, device=q.device) if positional else 0)
+        base = [s - a for s, a in zip(seen, start, strict=True)]
+        reach = max((b + max(new, q_len if positional else 1) for b in base), default=0)
+        cos, sin = _check_rotary(rotary_cos, rotary_sin, q.size(3), max(reach, *lengths, 0))
+        at = torch.tensor(base, device=q.device)
+        k_pos = at[:, None] + torch.arange(new, device=q.device)
+        q_pos = at[:, None] + (torch.arange(q_len, device=q.device) if positional else 0)
         q_pos = q_pos.expand(batch, q_len)
-        q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-        k = _rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
-
-    cache_rows = torch.tensor(rows, dtype=torch.long)
-    if k is not None and v is not None and new:
-        at = torch.tensor(seen)[:, None] + torch.arange(new)  # (B, new) positions in each row
-        if paged:
-            where = (
-                table[torch.arange(batch)[:, None], at // k_cache.size(1)],
-                at % k_cache.size(1),
-            )
-        else:
-            where = (cache_rows[:, None].expand(batch, new), at)
-        index = tuple(w.to(k_cache.device) for w in where)
-        k_cache.index_put_(index, k.to(k_cache.dtype))
-        v_cache.index_put_(index, v.to(v_cache.dtype))
+        q = _rotary(q, cos, sin, q_pos, rotary_interleaved)
+        k = _rotary(k, cos, sin, k_pos, rotary_interleaved)
 
     kv_len = max(lengths, default=0)
-    if paged:
-        keys = k_cache[table].flatten(1, 2)[:, :kv_len]
-        values = v_cache[table].flatten(1, 2)[:, :kv_len]
-    elif cache_batch_idx is not None:
-        keys = k_cache[cache_rows.to(k_cache.device), :kv_len]
-        values = v_cache[cache_rows.to(v_cache.device), :kv_len]
-    else:
-        keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
-
     uniform = all(n == kv_len for n in lengths) and not any(start)
     diag = torch.arange(q_len)[None] + (torch.tensor(lengths) - q_len)[:, None]  # (B, Tq)
     if uniform:
@@ -1047,8 +1207,45 @@ def flash_attn_with_kvcache(
         )
     bias = None
     if alibi_slopes is not None:
-        slopes = _slopes(alibi_slopes, q.size(2), batch, q.dtype)
+        slopes = _slopes(alibi_slopes, heads, batch, q.dtype)
         bias = _ALiBi(slopes.unsqueeze(1), None if uniform else diag.to(q.device), kv_len - q_len)
+    # What attention() checks of the call it will get (dtypes, devices, the mask's and the score
+    # term's fit), asked now on stand-ins without data.
+    kv_heads = k_cache.size(2)
+    check_attention_args(
+        _stand_in(q, (batch, heads, q_len, q.size(3))),
+        _stand_in(k_cache, (batch, kv_heads, kv_len, k_cache.size(3))),
+        _stand_in(v_cache, (batch, kv_heads, kv_len, v_cache.size(3))),
+        mask=mask,
+        bias=bias,
+        causal=False,
+        scale=scale,
+        softcap=cap,
+        sinks=None if sinks is None else _stand_in(sinks, tuple(sinks.shape)),
+    )
+
+    cache_rows = torch.tensor(rows, dtype=torch.long)
+    if k is not None and v is not None and new:
+        at = torch.tensor(seen)[:, None] + torch.arange(new)  # (B, new) positions in each row
+        if paged:
+            page = k_cache.size(1)
+            where = (table[torch.arange(batch)[:, None], (at // page).to(table.device)], at % page)
+        else:
+            where = (cache_rows[:, None].expand(batch, new), at)
+        index = tuple(w.to(k_cache.device) for w in where)
+        k_cache.index_put_(index, k.to(k_cache.dtype))
+        v_cache.index_put_(index, v.to(v_cache.dtype))
+
+    if paged:
+        pages = table[:, : _pages_used([kv_len], k_cache.size(1))[0]].to(k_cache.device)
+        keys = k_cache[pages].flatten(1, 2)[:, :kv_len]
+        values = v_cache[pages].flatten(1, 2)[:, :kv_len]
+    elif cache_batch_idx is not None:
+        keys = k_cache[cache_rows.to(k_cache.device), :kv_len]
+        values = v_cache[cache_rows.to(v_cache.device), :kv_len]
+    else:
+        keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+
     out, lse, _ = _attend(
         q.transpose(1, 2),
         keys.transpose(1, 2),
@@ -1056,9 +1253,9 @@ def flash_attn_with_kvcache(
         mask=mask,
         bias=bias,
         dropout_p=0.0,
-        softmax_scale=softmax_scale,
-        softcap=softcap,
-        sinks=_sinks(learnable_sink, s_aux, q),
+        softmax_scale=scale,
+        softcap=cap,
+        sinks=sinks,
         want_lse=want_lse,
         want_probs=False,
     )
