@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from .helpers import needs_cxx
 
 # --------------------------------------------------------------------------------------------------
 # An independent formula: explicit per-head weights, GQA by repeating key/value heads, softmax over
-# the allowed keys only.
+# the allowed keys only; add_bias_kv and add_zero_attn as torch does them, by appending keys and
+# values that every query may attend.
 
 
 def formula(
@@ -31,7 +33,8 @@ def formula(
     mask: Tensor | None = None,
     causal: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Output (B, Tq, D) and per-head weights (B, H, Tq, Tk) of ``m``, in float64."""
+    """Output (B, Tq, D) and per-head weights (B, H, Tq, Tk + extra tokens) of ``m``, in
+    float64."""
     h, hkv, dh, dhv = m.num_heads, m.num_kv_heads, m.head_dim, m.v_head_dim
     params = {n: p.detach().double() for n, p in m.named_parameters()}
     if "in_proj_weight" in params:
@@ -45,9 +48,15 @@ def formula(
     q = F.linear(query.double(), wq, bq).view(b, tq, h, dh).transpose(1, 2)
     k = F.linear(key.double(), wk, bk).view(b, tk, hkv, dh).transpose(1, 2)
     v = F.linear(value.double(), wv, bv).view(b, tk, hkv, dhv).transpose(1, 2)
+    if "bias_k" in params:
+        k = torch.cat([k, params["bias_k"].view(1, hkv, 1, dh).expand(b, -1, -1, -1)], 2)
+        v = torch.cat([v, params["bias_v"].view(1, hkv, 1, dhv).expand(b, -1, -1, -1)], 2)
+    if m.add_zero_attn:
+        k = torch.cat([k, k.new_zeros(b, hkv, 1, dh)], 2)
+        v = torch.cat([v, v.new_zeros(b, hkv, 1, dhv)], 2)
     k = k.repeat_interleave(h // hkv, dim=1)  # query head i uses key/value head i // (H / Hkv)
     v = v.repeat_interleave(h // hkv, dim=1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(dh)  # (B, H, Tq, Tk)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(dh)  # (B, H, Tq, Tk + extra)
     allowed = torch.ones(b, h, tq, tk, dtype=torch.bool)
     if mask is not None:
         allowed = allowed & mask
@@ -55,6 +64,8 @@ def formula(
         i = torch.arange(tq)[:, None]
         j = torch.arange(tk)
         allowed = allowed & (j <= i + tk - tq)
+    extra = scores.size(-1) - tk  # the appended tokens: visible to every query
+    allowed = torch.cat([allowed, allowed.new_ones(b, h, tq, extra)], -1)
     weights = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
     heads = (weights @ v).transpose(1, 2).reshape(b, tq, h * dhv)
     out = F.linear(heads, params["out_proj.weight"], params.get("out_proj.bias"))
@@ -77,6 +88,8 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
     if draw(st.booleans()):
         kw["kdim"] = draw(st.integers(1, 7))
         kw["vdim"] = draw(st.integers(1, 7))
+    kw["add_bias_kv"] = draw(st.booleans())
+    kw["add_zero_attn"] = draw(st.booleans())
     return {"d_model": d_model, "num_heads": h, **kw}
 
 
@@ -178,6 +191,102 @@ def test_dropout_in_training_only() -> None:
     assert not torch.equal(m(x), m(x))  # fresh dropout each call
 
 
+# --------------------------------------------------------------------------------------------------
+# add_bias_kv and add_zero_attn: extra tokens that every query sees
+
+
+def test_extra_tokens_in_cached_decoding_equal_the_whole_call() -> None:
+    # The learned token is merged into each call, not cached: decoding step by step with a cache
+    # (rotary positions, grouped-query heads, causal) gives the output of the whole sequence.
+    torch.manual_seed(0)
+    m = MultiHeadAttention(
+        16,
+        4,
+        num_kv_heads=2,
+        rotary=attnkit.RotaryEmbedding(4),
+        add_bias_kv=True,
+        add_zero_attn=True,
+        dtype=torch.float64,
+    )
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    full, full_w = m(x, causal=True, need_weights=True, average_weights=False)
+    assert full_w.shape == (2, 4, 6, 6 + 2)
+    assert_close(full_w.sum(-1), torch.ones(2, 4, 6, dtype=torch.float64))
+    cache = m.make_cache(2, 6)
+    with torch.no_grad():
+        steps = [m(x[:, :3], causal=True, cache=cache)]
+        steps += [m(x[:, i : i + 1], causal=True, cache=cache) for i in range(3, 5)]
+        # The last step sees 6 keys (5 cached), then the learned token and the zero key.
+        last, w = m(x[:, 5:], causal=True, cache=cache, need_weights=True, average_weights=False)
+    assert_close(torch.cat([*steps, last], 1), full)
+    assert_close(w, full_w[:, :, 5:])
+
+
+@pytest.mark.filterwarnings("ignore:mask lets no query")  # meant: no query sees a key
+def test_a_query_that_sees_no_key_still_sees_the_extra_tokens() -> None:
+    torch.manual_seed(1)
+    m = MultiHeadAttention(4, 2, add_bias_kv=True, add_zero_attn=True, dtype=torch.float64)
+    hidden = torch.zeros(1, 1, 3, 5, dtype=torch.bool)  # no query may attend any key
+    x, mem = torch.randn(1, 3, 4, dtype=torch.float64), torch.randn(1, 5, 4, dtype=torch.float64)
+    out, w = m(x, mem, mask=hidden, need_weights=True, average_weights=False)
+    want_out, want_w = formula(m, x, mem, mem, mask=hidden)
+    assert_close(out, want_out)
+    assert_close(w, want_w)
+    assert torch.equal(w[..., :5], torch.zeros(1, 2, 3, 5, dtype=torch.float64))
+    # Each row splits between the learned token (score s) and the zero key (score 0).
+    q = F.linear(x, *(t[:4] for t in (m.in_proj_weight, m.in_proj_bias)))  # type: ignore[index]
+    s = (q.view(1, 3, 2, 2).transpose(1, 2) * m.bias_k.view(2, 1, 2)).sum(-1) / math.sqrt(2)  # type: ignore[union-attr]
+    assert_close(w[..., 5], torch.sigmoid(s).detach())
+    assert_close(w[..., 6], torch.sigmoid(-s).detach())
+
+
+@pytest.mark.filterwarnings("ignore:mask lets no query")  # meant: no query sees a key
+def test_the_learned_tokens_weight_is_dropped_in_training() -> None:
+    # With every key hidden, each head's output is the learned value times the token's weight,
+    # which dropout keeps (scaled by 1 / (1 - p)) or drops, independently per query and head.
+    torch.manual_seed(2)
+    m = MultiHeadAttention(4, 2, add_bias_kv=True, dropout=0.5, dtype=torch.float64).train()
+    with torch.no_grad():
+        m.out_proj.weight.copy_(torch.eye(4))  # the heads' outputs, as they are
+    hidden = torch.zeros(1, 1, 200, 3, dtype=torch.bool)
+    x, mem = torch.randn(1, 200, 4, dtype=torch.float64), torch.randn(1, 3, 4, dtype=torch.float64)
+    out, w = m(x, mem, mask=hidden, need_weights=True, average_weights=False)
+    assert_close(w[..., -1], torch.ones(1, 2, 200, dtype=torch.float64))  # before dropout
+    heads = out.detach().view(200, 2, 2)
+    value = m.bias_v.detach().view(2, 2)  # type: ignore[union-attr]
+    kept = (heads - 2 * value).abs().amax(-1) < 1e-12
+    dropped = heads.abs().amax(-1) == 0
+    assert torch.all(kept | dropped)
+    assert 100 < int(kept.sum()) < 300  # of 400 draws at p = 0.5
+    assert_close(m.eval()(x, mem, mask=hidden).view(200, 2, 2), value.expand(200, 2, 2))
+
+
+def test_extra_tokens_are_captured_with_the_weights() -> None:
+    m = MultiHeadAttention(8, 2, add_bias_kv=True, add_zero_attn=True)
+    x = torch.randn(2, 3, 8)
+    with attnkit.capture_attention(m) as maps:
+        _, w = m(x, need_weights=True, average_weights=False)
+    [captured] = maps[""]
+    assert captured.shape == (2, 2, 3, 3 + 2)
+    assert torch.equal(captured, w.detach())
+
+
+def test_extra_tokens_parameters_and_repr() -> None:
+    m = MultiHeadAttention(12, 4, num_kv_heads=2, head_dim=2, v_head_dim=5, add_bias_kv=True)
+    assert m.bias_k is not None
+    assert m.bias_v is not None
+    assert (m.bias_k.shape, m.bias_v.shape) == ((1, 1, 2 * 2), (1, 1, 2 * 5))
+    assert "add_bias_kv=True" in repr(m)
+    assert "add_zero_attn=True" in repr(MultiHeadAttention(8, 2, add_zero_attn=True))
+    plain = MultiHeadAttention(8, 2)
+    assert "bias_k" not in plain.state_dict()
+    assert "add_" not in repr(plain)
+    # The module's call, as explain() describes it: the zero key is a sink, the learned token
+    # needs the log-sum-exp.
+    both = MultiHeadAttention(8, 2, add_bias_kv=True, add_zero_attn=True)
+    assert "sinks, return_lse" in str(both.explain(torch.randn(1, 3, 8)))
+
+
 def test_calls_attention_once_without_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[bool] = []
     real = attnkit.multihead.attention
@@ -192,6 +301,9 @@ def test_calls_attention_once_without_weights(monkeypatch: pytest.MonkeyPatch) -
     assert calls == [False]
     m(torch.randn(2, 5, 16), need_weights=True)
     assert calls == [False, True]
+    # The learned token is merged into the one call's output, not a second call.
+    MultiHeadAttention(16, 4, add_bias_kv=True, add_zero_attn=True)(torch.randn(2, 5, 16))
+    assert calls == [False, True, False]
 
 
 def test_self_attention_uses_one_projection_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -261,6 +373,8 @@ def torch_cases(draw: st.DrawFn) -> dict[str, object]:
             "vdim": vdim,
             "bias": draw(st.booleans()),
             "batch_first": draw(st.booleans()),
+            "add_bias_kv": draw(st.booleans()),
+            "add_zero_attn": draw(st.booleans()),
         },
         "shapes": (b, tq, tk),
         "self_attention": self_attention,
@@ -359,10 +473,16 @@ def test_to_and_from_torch_refuse_what_has_no_equivalent() -> None:
         MultiHeadAttention(16, 4, num_kv_heads=2).to_torch()
     with pytest.raises(ValueError, match=r"head_dim \(8\) and v_head_dim \(8\) must both be"):
         MultiHeadAttention(16, 4, head_dim=8).to_torch()
-    with pytest.raises(ValueError, match="add_bias_kv"):
-        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True))
-    with pytest.raises(ValueError, match="add_zero_attn"):
-        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_zero_attn=True))
+    half = nn.MultiheadAttention(8, 2, add_bias_kv=True, batch_first=True)
+    half.bias_v = None
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "from_torch(): bias_k is set (1, 1, 8) but bias_v is None; torch's add_bias_kv=True "
+            "sets both"
+        ),
+    ):
+        MultiHeadAttention.from_torch(half)
     with pytest.raises(TypeError, match="got Linear"):
         MultiHeadAttention.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
 
@@ -463,6 +583,16 @@ def test_from_torch_masks_refuses_what_is_not_a_mask() -> None:
             {"d_model": 8, "num_heads": 2, "rotary": attnkit.RotaryEmbedding(6)},
             ValueError,
             r"rotary.head_dim \(6\) must equal the head_dim .* \(4\)",
+        ),
+        (
+            {"d_model": 8, "num_heads": 2, "add_bias_kv": 1},
+            TypeError,
+            r"add_bias_kv must be a bool, got 1",
+        ),
+        (
+            {"d_model": 8, "num_heads": 2, "add_zero_attn": "yes"},
+            TypeError,
+            r"add_zero_attn must be a bool, got 'yes'",
         ),
         (
             {"d_model": 8, "num_heads": 2, "rotary": "rope"},

@@ -3,7 +3,8 @@
 The module is batch-first and takes attnkit's one mask convention (bool, True = may attend). It
 covers self- and cross-attention, key/value inputs of other feature sizes (``kdim``, ``vdim``),
 per-head sizes other than ``d_model / num_heads`` (``head_dim``, ``v_head_dim``), grouped-query
-and multi-query attention (``num_kv_heads``), rotary embeddings and a KV cache for decoding.
+and multi-query attention (``num_kv_heads``), rotary embeddings, a KV cache for decoding, and
+``torch.nn.MultiheadAttention``'s extra keys (``add_bias_kv``, ``add_zero_attn``).
 
 The fast path is the default: without ``need_weights`` (and outside
 :func:`~attnkit.capture_attention`) no ``(Tq, Tk)`` weights exist, self-attention projects
@@ -18,6 +19,7 @@ value sizes.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, overload
 
 import torch
@@ -62,6 +64,15 @@ class MultiHeadAttention(nn.Module):
         proj_bias: biases on the input and output projections (``forward``'s ``bias`` is the
             additive score bias, something else).
         dropout: dropout on the attention weights, in training only.
+        add_bias_kv: a learned key and value (``bias_k`` ``(1, 1, Hkv*Dh)``, ``bias_v``
+            ``(1, 1, Hkv*Dhv)``, in the projections' output space, as
+            ``torch.nn.MultiheadAttention``'s): one extra token that every query sees, whatever
+            ``mask``, ``bias``, ``causal`` or the cache say, and that ``rotary`` does not turn
+            (it has no position).
+        add_zero_attn: a key of zeros with a value of zeros that every query sees (torch's
+            ``add_zero_attn``): a score of 0 in every row's softmax, so no row is ever empty and
+            its weights on the other keys sum to less than 1. It is an attention sink of logit 0
+            (:func:`attnkit.attention`'s ``sinks``).
         rotary: a module that rotates ``(B, heads, T, Dh)`` queries and keys for their positions,
             called as ``rotary(x, offset=n)``: :class:`~attnkit.RotaryEmbedding`. With a cache,
             ``n`` is the number of tokens already cached.
@@ -93,7 +104,9 @@ class MultiHeadAttention(nn.Module):
       as it was, so it can be retried.
     * Returns the output ``(B, Tq, D)``; with ``need_weights=True``, ``(output, weights)`` with the
       weights averaged over heads ``(B, Tq, S)``, or per head ``(B, H, Tq, S)`` with
-      ``average_weights=False``. Weights are taken before dropout.
+      ``average_weights=False``. Weights are taken before dropout. With ``add_bias_kv`` and
+      ``add_zero_attn`` the weights have a column more for each, after the keys: the learned
+      token's, then the zero key's (torch's order), and each row sums to 1 over all of them.
 
     >>> mha = MultiHeadAttention(64, 8, num_kv_heads=2)       # grouped-query: 2 key/value heads
     >>> x = torch.randn(2, 10, 64)
@@ -110,6 +123,8 @@ class MultiHeadAttention(nn.Module):
     k_proj_weight: nn.Parameter | None
     v_proj_weight: nn.Parameter | None
     in_proj_bias: nn.Parameter | None
+    bias_k: nn.Parameter | None
+    bias_v: nn.Parameter | None
 
     def __init__(
         self,
@@ -123,6 +138,8 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         proj_bias: bool = True,
         dropout: float = 0.0,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
         rotary: nn.Module | None = None,
         backend: str | Backend = "auto",
         device: torch.device | str | None = None,
@@ -153,6 +170,8 @@ class MultiHeadAttention(nn.Module):
         self.vdim = self.d_model if vdim is None else check_int("vdim", vdim)
         proj_bias = check_bool("proj_bias", proj_bias)
         self.dropout = check_probability("dropout", dropout)
+        add_bias_kv = check_bool("add_bias_kv", add_bias_kv)
+        self.add_zero_attn = check_bool("add_zero_attn", add_zero_attn)
         if rotary is not None and not isinstance(rotary, nn.Module):
             raise TypeError(f"rotary must be an nn.Module or None, got {type(rotary).__name__}")
         rotary_dim = getattr(rotary, "head_dim", self.head_dim)
@@ -187,17 +206,27 @@ class MultiHeadAttention(nn.Module):
             self.in_proj_bias = empty(nq + nk + nv)
         else:
             self.register_parameter("in_proj_bias", None)
+        if add_bias_kv:
+            self.bias_k = empty(1, 1, nk)
+            self.bias_v = empty(1, 1, nv)
+        else:
+            self.register_parameter("bias_k", None)
+            self.register_parameter("bias_v", None)
         self.out_proj = nn.Linear(
             self.num_heads * self.v_head_dim, d_model, bias=proj_bias, device=device, dtype=dtype
         )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform projections (each of q, k, v on its own fan), zero biases."""
+        """Xavier-uniform projections (each of q, k, v on its own fan), zero biases;
+        Xavier-normal ``bias_k`` and ``bias_v``, as torch initialises them."""
         for w in self.in_weights():
             nn.init.xavier_uniform_(w)
         if self.in_proj_bias is not None:
             nn.init.zeros_(self.in_proj_bias)
+        if self.bias_k is not None and self.bias_v is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
         self.out_proj.reset_parameters()
         if self.out_proj.bias is not None:
             nn.init.zeros_(self.out_proj.bias)
@@ -235,6 +264,49 @@ class MultiHeadAttention(nn.Module):
             )
             return F.linear(query, wq, bq), k, v
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+    def _extra_tokens(
+        self, q: Tensor, out: Tensor, weights: Tensor | None, lse: Tensor, dropout_p: float
+    ) -> tuple[Tensor, Tensor | None]:
+        """The call's output with the learned token (``add_bias_kv``) merged in, and its weights
+        with the columns of the learned token and the zero key (``add_zero_attn``) appended.
+
+        ``out`` ``(B, H, Tq, Dhv)``, ``weights`` ``(B, H, Tq, S)`` and ``lse`` ``(B, H, Tq)`` are
+        the attention over the keys (and the zero key, as a sink). One more token is one more
+        term of the softmax: with ``total = logaddexp(lse, s)`` for its score ``s``, the keys'
+        share is ``exp(lse - total)`` and the token's ``exp(s - total)``. That is exact and
+        differentiable, and unlike appending the token to k and v it copies no keys and leaves
+        the mask, the causal alignment and the cache as they are.
+        """
+        f = lse.dtype  # float32 for float16/bfloat16 inputs
+        total = lse
+        columns = []
+        if self.bias_k is not None and self.bias_v is not None:
+            # (1, 1, Hkv*Dh) -> (H, Dh): query head h uses key/value head h // (H / Hkv).
+            g = self.num_heads // self.num_kv_heads
+            bk = self.bias_k.view(self.num_kv_heads, self.head_dim).repeat_interleave(g, 0)
+            bv = self.bias_v.view(self.num_kv_heads, self.v_head_dim).repeat_interleave(g, 0)
+            score = torch.einsum("bhtd,hd->bht", q.to(f), bk.to(f)) / math.sqrt(self.head_dim)
+            total = torch.logaddexp(lse, score)  # (B, H, Tq)
+            # A query that sees no key has lse = -inf: the keys' share is 0, not NaN.
+            share = (lse - total).exp()
+            token = (score - total).exp()
+            columns.append(token)  # weights are taken before dropout
+            if dropout_p:
+                # The token's weight is dropped as torch drops it; attention() dropped the keys'.
+                token = F.dropout(token, dropout_p)
+            out = (share.unsqueeze(-1) * out.to(f) + token.unsqueeze(-1) * bv.to(f)[:, None, :]).to(
+                out.dtype
+            )
+            if weights is not None:
+                weights = weights * share.unsqueeze(-1).to(weights.dtype)
+        if self.add_zero_attn:
+            columns.append((-total).exp())  # the sink's share: exp(0 - total)
+        if weights is not None:
+            weights = torch.cat(
+                [weights, *(c.unsqueeze(-1).to(weights.dtype) for c in columns)], -1
+            )
+        return out, weights
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         params = self.out_proj.weight
@@ -323,34 +395,33 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.stage(k, v)
 
         capturing = is_capturing(self)
-        backend = self.backend
-        weights: Tensor | None = None
+        want_weights = need_weights or capturing
         dropout_p = self.dropout if self.training else 0.0
-        if need_weights or capturing:
-            out, weights = attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                bias=bias,
-                causal=causal,
-                dropout_p=dropout_p,
-                return_weights=True,
-                backend=backend,
-            )
-            if capturing:
-                record(self, weights)
-        else:
-            out = attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                bias=bias,
-                causal=causal,
-                dropout_p=dropout_p,
-                backend=backend,
-            )
+        # The zero key scores q . 0 = 0 and adds 0 to the output: exactly a sink of logit 0.
+        sinks = q.new_zeros(self.num_heads) if self.add_zero_attn else None
+        # The log-sum-exp merges the learned token in, and scales the weights to make room for
+        # the extra tokens' columns.
+        want_lse = self.bias_k is not None or (want_weights and self.add_zero_attn)
+        got = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            return_weights=want_weights,
+            return_lse=want_lse,
+            backend=self.backend,
+        )
+        parts = [got] if isinstance(got, Tensor) else list(got)
+        out = parts[0]
+        weights = parts[1] if want_weights else None
+        if want_lse:
+            out, weights = self._extra_tokens(q, out, weights, parts[-1], dropout_p)
+        if capturing:
+            record(self, present(weights, "weights"))
         # (B, H, Tq, Dhv) -> (B, Tq, H*Dhv): a free view when the kernel laid its output out as
         # (B, Tq, H, Dhv), which torch's fused CPU kernel does; a copy otherwise.
         result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
@@ -401,6 +472,7 @@ class MultiHeadAttention(nn.Module):
             base = torch.zeros((), dtype=ref.dtype, device=ref.device, requires_grad=grad)
             return base.expand(b, heads, t, d)
 
+        weights = need_weights or is_capturing(self)
         return explain(
             shaped(self.num_heads, tq, self.head_dim),
             shaped(self.num_kv_heads, tk, self.head_dim),
@@ -408,8 +480,14 @@ class MultiHeadAttention(nn.Module):
             mask=mask,
             bias=bias,
             causal=causal,
+            sinks=(
+                torch.zeros(self.num_heads, dtype=ref.dtype, device=ref.device)
+                if self.add_zero_attn
+                else None
+            ),
             dropout_p=self.dropout if self.training else 0.0,
-            return_weights=need_weights or is_capturing(self),
+            return_weights=weights,
+            return_lse=self.bias_k is not None or (weights and self.add_zero_attn),
             backend=self.backend,
         )
 
@@ -463,6 +541,10 @@ class MultiHeadAttention(nn.Module):
             parts.append("proj_bias=False")
         if self.dropout:
             parts.append(f"dropout={self.dropout}")
+        if self.bias_k is not None:
+            parts.append("add_bias_kv=True")
+        if self.add_zero_attn:
+            parts.append("add_zero_attn=True")
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)

@@ -5,6 +5,9 @@ over many configurations are in ``tests/test_multihead.py``.)"""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 import torch
@@ -146,3 +149,146 @@ def test_refusals_quote_the_values() -> None:
         TypeError, match=re.escape("dtype must be a floating-point torch.dtype, got torch.int64")
     ):
         from_torch_masks(num_heads=2, dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch's own configurations of nn.MultiheadAttention: every constructor and forward input in
+# torch.testing._internal.common_modules.module_db (bias, add_bias_kv, add_zero_attn, both layouts,
+# with and without attn_mask and key_padding_mask), through from_torch and back through to_torch.
+
+# torch's test helpers change process-wide settings when imported (torch.backends.
+# disable_global_flags(), TorchScript call hooks), so the inputs are drawn in a child process and
+# handed over in a file. expecttest, which those helpers import for a TestCase base class only, is
+# stood in for when it is not installed: the inputs do not use it.
+_MODULE_DB = r"""
+import sys, types, unittest
+try:
+    import expecttest  # noqa: F401
+except ImportError:
+    sys.modules["expecttest"] = types.ModuleType("expecttest")
+    sys.modules["expecttest"].TestCase = unittest.TestCase
+import torch
+from torch.testing._internal.common_modules import module_db
+
+torch.manual_seed(0)
+info = next(m for m in module_db if m.module_cls is torch.nn.MultiheadAttention)
+samples = info.module_inputs_func(
+    info, device="cpu", dtype=torch.float64, requires_grad=False, training=False
+)
+torch.save(
+    [
+        (s.constructor_input.args, s.constructor_input.kwargs, s.forward_input.args,
+         s.forward_input.kwargs)
+        for s in samples
+    ],
+    sys.argv[1],
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def torch_module_inputs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Any, ...]]:
+    path = tmp_path_factory.mktemp("module_db") / "inputs.pt"
+    subprocess.run([sys.executable, "-c", _MODULE_DB, str(path)], check=True)
+    inputs: list[tuple[Any, ...]] = torch.load(path)
+    return inputs
+
+
+def _describe(kwargs: dict[str, Any], forward: dict[str, Any]) -> str:
+    flags = [f"{k}={v}" for k, v in kwargs.items()]
+    flags += [f"{k}={'set' if v is not None else None}" for k, v in forward.items()]
+    return ", ".join(flags)
+
+
+def test_torch_module_db_configurations(
+    torch_module_inputs: list[tuple[Any, ...]], subtests: pytest.Subtests
+) -> None:
+    # All 64 of them; 48 have add_bias_kv or add_zero_attn.
+    assert len(torch_module_inputs) >= 64
+    assert (
+        sum(
+            bool(kw.get("add_bias_kv") or kw.get("add_zero_attn"))
+            for _, kw, _, _ in torch_module_inputs
+        )
+        >= 48
+    )
+    for n, (args, kwargs, inputs, forward) in enumerate(torch_module_inputs):
+        with subtests.test(msg=f"{n}: {_describe(kwargs, forward)}"):
+            _compare_with_torch(args, kwargs, inputs, forward, seed=n)
+
+
+def _compare_with_torch(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    inputs: tuple[Tensor, ...],
+    forward: dict[str, Any],
+    *,
+    seed: int,
+) -> None:
+    theirs = drawn(nn.MultiheadAttention(*args, **kwargs, dtype=torch.float64), seed=seed).eval()
+    # torch's samples are unbatched (T, E); attnkit's module takes (B, T, E): a batch of one.
+    ours = MultiHeadAttention.from_torch(theirs, batch_first=True)  # type: ignore[arg-type]
+    attn_mask, padding = forward.get("attn_mask"), forward.get("key_padding_mask")
+    mask, bias = from_torch_masks(
+        attn_mask,
+        None if padding is None else padding[None],
+        num_heads=theirs.num_heads,
+        dtype=torch.float64,
+    )
+
+    def leaves() -> list[Tensor]:
+        return [x.detach().clone().requires_grad_() for x in inputs]
+
+    for average in (True, False):
+        q, k, v = leaves()
+        want, want_w = theirs(q, k, v, **forward, average_attn_weights=average)
+        g = randn(*want.shape, seed=seed + 1)
+        gw = randn(*want_w.shape, seed=seed + 2)
+        ((want * g).sum() + (want_w * gw).sum()).backward()
+        want_grads = {n: p.grad for n, p in theirs.named_parameters()} | {
+            "query": q.grad,
+            "key": k.grad,
+            "value": v.grad,
+        }
+        theirs.zero_grad(set_to_none=True)
+
+        q, k, v = leaves()
+        got, got_w = ours(
+            q[None],
+            k[None],
+            v[None],
+            mask=mask,
+            bias=bias,
+            need_weights=True,
+            average_weights=average,
+        )
+        assert_close(got[0], want)
+        assert_close(got_w[0], want_w)
+        ((got[0] * g).sum() + (got_w[0] * gw).sum()).backward()
+        got_grads = {n: p.grad for n, p in ours.named_parameters()} | {
+            "query": q.grad,
+            "key": k.grad,
+            "value": v.grad,
+        }
+        ours.zero_grad(set_to_none=True)
+        assert got_grads.keys() == want_grads.keys()
+        for name, grad in want_grads.items():
+            mine = got_grads[name]
+            assert grad is not None, name
+            assert mine is not None, name
+            assert_close(mine, grad)
+
+    with torch.no_grad():
+        # torch's fast path (no weights: scaled_dot_product_attention) computes the same.
+        want = theirs(*inputs, **forward, need_weights=False)[0]
+        assert_close(ours(*(x[None] for x in inputs), mask=mask, bias=bias)[0], want)
+        # ... and back: the same parameters under the same names, the same function.
+        back = ours.to_torch(batch_first=theirs.batch_first)
+        assert (back.add_zero_attn, back.bias_k is None) == (
+            theirs.add_zero_attn,
+            theirs.bias_k is None,
+        )
+        assert back.state_dict().keys() == theirs.state_dict().keys()
+        for name, p in theirs.state_dict().items():
+            assert torch.equal(back.state_dict()[name], p), name
+        assert_close(back(*inputs, **forward)[0], want)

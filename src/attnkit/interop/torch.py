@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_int, shape_str
+from .._checks import check_int, present, shape_str
 from .._typing import Bool, Float, shape_checked
 from ..multihead import MultiHeadAttention
 
@@ -23,9 +23,12 @@ __all__ = ["from_torch", "from_torch_masks", "to_torch"]
 def from_torch(m: nn.MultiheadAttention, *, batch_first: bool | None = None) -> MultiHeadAttention:
     """The equivalent of a ``torch.nn.MultiheadAttention``, with copies of its parameters.
 
-    Packed or separate projections, with or without bias, and ``kdim``/``vdim`` are supported.
-    ``add_bias_kv`` and ``add_zero_attn`` have no equivalent and raise ``ValueError``. Translate
-    torch's ``attn_mask``/``key_padding_mask`` with :func:`from_torch_masks`.
+    Packed or separate projections, with or without bias, ``kdim``/``vdim``, ``add_bias_kv``
+    (``bias_k`` and ``bias_v`` are copied) and ``add_zero_attn`` are supported, outputs and
+    weights: with ``need_weights=True`` the copy returns torch's weights, the extra tokens'
+    columns included. Translate torch's ``attn_mask``/``key_padding_mask`` with
+    :func:`from_torch_masks`: they cover the keys only, and the extra tokens stay visible to
+    every query, as torch pads its masks for them.
 
     attnkit's module is batch-first: it takes ``(B, T, E)``. torch's default,
     ``batch_first=False``, takes ``(T, B, E)``, which the copy would read as a batch of ``T``
@@ -38,10 +41,11 @@ def from_torch(m: nn.MultiheadAttention, *, batch_first: bool | None = None) -> 
     """
     if not isinstance(m, nn.MultiheadAttention):
         raise TypeError(f"from_torch() takes a torch.nn.MultiheadAttention, got {type(m).__name__}")
-    if m.bias_k is not None or m.bias_v is not None:
-        raise ValueError("from_torch(): add_bias_kv=True has no attnkit equivalent")
-    if m.add_zero_attn:
-        raise ValueError("from_torch(): add_zero_attn=True has no attnkit equivalent")
+    if (m.bias_k is None) != (m.bias_v is None):
+        raise ValueError(
+            f"from_torch(): bias_k is {_set_or_none(m.bias_k)} but bias_v is "
+            f"{_set_or_none(m.bias_v)}; torch's add_bias_kv=True sets both"
+        )
     if batch_first is False:
         raise ValueError(
             "from_torch(batch_first=False): attnkit's MultiHeadAttention takes batch-first "
@@ -64,6 +68,8 @@ def from_torch(m: nn.MultiheadAttention, *, batch_first: bool | None = None) -> 
         vdim=m.vdim,
         proj_bias=m.in_proj_bias is not None,
         dropout=float(m.dropout),
+        add_bias_kv=m.bias_k is not None,
+        add_zero_attn=bool(m.add_zero_attn),
         device=ref.device,
         dtype=ref.dtype,
     )
@@ -91,6 +97,9 @@ def from_torch(m: nn.MultiheadAttention, *, batch_first: bool | None = None) -> 
                 copy(name, ours, theirs)
         if new.in_proj_bias is not None:
             copy("in_proj_bias", new.in_proj_bias, m.in_proj_bias)
+        if new.bias_k is not None and new.bias_v is not None:
+            copy("bias_k", new.bias_k, present(m.bias_k, "bias_k"))
+            copy("bias_v", new.bias_v, present(m.bias_v, "bias_v"))
         new.out_proj.load_state_dict(m.out_proj.state_dict())
     return new.train(m.training)
 
@@ -99,7 +108,8 @@ def to_torch(module: MultiHeadAttention, *, batch_first: bool = True) -> nn.Mult
     """A ``torch.nn.MultiheadAttention`` with copies of these parameters.
 
     Only plain multi-head attention has one: ``num_kv_heads == num_heads``, ``head_dim ==
-    v_head_dim == d_model / num_heads``, no ``rotary``.
+    v_head_dim == d_model / num_heads``, no ``rotary``. ``add_bias_kv`` (with ``bias_k`` and
+    ``bias_v``) and ``add_zero_attn`` carry over.
     """
     plain = module.d_model // module.num_heads
     problems = []
@@ -122,6 +132,8 @@ def to_torch(module: MultiHeadAttention, *, batch_first: bool = True) -> nn.Mult
         module.num_heads,
         dropout=module.dropout,
         bias=module.in_proj_bias is not None,
+        add_bias_kv=module.bias_k is not None,
+        add_zero_attn=module.add_zero_attn,
         kdim=module.kdim,
         vdim=module.vdim,
         batch_first=batch_first,
@@ -140,6 +152,9 @@ def to_torch(module: MultiHeadAttention, *, batch_first: bool = True) -> nn.Mult
                 theirs.copy_(ours)
         if module.in_proj_bias is not None:
             m.in_proj_bias.copy_(module.in_proj_bias)
+        if module.bias_k is not None and module.bias_v is not None:
+            present(m.bias_k, "bias_k").copy_(module.bias_k)
+            present(m.bias_v, "bias_v").copy_(module.bias_v)
         m.out_proj.load_state_dict(module.out_proj.state_dict())
     return m.train(module.training)
 
@@ -208,6 +223,10 @@ def from_torch_masks(
     for b in biases:
         bias = b.to(dtype) if bias is None else bias + b.to(dtype)
     return mask, bias
+
+
+def _set_or_none(t: Tensor | None) -> str:
+    return "None" if t is None else f"set {shape_str(t.shape)}"
 
 
 def _check_torch_mask(name: str, mask: object) -> None:
