@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from attnkit.cli import main
@@ -98,10 +100,13 @@ def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["-t", "-5"], "argument -t/--q-len: must be at least 1, got -5"),
+        (["-t", "-5"], "argument -t/--q-len: must be at least 0, got -5"),
+        (["--heads", "0"], "argument --heads: must be at least 1, got 0"),
         (["--kv-heads", "0"], "argument --kv-heads: must be at least 1, got 0"),
         (["-d", "x"], "argument -d/--head-dim: invalid int value: 'x'"),
         (["--mask", "window"], "window:N, documents:N, key-padding:N (a structured mask)"),
+        (["--mask", "documents:0"], "invalid mask 'documents:0': N must be at least 1, got 0"),
+        (["--mask", "window:-1"], "invalid mask 'window:-1': N must be at least 0, got -1"),
     ],
 )
 def test_bad_sizes_and_masks_are_argparse_errors(
@@ -124,3 +129,83 @@ def test_bad_sizes_and_masks_are_argparse_errors(
 def test_structured_masks(mask: str, described: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explain", "-b", "2", "-t", "4096", "--mask", mask]) == 0
     assert described in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "call"),
+    [
+        # No keys: every query sees nothing (output 0), a call attention() serves.
+        (["-t", "4", "--kv-len", "0", "--causal", "--mask", "padding"], "k (1, 8, 0, 64)"),
+        (["-t", "0"], "q (1, 8, 0, 64), k (1, 8, 0, 64)"),
+        (["-b", "0", "-t", "4"], "q (0, 8, 4, 64)"),
+        (["-t", "4", "-d", "0", "--v-dim", "0"], "q (1, 8, 4, 0), k (1, 8, 4, 0), v (1, 8, 4, 0)"),
+        (["-t", "4", "--mask", "window:0"], "mask sliding_window(left=0, right=0)"),
+        (["-t", "4", "--mask", "key-padding:0"], "mask key_padding(lengths=[0])"),
+    ],
+)
+def test_sizes_of_zero_are_calls_too(
+    args: list[str], call: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["explain", *args]) == 0
+    out = capsys.readouterr().out
+    assert call in out
+    assert "auto picks: " in out
+
+
+def test_meta_says_what_it_leaves_out(capsys: pytest.CaptureFixture[str]) -> None:
+    # chunked's notes need a real device; on meta the report says which are missing and how to
+    # get them, and --device cpu gives them.
+    window = ["explain", "-t", "4096", "--mask", "window:512"]
+    assert main(window) == 0
+    out = capsys.readouterr().out
+    assert "auto picks: chunked" in out
+    assert "block plan: " not in out
+    assert out.rstrip().endswith(
+        "left out on meta, a device without data: the chunked backend's block plan and whether "
+        "its native kernel would run (--device cpu tells them)"
+    )
+    assert main([*window, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "block plan: " in out
+    assert "left out" not in out
+    # Without a mask there is no block plan to leave out.
+    assert main(["explain", "-t", "64", "--bias", "heads", "--bias-grad"]) == 0
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith(
+            "left out on meta, a device without data: whether the chunked backend's native kernel "
+            "would run (--device cpu tells it)"
+        )
+    )
+    # Nothing is left out when another backend is chosen.
+    assert main(["explain", "-t", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "auto picks: sdpa" in out
+    assert "left out" not in out
+
+
+@pytest.mark.parametrize("mask", ["full", "padding", "query"])
+def test_a_dense_mask_on_a_real_device_hides_no_key(
+    mask: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The command knows a dense mask's shape, not its content: the block plan on a real device
+    # counts every block, never what uninitialised memory happened to hold.
+    args = ["explain", "-t", "512", "--mask", mask, "--bias", "heads", "--bias-grad"]
+    assert main([*args, "--device", "cpu"]) == 0
+    plan = re.search(
+        r"block plan: (\d+) of (\d+) blocks .* computed, (\d+) with a mask tile",
+        capsys.readouterr().out,
+    )
+    assert plan is not None
+    assert plan[1] == plan[2]
+    assert plan[3] == "0"
+
+
+def test_any_size_is_described_without_allocating(capsys: pytest.CaptureFixture[str]) -> None:
+    # q, k and v of 2 * 10^13 bytes each: nothing of that size is allocated, on a real device too.
+    args = ["explain", "-b", "100000", "-t", "100000", "--mask", "window:512", "--device", "cpu"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "q (100000, 8, 100000, 64)" in out
+    assert "block plan: " in out

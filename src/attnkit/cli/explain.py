@@ -1,6 +1,11 @@
 """``attnkit explain``: which backend ``auto`` picks for a call described on the command line.
 
-The call is built from ``device="meta"`` tensors, so nothing is allocated and any size can be asked.
+The call's tensors are one value each, expanded to the call's shapes, so q, k, v and masks of any
+size allocate nothing (on a real device, explain() reads a bias through to check its values).
+By default they are on ``meta``, a device without data: the report then leaves out what the
+chunked backend can only tell on a real device (its block plan, and whether its native kernel
+runs), and says so; ``--device cpu`` tells it. A dense mask given as ``--mask`` lets every query
+see every key there: the command knows its shape, not its content.
 """
 
 from __future__ import annotations
@@ -44,7 +49,14 @@ def _mask_spec(text: str) -> str:
     name, _, n = text.partition(":")
     if text in DENSE_MASKS or (name in ("window", "documents", "key-padding") and n):
         if n:
-            _size(1)(n)
+            # window:0 is the diagonal alone, key-padding:0 a row of padding only; documents
+            # need one at least.
+            count = int_arg(n)
+            least = 1 if name == "documents" else 0
+            if count < least:
+                raise argparse.ArgumentTypeError(
+                    f"invalid mask {text!r}: N must be at least {least}, got {count}"
+                )
         return text
     raise argparse.ArgumentTypeError(
         f"invalid mask {text!r}: one of {', '.join(DENSE_MASKS)} (a dense bool tensor), or "
@@ -54,29 +66,34 @@ def _mask_spec(text: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     shape = p.add_argument_group("shapes")
-    one = _size(1)
-    shape.add_argument("-b", "--batch", type=one, default=1, help="batch size B (default 1)")
+    # Sizes of 0 are calls attention() serves (Tk = 0: every query sees nothing and gets 0);
+    # heads are at least 1, as attention() requires.
+    one, zero = _size(1), _size(0)
+    shape.add_argument("-b", "--batch", type=zero, default=1, help="batch size B (default 1)")
     shape.add_argument("--heads", type=one, default=8, help="query heads H (default 8)")
     shape.add_argument("--kv-heads", type=one, help="key/value heads Hkv (default: H)")
-    shape.add_argument("-t", "--q-len", type=one, default=1024, help="queries Tq (default 1024)")
-    shape.add_argument("--kv-len", type=one, default=None, help="keys Tk (default: Tq)")
-    shape.add_argument("-d", "--head-dim", type=one, default=64, help="Dk (default 64)")
-    shape.add_argument("--v-dim", type=one, default=None, help="Dv (default: Dk)")
+    shape.add_argument("-t", "--q-len", type=zero, default=1024, help="queries Tq (default 1024)")
+    shape.add_argument("--kv-len", type=zero, default=None, help="keys Tk (default: Tq)")
+    shape.add_argument("-d", "--head-dim", type=zero, default=64, help="Dk (default 64)")
+    shape.add_argument("--v-dim", type=zero, default=None, help="Dv (default: Dk)")
     opts = p.add_argument_group("options")
     opts.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     opts.add_argument(
         "--device",
         default="meta",
-        help="device the call would run on (default meta: describe without allocating; try cuda)",
+        help="device the call would run on: cpu, cuda... (default meta, a device without data: "
+        "the report then leaves out the chunked backend's block plan and whether its native "
+        "kernel runs, and says so)",
     )
     opts.add_argument(
         "--mask",
         type=_mask_spec,
         default="none",
         metavar="MASK",
-        help="a dense bool mask: none; padding (B,1,1,Tk); full (B,H,Tq,Tk); query (Tq,Tk). Or a "
-        "structured mask: window:N (sliding window of N keys), documents:N (N packed documents "
-        "of equal length), key-padding:N (every row N real keys). Default none",
+        help="a dense bool mask, taken as letting every query see every key: none; padding "
+        "(B,1,1,Tk); full (B,H,Tq,Tk); query (Tq,Tk). Or a structured mask: window:N (each "
+        "query sees itself and the N keys before it), documents:N (N packed documents of equal "
+        "length), key-padding:N (every row N real keys). Default none",
     )
     opts.add_argument("--causal", action="store_true", help="bottom-right causal masking")
     opts.add_argument(
@@ -105,14 +122,14 @@ def run(args: argparse.Namespace) -> int:
     tk = tq if args.kv_len is None else args.kv_len
     dv = dk if args.v_dim is None else args.v_dim
 
-    def empty(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
-        return torch.empty(*shape, dtype=dt, device=device)
+    def empty(*shape: int, grad: bool = False) -> torch.Tensor:
+        return _expanded(0.0, shape, dtype, device, grad)
 
     mask = _mask(args.mask, b, h, tq, tk, device)
     bias = None
     if args.bias != "none":
-        bias = empty(*((h, tq, tk) if args.bias == "heads" else (b, h, tq, tk)))
-        bias.requires_grad_(args.bias_grad)
+        shape = (h, tq, tk) if args.bias == "heads" else (b, h, tq, tk)
+        bias = empty(*shape, grad=args.bias_grad)
     report = attnkit.explain(
         empty(b, h, tq, dk),
         empty(b, hkv, tk, dk),
@@ -125,7 +142,34 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
     )
     print(report)
+    if device.type == "meta" and report.chosen == "chunked":
+        # chunked's notes come from the mask's blocks and the kernel's build for the device,
+        # which meta has neither of: say what is missing rather than print a shorter report.
+        masked = args.mask != "none" or args.causal  # the block plan is told for masks only
+        print(
+            "left out on meta, a device without data: "
+            + (
+                "the chunked backend's block plan and whether its native kernel would run "
+                "(--device cpu tells them)"
+                if masked
+                else "whether the chunked backend's native kernel would run (--device cpu tells it)"
+            )
+        )
     return 0 if report.chosen is not None else 1
+
+
+def _expanded(
+    value: float | bool,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    grad: bool = False,
+) -> torch.Tensor:
+    """One ``value`` seen as a tensor of ``shape``: nothing is allocated, whatever the sizes, and
+    what explain() reads on a real device is defined (zeros are finite; a True mask hides no
+    key), where ``torch.empty`` would hand it whatever the memory held."""
+    one = torch.full((), value, dtype=dtype, device=device, requires_grad=grad)
+    return one.expand(shape)
 
 
 def _mask(
@@ -136,7 +180,7 @@ def _mask(
         return None
     dense = {"padding": (b, 1, 1, tk), "full": (b, h, tq, tk), "query": (tq, tk)}
     if spec in dense:
-        return torch.empty(*dense[spec], dtype=torch.bool, device=device)
+        return _expanded(True, dense[spec], torch.bool, device)
     name, _, count = spec.partition(":")
     n = int(count)
     if name == "window":
