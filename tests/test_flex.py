@@ -652,3 +652,107 @@ def test_a_bias_by_distance_that_fails_on_some_distance_keeps_the_per_tile_path(
     assert "recognised" not in _chunked_notes(score_mod=mod)
     with pytest.raises(IndexError):
         attnkit.attention(q, k, v, score_mod=mod)
+
+
+# ------------------------------------------------------------------------------------------------
+# What a score_mod may return: its input, a view of it, its input written in place, a new tensor
+
+
+def _per_score(mod: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``mod`` applied as torch's FlexAttention applies it: on 0-d tensors, one score at a time
+    (vmapped over kv_idx, q_idx, h and b), so the float64 dense formula built on it has torch's
+    semantics and gradients."""
+    fn = mod
+    for dims in (
+        (0, None, None, None, 0),
+        (0, None, None, 0, None),
+        (0, None, 0, None, None),
+        (0, 0, None, None, None),
+    ):
+        fn = torch.vmap(fn, in_dims=dims)
+
+    def per_score(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        out: Tensor = fn(s, b.flatten(), h.flatten(), q.flatten(), kv.flatten())
+        return out.to(s.dtype)  # a float32 constant in float64 scores, as attnkit takes it
+
+    return per_score
+
+
+def _in_place_add(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    s += 0.1 * (q - kv)
+    return s
+
+
+def _written_then_viewed(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    s.mul_(0.5)
+    return s[...]
+
+
+AS_GIVEN: dict[str, Callable[..., Tensor]] = {
+    "identity": lambda s, b, h, q, kv: s,
+    "view_as": lambda s, b, h, q, kv: s.view_as(s),
+    "s[...]": lambda s, b, h, q, kv: s[...],
+    "reshape": lambda s, b, h, q, kv: s.reshape(s.shape),
+    "mul_": lambda s, b, h, q, kv: s.mul_(2.0),
+    "+=": _in_place_add,
+    "tanh_": lambda s, b, h, q, kv: s.tanh_(),
+    "written then viewed": _written_then_viewed,
+    "a new tensor": lambda s, b, h, q, kv: s * 1.0,
+}
+
+
+@pytest.mark.parametrize("heads", [(H, H), (H, HKV)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("name", AS_GIVEN)
+def test_a_score_mod_may_return_its_input_a_view_or_write_it_in_place(
+    name: str, heads: tuple[int, int]
+) -> None:
+    """Forward in float32 and float64 against torch's FlexAttention; with one query head per
+    key/value head the tile it gets is the kernel's own buffer."""
+    mod = AS_GIVEN[name]
+    h, hkv = heads
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, h, T_Q, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, hkv, T_K, D, generator=g, dtype=torch.float64) for _ in range(2))
+    bm = _torch_block_mask(causal)
+    want, want_lse = _torch_flex(q, k, v, score_mod=mod, block_mask=bm)
+    for dtype in (torch.float64, torch.float32):
+        qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+        got, lse = flex.flex_attention(qd, kd, vd, mod, bm, enable_gqa=hkv != h, return_lse=True)
+        assert_close(got, want, dtype=dtype)
+        assert_close(lse, want_lse, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", [SMALL, "chunked", "reference"], ids=str)
+@pytest.mark.parametrize("heads", [(H, H), (H, HKV)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("name", AS_GIVEN)
+def test_a_score_mod_that_returns_its_input_trains(
+    name: str, heads: tuple[int, int], backend: object
+) -> None:
+    """Values and gradients in float64 against the dense formula with the score_mod applied one
+    score at a time, as torch does; the attnkit.flex call and attention() on several tiles."""
+    mod = AS_GIVEN[name]
+    h, hkv = heads
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, h, T_Q, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(2, hkv, T_K, D, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
+    want = _grads(lambda: _dense_flex(q, k, v, _per_score(mod), causal), [q, k, v])
+    bm = flex.create_block_mask(causal, None, None, T_Q, T_K)
+    got = _grads(lambda: flex.flex_attention(q, k, v, mod, bm, enable_gqa=hkv != h), [q, k, v])
+    tiles = _grads(
+        lambda: attnkit.attention(
+            q,
+            k,
+            v,
+            mask=bm.mask,
+            scale=D**-0.5,
+            score_mod=mod,
+            backend=backend,  # type: ignore[arg-type]
+        ),
+        [q, k, v],
+    )
+    for a, b, w in zip(got, tiles, want, strict=True):
+        assert_close(a, w)
+        assert_close(b, w)

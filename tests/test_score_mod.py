@@ -88,6 +88,30 @@ def test_a_tiles_result_is_checked_and_broadcast() -> None:
         apply(lambda s, b, h, q, kv: torch.zeros(7), s, idx)
 
 
+def test_a_tile_may_come_back_as_itself_but_not_as_other_scores() -> None:
+    """Its input, a view of all of it, or its input written in place is the tile; any other view
+    of the tile's memory puts other scores in a score's place."""
+    idx = index_tensors(1, 2, 0, 4, 0, 4, torch.device("cpu"))  # a square tile: (1, 2, 4, 4)
+    for mod in (
+        lambda s, b, h, q, kv: s,
+        lambda s, b, h, q, kv: s[...],
+        lambda s, b, h, q, kv: s.view_as(s),
+        lambda s, b, h, q, kv: s.mul_(2.0),
+    ):
+        s = torch.arange(32.0).view(1, 2, 4, 4)
+        out = apply(mod, s, idx)
+        assert out.data_ptr() == s.data_ptr()
+    for mod in (
+        lambda s, b, h, q, kv: s[..., :1],
+        lambda s, b, h, q, kv: s[..., 1:2, :],
+        lambda s, b, h, q, kv: s.transpose(-1, -2),  # the tile's shape, other scores
+        lambda s, b, h, q, kv: s[:, :1].expand_as(s),
+        lambda s, b, h, q, kv: s.view(-1)[:16].view(1, 1, 4, 4),
+    ):
+        with pytest.raises(ValueError, match=r"returned a view of other scores .*elementwise"):
+            apply(mod, torch.zeros(1, 2, 4, 4), idx)
+
+
 CAP = 20.0
 CAP_T = torch.tensor(20.0)
 CAP_GRAD = torch.tensor(20.0, requires_grad=True)

@@ -146,14 +146,52 @@ def index_tensors(
     )
 
 
+#: What every refusal of a score_mod that is not elementwise says.
+ELEMENTWISE = (
+    "FlexAttention requires a score_mod to map each score to one score, a function of that "
+    "score and of its own b, h, q_idx and kv_idx only (elementwise: torch calls it on one "
+    "score at a time); attnkit calls it on tiles of scores, where a sum, mean or maximum over "
+    "the tile, a slice (score[..., :1]), a reordering (flip, roll, cumsum) or a product with "
+    "other scores (a matmul) would depend on the tile"
+)
+
+
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _same_elements(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements in the same places: the same shape, start
+    and strides (but for dimensions of size 1, whose strides are never used)."""
+    return (
+        a.shape == b.shape
+        and a.data_ptr() == b.data_ptr()
+        and all(n == 1 or i == j for n, i, j in zip(a.shape, a.stride(), b.stride(), strict=True))
+    )
+
+
 def apply(score_mod: ScoreMod, s: Tensor, idx: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
-    """``score_mod`` on a ``(B, H, rows, keys)`` tile, its result checked and broadcast to it."""
+    """``score_mod`` on a ``(B, H, rows, keys)`` tile, its result checked and broadcast to it.
+
+    The result must broadcast to the tile. One that shares the tile's memory must be the tile
+    itself (the function returned its input, a view of all of it such as ``score[...]``, or its
+    input written in place): any other view of it (``score[..., :1]``, a transpose) puts other
+    scores in a score's place. Whether the function is elementwise otherwise is
+    :func:`check_elementwise`'s question, asked once per call.
+    """
     out = score_mod(s, *idx)
     if not isinstance(out, Tensor) or not out.is_floating_point():
         got = str(out.dtype) if isinstance(out, Tensor) else type(out).__name__
         raise TypeError(
             f"score_mod must return a float tensor (the modified scores), got {got} for a score "
             f"tile {shape_str(s.shape)}"
+        )
+    # Under torch.compile the tensors are fake and have no memory to compare.
+    if not torch.compiler.is_compiling() and _shares_memory(out, s) and not _same_elements(out, s):
+        raise ValueError(
+            f"score_mod returned a view of other scores of its score tile {shape_str(s.shape)} "
+            f"(shape {shape_str(out.shape)}, strides {shape_str(out.stride())}, against the "
+            f"tile's {shape_str(s.stride())}): {ELEMENTWISE}"
         )
     if tuple(out.shape) != tuple(s.shape):
         try:
@@ -162,7 +200,7 @@ def apply(score_mod: ScoreMod, s: Tensor, idx: tuple[Tensor, Tensor, Tensor, Ten
             raise ValueError(
                 f"score_mod returned shape {shape_str(out.shape)}, which does not broadcast to "
                 f"the score tile {shape_str(s.shape)} (index tensors b, h, q_idx, kv_idx of "
-                f"shapes {', '.join(shape_str(i.shape) for i in idx)})"
+                f"shapes {', '.join(shape_str(i.shape) for i in idx)}): {ELEMENTWISE}"
             ) from None
     return out if out.dtype == s.dtype else out.to(s.dtype)
 
@@ -195,7 +233,8 @@ def check_captured(
     score = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device, requires_grad=True)
     zero = torch.zeros((1, 1, 1, 1), dtype=torch.int64, device=device)
     with torch.enable_grad():
-        out = score_mod(score, zero, zero, zero, zero)
+        # A copy, not the leaf: a score_mod may write to its input (score.mul_(2)).
+        out = score_mod(score.clone(), zero, zero, zero, zero)
     if not isinstance(out, Tensor) or out.grad_fn is None:
         return
     stops = {id(score)}

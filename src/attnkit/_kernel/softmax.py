@@ -380,14 +380,24 @@ class Problem:
             raise RuntimeError("attnkit internal error: apply_mod without a score_mod")
         idx = self.mod_indices(lo, hi, ks, ke)
         if keep_graph:
-            x = self.mod_view(s5).clone().requires_grad_(True)  # saved by the mod's graph
+            # The function gets a copy of x: its graph may save what it is given (x is a view
+            # of s5 with one query head per key/value head, and s5 is overwritten below), and
+            # it may write to it in place (score.mul_(2)), which autograd forbids on a leaf.
+            x = self.mod_view(s5).detach().requires_grad_(True)
             with torch.enable_grad():
-                y = apply_score_mod(self.score_mod, x, idx)
+                y = apply_score_mod(self.score_mod, x.clone(), idx)
             self._graph = (x, y)
         else:
             y = apply_score_mod(self.score_mod, self.mod_view(s5), idx)
         n, hkv, rows, g, keys = s5.shape
-        torch.mul(y.detach().reshape(n, hkv, g, rows, keys).transpose(2, 3), _LOG2E, out=s5)
+        y5 = y.detach().reshape(n, hkv, g, rows, keys).transpose(2, 3)
+        if y5.untyped_storage().data_ptr() == s5.untyped_storage().data_ptr():
+            # It returned its input (a view of s5 with one query head per key/value head), a
+            # view of it or the input written in place: the same elements as s5 (apply refuses
+            # any other view of the scores), which a multiplication into s5 may not read.
+            s5.mul_(_LOG2E)
+        else:
+            torch.mul(y5, _LOG2E, out=s5)
 
     def mod_backward(self, ds5: Tensor, dmod: list[Tensor | None]) -> None:
         """Turn ``ds5``, the gradient of the last :meth:`apply_mod`'s output (kept with
