@@ -756,3 +756,119 @@ def test_a_score_mod_that_returns_its_input_trains(
     for a, b, w in zip(got, tiles, want, strict=True):
         assert_close(a, w)
         assert_close(b, w)
+
+
+# ------------------------------------------------------------------------------------------------
+# A score_mod maps each score to one score: what is not elementwise is refused
+
+BIAS_4D = torch.randn(2, H, T_Q, T_K, dtype=torch.float64)
+MIXER = torch.randn(T_K, T_K, dtype=torch.float64)
+
+
+def _mix_keys(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return s @ MIXER[: s.size(-1), : s.size(-1)]  # each score a sum over the tile's keys
+
+
+NOT_ELEMENTWISE: dict[str, Callable[..., Tensor]] = {
+    "sum": lambda s, b, h, q, kv: s.sum(),
+    "mean": lambda s, b, h, q, kv: s - s.mean(),
+    "max": lambda s, b, h, q, kv: s - s.amax(),
+    "max per row": lambda s, b, h, q, kv: s - s.amax(-1, keepdim=True),
+    "min, kept shape": lambda s, b, h, q, kv: s.min() + 0.0 * s,
+    "softmax": lambda s, b, h, q, kv: torch.softmax(s, -1),
+    "first key": lambda s, b, h, q, kv: s[..., :1],
+    "first key, kept shape": lambda s, b, h, q, kv: s[..., :1] + 0.0 * s,
+    "first query": lambda s, b, h, q, kv: s[..., :1, :],
+    "cumsum": lambda s, b, h, q, kv: s.cumsum(-1),
+    "cumsum over queries": lambda s, b, h, q, kv: s.cumsum(-2),
+    "flip": lambda s, b, h, q, kv: s.flip(-1),
+    "roll": lambda s, b, h, q, kv: s.roll(1, -1),
+    "scores times their transpose": lambda s, b, h, q, kv: s @ s.transpose(-1, -2),
+    "matmul over keys": _mix_keys,
+    "mean over heads": lambda s, b, h, q, kv: s - s.mean(1, keepdim=True),
+    "mean over the batch": lambda s, b, h, q, kv: s - s.mean(0, keepdim=True),
+    "mean of kv_idx": lambda s, b, h, q, kv: s + kv.to(s.dtype).mean(),
+    "flipped kv_idx": lambda s, b, h, q, kv: s + 0.1 * kv.flip(-1),
+}
+
+
+@pytest.mark.parametrize("name", NOT_ELEMENTWISE)
+def test_a_score_mod_that_is_not_elementwise_is_refused(name: str) -> None:
+    """torch calls a score_mod on one score; attnkit on tiles, where these would give results
+    that depend on the tile (or torch would raise): each is a ValueError, with or without
+    gradients, naming what FlexAttention requires."""
+    mod = NOT_ELEMENTWISE[name]
+    q, k, v = _qkv()
+    for needs_grad in (False, True):
+        args = [t.detach().requires_grad_(needs_grad) for t in (q, k, v)]
+        with pytest.raises(ValueError, match=r"FlexAttention requires a score_mod to map each"):
+            flex.flex_attention(*args, mod, enable_gqa=True)
+        with pytest.raises(ValueError, match=r"elementwise"):
+            flex.flex_attention(*args, mod, enable_gqa=True)
+
+
+def test_the_refusal_quotes_what_the_probe_saw() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(
+        ValueError,
+        match=r"not elementwise: on a probe tile \(2, 2, 3, 4\) and on its sub-tile \(1, 1, 2, 3\)"
+        r" .* at b=1, h=\d, q_idx=\d, kv_idx=\d\. FlexAttention requires",
+    ):
+        flex.flex_attention(q, k, v, NOT_ELEMENTWISE["sum"], enable_gqa=True)
+    with pytest.raises(ValueError, match=r"returned a view of other scores of its score tile"):
+        flex.flex_attention(q, k, v, NOT_ELEMENTWISE["first key"], enable_gqa=True)
+    with pytest.raises(ValueError, match=r"returned shape \(2, 2, 3, 3\), which does not"):
+        flex.flex_attention(
+            q, k, v, NOT_ELEMENTWISE["scores times their transpose"], enable_gqa=True
+        )
+
+
+@pytest.mark.parametrize("backend", [SMALL, "reference"], ids=str)
+def test_attention_refuses_a_view_of_other_scores_on_every_tile(backend: object) -> None:
+    """attention(score_mod=...) checks each tile's result: a slice of the scores is refused there
+    too."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"returned a view of other scores"):
+        attnkit.attention(q, k, v, score_mod=NOT_ELEMENTWISE["first key"], backend=backend)  # type: ignore[arg-type]
+
+
+ELEMENTWISE: dict[str, Callable[..., Tensor]] = {
+    "identity": lambda s, b, h, q, kv: s,
+    "score * 2": lambda s, b, h, q, kv: s * 2,
+    "score + (q_idx - kv_idx)": lambda s, b, h, q, kv: s + (q - kv),
+    "softcap": lambda s, b, h, q, kv: 3.0 * torch.tanh(s / 3.0),
+    "alibi": lambda s, b, h, q, kv: s + SLOPES.double()[h] * (kv - q),
+    "bias[b, h, q_idx, kv_idx]": lambda s, b, h, q, kv: s + BIAS_4D[b, h, q, kv],
+    "causal by where": lambda s, b, h, q, kv: torch.where(q >= kv, s, -math.inf),
+    "relu": lambda s, b, h, q, kv: torch.relu(s),
+    "score + q_idx * 0.5": lambda s, b, h, q, kv: s + q * 0.5,
+    "a constant": lambda s, b, h, q, kv: torch.tensor(0.5, dtype=torch.float64),
+    "a float32 constant": lambda s, b, h, q, kv: torch.tensor(0.0),
+    "indices only": lambda s, b, h, q, kv: 0.05 * (q - 2 * kv).to(torch.float64),
+    "by its own value": by_value,
+}
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_an_elementwise_score_mod_is_accepted_and_matches_torch(name: str) -> None:
+    """Forward against torch's FlexAttention; values and gradients (q, k, v) in float64 against
+    the dense formula with the score_mod applied one score at a time, as torch applies it. A
+    result that only broadcasts to the tile (a constant, a function of the indices) is taken
+    as the tile's, as torch broadcasts it over the scores."""
+    mod = ELEMENTWISE[name]
+    q, k, v = _qkv()
+    want, want_lse = _torch_flex(q, k, v, score_mod=mod)
+    got, lse = flex.flex_attention(q, k, v, mod, enable_gqa=True, return_lse=True)
+    # torch computes on in the returned float32 constant's dtype; attnkit in the scores' float64
+    within = torch.float32 if name == "a float32 constant" else torch.float64
+    assert_close(got, want, dtype=within)
+    assert_close(lse, want_lse, dtype=within)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    grads = _grads(lambda: flex.flex_attention(q, k, v, mod, enable_gqa=True), [q, k, v])
+    tiles = _grads(
+        lambda: attnkit.attention(q, k, v, scale=D**-0.5, score_mod=mod, backend=SMALL), [q, k, v]
+    )
+    formula = _grads(lambda: _dense_flex(q, k, v, _per_score(mod), None), [q, k, v])
+    for a, b, w in zip(grads, tiles, formula, strict=True):
+        assert_close(a, w)
+        assert_close(b, w)

@@ -10,7 +10,15 @@ import torch
 from torch import Tensor
 
 from attnkit import _score_mod as score_mod_module
-from attnkit._score_mod import apply, captured_tensors, check_captured, index_tensors, softcap_of
+from attnkit._score_mod import (
+    apply,
+    captured_tensors,
+    check_captured,
+    check_elementwise,
+    index_tensors,
+    softcap_of,
+)
+from attnkit.masks import Geometry
 
 TABLE = torch.randn(8, requires_grad=True)
 FROZEN = torch.randn(8)
@@ -110,6 +118,52 @@ def test_a_tile_may_come_back_as_itself_but_not_as_other_scores() -> None:
     ):
         with pytest.raises(ValueError, match=r"returned a view of other scores .*elementwise"):
             apply(mod, torch.zeros(1, 2, 4, 4), idx)
+
+
+def _geometry(b: int, h: int, tq: int, tk: int) -> Geometry:
+    return Geometry((b,), h, tq, tk, torch.device("cpu"), torch.float64)
+
+
+def test_check_elementwise_keeps_the_answer_for_a_plain_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+
+    def counted(*args: object) -> Tensor:
+        calls.append(1)
+        return apply(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(score_mod_module, "apply", counted)
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return s + FROZEN[h]
+
+    check_elementwise(mod, _geometry(2, 4, 9, 9))
+    assert len(calls) == 2  # the tile and its sub-tile
+    check_elementwise(mod, _geometry(2, 4, 9, 9))
+    assert len(calls) == 2
+    check_elementwise(mod, _geometry(1, 4, 9, 9))  # another probe tile: probed again
+    assert len(calls) == 4
+    check_elementwise(functools.partial(mod), _geometry(2, 4, 9, 9))  # not a plain function
+    check_elementwise(functools.partial(mod), _geometry(2, 4, 9, 9))
+    assert len(calls) == 8
+
+
+def test_check_elementwise_on_calls_too_small_to_tell() -> None:
+    """On one score every function is elementwise; on one key, a reduction over the keys is
+    the score itself, and a reduction over the queries is still seen."""
+    check_elementwise(lambda s, b, h, q, kv: s.sum(), _geometry(1, 1, 1, 1))
+    check_elementwise(lambda s, b, h, q, kv: s.sum(-1, keepdim=True), _geometry(2, 2, 5, 1))
+    with pytest.raises(ValueError, match="not elementwise"):
+        check_elementwise(lambda s, b, h, q, kv: s.sum(-2, keepdim=True), _geometry(1, 1, 5, 1))
+
+
+def test_check_elementwise_draws_nothing_from_the_global_generator() -> None:
+    torch.manual_seed(7)
+    want = torch.rand(3)
+    torch.manual_seed(7)
+    check_elementwise(lambda s, b, h, q, kv: s * 3.0, _geometry(2, 2, 5, 5))
+    assert torch.equal(torch.rand(3), want)
 
 
 CAP = 20.0

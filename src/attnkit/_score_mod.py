@@ -47,6 +47,7 @@ __all__ = [
     "ScoreMod",
     "captured_tensors",
     "check_captured",
+    "check_elementwise",
     "check_score_mod",
     "distance_bias_of",
     "index_tensors",
@@ -628,3 +629,93 @@ def distance_bias_of(
     ahead2 = rows[0].expand(*lead, tq).flip(-1)
     table = ahead2 if len(rows) == 1 else torch.cat([ahead2, rows[1].expand(*lead, tk - 1)], -1)
     return DistanceBias(table.to(dtype), first=-(tk - 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Checking that a score_mod is elementwise
+
+# The probe's tile: at most 2 batch rows, 2 heads, 3 queries and 4 keys (rows and keys unequal,
+# so a product of the scores with their transpose has the wrong shape).
+_PROBE = (2, 2, 3, 4)
+# code and shapes of what it reads, the probe's tile, dtype, device type -> elementwise
+_ELEMENTWISE_SEEN: dict[tuple[object, ...], bool] = {}
+
+
+def _probe_tolerance(dtype: torch.dtype) -> float:
+    """How far the same elementwise function may land on the same inputs in two tiles (vector
+    and scalar code paths round differently); a function that is not elementwise lands much
+    further: the probe moves scores by 10."""
+    return 1e-10 if dtype == torch.float64 else 1e-4
+
+
+def check_elementwise(score_mod: ScoreMod, shape: ScoreShape) -> None:
+    """Refuse a score_mod that is not elementwise (see :data:`ELEMENTWISE`) with a ValueError.
+
+    FlexAttention calls a score_mod on one score at a time; attnkit calls it on tiles of the
+    scores, which gives the same result exactly when the function is elementwise. The probe: the
+    function on a tile of the call's first (up to) 2 batch rows, 2 heads, 3 queries and 4 keys,
+    with random scores, and on that tile without its first batch row, head, query and key (where
+    it has more than one), with about half the scores moved by 10; the two results must agree
+    where the scores and indices do. A result that broadcasts to the tile is taken as the tile's
+    (a constant such as ``torch.tensor(0.0)``, a function of the indices alone): such a function
+    is elementwise, and passes. ``shape``: the call (queries and keys at FlexAttention's indices
+    ``0..Q_LEN-1`` and ``0..KV_LEN-1``; ``shape.dtype``, the dtype the scores are computed in).
+
+    A call on one score passes whatever the function; a function that raises on the probe
+    raises here (its indices are the call's own). A plain function that passes is not probed
+    again for the same code, shapes of what it reads, and tile (as :func:`distance_bias_of`
+    keeps its answers), so a call costs a lookup.
+    """
+    dims = tuple(
+        min(n, p)
+        for n, p in zip((shape.batch, shape.heads, shape.q_len, shape.kv_len), _PROBE, strict=True)
+    )
+    if math.prod(dims) <= 1 or shape.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    dtype = shape.dtype
+    key = None
+    if type(score_mod) is types.FunctionType:
+        reads = _reads(score_mod, _shape_token)
+        if reads is not None:
+            key = (reads[0], dims, dtype, shape.device.type)
+            if key in _ELEMENTWISE_SEEN:
+                return
+    device = shape.device
+    g = torch.Generator().manual_seed(0)  # not the global generator: a probe draws nothing
+    s = torch.randn(dims, generator=g, dtype=torch.float64).to(device, dtype)
+    idx = index_tensors(dims[0], dims[1], 0, dims[2], 0, dims[3], device)
+    # The sub-tile: without the first batch row, head, query and key where there are two or more.
+    starts = tuple(1 if n > 1 else 0 for n in dims)
+    cut = tuple(slice(o, None) for o in starts)
+    sub = s[cut]
+    moved = torch.rand(sub.shape, generator=g) < 0.5
+    if sub.numel() > 1:  # at least one score moved and one kept
+        moved.view(-1)[0], moved.view(-1)[-1] = False, True
+    else:
+        moved.zero_()
+    step = torch.where(torch.rand(sub.shape, generator=g) < 0.5, 10.0, -10.0)
+    s2 = sub + (moved * step).to(device, dtype)
+    idx2 = tuple(i.narrow(d, starts[d], dims[d] - starts[d]) for d, i in enumerate(idx))
+    with torch.no_grad():  # copies: a score_mod may write to its input
+        full = apply(score_mod, s.clone(), idx)[cut]
+        part = apply(score_mod, s2.clone(), idx2)  # type: ignore[arg-type]
+    kept = ~moved.to(device)
+    want, got = full[kept].double(), part[kept].double()
+    finite = want[torch.isfinite(want)]
+    scale = 1.0 + (float(finite.abs().max()) if finite.numel() else 0.0)
+    tol = _probe_tolerance(dtype)
+    close = torch.isclose(got, want, rtol=tol, atol=tol * scale, equal_nan=True)
+    if not bool(close.all()):
+        at = int((~close).nonzero()[0, 0])
+        where = [int(i.expand(part.shape)[kept][at]) for i in idx2]
+        raise ValueError(
+            f"score_mod is not elementwise: on a probe tile {shape_str(dims)} and on its "
+            f"sub-tile {shape_str(part.shape)} with some other scores changed, it returned "
+            f"{float(want[at]):.6g} and {float(got[at]):.6g} for the same score "
+            f"{float(s2[kept][at]):.6g} at b={where[0]}, h={where[1]}, q_idx={where[2]}, "
+            f"kv_idx={where[3]}. {ELEMENTWISE}"
+        )
+    if key is not None:
+        if len(_ELEMENTWISE_SEEN) >= _MAX_CACHED:
+            _ELEMENTWISE_SEEN.clear()
+        _ELEMENTWISE_SEEN[key] = True

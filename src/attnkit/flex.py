@@ -24,6 +24,14 @@ backward). A score_mod that is exactly a softcap, ``c * tanh(score / c)`` with a
 ``c``, is recognised and the call runs as ``attention(softcap=c)``, in the native kernel (the
 FlexAttention guide lists the forms recognised); ``attnkit.explain()`` says when.
 
+**Elementwise.** FlexAttention calls a ``score_mod`` on one score at a time; attnkit calls it on
+tiles of scores, the same thing exactly when it maps each score to one score, a function of that
+score and its own ``b``, ``h``, ``q_idx``, ``kv_idx``. :func:`flex_attention` probes it on a
+small tile once per call (a plain function once for its code) and refuses one that is not (a
+sum, mean or maximum over the tile, ``score[..., :1]``, ``flip``, ``roll``, ``cumsum``, a
+matmul) with a ``ValueError``. A result that broadcasts to the tile, a constant or a function of
+the indices alone, is elementwise and taken.
+
 **Captured tensors.** A ``score_mod`` may read tensors (a learnable bias table, per-head
 multipliers): gradients reach those that need them when attnkit can see them, in the function's
 closure, its default arguments, the module globals it names or the attributes of its object (a
@@ -45,7 +53,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_int, shape_str
-from ._score_mod import ScoreMod
+from ._score_mod import ScoreMod, check_elementwise, check_score_mod
 from .attention import attention
 from .masks import Geometry, Mask, from_fn
 
@@ -320,8 +328,10 @@ def flex_attention(
         value: ``(B|1, Hkv, KV_LEN, Dv)``.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled
             scores (float32 for float16/bfloat16 inputs) with broadcastable int64 index tensors
-            ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``, ``(1, 1, rows, 1)``, ``(1, 1, 1, keys)``.
-            Differentiable, captured tensors included (see the module docstring).
+            ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``, ``(1, 1, rows, 1)``, ``(1, 1, 1, keys)``: it
+            must be elementwise, and may return its input, a view of it, its input written in
+            place, a new tensor, or one that broadcasts to it (see the module docstring).
+            Differentiable, captured tensors included.
         block_mask: a :class:`BlockMask` from :func:`create_block_mask`, a torch ``BlockMask``
             (its ``mask_mod``, sizes and block table are used), or None (every pair). Masked
             pairs stay masked whatever ``score_mod`` returns there.
@@ -374,6 +384,10 @@ def flex_attention(
                 "keeps no per-row maximum of the modified scores"
             )
     mask = _mask_of(block_mask, b, h, q_len, kv_len)
+    mod = check_score_mod(score_mod)
+    if mod is not None:
+        work = torch.promote_types(query.dtype, torch.float32)  # the dtype the mod sees
+        check_elementwise(mod, Geometry((b,), h, q_len, kv_len, query.device, work))
     want_lse = return_lse or bool(getattr(return_aux, "lse", False))
     if scale is None:
         scale = 1.0 / math.sqrt(query.size(-1)) if query.size(-1) else 1.0
