@@ -872,3 +872,85 @@ def test_an_elementwise_score_mod_is_accepted_and_matches_torch(name: str) -> No
     for a, b, w in zip(grads, tiles, formula, strict=True):
         assert_close(a, w)
         assert_close(b, w)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch BlockMasks whose query and key blocks differ in size
+
+
+def _from_table(table: Tensor, block_size: tuple[int, int], q_len: int, kv_len: int) -> Tensor:
+    """The bool ``(Q_LEN, KV_LEN)`` mask a block table ``(q_blocks, kv_blocks)`` lists, written
+    out block by block."""
+    bq, bk = block_size
+    return table.repeat_interleave(bq, 0).repeat_interleave(bk, 1)[:q_len, :kv_len]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "lengths"),
+    [
+        ((128, 64), (200, 300)),
+        ((64, 128), (200, 300)),
+        ((128, 64), (300, 200)),
+        ((64, 128), (64, 256)),
+    ],
+)
+@pytest.mark.parametrize("mask_name", ["causal", "sliding_window", "prefix_lm", "documents"])
+def test_torch_block_masks_with_unequal_block_sizes(
+    block_size: tuple[int, int], lengths: tuple[int, int], mask_name: str
+) -> None:
+    """BLOCK_SIZE (query block, key block): a torch BlockMask read with the two swapped indexes
+    its block table wrongly."""
+    q_len, kv_len = lengths
+    docs = torch.arange(max(lengths)) // 70
+
+    def documents(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return docs[q] == docs[kv]
+
+    mask_mod = {"causal": causal, "sliding_window": sliding_window, "prefix_lm": prefix_lm}.get(
+        mask_name, documents
+    )
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, q_len, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, kv_len, D, generator=g, dtype=torch.float64) for _ in range(2))
+    block_mask = torch_flex.create_block_mask(
+        mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=block_size
+    )
+    assert tuple(block_mask.BLOCK_SIZE) == block_size
+    want, want_lse = _torch_flex(q, k, v, score_mod=relative, block_mask=block_mask)
+    got, lse = flex.flex_attention(q, k, v, relative, block_mask, return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "lengths", "rows"),
+    [
+        ((32, 16), (64, 96), [[0, 2], [1, 3, 4]]),
+        ((16, 32), (96, 64), [[0], [1, 0], [1], [0, 1], [1, 0], [0]]),
+        # lengths at which the swapped block sizes still index inside the table
+        ((32, 16), (16, 96), [[0, 2, 5]]),
+        ((16, 32), (96, 16), [[0], [], [0], [], [0], [0]]),
+    ],
+)
+def test_a_block_table_with_unequal_block_sizes_is_read_block_by_block(
+    block_size: tuple[int, int], lengths: tuple[int, int], rows: list[list[int]]
+) -> None:
+    """from_kv_blocks with no mask_mod: the block table alone is the mask, and a query block or
+    a key block read at the other's size would be another mask."""
+    q_len, kv_len = lengths
+    kv_blocks = -(-kv_len // block_size[1])
+    num = torch.tensor([len(r) for r in rows], dtype=torch.int32).view(1, 1, -1)
+    idx = torch.tensor([r + [0] * (kv_blocks - len(r)) for r in rows], dtype=torch.int32)
+    block_mask = torch_flex.BlockMask.from_kv_blocks(
+        num, idx.view(1, 1, len(rows), kv_blocks), BLOCK_SIZE=block_size, seq_lengths=lengths
+    )
+    table = torch.zeros(len(rows), kv_blocks, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        table[i, r] = True
+    dense = _from_table(table, block_size, q_len, kv_len)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, H, q_len, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, H, kv_len, D, generator=g, dtype=torch.float64) for _ in range(2))
+    got = flex.flex_attention(q, k, v, head_offset, block_mask)
+    want = _dense_flex(q, k, v, head_offset, lambda b, h, qi, kv: dense[qi, kv])
+    assert_close(got, want)
