@@ -568,6 +568,17 @@ NOT_BY_DISTANCE: dict[str, Callable[..., Tensor]] = {
     "score twice": lambda s, b, h, q, kv: s + s,
     "alpha": lambda s, b, h, q, kv: torch.add(s, 0.1 * (q - kv), alpha=2.0),
     "partial": functools.partial(relative),
+    # an index read alone, beside or instead of the distance
+    "query minus a constant": lambda s, b, h, q, kv: s + 0.3 * (q - 3),
+    "key minus a constant": lambda s, b, h, q, kv: s + 0.3 * (kv - 3),
+    "constant minus the key": lambda s, b, h, q, kv: s + 0.3 * (3 - kv),
+    "query alone, plain": lambda s, b, h, q, kv: s + q,
+    "key alone": lambda s, b, h, q, kv: s + 0.1 * kv,
+    "twice the query minus the key": lambda s, b, h, q, kv: s + 0.1 * (q * 2 - kv),
+    "distance times the query": lambda s, b, h, q, kv: s + 0.01 * (q - kv) * q,
+    "|query minus a constant|": lambda s, b, h, q, kv: s + 0.1 * (q - 3).abs(),
+    # a function of the distance, but not spelled as one: not taken, and right all the same
+    "shifted query minus the key": lambda s, b, h, q, kv: s + 0.1 * ((q - 3) - kv),
 }
 
 
@@ -954,3 +965,30 @@ def test_a_block_table_with_unequal_block_sizes_is_read_block_by_block(
     got = flex.flex_attention(q, k, v, head_offset, block_mask)
     want = _dense_flex(q, k, v, head_offset, lambda b, h, qi, kv: dense[qi, kv])
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", [*BY_DISTANCE, *NOT_BY_DISTANCE])
+def test_a_score_mod_is_right_whether_or_not_it_is_a_bias_by_distance(name: str) -> None:
+    """Taken for a bias by distance or not: the forward equals torch's FlexAttention, and values
+    and gradients (the captured table's included) the float64 formula, in the native kernel
+    where it is built and in the eager one."""
+    mod = {**BY_DISTANCE, **NOT_BY_DISTANCE}[name]
+    q, k, v = _qkv()
+    bm = _torch_block_mask(causal)
+    want, want_lse = _torch_flex(q, k, v, score_mod=mod, block_mask=bm)
+    got, lse = flex.flex_attention(q, k, v, mod, bm, enable_gqa=True, return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse)
+    tensors = [t.requires_grad_() for t in (q, k, v)] + [BIAS_TABLE]
+    mask = flex.create_block_mask(causal, None, None, T_Q, T_K).mask
+    formula = _grads(lambda: _dense_flex(q, k, v, _per_score(mod), causal), tensors)
+    for native in (True, False):
+        backend = Chunked(block_q=16, block_k=16, native=native)
+        got_grads = _grads(
+            lambda be=backend: attnkit.attention(
+                q, k, v, mask=mask, scale=D**-0.5, score_mod=mod, backend=be
+            ),
+            tensors,
+        )
+        for a, w in zip(got_grads, formula, strict=True):
+            assert_close(a, w)

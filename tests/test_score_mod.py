@@ -15,6 +15,7 @@ from attnkit._score_mod import (
     captured_tensors,
     check_captured,
     check_elementwise,
+    distance_bias_of,
     index_tensors,
     softcap_of,
 )
@@ -250,3 +251,52 @@ def test_a_score_mod_without_tanh_is_never_traced(monkeypatch: pytest.MonkeyPatc
     assert not traced
     assert softcap_of(lambda s, b, h, q, kv: torch.tanh(s) * scale) is None
     assert len(traced) == 1
+
+
+TABLE_H = torch.randn(4, 40)
+
+
+def _distance_mods() -> tuple[dict[str, object], dict[str, object]]:
+    """Score_mods that add a function of (b, h, q_idx - kv_idx), and look-alikes that read an
+    index some other way."""
+    by_distance = {
+        "c * (q_idx - kv_idx)": lambda s, b, h, q, kv: s + 0.3 * (q - kv),
+        "c * (kv_idx - q_idx)": lambda s, b, h, q, kv: s + 0.3 * (kv - q),
+        "table[h, q_idx - kv_idx + 20]": lambda s, b, h, q, kv: s + TABLE_H[h, q - kv + 20],
+        "twice the distance": lambda s, b, h, q, kv: s + 0.1 * (q - kv) - 0.2 * (kv - q) ** 2,
+        "b and h only": lambda s, b, h, q, kv: s + h - 0.5 * b,
+    }
+    not_by_distance = {
+        "c * (q_idx - 3)": lambda s, b, h, q, kv: s + 0.3 * (q - 3),
+        "c * (kv_idx - 3)": lambda s, b, h, q, kv: s + 0.3 * (kv - 3),
+        "c * (3 - kv_idx)": lambda s, b, h, q, kv: s + 0.3 * (3 - kv),
+        "q_idx alone": lambda s, b, h, q, kv: s + q,
+        "kv_idx alone": lambda s, b, h, q, kv: s + 0.1 * kv,
+        "q_idx * 2 - kv_idx": lambda s, b, h, q, kv: s + 0.1 * (q * 2 - kv),
+        "(q_idx - kv_idx) * q_idx": lambda s, b, h, q, kv: s + 0.01 * (q - kv) * q,
+        "|q_idx - 3|": lambda s, b, h, q, kv: s + 0.1 * (q - 3).abs(),
+        "table[h, q_idx]": lambda s, b, h, q, kv: s + TABLE_H[h, q],
+        "q_idx - kv_idx - 3 (a distance, spelled otherwise)": (
+            lambda s, b, h, q, kv: s + 0.1 * ((q - 3) - kv)
+        ),
+    }
+    return by_distance, not_by_distance  # type: ignore[return-value]
+
+
+BY_DISTANCE, NOT_BY_DISTANCE = _distance_mods()
+
+
+@pytest.mark.parametrize("name", BY_DISTANCE)
+def test_a_bias_by_distance_is_taken_as_one(name: str) -> None:
+    mod = BY_DISTANCE[name]
+    bias = distance_bias_of(mod, _geometry(2, 4, 9, 13), torch.float64)  # type: ignore[arg-type]
+    assert bias is not None
+    assert bias.first == -12
+
+
+@pytest.mark.parametrize("name", NOT_BY_DISTANCE)
+def test_a_score_mod_reading_an_index_otherwise_is_no_bias_by_distance(name: str) -> None:
+    """Not a function of q_idx - kv_idx as written (``score + c * (q_idx - 3)`` reads q_idx
+    alone): a table over distances cannot hold it."""
+    mod = NOT_BY_DISTANCE[name]
+    assert distance_bias_of(mod, _geometry(2, 4, 9, 13), torch.float64) is None  # type: ignore[arg-type]
