@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 import types
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -225,4 +230,75 @@ def test_site_links_that_fail_from_disk_are_found(tmp_path: Path) -> None:
         '<img src="data:image/png;base64,AA"> <a href="https://example.org/">web</a>'
         '<script src="missing.js"></script>'
     )
-    assert site_links.broken_links(tmp_path) == ["index.html: guide/", "index.html: missing.js"]
+    # The error page too: an absolute link leads to the root of the file system from disk.
+    (tmp_path / "404.html").write_text(
+        '<link href="/assets/main.css"><a href="index.html">home</a>'
+    )
+    assert site_links.broken_links(tmp_path) == [
+        "404.html: /assets/main.css",
+        "index.html: guide/",
+        "index.html: missing.js",
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# The built site, opened from disk
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as ``make docs`` builds it (strictly), in a folder of its own."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert built.returncode == 0, built.stderr
+    return out
+
+
+class _Urls(HTMLParser):
+    """Every href and src of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.urls += [v for k, v in attrs if k in ("href", "src") and v]
+
+
+def test_the_error_page_works_from_disk(site: Path) -> None:
+    # MkDocs gives error pages absolute links (/assets/...), which from disk lead to the root of
+    # the file system: the page showed unstyled, without its scripts and with a dead navigation.
+    page = _Urls()
+    page.feed((site / "404.html").read_text(encoding="utf-8"))
+    local = [u for u in page.urls if not urlsplit(u).scheme and not urlsplit(u).netloc]
+    assert any(u.endswith(".css") for u in local)
+    assert any(u.endswith(".js") for u in local)
+    unresolved = [
+        u for u in local if urlsplit(u).path and not (site / unquote(urlsplit(u).path)).is_file()
+    ]
+    assert not unresolved, f"404.html links that lead to no file from disk: {unresolved}"
+
+
+# Lines a code block of the README (GitHub's column) and of the home page hold without scrolling.
+CODE_LINE_LIMIT = 88
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_front_door_code_lines_fit_without_a_sideways_scroll(page: str) -> None:
+    long = []
+    fenced = False
+    for number, line in enumerate((ROOT / page).read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced and len(line) > CODE_LINE_LIMIT:
+            long.append(f"{page}:{number} ({len(line)} characters)")
+    assert not long, f"code lines longer than {CODE_LINE_LIMIT} characters: {', '.join(long)}"
