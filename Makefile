@@ -1,45 +1,60 @@
-# Two commands for a newcomer: `make demo` and `make test`. Each creates .venv when it is missing.
+# Two commands for a newcomer: `make demo` and `make test`. Each creates .venv when it is missing
+# and installs what it needs: the demo torch, attnkit and its command's extras (.[cli]); the tests
+# the development extras (.[dev]: tests, linters, docs tools, transformers) on top. A stamp file
+# per set says it is installed, until pyproject.toml or constraints.txt change.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-cli
+DEV_STAMP  := $(VENV)/.installed-dev
 # An index to take torch from first, e.g. https://download.pytorch.org/whl/cpu for the CPU build
 # (pip's default torch on Linux is the multi-GB CUDA build). Empty: torch comes with the rest.
 TORCH_INDEX ?=
 
 .PHONY: demo test lint typecheck pytest docs bench clean
 
-$(STAMP): pyproject.toml constraints.txt
-	@echo "Creating $(VENV): torch, attnkit and its development tools (a few minutes, once)"
+# $(call install,EXTRAS): .venv if missing, then torch pinned by constraints.txt (from TORCH_INDEX
+# when set) and attnkit from this checkout, editable, with EXTRAS.
+define install
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet -c constraints.txt torch --index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[$(1)]'
+	touch $@
+endef
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	@echo "Installing into $(VENV): torch, attnkit and what the demo needs (a few minutes, once)"
+	$(call install,cli)
+
+$(DEV_STAMP): pyproject.toml constraints.txt
+	@echo "Installing into $(VENV): torch, attnkit and its development tools (a few minutes, once)"
+	$(call install,dev)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/attnkit demo
 
 test: lint typecheck pytest docs
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks docs
 	$(BIN)/ruff format --check src tests benchmarks docs
 
-typecheck: $(STAMP)
+typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(DEV_STAMP)
 	$(BIN)/pytest -q
 
 # The site, built strictly: a broken cross-reference, a docstring that does not parse or a tutorial
 # step that raises fails the build. It runs the tutorial's code and draws the benchmark plots from
 # the JSON in docs/benchmarks/data/. Open site/index.html: the site works from disk (pages are
 # page.html files, search works offline, and the build fails on a link that leads to no file).
-docs: $(STAMP)
+docs: $(DEV_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-bench: $(STAMP)
+# The benchmarks need torch and attnkit only: the demo's install is enough.
+bench: $(DEMO_STAMP)
 	$(BIN)/python benchmarks/bench_backends.py
 
 clean:
