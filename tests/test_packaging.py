@@ -5,6 +5,8 @@ form for a package index and the form for a checkout."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit._native import build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +42,10 @@ out = attnkit.attention(q, k, v, mask=mask, backend="chunked")
 ref = attnkit.attention(q, k, v, mask=mask, backend="reference")
 torch.testing.assert_close(out, ref)
 print(attnkit.__version__)
+from attnkit import _native
+with attnkit.record_dispatch() as calls:
+    attnkit.attention(q.float(), k.float(), v.float(), mask=mask, backend="chunked")
+print(calls[0].kernel.split()[0], _native.loaded())
 """
 
 
@@ -47,25 +54,36 @@ def test_wheel_and_sdist_build_install_and_work(tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, ignore=_NOT_SOURCES)
     dist = tmp_path / "dist"
-    # The wheel is built from the sdist (build's default), so the sdist is known to be complete.
+    # The wheel is built from the sdist (build's default), so the sdist is known to be complete;
+    # built where torch is importable, it carries the kernel (here for this CPU's instructions
+    # only: a release builds every instruction set, see docs/deploying.md).
+    cap = build.capability()
     subprocess.run(
         [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
         check=True,
         capture_output=True,
-        timeout=300,
+        timeout=900,
+        env={**os.environ, "ATTNKIT_NATIVE_CAPABILITIES": cap},
     )
     version = attnkit.__version__
-    wheel = dist / f"attnkit-{version}-py3-none-any.whl"
+    (wheel,) = dist.glob(f"attnkit-{version}-*.whl")
     sdist = dist / f"attnkit-{version}.tar.gz"
     assert sorted(p.name for p in dist.iterdir()) == sorted([wheel.name, sdist.name])
+    assert not wheel.name.endswith("-none-any.whl"), "a wheel with a kernel names its platform"
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    for name in ("README.md", "LICENSE", "CHANGELOG.md", "src/attnkit/py.typed"):
+    for name in ("README.md", "LICENSE", "CHANGELOG.md", "src/attnkit/py.typed", "setup.py"):
         assert name in names, name
+    for source in build.SOURCES + build.HEADERS:
+        assert f"src/attnkit/_native/csrc/{source.name}" in names, source.name
     with zipfile.ZipFile(wheel) as whl:
         names = set(whl.namelist())
+        info = json.loads(whl.read("attnkit/_native/_built.json"))
     assert "attnkit/py.typed" in names
     assert "attnkit/cli/__init__.py" in names
+    assert info["torch"] == build.torch_key()
+    assert f"attnkit/_native/{info['libraries'][cap]}" in names
+    assert "attnkit/_native/csrc/forward.cpp" in names  # a source install's first-use build
 
     # A new venv with nothing of this checkout in it; torch (several hundred MB) is reused from
     # the running interpreter through a .pth line, which adds its folder but runs none of the
@@ -87,11 +105,17 @@ def test_wheel_and_sdist_build_install_and_work(tmp_path: Path) -> None:
         capture_output=True,
         timeout=300,
     )
+    # No compiler on PATH and an empty cache: the kernel that runs is the wheel's.
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    clean = {k: v for k, v in os.environ.items() if k not in ("ATTNKIT_NATIVE", "CXX")}
+    clean.update(PATH=str(bare), ATTNKIT_CACHE_DIR=str(tmp_path / "cache"))
     smoke = subprocess.run(
-        [python, "-c", SMOKE], capture_output=True, text=True, cwd=tmp_path, timeout=300
+        [python, "-c", SMOKE], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=clean
     )
     assert smoke.returncode == 0, smoke.stderr
-    assert smoke.stdout.strip() == version
+    assert smoke.stdout.split() == [version, "native", "True"], smoke.stdout
+    assert not (tmp_path / "cache").exists()
     command = subprocess.run(
         [env / "bin" / "attnkit", "--version"], capture_output=True, text=True, timeout=300
     )

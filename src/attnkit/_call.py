@@ -237,11 +237,10 @@ def finite(*tensors: Tensor) -> bool:
     any activation's scale (1e32 in float32); the answer is then False, which only costs the
     caller its careful path.
     """
-    module = loaded_native()
-    if module is not None and all(
+    if loaded_native() and all(
         t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in tensors
     ):
-        return bool(module.all_finite([t.detach() for t in tensors]))
+        return bool(torch.ops.attnkit.all_finite([t.detach() for t in tensors]))
     sums = [
         t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32))
         for t in tensors

@@ -15,18 +15,18 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._call import AttentionCall
-from .._kernel import Plan, QueryBlock, Visit
+from .._kernel import BlockPlan, Plan, QueryBlock, Visit
 from ..masks import Geometry, Mask
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm, softcap_form
 from . import load, status
 
-__all__ = ["NativeCall", "fuses", "native_call", "why_not_native"]
+__all__ = ["NativeCall", "block_plan", "fuses", "native_call", "refusal", "why_not_native"]
 
 
 def fuses(term: ScoreTerm | None, geo: Geometry | None = None) -> bool:
@@ -46,54 +46,152 @@ def fuses(term: ScoreTerm | None, geo: Geometry | None = None) -> bool:
     return geo is None or (tuple(qv.shape[:3]) == (geo.batch, geo.heads, geo.q_len))
 
 
-def why_not_native(call: AttentionCall, native: bool) -> str | None:
-    """Why the native kernel does not serve ``call`` (None: it does). Builds it on first use."""
+def refusal(
+    *,
+    native: bool,
+    device: torch.device,
+    term: ScoreTerm | None,
+    score_mod: bool,
+    finite: bool | None,
+    geo: Geometry | None,
+    build: bool,
+) -> str | None:
+    """The one decision of which kernel serves a call: None when the native kernel does, else
+    the words for the eager kernel and why (what ``explain()`` prints, what
+    :attr:`attnkit.Dispatch.kernel` records). ``finite``: whether q, k, v (and the term's inputs)
+    are finite (None: not known yet); ``build``: load the kernel, building it if needed (when a
+    call is about to run), or only ask whether it would be available (questions never build)."""
     if not native:
         return "the eager kernel (Chunked(native=False))"
-    if call.device.type != "cpu":
-        return f"the eager kernel (the native kernel runs on CPUs, not {call.device.type})"
-    if call.score_term is not None and not fuses(call.score_term, call.geometry):
-        return (
-            f"the eager kernel (the native kernel does not fuse the score term {call.score_term!r})"
-        )
-    if call.score_mod is not None:
+    if device.type != "cpu":
+        return f"the eager kernel (the native kernel runs on CPUs, not {device.type})"
+    if term is not None and not fuses(term, geo):
+        return f"the eager kernel (the native kernel does not fuse the score term {term!r})"
+    if score_mod:
         return "the eager kernel (the native kernel does not fuse a score_mod)"
-    if call.finite is False:
+    if finite is False:
         return "the eager kernel (non-finite values in q/k/v)"
+    if build and load():
+        return None
     available, why = status()
-    return None if available else f"the eager kernel (native kernel: {why})"
+    return None if available and not build else f"the eager kernel (native kernel: {why})"
+
+
+def why_not_native(call: AttentionCall, native: bool = True) -> str | None:
+    """:func:`refusal` for a described call, without building anything."""
+    return refusal(
+        native=native,
+        device=call.device,
+        term=call.score_term,
+        score_mod=call.score_mod is not None,
+        finite=call.finite,
+        geo=call.geometry,
+        build=False,
+    )
 
 
 @dataclass(frozen=True)
 class NativeCall:
     """One call's plan and mask in the native kernel's terms (built once, used by the forward
-    and the backward)."""
+    and the backward): the arguments of ``torch.ops.attnkit.native_forward`` besides the
+    call's tensors."""
 
-    off: Tensor  # (nqb + 1,) int64
-    visits: Tensor  # (nv, 6) int64: ks, ke, r0, r1, partial, tile
-    block_q: int
-    block_k: int
+    plan: BlockPlan
     scale: float
     softcap: float  # 0: none
-    band: list[float]  # [lo, hi] or []
-    shift: int
-    key_ok: Tensor | None  # (N|1, Tk) uint8
-    tiles: Tensor | None  # (P, N|1, H|1, block_q, block_k) uint8
     p_drop: float
     seed: int
     #: the position term's (scale, distance of enc's first row, whole_width), or None
     position: tuple[float, int, int] | None = None
     #: a bias by distance's layout in its table (see DistanceBias.layout), or [] for none
     layout: tuple[int, ...] = ()
+    #: how the kernel runs its products (the same numbers to rounding): float32 products in its
+    #: own register tiles rather than the BLAS, and the position term along the diagonals of
+    #: the scores rather than per block's window of distances (both where the build has AVX-512)
+    register_tiles: bool = True
+    skewed_position: bool = True
 
-    def _args(self) -> tuple[object, ...]:
+    # The plan's parts, as the operators take them.
+    @property
+    def off(self) -> Tensor:
+        return self.plan.offsets
+
+    @property
+    def visits(self) -> Tensor:
+        return self.plan.visits
+
+    @property
+    def block_q(self) -> int:
+        return self.plan.block_q
+
+    @property
+    def block_k(self) -> int:
+        return self.plan.block_k
+
+    @property
+    def band(self) -> list[float]:
+        return [] if self.plan.band is None else [float(x) for x in self.plan.band]
+
+    @property
+    def shift(self) -> int:
+        return self.plan.shift
+
+    @property
+    def key_ok(self) -> Tensor | None:
+        return self.plan.key_ok
+
+    @property
+    def tiles(self) -> Tensor | None:
+        return self.plan.tiles
+
+    def settings(self) -> dict[str, object]:
+        """The operators' keyword arguments for this call."""
+        rel_scale, top, whole = self.position if self.position is not None else (0.0, 0, 0)
+        return {
+            "block_q": self.block_q,
+            "block_k": self.block_k,
+            "scale": self.scale,
+            "softcap": self.softcap,
+            "bias_layout": list(self.layout),
+            "band": list(self.band),
+            "shift": self.shift,
+            "dropout_p": self.p_drop,
+            "seed": self.seed,
+            "rel_scale": rel_scale,
+            "rel_top": top,
+            "whole_width": whole,
+            "register_tiles": self.register_tiles,
+            "skewed_position": self.skewed_position,
+        }
+
+    def tensors(
+        self,
+        q5: Tensor,
+        k4: Tensor,
+        v4: Tensor,
+        bias5: Tensor | None,
+        term_inputs: tuple[Tensor, ...],
+    ) -> tuple[Tensor | None, ...]:
+        """The operators' positional tensors, in the work dtype with contiguous rows:
+        ``(q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc)``."""
+        work = torch.promote_types(q5.dtype, torch.float32)
+        qv = enc = None
+        if self.position is not None:
+            qv, enc = _rows(term_inputs[0], work), _rows(term_inputs[1], work)
+        bias = None if bias5 is None else bias5.to(work)
+        if self.layout:  # a bias by distance: its table
+            bias = term_inputs[0].to(work).contiguous()
         return (
+            _rows(q5, work),
+            _rows(k4, work),
+            _rows(v4, work),
             self.off,
             self.visits,
-            self.block_q,
-            self.block_k,
-            self.scale,
-            self.softcap,
+            bias,
+            self.key_ok,
+            self.tiles,
+            qv,
+            enc,
         )
 
     def forward(
@@ -105,50 +203,12 @@ class NativeCall:
         term_inputs: tuple[Tensor, ...] = (),
     ) -> tuple[Tensor, Tensor]:
         """``(out5, lse)`` in the work dtype, as :func:`attnkit._kernel.forward` returns them
-        (``term_inputs``: the position term's ``(qv, enc)``)."""
-        module = load()
-        if module is None:
+        (``term_inputs``: the position term's ``(qv, enc)``, or a bias by distance's table)."""
+        if not load():
             raise RuntimeError("attnkit internal error: native call without the native kernel")
-        out, lse = module.forward(*self._inputs(q5, k4, v4, bias5, term_inputs))
+        args = self.tensors(q5, k4, v4, bias5, term_inputs)
+        out, lse = torch.ops.attnkit.native_forward(*args, **self.settings())
         return out, lse
-
-    def _inputs(
-        self,
-        q5: Tensor,
-        k4: Tensor,
-        v4: Tensor,
-        bias5: Tensor | None,
-        term_inputs: tuple[Tensor, ...],
-    ) -> tuple[object, ...]:
-        """The arguments the forward and the backward share, in the work dtype, in order."""
-        work = torch.promote_types(q5.dtype, torch.float32)
-        qv = enc = None
-        scale, top, whole = 0.0, 0, 0
-        if self.position is not None:
-            qv, enc = _rows(term_inputs[0], work), _rows(term_inputs[1], work)
-            scale, top, whole = self.position
-        bias = None if bias5 is None else bias5.to(work)
-        if self.layout:  # a bias by distance: its table
-            bias = term_inputs[0].to(work).contiguous()
-        return (
-            _rows(q5, work),
-            _rows(k4, work),
-            _rows(v4, work),
-            *self._args(),
-            bias,
-            list(self.layout),
-            self.band,
-            self.shift,
-            self.key_ok,
-            self.tiles,
-            self.p_drop,
-            self.seed,
-            qv,
-            enc,
-            scale,
-            top,
-            whole,
-        )
 
     def backward(
         self,
@@ -168,33 +228,38 @@ class NativeCall:
         ``dterm``: the gradients of ``term_inputs`` that ``term_grads`` asks for, else None).
         ``grads_out``: tensors of q5's, k4's and v4's shapes to write dq5, dk4 and dv4 into (used
         when the inputs are in the work dtype with contiguous rows)."""
-        module = load()
-        if module is None:
+        if not load():
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         work = torch.promote_types(q5.dtype, torch.float32)
         qv_grad, enc_grad = term_grads if self.position is not None else (False, False)
         table_grad = bool(self.layout) and term_grads[0]
-        inputs = self._inputs(q5, k4, v4, bias5, term_inputs)
+        args = self.tensors(q5, k4, v4, bias5, term_inputs)
         own = grads_out is not None and all(
-            a is b for a, b in zip(inputs[:3], (q5, k4, v4), strict=True)
+            a is b for a, b in zip(args[:3], (q5, k4, v4), strict=True)
         )
-        dq, dk, dv, dbias, dqv, denc = module.backward(
-            *inputs,
-            _rows(dout5, work),
-            lse.to(work).contiguous(),
-            delta.to(work).contiguous(),
-            table_grad or (bias_grad and bias5 is not None),
-            qv_grad,
-            enc_grad,
-            list(grads_out) if own and grads_out is not None else [],
-        )
+        head = (_rows(dout5, work), lse.to(work).contiguous(), delta.to(work).contiguous())
+        flags = {
+            "bias_grad": table_grad or (bias_grad and bias5 is not None),
+            "qv_grad": qv_grad,
+            "enc_grad": enc_grad,
+        }
+        if own and grads_out is not None:
+            dq, dk, dv = grads_out
+            dbias, dqv, denc = torch.ops.attnkit.native_backward_into(
+                *head, dq, dk, dv, *args, **self.settings(), **flags
+            )
+        else:
+            dq, dk, dv, dbias, dqv, denc = torch.ops.attnkit.native_backward(
+                *head, *args, **self.settings(), **flags
+            )
         # dbias is already in bias5's shape (a bias by distance's: in its table's)
+        asked = flags["bias_grad"]
         dterm: list[Tensor | None] = []
         if self.position is not None:
-            dterm = [dqv, denc]
+            dterm = [dqv if qv_grad else None, denc if enc_grad else None]
         elif self.layout:
-            dterm, dbias = [dbias], None
-        return dq, dk, dv, dbias, dterm
+            dterm, dbias = [dbias if table_grad else None], None
+        return dq, dk, dv, (dbias if asked and not self.layout else None), dterm
 
 
 def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -363,36 +428,10 @@ def _band_visits(qb: QueryBlock, band: list[float], shift: int, block_k: int) ->
     return out
 
 
-def native_call(
-    mask: Mask | None,
-    geo: Geometry,
-    plan: Plan,
-    *,
-    scale: float,
-    softcap: float | None,
-    dtype: torch.dtype,
-    p_drop: float = 0.0,
-    seed: int = 0,
-    term: ScoreTerm | None = None,
-    groups: int = 1,
-    layout_of: NativeCall | None = None,
-) -> NativeCall:
-    """The plan of a whole call, and its mask, in the native kernel's terms (``dtype``: the
-    inputs', which decides how a softcap is computed, see :func:`attnkit.scores.softcap_form`;
-    ``groups``: query heads per key/value head; ``layout_of``: an earlier call of this mask,
-    geometry and plan, whose visits are reused)."""
-    work = torch.promote_types(dtype, torch.float32)
-    form = None if softcap is None else softcap_form(softcap, work)
-    if layout_of is not None:  # the same mask, geometry and plan: only the numbers differ
-        return replace(
-            layout_of,
-            scale=float(scale),
-            softcap=0.0 if form is None else float(form.cap),
-            p_drop=float(p_drop),
-            seed=seed,
-            position=_position(term, geo),
-            layout=tuple(term.layout(geo, groups)) if isinstance(term, DistanceBias) else (),
-        )
+def block_plan(mask: Mask | None, geo: Geometry, grid: Plan) -> BlockPlan:
+    """The native kernel's plan of a call from its grid plan: its visits cut where the mask
+    allows (see the module's docstring), and the mask of its partial visits as a band, key
+    flags or tiles."""
     band, key_ok, tiled = _mask_form(mask, geo)
     # Packed documents need no tiles: a block they cut is one FULL visit per document in it
     # (with a band, such as causal, the band's edges are then its only mask).
@@ -404,9 +443,9 @@ def native_call(
     off = [0]
     rows: list[list[int]] = []
     tiles: list[tuple[Tensor, int, int]] = []  # a partial block's tile, its rows and keys
-    for qb in plan.blocks:
+    for qb in grid.blocks:
         if band_only:
-            rows.extend(_band_visits(qb, band, geo.shift, plan.block_k))
+            rows.extend(_band_visits(qb, band, geo.shift, grid.block_k))
             off.append(len(rows))
             continue
         for v in qb.visits:
@@ -429,25 +468,56 @@ def native_call(
     if tiles:
         tn = max(t.size(0) for t, _, _ in tiles)
         th = max(t.size(1) for t, _, _ in tiles)
-        packed = torch.zeros(len(tiles), tn, th, plan.block_q, plan.block_k, dtype=torch.uint8)
+        packed = torch.zeros(len(tiles), tn, th, grid.block_q, grid.block_k, dtype=torch.uint8)
         for i, (t, nr, nk) in enumerate(tiles):
             packed[i, :, :, :nr, :nk] = t.expand(tn, th, nr, nk)
-    visits = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
-    return NativeCall(
-        off=torch.tensor(off, dtype=torch.int64),
-        visits=visits,
-        block_q=plan.block_q,
-        block_k=plan.block_k,
-        scale=float(scale),
-        softcap=0.0 if form is None else float(form.cap),
-        band=band,
+    return BlockPlan(
+        q_len=geo.q_len,
+        kv_len=geo.kv_len,
+        block_q=grid.block_q,
+        block_k=grid.block_k,
+        offsets=torch.tensor(off, dtype=torch.int64),
+        visits=torch.tensor(rows, dtype=torch.int64).reshape(-1, 6),
+        grid=grid,
+        band=(band[0], band[1]) if band else None,
         shift=geo.shift,
         key_ok=key_ok,
         tiles=packed,
+    )
+
+
+def native_call(
+    mask: Mask | None,
+    geo: Geometry,
+    plan: Plan | BlockPlan,
+    *,
+    scale: float,
+    softcap: float | None,
+    dtype: torch.dtype,
+    p_drop: float = 0.0,
+    seed: int = 0,
+    term: ScoreTerm | None = None,
+    groups: int = 1,
+    register_tiles: bool = True,
+    skewed_position: bool = True,
+) -> NativeCall:
+    """A whole call in the native kernel's terms: its plan (a grid plan is cut by
+    :func:`block_plan`; a :class:`BlockPlan` made before for this mask and geometry is used as
+    it is) and its numbers (``dtype``: the inputs', which decides how a softcap is computed,
+    see :func:`attnkit.scores.softcap_form`; ``groups``: query heads per key/value head;
+    ``register_tiles``, ``skewed_position``: see :class:`NativeCall`)."""
+    work = torch.promote_types(dtype, torch.float32)
+    form = None if softcap is None else softcap_form(softcap, work)
+    return NativeCall(
+        plan=plan if isinstance(plan, BlockPlan) else block_plan(mask, geo, plan),
+        scale=float(scale),
+        softcap=0.0 if form is None else float(form.cap),
         p_drop=float(p_drop),
         seed=seed,
         position=_position(term, geo),
         layout=tuple(term.layout(geo, groups)) if isinstance(term, DistanceBias) else (),
+        register_tiles=register_tiles,
+        skewed_position=skewed_position,
     )
 
 

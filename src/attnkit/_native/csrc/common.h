@@ -1,0 +1,100 @@
+// What every part of attnkit's native kernel shares: the BLAS torch links, the rows of a tensor
+// as the kernel reads them, the dropout generator and the parallel region's habits.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+extern "C" {
+// The BLAS that torch links (weak: a build without it uses the loops below).
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
+            const float*, const int*, const float*, const int*, const float*, float*, const int*)
+    __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*,
+            const double*, const int*, const double*, const int*, const double*, double*,
+            const int*) __attribute__((weak));
+// MKL's per-thread thread count (C interface); absent with another BLAS.
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+}
+
+namespace attnkit {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.6931471805599453;
+
+// Dropout's generator: the pair with counter c is kept iff the top 24 bits of
+// splitmix64(c, seed) are >= p * 2^24 (attnkit._kernel.dropout computes the same bits).
+inline uint64_t splitmix64(uint64_t counter, uint64_t seed) {
+  uint64_t z = seed + (counter + 1) * 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Rows of a (N, Hkv, G, T, D) tensor, or of a (N, X, T, D) one (its g stride 0), each row
+// contiguous, at any strides between them: q, k and v come as views of the layout the caller has
+// ((B, T, H, D) as well as (B, H, T, D)), and GEMMs read the rows with their stride as leading
+// dimension.
+template <typename P>
+struct Rows {
+  P p = nullptr;
+  int64_t s[4] = {0, 0, 0, 0};  // strides of n, hk (or x), g, the row
+
+  P at(int64_t n, int64_t hk, int64_t g, int64_t i) const {
+    return p + n * s[0] + hk * s[1] + g * s[2] + i * s[3];
+  }
+  int64_t ld() const { return s[3]; }
+};
+
+template <typename P>
+Rows<P> rows_of(const at::Tensor& t, P p) {
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, "rows must be contiguous");
+  Rows<P> r;
+  r.p = p;
+  if (t.dim() == 5) {
+    for (int d = 0; d < 4; ++d) r.s[d] = t.stride(d);
+  } else {
+    TORCH_CHECK(t.dim() == 4, "a 4-d or 5-d tensor");
+    r.s[0] = t.stride(0);
+    r.s[1] = t.stride(1);
+    r.s[3] = t.stride(2);
+  }
+  // A leading dimension must be at least the row's length (for a single row, any will do).
+  if (r.s[3] < std::max<int64_t>(t.size(-1), 1)) {
+    TORCH_CHECK(t.size(-2) <= 1, "rows must not overlap");
+    r.s[3] = std::max<int64_t>(t.size(-1), 1);
+  }
+  return r;
+}
+
+// Inside the parallel region each item's GEMMs run on the calling thread: a BLAS that opened its
+// own threads there would make every thread wait on the others' GEMMs.
+struct OneBlasThread {
+  int previous = 0;
+  OneBlasThread() {
+    if (MKL_Set_Num_Threads_Local != nullptr) previous = MKL_Set_Num_Threads_Local(1);
+  }
+  ~OneBlasThread() {
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous);
+  }
+};
+
+// Each thread of a parallel region claims the next unclaimed item until none is left, instead
+// of running a fixed share: on a core shared with another process a thread runs slower, and
+// the others then take more of the items rather than wait for it at the region's end.
+inline int64_t claim(std::atomic<int64_t>& next) {
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace attnkit

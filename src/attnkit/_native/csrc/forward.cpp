@@ -1,0 +1,144 @@
+// The forward: one parallel region per call. Its items are (batch, key/value head, query block);
+// each runs every visit of its query block's row of the plan, for each of the G query heads that
+// share the key/value head, with thread-local buffers: the visit's scores (scores.h), the online
+// softmax's running maximum and sum, and a GEMM for the weighted values. A row that sees no key
+// has log-sum-exp -inf and output 0.
+
+#include "kernel.h"
+#include "position.h"
+#include "scores.h"
+
+namespace attnkit {
+namespace {
+
+// One thread's buffers, sized by the blocks.
+template <typename T>
+struct ForwardBuffers {
+  std::vector<T> s, pos, acc, m, l;
+  KeyPanels panels;
+  explicit ForwardBuffers(const Call<T>& c)
+      : s(c.bq * c.tile_k), pos(window_size(c)), acc(c.bq * c.Dv), m(c.bq), l(c.bq) {}
+};
+
+// The online softmax over one visit's scores (rows r0 .. r0 + nr - 1 of the block, in place:
+// exp2 of the scores less the row's running maximum), rescaling the rows' accumulated outputs
+// when their maximum grows. bounded: the scores are known to be small (see forward_impl), the
+// maximum is taken as 0.
+template <typename T>
+void online_softmax(const Call<T>& c, ForwardBuffers<T>& b, int64_t r0, int64_t nr, int64_t nk,
+                    bool bounded) {
+  for (int64_t r = 0; r < nr; ++r) {
+    T* row = b.s.data() + r * nk;
+    const int64_t R = r0 + r;
+    if (bounded) {
+      b.l[R] += exp2_sum(row, nk, T(0));
+      b.m[R] = T(0);
+      continue;
+    }
+    const T mnew = std::max(b.m[R], row_max(row, nk));
+    const T safe = std::isinf(mnew) && mnew < 0 ? T(0) : mnew;
+    const T alpha = std::exp2(b.m[R] - safe);
+    b.l[R] = b.l[R] * alpha + exp2_sum(row, nk, safe);
+    if (alpha != T(1)) scale_row(b.acc.data() + R * c.Dv, c.Dv, alpha);
+    b.m[R] = mnew;
+  }
+}
+
+// The block's rows of out and lse from the accumulated outputs and sums.
+template <typename T>
+void finish_rows(const Call<T>& c, const ForwardBuffers<T>& b, int64_t n, int64_t hk, int64_t g,
+                 int64_t qs, int64_t rows, const Rows<T*>& out, T* lse) {
+  const int64_t row0 = ((n * c.Hkv + hk) * c.G + g) * c.Tq + qs;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* o = out.at(n, hk, g, qs + r);
+    // A NaN sum (a NaN or +inf score the row sees) makes the row NaN, as in the reference; only
+    // a row that sees no key gets zeros.
+    if (b.l[r] > T(0) || std::isnan(b.l[r])) {
+      const T inv = T(1) / b.l[r];
+      for (int64_t d = 0; d < c.Dv; ++d) o[d] = b.acc[r * c.Dv + d] * inv;
+      lse[row0 + r] = T((b.m[r] + std::log2(b.l[r])) * kLn2);
+    } else {
+      for (int64_t d = 0; d < c.Dv; ++d) o[d] = T(0);
+      lse[row0 + r] = -std::numeric_limits<T>::infinity();
+    }
+  }
+}
+
+// Query head g of key/value head (n, hk) over query block qb: every visit, then its rows.
+template <typename T>
+void forward_head(const Call<T>& c, ForwardBuffers<T>& b, int64_t n, int64_t hk, int64_t g,
+                  int64_t qb, bool skew, bool bounded, const Rows<T*>& out, T* lse) {
+  const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs), h = hk * c.G + g;
+  std::fill(b.acc.begin(), b.acc.end(), T(0));
+  std::fill(b.m.begin(), b.m.end(), -std::numeric_limits<T>::infinity());
+  std::fill(b.l.begin(), b.l.end(), T(0));
+  const Window<T> whole = skew ? Window<T>() : block_window(c, qb, b.pos.data());
+  if (whole.p != nullptr) whole.compute(c, n, h, qs);
+  for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
+    const int64_t* vis = c.visits + vi * 6;
+    const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
+    Window<T> w = whole;
+    if (c.qv.p != nullptr && whole.p == nullptr && !skew) {
+      w = Window<T>(c, qs, r0, vis[3], ks, vis[1], b.pos.data());
+      w.compute(c, n, h, qs);
+    }
+    scores(c, n, hk, g, qs, vis, b.s.data(), nk, static_cast<T*>(nullptr), w, &b.panels, skew);
+    online_softmax(c, b, r0, nr, nk, bounded);
+    if (c.p_drop > 0) drop(c, n, h, qs + r0, ks, nr, nk, b.s.data(), nk);
+    gemm<T>(c.register_tiles, false, false, nr, c.Dv, nk, T(1), b.s.data(), nk,
+            c.v.at(n, hk, 0, ks), c.v.ld(), T(1), b.acc.data() + r0 * c.Dv, c.Dv);
+  }
+  finish_rows(c, b, n, hk, g, qs, rows, out, lse);
+}
+
+template <typename T>
+void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
+  const int64_t items = c.N * c.Hkv * c.nqb;
+  // Capped scores with nothing added lie in [-cap, cap] log2(e): with a cap of at most 69 their
+  // exp2 are normal numbers whose sum over 2^20 keys stays finite, so the softmax needs no
+  // running maximum (and no rescaling of the accumulated rows): it is taken as 0. A bias or a
+  // position term would unbound them.
+  const bool bounded = c.softcap > 0 && c.softcap * kLog2e <= 100.0 && c.bias == nullptr &&
+                       c.qv.p == nullptr && c.Tk <= (int64_t(1) << 20);
+  std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    OneBlasThread one;
+    ForwardBuffers<T> b(c);
+    for (int64_t item = claim(next); item < items; item = claim(next)) {
+      const int64_t qb = item % c.nqb, nh = item / c.nqb, n = nh / c.Hkv, hk = nh % c.Hkv;
+      const int64_t rows = std::min(c.bq, c.Tq - qb * c.bq);
+      pack_keys(c, c.k, c.Dk, n, hk, qb, rows, b.panels);
+      const bool skew = skew_block(c, qb);
+      for (int64_t g = 0; g < c.G; ++g) forward_head(c, b, n, hk, g, qb, skew, bounded, out, lse);
+    }
+  });
+}
+
+}  // namespace
+
+// A (N, Hkv, G, T, d) tensor laid out like q: (N, T, Hkv, G, d) in memory when q's rows are
+// token-major (a view of (B, T, H, D), as projections give), so that the caller's transpose back
+// is free; else contiguous. (The operators' fake kernels lay their outputs out the same way.)
+at::Tensor like_q(const at::Tensor& q, int64_t d) {
+  const bool token_major = q.size(3) > 1 && q.stride(3) >= q.size(1) * q.size(2) * q.size(4);
+  if (!token_major) return at::empty({q.size(0), q.size(1), q.size(2), q.size(3), d}, q.options());
+  return at::empty({q.size(0), q.size(3), q.size(1), q.size(2), d}, q.options())
+      .permute({0, 2, 3, 1, 4});
+}
+
+std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a) {
+  TORCH_CHECK(a.q.dim() == 5 && a.v.dim() == 4,
+              "attnkit: q must be (N, Hkv, G, Tq, Dk) and v (N, Hkv, Tk, Dv), got ", a.q.sizes(),
+              " and ", a.v.sizes());
+  at::Tensor out = like_q(a.q, a.v.size(3));
+  at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
+  AT_DISPATCH_FLOATING_TYPES(a.q.scalar_type(), "attnkit::native_forward", [&] {
+    Call<scalar_t> c = make_call<scalar_t>(a);
+    const auto tables = skew_table(c, a.enc);  // kept alive while the kernel reads them
+    forward_impl<scalar_t>(c, rows_of<scalar_t*>(out, out.data_ptr<scalar_t>()),
+                           lse.data_ptr<scalar_t>());
+  });
+  return {out, lse};
+}
+
+}  // namespace attnkit

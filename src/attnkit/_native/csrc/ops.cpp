@@ -1,0 +1,137 @@
+// The kernel as PyTorch operators: torch.ops.attnkit.native_forward, native_backward,
+// native_backward_into and all_finite. Their fake (meta) kernels and the forward's autograd
+// formula are registered in Python (attnkit/_native/ops.py), beside the operators' users.
+//
+// A call's block plan comes as tensors (offsets, visits) and its mask as band, key flags or bool
+// tiles (see attnkit/_native/kernel.py); every index in them is checked before the kernel follows
+// it (plan.h). A kernel's settings (register_tiles, skewed_position) are arguments: they choose
+// how the products run, never what they compute.
+
+#include <torch/library.h>
+
+#include "kernel.h"
+
+namespace attnkit {
+namespace {
+
+// The arguments every operator shares: the call's tensors (positional, so that autograd can
+// give each its gradient), then its settings.
+#define ATTNKIT_CALL_ARGS                                                                        \
+  "Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor visits, Tensor? bias=None, "             \
+  "Tensor? key_ok=None, Tensor? tiles=None, Tensor? qv=None, Tensor? enc=None, *, int block_q, " \
+  "int block_k, float scale, float softcap=0., int[] bias_layout=[], float[] band=[], "          \
+  "int shift=0, float dropout_p=0., int seed=0, float rel_scale=0., int rel_top=0, "             \
+  "int whole_width=0, bool register_tiles=True, bool skewed_position=True"
+
+#define ATTNKIT_CALL_PARAMS                                                                        \
+  const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &offsets,        \
+      const at::Tensor &visits, const c10::optional<at::Tensor>&bias,                              \
+      const c10::optional<at::Tensor>&key_ok, const c10::optional<at::Tensor>&tiles,               \
+      const c10::optional<at::Tensor>&qv, const c10::optional<at::Tensor>&enc, int64_t block_q,    \
+      int64_t block_k, double scale, double softcap, c10::IntArrayRef bias_layout,                 \
+      c10::ArrayRef<double> band, int64_t shift, double dropout_p, int64_t seed, double rel_scale, \
+      int64_t rel_top, int64_t whole_width, bool register_tiles, bool skewed_position
+
+#define ATTNKIT_CALL_VALUES                                                                       \
+  q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, block_q, block_k, scale, softcap,       \
+      bias_layout, band, shift, dropout_p, seed, rel_scale, rel_top, whole_width, register_tiles, \
+      skewed_position
+
+CallArgs call_args(ATTNKIT_CALL_PARAMS) {
+  CallArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.offsets = offsets;
+  a.visits = visits;
+  a.bias = bias;
+  a.key_ok = key_ok;
+  a.tiles = tiles;
+  a.qv = qv;
+  a.enc = enc;
+  a.block_q = block_q;
+  a.block_k = block_k;
+  a.scale = scale;
+  a.softcap = softcap;
+  a.bias_layout = bias_layout.vec();
+  a.band = band.vec();
+  a.shift = shift;
+  a.p_drop = dropout_p;
+  a.seed = seed;
+  a.rel_scale = rel_scale;
+  a.top = rel_top;
+  a.whole_width = whole_width;
+  a.register_tiles = register_tiles;
+  a.skewed_position = skewed_position;
+  return a;
+}
+
+// A gradient not asked for: an empty tensor (schemas return Tensor, not Tensor?).
+at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() ? t : at::empty({0}, like.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> native_forward(ATTNKIT_CALL_PARAMS) {
+  return forward(call_args(ATTNKIT_CALL_VALUES));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> native_backward(
+    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta, ATTNKIT_CALL_PARAMS,
+    bool bias_grad, bool qv_grad, bool enc_grad) {
+  BackwardArgs b;
+  b.dout = dout;
+  b.lse = lse;
+  b.delta = delta;
+  b.bias_grad = bias_grad;
+  b.qv_grad = qv_grad;
+  b.enc_grad = enc_grad;
+  const auto g = backward(call_args(ATTNKIT_CALL_VALUES), b);
+  return {g[0], g[1], g[2], or_empty(g[3], q), or_empty(g[4], q), or_empty(g[5], q)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_backward_into(
+    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq,
+    at::Tensor& dk, at::Tensor& dv, ATTNKIT_CALL_PARAMS, bool bias_grad, bool qv_grad,
+    bool enc_grad) {
+  BackwardArgs b;
+  b.dout = dout;
+  b.lse = lse;
+  b.delta = delta;
+  b.bias_grad = bias_grad;
+  b.qv_grad = qv_grad;
+  b.enc_grad = enc_grad;
+  b.dq = dq;
+  b.dk = dk;
+  b.dv = dv;
+  const auto g = backward(call_args(ATTNKIT_CALL_VALUES), b);
+  return {or_empty(g[3], q), or_empty(g[4], q), or_empty(g[5], q)};
+}
+
+bool all_finite_op(at::TensorList tensors) { return all_finite(tensors); }
+
+}  // namespace
+}  // namespace attnkit
+
+TORCH_LIBRARY(attnkit, m) {
+  m.def("native_forward(" ATTNKIT_CALL_ARGS ") -> (Tensor out, Tensor lse)");
+  m.def("native_backward(Tensor dout, Tensor lse, Tensor delta, " ATTNKIT_CALL_ARGS
+        ", bool bias_grad=False, bool qv_grad=False, bool enc_grad=False) -> (Tensor dq, "
+        "Tensor dk, Tensor dv, Tensor dbias, Tensor dqv, Tensor denc)");
+  m.def(
+      "native_backward_into(Tensor dout, Tensor lse, Tensor delta, Tensor(a!) dq, "
+      "Tensor(b!) dk, Tensor(c!) dv, " ATTNKIT_CALL_ARGS
+      ", bool bias_grad=False, bool qv_grad=False, bool enc_grad=False) -> (Tensor dbias, "
+      "Tensor dqv, Tensor denc)");
+  m.def("all_finite(Tensor[] tensors) -> bool");
+}
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl("native_forward", &attnkit::native_forward);
+  m.impl("native_backward", &attnkit::native_backward);
+  m.impl("native_backward_into", &attnkit::native_backward_into);
+}
+
+// No dispatch by device: it refuses tensors that are not on the CPU itself.
+TORCH_LIBRARY_IMPL(attnkit, CompositeExplicitAutograd, m) {
+  m.impl("all_finite", &attnkit::all_finite_op);
+}

@@ -1,0 +1,200 @@
+"""The native kernel's operators in Python: their fake kernels and the forward's autograd.
+
+``attention.cpp``'s successors (``csrc/ops.cpp``) define the operators and their CPU kernels:
+
+* ``torch.ops.attnkit.native_forward(q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, *,
+  block_q, block_k, scale, ...) -> (out, lse)``;
+* ``torch.ops.attnkit.native_backward(dout, lse, delta, <the same>, *, ..., bias_grad, qv_grad,
+  enc_grad) -> (dq, dk, dv, dbias, dqv, denc)`` (an empty tensor where a gradient is not asked);
+* ``torch.ops.attnkit.native_backward_into(dout, lse, delta, dq!, dk!, dv!, ...)``, the same
+  writing dq, dk and dv into given tensors;
+* ``torch.ops.attnkit.all_finite(tensors) -> bool``.
+
+Here, once the library is loaded (:func:`register`): each operator's fake kernel, which gives its
+outputs' shapes, dtypes and strides without running it (what torch.compile, torch.export and
+fake tensors need), and ``native_forward``'s backward formula, so that the operator is
+differentiable wherever it is called, compiled graphs included.
+
+The layouts are the kernel's: q ``(N, Hkv, G, Tq, Dk)``, k and v ``(N, Hkv, Tk, D)``; see
+:mod:`attnkit._native.kernel` for the plan and mask arguments. Outputs are laid out as the
+inputs are (token-major when q is a view of ``(B, T, H, D)`` memory), which the fake kernels
+reproduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["like_kv", "like_q", "register"]
+
+_registered: list[bool] = []
+
+
+def like_q(q: Tensor, d: int) -> Tensor:
+    """An empty ``(N, Hkv, G, Tq, d)`` tensor laid out as the kernel lays out its outputs for
+    ``q``: ``(N, Tq, Hkv, G, d)`` memory when q's rows are token-major, else contiguous."""
+    token_major = q.size(3) > 1 and q.stride(3) >= q.size(1) * q.size(2) * q.size(4)
+    if not token_major:
+        return q.new_empty((*q.shape[:4], d))
+    return q.new_empty((q.size(0), q.size(3), q.size(1), q.size(2), d)).permute(0, 2, 3, 1, 4)
+
+
+def like_kv(k: Tensor) -> Tensor:
+    """An empty tensor of ``k``'s ``(N, X, T, D)`` shape laid out as the kernel lays out k's and
+    v's gradients: token-major when k is, else contiguous."""
+    token_major = k.size(2) > 1 and k.stride(2) >= k.size(1) * k.size(3)
+    if not token_major:
+        return k.new_empty(k.shape)
+    return k.new_empty((k.size(0), k.size(2), k.size(1), k.size(3))).permute(0, 2, 1, 3)
+
+
+def _fake_forward(
+    q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    return like_q(q, v.size(3)), q.new_empty(q.shape[:4])
+
+
+def _grads_like(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    qv: Tensor | None,
+    enc: Tensor | None,
+    bias_grad: bool,
+    qv_grad: bool,
+    enc_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The fake (dbias, dqv, denc): empty where not asked, as the kernel returns them."""
+    position = qv is not None and enc is not None
+    # (each its own tensor: outputs do not alias each other)
+    dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty((0,))
+    dqv = like_kv(qv) if position and qv_grad and qv is not None else q.new_empty((0,))
+    denc = torch.empty_like(enc) if position and enc_grad and enc is not None else q.new_empty((0,))
+    return dbias, dqv, denc
+
+
+def _fake_backward(
+    dout: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    visits: Tensor,
+    bias: Tensor | None = None,
+    key_ok: Tensor | None = None,
+    tiles: Tensor | None = None,
+    qv: Tensor | None = None,
+    enc: Tensor | None = None,
+    *,
+    bias_grad: bool = False,
+    qv_grad: bool = False,
+    enc_grad: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, ...]:
+    rest = _grads_like(q, k, v, bias, qv, enc, bias_grad, qv_grad, enc_grad)
+    return (like_q(q, q.size(4)), like_kv(k), like_kv(v), *rest)
+
+
+def _fake_backward_into(
+    dout: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    visits: Tensor,
+    bias: Tensor | None = None,
+    key_ok: Tensor | None = None,
+    tiles: Tensor | None = None,
+    qv: Tensor | None = None,
+    enc: Tensor | None = None,
+    *,
+    bias_grad: bool = False,
+    qv_grad: bool = False,
+    enc_grad: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, ...]:
+    return _grads_like(q, k, v, bias, qv, enc, bias_grad, qv_grad, enc_grad)
+
+
+# native_forward's positional tensors, in order; the backward returns one gradient for each.
+_INPUTS = ("q", "k", "v", "offsets", "visits", "bias", "key_ok", "tiles", "qv", "enc")
+
+
+def _setup_context(
+    ctx: Any, inputs: tuple[Any, ...], keyword_only_inputs: dict[str, Any], output: Any
+) -> None:
+    out, lse = output
+    ctx.save_for_backward(*inputs, out, lse)
+    ctx.settings = dict(keyword_only_inputs)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, out, lse = ctx.saved_tensors
+    # One flag per positional input given (trailing inputs left at their default have none).
+    needs = (*ctx.needs_input_grad, *(False,) * len(_INPUTS))[: len(_INPUTS)]
+    if dout is None:
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:  # the kernel reads rows at their stride, each row contiguous
+        dout = dout.contiguous()
+    # rowsum(dO * O), less the log-sum-exp's gradient: d lse / d s is the softmax itself.
+    delta = (dout * out).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse
+    position = qv is not None and enc is not None
+    dq, dk, dv, dbias, dqv, denc = torch.ops.attnkit.native_backward(
+        dout,
+        lse,
+        delta.contiguous(),
+        q,
+        k,
+        v,
+        offsets,
+        visits,
+        bias,
+        key_ok,
+        tiles,
+        qv,
+        enc,
+        **ctx.settings,
+        bias_grad=bool(needs[5]) and bias is not None,
+        qv_grad=bool(needs[8]) and position,
+        enc_grad=bool(needs[9]) and position,
+    )
+    grads = (
+        dq if needs[0] else None,
+        dk if needs[1] else None,
+        dv if needs[2] else None,
+        None,
+        None,
+        dbias if needs[5] and bias is not None else None,
+        None,
+        None,
+        dqv if needs[8] and position else None,
+        denc if needs[9] and position else None,
+    )
+    return grads[: len(ctx.needs_input_grad)]
+
+
+def register() -> None:
+    """Register the fake kernels and the autograd formula (once, after the library loaded)."""
+    if _registered:
+        return
+    torch.library.register_fake("attnkit::native_forward")(_fake_forward)
+    torch.library.register_fake("attnkit::native_backward")(_fake_backward)
+    torch.library.register_fake("attnkit::native_backward_into")(_fake_backward_into)
+    torch.library.register_autograd(
+        "attnkit::native_forward", _backward, setup_context=_setup_context
+    )
+    _registered.append(True)

@@ -1,0 +1,202 @@
+"""The native kernel's operators: schemas, fake kernels and autograd that torch's own checker
+(``torch.library.opcheck``) accepts over a grid of calls, results equal to the float64 reference
+when called directly, and arguments that a user can get wrong refused with an error."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch
+
+from attnkit import _native, attention, masks, scores
+from attnkit._kernel.call import native_arguments, plan_call
+from attnkit.testing import assert_close
+
+pytestmark = pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
+
+MASKS = {
+    "none": lambda: None,
+    "causal": lambda: masks.causal(),
+    "window": lambda: masks.sliding_window(6, 2),
+    "padding": lambda: masks.key_padding([11, 3]),
+    "documents": lambda: masks.documents([[5, 6], [11]]),
+    "tiles": lambda: masks.from_fn(lambda b, h, i, j: (i + j) % 3 != 0),
+}
+
+
+def _call(
+    mask: str,
+    dtype: torch.dtype,
+    *,
+    gqa: bool = False,
+    tq: int = 9,
+    bias: bool = False,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    term: str | None = None,
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The operator's arguments for one call (B=2, H=4, Tk=11, D=8), its inputs needing
+    gradients."""
+    g = torch.Generator().manual_seed(hash((mask, gqa, tq, bias, term)) % 1000)
+    hkv = 2 if gqa else 4
+    q = torch.randn(2, 4, tq, 8, generator=g, dtype=dtype)
+    k, v = (torch.randn(2, hkv, 11, 8, generator=g, dtype=dtype) for _ in range(2))
+    dense = torch.randn(2, 4, tq, 11, generator=g, dtype=dtype) if bias else None
+    added: torch.Tensor | scores.ScoreTerm | None = dense
+    term_inputs: tuple[torch.Tensor, ...] = ()
+    if term == "position":
+        qv = torch.randn(2, 4, tq, 8, generator=g, dtype=dtype)
+        enc = torch.randn(4, tq + 11 - 1, 8, generator=g, dtype=dtype)
+        added = scores.RelativePositionTerm(qv, enc, 0.3)
+        term_inputs = (qv, enc)
+    elif term == "distance":
+        table = torch.randn(4, tq + 11 - 1, generator=g, dtype=dtype)
+        added = scores.DistanceBias(table, first=-(11 - 1))
+        term_inputs = (table,)
+    spec, _, _ = plan_call(
+        q,
+        k,
+        v,
+        mask=MASKS[mask](),
+        bias=added,
+        scale=0.35,
+        softcap=softcap,
+        block_q=4,
+        block_k=8,
+        dropout_p=dropout,
+        seed=1234 if dropout else None,
+    )
+    args, kwargs = native_arguments(spec, q, k, v, dense, term_inputs)
+    differentiable = {0, 1, 2, 5, 8, 9}  # q, k, v, bias, qv, enc
+    args = tuple(
+        a.detach().clone().requires_grad_(i in differentiable and a.is_floating_point())
+        if isinstance(a, torch.Tensor)
+        else a
+        for i, a in enumerate(args)
+    )
+    return args, kwargs
+
+
+CASES = [
+    *(
+        pytest.param(m, d, {}, id=f"{m}-{str(d)[6:]}")
+        for m, d in itertools.product(MASKS, (torch.float32, torch.float64))
+    ),
+    pytest.param("causal", torch.float32, {"gqa": True}, id="gqa"),
+    pytest.param("causal", torch.float32, {"tq": 5}, id="tq<tk"),
+    pytest.param("window", torch.float64, {"bias": True}, id="bias"),
+    pytest.param("padding", torch.float32, {"softcap": 4.0}, id="softcap"),
+    pytest.param("documents", torch.float64, {"dropout": 0.25}, id="dropout"),
+    pytest.param("causal", torch.float64, {"term": "position"}, id="position"),
+    pytest.param("window", torch.float32, {"term": "position", "gqa": True}, id="position-gqa"),
+    pytest.param("none", torch.float64, {"term": "distance"}, id="distance-bias"),
+    pytest.param("padding", torch.float32, {"term": "distance", "softcap": 3.0}, id="alibi-like"),
+]
+
+
+@pytest.mark.parametrize(("mask", "dtype", "kw"), CASES)
+def test_opcheck_native_forward(mask: str, dtype: torch.dtype, kw: dict[str, object]) -> None:
+    args, kwargs = _call(mask, dtype, **kw)  # type: ignore[arg-type]
+    torch.library.opcheck(torch.ops.attnkit.native_forward.default, args, kwargs)
+
+
+@pytest.mark.parametrize(("mask", "dtype", "kw"), CASES[::3])
+def test_opcheck_native_backward(mask: str, dtype: torch.dtype, kw: dict[str, object]) -> None:
+    args, kwargs = _call(mask, dtype, **kw)  # type: ignore[arg-type]
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    out, lse = torch.ops.attnkit.native_forward(*args, **kwargs)
+    dout = torch.randn_like(out)
+    delta = (dout * out).sum(-1)
+    position = args[8] is not None
+    flags = {"bias_grad": args[5] is not None, "qv_grad": position, "enc_grad": position}
+    torch.library.opcheck(
+        torch.ops.attnkit.native_backward.default, (dout, lse, delta, *args), {**kwargs, **flags}
+    )
+
+
+PLAIN = [c for c in CASES if not {"dropout", "term"} & set(c.values[2])]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("mask", "dtype", "kw"), PLAIN[::2])
+def test_the_operators_gradients_equal_the_reference(
+    mask: str, dtype: torch.dtype, kw: dict[str, object]
+) -> None:
+    # The operator's registered autograd, called directly, against attention()'s reference on the
+    # same call (layouts: q (N, Hkv, G, Tq, D), k and v (N, Hkv, Tk, D)).
+    args, kwargs = _call(mask, dtype, **kw)  # type: ignore[arg-type]
+    q5, k4, v4 = args[:3]
+    out, _ = torch.ops.attnkit.native_forward(*args, **kwargs)
+    cot = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q5, k4, v4), cot)
+    q = q5.detach().flatten(1, 2).double().requires_grad_()  # type: ignore[union-attr]
+    k, v = (t.detach().double().requires_grad_() for t in (k4, v4))  # type: ignore[union-attr]
+    bias = None if args[5] is None else args[5].detach().flatten(1, 2).double()  # type: ignore[union-attr]
+    want = attention(
+        q,
+        k,
+        v,
+        mask=MASKS[mask](),
+        bias=bias,
+        scale=0.35,
+        softcap=kw.get("softcap"),  # type: ignore[arg-type]
+        backend="reference",
+    )
+    wants = torch.autograd.grad(want, (q, k, v), cot.flatten(1, 2).double())
+    assert_close(out.flatten(1, 2), want, dtype=dtype)
+    for got, ref in zip(grads, wants, strict=True):
+        assert_close(got.reshape(ref.shape), ref, dtype=dtype)
+
+
+def test_settings_are_arguments_and_change_no_result() -> None:
+    args, kwargs = _call("window", torch.float32, term="position")
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    base, _ = torch.ops.attnkit.native_forward(*args, **kwargs)
+    for tiles, skew in ((False, False), (True, False), (False, True)):
+        other, _ = torch.ops.attnkit.native_forward(
+            *args, **{**kwargs, "register_tiles": tiles, "skewed_position": skew}
+        )
+        assert_close(other, base, dtype=torch.float32)
+
+
+def _plain() -> tuple[tuple[torch.Tensor, ...], dict[str, object]]:
+    args, kwargs = _call("causal", torch.float32)
+    return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kwargs  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda a, k: ((*a[:4], a[4][:-1], *a[5:]), k), "offsets run from"),
+        (lambda a, k: ((*a[:4], a[4] * 1000, *a[5:]), k), "lies outside query block"),
+        (lambda a, k: ((*a[:3], a[3][:-1], *a[4:]), k), "query blocks, but the plan's offsets"),
+        (lambda a, k: ((*a[:3], a[3].int(), *a[4:]), k), "contiguous int64 offsets"),
+        (lambda a, k: (a, {**k, "block_q": 0}), "block sizes must be positive"),
+        (lambda a, k: ((*a[:1], a[1][:, :1], *a[2:]), k), "do not fit together"),
+        (lambda a, k: ((*a[:2], a[2].double(), *a[3:]), k), "one dtype"),
+        (lambda a, k: (a, {**k, "dropout_p": 1.5}), "dropout_p must be in [0, 1)"),
+        (lambda a, k: (a, {**k, "band": [1.0]}), "band is [lo, hi]"),
+        (
+            lambda a, k: ((*a[:6], torch.ones(1, 3, dtype=torch.uint8), *a[7:]), k),
+            "key_ok must be contiguous uint8",
+        ),
+        (
+            lambda a, k: ((*a[:5], torch.zeros(2, 2, 2, 9, 3), *a[6:]), k),
+            "does not broadcast",
+        ),
+    ],
+)
+def test_a_wrong_argument_is_refused_not_followed(edit: object, words: str) -> None:
+    args, kwargs = edit(*_plain())  # type: ignore[operator]
+    with pytest.raises(RuntimeError, match=re.escape(words)):
+        torch.ops.attnkit.native_forward(*args, **kwargs)
+
+
+def test_all_finite_finds_a_bad_element_and_refuses_other_dtypes() -> None:
+    x = torch.randn(3, 5, 7)
+    assert torch.ops.attnkit.all_finite([x, x.double()])
+    x[2, 4, 6] = float("nan")
+    assert not torch.ops.attnkit.all_finite([torch.ones(2), x])
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        torch.ops.attnkit.all_finite([torch.ones(2, dtype=torch.int64)])
