@@ -32,8 +32,8 @@ import torch
 from torch.utils import benchmark
 
 import attnkit
+from attnkit._call import finite
 from attnkit.backends import sdpa as sdpa_module
-from attnkit.backends.chunked import finite
 
 import results
 

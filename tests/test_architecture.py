@@ -192,7 +192,9 @@ TESTS = pathlib.Path(__file__).resolve().parent
 NO_MIRROR = {
     "__init__.py": "the public API: every test imports it; tests/test_docs.py documents its names",
     "_kernel/__init__.py": "re-exports only: tests/kernel/test_plan.py, test_softmax.py",
-    "_native/__init__.py": "the native kernel's build and cache: tests/native/test_kernel.py",
+    "_native/__init__.py": "load() and status(): tests/native/test_build.py, test_kernel.py",
+    "_native/_flags.py": "the compiler's flags: tests/native/test_build.py (the build's name) "
+    "and tests/test_packaging.py (the wheel's libraries)",
     "_typing.py": "its shape checks run in every test (conftest.py turns them on); "
     "tests/test_attention.py asserts one fires",
     "backends/__init__.py": "the built-in backends, in auto's order: tests/test_attention.py",

@@ -6,9 +6,10 @@ padding mask and compared with eager, at the traced length and at others. Tracin
 so each module is exported once (module-scoped fixtures) and its ONNX model is converted from that
 same exported program.
 
-While tracing, attention() takes sdpa instead of the chunked kernel and RelativeMultiHeadAttention
-takes its materialised path (both fast paths loop over blocks in Python); eager takes the fast
-paths, so every comparison below is also one between two different code paths.
+While tracing, the chunked backend's call becomes one node of attnkit's operator
+(``torch.ops.attnkit.attention``), which plans and runs the kernel when the program runs; ONNX
+takes the operator's dense form (``attnkit.decompositions()``), so the ONNX comparisons are also
+ones between two different code paths.
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ def onnx_file(
 ) -> Path:
     pytest.importorskip("onnxscript", reason="ONNX export needs the test extra onnxscript")
     name, _, program = exported
-    onnx_program = torch.onnx.export(program, dynamo=True, verbose=False)
+    # The program holds attnkit's operator; ONNX takes its dense form.
+    dense = program.run_decompositions(attnkit.decompositions())
+    onnx_program = torch.onnx.export(dense, dynamo=True, verbose=False)
     assert onnx_program is not None
     path = tmp_path_factory.mktemp("onnx") / f"{name}.onnx"
     onnx_program.save(str(path))
@@ -191,8 +194,9 @@ def test_onnx_runs_in_onnxruntime_at_other_lengths(
         torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-4, rtol=0)
 
 
-def test_relative_attention_refuses_fast_paths_while_tracing() -> None:
-    # Forced onto a fast path, tracing fails with the reason instead of a tracer error.
+def test_relative_attention_traces_into_attnkits_operator() -> None:
+    # Forced onto the chunked backend, the traced call is attnkit's operator, position term and
+    # all, and the exported program equals eager.
     m = attnkit.RelativeMultiHeadAttention(D_MODEL, 4).eval()
     x, pad = inputs(TRACED_LENGTH)
 
@@ -201,8 +205,11 @@ def test_relative_attention_refuses_fast_paths_while_tracing() -> None:
             out: Tensor = m(x, mask=pad, backend="chunked")
             return out
 
-    with pytest.raises(attnkit.BackendError, match=re.escape("torch.compile/export is tracing")):
-        torch.export.export(Forced(), (x, pad))
+    program = torch.export.export(Forced(), (x, pad))
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert "attnkit.attention.default" in targets
+    with torch.no_grad():
+        assert_close(program.module()(x, pad), Forced()(x, pad), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -369,4 +369,4 @@ def test_a_distance_bias_must_hold_every_distance_of_the_call() -> None:
         scores.DistanceBias(torch.randn(1, 1, 1, 21), -11)
     notes = attnkit.explain(q, k, k, bias=exact).notes["chunked"]
     assert "does not fuse" not in " ".join(notes)  # native, or why it is not built
-    assert ("native kernel" in notes) == (attnkit._native.load() is not None)
+    assert any(n.startswith("native kernel") for n in notes) == attnkit._native.load()

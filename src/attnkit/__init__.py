@@ -6,6 +6,7 @@ and fast paths that are tested equal to it.
 
 from . import backends, checkpoint, distributed, flash_attn, flex, interop, masks, scores
 from ._call import AttentionCall
+from ._kernel import BlockPlan
 from .attention import (
     Backend,
     BackendError,
@@ -18,6 +19,7 @@ from .attention import (
     unregister_backend,
 )
 from .backends.base import CallInputs, Dispatch, record_dispatch
+from .backends.reference import decompositions
 from .capture import AttentionMaps, capture_attention
 from .conformer import ConformerLayer
 from .feedforward import PositionwiseFeedForward
@@ -41,6 +43,7 @@ __all__ = [
     "AttentionMaps",
     "Backend",
     "BackendError",
+    "BlockPlan",
     "CallInputs",
     "ConformerLayer",
     "Dispatch",
@@ -62,6 +65,7 @@ __all__ = [
     "backends",
     "capture_attention",
     "checkpoint",
+    "decompositions",
     "distributed",
     "explain",
     "flash_attn",

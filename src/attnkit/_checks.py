@@ -194,3 +194,53 @@ def check_logits(name: str, t: Tensor, what: str) -> None:
             f"{name} holds {'NaN' if math.isnan(top) else '+inf'}: {what} but not NaN or +inf, "
             "which would make the softmax undefined"
         )
+
+
+def spec_text(x: object, numbers: list[object] | None = None) -> str:
+    """JSON text of nested lists of numbers, strings, bools and None (infinities as JSON's
+    ``Infinity``), written in plain Python: torch.compile traces this where it cannot trace the
+    json module's C encoder. :func:`spec_read` reads it back. (How masks and score terms travel
+    as an operator's string arguments.)
+
+    A symbolic integer (a size while torch.compile or torch.export traces with dynamic shapes)
+    cannot be text: it is appended to ``numbers``, which travel beside the text, and written as
+    ``{"n": index}``."""
+    if x is None:
+        return "null"
+    # A symbolic integer cannot be written while tracing; dynamo tells it from a plain int only
+    # by what it does, so every int goes to ``numbers`` then.
+    symbolic = isinstance(x, torch.SymInt) or (
+        isinstance(x, int) and not isinstance(x, bool) and torch.compiler.is_compiling()
+    )
+    if symbolic and numbers is not None:
+        numbers.append(x)
+        return '{"n":' + str(len(numbers) - 1) + "}"
+    if isinstance(x, bool):
+        return "true" if x else "false"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if x != x:
+            return "NaN"
+        if x in (math.inf, -math.inf):
+            return "Infinity" if x > 0 else "-Infinity"
+        return repr(x)
+    if isinstance(x, str):
+        return '"' + x.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(x, list | tuple):
+        return "[" + ",".join(spec_text(y, numbers) for y in x) + "]"
+    raise TypeError(f"spec_text: cannot write a {type(x).__name__}")
+
+
+def spec_read(text: str, numbers: Sequence[object] = ()) -> object:
+    """What :func:`spec_text` wrote, its symbolic integers taken from ``numbers``."""
+    import json
+
+    def fill(x: object) -> object:
+        if isinstance(x, dict):
+            return numbers[x["n"]]
+        if isinstance(x, list):
+            return [fill(y) for y in x]
+        return x
+
+    return fill(json.loads(text))

@@ -40,11 +40,12 @@ queries, ``Tk`` keys.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
-from typing import Literal
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from ._blocks import (
     EMPTY,
@@ -64,6 +65,8 @@ from ._checks import (
     dim_str,
     dtype_str,
     shape_str,
+    spec_read,
+    spec_text,
 )
 from ._dense_masks import (
     block_diagonal_mask,
@@ -675,7 +678,9 @@ class _KeyPadding(Mask):
                 f"{name}: {self.describe()} covers {length} keys but the call has "
                 f"Tk = {dim_str(geo.kv_len)}"
             )
-        if self.lengths is not None and self.lengths.numel():
+        # The lengths' values are data: while torch.compile traces, attnkit's operator checks
+        # them when it runs.
+        if self.lengths is not None and self.lengths.numel() and not torch.compiler.is_compiling():
             longest = max(self._lengths_read())
             if longest > geo.kv_len:
                 raise ValueError(
@@ -1042,3 +1047,124 @@ def check_mask(
     except ValueError as err:
         raise ValueError(f"{err}{padding_mask_hint(tuple(mask.shape), target)}") from None
     return mask
+
+
+# --------------------------------------------------------------------------------------------------
+# A mask as an operator's arguments, and as a pytree
+
+
+def encode(
+    mask: Mask | None, tensors: list[Tensor], numbers: list[object] | None = None
+) -> str | None:
+    """``mask`` as text (its kinds and numbers, JSON), its tensors appended to ``tensors`` and
+    named there by index: how a mask crosses into attnkit's operator
+    (``torch.ops.attnkit.attention``) in compiled and exported graphs, and how torch.export
+    flattens a mask given as an input. :func:`decode` rebuilds it. None for a mask that text
+    cannot carry: :func:`from_fn` (a function) and masks of one's own classes. ``numbers``: where
+    symbolic sizes go while tracing with dynamic shapes (see
+    :func:`attnkit._checks.spec_text`; None: there are none).
+
+    >>> tensors = []
+    >>> text = encode(causal() & key_padding([3, 1]), tensors)
+    >>> text, [t.tolist() for t in tensors]
+    ('["and",["causal","bottom_right"],["key_padding",0,null,"right"]]', [[3, 1]])
+    >>> decode(text, tensors).describe()
+    'causal() & key_padding(lengths=[3, 1])'
+    """
+    if mask is None:
+        return "null"
+    tree = _tree(mask, tensors)
+    return None if tree is None else spec_text(tree, numbers)
+
+
+def _index(t: Tensor | None, tensors: list[Tensor]) -> int | None:
+    if t is None:
+        return None
+    tensors.append(t)
+    return len(tensors) - 1
+
+
+def _tree(mask: Mask, tensors: list[Tensor]) -> list[object] | None:
+    kind = type(mask)
+    if kind is _Causal:
+        return ["causal", mask.align]  # type: ignore[attr-defined]
+    if kind is _Window:
+        return ["window", mask.left, mask.right]  # type: ignore[attr-defined]
+    if kind is _Band:
+        return ["band", mask.lo, mask.hi, mask.align]  # type: ignore[attr-defined]
+    if kind is _Documents:
+        return ["documents", _index(mask.ids, tensors), mask.what]  # type: ignore[attr-defined]
+    if kind is _KeyPadding:
+        padding: _KeyPadding = mask  # type: ignore[assignment]
+        lengths = _index(padding.lengths, tensors)
+        return ["key_padding", lengths, _index(padding.valid, tensors), padding.side]
+    if kind is _Dense:
+        return ["dense", _index(mask.tensor, tensors)]
+    if kind is _Combined:
+        parts = [_tree(p, tensors) for p in mask.parts]
+        return None if any(p is None for p in parts) else [mask.op, *parts]
+    return None
+
+
+def decode(text: str, tensors: Sequence[Tensor], numbers: Sequence[object] = ()) -> Mask | None:
+    """The mask :func:`encode` wrote as ``text`` with ``tensors`` and ``numbers`` (None for
+    ``"null"``)."""
+    return _from_tree(spec_read(text, numbers), tensors)
+
+
+def _from_tree(tree: object, tensors: Sequence[Tensor]) -> Mask | None:
+    if tree is None:
+        return None
+    if not isinstance(tree, list) or not tree or not isinstance(tree[0], str):
+        raise ValueError(f"not an encoded mask: {tree!r}")
+    kind, *args = tree
+    if kind == "causal":
+        return _Causal(args[0])
+    if kind == "window":
+        return _Window(args[0], args[1])
+    if kind == "band":
+        return _Band(float(args[0]), float(args[1]), args[2])
+    if kind == "documents":
+        return _Documents(tensors[args[0]], args[1])
+    if kind == "key_padding":
+        lengths = None if args[0] is None else tensors[args[0]]
+        valid = None if args[1] is None else tensors[args[1]]
+        return _KeyPadding(lengths, valid, args[2])
+    if kind == "dense":
+        return _Dense(tensors[args[0]])
+    if kind in ("and", "or"):
+        parts = tuple(_from_tree(p, tensors) for p in args)
+        return _Combined(kind, parts)  # type: ignore[arg-type]
+    raise ValueError(f"not an encoded mask: {tree!r}")
+
+
+def _flatten(mask: Mask) -> tuple[list[Tensor], str]:
+    tensors: list[Tensor] = []
+    text = encode(mask, tensors)
+    if text is None:  # not reachable: only classes encode() writes are registered
+        raise TypeError(f"{mask.describe()} cannot be flattened")
+    return tensors, text
+
+
+def _flatten_with_keys(mask: Mask) -> tuple[list[tuple[object, Tensor]], str]:
+    tensors, text = _flatten(mask)
+    return [(pytree.SequenceKey(i), t) for i, t in enumerate(tensors)], text
+
+
+def _unflatten(tensors: Iterable[Any], text: Any) -> Mask:
+    mask = decode(str(text), list(tensors))
+    if mask is None:
+        raise ValueError("an encoded mask of None")
+    return mask
+
+
+# torch.export takes a mask as an input (export(module, (x, masks.key_padding(lengths)))): its
+# tensors become the program's inputs and its text the structure that rebuilds it.
+for _cls in (_Band, _Causal, _Window, _Documents, _KeyPadding, _Dense, _Combined):
+    pytree.register_pytree_node(
+        _cls,
+        _flatten,
+        _unflatten,
+        serialized_type_name=f"attnkit.masks.{_cls.__name__.lstrip('_')}",
+        flatten_with_keys_fn=_flatten_with_keys,  # type: ignore[arg-type]
+    )

@@ -43,13 +43,14 @@ Shape letters: ``B`` batch, ``H`` heads, ``Tq`` queries, ``Tk`` keys, ``Dh`` hea
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ._blocks import Geometry
-from ._checks import INT_MAX, check_int, shape_str
+from ._checks import INT_MAX, check_int, shape_str, spec_read, spec_text
 
 __all__ = ["DistanceBias", "RelativePositionTerm", "ScoreShape", "ScoreTerm", "TermBlock"]
 
@@ -689,3 +690,47 @@ class _RelativeBlock(TermBlock):
             lo = s.enc_lo + a
             denc[:, lo : lo + (b - a)].baddbmm_(grad[:, :, a:b].transpose(1, 2), self._qv_rows())
         self._grad = None
+
+
+def encode_term(
+    term: ScoreTerm | None, tensors: list[Tensor], numbers: list[object] | None = None
+) -> str | None:
+    """``term`` as text (its kind and numbers, JSON), its inputs appended to ``tensors``: how a
+    score term crosses into attnkit's operator in compiled and exported graphs (see
+    :func:`attnkit.masks.encode`). None for a term that text cannot carry (a term class of one's
+    own, openspeech's variant of the position term); ``numbers``: as for masks.
+
+    >>> tensors = []
+    >>> encode_term(DistanceBias(torch.zeros(2, 9), first=-4), tensors), len(tensors)
+    ('["distance",-4]', 1)
+    """
+    if term is None:
+        return "null"
+    if type(term) is DistanceBias:
+        tensors.append(term.table)
+        return spec_text(["distance", term.first], numbers)
+    if type(term) is RelativePositionTerm and not term.legacy:
+        tensors += [term.qv, term.enc]
+        scale = term.scale if isinstance(term.scale, torch.SymFloat) else float(term.scale)
+        return spec_text(["relative", scale, term.max_distance, term.whole_width], numbers)
+    return None
+
+
+def decode_term(
+    text: str, tensors: list[Tensor], numbers: Sequence[object] = ()
+) -> ScoreTerm | None:
+    """The score term :func:`encode_term` wrote as ``text`` with ``tensors`` and ``numbers``."""
+    tree = spec_read(text, numbers)
+    if tree is None:
+        return None
+    if not isinstance(tree, list) or not tree:
+        raise ValueError(f"not an encoded score term: {text!r}")
+    kind, *args = tree
+    if kind == "distance":
+        return DistanceBias(tensors[0], args[0])
+    if kind == "relative":
+        scale, top, whole = args
+        return RelativePositionTerm(
+            tensors[0], tensors[1], scale, max_distance=top, whole_width=whole
+        )
+    raise ValueError(f"not an encoded score term: {text!r}")

@@ -223,13 +223,13 @@ def test_the_kernel_reuses_one_plan_for_forward_and_backward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     plans = []
-    original = attnkit.backends.chunked.make_plan
+    original = attnkit._kernel.call.make_plan
 
     def counting(*args: object, **kw: object) -> object:
         plans.append(1)
         return original(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(attnkit.backends.chunked, "make_plan", counting)
+    monkeypatch.setattr(attnkit._kernel.call, "make_plan", counting)
     q = torch.randn(1, 2, 40, 8, requires_grad=True)
     out = attention(q, q, q, mask=masks.sliding_window(5), backend="chunked")
     out.sum().backward()
@@ -279,7 +279,7 @@ def test_short_or_scattered_documents_stay_on_the_kernel() -> None:
         assert_close(attention(q, q, q, mask=mask, backend="sdpa"), attention(q, q, q, mask=mask))
 
 
-@pytest.mark.skipif(_native.load() is None, reason="needs the native kernel")
+@pytest.mark.skipif(not _native.load(), reason="needs the native kernel")
 def test_training_on_cpus_prefers_the_native_kernel() -> None:
     """torch's CPU backward is the slower: auto trains float32/float64 in the native kernel, and
     keeps torch's kernel for inference and for the half types, which torch computes natively."""

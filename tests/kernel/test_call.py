@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from attnkit import attention, masks
+from attnkit._kernel import call as call_module
 from attnkit.backends import Chunked
-from attnkit.backends import chunked as chunked_module
 from attnkit.masks import Geometry, Mask
 from attnkit.testing import assert_close
 
@@ -115,16 +115,16 @@ def test_keys_name_what_the_masks_hide() -> None:
 
 def test_the_cache_keeps_a_bounded_number_of_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = qkv()
-    for i in range(3 * chunked_module._PLANS_KEPT):
+    for i in range(3 * call_module._PLANS_KEPT):
         attention(q, k, v, mask=Counted(("bounded", i)), backend=Chunked(block_q=8, block_k=8))
-    assert len(chunked_module._PLANS) == chunked_module._PLANS_KEPT
+    assert len(call_module._PLANS) == call_module._PLANS_KEPT
     # ... and of visits: a plan of 15 visits (blocks of 8 under j <= i, 40 x 40) fits in 40
     # twice, not three times, and a plan larger than the bound is not kept at all.
-    monkeypatch.setattr(chunked_module, "_PLANS_VISITS", 40)
+    monkeypatch.setattr(call_module, "_PLANS_VISITS", 40)
     for i in range(3):
         attention(q, k, v, mask=Counted(("visits", i)), backend=Chunked(block_q=8, block_k=8))
-    assert [entry[3] for entry in chunked_module._PLANS.values()] == [15, 15]
-    monkeypatch.setattr(chunked_module, "_PLANS_VISITS", 10)
+    assert [entry[2] for entry in call_module._PLANS.values()] == [15, 15]
+    monkeypatch.setattr(call_module, "_PLANS_VISITS", 10)
     big = Counted("too big")
     for _ in range(2):
         attention(q, k, v, mask=big, backend=Chunked(block_q=8, block_k=8))

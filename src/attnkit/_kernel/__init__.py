@@ -6,7 +6,7 @@ inside it tile by tile; ring attention runs it on each pair of shards it holds. 
 """
 
 from .dropout import draw_seed, dropout_mask
-from .plan import Plan, QueryBlock, Run, Visit, make_plan, restrict, split_runs
+from .plan import BlockPlan, Plan, QueryBlock, Run, Visit, make_plan, restrict, split_runs
 from .softmax import (
     FUSED_ROWS,
     Grads,
@@ -28,6 +28,7 @@ from .softmax import (
 
 __all__ = [
     "FUSED_ROWS",
+    "BlockPlan",
     "Grads",
     "Plan",
     "Problem",

@@ -18,7 +18,16 @@ from torch import Tensor
 
 from ..masks import EMPTY, FULL, Geometry, Mask
 
-__all__ = ["Plan", "QueryBlock", "Run", "Visit", "make_plan", "restrict", "split_runs"]
+__all__ = [
+    "BlockPlan",
+    "Plan",
+    "QueryBlock",
+    "Run",
+    "Visit",
+    "make_plan",
+    "restrict",
+    "split_runs",
+]
 
 
 @dataclass(frozen=True)
@@ -233,3 +242,115 @@ def split_runs(plan: Plan, min_rows: int) -> tuple[tuple[Run, ...], tuple[QueryB
                 blocks[b] = QueryBlock(blocks[b].qs, blocks[b].qe, rest, fused=True)
         i = j + 1
     return tuple(runs), tuple(blocks)
+
+
+# The drawing's characters: a block the plan computes whole, one a mask decides inside, a skipped
+# one.
+_FULL, _PARTIAL, _SKIPPED = "█", "░", "·"
+
+
+@dataclass(frozen=True, eq=False)
+class BlockPlan:
+    """Which blocks of a call's scores a kernel computes, decided once per call, as tensors:
+    what the native kernel's forward and backward read (``torch.ops.attnkit.native_forward``'s
+    ``offsets``, ``visits``, ``key_ok`` and ``tiles``), and the block grid the eager kernel walks.
+
+    Query block ``b`` holds queries ``b * block_q`` on; it visits the rows
+    ``visits[offsets[b] : offsets[b + 1]]``, each ``(key start, key end, first row, end row,
+    partial, tile)``: keys ``ks:ke`` for rows ``r0:r1`` of the block, and whether a mask decides
+    pairs inside (``partial``) by the ``band`` ``lo <= j - (i + shift) <= hi``, the per-key flags
+    ``key_ok`` ``(B|1, Tk)`` or the bool tile ``tiles[tile]`` ``(B|1, H|1, block_q, block_k)``.
+    Visits need not sit on the block grid: a band is cut at its own edges, packed documents into
+    one visit per document. ``grid`` is the plan on the grid (EMPTY blocks skipped, FULL ones
+    computed without a mask), from which the visits are cut.
+
+    ``str()`` draws the grid (one character per block: ``█`` full, ``░`` partial, ``·`` skipped).
+    Get one with :meth:`attnkit.backends.Chunked.block_plan`:
+
+    >>> import torch, attnkit
+    >>> q = torch.randn(1, 2, 512, 16)
+    >>> call = attnkit.explain(q, q, q, mask=attnkit.masks.sliding_window(100)).call
+    >>> print(attnkit.backends.Chunked(block_q=128, block_k=128).block_plan(call))
+    BlockPlan: 4 x 4 blocks of 128 x 128 (Tq=512, Tk=512)
+    7 computed, 7 with a mask, in 14 visits (band [-100, 0])
+    ░···
+    ░░··
+    ·░░·
+    ··░░
+    """
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+    offsets: Tensor  # (nqb + 1,) int64
+    visits: Tensor  # (nv, 6) int64
+    grid: Plan
+    band: tuple[float, float] | None = None
+    shift: int = 0
+    key_ok: Tensor | None = None
+    tiles: Tensor | None = None
+
+    @staticmethod
+    def of_grid(grid: Plan, q_len: int, kv_len: int, shift: int = 0) -> BlockPlan:
+        """The plan whose visits are the grid's own (what the eager kernel computes)."""
+        rows: list[list[int]] = []
+        offsets = [0]
+        for qb in grid.blocks:
+            rows += [[v.ks, v.ke, v.r0, v.r1, int(v.partial), -1] for v in qb.visits]
+            offsets.append(len(rows))
+        return BlockPlan(
+            q_len=q_len,
+            kv_len=kv_len,
+            block_q=grid.block_q,
+            block_k=grid.block_k,
+            offsets=torch.tensor(offsets, dtype=torch.int64),
+            visits=torch.tensor(rows, dtype=torch.int64).reshape(-1, 6),
+            grid=grid,
+            shift=shift,
+        )
+
+    @property
+    def num_visits(self) -> int:
+        return int(self.visits.size(0))
+
+    def describe(self) -> str:
+        """One line: the grid, what of it is computed, and the visits."""
+        g = self.grid
+        nq = len(g.blocks)
+        nk = g.total // nq if nq else 0
+        how = []
+        if self.band is not None:
+            lo, hi = (int(x) if abs(x) != float("inf") else x for x in self.band)
+            how.append(f"band [{lo}, {hi}]")
+        if self.key_ok is not None:
+            how.append("key flags")
+        if self.tiles is not None:
+            how.append(f"{self.tiles.size(0)} mask tiles")
+        extra = f" ({', '.join(how)})" if how else ""
+        return (
+            f"{nq} x {nk} blocks of {g.block_q} x {g.block_k} (Tq={self.q_len}, Tk={self.kv_len}): "
+            f"{g.visited} computed, {g.partial} with a mask, in {self.num_visits} visits{extra}"
+        )
+
+    def picture(self, most: int = 64) -> str:
+        """The grid, one character per block, for grids of at most ``most`` blocks a side."""
+        g = self.grid
+        nq = len(g.blocks)
+        nk = g.total // nq if nq else 0
+        if nq > most or nk > most:
+            return f"({nq} x {nk} blocks: too many to draw)"
+        lines = []
+        for qb in g.blocks:
+            row = [_SKIPPED] * nk
+            for v in qb.visits:
+                row[v.ks // g.block_k] = _PARTIAL if v.partial else _FULL
+            lines.append("".join(row))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        head, _, tail = self.describe().partition(": ")
+        return f"BlockPlan: {head}\n{tail}\n{self.picture()}"
+
+    def __repr__(self) -> str:
+        return f"BlockPlan({self.describe()})"

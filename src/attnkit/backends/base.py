@@ -21,15 +21,14 @@ by :func:`record_dispatch`, and its ``notes`` say when it can happen.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
 from .._call import AttentionCall
+from .._record import Dispatch, note_handover, record_dispatch, recording
 from ..masks import Mask
 from ..scores import ScoreTerm
 
@@ -41,6 +40,7 @@ __all__ = [
     "CallInputs",
     "Dispatch",
     "record_dispatch",
+    "recording",
 ]
 
 
@@ -92,51 +92,6 @@ class BackendFn(Protocol):
 
 
 CallCheck = Callable[[AttentionCall], list[str]]
-
-
-@dataclass
-class Dispatch:
-    """One :func:`~attnkit.attention` call as :func:`record_dispatch` saw it: the backend chosen,
-    and every hand-over from one backend to another with its reason, in order."""
-
-    call: AttentionCall
-    chosen: str
-    handovers: list[tuple[str, str, str]] = field(default_factory=list)  # (from, to, why)
-
-    @property
-    def served_by(self) -> str:
-        """The backend that computed the output."""
-        return self.handovers[-1][1] if self.handovers else self.chosen
-
-
-_RECORD: contextvars.ContextVar[list[Dispatch] | None] = contextvars.ContextVar(
-    "attnkit_dispatch_record", default=None
-)
-
-
-@contextlib.contextmanager
-def record_dispatch() -> Iterator[list[Dispatch]]:
-    """Record every :func:`~attnkit.attention` call in the block: which backend was chosen and
-    which (after a hand-over) served it.
-
-    >>> import torch, attnkit
-    >>> q = torch.randn(1, 2, 8, 4)
-    >>> with attnkit.record_dispatch() as calls:
-    ...     _ = attnkit.attention(q, q, q, softcap=5.0)
-    >>> [(c.chosen, c.served_by) for c in calls]
-    [('chunked', 'chunked')]
-    """
-    record: list[Dispatch] = []
-    token = _RECORD.set(record)
-    try:
-        yield record
-    finally:
-        _RECORD.reset(token)
-
-
-def recording() -> list[Dispatch] | None:
-    """The active record of :func:`record_dispatch`, if any (what the dispatcher appends to)."""
-    return _RECORD.get()
 
 
 def _no_reasons(call: AttentionCall) -> list[str]:
@@ -255,9 +210,7 @@ class Backend:
         """Serve ``call`` with backend ``to`` instead, visibly: counted in :attr:`handovers` and
         recorded by :func:`record_dispatch` with ``why``."""
         self.handovers += 1
-        record = _RECORD.get()
-        if record:
-            record[-1].handovers.append((self.name, to.name, why))
+        note_handover(self.name, to.name, why)
         return to.run(call, inputs)
 
     def __repr__(self) -> str:

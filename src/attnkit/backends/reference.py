@@ -9,20 +9,22 @@ of the gradients, marking outputs a non-finite value reaches) are left out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._ops import OpOverload
 
 from .._call import AttentionCall
 from .._checks import shape_str
 from .._score_mod import ScoreMod, index_tensors
 from .._score_mod import apply as apply_score_mod
-from ..masks import Geometry, Mask
-from ..scores import ScoreTerm, cap_scores, term_error
+from ..masks import Geometry, Mask, decode
+from ..scores import ScoreTerm, cap_scores, decode_term, term_error
 from .base import Backend, CallInputs, Output
 
-__all__ = ["Reference", "reference"]
+__all__ = ["Reference", "decompositions", "reference"]
 
 
 def _batched(t: Tensor, batch: tuple[int, ...]) -> Tensor:
@@ -154,3 +156,54 @@ class Reference(Backend):
             return_lse=call.return_lse,
             score_mod=call.score_mod,
         )
+
+
+def _dense_operator(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    sinks: Tensor | None,
+    mask_tensors: list[Tensor],
+    term_tensors: list[Tensor],
+    seed: Tensor | None,
+    numbers: list[int],
+    *,
+    mask: str,
+    term: str,
+    scale: float,
+    softcap: float | None,
+    dropout_p: float,
+    **settings: object,
+) -> tuple[Tensor, Tensor]:
+    """``torch.ops.attnkit.attention`` as the formula reads (see :func:`decompositions`)."""
+    if dropout_p:
+        raise ValueError(
+            f"attnkit's operator with dropout_p={dropout_p} has no dense form: export the model "
+            "in eval mode (dropout off)"
+        )
+    m = decode(mask, mask_tensors, numbers)
+    t = decode_term(term, term_tensors, numbers)
+    out, lse = reference(  # type: ignore[misc]
+        q,
+        k,
+        v,
+        mask=m,
+        bias=t if t is not None else bias,
+        scale=scale,
+        softcap=softcap,
+        sinks=sinks,
+        dropout_p=0.0,
+        return_weights=False,
+        return_lse=True,
+    )
+    return out, lse
+
+
+def decompositions() -> dict[OpOverload, Callable[..., object]]:
+    """attnkit's operator (``torch.ops.attnkit.attention``, which compiled and exported graphs
+    hold) written as the dense formula in PyTorch's own operators, for programs that must run
+    without attnkit: ``torch.onnx.export(program.run_decompositions(attnkit.decompositions()),
+    dynamo=True)``. The dense form materialises the ``(..., H, Tq, Tk)`` scores, as torch's
+    SDPA with a mask would; inside PyTorch keep the operator, which runs in O(T) memory."""
+    return {torch.ops.attnkit.attention.default: _dense_operator}

@@ -32,8 +32,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, dim_str, shape_str
 from .._kernel import make_plan, no_autocast
-from .._native import load as load_native
-from .._native.kernel import fuses
+from .._native.kernel import why_not_native
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
 from .base import Backend, CallInputs
@@ -194,26 +193,13 @@ def sdpa_cost(call: AttentionCall) -> list[str]:
             "the backward: torch computes a bias gradient only in its math kernel"
         )
     term = call.score_term
-    if (
-        term is not None
-        and call.device.type == "cpu"
-        and call.finite is not False
-        and fuses(term, call.geometry)
-        and load_native() is not None
-    ):
+    native = why_not_native(call) is None  # the chunked backend's kernel (never builds it)
+    if term is not None and native:
         costs.append(
             f"would add the {term.describe()} beside torch's kernel, block by block: the chunked "
             "backend's native kernel fuses it"
         )
-    if (
-        not costs
-        and call.requires_grad
-        and call.device.type == "cpu"
-        and call.dtype in (torch.float32, torch.float64)
-        and call.finite is not False
-        and (term is None or fuses(term, call.geometry))
-        and load_native() is not None
-    ):
+    if not costs and call.requires_grad and call.dtype in (torch.float32, torch.float64) and native:
         # Where nothing else speaks against torch's CPU kernel: it computes the same thing, but
         # its backward is the slower of the two, and a training step spends most of its attention
         # time there (half types excepted: torch computes those in their own precision, the

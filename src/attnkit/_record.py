@@ -1,0 +1,81 @@
+"""What :func:`~attnkit.record_dispatch` records: each call's backend, its hand-overs and the
+kernel that served it.
+
+The dispatcher appends one :class:`Dispatch` per call; a backend that hands a call over adds the
+hand-over to it, and the chunked backend's kernel says which kernel ran (the native one, or the
+eager one and why). Inside compiled and exported graphs, where the dispatcher ran while tracing,
+attnkit's operator appends the record when it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ._call import AttentionCall
+
+__all__ = ["Dispatch", "note_handover", "note_kernel", "record_dispatch", "recording"]
+
+
+@dataclass
+class Dispatch:
+    """One :func:`~attnkit.attention` call as :func:`record_dispatch` saw it: the backend chosen,
+    and every hand-over from one backend to another with its reason, in order."""
+
+    call: AttentionCall
+    chosen: str
+    handovers: list[tuple[str, str, str]] = field(default_factory=list)  # (from, to, why)
+    #: the kernel that computed the output, where the backend says (the chunked backend: "native
+    #: kernel", or "the eager kernel (why)", the words explain() uses)
+    kernel: str | None = None
+
+    @property
+    def served_by(self) -> str:
+        """The backend that computed the output."""
+        return self.handovers[-1][1] if self.handovers else self.chosen
+
+
+_RECORD: contextvars.ContextVar[list[Dispatch] | None] = contextvars.ContextVar(
+    "attnkit_dispatch_record", default=None
+)
+
+
+@contextlib.contextmanager
+def record_dispatch() -> Iterator[list[Dispatch]]:
+    """Record every :func:`~attnkit.attention` call in the block: which backend was chosen and
+    which (after a hand-over) served it.
+
+    >>> import torch, attnkit
+    >>> q = torch.randn(1, 2, 8, 4)
+    >>> with attnkit.record_dispatch() as calls:
+    ...     _ = attnkit.attention(q, q, q, softcap=5.0)
+    >>> [(c.chosen, c.served_by) for c in calls]
+    [('chunked', 'chunked')]
+    """
+    record: list[Dispatch] = []
+    token = _RECORD.set(record)
+    try:
+        yield record
+    finally:
+        _RECORD.reset(token)
+
+
+def recording() -> list[Dispatch] | None:
+    """The active record of :func:`record_dispatch`, if any (what the dispatcher appends to)."""
+    return _RECORD.get()
+
+
+def note_kernel(kernel: str) -> None:
+    """Record which kernel serves the call being recorded (see :attr:`Dispatch.kernel`)."""
+    record = _RECORD.get()
+    if record:
+        record[-1].kernel = kernel
+
+
+def note_handover(source: str, to: str, why: str) -> None:
+    """Record that backend ``source`` handed the call being recorded to ``to``, and why."""
+    record = _RECORD.get()
+    if record:
+        record[-1].handovers.append((source, to, why))
