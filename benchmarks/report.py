@@ -667,6 +667,21 @@ def _floor(run: Run, images: dict[str, bytes]) -> str:
     return f"GEMM rate at the native kernel's block shape: {rate:.0f} GFLOP/s.\n\n{body}"
 
 
+def _compile(run: Run, images: dict[str, bytes]) -> str:
+    return table(
+        ["T", "pass", "eager (ms)", "compiled (ms)", "compiled / eager", "eager extra MiB",
+         "compiled extra MiB", "compiled / eager"],
+        [
+            [r["T"], r["pass"], _ms(r["eager_s"]), _ms(r["compiled_s"]), _ratio(r["time_ratio"]),
+             _mib(r["eager_bytes"]), _mib(r["compiled_bytes"]),
+             _ratio(r["compiled_bytes"] / max(r["eager_bytes"], 1))
+             if r["compiled_bytes"] is not None and r["eager_bytes"] is not None else ""]
+            for r in run.rows
+        ],
+        right=(0, 2, 3, 4, 5, 6, 7),
+    )  # fmt: skip
+
+
 SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str], str]] = {
     # name: (renderer, config keys worth a line, the command that produces it)
     "backends": (
@@ -682,6 +697,11 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         "python benchmarks/bench_native.py",
     ),
     "floor": (_floor, ("H", "D", "threads"), "python benchmarks/bench_floor.py"),
+    "compile": (
+        _compile,
+        ("B", "H", "D", "window", "dtype"),
+        "python benchmarks/bench_compile.py",
+    ),
     "multihead": (
         _multihead,
         ("B", "T", "D", "H", "dtype", "causal"),

@@ -174,18 +174,7 @@ Known = tuple[str, str, Callable[[dict[str, Any]], bool], str]
 
 # Known bugs, each (backend, what, its cases, the error it gives): while one lasts its cases must
 # still fail that way, so that the entry goes when the bug does.
-KNOWN: list[Known] = [
-    (
-        "chunked(native=False)",
-        "the eager kernel's forward takes amax() of an empty tensor (attnkit/_kernel/softmax.py)",
-        lambda case: (
-            case.get("batch") == 0  # the training step
-            or case["sizes"]["H"] == 0
-            or (case["sizes"]["B"] == 0 and case.get("mask") != "key_padding")
-        ),
-        "amax(): Expected reduction dim to be specified for input.numel() == 0",
-    ),
-]
+KNOWN: list[Known] = []
 
 
 def _known(case: dict[str, Any]) -> Known | None:

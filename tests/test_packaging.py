@@ -108,7 +108,9 @@ def test_wheel_and_sdist_build_install_and_work(tmp_path: Path) -> None:
     # No compiler on PATH and an empty cache: the kernel that runs is the wheel's.
     bare = tmp_path / "bin"
     bare.mkdir()
-    clean = {k: v for k, v in os.environ.items() if k not in ("ATTNKIT_NATIVE", "CXX")}
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("ATTNKIT_NATIVE", "CXX", "PYTHONPATH")
+    }
     clean.update(PATH=str(bare), ATTNKIT_CACHE_DIR=str(tmp_path / "cache"))
     smoke = subprocess.run(
         [python, "-c", SMOKE], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=clean

@@ -19,6 +19,7 @@ consistent snapshot of it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from torch import Tensor
 from ._call import AttentionCall, check_attention_args
 from ._checks import shape_str
 from ._hints import torch_keywords, warn_torch_convention
-from ._score_mod import ScoreMod, captured_tensors, check_captured
+from ._score_mod import ScoreMod, captured_tensors, check_captured, check_elementwise
 from ._typing import Bool, Float, shape_checked
 from .backends import builtin_backends
 from .backends.base import (
@@ -353,6 +354,11 @@ def _run(
     q, k, v, bias, sinks = args  # type: ignore[assignment]
     dense = bias if isinstance(bias, Tensor) else None
     captured: tuple[Tensor, ...] = ()
+    if call.score_mod is not None:
+        # A score_mod sees tiles, FlexAttention's one score at a time: the same only if it is
+        # elementwise (probed once per function, shapes and tile).
+        work = torch.promote_types(call.dtype, torch.float32)
+        check_elementwise(call.score_mod, dataclasses.replace(call.geometry, dtype=work))
     if call.score_mod is not None and torch.is_grad_enabled():
         captured = captured_tensors(call.score_mod)
         if not torch.compiler.is_compiling():
@@ -672,7 +678,7 @@ def explain(
     auto picks: chunked
       sdpa       avoided: would materialise the mask sliding_window(left=512, right=0) as a ...
       chunked    chosen
-                 block plan: ... computed, ... with a mask tile
+                 block plan: ... computed, ... with a mask, in ... visits (...)
                  ...
       reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
 

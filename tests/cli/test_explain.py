@@ -194,12 +194,12 @@ def test_a_dense_mask_on_a_real_device_hides_no_key(
     args = ["explain", "-t", "512", "--mask", mask, "--bias", "heads", "--bias-grad"]
     assert main([*args, "--device", "cpu"]) == 0
     plan = re.search(
-        r"block plan: (\d+) of (\d+) blocks .* computed, (\d+) with a mask tile",
+        r"block plan: (\d+) x (\d+) blocks .*: (\d+) computed, (\d+) with a mask",
         capsys.readouterr().out,
     )
     assert plan is not None
-    assert plan[1] == plan[2]
-    assert plan[3] == "0"
+    assert int(plan[1]) * int(plan[2]) == int(plan[3])
+    assert plan[4] == "0"
 
 
 def test_any_size_is_described_without_allocating(capsys: pytest.CaptureFixture[str]) -> None:

@@ -183,6 +183,16 @@ def run_forward(
     then the tensors the score_mod captures)."""
     hkv = k.size(-3)
     term_inputs, mod_inputs = extra[: spec.n_term], extra[spec.n_term :]
+    if not q.shape[:-1].numel():  # no query rows at all (an empty batch, no heads or queries)
+        work = torch.promote_types(q.dtype, torch.float32)
+        out5 = q.new_zeros((spec.geo.batch, hkv, 0, q.size(-2), v.size(-1)), dtype=work)
+        lse5 = q.new_zeros(out5.shape[:-1], dtype=work)
+        return (
+            q.new_zeros((*q.shape[:-1], v.size(-1))),
+            q.new_zeros(q.shape[:-1], dtype=work),
+            out5,
+            lse5,
+        )
     with no_autocast(q.device):
         if spec.native is not None:
             q5, k4, v4, bias5 = _layout(spec, q, k, v, bias, native=True)
@@ -220,6 +230,12 @@ def run_backward(
     ``joint``: q's, k's and v's gradients may be written as views of one tensor when q, k and v
     are views of one (see :func:`attnkit._packing.joint_grads`)."""
     term_inputs, mod_inputs = tuple(extra[: spec.n_term]), tuple(extra[spec.n_term :])
+    if not q.shape[:-1].numel():  # no query rows: nothing reaches any input
+        inputs = (q, k, v, bias, sinks, *extra)
+        return tuple(
+            torch.zeros_like(t) if t is not None and need else None
+            for t, need in zip(inputs, needs, strict=True)
+        )
     with no_autocast(q.device):
         # dout is None when only the log-sum-exp is used.
         dout5 = out5.new_zeros(out5.shape) if dout is None else dout.reshape(out5.shape)

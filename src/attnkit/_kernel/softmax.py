@@ -643,7 +643,8 @@ def _forward_block(
                 empty = m == float("-inf")
                 offsets = m.masked_fill(empty, 0.0).abs()
                 if switch is None:
-                    switch = float(offsets.amax()) <= _ZERO_BITS  # NaN: False
+                    # NaN: False; no rows at all (an empty batch): nothing to switch
+                    switch = offsets.numel() > 0 and float(offsets.amax()) <= _ZERO_BITS
                 if switch:
                     unsure += [~(offsets <= _ZERO_BITS), empty]
                     shift = torch.exp2_(m.clone())
@@ -659,7 +660,7 @@ def _forward_block(
     if mode == "lazy":
         # The lazy offset was too low if a running sum passed the guard or the weighted values
         # overflowed: one number tells both (NaN/inf in acc makes it NaN, and NaN < guard is false).
-        safe = acc.sum().mul_(0.0).add_(lsum.amax()) < _OVERFLOW_GUARD
+        safe = acc.sum().mul_(0.0).add_(lsum.amax() if lsum.numel() else 0.0) < _OVERFLOW_GUARD
         if unsure:
             wrong, empty = unsure
             safe &= ~(wrong | (empty & (lsum < _TINY_SUM))).any()

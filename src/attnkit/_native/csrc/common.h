@@ -28,6 +28,9 @@ int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 }
 
 namespace attnkit {
+// Internal linkage, as in one translation unit: each .cpp gets its own copy of these helpers,
+// which the compiler then inlines and specialises freely (their hot loops depend on it).
+namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr double kLog2e = 1.4426950408889634;
@@ -97,4 +100,5 @@ inline int64_t claim(std::atomic<int64_t>& next) {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
+}  // namespace
 }  // namespace attnkit

@@ -26,6 +26,9 @@ struct CallArgs {
   bool register_tiles = true, skewed_position = true;
 };
 
+// Internal linkage, as in one translation unit (see common.h).
+namespace {
+
 // Everything a call's items read: pointers into the tensors, and the plan.
 template <typename T>
 struct Call {
@@ -316,4 +319,5 @@ Call<T> make_call(const CallArgs& a) {
   return c;
 }
 
+}  // namespace
 }  // namespace attnkit

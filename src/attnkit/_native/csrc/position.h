@@ -7,6 +7,9 @@
 #include "tiles.h"
 
 namespace attnkit {
+// Internal linkage, as in one translation unit: each .cpp gets its own copy of these helpers,
+// which the compiler then inlines and specialises freely (their hot loops depend on it).
+namespace {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Transformer-XL's position term added to a visit's scores: C(r, j) += beta * T(r, j) with
@@ -321,4 +324,5 @@ bool skew_block(const Call<T>& c, int64_t qb) {
   return true;
 }
 
+}  // namespace
 }  // namespace attnkit

@@ -7,6 +7,9 @@
 #include "tiles.h"
 
 namespace attnkit {
+// Internal linkage, as in one translation unit: each .cpp gets its own copy of these helpers,
+// which the compiler then inlines and specialises freely (their hot loops depend on it).
+namespace {
 
 // scale * tanh of a vector, exact to the dtype's rounding (float32: relative error below 5e-7,
 // also near 0, where an exp-based formula would cancel) and far cheaper than a vector tanh.
@@ -223,4 +226,5 @@ void pack_keys(const Call<T>& c, const Rows<const T*>& x, int64_t width, int64_t
 #endif
 }
 
+}  // namespace
 }  // namespace attnkit

@@ -5,6 +5,9 @@
 #include "common.h"
 
 namespace attnkit {
+// Internal linkage, as in one translation unit: each .cpp gets its own copy of these helpers,
+// which the compiler then inlines and specialises freely (their hot loops depend on it).
+namespace {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Products whose right operand is row-major (B(p, j) = b[p * ldb + j], j contiguous) in float32
@@ -226,4 +229,5 @@ void times_keys(bool tiles, const KeyPanels* panels, int64_t rows, int64_t ks, i
           ld);
 }
 
+}  // namespace
 }  // namespace attnkit
