@@ -191,7 +191,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 # Modules without a test file of their own, each with the tests that cover it.
 NO_MIRROR = {
     "__init__.py": "the public API: every test imports it; tests/test_docs.py documents its names",
-    "_kernel/__init__.py": "re-exports only: tests/kernel/test_plan.py, test_softmax.py",
+    "_kernel/__init__.py": "re-exports only: tests/kernel/test_plan.py, test_forward.py",
     "_native/__init__.py": "load() and status(): tests/native/test_build.py, test_kernel.py",
     "_native/_flags.py": "the compiler's flags: tests/native/test_build.py (the build's name) "
     "and tests/test_packaging.py (the wheel's libraries)",
@@ -209,7 +209,7 @@ NO_MIRROR = {
 
 def _mirror(relative: pathlib.PurePosixPath) -> pathlib.PurePosixPath:
     """``X/_name.py`` or ``X/name.py`` -> ``X/test_name.py``, leading underscores dropped from the
-    folders too (``_kernel/softmax.py`` -> ``kernel/test_softmax.py``)."""
+    folders too (``_kernel/forward.py`` -> ``kernel/test_forward.py``)."""
     folders = [part.removeprefix("_") for part in relative.parent.parts]
     return pathlib.PurePosixPath(*folders, "test_" + relative.name.removeprefix("_"))
 

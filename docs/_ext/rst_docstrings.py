@@ -38,7 +38,15 @@ _log = logging.getLogger("mkdocs.plugins.attnkit.rst_docstrings")
 # Modules documented besides those attnkit.__all__ reaches, with their members.
 EXTRA_PUBLIC = ("attnkit.testing",)
 # Modules whose docstring alone is on the reference pages (their members are reached elsewhere).
-MODULE_DOCS = ("attnkit._kernel.plan", "attnkit._kernel.softmax")
+MODULE_DOCS = (
+    "attnkit._kernel.plan",
+    "attnkit._kernel.problem",
+    "attnkit._kernel.forward",
+    "attnkit._kernel.backward",
+    "attnkit._kernel.fused",
+    "attnkit._kernel.merge",
+    "attnkit._kernel.sinks",
+)
 
 _INLINE = re.compile(r":(?P<role>[a-z]+):`(?P<tilde>~?)(?P<target>[^`]+)`|``(?P<literal>[^`]+?)``")
 _RULE = re.compile(r"^\s*=+( +=+)+\s*$")

@@ -8,7 +8,7 @@ first use and cached (see :mod:`attnkit._native.build`). Loading it registers th
 puts a call's block plan and mask in the operators' terms.
 
 ``ATTNKIT_NATIVE=0`` turns the kernel off. A kernel that cannot be loaded or built never breaks
-an import or a call: calls then run the eager kernel (:mod:`attnkit._kernel.softmax`), a warning
+an import or a call: calls then run the eager kernel (:mod:`attnkit._kernel`), a warning
 says why once, and :func:`status` (what ``explain()`` prints) says why too, without building.
 """
 

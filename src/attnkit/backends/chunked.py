@@ -121,7 +121,7 @@ class Chunked(Backend):
     """The chunked backend with chosen block sizes (default: sizes that run well on CPUs).
 
     It applies a call's ``score_mod`` tile by tile, forward and backward (see
-    :mod:`attnkit._kernel.softmax`).
+    :mod:`attnkit._kernel.problem`).
 
     ``fused_rows``: fully visible stretches of the block plan shared by at least this many queries
     go to torch's fused CPU kernel (see :mod:`attnkit.backends.chunked`); ``None``: never.

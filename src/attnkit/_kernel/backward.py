@@ -1,0 +1,172 @@
+"""The online softmax's backward: gradients recomputed block by block from the log-sum-exp.
+
+The backward walks the same plan as the forward and recomputes each visited block's scores from
+the saved log-sum-exp instead of saving the probabilities (the FlashAttention recipe; Dao et al.,
+2022). It asks once whether every row's log-sum-exp is within ``2^+-32`` (:func:`folds`), and then
+folds ``exp(-lse)`` into ``dO`` and ``delta`` per row instead of subtracting ``lse`` from
+every score. The runs that went to torch's fused kernel take their gradients from its backward
+(:func:`~attnkit._kernel.fused.fused_backward`).
+
+The empty-row rule: a query with no visible key has log-sum-exp ``-inf``; the backward reads it as
+0, so that its probabilities ``exp(-inf - 0)`` are 0 and its gradients vanish.
+
+In the careful mode (non-finite inputs) the products use the zeroed q, k and v and drop masked
+pairs explicitly, the softcap's factor included. A score_mod's tile is called again under
+``torch.enable_grad()`` and its gradient taken with ``torch.autograd.grad``
+(:meth:`~attnkit._kernel.problem.Problem.mod_backward`); a masked pair's score gets no gradient,
+whatever the mod.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .fused import fused_backward
+from .problem import LOG2E, ZERO_BITS, Problem, tile5
+
+__all__ = ["Grads", "backward", "delta_of", "folds"]
+
+
+@dataclass
+class Grads:
+    """Gradients in the kernel's layout and work dtype."""
+
+    dq: Tensor  # (B, Hkv, G, Tq, Dk)
+    dk: Tensor  # (B*Hkv, Tk, Dk)
+    dv: Tensor  # (B*Hkv, Tk, Dv)
+    dbias5: Tensor | None
+    dterm: list[Tensor | None]
+    dmod: list[Tensor | None] = field(default_factory=list)
+
+
+def backward(
+    p: Problem,
+    out: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    dout: Tensor,
+    *,
+    bias_grad: bool,
+    term_grads: bool,
+    fold: bool | None = None,
+) -> Grads:
+    """Gradients of one problem given the call's final output ``(B, Hkv, G, Tq, Dv)`` (before
+    rounding), log-sum-exp and ``delta = rowsum(dO * O)`` (both ``(B, Hkv, G, Tq)``, sinks
+    included) and ``dout`` ``(B, Hkv, G, Tq, Dv)``. ``fold``: what :func:`folds` answers for the
+    call's log-sum-exp, when the caller knows it (``None``: asked here, one host read)."""
+    final_lse = lse
+    if fold is None:
+        fold = folds(lse, p.softcap)
+    # The empty-row rule: such rows read lse 0, so their probabilities exp(-inf - 0) are 0.
+    lse = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
+    delta = delta.unsqueeze(-1)
+    dev = p.q5.device
+    dq = torch.zeros(p.n, p.hkv, p.tq, p.g, p.dk, dtype=p.work, device=dev)
+    dk = torch.zeros(p.n * p.hkv, p.tk, p.dk, dtype=p.work, device=dev)
+    dv = torch.zeros(p.n * p.hkv, p.tk, p.dv, dtype=p.work, device=dev)
+    dbias = None
+    if bias_grad and p.bias5 is not None:
+        dbias = torch.zeros(p.bias5.shape, dtype=p.work, device=dev)
+    dterm: list[Tensor | None] = [None] * len(p.term_inputs)
+    dmod: list[Tensor | None] = [None] * len(p.mod_inputs)
+    for qb in p.blocks:
+        if not qb.visits:
+            continue
+        qr = p.q_rows(qb.qs, qb.qe, factor=p.score_factor())  # for the scores
+        qr_clean = p.q_rows(qb.qs, qb.qe, clean=p.careful)  # for dK
+        lse_b, delta_b = p.rows(lse, qb.qs, qb.qe).mul_(LOG2E), p.rows(delta, qb.qs, qb.qe)
+        do_b = p.rows(dout, qb.qs, qb.qe)
+        offset: Tensor | None = lse_b
+        if fold:
+            # P = exp(S - lse) = exp(S) * w with w = exp(-lse) per row, small enough to carry in
+            # dO and delta instead: dV = exp(S)^T (w dO), dS = exp(S) (w dO V^T - w delta).
+            w = torch.exp2_(lse_b.neg())
+            do_b.mul_(w)
+            delta_b.mul_(w)
+            offset = None
+        dq_b = torch.zeros_like(qr)
+        tb = p.term_block(qb, dterm if term_grads else None)
+        for visit in qb.visits:
+            lo, hi = visit.r0 * p.g, visit.r1 * p.g
+            s, sig, vis = p.scores(
+                qr[:, lo:hi],
+                qb.qs,
+                visit,
+                None if offset is None else offset[:, lo:hi],
+                tb,
+                keep_sigmoid=p.softcap is not None,
+                keep_graph=p.modded,
+            )
+            prob = torch.exp2_(s)  # (B*Hkv, rows*G, keys): the forward's probabilities, recomputed
+            shape5 = (p.n, p.hkv, (hi - lo) // p.g, p.g, visit.ke - visit.ks)
+            if p.careful and vis is not None:
+                prob.view(shape5).masked_fill_(~vis, 0.0)
+            kb = p.keys(visit.ks, visit.ke, clean=p.careful)
+            vb = p.values(visit.ks, visit.ke)
+            do_r = do_b[:, lo:hi]
+            keep = p.keep(qb.qs, visit)  # dropout: the forward's weights were prob * keep
+            kept = prob if keep is None else prob * keep
+            dv[:, visit.ks : visit.ke].baddbmm_(kept.transpose(1, 2), do_r)
+            # A term's block may keep the score gradients it is handed: then they are its own.
+            ds = torch.bmm(
+                do_r, vb.transpose(1, 2), out=None if tb is not None else p.scratch("ds", s.shape)
+            )
+            if keep is not None:
+                ds.mul_(keep)
+            ds.sub_(delta_b[:, lo:hi]).mul_(prob)  # dL/dS
+            ds5 = ds.view(shape5)
+            if p.careful and vis is not None:
+                ds5.masked_fill_(~vis, 0.0)
+            if p.modded:
+                p.mod_backward(ds5, dmod)
+                if vis is not None:  # a masked pair's score gets no gradient, whatever the mod
+                    ds5.masked_fill_(~vis, 0.0)
+            if dbias is not None:
+                tile = tile5(dbias, qb.qs + visit.r0, qb.qs + visit.r1, visit.ks, visit.ke)
+                tile = tile.transpose(2, 3)
+                tile.add_(ds5.sum_to_size(tile.shape))
+            if tb is not None:  # (B, H, rows, keys): a view unless heads are grouped
+                ds_heads = ds5.transpose(2, 3).reshape(p.n, p.hkv * p.g, *shape5[2::2])
+                tb.backward(visit.ks + p.k_start, visit.ke + p.k_start, ds_heads, visit.r0)
+            if sig is not None:  # d c tanh(x/c) / dx = 1 - tanh^2 = 4 s (1 - s), s = sigmoid(2x/c)
+                if p.cap_sigmoid:  # the 4 is applied to dQ and dK below
+                    factor = sig.addcmul_(sig, sig, value=-1.0)
+                else:  # tanh^2 - 1: the sign is applied to dQ and dK below
+                    factor = sig.mul_(sig).sub_(1.0)
+                if p.careful and vis is not None:  # a masked pair's NaN score: 0 * NaN
+                    factor.view(shape5).masked_fill_(~vis, 0.0)
+                ds = ds.mul_(factor) if tb is None else ds * factor  # the term's stay as handed
+            dq_b[:, lo:hi].baddbmm_(ds, kb)
+            dk[:, visit.ks : visit.ke].baddbmm_(ds.transpose(1, 2), qr_clean[:, lo:hi])
+        if tb is not None:
+            tb.flush()
+        dq[:, :, qb.qs : qb.qe] = dq_b.view(p.n, p.hkv, qb.qe - qb.qs, p.g, p.dk)
+    capped = 1.0 if p.softcap is None else 4.0 if p.cap_sigmoid else -1.0
+    dq.mul_(p.scale * capped)
+    if p.softcap is not None:
+        dk.mul_(capped)
+    if p.runs:
+        fused_backward(p, out, final_lse, dout, dq.transpose(2, 3), dk, dv)
+    return Grads(dq.transpose(2, 3), dk, dv, dbias, dterm, dmod)
+
+
+def folds(lse: Tensor, softcap: float | None) -> bool:
+    """Whether the backward may fold ``exp(-lse)`` into ``dO`` and ``delta`` (every row's
+    log-sum-exp, base 2, within ``2^+-ZERO_BITS``, no softcap) instead of subtracting it from
+    every score. Decided once for the call, one host read."""
+    if softcap is not None:
+        return False
+    if not lse.numel():
+        return True
+    largest = lse.masked_fill(lse == float("-inf"), 0.0).abs().amax().mul_(LOG2E)
+    return float(largest) <= ZERO_BITS
+
+
+def delta_of(out: Tensor, dout: Tensor) -> Tensor:
+    """``rowsum(dO * O)`` ``(B, Hkv, G, Tq)`` in the work dtype, from the unrounded output: with
+    float16 O and a near one-hot softmax, ``dO . (v_j - O)`` cancels and O's rounding error would
+    dominate the gradients."""
+    return (dout.to(out.dtype) * out).sum(-1)
