@@ -58,7 +58,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     theirs = nn.MultiheadAttention(D, H, batch_first=True)
-    ours = attnkit.MultiHeadAttention.from_torch(theirs)
+    ours = attnkit.interop.torch.from_torch(theirs)
     x = torch.randn(B, T, D)
     torch_mask = nn.Transformer.generate_square_subsequent_mask(T) if causal else None
 

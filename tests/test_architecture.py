@@ -38,23 +38,15 @@ def _resolve(name: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-# The thin entry points that defer to a loader in attnkit.interop (the loader imports the module
-# it builds, so the entry point imports the loader when called, never at import time).
-DEFERRED = {"from_espnet", "from_speechbrain", "from_openspeech", "from_torch", "to_torch"}
-
-
 def _top_level_imports(name: str) -> set[str]:
-    """attnkit modules ``name`` imports, at import time or inside its functions (but not in the
-    ``DEFERRED`` entry points, and not only for type checkers): ``from x import y`` counts ``x.y``
-    when that is a module, else ``x``."""
+    """attnkit modules ``name`` imports, at import time or inside its functions (but not only for
+    type checkers): ``from x import y`` counts ``x.y`` when that is a module, else ``x``."""
     tree = ast.parse(MODULES[name].read_text())
     found: set[str] = set()
 
     def visit(body: list[ast.stmt]) -> None:
         for node in body:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in DEFERRED:
                 continue
             if isinstance(node, ast.If | ast.Try | ast.With | ast.For | ast.While):
                 visit(node.body)
@@ -202,6 +194,7 @@ NO_MIRROR = {
     "distributed/__init__.py": "re-exports only: tests/distributed/test_ring.py",
     "distributed/_comm.py": "the ranks' messages and agreement: tests/distributed/test_ring.py",
     "distributed/backend.py": "register_ring_backend: tests/distributed/test_ddp.py",
+    "flash_attn/__init__.py": "re-exports only: the tests in tests/flash_attn/",
     "integrations/__init__.py": "re-exports only: tests/integrations/test_transformers.py",
     "interop/__init__.py": "re-exports only: the tests in tests/interop/",
 }

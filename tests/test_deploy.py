@@ -298,9 +298,9 @@ def test_importers_refuse_tensors_of_the_wrong_shape() -> None:
     with pytest.raises(
         ValueError, match=re.escape("in_proj_weight has shape (1, 16), expected (48, 16)")
     ):
-        attnkit.MultiHeadAttention.from_torch(theirs)
+        attnkit.interop.torch.from_torch(theirs)
 
-    class Openspeech(nn.Module):  # the attributes from_openspeech reads
+    class Openspeech(nn.Module):  # the attributes openspeech.relative_attention reads
         def __init__(self) -> None:
             super().__init__()
             for part in ("query_proj", "key_proj", "value_proj", "out_proj"):
@@ -311,7 +311,7 @@ def test_importers_refuse_tensors_of_the_wrong_shape() -> None:
             self.num_heads = 4
 
     os_module = Openspeech()
-    attnkit.RelativeMultiHeadAttention.from_openspeech(os_module)  # fits as it is
+    attnkit.interop.openspeech.relative_attention(os_module)  # fits as it is
     os_module.key_proj.bias = nn.Parameter(torch.zeros(1))
     with pytest.raises(ValueError, match=re.escape("key_proj.bias is (1), expected (16)")):
-        attnkit.RelativeMultiHeadAttention.from_openspeech(os_module)
+        attnkit.interop.openspeech.relative_attention(os_module)

@@ -34,7 +34,7 @@ def test_a_torch_key_padding_mask_warns_once_and_names_the_conversion() -> None:
     with pytest.warns(UserWarning, match="lets no query of batch element 0 .of 2. attend") as rec:
         _hints.warn_torch_convention(kpm[:, None, None, :])
     message = str(rec[0].message)
-    assert "attnkit.from_torch_masks(" in message
+    assert "attnkit.interop.torch.from_torch_masks(" in message
     assert "True = may NOT attend" in message
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -77,10 +77,10 @@ def test_modules_warn_for_a_mask_in_torch_convention() -> None:
 def test_the_conversion_the_warning_names_gives_torch_s_result() -> None:
     torch.manual_seed(0)
     theirs = nn.MultiheadAttention(8, 2, batch_first=True).eval()
-    ours = MultiHeadAttention.from_torch(theirs).eval()
+    ours = attnkit.interop.torch.from_torch(theirs).eval()
     x = torch.randn(2, 5, 8)
     kpm = torch_key_padding([5, 3], 5)
-    mask, bias = attnkit.from_torch_masks(key_padding_mask=kpm, num_heads=2)
+    mask, bias = attnkit.interop.torch.from_torch_masks(key_padding_mask=kpm, num_heads=2)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         got = ours(x, mask=mask, bias=bias)

@@ -8,15 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+import attnkit
 from attnkit import (
     MultiHeadAttention,
     RelativeMultiHeadAttention,
     Transformer,
     TransformerDecoderLayer,
     TransformerEncoderLayer,
-    from_torch_masks,
     masks,
 )
+from attnkit.interop.torch import from_torch_masks
 from attnkit.testing import assert_close
 
 
@@ -72,7 +73,7 @@ def test_encoder_layer_from_torch(
     )
     randomize(theirs)
     theirs.train(train)
-    ours = TransformerEncoderLayer.from_torch(theirs, batch_first=True)  # fed x batch-first
+    ours = attnkit.interop.torch.from_torch(theirs, batch_first=True)  # fed x batch-first
     assert ours.training is train
     x = torch.randn(b, t, d, dtype=torch.float64)
     kpm = torch_padding(lengths, t)
@@ -90,7 +91,7 @@ def test_encoder_layer_gradients_match_torch() -> None:
         12, 3, 20, dropout=0.0, batch_first=True, dtype=torch.float64
     )
     randomize(theirs)
-    ours = TransformerEncoderLayer.from_torch(theirs)
+    ours = attnkit.interop.torch.from_torch(theirs)
     x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
     g = torch.randn(2, 5, 12, dtype=torch.float64)
     causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)  # torch: True = blocked
@@ -127,7 +128,7 @@ def test_decoder_layer_from_torch(
         dtype=torch.float64,
     )
     randomize(theirs)
-    ours = TransformerDecoderLayer.from_torch(theirs).eval()
+    ours = attnkit.interop.torch.from_torch(theirs).eval()
     b, tm = len(mem_lengths), max(mem_lengths)
     x = torch.randn(b, t, 8, dtype=torch.float64)
     memory = torch.randn(b, tm, 8, dtype=torch.float64)
@@ -158,8 +159,8 @@ def test_transformer_matches_torch_pre_norm() -> None:
         dtype=torch.float64,
     )
     for i in range(2):
-        ours.encoder_layers[i] = TransformerEncoderLayer.from_torch(theirs.encoder.layers[i])
-        ours.decoder_layers[i] = TransformerDecoderLayer.from_torch(theirs.decoder.layers[i])
+        ours.encoder_layers[i] = attnkit.interop.torch.from_torch(theirs.encoder.layers[i])
+        ours.decoder_layers[i] = attnkit.interop.torch.from_torch(theirs.decoder.layers[i])
     ours.encoder_norm.load_state_dict(theirs.encoder.norm.state_dict())
     ours.decoder_norm.load_state_dict(theirs.decoder.norm.state_dict())
     src = torch.randn(2, 7, 16, dtype=torch.float64)
@@ -315,9 +316,7 @@ def test_errors() -> None:
         TransformerEncoderLayer(8, 2, activation="tanh")
     torch_layer = nn.TransformerEncoderLayer(8, 2, activation=nn.Tanh())
     with pytest.raises(ValueError, match=r"activation Tanh\(\) has no attnkit equivalent"):
-        TransformerEncoderLayer.from_torch(torch_layer)
-    with pytest.raises(TypeError, match=r"takes a torch.nn.TransformerEncoderLayer, got Linear"):
-        TransformerEncoderLayer.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
+        attnkit.interop.torch.from_torch(torch_layer)
     with pytest.raises(ValueError, match=r"num_encoder_layers must be >= 0, got -1"):
         Transformer(8, 2, num_encoder_layers=-1)
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import attnkit
-from attnkit import MultiHeadAttention, from_torch_masks, masks
+from attnkit import MultiHeadAttention, masks
+from attnkit.interop.torch import from_torch_masks
 from attnkit.testing import assert_close
 
 from .helpers import needs_cxx
@@ -397,7 +398,7 @@ def test_from_torch_matches_torch(case: dict[str, object]) -> None:
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(std=0.5)
-    ours = MultiHeadAttention.from_torch(theirs, batch_first=True)  # fed batch-first inputs
+    ours = attnkit.interop.torch.from_torch(theirs, batch_first=True)  # fed batch-first inputs
     e = theirs.embed_dim
     query = torch.randn(b, tq, e, dtype=torch.float64)
     if case["self_attention"]:
@@ -434,7 +435,7 @@ def test_from_torch_matches_torch(case: dict[str, object]) -> None:
 def test_gradients_match_torch() -> None:
     torch.manual_seed(0)
     theirs = nn.MultiheadAttention(12, 3, batch_first=True, dtype=torch.float64)
-    ours = MultiHeadAttention.from_torch(theirs)
+    ours = attnkit.interop.torch.from_torch(theirs)
     x = torch.randn(2, 6, 12, dtype=torch.float64, requires_grad=True)
     pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
     g = torch.randn(2, 6, 12, dtype=torch.float64)
@@ -453,9 +454,9 @@ def test_to_torch_round_trip() -> None:
     for kw in ({}, {"kdim": 5, "vdim": 7}, {"proj_bias": False}):
         ours = MultiHeadAttention(8, 2, dtype=torch.float64, **kw)  # type: ignore[arg-type]
         for batch_first in (True, False):
-            theirs = ours.to_torch(batch_first=batch_first)
+            theirs = attnkit.interop.torch.to_torch(ours, batch_first=batch_first)
             assert theirs.batch_first is batch_first
-            back = MultiHeadAttention.from_torch(theirs, batch_first=True)
+            back = attnkit.interop.torch.from_torch(theirs, batch_first=True)
             for (n1, p1), (n2, p2) in zip(
                 ours.named_parameters(), back.named_parameters(), strict=True
             ):
@@ -464,15 +465,15 @@ def test_to_torch_round_trip() -> None:
         x = torch.randn(2, 4, 8, dtype=torch.float64)
         mem = torch.randn(2, 3, ours.kdim, dtype=torch.float64)
         val = torch.randn(2, 3, ours.vdim, dtype=torch.float64)
-        theirs = ours.to_torch()
+        theirs = attnkit.interop.torch.to_torch(ours)
         assert_close(ours(x, mem, val), theirs(x, mem, val, need_weights=False)[0])
 
 
 def test_to_and_from_torch_refuse_what_has_no_equivalent() -> None:
     with pytest.raises(ValueError, match=r"num_kv_heads \(2\) != num_heads \(4\)"):
-        MultiHeadAttention(16, 4, num_kv_heads=2).to_torch()
+        attnkit.interop.torch.to_torch(MultiHeadAttention(16, 4, num_kv_heads=2))
     with pytest.raises(ValueError, match=r"head_dim \(8\) and v_head_dim \(8\) must both be"):
-        MultiHeadAttention(16, 4, head_dim=8).to_torch()
+        attnkit.interop.torch.to_torch(MultiHeadAttention(16, 4, head_dim=8))
     half = nn.MultiheadAttention(8, 2, add_bias_kv=True, batch_first=True)
     half.bias_v = None
     with pytest.raises(
@@ -482,9 +483,9 @@ def test_to_and_from_torch_refuse_what_has_no_equivalent() -> None:
             "sets both"
         ),
     ):
-        MultiHeadAttention.from_torch(half)
+        attnkit.interop.torch.from_torch(half)
     with pytest.raises(TypeError, match="got Linear"):
-        MultiHeadAttention.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
+        attnkit.interop.torch.from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
 def test_from_torch_masks() -> None:
@@ -522,7 +523,7 @@ def test_from_torch_masks_follows_torch_for_each_dtype(name: str, dtype: torch.d
     # same output, or (where torch refuses the dtype) a TypeError naming the argument.
     torch.manual_seed(0)
     theirs = nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64).eval()
-    ours = MultiHeadAttention.from_torch(theirs)
+    ours = attnkit.interop.torch.from_torch(theirs)
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     pad = torch.tensor([[0, 0, 1], [0, 1, 1]])  # 1 = padding in bool; a score of +1 in float
     mask_in = (pad if name == "key_padding_mask" else pad[:1].expand(3, 3)).to(dtype)
@@ -715,14 +716,14 @@ def test_explain_describes_the_call_the_module_makes() -> None:
 def test_from_torch_refuses_a_sequence_first_module_and_says_how() -> None:
     theirs = nn.MultiheadAttention(8, 2, dtype=torch.float64).eval()  # batch_first=False
     with pytest.raises(ValueError, match="has batch_first=False, so it takes") as err:
-        MultiHeadAttention.from_torch(theirs)
+        attnkit.interop.torch.from_torch(theirs)
     assert "from_torch(m, batch_first=True)" in str(err.value)
     with pytest.raises(ValueError, match="takes batch-first inputs"):
-        MultiHeadAttention.from_torch(theirs, batch_first=False)
+        attnkit.interop.torch.from_torch(theirs, batch_first=False)
     with pytest.raises(ValueError, match="batch_first=False"):
-        attnkit.TransformerEncoderLayer.from_torch(nn.TransformerEncoderLayer(8, 2))
+        attnkit.interop.torch.from_torch(nn.TransformerEncoderLayer(8, 2))
     # As the message says: the copy, given the inputs transposed, gives torch's result.
-    ours = MultiHeadAttention.from_torch(theirs, batch_first=True)
+    ours = attnkit.interop.torch.from_torch(theirs, batch_first=True)
     x = torch.randn(5, 3, 8, dtype=torch.float64)  # (T, B, E), torch's default layout
     with torch.no_grad():
         want, _ = theirs(x, x, x)

@@ -101,7 +101,7 @@ def test_self_attention_training_step_concatenates_no_gradient(
     # tensor and the split returns it; its gradients are torch.nn.MultiheadAttention's.
     torch.manual_seed(0)
     theirs = torch.nn.MultiheadAttention(32, 4, batch_first=True).double()
-    ours = attnkit.MultiHeadAttention.from_torch(theirs).float()
+    ours = attnkit.interop.torch.from_torch(theirs).float()
     ours.backend = Chunked()
     x = torch.randn(2, 50, 32, dtype=torch.float64, requires_grad=True)
     cot = torch.randn(2, 50, 32, dtype=torch.float64)

@@ -6,6 +6,7 @@ and fast paths that are tested equal to it.
 
 from . import backends, checkpoint, distributed, flash_attn, flex, interop, masks, scores
 from ._call import AttentionCall
+from ._deprecated import alias as _alias
 from ._kernel import BlockPlan
 from .attention import (
     Backend,
@@ -23,7 +24,6 @@ from .backends.reference import decompositions
 from .capture import AttentionMaps, capture_attention
 from .conformer import ConformerLayer
 from .feedforward import PositionwiseFeedForward
-from .interop.torch import from_torch_masks
 from .kv_cache import KVCache
 from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
 from .multihead import MultiHeadAttention
@@ -37,6 +37,13 @@ from .positional import (
 from .relative import RelativeMultiHeadAttention
 
 __version__ = "0.1.0"
+
+# Old spellings, for one release (each call warns, naming the new one).
+from_torch_masks = _alias(
+    interop.torch.from_torch_masks,
+    "attnkit.from_torch_masks",
+    "attnkit.interop.torch.from_torch_masks",
+)
 
 __all__ = [
     "AttentionCall",
@@ -70,7 +77,6 @@ __all__ = [
     "explain",
     "flash_attn",
     "flex",
-    "from_torch_masks",
     "interop",
     "masks",
     "merge_attention",

@@ -26,8 +26,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _CONVERT = (
-    "attnkit.from_torch_masks(attn_mask, key_padding_mask, num_heads=H) converts torch's masks "
-    "into attnkit's"
+    "attnkit.interop.torch.from_torch_masks(attn_mask, key_padding_mask, num_heads=H) converts "
+    "torch's masks into attnkit's"
 )
 
 # torch's keyword -> what to pass to attnkit instead.

@@ -334,25 +334,3 @@ class ConformerLayer(nn.Module):
             f"({b}, 1, 1, {t}), True = real frame, got {shape_str(mask.shape)}: the convolution "
             "needs to know which frames are padding, so a per-query mask does not fit"
         )
-
-    # ----------------------------------------------------------------------------------------------
-    # ESPnet
-
-    @classmethod
-    def from_espnet(
-        cls,
-        layer: nn.Module,
-        *,
-        max_len: int = 5000,
-        encoding_dtype: torch.dtype = torch.float32,
-    ) -> ConformerLayer:
-        """A copy of ESPnet's Conformer ``EncoderLayer`` (macaron feed-forwards, relative
-        self-attention, convolution module, pre-norm), eval outputs equal to ESPnet's on unpadded
-        input; see :func:`attnkit.interop.espnet.conformer_layer` for what maps where and what
-        differs on padded batches. ``max_len``: the ``LegacyRelPositionalEncoding``'s, for a layer
-        with ESPnet's legacy relative attention; ``encoding_dtype``: see
-        :meth:`RelativeMultiHeadAttention.from_espnet`.
-        """
-        from .interop import espnet
-
-        return espnet.conformer_layer(layer, max_len=max_len, encoding_dtype=encoding_dtype)

@@ -24,10 +24,8 @@ Shape letters: ``B`` batch, ``T`` target (or encoder input) positions, ``Tm`` me
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._checks import (
@@ -120,41 +118,6 @@ def _check_layer_mask(
     if not isinstance(heads, int):  # an attention built elsewhere: leave the head dim to it
         heads = mask.size(-3) if isinstance(mask, Tensor) and mask.ndim >= 3 else 1
     check_mask(name, mask, (batch, heads, q_len, kv_len))
-
-
-def _torch_activation(m: nn.Module) -> str:
-    """The name of a torch Transformer layer's activation, for the attnkit feed-forward."""
-    # torch keeps the function it was given: F.relu/F.gelu for the strings, or a module.
-    act = getattr(m, "activation", None)
-    if act is F.relu or isinstance(act, nn.ReLU):
-        return "relu"
-    if act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
-        return "gelu"
-    raise ValueError(f"from_torch(): activation {act!r} has no attnkit equivalent (relu, gelu)")
-
-
-def _torch_layer_options(
-    m: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
-) -> dict[str, Any]:
-    """The constructor arguments a torch Transformer layer implies for ours (all but attention)."""
-    return {
-        "d_ff": m.linear1.out_features,
-        "dropout": float(m.dropout.p),
-        "activation": _torch_activation(m),
-        "norm_first": m.norm_first,
-        "layer_norm_eps": m.norm1.eps,
-        "bias": m.linear1.bias is not None,
-        "device": m.linear1.weight.device,
-        "dtype": m.linear1.weight.dtype,
-    }
-
-
-def _copy_torch_layer(ours: nn.Module, theirs: nn.Module, norms: int) -> None:
-    """Copy the feed-forward and the ``norm1 .. norm<norms>`` LayerNorms of a torch layer."""
-    for name in ("linear1", "linear2"):
-        getattr(ours.ffn, name).load_state_dict(getattr(theirs, name).state_dict())
-    for i in range(1, norms + 1):
-        getattr(ours, f"norm{i}").load_state_dict(getattr(theirs, f"norm{i}").state_dict())
 
 
 class TransformerEncoderLayer(nn.Module):
@@ -280,28 +243,6 @@ class TransformerEncoderLayer(nn.Module):
         x = self.norm1(x + sa(x))
         out: Tensor = self.norm2(x + ff(x))
         return out
-
-    @classmethod
-    def from_torch(
-        cls, m: nn.TransformerEncoderLayer, *, batch_first: bool | None = None
-    ) -> TransformerEncoderLayer:
-        """The equivalent of a ``torch.nn.TransformerEncoderLayer`` (post- or pre-norm), with copies
-        of its parameters. The result is batch-first, ``(B, T, D)``: a layer with
-        ``batch_first=False`` is refused unless ``batch_first=True`` says the copy will get
-        batch-first inputs (as :meth:`MultiHeadAttention.from_torch`). Translate torch's
-        ``src_mask``/``src_key_padding_mask`` with :func:`~attnkit.from_torch_masks`."""
-        if not isinstance(m, nn.TransformerEncoderLayer):
-            raise TypeError(
-                f"from_torch() takes a torch.nn.TransformerEncoderLayer, got {type(m).__name__}"
-            )
-        options = _torch_layer_options(m)  # its errors first: they hold whatever batch_first
-        layer = cls(
-            m.linear1.in_features,
-            attention=MultiHeadAttention.from_torch(m.self_attn, batch_first=batch_first),
-            **options,
-        )
-        _copy_torch_layer(layer, m, norms=2)
-        return layer.train(m.training)
 
 
 class TransformerDecoderLayer(nn.Module):
@@ -461,32 +402,6 @@ class TransformerDecoderLayer(nn.Module):
         x = self.norm2(x + ca(x))
         out: Tensor = self.norm3(x + ff(x))
         return out
-
-    @classmethod
-    def from_torch(
-        cls, m: nn.TransformerDecoderLayer, *, batch_first: bool | None = None
-    ) -> TransformerDecoderLayer:
-        """The equivalent of a ``torch.nn.TransformerDecoderLayer``, with copies of its parameters.
-        The result is batch-first; for ``batch_first``, see
-        :meth:`TransformerEncoderLayer.from_torch`.
-
-        torch's decoder layer is causal only when given a causal ``tgt_mask``: call the result with
-        ``causal=True`` for that, ``causal=False`` otherwise."""
-        if not isinstance(m, nn.TransformerDecoderLayer):
-            raise TypeError(
-                f"from_torch() takes a torch.nn.TransformerDecoderLayer, got {type(m).__name__}"
-            )
-        options = _torch_layer_options(m)
-        layer = cls(
-            m.linear1.in_features,
-            attention=MultiHeadAttention.from_torch(m.self_attn, batch_first=batch_first),
-            cross_attention=MultiHeadAttention.from_torch(
-                m.multihead_attn, batch_first=batch_first
-            ),
-            **options,
-        )
-        _copy_torch_layer(layer, m, norms=3)
-        return layer.train(m.training)
 
 
 class Transformer(nn.Module):

@@ -94,9 +94,9 @@ class MultiHeadAttention(nn.Module):
     * ``mask``: bool, broadcastable to ``(B, H, Tq, S)``, **True = may attend**, or a structured
       mask; e.g. :func:`attnkit.masks.key_padding` or :func:`attnkit.masks.padding_mask`
       ``(B, 1, 1, S)``. torch's ``attn_mask``/``key_padding_mask`` are the opposite (True = may
-      NOT attend): ``mask, bias = attnkit.from_torch_masks(attn_mask, key_padding_mask,
-      num_heads=H)`` converts them. ``bias``: float, added to the scaled scores, broadcastable
-      likewise (:func:`~attnkit.alibi_bias`).
+      NOT attend): ``mask, bias = attnkit.interop.torch.from_torch_masks(attn_mask,
+      key_padding_mask, num_heads=H)`` converts them. ``bias``: float, added to the scaled
+      scores, broadcastable likewise (:func:`~attnkit.alibi_bias`).
     * ``causal``: query ``i`` attends keys ``j <= i + S - Tq`` (bottom-right, as a cache needs).
     * ``cache``: a :class:`~attnkit.KVCache` (:meth:`make_cache`); the new keys and values are
       appended to it and the queries attend every cached key. They are held only once the call
@@ -505,27 +505,6 @@ class MultiHeadAttention(nn.Module):
             dtype=w.dtype,
             device=w.device,
         )
-
-    # ----------------------------------------------------------------------------------------------
-    # torch.nn.MultiheadAttention interop (attnkit.interop.torch)
-
-    @classmethod
-    def from_torch(
-        cls, m: nn.MultiheadAttention, *, batch_first: bool | None = None
-    ) -> MultiHeadAttention:
-        """The equivalent of a ``torch.nn.MultiheadAttention``, with copies of its parameters:
-        :func:`attnkit.interop.torch.from_torch` (a module with ``batch_first=False`` needs
-        ``batch_first=True``: the copy takes ``(B, T, E)``)."""
-        from .interop.torch import from_torch
-
-        return from_torch(m, batch_first=batch_first)
-
-    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """A ``torch.nn.MultiheadAttention`` with copies of these parameters:
-        :func:`attnkit.interop.torch.to_torch`."""
-        from .interop.torch import to_torch
-
-        return to_torch(self, batch_first=batch_first)
 
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}"]

@@ -71,13 +71,14 @@ class RelativeMultiHeadAttention(nn.Module):
             query from one ``d`` frames after it (Transformer-XL, ESPnet, NeMo).
             ``"symmetric"``: ``r(|d|)``, so the position term is the same for ``+d`` and ``-d``.
             That is what SpeechBrain's ``RelPosEncXL`` computes (its future half repeats the past
-            half's sines); use it only to run models trained with it (:meth:`from_speechbrain`).
+            half's sines); use it only to run models trained with it
+            (:func:`attnkit.interop.speechbrain.relative_attention`).
         encoding_dtype: what the encodings' angles are computed in. ``torch.float64`` (default):
             the sinusoids to float64 rounding, whatever the parameters' dtype. ``torch.float32``:
             every step in float32 as ESPnet, NeMo and SpeechBrain compute their tables (their
             frequency formula, products and sines rounded to float32: ~1e-4 radians off at
             distance 1000), so that a model trained with those tables gets them;
-            :meth:`from_espnet` and :meth:`from_speechbrain` choose it. Legacy modes always use
+            :mod:`attnkit.interop`'s loaders choose it. Legacy modes always use
             their toolkit's own table.
         scale: what the summed scores are multiplied by; ``None`` (default) for
             ``1/sqrt(head_dim)`` (``1/sqrt(d_model)`` with ``legacy="openspeech"``). SpeechBrain's
@@ -85,11 +86,11 @@ class RelativeMultiHeadAttention(nn.Module):
         legacy: ``None`` (default) for the formula above, or a toolkit whose relative attention is
             *not* a function of the distance, reproduced for its trained checkpoints:
             ``"openspeech"``, openspeech's ``RelativeMultiHeadAttention`` fed by its Conformer
-            (see :meth:`from_openspeech`), or ``"espnet"``, ESPnet's
+            (see :func:`attnkit.interop.openspeech.relative_attention`), or ``"espnet"``, ESPnet's
             ``LegacyRelPositionMultiHeadedAttention`` fed by its ``LegacyRelPositionalEncoding``
-            (see :meth:`from_espnet`). Both feed absolute encodings through a pad-and-reshape
-            shift that is a true relative shift only on and below the diagonal. Self-attention
-            only.
+            (see :func:`attnkit.interop.espnet.relative_attention`). Both feed absolute encodings
+            through a pad-and-reshape shift that is a true relative shift only on and below the
+            diagonal. Self-attention only.
         legacy_max_len: with ``legacy="espnet"``, the ``max_len`` of the
             ``LegacyRelPositionalEncoding`` (ESPnet's default 5000; espnet2's
             ``max_pos_emb_len``): its encodings are of the positions ``L - 1`` down to ``L - T``
@@ -484,7 +485,7 @@ class RelativeMultiHeadAttention(nn.Module):
                 ``(B, H, Tq, Tk)`` (:func:`attnkit.masks.padding_mask` gives ``(B, 1, 1, Tk)``) or
                 a structured mask such as ``masks.sliding_window(64, 64) & masks.key_padding(n)``.
                 torch's masks are the opposite (True = may NOT attend):
-                :func:`attnkit.from_torch_masks` converts them.
+                :func:`attnkit.interop.torch.from_torch_masks` converts them.
             causal: query ``i`` may attend key ``j`` iff ``j <= i + Tk - Tq``; ANDed with ``mask``.
             need_weights: also return the per-head weights ``(B, H, Tq, Tk)``.
             backend: this call's backend, default the module's (see :func:`attnkit.attention`).
@@ -620,70 +621,4 @@ class RelativeMultiHeadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=need_weights or capture.is_capturing(self),
             backend=self.backend if backend is None else backend,
-        )
-
-    # ----------------------------------------------------------------------------------------------
-    # openspeech
-
-    @classmethod
-    def from_openspeech(cls, module: nn.Module) -> RelativeMultiHeadAttention:
-        """A copy of openspeech's ``RelativeMultiHeadAttention``, in legacy mode:
-        :func:`attnkit.interop.openspeech.from_openspeech`."""
-        from .interop.openspeech import from_openspeech
-
-        return from_openspeech(module)
-
-    # ----------------------------------------------------------------------------------------------
-    # ESPnet, NeMo, SpeechBrain
-
-    @classmethod
-    def from_espnet(
-        cls,
-        module: nn.Module,
-        *,
-        max_len: int = 5000,
-        encoding_dtype: torch.dtype = torch.float32,
-    ) -> RelativeMultiHeadAttention:
-        """A copy of ESPnet's or NeMo's relative self-attention, computing what it computes.
-
-        ``module``: ESPnet's ``RelPositionMultiHeadedAttention`` or NeMo's
-        ``RelPositionMultiHeadAttention`` (fed by their ``RelPositionalEncoding``), which compute
-        this module's default formula: their ``linear_pos.weight`` columns are permuted from the
-        interleaved layout of their encodings to attnkit's (:func:`attnkit.relative_encoding`).
-        Or ESPnet's ``LegacyRelPositionMultiHeadedAttention`` (fed by
-        ``LegacyRelPositionalEncoding``), reproduced by ``legacy="espnet"``; ``max_len`` is then
-        that encoding's ``max_len`` (ESPnet's default 5000; espnet2's ``max_pos_emb_len``).
-        ``encoding_dtype``: float32 (default) computes the encodings as ESPnet and NeMo do,
-        float64 the exact sinusoids (see the constructor); the legacy class has its own table.
-
-        Masks: ESPnet's ``(B, 1, T)`` (True = real) is ``mask.unsqueeze(1)`` here; NeMo's
-        ``(B, T, T)`` (True = blocked) is ``~mask.unsqueeze(1)``. The mapping table, and what is
-        refused: :mod:`attnkit.interop.espnet`.
-        """
-        from .interop import espnet
-
-        return espnet.relative_attention(module, max_len=max_len, encoding_dtype=encoding_dtype)
-
-    @classmethod
-    def from_speechbrain(
-        cls,
-        module: nn.Module,
-        *,
-        encoding: Literal["symmetric", "signed"] = "symmetric",
-        encoding_dtype: torch.dtype = torch.float32,
-    ) -> RelativeMultiHeadAttention:
-        """A copy of SpeechBrain's ``RelPosMHAXL`` fed by ``RelPosEncXL``, as shipped.
-
-        SpeechBrain's encoding gives distances ``+d`` and ``-d`` the same vector
-        (``encoding="symmetric"``, the default here) and its scale is ``1/sqrt(d_model)``; its
-        packed ``in_proj_weight`` and ``(head_dim, H)`` biases are unpacked. ``encoding="signed"``
-        loads a model trained with an encoding that keeps the sign. ``encoding_dtype``: float32
-        (default) computes the encodings as ``RelPosEncXL`` does, float64 the exact sinusoids. Mask:
-        ``~key_padding_mask[:, None, None, :]``. The mapping table, and what is not reproduced:
-        :mod:`attnkit.interop.speechbrain`.
-        """
-        from .interop import speechbrain
-
-        return speechbrain.relative_attention(
-            module, encoding=encoding, encoding_dtype=encoding_dtype
         )

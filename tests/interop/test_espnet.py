@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit import ConformerLayer, RelativeMultiHeadAttention, masks
+import attnkit
+from attnkit import masks
 from tests.interop.helpers import agrees
 
 E, H = 12, 3  # d_model, heads
@@ -143,7 +144,7 @@ def test_from_espnet_equals_espnets_math(bias: bool, exact: bool) -> None:
     # ESPnet's float32 table by default; with encoding_dtype=float64 both use the exact sinusoids.
     theirs = randomize(RelPositionMultiHeadedAttention(bias=bias))
     dtype = torch.float64 if exact else torch.float32
-    ours = RelativeMultiHeadAttention.from_espnet(theirs, encoding_dtype=dtype)
+    ours = attnkit.interop.espnet.relative_attention(theirs, encoding_dtype=dtype)
     x = randn(3, 9, E)
     mask = espnet_mask([9, 6, 0], 9)  # the last sequence is all padding: rows of zeros
     with torch.no_grad():
@@ -157,7 +158,7 @@ def test_from_espnet_equals_espnets_math(bias: bool, exact: bool) -> None:
 
 def test_from_espnet_is_nemos_math_too() -> None:
     theirs = randomize(RelPositionMultiHeadAttention(), seed=3)
-    ours = RelativeMultiHeadAttention.from_espnet(theirs)
+    ours = attnkit.interop.espnet.relative_attention(theirs)
     x = randn(2, 8, E, seed=4)
     blocked = ~espnet_mask([8, 5], 8).expand(2, 8, 8)  # NeMo: (B, T, T), True = blocked
     with torch.no_grad():
@@ -171,8 +172,8 @@ def test_float32_table_matters_at_long_distances() -> None:
     x = randn(1, 400, E, seed=9)
     with torch.no_grad():
         want = espnet_attention(theirs, x, None)
-        agrees(RelativeMultiHeadAttention.from_espnet(theirs)(x), want)
-        exact = RelativeMultiHeadAttention.from_espnet(theirs, encoding_dtype=torch.float64)
+        agrees(attnkit.interop.espnet.relative_attention(theirs)(x), want)
+        exact = attnkit.interop.espnet.relative_attention(theirs, encoding_dtype=torch.float64)
         assert (exact(x) - want).abs().max() > 1e-8
         agrees(exact(x), espnet_attention(theirs, x, None, exact=True))
 
@@ -181,7 +182,7 @@ def test_unpermuted_linear_pos_is_far_off() -> None:
     # The negative control: ESPnet's linear_pos copied as it is (interleaved columns against
     # attnkit's sines-then-cosines table) is a different function.
     theirs = randomize(RelPositionMultiHeadedAttention())
-    ours = RelativeMultiHeadAttention.from_espnet(theirs)
+    ours = attnkit.interop.espnet.relative_attention(theirs)
     with torch.no_grad():
         ours.pos_proj.weight.copy_(theirs.linear_pos.weight)
         x = randn(2, 9, E)
@@ -191,7 +192,7 @@ def test_unpermuted_linear_pos_is_far_off() -> None:
 @pytest.mark.parametrize(("t", "max_len"), [(9, 5000), (9, 20), (9, 6)])
 def test_from_espnet_legacy_equals_espnets_legacy_math(t: int, max_len: int) -> None:
     theirs = randomize(LegacyRelPositionMultiHeadedAttention(), seed=5)
-    ours = RelativeMultiHeadAttention.from_espnet(theirs, max_len=max_len)
+    ours = attnkit.interop.espnet.relative_attention(theirs, max_len=max_len)
     assert ours.legacy == "espnet"
     assert ours.legacy_max_len == max_len
     x = randn(2, t, E, seed=6)
@@ -201,7 +202,7 @@ def test_from_espnet_legacy_equals_espnets_legacy_math(t: int, max_len: int) -> 
         for backend in ("reference", "sdpa", "chunked"):
             agrees(ours(x, mask=mask.unsqueeze(1), backend=backend), want)
         # The legacy class loaded as the current one is far off: the modes are not interchangeable.
-        current = RelativeMultiHeadAttention.from_espnet(
+        current = attnkit.interop.espnet.relative_attention(
             randomize(RelPositionMultiHeadedAttention(), seed=5)
         )
         assert (current(x, mask=mask.unsqueeze(1)) - want).abs().max() > 1e-2
@@ -212,24 +213,24 @@ def test_from_espnet_refuses_what_it_cannot_reproduce() -> None:
     m = RelPositionMultiHeadedAttention()
     m.zero_triu = True
     with pytest.raises(ValueError, match="zero_triu=True"):
-        RelativeMultiHeadAttention.from_espnet(m)
+        attnkit.interop.espnet.relative_attention(m)
     m = RelPositionMultiHeadedAttention()
     m.q_norm = nn.LayerNorm(DK)  # type: ignore[assignment]
     with pytest.raises(ValueError, match=r"RelPositionMultiHeadedAttention.q_norm is LayerNorm"):
-        RelativeMultiHeadAttention.from_espnet(m)
+        attnkit.interop.espnet.relative_attention(m)
     with pytest.raises(TypeError, match="got MultiHeadedAttention"):
-        RelativeMultiHeadAttention.from_espnet(type("MultiHeadedAttention", (nn.Module,), {})())
+        attnkit.interop.espnet.relative_attention(type("MultiHeadedAttention", (nn.Module,), {})())
     m = RelPositionMultiHeadedAttention()
     m.linear_k = nn.Linear(E, E, bias=False, dtype=F64)
     with pytest.raises(ValueError, match="only some projections have a bias"):
-        RelativeMultiHeadAttention.from_espnet(m)
+        attnkit.interop.espnet.relative_attention(m)
     m = RelPositionMultiHeadedAttention()
     m.pos_bias_u = nn.Parameter(torch.zeros(DK, H, dtype=F64))
     with pytest.raises(ValueError, match=r"pos_bias_u \(H, dh\) is \(4, 3\), expected \(3, 4\)"):
-        RelativeMultiHeadAttention.from_espnet(m)
+        attnkit.interop.espnet.relative_attention(m)
     odd = RelPositionMultiHeadedAttention(n_head=3, n_feat=9)
     with pytest.raises(ValueError, match="d_model must be even for a sinusoidal table, got 9"):
-        RelativeMultiHeadAttention.from_espnet(odd)
+        attnkit.interop.espnet.relative_attention(odd)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,7 +318,7 @@ def test_conformer_from_espnet_equals_espnets_math_unpadded(legacy: bool) -> Non
     # Unpadded input: ESPnet's convolution module lets padded frames into the depthwise
     # convolution, attnkit's does not, so the two are compared where there is no padding.
     theirs = espnet_encoder_layer(legacy=legacy)
-    ours = ConformerLayer.from_espnet(theirs)
+    ours = attnkit.interop.espnet.conformer_layer(theirs)
     assert not ours.training
     x = randn(2, 11, E, seed=7)
     with torch.no_grad():
@@ -331,7 +332,7 @@ def test_conformer_from_espnet_padded_is_espnet_alone() -> None:
     # padded batch differs at the last (kernel_size - 1) / 2 real frames, where its depthwise
     # convolution reads the padded frames.
     theirs = espnet_encoder_layer(seed=2, kernel_size=5)
-    ours = ConformerLayer.from_espnet(theirs)
+    ours = attnkit.interop.espnet.conformer_layer(theirs)
     x = randn(2, 10, E, seed=8)
     with torch.no_grad():
         got = ours(x, mask=masks.padding_mask([10, 6]))
@@ -349,16 +350,16 @@ def test_conformer_from_espnet_refuses_what_it_cannot_reproduce() -> None:
     layer = espnet_encoder_layer()
     layer.normalize_before = False
     with pytest.raises(ValueError, match=r"only normalize_before=True \(pre-norm\)"):
-        ConformerLayer.from_espnet(layer)
+        attnkit.interop.espnet.conformer_layer(layer)
     layer = espnet_encoder_layer()
     layer.feed_forward_macaron = None  # type: ignore[assignment]
     with pytest.raises(ValueError, match=r"EncoderLayer\.feed_forward_macaron is missing or None"):
-        ConformerLayer.from_espnet(layer)
+        attnkit.interop.espnet.conformer_layer(layer)
     layer = espnet_encoder_layer()
     layer.conv_module.activation = nn.Tanh()
     with pytest.raises(ValueError, match=r"activation Tanh\(\) has no attnkit equivalent"):
-        ConformerLayer.from_espnet(layer)
+        attnkit.interop.espnet.conformer_layer(layer)
     layer = espnet_encoder_layer()
     layer.concat_after = True
     with pytest.raises(ValueError, match="concat_after=True has no attnkit equivalent"):
-        ConformerLayer.from_espnet(layer)
+        attnkit.interop.espnet.conformer_layer(layer)

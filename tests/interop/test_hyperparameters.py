@@ -12,7 +12,8 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from attnkit import ConformerLayer, MultiHeadAttention, RelativeMultiHeadAttention
+import attnkit
+from attnkit import MultiHeadAttention
 from tests.interop.helpers import agrees
 from tests.interop.test_espnet import (
     E,
@@ -46,7 +47,7 @@ def odd_espnet_layer() -> nn.Module:
 
 def test_conformer_from_espnet_copies_every_eps() -> None:
     theirs = odd_espnet_layer()
-    ours = ConformerLayer.from_espnet(theirs)
+    ours = attnkit.interop.espnet.conformer_layer(theirs)
     x = randn(2, 9, E, seed=4)
     with torch.no_grad():
         agrees(ours(x), espnet_layer(theirs, x, espnet_mask([9, 9], 9)))
@@ -54,7 +55,7 @@ def test_conformer_from_espnet_copies_every_eps() -> None:
 
 def test_conformer_from_espnet_copies_the_batchnorm_statistics_and_momentum() -> None:
     theirs = odd_espnet_layer()
-    ours = ConformerLayer.from_espnet(theirs).train()
+    ours = attnkit.interop.espnet.conformer_layer(theirs).train()
     assert int(ours.conv.norm.num_batches_tracked) == 7
     seen: list[Tensor] = []
     ours.conv.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
@@ -68,7 +69,7 @@ def test_conformer_from_espnet_copies_the_batchnorm_statistics_and_momentum() ->
 
 
 def test_conformer_from_espnet_copies_every_dropout_rate() -> None:
-    ours = ConformerLayer.from_espnet(odd_espnet_layer())
+    ours = attnkit.interop.espnet.conformer_layer(odd_espnet_layer())
     rates = {
         "dropout": ours.dropout.p,
         "ff1": ours.ff1.dropout.p,
@@ -81,15 +82,15 @@ def test_conformer_from_espnet_copies_every_dropout_rate() -> None:
 def test_relative_attention_loaders_copy_the_dropout_rate() -> None:
     espnet = randomize(EspnetAttention())
     espnet.dropout.p = 0.35
-    assert RelativeMultiHeadAttention.from_espnet(espnet).dropout == 0.35
+    assert attnkit.interop.espnet.relative_attention(espnet).dropout == 0.35
     speechbrain = speechbrain_attention()
     speechbrain.dropout_att.p = 0.45
-    assert RelativeMultiHeadAttention.from_speechbrain(speechbrain).dropout == 0.45
+    assert attnkit.interop.speechbrain.relative_attention(speechbrain).dropout == 0.45
 
 
 def test_torch_loaders_copy_the_dropout_rate_both_ways() -> None:
     theirs = nn.MultiheadAttention(8, 2, dropout=0.37, batch_first=True)
-    ours = MultiHeadAttention.from_torch(theirs)
+    ours = attnkit.interop.torch.from_torch(theirs)
     assert ours.dropout == 0.37
     ours = MultiHeadAttention(8, 2, dropout=0.29)
-    assert ours.to_torch().dropout == 0.29
+    assert attnkit.interop.torch.to_torch(ours).dropout == 0.29

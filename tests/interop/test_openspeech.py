@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from attnkit import RelativeMultiHeadAttention
+import attnkit
 from attnkit import _relpos as relpos
 from attnkit.testing import assert_close
 from tests.test_relative import ALL, randn, run, small
@@ -91,7 +91,7 @@ def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0.0, 0.5)
-    ours = RelativeMultiHeadAttention.from_openspeech(theirs)
+    ours = attnkit.interop.openspeech.relative_attention(theirs)
     assert ours.legacy == "openspeech"
     assert ours.dropout == 0.1
     assert not ours.training
@@ -108,7 +108,7 @@ def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
 
 def test_from_openspeech_empty_rows_differ_as_documented() -> None:
     theirs = OpenspeechDouble(8, 2, dropout_p=0.0, wrapped=False).double().eval()
-    ours = RelativeMultiHeadAttention.from_openspeech(theirs)
+    ours = attnkit.interop.openspeech.relative_attention(theirs)
     x = randn(1, 5, 8)
     os_mask = torch.zeros(1, 5, 5, dtype=torch.bool)
     os_mask[0, 2] = True  # query 2 may attend nothing
@@ -132,4 +132,4 @@ def test_bad_modules_are_named() -> None:
     double = OpenspeechDouble(8, 2, 0.0, wrapped=False)
     double.pos_proj = nn.Identity()  # type: ignore[assignment]
     with pytest.raises(TypeError, match=r"OpenspeechDouble.pos_proj to be an nn.Linear"):
-        RelativeMultiHeadAttention.from_openspeech(double)
+        attnkit.interop.openspeech.relative_attention(double)

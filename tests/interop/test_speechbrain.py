@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from attnkit import RelativeMultiHeadAttention
+import attnkit
 from tests.interop.helpers import agrees
 
 E, H = 12, 3
@@ -122,7 +122,7 @@ def padding(lengths: list[int], t: int) -> Tensor:
 @pytest.mark.parametrize("mask_pos_future", [False, True])
 def test_from_speechbrain_equals_its_math(vbias: bool, mask_pos_future: bool) -> None:
     theirs = make(vbias=vbias, mask_pos_future=mask_pos_future)
-    ours = RelativeMultiHeadAttention.from_speechbrain(theirs)
+    ours = attnkit.interop.speechbrain.relative_attention(theirs)
     assert ours.encoding == "symmetric"
     assert ours.scale == 1 / math.sqrt(E)
     x = randn(3, 9, E)
@@ -135,7 +135,7 @@ def test_from_speechbrain_equals_its_math(vbias: bool, mask_pos_future: bool) ->
 
 def test_signed_encoding_loads_with_encoding_signed() -> None:
     theirs = make(seed=2)
-    ours = RelativeMultiHeadAttention.from_speechbrain(theirs, encoding="signed")
+    ours = attnkit.interop.speechbrain.relative_attention(theirs, encoding="signed")
     x = randn(2, 8, E, seed=3)
     with torch.no_grad():
         agrees(ours(x), speechbrain_attention(theirs, x, signed=True))
@@ -144,7 +144,7 @@ def test_signed_encoding_loads_with_encoding_signed() -> None:
 @pytest.mark.parametrize("encoding", ["symmetric", "signed"])
 def test_exact_sinusoids_with_encoding_dtype_float64(encoding: str) -> None:
     theirs = make(seed=6)
-    ours = RelativeMultiHeadAttention.from_speechbrain(
+    ours = attnkit.interop.speechbrain.relative_attention(
         theirs,
         encoding=encoding,  # type: ignore[arg-type]
         encoding_dtype=torch.float64,
@@ -162,14 +162,14 @@ def test_each_mapping_matters() -> None:
     # Negative controls: each misreading of SpeechBrain's layout is far off, so the test above
     # can fail. The symmetric encoding against the signed one is the issue's ~20 on outputs of ~20.
     theirs = make(seed=4)
-    ours = RelativeMultiHeadAttention.from_speechbrain(theirs)
+    ours = attnkit.interop.speechbrain.relative_attention(theirs)
     x = randn(2, 9, E, seed=5)
     with torch.no_grad():
         got = ours(x)
         assert (got - speechbrain_attention(theirs, x, signed=True)).abs().max() > 1.0
         assert (got - speechbrain_attention(theirs, x, layout="blocks")).abs().max() > 1.0
         assert (got - speechbrain_attention(theirs, x, u_read="transpose")).abs().max() > 1e-1
-        unpermuted = RelativeMultiHeadAttention.from_speechbrain(theirs)
+        unpermuted = attnkit.interop.speechbrain.relative_attention(theirs)
         unpermuted.pos_proj.weight.copy_(theirs.linear_pos.weight)
         assert (unpermuted(x) - got).abs().max() > 1e-1
 
@@ -177,10 +177,10 @@ def test_each_mapping_matters() -> None:
 @pytest.mark.usefixtures("no_shape_checks")
 def test_from_speechbrain_refuses_what_it_cannot_reproduce() -> None:
     with pytest.raises(TypeError, match="takes SpeechBrain's RelPosMHAXL, got Linear"):
-        RelativeMultiHeadAttention.from_speechbrain(nn.Linear(2, 2))
+        attnkit.interop.speechbrain.relative_attention(nn.Linear(2, 2))
     m = make()
     del m.in_proj_weight
     with pytest.raises(ValueError, match=r"without in_proj_weight \(vdim != embed_dim\)"):
-        RelativeMultiHeadAttention.from_speechbrain(m)
+        attnkit.interop.speechbrain.relative_attention(m)
     with pytest.raises(ValueError, match="encoding must be 'symmetric' or 'signed', got 'none'"):
-        RelativeMultiHeadAttention.from_speechbrain(make(), encoding="none")  # type: ignore[arg-type]
+        attnkit.interop.speechbrain.relative_attention(make(), encoding="none")  # type: ignore[arg-type]

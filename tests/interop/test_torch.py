@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import attnkit
 from attnkit import MultiHeadAttention
 from attnkit.interop.torch import from_torch, from_torch_masks, to_torch
 from attnkit.testing import assert_close
@@ -131,7 +132,11 @@ def test_refusals_quote_the_values() -> None:
     ):
         from_torch(theirs)
     with pytest.raises(
-        TypeError, match=re.escape("from_torch() takes a torch.nn.MultiheadAttention, got Linear")
+        TypeError,
+        match=re.escape(
+            "from_torch() takes a torch.nn.MultiheadAttention, TransformerEncoderLayer or "
+            "TransformerDecoderLayer, got Linear"
+        ),
     ):
         from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
     with pytest.raises(
@@ -227,7 +232,7 @@ def _compare_with_torch(
 ) -> None:
     theirs = drawn(nn.MultiheadAttention(*args, **kwargs, dtype=torch.float64), seed=seed).eval()
     # torch's samples are unbatched (T, E); attnkit's module takes (B, T, E): a batch of one.
-    ours = MultiHeadAttention.from_torch(theirs, batch_first=True)  # type: ignore[arg-type]
+    ours = attnkit.interop.torch.from_torch(theirs, batch_first=True)  # type: ignore[arg-type]
     attn_mask, padding = forward.get("attn_mask"), forward.get("key_padding_mask")
     mask, bias = from_torch_masks(
         attn_mask,
@@ -283,7 +288,7 @@ def _compare_with_torch(
         want = theirs(*inputs, **forward, need_weights=False)[0]
         assert_close(ours(*(x[None] for x in inputs), mask=mask, bias=bias)[0], want)
         # ... and back: the same parameters under the same names, the same function.
-        back = ours.to_torch(batch_first=theirs.batch_first)
+        back = attnkit.interop.torch.to_torch(ours, batch_first=theirs.batch_first)
         assert (back.add_zero_attn, back.bias_k is None) == (
             theirs.add_zero_attn,
             theirs.bias_k is None,

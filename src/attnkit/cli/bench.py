@@ -127,7 +127,7 @@ def build(s: Scenario, candidate: str) -> tuple[Callable[[], Tensor], int]:
     else:
         x = torch.randn(s.batch, s.length, s.dim)
         ours = attnkit.MultiHeadAttention(s.dim, s.heads).eval()
-        theirs = ours.to_torch().eval()
+        theirs = attnkit.interop.torch.to_torch(ours).eval()
         naive = _NaiveMHA(s.dim, s.heads).eval()
         with torch.no_grad():  # the same weights in all three
             for lin, w, b in zip(

@@ -1,22 +1,36 @@
-"""Weights in from speech toolkits: modules that compute what the toolkit's modules compute.
+"""Weights in and out of other toolkits: attnkit modules that compute what the toolkit's modules
+compute.
 
-Each function takes a toolkit's module (read through its attribute names and shapes; the toolkit
-itself is never imported), builds the attnkit module with the options that reproduce its math,
-and copies the parameters, mapped where the two lay them out differently:
+Each function takes a toolkit's module (read through its attribute names and shapes; the speech
+toolkits themselves are never imported), builds the attnkit module with the options that
+reproduce its math, and copies the parameters, mapped where the two lay them out differently:
 
-* :mod:`attnkit.interop.espnet`: ESPnet's ``RelPositionMultiHeadedAttention`` and
-  ``LegacyRelPositionMultiHeadedAttention``, NeMo's ``RelPositionMultiHeadAttention`` (same
-  parameter names), and ESPnet's Conformer ``EncoderLayer``;
-* :mod:`attnkit.interop.speechbrain`: SpeechBrain's ``RelPosMHAXL``;
-* :mod:`attnkit.interop.openspeech`: openspeech's Conformer ``RelativeMultiHeadAttention``;
-* :mod:`attnkit.interop.torch`: ``torch.nn.MultiheadAttention`` and its masks, in and out.
+* :func:`attnkit.interop.torch.from_torch`: ``torch.nn.MultiheadAttention``,
+  ``TransformerEncoderLayer`` and ``TransformerDecoderLayer``;
+  :func:`~attnkit.interop.torch.to_torch` the other way;
+  :func:`~attnkit.interop.torch.from_torch_masks`: torch's masks;
+* :func:`attnkit.interop.espnet.relative_attention`: ESPnet's ``RelPositionMultiHeadedAttention``
+  and ``LegacyRelPositionMultiHeadedAttention``, NeMo's ``RelPositionMultiHeadAttention`` (same
+  parameter names); :func:`attnkit.interop.espnet.conformer_layer`: ESPnet's Conformer
+  ``EncoderLayer``;
+* :func:`attnkit.interop.speechbrain.relative_attention`: SpeechBrain's ``RelPosMHAXL``;
+* :func:`attnkit.interop.openspeech.relative_attention`: openspeech's Conformer
+  ``RelativeMultiHeadAttention``.
 
-The usual entry points are the class methods :meth:`attnkit.RelativeMultiHeadAttention.from_espnet`,
-:meth:`~attnkit.RelativeMultiHeadAttention.from_speechbrain` and
-:meth:`attnkit.ConformerLayer.from_espnet`. Masks are never translated: attnkit's are True = may
-attend; each loader's docstring says how to turn the toolkit's into one.
+These functions are the one way in: the modules they build know nothing of the toolkits. Masks
+are never translated: attnkit's are True = may attend; each loader's docstring says how to turn
+the toolkit's into one (torch's: :func:`attnkit.interop.torch.from_torch_masks`).
+
+>>> import torch
+>>> from attnkit.interop.torch import from_torch
+>>> from_torch(torch.nn.MultiheadAttention(16, 4, batch_first=True))
+MultiHeadAttention(
+  d_model=16, num_heads=4
+  (out_proj): Linear(in_features=16, out_features=16, bias=True)
+)
 """
 
+from . import _aliases as _aliases  # the old class-method spellings, for one release
 from . import espnet, openspeech, speechbrain, torch
 
 __all__ = ["espnet", "openspeech", "speechbrain", "torch"]

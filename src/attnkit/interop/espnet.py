@@ -108,7 +108,7 @@ def relative_attention(
     diagonal), ``qk_norm`` (a LayerNorm on q and k), an odd ``d_model`` (the toolkits' tables need
     an even one), q/k/v/out projections of which only some have a bias.
     """
-    who = "from_espnet()"
+    who = "espnet.relative_attention()"
     if not isinstance(module, nn.Module):
         raise TypeError(f"{who} takes an nn.Module, got {type(module).__name__}")
     kind = type(module).__name__
@@ -192,7 +192,7 @@ def conformer_layer(
     """
     from ..conformer import ConformerLayer
 
-    who = "ConformerLayer.from_espnet()"
+    who = "espnet.conformer_layer()"
     if not isinstance(layer, nn.Module):
         raise TypeError(f"{who} takes an nn.Module, got {type(layer).__name__}")
     kind = type(layer).__name__

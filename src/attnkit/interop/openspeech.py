@@ -1,8 +1,8 @@
 """Weights in from openspeech: its Conformer's ``RelativeMultiHeadAttention``.
 
-:func:`from_openspeech` (also ``RelativeMultiHeadAttention.from_openspeech``) builds the attnkit
-module in ``legacy="openspeech"`` mode, which reproduces openspeech's math, and copies the
-parameters. openspeech itself is never imported: its module is read through attribute names.
+:func:`relative_attention` builds the attnkit module in ``legacy="openspeech"`` mode, which
+reproduces openspeech's math, and copies the parameters. openspeech itself is never imported:
+its module is read through attribute names.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from torch import Tensor, nn
 from .._checks import shape_str
 from ..relative import RelativeMultiHeadAttention
 
-__all__ = ["from_openspeech"]
+__all__ = ["relative_attention"]
+
+#: The function's name, as its errors give it.
+WHO = "openspeech.relative_attention()"
 
 #: The projections openspeech's module holds, by name.
 PARTS = ("query_proj", "key_proj", "value_proj", "pos_proj", "out_proj")
@@ -28,12 +31,12 @@ def _linear_of(module: nn.Module, name: str) -> nn.Linear:
     if isinstance(inner, nn.Linear):
         return inner
     raise TypeError(
-        f"from_openspeech() needs {type(module).__name__}.{name} to be an nn.Linear (or "
+        f"{WHO} needs {type(module).__name__}.{name} to be an nn.Linear (or "
         f"openspeech's Linear wrapper around one), got {type(part).__name__}"
     )
 
 
-def from_openspeech(module: nn.Module) -> RelativeMultiHeadAttention:
+def relative_attention(module: nn.Module) -> RelativeMultiHeadAttention:
     """A copy of openspeech's ``RelativeMultiHeadAttention``, in legacy mode.
 
     The result, called as ``m(x, mask=~os_mask.unsqueeze(1))``, returns what openspeech's
@@ -61,19 +64,19 @@ def from_openspeech(module: nn.Module) -> RelativeMultiHeadAttention:
     bias), ``u_bias``, ``v_bias`` ``(num_heads, d_head)``, and ``num_heads``.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"from_openspeech() takes an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"{WHO} takes an nn.Module, got {type(module).__name__}")
     linears = {name: _linear_of(module, name) for name in PARTS}
     num_heads = getattr(module, "num_heads", None)
     u, v = getattr(module, "u_bias", None), getattr(module, "v_bias", None)
     if not isinstance(num_heads, int) or not isinstance(u, Tensor) or not isinstance(v, Tensor):
         raise TypeError(
-            f"from_openspeech() needs num_heads (int), u_bias and v_bias (tensors) on "
+            f"{WHO} needs num_heads (int), u_bias and v_bias (tensors) on "
             f"{type(module).__name__}, got num_heads={num_heads!r}, "
             f"u_bias={type(u).__name__}, v_bias={type(v).__name__}"
         )
     d_model = linears["query_proj"].in_features
     if linears["pos_proj"].bias is not None:
-        raise ValueError("from_openspeech(): openspeech's pos_proj has no bias, this one does")
+        raise ValueError(f"{WHO}: openspeech's pos_proj has no bias, this one does")
     has_bias = linears["query_proj"].bias is not None
     dropout = getattr(module, "dropout", None)
     weight = linears["query_proj"].weight
@@ -98,23 +101,23 @@ def from_openspeech(module: nn.Module) -> RelativeMultiHeadAttention:
             target = ours[name]
             if linear.weight.shape != target.weight.shape:
                 raise ValueError(
-                    f"from_openspeech(): {name}.weight is {shape_str(linear.weight.shape)}, "
+                    f"{WHO}: {name}.weight is {shape_str(linear.weight.shape)}, "
                     f"expected {shape_str(target.weight.shape)} for d_model={d_model}"
                 )
             target.weight.copy_(linear.weight)
             if target.bias is not None:
                 if linear.bias is None:
-                    raise ValueError(f"from_openspeech(): {name} has no bias, query_proj does")
+                    raise ValueError(f"{WHO}: {name} has no bias, query_proj does")
                 if linear.bias.shape != target.bias.shape:  # copy_ would broadcast it
                     raise ValueError(
-                        f"from_openspeech(): {name}.bias is {shape_str(linear.bias.shape)}, "
+                        f"{WHO}: {name}.bias is {shape_str(linear.bias.shape)}, "
                         f"expected {shape_str(target.bias.shape)} for d_model={d_model}"
                     )
                 target.bias.copy_(linear.bias)
         for name, src, dst in (("u_bias", u, new.pos_bias_u), ("v_bias", v, new.pos_bias_v)):
             if src.shape != dst.shape:
                 raise ValueError(
-                    f"from_openspeech(): {name} is {shape_str(src.shape)}, expected "
+                    f"{WHO}: {name} is {shape_str(src.shape)}, expected "
                     f"(num_heads, d_head) = {shape_str(dst.shape)}"
                 )
             dst.copy_(src)

@@ -75,7 +75,7 @@ def relative_attention(
     1.0.0 computed it in the input's dtype from float32 frequencies), float64 for the exact
     sinusoids.
     """
-    who = "from_speechbrain()"
+    who = "speechbrain.relative_attention()"
     if not isinstance(module, nn.Module):
         raise TypeError(f"{who} takes an nn.Module, got {type(module).__name__}")
     kind = type(module).__name__

@@ -1,36 +1,72 @@
-"""torch.nn.MultiheadAttention in and out: modules and masks.
+"""torch's attention modules in and out: ``torch.nn.MultiheadAttention``, its Transformer layers
+and its masks.
 
-* :func:`from_torch`: an attnkit :class:`~attnkit.MultiHeadAttention` computing what a
-  ``torch.nn.MultiheadAttention`` computes, with copies of its parameters (also
-  ``MultiHeadAttention.from_torch``);
-* :func:`to_torch`: the other way (also ``MultiHeadAttention.to_torch``);
+* :func:`from_torch`: the attnkit module computing what a ``torch.nn.MultiheadAttention``,
+  ``TransformerEncoderLayer`` or ``TransformerDecoderLayer`` computes, with copies of its
+  parameters;
+* :func:`to_torch`: a ``torch.nn.MultiheadAttention`` from a :class:`~attnkit.MultiHeadAttention`;
 * :func:`from_torch_masks`: torch's ``attn_mask``/``key_padding_mask`` (True = may NOT attend) as
-  attnkit's ``(mask, bias)`` (True = may attend); also ``attnkit.from_torch_masks``.
+  attnkit's ``(mask, bias)`` (True = may attend).
 """
 
 from __future__ import annotations
 
+from typing import Any, overload
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import check_int, present, shape_str
 from .._typing import Bool, Float, shape_checked
+from ..layers import TransformerDecoderLayer, TransformerEncoderLayer
 from ..multihead import MultiHeadAttention
 
 __all__ = ["from_torch", "from_torch_masks", "to_torch"]
 
+_TorchModule = nn.MultiheadAttention | nn.TransformerEncoderLayer | nn.TransformerDecoderLayer
 
-def from_torch(m: nn.MultiheadAttention, *, batch_first: bool | None = None) -> MultiHeadAttention:
-    """The equivalent of a ``torch.nn.MultiheadAttention``, with copies of its parameters.
 
-    Packed or separate projections, with or without bias, ``kdim``/``vdim``, ``add_bias_kv``
-    (``bias_k`` and ``bias_v`` are copied) and ``add_zero_attn`` are supported, outputs and
-    weights: with ``need_weights=True`` the copy returns torch's weights, the extra tokens'
-    columns included. Translate torch's ``attn_mask``/``key_padding_mask`` with
-    :func:`from_torch_masks`: they cover the keys only, and the extra tokens stay visible to
+@overload
+def from_torch(
+    m: nn.MultiheadAttention, *, batch_first: bool | None = None
+) -> MultiHeadAttention: ...
+
+
+@overload
+def from_torch(
+    m: nn.TransformerEncoderLayer, *, batch_first: bool | None = None
+) -> TransformerEncoderLayer: ...
+
+
+@overload
+def from_torch(
+    m: nn.TransformerDecoderLayer, *, batch_first: bool | None = None
+) -> TransformerDecoderLayer: ...
+
+
+def from_torch(
+    m: _TorchModule, *, batch_first: bool | None = None
+) -> MultiHeadAttention | TransformerEncoderLayer | TransformerDecoderLayer:
+    """The attnkit module that computes what the torch module ``m`` computes, with copies of its
+    parameters:
+
+    * ``torch.nn.MultiheadAttention`` -> :class:`~attnkit.MultiHeadAttention`;
+    * ``torch.nn.TransformerEncoderLayer`` -> :class:`~attnkit.TransformerEncoderLayer` (post- or
+      pre-norm);
+    * ``torch.nn.TransformerDecoderLayer`` -> :class:`~attnkit.TransformerDecoderLayer`. torch's
+      decoder layer is causal only when given a causal ``tgt_mask``: call the result with
+      ``causal=True`` for that, ``causal=False`` otherwise.
+
+    For ``torch.nn.MultiheadAttention``: packed or separate projections, with or without bias,
+    ``kdim``/``vdim``, ``add_bias_kv`` (``bias_k`` and ``bias_v`` are copied) and
+    ``add_zero_attn`` are supported, outputs and weights: with ``need_weights=True`` the copy
+    returns torch's weights, the extra tokens' columns included. Translate torch's
+    ``attn_mask``/``key_padding_mask`` (and a layer's ``src_mask``, ``src_key_padding_mask``, ...)
+    with :func:`from_torch_masks`: they cover the keys only, and the extra tokens stay visible to
     every query, as torch pads its masks for them.
 
-    attnkit's module is batch-first: it takes ``(B, T, E)``. torch's default,
+    attnkit's modules are batch-first: they take ``(B, T, E)``. torch's default,
     ``batch_first=False``, takes ``(T, B, E)``, which the copy would read as a batch of ``T``
     sequences of length ``B``, without an error. So a module with ``batch_first=False`` is
     refused unless ``batch_first=True`` says that the copy will be given batch-first inputs
@@ -38,9 +74,73 @@ def from_torch(m: nn.MultiheadAttention, *, batch_first: bool | None = None) -> 
 
     One difference: in training with dropout, torch returns the weights after dropout,
     attnkit before.
+
+    >>> theirs = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+    >>> ours = from_torch(theirs).eval()
+    >>> x = torch.randn(2, 5, 16)
+    >>> torch.allclose(ours(x), theirs(x, x, x, need_weights=False)[0], atol=1e-6)
+    True
     """
-    if not isinstance(m, nn.MultiheadAttention):
-        raise TypeError(f"from_torch() takes a torch.nn.MultiheadAttention, got {type(m).__name__}")
+    if isinstance(m, nn.MultiheadAttention):
+        return _multihead(m, batch_first)
+    if isinstance(m, nn.TransformerEncoderLayer):
+        options = _layer_options(m)  # its errors first: they hold whatever batch_first
+        encoder = TransformerEncoderLayer(
+            m.linear1.in_features, attention=_multihead(m.self_attn, batch_first), **options
+        )
+        _copy_layer(encoder, m, norms=2)
+        return encoder.train(m.training)
+    if isinstance(m, nn.TransformerDecoderLayer):
+        options = _layer_options(m)
+        decoder = TransformerDecoderLayer(
+            m.linear1.in_features,
+            attention=_multihead(m.self_attn, batch_first),
+            cross_attention=_multihead(m.multihead_attn, batch_first),
+            **options,
+        )
+        _copy_layer(decoder, m, norms=3)
+        return decoder.train(m.training)
+    raise TypeError(
+        "from_torch() takes a torch.nn.MultiheadAttention, TransformerEncoderLayer or "
+        f"TransformerDecoderLayer, got {type(m).__name__}"
+    )
+
+
+def _activation(m: nn.Module) -> str:
+    """The name of a torch Transformer layer's activation, for the attnkit feed-forward."""
+    # torch keeps the function it was given: F.relu/F.gelu for the strings, or a module.
+    act = getattr(m, "activation", None)
+    if act is F.relu or isinstance(act, nn.ReLU):
+        return "relu"
+    if act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
+        return "gelu"
+    raise ValueError(f"from_torch(): activation {act!r} has no attnkit equivalent (relu, gelu)")
+
+
+def _layer_options(m: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer) -> dict[str, Any]:
+    """The constructor arguments a torch Transformer layer implies for ours (all but attention)."""
+    return {
+        "d_ff": m.linear1.out_features,
+        "dropout": float(m.dropout.p),
+        "activation": _activation(m),
+        "norm_first": m.norm_first,
+        "layer_norm_eps": m.norm1.eps,
+        "bias": m.linear1.bias is not None,
+        "device": m.linear1.weight.device,
+        "dtype": m.linear1.weight.dtype,
+    }
+
+
+def _copy_layer(ours: nn.Module, theirs: nn.Module, norms: int) -> None:
+    """Copy the feed-forward and the ``norm1 .. norm<norms>`` LayerNorms of a torch layer."""
+    for name in ("linear1", "linear2"):
+        getattr(ours.ffn, name).load_state_dict(getattr(theirs, name).state_dict())
+    for i in range(1, norms + 1):
+        getattr(ours, f"norm{i}").load_state_dict(getattr(theirs, f"norm{i}").state_dict())
+
+
+def _multihead(m: nn.MultiheadAttention, batch_first: bool | None) -> MultiHeadAttention:
+    """A copy of a ``torch.nn.MultiheadAttention`` (see :func:`from_torch`)."""
     if (m.bias_k is None) != (m.bias_v is None):
         raise ValueError(
             f"from_torch(): bias_k is {_set_or_none(m.bias_k)} but bias_v is "
@@ -105,12 +205,16 @@ def from_torch(m: nn.MultiheadAttention, *, batch_first: bool | None = None) -> 
 
 
 def to_torch(module: MultiHeadAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
-    """A ``torch.nn.MultiheadAttention`` with copies of these parameters.
+    """A ``torch.nn.MultiheadAttention`` with copies of ``module``'s parameters.
 
     Only plain multi-head attention has one: ``num_kv_heads == num_heads``, ``head_dim ==
     v_head_dim == d_model / num_heads``, no ``rotary``. ``add_bias_kv`` (with ``bias_k`` and
     ``bias_v``) and ``add_zero_attn`` carry over.
     """
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(
+            f"to_torch() takes an attnkit.MultiHeadAttention, got {type(module).__name__}"
+        )
     plain = module.d_model // module.num_heads
     problems = []
     if module.num_kv_heads != module.num_heads:
