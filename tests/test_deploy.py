@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 import attnkit
 from attnkit import masks
-from attnkit.checkpoint import load_checkpoint, save_checkpoint
 from attnkit.testing import assert_close
+from attnkit.weights import load, save
 
 from .helpers import needs_cxx
 
@@ -260,17 +260,17 @@ def test_no_code_path_unpickles_arbitrary_objects(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_checkpoint_round_trip_and_mismatch_report(name: str, tmp_path: Path) -> None:
     m = build(name).module
-    save_checkpoint(m, tmp_path / "m.safetensors")
+    save(m, tmp_path / "m.safetensors")
     fresh = BUILDERS[name]().module  # other initial weights
-    load_checkpoint(tmp_path / "m.safetensors", fresh)
+    load(tmp_path / "m.safetensors", fresh)
     x, pad = inputs(TRACED_LENGTH)
     with torch.no_grad():
         assert torch.equal(fresh.eval()(x, mask=pad), m(x, mask=pad))
 
     wide = type(m)(d_model=2 * D_MODEL, num_heads=4)  # the same names, other shapes
-    save_checkpoint(wide, tmp_path / "wide.safetensors")
+    save(wide, tmp_path / "wide.safetensors")
     with pytest.raises(ValueError, match="does not fit") as err:
-        load_checkpoint(tmp_path / "wide.safetensors", m)
+        load(tmp_path / "wide.safetensors", m)
     key, want = next(iter(m.state_dict().items()))
     got = wide.state_dict()[key]
     source = tmp_path / "wide.safetensors"

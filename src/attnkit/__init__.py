@@ -4,7 +4,17 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
-from . import backends, checkpoint, distributed, flash_attn, flex, interop, masks, scores
+from . import (
+    backends,
+    distributed,
+    flash_attn,
+    flex,
+    interop,
+    masks,
+    scores,
+    weights,
+)
+from . import checkpoint as checkpoint  # the old name of weights, for one release
 from ._call import AttentionCall
 from ._deprecated import alias as _alias
 from ._kernel import BlockPlan
@@ -71,7 +81,6 @@ __all__ = [
     "available_backends",
     "backends",
     "capture_attention",
-    "checkpoint",
     "decompositions",
     "distributed",
     "explain",
@@ -85,4 +94,5 @@ __all__ = [
     "relative_encoding",
     "scores",
     "unregister_backend",
+    "weights",
 ]

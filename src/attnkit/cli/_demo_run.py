@@ -219,5 +219,5 @@ def load_model(folder: Path) -> Seq2Seq:
     except SafetensorError as err:
         raise ValueError(f"{weights_path} is not a readable safetensors file: {err}") from None
     model = Seq2Seq(cfg)
-    attnkit.checkpoint.load_state_dict(model, state, source=str(weights_path))
+    attnkit.weights.load_state_dict(model, state, source=str(weights_path))
     return model
