@@ -1,41 +1,27 @@
-"""The flex backend: where it declines (every call on the CPU), and why; it runs only on CUDA."""
+"""attnkit.backends.flex, the old name of attnkit.backends.torch_flex: each name warns and is the
+new one."""
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+import importlib
+import re
 
-import attnkit
-from attnkit import flex
-from attnkit.backends.flex import Flex, flex_available
+import pytest
 
-
-def squared(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-    return s * s
+from attnkit.backends import torch_flex
 
 
-def causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-    return q >= kv
-
-
-def test_flex_backend_declines_on_cpu_with_reasons() -> None:
-    q = torch.randn(1, 2, 8, 4)
-    call = attnkit.explain(q, q, q, score_mod=squared).call
-    reasons = Flex().check(call)
-    assert any("CUDA only" in r and "chunked" in r for r in reasons)
-    plain = attnkit.explain(q, q, q, softcap=2.0, mask=attnkit.masks.causal()).call
-    reasons = Flex().check(plain)
-    assert any("has no mask_mod" in r for r in reasons)
-    assert any("softcap" in r for r in reasons)
-    mod_mask = flex.create_block_mask(causal, None, None, 8, 8).mask
-    assert not any(
-        "has no mask_mod" in r for r in Flex().check(attnkit.explain(q, q, q, mask=mod_mask).call)
+@pytest.mark.parametrize("name", ["Flex", "flex_available"])
+def test_each_old_name_warns_and_is_the_new_one(name: str) -> None:
+    old = importlib.import_module("attnkit.backends.flex")
+    message = (
+        f"attnkit.backends.flex.{name} is deprecated and will be removed in the next release: "
+        f"use attnkit.backends.torch_flex.{name}"
     )
-    assert Flex.accepts_score_mod
+    with pytest.warns(DeprecationWarning, match=re.escape(message)):
+        got = getattr(old, name)
+    assert got is getattr(torch_flex, name)
 
 
-def test_flex_is_in_autos_order_only_where_it_can_run() -> None:
-    names = attnkit.available_backends()
-    assert ("flex" in names) == flex_available()
-    if flex_available():
-        assert names.index("sdpa") < names.index("flex") < names.index("chunked")
+def test_the_registry_name_stays_flex() -> None:
+    assert torch_flex.Flex().name == "flex"

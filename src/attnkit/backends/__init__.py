@@ -14,9 +14,9 @@ Pass a name (``backend="chunked"``) or an instance (``backend=Chunked(block_q=64
 
 from .base import Backend, BackendError, BackendFn, CallInputs, Dispatch, record_dispatch
 from .chunked import Chunked
-from .flex import Flex, flex_available
 from .reference import Reference, reference
 from .sdpa import SDPA
+from .torch_flex import Flex, flex_available
 
 __all__ = [
     "SDPA",
