@@ -73,3 +73,15 @@ def test_moved_names_warn_on_reading_and_refuse_others() -> None:
         warnings.simplefilter("error")
         with pytest.raises(AttributeError, match=r"module 'attnkit\.old' has no attribute 'other'"):
             module.other  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_reference_function_under_the_backends_name_warns_and_computes_the_same() -> None:
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    with pytest.warns(DeprecationWarning, match=r'use attnkit\.attention\(\.\.\., backend="ref'):
+        got = attnkit.backends.reference(
+            q, q, q, mask=None, bias=None, scale=0.5, softcap=None, sinks=None,
+            dropout_p=0.0, return_weights=False,
+        )  # fmt: skip
+    assert torch.equal(got, attnkit.attention(q, q, q, scale=0.5, backend="reference"))
+    assert "reference" not in attnkit.backends.__all__
+    assert "Reference" in attnkit.backends.__all__

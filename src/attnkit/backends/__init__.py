@@ -5,16 +5,18 @@
   compiled FlexAttention on CUDA (registered where torch has CUDA and FlexAttention);
 * ``chunked`` (:class:`Chunked`): attnkit's own blocked kernel (:mod:`attnkit._kernel`), O(T)
   memory, every mask, score term, softcap and sinks;
-* ``reference`` (:func:`reference`): the formula as it reads, materialised; the spec the others are
-  tested against, and the only one that returns the weights.
+* ``reference`` (:class:`Reference`): the formula as it reads, materialised
+  (:func:`attnkit.backends.reference.formula`); the spec the others are tested against, and the
+  only one that returns the weights.
 
 Pass a name (``backend="chunked"``) or an instance (``backend=Chunked(block_q=64)``) to
 :func:`attnkit.attention`.
 """
 
+from .._deprecated import alias as _alias
 from .base import Backend, BackendError, BackendFn, CallInputs, Dispatch, record_dispatch
 from .chunked import Chunked
-from .reference import Reference, reference
+from .reference import Reference, formula
 from .sdpa import SDPA
 from .torch_flex import Flex, flex_available
 
@@ -30,8 +32,13 @@ __all__ = [
     "Reference",
     "builtin_backends",
     "record_dispatch",
-    "reference",
 ]
+
+
+# The old function under the package's name, for one release (the name is also the submodule's).
+reference = _alias(
+    formula, "attnkit.backends.reference", 'attnkit.attention(..., backend="reference")'
+)
 
 
 def builtin_backends() -> tuple[Backend, ...]:

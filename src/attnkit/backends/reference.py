@@ -24,7 +24,7 @@ from ..masks import Geometry, Mask, decode
 from ..scores import ScoreTerm, cap_scores, decode_term, term_error
 from .base import Backend, CallInputs, Output
 
-__all__ = ["Reference", "decompositions", "reference"]
+__all__ = ["Reference", "decompositions", "formula"]
 
 
 def _batched(t: Tensor, batch: tuple[int, ...]) -> Tensor:
@@ -54,7 +54,7 @@ def _check_term(term: ScoreTerm, dense: Tensor, visible: Tensor) -> None:
         raise term_error(term)
 
 
-def reference(
+def formula(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -69,6 +69,9 @@ def reference(
     return_lse: bool = False,
     score_mod: ScoreMod | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """The formula the ``reference`` backend computes, written to be read: the spec. It takes a
+    validated call's arguments (``mask`` one :class:`~attnkit.masks.Mask`, ``scale`` a float); to
+    run it, call ``attnkit.attention(..., backend="reference")``."""
     # float16/bfloat16 run in float32; float64 stays float64 (it is the spec the tests compare to).
     work = torch.promote_types(q.dtype, torch.float32)
     batch, (h, tq, _), (hkv, tk, _) = tuple(q.shape[:-3]), q.shape[-3:], k.shape[-3:]
@@ -142,7 +145,7 @@ class Reference(Backend):
         ]
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
-        return reference(
+        return formula(
             inputs.q,
             inputs.k,
             inputs.v,
@@ -184,7 +187,7 @@ def _dense_operator(
         )
     m = decode(mask, mask_tensors, numbers)
     t = decode_term(term, term_tensors, numbers)
-    out, lse = reference(  # type: ignore[misc]
+    out, lse = formula(  # type: ignore[misc]
         q,
         k,
         v,
