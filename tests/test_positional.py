@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import RotaryEmbedding, SinusoidalPositionalEncoding, alibi_bias, alibi_slopes
+from attnkit.positional import alibi_term
+from attnkit.scores import DistanceBias
 from attnkit.testing import assert_close
 
 
@@ -133,6 +135,30 @@ def test_alibi_bias_is_bottom_right_and_serves_a_cache() -> None:
             for j in range(5):
                 assert full[h, i, j] == -slopes[h] * abs(i - j)
     assert_close(alibi_bias(4, 2, 5, dtype=torch.float64), full[:, 3:])  # 2 new after 3 cached
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(5, 5), (2, 7), (7, 2), (1, 1), (0, 3)])
+def test_alibi_term_is_alibi_as_a_bias_by_distance(q_len: int, kv_len: int) -> None:
+    # Its table read at each pair's distance is the paper's bias, per batch row of slopes and
+    # with each row's queries shifted left of the bottom-right position.
+    slopes = torch.tensor([[0.5, 0.25], [0.125, 1.0], [2.0, 0.0625]], dtype=torch.float64)
+    shifts = torch.tensor([0, 3, 1])
+    term = alibi_term(slopes, q_len, kv_len, shifts=shifts)
+    assert isinstance(term, DistanceBias)
+    i = torch.arange(q_len)[:, None] + kv_len - q_len
+    j = torch.arange(kv_len)[None, :]
+    got = term.tile(term.inputs(), i, j)  # (B, H, Tq, Tk)
+    for b in range(3):
+        want = -slopes[b][:, None, None] * (j - (i - shifts[b])).abs()
+        assert torch.equal(got[b], want)
+    plain = alibi_term(slopes[0], q_len, kv_len)
+    assert torch.equal(plain.tile(plain.inputs(), i, j), -slopes[0][:, None, None] * (j - i).abs())
+
+
+def test_alibi_bias_reads_alibi_term() -> None:
+    term = alibi_term(alibi_slopes(3), 4, 6)
+    i, j = torch.arange(4)[:, None] + 2, torch.arange(6)[None, :]
+    assert torch.equal(alibi_bias(3, 4, 6), term.tile(term.inputs(), i, j))
 
 
 def test_alibi_in_attention_and_multihead() -> None:

@@ -9,7 +9,10 @@
   Pass it to :class:`~attnkit.MultiHeadAttention` (``rotary=``); with a KV cache the new tokens are
   rotated at the cache's offset.
 * :func:`alibi_bias` is the linear distance penalty of ALiBi (Press et al., 2022), to pass as
-  ``bias=`` to :func:`~attnkit.attention` or :class:`~attnkit.MultiHeadAttention`.
+  ``bias=`` to :func:`~attnkit.attention` or :class:`~attnkit.MultiHeadAttention`. ALiBi is a bias
+  by distance: :func:`alibi_term` gives it as a :class:`~attnkit.scores.DistanceBias`, which no
+  kernel writes out as ``(Tq, Tk)`` and the native kernel reads as it is, and
+  :func:`alibi_by_distance` is the formula both are computed with.
 
 Angles are computed on the fly and only then cast to the input's dtype: a table stored as a
 buffer would be rounded by ``model.half()``, and positions beyond a few hundred lose their angle in
@@ -32,6 +35,7 @@ from torch import Tensor, nn
 
 from ._checks import check_float_tensor, check_int, check_probability
 from ._typing import Float, Int, shape_checked
+from .scores import DistanceBias
 
 __all__ = [
     "RotaryEmbedding",
@@ -306,9 +310,46 @@ def alibi_bias(
     """
     q_len = check_int("q_len", q_len, minimum=0)
     kv_len = q_len if kv_len is None else check_int("kv_len", kv_len, minimum=0)
-    work = _angle_dtype(dtype)
-    pos_q = torch.arange(q_len, dtype=work, device=device) + (kv_len - q_len)
-    pos_k = torch.arange(kv_len, dtype=work, device=device)
-    distance = (pos_k - pos_q[:, None]).abs()  # (Tq, Tk)
-    slopes = alibi_slopes(num_heads).to(dtype=work, device=device)
-    return (-slopes[:, None, None] * distance).to(dtype)
+    slopes = alibi_slopes(num_heads).to(dtype=_angle_dtype(dtype), device=device)
+    term = alibi_term(slopes, q_len, kv_len)
+    # Read as every kernel reads a bias by distance: query i sits at key position i + Tk - Tq.
+    q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    return term.tile(term.inputs(), q_pos, k_pos).to(dtype)  # (H, Tq, Tk)
+
+
+def alibi_by_distance(slopes: Tensor, distances: Tensor) -> Tensor:
+    """ALiBi's formula, ``-slope * |distance|``: ``(..., H, L)`` from ``slopes`` ``(..., H)`` and
+    ``distances`` ``(..., L)`` (leading dimensions broadcast), in their promoted dtype.
+
+    >>> alibi_by_distance(torch.tensor([0.5, 0.25]), torch.tensor([-2.0, 0.0, 1.0]))
+    tensor([[-1.0000, -0.0000, -0.5000],
+            [-0.5000, -0.0000, -0.2500]])
+    """
+    return -(slopes.unsqueeze(-1) * distances.unsqueeze(-2).abs())
+
+
+def alibi_term(
+    slopes: Tensor, q_len: int, kv_len: int, *, shifts: Tensor | None = None
+) -> DistanceBias:
+    """ALiBi over ``q_len`` queries and ``kv_len`` keys as a bias by distance: ``-slope[h] *
+    |j - p_i|``, where query ``i`` sits at key position ``p_i = i + Tk - Tq`` (bottom-right).
+
+    Args:
+        slopes: ``(H,)`` or ``(B, H)`` (one row of slopes per batch row), in the dtype the
+            scores are computed in (float32, or float64 for float64 inputs).
+        q_len, kv_len: the call's ``Tq`` and ``Tk``.
+        shifts: ``(B,)`` integers, or None: batch row ``b``'s queries sit ``shifts[b]`` keys
+            before ``p_i``, so that its bias is ``-slope * |j - (p_i - shifts[b])|`` (rows whose
+            keys end before the call's last key, as in a cache of rows of several lengths).
+
+    The table holds every distance of the call, ``-(Tk - 1)`` to ``Tq - 1``: ``(H, Tq + Tk - 1)``,
+    or ``(B, H, Tq + Tk - 1)`` with a row of slopes or a shift per batch row; gradients reach
+    ``slopes`` through it.
+    """
+    first = -(kv_len - 1)
+    length = max(q_len + kv_len - 1, 1)  # a table of one entry when the call has no pair
+    distances = torch.arange(first, first + length, dtype=slopes.dtype, device=slopes.device)
+    if shifts is not None:
+        distances = distances + shifts.to(slopes.device, slopes.dtype)[:, None]  # (B, L)
+    return DistanceBias(alibi_by_distance(slopes, distances), first=first)

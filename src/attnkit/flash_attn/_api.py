@@ -1,0 +1,407 @@
+"""flash-attn's attention functions over ``(B, T, H, D)`` tensors and packed sequences, each one
+:func:`attnkit.attention` call (see the package's conventions)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .._checks import check_bool, check_probability, shape_str
+from ..attention import attention
+from ..masks import Mask
+from ..scores import ScoreTerm
+from ._alibi import alibi, varlen_alibi
+from ._args import (
+    band,
+    band_mask,
+    four_d,
+    lengths_of,
+    scale_of,
+    sinks_of,
+    softcap_of,
+    three_d,
+)
+from ._paging import paged_sequences
+from ._varlen import sequences_mask
+
+__all__ = [
+    "attend",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
+
+_Window = tuple[int | None, int | None]
+_Result = Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | None,
+    bias: ScoreTerm | None,
+    dropout_p: float,
+    softmax_scale: float | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+    want_lse: bool,
+    want_probs: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One :func:`attnkit.attention` call on ``(B, H, T, D)`` views: the output ``(B, Tq, H,
+    Dv)``, the LSE ``(B, H, Tq)`` if wanted, the weights if wanted (``softmax_scale`` and
+    ``softcap`` already checked: softcap None for none)."""
+    result = attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=softmax_scale,
+        softcap=softcap,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        return_weights=want_probs,
+        return_lse=want_lse,
+    )
+    lse = probs = None
+    if isinstance(result, tuple):
+        out, *rest = result
+        if want_probs:
+            probs = rest.pop(0)
+        if want_lse:
+            lse = rest.pop(0)
+    else:
+        out = result
+    return out.transpose(1, 2).contiguous(), lse, probs
+
+
+def _finish(out: Tensor, lse: Tensor | None, probs: Tensor | None, asked: bool) -> _Result:
+    """flash-attn's return value: ``out``, or ``(out, softmax_lse, S_dmask)`` when asked."""
+    if not asked or lse is None:
+        return out
+    if probs is None:  # flash-attn's S_dmask without dropout: nothing
+        probs = out.new_empty((0,))
+    return out, lse, probs
+
+
+def flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: _Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    learnable_sink: Tensor | None = None,
+    s_aux: Tensor | None = None,
+) -> _Result:
+    """flash-attn's ``flash_attn_func``: attention over ``(B, T, H, D)`` tensors.
+
+    Args:
+        q: ``(B, Tq, H, D)``.
+        k: ``(B, Tk, Hkv, D)``.
+        v: ``(B, Tk, Hkv, Dv)``.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic:
+            as in flash-attn (see the module's conventions).
+        return_attn_probs: also return ``softmax_lse`` ``(B, H, Tq)`` and ``S_dmask``.
+        learnable_sink, s_aux: ``(H,)`` attention-sink logits (flash-attn 4's and 3's names).
+
+    Returns:
+        ``out`` ``(B, Tq, H, Dv)``, or ``(out, softmax_lse, S_dmask)``.
+
+    >>> import torch
+    >>> q, k, v = torch.randn(2, 5, 8, 16), torch.randn(2, 7, 2, 16), torch.randn(2, 7, 2, 16)
+    >>> out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    >>> out.shape, lse.shape
+    (torch.Size([2, 5, 8, 16]), torch.Size([2, 8, 5]))
+    """
+    q = four_d("q", q, "(batch, seqlen_q, nheads, headdim)")
+    k = four_d("k", k, "(batch, seqlen_k, nheads_k, headdim)")
+    v = four_d("v", v, "(batch, seqlen_k, nheads_k, headdim_v)")
+    lo, hi = band(window_size, causal)
+    check_bool("deterministic", deterministic)
+    asked = check_bool("return_attn_probs", return_attn_probs)
+    p = check_probability("dropout_p", dropout_p)
+    cap = softcap_of(softcap)
+    scale = scale_of(softmax_scale, q.dtype)
+    batch, q_len, heads = q.shape[:3]
+    kv_len = k.size(1)
+    bias = None
+    if alibi_slopes is not None:
+        bias = alibi(alibi_slopes, heads, batch, q.dtype, q_len, kv_len)
+    out, lse, probs = attend(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        mask=band_mask(lo, hi, q_len, kv_len),
+        bias=bias,
+        dropout_p=p,
+        softmax_scale=scale,
+        softcap=cap,
+        sinks=sinks_of(learnable_sink, s_aux, q, heads),
+        want_lse=asked,
+        want_probs=asked and p > 0,
+    )
+    return _finish(out, lse, probs, asked)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: _Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    learnable_sink: Tensor | None = None,
+    s_aux: Tensor | None = None,
+) -> _Result:
+    """flash-attn's ``flash_attn_qkvpacked_func``: ``qkv`` ``(B, T, 3, H, D)``, split into views;
+    otherwise :func:`flash_attn_func`."""
+    if not isinstance(qkv, Tensor) or qkv.ndim != 5 or qkv.size(2) != 3:
+        got = shape_str(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__
+        raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {got}")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        learnable_sink=learnable_sink,
+        s_aux=s_aux,
+    )
+
+
+def flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: _Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    learnable_sink: Tensor | None = None,
+    s_aux: Tensor | None = None,
+) -> _Result:
+    """flash-attn's ``flash_attn_kvpacked_func``: ``kv`` ``(B, Tk, 2, Hkv, D)``, split into
+    views; otherwise :func:`flash_attn_func`."""
+    if not isinstance(kv, Tensor) or kv.ndim != 5 or kv.size(2) != 2:
+        got = shape_str(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__
+        raise ValueError(f"kv must be (batch, seqlen_k, 2, nheads_k, headdim), got {got}")
+    k, v = kv.unbind(2)
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        learnable_sink=learnable_sink,
+        s_aux=s_aux,
+    )
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | Tensor | None = None,
+    max_seqlen_k: int | Tensor | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: _Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Tensor | None = None,
+    *,
+    learnable_sink: Tensor | None = None,
+    s_aux: Tensor | None = None,
+) -> _Result:
+    """flash-attn's ``flash_attn_varlen_func``: packed sequences without padding.
+
+    Args:
+        q: ``(total_q, H, D)``, the sequences' queries one after the other.
+        k: ``(total_k, Hkv, D)``; with ``block_table``, a paged cache ``(blocks, page, Hkv, D)``.
+        v: ``(total_k, Hkv, Dv)``, or paged like ``k``.
+        cu_seqlens_q: ``(batch + 1,)`` integers: sequence ``s`` has the queries
+            ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]``.
+        cu_seqlens_k: ``(batch + 1,)``, the same for the keys (a sequence may have more keys than
+            queries: its queries are aligned bottom-right to its keys).
+        max_seqlen_q, max_seqlen_k: accepted, not needed.
+        block_table: ``(batch, max_blocks)``: sequence ``s``'s keys are the first
+            ``cu_seqlens_k[s + 1] - cu_seqlens_k[s]`` tokens of its pages.
+        others: as :func:`flash_attn_func`; ``alibi_slopes`` may be ``(batch, H)``, one row per
+            sequence.
+
+    Returns:
+        ``out`` ``(total_q, H, Dv)``, or ``(out, softmax_lse, S_dmask)`` with ``softmax_lse``
+        ``(H, total_q)`` and ``S_dmask`` ``(H, total_q, total_k)`` (zero across sequences) when
+        ``dropout_p > 0``.
+
+    >>> import torch
+    >>> q = torch.randn(5, 4, 16)                  # two sequences of 2 and 3 tokens
+    >>> cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    >>> flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, causal=True).shape
+    torch.Size([5, 4, 16])
+    """
+    q = three_d("q", q, "(total_q, nheads, headdim)")
+    q_lengths = lengths_of("cu_seqlens_q", cu_seqlens_q, q.size(0))
+    rows = len(q_lengths)
+    if block_table is not None:
+        k, v, k_lengths = paged_sequences(k, v, cu_seqlens_k, block_table, rows)
+    else:
+        k = three_d("k", k, "(total_k, nheads_k, headdim)")
+        v = three_d("v", v, "(total_k, nheads_k, headdim_v)")
+        k_lengths = lengths_of("cu_seqlens_k", cu_seqlens_k, k.size(0))
+    if len(k_lengths) != rows:
+        raise ValueError(
+            f"cu_seqlens_q describes {rows} sequences and cu_seqlens_k {len(k_lengths)}: they "
+            "must describe the same sequences"
+        )
+    lo, hi = band(window_size, causal)
+    check_bool("deterministic", deterministic)
+    asked = check_bool("return_attn_probs", return_attn_probs)
+    p = check_probability("dropout_p", dropout_p)
+    cap = softcap_of(softcap)
+    scale = scale_of(softmax_scale, q.dtype)
+    bias = None
+    if alibi_slopes is not None:
+        bias = varlen_alibi(alibi_slopes, q.size(1), q_lengths, k_lengths, q.dtype)
+    out, lse, probs = attend(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        mask=sequences_mask(q_lengths, k_lengths, lo, hi, q.device),
+        bias=bias,
+        dropout_p=p,
+        softmax_scale=scale,
+        softcap=cap,
+        sinks=sinks_of(learnable_sink, s_aux, q, q.size(1)),
+        want_lse=asked,
+        want_probs=asked and p > 0,
+    )
+    return _finish(
+        out[0], None if lse is None else lse[0], None if probs is None else probs[0], asked
+    )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | Tensor | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: _Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    learnable_sink: Tensor | None = None,
+    s_aux: Tensor | None = None,
+) -> _Result:
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: ``qkv`` ``(total, 3, H, D)``, split
+    into views; otherwise :func:`flash_attn_varlen_func`."""
+    if not isinstance(qkv, Tensor) or qkv.ndim != 4 or qkv.size(1) != 3:
+        got = shape_str(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__
+        raise ValueError(f"qkv must be (total, 3, nheads, headdim), got {got}")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        learnable_sink=learnable_sink,
+        s_aux=s_aux,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | Tensor | None = None,
+    max_seqlen_k: int | Tensor | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: _Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    learnable_sink: Tensor | None = None,
+    s_aux: Tensor | None = None,
+) -> _Result:
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: ``kv`` ``(total_k, 2, Hkv, D)``, split
+    into views; otherwise :func:`flash_attn_varlen_func`."""
+    if not isinstance(kv, Tensor) or kv.ndim != 4 or kv.size(1) != 2:
+        got = shape_str(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__
+        raise ValueError(f"kv must be (total_k, 2, nheads_k, headdim), got {got}")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        learnable_sink=learnable_sink,
+        s_aux=s_aux,
+    )

@@ -1,0 +1,187 @@
+"""flash-attn's arguments, checked, in attnkit's terms: the band of ``causal`` and ``window_size``,
+layouts, cumulative sequence lengths, sinks, softcap, ``softmax_scale`` and ALiBi's slopes.
+
+Each check raises with the argument's name and value, in flash-attn's words for the layouts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .._checks import check_logits, dtype_str, shape_str
+from ..masks import Mask, causal
+from ..masks import sliding_window as _sliding_window
+
+__all__ = [
+    "band",
+    "band_mask",
+    "four_d",
+    "lengths_of",
+    "scale_of",
+    "sinks_of",
+    "slopes_of",
+    "softcap_of",
+    "three_d",
+]
+
+
+def band(window_size: object, is_causal: object) -> tuple[float, float]:
+    """``(lo, hi)``: the pairs with ``lo <= j - i' <= hi`` may attend (``i'`` the query's key
+    position, bottom-right), from flash-attn's ``window_size`` and ``causal``."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"causal must be a bool, got {is_causal!r}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}")
+    bounds = []
+    for side, x in zip(("left", "right"), window_size, strict=True):
+        if x is None or (type(x) is int and x == -1):
+            bounds.append(math.inf)
+        elif isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(
+                f"window_size {side} bound must be an int or None (-1 or None: no bound), got {x!r}"
+            )
+        else:
+            bounds.append(float(x))
+    lo, hi = -bounds[0], bounds[1]
+    if is_causal:
+        hi = 0.0
+    if lo > hi:
+        raise ValueError(
+            f"window_size={tuple(window_size)!r}{' with causal=True' if is_causal else ''} holds "
+            f"no key: the band runs from {lo:g} to {hi:g} keys from the diagonal"
+        )
+    return lo, hi
+
+
+def band_mask(lo: float, hi: float, q_len: int, kv_len: int) -> Mask | None:
+    """The band ``lo <= j - i' <= hi`` over ``q_len`` queries and ``kv_len`` keys as attnkit's
+    structured mask: None (every pair), :func:`~attnkit.masks.causal`, or a sliding window whose
+    unbounded side reaches past every key."""
+    if lo == -math.inf and hi == math.inf:
+        return None
+    if lo == -math.inf and hi == 0:
+        return causal()
+    # j - i' lies in [-(Tk - 1), Tq - 1]: a bound of Tk on the left (Tq on the right) is none;
+    # an unbounded side also reaches past the other bound, so the band is never empty.
+    right = max(q_len, int(lo)) if hi == math.inf else int(hi)
+    left = max(kv_len, -right) if lo == -math.inf else int(-lo)
+    return _sliding_window(left, right)
+
+
+def four_d(name: str, t: object, layout: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.ndim != 4:
+        raise ValueError(f"{name} must be {layout}, got shape {shape_str(t.shape)}")
+    return t
+
+
+def lengths_of(name: str, cu: object, total: int) -> list[int]:
+    """The sequence lengths that cumulative lengths ``cu`` describe (one host read)."""
+    if isinstance(cu, Tensor):
+        if cu.ndim != 1 or cu.is_floating_point() or cu.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be a 1-d integer tensor (batch + 1,), got {dtype_str(cu.dtype)} of "
+                f"shape {shape_str(cu.shape)}"
+            )
+        values = [int(x) for x in cu.tolist()]
+    elif isinstance(cu, Sequence) and all(type(x) is int for x in cu):
+        values = list(cu)
+    else:
+        raise TypeError(f"{name} must be a 1-d integer tensor (batch + 1,), got {cu!r}")
+    lengths = [b - a for a, b in itertools.pairwise(values)]
+    if not values or values[0] != 0 or min(lengths, default=0) < 0 or values[-1] != total:
+        raise ValueError(
+            f"{name} must start at 0, never decrease and end at the {total} packed tokens, got "
+            f"{values}"
+        )
+    return lengths
+
+
+def sinks_of(learnable_sink: object, s_aux: object, q: Tensor, heads: int) -> Tensor | None:
+    """The sinks as attention() takes them: ``(H,)`` logits in q's dtype, each finite or -inf."""
+    if learnable_sink is not None and s_aux is not None:
+        raise TypeError("give the sinks once: learnable_sink or s_aux, not both")
+    name, sinks = ("learnable_sink", learnable_sink) if s_aux is None else ("s_aux", s_aux)
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        got = dtype_str(sinks.dtype) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise TypeError(f"{name} must be a float tensor (nheads,), got {got}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"{name} must be (nheads,) = ({heads},), one logit per query head, got "
+            f"{shape_str(sinks.shape)}"
+        )
+    sinks = sinks.to(q.dtype)  # flash-attn keeps them in bfloat16; attnkit wants q's dtype
+    check_logits(name, sinks, "a sink may be -inf (no sink)")
+    return sinks
+
+
+def softcap_of(softcap: object) -> float | None:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number (0.0: no softcap), got {softcap!r}")
+    # NaN is neither < 0 nor > 0: without the explicit range it would pass as "no softcap".
+    if not 0.0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number > 0, or 0.0 for none, got {softcap!r}")
+    return float(softcap) if softcap > 0 else None
+
+
+def scale_of(softmax_scale: object, dtype: torch.dtype) -> float | None:
+    """``softmax_scale`` if it is None (``1 / sqrt(headdim)``) or a finite number that the scores'
+    dtype (q's, at least float32) holds."""
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(
+            f"softmax_scale must be a float or None (1 / sqrt(headdim)), got {softmax_scale!r}"
+        )
+    work = torch.promote_types(dtype, torch.float32)
+    limit = torch.finfo(work).max
+    if not abs(softmax_scale) <= limit:  # also NaN, which fails every comparison
+        raise ValueError(
+            f"softmax_scale must be finite and at most {limit:.3g} in magnitude (the largest "
+            f"{dtype_str(work)}, in which the scores are computed), got {softmax_scale!r}"
+        )
+    return float(softmax_scale)
+
+
+def slopes_of(alibi_slopes: object, heads: int, rows: int, dtype: torch.dtype) -> Tensor:
+    """``alibi_slopes`` as ``(rows|1, H)`` in the dtype the bias is computed in."""
+    if not isinstance(alibi_slopes, Tensor) or not alibi_slopes.is_floating_point():
+        got = (
+            dtype_str(alibi_slopes.dtype)
+            if isinstance(alibi_slopes, Tensor)
+            else type(alibi_slopes).__name__
+        )
+        raise TypeError(f"alibi_slopes must be a float tensor (nheads,) or (batch, nheads), {got}")
+    s = alibi_slopes
+    if s.shape not in ((heads,), (rows, heads)):
+        raise ValueError(
+            f"alibi_slopes must be (nheads,) = ({heads},) or (batch, nheads) = ({rows}, {heads}), "
+            f"got {shape_str(s.shape)}"
+        )
+    if s.device.type != "meta" and not torch.compiler.is_compiling() and s.numel():
+        bad = ~torch.isfinite(s)
+        if bool(bad.any()):  # one host read; the message's details only when it fails
+            at = [int(i) for i in bad.nonzero()[0]]
+            where = ", ".join(map(str, at))
+            raise ValueError(
+                f"alibi_slopes must be finite, got alibi_slopes[{where}] = "
+                f"{float(s[tuple(at)])}: a NaN or infinite slope makes the scores it touches "
+                "NaN or infinite"
+            )
+    return s.reshape(-1, heads).to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def three_d(name: str, t: object, layout: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.ndim != 3:
+        raise ValueError(f"{name} must be {layout}, got shape {shape_str(t.shape)}")
+    return t

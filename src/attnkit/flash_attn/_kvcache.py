@@ -1,0 +1,431 @@
+"""flash-attn's ``flash_attn_with_kvcache``: decoding with a preallocated or paged cache.
+
+One call, in named steps: every argument is checked (:func:`_checked_rows`, and what
+:func:`attnkit.attention` will check, on stand-ins without data) before the new tokens are written,
+so a refused call leaves the cache as it was; then the new keys and queries are rotated, written
+into the cache, and the rows' keys read back for one :func:`attnkit.attention` call whose mask
+holds each row to its own keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._call import check_attention_args
+from .._checks import check_bool, dtype_str, shape_str
+from ..masks import Mask
+from ..scores import ScoreTerm
+from ._alibi import alibi
+from ._api import attend
+from ._args import band, band_mask, four_d, scale_of, sinks_of, softcap_of
+from ._paging import check_block_table, page_table, pages_used
+from ._rotary import check_rotary, rotate
+from ._varlen import Sequences
+
+__all__ = ["flash_attn_with_kvcache"]
+
+_Window = tuple[int | None, int | None]
+
+
+def _per_row(name: str, value: object, rows: int, default: int) -> list[int]:
+    """An int, or a ``(rows,)`` integer tensor, as one int per row (one host read)."""
+    if value is None:
+        return [default] * rows
+    if type(value) is int:
+        return [value] * rows
+    if (
+        not isinstance(value, Tensor)
+        or value.is_floating_point()
+        or value.dtype == torch.bool
+        or value.shape != (rows,)
+    ):
+        got = (
+            f"{dtype_str(value.dtype)} of shape {shape_str(value.shape)}"
+            if isinstance(value, Tensor)
+            else repr(value)
+        )
+        raise ValueError(f"{name} must be an int or an integer tensor ({rows},), got {got}")
+    return [int(x) for x in value.tolist()]
+
+
+def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """The cache's shapes against each other and against q's heads and head size."""
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache {shape_str(k_cache.shape)} and v_cache {shape_str(v_cache.shape)} must agree "
+            "on all but the head size"
+        )
+    heads, kv_heads = q.size(2), k_cache.size(2)
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"q's nheads ({heads}) must be a multiple of the cache's nheads_k ({kv_heads}); got "
+            f"q {shape_str(q.shape)}, k_cache {shape_str(k_cache.shape)}"
+        )
+    if q.size(3) != k_cache.size(3):
+        raise ValueError(
+            f"q's headdim ({q.size(3)}) must be k_cache's ({k_cache.size(3)}); got q "
+            f"{shape_str(q.shape)}, k_cache {shape_str(k_cache.shape)}"
+        )
+
+
+def _check_new(name: str, new: Tensor, cache: Tensor, cache_name: str) -> None:
+    """New keys or values against the cache they are written into."""
+    if new.shape[2:] != cache.shape[2:]:
+        raise ValueError(
+            f"{name} {shape_str(new.shape)} must have {cache_name}'s (nheads_k, headdim) = "
+            f"{shape_str(cache.shape[2:])}"
+        )
+    if not new.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {dtype_str(new.dtype)}")
+    if new.device != cache.device:
+        raise ValueError(f"{name} is on {new.device} but {cache_name} is on {cache.device}")
+
+
+def _attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention() takes a tensor of ``dtype`` in: under torch.autocast it casts
+    float16, bfloat16 and float32 to autocast's dtype, and float64 stays (torch's SDPA rule)."""
+    kind = device.type
+    if (
+        dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and torch.amp.is_autocast_available(kind)
+        and torch.is_autocast_enabled(kind)
+    ):
+        return torch.get_autocast_dtype(kind)
+    return dtype
+
+
+def _stand_in(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A tensor of ``shape`` with ``t``'s device and the dtype attention() takes it in, and no
+    data: one zero, expanded."""
+    return torch.zeros((), dtype=_attention_dtype(t.dtype, t.device), device=t.device).expand(shape)
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    cache_seqlens: int | Tensor | None = None,
+    cache_batch_idx: Tensor | None = None,
+    cache_leftpad: Tensor | None = None,
+    block_table: Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: _Window = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    learnable_sink: Tensor | None = None,
+    s_aux: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """flash-attn's ``flash_attn_with_kvcache``: decoding with a preallocated (or paged) cache.
+
+    With ``k`` and ``v`` the new keys and values are first written into ``k_cache``/``v_cache``
+    **in place**, at positions ``cache_seqlens[b]``, ``cache_seqlens[b] + 1``, ... of row ``b``;
+    the queries then attend the row's keys ``cache_leftpad[b] <= j < cache_seqlens[b] +
+    seqlen_new``, aligned bottom-right to them.
+
+    Args:
+        q: ``(B, Tq, H, D)``.
+        k_cache, v_cache: ``(B_cache, capacity, Hkv, D|Dv)``, or with ``block_table`` pages
+            ``(blocks, page, Hkv, D|Dv)`` (any page size).
+        k, v: ``(B, seqlen_new, Hkv, D|Dv)`` new keys and values, or None.
+        rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)``: rotate the first ``rotary_dim``
+            dims of ``k`` at its positions ``cache_seqlens[b] - cache_leftpad[b] + t``, and of
+            ``q`` at the same positions when ``causal`` or windowed (else all at
+            ``cache_seqlens[b] - cache_leftpad[b]``), pairs as ``rotary_interleaved`` says
+            (True: dims ``(0, 1), (2, 3), ...``; False: ``(0, rotary_dim / 2), ...``, GPT-NeoX).
+            Needs ``k`` and ``v``, as in flash-attn.
+        cache_seqlens: an int or ``(B,)``: the tokens each row holds before this call (None: the
+            whole capacity, and no ``k``/``v``).
+        cache_batch_idx: ``(B,)``: the cache rows of the batch rows (default ``0..B-1``).
+        cache_leftpad: ``(B,)``: each row's keys start there (default 0).
+        block_table: ``(B, max_blocks)``: the pages of each row, in order.
+        num_splits: accepted, not needed.
+        return_softmax_lse: also return ``softmax_lse`` ``(B, H, Tq)``.
+        others: as :func:`~attnkit.flash_attn.flash_attn_func`.
+
+    Returns:
+        ``out`` ``(B, Tq, H, Dv)``, or ``(out, softmax_lse)``.
+
+    >>> import torch
+    >>> k_cache, v_cache = torch.zeros(2, 16, 2, 8), torch.zeros(2, 16, 2, 8)
+    >>> q, k, v = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
+    >>> out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([3, 5]),
+    ...                               causal=True)
+    >>> out.shape, bool(k_cache[1, 5].eq(k[1, 0]).all())   # k was written at position 5 of row 1
+    (torch.Size([2, 1, 4, 8]), True)
+    """
+    # Every check comes before the new tokens are written: a refused call leaves the cache as it
+    # was, so the caller can fix the call and repeat it.
+    q = four_d("q", q, "(batch, seqlen_q, nheads, headdim)")
+    layout = (
+        "(num_blocks, page_block_size, nheads_k, headdim)"
+        if block_table is not None
+        else ("(batch_cache, seqlen_cache, nheads_k, headdim)")
+    )
+    k_cache = four_d("k_cache", k_cache, layout)
+    v_cache = four_d("v_cache", v_cache, layout)
+    batch, q_len, heads = q.shape[:3]
+    lo, hi = band(window_size, causal)
+    want_lse = check_bool("return_softmax_lse", return_softmax_lse)
+    check_bool("rotary_interleaved", rotary_interleaved)
+    _check_cache(q, k_cache, v_cache)
+    cap = softcap_of(softcap)
+    scale = scale_of(softmax_scale, q.dtype)
+    sinks = sinks_of(learnable_sink, s_aux, q, heads)
+    rows, k, v = _checked_rows(
+        k_cache, v_cache, k, v, batch, cache_seqlens, cache_batch_idx, cache_leftpad, block_table
+    )
+    if rotary_cos is not None or rotary_sin is not None:
+        # flash-attn's rule: causal or windowed queries sit at their own positions.
+        positional = causal or not (lo == -math.inf and hi == math.inf)
+        q, k = _rotated(q, k, rows, rotary_cos, rotary_sin, rotary_interleaved, positional)
+    mask = _rows_mask(rows, q_len, lo, hi, q.device)
+    bias = None
+    if alibi_slopes is not None:
+        shifts = None if rows.uniform else [rows.kv_len - n for n in rows.lengths]
+        bias = alibi(alibi_slopes, heads, batch, q.dtype, q_len, rows.kv_len, shifts)
+    _check_as_attention(q, k_cache, v_cache, rows.kv_len, mask, bias, scale, cap, sinks)
+
+    if k is not None and v is not None and rows.new:
+        _append(k_cache, v_cache, k, v, rows)
+    keys, values = _read(k_cache, v_cache, rows)
+    out, lse, _ = attend(
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        mask=mask,
+        bias=bias,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        softcap=cap,
+        sinks=sinks,
+        want_lse=want_lse,
+        want_probs=False,
+    )
+    return (out, lse) if want_lse and lse is not None else out
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """What the call does with each batch row ``b`` of the cache: ``seen[b]`` tokens held before
+    the call, ``new`` written after them, so ``lengths[b]`` tokens attended from ``start[b]``
+    (``cache_leftpad``) on; ``cache_rows``: the cache row of each batch row (None: row ``b``);
+    ``table``: with a paged cache, its block table (int64, entries past a row's pages 0), and
+    ``page`` its page size."""
+
+    seen: list[int]
+    start: list[int]
+    new: int
+    cache_rows: list[int] | None
+    table: Tensor | None
+    page: int
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s + self.new for s in self.seen]
+
+    @property
+    def kv_len(self) -> int:
+        """The keys of the call: the longest row's."""
+        return max(self.lengths, default=0)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every row attends all ``kv_len`` keys (then no mask holds rows apart)."""
+        return all(n == self.kv_len for n in self.lengths) and not any(self.start)
+
+
+def _checked_rows(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: object,
+    v: object,
+    batch: int,
+    cache_seqlens: object,
+    cache_batch_idx: object,
+    cache_leftpad: object,
+    block_table: object,
+) -> tuple[_Rows, Tensor | None, Tensor | None]:
+    """The rows the call reads and writes, every index checked against the cache, and the new
+    keys and values (checked) or None."""
+    table = None
+    if block_table is not None:
+        table = check_block_table(block_table, batch)
+        capacity = table.size(1) * k_cache.size(1)
+    else:
+        capacity = k_cache.size(1)
+        if cache_batch_idx is None and k_cache.size(0) != batch:
+            raise ValueError(
+                f"k_cache holds {k_cache.size(0)} rows for a batch of {batch}: pass "
+                "cache_batch_idx to say which rows"
+            )
+    if (k is None) != (v is None):
+        raise TypeError("k and v come together: give both new keys and values, or neither")
+    if k is not None and cache_seqlens is None:
+        raise TypeError("cache_seqlens is needed with k and v: it says where they are written")
+    seen = _per_row("cache_seqlens", cache_seqlens, batch, capacity)
+    start = _per_row("cache_leftpad", cache_leftpad, batch, 0)
+    cache_rows = None
+    if cache_batch_idx is not None:
+        cache_rows = _per_row("cache_batch_idx", cache_batch_idx, batch, 0)
+        if cache_rows and (min(cache_rows) < 0 or max(cache_rows) >= k_cache.size(0)):
+            raise ValueError(
+                f"cache_batch_idx must index the {k_cache.size(0)} cache rows, got {cache_rows}"
+            )
+    k, v = _checked_new(k, v, k_cache, v_cache, batch)
+    new = 0 if k is None else k.size(1)
+    lengths = [s + new for s in seen]
+    if max(lengths, default=0) > capacity or min(seen, default=0) < 0:
+        raise ValueError(
+            f"cache_seqlens {seen} + {new} new tokens do not fit the cache's {capacity} positions"
+        )
+    if any(not 0 <= a <= n for a, n in zip(start, seen, strict=True)):
+        raise ValueError(f"cache_leftpad {start} must lie in 0..cache_seqlens {seen}")
+    if table is not None:
+        used = pages_used(lengths, k_cache.size(1))
+        table = page_table(table, used, k_cache.size(0), f"k_cache {shape_str(k_cache.shape)}")
+    rows = _Rows(seen, start, new, cache_rows, table, k_cache.size(1))
+    return rows, k, v
+
+
+def _checked_new(
+    k: object, v: object, k_cache: Tensor, v_cache: Tensor, batch: int
+) -> tuple[Tensor | None, Tensor | None]:
+    """The new keys and values, checked against each other and the cache (None: none)."""
+    if k is None or v is None:
+        return None, None
+    k = four_d("k", k, "(batch, seqlen_new, nheads_k, headdim)")
+    v = four_d("v", v, "(batch, seqlen_new, nheads_k, headdim_v)")
+    if k.shape[:3] != v.shape[:3] or k.size(0) != batch:
+        raise ValueError(
+            f"k {shape_str(k.shape)} and v {shape_str(v.shape)} must be (batch={batch}, "
+            "seqlen_new, nheads_k, ...)"
+        )
+    _check_new("k", k, k_cache, "k_cache")
+    _check_new("v", v, v_cache, "v_cache")
+    return k, v
+
+
+def _rotated(
+    q: Tensor,
+    k: Tensor | None,
+    rows: _Rows,
+    rotary_cos: object,
+    rotary_sin: object,
+    interleaved: bool,
+    positional: bool,
+) -> tuple[Tensor, Tensor]:
+    """``q`` and the new keys rotated at their positions in each row, counted from the row's
+    ``cache_leftpad``: the keys at theirs, the queries at theirs when ``positional`` (causal or
+    windowed), else all at the row's first new position."""
+    if rotary_cos is None or rotary_sin is None or k is None:
+        raise TypeError(
+            "rotary_cos and rotary_sin come together, and with k and v (the new tokens they "
+            "rotate), as in flash-attn"
+        )
+    batch, q_len = q.shape[:2]
+    base = [s - a for s, a in zip(rows.seen, rows.start, strict=True)]
+    reach = max((b + max(rows.new, q_len if positional else 1) for b in base), default=0)
+    cos, sin = check_rotary(rotary_cos, rotary_sin, q.size(3), max(reach, *rows.lengths, 0))
+    at = torch.tensor(base, device=q.device)
+    k_pos = at[:, None] + torch.arange(rows.new, device=q.device)
+    q_pos = at[:, None] + (torch.arange(q_len, device=q.device) if positional else 0)
+    q_pos = q_pos.expand(batch, q_len)
+    return rotate(q, cos, sin, q_pos, interleaved), rotate(k, cos, sin, k_pos, interleaved)
+
+
+def _rows_mask(rows: _Rows, q_len: int, lo: float, hi: float, device: torch.device) -> Mask | None:
+    """The band within each row's keys ``start[b] <= j < lengths[b]``, the row's queries aligned
+    bottom-right to them: the band alone when every row attends all keys."""
+    kv_len, lengths = rows.kv_len, rows.lengths
+    if rows.uniform:
+        return band_mask(lo, hi, q_len, kv_len)
+    batch = len(lengths)
+    diag = torch.arange(q_len)[None] + (torch.tensor(lengths) - q_len)[:, None]  # (B, Tq)
+    j = torch.arange(kv_len)
+    held = (j >= torch.tensor(rows.start)[:, None]) & (j < torch.tensor(lengths)[:, None])
+    what = f"flash_attn kv cache (keys {rows.start}..{lengths}; band {lo:g}..{hi:g})"
+    return Sequences(
+        torch.ones(batch, q_len, dtype=torch.long).to(device),
+        diag.to(device),
+        (held.long() * 2 - 1).to(device),  # 1: a key of the row, -1: none
+        lo,
+        hi,
+        what,
+    )
+
+
+def _check_as_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    kv_len: int,
+    mask: Mask | None,
+    bias: ScoreTerm | None,
+    scale: float | None,
+    cap: float | None,
+    sinks: Tensor | None,
+) -> None:
+    """What attention() checks of the call it will get (dtypes, devices, the mask's and the score
+    term's fit), asked on stand-ins without data, before anything is written."""
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads = k_cache.size(2)
+    check_attention_args(
+        _stand_in(q, (batch, heads, q_len, head_dim)),
+        _stand_in(k_cache, (batch, kv_heads, kv_len, k_cache.size(3))),
+        _stand_in(v_cache, (batch, kv_heads, kv_len, v_cache.size(3))),
+        mask=mask,
+        bias=bias,
+        causal=False,
+        scale=scale,
+        softcap=cap,
+        sinks=None if sinks is None else _stand_in(sinks, tuple(sinks.shape)),
+    )
+
+
+def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, rows: _Rows) -> None:
+    """Write the new keys and values into the cache, in place, after each row's tokens."""
+    batch, new = k.shape[:2]
+    at = torch.tensor(rows.seen)[:, None] + torch.arange(new)  # (B, new) positions in each row
+    if rows.table is not None:
+        page, table = rows.page, rows.table
+        where = (table[torch.arange(batch)[:, None], (at // page).to(table.device)], at % page)
+    else:
+        cache_rows = torch.tensor(
+            list(range(batch)) if rows.cache_rows is None else rows.cache_rows, dtype=torch.long
+        )
+        where = (cache_rows[:, None].expand(batch, new), at)
+    index = tuple(w.to(k_cache.device) for w in where)
+    k_cache.index_put_(index, k.to(k_cache.dtype))
+    v_cache.index_put_(index, v.to(v_cache.dtype))
+
+
+def _read(k_cache: Tensor, v_cache: Tensor, rows: _Rows) -> tuple[Tensor, Tensor]:
+    """The first ``kv_len`` keys and values of each batch row's cache row, ``(B, kv_len, Hkv,
+    D|Dv)``: gathered from the row's pages, or indexed by ``cache_batch_idx``, or a view."""
+    kv_len = rows.kv_len
+    if rows.table is not None:
+        pages = rows.table[:, : pages_used([kv_len], rows.page)[0]].to(k_cache.device)
+        return (
+            k_cache[pages].flatten(1, 2)[:, :kv_len],
+            v_cache[pages].flatten(1, 2)[:, :kv_len],
+        )
+    if rows.cache_rows is not None:
+        cache_rows = torch.tensor(rows.cache_rows, dtype=torch.long)
+        return (
+            k_cache[cache_rows.to(k_cache.device), :kv_len],
+            v_cache[cache_rows.to(v_cache.device), :kv_len],
+        )
+    return k_cache[:, :kv_len], v_cache[:, :kv_len]
