@@ -336,3 +336,21 @@ def test_the_build_name_names_torch_and_the_instruction_set() -> None:
     assert build.capability().lower() in name
     # Paths of the environment are not part of it: environments with one torch share a build.
     assert sys.prefix not in name
+
+
+def test_status_is_a_constant_while_traced_without_importing_dynamo() -> None:
+    # attnkit marks status() as torch.compiler.assume_constant_result would, without importing
+    # torch._dynamo at import time (seconds): the mark must be the one torch's decorator sets.
+    def probe() -> int:
+        return 0
+
+    torch.compiler.assume_constant_result(probe)
+    marks = {k for k in vars(probe) if k.startswith("_dynamo")}
+    assert marks == {k for k in vars(_native._traced_status) if k.startswith("_dynamo")}
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, attnkit; print('torch._dynamo' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip() == "False", done.stderr

@@ -14,8 +14,9 @@ says why once, and :func:`status` (what ``explain()`` prints) says why too, with
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch._dynamo
 
 from .build import cache_dir, state
 from .build import load as _load_library
@@ -46,9 +47,17 @@ def _status() -> tuple[bool, str]:
     return s.available, s.why
 
 
+def _constant_while_traced(fn: Callable[[], tuple[bool, str]]) -> Callable[[], tuple[bool, str]]:
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` (seconds,
+    at every ``import attnkit``): that decorator only marks the function so. (A test checks the
+    mark is still torch's.)"""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
 # While torch.compile traces a call, the answer is taken as it is now (the files and tools it
 # looks at are outside the graph; the operator itself decides again when it runs).
-_traced_status = torch._dynamo.assume_constant_result(_status)
+_traced_status = _constant_while_traced(_status)
 
 
 def status() -> tuple[bool, str]:
