@@ -196,7 +196,9 @@ NO_MIRROR = {
     "distributed/backend.py": "register_ring_backend: tests/distributed/test_ddp.py",
     "flash_attn/__init__.py": "re-exports only: the tests in tests/flash_attn/",
     "flash_attn/__init__.py": "re-exports only: the tests in tests/flash_attn/",
-    "integrations/__init__.py": "re-exports only: tests/integrations/test_transformers.py",
+    "integrations/__init__.py": "re-exports only: the tests in tests/integrations/transformers/",
+    "integrations/transformers/__init__.py": "re-exports only: the tests in "
+    "tests/integrations/transformers/",
     "interop/__init__.py": "re-exports only: the tests in tests/interop/",
 }
 

@@ -1,0 +1,186 @@
+"""The attention function: every attention layer's call, ``(module, q, k, v, mask, **kwargs)``
+in transformers' ``(B, H, T, D)`` layout, as one :func:`attnkit.attention` call (see the package's
+table of what transformers passes and what attnkit gets)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..._checks import shape_str
+from ..._typing import Float, shape_checked
+from ...attention import Backend, attention
+from ...capture import is_capturing, record
+from ...flash_attn import varlen_mask
+from ...masks import band_visibility
+from ._masks import TransformersMask
+
+__all__ = ["attention_forward"]
+
+
+def _top_left_causal(q_len: int, kv_len: int, device: torch.device) -> Tensor:
+    """Query ``i`` sees keys ``j <= i`` (torch SDPA's ``is_causal``), as a ``(Tq, Tk)`` mask."""
+    i = torch.arange(q_len, device=device).unsqueeze(-1)
+    return band_visibility(i, torch.arange(kv_len, device=device), -math.inf, 0)
+
+
+def _packed(
+    module: nn.Module, query: Tensor, key: Tensor, kwargs: dict[str, Any]
+) -> tuple[Tensor, Tensor] | None:
+    """``(cu_seq_lens_q, cu_seq_lens_k)`` of packed sequences without padding, as transformers
+    hands them to its flash-attention path: given, or read from packed ``position_ids`` of one
+    batch row (a new sequence wherever the positions do not step by 1). None otherwise."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if (cu_q is None) != (cu_k is None):
+        raise ValueError(
+            f"{_layer(module)}: packed sequences need both cu_seq_lens_q and cu_seq_lens_k, got "
+            f"only {'cu_seq_lens_q' if cu_k is None else 'cu_seq_lens_k'}"
+        )
+    if cu_q is None:
+        ids = kwargs.get("position_ids")
+        if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.size(0) != 1:
+            return None
+        if ids.size(1) != query.size(-2) or query.size(-2) != key.size(-2) or ids.size(1) < 2:
+            return None
+        starts = (torch.diff(ids[0]) != 1).nonzero().flatten() + 1
+        if not starts.numel():
+            return None
+        edges = [0, *starts.tolist(), ids.size(1)]
+        cu_q = cu_k = torch.tensor(edges, dtype=torch.int32)
+    if query.size(0) != 1:
+        raise ValueError(
+            f"{_layer(module)}: packed sequences (cu_seq_lens_q/cu_seq_lens_k) come in one batch "
+            f"row, got q {shape_str(query.shape)}"
+        )
+    return torch.as_tensor(cu_q), torch.as_tensor(cu_q if cu_k is None else cu_k)
+
+
+def _model_collects_weights() -> bool:
+    """Whether the transformers forward running now collects attention weights.
+
+    Some layers (GPT-2's, Whisper's) take ``output_attentions`` as their own argument and do not
+    pass it to the attention function; the model's output collector is where the request lives.
+    """
+    from transformers.utils import output_capturing
+
+    collector = getattr(output_capturing, "_active_collector", None)
+    collected = None if collector is None else collector.get()
+    return isinstance(collected, dict) and any(str(k).endswith("attentions") for k in collected)
+
+
+def _layer(module: nn.Module) -> str:
+    layer = getattr(module, "layer_idx", None)
+    return type(module).__name__ + ("" if layer is None else f" (layer {layer})")
+
+
+@shape_checked
+def attention_forward(
+    module: nn.Module,
+    query: Float[Tensor, "B H Tq D"],
+    key: Float[Tensor, "B Hkv Tk D"],
+    value: Float[Tensor, "B Hkv Tk Dv"],
+    attention_mask: object,
+    *,
+    backend: str | Backend,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: Tensor | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+    sinks: Tensor | None = None,
+    output_attentions: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Float[Tensor, "B Tq H Dv"], Float[Tensor, "B H Tq Tk"] | None]:
+    q_len, kv_len = query.size(-2), key.size(-2)
+    keys, mask, bias, causal = kv_len, None, None, False
+    if isinstance(attention_mask, TransformersMask):
+        if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len):
+            raise ValueError(
+                f"{_layer(module)}: {attention_mask!r} does not fit q {shape_str(query.shape)} and "
+                f"k {shape_str(key.shape)}"
+            )
+        keys, mask, causal = attention_mask.keys, attention_mask.mask, attention_mask.causal
+    elif isinstance(attention_mask, Tensor):
+        if attention_mask.ndim != 4 or not (
+            attention_mask.dtype == torch.bool or attention_mask.is_floating_point()
+        ):
+            # A 2-d padding mask here would broadcast over the wrong axes without a word.
+            raise ValueError(
+                f"{_layer(module)}: a tensor attention_mask must be 4-d (B|1, H|1, Tq, Tk), bool "
+                f"or float, got {attention_mask.dtype} of shape {shape_str(attention_mask.shape)}"
+            )
+        if attention_mask.dtype == torch.bool:
+            mask = attention_mask
+        else:
+            bias = attention_mask.to(query.dtype)
+    elif attention_mask is None:
+        causal_module = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        packed = _packed(module, query, key, kwargs)
+        if packed is not None:  # as transformers' flash-attention path: bottom-right per sequence
+            window = kwargs.get("sliding_window")
+            mask = varlen_mask(
+                *packed,
+                causal=bool(causal_module),
+                window_size=(window - 1, window - 1) if window else (-1, -1),
+            )
+        elif causal_module and q_len > 1:
+            if q_len <= kv_len:  # top-left: the keys after the last query are never seen
+                keys, causal = q_len, True
+            else:
+                mask = _top_left_causal(q_len, kv_len, query.device)
+    else:
+        raise TypeError(
+            f"{_layer(module)}: attention_mask must be a 4-d bool or float tensor, a "
+            f"TransformersMask or None, got {type(attention_mask).__name__}"
+        )
+    if isinstance(attention_mask, TransformersMask) and not attention_mask.packed:
+        # transformers builds a packed mask only without a cache (training usually runs with
+        # use_cache=True all the same); its flash-attention path reads the packing from the
+        # positions whatever the mask, and so does this one.
+        packed = _packed(module, query, key, kwargs)
+        if packed is not None:  # the mask holds the pattern; the sequences are ANDed in
+            sequences = varlen_mask(*packed)
+            if sequences is not None:
+                mask = sequences if mask is None else sequences & mask
+    if position_bias is not None:
+        position_bias = position_bias.to(query.dtype)
+        bias = position_bias if bias is None else position_bias + bias
+    if keys < kv_len:
+        key, value = key[..., :keys, :], value[..., :keys, :]
+        if bias is not None and bias.size(-1) != 1:
+            bias = bias[..., :keys]
+    sink = s_aux if s_aux is not None else sinks
+    dropout_p = float(dropout) if module.training else 0.0
+    capturing = is_capturing(module)
+    want_weights = bool(output_attentions) or capturing or _model_collects_weights()
+    result = attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        scale=scaling,
+        softcap=softcap,
+        sinks=sink,
+        dropout_p=dropout_p,
+        return_weights=want_weights,
+        backend=backend,
+    )
+    weights: Tensor | None = None
+    if isinstance(result, tuple):
+        out, weights = result
+        weights = F.pad(weights, (0, kv_len - keys))
+        if capturing:
+            record(module, weights)
+    else:
+        out = result
+    return out.transpose(1, 2).contiguous(), weights
+
+
+# Registration

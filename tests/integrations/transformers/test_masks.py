@@ -1,0 +1,108 @@
+"""The mask function (``build_mask``, ``TransformersMask``) against transformers' own masks: every
+pattern, prefill, decoding and static caches, with and without padding; causal plus padding and
+sliding windows reach attnkit structured, never as a (Tq, Tk) tensor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import masking_utils as mu  # noqa: E402
+
+import attnkit  # noqa: E402
+from attnkit.integrations import transformers as hf  # noqa: E402
+from attnkit.integrations.transformers import _attention as attention_module  # noqa: E402
+
+from .helpers import hf_dense, inputs, model, padded, run  # noqa: E402
+
+PATTERNS = {
+    "causal": lambda: mu.causal_mask_function,
+    "sliding3": lambda: mu.sliding_window_causal_mask_function(3),
+    "bidirectional": lambda: mu.bidirectional_mask_function,
+    "window2": lambda: mu.sliding_window_bidirectional_mask_function(2),
+}
+# (Tq, Tk, q_offset, kv_offset, 2-d mask length): prefill, decoding with a dynamic cache, a static
+# cache of 12 slots (empty, partly filled, one query), a full sliding-window cache, cross-attention.
+SIZES = [
+    (7, 7, 0, 0, 7),
+    (3, 9, 6, 0, 9),
+    (1, 9, 8, 0, 9),
+    (5, 12, 0, 0, 5),
+    (3, 12, 4, 0, 7),
+    (1, 12, 9, 0, 10),
+    (1, 4, 9, 7, 10),
+    (4, 6, 0, 0, 6),
+]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("sizes", SIZES, ids=str)
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_mask_matches_transformers(pattern: str, sizes: tuple[int, ...], padding: str) -> None:
+    q_len, kv_len, q_offset, kv_offset, seen = sizes
+    attention_mask = None
+    if padding != "none":
+        attention_mask = padded([seen, max(1, seen - 3)], seen, padding)[1].bool()
+    kwargs = dict(
+        batch_size=2,
+        q_length=q_len,
+        kv_length=kv_len,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=PATTERNS[pattern](),
+        attention_mask=attention_mask,
+    )
+    theirs = hf_dense(**kwargs)
+    ours = hf.build_mask(**kwargs, allow_is_causal_skip=True, dtype=torch.float32)
+    assert torch.equal(ours.dense().expand(theirs.shape), theirs), ours
+    if pattern in ("causal", "bidirectional"):  # never a (Tq, Tk) tensor
+        assert not isinstance(ours.mask, Tensor) or ours.mask.shape[-2] == 1, ours
+
+
+def test_static_cache_step_as_a_tensor_offset() -> None:
+    kwargs = dict(batch_size=1, q_length=2, kv_length=6, kv_offset=0)
+    ours = hf.build_mask(**kwargs, q_offset=torch.tensor(1), attention_mask=None)
+    assert repr(ours) == (
+        "TransformersMask(1 x 2 queries x 6 keys: causal; 3 keys used, 3 never visible left out)"
+    )
+    theirs = hf_dense(**kwargs, q_offset=1, mask_function=mu.causal_mask_function)
+    assert torch.equal(ours.dense(), theirs)
+
+
+def test_causal_padding_reaches_attention_as_key_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Causal plus padding never becomes a (Tq, Tk) tensor, so auto avoids the O(T^2) paths."""
+    seen: list[tuple[object, bool, list[str]]] = []
+
+    def spy(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+        mask = kwargs["mask"]
+        args = {n: kwargs[n] for n in ("mask", "bias", "causal", "scale")}
+        explained = attnkit.explain(q, k, v, **args)
+        shape = tuple(mask.shape) if isinstance(mask, Tensor) else "structured"
+        seen.append((shape, kwargs["causal"], explained.costs[explained.chosen]))
+        return attnkit.attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention_module, "attention", spy)
+    m = model("llama")
+    batch, _ = inputs("llama", "left", torch.float32)
+    run(m, "attnkit", **batch)
+    assert len(seen) == 2  # one call per layer
+    for shape, causal, costs in seen:
+        assert shape in [(3, 1, 1, 10), "structured"]
+        assert causal
+        assert costs == []  # the backend auto chose materialises nothing
+
+
+def test_sliding_window_reaches_attention_structured() -> None:
+    ours = hf.build_mask(
+        batch_size=2,
+        q_length=8,
+        kv_length=8,
+        mask_function=mu.sliding_window_causal_mask_function(3),
+        attention_mask=padded([8, 5], 8, "left")[1].bool(),
+    )
+    assert isinstance(ours.mask, attnkit.masks.Mask), ours
