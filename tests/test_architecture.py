@@ -230,3 +230,44 @@ def test_the_modules_without_a_mirror_exist_and_have_none() -> None:
             assert not (TESTS / _mirror(relative)).is_file(), (
                 f"{name} has tests/{_mirror(relative)}"
             )
+
+
+# A function is long only in its signature and docstring: a body of more lines than this is
+# several steps, which read better as functions named after them.
+MAX_BODY_LINES = 100
+
+
+def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines from the first statement after the docstring to the end of the function."""
+    body = node.body[1:] if ast.get_docstring(node, clean=False) is not None else node.body
+    if not body:
+        return 0
+    return (body[-1].end_lineno or body[-1].lineno) - body[0].lineno + 1
+
+
+def test_body_lines_count_from_after_the_docstring_to_the_end() -> None:
+    source = (
+        'def f(\n    x: int,\n) -> int:\n    """Doc.\n\n    More.\n    """\n'
+        "    y = x\n\n    return y\n"
+    )
+    (node,) = ast.parse(source).body
+    assert isinstance(node, ast.FunctionDef)
+    assert _body_lines(node) == 3
+    (bare,) = ast.parse('def g():\n    """Only a docstring."""\n').body
+    assert isinstance(bare, ast.FunctionDef)
+    assert _body_lines(bare) == 0
+
+
+def test_no_function_body_is_longer_than_100_lines() -> None:
+    long = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = _body_lines(node)
+                if lines > MAX_BODY_LINES:
+                    where = f"{path.relative_to(SRC).as_posix()}:{node.lineno}"
+                    long.append(f"{where} {node.name}: a body of {lines} lines")
+    assert not long, (
+        f"functions whose body (after the docstring) is over {MAX_BODY_LINES} lines; name their "
+        "steps:\n" + "\n".join(long)
+    )

@@ -65,6 +65,7 @@ pass ``~mask.unsqueeze(1)``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -193,6 +194,47 @@ def conformer_layer(
     from ..conformer import ConformerLayer
 
     who = "espnet.conformer_layer()"
+    parts = _conformer_parts(layer, who)
+    depthwise = parts.convs["depthwise_conv"]
+    ours = ConformerLayer(
+        depthwise.in_channels,
+        d_ff=parts.d_ff,
+        kernel_size=depthwise.kernel_size[0],
+        dropout=_copy.dropout_p(layer, "dropout"),
+        activation=parts.activation,
+        bias=parts.bias,
+        attention=relative_attention(
+            _copy.part(layer, "self_attn", nn.Module, who),
+            max_len=max_len,
+            encoding_dtype=encoding_dtype,
+        ),
+        device=depthwise.weight.device,
+        dtype=depthwise.weight.dtype,
+    )
+    _copy_feed_forwards(ours, parts, who)
+    _copy_norms(ours, parts, who)
+    _copy_convolution(ours, parts, who)
+    return ours.train(layer.training)
+
+
+@dataclass(frozen=True)
+class _ConformerParts:
+    """An ESPnet Conformer block's parts, read and checked against what attnkit's block holds:
+    the two feed-forwards and their linears, the convolution module's convolutions and batch
+    norm, the five LayerNorms, and the one activation, hidden size and bias setting they share."""
+
+    ffs: dict[str, nn.Module]
+    linears: dict[tuple[str, str], nn.Linear]
+    convs: dict[str, nn.Conv1d]
+    batch_norm: nn.BatchNorm1d
+    norms: dict[str, nn.LayerNorm]
+    activation: str
+    d_ff: int
+    bias: bool
+
+
+def _conformer_parts(layer: object, who: str) -> _ConformerParts:
+    """Read ``layer``'s parts, refusing a block attnkit's Conformer layer cannot hold."""
     if not isinstance(layer, nn.Module):
         raise TypeError(f"{who} takes an nn.Module, got {type(layer).__name__}")
     kind = type(layer).__name__
@@ -240,26 +282,29 @@ def conformer_layer(
         )
     if not bn.affine or not bn.track_running_stats:
         raise ValueError(f"{who}: conv_module.norm must be affine and track running statistics")
-    weight = depthwise.weight
-    ours = ConformerLayer(
-        d_model,
-        d_ff=next(iter(d_ffs.values())),
-        kernel_size=kernel,
-        dropout=_copy.dropout_p(layer, "dropout"),
+    return _ConformerParts(
+        ffs=ffs,
+        linears=lin,
+        convs=convs,
+        batch_norm=bn,
+        norms=norms,
         activation=next(iter(activations.values())),
+        d_ff=next(iter(d_ffs.values())),
         bias=next(iter(biases.values())),
-        attention=relative_attention(
-            _copy.part(layer, "self_attn", nn.Module, who),
-            max_len=max_len,
-            encoding_dtype=encoding_dtype,
-        ),
-        device=weight.device,
-        dtype=weight.dtype,
     )
+
+
+def _copy_feed_forwards(ours: ConformerLayer, parts: _ConformerParts, who: str) -> None:
+    """The macaron and the second feed-forward: their linears and dropouts."""
     for ff, mine in (("feed_forward_macaron", ours.ff1), ("feed_forward", ours.ff2)):
         for w, linear in (("w_1", mine.linear1), ("w_2", mine.linear2)):
-            _copy.copy_linear(linear, lin[ff, w], f"{ff}.{w}", who)
-        mine.dropout.p = _copy.dropout_p(ffs[ff], "dropout")
+            _copy.copy_linear(linear, parts.linears[ff, w], f"{ff}.{w}", who)
+        mine.dropout.p = _copy.dropout_p(parts.ffs[ff], "dropout")
+
+
+def _copy_norms(ours: ConformerLayer, parts: _ConformerParts, who: str) -> None:
+    """The five LayerNorms; a LayerNorm without a bias (``bias=False``) gives a bias of 0."""
+    d_model = ours.conv.depthwise.in_channels
     pairs = (
         ("norm_ff_macaron", ours.ff1_norm),
         ("norm_mha", ours.attn_norm),
@@ -268,7 +313,7 @@ def conformer_layer(
         ("norm_final", ours.final_norm),
     )
     for name, norm in pairs:
-        theirs = norms[name]
+        theirs = parts.norms[name]
         if theirs.normalized_shape != (d_model,) or not theirs.elementwise_affine:
             raise ValueError(f"{who}: {name} must be an affine LayerNorm({d_model})")
         norm.eps = theirs.eps
@@ -279,6 +324,12 @@ def conformer_layer(
                 bias.zero_()
         else:
             _copy.copy(bias, theirs.bias, f"{name}.bias", who)
+
+
+def _copy_convolution(ours: ConformerLayer, parts: _ConformerParts, who: str) -> None:
+    """The convolution module: its pointwise convolutions (as linears), the depthwise one and the
+    batch norm with its running statistics."""
+    convs = parts.convs
     for name, linear in (
         ("pointwise_conv1", ours.conv.pointwise1),
         ("pointwise_conv2", ours.conv.pointwise2),
@@ -291,9 +342,12 @@ def conformer_layer(
         _copy.copy(linear.weight, src.weight.squeeze(-1), f"conv_module.{name}.weight", who)
         if linear.bias is not None and src.bias is not None:
             _copy.copy(linear.bias, src.bias, f"conv_module.{name}.bias", who)
-    _copy.copy(ours.conv.depthwise.weight, weight, "conv_module.depthwise_conv.weight", who)
+    depthwise = convs["depthwise_conv"]
+    _copy.copy(
+        ours.conv.depthwise.weight, depthwise.weight, "conv_module.depthwise_conv.weight", who
+    )
     if ours.conv.depthwise.bias is not None and depthwise.bias is not None:
         _copy.copy(ours.conv.depthwise.bias, depthwise.bias, "conv_module.depthwise_conv.bias", who)
+    bn = parts.batch_norm
     ours.conv.norm.eps, ours.conv.norm.momentum = bn.eps, bn.momentum
     ours.conv.norm.load_state_dict(bn.state_dict())
-    return ours.train(layer.training)
