@@ -8,7 +8,7 @@ import torch
 import attnkit
 from attnkit import _kernel as kernel
 from attnkit import attention, masks
-from attnkit._kernel import softmax
+from attnkit._kernel import fused, problem
 from attnkit.backends import Chunked
 from attnkit.testing import assert_close
 
@@ -35,13 +35,13 @@ def test_backward_saves_no_score_sized_tensor() -> None:
 def count_blocks(monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> int:
     """Score blocks the kernel computes for a 64 x 64 call with 8 x 8 blocks."""
     computed = []
-    original = softmax.Problem.scores
+    original = problem.Problem.scores
 
     def counting(self, *args, **kw):  # type: ignore[no-untyped-def]
         computed.append(1)
         return original(self, *args, **kw)
 
-    monkeypatch.setattr(softmax.Problem, "scores", counting)
+    monkeypatch.setattr(problem.Problem, "scores", counting)
     q = torch.randn(1, 2, 64, 8)
     # The eager kernel's blocks are counted; the native kernel walks the same plan.
     small = Chunked(block_q=8, block_k=8, native=False)
@@ -142,8 +142,8 @@ class FusedCalls:
     """Stand-ins for torch's fused CPU kernel that count calls (or refuse them)."""
 
     def __init__(self, allowed: bool = True) -> None:
-        assert softmax._FUSED is not None
-        self.real = softmax._FUSED
+        assert fused._FUSED is not None
+        self.real = fused._FUSED
         self.allowed = allowed
         self.forward = self.backward = 0
 
@@ -163,7 +163,7 @@ class FusedCalls:
 
 def fused_calls(monkeypatch: pytest.MonkeyPatch, allowed: bool = True) -> FusedCalls:
     calls = FusedCalls(allowed)
-    monkeypatch.setattr(softmax, "_FUSED", calls.ops())
+    monkeypatch.setattr(fused, "_FUSED", calls.ops())
     return calls
 
 
@@ -351,13 +351,13 @@ def test_each_block_is_computed_once_when_the_offsets_hold(monkeypatch: pytest.M
     # Offset 0 for the whole call (small scores), and lazy offsets that need no redo (large
     # scores rising nowhere): every visited block once, as the plan says.
     computed = []
-    original = softmax.Problem.scores
+    original = problem.Problem.scores
 
     def counting(self, *args, **kw):  # type: ignore[no-untyped-def]
         computed.append(1)
         return original(self, *args, **kw)
 
-    monkeypatch.setattr(softmax.Problem, "scores", counting)
+    monkeypatch.setattr(problem.Problem, "scores", counting)
     gen = torch.Generator().manual_seed(0)
     for size in (1.0, 4.0):
         q, k, v = (torch.randn(1, 2, 64, 8, generator=gen) * size for _ in range(3))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit import masks
-from attnkit._kernel import softmax
+from attnkit._kernel import fused, problem
 from attnkit.distributed import RingBackend, ring_attention, shard_zigzag
 from attnkit.testing import assert_close
 
@@ -122,7 +122,7 @@ def compare_with_single_process(
 def count_score_blocks(rank: int, world: int, layout: str, causal: bool) -> int:
     """Score blocks this rank computes for one forward, with CHUNK x CHUNK blocks and tiles."""
     computed = []
-    original = softmax.Problem.scores
+    original = problem.Problem.scores
 
     def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         computed.append(1)
@@ -131,7 +131,7 @@ def count_score_blocks(rank: int, world: int, layout: str, causal: bool) -> int:
     t = 2 * world * CHUNK
     x = full_inputs(t, torch.float64)
     ring = RingBackend(layout=layout, block_q=CHUNK, block_k=CHUNK, tile_blocks=(1, 1, 1))
-    softmax.Problem.scores = counting  # type: ignore[method-assign]
+    problem.Problem.scores = counting  # type: ignore[method-assign]
     try:
         attnkit.attention(
             *(shard(x[n], layout, rank, world) for n in ("q", "k", "v")),
@@ -139,7 +139,7 @@ def count_score_blocks(rank: int, world: int, layout: str, causal: bool) -> int:
             backend=ring,
         )
     finally:
-        softmax.Problem.scores = original  # type: ignore[method-assign]
+        problem.Problem.scores = original  # type: ignore[method-assign]
     return sum(computed)
 
 
@@ -238,7 +238,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
     )
     # Fully visible stretches through torch's fused CPU kernel (which needs Dv = Dk), merged with
     # the partial blocks around them (and, in the backward, given the call's final output and lse).
-    real = softmax._FUSED
+    real = fused._FUSED
     assert real is not None
     fused_calls = [0, 0]
 
@@ -249,7 +249,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
 
         return op
 
-    softmax._FUSED = (counted(0), counted(1))
+    fused._FUSED = (counted(0), counted(1))
     try:
         for layout in ("contiguous", "zigzag"):
             ring = RingBackend(layout=layout, block_q=4, block_k=3, fused_rows=4)
@@ -259,7 +259,7 @@ def ring_checks(rank: int, world: int) -> dict[str, Any]:
                         rank, world, layout=layout, causal=causal, masked=masked, ring=ring, dv=DK
                     )
     finally:
-        softmax._FUSED = real
+        fused._FUSED = real
     for layout in ("contiguous", "zigzag"):  # a window across shards, with and without padding
         ring = RingBackend(layout=layout, block_q=4, block_k=3)
         for masked in (False, True):
