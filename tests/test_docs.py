@@ -73,8 +73,9 @@ def _public_names() -> list[tuple[str, object]]:
     visit("attnkit", attnkit)
     names.append(("attnkit.testing", importlib.import_module("attnkit.testing")))
     if importlib.util.find_spec("attnkit.integrations") is not None:
-        integrations = importlib.import_module("attnkit.integrations")
-        for path in sorted(Path(integrations.__file__).parent.glob("[!_]*.py")):
+        folder = Path(importlib.import_module("attnkit.integrations").__file__ or "").parent
+        modules = [*folder.glob("[!_]*.py"), *(p.parent for p in folder.glob("[!_]*/__init__.py"))]
+        for path in sorted(modules):  # modules and packages (integrations/transformers/)
             name = f"attnkit.integrations.{path.stem}"
             names.append((name, types.ModuleType(name)))
     return names
