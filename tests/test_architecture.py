@@ -97,6 +97,21 @@ def test_there_are_no_import_cycles() -> None:
             walk(name)
 
 
+def test_no_backend_imports_another() -> None:
+    # A backend speaks of itself only: it prices itself (check, cost, slower) and hands a call over
+    # by another backend's registered name, which the dispatcher resolves at run time. The package
+    # (the built-in backends, in auto's order) and the protocol (base) are not backends.
+    package = "attnkit.backends"
+    backends = {n for n in MODULES if n.startswith(package + ".") and n != f"{package}.base"}
+    problems = [
+        f"{name} imports {other}"
+        for name in sorted(backends)
+        for other in sorted(_top_level_imports(name) & backends)
+    ]
+    assert backends
+    assert not problems, "\n".join(problems)
+
+
 def _private_names_used(tree: ast.Module) -> set[str]:
     """``x._name`` attributes read on anything but ``self``/``cls``/a class of the module."""
     used = set()

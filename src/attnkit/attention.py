@@ -2,15 +2,17 @@
 
 ``attention()`` validates its arguments once, asks the registry which backend can serve the call,
 and hands over. A backend (:class:`~attnkit.Backend`) is a function with ``attention()``'s
-arguments (all validated, ``mask`` and ``causal`` folded into one mask, ``scale`` a float) plus two
-functions of the call's description (:class:`~attnkit.AttentionCall`):
+arguments (all validated, ``mask`` and ``causal`` folded into one mask, ``scale`` a float) plus
+functions of the call's description (:class:`~attnkit.AttentionCall`) in which it speaks of itself:
 
 * ``check(call)``: the reasons it *cannot* serve the call (empty: it can);
 * ``cost(call)``: the reasons ``auto`` should prefer another backend even though this one can serve
-  the call, namely ``(Tq, Tk)``-sized tensors it would materialise that the call does not need.
+  the call, namely ``(Tq, Tk)``-sized tensors it would materialise that the call does not need;
+* ``slower(call)``: the reasons it would serve the call on a slow path of its own.
 
-``backend="auto"`` takes, in preference order, the first backend with no reasons and no costs, else
-the first with no reasons. :func:`explain` prints that decision.
+``backend="auto"`` takes, in preference order, the first backend that can serve the call with no
+costs and no slow path; else the first with no costs; else the first that can serve it.
+:func:`explain` prints that decision.
 
 The registry may be changed while other threads call ``attention()``: every call reads one
 consistent snapshot of it.
@@ -44,6 +46,8 @@ from .backends.base import (
     Dispatch,
     Output,
     recording,
+    registry_of_call,
+    restore_registry,
 )
 from .masks import Mask
 from .scores import ScoreTerm
@@ -80,6 +84,7 @@ def register_backend(
     notes: CallCheck | None = None,
     auto: bool = False,
     replace: bool = False,
+    slower: CallCheck | None = None,
 ) -> None:
     """Register ``fn`` as backend ``name``, usable as ``attention(..., backend=name)``.
 
@@ -89,7 +94,8 @@ def register_backend(
     :func:`attention`'s conventions: True = may attend, zeros for a query with no visible key.
 
     ``check(call)`` returns the reasons it cannot serve an :class:`AttentionCall` (default: none);
-    ``cost(call)`` the reasons ``auto`` should prefer another backend; ``notes(call)`` the lines
+    ``cost(call)`` the reasons ``auto`` should prefer another backend (memory it would spend);
+    ``slower(call)`` the reasons it would take a slow path of its own; ``notes(call)`` the lines
     :func:`explain` prints under it. ``fn`` may also be a :class:`Backend` (a subclass that
     implements ``run(call, inputs)``), registered under ``name``. With ``auto=True`` the
     backend is tried by ``backend="auto"`` before the built-in ones. ``replace=True`` replaces a
@@ -97,16 +103,16 @@ def register_backend(
     backends cannot be replaced.
     """
     if isinstance(fn, Backend):
-        if any(f is not None for f in (check, cost, notes)):
+        if any(f is not None for f in (check, cost, notes, slower)):
             raise TypeError(
-                f"backend {name!r}: a Backend object brings its own check/cost/notes methods"
+                f"backend {name!r}: a Backend object brings its own check/cost/slower/notes methods"
             )
         if not isinstance(auto, bool):
             raise TypeError(f"backend {name!r}: auto must be a bool, got {auto!r}")
         backend: Backend = fn
         backend.name, backend.auto = name, auto
     else:
-        backend = Backend(name, fn, check=check, cost=cost, notes=notes, auto=auto)
+        backend = Backend(name, fn, check=check, cost=cost, notes=notes, auto=auto, slower=slower)
     if not isinstance(replace, bool):
         raise TypeError(f"replace must be a bool, got {replace!r}")
     with _WRITE:
@@ -180,6 +186,11 @@ class Explanation:
     reasons: dict[str, list[str]] = field(default_factory=dict)
     costs: dict[str, list[str]] = field(default_factory=dict)
     notes: dict[str, list[str]] = field(default_factory=dict)
+    #: each backend's slow paths for the call (see :meth:`Backend.slower`)
+    slower: dict[str, list[str]] = field(default_factory=dict)
+
+    def _rank(self, name: str | None) -> int:
+        return _rank(self.costs.get(name, []), self.slower.get(name, [])) if name else 0
 
     def __str__(self) -> str:
         lines = [f"attention call: {self.call.describe()}"]
@@ -190,7 +201,9 @@ class Explanation:
         else:
             lines.append(f"backend {self.requested!r} (forced) serves this call")
         width = max(len(n) for n in self.reasons)
+        before = self.chosen is not None  # still before the chosen backend in the order
         for name in self.reasons:
+            before = before and name != self.chosen
             if name == self.chosen:
                 head = "chosen"
                 if self.costs[name]:
@@ -199,14 +212,20 @@ class Explanation:
                 head = "cannot: " + "; ".join(self.reasons[name])
             elif self.requested != "auto":
                 head = "could serve it (not requested)"
-            elif self.costs[name]:
-                head = "avoided: " + "; ".join(self.costs[name])
+            elif self.costs[name] or (self._rank(name) > self._rank(self.chosen) and before):
+                head = "avoided: " + "; ".join(self.costs[name] + self.slower.get(name, []))
             else:
                 head = "could serve it, but comes later in the order"
             lines.append(f"  {name:<{width}}  {head}")
             if name == self.chosen:  # what runs; the others' notes stay in self.notes
                 lines += [f"  {'':<{width}}  {note}" for note in self.notes.get(name, [])]
         return "\n".join(lines)
+
+
+def _rank(costs: list[str], slower: list[str]) -> int:
+    """auto's preference among backends that can serve a call: 0 (no costs, no slow path), 1 (a
+    slow path of its own), 2 (costs). The first backend of the lowest rank wins."""
+    return 2 if costs else 1 if slower else 0
 
 
 def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
@@ -221,29 +240,43 @@ def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
         requested = next(n for n, b in registry.items() if b is backend)
     else:
         requested = backend
-    reasons, costs, notes = {}, {}, {}
+    reasons, costs, notes, slower = {}, {}, {}, {}
     for name, b in registry.items():
         reasons[name], costs[name] = b.reasons(call)
-        notes[name] = b.explain_notes(call) if not reasons[name] else []
+        able = not reasons[name]
+        slower[name] = b.slower_reasons(call) if able else []
+        notes[name] = b.explain_notes(call) if able else []
     if requested != "auto":
         chosen = None if reasons[requested] else requested
     else:
-        able = [n for n, b in registry.items() if b.auto and not reasons[n]]
-        cheap = [n for n in able if not costs[n]]
-        chosen = cheap[0] if cheap else able[0] if able else None
-    return Explanation(call, requested, chosen, reasons, costs, notes)
+        able_auto = [n for n, b in registry.items() if b.auto and not reasons[n]]
+        ranked = sorted(able_auto, key=lambda n: _rank(costs[n], slower[n]))  # stable: in order
+        chosen = ranked[0] if ranked else None
+    return Explanation(call, requested, chosen, reasons, costs, notes, slower)
 
 
 def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
-    """:func:`_decide`'s choice, without asking every backend when the first one will do."""
+    """:func:`_decide`'s choice, asking each backend once and no further than the first that
+    serves the call on its fast path without costs."""
     registry = _REGISTRY
     if isinstance(backend, Backend):
         if not backend.reasons(call)[0]:
             return backend
     elif backend == "auto":
+        best, best_rank = None, 3
         for b in registry.values():
-            if b.auto and not any(b.reasons(call)):  # no reasons and no costs
+            if not b.auto:
+                continue
+            refused, costs = b.reasons(call)
+            if refused:
+                continue
+            rank = _rank(costs, b.slower_reasons(call) if not costs else [])
+            if rank == 0:
                 return b
+            if rank < best_rank:
+                best, best_rank = b, rank
+        if best is not None:
+            return best
     elif backend in registry and not registry[backend].reasons(call)[0]:
         return registry[backend]
     decision = _decide(call, backend)
@@ -372,10 +405,17 @@ def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) ->
     """Choose the backend for a validated call and run it (what :func:`attention` does after
     validating; entry points that validate a call themselves, such as ring attention, call it)."""
     chosen = _choose(call, backend)
-    record = None if torch.compiler.is_compiling() else recording()
+    if torch.compiler.is_compiling():  # a traced call records and hands over nothing
+        return chosen.run(call, inputs)
+    record = recording()
     if record is not None:
         record.append(Dispatch(call, chosen.name))
-    return chosen.run(call, inputs)
+    # A hand-over names its target; it is looked up in the registry this call was dispatched from.
+    token = registry_of_call(_REGISTRY)
+    try:
+        return chosen.run(call, inputs)
+    finally:
+        restore_registry(token)
 
 
 _MaskArg = Bool[Tensor, "*#mb #Tk"] | Mask | None

@@ -162,3 +162,93 @@ def test_explain_names_the_backend_attention_runs_for_non_finite_inputs() -> Non
     out.sum().backward()
     assert q.grad is not None
     assert math.isfinite(float(q.grad.sum()))
+
+
+class Declining(Backend):
+    """A user's backend that hands every call over, by the registered name of another."""
+
+    def __init__(self, to: str) -> None:
+        super().__init__("declining")
+        self.to = to
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
+        out = self.hand_over(call, inputs, self.to, "not today")
+        return out[0] if isinstance(out, tuple) else out
+
+
+def test_a_hand_over_names_its_target_and_the_dispatcher_resolves_it_when_the_call_runs() -> None:
+    q = torch.randn(1, 2, 6, 8)
+    served: list[str] = []
+
+    def first(q: Tensor, k: Tensor, v: Tensor, **kw: object) -> Tensor:
+        served.append("first")
+        return attnkit.attention(q, k, v, backend="reference")
+
+    def second(q: Tensor, k: Tensor, v: Tensor, **kw: object) -> Tensor:
+        served.append("second")
+        return attnkit.attention(q, k, v, backend="reference")
+
+    declining = Declining("target")
+    attnkit.register_backend("target", first)
+    try:
+        with attnkit.record_dispatch() as calls:
+            attnkit.attention(q, q, q, backend=declining)
+        # the name is looked up when the call runs: a backend registered in its place serves
+        attnkit.register_backend("target", second, replace=True)
+        attnkit.attention(q, q, q, backend=declining)
+    finally:
+        attnkit.unregister_backend("target")
+    assert served == ["first", "second"]
+    assert declining.handovers == 2
+    assert calls[0].handovers == [("declining", "target", "not today")]
+    assert calls[0].served_by == "target"
+
+
+def test_a_hand_over_to_a_name_not_registered_or_a_backend_that_cannot_serve_is_an_error() -> None:
+    q = torch.randn(1, 2, 6, 8)
+    with pytest.raises(
+        attnkit.BackendError,
+        match=r"hands the call to 'nowhere' \(not today\), which is not registered; "
+        r"registered: sdpa",
+    ):
+        attnkit.attention(q, q, q, backend=Declining("nowhere"))
+    # chunked returns no weights: handing it a call that asks for them is refused, not run
+    declining = Declining("chunked")
+    declining.check = lambda call: []  # type: ignore[method-assign]
+    with pytest.raises(
+        attnkit.BackendError,
+        match=r"handed the call to 'chunked' \(not today\), which cannot serve it: does not "
+        r"return attention weights",
+    ):
+        attnkit.attention(q, q, q, return_weights=True, backend=declining)
+    assert declining.handovers == 0
+    # outside a call of attention() there is no registry to look the name up in
+    call = attnkit.explain(q, q, q).call
+    with pytest.raises(attnkit.BackendError, match=r"outside a call of attnkit\.attention\(\)"):
+        declining.run(call, CallInputs(q, q, q))
+
+
+def test_a_backend_with_a_slow_path_is_passed_over_for_one_without() -> None:
+    q = torch.randn(1, 2, 6, 8)
+    slow_for_causal = Backend(
+        "careful",
+        lambda q, k, v, **kw: attnkit.attention(q, k, v, backend="reference"),  # type: ignore[misc]
+        slower=lambda call: ["walks every row twice for causal calls"] if call.causal else [],
+    )
+    attnkit.register_backend("careful", slow_for_causal, auto=True)
+    try:
+        assert attnkit.explain(q, q, q).chosen == "careful"  # first in the order, fast path
+        report = attnkit.explain(q, q, q, causal=True)
+        assert report.chosen == "sdpa"
+        assert report.slower["careful"] == ["walks every row twice for causal calls"]
+        assert "  careful    avoided: walks every row twice for causal calls" in str(report)
+        with attnkit.record_dispatch() as calls:
+            attnkit.attention(q, q, q, causal=True)
+        assert calls[0].chosen == "sdpa"
+        # ... but preferred to a backend with costs: with weights asked for, only reference
+        # (which materialises the scores) competes
+        report = attnkit.explain(q, q, q, causal=True, return_weights=True)
+        assert report.chosen == "careful"
+        assert "  reference  avoided: would materialise the scores" in str(report)
+    finally:
+        attnkit.unregister_backend("careful")

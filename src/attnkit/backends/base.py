@@ -1,11 +1,15 @@
 """The backend protocol: what a backend says about a call, and how it serves one.
 
-A backend is a :class:`Backend`: four methods of one validated call object
-(:class:`~attnkit.AttentionCall`), and nothing else the dispatcher knows of it.
+A backend is a :class:`Backend`: five methods of one validated call object
+(:class:`~attnkit.AttentionCall`), and nothing else the dispatcher knows of it. Each backend
+speaks of itself only; none names another.
 
 * ``check(call)``: the reasons it *cannot* serve the call (empty: it can);
 * ``cost(call)``: the reasons ``auto`` should prefer another backend although this one can serve
   the call (``(Tq, Tk)``-sized tensors it would materialise that the call does not need);
+* ``slower(call)``: the reasons it would serve the call on a slow path of its own (a kernel that
+  is slow for this kind of call, a fallback), which ``auto`` avoids when another backend serves
+  the call on its fast path;
 * ``notes(call)``: what :func:`~attnkit.explain` prints under it (its plan for the call, a path it
   may take at run time);
 * ``run(call, inputs)``: the output, from the call and its tensors (:class:`CallInputs`).
@@ -15,13 +19,15 @@ Write one by subclassing :class:`Backend` and overriding the methods, or by hand
 (:class:`BackendFn`).
 
 A backend serves every call its ``check`` accepts, or hands it to another backend *visibly*
-(:meth:`Backend.hand_over`): the hand-over is counted in :attr:`Backend.handovers` and recorded
-by :func:`record_dispatch`, and its ``notes`` say when it can happen.
+(:meth:`Backend.hand_over`, naming the other backend as it is registered: the dispatcher of the
+call resolves the name): the hand-over is counted in :attr:`Backend.handovers` and recorded by
+:func:`record_dispatch`, and its ``notes`` say when it can happen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -41,6 +47,7 @@ __all__ = [
     "Dispatch",
     "record_dispatch",
     "recording",
+    "registry_of_call",
 ]
 
 
@@ -93,6 +100,25 @@ class BackendFn(Protocol):
 
 CallCheck = Callable[[AttentionCall], list[str]]
 
+# The registry the dispatcher chose the running call's backend from, where a hand-over's target is
+# looked up by name (the registry lives above the backends, which never import it).
+_REGISTRY_OF_CALL: contextvars.ContextVar[Mapping[str, Backend] | None] = contextvars.ContextVar(
+    "attnkit_registry_of_call", default=None
+)
+
+
+def registry_of_call(
+    registry: Mapping[str, Backend] | None,
+) -> contextvars.Token[Mapping[str, Backend] | None]:
+    """Set the registry a running call's hand-overs resolve names in (the dispatcher does, around
+    ``backend.run``); returns the token that restores the previous one."""
+    return _REGISTRY_OF_CALL.set(registry)
+
+
+def restore_registry(token: contextvars.Token[Mapping[str, Backend] | None]) -> None:
+    """Undo :func:`registry_of_call`."""
+    _REGISTRY_OF_CALL.reset(token)
+
 
 def _no_reasons(call: AttentionCall) -> list[str]:
     return []
@@ -101,9 +127,10 @@ def _no_reasons(call: AttentionCall) -> list[str]:
 class Backend:
     """A backend: what it says about a call and how it serves it (see :mod:`attnkit.backends.base`).
 
-    Subclass it and override :meth:`run` (and :meth:`check`, :meth:`cost`, :meth:`notes` as
-    needed), or pass ``fn``, a function with :func:`attnkit.attention`'s arguments
-    (:class:`BackendFn`), and optional ``check``/``cost``/``notes`` functions of the call.
+    Subclass it and override :meth:`run` (and :meth:`check`, :meth:`cost`, :meth:`slower`,
+    :meth:`notes` as needed), or pass ``fn``, a function with :func:`attnkit.attention`'s
+    arguments (:class:`BackendFn`), and optional ``check``/``cost``/``slower``/``notes`` functions
+    of the call.
     ``auto``: whether ``backend="auto"`` may pick it.
 
     Pass a name to :func:`attnkit.attention` for a registered backend, or a ``Backend`` itself (for
@@ -126,6 +153,7 @@ class Backend:
         cost: CallCheck | None = None,
         notes: CallCheck | None = None,
         auto: bool = True,
+        slower: CallCheck | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or name == "auto":
             raise ValueError(
@@ -133,7 +161,7 @@ class Backend:
             )
         if fn is not None and not callable(fn):
             raise TypeError(f"backend {name!r}: fn must be callable, got {type(fn).__name__}")
-        for what, f in (("check", check), ("cost", cost), ("notes", notes)):
+        for what, f in (("check", check), ("cost", cost), ("slower", slower), ("notes", notes)):
             if f is not None and not callable(f):
                 raise TypeError(
                     f"backend {name!r}: {what} must be a function of the call returning a list "
@@ -146,7 +174,7 @@ class Backend:
         #: How many calls this backend handed to another one at run time (see :meth:`hand_over`).
         self.handovers = 0
         self._fn = fn
-        self._check, self._cost, self._notes = check, cost, notes
+        self._check, self._cost, self._slower, self._notes = check, cost, slower, notes
 
     # ----------------------------------------------------------------------------------------------
     # The protocol
@@ -158,6 +186,11 @@ class Backend:
     def cost(self, call: AttentionCall) -> list[str]:
         """The reasons ``auto`` should prefer another backend for ``call``."""
         return self._cost(call) if self._cost is not None else []
+
+    def slower(self, call: AttentionCall) -> list[str]:
+        """The reasons this backend would serve ``call`` on a slow path of its own: ``auto``
+        prefers a backend without such reasons (and either to one with costs)."""
+        return self._slower(call) if self._slower is not None else []
 
     def notes(self, call: AttentionCall) -> list[str]:
         """Lines :func:`~attnkit.explain` prints under this backend when it can serve ``call``."""
@@ -195,6 +228,10 @@ class Backend:
             reasons = [*reasons, "does not apply a score_mod (chunked and reference do)"]
         return reasons, self._strings("cost", self.cost(call))
 
+    def slower_reasons(self, call: AttentionCall) -> list[str]:
+        """``slower(call)``, checked to be a list of strings."""
+        return self._strings("slower", self.slower(call))
+
     def explain_notes(self, call: AttentionCall) -> list[str]:
         """``notes(call)``, checked to be a list of strings."""
         return self._strings("notes", self.notes(call))
@@ -206,12 +243,40 @@ class Backend:
             )
         return got
 
-    def hand_over(self, call: AttentionCall, inputs: CallInputs, to: Backend, why: str) -> Output:
-        """Serve ``call`` with backend ``to`` instead, visibly: counted in :attr:`handovers` and
-        recorded by :func:`record_dispatch` with ``why``."""
+    def hand_over(
+        self, call: AttentionCall, inputs: CallInputs, to: str | Backend, why: str
+    ) -> Output:
+        """Serve ``call`` with another backend instead, visibly: counted in :attr:`handovers` and
+        recorded by :func:`record_dispatch` with ``why``.
+
+        ``to`` is the name of a registered backend (``"chunked"``), looked up when the call runs
+        in the registry its dispatcher chose from, so that a backend never imports another; or a
+        :class:`Backend` object of the caller's own. The target must be able to serve the call
+        (its ``check`` gives no reason), else a :class:`BackendError` names both."""
+        target = to if isinstance(to, Backend) else self._registered(to, why)
+        refused = target.reasons(call)[0]
+        if refused:
+            raise BackendError(
+                f"backend {self.name!r} handed the call to {target.name!r} ({why}), which cannot "
+                f"serve it: {'; '.join(refused)}"
+            )
         self.handovers += 1
-        note_handover(self.name, to.name, why)
-        return to.run(call, inputs)
+        note_handover(self.name, target.name, why)
+        return target.run(call, inputs)
+
+    def _registered(self, name: str, why: str) -> Backend:
+        registry = _REGISTRY_OF_CALL.get()
+        if registry is None:
+            raise BackendError(
+                f"backend {self.name!r} hands the call to {name!r} ({why}) outside a call of "
+                "attnkit.attention(): a name is looked up in the registry of the running call"
+            )
+        if name not in registry:
+            raise BackendError(
+                f"backend {self.name!r} hands the call to {name!r} ({why}), which is not "
+                f"registered; registered: {', '.join(registry)}"
+            )
+        return registry[name]
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"

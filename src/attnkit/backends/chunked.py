@@ -173,28 +173,39 @@ class Chunked(Backend):
     def check(self, call: AttentionCall) -> list[str]:
         return chunked_check(call)
 
+    def slower(self, call: AttentionCall) -> list[str]:
+        """The eager kernel, where the native one would not serve the call (never builds it)."""
+        why = why_not_native(self._rewritten(call)[0], self.native)
+        return [] if why is None else [f"runs {why}"]
+
+    def _rewritten(self, call: AttentionCall) -> tuple[AttentionCall, list[str]]:
+        """The call as :meth:`run` serves it: a score_mod that is exactly a softcap runs as
+        ``softcap=``, one that adds a bias by distance as a ``DistanceBias``; and the words that
+        say so, for :meth:`notes`."""
+        cap = as_softcap(call)
+        if cap is not None and call.score_mod is not None:
+            said = (
+                f"{describe_score_mod(call.score_mod)} recognised as softcap={cap} "
+                f"(c * tanh(score / c) exactly): runs as attention(softcap={cap})"
+            )
+            return replace(call, softcap=cap, score_mod=None), [said]
+        by_distance = as_distance_bias(call) if call.device.type != "meta" else None
+        if by_distance is not None and call.score_mod is not None:
+            table = shape_str(by_distance.table.shape)
+            said = (
+                f"{describe_score_mod(call.score_mod)} recognised as score + a bias by distance "
+                f"(of b, h, q_idx - kv_idx): runs as a DistanceBias, a {table} table"
+            )
+            return replace(call, score_mod=None, score_term=by_distance), [said]
+        return call, []
+
     def notes(self, call: AttentionCall) -> list[str]:
         """The block plan of a structured mask, which kernel runs it ("native kernel" or why
         not), and the share of torch's fused CPU kernel (what can be told without data: nothing
         on ``meta`` tensors)."""
         if call.device.type == "meta":
             return []
-        rewrite = []
-        cap = as_softcap(call)
-        if cap is not None and call.score_mod is not None:
-            rewrite = [
-                f"{describe_score_mod(call.score_mod)} recognised as softcap={cap} "
-                f"(c * tanh(score / c) exactly): runs as attention(softcap={cap})"
-            ]
-            call = replace(call, softcap=cap, score_mod=None)
-        by_distance = None if cap is not None else as_distance_bias(call)
-        if by_distance is not None and call.score_mod is not None:
-            table = shape_str(by_distance.table.shape)
-            rewrite = [
-                f"{describe_score_mod(call.score_mod)} recognised as score + a bias by distance "
-                f"(of b, h, q_idx - kv_idx): runs as a DistanceBias, a {table} table"
-            ]
-            call = replace(call, score_mod=None, score_term=by_distance)
+        call, rewrite = self._rewritten(call)
         why = why_not_native(call, self.native)
         plan = self.block_plan(call)
         notes = [*rewrite, *([] if call.mask is None else [f"block plan: {plan.describe()}"])]

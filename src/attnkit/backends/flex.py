@@ -5,17 +5,18 @@ naming the new spelling. The backend's registry name stays ``"flex"``.
 
 from __future__ import annotations
 
+# Through the package: no module under backends/ imports another backend (this one is an alias).
+from .. import backends as _package
 from .._deprecated import moved_names
-from . import torch_flex
 
 __all__: list[str] = []
 
 __getattr__ = moved_names(
     __name__,
     {
-        "Flex": (lambda: torch_flex.Flex, "attnkit.backends.torch_flex.Flex"),
+        "Flex": (lambda: _package.torch_flex.Flex, "attnkit.backends.torch_flex.Flex"),
         "flex_available": (
-            lambda: torch_flex.flex_available,
+            lambda: _package.torch_flex.flex_available,
             "attnkit.backends.torch_flex.flex_available",
         ),
     },

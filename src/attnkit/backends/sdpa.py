@@ -5,8 +5,8 @@ adapter translates attnkit's conventions, which differ from torch's in three pla
 
 * attnkit's causal alignment is bottom-right and torch's ``is_causal`` top-left (they agree when
   ``Tq == Tk``), and torch refuses ``is_causal`` together with a mask: such calls, and every
-  structured mask other than key padding, need a bool mask written out, which is why ``auto``
-  prefers the chunked backend for them.
+  structured mask other than key padding, need a bool mask written out, a cost
+  (:func:`sdpa_cost`) that ``auto`` avoids where another backend has none.
 * attnkit's ``bias`` is torch's float ``attn_mask``; with a mask as well, the two are merged.
 * A :class:`~attnkit.scores.ScoreTerm` (no gradients) is served one block of queries at a time,
   with the block's term, bias and mask as the float ``attn_mask`` of one fused call: memory
@@ -15,9 +15,10 @@ adapter translates attnkit's conventions, which differ from torch's in three pla
 torch's kernels do not follow attnkit's non-finite policy by themselves (a NaN in a masked key
 reaches the output; a query whose scores are all NaN gets 0). So, outside torch.compile, the
 backend looks at its output, one small reduction over ``(..., H, Tq)``: if it holds NaN/inf, or a
-query whose row is not empty got exactly 0, the call is recomputed by attnkit's kernel, which
-applies the policy exactly. Calls that need gradients are not given to this backend at all when
-their inputs hold NaN/inf (torch's backward would let masked ones into the gradients).
+query whose row is not empty got exactly 0, the call is handed over to the backend registered as
+``chunked`` (attnkit's kernel), which applies the policy exactly. Calls that need gradients are
+not given to this backend at all when their inputs hold NaN/inf (torch's backward would let
+masked ones into the gradients).
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, dim_str, shape_str
 from .._kernel import make_plan, no_autocast
-from .._native.kernel import why_not_native
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
 from .base import Backend, CallInputs
-from .chunked import Chunked
 
-__all__ = ["SDPA", "sdpa_check", "sdpa_cost"]
+__all__ = ["SDPA", "sdpa_check", "sdpa_cost", "sdpa_slower"]
+
+#: The registered name of the backend a call goes to when torch's output breaks the policy.
+EXACT = "chunked"
+
+#: The dtypes in which torch's CPU backward is its slow half.
+_CPU_SLOW_BACKWARD = (torch.float32, torch.float64)
 
 # A score term's tiles are asked for this many keys at a time: a term that computes a product per
 # tile (relative positions over long inputs) then keeps it in the CPU's caches.
@@ -192,23 +197,26 @@ def sdpa_cost(call: AttentionCall) -> list[str]:
             f"would keep the probabilities (..., H, Tq, Tk) = {shape_str(call.scores_shape)} for "
             "the backward: torch computes a bias gradient only in its math kernel"
         )
-    term = call.score_term
-    native = why_not_native(call) is None  # the chunked backend's kernel (never builds it)
-    if term is not None and native:
-        costs.append(
-            f"would add the {term.describe()} beside torch's kernel, block by block: the chunked "
-            "backend's native kernel fuses it"
-        )
-    if not costs and call.requires_grad and call.dtype in (torch.float32, torch.float64) and native:
-        # Where nothing else speaks against torch's CPU kernel: it computes the same thing, but
-        # its backward is the slower of the two, and a training step spends most of its attention
-        # time there (half types excepted: torch computes those in their own precision, the
-        # native kernel in float32).
-        costs.append(
-            "trains slower on CPUs than the chunked backend's native kernel (float32/float64: "
-            "torch's CPU backward is the slower)"
-        )
     return costs
+
+
+def sdpa_slower(call: AttentionCall) -> list[str]:
+    """The slow paths torch's SDPA would take for a call it can serve."""
+    slow = []
+    term = call.score_term
+    if term is not None:
+        slow.append(
+            f"would add the {term.describe()} beside torch's kernel, one fused call per block of "
+            "queries with the block's term written out"
+        )
+    if call.requires_grad and call.device.type == "cpu" and call.dtype in _CPU_SLOW_BACKWARD:
+        # A training step spends most of its attention time in the backward, and torch's CPU
+        # backward is its slow half in float32/float64 (the half types it computes in their own
+        # precision, which a float32 kernel does not beat).
+        slow.append(
+            "trains slower on CPUs: torch's CPU backward is its slow half in float32/float64"
+        )
+    return slow
 
 
 def _empty_rows(mask: Tensor | None, attn_mask: Tensor | None) -> Tensor | None:
@@ -462,9 +470,10 @@ class SDPA(Backend):
     per tile asked of the term.
 
     When torch's output breaks attnkit's non-finite policy (NaN/inf, or a zero row that neither
-    the mask nor the values explain), the call is handed over to ``chunked`` (``reference`` with
-    dropout), visibly: :attr:`handovers` counts it and :func:`~attnkit.record_dispatch` records
-    it; ``explain()`` says when it can happen.
+    the mask nor the values explain), the call is handed over to the backend registered as
+    ``chunked`` (dropout included: it drops in O(T) memory too), visibly: :attr:`handovers`
+    counts it and :func:`~attnkit.record_dispatch` records it; ``explain()`` says when it can
+    happen.
     """
 
     def __init__(
@@ -474,13 +483,15 @@ class SDPA(Backend):
         self.block_q = check_int("block_q", block_q)
         self.product_q = check_int("product_q", product_q)
         self.term_keys = check_int("term_keys", term_keys)
-        self._exact = Chunked()
 
     def check(self, call: AttentionCall) -> list[str]:
         return sdpa_check(call)
 
     def cost(self, call: AttentionCall) -> list[str]:
         return sdpa_cost(call)
+
+    def slower(self, call: AttentionCall) -> list[str]:
+        return sdpa_slower(call)
 
     def notes(self, call: AttentionCall) -> list[str]:
         notes = []
@@ -492,7 +503,7 @@ class SDPA(Backend):
                 notes.append(f"one fused call per document: {n} calls")
         if not call.requires_grad:
             notes.append(
-                "hands the call to chunked if torch's output breaks the non-finite policy "
+                f"hands the call to {EXACT} if torch's output breaks the non-finite policy "
                 "(NaN/inf, or a zero row that neither the mask nor the values explain)"
             )
         return notes
@@ -525,9 +536,7 @@ class SDPA(Backend):
             return out
         # NaN/inf in the result, or a zero no mask explains: let attnkit's kernel apply the
         # policy (dropout included: it drops in O(T) memory too).
-        result = self.hand_over(
-            call, inputs, self._exact, "torch's output broke the non-finite policy"
-        )
+        result = self.hand_over(call, inputs, EXACT, "torch's output broke the non-finite policy")
         return result[0] if isinstance(result, tuple) else result
 
     def __repr__(self) -> str:
