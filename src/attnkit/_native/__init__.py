@@ -64,5 +64,5 @@ def status() -> tuple[bool, str]:
     """Whether calls would run the native kernel, and how or why not, without building or
     loading anything (a kernel still to be compiled on first use counts as available)."""
     if torch.compiler.is_compiling():
-        return _traced_status()  # type: ignore[no-any-return]
+        return _traced_status()
     return _status()
