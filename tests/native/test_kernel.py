@@ -791,3 +791,39 @@ def test_native_distance_bias_fuzz_against_reference(
     want = run([t.clone() for t in (q, k, v, table)], "reference")
     for a, w in zip(got, want, strict=True):
         assert_close(a, w, dtype=dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("mask", [m for m in MASKS if m != "none"])
+@pytest.mark.parametrize("rect", [(0, 37, 0, 37), (8, 16, 20, 17), (30, 7, 0, 33), (3, 11, 26, 11)])
+def test_a_rectangle_of_the_scores_is_planned_at_the_calls_positions(
+    mask: str, rect: tuple[int, int, int, int]
+) -> None:
+    # One process's queries against another's keys (attnkit.distributed): the plan of a rectangle
+    # of a call's scores asks the mask at the call's positions, and the kernel run on the
+    # rectangle's rows and keys alone gives attention under that rectangle of the mask.
+    from attnkit._kernel import make_plan
+    from attnkit._native.kernel import block_plan
+
+    m = MASKS[mask]
+    assert m is not None
+    b, h, t, d = 2, 2, 37, 8
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in range(3))
+    geo = Geometry((b,), h, t, t, q.device)
+    q0, nq, k0, nk = rect
+    grid = make_plan(m, geo, q_start=q0, q_len=nq, k_start=k0, kv_len=nk, block_q=8, block_k=16)
+    plan = block_plan(m, geo, grid, rect)
+    assert (plan.q_len, plan.kv_len) == (nq, nk)
+    local = Geometry((b,), h, nq, nk, q.device)
+    call = native_call(None, local, plan, scale=d**-0.5, softcap=None, dtype=q.dtype)
+    rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
+    q5 = q[:, :, rows].reshape(b, h, 1, nq, d)
+    out, lse = call.forward(q5, k[:, :, keys], v[:, :, keys], None)
+    dense = m.dense(t, t, batch_size=b, num_heads=h)[..., rows, keys]
+    want, want_lse = attention(
+        q[:, :, rows], k[:, :, keys], v[:, :, keys], mask=dense, backend="reference",
+        return_lse=True,
+    )  # fmt: skip
+    torch.testing.assert_close(out.reshape(b, h, nq, d), want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse.reshape(b, h, nq), want_lse, atol=1e-10, rtol=1e-10)

@@ -271,9 +271,13 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if unit and apart else t.contiguous()
 
 
-def _mask_form(mask: Mask | None, geo: Geometry) -> tuple[list[float], Tensor | None, bool]:
-    """``(band, key flags, needs tiles)`` for a mask (see the module's docstring)."""
-    if mask is None or geo.kv_len == 0 or geo.q_len == 0:  # no pair to mask
+def _mask_form(
+    mask: Mask | None, geo: Geometry, rect: tuple[int, int, int, int]
+) -> tuple[list[float], Tensor | None, bool]:
+    """``(band, key flags, needs tiles)`` for a mask on the rectangle ``rect = (q_start, q_len,
+    k_start, kv_len)`` of the call's scores (see the module's docstring)."""
+    q0, nq, k0, nk = rect
+    if mask is None or nk == 0 or nq == 0:  # no pair to mask
         return [], None, False
     parts = mask.parts if mask.op == "and" else (mask,)
     bands = [m for m in parts if m.band is not None]
@@ -288,11 +292,11 @@ def _mask_form(mask: Mask | None, geo: Geometry) -> tuple[list[float], Tensor | 
     for m in keyed:
         # The first query's tile: a keys-only mask may still differ between heads (a dense
         # (H, 1, Tk) mask), which key flags cannot say.
-        t = m.tile(geo, 0, 1, 0, geo.kv_len)
+        t = m.tile(geo, q0, q0 + 1, k0, k0 + nk)
         t = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
         if t.size(1) != 1:
             return [], None, True
-        flags = t[:, 0, 0, :].expand(t.size(0), geo.kv_len)
+        flags = t[:, 0, 0, :].expand(t.size(0), nk)
         key_ok = flags if key_ok is None else key_ok & flags
     if key_ok is not None:
         key_ok = key_ok.to(torch.uint8).contiguous()
@@ -428,37 +432,54 @@ def _band_visits(qb: QueryBlock, band: list[float], shift: int, block_k: int) ->
     return out
 
 
-def block_plan(mask: Mask | None, geo: Geometry, grid: Plan) -> BlockPlan:
+def block_plan(
+    mask: Mask | None,
+    geo: Geometry,
+    grid: Plan,
+    rect: tuple[int, int, int, int] | None = None,
+) -> BlockPlan:
     """The native kernel's plan of a call from its grid plan: its visits cut where the mask
     allows (see the module's docstring), and the mask of its partial visits as a band, key
-    flags or tiles."""
-    band, key_ok, tiled = _mask_form(mask, geo)
+    flags or tiles.
+
+    ``rect = (q_start, q_len, k_start, kv_len)``: the grid covers that rectangle of the call's
+    scores (made by :func:`~attnkit._kernel.make_plan` with the same starts and lengths), as when
+    one process computes its queries against another's keys; default the whole call. The plan's
+    indices are then local to the rectangle, its ``shift`` places the rectangle's queries among
+    its keys, and the mask is asked at the call's positions."""
+    if rect is None:
+        rect = (0, geo.q_len, 0, geo.kv_len)
+    q0, q_len, k0, kv_len = rect
+    shift = geo.shift + q0 - k0  # local query i sits at local key position i + shift
+    band, key_ok, tiled = _mask_form(mask, geo, rect)
     # Packed documents need no tiles: a block they cut is one FULL visit per document in it
     # (with a band, such as causal, the band's edges are then its only mask).
     starts = _document_starts(mask, geo) if tiled else None
     if tiled and starts is None:
         band, starts = _documents_and_band(mask, geo)
     tiled = tiled and starts is None
+    if starts is not None:
+        starts = [s - k0 for s in starts]  # local key positions
     band_only = bool(band) and key_ok is None and not tiled and starts is None
     off = [0]
     rows: list[list[int]] = []
     tiles: list[tuple[Tensor, int, int]] = []  # a partial block's tile, its rows and keys
     for qb in grid.blocks:
         if band_only:
-            rows.extend(_band_visits(qb, band, geo.shift, grid.block_k))
+            rows.extend(_band_visits(qb, band, shift, grid.block_k))
             off.append(len(rows))
             continue
         for v in qb.visits:
             tile = -1
             if v.partial and starts is not None:
-                for r in _document_visits(v, qb.qs, geo.shift, starts):
-                    clipped = _clip_to_band(r, qb.qs, band, geo.shift) if band else r
+                for r in _document_visits(v, qb.qs, shift, starts):
+                    clipped = _clip_to_band(r, qb.qs, band, shift) if band else r
                     if clipped is not None:
                         rows.append(clipped)
                 continue
             if v.partial and tiled and mask is not None:
                 tile = len(tiles)
-                t = mask.tile(geo, qb.qs, qb.qe, v.ks, v.ke)
+                t = mask.tile(geo, qb.qs + q0, qb.qe + q0, v.ks + k0, v.ke + k0)
                 tiles.append(
                     (t.reshape((1,) * (4 - t.ndim) + tuple(t.shape)), qb.qe - qb.qs, v.ke - v.ks)
                 )
@@ -472,15 +493,15 @@ def block_plan(mask: Mask | None, geo: Geometry, grid: Plan) -> BlockPlan:
         for i, (t, nr, nk) in enumerate(tiles):
             packed[i, :, :, :nr, :nk] = t.expand(tn, th, nr, nk)
     return BlockPlan(
-        q_len=geo.q_len,
-        kv_len=geo.kv_len,
+        q_len=q_len,
+        kv_len=kv_len,
         block_q=grid.block_q,
         block_k=grid.block_k,
         offsets=torch.tensor(off, dtype=torch.int64),
         visits=torch.tensor(rows, dtype=torch.int64).reshape(-1, 6),
         grid=grid,
         band=(band[0], band[1]) if band else None,
-        shift=geo.shift,
+        shift=shift,
         key_ok=key_ok,
         tiles=packed,
     )
