@@ -55,13 +55,13 @@ def test_records_every_attention_module_with_its_name() -> None:
 
 def test_no_weights_outside_the_context(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[bool] = []
-    real = attnkit.multihead.attention
+    real = attnkit.multihead.attend
 
     def spy(*args: object, **kwargs: object) -> object:
         asked.append(bool(kwargs.get("return_weights", False)))
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(attnkit.multihead, "attention", spy)
+    monkeypatch.setattr(attnkit.multihead, "attend", spy)
     model = small_transformer()
     other = MultiHeadAttention(16, 4, dtype=torch.float64)
     src = torch.randn(1, 5, 16, dtype=torch.float64)
@@ -124,15 +124,15 @@ def test_capture_takes_a_module() -> None:
 
 
 def spy_on_weights(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
-    """(thread name, whether weights were asked) for every attention() call of the modules."""
+    """(thread name, whether weights were asked) for every attention call of the modules."""
     asked: list[tuple[str, bool]] = []
-    real = attnkit.multihead.attention
+    real = attnkit.multihead.attend
 
     def spy(*args: object, **kwargs: object) -> object:
         asked.append((threading.current_thread().name, bool(kwargs.get("return_weights"))))
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(attnkit.multihead, "attention", spy)
+    monkeypatch.setattr(attnkit.multihead, "attend", spy)
     return asked
 
 

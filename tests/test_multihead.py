@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from attnkit import MultiHeadAttention, masks
 from attnkit.interop.torch import from_torch_masks
 from attnkit.testing import assert_close
 
-from .helpers import needs_cxx
+from .helpers import attnkit_checks_only, needs_cxx
 
 # --------------------------------------------------------------------------------------------------
 # An independent formula: explicit per-head weights, GQA by repeating key/value heads, softmax over
@@ -290,13 +292,13 @@ def test_extra_tokens_parameters_and_repr() -> None:
 
 def test_calls_attention_once_without_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[bool] = []
-    real = attnkit.multihead.attention
+    real = attnkit.multihead.attend
 
     def spy(*args: object, **kwargs: object) -> object:
         calls.append(bool(kwargs.get("return_weights", False)))
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(attnkit.multihead, "attention", spy)
+    monkeypatch.setattr(attnkit.multihead, "attend", spy)
     m = MultiHeadAttention(16, 4)
     m(torch.randn(2, 5, 16), causal=True)
     assert calls == [False]
@@ -729,3 +731,60 @@ def test_from_torch_refuses_a_sequence_first_module_and_says_how() -> None:
         want, _ = theirs(x, x, x)
         got = ours(x.transpose(0, 1)).transpose(0, 1)
     assert_close(got, want)
+
+
+def test_a_forward_checks_each_argument_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The module checks its inputs; the attention call checks the caller's mask, bias and causal;
+    # q, k, v and the sinks the module built are not checked again (a check of the sinks reads
+    # them: a host synchronisation per call).
+    seen: collections.Counter[str] = collections.Counter()
+    for name in ("_check_qkv", "_check_scores", "_check_sinks", "check_input"):
+        module = attnkit._call if hasattr(attnkit._call, name) else attnkit.multihead
+        real = getattr(module, name)
+
+        def counted(*args: object, _real: Any = real, _name: str = name, **kw: object) -> object:
+            seen[_name] += 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(module, name, counted)
+    m = MultiHeadAttention(16, 4, add_zero_attn=True)
+    m(torch.randn(2, 5, 16), mask=masks.key_padding([5, 3]), causal=True)
+    assert seen == {"check_input": 1, "_check_scores": 1}
+    seen.clear()
+    m(torch.randn(2, 5, 16), torch.randn(2, 7, 16))  # cross-attention: query and key
+    assert seen == {"check_input": 2, "_check_scores": 1}
+    # ... while attention() called directly checks everything it is given
+    seen.clear()
+    q = torch.randn(1, 4, 5, 4)
+    attnkit.attention(q, q, q, sinks=torch.zeros(4))
+    assert seen == {"_check_qkv": 1, "_check_scores": 1, "_check_sinks": 1}
+
+
+def test_the_caller_s_arguments_are_still_checked_with_attention_s_words() -> None:
+    m = MultiHeadAttention(16, 4)
+    x = torch.randn(2, 5, 16)
+    with attnkit_checks_only():
+        with pytest.raises(TypeError, match=r"causal must be a bool, got 1"):
+            m(x, causal=1)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^mask .*\(3, 5\)"):
+            m(x, mask=torch.ones(3, 5, dtype=torch.bool))
+        with pytest.raises(TypeError, match=r"bias must have the dtype of q \(float32\)"):
+            m(x, bias=torch.zeros(5, 5, dtype=torch.float64))
+
+
+def test_a_rotary_module_that_changes_its_input_is_refused() -> None:
+    class Truncating(nn.Module):
+        head_dim = 4
+
+        def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+            return x[..., :-1, :]
+
+    m = MultiHeadAttention(16, 4, rotary=Truncating())
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "rotary must return a tensor of its input's shape and dtype, (2, 4, 5, 4) "
+            "torch.float32, got (2, 4, 4, 4) torch.float32"
+        ),
+    ):
+        m(torch.randn(2, 5, 16))

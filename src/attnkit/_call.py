@@ -30,7 +30,7 @@ from ._score_mod import describe as describe_score_mod
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 
-__all__ = ["AttentionCall", "check_attention_args", "finite"]
+__all__ = ["AttentionCall", "check_attention_args", "describe_call", "finite"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -363,6 +363,33 @@ def _check_sinks(sinks: object, q: Tensor, num_heads: int) -> Tensor:
     return sinks
 
 
+@dataclass(frozen=True)
+class _Scores:
+    """What the caller's ``mask``, ``causal`` and ``bias`` say about the scores, checked."""
+
+    given: Tensor | Mask | None
+    mask_shape: tuple[int, ...] | None
+    causal: bool
+    term: ScoreTerm | None
+    dense: Tensor | None
+    bias_grad: bool
+
+
+def _check_scores(q: Tensor, k: Tensor, mask: object, bias: object, causal: object) -> _Scores:
+    """The caller's ``mask``, ``causal`` and ``bias``, checked against q and k."""
+    scores = (*q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2])
+    legend = "(..., H, Tq, Tk)"
+    given, mask_shape = _check_mask_arg(mask, q, scores, legend)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    term = bias if isinstance(bias, ScoreTerm) else None
+    dense = None if bias is None or term is not None else _check_bias_arg(bias, q, scores, legend)
+    bias_grad = (
+        _check_term(term, q) if term is not None else dense is not None and dense.requires_grad
+    )
+    return _Scores(given, mask_shape, causal, term, dense, bias_grad)
+
+
 def check_attention_args(
     q: object,
     k: object,
@@ -387,20 +414,8 @@ def check_attention_args(
     the gradients can decline it. Skipped while torch.compile traces and on ``meta`` tensors.
     """
     q, k, v = _check_qkv(q, k, v)
-    batch = tuple(q.shape[:-3])
-    num_heads, q_len, qk_dim = q.shape[-3:]
-    num_kv_heads, kv_len = k.shape[-3], k.shape[-2]
-    scores = (*batch, num_heads, q_len, kv_len)
-    legend = "(..., H, Tq, Tk)"
-    given, mask_shape = _check_mask_arg(mask, q, scores, legend)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    term = bias if isinstance(bias, ScoreTerm) else None
-    dense = None if bias is None or term is not None else _check_bias_arg(bias, q, scores, legend)
-    bias_grad = (
-        _check_term(term, q) if term is not None else dense is not None and dense.requires_grad
-    )
-    sink_t = None if sinks is None else _check_sinks(sinks, q, num_heads)
+    scores = _check_scores(q, k, mask, bias, causal)
+    sink_t = None if sinks is None else _check_sinks(sinks, q, q.shape[-3])
     mod = check_score_mod(score_mod)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
@@ -409,13 +424,80 @@ def check_attention_args(
     # The common 0.0 without a call; anything else (False included) is checked.
     zero = type(dropout_p) is float and dropout_p == 0.0
     dropout = 0.0 if zero else check_probability("dropout_p", dropout_p)
+    cap = None if softcap is None else _check_softcap(softcap)
+    return _described(
+        q,
+        k,
+        v,
+        scores,
+        scale=_check_scale(scale, q.shape[-1], q.dtype),
+        softcap=cap,
+        sinks=sink_t,
+        dropout_p=dropout,
+        return_weights=return_weights,
+        return_lse=return_lse,
+        score_mod=mod,
+        check_finite=check_finite,
+    )
+
+
+def describe_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: object,
+    bias: object,
+    causal: object,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    check_finite: bool = False,
+) -> AttentionCall:
+    """The call a module makes: ``q``, ``k``, ``v``, ``sinks``, ``dropout_p`` and the flags are the
+    module's own, built from its checked arguments and parameters, so they are not checked again;
+    the caller's ``mask``, ``bias`` and ``causal``, which the module passes on, are checked here,
+    once. The scale is ``1/sqrt(Dk)``."""
+    return _described(
+        q,
+        k,
+        v,
+        _check_scores(q, k, mask, bias, causal),
+        scale=1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0,
+        softcap=None,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        return_lse=return_lse,
+        score_mod=None,
+        check_finite=check_finite,
+    )
+
+
+def _described(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scores: _Scores,
+    *,
+    scale: float,
+    softcap: float | None,
+    sinks: Tensor | None,
+    dropout_p: float,
+    return_weights: bool,
+    return_lse: bool,
+    score_mod: ScoreMod | None,
+    check_finite: bool,
+) -> AttentionCall:
+    """The :class:`AttentionCall` of checked parts."""
     requires_grad = torch.is_grad_enabled() and (
-        bias_grad
+        scores.bias_grad
         or q.requires_grad
         or k.requires_grad
         or v.requires_grad
-        or (sink_t is not None and sink_t.requires_grad)
-        or (mod is not None and bool(captured_tensors(mod)))
+        or (sinks is not None and sinks.requires_grad)
+        or (score_mod is not None and bool(captured_tensors(score_mod)))
     )
     is_finite = None
     if (
@@ -425,30 +507,31 @@ def check_attention_args(
         and not torch.compiler.is_compiling()
     ):
         is_finite = finite(q, k, v)
+    given = scores.given
     return AttentionCall(
-        batch_shape=batch,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        q_len=q_len,
-        kv_len=kv_len,
-        qk_dim=qk_dim,
+        batch_shape=tuple(q.shape[:-3]),
+        num_heads=q.shape[-3],
+        num_kv_heads=k.shape[-3],
+        q_len=q.shape[-2],
+        kv_len=k.shape[-2],
+        qk_dim=q.shape[-1],
         v_dim=v.shape[-1],
         dtype=q.dtype,
         device=q.device,
-        mask=visibility(given, causal),
-        given_mask=given if isinstance(given, Mask) else mask_shape,
-        mask_shape=mask_shape,
-        causal=causal,
-        bias_shape=None if dense is None else tuple(dense.shape),
-        bias_requires_grad=bias_grad,
-        score_term=term,
-        softcap=None if softcap is None else _check_softcap(softcap),
-        sinks=sink_t is not None,
-        scale=_check_scale(scale, qk_dim, q.dtype),
-        dropout_p=dropout,
+        mask=visibility(given, scores.causal),
+        given_mask=given if isinstance(given, Mask) else scores.mask_shape,
+        mask_shape=scores.mask_shape,
+        causal=scores.causal,
+        bias_shape=None if scores.dense is None else tuple(scores.dense.shape),
+        bias_requires_grad=scores.bias_grad,
+        score_term=scores.term,
+        softcap=softcap,
+        sinks=sinks is not None,
+        scale=scale,
+        dropout_p=dropout_p,
         return_weights=return_weights,
         requires_grad=requires_grad,
         return_lse=return_lse,
         finite=is_finite,
-        score_mod=mod,
+        score_mod=score_mod,
     )

@@ -31,7 +31,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from ._call import AttentionCall, check_attention_args
+from ._call import AttentionCall, check_attention_args, describe_call
 from ._checks import shape_str
 from ._hints import torch_keywords, warn_torch_convention
 from ._score_mod import ScoreMod, captured_tensors, check_captured, check_elementwise
@@ -57,6 +57,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "Explanation",
+    "attend",
     "attention",
     "available_backends",
     "dispatch",
@@ -311,6 +312,16 @@ def _under_autocast(
     return tuple(cast(t) for t in tensors), True, str(dtype).removeprefix("torch.")
 
 
+def _autocast_hint(error: TypeError, autocast: str | None) -> TypeError:
+    """``error`` of the checks; under autocast, a dtype error that also says what autocast did."""
+    if autocast is None or "dtype" not in str(error):
+        return error
+    return TypeError(
+        f"{error} (inside torch.autocast, float16/bfloat16/float32 inputs are cast to "
+        f"{autocast} and float64 ones are not, so mixing float64 with others fails there)"
+    )
+
+
 def _call_of(
     args: tuple[object, ...],
     mask: object,
@@ -323,7 +334,7 @@ def _call_of(
     autocast: str | None,
     score_mod: object = None,
 ) -> AttentionCall:
-    """The validated call; under autocast a dtype error also says what autocast did."""
+    """The validated call."""
     q, k, v, bias, sinks = args
     try:
         return check_attention_args(
@@ -343,12 +354,7 @@ def _call_of(
             check_finite=True,
         )
     except TypeError as error:
-        if autocast is None or "dtype" not in str(error):
-            raise
-        raise TypeError(
-            f"{error} (inside torch.autocast, float16/bfloat16/float32 inputs are cast to "
-            f"{autocast} and float64 ones are not, so mixing float64 with others fails there)"
-        ) from None
+        raise _autocast_hint(error, autocast) from None
 
 
 def _run(
@@ -399,6 +405,53 @@ def _run(
     inputs = CallInputs(q, k, v, dense, sinks, captured)
     with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
         return dispatch(call, inputs, check_backend(backend))
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Mask | None,
+    bias: Tensor | ScoreTerm | None,
+    causal: bool,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    backend: str | Backend,
+) -> Output:
+    """:func:`attention` for the call a module makes: each argument is checked once per call.
+
+    ``q``, ``k``, ``v``, ``sinks``, ``dropout_p``, the flags and ``backend`` are the module's own,
+    built from arguments and parameters it has checked (its inputs' shapes, dtypes and devices at
+    each call, its settings and backend when it was built), so they are not checked again; the
+    caller's ``mask``, ``bias`` and ``causal``, which the module passes on, are checked here, by
+    the same checks as :func:`attention`'s. The scale is ``1/sqrt(Dk)``; what follows (autocast,
+    the torch-convention warning, the choice of backend) is :func:`attention`'s."""
+    args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
+    q, k, v, bias, sinks = args  # type: ignore[assignment]
+    try:
+        call = describe_call(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            return_weights=return_weights,
+            return_lse=return_lse,
+            check_finite=True,
+        )
+    except TypeError as error:
+        raise _autocast_hint(error, autocast_dtype) from None
+    if isinstance(mask, Tensor):
+        warn_torch_convention(mask)  # True = may NOT attend, as in torch's modules? (warned once)
+    inputs = CallInputs(q, k, v, bias if isinstance(bias, Tensor) else None, sinks)
+    with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        return dispatch(call, inputs, backend)
 
 
 def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) -> Output:

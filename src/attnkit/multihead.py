@@ -37,7 +37,7 @@ from ._checks import (
 from ._hints import torch_keywords
 from ._packing import split_packed
 from ._typing import Bool, Float, shape_checked
-from .attention import Backend, Explanation, attention, check_backend, explain
+from .attention import Backend, Explanation, attend, check_backend, explain
 from .capture import is_capturing, record
 from .kv_cache import KVCache
 from .masks import Mask
@@ -308,6 +308,18 @@ class MultiHeadAttention(nn.Module):
             )
         return out, weights
 
+    def _rotated(self, x: Tensor, offset: int) -> Tensor:
+        """``rotary(x, offset=offset)``, which must keep ``x``'s shape and dtype (the attention
+        call takes the result as this module's own, unchecked)."""
+        out = self.rotary(x, offset=offset)  # type: ignore[misc]
+        if not isinstance(out, Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+            got = f"{shape_str(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out)
+            raise ValueError(
+                f"rotary must return a tensor of its input's shape and dtype, "
+                f"{shape_str(x.shape)} {x.dtype}, got {got}"
+            )
+        return out
+
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         params = self.out_proj.weight
         check_input("query", query, f"(B, Tq, d_model={self.d_model})", self.d_model, params)
@@ -316,6 +328,8 @@ class MultiHeadAttention(nn.Module):
             ("value", value, self.vdim, "vdim"),
         ):
             if t is query and dim == self.d_model:  # self-attention: checked just above
+                continue
+            if t is key and name == "value" and dim == self.kdim:  # one memory: checked as key
                 continue
             shape = f"(B={query.size(0)}, Tk, {attr}={dim})"
             check_input(name, t, shape, dim, params)
@@ -387,8 +401,8 @@ class MultiHeadAttention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.v_head_dim)).transpose(1, 2)
         if self.rotary is not None:
             offset = 0 if cache is None else cache.length
-            q = self.rotary(q, offset=offset)
-            k = self.rotary(k, offset=offset)
+            q = self._rotated(q, offset)
+            k = self._rotated(k, offset)
         if cache is not None:
             # Written past the cache's length, invisible until the commit below: attention()
             # validates mask, bias and causal, and a call it refuses must leave the cache as it was.
@@ -402,7 +416,9 @@ class MultiHeadAttention(nn.Module):
         # The log-sum-exp merges the learned token in, and scales the weights to make room for
         # the extra tokens' columns.
         want_lse = self.bias_k is not None or (want_weights and self.add_zero_attn)
-        got = attention(
+        # q, k, v and the settings are this module's, built from what it checked above and when it
+        # was built: attend() checks only the caller's mask, bias and causal, once.
+        got = attend(
             q,
             k,
             v,
