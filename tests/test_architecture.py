@@ -197,11 +197,12 @@ TESTS = pathlib.Path(__file__).resolve().parent
 
 # Modules without a test file of their own, each with the tests that cover it.
 NO_MIRROR = {
-    "__init__.py": "the public API: every test imports it; tests/test_docs.py documents its names",
+    "__init__.py": "the public API: every test imports it; tests/suites/test_docs.py documents its "
+    "names",
     "_kernel/__init__.py": "re-exports only: tests/kernel/test_plan.py, test_forward.py",
     "_native/__init__.py": "load() and status(): tests/native/test_build.py, test_kernel.py",
     "_native/_flags.py": "the compiler's flags: tests/native/test_build.py (the build's name) "
-    "and tests/test_packaging.py (the wheel's libraries)",
+    "and tests/suites/test_packaging.py (the wheel's libraries)",
     "_typing.py": "its shape checks run in every test (conftest.py turns them on); "
     "tests/test_attention.py asserts one fires",
     "backends/__init__.py": "the built-in backends, in auto's order: tests/test_attention.py",
@@ -234,6 +235,57 @@ def test_every_module_has_its_mirror_test_file() -> None:
         if not (TESTS / _mirror(relative)).is_file():
             missing.append(f"src/attnkit/{relative} -> tests/{_mirror(relative)}")
     assert not missing, "modules without their test file:\n" + "\n".join(missing)
+
+
+# The suites that cut across modules (fuzzing, the promises, precision, deployment, the docs, the
+# package, ...) live in tests/suites/; every other test file is the mirror of a module, or of a
+# package as one file (tests/X/test_pkg.py for src/attnkit/X/pkg/), or is listed here with what it
+# tests.
+SUITES = "suites"
+NOT_A_MIRROR = {
+    "test_architecture.py": "the package's structure: imports, privates, the map, the mirrors",
+    "test_merge.py": "merge_attention, of attention.py",
+    "backends/test_sdpa_documents.py": "backends/sdpa.py's one fused call per packed document",
+    "cli/test_main.py": "cli/__init__.py: the command's entry point",
+    "distributed/test_ddp.py": "distributed/backend.py under DistributedDataParallel",
+    "interop/test_hyperparameters.py": "every loader of interop/: each number it copies",
+    "native/test_softcap_bias.py": "the native kernel with softcap and something added to scores",
+}
+
+
+def _mirrored() -> set[pathlib.PurePosixPath]:
+    """The test files that mirror a module or a package."""
+    found = set()
+    for path in MODULES.values():
+        relative = pathlib.PurePosixPath(path.relative_to(SRC).as_posix())
+        found.add(_mirror(relative))
+        if relative.name == "__init__.py" and len(relative.parts) > 1:
+            found.add(_mirror(relative.parent.with_suffix(".py")))
+    return found
+
+
+def test_every_test_file_outside_the_suites_mirrors_a_module() -> None:
+    mirrored = _mirrored()
+    stray = [
+        f"tests/{relative}"
+        for path in sorted(TESTS.rglob("test_*.py"))
+        if (relative := pathlib.PurePosixPath(path.relative_to(TESTS).as_posix())).parts[0]
+        != SUITES
+        and str(relative) not in NOT_A_MIRROR
+        and relative not in mirrored
+    ]
+    assert not stray, (
+        "test files that mirror no module (a suite that cuts across modules goes in "
+        "tests/suites/):\n" + "\n".join(stray)
+    )
+
+
+def test_the_test_files_listed_as_no_mirror_exist_and_are_none() -> None:
+    # A stale entry (a test file moved, or a module added that it mirrors) would hide the next one.
+    mirrored = _mirrored()
+    for name in NOT_A_MIRROR:
+        assert (TESTS / name).is_file(), f"NOT_A_MIRROR lists tests/{name}, which is not a file"
+        assert pathlib.PurePosixPath(name) not in mirrored, f"tests/{name} mirrors a module"
 
 
 def test_the_modules_without_a_mirror_exist_and_have_none() -> None:

@@ -21,8 +21,8 @@ Signatures show no private names: a parameter annotated with a private alias of 
 
 Public means: a name in ``attnkit.__all__``, in the ``__all__`` of an exported subpackage (or a
 public submodule of one), ``attnkit.testing``, and the public members of those classes. The test
-``tests/test_docs.py`` checks that the reference pages render every one of them, so a link made
-here always has a target and ``mkdocs build --strict`` fails on any other.
+``tests/suites/test_docs.py`` checks that the reference pages render every one of them, so a link
+made here always has a target and ``mkdocs build --strict`` fails on any other.
 """
 
 from __future__ import annotations

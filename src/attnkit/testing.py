@@ -19,9 +19,9 @@ its weight by ``|s| * eps``, whatever the kernel, so larger logits need ``condit
 differential fuzzing passes ``max(1, max|s| / 16)``).
 
 The same table judges everything attnkit's tests compare with float64, the differential fuzzing
-of ``tests/test_fuzz.py`` included: every backend's output and its gradients (q, k, v, bias) in
-each dtype against the reference on the rounded inputs; every module converted to a dtype against
-a float64 copy of its *rounded* parameters; and modules kept in float32 and run under
+of ``tests/suites/test_fuzz.py`` included: every backend's output and its gradients (q, k, v,
+bias) in each dtype against the reference on the rounded inputs; every module converted to a dtype
+against a float64 copy of its *rounded* parameters; and modules kept in float32 and run under
 ``torch.autocast(dtype=...)``, whose projections round their inputs and weights on the way in (pass
 ``dtype=`` the autocast dtype there: an output that leaves through a LayerNorm is float32).
 

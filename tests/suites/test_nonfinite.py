@@ -21,7 +21,7 @@ import attnkit
 from attnkit import attention, masks
 from attnkit.testing import assert_close
 
-from .helpers import blocked
+from ..helpers import blocked
 
 BACKENDS = ["auto", "sdpa", "chunked", "reference"]
 GARBAGE = [float("nan"), float("inf"), -float("inf"), 3e38]

@@ -22,7 +22,7 @@ import torch
 import attnkit
 from attnkit._native import build
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # What a run of the tests, the docs build or the demo leaves in a checkout: not the package's.
 _NOT_SOURCES = shutil.ignore_patterns(

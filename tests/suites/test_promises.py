@@ -18,7 +18,7 @@ from attnkit import attention, masks
 from attnkit.scores import ScoreTerm
 from attnkit.testing import assert_close
 
-from .helpers import blocked
+from ..helpers import blocked
 
 # The backends that serve every modifier with gradients; "small" is the kernel with blocks of 2x3,
 # so that small inputs span partial, full and skipped blocks.

@@ -32,8 +32,8 @@ from attnkit import BackendError, attention, masks
 from attnkit.backends import SDPA, Backend, Chunked
 from attnkit.testing import assert_close
 
-from .helpers import attnkit_checks_only
-from .strategies import Case, cases
+from ..helpers import attnkit_checks_only
+from ..strategies import Case, cases
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["reference", "sdpa", "chunked"]

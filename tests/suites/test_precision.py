@@ -22,7 +22,7 @@ import attnkit
 from attnkit import attention, masks
 from attnkit.testing import assert_close
 
-from .helpers import blocked
+from ..helpers import blocked
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HALF = [torch.bfloat16, torch.float16]

@@ -29,7 +29,7 @@ from attnkit import masks
 from attnkit.testing import assert_close
 from attnkit.weights import load, save
 
-from .helpers import needs_cxx
+from ..helpers import needs_cxx
 
 D_MODEL = 16
 TRACED_LENGTH = 8
@@ -215,7 +215,7 @@ def test_relative_attention_traces_into_attnkits_operator() -> None:
 # --------------------------------------------------------------------------------------------------
 # Checkpoints: nothing is unpickled, and a mismatch names the parameter and both shapes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def loads_of(path: Path) -> list[str]:

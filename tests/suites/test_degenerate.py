@@ -4,8 +4,8 @@ and backward, against the float64 reference, in a child process.
 An empty batch once killed the process with SIGFPE in the native kernel's backward: in-process,
 such a crash would end the test run without a report. In a child it is one failing test that
 names the case running when the child died. The child is this file run as a script
-(``python tests/test_degenerate.py``): it runs every case and prints one JSON line when a case
-starts and one with its result.
+(``python tests/suites/test_degenerate.py``): it runs every case and prints one JSON line when a
+case starts and one with its result.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import pytest
 
 import attnkit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "reference"
 README_LIMIT = 12_000
 
