@@ -113,6 +113,10 @@ def test_from_torch_masks_masks_what_torch_masks() -> None:
 @pytest.mark.usefixtures("no_shape_checks")
 def test_refusals_quote_the_values() -> None:
     with pytest.raises(
+        TypeError, match=re.escape("to_torch() takes an attnkit.MultiHeadAttention, got Linear")
+    ):
+        to_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(
         ValueError,
         match=re.escape(
             "to_torch(): torch.nn.MultiheadAttention has no equivalent: num_kv_heads (1) != "
