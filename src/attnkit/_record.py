@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 
 from ._call import AttentionCall
 
-__all__ = ["Dispatch", "note_handover", "note_kernel", "record_dispatch", "recording"]
+__all__ = [
+    "Dispatch",
+    "current",
+    "note_handover",
+    "note_kernel",
+    "record_dispatch",
+    "recording",
+]
 
 
 @dataclass
@@ -30,6 +37,10 @@ class Dispatch:
     #: the kernel that computed the output, where the backend says (the chunked backend: "native
     #: kernel", or "the eager kernel (why)", the words explain() uses)
     kernel: str | None = None
+    #: bytes this process sent to the others of a process group for the call, by pass
+    #: (``"forward"``, then ``"backward"`` once it has run): what attnkit.distributed's
+    #: strategies exchange; empty for a call in one process
+    sent: dict[str, int] = field(default_factory=dict)
 
     @property
     def served_by(self) -> str:
@@ -65,6 +76,13 @@ def record_dispatch() -> Iterator[list[Dispatch]]:
 def recording() -> list[Dispatch] | None:
     """The active record of :func:`record_dispatch`, if any (what the dispatcher appends to)."""
     return _RECORD.get()
+
+
+def current() -> Dispatch | None:
+    """The record of the call being dispatched, if one is being recorded (a distributed call
+    keeps it, to add its backward's bytes to :attr:`Dispatch.sent` when that runs)."""
+    record = _RECORD.get()
+    return record[-1] if record else None
 
 
 def note_kernel(kernel: str) -> None:
