@@ -25,7 +25,9 @@ import pytest
 PROCESS_GROUP_TIMEOUT_S = 30
 
 
-def _child(module: str, name: str, rank: int, world_size: int, store: str, results: Any) -> None:
+def _child(
+    module: str, name: str, rank: int, world_size: int, store: str, results: Any, wait: float
+) -> None:
     try:
         os.environ["ATTNKIT_SHAPE_CHECKS"] = "1"
         import torch
@@ -38,7 +40,7 @@ def _child(module: str, name: str, rank: int, world_size: int, store: str, resul
             init_method=f"file://{store}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=wait),
         )
         try:
             results.put((rank, True, fn(rank, world_size)))
@@ -48,10 +50,17 @@ def _child(module: str, name: str, rank: int, world_size: int, store: str, resul
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[[int, int], Any], world_size: int, *, timeout: float = 90) -> list[Any]:
+def run_ranks(
+    fn: Callable[[int, int], Any],
+    world_size: int,
+    *,
+    timeout: float = 90,
+    group_timeout: float = PROCESS_GROUP_TIMEOUT_S,
+) -> list[Any]:
     """``[fn(0, W), ..., fn(W-1, W)]``, each called in its own process inside a gloo group.
 
-    ``fn`` must be a module-level function; what it returns must pickle.
+    ``fn`` must be a module-level function; what it returns must pickle. ``group_timeout``: how
+    long a collective or receive may wait before it raises in the child.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -60,7 +69,15 @@ def run_ranks(fn: Callable[[int, int], Any], world_size: int, *, timeout: float 
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn.__module__, fn.__qualname__, rank, world_size, store, results),
+                args=(
+                    fn.__module__,
+                    fn.__qualname__,
+                    rank,
+                    world_size,
+                    store,
+                    results,
+                    group_timeout,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)

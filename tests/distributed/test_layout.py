@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from attnkit import masks
-from attnkit.distributed import shard_zigzag, unshard_zigzag
-from attnkit.distributed.layout import LAYOUTS, segments
+from attnkit.distributed import Layout, shard_zigzag, unshard_zigzag
+from attnkit.distributed.layout import LAYOUTS, layout_of
 
 
 def test_zigzag_shards_hold_chunks_r_and_2w_minus_1_minus_r() -> None:
@@ -47,17 +47,18 @@ def test_zigzag_errors_quote_values(no_shape_checks: None) -> None:
 
 @pytest.mark.parametrize(("layout", "world"), [("contiguous", 3), ("zigzag", 3), ("zigzag", 1)])
 def test_segments_name_the_global_positions_each_rank_holds(layout: str, world: int) -> None:
-    # Every rank's runs, laid out at their global starts, cover the sequence once and in order
-    # within each shard; for zigzag they are where shard_zigzag puts them.
+    # Every rank's runs, laid out at their global starts, cover the sequence once; they are
+    # where the layout's shard puts each position.
     length = 12  # local length; the sequence is world * length
     positions = torch.arange(world * length).view(1, 1, -1, 1)
+    lay = layout_of(layout, world)
     covered = []
     for rank in range(world):
-        runs = segments(layout, rank, world, length)
+        runs = lay.segments(rank, length)
         local = [g + i for _, g, n in runs for i in range(n)]
         assert [s for s, _, _ in runs] == sorted(s for s, _, _ in runs)
         assert sum(n for _, _, n in runs) == length
-        assert local == sorted(local)  # positions only increase within a shard
+        assert lay.shard(positions, rank).flatten().tolist() == local
         if layout == "zigzag":
             assert shard_zigzag(positions, rank, world).flatten().tolist() == local
         else:
@@ -65,3 +66,31 @@ def test_segments_name_the_global_positions_each_rank_holds(layout: str, world: 
         covered += local
     assert sorted(covered) == list(range(world * length))
     assert set(LAYOUTS) == {"contiguous", "zigzag"}
+
+
+def test_a_layout_of_any_chunks_shards_and_unshards() -> None:
+    # Chunks in any order, several per rank; runs of chunks that follow each other merge.
+    lay = Layout(((3, 0, 1), (2, 4, 5)))
+    x = torch.arange(18).view(1, 18, 1)
+    shards = [lay.shard(x, r) for r in range(2)]
+    assert shards[0].flatten().tolist() == [9, 10, 11, 0, 1, 2, 3, 4, 5]
+    assert lay.segments(0, 9) == [(0, 9, 3), (3, 0, 6)]
+    assert lay.segments(1, 9) == [(0, 6, 3), (3, 12, 6)]
+    assert torch.equal(lay.unshard(shards), x)
+    assert (lay.world_size, lay.count, lay.per_rank) == (2, 6, 3)
+    assert [lay.owner(c) for c in range(6)] == [0, 0, 1, 0, 1, 1]
+
+
+def test_layout_errors_quote_values() -> None:
+    with pytest.raises(ValueError, match=r"the same number of chunks .* got \[2, 1\] chunks"):
+        Layout(((0, 1), (2,)))
+    with pytest.raises(
+        ValueError, match=r"each chunk 0..3 exactly once, got \(\(0, 1\), \(1, 3\)\)"
+    ):
+        Layout(((0, 1), (1, 3)))
+    with pytest.raises(ValueError, match=r"does not divide into 4 equal chunks"):
+        Layout.zigzag(2).shard(torch.zeros(1, 6, 2), 0)
+    with pytest.raises(ValueError, match=r"the layout has 3 ranks but the group has 2"):
+        layout_of(Layout.contiguous(3), 2)
+    with pytest.raises(ValueError, match=r"layout must be one of 'contiguous', 'zigzag' or a"):
+        layout_of("spiral", 2)

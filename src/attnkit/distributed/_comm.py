@@ -1,5 +1,5 @@
-"""What the ranks say to each other: the ring's point-to-point exchange, and the agreement on the
-arguments that comes before it.
+"""What the ranks say to each other: point-to-point exchanges between peers, and the agreement on
+the arguments that comes before any of them.
 
 Everything goes through ``torch.distributed`` (gloo on CPU, nccl on GPU); there is no transport of
 our own.
@@ -34,7 +34,8 @@ def require_group(group: ProcessGroup | None, caller: str) -> None:
 
 @dataclass
 class Pending:
-    """An exchange in flight; :meth:`wait` returns the tensors received from the previous rank."""
+    """An exchange in flight; :meth:`wait` returns the tensors received (empty when the exchange
+    receives nothing)."""
 
     requests: list[dist.Work]
     received: list[Tensor]
@@ -43,37 +44,58 @@ class Pending:
     def wait(self) -> list[Tensor]:
         for request in self.requests:
             request.wait()
+        self.requests, self.sent = [], []
         return self.received
 
 
-class Ring:
-    """The ranks of ``group`` in a ring: each sends to ``rank + 1``, receives from ``rank - 1``."""
+def nbytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Peers:
+    """The ranks of ``group``, exchanging tensors point to point: each exchange sends to at most
+    one rank and receives from at most one, and counts the bytes it sends (:attr:`sent`)."""
 
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        # P2POp wants global ranks, which differ from the group's own ranks in a subgroup.
-        self._next = self._global((self.rank + 1) % self.world_size)
-        self._prev = self._global((self.rank - 1) % self.world_size)
+        self.sent = 0
 
     def _global(self, group_rank: int) -> int:
+        # P2POp wants global ranks, which differ from the group's own ranks in a subgroup.
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def exchange(self, tensors: Sequence[Tensor]) -> Pending:
-        """Start sending ``tensors`` to the next rank and receiving their likes from the previous.
+    def exchange(
+        self,
+        send_to: int | None,
+        tensors: Sequence[Tensor],
+        recv_from: int | None,
+        likes: Sequence[Tensor],
+        tag: int = 0,
+    ) -> Pending:
+        """Start sending ``tensors`` to rank ``send_to`` and receiving tensors shaped as ``likes``
+        from rank ``recv_from`` (either may be None: nothing that way).
 
-        Every rank must call this in the same order with tensors of the same shapes; the send and
-        the receive go in one batch, which nccl needs to avoid a deadlock. With one rank the
-        tensors come straight back.
+        The rank a tensor goes to must post the matching receive in the same order: every rank
+        walks the same schedule. The send and the receive go in one batch, which nccl needs to
+        avoid a deadlock. ``tag`` keeps apart messages of different kinds between two ranks
+        (gloo matches messages by tag; nccl by order, which the schedule keeps).
         """
-        if self.world_size == 1:
-            return Pending([], list(tensors), [])
-        sent = [t.contiguous() for t in tensors]
-        received = [torch.empty_like(t) for t in sent]
-        ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in sent]
-        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
-        return Pending(list(dist.batch_isend_irecv(ops)), received, sent)
+        ops = []
+        sent: list[Tensor] = []
+        received: list[Tensor] = []
+        if send_to is not None:
+            sent = [t.contiguous() for t in tensors]
+            self.sent += nbytes(sent)
+            peer = self._global(send_to)
+            ops += [dist.P2POp(dist.isend, t, peer, self.group, tag) for t in sent]
+        if recv_from is not None:
+            received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in likes]
+            peer = self._global(recv_from)
+            ops += [dist.P2POp(dist.irecv, r, peer, self.group, tag) for r in received]
+        requests = list(dist.batch_isend_irecv(ops)) if ops else []
+        return Pending(requests, received, sent)
 
 
 def agree(
@@ -82,7 +104,8 @@ def agree(
     local_error: str | None,
     description: dict[str, object],
     shape_fields: Sequence[str] = (),
-) -> None:
+    facts: object = None,
+) -> list[object]:
     """Check on every rank at once that every rank accepted its arguments and described them alike.
 
     A rank that raised alone would leave the others waiting forever for blocks it never sends, so
@@ -90,19 +113,20 @@ def agree(
     any other rank rejected its arguments or described them differently. A rank whose own check
     failed (``local_error``, the message) returns and raises its own error. ``description`` maps
     names to plain values that must agree; mismatches in ``shape_fields`` add a hint about uneven
-    shards.
+    shards. ``facts``: what this rank knows that may differ between ranks (whether its inputs are
+    finite, its dropout seed), returned for every rank in rank order, from the same all-gather.
     """
     world_size = dist.get_world_size(group)
-    everyone: list[tuple[str | None, dict[str, object]] | None] = [None] * world_size
-    dist.all_gather_object(everyone, (local_error, description), group=group)
-    if local_error is not None:
-        return
+    everyone: list[tuple[str | None, dict[str, object], object] | None] = [None] * world_size
+    dist.all_gather_object(everyone, (local_error, description, facts), group=group)
     verdicts = [entry for entry in everyone if entry is not None]
-    for rank, (error, _) in enumerate(verdicts):
+    if local_error is not None:
+        return [f for _, _, f in verdicts]
+    for rank, (error, _, _) in enumerate(verdicts):
         if error is not None:
             raise ValueError(f"{caller}: rank {rank} rejected its arguments, so none ran: {error}")
     for name in description:
-        values = [desc[name] for _, desc in verdicts]
+        values = [desc[name] for _, desc, _ in verdicts]
         if any(value != values[0] for value in values):
             quoted = ", ".join(f"rank {r}: {_quote(value)}" for r, value in enumerate(values))
             hint = (
@@ -112,6 +136,7 @@ def agree(
                 else ""
             )
             raise ValueError(f"{caller} needs the same {name} on every rank, got {quoted}{hint}")
+    return [f for _, _, f in verdicts]
 
 
 def _quote(value: object) -> str:

@@ -11,7 +11,7 @@ A model opts in by name, e.g. ``attnkit.MultiHeadAttention(512, 8, backend="ring
 backend object itself, ``backend=attnkit.distributed.RingBackend(layout="zigzag")``.
 
 Each rank then feeds the model its shard of the sequence (and its shard of a key padding mask);
-every attention call of the model goes around the ring. Position information must come from the
+every attention call of the model runs across the ranks. Position information must come from the
 *global* positions: add it before sharding, as a rotary or positional table that starts at 0 on
 every rank would not know where the rank's shard lies.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch.distributed import ProcessGroup
 
 from ..attention import register_backend
+from .layout import Layout
 from .ring import RingBackend
 
 __all__ = ["register_ring_backend"]
@@ -29,7 +30,7 @@ __all__ = ["register_ring_backend"]
 def register_ring_backend(
     name: str = "ring",
     *,
-    layout: str = "contiguous",
+    layout: str | Layout = "contiguous",
     group: ProcessGroup | None = None,
     replace: bool = False,
 ) -> None:

@@ -20,6 +20,7 @@ With ``W`` ranks and a sequence of length ``T``:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -112,13 +113,131 @@ def unshard_zigzag(shards: Sequence[Tensor], *, dim: int = -2) -> Tensor:
     return torch.cat(early + late, dim=d)
 
 
-def segments(layout: str, rank: int, world_size: int, length: int) -> list[tuple[int, int, int]]:
-    """The runs of consecutive positions a rank holds: ``(local start, global start, length)``.
+@dataclass(frozen=True)
+class Layout:
+    """Which chunks of a sequence each rank holds: the sequence is cut into ``count`` equal chunks
+    and rank ``r`` holds the chunks ``chunks[r]``, in that order, one after the other. Every rank
+    holds as many chunks, so every shard has the same length.
 
-    ``length`` is the rank's local length. Within a shard positions only ever increase, in both
-    layouts, which is what lets a rank's own block use a plain causal mask.
+    ``Layout.contiguous(W)`` and ``Layout.zigzag(W)`` are the two named layouts; any other
+    assignment (chunks in any order, several per rank) is a layout too, for instance one that
+    evens the work of packed documents (see :func:`balance_documents`).
+
+    >>> Layout.zigzag(3).chunks
+    ((0, 5), (1, 4), (2, 3))
+    >>> x = torch.arange(12)
+    >>> lay = Layout(((2, 0), (1, 3)))          # rank 0 holds chunks 2 and 0
+    >>> [lay.shard(x, r, dim=0).tolist() for r in range(2)]
+    [[6, 7, 8, 0, 1, 2], [3, 4, 5, 9, 10, 11]]
+    >>> lay.unshard([lay.shard(x, r, dim=0) for r in range(2)], dim=0).tolist() == x.tolist()
+    True
     """
-    if layout == "contiguous":
-        return [(0, rank * length, length)]
-    c = length // 2
-    return [(0, rank * c, c), (c, (2 * world_size - 1 - rank) * c, c)]
+
+    chunks: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        held = [c for rank in self.chunks for c in rank]
+        per_rank = {len(rank) for rank in self.chunks}
+        if not self.chunks or len(per_rank) != 1 or 0 in per_rank:
+            raise ValueError(
+                f"a layout gives every rank the same number of chunks (at least one), got "
+                f"{[len(rank) for rank in self.chunks]} chunks per rank"
+            )
+        if sorted(held) != list(range(len(held))):
+            raise ValueError(
+                f"a layout holds each chunk 0..{len(held) - 1} exactly once, got {self.chunks}"
+            )
+
+    @classmethod
+    def contiguous(cls, world_size: int) -> Layout:
+        """Rank ``r`` holds chunk ``r`` of ``W``: ``x.chunk(W, dim)[r]``."""
+        return cls(tuple((r,) for r in range(world_size)))
+
+    @classmethod
+    def zigzag(cls, world_size: int) -> Layout:
+        """Rank ``r`` holds chunks ``r`` and ``2W-1-r`` of ``2W`` (see :func:`shard_zigzag`)."""
+        return cls(tuple((r, 2 * world_size - 1 - r) for r in range(world_size)))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def count(self) -> int:
+        """How many chunks the sequence is cut into."""
+        return self.world_size * len(self.chunks[0])
+
+    @property
+    def per_rank(self) -> int:
+        return len(self.chunks[0])
+
+    def owner(self, chunk: int) -> int:
+        """The rank that holds ``chunk``."""
+        for rank, held in enumerate(self.chunks):
+            if chunk in held:
+                return rank
+        raise ValueError(f"chunk {chunk} is not in {self.chunks}")
+
+    def segments(self, rank: int, length: int) -> list[tuple[int, int, int]]:
+        """The runs of consecutive positions rank ``rank`` holds, ``(local start, global start,
+        length)``, for a local length ``length``; chunks that follow each other in both orders
+        form one run."""
+        size = length // self.per_rank
+        runs: list[list[int]] = []
+        for i, c in enumerate(self.chunks[rank]):
+            if (
+                runs
+                and runs[-1][1] + runs[-1][2] == c * size
+                and runs[-1][0] + runs[-1][2] == i * size
+            ):
+                runs[-1][2] += size
+            else:
+                runs.append([i * size, c * size, size])
+        return [(a, b, n) for a, b, n in runs]
+
+    def _check_length(self, x: Tensor, d: int, dim: int) -> int:
+        length = x.size(d)
+        if length % self.count:
+            raise ValueError(
+                f"the sequence length {length} (dim {dim} of {shape_str(x.shape)}) does not divide "
+                f"into {self.count} equal chunks; pad it to a multiple of {self.count} and mask "
+                "the padding (attnkit.masks.key_padding)"
+            )
+        return length // self.count
+
+    def shard(self, x: Tensor, rank: int, *, dim: int = -2) -> Tensor:
+        """Rank ``rank``'s shard of the whole sequence ``x``: its chunks along ``dim``, in order."""
+        rank, _ = _check_rank(rank, self.world_size)
+        d = _check_dim(x, dim)
+        c = self._check_length(x, d, dim)
+        return torch.cat([x.narrow(d, i * c, c) for i in self.chunks[rank]], dim=d)
+
+    def unshard(self, shards: Sequence[Tensor], *, dim: int = -2) -> Tensor:
+        """The whole sequence from every rank's shard, in rank order (the inverse of
+        :meth:`shard`)."""
+        shards = list(shards)
+        if len(shards) != self.world_size or not all(isinstance(s, Tensor) for s in shards):
+            raise TypeError(f"shards must be {self.world_size} tensors, one per rank")
+        d = _check_dim(shards[0], dim)
+        c = shards[0].size(d) // self.per_rank
+        pieces: dict[int, Tensor] = {}
+        for rank, shard in enumerate(shards):
+            for i, chunk in enumerate(self.chunks[rank]):
+                pieces[chunk] = shard.narrow(d, i * c, c)
+        return torch.cat([pieces[i] for i in range(self.count)], dim=d)
+
+
+def layout_of(layout: str | Layout, world_size: int) -> Layout:
+    """A layout argument (a name of :data:`LAYOUTS` or a :class:`Layout`) for ``world_size``
+    ranks; ``ValueError`` naming both when they do not fit."""
+    if isinstance(layout, Layout):
+        if layout.world_size != world_size:
+            raise ValueError(
+                f"the layout has {layout.world_size} ranks but the group has {world_size}"
+            )
+        return layout
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(
+            f"layout must be one of {', '.join(map(repr, LAYOUTS))} or a Layout, got {layout!r}"
+        )
+    return Layout.contiguous(world_size) if layout == "contiguous" else Layout.zigzag(world_size)

@@ -1,583 +1,764 @@
 """Ring attention: exact attention over a sequence sharded across the ranks of a process group.
 
-Each of the ``W`` ranks holds an equal shard of q, k and v. The k/v shards travel around the ring
-(rank ``r`` sends to ``r + 1`` and receives from ``r - 1``) while each rank attends its queries to
-the block it holds, so after ``W`` steps every query has met every key and no rank has held more
-than two k/v shards at once (Liu et al., 2023, "Ring Attention with Blockwise Transformers"). Each
-step runs attnkit's kernel (:mod:`attnkit._kernel`) tile by tile (a few kernel blocks of queries by
-a few of keys), with the call's mask evaluated at the tile's global positions; each tile's output
-and log-sum-exp are merged into a running pair in float32, the online softmax one level up. Causal
-tiles above the diagonal are never computed.
+Each of the ``W`` ranks holds an equal shard of q, k and v, laid out by a
+:class:`~attnkit.distributed.layout.Layout`. The mask, the score term and the positions are the
+whole sequence's: every rank evaluates them at its shards' positions in it. Each rank computes its
+queries against its own keys and against the keys of every other rank its queries meet (the
+:class:`~attnkit.distributed.plan.ShardPlan` says which, the same on every rank); keys travel
+point to point, only where they are seen, the next block in flight while the current one is
+computed (Liu et al., 2023, "Ring Attention with Blockwise Transformers", with the ring cut down
+to the pairs the mask leaves). Each pair of shards is a rectangle of the whole call's scores
+that the native operator (or, where one process would take it, the eager kernel) computes with
+its own block plan, and the pairs' outputs merge through their log-sum-exp in the work dtype.
 
-The backward goes around the ring again. Given the *final* output and log-sum-exp, the chunked
-kernel's backward yields each block's exact share of the gradients: the query gradients stay home,
-and the key/value gradients travel with their block, collecting every rank's share, then take one
-last hop back to the block's owner.
+The backward walks the same exchanges: the keys come again, each pair's query gradients stay
+home, and its key/value gradients go back to the keys' owner. The forward's block plans are kept
+for it, so no mask is asked twice.
 
-In both passes the next k/v block is in flight while the current one is computed; the backward's
-gradient sums move between steps (they are ready only once a step is done).
+Gradients of the tensors every rank holds whole (a position term's encodings, a table of
+distances, the sinks, tensors a ``score_mod`` captures) are each rank's share, from its own
+queries: their sum over the ranks is the whole call's gradient, as for every parameter upstream
+of the shards (all-reduce them, as for the projections' weights).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from .._blocks import block_reduce, states_from
-from .._call import AttentionCall, check_attention_args
+from .._call import AttentionCall, check_attention_args, finite
 from .._checks import check_int, shape_str
 from .._kernel import (
     FUSED_ROWS,
-    Plan,
-    Problem,
-    backward,
     default_blocks,
     delta_of,
+    draw_seed,
     finish,
     folds,
-    forward,
-    make_plan,
     merge,
-    restrict,
     sink_grad,
     sizes,
     small_scores,
 )
+from .._kernel.call import NATIVE_BLOCKS
+from .._native.kernel import refusal
+from .._record import Dispatch, current, note_kernel
+from .._score_mod import ScoreMod, captured_tensors, check_captured
+from .._score_mod import describe as describe_score_mod
 from .._typing import Bool, Float, shape_checked
 from ..backends.base import Backend, CallInputs
-from ..masks import Geometry, Mask
-from ._comm import Ring, agree, require_group
-from .layout import LAYOUTS, segments
+from ..masks import PARTIAL, Geometry, Mask, visibility
+from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm
+from ._comm import Peers, agree, require_group
+from ._pair import (
+    PairPlan,
+    Rect,
+    Settings,
+    ShardKeys,
+    backward_pair,
+    forward_pair,
+    kernel_shape,
+    per_query,
+    plan_pair,
+    work_dtype,
+)
+from .layout import LAYOUTS, Layout, layout_of
+from .plan import ShardPlan
 
-__all__ = ["ring_attention"]
-
-
-# The ring computes each step in tiles of kernel blocks, so that a tile's temporaries are O(block),
-# not O(T / W): its partial output and query gradients (TILE_BLOCKS_Q query blocks), and in the
-# backward its share of the key/value gradients (TILE_BLOCKS_K_BACKWARD key blocks). Forward tiles
-# are longer in keys, which costs no memory there: the kernel takes its slower, rescaling path on
-# the first key block of each tile.
-TILE_BLOCKS_Q = 4
-TILE_BLOCKS_K = 16
-TILE_BLOCKS_K_BACKWARD = 4
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """One call's settings, shared by the forward and backward rings."""
-
-    ring: Ring
-    causal: bool
-    layout: str
-    scale: float
-    softcap: float | None
-    structure: Mask | None  # the call's mask without its traveling key mask, global positions
-    geo: Geometry  # the whole sequence's call
-    q_len: int  # local lengths
-    kv_len: int
-    block_q: int
-    block_k: int
-    tile_q: int
-    tile_k: int
-    tile_k_backward: int
-    careful: bool  # NaN/inf in some rank's q, k or v: the kernel's careful mode everywhere
-    fused_rows: int | None  # see attnkit.backends.Chunked
-    zero_offset: bool | None  # see attnkit._kernel.Problem; None: each piece decides
+__all__ = ["RingBackend", "ring_attention", "ring_check"]
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """Local queries ``[qs, qe)`` against keys ``[ks, ke)`` of the block held, which sit at the
-    global positions ``gq...`` and ``gk...`` (a piece never spans two runs of a zigzag shard)."""
-
-    qs: int
-    qe: int
-    ks: int
-    ke: int
-    gq: int
-    gk: int
+# --------------------------------------------------------------------------------------------------
+# The mask: what every rank evaluates, and the key masks that travel
 
 
-def _pieces(plan: _Plan, src: int, tile_k: int) -> list[_Piece]:
-    """What this rank computes against the block that rank ``src`` owns, in tiles; tiles whose
-    every key comes after every query are left out under a causal mask."""
-    world, pieces = plan.ring.world_size, []
-    for lq, gq, nq in segments(plan.layout, plan.ring.rank, world, plan.q_len):
-        for lk, gk, nk in segments(plan.layout, src, world, plan.kv_len):
-            for qs in range(lq, lq + nq, plan.tile_q):
-                qe = min(qs + plan.tile_q, lq + nq)
-                for ks in range(lk, lk + nk, tile_k):
-                    ke = min(ks + tile_k, lk + nk)
-                    g_q, g_k = gq + qs - lq, gk + ks - lk
-                    if plan.causal and g_k > g_q + (qe - qs) - 1:
-                        continue  # above the diagonal: not computed at all
-                    pieces.append(_Piece(qs, qe, ks, ke, g_q, g_k))
-    return pieces
+class _Travel(Mask):
+    """Where a dense key mask stands in the call's mask until a pair binds it to the block of
+    keys it computes with: known to its rank only, so to the shard plan every block is PARTIAL."""
 
-
-class _ShardKeys(Mask):
-    """The key mask of the block a rank holds (it travels with its keys), asked at global key
-    positions: local key ``j`` sits at global position ``j + start``."""
-
-    def __init__(self, t: Tensor, start: int) -> None:
-        self.t, self.start = t, start
+    def __init__(self, index: int, shape: tuple[int, ...]) -> None:
+        self.index, self.shape = index, shape
 
     def describe(self) -> str:
-        return f"key mask shard {shape_str(self.t.shape)}"
-
-    def _keys(self, ks: int, ke: int) -> Tensor:
-        """``(B|1, H|1, 1, keys|1)`` for global keys ``ks:ke``."""
-        t = self.t.reshape((1,) * max(0, 4 - self.t.ndim) + tuple(self.t.shape))
-        t = t.reshape(-1, *t.shape[-3:])
-        return t[..., ks - self.start : ke - self.start] if t.size(-1) != 1 else t
+        return f"key mask shard {shape_str(self.shape)}"
 
     def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
-        return self._keys(ks, ke)
+        raise RuntimeError("attnkit internal error: a traveling key mask asked before binding")
 
     def block_states(
         self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
     ) -> Tensor:
-        k0, k1, bk = k
-        keys = self._keys(k0, k1).flatten(0, 2)  # (B*H | 1, keys | 1)
-        anys, _ = block_reduce(keys.any(0, keepdim=True), k0, k1, bk, 1)
-        _, alls = block_reduce(keys.all(0, keepdim=True), k0, k1, bk, 1)
-        return states_from(~anys[0], alls[0]).expand(len(range(*q)), -1)
+        nq, nk = len(range(*q)), len(range(*k))
+        return torch.full((nq, nk), PARTIAL, dtype=torch.uint8)
 
     @property
     def keys_only(self) -> bool:
         return True
 
 
-def _problem(
-    plan: _Plan,
-    piece: _Piece,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    blocks: Plan | None = None,
-) -> Problem:
-    """The kernel's problem for one piece, its mask asked at the piece's global positions
-    (unless its block plan is given)."""
-    visible = plan.structure
-    if mask is not None:
-        shard = _ShardKeys(mask, piece.gk - piece.ks)
-        visible = shard if visible is None else visible & shard
-    hkv = k.size(-3)
-    n = math.prod(q.shape[:-3])
-    rows, keys = piece.qe - piece.qs, piece.ke - piece.ks
-    qp = q[..., piece.qs : piece.qe, :]
-    kp, vp = k[..., piece.ks : piece.ke, :], v[..., piece.ks : piece.ke, :]
-    return Problem(
-        q5=qp.reshape(n, hkv, q.size(-3) // hkv, rows, q.size(-1)),
-        k3=kp.reshape(n * hkv, keys, k.size(-1)),
-        v3=vp.reshape(n * hkv, keys, v.size(-1)),
-        scale=plan.scale,
-        plan=blocks
-        if blocks is not None
-        else make_plan(
-            visible,
-            plan.geo,
-            q_start=piece.gq,
-            q_len=rows,
-            k_start=piece.gk,
-            kv_len=keys,
-            block_q=plan.block_q,
-            block_k=plan.block_k,
-        ),
-        geo=plan.geo,
-        mask=visible,
-        softcap=plan.softcap,
-        q_start=piece.gq,
-        k_start=piece.gk,
-        careful=plan.careful,
-        fused_rows=plan.fused_rows,
-        zero_offset=plan.zero_offset,
-    )
+def _leaves(mask: Mask) -> list[Mask]:
+    if mask.op is None:
+        return [mask]
+    return [leaf for part in mask.parts for leaf in _leaves(part)]
 
 
-def _kernel_shape(q: Tensor, v: Tensor) -> tuple[int, int, int]:
-    """(B, Hkv, G): batch dims flattened, and query heads per key/value head."""
-    hkv = v.size(-3)
-    return math.prod(q.shape[:-3]), hkv, q.size(-3) // hkv
+def _rebuild(mask: Mask, leaf: Callable[[Mask], Mask]) -> Mask:
+    """``mask`` with each of its leaves replaced by ``leaf(it)``, ``&`` and ``|`` kept."""
+    if mask.op is None:
+        return leaf(mask)
+    parts = [_rebuild(p, leaf) for p in mask.parts]
+    return functools.reduce(operator.and_ if mask.op == "and" else operator.or_, parts)
 
 
-def _unpack(block: list[Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
-    return block[0], block[1], block[2] if len(block) == 3 else None
+def split_mask(mask: Mask | None, kv_len: int) -> tuple[Mask | None, list[Tensor], list[str]]:
+    """The call's mask as every rank evaluates it (dense key masks that are this rank's shard
+    replaced by stand-ins), the dense key masks that travel with their keys (as ``(X, H|1, 1,
+    Tk)``), and the reasons the mask cannot run across ranks."""
+    if mask is None:
+        return None, [], []
+    travel: list[Tensor] = []
+    reasons: list[str] = []
 
-
-# The block plans of a call's forward pieces, by the rank whose block they met and their first
-# query: the backward takes its pieces' plans from them instead of asking the mask again.
-_Plans = dict[tuple[int, int], list[tuple[_Piece, Plan]]]
-
-
-def _ring_forward(
-    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
-) -> tuple[Tensor, Tensor, _Plans]:
-    """Output ``(B, Hkv, G, Tq, Dv)`` and log-sum-exp ``(B, Hkv, G, Tq)`` in the work dtype
-    (``-inf`` for queries that see no key anywhere, whose output is 0), and the pieces' plans."""
-    n, hkv, g = _kernel_shape(q, v)
-    work = torch.promote_types(q.dtype, torch.float32)
-    out = q.new_zeros(n, hkv, g, plan.q_len, v.size(-1), dtype=work)
-    lse = q.new_full((n, hkv, g, plan.q_len), float("-inf"), dtype=work)
-    ring = plan.ring
-    block = [k, v] if mask is None else [k, v, mask]
-    plans: _Plans = {}
-    for step in range(ring.world_size):
-        incoming = ring.exchange(block) if step < ring.world_size - 1 else None
-        kb, vb, mb = _unpack(block)
-        src = (ring.rank - step) % ring.world_size
-        for piece in _pieces(plan, src, plan.tile_k):
-            p = _problem(plan, piece, q, kb, vb, mb)
-            plans.setdefault((src, piece.qs), []).append((piece, p.plan))
-            block_out, block_lse = forward(p)
-            rows = slice(piece.qs, piece.qe)
-            merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
-        if incoming is not None:
-            block = incoming.wait()
-    return out, lse, plans
-
-
-def _forward_plan(plans: _Plans, src: int, piece: _Piece) -> Plan | None:
-    """A backward piece's block plan, cut from the forward piece that holds its keys (None when
-    none does: tiles of the two passes that do not nest)."""
-    for f, fplan in plans.get((src, piece.qs), []):
-        if f.ks <= piece.ks and piece.ke <= f.ke and f.gk - f.ks == piece.gk - piece.ks:
-            return restrict(fplan, piece.ks - f.ks, piece.ke - f.ks)
-    return None
-
-
-def _ring_backward(
-    plan: _Plan,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    out: Tensor,
-    lse: Tensor,
-    delta: Tensor,
-    dout: Tensor,
-    plans: _Plans,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of the local q, k, v in the kernel layout and the work dtype, the pieces planned
-    as the forward's ``plans``."""
-    n, hkv, g = _kernel_shape(q, v)
-    fold = folds(lse, plan.softcap)  # once for the call, not per piece
-    dout5 = dout.reshape(n, hkv, g, plan.q_len, v.size(-1))
-    dq = torch.zeros(n, hkv, g, plan.q_len, q.size(-1), dtype=lse.dtype, device=q.device)
-    ring = plan.ring
-    block = [k, v] if mask is None else [k, v, mask]
-    # The key/value gradients of the block held: this rank's own block first, then each block's
-    # running sums arrive with it and leave with it.
-    dk = torch.zeros(n * hkv, plan.kv_len, k.size(-1), dtype=lse.dtype, device=q.device)
-    dv = torch.zeros(n * hkv, plan.kv_len, v.size(-1), dtype=lse.dtype, device=q.device)
-    for step in range(ring.world_size):
-        incoming = ring.exchange(block) if step < ring.world_size - 1 else None
-        kb, vb, mb = _unpack(block)
-        src = (ring.rank - step) % ring.world_size
-        for piece in _pieces(plan, src, plan.tile_k_backward):
-            p = _problem(plan, piece, q, kb, vb, mb, _forward_plan(plans, src, piece))
-            rows, keys = slice(piece.qs, piece.qe), slice(piece.ks, piece.ke)
-            grads = backward(
-                p,
-                out[:, :, :, rows],
-                lse[:, :, :, rows],
-                delta[:, :, :, rows],
-                dout5[:, :, :, rows],
-                bias_grad=False,
-                term_grads=False,
-                fold=fold,
+    def leaf(m: Mask) -> Mask:
+        t = m.tensor
+        if t is None:
+            return m
+        if t.ndim >= 2 and t.size(-2) != 1:
+            reasons.append(
+                f"a dense mask {shape_str(t.shape)} depends on the query: give a key mask "
+                "(..., 1, Tk) sharded like the keys, or the mask as a structured one that "
+                "describes the whole sequence (attnkit.masks)"
             )
-            dq[:, :, :, rows] += grads.dq
-            dk[:, keys] += grads.dk
-            dv[:, keys] += grads.dv
-        if incoming is not None:
-            block = incoming.wait()
-        del kb, vb, mb
-        # Pass the sums on and take over those of the block that just arrived (after the last
-        # step: this rank's own block, with every rank's share). Waiting here rather than during
-        # the next step's compute keeps two fewer k/v-sized buffers alive; the transfer is small
-        # next to a step's compute.
-        dk, dv = ring.exchange([dk, dv]).wait()
-    return dq, dk, dv
+            return m
+        if t.size(-1) == 1 or t.ndim == 0:
+            return m  # the same for every key: every rank evaluates it as it is
+        if t.size(-1) != kv_len:
+            reasons.append(
+                f"a dense key mask {shape_str(t.shape)} is this rank's shard of the keys: its "
+                f"last dimension must be the shard's Tk = {kv_len}"
+            )
+            return m
+        t4 = t.reshape((1,) * max(0, 4 - t.ndim) + tuple(t.shape))
+        travel.append(t4.reshape(-1, *t4.shape[-3:]))
+        return _Travel(len(travel) - 1, tuple(t.shape))
+
+    return _rebuild(mask, leaf), travel, reasons
 
 
-class _RingAttention(torch.autograd.Function):
+def _bind(structure: Mask | None, blocks: list[Tensor], rect: Rect) -> Mask | None:
+    """The call's mask for one pair: each traveling key mask as the block's, at the whole call's
+    key positions (the block's key ``rect.lk`` sits at ``rect.gk``)."""
+    if structure is None or not blocks:
+        return structure
+
+    def leaf(m: Mask) -> Mask:
+        if isinstance(m, _Travel):
+            return ShardKeys(blocks[m.index], rect.gk - rect.lk)
+        return m
+
+    return _rebuild(structure, leaf)
+
+
+# --------------------------------------------------------------------------------------------------
+# One call across the ranks
+
+
+@dataclass(eq=False)
+class _Run:
+    """One call's state on this rank: its settings, shard plan and exchanges, and the pairs'
+    plans (made in the forward, read by the backward)."""
+
+    s: Settings
+    peers: Peers
+    shards: ShardPlan
+    layout: Layout
+    structure: Mask | None
+    travel: list[Tensor]
+    q_len: int  # local lengths
+    kv_len: int
+    n_term: int
+    record: Dispatch | None
+    plans: dict[tuple[int, Rect], PairPlan | None] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.peers.rank
+
+    def rects(self, src: int, lo: int, hi: int) -> list[Rect]:
+        """This rank's queries against rank ``src``'s keys ``lo:hi`` (local to its shard), one
+        rectangle per run of positions on either side."""
+        out = []
+        for lq, gq, nq in self.layout.segments(self.rank, self.q_len):
+            for lk, gk, nk in self.layout.segments(src, self.kv_len):
+                a, b = max(lk, lo), min(lk + nk, hi)
+                if a < b:
+                    out.append(Rect(lq, gq, nq, a - lo, gk + a - lk, b - a))
+        return out
+
+    def walk(
+        self,
+        own: list[Tensor],
+        compute: Callable[[int, int, list[Tensor]], list[Tensor] | None],
+        shares: Callable[[int, int, list[Tensor]], None] | None = None,
+    ) -> None:
+        """Compute against this rank's own keys, then against each block the shard plan brings,
+        the next block in flight meanwhile. ``own``: ``[k4, v4, *key masks]`` of this rank.
+
+        ``compute(src, lo, block)`` gets the keys ``lo:`` of rank ``src``'s shard; with
+        ``shares`` (the backward), what it returns goes back to ``src`` and what the ranks that
+        received this rank's keys return arrives as ``shares(lo, hi, tensors)``."""
+        steps = self.shards.steps(self.rank)
+
+        def start(i: int) -> object:
+            st = steps[i]
+            send = []
+            if st.send is not None:
+                a, b = st.send
+                send = [t[:, :, a:b] for t in own[:2]] + [m[..., a:b] for m in own[2:]]
+            likes = []
+            if st.recv is not None:
+                a, b = st.recv
+                likes = [t[:, :, : b - a] for t in own[:2]] + [m[..., : b - a] for m in own[2:]]
+            return self.peers.exchange(st.send_to, send, st.recv_from, likes)
+
+        pending = start(0) if steps else None
+        back = None  # the previous step's returning shares, in flight
+        compute(self.rank, 0, own)
+        for i, st in enumerate(steps):
+            assert pending is not None
+            got = pending.wait()  # type: ignore[attr-defined]
+            pending = start(i + 1) if i + 1 < len(steps) else None
+            out = None
+            if st.recv_from is not None and st.recv is not None:
+                out = compute(st.recv_from, st.recv[0], got)
+            del got
+            if shares is None:
+                continue
+            likes = []
+            if st.send is not None:
+                a, b = st.send
+                likes = [t[:, :, : b - a].to(self.s.geo.dtype) for t in own[:2]]
+            ret = st.recv_from if out is not None else None
+            flight = self.peers.exchange(ret, out or [], st.send_to, likes, tag=1)
+            if back is not None:
+                _land(back, shares)
+            back = (flight, st.send)
+        if back is not None:
+            _land(back, shares)
+
+
+def _land(back: tuple[object, tuple[int, int] | None], shares: object) -> None:
+    flight, span = back
+    got = flight.wait()  # type: ignore[attr-defined]
+    if got and span is not None:
+        shares(span[0], span[1], got)  # type: ignore[operator]
+
+
+def _forward(
+    run: _Run, q: Tensor, k: Tensor, v: Tensor, extras: tuple[Tensor, ...]
+) -> tuple[Tensor, Tensor]:
+    """Output ``(N, Hkv, G, Tq, Dv)`` and log-sum-exp ``(N, Hkv, G, Tq)`` in the work dtype
+    (``-inf`` for queries that see no key anywhere, whose output is 0); the pairs' plans kept."""
+    s = run.s
+    n, hkv, g = kernel_shape(q, v)
+    q5 = q.reshape(n, hkv, g, run.q_len, q.size(-1))
+    k4 = k.reshape(n, hkv, run.kv_len, k.size(-1))
+    v4 = v.reshape(n, hkv, run.kv_len, v.size(-1))
+    work = work_dtype(q.dtype)
+    out = q.new_zeros(n, hkv, g, run.q_len, v.size(-1), dtype=work)
+    lse = q.new_full((n, hkv, g, run.q_len), float("-inf"), dtype=work)
+    terms, mods = extras[: run.n_term], extras[run.n_term :]
+
+    def compute(src: int, lo: int, block: list[Tensor]) -> None:
+        kb, vb, *masks = block
+        for rect in run.rects(src, lo, lo + kb.size(2)):
+            p = plan_pair(s, _bind(run.structure, masks, rect), rect, terms)
+            run.plans[src, rect] = p
+            if p is None:
+                continue
+            o, o_lse = forward_pair(s, p, q5, kb, vb, terms, mods)
+            rows = slice(rect.lq, rect.lq + rect.nq)
+            merge(out[:, :, :, rows], lse[:, :, :, rows], o, o_lse)
+
+    run.walk([k4, v4, *run.travel], compute)
+    return out, lse
+
+
+def _backward(
+    run: _Run,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    extras: tuple[Tensor, ...],
+    rows: tuple[Tensor, Tensor, Tensor, Tensor],
+    needs: tuple[bool, ...],
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
+    """Gradients of the local q, k, v (kernel layout, work dtype) and of ``extras`` (this rank's
+    share), given the call's final ``rows = (out, lse, delta, dout)``."""
+    s = run.s
+    n, hkv, g = kernel_shape(q, v)
+    q5 = q.reshape(n, hkv, g, run.q_len, q.size(-1))
+    k4 = k.reshape(n, hkv, run.kv_len, k.size(-1))
+    v4 = v.reshape(n, hkv, run.kv_len, v.size(-1))
+    work = work_dtype(q.dtype)
+    dq = torch.zeros(q5.shape, dtype=work, device=q.device)
+    dk = torch.zeros(k4.shape, dtype=work, device=q.device)
+    dv = torch.zeros(v4.shape, dtype=work, device=q.device)
+    terms, mods = extras[: run.n_term], extras[run.n_term :]
+    term_needs = tuple(needs[: run.n_term])
+    rowed = per_query(s.term)
+    dextra: list[Tensor | None] = [None] * len(extras)
+    fold = False if s.native else folds(rows[1], s.softcap)
+
+    def add(i: int, d: Tensor | None, rect: Rect) -> None:
+        if d is None:
+            return
+        if dextra[i] is None:
+            dextra[i] = torch.zeros(extras[i].shape, dtype=d.dtype, device=d.device)
+        target = dextra[i]
+        assert target is not None
+        if i < run.n_term and rowed[i]:
+            target[:, :, rect.lq : rect.lq + rect.nq] += d
+        else:
+            target += d
+
+    def compute(src: int, lo: int, block: list[Tensor]) -> list[Tensor]:
+        kb, vb = block[0], block[1]
+        dkb = torch.zeros(kb.shape, dtype=work, device=q.device)
+        dvb = torch.zeros(vb.shape, dtype=work, device=q.device)
+        for rect in run.rects(src, lo, lo + kb.size(2)):
+            p = run.plans[src, rect]
+            if p is None:
+                continue
+            gr = backward_pair(s, p, q5, kb, vb, terms, mods, rows, term_needs, fold)
+            dq[:, :, :, rect.lq : rect.lq + rect.nq] += gr.dq
+            dkb[:, :, rect.lk : rect.lk + rect.nk] += gr.dk
+            dvb[:, :, rect.lk : rect.lk + rect.nk] += gr.dv
+            for i, d in enumerate([*gr.dterm, *gr.dmod]):
+                add(i, d, rect)
+        return [dkb, dvb]
+
+    def shares(lo: int, hi: int, got: list[Tensor]) -> None:
+        dk[:, :, lo:hi] += got[0]
+        dv[:, :, lo:hi] += got[1]
+
+    def own(src: int, lo: int, block: list[Tensor]) -> list[Tensor] | None:
+        if src == run.rank:
+            dko, dvo = compute(src, lo, block)
+            dk.add_(dko)
+            dv.add_(dvo)
+            return None
+        return compute(src, lo, block)
+
+    run.walk([k4, v4, *run.travel], own, shares)
+    return dq, dk, dv, dextra
+
+
+class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
-        plan: _Plan,
+        run: _Run,
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        mask: Tensor | None,
         sinks: Tensor | None,
-    ) -> Tensor:
-        _, hkv, g = _kernel_shape(q, v)
-        out5, lse, plans = _ring_forward(plan, q, k, v, mask)
+        *extras: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        _, hkv, g = kernel_shape(q, v)
+        before = run.peers.sent
+        out5, lse = _forward(run, q, k, v, extras)
+        if run.record is not None:
+            run.record.sent["forward"] = run.peers.sent - before
         out5, lse = finish(out5, lse, None if sinks is None else sinks.view(hkv, g))
-        out = out5.view(*q.shape[:-1], v.size(-1)).to(q.dtype)
+        out = out5.reshape(*q.shape[:-1], v.size(-1)).to(q.dtype)
         # O before rounding, for the backward's rowsum(dO * O) (see attnkit._kernel.delta_of).
-        ctx.save_for_backward(q, k, v, out5, lse, *(t for t in (mask, sinks) if t is not None))
-        ctx.plan = plan  # type: ignore[attr-defined]
-        ctx.plans = plans  # type: ignore[attr-defined]
-        ctx.has = (mask is not None, sinks is not None)  # type: ignore[attr-defined]
-        return out
+        ctx.save_for_backward(q, k, v, out5, lse, *([] if sinks is None else [sinks]), *extras)
+        ctx.run = run  # type: ignore[attr-defined]
+        ctx.has_sinks = sinks is not None  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)
+        return out, lse.reshape(q.shape[:-1]).clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, dout: Tensor
+        ctx: torch.autograd.function.FunctionCtx, dout: Tensor | None, dlse: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
-        has_mask, has_sinks = ctx.has  # type: ignore[attr-defined]
-        mask = rest.pop(0) if has_mask else None
-        sinks = rest.pop(0) if has_sinks else None
-        _, hkv, g = _kernel_shape(q, v)
-        delta = delta_of(out, dout.reshape(out.shape))
-        plan = ctx.plan  # type: ignore[attr-defined]
-        plans = ctx.plans  # type: ignore[attr-defined]
-        dq, dk, dv = _ring_backward(plan, q, k, v, mask, out, lse, delta, dout, plans)
+        run: _Run = ctx.run  # type: ignore[attr-defined]
+        q, k, v, out5, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
+        sinks = rest.pop(0) if ctx.has_sinks else None  # type: ignore[attr-defined]
+        extras = tuple(rest)
+        _, hkv, g = kernel_shape(q, v)
+        dout5 = out5.new_zeros(out5.shape) if dout is None else dout.reshape(out5.shape)
+        delta = delta_of(out5, dout5)
+        if dlse is not None:
+            delta = delta - dlse.reshape(lse.shape).to(delta.dtype)
+        needs = ctx.needs_input_grad[5:]  # type: ignore[attr-defined]
+        before = run.peers.sent
+        dq, dk, dv, dextra = _backward(
+            run, q, k, v, extras, (out5, lse, delta, dout5.to(out5.dtype)), tuple(needs)
+        )
+        if run.record is not None:
+            run.record.sent["backward"] = run.peers.sent - before
         dsinks = None
         if sinks is not None:
             dsinks = sink_grad(lse, delta, sinks.view(hkv, g)).reshape(sinks.shape).to(sinks.dtype)
+        dextras = [
+            None if d is None or not need else d.to(t.dtype)
+            for d, t, need in zip(dextra, extras, needs, strict=True)
+        ]
         return (
             None,
             dq.reshape(q.shape).to(q.dtype),
-            dk.view(k.shape).to(k.dtype),
-            dv.view(v.shape).to(v.dtype),
-            None,
+            dk.reshape(k.shape).to(k.dtype),
+            dv.reshape(v.shape).to(v.dtype),
             dsinks,
+            *dextras,
         )
 
 
 # Function.apply is untyped in torch; give it its type once.
-_apply_ring: Callable[..., Tensor] = _RingAttention.apply
+_apply: Callable[..., tuple[Tensor, Tensor]] = _RingFunction.apply
 
 
-def _structure(mask: Mask | None) -> tuple[Mask | None, Tensor | None, list[str]]:
-    """Split a call's mask into what every rank evaluates at global positions (causal, windows,
-    functions of the indices) and the dense key mask that travels with its keys; and the reasons
-    ring attention cannot take the rest."""
-    if mask is None:
-        return None, None, []
-    parts = mask.parts
-    if mask.op == "or":
-        return None, None, ["a mask combined with | cannot be split into traveling key masks"]
-    structure: Mask | None = None
-    travel: Tensor | None = None
-    reasons = []
-    for part in parts:
-        if part.positional:
-            structure = part if structure is None else structure & part
-        elif part.tensor is not None and part.keys_only and travel is None:
-            travel = part.tensor
-        elif part.tensor is not None:
-            reasons.append(
-                "key masks only (..., 1, Tk): a mask that depends on the query cannot travel"
-            )
-        else:
-            reasons.append(
-                f"takes causal, sliding_window, from_fn and this rank's shard of a dense key mask; "
-                f"give {part!r} as a (..., 1, Tk) bool tensor sharded like the keys"
-            )
-    return structure, travel, reasons
+# --------------------------------------------------------------------------------------------------
+# What a ring call takes, and the call itself
 
 
-def ring_check(call: AttentionCall) -> list[str]:
+def term_reasons(term: ScoreTerm | None, geo: Geometry, batch: int) -> list[str]:
+    """Why a score term cannot run across ranks, for a call of ``geo`` (the whole sequence)
+    whose ranks hold ``batch`` rows and ``Tq`` queries each (empty when it can)."""
+    if isinstance(term, RelativePositionTerm):
+        if term.legacy:
+            return [
+                "openspeech's position term reads absolute encodings of the whole sequence in one "
+                "process; give the Transformer-XL form (RelativePositionTerm(qv, enc, scale))"
+            ]
+        return []
+    if isinstance(term, DistanceBias):
+        try:
+            term.check(geo)
+        except ValueError as err:
+            return [f"{err} (distances of the whole sequence)"]
+    return []
+
+
+def ring_check(call: AttentionCall, layout: Layout | str = "contiguous") -> list[str]:
     """Why ring attention cannot serve a call (empty when it can)."""
     reasons = []
-    if call.bias_shape is not None or call.score_term is not None:
-        reasons.append("no bias: a (Tq, Tk) bias cannot be sharded along with the keys")
-    if call.dropout_p:
-        reasons.append("no dropout")
+    if call.bias_shape is not None:
+        reasons.append(
+            f"a dense bias {shape_str(call.bias_shape)} would need the whole sequence's rows of "
+            "scores; give it as a score term evaluated at the whole sequence's positions "
+            "(attnkit.scores.DistanceBias, RelativePositionTerm or a ScoreTerm of your own)"
+        )
     if call.return_weights:
         reasons.append("no weights: they would be the whole sequence's (Tq, Tk) matrix")
-    if call.return_lse:
-        reasons.append("no log-sum-exp (use the chunked backend per shard and merge_attention)")
-    if call.causal and call.q_len != call.kv_len:
-        reasons.append(f"causal needs Tq = Tk on each rank, got {call.q_len} and {call.kv_len}")
-    reasons += _structure(call.mask)[2]
+    if isinstance(call.score_term, RelativePositionTerm) and call.score_term.legacy:
+        reasons += term_reasons(call.score_term, call.geometry, 0)
+    per_rank = layout.per_rank if isinstance(layout, Layout) else 2 if layout == "zigzag" else 1
+    if call.q_len % per_rank or call.kv_len % per_rank:
+        reasons.append(
+            f"the layout holds {per_rank} equal chunks per rank, so the local lengths must "
+            f"divide by {per_rank}, got Tq={call.q_len} and Tk={call.kv_len}; shard with "
+            "attnkit.distributed.shard_zigzag or Layout.shard"
+        )
+    reasons += split_mask(call.mask, call.kv_len)[2]
     return reasons
 
 
+def _facts(
+    q: Tensor, k: Tensor, v: Tensor, term_inputs: tuple[Tensor, ...], dropout_p: float
+) -> tuple[bool, float, float, float, int]:
+    """What this rank knows that the others need: whether its q, k, v (and the term's inputs)
+    are finite, their largest norms, and a dropout seed drawn as one process would draw it."""
+    ok = finite(q, k, v, *term_inputs)
+    norms = [0.0, 0.0, 0.0]
+    if ok and q.numel() and k.numel() and v.numel():
+        norms = sizes(q, k, v, work_dtype(q.dtype)).tolist()
+    seed = draw_seed() if dropout_p else 0
+    return ok, norms[0], norms[1], norms[2], seed
+
+
+def _describe(
+    call: AttentionCall, structure: Mask | None, travel: list[Tensor]
+) -> dict[str, object]:
+    term = call.score_term
+    return {
+        "q shape": (*call.batch_shape, call.num_heads, call.q_len, call.qk_dim),
+        "k shape": (*call.batch_shape, call.num_kv_heads, call.kv_len, call.qk_dim),
+        "v shape": (*call.batch_shape, call.num_kv_heads, call.kv_len, call.v_dim),
+        "dtype": str(call.dtype).removeprefix("torch."),
+        "device type": call.device.type,
+        "mask": None if structure is None else repr(structure),
+        "key mask shape": [tuple(t.shape) for t in travel] or None,
+        "scale": call.scale,
+        "softcap": call.softcap,
+        "sinks": call.sinks,
+        "dropout_p": call.dropout_p,
+        "return_lse": call.return_lse,
+        "score term": None
+        if term is None
+        else (term.describe(), [tuple(t.shape) for t in term.inputs()]),
+        "score_mod": None if call.score_mod is None else describe_score_mod(call.score_mod),
+    }
+
+
+def _settings(
+    call: AttentionCall,
+    world: int,
+    facts: list[tuple[bool, float, float, float, int]],
+    rank: int,
+    blocks: tuple[int | None, int | None],
+    fused_rows: int | None,
+    native: bool,
+) -> Settings:
+    geo = Geometry(
+        call.batch_shape,
+        call.num_heads,
+        call.q_len * world,
+        call.kv_len * world,
+        call.device,
+        work_dtype(call.dtype),
+    )
+    careful = not all(f[0] for f in facts)
+    why = refusal(
+        native=native,
+        device=call.device,
+        term=call.score_term,
+        score_mod=call.score_mod is not None,
+        finite=not careful,
+        geo=call.geometry,
+        build=True,
+    )
+    if not native:
+        why = "the eager kernel (RingBackend(native=False))"
+    if why is None and call.dropout_p:
+        why = (
+            "the eager kernel (dropout across ranks: the native kernel numbers the pairs it "
+            "drops by its own inputs' positions, the eager one by the whole call's)"
+        )
+    k_norm = max(f[2] for f in facts)
+    v_max = max(f[3] for f in facts)
+    plain = call.softcap is None and call.score_term is None and call.score_mod is None
+    zero = (
+        plain
+        and not careful
+        and small_scores(facts[rank][1], k_norm, v_max, call.scale, geo.kv_len, geo.dtype)
+    )
+    banded = call.mask is not None and call.mask.distances(geo)[1] < math.inf
+    if why is None:
+        bq, bk = NATIVE_BLOCKS[banded]
+    else:
+        bq, bk = default_blocks(banded, call.groups, call.q_len, call.score_term is not None)
+    return Settings(
+        geo=geo,
+        groups=call.groups,
+        scale=call.scale,
+        softcap=call.softcap,
+        term=call.score_term,
+        dropout=(call.dropout_p, facts[0][4]) if call.dropout_p else None,
+        score_mod=call.score_mod,
+        native=why is None,
+        kernel="native kernel" if why is None else why,
+        careful=careful,
+        zero_offset=zero if why is not None else None,
+        fused_rows=fused_rows,
+        blocks=(blocks[0] or bq, blocks[1] or bk),
+        dtype=call.dtype,
+    )
+
+
 def _ring(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    call: AttentionCall,
+    inputs: CallInputs,
     *,
-    mask: Mask | None,
-    scale: float,
-    softcap: float | None,
-    sinks: Tensor | None,
-    layout: str,
+    layout: str | Layout,
     group: ProcessGroup | None,
     blocks: tuple[int | None, int | None],
-    tiles: tuple[int, int, int],
     fused_rows: int | None,
-) -> Tensor:
-    """The ring backend's work, on arguments ``attention()`` has validated on this rank."""
+    native: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The ring backend's work, on a call this rank has validated (its mask the whole
+    sequence's, its dense key masks this rank's shard)."""
     require_group(group, "ring_attention")
-    structure, travel, reasons = _structure(mask)
-    causal = structure is not None and any(
-        p.band is not None and p.band[:2] == (-math.inf, 0) for p in structure.parts
-    )
-    description: dict[str, object] = {
-        "q shape": tuple(q.shape),
-        "k shape": tuple(k.shape),
-        "v shape": tuple(v.shape),
-        "dtype": str(q.dtype).removeprefix("torch."),
-        "device type": q.device.type,
-        "mask": None if structure is None else repr(structure),
-        "key mask shape": None if travel is None else tuple(travel.shape),
-        "layout": layout,
-        "scale": scale,
-        "softcap": softcap,
-        "sinks": sinks is not None,
-    }
-    agree(
+    q, k, v = inputs.q, inputs.k, inputs.v
+    world = dist.get_world_size(group)
+    structure, travel, reasons = split_mask(call.mask, call.kv_len)
+    term = call.score_term
+    term_inputs = () if term is None else tuple(term.inputs())
+    description = _describe(call, structure, travel)
+    try:
+        lay = layout_of(layout, world)
+        description["layout"] = lay.chunks
+        reasons += ring_check(call, lay)
+    except ValueError as err:
+        reasons.append(str(err))
+    facts = _facts(q, k, v, term_inputs, call.dropout_p)
+    everyone = agree(
         group,
         "ring_attention",
         "; ".join(reasons) or None,
         description,
         shape_fields=("q shape", "k shape", "v shape", "key mask shape"),
+        facts=facts,
     )
     if reasons:
         raise ValueError("ring_attention: " + "; ".join(reasons))
-    ring = Ring(group)
-    h, q_len = q.size(-3), q.size(-2)
-    kv_len = k.size(-2)
-    groups = h // k.size(-3)
-    key_mask = None
-    if travel is not None:
-        ndim = q.ndim
-        key_mask = travel.reshape((1,) * (ndim - travel.ndim) + tuple(travel.shape))
-    block_q, block_k = default_blocks(causal, groups, q_len)
-    block_q, block_k = blocks[0] or block_q, blocks[1] or block_k
-    careful = (
-        not bool(torch.stack([torch.isfinite(t).all() for t in (q, k, v) if t.numel()]).all())
-        if q.numel() and k.numel()
-        else False
-    )
-    # Whether every piece may take offset 0 (see attnkit._kernel.small_scores) needs the largest
-    # key and value of every rank: asked with the careful flag, once for the call.
-    work = torch.promote_types(q.dtype, torch.float32)
-    largest = [0.0, 0.0, 0.0]
-    if q.numel() and k.numel() and v.numel() and not careful:
-        largest = sizes(q, k, v, work).tolist()
-    flags = torch.tensor([float(careful), *largest[1:]], dtype=torch.float64)
-    reduced = torch.distributed.get_backend(group) != "nccl"
-    if reduced:
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-    careful_any, k_norm, v_max = flags.tolist()
-    # Without the all-reduce, each piece decides from its own tensors.
-    zero_offset = None
-    if reduced:
-        zero_offset = (
-            not careful_any
-            and softcap is None
-            and small_scores(largest[0], k_norm, v_max, scale, kv_len * ring.world_size, work)
-        )
-    plan = _Plan(
-        ring=ring,
-        causal=causal,
-        layout=layout,
-        scale=scale,
-        softcap=softcap,
+    peers = Peers(group)
+    s = _settings(call, world, everyone, peers.rank, blocks, fused_rows, native)  # type: ignore[arg-type]
+    note_kernel(s.kernel)
+    run = _Run(
+        s=s,
+        peers=peers,
+        shards=ShardPlan(structure, s.geo, lay),
+        layout=lay,
         structure=structure,
-        geo=Geometry(
-            tuple(q.shape[:-3]), h, q_len * ring.world_size, kv_len * ring.world_size, q.device
-        ),
-        q_len=q_len,
-        kv_len=kv_len,
-        block_q=block_q,
-        block_k=block_k,
-        tile_q=tiles[0] * block_q,
-        tile_k=tiles[1] * block_k,
-        tile_k_backward=tiles[2] * block_k,
-        careful=bool(careful_any),
-        fused_rows=fused_rows,
-        zero_offset=zero_offset,
+        travel=travel,
+        q_len=call.q_len,
+        kv_len=call.kv_len,
+        n_term=len(term_inputs),
+        record=current(),
     )
-    return _apply_ring(plan, q, k, v, key_mask, sinks)
+    out, lse = _apply(run, q, k, v, inputs.sinks, *term_inputs, *inputs.captured)
+    return (out, lse) if call.return_lse else out
 
 
 class RingBackend(Backend):
-    """Ring attention as an :func:`attnkit.attention` backend: q, k, v and the mask are this
-    rank's shards of a sequence laid out as ``layout`` across ``group``. Never picked by
-    ``auto``.
+    """Ring attention as an :func:`attnkit.attention` backend: q, k, v and a dense key mask are
+    this rank's shards of a sequence laid out as ``layout`` across ``group``; structured masks
+    and score terms describe the whole sequence. Never picked by ``auto``.
 
-    ``block_q`` and ``block_k`` are the kernel's block sizes (default: the chunked backend's);
-    ``tile_blocks`` how many blocks of queries, of keys, and of keys in the backward one tile of
-    a ring step computes at once (a tile's temporaries are O(tile)); ``fused_rows`` when fully
-    visible work goes to torch's fused CPU kernel, as in :class:`attnkit.backends.Chunked`.
+    ``block_q`` and ``block_k`` are the kernel's block sizes (default: the native kernel's, or
+    the eager kernel's where it runs); ``fused_rows`` when fully visible work goes to torch's fused
+    CPU kernel in the eager kernel, as in :class:`attnkit.backends.Chunked`; ``native=False``
+    runs the eager kernel on every pair.
+
+    Through :func:`attnkit.attention` a call's mask is checked against the shard's shapes, so
+    masks that carry the whole sequence's lengths (``documents``, ``key_padding``) go through
+    :func:`ring_attention`, which checks them against the whole sequence.
     """
+
+    accepts_score_mod = True
 
     def __init__(
         self,
         *,
-        layout: str = "contiguous",
+        layout: str | Layout = "contiguous",
         group: ProcessGroup | None = None,
         name: str = "ring",
         block_q: int | None = None,
         block_k: int | None = None,
-        tile_blocks: tuple[int, int, int] = (TILE_BLOCKS_Q, TILE_BLOCKS_K, TILE_BLOCKS_K_BACKWARD),
         fused_rows: int | None = FUSED_ROWS,
+        native: bool = True,
     ) -> None:
-        if not isinstance(layout, str) or layout not in LAYOUTS:
+        if not isinstance(layout, Layout) and (
+            not isinstance(layout, str) or layout not in LAYOUTS
+        ):
             raise ValueError(
-                f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}"
+                f"layout must be one of {', '.join(map(repr, LAYOUTS))} or a Layout, got {layout!r}"
             )
+        if not isinstance(native, bool):
+            raise TypeError(f"native must be a bool, got {native!r}")
         blocks = (
             None if block_q is None else check_int("block_q", block_q),
             None if block_k is None else check_int("block_k", block_k),
         )
-        if not isinstance(tile_blocks, tuple) or len(tile_blocks) != 3:
-            raise TypeError(f"tile_blocks must be a tuple of 3 ints, got {tile_blocks!r}")
-        tiles = (
-            check_int("tile_blocks[0]", tile_blocks[0]),
-            check_int("tile_blocks[1]", tile_blocks[1]),
-            check_int("tile_blocks[2]", tile_blocks[2]),
-        )
         fused = None if fused_rows is None else check_int("fused_rows", fused_rows)
         super().__init__(name, auto=False)
-        self.layout, self.group = layout, group
-        self._blocks, self._tiles, self._fused_rows = blocks, tiles, fused
+        self.layout, self.group, self.native = layout, group, native
+        self._blocks, self._fused_rows = blocks, fused
 
     def check(self, call: AttentionCall) -> list[str]:
-        reasons = ring_check(call)
-        if self.layout == "zigzag" and (call.q_len % 2 or call.kv_len % 2):
-            reasons.append(
-                f"layout='zigzag' holds two equal chunks per rank, so the local lengths must be "
-                f"even, got Tq={call.q_len} and Tk={call.kv_len}; shard with "
-                "attnkit.distributed.shard_zigzag"
-            )
-        return reasons
+        return ring_check(call, self.layout)
 
-    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
-        # check() has turned away bias, dropout and weights before this runs.
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
         return _ring(
-            inputs.q,
-            inputs.k,
-            inputs.v,
-            mask=call.mask,
-            scale=call.scale,
-            softcap=call.softcap,
-            sinks=inputs.sinks,
+            call,
+            inputs,
             layout=self.layout,
             group=self.group,
             blocks=self._blocks,
-            tiles=self._tiles,
             fused_rows=self._fused_rows,
+            native=self.native,
         )
 
     def __repr__(self) -> str:
-        return f"RingBackend(layout={self.layout!r})"
+        layout = self.layout if isinstance(self.layout, str) else self.layout.chunks
+        return f"RingBackend(layout={layout!r})"
+
+
+def _flat_parts(mask: object) -> list[Mask]:
+    return _leaves(mask) if isinstance(mask, Mask) else []
+
+
+def _validated(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    mask: object,
+    bias: object,
+    causal: object,
+    scale: object,
+    softcap: object,
+    sinks: object,
+    dropout_p: object,
+    return_lse: object,
+    score_mod: object,
+    world: int,
+) -> AttentionCall:
+    """The call as this rank sees it: its tensors and dense key mask checked against its shard,
+    its structured masks and score term against the whole sequence."""
+    dense = [p.tensor for p in _flat_parts(mask) if p.tensor is not None]
+    if isinstance(mask, Tensor):
+        dense = [mask]
+    local = None
+    for t in dense:
+        local = t if local is None else local & t
+    call = check_attention_args(
+        q, k, v, mask=local, bias=bias, causal=False, scale=scale, softcap=softcap, sinks=sinks,
+        dropout_p=dropout_p, return_lse=return_lse, score_mod=score_mod,
+    )  # fmt: skip
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    whole = Geometry(
+        call.batch_shape,
+        call.num_heads,
+        call.q_len * world,
+        call.kv_len * world,
+        call.device,
+        work_dtype(call.dtype),
+    )
+    for part in _flat_parts(mask):
+        if part.tensor is None:
+            part.check(whole, "mask")
+    reasons = term_reasons(call.score_term, whole, 0)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    term = call.score_term
+    if isinstance(term, RelativePositionTerm):
+        want = (math.prod(call.batch_shape), call.num_heads, call.q_len)
+        if term.qv.dim() != 4 or tuple(term.qv.shape[:3]) != want:
+            raise ValueError(
+                f"bias: the position term's qv {shape_str(term.qv.shape)} must be this rank's "
+                f"rows of the position queries, (B, H, Tq, Dh) with (B, H, Tq) = {shape_str(want)}"
+            )
+    given = mask if isinstance(mask, Mask) else None
+    return replace(
+        call,
+        mask=visibility(mask, causal),  # type: ignore[arg-type]
+        given_mask=given if given is not None else call.given_mask,
+        causal=causal,
+    )
 
 
 @shape_checked
@@ -586,80 +767,104 @@ def ring_attention(
     k: Float[Tensor, "*batch Hkv Tk Dk"],
     v: Float[Tensor, "*batch Hkv Tk Dv"],
     *,
-    causal: bool = False,
     mask: Bool[Tensor, "*#mb #Tk"] | Mask | None = None,
-    layout: str = "contiguous",
+    bias: ScoreTerm | None = None,
+    causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    layout: str | Layout = "contiguous",
     group: ProcessGroup | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
-) -> Float[Tensor, "*batch H Tq Dv"]:
+) -> Float[Tensor, "*batch H Tq Dv"] | tuple[Float[Tensor, "*batch H Tq Dv"], Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Every rank calls it with its own shard; the output is this rank's shard of what
-    :func:`attnkit.attention` gives on the whole sequence, and so are the gradients. It is
-    ``attention(q, k, v, ..., backend=RingBackend(layout=layout, group=group))``, after every rank
-    has checked its arguments with the others.
+    :func:`attnkit.attention` gives on the whole sequence with the same arguments, and so are the
+    gradients. The arguments are :func:`attnkit.attention`'s, under the same names:
 
     Args:
         q: this rank's queries ``(..., H, Tq, Dk)``; ``Tq = T / W`` for ``W`` ranks.
         k: this rank's keys ``(..., Hkv, Tk, Dk)`` (grouped-query attention when ``Hkv < H``).
         v: this rank's values ``(..., Hkv, Tk, Dv)``.
-        causal: query ``i`` sees key ``j`` iff ``j <= i`` in the whole sequence's positions (needs
-            ``Tq = Tk``). Blocks above the diagonal are not computed.
-        mask: this rank's shard of a key mask, bool, broadcastable to ``(..., H, 1, Tk)``, True =
-            may attend (the shard of :func:`attnkit.masks.padding_mask`; it travels around the
-            ring with its keys), and/or structured masks without data
-            (:func:`~attnkit.masks.causal`, :func:`~attnkit.masks.sliding_window`,
-            :func:`~attnkit.masks.from_fn`), which every rank evaluates at the whole sequence's
-            positions. A query with no key it may attend gets output 0, never NaN.
-        layout: which positions each rank holds, ``"contiguous"`` (rank ``r`` holds the ``r``-th of
-            ``W`` equal slices, ``x.chunk(W, dim)[r]``) or ``"zigzag"`` (chunks ``r`` and
+        mask: True = may attend. Structured masks describe the *whole* sequence and every rank
+            evaluates them at its shard's positions in it: :func:`~attnkit.masks.causal` (either
+            alignment), :func:`~attnkit.masks.sliding_window` (left and right reach),
+            :func:`~attnkit.masks.documents` with lengths over all ``T`` tokens,
+            :func:`~attnkit.masks.key_padding` with the whole sequence's lengths,
+            :func:`~attnkit.masks.from_fn` at global positions, combined with ``&`` and ``|``. A
+            bool tensor is this rank's shard of a key mask, ``(..., 1, Tk)`` (the shard of
+            :func:`attnkit.masks.padding_mask`); it travels with its keys, and may be combined
+            with structured masks. A query with no key it may attend gets output 0, never NaN.
+        bias: a score term evaluated at the whole sequence's positions:
+            :class:`~attnkit.scores.DistanceBias` (ALiBi: :func:`attnkit.alibi_term`) with a table
+            of the whole sequence's distances, Transformer-XL's
+            :class:`~attnkit.scores.RelativePositionTerm` with ``qv`` this rank's rows ``(B, H,
+            Tq, Dh)`` (sharded like q) and ``enc`` the whole table of encodings on every rank
+            (replicated; ``max_distance`` defaults to the whole sequence's ``T - 1``), or a
+            :class:`~attnkit.scores.ScoreTerm` of your own, whose inputs are the same on every
+            rank. A dense bias tensor is refused.
+        causal: ``causal()`` of the whole sequence.
+        scale, softcap, sinks: as in :func:`attnkit.attention`.
+        score_mod: as in :func:`attnkit.attention`, called with the whole sequence's indices.
+        dropout_p: as in :func:`attnkit.attention`: each pair's decision is drawn from its
+            position in the whole call, with a seed drawn on every rank and taken from the first,
+            so it equals the call in one process after the same ``torch.manual_seed``.
+        return_lse: also return this rank's natural-log log-sum-exp ``(..., H, Tq)``.
+        layout: which positions each rank holds: ``"contiguous"`` (rank ``r`` holds the ``r``-th
+            of ``W`` equal slices, ``x.chunk(W, dim)[r]``), ``"zigzag"`` (chunks ``r`` and
             ``2W-1-r`` of ``2W``, from :func:`attnkit.distributed.shard_zigzag`, which gives every
-            rank the same causal work). q, k, v and mask share it; the output follows it.
-        scale: multiplies ``q k^T``; default ``1 / sqrt(Dk)``.
-        softcap, sinks: as in :func:`attnkit.attention`.
-        group: the process group whose ranks form the ring; default the whole world.
-        block_q, block_k: the kernel's block sizes (default: the chunked backend's).
+            rank the same causal work), or a :class:`~attnkit.distributed.Layout`. q, k, v and a
+            dense key mask share it; the output follows it.
+        group: the process group; default the whole world.
+        block_q, block_k: the kernel's block sizes.
 
     Returns:
-        This rank's output ``(..., H, Tq, Dv)``, in q's dtype.
+        This rank's output ``(..., H, Tq, Dv)`` in q's dtype; with ``return_lse``, also its
+        log-sum-exp in the work dtype.
 
-    Every rank of the group must make the same calls in the same order, forward and backward (the
-    k/v gradients travel around the ring too). Before any block travels, the ranks compare their
-    arguments (one small all-gather), so a rank with bad arguments, or shapes, dtypes or flags that
-    differ between ranks, raise on every rank instead of leaving the others waiting. Each rank
-    holds its own shard plus one block in flight: memory ``O(T / W * (D + block))``, never the whole
-    sequence.
+    Every rank of the group must make the same calls in the same order, forward and backward.
+    Before any keys travel, the ranks compare their arguments (one small all-gather), so a rank
+    with bad arguments, or shapes, dtypes, masks or flags that differ between ranks, raise on
+    every rank instead of leaving the others waiting. Ranks send each other only the keys whose
+    queries meet (see :class:`~attnkit.distributed.ShardPlan`); the bytes a rank sent are in its
+    :func:`attnkit.record_dispatch` record (``Dispatch.sent``). Gradients of inputs every rank
+    holds whole (encodings, a distance table, sinks) are this rank's share: their sum over the
+    ranks is the whole call's.
 
     Raises:
         RuntimeError: no initialised process group.
         TypeError, ValueError: bad arguments on any rank, or arguments that differ between ranks.
 
     Shape legend: ``...`` batch dims, ``H`` query heads, ``Hkv`` key/value heads, ``Tq``/``Tk``
-    this rank's query/key count, ``Dk`` query/key size, ``Dv`` value size.
+    this rank's query/key count, ``Dk`` query/key size, ``Dv`` value size, ``Dh`` the position
+    term's size.
     """
     from ..attention import dispatch
 
     require_group(group, "ring_attention")
+    world = dist.get_world_size(group)
     try:
-        if not isinstance(layout, str) or layout not in LAYOUTS:
-            raise ValueError(
-                f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}"
-            )
         backend = RingBackend(layout=layout, group=group, block_q=block_q, block_k=block_k)
-        call = check_attention_args(
-            q, k, v, mask=mask, bias=None, causal=causal, scale=scale, softcap=softcap,
-            sinks=sinks,
+        call = _validated(
+            q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, softcap=softcap,
+            sinks=sinks, dropout_p=dropout_p, return_lse=return_lse, score_mod=score_mod,
+            world=world,
         )  # fmt: skip
-        reasons = backend.check(call)
+        reasons = ring_check(call, layout_of(layout, world))
         if reasons:
             raise ValueError("ring_attention: " + "; ".join(reasons))
+        captured: tuple[Tensor, ...] = ()
+        if call.score_mod is not None and torch.is_grad_enabled():
+            captured = captured_tensors(call.score_mod)
+            check_captured(call.score_mod, captured, call.dtype, call.device)
     except (TypeError, ValueError) as error:
         agree(group, "ring_attention", str(error), {})  # the other ranks raise too, then so do we
         raise
-    # The call is validated once, here; the dispatcher runs it on the ring.
-    inputs = CallInputs(q, k, v, None, sinks)
+    # The call is validated once, here; the dispatcher runs it across the ranks.
+    inputs = CallInputs(q, k, v, None, sinks, captured)
     return dispatch(call, inputs, backend)  # type: ignore[return-value]
