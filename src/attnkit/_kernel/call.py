@@ -18,7 +18,14 @@ import torch
 from torch import Tensor
 
 from .._call import finite
-from .._native.kernel import NativeCall, block_plan, native_call, refusal
+from .._native.kernel import (
+    DECODE_QUERIES,
+    NativeCall,
+    block_plan,
+    decodes,
+    native_call,
+    refusal,
+)
 from .._packing import joint_grads
 from .._record import note_kernel
 from .._score_mod import ScoreMod
@@ -80,18 +87,20 @@ def _unlayout_bias_grad(d5: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Ten
     return d.reshape(bias.shape).to(bias.dtype)
 
 
-def _check_term(term: ScoreTerm, lse: Tensor) -> None:
+def _check_term(term: ScoreTerm, lse: Tensor, unchecked: tuple[Tensor, ...] = ()) -> None:
     """Raise when a score term gave NaN or +inf at a visible pair (one host synchronisation).
 
     With finite q, k, v and term inputs (and a bias already checked), only the term can make a
     visible score NaN or +inf, and any such score makes its row's log-sum-exp NaN or +inf: one
     look at the ``(B, H, Tq)`` log-sum-exp replaces a pass over every tile. (Scores overflowing
     the work dtype, ``|q . k| * scale`` beyond 3e38 in float32, would read the same.)
+    ``unchecked``: q, k and v when they were not read beforehand (the decode path): they are read
+    only when the log-sum-exp says something is not finite, and a NaN they hold is theirs.
     """
     if not lse.numel():
         return
     top = float(lse.max())  # NaN propagates through max; -inf rows (no visible key) are fine
-    if math.isnan(top) or top == math.inf:
+    if (math.isnan(top) or top == math.inf) and (not unchecked or finite(*unchecked)):
         raise term_error(term)
 
 
@@ -118,6 +127,9 @@ class _Spec:
     zero_offset: bool | None = None
     #: which kernel runs the call, in explain()'s words (see attnkit._native.kernel.refusal)
     kernel: str = "native kernel"
+    #: q, k and v were not read for NaN and inf beforehand: the native kernel's decode path,
+    #: which handles them itself, serves an inference call (see plan_call)
+    unchecked: bool = False
 
 
 def _layout(
@@ -200,7 +212,7 @@ def run_forward(
         else:
             out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs, mod_inputs))
         if spec.check_term and spec.term is not None:
-            _check_term(spec.term, lse)
+            _check_term(spec.term, lse, (q, k, v) if spec.unchecked else ())
         sinks2 = None if sinks is None else sinks.view(hkv, -1)
         out5, lse = finish(out5, lse, sinks2)
     # (B, Hkv, G, Tq, Dv) laid out as (B, Tq, H, Dv): a view of q's shape, like torch's SDPA.
@@ -501,7 +513,8 @@ def plan_call(
     term_inputs = () if term is None else tuple(term.inputs())
     zero_offset = None  # asked by the kernel's forward
     term_finite: bool | None = None
-    # The native kernel serves the call if its inputs are finite (it has no careful mode).
+    # The native kernel serves the call if its inputs are finite (its blocked forward has no
+    # careful mode; its decode path has, see below).
     why = refusal(
         native=native,
         device=q.device,
@@ -512,13 +525,25 @@ def plan_call(
         build=True,
     )
     native_ok = why is None
-    if is_finite is None and native_ok:
+    # The native kernel's decode path reads q, k and v once and takes care of NaN and inf itself:
+    # an inference call it serves is not read beforehand (a call that needs gradients is: the
+    # backward has no such care).
+    plan = None
+    if (
+        is_finite is None
+        and native_ok
+        and tq <= min(block_q or tq, DECODE_QUERIES)
+        and not _wants_grads(q, k, v, dense, sinks, *term_inputs)
+    ):
+        plan = planned(mask, geo, h // hkv, term is not None, block_q, block_k, True)
+    unchecked = plan is not None and decodes(plan)
+    if is_finite is None and native_ok and not unchecked:
         # The native kernel needs to know only that q, k, v (and the term's inputs) are finite:
         # one host read (see attnkit._call.finite).
         is_finite = term_finite = finite(q, k, v, *term_inputs)
         if not is_finite and term_inputs:
             is_finite, term_finite = finite(q, k, v), None
-    if is_finite is None:
+    if is_finite is None and not unchecked:
         is_finite = True
         if q.numel() and k.numel() and v.numel():
             work = torch.promote_types(q.dtype, torch.float32)
@@ -526,12 +551,13 @@ def plan_call(
             is_finite = math.isfinite(q_norm + k_norm + v_max)
             plain = is_finite and softcap is None and bias is None and score_mod is None
             zero_offset = plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
-    careful = not is_finite
+    careful = not unchecked and not is_finite
     seed = (draw_seed() if seed is None else seed) if dropout_p else 0
     served = native_ok and not careful
     if native_ok and careful:
         why = "the eager kernel (non-finite values in q/k/v)"
-    plan = planned(mask, geo, h // hkv, term is not None, block_q, block_k, served)
+    if plan is None or not served:
+        plan = planned(mask, geo, h // hkv, term is not None, block_q, block_k, served)
     fast = None
     if served:
         fast = native_call(
@@ -568,8 +594,14 @@ def plan_call(
         score_mod=score_mod,
         zero_offset=zero_offset,
         kernel="native kernel" if why is None else why,
+        unchecked=unchecked,
     )
     return spec, dense, term_inputs
+
+
+def _wants_grads(*tensors: Tensor | None) -> bool:
+    """Whether autograd will ask for a gradient of any of ``tensors``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def native_serves(

@@ -26,7 +26,27 @@ from ..masks import Geometry, Mask
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm, softcap_form
 from . import load, status
 
-__all__ = ["NativeCall", "block_plan", "fuses", "native_call", "refusal", "why_not_native"]
+__all__ = [
+    "DECODE_QUERIES",
+    "NativeCall",
+    "block_plan",
+    "decodes",
+    "fuses",
+    "native_call",
+    "refusal",
+    "why_not_native",
+]
+
+#: A call of at most this many queries, all in one query block, runs on the native kernel's decode
+#: path (``csrc/decode.cpp``, its ``kDecodeQueries``): split across threads by keys, each key/value
+#: head's keys and values read once for all its query heads, NaN and inf in q, k and v handled
+#: without reading them beforehand.
+DECODE_QUERIES = 16
+
+
+def decodes(plan: BlockPlan) -> bool:
+    """Whether the native kernel runs a call of this plan on its decode path."""
+    return plan.q_len <= min(plan.block_q, DECODE_QUERIES)
 
 
 def fuses(term: ScoreTerm | None, geo: Geometry | None = None) -> bool:

@@ -8,6 +8,9 @@
   enc_grad) -> (dq, dk, dv, dbias, dqv, denc)`` (an empty tensor where a gradient is not asked);
 * ``torch.ops.attnkit.native_backward_into(dout, lse, delta, dq!, dk!, dv!, ...)``, the same
   writing dq, dk and dv into given tensors;
+* ``torch.ops.attnkit.native_cache_forward(q, k, v, block_table, kv_range, bias, key_ok, *,
+  scale, ...) -> (out, lse)``: queries against a KV cache read in place, each batch row's keys a
+  stretch of it, contiguous or in pages through a block table; forward only;
 * ``torch.ops.attnkit.all_finite(tensors) -> bool``.
 
 Here, once the library is loaded (:func:`register`): each operator's fake kernel, which gives its
@@ -52,6 +55,12 @@ def like_kv(k: Tensor) -> Tensor:
 
 
 def _fake_forward(
+    q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    return like_q(q, v.size(3)), q.new_empty(q.shape[:4])
+
+
+def _fake_cache_forward(
     q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any
 ) -> tuple[Tensor, Tensor]:
     return like_q(q, v.size(3)), q.new_empty(q.shape[:4])
@@ -194,6 +203,7 @@ def register() -> None:
     torch.library.register_fake("attnkit::native_forward")(_fake_forward)
     torch.library.register_fake("attnkit::native_backward")(_fake_backward)
     torch.library.register_fake("attnkit::native_backward_into")(_fake_backward_into)
+    torch.library.register_fake("attnkit::native_cache_forward")(_fake_cache_forward)
     torch.library.register_autograd(
         "attnkit::native_forward", _backward, setup_context=_setup_context
     )

@@ -32,7 +32,7 @@ from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
 from .._kernel.call import kernel_attention, native_serves, plan_for, planned
 from .._kernel.operator import traceable, traced_attention
 from .._native import status as native_status
-from .._native.kernel import why_not_native
+from .._native.kernel import decodes, why_not_native
 from .._score_mod import describe as describe_score_mod
 from .._score_mod import distance_bias_of, softcap_of
 from ..scores import DistanceBias, softcap_form
@@ -212,7 +212,9 @@ class Chunked(Backend):
         if why is None:
             # "native kernel", and where it is not loaded yet where it comes from
             kernel = native_status()[1]
-            if call.finite is None:  # an inference call's inputs are read when it runs
+            # An inference call's inputs are read when it runs, except on the decode path, which
+            # takes care of NaN and inf itself.
+            if call.finite is None and not decodes(plan):
                 kernel += "; the eager kernel where q, k or v hold NaN or inf"
             return [*notes, kernel]
         fused = fused_note(call, plan.grid, self.fused_rows)

@@ -19,6 +19,29 @@ struct BackwardArgs {
 // (out, lse): out laid out as q (see like_q), lse (N, Hkv, G, Tq) in natural log.
 std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a);
 
+// Whether a call of native_forward takes the decode path (few queries, one query block), and
+// that path: the same (out, lse) as forward (decode.cpp).
+bool decodes(const CallArgs& a);
+std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a);
+
+// A call of native_cache_forward: queries against keys and values read in place as pages
+// (X, Hkv, page, D) at any strides, through a block table (N, pages) or one page per batch row,
+// row n's keys [kv_range[n][0], kv_range[n][1]) with its queries aligned to their end; masked by
+// a band relative to each row's alignment, key flags (N|1, capacity) and a bias (dense over the
+// capacity, or by distance from the row's alignment).
+struct CacheArgs {
+  at::Tensor q, k, v;  // (N, Hkv, G, Tq, Dk), (X, Hkv, page, Dk), (X, Hkv, page, Dv)
+  c10::optional<at::Tensor> block_table, kv_range, bias, key_ok;
+  double scale = 1, softcap = 0;
+  std::vector<int64_t> bias_layout;
+  std::vector<double> band;
+  int64_t block_q = 16;
+  bool register_tiles = true;
+};
+
+// (out, lse) as forward's.
+std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a);
+
 // (dq, dk, dv, dbias, dqv, denc): dbias in the bias's shape (a bias by distance: its table's),
 // undefined where not asked for.
 std::vector<at::Tensor> backward(const CallArgs& a, const BackwardArgs& b);

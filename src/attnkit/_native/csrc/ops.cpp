@@ -1,6 +1,7 @@
 // The kernel as PyTorch operators: torch.ops.attnkit.native_forward, native_backward,
-// native_backward_into and all_finite. Their fake (meta) kernels and the forward's autograd
-// formula are registered in Python (attnkit/_native/ops.py), beside the operators' users.
+// native_backward_into, native_cache_forward and all_finite. Their fake (meta) kernels and the
+// forward's autograd formula are registered in Python (attnkit/_native/ops.py), beside the
+// operators' users. native_forward takes the decode path (decode.cpp) for calls of a few queries.
 //
 // A call's block plan comes as tensors (offsets, visits) and its mask as band, key flags or bool
 // tiles (see attnkit/_native/kernel.py); every index in them is checked before the kernel follows
@@ -72,7 +73,31 @@ at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
 }
 
 std::tuple<at::Tensor, at::Tensor> native_forward(ATTNKIT_CALL_PARAMS) {
-  return forward(call_args(ATTNKIT_CALL_VALUES));
+  const CallArgs a = call_args(ATTNKIT_CALL_VALUES);
+  return decodes(a) ? decode(a) : forward(a);
+}
+
+std::tuple<at::Tensor, at::Tensor> native_cache_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& kv_range,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& key_ok, double scale,
+    double softcap, c10::IntArrayRef bias_layout, c10::ArrayRef<double> band, int64_t block_q,
+    bool register_tiles) {
+  CacheArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.block_table = block_table;
+  a.kv_range = kv_range;
+  a.bias = bias;
+  a.key_ok = key_ok;
+  a.scale = scale;
+  a.softcap = softcap;
+  a.bias_layout = bias_layout.vec();
+  a.band = band.vec();
+  a.block_q = block_q;
+  a.register_tiles = register_tiles;
+  return cache_forward(a);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> native_backward(
@@ -122,6 +147,11 @@ TORCH_LIBRARY(attnkit, m) {
       "Tensor(b!) dk, Tensor(c!) dv, " ATTNKIT_CALL_ARGS
       ", bool bias_grad=False, bool qv_grad=False, bool enc_grad=False) -> (Tensor dbias, "
       "Tensor dqv, Tensor denc)");
+  m.def(
+      "native_cache_forward(Tensor q, Tensor k, Tensor v, Tensor? block_table=None, "
+      "Tensor? kv_range=None, Tensor? bias=None, Tensor? key_ok=None, *, float scale, "
+      "float softcap=0., int[] bias_layout=[], float[] band=[], int block_q=16, "
+      "bool register_tiles=True) -> (Tensor out, Tensor lse)");
   m.def("all_finite(Tensor[] tensors) -> bool");
 }
 
@@ -129,6 +159,7 @@ TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
   m.impl("native_forward", &attnkit::native_forward);
   m.impl("native_backward", &attnkit::native_backward);
   m.impl("native_backward_into", &attnkit::native_backward_into);
+  m.impl("native_cache_forward", &attnkit::native_cache_forward);
 }
 
 // No dispatch by device: it refuses tensors that are not on the CPU itself.

@@ -44,6 +44,26 @@ at::vec::Vectorized<T> tanh_of(const at::vec::Vectorized<T>& y, T scale = T(1)) 
   }
 }
 
+// With softcap the product q k^T is taken as s / softcap, tanh's argument, unless that factor is
+// subnormal (a cap near the dtype's largest number): then the division comes after (folded:
+// false).
+template <typename T>
+bool folds_cap(const Call<T>& c) {
+  return c.softcap > 0 && c.scale / c.softcap >= double(std::numeric_limits<T>::min());
+}
+
+// The factor of the product q k^T that score_terms expects: scale * log2(e) (base 2), or with
+// softcap scale / softcap (folded) or scale.
+template <typename T>
+T product_factor(const Call<T>& c) {
+  if (c.softcap <= 0) return T(c.scale * kLog2e);
+  return T(folds_cap(c) ? c.scale / c.softcap : c.scale);
+}
+
+template <typename T>
+void score_terms(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, const int64_t* vis,
+                 int64_t col0, T* s, int64_t ld, T* t, const Window<T>& pos, bool skew);
+
 // Scores of one visit, rows r0:r1 of query block qs for head (n, hk, g), in base 2, into s
 // (rows x keys, leading dimension ld). With softcap, tanh of the capped argument goes to t (the
 // backward's; null in the forward, which does not need it).
@@ -52,16 +72,23 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
             T* s, int64_t ld, T* t, const Window<T>& pos, const KeyPanels* panels = nullptr,
             bool skew = false) {
   const int64_t ks = vis[0], ke = vis[1], r0 = vis[2], r1 = vis[3];
-  const int64_t nr = r1 - r0, nk = ke - ks;
   const T* qp = c.q.at(n, hk, g, qs + r0);
-  const bool capped = c.softcap > 0;
-  // With softcap the GEMM gives s / softcap, tanh's argument, unless that factor is subnormal (a
-  // cap near the dtype's largest number): then the division comes after.
-  const bool fold = capped && c.scale / c.softcap >= double(std::numeric_limits<T>::min());
-  const T alpha = T(!capped ? c.scale * kLog2e : (fold ? c.scale / c.softcap : c.scale));
-  const int64_t h = hk * c.G + g;
-  times_keys<T>(c.register_tiles, panels, nr, ks, ke, c.Dk, alpha, qp, c.q.ld(),
+  times_keys<T>(c.register_tiles, panels, r1 - r0, ks, ke, c.Dk, product_factor(c), qp, c.q.ld(),
                 c.k.at(n, hk, 0, 0), c.k.ld(), s, ld);
+  score_terms(c, n, hk, g, qs, vis, 0, s, ld, t, pos, skew);
+}
+
+// What follows the product in a visit's scores (s holds product_factor(c) * q k^T): softcap, the
+// position term, the bias and the mask. vis may be a stretch of a visit's keys (the decode path
+// splits visits): col0 is the column of its first key in the visit's tile.
+template <typename T>
+void score_terms(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, const int64_t* vis,
+                 int64_t col0, T* s, int64_t ld, T* t, const Window<T>& pos, bool skew) {
+  const int64_t ks = vis[0], ke = vis[1], r0 = vis[2], r1 = vis[3];
+  const int64_t nr = r1 - r0, nk = ke - ks;
+  const bool capped = c.softcap > 0;
+  const bool fold = folds_cap(c);
+  const int64_t h = hk * c.G + g;
   const T inf = std::numeric_limits<T>::infinity();
   using V = at::vec::Vectorized<T>;
   // softcap first: the position term, the bias and the mask come after tanh.
@@ -138,7 +165,7 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
       for (int64_t j = std::max<int64_t>(last + 1, first); j < nk; ++j) row[j] = -inf;
     } else if (vis[4]) {
       for (int64_t j = 0; j < nk; ++j) {
-        if (!c.partial_visible(n, h, i, ks + j, vis[5], r0 + r, j)) row[j] = -inf;
+        if (!c.partial_visible(n, h, i, ks + j, vis[5], r0 + r, col0 + j)) row[j] = -inf;
       }
     }
   }

@@ -1,0 +1,795 @@
+// Decoding: a few queries against a long cache, at the speed the cache streams from memory.
+//
+// The blocked forward runs each query head over all its keys in turn, so the G query heads of a
+// key/value head read its keys and values G times, and a call with a few queries has too few query
+// blocks to keep the threads busy. Here an item is (batch row, key/value heads, query block, part
+// of the keys): it reads each step of its keys and values once, for the queries of every query head
+// that shares them (rows ordered (query, head), so that a visit's rows r0:r1 of all heads are one
+// stretch), and the parts of one row's keys (split-K) are merged exactly from their log-sum-exps by
+// whichever thread finishes the last part, in the same parallel region.
+//
+// Keys and values are read in place, as pages (X, Hkv, page, D) at any strides: a cache laid out
+// (B, Tk, Hkv, D) or (B, Hkv, Tk, D) is one page per batch row, and a paged cache is read through
+// its block table, page by page (no gather).
+//
+// Two entry points: native_forward's calls with one query block (decode, the plan's visits and
+// every mask, term and dropout the blocked forward supports), and native_cache_forward, where each
+// batch row holds its own stretch of the cache [start, end) and its queries are aligned to its end
+// (flash-attn's cache_seqlens and cache_leftpad), masked by a band, key flags and a bias.
+
+#include <memory>
+
+#include "kernel.h"
+#include "position.h"
+#include "scores.h"
+
+namespace attnkit {
+namespace {
+
+// Keys per step of an item: the step's scores stay in L1, its keys and values in L2 while all the
+// query heads of their key/value heads read them.
+constexpr int64_t kStep = 128;
+// Query rows (over all heads of an item) up to which the product q k^T runs as dot products here;
+// more take a GEMM.
+constexpr int64_t kDotRows = 8;
+// Keys per step of an item of at most kDotRows rows (see run_visit).
+constexpr int64_t kFewRowsStep = 64;
+// A row's keys are split into parts only down to this many keys each.
+constexpr int64_t kPartKeys = 512;
+// native_forward's calls of at most this many queries (in one query block) take the decode path.
+constexpr int64_t kDecodeQueries = 16;
+
+// Keys or values as pages: (X, Hkv, page, D) rows. Without a block table, batch row n is page n and
+// holds all its keys; with one, key j of row n is row j % page of page table[n][j / page].
+template <typename T>
+struct Pages {
+  Rows<const T*> x;
+  const int64_t* table = nullptr;  // (N, table_ld)
+  int64_t table_ld = 0, page = 1;
+
+  const T* at(int64_t n, int64_t hk, int64_t j) const {
+    if (table == nullptr) return x.at(n, hk, 0, j);
+    return x.at(table[n * table_ld + j / page], hk, 0, j % page);
+  }
+  // One past the last key of j's page (a row's last key + 1 without a table: e).
+  int64_t page_end(int64_t j, int64_t e) const {
+    return table == nullptr ? e : std::min(e, j - j % page + page);
+  }
+  // Whether the rows of one head are further apart than those of one key (a cache laid out
+  // (B, Tk, Hkv, D), flash-attn's pages): then one item reads all key/value heads step by step
+  // instead of one head's rows a few hundred bytes apart across the whole cache.
+  bool token_major() const { return x.s[3] > x.s[1]; }
+};
+
+// A decode call: the call (its plan, when the visits come from it), the pages, and how its items
+// divide the work.
+template <typename T>
+struct Decode {
+  Call<T> c;
+  Pages<T> k, v;
+  // (N, 2): row n's keys are [range[2n], range[2n + 1]) and its queries are aligned to the end;
+  // null: all Tk keys, the plan's visits.
+  const int64_t* range = nullptr;
+  int64_t bq = 1, nqb = 1;  // query rows per block, query blocks
+  // Key/value heads per item, their groups, and parts of each row's keys.
+  int64_t heads = 1, groups = 1, parts = 1;
+
+  int64_t items() const { return c.N * groups * nqb * parts; }
+  int64_t rows() const { return bq * c.G; }  // an item's rows per key/value head
+};
+
+// The sum of a vector's lanes.
+template <typename T>
+T lanes_sum(const at::vec::Vectorized<T>& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_reduce_add_ps(x);
+  } else {
+    return _mm512_reduce_add_pd(x);
+  }
+#else
+  using V = at::vec::Vectorized<T>;
+  return at::vec::vec_reduce_all<T>([](V& a, V& b) { return a + b; }, x);
+#endif
+}
+
+// A hint to bring a line into L2. (GCC drops __builtin_prefetch from these loops once they are
+// inlined; an asm statement it must keep.)
+inline void to_l2(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// The rows of keys and values of the step after this one, asked of memory while this step's
+// products run, a row for each of its keys: the hardware's prefetchers alone do not run far enough
+// ahead of a core that also computes (a decode then takes the time of its memory traffic plus that
+// of its products, instead of the larger of the two), nor across pages.
+struct Ahead {
+  const void *k = nullptr, *v = nullptr;
+  int64_t rows = 0, k_ld = 0, v_ld = 0, k_bytes = 0, v_bytes = 0;
+
+  void rows_of(int64_t first, int64_t last) const {
+    for (int64_t j = first; j < last; ++j) {
+      const char* kr = static_cast<const char*>(k) + j * k_ld;
+      const char* vr = static_cast<const char*>(v) + j * v_ld;
+      for (int64_t at = 0; at < k_bytes; at += 64) to_l2(kr + at);
+      for (int64_t at = 0; at < v_bytes; at += 64) to_l2(vr + at);
+    }
+  }
+  // The rows that keys [j0, j1) of a step of n keys ask for.
+  void for_keys(int64_t j0, int64_t j1, int64_t n) const {
+    if (j0 < rows) rows_of(j0, j1 >= n ? rows : std::min(j1, rows));
+  }
+};
+
+// s rows 0 .. R - 1 (columns j of n, ld) = alpha * a's rows . x's row j: each row of x is loaded
+// once for the R rows.
+template <typename T, int R>
+void dot_rows(int64_t n, int64_t d, T alpha, const T* a, int64_t lda, const T* x, int64_t ldx, T* s,
+              int64_t ld, const Ahead& ahead) {
+  using V = at::vec::Vectorized<T>;
+  constexpr int64_t W = V::size();
+  const int64_t full = d - d % W, tail = d % W;
+  for (int64_t j = 0; j < n; ++j) {
+    ahead.for_keys(j, j + 1, n);
+    const T* xr = x + j * ldx;
+    V acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = V(T(0));
+    for (int64_t e = 0; e < full; e += W) {
+      const V xv = V::loadu(xr + e);
+      for (int i = 0; i < R; ++i) acc[i] = at::vec::fmadd(V::loadu(a + i * lda + e), xv, acc[i]);
+    }
+    if (tail > 0) {
+      const V xv = V::loadu(xr + full, tail);
+      for (int i = 0; i < R; ++i) {
+        acc[i] = at::vec::fmadd(V::loadu(a + i * lda + full, tail), xv, acc[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) s[i * ld + j] = alpha * lanes_sum(acc[i]);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The lane sums of 16 vectors as one vector: lane i holds the sum of v[i]'s lanes. Pairs are added
+// lane by lane within 128-bit blocks, then pairs of pairs, then the four blocks: 15 adds and 30
+// shuffles for 16 sums, where one horizontal sum each would take 16 chains of 8.
+inline __m512 lane_sums16(const __m512 (&v)[16]) {
+  __m512 t[8];
+  for (int i = 0; i < 8; ++i) {
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 u[4];  // u[i]'s 128-bit block b: block b's sums of v[4i], ..., v[4i + 3]
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// s rows 0 .. R - 1, columns 0 .. K - 1 (R K = 16) = alpha * a's rows . x's rows: 16 dot products
+// in 16 registers, each vector of a and of x loaded once for them.
+template <int R, int K>
+inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const float* x,
+                      int64_t ldx, float* s, int64_t ld) {
+  static_assert(R * K == 16, "a block of 16 dot products");
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; e += 16) {
+    const __mmask16 m = d - e >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - e)) - 1);
+    __m512 xv[K];
+    for (int j = 0; j < K; ++j) xv[j] = _mm512_maskz_loadu_ps(m, x + j * ldx + e);
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_maskz_loadu_ps(m, a + r * lda + e);
+      for (int j = 0; j < K; ++j) acc[r * K + j] = _mm512_fmadd_ps(av, xv[j], acc[r * K + j]);
+    }
+  }
+  // Lane K r + j: row r, key j.
+  alignas(64) float out[16];
+  _mm512_store_ps(out, _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(alpha)));
+  for (int r = 0; r < R; ++r) std::copy(out + r * K, out + (r + 1) * K, s + r * ld);
+}
+
+// dot_rows for R rows of float32 (R = 1, 2 or 4): blocks of 16 / R keys.
+template <int R>
+void dot_blocks(int64_t n, int64_t d, float alpha, const float* a, int64_t lda, const float* x,
+                int64_t ldx, float* s, int64_t ld, const Ahead& ahead) {
+  constexpr int K = 16 / R;
+  int64_t j = 0;
+  for (; j + K <= n; j += K) {
+    ahead.for_keys(j, j + K, n);
+    dot_block<R, K>(d, alpha, a, lda, x + j * ldx, ldx, s + j, ld);
+  }
+  if (j < n) {
+    ahead.for_keys(j, n, n);
+    dot_rows<float, R>(n - j, d, alpha, a, lda, x + j * ldx, ldx, s + j, ld, Ahead{});
+  }
+}
+#endif
+
+// s (m x n, ld) = alpha * a (m rows of width d, lda) x^T (n rows, ldx), for few rows: the BLAS's
+// dispatch and packing would cost more than these products. The next step's rows are asked for
+// once, by the first rows' products.
+template <typename T>
+void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, int64_t lda, const T* x,
+          int64_t ldx, T* s, int64_t ld, Ahead ahead) {
+  int64_t r = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; r + 4 <= m; r += 4, ahead = Ahead{}) {
+      dot_blocks<4>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+    }
+    if (m - r >= 2) {
+      dot_blocks<2>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      ahead = Ahead{};
+      r += 2;
+    }
+    if (m - r == 1) dot_blocks<1>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+    return;
+  }
+#endif
+  for (; r + 4 <= m; r += 4, ahead = Ahead{}) {
+    dot_rows<T, 4>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+  }
+  switch (m - r) {
+    case 3:
+      dot_rows<T, 3>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      break;
+    case 2:
+      dot_rows<T, 2>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      break;
+    case 1:
+      dot_rows<T, 1>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      break;
+    default:
+      break;
+  }
+}
+
+// One thread's buffers: the item's query rows (heads x rows x Dk, rows ordered (query, head)), a
+// step's scores, the position term's window, and the online softmax's state of every row.
+template <typename T>
+struct DecodeBuffers {
+  std::vector<T> q, s, pos, acc, m, l;
+  std::vector<T> t;             // a careful step's terms alone (see run_step)
+  std::vector<uint8_t> hidden;  // a careful step's hidden pairs
+  explicit DecodeBuffers(const Decode<T>& d)
+      : q(d.heads * d.rows() * d.c.Dk),
+        s(d.rows() * kStep),
+        pos(d.c.qv.p == nullptr ? 0 : d.bq * (kStep + d.bq - 1)),
+        acc(d.heads * d.rows() * d.c.Dv),
+        m(d.heads * d.rows()),
+        l(d.heads * d.rows()),
+        t(d.rows() * kStep),
+        hidden(d.rows() * kStep) {}
+};
+
+// Where an item is: batch row, first key/value head and how many, query block and its rows, part.
+struct Item {
+  int64_t n, hk0, heads, qb, qs, nq, part;
+};
+
+template <typename T>
+Item item_of(const Decode<T>& d, int64_t item) {
+  Item it;
+  it.part = item % d.parts;
+  int64_t rest = item / d.parts;
+  it.qb = rest % d.nqb;
+  rest /= d.nqb;
+  const int64_t gi = rest % d.groups;
+  it.n = rest / d.groups;
+  it.hk0 = gi * d.heads;
+  it.heads = std::min(d.heads, d.c.Hkv - it.hk0);
+  it.qs = it.qb * d.bq;
+  it.nq = std::min(d.bq, d.c.Tq - it.qs);
+  return it;
+}
+
+// What follows the product in a step's scores (nr rows of nk keys, rows ordered (query, head)):
+// softcap, the position term, the bias and the mask, for each query head (its rows every G-th).
+template <typename T>
+void add_terms(const Call<T>& c, DecodeBuffers<T>& b, int64_t n, int64_t hk, int64_t qs,
+               const int64_t* vis, int64_t col0, T* s, int64_t nk) {
+  for (int64_t g = 0; g < c.G; ++g) {
+    Window<T> w;
+    if (c.qv.p != nullptr) {
+      w = Window<T>(c, qs, vis[2], vis[3], vis[0], vis[1], b.pos.data());
+      w.compute(c, n, hk * c.G + g, qs);
+    }
+    score_terms(c, n, hk, g, qs, vis, col0, s + g * nk, c.G * nk, static_cast<T*>(nullptr), w,
+                false);
+  }
+}
+
+// Careful steps are for an item whose rows came out NaN or inf (q, k or v hold NaN or inf: the
+// decode path does not read them beforehand). A pair the mask or a -inf bias hides must not reach
+// any output, but 0 * inf in the product with the values is NaN, and NaN + -inf is NaN: the hidden
+// pairs get the score -inf whatever their product, and are left out of the weighted values. acc
+// rows (nr, dv wide) += p x for the pairs each row sees (hidden[r][j] == 0); a NaN or inf value a
+// row sees makes that dimension of its output NaN, whatever its weight (the non-finite policy: the
+// reference gives NaN there, also where the weight underflows to 0).
+template <typename T>
+void weigh_seen(int64_t nr, int64_t nk, int64_t dv, const T* p, const uint8_t* hidden, const T* x,
+                int64_t ldx, T* acc) {
+  using V = at::vec::Vectorized<T>;
+  const V zero(T(0));
+  for (int64_t r = 0; r < nr; ++r) {
+    T* o = acc + r * dv;
+    for (int64_t j = 0; j < nk; ++j) {
+      if (hidden[r * nk + j]) continue;
+      const V w(p[r * nk + j]);
+      const T* xr = x + j * ldx;
+      int64_t e = 0;
+      for (; e + V::size() <= dv; e += V::size()) {
+        const V xv = V::loadu(xr + e);  // xv * 0: 0, or NaN where xv is NaN or inf
+        (at::vec::fmadd(w, xv, V::loadu(o + e)) + xv * zero).store(o + e);
+      }
+      for (; e < dv; ++e) o[e] += p[r * nk + j] * xr[e] + xr[e] * T(0);
+    }
+  }
+}
+
+// One step of keys [vis[0], vis[1]) for rows vis[2]:vis[3] of the query block at qs of head (n,
+// hk), hh the head's place in its item: scores, online softmax, dropout, weighted values.
+template <typename T>
+void run_step(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, int64_t n, int64_t hk,
+              int64_t hh, int64_t qs, const int64_t* vis, int64_t col0, int64_t next,
+              bool careful) {
+  const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], r1 = vis[3];
+  const int64_t G = c.G, R = d.rows(), first = r0 * G, nr = (r1 - r0) * G;
+  T* s = b.s.data();
+  const T* qrows = b.q.data() + (hh * R + first) * c.Dk;
+  const T alpha = product_factor(c);
+  const Ahead ahead = next > 0 ? Ahead{d.k.at(n, hk, vis[1]),
+                                       d.v.at(n, hk, vis[1]),
+                                       next,
+                                       d.k.x.ld() * int64_t(sizeof(T)),
+                                       d.v.x.ld() * int64_t(sizeof(T)),
+                                       c.Dk * int64_t(sizeof(T)),
+                                       c.Dv * int64_t(sizeof(T))}
+                               : Ahead{};
+  if (nr <= kDotRows) {
+    dots<T>(nr, nk, c.Dk, alpha, qrows, c.Dk, d.k.at(n, hk, ks), d.k.x.ld(), s, nk, ahead);
+  } else {
+    ahead.rows_of(0, ahead.rows);
+    gemm<T>(c.register_tiles, false, true, nr, nk, c.Dk, alpha, qrows, c.Dk, d.k.at(n, hk, ks),
+            d.k.x.ld(), T(0), s, nk);
+  }
+  if (c.softcap > 0 || c.bias != nullptr || c.qv.p != nullptr || vis[4]) {
+    add_terms(c, b, n, hk, qs, vis, col0, s, nk);
+  }
+  if (careful) {
+    // The pairs the mask or a -inf bias hides: the terms on products of 0 are -inf exactly there.
+    T* z = b.t.data();
+    std::fill(z, z + nr * nk, T(0));
+    add_terms(c, b, n, hk, qs, vis, col0, z, nk);
+    for (int64_t x = 0; x < nr * nk; ++x) {
+      b.hidden[x] = z[x] == -std::numeric_limits<T>::infinity();
+      if (b.hidden[x]) s[x] = z[x];  // also where the product is NaN
+    }
+  }
+  T* acc = b.acc.data() + (hh * R + first) * c.Dv;
+  T* m = b.m.data() + hh * R + first;
+  T* l = b.l.data() + hh * R + first;
+  for (int64_t r = 0; r < nr; ++r) {
+    T* row = s + r * nk;
+    const T mnew = std::max(m[r], row_max(row, nk));
+    const T safe = std::isinf(mnew) && mnew < 0 ? T(0) : mnew;
+    const T scale = std::exp2(m[r] - safe);
+    l[r] = l[r] * scale + exp2_sum(row, nk, safe);
+    if (scale != T(1)) scale_row(acc + r * c.Dv, c.Dv, scale);
+    m[r] = mnew;
+  }
+  if (c.p_drop > 0) {
+    for (int64_t g = 0; g < G; ++g)
+      drop(c, n, hk * G + g, qs + r0, ks, r1 - r0, nk, s + g * nk, G * nk);
+  }
+  if (careful) {
+    weigh_seen(nr, nk, c.Dv, s, b.hidden.data(), d.v.at(n, hk, ks), d.v.x.ld(), acc);
+  } else {
+    gemm<T>(c.register_tiles, false, false, nr, c.Dv, nk, T(1), s, nk, d.v.at(n, hk, ks),
+            d.v.x.ld(), T(1), acc, c.Dv);
+  }
+}
+
+// The part's stretch of keys [first, last) of a visit's keys [ks, ke), in steps (cut at pages), for
+// each key/value head of the item.
+template <typename T>
+void run_visit(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, const Item& it,
+               const int64_t* vis, int64_t first, int64_t last, bool careful) {
+  // Few rows take shorter steps: the products of a step's keys and of its values then alternate
+  // often enough for the prefetches of the next keys and values to stay ahead of both.
+  const int64_t len = (vis[3] - vis[2]) * c.G <= kDotRows ? kFewRowsStep : kStep;
+  for (int64_t ks = first; ks < last;) {
+    const int64_t ke = d.k.page_end(ks, std::min(last, ks + len));
+    // The next step's keys (in their page), asked for while this step's are read.
+    const int64_t next = ke < last ? d.k.page_end(ke, std::min(last, ke + len)) - ke : 0;
+    int64_t step[6] = {ks, ke, vis[2], vis[3], vis[4], vis[5]};
+    // A band alone: a step every row sees whole needs no mask.
+    if (step[4] && c.band && c.key_ok == nullptr && c.tiles == nullptr) {
+      const double a = double(it.qs + vis[3] - 1 + c.shift) + c.lo;  // last row's first key
+      const double z = double(it.qs + vis[2] + c.shift) + c.hi;      // first row's last key
+      if (a <= double(ks) && z >= double(ke - 1)) step[4] = 0;
+    }
+    for (int64_t hh = 0; hh < it.heads; ++hh) {
+      run_step(d, c, b, it.n, it.hk0 + hh, hh, it.qs, step, ks - vis[0], next, careful);
+    }
+    ks = ke;
+  }
+}
+
+// Part p of P of the keys [k0, k1): its stretch, cut at multiples of 16 keys.
+inline void part_of(int64_t k0, int64_t k1, int64_t p, int64_t P, int64_t& a, int64_t& z) {
+  auto cut = [&](int64_t x) {
+    if (x <= 0) return k0;
+    if (x >= P) return k1;
+    const int64_t at = k0 + (k1 - k0) * x / P;
+    return std::max(k0, at - at % 16);
+  };
+  a = cut(p);
+  z = cut(p + 1);
+}
+
+// A row's out and lse from its (m, l, acc) in base 2: a row that sees no key gets zeros and -inf, a
+// NaN sum (a NaN or +inf score it sees) NaN, as in the blocked forward.
+template <typename T>
+void write_row(T m, T l, const T* acc, int64_t dv, T* o, T* lse) {
+  if (l > T(0) || std::isnan(l)) {
+    const T inv = T(1) / l;
+    for (int64_t e = 0; e < dv; ++e) o[e] = acc[e] * inv;
+    *lse = T((m + std::log2(l)) * kLn2);
+  } else {
+    // Nothing seen: 0, or NaN in a dimension where a key the mask lets the row see holds a NaN or
+    // inf value (a careful item, see weigh_seen).
+    for (int64_t e = 0; e < dv; ++e) o[e] = acc[e] * T(0);
+    *lse = -std::numeric_limits<T>::infinity();
+  }
+}
+
+// Where the parts of the items keep (acc, m, l) until the last of them merges them.
+template <typename T>
+struct Parts {
+  std::vector<T> buf;
+  std::unique_ptr<std::atomic<int64_t>[]> done;
+  int64_t stride = 0;  // per item: heads x rows x (Dv + 2)
+
+  explicit Parts(const Decode<T>& d) {
+    if (d.parts == 1) return;
+    stride = d.heads * d.rows() * (d.c.Dv + 2);
+    buf.resize(size_t(d.items() * stride));
+    done.reset(new std::atomic<int64_t>[size_t(d.items() / d.parts)]());
+  }
+  T* acc(int64_t item) { return buf.data() + item * stride; }
+  T* m(const Decode<T>& d, int64_t item) { return acc(item) + d.heads * d.rows() * d.c.Dv; }
+  T* l(const Decode<T>& d, int64_t item) { return m(d, item) + d.heads * d.rows(); }
+};
+
+// The item's rows: written to out and lse when it is the only part, else kept, and merged with the
+// other parts' by the thread that finishes the last of them.
+template <typename T>
+void finish_item(const Decode<T>& d, DecodeBuffers<T>& b, Parts<T>& parts, int64_t item,
+                 const Item& it, const Rows<T*>& out, T* lse) {
+  const Call<T>& c = d.c;
+  const int64_t G = c.G, R = d.rows(), Dv = c.Dv;
+  auto lse_at = [&](int64_t hk, int64_t g, int64_t i) {
+    return lse + ((it.n * c.Hkv + hk) * G + g) * c.Tq + i;
+  };
+  if (d.parts == 1) {
+    for (int64_t hh = 0; hh < it.heads; ++hh) {
+      for (int64_t r = 0; r < it.nq * G; ++r) {
+        const int64_t x = hh * R + r, hk = it.hk0 + hh, g = r % G, i = it.qs + r / G;
+        write_row(b.m[x], b.l[x], b.acc.data() + x * Dv, Dv, out.at(it.n, hk, g, i),
+                  lse_at(hk, g, i));
+      }
+    }
+    return;
+  }
+  std::copy(b.acc.begin(), b.acc.end(), parts.acc(item));
+  std::copy(b.m.begin(), b.m.end(), parts.m(d, item));
+  std::copy(b.l.begin(), b.l.end(), parts.l(d, item));
+  const int64_t group = item / d.parts;
+  if (parts.done[group].fetch_add(1, std::memory_order_acq_rel) != d.parts - 1) return;
+  const int64_t item0 = group * d.parts;
+  std::vector<T> o(Dv);
+  for (int64_t hh = 0; hh < it.heads; ++hh) {
+    for (int64_t r = 0; r < it.nq * G; ++r) {
+      const int64_t x = hh * R + r, hk = it.hk0 + hh, g = r % G, i = it.qs + r / G;
+      T top = -std::numeric_limits<T>::infinity();
+      for (int64_t p = 0; p < d.parts; ++p) top = std::max(top, parts.m(d, item0 + p)[x]);
+      const T safe = std::isinf(top) && top < 0 ? T(0) : top;
+      T l = 0;
+      std::fill(o.begin(), o.end(), T(0));
+      for (int64_t p = 0; p < d.parts; ++p) {
+        const T w = std::exp2(parts.m(d, item0 + p)[x] - safe);  // 0 for a part that saw nothing
+        l += parts.l(d, item0 + p)[x] * w;
+        const T* a = parts.acc(item0 + p) + x * Dv;
+        for (int64_t e = 0; e < Dv; ++e) o[e] += a[e] * w;
+      }
+      write_row(top, l, o.data(), Dv, out.at(it.n, hk, g, i), lse_at(hk, g, i));
+    }
+  }
+}
+
+// The item's query rows, (query, head) ordered, contiguous, for each of its key/value heads.
+template <typename T>
+void load_queries(const Decode<T>& d, DecodeBuffers<T>& b, const Item& it) {
+  const Call<T>& c = d.c;
+  for (int64_t hh = 0; hh < it.heads; ++hh) {
+    for (int64_t i = 0; i < it.nq; ++i) {
+      for (int64_t g = 0; g < c.G; ++g) {
+        const T* src = c.q.at(it.n, it.hk0 + hh, g, it.qs + i);
+        std::copy(src, src + c.Dk, b.q.data() + ((hh * d.rows()) + i * c.G + g) * c.Dk);
+      }
+    }
+  }
+}
+
+// Row n's keys the query block at qs (nq rows) may see under the band, within [start, end).
+template <typename T>
+void visible_keys(const Call<T>& c, int64_t start, int64_t end, int64_t qs, int64_t nq, int64_t& k0,
+                  int64_t& k1) {
+  k0 = start, k1 = end;
+  if (c.band) {
+    const double lo = double(qs + c.shift) + c.lo, hi = double(qs + nq - 1 + c.shift) + c.hi;
+    if (lo > double(k0)) k0 = lo >= double(end) ? end : int64_t(std::ceil(lo));
+    if (hi < double(k1 - 1)) k1 = hi < double(start) ? start : int64_t(std::floor(hi)) + 1;
+  }
+  if (k1 < k0) k1 = k0;
+}
+
+// Every visit of the item's part of the keys, from a fresh state.
+template <typename T>
+void run_item(const Decode<T>& d, DecodeBuffers<T>& b, const Item& it, bool careful) {
+  std::fill(b.acc.begin(), b.acc.end(), T(0));
+  std::fill(b.m.begin(), b.m.end(), -std::numeric_limits<T>::infinity());
+  std::fill(b.l.begin(), b.l.end(), T(0));
+  if (d.range == nullptr) {  // the plan's visits (one query block)
+    const Call<T>& c = d.c;
+    int64_t k0 = c.Tk, k1 = 0;
+    for (int64_t vi = c.off[0]; vi < c.off[1]; ++vi) {
+      k0 = std::min(k0, c.visits[vi * 6]);
+      k1 = std::max(k1, c.visits[vi * 6 + 1]);
+    }
+    int64_t a = 0, z = 0;
+    part_of(k0, k1, it.part, d.parts, a, z);
+    for (int64_t vi = c.off[0]; vi < c.off[1]; ++vi) {
+      const int64_t* vis = c.visits + vi * 6;
+      const int64_t first = std::max(vis[0], a), last = std::min(vis[1], z);
+      if (first < last) run_visit(d, c, b, it, vis, first, last, careful);
+    }
+    return;
+  }
+  // The row's own keys, its queries aligned to their end.
+  const int64_t start = d.range[2 * it.n], end = d.range[2 * it.n + 1];
+  Call<T> c = d.c;
+  c.shift = end - c.Tq;
+  // A bias by distance reads the distance from the row's own end.
+  if (c.bias_aliased) c.bias += (c.Tk - end) * c.bs[4];
+  int64_t k0, k1;
+  visible_keys(c, start, end, it.qs, it.nq, k0, k1);
+  int64_t a = 0, z = 0;
+  part_of(k0, k1, it.part, d.parts, a, z);
+  const int64_t vis[6] = {k0, k1, 0, it.nq, c.band || c.key_ok != nullptr, -1};
+  if (a < z) run_visit(d, c, b, it, vis, a, z, careful);
+}
+
+// Whether every row of the item has a finite state (sum and weighted values).
+template <typename T>
+bool finite_rows(const Decode<T>& d, const DecodeBuffers<T>& b, const Item& it) {
+  using V = at::vec::Vectorized<T>;
+  V zero(T(0));  // x * 0 is 0 for finite x, NaN for NaN and inf
+  T rest = 0;
+  for (int64_t hh = 0; hh < it.heads; ++hh) {
+    const int64_t x0 = hh * d.rows(), n = it.nq * d.c.G;
+    for (int64_t x = x0; x < x0 + n; ++x) rest += b.l[x] * T(0);
+    const T* a = b.acc.data() + x0 * d.c.Dv;
+    const int64_t len = n * d.c.Dv;
+    int64_t e = 0;
+    for (; e + V::size() <= len; e += V::size())
+      zero = at::vec::fmadd(V::loadu(a + e), V(T(0)), zero);
+    for (; e < len; ++e) rest += a[e] * T(0);
+  }
+  T lanes[V::size()];
+  zero.store(lanes);
+  for (int64_t i = 0; i < V::size(); ++i) rest += lanes[i];
+  return rest == T(0);
+}
+
+template <typename T>
+void decode_impl(const Decode<T>& d, const Rows<T*>& out, T* lse) {
+  const int64_t items = d.items();
+  Parts<T> parts(d);
+  std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    OneBlasThread one;
+    DecodeBuffers<T> b(d);
+    for (int64_t item = claim(next); item < items; item = claim(next)) {
+      const Item it = item_of(d, item);
+      load_queries(d, b, it);
+      run_item(d, b, it, false);
+      // NaN or inf in q, k or v: again, carefully (see add_terms).
+      if (!finite_rows(d, b, it)) run_item(d, b, it, true);
+      finish_item(d, b, parts, item, it, out, lse);
+    }
+  });
+}
+
+// Items: all key/value heads together where rows are token-major, else one each; parts of each
+// row's keys until there are a few items per thread, each part at least kPartKeys keys.
+template <typename T>
+void divide(Decode<T>& d, int64_t span) {
+  d.heads = d.k.token_major() && d.v.token_major() ? d.c.Hkv : 1;
+  d.groups = (d.c.Hkv + d.heads - 1) / d.heads;
+  const int64_t base = d.c.N * d.groups * d.nqb;
+  const int64_t want = 4 * int64_t(at::get_num_threads());
+  d.parts = 1;
+  if (base > 0 && base < want) {
+    d.parts = std::max<int64_t>(1, std::min((want + base - 1) / base, span / kPartKeys));
+  }
+}
+
+template <typename T>
+Pages<T> pages_of(const at::Tensor& x) {
+  Pages<T> p;
+  p.x = rows_of<const T*>(x, x.data_ptr<T>());
+  p.page = std::max<int64_t>(x.size(2), 1);
+  return p;
+}
+
+}  // namespace
+
+bool decodes(const CallArgs& a) {
+  return a.q.dim() == 5 && a.q.size(3) <= std::min<int64_t>(a.block_q, kDecodeQueries);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a) {
+  TORCH_CHECK(a.q.dim() == 5 && a.v.dim() == 4,
+              "attnkit: q must be (N, Hkv, G, Tq, Dk) and v (N, Hkv, Tk, Dv), got ", a.q.sizes(),
+              " and ", a.v.sizes());
+  at::Tensor out = like_q(a.q, a.v.size(3));
+  at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
+  AT_DISPATCH_FLOATING_TYPES(a.q.scalar_type(), "attnkit::native_forward", [&] {
+    Decode<scalar_t> d;
+    d.c = make_call<scalar_t>(a);
+    TORCH_CHECK(d.c.nqb <= 1, "attnkit: a decode call has one query block, got ", d.c.nqb);
+    if (d.c.nqb == 0 || d.c.N * d.c.Hkv * d.c.G == 0) return;
+    d.k = pages_of<scalar_t>(a.k);
+    d.v = pages_of<scalar_t>(a.v);
+    d.bq = d.c.Tq;
+    d.nqb = 1;
+    int64_t k0 = d.c.Tk, k1 = 0;
+    for (int64_t vi = d.c.off[0]; vi < d.c.off[1]; ++vi) {
+      k0 = std::min(k0, d.c.visits[vi * 6]);
+      k1 = std::max(k1, d.c.visits[vi * 6 + 1]);
+    }
+    divide(d, k1 - k0);
+    decode_impl<scalar_t>(d, rows_of<scalar_t*>(out, out.data_ptr<scalar_t>()),
+                          lse.data_ptr<scalar_t>());
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
+  const at::Tensor &q = a.q, &k = a.k, &v = a.v;
+  TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4,
+              "attnkit: q must be (N, Hkv, G, Tq, Dk) and k, v pages (X, Hkv, "
+              "page, D), got q of ",
+              q.dim(), " dimensions, k of ", k.dim(), ", v of ", v.dim());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "attnkit: q, k and v must have one dtype, got ", q.scalar_type(), ", ",
+              k.scalar_type(), " and ", v.scalar_type());
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "attnkit: the native kernel runs on CPU tensors");
+  TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(3) == q.size(4) &&
+                  v.size(0) == k.size(0) && v.size(2) == k.size(2),
+              "attnkit: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
+              " do not fit together (k and v: the same pages, Hkv heads, k's "
+              "width q's)");
+  TORCH_CHECK(a.block_q > 0, "attnkit: block_q must be positive, got ", a.block_q);
+  const int64_t N = q.size(0), page = k.size(2);
+  int64_t capacity = page;
+  const int64_t* table = nullptr;
+  if (a.block_table.has_value()) {
+    const at::Tensor& t = *a.block_table;
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.is_contiguous() && t.size(0) == N,
+                "attnkit: block_table must be contiguous int64 (N, pages) with N = ", N, ", got ",
+                t.scalar_type(), " ", t.sizes());
+    table = t.data_ptr<int64_t>();
+    capacity = t.size(1) * page;
+  } else {
+    TORCH_CHECK(k.size(0) == N, "attnkit: without a block table, k and v hold one page per batch ",
+                "row: ", N, " rows, got ", k.size(0));
+  }
+  std::vector<int64_t> whole;
+  const int64_t* range = nullptr;
+  if (a.kv_range.has_value()) {
+    const at::Tensor& r = *a.kv_range;
+    TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 2 && r.size(0) == N && r.size(1) == 2 &&
+                    r.is_contiguous(),
+                "attnkit: kv_range must be contiguous int64 (N, 2) with N = ", N, ", got ",
+                r.scalar_type(), " ", r.sizes());
+    range = r.data_ptr<int64_t>();
+  } else {
+    whole.resize(size_t(2 * N));
+    for (int64_t n = 0; n < N; ++n) whole[2 * n] = 0, whole[2 * n + 1] = capacity;
+    range = whole.data();
+  }
+  // Every page a row's keys lie in must be a page of k and v: the kernel follows the table.
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t start = range[2 * n], end = range[2 * n + 1];
+    TORCH_CHECK(0 <= start && start <= end && end <= capacity, "attnkit: row ", n, "'s keys ",
+                start, ":", end, " lie outside its ", capacity, " positions");
+    for (int64_t p = start / page; table != nullptr && p * page < end; ++p) {
+      const int64_t at = table[n * (capacity / page) + p];
+      TORCH_CHECK(0 <= at && at < k.size(0), "attnkit: block_table[", n, ", ", p, "] = ", at,
+                  " is not a page: k and v hold ", k.size(0));
+    }
+  }
+  at::Tensor out = like_q(q, v.size(3));
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit::native_cache_forward", [&] {
+    using T = scalar_t;
+    Decode<T> d;
+    Call<T>& c = d.c;
+    c.N = N;
+    c.Hkv = q.size(1);
+    c.G = q.size(2);
+    c.Tq = q.size(3);
+    c.Dk = q.size(4);
+    c.Tk = capacity;
+    c.Dv = v.size(3);
+    c.bq = std::min<int64_t>(a.block_q, std::max<int64_t>(c.Tq, 1));
+    c.q = rows_of<const T*>(q, q.data_ptr<T>());
+    c.scale = a.scale;
+    c.softcap = a.softcap;
+    c.register_tiles = a.register_tiles;
+    CallArgs bias_args;  // read_bias reads the bias and its layout from these
+    bias_args.q = q;
+    bias_args.bias = a.bias;
+    bias_args.bias_layout = a.bias_layout;
+    read_bias(bias_args, c);
+    if (a.band.size() == 2) {
+      c.band = true;
+      c.lo = a.band[0];
+      c.hi = a.band[1];
+    } else {
+      TORCH_CHECK(a.band.empty(), "attnkit: band is [lo, hi] or empty, got ", a.band.size(),
+                  " numbers");
+    }
+    if (a.key_ok.has_value()) {
+      const at::Tensor& f = *a.key_ok;
+      TORCH_CHECK(f.scalar_type() == at::kByte && f.dim() == 2 && f.is_contiguous() &&
+                      (f.size(0) == 1 || f.size(0) == N) && f.size(1) == capacity,
+                  "attnkit: key_ok must be contiguous uint8 (N or 1, capacity) = (", N, ", ",
+                  capacity, "), got ", f.scalar_type(), " ", f.sizes());
+      c.key_ok = f.data_ptr<uint8_t>();
+      c.key_rows = f.size(0);
+    }
+    if (N * c.Hkv * c.G * c.Tq == 0) return;
+    d.k = pages_of<T>(k);
+    d.v = pages_of<T>(v);
+    if (table != nullptr) {
+      d.k.table = d.v.table = table;
+      d.k.table_ld = d.v.table_ld = capacity / page;
+    }
+    d.range = range;
+    d.bq = c.bq;
+    d.nqb = (c.Tq + d.bq - 1) / d.bq;
+    int64_t span = 0;
+    for (int64_t n = 0; n < N; ++n) span = std::max(span, range[2 * n + 1] - range[2 * n]);
+    divide(d, span);
+    decode_impl<T>(d, rows_of<T*>(out, out.data_ptr<T>()), lse.data_ptr<T>());
+  });
+  return {out, lse};
+}
+
+}  // namespace attnkit

@@ -1,0 +1,322 @@
+"""The native kernel's decode path (``csrc/decode.cpp``): calls of a few queries in one query block.
+
+Equal to the float64 reference with every mask, modifier and score term the kernel supports,
+gradients included (the backward is the blocked kernel's, from the decode path's log-sum-exp);
+split across threads by keys and merged exactly; careful about NaN and inf in q, k and v, which
+an inference call does not read beforehand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import _call as call_module
+from attnkit import _native, attention, masks, scores
+from attnkit._kernel import call as kernel_call
+from attnkit._kernel import draw_seed, dropout_mask
+from attnkit._kernel.call import native_arguments, plan_call
+from attnkit._native.kernel import DECODE_QUERIES, decodes
+from attnkit.backends import Chunked
+from attnkit.testing import assert_close
+
+pytestmark = pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
+
+# Blocks of 16 queries: every call below of at most 16 queries runs on the decode path.
+DECODE = Chunked(block_q=16, block_k=32)
+
+MASKS = {
+    "none": lambda b, tk: None,
+    "causal": lambda b, tk: masks.causal(),
+    "window": lambda b, tk: masks.sliding_window(9, 3),
+    "padding": lambda b, tk: masks.key_padding([tk, max(tk - 17, 0)][:b]),
+    "padding & window": lambda b, tk: (
+        masks.key_padding([max(tk - 5, 0), tk][:b]) & masks.sliding_window(20)
+    ),
+    "documents": lambda b, tk: masks.documents([[tk - 13, 13], [tk]][:b]) if tk > 13 else None,
+    "tiles": lambda b, tk: masks.from_fn(lambda bb, h, i, j: (i + 2 * j + h) % 5 != 0),
+}
+
+
+def _inputs(
+    b: int, h: int, hkv: int, tq: int, tk: int, dk: int = 16, dv: int = 12, seed: int = 0
+) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(b, h, tq, dk, generator=g, dtype=torch.float64),
+        torch.randn(b, hkv, tk, dk, generator=g, dtype=torch.float64),
+        torch.randn(b, hkv, tk, dv, generator=g, dtype=torch.float64),
+    ]
+
+
+def _grads(
+    tensors: list[torch.Tensor], backend: object, dtype: torch.dtype, **kw: object
+) -> list[torch.Tensor]:
+    """The output and the gradients of every tensor, in ``dtype``."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in tensors]
+    extra = dict(zip([k for k in ("bias", "sinks") if k in kw], leaves[3:], strict=False))
+    named = {k: v for k, v in kw.items() if k not in ("bias", "sinks")}
+    out = attention(*leaves[:3], backend=backend, **extra, **named)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(99)
+    cot = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+    return [out, *torch.autograd.grad(out, leaves, cot, materialize_grads=True)]
+
+
+def test_the_python_side_knows_which_calls_decode() -> None:
+    q, k, v = _inputs(1, 2, 1, DECODE_QUERIES, 40)
+    spec, _, _ = plan_call(q, k, v, mask=None, bias=None, scale=0.3, block_q=16)
+    assert decodes(spec.plan)
+    q17 = torch.randn(1, 2, DECODE_QUERIES + 1, 16, dtype=torch.float64)
+    spec, _, _ = plan_call(q17, k, v, mask=None, bias=None, scale=0.3, block_q=32)
+    assert not decodes(spec.plan)
+    spec, _, _ = plan_call(q[..., :5, :], k, v, mask=None, bias=None, scale=0.3, block_q=4)
+    assert not decodes(spec.plan)  # two query blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 8, 2), (3, 6, 3), (16, 4, 1)])
+def test_decode_equals_the_reference(
+    shape: tuple[int, int, int], mask: str, dtype: torch.dtype
+) -> None:
+    # (Tq, H, Hkv): one query, GQA groups of 4 and 2, 16 queries of 4 heads sharing one head
+    tq, h, hkv = shape
+    b, tk = 2, 77
+    q, k, v = _inputs(b, h, hkv, tq, tk, seed=tq + h)
+    g = torch.Generator().manual_seed(5)
+    kw = {
+        "mask": MASKS[mask](b, tk),
+        "softcap": 4.0,
+        "bias": torch.randn(h, tq, tk, generator=g, dtype=torch.float64),
+        "sinks": torch.randn(h, generator=g, dtype=torch.float64),
+    }
+    tensors = [q, k, v, kw["bias"], kw["sinks"]]  # type: ignore[list-item]
+    got = _grads(tensors, DECODE, dtype, **kw)
+    want = _grads(tensors, "reference", torch.float64, **kw)
+    for a, w in zip(got, want, strict=True):
+        assert a.isfinite().all()
+        assert_close(a, w, dtype=dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "padding"])
+def test_long_caches_split_by_keys_merge_exactly(mask: str, threads: int) -> None:
+    # One batch row and one key/value head: the keys are split into parts (each of at least 512
+    # keys, a few per thread), merged by their log-sum-exps.
+    q, k, v = _inputs(1, 3, 1, 2, 3000, dk=32, dv=24, seed=1)
+    kw = {"mask": MASKS[mask](1, 3000)}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = attention(q.float(), k.float(), v.float(), backend=DECODE, return_lse=True, **kw)
+    finally:
+        torch.set_num_threads(before)
+    want = attention(q, k, v, backend="reference", return_lse=True, **kw)
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["token-major", "packed"])
+def test_keys_and_values_are_read_at_their_strides(layout: str) -> None:
+    q, k, v = _inputs(2, 8, 4, 3, 300, seed=2)
+
+    def laid_out(t: torch.Tensor) -> torch.Tensor:
+        if layout == "token-major":  # a (B, T, H, D) cache, as flash-attn keeps it
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+        wide = torch.zeros(*t.shape[:-1], 3 * t.size(-1), dtype=t.dtype)
+        wide[..., t.size(-1) : 2 * t.size(-1)] = t
+        return wide[..., t.size(-1) : 2 * t.size(-1)]
+
+    got = attention(*(laid_out(t).float() for t in (q, k, v)), causal=True, backend=DECODE)
+    assert_close(got, attention(q, k, v, causal=True, backend="reference"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_score_terms_on_the_decode_path(dtype: torch.dtype) -> None:
+    tq, tk, h = 4, 150, 4
+    q, k, v = _inputs(2, h, 2, tq, tk, seed=3)
+    g = torch.Generator().manual_seed(8)
+    qv = torch.randn(2, h, tq, 16, generator=g, dtype=torch.float64)
+    enc = torch.randn(h, tq + tk - 1, 16, generator=g, dtype=torch.float64)
+    table = torch.randn(h, tq + tk - 1, generator=g, dtype=torch.float64)
+
+    def run(backend: object, dt: torch.dtype, term: str) -> list[torch.Tensor]:
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v, qv, enc, table)]
+        added: scores.ScoreTerm = (
+            scores.RelativePositionTerm(leaves[3], leaves[4], 0.4)
+            if term == "position"
+            else scores.DistanceBias(leaves[5], first=-(tk - 1))
+        )
+        out = attention(*leaves[:3], mask=masks.sliding_window(40), bias=added, backend=backend)
+        used = [*leaves[:3], *(leaves[3:5] if term == "position" else leaves[5:])]
+        return [out, *torch.autograd.grad(out.sum(), used)]
+
+    for term in ("position", "distance"):
+        want = run("reference", torch.float64, term)
+        for a, w in zip(run(DECODE, dtype, term), want, strict=True):
+            assert_close(a, w, dtype=dtype)
+
+
+def test_dropout_on_the_decode_path_drops_the_pairs_of_the_mask() -> None:
+    q, k, v = _inputs(2, 4, 2, 3, 70, dk=8, dv=8, seed=4)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    p = 0.3
+    torch.manual_seed(11)
+    got = attention(*leaves, causal=True, dropout_p=p, backend=DECODE)
+    torch.manual_seed(11)
+    keep = dropout_mask(draw_seed(), p, (2, 4, 3, 70))  # the draw the kernel made
+    _, weights = attention(*leaves, causal=True, return_weights=True, backend="reference")
+    want = (weights * keep / (1 - p)) @ v.repeat_interleave(2, dim=1)
+    assert_close(got, want)
+    for a, w in zip(
+        torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves), strict=True
+    ):
+        assert_close(a, w)
+
+
+# --------------------------------------------------------------------------------------------------
+# NaN and inf: not read beforehand, handled by the decode path
+
+
+def test_an_inference_decode_reads_its_inputs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The finiteness check reads all of q, k and v: for a long cache, as much as the call itself.
+    calls: list[int] = []
+    real = kernel_call.finite
+
+    def counting(*tensors: torch.Tensor) -> bool:
+        calls.append(len(tensors))
+        return real(*tensors)
+
+    monkeypatch.setattr(kernel_call, "finite", counting)
+    monkeypatch.setattr(call_module, "finite", counting)
+    q, k, v = (t.float() for t in _inputs(2, 4, 2, 1, 500))
+    with torch.inference_mode():
+        attention(q, k, v, causal=True, backend=DECODE)
+    assert calls == []
+    with torch.no_grad():
+        attention(q, k, v, causal=True, backend=Chunked(block_q=1, block_k=32))
+    assert calls == []
+    attention(q.requires_grad_(), k, v, causal=True, backend=DECODE).sum().backward()
+    assert calls  # a call that needs gradients is checked: the backward has no careful mode
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("where", ["padding", "bias", "window"])
+def test_nan_and_inf_where_the_mask_hides_them_change_nothing(
+    where: str, dtype: torch.dtype
+) -> None:
+    b, tq, tk = 2, 2, 700
+    q, k, v = (t.to(dtype) for t in _inputs(b, 4, 2, tq, tk, seed=6))
+    bias = torch.zeros(b, 4, tq, tk, dtype=dtype)
+    kw: dict[str, object] = {}
+    dirty_k, dirty_v = k.clone(), v.clone()
+    if where == "padding":
+        kw["mask"] = masks.key_padding([tk, 300])
+        dirty_k[1, :, 300:], dirty_v[1, :, 300:] = float("nan"), float("inf")
+    elif where == "bias":
+        bias[0, :, :, 100:140] = float("-inf")
+        kw["bias"] = bias
+        dirty_k[0, :, 100:140], dirty_v[0, :, 120] = float("nan"), float("-inf")
+    else:  # query 0 (at key 698) sees keys 648 to 698, query 1 keys 649 to 699
+        kw["mask"] = masks.sliding_window(50)
+        dirty_k[:, :, :648], dirty_v[:, :, :648] = float("inf"), float("nan")
+    with torch.inference_mode(), attnkit.record_dispatch() as calls:
+        got = attention(q, dirty_k, dirty_v, backend=DECODE, **kw)  # type: ignore[arg-type]
+    assert calls[0].kernel == "native kernel"
+    wide = {n: x.double() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    want = attention(q.double(), k.double(), v.double(), backend="reference", **wide)  # type: ignore[arg-type]
+    assert_close(got, want, dtype=dtype)
+
+
+def test_nan_a_query_sees_reaches_its_row_only() -> None:
+    q, k, v = (t.float() for t in _inputs(2, 4, 2, 3, 400, seed=7))
+    k[0, 1, 17] = float("nan")  # seen by query heads 2 and 3 of batch row 0 (its rows, all 3)
+    v[1, 0, 390] = float("inf")  # seen only by the causal queries that reach key 390
+    with torch.inference_mode(), attnkit.record_dispatch() as calls:
+        out = attention(q, k, v, mask=masks.causal(), backend=DECODE)
+    assert calls[0].kernel == "native kernel"
+    bad = ~out.isfinite().all(-1)  # (B, H, Tq)
+    want = torch.zeros_like(bad)
+    want[0, 2:] = True
+    want[1, :2] = True  # every query of heads 0 and 1 reaches key 390 (Tq=3 aligned to the end)
+    assert torch.equal(bad, want)
+
+
+def test_a_query_that_sees_no_key_gets_zeros() -> None:
+    q, k, v = (t.float() for t in _inputs(2, 4, 2, 2, 300, seed=8))
+    k[1], v[1] = float("nan"), float("inf")  # row 1 sees no key at all
+    with torch.inference_mode(), attnkit.record_dispatch() as calls:
+        out, lse = attention(
+            q, k, v, mask=masks.key_padding([300, 0]), backend=DECODE, return_lse=True
+        )
+    assert calls[0].kernel == "native kernel"
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert bool((lse[1] == float("-inf")).all())
+    assert bool(out[0].isfinite().all())
+
+
+# --------------------------------------------------------------------------------------------------
+# The operator, and a fuzz against the reference
+
+
+def test_opcheck_native_forward_on_the_decode_path() -> None:
+    q, k, v = _inputs(2, 4, 2, 3, 45)
+    spec, dense, terms = plan_call(
+        q, k, v, mask=masks.sliding_window(7), bias=None, scale=0.3, softcap=5.0, block_q=8
+    )
+    assert decodes(spec.plan)
+    args, kwargs = native_arguments(spec, q, k, v, dense, terms)
+    args = tuple(
+        a.detach().clone().requires_grad_(i < 3) if isinstance(a, torch.Tensor) else a
+        for i, a in enumerate(args)
+    )
+    torch.library.opcheck(torch.ops.attnkit.native_forward.default, args, kwargs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    mask=st.sampled_from(list(MASKS)),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_decode_fuzz_against_the_reference(
+    data: st.DataObject, mask: str, dtype: torch.dtype
+) -> None:
+    draw = data.draw
+    b, hkv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    tq, tk = draw(st.integers(1, DECODE_QUERIES)), draw(st.integers(1, 1500))
+    dk, dv = draw(st.sampled_from([1, 7, 16, 64, 72])), draw(st.sampled_from([1, 5, 16, 68]))
+    q, k, v = _inputs(b, hkv * groups, hkv, tq, tk, dk, dv, seed=draw(st.integers(0, 2**16)))
+    kw: dict[str, object] = {"mask": MASKS[mask](b, tk)}
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([0.5, 3.0, 50.0]))
+    if draw(st.booleans()):
+        kw["sinks"] = torch.randn(hkv * groups, dtype=torch.float64)
+    block_k = draw(st.sampled_from([16, 64, 256]))
+    with torch.inference_mode():
+        got = attention(
+            q.to(dtype),
+            k.to(dtype),
+            v.to(dtype),
+            backend=Chunked(block_q=DECODE_QUERIES, block_k=block_k),
+            return_lse=True,
+            **{n: (x.to(dtype) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()},  # type: ignore[arg-type]
+        )
+        want = attention(q, k, v, backend="reference", return_lse=True, **kw)  # type: ignore[arg-type]
+    assert_close(got[0], want[0], dtype=dtype)
+    seen = want[1].isfinite()
+    assert torch.equal(seen, got[1].isfinite())
+    assert_close(got[1][seen], want[1][seen], dtype=dtype)
+
+
+def test_explain_says_the_decode_path_takes_care_of_nan() -> None:
+    q, k, v = (t.float() for t in _inputs(1, 4, 2, 1, 64))
+    text = str(attnkit.explain(q, k, v, backend=DECODE))
+    assert "native kernel" in text
+    assert "the eager kernel where q, k or v hold NaN" not in text
+    q3 = torch.randn(1, 4, 20, 16)
+    text = str(attnkit.explain(q3, k, v, backend=DECODE))
+    assert "the eager kernel where q, k or v hold NaN or inf" in text
