@@ -70,11 +70,18 @@ struct Decode {
   // (N, 2): row n's keys are [range[2n], range[2n + 1]) and its queries are aligned to the end;
   // null: all Tk keys, the plan's visits.
   const int64_t* range = nullptr;
+  // (N, 2): row n's queries are [qrange[2n], qrange[2n] + qrange[2n + 1]) of packed queries
+  // (q, out and lse of one batch row, q_total queries); null: q's batch row n, all Tq queries.
+  const int64_t* qrange = nullptr;
+  int64_t q_total = 0;
   int64_t bq = 1, nqb = 1;  // query rows per block, query blocks
   // Key/value heads per item, their groups, and parts of each row's keys.
   int64_t heads = 1, groups = 1, parts = 1;
 
   int64_t items() const { return c.N * groups * nqb * parts; }
+  int64_t q_row(int64_t n) const { return qrange == nullptr ? n : 0; }
+  int64_t q_first(int64_t n) const { return qrange == nullptr ? 0 : qrange[2 * n]; }
+  int64_t q_len(int64_t n) const { return qrange == nullptr ? c.Tq : qrange[2 * n + 1]; }
   int64_t rows() const { return bq * c.G; }  // an item's rows per key/value head
 };
 
@@ -290,7 +297,7 @@ Item item_of(const Decode<T>& d, int64_t item) {
   it.hk0 = gi * d.heads;
   it.heads = std::min(d.heads, d.c.Hkv - it.hk0);
   it.qs = it.qb * d.bq;
-  it.nq = std::min(d.bq, d.c.Tq - it.qs);
+  it.nq = std::max<int64_t>(0, std::min(d.bq, d.q_len(it.n) - it.qs));
   return it;
 }
 
@@ -481,14 +488,14 @@ void finish_item(const Decode<T>& d, DecodeBuffers<T>& b, Parts<T>& parts, int64
   const Call<T>& c = d.c;
   const int64_t G = c.G, R = d.rows(), Dv = c.Dv;
   auto lse_at = [&](int64_t hk, int64_t g, int64_t i) {
-    return lse + ((it.n * c.Hkv + hk) * G + g) * c.Tq + i;
+    return lse + ((d.q_row(it.n) * c.Hkv + hk) * G + g) * d.q_total + d.q_first(it.n) + i;
   };
   if (d.parts == 1) {
     for (int64_t hh = 0; hh < it.heads; ++hh) {
       for (int64_t r = 0; r < it.nq * G; ++r) {
         const int64_t x = hh * R + r, hk = it.hk0 + hh, g = r % G, i = it.qs + r / G;
-        write_row(b.m[x], b.l[x], b.acc.data() + x * Dv, Dv, out.at(it.n, hk, g, i),
-                  lse_at(hk, g, i));
+        write_row(b.m[x], b.l[x], b.acc.data() + x * Dv, Dv,
+                  out.at(d.q_row(it.n), hk, g, d.q_first(it.n) + i), lse_at(hk, g, i));
       }
     }
     return;
@@ -514,7 +521,8 @@ void finish_item(const Decode<T>& d, DecodeBuffers<T>& b, Parts<T>& parts, int64
         const T* a = parts.acc(item0 + p) + x * Dv;
         for (int64_t e = 0; e < Dv; ++e) o[e] += a[e] * w;
       }
-      write_row(top, l, o.data(), Dv, out.at(it.n, hk, g, i), lse_at(hk, g, i));
+      write_row(top, l, o.data(), Dv, out.at(d.q_row(it.n), hk, g, d.q_first(it.n) + i),
+                lse_at(hk, g, i));
     }
   }
 }
@@ -526,7 +534,7 @@ void load_queries(const Decode<T>& d, DecodeBuffers<T>& b, const Item& it) {
   for (int64_t hh = 0; hh < it.heads; ++hh) {
     for (int64_t i = 0; i < it.nq; ++i) {
       for (int64_t g = 0; g < c.G; ++g) {
-        const T* src = c.q.at(it.n, it.hk0 + hh, g, it.qs + i);
+        const T* src = c.q.at(d.q_row(it.n), it.hk0 + hh, g, d.q_first(it.n) + it.qs + i);
         std::copy(src, src + c.Dk, b.q.data() + ((hh * d.rows()) + i * c.G + g) * c.Dk);
       }
     }
@@ -569,11 +577,12 @@ void run_item(const Decode<T>& d, DecodeBuffers<T>& b, const Item& it, bool care
     return;
   }
   // The row's own keys, its queries aligned to their end.
-  const int64_t start = d.range[2 * it.n], end = d.range[2 * it.n + 1];
+  if (it.nq == 0) return;
+  const int64_t start = d.range[2 * it.n], end = d.range[2 * it.n + 1], len = d.q_len(it.n);
   Call<T> c = d.c;
-  c.shift = end - c.Tq;
-  // A bias by distance reads the distance from the row's own end.
-  if (c.bias_aliased) c.bias += (c.Tk - end) * c.bs[4];
+  c.shift = end - len;
+  // A bias by distance reads the distance from the row's own alignment.
+  if (c.bias_aliased) c.bias += ((c.Tk - end) - (c.Tq - len)) * c.bs[4];
   int64_t k0, k1;
   visible_keys(c, start, end, it.qs, it.nq, k0, k1);
   int64_t a = 0, z = 0;
@@ -666,6 +675,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a) {
     d.v = pages_of<scalar_t>(a.v);
     d.bq = d.c.Tq;
     d.nqb = 1;
+    d.q_total = d.c.Tq;
     int64_t k0 = d.c.Tk, k1 = 0;
     for (int64_t vi = d.c.off[0]; vi < d.c.off[1]; ++vi) {
       k0 = std::min(k0, d.c.visits[vi * 6]);
@@ -678,11 +688,20 @@ std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a) {
   return {out, lse};
 }
 
+// A (N, 2) int64 tensor of a stretch per row, or null.
+const int64_t* stretches(const c10::optional<at::Tensor>& t, int64_t N, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 2 && t->size(0) == N &&
+                  t->size(1) == 2 && t->is_contiguous(),
+              "attnkit: ", name, " must be contiguous int64 (N, 2) with N = ", N, ", got ",
+              t->scalar_type(), " ", t->sizes());
+  return t->data_ptr<int64_t>();
+}
+
 std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
   const at::Tensor &q = a.q, &k = a.k, &v = a.v;
   TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4,
-              "attnkit: q must be (N, Hkv, G, Tq, Dk) and k, v pages (X, Hkv, "
-              "page, D), got q of ",
+              "attnkit: q must be (N, Hkv, G, Tq, Dk) and k, v pages (X, Hkv, page, D), got q of ",
               q.dim(), " dimensions, k of ", k.dim(), ", v of ", v.dim());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "attnkit: q, k and v must have one dtype, got ", q.scalar_type(), ", ",
@@ -692,10 +711,23 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
   TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(3) == q.size(4) &&
                   v.size(0) == k.size(0) && v.size(2) == k.size(2),
               "attnkit: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
-              " do not fit together (k and v: the same pages, Hkv heads, k's "
-              "width q's)");
+              " do not fit together (k and v: the same pages, Hkv heads, k's width q's)");
   TORCH_CHECK(a.block_q > 0, "attnkit: block_q must be positive, got ", a.block_q);
-  const int64_t N = q.size(0), page = k.size(2);
+  // The rows: q's batch rows, or the stretches of packed queries (q of one batch row).
+  const bool packed = a.q_range.has_value();
+  const int64_t N = packed ? a.q_range->size(0) : q.size(0), page = k.size(2);
+  const int64_t* qrange = stretches(a.q_range, N, "q_range");
+  TORCH_CHECK(!packed || q.size(0) == 1, "attnkit: with q_range, q holds one batch row of packed ",
+              "queries, got ", q.sizes());
+  int64_t q_len = packed ? 0 : q.size(3);
+  for (int64_t n = 0, after = 0; n < N && packed; ++n) {
+    const int64_t first = qrange[2 * n], len = qrange[2 * n + 1];
+    TORCH_CHECK(first >= after && len >= 0 && first + len <= q.size(3), "attnkit: row ", n,
+                "'s queries ", first, ":", first + len, " overlap the previous row's or lie ",
+                "outside q's ", q.size(3));
+    after = first + len;
+    q_len = std::max(q_len, len);
+  }
   int64_t capacity = page;
   const int64_t* table = nullptr;
   if (a.block_table.has_value()) {
@@ -706,24 +738,19 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
     table = t.data_ptr<int64_t>();
     capacity = t.size(1) * page;
   } else {
-    TORCH_CHECK(k.size(0) == N, "attnkit: without a block table, k and v hold one page per batch ",
-                "row: ", N, " rows, got ", k.size(0));
+    TORCH_CHECK(k.size(0) == N,
+                "attnkit: without a block table, k and v hold one page per row: ", N, " rows, got ",
+                k.size(0));
   }
   std::vector<int64_t> whole;
-  const int64_t* range = nullptr;
-  if (a.kv_range.has_value()) {
-    const at::Tensor& r = *a.kv_range;
-    TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 2 && r.size(0) == N && r.size(1) == 2 &&
-                    r.is_contiguous(),
-                "attnkit: kv_range must be contiguous int64 (N, 2) with N = ", N, ", got ",
-                r.scalar_type(), " ", r.sizes());
-    range = r.data_ptr<int64_t>();
-  } else {
+  const int64_t* range = stretches(a.kv_range, N, "kv_range");
+  if (range == nullptr) {
     whole.resize(size_t(2 * N));
     for (int64_t n = 0; n < N; ++n) whole[2 * n] = 0, whole[2 * n + 1] = capacity;
     range = whole.data();
   }
   // Every page a row's keys lie in must be a page of k and v: the kernel follows the table.
+  int64_t kv_len = 0;  // the call's keys: the longest row's
   for (int64_t n = 0; n < N; ++n) {
     const int64_t start = range[2 * n], end = range[2 * n + 1];
     TORCH_CHECK(0 <= start && start <= end && end <= capacity, "attnkit: row ", n, "'s keys ",
@@ -733,9 +760,16 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
       TORCH_CHECK(0 <= at && at < k.size(0), "attnkit: block_table[", n, ", ", p, "] = ", at,
                   " is not a page: k and v hold ", k.size(0));
     }
+    kv_len = std::max(kv_len, end);
   }
+  TORCH_CHECK(!packed || !a.bias.has_value() || !a.bias_layout.empty(),
+              "attnkit: packed queries take a bias by distance, not a dense bias");
   at::Tensor out = like_q(q, v.size(3));
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  if (packed) {  // queries no row holds: no key
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit::native_cache_forward", [&] {
     using T = scalar_t;
     Decode<T> d;
@@ -743,11 +777,11 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
     c.N = N;
     c.Hkv = q.size(1);
     c.G = q.size(2);
-    c.Tq = q.size(3);
+    c.Tq = q_len;
     c.Dk = q.size(4);
-    c.Tk = capacity;
+    c.Tk = kv_len;
     c.Dv = v.size(3);
-    c.bq = std::min<int64_t>(a.block_q, std::max<int64_t>(c.Tq, 1));
+    c.bq = std::min<int64_t>(a.block_q, std::max<int64_t>(q_len, 1));
     c.q = rows_of<const T*>(q, q.data_ptr<T>());
     c.scale = a.scale;
     c.softcap = a.softcap;
@@ -757,6 +791,24 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
     bias_args.bias = a.bias;
     bias_args.bias_layout = a.bias_layout;
     read_bias(bias_args, c);
+    if (c.bias_aliased) {
+      // Each row reads its distances from its own alignment: every element it reads in the table.
+      const int64_t numel = a.bias->numel();
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t start = range[2 * n], end = range[2 * n + 1];
+        const int64_t len = packed ? qrange[2 * n + 1] : q_len;
+        if (start == end || len == 0) continue;
+        const int64_t first[5] = {n, 0, 0, 0, start},
+                      last[5] = {n, c.Hkv - 1, c.G - 1, len - 1, end - 1};
+        int64_t lo = a.bias_layout[5] + ((kv_len - end) - (q_len - len)) * c.bs[4], hi = lo;
+        for (int i = 0; i < 5; ++i) {
+          lo += std::min(first[i] * c.bs[i], last[i] * c.bs[i]);
+          hi += std::max(first[i] * c.bs[i], last[i] * c.bs[i]);
+        }
+        TORCH_CHECK(lo >= 0 && hi < numel, "attnkit: row ", n, " reads elements ", lo, " to ", hi,
+                    " of a bias table of ", numel);
+      }
+    }
     if (a.band.size() == 2) {
       c.band = true;
       c.lo = a.band[0];
@@ -768,13 +820,13 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
     if (a.key_ok.has_value()) {
       const at::Tensor& f = *a.key_ok;
       TORCH_CHECK(f.scalar_type() == at::kByte && f.dim() == 2 && f.is_contiguous() &&
-                      (f.size(0) == 1 || f.size(0) == N) && f.size(1) == capacity,
-                  "attnkit: key_ok must be contiguous uint8 (N or 1, capacity) = (", N, ", ",
-                  capacity, "), got ", f.scalar_type(), " ", f.sizes());
+                      (f.size(0) == 1 || f.size(0) == N) && f.size(1) == kv_len,
+                  "attnkit: key_ok must be contiguous uint8 (N or 1, Tk) = (", N, ", ", kv_len,
+                  "), Tk the longest row's end, got ", f.scalar_type(), " ", f.sizes());
       c.key_ok = f.data_ptr<uint8_t>();
       c.key_rows = f.size(0);
     }
-    if (N * c.Hkv * c.G * c.Tq == 0) return;
+    if (N * c.Hkv * c.G * q_len == 0) return;
     d.k = pages_of<T>(k);
     d.v = pages_of<T>(v);
     if (table != nullptr) {
@@ -782,8 +834,10 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
       d.k.table_ld = d.v.table_ld = capacity / page;
     }
     d.range = range;
+    d.qrange = qrange;
+    d.q_total = q.size(3);
     d.bq = c.bq;
-    d.nqb = (c.Tq + d.bq - 1) / d.bq;
+    d.nqb = (q_len + d.bq - 1) / d.bq;
     int64_t span = 0;
     for (int64_t n = 0; n < N; ++n) span = std::max(span, range[2 * n + 1] - range[2 * n]);
     divide(d, span);

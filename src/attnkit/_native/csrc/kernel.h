@@ -25,13 +25,15 @@ bool decodes(const CallArgs& a);
 std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a);
 
 // A call of native_cache_forward: queries against keys and values read in place as pages
-// (X, Hkv, page, D) at any strides, through a block table (N, pages) or one page per batch row,
-// row n's keys [kv_range[n][0], kv_range[n][1]) with its queries aligned to their end; masked by
-// a band relative to each row's alignment, key flags (N|1, capacity) and a bias (dense over the
-// capacity, or by distance from the row's alignment).
+// (X, Hkv, page, D) at any strides, through a block table (N, pages) or one page per row; row n's
+// keys [kv_range[n][0], kv_range[n][1]), its queries q's batch row n or, with q_range, the
+// queries [q_range[n][0], q_range[n][0] + q_range[n][1]) of q's one batch row, aligned to the end
+// of its keys; masked by a band relative to each row's alignment, key flags (N|1, Tk) and a bias
+// (N|1, Hkv|1, G|1, Tq|1, Tk|1) or by distance from each row's alignment, Tq and Tk the longest
+// row's queries and end of keys.
 struct CacheArgs {
   at::Tensor q, k, v;  // (N, Hkv, G, Tq, Dk), (X, Hkv, page, Dk), (X, Hkv, page, Dv)
-  c10::optional<at::Tensor> block_table, kv_range, bias, key_ok;
+  c10::optional<at::Tensor> block_table, kv_range, q_range, bias, key_ok;
   double scale = 1, softcap = 0;
   std::vector<int64_t> bias_layout;
   std::vector<double> band;

@@ -80,8 +80,9 @@ std::tuple<at::Tensor, at::Tensor> native_forward(ATTNKIT_CALL_PARAMS) {
 std::tuple<at::Tensor, at::Tensor> native_cache_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& kv_range,
-    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& key_ok, double scale,
-    double softcap, c10::IntArrayRef bias_layout, c10::ArrayRef<double> band, int64_t block_q,
+    const c10::optional<at::Tensor>& q_range, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& key_ok, double scale, double softcap,
+    c10::IntArrayRef bias_layout, c10::ArrayRef<double> band, int64_t block_q,
     bool register_tiles) {
   CacheArgs a;
   a.q = q;
@@ -89,6 +90,7 @@ std::tuple<at::Tensor, at::Tensor> native_cache_forward(
   a.v = v;
   a.block_table = block_table;
   a.kv_range = kv_range;
+  a.q_range = q_range;
   a.bias = bias;
   a.key_ok = key_ok;
   a.scale = scale;
@@ -149,8 +151,8 @@ TORCH_LIBRARY(attnkit, m) {
       "Tensor dqv, Tensor denc)");
   m.def(
       "native_cache_forward(Tensor q, Tensor k, Tensor v, Tensor? block_table=None, "
-      "Tensor? kv_range=None, Tensor? bias=None, Tensor? key_ok=None, *, float scale, "
-      "float softcap=0., int[] bias_layout=[], float[] band=[], int block_q=16, "
+      "Tensor? kv_range=None, Tensor? q_range=None, Tensor? bias=None, Tensor? key_ok=None, *, "
+      "float scale, float softcap=0., int[] bias_layout=[], float[] band=[], int block_q=16, "
       "bool register_tiles=True) -> (Tensor out, Tensor lse)");
   m.def("all_finite(Tensor[] tensors) -> bool");
 }
