@@ -21,6 +21,7 @@ __all__ = [
     "current",
     "note_handover",
     "note_kernel",
+    "note_served",
     "record_dispatch",
     "recording",
 ]
@@ -97,3 +98,12 @@ def note_handover(source: str, to: str, why: str) -> None:
     record = _RECORD.get()
     if record:
         record[-1].handovers.append((source, to, why))
+
+
+def note_served(call: AttentionCall, by: str, kernel: str) -> None:
+    """Record a call that ``by`` served without the dispatcher, as :func:`attnkit.attention` would
+    have been asked it (a KV cache that the native kernel reads in place, see
+    :mod:`attnkit._kernel.cache`)."""
+    record = _RECORD.get()
+    if record is not None:
+        record.append(Dispatch(call, by, kernel=kernel))

@@ -11,7 +11,10 @@ import pytest
 import torch
 from torch import Tensor
 
+import attnkit
+from attnkit import _native
 from attnkit import flash_attn as fa
+from attnkit._kernel.cache import IN_PLACE
 from attnkit.testing import assert_close
 
 from .helpers import assert_unchanged, kv_call, reference, rotate, snapshot
@@ -214,3 +217,101 @@ def test_the_early_checks_follow_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = fa.flash_attn_with_kvcache(**call)
     assert out.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------------------------------
+# The cache read in place by the native kernel
+
+
+def _paged(cache: Tensor, page: int, order: Tensor) -> tuple[Tensor, Tensor]:
+    """A contiguous ``(B, L, Hkv, D)`` cache as pages ``(blocks, page, Hkv, D)`` in the shuffled
+    ``order``, NaN in the spare ones, and its block table (entries past a row's pages name no
+    page)."""
+    batch, length, hkv, d = cache.shape
+    per_row = -(-length // page)
+    padded = torch.full((batch, per_row * page, hkv, d), float("nan"), dtype=cache.dtype)
+    padded[:, :length] = cache
+    pages = torch.full((order.numel(), page, hkv, d), float("nan"), dtype=cache.dtype)
+    pages[order[: batch * per_row]] = padded.view(batch * per_row, page, hkv, d)
+    table = order[: batch * per_row].view(batch, per_row).int()
+    return pages, torch.cat([table, torch.full((batch, 3), -5, dtype=torch.int32)], 1)
+
+
+@pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
+@pytest.mark.parametrize("page", [1, 16, 256])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": True},
+        {"window_size": (40, 0), "softcap": 5.0},
+        {"causal": True, "alibi_slopes": "slopes", "learnable_sink": "sinks"},
+        {"cache_leftpad": "leftpad", "causal": True},
+    ],
+    ids=["causal", "window-softcap", "alibi-sinks", "leftpad"],
+)
+def test_a_paged_cache_is_read_in_place_as_the_contiguous_one(
+    options: dict[str, Any], page: int
+) -> None:
+    # Rows of 300, 17 and 0 tokens before 1 new one; the same call on a contiguous cache, on its
+    # pages, and (asking gradients, which the native kernel's cache read has not) on the rows
+    # gathered by attention(): one answer, and record_dispatch names the read in place.
+    g = torch.Generator().manual_seed(page)
+    batch, hkv, heads, d, length = 3, 2, 8, 16, 320
+    k_cache = torch.randn(batch, length, hkv, d, generator=g)
+    v_cache = torch.randn(batch, length, hkv, d, generator=g)
+    q = torch.randn(batch, 1, heads, d, generator=g)
+    new_k, new_v = (
+        torch.randn(batch, 1, hkv, d, generator=g),
+        torch.randn(batch, 1, hkv, d, generator=g),
+    )
+    seen = torch.tensor([300, 17, 0], dtype=torch.int32)
+    kw = dict(options)
+    if kw.get("alibi_slopes") == "slopes":
+        kw["alibi_slopes"] = torch.rand(heads, generator=g)
+    if kw.get("learnable_sink") == "sinks":
+        kw["learnable_sink"] = torch.randn(heads, generator=g)
+    if kw.get("cache_leftpad") == "leftpad":
+        kw["cache_leftpad"] = torch.tensor([250, 3, 0], dtype=torch.int32)
+    order = torch.randperm(batch * -(-length // page) + 2, generator=g)
+    k_pages, table = _paged(k_cache, page, order)
+    v_pages, _ = _paged(v_cache, page, order)
+
+    def run(kc: Tensor, vc: Tensor, **extra: Any) -> tuple[Tensor, Tensor, list[Any]]:
+        with attnkit.record_dispatch() as calls:
+            out, lse = fa.flash_attn_with_kvcache(
+                q, kc, vc, new_k, new_v, cache_seqlens=seen, return_softmax_lse=True, **kw, **extra
+            )
+        return out.detach(), lse.detach(), calls
+
+    contiguous = run(k_cache.clone(), v_cache.clone())
+    paged = run(k_pages, v_pages, block_table=table)
+    q.requires_grad_()
+    gathered = run(k_cache.clone(), v_cache.clone())
+    for got in (contiguous, paged):
+        assert [c.chosen for c in got[2]] == [IN_PLACE]
+        assert_close(got[0], gathered[0], dtype=torch.float32)
+        assert_close(got[1], gathered[1], dtype=torch.float32)
+    assert [c.chosen for c in gathered[2]] != [IN_PLACE]
+    # The new tokens were written into the pages too.
+    rows = torch.arange(batch)
+    at = table.long()[rows, seen.long() // page], seen.long() % page
+    assert torch.equal(k_pages[at], new_k[:, 0])
+
+
+@pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
+def test_cache_batch_idx_selects_rows_in_place() -> None:
+    g = torch.Generator().manual_seed(9)
+    k_cache, v_cache = torch.randn(5, 64, 2, 8, generator=g), torch.randn(5, 64, 2, 8, generator=g)
+    q = torch.randn(2, 1, 4, 8, generator=g)
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    seen = torch.tensor([60, 7], dtype=torch.int32)
+    with attnkit.record_dispatch() as calls:
+        out = fa.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seen, cache_batch_idx=idx, causal=True
+        )
+    assert [c.chosen for c in calls] == [IN_PLACE]
+    for b, (row, n) in enumerate(zip(idx.tolist(), seen.tolist(), strict=True)):
+        want, _ = reference(
+            q[b : b + 1], k_cache[row : row + 1, :n], v_cache[row : row + 1, :n], causal=True
+        )
+        assert_close(out[b : b + 1], want, dtype=torch.float32)

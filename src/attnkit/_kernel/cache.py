@@ -27,16 +27,18 @@ from ..masks import Geometry
 from ..scores import DistanceBias, softcap_form
 from .sinks import finish
 
-__all__ = ["cache_attention", "cache_refusal"]
+__all__ = ["IN_PLACE", "cache_attention", "cache_refusal"]
+
+#: What :func:`attnkit.record_dispatch` says served a cache call that the native kernel read in
+#: place (:attr:`attnkit.Dispatch.chosen`): such a call is not dispatched to a backend.
+IN_PLACE = "native kernel, the cache read in place"
 
 
-def cache_refusal(*tensors: Tensor | None) -> str | None:
-    """None when the native kernel reads a cache call of these tensors (the queries first, then
-    the pages and whatever else the call takes) in place, else why not: CPU float32 or float64
-    tensors of one dtype, no gradient asked of any (the kernel has no backward for pages), no
-    autocast, not while torch.compile traces, and the kernel available (built on first use)."""
-    given = [t for t in tensors if t is not None]
-    q = given[0]
+def cache_refusal(q: Tensor, k: Tensor, v: Tensor, *others: Tensor | None) -> str | None:
+    """None when the native kernel reads a cache call of queries ``q`` and pages ``k``, ``v`` in
+    place, else why not: CPU float32 or float64 tensors of one dtype, no gradient asked of them or
+    of the call's ``others`` (the kernel has no backward for pages), no autocast, not while
+    torch.compile traces, and the kernel available (built on first use)."""
     why = refusal(
         native=True,
         device=q.device,
@@ -48,10 +50,12 @@ def cache_refusal(*tensors: Tensor | None) -> str | None:
     )
     if why is not None:
         return why
-    if q.dtype not in (torch.float32, torch.float64) or any(t.dtype != q.dtype for t in given):
-        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in given})
+    if q.dtype not in (torch.float32, torch.float64) or not q.dtype == k.dtype == v.dtype:
+        dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in (q, k, v))
         return f"the native kernel reads caches of float32 or float64 q, k and v, got {dtypes}"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in given):
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, *others)
+    ):
         return "gradients are asked (the native kernel reads caches for inference only)"
     if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return "autocast or torch.compile (the native kernel reads caches in eager inference)"

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._call import check_attention_args
+from .._call import AttentionCall, check_attention_args
 from .._checks import check_bool, dtype_str, shape_str
+from .._kernel.cache import IN_PLACE, cache_attention, cache_refusal
+from .._native.kernel import DECODE_QUERIES
+from .._record import note_served
 from ..masks import Mask
 from ..scores import ScoreTerm
 from ._alibi import alibi
@@ -196,10 +199,16 @@ def flash_attn_with_kvcache(
     if alibi_slopes is not None:
         shifts = None if rows.uniform else [rows.kv_len - n for n in rows.lengths]
         bias = alibi(alibi_slopes, heads, batch, q.dtype, q_len, rows.kv_len, shifts)
-    _check_as_attention(q, k_cache, v_cache, rows.kv_len, mask, bias, scale, cap, sinks)
+    call = _check_as_attention(q, k_cache, v_cache, rows.kv_len, mask, bias, scale, cap, sinks)
 
     if k is not None and v is not None and rows.new:
         _append(k_cache, v_cache, k, v, rows)
+    if _in_place(q, k_cache, v_cache, rows, alibi_slopes, sinks) is None:
+        note_served(call, IN_PLACE, "native kernel")
+        read = _attend_in_place(
+            q, k_cache, v_cache, rows, (lo, hi), scale, cap, alibi_slopes, sinks
+        )
+        return read if want_lse else read[0]
     keys, values = _read(k_cache, v_cache, rows)
     out, lse, _ = attend(
         q.transpose(1, 2),
@@ -377,12 +386,12 @@ def _check_as_attention(
     scale: float | None,
     cap: float | None,
     sinks: Tensor | None,
-) -> None:
+) -> AttentionCall:
     """What attention() checks of the call it will get (dtypes, devices, the mask's and the score
-    term's fit), asked on stand-ins without data, before anything is written."""
+    term's fit), asked on stand-ins without data, before anything is written: the call."""
     batch, q_len, heads, head_dim = q.shape
     kv_heads = k_cache.size(2)
-    check_attention_args(
+    return check_attention_args(
         _stand_in(q, (batch, heads, q_len, head_dim)),
         _stand_in(k_cache, (batch, kv_heads, kv_len, k_cache.size(3))),
         _stand_in(v_cache, (batch, kv_heads, kv_len, v_cache.size(3))),
@@ -410,6 +419,54 @@ def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, rows: _Rows)
     index = tuple(w.to(k_cache.device) for w in where)
     k_cache.index_put_(index, k.to(k_cache.dtype))
     v_cache.index_put_(index, v.to(v_cache.dtype))
+
+
+def _in_place(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: _Rows, *others: Tensor | None
+) -> str | None:
+    """None when the native kernel reads the rows' keys where they are (see
+    :mod:`attnkit._kernel.cache`): pages, a few queries (decoding), or rows of their own lengths
+    (which attention() would hold apart with a mask of tiles); else why the rows are read into one
+    tensor for attention() (the native kernel's blocked forward runs a long prefill faster)."""
+    if rows.table is None and q.size(1) > DECODE_QUERIES and rows.uniform:
+        return "a prefill of equal rows: attention() on the cache's rows"
+    return cache_refusal(q, k_cache, v_cache, *others)
+
+
+def _attend_in_place(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    rows: _Rows,
+    window: tuple[float, float],
+    scale: float | None,
+    cap: float | None,
+    alibi_slopes: object,
+    sinks: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """``(out (B, Tq, H, Dv), lse (B, H, Tq))`` of the call, the cache read where it lies: its
+    pages through the block table, or the rows of a contiguous cache (``cache_batch_idx``)."""
+    batch, q_len, heads, head_dim = q.shape
+    table = rows.table
+    if table is None and rows.cache_rows is not None:  # one page of the whole capacity per row
+        table = torch.tensor(rows.cache_rows, dtype=torch.int64)[:, None]
+    lo, hi = window
+    bias = None
+    if alibi_slopes is not None:  # from each row's own alignment (the kernel shifts each row)
+        bias = alibi(alibi_slopes, heads, batch, q.dtype, q_len, rows.kv_len)
+    out, lse = cache_attention(
+        q.transpose(1, 2),
+        k_cache.permute(0, 2, 1, 3),
+        v_cache.permute(0, 2, 1, 3),
+        kv_range=[[a, n] for a, n in zip(rows.start, rows.lengths, strict=True)],
+        block_table=table,
+        band=None if lo == -math.inf and hi == math.inf else (lo, hi),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        softcap=cap,
+        bias=bias,
+        sinks=sinks,
+    )
+    return out.transpose(1, 2).contiguous(), lse
 
 
 def _read(k_cache: Tensor, v_cache: Tensor, rows: _Rows) -> tuple[Tensor, Tensor]:
