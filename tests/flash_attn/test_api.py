@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from attnkit import attention
+import attnkit
+from attnkit import _native, attention
 from attnkit import flash_attn as fa
+from attnkit._kernel.cache import IN_PLACE
 from attnkit.flash_attn import _api as fa_api
 from attnkit.testing import assert_close
 
@@ -336,3 +338,63 @@ def test_a_sink_of_minus_inf_is_no_sink() -> None:
     q, k, v = fa_inputs("flash_attn_func")
     none = torch.full((4,), -math.inf, dtype=torch.float64)
     assert_close(fa.flash_attn_func(q, k, v, learnable_sink=none), fa.flash_attn_func(q, k, v))
+
+
+@pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
+@pytest.mark.parametrize("page", [1, 16, 256])
+def test_varlen_reads_a_paged_cache_in_place(page: int) -> None:
+    # vLLM's mixed batch: a prefill of 40 queries, decodes of one query and a sequence with no
+    # new query, each against its own pages (NaN in the pages no sequence holds). In place (the
+    # native kernel), gathered (asking gradients: attention() on the packed keys) and the
+    # reference, sequence by sequence: one answer.
+    g = torch.Generator().manual_seed(page)
+    hkv, heads, d = 2, 4, 16
+    q_lengths, k_lengths = [40, 1, 0, 1], [40, 333, 9, 70]
+    per_row = [-(-n // page) for n in k_lengths]
+    blocks = sum(per_row) + 3
+    k_pages = torch.full((blocks, page, hkv, d), float("nan"))
+    v_pages = torch.full((blocks, page, hkv, d), float("nan"))
+    order = torch.randperm(blocks, generator=g).tolist()
+    table = torch.full((4, max(per_row) + 1), blocks + 7, dtype=torch.int32)
+    keys, values = [], []
+    for s, n in enumerate(k_lengths):
+        k = torch.randn(n, hkv, d, generator=g)
+        v = torch.randn(n, hkv, d, generator=g)
+        keys.append(k)
+        values.append(v)
+        for p in range(per_row[s]):
+            at = order.pop()
+            table[s, p] = at
+            k_pages[at, : len(k[p * page : (p + 1) * page])] = k[p * page : (p + 1) * page]
+            v_pages[at, : len(v[p * page : (p + 1) * page])] = v[p * page : (p + 1) * page]
+    q = torch.randn(sum(q_lengths), heads, d, generator=g)
+    slopes = torch.rand(heads, generator=g)
+    kw = {"causal": True, "alibi_slopes": slopes, "softcap": 8.0, "return_attn_probs": True}
+
+    def run(queries: Tensor) -> tuple[Tensor, Tensor, list[Any]]:
+        with attnkit.record_dispatch() as calls:
+            out, lse, _ = fa.flash_attn_varlen_func(
+                queries, k_pages, v_pages, cu(q_lengths), cu(k_lengths), block_table=table, **kw
+            )
+        return out.detach(), lse.detach(), calls
+
+    in_place = run(q)
+    gathered = run(q.clone().requires_grad_())
+    assert [c.chosen for c in in_place[2]] == [IN_PLACE]
+    assert [c.chosen for c in gathered[2]] != [IN_PLACE]
+    for a, b in zip(in_place[:2], gathered[:2], strict=True):
+        assert_close(a, b, dtype=torch.float32)
+    first = 0
+    for s, n in enumerate(q_lengths):
+        if n:
+            want, want_lse = reference(
+                q[None, first : first + n],
+                keys[s][None],
+                values[s][None],
+                causal=True,
+                softcap=8.0,
+                slopes=slopes,
+            )
+            assert_close(in_place[0][first : first + n], want[0], dtype=torch.float32)
+            assert_close(in_place[1][:, first : first + n], want_lse[0], dtype=torch.float32)
+        first += n

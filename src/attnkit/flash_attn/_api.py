@@ -1,11 +1,19 @@
 """flash-attn's attention functions over ``(B, T, H, D)`` tensors and packed sequences, each one
-:func:`attnkit.attention` call (see the package's conventions)."""
+:func:`attnkit.attention` call (see the package's conventions), but for a paged cache that the
+native kernel reads through its block table (:mod:`attnkit._kernel.cache`)."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
+import torch
 from torch import Tensor
 
+from .._call import check_attention_args
 from .._checks import check_bool, check_probability, shape_str
+from .._kernel.cache import IN_PLACE, cache_attention, cache_refusal
+from .._record import note_served
 from ..attention import attention
 from ..masks import Mask
 from ..scores import ScoreTerm
@@ -20,7 +28,7 @@ from ._args import (
     softcap_of,
     three_d,
 )
-from ._paging import paged_sequences
+from ._paging import checked_pages, gather_pages
 from ._varlen import sequences_mask
 
 __all__ = [
@@ -280,8 +288,9 @@ def flash_attn_varlen_func(
     q = three_d("q", q, "(total_q, nheads, headdim)")
     q_lengths = lengths_of("cu_seqlens_q", cu_seqlens_q, q.size(0))
     rows = len(q_lengths)
+    table = None
     if block_table is not None:
-        k, v, k_lengths = paged_sequences(k, v, cu_seqlens_k, block_table, rows)
+        k, v, table, k_lengths = checked_pages(k, v, cu_seqlens_k, block_table, rows)
     else:
         k = three_d("k", k, "(total_k, nheads_k, headdim)")
         v = three_d("v", v, "(total_k, nheads_k, headdim_v)")
@@ -297,6 +306,14 @@ def flash_attn_varlen_func(
     p = check_probability("dropout_p", dropout_p)
     cap = softcap_of(softcap)
     scale = scale_of(softmax_scale, q.dtype)
+    sinks = sinks_of(learnable_sink, s_aux, q, q.size(1))
+    if table is not None:
+        if p == 0 and cache_refusal(q, k, v, alibi_slopes, sinks) is None:
+            sizes = (q_lengths, k_lengths)
+            return _varlen_in_place(
+                q, k, v, table, sizes, (lo, hi), scale, cap, alibi_slopes, sinks, asked
+            )
+        k, v = gather_pages(k, table, k_lengths), gather_pages(v, table, k_lengths)
     bias = None
     if alibi_slopes is not None:
         bias = varlen_alibi(alibi_slopes, q.size(1), q_lengths, k_lengths, q.dtype)
@@ -309,13 +326,67 @@ def flash_attn_varlen_func(
         dropout_p=p,
         softmax_scale=scale,
         softcap=cap,
-        sinks=sinks_of(learnable_sink, s_aux, q, q.size(1)),
+        sinks=sinks,
         want_lse=asked,
         want_probs=asked and p > 0,
     )
     return _finish(
         out[0], None if lse is None else lse[0], None if probs is None else probs[0], asked
     )
+
+
+def _varlen_in_place(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    table: Tensor,
+    sizes: tuple[list[int], list[int]],
+    window: tuple[float, float],
+    scale: float | None,
+    cap: float | None,
+    alibi_slopes: object,
+    sinks: Tensor | None,
+    asked: bool,
+) -> _Result:
+    """:func:`flash_attn_varlen_func` on a paged cache that the native kernel reads through the
+    block table (see :mod:`attnkit._kernel.cache`): each sequence's queries against its pages
+    (``sizes``: the sequences' query and key lengths)."""
+    q_lengths, k_lengths = sizes
+    heads, head_dim = q.size(1), q.size(2)
+    starts = [0, *itertools.accumulate(q_lengths)][:-1]
+    q_len, kv_len = max(q_lengths, default=0), max(k_lengths, default=0)
+    bias = None
+    if alibi_slopes is not None:  # from each sequence's own alignment
+        bias = alibi(alibi_slopes, heads, len(q_lengths), q.dtype, q_len, kv_len)
+    lo, hi = window
+    # The call as attention() would be asked it, on stand-ins without data, for record_dispatch.
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    call = check_attention_args(
+        zero.expand(len(q_lengths), heads, q_len, head_dim),
+        zero.expand(len(q_lengths), k.size(2), kv_len, k.size(3)),
+        zero.expand(len(q_lengths), v.size(2), kv_len, v.size(3)),
+        mask=None,
+        bias=bias,
+        causal=False,
+        scale=scale,
+        softcap=cap,
+        sinks=sinks,
+    )
+    note_served(call, IN_PLACE, "native kernel")
+    out, lse = cache_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.permute(0, 2, 1, 3),
+        v.permute(0, 2, 1, 3),
+        kv_range=[[0, n] for n in k_lengths],
+        block_table=table,
+        q_range=[[s, n] for s, n in zip(starts, q_lengths, strict=True)],
+        band=None if lo == -math.inf and hi == math.inf else (lo, hi),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        softcap=cap,
+        bias=bias,
+        sinks=sinks,
+    )
+    return _finish(out[0].transpose(0, 1).contiguous(), lse[0], None, asked)
 
 
 def flash_attn_varlen_qkvpacked_func(

@@ -15,6 +15,7 @@ from ._args import four_d, lengths_of
 
 __all__ = [
     "check_block_table",
+    "checked_pages",
     "gather_pages",
     "page_table",
     "paged_sequences",
@@ -94,6 +95,16 @@ def paged_sequences(
     """The packed ``(total_k, Hkv, D)`` keys and values of ``rows`` sequences held in a paged
     ``(blocks, page, Hkv, D)`` cache, and their lengths: sequence ``s`` holds the first
     ``cu_seqlens_k[s + 1] - cu_seqlens_k[s]`` tokens of its pages ``block_table[s]``."""
+    k, v, table, k_lengths = checked_pages(k, v, cu_seqlens_k, block_table, rows)
+    return gather_pages(k, table, k_lengths), gather_pages(v, table, k_lengths), k_lengths
+
+
+def checked_pages(
+    k: object, v: object, cu_seqlens_k: Tensor, block_table: object, rows: int
+) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """The paged ``(blocks, page, Hkv, D)`` keys and values of ``rows`` sequences, their block
+    table (int64, checked as :func:`page_table` does) and their lengths, as
+    :func:`paged_sequences` reads them, every page checked and none gathered."""
     k = four_d("k", k, "(num_blocks, page_block_size, nheads_k, headdim) with block_table")
     v = four_d("v", v, "(num_blocks, page_block_size, nheads_k, headdim_v) with block_table")
     table = check_block_table(block_table, rows)
@@ -112,4 +123,4 @@ def paged_sequences(
         )
     used = pages_used(k_lengths, k.size(1))
     table = page_table(table, used, k.size(0), f"the paged k {shape_str(k.shape)}")
-    return gather_pages(k, table, k_lengths), gather_pages(v, table, k_lengths), k_lengths
+    return k, v, table, k_lengths
