@@ -34,7 +34,9 @@ T = 48  # divides into 2W chunks for W = 2, 3, 4
 DOCS = [10, 20, 18]  # packed documents that cross shard boundaries
 
 
-def whole_inputs(dtype: torch.dtype, seed: int = 0, kv_len: int = T) -> dict[str, torch.Tensor]:
+def whole_inputs(
+    dtype: torch.dtype, seed: int = 0, kv_len: int = T, heads: int = H
+) -> dict[str, torch.Tensor]:
     """The whole sequence's tensors, the same on every rank. Batch row 0 pads its last 3 keys,
     row 1 its first half less one, so under causality its first queries see no key at all."""
     g = torch.Generator().manual_seed(seed)
@@ -49,16 +51,16 @@ def whole_inputs(dtype: torch.dtype, seed: int = 0, kv_len: int = T) -> dict[str
         ]
     )
     return {
-        "q": randn(B, H, T, DK),
+        "q": randn(B, heads, T, DK),
         "k": randn(B, HKV, kv_len, DK),
         "v": randn(B, HKV, kv_len, DV),
-        "dout": randn(B, H, T, DV),
-        "dlse": randn(B, H, T),
-        "qv": randn(B, H, T, DH),
-        "enc": randn(H, T + kv_len - 1, DH),
-        "table": randn(H, T + kv_len - 1),
-        "sinks": randn(H),
-        "slopes": attnkit.alibi_slopes(H).to(dtype),
+        "dout": randn(B, heads, T, DV),
+        "dlse": randn(B, heads, T),
+        "qv": randn(B, heads, T, DH),
+        "enc": randn(heads, T + kv_len - 1, DH),
+        "table": randn(heads, T + kv_len - 1),
+        "sinks": randn(heads),
+        "slopes": attnkit.alibi_slopes(heads).to(dtype),
         "pad": pad,
     }
 
@@ -129,11 +131,13 @@ def compare(
     layout: str,
     group: dist.ProcessGroup | None,
     dtype: torch.dtype = torch.float64,
-    backend: RingBackend | None = None,
+    backend: attnkit.Backend | None = None,
     inputs: dict[str, torch.Tensor] | None = None,
-) -> tuple[str | None, dict[str, int]]:
-    """Run one case on the ranks and in one process; assert they agree. Returns the kernel and
-    the bytes this rank sent, as record_dispatch() saw them."""
+    strategy: Callable[..., Any] = ring_attention,
+) -> tuple[str | None, dict[str, int], list[str]]:
+    """Run one case on the ranks (``strategy``, or attention() with ``backend``) and in one
+    process; assert they agree. Returns the kernel and the bytes this rank sent, as
+    record_dispatch() saw them (the first record: the distributed call's)."""
     lay = layout_of(layout, world)
     x = whole_inputs(dtype) if inputs is None else inputs
     make = CASES[case]
@@ -159,7 +163,7 @@ def compare(
     torch.manual_seed(7)
     with attnkit.record_dispatch() as record:
         if backend is None:
-            got = ring_attention(
+            got = strategy(
                 local["q"], local["k"], local["v"], **make(local), layout=lay, group=group
             )
         else:
@@ -197,8 +201,7 @@ def compare(
         else:
             assert actual.dtype == dtype or name == "lse", (what, name)
             assert_close(actual, expected)
-    (entry,) = record
-    return entry.kernel, dict(entry.sent)
+    return record[0].kernel, dict(record[0].sent), [r.chosen for r in record]
 
 
 def window_bytes(rank: int, world: int, group: dist.ProcessGroup | None) -> dict[str, Any]:
@@ -325,7 +328,7 @@ def world_checks(rank: int, world: int, group: dist.ProcessGroup | None) -> dict
     report: dict[str, Any] = {"kernels": {}, "sent": {}}
     for layout in ("contiguous", "zigzag"):
         for case in CASES:
-            kernel, sent = compare(case, rank, world, layout, group)
+            kernel, sent, _ = compare(case, rank, world, layout, group)
             report["kernels"][layout, case] = kernel
             report["sent"][layout, case] = sent
     # float32, within attnkit.testing's tolerances of the float64 call.
@@ -336,14 +339,17 @@ def world_checks(rank: int, world: int, group: dist.ProcessGroup | None) -> dict
     for layout in ("contiguous", "zigzag"):
         eager = RingBackend(layout=layout, group=group, native=False, block_q=4, block_k=3)
         for case in ("dense key mask & window", "causal", "position term, causal"):
-            kernel, _ = compare(case, rank, world, layout, group, backend=eager)
+            kernel, _, _ = compare(case, rank, world, layout, group, backend=eager)
             report["kernels"][layout, case, "eager"] = kernel
     # A NaN among the values of a key the mask hides, on one rank: every rank runs the eager
     # kernel's careful mode, as one process does.
     x = whole_inputs(torch.float64)
     x["v"][0, 0, -1, 0] = float("nan")  # batch row 0's last key is padding
-    kernel, _ = compare("dense key mask & causal", rank, world, "contiguous", group, inputs=x)
+    kernel, _, _ = compare("dense key mask & causal", rank, world, "contiguous", group, inputs=x)
     report["kernels"]["non-finite"] = kernel
+    from .test_ulysses import ulysses_checks  # the all-to-all's checks share this run
+
+    report["ulysses"] = ulysses_checks(rank, world, group)
     report["bytes"] = window_bytes(rank, world, group)
     report["backward plans"] = plans_made_by_the_backward(rank, world, group)
     report["saved"] = largest_saved_numel(rank, world, group)

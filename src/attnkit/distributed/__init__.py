@@ -5,8 +5,12 @@
 * :class:`Layout`, :func:`shard_zigzag` / :func:`unshard_zigzag`: which positions each rank
   holds; the zigzag layout balances causal work.
 * :class:`ShardPlan`: which ranks' queries meet which ranks' keys, and what they send.
-* :class:`RingBackend` / :func:`register_ring_backend`: ring attention as an ``attention()``
-  backend, so that modules such as :class:`attnkit.MultiHeadAttention` run it.
+* :func:`ulysses_attention`: the same call by an all-to-all over heads (and, with more ranks than
+  heads, the all-to-all within groups of ranks and the ring across them).
+* :func:`parallel_attention` and :func:`explain`: the strategy that sends the least, and why.
+* :class:`RingBackend` / :func:`register_ring_backend`, :class:`UlyssesBackend`: the strategies
+  as ``attention()`` backends, so that modules such as :class:`attnkit.MultiHeadAttention` run
+  them.
 
 Importing this package needs no process group; calling :func:`ring_attention` does.
 """
@@ -15,13 +19,20 @@ from .backend import register_ring_backend
 from .layout import Layout, shard_zigzag, unshard_zigzag
 from .plan import ShardPlan
 from .ring import RingBackend, ring_attention
+from .strategy import Strategy, explain, parallel_attention
+from .ulysses import UlyssesBackend, ulysses_attention
 
 __all__ = [
     "Layout",
     "RingBackend",
     "ShardPlan",
+    "Strategy",
+    "UlyssesBackend",
+    "explain",
+    "parallel_attention",
     "register_ring_backend",
     "ring_attention",
     "shard_zigzag",
+    "ulysses_attention",
     "unshard_zigzag",
 ]

@@ -23,18 +23,16 @@ of the shards (all-reduce them, as for the projections' weights).
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from .._call import AttentionCall, check_attention_args, finite
+from .._call import AttentionCall, finite
 from .._checks import check_int, shape_str
 from .._kernel import (
     FUSED_ROWS,
@@ -52,11 +50,11 @@ from .._kernel.call import NATIVE_BLOCKS
 from .._native.kernel import refusal
 from .._record import Dispatch, current, note_kernel
 from .._score_mod import ScoreMod, captured_tensors, check_captured
-from .._score_mod import describe as describe_score_mod
 from .._typing import Bool, Float, shape_checked
 from ..backends.base import Backend, CallInputs
-from ..masks import PARTIAL, Geometry, Mask, visibility
-from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm
+from ..masks import Mask
+from ..scores import RelativePositionTerm, ScoreTerm
+from ._args import Travel, describe, rebuild, split_mask, term_reasons, validated, whole_geometry
 from ._comm import Peers, agree, require_group
 from ._pair import (
     PairPlan,
@@ -80,79 +78,6 @@ __all__ = ["RingBackend", "ring_attention", "ring_check"]
 # The mask: what every rank evaluates, and the key masks that travel
 
 
-class _Travel(Mask):
-    """Where a dense key mask stands in the call's mask until a pair binds it to the block of
-    keys it computes with: known to its rank only, so to the shard plan every block is PARTIAL."""
-
-    def __init__(self, index: int, shape: tuple[int, ...]) -> None:
-        self.index, self.shape = index, shape
-
-    def describe(self) -> str:
-        return f"key mask shard {shape_str(self.shape)}"
-
-    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
-        raise RuntimeError("attnkit internal error: a traveling key mask asked before binding")
-
-    def block_states(
-        self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
-    ) -> Tensor:
-        nq, nk = len(range(*q)), len(range(*k))
-        return torch.full((nq, nk), PARTIAL, dtype=torch.uint8)
-
-    @property
-    def keys_only(self) -> bool:
-        return True
-
-
-def _leaves(mask: Mask) -> list[Mask]:
-    if mask.op is None:
-        return [mask]
-    return [leaf for part in mask.parts for leaf in _leaves(part)]
-
-
-def _rebuild(mask: Mask, leaf: Callable[[Mask], Mask]) -> Mask:
-    """``mask`` with each of its leaves replaced by ``leaf(it)``, ``&`` and ``|`` kept."""
-    if mask.op is None:
-        return leaf(mask)
-    parts = [_rebuild(p, leaf) for p in mask.parts]
-    return functools.reduce(operator.and_ if mask.op == "and" else operator.or_, parts)
-
-
-def split_mask(mask: Mask | None, kv_len: int) -> tuple[Mask | None, list[Tensor], list[str]]:
-    """The call's mask as every rank evaluates it (dense key masks that are this rank's shard
-    replaced by stand-ins), the dense key masks that travel with their keys (as ``(X, H|1, 1,
-    Tk)``), and the reasons the mask cannot run across ranks."""
-    if mask is None:
-        return None, [], []
-    travel: list[Tensor] = []
-    reasons: list[str] = []
-
-    def leaf(m: Mask) -> Mask:
-        t = m.tensor
-        if t is None:
-            return m
-        if t.ndim >= 2 and t.size(-2) != 1:
-            reasons.append(
-                f"a dense mask {shape_str(t.shape)} depends on the query: give a key mask "
-                "(..., 1, Tk) sharded like the keys, or the mask as a structured one that "
-                "describes the whole sequence (attnkit.masks)"
-            )
-            return m
-        if t.size(-1) == 1 or t.ndim == 0:
-            return m  # the same for every key: every rank evaluates it as it is
-        if t.size(-1) != kv_len:
-            reasons.append(
-                f"a dense key mask {shape_str(t.shape)} is this rank's shard of the keys: its "
-                f"last dimension must be the shard's Tk = {kv_len}"
-            )
-            return m
-        t4 = t.reshape((1,) * max(0, 4 - t.ndim) + tuple(t.shape))
-        travel.append(t4.reshape(-1, *t4.shape[-3:]))
-        return _Travel(len(travel) - 1, tuple(t.shape))
-
-    return _rebuild(mask, leaf), travel, reasons
-
-
 def _bind(structure: Mask | None, blocks: list[Tensor], rect: Rect) -> Mask | None:
     """The call's mask for one pair: each traveling key mask as the block's, at the whole call's
     key positions (the block's key ``rect.lk`` sits at ``rect.gk``)."""
@@ -160,11 +85,11 @@ def _bind(structure: Mask | None, blocks: list[Tensor], rect: Rect) -> Mask | No
         return structure
 
     def leaf(m: Mask) -> Mask:
-        if isinstance(m, _Travel):
+        if isinstance(m, Travel):
             return ShardKeys(blocks[m.index], rect.gk - rect.lk)
         return m
 
-    return _rebuild(structure, leaf)
+    return rebuild(structure, leaf)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -433,24 +358,6 @@ _apply: Callable[..., tuple[Tensor, Tensor]] = _RingFunction.apply
 # What a ring call takes, and the call itself
 
 
-def term_reasons(term: ScoreTerm | None, geo: Geometry, batch: int) -> list[str]:
-    """Why a score term cannot run across ranks, for a call of ``geo`` (the whole sequence)
-    whose ranks hold ``batch`` rows and ``Tq`` queries each (empty when it can)."""
-    if isinstance(term, RelativePositionTerm):
-        if term.legacy:
-            return [
-                "openspeech's position term reads absolute encodings of the whole sequence in one "
-                "process; give the Transformer-XL form (RelativePositionTerm(qv, enc, scale))"
-            ]
-        return []
-    if isinstance(term, DistanceBias):
-        try:
-            term.check(geo)
-        except ValueError as err:
-            return [f"{err} (distances of the whole sequence)"]
-    return []
-
-
 def ring_check(call: AttentionCall, layout: Layout | str = "contiguous") -> list[str]:
     """Why ring attention cannot serve a call (empty when it can)."""
     reasons = []
@@ -488,30 +395,6 @@ def _facts(
     return ok, norms[0], norms[1], norms[2], seed
 
 
-def _describe(
-    call: AttentionCall, structure: Mask | None, travel: list[Tensor]
-) -> dict[str, object]:
-    term = call.score_term
-    return {
-        "q shape": (*call.batch_shape, call.num_heads, call.q_len, call.qk_dim),
-        "k shape": (*call.batch_shape, call.num_kv_heads, call.kv_len, call.qk_dim),
-        "v shape": (*call.batch_shape, call.num_kv_heads, call.kv_len, call.v_dim),
-        "dtype": str(call.dtype).removeprefix("torch."),
-        "device type": call.device.type,
-        "mask": None if structure is None else repr(structure),
-        "key mask shape": [tuple(t.shape) for t in travel] or None,
-        "scale": call.scale,
-        "softcap": call.softcap,
-        "sinks": call.sinks,
-        "dropout_p": call.dropout_p,
-        "return_lse": call.return_lse,
-        "score term": None
-        if term is None
-        else (term.describe(), [tuple(t.shape) for t in term.inputs()]),
-        "score_mod": None if call.score_mod is None else describe_score_mod(call.score_mod),
-    }
-
-
 def _settings(
     call: AttentionCall,
     world: int,
@@ -521,14 +404,7 @@ def _settings(
     fused_rows: int | None,
     native: bool,
 ) -> Settings:
-    geo = Geometry(
-        call.batch_shape,
-        call.num_heads,
-        call.q_len * world,
-        call.kv_len * world,
-        call.device,
-        work_dtype(call.dtype),
-    )
+    geo = whole_geometry(call, world)
     careful = not all(f[0] for f in facts)
     why = refusal(
         native=native,
@@ -595,7 +471,7 @@ def _ring(
     structure, travel, reasons = split_mask(call.mask, call.kv_len)
     term = call.score_term
     term_inputs = () if term is None else tuple(term.inputs())
-    description = _describe(call, structure, travel)
+    description = describe(call, structure, travel)
     try:
         lay = layout_of(layout, world)
         description["layout"] = lay.chunks
@@ -696,71 +572,6 @@ class RingBackend(Backend):
         return f"RingBackend(layout={layout!r})"
 
 
-def _flat_parts(mask: object) -> list[Mask]:
-    return _leaves(mask) if isinstance(mask, Mask) else []
-
-
-def _validated(
-    q: object,
-    k: object,
-    v: object,
-    *,
-    mask: object,
-    bias: object,
-    causal: object,
-    scale: object,
-    softcap: object,
-    sinks: object,
-    dropout_p: object,
-    return_lse: object,
-    score_mod: object,
-    world: int,
-) -> AttentionCall:
-    """The call as this rank sees it: its tensors and dense key mask checked against its shard,
-    its structured masks and score term against the whole sequence."""
-    dense = [p.tensor for p in _flat_parts(mask) if p.tensor is not None]
-    if isinstance(mask, Tensor):
-        dense = [mask]
-    local = None
-    for t in dense:
-        local = t if local is None else local & t
-    call = check_attention_args(
-        q, k, v, mask=local, bias=bias, causal=False, scale=scale, softcap=softcap, sinks=sinks,
-        dropout_p=dropout_p, return_lse=return_lse, score_mod=score_mod,
-    )  # fmt: skip
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    whole = Geometry(
-        call.batch_shape,
-        call.num_heads,
-        call.q_len * world,
-        call.kv_len * world,
-        call.device,
-        work_dtype(call.dtype),
-    )
-    for part in _flat_parts(mask):
-        if part.tensor is None:
-            part.check(whole, "mask")
-    reasons = term_reasons(call.score_term, whole, 0)
-    if reasons:
-        raise ValueError("; ".join(reasons))
-    term = call.score_term
-    if isinstance(term, RelativePositionTerm):
-        want = (math.prod(call.batch_shape), call.num_heads, call.q_len)
-        if term.qv.dim() != 4 or tuple(term.qv.shape[:3]) != want:
-            raise ValueError(
-                f"bias: the position term's qv {shape_str(term.qv.shape)} must be this rank's "
-                f"rows of the position queries, (B, H, Tq, Dh) with (B, H, Tq) = {shape_str(want)}"
-            )
-    given = mask if isinstance(mask, Mask) else None
-    return replace(
-        call,
-        mask=visibility(mask, causal),  # type: ignore[arg-type]
-        given_mask=given if given is not None else call.given_mask,
-        causal=causal,
-    )
-
-
 @shape_checked
 def ring_attention(
     q: Float[Tensor, "*batch H Tq Dk"],
@@ -850,7 +661,7 @@ def ring_attention(
     world = dist.get_world_size(group)
     try:
         backend = RingBackend(layout=layout, group=group, block_q=block_q, block_k=block_k)
-        call = _validated(
+        call = validated(
             q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, softcap=softcap,
             sinks=sinks, dropout_p=dropout_p, return_lse=return_lse, score_mod=score_mod,
             world=world,

@@ -1,0 +1,68 @@
+"""explain(): which strategy runs a call across ranks, and why (no processes needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import masks
+from attnkit.distributed import explain
+from attnkit.scores import RelativePositionTerm
+
+
+def shard(heads: int, t: int = 2048, device: str = "meta") -> torch.Tensor:
+    return torch.empty(1, heads, t, 64, device=device)
+
+
+def test_a_short_reach_takes_the_ring_a_long_one_the_all_to_all() -> None:
+    q = shard(8)
+    window = explain(q, q, q, mask=masks.sliding_window(256), world_size=4)
+    assert window.chosen == "ring"
+    # A window of 256 over shards of 2048: k and v of 256 keys, 8 heads of 64, float32.
+    assert window.sent["ring"] == 256 * 8 * 128 * 4
+    # The all-to-all: 3/4 of q, k, v and the output.
+    assert window.sent["ulysses"] == 4 * 2048 * 8 * 64 * 4 * 3 // 4
+    causal = explain(q, q, q, causal=True, layout="zigzag", world_size=4)
+    assert causal.chosen == "ulysses"
+    assert causal.sent["ring"] == 6144 * 8 * 128 * 4  # rank 3: its whole shard to 3 ranks
+    inside = explain(q, q, q, mask=masks.documents([1024] * 8), world_size=4)
+    assert (inside.chosen, inside.sent["ring"]) == ("ring", 0)
+
+
+def test_more_ranks_than_heads_take_the_hybrid_and_dropout_the_ring() -> None:
+    q = shard(2)
+    found = explain(q, q, q, causal=True, world_size=4)
+    assert found.chosen == "hybrid"
+    assert "the 2 heads do not divide among the 4 ranks" in found.reasons["ulysses"][0]
+    dropped = explain(q, q, q, causal=True, world_size=4, dropout_p=0.1)
+    assert dropped.chosen == "ring"
+    assert dropped.sent["ulysses"] is None
+    assert "ulysses  cannot: dropout" in str(dropped)
+
+
+def test_the_report_names_every_strategy_and_draws_the_ring() -> None:
+    q = shard(4, 64, "cpu")
+    qv = torch.empty(1, 4, 64, 8)
+    enc = torch.empty(4, 4 * 128 - 1, 8)
+    text = str(
+        explain(
+            q, q, q, bias=RelativePositionTerm(qv, enc, 1.0), causal=True, world_size=2,
+            strategy="ring",
+        )
+    )  # fmt: skip
+    lines = text.splitlines()
+    assert lines[1] == "ring picks: ring"
+    assert lines[2].startswith("  ring     chosen: sends ")
+    assert lines[3].startswith("  ulysses  could serve it: sends ")
+    assert "ShardPlan: 2 ranks, 2 chunks of 64 queries and 64 keys (contiguous)" in text
+    assert lines[-1] == "each rank's kernel: native kernel"
+
+
+def test_explain_errors_quote_values() -> None:
+    q = shard(4)
+    with pytest.raises(ValueError, match=r"strategy must be one of 'auto', 'ring', 'ulysses', "):
+        explain(q, q, q, world_size=2, strategy="mesh")
+    with pytest.raises(ValueError, match=r"explain\(\) needs world_size=, or an initialised"):
+        explain(q, q, q)
+    with pytest.raises(ValueError, match=r"covers 100 positions but the call has Tk = 4096"):
+        explain(q, q, q, mask=masks.documents([100]), world_size=2)

@@ -1,0 +1,112 @@
+"""ulysses_attention (the all-to-all over heads, and its hybrid with the ring) and
+parallel_attention on 2, 3 and 4 gloo ranks against attention() in one process.
+
+The checks run in tests/distributed/test_ring.py's one run of 4 processes
+(:func:`ulysses_checks`, called for each group there); the tests below read their report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import attnkit
+from attnkit import BackendError
+from attnkit.distributed import UlyssesBackend, parallel_attention, ulysses_attention
+
+from .test_ring import DK, DV, HKV, B, H, T, compare, ranks_of, whole_inputs
+
+# Every case of test_ring.py's CASES that does not drop out (the all-to-all leaves dropout to the
+# ring), with every kind of mask, term and modifier.
+CASES = [
+    "no mask",
+    "top-left causal",
+    "documents & causal",
+    "key_padding (whole lengths)",
+    "from_fn",
+    "dense key mask | documents",
+    "position term, window",
+    "ALiBi, causal",
+    "distance bias, documents",
+    "return_lse",
+    "score_mod",
+    "position term, softcap, sinks, documents & causal",
+]
+# With 2 heads on 4 ranks: all-to-all within pairs of ranks, the ring across them.
+HYBRID = ["causal", "dense key mask & window", "position term, softcap, sinks, documents & causal"]
+
+
+def ulysses_checks(rank: int, world: int, group: dist.ProcessGroup | None) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    for layout in ("contiguous", "zigzag"):
+        for case in CASES:
+            _, sent, chosen = compare(case, rank, world, layout, group, strategy=ulysses_attention)
+            report[layout, case] = (chosen, sent)
+    if world == 4:
+        x = whole_inputs(torch.float64, heads=2)
+        for case in HYBRID:
+            for layout in ("contiguous", "zigzag"):
+                _, sent, chosen = compare(
+                    case, rank, world, layout, group, inputs=x, strategy=ulysses_attention
+                )
+                report["hybrid", layout, case] = (chosen, sent)
+    for case in ("window left and right", "causal", "dropout"):
+        _, _, chosen = compare(case, rank, world, "zigzag", group, strategy=parallel_attention)
+        report["parallel", case] = chosen[0]
+    # A call the all-to-all cannot serve is refused on every rank before anything moves.
+    q = torch.zeros(1, H, 4, DK)
+    try:
+        attnkit.attention(q, q, q, dropout_p=0.1, backend=UlyssesBackend(group=group))
+    except BackendError as e:
+        report["dropout"] = str(e)
+    return report
+
+
+WORLDS = pytest.mark.parametrize("world", [2, 3, 4])
+
+
+@WORLDS
+def test_every_case_equals_one_process(world: int) -> None:
+    # Asserted in each rank (output, lse, every gradient); here: every case ran.
+    for report in ranks_of(world):
+        got = report["ulysses"]
+        assert all((layout, case) in got for layout in ("contiguous", "zigzag") for case in CASES)
+
+
+@WORLDS
+def test_the_all_to_all_moves_its_share_of_q_k_v_and_the_output(world: int) -> None:
+    for report in ranks_of(world):
+        chosen, sent = report["ulysses"]["contiguous", "no mask"]
+        if world == 3:  # 4 heads do not divide among 3 ranks: no head to split, the ring alone
+            assert chosen == ["ulysses", "ring"]
+            continue
+        # (W-1)/W of q, k and v (the 2 key/value heads repeated to 4 where they do not divide)
+        # and of the output; the call in one process runs on each rank's heads.
+        kv_heads = HKV if HKV % world == 0 else H
+        elements = B * (H * T // world * (DK + DV) + kv_heads * T // world * (DK + DV))
+        assert sent["forward"] == elements * 8 * (world - 1) // world
+        assert chosen[0] == "ulysses"
+        assert chosen[1] != "ring"
+
+
+def test_more_ranks_than_heads_exchange_heads_in_groups_and_ring_across_them() -> None:
+    for report in ranks_of(4):
+        hybrid = {k: v for k, v in report["ulysses"].items() if k[0] == "hybrid"}
+        assert len(hybrid) == 2 * len(HYBRID)
+        for key, (chosen, sent) in hybrid.items():
+            assert chosen[:2] == ["ulysses", "ring"], key
+            assert sent["forward"] > 0
+
+
+@WORLDS
+def test_parallel_attention_takes_the_strategy_explain_names(world: int) -> None:
+    for report in ranks_of(world):
+        got = report["ulysses"]
+        # A window sends a neighbour a few keys; dropout runs on the ring only.
+        assert got["parallel", "window left and right"] == "ring"
+        assert got["parallel", "dropout"] == "ring"
+        assert got["parallel", "causal"] in ("ring", "ulysses")
+        assert "dropout: a rank computing some heads" in got["dropout"]
