@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnkit import masks
-from attnkit.distributed import Layout, shard_zigzag, unshard_zigzag
+from attnkit.distributed import Layout, balance_documents, shard_zigzag, unshard_zigzag
 from attnkit.distributed.layout import LAYOUTS, layout_of
 
 
@@ -94,3 +94,30 @@ def test_layout_errors_quote_values() -> None:
         layout_of(Layout.contiguous(3), 2)
     with pytest.raises(ValueError, match=r"layout must be one of 'contiguous', 'zigzag' or a"):
         layout_of("spiral", 2)
+
+
+def work_per_rank(layout: Layout, lengths: list[int], causal: bool) -> list[int]:
+    """The (query, key) pairs each rank's queries attend under documents(lengths) (& causal)."""
+    t = sum(lengths)
+    mask = masks.documents(lengths) & masks.causal() if causal else masks.documents(lengths)
+    rows = mask.dense(t)[0, 0].sum(-1)
+    return [int(layout.shard(rows, r, dim=0).sum()) for r in range(layout.world_size)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_balanced_documents_even_the_work_that_contiguous_shards_do_not(causal: bool) -> None:
+    lengths = [700, *([20] * 15), 24]  # one long document among short ones: 1024 tokens
+    contiguous = work_per_rank(Layout.contiguous(4), lengths, causal)
+    balanced_layout = balance_documents(lengths, 4, causal=causal, chunks_per_rank=16)
+    balanced = work_per_rank(balanced_layout, lengths, causal)
+    assert sum(balanced) == sum(contiguous)
+    assert max(contiguous) / min(contiguous) > 30
+    assert max(balanced) / min(balanced) < 1.03  # chunks of 16 tokens: even to a few percent
+    assert all(len(c) == 16 for c in balanced_layout.chunks)
+
+
+def test_balanced_documents_errors_quote_values() -> None:
+    with pytest.raises(ValueError, match=r"hold 100 tokens, which do not divide into world_size"):
+        balance_documents([50, 50], 3)
+    with pytest.raises(ValueError, match=r"lengths must be >= 0, got \[-1, 13\]"):
+        balance_documents([-1, 13], 3, chunks_per_rank=1)

@@ -22,7 +22,13 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit import masks
-from attnkit.distributed import Layout, RingBackend, ring_attention
+from attnkit.distributed import (
+    Layout,
+    RingBackend,
+    balance_documents,
+    ring_attention,
+    ulysses_attention,
+)
 from attnkit.positional import alibi_term
 from attnkit.scores import DistanceBias, RelativePositionTerm
 from attnkit.testing import assert_close
@@ -120,7 +126,9 @@ SHARDED = ("q", "k", "v", "dout", "qv")  # sharded along the sequence (dim -2)
 WHOLE = ("enc", "table", "sinks", "slopes")  # every rank holds them whole
 
 
-def layout_of(name: str, world: int) -> Layout:
+def layout_of(name: str | Layout, world: int) -> Layout:
+    if isinstance(name, Layout):
+        return name
     return Layout.contiguous(world) if name == "contiguous" else Layout.zigzag(world)
 
 
@@ -128,7 +136,7 @@ def compare(
     case: str,
     rank: int,
     world: int,
-    layout: str,
+    layout: str | Layout,
     group: dist.ProcessGroup | None,
     dtype: torch.dtype = torch.float64,
     backend: attnkit.Backend | None = None,
@@ -331,6 +339,10 @@ def world_checks(rank: int, world: int, group: dist.ProcessGroup | None) -> dict
             kernel, sent, _ = compare(case, rank, world, layout, group)
             report["kernels"][layout, case] = kernel
             report["sent"][layout, case] = sent
+    # Packed documents on the layout that evens their work, through both strategies.
+    balanced = balance_documents(DOCS, world, causal=True, chunks_per_rank=2)
+    for strategy in (ring_attention, ulysses_attention):
+        compare("documents & causal", rank, world, balanced, group, strategy=strategy)
     # float32, within attnkit.testing's tolerances of the float64 call.
     for case in ("dense key mask & causal", "position term, window", "sinks"):
         compare(case, rank, world, "zigzag", group, dtype=torch.float32)

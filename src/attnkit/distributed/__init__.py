@@ -3,7 +3,7 @@
 * :func:`ring_attention`: exact attention, forward and backward, with each rank holding an equal
   shard of the sequence; ranks send each other the keys their queries meet.
 * :class:`Layout`, :func:`shard_zigzag` / :func:`unshard_zigzag`: which positions each rank
-  holds; the zigzag layout balances causal work.
+  holds; the zigzag layout balances causal work, :func:`balance_documents` packed documents'.
 * :class:`ShardPlan`: which ranks' queries meet which ranks' keys, and what they send.
 * :func:`ulysses_attention`: the same call by an all-to-all over heads (and, with more ranks than
   heads, the all-to-all within groups of ranks and the ring across them).
@@ -16,7 +16,7 @@ Importing this package needs no process group; calling :func:`ring_attention` do
 """
 
 from .backend import register_ring_backend
-from .layout import Layout, shard_zigzag, unshard_zigzag
+from .layout import Layout, balance_documents, shard_zigzag, unshard_zigzag
 from .plan import ShardPlan
 from .ring import RingBackend, ring_attention
 from .strategy import Strategy, explain, parallel_attention
@@ -28,6 +28,7 @@ __all__ = [
     "ShardPlan",
     "Strategy",
     "UlyssesBackend",
+    "balance_documents",
     "explain",
     "parallel_attention",
     "register_ring_backend",

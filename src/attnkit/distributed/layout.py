@@ -1,4 +1,4 @@
-"""Which positions of the sequence each rank holds: the contiguous and the zigzag layouts.
+"""Which positions of the sequence each rank holds: contiguous, zigzag, or any equal chunks.
 
 With ``W`` ranks and a sequence of length ``T``:
 
@@ -15,6 +15,8 @@ With ``W`` ranks and a sequence of length ``T``:
 
   :func:`shard_zigzag` cuts a full tensor into this rank's shard and :func:`unshard_zigzag` puts the
   ``W`` shards back in sequence order.
+* any other assignment of equal chunks to ranks is a :class:`Layout`; :func:`balance_documents`
+  makes one that evens the work of packed documents.
 """
 
 from __future__ import annotations
@@ -241,3 +243,58 @@ def layout_of(layout: str | Layout, world_size: int) -> Layout:
             f"layout must be one of {', '.join(map(repr, LAYOUTS))} or a Layout, got {layout!r}"
         )
     return Layout.contiguous(world_size) if layout == "contiguous" else Layout.zigzag(world_size)
+
+
+def balance_documents(
+    lengths: Sequence[int],
+    world_size: int,
+    *,
+    causal: bool = False,
+    chunks_per_rank: int = 4,
+) -> Layout:
+    """A layout that evens the work of packed documents across ranks: the sequence of
+    ``sum(lengths)`` tokens is cut into ``world_size * chunks_per_rank`` equal chunks, and each
+    chunk goes, largest work first, to the rank with the least work so far that still has room.
+
+    A chunk's work is the number of (query, key) pairs its queries may attend under
+    ``documents(lengths)`` (``& causal()`` with ``causal``): a query of a document of ``n``
+    tokens attends ``n`` keys, or its position in the document plus one under causality. One
+    long document among short ones makes contiguous shards very uneven; this layout spreads it.
+
+    >>> lay = balance_documents([64, 16, 16, 16, 16], 2, chunks_per_rank=2)
+    >>> lay.chunks                  # chunks of 32: the long document's two go to both ranks
+    ((0, 2), (1, 3))
+    """
+    world_size = _require_int("world_size", world_size)
+    chunks_per_rank = _require_int("chunks_per_rank", chunks_per_rank)
+    if world_size < 1 or chunks_per_rank < 1:
+        raise ValueError(
+            f"world_size and chunks_per_rank must be >= 1, got {world_size} and {chunks_per_rank}"
+        )
+    lengths = [_require_int("lengths[i]", n) for n in lengths]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"lengths must be >= 0, got {lengths}")
+    total, count = sum(lengths), world_size * chunks_per_rank
+    if total % count:
+        raise ValueError(
+            f"the documents hold {total} tokens, which do not divide into world_size * "
+            f"chunks_per_rank = {count} equal chunks; pad the last document to a multiple of "
+            f"{count} tokens"
+        )
+    # Each token's work: its document's length, or its place in the document under causality.
+    per_token = torch.cat(
+        [torch.arange(1, n + 1) if causal else torch.full((n,), n) for n in lengths if n]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
+    work = per_token.view(count, -1).sum(1).tolist() if total else [0] * count
+    order = sorted(range(count), key=lambda c: (-work[c], c))
+    held: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for c in order:
+        rank = min(
+            (r for r in range(world_size) if len(held[r]) < chunks_per_rank),
+            key=lambda r: (load[r], r),
+        )
+        held[rank].append(c)
+        load[rank] += work[c]
+    return Layout(tuple(tuple(sorted(h)) for h in held))
