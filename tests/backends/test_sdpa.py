@@ -253,3 +253,33 @@ def test_dropout_is_unbiased_and_a_fully_dropped_row_is_not_redrawn() -> None:
     assert sdpa.handovers == 0
     mean = float(out[:, 0, 0].mean())
     assert abs(mean - 1.0) < 0.1, mean  # std of the mean: 1 / sqrt(4000) = 0.016
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "chosen", "words"),
+    [
+        # (B, H, Hkv, Tq, Tk, D)
+        ((8, 32, 8, 1, 4096, 128), torch.float32, "chunked", "decodes slower on CPUs: 256 MiB"),
+        ((1, 8, 8, 1, 512, 64), torch.float32, "sdpa", None),  # 2 MiB: torch's smaller call wins
+        ((1, 8, 8, 256, 256, 64), torch.float32, "chunked", "runs slower on CPUs at this size"),
+        ((1, 8, 8, 64, 64, 64), torch.float64, "sdpa", None),  # 32768 scores
+        ((1, 8, 8, 1024, 1024, 64), torch.bfloat16, "sdpa", None),  # torch's own bf16 kernel
+    ],
+)
+def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
+    shape: tuple[int, ...], dtype: torch.dtype, chosen: str, words: str | None
+) -> None:
+    if chosen == "chunked" and not attnkit._native.status()[0]:
+        pytest.skip("the native kernel is not available: chunked would run the eager kernel")
+    b, h, hkv, tq, tk, d = shape
+    q = torch.zeros(b, h, tq, d, dtype=dtype)
+    kv = torch.zeros(b, hkv, tk, d, dtype=dtype)
+    report = attnkit.explain(q, kv, kv)
+    assert report.chosen == chosen
+    slower = " ".join(report.slower["sdpa"])
+    assert (words in slower) if words else not slower
+    with torch.enable_grad():  # training: torch's CPU backward is the slow half, whatever the size
+        q.requires_grad_(dtype != torch.bfloat16)
+        assert ("trains slower" in " ".join(attnkit.explain(q, kv, kv).slower["sdpa"])) == (
+            dtype != torch.bfloat16
+        )

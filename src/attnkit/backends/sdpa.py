@@ -45,6 +45,16 @@ EXACT = "chunked"
 #: The dtypes in which torch's CPU backward is its slow half.
 _CPU_SLOW_BACKWARD = (torch.float32, torch.float64)
 
+# Inference on CPUs in float32/float64: from how many scores (B * H * Tq * Tk) torch's CPU
+# forward takes longer than a blocked kernel's (attnkit's native kernel: 0.94x torch's time at
+# B=1 H=8 T=96, 0.74x at T=128, 0.4-0.67x from T=256 on, one thread; the measurements are in the
+# inference guide), and, for a decode step of at most _DECODE_QUERIES queries, from how many
+# bytes of keys and values (torch reads a key/value head's cache once per query head of its
+# group, and its per-call cost is smaller: 0.87x at 16 MiB, even at 8 MiB, 2.3x at 2 MiB).
+_CPU_FORWARD_SCORES = 8 * 128 * 128
+_CPU_DECODE_BYTES = 8 << 20
+_DECODE_QUERIES = 16
+
 # A score term's tiles are asked for this many keys at a time: a term that computes a product per
 # tile (relative positions over long inputs) then keeps it in the CPU's caches.
 TERM_KEYS = 1024
@@ -216,7 +226,32 @@ def sdpa_slower(call: AttentionCall) -> list[str]:
         slow.append(
             "trains slower on CPUs: torch's CPU backward is its slow half in float32/float64"
         )
+    elif call.device.type == "cpu" and call.dtype in _CPU_SLOW_BACKWARD:
+        slow += _slow_forward(call)
     return slow
+
+
+def _slow_forward(call: AttentionCall) -> list[str]:
+    """Why torch's CPU forward serves an inference call in float32/float64 slower than a blocked
+    kernel (see _CPU_FORWARD_SCORES), or nothing."""
+    batch = math.prod(call.batch_shape)
+    if call.q_len <= _DECODE_QUERIES:
+        size = batch * call.num_kv_heads * call.kv_len * (call.qk_dim + call.v_dim)
+        size *= call.dtype.itemsize
+        if size >= _CPU_DECODE_BYTES:
+            return [
+                f"decodes slower on CPUs: {size / 2**20:.0f} MiB of keys and values, which "
+                f"torch reads once per query head (float32/float64 from "
+                f"{_CPU_DECODE_BYTES >> 20} MiB on)"
+            ]
+        return []
+    scores = batch * call.num_heads * call.q_len * call.kv_len
+    if scores >= _CPU_FORWARD_SCORES:
+        return [
+            f"runs slower on CPUs at this size: {scores} scores, where torch's CPU forward takes "
+            f"1.3-2.5x a blocked kernel's time (float32/float64 from {_CPU_FORWARD_SCORES} on)"
+        ]
+    return []
 
 
 def _empty_rows(mask: Tensor | None, attn_mask: Tensor | None) -> Tensor | None:
