@@ -1,0 +1,191 @@
+"""Decoding against a long KV cache: attnkit, torch SDPA and the memory floor, side by side.
+
+float32, B=8, H=32 query heads, Hkv=8 key/value heads, D=128, one query per row against a cache
+of 4096 tokens (256 MiB of keys and values). Every candidate runs in interleaved rounds of
+``torch.utils.benchmark``; the table gives each one's median over the rounds, its worst round,
+and its ratios to the memory floor and to torch SDPA measured in the same run.
+
+* floor: ``x.sum()`` over a tensor of the keys' and values' bytes: the time to read them once at
+  the read bandwidth torch's own reduction reaches on this machine.
+* decode: ``attnkit.attention`` with the chunked backend (the native kernel's decode path) and
+  with ``auto``, against ``F.scaled_dot_product_attention(..., enable_gqa=True)``; the cache laid
+  out ``(B, Hkv, T, D)``.
+* kvcache: ``attnkit.flash_attn.flash_attn_with_kvcache`` on a ``(B, T, Hkv, D)`` cache, and on
+  the same keys in pages of 16 and of 256 tokens (flash-attn's ``(blocks, page, Hkv, D)``, pages
+  shuffled) through a block table; ``gathered`` is the pages gathered into one tensor and
+  attended (what a paged call cost before the kernel read pages in place).
+
+``--load busy`` keeps a process spinning on one core for the whole run; ``--load both`` alternates
+quiet and busy rounds and adds each candidate's busy median over its quiet median.
+
+    python benchmarks/bench_decode.py
+    python benchmarks/bench_decode.py --load both --rounds 7 --json docs/benchmarks/data/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from bench_native import Load, measure
+
+import attnkit
+from attnkit import flash_attn as fa
+
+import results
+
+B, H, HKV, D, T = 8, 32, 8, 128, 4096
+CASES = ["decode", "kvcache"]
+
+
+def _decode() -> dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, HKV, T, D, generator=g), torch.randn(B, HKV, T, D, generator=g)
+    floor = torch.randn(2 * B * HKV * T * D, generator=g)  # the bytes of k and v, read once
+    return {
+        "floor": lambda: floor.sum(),
+        "chunked": lambda: attnkit.attention(q, k, v, backend="chunked"),
+        "auto": lambda: attnkit.attention(q, k, v),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+    }
+
+
+def _pages(
+    cache: torch.Tensor, page: int, order: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, T, Hkv, D)`` as shuffled pages ``(blocks, page, Hkv, D)`` and a block table."""
+    blocks = cache.reshape(B * T // page, page, HKV, D)
+    pages = torch.empty_like(blocks)
+    pages[order] = blocks
+    return pages, order.view(B, T // page).int()
+
+
+def _kvcache() -> dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, 1, H, D, generator=g)
+    k_cache, v_cache = (
+        torch.randn(B, T, HKV, D, generator=g),
+        torch.randn(B, T, HKV, D, generator=g),
+    )
+    seqlens = torch.full((B,), T, dtype=torch.int32)
+    fns: dict[str, Callable[[], object]] = {
+        "contiguous": lambda: fa.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, causal=True
+        )
+    }
+    for page in (16, 256):
+        order = torch.randperm(B * T // page, generator=g)
+        kp, table = _pages(k_cache, page, order)
+        vp, _ = _pages(v_cache, page, order)
+
+        def paged(kp: torch.Tensor = kp, vp: torch.Tensor = vp, t: torch.Tensor = table) -> object:
+            return fa.flash_attn_with_kvcache(
+                q, kp, vp, cache_seqlens=seqlens, block_table=t, causal=True
+            )
+
+        fns[f"paged {page}"] = paged
+        if page == 256:
+
+            def gathered(
+                kp: torch.Tensor = kp, vp: torch.Tensor = vp, t: torch.Tensor = table
+            ) -> object:
+                keys = kp[t.long()].flatten(1, 2).transpose(1, 2)
+                values = vp[t.long()].flatten(1, 2).transpose(1, 2)
+                return attnkit.attention(q.transpose(1, 2), keys, values, causal=True)
+
+            fns["gathered 256"] = gathered
+    return fns
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--load", choices=["quiet", "busy", "both"], default="quiet")
+    parser.add_argument("--json", help="also write the results to this file as JSON")
+    args = parser.parse_args()
+    loads = {"quiet": [False], "busy": [True], "both": [False, True]}[args.load]
+    torch.set_num_threads(args.threads)
+    before = os.getloadavg()[0]
+    _, why = attnkit._native.status()
+    print(
+        f"native kernel: {why}; threads {args.threads}; load: {args.load}; loadavg {before:.2f}; "
+        f"B={B} H={H} Hkv={HKV} D={D} T={T} float32"
+    )
+    spinner = Load() if args.load != "quiet" else None
+    rows: list[dict[str, Any]] = []
+    head = f"{'case':<8} {'candidate':<13} {'load':<6} {'median ms':>10} {'worst ms':>9}"
+    print(
+        head
+        + f" {'/ floor':>8} {'/ base':>7}"
+        + (f" {'busy/quiet':>10}" if args.load == "both" else "")
+    )
+    try:
+        with torch.inference_mode():
+            for case in args.cases:
+                fns = _decode() if case == "decode" else _kvcache()
+                base = "sdpa" if case == "decode" else "contiguous"
+                samples = measure(fns, args.rounds, loads, spinner)
+                for name in fns:
+                    for busy in loads:
+                        s = samples[name, busy]
+                        med = statistics.median(s)
+                        floor = (
+                            statistics.median(samples["floor", busy]) if case == "decode" else None
+                        )
+                        row: dict[str, Any] = {
+                            "case": case,
+                            "candidate": name,
+                            "load": "busy" if busy else "quiet",
+                            "seconds": med,
+                            "worst_seconds": max(s),
+                            "rounds": len(s),
+                            "baseline": base,
+                            "ratio": med / statistics.median(samples[base, busy]),
+                        }
+                        line = (
+                            f"{case:<8} {name:<13} {row['load']:<6} {med * 1e3:>10.1f} "
+                            f"{max(s) * 1e3:>9.1f}"
+                        )
+                        if floor is not None:
+                            row["over_floor"] = med / floor
+                            line += f" {med / floor:>8.2f}"
+                        else:
+                            line += f" {'':>8}"
+                        line += f" {row['ratio']:>7.2f}"
+                        if busy and args.load == "both":
+                            quiet = statistics.median(samples[name, False])
+                            row["busy_ratio"] = med / quiet
+                            line += f" {med / quiet:>10.2f}"
+                        print(line, flush=True)
+                        rows.append(row)
+    finally:
+        if spinner is not None:
+            spinner.stop()
+    after = os.getloadavg()[0]
+    print(f"loadavg {after:.2f} at the end")
+    if args.json:
+        config = {
+            "B": B,
+            "H": H,
+            "Hkv": HKV,
+            "D": D,
+            "T": T,
+            "dtype": "float32",
+            "threads": args.threads,
+            "rounds": args.rounds,
+            "load": args.load,
+            "loadavg": [round(before, 2), round(after, 2)],
+        }
+        results.save(args.json, "decode", rows, config=config)
+
+
+if __name__ == "__main__":
+    main()
