@@ -26,7 +26,14 @@ PROCESS_GROUP_TIMEOUT_S = 30
 
 
 def _child(
-    module: str, name: str, rank: int, world_size: int, store: str, results: Any, wait: float
+    module: str,
+    name: str,
+    rank: int,
+    world_size: int,
+    store: str,
+    results: Any,
+    wait: float,
+    backend: str,
 ) -> None:
     try:
         os.environ["ATTNKIT_SHAPE_CHECKS"] = "1"
@@ -35,8 +42,10 @@ def _child(
 
         torch.set_num_threads(1)  # W ranks share this machine's cores
         fn = getattr(importlib.import_module(module), name)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, before the group exists
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{store}",
             rank=rank,
             world_size=world_size,
@@ -56,8 +65,10 @@ def run_ranks(
     *,
     timeout: float = 90,
     group_timeout: float = PROCESS_GROUP_TIMEOUT_S,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """``[fn(0, W), ..., fn(W-1, W)]``, each called in its own process inside a gloo group.
+    """``[fn(0, W), ..., fn(W-1, W)]``, each called in its own process inside a process group
+    (gloo; nccl with one GPU per rank).
 
     ``fn`` must be a module-level function; what it returns must pickle. ``group_timeout``: how
     long a collective or receive may wait before it raises in the child.
@@ -77,6 +88,7 @@ def run_ranks(
                     store,
                     results,
                     group_timeout,
+                    backend,
                 ),
                 daemon=True,
             )

@@ -142,12 +142,14 @@ def compare(
     backend: attnkit.Backend | None = None,
     inputs: dict[str, torch.Tensor] | None = None,
     strategy: Callable[..., Any] = ring_attention,
+    device: str = "cpu",
 ) -> tuple[str | None, dict[str, int], list[str]]:
     """Run one case on the ranks (``strategy``, or attention() with ``backend``) and in one
     process; assert they agree. Returns the kernel and the bytes this rank sent, as
     record_dispatch() saw them (the first record: the distributed call's)."""
     lay = layout_of(layout, world)
     x = whole_inputs(dtype) if inputs is None else inputs
+    x = {n: t.to(device) for n, t in x.items()}
     make = CASES[case]
     spec_backend = "chunked" if "dropout" in case else "reference"
     # The spec: the whole sequence in one process, in float64, on the same rounded inputs.
@@ -383,6 +385,26 @@ def all_checks(rank: int, world: int) -> dict[int, dict[str, Any]]:
         report[3] = world_checks(rank, 3, three)
     report[4] = world_checks(rank, 4, None)
     return report
+
+
+def nccl_checks(rank: int, world: int) -> None:
+    """A few cases of each strategy on GPUs (the eager kernel there), nccl between the ranks."""
+    for layout in ("contiguous", "zigzag"):
+        for case in (
+            "dense key mask & window",
+            "position term, softcap, sinks, documents & causal",
+        ):
+            for strategy in (ring_attention, ulysses_attention):
+                compare(case, rank, world, layout, None, strategy=strategy, device=f"cuda:{rank}")
+        compare("dropout", rank, world, layout, None, device=f"cuda:{rank}")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="nccl runs one rank per GPU: needs 2 GPUs",
+)
+def test_ring_and_all_to_all_run_on_nccl() -> None:
+    run_ranks(nccl_checks, 2, backend="nccl", timeout=600)
 
 
 @functools.cache
