@@ -6,7 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from attnkit import masks
 from attnkit._kernel import Plan, Run, make_plan, restrict, split_runs
+from attnkit._kernel.plan import STRETCH_ROWS, query_stretch
 from attnkit.masks import Geometry
 
 from ..strategies import structured_masks
@@ -180,3 +182,19 @@ def test_a_restricted_plan_is_the_plan_of_its_keys(
         )
 
     assert restrict(plan(0, tk), ks, ke) == plan(ks, ke - ks), s.label
+
+
+def test_query_ordering_takes_stretches_of_a_long_narrow_band_only() -> None:
+    # Under a band finite on both sides, stretches of query blocks of about STRETCH_ROWS rows over
+    # every batch row and head; in one stretch (0) when the call is that short, or its mask
+    # reaches back or forth without end (each head then reuses all of its keys).
+    def stretch(mask: masks.Mask | None, b: int, h: int, t: int, block_q: int = 128) -> int:
+        return query_stretch(mask, Geometry((b,), h, t, t, torch.device("cpu")), block_q)
+
+    window = masks.sliding_window(128, 128)
+    assert stretch(window, 1, 4, 90_000) == STRETCH_ROWS // (128 * 4)
+    assert stretch(window, 2, 8, 90_000) == max(1, STRETCH_ROWS // (128 * 16))
+    assert stretch(window & masks.key_padding([90_000]), 1, 4, 90_000) > 0
+    assert stretch(window, 1, 4, STRETCH_ROWS // 4) == 0  # one stretch holds every block
+    for mask in (None, masks.causal(), masks.key_padding([90_000])):
+        assert stretch(mask, 1, 4, 90_000) == 0

@@ -160,6 +160,19 @@ def test_settings_are_arguments_and_change_no_result() -> None:
         assert_close(other, base, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_the_query_ordering_changes_no_bit(dropout: float) -> None:
+    # Stretches of query blocks order the forward's items, every head of a stretch before the
+    # next; each item computes what it computes in any order, to the bit (dropout included).
+    args, kwargs = _call("window", torch.float32, term="position", tq=23, dropout=dropout)
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    base, base_lse = torch.ops.attnkit.native_forward(*args, **{**kwargs, "stretch": 0})
+    for stretch in (1, 2, 4, 5, 6, 100):  # 6 query blocks of 4
+        out, lse = torch.ops.attnkit.native_forward(*args, **{**kwargs, "stretch": stretch})
+        assert torch.equal(out, base)
+        assert torch.equal(lse, base_lse)
+
+
 def _plain() -> tuple[tuple[torch.Tensor, ...], dict[str, object]]:
     args, kwargs = _call("causal", torch.float32)
     return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kwargs  # type: ignore[return-value]
@@ -173,6 +186,7 @@ def _plain() -> tuple[tuple[torch.Tensor, ...], dict[str, object]]:
         (lambda a, k: ((*a[:3], a[3][:-1], *a[4:]), k), "query blocks, but the plan's offsets"),
         (lambda a, k: ((*a[:3], a[3].int(), *a[4:]), k), "contiguous int64 offsets"),
         (lambda a, k: (a, {**k, "block_q": 0}), "block sizes must be positive"),
+        (lambda a, k: (a, {**k, "stretch": -1}), "stretch must be >= 0 query blocks, got -1"),
         (lambda a, k: ((*a[:1], a[1][:, :1], *a[2:]), k), "do not fit together"),
         (lambda a, k: ((*a[:2], a[2].double(), *a[3:]), k), "one dtype"),
         (lambda a, k: (a, {**k, "dropout_p": 1.5}), "dropout_p must be in [0, 1)"),

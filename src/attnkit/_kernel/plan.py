@@ -25,6 +25,7 @@ __all__ = [
     "Run",
     "Visit",
     "make_plan",
+    "query_stretch",
     "restrict",
     "split_runs",
 ]
@@ -156,6 +157,32 @@ def make_plan(
     return Plan(bq, bk, tuple(blocks), nq * nk, partial)
 
 
+# A stretch of the native forward's query ordering holds about this many query rows, over every
+# batch row and head: with head sizes of 64 its queries, keys, values, their position term's
+# queries and its output are a few MiB, which the last-level cache keeps from head to head.
+STRETCH_ROWS = 4096
+
+
+def query_stretch(mask: Mask | None, geo: Geometry, block_q: int) -> int:
+    """The query ordering of a call's forward (:attr:`BlockPlan.stretch`): query blocks per
+    stretch, 0 for one stretch.
+
+    A call under a band finite on both sides (a sliding window) reads only the keys near each
+    query block, and a long one holds far more than the caches do: taking every head of a few
+    query blocks before the next blocks reads each key, and each row of a ``(B, T, H, Dh)``
+    projection, from memory once instead of once per head. Any other call runs in one stretch
+    (each head's queries in turn reuse all of that head's keys).
+    """
+    if mask is None or geo.q_len == 0:
+        return 0
+    lo, hi = mask.distances(geo)
+    if math.isinf(lo) or math.isinf(hi):
+        return 0
+    blocks = len(range(0, geo.q_len, block_q))
+    stretch = max(1, STRETCH_ROWS // max(block_q * geo.batch * geo.heads, 1))
+    return stretch if stretch < blocks else 0
+
+
 def restrict(plan: Plan, ks: int, ke: int) -> Plan:
     """The part of ``plan`` against its keys ``ks:ke`` (both on its block grid, or ``ke`` its
     last key), as a plan of its own whose keys start at 0: what :func:`make_plan` gives for those
@@ -264,6 +291,12 @@ class BlockPlan:
     one visit per document. ``grid`` is the plan on the grid (EMPTY blocks skipped, FULL ones
     computed without a mask), from which the visits are cut.
 
+    ``stretch`` is the query ordering of the native kernel's forward: it runs ``stretch`` query
+    blocks at a time for every batch row and head before the next ``stretch`` blocks, so that
+    under a narrow band the keys and queries of a stretch stay in the CPU's caches from one
+    head to the next (see :func:`query_stretch`); 0 for one stretch of every query block, each
+    head walking all of them in turn.
+
     ``str()`` draws the grid (one character per block: ``█`` full, ``░`` partial, ``·`` skipped).
     Get one with :meth:`attnkit.backends.Chunked.block_plan`:
 
@@ -290,6 +323,7 @@ class BlockPlan:
     shift: int = 0
     key_ok: Tensor | None = None
     tiles: Tensor | None = None
+    stretch: int = 0
 
     @staticmethod
     def of_grid(grid: Plan, q_len: int, kv_len: int, shift: int = 0) -> BlockPlan:
@@ -328,9 +362,17 @@ class BlockPlan:
         if self.tiles is not None:
             how.append(f"{self.tiles.size(0)} mask tiles")
         extra = f" ({', '.join(how)})" if how else ""
+        order = ""
+        if 0 < self.stretch < nq:
+            blocks = "block" if self.stretch == 1 else "blocks"
+            order = (
+                f"; query ordering: stretches of {self.stretch} query {blocks}, every head of a "
+                "stretch before the next"
+            )
         return (
             f"{nq} x {nk} blocks of {g.block_q} x {g.block_k} (Tq={self.q_len}, Tk={self.kv_len}): "
             f"{g.visited} computed, {g.partial} with a mask, in {self.num_visits} visits{extra}"
+            f"{order}"
         )
 
     def picture(self, most: int = 64) -> str:

@@ -7,7 +7,8 @@ windows), per-key flags (key padding), both for a band and key flags joined by `
 tiles asked of the mask here, once per partial block of the plan. Packed documents (the same in
 every batch row) need no mask at all: a block they cut becomes one FULL visit per document in it,
 its rows and keys restricted to that document. A band alone is cut at its own edges rather than
-at key blocks (see :func:`_band_visits`).
+at key blocks (see :func:`_band_visits`). Its forward takes the query blocks in the plan's
+order (:attr:`~attnkit.BlockPlan.stretch`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .._kernel import BlockPlan, Plan, QueryBlock, Visit
+from .._kernel.plan import query_stretch
 from ..masks import Geometry, Mask
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm, softcap_form
 from . import load, status
@@ -175,6 +177,7 @@ class NativeCall:
             "bias_layout": list(self.layout),
             "band": list(self.band),
             "shift": self.shift,
+            "stretch": self.plan.stretch,
             "dropout_p": self.p_drop,
             "seed": self.seed,
             "rel_scale": rel_scale,
@@ -524,6 +527,7 @@ def block_plan(
         shift=shift,
         key_ok=key_ok,
         tiles=packed,
+        stretch=query_stretch(mask, geo, grid.block_q),
     )
 
 

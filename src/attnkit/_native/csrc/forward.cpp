@@ -1,8 +1,8 @@
-// The forward: one parallel region per call. Its items are (batch, key/value head, query block);
-// each runs every visit of its query block's row of the plan, for each of the G query heads that
-// share the key/value head, with thread-local buffers: the visit's scores (scores.h), the online
-// softmax's running maximum and sum, and a GEMM for the weighted values. A row that sees no key
-// has log-sum-exp -inf and output 0.
+// The forward: one parallel region per call. Its items are (batch, key/value head, query block),
+// claimed in the plan's order (see Call::item_of); each runs every visit of its query block's row
+// of the plan, for each of the G query heads that share the key/value head, with thread-local
+// buffers: the visit's scores (scores.h), the online softmax's running maximum and sum, and a GEMM
+// for the weighted values. A row that sees no key has log-sum-exp -inf and output 0.
 
 #include "kernel.h"
 #include "position.h"
@@ -105,7 +105,8 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
     OneBlasThread one;
     ForwardBuffers<T> b(c);
     for (int64_t item = claim(next); item < items; item = claim(next)) {
-      const int64_t qb = item % c.nqb, nh = item / c.nqb, n = nh / c.Hkv, hk = nh % c.Hkv;
+      int64_t n, hk, qb;
+      c.item_of(item, n, hk, qb);
       const int64_t rows = std::min(c.bq, c.Tq - qb * c.bq);
       pack_keys(c, c.k, c.Dk, n, hk, qb, rows, b.panels);
       const bool skew = skew_block(c, qb);

@@ -21,22 +21,23 @@ namespace {
   "Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor visits, Tensor? bias=None, "             \
   "Tensor? key_ok=None, Tensor? tiles=None, Tensor? qv=None, Tensor? enc=None, *, int block_q, " \
   "int block_k, float scale, float softcap=0., int[] bias_layout=[], float[] band=[], "          \
-  "int shift=0, float dropout_p=0., int seed=0, float rel_scale=0., int rel_top=0, "             \
-  "int whole_width=0, bool register_tiles=True, bool skewed_position=True"
+  "int shift=0, int stretch=0, float dropout_p=0., int seed=0, float rel_scale=0., "             \
+  "int rel_top=0, int whole_width=0, bool register_tiles=True, bool skewed_position=True"
 
-#define ATTNKIT_CALL_PARAMS                                                                        \
-  const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &offsets,        \
-      const at::Tensor &visits, const c10::optional<at::Tensor>&bias,                              \
-      const c10::optional<at::Tensor>&key_ok, const c10::optional<at::Tensor>&tiles,               \
-      const c10::optional<at::Tensor>&qv, const c10::optional<at::Tensor>&enc, int64_t block_q,    \
-      int64_t block_k, double scale, double softcap, c10::IntArrayRef bias_layout,                 \
-      c10::ArrayRef<double> band, int64_t shift, double dropout_p, int64_t seed, double rel_scale, \
-      int64_t rel_top, int64_t whole_width, bool register_tiles, bool skewed_position
+#define ATTNKIT_CALL_PARAMS                                                                       \
+  const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &offsets,       \
+      const at::Tensor &visits, const c10::optional<at::Tensor>&bias,                             \
+      const c10::optional<at::Tensor>&key_ok, const c10::optional<at::Tensor>&tiles,              \
+      const c10::optional<at::Tensor>&qv, const c10::optional<at::Tensor>&enc, int64_t block_q,   \
+      int64_t block_k, double scale, double softcap, c10::IntArrayRef bias_layout,                \
+      c10::ArrayRef<double> band, int64_t shift, int64_t stretch, double dropout_p, int64_t seed, \
+      double rel_scale, int64_t rel_top, int64_t whole_width, bool register_tiles,                \
+      bool skewed_position
 
-#define ATTNKIT_CALL_VALUES                                                                       \
-  q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, block_q, block_k, scale, softcap,       \
-      bias_layout, band, shift, dropout_p, seed, rel_scale, rel_top, whole_width, register_tiles, \
-      skewed_position
+#define ATTNKIT_CALL_VALUES                                                                 \
+  q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, block_q, block_k, scale, softcap, \
+      bias_layout, band, shift, stretch, dropout_p, seed, rel_scale, rel_top, whole_width,  \
+      register_tiles, skewed_position
 
 CallArgs call_args(ATTNKIT_CALL_PARAMS) {
   CallArgs a;
@@ -57,6 +58,7 @@ CallArgs call_args(ATTNKIT_CALL_PARAMS) {
   a.bias_layout = bias_layout.vec();
   a.band = band.vec();
   a.shift = shift;
+  a.stretch = stretch;
   a.p_drop = dropout_p;
   a.seed = seed;
   a.rel_scale = rel_scale;

@@ -17,6 +17,7 @@ struct CallArgs {
   std::vector<int64_t> bias_layout;  // a bias by distance: 5 strides and a base, else empty
   std::vector<double> band;          // [lo, hi] or empty
   int64_t shift = 0;
+  int64_t stretch = 0;  // the forward's order: query blocks per stretch, 0 for one stretch
   c10::optional<at::Tensor> key_ok, tiles;
   double p_drop = 0;
   int64_t seed = 0;
@@ -39,6 +40,11 @@ struct Call {
   const int64_t* off;     // (nqb + 1): query block b visits visits[off[b] : off[b + 1]]
   const int64_t* visits;  // (nv, 6): ks, ke, r0, r1, partial, tile index
   int64_t nqb;
+  // The forward's order: its items run in stretches of this many query blocks, every batch row
+  // and key/value head of a stretch before the next stretch (a band's keys and the queries'
+  // rows of all heads then stay in the caches); nqb for one stretch, each (batch, head) walking
+  // every query block in turn.
+  int64_t stretch;
   double scale, softcap;  // softcap <= 0: none
   // Where the build has AVX-512: float32 products with a row-major right operand in register
   // tiles rather than the BLAS, and the position term as products along the scores' diagonals
@@ -94,6 +100,16 @@ struct Call {
       if (!tiles[at]) return false;
     }
     return true;
+  }
+
+  // The forward's item number `item` as (batch n, key/value head hk, query block qb), in the
+  // plan's order: stretch by stretch, and in a stretch (n, hk, qb) with qb fastest.
+  void item_of(int64_t item, int64_t& n, int64_t& hk, int64_t& qb) const {
+    const int64_t per = N * Hkv * stretch, s = item / per, at = item - s * per;
+    const int64_t width = std::min(stretch, nqb - s * stretch), nh = at / width;
+    qb = s * stretch + at % width;
+    n = nh / Hkv;
+    hk = nh % Hkv;
   }
 
   uint64_t drop_threshold() const { return (uint64_t)(p_drop * 16777216.0); }
@@ -271,6 +287,8 @@ Call<T> make_call(const CallArgs& a) {
   c.off = a.offsets.data_ptr<int64_t>();
   c.visits = a.visits.data_ptr<int64_t>();
   c.nqb = a.offsets.size(0) - 1;
+  TORCH_CHECK(a.stretch >= 0, "attnkit: stretch must be >= 0 query blocks, got ", a.stretch);
+  c.stretch = a.stretch == 0 || a.stretch > c.nqb ? std::max<int64_t>(c.nqb, 1) : a.stretch;
   c.scale = a.scale;
   c.softcap = a.softcap;
   read_bias(a, c);
