@@ -233,3 +233,70 @@ def test_relative_encoding_dtype_and_bad_arguments() -> None:
         attnkit.relative_encoding(torch.tensor([1.5]), 4)
     with pytest.raises(ValueError, match=r"distances must be 1-d \(P,\), got shape \(1, 2\)"):
         attnkit.relative_encoding(d[None], 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# The position embeddings of relative attention
+
+
+@pytest.mark.parametrize("encoding", ["signed", "symmetric"])
+@pytest.mark.parametrize("encoding_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("top", "bottom"), [(40, -40), (3, -50), (50, -3), (7, 2), (-2, -9)])
+def test_relative_position_embedding_projects_the_encodings_of_the_distances(
+    encoding: str, encoding_dtype: torch.dtype, top: int, bottom: int
+) -> None:
+    # W_r r(d) for d = top .. bottom, mirrored or not (tables of 32 or more distances of each sign
+    # are projected mirrored), in every mode; with r(|d|) for the symmetric encoding.
+    torch.manual_seed(0)
+    pos = attnkit.RelativePositionEmbedding(
+        9,
+        encoding=encoding,  # type: ignore[arg-type]
+        encoding_dtype=encoding_dtype,
+        dtype=torch.float64,
+    )
+    distances = torch.arange(top, bottom - 1, -1)
+    if encoding == "symmetric":
+        distances = distances.abs()
+    r = attnkit.relative_encoding(distances, 9, dtype=torch.float64)
+    tolerance = 1e-4 if encoding_dtype == torch.float32 else 1e-12  # the toolkits' float32 angles
+    got = pos(top, bottom)
+    assert got.shape == (top - bottom + 1, 9)
+    assert torch.allclose(got, r @ pos.weight.T, atol=tolerance)
+
+
+def test_relative_position_embedding_legacy_tables_have_a_row_per_frame() -> None:
+    from attnkit import _relpos
+
+    torch.manual_seed(0)
+    openspeech = attnkit.RelativePositionEmbedding(6, legacy="openspeech")
+    want = _relpos.openspeech_sinusoid(5, 6) @ openspeech.weight.T
+    assert_close(openspeech(4, -4), want, dtype=torch.float32)
+    espnet = attnkit.RelativePositionEmbedding(6, legacy="espnet", legacy_max_len=10)
+    want = _relpos.espnet_legacy_sinusoid(5, 6, 10) @ espnet.weight.T
+    assert_close(espnet(4, -4), want, dtype=torch.float32)
+    assert repr(espnet) == "RelativePositionEmbedding(6, legacy='espnet', legacy_max_len=10)"
+
+
+def test_relative_position_embedding_computes_its_projection_every_call() -> None:
+    # No projection is kept between calls: a weight written in place (load_state_dict, an
+    # optimizer step, a user's copy_) is what the next call projects, in inference mode too.
+    pos = attnkit.RelativePositionEmbedding(8)
+    with torch.inference_mode():
+        before = pos(40, -40)
+    with torch.no_grad():
+        pos.weight.mul_(2)
+    with torch.inference_mode():
+        assert_close(pos(40, -40), 2 * before, dtype=torch.float32)
+    pos.load_state_dict({"weight": torch.zeros(8, 8)})
+    with torch.inference_mode():
+        assert not pos(40, -40).any()
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_relative_position_embedding_bad_arguments_quote_values() -> None:
+    with pytest.raises(ValueError, match="encoding must be 'signed' or 'symmetric', got 'odd'"):
+        attnkit.RelativePositionEmbedding(8, encoding="odd")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="legacy_max_len applies to legacy='espnet' only, got "):
+        attnkit.RelativePositionEmbedding(8, legacy_max_len=10)
+    with pytest.raises(ValueError, match=r"top \(-3\) must be >= bottom \(2\)"):
+        attnkit.RelativePositionEmbedding(8)(-3, 2)

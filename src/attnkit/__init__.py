@@ -38,6 +38,7 @@ from .kv_cache import KVCache
 from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
 from .multihead import MultiHeadAttention
 from .positional import (
+    RelativePositionEmbedding,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     alibi_bias,
@@ -69,6 +70,7 @@ __all__ = [
     "MultiHeadAttention",
     "PositionwiseFeedForward",
     "RelativeMultiHeadAttention",
+    "RelativePositionEmbedding",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "Transformer",

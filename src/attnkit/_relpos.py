@@ -1,7 +1,9 @@
-"""Sinusoidal encodings of relative distances (Transformer-XL) and openspeech's absolute table.
+"""Sinusoidal encodings of relative distances (Transformer-XL), the toolkits' own tables, and their
+mirrored projection.
 
-:class:`attnkit.RelativeMultiHeadAttention` projects these tables and hands them to
-:class:`attnkit.scores.RelativePositionTerm`, which computes the position term tile by tile.
+:class:`attnkit.RelativePositionEmbedding` projects these tables for
+:class:`attnkit.RelativeMultiHeadAttention`, which hands them to
+:class:`attnkit.scores.RelativePositionTerm`; the term is computed tile by tile.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .positional import relative_encoding
-
 # openspeech's PositionalEncoding fills a table of this many positions once; the legacy encodings
 # are computed with the same shape so that they come out bit for bit the same.
 OPENSPEECH_MAX_LEN = 5000
@@ -25,9 +25,13 @@ OPENSPEECH_MAX_LEN = 5000
 
 
 def relative_sinusoid(distances: Tensor, dim: int) -> Tensor:
-    """``(P, dim)`` float64 encodings of (possibly negative) distances, sines then cosines: see
-    :func:`attnkit.relative_encoding`, which this is in float64."""
-    return relative_encoding(distances, dim, dtype=torch.float64)
+    """``(P, dim)`` float64 encodings of (possibly negative) distances, every sine then every
+    cosine (one fewer for an odd ``dim``): :func:`attnkit.relative_encoding` in float64. The angles
+    are computed in float64, so that far distances keep their phase."""
+    half = (dim + 1) // 2
+    freq = torch.pow(10000.0, -2.0 * torch.arange(half, dtype=torch.float64) / dim)
+    angle = distances.to(torch.float64).unsqueeze(-1) * freq.to(distances.device)  # (P, half)
+    return torch.cat([angle.sin(), angle.cos()[:, : dim - half]], dim=-1)
 
 
 def float32_sinusoid(distances: Tensor, dim: int) -> Tensor:

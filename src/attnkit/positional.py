@@ -2,8 +2,9 @@
 
 * :class:`SinusoidalPositionalEncoding` adds the fixed encoding of *Attention Is All You Need*
   (Vaswani et al., 2017, section 3.5) to the token embeddings.
-* :func:`relative_encoding` is the sinusoidal encoding of (signed) distances that
-  :class:`~attnkit.RelativeMultiHeadAttention` projects into its position term.
+* :func:`relative_encoding` is the sinusoidal encoding of (signed) distances, and
+  :class:`RelativePositionEmbedding` its projection ``W_r r(d)`` (Transformer-XL): the position
+  module of :class:`~attnkit.RelativeMultiHeadAttention` (``pos_proj=``).
 * :class:`RotaryEmbedding` rotates queries and keys by an angle proportional to their position
   (Su et al., 2021), so that ``q . k`` depends on the positions only through their difference.
   Pass it to :class:`~attnkit.MultiHeadAttention` (``rotary=``); with a KV cache the new tokens are
@@ -28,16 +29,18 @@ Shape letters: ``B`` batch, ``T`` positions, ``D`` model size, ``H`` heads, ``Dh
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
 
+from . import _relpos
 from ._checks import check_float_tensor, check_int, check_probability
 from ._typing import Float, Int, shape_checked
 from .scores import DistanceBias
 
 __all__ = [
+    "RelativePositionEmbedding",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "alibi_bias",
@@ -173,16 +176,213 @@ def relative_encoding(
     dim = check_int("dim", dim)
     if layout not in ("halves", "interleaved"):
         raise ValueError(f"layout must be 'halves' or 'interleaved', got {layout!r}")
-    half = (dim + 1) // 2
-    freq = torch.pow(10000.0, -2.0 * torch.arange(half, dtype=torch.float64) / dim)
-    angle = distances.to(torch.float64).unsqueeze(-1) * freq.to(distances.device)  # (P, half)
-    sin, cos = angle.sin(), angle.cos()[:, : dim - half]  # (P, half), (P, dim - half)
+    table = _relpos.relative_sinusoid(distances, dim)  # (P, dim): sines, then cosines
     if layout == "halves":
-        return torch.cat([sin, cos], dim=-1).to(dtype)
-    out = torch.empty(distances.size(0), dim, dtype=torch.float64, device=distances.device)
-    out[:, 0::2] = sin
-    out[:, 1::2] = cos
+        return table.to(dtype)
+    half = (dim + 1) // 2
+    out = torch.empty_like(table)
+    out[:, 0::2] = table[:, :half]
+    out[:, 1::2] = table[:, half:]
     return out.to(dtype)
+
+
+class RelativePositionEmbedding(nn.Module):
+    """Transformer-XL's position embeddings: ``W_r r(d)``, the sinusoidal encodings of distances
+    projected by a learned ``W_r``, one row per distance a call of
+    :class:`~attnkit.RelativeMultiHeadAttention` can see (its ``pos_proj``).
+
+    ``pos(top, bottom)`` is ``(top - bottom + 1, d_model)``: the rows of the distances ``top``,
+    ``top - 1``, ..., ``bottom`` (a query's position minus a key's: positive for keys before the
+    query), each ``r(d) @ weight.T`` with ``r(d) = [sin(d w_k) | cos(d w_k)]`` and
+    ``w_k = 10000^(-2k / d_model)`` (:func:`relative_encoding`). A call of ``Tq`` queries and
+    ``Tk`` keys asks for ``Tk - 1`` down to ``1 - Tq``, cut to what its mask leaves visible (a
+    sliding window's distances alone).
+
+    Args:
+        d_model: the size of the encodings and of ``W_r``'s rows and columns.
+        encoding: which ``r(d)`` is projected. ``"signed"`` (default): the formula above, whose
+            sines tell a key ``d`` frames before the query from one ``d`` frames after it
+            (Transformer-XL, ESPnet, NeMo). ``"symmetric"``: ``r(|d|)``, the same for ``+d`` and
+            ``-d``, which is what SpeechBrain's ``RelPosEncXL`` computes (its future half repeats
+            the past half's sines); use it only to run models trained with it
+            (:func:`attnkit.interop.speechbrain.relative_attention`).
+        encoding_dtype: what the angles are computed in. ``torch.float64`` (default): the
+            sinusoids to float64 rounding, whatever ``weight``'s dtype. ``torch.float32``: every
+            step in float32, as ESPnet, NeMo and SpeechBrain compute their tables (their
+            frequency formula, products and sines rounded to float32: ~1e-4 radians off at
+            distance 1000), so that a model trained with those tables gets them.
+        legacy: ``None`` (default), or the toolkit whose *absolute* encodings a legacy
+            :class:`~attnkit.RelativeMultiHeadAttention` projects: ``"openspeech"`` (positions
+            ``0 .. T - 1``) or ``"espnet"`` (ESPnet's ``LegacyRelPositionalEncoding``: positions
+            ``L - 1`` down to ``L - T``, ``L = max(legacy_max_len, T)``), each in that toolkit's
+            float32. ``pos(T - 1, 1 - T)`` is then the table of a self-attention call of ``T``
+            frames, one row per frame.
+        legacy_max_len: with ``legacy="espnet"``, that encoding's ``max_len`` (ESPnet's default
+            5000; espnet2's ``max_pos_emb_len``). ``None`` otherwise.
+        device, dtype: ``weight``'s.
+
+    Parameters: ``weight``, ``W_r`` ``(d_model, d_model)``. There is no bias (``bias`` is None,
+    as in an ``nn.Linear`` without one).
+
+    The encodings are computed once per device and dtype for the distances asked so far and kept
+    (they hold no parameter); the projection is computed by every call. A table of distances of
+    both signs is projected from its distances ``0, -1, ..., -m`` alone: ``r(d)`` and ``r(-d)``
+    share their cosines and negate their sines, so the products are taken once per ``|d|`` (half
+    of them; see :func:`attnkit._relpos.mirrored_projection`).
+
+    >>> import torch, attnkit
+    >>> pos = attnkit.RelativePositionEmbedding(8)
+    >>> pos(2, -1).shape  # distances 2, 1, 0, -1
+    torch.Size([4, 8])
+    >>> r = attnkit.relative_encoding(torch.tensor([2, 1, 0, -1]), 8, dtype=torch.float64)
+    >>> torch.allclose(pos(2, -1), (r @ pos.weight.double().T).float())
+    True
+    """
+
+    # A table of distances of both signs is projected mirrored when it holds at least this many
+    # of each sign: a smaller table saves few products for the mirrored path's extra passes.
+    _MIRROR_ROWS = 32
+
+    bias: None
+
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        encoding: Literal["signed", "symmetric"] = "signed",
+        encoding_dtype: torch.dtype = torch.float64,
+        legacy: Literal["openspeech", "espnet"] | None = None,
+        legacy_max_len: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_model = check_int("d_model", d_model)
+        _check_encoding(encoding, encoding_dtype, legacy)
+        if legacy == "espnet":
+            legacy_max_len = check_int(
+                "legacy_max_len", 5000 if legacy_max_len is None else legacy_max_len
+            )
+        elif legacy_max_len is not None:
+            raise ValueError(
+                f"legacy_max_len applies to legacy='espnet' only, got legacy_max_len="
+                f"{legacy_max_len!r} with legacy={legacy!r}"
+            )
+        self.encoding = encoding
+        self.encoding_dtype = encoding_dtype
+        self.legacy = legacy
+        self.legacy_max_len = legacy_max_len
+        self.weight = nn.Parameter(torch.empty(d_model, d_model, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+        # nn.Linear's initialisation, as W_r was an nn.Linear's weight.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        # (device, dtype) -> (size, encodings of distances size .. -size, or the legacy table)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[int, Tensor]] = {}
+
+    def extra_repr(self) -> str:
+        parts = [f"{self.d_model}"]
+        if self.encoding != "signed":
+            parts.append(f"encoding={self.encoding!r}")
+        if self.encoding_dtype != torch.float64:
+            parts.append(f"encoding_dtype={self.encoding_dtype}")
+        if self.legacy:
+            parts.append(f"legacy={self.legacy!r}")
+        if self.legacy == "espnet":
+            parts.append(f"legacy_max_len={self.legacy_max_len}")
+        return ", ".join(parts)
+
+    def forward(self, top: int, bottom: int) -> Float[Tensor, "P D"]:
+        """``(top - bottom + 1, d_model)``: ``W_r r(d)`` for ``d = top, top - 1, ..., bottom``
+        (legacy: the toolkit's table of ``top + 1`` frames, projected)."""
+        top, bottom = int(top), int(bottom)
+        if top < bottom:
+            raise ValueError(f"top ({top}) must be >= bottom ({bottom})")
+        weight = self.weight
+        mirrored = (
+            not self.legacy
+            and not torch.compiler.is_compiling()
+            and min(top, -bottom) >= self._MIRROR_ROWS
+            # autocast runs F.linear in its own dtype; the mirrored path would not
+            and not torch.is_autocast_enabled(weight.device.type)
+        )
+        if not mirrored:
+            return nn.functional.linear(self._encodings(top, bottom), weight)
+        negative = self._encodings(0, -max(top, -bottom))  # distances 0, -1, ..., -m
+        return _relpos.mirrored_projection(
+            weight, negative, top, bottom, odd=self.encoding != "symmetric"
+        )
+
+    def _encodings(self, top: int, bottom: int) -> Tensor:
+        """Unprojected encodings ``(top - bottom + 1, d_model)`` of the distances ``top`` down to
+        ``bottom``, or in legacy mode ``(top + 1, d_model)`` of that toolkit's positions, in
+        ``weight``'s dtype."""
+        weight = self.weight
+        frames = top + 1
+        if torch.compiler.is_compiling():
+            # Tracing: a table cached across calls would be a fake tensor left behind after
+            # export, and its size a guard on the traced lengths; make exactly the rows needed.
+            if self.legacy:
+                return self._table(frames, weight.device).to(weight.device, weight.dtype)
+            distances = torch.arange(top, bottom - 1, -1, device=weight.device)
+            return self._sinusoids(distances).to(weight.dtype)
+        max_len = self.legacy_max_len or 0
+        if self.legacy == "espnet" and frames > max_len:
+            # ESPnet rebuilds its table for an input longer than max_len: positions T-1 .. 0.
+            with torch.inference_mode(False), torch.no_grad():
+                return self._table(frames, weight.device).to(weight.device, weight.dtype)
+        key = (weight.device, weight.dtype)
+        need = {None: max(abs(top), abs(bottom), 1), "openspeech": frames, "espnet": max_len}
+        size, table = self._tables.get(key, (0, weight.new_empty(1, self.d_model)))
+        if size < need[self.legacy]:
+            grown = max(need[self.legacy], 2 * size)
+            size = need[self.legacy] if self.legacy == "espnet" else grown
+            # A table made under inference_mode could never be saved for a later backward.
+            with torch.inference_mode(False), torch.no_grad():
+                table = self._table(size, weight.device).to(weight.device, weight.dtype)
+            self._tables[key] = (size, table)
+        if self.legacy:
+            return table[:frames]
+        return table[size - top : size - bottom + 1]  # rows of distances top .. bottom
+
+    def _table(self, size: int, device: torch.device) -> Tensor:
+        """The encodings of distances ``size .. -size``, or in legacy mode the toolkit's table for
+        an input of ``size`` frames (float32, as the toolkit computes it)."""
+        if self.legacy == "openspeech":
+            return _relpos.openspeech_sinusoid(size, self.d_model)
+        if self.legacy == "espnet":
+            max_len = cast(int, self.legacy_max_len)
+            return _relpos.espnet_legacy_sinusoid(size, self.d_model, max_len)
+        return self._sinusoids(torch.arange(size, -size - 1, -1, device=device))
+
+    def _sinusoids(self, distances: Tensor) -> Tensor:
+        """The unprojected ``r(d)`` of ``distances`` as ``encoding`` and ``encoding_dtype`` say."""
+        if self.encoding == "symmetric":
+            distances = distances.abs()
+        if self.encoding_dtype == torch.float32:
+            return _relpos.float32_sinusoid(distances, self.d_model)
+        return _relpos.relative_sinusoid(distances, self.d_model)
+
+
+def _check_encoding(encoding: object, encoding_dtype: object, legacy: object) -> None:
+    """The checks of :class:`RelativePositionEmbedding`'s choice of encodings."""
+    if legacy not in (None, "openspeech", "espnet"):
+        raise ValueError(f"legacy must be None, 'openspeech' or 'espnet', got {legacy!r}")
+    if encoding not in ("signed", "symmetric"):
+        raise ValueError(f"encoding must be 'signed' or 'symmetric', got {encoding!r}")
+    if legacy and encoding != "signed":
+        raise ValueError(
+            f"encoding={encoding!r} does not apply to legacy={legacy!r}, which reproduces that "
+            "toolkit's own (absolute) encodings"
+        )
+    if encoding_dtype not in (torch.float64, torch.float32):
+        raise ValueError(
+            f"encoding_dtype must be torch.float64 or torch.float32, got {encoding_dtype!r}"
+        )
+    if legacy and encoding_dtype != torch.float64:
+        raise ValueError(
+            f"encoding_dtype={encoding_dtype} does not apply to legacy={legacy!r}, which "
+            "reproduces that toolkit's own float32 table"
+        )
 
 
 class RotaryEmbedding(nn.Module):
