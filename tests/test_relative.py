@@ -17,12 +17,15 @@ from torch.func import functional_call
 from attnkit import (
     BackendError,
     RelativeMultiHeadAttention,
+    RelativePositionEmbedding,
     _native,
     attention,
     capture_attention,
     masks,
+    record_dispatch,
 )
 from attnkit import _relpos as relpos
+from attnkit._kernel import plan as plan_module
 from attnkit.backends import SDPA, Backend, Chunked
 from attnkit.backends import chunked as chunked_module
 from attnkit.backends import sdpa as sdpa_module
@@ -121,7 +124,7 @@ def brute_force(
                         continue
                     scores = []
                     for j in keys:
-                        r = m.pos_proj(sinusoid(pos_i - j, d)).view(h, dh)[hi]
+                        r = (sinusoid(pos_i - j, d) @ m.pos_proj.weight.T).view(h, dh)[hi]
                         content = (q[bi, i, hi] + u[hi]) @ k[bi, j, hi]
                         position = (q[bi, i, hi] + vb[hi]) @ r
                         scores.append((content + position) / math.sqrt(dh))
@@ -183,16 +186,18 @@ def test_encodings_are_sinusoids_of_distances() -> None:
 def test_one_encoding_per_distance_the_call_needs() -> None:
     m = make()
     rows: list[int] = []
-    m.pos_proj.register_forward_hook(lambda mod, args, out: rows.append(args[0].size(0)))
+    m.pos_proj.register_forward_hook(lambda mod, args, out: rows.append((*args, out.size(0))))
     m(randn(1, 10, 12))
     m(randn(1, 4, 12), randn(1, 9, 12))
-    assert rows == [2 * 10 - 1, 4 + 9 - 1]
-    # The sinusoids are computed once and cached; a longer call extends the cache.
-    ((_, table),) = m._tables.values()
+    assert rows == [(9, -9, 2 * 10 - 1), (8, -3, 4 + 9 - 1)]
+    # The sinusoids (which hold no parameter) are computed once and kept; a longer call extends
+    # them.
+    tables = m.pos_proj._tables
+    ((_, table),) = tables.values()
     m(randn(1, 6, 12))
-    assert m._tables[(table.device, table.dtype)][1] is table
+    assert tables[(table.device, table.dtype)][1] is table
     m(randn(1, 40, 12))
-    assert m._tables[(table.device, table.dtype)][0] >= 39  # distances -39 .. 39
+    assert tables[(table.device, table.dtype)][0] >= 39  # distances -39 .. 39
 
 
 @pytest.mark.parametrize("legacy", [None, "openspeech"])
@@ -260,52 +265,89 @@ def test_inference_adds_the_bias_in_place_only_to_its_own_tensor(backend: str) -
 @pytest.mark.parametrize(
     "window", [(3, 2), (4, 0), (0, 5), (6, -2)], ids=["both sides", "past", "future", "off"]
 )
-def test_long_banded_inference_runs_in_stretches(
+def test_long_banded_call_is_one_attention_call_in_stretches_of_queries(
     window: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Inference under a band alone runs stretch by stretch of queries once the input holds two
-    # stretches (here of 16 * the band's width, the least there is): each stretch one attention
-    # call, and the whole exactly the formula, on every side of the band and at the ragged end;
-    # the module's hooks see one call. With gradients, a mask beside the band, causal=True or
-    # dropout in training, the call runs whole.
-    import attnkit.relative as relative_module
-
-    calls = []
-
-    def counted(*args: object, **kw: object) -> object:
-        calls.append(1)
-        return attention(*args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(relative_module, "attention", counted)
-    monkeypatch.setattr(RelativeMultiHeadAttention, "_STRETCH_BYTES", 1)
+    # A long call under a band alone is one attention() call, in inference and training alike;
+    # the kernel takes its query blocks a stretch at a time (the plan's query ordering, which
+    # explain() prints), and the whole is exactly the formula, on every side of the band and at
+    # the ragged end.
+    # Stretches of 2 query blocks: (B, H, block_q) = (2, 3, 8)
+    monkeypatch.setattr(plan_module, "STRETCH_ROWS", 2 * (2 * 3 * 8))
     m = make()
     band = masks.sliding_window(*window)
     lo, hi = band.distances(masks.Geometry((1,), 3, 10, 10, torch.device("cpu")))
-    stretch = 16 * int(hi - lo)
-    t = 2 * stretch + 37
+    t = 77
     x = randn(2, t, 12)
     allowed = torch.zeros(t, t, dtype=torch.bool)
     for i in range(t):
         allowed[i, max(i + int(lo), 0) : max(min(i + int(hi) + 1, t), 0)] = True
     want = brute_force(m, x, x, mask=allowed)[0]
-    hooked = []
-    m.register_forward_hook(lambda *_: hooked.append(1))
-    with torch.inference_mode():
-        got = m(x, mask=band)
-    assert len(calls) == 3
-    assert len(hooked) == 1
-    assert_close(got, want)
-    calls.clear()
-    with torch.no_grad():
-        m(x, mask=band & masks.key_padding([t, t - 5]))
-        m(x, mask=band, causal=True)
-        m.dropout = 0.1
-        m.train()(x, mask=band)
-    assert len(calls) == 3
-    calls.clear()
-    m.dropout = 0.0
-    assert_close(m.eval()(x, mask=band), want)
-    assert len(calls) == 1
+    chunked = Chunked(block_q=8, block_k=16)
+    for context in (torch.inference_mode, contextlib.nullcontext):
+        with context(), record_dispatch() as calls:
+            got = m(x, mask=band, backend=chunked)
+        assert len(calls) == 1
+        assert_close(got, want)
+    report = str(m.explain(x, mask=band, backend=chunked))
+    native = "native kernel" in report
+    ordering = (
+        "query ordering: stretches of 2 query blocks, every head of a stretch before the next"
+    )
+    assert (ordering in report) is native
+
+
+def test_the_position_module_is_injected(monkeypatch: pytest.MonkeyPatch) -> None:
+    # pos_proj= takes any module called as pos_proj(top, bottom) for the projected encodings of
+    # those distances; the default is a RelativePositionEmbedding of the constructor's arguments,
+    # drawn where the nn.Linear W_r was (a seeded module's weights are what they always were).
+    class Wrapped(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, top: int, bottom: int) -> Tensor:
+            out: Tensor = self.inner(top, bottom)
+            return out
+
+    m = make(encoding="symmetric")
+    inner = copy.deepcopy(m.pos_proj)
+    given = RelativeMultiHeadAttention(12, 3, pos_proj=Wrapped(inner), dtype=torch.float64)
+    given.load_state_dict(
+        {
+            k.replace("pos_proj.weight", "pos_proj.inner.weight"): p
+            for k, p in m.state_dict().items()
+        }
+    )
+    x = randn(2, 9, 12)
+    window = masks.sliding_window(3, 2)
+    assert_close(given(x, mask=window), m(x, mask=window))
+    assert given.encoding is None
+    assert m.encoding == "symmetric"
+    parts = ("q_proj", "k_proj", "v_proj", "out_proj")
+    keys = [f"{part}.{name}" for part in parts for name in ("weight", "bias")]
+    assert sorted(m.state_dict()) == sorted([*keys, "pos_bias_u", "pos_bias_v", "pos_proj.weight"])
+    torch.manual_seed(5)
+    drawn = [nn.Linear(12, 12) for _ in range(3)] + [nn.Linear(12, 12, bias=False)]
+    torch.manual_seed(5)
+    ours = RelativeMultiHeadAttention(12, 3)
+    for linear, part in zip(drawn, ("q_proj", "k_proj", "v_proj", "pos_proj"), strict=True):
+        assert torch.equal(ours.get_parameter(f"{part}.weight"), linear.weight)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_a_given_position_module_refuses_the_arguments_of_the_default() -> None:
+    pos = RelativePositionEmbedding(8)
+    with pytest.raises(ValueError, match="encoding='symmetric' describes the default position"):
+        RelativeMultiHeadAttention(8, 2, encoding="symmetric", pos_proj=pos)
+    with pytest.raises(ValueError, match=r"encoding_dtype=torch\.float32 describes the default"):
+        RelativeMultiHeadAttention(8, 2, encoding_dtype=torch.float32, pos_proj=pos)
+    with pytest.raises(
+        ValueError, match="pos_proj has legacy=None and this module legacy='openspeech'"
+    ):
+        RelativeMultiHeadAttention(8, 2, legacy="openspeech", pos_proj=pos)
+    with pytest.raises(TypeError, match=r"pos_proj must be an nn\.Module, got str"):
+        RelativeMultiHeadAttention(8, 2, pos_proj="sinusoid")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("encoding", ["signed", "symmetric"])
@@ -314,10 +356,10 @@ def test_mirrored_projection_equals_the_whole_table(encoding: str, top: int, bot
     # The projection of distances top .. bottom from those of 0 .. -m alone equals the whole
     # table's product, and so does weight's gradient, for an odd dimension too (one more sine).
     for d in (12, 13):
-        m = RelativeMultiHeadAttention(d, 1, encoding=encoding, dtype=torch.float64)  # type: ignore[arg-type]
-        w = m.pos_proj.weight
-        whole = m._encodings(1, 1, top, bottom) @ w.t()
-        negative = m._encodings(1, 1, 0, -max(top, -bottom))
+        pos = RelativePositionEmbedding(d, encoding=encoding, dtype=torch.float64)  # type: ignore[arg-type]
+        w = pos.weight
+        whole = pos._encodings(top, bottom) @ w.t()
+        negative = pos._encodings(0, -max(top, -bottom))
         got = relpos.mirrored_projection(w, negative, top, bottom, odd=encoding == "signed")
         cot = randn(*whole.shape, seed=d)
         assert_close(got, whole)
@@ -326,7 +368,7 @@ def test_mirrored_projection_equals_the_whole_table(encoding: str, top: int, bot
 
 def test_module_projects_a_table_of_both_signs_mirrored(monkeypatch: pytest.MonkeyPatch) -> None:
     # Training and inference with the mirrored projection equal the formula, gradients too (here
-    # for tables of 2 or more distances of each sign); a pos_proj with a hook runs as a module.
+    # for tables of 2 or more distances of each sign); a hook on pos_proj sees the call.
     mirrored = []
     original = relpos.mirrored_projection
 
@@ -338,13 +380,13 @@ def test_module_projects_a_table_of_both_signs_mirrored(monkeypatch: pytest.Monk
     x, cot = randn(2, 9, 12), randn(2, 9, 12, seed=2)
     want = make()
     got = make()
-    monkeypatch.setattr(RelativeMultiHeadAttention, "_MIRROR_ROWS", 10**9)
+    monkeypatch.setattr(RelativePositionEmbedding, "_MIRROR_ROWS", 10**9)
     want(x).backward(cot)
     window = masks.sliding_window(3, 4)
     with torch.no_grad():
         want_window = want(x, mask=window)
     assert not mirrored
-    monkeypatch.setattr(RelativeMultiHeadAttention, "_MIRROR_ROWS", 2)
+    monkeypatch.setattr(RelativePositionEmbedding, "_MIRROR_ROWS", 2)
     out = got(x)
     out.backward(cot)
     assert len(mirrored) == 1
@@ -361,7 +403,7 @@ def test_module_projects_a_table_of_both_signs_mirrored(monkeypatch: pytest.Monk
     got.pos_proj.register_forward_hook(lambda *_: seen.append(1))
     got(x)
     assert seen == [1]
-    assert len(mirrored) == 2
+    assert len(mirrored) == 3
 
 
 # --------------------------------------------------------------------------------------------------

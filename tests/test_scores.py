@@ -271,7 +271,7 @@ def test_windowed_relative_attention_is_dense_band_attention_with_a_window_sized
     torch.manual_seed(0)
     m = attnkit.RelativeMultiHeadAttention(16, 2, dtype=torch.float64)
     rows: list[int] = []
-    m.pos_proj.register_forward_hook(lambda mod, args, out: rows.append(args[0].size(0)))
+    m.pos_proj.register_forward_hook(lambda mod, args, out: rows.append(out.size(0)))
     x = torch.randn(2, 50, 16, dtype=torch.float64)
     pad = masks.key_padding([50, 37])
     band = masks.sliding_window_mask(50, left=4, right=3) & masks.padding_mask([50, 37])
