@@ -277,19 +277,31 @@ def test_relative_position_embedding_legacy_tables_have_a_row_per_frame() -> Non
     assert repr(espnet) == "RelativePositionEmbedding(6, legacy='espnet', legacy_max_len=10)"
 
 
-def test_relative_position_embedding_computes_its_projection_every_call() -> None:
-    # No projection is kept between calls: a weight written in place (load_state_dict, an
-    # optimizer step, a user's copy_) is what the next call projects, in inference mode too.
+def test_relative_position_embedding_reuses_a_projection_of_the_same_weight_only() -> None:
+    # Without gradients the last table is kept with a copy of the weight, and reused while the
+    # weight holds the same bits: a weight written in place (load_state_dict, an optimizer step,
+    # a user's copy_) is what the next call projects, in inference mode too. With gradients every
+    # call projects, so that they reach the weight.
     pos = attnkit.RelativePositionEmbedding(8)
     with torch.inference_mode():
         before = pos(40, -40)
+        assert pos(40, -40) is before
+        assert pos(40, -39) is not before
     with torch.no_grad():
         pos.weight.mul_(2)
     with torch.inference_mode():
         assert_close(pos(40, -40), 2 * before, dtype=torch.float32)
     pos.load_state_dict({"weight": torch.zeros(8, 8)})
-    with torch.inference_mode():
-        assert not pos(40, -40).any()
+    with torch.no_grad():
+        zeros = pos(40, -40)
+        assert not zeros.any()
+        pos.weight[3, 4] = -0.0  # equal to 0.0, but not the same bits
+        assert pos(40, -40) is not zeros
+    table = pos(40, -40)
+    assert table.requires_grad
+    assert table is not pos(40, -40)
+    table.sum().backward()
+    assert pos.weight.grad is not None
 
 
 @pytest.mark.usefixtures("no_shape_checks")

@@ -225,10 +225,14 @@ class RelativePositionEmbedding(nn.Module):
     as in an ``nn.Linear`` without one).
 
     The encodings are computed once per device and dtype for the distances asked so far and kept
-    (they hold no parameter); the projection is computed by every call. A table of distances of
-    both signs is projected from its distances ``0, -1, ..., -m`` alone: ``r(d)`` and ``r(-d)``
-    share their cosines and negate their sines, so the products are taken once per ``|d|`` (half
-    of them; see :func:`attnkit._relpos.mirrored_projection`).
+    (they hold no parameter). A table of distances of both signs is projected from its distances
+    ``0, -1, ..., -m`` alone: ``r(d)`` and ``r(-d)`` share their cosines and negate their sines, so
+    the products are taken once per ``|d|`` (half of them; see
+    :func:`attnkit._relpos.mirrored_projection`). Where no gradient is needed (inference), the last
+    projection is kept with a copy of the weight it was made from, and a call for the same
+    distances reuses it while ``weight`` is still bit for bit that copy: one read of ``weight``
+    instead of ``P * d_model`` products, and a weight written in any way (an optimizer step,
+    ``load_state_dict``, an in-place edit) is projected again.
 
     >>> import torch, attnkit
     >>> pos = attnkit.RelativePositionEmbedding(8)
@@ -278,6 +282,8 @@ class RelativePositionEmbedding(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         # (device, dtype) -> (size, encodings of distances size .. -size, or the legacy table)
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[int, Tensor]] = {}
+        # The last projection made without gradients: ((top, bottom), the weight's copy, table)
+        self._kept: tuple[tuple[int, int], Tensor, Tensor] | None = None
 
     def extra_repr(self) -> str:
         parts = [f"{self.d_model}"]
@@ -298,11 +304,31 @@ class RelativePositionEmbedding(nn.Module):
         if top < bottom:
             raise ValueError(f"top ({top}) must be >= bottom ({bottom})")
         weight = self.weight
+        if (
+            torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and weight.requires_grad)
+            # autocast runs F.linear in its own dtype: a table kept from outside it would not be
+            or torch.is_autocast_enabled(weight.device.type)
+            or weight.device.type == "meta"
+        ):
+            return self._project(top, bottom)
+        kept = self._kept
+        if kept is not None and kept[0] == (top, bottom) and _same_bits(kept[1], weight):
+            return kept[2]
+        # Outside inference mode, so that a later call with gradients elsewhere may use it.
+        with torch.inference_mode(False), torch.no_grad():
+            table = self._project(top, bottom)
+            self._kept = ((top, bottom), weight.detach().clone(), table)
+        return table
+
+    def _project(self, top: int, bottom: int) -> Tensor:
+        """:meth:`forward`'s table, computed: mirrored where the table holds enough distances of
+        each sign."""
+        weight = self.weight
         mirrored = (
             not self.legacy
             and not torch.compiler.is_compiling()
             and min(top, -bottom) >= self._MIRROR_ROWS
-            # autocast runs F.linear in its own dtype; the mirrored path would not
             and not torch.is_autocast_enabled(weight.device.type)
         )
         if not mirrored:
@@ -361,6 +387,17 @@ class RelativePositionEmbedding(nn.Module):
         if self.encoding_dtype == torch.float32:
             return _relpos.float32_sinusoid(distances, self.d_model)
         return _relpos.relative_sinusoid(distances, self.d_model)
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits (a NaN equals itself, 0.0 is not -0.0): equal
+    weights give a projection equal to the bit."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(a.element_size())
+    if bits is None or not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(a.view(bits), b.detach().view(bits)))
 
 
 def _check_encoding(encoding: object, encoding_dtype: object, legacy: object) -> None:
