@@ -300,13 +300,15 @@ class RelativePositionEmbedding(nn.Module):
     def forward(self, top: int, bottom: int) -> Float[Tensor, "P D"]:
         """``(top - bottom + 1, d_model)``: ``W_r r(d)`` for ``d = top, top - 1, ..., bottom``
         (legacy: the toolkit's table of ``top + 1`` frames, projected)."""
+        if torch.compiler.is_compiling():
+            # Traced lengths stay symbolic: int() or a comparison would fix them to the example's.
+            return self._project(top, bottom)
         top, bottom = int(top), int(bottom)
         if top < bottom:
             raise ValueError(f"top ({top}) must be >= bottom ({bottom})")
         weight = self.weight
         if (
-            torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and weight.requires_grad)
+            (torch.is_grad_enabled() and weight.requires_grad)
             # autocast runs F.linear in its own dtype: a table kept from outside it would not be
             or torch.is_autocast_enabled(weight.device.type)
             or weight.device.type == "meta"
