@@ -361,18 +361,16 @@ class BlockPlan:
             how.append("key flags")
         if self.tiles is not None:
             how.append(f"{self.tiles.size(0)} mask tiles")
-        extra = f" ({', '.join(how)})" if how else ""
-        order = ""
         if 0 < self.stretch < nq:
             blocks = "block" if self.stretch == 1 else "blocks"
-            order = (
-                f"; query ordering: stretches of {self.stretch} query {blocks}, every head of a "
+            how.append(
+                f"query ordering: stretches of {self.stretch} query {blocks}, every head of a "
                 "stretch before the next"
             )
+        extra = f" ({', '.join(how)})" if how else ""
         return (
             f"{nq} x {nk} blocks of {g.block_q} x {g.block_k} (Tq={self.q_len}, Tk={self.kv_len}): "
             f"{g.visited} computed, {g.partial} with a mask, in {self.num_visits} visits{extra}"
-            f"{order}"
         )
 
     def picture(self, most: int = 64) -> str:
