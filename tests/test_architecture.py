@@ -211,7 +211,6 @@ NO_MIRROR = {
     "distributed/_comm.py": "the ranks' messages and agreement: tests/distributed/test_ring.py",
     "distributed/backend.py": "register_ring_backend: tests/distributed/test_ddp.py",
     "flash_attn/__init__.py": "re-exports only: the tests in tests/flash_attn/",
-    "flash_attn/__init__.py": "re-exports only: the tests in tests/flash_attn/",
     "integrations/__init__.py": "re-exports only: the tests in tests/integrations/transformers/",
     "integrations/transformers/__init__.py": "re-exports only: the tests in "
     "tests/integrations/transformers/",
