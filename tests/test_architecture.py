@@ -248,6 +248,7 @@ NOT_A_MIRROR = {
     "cli/test_main.py": "cli/__init__.py: the command's entry point",
     "distributed/test_ddp.py": "distributed/backend.py under DistributedDataParallel",
     "interop/test_hyperparameters.py": "every loader of interop/: each number it copies",
+    "native/test_decode.py": "the native kernel's decode path (_native/csrc/decode.cpp)",
     "native/test_softcap_bias.py": "the native kernel with softcap and something added to scores",
 }
 
