@@ -40,6 +40,16 @@ def test_more_ranks_than_heads_take_the_hybrid_and_dropout_the_ring() -> None:
     assert "ulysses  cannot: dropout" in str(dropped)
 
 
+def test_the_kernel_line_says_dropout_across_ranks_runs_the_eager_kernel() -> None:
+    q = shard(2, 256, "cpu")
+    dropped = explain(q, q, q, causal=True, world_size=4, dropout_p=0.1)
+    assert str(dropped).splitlines()[-1] == (
+        "each rank's kernel: the eager kernel (dropout across ranks)"
+    )
+    plain = explain(q, q, q, causal=True, world_size=4)
+    assert str(plain).splitlines()[-1] == "each rank's kernel: native kernel"
+
+
 def test_the_report_names_every_strategy_and_draws_the_ring() -> None:
     q = shard(4, 64, "cpu")
     qv = torch.empty(1, 4, 64, 8)

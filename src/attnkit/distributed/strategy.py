@@ -165,8 +165,10 @@ def _lines(call: AttentionCall, world: int, found: Strategy, strategy: str) -> l
         lines.append(f"  {name:<8} {head}: sends {_size(b)} per rank (forward): {words[name]}")
     if found.plan is not None:
         lines += ["", str(found.plan)]
-    kernel = why_not_native(call)
-    lines.append(f"each rank's kernel: {kernel or 'native kernel'}")
+    kernel = why_not_native(call) or "native kernel"
+    if call.dropout_p and found.chosen == "ring" and kernel == "native kernel":
+        kernel = "the eager kernel (dropout across ranks)"
+    lines.append(f"each rank's kernel: {kernel}")
     return lines
 
 
