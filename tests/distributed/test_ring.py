@@ -366,6 +366,10 @@ def world_checks(rank: int, world: int, group: dist.ProcessGroup | None) -> dict
     report["ulysses"] = ulysses_checks(rank, world, group)
     report["bytes"] = window_bytes(rank, world, group)
     report["backward plans"] = plans_made_by_the_backward(rank, world, group)
+    ring = RingBackend(group=group)
+    q = torch.zeros(1, H, T // world, DK)
+    said = attnkit.explain(q, q, q, mask=masks.sliding_window(3), backend=ring)
+    report["notes"] = ring.notes(said.call)
     report["saved"] = largest_saved_numel(rank, world, group)
     jaxtyping.config.update("jaxtyping_disable", True)  # attnkit's own checks, on every rank
     try:
@@ -476,6 +480,18 @@ def test_a_window_sends_a_shards_last_keys_to_one_neighbour() -> None:
     assert sent == [one * 256 // 2048] * 3 + [0]
     sent = [r["bytes"]["window 256", "zigzag"]["forward"] for r in got]
     assert sent == [one * 256 // 2048, one * 512 // 2048, one * 512 // 2048, one * 256 // 2048]
+
+
+@WORLDS
+def test_explain_with_the_ring_backend_says_the_shard_plan(world: int) -> None:
+    for report in ranks_of(world):
+        chunk = T // world
+        assert report["notes"] == [
+            f"shard plan: {world} ranks, {world} chunks of {chunk} queries and {chunk} keys "
+            "(contiguous)",
+            f"shard plan: {world - 1} of {world * (world - 1)} pairs of ranks meet, in 1 step "
+            f"(distance 1); keys sent per rank: {', '.join([str(chunk)] * (world - 1) + ['0'])}",
+        ]
 
 
 @WORLDS

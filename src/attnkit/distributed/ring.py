@@ -556,6 +556,18 @@ class RingBackend(Backend):
     def check(self, call: AttentionCall) -> list[str]:
         return ring_check(call, self.layout)
 
+    def notes(self, call: AttentionCall) -> list[str]:
+        """The shard plan (which ranks' queries meet which ranks' keys, what each sends), when a
+        process group tells the world size; nothing on ``meta`` tensors."""
+        if call.device.type == "meta" or not (dist.is_available() and dist.is_initialized()):
+            return []
+        world = dist.get_world_size(self.group)
+        structure, _, reasons = split_mask(call.mask, call.kv_len)
+        if reasons:
+            return []
+        plan = ShardPlan(structure, whole_geometry(call, world), layout_of(self.layout, world))
+        return [f"shard plan: {line}" for line in plan.describe().splitlines()]
+
     def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
         return _ring(
             call,
