@@ -44,6 +44,7 @@ from ._checks import (
     shape_str,
 )
 from ._hints import torch_keywords, warn_torch_convention
+from ._shards import SequenceShards
 from ._typing import Bool, Float, shape_checked
 from .feedforward import PositionwiseFeedForward
 from .masks import Mask
@@ -65,20 +66,29 @@ def _check_activation(activation: object) -> str:
     return str(activation)
 
 
-def _masked_batch_norm(x: Tensor, valid: Tensor, bn: nn.BatchNorm1d) -> Tensor:
+def _masked_batch_norm(
+    x: Tensor, valid: Tensor, bn: nn.BatchNorm1d, total: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
     """``bn(x)`` with batch statistics over the frames where ``valid`` (``(B, 1, T)``) is True.
 
     ``x`` is ``(B, C, T)``. The running statistics are updated as ``nn.BatchNorm1d`` updates them
-    (momentum, or the cumulative average when it is None; the unbiased variance).
+    (momentum, or the cumulative average when it is None; the unbiased variance). ``total``: the
+    sum over the ranks that hold the other frames of the batch (a sequence split across
+    processes), so that the statistics are the whole batch's; the sums go through it in two
+    passes, the mean's and then the centred squares', as in one process.
     """
-    n = int(valid.sum())  # a host sync, as BatchNorm's own check of the batch size
+
+    def whole(t: Tensor) -> Tensor:
+        return t if total is None else total(t)
+
+    n = int(whole(valid.sum()))  # a host sync, as BatchNorm's own check of the batch size
     if n < 2:
         raise ValueError(
             f"BatchNorm in training needs more than one real frame per channel, got {n}"
         )
-    mean = x.masked_fill(~valid, 0.0).sum((0, 2)) / n  # (C,)
+    mean = whole(x.masked_fill(~valid, 0.0).sum((0, 2))) / n  # (C,)
     centred = (x - mean[:, None]).masked_fill(~valid, 0.0)
-    var = centred.square().sum((0, 2)) / n  # (C,) biased, as the normalisation uses
+    var = whole(centred.square().sum((0, 2))) / n  # (C,) biased, as the normalisation uses
     if bn.training and bn.running_mean is not None and bn.running_var is not None:
         tracked = bn.num_batches_tracked
         if tracked is not None:
@@ -113,7 +123,16 @@ class ConformerConvolution(nn.Module):
 
     ``forward(x, valid=None)``: ``valid`` ``(B, T)`` bool, True at real frames; padded frames are
     zeroed before the depthwise convolution and left out of BatchNorm's batch statistics.
+
+    On one rank's shard of a sequence split across processes (``sequence_shards``, set by
+    :func:`attnkit.distributed.sequence_parallel`), the depthwise convolution reads the
+    ``(kernel_size - 1) / 2`` frames beyond each end of the shard from the ranks that hold them,
+    and BatchNorm's batch statistics in training are sums over every rank: the output is the
+    shard of the module's on the whole sequence.
     """
+
+    #: This rank's place in a sequence split across processes; ``None`` in one process.
+    sequence_shards: SequenceShards | None = None
 
     def __init__(
         self,
@@ -159,15 +178,31 @@ class ConformerConvolution(nn.Module):
         keep = None if valid is None else valid.unsqueeze(1)  # (B, 1, T)
         if keep is not None:
             h = h.masked_fill(~keep, 0.0)  # padded frames hold pointwise1's bias after the GLU
-        h = self.depthwise(h)  # (B, D, T)
+        shards = self.sequence_shards
+        h = self.depthwise(h) if shards is None else self._depthwise_shard(h, shards)  # (B, D, T)
         batch_statistics = self.norm.training or self.norm.running_mean is None
-        if keep is not None and batch_statistics:
+        if shards is not None and batch_statistics:
+            keep = torch.ones_like(h[:, :1], dtype=torch.bool) if keep is None else keep
+            h = _masked_batch_norm(h, keep, self.norm, shards.all_reduce)
+        elif keep is not None and batch_statistics:
             h = _masked_batch_norm(h, keep, self.norm)
         else:
             h = self.norm(h)
         h = _ACTIVATIONS[self.activation](h).transpose(1, 2)  # (B, T, D)
         out: Tensor = self.pointwise2(h)
         return out
+
+    def _depthwise_shard(self, h: Tensor, shards: SequenceShards) -> Tensor:
+        """The depthwise convolution of this rank's ``(B, D, T)`` frames: each run of positions
+        it holds, with the frames its kernel reaches beyond the run's ends (the halo) from the
+        ranks that hold them, zeros past the sequence's ends as the "same" padding."""
+        conv = self.depthwise
+        reach = (self.kernel_size - 1) // 2
+        runs = [
+            F.conv1d(run, conv.weight, conv.bias, groups=conv.groups)
+            for run in shards.halo(h, reach)
+        ]
+        return runs[0] if len(runs) == 1 else torch.cat(runs, dim=-1)
 
     def extra_repr(self) -> str:
         return f"{self.d_model}, kernel_size={self.kernel_size}, activation={self.activation!r}"
@@ -211,7 +246,15 @@ class ConformerLayer(nn.Module):
     >>> y = layer(x, mask=pad)
     >>> torch.allclose(y[1, :5], layer(x[1:, :5])[0], atol=1e-5)   # alone = padded in a batch
     True
+
+    On one rank's shard of a sequence split across processes
+    (:func:`attnkit.distributed.sequence_parallel` sets ``sequence_shards`` on the layer and its
+    attention and convolution modules), a bool ``mask`` is this rank's shard of the padding mask
+    and :func:`attnkit.masks.key_padding` gives the whole sequence's lengths.
     """
+
+    #: This rank's place in a sequence split across processes; ``None`` in one process.
+    sequence_shards: SequenceShards | None = None
 
     def __init__(
         self,
@@ -291,10 +334,13 @@ class ConformerLayer(nn.Module):
     ) -> Float[Tensor, "B T D"]:
         check_input("x", x, f"(B, T, {self.d_model})", self.d_model, self.final_norm.weight)
         valid = self._valid_frames(mask, x)
-        key_mask: Mask | None = None
+        key_mask: Tensor | Mask | None = None
         if valid is not None:
             x = x.masked_fill(~valid.unsqueeze(-1), 0.0)  # whatever padding holds, NaN included
-            key_mask = masks.key_padding(valid=valid)
+            # Across processes the padding is this rank's keys' own: a key mask that travels
+            # with them (a structured mask would be read at the whole sequence's positions).
+            sharded = self.sequence_shards is not None
+            key_mask = valid[:, None, None, :] if sharded else masks.key_padding(valid=valid)
         if self.context is not None:
             window = masks.sliding_window(*self.context)
             key_mask = window if key_mask is None else key_mask & window
@@ -305,16 +351,24 @@ class ConformerLayer(nn.Module):
         out: Tensor = self.final_norm(x)
         return out
 
-    @staticmethod
-    def _valid_frames(mask: object, x: Tensor) -> Tensor | None:
-        """The padding mask as ``(B, T)`` bool, True at real frames."""
+    def _valid_frames(self, mask: object, x: Tensor) -> Tensor | None:
+        """The padding mask as ``(B, T)`` bool, True at real frames (this rank's, across
+        processes)."""
         if mask is None:
             return None
         b, t = x.shape[:2]
         if isinstance(mask, Mask) and mask.keys_only and mask.tensor is None:
-            geo = masks.Geometry((b,), 1, t, t, x.device)
+            shards = self.sequence_shards
+            if shards is None:
+                geo = masks.Geometry((b,), 1, t, t, x.device)
+                mask.check(geo, "mask")
+                return mask.key_tile(geo, 0, t).expand(b, t)
+            # The whole sequence's mask, read at the positions this rank holds.
+            whole = t * shards.world_size
+            geo = masks.Geometry((b,), 1, whole, whole, x.device)
             mask.check(geo, "mask")
-            return mask.key_tile(geo, 0, t).expand(b, t)
+            runs = [mask.key_tile(geo, g, g + n) for _, g, n in shards.segments(t)]
+            return torch.cat(runs, dim=-1).expand(b, t)
         if isinstance(mask, Mask):
             raise TypeError(
                 f"mask must say which frames are real (a padding mask or masks.key_padding), got "

@@ -36,6 +36,7 @@ from ._checks import (
 )
 from ._hints import torch_keywords
 from ._packing import split_packed
+from ._shards import SequenceShards
 from ._typing import Bool, Float, shape_checked
 from .attention import Backend, Explanation, attend, check_backend, explain
 from .capture import is_capturing, record
@@ -125,6 +126,9 @@ class MultiHeadAttention(nn.Module):
     in_proj_bias: nn.Parameter | None
     bias_k: nn.Parameter | None
     bias_v: nn.Parameter | None
+    #: This rank's place in a sequence split across processes, set by
+    #: :func:`attnkit.distributed.sequence_parallel`; ``None`` in one process.
+    sequence_shards: SequenceShards | None = None
 
     def __init__(
         self,
@@ -320,6 +324,34 @@ class MultiHeadAttention(nn.Module):
             )
         return out
 
+    def _rotated_shard(self, x: Tensor, shards: SequenceShards) -> Tensor:
+        """``x`` rotated at the whole sequence's positions: each run of positions this rank holds
+        from its own first position (a zigzag shard holds two runs)."""
+        pieces = [
+            self._rotated(x[..., lo : lo + n, :], start)
+            for lo, start, n in shards.segments(x.size(-2))
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
+
+    def _check_sharded(self, bias: object, need_weights: bool, cache: object) -> None:
+        """What a call on one rank's shard of a sequence cannot do, refused with the reason."""
+        if isinstance(bias, Tensor):
+            raise ValueError(
+                f"bias: a dense bias {shape_str(bias.shape)} would need the whole sequence's rows "
+                "of scores on every rank; give it as a score term at the whole sequence's "
+                "positions (attnkit.scores.DistanceBias, attnkit.alibi_term)"
+            )
+        if need_weights or is_capturing(self):
+            raise ValueError(
+                "no attention weights from a sequence split across processes: they would be the "
+                "whole sequence's (Tq, Tk) matrix on every rank"
+            )
+        if cache is not None:
+            raise ValueError(
+                "a KV cache decodes one sequence in one process; this module runs on a shard of "
+                "the sequence (sequence_parallel): decode with a copy made before it"
+            )
+
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         params = self.out_proj.weight
         check_input("query", query, f"(B, Tq, d_model={self.d_model})", self.d_model, params)
@@ -399,7 +431,12 @@ class MultiHeadAttention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = v.unflatten(-1, (self.num_kv_heads, self.v_head_dim)).transpose(1, 2)
-        if self.rotary is not None:
+        shards = self.sequence_shards
+        if shards is not None:
+            self._check_sharded(bias, need_weights, cache)
+        if self.rotary is not None and shards is not None:
+            q, k = self._rotated_shard(q, shards), self._rotated_shard(k, shards)
+        elif self.rotary is not None:
             offset = 0 if cache is None else cache.length
             q = self._rotated(q, offset)
             k = self._rotated(k, offset)
@@ -418,19 +455,34 @@ class MultiHeadAttention(nn.Module):
         want_lse = self.bias_k is not None or (want_weights and self.add_zero_attn)
         # q, k, v and the settings are this module's, built from what it checked above and when it
         # was built: attend() checks only the caller's mask, bias and causal, once.
-        got = attend(
-            q,
-            k,
-            v,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            sinks=sinks,
-            dropout_p=dropout_p,
-            return_weights=want_weights,
-            return_lse=want_lse,
-            backend=self.backend,
-        )
+        got: Tensor | tuple[Tensor, ...]
+        if shards is not None:
+            got = shards.attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                bias=bias if isinstance(bias, ScoreTerm) else None,
+                causal=causal,
+                scale=None,
+                sinks=sinks,
+                dropout_p=dropout_p,
+                return_lse=want_lse,
+            )
+        else:
+            got = attend(
+                q,
+                k,
+                v,
+                mask=mask,
+                bias=bias,
+                causal=causal,
+                sinks=sinks,
+                dropout_p=dropout_p,
+                return_weights=want_weights,
+                return_lse=want_lse,
+                backend=self.backend,
+            )
         parts = [got] if isinstance(got, Tensor) else list(got)
         out = parts[0]
         weights = parts[1] if want_weights else None

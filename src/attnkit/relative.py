@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from . import capture
 from ._checks import check_bool, check_input, check_int, check_positive, present, shape_str
 from ._hints import torch_keywords
+from ._shards import SequenceShards
 from ._typing import Bool, Float
 from .attention import Explanation, attention, check_backend, explain
 from .backends.base import Backend
@@ -113,6 +114,11 @@ class RelativeMultiHeadAttention(nn.Module):
     >>> torch.allclose(m(x[:, -3:], x), m(x)[:, -3:], atol=1e-6)  # queries are the last positions
     True
     """
+
+    #: This rank's place in a sequence split across processes, set by
+    #: :func:`attnkit.distributed.sequence_parallel`; ``None`` in one process. The position
+    #: module's table is then the whole sequence's, on every rank (replicated).
+    sequence_shards: SequenceShards | None = None
 
     def __init__(
         self,
@@ -274,7 +280,9 @@ class RelativeMultiHeadAttention(nn.Module):
                 f"legacy={self.legacy!r} reproduces {self.legacy}'s self-attention, whose shift "
                 f"needs as many keys as queries: got Tq={query.size(1)} and Tk={key.size(1)}"
             )
-        if mask is not None:
+        if self.sequence_shards is not None:
+            self._check_sharded(need_weights)
+        elif mask is not None:  # across processes, the distributed call checks the whole mask
             scores = (query.size(0), self.num_heads, query.size(1), key.size(1))
             check_mask("mask", mask, scores)
         for name, flag in (("causal", causal), ("need_weights", need_weights)):
@@ -282,6 +290,20 @@ class RelativeMultiHeadAttention(nn.Module):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         if backend is not None:
             check_backend(backend)
+
+    def _check_sharded(self, need_weights: object) -> None:
+        """What a call on one rank's shard of a sequence cannot do, refused with the reason."""
+        if self.legacy:
+            raise ValueError(
+                f"legacy={self.legacy!r} reads absolute encodings of the whole sequence in one "
+                "process; a sequence split across processes needs the Transformer-XL form "
+                "(legacy=None)"
+            )
+        if need_weights is True or capture.is_capturing(self):
+            raise ValueError(
+                "no attention weights from a sequence split across processes: they would be the "
+                "whole sequence's (Tq, Tk) matrix on every rank"
+            )
 
     @torch_keywords
     def forward(
@@ -328,19 +350,30 @@ class RelativeMultiHeadAttention(nn.Module):
         qu, qv = self._biased_queries(query)  # (B, H, Tq, Dh) each
         k = self.k_proj(key).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
         v = self.v_proj(value).view(b, tk, h, dh).transpose(1, 2)  # (B, H, Tk, Dh)
-        term = self._position_term(qv, self._positions(mask, causal, b, tq, tk))
-        out = attention(
-            qu,
-            k,
-            v,
-            mask=mask,
-            bias=term,
-            causal=causal,
-            scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            return_weights=need_weights or capturing,
-            backend=self.backend if backend is None else backend,
-        )
+        shards = self.sequence_shards
+        dropout_p = self.dropout if self.training else 0.0
+        if shards is not None:
+            # The distances are the whole sequence's: every rank's table holds them all.
+            w = shards.world_size
+            term = self._position_term(qv, self._positions(mask, causal, b, tq * w, tk * w))
+            out = shards.attention(
+                qu, k, v, mask=mask, bias=term, causal=causal, scale=self.scale, sinks=None,
+                dropout_p=dropout_p, return_lse=False,
+            )  # fmt: skip
+        else:
+            term = self._position_term(qv, self._positions(mask, causal, b, tq, tk))
+            out = attention(
+                qu,
+                k,
+                v,
+                mask=mask,
+                bias=term,
+                causal=causal,
+                scale=self.scale,
+                dropout_p=dropout_p,
+                return_weights=need_weights or capturing,
+                backend=self.backend if backend is None else backend,
+            )
         weights = None
         if isinstance(out, tuple):
             out, weights = out

@@ -11,6 +11,9 @@
 * :class:`RingBackend` / :func:`register_ring_backend`, :class:`UlyssesBackend`: the strategies
   as ``attention()`` backends, so that modules such as :class:`attnkit.MultiHeadAttention` run
   them.
+* :func:`sequence_parallel` and :class:`SequenceParallel`: a model's modules (attention, relative
+  attention, the Conformer with its convolution and BatchNorm) on one rank's shard of the
+  sequence.
 
 Importing this package needs no process group; calling :func:`ring_attention` does.
 """
@@ -19,12 +22,14 @@ from .backend import register_ring_backend
 from .layout import Layout, balance_documents, shard_zigzag, unshard_zigzag
 from .plan import ShardPlan
 from .ring import RingBackend, ring_attention
+from .sequence import SequenceParallel, sequence_parallel
 from .strategy import Strategy, explain, parallel_attention
 from .ulysses import UlyssesBackend, ulysses_attention
 
 __all__ = [
     "Layout",
     "RingBackend",
+    "SequenceParallel",
     "ShardPlan",
     "Strategy",
     "UlyssesBackend",
@@ -33,6 +38,7 @@ __all__ = [
     "parallel_attention",
     "register_ring_backend",
     "ring_attention",
+    "sequence_parallel",
     "shard_zigzag",
     "ulysses_attention",
     "unshard_zigzag",
