@@ -52,6 +52,7 @@ class SequenceShards(Protocol):
         sinks: Tensor | None,
         dropout_p: float,
         return_lse: bool,
+        softcap: float | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """This rank's shard of :func:`attnkit.attention` on the whole sequence."""
         ...

@@ -223,3 +223,62 @@ def test_sequence_parallel_refuses_modules_that_would_see_only_a_shard() -> None
     assert list(layer.state_dict()) == keys
     assert layer.conv.sequence_shards is layer.attn.sequence_shards is layer.sequence_shards
     assert copy.deepcopy(layer).conv.sequence_shards is layer.conv.sequence_shards
+
+
+# --------------------------------------------------------------------------------------------------
+# A transformers model
+
+
+def llama_shards(rank: int, world: int) -> float:
+    """A two-layer Llama, zigzag over the ranks, padding in the second row: the shard's hidden
+    states and the parameters' gradients (all-reduced) are the model's in one process."""
+    import transformers
+    from transformers import AttentionInterface
+    from transformers import masking_utils as mu
+
+    from attnkit.integrations.transformers import register
+
+    register("attnkit_sp", sequence_parallel=SequenceParallel(layout="zigzag"))
+    config = transformers.LlamaConfig(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    whole = transformers.LlamaModel(config).double()
+    whole.set_attn_implementation("sdpa")  # eager takes its softmax in float32
+    shard = copy.deepcopy(whole)
+    shard.set_attn_implementation("attnkit_sp")
+    lay = Layout.zigzag(world)
+    t = 8 * world
+    ids = torch.randint(3, 99, (2, t), generator=torch.Generator().manual_seed(1))
+    padding = torch.ones(2, t, dtype=torch.long)
+    padding[1, t - 5 :] = 0  # right padding
+    positions = torch.arange(t).expand(2, t)
+    yw = whole(input_ids=ids, attention_mask=padding, use_cache=False).last_hidden_state
+    ys = shard(
+        input_ids=lay.shard(ids, rank, dim=1),
+        attention_mask=lay.shard(padding, rank, dim=1),
+        position_ids=lay.shard(positions, rank, dim=1),
+        use_cache=False,
+    ).last_hidden_state
+    torch.testing.assert_close(ys, lay.shard(yw, rank, dim=1), **TOL)
+    yw.square().sum().backward()
+    ys.square().sum().backward()
+    grads = _summed_grads(shard)
+    for name, p in whole.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
+    AttentionInterface._global_mapping.pop("attnkit_sp", None)
+    mu.AttentionMaskInterface._global_mapping.pop("attnkit_sp", None)
+    return float((ys - lay.shard(yw, rank, dim=1)).detach().abs().max())
+
+
+def test_a_transformers_llama_runs_on_shards_like_one_process() -> None:
+    pytest.importorskip("transformers")
+    run_ranks(llama_shards, 2)

@@ -246,12 +246,13 @@ class SequenceParallel:
         sinks: Tensor | None = None,
         dropout_p: float = 0.0,
         return_lse: bool = False,
+        softcap: float | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """:func:`~attnkit.distributed.parallel_attention` with this split's group, layout and
         strategy: this rank's shard of the whole sequence's call (masks and score terms describe
         the whole sequence; a bool key mask is this rank's shard)."""
         return parallel_attention(
-            q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, sinks=sinks,
+            q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, softcap=softcap, sinks=sinks,
             dropout_p=dropout_p, return_lse=return_lse, layout=self.layout,
             strategy=self.strategy, group=self.group,
         )  # fmt: skip

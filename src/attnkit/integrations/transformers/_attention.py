@@ -4,7 +4,9 @@ table of what transformers passes and what attnkit gets)."""
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from typing import Any
 
 import torch
@@ -12,11 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..._checks import shape_str
+from ..._shards import SequenceShards
 from ..._typing import Float, shape_checked
 from ...attention import Backend, attention
 from ...capture import is_capturing, record
 from ...flash_attn import varlen_mask
-from ...masks import band_visibility
+from ...masks import Geometry, Mask, band_visibility
 from ._masks import TransformersMask
 
 __all__ = ["attention_forward"]
@@ -77,6 +80,83 @@ def _layer(module: nn.Module) -> str:
     return type(module).__name__ + ("" if layer is None else f" (layer {layer})")
 
 
+def _shard_padding(mask: Mask, batch: int, kv_len: int, device: torch.device) -> Mask | Tensor:
+    """``mask`` with its key padding as this rank's bool key mask ``(B, 1, 1, Tk)``: transformers
+    built it from this rank's 2-d mask, so it is the rank's keys' own and travels with them (a
+    structured mask would be read at the whole sequence's positions)."""
+    if mask.op is not None:
+        parts = [_shard_padding(p, batch, kv_len, device) for p in mask.parts]
+        joined: Mask | Tensor = functools.reduce(
+            operator.and_ if mask.op == "and" else operator.or_, parts
+        )
+        return joined
+    if mask.keys_only and mask.tensor is None:
+        geo = Geometry((batch,), 1, kv_len, kv_len, device)
+        return mask.key_tile(geo, 0, kv_len).reshape(-1, 1, 1, kv_len)
+    return mask
+
+
+def _sharded(
+    module: nn.Module,
+    shards: SequenceShards,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: object,
+    want_weights: bool,
+    kwargs: dict[str, Any],
+) -> Tensor:
+    """The layer's call on this rank's shard of a sequence split across processes: q, k, v and
+    the 2-d padding mask transformers built the mask from are the shard's; ``position_ids`` are
+    the shard's positions in the whole sequence (rotary reads them), so they say nothing of
+    packing here."""
+    if want_weights:
+        raise ValueError(
+            f"{_layer(module)}: no attention weights from a sequence split across processes: they "
+            "would be the whole sequence's (Tq, Tk) matrix on every rank"
+        )
+    if kwargs.get("cu_seq_lens_q") is not None or (
+        isinstance(attention_mask, TransformersMask) and attention_mask.packed
+    ):
+        raise ValueError(
+            f"{_layer(module)}: packed sequences across processes need the whole sequence's "
+            "document lengths: call attnkit.distributed.ring_attention with "
+            "masks.documents(lengths)"
+        )
+    q_len, kv_len = query.size(-2), key.size(-2)
+    mask: Mask | Tensor | None = None
+    causal = False
+    if isinstance(attention_mask, TransformersMask):
+        if attention_mask.keys != kv_len:
+            raise ValueError(
+                f"{_layer(module)}: a cache's unfilled slots ({attention_mask!r}) do not split "
+                "across processes; run without a cache (use_cache=False)"
+            )
+        causal = attention_mask.causal
+        given = attention_mask.mask
+        if isinstance(given, Mask):
+            mask = _shard_padding(given, query.size(0), kv_len, query.device)
+        else:  # transformers' own dense mask: the distributed call says why it cannot take it
+            mask = given
+    elif isinstance(attention_mask, Tensor):
+        if attention_mask.dtype != torch.bool:
+            raise ValueError(
+                f"{_layer(module)}: a float attention_mask {shape_str(attention_mask.shape)} "
+                "would need the whole sequence's rows on every rank; register attnkit's mask "
+                "function with the attention function (register() does)"
+            )
+        mask = attention_mask
+    elif attention_mask is None:
+        causal = bool(getattr(module, "is_causal", True)) and q_len > 1
+    out = shards.attention(
+        query, key, value, mask=mask, bias=None, causal=causal, scale=kwargs.get("scaling"),
+        sinks=kwargs.get("sinks"), dropout_p=kwargs.get("dropout_p", 0.0), return_lse=False,
+        softcap=kwargs.get("softcap"),
+    )  # fmt: skip
+    assert isinstance(out, Tensor)
+    return out
+
+
 @shape_checked
 def attention_forward(
     module: nn.Module,
@@ -94,8 +174,26 @@ def attention_forward(
     s_aux: Tensor | None = None,
     sinks: Tensor | None = None,
     output_attentions: bool | None = None,
+    sequence_shards: SequenceShards | None = None,
     **kwargs: Any,
 ) -> tuple[Float[Tensor, "B Tq H Dv"], Float[Tensor, "B H Tq Tk"] | None]:
+    if sequence_shards is not None:
+        if position_bias is not None:
+            raise ValueError(
+                f"{_layer(module)}: a dense position_bias would need the whole sequence's rows on "
+                "every rank"
+            )
+        wanted = bool(output_attentions) or is_capturing(module) or _model_collects_weights()
+        extra = {
+            "scaling": scaling,
+            "softcap": softcap,
+            "sinks": s_aux if s_aux is not None else sinks,
+            "dropout_p": float(dropout) if module.training else 0.0,
+        }
+        out = _sharded(
+            module, sequence_shards, query, key, value, attention_mask, wanted, kwargs | extra
+        )
+        return out.transpose(1, 2).contiguous(), None
     q_len, kv_len = query.size(-2), key.size(-2)
     keys, mask, bias, causal = kv_len, None, None, False
     if isinstance(attention_mask, TransformersMask):

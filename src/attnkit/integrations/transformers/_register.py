@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..._shards import SequenceShards
 from ...attention import Backend, available_backends
 from ._attention import attention_forward
 from ._masks import TransformersMask, build_mask
@@ -44,7 +45,12 @@ def _require_transformers() -> None:
 _TRANSFORMERS_NAMES = ("sdpa", "flash", "flex", "/", "|")
 
 
-def register(name: str = "attnkit", *, backend: str | Backend = "auto") -> None:
+def register(
+    name: str = "attnkit",
+    *,
+    backend: str | Backend = "auto",
+    sequence_parallel: SequenceShards | None = None,
+) -> None:
     """Make attnkit the attention implementation ``name`` of transformers models.
 
     Afterwards ``from_pretrained(..., attn_implementation=name)`` and
@@ -58,6 +64,11 @@ def register(name: str = "attnkit", *, backend: str | Backend = "auto") -> None:
             of their own, so those are refused.
         backend: passed to every :func:`attnkit.attention` call: ``"auto"`` (the fastest backend
             that serves each call) or a backend name or object.
+        sequence_parallel: an :class:`attnkit.distributed.SequenceParallel`: every layer then
+            runs on this rank's shard of a sequence split across its group's ranks (the model
+            called with the shard's ``input_ids``, its part of the 2-d ``attention_mask``, and
+            ``position_ids`` holding the shard's positions in the whole sequence, for rotary
+            embeddings; without a cache). ``backend`` is then unused.
 
     Raises:
         ImportError: transformers is missing or older than 5.20 (the hf extra:
@@ -80,6 +91,11 @@ def register(name: str = "attnkit", *, backend: str | Backend = "auto") -> None:
             )
     elif not isinstance(backend, Backend):
         raise TypeError(f"backend must be a name or a Backend, got {type(backend).__name__}")
+    if sequence_parallel is not None and not callable(getattr(sequence_parallel, "halo", None)):
+        raise TypeError(
+            "sequence_parallel must be an attnkit.distributed.SequenceParallel, got "
+            f"{type(sequence_parallel).__name__}"
+        )
     _require_transformers()
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -93,7 +109,14 @@ def register(name: str = "attnkit", *, backend: str | Backend = "auto") -> None:
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
         return attention_forward(
-            module, query, key, value, attention_mask, backend=backend, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            backend=backend,
+            sequence_shards=sequence_parallel,
+            **kwargs,
         )
 
     AttentionInterface.register(name, attnkit_attention)
