@@ -37,6 +37,7 @@ from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
 from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
 from .multihead import MultiHeadAttention
+from .paged_kv_cache import PagedKVCache
 from .positional import (
     RelativePositionEmbedding,
     RotaryEmbedding,
@@ -68,6 +69,7 @@ __all__ = [
     "Explanation",
     "KVCache",
     "MultiHeadAttention",
+    "PagedKVCache",
     "PositionwiseFeedForward",
     "RelativeMultiHeadAttention",
     "RelativePositionEmbedding",

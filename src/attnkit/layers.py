@@ -43,6 +43,7 @@ from .feedforward import PositionwiseFeedForward
 from .kv_cache import KVCache
 from .masks import Mask, check_mask
 from .multihead import MultiHeadAttention
+from .paged_kv_cache import PagedKVCache
 
 __all__ = ["Transformer", "TransformerDecoderLayer", "TransformerEncoderLayer"]
 
@@ -64,7 +65,11 @@ def _reject_options(given: str, **options: object) -> None:
 
 
 def _call_self_attention(
-    attn: nn.Module, x: Tensor, mask: Tensor | Mask | None, causal: bool, cache: KVCache | None
+    attn: nn.Module,
+    x: Tensor,
+    mask: Tensor | Mask | None,
+    causal: bool,
+    cache: KVCache | PagedKVCache | None,
 ) -> Tensor:
     # cache= only when there is one, so that an injected module need not know about caches.
     if cache is None:
@@ -75,8 +80,9 @@ def _call_self_attention(
 
 
 def _undo_on_error(caches: Sequence[object], step: Callable[[], Tensor]) -> Tensor:
-    """``step()``; if it raises (or is interrupted), every :class:`KVCache` in ``caches`` is wound
-    back to the length it had before, whichever sublayer or layer failed.
+    """``step()``; if it raises (or is interrupted), every :class:`KVCache` and
+    :class:`PagedKVCache` in ``caches`` is wound back to the lengths it had before, whichever
+    sublayer or layer failed.
 
     A layer appends to its cache in its self-attention and can still fail afterwards (in the
     cross-attention, in a module built elsewhere, on Ctrl-C); a stack of layers can fail in its
@@ -85,11 +91,14 @@ def _undo_on_error(caches: Sequence[object], step: Callable[[], Tensor]) -> Tens
     length stays in the buffers, where nothing reads it and the next step overwrites it.
     """
     held = [(c, c.length) for c in caches if isinstance(c, KVCache)]
+    paged = [(c, list(c.lengths)) for c in caches if isinstance(c, PagedKVCache)]
     try:
         return step()
     except BaseException:
         for c, length in held:
             c.rewind(length)
+        for p, lengths in paged:
+            p.rewind(lengths)
         raise
 
 
@@ -217,7 +226,7 @@ class TransformerEncoderLayer(nn.Module):
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
         causal: bool = False,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
     ) -> Float[Tensor, "B T D"]:
         _check_sequence(self, "x", x, self.d_model)
         if cache is None:
@@ -225,7 +234,11 @@ class TransformerEncoderLayer(nn.Module):
         return _undo_on_error([cache], lambda: self._layer(x, mask, causal, cache))
 
     def _layer(
-        self, x: Tensor, mask: Tensor | Mask | None, causal: bool, cache: KVCache | None
+        self,
+        x: Tensor,
+        mask: Tensor | Mask | None,
+        causal: bool,
+        cache: KVCache | PagedKVCache | None,
     ) -> Tensor:
         def sa(h: Tensor) -> Tensor:
             out: Tensor = self.dropout1(
@@ -356,7 +369,7 @@ class TransformerDecoderLayer(nn.Module):
         mask: Bool[Tensor, "..."] | Mask | None = None,
         memory_mask: Bool[Tensor, "..."] | Mask | None = None,
         causal: bool = True,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
     ) -> Float[Tensor, "B T D"]:
         _check_sequence(self, "x", x, self.d_model)
         memory_dim = getattr(self.cross_attn, "kdim", None)
@@ -378,7 +391,7 @@ class TransformerDecoderLayer(nn.Module):
         mask: Tensor | Mask | None,
         memory_mask: Tensor | Mask | None,
         causal: bool,
-        cache: KVCache | None,
+        cache: KVCache | PagedKVCache | None,
     ) -> Tensor:
         def sa(h: Tensor) -> Tensor:
             out: Tensor = self.dropout1(
@@ -510,7 +523,7 @@ class Transformer(nn.Module):
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
         memory_mask: Bool[Tensor, "..."] | Mask | None = None,
-        cache: list[KVCache] | None = None,
+        cache: list[KVCache | PagedKVCache] | None = None,
     ) -> Float[Tensor, "B T D"]:
         _check_sequence(self, "tgt", tgt, self.d_model)
         _check_sequence(self, "memory", memory, self.d_model)
@@ -539,7 +552,7 @@ class Transformer(nn.Module):
         memory: Tensor,
         mask: Tensor | Mask | None,
         memory_mask: Tensor | Mask | None,
-        cache: list[KVCache] | None,
+        cache: list[KVCache | PagedKVCache] | None,
     ) -> Tensor:
         for i, layer in enumerate(self.decoder_layers):
             tgt = layer(

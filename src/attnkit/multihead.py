@@ -42,7 +42,8 @@ from .attention import Backend, Explanation, attend, check_backend, explain
 from .capture import is_capturing, record
 from .kv_cache import KVCache
 from .masks import Mask
-from .scores import ScoreTerm
+from .paged_kv_cache import PagedKVCache
+from .scores import DistanceBias, ScoreTerm
 
 __all__ = ["MultiHeadAttention"]
 
@@ -352,6 +353,61 @@ class MultiHeadAttention(nn.Module):
                 "the sequence (sequence_parallel): decode with a copy made before it"
             )
 
+    def _paged(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: PagedKVCache,
+        mask: Tensor | Mask | None,
+        bias: Tensor | ScoreTerm | None,
+        causal: bool,
+        need_weights: bool,
+    ) -> Tensor:
+        """The call on a :class:`~attnkit.PagedKVCache`: the cache stages the new keys and values
+        and attends each row's queries to its own pages; the tokens are held once the output
+        exists. Whatever the cache refuses, it refuses before writing."""
+        if getattr(self, "sequence_shards", None) is not None:
+            raise ValueError(
+                "a PagedKVCache decodes whole sequences in one process; this module runs on a "
+                "shard of the sequence"
+            )
+        if need_weights or is_capturing(self):
+            raise ValueError(
+                "no attention weights from a PagedKVCache call: each row has its own keys, read "
+                "from its pages where they lie"
+            )
+        if self.training and self.dropout:
+            raise ValueError(
+                "a PagedKVCache call is inference: call module.eval() (dropout is "
+                f"{self.dropout} in training)"
+            )
+        if bias is not None and not isinstance(bias, DistanceBias):
+            raise TypeError(
+                "bias: a PagedKVCache call takes a bias by distance (DistanceBias, "
+                f"attnkit.alibi_term), got {type(bias).__name__}"
+            )
+        if self.rotary is not None:
+            # Each row's new tokens sit after its own held ones: rows of one offset rotate together.
+            q, k = self._rotated_rows(q, cache.lengths), self._rotated_rows(k, cache.lengths)
+        sinks = q.new_zeros(self.num_heads) if self.add_zero_attn else None
+        out, lse = cache.attention(q, k, v, mask=mask, causal=causal, bias=bias, sinks=sinks)
+        if self.bias_k is not None:
+            out, _ = self._extra_tokens(q, out, None, lse, 0.0)
+        result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
+        cache.commit()
+        return result
+
+    def _rotated_rows(self, x: Tensor, offsets: list[int]) -> Tensor:
+        """``x`` ``(B, heads, T, Dh)`` with row ``b`` rotated from position ``offsets[b]``."""
+        if len(set(offsets)) == 1:
+            return self._rotated(x, offsets[0])
+        out = torch.empty_like(x)
+        for offset in sorted(set(offsets)):
+            rows = torch.tensor([b for b, o in enumerate(offsets) if o == offset])
+            out[rows.to(x.device)] = self._rotated(x[rows.to(x.device)], offset)
+        return out
+
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         params = self.out_proj.weight
         check_input("query", query, f"(B, Tq, d_model={self.d_model})", self.d_model, params)
@@ -385,7 +441,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         need_weights: Literal[False] = False,
         average_weights: bool = True,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
     ) -> Float[Tensor, "B Tq D"]: ...
 
     @overload
@@ -400,7 +456,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         need_weights: Literal[True],
         average_weights: bool = True,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
     ) -> tuple[Float[Tensor, "B Tq D"], Float[Tensor, "B *h Tq S"]]: ...
 
     @torch_keywords
@@ -416,21 +472,25 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         need_weights: bool = False,
         average_weights: bool = True,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
     ) -> Float[Tensor, "B Tq D"] | tuple[Float[Tensor, "B Tq D"], Float[Tensor, "B *h Tq S"]]:
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
         check_bool("need_weights", need_weights)
         check_bool("average_weights", average_weights)
-        if cache is not None and not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
+        if cache is not None and not isinstance(cache, KVCache | PagedKVCache):
+            raise TypeError(
+                f"cache must be a KVCache, a PagedKVCache or None, got {type(cache).__name__}"
+            )
 
         q, k, v = self._project(query, key, value)
         # (B, T, heads*Dh) -> (B, heads, T, Dh): strided views; attention() takes them as they are.
         q = q.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = v.unflatten(-1, (self.num_kv_heads, self.v_head_dim)).transpose(1, 2)
+        if isinstance(cache, PagedKVCache):
+            return self._paged(q, k, v, cache, mask, bias, causal, need_weights)
         shards = self.sequence_shards
         if shards is not None:
             self._check_sharded(bias, need_weights, cache)
@@ -570,6 +630,32 @@ class MultiHeadAttention(nn.Module):
             self.num_kv_heads,
             self.head_dim,
             self.v_head_dim,
+            dtype=w.dtype,
+            device=w.device,
+        )
+
+    def make_paged_cache(
+        self,
+        num_blocks: int,
+        page_size: int,
+        *,
+        max_seqs: int,
+        max_pages_per_seq: int | None = None,
+        layout: Literal["flash", "vllm"] = "flash",
+    ) -> PagedKVCache:
+        """An empty :class:`~attnkit.PagedKVCache` for this module: a pool of ``num_blocks``
+        pages of ``page_size`` tokens of ``Hkv`` heads of ``Dh``/``Dhv``, in the parameters' dtype
+        and on their device, for ``max_seqs`` sequences (the batch rows of every call)."""
+        w = self.in_weights()[1]
+        return PagedKVCache(
+            num_blocks,
+            page_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.v_head_dim,
+            max_seqs=max_seqs,
+            max_pages_per_seq=max_pages_per_seq,
+            layout=layout,
             dtype=w.dtype,
             device=w.device,
         )

@@ -1,0 +1,418 @@
+"""PagedKVCache: attention over pages equals the float64 reference over each whole sequence; a
+refused call changes nothing; pages are taken, freed and reused."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+import attnkit
+from attnkit import MultiHeadAttention, PagedKVCache, RotaryEmbedding, masks
+from attnkit import paged_kv_cache as paged
+from attnkit.positional import alibi_term
+from attnkit.testing import assert_close
+
+F64 = torch.float64
+
+
+def _snapshot(c: PagedKVCache) -> tuple[Any, ...]:
+    return (
+        c.k_pages.clone(),
+        c.v_pages.clone(),
+        c.block_table.clone(),
+        list(c.lengths),
+        [c.pages_of(b) for b in range(c.max_seqs)],
+        c.num_free_pages,
+    )
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return all(
+        torch.equal(x, y) if isinstance(x, Tensor) else x == y for x, y in zip(a, b, strict=True)
+    )
+
+
+class Rows:
+    """Every token each row was given, to attend the whole sequence for the reference."""
+
+    def __init__(self, rows: int, hkv: int, dk: int, dv: int) -> None:
+        self.k = [torch.zeros(hkv, 0, dk, dtype=F64) for _ in range(rows)]
+        self.v = [torch.zeros(hkv, 0, dv, dtype=F64) for _ in range(rows)]
+
+    def add(self, k: Tensor, v: Tensor, new: list[int]) -> None:
+        for b, n in enumerate(new):
+            self.k[b] = torch.cat([self.k[b], k[b, :, :n]], 1)
+            self.v[b] = torch.cat([self.v[b], v[b, :, :n]], 1)
+
+
+def _reference(rows: Rows, q: Tensor, new: list[int], **kw: Any) -> list[Tensor]:
+    """Each row's new queries against the row's whole sequence, on the float64 reference."""
+    slopes = kw.pop("alibi", None)
+    out = []
+    for b, n in enumerate(new):
+        s = rows.k[b].size(1)
+        bias = None if slopes is None else alibi_term(slopes, n, s)
+        got = attnkit.attention(
+            q[b : b + 1, :, :n], rows.k[b][None], rows.v[b][None], bias=bias,
+            backend="reference", **kw,
+        )  # fmt: skip
+        out.append(got[0])
+    return out
+
+
+def _steps(
+    c: PagedKVCache, h: int, steps: list[list[int]], gen: torch.Generator, **kw: Any
+) -> None:
+    """Run ``steps`` (new tokens per row, per call) through ``c.attention`` and compare every
+    call with the reference."""
+    hkv, dk = c.token_major()[0].shape[2:]
+    rows = Rows(c.max_seqs, hkv, dk, dk)
+    for new in steps:
+        t = max(new)
+        q = torch.randn(c.max_seqs, h, t, dk, generator=gen, dtype=F64)
+        k = torch.randn(c.max_seqs, hkv, t, dk, generator=gen, dtype=F64)
+        v = torch.randn(c.max_seqs, hkv, t, dk, generator=gen, dtype=F64)
+        rows.add(k, v, new)
+        slopes = kw.get("alibi")
+        call = {key: val for key, val in kw.items() if key != "alibi"}
+        if slopes is not None:
+            longest = max(x.size(1) for x in rows.k)
+            call["bias"] = alibi_term(slopes, t, longest)
+        c.schedule(new)
+        with torch.no_grad():
+            out, lse = c.attention(q, k, v, **call)
+        c.commit()
+        want = _reference(rows, q, new, **kw)
+        for b, n in enumerate(new):
+            assert_close(out[b, :, :n], want[b])
+            assert bool(out[b, :, n:].eq(0).all())
+            assert bool(lse[b, :, n:].eq(-math.inf).all())
+    assert c.lengths == [x.size(1) for x in rows.k]
+
+
+# --------------------------------------------------------------------------------------------------
+# Through MultiHeadAttention
+
+
+@pytest.mark.parametrize("page", [1, 16, 256])
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_module_mixed_prefill_and_decode_equals_full_forward(page: int, layout: str) -> None:
+    """Rows of different lengths, one prefilling while the others decode, GQA and rotary: each
+    row's outputs equal the module's uncached causal forward over the row's whole sequence."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 8, num_kv_heads=2, rotary=RotaryEmbedding(4)).to(F64).eval()
+    total = [40, 7, 23]
+    x = [torch.randn(1, n, 32, dtype=F64) for n in total]
+    # Row 1 arrives late (a prompt of 5 while row 0 decodes), row 2 prefills in two chunks.
+    steps = [[30, 0, 12], [1, 5, 11], [1, 1, 0], [8, 1, 0]]
+    cache = m.make_paged_cache(96, page, max_seqs=3, layout=layout)  # type: ignore[arg-type]
+    done = [0, 0, 0]
+    with torch.no_grad():
+        full = [m(xi, causal=True)[0] for xi in x]
+        for new in steps:
+            t = max(new)
+            step = torch.zeros(3, t, 32, dtype=F64)
+            for b, n in enumerate(new):
+                step[b, :n] = x[b][0, done[b] : done[b] + n]
+            cache.schedule(new)
+            out = m(step, causal=True, cache=cache)
+            for b, n in enumerate(new):
+                assert_close(out[b, :n], full[b][done[b] : done[b] + n])
+                done[b] += n
+    assert cache.lengths == total
+
+
+def test_module_decodes_like_kv_cache() -> None:
+    """Equal rows, one token a step: the paged cache gives the contiguous KVCache's outputs."""
+    torch.manual_seed(1)
+    m = MultiHeadAttention(24, 6, num_kv_heads=3, add_zero_attn=True).to(F64).eval()
+    x = torch.randn(2, 12, 24, dtype=F64)
+    contiguous, pages = m.make_cache(2, 12), m.make_paged_cache(8, 3, max_seqs=2)
+    with torch.no_grad():
+        for t in range(12):
+            a = m(x[:, t : t + 1], cache=contiguous, mask=masks.sliding_window(4))
+            b = m(x[:, t : t + 1], cache=pages, mask=masks.sliding_window(4))
+            assert_close(b, a)
+
+
+def test_transformer_layer_rewinds_a_paged_cache() -> None:
+    """A layer that fails after its self-attention appended leaves the paged cache's lengths
+    and pages as they were, and the same step then succeeds."""
+    torch.manual_seed(2)
+    layer = attnkit.TransformerDecoderLayer(16, 2, dropout=0.0).to(F64).eval()
+    cache = layer.self_attn.make_paged_cache(8, 4, max_seqs=1)
+    x, memory = torch.randn(1, 6, 16, dtype=F64), torch.randn(1, 3, 16, dtype=F64)
+    with torch.no_grad():
+        layer(x[:, :5], memory, cache=cache)
+        before = _snapshot(cache)
+        with pytest.raises(ValueError, match="memory_mask"):
+            layer(
+                x[:, 5:], memory, cache=cache, memory_mask=torch.ones(1, 1, 1, 9, dtype=torch.bool)
+            )
+        assert cache.lengths == before[3]
+        assert cache.num_free_pages == before[5]
+        out = layer(x[:, 5:], memory, cache=cache)
+        want = layer(x, memory)[:, 5:]
+    assert_close(out, want)
+
+
+def test_module_refuses_what_a_paged_call_cannot_do() -> None:
+    m = MultiHeadAttention(16, 2).to(F64).eval()
+    cache = m.make_paged_cache(4, 4, max_seqs=1)
+    x = torch.randn(1, 2, 16, dtype=F64)
+    before = _snapshot(cache)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="no attention weights from a PagedKVCache call"):
+            m(x, cache=cache, need_weights=True)
+        with pytest.raises(TypeError, match="a bias by distance"):
+            m(x, cache=cache, bias=torch.zeros(1, 2, 2, 2, dtype=F64))
+        with pytest.raises(ValueError, match=re.escape("got key_padding(lengths=[2])")):
+            m(x, cache=cache, mask=masks.key_padding([2]))
+    assert _same(before, _snapshot(cache))
+
+
+# --------------------------------------------------------------------------------------------------
+# The cache itself
+
+
+@pytest.mark.parametrize("page", [1, 16, 256])
+def test_attention_over_pages_equals_reference(page: int) -> None:
+    gen = torch.Generator().manual_seed(page)
+    c = PagedKVCache(80, page, 2, 8, max_seqs=3, dtype=F64)
+    _steps(c, 6, [[17, 1, 40], [1, 1, 1], [3, 0, 1], [1, 9, 1]], gen, causal=True)
+
+
+def test_eager_path_equals_in_place_path() -> None:
+    """The gathered path (no native kernel) computes what the kernel computes in place; the
+    kernel is what serves a CPU float64 call."""
+    calls: list[int] = []
+    real = paged.cache_attention
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*a, **kw)
+
+    with mock.patch.object(paged, "cache_attention", counted):
+        _steps(PagedKVCache(16, 4, 1, 8, max_seqs=2, dtype=F64), 2, [[5, 2], [1, 1]],
+               torch.Generator().manual_seed(5), causal=True)  # fmt: skip
+    assert len(calls) == 2
+    with mock.patch.object(paged, "cache_refusal", return_value="refused for the test"):
+        _steps(PagedKVCache(16, 4, 1, 8, max_seqs=2, dtype=F64), 2, [[5, 2], [1, 1]],
+               torch.Generator().manual_seed(5), causal=True)  # fmt: skip
+
+
+def test_decode_with_different_lengths_is_key_padding() -> None:
+    """One query a row after rows of different lengths: the same as a padded contiguous batch
+    under key_padding(lengths)."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [9, 1, 30, 16]
+    c = PagedKVCache(64, 4, 2, 8, max_seqs=4, dtype=F64)
+    k = torch.randn(4, 2, 30, 8, generator=gen, dtype=F64)
+    v = torch.randn(4, 2, 30, 8, generator=gen, dtype=F64)
+    c.schedule(lengths)
+    c.stage(k, v)
+    c.commit()
+    q = torch.randn(4, 4, 1, 8, generator=gen, dtype=F64)
+    nk, nv = torch.randn(4, 2, 1, 8, generator=gen, dtype=F64), torch.randn(4, 2, 1, 8, dtype=F64)
+    with torch.no_grad():
+        out, _ = c.attention(q, nk, nv)
+    pk, pv = torch.zeros(4, 2, 31, 8, dtype=F64), torch.zeros(4, 2, 31, 8, dtype=F64)
+    for b, n in enumerate(lengths):
+        pk[b, :, :n], pk[b, :, n] = k[b, :, :n], nk[b, :, 0]
+        pv[b, :, :n], pv[b, :, n] = v[b, :, :n], nv[b, :, 0]
+    want = attnkit.attention(q, pk, pv, mask=masks.key_padding([n + 1 for n in lengths]),
+                             backend="reference")  # fmt: skip
+    assert_close(out, want)
+
+
+def _pool() -> PagedKVCache:
+    c = PagedKVCache(4, 2, 1, 2, max_seqs=2, max_pages_per_seq=3, dtype=F64)
+    c.schedule([3, 1])
+    c.stage(torch.randn(2, 1, 3, 2, dtype=F64), torch.randn(2, 1, 3, 2, dtype=F64))
+    c.commit()
+    return c
+
+
+def _kv(b: int, t: int, dtype: torch.dtype = F64, d: int = 2) -> tuple[Tensor, Tensor]:
+    return torch.randn(b, 1, t, d, dtype=dtype), torch.randn(b, 1, t, d, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "message"),
+    [
+        (lambda c: c.stage(*_kv(2, 1, torch.float32)), TypeError,
+         "k and v must have the cache's dtype (float64), got k float32 and v float32"),
+        (lambda c: c.stage(*_kv(2, 1, d=3)), ValueError, "k and v must have shapes"),
+        (lambda c: c.stage(*_kv(1, 1)), ValueError, "B = max_seqs = 2 sequences"),
+        (lambda c: c.stage(*_kv(2, 4)), ValueError,
+         "sequence 0: 4 new tokens after its 3 need 4 pages of 2, more than its block table's 3"),
+        (lambda c: (c.schedule([2, 2]), c.stage(*_kv(2, 2))), ValueError,
+         "out of pages: the new tokens [2, 2] need 2 more pages of 2 tokens and the pool has 1 "
+         "free of 4"),
+        (lambda c: (c.schedule([0, 3]), c.stage(*_kv(2, 2))), ValueError,
+         "schedule() gave new tokens [0, 3], more than the call's T = 2"),
+        (lambda c: c.stage(*(t.requires_grad_() for t in _kv(2, 1))), ValueError,
+         "require grad"),
+        (lambda c: c.attention(torch.randn(2, 2, 1, 2, dtype=F64), *_kv(2, 1),
+                               mask=masks.key_padding([1, 1])), ValueError, "key_padding"),
+        (lambda c: c.attention(torch.randn(2, 3, 1, 3, dtype=F64), *_kv(2, 1)), ValueError,
+         "H a multiple of Hkv = 1 and Dk = 2, got (2, 3, 1, 3)"),
+        (lambda c: c.attention(torch.randn(2, 2, 1, 2), *_kv(2, 1)), TypeError,
+         "q must have the cache's dtype and device"),
+        (lambda c: c.attention(torch.randn(2, 2, 1, 2, dtype=F64), *_kv(2, 1),
+                               bias=alibi_term(torch.ones(2, dtype=F64), 1, 2)), ValueError,
+         "holds distances -1 to 0"),
+        (lambda c: c.write(torch.randn(2, 1, 2, dtype=F64), torch.randn(2, 1, 2, dtype=F64),
+                           torch.tensor([3, 8])), ValueError,
+         "slot_mapping[1] = 8 is not a slot: the pool holds 8"),
+        (lambda c: c.write(torch.randn(2, 1, 2, dtype=F64), torch.randn(2, 1, 2, dtype=F64),
+                           torch.tensor([3, 3])), ValueError, "names a slot twice"),
+        (lambda c: c.write(torch.randn(2, 1, 2), torch.randn(2, 1, 2), torch.tensor([3, 4])),
+         TypeError, "cache's dtype"),
+    ],
+)  # fmt: skip
+def test_a_refused_call_changes_nothing(
+    call: Callable[[PagedKVCache], object], exc: type[Exception], message: str
+) -> None:
+    c = _pool()
+    c.schedule(None)
+    before = _snapshot(c)
+    with pytest.raises(exc, match=re.escape(message)):
+        call(c)
+    assert _same(before, _snapshot(c))
+
+
+def test_free_and_reuse_pages() -> None:
+    """A freed sequence's pages serve the next one; the other rows' tokens are untouched."""
+    gen = torch.Generator().manual_seed(11)
+    c = PagedKVCache(6, 4, 1, 4, max_seqs=2, dtype=F64)
+    c.schedule([12, 12])
+    k, v = torch.randn(2, 1, 12, 4, generator=gen, dtype=F64), torch.randn(2, 1, 12, 4, dtype=F64)
+    c.stage(k, v)
+    c.commit()
+    assert c.num_free_pages == 0
+    with pytest.raises(ValueError, match="out of pages"):
+        c.stage(*_kv(2, 1, d=4))
+    row0 = c.pages_of(0)
+    c.free(0)
+    assert c.lengths == [0, 12]
+    assert c.num_free_pages == 3
+    assert bool(c.block_table[0].eq(-1).all())
+    # A new 5-token prompt in row 0 takes two of the freed pages; row 1 decodes one token.
+    q = torch.randn(2, 2, 5, 4, generator=gen, dtype=F64)
+    nk, nv = torch.randn(2, 1, 5, 4, generator=gen, dtype=F64), torch.randn(2, 1, 5, 4, dtype=F64)
+    c.schedule([5, 1])
+    with torch.no_grad():
+        out, _ = c.attention(q, nk, nv, causal=True)
+    c.commit()
+    assert set(c.pages_of(0)) <= set(row0)
+    assert c.num_free_pages == 0
+    want0 = attnkit.attention(q[:1], nk[:1], nv[:1], causal=True, backend="reference")
+    keys1 = torch.cat([k[1:], nk[1:, :, :1]], 2)
+    vals1 = torch.cat([v[1:], nv[1:, :, :1]], 2)
+    want1 = attnkit.attention(q[1:, :, :1], keys1, vals1, backend="reference")
+    assert_close(out[:1], want0)
+    assert_close(out[1:, :, :1], want1)
+    c.reset()
+    assert c.lengths == [0, 0]
+    assert c.num_free_pages == 6
+
+
+def test_uncommitted_stage_is_dropped_and_rewind_returns_pages() -> None:
+    c = PagedKVCache(8, 2, 1, 2, max_seqs=1, dtype=F64)
+    c.stage(*_kv(1, 3))
+    # Staged pages are in the table but not held: the next stage drops them, so they count free.
+    assert int(c.block_table[0].ge(0).sum()) == 2
+    assert c.lengths == [0]
+    assert c.num_free_pages == 8
+    c.stage(*_kv(1, 1))  # the first stage is dropped: one page, not three
+    c.commit()
+    assert int(c.block_table[0].ge(0).sum()) == 1
+    assert c.lengths == [1]
+    assert c.num_free_pages == 7
+    c.stage(*_kv(1, 6))
+    c.commit()
+    assert len(c.pages_of(0)) == 4
+    c.rewind(2)
+    assert c.lengths == [2]
+    assert len(c.pages_of(0)) == 1
+    assert int(c.block_table[0].ge(0).sum()) == 1
+    assert c.num_free_pages == 7
+
+
+def test_slot_mapping_writes_where_stage_writes() -> None:
+    """vLLM's slot_mapping: write() into the slots stage() reports puts the same bits there;
+    slot -1 is not written."""
+    gen = torch.Generator().manual_seed(3)
+    a = PagedKVCache(8, 4, 2, 4, max_seqs=2, dtype=F64, layout="vllm")
+    b = PagedKVCache(8, 4, 2, 4, max_seqs=2, dtype=F64, layout="vllm")
+    k, v = torch.randn(2, 2, 6, 4, generator=gen, dtype=F64), torch.randn(2, 2, 6, 4, dtype=F64)
+    a.schedule([6, 2])
+    slots = a.stage(k, v)
+    assert slots.tolist() == [0, 1, 2, 3, 4, 5, 8, 9]
+    packed_k = torch.cat([k[0, :, :6], k[1, :, :2]], 1).transpose(0, 1)  # (N, Hkv, D)
+    packed_v = torch.cat([v[0, :, :6], v[1, :, :2]], 1).transpose(0, 1)
+    pad = torch.full((1, 2, 4), float("nan"), dtype=F64)
+    b.write(
+        torch.cat([packed_k, pad]), torch.cat([packed_v, pad]), torch.cat([slots, -slots[:1] - 1])
+    )
+    assert torch.equal(a.k_pages, b.k_pages)
+    assert torch.equal(a.v_pages, b.v_pages)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fuzz: the paged and decode paths against the float64 reference
+
+
+@st.composite
+def _paged_calls(draw: st.DrawFn) -> dict[str, Any]:
+    rows = draw(st.integers(1, 3))
+    decode = draw(st.booleans())  # the decode path: one token a row after the first call
+    steps = [[draw(st.integers(0, 9)) for _ in range(rows)]]
+    for _ in range(draw(st.integers(1, 3))):
+        steps.append([1 if decode else draw(st.integers(0, 4)) for _ in range(rows)])
+    for s in steps:
+        s[0] = max(s[0], 1)  # every call has a token
+    mask = draw(st.sampled_from(["none", "causal", "window", "window&causal"]))
+    return {
+        "rows": rows,
+        "steps": steps,
+        "page": draw(st.sampled_from([1, 2, 3, 16])),
+        "hkv": draw(st.integers(1, 2)),
+        "groups": draw(st.sampled_from([1, 2, 4])),
+        "mask": mask,
+        "left": draw(st.integers(0, 6)),
+        "softcap": draw(st.sampled_from([None, 2.0])),
+        "alibi": draw(st.booleans()),
+        "eager": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_paged_calls())
+def test_fuzz_paged_and_decode_paths(case: dict[str, Any]) -> None:
+    gen = torch.Generator().manual_seed(case["seed"])
+    kw: dict[str, Any] = {"softcap": case["softcap"]}
+    window = masks.sliding_window(case["left"])
+    kw["mask"] = {"none": None, "causal": None, "window": window,
+                  "window&causal": window & masks.causal()}[case["mask"]]  # fmt: skip
+    kw["causal"] = case["mask"] == "causal"
+    h = case["hkv"] * case["groups"]
+    if case["alibi"]:
+        kw["alibi"] = attnkit.alibi_slopes(h).to(F64)
+    blocks = sum(-(-sum(s[b] for s in case["steps"]) // case["page"]) for b in range(case["rows"]))
+    c = PagedKVCache(blocks, case["page"], case["hkv"], 4, max_seqs=case["rows"], dtype=F64)
+    refusal = "the gathered path" if case["eager"] else None
+    with mock.patch.object(paged, "cache_refusal", return_value=refusal):
+        _steps(c, h, case["steps"], gen, **kw)
+    assert c.num_free_pages == 0  # the pool was sized to the pages the sequences need
