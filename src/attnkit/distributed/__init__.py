@@ -8,6 +8,8 @@
 * :func:`ulysses_attention`: the same call by an all-to-all over heads (and, with more ranks than
   heads, the all-to-all within groups of ranks and the ring across them).
 * :func:`parallel_attention` and :func:`explain`: the strategy that sends the least, and why.
+* :func:`cost`: each strategy's modelled bytes, messages, arithmetic and time per rank on a
+  :class:`Hardware` (:data:`GPU_NODES`, :data:`CPU_GLOO`), from 2 to thousands of ranks.
 * :class:`RingBackend` / :func:`register_ring_backend`, :class:`UlyssesBackend`: the strategies
   as ``attention()`` backends, so that modules such as :class:`attnkit.MultiHeadAttention` run
   them.
@@ -19,21 +21,30 @@ Importing this package needs no process group; calling :func:`ring_attention` do
 """
 
 from .backend import register_ring_backend
+from .cost import CPU_GLOO, GPU_NODES, INFINIBAND, NVLINK, Cost, Hardware, Link
 from .layout import Layout, balance_documents, shard_zigzag, unshard_zigzag
 from .plan import ShardPlan
 from .ring import RingBackend, ring_attention
 from .sequence import SequenceParallel, sequence_parallel
-from .strategy import Strategy, explain, parallel_attention
+from .strategy import Strategy, cost, explain, parallel_attention
 from .ulysses import UlyssesBackend, ulysses_attention
 
 __all__ = [
+    "CPU_GLOO",
+    "GPU_NODES",
+    "INFINIBAND",
+    "NVLINK",
+    "Cost",
+    "Hardware",
     "Layout",
+    "Link",
     "RingBackend",
     "SequenceParallel",
     "ShardPlan",
     "Strategy",
     "UlyssesBackend",
     "balance_documents",
+    "cost",
     "explain",
     "parallel_attention",
     "register_ring_backend",

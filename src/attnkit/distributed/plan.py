@@ -18,6 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+from torch import Tensor
+
 from .._kernel import make_plan
 from ..masks import EMPTY, FULL, PARTIAL, Geometry, Mask
 from .layout import Layout
@@ -91,6 +94,10 @@ class ShardPlan:
     def chunk_state(self, qc: int, kc: int) -> int:
         """EMPTY, PARTIAL or FULL for query chunk ``qc`` against key chunk ``kc``."""
         return self._states[qc][kc]
+
+    def chunk_states(self) -> Tensor:
+        """uint8 ``(C, C)``: :meth:`chunk_state` of every query chunk against every key chunk."""
+        return torch.tensor(self._states, dtype=torch.uint8)
 
     def state(self, dst: int, src: int) -> int:
         """The same for rank ``dst``'s queries against rank ``src``'s keys (the most visible of

@@ -26,12 +26,13 @@ from ..masks import Mask
 from ..scores import RelativePositionTerm, ScoreTerm
 from ._args import split_mask, validated, whole_geometry
 from ._comm import agree
+from .cost import Cost, Hardware, model_costs
 from .layout import Layout, layout_of
 from .plan import ShardPlan
 from .ring import ring_attention, ring_check
 from .ulysses import heads_group, ulysses_attention, ulysses_check, whole_world
 
-__all__ = ["STRATEGIES", "Strategy", "explain", "parallel_attention"]
+__all__ = ["STRATEGIES", "Strategy", "cost", "explain", "parallel_attention"]
 
 STRATEGIES = ("auto", "ring", "ulysses", "hybrid")
 
@@ -48,13 +49,15 @@ def _size(n: float) -> str:
 class Strategy:
     """What :func:`explain` found: the strategy ``chosen`` for the call, each strategy's forward
     bytes per rank (the most any rank sends; None where it cannot serve the call) and reasons,
-    the ring's :class:`ShardPlan`, and the report's lines (``str()``)."""
+    the ring's :class:`ShardPlan`, each strategy's modelled :class:`Cost` when :func:`explain`
+    was given a ``hardware``, and the report's lines (``str()``)."""
 
     chosen: str | None
     sent: dict[str, int | None]
     reasons: dict[str, list[str]]
     plan: ShardPlan | None
     lines: list[str] = field(default_factory=list)
+    costs: dict[str, Cost | None] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
@@ -84,7 +87,13 @@ def _a2a_bytes(call: AttentionCall, u: int) -> int:
 
 
 def _decide(
-    call: AttentionCall, world: int, lay: Layout, strategy: str, subgroup: bool
+    call: AttentionCall,
+    world: int,
+    lay: Layout,
+    strategy: str,
+    subgroup: bool,
+    hardware: Hardware | None = None,
+    backward: bool = False,
 ) -> Strategy:
     structure, travel, _ = split_mask(call.mask, call.kv_len)
     reasons: dict[str, list[str]] = {
@@ -115,6 +124,7 @@ def _decide(
         sent["ring"] = _ring_bytes(call, plan, travel)
     if not reasons["ulysses"]:
         sent["ulysses"] = _a2a_bytes(call, world)
+    inner = None
     if not reasons["hybrid"]:
         groups = world // u
         members = Layout(
@@ -126,12 +136,19 @@ def _decide(
         inner = ShardPlan(structure, whole, members)
         ring_call = _per_group(call, u)
         sent["hybrid"] = _a2a_bytes(call, u) + _ring_bytes(ring_call, inner, travel)
+    costs: dict[str, Cost | None] = {}
+    if hardware is not None:
+        plans = {"ring": plan, "hybrid": inner}
+        if not reasons["ulysses"]:
+            plans["ulysses"] = plans["whole"] = plan or ShardPlan(structure, whole, lay)
+        key_masks = [t.numel() // t.size(-1) for t in travel]
+        costs = model_costs(call, world, plans, u, key_masks, hardware, backward)
     able = {name: b for name, b in sent.items() if b is not None}
     if strategy != "auto":
         chosen = strategy if strategy in able else None
     else:
         chosen = min(able, key=lambda name: (able[name], name != "ring")) if able else None
-    return Strategy(chosen, sent, reasons, plan)
+    return Strategy(chosen, sent, reasons, plan, costs=costs)
 
 
 def _per_group(call: AttentionCall, u: int) -> AttentionCall:
@@ -146,7 +163,21 @@ def _per_group(call: AttentionCall, u: int) -> AttentionCall:
     )
 
 
-def _lines(call: AttentionCall, world: int, found: Strategy, strategy: str) -> list[str]:
+def _time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
+
+
+def _lines(
+    call: AttentionCall,
+    world: int,
+    found: Strategy,
+    strategy: str,
+    hardware: Hardware | None = None,
+    backward: bool = False,
+) -> list[str]:
+    passes = " (forward and backward)" if backward else " (forward)"
     lines = [
         f"attention across {world} ranks, per rank: {call.describe()}",
         f"{strategy} picks: {found.chosen or 'nothing: no strategy can serve the call'}",
@@ -163,6 +194,15 @@ def _lines(call: AttentionCall, world: int, found: Strategy, strategy: str) -> l
             continue
         head = "chosen" if name == found.chosen else "could serve it"
         lines.append(f"  {name:<8} {head}: sends {_size(b)} per rank (forward): {words[name]}")
+    if found.costs:
+        lines.append(f"modelled per call on {hardware.name if hardware else ''}{passes}:")
+        for name, c in found.costs.items():
+            if c is not None:
+                lines.append(
+                    f"  {name:<8} {_time(c.seconds)}: compute {_time(c.compute)}, links "
+                    f"{_time(c.communication)} in {c.steps} step{'s' * (c.steps != 1)}, "
+                    f"{_time(c.exposed)} not hidden"
+                )
     if found.plan is not None:
         lines += ["", str(found.plan)]
     kernel = why_not_native(call) or "native kernel"
@@ -190,12 +230,16 @@ def explain(
     strategy: str = "auto",
     world_size: int | None = None,
     group: ProcessGroup | None = None,
+    hardware: Hardware | None = None,
+    backward: bool = False,
 ) -> Strategy:
     """Which strategy :func:`parallel_attention` takes for this rank's shards (the arguments
     :func:`~attnkit.distributed.ring_attention` takes), and why: what each strategy would send
     per rank, the ring's shard plan, and the kernel. Runs nothing across the ranks: give
     ``world_size`` (no process group needed; tensors on ``meta`` work), or a ``group`` whose
-    size is taken.
+    size is taken. With a ``hardware`` (such as :data:`attnkit.distributed.GPU_NODES`), it also
+    models each strategy's time per call, of the forward or, with ``backward=True``, of both
+    passes (see :func:`cost`).
 
     >>> import torch
     >>> from attnkit import masks
@@ -228,9 +272,49 @@ def explain(
         dropout_p=dropout_p, return_lse=return_lse, score_mod=score_mod, world=world_size,
     )  # fmt: skip
     subgroup = group is not None and not whole_world(group)
-    found = _decide(call, world_size, layout_of(layout, world_size), strategy, subgroup)
-    found.lines = _lines(call, world_size, found, strategy)
+    lay = layout_of(layout, world_size)
+    found = _decide(call, world_size, lay, strategy, subgroup, hardware, backward)
+    found.lines = _lines(call, world_size, found, strategy, hardware, backward)
     return found
+
+
+def cost(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Mask | None = None,
+    bias: ScoreTerm | None = None,
+    causal: bool = False,
+    layout: str | Layout = "contiguous",
+    world_size: int,
+    hardware: Hardware,
+    backward: bool = False,
+    return_lse: bool = False,
+) -> dict[str, Cost | None]:
+    """The modelled cost of each strategy for this rank's shards across ``world_size`` ranks
+    on ``hardware``: ``{"ring": Cost, "ulysses": Cost | None, "hybrid": Cost | None}``, None where
+    the strategy cannot serve the call. Nothing runs; tensors on ``meta`` work.
+
+    Each :class:`~attnkit.distributed.cost.Cost` holds the bytes every rank sends (forward, and
+    backward with ``backward=True``), its messages and steps, the busiest rank's arithmetic and
+    time on the links, and the modelled seconds of the call, the ring's communication hidden
+    behind its arithmetic where it is shorter. The model and its formulas:
+    :mod:`attnkit.distributed.cost`.
+
+    >>> import torch
+    >>> from attnkit import masks
+    >>> from attnkit.distributed import GPU_NODES, cost
+    >>> q = torch.empty(1, 32, 8192, 128, dtype=torch.bfloat16, device="meta")
+    >>> found = cost(q, q, q, mask=masks.sliding_window(4096), world_size=32, hardware=GPU_NODES)
+    >>> [found[s].sent[1] // 2**20 for s in ("ring", "ulysses")]   # MiB rank 1 sends
+    [64, 248]
+    """
+    found = explain(
+        q, k, v, mask=mask, bias=bias, causal=causal, return_lse=return_lse, layout=layout,
+        world_size=world_size, hardware=hardware, backward=backward,
+    )  # fmt: skip
+    return found.costs
 
 
 def parallel_attention(
