@@ -103,14 +103,18 @@ def _sharded(
     key: Tensor,
     value: Tensor,
     attention_mask: object,
-    want_weights: bool,
     kwargs: dict[str, Any],
 ) -> Tensor:
     """The layer's call on this rank's shard of a sequence split across processes: q, k, v and
     the 2-d padding mask transformers built the mask from are the shard's; ``position_ids`` are
     the shard's positions in the whole sequence (rotary reads them), so they say nothing of
     packing here."""
-    if want_weights:
+    if kwargs["position_bias"] is not None:
+        raise ValueError(
+            f"{_layer(module)}: a dense position_bias would need the whole sequence's rows on "
+            "every rank"
+        )
+    if kwargs["output_attentions"] or is_capturing(module) or _model_collects_weights():
         raise ValueError(
             f"{_layer(module)}: no attention weights from a sequence split across processes: they "
             "would be the whole sequence's (Tq, Tk) matrix on every rank"
@@ -178,21 +182,15 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[Float[Tensor, "B Tq H Dv"], Float[Tensor, "B H Tq Tk"] | None]:
     if sequence_shards is not None:
-        if position_bias is not None:
-            raise ValueError(
-                f"{_layer(module)}: a dense position_bias would need the whole sequence's rows on "
-                "every rank"
-            )
-        wanted = bool(output_attentions) or is_capturing(module) or _model_collects_weights()
         extra = {
             "scaling": scaling,
             "softcap": softcap,
             "sinks": s_aux if s_aux is not None else sinks,
             "dropout_p": float(dropout) if module.training else 0.0,
+            "position_bias": position_bias,
+            "output_attentions": output_attentions,
         }
-        out = _sharded(
-            module, sequence_shards, query, key, value, attention_mask, wanted, kwargs | extra
-        )
+        out = _sharded(module, sequence_shards, query, key, value, attention_mask, kwargs | extra)
         return out.transpose(1, 2).contiguous(), None
     q_len, kv_len = query.size(-2), key.size(-2)
     keys, mask, bias, causal = kv_len, None, None, False
