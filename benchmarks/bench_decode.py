@@ -14,6 +14,10 @@ and its ratios to the memory floor and to torch SDPA measured in the same run.
   the same keys in pages of 16 and of 256 tokens (flash-attn's ``(blocks, page, Hkv, D)``, pages
   shuffled) through a block table; ``gathered`` is the pages gathered into one tensor and
   attended (what a paged call cost before the kernel read pages in place).
+* modules: a decode step of attnkit's module caches, one new token a row after ``T - 1`` held:
+  ``KVCache.stage`` then ``attnkit.attention`` on its views, against ``PagedKVCache.attention``
+  on the same tokens in pages of 16 and of 256, in flash-attn's layout and in vLLM's (``vllm``),
+  filled a page a row at a time, so that each row's pages interleave with the others'.
 
 ``--load busy`` keeps a process spinning on one core for the whole run; ``--load both`` alternates
 quiet and busy rounds and adds each candidate's busy median over its quiet median.
@@ -40,7 +44,7 @@ from attnkit import flash_attn as fa
 import results
 
 B, H, HKV, D, T = 8, 32, 8, 128, 4096
-CASES = ["decode", "kvcache"]
+CASES = ["decode", "kvcache", "modules"]
 
 
 def _decode() -> dict[str, Callable[[], object]]:
@@ -103,6 +107,34 @@ def _kvcache() -> dict[str, Callable[[], object]]:
     return fns
 
 
+def _modules() -> dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, HKV, T, D, generator=g), torch.randn(B, HKV, T, D, generator=g)
+    contiguous = attnkit.KVCache(B, T, HKV, D)
+    contiguous.update(k[:, :, :-1], v[:, :, :-1])
+    new_k, new_v = k[:, :, -1:], v[:, :, -1:]
+
+    def kvcache() -> object:
+        # stage() without commit(): every round writes the same position, as one step does.
+        keys, values = contiguous.stage(new_k, new_v)
+        return attnkit.attention(q, keys, values, causal=True)
+
+    fns: dict[str, Callable[[], object]] = {"kvcache": kvcache}
+    for page, layout in ((16, "flash"), (256, "flash"), (16, "vllm"), (256, "vllm")):
+        cache = attnkit.PagedKVCache(B * T // page, page, HKV, D, max_seqs=B, layout=layout)
+        for start in range(0, T - 1, page):
+            n = min(page, T - 1 - start)
+            cache.stage(k[:, :, start : start + n], v[:, :, start : start + n])
+            cache.commit()
+
+        def paged(cache: attnkit.PagedKVCache = cache) -> object:
+            return cache.attention(q, new_k, new_v, causal=True)
+
+        fns[f"paged {page}" + (" vllm" if layout == "vllm" else "")] = paged
+    return fns
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
@@ -130,8 +162,8 @@ def main() -> None:
     try:
         with torch.inference_mode():
             for case in args.cases:
-                fns = _decode() if case == "decode" else _kvcache()
-                base = "sdpa" if case == "decode" else "contiguous"
+                fns = {"decode": _decode, "kvcache": _kvcache, "modules": _modules}[case]()
+                base = {"decode": "sdpa", "kvcache": "contiguous", "modules": "kvcache"}[case]
                 samples = measure(fns, args.rounds, loads, spinner)
                 for name in fns:
                     for busy in loads:
