@@ -123,15 +123,22 @@ def test_the_all_to_alls_bytes_per_rank_fall_as_one_over_w_at_a_fixed_length() -
 
 def test_the_ring_hides_its_messages_behind_arithmetic_until_they_outlast_it() -> None:
     q = shard()
-    fast = dataclasses.replace(CPU_GLOO, local=Link("instant", 1e30, 0.0))
+    cpu = dataclasses.replace(CPU_GLOO, overhead=0.0)
+    fast = dataclasses.replace(cpu, local=Link("instant", 1e30, 0.0))
     fast = dataclasses.replace(fast, remote=fast.local)
-    slow = dataclasses.replace(CPU_GLOO, local=Link("slow", 1e6, 0.0))
+    slow = dataclasses.replace(cpu, local=Link("slow", 1e6, 0.0))
     slow = dataclasses.replace(slow, remote=slow.local)
-    for hw in (fast, CPU_GLOO, slow):
+    for hw in (fast, cpu, slow):
         ring = cost(q, q, q, world_size=4, hardware=hw)["ring"]
         assert ring is not None
         assert ring.seconds >= ring.compute
         assert ring.seconds <= ring.compute + ring.communication + 1e-9
+    # The host's share of a call, once per pass.
+    with_host = cost(q, q, q, world_size=4, hardware=CPU_GLOO, backward=True)["ring"]
+    without = cost(q, q, q, world_size=4, hardware=cpu, backward=True)["ring"]
+    assert with_host is not None
+    assert without is not None
+    assert with_host.seconds - without.seconds == pytest.approx(2 * CPU_GLOO.overhead)
     # Instant links: the call is its arithmetic. Slow ones: its messages, one step after another.
     ring = cost(q, q, q, world_size=4, hardware=fast)["ring"]
     assert ring is not None

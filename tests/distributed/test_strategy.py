@@ -76,3 +76,24 @@ def test_explain_errors_quote_values() -> None:
         explain(q, q, q)
     with pytest.raises(ValueError, match=r"covers 100 positions but the call has Tk = 4096"):
         explain(q, q, q, mask=masks.documents([100]), world_size=2)
+
+
+def test_with_a_hardware_the_report_says_each_strategys_modelled_time() -> None:
+    from attnkit.distributed import GPU_NODES, cost
+
+    q = shard(8)
+    found = explain(q, q, q, causal=True, layout="zigzag", world_size=4, hardware=GPU_NODES)
+    lines = str(found).splitlines()
+    at = lines.index(f"modelled per call on {GPU_NODES.name} (forward):")
+    ring, ulysses = found.costs["ring"], found.costs["ulysses"]
+    assert ring is not None
+    assert ulysses is not None
+    assert lines[at + 1].startswith("  ring     ")
+    assert lines[at + 2].startswith("  ulysses  ")
+    assert found.costs == cost(
+        q, q, q, causal=True, layout="zigzag", world_size=4, hardware=GPU_NODES
+    )
+    # The bytes the choice is made by are the model's.
+    assert found.sent["ring"] == max(ring.sent)
+    assert found.sent["ulysses"] == max(ulysses.sent)
+    assert "modelled" not in str(explain(q, q, q, causal=True, world_size=4))

@@ -37,7 +37,7 @@ from .._call import AttentionCall
 from ..masks import EMPTY, FULL, Mask
 from ..scores import RelativePositionTerm
 from .layout import Layout
-from .plan import UNIT, ShardPlan
+from .plan import UNIT, ShardPlan, Step
 
 __all__ = [
     "CPU_GLOO",
@@ -69,13 +69,16 @@ class Link:
 class Hardware:
     """What the model runs on: ``flops``, the attention arithmetic one rank sustains (FLOP/s);
     ``local``, the link between ranks of one node, ``remote`` between nodes (one per rank, as
-    with a network card per GPU); ``ranks_per_node`` consecutive ranks share a node."""
+    with a network card per GPU); ``ranks_per_node`` consecutive ranks share a node;
+    ``overhead``, the seconds a call spends on the host whatever its size (planning, launching,
+    Python), added once per pass."""
 
     name: str
     flops: float
     local: Link
     remote: Link
     ranks_per_node: int
+    overhead: float = 0.0
 
     def link(self, a: int, b: int) -> Link:
         same = a // self.ranks_per_node == b // self.ranks_per_node
@@ -90,9 +93,9 @@ INFINIBAND = Link("InfiniBand-class", 45e9, 10e-6)
 #: 16-bit peak), NVLink within a node and InfiniBand between nodes. Assumed figures.
 GPU_NODES = Hardware("8-GPU nodes, NVLink + InfiniBand", 400e12, NVLINK, INFINIBAND, 8)
 #: CPU processes on one machine exchanging over gloo (loopback TCP), one thread each: the
-#: figures measured by benchmarks/bench_scaling.py on the machine of the benchmarks page.
+#: figures benchmarks/bench_scaling.py measured with 4 ranks on the benchmarks page's machine.
 _GLOO = Link("gloo over loopback", 1.0e9, 60e-6)
-CPU_GLOO = Hardware("CPU processes, gloo", 20e9, _GLOO, _GLOO, 1 << 30)
+CPU_GLOO = Hardware("CPU processes, gloo", 20e9, _GLOO, _GLOO, 1 << 30, 0.01)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,34 @@ def _rank_work(work: Tensor, layout: Layout) -> Tensor:
     return owner @ work @ owner.T
 
 
+def _steps(plan: ShardPlan, pairs: Tensor) -> list[list[Step]]:
+    """``plan.steps(r)`` for every rank, asking the plan only about the pairs of ranks whose
+    chunks meet (``pairs > 0``), so that thousands of ranks under a window stay quick."""
+    w = plan.world_size
+    meet = (pairs > 0).logical_and(~torch.eye(w, dtype=torch.bool))
+    found: dict[int, dict[int, tuple[int, int]]] = {}  # distance -> src -> span sent
+    for dst, src in meet.nonzero().tolist():
+        span = plan.needs(dst, src)
+        if span is not None:
+            found.setdefault((dst - src) % w, {})[src] = span
+    out: list[list[Step]] = [[] for _ in range(w)]
+    for d in sorted(found):
+        sends = found[d]
+        for r in range(w):
+            frm = (r - d) % w
+            send, recv = sends.get(r), sends.get(frm)
+            out[r].append(
+                Step(
+                    d,
+                    None if send is None else (r + d) % w,
+                    send,
+                    None if recv is None else frm,
+                    recv,
+                )
+            )
+    return out
+
+
 @dataclass
 class _Ring:
     """The ring's counts for one call: bytes, steps, per-step arithmetic (seconds)."""
@@ -207,8 +238,8 @@ def _ring(
         * (call.qk_dim + call.v_dim)
         * _itemsize(torch.promote_types(call.dtype, torch.float32))
     )
-    steps = [plan.steps(r) for r in range(w)]
-    n = len(plan.distances())
+    steps = _steps(plan, pairs)
+    n = len(steps[0]) if steps else 0
 
     def span(s: tuple[int, int] | None) -> int:
         return 0 if s is None else s[1] - s[0]
@@ -342,9 +373,10 @@ def ring_cost(
     per_key += sum(key_masks)
     w = plan.world_size
     r = _ring(call, plan, per_key, hw, backward, list(range(w)))
+    host = hw.overhead * (2 if backward else 1)
     return Cost(
         "ring", tuple(r.sent), tuple(r.sent_backward), r.messages, r.steps, max(r.compute),
-        r.communication, _agree(w, hw) + r.seconds,
+        r.communication, _agree(w, hw) + host + r.seconds,
     )  # fmt: skip
 
 
@@ -393,7 +425,8 @@ def a2a_cost(
     sent = tuple(forward + s for s in sent_inner)
     back = sum(b * (u - 1) // u for b in grads)
     sent_bwd = tuple(back + s for s in sent_inner_bwd) if backward else ()
-    total = _agree(world, hw) + sum(times) + seconds
+    host = hw.overhead * (2 if backward else 1)
+    total = _agree(world, hw) + host + sum(times) + seconds
     return Cost(name, sent, sent_bwd, messages, steps, compute, comm, total)
 
 
