@@ -30,6 +30,14 @@ Rows per section (what the scripts write; times in seconds unless the key says `
   MultiHeadAttention; ``paired_ratio``, its quartiles ``paired_low`` and ``paired_high`` and
   ``pairs``, from alternating rounds), ``extra_bytes``, ``largest_saved`` (elements),
   ``dropout``, and for load ``quiet_seconds``, ``busy_seconds``, ``busy_worst_seconds``.
+* ``ring_cases`` (bench_ring.py --cases): ``case``, ``strategy`` (``*``: explain's pick),
+  ``error`` (largest difference from one process), ``sent_forward``, ``sent_backward`` (bytes per
+  rank), ``one_shard`` (one shard's k and v, bytes), ``seconds``.
+* ``scaling`` (bench_scaling.py): ``world_size``, ``case``, ``strategy``, ``measured_s``,
+  ``model_s``, ``model_compute_s``, ``model_links_s``, ``ratio`` (model / measured), ``sent``
+  and ``model_sent`` (bytes per rank, both passes).
+* ``scaling_model`` (bench_scaling.py --curves, the model alone): ``world_size``, ``case``,
+  ``strategy``, ``seconds``, ``compute_s``, ``links_s``, ``exposed_s``, ``sent_mib``, ``steps``.
 * ``ring`` (bench_ring.py): ``candidate``, ``causal``, ``seconds``, ``ratio``, ``inputs_mib``,
   ``extra_mib`` (one entry per rank).
 * ``gpu`` (gpu_check.py): ``T``, ``causal``, ``mode``, ``candidate``, ``ms``, ``ratio``.
@@ -521,6 +529,125 @@ def _ring(run: Run, images: dict[str, bytes]) -> str:
     return f"![ring attention]({PLOTS}/{run.name}.png)\n\n{body}"
 
 
+def _ring_cases(run: Run, images: dict[str, bytes]) -> str:
+    one = run.rows[0]["one_shard"] if run.rows else 0
+    body = table(
+        ["case", "strategy", "largest error", "s (slowest rank)", "MiB sent per rank, forward",
+         "backward", "forward / one shard's k, v"],
+        [
+            [r["case"], r["strategy"], f"{r['error']:.1e}", _s(r["seconds"]),
+             ", ".join(f"{b / MIB:.2f}" for b in r["sent_forward"]),
+             ", ".join(f"{b / MIB:.2f}" for b in r["sent_backward"]),
+             _ratio(max(r["sent_forward"]) / one) if one else ""]
+            for r in run.rows
+        ],
+        right=(2, 3, 6),
+    )  # fmt: skip
+    return (
+        f"One shard's k and v: {one / MIB:.2f} MiB. `*`: the strategy "
+        "`attnkit.distributed.explain` picks (fewest bytes per rank).\n\n" + body
+    )
+
+
+def _scaling(run: Run, images: dict[str, bytes]) -> str:
+    cfg = run.config
+    fig, ax = plt.subplots(figsize=(4.8, 4.2))
+    for name, marker in (("ring", "o"), ("ulysses", "s")):
+        mine = [r for r in run.rows if r["strategy"] == name]
+        ax.scatter([r["measured_s"] for r in mine], [r["model_s"] for r in mine], marker=marker,
+                   label=name)  # fmt: skip
+    values = [v for r in run.rows for v in (r["measured_s"], r["model_s"])]
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured s (slowest rank)")
+    ax.set_ylabel("modelled s")
+    ax.set_title(f"{cfg.get('world_size')} ranks, forward + backward", fontsize=10)
+    ax.legend(fontsize=8)
+    images[f"{run.name}.png"] = _png(fig)
+    body = table(
+        ["case", "strategy", "measured s", "modelled s", "model / measured", "model: compute s",
+         "model: links s", "MiB sent, most", "bytes = model"],
+        [
+            [r["case"], r["strategy"], _s(r["measured_s"]), _s(r["model_s"]), _ratio(r["ratio"]),
+             _s(r["model_compute_s"]), f"{r['model_links_s']:.3f}", f"{max(r['sent']) / MIB:.2f}",
+             "yes" if r["sent"] == r["model_sent"] else "no"]
+            for r in run.rows
+        ],
+        right=(2, 3, 4, 5, 6, 7),
+    )  # fmt: skip
+    link = (
+        f"Measured for the model: a ring step's link {cfg['link_bandwidth'] / 1e9:.2f} GB/s and "
+        f"{cfg['link_latency'] * 1e6:.0f} us a message, attention {cfg['flops'] / 1e9:.1f} "
+        f"GFLOP/s per rank, {cfg.get('overhead', 0) * 1e3:.1f} ms a pass on the host, every "
+        "rank busy at once."
+    )
+    return f"{link}\n\n![model against measurement]({PLOTS}/{run.name}.png)\n\n{body}"
+
+
+def _curves(run: Run, key: str, ylabel: str, scale: float) -> bytes:
+    cases = list(dict.fromkeys(r["case"] for r in run.rows))
+    fig, axes = plt.subplots(1, len(cases), figsize=(3.4 * len(cases), 3.2))
+    for ax, case in zip(axes, cases, strict=True):
+        for name, style in (("ring", "-o"), ("ulysses", "-s"), ("hybrid", "-^")):
+            mine = [r for r in run.rows if r["case"] == case and r["strategy"] == name]
+            if mine:
+                ax.plot([r["world_size"] for r in mine], [r[key] * scale for r in mine], style,
+                        markersize=3, label=name)  # fmt: skip
+        if key == "seconds":
+            mine = [r for r in run.rows if r["case"] == case and r["strategy"] == "ring"]
+            ax.plot([r["world_size"] for r in mine], [r["compute_s"] * scale for r in mine], ":",
+                    color="grey", label="arithmetic")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(case, fontsize=9)
+        ax.set_xlabel("ranks")
+    axes[0].set_ylabel(ylabel)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _scaling_model(run: Run, images: dict[str, bytes]) -> str:
+    cfg = run.config
+    images[f"{run.name}-time.png"] = _curves(run, "seconds", "modelled ms per call", 1e3)
+    images[f"{run.name}-bytes.png"] = _curves(run, "sent_mib", "MiB sent by a rank", 1.0)
+    hw = cfg.get("hardware", {})
+    where = (
+        f"{hw.get('name')}: {hw.get('flops', 0) / 1e12:.0f} TFLOP/s per rank, "
+        f"{hw.get('local', {}).get('bandwidth', 0) / 1e9:.0f} GB/s within a node of "
+        f"{hw.get('ranks_per_node')}, {hw.get('remote', {}).get('bandwidth', 0) / 1e9:.0f} GB/s "
+        "between nodes"
+    )
+    worlds = sorted({r["world_size"] for r in run.rows})
+    most = max(worlds)
+    body = table(
+        ["case", "strategy", f"ms at {min(worlds)} ranks", f"ms at {most} ranks",
+         f"MiB sent at {most}", f"steps at {most}"],
+        [
+            [case, name, f"{lo['seconds'] * 1e3:.2f}", f"{hi['seconds'] * 1e3:.2f}",
+             f"{hi['sent_mib']:.0f}", hi["steps"]]
+            for case in dict.fromkeys(r["case"] for r in run.rows)
+            for name in ("ring", "ulysses", "hybrid")
+            for lo, hi in [(
+                next((r for r in run.rows if (r["case"], r["strategy"]) == (case, name)), None),
+                next((r for r in run.rows[::-1] if (r["case"], r["strategy"]) == (case, name)),
+                     None),
+            )]
+            if lo is not None and hi is not None
+        ],
+        right=(2, 3, 4, 5),
+    )  # fmt: skip
+    return (
+        f"Modelled, not measured: every rank holds {cfg.get('shard')} tokens, H={cfg.get('H')}, "
+        f"Hkv={cfg.get('Hkv')}, D={cfg.get('D')}, {cfg.get('dtype')}, forward and backward, on "
+        f"{where}.\n\n"
+        f"![modelled time per call]({PLOTS}/{run.name}-time.png)\n\n"
+        f"![modelled bytes per rank]({PLOTS}/{run.name}-bytes.png)\n\n{body}"
+    )
+
+
 def _front_ends(run: Run, images: dict[str, bytes]) -> str:
     body = table(
         ["pass", "call", "against", "ms", "against ms", "ratio", "range"],
@@ -713,6 +840,17 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         ("world_size", "threads", "T", "B", "H", "D", "dtype", "backward", "device"),
         "torchrun --standalone --nproc-per-node 2 benchmarks/bench_ring.py",
     ),
+    "ring_cases": (
+        _ring_cases,
+        ("world_size", "threads", "T", "shard", "H", "D", "dtype", "backward", "device"),
+        "torchrun --standalone --nproc-per-node 4 benchmarks/bench_ring.py --cases --backward",
+    ),
+    "scaling": (
+        _scaling,
+        ("world_size", "threads", "T", "shard", "H", "D", "dtype", "backward", "device"),
+        "torchrun --standalone --nproc-per-node 4 benchmarks/bench_scaling.py",
+    ),
+    "scaling_model": (_scaling_model, (), "python benchmarks/bench_scaling.py --curves"),
     "policy": (_policy, ("threads",), "python benchmarks/bench_policy.py"),
     "long_audio": (
         _long_audio,
@@ -750,6 +888,8 @@ def build(data_dir: str | Path) -> Report:
         parts = []
         for run in mine:
             head = provenance(run)
+            if run.config.get("modelled"):
+                head = head.replace("Measured on", "Computed (a model: nothing measured) on", 1)
             conf = config_line(run, keys)
             if conf:
                 head += f" Fixed sizes: {conf}."
