@@ -21,7 +21,7 @@ Importing this package needs no process group; calling :func:`ring_attention` do
 """
 
 from .backend import register_ring_backend
-from .cost import CPU_GLOO, GPU_NODES, INFINIBAND, NVLINK, Cost, Hardware, Link
+from .costs import CPU_GLOO, GPU_NODES, INFINIBAND, NVLINK, Cost, Hardware, Link
 from .layout import Layout, balance_documents, shard_zigzag, unshard_zigzag
 from .plan import ShardPlan
 from .ring import RingBackend, ring_attention

@@ -26,7 +26,7 @@ from ..masks import Mask
 from ..scores import RelativePositionTerm, ScoreTerm
 from ._args import split_mask, validated, whole_geometry
 from ._comm import agree
-from .cost import Cost, Hardware, model_costs
+from .costs import Cost, Hardware, model_costs
 from .layout import Layout, layout_of
 from .plan import ShardPlan
 from .ring import ring_attention, ring_check
@@ -296,11 +296,11 @@ def cost(
     on ``hardware``: ``{"ring": Cost, "ulysses": Cost | None, "hybrid": Cost | None}``, None where
     the strategy cannot serve the call. Nothing runs; tensors on ``meta`` work.
 
-    Each :class:`~attnkit.distributed.cost.Cost` holds the bytes every rank sends (forward, and
+    Each :class:`~attnkit.distributed.Cost` holds the bytes every rank sends (forward, and
     backward with ``backward=True``), its messages and steps, the busiest rank's arithmetic and
     time on the links, and the modelled seconds of the call, the ring's communication hidden
     behind its arithmetic where it is shorter. The model and its formulas:
-    :mod:`attnkit.distributed.cost`.
+    :mod:`attnkit.distributed.costs`.
 
     >>> import torch
     >>> from attnkit import masks
