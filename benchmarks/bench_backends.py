@@ -8,6 +8,13 @@ fresh process; "% TxT" relates it to one T x T float32 score matrix.
     python benchmarks/bench_backends.py                # every length (takes ~15 minutes)
     python benchmarks/bench_backends.py --quick        # T = 256, 1024, 4096, fewer rounds
     python benchmarks/bench_backends.py --json docs/benchmarks/data/backends.json
+
+``--inference`` checks auto's choice instead: on the same shapes, under ``torch.inference_mode()``,
+auto against the two backends it chooses between, attnkit's ``sdpa`` (torch's fused kernel) and
+``chunked`` (the native kernel), side by side; "auto / best" is auto's time over the faster of the
+two, and "picks" what auto chose and, from ``explain()``, why it avoided the other.
+
+    python benchmarks/bench_backends.py --inference --json docs/benchmarks/data/auto.json
 """
 
 from __future__ import annotations
@@ -71,15 +78,62 @@ def runnable(label: str, t: int) -> bool:
     return label not in ("naive", "reference") or t <= NAIVE_MAX_T
 
 
+INFERENCE = ["auto", "sdpa", "chunked"]
+
+
+def _auto_pick(t: int, causal: bool) -> tuple[str, str]:
+    """The backend auto picks for the shape, and explain()'s line on the one it avoided."""
+    q = torch.zeros(B, H, t, D)
+    with torch.inference_mode():
+        report = attnkit.explain(q, q, q, causal=causal)
+    other = "sdpa" if report.chosen == "chunked" else "chunked"
+    why = report.costs.get(other, []) + report.slower.get(other, [])
+    return str(report.chosen), "; ".join(why) or "comes later in the order"
+
+
+def inference(lengths: list[int], rounds: int, min_run_time: float) -> list[dict[str, object]]:
+    """auto against sdpa and chunked under inference_mode, each shape side by side."""
+    print("\n| T | causal | auto ms | sdpa ms | chunked ms | auto / best | picks |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    rows: list[dict[str, object]] = []
+    for t in lengths:
+        for causal in (False, True):
+            fns = {lab: build(lab, causal, t)[0] for lab in INFERENCE}
+            times = time_side_by_side(fns, rounds=rounds, min_run_time=min_run_time)
+            best = min(times["sdpa"], times["chunked"])
+            chosen, why = _auto_pick(t, causal)
+            print(
+                f"| {t} | {'yes' if causal else 'no'} | {times['auto'] * 1e3:.2f} | "
+                f"{times['sdpa'] * 1e3:.2f} | {times['chunked'] * 1e3:.2f} | "
+                f"{times['auto'] / best:.2f} | {chosen} |",
+                flush=True,
+            )
+            rows.append(
+                {"T": t, "causal": causal, **{f"{lab}_s": times[lab] for lab in INFERENCE},
+                 "auto_over_best": times["auto"] / best, "chosen": chosen, "avoided_why": why}
+            )  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="*", default=[256, 1024, 4096, 8192, 16384])
     parser.add_argument("--quick", action="store_true", help="T = 256, 1024, 4096; fewer rounds")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
+    parser.add_argument(
+        "--inference", action="store_true", help="auto against sdpa and chunked (auto's choice)"
+    )
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     lengths = [256, 1024, 4096] if args.quick else args.lengths
     rounds = 2 if args.quick else 3
+    if args.inference:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={B} H={H} D={D}")
+        rows = inference(lengths, rounds, 0.3 if args.quick else 1.0)
+        if args.json:
+            config = {"B": B, "H": H, "D": D, "dtype": "float32", "rounds": rounds}
+            results.save(args.json, "auto", rows, config=config | {"pass": "inference"})
+        return
 
     rows = []
     print(

@@ -42,6 +42,15 @@ Rows per section (what the scripts write; times in seconds unless the key says `
   ``extra_mib`` (one entry per rank).
 * ``gpu`` (gpu_check.py): ``T``, ``causal``, ``mode``, ``candidate``, ``ms``, ``ratio``.
 * ``cli`` (attnkit bench --json): ``scenario``, ``candidate``, ``ms``, ``ratio``, ``extra_mib``.
+* ``generate`` (bench_generate.py): ``dtype``, ``impl`` (sdpa, attnkit), ``prefill_s``,
+  ``generate_s``, ``decode_s`` (generate - prefill), ``prefill_tok_s``, ``decode_tok_s``,
+  ``generate_tok_s``, ``prefill_attention_share``, ``decode_attention_share``,
+  ``generate_attention_share``, ``rounds``; the last row of a dtype has ``agreement``
+  (``first_divergence``, ``row``, ``max_logit_diff``, ``margins``).
+* ``auto`` (bench_backends.py --inference): ``T``, ``causal``, ``auto_s``, ``sdpa_s``,
+  ``chunked_s``, ``auto_over_best``, ``chosen``, ``avoided_why``.
+* ``decode`` (bench_decode.py): ``case``, ``candidate``, ``load``, ``seconds``, ``worst_seconds``,
+  ``rounds``, ``baseline``, ``ratio``, ``over_floor`` (decode), ``busy_ratio`` (``--load both``).
 * ``front_ends`` (bench_flex.py, bench_flash_api.py): ``api``, ``pass``, ``call``, ``baseline``,
   ``ms``, ``baseline_ms``, ``ratio`` (the median of the per-round ratios), ``ratio_min``,
   ``ratio_max``.
@@ -809,6 +818,78 @@ def _compile(run: Run, images: dict[str, bytes]) -> str:
     )  # fmt: skip
 
 
+def _generate(run: Run, images: dict[str, bytes]) -> str:
+    sdpa = {r["dtype"]: r for r in run.rows if r["impl"] == "sdpa"}
+    body = table(
+        ["dtype", "attention", "prefill tok/s", "/ sdpa", "decode tok/s", "/ sdpa",
+         "generate tok/s", "/ sdpa", "prefill in attention", "decode in attention"],
+        [
+            [r["dtype"], r["impl"], f"{r['prefill_tok_s']:.0f}",
+             _ratio(r["prefill_tok_s"] / sdpa[r["dtype"]]["prefill_tok_s"]),
+             f"{r['decode_tok_s']:.1f}",
+             _ratio(r["decode_tok_s"] / sdpa[r["dtype"]]["decode_tok_s"]),
+             f"{r['generate_tok_s']:.1f}",
+             _ratio(r["generate_tok_s"] / sdpa[r["dtype"]]["generate_tok_s"]),
+             f"{100 * r['prefill_attention_share']:.0f}%",
+             f"{100 * r['decode_attention_share']:.0f}%"]
+            for r in run.rows
+        ],
+        right=(2, 3, 4, 5, 6, 7, 8, 9),
+    )  # fmt: skip
+    notes = []
+    for r in run.rows:
+        check = r.get("agreement")
+        if check is None:
+            continue
+        if check["first_divergence"] is None:
+            notes.append(
+                f"{r['dtype']}: attnkit's greedy tokens are sdpa's at every step (largest logit "
+                f"difference {check['max_logit_diff']:.1e})."
+            )
+        else:
+            margins = ", ".join(f"{k} {v:+.3f}" for k, v in check["margins"].items())
+            notes.append(
+                f"{r['dtype']}: the greedy tokens first differ at step {check['first_divergence']} "
+                f"(batch row {check['row']}); the largest logit difference until then is "
+                f"{check['max_logit_diff']:.1e}, and at that step each run's logit of attnkit's "
+                f"token minus that of sdpa's is {margins}."
+            )
+    return body + "".join(f"\n\n{n}" for n in notes)
+
+
+def _auto(run: Run, images: dict[str, bytes]) -> str:
+    body = table(
+        ["T", "causal", "auto (ms)", "sdpa (ms)", "chunked (ms)", "auto / faster", "auto picks",
+         "why not the other"],
+        [
+            [r["T"], "yes" if r["causal"] else "no", _ms(r["auto_s"]), _ms(r["sdpa_s"]),
+             _ms(r["chunked_s"]), _ratio(r["auto_over_best"]), r["chosen"], r["avoided_why"]]
+            for r in run.rows
+        ],
+        right=(0, 2, 3, 4, 5),
+    )  # fmt: skip
+    worst = max(run.rows, key=lambda r: r["auto_over_best"])
+    return (
+        f"{body}\n\nLargest auto / faster: {worst['auto_over_best']:.2f} (T={worst['T']}"
+        f"{', causal' if worst['causal'] else ''})."
+    )
+
+
+def _decode(run: Run, images: dict[str, bytes]) -> str:
+    busy = any(r.get("busy_ratio") is not None for r in run.rows)
+    return table(
+        ["case", "candidate", "load", "median (ms)", "worst round (ms)", "/ floor", "/ baseline",
+         *(["busy / quiet"] if busy else [])],
+        [
+            [r["case"], r["candidate"], r["load"], _ms(r["seconds"]), _ms(r["worst_seconds"]),
+             _ratio(r.get("over_floor")), f"{_ratio(r['ratio'])} ({r['baseline']})",
+             *([_ratio(r.get("busy_ratio"))] if busy else [])]
+            for r in run.rows
+        ],
+        right=(3, 4, 5, 6, 7),
+    )  # fmt: skip
+
+
 SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str], str]] = {
     # name: (renderer, config keys worth a line, the command that produces it)
     "backends": (
@@ -861,6 +942,21 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         _transformers,
         ("layers", "hidden", "H", "Hkv", "dtype", "transformers"),
         "python benchmarks/bench_transformers.py",
+    ),
+    "generate": (
+        _generate,
+        ("B", "prompt", "new", "layers", "hidden", "H", "Hkv", "cache", "transformers"),
+        "python benchmarks/bench_generate.py",
+    ),
+    "auto": (
+        _auto,
+        ("B", "H", "D", "dtype", "pass"),
+        "python benchmarks/bench_backends.py --inference",
+    ),
+    "decode": (
+        _decode,
+        ("B", "H", "Hkv", "D", "T", "dtype", "threads", "rounds", "load"),
+        "python benchmarks/bench_decode.py",
     ),
     "front_ends": (
         _front_ends,
