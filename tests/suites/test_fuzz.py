@@ -183,10 +183,17 @@ def rounded_pair(m: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, nn.Module
 
 
 def compare(
-    low: nn.Module, call: Call, spec: nn.Module, spec_call: Call, dtype: torch.dtype, grad: bool
+    low: nn.Module,
+    call: Call,
+    spec: nn.Module,
+    spec_call: Call,
+    dtype: torch.dtype,
+    grad: bool,
+    conditioning: float = 1.0,
 ) -> None:
     """Outputs (and weights) of ``low`` against ``spec``; with ``grad`` the parameter gradients,
-    compared in float32/float64 (half-precision GEMMs round their sums in the backward)."""
+    compared in float32/float64 (half-precision GEMMs round their sums in the backward).
+    ``conditioning`` widens the outputs' tolerance (see :func:`attnkit.testing.assert_close`)."""
     with torch.set_grad_enabled(grad):
         got = call.run(low, dtype)
         want = spec_call.run(spec, dtype)
@@ -195,7 +202,7 @@ def compare(
     for g, w in zip(got_all, want_all, strict=True):
         assert g.dtype == dtype
         assert g.isfinite().all(), "finite inputs gave a non-finite output"
-        assert_close(g, w)
+        assert_close(g, w, conditioning=conditioning)
     if not grad:
         return
     cot = randn(torch.Generator().manual_seed(1), *got_all[0].shape)
@@ -371,7 +378,20 @@ def test_transformer_layers_agree_with_reference(data: st.DataObject) -> None:
     low, spec = rounded_pair(m.eval(), dtype)
     set_backend(low, small(draw(st.sampled_from(["auto", *BACKENDS])), draw(blocks)))
     set_backend(spec, "reference")
-    compare(low, call, spec, call, dtype, draw(st.booleans()))
+    # A whole Transformer (an encoder layer, a decoder layer and their final norms) rounds its
+    # activations in half precision at about twice the steps of one layer: its outputs get twice a
+    # layer's tolerance (with reference attention too, torch's half-precision linear and norm
+    # kernels alone exceeded one layer's on CPUs without AVX-512).
+    half = dtype in (torch.float16, torch.bfloat16)
+    compare(
+        low,
+        call,
+        spec,
+        call,
+        dtype,
+        draw(st.booleans()),
+        2.0 if kind == "transformer" and half else 1.0,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
