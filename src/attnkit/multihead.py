@@ -577,10 +577,10 @@ class MultiHeadAttention(nn.Module):
         cache write).
 
         >>> mha = MultiHeadAttention(64, 8)
-        >>> x = torch.randn(2, 100, 64)
-        >>> with torch.no_grad():  # inference (training on CPUs goes to the native kernel)
+        >>> x = torch.randn(2, 40, 64)
+        >>> with torch.no_grad():  # small inference (longer calls and training: the native kernel)
         ...     print(mha.explain(x, causal=True))  # doctest: +ELLIPSIS
-        attention call: q (2, 8, 100, 8), k (2, 8, 100, 8), v (2, 8, 100, 8) float32 on cpu, causal
+        attention call: q (2, 8, 40, 8), k (2, 8, 40, 8), v (2, 8, 40, 8) float32 on cpu, causal
         auto picks: sdpa
         ...
         """
