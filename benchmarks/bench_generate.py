@@ -8,12 +8,15 @@ transformers' default cache, a ``DynamicCache`` that grows by one token per step
 dtype serves both implementations (``set_attn_implementation``), so they run the same weights.
 
 What is measured, per dtype and implementation, in interleaved rounds (one call of each
-implementation per round, ``torch.utils.benchmark``'s ``Timer.timeit(1)``; medians):
+implementation per round, timed by ``time.perf_counter``: ``torch.utils.benchmark``'s Timer would
+run each call of tens of seconds twice more as its warm-up; medians over the rounds):
 
 * ``prefill``: the prompt's forward alone, with a fresh cache and the last position's logits,
   as ``generate`` runs it first; prefill tokens/s = batch * prompt / time.
-* ``generate``: the whole ``generate`` call; decode time = generate - prefill, decode tokens/s =
-  batch * (new - 1) / decode time (the prefill gives the first new token).
+* ``generate``: the whole ``generate`` call; its decode time runs from the first new token (which
+  the prefill gives) to the end, as a streamer passed to ``generate`` sees the tokens come, so
+  prefill and decode are told apart within one call; decode tokens/s = batch * (new - 1) / decode
+  time.
 * the share of each in attention: every attention call is timed by a wrapper around the
   implementation's attention function (the mask functions and the rest of the layer not
   included), prefill calls (more than one query) and decode calls apart.
@@ -37,7 +40,6 @@ from typing import Any
 
 import torch
 import transformers
-from torch.utils import benchmark
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -104,9 +106,27 @@ class AttentionClock:
         return out
 
 
+class TokenClock:
+    """A ``generate`` streamer that notes when each step's tokens come (the prompt's first)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, tokens: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+    def decode_seconds(self) -> float:
+        """From the first new token to the end of the call."""
+        return self.times[-1] - self.times[1]
+
+
 def _timeit(fn: Callable[[], object]) -> float:
-    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return float(timer.timeit(1).median)
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def _agreement(
@@ -155,16 +175,20 @@ def run_dtype(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         return fn
 
     outputs: dict[str, Any] = {}
+    decode: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
 
     def generate(impl: str) -> Callable[[], object]:
         def fn() -> object:
             model.set_attn_implementation(impl)
+            tokens = TokenClock()
             with torch.inference_mode():
                 outputs[impl] = model.generate(
+                    streamer=tokens,
                     input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
                     min_new_tokens=args.new, do_sample=False, output_logits=True,
                     return_dict_in_generate=True,
                 )  # fmt: skip
+            decode[impl].append(tokens.decode_seconds())
             return outputs[impl]
 
         return fn
@@ -191,7 +215,7 @@ def run_dtype(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     attn_med = {key: statistics.median(v) for key, v in attn.items()}
     for impl in IMPLEMENTATIONS:
         pre, gen = med["prefill", impl], med["generate", impl]
-        dec = gen - pre
+        dec = statistics.median(decode[impl])
         rows.append(
             {
                 "dtype": name,
