@@ -37,13 +37,19 @@ def cases(world: int) -> dict[str, tuple[dict[str, Any], str]]:
     }
 
 
-def sent_by_the_ranks(rank: int, world: int) -> dict[str, dict[str, list[int]]]:
-    """Forward and backward bytes this rank's calls record, per case and strategy."""
+def sent_by_the_ranks(rank: int, world: int, group: Any) -> dict[str, dict[str, list[int]]]:
+    """Forward and backward bytes this rank's calls record, per case and strategy, in a group of
+    ``world`` ranks (the hybrid: on the whole world's group only)."""
+    import functools
+
     import attnkit
     from attnkit.distributed import ring_attention, ulysses_attention
 
     out: dict[str, dict[str, list[int]]] = {}
-    strategies = {"ring": ring_attention, "ulysses": ulysses_attention}
+    strategies = {
+        "ring": functools.partial(ring_attention, group=group),
+        "ulysses": functools.partial(ulysses_attention, group=group),
+    }
     for heads, names in ((HEADS[world], ("ring", "ulysses")), (HYBRID_HEADS, ("hybrid",))):
         if "hybrid" in names and world != 4:
             continue
@@ -61,12 +67,31 @@ def sent_by_the_ranks(rank: int, world: int) -> dict[str, dict[str, list[int]]]:
     return out
 
 
+def every_group(rank: int, world: int) -> dict[int, dict[str, dict[str, list[int]]]]:
+    """Groups of 2 side by side, then 3 ranks, then all 4, in one run of 4 processes."""
+    import torch.distributed as dist
+
+    assert world == 4
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    three = dist.new_group([0, 1, 2])
+    out = {2: sent_by_the_ranks(rank % 2, 2, pairs[rank // 2])}
+    if rank < 3:
+        out[3] = sent_by_the_ranks(rank, 3, three)
+    out[4] = sent_by_the_ranks(rank, 4, None)
+    return out
+
+
 @functools.cache
+def reports() -> list[dict[int, dict[str, dict[str, list[int]]]]]:
+    # Rank 3 waits for the group of 3 in its next collective: a generous timeout.
+    return run_ranks(every_group, 4, timeout=300, group_timeout=200)
+
+
 def measured(world: int) -> dict[str, dict[str, list[int]]]:
-    ranks = run_ranks(sent_by_the_ranks, world, timeout=300)
+    """Each case's bytes on every rank of one group of ``world`` ranks (the first pair for 2)."""
+    ranks = [r[world] for r in reports() if world in r][:world]
     return {
-        key: {p: [r[key][p][0] for r in ranks] for p in ("forward", "backward")}
-        for key in ranks[0]
+        key: {p: [r[key][p][0] for r in ranks] for p in ("forward", "backward")} for key in ranks[0]
     }
 
 
