@@ -36,6 +36,8 @@ constexpr int64_t kDotRows = 8;
 constexpr int64_t kFewRowsStep = 64;
 // A row's keys are split into parts only down to this many keys each.
 constexpr int64_t kPartKeys = 512;
+// A call starts a thread for every this many bytes of keys and values it reads (see divide).
+constexpr int64_t kThreadBytes = int64_t(1) << 20;
 // native_forward's calls of at most this many queries (in one query block) take the decode path.
 constexpr int64_t kDecodeQueries = 16;
 
@@ -75,8 +77,8 @@ struct Decode {
   const int64_t* qrange = nullptr;
   int64_t q_total = 0;
   int64_t bq = 1, nqb = 1;  // query rows per block, query blocks
-  // Key/value heads per item, their groups, and parts of each row's keys.
-  int64_t heads = 1, groups = 1, parts = 1;
+  // Key/value heads per item, their groups, and parts of each row's keys; items per thread.
+  int64_t heads = 1, groups = 1, parts = 1, grain = 1;
 
   int64_t items() const { return c.N * groups * nqb * parts; }
   int64_t q_row(int64_t n) const { return qrange == nullptr ? n : 0; }
@@ -110,39 +112,49 @@ inline void to_l2(const char* p) {
 #endif
 }
 
+// The rows of a step's keys or values, wherever they lie (in one stretch of memory, or in pages):
+// row j is p[j] + off (off: the key/value head's place beside the first head of the item).
+template <typename T>
+struct RowList {
+  const T* const* p = nullptr;
+  int64_t off = 0;
+  const T* operator[](int64_t j) const { return p[j] + off; }
+};
+
 // The rows of keys and values of the step after this one, asked of memory while this step's
 // products run, a row for each of its keys: the hardware's prefetchers alone do not run far enough
 // ahead of a core that also computes (a decode then takes the time of its memory traffic plus that
 // of its products, instead of the larger of the two), nor across pages.
+template <typename T>
 struct Ahead {
-  const void *k = nullptr, *v = nullptr;
-  int64_t rows = 0, k_ld = 0, v_ld = 0, k_bytes = 0, v_bytes = 0;
+  RowList<T> k, v;
+  int64_t rows = 0, k_bytes = 0, v_bytes = 0;
 
-  void rows_of(int64_t first, int64_t last) const {
+  void ask(int64_t first, int64_t last) const {
     for (int64_t j = first; j < last; ++j) {
-      const char* kr = static_cast<const char*>(k) + j * k_ld;
-      const char* vr = static_cast<const char*>(v) + j * v_ld;
+      const char* kr = reinterpret_cast<const char*>(k[j]);
+      const char* vr = reinterpret_cast<const char*>(v[j]);
       for (int64_t at = 0; at < k_bytes; at += 64) to_l2(kr + at);
       for (int64_t at = 0; at < v_bytes; at += 64) to_l2(vr + at);
     }
   }
   // The rows that keys [j0, j1) of a step of n keys ask for.
   void for_keys(int64_t j0, int64_t j1, int64_t n) const {
-    if (j0 < rows) rows_of(j0, j1 >= n ? rows : std::min(j1, rows));
+    if (j0 < rows) ask(j0, j1 >= n ? rows : std::min(j1, rows));
   }
 };
 
 // s rows 0 .. R - 1 (columns j of n, ld) = alpha * a's rows . x's row j: each row of x is loaded
 // once for the R rows.
 template <typename T, int R>
-void dot_rows(int64_t n, int64_t d, T alpha, const T* a, int64_t lda, const T* x, int64_t ldx, T* s,
-              int64_t ld, const Ahead& ahead) {
+void dot_rows(int64_t n, int64_t d, T alpha, const T* a, int64_t lda, RowList<T> x, T* s,
+              int64_t ld, const Ahead<T>& ahead) {
   using V = at::vec::Vectorized<T>;
   constexpr int64_t W = V::size();
   const int64_t full = d - d % W, tail = d % W;
   for (int64_t j = 0; j < n; ++j) {
     ahead.for_keys(j, j + 1, n);
-    const T* xr = x + j * ldx;
+    const T* xr = x[j];
     V acc[R];
     for (int i = 0; i < R; ++i) acc[i] = V(T(0));
     for (int64_t e = 0; e < full; e += W) {
@@ -160,9 +172,9 @@ void dot_rows(int64_t n, int64_t d, T alpha, const T* a, int64_t lda, const T* x
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The lane sums of 16 vectors as one vector: lane i holds the sum of v[i]'s lanes. Pairs are added
-// lane by lane within 128-bit blocks, then pairs of pairs, then the four blocks: 15 adds and 30
-// shuffles for 16 sums, where one horizontal sum each would take 16 chains of 8.
+// The lane sums of 16 vectors as one vector: lane i holds the sum of v[i]'s lanes. Pairs are
+// added lane by lane within 128-bit blocks, then pairs of pairs, then the four blocks: 15 adds
+// and 30 shuffles for 16 sums, where one horizontal sum each would take 16 chains of 8.
 inline __m512 lane_sums16(const __m512 (&v)[16]) {
   __m512 t[8];
   for (int i = 0; i < 8; ++i) {
@@ -183,18 +195,18 @@ inline __m512 lane_sums16(const __m512 (&v)[16]) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// s rows 0 .. R - 1, columns 0 .. K - 1 (R K = 16) = alpha * a's rows . x's rows: 16 dot products
-// in 16 registers, each vector of a and of x loaded once for them.
+// s rows 0 .. R - 1, columns 0 .. K - 1 (R K = 16) = alpha * a's rows . x's rows 0 .. K - 1: 16
+// dot products in 16 registers, each vector of a and of x loaded once for them.
 template <int R, int K>
-inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const float* x,
-                      int64_t ldx, float* s, int64_t ld) {
+inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const float* const* x,
+                      float* s, int64_t ld) {
   static_assert(R * K == 16, "a block of 16 dot products");
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t e = 0; e < d; e += 16) {
     const __mmask16 m = d - e >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - e)) - 1);
     __m512 xv[K];
-    for (int j = 0; j < K; ++j) xv[j] = _mm512_maskz_loadu_ps(m, x + j * ldx + e);
+    for (int j = 0; j < K; ++j) xv[j] = _mm512_maskz_loadu_ps(m, x[j] + e);
     for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_maskz_loadu_ps(m, a + r * lda + e);
       for (int j = 0; j < K; ++j) acc[r * K + j] = _mm512_fmadd_ps(av, xv[j], acc[r * K + j]);
@@ -208,57 +220,139 @@ inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const
 
 // dot_rows for R rows of float32 (R = 1, 2 or 4): blocks of 16 / R keys.
 template <int R>
-void dot_blocks(int64_t n, int64_t d, float alpha, const float* a, int64_t lda, const float* x,
-                int64_t ldx, float* s, int64_t ld, const Ahead& ahead) {
+void dot_blocks(int64_t n, int64_t d, float alpha, const float* a, int64_t lda, RowList<float> x,
+                float* s, int64_t ld, const Ahead<float>& ahead) {
   constexpr int K = 16 / R;
   int64_t j = 0;
   for (; j + K <= n; j += K) {
     ahead.for_keys(j, j + K, n);
-    dot_block<R, K>(d, alpha, a, lda, x + j * ldx, ldx, s + j, ld);
+    const float* rows[K];
+    for (int i = 0; i < K; ++i) rows[i] = x[j + i];
+    dot_block<R, K>(d, alpha, a, lda, rows, s + j, ld);
   }
   if (j < n) {
     ahead.for_keys(j, n, n);
-    dot_rows<float, R>(n - j, d, alpha, a, lda, x + j * ldx, ldx, s + j, ld, Ahead{});
+    RowList<float> rest{x.p + j, x.off};
+    dot_rows<float, R>(n - j, d, alpha, a, lda, rest, s + j, ld, Ahead<float>{});
   }
 }
 #endif
 
-// s (m x n, ld) = alpha * a (m rows of width d, lda) x^T (n rows, ldx), for few rows: the BLAS's
+// s (m x n, ld) = alpha * a (m rows of width d, lda) x^T (n rows), for few rows: the BLAS's
 // dispatch and packing would cost more than these products. The next step's rows are asked for
 // once, by the first rows' products.
 template <typename T>
-void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, int64_t lda, const T* x,
-          int64_t ldx, T* s, int64_t ld, Ahead ahead) {
+void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, int64_t lda, RowList<T> x, T* s,
+          int64_t ld, Ahead<T> ahead) {
   int64_t r = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
-    for (; r + 4 <= m; r += 4, ahead = Ahead{}) {
-      dot_blocks<4>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+    for (; r + 4 <= m; r += 4, ahead = Ahead<T>{}) {
+      dot_blocks<4>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
     }
     if (m - r >= 2) {
-      dot_blocks<2>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
-      ahead = Ahead{};
+      dot_blocks<2>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
+      ahead = Ahead<T>{};
       r += 2;
     }
-    if (m - r == 1) dot_blocks<1>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+    if (m - r == 1) dot_blocks<1>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
     return;
   }
 #endif
-  for (; r + 4 <= m; r += 4, ahead = Ahead{}) {
-    dot_rows<T, 4>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+  for (; r + 4 <= m; r += 4, ahead = Ahead<T>{}) {
+    dot_rows<T, 4>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
   }
   switch (m - r) {
     case 3:
-      dot_rows<T, 3>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      dot_rows<T, 3>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
       break;
     case 2:
-      dot_rows<T, 2>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      dot_rows<T, 2>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
       break;
     case 1:
-      dot_rows<T, 1>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      dot_rows<T, 1>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
       break;
     default:
       break;
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// acc rows 0 .. R - 1 (columns of NV vectors from c0, the last holding `tail` when tail > 0) += p
+// (R x n, ld) x's rows: each value row's vectors loaded once for the R rows, the sums in
+// registers over all n keys (as tiles.h's register tiles, with the rows wherever they lie).
+template <int R, int NV>
+inline void weigh_tile(int64_t n, const float* p, int64_t ld, RowList<float> x, int64_t c0,
+                       int64_t tail, float* acc, int64_t ldc) {
+  constexpr int W = 16;
+  __m512 o[R][NV];
+  const __mmask16 last = tail > 0 ? __mmask16((1u << tail) - 1) : __mmask16(0xffff);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      o[r][v] =
+          _mm512_maskz_loadu_ps(v == NV - 1 ? last : __mmask16(0xffff), acc + r * ldc + c0 + v * W);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* xr = x[j] + c0;
+    __m512 xv[NV];
+    for (int v = 0; v < NV; ++v)
+      xv[v] = _mm512_maskz_loadu_ps(v == NV - 1 ? last : __mmask16(0xffff), xr + v * W);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * ld + j]);
+      for (int v = 0; v < NV; ++v) o[r][v] = _mm512_fmadd_ps(w, xv[v], o[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      _mm512_mask_storeu_ps(acc + r * ldc + c0 + v * W, v == NV - 1 ? last : __mmask16(0xffff),
+                            o[r][v]);
+}
+
+template <int R>
+void weigh_rows_of(int64_t n, int64_t dv, const float* p, int64_t ld, RowList<float> x, float* acc,
+                   int64_t ldc) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= dv; c0 += 64) weigh_tile<R, 4>(n, p, ld, x, c0, 0, acc, ldc);
+  for (; c0 < dv; c0 += 16) {
+    weigh_tile<R, 1>(n, p, ld, x, c0, dv - c0 >= 16 ? 0 : dv - c0, acc, ldc);
+  }
+}
+#endif
+
+// acc (m rows, dv wide) += p (m x n, ld) x (n rows wherever they lie), for few rows.
+template <typename T>
+void weigh(int64_t m, int64_t n, int64_t dv, const T* p, int64_t ld, RowList<T> x, T* acc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) weigh_rows_of<4>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+    switch (m - r) {
+      case 3:
+        weigh_rows_of<3>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+        break;
+      case 2:
+        weigh_rows_of<2>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+        break;
+      case 1:
+        weigh_rows_of<1>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+        break;
+      default:
+        break;
+    }
+    return;
+  }
+#endif
+  using V = at::vec::Vectorized<T>;
+  for (int64_t r = 0; r < m; ++r) {
+    T* o = acc + r * dv;
+    for (int64_t j = 0; j < n; ++j) {
+      const V w(p[r * ld + j]);
+      const T* xr = x[j];
+      int64_t e = 0;
+      for (; e + V::size() <= dv; e += V::size()) {
+        at::vec::fmadd(w, V::loadu(xr + e), V::loadu(o + e)).store(o + e);
+      }
+      for (; e < dv; ++e) o[e] += p[r * ld + j] * xr[e];
+    }
   }
 }
 
@@ -269,6 +363,8 @@ struct DecodeBuffers {
   std::vector<T> q, s, pos, acc, m, l;
   std::vector<T> t;             // a careful step's terms alone (see run_step)
   std::vector<uint8_t> hidden;  // a careful step's hidden pairs
+  // The rows of this step's keys and values, and of the next step's, for the item's first head.
+  std::vector<const T*> keys, values, next_keys, next_values;
   explicit DecodeBuffers(const Decode<T>& d)
       : q(d.heads * d.rows() * d.c.Dk),
         s(d.rows() * kStep),
@@ -277,7 +373,11 @@ struct DecodeBuffers {
         m(d.heads * d.rows()),
         l(d.heads * d.rows()),
         t(d.rows() * kStep),
-        hidden(d.rows() * kStep) {}
+        hidden(d.rows() * kStep),
+        keys(kStep),
+        values(kStep),
+        next_keys(kStep),
+        next_values(kStep) {}
 };
 
 // Where an item is: batch row, first key/value head and how many, query block and its rows, part.
@@ -325,8 +425,8 @@ void add_terms(const Call<T>& c, DecodeBuffers<T>& b, int64_t n, int64_t hk, int
 // row sees makes that dimension of its output NaN, whatever its weight (the non-finite policy: the
 // reference gives NaN there, also where the weight underflows to 0).
 template <typename T>
-void weigh_seen(int64_t nr, int64_t nk, int64_t dv, const T* p, const uint8_t* hidden, const T* x,
-                int64_t ldx, T* acc) {
+void weigh_seen(int64_t nr, int64_t nk, int64_t dv, const T* p, const uint8_t* hidden, RowList<T> x,
+                T* acc) {
   using V = at::vec::Vectorized<T>;
   const V zero(T(0));
   for (int64_t r = 0; r < nr; ++r) {
@@ -334,7 +434,7 @@ void weigh_seen(int64_t nr, int64_t nk, int64_t dv, const T* p, const uint8_t* h
     for (int64_t j = 0; j < nk; ++j) {
       if (hidden[r * nk + j]) continue;
       const V w(p[r * nk + j]);
-      const T* xr = x + j * ldx;
+      const T* xr = x[j];
       int64_t e = 0;
       for (; e + V::size() <= dv; e += V::size()) {
         const V xv = V::loadu(xr + e);  // xv * 0: 0, or NaN where xv is NaN or inf
@@ -346,28 +446,22 @@ void weigh_seen(int64_t nr, int64_t nk, int64_t dv, const T* p, const uint8_t* h
 }
 
 // One step of keys [vis[0], vis[1]) for rows vis[2]:vis[3] of the query block at qs of head (n,
-// hk), hh the head's place in its item: scores, online softmax, dropout, weighted values.
+// hk), hh the head's place in its item: scores, online softmax, dropout, weighted values. keys and
+// values: the step's rows; ahead: the next step's, asked for while these products run.
 template <typename T>
 void run_step(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, int64_t n, int64_t hk,
-              int64_t hh, int64_t qs, const int64_t* vis, int64_t col0, int64_t next,
-              bool careful) {
+              int64_t hh, int64_t qs, const int64_t* vis, int64_t col0, RowList<T> keys,
+              RowList<T> values, const Ahead<T>& ahead, bool careful) {
   const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], r1 = vis[3];
   const int64_t G = c.G, R = d.rows(), first = r0 * G, nr = (r1 - r0) * G;
   T* s = b.s.data();
   const T* qrows = b.q.data() + (hh * R + first) * c.Dk;
   const T alpha = product_factor(c);
-  const Ahead ahead = next > 0 ? Ahead{d.k.at(n, hk, vis[1]),
-                                       d.v.at(n, hk, vis[1]),
-                                       next,
-                                       d.k.x.ld() * int64_t(sizeof(T)),
-                                       d.v.x.ld() * int64_t(sizeof(T)),
-                                       c.Dk * int64_t(sizeof(T)),
-                                       c.Dv * int64_t(sizeof(T))}
-                               : Ahead{};
-  if (nr <= kDotRows) {
-    dots<T>(nr, nk, c.Dk, alpha, qrows, c.Dk, d.k.at(n, hk, ks), d.k.x.ld(), s, nk, ahead);
-  } else {
-    ahead.rows_of(0, ahead.rows);
+  const bool few = nr <= kDotRows;
+  if (few) {
+    dots<T>(nr, nk, c.Dk, alpha, qrows, c.Dk, keys, s, nk, ahead);
+  } else {  // the step lies in one page (see run_visit)
+    ahead.for_keys(0, nk, nk);
     gemm<T>(c.register_tiles, false, true, nr, nk, c.Dk, alpha, qrows, c.Dk, d.k.at(n, hk, ks),
             d.k.x.ld(), T(0), s, nk);
   }
@@ -401,25 +495,48 @@ void run_step(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, int64_t
       drop(c, n, hk * G + g, qs + r0, ks, r1 - r0, nk, s + g * nk, G * nk);
   }
   if (careful) {
-    weigh_seen(nr, nk, c.Dv, s, b.hidden.data(), d.v.at(n, hk, ks), d.v.x.ld(), acc);
+    weigh_seen(nr, nk, c.Dv, s, b.hidden.data(), values, acc);
+  } else if (few) {
+    weigh<T>(nr, nk, c.Dv, s, nk, values, acc);
   } else {
     gemm<T>(c.register_tiles, false, false, nr, c.Dv, nk, T(1), s, nk, d.v.at(n, hk, ks),
             d.v.x.ld(), T(1), acc, c.Dv);
   }
 }
 
-// The part's stretch of keys [first, last) of a visit's keys [ks, ke), in steps (cut at pages), for
-// each key/value head of the item.
+// The rows of keys [j0, j1) of (n, hk): out[j - j0].
+template <typename T>
+void rows_of_keys(const Pages<T>& x, int64_t n, int64_t hk, int64_t j0, int64_t j1, const T** out) {
+  for (int64_t j = j0; j < j1;) {
+    const int64_t e = x.page_end(j, j1), ld = x.x.ld();
+    const T* p = x.at(n, hk, j);
+    for (int64_t i = j; i < e; ++i) out[i - j0] = p + (i - j) * ld;
+    j = e;
+  }
+}
+
+// The part's stretch of keys [first, last) of a visit's keys [ks, ke), in steps, for each
+// key/value head of the item. Steps of few rows span pages (their products read rows wherever
+// they lie); others are cut at pages (their GEMMs read rows at one stride).
 template <typename T>
 void run_visit(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, const Item& it,
                const int64_t* vis, int64_t first, int64_t last, bool careful) {
   // Few rows take shorter steps: the products of a step's keys and of its values then alternate
   // often enough for the prefetches of the next keys and values to stay ahead of both.
-  const int64_t len = (vis[3] - vis[2]) * c.G <= kDotRows ? kFewRowsStep : kStep;
-  for (int64_t ks = first; ks < last;) {
-    const int64_t ke = d.k.page_end(ks, std::min(last, ks + len));
-    // The next step's keys (in their page), asked for while this step's are read.
-    const int64_t next = ke < last ? d.k.page_end(ke, std::min(last, ke + len)) - ke : 0;
+  const bool few = (vis[3] - vis[2]) * c.G <= kDotRows;
+  const int64_t len = few ? kFewRowsStep : kStep;
+  auto end_of = [&](int64_t ks) {
+    const int64_t e = std::min(last, ks + len);
+    return few ? e : d.k.page_end(ks, e);
+  };
+  const int64_t n = it.n, hk0 = it.hk0;
+  int64_t ks = first, ke = end_of(first);
+  rows_of_keys(d.k, n, hk0, ks, ke, b.keys.data());
+  rows_of_keys(d.v, n, hk0, ks, ke, b.values.data());
+  while (ks < last) {
+    const int64_t after = ke < last ? end_of(ke) : ke;
+    rows_of_keys(d.k, n, hk0, ke, after, b.next_keys.data());
+    rows_of_keys(d.v, n, hk0, ke, after, b.next_values.data());
     int64_t step[6] = {ks, ke, vis[2], vis[3], vis[4], vis[5]};
     // A band alone: a step every row sees whole needs no mask.
     if (step[4] && c.band && c.key_ok == nullptr && c.tiles == nullptr) {
@@ -428,9 +545,20 @@ void run_visit(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, const 
       if (a <= double(ks) && z >= double(ke - 1)) step[4] = 0;
     }
     for (int64_t hh = 0; hh < it.heads; ++hh) {
-      run_step(d, c, b, it.n, it.hk0 + hh, hh, it.qs, step, ks - vis[0], next, careful);
+      const int64_t ko = hh * d.k.x.s[1], vo = hh * d.v.x.s[1];  // head hk0 + hh's rows
+      Ahead<T> ahead;
+      ahead.k = {b.next_keys.data(), ko};
+      ahead.v = {b.next_values.data(), vo};
+      ahead.rows = after - ke;
+      ahead.k_bytes = c.Dk * int64_t(sizeof(T));
+      ahead.v_bytes = c.Dv * int64_t(sizeof(T));
+      run_step(d, c, b, n, hk0 + hh, hh, it.qs, step, ks - vis[0], RowList<T>{b.keys.data(), ko},
+               RowList<T>{b.values.data(), vo}, ahead, careful);
     }
+    std::swap(b.keys, b.next_keys);
+    std::swap(b.values, b.next_values);
     ks = ke;
+    ke = after;
   }
 }
 
@@ -618,7 +746,7 @@ void decode_impl(const Decode<T>& d, const Rows<T*>& out, T* lse) {
   const int64_t items = d.items();
   Parts<T> parts(d);
   std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, items, d.grain, [&](int64_t, int64_t) {
     OneBlasThread one;
     DecodeBuffers<T> b(d);
     for (int64_t item = claim(next); item < items; item = claim(next)) {
@@ -644,6 +772,11 @@ void divide(Decode<T>& d, int64_t span) {
   if (base > 0 && base < want) {
     d.parts = std::max<int64_t>(1, std::min((want + base - 1) / base, span / kPartKeys));
   }
+  // A thread for at least kThreadBytes of keys and values: starting another costs more than a
+  // small call (and on a busy core, where it may wait for a time slice, far more).
+  const int64_t item_bytes =
+      std::max<int64_t>(1, (span / d.parts) * d.heads * (d.c.Dk + d.c.Dv) * int64_t(sizeof(T)));
+  d.grain = std::max<int64_t>(1, kThreadBytes / item_bytes);
 }
 
 template <typename T>
