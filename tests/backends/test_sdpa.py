@@ -313,3 +313,6 @@ def test_auto_trains_bfloat16_natively_on_cpus_without_bfloat16_products(
     assert report.chosen == ("sdpa" if products else "chunked")
     half = torch.zeros(1, 8, 256, 64, dtype=torch.float16)
     assert attnkit.explain(half, half, half).chosen == ("sdpa" if products else "chunked")
+    with torch.enable_grad():
+        report = attnkit.explain(half.requires_grad_(), half, half)
+    assert ("slow half in float16" in " ".join(report.slower["sdpa"])) == (not products)

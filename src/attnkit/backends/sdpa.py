@@ -64,8 +64,9 @@ _CPU_DECODE_BYTES = 8 << 20
 # bfloat16 kernel matches (1.04x at T=4096 causal, 1.2-2.4x below T=256).
 # On CPUs that multiply bfloat16 (AVX512-BF16, AMX) or float16 (AMX-FP16) in their vector units,
 # which torch's kernels use, only the decode rule holds (it is about memory traffic, not products).
-# Training in bfloat16 goes to the native kernel on CPUs without bfloat16 products: torch's CPU
-# bfloat16 backward is its slow half there (fwd+bwd at T=4096 causal: the native kernel 0.16x).
+# Training in bfloat16/float16 goes to the native kernel on CPUs without those products: torch's
+# CPU backward is its slow half there (fwd+bwd at T=4096 causal: the native kernel 0.16x torch's
+# time in bfloat16, 0.09x in float16).
 _CPU_DECODE_BYTES_REDUCED = 1 << 20
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -257,12 +258,13 @@ def sdpa_slower(call: AttentionCall) -> list[str]:
     elif (
         call.requires_grad
         and call.device.type == "cpu"
-        and call.dtype == torch.bfloat16
-        and not _products_in(torch.bfloat16)
+        and call.dtype in _REDUCED
+        and not _products_in(call.dtype)
     ):
+        name = str(call.dtype).removeprefix("torch.")
         slow.append(
-            "trains slower on CPUs: torch's CPU backward is its slow half in bfloat16 on CPUs "
-            "without bfloat16 products (6x the native kernel's training step at T=4096)"
+            f"trains slower on CPUs: torch's CPU backward is its slow half in {name} on CPUs "
+            f"without {name} products (6-11x the native kernel's training step at T=4096)"
         )
     elif call.device.type == "cpu" and call.dtype in _CPU_SLOW_BACKWARD:
         slow += _slow_forward(call)
