@@ -132,7 +132,7 @@ def main() -> None:
         rows = inference(lengths, rounds, 0.3 if args.quick else 1.0)
         if args.json:
             config = {"B": B, "H": H, "D": D, "dtype": "float32", "rounds": rounds}
-            results.save(args.json, "auto", rows, config=config | {"pass": "inference"})
+            results.save(args.json, "auto_inference", rows, config=config | {"pass": "inference"})
         return
 
     rows = []

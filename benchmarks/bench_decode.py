@@ -1,12 +1,14 @@
 """Decoding against a long KV cache: attnkit, torch SDPA and the memory floor, side by side.
 
-float32, B=8, H=32 query heads, Hkv=8 key/value heads, D=128, one query per row against a cache
-of 4096 tokens (256 MiB of keys and values). Every candidate runs in interleaved rounds of
+B=8, H=32 query heads, Hkv=8 key/value heads, D=128, one query per row against a cache of 4096
+tokens (256 MiB of keys and values in float32, 128 MiB in bfloat16 or float16), in each dtype of
+``--dtype`` (float32 by default). Every candidate runs in interleaved rounds of
 ``torch.utils.benchmark``; the table gives each one's median over the rounds, its worst round,
-and its ratios to the memory floor and to torch SDPA measured in the same run.
+and its ratios to the memory floor, to torch SDPA (or the contiguous cache) and to the same
+candidate in float32, measured in the same run.
 
-* floor: ``x.sum()`` over a tensor of the keys' and values' bytes: the time to read them once at
-  the read bandwidth torch's own reduction reaches on this machine.
+* floor: ``x.sum()`` over a float32 tensor of the keys' and values' bytes in that dtype: the time
+  to read them once at the read bandwidth torch's own reduction reaches on this machine.
 * decode: ``attnkit.attention`` with the chunked backend (the native kernel's decode path) and
   with ``auto``, against ``F.scaled_dot_product_attention(..., enable_gqa=True)``; the cache laid
   out ``(B, Hkv, T, D)``.
@@ -23,6 +25,7 @@ and its ratios to the memory floor and to torch SDPA measured in the same run.
 quiet and busy rounds and adds each candidate's busy median over its quiet median.
 
     python benchmarks/bench_decode.py
+    python benchmarks/bench_decode.py --dtype float32 bfloat16 float16
     python benchmarks/bench_decode.py --load both --rounds 7 --json docs/benchmarks/data/decode.json
 """
 
@@ -45,13 +48,17 @@ import results
 
 B, H, HKV, D, T = 8, 32, 8, 128, 4096
 CASES = ["decode", "kvcache", "modules"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
-def _decode() -> dict[str, Callable[[], object]]:
+def _decode(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, 1, D, generator=g)
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
     k, v = torch.randn(B, HKV, T, D, generator=g), torch.randn(B, HKV, T, D, generator=g)
-    floor = torch.randn(2 * B * HKV * T * D, generator=g)  # the bytes of k and v, read once
+    k, v = k.to(dtype), v.to(dtype)
+    # the bytes of k and v, read once (as float32 elements)
+    floor = torch.randn(2 * B * HKV * T * D * dtype.itemsize // 4, generator=g)
     return {
         "floor": lambda: floor.sum(),
         "chunked": lambda: attnkit.attention(q, k, v, backend="chunked"),
@@ -70,12 +77,12 @@ def _pages(
     return pages, order.view(B, T // page).int()
 
 
-def _kvcache() -> dict[str, Callable[[], object]]:
+def _kvcache(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(B, 1, H, D, generator=g)
+    q = torch.randn(B, 1, H, D, generator=g).to(dtype)
     k_cache, v_cache = (
-        torch.randn(B, T, HKV, D, generator=g),
-        torch.randn(B, T, HKV, D, generator=g),
+        torch.randn(B, T, HKV, D, generator=g).to(dtype),
+        torch.randn(B, T, HKV, D, generator=g).to(dtype),
     )
     seqlens = torch.full((B,), T, dtype=torch.int32)
     fns: dict[str, Callable[[], object]] = {
@@ -135,9 +142,53 @@ def _modules() -> dict[str, Callable[[], object]]:
     return fns
 
 
+def _candidates(case: str, names: list[str]) -> dict[str, Callable[[], object]]:
+    """Every candidate of ``case`` in every dtype, named ``"<candidate> <dtype>"``."""
+    if case == "modules":  # attnkit's caches in float32 only
+        return {f"{cand} f32": fn for cand, fn in _modules().items()}
+    make = _decode if case == "decode" else _kvcache
+    fns: dict[str, Callable[[], object]] = {}
+    for name in names:
+        for cand, fn in make(DTYPES[name]).items():
+            fns[f"{cand} {SHORT[name]}"] = fn
+    return fns
+
+
+def _row(
+    case: str,
+    name: str,
+    busy: bool,
+    samples: dict[tuple[str, bool], list[float]],
+    dtypes: list[str],
+) -> dict[str, Any]:
+    """One candidate's row: its median and worst round, and its ratios to the floor (decode), to
+    the case's base in its dtype and to itself in float32 (when measured)."""
+    cand, short = name.rsplit(" ", 1)
+    s = samples[name, busy]
+    med = statistics.median(s)
+    base = {"decode": "sdpa", "kvcache": "contiguous", "modules": "kvcache"}[case] + f" {short}"
+    row: dict[str, Any] = {
+        "case": case,
+        "candidate": cand,
+        "dtype": next(d for d in DTYPES if SHORT[d] == short),
+        "load": "busy" if busy else "quiet",
+        "seconds": med,
+        "worst_seconds": max(s),
+        "rounds": len(s),
+        "baseline": base,
+        "ratio": med / statistics.median(samples[base, busy]),
+    }
+    if case == "decode":
+        row["over_floor"] = med / statistics.median(samples[f"floor {short}", busy])
+    if short != "f32" and (f"{cand} f32", busy) in samples:
+        row["over_float32"] = med / statistics.median(samples[f"{cand} f32", busy])
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
+    parser.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--load", choices=["quiet", "busy", "both"], default="quiet")
@@ -149,53 +200,35 @@ def main() -> None:
     _, why = attnkit._native.status()
     print(
         f"native kernel: {why}; threads {args.threads}; load: {args.load}; loadavg {before:.2f}; "
-        f"B={B} H={H} Hkv={HKV} D={D} T={T} float32"
+        f"B={B} H={H} Hkv={HKV} D={D} T={T} {' '.join(args.dtype)}"
     )
     spinner = Load() if args.load != "quiet" else None
     rows: list[dict[str, Any]] = []
-    head = f"{'case':<8} {'candidate':<13} {'load':<6} {'median ms':>10} {'worst ms':>9}"
+    head = f"{'case':<8} {'candidate':<18} {'load':<6} {'median ms':>10} {'worst ms':>9}"
     print(
         head
-        + f" {'/ floor':>8} {'/ base':>7}"
+        + f" {'/ floor':>8} {'/ base':>7} {'/ f32':>6}"
         + (f" {'busy/quiet':>10}" if args.load == "both" else "")
     )
     try:
         with torch.inference_mode():
             for case in args.cases:
-                fns = {"decode": _decode, "kvcache": _kvcache, "modules": _modules}[case]()
-                base = {"decode": "sdpa", "kvcache": "contiguous", "modules": "kvcache"}[case]
+                fns = _candidates(case, args.dtype)
                 samples = measure(fns, args.rounds, loads, spinner)
                 for name in fns:
                     for busy in loads:
-                        s = samples[name, busy]
-                        med = statistics.median(s)
-                        floor = (
-                            statistics.median(samples["floor", busy]) if case == "decode" else None
-                        )
-                        row: dict[str, Any] = {
-                            "case": case,
-                            "candidate": name,
-                            "load": "busy" if busy else "quiet",
-                            "seconds": med,
-                            "worst_seconds": max(s),
-                            "rounds": len(s),
-                            "baseline": base,
-                            "ratio": med / statistics.median(samples[base, busy]),
-                        }
+                        row = _row(case, name, busy, samples, args.dtype)
+                        floor = f"{row['over_floor']:.2f}" if "over_floor" in row else ""
+                        f32 = f"{row['over_float32']:.2f}" if "over_float32" in row else ""
                         line = (
-                            f"{case:<8} {name:<13} {row['load']:<6} {med * 1e3:>10.1f} "
-                            f"{max(s) * 1e3:>9.1f}"
+                            f"{case:<8} {name:<18} {row['load']:<6} "
+                            f"{row['seconds'] * 1e3:>10.1f} {row['worst_seconds'] * 1e3:>9.1f} "
+                            f"{floor:>8} {row['ratio']:>7.2f} {f32:>6}"
                         )
-                        if floor is not None:
-                            row["over_floor"] = med / floor
-                            line += f" {med / floor:>8.2f}"
-                        else:
-                            line += f" {'':>8}"
-                        line += f" {row['ratio']:>7.2f}"
                         if busy and args.load == "both":
                             quiet = statistics.median(samples[name, False])
-                            row["busy_ratio"] = med / quiet
-                            line += f" {med / quiet:>10.2f}"
+                            row["busy_ratio"] = row["seconds"] / quiet
+                            line += f" {row['busy_ratio']:>10.2f}"
                         print(line, flush=True)
                         rows.append(row)
     finally:
@@ -210,7 +243,7 @@ def main() -> None:
             "Hkv": HKV,
             "D": D,
             "T": T,
-            "dtype": "float32",
+            "dtype": args.dtype[0] if len(args.dtype) == 1 else args.dtype,
             "threads": args.threads,
             "rounds": args.rounds,
             "load": args.load,

@@ -1,10 +1,12 @@
 """The native CPU kernel against torch SDPA (and attnkit's eager kernel), side by side in one run.
 
-float32, B=1 H=8 D=64. Each row times the chunked backend on its native kernel ("native") and
-torch's ``scaled_dot_product_attention`` ("sdpa"), with ``--eager`` also the same backend on its
-eager kernel with every block in attnkit's own code ("eager", ``Chunked(native=False,
-fused_rows=None)``), in interleaved rounds of ``torch.utils.benchmark``; the table gives each
-one's median over the rounds, the worst round, and the ratio of medians to SDPA.
+B=1 H=8 D=64, in each dtype of ``--dtype`` (float32 by default; bfloat16 and float16 inputs are
+rounded from the same float32 numbers). Each row times the chunked backend on its native kernel
+("native") and torch's ``scaled_dot_product_attention`` ("sdpa"), with ``--eager`` also the same
+backend on its eager kernel with every block in attnkit's own code ("eager",
+``Chunked(native=False, fused_rows=None)``), in interleaved rounds of ``torch.utils.benchmark``;
+the table gives each one's median over the rounds, the worst round, the ratio of medians to SDPA
+in the same dtype, and for other dtypes the ratio to the same candidate in float32.
 
 * plain, causal, softcap: T=4096; softcap (30) against SDPA without softcap (which has none).
 * window: ``masks.sliding_window(512)`` at T=65536 against SDPA on the 128 independent 512-token
@@ -21,6 +23,7 @@ candidate, its busy median and its worst busy round over its quiet median. ``--m
 native call's extra peak memory (beyond its inputs, output and gradients, in a fresh process).
 
     python benchmarks/bench_native.py --threads 2
+    python benchmarks/bench_native.py --cases causal --dtype float32 bfloat16 --backward
     python benchmarks/bench_native.py --backward --load both --rounds 10 --cases causal window
     python benchmarks/bench_native.py --cases documents --memory --json native.json
 """
@@ -55,9 +58,13 @@ def _spin() -> None:
         pass
 
 
-def _qkv(t: int, grad: bool) -> list[torch.Tensor]:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _qkv(t: int, grad: bool, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(1, H, t, D, generator=g).requires_grad_(grad) for _ in range(3)]
+    return [torch.randn(1, H, t, D, generator=g).to(dtype).requires_grad_(grad) for _ in range(3)]
 
 
 def _document_lengths(t: int, n: int) -> list[int]:
@@ -89,24 +96,28 @@ def _step(fn: Callable[[], Output], backward: bool) -> Callable[[], object]:
     return step
 
 
-def _case(case: str, grad: bool) -> tuple[list[torch.Tensor], dict[str, Any]]:
+def _case(
+    case: str, grad: bool, dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """The inputs and the keyword arguments of ``case``'s attnkit call."""
     if case == "window":
-        return _qkv(65536, grad), {"mask": masks.sliding_window(512)}
+        return _qkv(65536, grad, dtype), {"mask": masks.sliding_window(512)}
     if case == "documents":
-        return _qkv(32768, grad), {"mask": masks.documents([1024] * 32)}
+        return _qkv(32768, grad, dtype), {"mask": masks.documents([1024] * 32)}
     if case == "documents_unequal":
-        return _qkv(32768, grad), {"mask": masks.documents(_document_lengths(32768, 32))}
+        return _qkv(32768, grad, dtype), {"mask": masks.documents(_document_lengths(32768, 32))}
     kw: dict[str, Any] = {"causal": case == "causal"}
     if case == "softcap":
         kw["softcap"] = 30.0
-    return _qkv(4096, grad), kw
+    return _qkv(4096, grad, dtype), kw
 
 
-def build(case: str, backward: bool, eager_too: bool) -> dict[str, Callable[[], object]]:
+def build(
+    case: str, backward: bool, eager_too: bool, dtype: torch.dtype = torch.float32
+) -> dict[str, Callable[[], object]]:
     """The calls of one row: native, SDPA and (``eager_too``) eager."""
     native, eager = Chunked(), Chunked(native=False, fused_rows=None)
-    (q, k, v), kw = _case(case, backward)
+    (q, k, v), kw = _case(case, backward, dtype)
 
     def ours(backend: Chunked) -> Callable[[], torch.Tensor]:
         return lambda: attnkit.attention(q, k, v, backend=backend, **kw)
@@ -208,6 +219,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float32"])
     parser.add_argument("--load", choices=["quiet", "busy", "both"], default="quiet")
     parser.add_argument("--busy", action="store_true", help="the same as --load busy")
     parser.add_argument("--eager", action="store_true", help="also time the eager kernel")
@@ -226,11 +238,15 @@ def main() -> None:
     pass_ = "fwd+bwd" if args.backward else "forward"
     try:
         head = (
-            f"{'case':<18} {'what':<7} {'load':<6} {'median ms':>10} {'worst ms':>9} {'/ sdpa':>7}"
+            f"{'case':<18} {'what':<12} {'load':<6} {'median ms':>10} {'worst ms':>9} {'/ sdpa':>7}"
         )
         print(head + (f" {'busy/quiet':>10} {'worst/quiet':>11}" if load == "both" else ""))
         for case in args.cases:
-            fns = build(case, args.backward, args.eager)
+            fns = {
+                f"{name} {SHORT[d]}": fn
+                for d in args.dtype
+                for name, fn in build(case, args.backward, args.eager, DTYPES[d]).items()
+            }
             samples = measure(fns, args.rounds, loads, spinner)
             mem = None
             if args.memory:
@@ -241,25 +257,30 @@ def main() -> None:
                 for busy in loads:
                     s = samples[name, busy]
                     med, worst = statistics.median(s), max(s)
+                    cand, short = name.rsplit(" ", 1)
                     row: dict[str, Any] = {
                         "case": case,
                         "pass": pass_,
-                        "candidate": name,
+                        "candidate": cand,
+                        "dtype": next(d for d in args.dtype if SHORT[d] == short),
                         "load": "busy" if busy else "quiet",
                         "seconds": med,
                         "worst_seconds": worst,
                         "rounds": len(s),
-                        "ratio": med / statistics.median(samples["sdpa", busy]),
+                        "ratio": med / statistics.median(samples[f"sdpa {short}", busy]),
                     }
                     line = (
-                        f"{case:<18} {name:<7} {row['load']:<6} {med * 1e3:>10.1f} "
+                        f"{case:<18} {name:<12} {row['load']:<6} {med * 1e3:>10.1f} "
                         f"{worst * 1e3:>9.1f} {row['ratio']:>7.2f}"
                     )
+                    if short != "f32" and (f"{cand} f32", busy) in samples:
+                        row["over_float32"] = med / statistics.median(samples[f"{cand} f32", busy])
+                        line += f"  / f32 {row['over_float32']:.2f}"
                     if busy and load == "both":
                         quiet = statistics.median(samples[name, False])
                         row["busy_ratio"], row["worst_ratio"] = med / quiet, worst / quiet
                         line += f" {med / quiet:>10.2f} {worst / quiet:>11.2f}"
-                    if name == "native" and mem is not None and busy == loads[0]:
+                    if cand == "native" and mem is not None and busy == loads[0]:
                         row["extra_bytes"] = mem
                         line += f"  extra {mem / 2**20:.1f} MiB"
                     print(line, flush=True)
@@ -273,7 +294,7 @@ def main() -> None:
         config = {
             "H": H,
             "D": D,
-            "dtype": "float32",
+            "dtype": args.dtype[0] if len(args.dtype) == 1 else args.dtype,
             "threads": args.threads,
             "rounds": args.rounds,
             "load": load,

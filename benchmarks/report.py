@@ -332,7 +332,11 @@ def _multihead(run: Run, images: dict[str, bytes]) -> str:
 def _native(run: Run, images: dict[str, bytes]) -> str:
     rows = run.rows
     busy = any(r.get("busy_ratio") is not None for r in rows)
-    headers = ["case", "pass", "candidate", "load", "median ms", "worst ms", "ratio to sdpa"]
+    dtypes = any("dtype" in r for r in rows)  # runs of several dtypes name each row's
+    headers = ["case", "pass", "candidate", *(["dtype"] if dtypes else []), "load", "median ms"]
+    headers += ["worst ms", "ratio to sdpa"]
+    if dtypes:
+        headers.append("/ float32")
     if busy:
         headers += ["busy / quiet", "worst busy / quiet"]
     headers.append("extra MiB")
@@ -343,20 +347,75 @@ def _native(run: Run, images: dict[str, bytes]) -> str:
                 r["case"],
                 r["pass"],
                 r["candidate"],
+                *([r.get("dtype", "float32")] if dtypes else []),
                 r["load"],
                 _ms(r["seconds"]),
                 _ms(r["worst_seconds"]),
                 _ratio(r["ratio"]),
+                *([_ratio(r.get("over_float32"))] if dtypes else []),
                 *([_ratio(r.get("busy_ratio")), _ratio(r.get("worst_ratio"))] if busy else []),
                 _mib(r.get("extra_bytes")),
             ]
             for r in rows
         ],
-        right=tuple(range(4, len(headers))),
+        right=tuple(range(5 if dtypes else 4, len(headers))),
     )
     load = run.config.get("loadavg")
     note = "" if load is None else f"\n\nLoad average (1 min) at the start and the end: {load}."
     return f"{body}{note}"
+
+
+def _decode(run: Run, images: dict[str, bytes]) -> str:
+    rows = run.rows
+    busy = any(r.get("busy_ratio") is not None for r in rows)
+    headers = ["case", "candidate", "dtype", "load", "median ms", "worst ms", "/ floor", "/ base"]
+    headers += ["/ float32", *(["busy / quiet"] if busy else [])]
+    body = table(
+        headers,
+        [
+            [
+                r["case"],
+                r["candidate"],
+                r.get("dtype", "float32"),
+                r["load"],
+                _ms(r["seconds"]),
+                _ms(r["worst_seconds"]),
+                _ratio(r.get("over_floor")),
+                _ratio(r["ratio"]),
+                _ratio(r.get("over_float32")),
+                *([_ratio(r.get("busy_ratio"))] if busy else []),
+            ]
+            for r in rows
+        ],
+        right=tuple(range(4, len(headers))),
+    )
+    note = (
+        '\n\n"/ floor": over the time to read the keys and values once (`x.sum()` over as many '
+        'bytes); "/ base": over torch SDPA (decode), the contiguous cache (kvcache) or KVCache '
+        '(modules) in the same dtype; "/ float32": over the same candidate in float32.'
+    )
+    load = run.config.get("loadavg")
+    if load is not None:
+        note += f" Load average (1 min) at the start and the end: {load}."
+    return f"{body}{note}"
+
+
+def _auto(run: Run, images: dict[str, bytes]) -> str:
+    return table(
+        ["dtype", "case", "size", "sdpa ms", "chunked ms", "chunked / sdpa"],
+        [
+            [
+                r["dtype"],
+                r["case"],
+                r["size"],
+                _ms(r["sdpa_seconds"]),
+                _ms(r["chunked_seconds"]),
+                _ratio(r["ratio"]),
+            ]
+            for r in run.rows
+        ],
+        right=(3, 4, 5),
+    )
 
 
 # The paired ratio of a relative row (see bench_relative.paired_ratios): blank for data without.
@@ -857,7 +916,7 @@ def _generate(run: Run, images: dict[str, bytes]) -> str:
     return body + "".join(f"\n\n{n}" for n in notes)
 
 
-def _auto(run: Run, images: dict[str, bytes]) -> str:
+def _auto_inference(run: Run, images: dict[str, bytes]) -> str:
     body = table(
         ["T", "causal", "auto (ms)", "sdpa (ms)", "chunked (ms)", "auto / faster", "auto picks",
          "why not the other"],
@@ -875,21 +934,6 @@ def _auto(run: Run, images: dict[str, bytes]) -> str:
     )
 
 
-def _decode(run: Run, images: dict[str, bytes]) -> str:
-    busy = any(r.get("busy_ratio") is not None for r in run.rows)
-    return table(
-        ["case", "candidate", "load", "median (ms)", "worst round (ms)", "/ floor", "/ baseline",
-         *(["busy / quiet"] if busy else [])],
-        [
-            [r["case"], r["candidate"], r["load"], _ms(r["seconds"]), _ms(r["worst_seconds"]),
-             _ratio(r.get("over_floor")), f"{_ratio(r['ratio'])} ({r['baseline']})",
-             *([_ratio(r.get("busy_ratio"))] if busy else [])]
-            for r in run.rows
-        ],
-        right=(3, 4, 5, 6, 7),
-    )  # fmt: skip
-
-
 SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str], str]] = {
     # name: (renderer, config keys worth a line, the command that produces it)
     "backends": (
@@ -904,6 +948,12 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         ("H", "D", "dtype", "threads", "rounds", "load"),
         "python benchmarks/bench_native.py",
     ),
+    "decode": (
+        _decode,
+        ("B", "H", "Hkv", "D", "T", "dtype", "threads", "rounds", "load"),
+        "python benchmarks/bench_decode.py",
+    ),
+    "auto": (_auto, ("threads", "rounds"), "python benchmarks/bench_auto.py"),
     "floor": (_floor, ("H", "D", "threads"), "python benchmarks/bench_floor.py"),
     "compile": (
         _compile,
@@ -948,15 +998,10 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         ("B", "prompt", "new", "layers", "hidden", "H", "Hkv", "cache", "transformers"),
         "python benchmarks/bench_generate.py",
     ),
-    "auto": (
-        _auto,
+    "auto_inference": (
+        _auto_inference,
         ("B", "H", "D", "dtype", "pass"),
         "python benchmarks/bench_backends.py --inference",
-    ),
-    "decode": (
-        _decode,
-        ("B", "H", "Hkv", "D", "T", "dtype", "threads", "rounds", "load"),
-        "python benchmarks/bench_decode.py",
     ),
     "front_ends": (
         _front_ends,

@@ -15,6 +15,7 @@ import attnkit
 from attnkit import attention, explain, masks, record_dispatch
 from attnkit._call import AttentionCall, check_attention_args
 from attnkit.backends import SDPA
+from attnkit.backends import sdpa as sdpa_module
 from attnkit.backends.sdpa import sdpa_check, sdpa_cost
 from attnkit.masks import Mask
 from attnkit.scores import RelativePositionTerm
@@ -264,6 +265,12 @@ def test_dropout_is_unbiased_and_a_fully_dropped_row_is_not_redrawn() -> None:
         ((1, 8, 8, 256, 256, 64), torch.float32, "chunked", "runs slower on CPUs at this size"),
         ((1, 8, 8, 64, 64, 64), torch.float64, "sdpa", None),  # 32768 scores
         ((1, 8, 8, 1024, 1024, 64), torch.bfloat16, "sdpa", None),  # torch's own bf16 kernel
+        # bfloat16/float16 decode steps: the native kernel reads the cache once, as it is
+        ((8, 32, 8, 1, 4096, 128), torch.bfloat16, "chunked", "128 MiB of bfloat16 keys"),
+        ((1, 8, 8, 4, 4096, 64), torch.float16, "chunked", "decodes slower on CPUs: 8 MiB"),
+        ((1, 8, 8, 1, 512, 64), torch.float16, "chunked", "1 MiB of float16 keys"),
+        ((1, 8, 8, 1, 128, 64), torch.bfloat16, "sdpa", None),  # 0.25 MiB: torch's smaller call
+        ((1, 8, 8, 256, 256, 64), torch.float16, "chunked", "torch's float16 CPU forward"),
     ],
 )
 def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
@@ -278,8 +285,34 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
     assert report.chosen == chosen
     slower = " ".join(report.slower["sdpa"])
     assert (words in slower) if words else not slower
+    half = dtype in (torch.bfloat16, torch.float16)
     with torch.enable_grad():  # training: torch's CPU backward is the slow half, whatever the size
-        q.requires_grad_(dtype != torch.bfloat16)
+        q.requires_grad_(not half)
         assert ("trains slower" in " ".join(attnkit.explain(q, kv, kv).slower["sdpa"])) == (
-            dtype != torch.bfloat16
+            not half
         )
+
+
+@pytest.mark.parametrize("products", [False, True])
+def test_auto_trains_bfloat16_natively_on_cpus_without_bfloat16_products(
+    monkeypatch: pytest.MonkeyPatch, products: bool
+) -> None:
+    # torch's bfloat16 backward is its slow half where the CPU has no bfloat16 products; where it
+    # has them, torch's kernels use them and keep the call (as they keep float16 prefill).
+    if not attnkit._native.status()[0]:
+        pytest.skip("the native kernel is not available: chunked would run the eager kernel")
+    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: products)
+    q = torch.zeros(1, 8, 256, 64, dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.zeros(1, 8, 256, 64, dtype=torch.bfloat16)
+    with torch.enable_grad():
+        report = attnkit.explain(q, kv, kv)
+    slower = " ".join(report.slower["sdpa"])
+    assert (
+        "trains slower on CPUs: torch's CPU backward is its slow half in bfloat16" in slower
+    ) == (not products)
+    assert report.chosen == ("sdpa" if products else "chunked")
+    half = torch.zeros(1, 8, 256, 64, dtype=torch.float16)
+    assert attnkit.explain(half, half, half).chosen == ("sdpa" if products else "chunked")
+    with torch.enable_grad():
+        report = attnkit.explain(half.requires_grad_(), half, half)
+    assert ("slow half in float16" in " ".join(report.slower["sdpa"])) == (not products)

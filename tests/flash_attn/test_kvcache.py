@@ -238,6 +238,7 @@ def _paged(cache: Tensor, page: int, order: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page", [1, 16, 256])
 @pytest.mark.parametrize(
     "options",
@@ -250,19 +251,20 @@ def _paged(cache: Tensor, page: int, order: Tensor) -> tuple[Tensor, Tensor]:
     ids=["causal", "window-softcap", "alibi-sinks", "leftpad"],
 )
 def test_a_paged_cache_is_read_in_place_as_the_contiguous_one(
-    options: dict[str, Any], page: int
+    options: dict[str, Any], page: int, dtype: torch.dtype
 ) -> None:
     # Rows of 300, 17 and 0 tokens before 1 new one; the same call on a contiguous cache, on its
     # pages, and (asking gradients, which the native kernel's cache read has not) on the rows
-    # gathered by attention(): one answer, and record_dispatch names the read in place.
+    # gathered by attention(): one answer, and record_dispatch names the read in place (bfloat16
+    # and float16 caches too, read as they are).
     g = torch.Generator().manual_seed(page)
     batch, hkv, heads, d, length = 3, 2, 8, 16, 320
-    k_cache = torch.randn(batch, length, hkv, d, generator=g)
-    v_cache = torch.randn(batch, length, hkv, d, generator=g)
-    q = torch.randn(batch, 1, heads, d, generator=g)
+    k_cache = torch.randn(batch, length, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(batch, length, hkv, d, generator=g).to(dtype)
+    q = torch.randn(batch, 1, heads, d, generator=g).to(dtype)
     new_k, new_v = (
-        torch.randn(batch, 1, hkv, d, generator=g),
-        torch.randn(batch, 1, hkv, d, generator=g),
+        torch.randn(batch, 1, hkv, d, generator=g).to(dtype),
+        torch.randn(batch, 1, hkv, d, generator=g).to(dtype),
     )
     seen = torch.tensor([300, 17, 0], dtype=torch.int32)
     kw = dict(options)
@@ -289,8 +291,10 @@ def test_a_paged_cache_is_read_in_place_as_the_contiguous_one(
     gathered = run(k_cache.clone(), v_cache.clone())
     for got in (contiguous, paged):
         assert [c.chosen for c in got[2]] == [IN_PLACE]
-        assert_close(got[0], gathered[0], dtype=torch.float32)
-        assert_close(got[1], gathered[1], dtype=torch.float32)
+        assert got[0].dtype == dtype
+        assert got[1].dtype == gathered[1].dtype
+        assert_close(got[0], gathered[0], dtype=dtype)
+        assert_close(got[1], gathered[1], dtype=dtype)
     assert [c.chosen for c in gathered[2]] != [IN_PLACE]
     # The new tokens were written into the pages too.
     rows = torch.arange(batch)

@@ -286,7 +286,12 @@ def test_opcheck_native_cache_forward() -> None:
 def test_who_is_served() -> None:
     q, k = torch.randn(1, 2, 1, 8), torch.randn(3, 2, 16, 8)
     assert cache_refusal(q, k, k) is None
-    assert "float32 or float64" in str(cache_refusal(q.bfloat16(), k, k))
+    assert "one dtype" in str(cache_refusal(q.bfloat16(), k, k))
+    assert "float64, bfloat16 or float16), got int32" in str(
+        cache_refusal(*(x.int() for x in (q, k, k)))
+    )
+    reduced = (q.bfloat16(), k.bfloat16(), k.bfloat16())
+    assert cache_refusal(*reduced) is None  # read as they are, computed in float32
     assert "gradients" in str(cache_refusal(q.requires_grad_(), k, k))
     with torch.no_grad():
         assert cache_refusal(q, k, k) is None
@@ -301,7 +306,7 @@ BAD = {
     "keys past the table": ("ranges[1, 1] = 65", "lie outside its 64 positions"),
     "a start past the end": ("ranges[0] = torch.tensor([9, 4])", "row 0's keys 9:4"),
     "an int32 table": ("table = table.int()", "block_table must be contiguous int64"),
-    "float64 pages": ("k = k.double()", "one dtype"),
+    "float64 pages": ("k = k.double()", "k and v must have q's dtype"),
     "queries past q": (
         "q_range = torch.tensor([[0, 2], [2, 5]])",
         "row 1's queries 2:7 overlap the previous row's or lie outside",

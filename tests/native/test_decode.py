@@ -8,6 +8,8 @@ an inference call does not read beforehand.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -76,7 +78,7 @@ def test_the_python_side_knows_which_calls_decode() -> None:
     assert not decodes(spec.plan)  # two query blocks
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 8, 2), (3, 6, 3), (16, 4, 1)])
 def test_decode_equals_the_reference(
@@ -320,3 +322,78 @@ def test_explain_says_the_decode_path_takes_care_of_nan() -> None:
     q3 = torch.randn(1, 4, 20, 16)
     text = str(attnkit.explain(q3, k, v, backend=DECODE))
     assert "the eager kernel where q, k or v hold NaN or inf" in text
+
+
+# bfloat16 and float16 keys and values: read as they are, each element converted to float32
+# exactly, so the kernel must give what it gives on the same values in float32.
+REDUCED_CASES = {
+    "window & softcap": {"mask": masks.sliding_window(40, 3), "softcap": 5.0},
+    "padding": {"mask": masks.key_padding([300, 170])},
+    "alibi": {"mask": masks.causal(), "bias": "alibi"},
+}
+
+
+def _alibi(heads: int, tq: int, tk: int, dtype: torch.dtype) -> scores.DistanceBias:
+    """ALiBi as a bias by distance: head h adds slope_h * (k_pos - q_pos)."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, dtype=torch.float64) / heads)
+    distances = torch.arange(-(tk - 1), tq, dtype=torch.float64)
+    return scores.DistanceBias((slopes[:, None] * distances).to(dtype), first=-(tk - 1))
+
+
+def _reduced_call(
+    dtype: torch.dtype, tq: int, case: str, heads: tuple[int, int] = (8, 2), dk: int = 72
+) -> tuple[tuple[object, ...], dict[str, object], tuple[object, ...], dict[str, object]]:
+    """The operator's arguments for a call of q, k, v rounded to ``dtype``, as attention() plans
+    it in ``dtype``, and the same call's arguments in float32."""
+    h, hkv = heads
+    q, k, v = (t.to(dtype) for t in _inputs(2, h, hkv, tq, 300, dk=dk, dv=40, seed=tq))
+    planned = []
+    for x in (dtype, torch.float32):
+        kw: dict[str, Any] = {"mask": None, "bias": None, **REDUCED_CASES[case]}
+        if kw["bias"] == "alibi":
+            alibi = _alibi(h, tq, 300, dtype)  # the same rounded numbers in both calls
+            kw["bias"] = scores.DistanceBias(alibi.table.to(x), first=alibi.first)
+        spec, dense, terms = plan_call(
+            q.to(x), k.to(x), v.to(x), scale=0.2, block_q=16, block_k=32, **kw
+        )
+        planned.append(native_arguments(spec, q.to(x), k.to(x), v.to(x), dense, terms))
+    (args, kwargs), (args32, kwargs32) = planned
+    return args, kwargs, args32, kwargs32
+
+
+@pytest.mark.parametrize("case", list(REDUCED_CASES))
+@pytest.mark.parametrize("tq", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_keys_and_values_are_read_as_they_are(
+    dtype: torch.dtype, tq: int, case: str
+) -> None:
+    # 1 and 5 queries take the decode path, 40 the blocked forward (3 query blocks).
+    args, kwargs, args32, kwargs32 = _reduced_call(dtype, tq, case)
+    q, k, v = args[:3]
+    assert q.dtype == torch.float32  # type: ignore[union-attr]
+    assert k.dtype == v.dtype == dtype  # type: ignore[union-attr]
+    out, lse = torch.ops.attnkit.native_forward(*args, **kwargs)
+    out32, lse32 = torch.ops.attnkit.native_forward(*args32, **kwargs32)
+    torch.testing.assert_close(out, out32, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse, lse32, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_keys_and_values_split_by_keys(dtype: torch.dtype) -> None:
+    # A long cache split into parts across threads, and steps of many rows (16 queries x 4
+    # heads) whose products run as GEMMs on converted keys and values.
+    q, k, v = (t.to(dtype) for t in _inputs(1, 4, 1, 16, 3000, dk=32, dv=24, seed=2))
+    got = attention(q, k, v, backend=DECODE, return_lse=True, mask=masks.sliding_window(2000))
+    want = attention(
+        q.double(), k.double(), v.double(), backend="reference", return_lse=True,
+        mask=masks.sliding_window(2000),
+    )  # fmt: skip
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, dtype=dtype)
+
+
+def test_reduced_keys_and_values_need_a_float32_q() -> None:
+    args, kwargs, _, _ = _reduced_call(torch.bfloat16, 1, "padding")
+    q = args[0].double()  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="k and v must have q's dtype, or bfloat16/float16"):
+        torch.ops.attnkit.native_forward(q, *args[1:], **kwargs)

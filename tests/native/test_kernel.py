@@ -85,7 +85,7 @@ def grads_of(
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_native_equals_reference(mask: str, dtype: torch.dtype) -> None:
     kw = {"mask": MASKS[mask], "softcap": 4.0, "with_bias": True, "with_sinks": True}

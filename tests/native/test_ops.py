@@ -188,7 +188,7 @@ def _plain() -> tuple[tuple[torch.Tensor, ...], dict[str, object]]:
         (lambda a, k: (a, {**k, "block_q": 0}), "block sizes must be positive"),
         (lambda a, k: (a, {**k, "stretch": -1}), "stretch must be >= 0 query blocks, got -1"),
         (lambda a, k: ((*a[:1], a[1][:, :1], *a[2:]), k), "do not fit together"),
-        (lambda a, k: ((*a[:2], a[2].double(), *a[3:]), k), "one dtype"),
+        (lambda a, k: ((*a[:2], a[2].double(), *a[3:]), k), "k and v must have q's dtype"),
         (lambda a, k: (a, {**k, "dropout_p": 1.5}), "dropout_p must be in [0, 1)"),
         (lambda a, k: (a, {**k, "band": [1.0]}), "band is [lo, hi]"),
         (

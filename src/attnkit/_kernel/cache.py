@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .._native import load
-from .._native.kernel import refusal
+from .._native.kernel import REDUCED, refusal
 from ..masks import Geometry
 from ..scores import DistanceBias, softcap_form
 from .sinks import finish
@@ -33,10 +33,13 @@ __all__ = ["IN_PLACE", "cache_attention", "cache_refusal"]
 #: place (:attr:`attnkit.Dispatch.chosen`): such a call is not dispatched to a backend.
 IN_PLACE = "native kernel, the cache read in place"
 
+_CACHE_DTYPES = (torch.float32, torch.float64, *REDUCED)
+
 
 def cache_refusal(q: Tensor, k: Tensor, v: Tensor, *others: Tensor | None) -> str | None:
     """None when the native kernel reads a cache call of queries ``q`` and pages ``k``, ``v`` in
-    place, else why not: CPU float32 or float64 tensors of one dtype, no gradient asked of them or
+    place, else why not: CPU tensors of one dtype (float32 or float64; bfloat16 or float16, whose
+    keys and values it reads as they are, computing in float32), no gradient asked of them or
     of the call's ``others`` (the kernel has no backward for pages), no autocast, not while
     torch.compile traces, and the kernel available (built on first use)."""
     why = refusal(
@@ -50,9 +53,12 @@ def cache_refusal(q: Tensor, k: Tensor, v: Tensor, *others: Tensor | None) -> st
     )
     if why is not None:
         return why
-    if q.dtype not in (torch.float32, torch.float64) or not q.dtype == k.dtype == v.dtype:
+    if q.dtype not in _CACHE_DTYPES or not q.dtype == k.dtype == v.dtype:
         dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in (q, k, v))
-        return f"the native kernel reads caches of float32 or float64 q, k and v, got {dtypes}"
+        return (
+            "the native kernel reads caches of q, k and v of one dtype (float32, float64, "
+            f"bfloat16 or float16), got {dtypes}"
+        )
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, *others)
     ):
@@ -88,7 +94,8 @@ def cache_attention(
     Args:
         q: ``(N, H, Tq, Dk)``, rows contiguous (any other strides); or with ``q_range`` the packed
             queries of all rows, ``(1, H, total_q, Dk)``.
-        k, v: the pages ``(X, Hkv, page, Dk|Dv)`` (see the module's docstring), in q's dtype.
+        k, v: the pages ``(X, Hkv, page, Dk|Dv)`` (see the module's docstring), in q's dtype;
+            bfloat16 and float16 pages are read as they are, the products computed in float32.
         kv_range: ``(N, 2)`` integers: row ``n`` attends the keys ``kv_range[n, 0] <= j <
             kv_range[n, 1]`` of its pages, its queries aligned to the end: query ``i`` of ``Tq``
             sits at key position ``kv_range[n, 1] - Tq + i``.
@@ -105,8 +112,8 @@ def cache_attention(
 
     Returns:
         ``(out, lse)``: ``(N, H, Tq, Dv)`` laid out as q (a view of ``(N, Tq, H, Dv)`` memory when
-        q is token-major) and the natural-log log-sum-exp ``(N, H, Tq)``, both in q's dtype; a
-        query that sees no key gets 0 and ``-inf``.
+        q is token-major) in q's dtype, and the natural-log log-sum-exp ``(N, H, Tq)`` in the one
+        it is computed in (q's, at least float32); a query that sees no key gets 0 and ``-inf``.
     """
     if not load():
         raise RuntimeError("attnkit internal error: a cache call without the native kernel")
@@ -119,14 +126,15 @@ def cache_attention(
     rows = ranges.size(0)
     q_len = tq if packed is None else int(packed[:, 1].max()) if rows else 0
     kv_len = int(ranges[:, 1].max()) if rows else 0
-    q5 = q.reshape(nq, hkv, h // hkv, tq, dk)
+    work = torch.promote_types(q.dtype, torch.float32)
+    q5 = q.reshape(nq, hkv, h // hkv, tq, dk).to(work)
     if q5.stride(-1) != 1:
         q5 = q5.contiguous()
     bias_table, layout = None, []
     if bias is not None:
         geo = Geometry((rows,), h, q_len, kv_len, q.device)
         layout = bias.layout(geo, h // hkv)
-        bias_table = bias.table.to(q.dtype).contiguous()
+        bias_table = bias.table.to(work).contiguous()
     form = None if softcap is None else softcap_form(softcap, q.dtype)
     out5, lse = torch.ops.attnkit.native_cache_forward(
         q5,
@@ -143,5 +151,5 @@ def cache_attention(
         band=[] if band is None else [float(band[0]), float(band[1])],
     )
     if sinks is not None:
-        out5, lse = finish(out5, lse, sinks.view(hkv, -1))
-    return out5.flatten(1, 2), lse.flatten(1, 2)
+        out5, lse = finish(out5, lse, sinks.view(hkv, -1).to(work))
+    return out5.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)

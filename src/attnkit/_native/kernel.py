@@ -30,6 +30,7 @@ from . import load, status
 
 __all__ = [
     "DECODE_QUERIES",
+    "REDUCED",
     "NativeCall",
     "block_plan",
     "decodes",
@@ -38,6 +39,9 @@ __all__ = [
     "refusal",
     "why_not_native",
 ]
+
+#: The dtypes of keys and values that the native kernel reads as they are, computing in float32.
+REDUCED = (torch.bfloat16, torch.float16)
 
 #: A call of at most this many queries, all in one query block, runs on the native kernel's decode
 #: path (``csrc/decode.cpp``, its ``kDecodeQueries``): split across threads by keys, each key/value
@@ -187,6 +191,13 @@ class NativeCall:
             "skewed_position": self.skewed_position,
         }
 
+    def reads_as_is(self, dtype: torch.dtype, backward: bool = False) -> bool:
+        """Whether the forward reads keys and values of ``dtype`` as they are: bfloat16 and
+        float16, half the bytes of float32, converted to float32 in registers (the decode path)
+        or block by block (the blocked forward). The backward computes in float32 from
+        converted copies."""
+        return dtype in REDUCED and not backward
+
     def tensors(
         self,
         q5: Tensor,
@@ -194,10 +205,13 @@ class NativeCall:
         v4: Tensor,
         bias5: Tensor | None,
         term_inputs: tuple[Tensor, ...],
+        backward: bool = False,
     ) -> tuple[Tensor | None, ...]:
-        """The operators' positional tensors, in the work dtype with contiguous rows:
-        ``(q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc)``."""
+        """The operators' positional tensors, with contiguous rows: ``(q, k, v, offsets, visits,
+        bias, key_ok, tiles, qv, enc)``, all in the work dtype but bfloat16/float16 keys and
+        values that the forward reads as they are (see :meth:`reads_as_is`)."""
         work = torch.promote_types(q5.dtype, torch.float32)
+        kv = k4.dtype if self.reads_as_is(k4.dtype, backward) and v4.dtype == k4.dtype else work
         qv = enc = None
         if self.position is not None:
             qv, enc = _rows(term_inputs[0], work), _rows(term_inputs[1], work)
@@ -206,8 +220,8 @@ class NativeCall:
             bias = term_inputs[0].to(work).contiguous()
         return (
             _rows(q5, work),
-            _rows(k4, work),
-            _rows(v4, work),
+            _rows(k4, kv),
+            _rows(v4, kv),
             self.off,
             self.visits,
             bias,
@@ -256,7 +270,7 @@ class NativeCall:
         work = torch.promote_types(q5.dtype, torch.float32)
         qv_grad, enc_grad = term_grads if self.position is not None else (False, False)
         table_grad = bool(self.layout) and term_grads[0]
-        args = self.tensors(q5, k4, v4, bias5, term_inputs)
+        args = self.tensors(q5, k4, v4, bias5, term_inputs, backward=True)
         own = grads_out is not None and all(
             a is b for a, b in zip(args[:3], (q5, k4, v4), strict=True)
         )

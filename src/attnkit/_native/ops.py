@@ -162,6 +162,11 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
     if dlse is not None:
         delta = delta - dlse
     position = qv is not None and enc is not None
+    # bfloat16/float16 keys and values, which the forward reads as they are: the backward
+    # computes in q's dtype (float32) and gives their gradients in their own.
+    kv_dtype = k.dtype
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     dq, dk, dv, dbias, dqv, denc = torch.ops.attnkit.native_backward(
         dout,
         lse,
@@ -183,8 +188,8 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
     )
     grads = (
         dq if needs[0] else None,
-        dk if needs[1] else None,
-        dv if needs[2] else None,
+        dk.to(kv_dtype) if needs[1] else None,
+        dv.to(kv_dtype) if needs[2] else None,
         None,
         None,
         dbias if needs[5] and bias is not None else None,

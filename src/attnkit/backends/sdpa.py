@@ -23,6 +23,7 @@ masked ones into the gradients).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -53,6 +54,35 @@ _CPU_SLOW_BACKWARD = (torch.float32, torch.float64)
 # group, and its per-call cost is smaller: 0.87x at 16 MiB, even at 8 MiB, 2.3x at 2 MiB).
 _CPU_FORWARD_SCORES = 8 * 128 * 128
 _CPU_DECODE_BYTES = 8 << 20
+# bfloat16/float16 inference (the native kernel reads their keys and values as they are and computes
+# in float32; the measurements are in the inference guide): decode steps from 1 MiB of keys and
+# values (torch's CPU kernel reads each key/value head once per query head: 0.53x its time in
+# bfloat16 and 0.32x in float16 at 1 MiB, 1.86x and 0.97x at 0.25 MiB, one thread), and float16
+# calls from _CPU_FORWARD_SCORES scores (torch's float16 CPU forward is slower than its float32
+# one: 0.55x at T=128, 0.65x at T=4096 causal). bfloat16 prefill stays with torch: without
+# bfloat16 products in the vector unit the native kernel runs it at its float32 speed, which torch's
+# bfloat16 kernel matches (1.04x at T=4096 causal, 1.2-2.4x below T=256).
+# On CPUs that multiply bfloat16 (AVX512-BF16, AMX) or float16 (AMX-FP16) in their vector units,
+# which torch's kernels use, only the decode rule holds (it is about memory traffic, not products).
+# Training in bfloat16/float16 goes to the native kernel on CPUs without those products: torch's
+# CPU backward is its slow half there (fwd+bwd at T=4096 causal: the native kernel 0.16x torch's
+# time in bfloat16, 0.09x in float16).
+_CPU_DECODE_BYTES_REDUCED = 1 << 20
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _products_in(dtype: torch.dtype) -> bool:
+    """Whether this CPU's vector unit multiplies ``dtype`` (bfloat16 or float16) itself."""
+    cpu = torch.cpu
+    checks = (
+        ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        if dtype == torch.bfloat16
+        else ("_is_amx_fp16_supported",)
+    )
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
 _DECODE_QUERIES = 16
 
 # A score term's tiles are asked for this many keys at a time: a term that computes a product per
@@ -221,14 +251,60 @@ def sdpa_slower(call: AttentionCall) -> list[str]:
         )
     if call.requires_grad and call.device.type == "cpu" and call.dtype in _CPU_SLOW_BACKWARD:
         # A training step spends most of its attention time in the backward, and torch's CPU
-        # backward is its slow half in float32/float64 (the half types it computes in their own
-        # precision, which a float32 kernel does not beat).
+        # backward is its slow half in float32/float64.
         slow.append(
             "trains slower on CPUs: torch's CPU backward is its slow half in float32/float64"
         )
+    elif (
+        call.requires_grad
+        and call.device.type == "cpu"
+        and call.dtype in _REDUCED
+        and not _products_in(call.dtype)
+    ):
+        name = str(call.dtype).removeprefix("torch.")
+        slow.append(
+            f"trains slower on CPUs: torch's CPU backward is its slow half in {name} on CPUs "
+            f"without {name} products (6-11x the native kernel's training step at T=4096)"
+        )
     elif call.device.type == "cpu" and call.dtype in _CPU_SLOW_BACKWARD:
         slow += _slow_forward(call)
+    elif call.device.type == "cpu" and call.dtype in _REDUCED and not call.requires_grad:
+        slow += _slow_reduced_decode(call)
     return slow
+
+
+def _decode_bytes(call: AttentionCall) -> int:
+    """The bytes of keys and values a call reads."""
+    batch = math.prod(call.batch_shape)
+    size = batch * call.num_kv_heads * call.kv_len * (call.qk_dim + call.v_dim)
+    return size * call.dtype.itemsize
+
+
+def _slow_reduced_decode(call: AttentionCall) -> list[str]:
+    """Why torch's CPU forward serves a bfloat16/float16 inference call slower than the native
+    kernel (see _CPU_DECODE_BYTES_REDUCED), or nothing."""
+    name = str(call.dtype).removeprefix("torch.")
+    if call.q_len > _DECODE_QUERIES:
+        scores = math.prod(call.batch_shape) * call.num_heads * call.q_len * call.kv_len
+        if (
+            call.dtype == torch.float16
+            and scores >= _CPU_FORWARD_SCORES
+            and not _products_in(torch.float16)
+        ):
+            return [
+                f"runs slower on CPUs at this size: {scores} scores, where torch's float16 CPU "
+                f"forward takes 1.5-2x the native kernel's time (float16 from "
+                f"{_CPU_FORWARD_SCORES} on)"
+            ]
+        return []
+    size = _decode_bytes(call)
+    if size < _CPU_DECODE_BYTES_REDUCED:
+        return []
+    return [
+        f"decodes slower on CPUs: {size / 2**20:.0f} MiB of {name} keys and values, which torch "
+        f"reads once per query head and the native kernel once, converting them in registers "
+        f"(bfloat16/float16 from {_CPU_DECODE_BYTES_REDUCED >> 20} MiB on)"
+    ]
 
 
 def _slow_forward(call: AttentionCall) -> list[str]:
@@ -236,8 +312,7 @@ def _slow_forward(call: AttentionCall) -> list[str]:
     kernel (see _CPU_FORWARD_SCORES), or nothing."""
     batch = math.prod(call.batch_shape)
     if call.q_len <= _DECODE_QUERIES:
-        size = batch * call.num_kv_heads * call.kv_len * (call.qk_dim + call.v_dim)
-        size *= call.dtype.itemsize
+        size = _decode_bytes(call)
         if size >= _CPU_DECODE_BYTES:
             return [
                 f"decodes slower on CPUs: {size / 2**20:.0f} MiB of keys and values, which "

@@ -261,7 +261,7 @@ void visit_backward(Backward<T>& w, BackwardBuffers<T>& b, const KeyGrads<T>& kg
   const T* dop = w.o.dout.at(n, hk, g, qs + r0);
   // dP = dO V^T (rows x keys)
   times_keys<T>(c.register_tiles, &b.vpanels, nr, ks, vis[1], c.Dv, T(1), dop, w.o.dout.ld(),
-                c.v.at(n, hk, 0, 0), c.v.ld(), b.dp.data(), nk);
+                c.v.at(n, hk, 0, ks), c.v.ld(), b.dp.data(), nk);
   const T* pv = b.s.data();
   if (c.p_drop > 0) {
     std::copy(b.s.begin(), b.s.begin() + nr * nk, b.pd.begin());
@@ -422,6 +422,9 @@ std::vector<at::Tensor> backward(const CallArgs& a, const BackwardArgs& b) {
   const at::Tensor &q = a.q, &k = a.k, &v = a.v;
   TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4,
               "attnkit: q must be (N, Hkv, G, Tq, Dk) and k, v (N, Hkv, Tk, D)");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "attnkit: the backward takes q, k and v of one dtype, got ", q.scalar_type(), ", ",
+              k.scalar_type(), " and ", v.scalar_type());
   const std::vector<int64_t> rows = {q.size(0), q.size(1), q.size(2), q.size(3)};
   TORCH_CHECK(
       b.lse.sizes() == rows && b.delta.sizes() == rows && b.lse.is_contiguous() &&

@@ -53,9 +53,12 @@ template <typename P>
 struct Rows {
   P p = nullptr;
   int64_t s[4] = {0, 0, 0, 0};  // strides of n, hk (or x), g, the row
+  // The first row p holds: 0, or the first of a stretch of rows copied into a buffer (whose rows
+  // before it are never asked for).
+  int64_t i0 = 0;
 
   P at(int64_t n, int64_t hk, int64_t g, int64_t i) const {
-    return p + n * s[0] + hk * s[1] + g * s[2] + i * s[3];
+    return p + n * s[0] + hk * s[1] + g * s[2] + (i - i0) * s[3];
   }
   int64_t ld() const { return s[3]; }
 };
@@ -79,6 +82,44 @@ Rows<P> rows_of(const at::Tensor& t, P p) {
     r.s[3] = std::max<int64_t>(t.size(-1), 1);
   }
   return r;
+}
+
+// Keys and values may come in bfloat16 or float16 while the kernel computes in float32: a vector
+// of T from Vectorized<T>::size() elements of x's type, converted in registers (bfloat16 is a
+// shift, float16 F16C's conversion), or from `count` of them, the other lanes 0.
+template <typename X>
+constexpr bool is_reduced = std::is_same_v<X, at::BFloat16> || std::is_same_v<X, at::Half>;
+
+template <typename T, typename X>
+inline at::vec::Vectorized<T> load_as(const X* x) {
+  if constexpr (std::is_same_v<T, X>) {
+    return at::vec::Vectorized<T>::loadu(x);
+  } else {
+    static_assert(std::is_same_v<T, float> && is_reduced<X>, "float32 from bfloat16/float16");
+    Vec out;
+    at::vec::load_to_float<X>(x, out);
+    return out;
+  }
+}
+
+template <typename T, typename X>
+inline at::vec::Vectorized<T> load_as(const X* x, int64_t count) {
+  if constexpr (std::is_same_v<T, X>) {
+    return at::vec::Vectorized<T>::loadu(x, count);
+  } else {
+    alignas(64) T part[at::vec::Vectorized<T>::size()] = {};
+    for (int64_t i = 0; i < count; ++i) part[i] = T(x[i]);
+    return at::vec::Vectorized<T>::loadu(part);
+  }
+}
+
+// n elements of x as T, at out.
+template <typename T, typename X>
+inline void convert_row(const X* x, int64_t n, T* out) {
+  using V = at::vec::Vectorized<T>;
+  int64_t e = 0;
+  for (; e + V::size() <= n; e += V::size()) load_as<T>(x + e).store(out + e);
+  for (; e < n; ++e) out[e] = T(x[e]);
 }
 
 // Inside the parallel region each item's GEMMs run on the calling thread: a BLAS that opened its

@@ -36,6 +36,8 @@ constexpr int64_t kDotRows = 8;
 constexpr int64_t kFewRowsStep = 64;
 // A row's keys are split into parts only down to this many keys each.
 constexpr int64_t kPartKeys = 512;
+// A call starts a thread for every this many bytes of keys and values it reads (see divide).
+constexpr int64_t kThreadBytes = int64_t(1) << 20;
 // native_forward's calls of at most this many queries (in one query block) take the decode path.
 constexpr int64_t kDecodeQueries = 16;
 
@@ -62,11 +64,12 @@ struct Pages {
 };
 
 // A decode call: the call (its plan, when the visits come from it), the pages, and how its items
-// divide the work.
-template <typename T>
+// divide the work. The products are computed in T; keys and values are KV, T itself or, for a
+// float32 call, bfloat16 or float16 read as they are (half the bytes) and converted in registers.
+template <typename T, typename KV = T>
 struct Decode {
   Call<T> c;
-  Pages<T> k, v;
+  Pages<KV> k, v;
   // (N, 2): row n's keys are [range[2n], range[2n + 1]) and its queries are aligned to the end;
   // null: all Tk keys, the plan's visits.
   const int64_t* range = nullptr;
@@ -75,8 +78,8 @@ struct Decode {
   const int64_t* qrange = nullptr;
   int64_t q_total = 0;
   int64_t bq = 1, nqb = 1;  // query rows per block, query blocks
-  // Key/value heads per item, their groups, and parts of each row's keys.
-  int64_t heads = 1, groups = 1, parts = 1;
+  // Key/value heads per item, their groups, and parts of each row's keys; items per thread.
+  int64_t heads = 1, groups = 1, parts = 1, grain = 1;
 
   int64_t items() const { return c.N * groups * nqb * parts; }
   int64_t q_row(int64_t n) const { return qrange == nullptr ? n : 0; }
@@ -110,47 +113,57 @@ inline void to_l2(const char* p) {
 #endif
 }
 
+// The rows of a step's keys or values, wherever they lie (in one stretch of memory, or in pages):
+// row j is p[j] + off (off: the key/value head's place beside the first head of the item).
+template <typename T>
+struct RowList {
+  const T* const* p = nullptr;
+  int64_t off = 0;
+  const T* operator[](int64_t j) const { return p[j] + off; }
+};
+
 // The rows of keys and values of the step after this one, asked of memory while this step's
 // products run, a row for each of its keys: the hardware's prefetchers alone do not run far enough
 // ahead of a core that also computes (a decode then takes the time of its memory traffic plus that
 // of its products, instead of the larger of the two), nor across pages.
+template <typename X>
 struct Ahead {
-  const void *k = nullptr, *v = nullptr;
-  int64_t rows = 0, k_ld = 0, v_ld = 0, k_bytes = 0, v_bytes = 0;
+  RowList<X> k, v;
+  int64_t rows = 0, k_bytes = 0, v_bytes = 0;
 
-  void rows_of(int64_t first, int64_t last) const {
+  void ask(int64_t first, int64_t last) const {
     for (int64_t j = first; j < last; ++j) {
-      const char* kr = static_cast<const char*>(k) + j * k_ld;
-      const char* vr = static_cast<const char*>(v) + j * v_ld;
+      const char* kr = reinterpret_cast<const char*>(k[j]);
+      const char* vr = reinterpret_cast<const char*>(v[j]);
       for (int64_t at = 0; at < k_bytes; at += 64) to_l2(kr + at);
       for (int64_t at = 0; at < v_bytes; at += 64) to_l2(vr + at);
     }
   }
   // The rows that keys [j0, j1) of a step of n keys ask for.
   void for_keys(int64_t j0, int64_t j1, int64_t n) const {
-    if (j0 < rows) rows_of(j0, j1 >= n ? rows : std::min(j1, rows));
+    if (j0 < rows) ask(j0, j1 >= n ? rows : std::min(j1, rows));
   }
 };
 
 // s rows 0 .. R - 1 (columns j of n, ld) = alpha * a's rows . x's row j: each row of x is loaded
 // once for the R rows.
-template <typename T, int R>
-void dot_rows(int64_t n, int64_t d, T alpha, const T* a, int64_t lda, const T* x, int64_t ldx, T* s,
-              int64_t ld, const Ahead& ahead) {
+template <typename T, int R, typename X>
+void dot_rows(int64_t n, int64_t d, T alpha, const T* a, int64_t lda, RowList<X> x, T* s,
+              int64_t ld, const Ahead<X>& ahead) {
   using V = at::vec::Vectorized<T>;
   constexpr int64_t W = V::size();
   const int64_t full = d - d % W, tail = d % W;
   for (int64_t j = 0; j < n; ++j) {
     ahead.for_keys(j, j + 1, n);
-    const T* xr = x + j * ldx;
+    const X* xr = x[j];
     V acc[R];
     for (int i = 0; i < R; ++i) acc[i] = V(T(0));
     for (int64_t e = 0; e < full; e += W) {
-      const V xv = V::loadu(xr + e);
+      const V xv = load_as<T>(xr + e);
       for (int i = 0; i < R; ++i) acc[i] = at::vec::fmadd(V::loadu(a + i * lda + e), xv, acc[i]);
     }
     if (tail > 0) {
-      const V xv = V::loadu(xr + full, tail);
+      const V xv = load_as<T>(xr + full, tail);
       for (int i = 0; i < R; ++i) {
         acc[i] = at::vec::fmadd(V::loadu(a + i * lda + full, tail), xv, acc[i]);
       }
@@ -160,9 +173,26 @@ void dot_rows(int64_t n, int64_t d, T alpha, const T* a, int64_t lda, const T* x
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The lane sums of 16 vectors as one vector: lane i holds the sum of v[i]'s lanes. Pairs are added
-// lane by lane within 128-bit blocks, then pairs of pairs, then the four blocks: 15 adds and 30
-// shuffles for 16 sums, where one horizontal sum each would take 16 chains of 8.
+// The elements of x that m selects as 16 float32 lanes (the others 0): bfloat16 widened to 32 bits
+// and shifted into the float's upper half, float16 converted.
+template <typename X>
+inline __m512 load16(__mmask16 m, const X* x) {
+  if constexpr (std::is_same_v<X, float>) {
+    return _mm512_maskz_loadu_ps(m, x);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, x);
+    if constexpr (std::is_same_v<X, at::BFloat16>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      static_assert(std::is_same_v<X, at::Half>, "float32, bfloat16 or float16");
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// The lane sums of 16 vectors as one vector: lane i holds the sum of v[i]'s lanes. Pairs are
+// added lane by lane within 128-bit blocks, then pairs of pairs, then the four blocks: 15 adds
+// and 30 shuffles for 16 sums, where one horizontal sum each would take 16 chains of 8.
 inline __m512 lane_sums16(const __m512 (&v)[16]) {
   __m512 t[8];
   for (int i = 0; i < 8; ++i) {
@@ -183,18 +213,18 @@ inline __m512 lane_sums16(const __m512 (&v)[16]) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// s rows 0 .. R - 1, columns 0 .. K - 1 (R K = 16) = alpha * a's rows . x's rows: 16 dot products
-// in 16 registers, each vector of a and of x loaded once for them.
-template <int R, int K>
-inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const float* x,
-                      int64_t ldx, float* s, int64_t ld) {
+// s rows 0 .. R - 1, columns 0 .. K - 1 (R K = 16) = alpha * a's rows . x's rows 0 .. K - 1: 16
+// dot products in 16 registers, each vector of a and of x loaded once for them.
+template <int R, int K, typename X>
+inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const X* const* x,
+                      float* s, int64_t ld) {
   static_assert(R * K == 16, "a block of 16 dot products");
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t e = 0; e < d; e += 16) {
     const __mmask16 m = d - e >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - e)) - 1);
     __m512 xv[K];
-    for (int j = 0; j < K; ++j) xv[j] = _mm512_maskz_loadu_ps(m, x + j * ldx + e);
+    for (int j = 0; j < K; ++j) xv[j] = load16(m, x[j] + e);
     for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_maskz_loadu_ps(m, a + r * lda + e);
       for (int j = 0; j < K; ++j) acc[r * K + j] = _mm512_fmadd_ps(av, xv[j], acc[r * K + j]);
@@ -207,55 +237,178 @@ inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const
 }
 
 // dot_rows for R rows of float32 (R = 1, 2 or 4): blocks of 16 / R keys.
-template <int R>
-void dot_blocks(int64_t n, int64_t d, float alpha, const float* a, int64_t lda, const float* x,
-                int64_t ldx, float* s, int64_t ld, const Ahead& ahead) {
+template <int R, typename X>
+void dot_blocks(int64_t n, int64_t d, float alpha, const float* a, int64_t lda, RowList<X> x,
+                float* s, int64_t ld, const Ahead<X>& ahead) {
   constexpr int K = 16 / R;
   int64_t j = 0;
   for (; j + K <= n; j += K) {
     ahead.for_keys(j, j + K, n);
-    dot_block<R, K>(d, alpha, a, lda, x + j * ldx, ldx, s + j, ld);
+    const X* rows[K];
+    for (int i = 0; i < K; ++i) rows[i] = x[j + i];
+    dot_block<R, K>(d, alpha, a, lda, rows, s + j, ld);
   }
   if (j < n) {
     ahead.for_keys(j, n, n);
-    dot_rows<float, R>(n - j, d, alpha, a, lda, x + j * ldx, ldx, s + j, ld, Ahead{});
+    RowList<X> rest{x.p + j, x.off};
+    dot_rows<float, R>(n - j, d, alpha, a, lda, rest, s + j, ld, Ahead<X>{});
   }
 }
 #endif
 
-// s (m x n, ld) = alpha * a (m rows of width d, lda) x^T (n rows, ldx), for few rows: the BLAS's
+// s (m x n, ld) = alpha * a (m rows of width d, lda) x^T (n rows), for few rows: the BLAS's
 // dispatch and packing would cost more than these products. The next step's rows are asked for
 // once, by the first rows' products.
-template <typename T>
-void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, int64_t lda, const T* x,
-          int64_t ldx, T* s, int64_t ld, Ahead ahead) {
+template <typename T, typename X>
+void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, int64_t lda, RowList<X> x, T* s,
+          int64_t ld, Ahead<X> ahead) {
   int64_t r = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
-    for (; r + 4 <= m; r += 4, ahead = Ahead{}) {
-      dot_blocks<4>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+    for (; r + 4 <= m; r += 4, ahead = Ahead<X>{}) {
+      dot_blocks<4>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
     }
     if (m - r >= 2) {
-      dot_blocks<2>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
-      ahead = Ahead{};
+      dot_blocks<2>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
+      ahead = Ahead<X>{};
       r += 2;
     }
-    if (m - r == 1) dot_blocks<1>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+    if (m - r == 1) dot_blocks<1>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
     return;
   }
 #endif
-  for (; r + 4 <= m; r += 4, ahead = Ahead{}) {
-    dot_rows<T, 4>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+  for (; r + 4 <= m; r += 4, ahead = Ahead<X>{}) {
+    dot_rows<T, 4>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
   }
   switch (m - r) {
     case 3:
-      dot_rows<T, 3>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      dot_rows<T, 3>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
       break;
     case 2:
-      dot_rows<T, 2>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      dot_rows<T, 2>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
       break;
     case 1:
-      dot_rows<T, 1>(n, d, alpha, a + r * lda, lda, x, ldx, s + r * ld, ld, ahead);
+      dot_rows<T, 1>(n, d, alpha, a + r * lda, lda, x, s + r * ld, ld, ahead);
+      break;
+    default:
+      break;
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// acc rows 0 .. R - 1 (columns of NV vectors from c0, the last holding `tail` when tail > 0) += p
+// (R x n, ld) x's rows: each value row's vectors loaded once for the R rows, the sums in
+// registers over all n keys (as tiles.h's register tiles, with the rows wherever they lie).
+template <int R, int NV, typename X>
+inline void weigh_tile(int64_t n, const float* p, int64_t ld, RowList<X> x, int64_t c0,
+                       int64_t tail, float* acc, int64_t ldc) {
+  constexpr int W = 16;
+  __m512 o[R][NV];
+  const __mmask16 last = tail > 0 ? __mmask16((1u << tail) - 1) : __mmask16(0xffff);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      o[r][v] =
+          _mm512_maskz_loadu_ps(v == NV - 1 ? last : __mmask16(0xffff), acc + r * ldc + c0 + v * W);
+  for (int64_t j = 0; j < n; ++j) {
+    const X* xr = x[j] + c0;
+    __m512 xv[NV];
+    for (int v = 0; v < NV; ++v) xv[v] = load16(v == NV - 1 ? last : __mmask16(0xffff), xr + v * W);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * ld + j]);
+      for (int v = 0; v < NV; ++v) o[r][v] = _mm512_fmadd_ps(w, xv[v], o[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      _mm512_mask_storeu_ps(acc + r * ldc + c0 + v * W, v == NV - 1 ? last : __mmask16(0xffff),
+                            o[r][v]);
+}
+
+template <int R, typename X>
+void weigh_rows_of(int64_t n, int64_t dv, const float* p, int64_t ld, RowList<X> x, float* acc,
+                   int64_t ldc) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= dv; c0 += 64) weigh_tile<R, 4>(n, p, ld, x, c0, 0, acc, ldc);
+  for (; c0 < dv; c0 += 16) {
+    weigh_tile<R, 1>(n, p, ld, x, c0, dv - c0 >= 16 ? 0 : dv - c0, acc, ldc);
+  }
+}
+#endif
+
+// acc rows 0 .. R - 1 (columns c0 .. c0 + NV W - 1, ldc) += p (R x n, ld) x's rows, in vectors of
+// at::vec: weigh_tile's register tile where the build has no AVX-512, each value row's vectors
+// loaded (and converted) once for the R rows.
+template <typename T, int R, int NV, typename X>
+inline void weigh_vectors(int64_t n, const T* p, int64_t ld, RowList<X> x, int64_t c0, T* acc,
+                          int64_t ldc) {
+  using V = at::vec::Vectorized<T>;
+  constexpr int64_t W = V::size();
+  V o[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) o[r][v] = V::loadu(acc + r * ldc + c0 + v * W);
+  for (int64_t j = 0; j < n; ++j) {
+    const X* xr = x[j] + c0;
+    V xv[NV];
+    for (int v = 0; v < NV; ++v) xv[v] = load_as<T>(xr + v * W);
+    for (int r = 0; r < R; ++r) {
+      const V w(p[r * ld + j]);
+      for (int v = 0; v < NV; ++v) o[r][v] = at::vec::fmadd(w, xv[v], o[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) o[r][v].store(acc + r * ldc + c0 + v * W);
+}
+
+// weigh_vectors over a row's width: two vectors at a time, then one, then the columns left one by
+// one.
+template <typename T, int R, typename X>
+void weigh_rows(int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x, T* acc, int64_t ldc) {
+  constexpr int64_t W = at::vec::Vectorized<T>::size();
+  int64_t c0 = 0;
+  for (; c0 + 2 * W <= dv; c0 += 2 * W) weigh_vectors<T, R, 2>(n, p, ld, x, c0, acc, ldc);
+  for (; c0 + W <= dv; c0 += W) weigh_vectors<T, R, 1>(n, p, ld, x, c0, acc, ldc);
+  for (; c0 < dv; ++c0) {
+    for (int64_t j = 0; j < n; ++j) {
+      const T xe = T(x[j][c0]);
+      for (int r = 0; r < R; ++r) acc[r * ldc + c0] += p[r * ld + j] * xe;
+    }
+  }
+}
+
+// acc (m rows, dv wide) += p (m x n, ld) x (n rows wherever they lie), for few rows.
+template <typename T, typename X>
+void weigh(int64_t m, int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x, T* acc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) weigh_rows_of<4>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+    switch (m - r) {
+      case 3:
+        weigh_rows_of<3>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+        break;
+      case 2:
+        weigh_rows_of<2>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+        break;
+      case 1:
+        weigh_rows_of<1>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+        break;
+      default:
+        break;
+    }
+    return;
+  }
+#endif
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) weigh_rows<T, 4>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+  switch (m - r) {
+    case 3:
+      weigh_rows<T, 3>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+      break;
+    case 2:
+      weigh_rows<T, 2>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+      break;
+    case 1:
+      weigh_rows<T, 1>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
       break;
     default:
       break;
@@ -264,12 +417,17 @@ void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, int64_t lda, con
 
 // One thread's buffers: the item's query rows (heads x rows x Dk, rows ordered (query, head)), a
 // step's scores, the position term's window, and the online softmax's state of every row.
-template <typename T>
+template <typename T, typename KV>
 struct DecodeBuffers {
   std::vector<T> q, s, pos, acc, m, l;
   std::vector<T> t;             // a careful step's terms alone (see run_step)
   std::vector<uint8_t> hidden;  // a careful step's hidden pairs
-  explicit DecodeBuffers(const Decode<T>& d)
+  // The rows of this step's keys and values, and of the next step's, for the item's first head.
+  std::vector<const KV*> keys, values, next_keys, next_values;
+  // A step's keys and values in T, for the GEMMs of steps of many rows (keys and values in
+  // another dtype than T only).
+  std::vector<T> wide_k, wide_v;
+  explicit DecodeBuffers(const Decode<T, KV>& d)
       : q(d.heads * d.rows() * d.c.Dk),
         s(d.rows() * kStep),
         pos(d.c.qv.p == nullptr ? 0 : d.bq * (kStep + d.bq - 1)),
@@ -277,7 +435,13 @@ struct DecodeBuffers {
         m(d.heads * d.rows()),
         l(d.heads * d.rows()),
         t(d.rows() * kStep),
-        hidden(d.rows() * kStep) {}
+        hidden(d.rows() * kStep),
+        keys(kStep),
+        values(kStep),
+        next_keys(kStep),
+        next_values(kStep),
+        wide_k(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dk),
+        wide_v(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dv) {}
 };
 
 // Where an item is: batch row, first key/value head and how many, query block and its rows, part.
@@ -285,8 +449,8 @@ struct Item {
   int64_t n, hk0, heads, qb, qs, nq, part;
 };
 
-template <typename T>
-Item item_of(const Decode<T>& d, int64_t item) {
+template <typename T, typename KV>
+Item item_of(const Decode<T, KV>& d, int64_t item) {
   Item it;
   it.part = item % d.parts;
   int64_t rest = item / d.parts;
@@ -303,8 +467,8 @@ Item item_of(const Decode<T>& d, int64_t item) {
 
 // What follows the product in a step's scores (nr rows of nk keys, rows ordered (query, head)):
 // softcap, the position term, the bias and the mask, for each query head (its rows every G-th).
-template <typename T>
-void add_terms(const Call<T>& c, DecodeBuffers<T>& b, int64_t n, int64_t hk, int64_t qs,
+template <typename T, typename KV>
+void add_terms(const Call<T>& c, DecodeBuffers<T, KV>& b, int64_t n, int64_t hk, int64_t qs,
                const int64_t* vis, int64_t col0, T* s, int64_t nk) {
   for (int64_t g = 0; g < c.G; ++g) {
     Window<T> w;
@@ -324,9 +488,9 @@ void add_terms(const Call<T>& c, DecodeBuffers<T>& b, int64_t n, int64_t hk, int
 // rows (nr, dv wide) += p x for the pairs each row sees (hidden[r][j] == 0); a NaN or inf value a
 // row sees makes that dimension of its output NaN, whatever its weight (the non-finite policy: the
 // reference gives NaN there, also where the weight underflows to 0).
-template <typename T>
-void weigh_seen(int64_t nr, int64_t nk, int64_t dv, const T* p, const uint8_t* hidden, const T* x,
-                int64_t ldx, T* acc) {
+template <typename T, typename X>
+void weigh_seen(int64_t nr, int64_t nk, int64_t dv, const T* p, const uint8_t* hidden, RowList<X> x,
+                T* acc) {
   using V = at::vec::Vectorized<T>;
   const V zero(T(0));
   for (int64_t r = 0; r < nr; ++r) {
@@ -334,42 +498,52 @@ void weigh_seen(int64_t nr, int64_t nk, int64_t dv, const T* p, const uint8_t* h
     for (int64_t j = 0; j < nk; ++j) {
       if (hidden[r * nk + j]) continue;
       const V w(p[r * nk + j]);
-      const T* xr = x + j * ldx;
+      const X* xr = x[j];
       int64_t e = 0;
       for (; e + V::size() <= dv; e += V::size()) {
-        const V xv = V::loadu(xr + e);  // xv * 0: 0, or NaN where xv is NaN or inf
+        const V xv = load_as<T>(xr + e);  // xv * 0: 0, or NaN where xv is NaN or inf
         (at::vec::fmadd(w, xv, V::loadu(o + e)) + xv * zero).store(o + e);
       }
-      for (; e < dv; ++e) o[e] += p[r * nk + j] * xr[e] + xr[e] * T(0);
+      for (; e < dv; ++e) o[e] += p[r * nk + j] * T(xr[e]) + T(xr[e]) * T(0);
     }
   }
 }
 
+// A step's nk rows of keys or values (of width w, from key ks of head (n, hk)) for a GEMM: where
+// they are, at their stride, when they are T; else converted into wide (nk x w). ld: their stride.
+template <typename T, typename KV>
+const T* rows_in(const Pages<KV>& x, RowList<KV> rows, int64_t n, int64_t hk, int64_t ks,
+                 int64_t nk, int64_t w, T* wide, int64_t& ld) {
+  if constexpr (std::is_same_v<T, KV>) {
+    ld = x.x.ld();
+    return x.at(n, hk, ks);
+  } else {
+    for (int64_t j = 0; j < nk; ++j) convert_row(rows[j], w, wide + j * w);
+    ld = w;
+    return wide;
+  }
+}
+
 // One step of keys [vis[0], vis[1]) for rows vis[2]:vis[3] of the query block at qs of head (n,
-// hk), hh the head's place in its item: scores, online softmax, dropout, weighted values.
-template <typename T>
-void run_step(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, int64_t n, int64_t hk,
-              int64_t hh, int64_t qs, const int64_t* vis, int64_t col0, int64_t next,
-              bool careful) {
+// hk), hh the head's place in its item: scores, online softmax, dropout, weighted values. keys and
+// values: the step's rows; ahead: the next step's, asked for while these products run.
+template <typename T, typename KV>
+void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b, int64_t n,
+              int64_t hk, int64_t hh, int64_t qs, const int64_t* vis, int64_t col0,
+              RowList<KV> keys, RowList<KV> values, const Ahead<KV>& ahead, bool careful) {
   const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], r1 = vis[3];
   const int64_t G = c.G, R = d.rows(), first = r0 * G, nr = (r1 - r0) * G;
   T* s = b.s.data();
   const T* qrows = b.q.data() + (hh * R + first) * c.Dk;
   const T alpha = product_factor(c);
-  const Ahead ahead = next > 0 ? Ahead{d.k.at(n, hk, vis[1]),
-                                       d.v.at(n, hk, vis[1]),
-                                       next,
-                                       d.k.x.ld() * int64_t(sizeof(T)),
-                                       d.v.x.ld() * int64_t(sizeof(T)),
-                                       c.Dk * int64_t(sizeof(T)),
-                                       c.Dv * int64_t(sizeof(T))}
-                               : Ahead{};
-  if (nr <= kDotRows) {
-    dots<T>(nr, nk, c.Dk, alpha, qrows, c.Dk, d.k.at(n, hk, ks), d.k.x.ld(), s, nk, ahead);
-  } else {
-    ahead.rows_of(0, ahead.rows);
-    gemm<T>(c.register_tiles, false, true, nr, nk, c.Dk, alpha, qrows, c.Dk, d.k.at(n, hk, ks),
-            d.k.x.ld(), T(0), s, nk);
+  const bool few = nr <= kDotRows;
+  if (few) {
+    dots<T>(nr, nk, c.Dk, alpha, qrows, c.Dk, keys, s, nk, ahead);
+  } else {  // the step lies in one page (see run_visit)
+    ahead.for_keys(0, nk, nk);
+    int64_t ld = 0;
+    const T* k = rows_in<T>(d.k, keys, n, hk, ks, nk, c.Dk, b.wide_k.data(), ld);
+    gemm<T>(c.register_tiles, false, true, nr, nk, c.Dk, alpha, qrows, c.Dk, k, ld, T(0), s, nk);
   }
   if (c.softcap > 0 || c.bias != nullptr || c.qv.p != nullptr || vis[4]) {
     add_terms(c, b, n, hk, qs, vis, col0, s, nk);
@@ -401,25 +575,49 @@ void run_step(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, int64_t
       drop(c, n, hk * G + g, qs + r0, ks, r1 - r0, nk, s + g * nk, G * nk);
   }
   if (careful) {
-    weigh_seen(nr, nk, c.Dv, s, b.hidden.data(), d.v.at(n, hk, ks), d.v.x.ld(), acc);
+    weigh_seen(nr, nk, c.Dv, s, b.hidden.data(), values, acc);
+  } else if (few) {
+    weigh<T>(nr, nk, c.Dv, s, nk, values, acc);
   } else {
-    gemm<T>(c.register_tiles, false, false, nr, c.Dv, nk, T(1), s, nk, d.v.at(n, hk, ks),
-            d.v.x.ld(), T(1), acc, c.Dv);
+    int64_t ld = 0;
+    const T* v = rows_in<T>(d.v, values, n, hk, ks, nk, c.Dv, b.wide_v.data(), ld);
+    gemm<T>(c.register_tiles, false, false, nr, c.Dv, nk, T(1), s, nk, v, ld, T(1), acc, c.Dv);
   }
 }
 
-// The part's stretch of keys [first, last) of a visit's keys [ks, ke), in steps (cut at pages), for
-// each key/value head of the item.
+// The rows of keys [j0, j1) of (n, hk): out[j - j0].
 template <typename T>
-void run_visit(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, const Item& it,
+void rows_of_keys(const Pages<T>& x, int64_t n, int64_t hk, int64_t j0, int64_t j1, const T** out) {
+  for (int64_t j = j0; j < j1;) {
+    const int64_t e = x.page_end(j, j1), ld = x.x.ld();
+    const T* p = x.at(n, hk, j);
+    for (int64_t i = j; i < e; ++i) out[i - j0] = p + (i - j) * ld;
+    j = e;
+  }
+}
+
+// The part's stretch of keys [first, last) of a visit's keys [ks, ke), in steps, for each
+// key/value head of the item. Steps of few rows span pages (their products read rows wherever
+// they lie); others are cut at pages (their GEMMs read rows at one stride).
+template <typename T, typename KV>
+void run_visit(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b, const Item& it,
                const int64_t* vis, int64_t first, int64_t last, bool careful) {
   // Few rows take shorter steps: the products of a step's keys and of its values then alternate
   // often enough for the prefetches of the next keys and values to stay ahead of both.
-  const int64_t len = (vis[3] - vis[2]) * c.G <= kDotRows ? kFewRowsStep : kStep;
-  for (int64_t ks = first; ks < last;) {
-    const int64_t ke = d.k.page_end(ks, std::min(last, ks + len));
-    // The next step's keys (in their page), asked for while this step's are read.
-    const int64_t next = ke < last ? d.k.page_end(ke, std::min(last, ke + len)) - ke : 0;
+  const bool few = (vis[3] - vis[2]) * c.G <= kDotRows;
+  const int64_t len = few ? kFewRowsStep : kStep;
+  auto end_of = [&](int64_t ks) {
+    const int64_t e = std::min(last, ks + len);
+    return few ? e : d.k.page_end(ks, e);
+  };
+  const int64_t n = it.n, hk0 = it.hk0;
+  int64_t ks = first, ke = end_of(first);
+  rows_of_keys(d.k, n, hk0, ks, ke, b.keys.data());
+  rows_of_keys(d.v, n, hk0, ks, ke, b.values.data());
+  while (ks < last) {
+    const int64_t after = ke < last ? end_of(ke) : ke;
+    rows_of_keys(d.k, n, hk0, ke, after, b.next_keys.data());
+    rows_of_keys(d.v, n, hk0, ke, after, b.next_values.data());
     int64_t step[6] = {ks, ke, vis[2], vis[3], vis[4], vis[5]};
     // A band alone: a step every row sees whole needs no mask.
     if (step[4] && c.band && c.key_ok == nullptr && c.tiles == nullptr) {
@@ -428,9 +626,20 @@ void run_visit(const Decode<T>& d, const Call<T>& c, DecodeBuffers<T>& b, const 
       if (a <= double(ks) && z >= double(ke - 1)) step[4] = 0;
     }
     for (int64_t hh = 0; hh < it.heads; ++hh) {
-      run_step(d, c, b, it.n, it.hk0 + hh, hh, it.qs, step, ks - vis[0], next, careful);
+      const int64_t ko = hh * d.k.x.s[1], vo = hh * d.v.x.s[1];  // head hk0 + hh's rows
+      Ahead<KV> ahead;
+      ahead.k = {b.next_keys.data(), ko};
+      ahead.v = {b.next_values.data(), vo};
+      ahead.rows = after - ke;
+      ahead.k_bytes = c.Dk * int64_t(sizeof(KV));
+      ahead.v_bytes = c.Dv * int64_t(sizeof(KV));
+      run_step(d, c, b, n, hk0 + hh, hh, it.qs, step, ks - vis[0], RowList<KV>{b.keys.data(), ko},
+               RowList<KV>{b.values.data(), vo}, ahead, careful);
     }
+    std::swap(b.keys, b.next_keys);
+    std::swap(b.values, b.next_values);
     ks = ke;
+    ke = after;
   }
 }
 
@@ -469,21 +678,28 @@ struct Parts {
   std::unique_ptr<std::atomic<int64_t>[]> done;
   int64_t stride = 0;  // per item: heads x rows x (Dv + 2)
 
-  explicit Parts(const Decode<T>& d) {
+  template <typename KV>
+  explicit Parts(const Decode<T, KV>& d) {
     if (d.parts == 1) return;
     stride = d.heads * d.rows() * (d.c.Dv + 2);
     buf.resize(size_t(d.items() * stride));
     done.reset(new std::atomic<int64_t>[size_t(d.items() / d.parts)]());
   }
   T* acc(int64_t item) { return buf.data() + item * stride; }
-  T* m(const Decode<T>& d, int64_t item) { return acc(item) + d.heads * d.rows() * d.c.Dv; }
-  T* l(const Decode<T>& d, int64_t item) { return m(d, item) + d.heads * d.rows(); }
+  template <typename KV>
+  T* m(const Decode<T, KV>& d, int64_t item) {
+    return acc(item) + d.heads * d.rows() * d.c.Dv;
+  }
+  template <typename KV>
+  T* l(const Decode<T, KV>& d, int64_t item) {
+    return m(d, item) + d.heads * d.rows();
+  }
 };
 
 // The item's rows: written to out and lse when it is the only part, else kept, and merged with the
 // other parts' by the thread that finishes the last of them.
-template <typename T>
-void finish_item(const Decode<T>& d, DecodeBuffers<T>& b, Parts<T>& parts, int64_t item,
+template <typename T, typename KV>
+void finish_item(const Decode<T, KV>& d, DecodeBuffers<T, KV>& b, Parts<T>& parts, int64_t item,
                  const Item& it, const Rows<T*>& out, T* lse) {
   const Call<T>& c = d.c;
   const int64_t G = c.G, R = d.rows(), Dv = c.Dv;
@@ -528,8 +744,8 @@ void finish_item(const Decode<T>& d, DecodeBuffers<T>& b, Parts<T>& parts, int64
 }
 
 // The item's query rows, (query, head) ordered, contiguous, for each of its key/value heads.
-template <typename T>
-void load_queries(const Decode<T>& d, DecodeBuffers<T>& b, const Item& it) {
+template <typename T, typename KV>
+void load_queries(const Decode<T, KV>& d, DecodeBuffers<T, KV>& b, const Item& it) {
   const Call<T>& c = d.c;
   for (int64_t hh = 0; hh < it.heads; ++hh) {
     for (int64_t i = 0; i < it.nq; ++i) {
@@ -555,8 +771,8 @@ void visible_keys(const Call<T>& c, int64_t start, int64_t end, int64_t qs, int6
 }
 
 // Every visit of the item's part of the keys, from a fresh state.
-template <typename T>
-void run_item(const Decode<T>& d, DecodeBuffers<T>& b, const Item& it, bool careful) {
+template <typename T, typename KV>
+void run_item(const Decode<T, KV>& d, DecodeBuffers<T, KV>& b, const Item& it, bool careful) {
   std::fill(b.acc.begin(), b.acc.end(), T(0));
   std::fill(b.m.begin(), b.m.end(), -std::numeric_limits<T>::infinity());
   std::fill(b.l.begin(), b.l.end(), T(0));
@@ -592,8 +808,8 @@ void run_item(const Decode<T>& d, DecodeBuffers<T>& b, const Item& it, bool care
 }
 
 // Whether every row of the item has a finite state (sum and weighted values).
-template <typename T>
-bool finite_rows(const Decode<T>& d, const DecodeBuffers<T>& b, const Item& it) {
+template <typename T, typename KV>
+bool finite_rows(const Decode<T, KV>& d, const DecodeBuffers<T, KV>& b, const Item& it) {
   using V = at::vec::Vectorized<T>;
   V zero(T(0));  // x * 0 is 0 for finite x, NaN for NaN and inf
   T rest = 0;
@@ -613,14 +829,14 @@ bool finite_rows(const Decode<T>& d, const DecodeBuffers<T>& b, const Item& it) 
   return rest == T(0);
 }
 
-template <typename T>
-void decode_impl(const Decode<T>& d, const Rows<T*>& out, T* lse) {
+template <typename T, typename KV>
+void decode_impl(const Decode<T, KV>& d, const Rows<T*>& out, T* lse) {
   const int64_t items = d.items();
   Parts<T> parts(d);
   std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, items, d.grain, [&](int64_t, int64_t) {
     OneBlasThread one;
-    DecodeBuffers<T> b(d);
+    DecodeBuffers<T, KV> b(d);
     for (int64_t item = claim(next); item < items; item = claim(next)) {
       const Item it = item_of(d, item);
       load_queries(d, b, it);
@@ -634,8 +850,8 @@ void decode_impl(const Decode<T>& d, const Rows<T*>& out, T* lse) {
 
 // Items: all key/value heads together where rows are token-major, else one each; parts of each
 // row's keys until there are a few items per thread, each part at least kPartKeys keys.
-template <typename T>
-void divide(Decode<T>& d, int64_t span) {
+template <typename T, typename KV>
+void divide(Decode<T, KV>& d, int64_t span) {
   d.heads = d.k.token_major() && d.v.token_major() ? d.c.Hkv : 1;
   d.groups = (d.c.Hkv + d.heads - 1) / d.heads;
   const int64_t base = d.c.N * d.groups * d.nqb;
@@ -644,6 +860,11 @@ void divide(Decode<T>& d, int64_t span) {
   if (base > 0 && base < want) {
     d.parts = std::max<int64_t>(1, std::min((want + base - 1) / base, span / kPartKeys));
   }
+  // A thread for at least kThreadBytes of keys and values: starting another costs more than a
+  // small call (and on a busy core, where it may wait for a time slice, far more).
+  const int64_t item_bytes =
+      std::max<int64_t>(1, (span / d.parts) * d.heads * (d.c.Dk + d.c.Dv) * int64_t(sizeof(KV)));
+  d.grain = std::max<int64_t>(1, kThreadBytes / item_bytes);
 }
 
 template <typename T>
@@ -666,13 +887,15 @@ std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a) {
               " and ", a.v.sizes());
   at::Tensor out = like_q(a.q, a.v.size(3));
   at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
-  AT_DISPATCH_FLOATING_TYPES(a.q.scalar_type(), "attnkit::native_forward", [&] {
-    Decode<scalar_t> d;
-    d.c = make_call<scalar_t>(a);
+  with_kv_types(a.q, a.k, "attnkit::native_forward", [&](auto t, auto kv) {
+    using T = decltype(t);
+    using KV = decltype(kv);
+    Decode<T, KV> d;
+    d.c = make_call<T>(a);
     TORCH_CHECK(d.c.nqb <= 1, "attnkit: a decode call has one query block, got ", d.c.nqb);
     if (d.c.nqb == 0 || d.c.N * d.c.Hkv * d.c.G == 0) return;
-    d.k = pages_of<scalar_t>(a.k);
-    d.v = pages_of<scalar_t>(a.v);
+    d.k = pages_of<KV>(a.k);
+    d.v = pages_of<KV>(a.v);
     d.bq = d.c.Tq;
     d.nqb = 1;
     d.q_total = d.c.Tq;
@@ -682,8 +905,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a) {
       k1 = std::max(k1, d.c.visits[vi * 6 + 1]);
     }
     divide(d, k1 - k0);
-    decode_impl<scalar_t>(d, rows_of<scalar_t*>(out, out.data_ptr<scalar_t>()),
-                          lse.data_ptr<scalar_t>());
+    decode_impl(d, rows_of<T*>(out, out.data_ptr<T>()), lse.data_ptr<T>());
   });
   return {out, lse};
 }
@@ -703,9 +925,7 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
   TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4,
               "attnkit: q must be (N, Hkv, G, Tq, Dk) and k, v pages (X, Hkv, page, D), got q of ",
               q.dim(), " dimensions, k of ", k.dim(), ", v of ", v.dim());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "attnkit: q, k and v must have one dtype, got ", q.scalar_type(), ", ",
-              k.scalar_type(), " and ", v.scalar_type());
+  check_dtypes(q, k, v);
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "attnkit: the native kernel runs on CPU tensors");
   TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(3) == q.size(4) &&
@@ -770,9 +990,10 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
     out.zero_();
     lse.fill_(-std::numeric_limits<double>::infinity());
   }
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit::native_cache_forward", [&] {
-    using T = scalar_t;
-    Decode<T> d;
+  with_kv_types(q, k, "attnkit::native_cache_forward", [&](auto t, auto kv) {
+    using T = decltype(t);
+    using KV = decltype(kv);
+    Decode<T, KV> d;
     Call<T>& c = d.c;
     c.N = N;
     c.Hkv = q.size(1);
@@ -827,8 +1048,8 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
       c.key_rows = f.size(0);
     }
     if (N * c.Hkv * c.G * q_len == 0) return;
-    d.k = pages_of<T>(k);
-    d.v = pages_of<T>(v);
+    d.k = pages_of<KV>(k);
+    d.v = pages_of<KV>(v);
     if (table != nullptr) {
       d.k.table = d.v.table = table;
       d.k.table_ld = d.v.table_ld = capacity / page;
@@ -841,7 +1062,7 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
     int64_t span = 0;
     for (int64_t n = 0; n < N; ++n) span = std::max(span, range[2 * n + 1] - range[2 * n]);
     divide(d, span);
-    decode_impl<T>(d, rows_of<T*>(out, out.data_ptr<T>()), lse.data_ptr<T>());
+    decode_impl(d, rows_of<T*>(out, out.data_ptr<T>()), lse.data_ptr<T>());
   });
   return {out, lse};
 }

@@ -64,10 +64,38 @@ void finish_rows(const Call<T>& c, const ForwardBuffers<T>& b, int64_t n, int64_
   }
 }
 
+// Keys and values of another dtype than T (bfloat16 or float16 with float32): each visit's keys
+// and values, converted into T just before its products read them (a few dozen rows, which stay
+// in L1/L2 for both products), where the products read c's own keys and values (see Rows::i0).
+template <typename T, typename KV>
+struct Widened {
+  Rows<const KV*> k, v;  // the call's keys and values
+  std::vector<T> kbuf, vbuf;
+
+  // c's keys and values [ks, ke) of head (n, hk), converted.
+  void visit(Call<T>& c, int64_t n, int64_t hk, int64_t ks, int64_t ke) {
+    c.k = into(k, kbuf, c.Dk, n, hk, ks, ke);
+    c.v = into(v, vbuf, c.Dv, n, hk, ks, ke);
+  }
+
+  static Rows<const T*> into(const Rows<const KV*>& x, std::vector<T>& buf, int64_t width,
+                             int64_t n, int64_t hk, int64_t k0, int64_t k1) {
+    if (buf.size() < size_t((k1 - k0) * width)) buf.resize(size_t((k1 - k0) * width));
+    for (int64_t j = k0; j < k1; ++j) {
+      convert_row(x.at(n, hk, 0, j), width, buf.data() + (j - k0) * width);
+    }
+    Rows<const T*> r;
+    r.p = buf.data();
+    r.s[3] = width;
+    r.i0 = k0;
+    return r;
+  }
+};
+
 // Query head g of key/value head (n, hk) over query block qb: every visit, then its rows.
-template <typename T>
-void forward_head(const Call<T>& c, ForwardBuffers<T>& b, int64_t n, int64_t hk, int64_t g,
-                  int64_t qb, bool skew, bool bounded, const Rows<T*>& out, T* lse) {
+template <typename T, typename KV>
+void forward_head(Call<T> c, ForwardBuffers<T>& b, Widened<T, KV>& wide, int64_t n, int64_t hk,
+                  int64_t g, int64_t qb, bool skew, bool bounded, const Rows<T*>& out, T* lse) {
   const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs), h = hk * c.G + g;
   std::fill(b.acc.begin(), b.acc.end(), T(0));
   std::fill(b.m.begin(), b.m.end(), -std::numeric_limits<T>::infinity());
@@ -82,6 +110,7 @@ void forward_head(const Call<T>& c, ForwardBuffers<T>& b, int64_t n, int64_t hk,
       w = Window<T>(c, qs, r0, vis[3], ks, vis[1], b.pos.data());
       w.compute(c, n, h, qs);
     }
+    if constexpr (!std::is_same_v<T, KV>) wide.visit(c, n, hk, ks, vis[1]);
     scores(c, n, hk, g, qs, vis, b.s.data(), nk, static_cast<T*>(nullptr), w, &b.panels, skew);
     online_softmax(c, b, r0, nr, nk, bounded);
     if (c.p_drop > 0) drop(c, n, h, qs + r0, ks, nr, nk, b.s.data(), nk);
@@ -91,8 +120,8 @@ void forward_head(const Call<T>& c, ForwardBuffers<T>& b, int64_t n, int64_t hk,
   finish_rows(c, b, n, hk, g, qs, rows, out, lse);
 }
 
-template <typename T>
-void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
+template <typename T, typename KV>
+void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& out, T* lse) {
   const int64_t items = c.N * c.Hkv * c.nqb;
   // Capped scores with nothing added lie in [-cap, cap] log2(e): with a cap of at most 69 their
   // exp2 are normal numbers whose sum over 2^20 keys stays finite, so the softmax needs no
@@ -104,13 +133,17 @@ void forward_impl(const Call<T>& c, const Rows<T*>& out, T* lse) {
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
     OneBlasThread one;
     ForwardBuffers<T> b(c);
+    Widened<T, KV> wide = kv;
     for (int64_t item = claim(next); item < items; item = claim(next)) {
       int64_t n, hk, qb;
       c.item_of(item, n, hk, qb);
       const int64_t rows = std::min(c.bq, c.Tq - qb * c.bq);
-      pack_keys(c, c.k, c.Dk, n, hk, qb, rows, b.panels);
+      // (Keys converted visit by visit are not packed into panels: their products take the GEMM.)
+      if constexpr (std::is_same_v<T, KV>) pack_keys(c, c.k, c.Dk, n, hk, qb, rows, b.panels);
       const bool skew = skew_block(c, qb);
-      for (int64_t g = 0; g < c.G; ++g) forward_head(c, b, n, hk, g, qb, skew, bounded, out, lse);
+      for (int64_t g = 0; g < c.G; ++g) {
+        forward_head(c, b, wide, n, hk, g, qb, skew, bounded, out, lse);
+      }
     }
   });
 }
@@ -133,11 +166,17 @@ std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a) {
               " and ", a.v.sizes());
   at::Tensor out = like_q(a.q, a.v.size(3));
   at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
-  AT_DISPATCH_FLOATING_TYPES(a.q.scalar_type(), "attnkit::native_forward", [&] {
-    Call<scalar_t> c = make_call<scalar_t>(a);
+  with_kv_types(a.q, a.k, "attnkit::native_forward", [&](auto t, auto kv) {
+    using T = decltype(t);
+    using KV = decltype(kv);
+    Call<T> c = make_call<T>(a);
     const auto tables = skew_table(c, a.enc);  // kept alive while the kernel reads them
-    forward_impl<scalar_t>(c, rows_of<scalar_t*>(out, out.data_ptr<scalar_t>()),
-                           lse.data_ptr<scalar_t>());
+    Widened<T, KV> wide;
+    if constexpr (!std::is_same_v<T, KV>) {
+      wide.k = rows_of<const KV*>(a.k, a.k.data_ptr<KV>());
+      wide.v = rows_of<const KV*>(a.v, a.v.data_ptr<KV>());
+    }
+    forward_impl(c, wide, rows_of<T*>(out, out.data_ptr<T>()), lse.data_ptr<T>());
   });
   return {out, lse};
 }

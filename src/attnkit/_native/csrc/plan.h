@@ -30,6 +30,34 @@ struct CallArgs {
 // Internal linkage, as in one translation unit (see common.h).
 namespace {
 
+// q's dtype is the one the kernel computes in; keys and values come in it, or, for float32, in
+// bfloat16 or float16, read as they are and converted in registers (half the bytes to read).
+inline void check_dtypes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const at::ScalarType t = q.scalar_type(), kv = k.scalar_type();
+  const bool reduced = kv == at::kBFloat16 || kv == at::kHalf;
+  TORCH_CHECK(v.scalar_type() == kv && (kv == t || (t == at::kFloat && reduced)),
+              "attnkit: k and v must have q's dtype, or bfloat16/float16 with a float32 q; got q ",
+              t, ", k ", kv, " and v ", v.scalar_type());
+}
+
+// f(T(), KV()) for a call computing in q's dtype T (float32 or float64) with keys and values of
+// type KV (T, or bfloat16 or float16 with float32), as check_dtypes allows.
+template <typename F>
+void with_kv_types(const at::Tensor& q, const at::Tensor& k, const char* name, F&& f) {
+  check_dtypes(q, k, k);
+  if (q.scalar_type() == at::kDouble) {
+    f(double(), double());
+  } else if (q.scalar_type() != at::kFloat) {
+    TORCH_CHECK(false, name, ": computes in float32 or float64, got q of ", q.scalar_type());
+  } else if (k.scalar_type() == at::kBFloat16) {
+    f(float(), at::BFloat16());
+  } else if (k.scalar_type() == at::kHalf) {
+    f(float(), at::Half());
+  } else {
+    f(float(), float());
+  }
+}
+
 // Everything a call's items read: pointers into the tensors, and the plan.
 template <typename T>
 struct Call {
@@ -257,9 +285,7 @@ Call<T> make_call(const CallArgs& a) {
   TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4,
               "attnkit: q must be (N, Hkv, G, Tq, Dk) and k, v (N, Hkv, Tk, D), got q of ", q.dim(),
               " dimensions, k of ", k.dim(), ", v of ", v.dim());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "attnkit: q, k and v must have one dtype, got ", q.scalar_type(), ", ",
-              k.scalar_type(), " and ", v.scalar_type());
+  check_dtypes(q, k, v);
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "attnkit: the native kernel runs on CPU tensors");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) &&
@@ -281,8 +307,10 @@ Call<T> make_call(const CallArgs& a) {
   c.register_tiles = a.register_tiles;
   c.skewed_position = a.skewed_position;
   c.q = rows_of<const T*>(q, q.data_ptr<T>());
-  c.k = rows_of<const T*>(k, k.data_ptr<T>());
-  c.v = rows_of<const T*>(v, v.data_ptr<T>());
+  if (k.scalar_type() == q.scalar_type()) {  // else the caller reads them (see check_dtypes)
+    c.k = rows_of<const T*>(k, k.data_ptr<T>());
+    c.v = rows_of<const T*>(v, v.data_ptr<T>());
+  }
   check_plan(a, c.Tq, c.Tk);
   c.off = a.offsets.data_ptr<int64_t>();
   c.visits = a.visits.data_ptr<int64_t>();

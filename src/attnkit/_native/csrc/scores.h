@@ -74,7 +74,7 @@ void scores(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, cons
   const int64_t ks = vis[0], ke = vis[1], r0 = vis[2], r1 = vis[3];
   const T* qp = c.q.at(n, hk, g, qs + r0);
   times_keys<T>(c.register_tiles, panels, r1 - r0, ks, ke, c.Dk, product_factor(c), qp, c.q.ld(),
-                c.k.at(n, hk, 0, 0), c.k.ld(), s, ld);
+                c.k.at(n, hk, 0, ks), c.k.ld(), s, ld);
   score_terms(c, n, hk, g, qs, vis, 0, s, ld, t, pos, skew);
 }
 
@@ -246,7 +246,7 @@ void pack_keys(const Call<T>& c, const Rows<const T*>& x, int64_t width, int64_t
     }
     k0 -= k0 % KeyPanels::W;
     if ((k1 - k0) * width > (int64_t(1) << 20)) return;
-    panels.pack(x.at(n, hk, 0, 0), x.ld(), k0, k1, width);
+    panels.pack(x.at(n, hk, 0, k0), x.ld(), k0, k1, width);
   }
 #else
   (void)c, (void)x, (void)width, (void)n, (void)hk, (void)qb, (void)rows;

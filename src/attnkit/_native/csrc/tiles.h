@@ -130,7 +130,7 @@ inline void tiled(int64_t m, int64_t n, int64_t k, float alpha, const float* a, 
   columns(m, n, k, alpha, a, sai, sak, b, ldb, Vec::size(), 1, beta, c, ldc);
 }
 
-// K^T for the keys [k0, k1) of one head, in panels of W keys: panel i holds keys k0 + W i ...,
+// K^T for the keys [k0, k1) of one head (k: key k0's row), in panels of W keys: panel i holds keys k0 + W i ...,
 // its row d (W floats) their d-th elements, so a product with q reads W keys' element d as one
 // vector and a tile's NV vectors as NV contiguous streams. Made once per query block, before
 // its visits, from keys laid out however the caller has them.
@@ -148,7 +148,7 @@ struct KeyPanels {
       const int64_t keys = std::min<int64_t>(W, k1 - k0 - i * W);
       float* dst = buf.data() + i * W * D;
       if (keys < W) std::fill(dst, dst + W * D, 0.f);
-      at::vec::transpose_mxn<float>(k + (k0 + i * W) * ld, ld, dst, W, int(keys), int(D));
+      at::vec::transpose_mxn<float>(k + i * W * ld, ld, dst, W, int(keys), int(D));
     }
     ready = true;
   }
@@ -219,7 +219,8 @@ void gemm(bool tiles, bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha
 }
 
 // out (rows x (ke - ks), ld) = alpha * a[rows] x[ks:ke]^T, x's rows (keys or values) at stride
-// ldx: from the query block's panels of x when they hold those keys, else by the BLAS.
+// ldx from x (key ks's row): from the query block's panels of x when they hold those keys, else by
+// the BLAS.
 template <typename T>
 void times_keys(bool tiles, const KeyPanels* panels, int64_t rows, int64_t ks, int64_t ke,
                 int64_t width, T alpha, const T* a, int64_t lda, const T* x, int64_t ldx, T* out,
@@ -230,8 +231,7 @@ void times_keys(bool tiles, const KeyPanels* panels, int64_t rows, int64_t ks, i
       return;
     }
   }
-  gemm<T>(tiles, false, true, rows, ke - ks, width, alpha, a, lda, x + ks * ldx, ldx, T(0), out,
-          ld);
+  gemm<T>(tiles, false, true, rows, ke - ks, width, alpha, a, lda, x, ldx, T(0), out, ld);
 }
 
 }  // namespace
