@@ -523,7 +523,7 @@ class Transformer(nn.Module):
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
         memory_mask: Bool[Tensor, "..."] | Mask | None = None,
-        cache: list[KVCache | PagedKVCache] | None = None,
+        cache: Sequence[KVCache | PagedKVCache] | None = None,
     ) -> Float[Tensor, "B T D"]:
         _check_sequence(self, "tgt", tgt, self.d_model)
         _check_sequence(self, "memory", memory, self.d_model)
@@ -552,7 +552,7 @@ class Transformer(nn.Module):
         memory: Tensor,
         mask: Tensor | Mask | None,
         memory_mask: Tensor | Mask | None,
-        cache: list[KVCache | PagedKVCache] | None,
+        cache: Sequence[KVCache | PagedKVCache] | None,
     ) -> Tensor:
         for i, layer in enumerate(self.decoder_layers):
             tgt = layer(
