@@ -92,10 +92,12 @@ INFINIBAND = Link("InfiniBand-class", 45e9, 10e-6)
 #: Nodes of 8 GPUs, each sustaining 400 TFLOP/s of attention (about 40% of a current GPU's
 #: 16-bit peak), NVLink within a node and InfiniBand between nodes. Assumed figures.
 GPU_NODES = Hardware("8-GPU nodes, NVLink + InfiniBand", 400e12, NVLINK, INFINIBAND, 8)
-#: CPU processes on one machine exchanging over gloo (loopback TCP), one thread each: the
-#: figures benchmarks/bench_scaling.py measured with 4 ranks on the benchmarks page's machine.
-_GLOO = Link("gloo over loopback", 1.0e9, 60e-6)
-CPU_GLOO = Hardware("CPU processes, gloo", 20e9, _GLOO, _GLOO, 1 << 30, 0.01)
+#: CPU processes on one machine exchanging over gloo (loopback TCP), one thread each: what
+#: benchmarks/bench_scaling.py measured with 4 ranks on 2 cores (the benchmarks page's machine):
+#: a ring step at 0.48 GB/s and 1.5 ms a message, 20 GFLOP/s of attention per rank, 12 ms of host
+#: work per pass.
+_GLOO = Link("gloo over loopback", 0.48e9, 1.5e-3)
+CPU_GLOO = Hardware("CPU processes, gloo", 20e9, _GLOO, _GLOO, 1 << 30, 0.012)
 
 
 @dataclass(frozen=True)
