@@ -274,10 +274,15 @@ def test_dropout_is_unbiased_and_a_fully_dropped_row_is_not_redrawn() -> None:
     ],
 )
 def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
-    shape: tuple[int, ...], dtype: torch.dtype, chosen: str, words: str | None
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    chosen: str,
+    words: str | None,
 ) -> None:
     if chosen == "chunked" and not attnkit._native.status()[0]:
         pytest.skip("the native kernel is not available: chunked would run the eager kernel")
+    monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)  # a CPU with AVX-512
     b, h, hkv, tq, tk, d = shape
     q = torch.zeros(b, h, tq, d, dtype=dtype)
     kv = torch.zeros(b, hkv, tk, d, dtype=dtype)
@@ -291,6 +296,21 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
         assert ("trains slower" in " ".join(attnkit.explain(q, kv, kv).slower["sdpa"])) == (
             not half
         )
+
+
+@pytest.mark.parametrize("tiles", [False, True])
+def test_without_avx512_full_attention_inference_stays_with_torch(
+    monkeypatch: pytest.MonkeyPatch, tiles: bool
+) -> None:
+    # Without register tiles a blocked kernel multiplies through the BLAS as torch does: with no
+    # mask there is nothing for it to skip, so torch keeps the call; a causal call it halves.
+    if not attnkit._native.status()[0]:
+        pytest.skip("the native kernel is not available: chunked would run the eager kernel")
+    monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: tiles)
+    q = torch.zeros(1, 8, 1024, 64)
+    assert attnkit.explain(q, q, q).chosen == ("chunked" if tiles else "sdpa")
+    assert attnkit.explain(q, q, q, causal=True).chosen == "chunked"
+    assert attnkit.explain(q, q, q, mask=masks.sliding_window(64)).chosen == "chunked"
 
 
 @pytest.mark.parametrize("products", [False, True])
