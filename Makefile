@@ -34,7 +34,9 @@ $(DEV_STAMP): pyproject.toml constraints.txt
 demo: $(DEMO_STAMP)
 	$(BIN)/attnkit demo
 
-test: lint typecheck pytest docs
+# The tests read the site `docs` just built (ATTNKIT_BUILT_SITE) instead of building it again.
+test: lint typecheck docs
+	ATTNKIT_BUILT_SITE=site $(BIN)/pytest -q
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks docs

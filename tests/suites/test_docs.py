@@ -248,7 +248,14 @@ def test_site_links_that_fail_from_disk_are_found(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The site as ``make docs`` builds it (strictly), in a folder of its own."""
+    """The site as ``make docs`` builds it (strictly), in a folder of its own; or the one it just
+    built, where ``ATTNKIT_BUILT_SITE`` names its folder (``make test`` builds it before the
+    tests)."""
+    given = os.environ.get("ATTNKIT_BUILT_SITE")
+    if given:
+        built_site = ROOT / given
+        assert (built_site / "index.html").is_file(), f"ATTNKIT_BUILT_SITE={given}: no site there"
+        return built_site
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
     out = tmp_path_factory.mktemp("site")
