@@ -123,7 +123,8 @@ def _is_causal(call_q: int, call_k: int, mask: Mask | None, has_bias: bool) -> b
 
 
 # Packed documents go to torch one document at a time (as variable-length kernels do) when they
-# are long enough for a call per document to cost less than the blocked kernel.
+# are long enough for a call per document to cost less than the blocked kernel. The cuts come from
+# the mask's document starts, not from a BlockPlan: a plan is block-granular, a cut must be exact.
 MIN_DOCUMENT_MEAN = 128
 
 
