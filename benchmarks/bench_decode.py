@@ -8,7 +8,7 @@ and its ratios to the memory floor, to torch SDPA (or the contiguous cache) and 
 candidate in float32, measured in the same run.
 
 * floor: ``x.sum()`` over a float32 tensor of the keys' and values' bytes in that dtype: the time
-  to read them once at the read bandwidth torch's own reduction reaches on this machine.
+  to read them once at the read bandwidth torch's own reduction reaches on the CPU it runs on.
 * decode: ``attnkit.attention`` with the chunked backend (the native kernel's decode path) and
   with ``auto``, against ``F.scaled_dot_product_attention(..., enable_gqa=True)``; the cache laid
   out ``(B, Hkv, T, D)``.
