@@ -369,6 +369,11 @@ def test_reduced_keys_and_values_are_read_as_they_are(
 ) -> None:
     # 1 and 5 queries take the decode path, 40 the blocked forward (3 query blocks).
     args, kwargs, args32, kwargs32 = _reduced_call(dtype, tq, case)
+    if dtype == torch.bfloat16 and tq > 16:
+        # On a CPU that multiplies bfloat16, the blocked forward's products run in bfloat16 with
+        # the probabilities rounded for p v (tests/native/test_matrix_unit.py); without register
+        # tiles they are float32 products of the same numbers, which this test is about.
+        kwargs["register_tiles"] = False
     q, k, v = args[:3]
     assert q.dtype == torch.float32  # type: ignore[union-attr]
     assert k.dtype == v.dtype == dtype  # type: ignore[union-attr]

@@ -133,7 +133,9 @@ class NativeCall:
     layout: tuple[int, ...] = ()
     #: how the kernel runs its products (the same numbers to rounding): float32 products in its
     #: own register tiles rather than the BLAS, and the position term along the diagonals of
-    #: the scores rather than per block's window of distances (both where the build has AVX-512)
+    #: the scores rather than per block's window of distances (both where the build has AVX-512).
+    #: register_tiles also lets a bfloat16 forward run its products on the CPU's matrix unit
+    #: (AMX), with the probabilities rounded to bfloat16 for ``p v``; False keeps them float32.
     register_tiles: bool = True
     skewed_position: bool = True
 

@@ -130,7 +130,9 @@ class Chunked(Backend):
     ``register_tiles=False``, ``skewed_position=False``: the native kernel runs its float32
     products in the BLAS rather than its own AVX-512 register tiles, and Transformer-XL's
     position term per block's window of distances rather than along the diagonals (the same
-    numbers to rounding; for side-by-side measurements).
+    numbers to rounding; for side-by-side measurements). ``register_tiles=False`` also keeps a
+    bfloat16 forward's products in float32 where the CPU could run them on its matrix unit
+    (AMX), which rounds the probabilities to bfloat16 for ``p v`` as torch's bfloat16 kernels do.
 
     >>> import torch, attnkit
     >>> q = torch.randn(1, 2, 100, 8)

@@ -2,9 +2,12 @@
 // claimed in the plan's order (see Call::item_of); each runs every visit of its query block's row
 // of the plan, for each of the G query heads that share the key/value head, with thread-local
 // buffers: the visit's scores (scores.h), the online softmax's running maximum and sum, and a GEMM
-// for the weighted values. A row that sees no key has log-sum-exp -inf and output 0.
+// for the weighted values. A row that sees no key has log-sum-exp -inf and output 0. bfloat16
+// queries, keys and values on a CPU with a matrix unit take both products there instead
+// (forward_head_bf16, matrix_unit.h).
 
 #include "kernel.h"
+#include "matrix_unit.h"
 #include "position.h"
 #include "scores.h"
 
@@ -120,6 +123,132 @@ void forward_head(Call<T> c, ForwardBuffers<T>& b, Widened<T, KV>& wide, int64_t
   finish_rows(c, b, n, hk, g, qs, rows, out, lse);
 }
 
+#if defined(ATTNKIT_MATRIX_UNIT)
+// A thread's bfloat16 rows for the matrix unit: its query block's queries, a visit's
+// probabilities.
+struct MatrixRows {
+  std::vector<at::BFloat16> q, p;
+};
+
+// 2^x for x <= 0 or NaN, to 2e-7 relative: x = n + f with |f| <= 1/2, 2^f by its Taylor series
+// to f^6 (1.6e-7), times 2^n by scalef; 0 from x = -160 down (2^-inf too), NaN for NaN. Enough
+// for probabilities rounded to bfloat16 next, at a third of a correctly rounded exp2's cost.
+inline __m512 exp2_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-160.f), x);  // max returns its second operand for a NaN
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428441e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821576e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The online softmax of a visit whose scores are factor * s (s: nr rows of nk raw products),
+// fused: one pass for the rows' maxima, one for exp2, the sums and the probabilities, written in
+// bfloat16 to p (rows pld apart) for p v. The rows' accumulated outputs (width dv) are rescaled
+// when their maximum grows, as in online_softmax.
+inline void probabilities_bf16(ForwardBuffers<float>& b, int64_t r0, int64_t nr, int64_t nk,
+                               const float* s, float factor, int64_t dv, at::BFloat16* p,
+                               int64_t pld) {
+  const __m512 fv = _mm512_set1_ps(factor);
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* row = s + r * nk;
+    const int64_t R = r0 + r;
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + 16 <= nk; j += 16) mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_loadu_ps(row + j), fv));
+    float m = _mm512_reduce_max_ps(mx);
+    for (; j < nk; ++j) m = std::isnan(row[j]) || row[j] * factor > m ? row[j] * factor : m;
+    // (A NaN product makes the row NaN through its sum, as in online_softmax.)
+    const float mnew = std::max(b.m[R], m);
+    const float safe = std::isinf(mnew) && mnew < 0 ? 0.f : mnew;
+    const float alpha = b.m[R] == mnew ? 1.f : std::exp2(b.m[R] - safe);
+    if (alpha != 1.f) scale_row(b.acc.data() + R * dv, dv, alpha);
+    b.m[R] = mnew;
+    const __m512 neg = _mm512_set1_ps(-safe);
+    __m512 sum = _mm512_setzero_ps();
+    at::BFloat16* out = p + r * pld;
+    for (j = 0; j + 16 <= nk; j += 16) {
+      const __m512 e = exp2_nonpositive(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), fv, neg));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), at::vec::cvtfp32_bf16(e));
+    }
+    if (j < nk) {
+      const __mmask16 tail = __mmask16((1u << (nk - j)) - 1);
+      const __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, row + j), fv, neg);
+      const __m512 e = _mm512_maskz_mov_ps(tail, exp2_nonpositive(x));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_mask_storeu_epi16(out + j, tail, at::vec::cvtfp32_bf16(e));
+    }
+    b.l[R] = b.l[R] * alpha + _mm512_reduce_add_ps(sum);
+  }
+}
+
+// forward_head with both products on the matrix unit, reading the call's packed keys and values:
+// false, having done nothing, when the block's queries are not all bfloat16 values (float32
+// queries with bfloat16 keys), which then take forward_head. Products summed in float32, the
+// probabilities rounded to bfloat16 for p v, as torch's bfloat16 attention does.
+inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
+                              const PackedKeys& pk, MatrixRows& mr, int64_t n, int64_t hk,
+                              int64_t g, int64_t qb, bool skew, bool bounded,
+                              const Rows<float*>& out, float* lse) {
+  const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs), h = hk * c.G + g;
+  if (mr.q.size() < size_t(rows * c.Dk)) mr.q.resize(size_t(rows * c.Dk));
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!to_bf16_exact(c.q.at(n, hk, g, qs + r), c.Dk, mr.q.data() + r * c.Dk)) return false;
+  }
+  std::fill(b.acc.begin(), b.acc.end(), 0.f);
+  std::fill(b.m.begin(), b.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(b.l.begin(), b.l.end(), 0.f);
+  const Window<float> whole = skew ? Window<float>() : block_window(c, qb, b.pos.data());
+  if (whole.p != nullptr) whole.compute(c, n, h, qs);
+  const float factor = product_factor(c);
+  for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
+    const int64_t* vis = c.visits + vi * 6;
+    const int64_t ks = vis[0], ke = vis[1], nk = ke - ks, r0 = vis[2], nr = vis[3] - vis[2];
+    Window<float> w = whole;
+    if (c.qv.p != nullptr && whole.p == nullptr && !skew) {
+      w = Window<float>(c, qs, r0, vis[3], ks, ke, b.pos.data());
+      w.compute(c, n, h, qs);
+    }
+    float* s = b.s.data();
+    bf16_product(nr, nk, c.Dk, mr.q.data() + r0 * c.Dk, c.Dk, pk.keys(n, hk) + ks * 2, pk.ldk,
+                 s, nk, false);
+    // p v over whole pairs of keys: from the pair holding key ks (its first key weighted 0 when
+    // ks is odd) to the pair holding key ke - 1 (its second weighted 0 when ke is odd).
+    const int64_t ka = ks & ~int64_t(1), kk = ((ke + 1) & ~int64_t(1)) - ka;
+    if (mr.p.size() < size_t(nr * kk)) mr.p.resize(size_t(nr * kk));
+    for (int64_t r = 0; r < nr; ++r) {
+      at::BFloat16* pr = mr.p.data() + r * kk;
+      pr[0] = pr[kk - 1] = at::BFloat16(0.f);
+    }
+    // Scores with nothing but the product go straight to probabilities; the rest take the
+    // float32 path's steps, in place, first.
+    const bool plain = !vis[4] && !skew && c.softcap <= 0 && c.bias == nullptr &&
+                       c.qv.p == nullptr && c.p_drop <= 0;
+    if (plain) {
+      probabilities_bf16(b, r0, nr, nk, s, factor, c.Dv, mr.p.data() + (ks - ka), kk);
+    } else {
+      for (int64_t r = 0; r < nr; ++r) scale_row(s + r * nk, nk, factor);
+      score_terms(c, n, hk, g, qs, vis, 0, s, nk, static_cast<float*>(nullptr), w, skew);
+      online_softmax(c, b, r0, nr, nk, bounded);
+      if (c.p_drop > 0) drop(c, n, h, qs + r0, ks, nr, nk, s, nk);
+      for (int64_t r = 0; r < nr; ++r) {
+        at::vec::convert(s + r * nk, mr.p.data() + r * kk + (ks - ka), nk);
+      }
+    }
+    bf16_product(nr, c.Dv, kk, mr.p.data(), kk, pk.values(n, hk, ka / 2), c.Dv,
+                 b.acc.data() + r0 * c.Dv, c.Dv, true);
+  }
+  finish_rows(c, b, n, hk, g, qs, rows, out, lse);
+  return true;
+}
+#endif
+
 template <typename T, typename KV>
 void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& out, T* lse) {
   const int64_t items = c.N * c.Hkv * c.nqb;
@@ -129,11 +258,27 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
   // position term would unbound them.
   const bool bounded = c.softcap > 0 && c.softcap * kLog2e <= 100.0 && c.bias == nullptr &&
                        c.qv.p == nullptr && c.Tk <= (int64_t(1) << 20);
+  // bfloat16 keys and values on a CPU with a matrix unit: both products there, from keys and
+  // values packed once for the whole call (matrix_unit.h). register_tiles false keeps every
+  // product in float32.
+#if defined(ATTNKIT_MATRIX_UNIT)
+  std::optional<PackedKeys> packed;
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>) {
+    if (c.register_tiles && c.Tq > 0 && c.Tk > 0 && has_matrix_unit() &&
+        PackedKeys::fits(kv.k, c.Dk)) {
+      packed.emplace(kv.k, kv.v, c.N, c.Hkv, c.Tk, c.Dk, c.Dv);
+    }
+  }
+#endif
   std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
     OneBlasThread one;
     ForwardBuffers<T> b(c);
     Widened<T, KV> wide = kv;
+#if defined(ATTNKIT_MATRIX_UNIT)
+    MatrixUnitThread unit;
+    MatrixRows mr;
+#endif
     for (int64_t item = claim(next); item < items; item = claim(next)) {
       int64_t n, hk, qb;
       c.item_of(item, n, hk, qb);
@@ -142,6 +287,15 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
       if constexpr (std::is_same_v<T, KV>) pack_keys(c, c.k, c.Dk, n, hk, qb, rows, b.panels);
       const bool skew = skew_block(c, qb);
       for (int64_t g = 0; g < c.G; ++g) {
+#if defined(ATTNKIT_MATRIX_UNIT)
+        if constexpr (std::is_same_v<T, float>) {
+          if (packed && forward_head_bf16(c, b, *packed, mr, n, hk, g, qb, skew, bounded, out,
+                                          lse)) {
+            unit.used = true;
+            continue;
+          }
+        }
+#endif
         forward_head(c, b, wide, n, hk, g, qb, skew, bounded, out, lse);
       }
     }

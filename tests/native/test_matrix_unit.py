@@ -1,0 +1,116 @@
+"""bfloat16 products in the native forward (q k^T and p v on the CPU's matrix unit where it has
+one, AMX; elsewhere the float32 products): equal to the float64 reference within bfloat16's
+tolerance, and to the float32 products' result, for every shape of visit the plan makes (odd
+starts and ends, ragged tails, groups of query heads, head sizes that differ)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from attnkit import _native, attention, masks
+from attnkit.backends import Chunked
+from attnkit.backends.sdpa import _products_in
+from attnkit.testing import assert_close
+
+AVAILABLE, WHY = _native.status()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"native kernel: {WHY}")
+
+# The products run on the matrix unit only where the CPU multiplies bfloat16; elsewhere these
+# tests check the float32 products of bfloat16 inputs, which must hold as well.
+MATRIX_UNIT = _products_in(torch.bfloat16)
+
+
+def qkv(
+    b: int, h: int, hkv: int, tq: int, tk: int, dk: int, dv: int, seed: int = 0
+) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(b, h, tq, dk, generator=g).bfloat16(),
+        torch.randn(b, hkv, tk, dk, generator=g).bfloat16(),
+        torch.randn(b, hkv, tk, dv, generator=g).bfloat16(),
+    ]
+
+
+DOCUMENTS = masks.documents([61, 0, 77, 62])
+PADDING = masks.key_padding([31, 0])  # the second batch row sees no key
+CASES: dict[str, tuple[tuple[int, ...], dict[str, Any], tuple[int, int]]] = {
+    # (B, H, Hkv, Tq, Tk, Dk, Dv), attention keywords, blocks
+    "causal": ((1, 4, 4, 300, 300, 64, 64), {"causal": True}, (128, 256)),
+    "rectangle, groups": ((2, 4, 2, 70, 333, 32, 48), {}, (32, 64)),
+    "odd window": ((1, 2, 2, 129, 129, 64, 64), {"mask": masks.sliding_window(37)}, (16, 32)),
+    "odd keys, odd widths": ((1, 2, 1, 33, 101, 16, 6), {"causal": True}, (8, 16)),
+    "documents": ((1, 2, 2, 200, 200, 128, 128), {"mask": DOCUMENTS}, (32, 48)),
+    "padding": ((2, 2, 2, 40, 57, 8, 8), {"mask": PADDING}, (8, 16)),
+    "1,024 keys": ((1, 2, 2, 64, 1024, 64, 64), {}, (64, 256)),
+    "softcap": ((1, 2, 2, 100, 101, 16, 16), {"softcap": 5.0}, (32, 32)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_products_equal_the_reference(case: str) -> None:
+    shape, kw, (bq, bk) = CASES[case]
+    q, k, v = qkv(*shape)
+    want = attention(q.double(), k.double(), v.double(), backend="reference", **kw)
+    fast = attention(q, k, v, backend=Chunked(block_q=bq, block_k=bk), **kw)
+    wide = attention(q, k, v, backend=Chunked(block_q=bq, block_k=bk, register_tiles=False), **kw)
+    assert fast.dtype == torch.bfloat16
+    assert_close(fast, want)
+    # The probabilities rounded to bfloat16 for p v move an output by a few of its own roundings.
+    torch.testing.assert_close(fast.double(), wide.double(), atol=2e-2, rtol=2e-2)
+    if case == "padding":
+        assert fast[1].abs().max() == 0
+
+
+def test_a_row_without_keys_is_zero_and_its_lse_minus_infinity() -> None:
+    q, k, v = qkv(2, 2, 2, 20, 33, 16, 16)
+    out, lse = attention(
+        q,
+        k,
+        v,
+        mask=masks.key_padding([33, 0]),
+        backend=Chunked(block_q=8, block_k=16),
+        return_lse=True,
+    )
+    assert out[1].abs().max() == 0
+    assert torch.isneginf(lse[1]).all()
+    assert torch.isfinite(lse[0]).all()
+
+
+def test_lse_equals_the_reference() -> None:
+    q, k, v = qkv(1, 4, 2, 150, 260, 64, 64, seed=3)
+    _, lse = attention(q, k, v, causal=True, backend=Chunked(), return_lse=True)
+    _, want = attention(
+        q.double(), k.double(), v.double(), causal=True, backend="reference", return_lse=True
+    )
+    torch.testing.assert_close(lse.double(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_nan_in_a_key_makes_only_the_rows_that_see_it_nan() -> None:
+    q, k, v = qkv(1, 2, 2, 64, 64, 16, 16, seed=4)
+    k[0, 0, 40, 3] = float("nan")
+    out = attention(q, k, v, causal=True, backend=Chunked(block_q=16, block_k=32))
+    assert torch.isnan(out[0, 0, 40:]).all()
+    assert not torch.isnan(out[0, 0, :40]).any()
+    assert not torch.isnan(out[0, 1]).any()
+
+
+def test_layouts_of_the_callers_tensors() -> None:
+    # k and v as views of (B, T, H, D) memory, as projections give: rows strided by H * D.
+    q, k, v = qkv(2, 4, 4, 96, 96, 32, 32, seed=5)
+    tk, tv = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    got = attention(q, tk, tv, causal=True, backend=Chunked(block_q=32, block_k=64))
+    want = attention(q, k, v, causal=True, backend=Chunked(block_q=32, block_k=64))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not MATRIX_UNIT, reason="this CPU has no bfloat16 products")
+def test_the_matrix_unit_rounds_the_probabilities_as_torch_does() -> None:
+    # With bfloat16 probabilities in p v the output differs from the float32 products' in low
+    # bits, the way torch's own bfloat16 attention does: the products did run on the unit.
+    q, k, v = qkv(1, 8, 8, 256, 256, 64, 64, seed=6)
+    fast = attention(q, k, v, causal=True, backend=Chunked())
+    wide = attention(q, k, v, causal=True, backend=Chunked(register_tiles=False))
+    assert not torch.equal(fast, wide)
