@@ -283,6 +283,7 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
     if chosen == "chunked" and not attnkit._native.status()[0]:
         pytest.skip("the native kernel is not available: chunked would run the eager kernel")
     monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)  # a CPU with AVX-512
+    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: False)  # no bf16 products
     b, h, hkv, tq, tk, d = shape
     q = torch.zeros(b, h, tq, d, dtype=dtype)
     kv = torch.zeros(b, hkv, tk, d, dtype=dtype)
@@ -298,6 +299,46 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
         )
 
 
+@pytest.mark.parametrize(
+    ("shape", "dtype", "chosen", "words"),
+    [
+        # (B, H, Hkv, Tq, Tk, D)
+        ((8, 32, 8, 1, 4096, 128), torch.float32, "chunked", "256 MiB of keys and values shared"),
+        ((1, 32, 8, 1, 4096, 128), torch.float32, "chunked", "shared by 4 query heads"),
+        ((1, 32, 32, 1, 1024, 128), torch.float32, "sdpa", None),  # one query head per cache
+        ((1, 8, 2, 1, 4096, 64), torch.float32, "sdpa", None),  # 4 MiB
+        ((8, 32, 8, 1, 4096, 128), torch.bfloat16, "chunked", "128 MiB of bfloat16 keys"),
+        ((1, 32, 8, 1, 4096, 128), torch.bfloat16, "chunked", "16 MiB of bfloat16 keys"),
+        ((1, 32, 8, 1, 2048, 128), torch.bfloat16, "sdpa", None),  # 8 MiB
+        ((1, 32, 32, 1, 4096, 128), torch.bfloat16, "sdpa", None),  # one query head per cache
+        ((1, 8, 8, 256, 256, 64), torch.float32, "sdpa", None),  # no mask: nothing to skip
+        ((1, 8, 8, 256, 256, 64), torch.float16, "sdpa", None),  # torch's float16 is fast here
+        ((1, 8, 8, 1024, 1024, 64), torch.bfloat16, "sdpa", None),
+    ],
+)
+def test_on_cpus_with_bfloat16_products_auto_keeps_what_torch_runs_faster(
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    chosen: str,
+    words: str | None,
+) -> None:
+    if chosen == "chunked" and not attnkit._native.status()[0]:
+        pytest.skip("the native kernel is not available: chunked would run the eager kernel")
+    monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)
+    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
+    b, h, hkv, tq, tk, d = shape
+    q = torch.zeros(b, h, tq, d, dtype=dtype)
+    kv = torch.zeros(b, hkv, tk, d, dtype=dtype)
+    report = attnkit.explain(q, kv, kv)
+    assert report.chosen == chosen
+    slower = " ".join(report.slower["sdpa"])
+    assert (words in slower) if words else not slower
+    # A causal prefill still halves its work in the native kernel.
+    full = torch.zeros(1, 8, 1024, 64)
+    assert attnkit.explain(full, full, full, causal=True).chosen == "chunked"
+
+
 @pytest.mark.parametrize("tiles", [False, True])
 def test_without_avx512_full_attention_inference_stays_with_torch(
     monkeypatch: pytest.MonkeyPatch, tiles: bool
@@ -307,6 +348,7 @@ def test_without_avx512_full_attention_inference_stays_with_torch(
     if not attnkit._native.status()[0]:
         pytest.skip("the native kernel is not available: chunked would run the eager kernel")
     monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: tiles)
+    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: False)
     q = torch.zeros(1, 8, 1024, 64)
     assert attnkit.explain(q, q, q).chosen == ("chunked" if tiles else "sdpa")
     assert attnkit.explain(q, q, q, causal=True).chosen == "chunked"

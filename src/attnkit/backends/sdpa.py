@@ -69,6 +69,17 @@ _CPU_DECODE_BYTES = 8 << 20
 # time in bfloat16, 0.09x in float16).
 _CPU_DECODE_BYTES_REDUCED = 1 << 20
 _REDUCED = (torch.bfloat16, torch.float16)
+# On CPUs with bfloat16 products (Intel's AVX512-BF16 and AMX) torch's CPU kernels are fast in
+# every dtype, and the rules above do not hold (measured side by side on a 2-core Intel Xeon with
+# AMX-BF16; the figures are in the inference guide). A decode step goes to the native kernel
+# only when query heads share key/value heads (torch reads a shared head's cache once per query
+# head) and from 16 MiB of keys and values: 0.45-0.52x torch's time in float32 from 32 MiB, 0.52-
+# 0.77x in bfloat16 from 16 MiB, two threads; with one query head per key/value head torch reads
+# each cache once and is faster (1.4-1.9x at 16-32 MiB, even at 128-256 MiB), as it is below
+# 8 MiB (1.0-6.9x). Prefill without a mask stays with torch in float32 (the native kernel took
+# 1.2-1.5x its time at T=128-256, one thread) and in float16 (1.3-1.6x at T=128-256, 1.13x at
+# T=4096 causal).
+_CPU_DECODE_BYTES_GROUPED = 16 << 20
 
 
 @functools.cache
@@ -81,6 +92,18 @@ def _products_in(dtype: torch.dtype) -> bool:
         else ("_is_amx_fp16_supported",)
     )
     return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+def _fast_torch_cpu() -> bool:
+    """Whether this CPU has bfloat16 products (AVX512-BF16, AMX), where torch's CPU kernels are
+    fast in every dtype (see _CPU_DECODE_BYTES_GROUPED)."""
+    return _products_in(torch.bfloat16)
+
+
+def _grouped_decode(call: AttentionCall, size: int) -> bool:
+    """On such CPUs: whether a decode step reads enough of shared key/value heads' caches for
+    the native kernel's single read of each to beat torch's one read per query head."""
+    return call.num_heads > call.num_kv_heads and size >= _CPU_DECODE_BYTES_GROUPED
 
 
 @functools.cache
@@ -301,6 +324,7 @@ def _slow_reduced_decode(call: AttentionCall) -> list[str]:
             call.dtype == torch.float16
             and scores >= _CPU_FORWARD_SCORES
             and not _products_in(torch.float16)
+            and not _fast_torch_cpu()
         ):
             return [
                 f"runs slower on CPUs at this size: {scores} scores, where torch's float16 CPU "
@@ -309,6 +333,15 @@ def _slow_reduced_decode(call: AttentionCall) -> list[str]:
             ]
         return []
     size = _decode_bytes(call)
+    if _fast_torch_cpu():
+        if not _grouped_decode(call, size):
+            return []
+        return [
+            f"decodes slower on CPUs: {size / 2**20:.0f} MiB of {name} keys and values shared "
+            f"by {call.num_heads // call.num_kv_heads} query heads each, which torch reads once "
+            f"per query head and the native kernel once (from "
+            f"{_CPU_DECODE_BYTES_GROUPED >> 20} MiB on CPUs with bfloat16 products)"
+        ]
     if size < _CPU_DECODE_BYTES_REDUCED:
         return []
     return [
@@ -324,6 +357,15 @@ def _slow_forward(call: AttentionCall) -> list[str]:
     batch = math.prod(call.batch_shape)
     if call.q_len <= _DECODE_QUERIES:
         size = _decode_bytes(call)
+        if _fast_torch_cpu():
+            if not _grouped_decode(call, size):
+                return []
+            return [
+                f"decodes slower on CPUs: {size / 2**20:.0f} MiB of keys and values shared by "
+                f"{call.num_heads // call.num_kv_heads} query heads each, which torch reads once "
+                f"per query head (from {_CPU_DECODE_BYTES_GROUPED >> 20} MiB on CPUs with "
+                f"bfloat16 products)"
+            ]
         if size >= _CPU_DECODE_BYTES:
             return [
                 f"decodes slower on CPUs: {size / 2**20:.0f} MiB of keys and values, which "
@@ -332,7 +374,7 @@ def _slow_forward(call: AttentionCall) -> list[str]:
             ]
         return []
     scores = batch * call.num_heads * call.q_len * call.kv_len
-    if call.mask is None and not _register_tiles():
+    if call.mask is None and (not _register_tiles() or _fast_torch_cpu()):
         # Nothing to skip, and the BLAS per block: torch's forward is as fast (a blocked kernel
         # without AVX-512 took 0.97-1.37x its time at B=1 H=8 T=256-4096, float32, two threads).
         return []
