@@ -2,10 +2,11 @@
 
 The C++ sources in ``csrc/`` (one concept per file: register tiles, bfloat16 products on the
 matrix unit, the position term, the plan's reading, the scores, forward, backward, the decode
-path, the finiteness check, the operators' registration) become one library: shipped in a wheel built with the kernel, else compiled on
-first use and cached (see :mod:`attnkit._native.build`). Loading it registers the operators;
-:mod:`attnkit._native.ops` adds their fake kernels and autograd; :mod:`attnkit._native.kernel`
-puts a call's block plan and mask in the operators' terms.
+path, the finiteness check, the operators' registration) become one library: shipped in a
+wheel built with the kernel, else compiled on first use and cached (see
+:mod:`attnkit._native.build`). Loading it registers the operators; :mod:`attnkit._native.ops`
+adds their fake kernels and autograd; :mod:`attnkit._native.kernel` puts a call's block plan and
+mask in the operators' terms.
 
 ``ATTNKIT_NATIVE=0`` turns the kernel off. A kernel that cannot be loaded or built never breaks
 an import or a call: calls then run the eager kernel (:mod:`attnkit._kernel`), a warning
