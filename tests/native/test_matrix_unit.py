@@ -1,7 +1,8 @@
-"""bfloat16 products in the native forward (q k^T and p v on the CPU's matrix unit where it has
-one, AMX; elsewhere the float32 products): equal to the float64 reference within bfloat16's
-tolerance, and to the float32 products' result, for every shape of visit the plan makes (odd
-starts and ends, ragged tails, groups of query heads, head sizes that differ)."""
+"""bfloat16 products in the native kernel (the forward's q k^T and p v, the backward's five
+products, on the CPU's matrix unit where it has one, AMX; elsewhere the float32 products): equal
+to the float64 reference within bfloat16's tolerance, and to the float32 products' result, for
+every shape of visit the plan makes (odd starts and ends, ragged tails, groups of query heads,
+head sizes that differ)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,67 @@ def test_the_matrix_unit_rounds_the_probabilities_as_torch_does() -> None:
     fast = attention(q, k, v, causal=True, backend=Chunked())
     wide = attention(q, k, v, causal=True, backend=Chunked(register_tiles=False))
     assert not torch.equal(fast, wide)
+
+
+def grads_of(
+    backend: str | Chunked,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dtype: torch.dtype,
+    **kw: Any,
+) -> list[torch.Tensor]:
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    if isinstance(kw.get("bias"), torch.Tensor):
+        kw = {**kw, "bias": kw["bias"].to(dtype)}
+    out = attention(leaves[0], leaves[1], leaves[2], backend=backend, **kw)
+    cot = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype)
+    return [out, *torch.autograd.grad(out, leaves, cot)]
+
+
+BACKWARD_CASES = {
+    **CASES,
+    "dropout": ((1, 2, 2, 64, 80, 32, 32), {"causal": True, "dropout_p": 0.3}, (16, 32)),
+    "bias": ((1, 2, 2, 48, 70, 16, 16), {"bias": "dense"}, (16, 32)),
+}
+
+
+@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+def test_bf16_backward_equals_the_reference(case: str) -> None:
+    shape, kw, (bq, bk) = BACKWARD_CASES[case]
+    b, h, hkv, tq, tk, dk, dv = shape
+    q, k, v = qkv(b, h, hkv, tq, tk, dk, dv, seed=7)
+    kw = dict(kw)
+    if kw.get("bias") == "dense":
+        kw["bias"] = torch.randn(h, tq, tk, generator=torch.Generator().manual_seed(8)).bfloat16()
+    fast = Chunked(block_q=bq, block_k=bk)
+    wide = Chunked(block_q=bq, block_k=bk, register_tiles=False)
+    if "dropout_p" in kw:  # the same dropout mask in every call: the same seed
+        torch.manual_seed(0)
+        got = grads_of(fast, q, k, v, torch.bfloat16, **kw)
+        torch.manual_seed(0)
+        want = grads_of(wide, q, k, v, torch.bfloat16, **kw)
+        for a, w in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double(), w.double(), atol=3e-2, rtol=3e-2)
+        return
+    want = grads_of("reference", q, k, v, torch.float64, **kw)
+    got = grads_of(fast, q, k, v, torch.bfloat16, **kw)
+    for a, w in zip(got, want, strict=True):
+        assert a.dtype == torch.bfloat16
+        assert_close(a, w)
+
+
+def test_bf16_gradients_of_shared_heads_sum_every_query_head() -> None:
+    # Four query heads per key/value head, split into stretches of query blocks across threads:
+    # dk and dv sum every head's and every stretch's part.
+    q, k, v = qkv(2, 8, 2, 200, 200, 64, 64, seed=9)
+    want = grads_of("reference", q, k, v, torch.float64, causal=True)
+    for threads in (1, 2):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = grads_of(Chunked(block_q=16, block_k=64), q, k, v, torch.bfloat16, causal=True)
+        finally:
+            torch.set_num_threads(previous)
+        for a, w in zip(got, want, strict=True):
+            assert_close(a, w)

@@ -194,11 +194,12 @@ class NativeCall:
         }
 
     def reads_as_is(self, dtype: torch.dtype, backward: bool = False) -> bool:
-        """Whether the forward reads keys and values of ``dtype`` as they are: bfloat16 and
-        float16, half the bytes of float32, converted to float32 in registers (the decode path)
-        or block by block (the blocked forward). The backward computes in float32 from
-        converted copies."""
-        return dtype in REDUCED and not backward
+        """Whether the kernel takes keys and values of ``dtype`` as they are: in the forward
+        bfloat16 and float16, half the bytes of float32, converted to float32 in registers (the
+        decode path) or block by block (the blocked forward), or multiplied as they are on the
+        CPU's matrix unit (bfloat16); in the backward bfloat16, for that unit (the kernel
+        otherwise converts them). Their gradients come in float32."""
+        return dtype in REDUCED and (not backward or dtype == torch.bfloat16)
 
     def tensors(
         self,

@@ -45,13 +45,16 @@ def like_q(q: Tensor, d: int) -> Tensor:
     return q.new_empty((q.size(0), q.size(3), q.size(1), q.size(2), d)).permute(0, 2, 3, 1, 4)
 
 
-def like_kv(k: Tensor) -> Tensor:
-    """An empty tensor of ``k``'s ``(N, X, T, D)`` shape laid out as the kernel lays out k's and
-    v's gradients: token-major when k is, else contiguous."""
+def like_kv(k: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An empty tensor of ``k``'s ``(N, X, T, D)`` shape (and ``dtype``, default k's) laid out as
+    the kernel lays out k's and v's gradients: token-major when k is, else contiguous."""
+    dtype = dtype or k.dtype
     token_major = k.size(2) > 1 and k.stride(2) >= k.size(1) * k.size(3)
     if not token_major:
-        return k.new_empty(k.shape)
-    return k.new_empty((k.size(0), k.size(2), k.size(1), k.size(3))).permute(0, 2, 1, 3)
+        return k.new_empty(k.shape, dtype=dtype)
+    return k.new_empty((k.size(0), k.size(2), k.size(1), k.size(3)), dtype=dtype).permute(
+        0, 2, 1, 3
+    )
 
 
 def _fake_forward(
@@ -107,7 +110,8 @@ def _fake_backward(
     **kwargs: Any,
 ) -> tuple[Tensor, ...]:
     rest = _grads_like(q, k, v, bias, qv, enc, bias_grad, qv_grad, enc_grad)
-    return (like_q(q, q.size(4)), like_kv(k), like_kv(v), *rest)
+    # (bfloat16 keys and values get their gradients in q's dtype)
+    return (like_q(q, q.size(4)), like_kv(k, q.dtype), like_kv(v, q.dtype), *rest)
 
 
 def _fake_backward_into(
@@ -162,10 +166,11 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
     if dlse is not None:
         delta = delta - dlse
     position = qv is not None and enc is not None
-    # bfloat16/float16 keys and values, which the forward reads as they are: the backward
-    # computes in q's dtype (float32) and gives their gradients in their own.
+    # bfloat16/float16 keys and values, which the forward reads as they are: the backward takes
+    # bfloat16 ones as they are (its products on the CPU's matrix unit where it has one) and
+    # float16 ones converted; it computes in q's dtype (float32), the caller converts back.
     kv_dtype = k.dtype
-    if k.dtype != q.dtype:
+    if k.dtype != q.dtype and k.dtype != torch.bfloat16:
         k, v = k.to(q.dtype), v.to(q.dtype)
     dq, dk, dv, dbias, dqv, denc = torch.ops.attnkit.native_backward(
         dout,

@@ -7,6 +7,7 @@
 // sums of what several items or threads added to (sum_denc, sum_dbias, sum_dkdv).
 
 #include "kernel.h"
+#include "matrix_unit.h"
 #include "position.h"
 #include "scores.h"
 
@@ -288,16 +289,267 @@ void visit_backward(Backward<T>& w, BackwardBuffers<T>& b, const KeyGrads<T>& kg
           c.q.at(n, hk, g, qs + r0), c.q.ld(), T(1), kg.dk + (ks - kg.k0) * kg.lk, kg.lk);
 }
 
+#if defined(ATTNKIT_MATRIX_UNIT)
+// The backward's products on the matrix unit, for a call of bfloat16 queries, keys, values and
+// output gradient (matrix_unit.h): the call's K^T and V^T packed as words (for q k^T and
+// dO v^T) and k as pairs of rows (for dS k), once. dK and dV are summed transposed, dK^T += q^T dS
+// and dV^T += dO^T p, so that the visits' p and dS are read as pairs of rows (no transposes of
+// them): each query block's q^T and dO^T in bfloat16, and an item's dK^T and dV^T in float32,
+// transposed into dk and dv when the item ends. p and dS are rounded to bfloat16 for the
+// products, as torch's bfloat16 backward does; the sums are float32.
+struct MatrixBackward {
+  PackedRows kt, vt, kp;
+};
+
+// A thread's buffers for the matrix unit.
+struct MatrixRowsBackward {
+  std::vector<at::BFloat16> q, dout, qt, dot, pairs, dsp, ds;
+  std::vector<float> tr, dkt, dvt;  // a block's transposes; an item's dK^T and dV^T
+  int64_t ldt = 0, rp = 0;          // dkt's and dvt's row length; qt's and dot's
+};
+
+// Rows a and b of n floats (null: zeros), times alpha and rounded to bfloat16, as n pairs at out.
+inline void pair_rows(const float* a, const float* b, int64_t n, float alpha, at::BFloat16* out) {
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  const __m512 al = _mm512_set1_ps(alpha);
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16) {
+    const __m512 x = a == nullptr ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_loadu_ps(a + e), al);
+    const __m512 y = b == nullptr ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_loadu_ps(b + e), al);
+    const __m512i lo = _mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(x));
+    const __m512i hi = _mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(y));
+    _mm512_storeu_si512(o + e, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+  for (; e < n; ++e) {
+    const at::BFloat16 x(a == nullptr ? 0.f : a[e] * alpha), y(b == nullptr ? 0.f : b[e] * alpha);
+    o[e] = uint32_t(x.x) | (uint32_t(y.x) << 16);
+  }
+}
+
+// The rows r0:r1 of a visit's nr x nk floats x (row r of x: block row r0 + r) as pairs of block
+// rows from ra (even; rows outside r0:r1 zeros), times alpha: kr / 2 rows of nk pairs.
+inline void visit_pairs(const float* x, int64_t nk, int64_t r0, int64_t r1, int64_t ra,
+                        int64_t kr, float alpha, std::vector<at::BFloat16>& out) {
+  if (out.size() < size_t(kr * nk)) out.resize(size_t(kr * nk));
+  for (int64_t i = 0; i < kr / 2; ++i) {
+    const int64_t a = ra + 2 * i, b = a + 1;
+    pair_rows(a >= r0 && a < r1 ? x + (a - r0) * nk : nullptr,
+              b >= r0 && b < r1 ? x + (b - r0) * nk : nullptr, nk, alpha,
+              out.data() + 2 * i * nk);
+  }
+}
+
+// A visit with nothing but the products (no mask within it, bias, softcap, position term or
+// dropout), fused: p = exp2(s factor - lse) row by row in place of s, then per pair of block
+// rows, one pass for dS = p (dP - delta) scale, written as bfloat16 rows (for dS k) and pairs
+// (for q^T dS), and p as pairs (for dO^T p).
+inline void plain_visit_bf16(const Backward<float>& w, MatrixRowsBackward& mr, float* s,
+                             const float* dp, int64_t row0, int64_t r0, int64_t r1, int64_t nk,
+                             int64_t ra, int64_t kr, int64_t col, int64_t kk, float factor) {
+  const Call<float>& c = w.c;
+  const __m512 fv = _mm512_set1_ps(factor);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float L = w.o.lse[row0 + r];
+    const float base = (std::isinf(L) && L < 0) ? 0.f : float(L * kLog2e);
+    const __m512 neg = _mm512_set1_ps(-base);
+    float* row = s + (r - r0) * nk;
+    int64_t j = 0;
+    for (; j + 16 <= nk; j += 16) {
+      _mm512_storeu_ps(row + j, exp2_fast(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), fv, neg)));
+    }
+    for (; j < nk; ++j) row[j] = std::exp2(row[j] * factor - base);
+  }
+  const size_t pairs = size_t(kr * nk);
+  if (mr.pairs.size() < pairs) mr.pairs.resize(pairs);
+  if (mr.dsp.size() < pairs) mr.dsp.resize(pairs);
+  const __m512 scale = _mm512_set1_ps(float(c.scale));
+  const __m512 zero = _mm512_setzero_ps();
+  auto ds_of = [&](int64_t r, int64_t j, __m512 p, __mmask16 m) {
+    const __m512 dl = _mm512_set1_ps(w.o.delta[row0 + r]);
+    const __m512 d = _mm512_maskz_loadu_ps(m, dp + (r - r0) * nk + j);
+    return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(d, dl)), scale);
+  };
+  auto pair = [](__m512 a, __m512 b) {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(a)),
+                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(b)), 16));
+  };
+  for (int64_t i = 0; i < kr / 2; ++i) {
+    const int64_t a = ra + 2 * i, b = a + 1;
+    const bool ina = a >= r0 && a < r1, inb = b >= r0 && b < r1;
+    uint32_t* pp = reinterpret_cast<uint32_t*>(mr.pairs.data() + 2 * i * nk);
+    uint32_t* dsp = reinterpret_cast<uint32_t*>(mr.dsp.data() + 2 * i * nk);
+    at::BFloat16* dsa = ina ? mr.ds.data() + (a - r0) * kk + col : nullptr;
+    at::BFloat16* dsb = inb ? mr.ds.data() + (b - r0) * kk + col : nullptr;
+    for (int64_t j = 0; j < nk; j += 16) {
+      const __mmask16 m = nk - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (nk - j)) - 1);
+      const __m512 pa = ina ? _mm512_maskz_loadu_ps(m, s + (a - r0) * nk + j) : zero;
+      const __m512 pb = inb ? _mm512_maskz_loadu_ps(m, s + (b - r0) * nk + j) : zero;
+      const __m512 da = ina ? ds_of(a, j, pa, m) : zero;
+      const __m512 db = inb ? ds_of(b, j, pb, m) : zero;
+      _mm512_mask_storeu_epi32(pp + j, m, pair(pa, pb));
+      _mm512_mask_storeu_epi32(dsp + j, m, pair(da, db));
+      if (ina) _mm256_mask_storeu_epi16(dsa + j, m, at::vec::cvtfp32_bf16(da));
+      if (inb) _mm256_mask_storeu_epi16(dsb + j, m, at::vec::cvtfp32_bf16(db));
+    }
+  }
+}
+
+// visit_backward with its five products on the matrix unit.
+inline void visit_backward_bf16(Backward<float>& w, BackwardBuffers<float>& b,
+                                const KeyGrads<float>& kg, const MatrixBackward& m,
+                                MatrixRowsBackward& mr, int64_t n, int64_t hk, int64_t g,
+                                int64_t qs, const int64_t* vis, bool skew,
+                                const Window<float>& whole, const Window<float>& dwhole) {
+  const Call<float>& c = w.c;
+  const int64_t h = hk * c.G + g, row0 = ((n * c.Hkv + hk) * c.G + g) * c.Tq + qs;
+  const int64_t ks = vis[0], ke = vis[1], nk = ke - ks, r0 = vis[2], r1 = vis[3], nr = r1 - r0;
+  Window<float> win = whole, dw = dwhole;
+  if (c.qv.p != nullptr && whole.p == nullptr && !skew) {
+    win = Window<float>(c, qs, r0, r1, ks, ke, b.pos.data());
+    win.compute(c, n, h, qs);
+    dw = win;
+    dw.p = b.dpos.data();
+    if (w.position) std::fill(b.dpos.begin(), b.dpos.begin() + nr * win.width, 0.f);
+  }
+  // The probabilities, from the forward's log-sum-exp.
+  float* s = b.s.data();
+  bf16_product(nr, nk, c.Dk, mr.q.data() + r0 * c.Dk, c.Dk, m.kt.head(n, hk) + ks * 2, m.kt.ld,
+               s, nk, false);
+  const float factor = product_factor(c);
+  // Sums over the visit's rows run over whole pairs of block rows, from the pair holding r0 to
+  // the one holding r1 - 1; over its keys, from the pair holding ks (outside: weighted 0).
+  const int64_t ra = r0 & ~int64_t(1), kr = ((r1 + 1) & ~int64_t(1)) - ra;
+  const int64_t ka = ks & ~int64_t(1), kk = ((ke + 1) & ~int64_t(1)) - ka;
+  const bool plain = !vis[4] && !skew && c.softcap <= 0 && c.bias == nullptr &&
+                     c.qv.p == nullptr && c.p_drop <= 0 && w.o.dbias == nullptr;
+  if (plain) {
+    bf16_product(nr, nk, c.Dv, mr.dout.data() + r0 * c.Dv, c.Dv, m.vt.head(n, hk) + ks * 2,
+                 m.vt.ld, b.dp.data(), nk, false);
+    // (dS's rows run over whole pairs of keys: their first and last may lie outside the visit)
+    if (mr.ds.size() < size_t(nr * kk)) mr.ds.resize(size_t(nr * kk));
+    for (int64_t r = 0; r < nr; ++r) {
+      at::BFloat16* o = mr.ds.data() + r * kk;
+      o[0] = o[kk - 1] = at::BFloat16(0.f);
+    }
+    plain_visit_bf16(w, mr, s, b.dp.data(), row0, r0, r1, nk, ra, kr, ks - ka, kk, factor);
+    bf16_product(c.Dv, nk, kr, mr.dot.data() + ra, mr.rp, mr.pairs.data(), nk,
+                 mr.dvt.data() + (ks - kg.k0), mr.ldt, true);
+    bf16_product(nr, c.Dk, kk, mr.ds.data(), kk, m.kp.head(n, hk) + ka * c.Dk, c.Dk,
+                 b.dqa.data() + r0 * c.Dk, c.Dk, true);
+    bf16_product(c.Dk, nk, kr, mr.qt.data() + ra, mr.rp, mr.dsp.data(), nk,
+                 mr.dkt.data() + (ks - kg.k0), mr.ldt, true);
+    return;
+  }
+  for (int64_t r = 0; r < nr; ++r) scale_row(s + r * nk, nk, factor);
+  score_terms(c, n, hk, g, qs, vis, 0, s, nk, b.t.data(), win, skew);
+  for (int64_t r = 0; r < nr; ++r) {
+    const float L = w.o.lse[row0 + r0 + r];
+    const float base = (std::isinf(L) && L < 0) ? 0.f : float(L * kLog2e);
+    exp2_sum(s + r * nk, nk, base);
+  }
+  // dP = dO V^T
+  bf16_product(nr, nk, c.Dv, mr.dout.data() + r0 * c.Dv, c.Dv, m.vt.head(n, hk) + ks * 2,
+               m.vt.ld, b.dp.data(), nk, false);
+  const float* pv = s;
+  if (c.p_drop > 0) {
+    std::copy(b.s.begin(), b.s.begin() + nr * nk, b.pd.begin());
+    drop(c, n, h, qs + r0, ks, nr, nk, b.pd.data(), nk);
+    for (int64_t x = 0; x < nr * nk; ++x) {
+      b.dp[x] = b.s[x] > 0.f ? b.dp[x] * b.pd[x] / b.s[x] : 0.f;
+    }
+    pv = b.pd.data();
+  }
+  // dV^T += dO^T P
+  visit_pairs(pv, nk, r0, r1, ra, kr, 1.f, mr.pairs);
+  bf16_product(c.Dv, nk, kr, mr.dot.data() + ra, mr.rp, mr.pairs.data(), nk,
+               mr.dvt.data() + (ks - kg.k0), mr.ldt, true);
+  score_grads(w, b, n, hk, g, qs, vis, row0, skew, dw);
+  if (w.position && skew) {
+    skew_backward(c, n, h, qs, vis, b.dsp.data() + b.kPad, b.ldp, b.qvc.data(), w.o.dqv, b.denc);
+  } else if (w.position && whole.p == nullptr) {
+    dw.backward(c, n, h, qs, w.o.dqv, b.denc);
+  }
+  // dQ += scale dS K, dK^T += scale Q^T dS
+  const float scale = float(c.scale);
+  if (mr.ds.size() < size_t(nr * kk)) mr.ds.resize(size_t(nr * kk));
+  for (int64_t r = 0; r < nr; ++r) {
+    at::BFloat16* o = mr.ds.data() + r * kk;
+    o[0] = o[kk - 1] = at::BFloat16(0.f);
+    float* dr = b.dp.data() + r * nk;
+    scale_row(dr, nk, scale);
+    at::vec::convert(dr, o + (ks - ka), nk);
+  }
+  bf16_product(nr, c.Dk, kk, mr.ds.data(), kk, m.kp.head(n, hk) + ka * c.Dk, c.Dk,
+               b.dqa.data() + r0 * c.Dk, c.Dk, true);
+  visit_pairs(b.dp.data(), nk, r0, r1, ra, kr, 1.f, mr.pairs);
+  bf16_product(c.Dk, nk, kr, mr.qt.data() + ra, mr.rp, mr.pairs.data(), nk,
+               mr.dkt.data() + (ks - kg.k0), mr.ldt, true);
+}
+
+// A query block's q and dO for head (n, hk, g) as bfloat16 rows, and transposed (q^T, dO^T: rp
+// columns, the rows rounded up to even, the last 0 when rows is odd).
+inline void block_rows_bf16(const Backward<float>& w, MatrixRowsBackward& mr, int64_t n,
+                            int64_t hk, int64_t g, int64_t qs, int64_t rows) {
+  const Call<float>& c = w.c;
+  mr.rp = (rows + 1) & ~int64_t(1);
+  auto fill = [&](const Rows<const float*>& x, int64_t d, std::vector<at::BFloat16>& flat,
+                  std::vector<at::BFloat16>& t) {
+    if (flat.size() < size_t(rows * d)) flat.resize(size_t(rows * d));
+    if (t.size() < size_t(d * mr.rp)) t.resize(size_t(d * mr.rp));
+    if (mr.tr.size() < size_t(d * mr.rp)) mr.tr.resize(size_t(d * mr.rp));
+    for (int64_t r = 0; r < rows; ++r) {
+      at::vec::convert(x.at(n, hk, g, qs + r), flat.data() + r * d, d);
+    }
+    at::vec::transpose_mxn<float>(x.at(n, hk, g, qs), x.ld(), mr.tr.data(), mr.rp, int(rows),
+                                  int(d));
+    for (int64_t e = 0; e < d; ++e) {
+      if (rows < mr.rp) mr.tr[e * mr.rp + rows] = 0.f;
+      at::vec::convert(mr.tr.data() + e * mr.rp, t.data() + e * mr.rp, mr.rp);
+    }
+  };
+  fill(c.q, c.Dk, mr.q, mr.qt);
+  fill(w.o.dout, c.Dv, mr.dout, mr.dot);
+}
+
+// An item's dK^T and dV^T: zeroed for keys [k0, k1) when it starts (start), transposed into the
+// keys' gradients (kg, which only this item writes) when it ends.
+inline void item_grads_bf16(const Call<float>& c, MatrixRowsBackward& mr, const KeyGrads<float>& kg,
+                            int64_t k0, int64_t k1, bool start) {
+  if (start) {
+    mr.ldt = std::max<int64_t>(k1 - kg.k0, 1);
+    mr.dkt.assign(size_t(c.Dk * mr.ldt), 0.f);
+    mr.dvt.assign(size_t(c.Dv * mr.ldt), 0.f);
+    return;
+  }
+  if (k1 <= k0) return;
+  at::vec::transpose_mxn<float>(mr.dkt.data() + (k0 - kg.k0), mr.ldt, kg.dk + (k0 - kg.k0) * kg.lk,
+                                kg.lk, int(c.Dk), int(k1 - k0));
+  at::vec::transpose_mxn<float>(mr.dvt.data() + (k0 - kg.k0), mr.ldt, kg.dv + (k0 - kg.k0) * kg.lv,
+                                kg.lv, int(c.Dv), int(k1 - k0));
+}
+#endif
+
 // Query head g over query block qb: its keys packed, the position term's block window, every
 // visit, then the block's rows of dq.
 template <typename T>
 void block_backward(Backward<T>& w, BackwardBuffers<T>& b, const KeyGrads<T>& kg, int64_t n,
-                    int64_t hk, int64_t g, int64_t qb) {
+                    int64_t hk, int64_t g, int64_t qb, const void* matrix, void* matrix_rows) {
   const Call<T>& c = w.c;
   const int64_t h = hk * c.G + g, qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs);
   std::fill(b.dqa.begin(), b.dqa.end(), T(0));
-  pack_keys(c, c.k, c.Dk, n, hk, qb, rows, b.kpanels);
-  pack_keys(c, c.v, c.Dv, n, hk, qb, rows, b.vpanels);
+#if defined(ATTNKIT_MATRIX_UNIT)
+  const auto* m = static_cast<const MatrixBackward*>(matrix);
+  auto* mr = static_cast<MatrixRowsBackward*>(matrix_rows);
+  if constexpr (std::is_same_v<T, float>) {
+    if (m != nullptr) block_rows_bf16(w, *mr, n, hk, g, qs, rows);
+  }
+#else
+  (void)matrix, (void)matrix_rows;
+#endif
+  if (matrix == nullptr) {
+    pack_keys(c, c.k, c.Dk, n, hk, qb, rows, b.kpanels);
+    pack_keys(c, c.v, c.Dv, n, hk, qb, rows, b.vpanels);
+  }
   const bool skew = skew_block(c, qb);
   // The position product, and its gradient (dwhole: the same window in dpos), unless the
   // block's term and its gradients are skewed products.
@@ -315,6 +567,15 @@ void block_backward(Backward<T>& w, BackwardBuffers<T>& b, const KeyGrads<T>& kg
     }
   }
   for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
+#if defined(ATTNKIT_MATRIX_UNIT)
+    if constexpr (std::is_same_v<T, float>) {
+      if (m != nullptr) {
+        visit_backward_bf16(w, b, kg, *m, *mr, n, hk, g, qs, c.visits + vi * 6, skew, whole,
+                            dwhole);
+        continue;
+      }
+    }
+#endif
     visit_backward(w, b, kg, n, hk, g, qs, c.visits + vi * 6, skew, whole, dwhole);
   }
   if (w.position && whole.p != nullptr) dwhole.backward(c, n, h, qs, w.o.dqv, b.denc);
@@ -378,25 +639,44 @@ void sum_dkdv(Backward<T>& w) {
   });
 }
 
+// matrix: a MatrixBackward when the products run on the matrix unit, else null.
 template <typename T>
-void backward_impl(const Call<T>& c, const Grads<T>& grads) {
+void backward_impl(const Call<T>& c, const Grads<T>& grads, const void* matrix) {
   Backward<T> w(c, grads);
   const int64_t items = c.N * c.Hkv * w.st.parts;
   std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t) {
     OneBlasThread one;
     BackwardBuffers<T> b(w, begin == 0);
+#if defined(ATTNKIT_MATRIX_UNIT)
+    MatrixUnitThread unit;
+    unit.used = matrix != nullptr;
+    MatrixRowsBackward mr;
+    void* matrix_rows = &mr;
+#else
+    void* matrix_rows = nullptr;
+#endif
     for (int64_t item = claim(next); item < items; item = claim(next)) {
       const int64_t nh = item / w.st.parts, p = item % w.st.parts;
       const int64_t n = nh / c.Hkv, hk = nh % c.Hkv;
       zero_item_rows(w, n, hk, p);
       if (w.st.kmax[p] <= w.st.kmin[p]) continue;
       const KeyGrads<T> kg = key_grads(w, item, n, hk, p);
+#if defined(ATTNKIT_MATRIX_UNIT)
+      if constexpr (std::is_same_v<T, float>) {
+        if (matrix != nullptr) item_grads_bf16(c, mr, kg, w.st.kmin[p], w.st.kmax[p], true);
+      }
+#endif
       for (int64_t g = 0; g < c.G; ++g) {
         for (int64_t qb = w.st.first[p]; qb < w.st.first[p + 1]; ++qb) {
-          block_backward(w, b, kg, n, hk, g, qb);
+          block_backward(w, b, kg, n, hk, g, qb, matrix, matrix_rows);
         }
       }
+#if defined(ATTNKIT_MATRIX_UNIT)
+      if constexpr (std::is_same_v<T, float>) {
+        if (matrix != nullptr) item_grads_bf16(c, mr, kg, w.st.kmin[p], w.st.kmax[p], false);
+      }
+#endif
     }
     if (!b.own_dbias.empty()) {
       std::lock_guard<std::mutex> lock(w.dbias_lock);
@@ -412,19 +692,54 @@ void backward_impl(const Call<T>& c, const Grads<T>& grads) {
 
 // A (N, Hkv, T, D) tensor like k or v: token-major when it is, else contiguous. (The operators'
 // fake kernels lay their outputs out the same way.)
-at::Tensor like_kv(const at::Tensor& k) {
+at::Tensor like_kv(const at::Tensor& k, c10::optional<at::ScalarType> dtype) {
+  const auto options = k.options().dtype(dtype.value_or(k.scalar_type()));
   const bool token_major = k.size(2) > 1 && k.stride(2) >= k.size(1) * k.size(3);
-  if (!token_major) return at::empty(k.sizes(), k.options());
-  return at::empty({k.size(0), k.size(2), k.size(1), k.size(3)}, k.options()).permute({0, 2, 1, 3});
+  if (!token_major) return at::empty(k.sizes(), options);
+  return at::empty({k.size(0), k.size(2), k.size(1), k.size(3)}, options).permute({0, 2, 1, 3});
 }
 
-std::vector<at::Tensor> backward(const CallArgs& a, const BackwardArgs& b) {
-  const at::Tensor &q = a.q, &k = a.k, &v = a.v;
-  TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4,
+namespace {
+// Whether every element of a float32 tensor is a bfloat16 number (NaN: no).
+bool bf16_numbers(const at::Tensor& x) {
+  return x.numel() == 0 || at::equal(x, x.to(at::kBFloat16).to(at::kFloat));
+}
+}  // namespace
+
+std::vector<at::Tensor> backward(const CallArgs& given, const BackwardArgs& b) {
+  CallArgs a = given;
+  TORCH_CHECK(a.q.dim() == 5 && a.k.dim() == 4 && a.v.dim() == 4,
               "attnkit: q must be (N, Hkv, G, Tq, Dk) and k, v (N, Hkv, Tk, D)");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "attnkit: the backward takes q, k and v of one dtype, got ", q.scalar_type(), ", ",
-              k.scalar_type(), " and ", v.scalar_type());
+  TORCH_CHECK((a.k.scalar_type() == a.q.scalar_type() ||
+               (a.q.scalar_type() == at::kFloat && a.k.scalar_type() == at::kBFloat16)) &&
+                  a.v.scalar_type() == a.k.scalar_type(),
+              "attnkit: the backward takes q, k and v of one dtype (or float32 q with bfloat16 "
+              "k and v), got ", a.q.scalar_type(), ", ", a.k.scalar_type(), " and ",
+              a.v.scalar_type());
+  // bfloat16 keys and values: their products on the matrix unit where the CPU has one and the
+  // queries and output gradient are bfloat16 numbers too (a bfloat16 call's); the kernel
+  // otherwise computes in float32 on converted copies. Their gradients come in q's dtype.
+#if defined(ATTNKIT_MATRIX_UNIT)
+  std::optional<MatrixBackward> matrix;
+#endif
+  if (a.k.scalar_type() != a.q.scalar_type()) {
+    const at::Tensor k16 = a.k, v16 = a.v;
+    a.k = a.k.to(a.q.scalar_type());
+    a.v = a.v.to(a.q.scalar_type());
+#if defined(ATTNKIT_MATRIX_UNIT)
+    const auto k_rows = rows_of<const at::BFloat16*>(k16, k16.data_ptr<at::BFloat16>());
+    const auto v_rows = rows_of<const at::BFloat16*>(v16, v16.data_ptr<at::BFloat16>());
+    const int64_t N = a.q.size(0), Hkv = a.q.size(1), Tk = k16.size(2);
+    if (a.register_tiles && a.q.size(3) > 0 && Tk > 0 && has_matrix_unit() &&
+        PackedRows::fits(k_rows, k16.size(3)) && PackedRows::fits(v_rows, v16.size(3)) &&
+        bf16_numbers(a.q) && bf16_numbers(b.dout)) {
+      matrix.emplace(MatrixBackward{PackedRows(k_rows, N, Hkv, Tk, k16.size(3), true),
+                                    PackedRows(v_rows, N, Hkv, Tk, v16.size(3), true),
+                                    PackedRows(k_rows, N, Hkv, Tk, k16.size(3), false)});
+    }
+#endif
+  }
+  const at::Tensor &q = a.q, &k = a.k, &v = a.v;
   const std::vector<int64_t> rows = {q.size(0), q.size(1), q.size(2), q.size(3)};
   TORCH_CHECK(
       b.lse.sizes() == rows && b.delta.sizes() == rows && b.lse.is_contiguous() &&
@@ -499,7 +814,11 @@ std::vector<at::Tensor> backward(const CallArgs& a, const BackwardArgs& b) {
       g.dhs[0] = denc.stride(0);
       g.dhs[1] = denc.stride(1);
     }
-    backward_impl<T>(c, g);
+    const void* m = nullptr;
+#if defined(ATTNKIT_MATRIX_UNIT)
+    if (matrix) m = &*matrix;
+#endif
+    backward_impl<T>(c, g, m);
   });
   // Gradients not asked for are undefined (the operators return them as empty tensors).
   return {dq, dk, dv, dbias, dqv, denc};

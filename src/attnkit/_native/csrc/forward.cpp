@@ -130,23 +130,6 @@ struct MatrixRows {
   std::vector<at::BFloat16> q, p;
 };
 
-// 2^x for x <= 0 or NaN, to 2e-7 relative: x = n + f with |f| <= 1/2, 2^f by its Taylor series
-// to f^6 (1.6e-7), times 2^n by scalef; 0 from x = -160 down (2^-inf too), NaN for NaN. Enough
-// for probabilities rounded to bfloat16 next, at a third of a correctly rounded exp2's cost.
-inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-160.f), x);  // max returns its second operand for a NaN
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428441e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821576e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // The online softmax of a visit whose scores are factor * s (s: nr rows of nk raw products),
 // fused: one pass for the rows' maxima, one for exp2, the sums and the probabilities, written in
 // bfloat16 to p (rows pld apart) for p v. The rows' accumulated outputs (width dv) are rescaled
@@ -173,14 +156,14 @@ inline void probabilities_bf16(ForwardBuffers<float>& b, int64_t r0, int64_t nr,
     __m512 sum = _mm512_setzero_ps();
     at::BFloat16* out = p + r * pld;
     for (j = 0; j + 16 <= nk; j += 16) {
-      const __m512 e = exp2_nonpositive(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), fv, neg));
+      const __m512 e = exp2_fast(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), fv, neg));
       sum = _mm512_add_ps(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), at::vec::cvtfp32_bf16(e));
     }
     if (j < nk) {
       const __mmask16 tail = __mmask16((1u << (nk - j)) - 1);
       const __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, row + j), fv, neg);
-      const __m512 e = _mm512_maskz_mov_ps(tail, exp2_nonpositive(x));
+      const __m512 e = _mm512_maskz_mov_ps(tail, exp2_fast(x));
       sum = _mm512_add_ps(sum, e);
       _mm256_mask_storeu_epi16(out + j, tail, at::vec::cvtfp32_bf16(e));
     }
@@ -193,7 +176,7 @@ inline void probabilities_bf16(ForwardBuffers<float>& b, int64_t r0, int64_t nr,
 // queries with bfloat16 keys), which then take forward_head. Products summed in float32, the
 // probabilities rounded to bfloat16 for p v, as torch's bfloat16 attention does.
 inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
-                              const PackedKeys& pk, MatrixRows& mr, int64_t n, int64_t hk,
+                              const PackedRows& kt, const PackedRows& vp, MatrixRows& mr, int64_t n, int64_t hk,
                               int64_t g, int64_t qb, bool skew, bool bounded,
                               const Rows<float*>& out, float* lse) {
   const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs), h = hk * c.G + g;
@@ -216,8 +199,8 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
       w.compute(c, n, h, qs);
     }
     float* s = b.s.data();
-    bf16_product(nr, nk, c.Dk, mr.q.data() + r0 * c.Dk, c.Dk, pk.keys(n, hk) + ks * 2, pk.ldk,
-                 s, nk, false);
+    bf16_product(nr, nk, c.Dk, mr.q.data() + r0 * c.Dk, c.Dk, kt.head(n, hk) + ks * 2, kt.ld, s,
+                 nk, false);
     // p v over whole pairs of keys: from the pair holding key ks (its first key weighted 0 when
     // ks is odd) to the pair holding key ke - 1 (its second weighted 0 when ke is odd).
     const int64_t ka = ks & ~int64_t(1), kk = ((ke + 1) & ~int64_t(1)) - ka;
@@ -241,7 +224,7 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
         at::vec::convert(s + r * nk, mr.p.data() + r * kk + (ks - ka), nk);
       }
     }
-    bf16_product(nr, c.Dv, kk, mr.p.data(), kk, pk.values(n, hk, ka / 2), c.Dv,
+    bf16_product(nr, c.Dv, kk, mr.p.data(), kk, vp.head(n, hk) + ka * c.Dv, c.Dv,
                  b.acc.data() + r0 * c.Dv, c.Dv, true);
   }
   finish_rows(c, b, n, hk, g, qs, rows, out, lse);
@@ -262,11 +245,12 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
   // values packed once for the whole call (matrix_unit.h). register_tiles false keeps every
   // product in float32.
 #if defined(ATTNKIT_MATRIX_UNIT)
-  std::optional<PackedKeys> packed;
+  std::optional<PackedRows> kt, vp;  // K^T as words, v as pairs
   if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>) {
     if (c.register_tiles && c.Tq > 0 && c.Tk > 0 && has_matrix_unit() &&
-        PackedKeys::fits(kv.k, c.Dk)) {
-      packed.emplace(kv.k, kv.v, c.N, c.Hkv, c.Tk, c.Dk, c.Dv);
+        PackedRows::fits(kv.k, c.Dk)) {
+      kt.emplace(kv.k, c.N, c.Hkv, c.Tk, c.Dk, true);
+      vp.emplace(kv.v, c.N, c.Hkv, c.Tk, c.Dv, false);
     }
   }
 #endif
@@ -289,8 +273,8 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
       for (int64_t g = 0; g < c.G; ++g) {
 #if defined(ATTNKIT_MATRIX_UNIT)
         if constexpr (std::is_same_v<T, float>) {
-          if (packed && forward_head_bf16(c, b, *packed, mr, n, hk, g, qb, skew, bounded, out,
-                                          lse)) {
+          if (kt && forward_head_bf16(c, b, *kt, *vp, mr, n, hk, g, qb, skew, bounded, out,
+                                      lse)) {
             unit.used = true;
             continue;
           }

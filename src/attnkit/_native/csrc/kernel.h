@@ -52,6 +52,7 @@ std::vector<at::Tensor> backward(const CallArgs& a, const BackwardArgs& b);
 bool all_finite(at::TensorList tensors);
 
 at::Tensor like_q(const at::Tensor& q, int64_t d);
-at::Tensor like_kv(const at::Tensor& k);
+// A (N, Hkv, T, D) tensor laid out like k (token-major when it is), of k's dtype or dtype.
+at::Tensor like_kv(const at::Tensor& k, c10::optional<at::ScalarType> dtype = c10::nullopt);
 
 }  // namespace attnkit

@@ -8,7 +8,7 @@
 // width, so a pair is two neighbouring elements of a key row, one 32-bit word, and the packed K^T
 // is a transpose of the keys' words; for p v it runs over the keys, so a pair interleaves two
 // neighbouring rows of v. Both are made once per call, for every key, before the query blocks
-// read them (PackedKeys): as many bytes as the keys and values themselves.
+// read them (PackedRows): as many bytes as the keys and values themselves.
 #pragma once
 
 #include <optional>
@@ -48,84 +48,111 @@ struct MatrixUnitThread {
   }
 };
 
-// Every key and value of a call, packed for the matrix unit: per (n, hk), K^T as Dk / 2 rows of
-// `ldk` words (word j of row w: key j's elements 2w, 2w + 1), and v as (Tk + 1) / 2 rows of Dv
-// pairs (pair d of row i: v[2i][d], v[2i + 1][d]; a missing last key 0). ldk is the keys rounded
-// up to 32, plus 16 when that is a multiple of 1,024 words: rows 4 KiB apart would share L1's
-// sets.
-struct PackedKeys {
-  int64_t Hkv = 0, Dk = 0, Dv = 0, Tk = 0, ldk = 0, rows_v = 0;
-  at::Tensor k, v;  // int32 (N, Hkv, Dk / 2, ldk), bfloat16 (N, Hkv, rows_v, Dv, 2)
+// Every row of every head of a (N, H, T, D) bfloat16 tensor (keys, values), packed once per call
+// for the matrix unit as the right operand of a product summed over D ("words": X^T as D / 2 rows
+// of `ld` words, word j of row w holding row j's elements 2w, 2w + 1; for q k^T) or over T
+// ("pairs": X as (T + 1) / 2 rows of D pairs, pair d of row i holding rows 2i, 2i + 1's element d,
+// a missing last row 0; for p v). ld is T rounded up to 32, plus 16 when that is a multiple of
+// 1,024 words: rows 4 KiB apart would share L1's sets.
+struct PackedRows {
+  bool words = true;
+  int64_t H = 0, T = 0, D = 0, ld = 0, per_head = 0;  // per_head: bfloat16 elements per head
+  at::Tensor buf;
 
-  // Whether keys of this width and layout can be packed (whole 32-bit words per row).
-  static bool fits(const Rows<const at::BFloat16*>& k, int64_t Dk) {
-    return Dk > 0 && Dk % 2 == 0 && k.ld() % 2 == 0 &&
-           reinterpret_cast<uintptr_t>(k.p) % alignof(uint32_t) == 0;
+  // Whether rows of this width and layout can be packed as words (whole 32-bit words per row).
+  static bool fits(const Rows<const at::BFloat16*>& x, int64_t D) {
+    return D > 0 && D % 2 == 0 && x.ld() % 2 == 0 &&
+           reinterpret_cast<uintptr_t>(x.p) % alignof(uint32_t) == 0;
   }
 
-  PackedKeys(const Rows<const at::BFloat16*>& kr, const Rows<const at::BFloat16*>& vr, int64_t N,
-             int64_t Hkv_, int64_t Tk_, int64_t Dk_, int64_t Dv_)
-      : Hkv(Hkv_), Dk(Dk_), Dv(Dv_), Tk(Tk_) {
-    ldk = (Tk + 31) / 32 * 32;
-    if (ldk % 1024 == 0) ldk += 16;
-    rows_v = (Tk + 1) / 2;
-    k = at::empty({N, Hkv, Dk / 2, ldk}, at::kInt);
-    v = at::empty({N, Hkv, rows_v, Dv, 2}, at::kBFloat16);
-    // Stretches of 64 keys of one head, shared by the threads.
+  PackedRows(const Rows<const at::BFloat16*>& x, int64_t N, int64_t H_, int64_t T_, int64_t D_,
+             bool words_)
+      : words(words_), H(H_), T(T_), D(D_) {
+    ld = (T + 31) / 32 * 32;
+    if (ld % 1024 == 0) ld += 16;
+    per_head = words ? D * ld : (T + 1) / 2 * D * 2;
+    buf = at::empty({N * H * per_head}, at::kBFloat16);
+    // Stretches of 64 rows of one head, shared by the threads.
     constexpr int64_t kStretch = 64;
-    const int64_t stretches = (Tk + kStretch - 1) / kStretch, items = N * Hkv * stretches;
+    const int64_t stretches = (T + kStretch - 1) / kStretch, items = N * H * stretches;
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t item = i0; item < i1; ++item) {
         const int64_t nh = item / stretches, j0 = item % stretches * kStretch;
-        const int64_t n = nh / Hkv, hk = nh % Hkv, j1 = std::min(Tk, j0 + kStretch);
-        pack_k(kr, n, hk, j0, j1);
-        pack_v(vr, n, hk, j0, j1);
+        const int64_t n = nh / H, h = nh % H, j1 = std::min(T, j0 + kStretch);
+        if (words) {
+          pack_words(x, n, h, j0, j1);
+        } else {
+          pack_pairs(x, n, h, j0, j1);
+        }
       }
     });
   }
 
-  // K^T's rows for head (n, hk): the first of Dk / 2, ldk words apart.
-  const at::BFloat16* keys(int64_t n, int64_t hk) const {
-    return reinterpret_cast<const at::BFloat16*>(k.data_ptr<int32_t>() +
-                                                 (n * Hkv + hk) * (Dk / 2) * ldk);
-  }
-  // v's pair rows for head (n, hk), from the pair holding key 2i.
-  const at::BFloat16* values(int64_t n, int64_t hk, int64_t i) const {
-    return v.data_ptr<at::BFloat16>() + ((n * Hkv + hk) * rows_v + i) * Dv * 2;
+  // Head (n, h)'s packed rows: words, column j at + 2 j; pairs, pair row i at + i * 2 D.
+  const at::BFloat16* head(int64_t n, int64_t h) const {
+    return buf.data_ptr<at::BFloat16>() + (n * H + h) * per_head;
   }
 
  private:
-  void pack_k(const Rows<const at::BFloat16*>& kr, int64_t n, int64_t hk, int64_t j0,
-              int64_t j1) {
+  at::BFloat16* mutable_head(int64_t n, int64_t h) {
+    return buf.data_ptr<at::BFloat16>() + (n * H + h) * per_head;
+  }
+
+  void pack_words(const Rows<const at::BFloat16*>& x, int64_t n, int64_t h, int64_t j0,
+                  int64_t j1) {
     // A transpose of 32-bit words; transpose_mxn<float> only moves their bits.
-    const float* src = reinterpret_cast<const float*>(kr.at(n, hk, 0, j0));
-    float* dst = reinterpret_cast<float*>(k.data_ptr<int32_t>()) +
-                 (n * Hkv + hk) * (Dk / 2) * ldk + j0;
-    at::vec::transpose_mxn<float>(src, kr.ld() / 2, dst, ldk, int(j1 - j0), int(Dk / 2));
-    if (j1 == Tk) {  // the columns past the last key: zeros
-      for (int64_t w = 0; w < Dk / 2; ++w)
-        std::fill(dst + w * ldk + (j1 - j0), dst + w * ldk + (ldk - j0), 0.f);
+    const float* src = reinterpret_cast<const float*>(x.at(n, h, 0, j0));
+    float* dst = reinterpret_cast<float*>(mutable_head(n, h)) + j0;
+    at::vec::transpose_mxn<float>(src, x.ld() / 2, dst, ld, int(j1 - j0), int(D / 2));
+    if (j1 == T) {  // the columns past the last row: zeros
+      for (int64_t w = 0; w < D / 2; ++w)
+        std::fill(dst + w * ld + (j1 - j0), dst + w * ld + (ld - j0), 0.f);
     }
   }
 
-  void pack_v(const Rows<const at::BFloat16*>& vr, int64_t n, int64_t hk, int64_t j0,
-              int64_t j1) {
-    // j0 is even (stretches of 64 keys): pairs (j0, j0 + 1), ...
+  void pack_pairs(const Rows<const at::BFloat16*>& x, int64_t n, int64_t h, int64_t j0,
+                  int64_t j1) {
+    // j0 is even (stretches of 64 rows): pairs (j0, j0 + 1), ...
     for (int64_t j = j0; j < j1; j += 2) {
-      const uint16_t* a = reinterpret_cast<const uint16_t*>(vr.at(n, hk, 0, j));
-      const uint16_t* b =
-          j + 1 < Tk ? reinterpret_cast<const uint16_t*>(vr.at(n, hk, 0, j + 1)) : nullptr;
-      uint32_t* out = reinterpret_cast<uint32_t*>(const_cast<at::BFloat16*>(values(n, hk, j / 2)));
-      int64_t d = 0;
-      for (; b != nullptr && d + 16 <= Dv; d += 16) {
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + d)));
-        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + d)));
-        _mm512_storeu_si512(out + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
-      for (; d < Dv; ++d) out[d] = uint32_t(a[d]) | (b == nullptr ? 0u : uint32_t(b[d]) << 16);
+      const at::BFloat16* a = x.at(n, h, 0, j);
+      const at::BFloat16* b = j + 1 < T ? x.at(n, h, 0, j + 1) : nullptr;
+      interleave(a, b, D, mutable_head(n, h) + j * D);
     }
   }
+
+ public:
+  // Rows a and b (b null: zeros) of width d as d pairs at out.
+  static void interleave(const at::BFloat16* a, const at::BFloat16* b, int64_t d,
+                         at::BFloat16* out) {
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(a);
+    const uint16_t* y = reinterpret_cast<const uint16_t*>(b);
+    uint32_t* o = reinterpret_cast<uint32_t*>(out);
+    int64_t e = 0;
+    for (; y != nullptr && e + 16 <= d; e += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + e)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(y + e)));
+      _mm512_storeu_si512(o + e, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    for (; e < d; ++e) o[e] = uint32_t(x[e]) | (y == nullptr ? 0u : uint32_t(y[e]) << 16);
+  }
 };
+
+// 2^x to 2e-7 relative: x = n + f with |f| <= 1/2, 2^f by its Taylor series to f^6 (1.6e-7),
+// times 2^n by scalef; 0 from x = -160 down (2^-inf too), NaN for NaN. Enough for probabilities
+// rounded to bfloat16 next, at a third of a correctly rounded exp2's cost.
+inline __m512 exp2_fast(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-160.f), x);  // max returns its second operand for a NaN
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428441e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821576e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
 
 // Rows of float32 as bfloat16 (nearest even), and whether every one was exact: the forward takes
 // q in float32, and runs q k^T on the matrix unit only for queries that are bfloat16 values.
