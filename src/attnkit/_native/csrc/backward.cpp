@@ -736,6 +736,7 @@ std::vector<at::Tensor> backward(const CallArgs& given, const BackwardArgs& b) {
       matrix.emplace(MatrixBackward{PackedRows(k_rows, N, Hkv, Tk, k16.size(3), true),
                                     PackedRows(v_rows, N, Hkv, Tk, v16.size(3), true),
                                     PackedRows(k_rows, N, Hkv, Tk, k16.size(3), false)});
+      PackedRows::pack_all({&matrix->kt, &matrix->vt, &matrix->kp});
     }
 #endif
   }

@@ -251,6 +251,7 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
         PackedRows::fits(kv.k, c.Dk)) {
       kt.emplace(kv.k, c.N, c.Hkv, c.Tk, c.Dk, true);
       vp.emplace(kv.v, c.N, c.Hkv, c.Tk, c.Dv, false);
+      PackedRows::pack_all({&*kt, &*vp});
     }
   }
 #endif

@@ -11,7 +11,9 @@
 // read them (PackedRows): as many bytes as the keys and values themselves.
 #pragma once
 
+#include <initializer_list>
 #include <optional>
+#include <utility>
 
 #include "common.h"
 
@@ -58,6 +60,8 @@ struct PackedRows {
   bool words = true;
   int64_t H = 0, T = 0, D = 0, ld = 0, per_head = 0;  // per_head: bfloat16 elements per head
   at::Tensor buf;
+  int64_t N = 0;
+  Rows<const at::BFloat16*> x;  // the rows to pack (read by pack_all only)
 
   // Whether rows of this width and layout can be packed as words (whole 32-bit words per row).
   static bool fits(const Rows<const at::BFloat16*>& x, int64_t D) {
@@ -65,24 +69,39 @@ struct PackedRows {
            reinterpret_cast<uintptr_t>(x.p) % alignof(uint32_t) == 0;
   }
 
-  PackedRows(const Rows<const at::BFloat16*>& x, int64_t N, int64_t H_, int64_t T_, int64_t D_,
+  // The buffer for x's rows, packed by pack_all.
+  PackedRows(const Rows<const at::BFloat16*>& x_, int64_t N_, int64_t H_, int64_t T_, int64_t D_,
              bool words_)
-      : words(words_), H(H_), T(T_), D(D_) {
+      : words(words_), H(H_), T(T_), D(D_), N(N_), x(x_) {
     ld = (T + 31) / 32 * 32;
     if (ld % 1024 == 0) ld += 16;
     per_head = words ? D * ld : (T + 1) / 2 * D * 2;
     buf = at::empty({N * H * per_head}, at::kBFloat16);
-    // Stretches of 64 rows of one head, shared by the threads.
+  }
+
+  // Packs every row of each of these, in one parallel region (on a busy machine each region's
+  // end waits for its slowest thread): stretches of 64 rows of one head, claimed one at a time.
+  static void pack_all(std::initializer_list<PackedRows*> all) {
     constexpr int64_t kStretch = 64;
-    const int64_t stretches = (T + kStretch - 1) / kStretch, items = N * H * stretches;
-    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t item = i0; item < i1; ++item) {
-        const int64_t nh = item / stretches, j0 = item % stretches * kStretch;
-        const int64_t n = nh / H, h = nh % H, j1 = std::min(T, j0 + kStretch);
-        if (words) {
-          pack_words(x, n, h, j0, j1);
+    std::vector<std::pair<PackedRows*, int64_t>> first;  // each pack's first item
+    int64_t items = 0;
+    for (PackedRows* p : all) {
+      first.emplace_back(p, items);
+      items += p->N * p->H * ((p->T + kStretch - 1) / kStretch);
+    }
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+      for (int64_t item = claim(next); item < items; item = claim(next)) {
+        size_t i = first.size() - 1;
+        while (first[i].second > item) --i;
+        PackedRows& p = *first[i].first;
+        const int64_t stretches = (p.T + kStretch - 1) / kStretch, local = item - first[i].second;
+        const int64_t nh = local / stretches, j0 = local % stretches * kStretch;
+        const int64_t n = nh / p.H, h = nh % p.H, j1 = std::min(p.T, j0 + kStretch);
+        if (p.words) {
+          p.pack_words(p.x, n, h, j0, j1);
         } else {
-          pack_pairs(x, n, h, j0, j1);
+          p.pack_pairs(p.x, n, h, j0, j1);
         }
       }
     });
