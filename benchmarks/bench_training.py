@@ -1,11 +1,13 @@
 """Forward + backward of attention() backends against torch SDPA: what a training step pays.
 
-H=8, D=64, float32, q/k/v as strided views of one packed (B, T, 3, H, D) projection (what a
-multi-head module hands the core). Times are medians of interleaved torch.utils.benchmark rounds;
-"ratio" divides by torch SDPA's time for the same shape and causality.
+H=8, D=64, float32 (or ``--dtype bfloat16``), q/k/v as strided views of one packed (B, T, 3, H, D)
+projection (what a multi-head module hands the core). Times are medians of interleaved
+torch.utils.benchmark rounds; "ratio" divides by torch SDPA's time for the same shape and
+causality.
 
     python benchmarks/bench_training.py            # ~3 minutes
     python benchmarks/bench_training.py --quick
+    python benchmarks/bench_training.py --dtype bfloat16 --shapes 1x256 1x1024 1x4096
     python benchmarks/bench_training.py --json docs/benchmarks/data/training.json
 """
 
@@ -26,10 +28,12 @@ H, D = 8, 64
 SHAPES = [(4, 1024), (1, 4096)]  # (B, T)
 
 
-def step(candidate: str, b: int, t: int, causal: bool) -> Callable[[], None]:
+def step(
+    candidate: str, b: int, t: int, causal: bool, dtype: torch.dtype = torch.float32
+) -> Callable[[], None]:
     torch.manual_seed(0)
-    qkv = torch.randn(b, t, 3, H, D, requires_grad=True)
-    grad = torch.randn(b, H, t, D)
+    qkv = torch.randn(b, t, 3, H, D, dtype=dtype, requires_grad=True)
+    grad = torch.randn(b, H, t, D, dtype=dtype)
 
     def run() -> None:
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
@@ -52,18 +56,20 @@ def main() -> None:
         metavar="BxT",
         help="(B, T) shapes to time, e.g. 4x1024 1x4096 (the default)",
     )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(n) for n in s.lower().split("x")) for s in args.shapes]
     rows = []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, H={H} D={D} float32")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, H={H} D={D} {args.dtype}")
     print("\n| B, T | causal | candidate | ms | ratio to torch sdpa |")
     print("| --- | --- | --- | ---: | ---: |")
     for b, t in shapes:
         for causal in (False, True):
-            fns = {c: step(c, b, t, causal) for c in ("torch sdpa", "auto", "chunked")}
+            fns = {c: step(c, b, t, causal, dtype) for c in ("torch sdpa", "auto", "chunked")}
             times = time_side_by_side(
                 fns, rounds=2 if args.quick else 3, min_run_time=0.5 if args.quick else 2.0
             )
@@ -83,7 +89,7 @@ def main() -> None:
                     }
                 )
     if args.json:
-        config = {"H": H, "D": D, "dtype": "float32", "pass": "forward + backward"}
+        config = {"H": H, "D": D, "dtype": args.dtype, "pass": "forward + backward"}
         results.save(args.json, "training", rows, config=config)
 
 

@@ -364,6 +364,7 @@ def test_auto_trains_bfloat16_natively_on_cpus_without_bfloat16_products(
     if not attnkit._native.status()[0]:
         pytest.skip("the native kernel is not available: chunked would run the eager kernel")
     monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: products)
+    monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: False)
     q = torch.zeros(1, 8, 256, 64, dtype=torch.bfloat16, requires_grad=True)
     kv = torch.zeros(1, 8, 256, 64, dtype=torch.bfloat16)
     with torch.enable_grad():
@@ -378,3 +379,21 @@ def test_auto_trains_bfloat16_natively_on_cpus_without_bfloat16_products(
     with torch.enable_grad():
         report = attnkit.explain(half.requires_grad_(), half, half)
     assert ("slow half in float16" in " ".join(report.slower["sdpa"])) == (not products)
+
+
+def test_auto_trains_bfloat16_natively_on_cpus_with_a_matrix_unit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # There the native kernel runs the products of both passes on the unit; torch keeps the
+    # forward alone (its bfloat16 prefill is faster) and float16 (no products on the unit).
+    if not attnkit._native.status()[0]:
+        pytest.skip("the native kernel is not available: chunked would run the eager kernel")
+    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: True)
+    q = torch.zeros(1, 8, 256, 64, dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.zeros(1, 8, 256, 64, dtype=torch.bfloat16)
+    with torch.enable_grad():
+        report = attnkit.explain(q, kv, kv)
+    assert report.chosen == "chunked"
+    assert "matrix unit (AMX)" in " ".join(report.slower["sdpa"])
+    assert attnkit.explain(q.detach(), kv, kv).chosen == "sdpa"
