@@ -66,7 +66,8 @@ _CPU_DECODE_BYTES = 8 << 20
 # which torch's kernels use, only the decode rule holds (it is about memory traffic, not products).
 # Training in bfloat16/float16 goes to the native kernel on CPUs without those products: torch's
 # CPU backward is its slow half there (fwd+bwd at T=4096 causal: the native kernel 0.16x torch's
-# time in bfloat16, 0.09x in float16).
+# time in bfloat16, 0.09x in float16); bfloat16 training also on CPUs with AMX, where the native
+# kernel runs both passes' products on the matrix unit (see _matrix_unit).
 _CPU_DECODE_BYTES_REDUCED = 1 << 20
 _REDUCED = (torch.bfloat16, torch.float16)
 # On CPUs with bfloat16 products (Intel's AVX512-BF16 and AMX) torch's CPU kernels are fast in
