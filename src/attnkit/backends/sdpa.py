@@ -83,24 +83,30 @@ _REDUCED = (torch.bfloat16, torch.float16)
 _CPU_DECODE_BYTES_GROUPED = 16 << 20
 
 
-@functools.cache
+def _cpu_has(*names: str) -> bool:
+    """Whether any of torch.cpu's ``_is_<feature>_supported`` checks says yes (absent: no)."""
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in names)
+
+
+# What the CPU multiplies, read once at import: the checks are not traceable by torch.compile,
+# and a compiled call consults them while it is traced.
+_CPU_PRODUCTS = {
+    torch.bfloat16: _cpu_has("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+    torch.float16: _cpu_has("_is_amx_fp16_supported"),
+}
+_CPU_MATRIX_UNIT = _cpu_has("_is_amx_tile_supported")
+
+
 def _products_in(dtype: torch.dtype) -> bool:
     """Whether this CPU's vector unit multiplies ``dtype`` (bfloat16 or float16) itself."""
-    cpu = torch.cpu
-    checks = (
-        ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-        if dtype == torch.bfloat16
-        else ("_is_amx_fp16_supported",)
-    )
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+    return _CPU_PRODUCTS.get(dtype, False)
 
 
-@functools.cache
 def _matrix_unit() -> bool:
     """Whether this CPU has AMX tiles, where the native kernel runs bfloat16 products on the
     matrix unit (training included: 0.64-0.94x torch's time for a bfloat16 training step at
     T=256-4096, plain and causal, two threads)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return _CPU_MATRIX_UNIT
 
 
 def _fast_torch_cpu() -> bool:
