@@ -104,9 +104,20 @@ def _products_in(dtype: torch.dtype) -> bool:
 
 def _matrix_unit() -> bool:
     """Whether this CPU has AMX tiles, where the native kernel runs bfloat16 products on the
-    matrix unit (training included: 0.64-0.94x torch's time for a bfloat16 training step at
-    T=256-4096, plain and causal, two threads)."""
+    matrix unit, training included (see _CPU_MATRIX_TRAIN_SCORES)."""
     return _CPU_MATRIX_UNIT
+
+
+# bfloat16 training on CPUs with AMX goes to the native kernel from this many scores (B * H * Tq
+# * Tk): forward and backward took 0.61-0.93x torch's time at B=4 T=512, T=1024 plain and
+# T=4096, 1.0x at T=1024 causal and 1.06-1.11x at T=256 (H=8 D=64, two threads;
+# bench_training.py --dtype bfloat16).
+_CPU_MATRIX_TRAIN_SCORES = 4 * 8 * 512 * 512
+
+
+def _scores(call: AttentionCall) -> int:
+    """The scores a call computes, B * H * Tq * Tk (a mask's holes included)."""
+    return math.prod(call.batch_shape) * call.num_heads * call.q_len * call.kv_len
 
 
 def _fast_torch_cpu() -> bool:
@@ -320,10 +331,12 @@ def sdpa_slower(call: AttentionCall) -> list[str]:
         and call.device.type == "cpu"
         and call.dtype == torch.bfloat16
         and _matrix_unit()
+        and _scores(call) >= _CPU_MATRIX_TRAIN_SCORES
     ):
         slow.append(
-            "trains slower on CPUs with a matrix unit (AMX): the native kernel runs a bfloat16 "
-            "training step's products there too (0.64-0.94x torch's time at T=256-4096)"
+            f"trains slower on CPUs with a matrix unit (AMX): the native kernel runs a bfloat16 "
+            f"training step's products there too (0.61-0.93x torch's time from "
+            f"{_CPU_MATRIX_TRAIN_SCORES} scores on)"
         )
     elif call.device.type == "cpu" and call.dtype in _CPU_SLOW_BACKWARD:
         slow += _slow_forward(call)
