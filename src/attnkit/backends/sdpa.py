@@ -434,6 +434,8 @@ def _empty_rows(mask: Tensor | None, attn_mask: Tensor | None) -> Tensor | None:
 
 
 _SCREEN_WEIGHTS: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+# Outputs of up to this many rows are screened in float32 (see _screened).
+_SCREEN_WIDENED_ROWS = 4096
 
 
 def _screened(out: Tensor) -> bool:
@@ -451,13 +453,18 @@ def _screened(out: Tensor) -> bool:
         rows = out.transpose(-3, -2).view(-1, d)
     else:
         return False
-    key = (d, out.dtype, out.device)
+    if rows.size(0) <= _SCREEN_WIDENED_ROWS and out.dtype in _REDUCED and out.device.type == "cpu":
+        # A bfloat16/float16 product right after torch's CPU attention costs about a millisecond
+        # (its GEMM changes the CPU's matrix state), far more than a decode step's few rows in
+        # float32.
+        rows = rows.float()
+    key = (d, rows.dtype, rows.device)
     weights = _SCREEN_WEIGHTS.get(key)
     if weights is None:
         g = torch.Generator().manual_seed(0)
         w = torch.rand(d, generator=g, dtype=torch.float64).add_(0.5)  # in [0.5, 1.5): never 0
         w = w * torch.where(torch.arange(d) % 2 == 0, 1.0, -1.0).double()
-        weights = _SCREEN_WEIGHTS.setdefault(key, w.to(out.device, out.dtype))
+        weights = _SCREEN_WEIGHTS.setdefault(key, w.to(rows.device, rows.dtype))
     products = torch.mv(rows, weights)
     if products.numel() <= 256:  # a decode step: one read of a few numbers
         values = products.tolist()
