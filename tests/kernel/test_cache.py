@@ -178,6 +178,51 @@ def test_rows_of_their_own_lengths_windows_alibi_softcap_and_sinks(layout: str) 
         assert_close(a, w, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("terms", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "flash"])
+@pytest.mark.parametrize(
+    ("hkv", "d", "dtype"),
+    [
+        (2, 16, torch.float32),  # 128-byte tokens, 32 to a 4 KiB page: read out of order
+        (3, 16, torch.float32),  # 192 bytes: pages hold no whole number of tokens
+        (4, 256, torch.float32),  # 4 KiB, a token a page
+        (8, 16, torch.bfloat16),  # 256 bytes of bfloat16, 16 to a page
+    ],
+)
+def test_token_major_rows_read_for_every_head_at_once(
+    hkv: int, d: int, dtype: torch.dtype, layout: str, terms: bool
+) -> None:
+    # Token-major keys and values (flash-attn's layout) are read for all heads of a block of keys
+    # in turn, in address order, tokens smaller than a page out of order; lengths that are no
+    # multiple of a block or a step; the terms read the scores in the keys' own order.
+    g = torch.Generator().manual_seed(hkv * d)
+    length = 300
+    q = torch.randn(3, 2 * hkv, 2, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(3, hkv, length, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(3, hkv, length, d, generator=g, dtype=torch.float64).to(dtype)
+    ranges = [(0, 300), (37, 211), (5, 6)]
+    band, slopes = None, None
+    kw: dict[str, object] = {"scale": d**-0.5}
+    if terms:
+        band, slopes = (-70.0, 0.0), torch.linspace(0.02, 0.3, 2 * hkv)
+        kw["softcap"] = 4.0
+    got = _run(
+        q,
+        k,
+        v,
+        layout,
+        16,
+        ranges,
+        g,
+        band=band,
+        bias=None if slopes is None else alibi_term(slopes, 2, length),
+        **kw,
+    )
+    want = _reference(q, k, v, ranges, band, slopes, **kw)
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, dtype=dtype)
+
+
 def test_packed_queries_of_several_lengths() -> None:
     # flash-attn's varlen with a block table: sequence s has its own queries and keys.
     g = torch.Generator().manual_seed(2)

@@ -54,6 +54,11 @@ def _inputs(
     ]
 
 
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, D)`` as a view of ``(B, T, H, D)`` memory, as flash-attn keeps a cache."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _grads(
     tensors: list[torch.Tensor], backend: object, dtype: torch.dtype, **kw: object
 ) -> list[torch.Tensor]:
@@ -127,7 +132,7 @@ def test_keys_and_values_are_read_at_their_strides(layout: str) -> None:
 
     def laid_out(t: torch.Tensor) -> torch.Tensor:
         if layout == "token-major":  # a (B, T, H, D) cache, as flash-attn keeps it
-            return t.transpose(1, 2).contiguous().transpose(1, 2)
+            return _token_major(t)
         wide = torch.zeros(*t.shape[:-1], 3 * t.size(-1), dtype=t.dtype)
         wide[..., t.size(-1) : 2 * t.size(-1)] = t
         return wide[..., t.size(-1) : 2 * t.size(-1)]
@@ -162,12 +167,17 @@ def test_score_terms_on_the_decode_path(dtype: torch.dtype) -> None:
             assert_close(a, w, dtype=dtype)
 
 
-def test_dropout_on_the_decode_path_drops_the_pairs_of_the_mask() -> None:
-    q, k, v = _inputs(2, 4, 2, 3, 70, dk=8, dv=8, seed=4)
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
+def test_dropout_on_the_decode_path_drops_the_pairs_of_the_mask(layout: str) -> None:
+    # Token-major keys and values of 2 heads of 64 float64 (1 KiB tokens, 4 to a page) are read
+    # for both heads at once, the tokens out of order: dropout still drops each pair by its own
+    # position.
+    q, k, v = _inputs(2, 4, 2, 3, 70, dk=64, dv=64, seed=4)
     leaves = [t.requires_grad_() for t in (q, k, v)]
+    laid = [_token_major(t) if layout == "token-major" else t for t in leaves]
     p = 0.3
     torch.manual_seed(11)
-    got = attention(*leaves, causal=True, dropout_p=p, backend=DECODE)
+    got = attention(*laid, causal=True, dropout_p=p, backend=DECODE)
     torch.manual_seed(11)
     keep = dropout_mask(draw_seed(), p, (2, 4, 3, 70))  # the draw the kernel made
     _, weights = attention(*leaves, causal=True, return_weights=True, backend="reference")
@@ -205,10 +215,11 @@ def test_an_inference_decode_reads_its_inputs_once(monkeypatch: pytest.MonkeyPat
     assert calls  # a call that needs gradients is checked: the backward has no careful mode
 
 
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("where", ["padding", "bias", "window"])
 def test_nan_and_inf_where_the_mask_hides_them_change_nothing(
-    where: str, dtype: torch.dtype
+    where: str, dtype: torch.dtype, layout: str
 ) -> None:
     b, tq, tk = 2, 2, 700
     q, k, v = (t.to(dtype) for t in _inputs(b, 4, 2, tq, tk, seed=6))
@@ -225,6 +236,8 @@ def test_nan_and_inf_where_the_mask_hides_them_change_nothing(
     else:  # query 0 (at key 698) sees keys 648 to 698, query 1 keys 649 to 699
         kw["mask"] = masks.sliding_window(50)
         dirty_k[:, :, :648], dirty_v[:, :, :648] = float("inf"), float("nan")
+    if layout == "token-major":
+        dirty_k, dirty_v = _token_major(dirty_k), _token_major(dirty_v)
     with torch.inference_mode(), attnkit.record_dispatch() as calls:
         got = attention(q, dirty_k, dirty_v, backend=DECODE, **kw)  # type: ignore[arg-type]
     assert calls[0].kernel == "native kernel"

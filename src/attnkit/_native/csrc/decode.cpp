@@ -12,6 +12,15 @@
 // (B, Tk, Hkv, D) or (B, Hkv, Tk, D) is one page per batch row, and a paged cache is read through
 // its block table, page by page (no gather).
 //
+// A decode streams the cache from memory as fast as the hardware prefetchers bring it in: they
+// follow ascending lines within each 4 KiB page, a few dozen pages at a time. Head-major rows are
+// one such stream per head. Token-major rows (flash-attn's layout) hold every head of a token in
+// one stretch, so an item reads all its heads, in address order (run_token_step): one head's rows
+// alone, Hkv D elements apart, touch a new page every row, far more pages than the prefetchers
+// follow, and a decode read so (head by head, each step's rows asked for by software prefetches)
+// took 1.5 times as long as on head-major rows (benchmarks/bench_decode.py, cases kvcache and
+// modules).
+//
 // Two entry points: native_forward's calls with one query block (decode, the plan's visits and
 // every mask, term and dropout the blocked forward supports), and native_cache_forward, where each
 // batch row holds its own stretch of the cache [start, end) and its queries are aligned to its end
@@ -26,6 +35,11 @@
 namespace attnkit {
 namespace {
 
+// The products, weighted values and softmax of a step, inlined where they are called: with two
+// callers (run_step, run_token_step) GCC leaves them out of line, and a head-major bfloat16
+// decode then took 9% longer.
+#define ATTNKIT_INLINE inline __attribute__((always_inline))
+
 // Keys per step of an item: the step's scores stay in L1, its keys and values in L2 while all the
 // query heads of their key/value heads read them.
 constexpr int64_t kStep = 128;
@@ -34,6 +48,12 @@ constexpr int64_t kStep = 128;
 constexpr int64_t kDotRows = 8;
 // Keys per step of an item of at most kDotRows rows (see run_visit).
 constexpr int64_t kFewRowsStep = 64;
+// Keys of a token-major step read for all the item's heads in turn (see run_token_step): two of
+// dot_block's blocks of 4, few pages at a time for the prefetchers (of 4, 8 and 16, 8 was the
+// fastest for 8 heads of 128 in bfloat16, two tokens to a page, and as fast as 16 in float32).
+constexpr int64_t kTokenBlock = 8;
+// The stretch within which the hardware prefetchers follow ascending lines: a 4 KiB page.
+constexpr int64_t kStreamBytes = 4096;
 // A row's keys are split into parts only down to this many keys each.
 constexpr int64_t kPartKeys = 512;
 // A call starts a thread for every this many bytes of keys and values it reads (see divide).
@@ -61,6 +81,13 @@ struct Pages {
   // (B, Tk, Hkv, D), flash-attn's pages): then one item reads all key/value heads step by step
   // instead of one head's rows a few hundred bytes apart across the whole cache.
   bool token_major() const { return x.s[3] > x.s[1]; }
+  // How many tokens of token-major rows share a page of kStreamBytes (1 when a token fills one or
+  // more, or when tokens do not divide it).
+  int64_t tokens_per_stream() const {
+    const int64_t bytes = x.s[3] * int64_t(sizeof(T));
+    return bytes > 0 && bytes < kStreamBytes && kStreamBytes % bytes == 0 ? kStreamBytes / bytes
+                                                                          : 1;
+  }
 };
 
 // A decode call: the call (its plan, when the visits come from it), the pages, and how its items
@@ -260,7 +287,7 @@ void dot_blocks(int64_t n, int64_t d, float alpha, const float* a, int64_t lda, 
 // dispatch and packing would cost more than these products. The next step's rows are asked for
 // once, by the first rows' products.
 template <typename T, typename X>
-void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, int64_t lda, RowList<X> x, T* s,
+ATTNKIT_INLINE void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, int64_t lda, RowList<X> x, T* s,
           int64_t ld, Ahead<X> ahead) {
   int64_t r = 0;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -300,7 +327,7 @@ void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, int64_t lda, Row
 // (R x n, ld) x's rows: each value row's vectors loaded once for the R rows, the sums in
 // registers over all n keys (as tiles.h's register tiles, with the rows wherever they lie).
 template <int R, int NV, typename X>
-inline void weigh_tile(int64_t n, const float* p, int64_t ld, RowList<X> x, int64_t c0,
+ATTNKIT_INLINE void weigh_tile(int64_t n, const float* p, int64_t ld, RowList<X> x, int64_t c0,
                        int64_t tail, float* acc, int64_t ldc) {
   constexpr int W = 16;
   __m512 o[R][NV];
@@ -325,7 +352,7 @@ inline void weigh_tile(int64_t n, const float* p, int64_t ld, RowList<X> x, int6
 }
 
 template <int R, typename X>
-void weigh_rows_of(int64_t n, int64_t dv, const float* p, int64_t ld, RowList<X> x, float* acc,
+ATTNKIT_INLINE void weigh_rows_of(int64_t n, int64_t dv, const float* p, int64_t ld, RowList<X> x, float* acc,
                    int64_t ldc) {
   int64_t c0 = 0;
   for (; c0 + 64 <= dv; c0 += 64) weigh_tile<R, 4>(n, p, ld, x, c0, 0, acc, ldc);
@@ -377,7 +404,7 @@ void weigh_rows(int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x, T* 
 
 // acc (m rows, dv wide) += p (m x n, ld) x (n rows wherever they lie), for few rows.
 template <typename T, typename X>
-void weigh(int64_t m, int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x, T* acc) {
+ATTNKIT_INLINE void weigh(int64_t m, int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x, T* acc) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
     int64_t r = 0;
@@ -427,6 +454,11 @@ struct DecodeBuffers {
   // A step's keys and values in T, for the GEMMs of steps of many rows (keys and values in
   // another dtype than T only).
   std::vector<T> wide_k, wide_v;
+  // A token-major step's scores of every head of the item, in the order its keys are read and,
+  // when that is another, in the keys' order (see run_token_step); the rows in reading order.
+  std::vector<T> read_s, key_s;
+  std::vector<const KV*> read_keys, read_values;
+  std::vector<int64_t> read_order;
   explicit DecodeBuffers(const Decode<T, KV>& d)
       : q(d.heads * d.rows() * d.c.Dk),
         s(d.rows() * kStep),
@@ -441,7 +473,12 @@ struct DecodeBuffers {
         next_keys(kStep),
         next_values(kStep),
         wide_k(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dk),
-        wide_v(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dv) {}
+        wide_v(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dv),
+        read_s(d.heads > 1 ? d.heads * kDotRows * kFewRowsStep : 0),
+        key_s(read_s.size()),
+        read_keys(d.heads > 1 ? kFewRowsStep : 0),
+        read_values(read_keys.size()),
+        read_order(read_keys.size()) {}
 };
 
 // Where an item is: batch row, first key/value head and how many, query block and its rows, part.
@@ -524,6 +561,29 @@ const T* rows_in(const Pages<KV>& x, RowList<KV> rows, int64_t n, int64_t hk, in
   }
 }
 
+// The online softmax of a step's scores s (rows vis[2]:vis[3] of the query block at qs, each for
+// the G query heads of head (n, hk), of keys [vis[0], vis[1]), terms added): the rows' running
+// maxima m and sums l, their weighted values acc rescaled to the new maxima, s made the weights
+// (dropped where dropout drops).
+template <typename T>
+ATTNKIT_INLINE void softmax_step(const Call<T>& c, int64_t n, int64_t hk, int64_t qs, const int64_t* vis, T* s,
+                  T* acc, T* m, T* l) {
+  const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], r1 = vis[3], G = c.G;
+  for (int64_t r = 0; r < (r1 - r0) * G; ++r) {
+    T* row = s + r * nk;
+    const T mnew = std::max(m[r], row_max(row, nk));
+    const T safe = std::isinf(mnew) && mnew < 0 ? T(0) : mnew;
+    const T scale = std::exp2(m[r] - safe);
+    l[r] = l[r] * scale + exp2_sum(row, nk, safe);
+    if (scale != T(1)) scale_row(acc + r * c.Dv, c.Dv, scale);
+    m[r] = mnew;
+  }
+  if (c.p_drop > 0) {
+    for (int64_t g = 0; g < G; ++g)
+      drop(c, n, hk * G + g, qs + r0, ks, r1 - r0, nk, s + g * nk, G * nk);
+  }
+}
+
 // One step of keys [vis[0], vis[1]) for rows vis[2]:vis[3] of the query block at qs of head (n,
 // hk), hh the head's place in its item: scores, online softmax, dropout, weighted values. keys and
 // values: the step's rows; ahead: the next step's, asked for while these products run.
@@ -559,21 +619,7 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
     }
   }
   T* acc = b.acc.data() + (hh * R + first) * c.Dv;
-  T* m = b.m.data() + hh * R + first;
-  T* l = b.l.data() + hh * R + first;
-  for (int64_t r = 0; r < nr; ++r) {
-    T* row = s + r * nk;
-    const T mnew = std::max(m[r], row_max(row, nk));
-    const T safe = std::isinf(mnew) && mnew < 0 ? T(0) : mnew;
-    const T scale = std::exp2(m[r] - safe);
-    l[r] = l[r] * scale + exp2_sum(row, nk, safe);
-    if (scale != T(1)) scale_row(acc + r * c.Dv, c.Dv, scale);
-    m[r] = mnew;
-  }
-  if (c.p_drop > 0) {
-    for (int64_t g = 0; g < G; ++g)
-      drop(c, n, hk * G + g, qs + r0, ks, r1 - r0, nk, s + g * nk, G * nk);
-  }
+  softmax_step(c, n, hk, qs, vis, s, acc, b.m.data() + hh * R + first, b.l.data() + hh * R + first);
   if (careful) {
     weigh_seen(nr, nk, c.Dv, s, b.hidden.data(), values, acc);
   } else if (few) {
@@ -596,6 +642,74 @@ void rows_of_keys(const Pages<T>& x, int64_t n, int64_t hk, int64_t j0, int64_t 
   }
 }
 
+// One step of a token-major item of few rows (vis and col0 as run_step's): the products of every
+// head of the item, then each head's softmax, then every head's weighted values, each over blocks
+// of kTokenBlock keys, a block read for all the heads in turn, so that the rows come in address
+// order (see the top of this file). Where P tokens share a page, a block of consecutive keys would
+// still go back and forth in each page (a head of every token, then the next head of every
+// token): the keys are then read in groups of kTokenBlock P, the tokens at place o of their pages
+// for o = 0, ..., P - 1 in turn, each block of kTokenBlock from as many pages. The scores come in
+// that order; the terms and dropout, which depend on the keys' positions, take them in the keys'
+// own.
+template <typename T, typename KV>
+void run_token_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
+                    const Item& it, const int64_t* vis, int64_t col0) {
+  const int64_t nk = vis[1] - vis[0], R = d.rows(), first = vis[2] * c.G;
+  const int64_t nr = (vis[3] - vis[2]) * c.G, P = d.k.tokens_per_stream();
+  const KV* const* keys = b.keys.data();
+  const KV* const* values = b.values.data();
+  const int64_t* order = b.read_order.data();  // order[j]: the key read j-th
+  if (P > 1) {
+    int64_t x = 0;
+    for (int64_t g = 0; g < nk; g += kTokenBlock * P) {
+      const int64_t end = std::min(nk, g + kTokenBlock * P);
+      for (int64_t o = 0; o < P; ++o)
+        for (int64_t j = g + o; j < end; j += P) b.read_order[x++] = j;
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      b.read_keys[j] = b.keys[order[j]];
+      b.read_values[j] = b.values[order[j]];
+    }
+    keys = b.read_keys.data();
+    values = b.read_values.data();
+  }
+  const bool terms = c.softcap > 0 || c.bias != nullptr || c.qv.p != nullptr || vis[4];
+  const bool reordered = P > 1 && (terms || c.p_drop > 0);
+  T* s = b.read_s.data();  // head hh's scores: nr rows of nk from s + hh nr nk
+  const T alpha = product_factor(c);
+  for (int64_t j0 = 0; j0 < nk; j0 += kTokenBlock) {
+    const int64_t nb = std::min(kTokenBlock, nk - j0);
+    for (int64_t hh = 0; hh < it.heads; ++hh) {
+      dots<T>(nr, nb, c.Dk, alpha, b.q.data() + (hh * R + first) * c.Dk, c.Dk,
+              RowList<KV>{keys + j0, hh * d.k.x.s[1]}, s + hh * nr * nk + j0, nk, Ahead<KV>{});
+    }
+  }
+  T* w = s;  // the scores in the keys' order
+  if (reordered) {
+    w = b.key_s.data();
+    for (int64_t x = 0; x < it.heads * nr; ++x)
+      for (int64_t j = 0; j < nk; ++j) w[x * nk + order[j]] = s[x * nk + j];
+  }
+  for (int64_t hh = 0; hh < it.heads; ++hh) {
+    const int64_t hk = it.hk0 + hh, x0 = hh * R + first;
+    T* sh = w + hh * nr * nk;
+    if (terms) add_terms(c, b, it.n, hk, it.qs, vis, col0, sh, nk);
+    softmax_step(c, it.n, hk, it.qs, vis, sh, b.acc.data() + x0 * c.Dv, b.m.data() + x0,
+                 b.l.data() + x0);
+  }
+  if (reordered) {
+    for (int64_t x = 0; x < it.heads * nr; ++x)
+      for (int64_t j = 0; j < nk; ++j) s[x * nk + j] = w[x * nk + order[j]];
+  }
+  for (int64_t j0 = 0; j0 < nk; j0 += kTokenBlock) {
+    const int64_t nb = std::min(kTokenBlock, nk - j0);
+    for (int64_t hh = 0; hh < it.heads; ++hh) {
+      weigh<T>(nr, nb, c.Dv, s + hh * nr * nk + j0, nk, RowList<KV>{values + j0, hh * d.v.x.s[1]},
+               b.acc.data() + (hh * R + first) * c.Dv);
+    }
+  }
+}
+
 // The part's stretch of keys [first, last) of a visit's keys [ks, ke), in steps, for each
 // key/value head of the item. Steps of few rows span pages (their products read rows wherever
 // they lie); others are cut at pages (their GEMMs read rows at one stride).
@@ -610,6 +724,10 @@ void run_visit(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b
     const int64_t e = std::min(last, ks + len);
     return few ? e : d.k.page_end(ks, e);
   };
+  // Token-major rows: every head of a block of keys in turn, in address order, for the hardware
+  // prefetchers (see the top of this file), rather than software prefetches a head at a time; a
+  // careful step goes head by head.
+  const bool by_token = few && !careful && it.heads > 1;
   const int64_t n = it.n, hk0 = it.hk0;
   int64_t ks = first, ke = end_of(first);
   rows_of_keys(d.k, n, hk0, ks, ke, b.keys.data());
@@ -625,16 +743,20 @@ void run_visit(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b
       const double z = double(it.qs + vis[2] + c.shift) + c.hi;      // first row's last key
       if (a <= double(ks) && z >= double(ke - 1)) step[4] = 0;
     }
-    for (int64_t hh = 0; hh < it.heads; ++hh) {
-      const int64_t ko = hh * d.k.x.s[1], vo = hh * d.v.x.s[1];  // head hk0 + hh's rows
-      Ahead<KV> ahead;
-      ahead.k = {b.next_keys.data(), ko};
-      ahead.v = {b.next_values.data(), vo};
-      ahead.rows = after - ke;
-      ahead.k_bytes = c.Dk * int64_t(sizeof(KV));
-      ahead.v_bytes = c.Dv * int64_t(sizeof(KV));
-      run_step(d, c, b, n, hk0 + hh, hh, it.qs, step, ks - vis[0], RowList<KV>{b.keys.data(), ko},
-               RowList<KV>{b.values.data(), vo}, ahead, careful);
+    if (by_token) {
+      run_token_step(d, c, b, it, step, ks - vis[0]);
+    } else {
+      for (int64_t hh = 0; hh < it.heads; ++hh) {
+        const int64_t ko = hh * d.k.x.s[1], vo = hh * d.v.x.s[1];  // head hk0 + hh's rows
+        Ahead<KV> ahead;
+        ahead.k = {b.next_keys.data(), ko};
+        ahead.v = {b.next_values.data(), vo};
+        ahead.rows = after - ke;
+        ahead.k_bytes = c.Dk * int64_t(sizeof(KV));
+        ahead.v_bytes = c.Dv * int64_t(sizeof(KV));
+        run_step(d, c, b, n, hk0 + hh, hh, it.qs, step, ks - vis[0],
+                 RowList<KV>{b.keys.data(), ko}, RowList<KV>{b.values.data(), vo}, ahead, careful);
+      }
     }
     std::swap(b.keys, b.next_keys);
     std::swap(b.values, b.next_values);
