@@ -14,9 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
-from attnkit import MultiHeadAttention, PagedKVCache, RotaryEmbedding, masks
+from attnkit import MultiHeadAttention, PagedKVCache, RotaryEmbedding, _native, masks
 from attnkit import paged_kv_cache as paged
 from attnkit.positional import alibi_term
 from attnkit.testing import assert_close
@@ -208,6 +209,83 @@ def test_eager_path_equals_in_place_path() -> None:
     with mock.patch.object(paged, "cache_refusal", return_value="refused for the test"):
         _steps(PagedKVCache(16, 4, 1, 8, max_seqs=2, dtype=F64), 2, [[5, 2], [1, 1]],
                torch.Generator().manual_seed(5), causal=True)  # fmt: skip
+
+
+class _Ops(TorchDispatchMode):
+    """Every operator a call runs, with its tensor arguments and outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, list[Tensor], list[Tensor]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        flat = [*args, *(kwargs or {}).values()]
+        outs = out if isinstance(out, tuple | list) else [out]
+        self.calls.append(
+            (
+                func,
+                [a for a in flat if isinstance(a, Tensor)],
+                [o for o in outs if isinstance(o, Tensor)],
+            )
+        )
+        return out
+
+
+def _decode_step(layout: str, dtype: torch.dtype) -> tuple[PagedKVCache, _Ops]:
+    """A cache of two rows of 100 tokens, and the operators of its next decode step."""
+    gen = torch.Generator().manual_seed(6)
+    c = PagedKVCache(32, 16, 2, 32, max_seqs=2, layout=layout, dtype=dtype)  # type: ignore[arg-type]
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    with torch.inference_mode():
+        c.attention(rand(2, 4, 100, 32), rand(2, 2, 100, 32), rand(2, 2, 100, 32), causal=True)
+        c.commit()
+        q, k, v = rand(2, 4, 1, 32), rand(2, 2, 1, 32), rand(2, 2, 1, 32)
+        ops = _Ops()
+        with ops:
+            out, _ = c.attention(q, k, v, causal=True)
+    assert out.shape == (2, 4, 1, 32)
+    return c, ops
+
+
+@pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_a_decode_step_reads_the_pages_where_they_lie(layout: str, dtype: torch.dtype) -> None:
+    """The native kernel gets the pool's pages themselves, and no operator of the step makes
+    anything near their size: a copy of the pool (a contiguous(), a cast, a gather) would cost a
+    decode step as much as its attention."""
+    c, ops = _decode_step(layout, dtype)
+    pool = c.k_pages.numel()
+    kernel = torch.ops.attnkit.native_cache_forward.default
+    native = [args for func, args, _ in ops.calls if func == kernel]
+    assert len(native) == 1
+    for got, pages in zip(native[0][1:3], (c.k_pages, c.v_pages), strict=True):
+        assert got.untyped_storage().data_ptr() == pages.untyped_storage().data_ptr()
+        assert got.numel() == pool
+    own = {c.k_pages.untyped_storage().data_ptr(), c.v_pages.untyped_storage().data_ptr()}
+    for func, _, outs in ops.calls:
+        for o in outs:
+            if o.untyped_storage().data_ptr() not in own:  # neither the pages nor a view of them
+                assert o.numel() < pool // 16, f"{func} made {tuple(o.shape)}"
+
+
+@pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_a_decode_step_runs_no_indexing_kernel(layout: str) -> None:
+    """The new tokens are copied into their pages, not written by an index_put_ of a boolean
+    selection: torch's indexing kernels (and repeat_interleave) start the OpenMP threads from a
+    few thousand elements on (B Hkv D of a decode step), and on a machine whose cores are busy a
+    step that starts them before the attention waits for a core each time (twice as long as the
+    contiguous KVCache's step, measured with benchmarks/bench_decode.py)."""
+    _, ops = _decode_step(layout, torch.float32)
+    names = [str(func) for func, _, _ in ops.calls]
+    indexing = ("aten.index", "aten.nonzero", "aten.masked_select", "aten.repeat_interleave")
+    assert [n for n in names if n.startswith(indexing)] == []
+    assert names.count("attnkit.native_cache_forward.default") == 1
 
 
 def test_decode_with_different_lengths_is_key_padding() -> None:

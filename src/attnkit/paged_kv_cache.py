@@ -332,7 +332,11 @@ class PagedKVCache(nn.Module):
         """
         new = self._plan(k, v)
         self._drop_staged()
-        cols = []
+        size = self.page_size
+        slots: list[int] = []
+        # Where each row's new tokens go: (row, page, first place in the page, tokens, first new
+        # token of the row), a stretch of consecutive places in one page each.
+        parts: list[tuple[int, int, int, int, int]] = []
         for b, n in enumerate(new):
             first = len(self._pages[b])
             for _ in range(self._used(self.lengths[b] + n) - first):
@@ -341,18 +345,31 @@ class PagedKVCache(nn.Module):
                 self.block_table[b, first : len(self._pages[b])] = torch.tensor(
                     self._pages[b][first:], dtype=torch.int32
                 )
-            cols.append(torch.arange(self.lengths[b], self.lengths[b] + n))
+            t, end = self.lengths[b], self.lengths[b] + n
+            while t < end:
+                page, at = self._pages[b][t // size], t % size
+                m = min(size - at, end - t)
+                parts.append((b, page, at, m, t - self.lengths[b]))
+                slots.extend(range(page * size + at, page * size + at + m))
+                t += m
         self._staged = new
-        t = torch.cat(cols)
-        row = torch.repeat_interleave(torch.arange(self.max_seqs), torch.tensor(new))
-        at = self.block_table.device
-        pages = self.block_table[row.to(at), (t // self.page_size).to(at)].long()
-        slots = pages * self.page_size + (t % self.page_size).to(at)
-        # (B, Hkv, T, D) -> the (N, Hkv, D) real tokens, row by row.
+        written = torch.tensor(slots, dtype=torch.int64, device=self.block_table.device)
+        if len(parts) <= self.max_seqs:
+            # A decode step (a page a row): a copy into each page. Not an index_put_ of a boolean
+            # selection: torch's indexing kernels start the OpenMP threads from a few thousand
+            # elements on (B Hkv D of a step), and where the cores are busy, each start waits for
+            # one; the five of a step made it twice as long as a KVCache's.
+            kp, vp = self.token_major()
+            for b, page, at, m, i in parts:
+                kp[page, at : at + m] = k[b, :, i : i + m].transpose(0, 1)
+                vp[page, at : at + m] = v[b, :, i : i + m].transpose(0, 1)
+            return written
+        # A prompt: all its tokens at once, (B, Hkv, T, D) -> the (N, Hkv, D) real ones, row by
+        # row (a copy a page would cost more than the threads).
         real = torch.arange(k.size(-2))[None, :] < torch.tensor(new)[:, None]
         real = real.to(k.device)
-        self._put(k.transpose(1, 2)[real], v.transpose(1, 2)[real], slots)
-        return slots
+        self._put(k.transpose(1, 2)[real], v.transpose(1, 2)[real], written)
+        return written
 
     def _put(self, k: Tensor, v: Tensor, slots: Tensor) -> None:
         kp, vp = self.token_major()
@@ -520,9 +537,9 @@ class PagedKVCache(nn.Module):
             padding positions get 0 and ``-inf``.
 
         Every argument is checked before anything is written. The new tokens are staged, not
-        held: :meth:`commit` holds them. On CPUs in float32 and float64 without gradients, the
-        native kernel reads the pages through the block table where they lie; otherwise each row's
-        keys are gathered for one :func:`attnkit.attention` call per row.
+        held: :meth:`commit` holds them. On CPUs without gradients (float32, float64, bfloat16,
+        float16), the native kernel reads the pages through the block table where they lie;
+        otherwise each row's keys are gathered for one :func:`attnkit.attention` call per row.
         """
         lo, hi = band_of(mask, causal)
         new = self._plan(k, v)
