@@ -114,11 +114,12 @@ def _kvcache(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     return fns
 
 
-def _modules() -> dict[str, Callable[[], object]]:
+def _modules(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(B, H, 1, D, generator=g)
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
     k, v = torch.randn(B, HKV, T, D, generator=g), torch.randn(B, HKV, T, D, generator=g)
-    contiguous = attnkit.KVCache(B, T, HKV, D)
+    k, v = k.to(dtype), v.to(dtype)
+    contiguous = attnkit.KVCache(B, T, HKV, D, dtype=dtype)
     contiguous.update(k[:, :, :-1], v[:, :, :-1])
     new_k, new_v = k[:, :, -1:], v[:, :, -1:]
 
@@ -129,7 +130,9 @@ def _modules() -> dict[str, Callable[[], object]]:
 
     fns: dict[str, Callable[[], object]] = {"kvcache": kvcache}
     for page, layout in ((16, "flash"), (256, "flash"), (16, "vllm"), (256, "vllm")):
-        cache = attnkit.PagedKVCache(B * T // page, page, HKV, D, max_seqs=B, layout=layout)
+        cache = attnkit.PagedKVCache(
+            B * T // page, page, HKV, D, max_seqs=B, layout=layout, dtype=dtype
+        )
         for start in range(0, T - 1, page):
             n = min(page, T - 1 - start)
             cache.stage(k[:, :, start : start + n], v[:, :, start : start + n])
@@ -144,9 +147,7 @@ def _modules() -> dict[str, Callable[[], object]]:
 
 def _candidates(case: str, names: list[str]) -> dict[str, Callable[[], object]]:
     """Every candidate of ``case`` in every dtype, named ``"<candidate> <dtype>"``."""
-    if case == "modules":  # attnkit's caches in float32 only
-        return {f"{cand} f32": fn for cand, fn in _modules().items()}
-    make = _decode if case == "decode" else _kvcache
+    make = {"decode": _decode, "kvcache": _kvcache, "modules": _modules}[case]
     fns: dict[str, Callable[[], object]] = {}
     for name in names:
         for cand, fn in make(DTYPES[name]).items():
