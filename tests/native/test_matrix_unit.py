@@ -6,6 +6,8 @@ head sizes that differ)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -179,3 +181,45 @@ def test_bf16_gradients_of_shared_heads_sum_every_query_head() -> None:
             torch.set_num_threads(previous)
         for a, w in zip(got, want, strict=True):
             assert_close(a, w)
+
+
+DEGENERATE = [
+    # (B, H, Hkv, Tq, Tk, Dk, Dv)
+    (1, 2, 2, 40, 37, 8, 0),  # values of width 0
+    (0, 2, 2, 40, 37, 8, 8),  # an empty batch
+    (1, 2, 2, 40, 1, 2, 2),  # one key
+    (1, 2, 2, 40, 37, 2, 1),  # odd value width
+    (1, 2, 1, 33, 0, 8, 8),  # no keys
+    (1, 2, 2, 40, 37, 3, 5),  # odd key width: no whole words to pack
+]
+
+
+def test_degenerate_shapes_neither_crash_nor_differ_from_the_reference() -> None:
+    # In a child process: a product of width 0 handed to the matrix unit's GEMM must not be
+    # able to take the test run down with it.
+    code = f"""
+import torch, attnkit
+from attnkit.backends import Chunked
+from attnkit.testing import assert_close
+for shape in {DEGENERATE!r}:
+    b, h, hkv, tq, tk, dk, dv = shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, tq, dk, generator=g).bfloat16().requires_grad_()
+    k = torch.randn(b, hkv, tk, dk, generator=g).bfloat16().requires_grad_()
+    v = torch.randn(b, hkv, tk, dv, generator=g).bfloat16().requires_grad_()
+    out = attnkit.attention(q, k, v, causal=True, backend=Chunked(block_q=16, block_k=16))
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    want = attnkit.attention(
+        q.double(), k.double(), v.double(), causal=True, backend="reference"
+    )
+    wgrads = torch.autograd.grad(want.sum(), (q, k, v))
+    assert_close(out, want)
+    for a, w in zip(grads, wgrads):
+        assert_close(a, w, dtype=torch.bfloat16)
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"

@@ -247,7 +247,8 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
 #if defined(ATTNKIT_MATRIX_UNIT)
   std::optional<PackedRows> kt, vp;  // K^T as words, v as pairs
   if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>) {
-    if (c.register_tiles && c.Tq > 0 && c.Tk > 0 && has_matrix_unit() &&
+    // (Values of width 0 have no product to run: the GEMM refuses an empty one.)
+    if (c.register_tiles && c.Tq > 0 && c.Tk > 0 && c.Dv > 0 && has_matrix_unit() &&
         PackedRows::fits(kv.k, c.Dk)) {
       kt.emplace(kv.k, c.N, c.Hkv, c.Tk, c.Dk, true);
       vp.emplace(kv.v, c.N, c.Hkv, c.Tk, c.Dv, false);
