@@ -256,6 +256,23 @@ def test_dropout_is_unbiased_and_a_fully_dropped_row_is_not_redrawn() -> None:
     assert abs(mean - 1.0) < 0.1, mean  # std of the mean: 1 / sqrt(4000) = 0.016
 
 
+def _check_choice(
+    shape: tuple[int, ...], dtype: torch.dtype, chosen: str, words: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """explain() of an inference call of ``shape`` (B, H, Hkv, Tq, Tk, D) picks ``chosen`` and
+    says ``words`` of sdpa (None: nothing); the call's q and k/v."""
+    if chosen == "chunked" and not attnkit._native.status()[0]:
+        pytest.skip("the native kernel is not available: chunked would run the eager kernel")
+    b, h, hkv, tq, tk, d = shape
+    q = torch.zeros(b, h, tq, d, dtype=dtype)
+    kv = torch.zeros(b, hkv, tk, d, dtype=dtype)
+    report = attnkit.explain(q, kv, kv)
+    assert report.chosen == chosen
+    slower = " ".join(report.slower["sdpa"])
+    assert (words in slower) if words else not slower
+    return q, kv
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype", "chosen", "words"),
     [
@@ -280,17 +297,9 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
     chosen: str,
     words: str | None,
 ) -> None:
-    if chosen == "chunked" and not attnkit._native.status()[0]:
-        pytest.skip("the native kernel is not available: chunked would run the eager kernel")
     monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)  # a CPU with AVX-512
     monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: False)  # no bf16 products
-    b, h, hkv, tq, tk, d = shape
-    q = torch.zeros(b, h, tq, d, dtype=dtype)
-    kv = torch.zeros(b, hkv, tk, d, dtype=dtype)
-    report = attnkit.explain(q, kv, kv)
-    assert report.chosen == chosen
-    slower = " ".join(report.slower["sdpa"])
-    assert (words in slower) if words else not slower
+    q, kv = _check_choice(shape, dtype, chosen, words)
     half = dtype in (torch.bfloat16, torch.float16)
     with torch.enable_grad():  # training: torch's CPU backward is the slow half, whatever the size
         q.requires_grad_(not half)
@@ -323,17 +332,9 @@ def test_on_cpus_with_bfloat16_products_auto_keeps_what_torch_runs_faster(
     chosen: str,
     words: str | None,
 ) -> None:
-    if chosen == "chunked" and not attnkit._native.status()[0]:
-        pytest.skip("the native kernel is not available: chunked would run the eager kernel")
     monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)
     monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
-    b, h, hkv, tq, tk, d = shape
-    q = torch.zeros(b, h, tq, d, dtype=dtype)
-    kv = torch.zeros(b, hkv, tk, d, dtype=dtype)
-    report = attnkit.explain(q, kv, kv)
-    assert report.chosen == chosen
-    slower = " ".join(report.slower["sdpa"])
-    assert (words in slower) if words else not slower
+    _check_choice(shape, dtype, chosen, words)
     # A causal prefill still halves its work in the native kernel.
     full = torch.zeros(1, 8, 1024, 64)
     assert attnkit.explain(full, full, full, causal=True).chosen == "chunked"
