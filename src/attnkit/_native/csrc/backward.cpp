@@ -303,7 +303,9 @@ struct MatrixBackward {
 
 // A thread's buffers for the matrix unit.
 struct MatrixRowsBackward {
-  std::vector<at::BFloat16> q, dout, qt, dot, pairs, dsp, ds;
+  // A block's q and dO as rows (q, dout) and transposed (qt, dot); a visit's p and dS as pairs of
+  // rows (pairs, ds_pairs) and dS as rows (ds).
+  std::vector<at::BFloat16> q, dout, qt, dot, pairs, ds_pairs, ds;
   std::vector<float> tr, dkt, dvt;  // a block's transposes; an item's dK^T and dV^T
   int64_t ldt = 0, rp = 0;          // dkt's and dvt's row length; qt's and dot's
 };
@@ -361,7 +363,7 @@ inline void plain_visit_bf16(const Backward<float>& w, MatrixRowsBackward& mr, f
   }
   const size_t pairs = size_t(kr * nk);
   if (mr.pairs.size() < pairs) mr.pairs.resize(pairs);
-  if (mr.dsp.size() < pairs) mr.dsp.resize(pairs);
+  if (mr.ds_pairs.size() < pairs) mr.ds_pairs.resize(pairs);
   const __m512 scale = _mm512_set1_ps(float(c.scale));
   const __m512 zero = _mm512_setzero_ps();
   auto ds_of = [&](int64_t r, int64_t j, __m512 p, __mmask16 m) {
@@ -377,7 +379,7 @@ inline void plain_visit_bf16(const Backward<float>& w, MatrixRowsBackward& mr, f
     const int64_t a = ra + 2 * i, b = a + 1;
     const bool ina = a >= r0 && a < r1, inb = b >= r0 && b < r1;
     uint32_t* pp = reinterpret_cast<uint32_t*>(mr.pairs.data() + 2 * i * nk);
-    uint32_t* dsp = reinterpret_cast<uint32_t*>(mr.dsp.data() + 2 * i * nk);
+    uint32_t* dsp = reinterpret_cast<uint32_t*>(mr.ds_pairs.data() + 2 * i * nk);
     at::BFloat16* dsa = ina ? mr.ds.data() + (a - r0) * kk + col : nullptr;
     at::BFloat16* dsb = inb ? mr.ds.data() + (b - r0) * kk + col : nullptr;
     for (int64_t j = 0; j < nk; j += 16) {
@@ -436,7 +438,7 @@ inline void visit_backward_bf16(Backward<float>& w, BackwardBuffers<float>& b,
                  mr.dvt.data() + (ks - kg.k0), mr.ldt, true);
     bf16_product(nr, c.Dk, kk, mr.ds.data(), kk, m.kp.head(n, hk) + ka * c.Dk, c.Dk,
                  b.dqa.data() + r0 * c.Dk, c.Dk, true);
-    bf16_product(c.Dk, nk, kr, mr.qt.data() + ra, mr.rp, mr.dsp.data(), nk,
+    bf16_product(c.Dk, nk, kr, mr.qt.data() + ra, mr.rp, mr.ds_pairs.data(), nk,
                  mr.dkt.data() + (ks - kg.k0), mr.ldt, true);
     return;
   }
