@@ -322,6 +322,8 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
         ((1, 32, 32, 1, 4096, 128), torch.bfloat16, "sdpa", None),  # one query head per cache
         ((1, 8, 8, 256, 256, 64), torch.float32, "sdpa", None),  # no mask: nothing to skip
         ((1, 8, 8, 256, 256, 64), torch.float16, "sdpa", None),  # torch's float16 is fast here
+        # but not its float16 decode (no float16 products): the rule of other CPUs
+        ((1, 8, 8, 1, 4096, 64), torch.float16, "chunked", "8 MiB of float16 keys"),
         ((1, 8, 8, 1024, 1024, 64), torch.bfloat16, "sdpa", None),
     ],
 )

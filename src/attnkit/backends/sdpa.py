@@ -371,14 +371,16 @@ def _slow_reduced_decode(call: AttentionCall) -> list[str]:
             ]
         return []
     size = _decode_bytes(call)
-    if _fast_torch_cpu():
+    # (float16 on a CPU with bfloat16 products only: torch's float16 decode is as slow as on any
+    # CPU without float16 products, 0.36-0.74x the native kernel's time at 2-8 MiB)
+    if _products_in(call.dtype):
         if not _grouped_decode(call, size):
             return []
         return [
             f"decodes slower on CPUs: {size / 2**20:.0f} MiB of {name} keys and values shared "
             f"by {call.num_heads // call.num_kv_heads} query heads each, which torch reads once "
             f"per query head and the native kernel once (from "
-            f"{_CPU_DECODE_BYTES_GROUPED >> 20} MiB on CPUs with bfloat16 products)"
+            f"{_CPU_DECODE_BYTES_GROUPED >> 20} MiB on CPUs with {name} products)"
         ]
     if size < _CPU_DECODE_BYTES_REDUCED:
         return []
