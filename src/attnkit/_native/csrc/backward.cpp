@@ -235,6 +235,49 @@ void score_grads(Backward<T>& w, BackwardBuffers<T>& b, int64_t n, int64_t hk, i
   }
 }
 
+// A visit's windows of the position term and of its gradient: the block's, or the visit's own
+// (computed; its gradient's zeroed when asked for).
+template <typename T>
+void visit_windows(const Backward<T>& w, BackwardBuffers<T>& b, int64_t n, int64_t h, int64_t qs,
+                   const int64_t* vis, bool skew, const Window<T>& whole, const Window<T>& dwhole,
+                   Window<T>& win, Window<T>& dw) {
+  const Call<T>& c = w.c;
+  win = whole;
+  dw = dwhole;
+  if (c.qv.p == nullptr || whole.p != nullptr || skew) return;
+  win = Window<T>(c, qs, vis[2], vis[3], vis[0], vis[1], b.pos.data());
+  win.compute(c, n, h, qs);
+  dw = win;
+  dw.p = b.dpos.data();
+  if (w.position) std::fill(b.dpos.begin(), b.dpos.begin() + (vis[3] - vis[2]) * win.width, T(0));
+}
+
+// Scores (nr rows of nk, from the call's row `row`) into probabilities, from the forward's
+// log-sum-exp.
+template <typename T>
+void probabilities_from_lse(const Backward<T>& w, T* s, int64_t row, int64_t nr, int64_t nk) {
+  for (int64_t r = 0; r < nr; ++r) {
+    const T L = w.o.lse[row + r];
+    const T base = (std::isinf(L) && L < 0) ? T(0) : T(L * kLog2e);
+    exp2_sum(s + r * nk, nk, base);
+  }
+}
+
+// The probabilities a visit's p v used (b.s): with dropout, the kept ones (into b.pd), and dP
+// (b.dp) of them, by the same mask and scale.
+template <typename T>
+const T* dropped(const Call<T>& c, BackwardBuffers<T>& b, int64_t n, int64_t h, int64_t qs,
+                 const int64_t* vis) {
+  if (c.p_drop <= 0) return b.s.data();
+  const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
+  std::copy(b.s.begin(), b.s.begin() + nr * nk, b.pd.begin());
+  drop(c, n, h, qs + r0, ks, nr, nk, b.pd.data(), nk);
+  for (int64_t x = 0; x < nr * nk; ++x) {
+    b.dp[x] = b.s[x] > T(0) ? b.dp[x] * b.pd[x] / b.s[x] : T(0);
+  }
+  return b.pd.data();
+}
+
 // One visit of query head g over query block qs: its probabilities from the log-sum-exp, dP,
 // dropout, dV, dS and what it adds to dbias and the position term's gradients, then dQ (into
 // the block's dqa) and dK.
@@ -245,34 +288,15 @@ void visit_backward(Backward<T>& w, BackwardBuffers<T>& b, const KeyGrads<T>& kg
   const Call<T>& c = w.c;
   const int64_t h = hk * c.G + g, row0 = ((n * c.Hkv + hk) * c.G + g) * c.Tq + qs;
   const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
-  Window<T> win = whole, dw = dwhole;
-  if (c.qv.p != nullptr && whole.p == nullptr && !skew) {
-    win = Window<T>(c, qs, r0, vis[3], ks, vis[1], b.pos.data());
-    win.compute(c, n, h, qs);
-    dw = win;
-    dw.p = b.dpos.data();
-    if (w.position) std::fill(b.dpos.begin(), b.dpos.begin() + nr * win.width, T(0));
-  }
+  Window<T> win, dw;
+  visit_windows(w, b, n, h, qs, vis, skew, whole, dwhole, win, dw);
   scores(c, n, hk, g, qs, vis, b.s.data(), nk, b.t.data(), win, &b.kpanels, skew);
-  for (int64_t r = 0; r < nr; ++r) {
-    const T L = w.o.lse[row0 + r0 + r];
-    const T base = (std::isinf(L) && L < 0) ? T(0) : T(L * kLog2e);
-    exp2_sum(b.s.data() + r * nk, nk, base);
-  }
+  probabilities_from_lse(w, b.s.data(), row0 + r0, nr, nk);
   const T* dop = w.o.dout.at(n, hk, g, qs + r0);
   // dP = dO V^T (rows x keys)
   times_keys<T>(c.register_tiles, &b.vpanels, nr, ks, vis[1], c.Dv, T(1), dop, w.o.dout.ld(),
                 c.v.at(n, hk, 0, ks), c.v.ld(), b.dp.data(), nk);
-  const T* pv = b.s.data();
-  if (c.p_drop > 0) {
-    std::copy(b.s.begin(), b.s.begin() + nr * nk, b.pd.begin());
-    drop(c, n, h, qs + r0, ks, nr, nk, b.pd.data(), nk);
-    // dP of the kept probabilities: the same mask and scale.
-    for (int64_t x = 0; x < nr * nk; ++x) {
-      b.dp[x] = b.s[x] > T(0) ? b.dp[x] * b.pd[x] / b.s[x] : T(0);
-    }
-    pv = b.pd.data();
-  }
+  const T* pv = dropped(c, b, n, h, qs, vis);
   // dV += P^T dO
   gemm<T>(c.register_tiles, true, false, nk, c.Dv, nr, T(1), pv, nk, dop, w.o.dout.ld(), T(1),
           kg.dv + (ks - kg.k0) * kg.lv, kg.lv);
@@ -405,14 +429,8 @@ inline void visit_backward_bf16(Backward<float>& w, BackwardBuffers<float>& b,
   const Call<float>& c = w.c;
   const int64_t h = hk * c.G + g, row0 = ((n * c.Hkv + hk) * c.G + g) * c.Tq + qs;
   const int64_t ks = vis[0], ke = vis[1], nk = ke - ks, r0 = vis[2], r1 = vis[3], nr = r1 - r0;
-  Window<float> win = whole, dw = dwhole;
-  if (c.qv.p != nullptr && whole.p == nullptr && !skew) {
-    win = Window<float>(c, qs, r0, r1, ks, ke, b.pos.data());
-    win.compute(c, n, h, qs);
-    dw = win;
-    dw.p = b.dpos.data();
-    if (w.position) std::fill(b.dpos.begin(), b.dpos.begin() + nr * win.width, 0.f);
-  }
+  Window<float> win, dw;
+  visit_windows(w, b, n, h, qs, vis, skew, whole, dwhole, win, dw);
   // The probabilities, from the forward's log-sum-exp.
   float* s = b.s.data();
   bf16_product(nr, nk, c.Dk, mr.q.data() + r0 * c.Dk, c.Dk, m.kt.head(n, hk) + ks * 2, m.kt.ld,
@@ -444,23 +462,11 @@ inline void visit_backward_bf16(Backward<float>& w, BackwardBuffers<float>& b,
   }
   for (int64_t r = 0; r < nr; ++r) scale_row(s + r * nk, nk, factor);
   score_terms(c, n, hk, g, qs, vis, 0, s, nk, b.t.data(), win, skew);
-  for (int64_t r = 0; r < nr; ++r) {
-    const float L = w.o.lse[row0 + r0 + r];
-    const float base = (std::isinf(L) && L < 0) ? 0.f : float(L * kLog2e);
-    exp2_sum(s + r * nk, nk, base);
-  }
+  probabilities_from_lse(w, s, row0 + r0, nr, nk);
   // dP = dO V^T
   bf16_product(nr, nk, c.Dv, mr.dout.data() + r0 * c.Dv, c.Dv, m.vt.head(n, hk) + ks * 2,
                m.vt.ld, b.dp.data(), nk, false);
-  const float* pv = s;
-  if (c.p_drop > 0) {
-    std::copy(b.s.begin(), b.s.begin() + nr * nk, b.pd.begin());
-    drop(c, n, h, qs + r0, ks, nr, nk, b.pd.data(), nk);
-    for (int64_t x = 0; x < nr * nk; ++x) {
-      b.dp[x] = b.s[x] > 0.f ? b.dp[x] * b.pd[x] / b.s[x] : 0.f;
-    }
-    pv = b.pd.data();
-  }
+  const float* pv = dropped(c, b, n, h, qs, vis);
   // dV^T += dO^T P
   visit_pairs(pv, nk, r0, r1, ra, kr, 1.f, mr.pairs);
   bf16_product(c.Dv, nk, kr, mr.dot.data() + ra, mr.rp, mr.pairs.data(), nk,

@@ -95,24 +95,39 @@ struct Widened {
   }
 };
 
-// Query head g of key/value head (n, hk) over query block qb: every visit, then its rows.
-template <typename T, typename KV>
-void forward_head(Call<T> c, ForwardBuffers<T>& b, Widened<T, KV>& wide, int64_t n, int64_t hk,
-                  int64_t g, int64_t qb, bool skew, bool bounded, const Rows<T*>& out, T* lse) {
-  const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs), h = hk * c.G + g;
+// The start of head h over the query block from qs: its rows' sums cleared, and the position
+// term's window over the whole block computed (none when it goes visit by visit or is skewed).
+template <typename T>
+Window<T> start_head(const Call<T>& c, ForwardBuffers<T>& b, int64_t n, int64_t h, int64_t qb,
+                     int64_t qs, bool skew) {
   std::fill(b.acc.begin(), b.acc.end(), T(0));
   std::fill(b.m.begin(), b.m.end(), -std::numeric_limits<T>::infinity());
   std::fill(b.l.begin(), b.l.end(), T(0));
   const Window<T> whole = skew ? Window<T>() : block_window(c, qb, b.pos.data());
   if (whole.p != nullptr) whole.compute(c, n, h, qs);
+  return whole;
+}
+
+// A visit's window of the position term: the block's, or the visit's own, computed.
+template <typename T>
+Window<T> visit_window(const Call<T>& c, ForwardBuffers<T>& b, const Window<T>& whole,
+                       int64_t n, int64_t h, int64_t qs, const int64_t* vis, bool skew) {
+  if (c.qv.p == nullptr || whole.p != nullptr || skew) return whole;
+  Window<T> w(c, qs, vis[2], vis[3], vis[0], vis[1], b.pos.data());
+  w.compute(c, n, h, qs);
+  return w;
+}
+
+// Query head g of key/value head (n, hk) over query block qb: every visit, then its rows.
+template <typename T, typename KV>
+void forward_head(Call<T> c, ForwardBuffers<T>& b, Widened<T, KV>& wide, int64_t n, int64_t hk,
+                  int64_t g, int64_t qb, bool skew, bool bounded, const Rows<T*>& out, T* lse) {
+  const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs), h = hk * c.G + g;
+  const Window<T> whole = start_head(c, b, n, h, qb, qs, skew);
   for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
     const int64_t* vis = c.visits + vi * 6;
     const int64_t ks = vis[0], nk = vis[1] - vis[0], r0 = vis[2], nr = vis[3] - vis[2];
-    Window<T> w = whole;
-    if (c.qv.p != nullptr && whole.p == nullptr && !skew) {
-      w = Window<T>(c, qs, r0, vis[3], ks, vis[1], b.pos.data());
-      w.compute(c, n, h, qs);
-    }
+    const Window<T> w = visit_window(c, b, whole, n, h, qs, vis, skew);
     if constexpr (!std::is_same_v<T, KV>) wide.visit(c, n, hk, ks, vis[1]);
     scores(c, n, hk, g, qs, vis, b.s.data(), nk, static_cast<T*>(nullptr), w, &b.panels, skew);
     online_softmax(c, b, r0, nr, nk, bounded);
@@ -176,28 +191,20 @@ inline void probabilities_bf16(ForwardBuffers<float>& b, int64_t r0, int64_t nr,
 // queries with bfloat16 keys), which then take forward_head. Products summed in float32, the
 // probabilities rounded to bfloat16 for p v, as torch's bfloat16 attention does.
 inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
-                              const PackedRows& kt, const PackedRows& vp, MatrixRows& mr, int64_t n, int64_t hk,
-                              int64_t g, int64_t qb, bool skew, bool bounded,
-                              const Rows<float*>& out, float* lse) {
+                              const PackedRows& kt, const PackedRows& vp, MatrixRows& mr,
+                              int64_t n, int64_t hk, int64_t g, int64_t qb, bool skew,
+                              bool bounded, const Rows<float*>& out, float* lse) {
   const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs), h = hk * c.G + g;
   if (mr.q.size() < size_t(rows * c.Dk)) mr.q.resize(size_t(rows * c.Dk));
   for (int64_t r = 0; r < rows; ++r) {
     if (!to_bf16_exact(c.q.at(n, hk, g, qs + r), c.Dk, mr.q.data() + r * c.Dk)) return false;
   }
-  std::fill(b.acc.begin(), b.acc.end(), 0.f);
-  std::fill(b.m.begin(), b.m.end(), -std::numeric_limits<float>::infinity());
-  std::fill(b.l.begin(), b.l.end(), 0.f);
-  const Window<float> whole = skew ? Window<float>() : block_window(c, qb, b.pos.data());
-  if (whole.p != nullptr) whole.compute(c, n, h, qs);
+  const Window<float> whole = start_head(c, b, n, h, qb, qs, skew);
   const float factor = product_factor(c);
   for (int64_t vi = c.off[qb]; vi < c.off[qb + 1]; ++vi) {
     const int64_t* vis = c.visits + vi * 6;
     const int64_t ks = vis[0], ke = vis[1], nk = ke - ks, r0 = vis[2], nr = vis[3] - vis[2];
-    Window<float> w = whole;
-    if (c.qv.p != nullptr && whole.p == nullptr && !skew) {
-      w = Window<float>(c, qs, r0, vis[3], ks, ke, b.pos.data());
-      w.compute(c, n, h, qs);
-    }
+    const Window<float> w = visit_window(c, b, whole, n, h, qs, vis, skew);
     float* s = b.s.data();
     bf16_product(nr, nk, c.Dk, mr.q.data() + r0 * c.Dk, c.Dk, kt.head(n, hk) + ks * 2, kt.ld, s,
                  nk, false);
