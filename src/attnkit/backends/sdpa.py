@@ -126,10 +126,19 @@ def _fast_torch_cpu() -> bool:
     return _products_in(torch.bfloat16)
 
 
-def _grouped_decode(call: AttentionCall, size: int) -> bool:
-    """On such CPUs: whether a decode step reads enough of shared key/value heads' caches for
-    the native kernel's single read of each to beat torch's one read per query head."""
-    return call.num_heads > call.num_kv_heads and size >= _CPU_DECODE_BYTES_GROUPED
+def _grouped_decode(call: AttentionCall, size: int) -> list[str]:
+    """On such CPUs, why torch decodes slower: the step reads enough of shared key/value heads'
+    caches (``size`` bytes) for the native kernel's single read of each to beat torch's one read
+    per query head; else nothing."""
+    if call.num_heads == call.num_kv_heads or size < _CPU_DECODE_BYTES_GROUPED:
+        return []
+    name = "" if call.dtype not in _REDUCED else str(call.dtype).removeprefix("torch.") + " "
+    return [
+        f"decodes slower on CPUs: {size / 2**20:.0f} MiB of {name}keys and values shared by "
+        f"{call.num_heads // call.num_kv_heads} query heads each, which torch reads once per "
+        f"query head and the native kernel once (from {_CPU_DECODE_BYTES_GROUPED >> 20} MiB on "
+        f"CPUs with bfloat16 products)"
+    ]
 
 
 @functools.cache
@@ -357,7 +366,7 @@ def _slow_reduced_decode(call: AttentionCall) -> list[str]:
     kernel (see _CPU_DECODE_BYTES_REDUCED), or nothing."""
     name = str(call.dtype).removeprefix("torch.")
     if call.q_len > _DECODE_QUERIES:
-        scores = math.prod(call.batch_shape) * call.num_heads * call.q_len * call.kv_len
+        scores = _scores(call)
         if (
             call.dtype == torch.float16
             and scores >= _CPU_FORWARD_SCORES
@@ -374,14 +383,7 @@ def _slow_reduced_decode(call: AttentionCall) -> list[str]:
     # (float16 on a CPU with bfloat16 products only: torch's float16 decode is as slow as on any
     # CPU without float16 products, 0.36-0.74x the native kernel's time at 2-8 MiB)
     if _products_in(call.dtype):
-        if not _grouped_decode(call, size):
-            return []
-        return [
-            f"decodes slower on CPUs: {size / 2**20:.0f} MiB of {name} keys and values shared "
-            f"by {call.num_heads // call.num_kv_heads} query heads each, which torch reads once "
-            f"per query head and the native kernel once (from "
-            f"{_CPU_DECODE_BYTES_GROUPED >> 20} MiB on CPUs with {name} products)"
-        ]
+        return _grouped_decode(call, size)
     if size < _CPU_DECODE_BYTES_REDUCED:
         return []
     return [
@@ -394,18 +396,10 @@ def _slow_reduced_decode(call: AttentionCall) -> list[str]:
 def _slow_forward(call: AttentionCall) -> list[str]:
     """Why torch's CPU forward serves an inference call in float32/float64 slower than a blocked
     kernel (see _CPU_FORWARD_SCORES), or nothing."""
-    batch = math.prod(call.batch_shape)
     if call.q_len <= _DECODE_QUERIES:
         size = _decode_bytes(call)
         if _fast_torch_cpu():
-            if not _grouped_decode(call, size):
-                return []
-            return [
-                f"decodes slower on CPUs: {size / 2**20:.0f} MiB of keys and values shared by "
-                f"{call.num_heads // call.num_kv_heads} query heads each, which torch reads once "
-                f"per query head (from {_CPU_DECODE_BYTES_GROUPED >> 20} MiB on CPUs with "
-                f"bfloat16 products)"
-            ]
+            return _grouped_decode(call, size)
         if size >= _CPU_DECODE_BYTES:
             return [
                 f"decodes slower on CPUs: {size / 2**20:.0f} MiB of keys and values, which "
@@ -413,7 +407,7 @@ def _slow_forward(call: AttentionCall) -> list[str]:
                 f"{_CPU_DECODE_BYTES >> 20} MiB on)"
             ]
         return []
-    scores = batch * call.num_heads * call.q_len * call.kv_len
+    scores = _scores(call)
     if call.mask is None and (not _register_tiles() or _fast_torch_cpu()):
         # Nothing to skip, and the BLAS per block: torch's forward is as fast (a blocked kernel
         # without AVX-512 took 0.97-1.37x its time at B=1 H=8 T=256-4096, float32, two threads).
@@ -456,9 +450,8 @@ def _screened(out: Tensor) -> bool:
     else:
         return False
     if rows.size(0) <= _SCREEN_WIDENED_ROWS and out.dtype in _REDUCED and out.device.type == "cpu":
-        # A bfloat16/float16 product right after torch's CPU attention costs about a millisecond
-        # (its GEMM changes the CPU's matrix state), far more than a decode step's few rows in
-        # float32.
+        # A bfloat16/float16 product right after torch's CPU attention was measured at about a
+        # millisecond per decode step on a CPU with AMX, a few microseconds in float32.
         rows = rows.float()
     key = (d, rows.dtype, rows.device)
     weights = _SCREEN_WEIGHTS.get(key)
