@@ -231,14 +231,16 @@ def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
 def finite(*tensors: Tensor) -> bool:
     """True when none of ``tensors`` holds NaN or inf (one host synchronisation).
 
-    Float32/float64 CPU tensors, once the native kernel is loaded: one read of each in one
-    parallel region, exact. Otherwise a sum each: a sum is NaN or inf when any term is, and one sum
-    is a fraction of ``isfinite().all()``'s cost. It can also overflow on finite values far beyond
-    any activation's scale (1e32 in float32); the answer is then False, which only costs the
-    caller its careful path.
+    CPU tensors of float32, float64, bfloat16 or float16, once the native kernel is loaded: one
+    read of each in one parallel region, exact. Otherwise a sum each: a sum is NaN or inf when
+    any term is, and one sum is a fraction of ``isfinite().all()``'s cost. It can also overflow on
+    finite values far beyond any activation's scale (1e32 in float32); the answer is then False,
+    which only costs the caller its careful path.
     """
     if loaded_native() and all(
-        t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in tensors
+        t.device.type == "cpu"
+        and t.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        for t in tensors
     ):
         return bool(torch.ops.attnkit.all_finite([t.detach() for t in tensors]))
     sums = [

@@ -378,7 +378,7 @@ LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_finiteness_check_finds_a_bad_element_anywhere(layout: str, dtype: torch.dtype) -> None:
     # attnkit._call.finite runs in the native kernel once it is loaded: one bad element anywhere

@@ -212,5 +212,9 @@ def test_all_finite_finds_a_bad_element_and_refuses_other_dtypes() -> None:
     assert torch.ops.attnkit.all_finite([x, x.double()])
     x[2, 4, 6] = float("nan")
     assert not torch.ops.attnkit.all_finite([torch.ones(2), x])
-    with pytest.raises(RuntimeError, match="float32 or float64"):
+    y = x.to(torch.bfloat16)
+    assert not torch.ops.attnkit.all_finite([y]) and not torch.ops.attnkit.all_finite([x.half()])
+    y[2, 4, 6] = 3.0
+    assert torch.ops.attnkit.all_finite([y, y.half()])
+    with pytest.raises(RuntimeError, match="float32, float64, bfloat16 or float16"):
         torch.ops.attnkit.all_finite([torch.ones(2, dtype=torch.int64)])

@@ -1,5 +1,6 @@
 // The finiteness check of a call's inputs: whether every element of some float tensors is
-// finite, in one read of each and one parallel region.
+// finite, in one read of each and one parallel region. float32 and float64 by arithmetic (x * 0 is
+// 0 for a finite x), bfloat16 and float16 by their bits (an exponent of all ones is inf or NaN).
 
 #include "kernel.h"
 
@@ -20,6 +21,13 @@ void add_zeros(const T* p, int64_t n, at::vec::Vectorized<T> (&acc)[4], T& tail)
   for (; j < n; ++j) tail += p[j] * T(0);
 }
 
+// Whether any of n 16-bit numbers from p has every bit of `exponent` set (inf or NaN).
+bool any_exponent_full(const uint16_t* p, int64_t n, uint16_t exponent) {
+  uint16_t full = 0;  // a loop the compiler vectorizes: no early exit
+  for (int64_t j = 0; j < n; ++j) full |= uint16_t((p[j] & exponent) == exponent);
+  return full != 0;
+}
+
 template <typename T>
 bool all_zero(at::vec::Vectorized<T> (&acc)[4], T tail) {
   using V = at::vec::Vectorized<T>;
@@ -33,12 +41,12 @@ bool all_zero(at::vec::Vectorized<T> (&acc)[4], T tail) {
 struct Stretches {
   static constexpr int64_t kPiece = 16384;
   const char* base = nullptr;
-  bool dbl = false;
+  at::ScalarType type;
   std::vector<int64_t> size, stride;  // the outer dimensions
   int64_t len = 1, pieces = 1, count = 1;
 
-  explicit Stretches(const at::Tensor& t) : base(static_cast<const char*>(t.data_ptr())) {
-    dbl = t.scalar_type() == at::kDouble;
+  explicit Stretches(const at::Tensor& t)
+      : base(static_cast<const char*>(t.data_ptr())), type(t.scalar_type()) {
     // Neither the order of the elements nor their repeats matter: dimensions by decreasing
     // stride, broadcast ones dropped.
     std::vector<int64_t> order;
@@ -71,11 +79,17 @@ struct Stretches {
 
   // Pieces u0:u1 are finite.
   bool finite(int64_t u0, int64_t u1) const {
-    return dbl ? finite_as<double>(u0, u1) : finite_as<float>(u0, u1);
+    switch (type) {
+      case at::kDouble: return finite_as<double>(u0, u1);
+      case at::kBFloat16: return finite_as<uint16_t>(u0, u1, 0x7f80);
+      case at::kHalf: return finite_as<uint16_t>(u0, u1, 0x7c00);
+      default: return finite_as<float>(u0, u1);
+    }
   }
 
+  // T: float or double, or uint16_t for the bits of a 16-bit float whose exponent is `exponent`.
   template <typename T>
-  bool finite_as(int64_t u0, int64_t u1) const {
+  bool finite_as(int64_t u0, int64_t u1, uint16_t exponent = 0) const {
     const int64_t dims = (int64_t)size.size();
     std::vector<int64_t> idx(dims, 0);
     int64_t row = u0 / pieces, piece = u0 % pieces, off = 0;
@@ -85,11 +99,16 @@ struct Stretches {
       off += idx[d] * stride[d];
     }
     const T* p = reinterpret_cast<const T*>(base);
-    at::vec::Vectorized<T> acc[4] = {T(0), T(0), T(0), T(0)};
-    T tail = 0;
+    using Acc = std::conditional_t<std::is_same_v<T, uint16_t>, float, T>;
+    at::vec::Vectorized<Acc> acc[4] = {Acc(0), Acc(0), Acc(0), Acc(0)};
+    Acc tail = 0;
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t a = piece * kPiece;
-      add_zeros(p + off + a, std::min(kPiece, len - a), acc, tail);
+      const int64_t a = piece * kPiece, n = std::min(kPiece, len - a);
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (any_exponent_full(p + off + a, n, exponent)) return false;
+      } else {
+        add_zeros(p + off + a, n, acc, tail);
+      }
       if (++piece == pieces) {  // the next row: an odometer over the outer dimensions
         piece = 0;
         for (int64_t d = dims - 1; d >= 0; --d) {
@@ -106,15 +125,18 @@ struct Stretches {
 
 }  // namespace
 
-// Whether every element of these float32/float64 tensors is finite: one read of each, in one
-// parallel region (a sum would take a pass per tensor, and overflow past 1e38).
+// Whether every element of these float32, float64, bfloat16 or float16 tensors is finite: one
+// read of each, in one parallel region (a sum would take a pass per tensor, and overflow past
+// 1e38; a reduced-precision one converts first).
 bool all_finite(at::TensorList ts) {
   std::vector<Stretches> parts;
   std::vector<int64_t> first = {0};
   for (const auto& t : ts) {
-    TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble),
-                "attnkit::all_finite: float32 or float64 CPU tensors, got ", t.scalar_type(),
-                " on ", t.device());
+    const auto type = t.scalar_type();
+    TORCH_CHECK(type == at::kFloat || type == at::kDouble || type == at::kBFloat16 ||
+                    type == at::kHalf,
+                "attnkit::all_finite: float32, float64, bfloat16 or float16 CPU tensors, got ",
+                type, " on ", t.device());
     TORCH_CHECK(t.device().is_cpu(), "attnkit::all_finite: CPU tensors, got one on ", t.device());
     if (t.numel() == 0) continue;
     parts.emplace_back(t);
