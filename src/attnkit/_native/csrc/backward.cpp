@@ -335,16 +335,15 @@ struct MatrixRowsBackward {
 };
 
 // Rows a and b of n floats (null: zeros), times alpha and rounded to bfloat16, as n pairs at out.
-inline void pair_rows(const float* a, const float* b, int64_t n, float alpha, at::BFloat16* out) {
+ATTNKIT_BF16 inline void pair_rows(const float* a, const float* b, int64_t n, float alpha,
+                                   at::BFloat16* out) {
   uint32_t* o = reinterpret_cast<uint32_t*>(out);
   const __m512 al = _mm512_set1_ps(alpha);
   int64_t e = 0;
   for (; e + 16 <= n; e += 16) {
     const __m512 x = a == nullptr ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_loadu_ps(a + e), al);
     const __m512 y = b == nullptr ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_loadu_ps(b + e), al);
-    const __m512i lo = _mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(x));
-    const __m512i hi = _mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(y));
-    _mm512_storeu_si512(o + e, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    _mm512_storeu_si512(o + e, bf16_pairs(x, y));
   }
   for (; e < n; ++e) {
     const at::BFloat16 x(a == nullptr ? 0.f : a[e] * alpha), y(b == nullptr ? 0.f : b[e] * alpha);
@@ -369,7 +368,7 @@ inline void visit_pairs(const float* x, int64_t nk, int64_t r0, int64_t r1, int6
 // dropout), fused: p = exp2(s factor - lse) row by row in place of s, then per pair of block
 // rows, one pass for dS = p (dP - delta) scale, written as bfloat16 rows (for dS k) and pairs
 // (for q^T dS), and p as pairs (for dO^T p).
-inline void plain_visit_bf16(const Backward<float>& w, MatrixRowsBackward& mr, float* s,
+ATTNKIT_BF16 inline void plain_visit_bf16(const Backward<float>& w, MatrixRowsBackward& mr, float* s,
                              const float* dp, int64_t row0, int64_t r0, int64_t r1, int64_t nk,
                              int64_t ra, int64_t kr, int64_t col, int64_t kk, float factor) {
   const Call<float>& c = w.c;
@@ -395,10 +394,6 @@ inline void plain_visit_bf16(const Backward<float>& w, MatrixRowsBackward& mr, f
     const __m512 d = _mm512_maskz_loadu_ps(m, dp + (r - r0) * nk + j);
     return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(d, dl)), scale);
   };
-  auto pair = [](__m512 a, __m512 b) {
-    return _mm512_or_si512(_mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(a)),
-                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(b)), 16));
-  };
   for (int64_t i = 0; i < kr / 2; ++i) {
     const int64_t a = ra + 2 * i, b = a + 1;
     const bool ina = a >= r0 && a < r1, inb = b >= r0 && b < r1;
@@ -412,10 +407,10 @@ inline void plain_visit_bf16(const Backward<float>& w, MatrixRowsBackward& mr, f
       const __m512 pb = inb ? _mm512_maskz_loadu_ps(m, s + (b - r0) * nk + j) : zero;
       const __m512 da = ina ? ds_of(a, j, pa, m) : zero;
       const __m512 db = inb ? ds_of(b, j, pb, m) : zero;
-      _mm512_mask_storeu_epi32(pp + j, m, pair(pa, pb));
-      _mm512_mask_storeu_epi32(dsp + j, m, pair(da, db));
-      if (ina) _mm256_mask_storeu_epi16(dsa + j, m, at::vec::cvtfp32_bf16(da));
-      if (inb) _mm256_mask_storeu_epi16(dsb + j, m, at::vec::cvtfp32_bf16(db));
+      _mm512_mask_storeu_epi32(pp + j, m, bf16_pairs(pa, pb));
+      _mm512_mask_storeu_epi32(dsp + j, m, bf16_pairs(da, db));
+      if (ina) _mm256_mask_storeu_epi16(dsa + j, m, bf16_of(da));
+      if (inb) _mm256_mask_storeu_epi16(dsb + j, m, bf16_of(db));
     }
   }
 }
@@ -485,7 +480,7 @@ inline void visit_backward_bf16(Backward<float>& w, BackwardBuffers<float>& b,
     o[0] = o[kk - 1] = at::BFloat16(0.f);
     float* dr = b.dp.data() + r * nk;
     scale_row(dr, nk, scale);
-    at::vec::convert(dr, o + (ks - ka), nk);
+    row_to_bf16(dr, nk, o + (ks - ka));
   }
   bf16_product(nr, c.Dk, kk, mr.ds.data(), kk, m.kp.head(n, hk) + ka * c.Dk, c.Dk,
                b.dqa.data() + r0 * c.Dk, c.Dk, true);
@@ -506,13 +501,13 @@ inline void block_rows_bf16(const Backward<float>& w, MatrixRowsBackward& mr, in
     if (t.size() < size_t(d * mr.rp)) t.resize(size_t(d * mr.rp));
     if (mr.tr.size() < size_t(d * mr.rp)) mr.tr.resize(size_t(d * mr.rp));
     for (int64_t r = 0; r < rows; ++r) {
-      at::vec::convert(x.at(n, hk, g, qs + r), flat.data() + r * d, d);
+      row_to_bf16(x.at(n, hk, g, qs + r), d, flat.data() + r * d);
     }
     at::vec::transpose_mxn<float>(x.at(n, hk, g, qs), x.ld(), mr.tr.data(), mr.rp, int(rows),
                                   int(d));
     for (int64_t e = 0; e < d; ++e) {
       if (rows < mr.rp) mr.tr[e * mr.rp + rows] = 0.f;
-      at::vec::convert(mr.tr.data() + e * mr.rp, t.data() + e * mr.rp, mr.rp);
+      row_to_bf16(mr.tr.data() + e * mr.rp, mr.rp, t.data() + e * mr.rp);
     }
   };
   fill(c.q, c.Dk, mr.q, mr.qt);

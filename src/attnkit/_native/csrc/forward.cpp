@@ -149,7 +149,7 @@ struct MatrixRows {
 // fused: one pass for the rows' maxima, one for exp2, the sums and the probabilities, written in
 // bfloat16 to p (rows pld apart) for p v. The rows' accumulated outputs (width dv) are rescaled
 // when their maximum grows, as in online_softmax.
-inline void probabilities_bf16(ForwardBuffers<float>& b, int64_t r0, int64_t nr, int64_t nk,
+ATTNKIT_BF16 inline void probabilities_bf16(ForwardBuffers<float>& b, int64_t r0, int64_t nr, int64_t nk,
                                const float* s, float factor, int64_t dv, at::BFloat16* p,
                                int64_t pld) {
   const __m512 fv = _mm512_set1_ps(factor);
@@ -173,14 +173,14 @@ inline void probabilities_bf16(ForwardBuffers<float>& b, int64_t r0, int64_t nr,
     for (j = 0; j + 16 <= nk; j += 16) {
       const __m512 e = exp2_fast(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), fv, neg));
       sum = _mm512_add_ps(sum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), at::vec::cvtfp32_bf16(e));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), bf16_of(e));
     }
     if (j < nk) {
       const __mmask16 tail = __mmask16((1u << (nk - j)) - 1);
       const __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, row + j), fv, neg);
       const __m512 e = _mm512_maskz_mov_ps(tail, exp2_fast(x));
       sum = _mm512_add_ps(sum, e);
-      _mm256_mask_storeu_epi16(out + j, tail, at::vec::cvtfp32_bf16(e));
+      _mm256_mask_storeu_epi16(out + j, tail, bf16_of(e));
     }
     b.l[R] = b.l[R] * alpha + _mm512_reduce_add_ps(sum);
   }
@@ -227,9 +227,7 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
       score_terms(c, n, hk, g, qs, vis, 0, s, nk, static_cast<float*>(nullptr), w, skew);
       online_softmax(c, b, r0, nr, nk, bounded);
       if (c.p_drop > 0) drop(c, n, h, qs + r0, ks, nr, nk, s, nk);
-      for (int64_t r = 0; r < nr; ++r) {
-        at::vec::convert(s + r * nk, mr.p.data() + r * kk + (ks - ka), nk);
-      }
+      for (int64_t r = 0; r < nr; ++r) row_to_bf16(s + r * nk, nk, mr.p.data() + r * kk + (ks - ka));
     }
     bf16_product(nr, c.Dv, kk, mr.p.data(), kk, vp.head(n, hk) + ka * c.Dv, c.Dv,
                  b.acc.data() + r0 * c.Dv, c.Dv, true);
