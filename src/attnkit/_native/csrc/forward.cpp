@@ -145,44 +145,72 @@ struct MatrixRows {
   std::vector<at::BFloat16> q, p;
 };
 
-// The online softmax of a visit whose scores are factor * s (s: nr rows of nk raw products),
-// fused: one pass for the rows' maxima, one for exp2, the sums and the probabilities, written in
-// bfloat16 to p (rows pld apart) for p v. The rows' accumulated outputs (width dv) are rescaled
-// when their maximum grows, as in online_softmax.
-ATTNKIT_BF16 inline void probabilities_bf16(ForwardBuffers<float>& b, int64_t r0, int64_t nr, int64_t nk,
-                               const float* s, float factor, int64_t dv, at::BFloat16* p,
-                               int64_t pld) {
+// The online softmax of a visit whose scores are factor * s (s: nr rows of nk raw products, the
+// block's rows r0 .. r0 + nr - 1, queries from i0), fused: one pass for the rows' maxima, one for
+// exp2, the sums and the probabilities, written in bfloat16 to p (rows pld apart) for p v. With
+// `banded`, each row sees only the keys the call's band gives it (see band_run), the others'
+// probabilities 0. The rows' accumulated outputs (width dv) are rescaled when their maximum
+// grows, as in online_softmax.
+ATTNKIT_BF16 inline void probabilities_bf16(const Call<float>& c, ForwardBuffers<float>& b,
+                                            int64_t i0, int64_t r0, int64_t nr, int64_t ks,
+                                            int64_t nk, bool banded, const float* s, float factor,
+                                            at::BFloat16* p, int64_t pld) {
   const __m512 fv = _mm512_set1_ps(factor);
+  const bool positive = factor > 0;  // then the largest score is factor times the largest product
+  const float inf = std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < nr; ++r) {
     const float* row = s + r * nk;
     const int64_t R = r0 + r;
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t j = 0;
-    for (; j + 16 <= nk; j += 16) mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_loadu_ps(row + j), fv));
-    float m = _mm512_reduce_max_ps(mx);
-    for (; j < nk; ++j) m = std::isnan(row[j]) || row[j] * factor > m ? row[j] * factor : m;
+    int64_t j0 = 0, j1 = nk;
+    if (banded) band_run(c, i0 + r, ks, nk, j0, j1);
+    auto load = [&](int64_t j, __mmask16 m) {
+      const __m512 x = _mm512_maskz_loadu_ps(m, row + j);
+      return positive ? x : _mm512_mul_ps(x, fv);
+    };
+    // The maximum, over four running maxima (a max waits for the one before it).
+    __m512 mx[4];
+    for (auto& x : mx) x = _mm512_set1_ps(-inf);
+    int64_t j = j0;
+    for (; j + 64 <= j1; j += 64) {
+      for (int u = 0; u < 4; ++u) mx[u] = _mm512_max_ps(mx[u], load(j + 16 * u, 0xffff));
+    }
+    for (; j < j1; j += 16) {
+      const __mmask16 m = j1 - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (j1 - j)) - 1);
+      mx[0] = _mm512_mask_max_ps(mx[0], m, mx[0], load(j, m));
+    }
+    float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]),
+                                                   _mm512_max_ps(mx[2], mx[3])));
+    if (positive) top *= factor;
     // (A NaN product makes the row NaN through its sum, as in online_softmax.)
-    const float mnew = std::max(b.m[R], m);
+    const float mnew = std::max(b.m[R], top);
     const float safe = std::isinf(mnew) && mnew < 0 ? 0.f : mnew;
-    const float alpha = b.m[R] == mnew ? 1.f : std::exp2(b.m[R] - safe);
-    if (alpha != 1.f) scale_row(b.acc.data() + R * dv, dv, alpha);
+    if (b.m[R] != mnew) {
+      const float alpha = _mm512_cvtss_f32(exp2_fast(_mm512_set1_ps(b.m[R] - safe)));
+      scale_row(b.acc.data() + R * c.Dv, c.Dv, alpha);
+      b.l[R] *= alpha;
+    }
     b.m[R] = mnew;
-    const __m512 neg = _mm512_set1_ps(-safe);
-    __m512 sum = _mm512_setzero_ps();
     at::BFloat16* out = p + r * pld;
-    for (j = 0; j + 16 <= nk; j += 16) {
-      const __m512 e = exp2_fast(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), fv, neg));
-      sum = _mm512_add_ps(sum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), bf16_of(e));
+    std::fill(out, out + j0, at::BFloat16(0.f));
+    std::fill(out + j1, out + nk, at::BFloat16(0.f));
+    const __m512 neg = _mm512_set1_ps(-safe);
+    __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    auto prob = [&](int64_t j, __mmask16 m) {
+      return exp2_fast(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, row + j), fv, neg));
+    };
+    for (j = j0; j + 32 <= j1; j += 32) {
+      const __m512 e0 = prob(j, 0xffff), e1 = prob(j + 16, 0xffff);
+      sum[0] = _mm512_add_ps(sum[0], e0);
+      sum[1] = _mm512_add_ps(sum[1], e1);
+      _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
-    if (j < nk) {
-      const __mmask16 tail = __mmask16((1u << (nk - j)) - 1);
-      const __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, row + j), fv, neg);
-      const __m512 e = _mm512_maskz_mov_ps(tail, exp2_fast(x));
-      sum = _mm512_add_ps(sum, e);
-      _mm256_mask_storeu_epi16(out + j, tail, bf16_of(e));
+    for (; j < j1; j += 16) {
+      const __mmask16 m = j1 - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (j1 - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(m, prob(j, m));
+      sum[0] = _mm512_add_ps(sum[0], e);
+      _mm256_mask_storeu_epi16(out + j, m, bf16_of(e));
     }
-    b.l[R] = b.l[R] * alpha + _mm512_reduce_add_ps(sum);
+    b.l[R] += _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));
   }
 }
 
@@ -216,12 +244,14 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
       at::BFloat16* pr = mr.p.data() + r * kk;
       pr[0] = pr[kk - 1] = at::BFloat16(0.f);
     }
-    // Scores with nothing but the product go straight to probabilities; the rest take the
-    // float32 path's steps, in place, first.
-    const bool plain = !vis[4] && !skew && c.softcap <= 0 && c.bias == nullptr &&
+    // Scores with nothing but the product (and a band, the mask of a partial visit) go
+    // straight to probabilities; the rest take the float32 path's steps, in place, first.
+    const bool banded = vis[4] && c.band_alone();
+    const bool plain = (!vis[4] || banded) && !skew && c.softcap <= 0 && c.bias == nullptr &&
                        c.qv.p == nullptr && c.p_drop <= 0;
     if (plain) {
-      probabilities_bf16(b, r0, nr, nk, s, factor, c.Dv, mr.p.data() + (ks - ka), kk);
+      probabilities_bf16(c, b, qs + r0, r0, nr, ks, nk, banded, s, factor,
+                         mr.p.data() + (ks - ka), kk);
     } else {
       for (int64_t r = 0; r < nr; ++r) scale_row(s + r * nk, nk, factor);
       score_terms(c, n, hk, g, qs, vis, 0, s, nk, static_cast<float*>(nullptr), w, skew);

@@ -115,6 +115,9 @@ struct Call {
 
   const T* enc_row(int64_t h, int64_t e) const { return enc + h * enc_hs + e * enc_ld; }
 
+  // Whether a partial visit's mask is the band alone (no key flags or tiles).
+  bool band_alone() const { return band && key_ok == nullptr && tiles == nullptr; }
+
   bool partial_visible(int64_t n, int64_t h, int64_t i, int64_t j, int64_t tile, int64_t r,
                        int64_t c) const {
     if (band) {

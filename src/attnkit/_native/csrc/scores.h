@@ -64,6 +64,18 @@ template <typename T>
 void score_terms(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs, const int64_t* vis,
                  int64_t col0, T* s, int64_t ld, T* t, const Window<T>& pos, bool skew);
 
+// The keys ks + [first, end) of nk from ks that query i sees under the call's band (when
+// c.band_alone(): a partial visit's only mask); first == end when it sees none.
+template <typename T>
+void band_run(const Call<T>& c, int64_t i, int64_t ks, int64_t nk, int64_t& first,
+              int64_t& end) {
+  const double base = double(i + c.shift - ks);
+  const double f = std::ceil(base + c.lo), l = std::floor(base + c.hi);
+  first = f <= 0 ? 0 : (f >= double(nk) ? nk : int64_t(f));
+  end = l < 0 ? 0 : (l >= double(nk) ? nk : int64_t(l) + 1);
+  end = std::max(end, first);
+}
+
 // Scores of one visit, rows r0:r1 of query block qs for head (n, hk, g), in base 2, into s
 // (rows x keys, leading dimension ld). With softcap, tanh of the capped argument goes to t (the
 // backward's; null in the forward, which does not need it).
@@ -155,14 +167,12 @@ void score_terms(const Call<T>& c, int64_t n, int64_t hk, int64_t g, int64_t qs,
         for (int64_t j = 0; j < nk; ++j) row[j] += b[j * st] * T(kLog2e);
       }
     }
-    if (vis[4] && c.band && c.key_ok == nullptr && c.tiles == nullptr) {
-      // A band alone: row i sees keys ks + [first, last], two runs to hide.
-      const double base = double(i + c.shift - ks);
-      const double f = std::ceil(base + c.lo), l = std::floor(base + c.hi);
-      const int64_t first = f <= 0 ? 0 : (f >= double(nk) ? nk : int64_t(f));
-      const int64_t last = l < 0 ? -1 : (l >= double(nk) ? nk - 1 : int64_t(l));
-      for (int64_t j = 0; j < std::min(first, nk); ++j) row[j] = -inf;
-      for (int64_t j = std::max<int64_t>(last + 1, first); j < nk; ++j) row[j] = -inf;
+    if (vis[4] && c.band_alone()) {
+      // A band alone: two runs to hide.
+      int64_t first, end;
+      band_run(c, i, ks, nk, first, end);
+      for (int64_t j = 0; j < first; ++j) row[j] = -inf;
+      for (int64_t j = end; j < nk; ++j) row[j] = -inf;
     } else if (vis[4]) {
       for (int64_t j = 0; j < nk; ++j) {
         if (!c.partial_visible(n, h, i, ks + j, vis[5], r0 + r, col0 + j)) row[j] = -inf;
