@@ -139,35 +139,40 @@ void forward_head(Call<T> c, ForwardBuffers<T>& b, Widened<T, KV>& wide, int64_t
 }
 
 #if defined(ATTNKIT_MATRIX_UNIT)
-// A thread's bfloat16 rows for the matrix unit: its query block's queries, a visit's
-// probabilities.
+// A thread's rows for the matrix unit: its query block's queries and a visit's probabilities in
+// bfloat16, the visit's rows' maxima and rescaling factors.
 struct MatrixRows {
   std::vector<at::BFloat16> q, p;
+  std::vector<float> top;
 };
 
 // The online softmax of a visit whose scores are factor * s (s: nr rows of nk raw products, the
-// block's rows r0 .. r0 + nr - 1, queries from i0), fused: one pass for the rows' maxima, one for
+// block's rows r0 .. r0 + nr - 1, queries from i0), fused: one pass for the rows' maxima, then
+// the rescaling of the rows whose maximum grew (16 rows' factors at a time), then one pass for
 // exp2, the sums and the probabilities, written in bfloat16 to p (rows pld apart) for p v. With
 // `banded`, each row sees only the keys the call's band gives it (see band_run), the others'
-// probabilities 0. The rows' accumulated outputs (width dv) are rescaled when their maximum
-// grows, as in online_softmax.
+// probabilities 0. `top`: room for 2 nr + 16 floats.
 ATTNKIT_BF16 inline void probabilities_bf16(const Call<float>& c, ForwardBuffers<float>& b,
                                             int64_t i0, int64_t r0, int64_t nr, int64_t ks,
                                             int64_t nk, bool banded, const float* s, float factor,
-                                            at::BFloat16* p, int64_t pld) {
+                                            at::BFloat16* p, int64_t pld, float* top) {
   const __m512 fv = _mm512_set1_ps(factor);
   const bool positive = factor > 0;  // then the largest score is factor times the largest product
   const float inf = std::numeric_limits<float>::infinity();
+  auto run = [&](int64_t r, int64_t& j0, int64_t& j1) {
+    j0 = 0;
+    j1 = nk;
+    if (banded) band_run(c, i0 + r, ks, nk, j0, j1);
+  };
+  // The rows' largest scores, each over four running maxima (a max waits for the one before).
   for (int64_t r = 0; r < nr; ++r) {
     const float* row = s + r * nk;
-    const int64_t R = r0 + r;
-    int64_t j0 = 0, j1 = nk;
-    if (banded) band_run(c, i0 + r, ks, nk, j0, j1);
     auto load = [&](int64_t j, __mmask16 m) {
       const __m512 x = _mm512_maskz_loadu_ps(m, row + j);
       return positive ? x : _mm512_mul_ps(x, fv);
     };
-    // The maximum, over four running maxima (a max waits for the one before it).
+    int64_t j0, j1;
+    run(r, j0, j1);
     __m512 mx[4];
     for (auto& x : mx) x = _mm512_set1_ps(-inf);
     int64_t j = j0;
@@ -178,27 +183,46 @@ ATTNKIT_BF16 inline void probabilities_bf16(const Call<float>& c, ForwardBuffers
       const __mmask16 m = j1 - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (j1 - j)) - 1);
       mx[0] = _mm512_mask_max_ps(mx[0], m, mx[0], load(j, m));
     }
-    float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]),
-                                                   _mm512_max_ps(mx[2], mx[3])));
-    if (positive) top *= factor;
-    // (A NaN product makes the row NaN through its sum, as in online_softmax.)
-    const float mnew = std::max(b.m[R], top);
-    const float safe = std::isinf(mnew) && mnew < 0 ? 0.f : mnew;
-    if (b.m[R] != mnew) {
-      const float alpha = _mm512_cvtss_f32(exp2_fast(_mm512_set1_ps(b.m[R] - safe)));
-      scale_row(b.acc.data() + R * c.Dv, c.Dv, alpha);
-      b.l[R] *= alpha;
+    const float t = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]),
+                                                       _mm512_max_ps(mx[2], mx[3])));
+    top[r] = positive ? t * factor : t;
+  }
+  // The new maxima (top[r] after them: the row's exponent offset, 0 for a row that has seen no
+  // key yet) and the rescaling factors (in alpha). A NaN product keeps the old maximum, as
+  // std::max does, and makes the row NaN through its sum.
+  float* alpha = top + nr;
+  for (int64_t r = 0; r < nr; r += 16) {
+    const __mmask16 m = nr - r >= 16 ? __mmask16(0xffff) : __mmask16((1u << (nr - r)) - 1);
+    const __m512 old = _mm512_maskz_loadu_ps(m, b.m.data() + r0 + r);
+    const __m512 mnew = _mm512_max_ps(_mm512_maskz_loadu_ps(m, top + r), old);
+    const __mmask16 none = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-inf), _CMP_EQ_OQ);
+    const __m512 safe = _mm512_mask_mov_ps(mnew, none, _mm512_setzero_ps());
+    const __mmask16 same = _mm512_cmp_ps_mask(old, mnew, _CMP_EQ_OQ);
+    const __m512 a = _mm512_mask_mov_ps(exp2_fast(_mm512_sub_ps(old, safe)), same,
+                                        _mm512_set1_ps(1.f));
+    _mm512_mask_storeu_ps(b.m.data() + r0 + r, m, mnew);
+    _mm512_mask_storeu_ps(top + r, m, safe);
+    _mm512_mask_storeu_ps(alpha + r, m, a);
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* row = s + r * nk;
+    const int64_t R = r0 + r;
+    if (alpha[r] != 1.f) {
+      scale_row(b.acc.data() + R * c.Dv, c.Dv, alpha[r]);
+      b.l[R] *= alpha[r];
     }
-    b.m[R] = mnew;
+    int64_t j0, j1;
+    run(r, j0, j1);
     at::BFloat16* out = p + r * pld;
     std::fill(out, out + j0, at::BFloat16(0.f));
     std::fill(out + j1, out + nk, at::BFloat16(0.f));
-    const __m512 neg = _mm512_set1_ps(-safe);
+    const __m512 neg = _mm512_set1_ps(-top[r]);
     __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     auto prob = [&](int64_t j, __mmask16 m) {
       return exp2_fast(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, row + j), fv, neg));
     };
-    for (j = j0; j + 32 <= j1; j += 32) {
+    int64_t j = j0;
+    for (; j + 32 <= j1; j += 32) {
       const __m512 e0 = prob(j, 0xffff), e1 = prob(j + 16, 0xffff);
       sum[0] = _mm512_add_ps(sum[0], e0);
       sum[1] = _mm512_add_ps(sum[1], e1);
@@ -250,8 +274,9 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
     const bool plain = (!vis[4] || banded) && !skew && c.softcap <= 0 && c.bias == nullptr &&
                        c.qv.p == nullptr && c.p_drop <= 0;
     if (plain) {
+      if (mr.top.size() < size_t(2 * nr + 16)) mr.top.resize(size_t(2 * nr + 16));
       probabilities_bf16(c, b, qs + r0, r0, nr, ks, nk, banded, s, factor,
-                         mr.p.data() + (ks - ka), kk);
+                         mr.p.data() + (ks - ka), kk, mr.top.data());
     } else {
       for (int64_t r = 0; r < nr; ++r) scale_row(s + r * nk, nk, factor);
       score_terms(c, n, hk, g, qs, vis, 0, s, nk, static_cast<float*>(nullptr), w, skew);
