@@ -67,6 +67,24 @@ def test_bf16_products_equal_the_reference(case: str) -> None:
         assert fast[1].abs().max() == 0
 
 
+@pytest.mark.parametrize("unit", [True, False], ids=["matrix unit", "float32 products"])
+@pytest.mark.parametrize("case", ["causal", "odd window", "padding", "odd keys, odd widths"])
+def test_an_inference_call_gives_the_output_of_the_same_call_with_gradients(
+    case: str, unit: bool
+) -> None:
+    # Without gradients the kernel reads the bfloat16 queries as they are and writes the output
+    # rounded to bfloat16 (on the matrix unit; elsewhere it converts them itself); with them it
+    # takes the queries in float32 and keeps a float32 output for the backward, rounded after.
+    # Both round the same float32 numbers.
+    shape, kw, (bq, bk) = CASES[case]
+    q, k, v = qkv(*shape)
+    backend = Chunked(block_q=bq, block_k=bk, register_tiles=unit)
+    quick = attention(q, k, v, backend=backend, **kw)
+    kept = attention(q.clone().requires_grad_(), k, v, backend=backend, **kw)
+    assert quick.dtype == kept.dtype == torch.bfloat16
+    assert torch.equal(quick, kept.detach())
+
+
 def test_a_row_without_keys_is_zero_and_its_lse_minus_infinity() -> None:
     q, k, v = qkv(2, 2, 2, 20, 33, 16, 16)
     out, lse = attention(

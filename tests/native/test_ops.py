@@ -116,6 +116,31 @@ def test_opcheck_native_backward(mask: str, dtype: torch.dtype, kw: dict[str, ob
     )
 
 
+@pytest.mark.parametrize("mask", ["causal", "padding", "tiles"])
+def test_bfloat16_queries_give_the_rounded_output_and_a_float32_lse(mask: str) -> None:
+    # bfloat16 queries with bfloat16 keys and values (what an inference call passes): the output
+    # in bfloat16, equal to the same call's with the queries in float32 rounded; lse the same,
+    # in float32. The operator checks out as one with gradients, too.
+    args, kwargs = _call(mask, torch.bfloat16)
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    assert args[0].dtype == torch.float32 and args[1].dtype == torch.bfloat16  # type: ignore[union-attr]
+    out32, lse32 = torch.ops.attnkit.native_forward(*args, **kwargs)
+    q16 = args[0].bfloat16()  # type: ignore[union-attr]
+    out16, lse16 = torch.ops.attnkit.native_forward(q16, *args[1:], **kwargs)
+    assert out16.dtype == torch.bfloat16 and lse16.dtype == torch.float32
+    assert torch.equal(out16, out32.bfloat16()) and torch.equal(lse16, lse32)
+    leaves = (q16.requires_grad_(), *(a.requires_grad_() for a in args[1:3]))  # type: ignore[union-attr]
+    torch.library.opcheck(
+        torch.ops.attnkit.native_forward.default, (*leaves, *args[3:]), kwargs
+    )
+
+
+def test_bfloat16_queries_need_bfloat16_keys_and_values() -> None:
+    args, kwargs = _plain()
+    with pytest.raises(RuntimeError, match="bfloat16 queries take bfloat16 keys and values"):
+        torch.ops.attnkit.native_forward(args[0].bfloat16(), *args[1:], **kwargs)  # type: ignore[union-attr]
+
+
 PLAIN = [c for c in CASES if not {"dropout", "term"} & set(c.values[2])]  # type: ignore[arg-type]
 
 

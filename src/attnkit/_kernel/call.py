@@ -188,11 +188,14 @@ def run_forward(
     bias: Tensor | None,
     sinks: Tensor | None,
     extra: tuple[Tensor, ...],
+    for_backward: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward of a planned call: ``(out, lse, out5, lse5)``, the output in q's layout and
     dtype, the natural-log log-sum-exp ``(..., H, Tq)`` (the sinks' share included), and both in
     the kernel's layout and work dtype for the backward (``extra``: the score term's inputs,
-    then the tensors the score_mod captures)."""
+    then the tensors the score_mod captures). Without ``for_backward``, a bfloat16 call's out5
+    may be in bfloat16: the native kernel then writes the output rounded, with no float32 copy
+    of the queries or the output."""
     hkv = k.size(-3)
     term_inputs, mod_inputs = extra[: spec.n_term], extra[spec.n_term :]
     if not q.shape[:-1].numel():  # no query rows at all (an empty batch, no heads or queries)
@@ -208,7 +211,9 @@ def run_forward(
     with no_autocast(q.device):
         if spec.native is not None:
             q5, k4, v4, bias5 = _layout(spec, q, k, v, bias, native=True)
-            out5, lse = spec.native.forward(q5, k4, v4, bias5, term_inputs)
+            # (sinks rescale the output after the kernel: in the work dtype)
+            reduced = not for_backward and sinks is None
+            out5, lse = spec.native.forward(q5, k4, v4, bias5, term_inputs, reduced)
         else:
             out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs, mod_inputs))
         if spec.check_term and spec.term is not None:
@@ -319,7 +324,8 @@ class _KernelAttention(torch.autograd.Function):
         sinks: Tensor | None,
         *extra: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        out, lse, out5, lse5 = run_forward(spec, q, k, v, bias, sinks, extra)
+        for_backward = any(ctx.needs_input_grad)  # type: ignore[attr-defined]
+        out, lse, out5, lse5 = run_forward(spec, q, k, v, bias, sinks, extra, for_backward)
         optional = [t for t in (bias, sinks) if t is not None]
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse5, *optional, *extra)

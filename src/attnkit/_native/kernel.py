@@ -209,12 +209,16 @@ class NativeCall:
         bias5: Tensor | None,
         term_inputs: tuple[Tensor, ...],
         backward: bool = False,
+        reduced_out: bool = False,
     ) -> tuple[Tensor | None, ...]:
         """The operators' positional tensors, with contiguous rows: ``(q, k, v, offsets, visits,
         bias, key_ok, tiles, qv, enc)``, all in the work dtype but bfloat16/float16 keys and
-        values that the forward reads as they are (see :meth:`reads_as_is`)."""
+        values that the forward reads as they are (see :meth:`reads_as_is`), and with
+        ``reduced_out`` bfloat16 queries with such keys and values: the forward then gives its
+        output in bfloat16 (no float32 copy of the queries or the output)."""
         work = torch.promote_types(q5.dtype, torch.float32)
         kv = k4.dtype if self.reads_as_is(k4.dtype, backward) and v4.dtype == k4.dtype else work
+        reduced = reduced_out and not backward and q5.dtype == kv == torch.bfloat16
         qv = enc = None
         if self.position is not None:
             qv, enc = _rows(term_inputs[0], work), _rows(term_inputs[1], work)
@@ -222,7 +226,7 @@ class NativeCall:
         if self.layout:  # a bias by distance: its table
             bias = term_inputs[0].to(work).contiguous()
         return (
-            _rows(q5, work),
+            _rows(q5, torch.bfloat16 if reduced else work),
             _rows(k4, kv),
             _rows(v4, kv),
             self.off,
@@ -241,12 +245,14 @@ class NativeCall:
         v4: Tensor,
         bias5: Tensor | None,
         term_inputs: tuple[Tensor, ...] = (),
+        reduced_out: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """``(out5, lse)`` in the work dtype, as :func:`attnkit._kernel.forward` returns them
-        (``term_inputs``: the position term's ``(qv, enc)``, or a bias by distance's table)."""
+        (``term_inputs``: the position term's ``(qv, enc)``, or a bias by distance's table);
+        with ``reduced_out``, out5 in bfloat16 when q, k and v are (see :meth:`tensors`)."""
         if not load():
             raise RuntimeError("attnkit internal error: native call without the native kernel")
-        args = self.tensors(q5, k4, v4, bias5, term_inputs)
+        args = self.tensors(q5, k4, v4, bias5, term_inputs, reduced_out=reduced_out)
         out, lse = torch.ops.attnkit.native_forward(*args, **self.settings())
         return out, lse
 

@@ -60,7 +60,9 @@ def like_kv(k: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 def _fake_forward(
     q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any
 ) -> tuple[Tensor, Tensor]:
-    return like_q(q, v.size(3)), q.new_empty(q.shape[:4])
+    # (bfloat16 queries: the output in bfloat16, the log-sum-exp in float32)
+    lse_dtype = torch.promote_types(q.dtype, torch.float32)
+    return like_q(q, v.size(3)), q.new_empty(q.shape[:4], dtype=lse_dtype)
 
 
 def _fake_cache_forward(
@@ -157,6 +159,10 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
     q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, out, lse = ctx.saved_tensors
     # One flag per positional input given (trailing inputs left at their default have none).
     needs = (*ctx.needs_input_grad, *(False,) * len(_INPUTS))[: len(_INPUTS)]
+    q_dtype = q.dtype
+    if q_dtype == torch.bfloat16:  # bfloat16 queries: the backward computes in float32
+        q, out = q.float(), out.float()
+        dout = None if dout is None else dout.float()
     if dout is None:
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:  # the kernel reads rows at their stride, each row contiguous
@@ -192,7 +198,7 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
         enc_grad=bool(needs[9]) and position,
     )
     grads = (
-        dq if needs[0] else None,
+        dq.to(q_dtype) if needs[0] else None,
         dk.to(kv_dtype) if needs[1] else None,
         dv.to(kv_dtype) if needs[2] else None,
         None,

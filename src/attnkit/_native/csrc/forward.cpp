@@ -47,24 +47,34 @@ void online_softmax(const Call<T>& c, ForwardBuffers<T>& b, int64_t r0, int64_t 
   }
 }
 
-// The block's rows of out and lse from the accumulated outputs and sums.
-template <typename T>
+// The block's rows of lse, and of out through put(r, inv) from the accumulated outputs and sums
+// (inv: 1 / the row's sum; 0 for a row that sees no key, whose output is 0).
+template <typename T, typename Put>
 void finish_rows(const Call<T>& c, const ForwardBuffers<T>& b, int64_t n, int64_t hk, int64_t g,
-                 int64_t qs, int64_t rows, const Rows<T*>& out, T* lse) {
+                 int64_t qs, int64_t rows, T* lse, Put&& put) {
   const int64_t row0 = ((n * c.Hkv + hk) * c.G + g) * c.Tq + qs;
   for (int64_t r = 0; r < rows; ++r) {
-    T* o = out.at(n, hk, g, qs + r);
     // A NaN sum (a NaN or +inf score the row sees) makes the row NaN, as in the reference; only
     // a row that sees no key gets zeros.
     if (b.l[r] > T(0) || std::isnan(b.l[r])) {
-      const T inv = T(1) / b.l[r];
-      for (int64_t d = 0; d < c.Dv; ++d) o[d] = b.acc[r * c.Dv + d] * inv;
+      put(r, T(1) / b.l[r]);
       lse[row0 + r] = T((b.m[r] + std::log2(b.l[r])) * kLn2);
     } else {
-      for (int64_t d = 0; d < c.Dv; ++d) o[d] = T(0);
+      put(r, T(0));
       lse[row0 + r] = -std::numeric_limits<T>::infinity();
     }
   }
+}
+
+// finish_rows into out, of q's dtype.
+template <typename T>
+void finish_rows(const Call<T>& c, const ForwardBuffers<T>& b, int64_t n, int64_t hk, int64_t g,
+                 int64_t qs, int64_t rows, const Rows<T*>& out, T* lse) {
+  finish_rows(c, b, n, hk, g, qs, rows, lse, [&](int64_t r, T inv) {
+    T* o = out.at(n, hk, g, qs + r);
+    const T* acc = b.acc.data() + r * c.Dv;
+    for (int64_t d = 0; d < c.Dv; ++d) o[d] = inv == T(0) ? T(0) : acc[d] * inv;
+  });
 }
 
 // Keys and values of another dtype than T (bfloat16 or float16 with float32): each visit's keys
@@ -139,6 +149,13 @@ void forward_head(Call<T> c, ForwardBuffers<T>& b, Widened<T, KV>& wide, int64_t
 }
 
 #if defined(ATTNKIT_MATRIX_UNIT)
+// Whether a call's bfloat16 keys (rows k) and values take both products on the matrix unit.
+// (Values of width 0 have no product to run: the GEMM refuses an empty one.)
+inline bool matrix_unit_serves(const Call<float>& c, const Rows<const at::BFloat16*>& k) {
+  return c.register_tiles && c.Tq > 0 && c.Tk > 0 && c.Dv > 0 && has_matrix_unit() &&
+         PackedRows::fits(k, c.Dk);
+}
+
 // A thread's rows for the matrix unit: its query block's queries and a visit's probabilities in
 // bfloat16, the visit's rows' maxima and rescaling factors.
 struct MatrixRows {
@@ -242,14 +259,24 @@ ATTNKIT_BF16 inline void probabilities_bf16(const Call<float>& c, ForwardBuffers
 // false, having done nothing, when the block's queries are not all bfloat16 values (float32
 // queries with bfloat16 keys), which then take forward_head. Products summed in float32, the
 // probabilities rounded to bfloat16 for p v, as torch's bfloat16 attention does.
+// bfloat16 queries (c.q16) are read as they are, and the output written in bfloat16 to out16.
 inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
                               const PackedRows& kt, const PackedRows& vp, MatrixRows& mr,
                               int64_t n, int64_t hk, int64_t g, int64_t qb, bool skew,
-                              bool bounded, const Rows<float*>& out, float* lse) {
+                              bool bounded, const Rows<float*>& out,
+                              const Rows<at::BFloat16*>& out16, float* lse) {
   const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs), h = hk * c.G + g;
-  if (mr.q.size() < size_t(rows * c.Dk)) mr.q.resize(size_t(rows * c.Dk));
-  for (int64_t r = 0; r < rows; ++r) {
-    if (!to_bf16_exact(c.q.at(n, hk, g, qs + r), c.Dk, mr.q.data() + r * c.Dk)) return false;
+  const at::BFloat16* q = mr.q.data();
+  int64_t lq = c.Dk;
+  if (c.q16.p != nullptr) {
+    q = c.q16.at(n, hk, g, qs);
+    lq = c.q16.ld();
+  } else {
+    if (mr.q.size() < size_t(rows * c.Dk)) mr.q.resize(size_t(rows * c.Dk));
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!to_bf16_exact(c.q.at(n, hk, g, qs + r), c.Dk, mr.q.data() + r * c.Dk)) return false;
+    }
+    q = mr.q.data();
   }
   const Window<float> whole = start_head(c, b, n, h, qb, qs, skew);
   const float factor = product_factor(c);
@@ -258,8 +285,7 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
     const int64_t ks = vis[0], ke = vis[1], nk = ke - ks, r0 = vis[2], nr = vis[3] - vis[2];
     const Window<float> w = visit_window(c, b, whole, n, h, qs, vis, skew);
     float* s = b.s.data();
-    bf16_product(nr, nk, c.Dk, mr.q.data() + r0 * c.Dk, c.Dk, kt.head(n, hk) + ks * 2, kt.ld, s,
-                 nk, false);
+    bf16_product(nr, nk, c.Dk, q + r0 * lq, lq, kt.head(n, hk) + ks * 2, kt.ld, s, nk, false);
     // p v over whole pairs of keys: from the pair holding key ks (its first key weighted 0 when
     // ks is odd) to the pair holding key ke - 1 (its second weighted 0 when ke is odd).
     const int64_t ka = ks & ~int64_t(1), kk = ((ke + 1) & ~int64_t(1)) - ka;
@@ -287,13 +313,23 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
     bf16_product(nr, c.Dv, kk, mr.p.data(), kk, vp.head(n, hk) + ka * c.Dv, c.Dv,
                  b.acc.data() + r0 * c.Dv, c.Dv, true);
   }
-  finish_rows(c, b, n, hk, g, qs, rows, out, lse);
+  if (out16.p == nullptr) {
+    finish_rows(c, b, n, hk, g, qs, rows, out, lse);
+    return true;
+  }
+  finish_rows(c, b, n, hk, g, qs, rows, lse, [&](int64_t r, float inv) {
+    float* acc = b.acc.data() + r * c.Dv;  // (the block's last use of it)
+    for (int64_t d = 0; d < c.Dv; ++d) acc[d] = inv == 0.f ? 0.f : acc[d] * inv;
+    row_to_bf16(acc, c.Dv, out16.at(n, hk, g, qs + r));
+  });
   return true;
 }
 #endif
 
+// The whole forward, into out (or, for bfloat16 queries, out16) and lse.
 template <typename T, typename KV>
-void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& out, T* lse) {
+void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& out, T* lse,
+                  const Rows<at::BFloat16*>& out16 = {}) {
   const int64_t items = c.N * c.Hkv * c.nqb;
   // Capped scores with nothing added lie in [-cap, cap] log2(e): with a cap of at most 69 their
   // exp2 are normal numbers whose sum over 2^20 keys stays finite, so the softmax needs no
@@ -307,9 +343,7 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
 #if defined(ATTNKIT_MATRIX_UNIT)
   std::optional<PackedRows> kt, vp;  // K^T as words, v as pairs
   if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>) {
-    // (Values of width 0 have no product to run: the GEMM refuses an empty one.)
-    if (c.register_tiles && c.Tq > 0 && c.Tk > 0 && c.Dv > 0 && has_matrix_unit() &&
-        PackedRows::fits(kv.k, c.Dk)) {
+    if (matrix_unit_serves(c, kv.k)) {
       kt.emplace(kv.k, c.N, c.Hkv, c.Tk, c.Dk, true);
       vp.emplace(kv.v, c.N, c.Hkv, c.Tk, c.Dv, false);
       PackedRows::pack_all({&*kt, &*vp});
@@ -336,7 +370,7 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
 #if defined(ATTNKIT_MATRIX_UNIT)
         if constexpr (std::is_same_v<T, float>) {
           if (kt && forward_head_bf16(c, b, *kt, *vp, mr, n, hk, g, qb, skew, bounded, out,
-                                      lse)) {
+                                      out16, lse)) {
             unit.used = true;
             continue;
           }
@@ -360,10 +394,40 @@ at::Tensor like_q(const at::Tensor& q, int64_t d) {
       .permute({0, 2, 3, 1, 4});
 }
 
+bool reads_bf16_queries(const CallArgs& a) {
+#if defined(ATTNKIT_MATRIX_UNIT)
+  if (a.q.scalar_type() != at::kBFloat16 || a.k.scalar_type() != at::kBFloat16 ||
+      a.v.scalar_type() != at::kBFloat16 || a.q.dim() != 5 || a.k.dim() != 4 || a.v.dim() != 4) {
+    return false;
+  }
+  Call<float> c = make_call<float>(a);
+  return matrix_unit_serves(c, rows_of<const at::BFloat16*>(a.k, a.k.data_ptr<at::BFloat16>()));
+#else
+  (void)a;
+  return false;
+#endif
+}
+
 std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a) {
   TORCH_CHECK(a.q.dim() == 5 && a.v.dim() == 4,
               "attnkit: q must be (N, Hkv, G, Tq, Dk) and v (N, Hkv, Tk, Dv), got ", a.q.sizes(),
               " and ", a.v.sizes());
+#if defined(ATTNKIT_MATRIX_UNIT)
+  if (a.q.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(reads_bf16_queries(a), "attnkit internal error: bfloat16 queries off the matrix unit");
+    at::Tensor out = like_q(a.q, a.v.size(3));
+    at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)},
+                               a.q.options().dtype(at::kFloat));
+    Call<float> c = make_call<float>(a);
+    const auto tables = skew_table(c, a.enc);  // kept alive while the kernel reads them
+    Widened<float, at::BFloat16> wide;
+    wide.k = rows_of<const at::BFloat16*>(a.k, a.k.data_ptr<at::BFloat16>());
+    wide.v = rows_of<const at::BFloat16*>(a.v, a.v.data_ptr<at::BFloat16>());
+    forward_impl(c, wide, Rows<float*>(), lse.data_ptr<float>(),
+                 rows_of<at::BFloat16*>(out, out.data_ptr<at::BFloat16>()));
+    return {out, lse};
+  }
+#endif
   at::Tensor out = like_q(a.q, a.v.size(3));
   at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
   with_kv_types(a.q, a.k, "attnkit::native_forward", [&](auto t, auto kv) {

@@ -16,8 +16,14 @@ struct BackwardArgs {
   at::Tensor dq, dk, dv;
 };
 
-// (out, lse): out laid out as q (see like_q), lse (N, Hkv, G, Tq) in natural log.
+// (out, lse): out laid out as q (see like_q), lse (N, Hkv, G, Tq) in natural log. bfloat16
+// queries (with bfloat16 keys and values) only where reads_bf16_queries: out in bfloat16, lse
+// in float32.
 std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a);
+
+// Whether forward reads this call's bfloat16 queries as they are: bfloat16 keys and values on a
+// CPU with a matrix unit, both products there (see forward.cpp).
+bool reads_bf16_queries(const CallArgs& a);
 
 // Whether a call of native_forward takes the decode path (few queries, one query block), and
 // that path: the same (out, lse) as forward (decode.cpp).
@@ -48,7 +54,8 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a);
 // undefined where not asked for.
 std::vector<at::Tensor> backward(const CallArgs& a, const BackwardArgs& b);
 
-// Whether every element of these float32/float64 tensors is finite (one read of each).
+// Whether every element of these float32, float64, bfloat16 or float16 tensors is finite (one
+// read of each).
 bool all_finite(at::TensorList tensors);
 
 at::Tensor like_q(const at::Tensor& q, int64_t d);

@@ -76,6 +76,19 @@ at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
 
 std::tuple<at::Tensor, at::Tensor> native_forward(ATTNKIT_CALL_PARAMS) {
   const CallArgs a = call_args(ATTNKIT_CALL_VALUES);
+  // bfloat16 queries, with bfloat16 keys and values: the output in bfloat16, the log-sum-exp in
+  // float32. The matrix unit's forward reads them as they are; elsewhere (decode steps included,
+  // whose queries are few) they are converted to float32 first and the output back.
+  if (q.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+                "attnkit::native_forward: bfloat16 queries take bfloat16 keys and values, got ",
+                k.scalar_type(), " and ", v.scalar_type());
+    if (!decodes(a) && reads_bf16_queries(a)) return forward(a);
+    CallArgs f = a;
+    f.q = q.to(at::kFloat);
+    auto [out, lse] = decodes(f) ? decode(f) : forward(f);
+    return {out.to(at::kBFloat16), lse};
+  }
   return decodes(a) ? decode(a) : forward(a);
 }
 

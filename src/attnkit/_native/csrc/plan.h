@@ -63,6 +63,8 @@ template <typename T>
 struct Call {
   int64_t N, Hkv, G, Tq, Tk, Dk, Dv, bq;
   Rows<const T*> q;       // (N, Hkv, G, Tq, Dk)
+  // bfloat16 queries instead of q (unset), read by the matrix unit's forward (forward.cpp)
+  Rows<const at::BFloat16*> q16;
   Rows<const T*> k;       // (N, Hkv, Tk, Dk)
   Rows<const T*> v;       // (N, Hkv, Tk, Dv)
   const int64_t* off;     // (nqb + 1): query block b visits visits[off[b] : off[b + 1]]
@@ -309,10 +311,14 @@ Call<T> make_call(const CallArgs& a) {
   c.tile_k = a.block_k;
   c.register_tiles = a.register_tiles;
   c.skewed_position = a.skewed_position;
-  c.q = rows_of<const T*>(q, q.data_ptr<T>());
-  if (k.scalar_type() == q.scalar_type()) {  // else the caller reads them (see check_dtypes)
-    c.k = rows_of<const T*>(k, k.data_ptr<T>());
-    c.v = rows_of<const T*>(v, v.data_ptr<T>());
+  if (q.scalar_type() == at::kBFloat16) {  // with bfloat16 keys and values (see forward.cpp)
+    c.q16 = rows_of<const at::BFloat16*>(q, q.data_ptr<at::BFloat16>());
+  } else {
+    c.q = rows_of<const T*>(q, q.data_ptr<T>());
+    if (k.scalar_type() == q.scalar_type()) {  // else the caller reads them (see check_dtypes)
+      c.k = rows_of<const T*>(k, k.data_ptr<T>());
+      c.v = rows_of<const T*>(v, v.data_ptr<T>());
+    }
   }
   check_plan(a, c.Tq, c.Tk);
   c.off = a.offsets.data_ptr<int64_t>();
