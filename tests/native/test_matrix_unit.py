@@ -49,6 +49,10 @@ CASES: dict[str, tuple[tuple[int, ...], dict[str, Any], tuple[int, int]]] = {
     "padding": ((2, 2, 2, 40, 57, 8, 8), {"mask": PADDING}, (8, 16)),
     "1,024 keys": ((1, 2, 2, 64, 1024, 64, 64), {}, (64, 256)),
     "softcap": ((1, 2, 2, 100, 101, 16, 16), {"softcap": 5.0}, (32, 32)),
+    # widths that are multiples of 32 take the products in the tiles directly, 32 x 32 at a time:
+    # blocks, visits and lengths that are not
+    "tiles, odd blocks": ((2, 6, 2, 77, 203, 96, 32), {"causal": True}, (48, 80)),
+    "tiles, softcap": ((1, 2, 1, 50, 61, 32, 64), {"softcap": 4.0, "causal": True}, (16, 48)),
 }
 
 

@@ -157,10 +157,10 @@ inline bool matrix_unit_serves(const Call<float>& c, const Rows<const at::BFloat
 }
 
 // A thread's rows for the matrix unit: its query block's queries and a visit's probabilities in
-// bfloat16, the visit's rows' maxima and rescaling factors.
+// bfloat16, the visit's rows' maxima and rescaling factors, the tiles' scores.
 struct MatrixRows {
   std::vector<at::BFloat16> q, p;
-  std::vector<float> top;
+  std::vector<float> top, s;  // s: the tiles' scores
 };
 
 // The online softmax of a visit whose scores are factor * s (s: nr rows of nk raw products, the
@@ -168,11 +168,12 @@ struct MatrixRows {
 // the rescaling of the rows whose maximum grew (16 rows' factors at a time), then one pass for
 // exp2, the sums and the probabilities, written in bfloat16 to p (rows pld apart) for p v. With
 // `banded`, each row sees only the keys the call's band gives it (see band_run), the others'
-// probabilities 0. `top`: room for 2 nr + 16 floats.
+// probabilities 0. Rows of s ls apart; `top`: room for 2 nr + 16 floats.
 ATTNKIT_BF16 inline void probabilities_bf16(const Call<float>& c, ForwardBuffers<float>& b,
                                             int64_t i0, int64_t r0, int64_t nr, int64_t ks,
-                                            int64_t nk, bool banded, const float* s, float factor,
-                                            at::BFloat16* p, int64_t pld, float* top) {
+                                            int64_t nk, bool banded, const float* s, int64_t ls,
+                                            float factor, at::BFloat16* p, int64_t pld,
+                                            float* top) {
   const __m512 fv = _mm512_set1_ps(factor);
   const bool positive = factor > 0;  // then the largest score is factor times the largest product
   const float inf = std::numeric_limits<float>::infinity();
@@ -183,7 +184,7 @@ ATTNKIT_BF16 inline void probabilities_bf16(const Call<float>& c, ForwardBuffers
   };
   // The rows' largest scores, each over four running maxima (a max waits for the one before).
   for (int64_t r = 0; r < nr; ++r) {
-    const float* row = s + r * nk;
+    const float* row = s + r * ls;
     auto load = [&](int64_t j, __mmask16 m) {
       const __m512 x = _mm512_maskz_loadu_ps(m, row + j);
       return positive ? x : _mm512_mul_ps(x, fv);
@@ -222,7 +223,7 @@ ATTNKIT_BF16 inline void probabilities_bf16(const Call<float>& c, ForwardBuffers
     _mm512_mask_storeu_ps(alpha + r, m, a);
   }
   for (int64_t r = 0; r < nr; ++r) {
-    const float* row = s + r * nk;
+    const float* row = s + r * ls;
     const int64_t R = r0 + r;
     if (alpha[r] != 1.f) {
       scale_row(b.acc.data() + R * c.Dv, c.Dv, alpha[r]);
@@ -258,25 +259,41 @@ ATTNKIT_BF16 inline void probabilities_bf16(const Call<float>& c, ForwardBuffers
 // forward_head with both products on the matrix unit, reading the call's packed keys and values:
 // false, having done nothing, when the block's queries are not all bfloat16 values (float32
 // queries with bfloat16 keys), which then take forward_head. Products summed in float32, the
-// probabilities rounded to bfloat16 for p v, as torch's bfloat16 attention does.
-// bfloat16 queries (c.q16) are read as they are, and the output written in bfloat16 to out16.
+// probabilities rounded to bfloat16 for p v, as torch's bfloat16 attention does. bfloat16
+// queries (c.q16) are read as they are, and the output written in bfloat16 to out16. `tiles`:
+// the products in the tiles directly (tile_scores, tile_values), else through torch's GEMM.
 inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
                               const PackedRows& kt, const PackedRows& vp, MatrixRows& mr,
                               int64_t n, int64_t hk, int64_t g, int64_t qb, bool skew,
-                              bool bounded, const Rows<float*>& out,
+                              bool bounded, bool tiles, const Rows<float*>& out,
                               const Rows<at::BFloat16*>& out16, float* lse) {
   const int64_t qs = qb * c.bq, rows = std::min(c.bq, c.Tq - qs), h = hk * c.G + g;
-  const at::BFloat16* q = mr.q.data();
+  // The block's queries in bfloat16: c.q16's rows as they are, or a copy (float32 queries, or
+  // the tiles, which read 32 rows of zeros past the block's).
+  const at::BFloat16* q = nullptr;
   int64_t lq = c.Dk;
-  if (c.q16.p != nullptr) {
+  if (c.q16.p != nullptr && !tiles) {
     q = c.q16.at(n, hk, g, qs);
     lq = c.q16.ld();
   } else {
-    if (mr.q.size() < size_t(rows * c.Dk)) mr.q.resize(size_t(rows * c.Dk));
+    const size_t room = size_t((rows + 32) * c.Dk);
+    if (mr.q.size() < room) mr.q.resize(room);
     for (int64_t r = 0; r < rows; ++r) {
-      if (!to_bf16_exact(c.q.at(n, hk, g, qs + r), c.Dk, mr.q.data() + r * c.Dk)) return false;
+      at::BFloat16* to = mr.q.data() + r * c.Dk;
+      if (c.q16.p != nullptr) {
+        std::copy_n(c.q16.at(n, hk, g, qs + r), c.Dk, to);
+      } else if (!to_bf16_exact(c.q.at(n, hk, g, qs + r), c.Dk, to)) {
+        return false;
+      }
     }
+    std::fill(mr.q.data() + rows * c.Dk, mr.q.data() + room, at::BFloat16(0.f));
     q = mr.q.data();
+  }
+  std::optional<OwnTiles> own;
+  if (tiles) {
+    own.emplace();
+    // (the sums of 32 rows past the block's: rows the zeros of p leave as they are)
+    if (b.acc.size() < size_t((c.bq + 32) * c.Dv)) b.acc.resize(size_t((c.bq + 32) * c.Dv));
   }
   const Window<float> whole = start_head(c, b, n, h, qb, qs, skew);
   const float factor = product_factor(c);
@@ -284,16 +301,28 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
     const int64_t* vis = c.visits + vi * 6;
     const int64_t ks = vis[0], ke = vis[1], nk = ke - ks, r0 = vis[2], nr = vis[3] - vis[2];
     const Window<float> w = visit_window(c, b, whole, n, h, qs, vis, skew);
-    float* s = b.s.data();
-    bf16_product(nr, nk, c.Dk, q + r0 * lq, lq, kt.head(n, hk) + ks * 2, kt.ld, s, nk, false);
     // p v over whole pairs of keys: from the pair holding key ks (its first key weighted 0 when
-    // ks is odd) to the pair holding key ke - 1 (its second weighted 0 when ke is odd).
+    // ks is odd) to the pair holding key ke - 1 (its second weighted 0 when ke is odd); the
+    // tiles take 32 keys at a time, the ones past the visit's weighted 0 too.
     const int64_t ka = ks & ~int64_t(1), kk = ((ke + 1) & ~int64_t(1)) - ka;
-    if (mr.p.size() < size_t(nr * kk)) mr.p.resize(size_t(nr * kk));
-    for (int64_t r = 0; r < nr; ++r) {
-      at::BFloat16* pr = mr.p.data() + r * kk;
-      pr[0] = pr[kk - 1] = at::BFloat16(0.f);
+    const int64_t kp = tiles ? (kk + 31) / 32 * 32 : kk, nr32 = tiles ? (nr + 31) / 32 * 32 : nr;
+    float* s = b.s.data();
+    int64_t ls = nk;  // the scores' row length
+    if (tiles) {
+      ls = (nk + 31) / 32 * 32;
+      if (mr.s.size() < size_t(nr32 * ls)) mr.s.resize(size_t(nr32 * ls));
+      s = mr.s.data();
+      tile_scores(q + r0 * lq, lq, nr, kt.head(n, hk) + ks * 2, kt.ld, nk, c.Dk, s, ls);
+    } else {
+      bf16_product(nr, nk, c.Dk, q + r0 * lq, lq, kt.head(n, hk) + ks * 2, kt.ld, s, nk, false);
     }
+    if (mr.p.size() < size_t(nr32 * kp)) mr.p.resize(size_t(nr32 * kp));
+    for (int64_t r = 0; r < nr; ++r) {
+      at::BFloat16* pr = mr.p.data() + r * kp;
+      pr[0] = at::BFloat16(0.f);
+      std::fill(pr + (ks - ka) + nk, pr + kp, at::BFloat16(0.f));
+    }
+    std::fill(mr.p.data() + nr * kp, mr.p.data() + nr32 * kp, at::BFloat16(0.f));
     // Scores with nothing but the product (and a band, the mask of a partial visit) go
     // straight to probabilities; the rest take the float32 path's steps, in place, first.
     const bool banded = vis[4] && c.band_alone();
@@ -301,17 +330,25 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
                        c.qv.p == nullptr && c.p_drop <= 0;
     if (plain) {
       if (mr.top.size() < size_t(2 * nr + 16)) mr.top.resize(size_t(2 * nr + 16));
-      probabilities_bf16(c, b, qs + r0, r0, nr, ks, nk, banded, s, factor,
-                         mr.p.data() + (ks - ka), kk, mr.top.data());
+      probabilities_bf16(c, b, qs + r0, r0, nr, ks, nk, banded, s, ls, factor,
+                         mr.p.data() + (ks - ka), kp, mr.top.data());
     } else {
+      if (s != b.s.data()) {  // the float32 path's steps read rows of nk from b.s
+        for (int64_t r = 0; r < nr; ++r) std::copy_n(s + r * ls, nk, b.s.data() + r * nk);
+        s = b.s.data();
+      }
       for (int64_t r = 0; r < nr; ++r) scale_row(s + r * nk, nk, factor);
       score_terms(c, n, hk, g, qs, vis, 0, s, nk, static_cast<float*>(nullptr), w, skew);
       online_softmax(c, b, r0, nr, nk, bounded);
       if (c.p_drop > 0) drop(c, n, h, qs + r0, ks, nr, nk, s, nk);
-      for (int64_t r = 0; r < nr; ++r) row_to_bf16(s + r * nk, nk, mr.p.data() + r * kk + (ks - ka));
+      for (int64_t r = 0; r < nr; ++r) row_to_bf16(s + r * nk, nk, mr.p.data() + r * kp + (ks - ka));
     }
-    bf16_product(nr, c.Dv, kk, mr.p.data(), kk, vp.head(n, hk) + ka * c.Dv, c.Dv,
-                 b.acc.data() + r0 * c.Dv, c.Dv, true);
+    if (tiles) {
+      tile_values(mr.p.data(), kp, nr, vp.head(n, hk) + ka * c.Dv, c.Dv, b.acc.data() + r0 * c.Dv);
+    } else {
+      bf16_product(nr, c.Dv, kk, mr.p.data(), kk, vp.head(n, hk) + ka * c.Dv, c.Dv,
+                   b.acc.data() + r0 * c.Dv, c.Dv, true);
+    }
   }
   if (out16.p == nullptr) {
     finish_rows(c, b, n, hk, g, qs, rows, out, lse);
@@ -342,11 +379,13 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
   // product in float32.
 #if defined(ATTNKIT_MATRIX_UNIT)
   std::optional<PackedRows> kt, vp;  // K^T as words, v as pairs
+  bool tiles = false;                // the products in the tiles directly
   if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>) {
     if (matrix_unit_serves(c, kv.k)) {
       kt.emplace(kv.k, c.N, c.Hkv, c.Tk, c.Dk, true);
       vp.emplace(kv.v, c.N, c.Hkv, c.Tk, c.Dv, false);
       PackedRows::pack_all({&*kt, &*vp});
+      tiles = c.Dk % 32 == 0 && c.Dv % 32 == 0 && tiles_ready();
     }
   }
 #endif
@@ -369,8 +408,8 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
       for (int64_t g = 0; g < c.G; ++g) {
 #if defined(ATTNKIT_MATRIX_UNIT)
         if constexpr (std::is_same_v<T, float>) {
-          if (kt && forward_head_bf16(c, b, *kt, *vp, mr, n, hk, g, qb, skew, bounded, out,
-                                      out16, lse)) {
+          if (kt && forward_head_bf16(c, b, *kt, *vp, mr, n, hk, g, qb, skew, bounded, tiles,
+                                      out, out16, lse)) {
             unit.used = true;
             continue;
           }

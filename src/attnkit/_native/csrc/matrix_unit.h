@@ -20,6 +20,8 @@
 #if __has_include(<ATen/native/CPUBlas.h>)
 #include <ATen/native/CPUBlas.h>
 #endif
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace attnkit {
 // Internal linkage, as in one translation unit (see common.h).
@@ -75,8 +77,10 @@ struct PackedRows {
       : words(words_), H(H_), T(T_), D(D_), N(N_), x(x_) {
     ld = (T + 31) / 32 * 32;
     if (ld % 1024 == 0) ld += 16;
-    per_head = words ? D * ld : (T + 1) / 2 * D * 2;
-    buf = at::empty({N * H * per_head}, at::kBFloat16);
+    // (pairs: 16 rows of zeros after the last, which products over 32 keys at a time may read;
+    // words: 32 more columns after the last head's, read as the same)
+    per_head = words ? D * ld : ((T + 1) / 2 + 16) * D * 2;
+    buf = at::empty({N * H * per_head + 64}, at::kBFloat16);
   }
 
   // Packs every row of each of these, in one parallel region (on a busy machine each region's
@@ -126,6 +130,10 @@ struct PackedRows {
     if (j1 == T) {  // the columns past the last row: zeros
       for (int64_t w = 0; w < D / 2; ++w)
         std::fill(dst + w * ld + (j1 - j0), dst + w * ld + (ld - j0), 0.f);
+      if (n == N - 1 && h == H - 1) {  // the buffer's tail
+        std::fill(buf.data_ptr<at::BFloat16>() + N * H * per_head,
+                  buf.data_ptr<at::BFloat16>() + buf.numel(), at::BFloat16(0.f));
+      }
     }
   }
 
@@ -136,6 +144,14 @@ struct PackedRows {
       const at::BFloat16* a = x.at(n, h, 0, j);
       const at::BFloat16* b = j + 1 < T ? x.at(n, h, 0, j + 1) : nullptr;
       interleave(a, b, D, mutable_head(n, h) + j * D);
+    }
+    if (j1 == T) {  // the rows of zeros after the last pair
+      at::BFloat16* head = mutable_head(n, h);
+      std::fill(head + (T + 1) / 2 * D * 2, head + per_head, at::BFloat16(0.f));
+    }
+    if (n == N - 1 && h == H - 1 && j1 == T) {  // the buffer's tail
+      std::fill(buf.data_ptr<at::BFloat16>() + N * H * per_head,
+                buf.data_ptr<at::BFloat16>() + buf.numel(), at::BFloat16(0.f));
     }
   }
 
@@ -171,6 +187,143 @@ inline __m512 exp2_fast(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469673151989f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000714970636f));
   return _mm512_scalef_ps(p, n);
+}
+
+// The products of the forward's visits in the matrix unit's tiles directly, where the heads'
+// widths are multiples of 32 (as most are): every tile 16 rows of 64 bytes, configured once per
+// query block, each product 32 x 32 at a time (two tiles of 16 rows of the left operand, two of
+// the right, four sums: one load per multiply-add of tiles). Padded operands keep every load in
+// bounds: the queries and probabilities come with 32 rows of zeros after the visit's, the keys
+// and values with 32 more (PackedRows), so no product needs a shape of its own.
+#define ATTNKIT_TILES __attribute__((target("amx-tile,amx-bf16")))
+
+// The tiles' shapes: palette 1, tiles 0-7 of 16 rows x 64 bytes.
+struct alignas(64) TileShapes {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileShapes() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = 16;
+    }
+  }
+};
+
+// Whether this process may use the tiles: Linux hands the tile data state to a process that
+// asks for it (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), as torch's GEMM does.
+inline bool tiles_ready() {
+  static const bool ok = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;
+    return has_matrix_unit() && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return ok;
+}
+
+// The tiles of one thread, configured for the products below while it lives. torch's GEMM
+// keeps its own configuration per thread and reloads it only when it believes another is
+// loaded: brgemm_release, before and after, tells it that none is (and releases the tiles).
+struct OwnTiles {
+  ATTNKIT_TILES OwnTiles() {
+    static const TileShapes shapes;
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+    _tile_loadconfig(&shapes);
+  }
+  ~OwnTiles() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
+  OwnTiles(const OwnTiles&) = delete;
+  OwnTiles& operator=(const OwnTiles&) = delete;
+};
+
+// s = q k^T for nr queries (rows lq apart, 32 readable past nr) and nk keys (packed words, kt
+// at the first key's column, ldk words per row), D a multiple of 32: round32(nr) rows of
+// round32(nk) scores, ls (>= that) apart; the rows and columns past nr and nk hold nothing of use.
+// Loads and stores of tiles cost several multiply-adds of them (about 15 ns against 5 on an
+// Intel Xeon with AMX): heads of width 64 or less keep 32 queries in four tiles and read each
+// 16 keys' tiles once for two sums (half the loads of the 32 x 32 products).
+ATTNKIT_TILES inline void tile_scores(const at::BFloat16* q, int64_t lq, int64_t nr,
+                                      const at::BFloat16* kt, int64_t ldk, int64_t nk, int64_t D,
+                                      float* s, int64_t ls) {
+  if (D <= 64) {
+    for (int64_t i = 0; i < nr; i += 32) {
+      _tile_loadd(4, q + i * lq, lq * 2);
+      _tile_loadd(5, q + (i + 16) * lq, lq * 2);
+      if (D == 64) {
+        _tile_loadd(2, q + i * lq + 32, lq * 2);
+        _tile_loadd(3, q + (i + 16) * lq + 32, lq * 2);
+      }
+      for (int64_t j = 0; j < nk; j += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        const at::BFloat16* b = kt + j * 2;
+        _tile_loadd(6, b, ldk * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (D == 64) {
+          _tile_loadd(7, b + 16 * ldk * 2, ldk * 4);
+          _tile_dpbf16ps(0, 2, 7);
+          _tile_dpbf16ps(1, 3, 7);
+        }
+        _tile_stored(0, s + i * ls + j, ls * 4);
+        _tile_stored(1, s + (i + 16) * ls + j, ls * 4);
+      }
+    }
+    return;
+  }
+  for (int64_t i = 0; i < nr; i += 32) {
+    for (int64_t j = 0; j < nk; j += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t d = 0; d < D; d += 32) {
+        _tile_loadd(4, q + i * lq + d, lq * 2);
+        _tile_loadd(5, q + (i + 16) * lq + d, lq * 2);
+        const at::BFloat16* b = kt + ((d / 2) * ldk + j) * 2;
+        _tile_loadd(6, b, ldk * 4);
+        _tile_loadd(7, b + 32, ldk * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* o = s + i * ls + j;
+      _tile_stored(0, o, ls * 4);
+      _tile_stored(1, o + 16, ls * 4);
+      _tile_stored(2, o + 16 * ls, ls * 4);
+      _tile_stored(3, o + 16 * ls + 16, ls * 4);
+    }
+  }
+}
+
+// acc (rows of Dv floats, 32 writable past nr) += p v for nr rows of kp probabilities (kp a
+// multiple of 32, rows kp apart, the 32 rows past nr zeros) and values packed as pairs (v at the
+// first key's pair row), Dv a multiple of 32.
+ATTNKIT_TILES inline void tile_values(const at::BFloat16* p, int64_t kp, int64_t nr,
+                                      const at::BFloat16* v, int64_t Dv, float* acc) {
+  for (int64_t i = 0; i < nr; i += 32) {
+    for (int64_t jc = 0; jc < Dv; jc += 32) {
+      float* o = acc + i * Dv + jc;
+      _tile_loadd(0, o, Dv * 4);
+      _tile_loadd(1, o + 16, Dv * 4);
+      _tile_loadd(2, o + 16 * Dv, Dv * 4);
+      _tile_loadd(3, o + 16 * Dv + 16, Dv * 4);
+      for (int64_t k = 0; k < kp; k += 32) {
+        _tile_loadd(4, p + i * kp + k, kp * 2);
+        _tile_loadd(5, p + (i + 16) * kp + k, kp * 2);
+        const at::BFloat16* b = v + (k / 2) * 2 * Dv + jc * 2;
+        _tile_loadd(6, b, Dv * 4);
+        _tile_loadd(7, b + 32, Dv * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, o, Dv * 4);
+      _tile_stored(1, o + 16, Dv * 4);
+      _tile_stored(2, o + 16 * Dv, Dv * 4);
+      _tile_stored(3, o + 16 * Dv + 16, Dv * 4);
+    }
+  }
 }
 
 // Every CPU with the matrix unit (AMX-BF16) has AVX512-BF16, whose conversion from float32 to
