@@ -299,6 +299,7 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
 ) -> None:
     monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)  # a CPU with AVX-512
     monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: False)  # no bf16 products
+    monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: False)
     q, kv = _check_choice(shape, dtype, chosen, words)
     half = dtype in (torch.bfloat16, torch.float16)
     with torch.enable_grad():  # training: torch's CPU backward is the slow half, whatever the size
@@ -336,6 +337,7 @@ def test_on_cpus_with_bfloat16_products_auto_keeps_what_torch_runs_faster(
 ) -> None:
     monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)
     monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: False)  # AVX512-BF16 alone
     _check_choice(shape, dtype, chosen, words)
     # A causal prefill still halves its work in the native kernel.
     full = torch.zeros(1, 8, 1024, 64)
@@ -382,6 +384,30 @@ def test_auto_trains_bfloat16_natively_on_cpus_without_bfloat16_products(
     with torch.enable_grad():
         report = attnkit.explain(half.requires_grad_(), half, half)
     assert ("slow half in float16" in " ".join(report.slower["sdpa"])) == (not products)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "chosen", "words"),
+    [
+        # (B, H, Hkv, Tq, Tk, D)
+        ((1, 8, 8, 1024, 1024, 64), torch.bfloat16, "chunked", "from 1024 queries and keys"),
+        ((1, 8, 8, 4096, 4096, 128), torch.bfloat16, "chunked", "matrix unit (AMX)"),
+        ((4, 8, 8, 512, 512, 64), torch.bfloat16, "sdpa", None),  # torch's smaller call wins
+        ((1, 8, 8, 1024, 1024, 80), torch.bfloat16, "sdpa", None),  # not in the tiles
+        ((1, 8, 8, 1024, 1024, 64), torch.float16, "sdpa", None),  # no float16 products there
+    ],
+)
+def test_on_cpus_with_a_matrix_unit_auto_sends_long_bfloat16_inference_to_the_native_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    chosen: str,
+    words: str | None,
+) -> None:
+    monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)
+    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: True)
+    _check_choice(shape, dtype, chosen, words)
 
 
 def test_auto_trains_bfloat16_natively_on_cpus_with_a_matrix_unit(

@@ -104,10 +104,16 @@ def _products_in(dtype: torch.dtype) -> bool:
 
 def _matrix_unit() -> bool:
     """Whether this CPU has AMX tiles, where the native kernel runs bfloat16 products on the
-    matrix unit, training included (see _CPU_MATRIX_TRAIN_SCORES)."""
+    matrix unit (see _CPU_MATRIX_PREFILL_LENGTH and _CPU_MATRIX_TRAIN_SCORES)."""
     return _CPU_MATRIX_UNIT
 
 
+# bfloat16 inference on CPUs with AMX goes to the native kernel from this many queries and keys,
+# for heads whose widths are multiples of 32 (whose products it runs in the unit's tiles): it took
+# 0.70-0.72x torch's time causal at T=1024-2048 and 0.93x unmasked at T=1024 (B=1 H=8 D=64, one
+# thread), 0.84-0.86x and 0.85-0.97x with two; below, torch's per-call costs are smaller (T=512:
+# 0.9-1.03x causal, 1.18-1.38x unmasked; T=256: 1.3-1.5x).
+_CPU_MATRIX_PREFILL_LENGTH = 1024
 # bfloat16 training on CPUs with AMX goes to the native kernel from this many scores (B * H * Tq
 # * Tk): forward and backward took 0.61-0.93x torch's time at B=4 T=512, T=1024 plain and
 # T=4096, 1.0x at T=1024 causal and 1.06-1.11x at T=256 (H=8 D=64, two threads;
@@ -350,7 +356,7 @@ def sdpa_slower(call: AttentionCall) -> list[str]:
     elif call.device.type == "cpu" and call.dtype in _CPU_SLOW_BACKWARD:
         slow += _slow_forward(call)
     elif call.device.type == "cpu" and call.dtype in _REDUCED and not call.requires_grad:
-        slow += _slow_reduced_decode(call)
+        slow += _slow_reduced_inference(call)
     return slow
 
 
@@ -361,11 +367,24 @@ def _decode_bytes(call: AttentionCall) -> int:
     return size * call.dtype.itemsize
 
 
-def _slow_reduced_decode(call: AttentionCall) -> list[str]:
+def _slow_reduced_inference(call: AttentionCall) -> list[str]:
     """Why torch's CPU forward serves a bfloat16/float16 inference call slower than the native
     kernel (see _CPU_DECODE_BYTES_REDUCED), or nothing."""
     name = str(call.dtype).removeprefix("torch.")
     if call.q_len > _DECODE_QUERIES:
+        if (
+            call.dtype == torch.bfloat16
+            and _matrix_unit()
+            and min(call.q_len, call.kv_len) >= _CPU_MATRIX_PREFILL_LENGTH
+            and call.qk_dim % 32 == 0
+            and call.v_dim % 32 == 0
+        ):
+            return [
+                f"runs slower on CPUs with a matrix unit (AMX) from "
+                f"{_CPU_MATRIX_PREFILL_LENGTH} queries and keys: the native kernel runs a "
+                f"bfloat16 forward's products in the unit's tiles (0.7-0.97x torch's time; heads "
+                f"whose widths are multiples of 32)"
+            ]
         scores = _scores(call)
         if (
             call.dtype == torch.float16
