@@ -123,16 +123,17 @@ def test_bfloat16_queries_give_the_rounded_output_and_a_float32_lse(mask: str) -
     # in float32. The operator checks out as one with gradients, too.
     args, kwargs = _call(mask, torch.bfloat16)
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-    assert args[0].dtype == torch.float32 and args[1].dtype == torch.bfloat16  # type: ignore[union-attr]
+    assert args[0].dtype == torch.float32
+    assert args[1].dtype == torch.bfloat16
     out32, lse32 = torch.ops.attnkit.native_forward(*args, **kwargs)
     q16 = args[0].bfloat16()  # type: ignore[union-attr]
     out16, lse16 = torch.ops.attnkit.native_forward(q16, *args[1:], **kwargs)
-    assert out16.dtype == torch.bfloat16 and lse16.dtype == torch.float32
-    assert torch.equal(out16, out32.bfloat16()) and torch.equal(lse16, lse32)
+    assert out16.dtype == torch.bfloat16
+    assert lse16.dtype == torch.float32
+    assert torch.equal(out16, out32.bfloat16())
+    assert torch.equal(lse16, lse32)
     leaves = (q16.requires_grad_(), *(a.requires_grad_() for a in args[1:3]))  # type: ignore[union-attr]
-    torch.library.opcheck(
-        torch.ops.attnkit.native_forward.default, (*leaves, *args[3:]), kwargs
-    )
+    torch.library.opcheck(torch.ops.attnkit.native_forward.default, (*leaves, *args[3:]), kwargs)
 
 
 def test_bfloat16_queries_need_bfloat16_keys_and_values() -> None:
@@ -238,7 +239,8 @@ def test_all_finite_finds_a_bad_element_and_refuses_other_dtypes() -> None:
     x[2, 4, 6] = float("nan")
     assert not torch.ops.attnkit.all_finite([torch.ones(2), x])
     y = x.to(torch.bfloat16)
-    assert not torch.ops.attnkit.all_finite([y]) and not torch.ops.attnkit.all_finite([x.half()])
+    assert not torch.ops.attnkit.all_finite([y])
+    assert not torch.ops.attnkit.all_finite([x.half()])
     y[2, 4, 6] = 3.0
     assert torch.ops.attnkit.all_finite([y, y.half()])
     with pytest.raises(RuntimeError, match="float32, float64, bfloat16 or float16"):
