@@ -116,12 +116,24 @@ def test_opcheck_native_backward(mask: str, dtype: torch.dtype, kw: dict[str, ob
     )
 
 
-@pytest.mark.parametrize("mask", ["causal", "padding", "tiles"])
-def test_bfloat16_queries_give_the_rounded_output_and_a_float32_lse(mask: str) -> None:
+@pytest.mark.parametrize(
+    ("mask", "kw"),
+    [
+        ("causal", {}),
+        ("padding", {}),
+        ("tiles", {}),
+        ("window", {"bias": True}),
+        ("causal", {"term": "position", "gqa": True}),
+    ],
+)
+def test_bfloat16_queries_give_the_rounded_output_and_a_float32_lse(
+    mask: str, kw: dict[str, object]
+) -> None:
     # bfloat16 queries with bfloat16 keys and values (what an inference call passes): the output
     # in bfloat16, equal to the same call's with the queries in float32 rounded; lse the same,
-    # in float32. The operator checks out as one with gradients, too.
-    args, kwargs = _call(mask, torch.bfloat16)
+    # in float32 (as the bias and the position term's inputs). The operator checks out as one
+    # with gradients, too.
+    args, kwargs = _call(mask, torch.bfloat16, **kw)  # type: ignore[arg-type]
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     assert args[0].dtype == torch.float32
     assert args[1].dtype == torch.bfloat16

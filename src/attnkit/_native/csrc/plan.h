@@ -40,6 +40,12 @@ inline void check_dtypes(const at::Tensor& q, const at::Tensor& k, const at::Ten
               t, ", k ", kv, " and v ", v.scalar_type());
 }
 
+// The dtype a call computes in: q's, float32 for bfloat16 queries (which only the forward on the
+// matrix unit takes as they are; see forward.cpp).
+inline at::ScalarType work_type(const at::Tensor& q) {
+  return q.scalar_type() == at::kBFloat16 ? at::kFloat : q.scalar_type();
+}
+
 // f(T(), KV()) for a call computing in q's dtype T (float32 or float64) with keys and values of
 // type KV (T, or bfloat16 or float16 with float32), as check_dtypes allows.
 template <typename F>
@@ -214,8 +220,8 @@ void read_bias(const CallArgs& a, Call<T>& c) {
     return;
   }
   const at::Tensor& bias = *a.bias;
-  TORCH_CHECK(bias.scalar_type() == a.q.scalar_type(), "attnkit: the bias must have q's dtype ",
-              a.q.scalar_type(), ", got ", bias.scalar_type());
+  TORCH_CHECK(bias.scalar_type() == work_type(a.q), "attnkit: the bias must have q's dtype ",
+              work_type(a.q), " (float32 with bfloat16 queries), got ", bias.scalar_type());
   const int64_t sizes[5] = {c.N, c.Hkv, c.G, c.Tq, c.Tk};
   if (a.bias_layout.empty()) {
     TORCH_CHECK(bias.dim() == 5, "attnkit: a dense bias is (N, Hkv, G, Tq, Tk), got ",
@@ -256,8 +262,8 @@ void read_position(const CallArgs& a, Call<T>& c) {
     return;
   }
   const at::Tensor &qv = *a.qv, &enc = *a.enc;
-  TORCH_CHECK(qv.scalar_type() == a.q.scalar_type() && enc.scalar_type() == a.q.scalar_type(),
-              "attnkit: qv and enc must have q's dtype");
+  TORCH_CHECK(qv.scalar_type() == work_type(a.q) && enc.scalar_type() == work_type(a.q),
+              "attnkit: qv and enc must have q's dtype (float32 with bfloat16 queries)");
   TORCH_CHECK(enc.dim() == 3 && (enc.stride(2) == 1 || enc.size(2) <= 1),
               "attnkit: enc is (H, P, Dh) with contiguous rows, got ", enc.sizes());
   TORCH_CHECK(qv.dim() == 4 && qv.size(0) == c.N && qv.size(1) == c.Hkv * c.G &&
