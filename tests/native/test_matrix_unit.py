@@ -215,6 +215,12 @@ DEGENERATE = [
     (1, 2, 2, 40, 37, 2, 1),  # odd value width
     (1, 2, 1, 33, 0, 8, 8),  # no keys
     (1, 2, 2, 40, 37, 3, 5),  # odd key width: no whole words to pack
+    # widths in the tiles: one key, few queries against many keys, wide heads (no queries kept
+    # in tiles), the last rows of the batch
+    (1, 2, 2, 17, 1, 32, 32),
+    (2, 4, 1, 19, 1000, 64, 64),
+    (1, 1, 1, 33, 17, 256, 96),
+    (3, 2, 2, 50, 50, 128, 32),
 ]
 
 
@@ -233,6 +239,9 @@ for shape in {DEGENERATE!r}:
     v = torch.randn(b, hkv, tk, dv, generator=g).bfloat16().requires_grad_()
     out = attnkit.attention(q, k, v, causal=True, backend=Chunked(block_q=16, block_k=16))
     grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    with torch.no_grad():  # bfloat16 queries in, a bfloat16 output out
+        quick = attnkit.attention(q, k, v, causal=True, backend=Chunked(block_q=16, block_k=16))
+    assert torch.equal(quick, out.detach()), shape
     want = attnkit.attention(
         q.double(), k.double(), v.double(), causal=True, backend="reference"
     )
