@@ -3,7 +3,8 @@
 ``attention.cpp``'s successors (``csrc/ops.cpp``) define the operators and their CPU kernels:
 
 * ``torch.ops.attnkit.native_forward(q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, *,
-  block_q, block_k, scale, ...) -> (out, lse)``;
+  block_q, block_k, scale, ...) -> (out, lse)``: q in the work dtype (float32, float64), or
+  bfloat16 with bfloat16 keys and values, out then in bfloat16 and lse in float32;
 * ``torch.ops.attnkit.native_backward(dout, lse, delta, <the same>, *, ..., bias_grad, qv_grad,
   enc_grad) -> (dq, dk, dv, dbias, dqv, denc)`` (an empty tensor where a gradient is not asked);
 * ``torch.ops.attnkit.native_backward_into(dout, lse, delta, dq!, dk!, dv!, ...)``, the same

@@ -368,9 +368,10 @@ inline void visit_pairs(const float* x, int64_t nk, int64_t r0, int64_t r1, int6
 // dropout), fused: p = exp2(s factor - lse) row by row in place of s, then per pair of block
 // rows, one pass for dS = p (dP - delta) scale, written as bfloat16 rows (for dS k) and pairs
 // (for q^T dS), and p as pairs (for dO^T p).
-ATTNKIT_BF16 inline void plain_visit_bf16(const Backward<float>& w, MatrixRowsBackward& mr, float* s,
-                             const float* dp, int64_t row0, int64_t r0, int64_t r1, int64_t nk,
-                             int64_t ra, int64_t kr, int64_t col, int64_t kk, float factor) {
+ATTNKIT_BF16 inline void plain_visit_bf16(const Backward<float>& w, MatrixRowsBackward& mr,
+                                          float* s, const float* dp, int64_t row0, int64_t r0,
+                                          int64_t r1, int64_t nk, int64_t ra, int64_t kr,
+                                          int64_t col, int64_t kk, float factor) {
   const Call<float>& c = w.c;
   const __m512 fv = _mm512_set1_ps(factor);
   for (int64_t r = r0; r < r1; ++r) {

@@ -341,7 +341,9 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
       score_terms(c, n, hk, g, qs, vis, 0, s, nk, static_cast<float*>(nullptr), w, skew);
       online_softmax(c, b, r0, nr, nk, bounded);
       if (c.p_drop > 0) drop(c, n, h, qs + r0, ks, nr, nk, s, nk);
-      for (int64_t r = 0; r < nr; ++r) row_to_bf16(s + r * nk, nk, mr.p.data() + r * kp + (ks - ka));
+      for (int64_t r = 0; r < nr; ++r) {
+        row_to_bf16(s + r * nk, nk, mr.p.data() + r * kp + (ks - ka));
+      }
     }
     if (tiles) {
       tile_values(mr.p.data(), kp, nr, vp.head(n, hk) + ka * c.Dv, c.Dv, b.acc.data() + r0 * c.Dv);
@@ -453,7 +455,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a) {
               " and ", a.v.sizes());
 #if defined(ATTNKIT_MATRIX_UNIT)
   if (a.q.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(reads_bf16_queries(a), "attnkit internal error: bfloat16 queries off the matrix unit");
+    TORCH_CHECK(reads_bf16_queries(a),
+                "attnkit internal error: bfloat16 queries off the matrix unit");
     at::Tensor out = like_q(a.q, a.v.size(3));
     at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)},
                                a.q.options().dtype(at::kFloat));

@@ -1,7 +1,9 @@
-// bfloat16 products on the CPU's matrix unit (AMX), through the batch-reduce GEMM torch links
-// (oneDNN's micro-kernels, at::native::cpublas::brgemm): where the CPU has one, the forward of
-// bfloat16 queries, keys and values takes q k^T and p v as bfloat16 products summed in float32,
-// many times the rate of float32 vector FMAs, while the softmax stays in float32 between them.
+// bfloat16 products on the CPU's matrix unit (AMX): where the CPU has one, the forward of bfloat16
+// queries, keys and values takes q k^T and p v as bfloat16 products summed in float32, many times
+// the rate of float32 vector FMAs, while the softmax stays in float32 between them; so does the
+// backward with its five. The forward runs them in the unit's tiles itself where the heads'
+// widths allow (tile_scores, tile_values), else, as the backward does, through the batch-reduce
+// GEMM torch links (oneDNN's micro-kernels, at::native::cpublas::brgemm).
 //
 // The matrix unit reads its right operand as pairs of bfloat16 along the sum ("VNNI" layout:
 // element (p, j) of a K x N matrix at [p / 2][j][p % 2]). For q k^T the sum runs over the head's
