@@ -309,6 +309,13 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
         )
 
 
+def _bf16_products_cpu(monkeypatch: pytest.MonkeyPatch, matrix_unit: bool) -> None:
+    """auto's view of a CPU with AVX-512 and bfloat16 products, with AMX or without."""
+    monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)
+    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: matrix_unit)
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype", "chosen", "words"),
     [
@@ -335,9 +342,7 @@ def test_on_cpus_with_bfloat16_products_auto_keeps_what_torch_runs_faster(
     chosen: str,
     words: str | None,
 ) -> None:
-    monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)
-    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
-    monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: False)  # AVX512-BF16 alone
+    _bf16_products_cpu(monkeypatch, matrix_unit=False)  # AVX512-BF16 alone
     _check_choice(shape, dtype, chosen, words)
     # A causal prefill still halves its work in the native kernel.
     full = torch.zeros(1, 8, 1024, 64)
@@ -404,9 +409,7 @@ def test_on_cpus_with_a_matrix_unit_auto_sends_long_bfloat16_inference_to_the_na
     chosen: str,
     words: str | None,
 ) -> None:
-    monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)
-    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
-    monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: True)
+    _bf16_products_cpu(monkeypatch, matrix_unit=True)
     _check_choice(shape, dtype, chosen, words)
 
 

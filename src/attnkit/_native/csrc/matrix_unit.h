@@ -236,6 +236,29 @@ struct OwnTiles {
   OwnTiles& operator=(const OwnTiles&) = delete;
 };
 
+// Sums 0-3 (a 32 x 32 block: rows 0-15 and 16-31, columns 0-15 and 16-31) += a b for 32 rows of
+// a (32 bfloat16 each, rows la elements apart) and 32 columns of b (16 rows of pairs, rows lb
+// elements apart), through tiles 4-7.
+ATTNKIT_TILES inline void multiply_2x2(const at::BFloat16* a, int64_t la, const at::BFloat16* b,
+                                       int64_t lb) {
+  _tile_loadd(4, a, la * 2);
+  _tile_loadd(5, a + 16 * la, la * 2);
+  _tile_loadd(6, b, lb * 2);
+  _tile_loadd(7, b + 32, lb * 2);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// Sums 0-3 into a 32 x 32 block of floats, rows ld apart.
+ATTNKIT_TILES inline void store_2x2(float* o, int64_t ld) {
+  _tile_stored(0, o, ld * 4);
+  _tile_stored(1, o + 16, ld * 4);
+  _tile_stored(2, o + 16 * ld, ld * 4);
+  _tile_stored(3, o + 16 * ld + 16, ld * 4);
+}
+
 // s = q k^T for nr queries (rows lq apart, 32 readable past nr) and nk keys (packed words, kt
 // at the first key's column, ldk words per row), D a multiple of 32: round32(nr) rows of
 // round32(nk) scores, ls (>= that) apart; the rows and columns past nr and nk hold nothing of use.
@@ -278,21 +301,9 @@ ATTNKIT_TILES inline void tile_scores(const at::BFloat16* q, int64_t lq, int64_t
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t d = 0; d < D; d += 32) {
-        _tile_loadd(4, q + i * lq + d, lq * 2);
-        _tile_loadd(5, q + (i + 16) * lq + d, lq * 2);
-        const at::BFloat16* b = kt + ((d / 2) * ldk + j) * 2;
-        _tile_loadd(6, b, ldk * 4);
-        _tile_loadd(7, b + 32, ldk * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        multiply_2x2(q + i * lq + d, lq, kt + ((d / 2) * ldk + j) * 2, ldk * 2);
       }
-      float* o = s + i * ls + j;
-      _tile_stored(0, o, ls * 4);
-      _tile_stored(1, o + 16, ls * 4);
-      _tile_stored(2, o + 16 * ls, ls * 4);
-      _tile_stored(3, o + 16 * ls + 16, ls * 4);
+      store_2x2(s + i * ls + j, ls);
     }
   }
 }
@@ -310,20 +321,9 @@ ATTNKIT_TILES inline void tile_values(const at::BFloat16* p, int64_t kp, int64_t
       _tile_loadd(2, o + 16 * Dv, Dv * 4);
       _tile_loadd(3, o + 16 * Dv + 16, Dv * 4);
       for (int64_t k = 0; k < kp; k += 32) {
-        _tile_loadd(4, p + i * kp + k, kp * 2);
-        _tile_loadd(5, p + (i + 16) * kp + k, kp * 2);
-        const at::BFloat16* b = v + (k / 2) * 2 * Dv + jc * 2;
-        _tile_loadd(6, b, Dv * 4);
-        _tile_loadd(7, b + 32, Dv * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        multiply_2x2(p + i * kp + k, kp, v + (k / 2) * 2 * Dv + jc * 2, 2 * Dv);
       }
-      _tile_stored(0, o, Dv * 4);
-      _tile_stored(1, o + 16, Dv * 4);
-      _tile_stored(2, o + 16 * Dv, Dv * 4);
-      _tile_stored(3, o + 16 * Dv + 16, Dv * 4);
+      store_2x2(o, Dv);
     }
   }
 }
