@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import attnkit
 from attnkit import _native, attention, masks
 from attnkit.backends import Chunked
 from attnkit.backends.sdpa import _products_in
@@ -87,6 +88,17 @@ def test_an_inference_call_gives_the_output_of_the_same_call_with_gradients(
     kept = attention(q.clone().requires_grad_(), k, v, backend=backend, **kw)
     assert quick.dtype == kept.dtype == torch.bfloat16
     assert torch.equal(quick, kept.detach())
+
+
+def test_explain_says_where_the_products_run() -> None:
+    from attnkit._native.kernel import MATRIX_UNIT as AMX
+
+    q = torch.zeros(1, 2, 64, 32, dtype=torch.bfloat16)
+    said = str(attnkit.explain(q, q, q, causal=True, backend=Chunked()))
+    assert ("bfloat16 products on the CPU's matrix unit (AMX)" in said) == AMX
+    wide = str(attnkit.explain(q, q, q, causal=True, backend=Chunked(register_tiles=False)))
+    assert "matrix unit" not in wide
+    assert "matrix unit" not in str(attnkit.explain(q.float(), q.float(), q.float()))
 
 
 def test_a_row_without_keys_is_zero_and_its_lse_minus_infinity() -> None:

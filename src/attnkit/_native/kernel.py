@@ -50,6 +50,11 @@ REDUCED = (torch.bfloat16, torch.float16)
 DECODE_QUERIES = 16
 
 
+# Whether this CPU has a matrix unit for bfloat16 (AMX tiles), read once: the kernel runs a
+# bfloat16 call's products there (see csrc/matrix_unit.h).
+MATRIX_UNIT = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def decodes(plan: BlockPlan) -> bool:
     """Whether the native kernel runs a call of this plan on its decode path."""
     return plan.q_len <= min(plan.block_q, DECODE_QUERIES)

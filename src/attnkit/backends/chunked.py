@@ -32,7 +32,7 @@ from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
 from .._kernel.call import kernel_attention, native_serves, plan_for, planned
 from .._kernel.operator import traceable, traced_attention
 from .._native import status as native_status
-from .._native.kernel import decodes, why_not_native
+from .._native.kernel import MATRIX_UNIT, decodes, why_not_native
 from .._score_mod import describe as describe_score_mod
 from .._score_mod import distance_bias_of, softcap_of
 from ..scores import DistanceBias, softcap_form
@@ -218,6 +218,13 @@ class Chunked(Backend):
             # takes care of NaN and inf itself.
             if call.finite is None and not decodes(plan):
                 kernel += "; the eager kernel where q, k or v hold NaN or inf"
+            if (
+                MATRIX_UNIT
+                and call.dtype == torch.bfloat16
+                and self.register_tiles
+                and not decodes(plan)
+            ):
+                kernel += "; its bfloat16 products on the CPU's matrix unit (AMX)"
             return [*notes, kernel]
         fused = fused_note(call, plan.grid, self.fused_rows)
         return [*notes, why, *([fused] if fused else [])]
