@@ -115,9 +115,9 @@ def _matrix_unit() -> bool:
 # 0.9-1.03x causal, 1.18-1.38x unmasked; T=256: 1.3-1.5x).
 _CPU_MATRIX_PREFILL_LENGTH = 1024
 # bfloat16 training on CPUs with AMX goes to the native kernel from this many scores (B * H * Tq
-# * Tk): forward and backward took 0.61-0.93x torch's time at B=4 T=512, T=1024 plain and
-# T=4096, 1.0x at T=1024 causal and 1.06-1.11x at T=256 (H=8 D=64, two threads;
-# bench_training.py --dtype bfloat16).
+# * Tk): forward and backward took 0.56-0.94x torch's time from B=4 T=512 on and 0.98-1.04x at
+# T=256, where torch's per-call costs are smaller (H=8 D=64, two threads; bench_training.py
+# --dtype bfloat16).
 _CPU_MATRIX_TRAIN_SCORES = 4 * 8 * 512 * 512
 
 
@@ -350,7 +350,7 @@ def sdpa_slower(call: AttentionCall) -> list[str]:
     ):
         slow.append(
             f"trains slower on CPUs with a matrix unit (AMX): the native kernel runs a bfloat16 "
-            f"training step's products there too (0.61-0.93x torch's time from "
+            f"training step's products there too (0.56-0.94x torch's time from "
             f"{_CPU_MATRIX_TRAIN_SCORES} scores on)"
         )
     elif call.device.type == "cpu" and call.dtype in _CPU_SLOW_BACKWARD:
