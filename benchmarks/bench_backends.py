@@ -12,9 +12,11 @@ fresh process; "% TxT" relates it to one T x T float32 score matrix.
 ``--inference`` checks auto's choice instead: on the same shapes, under ``torch.inference_mode()``,
 auto against the two backends it chooses between, attnkit's ``sdpa`` (torch's fused kernel) and
 ``chunked`` (the native kernel), side by side; "auto / best" is auto's time over the faster of the
-two, and "picks" what auto chose and, from ``explain()``, why it avoided the other.
+two, and "picks" what auto chose and, from ``explain()``, why it avoided the other. ``--dtype
+bfloat16`` does the same in bfloat16.
 
     python benchmarks/bench_backends.py --inference --json docs/benchmarks/data/auto.json
+    python benchmarks/bench_backends.py --inference --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ CANDIDATES = [
 NAIVE_MAX_T = 8192  # beyond this the naive/reference score matrices need > 16 GiB
 
 
-def build(label: str, causal: bool, t: int) -> tuple[Callable[[], torch.Tensor], int]:
+def build(
+    label: str, causal: bool, t: int, dtype: torch.dtype = torch.float32
+) -> tuple[Callable[[], torch.Tensor], int]:
     """Inputs and a no-grad call for one candidate; module-level so a child process can run it."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(B, H, t, D) for _ in range(3))
+    q, k, v = (torch.randn(B, H, t, D).to(dtype) for _ in range(3))
     scale = 1 / math.sqrt(D)
 
     def naive() -> torch.Tensor:
@@ -81,9 +85,9 @@ def runnable(label: str, t: int) -> bool:
 INFERENCE = ["auto", "sdpa", "chunked"]
 
 
-def _auto_pick(t: int, causal: bool) -> tuple[str, str]:
+def _auto_pick(t: int, causal: bool, dtype: torch.dtype) -> tuple[str, str]:
     """The backend auto picks for the shape, and explain()'s line on the one it avoided."""
-    q = torch.zeros(B, H, t, D)
+    q = torch.zeros(B, H, t, D, dtype=dtype)
     with torch.inference_mode():
         report = attnkit.explain(q, q, q, causal=causal)
     other = "sdpa" if report.chosen == "chunked" else "chunked"
@@ -91,17 +95,19 @@ def _auto_pick(t: int, causal: bool) -> tuple[str, str]:
     return str(report.chosen), "; ".join(why) or "comes later in the order"
 
 
-def inference(lengths: list[int], rounds: int, min_run_time: float) -> list[dict[str, object]]:
+def inference(
+    lengths: list[int], rounds: int, min_run_time: float, dtype: torch.dtype
+) -> list[dict[str, object]]:
     """auto against sdpa and chunked under inference_mode, each shape side by side."""
     print("\n| T | causal | auto ms | sdpa ms | chunked ms | auto / best | picks |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
     rows: list[dict[str, object]] = []
     for t in lengths:
         for causal in (False, True):
-            fns = {lab: build(lab, causal, t)[0] for lab in INFERENCE}
+            fns = {lab: build(lab, causal, t, dtype)[0] for lab in INFERENCE}
             times = time_side_by_side(fns, rounds=rounds, min_run_time=min_run_time)
             best = min(times["sdpa"], times["chunked"])
-            chosen, why = _auto_pick(t, causal)
+            chosen, why = _auto_pick(t, causal, dtype)
             print(
                 f"| {t} | {'yes' if causal else 'no'} | {times['auto'] * 1e3:.2f} | "
                 f"{times['sdpa'] * 1e3:.2f} | {times['chunked'] * 1e3:.2f} | "
@@ -123,15 +129,25 @@ def main() -> None:
     parser.add_argument(
         "--inference", action="store_true", help="auto against sdpa and chunked (auto's choice)"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="with --inference: the inputs' dtype",
+    )
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     lengths = [256, 1024, 4096] if args.quick else args.lengths
     rounds = 2 if args.quick else 3
     if args.inference:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={B} H={H} D={D}")
-        rows = inference(lengths, rounds, 0.3 if args.quick else 1.0)
+        dtype = getattr(torch, args.dtype)
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={B} H={H} D={D} "
+            f"{args.dtype}"
+        )
+        rows = inference(lengths, rounds, 0.3 if args.quick else 1.0, dtype)
         if args.json:
-            config = {"B": B, "H": H, "D": D, "dtype": "float32", "rounds": rounds}
+            config = {"B": B, "H": H, "D": D, "dtype": args.dtype, "rounds": rounds}
             results.save(args.json, "auto_inference", rows, config=config | {"pass": "inference"})
         return
 
