@@ -22,8 +22,14 @@
 #if __has_include(<ATen/native/CPUBlas.h>)
 #include <ATen/native/CPUBlas.h>
 #endif
+// The tiles' own code (tile_scores, tile_values) needs a compiler that knows AMX (GCC 11 and
+// clang 12 on) and Linux's permission request; elsewhere the forward keeps torch's GEMM.
+#if defined(__linux__) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : (defined(__GNUC__) && __GNUC__ >= 11))
+#define ATTNKIT_TILE_CODE 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 namespace attnkit {
 // Internal linkage, as in one translation unit (see common.h).
@@ -197,6 +203,7 @@ inline __m512 exp2_fast(__m512 x) {
 // the right, four sums: one load per multiply-add of tiles). Padded operands keep every load in
 // bounds: the queries and probabilities come with 32 rows of zeros after the visit's, the keys
 // and values with 32 more (PackedRows), so no product needs a shape of its own.
+#if defined(ATTNKIT_TILE_CODE)
 #define ATTNKIT_TILES __attribute__((target("amx-tile,amx-bf16")))
 
 // The tiles' shapes: palette 1, tiles 0-7 of 16 rows x 64 bytes.
@@ -327,6 +334,15 @@ ATTNKIT_TILES inline void tile_values(const at::BFloat16* p, int64_t kp, int64_t
     }
   }
 }
+
+#else
+inline bool tiles_ready() { return false; }
+struct OwnTiles {};
+inline void tile_scores(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t,
+                        int64_t, int64_t, float*, int64_t) {}
+inline void tile_values(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t,
+                        float*) {}
+#endif  // ATTNKIT_TILE_CODE
 
 // Every CPU with the matrix unit (AMX-BF16) has AVX512-BF16, whose conversion from float32 to
 // bfloat16 (nearest even) is one instruction where at::vec's portable rounding takes seven. The
