@@ -47,8 +47,8 @@ void online_softmax(const Call<T>& c, ForwardBuffers<T>& b, int64_t r0, int64_t 
   }
 }
 
-// The block's rows of lse, and of out through put(r, inv) from the accumulated outputs and sums
-// (inv: 1 / the row's sum; 0 for a row that sees no key, whose output is 0).
+// The block's rows of lse, and of out through put(r, inv, seen) from the accumulated outputs
+// and sums (inv: 1 / the row's sum; a row that sees no key, seen false, has output 0).
 template <typename T, typename Put>
 void finish_rows(const Call<T>& c, const ForwardBuffers<T>& b, int64_t n, int64_t hk, int64_t g,
                  int64_t qs, int64_t rows, T* lse, Put&& put) {
@@ -57,10 +57,10 @@ void finish_rows(const Call<T>& c, const ForwardBuffers<T>& b, int64_t n, int64_
     // A NaN sum (a NaN or +inf score the row sees) makes the row NaN, as in the reference; only
     // a row that sees no key gets zeros.
     if (b.l[r] > T(0) || std::isnan(b.l[r])) {
-      put(r, T(1) / b.l[r]);
+      put(r, T(1) / b.l[r], true);
       lse[row0 + r] = T((b.m[r] + std::log2(b.l[r])) * kLn2);
     } else {
-      put(r, T(0));
+      put(r, T(0), false);
       lse[row0 + r] = -std::numeric_limits<T>::infinity();
     }
   }
@@ -70,10 +70,10 @@ void finish_rows(const Call<T>& c, const ForwardBuffers<T>& b, int64_t n, int64_
 template <typename T>
 void finish_rows(const Call<T>& c, const ForwardBuffers<T>& b, int64_t n, int64_t hk, int64_t g,
                  int64_t qs, int64_t rows, const Rows<T*>& out, T* lse) {
-  finish_rows(c, b, n, hk, g, qs, rows, lse, [&](int64_t r, T inv) {
+  finish_rows(c, b, n, hk, g, qs, rows, lse, [&](int64_t r, T inv, bool seen) {
     T* o = out.at(n, hk, g, qs + r);
     const T* acc = b.acc.data() + r * c.Dv;
-    for (int64_t d = 0; d < c.Dv; ++d) o[d] = inv == T(0) ? T(0) : acc[d] * inv;
+    for (int64_t d = 0; d < c.Dv; ++d) o[d] = seen ? acc[d] * inv : T(0);
   });
 }
 
@@ -356,9 +356,9 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
     finish_rows(c, b, n, hk, g, qs, rows, out, lse);
     return true;
   }
-  finish_rows(c, b, n, hk, g, qs, rows, lse, [&](int64_t r, float inv) {
+  finish_rows(c, b, n, hk, g, qs, rows, lse, [&](int64_t r, float inv, bool seen) {
     float* acc = b.acc.data() + r * c.Dv;  // (the block's last use of it)
-    for (int64_t d = 0; d < c.Dv; ++d) acc[d] = inv == 0.f ? 0.f : acc[d] * inv;
+    for (int64_t d = 0; d < c.Dv; ++d) acc[d] = seen ? acc[d] * inv : 0.f;
     row_to_bf16(acc, c.Dv, out16.at(n, hk, g, qs + r));
   });
   return true;
@@ -435,41 +435,33 @@ at::Tensor like_q(const at::Tensor& q, int64_t d) {
       .permute({0, 2, 3, 1, 4});
 }
 
-bool reads_bf16_queries(const CallArgs& a) {
-#if defined(ATTNKIT_MATRIX_UNIT)
-  if (a.q.scalar_type() != at::kBFloat16 || a.k.scalar_type() != at::kBFloat16 ||
-      a.v.scalar_type() != at::kBFloat16 || a.q.dim() != 5 || a.k.dim() != 4 || a.v.dim() != 4) {
-    return false;
-  }
-  Call<float> c = make_call<float>(a);
-  return matrix_unit_serves(c, rows_of<const at::BFloat16*>(a.k, a.k.data_ptr<at::BFloat16>()));
-#else
-  (void)a;
-  return false;
-#endif
-}
-
 std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a) {
   TORCH_CHECK(a.q.dim() == 5 && a.v.dim() == 4,
               "attnkit: q must be (N, Hkv, G, Tq, Dk) and v (N, Hkv, Tk, Dv), got ", a.q.sizes(),
               " and ", a.v.sizes());
-#if defined(ATTNKIT_MATRIX_UNIT)
   if (a.q.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(reads_bf16_queries(a),
-                "attnkit internal error: bfloat16 queries off the matrix unit");
-    at::Tensor out = like_q(a.q, a.v.size(3));
-    at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)},
-                               a.q.options().dtype(at::kFloat));
+    // bfloat16 queries (with bfloat16 keys and values, see native_forward): read as they are
+    // where the matrix unit serves the call, else converted to float32 and the output back.
+#if defined(ATTNKIT_MATRIX_UNIT)
     Call<float> c = make_call<float>(a);
-    const auto tables = skew_table(c, a.enc);  // kept alive while the kernel reads them
     Widened<float, at::BFloat16> wide;
     wide.k = rows_of<const at::BFloat16*>(a.k, a.k.data_ptr<at::BFloat16>());
     wide.v = rows_of<const at::BFloat16*>(a.v, a.v.data_ptr<at::BFloat16>());
-    forward_impl(c, wide, Rows<float*>(), lse.data_ptr<float>(),
-                 rows_of<at::BFloat16*>(out, out.data_ptr<at::BFloat16>()));
-    return {out, lse};
-  }
+    if (matrix_unit_serves(c, wide.k)) {
+      at::Tensor out = like_q(a.q, a.v.size(3));
+      at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)},
+                                 a.q.options().dtype(at::kFloat));
+      const auto tables = skew_table(c, a.enc);  // kept alive while the kernel reads them
+      forward_impl(c, wide, Rows<float*>(), lse.data_ptr<float>(),
+                   rows_of<at::BFloat16*>(out, out.data_ptr<at::BFloat16>()));
+      return {out, lse};
+    }
 #endif
+    CallArgs f = a;
+    f.q = a.q.to(at::kFloat);
+    auto [out, lse] = forward(f);
+    return {out.to(at::kBFloat16), lse};
+  }
   at::Tensor out = like_q(a.q, a.v.size(3));
   at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
   with_kv_types(a.q, a.k, "attnkit::native_forward", [&](auto t, auto kv) {

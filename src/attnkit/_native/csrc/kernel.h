@@ -17,13 +17,8 @@ struct BackwardArgs {
 };
 
 // (out, lse): out laid out as q (see like_q), lse (N, Hkv, G, Tq) in natural log. bfloat16
-// queries (with bfloat16 keys and values) only where reads_bf16_queries: out in bfloat16, lse
-// in float32.
+// queries (with bfloat16 keys and values): out in bfloat16, lse in float32.
 std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a);
-
-// Whether forward reads this call's bfloat16 queries as they are: bfloat16 keys and values on a
-// CPU with a matrix unit, both products there (see forward.cpp).
-bool reads_bf16_queries(const CallArgs& a);
 
 // Whether a call of native_forward takes the decode path (few queries, one query block), and
 // that path: the same (out, lse) as forward (decode.cpp).

@@ -89,6 +89,7 @@ struct PackedRows {
     // words: 32 more columns after the last head's, read as the same)
     per_head = words ? D * ld : ((T + 1) / 2 + 16) * D * 2;
     buf = at::empty({N * H * per_head + 64}, at::kBFloat16);
+    buf.narrow(0, N * H * per_head, 64).zero_();
   }
 
   // Packs every row of each of these, in one parallel region (on a busy machine each region's
@@ -138,10 +139,6 @@ struct PackedRows {
     if (j1 == T) {  // the columns past the last row: zeros
       for (int64_t w = 0; w < D / 2; ++w)
         std::fill(dst + w * ld + (j1 - j0), dst + w * ld + (ld - j0), 0.f);
-      if (n == N - 1 && h == H - 1) {  // the buffer's tail
-        std::fill(buf.data_ptr<at::BFloat16>() + N * H * per_head,
-                  buf.data_ptr<at::BFloat16>() + buf.numel(), at::BFloat16(0.f));
-      }
     }
   }
 
@@ -156,10 +153,6 @@ struct PackedRows {
     if (j1 == T) {  // the rows of zeros after the last pair
       at::BFloat16* head = mutable_head(n, h);
       std::fill(head + (T + 1) / 2 * D * 2, head + per_head, at::BFloat16(0.f));
-    }
-    if (n == N - 1 && h == H - 1 && j1 == T) {  // the buffer's tail
-      std::fill(buf.data_ptr<at::BFloat16>() + N * H * per_head,
-                buf.data_ptr<at::BFloat16>() + buf.numel(), at::BFloat16(0.f));
     }
   }
 

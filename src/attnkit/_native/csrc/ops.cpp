@@ -83,10 +83,10 @@ std::tuple<at::Tensor, at::Tensor> native_forward(ATTNKIT_CALL_PARAMS) {
     TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
                 "attnkit::native_forward: bfloat16 queries take bfloat16 keys and values, got ",
                 k.scalar_type(), " and ", v.scalar_type());
-    if (!decodes(a) && reads_bf16_queries(a)) return forward(a);
+    if (!decodes(a)) return forward(a);
     CallArgs f = a;
     f.q = q.to(at::kFloat);
-    auto [out, lse] = decodes(f) ? decode(f) : forward(f);
+    auto [out, lse] = decode(f);
     return {out.to(at::kBFloat16), lse};
   }
   return decodes(a) ? decode(a) : forward(a);
