@@ -34,6 +34,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, dim_str, shape_str
 from .._kernel import make_plan, no_autocast
+from .._native.kernel import MATRIX_UNIT
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
 from .base import Backend, CallInputs
@@ -94,7 +95,6 @@ _CPU_PRODUCTS = {
     torch.bfloat16: _cpu_has("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
     torch.float16: _cpu_has("_is_amx_fp16_supported"),
 }
-_CPU_MATRIX_UNIT = _cpu_has("_is_amx_tile_supported")
 
 
 def _products_in(dtype: torch.dtype) -> bool:
@@ -105,7 +105,7 @@ def _products_in(dtype: torch.dtype) -> bool:
 def _matrix_unit() -> bool:
     """Whether this CPU has AMX tiles, where the native kernel runs bfloat16 products on the
     matrix unit (see _CPU_MATRIX_PREFILL_LENGTH and _CPU_MATRIX_TRAIN_SCORES)."""
-    return _CPU_MATRIX_UNIT
+    return MATRIX_UNIT
 
 
 # bfloat16 inference on CPUs with AMX goes to the native kernel from this many queries and keys,
