@@ -1,5 +1,6 @@
 """bfloat16 products in the native kernel (the forward's q k^T and p v, the backward's five
-products, on the CPU's matrix unit where it has one, AMX; elsewhere the float32 products): equal
+products, on the CPU's matrix unit where it has one, AMX, else as AVX512-BF16's dot products where
+it has those; elsewhere the float32 products): equal
 to the float64 reference within bfloat16's tolerance, and to the float32 products' result, for
 every shape of visit the plan makes (odd starts and ends, ragged tails, groups of query heads,
 head sizes that differ)."""
@@ -15,16 +16,16 @@ import torch
 
 import attnkit
 from attnkit import _native, attention, masks
+from attnkit._native.kernel import BF16_PRODUCTS
 from attnkit.backends import Chunked
-from attnkit.backends.sdpa import _products_in
 from attnkit.testing import assert_close
 
 AVAILABLE, WHY = _native.status()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"native kernel: {WHY}")
 
-# The products run on the matrix unit only where the CPU multiplies bfloat16; elsewhere these
-# tests check the float32 products of bfloat16 inputs, which must hold as well.
-MATRIX_UNIT = _products_in(torch.bfloat16)
+# The products run in bfloat16 only where the CPU multiplies bfloat16; elsewhere these tests check
+# the float32 products of bfloat16 inputs, which must hold as well.
+IN_BF16 = BF16_PRODUCTS is not None
 
 
 def qkv(
@@ -72,7 +73,7 @@ def test_bf16_products_equal_the_reference(case: str) -> None:
         assert fast[1].abs().max() == 0
 
 
-@pytest.mark.parametrize("unit", [True, False], ids=["matrix unit", "float32 products"])
+@pytest.mark.parametrize("unit", [True, False], ids=["bfloat16 products", "float32 products"])
 @pytest.mark.parametrize("case", ["causal", "odd window", "padding", "odd keys, odd widths"])
 def test_an_inference_call_gives_the_output_of_the_same_call_with_gradients(
     case: str, unit: bool
@@ -91,14 +92,14 @@ def test_an_inference_call_gives_the_output_of_the_same_call_with_gradients(
 
 
 def test_explain_says_where_the_products_run() -> None:
-    from attnkit._native.kernel import MATRIX_UNIT as AMX
-
     q = torch.zeros(1, 2, 64, 32, dtype=torch.bfloat16)
     said = str(attnkit.explain(q, q, q, causal=True, backend=Chunked()))
-    assert ("bfloat16 products on the CPU's matrix unit (AMX)" in said) == AMX
+    assert ("bfloat16 products on" in said) == IN_BF16
+    if IN_BF16:
+        assert f"bfloat16 products on {BF16_PRODUCTS}" in said
     wide = str(attnkit.explain(q, q, q, causal=True, backend=Chunked(register_tiles=False)))
-    assert "matrix unit" not in wide
-    assert "matrix unit" not in str(attnkit.explain(q.float(), q.float(), q.float()))
+    assert "bfloat16 products" not in wide
+    assert "bfloat16 products" not in str(attnkit.explain(q.float(), q.float(), q.float()))
 
 
 def test_a_row_without_keys_is_zero_and_its_lse_minus_infinity() -> None:
@@ -143,9 +144,9 @@ def test_layouts_of_the_callers_tensors() -> None:
     assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not MATRIX_UNIT, reason="this CPU has no bfloat16 products")
-def test_on_a_cpu_with_amx_the_products_run_on_the_unit() -> None:
-    # The unit's p v takes the probabilities rounded to bfloat16, so its output differs from the
+@pytest.mark.skipif(not IN_BF16, reason="this CPU has no bfloat16 products")
+def test_on_a_cpu_with_bfloat16_products_the_products_run_there() -> None:
+    # Their p v takes the probabilities rounded to bfloat16, so its output differs from the
     # float32 products' in low bits (as torch's own bfloat16 attention does): equal outputs would
     # mean the products never ran there.
     q, k, v = qkv(1, 8, 8, 256, 256, 64, 64, seed=6)
@@ -237,8 +238,8 @@ DEGENERATE = [
 
 
 def test_degenerate_shapes_neither_crash_nor_differ_from_the_reference() -> None:
-    # In a child process: a product of width 0 handed to the matrix unit's GEMM must not be
-    # able to take the test run down with it.
+    # In a child process: a product of width 0 handed to the matrix unit's GEMM (or one of a
+    # single row or column to the dot products) must not be able to take the test run down.
     code = f"""
 import torch, attnkit
 from attnkit.backends import Chunked

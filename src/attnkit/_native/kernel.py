@@ -53,6 +53,18 @@ DECODE_QUERIES = 16
 # Whether this CPU has a matrix unit for bfloat16 (AMX tiles), read once: the kernel runs a
 # bfloat16 call's products there (see csrc/matrix_unit.h).
 MATRIX_UNIT = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+# Whether it has AVX512-BF16 (every CPU with AMX has): without the matrix unit the kernel runs
+# those products as AVX512-BF16's dot products (AMD's Zen 4 on, Intel's Cooper Lake).
+BF16_DOT = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+#: Where the native kernel runs a bfloat16 call's products (products of bfloat16 summed in
+#: float32), in words; None: in float32, on bfloat16 converted to float32.
+BF16_PRODUCTS = (
+    "the CPU's matrix unit (AMX)"
+    if MATRIX_UNIT
+    else "AVX512-BF16's dot products"
+    if BF16_DOT
+    else None
+)
 
 
 def decodes(plan: BlockPlan) -> bool:
@@ -139,8 +151,9 @@ class NativeCall:
     #: how the kernel runs its products (the same numbers to rounding): float32 products in its
     #: own register tiles rather than the BLAS, and the position term along the diagonals of
     #: the scores rather than per block's window of distances (both where the build has AVX-512).
-    #: register_tiles also lets a bfloat16 forward run its products on the CPU's matrix unit
-    #: (AMX), with the probabilities rounded to bfloat16 for ``p v``; False keeps them float32.
+    #: register_tiles also lets a bfloat16 call run its products as bfloat16 (BF16_PRODUCTS:
+    #: the CPU's matrix unit, AMX, or AVX512-BF16), with the probabilities rounded to bfloat16 for
+    #: ``p v``; False keeps them float32.
     register_tiles: bool = True
     skewed_position: bool = True
 
@@ -201,9 +214,9 @@ class NativeCall:
     def reads_as_is(self, dtype: torch.dtype, backward: bool = False) -> bool:
         """Whether the kernel takes keys and values of ``dtype`` as they are: in the forward
         bfloat16 and float16, half the bytes of float32, converted to float32 in registers (the
-        decode path) or block by block (the blocked forward), or multiplied as they are on the
-        CPU's matrix unit (bfloat16); in the backward bfloat16, for that unit (the kernel
-        otherwise converts them). Their gradients come in float32."""
+        decode path) or block by block (the blocked forward), or multiplied as they are where
+        the CPU has bfloat16 products (BF16_PRODUCTS); in the backward bfloat16, for those (the
+        kernel otherwise converts them). Their gradients come in float32."""
         return dtype in REDUCED and (not backward or dtype == torch.bfloat16)
 
     def tensors(

@@ -32,7 +32,7 @@ from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
 from .._kernel.call import kernel_attention, native_serves, plan_for, planned
 from .._kernel.operator import traceable, traced_attention
 from .._native import status as native_status
-from .._native.kernel import MATRIX_UNIT, decodes, why_not_native
+from .._native.kernel import BF16_PRODUCTS, decodes, why_not_native
 from .._score_mod import describe as describe_score_mod
 from .._score_mod import distance_bias_of, softcap_of
 from ..scores import DistanceBias, softcap_form
@@ -131,8 +131,9 @@ class Chunked(Backend):
     products in the BLAS rather than its own AVX-512 register tiles, and Transformer-XL's
     position term per block's window of distances rather than along the diagonals (the same
     numbers to rounding; for side-by-side measurements). ``register_tiles=False`` also keeps a
-    bfloat16 forward's products in float32 where the CPU could run them on its matrix unit
-    (AMX), which rounds the probabilities to bfloat16 for ``p v`` as torch's bfloat16 kernels do.
+    bfloat16 call's products in float32 where the CPU could run them as bfloat16 (on its matrix
+    unit, AMX, or with AVX512-BF16), which rounds the probabilities to bfloat16 for ``p v`` as
+    torch's bfloat16 kernels do.
 
     >>> import torch, attnkit
     >>> q = torch.randn(1, 2, 100, 8)
@@ -219,12 +220,12 @@ class Chunked(Backend):
             if call.finite is None and not decodes(plan):
                 kernel += "; the eager kernel where q, k or v hold NaN or inf"
             if (
-                MATRIX_UNIT
+                BF16_PRODUCTS
                 and call.dtype == torch.bfloat16
                 and self.register_tiles
                 and not decodes(plan)
             ):
-                kernel += "; its bfloat16 products on the CPU's matrix unit (AMX)"
+                kernel += f"; its bfloat16 products on {BF16_PRODUCTS}"
             return [*notes, kernel]
         fused = fused_note(call, plan.grid, self.fused_rows)
         return [*notes, why, *([fused] if fused else [])]

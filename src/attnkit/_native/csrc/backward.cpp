@@ -734,7 +734,7 @@ std::vector<at::Tensor> backward(const CallArgs& given, const BackwardArgs& b) {
     const auto k_rows = rows_of<const at::BFloat16*>(k16, k16.data_ptr<at::BFloat16>());
     const auto v_rows = rows_of<const at::BFloat16*>(v16, v16.data_ptr<at::BFloat16>());
     const int64_t N = a.q.size(0), Hkv = a.q.size(1), Tk = k16.size(2);
-    if (a.register_tiles && a.q.size(3) > 0 && Tk > 0 && has_matrix_unit() &&
+    if (a.register_tiles && a.q.size(3) > 0 && Tk > 0 && has_bf16_products() &&
         PackedRows::fits(k_rows, k16.size(3)) && PackedRows::fits(v_rows, v16.size(3)) &&
         bf16_numbers(a.q) && bf16_numbers(b.dout)) {
       matrix.emplace(MatrixBackward{PackedRows(k_rows, N, Hkv, Tk, k16.size(3), true),

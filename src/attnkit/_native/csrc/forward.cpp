@@ -152,7 +152,7 @@ void forward_head(Call<T> c, ForwardBuffers<T>& b, Widened<T, KV>& wide, int64_t
 // Whether a call's bfloat16 keys (rows k) and values take both products on the matrix unit.
 // (Values of width 0 have no product to run: the GEMM refuses an empty one.)
 inline bool matrix_unit_serves(const Call<float>& c, const Rows<const at::BFloat16*>& k) {
-  return c.register_tiles && c.Tq > 0 && c.Tk > 0 && c.Dv > 0 && has_matrix_unit() &&
+  return c.register_tiles && c.Tq > 0 && c.Tk > 0 && c.Dv > 0 && has_bf16_products() &&
          PackedRows::fits(k, c.Dk);
 }
 

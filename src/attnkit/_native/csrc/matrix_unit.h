@@ -13,6 +13,12 @@
 // read them (PackedRows): as many bytes as the keys and values themselves.
 #pragma once
 
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <cpuid.h>
+#define ATTNKIT_CPUID 1
+#endif
+
+#include <cstring>
 #include <initializer_list>
 #include <optional>
 #include <utility>
@@ -44,11 +50,40 @@ inline bool has_matrix_unit() {
   return yes;
 }
 
+// Whether this CPU has AVX512-BF16 (vdpbf16ps: each float32 lane += the sum of two bfloat16
+// products, twice float32 FMA's multiply-adds per instruction): CPUs without the matrix unit
+// (AMD's Zen 4 and later, Intel's Cooper Lake) run the products there instead (dot_product).
+inline bool has_bf16_dot() {
+  // CPUID leaf 7, subleaf 1: EAX bit 5 (the kernel runs AVX-512 code only where the OS keeps its
+  // registers, so that needs no second check)
+  static const bool yes = [] {
+#if defined(ATTNKIT_CPUID)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 && (a >> 5 & 1u) != 0;
+#else
+    return false;
+#endif
+  }();
+  return yes;
+}
+
+// Whether the bfloat16 products run natively here: on the matrix unit or on AVX512-BF16.
+inline bool has_bf16_products() { return has_matrix_unit() || has_bf16_dot(); }
+
+#define ATTNKIT_BF16 __attribute__((target("avx512bf16")))
+ATTNKIT_BF16 inline void dot_product(int64_t m, int64_t n, int64_t k, const at::BFloat16* a,
+                                     int64_t lda, const at::BFloat16* b, int64_t ldb, float* c,
+                                     int64_t ldc, bool add);
+
 // C (m x n, ldc) = (add ? C : 0) + A B, A bfloat16 (m x k, lda), B packed (see above) with ldb
-// columns per pair of rows, k even.
+// columns per pair of rows, k even: on the matrix unit, else on AVX512-BF16.
 inline void bf16_product(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t lda,
                          const at::BFloat16* b, int64_t ldb, float* c, int64_t ldc, bool add) {
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, /*is_vnni=*/true);
+  if (has_matrix_unit()) {
+    at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, /*is_vnni=*/true);
+  } else {
+    dot_product(m, n, k, a, lda, b, ldb, c, ldc, add);
+  }
 }
 
 // The matrix unit's state (tile configuration) is per thread: a parallel region's thread hands it
@@ -56,7 +91,7 @@ inline void bf16_product(int64_t m, int64_t n, int64_t k, const at::BFloat16* a,
 struct MatrixUnitThread {
   bool used = false;
   ~MatrixUnitThread() {
-    if (used) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+    if (used && has_matrix_unit()) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
   }
 };
 
@@ -339,10 +374,10 @@ inline void tile_values(const at::BFloat16*, int64_t, int64_t, const at::BFloat1
 
 // Every CPU with the matrix unit (AMX-BF16) has AVX512-BF16, whose conversion from float32 to
 // bfloat16 (nearest even) is one instruction where at::vec's portable rounding takes seven. The
-// functions marked ATTNKIT_BF16 use it, and run only where has_matrix_unit() (the rest of the
+// functions marked ATTNKIT_BF16 use it, and run only where has_bf16_products() (the rest of the
 // library is built for CPUs without it). Unlike at::vec's, it rounds float32's subnormal numbers
 // (below 1.2e-38) to 0: probabilities that small weigh nothing next to the row's largest, 1.
-#define ATTNKIT_BF16 __attribute__((target("avx512bf16")))
+// (ATTNKIT_BF16 is defined above, with bf16_product.)
 
 // 16 floats as bfloat16.
 ATTNKIT_BF16 inline __m256i bf16_of(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
@@ -369,6 +404,59 @@ ATTNKIT_BF16 inline void row_to_bf16(const float* x, int64_t n, at::BFloat16* ou
   }
 }
 
+// bf16_product on AVX512-BF16: C's rows MR at a time, 32 columns at a time (2 MR sums of 16
+// lanes, one broadcast pair of A per row and two loads of B's pairs per step of 2 along k).
+template <int MR>
+ATTNKIT_BF16 inline void dot_rows(int64_t n, int64_t k, const at::BFloat16* a, int64_t lda,
+                                  const at::BFloat16* b, int64_t ldb, float* c, int64_t ldc,
+                                  bool add) {
+  const uint32_t* bw = reinterpret_cast<const uint32_t*>(b);
+  for (int64_t j = 0; j < n; j += 32) {
+    const int64_t left = n - j;
+    const __mmask16 m0 = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __mmask16 m1 = left >= 32   ? __mmask16(0xFFFF)
+                         : left <= 16 ? __mmask16(0)
+                                      : __mmask16((1u << (left - 16)) - 1);
+    __m512 acc[MR][2];
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = add ? _mm512_maskz_loadu_ps(m0, c + r * ldc + j) : _mm512_setzero_ps();
+      acc[r][1] = add ? _mm512_maskz_loadu_ps(m1, c + r * ldc + j + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < k / 2; ++p) {
+      const uint32_t* row = bw + p * ldb + j;
+      const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(m0, row);
+      const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(m1, row + 16);
+      for (int r = 0; r < MR; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+        const __m512bh ar = (__m512bh)_mm512_set1_epi32(int(pair));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      _mm512_mask_storeu_ps(c + r * ldc + j, m0, acc[r][0]);
+      _mm512_mask_storeu_ps(c + r * ldc + j + 16, m1, acc[r][1]);
+    }
+  }
+}
+
+ATTNKIT_BF16 inline void dot_product(int64_t m, int64_t n, int64_t k, const at::BFloat16* a,
+                              int64_t lda, const at::BFloat16* b, int64_t ldb, float* c,
+                              int64_t ldc, bool add) {
+  int64_t i = 0;
+  for (; i + 8 <= m; i += 8) dot_rows<8>(n, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc, add);
+  if (m - i >= 4) {
+    dot_rows<4>(n, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc, add);
+    i += 4;
+  }
+  if (m - i >= 2) {
+    dot_rows<2>(n, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc, add);
+    i += 2;
+  }
+  if (m - i >= 1) dot_rows<1>(n, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc, add);
+}
+
 // Rows of float32 as bfloat16 (nearest even), and whether every one was exact: the forward takes
 // q in float32, and runs q k^T on the matrix unit only for queries that are bfloat16 values.
 ATTNKIT_BF16 inline bool to_bf16_exact(const float* x, int64_t n, at::BFloat16* out) {
@@ -386,6 +474,7 @@ ATTNKIT_BF16 inline bool to_bf16_exact(const float* x, int64_t n, at::BFloat16* 
 }
 #else
 inline bool has_matrix_unit() { return false; }
+inline bool has_bf16_products() { return false; }
 #endif
 
 }  // namespace
