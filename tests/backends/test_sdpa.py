@@ -300,6 +300,7 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
     monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)  # a CPU with AVX-512
     monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: False)  # no bf16 products
     monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: False)
+    monkeypatch.setattr(sdpa_module, "_bf16_dot", lambda: False)
     q, kv = _check_choice(shape, dtype, chosen, words)
     half = dtype in (torch.bfloat16, torch.float16)
     with torch.enable_grad():  # training: torch's CPU backward is the slow half, whatever the size
@@ -310,10 +311,14 @@ def test_auto_runs_inference_where_the_cost_model_says_it_is_faster(
 
 
 def _bf16_products_cpu(monkeypatch: pytest.MonkeyPatch, matrix_unit: bool) -> None:
-    """auto's view of a CPU with AVX-512 and bfloat16 products, with AMX or without."""
+    """auto's view of a CPU with AVX-512 and bfloat16 products: with AMX (torch's bfloat16
+    kernels on the matrix unit) or with AVX512-BF16 alone (the native kernel's dot products)."""
     monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: True)
-    monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(
+        sdpa_module, "_products_in", lambda dtype: matrix_unit and dtype == torch.bfloat16
+    )
     monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: matrix_unit)
+    monkeypatch.setattr(sdpa_module, "_bf16_dot", lambda: not matrix_unit)
 
 
 @pytest.mark.parametrize(
@@ -332,21 +337,58 @@ def _bf16_products_cpu(monkeypatch: pytest.MonkeyPatch, matrix_unit: bool) -> No
         ((1, 8, 8, 256, 256, 64), torch.float16, "sdpa", None),  # torch's float16 is fast here
         # but not its float16 decode (no float16 products): the rule of other CPUs
         ((1, 8, 8, 1, 4096, 64), torch.float16, "chunked", "8 MiB of float16 keys"),
-        ((1, 8, 8, 1024, 1024, 64), torch.bfloat16, "sdpa", None),
+        ((1, 8, 8, 512, 512, 64), torch.bfloat16, "sdpa", None),  # below 1,024 queries
     ],
 )
-def test_on_cpus_with_bfloat16_products_auto_keeps_what_torch_runs_faster(
+def test_on_cpus_with_amx_auto_keeps_what_torch_runs_faster(
     monkeypatch: pytest.MonkeyPatch,
     shape: tuple[int, ...],
     dtype: torch.dtype,
     chosen: str,
     words: str | None,
 ) -> None:
-    _bf16_products_cpu(monkeypatch, matrix_unit=False)  # AVX512-BF16 alone
+    _bf16_products_cpu(monkeypatch, matrix_unit=True)
     _check_choice(shape, dtype, chosen, words)
     # A causal prefill still halves its work in the native kernel.
     full = torch.zeros(1, 8, 1024, 64)
     assert attnkit.explain(full, full, full, causal=True).chosen == "chunked"
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "chosen", "words"),
+    [
+        # (B, H, Hkv, Tq, Tk, D): torch's float32 kernels as fast as with AMX, but for grouped
+        # decode steps from 4 MiB; its bfloat16 and float16 ones as slow as without products
+        ((8, 32, 8, 1, 4096, 128), torch.float32, "chunked", "from 4 MiB on CPUs with AVX512"),
+        ((1, 8, 2, 1, 4096, 64), torch.float32, "chunked", "4 MiB of keys and values shared"),
+        ((1, 8, 2, 1, 2048, 64), torch.float32, "sdpa", None),  # 2 MiB
+        ((1, 8, 8, 1, 4096, 64), torch.float32, "sdpa", None),  # one query head per cache
+        ((1, 8, 8, 256, 256, 64), torch.float32, "sdpa", None),  # no mask: nothing to skip
+        ((1, 32, 32, 1, 4096, 128), torch.bfloat16, "chunked", "64 MiB of bfloat16 keys"),
+        ((1, 8, 8, 1, 512, 64), torch.bfloat16, "chunked", "1 MiB of bfloat16 keys"),
+        ((1, 8, 8, 1, 128, 64), torch.bfloat16, "sdpa", None),  # 0.25 MiB
+        ((1, 8, 8, 128, 128, 64), torch.bfloat16, "chunked", "AVX512-BF16's dot products"),
+        ((1, 8, 8, 4096, 4096, 128), torch.bfloat16, "chunked", "AVX512-BF16's dot products"),
+        ((1, 8, 8, 64, 64, 64), torch.bfloat16, "sdpa", None),  # below 8 x 128 x 128 scores
+        ((1, 8, 8, 256, 256, 64), torch.float16, "chunked", "torch's float16 CPU forward"),
+        ((1, 8, 8, 1, 4096, 64), torch.float16, "chunked", "8 MiB of float16 keys"),
+    ],
+)
+def test_on_cpus_with_avx512_bf16_alone_auto_sends_reduced_precision_to_the_native_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    chosen: str,
+    words: str | None,
+) -> None:
+    _bf16_products_cpu(monkeypatch, matrix_unit=False)  # AVX512-BF16 alone (AMD's Zen 4)
+    _check_choice(shape, dtype, chosen, words)
+    # Training in bfloat16 too: torch's backward is its slow half without AMX.
+    q = torch.zeros(1, 8, 256, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.enable_grad():
+        report = attnkit.explain(q, q.detach(), q.detach())
+    assert report.chosen == "chunked"
+    assert "without a matrix unit for bfloat16" in " ".join(report.slower["sdpa"])
 
 
 @pytest.mark.parametrize("tiles", [False, True])
@@ -359,6 +401,8 @@ def test_without_avx512_full_attention_inference_stays_with_torch(
         pytest.skip("the native kernel is not available: chunked would run the eager kernel")
     monkeypatch.setattr(sdpa_module, "_register_tiles", lambda: tiles)
     monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: False)
+    monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: False)
+    monkeypatch.setattr(sdpa_module, "_bf16_dot", lambda: False)
     q = torch.zeros(1, 8, 1024, 64)
     assert attnkit.explain(q, q, q).chosen == ("chunked" if tiles else "sdpa")
     assert attnkit.explain(q, q, q, causal=True).chosen == "chunked"
@@ -375,6 +419,7 @@ def test_auto_trains_bfloat16_natively_on_cpus_without_bfloat16_products(
         pytest.skip("the native kernel is not available: chunked would run the eager kernel")
     monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: products)
     monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: False)
+    monkeypatch.setattr(sdpa_module, "_bf16_dot", lambda: False)
     q = torch.zeros(1, 8, 256, 64, dtype=torch.bfloat16, requires_grad=True)
     kv = torch.zeros(1, 8, 256, 64, dtype=torch.bfloat16)
     with torch.enable_grad():
@@ -422,6 +467,7 @@ def test_auto_trains_bfloat16_natively_on_cpus_with_a_matrix_unit(
         pytest.skip("the native kernel is not available: chunked would run the eager kernel")
     monkeypatch.setattr(sdpa_module, "_products_in", lambda dtype: dtype == torch.bfloat16)
     monkeypatch.setattr(sdpa_module, "_matrix_unit", lambda: True)
+    monkeypatch.setattr(sdpa_module, "_bf16_dot", lambda: False)
     q = torch.zeros(4, 8, 512, 64, dtype=torch.bfloat16, requires_grad=True)
     kv = torch.zeros(4, 8, 512, 64, dtype=torch.bfloat16)
     with torch.enable_grad():

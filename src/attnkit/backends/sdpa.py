@@ -34,7 +34,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, dim_str, shape_str
 from .._kernel import make_plan, no_autocast
-from .._native.kernel import MATRIX_UNIT
+from .._native.kernel import BF16_DOT, MATRIX_UNIT
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
 from .base import Backend, CallInputs
@@ -63,25 +63,35 @@ _CPU_DECODE_BYTES = 8 << 20
 # one: 0.55x at T=128, 0.65x at T=4096 causal). bfloat16 prefill stays with torch: without
 # bfloat16 products in the vector unit the native kernel runs it at its float32 speed, which torch's
 # bfloat16 kernel matches (1.04x at T=4096 causal, 1.2-2.4x below T=256).
-# On CPUs that multiply bfloat16 (AVX512-BF16, AMX) or float16 (AMX-FP16) in their vector units,
-# which torch's kernels use, only the decode rule holds (it is about memory traffic, not products).
-# Training in bfloat16/float16 goes to the native kernel on CPUs without those products: torch's
+# On CPUs whose matrix unit multiplies bfloat16 (AMX-BF16) or float16 (AMX-FP16), which torch's
+# kernels use, only the decode rule holds (it is about memory traffic, not products).
+# Training in bfloat16/float16 goes to the native kernel on CPUs without that unit: torch's
 # CPU backward is its slow half there (fwd+bwd at T=4096 causal: the native kernel 0.16x torch's
-# time in bfloat16, 0.09x in float16); bfloat16 training also on CPUs with AMX, where the native
-# kernel runs both passes' products on the matrix unit (see _matrix_unit).
+# time in bfloat16, 0.09x in float16, AVX2; 0.53x in bfloat16 with AVX512-BF16); bfloat16
+# training also on CPUs with AMX, where the native kernel runs both passes' products on the
+# matrix unit (see _matrix_unit).
 _CPU_DECODE_BYTES_REDUCED = 1 << 20
 _REDUCED = (torch.bfloat16, torch.float16)
-# On CPUs with bfloat16 products (Intel's AVX512-BF16 and AMX) torch's CPU kernels are fast in
-# every dtype, and the rules above do not hold (measured side by side on a 2-core Intel Xeon with
-# AMX-BF16; the figures are in the inference guide). A decode step goes to the native kernel
-# only when query heads share key/value heads (torch reads a shared head's cache once per query
-# head) and from 16 MiB of keys and values: 0.45-0.52x torch's time in float32 from 32 MiB, 0.52-
-# 0.77x in bfloat16 from 16 MiB, two threads; with one query head per key/value head torch reads
-# each cache once and is faster (1.4-1.9x at 16-32 MiB, even at 128-256 MiB), as it is below
-# 8 MiB (1.0-6.9x). Prefill without a mask stays with torch in float32 (the native kernel took
-# 1.2-1.5x its time at T=128-256, one thread) and in float16 (1.3-1.6x at T=128-256, 1.13x at
-# T=4096 causal).
+# On CPUs with AMX (Intel's Xeons from Sapphire Rapids on, with AVX512-BF16 and AVX512-FP16)
+# torch's CPU kernels are fast in every dtype, and the rules above do not hold (measured side by
+# side on a 2-core Intel Xeon with AMX-BF16; the figures are in the inference guide). A decode
+# step goes to the native kernel only when query heads share key/value heads (torch reads a
+# shared head's cache once per query head) and from 16 MiB of keys and values: 0.45-0.52x
+# torch's time in float32 from 32 MiB, 0.52-0.77x in bfloat16 from 16 MiB, two threads; with one
+# query head per key/value head torch reads each cache once and is faster (1.4-1.9x at 16-32 MiB,
+# even at 128-256 MiB), as it is below 8 MiB (1.0-6.9x). Prefill without a mask stays with torch
+# in float32 (the native kernel took 1.2-1.5x its time at T=128-256, one thread) and in float16
+# (1.3-1.6x at T=128-256, 1.13x at T=4096 causal).
 _CPU_DECODE_BYTES_GROUPED = 16 << 20
+# On CPUs with AVX512-BF16 but no AMX (measured on a 2-core AMD EPYC, Zen 4) torch's float32
+# kernels are as fast as there, its bfloat16 and float16 ones not: float32 follows the rules of
+# CPUs with AMX, but for grouped decode steps from 4 MiB (the native kernel 0.84x torch's time at
+# 4 MiB, 0.44-0.55x at 8, 0.36-0.41x at 256; 1.21-1.54x at 16 MiB without groups, 3.6-7.4x at
+# 0.5-2 MiB, one thread); bfloat16 and float16 follow the rules of CPUs without bfloat16
+# products, and bfloat16 prefill goes to the native kernel from _CPU_FORWARD_SCORES scores, where
+# its products run as AVX512-BF16's dot products (0.84-0.85x torch's time at T=128, 0.59-0.60x
+# at 256, 0.36-0.41x causal at T=256-4096; 0.88-1.03x at T=96, 1.40-1.42x at 64).
+_CPU_DECODE_BYTES_GROUPED_DOT = 4 << 20
 
 
 def _cpu_has(*names: str) -> bool:
@@ -89,16 +99,17 @@ def _cpu_has(*names: str) -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in names)
 
 
-# What the CPU multiplies, read once at import: the checks are not traceable by torch.compile,
-# and a compiled call consults them while it is traced.
+# What the CPU multiplies on its matrix unit, read once at import: the checks are not traceable
+# by torch.compile, and a compiled call consults them while it is traced.
 _CPU_PRODUCTS = {
-    torch.bfloat16: _cpu_has("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+    torch.bfloat16: MATRIX_UNIT,
     torch.float16: _cpu_has("_is_amx_fp16_supported"),
 }
 
 
 def _products_in(dtype: torch.dtype) -> bool:
-    """Whether this CPU's vector unit multiplies ``dtype`` (bfloat16 or float16) itself."""
+    """Whether torch's CPU kernels multiply ``dtype`` (bfloat16 or float16) on the CPU's matrix
+    unit (AMX), where they are fast in it."""
     return _CPU_PRODUCTS.get(dtype, False)
 
 
@@ -106,6 +117,12 @@ def _matrix_unit() -> bool:
     """Whether this CPU has AMX tiles, where the native kernel runs bfloat16 products on the
     matrix unit (see _CPU_MATRIX_PREFILL_LENGTH and _CPU_MATRIX_TRAIN_SCORES)."""
     return MATRIX_UNIT
+
+
+def _bf16_dot() -> bool:
+    """Whether this CPU has AVX512-BF16 but no AMX, where the native kernel runs bfloat16
+    products as AVX512-BF16's dot products (see _CPU_DECODE_BYTES_GROUPED_DOT)."""
+    return BF16_DOT and not MATRIX_UNIT
 
 
 # bfloat16 inference on CPUs with AMX goes to the native kernel from this many queries and keys,
@@ -127,23 +144,25 @@ def _scores(call: AttentionCall) -> int:
 
 
 def _fast_torch_cpu() -> bool:
-    """Whether this CPU has bfloat16 products (AVX512-BF16, AMX), where torch's CPU kernels are
-    fast in every dtype (see _CPU_DECODE_BYTES_GROUPED)."""
-    return _products_in(torch.bfloat16)
+    """Whether this CPU has AVX512-BF16 (with AMX or without), where torch's float32 CPU kernels
+    are fast (see _CPU_DECODE_BYTES_GROUPED and _CPU_DECODE_BYTES_GROUPED_DOT)."""
+    return _matrix_unit() or _bf16_dot()
 
 
 def _grouped_decode(call: AttentionCall, size: int) -> list[str]:
     """On such CPUs, why torch decodes slower: the step reads enough of shared key/value heads'
     caches (``size`` bytes) for the native kernel's single read of each to beat torch's one read
     per query head; else nothing."""
-    if call.num_heads == call.num_kv_heads or size < _CPU_DECODE_BYTES_GROUPED:
+    least, cpus = _CPU_DECODE_BYTES_GROUPED, "CPUs with AMX"
+    if not _matrix_unit():
+        least, cpus = _CPU_DECODE_BYTES_GROUPED_DOT, "CPUs with AVX512-BF16 and no AMX"
+    if call.num_heads == call.num_kv_heads or size < least:
         return []
     name = "" if call.dtype not in _REDUCED else str(call.dtype).removeprefix("torch.") + " "
     return [
         f"decodes slower on CPUs: {size / 2**20:.0f} MiB of {name}keys and values shared by "
         f"{call.num_heads // call.num_kv_heads} query heads each, which torch reads once per "
-        f"query head and the native kernel once (from {_CPU_DECODE_BYTES_GROUPED >> 20} MiB on "
-        f"CPUs with bfloat16 products)"
+        f"query head and the native kernel once (from {least >> 20} MiB on {cpus})"
     ]
 
 
@@ -339,7 +358,8 @@ def sdpa_slower(call: AttentionCall) -> list[str]:
         name = str(call.dtype).removeprefix("torch.")
         slow.append(
             f"trains slower on CPUs: torch's CPU backward is its slow half in {name} on CPUs "
-            f"without {name} products (6-11x the native kernel's training step at T=4096)"
+            f"without a matrix unit for {name} (1.9-11x the native kernel's training step at "
+            f"T=4096)"
         )
     elif (
         call.requires_grad
@@ -387,20 +407,31 @@ def _slow_reduced_inference(call: AttentionCall) -> list[str]:
             ]
         scores = _scores(call)
         if (
+            call.dtype == torch.bfloat16
+            and _bf16_dot()
+            and scores >= _CPU_FORWARD_SCORES
+            and call.qk_dim % 2 == 0
+        ):
+            return [
+                f"runs slower on CPUs with AVX512-BF16 and no AMX at this size: {scores} scores, "
+                f"where the native kernel runs a bfloat16 forward's products as AVX512-BF16's dot "
+                f"products (0.36-0.85x torch's time; bfloat16 from {_CPU_FORWARD_SCORES} on)"
+            ]
+        if (
             call.dtype == torch.float16
             and scores >= _CPU_FORWARD_SCORES
             and not _products_in(torch.float16)
-            and not _fast_torch_cpu()
+            and not _matrix_unit()
         ):
             return [
                 f"runs slower on CPUs at this size: {scores} scores, where torch's float16 CPU "
-                f"forward takes 1.5-2x the native kernel's time (float16 from "
+                f"forward takes 1.5-3.3x the native kernel's time (float16 from "
                 f"{_CPU_FORWARD_SCORES} on)"
             ]
         return []
     size = _decode_bytes(call)
-    # (float16 on a CPU with bfloat16 products only: torch's float16 decode is as slow as on any
-    # CPU without float16 products, 0.36-0.74x the native kernel's time at 2-8 MiB)
+    # (float16 on a CPU with AMX-BF16 only: torch's float16 decode is as slow as on any CPU
+    # without float16 products, 0.36-0.74x the native kernel's time at 2-8 MiB)
     if _products_in(call.dtype):
         return _grouped_decode(call, size)
     if size < _CPU_DECODE_BYTES_REDUCED:
