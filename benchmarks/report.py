@@ -153,6 +153,8 @@ def provenance(run: Run) -> str:
     if not env:
         return f"`{run.name}.json` records no machine or versions."
     where = env.get("gpu") or env.get("cpu", "unknown CPU")
+    if not env.get("gpu") and env.get("cpu_features"):
+        where += f" ({', '.join(env['cpu_features'])})"
     cores = f"{env.get('cpu_count')} cores, {env.get('torch_threads')} torch threads"
     soft = f"Python {env.get('python')}, torch {env.get('torch')}, attnkit {env.get('attnkit')}"
     text = f"Measured on {where} ({cores}; {env.get('platform')}), {soft}"

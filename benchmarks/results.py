@@ -45,12 +45,29 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# torch.cpu's checks of what the CPU computes in, and the names they are reported by.
+_CPU_FEATURES = {
+    "_is_avx2_supported": "AVX2",
+    "_is_avx512_supported": "AVX-512",
+    "_is_avx512_bf16_supported": "AVX512-BF16",
+    "_is_amx_tile_supported": "AMX",
+    "_is_amx_fp16_supported": "AMX-FP16",
+}
+
+
+def cpu_features() -> list[str]:
+    """The vector and matrix units of this CPU that attnkit's and torch's kernels choose by
+    (CPUs of one model name differ: "AMD EPYC" names AVX2-only and AVX-512 parts alike)."""
+    return [name for check, name in _CPU_FEATURES.items() if getattr(torch.cpu, check, bool)()]
+
+
 def environment(device: str | torch.device = "cpu") -> dict[str, Any]:
     """What produced a measurement: the machine, its threads and the software versions."""
     device = torch.device(device)
     env: dict[str, Any] = {
         "platform": platform.platform(),
         "cpu": _cpu_model(),
+        "cpu_features": cpu_features(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": device.type,
