@@ -246,7 +246,10 @@ template <int R, int K, typename X>
 inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const X* const* x,
                       float* s, int64_t ld) {
   static_assert(R * K == 16, "a block of 16 dot products");
+  // (unrolled: as a loop GCC makes the zeroing a memset, which keeps the sums in memory,
+  // stored at every step)
   __m512 acc[16];
+#pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t e = 0; e < d; e += 16) {
     const __mmask16 m = d - e >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - e)) - 1);
@@ -257,9 +260,13 @@ inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const
       for (int j = 0; j < K; ++j) acc[r * K + j] = _mm512_fmadd_ps(av, xv[j], acc[r * K + j]);
     }
   }
-  // Lane K r + j: row r, key j.
+  // Lane K r + j: row r, key j. (lane_sums16 takes a copy: an array whose address is taken
+  // lives in memory, and GCC then stores the sums there at every step.)
+  __m512 sums[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) sums[i] = acc[i];
   alignas(64) float out[16];
-  _mm512_store_ps(out, _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(alpha)));
+  _mm512_store_ps(out, _mm512_mul_ps(lane_sums16(sums), _mm512_set1_ps(alpha)));
   for (int r = 0; r < R; ++r) std::copy(out + r * K, out + (r + 1) * K, s + r * ld);
 }
 
