@@ -475,7 +475,12 @@ def kernel_attention(
         skewed_position=skewed_position,
     )
     note_kernel(spec.kernel)
-    out, lse = _apply(spec, q, k, v, dense, sinks, *term_inputs, *captured)
+    extra = (*term_inputs, *captured)
+    if _wants_grads(q, k, v, dense, sinks, *extra):
+        out, lse = _apply(spec, q, k, v, dense, sinks, *extra)
+    else:  # no graph to record: the forward alone (autograd.Function's own costs are a
+        # sizable part of a small decode step's)
+        out, lse = run_forward(spec, q, k, v, dense, sinks, extra, for_backward=False)[:2]
     return (out, lse) if return_lse else out
 
 

@@ -75,7 +75,7 @@ def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[objec
     Inside ``torch.autocast`` (a forward, or a backward called within it) every ``bmm`` would run
     in the autocast dtype and meet the float32 running sums.
     """
-    if torch.amp.is_autocast_available(device.type):
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 
