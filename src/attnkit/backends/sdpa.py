@@ -83,14 +83,12 @@ _REDUCED = (torch.bfloat16, torch.float16)
 # in float32 (the native kernel took 1.2-1.5x its time at T=128-256, one thread) and in float16
 # (1.3-1.6x at T=128-256, 1.13x at T=4096 causal).
 _CPU_DECODE_BYTES_GROUPED = 16 << 20
-# On CPUs with AVX512-BF16 but no AMX (measured on a 2-core AMD EPYC, Zen 4) torch's float32
-# kernels are as fast as there, its bfloat16 and float16 ones not: float32 follows the rules of
-# CPUs with AMX, but for grouped decode steps from 4 MiB (the native kernel 0.84x torch's time at
-# 4 MiB, 0.44-0.55x at 8, 0.36-0.41x at 256; 1.21-1.54x at 16 MiB without groups, 3.6-7.4x at
-# 0.5-2 MiB, one thread); bfloat16 and float16 follow the rules of CPUs without bfloat16
-# products, and bfloat16 prefill goes to the native kernel from _CPU_FORWARD_SCORES scores, where
-# its products run as AVX512-BF16's dot products (0.84-0.85x torch's time at T=128, 0.59-0.60x
-# at 256, 0.36-0.41x causal at T=256-4096; 0.88-1.03x at T=96, 1.40-1.42x at 64).
+# On CPUs with AVX512-BF16 but no AMX (measured on a 2-core AMD EPYC, Zen 4; the figures are in
+# the inference guide) torch's float32 kernels are as fast as there, its bfloat16 and float16 ones
+# not: float32 follows the rules of CPUs with AMX, but for grouped decode steps, from 4 MiB;
+# bfloat16 and float16 follow the rules of CPUs without bfloat16 products, and bfloat16 prefill
+# goes to the native kernel from _CPU_FORWARD_SCORES scores, where its products run as
+# AVX512-BF16's dot products.
 _CPU_DECODE_BYTES_GROUPED_DOT = 4 << 20
 
 
