@@ -249,7 +249,7 @@ NOT_A_MIRROR = {
     "distributed/test_ddp.py": "distributed/backend.py under DistributedDataParallel",
     "interop/test_hyperparameters.py": "every loader of interop/: each number it copies",
     "native/test_decode.py": "the native kernel's decode path (_native/csrc/decode.cpp)",
-    "native/test_matrix_unit.py": "bfloat16 products on the AMX unit (_native/csrc/matrix_unit.h)",
+    "native/test_matrix_unit.py": "bfloat16 products: AMX, AVX512-BF16 (csrc/matrix_unit.h)",
     "native/test_softcap_bias.py": "the native kernel with softcap and something added to scores",
 }
 

@@ -50,12 +50,22 @@ REDUCED = (torch.bfloat16, torch.float16)
 DECODE_QUERIES = 16
 
 
+def _cpu_has(check: str) -> bool:
+    """torch.cpu's ``check`` (absent: no), for the kernel built for AVX-512 only: the bfloat16
+    products are in that build alone (see csrc/matrix_unit.h)."""
+    try:
+        avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    except (AttributeError, RuntimeError):
+        avx512 = False
+    return avx512 and bool(getattr(torch.cpu, check, lambda: False)())
+
+
 # Whether this CPU has a matrix unit for bfloat16 (AMX tiles), read once: the kernel runs a
 # bfloat16 call's products there (see csrc/matrix_unit.h).
-MATRIX_UNIT = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+MATRIX_UNIT = _cpu_has("_is_amx_tile_supported")
 # Whether it has AVX512-BF16 (every CPU with AMX has): without the matrix unit the kernel runs
 # those products as AVX512-BF16's dot products (AMD's Zen 4 on, Intel's Cooper Lake).
-BF16_DOT = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+BF16_DOT = _cpu_has("_is_avx512_bf16_supported")
 #: Where the native kernel runs a bfloat16 call's products (products of bfloat16 summed in
 #: float32), in words; None: in float32, on bfloat16 converted to float32.
 BF16_PRODUCTS = (

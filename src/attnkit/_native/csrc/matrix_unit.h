@@ -3,7 +3,9 @@
 // the rate of float32 vector FMAs, while the softmax stays in float32 between them; so does the
 // backward with its five. The forward runs them in the unit's tiles itself where the heads'
 // widths allow (tile_scores, tile_values), else, as the backward does, through the batch-reduce
-// GEMM torch links (oneDNN's micro-kernels, at::native::cpublas::brgemm).
+// GEMM torch links (oneDNN's micro-kernels, at::native::cpublas::brgemm). A CPU without the unit
+// but with AVX512-BF16 runs the same products, on the same packed operands, as that extension's
+// dot products in vector registers (dot_product).
 //
 // The matrix unit reads its right operand as pairs of bfloat16 along the sum ("VNNI" layout:
 // element (p, j) of a K x N matrix at [p / 2][j][p % 2]). For q k^T the sum runs over the head's
@@ -442,8 +444,8 @@ ATTNKIT_BF16 inline void dot_rows(int64_t n, int64_t k, const at::BFloat16* a, i
 }
 
 ATTNKIT_BF16 inline void dot_product(int64_t m, int64_t n, int64_t k, const at::BFloat16* a,
-                              int64_t lda, const at::BFloat16* b, int64_t ldb, float* c,
-                              int64_t ldc, bool add) {
+                                     int64_t lda, const at::BFloat16* b, int64_t ldb, float* c,
+                                     int64_t ldc, bool add) {
   int64_t i = 0;
   for (; i + 8 <= m; i += 8) dot_rows<8>(n, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc, add);
   if (m - i >= 4) {
