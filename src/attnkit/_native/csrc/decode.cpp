@@ -751,6 +751,13 @@ void run_visit(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b
       if (a <= double(ks) && z >= double(ke - 1)) step[4] = 0;
     }
     if (by_token) {
+      // The first line of each of the next step's tokens, asked for now: pages of a few tokens
+      // lie anywhere, and the hardware's prefetchers start a stream only after a page's first
+      // misses.
+      for (int64_t j = 0; j < after - ke; ++j) {
+        to_l2(reinterpret_cast<const char*>(b.next_keys[j]));
+        to_l2(reinterpret_cast<const char*>(b.next_values[j]));
+      }
       run_token_step(d, c, b, it, step, ks - vis[0]);
     } else {
       for (int64_t hh = 0; hh < it.heads; ++hh) {
