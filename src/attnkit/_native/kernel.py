@@ -50,9 +50,10 @@ REDUCED = (torch.bfloat16, torch.float16)
 DECODE_QUERIES = 16
 
 
-def _cpu_has(check: str) -> bool:
-    """torch.cpu's ``check`` (absent: no), for the kernel built for AVX-512 only: the bfloat16
-    products are in that build alone (see csrc/matrix_unit.h)."""
+def cpu_has(check: str) -> bool:
+    """torch.cpu's ``check`` (``"_is_amx_tile_supported"``...; absent: no), where torch runs its
+    AVX-512 kernels: the native kernel's bfloat16 products are in that build alone (see
+    csrc/matrix_unit.h), and so are torch's own on the matrix unit."""
     try:
         avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
     except (AttributeError, RuntimeError):
@@ -62,10 +63,10 @@ def _cpu_has(check: str) -> bool:
 
 # Whether this CPU has a matrix unit for bfloat16 (AMX tiles), read once: the kernel runs a
 # bfloat16 call's products there (see csrc/matrix_unit.h).
-MATRIX_UNIT = _cpu_has("_is_amx_tile_supported")
+MATRIX_UNIT = cpu_has("_is_amx_tile_supported")
 # Whether it has AVX512-BF16 (every CPU with AMX has): without the matrix unit the kernel runs
 # those products as AVX512-BF16's dot products (AMD's Zen 4 on, Intel's Cooper Lake).
-BF16_DOT = _cpu_has("_is_avx512_bf16_supported")
+BF16_DOT = cpu_has("_is_avx512_bf16_supported")
 #: Where the native kernel runs a bfloat16 call's products (products of bfloat16 summed in
 #: float32), in words; None: in float32, on bfloat16 converted to float32.
 BF16_PRODUCTS = (

@@ -34,7 +34,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, dim_str, shape_str
 from .._kernel import make_plan, no_autocast
-from .._native.kernel import BF16_DOT, MATRIX_UNIT
+from .._native.kernel import BF16_DOT, MATRIX_UNIT, cpu_has
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
 from .base import Backend, CallInputs
@@ -92,16 +92,11 @@ _CPU_DECODE_BYTES_GROUPED = 16 << 20
 _CPU_DECODE_BYTES_GROUPED_DOT = 4 << 20
 
 
-def _cpu_has(*names: str) -> bool:
-    """Whether any of torch.cpu's ``_is_<feature>_supported`` checks says yes (absent: no)."""
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in names)
-
-
 # What the CPU multiplies on its matrix unit, read once at import: the checks are not traceable
 # by torch.compile, and a compiled call consults them while it is traced.
 _CPU_PRODUCTS = {
     torch.bfloat16: MATRIX_UNIT,
-    torch.float16: _cpu_has("_is_amx_fp16_supported"),
+    torch.float16: cpu_has("_is_amx_fp16_supported"),
 }
 
 

@@ -149,8 +149,9 @@ void forward_head(Call<T> c, ForwardBuffers<T>& b, Widened<T, KV>& wide, int64_t
 }
 
 #if defined(ATTNKIT_MATRIX_UNIT)
-// Whether a call's bfloat16 keys (rows k) and values take both products on the matrix unit.
-// (Values of width 0 have no product to run: the GEMM refuses an empty one.)
+// Whether a call's bfloat16 keys (rows k) and values take both products as bfloat16, on the
+// matrix unit or AVX512-BF16 (matrix_unit.h). (Values of width 0 have no product to run: the
+// GEMM refuses an empty one.)
 inline bool matrix_unit_serves(const Call<float>& c, const Rows<const at::BFloat16*>& k) {
   return c.register_tiles && c.Tq > 0 && c.Tk > 0 && c.Dv > 0 && has_bf16_products() &&
          PackedRows::fits(k, c.Dk);
@@ -441,7 +442,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a) {
               " and ", a.v.sizes());
   if (a.q.scalar_type() == at::kBFloat16) {
     // bfloat16 queries (with bfloat16 keys and values, see native_forward): read as they are
-    // where the matrix unit serves the call, else converted to float32 and the output back.
+    // where the bfloat16 products serve the call, else converted to float32 and the output back.
 #if defined(ATTNKIT_MATRIX_UNIT)
     Call<float> c = make_call<float>(a);
     Widened<float, at::BFloat16> wide;
