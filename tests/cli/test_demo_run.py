@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,15 +40,35 @@ def test_a_failed_swap_puts_the_earlier_run_back(
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.new-test", "out"]
 
 
-def test_ctrl_c_during_the_swap_takes_effect_after_it() -> None:
-    done = []
+@pytest.fixture
+def sigint() -> Iterator[None]:
+    """Restores the process's SIGINT handler after a test that sets one (a process started in the
+    background by a shell without job control inherits SIGINT ignored)."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, before)
 
-    def swap() -> None:
-        with _demo_run._interrupts_deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            done.append("the block ran to its end")
 
+def _swap(done: list[str]) -> None:
+    with _demo_run._interrupts_deferred():
+        # raise_signal: delivered to this thread (os.kill may hand it to one of torch's threads,
+        # whose handler can run after the block on a busy machine)
+        signal.raise_signal(signal.SIGINT)
+        done.append("the block ran to its end")
+
+
+def test_ctrl_c_during_the_swap_takes_effect_after_it(sigint: None) -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    done: list[str] = []
     with pytest.raises(KeyboardInterrupt):
-        swap()
+        _swap(done)
     assert done == ["the block ran to its end"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_stays_ignored_where_it_was(sigint: None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    done: list[str] = []
+    _swap(done)
+    assert done == ["the block ran to its end"]
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
