@@ -335,7 +335,7 @@ ATTNKIT_INLINE void dots(int64_t m, int64_t n, int64_t d, T alpha, const T* a, i
 // registers over all n keys (as tiles.h's register tiles, with the rows wherever they lie).
 template <int R, int NV, typename X>
 ATTNKIT_INLINE void weigh_tile(int64_t n, const float* p, int64_t ld, RowList<X> x, int64_t c0,
-                       int64_t tail, float* acc, int64_t ldc) {
+                               int64_t tail, float* acc, int64_t ldc, const Ahead<X>& ahead) {
   constexpr int W = 16;
   __m512 o[R][NV];
   const __mmask16 last = tail > 0 ? __mmask16((1u << tail) - 1) : __mmask16(0xffff);
@@ -344,6 +344,7 @@ ATTNKIT_INLINE void weigh_tile(int64_t n, const float* p, int64_t ld, RowList<X>
       o[r][v] =
           _mm512_maskz_loadu_ps(v == NV - 1 ? last : __mmask16(0xffff), acc + r * ldc + c0 + v * W);
   for (int64_t j = 0; j < n; ++j) {
+    ahead.for_keys(j, j + 1, n);
     const X* xr = x[j] + c0;
     __m512 xv[NV];
     for (int v = 0; v < NV; ++v) xv[v] = load16(v == NV - 1 ? last : __mmask16(0xffff), xr + v * W);
@@ -358,15 +359,27 @@ ATTNKIT_INLINE void weigh_tile(int64_t n, const float* p, int64_t ld, RowList<X>
                             o[r][v]);
 }
 
+// weigh_tile over a row's width; the first tile also asks for ahead's rows.
 template <int R, typename X>
-ATTNKIT_INLINE void weigh_rows_of(int64_t n, int64_t dv, const float* p, int64_t ld, RowList<X> x, float* acc,
-                   int64_t ldc) {
+ATTNKIT_INLINE void weigh_rows_of(int64_t n, int64_t dv, const float* p, int64_t ld, RowList<X> x,
+                                  float* acc, int64_t ldc, Ahead<X> ahead) {
   int64_t c0 = 0;
-  for (; c0 + 64 <= dv; c0 += 64) weigh_tile<R, 4>(n, p, ld, x, c0, 0, acc, ldc);
-  for (; c0 < dv; c0 += 16) {
-    weigh_tile<R, 1>(n, p, ld, x, c0, dv - c0 >= 16 ? 0 : dv - c0, acc, ldc);
+  for (; c0 + 64 <= dv; c0 += 64, ahead = Ahead<X>{}) {
+    weigh_tile<R, 4>(n, p, ld, x, c0, 0, acc, ldc, ahead);
+  }
+  for (; c0 < dv; c0 += 16, ahead = Ahead<X>{}) {
+    weigh_tile<R, 1>(n, p, ld, x, c0, dv - c0 >= 16 ? 0 : dv - c0, acc, ldc, ahead);
   }
 }
+#endif
+
+// Whether weigh asks for an Ahead's rows while it runs (else it ignores them).
+template <typename T>
+constexpr bool kWeighAsks =
+#if defined(CPU_CAPABILITY_AVX512)
+    std::is_same_v<T, float>;
+#else
+    false;
 #endif
 
 // acc rows 0 .. R - 1 (columns c0 .. c0 + NV W - 1, ldc) += p (R x n, ld) x's rows, in vectors of
@@ -409,22 +422,26 @@ void weigh_rows(int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x, T* 
   }
 }
 
-// acc (m rows, dv wide) += p (m x n, ld) x (n rows wherever they lie), for few rows.
+// acc (m rows, dv wide) += p (m x n, ld) x (n rows wherever they lie), for few rows; where
+// kWeighAsks<T>, ahead's rows are asked for during the first rows' products.
 template <typename T, typename X>
-ATTNKIT_INLINE void weigh(int64_t m, int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x, T* acc) {
+ATTNKIT_INLINE void weigh(int64_t m, int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x,
+                          T* acc, Ahead<X> ahead) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) weigh_rows_of<4>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+    for (; r + 4 <= m; r += 4, ahead = Ahead<X>{}) {
+      weigh_rows_of<4>(n, dv, p + r * ld, ld, x, acc + r * dv, dv, ahead);
+    }
     switch (m - r) {
       case 3:
-        weigh_rows_of<3>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+        weigh_rows_of<3>(n, dv, p + r * ld, ld, x, acc + r * dv, dv, ahead);
         break;
       case 2:
-        weigh_rows_of<2>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+        weigh_rows_of<2>(n, dv, p + r * ld, ld, x, acc + r * dv, dv, ahead);
         break;
       case 1:
-        weigh_rows_of<1>(n, dv, p + r * ld, ld, x, acc + r * dv, dv);
+        weigh_rows_of<1>(n, dv, p + r * ld, ld, x, acc + r * dv, dv, ahead);
         break;
       default:
         break;
@@ -604,8 +621,19 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
   const T* qrows = b.q.data() + (hh * R + first) * c.Dk;
   const T alpha = product_factor(c);
   const bool few = nr <= kDotRows;
+  // Few rows: the next keys are asked for during this step's key products and the next values
+  // during its value products (where weigh can): asked for in one burst, the lines queue behind
+  // each other and stall the products they run beside; spread over both passes, the memory
+  // traffic overlaps the products of both.
+  const bool split = few && !careful && kWeighAsks<T>;
+  Ahead<KV> next_keys = ahead, next_values;
+  if (split) {
+    next_keys.v_bytes = 0;
+    next_values = ahead;
+    next_values.k_bytes = 0;
+  }
   if (few) {
-    dots<T>(nr, nk, c.Dk, alpha, qrows, c.Dk, keys, s, nk, ahead);
+    dots<T>(nr, nk, c.Dk, alpha, qrows, c.Dk, keys, s, nk, next_keys);
   } else {  // the step lies in one page (see run_visit)
     ahead.for_keys(0, nk, nk);
     int64_t ld = 0;
@@ -630,7 +658,7 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
   if (careful) {
     weigh_seen(nr, nk, c.Dv, s, b.hidden.data(), values, acc);
   } else if (few) {
-    weigh<T>(nr, nk, c.Dv, s, nk, values, acc);
+    weigh<T>(nr, nk, c.Dv, s, nk, values, acc, next_values);
   } else {
     int64_t ld = 0;
     const T* v = rows_in<T>(d.v, values, n, hk, ks, nk, c.Dv, b.wide_v.data(), ld);
@@ -712,7 +740,7 @@ void run_token_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, K
     const int64_t nb = std::min(kTokenBlock, nk - j0);
     for (int64_t hh = 0; hh < it.heads; ++hh) {
       weigh<T>(nr, nb, c.Dv, s + hh * nr * nk + j0, nk, RowList<KV>{values + j0, hh * d.v.x.s[1]},
-               b.acc.data() + (hh * R + first) * c.Dv);
+               b.acc.data() + (hh * R + first) * c.Dv, Ahead<KV>{});
     }
   }
 }
