@@ -46,8 +46,15 @@ constexpr int64_t kStep = 128;
 // Query rows (over all heads of an item) up to which the product q k^T runs as dot products here;
 // more take a GEMM.
 constexpr int64_t kDotRows = 8;
-// Keys per step of an item of at most kDotRows rows (see run_visit).
-constexpr int64_t kFewRowsStep = 64;
+// Keys per step of an item of at most kDotRows rows whose rows are read a head at a time (see
+// run_visit): short steps alternate the products of keys and of values, and with them the
+// prefetches of the next keys and values (see run_step), often enough to keep memory busy
+// through both. Float32 rows gained the most from steps of 16 keys; bfloat16 and float16 rows,
+// converted in registers as they are read, gained nothing below 64.
+template <typename KV>
+constexpr int64_t kFewRowsStep = sizeof(KV) >= 4 ? 16 : 64;
+// Keys per step of such an item read token by token (see run_token_step).
+constexpr int64_t kTokenStep = 64;
 // Keys of a token-major step read for all the item's heads in turn (see run_token_step): two of
 // dot_block's blocks of 4, few pages at a time for the prefetchers (of 4, 8 and 16, 8 was the
 // fastest for 8 heads of 128 in bfloat16, two tokens to a page, and as fast as 16 in float32).
@@ -498,9 +505,9 @@ struct DecodeBuffers {
         next_values(kStep),
         wide_k(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dk),
         wide_v(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dv),
-        read_s(d.heads > 1 ? d.heads * kDotRows * kFewRowsStep : 0),
+        read_s(d.heads > 1 ? d.heads * kDotRows * kTokenStep : 0),
         key_s(read_s.size()),
-        read_keys(d.heads > 1 ? kFewRowsStep : 0),
+        read_keys(d.heads > 1 ? kTokenStep : 0),
         read_values(read_keys.size()),
         read_order(read_keys.size()) {}
 };
@@ -751,18 +758,17 @@ void run_token_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, K
 template <typename T, typename KV>
 void run_visit(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b, const Item& it,
                const int64_t* vis, int64_t first, int64_t last, bool careful) {
-  // Few rows take shorter steps: the products of a step's keys and of its values then alternate
-  // often enough for the prefetches of the next keys and values to stay ahead of both.
   const bool few = (vis[3] - vis[2]) * c.G <= kDotRows;
-  const int64_t len = few ? kFewRowsStep : kStep;
-  auto end_of = [&](int64_t ks) {
-    const int64_t e = std::min(last, ks + len);
-    return few ? e : d.k.page_end(ks, e);
-  };
   // Token-major rows: every head of a block of keys in turn, in address order, for the hardware
   // prefetchers (see the top of this file), rather than software prefetches a head at a time; a
   // careful step goes head by head.
   const bool by_token = few && !careful && it.heads > 1;
+  // Few rows take shorter steps (see kFewRowsStep).
+  const int64_t len = by_token ? kTokenStep : few ? kFewRowsStep<KV> : kStep;
+  auto end_of = [&](int64_t ks) {
+    const int64_t e = std::min(last, ks + len);
+    return few ? e : d.k.page_end(ks, e);
+  };
   const int64_t n = it.n, hk0 = it.hk0;
   int64_t ks = first, ke = end_of(first);
   rows_of_keys(d.k, n, hk0, ks, ke, b.keys.data());
