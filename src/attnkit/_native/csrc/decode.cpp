@@ -29,6 +29,7 @@
 #include <memory>
 
 #include "kernel.h"
+#include "matrix_unit.h"
 #include "position.h"
 #include "scores.h"
 
@@ -297,6 +298,75 @@ void dot_blocks(int64_t n, int64_t d, float alpha, const float* a, int64_t lda, 
 }
 #endif
 
+#if defined(ATTNKIT_MATRIX_UNIT)
+// dot_block for bfloat16 queries and keys, on AVX512-BF16's dot products (each lane += the sum of
+// two products, 32 elements a register): half the instructions of float32 FMAs on converted
+// keys. Its products are exact in float32 like theirs, but the sums' order differs, and inputs or
+// sums below float32's normal range (under 1.2e-38) count as 0.
+template <int R, int K>
+ATTNKIT_BF16 inline void dot_block_bf16(int64_t d, float alpha, const at::BFloat16* a,
+                                        int64_t lda, const at::BFloat16* const* x, float* s,
+                                        int64_t ld) {
+  static_assert(R * K == 16, "a block of 16 dot products");
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; e += 32) {
+    const __mmask32 m = d - e >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (d - e)) - 1);
+    __m512bh xv[K];
+    for (int j = 0; j < K; ++j) xv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, x[j] + e);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(m, a + r * lda + e);
+      for (int j = 0; j < K; ++j) acc[r * K + j] = _mm512_dpbf16_ps(acc[r * K + j], av, xv[j]);
+    }
+  }
+  __m512 sums[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) sums[i] = acc[i];
+  alignas(64) float out[16];
+  _mm512_store_ps(out, _mm512_mul_ps(lane_sums16(sums), _mm512_set1_ps(alpha)));
+  for (int r = 0; r < R; ++r) std::copy(out + r * K, out + (r + 1) * K, s + r * ld);
+}
+
+// dot_blocks on dot_block_bf16 (the keys left after the blocks of 16 / R, as float32).
+template <int R>
+ATTNKIT_BF16 void dot_blocks_bf16(int64_t n, int64_t d, float alpha, const at::BFloat16* a,
+                                  const float* a32, int64_t lda, RowList<at::BFloat16> x,
+                                  float* s, int64_t ld, const Ahead<at::BFloat16>& ahead) {
+  constexpr int K = 16 / R;
+  int64_t j = 0;
+  for (; j + K <= n; j += K) {
+    ahead.for_keys(j, j + K, n);
+    const at::BFloat16* rows[K];
+    for (int i = 0; i < K; ++i) rows[i] = x[j + i];
+    dot_block_bf16<R, K>(d, alpha, a, lda, rows, s + j, ld);
+  }
+  if (j < n) {
+    ahead.for_keys(j, n, n);
+    RowList<at::BFloat16> rest{x.p + j, x.off};
+    dot_rows<float, R>(n - j, d, alpha, a32, lda, rest, s + j, ld, Ahead<at::BFloat16>{});
+  }
+}
+
+// dots (float32 rows of a, of which a16 holds the same values in bfloat16) on dot_blocks_bf16.
+ATTNKIT_BF16 void dots_bf16(int64_t m, int64_t n, int64_t d, float alpha, const at::BFloat16* a16,
+                            const float* a, int64_t lda, RowList<at::BFloat16> x, float* s,
+                            int64_t ld, Ahead<at::BFloat16> ahead) {
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4, ahead = Ahead<at::BFloat16>{}) {
+    dot_blocks_bf16<4>(n, d, alpha, a16 + r * lda, a + r * lda, lda, x, s + r * ld, ld, ahead);
+  }
+  if (m - r >= 2) {
+    dot_blocks_bf16<2>(n, d, alpha, a16 + r * lda, a + r * lda, lda, x, s + r * ld, ld, ahead);
+    ahead = Ahead<at::BFloat16>{};
+    r += 2;
+  }
+  if (m - r == 1) {
+    dot_blocks_bf16<1>(n, d, alpha, a16 + r * lda, a + r * lda, lda, x, s + r * ld, ld, ahead);
+  }
+}
+#endif
+
 // s (m x n, ld) = alpha * a (m rows of width d, lda) x^T (n rows), for few rows: the BLAS's
 // dispatch and packing would cost more than these products. The next step's rows are asked for
 // once, by the first rows' products.
@@ -478,6 +548,10 @@ ATTNKIT_INLINE void weigh(int64_t m, int64_t n, int64_t dv, const T* p, int64_t 
 template <typename T, typename KV>
 struct DecodeBuffers {
   std::vector<T> q, s, pos, acc, m, l;
+  // The item's queries in bfloat16 where they are bfloat16 values, the keys are bfloat16 and the
+  // CPU has AVX512-BF16 (q16_ok): q k^T then runs on its dot products (see key_dots).
+  std::vector<at::BFloat16> q16;
+  bool q16_ok = false;
   std::vector<T> t;             // a careful step's terms alone (see run_step)
   std::vector<uint8_t> hidden;  // a careful step's hidden pairs
   // The rows of this step's keys and values, and of the next step's, for the item's first head.
@@ -615,6 +689,23 @@ ATTNKIT_INLINE void softmax_step(const Call<T>& c, int64_t n, int64_t hk, int64_
   }
 }
 
+// s (nr x nk, ld) = alpha * the item's query rows from q0 (of b.q) x the keys^T: dots, or
+// dots_bf16 where the queries are bfloat16 values and the keys bfloat16 (b.q16_ok).
+template <typename T, typename KV>
+ATTNKIT_INLINE void key_dots(const DecodeBuffers<T, KV>& b, int64_t q0, int64_t nr, int64_t nk,
+                             int64_t dk, T alpha, RowList<KV> keys, T* s, int64_t ld,
+                             const Ahead<KV>& ahead) {
+#if defined(ATTNKIT_MATRIX_UNIT)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>) {
+    if (b.q16_ok) {
+      dots_bf16(nr, nk, dk, alpha, b.q16.data() + q0, b.q.data() + q0, dk, keys, s, ld, ahead);
+      return;
+    }
+  }
+#endif
+  dots<T>(nr, nk, dk, alpha, b.q.data() + q0, dk, keys, s, ld, ahead);
+}
+
 // One step of keys [vis[0], vis[1]) for rows vis[2]:vis[3] of the query block at qs of head (n,
 // hk), hh the head's place in its item: scores, online softmax, dropout, weighted values. keys and
 // values: the step's rows; ahead: the next step's, asked for while these products run.
@@ -640,7 +731,7 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
     next_values.k_bytes = 0;
   }
   if (few) {
-    dots<T>(nr, nk, c.Dk, alpha, qrows, c.Dk, keys, s, nk, next_keys);
+    key_dots(b, (hh * R + first) * c.Dk, nr, nk, c.Dk, alpha, keys, s, nk, next_keys);
   } else {  // the step lies in one page (see run_visit)
     ahead.for_keys(0, nk, nk);
     int64_t ld = 0;
@@ -722,8 +813,8 @@ void run_token_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, K
   for (int64_t j0 = 0; j0 < nk; j0 += kTokenBlock) {
     const int64_t nb = std::min(kTokenBlock, nk - j0);
     for (int64_t hh = 0; hh < it.heads; ++hh) {
-      dots<T>(nr, nb, c.Dk, alpha, b.q.data() + (hh * R + first) * c.Dk, c.Dk,
-              RowList<KV>{keys + j0, hh * d.k.x.s[1]}, s + hh * nr * nk + j0, nk, Ahead<KV>{});
+      key_dots(b, (hh * R + first) * c.Dk, nr, nb, c.Dk, alpha,
+               RowList<KV>{keys + j0, hh * d.k.x.s[1]}, s + hh * nr * nk + j0, nk, Ahead<KV>{});
     }
   }
   T* w = s;  // the scores in the keys' order
@@ -925,6 +1016,16 @@ void load_queries(const Decode<T, KV>& d, DecodeBuffers<T, KV>& b, const Item& i
       }
     }
   }
+#if defined(ATTNKIT_MATRIX_UNIT)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>) {
+    b.q16_ok = has_bf16_dot();
+    b.q16.resize(b.q.size());
+    for (int64_t hh = 0; hh < it.heads && b.q16_ok; ++hh) {
+      const int64_t at = hh * d.rows() * c.Dk;
+      b.q16_ok = to_bf16_exact(b.q.data() + at, it.nq * c.G * c.Dk, b.q16.data() + at);
+    }
+  }
+#endif
 }
 
 // Row n's keys the query block at qs (nq rows) may see under the band, within [start, end).
