@@ -248,6 +248,20 @@ inline __m512 lane_sums16(const __m512 (&v)[16]) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// s rows 0 .. R - 1, columns 0 .. K - 1 (ld) = alpha * the lane sums of acc, lane K r + j for
+// row r, key j.
+template <int R, int K>
+ATTNKIT_INLINE void store_block(const __m512 (&acc)[16], float alpha, float* s, int64_t ld) {
+  // (lane_sums16 takes a copy: an array whose address is taken lives in memory, and GCC then
+  // stores the sums there at every step.)
+  __m512 sums[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) sums[i] = acc[i];
+  alignas(64) float out[16];
+  _mm512_store_ps(out, _mm512_mul_ps(lane_sums16(sums), _mm512_set1_ps(alpha)));
+  for (int r = 0; r < R; ++r) std::copy(out + r * K, out + (r + 1) * K, s + r * ld);
+}
+
 // s rows 0 .. R - 1, columns 0 .. K - 1 (R K = 16) = alpha * a's rows . x's rows 0 .. K - 1: 16
 // dot products in 16 registers, each vector of a and of x loaded once for them.
 template <int R, int K, typename X>
@@ -268,14 +282,7 @@ inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const
       for (int j = 0; j < K; ++j) acc[r * K + j] = _mm512_fmadd_ps(av, xv[j], acc[r * K + j]);
     }
   }
-  // Lane K r + j: row r, key j. (lane_sums16 takes a copy: an array whose address is taken
-  // lives in memory, and GCC then stores the sums there at every step.)
-  __m512 sums[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) sums[i] = acc[i];
-  alignas(64) float out[16];
-  _mm512_store_ps(out, _mm512_mul_ps(lane_sums16(sums), _mm512_set1_ps(alpha)));
-  for (int r = 0; r < R; ++r) std::copy(out + r * K, out + (r + 1) * K, s + r * ld);
+  store_block<R, K>(acc, alpha, s, ld);
 }
 
 // dot_rows for R rows of float32 (R = 1, 2 or 4): blocks of 16 / R keys.
@@ -320,12 +327,7 @@ ATTNKIT_BF16 inline void dot_block_bf16(int64_t d, float alpha, const at::BFloat
       for (int j = 0; j < K; ++j) acc[r * K + j] = _mm512_dpbf16_ps(acc[r * K + j], av, xv[j]);
     }
   }
-  __m512 sums[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) sums[i] = acc[i];
-  alignas(64) float out[16];
-  _mm512_store_ps(out, _mm512_mul_ps(lane_sums16(sums), _mm512_set1_ps(alpha)));
-  for (int r = 0; r < R; ++r) std::copy(out + r * K, out + (r + 1) * K, s + r * ld);
+  store_block<R, K>(acc, alpha, s, ld);
 }
 
 // dot_blocks on dot_block_bf16 (the keys left after the blocks of 16 / R, as float32).
