@@ -8,7 +8,7 @@ an inference call does not read beforehand.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -392,6 +392,20 @@ def test_reduced_keys_and_values_are_read_as_they_are(
     assert k.dtype == v.dtype == dtype  # type: ignore[union-attr]
     out, lse = torch.ops.attnkit.native_forward(*args, **kwargs)
     out32, lse32 = torch.ops.attnkit.native_forward(*args32, **kwargs32)
+    torch.testing.assert_close(out, out32, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse, lse32, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("tq", [1, 2])  # 4 and 8 rows of the item: its dot products
+def test_queries_that_are_not_bfloat16_values_are_not_rounded(tq: int) -> None:
+    # Where the CPU has bfloat16 dot products, a decode step runs q k^T on them when the queries
+    # are bfloat16 values; other queries must keep their float32 products (rounded to bfloat16,
+    # these scores would move by about 1e-3).
+    args, kwargs, args32, kwargs32 = _reduced_call(torch.bfloat16, tq, "padding")
+    q = cast(torch.Tensor, args[0])
+    q = q + 1e-3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(0))
+    out, lse = torch.ops.attnkit.native_forward(q, *args[1:], **kwargs)
+    out32, lse32 = torch.ops.attnkit.native_forward(q, *args32[1:], **kwargs32)
     torch.testing.assert_close(out, out32, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(lse, lse32, rtol=2e-6, atol=2e-6)
 
