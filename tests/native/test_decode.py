@@ -396,6 +396,14 @@ def test_reduced_keys_and_values_are_read_as_they_are(
     torch.testing.assert_close(lse, lse32, rtol=2e-6, atol=2e-6)
 
 
+def test_opcheck_native_forward_on_bfloat16_keys_and_values() -> None:
+    # the decode path's bfloat16 keys and values (and q k^T on bfloat16 dot products where the
+    # CPU has them), read as they are
+    args, kwargs, _, _ = _reduced_call(torch.bfloat16, 2, "window & softcap")
+    args = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+    torch.library.opcheck(torch.ops.attnkit.native_forward.default, args, kwargs)
+
+
 @pytest.mark.parametrize("tq", [1, 2])  # 4 and 8 rows of the item: its dot products
 def test_queries_that_are_not_bfloat16_values_are_not_rounded(tq: int) -> None:
     # Where the CPU has bfloat16 dot products, a decode step runs q k^T on them when the queries
