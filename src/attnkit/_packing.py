@@ -83,7 +83,7 @@ class _Split(torch.autograd.Function):
         ctx.sizes = tuple(sizes)  # type: ignore[attr-defined]
         ctx.shape = x.shape  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
-        return tuple(x.split(list(sizes), dim=-1))
+        return tuple(x.split_with_sizes(list(sizes), dim=-1))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -136,5 +136,5 @@ def split_packed(x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
     already one tensor's consecutive columns (see ``joint_grads``), instead of concatenating them.
     """
     if not (torch.is_grad_enabled() and x.requires_grad):
-        return tuple(x.split(list(sizes), dim=-1))
+        return tuple(x.split_with_sizes(list(sizes), dim=-1))
     return _apply_split(x, tuple(sizes))

@@ -109,7 +109,9 @@ class KVCache(nn.Module):
         """
         check_float_tensor("k", k)
         check_float_tensor("v", v)
-        cached = self.k_cache.size(0)
+        # (the buffers once: each attribute of a Module is a lookup in its buffers)
+        keys, values = self.k_cache, self.v_cache
+        cached = keys.size(0)
         if k.ndim == 4 and k.size(0) != cached:
             # The caller's batch, not "k and v", which a module's user never passed.
             raise ValueError(
@@ -118,16 +120,17 @@ class KVCache(nn.Module):
                 f"with batch_size={k.size(0)} for this batch (make_cache(batch_size=...))"
             )
         t = k.size(-2) if k.ndim == 4 else "T"  # v must bring as many tokens as k
-        want_k = (*self.k_cache.shape[:2], t, self.k_cache.size(-1))
-        want_v = (*self.v_cache.shape[:2], t, self.v_cache.size(-1))
-        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+        heads = keys.size(1)
+        want_k = (cached, heads, t, keys.size(3))
+        want_v = (cached, heads, t, values.size(3))
+        if k.shape != want_k or v.shape != want_v:
             raise ValueError(
                 f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = "
                 f"{want_v} for this cache, got k {tuple(k.shape)} and v {tuple(v.shape)}"
             )
-        if k.dtype != self.k_cache.dtype or v.dtype != self.v_cache.dtype:
+        if k.dtype != keys.dtype or v.dtype != values.dtype:
             raise TypeError(
-                f"k and v must have the cache's dtype ({self.k_cache.dtype}), got k {k.dtype} and "
+                f"k and v must have the cache's dtype ({keys.dtype}), got k {k.dtype} and "
                 f"v {v.dtype}"
             )
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
@@ -135,16 +138,17 @@ class KVCache(nn.Module):
                 "KVCache got keys that require grad: the cache is for inference, run "
                 "decoding under torch.no_grad() or torch.inference_mode()"
             )
-        start, end = self.length, self.length + k.size(-2)
+        start = self.length
+        end = start + k.size(-2)
         if end > self.max_len:
             raise ValueError(
                 f"KV cache overflow: {k.size(-2)} new tokens after the {start} cached exceed "
                 f"max_len ({self.max_len}); make a larger cache or reset() it"
             )
-        self.k_cache[:, :, start:end] = k
-        self.v_cache[:, :, start:end] = v
-        self._staged = k.size(-2)
-        return self.k_cache[:, :, :end], self.v_cache[:, :, :end]
+        keys.narrow(2, start, end - start).copy_(k)
+        values.narrow(2, start, end - start).copy_(v)
+        self._staged = end - start
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
     def commit(self) -> None:
         """Hold the tokens of the last :meth:`stage` (nothing happens if none are staged)."""

@@ -486,9 +486,10 @@ class MultiHeadAttention(nn.Module):
 
         q, k, v = self._project(query, key, value)
         # (B, T, heads*Dh) -> (B, heads, T, Dh): strided views; attention() takes them as they are.
-        q = q.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = v.unflatten(-1, (self.num_kv_heads, self.v_head_dim)).transpose(1, 2)
+        # (view, not unflatten: the same view without a Python frame; rows are contiguous)
+        q = q.view(*q.shape[:-1], self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(*k.shape[:-1], self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(*v.shape[:-1], self.num_kv_heads, self.v_head_dim).transpose(1, 2)
         if isinstance(cache, PagedKVCache):
             return self._paged(q, k, v, cache, mask, bias, causal, need_weights)
         shards = self.sequence_shards

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attnkit import attention, masks
+from attnkit._call import AttentionCall, describe_call
 from attnkit._kernel import call as call_module
 from attnkit.backends import Chunked
 from attnkit.masks import Geometry, Mask
@@ -129,3 +130,79 @@ def test_the_cache_keeps_a_bounded_number_of_plans(monkeypatch: pytest.MonkeyPat
     for _ in range(2):
         attention(q, k, v, mask=big, backend=Chunked(block_q=8, block_k=8))
     assert big.asked == 2
+
+
+DECODE_MASKS = {
+    "none": (None, True),
+    "causal": (masks.causal(), True),
+    "window": (masks.sliding_window(300, 0), True),
+    "top-left causal": (masks.causal(align="top_left"), True),
+    "padding": (masks.key_padding([700, 90]), False),
+    "tiles": (masks.from_fn(lambda b, h, i, j: j % 3 != 0), False),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_MASKS))
+def test_a_decode_step_runs_one_visit_where_nothing_could_be_skipped(name: str) -> None:
+    """An inference decode step on the native kernel reads its keys in one visit under no mask
+    or a band (a band still cut at its edges), and keeps the default blocks, whose empty ones it
+    skips, under any other mask. Either way the result is the reference's, and the backend's
+    block_plan is the plan the call runs with."""
+    if not call_module.native_serves(torch.device("cpu"), None, False, True):
+        pytest.skip("the native kernel is not available")
+    mask, one_block = DECODE_MASKS[name]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 1000, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    with torch.inference_mode():
+        spec, _, _ = call_module.plan_call(q, k, v, mask=mask, bias=None, scale=0.3)
+        out = attention(q, k, v, mask=mask, scale=0.3, backend="chunked")
+    plan = spec.plan
+    assert spec.unchecked
+    assert (plan.block_k == 1000) == one_block
+    if one_block:  # a few visits whatever the cache's length, cut at the band's edges
+        assert plan.num_visits <= 3
+        first, last = int(plan.visits[0, 0]), int(plan.visits[-1, 1])
+        seen = {"none": (0, 1000), "causal": (0, 1000), "window": (699, 1000)}
+        lo, hi = seen.get(name, (0, 1))  # top-left: the one query is at key 0
+        assert lo - 16 < first <= lo
+        assert last == hi or (name == "top-left causal" and last <= 16)
+    assert_close(out, attention(q, k, v, mask=mask, scale=0.3, backend="reference"))
+    call = _inference_call(q, k, v, mask)
+    assert Chunked().block_plan(call).block_k == plan.block_k
+
+
+def _inference_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None
+) -> AttentionCall:
+    with torch.inference_mode():
+        return describe_call(q, k, v, mask=mask, bias=None, causal=False)
+
+
+def test_a_call_with_gradients_keeps_the_default_blocks() -> None:
+    """The one-visit plan is the decode path's alone: a decode step that records a graph (its
+    backward runs on blocks) plans with the default key blocks."""
+    q, k, v = (t.requires_grad_() for t in qkv(t=600))
+    spec, _, _ = call_module.plan_call(q[:, :, :1], k, v, mask=None, bias=None, scale=0.3)
+    assert spec.plan.block_k < 600
+
+
+def test_a_band_that_hides_nothing_plans_as_no_mask() -> None:
+    """Causal under one new query hides no cached key: the decode step plans as with no mask
+    (no band to ask about, the same plan), and two new queries keep the band (the first may not
+    see the second's key)."""
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(1, 2, 300, 8, generator=g, dtype=torch.float64)
+    for tq, banded in ((1, False), (2, True)):
+        q = torch.randn(1, 2, tq, 8, generator=g, dtype=torch.float64)
+        geo = Geometry((1,), 2, tq, 300, q.device)
+        mask, keys = call_module.decode_plan(masks.causal(), geo, None)
+        assert (mask is not None) == banded
+        assert keys == 300
+        with torch.inference_mode():
+            out = attention(q, k, k, causal=True, backend="chunked")
+        assert_close(out, attention(q, k, k, causal=True, backend="reference"))
+    wide = Geometry((1,), 2, 1, 300, torch.device("cpu"))
+    assert call_module.decode_plan(masks.sliding_window(299, 0), wide, None)[0] is None
+    assert call_module.decode_plan(masks.sliding_window(298, 0), wide, None)[0] is not None
+    assert call_module.decode_plan(masks.causal(align="top_left"), wide, None)[0] is not None

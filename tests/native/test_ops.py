@@ -257,3 +257,51 @@ def test_all_finite_finds_a_bad_element_and_refuses_other_dtypes() -> None:
     assert torch.ops.attnkit.all_finite([y, y.half()])
     with pytest.raises(RuntimeError, match="float32, float64, bfloat16 or float16"):
         torch.ops.attnkit.all_finite([torch.ones(2, dtype=torch.int64)])
+
+
+def test_an_inference_call_skips_the_operators_autograd_layer_only_without_a_graph() -> None:
+    """no_graph hands a call straight to the kernel exactly when nothing records a graph: grad
+    mode off, or no input requiring grad; never while a functorch transform is active."""
+    from attnkit._native.ops import no_graph
+
+    below = type(torch._C._AutoDispatchBelowAutograd())
+    plain, leaf = torch.randn(3), torch.randn(3, requires_grad=True)
+    assert isinstance(no_graph((plain, None)), below)
+    assert not isinstance(no_graph((plain, leaf)), below)
+    with torch.no_grad():
+        assert isinstance(no_graph((plain, leaf)), below)
+
+    seen: list[bool] = []
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(isinstance(no_graph((plain,)), below))
+        return x.sum()
+
+    torch.func.grad(probe)(torch.randn(3))
+    torch.func.vmap(probe)(torch.randn(2, 3))
+    assert seen == [False, False]
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad", "plain inputs"])
+def test_a_decode_call_without_a_graph_equals_the_graph_call(grad_mode: str) -> None:
+    """The same decode step with and without gradients: the same output and log-sum-exp (the
+    call that records no graph runs the operator below autograd, and hands back its lse as a
+    view); the graph call's gradients still reach q, k and v."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 8, 2, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 40, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = masks.sliding_window(9, 0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_g, lse_g = attention(*leaves, mask=mask, return_lse=True, backend="chunked")
+    (out_g.sum() + lse_g.sum()).backward()
+    context = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}.get(grad_mode)
+    with context() if context is not None else torch.enable_grad():
+        out, lse = attention(q, k, v, mask=mask, return_lse=True, backend="chunked")
+    assert not out.requires_grad
+    assert not lse.requires_grad
+    assert torch.equal(out, out_g.detach())
+    assert torch.equal(lse, lse_g.detach())
+    ref_out, ref_lse = attention(q, k, v, mask=mask, return_lse=True, backend="reference")
+    assert_close(out, ref_out)
+    assert_close(lse, ref_lse)
+    assert all(t.grad is not None and bool(t.grad.abs().sum() > 0) for t in leaves)

@@ -195,7 +195,7 @@ def run_forward(
     the kernel's layout and work dtype for the backward (``extra``: the score term's inputs,
     then the tensors the score_mod captures). Without ``for_backward``, a bfloat16 call's out5
     may be in bfloat16: the native kernel then writes the output rounded, with no float32 copy
-    of the queries or the output."""
+    of the queries or the output, and the log-sum-exp returned may be a view of lse5."""
     hkv = k.size(-3)
     term_inputs, mod_inputs = extra[: spec.n_term], extra[spec.n_term :]
     if not q.shape[:-1].numel():  # no query rows at all (an empty batch, no heads or queries)
@@ -222,8 +222,10 @@ def run_forward(
         out5, lse = finish(out5, lse, sinks2)
     # (B, Hkv, G, Tq, Dv) laid out as (B, Tq, H, Dv): a view of q's shape, like torch's SDPA.
     out = out5.flatten(1, 2).reshape(*q.shape[:-1], v.size(-1)).to(q.dtype)
-    # (B, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included.
-    return out, lse.flatten(1, 2).reshape(q.shape[:-1]).clone(), out5, lse
+    # (B, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included
+    # (a copy when lse is kept for the backward, which a caller's in-place change must not reach).
+    lse_out = lse.flatten(1, 2).reshape(q.shape[:-1])
+    return out, lse_out.clone() if for_backward else lse_out, out5, lse
 
 
 def run_backward(
@@ -382,6 +384,30 @@ def plan_for(
         block_q=block_q or bq,
         block_k=block_k or bk,
     )
+
+
+def decode_plan(
+    mask: Mask | None, geo: Geometry, block_k: int | None
+) -> tuple[Mask | None, int | None]:
+    """``(mask, block_k)`` to plan an inference call on the native kernel's decode path with.
+
+    The mask: None where it is a band that hides no pair of this call (causal under one new
+    query: every cached key is before it), whose plan would otherwise ask the band about its
+    blocks at every step. The key block (unless one is given): every key in one block when no
+    key block could be skipped (no mask) or a band cuts its visits at its own edges (see
+    :func:`attnkit._native.kernel.block_plan`), else None (the default blocks, whose EMPTY ones
+    are skipped). The decode path steps through a visit of any length: one visit spares a step
+    of a growing cache, whose geometry and so whose plan is new at every step, a plan that
+    grows with the cache, and the kernel a break in its prefetching at every block."""
+    band = None if mask is None else mask.band
+    if band is not None:
+        lo, hi = mask.distances(geo)  # type: ignore[union-attr]
+        # j - i' over the call's pairs runs from -(Tk - 1) to Tq - 1 (i' bottom-right)
+        if lo <= -(geo.kv_len - 1) and hi >= geo.q_len - 1:
+            mask = None
+    if block_k is None and (mask is None or band is not None):
+        block_k = max(geo.kv_len, 1)
+    return mask, block_k
 
 
 # The plans of recent calls (see Mask.plan_key): a training or serving loop calls with one mask
@@ -546,8 +572,11 @@ def plan_call(
         and tq <= min(block_q or tq, DECODE_QUERIES)
         and not _wants_grads(q, k, v, dense, sinks, *term_inputs)
     ):
-        plan = planned(mask, geo, h // hkv, term is not None, block_q, block_k, True)
+        decode_mask, keys = decode_plan(mask, geo, block_k)
+        plan = planned(decode_mask, geo, h // hkv, term is not None, block_q, keys, True)
     unchecked = plan is not None and decodes(plan)
+    if not unchecked:  # (a decode plan's long key blocks are for the decode path alone)
+        plan = None
     if is_finite is None and native_ok and not unchecked:
         # The native kernel needs to know only that q, k, v (and the term's inputs) are finite:
         # one host read (see attnkit._call.finite).

@@ -23,10 +23,11 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .._kernel import BlockPlan, Plan, QueryBlock, Visit
-from .._kernel.plan import query_stretch
+from .._kernel.plan import int64_tensor, query_stretch
 from ..masks import Geometry, Mask
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm, softcap_form
 from . import load, status
+from .ops import no_graph
 
 __all__ = [
     "DECODE_QUERIES",
@@ -282,7 +283,8 @@ class NativeCall:
         if not load():
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         args = self.tensors(q5, k4, v4, bias5, term_inputs, reduced_out=reduced_out)
-        out, lse = torch.ops.attnkit.native_forward(*args, **self.settings())
+        with no_graph(args):
+            out, lse = torch.ops.attnkit.native_forward(*args, **self.settings())
         return out, lse
 
     def backward(
@@ -572,8 +574,8 @@ def block_plan(
         kv_len=kv_len,
         block_q=grid.block_q,
         block_k=grid.block_k,
-        offsets=torch.tensor(off, dtype=torch.int64),
-        visits=torch.tensor(rows, dtype=torch.int64).reshape(-1, 6),
+        offsets=int64_tensor(off),
+        visits=int64_tensor(rows, 6),
         grid=grid,
         band=(band[0], band[1]) if band else None,
         shift=shift,

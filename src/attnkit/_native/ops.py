@@ -27,12 +27,13 @@ reproduce.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["like_kv", "like_q", "register"]
+__all__ = ["like_kv", "like_q", "no_graph", "register"]
 
 _registered: list[bool] = []
 
@@ -141,6 +142,30 @@ def _fake_backward_into(
     **kwargs: Any,
 ) -> tuple[Tensor, ...]:
     return _grads_like(q, k, v, bias, qv, enc, bias_grad, qv_grad, enc_grad)
+
+
+_BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextManager[object]:
+    """Run an operator call straight on its kernel when it records no graph: no tensor of
+    ``tensors`` (the call's inputs) requires grad, or grad mode is off.
+
+    The operator's autograd layer would find the same and hand the call on below autograd, as
+    this does, but through a few Python frames that cost as much as a small decode step's kernel.
+    While torch.compile traces, or under torch.func transforms, the call goes through every
+    layer as usual."""
+    if (
+        _BELOW_AUTOGRAD is None
+        or _TRANSFORMS_ACTIVE is None
+        or _TRANSFORMS_ACTIVE()
+        or torch.compiler.is_compiling()
+        or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    ):
+        return contextlib.nullcontext()
+    below: contextlib.AbstractContextManager[object] = _BELOW_AUTOGRAD()
+    return below
 
 
 # native_forward's positional tensors, in order; the backward returns one gradient for each.

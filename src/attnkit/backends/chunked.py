@@ -29,10 +29,10 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, shape_str
 from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
-from .._kernel.call import kernel_attention, native_serves, plan_for, planned
+from .._kernel.call import decode_plan, kernel_attention, native_serves, plan_for, planned
 from .._kernel.operator import traceable, traced_attention
 from .._native import status as native_status
-from .._native.kernel import BF16_PRODUCTS, decodes, why_not_native
+from .._native.kernel import BF16_PRODUCTS, DECODE_QUERIES, decodes, why_not_native
 from .._score_mod import describe as describe_score_mod
 from .._score_mod import distance_bias_of, softcap_of
 from ..scores import DistanceBias, softcap_form
@@ -242,13 +242,18 @@ class Chunked(Backend):
                 "describe the call on a real device (explain(q, k, v) with q, k, v on it)"
             )
         native = why_not_native(call, self.native) is None
+        mask, keys = call.mask, self.block_k
+        # An inference call on the decode path (see decode_plan).
+        decode = call.q_len <= min(self.block_q or call.q_len, DECODE_QUERIES)
+        if native and decode and not call.requires_grad:
+            mask, keys = decode_plan(mask, call.geometry, keys)
         return planned(
-            call.mask,
+            mask,
             call.geometry,
             call.groups,
             call.score_term is not None,
             self.block_q,
-            self.block_k,
+            keys,
             native,
         )
 
