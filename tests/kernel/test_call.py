@@ -125,6 +125,7 @@ def test_the_cache_keeps_a_bounded_number_of_plans(monkeypatch: pytest.MonkeyPat
     for i in range(3):
         attention(q, k, v, mask=Counted(("visits", i)), backend=Chunked(block_q=8, block_k=8))
     assert [entry[2] for entry in call_module._PLANS.values()] == [15, 15]
+    assert call_module._PLANS_HELD == [30]  # the count kept as plans come and go
     monkeypatch.setattr(call_module, "_PLANS_VISITS", 10)
     big = Counted("too big")
     for _ in range(2):

@@ -418,6 +418,8 @@ _PLANS: OrderedDict[Hashable, tuple[Mask | None, BlockPlan, int]] = OrderedDict(
 _PLANS_KEPT = 16
 _PLANS_VISITS = 1 << 17
 _PLANS_LOCK = threading.Lock()
+# The visits _PLANS holds (kept as it changes: iterating an OrderedDict hashes every key again).
+_PLANS_HELD = [0]
 
 
 def planned(
@@ -448,10 +450,13 @@ def planned(
     size = grid.visited
     if key is not None and size <= _PLANS_VISITS:
         with _PLANS_LOCK:
+            held = _PLANS_HELD[0] if _PLANS else 0
+            made = _PLANS.pop(key, None)  # (made twice: by two threads at once)
+            held += size - (0 if made is None else made[2])
             _PLANS[key] = (mask, plan, size)
-            held = sum(entry[2] for entry in _PLANS.values())
             while len(_PLANS) > _PLANS_KEPT or held > _PLANS_VISITS:
                 held -= _PLANS.popitem(last=False)[1][2]
+            _PLANS_HELD[0] = held
     return plan
 
 
