@@ -21,6 +21,13 @@ candidate in float32, measured in the same run.
   on the same tokens in pages of 16 and of 256, in flash-attn's layout and in vLLM's (``vllm``),
   filled a page a row at a time, so that each row's pages interleave with the others'.
 
+* steps: a small model's decode loop, where the costs around the kernel count: 64 steps of one
+  new token each against a cache growing from 1,000 tokens (B=1, H=8, Hkv=2, D=64, causal), so
+  every step is a call of a new length. ``attnkit.attention`` with ``auto`` and with the chunked
+  backend against ``F.scaled_dot_product_attention`` on the same views; ``module`` is a
+  ``MultiHeadAttention`` (d_model 512) decoding with a ``KVCache``, against ``torch module``: the
+  same projections, cache writes and SDPA written out by hand.
+
 ``--load busy`` keeps a process spinning on one core for the whole run; ``--load both`` alternates
 quiet and busy rounds and adds each candidate's busy median over its quiet median.
 
@@ -47,7 +54,7 @@ from attnkit import flash_attn as fa
 import results
 
 B, H, HKV, D, T = 8, 32, 8, 128, 4096
-CASES = ["decode", "kvcache", "modules"]
+CASES = ["decode", "kvcache", "modules", "steps"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -145,9 +152,66 @@ def _modules(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     return fns
 
 
+STEPS, START = 64, 1000
+
+
+def _steps(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(3)
+    h, hkv, d = 8, 2, 64
+    q = torch.randn(1, h, 1, d, generator=g).to(dtype)
+    k, v = (torch.randn(1, hkv, START + STEPS, d, generator=g).to(dtype) for _ in range(2))
+
+    def loop(step: Callable[[torch.Tensor, torch.Tensor], object]) -> Callable[[], object]:
+        def run() -> object:
+            for t in range(START + 1, START + STEPS + 1):
+                step(k[:, :, :t], v[:, :, :t])
+            return None
+
+        return run
+
+    module = attnkit.MultiHeadAttention(h * d, h, num_kv_heads=hkv, dtype=dtype).eval()
+    cache = module.make_cache(batch_size=1, max_len=START + STEPS)
+    prompt = torch.randn(1, START, h * d, generator=g).to(dtype)
+    tokens = torch.randn(STEPS, 1, 1, h * d, generator=g).to(dtype)
+    module(prompt, cache=cache, causal=True)
+    w = module.in_proj_weight.detach()
+    b = module.in_proj_bias.detach() if module.in_proj_bias is not None else None
+    keys, values = cache.k_cache.clone(), cache.v_cache.clone()
+    sizes = [h * d, hkv * d, hkv * d]
+
+    def attnkit_module() -> object:
+        cache.rewind(START)
+        for x in tokens:
+            module(x, cache=cache, causal=True)
+        return None
+
+    def torch_module() -> object:
+        for i, x in enumerate(tokens):
+            qs, ks, vs = F.linear(x, w, b).split(sizes, dim=-1)
+            t = START + i
+            keys[:, :, t : t + 1] = ks.view(1, 1, hkv, d).transpose(1, 2)
+            values[:, :, t : t + 1] = vs.view(1, 1, hkv, d).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                qs.view(1, 1, h, d).transpose(1, 2),
+                keys[:, :, : t + 1],
+                values[:, :, : t + 1],
+                enable_gqa=True,
+            )
+            module.out_proj(out.transpose(1, 2).flatten(2))
+        return None
+
+    return {
+        "auto": loop(lambda k, v: attnkit.attention(q, k, v, causal=True)),
+        "chunked": loop(lambda k, v: attnkit.attention(q, k, v, causal=True, backend="chunked")),
+        "sdpa": loop(lambda k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+        "module": attnkit_module,
+        "torch module": torch_module,
+    }
+
+
 def _candidates(case: str, names: list[str]) -> dict[str, Callable[[], object]]:
     """Every candidate of ``case`` in every dtype, named ``"<candidate> <dtype>"``."""
-    make = {"decode": _decode, "kvcache": _kvcache, "modules": _modules}[case]
+    make = {"decode": _decode, "kvcache": _kvcache, "modules": _modules, "steps": _steps}[case]
     fns: dict[str, Callable[[], object]] = {}
     for name in names:
         for cand, fn in make(DTYPES[name]).items():
@@ -167,7 +231,8 @@ def _row(
     cand, short = name.rsplit(" ", 1)
     s = samples[name, busy]
     med = statistics.median(s)
-    base = {"decode": "sdpa", "kvcache": "contiguous", "modules": "kvcache"}[case] + f" {short}"
+    bases = {"decode": "sdpa", "kvcache": "contiguous", "modules": "kvcache", "steps": "sdpa"}
+    base = ("torch module" if cand == "module" else bases[case]) + f" {short}"
     row: dict[str, Any] = {
         "case": case,
         "candidate": cand,

@@ -393,8 +393,10 @@ def _decode(run: Run, images: dict[str, bytes]) -> str:
     )
     note = (
         '\n\n"/ floor": over the time to read the keys and values once (`x.sum()` over as many '
-        'bytes); "/ base": over torch SDPA (decode), the contiguous cache (kvcache) or KVCache '
-        '(modules) in the same dtype; "/ float32": over the same candidate in float32.'
+        'bytes); "/ base": over torch SDPA (decode, steps), the contiguous cache (kvcache), '
+        "KVCache (modules) or the module written out with torch (steps' module) in the same "
+        'dtype; "/ float32": over the same candidate in float32. A steps row times 64 decode '
+        "steps of a growing cache."
     )
     load = run.config.get("loadavg")
     if load is not None:
