@@ -151,6 +151,7 @@ _FOREIGN = {
     "_get_tracing_state",
     "_is_fx_tracing",
     "_functorch",
+    "_are_functorch_transforms_active",  # torch._C's, asked in attnkit._transforms
     "_subclasses",
     "_inductor",
     "_export",

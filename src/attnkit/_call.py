@@ -27,6 +27,7 @@ from ._checks import (
 from ._native import loaded as loaded_native
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
+from ._transforms import transforms_active
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 
@@ -237,6 +238,29 @@ def finite(*tensors: Tensor) -> bool:
     finite values far beyond any activation's scale (1e32 in float32); the answer is then False,
     which only costs the caller its careful path.
     """
+    answer = _finite_if_readable(*tensors)
+    if answer is None:
+        raise RuntimeError(
+            "attnkit reads whether q, k and v hold NaN or inf before a call that needs gradients "
+            "(it picks the kernel that follows the non-finite policy), and torch.func.vmap cannot "
+            "read a value: vmap over grad (per-example gradients) runs with backend='reference' "
+            "or backend='sdpa'; grad, vjp and jacrev run on every backend"
+        )
+    return answer
+
+
+def _finite_if_readable(*tensors: Tensor) -> bool | None:
+    """:func:`finite`, or None where the values cannot be read (under torch.func.vmap): the
+    backends that need to know read them themselves."""
+    try:
+        return _finite(*tensors)
+    except RuntimeError:
+        if not transforms_active():
+            raise
+        return None
+
+
+def _finite(*tensors: Tensor) -> bool:
     if loaded_native() and all(
         t.device.type == "cpu"
         and t.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -508,7 +532,8 @@ def _described(
         and q.device.type != "meta"
         and not torch.compiler.is_compiling()
     ):
-        is_finite = finite(q, k, v)
+        # (under vmap no value can be read: the backends that must know refuse the call then)
+        is_finite = _finite_if_readable(q, k, v) if transforms_active() else finite(q, k, v)
     given = scores.given
     return AttentionCall(
         batch_shape=tuple(q.shape[:-3]),

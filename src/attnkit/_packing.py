@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ._transforms import transforms_active
+
 __all__ = ["columns_of", "joint_grads", "split_packed"]
 
 
@@ -57,7 +59,10 @@ def joint_grads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor
     """New tensors for the gradients of q, k and v that are views of one new tensor laid out as
     the one q, k and v are views of, at their strides and offsets, when they are disjoint column
     stretches of one contiguous tensor (a packed projection's output); else None. The caller
-    must write every element of the three."""
+    must write every element of the three. Never under torch.func's transforms, whose wrapped
+    tensors have no storage to compare."""
+    if transforms_active():
+        return None
     base = q._base
     if base is None or k._base is not base or v._base is not base:
         return None
@@ -135,6 +140,7 @@ def split_packed(x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
     """``x.split(sizes, dim=-1)``, whose backward returns the gradients as they are when they are
     already one tensor's consecutive columns (see ``joint_grads``), instead of concatenating them.
     """
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    # (under torch.func's transforms, the plain split: its gradient is theirs to form)
+    if not (torch.is_grad_enabled() and x.requires_grad) or (transforms_active()):
         return tuple(x.split_with_sizes(list(sizes), dim=-1))
     return _apply_split(x, tuple(sizes))

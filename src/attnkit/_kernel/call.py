@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -315,9 +316,12 @@ def run_backward(
 
 
 class _KernelAttention(torch.autograd.Function):
+    # The forward apart from its context, as torch.func's transforms (grad, vjp, jacrev, vmap)
+    # need it; under vmap, torch runs the forward and backward per batch of examples.
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
         spec: _Spec,
         q: Tensor,
         k: Tensor,
@@ -325,20 +329,33 @@ class _KernelAttention(torch.autograd.Function):
         bias: Tensor | None,
         sinks: Tensor | None,
         *extra: Tensor,
-    ) -> tuple[Tensor, Tensor]:
-        for_backward = any(ctx.needs_input_grad)  # type: ignore[attr-defined]
-        out, lse, out5, lse5 = run_forward(spec, q, k, v, bias, sinks, extra, for_backward)
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        # (out, lse, and the kernel's out5 and lse5 for the backward: outputs, not gradients)
+        out, lse, out5, lse5 = run_forward(spec, q, k, v, bias, sinks, extra)
+        return out, lse, out5.detach(), lse5.detach()
+
+    @staticmethod
+    def setup_context(
+        ctx: torch.autograd.function.FunctionCtx,
+        inputs: tuple[Any, ...],
+        output: tuple[Tensor, Tensor, Tensor, Tensor],
+    ) -> None:
+        spec, q, k, v, bias, sinks, *extra = inputs
+        out5, lse5 = output[2:]
+        ctx.mark_non_differentiable(out5, lse5)
         optional = [t for t in (bias, sinks) if t is not None]
         # The backward's rowsum(dO * O) takes O before rounding (see kernel.delta_of).
         ctx.save_for_backward(q, k, v, out5, lse5, *optional, *extra)
         ctx.spec = spec  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
-        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, dout: Tensor | None, dlse: Tensor | None
+        ctx: torch.autograd.function.FunctionCtx,
+        dout: Tensor | None,
+        dlse: Tensor | None,
+        *unused: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
         spec: _Spec = ctx.spec  # type: ignore[attr-defined]
         q, k, v, out5, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -352,7 +369,14 @@ class _KernelAttention(torch.autograd.Function):
 
 
 # Function.apply is untyped in torch; give it its type once.
-_apply: Callable[..., tuple[Tensor, Tensor]] = _KernelAttention.apply
+_apply_4: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]] = _KernelAttention.apply
+
+
+def _apply(*args: Any) -> tuple[Tensor, Tensor]:
+    """The differentiable ``(out, lse)`` of a planned call: ``(spec, q, k, v, bias, sinks,
+    *extra)``."""
+    out, lse, _, _ = _apply_4(*args)
+    return out, lse
 
 
 # The native kernel's default blocks (banded masks, others): its score buffer stays in L2. A

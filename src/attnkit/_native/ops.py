@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._transforms import transforms_active
+
 __all__ = ["like_kv", "like_q", "no_graph", "register"]
 
 _registered: list[bool] = []
@@ -145,7 +147,6 @@ def _fake_backward_into(
 
 
 _BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
-_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextManager[object]:
@@ -158,8 +159,7 @@ def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextMa
     layer as usual."""
     if (
         _BELOW_AUTOGRAD is None
-        or _TRANSFORMS_ACTIVE is None
-        or _TRANSFORMS_ACTIVE()
+        or transforms_active()
         or torch.compiler.is_compiling()
         or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     ):

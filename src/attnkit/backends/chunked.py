@@ -35,6 +35,7 @@ from .._native import status as native_status
 from .._native.kernel import BF16_PRODUCTS, DECODE_QUERIES, decodes, why_not_native
 from .._score_mod import describe as describe_score_mod
 from .._score_mod import distance_bias_of, softcap_of
+from .._transforms import transforms_active
 from ..scores import DistanceBias, softcap_form
 from .base import Backend, CallInputs
 
@@ -113,6 +114,17 @@ def chunked_check(call: AttentionCall) -> list[str]:
     if call.return_weights:
         reasons.append(
             "does not return attention weights (return_weights=True: only reference does)"
+        )
+    if (
+        call.requires_grad
+        and call.finite is None
+        and not torch.compiler.is_compiling()
+        and transforms_active()
+    ):
+        # (describe_call could not read the values: a call under torch.func.vmap)
+        reasons.append(
+            "reads whether q, k and v hold NaN or inf before a call that needs gradients, which "
+            "torch.func.vmap cannot (vmap over grad: per-example gradients)"
         )
     return reasons
 

@@ -20,6 +20,7 @@ from .._call import AttentionCall
 from .._checks import shape_str
 from .._score_mod import ScoreMod, index_tensors
 from .._score_mod import apply as apply_score_mod
+from .._transforms import transforms_active
 from ..masks import Geometry, Mask, decode
 from ..scores import ScoreTerm, cap_scores, decode_term, term_error
 from .base import Backend, CallInputs, Output
@@ -38,7 +39,10 @@ def _product(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` whose gradients never multiply a non-finite entry by 0: a NaN at a masked position
     must not reach any gradient. The values are the plain product's."""
     plain = a @ b
-    if torch.compiler.is_compiling() or bool(torch.isfinite(a).all() & torch.isfinite(b).all()):
+    if torch.compiler.is_compiling():
+        return plain
+    # (under torch.func's transforms, where vmap reads no value, always the careful product)
+    if not transforms_active() and bool(torch.isfinite(a).all() & torch.isfinite(b).all()):
         return plain
     clean = a.masked_fill(~torch.isfinite(a), 0.0) @ b.masked_fill(~torch.isfinite(b), 0.0)
     return clean + (plain - clean).detach()
@@ -120,7 +124,8 @@ def formula(
     out = (p.unflatten(-3, (hkv, -1)) @ vg.masked_fill(bad, 0.0)).flatten(
         -4, -3
     )  # (..., H, Tq, Dv)
-    if not torch.compiler.is_compiling() and bool(bad.any()):
+    # (under torch.func's transforms, which read no value, always)
+    if not torch.compiler.is_compiling() and (transforms_active() or bool(bad.any())):
         seen = visible.expand(*w.shape).unflatten(-3, (hkv, -1)).to(work) @ bad.to(work)
         out = out.masked_fill(seen.flatten(-4, -3) > 0, float("nan"))
     result: Tensor = out.to(q.dtype)
