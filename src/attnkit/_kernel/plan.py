@@ -387,7 +387,8 @@ class BlockPlan:
         extra = f" ({', '.join(how)})" if how else ""
         return (
             f"{nq} x {nk} blocks of {g.block_q} x {g.block_k} (Tq={self.q_len}, Tk={self.kv_len}): "
-            f"{g.visited} computed, {g.partial} with a mask, in {self.num_visits} visits{extra}"
+            f"{g.visited} computed, {g.partial} with a mask, in {self.num_visits} "
+            f"visit{'' if self.num_visits == 1 else 's'}{extra}"
         )
 
     def picture(self, most: int = 64) -> str:
