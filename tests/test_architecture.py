@@ -152,6 +152,7 @@ _FOREIGN = {
     "_is_fx_tracing",
     "_functorch",
     "_are_functorch_transforms_active",  # torch._C's, asked in attnkit._transforms
+    "_current_level",  # torch.autograd.forward_ad's dual level, asked in attnkit._transforms
     "_subclasses",
     "_inductor",
     "_export",

@@ -9,16 +9,21 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch.func import grad, jacrev, vjp, vmap
+import torch.autograd.forward_ad as fwAD
+from torch.func import grad, jacrev, jvp, vjp, vmap
 
 from attnkit import attention, masks
-from attnkit._transforms import transforms_active
+from attnkit._transforms import carries_tangent, transforms_active
 from attnkit.backends import BackendError
 from attnkit.testing import assert_close
 
 F64 = torch.float64
-# torch's notice that an operator without a batching rule runs once per example under vmap
-pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+# torch's notice that an operator without a batching rule runs once per example under vmap, and
+# the deprecation its forward-mode decompositions raise when they load
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
+]
 
 
 def test_transforms_active_inside_each_transform_only() -> None:
@@ -128,3 +133,46 @@ def test_a_module_under_torch_func_equals_autograd() -> None:
         loss(dict(module.named_parameters()), x[b : b + 1]).backward()
         for name, p in module.named_parameters():
             assert_close(per_example[name][b], p.grad)
+
+
+def test_carries_tangent_sees_jvp_and_dual_tensors_only() -> None:
+
+    x = torch.randn(3)
+    seen: list[bool] = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        seen.append(carries_tangent(t, x, None))
+        return t * 2
+
+    probe(x)
+    jvp(probe, (x,), (torch.ones(3),))
+    grad(lambda t: probe(t).sum())(x)
+    with fwAD.dual_level():
+        probe(fwAD.make_dual(x, torch.ones(3)))
+        probe(x)
+    assert seen == [False, True, False, True, False]
+
+
+def test_forward_mode_derivatives_run_on_a_backend_that_carries_them() -> None:
+    """jvp and forward_ad's dual tensors through auto equal the reference's jvp, which a finite
+    difference confirms; the chunked and sdpa kernels, which would drop the tangent (the chunked
+    backend gave 0 silently), refuse with the reason."""
+
+    q, k, v = _qkv(4)
+    tangent = torch.randn_like(q)
+
+    def call(backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda q: attention(q, k, v, causal=True, backend=backend)
+
+    _, want = jvp(call("reference"), (q,), (tangent,))
+    eps = 1e-6
+    ref = call("reference")
+    difference = (ref(q + eps * tangent) - ref(q - eps * tangent)) / (2 * eps)
+    torch.testing.assert_close(difference, want, atol=1e-7, rtol=1e-6)  # (its own error: eps^2)
+    assert_close(jvp(call("auto"), (q,), (tangent,))[1], want)
+    with fwAD.dual_level():
+        out = attention(fwAD.make_dual(q, tangent), k, v, causal=True)
+        assert_close(fwAD.unpack_dual(out).tangent, want)
+    for backend in ("chunked", "sdpa"):
+        with pytest.raises(BackendError, match="forward-mode derivative"):
+            jvp(call(backend), (q,), (tangent,))

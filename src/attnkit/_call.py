@@ -27,7 +27,7 @@ from ._checks import (
 from ._native import loaded as loaded_native
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
-from ._transforms import transforms_active
+from ._transforms import carries_tangent, transforms_active
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 
@@ -81,6 +81,9 @@ class AttentionCall:
     #: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scores after softcap and
     #: ``bias``, before the mask; only backends whose ``accepts_score_mod`` is True serve it
     score_mod: ScoreMod | None = None
+    #: q, k, v, the bias or the sinks carry forward-mode tangents (torch.func.jvp,
+    #: torch.autograd.forward_ad): only backends made of torch's differentiable operations serve it
+    forward_ad: bool = False
 
     @property
     def mask_given(self) -> str | None:
@@ -561,4 +564,5 @@ def _described(
         return_lse=return_lse,
         finite=is_finite,
         score_mod=score_mod,
+        forward_ad=carries_tangent(q, k, v, scores.dense, sinks),
     )

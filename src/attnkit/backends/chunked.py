@@ -115,6 +115,11 @@ def chunked_check(call: AttentionCall) -> list[str]:
         reasons.append(
             "does not return attention weights (return_weights=True: only reference does)"
         )
+    if call.forward_ad:
+        reasons.append(
+            "computes no forward-mode derivative (torch.func.jvp, torch.autograd.forward_ad): "
+            "reference does"
+        )
     if (
         call.requires_grad
         and call.finite is None

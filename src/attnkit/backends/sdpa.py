@@ -270,6 +270,11 @@ def sdpa_check(call: AttentionCall) -> list[str]:
         reasons.append("torch's kernel has no softcap")
     if call.sinks:
         reasons.append("torch's kernel has no sinks")
+    if call.forward_ad:
+        reasons.append(
+            "torch's fused kernels compute no forward-mode derivative (torch.func.jvp, "
+            "torch.autograd.forward_ad): reference does"
+        )
     if call.score_term is not None:
         if torch.compiler.is_compiling():
             reasons.append(
