@@ -141,6 +141,6 @@ def split_packed(x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
     already one tensor's consecutive columns (see ``joint_grads``), instead of concatenating them.
     """
     # (under torch.func's transforms, the plain split: its gradient is theirs to form)
-    if not (torch.is_grad_enabled() and x.requires_grad) or (transforms_active()):
+    if not (torch.is_grad_enabled() and x.requires_grad) or transforms_active():
         return tuple(x.split_with_sizes(list(sizes), dim=-1))
     return _apply_split(x, tuple(sizes))
