@@ -153,6 +153,7 @@ _FOREIGN = {
     "_functorch",
     "_are_functorch_transforms_active",  # torch._C's, asked in attnkit._transforms
     "_current_level",  # torch.autograd.forward_ad's dual level, asked in attnkit._transforms
+    "_AutoDispatchBelowAutograd",  # torch._C's: an operator call without a graph (_native.ops)
     "_subclasses",
     "_inductor",
     "_export",

@@ -535,8 +535,8 @@ def _described(
         and q.device.type != "meta"
         and not torch.compiler.is_compiling()
     ):
-        # (under vmap no value can be read: the backends that must know refuse the call then)
-        is_finite = _finite_if_readable(q, k, v) if transforms_active() else finite(q, k, v)
+        # (None under vmap, where no value can be read: the backends that must know refuse then)
+        is_finite = _finite_if_readable(q, k, v)
     given = scores.given
     return AttentionCall(
         batch_shape=tuple(q.shape[:-3]),

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import _call as call_module
 from attnkit import _native, attention, masks, scores
-from attnkit._kernel import call as kernel_call
 from attnkit._kernel import draw_seed, dropout_mask
 from attnkit._kernel.call import native_arguments, plan_call
 from attnkit._native.kernel import DECODE_QUERIES, decodes
@@ -196,14 +195,14 @@ def test_dropout_on_the_decode_path_drops_the_pairs_of_the_mask(layout: str) -> 
 def test_an_inference_decode_reads_its_inputs_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # The finiteness check reads all of q, k and v: for a long cache, as much as the call itself.
     calls: list[int] = []
-    real = kernel_call.finite
+    real = call_module._finite
 
     def counting(*tensors: torch.Tensor) -> bool:
         calls.append(len(tensors))
         return real(*tensors)
 
-    monkeypatch.setattr(kernel_call, "finite", counting)
-    monkeypatch.setattr(call_module, "finite", counting)
+    # (every read goes through it: finite(), which the kernel asks, and the call's description)
+    monkeypatch.setattr(call_module, "_finite", counting)
     q, k, v = (t.float() for t in _inputs(2, 4, 2, 1, 500))
     with torch.inference_mode():
         attention(q, k, v, causal=True, backend=DECODE)

@@ -146,9 +146,6 @@ def _fake_backward_into(
     return _grads_like(q, k, v, bias, qv, enc, bias_grad, qv_grad, enc_grad)
 
 
-_BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
-
-
 def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextManager[object]:
     """Run an operator call straight on its kernel when it records no graph: no tensor of
     ``tensors`` (the call's inputs) requires grad, or grad mode is off.
@@ -158,13 +155,12 @@ def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextMa
     While torch.compile traces, or under torch.func transforms, the call goes through every
     layer as usual."""
     if (
-        _BELOW_AUTOGRAD is None
-        or transforms_active()
+        transforms_active()
         or torch.compiler.is_compiling()
         or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     ):
         return contextlib.nullcontext()
-    below: contextlib.AbstractContextManager[object] = _BELOW_AUTOGRAD()
+    below: contextlib.AbstractContextManager[object] = torch._C._AutoDispatchBelowAutograd()
     return below
 
 
