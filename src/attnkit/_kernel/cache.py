@@ -68,9 +68,7 @@ def cache_refusal(q: Tensor, k: Tensor, v: Tensor, *others: Tensor | None) -> st
     return None
 
 
-def _int64(x: Tensor | Sequence[Sequence[int]] | None) -> Tensor | None:
-    if x is None:
-        return None
+def _int64(x: Tensor | Sequence[Sequence[int]]) -> Tensor:
     t = x if isinstance(x, Tensor) else torch.tensor(x, dtype=torch.int64)
     return t.to(torch.int64).contiguous()
 
@@ -120,9 +118,8 @@ def cache_attention(
     nq, h, tq, dk = q.shape
     hkv = k.size(1)
     ranges = _int64(kv_range)
-    packed = _int64(q_range)
-    table = _int64(block_table)
-    assert ranges is not None  # internal: typed for mypy
+    packed = None if q_range is None else _int64(q_range)
+    table = None if block_table is None else _int64(block_table)
     rows = ranges.size(0)
     q_len = tq if packed is None else int(packed[:, 1].max()) if rows else 0
     kv_len = int(ranges[:, 1].max()) if rows else 0

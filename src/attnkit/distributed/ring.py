@@ -55,7 +55,7 @@ from ..backends.base import Backend, CallInputs
 from ..masks import Mask
 from ..scores import RelativePositionTerm, ScoreTerm
 from ._args import Travel, describe, rebuild, split_mask, term_reasons, validated, whole_geometry
-from ._comm import Peers, agree, require_group
+from ._comm import Peers, Pending, agree, require_group
 from ._pair import (
     PairPlan,
     Rect,
@@ -142,7 +142,7 @@ class _Run:
         received this rank's keys return arrives as ``shares(lo, hi, tensors)``."""
         steps = self.shards.steps(self.rank)
 
-        def start(i: int) -> object:
+        def start(i: int) -> Pending:
             st = steps[i]
             send = []
             if st.send is not None:
@@ -154,13 +154,13 @@ class _Run:
                 likes = [t[:, :, : b - a] for t in own[:2]] + [m[..., : b - a] for m in own[2:]]
             return self.peers.exchange(st.send_to, send, st.recv_from, likes)
 
-        pending = start(0) if steps else None
-        back = None  # the previous step's returning shares, in flight
+        ahead = [start(0)] if steps else []  # the next step's exchange, in flight
+        back: tuple[Pending, tuple[int, int] | None] | None = None  # returning shares, in flight
         compute(self.rank, 0, own)
         for i, st in enumerate(steps):
-            assert pending is not None
-            got = pending.wait()  # type: ignore[attr-defined]
-            pending = start(i + 1) if i + 1 < len(steps) else None
+            got = ahead.pop().wait()
+            if i + 1 < len(steps):
+                ahead.append(start(i + 1))
             out = None
             if st.recv_from is not None and st.recv is not None:
                 out = compute(st.recv_from, st.recv[0], got)
@@ -176,15 +176,18 @@ class _Run:
             if back is not None:
                 _land(back, shares)
             back = (flight, st.send)
-        if back is not None:
+        if back is not None and shares is not None:
             _land(back, shares)
 
 
-def _land(back: tuple[object, tuple[int, int] | None], shares: object) -> None:
+def _land(
+    back: tuple[Pending, tuple[int, int] | None],
+    shares: Callable[[int, int, list[Tensor]], None],
+) -> None:
     flight, span = back
-    got = flight.wait()  # type: ignore[attr-defined]
+    got = flight.wait()
     if got and span is not None:
-        shares(span[0], span[1], got)  # type: ignore[operator]
+        shares(span[0], span[1], got)
 
 
 def _forward(
@@ -246,10 +249,9 @@ def _backward(
     def add(i: int, d: Tensor | None, rect: Rect) -> None:
         if d is None:
             return
-        if dextra[i] is None:
-            dextra[i] = torch.zeros(extras[i].shape, dtype=d.dtype, device=d.device)
         target = dextra[i]
-        assert target is not None
+        if target is None:
+            target = dextra[i] = torch.zeros(extras[i].shape, dtype=d.dtype, device=d.device)
         if i < run.n_term and rowed[i]:
             target[:, :, rect.lq : rect.lq + rect.nq] += d
         else:
