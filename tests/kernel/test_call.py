@@ -173,6 +173,29 @@ def test_a_decode_step_runs_one_visit_where_nothing_could_be_skipped(name: str) 
     assert Chunked().block_plan(call).block_k == plan.block_k
 
 
+@pytest.mark.parametrize(("tq", "block_q"), [(1, None), (16, None), (17, None), (8, 4), (4, 4)])
+def test_the_backend_and_the_call_agree_on_the_decode_path(tq: int, block_q: int | None) -> None:
+    """The decode path takes at most one block of queries and at most its few rows: the plan the
+    backend reports and the plan the call runs with are both one visit there, default blocks
+    elsewhere."""
+    if not call_module.native_serves(torch.device("cpu"), None, False, True):
+        pytest.skip("the native kernel is not available")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, tq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 1000, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    decode = call_module.decode_sized(tq, block_q)
+    assert decode == (tq <= 16 and tq <= (block_q or tq))
+    with torch.inference_mode():
+        spec, _, _ = call_module.plan_call(
+            q, k, v, mask=None, bias=None, scale=0.3, block_q=block_q
+        )
+    reported = Chunked(block_q=block_q).block_plan(_inference_call(q, k, v, None))
+    assert (reported.block_k == 1000) == decode
+    assert spec.unchecked == decode
+    if decode:
+        assert spec.plan.block_k == reported.block_k
+
+
 def _inference_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None
 ) -> AttentionCall:

@@ -410,6 +410,12 @@ def plan_for(
     )
 
 
+def decode_sized(q_len: int, block_q: int | None) -> bool:
+    """Whether ``q_len`` queries take the native kernel's decode path: no more than one block of
+    queries, and no more than the path's few rows (``DECODE_QUERIES``)."""
+    return q_len <= min(block_q or q_len, DECODE_QUERIES)
+
+
 def decode_plan(
     mask: Mask | None, geo: Geometry, block_k: int | None
 ) -> tuple[Mask | None, int | None]:
@@ -598,7 +604,7 @@ def plan_call(
     if (
         is_finite is None
         and native_ok
-        and tq <= min(block_q or tq, DECODE_QUERIES)
+        and decode_sized(tq, block_q)
         and not _wants_grads(q, k, v, dense, sinks, *term_inputs)
     ):
         decode_mask, keys = decode_plan(mask, geo, block_k)

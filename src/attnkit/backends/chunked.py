@@ -29,10 +29,17 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, shape_str
 from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
-from .._kernel.call import decode_plan, kernel_attention, native_serves, plan_for, planned
+from .._kernel.call import (
+    decode_plan,
+    decode_sized,
+    kernel_attention,
+    native_serves,
+    plan_for,
+    planned,
+)
 from .._kernel.operator import traceable, traced_attention
 from .._native import status as native_status
-from .._native.kernel import BF16_PRODUCTS, DECODE_QUERIES, decodes, why_not_native
+from .._native.kernel import BF16_PRODUCTS, decodes, why_not_native
 from .._score_mod import describe as describe_score_mod
 from .._score_mod import distance_bias_of, softcap_of
 from .._transforms import transforms_active
@@ -261,8 +268,7 @@ class Chunked(Backend):
         native = why_not_native(call, self.native) is None
         mask, keys = call.mask, self.block_k
         # An inference call on the decode path (see decode_plan).
-        decode = call.q_len <= min(self.block_q or call.q_len, DECODE_QUERIES)
-        if native and decode and not call.requires_grad:
+        if native and decode_sized(call.q_len, self.block_q) and not call.requires_grad:
             mask, keys = decode_plan(mask, call.geometry, keys)
         return planned(
             mask,
