@@ -88,7 +88,30 @@ def test_cache_holds_kv_heads_and_the_new_tokens() -> None:
     _, k, v = m._project(x, x, x)
     assert_close(cache.k_cache[:, :, :3], k.view(1, 3, 1, 4).transpose(1, 2))
     assert_close(cache.v_cache[:, :, :3], v.view(1, 3, 1, 4).transpose(1, 2))
-    assert cache.state_dict() == {}  # not saved with the model
+    assert not any(t is cache.k_cache for t in m.state_dict().values())  # not the model's state
+
+
+def test_to_converts_the_tokens_held() -> None:
+    """``to`` converts both buffers in place of the old ones and keeps the tokens held; the repr
+    names the sizes, the length, the dtype and the device."""
+    m = MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64).eval()
+    cache = m.make_cache(1, 8)
+    x = torch.randn(1, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        m(x[:, :3], cache=cache, causal=True)
+        held = cache.k_cache[:, :, :3].clone(), cache.v_cache[:, :, :3].clone()
+        assert cache.to(dtype=torch.float32) is cache
+        assert cache.k_cache.dtype == cache.v_cache.dtype == torch.float32
+        assert_close(cache.k_cache[:, :, :3], held[0].float())
+        assert_close(cache.v_cache[:, :, :3], held[1].float())
+        assert cache.length == 3
+        cache.to("cpu", torch.float64)
+        got = m(x[:, 3:], cache=cache, causal=True)
+    assert_close(got, m(x, causal=True)[:, 3:], dtype=torch.float32)
+    assert repr(cache) == (
+        "KVCache(batch_size=1, max_len=8, num_kv_heads=2, head_dim=4, v_head_dim=4, length=5, "
+        "dtype=torch.float64, device=cpu)"
+    )
 
 
 def test_overflow_is_a_clear_error() -> None:

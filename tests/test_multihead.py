@@ -673,17 +673,24 @@ def test_shape_annotations_are_checked() -> None:
 
 @needs_cxx
 def test_compiles_to_one_graph_including_cached_decoding() -> None:
+    """A compiled decoder steps through more tokens than dynamo's recompile limit (8): the cache's
+    length is a symbolic size, not a constant that changes at every step (with fullgraph=True,
+    passing the limit is an error)."""
     torch.manual_seed(0)
     m = MultiHeadAttention(16, 4, num_kv_heads=2, rotary=attnkit.RotaryEmbedding(4)).eval()
+    torch._dynamo.reset()  # a fresh recompile budget: forward's code is shared by every instance
     # dynamic=True: symbolic lengths, as a decoder meets them (the prompt, then single steps).
     compiled = torch.compile(m, fullgraph=True, dynamic=True)
-    x = torch.randn(2, 5, 16)
-    with torch.no_grad():
-        full = m(x, causal=True)
-        assert_close(compiled(x, causal=True), full)
-        cache = m.make_cache(2, 5)
-        steps = [compiled(x[:, :3], causal=True, cache=cache)]
-        steps += [compiled(x[:, i : i + 1], causal=True, cache=cache) for i in range(3, 5)]
+    x = torch.randn(2, 15, 16)
+    try:
+        with torch.no_grad():
+            full = m(x, causal=True)
+            assert_close(compiled(x, causal=True), full)
+            cache = m.make_cache(2, 15)
+            steps = [compiled(x[:, :3], causal=True, cache=cache)]
+            steps += [compiled(x[:, i : i + 1], causal=True, cache=cache) for i in range(3, 15)]
+    finally:
+        torch._dynamo.reset()
     assert_close(torch.cat(steps, 1), full)
 
 

@@ -16,7 +16,7 @@ Shape letters: ``B`` batch, ``Hkv`` key/value heads, ``L`` maximum length, ``T``
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ._checks import check_float_tensor, check_int
 from ._typing import Float, shape_checked
@@ -24,7 +24,7 @@ from ._typing import Float, shape_checked
 __all__ = ["KVCache"]
 
 
-class KVCache(nn.Module):
+class KVCache:
     """Keys ``(B, Hkv, L, Dk)`` and values ``(B, Hkv, L, Dv)``, filled from position 0 on.
 
     Args:
@@ -36,9 +36,15 @@ class KVCache(nn.Module):
         dtype, device: of the stored keys and values (the projections' dtype and device).
 
     :meth:`MultiHeadAttention.make_cache() <attnkit.MultiHeadAttention.make_cache>` builds one with
-    the module's sizes. The buffers are not part of ``state_dict()``; ``cache.to(device)`` moves
-    them. The cache is for inference: :meth:`update` refuses tensors that carry a gradient, since
-    the stored keys would keep the graph of every step alive.
+    the module's sizes. :meth:`to` moves the keys and values. The cache is for inference:
+    :meth:`update` refuses tensors that carry a gradient, since the stored keys would keep the
+    graph of every step alive.
+
+    A cache is not an ``nn.Module``: it is state that changes at every step, not part of a model
+    or its ``state_dict()``. torch.compile takes a Module's integer attributes for constants and
+    would compile a decode step again for every token (and stop at its recompile limit); a
+    compiled step reads this cache's ``length`` as a symbolic size instead, one graph for every
+    length.
 
     A module that can still fail after writing its keys uses :meth:`stage` and :meth:`commit`
     instead of :meth:`update`, so that a call that raises leaves the cache as it was.
@@ -66,18 +72,13 @@ class KVCache(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
         b = check_int("batch_size", batch_size)
         self.max_len = check_int("max_len", max_len)
         h = check_int("num_kv_heads", num_kv_heads)
         dk = check_int("head_dim", head_dim)
         dv = dk if v_head_dim is None else check_int("v_head_dim", v_head_dim)
-        self.register_buffer(
-            "k_cache", torch.zeros(b, h, self.max_len, dk, dtype=dtype, device=device), False
-        )
-        self.register_buffer(
-            "v_cache", torch.zeros(b, h, self.max_len, dv, dtype=dtype, device=device), False
-        )
+        self.k_cache = torch.zeros(b, h, self.max_len, dk, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(b, h, self.max_len, dv, dtype=dtype, device=device)
         self.length = 0  # tokens held; a Python int, so decoding never reads a tensor back
         self._staged = 0  # tokens written by stage() after `length` and not yet committed
 
@@ -109,7 +110,6 @@ class KVCache(nn.Module):
         """
         check_float_tensor("k", k)
         check_float_tensor("v", v)
-        # (the buffers once: each attribute of a Module is a lookup in its buffers)
         keys, values = self.k_cache, self.v_cache
         cached = keys.size(0)
         if k.ndim == 4 and k.size(0) != cached:
@@ -167,9 +167,19 @@ class KVCache(nn.Module):
         self.length = 0
         self._staged = 0
 
-    def extra_repr(self) -> str:
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """Move the keys and values to ``device`` and/or convert them to ``dtype``, in place;
+        returns the cache. The tokens held stay held."""
+        self.k_cache = self.k_cache.to(device=device, dtype=dtype)
+        self.v_cache = self.v_cache.to(device=device, dtype=dtype)
+        return self
+
+    def __repr__(self) -> str:
         b, h, _, dk = self.k_cache.shape
         return (
-            f"batch_size={b}, max_len={self.max_len}, num_kv_heads={h}, head_dim={dk}, "
-            f"v_head_dim={self.v_cache.size(-1)}, length={self.length}"
+            f"KVCache(batch_size={b}, max_len={self.max_len}, num_kv_heads={h}, head_dim={dk}, "
+            f"v_head_dim={self.v_cache.size(-1)}, length={self.length}, "
+            f"dtype={self.k_cache.dtype}, device={self.k_cache.device})"
         )
