@@ -333,6 +333,7 @@ _AMX_CHOICES = [
     ((1, 32, 8, 1, 2048, 128), torch.bfloat16, "sdpa", None),  # 8 MiB
     ((1, 32, 32, 1, 4096, 128), torch.bfloat16, "sdpa", None),  # one query head per cache
     ((1, 8, 8, 256, 256, 64), torch.float32, "sdpa", None),  # no mask: nothing to skip
+    ((1, 8, 8, 1024, 1024, 64), torch.float32, "sdpa", None),  # at any size
     ((1, 8, 8, 256, 256, 64), torch.float16, "sdpa", None),  # torch's float16 is fast here
     # but not its float16 decode (no float16 products): the rule of other CPUs
     ((1, 8, 8, 1, 4096, 64), torch.float16, "chunked", "8 MiB of float16 keys"),
@@ -346,6 +347,10 @@ _DOT_CHOICES = [
     ((1, 8, 2, 1, 2048, 64), torch.float32, "sdpa", None),  # 2 MiB
     ((1, 8, 8, 1, 4096, 64), torch.float32, "sdpa", None),  # one query head per cache
     ((1, 8, 8, 256, 256, 64), torch.float32, "sdpa", None),  # no mask: nothing to skip
+    ((1, 8, 8, 512, 512, 64), torch.float32, "sdpa", None),  # below 8 * 768 * 768 scores
+    # but from there the native kernel's register tiles outrun torch's BLAS calls
+    ((1, 8, 8, 768, 768, 64), torch.float32, "chunked", "4718592 scores without a mask"),
+    ((1, 8, 8, 1024, 1024, 64), torch.float64, "chunked", "AVX512-BF16 and no AMX"),
     ((1, 32, 32, 1, 4096, 128), torch.bfloat16, "chunked", "64 MiB of bfloat16 keys"),
     ((1, 8, 8, 1, 512, 64), torch.bfloat16, "chunked", "1 MiB of bfloat16 keys"),
     ((1, 8, 8, 1, 128, 64), torch.bfloat16, "sdpa", None),  # 0.25 MiB

@@ -85,11 +85,17 @@ _REDUCED = (torch.bfloat16, torch.float16)
 _CPU_DECODE_BYTES_GROUPED = 16 << 20
 # On CPUs with AVX512-BF16 but no AMX (measured on a 2-core AMD EPYC, Zen 4; the figures are in
 # the inference guide) torch's float32 kernels are as fast as there, its bfloat16 and float16 ones
-# not: float32 follows the rules of CPUs with AMX, but for grouped decode steps, from 4 MiB;
+# not: float32 follows the rules of CPUs with AMX, but for grouped decode steps, from 4 MiB, and
+# for calls without a mask (_CPU_UNMASKED_SCORES_DOT);
 # bfloat16 and float16 follow the rules of CPUs without bfloat16 products, and bfloat16 prefill
 # goes to the native kernel from _CPU_FORWARD_SCORES scores, where its products run as
 # AVX512-BF16's dot products.
 _CPU_DECODE_BYTES_GROUPED_DOT = 4 << 20
+# There, float32 and float64 calls without a mask go to the native kernel from this many scores,
+# where its register tiles outrun torch's BLAS calls (float32, B=1 H=8 D=64: 0.92-0.94x torch's
+# time at T=768-2048 with one thread and with two, 0.71-0.90x at T=4096, 0.86-0.95x at 8192; 1.01-
+# 1.09x at T=256-512; float64 even, 0.95-1.0x at T=512-2048). On CPUs with AMX torch keeps them.
+_CPU_UNMASKED_SCORES_DOT = 8 * 768 * 768
 
 
 # What the CPU multiplies on its matrix unit, read once at import: the checks are not traceable
@@ -456,9 +462,18 @@ def _slow_forward(call: AttentionCall) -> list[str]:
             ]
         return []
     scores = _scores(call)
+    if call.mask is None and _register_tiles() and _bf16_dot():
+        if scores < _CPU_UNMASKED_SCORES_DOT:
+            return []
+        return [
+            f"runs slower on CPUs with AVX512-BF16 and no AMX at this size: {scores} scores "
+            f"without a mask, where the native kernel's register tiles take 0.71-0.94x torch's "
+            f"float32 time (float32/float64 from {_CPU_UNMASKED_SCORES_DOT} on)"
+        ]
     if call.mask is None and (not _register_tiles() or _fast_torch_cpu()):
         # Nothing to skip, and the BLAS per block: torch's forward is as fast (a blocked kernel
-        # without AVX-512 took 0.97-1.37x its time at B=1 H=8 T=256-4096, float32, two threads).
+        # without AVX-512 took 0.97-1.37x its time at B=1 H=8 T=256-4096, float32, two threads;
+        # with AMX, see _CPU_DECODE_BYTES_GROUPED).
         return []
     if scores >= _CPU_FORWARD_SCORES:
         return [
