@@ -257,3 +257,120 @@ def test_opcheck_attention_operator() -> None:
     sinks = torch.randn(4, requires_grad=True)
     args = (q, k, v, None, sinks, [lengths], [], None)
     torch.library.opcheck(attention_op, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Values of another size than the queries and keys (Dv != Dk): the fake kernels must give the
+# output v's size, or every graph traced after the operator holds the wrong shapes.
+
+DK, DV = 8, 5
+
+VALUE_SIZE_CALLS: dict[str, Callable[[], dict[str, object]]] = {
+    "causal": lambda: {"mask": masks.causal()},
+    "window & padding": lambda: {
+        "mask": masks.sliding_window(6, 2) & masks.key_padding(torch.tensor([30, 17]))
+    },
+    "softcap & sinks, lse": lambda: {
+        "softcap": 4.0,
+        "sinks": torch.linspace(-1, 1, 4).requires_grad_(),
+        "return_lse": True,
+    },
+}
+
+
+def _qkv_dv(t: int = 30, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+    """q, k ``(2, 4|2, t, DK)`` and v ``(2, 2, t, DV)``, leaves needing gradients."""
+    g = torch.Generator().manual_seed(t + 1)
+    shapes = [(2, 4, t, DK), (2, 2, t, DK), (2, 2, t, DV)]
+    return [torch.randn(*s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+class AotGraphs(Graphs):
+    """Graphs that keeps what dynamo traced and runs it through AOTAutograd (``aot_eager``),
+    which traces the forward and the backward from the fake kernels' outputs."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example: object) -> Callable[..., object]:
+        self.graphs.append(gm)
+        compiled: Callable[..., object] = torch._dynamo.lookup_backend("aot_eager")(gm, example)
+        return compiled
+
+
+def _projected(q: Tensor, k: Tensor, v: Tensor, w: Tensor, backend: str, **kw: object) -> Tensor:
+    """attention(q, k, v) times w ``(DV, 3)``: an op after the operator that reads its last size
+    (a fake output of q's size would not multiply)."""
+    out = attnkit.attention(q, k, v, backend=backend, **kw)  # type: ignore[arg-type]
+    if isinstance(out, tuple):
+        return out[0] @ w + out[1].unsqueeze(-1)
+    return out @ w
+
+
+@pytest.mark.parametrize("name", list(VALUE_SIZE_CALLS))
+def test_compiled_calls_with_values_of_another_size_equal_the_reference(name: str) -> None:
+    kw = VALUE_SIZE_CALLS[name]()
+    q, k, v = _qkv_dv()
+    w = torch.randn(DV, 3, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    leaves = [q, k, v, w, *_leaves(kw)]
+    graphs = AotGraphs()
+    traced = torch.compile(
+        lambda *xs: _projected(*xs, backend="chunked", **kw), backend=graphs, fullgraph=True
+    )
+    got = traced(q, k, v, w)
+    assert "attnkit.attention" in graphs.targets()
+    wide = {n: x.double() if isinstance(x, Tensor) else x for n, x in kw.items()}
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, w)]
+    ref_leaves += [t for t in wide.values() if isinstance(t, Tensor)]
+    want = _projected(*ref_leaves[:4], backend="reference", **wide)
+    assert_close(got, want, dtype=torch.float32)
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    grads = torch.autograd.grad(got, leaves, cot.float())
+    wants = torch.autograd.grad(want, ref_leaves, cot)
+    for a, b in zip(grads, wants, strict=True):
+        assert a.shape == b.shape
+        assert_close(a, b, dtype=torch.float32)
+
+
+def test_exported_call_with_values_of_another_size_equals_the_reference() -> None:
+    w = torch.randn(DV, 3, generator=torch.Generator().manual_seed(5))
+
+    class Call(torch.nn.Module):
+        def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: masks.Mask) -> Tensor:
+            return _projected(q, k, v, w, backend="chunked", mask=mask)
+
+    q, k, v = (x.detach() for x in _qkv_dv())
+    mask = masks.causal() & masks.key_padding(torch.tensor([30, 21]))
+    t = torch.export.Dim("T", min=2, max=256)
+    dims = {"q": {2: t}, "k": {2: t}, "v": {2: t}, "mask": [None]}
+    program = torch.export.export(Call(), (q, k, v, mask), dynamic_shapes=dims)
+    (node,) = [n for n in program.graph.nodes if str(n.target) == "attnkit.attention.default"]
+    assert node.meta["val"][0].shape[-1] == DV
+    run = program.module()
+    for length, lengths in ((30, [30, 21]), (45, [12, 45])):
+        q, k, v = (x.detach() for x in _qkv_dv(t=length))
+        mask = masks.causal() & masks.key_padding(torch.tensor(lengths))
+        want = _projected(q.double(), k.double(), v.double(), w.double(), "reference", mask=mask)
+        with torch.no_grad():
+            assert_close(run(q, k, v, mask), want, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_opcheck_attention_operator_with_values_of_another_size(dropout_p: float) -> None:
+    from attnkit._kernel.operator import attention_op
+
+    q, k, v = _qkv_dv(t=12)
+    kwargs = dict(
+        numbers=[],
+        mask='["and",["causal","bottom_right"],["key_padding",0,null,"right"]]',
+        term="null",
+        scale=0.3,
+        softcap=3.0,
+        dropout_p=dropout_p,
+        block_q=-1,
+        block_k=-1,
+        fused_rows=768,
+        native=True,
+        register_tiles=True,
+        skewed_position=True,
+    )
+    seed = torch.tensor(77) if dropout_p else None
+    args = (q, k, v, None, None, [torch.tensor([12, 5])], [], seed)
+    torch.library.opcheck(attention_op, args, kwargs)

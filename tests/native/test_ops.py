@@ -36,13 +36,14 @@ def _call(
     softcap: float | None = None,
     dropout: float = 0.0,
     term: str | None = None,
+    dv: int = 8,
 ) -> tuple[tuple[object, ...], dict[str, object]]:
-    """The operator's arguments for one call (B=2, H=4, Tk=11, D=8), its inputs needing
+    """The operator's arguments for one call (B=2, H=4, Tk=11, Dk=8, Dv=dv), its inputs needing
     gradients."""
     g = torch.Generator().manual_seed(hash((mask, gqa, tq, bias, term)) % 1000)
     hkv = 2 if gqa else 4
     q = torch.randn(2, 4, tq, 8, generator=g, dtype=dtype)
-    k, v = (torch.randn(2, hkv, 11, 8, generator=g, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, hkv, 11, d, generator=g, dtype=dtype) for d in (8, dv))
     dense = torch.randn(2, 4, tq, 11, generator=g, dtype=dtype) if bias else None
     added: torch.Tensor | scores.ScoreTerm | None = dense
     term_inputs: tuple[torch.Tensor, ...] = ()
@@ -94,15 +95,23 @@ CASES = [
     pytest.param("none", torch.float64, {"term": "distance"}, id="distance-bias"),
     pytest.param("padding", torch.float32, {"term": "distance", "softcap": 3.0}, id="alibi-like"),
 ]
+# Values of another size than the queries and keys (Dv != Dk): the fake kernels give the output
+# and the gradients their sizes from v, not q.
+VALUE_SIZES = [
+    pytest.param("window", torch.float64, {"dv": 5}, id="dv<dk"),
+    pytest.param("padding", torch.float32, {"dv": 13, "gqa": True}, id="dv>dk-gqa"),
+    pytest.param("causal", torch.float64, {"dv": 3, "bias": True}, id="dv-bias"),
+    pytest.param("window", torch.float32, {"dv": 6, "term": "position"}, id="dv-position"),
+]
 
 
-@pytest.mark.parametrize(("mask", "dtype", "kw"), CASES)
+@pytest.mark.parametrize(("mask", "dtype", "kw"), CASES + VALUE_SIZES)
 def test_opcheck_native_forward(mask: str, dtype: torch.dtype, kw: dict[str, object]) -> None:
     args, kwargs = _call(mask, dtype, **kw)  # type: ignore[arg-type]
     torch.library.opcheck(torch.ops.attnkit.native_forward.default, args, kwargs)
 
 
-@pytest.mark.parametrize(("mask", "dtype", "kw"), CASES[::3])
+@pytest.mark.parametrize(("mask", "dtype", "kw"), CASES[::3] + VALUE_SIZES)
 def test_opcheck_native_backward(mask: str, dtype: torch.dtype, kw: dict[str, object]) -> None:
     args, kwargs = _call(mask, dtype, **kw)  # type: ignore[arg-type]
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
@@ -155,9 +164,10 @@ def test_bfloat16_queries_need_bfloat16_keys_and_values() -> None:
 
 
 PLAIN = [c for c in CASES if not {"dropout", "term"} & set(c.values[2])]  # type: ignore[arg-type]
+PLAIN_VALUE_SIZES = [c for c in VALUE_SIZES if "term" not in c.values[2]]  # type: ignore[operator]
 
 
-@pytest.mark.parametrize(("mask", "dtype", "kw"), PLAIN[::2])
+@pytest.mark.parametrize(("mask", "dtype", "kw"), PLAIN[::2] + PLAIN_VALUE_SIZES)
 def test_the_operators_gradients_equal_the_reference(
     mask: str, dtype: torch.dtype, kw: dict[str, object]
 ) -> None:
@@ -185,6 +195,59 @@ def test_the_operators_gradients_equal_the_reference(
     assert_close(out.flatten(1, 2), want, dtype=dtype)
     for got, ref in zip(grads, wants, strict=True):
         assert_close(got.reshape(ref.shape), ref, dtype=dtype)
+
+
+@pytest.mark.parametrize(("mask", "dtype", "kw"), PLAIN_VALUE_SIZES)
+def test_compiled_operators_with_values_of_another_size_equal_the_reference(
+    mask: str, dtype: torch.dtype, kw: dict[str, object]
+) -> None:
+    # native_forward and its backward in one graph (fullgraph, AOTAutograd tracing both passes
+    # from the fake kernels), then a product that reads the output's last size: Dv, not Dk.
+    args, kwargs = _call(mask, dtype, **kw)  # type: ignore[arg-type]
+    q5, k4, v4 = args[:3]
+    dv = v4.size(-1)  # type: ignore[union-attr]
+    w = torch.randn(dv, 3, generator=torch.Generator().manual_seed(dv), dtype=dtype)
+
+    def f(q5: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> torch.Tensor:
+        out, _ = torch.ops.attnkit.native_forward(q5, k4, v4, *args[3:], **kwargs)
+        return out @ w  # type: ignore[no-any-return]
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(q5, k4, v4)
+    finally:
+        torch._dynamo.reset()
+    cot = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    grads = torch.autograd.grad(got, (q5, k4, v4), cot)
+    q = q5.detach().flatten(1, 2).double().requires_grad_()  # type: ignore[union-attr]
+    k, v = (t.detach().double().requires_grad_() for t in (k4, v4))  # type: ignore[union-attr]
+    bias = None if args[5] is None else args[5].detach().flatten(1, 2).double()  # type: ignore[union-attr]
+    out = attention(q, k, v, mask=MASKS[mask](), bias=bias, scale=0.35, backend="reference")
+    want = out @ w.double()
+    wants = torch.autograd.grad(want, (q, k, v), cot.flatten(1, 2).double())
+    assert_close(got.flatten(1, 2), want, dtype=dtype)
+    for a, ref in zip(grads, wants, strict=True):
+        assert_close(a.reshape(ref.shape), ref, dtype=dtype)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_opcheck_native_cache_forward_with_values_of_another_size(paged: bool) -> None:
+    # Rows of a cache (contiguous, one page per row; or pages of 8 keys through a block table),
+    # values of 5 numbers to keys of 8.
+    g = torch.Generator().manual_seed(6)
+    q5 = torch.randn(2, 2, 2, 3, 8, generator=g)
+    if paged:
+        k, v = (torch.randn(7, 2, 8, d, generator=g) for d in (8, 5))
+        table = torch.tensor([[3, 0, 5], [6, 1, 2]])
+    else:
+        k, v = (torch.randn(2, 2, 24, d, generator=g) for d in (8, 5))
+        table = None
+    ranges = torch.tensor([[0, 24], [5, 19]])
+    args = (q5, k, v, table, ranges, None, None, None)
+    kwargs = {"scale": 0.3, "band": [-9.0, 2.0], "softcap": 2.0}
+    out, _ = torch.ops.attnkit.native_cache_forward(*args, **kwargs)
+    assert out.shape == (2, 2, 2, 3, 5)
+    torch.library.opcheck(torch.ops.attnkit.native_cache_forward.default, args, kwargs)
 
 
 def test_settings_are_arguments_and_change_no_result() -> None:
