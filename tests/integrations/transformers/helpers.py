@@ -185,3 +185,21 @@ def qkv(tq: int = 5, tk: int = 5) -> tuple[Tensor, Tensor, Tensor]:
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, tq, 8, generator=g)
     return q, torch.randn(2, 2, tk, 8, generator=g), torch.randn(2, 2, tk, 8, generator=g)
+
+
+def sweep() -> Any:
+    """``benchmarks/sweep_transformers.py``: each family, tiny, eager against attnkit."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "sweep_transformers" in sys.modules:
+        return sys.modules["sweep_transformers"]
+    path = Path(__file__).parents[3] / "benchmarks" / "sweep_transformers.py"
+    spec = importlib.util.spec_from_file_location("sweep_transformers", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

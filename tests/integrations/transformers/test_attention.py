@@ -468,3 +468,75 @@ def test_unservable_masks_are_errors() -> None:
     wrong = hf.build_mask(batch_size=2, q_length=5, kv_length=9, q_offset=4)
     with pytest.raises(ValueError, match=r"does not fit q \(2, 4, 5, 8\) and k \(2, 2, 5, 8\)"):
         f(layer, q, k, v, wrong)
+
+
+# A dozen families of the sweep (benchmarks/sweep_transformers.py), each for a reason: the common
+# shapes, softcap and sinks, and those that need more than a structured mask: indexers that slice
+# the mask (DeepSeek V3.2, GLM-MoE-DSA, AXK2, HY-V4, Kolibri 1.1), a mask edited with the model's
+# own terms (Doge), a mask widened for compressed keys (DeepSeek V4), per-query sinks (Inkling 2).
+SWEEP = {
+    "llama": "equal", "qwen2": "equal", "gemma3_text": "equal", "gpt_oss": "equal",
+    "bert": "equal", "t5": "equal", "deepseek_v32": "equal", "glm_moe_dsa": "equal",
+    "axk2": "equal", "hy_v4": "equal", "kolibri1_1": "equal", "doge": "equal",
+    "deepseek_v4": "equal", "inkling2_text": "equal", "bloom": "refused", "gpt_neo": "refused",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", SWEEP)
+def test_sweep_families_match_eager(family: str) -> None:
+    from .helpers import sweep
+
+    verdict, detail = sweep().sweep_one(family)
+    assert verdict == SWEEP[family], f"{family}: {verdict} ({detail})"
+
+
+def _eager_with_sinks(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor) -> Tensor:
+    """Inkling 2's eager attention: one more logit per query (``sinks``, (B, H, Tq, 1)) in each
+    row's softmax, with a zero value."""
+    k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~allowed, -torch.inf)
+    weights = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    return (weights @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend", ["attnkit", "attnkit_chunked"])
+def test_per_query_sinks(backend: str) -> None:
+    layer = Layer().eval()
+    q, k, v = (t.double().requires_grad_() for t in qkv(5, 7))
+    sinks = torch.randn(2, 4, 5, 1, dtype=torch.float64, requires_grad=True)
+    mask = hf.build_mask(batch_size=2, q_length=5, kv_length=7, q_offset=2)
+    weights_too = backend == "attnkit"  # only the reference backend returns weights
+    out, weights = AttentionInterface()[backend](
+        layer, q, k, v, mask, scaling=0.3, sinks=sinks, output_attentions=weights_too
+    )
+    allowed = hf_dense(batch_size=2, q_length=5, kv_length=7, q_offset=2)
+    want = _eager_with_sinks(q, k, v, allowed, sinks)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    if weights_too:  # eager's weights: the sinks' share taken, their column dropped
+        assert weights is not None
+        values = v.detach().repeat_interleave(2, dim=1)
+        got_out = (weights.detach() @ values).transpose(1, 2)
+        torch.testing.assert_close(got_out, want.detach(), atol=1e-12, rtol=1e-10)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+    wants = torch.autograd.grad(want.square().sum(), (q, k, v, sinks))
+    for got, expected in zip(grads, wants, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"per-query sinks must have shape \(B\|1, H, Tq, 1\) = "):
+        AttentionInterface()[backend](layer, q, k, v, mask, sinks=sinks[..., 0])
+
+
+def test_indexer_selection_is_applied() -> None:
+    """DeepSeek V3.2's indexer hands attention functions other than eager and sdpa its top-k keys
+    (``indices``) instead of folding them into the mask: attending every key would be another
+    model."""
+    layer = Layer().eval()
+    q, k, v = (t.double() for t in qkv(5, 5))
+    indices = torch.tensor([[0, 0], [0, 1], [2, 1], [3, 0], [4, 2]]).expand(2, 5, 2)
+    allowed = hf_dense(batch_size=2, q_length=5, kv_length=5)
+    selected = torch.zeros(2, 5, 5, dtype=torch.bool).scatter(-1, indices, True).unsqueeze(1)
+    want = sdpa_attention_forward(layer, q, k, v, allowed & selected, scaling=0.3)[0]
+    for mask in [hf.build_mask(batch_size=2, q_length=5, kv_length=5), allowed]:
+        out = AttentionInterface()["attnkit"](layer, q, k, v, mask, scaling=0.3, indices=indices)[0]
+        torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"block-sparse selection \(block_indices\)"):
+        AttentionInterface()["attnkit"](layer, q, k, v, allowed, block_indices=indices)

@@ -106,3 +106,45 @@ def test_sliding_window_reaches_attention_structured() -> None:
         attention_mask=padded([8, 5], 8, "left")[1].bool(),
     )
     assert isinstance(ours.mask, attnkit.masks.Mask), ours
+
+
+def test_a_model_that_asks_for_a_tensor_gets_transformers_own() -> None:
+    """Indexers slice the mask and read its dtype (DeepSeek V3.2 asks with
+    allow_is_causal_skip=False): they get sdpa's bool tensor, not the structured mask."""
+    padding = padded([8, 5], 8, "left")[1].bool()
+    for fn, flag in [
+        (mu.causal_mask_function, "allow_is_causal_skip"),
+        (mu.sliding_window_causal_mask_function(3), "allow_is_causal_skip"),
+        (mu.bidirectional_mask_function, "allow_is_bidirectional_skip"),
+    ]:
+        args = dict(batch_size=2, q_length=8, kv_length=8, mask_function=fn, attention_mask=padding)
+        ours = hf.build_mask(**args, **{flag: False})
+        assert isinstance(ours, Tensor), (fn, ours)
+        assert torch.equal(ours, hf_dense(**args))
+        assert torch.equal(ours[:, 0, :, :], hf_dense(**args)[:, 0])  # as the indexers read it
+        assert isinstance(hf.build_mask(**args), hf.TransformersMask)  # not asked: structured
+
+
+def test_transformers_own_flags_keep_the_structured_mask() -> None:
+    """The bidirectional mask creators pass allow_is_causal_skip=False whatever the model wants,
+    and packed sequences set the flag too: neither is a model asking for a tensor."""
+    ours = hf.build_mask(
+        batch_size=2,
+        q_length=8,
+        kv_length=8,
+        mask_function=mu.bidirectional_mask_function,
+        attention_mask=padded([8, 5], 8, "left")[1].bool(),
+        allow_is_causal_skip=False,
+    )
+    assert isinstance(ours, hf.TransformersMask)
+    assert ours.mask is not None
+    ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    packed = mu.and_masks(
+        mu.remap_positions_for_packed_sequence(mu.causal_mask_function, ids),
+        mu.packed_sequence_mask_function(mu.find_packed_sequence_indices(ids)),
+    )
+    ours = hf.build_mask(
+        batch_size=1, q_length=8, kv_length=8, mask_function=packed, allow_is_causal_skip=False
+    )
+    assert isinstance(ours, hf.TransformersMask), ours
+    assert ours.packed

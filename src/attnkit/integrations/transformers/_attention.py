@@ -160,6 +160,73 @@ def _sharded(
     return cast(Tensor, out)  # return_lse=False: the output alone
 
 
+def _selected_keys(
+    module: nn.Module, indices: Tensor, batch: int, q_len: int, kv_len: int
+) -> Tensor:
+    """``(B, 1, Tq, Tk)`` bool, True at the keys a sparse-attention indexer selected for each query
+    (DeepSeek V3.2's ``indices``, ``(B, Tq, topk)`` key positions): what transformers' eager and
+    sdpa paths AND into the mask before they attend."""
+    if indices.ndim != 3 or indices.shape[:2] != (batch, q_len) or indices.is_floating_point():
+        raise ValueError(
+            f"{_layer(module)}: indices must be integer key positions (B, Tq, topk) = "
+            f"({batch}, {q_len}, topk), got {indices.dtype} of shape {shape_str(indices.shape)}"
+        )
+    selected = torch.zeros(batch, q_len, kv_len, dtype=torch.bool, device=indices.device)
+    return selected.scatter(-1, indices.long(), True).unsqueeze(1)
+
+
+def _sink_share(module: nn.Module, sinks: Tensor, lse: Tensor) -> Tensor:
+    """``(B, H, Tq, 1)``: the share of each row's softmax that its per-query sink leaves to the
+    keys, ``sigmoid(lse - sink)``. A sink is one more logit in the row's denominator with a zero
+    value, so the row's output and weights are those without it times this share; the call
+    stays O(T) in memory (no extra key column of bias)."""
+    if sinks.ndim != 4 or sinks.size(-1) != 1 or sinks.shape[1:3] != lse.shape[-2:]:
+        raise ValueError(
+            f"{_layer(module)}: per-query sinks must have shape (B|1, H, Tq, 1) = "
+            f"(B|1, {lse.size(-2)}, {lse.size(-1)}, 1), got {shape_str(sinks.shape)}"
+        )
+    return torch.sigmoid(lse.unsqueeze(-1) - sinks.to(lse.dtype))
+
+
+def _with_selection(
+    module: nn.Module,
+    mask: Mask | Tensor | None,
+    query: Tensor,
+    kv_len: int,
+    keys: int,
+    kwargs: dict[str, Any],
+) -> Mask | Tensor | None:
+    """``mask`` with the keys a sparse-attention indexer selected ANDed in (``indices``), over the
+    ``keys`` the call keeps."""
+    if kwargs.get("block_indices") is not None:
+        # MiniMax M3's block selection: attending every key instead would be another model.
+        raise ValueError(
+            f"{_layer(module)}: a block-sparse selection (block_indices) is applied by "
+            "transformers' eager and sdpa paths only; load the model with "
+            'attn_implementation="eager" or "sdpa"'
+        )
+    indices = kwargs.get("indices")
+    if not isinstance(indices, Tensor):
+        return mask
+    selected = _selected_keys(module, indices, query.size(0), query.size(-2), kv_len)
+    selected = selected[..., :keys]
+    return selected if mask is None else mask & selected
+
+
+def _with_sinks(
+    module: nn.Module, result: Tensor | tuple[Tensor, ...], sinks: Tensor | None, weights: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The output and weights (when asked for) of :func:`attention`'s ``result``, with per-query
+    ``sinks`` taking their share (the call then returned the log-sum-exp last)."""
+    parts = list(result) if isinstance(result, tuple) else [result]
+    out, probs = parts[0], (parts[1] if weights else None)
+    if sinks is not None:
+        share = _sink_share(module, sinks, parts[-1])
+        out = (out * share).to(out.dtype)
+        probs = None if probs is None else (probs * share).to(probs.dtype)
+    return out, probs
+
+
 @shape_checked
 def attention_forward(
     module: nn.Module,
@@ -233,6 +300,7 @@ def attention_forward(
             f"{_layer(module)}: attention_mask must be a 4-d bool or float tensor, a "
             f"TransformersMask or None, got {type(attention_mask).__name__}"
         )
+    mask = _with_selection(module, mask, query, kv_len, keys, kwargs)
     if isinstance(attention_mask, TransformersMask) and not attention_mask.packed:
         # transformers builds a packed mask only without a cache (training usually runs with
         # use_cache=True all the same); its flash-attention path reads the packing from the
@@ -250,6 +318,7 @@ def attention_forward(
         if bias is not None and bias.size(-1) != 1:
             bias = bias[..., :keys]
     sink = s_aux if s_aux is not None else sinks
+    per_query_sinks = sink is not None and sink.ndim > 1  # Inkling 2's (B, H, Tq, 1)
     dropout_p = float(dropout) if module.training else 0.0
     capturing = is_capturing(module)
     want_weights = bool(output_attentions) or capturing or _model_collects_weights()
@@ -262,19 +331,17 @@ def attention_forward(
         causal=causal,
         scale=scaling,
         softcap=softcap,
-        sinks=sink,
+        sinks=None if per_query_sinks else sink,
         dropout_p=dropout_p,
         return_weights=want_weights,
+        return_lse=per_query_sinks,
         backend=backend,
     )
-    weights: Tensor | None = None
-    if isinstance(result, tuple):
-        out, weights = result
+    out, weights = _with_sinks(module, result, sink if per_query_sinks else None, want_weights)
+    if weights is not None:
         weights = F.pad(weights, (0, kv_len - keys))
         if capturing:
             record(module, weights)
-    else:
-        out = result
     return out.transpose(1, 2).contiguous(), weights
 
 

@@ -14,7 +14,17 @@ from ..._checks import shape_str
 from ...masks import Mask, causal_mask, documents, key_padding, sliding_window
 from ._patterns import Pattern, agrees, recognise, unpack
 
-__all__ = ["TransformersMask", "build_mask"]
+__all__ = ["TransformersMask", "build_mask", "serve_eager_masks"]
+
+# Config classes of the models that transformers runs with eager attention only (no sdpa, flash or
+# flex): their code may rely on eager's mask, a float tensor it can widen or edit, so their mask
+# function returns exactly that. Filled when such a model is built or switched to attnkit.
+_EAGER_MASK_CONFIGS: set[type] = set()
+
+
+def serve_eager_masks(config_class: type) -> None:
+    """Give the models of ``config_class`` transformers' eager mask (a float tensor) from now on."""
+    _EAGER_MASK_CONFIGS.add(config_class)
 
 
 class TransformersMask:
@@ -192,12 +202,27 @@ def _both(a: Mask | None, b: Mask | None) -> Mask | None:
     return b if a is None else a if b is None else a & b
 
 
-def _dense(reason: str, **kwargs: Any) -> TransformersMask:
-    """transformers' own ``(B, 1, Tq, Tk)`` bool mask, for a pattern attnkit cannot express."""
+def _sdpa_tensor(**kwargs: Any) -> Tensor:
+    """transformers' own ``(B, 1, Tq, Tk)`` bool mask (sdpa's, True = may attend), never None."""
     from transformers.masking_utils import sdpa_mask
 
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-    mask = sdpa_mask(**kwargs)
+    mask: Tensor = sdpa_mask(**kwargs)
+    return mask
+
+
+def _eager_tensor(**kwargs: Any) -> Tensor:
+    """transformers' own ``(B, 1, Tq, Tk)`` float mask (eager's: 0 or the dtype's minimum)."""
+    from transformers.masking_utils import eager_mask
+
+    kwargs.update(allow_is_bidirectional_skip=False)
+    mask: Tensor = eager_mask(**kwargs)
+    return mask
+
+
+def _dense(reason: str, **kwargs: Any) -> TransformersMask:
+    """transformers' own ``(B, 1, Tq, Tk)`` bool mask, for a pattern attnkit cannot express."""
+    mask = _sdpa_tensor(**kwargs)
     return TransformersMask(
         batch_size=kwargs["batch_size"],
         q_len=kwargs["q_length"],
@@ -208,6 +233,17 @@ def _dense(reason: str, **kwargs: Any) -> TransformersMask:
         form=f"dense (B, 1, Tq, Tk) = {shape_str(mask.shape)}: {reason}",
         device=mask.device,
     )
+
+
+def _asks_for_a_tensor(pattern: Pattern | None, kwargs: dict[str, Any]) -> bool:
+    """Whether transformers was asked not to skip the mask: the flag of the pattern's kind (the
+    bidirectional mask creators always pass ``allow_is_causal_skip=False``), either for a pattern
+    attnkit does not know."""
+    causal_flag = kwargs.get("allow_is_causal_skip", True) is False
+    bidirectional_flag = kwargs.get("allow_is_bidirectional_skip", True) is False
+    if pattern is None:
+        return causal_flag or bidirectional_flag
+    return causal_flag if pattern.causal else bidirectional_flag
 
 
 def build_mask(
@@ -221,13 +257,23 @@ def build_mask(
     attention_mask: Tensor | TransformersMask | None = None,
     device: torch.device | str = "cpu",
     **kwargs: Any,
-) -> TransformersMask:
+) -> TransformersMask | Tensor:
     """The mask function :func:`register` installs (transformers' ``AttentionMaskInterface``).
 
-    Takes the arguments transformers passes to every mask function; the ones not named here
-    (``local_size``, ``allow_is_causal_skip``, ``dtype``, ``config``, ``use_vmap``, ...) matter only
-    when the mask has to be dense. Never returns None: for a causal layer transformers would read
-    None as "top-left causal", which is wrong as soon as a cache holds tokens.
+    Takes the arguments transformers passes to every mask function. Returns a
+    :class:`TransformersMask` (the pattern and padding as :func:`attnkit.attention` arguments,
+    built once for all layers), except where the model needs a tensor it can read or edit:
+
+    * asked with ``allow_is_causal_skip=False`` (a causal pattern) or
+      ``allow_is_bidirectional_skip=False`` (a bidirectional one), as models do that slice the
+      mask for an indexer or add their own terms to it: transformers' own bool mask, what
+      ``sdpa`` gets (also a static cache's decoding step, where transformers sets the flag itself;
+      not packed sequences, where it does too and the structured mask serves them);
+    * a model that transformers runs with eager attention only (:func:`serve_eager_masks`):
+      eager's float mask, the one its code was written for.
+
+    Never returns None: for a causal layer transformers would read None as "top-left causal",
+    which is wrong as soon as a cache holds tokens.
     """
     if isinstance(attention_mask, TransformersMask):
         # generate() with a static cache builds the masks ahead of the forward, which hands them
@@ -255,11 +301,15 @@ def build_mask(
         attention_mask=padding,
         device=device,
     )
+    if type(kwargs.get("config")) in _EAGER_MASK_CONFIGS:
+        return _eager_tensor(**dense_args)
     packed = None
     unpacked = unpack(fn) if padding is None and (q_offset, kv_offset) == (0, 0) else None
     if unpacked is not None:  # dense_args keeps the packed function, should it come to that
         fn, packed = unpacked
     pattern = recognise(fn)
+    if packed is None and _asks_for_a_tensor(pattern, kwargs):
+        return _sdpa_tensor(**dense_args)
     if pattern is None:
         name = getattr(fn, "__qualname__", type(fn).__name__)
         return _dense(f"mask function {name} is not a pattern attnkit knows", **dense_args)

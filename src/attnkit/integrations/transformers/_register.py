@@ -3,8 +3,11 @@ name, for transformers 5.20 or later."""
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import inspect
 import re
+import sys
 from typing import Any
 
 from torch import Tensor, nn
@@ -12,7 +15,7 @@ from torch import Tensor, nn
 from ..._shards import SequenceShards
 from ...attention import Backend, available_backends
 from ._attention import attention_forward
-from ._masks import TransformersMask, build_mask
+from ._masks import TransformersMask, build_mask, serve_eager_masks
 
 __all__ = ["MIN_TRANSFORMERS", "register"]
 
@@ -43,6 +46,76 @@ def _require_transformers() -> None:
 
 
 _TRANSFORMERS_NAMES = ("sdpa", "flash", "flex", "/", "|")
+
+# The names register() gave attnkit in this process: models asking for one are checked at load.
+_NAMES: set[str] = set()
+
+
+_OWN_CODE: dict[type, bool] = {}
+
+
+def _own_attention_code(model_class: type) -> bool:
+    """Whether the module of ``model_class`` defines attention layers that never call transformers'
+    attention interface (transformers' own reading, for ``set_attn_implementation``: an
+    ``*Attention*(nn.Module)`` class and no ``ALL_ATTENTION_FUNCTIONS.get_interface(``). False when
+    the source cannot be read (a model defined in a notebook): then nothing is known."""
+    if model_class not in _OWN_CODE:
+        module = sys.modules.get(model_class.__module__)
+        try:
+            code = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):
+            code = ""
+        defines = re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.MULTILINE)
+        own = bool(defines) and "ALL_ATTENTION_FUNCTIONS.get_interface(" not in code
+        _OWN_CODE[model_class] = own
+    return _OWN_CODE[model_class]
+
+
+def check_model(model: nn.Module, name: str) -> None:
+    """Refuse, at load, a model attnkit cannot serve; note one that needs eager's masks.
+
+    transformers refuses ``"sdpa"`` for a model whose class does not declare ``_supports_sdpa``;
+    a model with attention code of its own (BLOOM, BigBird, MPT, XGLM, GPT-Neo, ...) would never
+    call attnkit, and the mask object attnkit's mask function builds would reach code that adds
+    it to its scores. A model that transformers runs with eager attention only gets eager's float
+    mask, the one its code was written for (DeepSeek V4 widens it for its compressed keys).
+    """
+    cls = type(model)
+    if _own_attention_code(cls) and not getattr(cls, "_supports_sdpa", False):
+        raise ValueError(
+            f"{cls.__name__} does not support attn_implementation={name!r}: its attention layers "
+            "compute attention in their own code instead of calling transformers' "
+            "AttentionInterface, so attnkit would never be called. Load it with "
+            'attn_implementation="eager"'
+        )
+    served = ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn")
+    config = getattr(model, "config", None)
+    if config is not None and not any(getattr(cls, flag, False) for flag in served):
+        serve_eager_masks(type(config))
+
+
+def _install_load_check() -> None:
+    """Run :func:`check_model` wherever transformers checks a model's attention implementation
+    (at construction, ``from_pretrained`` and ``set_attn_implementation``), as it runs its own
+    checks for ``"sdpa"``. transformers offers no hook for a registered implementation, so its
+    ``PreTrainedModel.get_correct_attn_implementation`` is wrapped, once per process."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_attnkit_checks", False):
+        return
+
+    @functools.wraps(original)
+    def get_correct_attn_implementation(
+        self: Any, requested_attention: str | None, is_init_check: bool = False
+    ) -> str:
+        chosen: str = original(self, requested_attention, is_init_check)
+        if chosen in _NAMES:
+            check_model(self, chosen)
+        return chosen
+
+    get_correct_attn_implementation._attnkit_checks = True  # type: ignore[attr-defined]
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
 def register(
@@ -121,3 +194,5 @@ def register(
 
     AttentionInterface.register(name, attnkit_attention)
     AttentionMaskInterface.register(name, build_mask)
+    _NAMES.add(name)
+    _install_load_check()

@@ -1,0 +1,276 @@
+"""Every transformers model family with a language-model head, built from a tiny config, run with
+``attn_implementation="eager"`` and ``"attnkit"``: logits, greedy generation, one training step.
+
+The families: transformers' causal LM, sequence-to-sequence LM and masked LM classes (its auto
+mappings). Each is built from its config class's defaults with the sizes shrunk (hidden size 32,
+2 layers, 4 query and 2 key/value heads, tiny experts, indexers and windows; every dropout 0),
+random weights, float32, no downloads. Both implementations get the same weights (seed, then the
+eager model's state dict) and a batch of 2 rows of 12 tokens, the second left-padded by 3:
+
+* ``logits``: the largest difference at real tokens, relative to the largest logit;
+* ``generate``: 4 greedy tokens from the padded batch (causal and sequence-to-sequence LMs);
+* ``train``: the loss and every parameter's gradient of one training step (labels = the inputs),
+  relative to the largest gradient.
+
+A family is ``equal`` when all three agree (relative 1e-4, the same tokens), ``differ`` when one
+does not, ``fails`` when attnkit raises where eager does not, ``refused`` when attnkit refuses it at
+load (a model with attention code of its own), ``skipped`` when eager itself cannot run it from a
+tiny config (another input than token ids, a package or a download it needs, a config the
+shrinking breaks): the reason is printed.
+
+    python benchmarks/sweep_transformers.py                 # every family: table and summary
+    python benchmarks/sweep_transformers.py llama doge      # the families named (model types)
+    python benchmarks/sweep_transformers.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from torch import Tensor
+
+from attnkit.integrations.transformers import register
+
+V, T, B, PAD = 99, 12, 2, 3  # vocabulary, tokens, rows; the second row's left padding
+TOLERANCE = 1e-4  # relative to the largest logit / gradient
+
+# Attribute -> tiny value, set on every config (and sub-config) that has the attribute.
+TINY: dict[str, Any] = {
+    "vocab_size": V, "unpadded_vocab_size": V, "hidden_size": 32, "d_model": 32, "n_embd": 32,
+    "embed_dim": 32, "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "encoder_layers": 2,
+    "decoder_layers": 2, "num_decoder_layers": 2, "num_attention_heads": 4, "n_head": 4,
+    "num_heads": 4, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "d_kv": 8, "attention_head_size": 8,
+    "intermediate_size": 32, "ffn_dim": 32, "d_ff": 32, "n_inner": 32, "encoder_ffn_dim": 32,
+    "decoder_ffn_dim": 32, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
+    "max_target_positions": 64, "max_source_positions": 64, "sliding_window": 4,
+    "sliding_window_size": 4, "attention_chunk_size": 4, "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16, "n_routed_experts": 4, "num_experts": 4,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1,
+    "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "qk_head_dim": 16,
+    "index_topk": 4, "index_head_dim": 16, "index_n_heads": 2, "index_num_heads": 2,
+    "keep_window_size": 4, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+    "swa_head_dim": 8,
+    "rel_extent": 8, "d_rel": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "decoder_start_token_id": 1,
+}  # fmt: skip
+
+
+# What a family's config checks beyond the sizes above.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "kolibri1_1": {"head_dim": 16},  # NVFP4-rounded keys: a multiple of 16
+    "qwen4_exp_text": {"head_dim": 16},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+}
+
+
+def _shrunk(config_class: type, default: Any) -> dict[str, Any]:
+    """Constructor arguments for a tiny version of ``default`` (its sub-configs too)."""
+    kwargs = {k: v for k, v in TINY.items() if hasattr(default, k)}
+    if hasattr(default, "kv_lora_rank"):  # multi-head latent attention: one key head per query head
+        kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
+    types = getattr(default, "layer_types", None)
+    if isinstance(types, list) and types and all(isinstance(t, str) for t in types):
+        kinds = list(dict.fromkeys(types))  # each kind of layer once, in the order they come
+        kwargs["layer_types"] = (kinds * 2)[: max(len(kinds), TINY["num_hidden_layers"])]
+        kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
+    if getattr(default, "is_encoder_decoder", False):
+        kwargs.setdefault("decoder_start_token_id", TINY["decoder_start_token_id"])
+    kwargs.update(OVERRIDES.get(getattr(config_class, "model_type", ""), {}))
+    for name, value in vars(default).items():
+        if isinstance(value, float) and ("dropout" in name or "drop_prob" in name):
+            kwargs[name] = 0.0
+        if name == "layerdrop" or name.endswith("_layerdrop"):
+            kwargs[name] = 0.0
+    for name in getattr(config_class, "sub_configs", {}) or {}:
+        sub = getattr(default, name, None)
+        if isinstance(sub, transformers.PreTrainedConfig):
+            kwargs[name] = _shrunk(type(sub), sub)
+    return kwargs
+
+
+def tiny_config(model_type: str) -> Any:
+    """The tiny config of a model family's language-model head (the family by its model type, as
+    in transformers' auto mappings; the head's own config class, a text config for some)."""
+    config_class = getattr(transformers, families()[model_type]).config_class
+    default = config_class()
+    return config_class(**_shrunk(config_class, default))
+
+
+def families() -> dict[str, str]:
+    """model type -> the class of its language-model head (causal, then seq2seq, then masked)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    found: dict[str, str] = {}
+    for mapping in (
+        auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    ):
+        found.update(mapping)
+    return dict(sorted(found.items()))
+
+
+def build(model_type: str, impl: str) -> Any:
+    """The family's language-model head with attention ``impl``, weights from seed 0."""
+    cls = getattr(transformers, families()[model_type])
+    torch.manual_seed(0)
+    model = cls._from_config(tiny_config(model_type), attn_implementation=impl)
+    return model.float().eval()
+
+
+def batch(model: Any) -> dict[str, Tensor]:
+    """2 rows of token ids, the second left-padded, and their 2-d mask (and decoder inputs)."""
+    ids = torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :PAD] = 0
+    inputs = {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = ids[:, : T // 2]
+    return inputs
+
+
+def _real(model: Any, inputs: dict[str, Tensor], logits: Tensor) -> Tensor:
+    """The logits at real tokens (the decoder's, for an encoder-decoder: all real)."""
+    if model.config.is_encoder_decoder:
+        return logits
+    return logits[inputs["attention_mask"].bool()]
+
+
+def _relative(a: Tensor, b: Tensor) -> float:
+    """The largest difference of ``a`` from ``b``, relative to ``b``'s largest value."""
+    scale = max(float(b.abs().max()), 1e-6) if b.numel() else 1.0
+    return float((a - b).abs().max()) / scale if a.numel() else 0.0
+
+
+def _train_step(model: Any, inputs: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    model.train()
+    model.zero_grad()
+    labels = inputs.get("decoder_input_ids", inputs["input_ids"])
+    labels = labels.masked_fill(labels == 0, -100)
+    if not model.config.is_encoder_decoder:
+        # The first real token of the padded row is predicted from a padding query, whose row
+        # each implementation fills its own way (eager: an average; attnkit: 0).
+        labels[1, PAD] = -100
+    loss = model(**inputs, labels=labels).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.eval()
+    return loss.detach(), grads
+
+
+def _generate(model: Any, inputs: dict[str, Tensor]) -> Tensor | None:
+    if not model.can_generate() or type(model).__name__.endswith("MaskedLM"):
+        return None
+    return model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+@dataclass
+class Run:
+    logits: Tensor
+    tokens: Tensor | None
+    loss: Tensor
+    grads: dict[str, Tensor]
+
+
+def run(model: Any) -> Run:
+    inputs = batch(model)
+    with torch.no_grad():
+        logits = _real(model, inputs, model(**inputs).logits)
+    tokens = _generate(model, inputs)
+    loss, grads = _train_step(model, inputs)
+    return Run(logits, tokens, loss, grads)
+
+
+def compare(ours: Run, theirs: Run) -> tuple[str, str]:
+    """(verdict, what was measured) of attnkit's run against eager's."""
+    logits = _relative(ours.logits, theirs.logits)
+    same_tokens = None
+    if theirs.tokens is not None and ours.tokens is not None:
+        same_tokens = bool(torch.equal(ours.tokens, theirs.tokens))
+    loss = abs(float(ours.loss - theirs.loss)) / max(abs(float(theirs.loss)), 1e-6)
+    scale = max((float(g.abs().max()) for g in theirs.grads.values()), default=1.0)
+    grads = max(
+        (float((ours.grads[n] - g).abs().max()) / max(scale, 1e-6) for n, g in theirs.grads.items()
+         if n in ours.grads),
+        default=0.0,
+    )  # fmt: skip
+    missing = set(theirs.grads) ^ set(ours.grads)
+    ok = max(logits, loss, grads) <= TOLERANCE and same_tokens is not False and not missing
+    tokens = "-" if same_tokens is None else "same" if same_tokens else "other"
+    detail = f"logits {logits:.1e}, generate {tokens}, loss {loss:.1e}, grads {grads:.1e}"
+    return ("equal" if ok else "differ"), detail
+
+
+def _reason(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:160]}"
+
+
+def sweep_one(model_type: str) -> tuple[str, str]:
+    """(verdict, detail) for one family."""
+    try:
+        eager = build(model_type, "eager")
+        theirs = run(eager)
+    except Exception as e:
+        return "skipped", "eager: " + _reason(e)
+    try:
+        torch.manual_seed(0)
+        model = build(model_type, "attnkit")
+    except ValueError as e:
+        if "does not support attn_implementation" in str(e):
+            return "refused", _reason(e)
+        return "fails", "build: " + _reason(e)
+    except Exception as e:
+        return "fails", "build: " + _reason(e)
+    model.load_state_dict(copy.deepcopy(eager.state_dict()))
+    try:
+        ours = run(model)
+    except Exception as e:
+        return "fails", _reason(e)
+    return compare(ours, theirs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="*", help="model types (default: every family)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    register()
+    transformers.logging.disable_default_handler()  # its warnings about the tiny configs
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # tiny models: a second thread costs more than it saves
+    names = args.families or list(families())
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, float32\n")
+    print("| family | result | seconds | detail |")
+    print("| --- | --- | ---: | --- |")
+    rows = []
+    for name in names:
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            verdict, detail = sweep_one(name)
+        seconds = time.perf_counter() - start
+        print(f"| {name} | {verdict} | {seconds:.1f} | {detail} |", flush=True)
+        rows.append({"family": name, "result": verdict, "seconds": seconds, "detail": detail})
+    counts = Counter(r["result"] for r in rows)
+    order = ["equal", "differ", "fails", "refused", "skipped"]
+    print("\n" + ", ".join(f"{k} {counts.get(k, 0)}" for k in order) + f" (of {len(rows)})")
+    if args.json:
+        import results
+
+        results.save(args.json, "transformers_sweep", rows, config={"T": T, "B": B})
+
+
+if __name__ == "__main__":
+    main()
