@@ -4,6 +4,7 @@ One mask convention (bool, True = may attend), a readable reference implementati
 and fast paths that are tested equal to it.
 """
 
+from . import _onnx as _onnx  # torch.onnx.export writes attnkit's operator as its dense form
 from . import (
     backends,
     distributed,
