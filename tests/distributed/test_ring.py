@@ -41,7 +41,7 @@ DOCS = [10, 20, 18]  # packed documents that cross shard boundaries
 
 
 def whole_inputs(
-    dtype: torch.dtype, seed: int = 0, kv_len: int = T, heads: int = H
+    dtype: torch.dtype, seed: int = 0, kv_len: int = T, heads: int = H, q_len: int = T
 ) -> dict[str, torch.Tensor]:
     """The whole sequence's tensors, the same on every rank. Batch row 0 pads its last 3 keys,
     row 1 its first half less one, so under causality its first queries see no key at all."""
@@ -57,14 +57,14 @@ def whole_inputs(
         ]
     )
     return {
-        "q": randn(B, heads, T, DK),
+        "q": randn(B, heads, q_len, DK),
         "k": randn(B, HKV, kv_len, DK),
         "v": randn(B, HKV, kv_len, DV),
-        "dout": randn(B, heads, T, DV),
-        "dlse": randn(B, heads, T),
-        "qv": randn(B, heads, T, DH),
-        "enc": randn(heads, T + kv_len - 1, DH),
-        "table": randn(heads, T + kv_len - 1),
+        "dout": randn(B, heads, q_len, DV),
+        "dlse": randn(B, heads, q_len),
+        "qv": randn(B, heads, q_len, DH),
+        "enc": randn(heads, q_len + kv_len - 1, DH),
+        "table": randn(heads, q_len + kv_len - 1),
         "sinks": randn(heads),
         "slopes": attnkit.alibi_slopes(heads).to(dtype),
         "pad": pad,
@@ -143,14 +143,19 @@ def compare(
     inputs: dict[str, torch.Tensor] | None = None,
     strategy: Callable[..., Any] = ring_attention,
     device: str = "cpu",
+    make: Callable[[dict[str, torch.Tensor]], Args] | None = None,
+    rank_seed: int = 7,
 ) -> tuple[str | None, dict[str, int], list[str]]:
     """Run one case on the ranks (``strategy``, or attention() with ``backend``) and in one
     process; assert they agree. Returns the kernel and the bytes this rank sent, as
-    record_dispatch() saw them (the first record: the distributed call's)."""
+    record_dispatch() saw them (the first record: the distributed call's).
+
+    ``make``: the case's arguments, default ``CASES[case]``; ``rank_seed``: this rank's
+    ``torch.manual_seed`` before its call (the process's call takes 7)."""
     lay = layout_of(layout, world)
     x = whole_inputs(dtype) if inputs is None else inputs
     x = {n: t.to(device) for n, t in x.items()}
-    make = CASES[case]
+    make = CASES[case] if make is None else make
     spec_backend = "chunked" if "dropout" in case else "reference"
     # The spec: the whole sequence in one process, in float64, on the same rounded inputs.
     whole = {n: t.double().clone().requires_grad_() for n, t in x.items() if n != "pad"}
@@ -170,7 +175,7 @@ def compare(
     local = {n: lay.shard(x[n], rank).clone().requires_grad_() for n in SHARDED}
     local.update({n: x[n].clone().requires_grad_() for n in WHOLE})
     local["pad"] = lay.shard(x["pad"], rank, dim=-1)
-    torch.manual_seed(7)
+    torch.manual_seed(rank_seed)
     with attnkit.record_dispatch() as record:
         if backend is None:
             got = strategy(
@@ -385,6 +390,7 @@ def all_checks(rank: int, world: int) -> dict[int, dict[str, Any]]:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     three = dist.new_group([0, 1, 2])
     report = {2: world_checks(rank % 2, 2, pairs[rank // 2])}
+    report[2]["long and seeded"] = long_and_seeded_checks(rank % 2, 2, pairs[rank // 2])
     if rank < 3:
         report[3] = world_checks(rank, 3, three)
     report[4] = world_checks(rank, 4, None)
@@ -549,3 +555,133 @@ def test_no_process_group_is_a_clear_error() -> None:
 def test_importing_attnkit_needs_no_process_group() -> None:
     assert attnkit.distributed.ring_attention is ring_attention
     assert not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------------------------------
+# Shards longer than the stretch of keys the plan sends, and ranks seeded apart: checks of the
+# groups of 2 ranks in the run above that report their failures (None: it agreed), read by the
+# tests below.
+
+LONG_T = 4 * 96  # on 2 ranks: contiguous shards of 192 keys, zigzag chunks of 96
+
+
+@functools.cache
+def long_valid() -> torch.Tensor:
+    """key_padding(valid=...) of the whole sequence: (B, LONG_T), True = a real key."""
+    return torch.rand(B, LONG_T, generator=torch.Generator().manual_seed(12)) < 0.8
+
+
+def long_inputs() -> dict[str, torch.Tensor]:
+    """:func:`whole_inputs` of LONG_T positions, ``pad`` a key mask that varies key by key."""
+    x = whole_inputs(torch.float64, seed=3, kv_len=LONG_T, q_len=LONG_T)
+    x["pad"] = torch.rand(B, 1, 1, LONG_T, generator=torch.Generator().manual_seed(13)) < 0.7
+    return x
+
+
+# Windows whose queries see a neighbour's last keys: a stretch that starts inside its shard (and
+# inside a zigzag chunk: a left reach under 96 - 64 keys), with a key mask that differs there from
+# the shard's first keys.
+LONG_CASES: dict[str, Callable[[dict[str, torch.Tensor]], Args]] = {
+    "window & key mask": lambda x: {"mask": masks.sliding_window(20, right=10) & x["pad"]},
+    "causal window & key mask & key_padding(valid)": lambda x: {
+        "mask": masks.sliding_window(25)
+        & masks.causal()
+        & x["pad"]
+        & masks.key_padding(valid=long_valid()),
+        "return_lse": True,
+    },
+    "window & key_padding(valid)": lambda x: {
+        "mask": masks.sliding_window(20, right=10) & masks.key_padding(valid=long_valid())
+    },
+    "position term, window & key mask": lambda x: {
+        "bias": RelativePositionTerm(x["qv"], x["enc"], DK**-0.5),
+        "mask": masks.sliding_window(30, right=20) & x["pad"],
+    },
+}
+
+# The cases of CASES that drop out.
+DROPOUT = ("dropout", "dropout, position term")
+
+
+def failure_of(check: Callable[..., object], *args: Any, **kwargs: Any) -> str | None:
+    """None when ``check(*args, **kwargs)`` passes, else its assertion's message."""
+    try:
+        check(*args, **kwargs)
+    except AssertionError as e:
+        return str(e)[:2000]
+    return None
+
+
+def long_and_seeded_checks(
+    rank: int, world: int, group: dist.ProcessGroup | None
+) -> dict[tuple[str, ...], str | None]:
+    report: dict[tuple[str, ...], str | None] = {}
+    x = long_inputs()
+    for layout in ("contiguous", "zigzag"):
+        for case, make in LONG_CASES.items():
+            report["long", layout, case, "ring_attention"] = failure_of(
+                compare, case, rank, world, layout, group, inputs=x, make=make
+            )
+        eager = RingBackend(layout=layout, group=group, native=False, block_q=16, block_k=24)
+        case = "window & key mask"
+        report["long", layout, case, "eager"] = failure_of(
+            compare,
+            case,
+            rank,
+            world,
+            layout,
+            group,
+            inputs=x,
+            make=LONG_CASES[case],
+            backend=eager,
+        )
+    # Each rank seeded its own way: the seed is rank 0's, the result one process's under it.
+    from .test_ulysses import seeded_apart_checks
+
+    seed = 7 + 1000 * rank
+    for layout in ("contiguous", "zigzag"):
+        for case in DROPOUT:
+            report["seeded apart", layout, case] = failure_of(
+                compare, case, rank, world, layout, group, rank_seed=seed
+            )
+    report.update(seeded_apart_checks(rank, world, group, seed))
+    return report
+
+
+def long_and_seeded() -> list[dict[tuple[str, ...], str | None]]:
+    """The reports of :func:`long_and_seeded_checks`, of each rank of both groups of 2."""
+    return [r["long and seeded"] for r in ranks_of(2)]
+
+
+def test_the_plan_sends_stretches_that_start_inside_a_shard() -> None:
+    # What the long cases rely on: a rank receives the last keys of a longer shard, a stretch
+    # that starts inside it (the keys seen, rounded out to UNIT keys of a chunk).
+    from attnkit.distributed.plan import UNIT, ShardPlan
+
+    assert LONG_T // 4 > UNIT
+    geo = masks.Geometry((B,), H, LONG_T, LONG_T, torch.device("cpu"))
+    for layout, starts in ((Layout.contiguous(2), [128, 0]), (Layout.zigzag(2), [64, 0])):
+        for mask in (masks.sliding_window(20, right=10), masks.sliding_window(30, right=20)):
+            plan = ShardPlan(mask, geo, layout)
+            sends = [st.send for r in range(2) for st in plan.steps(r)]
+            assert [None if s is None else s[0] for s in sends] == starts, (layout, sends)
+
+
+@pytest.mark.parametrize("case", list(LONG_CASES))
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shards_longer_than_a_sent_stretch_equal_one_process(layout: str, case: str) -> None:
+    # Output, lse and gradients on each rank against attention() on the whole sequence: the keys,
+    # values and key mask a neighbour sends are its shard's last ones, a stretch inside it.
+    for r, report in enumerate(long_and_seeded()):
+        assert report["long", layout, case, "ring_attention"] is None, f"rank {r % 2}"
+        if ("long", layout, case, "eager") in report:
+            assert report["long", layout, case, "eager"] is None, f"rank {r % 2}"
+
+
+@pytest.mark.parametrize("case", DROPOUT)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_dropout_on_ranks_seeded_apart_equals_one_process_under_rank_0s_seed(
+    layout: str, case: str
+) -> None:
+    for r, report in enumerate(long_and_seeded()):
+        assert report["seeded apart", layout, case] is None, f"rank {r % 2}"

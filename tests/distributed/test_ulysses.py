@@ -17,7 +17,19 @@ import attnkit
 from attnkit import BackendError
 from attnkit.distributed import UlyssesBackend, parallel_attention, ulysses_attention
 
-from .test_ring import DK, DV, HKV, B, H, T, compare, ranks_of, whole_inputs
+from .test_ring import (
+    DK,
+    DV,
+    HKV,
+    B,
+    H,
+    T,
+    compare,
+    failure_of,
+    long_and_seeded,
+    ranks_of,
+    whole_inputs,
+)
 
 # Every case of test_ring.py's CASES that does not drop out (the all-to-all leaves dropout to the
 # ring), with every kind of mask, term and modifier.
@@ -110,3 +122,27 @@ def test_parallel_attention_takes_the_strategy_explain_names(world: int) -> None
         assert got["parallel", "dropout"] == "ring"
         assert got["parallel", "causal"] in ("ring", "ulysses")
         assert "dropout: a rank computing some heads" in got["dropout"]
+
+
+def seeded_apart_checks(
+    rank: int, world: int, group: dist.ProcessGroup | None, seed: int
+) -> dict[tuple[str, ...], str | None]:
+    """parallel_attention with dropout on ranks seeded ``seed`` each (rank 0's: 7), against one
+    process under rank 0's seed; run by test_ring.py's groups of 2 ranks. None: it agreed."""
+    report: dict[tuple[str, ...], str | None] = {}
+    for layout in ("contiguous", "zigzag"):
+        for case in ("dropout", "dropout, position term"):
+            report["parallel seeded apart", layout, case] = failure_of(
+                compare, case, rank, world, layout, group, strategy=parallel_attention,
+                rank_seed=seed,
+            )  # fmt: skip
+    return report
+
+
+@pytest.mark.parametrize("case", ["dropout", "dropout, position term"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_parallel_attention_drops_out_under_rank_0s_seed(layout: str, case: str) -> None:
+    # The ranks seeded apart: parallel_attention (the ring, for dropout) equals one process under
+    # the seed of the group's first rank, as ring_attention promises.
+    for r, report in enumerate(long_and_seeded()):
+        assert report["parallel seeded apart", layout, case] is None, f"rank {r % 2}"
