@@ -11,17 +11,14 @@ and log-sum-exp, computes exactly those keys' share of the gradients, because th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from .plan import Run
 
-if TYPE_CHECKING:
-    from .problem import Problem
-
-__all__ = ["FUSED_ROWS", "fused_backward", "fused_forward", "fused_serves"]
+__all__ = ["FUSED_ROWS", "FusedWork", "fused_backward", "fused_forward", "fused_serves"]
 
 # Fully visible work of at least this many queries goes to torch's fused CPU kernel, whose tiles
 # are tallest (and fastest) from 768 queries up.
@@ -73,13 +70,40 @@ def fused_serves(
     )
 
 
-def _kv4(p: Problem, run: Run) -> tuple[Tensor, Tensor]:
+class FusedWork(Protocol):
+    """What the fused kernel reads of a call: its runs and the tensors they cover, in the kernel's
+    layout (:class:`~attnkit._kernel.problem.Problem` is one). Declared here, by its reader, so
+    that the problem can ask :func:`fused_serves` without the two modules importing each other.
+
+    ``q5`` is ``(B, Hkv, G, Tq, Dk)``, ``k3``/``v3`` are ``(B*Hkv, Tk, D)``; ``n``, ``hkv``,
+    ``g``: ``B``, ``Hkv``, ``G``.
+    """
+
+    @property
+    def q5(self) -> Tensor: ...
+    @property
+    def k3(self) -> Tensor: ...
+    @property
+    def v3(self) -> Tensor: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def hkv(self) -> int: ...
+    @property
+    def g(self) -> int: ...
+    @property
+    def runs(self) -> tuple[Run, ...]: ...
+
+
+def _kv4(p: FusedWork, run: Run) -> tuple[Tensor, Tensor]:
     """The run's keys and values as ``(B, Hkv, keys, D)`` views."""
     k4 = p.k3.unflatten(0, (p.n, p.hkv))[:, :, run.ks : run.ke]
     return k4, p.v3.unflatten(0, (p.n, p.hkv))[:, :, run.ks : run.ke]
 
 
-def fused_forward(p: Problem, out: Tensor, lse: Tensor) -> None:
+def fused_forward(p: FusedWork, out: Tensor, lse: Tensor) -> None:
     """The problem's runs through torch's fused kernel, one call per run and query group (the
     ``G`` query heads that share a key head are ``G`` calls on views, no copies)."""
     op = _fused()[0]
@@ -96,7 +120,7 @@ def _unit_stride(t: Tensor) -> Tensor:
 
 
 def fused_backward(
-    p: Problem, out: Tensor, lse: Tensor, dout: Tensor, dq5: Tensor, dk: Tensor, dv: Tensor
+    p: FusedWork, out: Tensor, lse: Tensor, dout: Tensor, dq5: Tensor, dk: Tensor, dv: Tensor
 ) -> None:
     """Add the runs' gradients. Given the call's final output and log-sum-exp, the fused
     backward of a run's keys computes exactly their share: the probabilities ``exp(S - lse)`` and
