@@ -52,7 +52,8 @@ TINY: dict[str, Any] = {
     "num_heads": 4, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 8, "d_kv": 8, "attention_head_size": 8,
     "intermediate_size": 32, "ffn_dim": 32, "d_ff": 32, "n_inner": 32, "encoder_ffn_dim": 32,
-    "decoder_ffn_dim": 32, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
+    "decoder_ffn_dim": 32, "rotary_dim": 4, "max_position_embeddings": 64, "n_positions": 64,
+    "n_ctx": 64,
     "max_target_positions": 64, "max_source_positions": 64, "sliding_window": 4,
     "sliding_window_size": 4, "attention_chunk_size": 4, "moe_intermediate_size": 16,
     "shared_expert_intermediate_size": 16, "n_routed_experts": 4, "num_experts": 4,
@@ -89,10 +90,14 @@ def _shrunk(config_class: type, default: Any) -> dict[str, Any]:
         kwargs.setdefault("decoder_start_token_id", TINY["decoder_start_token_id"])
     kwargs.update(OVERRIDES.get(getattr(config_class, "model_type", ""), {}))
     for name, value in vars(default).items():
-        if isinstance(value, float) and ("dropout" in name or "drop_prob" in name):
+        if isinstance(value, float) and any(d in name for d in ("dropout", "drop_prob", "pdrop")):
             kwargs[name] = 0.0
         if name == "layerdrop" or name.endswith("_layerdrop"):
             kwargs[name] = 0.0
+    # A size some configs derive (a property without a setter) is left to them.
+    derived = [k for k in kwargs if isinstance(getattr(config_class, k, None), property)]
+    for name in derived:
+        del kwargs[name]
     for name in getattr(config_class, "sub_configs", {}) or {}:
         sub = getattr(default, name, None)
         if isinstance(sub, transformers.PreTrainedConfig):

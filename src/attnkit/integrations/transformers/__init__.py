@@ -17,13 +17,18 @@
   O(T)-memory backend; so do packed sequences (``DataCollatorWithFlattening``'s packed
   ``position_ids``), as :func:`attnkit.masks.documents`. A pattern it does not recognise (chunked
   attention, a model's own ``or``/``and`` overlays) becomes transformers' own dense bool mask,
-  exactly as ``sdpa`` would get it; the mask's ``repr()`` says which form it took and why.
+  exactly as ``sdpa`` would get it; the mask's ``repr()`` says which form it took and why. A model
+  that asks for a tensor (``allow_is_causal_skip=False``, as sparse-attention indexers do, which
+  slice it) gets transformers' own bool tensor, and a model transformers runs with eager only
+  gets eager's float mask (its code may widen or edit it).
 * an **attention function** (``AttentionInterface``), which every attention layer calls with
   ``(module, q, k, v, mask, **kwargs)`` in the ``(B, H, T, D)`` layout. It returns the output as
   ``(B, T, H, D)``, and the weights when the model collects them.
 
 Both are needed: with an attention function alone, transformers hands it ``mask=None`` and padded
-tokens are silently attended to.
+tokens are silently attended to. A model whose attention layers do not call transformers'
+attention interface (BLOOM, GPT-Neo, ...) is refused when it is built or switched to attnkit, as
+transformers refuses ``"sdpa"`` for it.
 
 What transformers passes, and what the attention function makes of it:
 
@@ -39,6 +44,9 @@ a float 4-d tensor             ``bias=``: an additive, eager-style mask the call
 ``position_bias`` (T5)         ``bias=`` (summed with a float mask)
 ``softcap`` (Gemma 2)          ``softcap=``
 ``s_aux``/``sinks`` (GPT-OSS)  ``sinks=``
+``sinks`` ``(B, H, Tq, 1)``    one logit per query (Inkling 2): the output and weights without
+                               sinks, times ``sigmoid(lse - sink)``, the share the sink leaves
+``indices`` (DeepSeek V3.2)    the keys an indexer selected, ``(B, Tq, topk)``: ANDed into the mask
 ``cu_seq_lens_q/k``             packed sequences without padding, as transformers' flash-attention
 ``max_length_q/k``               path takes them: :func:`attnkit.flash_attn.varlen_mask` (documents,
                                causal within each when the module is causal) ANDed with the mask

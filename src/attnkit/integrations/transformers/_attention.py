@@ -260,7 +260,11 @@ def attention_forward(
         return out.transpose(1, 2).contiguous(), None
     q_len, kv_len = query.size(-2), key.size(-2)
     keys, mask, bias, causal = kv_len, None, None, False
-    if isinstance(attention_mask, TransformersMask):
+    if isinstance(attention_mask, TransformersMask) and attention_mask.constrains_nothing:
+        # Every pair may attend: the sizes it was built for do not matter (transformers sizes a
+        # decoder's cross-attention mask from the self-attention cache; eager broadcasts it).
+        pass
+    elif isinstance(attention_mask, TransformersMask):
         if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len):
             raise ValueError(
                 f"{_layer(module)}: {attention_mask!r} does not fit q {shape_str(query.shape)} and "

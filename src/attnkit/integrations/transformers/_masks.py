@@ -92,6 +92,11 @@ class TransformersMask:
         self.device = torch.device(device)
 
     @property
+    def constrains_nothing(self) -> bool:
+        """Whether every query may attend every key (bidirectional, no padding, no key left out)."""
+        return self.mask is None and not self.causal and self.keys == self.kv_len
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
         """``(B, 1, Tq, Tk)``, the shape of the dense mask it stands for."""
         return (self.batch_size, 1, self.q_len, self.kv_len)
