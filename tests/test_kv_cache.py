@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -147,6 +149,26 @@ def test_update_errors() -> None:
         KVCache(1, 0, 1, 4)
     with pytest.raises(TypeError, match=r"num_kv_heads must be an int, got 2.0"):
         KVCache(1, 4, 2.0, 4)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_keys_on_another_device_are_refused_before_anything_is_written() -> None:
+    """k on the cache's device and v on another: refused by name before k is copied in (a copy_
+    would write k, then fail on v with torch's words; or move them silently)."""
+    cache = KVCache(2, 8, num_kv_heads=2, head_dim=4)
+    cache.update(torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4))
+    before = (cache.k_cache.clone(), cache.v_cache.clone(), cache.length)
+    here, meta = torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4, device="meta")
+    for k, v, got in (
+        (here, meta, "k on cpu and v on meta"),
+        (meta, here, "k on meta and v on cpu"),
+    ):
+        message = f"k and v must be on the cache's device (cpu), got {got}"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cache.stage(k, v)
+        assert torch.equal(cache.k_cache, before[0])
+        assert torch.equal(cache.v_cache, before[1])
+        assert cache.length == before[2]
 
 
 def test_update_returns_views_of_everything_held() -> None:

@@ -3,6 +3,7 @@ refused call changes nothing; pages are taken, freed and reused."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Callable
@@ -267,10 +268,13 @@ def test_a_decode_step_reads_the_pages_where_they_lie(layout: str, dtype: torch.
         assert got.untyped_storage().data_ptr() == pages.untyped_storage().data_ptr()
         assert got.numel() == pool
     own = {c.k_pages.untyped_storage().data_ptr(), c.v_pages.untyped_storage().data_ptr()}
+    size = c.k_pages.untyped_storage().nbytes()
     for func, _, outs in ops.calls:
         for o in outs:
-            if o.untyped_storage().data_ptr() not in own:  # neither the pages nor a view of them
-                assert o.numel() < pool // 16, f"{func} made {tuple(o.shape)}"
+            # Neither the pages nor a view of them; what it holds, not its shape (the checks'
+            # stand-ins for the keys are one zero, expanded).
+            if o.untyped_storage().data_ptr() not in own:
+                assert o.untyped_storage().nbytes() < size // 16, f"{func} made {tuple(o.shape)}"
 
 
 @pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
@@ -367,6 +371,73 @@ def test_a_refused_call_changes_nothing(
     with pytest.raises(exc, match=re.escape(message)):
         call(c)
     assert _same(before, _snapshot(c))
+
+
+NAN, INF = math.nan, math.inf
+SCALE = "scale must be finite and at most 1.8e+308 in magnitude (the largest float64, in which the "
+SOFTCAP = "softcap must be a finite number > 0, got "
+
+# Every argument of attention() that the cache passes on, refused with attention()'s words.
+BAD_ATTENTION_ARGS = [
+    ({"scale": NAN}, ValueError, SCALE + "scores are computed), got nan"),
+    ({"scale": INF}, ValueError, SCALE + "scores are computed), got inf"),
+    ({"scale": -INF}, ValueError, SCALE + "scores are computed), got -inf"),
+    ({"scale": "0.5"}, TypeError, "scale must be a float or None, got '0.5'"),
+    ({"softcap": NAN}, ValueError, SOFTCAP + "nan"),
+    ({"softcap": -2.0}, ValueError, SOFTCAP + "-2.0"),
+    ({"softcap": 0.0}, ValueError, SOFTCAP + "0.0"),
+    ({"softcap": INF}, ValueError, SOFTCAP + "inf"),
+    ({"softcap": True}, TypeError, "softcap must be a number > 0 or None, got True"),
+    ({"sinks": torch.tensor([0.0, NAN], dtype=F64)}, ValueError,
+     "sinks holds NaN: a sink may be -inf (no sink) but not NaN or +inf"),
+    ({"sinks": torch.tensor([INF, 0.0], dtype=F64)}, ValueError, "sinks holds +inf"),
+    ({"sinks": torch.zeros(2)}, TypeError,
+     "sinks must have the dtype of q (float64), got float32; use sinks.to(q.dtype)"),
+    ({"sinks": torch.zeros(3, dtype=F64)}, ValueError,
+     "sinks must have shape (H,) = (2,), one logit per query head, got (3)"),
+    ({"sinks": [0.0, 0.0]}, TypeError, "sinks must be a float tensor (H,) or None, got list"),
+    ({"causal": 1}, TypeError, "causal must be a bool, got 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["in-place", "gathered"])
+@pytest.mark.parametrize(("kw", "exc", "message"), BAD_ATTENTION_ARGS)
+def test_attention_refuses_what_attention_refuses_before_writing(
+    kw: dict[str, Any], exc: type[Exception], message: str, native: bool
+) -> None:
+    """scale, softcap and sinks are checked by attention()'s own checks before the new tokens
+    are written, on either path (the native kernel's paged read, or a gather and attention()):
+    the pages, the block table and the lengths stay as they were, and the same call without the
+    bad argument then runs."""
+    c = _pool()
+    c.schedule(None)
+    q, (k, v) = torch.randn(2, 2, 1, 2, dtype=F64), _kv(2, 1)
+    before = _snapshot(c)
+    gathered = mock.patch.object(paged, "cache_refusal", return_value="a gather")
+    with contextlib.nullcontext() if native else gathered, torch.no_grad():
+        with pytest.raises(exc, match=re.escape(message)):
+            c.attention(q, k, v, **kw)
+        assert _same(before, _snapshot(c))
+        out, _ = c.attention(q, k, v)
+    assert out.isfinite().all()
+
+
+def test_a_negative_scale_and_a_minus_inf_sink_are_taken() -> None:
+    """What attention() takes, the cache takes: the checks refuse only what has no meaning."""
+    c = _pool()
+    c.schedule(None)
+    q, (k, v) = torch.randn(2, 2, 1, 2, dtype=F64), _kv(2, 1)
+    sinks = torch.tensor([-INF, 0.5], dtype=F64)
+    keys = [torch.cat([c.token_major()[0][c.pages_of(b)].flatten(0, 1)[: c.lengths[b]]
+                       .permute(1, 0, 2)[None], k[b : b + 1]], 2) for b in range(2)]  # fmt: skip
+    values = [torch.cat([c.token_major()[1][c.pages_of(b)].flatten(0, 1)[: c.lengths[b]]
+                         .permute(1, 0, 2)[None], v[b : b + 1]], 2) for b in range(2)]  # fmt: skip
+    with torch.no_grad():
+        out, _ = c.attention(q, k, v, scale=-0.7, softcap=3.0, sinks=sinks)
+    for b in range(2):
+        want = attnkit.attention(q[b : b + 1], keys[b], values[b], scale=-0.7, softcap=3.0,
+                                 sinks=sinks, backend="reference")  # fmt: skip
+        assert_close(out[b : b + 1], want)
 
 
 def test_free_and_reuse_pages() -> None:

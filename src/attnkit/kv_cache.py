@@ -133,6 +133,12 @@ class KVCache:
                 f"k and v must have the cache's dtype ({keys.dtype}), got k {k.dtype} and "
                 f"v {v.dtype}"
             )
+        if k.device != keys.device or v.device != keys.device:
+            # (a copy_ would move them, or fail half-way with v on the meta device)
+            raise ValueError(
+                f"k and v must be on the cache's device ({keys.device}), got k on {k.device} and "
+                f"v on {v.device}"
+            )
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise ValueError(
                 "KVCache got keys that require grad: the cache is for inference, run "

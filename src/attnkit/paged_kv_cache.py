@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from ._blocks import Geometry
-from ._checks import check_float_tensor, check_int, dtype_str, shape_str
+from ._call import AttentionCall, check_attention_args
+from ._checks import check_bool, check_float_tensor, check_int, dtype_str, shape_str
 from ._kernel.cache import cache_attention, cache_refusal
 from ._typing import Float, shape_checked
 from .attention import attention
@@ -72,7 +73,7 @@ def band_of(mask: Tensor | Mask | None, causal: bool) -> tuple[float, float]:
     key padding is needed, and a mask over a ``(Tq, Tk)`` matrix has no meaning when every row
     has its own ``Tk``."""
     lo, hi = -math.inf, math.inf
-    if causal:
+    if check_bool("causal", causal):
         hi = 0.0
     if mask is None:
         return lo, hi
@@ -475,11 +476,19 @@ class PagedKVCache(nn.Module):
         self,
         q: Tensor,
         new: list[int],
-        bias: DistanceBias | None,
-        sinks: Tensor | None,
-    ) -> None:
+        band: tuple[float, float],
+        *,
+        scale: object,
+        softcap: object,
+        bias: object,
+        sinks: object,
+    ) -> AttentionCall:
+        """Every argument of an attention call, before anything is written: q against the cache,
+        then what :func:`attnkit.attention` checks (the same checks, asked of stand-ins for the
+        keys without data: ``scale``, ``softcap``, the sinks' shape, dtype and values, the mask
+        and the bias against the longest row)."""
         check_float_tensor("q", q)
-        hkv = self._head_major()[0].size(1)
+        hkv = self.k_pages.size(2 if self.layout == "flash" else 1)
         dk = self.k_pages.size(-1)
         if q.ndim != 4 or q.size(0) != self.max_seqs or q.size(1) % hkv or q.size(-1) != dk:
             raise ValueError(
@@ -493,17 +502,29 @@ class PagedKVCache(nn.Module):
             )
         if any(n > q.size(2) for n in new):
             raise ValueError(f"the new tokens {new} are more than q's T = {q.size(2)} in a row")
+        kv_len = max(n + s for n, s in zip(self.lengths, new, strict=True))
         if bias is not None:
             if not isinstance(bias, DistanceBias):
                 raise TypeError(
                     "bias: a PagedKVCache call takes a bias by distance (DistanceBias, "
                     f"attnkit.alibi_term), got {type(bias).__name__}"
                 )
-            kv_len = max(n + s for n, s in zip(self.lengths, new, strict=True))
             bias.check(Geometry((self.max_seqs,), q.size(1), max(new), kv_len, q.device))
-        if sinks is not None and (not isinstance(sinks, Tensor) or sinks.shape != (q.size(1),)):
-            got = shape_str(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
-            raise ValueError(f"sinks must be ({q.size(1)},) logits, one per query head, got {got}")
+        # The longest row's keys and values, as one call would see them: one zero, expanded.
+        zero = q.new_zeros(())
+        keys = zero.expand(self.max_seqs, hkv, kv_len, dk)
+        values = zero.expand(self.max_seqs, hkv, kv_len, self.v_pages.size(-1))
+        return check_attention_args(
+            q,
+            keys,
+            values,
+            mask=_band_mask(*band),
+            bias=bias,
+            causal=False,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
 
     def attention(
         self,
@@ -541,17 +562,17 @@ class PagedKVCache(nn.Module):
         float16), the native kernel reads the pages through the block table where they lie;
         otherwise each row's keys are gathered for one :func:`attnkit.attention` call per row.
         """
-        lo, hi = band_of(mask, causal)
+        band = band_of(mask, causal)
         new = self._plan(k, v)
-        self._check_attention(q, new, bias, sinks)
-        if scale is None:
-            scale = 1.0 / math.sqrt(q.size(-1))
+        call = self._check_attention(
+            q, new, band, scale=scale, softcap=softcap, bias=bias, sinks=sinks
+        )
         self.stage(k, v)
         kp, vp = self._head_major()
         table = bias.table if bias is not None else None
         if cache_refusal(q, kp, vp, sinks, table) is None:
-            return self._in_place(q, new, (lo, hi), scale, softcap, bias, sinks)
-        return self._gathered(q, new, (lo, hi), scale, softcap, bias, sinks)
+            return self._in_place(q, new, band, call.scale, call.softcap, bias, sinks)
+        return self._gathered(q, new, band, call.scale, call.softcap, bias, sinks)
 
     def _in_place(
         self,
