@@ -210,6 +210,25 @@ def test_a_broken_library_is_detected_and_rebuilt_not_loaded(tmp_path: Path, dam
     assert the_build(tmp_path / "cache").verified()[0]
 
 
+def test_a_library_with_one_byte_changed_is_rebuilt_not_loaded(tmp_path: Path) -> None:
+    # The same size as its manifest says, one byte flipped: only the SHA-256 tells, and the
+    # library is rebuilt (its reason logged), never mapped.
+    real = real_library().read_bytes()
+    data = bytearray(real)
+    data[len(data) // 2] ^= 0xFF
+    b = place(tmp_path / "cache", bytes(data), manifest_of(real))
+    assert b.library.stat().st_size == json.loads(b.manifest.read_text())["size"]
+    report, err = run(tmp_path)
+    assert report["loaded"] is True
+    assert f"rebuilding the native kernel: {b.library} does not match its manifest's SHA-256" in err
+    assert (tmp_path / "mark").exists(), "rebuilt"
+    assert b.verified()[0]
+    assert b.library.read_bytes() == real
+    # The same answer in this process, without loading anything.
+    again = place(tmp_path / "again", bytes(data), manifest_of(real))
+    assert again.verified() == (False, f"{again.library} does not match its manifest's SHA-256")
+
+
 def _complete_build(cache: Path) -> build.Build:
     data = real_library().read_bytes()
     return place(cache, data, manifest_of(data))
