@@ -364,3 +364,91 @@ def test_each_block_is_computed_once_when_the_offsets_hold(monkeypatch: pytest.M
         computed.clear()
         attention(q, k, v, mask=masks.causal(), backend=Chunked(block_q=8, block_k=8, native=False))
         assert sum(computed) == 36, size
+
+
+# --------------------------------------------------------------------------------------------------
+# The meta device: the outputs' shapes without values
+
+
+def _meta_twin(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().to("meta").requires_grad_(t.requires_grad) for t in tensors]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"causal": True},
+        {"mask": masks.sliding_window(3) & masks.causal(), "softcap": 5.0, "dropout_p": 0.1},
+        {"mask": masks.from_fn(lambda b, h, i, j: (i + j) % 3 != 0)},  # no operator spelling
+        {"score_mod": lambda s, b, h, i, j: s * 0.5 + (i - j)},
+        {"bias": "dense", "sinks": True},
+    ],
+    ids=["plain", "causal", "window-softcap-dropout", "from_fn", "score_mod", "bias-sinks"],
+)
+def test_meta_tensors_run_as_the_same_call_on_the_cpu(kw: dict[str, object]) -> None:
+    """A call on the meta device that chunked serves gives what the same call gives on the CPU,
+    but for the values: out and lse of the same shapes, dtypes and layouts, and gradients of the
+    same shapes for q, k, v, the bias and the sinks. (The kernel itself reads the values: the
+    plan, whether q, k and v are finite; on meta it is the operator's fake kernel that answers.)"""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=g).transpose(1, 2).contiguous().transpose(1, 2)
+    k, v = (torch.randn(2, 2, 7, 8, generator=g) for _ in range(2))
+    extra: dict[str, object] = dict(kw)
+    tensors = [q, k, v]
+    if extra.pop("bias", None):
+        tensors.append(torch.randn(4, 6, 7, generator=g))
+    if extra.pop("sinks", None):
+        tensors.append(torch.randn(4, generator=g))
+    for t in tensors:
+        t.requires_grad_()
+    results = []
+    for device_tensors in (tensors, _meta_twin(*tensors)):
+        cq, ck, cv, *rest = device_tensors
+        named = dict(zip(("bias", "sinks"), rest, strict=False)) if "bias" in kw else {}
+        out, lse = attention(
+            cq,
+            ck,
+            cv,
+            **extra,
+            **named,
+            return_lse=True,
+            backend="chunked",  # type: ignore[arg-type]
+        )
+        (out.sum() + lse.sum()).backward()
+        results.append((out, lse, [t.grad for t in device_tensors]))
+    (out, lse, grads), (m_out, m_lse, m_grads) = results
+    assert m_out.is_meta
+    assert m_lse.is_meta
+    for real, meta in ((out, m_out), (lse, m_lse), *zip(grads, m_grads, strict=True)):
+        assert real is not None
+        assert meta is not None
+        assert (meta.shape, meta.dtype, meta.stride()) == (real.shape, real.dtype, real.stride())
+
+
+def test_auto_serves_a_meta_call_that_asks_for_the_lse() -> None:
+    """explain() says chunked serves a meta call with return_lse; the call then runs (it used to
+    read the inputs' sizes from the meta tensors: "Cannot copy out of meta tensor")."""
+    q = torch.empty(2, 4, 8, 16, device="meta")
+    assert "auto picks: chunked" in str(attnkit.explain(q, q, q, return_lse=True))
+    out, lse = attention(q, q, q, return_lse=True)
+    assert (out.shape, lse.shape, lse.dtype) == ((2, 4, 8, 16), (2, 4, 8), torch.float32)
+
+
+def test_a_module_built_on_the_meta_device_runs_there() -> None:
+    """MultiHeadAttention(add_bias_kv=True) attends its extra key through the log-sum-exp
+    (return_lse=True): built under torch.device("meta"), its forward and backward run there and
+    give what the same module gives on the CPU, in shape."""
+    torch.manual_seed(0)
+    real = attnkit.MultiHeadAttention(16, 4, add_bias_kv=True)
+    with torch.device("meta"):
+        meta = attnkit.MultiHeadAttention(16, 4, add_bias_kv=True)
+        x = torch.randn(2, 5, 16, requires_grad=True)
+    out = meta(x, causal=True)
+    out.sum().backward()
+    want = real(torch.randn(2, 5, 16), causal=True)
+    assert out.is_meta
+    assert out.shape == want.shape
+    assert x.grad is not None
+    assert meta.bias_k.grad is not None
+    assert meta.bias_k.grad.shape == meta.bias_k.shape

@@ -40,8 +40,8 @@ from .._kernel.call import (
 from .._kernel.operator import traceable, traced_attention
 from .._native import status as native_status
 from .._native.kernel import BF16_PRODUCTS, decodes, why_not_native
+from .._score_mod import captured_tensors, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
-from .._score_mod import distance_bias_of, softcap_of
 from .._transforms import transforms_active
 from ..scores import DistanceBias, softcap_form
 from .base import Backend, CallInputs
@@ -118,6 +118,18 @@ def chunked_check(call: AttentionCall) -> list[str]:
             why = traceable(call.mask, call.score_term)
             if why is not None:
                 reasons.append(f"{why} (torch.compile/export is tracing)")
+    elif call.device.type == "meta":
+        # On the meta device the operator's fake kernel gives the outputs' shapes (see run).
+        # The mask and a score_mod change none of them; what the scores add may hold tensors
+        # that need gradients, which the operator must be given to give them theirs.
+        meta = "on the meta device, where attnkit's operator gives the outputs' shapes"
+        if call.score_mod is not None and captured_tensors(call.score_mod):
+            reasons.append(
+                "a score_mod that captures tensors needing gradients cannot be traced into "
+                f"attnkit's operator ({meta})"
+            )
+        elif traceable(None, call.score_term) is not None:
+            reasons.append(f"{traceable(None, call.score_term)} ({meta})")
     if call.return_weights:
         reasons.append(
             "does not return attention weights (return_weights=True: only reference does)"
@@ -281,12 +293,21 @@ class Chunked(Backend):
         )
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
-        if torch.compiler.is_compiling():
+        meta = inputs.q.device.type == "meta"
+        if torch.compiler.is_compiling() or meta:
+            # A meta tensor holds no values for the kernel to read (the plan, whether q, k and v
+            # are finite): the operator's fake kernel gives the outputs' shapes, and its autograd
+            # the gradients'. The mask and a score_mod (one capturing no tensor that needs
+            # gradients, see chunked_check) change no shape: one the operator cannot be given (a
+            # from_fn mask, a mask class of one's own, any score_mod) is left out there.
+            mask = call.mask
+            if meta and traceable(mask, None) is not None:
+                mask = None
             out, lse = traced_attention(
                 inputs.q,
                 inputs.k,
                 inputs.v,
-                mask=call.mask,
+                mask=mask,
                 bias=inputs.bias,
                 term=call.score_term,
                 sinks=inputs.sinks,
