@@ -40,7 +40,7 @@ def ort() -> ModuleType:
 
 class Call(nn.Module):
     """``forward(q, k, v[, extra])``: one ``attention()`` call, ``extra`` made into its arguments
-    by ``make`` (a padding mask from lengths, a bias)."""
+    by ``make`` (a mask from padding lengths or document ids, a bias)."""
 
     def __init__(self, backend: str, make: Callable[..., dict[str, Any]], **settings: Any) -> None:
         super().__init__()
@@ -58,6 +58,14 @@ def _none() -> dict[str, Any]:
 
 def _padding(lengths: Tensor) -> dict[str, Any]:
     return {"mask": masks.causal() & masks.key_padding(lengths)}
+
+
+def _documents(ids: Tensor) -> dict[str, Any]:
+    return {"mask": masks.documents(ids=ids) & masks.causal()}
+
+
+def _window_or_padding(lengths: Tensor) -> dict[str, Any]:
+    return {"mask": masks.sliding_window(2) | masks.key_padding(lengths, side="left")}
 
 
 def _bias(bias: Tensor) -> dict[str, Any]:
@@ -79,6 +87,12 @@ CASES: dict[str, Callable[[], tuple[Callable[..., dict[str, Any]], dict[str, Any
     "causal": lambda: (_none, {"causal": True}, qkv()),
     "causal_and_padding": lambda: (_padding, {}, (*qkv(), torch.tensor([T, T - 4]))),
     "sliding_window": lambda: (_none, {"mask": masks.sliding_window(3)}, qkv()),
+    "documents_and_causal": lambda: (
+        _documents,
+        {},
+        (*qkv(), torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])),
+    ),
+    "window_or_left_padding": lambda: (_window_or_padding, {}, (*qkv(), torch.tensor([3, 5]))),
     "bias": lambda: (_bias, {}, (*qkv(), torch.randn(B, H, T, T))),
     "softcap": lambda: (_none, {"softcap": 2.0, "causal": True}, qkv()),
     "sinks": lambda: (_none, {"sinks": torch.randn(H)}, qkv()),
@@ -122,6 +136,8 @@ def test_calls_on_auto_export(ort: ModuleType, name: str, tmp_path: Path) -> Non
         assert_close(run(sess, *inputs), call(*inputs), dtype=torch.float32)
 
 
+# q, k and v share the one dimension T: torch's exporter says it names it once.
+@pytest.mark.filterwarnings("ignore:# The axis name")
 def test_the_operator_exports_with_a_dynamic_length(ort: ModuleType, tmp_path: Path) -> None:
     # One model for every length: the mask is rebuilt from the lengths given, at the length run.
     call = Call("chunked", _padding, causal=False).eval()

@@ -7,9 +7,10 @@ so each module is exported once (module-scoped fixtures) and its ONNX model is c
 same exported program.
 
 While tracing, the chunked backend's call becomes one node of attnkit's operator
-(``torch.ops.attnkit.attention``), which plans and runs the kernel when the program runs; ONNX
-takes the operator's dense form (``attnkit.decompositions()``), so the ONNX comparisons are also
-ones between two different code paths.
+(``torch.ops.attnkit.attention``), which plans and runs the kernel when the program runs;
+``torch.onnx.export`` of that same program writes the operator as its dense form (the reference
+formula) with no argument of attnkit's, so the ONNX comparisons are also ones between two
+different code paths.
 """
 
 from __future__ import annotations
@@ -167,9 +168,8 @@ def onnx_file(
 ) -> Path:
     pytest.importorskip("onnxscript", reason="ONNX export needs the test extra onnxscript")
     name, _, program = exported
-    # The program holds attnkit's operator; ONNX takes its dense form.
-    dense = program.run_decompositions(attnkit.decompositions())
-    onnx_program = torch.onnx.export(dense, dynamo=True, verbose=False)
+    # The program holds attnkit's operator; the exporter writes its dense form unasked.
+    onnx_program = torch.onnx.export(program, dynamo=True, verbose=False)
     assert onnx_program is not None
     path = tmp_path_factory.mktemp("onnx") / f"{name}.onnx"
     onnx_program.save(str(path))

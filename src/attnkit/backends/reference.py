@@ -211,7 +211,8 @@ def _dense_operator(
 def decompositions() -> dict[OpOverload, Callable[..., object]]:
     """attnkit's operator (``torch.ops.attnkit.attention``, which compiled and exported graphs
     hold) written as the dense formula in PyTorch's own operators, for programs that must run
-    without attnkit: ``torch.onnx.export(program.run_decompositions(attnkit.decompositions()),
-    dynamo=True)``. The dense form materialises the ``(..., H, Tq, Tk)`` scores, as torch's
-    SDPA with a mask would; inside PyTorch keep the operator, which runs in O(T) memory."""
+    without attnkit: ``program.run_decompositions(attnkit.decompositions())``.
+    ``torch.onnx.export(..., dynamo=True)`` writes this form by itself (no table to pass). The
+    dense form materialises the ``(..., H, Tq, Tk)`` scores, as torch's SDPA with a mask would;
+    inside PyTorch keep the operator, which runs in O(T) memory."""
     return {torch.ops.attnkit.attention.default: _dense_operator}
