@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from typing import Any
 
 import pytest
@@ -398,3 +399,34 @@ def test_varlen_reads_a_paged_cache_in_place(page: int) -> None:
             assert_close(in_place[0][first : first + n], want[0], dtype=torch.float32)
             assert_close(in_place[1][:, first : first + n], want_lse[0], dtype=torch.float32)
         first += n
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_meta_cumulative_lengths_are_refused_by_name(name: str) -> None:
+    """cu_seqlens_q and cu_seqlens_k say where each sequence starts (the call's mask, and the check
+    that they end at the packed tokens): on the meta device they hold none, and the call says so
+    by name rather than with torch's "Cannot copy out of meta tensor"."""
+    q, k, v, cu_q, cu_k = fa_inputs("flash_attn_varlen_func")
+    given = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    given[name] = given[name].to("meta")
+    message = (
+        f"{name} is on the meta device, which holds no values to read, and its values say where "
+        "each sequence starts: pass it on the CPU (the call's other tensors may stay on the meta "
+        "device)"
+    )
+    for tensors in ((q, k, v), tuple(t.to("meta") for t in (q, k, v))):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fa.flash_attn_varlen_func(*tensors, **given, max_seqlen_q=5, max_seqlen_k=6)
+    with pytest.raises(ValueError, match=re.escape(message.replace(name, "cu_seqlens_q"))):
+        fa.varlen_mask(given["cu_seqlens_q"].to("meta"))
+
+
+def test_meta_packed_sequences_with_lengths_on_the_cpu_run() -> None:
+    q, k, v, cu_q, cu_k = fa_inputs("flash_attn_varlen_func")
+    kw: dict[str, Any] = dict(max_seqlen_q=5, max_seqlen_k=6, causal=True, return_attn_probs=True)
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, **kw)
+    meta = (t.to("meta") for t in (q, k, v))
+    m_out, m_lse, _ = fa.flash_attn_varlen_func(*meta, cu_q, cu_k, **kw)
+    for real, m in ((out, m_out), (lse, m_lse)):
+        assert m.is_meta
+        assert (m.shape, m.dtype) == (real.shape, real.dtype)

@@ -319,3 +319,75 @@ def test_cache_batch_idx_selects_rows_in_place() -> None:
             q[b : b + 1], k_cache[row : row + 1, :n], v_cache[row : row + 1, :n], causal=True
         )
         assert_close(out[b : b + 1], want, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# The meta device
+
+
+def _on_meta(call: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        n: t.to("meta") if isinstance(t, Tensor) and n not in keep else t for n, t in call.items()
+    }
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_a_meta_call_gives_the_shapes_of_the_same_call_on_the_cpu(paged: bool) -> None:
+    """q, the caches, the new tokens, rotary tables, slopes and sinks (and the block table) on
+    the meta device, cache_seqlens on the CPU: the call runs, its outputs shaped as the CPU's.
+    The block table's page numbers only say where the keys lie, which changes no shape: on meta
+    with the pages, it is taken unread."""
+    call = {**kv_call(paged), "return_softmax_lse": True}
+    out, lse = fa.flash_attn_with_kvcache(**call)
+    m_out, m_lse = fa.flash_attn_with_kvcache(**_on_meta(call, keep=("cache_seqlens",)))
+    for real, meta in ((out, m_out), (lse, m_lse)):
+        assert meta.is_meta
+        assert (meta.shape, meta.dtype) == (real.shape, real.dtype)
+
+
+META_ROWS = [
+    ("cache_seqlens", "say how many keys each row holds and where the new ones are written"),
+    ("cache_leftpad", "say where each row's keys start"),
+    ("cache_batch_idx", "say which cache row each batch row reads and writes"),
+]
+
+
+@pytest.mark.parametrize("everything", [False, True], ids=["real-cache", "meta-cache"])
+@pytest.mark.parametrize(("name", "decides"), META_ROWS)
+def test_a_meta_tensor_of_row_numbers_is_refused_by_name(
+    name: str, decides: str, everything: bool
+) -> None:
+    """cache_seqlens, cache_leftpad and cache_batch_idx say how much each row holds and where:
+    the call's mask, its checks and where it writes. On the meta device they hold no values, so
+    the call is refused naming the argument (not torch's "Cannot copy out of meta tensor"),
+    before anything is written; the caller passes them on the CPU."""
+    call = kv_call(False)
+    given = {
+        "cache_seqlens": call["cache_seqlens"],
+        "cache_leftpad": torch.tensor([1, 0]),
+        "cache_batch_idx": torch.tensor([1, 0]),
+    }[name]
+    call = {**(_on_meta(call, keep=("cache_seqlens",)) if everything else call)}
+    call[name] = given.to("meta")
+    before = snapshot({n: t for n, t in call.items() if n != name})
+    message = (
+        f"{name} is on the meta device, which holds no values to read, and its values {decides}: "
+        "pass it on the CPU (the call's other tensors may stay on the meta device)"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fa.flash_attn_with_kvcache(**call)
+    if not everything:
+        assert_unchanged(call, before)
+
+
+def test_a_meta_block_table_over_real_pages_is_refused_before_writing() -> None:
+    call = kv_call(True)
+    call["block_table"] = call["block_table"].to("meta")
+    before = snapshot({n: t for n, t in call.items() if n != "block_table"})
+    message = (
+        "block_table is on the meta device, which holds no values to read, but k_cache "
+        "(7, 4, 2, 8) is on cpu: the table's page numbers say where each row's keys lie in it"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fa.flash_attn_with_kvcache(**call)
+    assert_unchanged(call, before)

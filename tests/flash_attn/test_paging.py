@@ -91,3 +91,26 @@ def test_kvcache_reads_only_the_pages_its_rows_fill() -> None:
     out = fa.flash_attn_with_kvcache(**padded)
     assert_close(out, fa.flash_attn_with_kvcache(**call))
     assert torch.equal(padded["k_cache"], call["k_cache"])  # the same tokens went in, in place
+
+
+def test_a_meta_block_table_runs_over_meta_pages_and_is_refused_over_real_ones() -> None:
+    """A block table's page numbers say where each sequence's keys lie, which changes no shape:
+    with the pages on the meta device it is taken unread (gathering used to fail in torch's
+    repeat_interleave on meta); over real pages it is refused by name."""
+    table = torch.tensor([[0, 2], [1, 3]])
+    want = _paged_varlen(table)
+    g = torch.Generator().manual_seed(23)
+    q = torch.randn(5, 2, 8, generator=g, dtype=torch.float64)
+    kp, vp = (torch.randn(4, 4, 1, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    lengths = (cu([2, 3]), cu([6, 3]))
+    got = fa.flash_attn_varlen_func(
+        *(t.to("meta") for t in (q, kp, vp)), *lengths, block_table=table.to("meta")
+    )
+    assert got.is_meta
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    message = (
+        "block_table is on the meta device, which holds no values to read, but the paged k "
+        "(4, 4, 1, 8) is on cpu"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fa.flash_attn_varlen_func(q, kp, vp, *lengths, block_table=table.to("meta"))

@@ -21,6 +21,7 @@ __all__ = [
     "band",
     "band_mask",
     "four_d",
+    "host_ints",
     "lengths_of",
     "scale_of",
     "sinks_of",
@@ -81,25 +82,39 @@ def four_d(name: str, t: object, layout: str) -> Tensor:
     return t
 
 
-def lengths_of(name: str, cu: object, total: int) -> list[int]:
-    """The sequence lengths that cumulative lengths ``cu`` describe (one host read)."""
+def host_ints(name: str, t: Tensor, why: str) -> list[int]:
+    """The ints ``t`` holds (one host read). A tensor on the meta device holds none: it is
+    refused by name, ``why`` saying what its values decide. Such an argument is a few ints that
+    the call cannot run without (the outputs' shapes do not depend on them, but the call's mask,
+    its checks and where it writes do), so it is asked for on a device that holds them rather
+    than invented."""
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device, which holds no values to read, and its values {why}: "
+            "pass it on the CPU (the call's other tensors may stay on the meta device)"
+        )
+    return [int(x) for x in t.tolist()]
+
+
+def lengths_of(name: str, cu: object, total: int | None) -> list[int]:
+    """The sequence lengths that cumulative lengths ``cu`` describe (one host read); they must
+    end at ``total`` packed tokens (None: at whatever ``cu`` ends)."""
     if isinstance(cu, Tensor):
         if cu.ndim != 1 or cu.is_floating_point() or cu.dtype == torch.bool:
             raise TypeError(
                 f"{name} must be a 1-d integer tensor (batch + 1,), got {dtype_str(cu.dtype)} of "
                 f"shape {shape_str(cu.shape)}"
             )
-        values = [int(x) for x in cu.tolist()]
+        values = host_ints(name, cu, "say where each sequence starts")
     elif isinstance(cu, Sequence) and all(type(x) is int for x in cu):
         values = list(cu)
     else:
         raise TypeError(f"{name} must be a 1-d integer tensor (batch + 1,), got {cu!r}")
     lengths = [b - a for a, b in itertools.pairwise(values)]
-    if not values or values[0] != 0 or min(lengths, default=0) < 0 or values[-1] != total:
-        raise ValueError(
-            f"{name} must start at 0, never decrease and end at the {total} packed tokens, got "
-            f"{values}"
-        )
+    ends = total is None or (bool(values) and values[-1] == total)
+    if not values or values[0] != 0 or min(lengths, default=0) < 0 or not ends:
+        end = "" if total is None else f" at the {total} packed tokens"
+        raise ValueError(f"{name} must start at 0, never decrease and end{end}, got {values}")
     return lengths
 
 

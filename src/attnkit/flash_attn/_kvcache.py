@@ -24,7 +24,7 @@ from ..masks import Mask
 from ..scores import ScoreTerm
 from ._alibi import alibi
 from ._api import attend
-from ._args import band, band_mask, four_d, scale_of, sinks_of, softcap_of
+from ._args import band, band_mask, four_d, host_ints, scale_of, sinks_of, softcap_of
 from ._paging import check_block_table, page_table, pages_used
 from ._rotary import check_rotary, rotate
 from ._varlen import Sequences
@@ -32,6 +32,14 @@ from ._varlen import Sequences
 __all__ = ["flash_attn_with_kvcache"]
 
 _Window = tuple[int | None, int | None]
+
+
+# What each per-row argument's values decide, for the refusal of one on the meta device.
+_DECIDES = {
+    "cache_seqlens": "say how many keys each row holds and where the new ones are written",
+    "cache_leftpad": "say where each row's keys start",
+    "cache_batch_idx": "say which cache row each batch row reads and writes",
+}
 
 
 def _per_row(name: str, value: object, rows: int, default: int) -> list[int]:
@@ -52,7 +60,7 @@ def _per_row(name: str, value: object, rows: int, default: int) -> list[int]:
             else repr(value)
         )
         raise ValueError(f"{name} must be an int or an integer tensor ({rows},), got {got}")
-    return [int(x) for x in value.tolist()]
+    return host_ints(name, value, _DECIDES[name])
 
 
 def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
@@ -304,7 +312,8 @@ def _checked_rows(
         raise ValueError(f"cache_leftpad {start} must lie in 0..cache_seqlens {seen}")
     if table is not None:
         used = pages_used(lengths, k_cache.size(1))
-        table = page_table(table, used, k_cache.size(0), f"k_cache {shape_str(k_cache.shape)}")
+        what = f"k_cache {shape_str(k_cache.shape)}"
+        table = page_table(table, used, k_cache.size(0), what, k_cache.device)
     rows = _Rows(seen, start, new, cache_rows, table, k_cache.size(1))
     return rows, k, v
 

@@ -30,6 +30,7 @@ def gather_pages(cache: Tensor, block_table: Tensor, lengths: list[int]) -> Tens
     rows = torch.repeat_interleave(
         torch.arange(len(lengths), device=block_table.device),
         torch.tensor(lengths, device=block_table.device),
+        output_size=sum(lengths),  # known here: no read of the device's count (none on meta)
     )
     starts = torch.tensor([0, *lengths], device=block_table.device).cumsum(0)[:-1]
     t = torch.arange(sum(lengths), device=block_table.device) - starts[rows]
@@ -65,15 +66,28 @@ def pages_used(lengths: list[int], page: int) -> list[int]:
     return [-(-n // page) if page else 0 for n in lengths]
 
 
-def page_table(table: Tensor, used: list[int], pages: int, what: str) -> Tensor:
+def page_table(
+    table: Tensor, used: list[int], pages: int, what: str, device: torch.device
+) -> Tensor:
     """``table`` as int64 indices, after checking that the first ``used[b]`` entries of each row
-    ``b`` are pages of the ``pages`` that ``what`` holds; the entries past them, which name no
-    page the call reads, are replaced by 0 so that gathering whole rows cannot fail on them.
+    ``b`` are pages of the ``pages`` that ``what`` (on ``device``) holds; the entries past them,
+    which name no page the call reads, are replaced by 0 so that gathering whole rows cannot
+    fail on them.
 
     Indexing would take a negative entry from the end (another sequence's page, read or written
     without a word) and fail on one past the end with an IndexError naming nothing: both are
     refused here, with one host read.
+
+    A table on the meta device is taken unread when the pages are on it too: its entries only
+    say where the keys lie, and a meta call computes shapes, which they do not change. Pages
+    that hold values cannot be read through a table that holds none: refused by name.
     """
+    if table.device.type == "meta" and device.type != "meta":
+        raise ValueError(
+            f"block_table is on the meta device, which holds no values to read, but {what} is on "
+            f"{device}: the table's page numbers say where each row's keys lie in it; pass "
+            "block_table on a device that holds values"
+        )
     if not table.numel() or table.device.type == "meta" or torch.compiler.is_compiling():
         return table.long()
     cols = torch.arange(table.size(1), device=table.device)
@@ -108,8 +122,7 @@ def checked_pages(
     k = four_d("k", k, "(num_blocks, page_block_size, nheads_k, headdim) with block_table")
     v = four_d("v", v, "(num_blocks, page_block_size, nheads_k, headdim_v) with block_table")
     table = check_block_table(block_table, rows)
-    total = int(cu_seqlens_k[-1]) if len(cu_seqlens_k) else 0
-    k_lengths = lengths_of("cu_seqlens_k", cu_seqlens_k, total)
+    k_lengths = lengths_of("cu_seqlens_k", cu_seqlens_k, None)
     capacity = table.size(1) * k.size(1)
     if max(k_lengths, default=0) > capacity:
         raise ValueError(
@@ -122,5 +135,5 @@ def checked_pages(
             "(num_blocks, page_block_size, ...)"
         )
     used = pages_used(k_lengths, k.size(1))
-    table = page_table(table, used, k.size(0), f"the paged k {shape_str(k.shape)}")
+    table = page_table(table, used, k.size(0), f"the paged k {shape_str(k.shape)}", k.device)
     return k, v, table, k_lengths

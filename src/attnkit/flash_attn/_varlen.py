@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._checks import one_or
 from ..masks import EMPTY, FULL, PARTIAL, Geometry, Mask, band_visibility, documents
 from ._args import band, band_mask, lengths_of
 
@@ -51,7 +52,7 @@ class Sequences(Mask):
 
     def check(self, geo: Geometry, name: str) -> None:
         rows, q_len = self.q_seq.shape
-        if (q_len, self.k_seq.size(1)) != (geo.q_len, geo.kv_len) or rows not in (1, geo.batch):
+        if (q_len, self.k_seq.size(1)) != (geo.q_len, geo.kv_len) or not one_or(rows, geo.batch):
             raise ValueError(
                 f"{name}: {self.describe()} describes {rows} x {q_len} queries x "
                 f"{self.k_seq.size(1)} keys, the call has B={geo.batch}, Tq={geo.q_len}, "
@@ -155,13 +156,11 @@ def varlen_mask(
             [0, 0, 0, 1, 1]], dtype=torch.int32)
     """
     lo, hi = band(window_size, causal)
-    q_total = int(cu_seqlens_q[-1]) if len(cu_seqlens_q) else 0
-    q_lengths = lengths_of("cu_seqlens_q", cu_seqlens_q, q_total)
+    q_lengths = lengths_of("cu_seqlens_q", cu_seqlens_q, None)
     if cu_seqlens_k is None:
         k_lengths = q_lengths
     else:
-        k_total = int(cu_seqlens_k[-1]) if len(cu_seqlens_k) else 0
-        k_lengths = lengths_of("cu_seqlens_k", cu_seqlens_k, k_total)
+        k_lengths = lengths_of("cu_seqlens_k", cu_seqlens_k, None)
     if len(q_lengths) != len(k_lengths):
         raise ValueError(
             f"cu_seqlens_q describes {len(q_lengths)} sequences and cu_seqlens_k "
