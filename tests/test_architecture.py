@@ -177,6 +177,7 @@ _FOREIGN = {
     "_guards",
     "_version",  # Tensor._version: the in-place counter autograd checks
     "_base",  # Tensor._base: the tensor a view was made from
+    "_assert_async",  # torch's check of a tensor's value inside a compiled graph (masks.py)
     # nn.Module's hooks, and torch.nn.modules.module's global ones: a projection that has any
     # must run as a module, not as its weight
     "_forward_hooks",

@@ -35,9 +35,19 @@ def dim_str(size: int | torch.SymInt) -> str:
     return str(size)
 
 
+def one_or(size: int | torch.SymInt, want: int | torch.SymInt) -> bool:
+    """Whether ``size`` is 1 or ``want``: a dimension that broadcasts to ``want``.
+
+    Spelled with ``==``, not ``size in (1, want)``: while dynamo traces with dynamic shapes
+    ``want`` may be a ``SymInt``, and dynamo answers ``in`` on a tuple holding one by identity
+    (``2 in (1, s0)`` is False with ``s0 == 2``), so a right call would be refused.
+    """
+    return size == 1 or size == want
+
+
 def shape_str(shape: tuple[int, ...] | torch.Size) -> str:
     """``(2, 8, 128, 64)``: shapes in messages, without the ``torch.Size`` noise."""
-    return "(" + ", ".join(dim_str(s) for s in shape) + ")"
+    return "(" + ", ".join([dim_str(s) for s in shape]) + ")"
 
 
 def dtype_str(dtype: torch.dtype) -> str:
@@ -172,7 +182,7 @@ def check_like_parameters(name: str, t: Tensor, params: Tensor) -> None:
 def check_broadcastable(name: str, t: Tensor, target: tuple[int, ...], legend: str) -> None:
     """Raise ``ValueError`` unless ``t`` broadcasts to ``target`` (trailing dims aligned)."""
     ok = t.ndim <= len(target) and all(
-        s in (1, want) for s, want in zip(reversed(t.shape), reversed(target), strict=False)
+        one_or(s, want) for s, want in zip(reversed(t.shape), reversed(target), strict=False)
     )
     if not ok:
         raise ValueError(

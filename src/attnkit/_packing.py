@@ -115,7 +115,9 @@ def _whole(
 ) -> Tensor | None:
     """The tensor of ``shape`` whose consecutive column stretches the gradients are, or None."""
     first = grads[0]
-    if first is None or first._base is None:
+    # While torch.compile traces the backward, views are the graph's to plan (and a traced
+    # storage offset is not a value): the gradients are concatenated there.
+    if first is None or first._base is None or torch.compiler.is_compiling():
         return None
     whole = first._base  # (a view of) the tensor split: linear() may have made it 2-d
     if whole.numel() != shape.numel() or whole.size(-1) != shape[-1]:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ._checks import shape_str
+from ._checks import one_or, shape_str
 from .scores import DistanceBias, ScoreShape
 
 __all__ = [
@@ -620,7 +620,7 @@ def distance_bias_of(
         if not isinstance(t, Tensor) or not t.is_floating_point() or t.ndim > 4:
             return None
         t4 = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
-        if any(s not in (1, w) for s, w in zip(t4.shape, want, strict=True)):
+        if any(not one_or(s, w) for s, w in zip(t4.shape, want, strict=True)):
             return None
         rows.append(t4.expand(*t4.shape[:2], *want[2:]).reshape(*t4.shape[:2], -1))
     lead = tuple(max(r.size(d) for r in rows) for d in (0, 1))

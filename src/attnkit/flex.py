@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import check_int, shape_str
+from ._checks import check_int, one_or, shape_str
 from ._score_mod import ScoreMod, check_elementwise, check_score_mod
 from .attention import attention
 from .masks import Geometry, Mask, from_fn
@@ -287,7 +287,7 @@ def _mask_of(block_mask: object, b: int, h: int, q_len: int, kv_len: int) -> Mas
             f"{type(block_mask).__name__}"
         )
     mb, mh, mq, mk = shape
-    if mb not in (1, b) or mh not in (1, h) or mq < q_len or mk < kv_len:
+    if not one_or(mb, b) or not one_or(mh, h) or mq < q_len or mk < kv_len:
         raise ValueError(
             f"block_mask was made for (B, H, Q_LEN, KV_LEN) = {shape_str(shape)} but the call "
             f"has {shape_str((b, h, q_len, kv_len))}: B and H must match or be 1 (None), and "

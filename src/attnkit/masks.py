@@ -64,6 +64,7 @@ from ._checks import (
     check_lengths,
     dim_str,
     dtype_str,
+    one_or,
     shape_str,
     spec_read,
     spec_text,
@@ -386,7 +387,7 @@ class _Window(_Band):
         self.left, self.right = left, right
 
     def describe(self) -> str:
-        return f"sliding_window(left={self.left}, right={self.right})"
+        return f"sliding_window(left={dim_str(self.left)}, right={dim_str(self.right)})"
 
 
 def causal(align: Literal["bottom_right", "top_left"] = "bottom_right") -> Mask:
@@ -515,7 +516,7 @@ class _Documents(Mask):
                 f"{name}: {self.describe()} covers {length} positions but the call has "
                 f"Tk = {dim_str(geo.kv_len)} keys"
             )
-        if rows not in (1, geo.batch):
+        if not one_or(rows, geo.batch):
             raise ValueError(
                 f"{name}: {self.describe()} describes {rows} batch rows but the call has "
                 f"B = {geo.batch}"
@@ -526,7 +527,10 @@ class _Documents(Mask):
 
     def document_starts(self) -> list[list[int]] | None:
         """Per row of ``ids`` the positions where a document starts, then ``Tk``; None when some
-        document's positions are not one contiguous run. Computed once (one host read)."""
+        document's positions are not one contiguous run. Computed once (one host read); None
+        while torch.compile traces, where the ids are data (the operator asks when it runs)."""
+        if torch.compiler.is_compiling() and not hasattr(self, "_run_bounds"):
+            return None
         if not hasattr(self, "_run_bounds"):
             ids = self.ids
             starts = torch.ones_like(ids, dtype=torch.bool)
@@ -578,6 +582,37 @@ class _Documents(Mask):
         return states_from(empty, full)
 
 
+class _TracedDocuments(_Documents):
+    """:func:`documents` of a lengths tensor built while torch.compile traces, where the lengths
+    are data: the ids come from the lengths at the call's ``Tk`` (no host read, a static shape),
+    and the lengths are checked when attnkit's operator runs (its mask is rebuilt there by
+    :func:`documents`, which reads them)."""
+
+    def __init__(self, lengths: Tensor) -> None:
+        super().__init__(lengths, f"lengths {shape_str(lengths.shape)}")
+        self.lengths = lengths  # (B|1, n)
+
+    @property
+    def plan_key(self) -> Hashable | None:
+        return _keys_of("document_lengths", _tensor_key(self.lengths))
+
+    def check(self, geo: Geometry, name: str) -> None:
+        if not one_or(self.lengths.size(0), geo.batch):
+            raise ValueError(
+                f"{name}: {self.describe()} describes {self.lengths.size(0)} batch rows but the "
+                f"call has B = {dim_str(geo.batch)}"
+            )
+
+    def _ids(self, geo: Geometry) -> Tensor:
+        # Key j belongs to the first document whose end lies past it.
+        ends = _on(self.lengths, geo.device, self._devices).cumsum(1)  # (B|1, n)
+        j = torch.arange(geo.kv_len, device=geo.device).expand(ends.size(0), -1).contiguous()
+        return torch.searchsorted(ends, j, right=True)  # (B|1, Tk)
+
+    def document_starts(self) -> list[list[int]] | None:
+        return None
+
+
 def documents(
     lengths: Sequence[int] | Sequence[Sequence[int]] | Tensor | None = None,
     *,
@@ -618,20 +653,28 @@ def documents(
             .reshape(ids.shape)
             .reshape(1 if ids.ndim == 1 else ids.size(0), ids.size(-1))
         )
-        batch = "" if ids.ndim == 1 else f", B={ids.size(0)}"
-        return _Documents(ranks.long(), f"ids of Tk={ids.size(-1)}{batch}")
+        batch = "" if ids.ndim == 1 else f", B={dim_str(ids.size(0))}"
+        return _Documents(ranks.long(), f"ids of Tk={dim_str(ids.size(-1))}{batch}")
+    if isinstance(lengths, Tensor) and torch.compiler.is_compiling():
+        _document_rows(lengths[:0])  # its dtype and dimensions; the values wait for the operator
+        return _TracedDocuments(lengths.long().reshape(-1, lengths.size(-1)))
     rows = _document_rows(lengths)
     totals = [sum(row) for row in rows]
     if len(set(totals)) > 1:
         raise ValueError(
             f"documents(): every batch row must cover the same Tk, got row totals {totals}"
         )
+    # output_size: the length is known here, and torch.compile then traces a static shape.
     ids2 = torch.stack(
         [
-            torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r, dtype=torch.long))
+            torch.repeat_interleave(
+                torch.arange(len(r)), torch.tensor(r, dtype=torch.long), output_size=totals[0]
+            )
             for r in rows
         ]
     )
+    if torch.compiler.is_compiling():  # lengths may be symbolic sizes there: no values in text
+        return _Documents(ids2, f"lengths of {len(rows[0])} documents")
     return _Documents(ids2, f"lengths={rows[0] if len(rows) == 1 else rows}")
 
 
@@ -652,6 +695,8 @@ class _KeyPadding(Mask):
     def describe(self) -> str:
         if self.lengths is not None:
             side = "" if self.side == "right" else ", side='left'"
+            if torch.compiler.is_compiling():  # the values are data there: no host read
+                return f"key_padding(lengths {shape_str(self.lengths.shape)}{side})"
             return f"key_padding(lengths={self._lengths_read()}{side})"
         v = self.valid
         return f"key_padding(valid {shape_str(v.shape) if v is not None else '?'})"
@@ -669,7 +714,7 @@ class _KeyPadding(Mask):
 
     def check(self, geo: Geometry, name: str) -> None:
         rows, length = self._rows_and_len()
-        if rows not in (1, geo.batch):
+        if not one_or(rows, geo.batch):
             raise ValueError(
                 f"{name}: {self.describe()} has {rows} batch rows but the call has B = {geo.batch}"
             )
@@ -679,9 +724,19 @@ class _KeyPadding(Mask):
                 f"Tk = {dim_str(geo.kv_len)}"
             )
         # The lengths' values are data: while torch.compile traces, attnkit's operator checks
-        # them when it runs.
-        if self.lengths is not None and self.lengths.numel() and not torch.compiler.is_compiling():
-            longest = max(self._lengths_read())
+        # them when it runs, and on the CPU the graph checks them for the backends that run in it
+        # (on an accelerator such an assertion would be a device-side one, which ends the
+        # process's use of the device: there, a length outside [0, Tk] acts as 0 or Tk).
+        if self.lengths is not None and torch.compiler.is_compiling():
+            if self.lengths.device.type == "cpu":
+                fits = ((self.lengths >= 0) & (self.lengths <= geo.kv_len)).all()
+                torch._assert_async(fits, f"{name}: key_padding lengths must lie in [0, Tk]")
+            return
+        if self.lengths is not None and self.lengths.numel():
+            read = self._lengths_read()
+            if min(read) < 0:
+                raise ValueError(f"{name}: {self.describe()} has a negative length {min(read)}")
+            longest = max(read)
             if longest > geo.kv_len:
                 raise ValueError(
                     f"{name}: {self.describe()} has a length {longest} > Tk = {dim_str(geo.kv_len)}"
@@ -749,7 +804,9 @@ def key_padding(
                 f"lengths must be a 1-d integer tensor, got {lengths.dtype} of shape "
                 f"{shape_str(lengths.shape)}"
             )
-        if lengths.numel() and bool((lengths < 0).any()):
+        # The values are data: while torch.compile traces, the operator checks them when it runs
+        # (_KeyPadding.check).
+        if lengths.numel() and not torch.compiler.is_compiling() and bool((lengths < 0).any()):
             raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
         # A copy: the lengths are read back once (see _KeyPadding), so they must not change.
         return _KeyPadding(lengths.to(torch.long, copy=True), None, side)
@@ -795,7 +852,7 @@ class _FromFn(Mask):
                 f"mask: {self.describe()} must return a bool tensor (True = may attend), got {got}"
             )
         if out.ndim > 4 or any(
-            s not in (1, w) for s, w in zip(reversed(out.shape), reversed(want), strict=False)
+            not one_or(s, w) for s, w in zip(reversed(out.shape), reversed(want), strict=False)
         ):
             raise ValueError(
                 f"mask: {self.describe()} returned shape {shape_str(out.shape)}, which does not "
@@ -865,7 +922,7 @@ class _Dense(Mask):
     def check(self, geo: Geometry, name: str) -> None:
         want = (*geo.batch_shape, geo.heads, geo.q_len, geo.kv_len)
         ok = self.t.ndim <= len(want) and all(
-            s in (1, w) for s, w in zip(reversed(self.t.shape), reversed(want), strict=False)
+            one_or(s, w) for s, w in zip(reversed(self.t.shape), reversed(want), strict=False)
         )
         if not ok:
             raise ValueError(
@@ -905,8 +962,9 @@ class _Combined(Mask):
 
     def describe(self) -> str:
         sep = " & " if self.op == "and" else " | "
+        # A list, not a generator: dynamo traces str.join of a list only.
         return sep.join(
-            f"({p.describe()})" if isinstance(p, _Combined) else p.describe() for p in self.parts
+            [f"({p.describe()})" if isinstance(p, _Combined) else p.describe() for p in self.parts]
         )
 
     @property
@@ -1094,6 +1152,8 @@ def _tree(mask: Mask, tensors: list[Tensor]) -> list[object] | None:
         return ["band", mask.lo, mask.hi, mask.align]  # type: ignore[attr-defined]
     if kind is _Documents:
         return ["documents", _index(mask.ids, tensors), mask.what]  # type: ignore[attr-defined]
+    if kind is _TracedDocuments:
+        return ["document_lengths", _index(mask.lengths, tensors)]  # type: ignore[attr-defined]
     if kind is _KeyPadding:
         padding: _KeyPadding = mask  # type: ignore[assignment]
         lengths = _index(padding.lengths, tensors)
@@ -1126,6 +1186,8 @@ def _from_tree(tree: object, tensors: Sequence[Tensor]) -> Mask | None:
         return _Band(float(args[0]), float(args[1]), args[2])
     if kind == "documents":
         return _Documents(tensors[args[0]], args[1])
+    if kind == "document_lengths":
+        return documents(tensors[args[0]])
     if kind == "key_padding":
         lengths = None if args[0] is None else tensors[args[0]]
         valid = None if args[1] is None else tensors[args[1]]
@@ -1160,7 +1222,7 @@ def _unflatten(tensors: Iterable[Any], text: Any) -> Mask:
 
 # torch.export takes a mask as an input (export(module, (x, masks.key_padding(lengths)))): its
 # tensors become the program's inputs and its text the structure that rebuilds it.
-for _cls in (_Band, _Causal, _Window, _Documents, _KeyPadding, _Dense, _Combined):
+for _cls in (_Band, _Causal, _Window, _Documents, _TracedDocuments, _KeyPadding, _Dense, _Combined):
     pytree.register_pytree_node(
         _cls,
         _flatten,

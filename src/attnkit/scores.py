@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from ._blocks import Geometry
-from ._checks import INT_MAX, check_int, shape_str, spec_read, spec_text
+from ._checks import INT_MAX, check_int, one_or, shape_str, spec_read, spec_text
 
 __all__ = ["DistanceBias", "RelativePositionTerm", "ScoreShape", "ScoreTerm", "TermBlock"]
 
@@ -219,7 +219,7 @@ def _checked(term: ScoreTerm, t: object, shape: ScoreShape, rows: int, keys: int
         got = str(t.dtype).removeprefix("torch.") if isinstance(t, Tensor) else type(t).__name__
         raise TypeError(f"bias: {term.describe()}.tile() must return a float tensor, got {got}")
     if t.ndim > 4 or any(
-        s not in (1, w) for s, w in zip(reversed(t.shape), reversed(want), strict=False)
+        not one_or(s, w) for s, w in zip(reversed(t.shape), reversed(want), strict=False)
     ):
         raise ValueError(
             f"bias: {term.describe()}.tile() returned {shape_str(t.shape)}, which does not "
@@ -329,7 +329,7 @@ class DistanceBias(ScoreTerm):
         """Refuse a call whose distances or heads the table does not cover."""
         lead = (1,) * (3 - self.table.ndim) + tuple(self.table.shape)
         for name, got, want in (("B", lead[0], shape.batch), ("H", lead[1], shape.heads)):
-            if got not in (1, want):
+            if not one_or(got, want):
                 raise ValueError(
                     f"bias: {self.describe()} has {name}={got}, the call {name}={want} (1 "
                     "broadcasts)"

@@ -234,9 +234,9 @@ def attention_backward_op(
     )
     work = _work(q.dtype)
     hkv = k.size(-3)
-    n = spec.geo.batch
-    out5 = out.to(work).reshape(n, hkv, -1, q.size(-2), v.size(-1))
-    lse5 = lse.to(work).reshape(n, hkv, -1, q.size(-2))
+    n, g = spec.geo.batch, q.size(-3) // hkv  # g spelled out: -1 is ambiguous for B = 0
+    out5 = out.to(work).reshape(n, hkv, g, q.size(-2), v.size(-1))
+    lse5 = lse.to(work).reshape(n, hkv, g, q.size(-2))
     grads = run_backward(
         spec,
         q,
