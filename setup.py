@@ -38,7 +38,7 @@ def _native() -> dict[str, object]:
         return {}
     try:
         import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths
     except ImportError:
         return {}
     # The flags the kernel is compiled with on first use: one list, read from the package.
@@ -46,6 +46,9 @@ def _native() -> dict[str, object]:
     exec((NATIVE / "_flags.py").read_text(), namespace)
     flags: dict[str, list[str]] = namespace["CAPABILITY_FLAGS"]  # type: ignore[assignment]
     cflags: list[str] = namespace["CFLAGS"]  # type: ignore[assignment]
+    # torch's headers as system headers, as its build on first use passes them: their warnings
+    # are torch's, and would bury the kernel's own.
+    cflags = [*cflags, *namespace["system_includes"](include_paths())]  # type: ignore[operator]
     ldflags: list[str] = namespace["LDFLAGS"]  # type: ignore[assignment]
     sources = sorted(str(p.relative_to(HERE)) for p in (NATIVE / "csrc").glob("*.cpp"))
     caps = _capabilities()

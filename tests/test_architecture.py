@@ -222,15 +222,11 @@ NO_MIRROR = {
     "names",
     "_kernel/__init__.py": "re-exports only: tests/kernel/test_plan.py, test_forward.py",
     "_native/__init__.py": "load() and status(): tests/native/test_build.py, test_kernel.py",
-    "_native/_flags.py": "the compiler's flags: tests/native/test_build.py (the build's name) "
-    "and tests/suites/test_packaging.py (the wheel's libraries)",
     "_typing.py": "its shape checks run in every test (conftest.py turns them on); "
     "tests/test_attention.py asserts one fires",
     "backends/__init__.py": "the built-in backends, in auto's order: tests/test_attention.py",
     "cli/__init__.py": "the command's entry point: tests/cli/test_main.py",
     "distributed/__init__.py": "re-exports only: tests/distributed/test_ring.py",
-    "distributed/_comm.py": "the ranks' messages and agreement: tests/distributed/test_ring.py",
-    "distributed/backend.py": "register_ring_backend: tests/distributed/test_ddp.py",
     "flash_attn/__init__.py": "re-exports only: the tests in tests/flash_attn/",
     "integrations/__init__.py": "re-exports only: the tests in tests/integrations/transformers/",
     "integrations/transformers/__init__.py": "re-exports only: the tests in "
@@ -246,15 +242,39 @@ def _mirror(relative: pathlib.PurePosixPath) -> pathlib.PurePosixPath:
     return pathlib.PurePosixPath(*folders, "test_" + relative.name.removeprefix("_"))
 
 
+def _without_mirror(modules: list[pathlib.PurePosixPath], tests: pathlib.Path) -> list[str]:
+    """The modules (paths under src/attnkit) with no test file of their own under ``tests``,
+    less those listed in NO_MIRROR."""
+    return [
+        f"src/attnkit/{relative} -> tests/{_mirror(relative)}"
+        for relative in modules
+        if str(relative) not in NO_MIRROR and not (tests / _mirror(relative)).is_file()
+    ]
+
+
 def test_every_module_has_its_mirror_test_file() -> None:
-    missing = []
-    for path in MODULES.values():
-        relative = pathlib.PurePosixPath(path.relative_to(SRC).as_posix())
-        if str(relative) in NO_MIRROR:
-            continue
-        if not (TESTS / _mirror(relative)).is_file():
-            missing.append(f"src/attnkit/{relative} -> tests/{_mirror(relative)}")
+    modules = [pathlib.PurePosixPath(p.relative_to(SRC).as_posix()) for p in MODULES.values()]
+    missing = _without_mirror(modules, TESTS)
     assert not missing, "modules without their test file:\n" + "\n".join(missing)
+
+
+def test_the_mirror_rule_names_a_module_without_a_test_file(tmp_path: pathlib.Path) -> None:
+    # A leading underscore is dropped from the file and its folders, once: __main__.py is
+    # tested in test__main__.py.
+    modules = [
+        pathlib.PurePosixPath(p)
+        for p in ("__main__.py", "_kernel/forward.py", "distributed/_comm.py", "masks.py")
+    ]
+    for test_file in ("test__main__.py", "kernel/test_forward.py", "test_masks.py"):
+        (tmp_path / test_file).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / test_file).touch()
+    assert _without_mirror(modules, tmp_path) == [
+        "src/attnkit/distributed/_comm.py -> tests/distributed/test_comm.py"
+    ]
+    (tmp_path / "test__main__.py").unlink()
+    assert (
+        _without_mirror(modules, tmp_path)[0] == "src/attnkit/__main__.py -> tests/test__main__.py"
+    )
 
 
 # The suites that cut across modules (fuzzing, the promises, precision, deployment, the docs, the

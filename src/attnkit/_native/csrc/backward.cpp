@@ -703,12 +703,15 @@ at::Tensor like_kv(const at::Tensor& k, c10::optional<at::ScalarType> dtype) {
   return at::empty({k.size(0), k.size(2), k.size(1), k.size(3)}, options).permute({0, 2, 1, 3});
 }
 
+#if defined(ATTNKIT_MATRIX_UNIT)
 namespace {
-// Whether every element of a float32 tensor is a bfloat16 number (NaN: no).
+// Whether every element of a float32 tensor is a bfloat16 number (NaN: no). Only the matrix
+// unit's products ask (an unused function would be a warning where they are not built).
 bool bf16_numbers(const at::Tensor& x) {
   return x.numel() == 0 || at::equal(x, x.to(at::kBFloat16).to(at::kFloat));
 }
 }  // namespace
+#endif
 
 std::vector<at::Tensor> backward(const CallArgs& given, const BackwardArgs& b) {
   CallArgs a = given;

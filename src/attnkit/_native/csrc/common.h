@@ -2,6 +2,20 @@
 // as the kernel reads them, the dropout generator and the parallel region's habits.
 #pragma once
 
+// GCC 12's AVX-512 intrinsics start some results from a placeholder initialised with itself
+// (`__m512 __Y = __Y;`), which -Wuninitialized and -Wmaybe-uninitialized then report wherever
+// the kernel or at::vec inlines them (GCC's bug 105593, fixed in GCC 13): false positives in the
+// compiler's own header. The header is read here first, with those warnings off for its lines
+// only (its include guard keeps the later includes from reading it again), so they stay on for
+// the kernel's own code.
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

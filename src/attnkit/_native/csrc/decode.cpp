@@ -505,7 +505,7 @@ void weigh_rows(int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x, T* 
 // kWeighAsks<T>, ahead's rows are asked for during the first rows' products.
 template <typename T, typename X>
 ATTNKIT_INLINE void weigh(int64_t m, int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x,
-                          T* acc, Ahead<X> ahead) {
+                          T* acc, [[maybe_unused]] Ahead<X> ahead) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
     int64_t r = 0;

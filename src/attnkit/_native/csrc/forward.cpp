@@ -369,7 +369,7 @@ inline bool forward_head_bf16(const Call<float>& c, ForwardBuffers<float>& b,
 // The whole forward, into out (or, for bfloat16 queries, out16) and lse.
 template <typename T, typename KV>
 void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& out, T* lse,
-                  const Rows<at::BFloat16*>& out16 = {}) {
+                  [[maybe_unused]] const Rows<at::BFloat16*>& out16 = {}) {
   const int64_t items = c.N * c.Hkv * c.nqb;
   // Capped scores with nothing added lie in [-cap, cap] log2(e): with a cap of at most 69 their
   // exp2 are normal numbers whose sum over 2^20 keys stays finite, so the softmax needs no

@@ -176,8 +176,8 @@ struct KeyPanels {
 // BLAS computes C^T = op(B)^T op(A)^T: the operands swap, their flags stay. tiles: float32
 // products with a row-major right operand run in register tiles (where the build has AVX-512).
 template <typename T>
-void gemm(bool tiles, bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
-          int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+void gemm([[maybe_unused]] bool tiles, bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha,
+          const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
   if (k == 0) {  // empty products (a head size of 0): a BLAS refuses the leading dimensions of 0
     for (int64_t i = 0; i < m; ++i)
