@@ -189,6 +189,127 @@ def test_dropout_on_the_decode_path_drops_the_pairs_of_the_mask(layout: str) -> 
 
 
 # --------------------------------------------------------------------------------------------------
+# The bounds of windows and padding: where a step of keys needs no mask, and which keys of a
+# cache's row a block of queries reads
+
+
+def _mismatches(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], n: int
+) -> list[int]:
+    """The cases of ``n`` (equal slices of the batch) whose output or log-sum-exp differ (the
+    same queries see no key; the rest to 1e-10)."""
+    bad = []
+    for c, parts in enumerate(zip(*(t.chunk(n) for t in (*got, *want)), strict=True)):
+        out, lse, want_out, want_lse = parts
+        seen = want_lse.isfinite()
+        if not (
+            torch.allclose(out, want_out, rtol=1e-10, atol=1e-10)
+            and torch.equal(lse.isfinite(), seen)
+            and torch.allclose(lse[seen], want_lse[seen], rtol=1e-10, atol=1e-10)
+        ):
+            bad.append(c)
+    return bad
+
+
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
+@pytest.mark.parametrize("tq", [1, 3, 6])  # 2, 6 and 12 rows of 2 query heads per key/value head
+def test_windows_and_padding_lengths_at_every_alignment_equal_the_reference(
+    tq: int, layout: str
+) -> None:
+    # Windows wide enough that whole steps of keys lie inside every row's band (those steps run
+    # unmasked), their left reach swept across a step's 16 alignments and their right reach on
+    # either side of the diagonal, with and without key padding (whose flags every step must
+    # read); queries aligned to the end of 150 keys. The reference runs all of them as one call.
+    b, tk = 2, 150
+    q, k, v = _inputs(b, 4, 2, tq, tk, seed=tq)
+    laid = [_token_major(t) if layout == "token-major" else t for t in (k, v)]
+    geo = masks.Geometry((b,), 4, tq, tk, torch.device("cpu"))
+    cases, got, dense = [], [], []
+    with torch.inference_mode():
+        for left in range(16, 34):
+            for right in (-3, 0, 2, 5):
+                for padded in (False, True):
+                    mask = masks.sliding_window(left, right)
+                    if padded:
+                        mask = mask & masks.key_padding([tk - 4, tk - left // 2 - 7])
+                    cases.append((left, right, padded))
+                    got.append(attention(q, *laid, mask=mask, backend=DECODE, return_lse=True))
+                    dense.append(mask.tile(geo, 0, tq, 0, tk).expand(b, 1, tq, tk))
+        n = len(cases)
+        want = attention(
+            *(t.repeat(n, 1, 1, 1) for t in (q, k, v)),
+            mask=torch.cat(dense),
+            backend="reference",
+            return_lse=True,
+        )
+    outs = (torch.cat([o for o, _ in got]), torch.cat([lse for _, lse in got]))
+    assert not [cases[c] for c in _mismatches(outs, want, n)]
+
+
+def _cache_rows(
+    k: torch.Tensor, ranges: list[tuple[int, int]], table: torch.Tensor | None
+) -> torch.Tensor:
+    """A cache ``(N, Hkv, L, D)`` as the kernel reads it: each row one contiguous page, or (with
+    ``table``) pages of 16 keys in a pool, row ``n``'s page ``p`` at ``table[n, p]``. Keys outside
+    a row's stretch are NaN: a read of one shows."""
+    n, hkv, length, d = k.shape
+    k = k.clone()
+    for row, (start, end) in enumerate(ranges):
+        k[row, :, :start] = k[row, :, end:] = float("nan")
+    if table is None:
+        return k
+    pages = k.view(n, hkv, length // 16, 16, d).permute(0, 2, 1, 3, 4).reshape(-1, hkv, 16, d)
+    pool = torch.empty_like(pages)
+    pool[table.flatten()] = pages
+    return pool
+
+
+@pytest.mark.filterwarnings("ignore:mask lets no query")  # the row of no keys, (50, 50)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("tq", [1, 3, 7])
+def test_a_caches_windows_and_padding_equal_the_reference(tq: int, paged: bool) -> None:
+    # Rows of a cache with left padding (a stretch from start > 0) and their own lengths, bands
+    # that cut either end (a right bound before the diagonal too), each row's queries aligned to
+    # its stretch's end; against the reference with the same mask, dense, as one call.
+    from attnkit._kernel.cache import cache_attention
+
+    ranges = [(0, 160), (7, 121), (33, 61), (20, 20 + tq), (50, 50)]
+    n, length = len(ranges), 160
+    q, k, v = _inputs(n, 4, 2, tq, length, seed=tq + 1)
+    table = None
+    if paged:  # shuffled pages of 16 keys
+        table = torch.randperm(n * 10, generator=torch.Generator().manual_seed(tq)).view(n, 10)
+    kp, vp = _cache_rows(k, ranges, table), _cache_rows(v, ranges, table)
+    inf = float("inf")
+    bands: list[tuple[float, float] | None] = [None, (-inf, 0.0), (-inf, 3.0), (-40.0, 5.0)]
+    bands += [(-25.0, -3.0), (-1.0, 1.0), *((-float(left), 0.0) for left in range(16, 34, 3))]
+    i = (
+        torch.tensor([end - tq for _, end in ranges])[:, None, None, None]
+        + torch.arange(tq)[:, None]
+    )  # each row's queries' key positions, (N, 1, Tq, 1)
+    j = torch.arange(length)
+    rows = (j >= torch.tensor([s for s, _ in ranges])[:, None, None, None]) & (
+        j < torch.tensor([e for _, e in ranges])[:, None, None, None]
+    )
+    got, dense = [], []
+    for band in bands:
+        got.append(
+            cache_attention(q, kp, vp, kv_range=ranges, block_table=table, band=band, scale=0.3)
+        )
+        lo, hi = (-inf, inf) if band is None else band
+        dense.append(rows & (j - i >= lo) & (j - i <= hi))
+    want = attention(
+        *(t.repeat(len(bands), 1, 1, 1) for t in (q, k, v)),
+        mask=torch.cat(dense),
+        scale=0.3,
+        backend="reference",
+        return_lse=True,
+    )
+    outs = (torch.cat([o for o, _ in got]), torch.cat([lse for _, lse in got]))
+    assert not [bands[c] for c in _mismatches(outs, want, len(bands))]
+
+
+# --------------------------------------------------------------------------------------------------
 # NaN and inf: not read beforehand, handled by the decode path
 
 
