@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -121,3 +123,25 @@ def test_balanced_documents_errors_quote_values() -> None:
         balance_documents([50, 50], 3)
     with pytest.raises(ValueError, match=r"lengths must be >= 0, got \[-1, 13\]"):
         balance_documents([-1, 13], 3, chunks_per_rank=1)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "exc", "message"),
+    [
+        (0, ValueError, "world_size must be >= 1, got 0"),
+        (-1, ValueError, "world_size must be >= 1, got -1"),
+        (2.0, TypeError, "world_size must be an int, got 2.0"),
+        (None, TypeError, "world_size must be an int, got None"),
+    ],
+)
+def test_layouts_refuse_a_world_size_that_is_no_count_of_ranks(
+    world_size: object, exc: type[Exception], message: str
+) -> None:
+    for make in (
+        Layout.contiguous,
+        Layout.zigzag,
+        lambda w: layout_of("zigzag", w),
+        lambda w: layout_of(Layout.contiguous(2), w),
+    ):
+        with pytest.raises(exc, match=re.escape(message)):
+            make(world_size)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from attnkit import masks
-from attnkit.distributed import explain
+from attnkit.distributed import GPU_NODES, cost, explain
 from attnkit.scores import RelativePositionTerm
 
 
@@ -97,3 +99,27 @@ def test_with_a_hardware_the_report_says_each_strategys_modelled_time() -> None:
     assert found.sent["ring"] == max(ring.sent)
     assert found.sent["ulysses"] == max(ulysses.sent)
     assert "modelled" not in str(explain(q, q, q, causal=True, world_size=4))
+
+
+@pytest.mark.parametrize(
+    ("world_size", "exc", "message"),
+    [
+        (0, ValueError, "world_size must be >= 1, got 0"),
+        (-2, ValueError, "world_size must be >= 1, got -2"),
+        (1.5, TypeError, "world_size must be an int, got 1.5"),
+        (4.0, TypeError, "world_size must be an int, got 4.0"),
+        (True, TypeError, "world_size must be an int, got True"),
+        ("4", TypeError, "world_size must be an int, got '4'"),
+    ],
+)
+def test_a_world_size_that_is_no_count_of_ranks_is_refused(
+    world_size: object, exc: type[Exception], message: str
+) -> None:
+    """explain() and cost() take world_size from the caller: a count of ranks, from 1. Zero used
+    to speak of "[] chunks per rank", True of "attention across True ranks"."""
+    q = shard(4, 64)
+    with pytest.raises(exc, match=re.escape(message)):
+        explain(q, q, q, world_size=world_size)  # type: ignore[arg-type]
+    with pytest.raises(exc, match=re.escape(message)):
+        cost(q, q, q, world_size=world_size, hardware=GPU_NODES)  # type: ignore[arg-type]
+    assert explain(q, q, q, world_size=1).chosen is not None  # one rank is a world

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import shape_str
+from .._checks import check_int, shape_str
 from .._typing import shape_checked
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -153,11 +153,13 @@ class Layout:
     @classmethod
     def contiguous(cls, world_size: int) -> Layout:
         """Rank ``r`` holds chunk ``r`` of ``W``: ``x.chunk(W, dim)[r]``."""
+        world_size = check_int("world_size", world_size)
         return cls(tuple((r,) for r in range(world_size)))
 
     @classmethod
     def zigzag(cls, world_size: int) -> Layout:
         """Rank ``r`` holds chunks ``r`` and ``2W-1-r`` of ``2W`` (see :func:`shard_zigzag`)."""
+        world_size = check_int("world_size", world_size)
         return cls(tuple((r, 2 * world_size - 1 - r) for r in range(world_size)))
 
     @property
@@ -232,6 +234,7 @@ class Layout:
 def layout_of(layout: str | Layout, world_size: int) -> Layout:
     """A layout argument (a name of :data:`LAYOUTS` or a :class:`Layout`) for ``world_size``
     ranks; ``ValueError`` naming both when they do not fit."""
+    world_size = check_int("world_size", world_size)
     if isinstance(layout, Layout):
         if layout.world_size != world_size:
             raise ValueError(

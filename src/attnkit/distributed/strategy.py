@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from .._call import AttentionCall
+from .._checks import check_int
 from .._native.kernel import why_not_native
 from .._score_mod import ScoreMod
 from ..masks import Mask
@@ -267,6 +268,7 @@ def explain(
         if group is None and not (dist.is_available() and dist.is_initialized()):
             raise ValueError("explain() needs world_size=, or an initialised process group")
         world_size = dist.get_world_size(group)
+    world_size = check_int("world_size", world_size)
     call = validated(
         q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, softcap=softcap, sinks=sinks,
         dropout_p=dropout_p, return_lse=return_lse, score_mod=score_mod, world=world_size,
