@@ -7,8 +7,15 @@ forward + backward, at T = 8192 .. 65536.
 "ratio" is compiled / eager in the same run. "extra MiB" is the peak resident memory a call adds
 beyond its inputs and output, measured in a fresh process (its warm-up call compiles).
 
+With ``--training``: a training step instead, ``MultiHeadAttention(512, 8)`` at B=4 T=1024 with
+``causal() & key_padding(lengths)``, the lengths a tensor as a data loader hands them, forward and
+backward, eager against ``torch.compile(fullgraph=True)``, beside torch's
+``nn.MultiheadAttention`` with the same mask (its causal ``attn_mask`` and ``key_padding_mask``)
+eager and compiled: all four in one interleaved run.
+
     python benchmarks/bench_compile.py
     python benchmarks/bench_compile.py --lengths 8192 32768 --json docs/benchmarks/data/compile.json
+    python benchmarks/bench_compile.py --training --json docs/benchmarks/data/compile_training.json
 """
 
 from __future__ import annotations
@@ -59,13 +66,68 @@ def build(t: int, compiled: bool, backward: bool) -> tuple[Callable[[], object],
     return step, 0
 
 
+def training_steps() -> dict[str, Callable[[], object]]:
+    """The four training steps of ``--training``, each forward, backward and gradients cleared."""
+    b, t, d, h = 4, 1024, 512, 8
+    torch.manual_seed(0)
+    x = torch.randn(b, t, d)
+    lengths = torch.tensor([1024, 900, 700, 1000])
+    ours = attnkit.MultiHeadAttention(d, h)
+    theirs = torch.nn.MultiheadAttention(d, h, batch_first=True)
+    future = torch.ones(t, t, dtype=torch.bool).triu(1)  # torch's convention: True = masked
+
+    def loss_ours(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return ours(x, mask=masks.causal() & masks.key_padding(lengths)).square().mean()
+
+    def loss_theirs(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        pad = torch.arange(t) >= lengths[:, None]
+        out = theirs(x, x, x, attn_mask=future, key_padding_mask=pad, need_weights=False)[0]
+        return out.square().mean()
+
+    def step(loss: Callable[..., torch.Tensor], module: torch.nn.Module) -> Callable[[], object]:
+        def run() -> object:
+            loss(x, lengths).backward()
+            for p in module.parameters():
+                p.grad = None
+            return None
+
+        return run
+
+    return {
+        "attnkit eager": step(loss_ours, ours),
+        "attnkit compiled": step(torch.compile(loss_ours, fullgraph=True), ours),
+        "torch eager": step(loss_theirs, theirs),
+        "torch compiled": step(torch.compile(loss_theirs, fullgraph=True), theirs),
+    }
+
+
+def training(rounds: int, json_path: str | None) -> None:
+    times = time_side_by_side(training_steps(), rounds=rounds)
+    for name, sec in times.items():
+        print(f"{name:<18} {1e3 * sec:>9.1f} ms")
+    rows = [
+        {"module": who, "eager_s": times[f"{who} eager"], "compiled_s": times[f"{who} compiled"],
+         "time_ratio": times[f"{who} compiled"] / times[f"{who} eager"]}
+        for who in ("attnkit", "torch")
+    ]  # fmt: skip
+    for row in rows:
+        print(f"{row['module']}: compiled / eager = {row['time_ratio']:.2f}")
+    if json_path:
+        config = {"B": 4, "T": 1024, "d_model": 512, "H": 8, "mask": "causal & key_padding"}
+        results.save(json_path, "compile_training", rows, config=config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true", help="times only")
     parser.add_argument("--json", help="write the rows to this file (see results.py)")
+    parser.add_argument("--training", action="store_true", help="a training step (see above)")
     args = parser.parse_args()
+    if args.training:
+        training(args.rounds, args.json)
+        return
     rows = []
     print(f"{'T':>6} {'pass':<18} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} "
           f"{'eager MiB':>10} {'compiled MiB':>13} {'ratio':>6}")  # fmt: skip

@@ -881,6 +881,17 @@ def _compile(run: Run, images: dict[str, bytes]) -> str:
     )  # fmt: skip
 
 
+def _compile_training(run: Run, images: dict[str, bytes]) -> str:
+    return table(
+        ["module", "eager (ms)", "compiled (ms)", "compiled / eager"],
+        [
+            [r["module"], _ms(r["eager_s"]), _ms(r["compiled_s"]), _ratio(r["time_ratio"])]
+            for r in run.rows
+        ],
+        right=(1, 2, 3),
+    )
+
+
 def _generate(run: Run, images: dict[str, bytes]) -> str:
     sdpa = {r["dtype"]: r for r in run.rows if r["impl"] == "sdpa"}
     body = table(
@@ -963,6 +974,11 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         _compile,
         ("B", "H", "D", "window", "dtype"),
         "python benchmarks/bench_compile.py",
+    ),
+    "compile_training": (
+        _compile_training,
+        ("B", "T", "d_model", "H", "mask"),
+        "python benchmarks/bench_compile.py --training",
     ),
     "multihead": (
         _multihead,

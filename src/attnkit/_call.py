@@ -157,7 +157,9 @@ def _check_scale(scale: object, qk_dim: int, dtype: torch.dtype) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
     limit = torch.finfo(work).max
-    if not math.isfinite(scale) or abs(scale) > limit:
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) a module's float
+    # attribute is a SymFloat, which dynamo compares but cannot pass to math (NaN fails both).
+    if not -limit <= scale <= limit:
         raise ValueError(
             f"scale must be finite and at most {limit:.3g} in magnitude (the largest "
             f"{dtype_str(work)}, in which the scores are computed), got {scale!r}"

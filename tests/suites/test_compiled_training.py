@@ -118,3 +118,57 @@ def test_negative_lengths_are_refused_when_the_compiled_call_runs() -> None:
     )
     with pytest.raises((ValueError, RuntimeError), match=r"negative length -1|lie in \[0, Tk\]"):
         step(q, torch.tensor([8, -1]))
+
+
+def test_a_compiled_transformers_training_step_equals_eager() -> None:
+    """A tiny Llama with ``attn_implementation="attnkit"``: a left-padded batch (the padding
+    mask a tensor, as a tokenizer gives it), three steps at two lengths, one graph; equal to
+    attnkit eager and, at the real tokens' predictions, to transformers' eager attention."""
+    transformers = pytest.importorskip("transformers")
+    from attnkit.integrations.transformers import register
+
+    register()
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config)
+
+    def train(implementation: str, compiled: bool) -> list[float]:
+        model = copy.deepcopy(base)
+        model.set_attn_implementation(implementation)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def loss(ids: Tensor, padding: Tensor) -> Tensor:
+            # Predictions made at padded positions are not scored (labels shift by one).
+            unscored = (padding == 0) | (padding.roll(1, 1) == 0)
+            return model(
+                input_ids=ids, attention_mask=padding, labels=ids.masked_fill(unscored, -100)
+            ).loss
+
+        step = torch.compile(loss, fullgraph=True, dynamic=True) if compiled else loss
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for t in (12, 16, 12):
+            ids = torch.randint(0, 64, (2, t), generator=gen)
+            padding = torch.ones(2, t, dtype=torch.long)
+            padding[1, :3] = 0
+            opt.zero_grad()
+            value = step(ids, padding)
+            value.backward()
+            opt.step()
+            losses.append(value.item())
+        return losses
+
+    torch._dynamo.reset()
+    eager, ours = train("eager", False), train("attnkit", False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = train("attnkit", True)
+    torch.testing.assert_close(compiled, ours, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,7 @@ from ..._typing import Float, shape_checked
 from ...attention import Backend, attention
 from ...capture import is_capturing, record
 from ...flash_attn import varlen_mask
-from ...masks import Geometry, Mask, band_visibility
+from ...masks import Geometry, Mask, band_visibility, causal, documents, sliding_window
 from ._masks import TransformersMask
 
 __all__ = ["attention_forward"]
@@ -60,6 +60,22 @@ def _packed(
             f"row, got q {shape_str(query.shape)}"
         )
     return torch.as_tensor(cu_q), torch.as_tensor(cu_q if cu_k is None else cu_k)
+
+
+def _traced_packing(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Mask | None:
+    """While torch.compile traces, packed ``position_ids`` of one batch row as a documents mask:
+    where the positions reset is data, so :func:`_packed`'s boundaries cannot be read there; a
+    new sequence starts wherever the positions do not step by 1, as there. None when there are
+    no such positions (or cumulative lengths are given: :func:`_packed` reads those)."""
+    if not torch.compiler.is_compiling() or kwargs.get("cu_seq_lens_q") is not None:
+        return None
+    ids = kwargs.get("position_ids")
+    if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.size(0) != 1:
+        return None
+    if ids.size(1) != query.size(-2) or query.size(-2) != key.size(-2) or ids.size(1) < 2:
+        return None
+    starts = torch.diff(ids[0]) != 1
+    return documents(ids=torch.cat([starts.new_zeros(1), starts]).long().cumsum(0))
 
 
 def _model_collects_weights() -> bool:
@@ -286,8 +302,14 @@ def attention_forward(
             bias = attention_mask.to(query.dtype)
     elif attention_mask is None:
         causal_module = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        packed = _packed(module, query, key, kwargs)
-        if packed is not None:  # as transformers' flash-attention path: bottom-right per sequence
+        traced = _traced_packing(query, key, kwargs)
+        packed = None if traced is not None else _packed(module, query, key, kwargs)
+        if traced is not None:  # each sequence's queries and keys are its own: aligned alike
+            window = kwargs.get("sliding_window")
+            mask = traced & causal() if causal_module else traced
+            if window:
+                mask = mask & sliding_window(window - 1, 0 if causal_module else window - 1)
+        elif packed is not None:  # as transformers' flash-attention path: bottom-right per sequence
             window = kwargs.get("sliding_window")
             mask = varlen_mask(
                 *packed,
@@ -309,8 +331,11 @@ def attention_forward(
         # transformers builds a packed mask only without a cache (training usually runs with
         # use_cache=True all the same); its flash-attention path reads the packing from the
         # positions whatever the mask, and so does this one.
-        packed = _packed(module, query, key, kwargs)
-        if packed is not None:  # the mask holds the pattern; the sequences are ANDed in
+        traced = _traced_packing(query, key, kwargs)
+        packed = None if traced is not None else _packed(module, query, key, kwargs)
+        if traced is not None:
+            mask = traced if mask is None else traced & mask
+        elif packed is not None:  # the mask holds the pattern; the sequences are ANDed in
             sequences = varlen_mask(*packed)
             if sequences is not None:
                 mask = sequences if mask is None else sequences & mask
