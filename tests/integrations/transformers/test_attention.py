@@ -7,6 +7,7 @@ which reaches no real token."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -450,6 +451,24 @@ def test_cu_seq_lens_without_a_mask_follow_flash_attention() -> None:
             part = (t[:, :, a:b] for t in (q, k, v))
             want = sdpa_attention_forward(layer, *part, allowed, scaling=0.3)[0]
             torch.testing.assert_close(out[:, a:b], want)
+
+
+def test_packed_training_compiles() -> None:
+    """Under torch.compile, where packed sequences start is data: position_ids that reset
+    become a documents mask in the graph. A compiled packed batch's logits equal eager attnkit's
+    (which reads the boundaries) and the padded batch's, at two packings."""
+    m = model("llama")
+    with use(m, "attnkit"), torch.no_grad():
+        compiled = torch.compile(lambda **batch: m(**batch).logits, fullgraph=True)
+        for lengths in ([3, 5, 4], [6, 2, 4]):
+            batch = transformers.DataCollatorWithFlattening()(_examples(lengths))
+            batch.pop("labels", None)
+            want = m(**batch).logits
+            torch.testing.assert_close(compiled(**batch), want)
+            starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+            for i, (a, b) in enumerate(itertools.pairwise(starts)):
+                alone = m(input_ids=batch["input_ids"][:, a:b]).logits
+                torch.testing.assert_close(want[:, a:b], alone, msg=f"sequence {i}")
 
 
 def test_unservable_masks_are_errors() -> None:

@@ -13,13 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ... import masks
 from ..._checks import shape_str
 from ..._shards import SequenceShards
 from ..._typing import Float, shape_checked
 from ...attention import Backend, attention
 from ...capture import is_capturing, record
 from ...flash_attn import varlen_mask
-from ...masks import Geometry, Mask, band_visibility, causal, documents, sliding_window
+from ...masks import Geometry, Mask, band_visibility
 from ._masks import TransformersMask
 
 __all__ = ["attention_forward"]
@@ -75,7 +76,7 @@ def _traced_packing(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Mask 
     if ids.size(1) != query.size(-2) or query.size(-2) != key.size(-2) or ids.size(1) < 2:
         return None
     starts = torch.diff(ids[0]) != 1
-    return documents(ids=torch.cat([starts.new_zeros(1), starts]).long().cumsum(0))
+    return masks.documents(ids=torch.cat([starts.new_zeros(1), starts]).long().cumsum(0))
 
 
 def _model_collects_weights() -> bool:
@@ -306,9 +307,9 @@ def attention_forward(
         packed = None if traced is not None else _packed(module, query, key, kwargs)
         if traced is not None:  # each sequence's queries and keys are its own: aligned alike
             window = kwargs.get("sliding_window")
-            mask = traced & causal() if causal_module else traced
+            mask = traced & masks.causal() if causal_module else traced
             if window:
-                mask = mask & sliding_window(window - 1, 0 if causal_module else window - 1)
+                mask = mask & masks.sliding_window(window - 1, 0 if causal_module else window - 1)
         elif packed is not None:  # as transformers' flash-attention path: bottom-right per sequence
             window = kwargs.get("sliding_window")
             mask = varlen_mask(
