@@ -7,17 +7,22 @@ Public functions carry :func:`shape_checked`. With ``ATTNKIT_SHAPE_CHECKS=1`` in
 when attnkit is imported (the test suite sets it; you can too, in your own tests) each call is
 checked against its annotations by jaxtyping and beartype, so the annotations cannot drift from the
 code.
-Otherwise the decorator returns the function unchanged: no wrapper, no cost.
+Otherwise the decorator returns the function unchanged: no wrapper, no cost. Where jaxtyping or
+beartype cannot be imported the checks cannot run: a warning says so once, at import, and
+attnkit runs without them (an import that failed would take the whole package with it).
 """
 
 from __future__ import annotations
 
 import functools
-import os
+import importlib
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+from ._env import switch
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float, Int
@@ -34,7 +39,31 @@ else:
 
 __all__ = ["Bool", "Float", "Int", "shape_checked"]
 
-SHAPE_CHECKS = os.environ.get("ATTNKIT_SHAPE_CHECKS", "") not in ("", "0")
+
+def _shape_checks() -> bool:
+    """Whether ``ATTNKIT_SHAPE_CHECKS`` asks for the checks and their libraries can be
+    imported (a warning when it asks and they cannot)."""
+    if not switch("ATTNKIT_SHAPE_CHECKS", False):
+        return False
+    missing = []
+    for name in ("jaxtyping", "beartype"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        warnings.warn(
+            f"attnkit: ATTNKIT_SHAPE_CHECKS is on, but the shape checks need jaxtyping and "
+            f"beartype (pip install attnkit[test]) and {' and '.join(missing)} cannot be "
+            "imported: attnkit runs without the checks",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+SHAPE_CHECKS = _shape_checks()
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

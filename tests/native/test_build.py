@@ -339,12 +339,29 @@ def test_asking_questions_never_builds(tmp_path: Path) -> None:
     assert not (tmp_path / "cache").exists()
 
 
-def test_disabled_by_the_environment_neither_builds_nor_warns(tmp_path: Path) -> None:
-    report, _ = run(tmp_path, ATTNKIT_NATIVE="0")
+@pytest.mark.parametrize("spelled", ["0", "off", "OFF", " False ", "no"])
+def test_disabled_by_the_environment_neither_builds_nor_warns(tmp_path: Path, spelled: str) -> None:
+    report, _ = run(tmp_path, ATTNKIT_NATIVE=spelled)
     assert report["loaded"] is False
-    assert report["before"] == [False, "disabled by ATTNKIT_NATIVE=0"]
+    assert report["before"] == [False, f"disabled by ATTNKIT_NATIVE={spelled.strip()}"]
     assert report["warnings"] == []
     assert not (tmp_path / "mark").exists()
+
+
+@pytest.mark.parametrize(("spelled", "warned"), [("on", False), ("YES", False), ("maybe", True)])
+def test_on_or_unreadable_in_the_environment_keeps_the_kernel(
+    tmp_path: Path, spelled: str, warned: bool
+) -> None:
+    """ATTNKIT_NATIVE=off once kept the kernel on without a word (only "0" was off). A value that
+    is no spelling of on or off keeps the default, the kernel, and warns once (two calls) naming
+    the variable, the value and what is accepted; import and calls never fail on it."""
+    report, _ = run(tmp_path, ATTNKIT_NATIVE=spelled)
+    assert report["loaded"] is True
+    expected = [
+        f"attnkit: ATTNKIT_NATIVE='{spelled}', which is neither on (1, on, true, yes) nor off "
+        "(0, off, false, no), in any case; taken as on, the default"
+    ]
+    assert report["warnings"] == (expected if warned else [])
 
 
 def test_the_build_name_names_torch_and_the_instruction_set() -> None:

@@ -8,9 +8,10 @@ wheel built with the kernel, else compiled on first use and cached (see
 adds their fake kernels and autograd; :mod:`attnkit._native.kernel` puts a call's block plan and
 mask in the operators' terms.
 
-``ATTNKIT_NATIVE=0`` turns the kernel off. A kernel that cannot be loaded or built never breaks
-an import or a call: calls then run the eager kernel (:mod:`attnkit._kernel`), a warning
-says why once, and :func:`status` (what ``explain()`` prints) says why too, without building.
+``ATTNKIT_NATIVE=0`` (or ``off``, ``false``, ``no``) turns the kernel off. A kernel that cannot
+be loaded or built never breaks an import or a call: calls then run the eager kernel
+(:mod:`attnkit._kernel`), a warning says why once, and :func:`status` (what ``explain()``
+prints) says why too, without building.
 """
 
 from __future__ import annotations

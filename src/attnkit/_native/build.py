@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from .._env import number, switch
 from ._flags import CAPABILITY_FLAGS, CFLAGS, LDFLAGS
 
 __all__ = ["BuildState", "cache_dir", "capability", "load", "loaded", "state"]
@@ -283,14 +284,13 @@ _warned: set[str] = set()
 
 
 def disabled() -> bool:
-    return os.environ.get("ATTNKIT_NATIVE", "1").strip() == "0"
+    """Whether ``ATTNKIT_NATIVE`` turns the kernel off (0, off, false or no; any other value
+    warns once and keeps it on, see :mod:`attnkit._env`)."""
+    return not switch("ATTNKIT_NATIVE", True)
 
 
 def _timeout() -> float:
-    try:
-        return max(0.0, float(os.environ.get("ATTNKIT_BUILD_TIMEOUT", "600")))
-    except ValueError:
-        return 600.0
+    return number("ATTNKIT_BUILD_TIMEOUT", 600.0, minimum=0.0)
 
 
 def _load_library(path: Path) -> None:
@@ -382,7 +382,9 @@ def state() -> BuildState:
     """Whether calls would run the native kernel, and how or why not, without building or
     loading anything (for ``explain()`` and a backend's questions)."""
     if disabled():
-        return BuildState(False, "disabled by ATTNKIT_NATIVE=0")
+        return BuildState(
+            False, f"disabled by ATTNKIT_NATIVE={os.environ['ATTNKIT_NATIVE'].strip()}"
+        )
     if "result" in _loaded:
         ok, why = _loaded["result"]
         return BuildState(ok, why, loaded=ok)

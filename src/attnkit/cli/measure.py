@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .._env import number
+
 
 def time_side_by_side(
     fns: dict[str, Callable[[], object]], *, rounds: int = 3, min_run_time: float = 0.5
@@ -55,7 +57,8 @@ def _status_kib(field: str) -> int:
 def _measure_child(
     make: Callable[..., tuple[Callable[[], Any], int]], args: tuple[Any, ...], queue: Any
 ) -> None:
-    torch.set_num_threads(int(os.environ.get("ATTNKIT_BENCH_THREADS", torch.get_num_threads())))
+    threads = number("ATTNKIT_BENCH_THREADS", torch.get_num_threads(), minimum=1, integer=True)
+    torch.set_num_threads(int(threads))
     fn, result_bytes = make(*args)
     fn()  # warm-up: libraries and per-thread buffers are not the call's own memory
     gc.collect()

@@ -1,0 +1,89 @@
+"""The ``ATTNKIT_*`` environment variables, each read one way.
+
+A switch (``ATTNKIT_NATIVE``, ``ATTNKIT_SHAPE_CHECKS``) takes ``1``, ``on``, ``true``, ``yes`` or
+``0``, ``off``, ``false``, ``no``, in any case and with spaces around; unset or empty, its
+default. A number (``ATTNKIT_BUILD_TIMEOUT``, ``ATTNKIT_BENCH_THREADS``) takes a decimal in its
+range.
+
+Any other value warns, naming the variable, the value, what is accepted and the default taken
+instead, once per variable and value, and the default runs. Not an error: the variables are read
+while ``import attnkit`` runs (``ATTNKIT_SHAPE_CHECKS``) or at every call (``ATTNKIT_NATIVE``), and
+an exception there would make the package unusable until the environment is fixed, where the
+default is a working choice. Not silence either: ``ATTNKIT_NATIVE=off`` once kept the native
+kernel on without a word.
+
+Only the standard library is imported here, so that the package's lowest modules can read their
+variables.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+
+__all__ = ["number", "switch", "switch_value"]
+
+ON = ("1", "on", "true", "yes")
+OFF = ("0", "off", "false", "no")
+
+_warned: set[tuple[str, str]] = set()
+_LOCK = threading.Lock()
+
+
+def switch_value(text: str | None) -> bool | None:
+    """What a switch's text says: True, False, or None when it is unset, empty, or no spelling
+    of either (:func:`switch` tells those apart)."""
+    if text is None:
+        return None
+    word = text.strip().lower()
+    if word in ON:
+        return True
+    if word in OFF:
+        return False
+    return None
+
+
+def switch(name: str, default: bool) -> bool:
+    """The switch ``name`` from the environment: ``default`` when unset or empty, or (after a
+    warning) when it is no spelling of on or off."""
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    value = switch_value(text)
+    if value is None:
+        _warn(
+            name,
+            text,
+            f"which is neither on ({', '.join(ON)}) nor off ({', '.join(OFF)}), in any case; "
+            f"taken as {'on' if default else 'off'}, the default",
+        )
+        return default
+    return value
+
+
+def number(name: str, default: float, *, minimum: float, integer: bool = False) -> float:
+    """The number ``name`` from the environment, at least ``minimum`` (a whole one with
+    ``integer``; ``inf`` is a number, NaN is not): ``default`` when unset or empty, or (after a
+    warning) when it is no such number."""
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= minimum:  # (NaN too)
+        kind = "a whole number" if integer else "a number"
+        _warn(name, text, f"which is not {kind} >= {minimum:g}; taken as {default:g}, the default")
+        return default
+    return value
+
+
+def _warn(name: str, text: str, why: str) -> None:
+    with _LOCK:
+        if (name, text) in _warned:
+            return
+        _warned.add((name, text))
+    warnings.warn(f"attnkit: {name}={text!r}, {why}", RuntimeWarning, stacklevel=3)
