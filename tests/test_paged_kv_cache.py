@@ -565,3 +565,20 @@ def test_fuzz_paged_and_decode_paths(case: dict[str, Any]) -> None:
     with mock.patch.object(paged, "cache_refusal", return_value=refusal):
         _steps(c, h, case["steps"], gen, **kw)
     assert c.num_free_pages == 0  # the pool was sized to the pages the sequences need
+
+
+def test_a_cache_on_the_meta_device_attends_as_the_cpu_one_in_shape() -> None:
+    """Pages, block table and tokens on the meta device: the checks read no value (the sinks'
+    are skipped there) and the call gives what the same call gives on the CPU, in shape."""
+    outs = []
+    for device in ("cpu", "meta"):
+        c = PagedKVCache(8, 4, 2, 8, max_seqs=2, dtype=F64, device=device)
+        q = torch.randn(2, 4, 3, 8, dtype=F64, device=device)
+        k, v = (torch.randn(2, 2, 3, 8, dtype=F64, device=device) for _ in range(2))
+        with torch.no_grad():
+            outs.append(
+                c.attention(q, k, v, causal=True, sinks=torch.zeros(4, dtype=F64, device=device))
+            )
+    for real, meta in zip(*outs, strict=True):
+        assert meta.is_meta
+        assert (meta.shape, meta.dtype) == (real.shape, real.dtype)
