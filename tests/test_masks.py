@@ -267,3 +267,39 @@ def test_an_int64_attention_mask_is_led_to_key_padding_not_to_the_broadcast_erro
     assert "convert it with mask.bool()" not in str(err.value)
     with pytest.raises(TypeError, match=r"convert it with mask.bool\(\)"):
         attnkit.attention(q, q, q, mask=torch.ones(5, 5, dtype=torch.long))
+
+
+META_MASKS = {
+    "key_padding(lengths)": lambda: masks.key_padding(torch.tensor([5, 3], device="meta")),
+    "key_padding(valid)": lambda: masks.key_padding(
+        valid=torch.ones(2, 5, dtype=torch.bool, device="meta")
+    ),
+    "documents(lengths)": lambda: masks.documents(torch.tensor([[2, 3], [1, 4]], device="meta")),
+    "documents(ids)": lambda: masks.documents(ids=torch.zeros(5, dtype=torch.long, device="meta")),
+    "causal & key_padding": lambda: (
+        masks.causal() & masks.key_padding(torch.tensor([5, 3], device="meta"))
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(META_MASKS))
+def test_a_mask_on_meta_is_refused_by_name_in_a_call_with_values(name: str) -> None:
+    q = torch.randn(2, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"^mask: .* is on the meta device, which holds no values"):
+        attnkit.attention(q, q, q, mask=META_MASKS[name]())
+
+
+@pytest.mark.parametrize("name", list(META_MASKS))
+@pytest.mark.parametrize("backend", ["auto", "chunked", "reference"])
+def test_a_call_on_meta_takes_a_mask_on_meta(name: str, backend: str) -> None:
+    """Shape propagation (how a model is sized before it is materialised) reads no value: the
+    output and the log-sum-exp have the shapes the same call on the CPU gives, with gradients."""
+    q = torch.randn(2, 2, 5, 4, dtype=torch.float64)
+    qm = q.to("meta").requires_grad_()
+    cpu_mask = META_MASKS[name]()
+    out, lse = attnkit.attention(qm, qm, qm, mask=cpu_mask, backend=backend, return_lse=True)
+    out.sum().backward()
+    assert qm.grad is not None
+    assert qm.grad.shape == qm.shape
+    want, want_lse = attnkit.attention(q, q, q, backend="reference", return_lse=True)
+    assert (out.shape, out.dtype, lse.shape) == (want.shape, want.dtype, want_lse.shape)

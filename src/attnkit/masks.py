@@ -493,6 +493,16 @@ def _on(t: Tensor, device: torch.device, cache: dict[torch.device, Tensor]) -> T
     return cache[device]
 
 
+def _check_not_meta(t: Tensor | None, geo: Geometry, name: str, what: str) -> None:
+    """Refuse a mask tensor on the meta device in a call that is not: it has no values to read
+    (a call on meta tensors only propagates shapes, and takes it)."""
+    if t is not None and t.device.type == "meta" and geo.device.type != "meta":
+        raise ValueError(
+            f"{name}: {what} is on the meta device, which holds no values, but the call's "
+            f"tensors are on {geo.device}: make the mask from a tensor on a real device"
+        )
+
+
 class _Documents(Mask):
     """Packed sequences: query ``i'`` and key ``j`` may attend each other iff they carry the same
     document id. ``ids`` is ``(B|1, Tk)``."""
@@ -510,6 +520,7 @@ class _Documents(Mask):
         return _keys_of("documents", _tensor_key(self.ids))
 
     def check(self, geo: Geometry, name: str) -> None:
+        _check_not_meta(self.ids, geo, name, self.describe())
         rows, length = self.ids.shape
         if length != geo.kv_len:
             raise ValueError(
@@ -529,7 +540,8 @@ class _Documents(Mask):
         """Per row of ``ids`` the positions where a document starts, then ``Tk``; None when some
         document's positions are not one contiguous run. Computed once (one host read); None
         while torch.compile traces, where the ids are data (the operator asks when it runs)."""
-        if torch.compiler.is_compiling() and not hasattr(self, "_run_bounds"):
+        unread = torch.compiler.is_compiling() or self.ids.device.type == "meta"
+        if unread and not hasattr(self, "_run_bounds"):
             return None
         if not hasattr(self, "_run_bounds"):
             ids = self.ids
@@ -597,6 +609,7 @@ class _TracedDocuments(_Documents):
         return _keys_of("document_lengths", _tensor_key(self.lengths))
 
     def check(self, geo: Geometry, name: str) -> None:
+        _check_not_meta(self.lengths, geo, name, self.describe())
         if not one_or(self.lengths.size(0), geo.batch):
             raise ValueError(
                 f"{name}: {self.describe()} describes {self.lengths.size(0)} batch rows but the "
@@ -648,15 +661,16 @@ def documents(
         if ids.ndim not in (1, 2):
             raise ValueError(f"ids must be (Tk,) or (B, Tk), got {shape_str(ids.shape)}")
         # Dense ranks keep which positions share a document and free -1 for "before key 0".
+        # (on meta there are no values to rank: the ids stand for their ranks)
         ranks = (
-            torch.unique(ids, return_inverse=True)[1]
-            .reshape(ids.shape)
-            .reshape(1 if ids.ndim == 1 else ids.size(0), ids.size(-1))
-        )
+            ids if ids.device.type == "meta" else torch.unique(ids, return_inverse=True)[1]
+        ).reshape(1 if ids.ndim == 1 else ids.size(0), ids.size(-1))
         batch = "" if ids.ndim == 1 else f", B={dim_str(ids.size(0))}"
         return _Documents(ranks.long(), f"ids of Tk={dim_str(ids.size(-1))}{batch}")
-    if isinstance(lengths, Tensor) and torch.compiler.is_compiling():
-        _document_rows(lengths[:0])  # its dtype and dimensions; the values wait for the operator
+    if isinstance(lengths, Tensor) and (
+        torch.compiler.is_compiling() or lengths.device.type == "meta"
+    ):
+        _document_rows(torch.empty([0] * lengths.ndim, dtype=lengths.dtype))  # dtype, dimensions
         return _TracedDocuments(lengths.long().reshape(-1, lengths.size(-1)))
     rows = _document_rows(lengths)
     totals = [sum(row) for row in rows]
@@ -695,7 +709,8 @@ class _KeyPadding(Mask):
     def describe(self) -> str:
         if self.lengths is not None:
             side = "" if self.side == "right" else ", side='left'"
-            if torch.compiler.is_compiling():  # the values are data there: no host read
+            # The values are data while torch.compile traces (no host read), and none on meta.
+            if torch.compiler.is_compiling() or self.lengths.device.type == "meta":
                 return f"key_padding(lengths {shape_str(self.lengths.shape)}{side})"
             return f"key_padding(lengths={self._lengths_read()}{side})"
         v = self.valid
@@ -713,6 +728,8 @@ class _KeyPadding(Mask):
         return len(self.lengths) if self.lengths is not None else 0, None
 
     def check(self, geo: Geometry, name: str) -> None:
+        _check_not_meta(self.lengths, geo, name, self.describe())
+        _check_not_meta(self.valid, geo, name, self.describe())
         rows, length = self._rows_and_len()
         if not one_or(rows, geo.batch):
             raise ValueError(
@@ -732,7 +749,7 @@ class _KeyPadding(Mask):
                 fits = ((self.lengths >= 0) & (self.lengths <= geo.kv_len)).all()
                 torch._assert_async(fits, f"{name}: key_padding lengths must lie in [0, Tk]")
             return
-        if self.lengths is not None and self.lengths.numel():
+        if self.lengths is not None and self.lengths.numel() and self.lengths.device.type != "meta":
             read = self._lengths_read()
             if min(read) < 0:
                 raise ValueError(f"{name}: {self.describe()} has a negative length {min(read)}")
@@ -806,7 +823,8 @@ def key_padding(
             )
         # The values are data: while torch.compile traces, the operator checks them when it runs
         # (_KeyPadding.check).
-        if lengths.numel() and not torch.compiler.is_compiling() and bool((lengths < 0).any()):
+        readable = not torch.compiler.is_compiling() and lengths.device.type != "meta"
+        if lengths.numel() and readable and bool((lengths < 0).any()):
             raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
         # A copy: the lengths are read back once (see _KeyPadding), so they must not change.
         return _KeyPadding(lengths.to(torch.long, copy=True), None, side)
@@ -920,6 +938,7 @@ class _Dense(Mask):
         return t.expand(*geo.batch_shape, *t.shape[nb:]).reshape(geo.batch, *t.shape[nb:])
 
     def check(self, geo: Geometry, name: str) -> None:
+        _check_not_meta(self.t, geo, name, f"{name} of shape {shape_str(self.t.shape)}")
         want = (*geo.batch_shape, geo.heads, geo.q_len, geo.kv_len)
         ok = self.t.ndim <= len(want) and all(
             one_or(s, w) for s, w in zip(reversed(self.t.shape), reversed(want), strict=False)

@@ -39,7 +39,7 @@ def _product(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` whose gradients never multiply a non-finite entry by 0: a NaN at a masked position
     must not reach any gradient. The values are the plain product's."""
     plain = a @ b
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or plain.device.type == "meta":  # no values to read
         return plain
     # (under torch.func's transforms, where vmap reads no value, always the careful product)
     if not transforms_active() and bool(torch.isfinite(a).all() & torch.isfinite(b).all()):
@@ -124,8 +124,9 @@ def formula(
     out = (p.unflatten(-3, (hkv, -1)) @ vg.masked_fill(bad, 0.0)).flatten(
         -4, -3
     )  # (..., H, Tq, Dv)
-    # (under torch.func's transforms, which read no value, always)
-    if not torch.compiler.is_compiling() and (transforms_active() or bool(bad.any())):
+    # (under torch.func's transforms, which read no value, always; on meta, no value to read)
+    readable = not torch.compiler.is_compiling() and q.device.type != "meta"
+    if readable and (transforms_active() or bool(bad.any())):
         seen = visible.expand(*w.shape).unflatten(-3, (hkv, -1)).to(work) @ bad.to(work)
         out = out.masked_fill(seen.flatten(-4, -3) > 0, float("nan"))
     result: Tensor = out.to(q.dtype)
