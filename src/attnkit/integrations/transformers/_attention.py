@@ -245,6 +245,35 @@ def _with_sinks(
 
 
 @shape_checked
+def _without_a_mask(
+    module: nn.Module, query: Tensor, key: Tensor, is_causal: bool | None, kwargs: dict[str, Any]
+) -> tuple[int, Mask | Tensor | None, bool]:
+    """``(keys, mask, causal)`` of a call that transformers hands no mask: packed sequences (from
+    cumulative lengths or resetting positions), else the module's own causality."""
+    q_len, kv_len = query.size(-2), key.size(-2)
+    causal_module = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    window = kwargs.get("sliding_window")
+    traced = _traced_packing(query, key, kwargs)
+    if traced is not None:  # each sequence's queries and keys are its own: aligned alike
+        mask = traced & masks.causal() if causal_module else traced
+        if window:
+            mask = mask & masks.sliding_window(window - 1, 0 if causal_module else window - 1)
+        return kv_len, mask, False
+    packed = _packed(module, query, key, kwargs)
+    if packed is not None:  # as transformers' flash-attention path: bottom-right per sequence
+        packed_mask = varlen_mask(
+            *packed,
+            causal=bool(causal_module),
+            window_size=(window - 1, window - 1) if window else (-1, -1),
+        )
+        return kv_len, packed_mask, False
+    if causal_module and q_len > 1:
+        if q_len <= kv_len:  # top-left: the keys after the last query are never seen
+            return q_len, None, True
+        return kv_len, _top_left_causal(q_len, kv_len, query.device), False
+    return kv_len, None, False
+
+
 def attention_forward(
     module: nn.Module,
     query: Float[Tensor, "B H Tq D"],
@@ -302,26 +331,7 @@ def attention_forward(
         else:
             bias = attention_mask.to(query.dtype)
     elif attention_mask is None:
-        causal_module = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        traced = _traced_packing(query, key, kwargs)
-        packed = None if traced is not None else _packed(module, query, key, kwargs)
-        if traced is not None:  # each sequence's queries and keys are its own: aligned alike
-            window = kwargs.get("sliding_window")
-            mask = traced & masks.causal() if causal_module else traced
-            if window:
-                mask = mask & masks.sliding_window(window - 1, 0 if causal_module else window - 1)
-        elif packed is not None:  # as transformers' flash-attention path: bottom-right per sequence
-            window = kwargs.get("sliding_window")
-            mask = varlen_mask(
-                *packed,
-                causal=bool(causal_module),
-                window_size=(window - 1, window - 1) if window else (-1, -1),
-            )
-        elif causal_module and q_len > 1:
-            if q_len <= kv_len:  # top-left: the keys after the last query are never seen
-                keys, causal = q_len, True
-            else:
-                mask = _top_left_causal(q_len, kv_len, query.device)
+        keys, mask, causal = _without_a_mask(module, query, key, is_causal, kwargs)
     else:
         raise TypeError(
             f"{_layer(module)}: attention_mask must be a 4-d bool or float tensor, a "
