@@ -15,9 +15,7 @@ from . import (
     scores,
     weights,
 )
-from . import checkpoint as checkpoint  # the old name of weights, for one release
 from ._call import AttentionCall
-from ._deprecated import alias as _alias
 from ._kernel import BlockPlan
 from .attention import (
     Backend,
@@ -50,13 +48,6 @@ from .positional import (
 from .relative import RelativeMultiHeadAttention
 
 __version__ = "0.1.0"
-
-# Old spellings, for one release (each call warns, naming the new one).
-from_torch_masks = _alias(
-    interop.torch.from_torch_masks,
-    "attnkit.from_torch_masks",
-    "attnkit.interop.torch.from_torch_masks",
-)
 
 __all__ = [
     "AttentionCall",

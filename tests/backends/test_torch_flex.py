@@ -39,3 +39,9 @@ def test_flex_is_in_autos_order_only_where_it_can_run() -> None:
     assert ("flex" in names) == flex_available()
     if flex_available():
         assert names.index("sdpa") < names.index("flex") < names.index("chunked")
+
+
+def test_the_backend_is_registered_as_flex() -> None:
+    # The module is torch_flex (beside attnkit.flex, FlexAttention's API); the name a call
+    # passes as backend= is "flex".
+    assert Flex().name == "flex"

@@ -92,8 +92,8 @@ def test_every_public_name_is_on_the_reference_pages() -> None:
         module, _, name = path.rpartition(".")
         canonical = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
         # A module's page renders its __all__, except a name that is also one of the package's
-        # submodules (attnkit.backends.reference, attnkit.attention): the documentation tools read
-        # the sources, where that name is the submodule, so the object needs its own directive.
+        # submodules (attnkit.attention): the documentation tools read the sources, where that
+        # name is the submodule, so the object needs its own directive.
         parent = importlib.import_module(module)
         shadowed = (
             hasattr(parent, "__path__") and importlib.util.find_spec(f"{module}.{name}") is not None

@@ -13,10 +13,9 @@ Pass a name (``backend="chunked"``) or an instance (``backend=Chunked(block_q=64
 :func:`attnkit.attention`.
 """
 
-from .._deprecated import alias as _alias
 from .base import Backend, BackendError, BackendFn, CallInputs, Dispatch, record_dispatch
 from .chunked import Chunked
-from .reference import Reference, formula
+from .reference import Reference
 from .sdpa import SDPA
 from .torch_flex import Flex, flex_available
 
@@ -33,12 +32,6 @@ __all__ = [
     "builtin_backends",
     "record_dispatch",
 ]
-
-
-# The old function under the package's name, for one release (the name is also the submodule's).
-reference = _alias(
-    formula, "attnkit.backends.reference", 'attnkit.attention(..., backend="reference")'
-)
 
 
 def builtin_backends() -> tuple[Backend, ...]:

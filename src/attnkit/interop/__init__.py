@@ -30,7 +30,6 @@ MultiHeadAttention(
 )
 """
 
-from . import _aliases as _aliases  # the old class-method spellings, for one release
 from . import espnet, openspeech, speechbrain, torch
 
 __all__ = ["espnet", "openspeech", "speechbrain", "torch"]
