@@ -140,7 +140,7 @@ def espnet_mask(lengths: list[int], t: int) -> Tensor:
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("exact", [False, True])
-def test_from_espnet_equals_espnets_math(bias: bool, exact: bool) -> None:
+def test_relative_attention_equals_espnets_math(bias: bool, exact: bool) -> None:
     # ESPnet's float32 table by default; with encoding_dtype=float64 both use the exact sinusoids.
     theirs = randomize(RelPositionMultiHeadedAttention(bias=bias))
     dtype = torch.float64 if exact else torch.float32
@@ -156,7 +156,7 @@ def test_from_espnet_equals_espnets_math(bias: bool, exact: bool) -> None:
         agrees(got[2], theirs.linear_out.bias.expand(9, E))
 
 
-def test_from_espnet_is_nemos_math_too() -> None:
+def test_relative_attention_is_nemos_math_too() -> None:
     theirs = randomize(RelPositionMultiHeadAttention(), seed=3)
     ours = attnkit.interop.espnet.relative_attention(theirs)
     x = randn(2, 8, E, seed=4)
@@ -190,7 +190,7 @@ def test_unpermuted_linear_pos_is_far_off() -> None:
 
 
 @pytest.mark.parametrize(("t", "max_len"), [(9, 5000), (9, 20), (9, 6)])
-def test_from_espnet_legacy_equals_espnets_legacy_math(t: int, max_len: int) -> None:
+def test_relative_attention_legacy_equals_espnets_legacy_math(t: int, max_len: int) -> None:
     theirs = randomize(LegacyRelPositionMultiHeadedAttention(), seed=5)
     ours = attnkit.interop.espnet.relative_attention(theirs, max_len=max_len)
     assert ours.legacy == "espnet"
@@ -209,7 +209,7 @@ def test_from_espnet_legacy_equals_espnets_legacy_math(t: int, max_len: int) -> 
 
 
 @pytest.mark.usefixtures("no_shape_checks")
-def test_from_espnet_refuses_what_it_cannot_reproduce() -> None:
+def test_relative_attention_refuses_what_it_cannot_reproduce() -> None:
     m = RelPositionMultiHeadedAttention()
     m.zero_triu = True
     with pytest.raises(ValueError, match="zero_triu=True"):
@@ -314,7 +314,7 @@ def espnet_encoder_layer(seed: int = 0, **kw: object) -> EncoderLayer:
 
 
 @pytest.mark.parametrize("legacy", [False, True])
-def test_conformer_from_espnet_equals_espnets_math_unpadded(legacy: bool) -> None:
+def test_conformer_layer_equals_espnets_math_unpadded(legacy: bool) -> None:
     # Unpadded input: ESPnet's convolution module lets padded frames into the depthwise
     # convolution, attnkit's does not, so the two are compared where there is no padding.
     theirs = espnet_encoder_layer(legacy=legacy)
@@ -327,7 +327,7 @@ def test_conformer_from_espnet_equals_espnets_math_unpadded(legacy: bool) -> Non
         agrees(ours(x, mask=torch.ones(2, 11, dtype=torch.bool)), want)
 
 
-def test_conformer_from_espnet_padded_is_espnet_alone() -> None:
+def test_conformer_layer_padded_is_espnet_alone() -> None:
     # On a padded batch attnkit gives each sequence what ESPnet gives it alone; ESPnet's own
     # padded batch differs at the last (kernel_size - 1) / 2 real frames, where its depthwise
     # convolution reads the padded frames.
@@ -346,7 +346,7 @@ def test_conformer_from_espnet_padded_is_espnet_alone() -> None:
 
 
 @pytest.mark.usefixtures("no_shape_checks")
-def test_conformer_from_espnet_refuses_what_it_cannot_reproduce() -> None:
+def test_conformer_layer_refuses_what_it_cannot_reproduce() -> None:
     layer = espnet_encoder_layer()
     layer.normalize_before = False
     with pytest.raises(ValueError, match=r"only normalize_before=True \(pre-norm\)"):

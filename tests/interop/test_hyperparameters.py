@@ -45,7 +45,7 @@ def odd_espnet_layer() -> nn.Module:
     return layer
 
 
-def test_conformer_from_espnet_copies_every_eps() -> None:
+def test_conformer_layer_copies_every_eps() -> None:
     theirs = odd_espnet_layer()
     ours = attnkit.interop.espnet.conformer_layer(theirs)
     x = randn(2, 9, E, seed=4)
@@ -53,7 +53,7 @@ def test_conformer_from_espnet_copies_every_eps() -> None:
         agrees(ours(x), espnet_layer(theirs, x, espnet_mask([9, 9], 9)))
 
 
-def test_conformer_from_espnet_copies_the_batchnorm_statistics_and_momentum() -> None:
+def test_conformer_layer_copies_the_batchnorm_statistics_and_momentum() -> None:
     theirs = odd_espnet_layer()
     ours = attnkit.interop.espnet.conformer_layer(theirs).train()
     assert int(ours.conv.norm.num_batches_tracked) == 7
@@ -68,7 +68,7 @@ def test_conformer_from_espnet_copies_the_batchnorm_statistics_and_momentum() ->
         torch.testing.assert_close(getattr(ours.conv.norm, name), getattr(bn, name))
 
 
-def test_conformer_from_espnet_copies_every_dropout_rate() -> None:
+def test_conformer_layer_copies_every_dropout_rate() -> None:
     ours = attnkit.interop.espnet.conformer_layer(odd_espnet_layer())
     rates = {
         "dropout": ours.dropout.p,

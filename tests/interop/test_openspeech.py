@@ -85,7 +85,7 @@ class OpenspeechDouble(nn.Module):
 
 @pytest.mark.parametrize("wrapped", [False, True])
 @pytest.mark.parametrize("backend", ALL)
-def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
+def test_relative_attention_reproduces_it(wrapped: bool, backend: str) -> None:
     torch.manual_seed(0)
     theirs = OpenspeechDouble(16, 4, dropout_p=0.1, wrapped=wrapped).double().eval()
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_from_openspeech_reproduces_it(wrapped: bool, backend: str) -> None:
         assert_close(got, want)
 
 
-def test_from_openspeech_empty_rows_differ_as_documented() -> None:
+def test_relative_attention_empty_rows_differ_as_documented() -> None:
     theirs = OpenspeechDouble(8, 2, dropout_p=0.0, wrapped=False).double().eval()
     ours = attnkit.interop.openspeech.relative_attention(theirs)
     x = randn(1, 5, 8)

@@ -120,7 +120,7 @@ def padding(lengths: list[int], t: int) -> Tensor:
 
 @pytest.mark.parametrize("vbias", [False, True])
 @pytest.mark.parametrize("mask_pos_future", [False, True])
-def test_from_speechbrain_equals_its_math(vbias: bool, mask_pos_future: bool) -> None:
+def test_relative_attention_equals_its_math(vbias: bool, mask_pos_future: bool) -> None:
     theirs = make(vbias=vbias, mask_pos_future=mask_pos_future)
     ours = attnkit.interop.speechbrain.relative_attention(theirs)
     assert ours.encoding == "symmetric"
@@ -175,7 +175,7 @@ def test_each_mapping_matters() -> None:
 
 
 @pytest.mark.usefixtures("no_shape_checks")
-def test_from_speechbrain_refuses_what_it_cannot_reproduce() -> None:
+def test_relative_attention_refuses_what_it_cannot_reproduce() -> None:
     with pytest.raises(TypeError, match="takes SpeechBrain's RelPosMHAXL, got Linear"):
         attnkit.interop.speechbrain.relative_attention(nn.Linear(2, 2))
     m = make()
