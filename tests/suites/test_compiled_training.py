@@ -172,3 +172,26 @@ def test_a_compiled_transformers_training_step_equals_eager() -> None:
         compiled = train("attnkit", True)
     torch.testing.assert_close(compiled, ours, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_default_compile_takes_one_more_graph_not_one_per_length() -> None:
+    """Without ``dynamic=True`` torch compiles the first length as it is and the second as a
+    symbol: a third length, and a fourth, reuse that graph (the lengths tensors included)."""
+    torch._dynamo.reset()
+    model = attnkit.MultiHeadAttention(32, 4)
+    compiles = 0
+
+    def counting(gm: torch.fx.GraphModule, example: object) -> object:
+        nonlocal compiles
+        compiles += 1
+        return gm.forward
+
+    def loss(x: Tensor, lengths: Tensor) -> Tensor:
+        return model(x, mask=masks.causal() & masks.key_padding(lengths)).square().mean()
+
+    step = torch.compile(loss, backend=counting, fullgraph=True)
+    for t in (40, 48, 56, 64):
+        x = torch.randn(2, t, 32)
+        lengths = torch.tensor([t, t - 9])
+        torch.testing.assert_close(step(x, lengths), loss(x, lengths))
+    assert compiles == 2
