@@ -32,7 +32,7 @@ import torch
 from torch.utils import benchmark
 
 import attnkit
-from attnkit._call import finite
+from attnkit._finite import finite
 from attnkit.backends import sdpa as sdpa_module
 
 import results

@@ -1,5 +1,5 @@
 """The validated call: ``AttentionCall``'s fields and properties, ``describe()``, the per-argument
-checks of ``check_attention_args`` (each names its argument and quotes the values), ``finite()``."""
+checks of ``check_attention_args`` (each names its argument and quotes the values)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from attnkit import masks
-from attnkit._call import AttentionCall, check_attention_args, finite
+from attnkit._call import AttentionCall, check_attention_args
 from attnkit.scores import RelativePositionTerm
 
 
@@ -143,23 +143,6 @@ def test_meta_tensors_are_described_without_data() -> None:
     c = call_of(*qkv(device="meta"), causal=True, check_finite=True)
     assert c.device.type == "meta"
     assert c.describe().endswith("on meta, causal")
-
-
-def test_finite() -> None:
-    x = torch.ones(3, 4)
-    assert finite(x, x.double(), torch.ones(2, dtype=torch.bfloat16))
-    assert finite()  # nothing to look at
-    assert finite(torch.empty(0))
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        y = x.clone()
-        y[1, 2] = bad
-        assert not finite(x, y)
-    # +inf and -inf together are NaN in the sum, still not finite
-    y = x.clone()
-    y[0, 0], y[0, 1] = float("inf"), -float("inf")
-    assert not finite(y)
-    # float16 sums in float32: 70000 is more than float16 holds, but it is finite
-    assert finite(torch.full((7,), 10000.0, dtype=torch.float16))
 
 
 # (keyword arguments changed from a good call, exception type, the message's text)

@@ -24,14 +24,14 @@ from ._checks import (
     require_tensor,
     shape_str,
 )
-from ._native import loaded as loaded_native
+from ._finite import finite_if_readable
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
-from ._transforms import carries_tangent, transforms_active
+from ._transforms import carries_tangent
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 
-__all__ = ["AttentionCall", "check_attention_args", "describe_call", "finite"]
+__all__ = ["AttentionCall", "check_attention_args", "describe_call"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -232,55 +232,6 @@ def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
             f"v on {v.device}"
         )
     raise RuntimeError("attnkit internal error: q, k and v failed a check and passed another")
-
-
-def finite(*tensors: Tensor) -> bool:
-    """True when none of ``tensors`` holds NaN or inf (one host synchronisation).
-
-    CPU tensors of float32, float64, bfloat16 or float16, once the native kernel is loaded: one
-    read of each in one parallel region, exact. Otherwise a sum each: a sum is NaN or inf when
-    any term is, and one sum is a fraction of ``isfinite().all()``'s cost. It can also overflow on
-    finite values far beyond any activation's scale (1e32 in float32); the answer is then False,
-    which only costs the caller its careful path.
-    """
-    answer = _finite_if_readable(*tensors)
-    if answer is None:
-        raise RuntimeError(
-            "attnkit reads whether q, k and v hold NaN or inf before a call that needs gradients "
-            "(it picks the kernel that follows the non-finite policy), and torch.func.vmap cannot "
-            "read a value: vmap over grad (per-example gradients) runs with backend='reference' "
-            "or backend='sdpa'; grad, vjp and jacrev run on every backend"
-        )
-    return answer
-
-
-def _finite_if_readable(*tensors: Tensor) -> bool | None:
-    """:func:`finite`, or None where the values cannot be read (under torch.func.vmap): the
-    backends that need to know read them themselves."""
-    try:
-        return _finite(*tensors)
-    except RuntimeError:
-        if not transforms_active():
-            raise
-        return None
-
-
-def _finite(*tensors: Tensor) -> bool:
-    if loaded_native() and all(
-        t.device.type == "cpu"
-        and t.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-        for t in tensors
-    ):
-        return bool(torch.ops.attnkit.all_finite([t.detach() for t in tensors]))
-    sums = [
-        t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32))
-        for t in tensors
-        if t.numel()
-    ]
-    if not sums:
-        return True
-    total = float(torch.stack(sums).sum()) if len(sums) > 1 else float(sums[0])
-    return math.isfinite(total)
 
 
 def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
@@ -538,7 +489,7 @@ def _described(
         and not torch.compiler.is_compiling()
     ):
         # (None under vmap, where no value can be read: the backends that must know refuse then)
-        is_finite = _finite_if_readable(q, k, v)
+        is_finite = finite_if_readable(q, k, v)
     given = scores.given
     return AttentionCall(
         batch_shape=tuple(q.shape[:-3]),

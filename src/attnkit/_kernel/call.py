@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._call import finite
+from .._finite import finite
 from .._native.kernel import (
     DECODE_QUERIES,
     NativeCall,
@@ -614,7 +614,7 @@ def plan_call(
         plan = None
     if is_finite is None and native_ok and not unchecked:
         # The native kernel needs to know only that q, k, v (and the term's inputs) are finite:
-        # one host read (see attnkit._call.finite).
+        # one host read (see attnkit._finite.finite).
         is_finite = term_finite = finite(q, k, v, *term_inputs)
         if not is_finite and term_inputs:
             is_finite, term_finite = finite(q, k, v), None

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._finite import use_operator_when
 from .build import cache_dir, state
 from .build import load as _load_library
 from .build import loaded as _loaded_library
@@ -40,8 +41,13 @@ def load() -> bool:
 
 def loaded() -> bool:
     """Whether the operators are loaded in this process (never loads or builds them; for
-    helpers that are only faster with them, such as :func:`attnkit._call.finite`)."""
+    helpers that are only faster with them, such as :func:`attnkit._finite.finite`)."""
     return _loaded_library()
+
+
+# attnkit._finite reads with the all_finite operator once it is loaded (that module sits below
+# this one, so it is told rather than importing it).
+use_operator_when(loaded)
 
 
 def _status() -> tuple[bool, str]:

@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from .._call import AttentionCall, finite
+from .._call import AttentionCall
 from .._checks import check_int, shape_str
+from .._finite import finite
 from .._kernel import (
     FUSED_ROWS,
     default_blocks,
