@@ -27,8 +27,8 @@ import bench_native
 import torch
 from torch.utils import benchmark
 
+from attnkit._kernel.planning import block_plan
 from attnkit._native.kernel import native_call
-from attnkit.backends.chunked import plan_for
 from attnkit.masks import Geometry
 
 import results
@@ -57,8 +57,8 @@ def pairs(case: str) -> tuple[int, int]:
     mask = kw.get("mask")
     heads, tq, tk = q.size(1), q.size(2), k.size(2)
     geo = Geometry((1,), heads, tq, tk, q.device)
-    plan = plan_for(mask, geo, 1, False, native=True)
-    call = native_call(mask, geo, plan, scale=1.0, softcap=kw.get("softcap"), dtype=q.dtype)
+    plan = block_plan(mask, geo, native=True)
+    call = native_call(plan, geo, scale=1.0, softcap=kw.get("softcap"), dtype=q.dtype)
     visited = visible = 0
     off, visits = call.off.tolist(), call.visits.tolist()
     for b in range(len(off) - 1):

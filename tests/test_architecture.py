@@ -380,3 +380,73 @@ def test_no_function_body_is_longer_than_100_lines() -> None:
         f"functions whose body (after the docstring) is over {MAX_BODY_LINES} lines; name their "
         "steps:\n" + "\n".join(long)
     )
+
+
+# The kernel's two rooms: _kernel owns the plan and the choice of kernel, _native the build, the
+# operators and their marshalling. _native reads the plan's types and nothing else of _kernel (not
+# the package either, which holds the eager kernel).
+NATIVE_READS_OF_KERNEL = {"attnkit._kernel.plan"}
+
+
+def test_native_imports_only_the_plan_from_kernel() -> None:
+    problems = [
+        f"{name} imports {other}"
+        for name in sorted(n for n in MODULES if n.startswith("attnkit._native"))
+        for other in sorted(_top_level_imports(name))
+        if other.startswith("attnkit._kernel") and other not in NATIVE_READS_OF_KERNEL
+    ]
+    assert not problems, "\n".join(problems)
+
+
+# Who may call the kernel's entry points: the plan has one maker, and the kernel is run by the
+# kernel's own modules and the backends. Modules and front ends call attention().
+KERNEL_CALLS = {
+    "BlockPlan": ("_kernel/planning.py",),
+    "native_call": ("_kernel/", "_native/", "backends/"),
+    "cache_attention": ("_kernel/", "_native/", "backends/"),
+}
+KERNEL_CALLERS_KNOWN = {
+    # go through attention() (caches through the door)
+    ("paged_kv_cache.py", "cache_attention"),
+    ("flash_attn/_kvcache.py", "cache_attention"),
+    ("flash_attn/_api.py", "cache_attention"),
+    # ring attention's pair of shards: a rectangle of a call that attention() dispatched to the
+    # ring backend, run on the kernel with the plan of that rectangle
+    ("distributed/_pair.py", "native_call"),
+}
+
+
+def _calls_of(tree: ast.Module, names: set[str]) -> set[str]:
+    """Which of ``names`` ``tree`` calls, as ``name(...)`` or ``x.name(...)``."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            called = (
+                f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            )
+            if called in names:
+                found.add(called)
+    return found
+
+
+def test_the_call_finder_sees_both_spellings() -> None:
+    tree = ast.parse("a = native_call(p, g)\nb = cache.cache_attention(q)\nc = BlockPlan\n")
+    assert _calls_of(tree, set(KERNEL_CALLS)) == {"native_call", "cache_attention"}
+
+
+def test_only_the_kernel_and_the_backends_run_the_kernel() -> None:
+    problems = []
+    for path in MODULES.values():
+        relative = path.relative_to(SRC).as_posix()
+        for called in sorted(_calls_of(ast.parse(path.read_text()), set(KERNEL_CALLS))):
+            allowed = relative.startswith(KERNEL_CALLS[called])
+            if not allowed and (relative, called) not in KERNEL_CALLERS_KNOWN:
+                problems.append(f"{relative} calls {called}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_known_kernel_callers_still_call_it() -> None:
+    # A stale entry (a caller moved to attention()) would hide the next one.
+    for relative, called in KERNEL_CALLERS_KNOWN:
+        assert called in _calls_of(ast.parse((SRC / relative).read_text()), {called}), relative

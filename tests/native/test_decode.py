@@ -16,11 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import _call as call_module
+from attnkit import _finite as finite_module
 from attnkit import _native, attention, masks, scores
 from attnkit._kernel import draw_seed, dropout_mask
 from attnkit._kernel.call import native_arguments, plan_call
-from attnkit._native.kernel import DECODE_QUERIES, decodes
+from attnkit._kernel.choice import decodes
+from attnkit._native.kernel import DECODE_QUERIES
 from attnkit.backends import Chunked
 from attnkit.testing import assert_close
 
@@ -316,14 +317,14 @@ def test_a_caches_windows_and_padding_equal_the_reference(tq: int, paged: bool) 
 def test_an_inference_decode_reads_its_inputs_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # The finiteness check reads all of q, k and v: for a long cache, as much as the call itself.
     calls: list[int] = []
-    real = call_module._finite
+    real = finite_module._finite
 
     def counting(*tensors: torch.Tensor) -> bool:
         calls.append(len(tensors))
         return real(*tensors)
 
     # (every read goes through it: finite(), which the kernel asks, and the call's description)
-    monkeypatch.setattr(call_module, "_finite", counting)
+    monkeypatch.setattr(finite_module, "_finite", counting)
     q, k, v = (t.float() for t in _inputs(2, 4, 2, 1, 500))
     with torch.inference_mode():
         attention(q, k, v, causal=True, backend=DECODE)

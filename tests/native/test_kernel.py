@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import _native, attention, masks, scores
 from attnkit._kernel import draw_seed, dropout_mask
+from attnkit._kernel.planning import block_plan
 from attnkit._native.build import capability
 from attnkit._native.kernel import native_call
 from attnkit.backends import Chunked
-from attnkit.backends.chunked import plan_for
 from attnkit.masks import Geometry
 from attnkit.scores import RelativePositionTerm
 from attnkit.testing import assert_close
@@ -443,8 +443,8 @@ def test_packed_documents_need_no_tiles() -> None:
     # in blocks of 16: the cut blocks become one FULL visit per document, rows and keys clipped.
     mask = masks.documents([5, 0, 20, 18])
     geo = Geometry((2,), 4, 40, 43, torch.device("cpu"))
-    plan = plan_for(mask, geo, 1, False, 8, 16, native=True)
-    call = native_call(mask, geo, plan, scale=1.0, softcap=None, dtype=torch.float32)
+    plan = block_plan(mask, geo, native=True, block_q=8, block_k=16)
+    call = native_call(plan, geo, scale=1.0, softcap=None, dtype=torch.float32)
     assert call.tiles is None
     visits = call.visits.tolist()
     assert all(partial == 0 for *_, partial, _ in visits)
@@ -500,8 +500,8 @@ def test_band_triangles_are_cut_into_stretches_of_rows(mask: masks.Mask, most: f
 def _check_band_visits(mask: masks.Mask, tq: int, tk: int, bq: int, bk: int) -> tuple[int, int]:
     """Check a band's visits (see above); ``(pairs computed, pairs visible)``."""
     geo = Geometry((1,), 2, tq, tk, torch.device("cpu"))
-    plan = plan_for(mask, geo, 1, False, bq, bk, native=True)
-    call = native_call(mask, geo, plan, scale=1.0, softcap=None, dtype=torch.float32)
+    plan = block_plan(mask, geo, native=True, block_q=bq, block_k=bk)
+    call = native_call(plan, geo, scale=1.0, softcap=None, dtype=torch.float32)
     assert call.tiles is None
     dense = mask.dense(tq, tk)[0, 0]
     count = torch.zeros(tq, tk, dtype=torch.int64)
@@ -516,7 +516,7 @@ def _check_band_visits(mask: masks.Mask, tq: int, tk: int, bq: int, bk: int) -> 
             count[rows, ks:ke] += 1
             computed += (ke - ks) * (r1 - r0)
     assert torch.equal(count[dense], torch.ones(int(dense.sum()), dtype=torch.int64))
-    blocks = sum((v.ke - v.ks) * (v.r1 - v.r0) for qb in plan.blocks for v in qb.visits)
+    blocks = sum((v.ke - v.ks) * (v.r1 - v.r0) for qb in plan.grid.blocks for v in qb.visits)
     assert computed < blocks
     return computed, int(dense.sum())
 
@@ -803,9 +803,6 @@ def test_a_rectangle_of_the_scores_is_planned_at_the_calls_positions(
     # One process's queries against another's keys (attnkit.distributed): the plan of a rectangle
     # of a call's scores asks the mask at the call's positions, and the kernel run on the
     # rectangle's rows and keys alone gives attention under that rectangle of the mask.
-    from attnkit._kernel import make_plan
-    from attnkit._native.kernel import block_plan
-
     m = MASKS[mask]
     assert m is not None
     b, h, t, d = 2, 2, 37, 8
@@ -813,11 +810,10 @@ def test_a_rectangle_of_the_scores_is_planned_at_the_calls_positions(
     q, k, v = (torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in range(3))
     geo = Geometry((b,), h, t, t, q.device)
     q0, nq, k0, nk = rect
-    grid = make_plan(m, geo, q_start=q0, q_len=nq, k_start=k0, kv_len=nk, block_q=8, block_k=16)
-    plan = block_plan(m, geo, grid, rect)
+    plan = block_plan(m, geo, native=True, block_q=8, block_k=16, rect=rect)
     assert (plan.q_len, plan.kv_len) == (nq, nk)
     local = Geometry((b,), h, nq, nk, q.device)
-    call = native_call(None, local, plan, scale=d**-0.5, softcap=None, dtype=q.dtype)
+    call = native_call(plan, local, scale=d**-0.5, softcap=None, dtype=q.dtype)
     rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
     q5 = q[:, :, rows].reshape(b, h, 1, nq, d)
     out, lse = call.forward(q5, k[:, :, keys], v[:, :, keys], None)

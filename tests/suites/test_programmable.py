@@ -223,13 +223,13 @@ def test_the_kernel_reuses_one_plan_for_forward_and_backward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     plans = []
-    original = attnkit._kernel.call.make_plan
+    original = attnkit._kernel.planning.make_plan
 
     def counting(*args: object, **kw: object) -> object:
         plans.append(1)
         return original(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(attnkit._kernel.call, "make_plan", counting)
+    monkeypatch.setattr(attnkit._kernel.planning, "make_plan", counting)
     q = torch.randn(1, 2, 40, 8, requires_grad=True)
     out = attention(q, q, q, mask=masks.sliding_window(5), backend="chunked")
     out.sum().backward()

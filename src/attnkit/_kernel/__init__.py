@@ -4,7 +4,10 @@ The ``chunked`` backend runs it on a whole call; score terms (relative positions
 inside it tile by tile; ring attention runs it on each pair of shards it holds. One concept per
 module:
 
-* :mod:`~attnkit._kernel.plan`: the block plan, which blocks of the scores to visit;
+* :mod:`~attnkit._kernel.plan`: the block plan's types and its grid, which blocks of the scores
+  to visit; :mod:`~attnkit._kernel.native_plan`: the grid cut for the native kernel;
+  :mod:`~attnkit._kernel.planning`: the one maker of a call's plan, and the plans kept;
+* :mod:`~attnkit._kernel.choice`: which kernel serves a call (native or eager, the decode path);
 * :mod:`~attnkit._kernel.problem`: one call in the kernel's layout and the scores of a visit;
 * :mod:`~attnkit._kernel.forward` and :mod:`~attnkit._kernel.backward`: the online softmax;
 * :mod:`~attnkit._kernel.fused`: fully visible stretches through torch's fused CPU kernel;

@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 
 from .._native import load
-from .._native.kernel import REDUCED, refusal
+from .._native.kernel import REDUCED
 from ..masks import Geometry
 from ..scores import DistanceBias, softcap_form
+from .choice import refusal
 from .sinks import finish
 
 __all__ = ["IN_PLACE", "cache_attention", "cache_refusal"]

@@ -1,5 +1,6 @@
-"""The kernel on a whole call: its plan (made once, kept for calls like it), which kernel runs it
-(native or eager), and its forward and backward as one autograd function.
+"""The kernel on a whole call: the choice of kernel and plan (:mod:`attnkit._kernel.choice`) put
+together with the native operator's arguments, and its forward and backward as one autograd
+function.
 
 :func:`kernel_attention` is what the ``chunked`` backend runs; :func:`plan_call`,
 :func:`run_forward` and :func:`run_backward` are its parts, which attnkit's operator
@@ -9,9 +10,7 @@
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,14 +18,7 @@ import torch
 from torch import Tensor
 
 from .._finite import finite
-from .._native.kernel import (
-    DECODE_QUERIES,
-    NativeCall,
-    block_plan,
-    decodes,
-    native_call,
-    refusal,
-)
+from .._native.kernel import NativeCall, native_call
 from .._packing import joint_grads
 from .._record import note_kernel
 from .._score_mod import ScoreMod
@@ -36,29 +28,21 @@ from . import (
     FUSED_ROWS,
     BlockPlan,
     Grads,
-    Plan,
     Problem,
     backward,
-    default_blocks,
     delta_of,
     draw_seed,
     finish,
     forward,
-    make_plan,
     no_autocast,
     sink_grad,
-    sizes,
-    small_scores,
 )
+from .choice import choose
 
 __all__ = [
-    "NATIVE_BLOCKS",
     "kernel_attention",
     "native_arguments",
-    "native_serves",
     "plan_call",
-    "plan_for",
-    "planned",
     "run_backward",
     "run_forward",
 ]
@@ -126,7 +110,7 @@ class _Spec:
     dropout: tuple[float, int] | None  # (p, seed), see attnkit._kernel.dropout
     score_mod: ScoreMod | None = None
     zero_offset: bool | None = None
-    #: which kernel runs the call, in explain()'s words (see attnkit._native.kernel.refusal)
+    #: which kernel runs the call, in explain()'s words (see attnkit._kernel.choice.refusal)
     kernel: str = "native kernel"
     #: q, k and v were not read for NaN and inf beforehand: the native kernel's decode path,
     #: which handles them itself, serves an inference call (see plan_call)
@@ -379,117 +363,6 @@ def _apply(*args: Any) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-# The native kernel's default blocks (banded masks, others): its score buffer stays in L2. A
-# band's visits are cut at the band's own edges (see attnkit._native.kernel), so its key blocks
-# need not be narrow to skip what the band hides.
-NATIVE_BLOCKS = {True: (128, 256), False: (128, 256)}
-
-
-def plan_for(
-    mask: Mask | None,
-    geo: Geometry,
-    groups: int,
-    term: bool,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    native: bool = False,
-) -> Plan:
-    """The block plan of a whole call, with the default block sizes where none are given (those
-    of the native kernel when ``native``)."""
-    banded = mask is not None and mask.distances(geo)[1] < math.inf
-    bq, bk = NATIVE_BLOCKS[banded] if native else default_blocks(banded, groups, geo.q_len, term)
-    return make_plan(
-        mask,
-        geo,
-        q_start=0,
-        q_len=geo.q_len,
-        k_start=0,
-        kv_len=geo.kv_len,
-        block_q=block_q or bq,
-        block_k=block_k or bk,
-    )
-
-
-def decode_sized(q_len: int, block_q: int | None) -> bool:
-    """Whether ``q_len`` queries take the native kernel's decode path: no more than one block of
-    queries, and no more than the path's few rows (``DECODE_QUERIES``)."""
-    return q_len <= min(block_q or q_len, DECODE_QUERIES)
-
-
-def decode_plan(
-    mask: Mask | None, geo: Geometry, block_k: int | None
-) -> tuple[Mask | None, int | None]:
-    """``(mask, block_k)`` to plan an inference call on the native kernel's decode path with.
-
-    The mask: None where it is a band that hides no pair of this call (causal under one new
-    query: every cached key is before it), whose plan would otherwise ask the band about its
-    blocks at every step. The key block (unless one is given): every key in one block when no
-    key block could be skipped (no mask) or a band cuts its visits at its own edges (see
-    :func:`attnkit._native.kernel.block_plan`), else None (the default blocks, whose EMPTY ones
-    are skipped). The decode path steps through a visit of any length: one visit spares a step
-    of a growing cache, whose geometry and so whose plan is new at every step, a plan that
-    grows with the cache, and the kernel a break in its prefetching at every block."""
-    band = None if mask is None else mask.band
-    if band is not None:
-        lo, hi = mask.distances(geo)  # type: ignore[union-attr]
-        # j - i' over the call's pairs runs from -(Tk - 1) to Tq - 1 (i' bottom-right)
-        if lo <= -(geo.kv_len - 1) and hi >= geo.q_len - 1:
-            mask = None
-    if block_k is None and (mask is None or band is not None):
-        block_k = max(geo.kv_len, 1)
-    return mask, block_k
-
-
-# The plans of recent calls (see Mask.plan_key): a training or serving loop calls with one mask
-# and one geometry again and again, and making a long call's plan in Python costs a tenth of its
-# attention or more. Each entry holds its mask, so a key made of a tensor's id names that tensor.
-# At most 16 plans and 2^17 visits in all (a few dozen MiB of Python objects at most).
-_PLANS: OrderedDict[Hashable, tuple[Mask | None, BlockPlan, int]] = OrderedDict()
-_PLANS_KEPT = 16
-_PLANS_VISITS = 1 << 17
-_PLANS_LOCK = threading.Lock()
-# The visits _PLANS holds (kept as it changes: iterating an OrderedDict hashes every key again).
-_PLANS_HELD = [0]
-
-
-def planned(
-    mask: Mask | None,
-    geo: Geometry,
-    groups: int,
-    term: bool,
-    block_q: int | None,
-    block_k: int | None,
-    native: bool,
-) -> BlockPlan:
-    """The call's :class:`BlockPlan`: :func:`plan_for`'s grid, cut for the native kernel when
-    ``native`` (see :func:`attnkit._native.kernel.block_plan`), else the grid's own visits; from
-    the cache when an earlier call had the same mask (by :attr:`Mask.plan_key`) and geometry."""
-    mask_key = "no mask" if mask is None else mask.plan_key
-    key = None if mask_key is None else (mask_key, geo, groups, term, block_q, block_k, native)
-    if key is not None:
-        with _PLANS_LOCK:
-            hit = _PLANS.get(key)
-            if hit is not None:
-                _PLANS.move_to_end(key)
-                return hit[1]
-    grid = plan_for(mask, geo, groups, term, block_q, block_k, native=native)
-    if native:
-        plan = block_plan(mask, geo, grid)
-    else:
-        plan = BlockPlan.of_grid(grid, geo.q_len, geo.kv_len, geo.shift)
-    size = grid.visited
-    if key is not None and size <= _PLANS_VISITS:
-        with _PLANS_LOCK:
-            held = _PLANS_HELD[0] if _PLANS else 0
-            made = _PLANS.pop(key, None)  # (made twice: by two threads at once)
-            held += size - (0 if made is None else made[2])
-            _PLANS[key] = (mask, plan, size)
-            while len(_PLANS) > _PLANS_KEPT or held > _PLANS_VISITS:
-                held -= _PLANS.popitem(last=False)[1][2]
-            _PLANS_HELD[0] = held
-    return plan
-
-
 def kernel_attention(
     q: Tensor,
     k: Tensor,
@@ -567,99 +440,61 @@ def plan_call(
     skewed_position: bool = True,
 ) -> tuple[_Spec, Tensor | None, tuple[Tensor, ...]]:
     """Everything a call's forward and backward share, decided once: ``(spec, dense bias, the
-    score term's inputs)``. ``is_finite``:
-    whether q, k and v hold only finite values, if the caller knows (None: find out, in the same
-    host read as the sizes that tell whether the kernel may take offset 0 throughout, see
-    :func:`attnkit._kernel.sizes`). ``score_mod``: applied to each tile.
+    score term's inputs)``. The kernel and its plan are :func:`attnkit._kernel.choice.choose`'s
+    (``is_finite``: whether q, k and v hold only finite values, if the caller knows; None: find
+    out); for the native kernel, its arguments are :func:`attnkit._native.kernel.native_call`'s.
+    ``score_mod``: applied to each tile.
 
     ``native``: use the native kernel where it computes the same thing (see
-    :func:`native_serves`; never with a ``score_mod``). ``dropout_p``: both kernels drop the same
-    pairs for ``seed`` (None: one drawn from torch's generator, see
+    :func:`attnkit._kernel.choice.refusal`; never with a ``score_mod``). ``dropout_p``: both
+    kernels drop the same pairs for ``seed`` (None: one drawn from torch's generator, see
     :mod:`attnkit._kernel.dropout`)."""
-    batch = tuple(q.shape[:-3])
-    h, tq, _ = q.shape[-3:]
-    hkv, tk, _ = k.shape[-3:]
-    geo = Geometry(batch, h, tq, tk, q.device)
     term = bias if isinstance(bias, ScoreTerm) else None
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
-    zero_offset = None  # asked by the kernel's forward
-    term_finite: bool | None = None
-    # The native kernel serves the call if its inputs are finite (its blocked forward has no
-    # careful mode; its decode path has, see below).
-    why = refusal(
-        native=native,
-        device=q.device,
-        term=term,
-        score_mod=score_mod is not None,
-        finite=None,
+    geo = Geometry(tuple(q.shape[:-3]), q.size(-3), q.size(-2), k.size(-2), q.device)
+    choice = choose(
+        q,
+        k,
+        v,
+        mask=mask,
         geo=geo,
-        build=True,
+        term=term,
+        term_inputs=term_inputs,
+        block_q=block_q,
+        block_k=block_k,
+        is_finite=is_finite,
+        native=native,
+        score_mod=score_mod is not None,
+        wants_grads=_wants_grads(q, k, v, dense, sinks, *term_inputs),
+        plain=softcap is None and bias is None and score_mod is None,
+        scale=scale,
     )
-    native_ok = why is None
-    # The native kernel's decode path reads q, k and v once and takes care of NaN and inf itself:
-    # an inference call it serves is not read beforehand (a call that needs gradients is: the
-    # backward has no such care).
-    plan = None
-    if (
-        is_finite is None
-        and native_ok
-        and decode_sized(tq, block_q)
-        and not _wants_grads(q, k, v, dense, sinks, *term_inputs)
-    ):
-        decode_mask, keys = decode_plan(mask, geo, block_k)
-        plan = planned(decode_mask, geo, h // hkv, term is not None, block_q, keys, True)
-    unchecked = plan is not None and decodes(plan)
-    if not unchecked:  # (a decode plan's long key blocks are for the decode path alone)
-        plan = None
-    if is_finite is None and native_ok and not unchecked:
-        # The native kernel needs to know only that q, k, v (and the term's inputs) are finite:
-        # one host read (see attnkit._finite.finite).
-        is_finite = term_finite = finite(q, k, v, *term_inputs)
-        if not is_finite and term_inputs:
-            is_finite, term_finite = finite(q, k, v), None
-    if is_finite is None and not unchecked:
-        is_finite = True
-        if q.numel() and k.numel() and v.numel():
-            work = torch.promote_types(q.dtype, torch.float32)
-            q_norm, k_norm, v_max = sizes(q, k, v, work).tolist()
-            is_finite = math.isfinite(q_norm + k_norm + v_max)
-            plain = is_finite and softcap is None and bias is None and score_mod is None
-            zero_offset = plain and small_scores(q_norm, k_norm, v_max, scale, tk, work)
-    careful = not unchecked and not is_finite
     seed = (draw_seed() if seed is None else seed) if dropout_p else 0
-    served = native_ok and not careful
-    if native_ok and careful:
-        why = "the eager kernel (non-finite values in q/k/v)"
-    if plan is None or not served:
-        plan = planned(mask, geo, h // hkv, term is not None, block_q, block_k, served)
     fast = None
-    if served:
+    if choice.why is None:
         fast = native_call(
-            mask,
+            choice.plan,
             geo,
-            plan,
             scale=scale,
             softcap=softcap,
             dtype=q.dtype,
             p_drop=dropout_p,
             seed=seed,
             term=term,
-            groups=h // hkv,
+            groups=q.size(-3) // k.size(-3),
             register_tiles=register_tiles,
             skewed_position=skewed_position,
         )
     spec = _Spec(
         mask=mask,
         geo=geo,
-        plan=plan,
+        plan=choice.plan,
         scale=scale,
         softcap=softcap,
         term=term,
-        careful=careful,
-        check_term=term is not None
-        and not careful
-        and (finite(*term_inputs) if term_finite is None else term_finite),
+        careful=choice.careful,
+        check_term=choice.check_term,
         has_bias=dense is not None,
         has_sinks=sinks is not None,
         n_term=len(term_inputs),
@@ -667,9 +502,9 @@ def plan_call(
         native=fast,
         dropout=(dropout_p, seed) if dropout_p else None,
         score_mod=score_mod,
-        zero_offset=zero_offset,
-        kernel="native kernel" if why is None else why,
-        unchecked=unchecked,
+        zero_offset=choice.zero_offset,
+        kernel="native kernel" if choice.why is None else choice.why,
+        unchecked=choice.unchecked,
     )
     return spec, dense, term_inputs
 
@@ -677,27 +512,6 @@ def plan_call(
 def _wants_grads(*tensors: Tensor | None) -> bool:
     """Whether autograd will ask for a gradient of any of ``tensors``."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def native_serves(
-    device: torch.device,
-    term: ScoreTerm | None,
-    careful: bool,
-    native: bool,
-    geo: Geometry | None = None,
-) -> bool:
-    """Whether the native kernel runs a call (see :func:`attnkit._native.kernel.refusal`),
-    loading it, or building it on first use, if it would."""
-    why = refusal(
-        native=native,
-        device=device,
-        term=term,
-        score_mod=False,
-        finite=False if careful else None,
-        geo=geo,
-        build=True,
-    )
-    return why is None
 
 
 def native_arguments(

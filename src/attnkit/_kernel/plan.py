@@ -315,7 +315,8 @@ class BlockPlan:
     head walking all of them in turn.
 
     ``str()`` draws the grid (one character per block: ``█`` full, ``░`` partial, ``·`` skipped).
-    Get one with :meth:`attnkit.backends.Chunked.block_plan`:
+    :func:`attnkit._kernel.planning.block_plan` makes one. Get a call's with
+    :meth:`attnkit.backends.Chunked.block_plan`:
 
     >>> import torch, attnkit
     >>> q = torch.randn(1, 2, 512, 16)
@@ -341,25 +342,6 @@ class BlockPlan:
     key_ok: Tensor | None = None
     tiles: Tensor | None = None
     stretch: int = 0
-
-    @staticmethod
-    def of_grid(grid: Plan, q_len: int, kv_len: int, shift: int = 0) -> BlockPlan:
-        """The plan whose visits are the grid's own (what the eager kernel computes)."""
-        rows: list[list[int]] = []
-        offsets = [0]
-        for qb in grid.blocks:
-            rows += [[v.ks, v.ke, v.r0, v.r1, int(v.partial), -1] for v in qb.visits]
-            offsets.append(len(rows))
-        return BlockPlan(
-            q_len=q_len,
-            kv_len=kv_len,
-            block_q=grid.block_q,
-            block_k=grid.block_k,
-            offsets=int64_tensor(offsets),
-            visits=int64_tensor(rows, 6),
-            grid=grid,
-            shift=shift,
-        )
 
     @property
     def num_visits(self) -> int:

@@ -29,17 +29,12 @@ from torch import Tensor
 from .._call import AttentionCall
 from .._checks import check_int, shape_str
 from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
-from .._kernel.call import (
-    decode_plan,
-    decode_sized,
-    kernel_attention,
-    native_serves,
-    plan_for,
-    planned,
-)
+from .._kernel.call import kernel_attention
+from .._kernel.choice import decode_sized, decodes, why_not_native
 from .._kernel.operator import traceable, traced_attention
+from .._kernel.planning import decode_plan, planned
 from .._native import status as native_status
-from .._native.kernel import BF16_PRODUCTS, decodes, why_not_native
+from .._native.kernel import BF16_PRODUCTS
 from .._score_mod import captured_tensors, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
 from .._transforms import transforms_active
@@ -51,8 +46,6 @@ __all__ = [
     "chunked_check",
     "fused_note",
     "kernel_attention",
-    "native_serves",
-    "plan_for",
 ]
 
 

@@ -1,12 +1,13 @@
 """The kernel on one pair of shards: this rank's queries against a block of keys it holds.
 
 A pair is a rectangle of the whole call's scores: queries ``gq : gq + nq`` against keys
-``gk : gk + nk`` of the whole sequence. It runs the native operator with its block plan made for
-that rectangle (:func:`attnkit._native.kernel.block_plan`, the mask asked at the whole call's
-positions), or the eager kernel (:class:`attnkit._kernel.Problem` with the rectangle's starts)
-where a call in one process would take the eager kernel too. A score term is evaluated at the
-whole call's positions: each pair gets a term of its own that reads the same numbers for its
-rectangle (the position queries of its rows, the same table of encodings or of distances).
+``gk : gk + nk`` of the whole sequence. Its block plan is made for that rectangle by the one
+maker of plans (:func:`attnkit._kernel.planning.block_plan`, the mask asked at the whole call's
+positions); the native operator runs it, or the eager kernel (:class:`attnkit._kernel.Problem`
+with the rectangle's starts) where a call in one process would take the eager kernel too. A
+score term is evaluated at the whole call's positions: each pair gets a term of its own that
+reads the same numbers for its rectangle (the position queries of its rows, the same table of
+encodings or of distances).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from torch import Tensor
 
 from .._blocks import block_reduce, states_from
 from .._checks import shape_str
-from .._kernel import Plan, Problem, backward, forward, make_plan
-from .._native.kernel import NativeCall, block_plan, native_call
+from .._kernel import BlockPlan, Problem, backward, forward
+from .._kernel.planning import block_plan
+from .._native.kernel import NativeCall, native_call
 from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
 from ..scores import DistanceBias, RelativePositionTerm, ScoreShape, ScoreTerm, TermBlock
@@ -80,7 +82,7 @@ class PairPlan:
 
     rect: Rect
     mask: Mask | None  # asked at the whole call's positions
-    grid: Plan
+    plan: BlockPlan  # cut for the native operator where it runs the pair
     native: NativeCall | None  # the native operator's plan and numbers; None: the eager kernel
     term: ScoreTerm | None  # the pair's own term (local positions)
 
@@ -229,35 +231,26 @@ def plan_pair(
     s: Settings, mask: Mask | None, rect: Rect, term_inputs: tuple[Tensor, ...]
 ) -> PairPlan | None:
     """The pair's plan (None when the mask hides every pair of the rectangle): its grid asked of
-    the mask at the whole call's positions and, for the native operator, its visits cut."""
+    the mask at the whole call's positions and, for the native operator, its visits cut (see
+    :func:`attnkit._kernel.planning.block_plan`)."""
     bq, bk = s.blocks
-    grid = make_plan(
-        mask,
-        s.geo,
-        q_start=rect.gq,
-        q_len=rect.nq,
-        k_start=rect.gk,
-        kv_len=rect.nk,
-        block_q=bq,
-        block_k=bk,
-    )
-    if not grid.visited:
+    plan = block_plan(mask, s.geo, native=s.native, block_q=bq, block_k=bk, rect=rect.whole)
+    if not plan.grid.visited:
         return None
     term = _local_term(s, rect, term_inputs)
     native = None
     if s.native:
         local = Geometry(s.geo.batch_shape, s.geo.heads, rect.nq, rect.nk, s.geo.device)
         native = native_call(
-            None,
+            plan,
             local,
-            block_plan(mask, s.geo, grid, rect.whole),
             scale=s.scale,
             softcap=s.softcap,
             dtype=s.dtype,
             term=term,
             groups=s.groups,
         )
-    return PairPlan(rect, mask, grid, native, term)
+    return PairPlan(rect, mask, plan, native, term)
 
 
 def _rows(t5: Tensor, r: Rect) -> Tensor:
@@ -285,7 +278,7 @@ def _problem(
         k3=kp.reshape(n * hkv, r.nk, kp.size(-1)),
         v3=vp.reshape(n * hkv, r.nk, vp.size(-1)),
         scale=s.scale,
-        plan=p.grid,
+        plan=p.plan.grid,
         geo=s.geo,
         mask=p.mask,
         softcap=s.softcap,

@@ -47,8 +47,8 @@ from .._kernel import (
     sizes,
     small_scores,
 )
-from .._kernel.call import NATIVE_BLOCKS
-from .._native.kernel import refusal
+from .._kernel.choice import refusal
+from .._kernel.planning import NATIVE_BLOCKS
 from .._record import Dispatch, current, note_kernel
 from .._score_mod import ScoreMod, captured_tensors, check_captured
 from .._typing import Bool, Float, shape_checked

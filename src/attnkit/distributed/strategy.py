@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 
 from .._call import AttentionCall
 from .._checks import check_int
-from .._native.kernel import why_not_native
+from .._kernel.choice import why_not_native
 from .._score_mod import ScoreMod
 from ..masks import Mask
 from ..scores import RelativePositionTerm, ScoreTerm
