@@ -1,0 +1,122 @@
+// A decode call (Decode): the call, its pages of keys and values and how its items divide the
+// work; an item's place (Item), and a thread's buffers (DecodeBuffers), sized by the steps.
+#pragma once
+
+#include "decode_pages.h"
+#include "plan.h"
+
+namespace attnkit {
+// Internal linkage, as in one translation unit (see common.h).
+namespace {
+
+// Keys per step of an item: the step's scores stay in L1, its keys and values in L2 while all the
+// query heads of their key/value heads read them.
+constexpr int64_t kStep = 128;
+// Query rows (over all heads of an item) up to which the product q k^T runs as dot products here;
+// more take a GEMM.
+constexpr int64_t kDotRows = 8;
+// Keys per step of an item of at most kDotRows rows whose rows are read a head at a time (see
+// run_visit): short steps alternate the products of keys and of values, and with them the
+// prefetches of the next keys and values (see run_step), often enough to keep memory busy
+// through both. Float32 rows gained the most from steps of 16 keys; bfloat16 and float16 rows,
+// converted in registers as they are read, gained nothing below 64.
+template <typename KV>
+constexpr int64_t kFewRowsStep = sizeof(KV) >= 4 ? 16 : 64;
+// Keys per step of such an item read token by token (see run_token_step).
+constexpr int64_t kTokenStep = 64;
+// Keys of a token-major step read for all the item's heads in turn (see run_token_step): two of
+// dot_block's blocks of 4, few pages at a time for the prefetchers (of 4, 8 and 16, 8 was the
+// fastest for 8 heads of 128 in bfloat16, two tokens to a page, and as fast as 16 in float32).
+constexpr int64_t kTokenBlock = 8;
+
+// A decode call: the call (its plan, when the visits come from it), the pages, and how its items
+// divide the work. The products are computed in T; keys and values are KV, T itself or, for a
+// float32 call, bfloat16 or float16 read as they are (half the bytes) and converted in registers.
+template <typename T, typename KV = T>
+struct Decode {
+  Call<T> c;
+  Pages<KV> k, v;
+  // (N, 2): row n's keys are [range[2n], range[2n + 1]) and its queries are aligned to the end;
+  // null: all Tk keys, the plan's visits.
+  const int64_t* range = nullptr;
+  // (N, 2): row n's queries are [qrange[2n], qrange[2n] + qrange[2n + 1]) of packed queries
+  // (q, out and lse of one batch row, q_total queries); null: q's batch row n, all Tq queries.
+  const int64_t* qrange = nullptr;
+  int64_t q_total = 0;
+  int64_t bq = 1, nqb = 1;  // query rows per block, query blocks
+  // Key/value heads per item, their groups, and parts of each row's keys; items per thread.
+  int64_t heads = 1, groups = 1, parts = 1, grain = 1;
+
+  int64_t items() const { return c.N * groups * nqb * parts; }
+  int64_t q_row(int64_t n) const { return qrange == nullptr ? n : 0; }
+  int64_t q_first(int64_t n) const { return qrange == nullptr ? 0 : qrange[2 * n]; }
+  int64_t q_len(int64_t n) const { return qrange == nullptr ? c.Tq : qrange[2 * n + 1]; }
+  int64_t rows() const { return bq * c.G; }  // an item's rows per key/value head
+};
+
+// One thread's buffers: the item's query rows (heads x rows x Dk, rows ordered (query, head)), a
+// step's scores, the position term's window, and the online softmax's state of every row.
+template <typename T, typename KV>
+struct DecodeBuffers {
+  std::vector<T> q, s, pos, acc, m, l;
+  // The item's queries in bfloat16 where they are bfloat16 values, the keys are bfloat16 and the
+  // CPU has AVX512-BF16 (q16_ok): q k^T then runs on its dot products (see key_dots).
+  std::vector<at::BFloat16> q16;
+  bool q16_ok = false;
+  std::vector<T> t;             // a careful step's terms alone (see run_step)
+  std::vector<uint8_t> hidden;  // a careful step's hidden pairs
+  // The rows of this step's keys and values, and of the next step's, for the item's first head.
+  std::vector<const KV*> keys, values, next_keys, next_values;
+  // A step's keys and values in T, for the GEMMs of steps of many rows (keys and values in
+  // another dtype than T only).
+  std::vector<T> wide_k, wide_v;
+  // A token-major step's scores of every head of the item, in the order its keys are read and,
+  // when that is another, in the keys' order (see run_token_step); the rows in reading order.
+  std::vector<T> read_s, key_s;
+  std::vector<const KV*> read_keys, read_values;
+  std::vector<int64_t> read_order;
+  explicit DecodeBuffers(const Decode<T, KV>& d)
+      : q(d.heads * d.rows() * d.c.Dk),
+        s(d.rows() * kStep),
+        pos(d.c.qv.p == nullptr ? 0 : d.bq * (kStep + d.bq - 1)),
+        acc(d.heads * d.rows() * d.c.Dv),
+        m(d.heads * d.rows()),
+        l(d.heads * d.rows()),
+        t(d.rows() * kStep),
+        hidden(d.rows() * kStep),
+        keys(kStep),
+        values(kStep),
+        next_keys(kStep),
+        next_values(kStep),
+        wide_k(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dk),
+        wide_v(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dv),
+        read_s(d.heads > 1 ? d.heads * kDotRows * kTokenStep : 0),
+        key_s(read_s.size()),
+        read_keys(d.heads > 1 ? kTokenStep : 0),
+        read_values(read_keys.size()),
+        read_order(read_keys.size()) {}
+};
+
+// Where an item is: batch row, first key/value head and how many, query block and its rows, part.
+struct Item {
+  int64_t n, hk0, heads, qb, qs, nq, part;
+};
+
+template <typename T, typename KV>
+Item item_of(const Decode<T, KV>& d, int64_t item) {
+  Item it;
+  it.part = item % d.parts;
+  int64_t rest = item / d.parts;
+  it.qb = rest % d.nqb;
+  rest /= d.nqb;
+  const int64_t gi = rest % d.groups;
+  it.n = rest / d.groups;
+  it.hk0 = gi * d.heads;
+  it.heads = std::min(d.heads, d.c.Hkv - it.hk0);
+  it.qs = it.qb * d.bq;
+  it.nq = std::max<int64_t>(0, std::min(d.bq, d.q_len(it.n) - it.qs));
+  return it;
+}
+
+}  // namespace
+}  // namespace attnkit

@@ -1,0 +1,106 @@
+// The decode path's access to keys and values: pages (X, Hkv, page, D) at any strides, read in
+// place through a block table or one page per batch row (Pages), the rows of a step wherever they
+// lie (RowList), and the next step's rows asked of memory while this step computes (Ahead).
+#pragma once
+
+#include "common.h"
+
+namespace attnkit {
+// Internal linkage, as in one translation unit (see common.h).
+namespace {
+
+// The stretch within which the hardware prefetchers follow ascending lines: a 4 KiB page.
+constexpr int64_t kStreamBytes = 4096;
+
+// Keys or values as pages: (X, Hkv, page, D) rows. Without a block table, batch row n is page n and
+// holds all its keys; with one, key j of row n is row j % page of page table[n][j / page].
+template <typename T>
+struct Pages {
+  Rows<const T*> x;
+  const int64_t* table = nullptr;  // (N, table_ld)
+  int64_t table_ld = 0, page = 1;
+
+  const T* at(int64_t n, int64_t hk, int64_t j) const {
+    if (table == nullptr) return x.at(n, hk, 0, j);
+    return x.at(table[n * table_ld + j / page], hk, 0, j % page);
+  }
+  // One past the last key of j's page (a row's last key + 1 without a table: e).
+  int64_t page_end(int64_t j, int64_t e) const {
+    return table == nullptr ? e : std::min(e, j - j % page + page);
+  }
+  // Whether the rows of one head are further apart than those of one key (a cache laid out
+  // (B, Tk, Hkv, D), flash-attn's pages): then one item reads all key/value heads step by step
+  // instead of one head's rows a few hundred bytes apart across the whole cache.
+  bool token_major() const { return x.s[3] > x.s[1]; }
+  // How many tokens of token-major rows share a page of kStreamBytes (1 when a token fills one or
+  // more, or when tokens do not divide it).
+  int64_t tokens_per_stream() const {
+    const int64_t bytes = x.s[3] * int64_t(sizeof(T));
+    return bytes > 0 && bytes < kStreamBytes && kStreamBytes % bytes == 0 ? kStreamBytes / bytes
+                                                                          : 1;
+  }
+};
+
+// A hint to bring a line into L2. (GCC drops __builtin_prefetch from these loops once they are
+// inlined; an asm statement it must keep.)
+inline void to_l2(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// The rows of a step's keys or values, wherever they lie (in one stretch of memory, or in pages):
+// row j is p[j] + off (off: the key/value head's place beside the first head of the item).
+template <typename T>
+struct RowList {
+  const T* const* p = nullptr;
+  int64_t off = 0;
+  const T* operator[](int64_t j) const { return p[j] + off; }
+};
+
+// The rows of keys and values of the step after this one, asked of memory while this step's
+// products run, a row for each of its keys: the hardware's prefetchers alone do not run far enough
+// ahead of a core that also computes (a decode then takes the time of its memory traffic plus that
+// of its products, instead of the larger of the two), nor across pages.
+template <typename X>
+struct Ahead {
+  RowList<X> k, v;
+  int64_t rows = 0, k_bytes = 0, v_bytes = 0;
+
+  void ask(int64_t first, int64_t last) const {
+    for (int64_t j = first; j < last; ++j) {
+      const char* kr = reinterpret_cast<const char*>(k[j]);
+      const char* vr = reinterpret_cast<const char*>(v[j]);
+      for (int64_t at = 0; at < k_bytes; at += 64) to_l2(kr + at);
+      for (int64_t at = 0; at < v_bytes; at += 64) to_l2(vr + at);
+    }
+  }
+  // The rows that keys [j0, j1) of a step of n keys ask for.
+  void for_keys(int64_t j0, int64_t j1, int64_t n) const {
+    if (j0 < rows) ask(j0, j1 >= n ? rows : std::min(j1, rows));
+  }
+};
+
+// The rows of keys [j0, j1) of (n, hk): out[j - j0].
+template <typename T>
+void rows_of_keys(const Pages<T>& x, int64_t n, int64_t hk, int64_t j0, int64_t j1, const T** out) {
+  for (int64_t j = j0; j < j1;) {
+    const int64_t e = x.page_end(j, j1), ld = x.x.ld();
+    const T* p = x.at(n, hk, j);
+    for (int64_t i = j; i < e; ++i) out[i - j0] = p + (i - j) * ld;
+    j = e;
+  }
+}
+
+template <typename T>
+Pages<T> pages_of(const at::Tensor& x) {
+  Pages<T> p;
+  p.x = rows_of<const T*>(x, x.data_ptr<T>());
+  p.page = std::max<int64_t>(x.size(2), 1);
+  return p;
+}
+
+}  // namespace
+}  // namespace attnkit
