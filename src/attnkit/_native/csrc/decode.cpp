@@ -48,6 +48,16 @@ constexpr int64_t kThreadBytes = int64_t(1) << 20;
 // native_forward's calls of at most this many queries (in one query block) take the decode path.
 constexpr int64_t kDecodeQueries = 16;
 
+// The keys the plan's visits (of a call of one query block) span: [k0, k1), none when k1 <= k0.
+template <typename T>
+void visited_keys(const Call<T>& c, int64_t& k0, int64_t& k1) {
+  k0 = c.Tk, k1 = 0;
+  for (int64_t vi = c.off[0]; vi < c.off[1]; ++vi) {
+    k0 = std::min(k0, c.visits[vi * 6]);
+    k1 = std::max(k1, c.visits[vi * 6 + 1]);
+  }
+}
+
 // The item's query rows, (query, head) ordered, contiguous, for each of its key/value heads.
 template <typename T, typename KV>
 void load_queries(const Decode<T, KV>& d, DecodeBuffers<T, KV>& b, const Item& it) {
@@ -93,11 +103,8 @@ void run_item(const Decode<T, KV>& d, DecodeBuffers<T, KV>& b, const Item& it, b
   std::fill(b.l.begin(), b.l.end(), T(0));
   if (d.range == nullptr) {  // the plan's visits (one query block)
     const Call<T>& c = d.c;
-    int64_t k0 = c.Tk, k1 = 0;
-    for (int64_t vi = c.off[0]; vi < c.off[1]; ++vi) {
-      k0 = std::min(k0, c.visits[vi * 6]);
-      k1 = std::max(k1, c.visits[vi * 6 + 1]);
-    }
+    int64_t k0 = 0, k1 = 0;
+    visited_keys(c, k0, k1);
     int64_t a = 0, z = 0;
     part_of(k0, k1, it.part, d.parts, a, z);
     for (int64_t vi = c.off[0]; vi < c.off[1]; ++vi) {
@@ -206,11 +213,8 @@ std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a) {
     d.bq = d.c.Tq;
     d.nqb = 1;
     d.q_total = d.c.Tq;
-    int64_t k0 = d.c.Tk, k1 = 0;
-    for (int64_t vi = d.c.off[0]; vi < d.c.off[1]; ++vi) {
-      k0 = std::min(k0, d.c.visits[vi * 6]);
-      k1 = std::max(k1, d.c.visits[vi * 6 + 1]);
-    }
+    int64_t k0 = 0, k1 = 0;
+    visited_keys(d.c, k0, k1);
     divide(d, k1 - k0);
     decode_impl(d, rows_of<T*>(out, out.data_ptr<T>()), lse.data_ptr<T>());
   });
@@ -337,23 +341,9 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
                     " of a bias table of ", numel);
       }
     }
-    if (a.band.size() == 2) {
-      c.band = true;
-      c.lo = a.band[0];
-      c.hi = a.band[1];
-    } else {
-      TORCH_CHECK(a.band.empty(), "attnkit: band is [lo, hi] or empty, got ", a.band.size(),
-                  " numbers");
-    }
-    if (a.key_ok.has_value()) {
-      const at::Tensor& f = *a.key_ok;
-      TORCH_CHECK(f.scalar_type() == at::kByte && f.dim() == 2 && f.is_contiguous() &&
-                      (f.size(0) == 1 || f.size(0) == N) && f.size(1) == kv_len,
-                  "attnkit: key_ok must be contiguous uint8 (N or 1, Tk) = (", N, ", ", kv_len,
-                  "), Tk the longest row's end, got ", f.scalar_type(), " ", f.sizes());
-      c.key_ok = f.data_ptr<uint8_t>();
-      c.key_rows = f.size(0);
-    }
+    // The band is relative to each row's alignment (its shift is set per row, see run_item).
+    read_band(a.band, c);
+    read_key_ok(a.key_ok, c, "Tk the longest row's end, ");
     if (N * c.Hkv * c.G * q_len == 0) return;
     d.k = pages_of<KV>(k);
     d.v = pages_of<KV>(v);

@@ -252,6 +252,33 @@ void read_bias(const CallArgs& a, Call<T>& c) {
   c.bias_aliased = true;
 }
 
+// A band [lo, hi] (a pair is seen only if lo <= j - i - shift <= hi; the caller sets the shift),
+// or none (empty).
+template <typename T>
+void read_band(const std::vector<double>& band, Call<T>& c) {
+  if (band.size() == 2) {
+    c.band = true;
+    c.lo = band[0];
+    c.hi = band[1];
+  } else {
+    TORCH_CHECK(band.empty(), "attnkit: band is [lo, hi] or empty, got ", band.size(), " numbers");
+  }
+}
+
+// Key flags (N|1, Tk) = (c.N, c.Tk), or none; tk_is says in the message what Tk is, when it is not
+// plainly the call's keys (it ends with ", ").
+template <typename T>
+void read_key_ok(const c10::optional<at::Tensor>& key_ok, Call<T>& c, const char* tk_is) {
+  if (!key_ok.has_value()) return;
+  const at::Tensor& f = *key_ok;
+  TORCH_CHECK(f.scalar_type() == at::kByte && f.dim() == 2 && f.is_contiguous() &&
+                  (f.size(0) == 1 || f.size(0) == c.N) && f.size(1) == c.Tk,
+              "attnkit: key_ok must be contiguous uint8 (N or 1, Tk) = (", c.N, ", ", c.Tk, "), ",
+              tk_is, "got ", f.scalar_type(), " ", f.sizes());
+  c.key_ok = f.data_ptr<uint8_t>();
+  c.key_rows = f.size(0);
+}
+
 // Transformer-XL's position term: qv (N, H, Tq, Dh) and the encodings enc (H, P, Dh), rows
 // contiguous.
 template <typename T>
@@ -335,24 +362,9 @@ Call<T> make_call(const CallArgs& a) {
   c.scale = a.scale;
   c.softcap = a.softcap;
   read_bias(a, c);
-  if (a.band.size() == 2) {
-    c.band = true;
-    c.lo = a.band[0];
-    c.hi = a.band[1];
-    c.shift = a.shift;
-  } else {
-    TORCH_CHECK(a.band.empty(), "attnkit: band is [lo, hi] or empty, got ", a.band.size(),
-                " numbers");
-  }
-  if (a.key_ok.has_value()) {
-    const at::Tensor& f = *a.key_ok;
-    TORCH_CHECK(f.scalar_type() == at::kByte && f.dim() == 2 && f.is_contiguous() &&
-                    (f.size(0) == 1 || f.size(0) == c.N) && f.size(1) == c.Tk,
-                "attnkit: key_ok must be contiguous uint8 (N or 1, Tk) = (", c.N, ", ", c.Tk,
-                "), got ", f.scalar_type(), " ", f.sizes());
-    c.key_ok = f.data_ptr<uint8_t>();
-    c.key_rows = f.size(0);
-  }
+  read_band(a.band, c);
+  if (c.band) c.shift = a.shift;
+  read_key_ok(a.key_ok, c, "");
   if (a.tiles.has_value()) {
     const at::Tensor& t = *a.tiles;
     TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 5 && t.is_contiguous() &&
