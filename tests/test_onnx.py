@@ -126,7 +126,9 @@ def test_the_operator_exports_as_its_dense_form(ort: ModuleType, name: str, tmp_
         assert_close(run(sess, *inputs), call(*inputs), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# auto: the operator where chunked serves the call, torch's SDPA where it does (their mix is
+# what these cases check; the operator's own cases are above).
+@pytest.mark.parametrize("name", ["plain", "causal_and_padding", "documents_and_causal", "sinks"])
 def test_calls_on_auto_export(ort: ModuleType, name: str, tmp_path: Path) -> None:
     make, settings, inputs = CASES[name]()
     call = Call("auto", make, **settings).eval()
