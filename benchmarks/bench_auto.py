@@ -6,7 +6,7 @@ and decode steps (one query) against caches of 0.5 to 256 MiB of keys and values
 of ``--dtype``. Each row gives both backends' medians over interleaved rounds of
 ``torch.utils.benchmark`` and their ratio (chunked / sdpa: below 1, the native kernel is the
 faster). ``auto`` sends a call to the native kernel from the sizes where the ratio stays below 1
-(``attnkit.backends.sdpa``'s thresholds, per dtype).
+(``attnkit.backends.sdpa.thresholds``, each beside the measurement that set it).
 
     python benchmarks/bench_auto.py --dtype float32 bfloat16 float16 --json auto.json
 """

@@ -33,7 +33,7 @@ from torch.utils import benchmark
 
 import attnkit
 from attnkit._finite import finite
-from attnkit.backends import sdpa as sdpa_module
+from attnkit.backends.sdpa import screen
 
 import results
 
@@ -44,13 +44,13 @@ attention_module = importlib.import_module("attnkit.attention")
 @contextlib.contextmanager
 def checks_off() -> Iterator[None]:
     """attnkit with the policy's checks replaced by "everything is fine"."""
-    saved = sdpa_module._trustworthy, attention_module.finite
-    sdpa_module._trustworthy = lambda *a, **k: True  # type: ignore[assignment]
+    saved = screen.trustworthy, attention_module.finite
+    screen.trustworthy = lambda *a, **k: True  # type: ignore[assignment]
     attention_module.finite = lambda *a: True  # type: ignore[assignment]
     try:
         yield
     finally:
-        sdpa_module._trustworthy, attention_module.finite = saved
+        screen.trustworthy, attention_module.finite = saved
 
 
 def toggled(fn: Callable[[], object], off: bool) -> Callable[[], object]:
@@ -112,13 +112,13 @@ def cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     # The checks alone, as the backend calls them: main() times the inference ones inside
     # inference_mode, as the calls run (entering it is the caller's cost, not the check's).
     def check_infer() -> object:
-        return sdpa_module._trustworthy(heads, None)
+        return screen.trustworthy(heads, None)
 
     def check_step() -> object:
         return finite(heads, heads, heads)
 
     def check_decode() -> object:
-        return sdpa_module._trustworthy(decoded, None)
+        return screen.trustworthy(decoded, None)
 
     return {
         "MultiHeadAttention inference": (infer, check_infer),

@@ -28,7 +28,7 @@ from attnkit import _relpos as relpos
 from attnkit._kernel import plan as plan_module
 from attnkit.backends import SDPA, Backend, Chunked
 from attnkit.backends import chunked as chunked_module
-from attnkit.backends import sdpa as sdpa_module
+from attnkit.backends.sdpa import terms as sdpa_terms
 from attnkit.scores import RelativePositionTerm, ScoreShape
 from attnkit.testing import assert_close
 
@@ -654,7 +654,7 @@ def test_sdpa_refuses_gradients_and_half_precision() -> None:
 def test_auto_takes_the_first_path_that_serves_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[str] = []
     spies = [
-        (sdpa_module, "_blocked_term", "sdpa"),
+        (sdpa_terms, "blocked_term", "sdpa"),
         (chunked_module, "kernel_attention", "chunked"),
         (RelativePositionTerm, "dense", "reference"),
     ]

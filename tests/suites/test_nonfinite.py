@@ -290,21 +290,21 @@ def test_sdpa_checks_big_outputs_in_either_layout(layout: str, spoil: str) -> No
 
 
 def test_screen_of_big_outputs() -> None:
-    from attnkit.backends.sdpa import _screened, _trustworthy
+    from attnkit.backends.sdpa.screen import screened, trustworthy
 
     out = torch.randn(2, 4, 300, 64)
-    assert _screened(out)
-    assert _screened(out.transpose(1, 2).contiguous().transpose(1, 2))
+    assert screened(out)
+    assert screened(out.transpose(1, 2).contiguous().transpose(1, 2))
     for value in (float("nan"), float("inf"), 0.0):
         bad = out.clone()
         bad[1, 2, 5] = value
-        assert not _screened(bad)
-        assert not _trustworthy(bad, None)
+        assert not screened(bad)
+        assert not trustworthy(bad, None)
     # A row orthogonal to the screen's weights is a false alarm: the exact test still trusts it.
     w = torch.rand(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.5
     w = w * torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0).double()
     odd = out.double()
     odd[1, 2, 5] = 0.0
     odd[1, 2, 5, 0], odd[1, 2, 5, 1] = w[1], -w[0]  # dot product w[0] w[1] - w[1] w[0] = 0
-    assert not _screened(odd)
-    assert _trustworthy(odd, None)
+    assert not screened(odd)
+    assert trustworthy(odd, None)

@@ -283,7 +283,7 @@ def test_short_or_scattered_documents_stay_on_the_kernel() -> None:
 def test_training_on_cpus_prefers_the_native_kernel() -> None:
     """torch's CPU backward is the slower: auto trains float32/float64 in the native kernel, and
     keeps torch's kernel for small inference calls and bfloat16 prefill (bfloat16 training: see
-    tests/backends/test_sdpa.py, it depends on the CPU's bfloat16 products)."""
+    tests/backends/sdpa/test_costs.py, it depends on the CPU's bfloat16 products)."""
     q = torch.randn(1, 2, 64, 16, requires_grad=True)
     report = explain(q, q, q)
     assert report.chosen == "chunked"
