@@ -252,10 +252,15 @@ void read_bias(const CallArgs& a, Call<T>& c) {
   c.bias_aliased = true;
 }
 
+// read_band and read_key_ok are inlined where they are called (make_call, cache_forward): left
+// out of line, they shift GCC's inlining and cloning choices across the whole translation unit,
+// the register tiles' among them.
+#define ATTNKIT_PLAN_INLINE inline __attribute__((always_inline))
+
 // A band [lo, hi] (a pair is seen only if lo <= j - i - shift <= hi; the caller sets the shift),
 // or none (empty).
 template <typename T>
-void read_band(const std::vector<double>& band, Call<T>& c) {
+ATTNKIT_PLAN_INLINE void read_band(const std::vector<double>& band, Call<T>& c) {
   if (band.size() == 2) {
     c.band = true;
     c.lo = band[0];
@@ -268,7 +273,8 @@ void read_band(const std::vector<double>& band, Call<T>& c) {
 // Key flags (N|1, Tk) = (c.N, c.Tk), or none; tk_is says in the message what Tk is, when it is not
 // plainly the call's keys (it ends with ", ").
 template <typename T>
-void read_key_ok(const c10::optional<at::Tensor>& key_ok, Call<T>& c, const char* tk_is) {
+ATTNKIT_PLAN_INLINE void read_key_ok(const c10::optional<at::Tensor>& key_ok, Call<T>& c,
+                                     const char* tk_is) {
   if (!key_ok.has_value()) return;
   const at::Tensor& f = *key_ok;
   TORCH_CHECK(f.scalar_type() == at::kByte && f.dim() == 2 && f.is_contiguous() &&
