@@ -938,7 +938,6 @@ class _Dense(Mask):
         return t.expand(*geo.batch_shape, *t.shape[nb:]).reshape(geo.batch, *t.shape[nb:])
 
     def check(self, geo: Geometry, name: str) -> None:
-        _check_not_meta(self.t, geo, name, f"{name} of shape {shape_str(self.t.shape)}")
         want = (*geo.batch_shape, geo.heads, geo.q_len, geo.kv_len)
         ok = self.t.ndim <= len(want) and all(
             one_or(s, w) for s, w in zip(reversed(self.t.shape), reversed(want), strict=False)
