@@ -274,6 +274,72 @@ def _without_a_mask(
     return kv_len, None, False
 
 
+def _read_mask(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    attention_mask: object,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> tuple[int, Mask | Tensor | None, Tensor | None, bool]:
+    """``(keys, mask, bias, causal)`` of what transformers hands as ``attention_mask``: attnkit's
+    :class:`TransformersMask`, a 4-d bool or float tensor, or None."""
+    q_len, kv_len = query.size(-2), key.size(-2)
+    if isinstance(attention_mask, TransformersMask) and attention_mask.constrains_nothing:
+        # Every pair may attend: the sizes it was built for do not matter (transformers sizes a
+        # decoder's cross-attention mask from the self-attention cache; eager broadcasts it).
+        return kv_len, None, None, False
+    if isinstance(attention_mask, TransformersMask):
+        if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len):
+            raise ValueError(
+                f"{_layer(module)}: {attention_mask!r} does not fit q {shape_str(query.shape)} and "
+                f"k {shape_str(key.shape)}"
+            )
+        return attention_mask.keys, attention_mask.mask, None, attention_mask.causal
+    if isinstance(attention_mask, Tensor):
+        if attention_mask.ndim != 4 or not (
+            attention_mask.dtype == torch.bool or attention_mask.is_floating_point()
+        ):
+            # A 2-d padding mask here would broadcast over the wrong axes without a word.
+            raise ValueError(
+                f"{_layer(module)}: a tensor attention_mask must be 4-d (B|1, H|1, Tq, Tk), bool "
+                f"or float, got {attention_mask.dtype} of shape {shape_str(attention_mask.shape)}"
+            )
+        if attention_mask.dtype == torch.bool:
+            return kv_len, attention_mask, None, False
+        return kv_len, None, attention_mask.to(query.dtype), False
+    if attention_mask is None:
+        keys, mask, causal = _without_a_mask(module, query, key, is_causal, kwargs)
+        return keys, mask, None, causal
+    raise TypeError(
+        f"{_layer(module)}: attention_mask must be a 4-d bool or float tensor, a "
+        f"TransformersMask or None, got {type(attention_mask).__name__}"
+    )
+
+
+def _with_packing(
+    module: nn.Module,
+    mask: Mask | Tensor | None,
+    query: Tensor,
+    key: Tensor,
+    kwargs: dict[str, Any],
+) -> Mask | Tensor | None:
+    """``mask`` ANDed with the packed sequences the positions show. transformers builds a packed
+    mask only without a cache (training usually runs with use_cache=True all the same); its
+    flash-attention path reads the packing from the positions whatever the mask, and so does
+    this one."""
+    traced = _traced_packing(query, key, kwargs)
+    if traced is not None:
+        return traced if mask is None else traced & mask
+    packed = _packed(module, query, key, kwargs)
+    if packed is None:
+        return mask
+    sequences = varlen_mask(*packed)  # the mask holds the pattern; the sequences are ANDed in
+    if sequences is None:
+        return mask
+    return sequences if mask is None else sequences & mask
+
+
 def attention_forward(
     module: nn.Module,
     query: Float[Tensor, "B H Tq D"],
@@ -304,52 +370,11 @@ def attention_forward(
         }
         out = _sharded(module, sequence_shards, query, key, value, attention_mask, kwargs | extra)
         return out.transpose(1, 2).contiguous(), None
-    q_len, kv_len = query.size(-2), key.size(-2)
-    keys, mask, bias, causal = kv_len, None, None, False
-    if isinstance(attention_mask, TransformersMask) and attention_mask.constrains_nothing:
-        # Every pair may attend: the sizes it was built for do not matter (transformers sizes a
-        # decoder's cross-attention mask from the self-attention cache; eager broadcasts it).
-        pass
-    elif isinstance(attention_mask, TransformersMask):
-        if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len):
-            raise ValueError(
-                f"{_layer(module)}: {attention_mask!r} does not fit q {shape_str(query.shape)} and "
-                f"k {shape_str(key.shape)}"
-            )
-        keys, mask, causal = attention_mask.keys, attention_mask.mask, attention_mask.causal
-    elif isinstance(attention_mask, Tensor):
-        if attention_mask.ndim != 4 or not (
-            attention_mask.dtype == torch.bool or attention_mask.is_floating_point()
-        ):
-            # A 2-d padding mask here would broadcast over the wrong axes without a word.
-            raise ValueError(
-                f"{_layer(module)}: a tensor attention_mask must be 4-d (B|1, H|1, Tq, Tk), bool "
-                f"or float, got {attention_mask.dtype} of shape {shape_str(attention_mask.shape)}"
-            )
-        if attention_mask.dtype == torch.bool:
-            mask = attention_mask
-        else:
-            bias = attention_mask.to(query.dtype)
-    elif attention_mask is None:
-        keys, mask, causal = _without_a_mask(module, query, key, is_causal, kwargs)
-    else:
-        raise TypeError(
-            f"{_layer(module)}: attention_mask must be a 4-d bool or float tensor, a "
-            f"TransformersMask or None, got {type(attention_mask).__name__}"
-        )
+    kv_len = key.size(-2)
+    keys, mask, bias, causal = _read_mask(module, query, key, attention_mask, is_causal, kwargs)
     mask = _with_selection(module, mask, query, kv_len, keys, kwargs)
     if isinstance(attention_mask, TransformersMask) and not attention_mask.packed:
-        # transformers builds a packed mask only without a cache (training usually runs with
-        # use_cache=True all the same); its flash-attention path reads the packing from the
-        # positions whatever the mask, and so does this one.
-        traced = _traced_packing(query, key, kwargs)
-        packed = None if traced is not None else _packed(module, query, key, kwargs)
-        if traced is not None:
-            mask = traced if mask is None else traced & mask
-        elif packed is not None:  # the mask holds the pattern; the sequences are ANDed in
-            sequences = varlen_mask(*packed)
-            if sequences is not None:
-                mask = sequences if mask is None else sequences & mask
+        mask = _with_packing(module, mask, query, key, kwargs)
     if position_bias is not None:
         position_bias = position_bias.to(query.dtype)
         bias = position_bias if bias is None else position_bias + bias
