@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..scores import TermBlock
 from .fused import fused_backward
+from .plan import Visit
 from .problem import LOG2E, ZERO_BITS, Problem, tile5
 
 __all__ = ["Grads", "backward", "delta_of", "folds"]
@@ -40,6 +42,44 @@ class Grads:
     dbias5: Tensor | None
     dterm: list[Tensor | None]
     dmod: list[Tensor | None] = field(default_factory=list)
+
+
+def _score_grads(
+    p: Problem,
+    ds: Tensor,
+    shape5: tuple[int, int, int, int, int],
+    vis: Tensor | None,
+    sig: Tensor | None,
+    qs: int,
+    visit: Visit,
+    tb: TermBlock | None,
+    dbias: Tensor | None,
+    dmod: list[Tensor | None],
+) -> Tensor:
+    """A visit's score gradients ``dL/dS`` (B*Hkv, rows*G, keys) taken through what the call
+    adds to the scores: masked pairs get none, the score_mod's inputs, the dense bias and the
+    term take theirs, and the softcap's derivative turns them into gradients of ``q k^T``."""
+    ds5 = ds.view(shape5)
+    if p.careful and vis is not None:
+        ds5.masked_fill_(~vis, 0.0)
+    if p.modded:
+        p.mod_backward(ds5, dmod)
+        if vis is not None:  # a masked pair's score gets no gradient, whatever the mod
+            ds5.masked_fill_(~vis, 0.0)
+    if dbias is not None:
+        tile = tile5(dbias, qs + visit.r0, qs + visit.r1, visit.ks, visit.ke).transpose(2, 3)
+        tile.add_(ds5.sum_to_size(tile.shape))
+    if tb is not None:  # (B, H, rows, keys): a view unless heads are grouped
+        ds_heads = ds5.transpose(2, 3).reshape(p.n, p.hkv * p.g, *shape5[2::2])
+        tb.backward(visit.ks + p.k_start, visit.ke + p.k_start, ds_heads, visit.r0)
+    if sig is None:
+        return ds
+    # d c tanh(x/c) / dx = 1 - tanh^2 = 4 s (1 - s), s = sigmoid(2x/c): with the sigmoid form
+    # s (1 - s), its 4 applied to dQ and dK by the caller; else tanh^2 - 1, the sign there.
+    factor = sig.addcmul_(sig, sig, value=-1.0) if p.cap_sigmoid else sig.mul_(sig).sub_(1.0)
+    if p.careful and vis is not None:  # a masked pair's NaN score: 0 * NaN
+        factor.view(shape5).masked_fill_(~vis, 0.0)
+    return ds.mul_(factor) if tb is None else ds * factor  # the term's stay as handed
 
 
 def backward(
@@ -117,28 +157,7 @@ def backward(
             if keep is not None:
                 ds.mul_(keep)
             ds.sub_(delta_b[:, lo:hi]).mul_(prob)  # dL/dS
-            ds5 = ds.view(shape5)
-            if p.careful and vis is not None:
-                ds5.masked_fill_(~vis, 0.0)
-            if p.modded:
-                p.mod_backward(ds5, dmod)
-                if vis is not None:  # a masked pair's score gets no gradient, whatever the mod
-                    ds5.masked_fill_(~vis, 0.0)
-            if dbias is not None:
-                tile = tile5(dbias, qb.qs + visit.r0, qb.qs + visit.r1, visit.ks, visit.ke)
-                tile = tile.transpose(2, 3)
-                tile.add_(ds5.sum_to_size(tile.shape))
-            if tb is not None:  # (B, H, rows, keys): a view unless heads are grouped
-                ds_heads = ds5.transpose(2, 3).reshape(p.n, p.hkv * p.g, *shape5[2::2])
-                tb.backward(visit.ks + p.k_start, visit.ke + p.k_start, ds_heads, visit.r0)
-            if sig is not None:  # d c tanh(x/c) / dx = 1 - tanh^2 = 4 s (1 - s), s = sigmoid(2x/c)
-                if p.cap_sigmoid:  # the 4 is applied to dQ and dK below
-                    factor = sig.addcmul_(sig, sig, value=-1.0)
-                else:  # tanh^2 - 1: the sign is applied to dQ and dK below
-                    factor = sig.mul_(sig).sub_(1.0)
-                if p.careful and vis is not None:  # a masked pair's NaN score: 0 * NaN
-                    factor.view(shape5).masked_fill_(~vis, 0.0)
-                ds = ds.mul_(factor) if tb is None else ds * factor  # the term's stay as handed
+            ds = _score_grads(p, ds, shape5, vis, sig, qb.qs, visit, tb, dbias, dmod)
             dq_b[:, lo:hi].baddbmm_(ds, kb)
             dk[:, visit.ks : visit.ke].baddbmm_(ds.transpose(1, 2), qr_clean[:, lo:hi])
         if tb is not None:
