@@ -429,6 +429,50 @@ class MultiHeadAttention(nn.Module):
                 f"value {shape_str(value.shape)}"
             )
 
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | Mask | None,
+        bias: Tensor | ScoreTerm | None,
+        causal: bool,
+        sinks: Tensor | None,
+        dropout_p: float,
+        want_weights: bool,
+        want_lse: bool,
+        shards: SequenceShards | None,
+    ) -> Tensor | tuple[Tensor, ...]:
+        """The one attention call, on this rank's shard of the sequence or on the whole. q, k, v
+        and the settings are this module's, built from what it checked and when it was built:
+        attend() checks only the caller's mask, bias and causal, once."""
+        if shards is not None:
+            return shards.attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                bias=bias if isinstance(bias, ScoreTerm) else None,
+                causal=causal,
+                scale=None,
+                sinks=sinks,
+                dropout_p=dropout_p,
+                return_lse=want_lse,
+            )
+        return attend(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            return_weights=want_weights,
+            return_lse=want_lse,
+            backend=self.backend,
+        )
+
     @overload
     def forward(
         self,
@@ -514,36 +558,9 @@ class MultiHeadAttention(nn.Module):
         # The log-sum-exp merges the learned token in, and scales the weights to make room for
         # the extra tokens' columns.
         want_lse = self.bias_k is not None or (want_weights and self.add_zero_attn)
-        # q, k, v and the settings are this module's, built from what it checked above and when it
-        # was built: attend() checks only the caller's mask, bias and causal, once.
-        got: Tensor | tuple[Tensor, ...]
-        if shards is not None:
-            got = shards.attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                bias=bias if isinstance(bias, ScoreTerm) else None,
-                causal=causal,
-                scale=None,
-                sinks=sinks,
-                dropout_p=dropout_p,
-                return_lse=want_lse,
-            )
-        else:
-            got = attend(
-                q,
-                k,
-                v,
-                mask=mask,
-                bias=bias,
-                causal=causal,
-                sinks=sinks,
-                dropout_p=dropout_p,
-                return_weights=want_weights,
-                return_lse=want_lse,
-                backend=self.backend,
-            )
+        got = self._attend(
+            q, k, v, mask, bias, causal, sinks, dropout_p, want_weights, want_lse, shards
+        )
         parts = [got] if isinstance(got, Tensor) else list(got)
         out = parts[0]
         weights = parts[1] if want_weights else None
