@@ -158,7 +158,8 @@ def test_shape_checks_without_their_libraries_warn_and_import(hidden: tuple[str,
     assert (report["checks"], report["wrapped"], report["held"]) == (False, False, 1)
     assert report["warnings"] == [
         "attnkit: ATTNKIT_SHAPE_CHECKS is on, but the shape checks need jaxtyping and beartype "
-        f"(pip install attnkit[test]) and {' and '.join(hidden)} cannot be imported: attnkit "
+        '(pip install "attnkit[test]", or ".[test]" from a checkout) and '
+        f"{' and '.join(hidden)} cannot be imported: attnkit "
         "runs without the checks"
     ]
 

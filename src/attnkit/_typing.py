@@ -54,7 +54,8 @@ def _shape_checks() -> bool:
     if missing:
         warnings.warn(
             f"attnkit: ATTNKIT_SHAPE_CHECKS is on, but the shape checks need jaxtyping and "
-            f"beartype (pip install attnkit[test]) and {' and '.join(missing)} cannot be "
+            f'beartype (pip install "attnkit[test]", or ".[test]" from a checkout) and '
+            f"{' and '.join(missing)} cannot be "
             "imported: attnkit runs without the checks",
             RuntimeWarning,
             stacklevel=2,
