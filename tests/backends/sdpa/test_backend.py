@@ -9,32 +9,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
 import attnkit
 from attnkit import attention, masks
-from attnkit._call import AttentionCall, check_attention_args
 from attnkit.backends import SDPA
 from attnkit.backends.sdpa import sdpa_check, sdpa_cost
 from attnkit.scores import RelativePositionTerm
 from attnkit.testing import assert_close
 
-
-def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def reference(q: Tensor, k: Tensor, v: Tensor, **kw: object) -> Tensor:
-    out = attention(q.double(), k.double(), v.double(), backend="reference", **kw)  # type: ignore[arg-type]
-    assert isinstance(out, Tensor)
-    return out
-
-
-def call_of(q: Tensor, k: Tensor, v: Tensor, **kw: object) -> AttentionCall:
-    args: dict[str, object] = {"mask": None, "bias": None, "causal": False, "scale": None}
-    args.update(kw)
-    return check_attention_args(q, k, v, **args)  # type: ignore[arg-type]
-
+from .helpers import call_of, randn, reference
 
 # --------------------------------------------------------------------------------------------------
 # Conventions
