@@ -2,7 +2,7 @@
 
 ``ATTNKIT_SHAPE_CHECKS=1`` must be set before attnkit is first imported: then every public signature
 annotated with jaxtyping (``Float[Tensor, "*batch H Tq Dk"]``) is checked with beartype on each call
-during the tests (see ``attnkit._typing.shape_checked``).
+during the tests (see ``attnkit._base.shapes.shape_checked``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 os.environ["ATTNKIT_SHAPE_CHECKS"] = "1"
 import attnkit
 
-if not attnkit._typing.SHAPE_CHECKS:
+if not attnkit._base.shapes.SHAPE_CHECKS:
     raise RuntimeError("attnkit was imported before conftest.py could turn on its shape checks")
 
 from tests.helpers import attnkit_checks_only  # imports attnkit: after the switch above

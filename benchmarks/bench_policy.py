@@ -32,7 +32,7 @@ import torch
 from torch.utils import benchmark
 
 import attnkit
-from attnkit._finite import finite
+from attnkit._base.finite import finite
 from attnkit.backends.sdpa import screen
 
 import results

@@ -52,8 +52,8 @@ import torch
 from torch import nn
 
 import attnkit
-from attnkit import _relpos
 from attnkit.cli.measure import extra_peak_memory, time_side_by_side
+from attnkit.modules import _relpos
 
 import results
 

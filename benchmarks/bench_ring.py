@@ -59,7 +59,7 @@ from attnkit.distributed import (
     shard_zigzag,
     ulysses_attention,
 )
-from attnkit.positional import alibi_term
+from attnkit.modules.positional import alibi_term
 from attnkit.scores import RelativePositionTerm
 
 import results

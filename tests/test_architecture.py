@@ -174,8 +174,8 @@ _FOREIGN = {
     "_get_tracing_state",
     "_is_fx_tracing",
     "_functorch",
-    "_are_functorch_transforms_active",  # torch._C's, asked in attnkit._transforms
-    "_current_level",  # torch.autograd.forward_ad's dual level, asked in attnkit._transforms
+    "_are_functorch_transforms_active",  # torch._C's, asked in attnkit._base.transforms
+    "_current_level",  # torch.autograd.forward_ad's dual level, asked in attnkit._base.transforms
     "_AutoDispatchBelowAutograd",  # torch._C's: an operator call without a graph (_native.ops)
     "_subclasses",
     "_inductor",
@@ -228,8 +228,12 @@ NO_MIRROR = {
     "names",
     "_kernel/__init__.py": "re-exports only: tests/kernel/test_plan.py, test_forward.py",
     "_native/__init__.py": "load() and status(): tests/native/test_build.py, test_kernel.py",
-    "_typing.py": "its shape checks run in every test (conftest.py turns them on); "
+    "_base/__init__.py": "a docstring only: the modules' own tests in tests/base/",
+    "_base/shapes.py": "its shape checks run in every test (conftest.py turns them on); "
     "tests/test_attention.py asserts one fires",
+    "caches/__init__.py": "a docstring only: the tests in tests/caches/",
+    "masks/__init__.py": "the masks themselves: tests/test_masks.py",
+    "modules/__init__.py": "a docstring only: the tests in tests/modules/",
     "backends/__init__.py": "the built-in backends, in auto's order: tests/test_attention.py",
     "backends/sdpa/__init__.py": "re-exports only: the tests in tests/backends/sdpa/",
     "cli/__init__.py": "the command's entry point: tests/cli/test_main.py",
@@ -444,7 +448,7 @@ KERNEL_CALLS = {
 }
 KERNEL_CALLERS_KNOWN = {
     # go through attention() (caches through the door)
-    ("paged_kv_cache.py", "cache_attention"),
+    ("caches/paged.py", "cache_attention"),
     ("flash_attn/_kvcache.py", "cache_attention"),
     ("flash_attn/_api.py", "cache_attention"),
     # ring attention's pair of shards: a rectangle of a call that attention() dispatched to the
@@ -487,3 +491,13 @@ def test_the_known_kernel_callers_still_call_it() -> None:
     # A stale entry (a caller moved to attention()) would hide the next one.
     for relative, called in KERNEL_CALLERS_KNOWN:
         assert called in _calls_of(ast.parse((SRC / relative).read_text()), {called}), relative
+
+
+# The top level holds the door (attention.py), the call, what a call adds to the scores, and the
+# front ends that are one file; every other concept has its folder.
+MAX_TOP_LEVEL_MODULES = 15
+
+
+def test_the_top_level_stays_small() -> None:
+    top = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} top-level modules: {', '.join(top)}"

@@ -1,5 +1,5 @@
 """Structured masks: each equals its definition written out here, block plans are sound, bad
-arguments are explained (the dense helpers are tested in ``tests/test_dense_masks.py``)."""
+arguments are explained (the dense helpers are tested in ``tests/masks/test_dense.py``)."""
 
 from __future__ import annotations
 

@@ -30,14 +30,14 @@ from .attention import (
 )
 from .backends.base import CallInputs, Dispatch, record_dispatch
 from .backends.reference import decompositions
-from .capture import AttentionMaps, capture_attention
-from .conformer import ConformerLayer
-from .feedforward import PositionwiseFeedForward
-from .kv_cache import KVCache
-from .layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
-from .multihead import MultiHeadAttention
-from .paged_kv_cache import PagedKVCache
-from .positional import (
+from .caches.kv_cache import KVCache
+from .caches.paged import PagedKVCache
+from .modules.capture import AttentionMaps, capture_attention
+from .modules.conformer import ConformerLayer
+from .modules.feedforward import PositionwiseFeedForward
+from .modules.layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
+from .modules.multihead import MultiHeadAttention
+from .modules.positional import (
     RelativePositionEmbedding,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
@@ -45,7 +45,7 @@ from .positional import (
     alibi_slopes,
     relative_encoding,
 )
-from .relative import RelativeMultiHeadAttention
+from .modules.relative import RelativeMultiHeadAttention
 
 __version__ = "0.1.0"
 

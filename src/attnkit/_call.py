@@ -16,7 +16,7 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-from ._checks import (
+from ._base.checks import (
     check_broadcastable,
     check_logits,
     check_probability,
@@ -24,10 +24,10 @@ from ._checks import (
     require_tensor,
     shape_str,
 )
-from ._finite import finite_if_readable
+from ._base.finite import finite_if_readable
+from ._base.transforms import carries_tangent
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
-from ._transforms import carries_tangent
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import ScoreShape, ScoreTerm
 

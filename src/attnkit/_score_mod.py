@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ._checks import one_or, shape_str
+from ._base.checks import one_or, shape_str
 from .scores import DistanceBias, ScoreShape
 
 __all__ = [

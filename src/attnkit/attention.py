@@ -31,11 +31,11 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
+from ._base.checks import shape_str
+from ._base.hints import torch_keywords, warn_torch_convention
+from ._base.shapes import Bool, Float, shape_checked
 from ._call import AttentionCall, check_attention_args, describe_call
-from ._checks import shape_str
-from ._hints import torch_keywords, warn_torch_convention
 from ._score_mod import ScoreMod, captured_tensors, check_captured, check_elementwise
-from ._typing import Bool, Float, shape_checked
 from .backends import builtin_backends
 from .backends.base import (
     Backend,

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import check_int, one_or, shape_str
+from ._base.checks import check_int, one_or, shape_str
 from ._score_mod import ScoreMod, check_elementwise, check_score_mod
 from .attention import attention
 from .masks import Geometry, Mask, from_fn

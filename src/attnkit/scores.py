@@ -49,8 +49,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._blocks import Geometry
-from ._checks import INT_MAX, check_int, one_or, shape_str, spec_read, spec_text
+from ._base.checks import INT_MAX, check_int, one_or, shape_str, spec_read, spec_text
+from .masks._blocks import Geometry
 
 __all__ = ["DistanceBias", "RelativePositionTerm", "ScoreShape", "ScoreTerm", "TermBlock"]
 

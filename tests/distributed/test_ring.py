@@ -29,7 +29,7 @@ from attnkit.distributed import (
     ring_attention,
     ulysses_attention,
 )
-from attnkit.positional import alibi_term
+from attnkit.modules.positional import alibi_term
 from attnkit.scores import DistanceBias, RelativePositionTerm
 from attnkit.testing import assert_close
 

@@ -10,9 +10,9 @@ import torch
 from torch import Tensor, nn
 
 import attnkit
-from attnkit import _relpos as relpos
+from attnkit.modules import _relpos as relpos
 from attnkit.testing import assert_close
-from tests.test_relative import ALL, randn, run, small
+from tests.modules.test_relative import ALL, randn, run, small
 
 
 def openspeech_encoding(length: int, dim: int) -> Tensor:

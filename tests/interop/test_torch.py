@@ -1,6 +1,6 @@
 """``attnkit.interop.torch``: modules to and from ``torch.nn.MultiheadAttention`` compute what
 torch computes, and ``from_torch_masks`` masks what torch masks. (The property-based comparisons
-over many configurations are in ``tests/test_multihead.py``.)"""
+over many configurations are in ``tests/modules/test_multihead.py``.)"""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from attnkit import _native, attention
 from attnkit._kernel.cache import cache_attention, cache_refusal
-from attnkit.positional import alibi_term
+from attnkit.modules.positional import alibi_term
 from attnkit.testing import assert_close
 
 pytestmark = pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import _finite as finite_module
 from attnkit import _native, attention, masks, scores
+from attnkit._base import finite as finite_module
 from attnkit._kernel import draw_seed, dropout_mask
 from attnkit._kernel.call import native_arguments, plan_call
 from attnkit._kernel.choice import decodes

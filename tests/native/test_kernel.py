@@ -381,10 +381,10 @@ LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_finiteness_check_finds_a_bad_element_anywhere(layout: str, dtype: torch.dtype) -> None:
-    # attnkit._finite.finite runs in the native kernel once it is loaded: one bad element anywhere
-    # in a view is found, and values near the dtype's largest number (which a sum overflows) are
-    # finite.
-    from attnkit._finite import finite
+    # attnkit._base.finite.finite runs in the native kernel once it is loaded: one bad element
+    # anywhere in a view is found, and values near the dtype's largest number (which a sum
+    # overflows) are finite.
+    from attnkit._base.finite import finite
 
     g = torch.Generator().manual_seed(3)
     other = torch.randn(4, 16, generator=g, dtype=dtype)

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._finite import finite
+from .._base.finite import finite
 from .._native.kernel import NativeCall, native_call
-from .._packing import joint_grads
 from .._record import note_kernel
 from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
+from ..modules._packing import joint_grads
 from ..scores import ScoreTerm, term_error
 from . import (
     FUSED_ROWS,
@@ -232,7 +232,7 @@ def run_backward(
     ``needs`` (one flag for each) does not ask (``out5``, ``lse``: :func:`run_forward`'s, in the
     kernel's layout and work dtype; ``dout``/``dlse`` None when that output was not used).
     ``joint``: q's, k's and v's gradients may be written as views of one tensor when q, k and v
-    are views of one (see :func:`attnkit._packing.joint_grads`)."""
+    are views of one (see :func:`attnkit.modules._packing.joint_grads`)."""
     term_inputs, mod_inputs = tuple(extra[: spec.n_term]), tuple(extra[spec.n_term :])
     if not q.shape[:-1].numel():  # no query rows: nothing reaches any input
         inputs = (q, k, v, bias, sinks, *extra)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._base.finite import finite
 from .._call import AttentionCall
-from .._finite import finite
 from .._native import load, status
 from .._native.kernel import DECODE_QUERIES, fuses
 from ..masks import Geometry, Mask
@@ -213,7 +213,7 @@ def _read_finite(
     q: Tensor, k: Tensor, v: Tensor, term_inputs: tuple[Tensor, ...]
 ) -> tuple[bool, bool | None]:
     """``(q, k and v are finite, the term's inputs are too)``: what the native kernel needs to
-    know, in one host read (see :func:`attnkit._finite.finite`); the second None where not
+    know, in one host read (see :func:`attnkit._base.finite.finite`); the second None where not
     known."""
     ok = finite(q, k, v, *term_inputs)
     if not ok and term_inputs:

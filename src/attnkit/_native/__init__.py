@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._finite import use_operator_when
+from .._base.finite import use_operator_when
 from .build import cache_dir, state
 from .build import load as _load_library
 from .build import loaded as _loaded_library
@@ -41,11 +41,11 @@ def load() -> bool:
 
 def loaded() -> bool:
     """Whether the operators are loaded in this process (never loads or builds them; for
-    helpers that are only faster with them, such as :func:`attnkit._finite.finite`)."""
+    helpers that are only faster with them, such as :func:`attnkit._base.finite.finite`)."""
     return _loaded_library()
 
 
-# attnkit._finite reads with the all_finite operator once it is loaded (that module sits below
+# attnkit._base.finite reads with the all_finite operator once it is loaded (that module sits below
 # this one, so it is told rather than importing it).
 use_operator_when(loaded)
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .._env import number, switch
+from .._base.env import number, switch
 from ._flags import CAPABILITY_FLAGS, CFLAGS, LDFLAGS
 
 __all__ = ["BuildState", "cache_dir", "capability", "load", "loaded", "state"]
@@ -285,7 +285,7 @@ _warned: set[str] = set()
 
 def disabled() -> bool:
     """Whether ``ATTNKIT_NATIVE`` turns the kernel off (0, off, false or no; any other value
-    warns once and keeps it on, see :mod:`attnkit._env`)."""
+    warns once and keeps it on, see :mod:`attnkit._base.env`)."""
     return not switch("ATTNKIT_NATIVE", True)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._transforms import transforms_active
+from .._base.transforms import transforms_active
 
 __all__ = ["like_kv", "like_q", "no_graph", "register"]
 

@@ -26,8 +26,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from .._base.checks import check_int, shape_str
+from .._base.transforms import transforms_active
 from .._call import AttentionCall
-from .._checks import check_int, shape_str
 from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
 from .._kernel.call import kernel_attention
 from .._kernel.choice import decode_sized, decodes, why_not_native
@@ -37,7 +38,6 @@ from .._native import status as native_status
 from .._native.kernel import BF16_PRODUCTS
 from .._score_mod import captured_tensors, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
-from .._transforms import transforms_active
 from ..scores import DistanceBias, softcap_form
 from .base import Backend, CallInputs
 

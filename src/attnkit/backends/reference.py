@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._ops import OpOverload
 
+from .._base.checks import shape_str
+from .._base.transforms import transforms_active
 from .._call import AttentionCall
-from .._checks import shape_str
 from .._score_mod import ScoreMod, index_tensors
 from .._score_mod import apply as apply_score_mod
-from .._transforms import transforms_active
 from ..masks import Geometry, Mask, decode
 from ..scores import ScoreTerm, cap_scores, decode_term, term_error
 from .base import Backend, CallInputs, Output

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 import attnkit
 
-from .._checks import int_arg
+from .._base.checks import int_arg
 from .measure import extra_peak_memory, time_side_by_side
 
 

@@ -34,7 +34,7 @@ import torch
 
 import attnkit
 
-from .._checks import int_arg
+from .._base.checks import int_arg
 from ._demo_model import TASKS, DemoConfig, eval_set, evaluate, make_batch
 from ._demo_plot import plot_attention, plot_loss
 from ._demo_run import load_model, os_reason, prepare_out, save_model, swap_in, write_manifest

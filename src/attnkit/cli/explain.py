@@ -17,7 +17,7 @@ import torch
 
 import attnkit
 
-from .._checks import int_arg
+from .._base.checks import int_arg
 
 DTYPES = {
     "float32": torch.float32,

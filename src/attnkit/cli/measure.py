@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._env import number
+from .._base.env import number
 
 
 def time_side_by_side(

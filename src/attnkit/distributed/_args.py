@@ -13,8 +13,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from .._base.checks import shape_str
 from .._call import AttentionCall, check_attention_args
-from .._checks import shape_str
 from .._score_mod import describe as describe_score_mod
 from ..masks import PARTIAL, Geometry, Mask, visibility
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from .._checks import shape_str
+from .._base.checks import shape_str
 
 
 def require_group(group: ProcessGroup | None, caller: str) -> None:

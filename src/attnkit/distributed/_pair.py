@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._blocks import block_reduce, states_from
-from .._checks import shape_str
+from .._base.checks import shape_str
 from .._kernel import BlockPlan, Problem, backward, forward
 from .._kernel.planning import block_plan
 from .._native.kernel import NativeCall, native_call
 from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
+from ..masks._blocks import block_reduce, states_from
 from ..scores import DistanceBias, RelativePositionTerm, ScoreShape, ScoreTerm, TermBlock
 
 __all__ = [

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import check_int, shape_str
-from .._typing import shape_checked
+from .._base.checks import check_int, shape_str
+from .._base.shapes import shape_checked
 
 LAYOUTS = ("contiguous", "zigzag")
 

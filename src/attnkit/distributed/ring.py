@@ -32,9 +32,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from .._base.checks import check_int, shape_str
+from .._base.finite import finite
+from .._base.shapes import Bool, Float, shape_checked
 from .._call import AttentionCall
-from .._checks import check_int, shape_str
-from .._finite import finite
 from .._kernel import (
     FUSED_ROWS,
     default_blocks,
@@ -51,7 +52,6 @@ from .._kernel.choice import refusal
 from .._kernel.planning import NATIVE_BLOCKS
 from .._record import Dispatch, current, note_kernel
 from .._score_mod import ScoreMod, captured_tensors, check_captured
-from .._typing import Bool, Float, shape_checked
 from ..backends.base import Backend, CallInputs
 from ..masks import Mask
 from ..scores import RelativePositionTerm, ScoreTerm

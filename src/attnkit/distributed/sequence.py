@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .._shards import SequenceShards
 from ..masks import Mask
+from ..modules._shards import SequenceShards
 from ..scores import ScoreTerm
 from ._comm import agree, require_group
 from .layout import LAYOUTS, Layout, layout_of

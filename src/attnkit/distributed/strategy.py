@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from .._base.checks import check_int
 from .._call import AttentionCall
-from .._checks import check_int
 from .._kernel.choice import why_not_native
 from .._score_mod import ScoreMod
 from ..masks import Mask

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from .._base.shapes import Bool, Float, shape_checked
 from .._call import AttentionCall
 from .._record import Dispatch, current
 from .._score_mod import ScoreMod, captured_tensors, check_captured
-from .._typing import Bool, Float, shape_checked
 from ..backends.base import Backend, CallInputs
 from ..masks import Geometry, Mask
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm

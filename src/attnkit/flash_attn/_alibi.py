@@ -1,8 +1,8 @@
 """flash-attn's ``alibi_slopes`` as attnkit's ALiBi: ``-slope * |i + Tk - Tq - j|``.
 
 ALiBi is a bias by distance, and a call's slopes become a
-:class:`~attnkit.scores.DistanceBias` (:func:`attnkit.positional.alibi_term`), which the native
-kernel reads as it is and no backend writes out as ``(Tq, Tk)``: for :func:`flash_attn_func
+:class:`~attnkit.scores.DistanceBias` (:func:`attnkit.modules.positional.alibi_term`), which the
+native kernel reads as it is and no backend writes out as ``(Tq, Tk)``: for :func:`flash_attn_func
 <attnkit.flash_attn.flash_attn_func>`, for a KV cache (each row's keys may end before the call's
 last: its distances are shifted by as much), and for packed sequences that share their slopes and
 their queries' alignment. Packed sequences with a row of slopes each, or whose queries sit at
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..positional import alibi_by_distance, alibi_term
+from ..modules.positional import alibi_by_distance, alibi_term
 from ..scores import DistanceBias, ScoreTerm
 from ._args import slopes_of
 from ._varlen import diagonals

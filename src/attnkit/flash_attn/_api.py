@@ -10,8 +10,8 @@ import math
 import torch
 from torch import Tensor
 
+from .._base.checks import check_bool, check_probability, shape_str
 from .._call import check_attention_args
-from .._checks import check_bool, check_probability, shape_str
 from .._kernel.cache import IN_PLACE, cache_attention, cache_refusal
 from .._record import note_served
 from ..attention import attention

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._checks import check_logits, dtype_str, shape_str
+from .._base.checks import check_logits, dtype_str, shape_str
 from ..masks import Mask, causal
 from ..masks import sliding_window as _sliding_window
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._base.checks import check_bool, dtype_str, shape_str
 from .._call import AttentionCall, check_attention_args
-from .._checks import check_bool, dtype_str, shape_str
 from .._kernel.cache import IN_PLACE, cache_attention, cache_refusal
 from .._native.kernel import DECODE_QUERIES
 from .._record import note_served

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import dtype_str, shape_str
+from .._base.checks import dtype_str, shape_str
 from ._args import four_d, lengths_of
 
 __all__ = [

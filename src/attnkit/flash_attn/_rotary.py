@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import dtype_str, shape_str
+from .._base.checks import dtype_str, shape_str
 
 __all__ = ["check_rotary", "rotate"]
 

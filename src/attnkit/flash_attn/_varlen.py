@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._checks import one_or
+from .._base.checks import one_or
 from ..masks import EMPTY, FULL, PARTIAL, Geometry, Mask, band_visibility, documents
 from ._args import band, band_mask, lengths_of
 

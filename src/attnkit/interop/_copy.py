@@ -7,7 +7,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
-from .._checks import shape_str
+from .._base.checks import shape_str
 
 _M = TypeVar("_M", bound=nn.Module)
 

@@ -71,12 +71,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .._checks import present
-from ..relative import RelativeMultiHeadAttention
+from .._base.checks import present
+from ..modules.relative import RelativeMultiHeadAttention
 from . import _copy
 
 if TYPE_CHECKING:
-    from ..conformer import ConformerLayer
+    from ..modules.conformer import ConformerLayer
 
 __all__ = ["conformer_layer", "relative_attention"]
 
@@ -191,7 +191,7 @@ def conformer_layer(
     LayerNorms, ``dropout``, ``normalize_before=True`` and ``concat_after=False``. ``max_len`` and
     ``encoding_dtype`` go to :func:`relative_attention`.
     """
-    from ..conformer import ConformerLayer
+    from ..modules.conformer import ConformerLayer
 
     who = "espnet.conformer_layer()"
     parts = _conformer_parts(layer, who)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._checks import shape_str
-from ..relative import RelativeMultiHeadAttention
+from .._base.checks import shape_str
+from ..modules.relative import RelativeMultiHeadAttention
 
 __all__ = ["relative_attention"]
 

@@ -54,8 +54,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .._checks import present
-from ..relative import RelativeMultiHeadAttention
+from .._base.checks import present
+from ..modules.relative import RelativeMultiHeadAttention
 from . import _copy
 
 __all__ = ["relative_attention"]

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import check_int, present, shape_str
-from .._typing import Bool, Float, shape_checked
-from ..layers import TransformerDecoderLayer, TransformerEncoderLayer
-from ..multihead import MultiHeadAttention
+from .._base.checks import check_int, present, shape_str
+from .._base.shapes import Bool, Float, shape_checked
+from ..modules.layers import TransformerDecoderLayer, TransformerEncoderLayer
+from ..modules.multihead import MultiHeadAttention
 
 __all__ = ["from_torch", "from_torch_masks", "to_torch"]
 

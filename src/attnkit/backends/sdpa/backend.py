@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..._base.checks import check_int, dim_str, shape_str
 from ..._call import AttentionCall
-from ..._checks import check_int, dim_str, shape_str
 from ..._kernel import no_autocast
 from ...masks import Geometry, Mask
 from ..base import Backend, CallInputs

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import masks
-from ..._checks import shape_str
-from ..._shards import SequenceShards
-from ..._typing import Float, shape_checked
+from ..._base.checks import shape_str
+from ..._base.shapes import Float, shape_checked
 from ...attention import Backend, attention
-from ...capture import is_capturing, record
 from ...flash_attn import varlen_mask
 from ...masks import Geometry, Mask, band_visibility
+from ...modules._shards import SequenceShards
+from ...modules.capture import is_capturing, record
 from ._masks import TransformersMask
 
 __all__ = ["attention_forward"]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..._checks import shape_str
+from ..._base.checks import shape_str
 from ...masks import Mask, causal_mask, documents, key_padding, sliding_window
 from ._patterns import Pattern, agrees, recognise, unpack
 

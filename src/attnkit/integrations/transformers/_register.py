@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..._shards import SequenceShards
 from ...attention import Backend, available_backends
+from ...modules._shards import SequenceShards
 from ._attention import attention_forward
 from ._masks import TransformersMask, build_mask, serve_eager_masks
 

@@ -1,0 +1,2 @@
+"""Key/value caches for decoding: contiguous (:class:`KVCache`) and paged
+(:class:`PagedKVCache`)."""

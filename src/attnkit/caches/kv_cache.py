@@ -1,0 +1,191 @@
+"""KVCache: the keys and values of the tokens decoded so far, preallocated for a maximum length.
+
+Incremental decoding runs the model on the new tokens only; each self-attention layer appends
+their keys and values to its cache and attends over everything cached. Because
+:func:`attnkit.attention`'s ``causal=True`` is bottom-right aligned, the same call serves a prompt
+(``Tq = Tk``), one new token (``Tq = 1``, which sees every cached key) and a chunk of new tokens
+after a cached prefix.
+
+Under grouped-query attention the cache holds the ``Hkv`` key/value heads, not the ``H`` query
+heads: that is the memory GQA saves.
+
+Shape letters: ``B`` batch, ``Hkv`` key/value heads, ``L`` maximum length, ``T`` new tokens,
+``Dk``/``Dv`` key and value head sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._base.checks import check_float_tensor, check_int
+from .._base.shapes import Float, shape_checked
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys ``(B, Hkv, L, Dk)`` and values ``(B, Hkv, L, Dv)``, filled from position 0 on.
+
+    Args:
+        batch_size: ``B``.
+        max_len: ``L``, the most tokens the cache can hold; going past it is a ``ValueError``.
+        num_kv_heads: ``Hkv``.
+        head_dim: ``Dk``.
+        v_head_dim: ``Dv``, default ``Dk``.
+        dtype, device: of the stored keys and values (the projections' dtype and device).
+
+    :meth:`MultiHeadAttention.make_cache() <attnkit.MultiHeadAttention.make_cache>` builds one with
+    the module's sizes. :meth:`to` moves the keys and values. The cache is for inference:
+    :meth:`update` refuses tensors that carry a gradient, since the stored keys would keep the
+    graph of every step alive.
+
+    A cache is not an ``nn.Module``: it is state that changes at every step, not part of a model
+    or its ``state_dict()``. torch.compile takes a Module's integer attributes for constants and
+    would compile a decode step again for every token (and stop at its recompile limit); a
+    compiled step reads this cache's ``length`` as a symbolic size instead, one graph for every
+    length.
+
+    A module that can still fail after writing its keys uses :meth:`stage` and :meth:`commit`
+    instead of :meth:`update`, so that a call that raises leaves the cache as it was.
+
+    >>> cache = KVCache(batch_size=2, max_len=16, num_kv_heads=2, head_dim=8)
+    >>> k, v = cache.update(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))  # a 5-token prompt
+    >>> k.shape, cache.length
+    (torch.Size([2, 2, 5, 8]), 5)
+    >>> k, v = cache.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))  # one more token
+    >>> k.shape, cache.length
+    (torch.Size([2, 2, 6, 8]), 6)
+    """
+
+    k_cache: Tensor
+    v_cache: Tensor
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        b = check_int("batch_size", batch_size)
+        self.max_len = check_int("max_len", max_len)
+        h = check_int("num_kv_heads", num_kv_heads)
+        dk = check_int("head_dim", head_dim)
+        dv = dk if v_head_dim is None else check_int("v_head_dim", v_head_dim)
+        self.k_cache = torch.zeros(b, h, self.max_len, dk, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(b, h, self.max_len, dv, dtype=dtype, device=device)
+        self.length = 0  # tokens held; a Python int, so decoding never reads a tensor back
+        self._staged = 0  # tokens written by stage() after `length` and not yet committed
+
+    @shape_checked
+    def update(
+        self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"]
+    ) -> tuple[Float[Tensor, "B Hkv S Dk"], Float[Tensor, "B Hkv S Dv"]]:
+        """Append ``T`` new tokens; return the keys and values of all ``S = length`` tokens held.
+
+        The results are views of the cache (no copy), valid until the next :meth:`update`,
+        :meth:`stage` or :meth:`reset`. Equivalent to :meth:`stage` then :meth:`commit`.
+        """
+        keys, values = self.stage(k, v)
+        self.commit()
+        return keys, values
+
+    @shape_checked
+    def stage(
+        self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"]
+    ) -> tuple[Float[Tensor, "B Hkv S Dk"], Float[Tensor, "B Hkv S Dv"]]:
+        """Write ``T`` new tokens after the ``length`` held, without holding them yet.
+
+        Returns views of the ``S = length + T`` keys and values, as :meth:`update` does, but
+        ``length`` stays where it was until :meth:`commit`. A caller that can still fail after
+        writing (the attention call, the layers above) commits only once everything succeeded:
+        tokens staged and never committed sit past ``length``, where nothing reads them, and the
+        next :meth:`stage` or :meth:`update` writes over them. Every check runs before anything
+        is written, so a call that raises leaves the cache as it was.
+        """
+        check_float_tensor("k", k)
+        check_float_tensor("v", v)
+        keys, values = self.k_cache, self.v_cache
+        cached = keys.size(0)
+        if k.ndim == 4 and k.size(0) != cached:
+            # The caller's batch, not "k and v", which a module's user never passed.
+            raise ValueError(
+                f"this KVCache holds a batch of {cached} sequences (batch_size={cached}) but the "
+                f"call brings a batch of {k.size(0)} (the keys and values k, v): make a cache "
+                f"with batch_size={k.size(0)} for this batch (make_cache(batch_size=...))"
+            )
+        t = k.size(-2) if k.ndim == 4 else "T"  # v must bring as many tokens as k
+        heads = keys.size(1)
+        want_k = (cached, heads, t, keys.size(3))
+        want_v = (cached, heads, t, values.size(3))
+        if k.shape != want_k or v.shape != want_v:
+            raise ValueError(
+                f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = "
+                f"{want_v} for this cache, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+            )
+        if k.dtype != keys.dtype or v.dtype != values.dtype:
+            raise TypeError(
+                f"k and v must have the cache's dtype ({keys.dtype}), got k {k.dtype} and "
+                f"v {v.dtype}"
+            )
+        if k.device != keys.device or v.device != keys.device:
+            # (a copy_ would move them, or fail half-way with v on the meta device)
+            raise ValueError(
+                f"k and v must be on the cache's device ({keys.device}), got k on {k.device} and "
+                f"v on {v.device}"
+            )
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise ValueError(
+                "KVCache got keys that require grad: the cache is for inference, run "
+                "decoding under torch.no_grad() or torch.inference_mode()"
+            )
+        start = self.length
+        end = start + k.size(-2)
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache overflow: {k.size(-2)} new tokens after the {start} cached exceed "
+                f"max_len ({self.max_len}); make a larger cache or reset() it"
+            )
+        keys.narrow(2, start, end - start).copy_(k)
+        values.narrow(2, start, end - start).copy_(v)
+        self._staged = end - start
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+
+    def commit(self) -> None:
+        """Hold the tokens of the last :meth:`stage` (nothing happens if none are staged)."""
+        self.length = self.length + self._staged
+        self._staged = 0
+
+    def rewind(self, length: int) -> None:
+        """Forget every token from position ``length`` on, as if the calls that appended them had
+        never run: what a multi-step call (a layer, a stack of layers) uses to undo its earlier
+        steps when a later one fails."""
+        self.length = min(self.length, length)
+        self._staged = 0
+
+    def reset(self) -> None:
+        """Forget every token (the memory stays allocated)."""
+        self.length = 0
+        self._staged = 0
+
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """Move the keys and values to ``device`` and/or convert them to ``dtype``, in place;
+        returns the cache. The tokens held stay held."""
+        self.k_cache = self.k_cache.to(device=device, dtype=dtype)
+        self.v_cache = self.v_cache.to(device=device, dtype=dtype)
+        return self
+
+    def __repr__(self) -> str:
+        b, h, _, dk = self.k_cache.shape
+        return (
+            f"KVCache(batch_size={b}, max_len={self.max_len}, num_kv_heads={h}, head_dim={dk}, "
+            f"v_head_dim={self.v_cache.size(-1)}, length={self.length}, "
+            f"dtype={self.k_cache.dtype}, device={self.k_cache.device})"
+        )

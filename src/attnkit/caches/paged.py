@@ -1,0 +1,674 @@
+"""PagedKVCache: the keys and values of many sequences in one pool of fixed-size pages.
+
+A server decoding many requests at once does not know how long each will grow. A contiguous
+:class:`~attnkit.KVCache` reserves ``max_len`` tokens for every row; a paged cache hands out pages
+of ``page_size`` tokens as each sequence grows, and a finished sequence's pages go back to the
+pool for the next request. Sequence ``s`` holds its ``lengths[s]`` tokens in the pages
+``block_table[s, :ceil(lengths[s] / page_size)]``, in order: token ``t`` is row ``t % page_size``
+of page ``block_table[s, t // page_size]``, which is vLLM's slot ``block * page_size + offset``.
+
+It is a class of its own rather than a mode of :class:`~attnkit.KVCache` because the two answer
+different questions: a contiguous cache hands back views ``(B, Hkv, S, D)`` of every row's keys,
+all of one length, for any attention call; a paged cache's rows have lengths of their own and its
+keys are scattered over pages, so it attends them itself (:meth:`PagedKVCache.attention`), through
+the block table where they lie. What the two share is the protocol the modules use: ``stage`` new
+tokens, ``commit`` them once the call succeeded, ``rewind`` on failure, ``reset``.
+
+Shape letters: ``B`` sequences (the rows of every call), ``Hkv`` key/value heads, ``H`` query
+heads, ``T`` new tokens per row in a call, ``N`` packed tokens, ``Dk``/``Dv`` head sizes, ``P``
+pages per sequence at most.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from .._base.checks import check_bool, check_float_tensor, check_int, dtype_str, shape_str
+from .._base.shapes import Float, shape_checked
+from .._call import AttentionCall, check_attention_args
+from .._kernel.cache import cache_attention, cache_refusal
+from ..attention import attention
+from ..masks import Mask, sliding_window
+from ..masks._blocks import Geometry
+from ..scores import DistanceBias
+
+__all__ = ["PagedKVCache"]
+
+Layout = Literal["flash", "vllm"]
+
+# A window's reach past every sequence: sliding_window() saturates it.
+_UNBOUNDED = 2**62
+
+
+def _counts(name: str, value: object, rows: int, most: int) -> list[int]:
+    """``value`` (an int, a sequence of ints or a ``(rows,)`` integer tensor) as one count per
+    row, each from 0 to ``most``."""
+    if isinstance(value, Tensor):
+        if value.is_floating_point() or value.dtype == torch.bool or value.ndim != 1:
+            raise TypeError(
+                f"{name} must be an int or {rows} ints, got a {dtype_str(value.dtype)} tensor of "
+                f"shape {shape_str(value.shape)}"
+            )
+        value = value.tolist()
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value] * rows
+    if not isinstance(value, Sequence) or any(
+        isinstance(x, bool) or not isinstance(x, int) for x in value
+    ):
+        raise TypeError(f"{name} must be an int or {rows} ints, got {value!r}")
+    if len(value) != rows or any(not 0 <= x <= most for x in value):
+        raise ValueError(f"{name} must be {rows} ints from 0 to {most}, got {list(value)}")
+    return list(value)
+
+
+def band_of(mask: Tensor | Mask | None, causal: bool) -> tuple[float, float]:
+    """``(lo, hi)``: a call's ``mask`` and ``causal`` as the band of distances ``j - p_i`` each
+    query may attend, ``p_i`` its own position. A paged cache takes the masks that are bands
+    (causal(), sliding_window(), and ``&`` of them): each row's keys are its own tokens, so no
+    key padding is needed, and a mask over a ``(Tq, Tk)`` matrix has no meaning when every row
+    has its own ``Tk``."""
+    lo, hi = -math.inf, math.inf
+    if check_bool("causal", causal):
+        hi = 0.0
+    if mask is None:
+        return lo, hi
+    parts = mask.parts if isinstance(mask, Mask) and mask.op == "and" else (mask,)
+    for part in parts:
+        band = part.band if isinstance(part, Mask) else None
+        if band is None or band[2] != "bottom_right":
+            what = part.describe() if isinstance(part, Mask) else f"a {type(part).__name__}"
+            raise ValueError(
+                f"mask: a PagedKVCache call takes causal=True, causal() or sliding_window() (or "
+                f"their &), got {what}: each sequence attends its own tokens, so its lengths "
+                "already say which keys exist"
+            )
+        lo, hi = max(lo, band[0]), min(hi, band[1])
+    return lo, hi
+
+
+def _band_mask(lo: float, hi: float) -> Mask | None:
+    if lo == -math.inf and hi == math.inf:
+        return None
+    left = _UNBOUNDED if lo == -math.inf else int(-lo)
+    right = _UNBOUNDED if hi == math.inf else int(hi)
+    return sliding_window(left, right)
+
+
+class PagedKVCache(nn.Module):
+    """Keys and values of ``max_seqs`` sequences in a shared pool of ``num_blocks`` pages.
+
+    Args:
+        num_blocks: pages in the pool.
+        page_size: tokens per page (any size from 1 on).
+        num_kv_heads: ``Hkv``.
+        head_dim: ``Dk``; ``v_head_dim``: ``Dv``, default ``Dk``.
+        max_seqs: ``B``, the sequences held, which are the batch rows of every call.
+        max_pages_per_seq: ``P``, the width of the block table (default: the whole pool).
+        layout: ``"flash"``: pages ``(num_blocks, page_size, Hkv, D)``, flash-attn's
+            ``k_cache``; ``"vllm"``: ``(num_blocks, Hkv, page_size, D)``, vLLM's ``key_cache``.
+            The kernel reads either where it lies.
+        dtype, device: of the pages.
+
+    The pages are the buffers ``k_pages`` and ``v_pages`` (not in ``state_dict()``);
+    ``block_table`` ``(B, P)`` int32 names each sequence's pages in order (``-1`` past them),
+    ``lengths`` holds each sequence's token count as Python ints (decoding never reads a tensor
+    back for them). Pages are taken from the pool as a sequence grows and returned by
+    :meth:`free`.
+
+    Every call checks everything (shapes, dtypes, devices, counts, free pages, the mask and bias
+    of an attention call) before it writes anything: a call that raises leaves the pages, the
+    block table and the lengths as they were, bit for bit.
+
+    :class:`~attnkit.MultiHeadAttention` takes it as ``cache=``, as it takes a
+    :class:`~attnkit.KVCache` (:meth:`MultiHeadAttention.make_paged_cache()
+    <attnkit.MultiHeadAttention.make_paged_cache>` builds one). In a call ``(B, T, D)`` every
+    row appends ``T`` tokens, unless :meth:`schedule` said otherwise: then row ``b`` appends its
+    first ``new_tokens[b]`` and the rest of its ``T`` positions are padding, so that one call
+    prefills a prompt in one row while the others decode one token each.
+
+    >>> cache = PagedKVCache(num_blocks=8, page_size=4, num_kv_heads=2, head_dim=8, max_seqs=2)
+    >>> cache.schedule([5, 1])                       # a 5-token prompt; one token in row 1
+    >>> slots = cache.stage(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))
+    >>> cache.commit()
+    >>> cache.lengths, cache.pages_of(0), cache.pages_of(1), slots.tolist()
+    ([5, 1], [0, 1], [2], [0, 1, 2, 3, 4, 8])
+    """
+
+    k_pages: Tensor
+    v_pages: Tensor
+    block_table: Tensor
+
+    def __init__(
+        self,
+        num_blocks: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        *,
+        max_seqs: int,
+        max_pages_per_seq: int | None = None,
+        layout: Layout = "flash",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_blocks = check_int("num_blocks", num_blocks)
+        self.page_size = check_int("page_size", page_size)
+        h = check_int("num_kv_heads", num_kv_heads)
+        dk = check_int("head_dim", head_dim)
+        dv = dk if v_head_dim is None else check_int("v_head_dim", v_head_dim)
+        rows = check_int("max_seqs", max_seqs)
+        width = (
+            self.num_blocks
+            if max_pages_per_seq is None
+            else check_int("max_pages_per_seq", max_pages_per_seq)
+        )
+        if layout not in ("flash", "vllm"):
+            raise ValueError(f"layout must be 'flash' or 'vllm', got {layout!r}")
+        self.layout: Layout = layout
+
+        def pages(d: int) -> Tensor:
+            shape = (self.num_blocks, self.page_size, h, d)
+            if layout == "vllm":
+                shape = (self.num_blocks, h, self.page_size, d)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.register_buffer("k_pages", pages(dk), False)
+        self.register_buffer("v_pages", pages(dv), False)
+        self.register_buffer(
+            "block_table", torch.full((rows, width), -1, dtype=torch.int32, device=device), False
+        )
+        self.lengths = [0] * rows  # tokens each sequence holds
+        self._pages: list[list[int]] = [[] for _ in range(rows)]
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() takes the lowest first
+        self._staged = [0] * rows  # tokens written by stage() after lengths, not yet held
+        self._next: list[int] | None = None  # schedule(): the next call's new tokens per row
+
+    # ---------------------------------------------------------------------------------------------
+    # What the cache holds
+
+    @property
+    def max_seqs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def length(self) -> int:
+        """The longest sequence's tokens."""
+        return max(self.lengths)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages of the pool that no sequence holds."""
+        return len(self._free) + sum(self._staged_pages(b) for b in range(self.max_seqs))
+
+    def pages_of(self, seq: int) -> list[int]:
+        """The pages sequence ``seq`` holds, in order."""
+        return list(self._pages[self._seq(seq)][: self._used(self.lengths[seq])])
+
+    def token_major(self) -> tuple[Tensor, Tensor]:
+        """The pages as ``(num_blocks, page_size, Hkv, D)`` views (flash-attn's layout), whatever
+        ``layout`` they are stored in."""
+        if self.layout == "vllm":
+            return self.k_pages.transpose(1, 2), self.v_pages.transpose(1, 2)
+        return self.k_pages, self.v_pages
+
+    def _head_major(self) -> tuple[Tensor, Tensor]:
+        """The pages as ``(num_blocks, Hkv, page_size, D)`` views, as the kernel reads them."""
+        if self.layout == "vllm":
+            return self.k_pages, self.v_pages
+        return self.k_pages.transpose(1, 2), self.v_pages.transpose(1, 2)
+
+    def _seq(self, seq: int) -> int:
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self.max_seqs:
+            raise ValueError(f"seq must be a sequence from 0 to {self.max_seqs - 1}, got {seq!r}")
+        return seq
+
+    def _used(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _staged_pages(self, b: int) -> int:
+        """Pages the uncommitted stage took for row ``b`` (past those of its held tokens)."""
+        return len(self._pages[b]) - self._used(self.lengths[b])
+
+    # ---------------------------------------------------------------------------------------------
+    # Writing
+
+    def schedule(self, new_tokens: Sequence[int] | Tensor | None) -> None:
+        """How many of a call's ``T`` positions are new tokens in each row, for the calls until
+        the next :meth:`commit` (which clears it); None: all ``T`` in every row. Row ``b``'s
+        first ``new_tokens[b]`` positions are written and attend; the others are padding, never
+        written, whose outputs are 0."""
+        if new_tokens is None:
+            self._next = None
+            return
+        self._next = _counts("new_tokens", new_tokens, self.max_seqs, 2**62)
+
+    def _plan(self, k: Tensor, v: Tensor) -> list[int]:
+        """The checks of a stage of ``k`` and ``v``; the new tokens of each row."""
+        check_float_tensor("k", k)
+        check_float_tensor("v", v)
+        rows, hkv = self.max_seqs, self.k_pages.size(2 if self.layout == "flash" else 1)
+        dk, dv = self.k_pages.size(-1), self.v_pages.size(-1)
+        t = k.size(-2) if k.ndim == 4 else "T"
+        want_k, want_v = (rows, hkv, t, dk), (rows, hkv, t, dv)
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise ValueError(
+                f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = "
+                f"{want_v} for this cache of B = max_seqs = {rows} sequences, got k "
+                f"{shape_str(k.shape)} and v {shape_str(v.shape)}"
+            )
+        if k.dtype != self.k_pages.dtype or v.dtype != self.v_pages.dtype:
+            raise TypeError(
+                f"k and v must have the cache's dtype ({dtype_str(self.k_pages.dtype)}), got k "
+                f"{dtype_str(k.dtype)} and v {dtype_str(v.dtype)}"
+            )
+        if k.device != self.k_pages.device or v.device != self.k_pages.device:
+            raise ValueError(
+                f"k and v must be on the cache's device ({self.k_pages.device}), got k on "
+                f"{k.device} and v on {v.device}"
+            )
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise ValueError(
+                "PagedKVCache got keys that require grad: the cache is for inference, run "
+                "decoding under torch.no_grad() or torch.inference_mode()"
+            )
+        new = [k.size(-2)] * rows if self._next is None else self._next
+        if any(n > k.size(-2) for n in new):
+            raise ValueError(
+                f"schedule() gave new tokens {new}, more than the call's T = {k.size(-2)} in a row"
+            )
+        self._check_room(new)
+        return new
+
+    def _check_room(self, new: list[int]) -> None:
+        """Refuse new tokens that overflow a row's block table or the pool's free pages."""
+        width = self.block_table.size(1)
+        need = 0
+        for b, n in enumerate(new):
+            pages = self._used(self.lengths[b] + n)
+            if pages > width:
+                raise ValueError(
+                    f"sequence {b}: {n} new tokens after its {self.lengths[b]} need {pages} pages "
+                    f"of {self.page_size}, more than its block table's {width} "
+                    "(max_pages_per_seq)"
+                )
+            need += pages - self._used(self.lengths[b])
+        # The pages of an uncommitted stage are dropped first, and so count as free.
+        if need > self.num_free_pages:
+            raise ValueError(
+                f"out of pages: the new tokens {new} need {need} more pages of {self.page_size} "
+                f"tokens and the pool has {self.num_free_pages} free of {self.num_blocks}; free() "
+                "finished sequences or make a larger pool"
+            )
+
+    def _drop_staged(self) -> None:
+        for b in range(self.max_seqs):
+            self._trim(b, self.lengths[b])
+        self._staged = [0] * self.max_seqs
+
+    def _trim(self, b: int, tokens: int) -> None:
+        """Return row ``b``'s pages past those of its first ``tokens`` tokens to the pool."""
+        keep = self._used(tokens)
+        extra = self._pages[b][keep:]
+        if extra:
+            del self._pages[b][keep:]
+            self._free.extend(reversed(extra))
+            self.block_table[b, keep : keep + len(extra)] = -1
+
+    @shape_checked
+    def stage(self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"]) -> Tensor:
+        """Write each row's new tokens after the ``lengths`` it holds, without holding them yet.
+
+        Row ``b`` writes its first ``T`` tokens (or ``new_tokens[b]`` of :meth:`schedule`),
+        taking pages from the pool as it needs them. They are held once :meth:`commit` runs;
+        until then the next :meth:`stage` or :meth:`rewind` drops them and returns their pages.
+        Returns the ``(N,)`` int64 slots written (vLLM's ``slot_mapping``: ``page * page_size +
+        offset``), row by row.
+        """
+        new = self._plan(k, v)
+        self._drop_staged()
+        size = self.page_size
+        slots: list[int] = []
+        # Where each row's new tokens go: (row, page, first place in the page, tokens, first new
+        # token of the row), a stretch of consecutive places in one page each.
+        parts: list[tuple[int, int, int, int, int]] = []
+        for b, n in enumerate(new):
+            first = len(self._pages[b])
+            for _ in range(self._used(self.lengths[b] + n) - first):
+                self._pages[b].append(self._free.pop())
+            if len(self._pages[b]) > first:
+                self.block_table[b, first : len(self._pages[b])] = torch.tensor(
+                    self._pages[b][first:], dtype=torch.int32
+                )
+            t, end = self.lengths[b], self.lengths[b] + n
+            while t < end:
+                page, at = self._pages[b][t // size], t % size
+                m = min(size - at, end - t)
+                parts.append((b, page, at, m, t - self.lengths[b]))
+                slots.extend(range(page * size + at, page * size + at + m))
+                t += m
+        self._staged = new
+        written = torch.tensor(slots, dtype=torch.int64, device=self.block_table.device)
+        if len(parts) <= self.max_seqs:
+            # A decode step (a page a row): a copy into each page. Not an index_put_ of a boolean
+            # selection: torch's indexing kernels start the OpenMP threads from a few thousand
+            # elements on (B Hkv D of a step), and where the cores are busy, each start waits for
+            # one; the five of a step made it twice as long as a KVCache's.
+            kp, vp = self.token_major()
+            for b, page, at, m, i in parts:
+                kp[page, at : at + m] = k[b, :, i : i + m].transpose(0, 1)
+                vp[page, at : at + m] = v[b, :, i : i + m].transpose(0, 1)
+            return written
+        # A prompt: all its tokens at once, (B, Hkv, T, D) -> the (N, Hkv, D) real ones, row by
+        # row (a copy a page would cost more than the threads).
+        real = torch.arange(k.size(-2))[None, :] < torch.tensor(new)[:, None]
+        real = real.to(k.device)
+        self._put(k.transpose(1, 2)[real], v.transpose(1, 2)[real], written)
+        return written
+
+    def _put(self, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        kp, vp = self.token_major()
+        slots = slots.to(kp.device)
+        where = (slots // self.page_size, slots % self.page_size)
+        kp.index_put_(where, k)
+        vp.index_put_(where, v)
+
+    def write(
+        self, k: Float[Tensor, "N Hkv Dk"], v: Float[Tensor, "N Hkv Dv"], slot_mapping: Tensor
+    ) -> None:
+        """vLLM's ``reshape_and_cache``: token ``n``'s key and value into slot
+        ``slot_mapping[n]`` (``page * page_size + offset``; ``-1``: not written, vLLM's padding).
+
+        A write into the pool only: the lengths and block table stay as they are. Every slot is
+        checked (in the pool, none twice) before anything is written.
+        """
+        check_float_tensor("k", k)
+        check_float_tensor("v", v)
+        kp, vp = self.token_major()
+        if (
+            k.ndim != 3
+            or v.ndim != 3
+            or k.shape[:2] != v.shape[:2]
+            or k.shape[1:] != kp.shape[2:]
+            or v.shape[1:] != vp.shape[2:]
+        ):
+            raise ValueError(
+                f"k and v must be (N, Hkv, Dk) = (N, {kp.size(2)}, {kp.size(3)}) and (N, Hkv, Dv) "
+                f"= (N, {vp.size(2)}, {vp.size(3)}), got k {shape_str(k.shape)} and v "
+                f"{shape_str(v.shape)}"
+            )
+        if k.dtype != kp.dtype or v.dtype != vp.dtype:
+            raise TypeError(
+                f"k and v must have the cache's dtype ({dtype_str(kp.dtype)}), got k "
+                f"{dtype_str(k.dtype)} and v {dtype_str(v.dtype)}"
+            )
+        if k.device != kp.device or v.device != kp.device:
+            raise ValueError(
+                f"k and v must be on the cache's device ({kp.device}), got {k.device}, {v.device}"
+            )
+        if (
+            not isinstance(slot_mapping, Tensor)
+            or slot_mapping.is_floating_point()
+            or slot_mapping.dtype == torch.bool
+            or slot_mapping.shape != (k.size(0),)
+        ):
+            got = (
+                f"{dtype_str(slot_mapping.dtype)} {shape_str(slot_mapping.shape)}"
+                if isinstance(slot_mapping, Tensor)
+                else type(slot_mapping).__name__
+            )
+            raise TypeError(f"slot_mapping must be ({k.size(0)},) integers, got {got}")
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        size = self.num_blocks * self.page_size
+        bad = (slots < -1) | (slots >= size)
+        if bool(bad.any()):
+            n = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"slot_mapping[{n}] = {int(slots[n])} is not a slot: the pool holds {size} "
+                f"({self.num_blocks} pages of {self.page_size}), -1 for a token not written"
+            )
+        if int(slots[keep].unique().numel()) != int(keep.sum()):
+            raise ValueError("slot_mapping names a slot twice: which token would it hold?")
+        self._put(k[keep.to(k.device)], v[keep.to(v.device)], slots[keep])
+
+    def commit(self) -> None:
+        """Hold the tokens of the last :meth:`stage`, and forget :meth:`schedule`."""
+        self.lengths = [n + s for n, s in zip(self.lengths, self._staged, strict=True)]
+        self._staged = [0] * self.max_seqs
+        self._next = None
+
+    def rewind(self, lengths: int | Sequence[int]) -> None:
+        """Forget every token of sequence ``b`` from position ``lengths[b]`` on (an int: the same
+        for every sequence), and any uncommitted stage, returning the pages no longer needed."""
+        keep = _counts("lengths", lengths, self.max_seqs, 2**62)
+        self._drop_staged()
+        for b, n in enumerate(keep):
+            self.lengths[b] = min(self.lengths[b], n)
+            self._trim(b, self.lengths[b])
+
+    def free(self, seq: int) -> None:
+        """Forget sequence ``seq`` and return its pages to the pool: its row takes a new sequence
+        (a prompt of its own length) at the next call."""
+        b = self._seq(seq)
+        self._drop_staged()
+        self.lengths[b] = 0
+        self._trim(b, 0)
+
+    def reset(self) -> None:
+        """Forget every sequence (the memory stays allocated)."""
+        self._drop_staged()
+        for b in range(self.max_seqs):
+            self.lengths[b] = 0
+            self._trim(b, 0)
+        self._next = None
+
+    # ---------------------------------------------------------------------------------------------
+    # Attending
+
+    def _check_attention(
+        self,
+        q: Tensor,
+        new: list[int],
+        band: tuple[float, float],
+        *,
+        scale: object,
+        softcap: object,
+        bias: object,
+        sinks: object,
+    ) -> AttentionCall:
+        """Every argument of an attention call, before anything is written: q against the cache,
+        then what :func:`attnkit.attention` checks (the same checks, asked of stand-ins for the
+        keys without data: ``scale``, ``softcap``, the sinks' shape, dtype and values, the mask
+        and the bias against the longest row)."""
+        check_float_tensor("q", q)
+        hkv = self.k_pages.size(2 if self.layout == "flash" else 1)
+        dk = self.k_pages.size(-1)
+        if q.ndim != 4 or q.size(0) != self.max_seqs or q.size(1) % hkv or q.size(-1) != dk:
+            raise ValueError(
+                f"q must be (B, H, T, Dk) with B = {self.max_seqs}, H a multiple of Hkv = {hkv} "
+                f"and Dk = {dk}, got {shape_str(q.shape)}"
+            )
+        if q.dtype != self.k_pages.dtype or q.device != self.k_pages.device:
+            raise TypeError(
+                f"q must have the cache's dtype and device ({dtype_str(self.k_pages.dtype)} on "
+                f"{self.k_pages.device}), got {dtype_str(q.dtype)} on {q.device}"
+            )
+        if any(n > q.size(2) for n in new):
+            raise ValueError(f"the new tokens {new} are more than q's T = {q.size(2)} in a row")
+        kv_len = max(n + s for n, s in zip(self.lengths, new, strict=True))
+        if bias is not None:
+            if not isinstance(bias, DistanceBias):
+                raise TypeError(
+                    "bias: a PagedKVCache call takes a bias by distance (DistanceBias, "
+                    f"attnkit.alibi_term), got {type(bias).__name__}"
+                )
+            bias.check(Geometry((self.max_seqs,), q.size(1), max(new), kv_len, q.device))
+        # The longest row's keys and values, as one call would see them: one zero, expanded.
+        zero = q.new_zeros(())
+        keys = zero.expand(self.max_seqs, hkv, kv_len, dk)
+        values = zero.expand(self.max_seqs, hkv, kv_len, self.v_pages.size(-1))
+        return check_attention_args(
+            q,
+            keys,
+            values,
+            mask=_band_mask(*band),
+            bias=bias,
+            causal=False,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
+
+    def attention(
+        self,
+        q: Float[Tensor, "B H T Dk"],
+        k: Float[Tensor, "B Hkv T Dk"],
+        v: Float[Tensor, "B Hkv T Dv"],
+        *,
+        mask: Tensor | Mask | None = None,
+        causal: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        bias: DistanceBias | None = None,
+        sinks: Tensor | None = None,
+    ) -> tuple[Float[Tensor, "B H T Dv"], Float[Tensor, "B H T"]]:
+        """Stage the new ``k`` and ``v`` (as :meth:`stage`), then attend each row's queries to
+        its keys: row ``b``'s new query ``i`` sits at position ``lengths[b] + i`` and sees the
+        row's tokens up to its own staged ones, bottom-right aligned as everywhere in attnkit.
+
+        Args:
+            q: the queries of the new tokens (row ``b``'s first ``new_tokens[b]`` are real).
+            mask, causal: a band over distances (``causal=True``, :func:`~attnkit.masks.causal`,
+                :func:`~attnkit.masks.sliding_window`, their ``&``).
+            scale: multiplies ``q k^T`` (default ``1/sqrt(Dk)``); ``softcap``: ``softcap *
+                tanh(s / softcap)`` of the scaled scores.
+            bias: a bias by distance (ALiBi: :func:`attnkit.alibi_term`) whose table holds the
+                distances ``-(S - 1) .. T - 1`` of the longest row's ``S`` keys.
+            sinks: ``(H,)`` logits, an attention sink per query head.
+
+        Returns:
+            ``(out, lse)``: ``(B, H, T, Dv)`` and the natural-log log-sum-exp ``(B, H, T)``;
+            padding positions get 0 and ``-inf``.
+
+        Every argument is checked before anything is written. The new tokens are staged, not
+        held: :meth:`commit` holds them. On CPUs without gradients (float32, float64, bfloat16,
+        float16), the native kernel reads the pages through the block table where they lie;
+        otherwise each row's keys are gathered for one :func:`attnkit.attention` call per row.
+        """
+        band = band_of(mask, causal)
+        new = self._plan(k, v)
+        call = self._check_attention(
+            q, new, band, scale=scale, softcap=softcap, bias=bias, sinks=sinks
+        )
+        self.stage(k, v)
+        kp, vp = self._head_major()
+        table = bias.table if bias is not None else None
+        if cache_refusal(q, kp, vp, sinks, table) is None:
+            return self._in_place(q, new, band, call.scale, call.softcap, bias, sinks)
+        return self._gathered(q, new, band, call.scale, call.softcap, bias, sinks)
+
+    def _in_place(
+        self,
+        q: Tensor,
+        new: list[int],
+        band: tuple[float, float],
+        scale: float,
+        softcap: float | None,
+        bias: DistanceBias | None,
+        sinks: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The native kernel on the pages through the block table: no page is gathered."""
+        b, h, t, _ = q.shape
+        kp, vp = self._head_major()
+        ends = [n + s for n, s in zip(self.lengths, new, strict=True)]
+        kv_range = [[0, e] for e in ends]
+        width = max(1, *(self._used(e) for e in ends))
+        # Entries past a row's pages are never read; -1 becomes 0 all the same.
+        table = self.block_table[:, :width].long().clamp_min(0)
+        packed = any(n != t for n in new)
+        lo, hi = band
+        kw = {
+            "block_table": table,
+            "band": None if lo == -math.inf and hi == math.inf else band,
+            "scale": scale,
+            "softcap": softcap,
+            "bias": bias,
+            "sinks": sinks,
+        }
+        if not packed:
+            return cache_attention(q, kp, vp, kv_range=kv_range, **kw)  # type: ignore[arg-type]
+        # Rows of their own query counts: the queries of all rows packed as one row of B * T,
+        # row b's from b * T on (a view when q's rows are evenly strided).
+        flat = q.transpose(1, 2).reshape(1, b * t, h, q.size(-1)).transpose(1, 2)
+        q_range = [[r * t, n] for r, n in enumerate(new)]
+        out, lse = cache_attention(
+            flat,
+            kp,
+            vp,
+            kv_range=kv_range,
+            q_range=q_range,
+            **kw,  # type: ignore[arg-type]
+        )
+        real = (torch.arange(t)[None, :] < torch.tensor(new)[:, None]).to(q.device)  # (B, T)
+        # (1, H, B * T, ...) -> (B, H, T, ...); the padding positions were never written.
+        out = out[0].unflatten(1, (b, t)).transpose(0, 1)
+        lse = lse[0].unflatten(1, (b, t)).transpose(0, 1)
+        out = out.masked_fill(~real[:, None, :, None], 0.0)
+        lse = lse.masked_fill(~real[:, None, :], -math.inf)
+        return out, lse
+
+    def _gathered(
+        self,
+        q: Tensor,
+        new: list[int],
+        band: tuple[float, float],
+        scale: float,
+        softcap: float | None,
+        bias: DistanceBias | None,
+        sinks: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """Each row's keys gathered from its pages, one :func:`attnkit.attention` call a row."""
+        b, h, t, _ = q.shape
+        kp, vp = self.token_major()
+        out = q.new_zeros(b, h, t, vp.size(-1))
+        lse = q.new_full((b, h, t), -math.inf)
+        mask = _band_mask(*band)
+        for r, n in enumerate(new):
+            if not n:
+                continue
+            s = self.lengths[r] + n
+            pages = torch.tensor(self._pages[r][: self._used(s)], device=kp.device)
+            keys = kp[pages].flatten(0, 1)[:s].permute(1, 0, 2)[None]  # (1, Hkv, S, Dk)
+            values = vp[pages].flatten(0, 1)[:s].permute(1, 0, 2)[None]
+            row_bias = bias
+            if bias is not None and bias.table.ndim == 3 and bias.table.size(0) > 1:
+                row_bias = DistanceBias(bias.table[r : r + 1], bias.first)
+            o, ls = attention(
+                q[r : r + 1, :, :n],
+                keys,
+                values,
+                mask=mask,
+                bias=row_bias,
+                scale=scale,
+                softcap=softcap,
+                sinks=sinks,
+                return_lse=True,
+            )
+            out[r, :, :n] = o[0]
+            lse[r, :, :n] = ls[0].to(lse.dtype)
+        return out, lse
+
+    def extra_repr(self) -> str:
+        kp = self.token_major()[0]
+        return (
+            f"num_blocks={self.num_blocks}, page_size={self.page_size}, num_kv_heads={kp.size(2)}, "
+            f"head_dim={kp.size(3)}, v_head_dim={self.v_pages.size(-1)}, max_seqs="
+            f"{self.max_seqs}, layout={self.layout!r}, lengths={self.lengths}"
+        )

@@ -1,0 +1,149 @@
+"""The shared argument checks: what each accepts, and the words and types of what it raises."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from attnkit._base import checks
+
+# (call, exception type, the message's text)
+BAD = [
+    (lambda: checks.check_int("block_q", 2.0), TypeError, "block_q must be an int, got 2.0"),
+    (lambda: checks.check_int("block_q", True), TypeError, "block_q must be an int, got True"),
+    (lambda: checks.check_int("block_q", 0), ValueError, "block_q must be >= 1, got 0"),
+    (lambda: checks.check_int("n", -1, minimum=0), ValueError, "n must be >= 0, got -1"),
+    (
+        lambda: checks.check_lengths("lens", 3),
+        TypeError,
+        "lens must be a sequence of ints, got int",
+    ),
+    (
+        lambda: checks.check_lengths("lens", "12"),
+        TypeError,
+        "lens must be a sequence of ints, got str",
+    ),
+    (lambda: checks.check_lengths("lens", [1, -1]), ValueError, "lens[] must be >= 0, got -1"),
+    (lambda: checks.check_lengths("lens", [1, 2.5]), TypeError, "lens[] must be an int, got 2.5"),
+    (lambda: checks.check_bool("causal", 1), TypeError, "causal must be a bool, got 1"),
+    (lambda: checks.check_bool("causal", None), TypeError, "causal must be a bool, got None"),
+    (lambda: checks.check_positive("eps", "1"), TypeError, "eps must be a number > 0, got '1'"),
+    (lambda: checks.check_positive("eps", False), TypeError, "eps must be a number > 0, got False"),
+    (lambda: checks.check_positive("eps", 0), ValueError, "eps must be a finite number > 0, got 0"),
+    (
+        lambda: checks.check_positive("eps", float("inf")),
+        ValueError,
+        "eps must be a finite number > 0, got inf",
+    ),
+    (
+        lambda: checks.check_probability("dropout", "0.1"),
+        TypeError,
+        "dropout must be a float in [0, 1), got '0.1'",
+    ),
+    (
+        lambda: checks.check_probability("dropout", 1.0),
+        ValueError,
+        "dropout must be in [0, 1), got 1.0",
+    ),
+    (
+        lambda: checks.check_probability("dropout", -0.1),
+        ValueError,
+        "dropout must be in [0, 1), got -0.1",
+    ),
+    (
+        lambda: checks.present(None, "the plan"),
+        RuntimeError,
+        "attnkit internal error: the plan is None here; please report it",
+    ),
+    (lambda: checks.require_tensor("q", [1.0]), TypeError, "q must be a torch.Tensor, got list"),
+    (
+        lambda: checks.check_float_tensor("x", torch.zeros(2, dtype=torch.int64)),
+        TypeError,
+        "x must be a float tensor, got int64",
+    ),
+    (lambda: checks.check_float_tensor("x", 3.0), TypeError, "x must be a torch.Tensor, got float"),
+    (
+        lambda: checks.check_input("query", torch.zeros(2, 5), "(B, Tq, d_model=8)", 8, None),
+        ValueError,
+        "query must have shape (B, Tq, d_model=8), got (2, 5)",
+    ),
+    (
+        lambda: checks.check_input("query", torch.zeros(2, 5, 4), "(B, Tq, d_model=8)", 8, None),
+        ValueError,
+        "query must have shape (B, Tq, d_model=8), got (2, 5, 4)",
+    ),
+    (
+        lambda: checks.check_input(
+            "query",
+            torch.zeros(2, 5, 8),
+            "(B, Tq, d_model=8)",
+            8,
+            torch.zeros(1, dtype=torch.float64),
+        ),
+        TypeError,
+        "query is float32 but the module's parameters are float64: convert one of them "
+        "(module.to(dtype)), or run under torch.autocast",
+    ),
+    (
+        lambda: checks.check_like_parameters("x", torch.zeros(1, device="meta"), torch.zeros(1)),
+        ValueError,
+        "x is on meta but the module's parameters are on cpu",
+    ),
+    (
+        lambda: checks.check_broadcastable("bias", torch.zeros(3, 4), (2, 5, 4), "(B, T, K)"),
+        ValueError,
+        "bias of shape (3, 4) does not broadcast to (B, T, K) = (2, 5, 4)",
+    ),
+    (
+        lambda: checks.check_broadcastable("bias", torch.zeros(1, 1, 1, 4), (5, 4), "(T, K)"),
+        ValueError,
+        "bias of shape (1, 1, 1, 4) does not broadcast to (T, K) = (5, 4)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "exc", "message"), BAD)
+def test_bad_values_raise_with_the_argument_and_the_value(
+    call, exc: type[Exception], message: str
+) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(exc, match="^" + re.escape(message) + "$"):
+        call()
+
+
+def test_good_values_pass_through() -> None:
+    assert checks.check_int("n", 3) == 3
+    assert checks.check_int("n", 0, minimum=0) == 0
+    assert checks.check_lengths("lens", (0, 2, 5)) == [0, 2, 5]
+    assert checks.check_lengths("lens", []) == []
+    assert checks.check_bool("flag", False) is False
+    assert checks.check_positive("eps", 1) == 1.0
+    assert isinstance(checks.check_positive("eps", 1), float)
+    assert checks.check_probability("p", 0) == 0.0
+    assert checks.check_probability("p", 0.999) == 0.999
+    assert checks.present(0, "zero") == 0  # only None is missing
+    t = torch.zeros(2, 3, 8, dtype=torch.float64)
+    assert checks.require_tensor("t", t) is t
+    assert checks.check_float_tensor("t", t) is t
+    assert checks.check_input("x", t, "(B, T, 8)", 8, torch.zeros(1, dtype=torch.float64)) is t
+    assert checks.check_input("x", t, "(B, T, D)", None, None) is t
+    checks.check_broadcastable("bias", torch.zeros(5, 1), (2, 3, 5, 4), "(B, H, T, K)")
+    checks.check_broadcastable("bias", torch.zeros(()), (5, 4), "(T, K)")
+
+
+def test_under_autocast_a_dtype_other_than_the_parameters_is_fine() -> None:
+    x, params = torch.zeros(1, 2, 4, dtype=torch.bfloat16), torch.zeros(1)
+    with pytest.raises(TypeError, match=r"run under torch\.autocast"):
+        checks.check_like_parameters("x", x, params)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        checks.check_like_parameters("x", x, params)
+
+
+def test_strings_of_shapes_dims_and_dtypes() -> None:
+    assert checks.shape_str(torch.Size([2, 8, 128, 64])) == "(2, 8, 128, 64)"
+    assert checks.shape_str(()) == "()"
+    assert checks.shape_str((5,)) == "(5)"
+    assert checks.dim_str(7) == "7"
+    assert checks.dtype_str(torch.bfloat16) == "bfloat16"
+    assert checks.dtype_str(torch.float64) == "float64"
