@@ -1,0 +1,231 @@
+"""MultiHeadLatentAttention: the expanded and the absorbed forms against each other and against
+the formula, in float64; the latent cache; the native kernel's decode path on the absorbed call."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import attnkit
+from attnkit import masks
+from attnkit.modules import latent as latent_module
+from attnkit.modules.latent import LatentCache, MultiHeadLatentAttention
+
+F64 = torch.float64
+D, H, R, DN, DR, DV = 32, 4, 24, 8, 6, 10
+
+
+def make(q_lora_rank: int | None = 12, dtype: torch.dtype = F64, seed: int = 0, **kw: Any) -> Any:
+    torch.manual_seed(seed)
+    m = MultiHeadLatentAttention(
+        D,
+        H,
+        kv_lora_rank=R,
+        q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=DN,
+        qk_rope_head_dim=DR,
+        v_head_dim=DV,
+        dtype=dtype,
+        **kw,
+    )
+    with torch.no_grad():  # norms' weights away from 1, biases away from 0
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def randn(*shape: int, seed: int = 1, dtype: torch.dtype = F64) -> Tensor:
+    return torch.randn(*shape, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+
+
+def formula(m: Any, x: Tensor, allowed: Tensor) -> Tensor:
+    """MLA as DeepSeek-V2's paper writes it, head by head, with a plain softmax: every head's
+    keys ``[W_uk c, rope(k_rope)]`` and values ``W_uv c``; ``allowed`` ``(B, 1, Tq, S)``."""
+    b, t, _ = x.shape
+    q = m.q_proj(x) if m.q_proj is not None else m.q_b_proj(m.q_a_norm(m.q_a_proj(x)))
+    q = q.view(b, t, H, DN + DR)
+    kv = m.kv_a_proj(x)
+    c, k_rope = m.kv_a_norm(kv[..., :R]), kv[..., R:]
+    w = m.kv_b_proj.weight.view(H, DN + DV, R)
+    outs = []
+    for h in range(H):
+        q_nope, q_rope = q[:, :, h, :DN], m.rotary(q[:, :, h, DN:])
+        k = torch.cat((c @ w[h, :DN].T, m.rotary(k_rope)), -1)  # (B, S, DN + DR)
+        v = c @ w[h, DN:].T  # (B, S, DV)
+        scores = torch.cat((q_nope, q_rope), -1) @ k.mT / math.sqrt(DN + DR)
+        scores = scores.masked_fill(~allowed[:, 0], -math.inf)
+        outs.append(torch.softmax(scores, -1) @ v)
+    return m.out_proj(torch.cat(outs, -1))
+
+
+def padding_and_causal(lengths: list[int], t: int) -> Tensor:
+    keys = torch.arange(t)
+    pad = keys[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+    return (pad[:, None, None, :] & (keys[None, :] <= keys[:, None]))[:, :, :, :]
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_each_form_is_the_formula(q_lora_rank: int | None, form: str) -> None:
+    m = make(q_lora_rank, proj_bias=True)
+    x, lengths = randn(2, 7, D), [7, 5]
+    with torch.no_grad():
+        got = m(x, mask=masks.key_padding(lengths), causal=True, form=form)
+        want = formula(m, x, padding_and_causal(lengths, 7))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_the_forms_have_the_same_gradients() -> None:
+    m = make()
+    x = randn(2, 6, D).requires_grad_()
+    grads = []
+    for form in ("expanded", "absorbed"):
+        out = m(x, mask=torch.ones(2, 1, 6, 6, dtype=torch.bool).tril(), form=form)
+        grads.append(torch.autograd.grad(out.square().sum(), (x, *m.parameters())))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=0)
+
+
+@pytest.mark.parametrize("prompt", [1, 5])
+def test_decoding_over_the_latent_cache_is_the_whole_forward(prompt: int) -> None:
+    m, x, lengths = make(), randn(2, 9, D), [9, 6]
+    with torch.no_grad():
+        whole = m(x, mask=masks.key_padding(lengths), causal=True, form="expanded")
+        cache = m.make_cache(batch_size=2, max_len=12)
+        # the prompt expanded (over the cache), then one token at a time in the absorbed form
+        steps = [
+            m(
+                x[:, :prompt],
+                mask=masks.key_padding([prompt, min(prompt, 6)]),
+                causal=True,
+                cache=cache,
+                form="expanded",
+            )
+        ]
+        for t in range(prompt, 9):
+            pad = masks.key_padding([t + 1, min(t + 1, 6)])
+            steps.append(m(x[:, t : t + 1], mask=pad, causal=True, cache=cache))
+    assert cache.length == 9
+    torch.testing.assert_close(torch.cat(steps, 1), whole, atol=1e-12, rtol=0)
+
+
+def test_auto_takes_the_absorbed_form_to_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def spy(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
+        seen.append((q, k, v))
+        return attnkit.attention(q, k, v, **kw)
+
+    monkeypatch.setattr(latent_module, "attention", spy)
+    m, x = make(), randn(2, 21, D)
+    n = latent_module.DECODE_TOKENS + 4
+    cache = m.make_cache(batch_size=2, max_len=n + 1)
+    with torch.no_grad():
+        m(x[:, :4], causal=True)  # no cache: expanded
+        m(x[:, :n], causal=True, cache=cache)  # more tokens than a decode step: expanded
+        m(x[:, n:], causal=True, cache=cache)  # a decode step: absorbed
+    shapes = [(tuple(q.shape), tuple(k.shape), tuple(v.shape)) for q, k, v in seen]
+    assert shapes == [
+        ((2, H, 4, DN + DR), (2, H, 4, DN + DR), (2, H, 4, DV)),
+        ((2, H, n, DN + DR), (2, H, n, DN + DR), (2, H, n, DV)),
+        ((2, H, 1, R + DR), (2, 1, n + 1, R + DR), (2, 1, n + 1, R)),
+    ]
+    # the absorbed call's keys are the cache's latents, and its values a view of them: one
+    # memory, the same strides, nothing copied
+    _, k, v = seen[-1]
+    store = cache.latent
+    assert k.data_ptr() == v.data_ptr() == store.data_ptr()
+    assert k.stride() == v.stride() == store.stride()
+    assert v._base is store
+    assert k._base is store
+
+
+def test_a_refused_call_leaves_the_cache_as_it_was() -> None:
+    m, x = make(), randn(2, 3, D)
+    cache = m.make_cache(batch_size=2, max_len=8)
+    with torch.no_grad():
+        m(x, causal=True, cache=cache)
+        held = cache.latent.clone()
+        with pytest.raises(ValueError, match="mask"):
+            m(x[:, :1], mask=torch.ones(3, 1, 1, 4, dtype=torch.bool), cache=cache)
+    assert cache.length == 3
+    torch.testing.assert_close(cache.latent[:, :, :3], held[:, :, :3], atol=0, rtol=0)
+
+
+def test_native_decode_serves_the_absorbed_call_reading_the_latent_once() -> None:
+    """The absorbed decode step is one multi-query call (Hkv = 1) that the chunked backend's
+    native kernel serves on its decode path, whose work items are (batch row, key/value head,
+    part of the keys): each latent row is read once for the H query heads that share it. (Which
+    backend ``auto`` takes depends on the CPU and the cache's size: benchmarks/bench_mla.py
+    records it at DeepSeek's sizes.)"""
+    from attnkit._kernel.choice import decodes
+    from attnkit._native import status
+    from attnkit.backends import Chunked
+
+    if not status()[0]:
+        pytest.skip(f"the native kernel is not available: {status()[1]}")
+    h = 16
+    m = MultiHeadLatentAttention(
+        64,
+        h,
+        kv_lora_rank=128,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        backend="chunked",
+    )
+    x = randn(2, 65, 64, dtype=torch.float32)
+    cache = m.make_cache(batch_size=2, max_len=80)
+    with torch.no_grad():
+        m(x[:, :64], causal=True, cache=cache)
+        with attnkit.record_dispatch() as calls:
+            m(x[:, 64:], causal=True, cache=cache)
+        said = str(m.explain(x[:, 64:], causal=True, cache=cache))
+    (call,) = calls
+    assert (call.served_by, call.kernel) == ("chunked", "native kernel")
+    assert (call.call.groups, call.call.q_len, call.call.kv_len) == (h, 1, 65)
+    assert decodes(Chunked().block_plan(call.call))
+    assert f"q (2, {h}, 1, 144), k (2, 1, 66, 144), v (2, 1, 66, 128)" in said
+    assert "chunked    chosen" in said
+    assert "native kernel" in said
+
+
+def test_errors_quote_the_values() -> None:
+    m = make()
+    cache = m.make_cache(batch_size=2, max_len=4)
+    # (explain() makes forward()'s checks; forward's annotations are checked first in the tests)
+    with pytest.raises(ValueError, match=r'form must be "auto", "expanded" or "absorbed", got .x.'):
+        m.explain(randn(2, 1, D), form="x")
+    with pytest.raises(ValueError, match=r"kv_lora_rank=24 \+ qk_rope_head_dim=6 wide"):
+        m(randn(2, 1, D), cache=LatentCache(2, 4, 16, 6, dtype=F64))
+    with pytest.raises(TypeError, match="cache must be a LatentCache or None, got KVCache"):
+        m.explain(randn(2, 1, D), cache=attnkit.KVCache(2, 4, 1, 30, dtype=F64))
+    with torch.no_grad():
+        m(randn(2, 2, D), cache=cache)
+        with pytest.raises(ValueError, match=r"3 new tokens after the 2 cached"):
+            m(randn(2, 3, D), cache=cache)
+    assert cache.length == 2
+    with pytest.raises(
+        ValueError, match=r"rotary.head_dim \(8\) must equal qk_rope_head_dim \(6\)"
+    ):
+        make(rotary=attnkit.RotaryEmbedding(8))
+    with pytest.raises(ValueError, match="require grad"):
+        cache.stage(randn(2, 1, 1, R + DR).requires_grad_())
+
+
+def test_cache_helpers() -> None:
+    cache = LatentCache(1, 4, 3, 2, dtype=F64)
+    keys = cache.stage(randn(1, 1, 3, 5))
+    assert cache.length == 0  # staged, not held
+    cache.commit()
+    assert cache.values(keys).data_ptr() == keys.data_ptr()
+    assert cache.values(keys).shape[-1] == 3
+    cache.rewind(1)
+    assert cache.length == 1
+    cache.reset()
+    assert cache.length == 0
+    assert "kv_lora_rank=3, rope_dim=2" in repr(cache)
