@@ -35,6 +35,7 @@ from .caches.paged import PagedKVCache
 from .modules.capture import AttentionMaps, capture_attention
 from .modules.conformer import ConformerLayer
 from .modules.feedforward import PositionwiseFeedForward
+from .modules.latent import MultiHeadLatentAttention
 from .modules.layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
 from .modules.multihead import MultiHeadAttention
 from .modules.positional import (
@@ -61,6 +62,7 @@ __all__ = [
     "Explanation",
     "KVCache",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PagedKVCache",
     "PositionwiseFeedForward",
     "RelativeMultiHeadAttention",

@@ -15,7 +15,9 @@ reproduce its math, and copies the parameters, mapped where the two lay them out
   ``EncoderLayer``;
 * :func:`attnkit.interop.speechbrain.relative_attention`: SpeechBrain's ``RelPosMHAXL``;
 * :func:`attnkit.interop.openspeech.relative_attention`: openspeech's Conformer
-  ``RelativeMultiHeadAttention``.
+  ``RelativeMultiHeadAttention``;
+* :func:`attnkit.interop.deepseek.latent_attention`: transformers' ``DeepseekV3Attention``
+  (multi-head latent attention), as :class:`~attnkit.MultiHeadLatentAttention`.
 
 These functions are the one way in: the modules they build know nothing of the toolkits. Masks
 are never translated: attnkit's are True = may attend; each loader's docstring says how to turn
@@ -30,6 +32,6 @@ MultiHeadAttention(
 )
 """
 
-from . import espnet, openspeech, speechbrain, torch
+from . import deepseek, espnet, openspeech, speechbrain, torch
 
-__all__ = ["espnet", "openspeech", "speechbrain", "torch"]
+__all__ = ["deepseek", "espnet", "openspeech", "speechbrain", "torch"]
