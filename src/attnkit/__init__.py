@@ -32,6 +32,7 @@ from .backends.base import CallInputs, Dispatch, record_dispatch
 from .backends.reference import decompositions
 from .caches.kv_cache import KVCache
 from .caches.paged import PagedKVCache
+from .caches.streaming import StreamingKVCache
 from .modules.capture import AttentionMaps, capture_attention
 from .modules.conformer import ConformerLayer
 from .modules.feedforward import PositionwiseFeedForward
@@ -64,6 +65,7 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
     "PagedKVCache",
+    "StreamingKVCache",
     "PositionwiseFeedForward",
     "RelativeMultiHeadAttention",
     "RelativePositionEmbedding",
