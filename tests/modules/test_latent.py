@@ -183,9 +183,11 @@ def test_native_decode_serves_the_absorbed_call_reading_the_latent_once() -> Non
     with torch.no_grad():
         m(x[:, :64], causal=True, cache=cache)
         with attnkit.record_dispatch() as calls:
-            m(x[:, 64:], causal=True, cache=cache)
+            step = m(x[:, 64:], causal=True, cache=cache)
+        whole = m(x, causal=True, form="expanded")
         said = str(m.explain(x[:, 64:], causal=True, cache=cache))
     (call,) = calls
+    torch.testing.assert_close(step, whole[:, 64:], atol=2e-5, rtol=2e-5)
     assert (call.served_by, call.kernel) == ("chunked", "native kernel")
     assert (call.call.groups, call.call.q_len, call.call.kv_len) == (h, 1, 65)
     assert decodes(Chunked().block_plan(call.call))
