@@ -177,6 +177,7 @@ _FOREIGN = {
     "_are_functorch_transforms_active",  # torch._C's, asked in attnkit._base.transforms
     "_current_level",  # torch.autograd.forward_ad's dual level, asked in attnkit._base.transforms
     "_AutoDispatchBelowAutograd",  # torch._C's: an operator call without a graph (_native.ops)
+    "_get_sdp_priority_order",  # torch._C's: SDPA's order of kernels (backends/sdpa/kernels.py)
     "_subclasses",
     "_inductor",
     "_export",

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._base.checks import check_int, dim_str, shape_str
+from ..._base.devices import target
 from ..._call import AttentionCall
 from ..._kernel import no_autocast
 from ...masks import Geometry, Mask
@@ -35,9 +36,10 @@ from ..base import Backend, CallInputs
 from . import screen, terms
 from .costs import sdpa_slower
 from .documents import document_cuts, per_document
+from .kernels import KernelChoice, TorchArgs, torch_kernel
 from .terms import TERM_KEYS
 
-__all__ = ["EXACT", "SDPA", "sdpa_check", "sdpa_cost"]
+__all__ = ["EXACT", "SDPA", "gpu_kernel", "sdpa_check", "sdpa_cost", "torch_args"]
 
 #: The registered name of the backend a call goes to when torch's output breaks the policy.
 EXACT = "chunked"
@@ -110,9 +112,50 @@ def sdpa_check(call: AttentionCall) -> list[str]:
     return reasons
 
 
+def torch_args(call: AttentionCall) -> TorchArgs:
+    """What torch's kernel choice reads of the ``scaled_dot_product_attention`` call
+    :meth:`SDPA.run` makes for ``call``: an ``attn_mask`` wherever a bias, a score term or a
+    mask that is not torch's ``is_causal`` is given (packed documents go one document at a time,
+    with none)."""
+    mask, has_bias = call.mask, call.bias_shape is not None
+    causal = _is_causal(call.q_len, call.kv_len, mask, has_bias)
+    docs = None
+    if not has_bias and call.score_term is None:
+        docs = document_cuts(mask, call.q_len, call.kv_len)
+    return TorchArgs(
+        dtype=call.dtype,
+        qk_dim=call.qk_dim,
+        v_dim=call.v_dim,
+        q_len=call.q_len,
+        kv_len=call.kv_len,
+        num_heads=call.num_heads,
+        num_kv_heads=call.num_kv_heads,
+        mask=docs is None and (has_bias or call.score_term is not None or causal is None),
+        causal=bool(docs[1]) if docs else bool(causal),
+        dropout_p=call.dropout_p,
+        requires_grad=call.requires_grad,
+    )
+
+
+def gpu_kernel(call: AttentionCall) -> KernelChoice | None:
+    """Which of torch's kernels serves ``call`` on the GPU it runs on (None: not on a GPU)."""
+    device = target(call.device)
+    if not device.gpu:
+        return None
+    return torch_kernel(device, torch_args(call))
+
+
 def sdpa_cost(call: AttentionCall) -> list[str]:
     """Why ``auto`` should prefer another backend although torch's SDPA could serve the call."""
     costs = []
+    kernel = gpu_kernel(call)
+    if kernel is not None and not kernel.fused:
+        costs.append(
+            f"would run torch's math kernel on {call.device.type}, which writes out the scores "
+            f"(..., H, Tq, Tk) = {shape_str(call.scores_shape)} ("
+            + "; ".join(f"{name}: {why}" for name, why in kernel.passed_over)
+            + ")"
+        )
     mask = call.mask
     if (
         mask is not None
@@ -190,6 +233,17 @@ def _plain(
     return out, attn_mask
 
 
+def _documents(call: AttentionCall) -> int:
+    """How many fused calls packed documents take (0: the call is not served document by
+    document); the documents' lengths are read, nothing else."""
+    if call.mask is None or call.bias_shape is not None or call.score_term is not None:
+        return 0
+    docs = document_cuts(call.mask, call.q_len, call.kv_len)
+    if not docs:
+        return 0
+    return sum(sum(b > a for a, b in itertools.pairwise(row)) for row in docs[0])
+
+
 class SDPA(Backend):
     """torch's SDPA as a backend; ``block_q``, ``product_q`` and ``term_keys`` size the blocks of a
     call with a score term: queries per fused call, queries per product of the term (when
@@ -218,17 +272,21 @@ class SDPA(Backend):
         return sdpa_cost(call)
 
     def slower(self, call: AttentionCall) -> list[str]:
-        return sdpa_slower(call)
+        slow = sdpa_slower(call)
+        if target(call.device).gpu and torch_args(call).mask is False and _documents(call):
+            # a kernel launch per document, where a variable-length kernel would take one
+            slow.append(f"would run one fused call per document ({_documents(call)} calls)")
+        return slow
 
     def notes(self, call: AttentionCall) -> list[str]:
         notes = []
+        kernel = gpu_kernel(call)
+        if kernel is not None and kernel.fused:
+            notes.append(f"runs {kernel.describe()}")
         plain = call.bias_shape is None and call.score_term is None
         if call.mask is not None and plain:
-            docs = document_cuts(
-                call.mask, call.q_len, call.kv_len
-            )  # the documents' lengths: no data
-            if docs:
-                n = sum(sum(b > a for a, b in itertools.pairwise(row)) for row in docs[0])
+            n = _documents(call)
+            if n:
                 notes.append(f"one fused call per document: {n} calls")
         if not call.requires_grad:
             notes.append(
