@@ -237,6 +237,7 @@ NO_MIRROR = {
     "modules/__init__.py": "a docstring only: the tests in tests/modules/",
     "backends/__init__.py": "the built-in backends, in auto's order: tests/test_attention.py",
     "backends/sdpa/__init__.py": "re-exports only: the tests in tests/backends/sdpa/",
+    "backends/flex/__init__.py": "re-exports only: the tests in tests/backends/flex/",
     "cli/__init__.py": "the command's entry point: tests/cli/test_main.py",
     "distributed/__init__.py": "re-exports only: tests/distributed/test_ring.py",
     "flash_attn/__init__.py": "re-exports only: the tests in tests/flash_attn/",

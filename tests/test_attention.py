@@ -201,7 +201,7 @@ def test_register_checks_check_and_cost_and_keeps_built_ins() -> None:
         ):
             attnkit.register_backend(name, fn, replace=True)
     assert "x" not in attnkit.available_backends()  # nothing half-registered
-    assert attnkit.available_backends() == ["sdpa", "chunked", "reference"]
+    assert attnkit.available_backends() == ["sdpa", "flex", "chunked", "reference"]
 
 
 def test_replacing_a_user_backend_keeps_its_place_in_auto() -> None:
@@ -269,7 +269,7 @@ def test_registry_changes_while_other_threads_call_attention() -> None:
 
 @pytest.mark.usefixtures("no_shape_checks")
 def test_registry_errors() -> None:
-    assert attnkit.available_backends() == ["sdpa", "chunked", "reference"]
+    assert attnkit.available_backends() == ["sdpa", "flex", "chunked", "reference"]
     with pytest.raises(ValueError, match="'sdpa' is built in and cannot be replaced"):
         attnkit.register_backend("sdpa", lambda *a, **k: None, replace=True)
     with pytest.raises(ValueError, match="other than 'auto'"):
@@ -314,6 +314,8 @@ def test_explain_report_reads_well() -> None:
         "auto picks: chunked",
         "  sdpa       avoided: would materialise a (Tq, Tk) = (128, 256) causal mask: "
         "Tq != Tk (128 != 256) and torch's is_causal is top-left aligned",
+        "  flex       cannot: torch's compiled FlexAttention runs on CUDA, ROCm and XPU (and on the "
+        "CPU for inference), not on meta",
         "  chunked    chosen",
         "  reference  avoided: would materialise the scores (..., H, Tq, Tk) = (2, 8, 128, 256); "
         "auto takes it only when nothing else can",

@@ -1,8 +1,10 @@
 """The built-in backends of :func:`attnkit.attention`, and what a backend is.
 
 * ``sdpa`` (:class:`SDPA`): torch's fused ``scaled_dot_product_attention``;
-* ``flex`` (:class:`Flex`): calls with a ``score_mod`` or ``mask_mod`` handed to torch's
-  compiled FlexAttention on CUDA (registered where torch has CUDA and FlexAttention);
+* ``flex`` (:class:`Flex`): calls lowered to torch's FlexAttention (every mask as a
+  ``mask_mod``, what the call adds to the scores as a ``score_mod``), compiled on GPUs with
+  gradients and on the CPU for inference (registered where torch has FlexAttention; ``auto``
+  takes it on GPUs only);
 * ``chunked`` (:class:`Chunked`): attnkit's own blocked kernel (:mod:`attnkit._kernel`), O(T)
   memory, every mask, score term, softcap and sinks;
 * ``reference`` (:class:`Reference`): the formula as it reads, materialised
@@ -17,7 +19,7 @@ from .base import Backend, BackendError, BackendFn, CallInputs, Dispatch, record
 from .chunked import Chunked
 from .reference import Reference
 from .sdpa import SDPA
-from .torch_flex import Flex, flex_available
+from .flex import Flex, flex_available
 
 __all__ = [
     "SDPA",
@@ -36,6 +38,6 @@ __all__ = [
 
 def builtin_backends() -> tuple[Backend, ...]:
     """New instances of the built-in backends, in ``auto``'s order of preference: the fastest
-    first, the materialising spec last; ``flex`` only where torch has CUDA and FlexAttention."""
+    first, the materialising spec last; ``flex`` where torch has FlexAttention."""
     flex = (Flex(),) if flex_available() else ()
     return (SDPA(), *flex, Chunked(), Reference())

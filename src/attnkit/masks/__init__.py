@@ -845,6 +845,11 @@ class _FromFn(Mask):
     def describe(self) -> str:
         return f"from_fn({getattr(self.fn, '__name__', type(self.fn).__name__)})"
 
+    @property
+    def mask_mod(self) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+        """The function, which is FlexAttention's ``mask_mod`` (same arguments, raw indices)."""
+        return self.fn
+
     def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
         dev = geo.device
         b = torch.arange(geo.batch, device=dev).view(-1, 1, 1, 1)

@@ -1,0 +1,215 @@
+"""The ``flex`` backend: a call lowered to torch's FlexAttention and run there.
+
+On CUDA (ROCm's included) and Intel GPUs torch compiles ``flex_attention`` with the call's
+``score_mod`` and ``mask_mod`` into one fused kernel, forward and backward: the backend serves
+every call :func:`~.lowering.lowering_refusal` accepts there, with gradients. On the CPU torch's
+compiled FlexAttention serves inference only, and without the log-sum-exp: the backend serves CPU
+calls that need no gradients, compiled, and those that need the log-sum-exp (``return_lse``,
+sinks) through ``flex_attention``'s eager form, which writes the scores out. ``auto`` leaves CPU
+calls to attnkit's kernel (a ``cost``), so there ``backend="flex"`` runs only when asked for:
+what a GPU would compute, checked on a machine without one.
+
+attnkit's promises hold on this path: a query with no visible key gives 0 (and a log-sum-exp of
+``-inf``), as FlexAttention gives; a NaN or inf in q, k or v, which torch's kernel would let
+through from masked keys (a masked value times a zero weight), sends the call to attnkit's kernel
+(``chunked``), which follows the non-finite policy: a hand-over ``record_dispatch()`` records.
+Calls that need gradients bring that answer with them (``call.finite``); for the others the
+backend reads it, one host read.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..._base.devices import readable
+from ..._base.finite import finite
+from ..._base.transforms import transforms_active
+from ..._call import AttentionCall
+from ..._score_mod import describe as describe_score_mod
+from ..base import Backend, CallInputs, Output
+from .block_mask import BLOCK, plan_of
+from .lowering import Lowered, lower_call, lowering_refusal
+from .score_mod import relative_width
+from .sinks import fold_sinks
+
+__all__ = ["GRADIENT_DEVICES", "Flex", "flex_available", "run_lowered"]
+
+#: Devices where torch's compiled FlexAttention runs with gradients.
+GRADIENT_DEVICES = ("cuda", "xpu")
+
+_LOCK = threading.Lock()
+_COMPILED: list[Callable[..., Any]] = []
+
+
+def _flex_module() -> Any | None:
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:  # a torch without FlexAttention
+        return None
+    return flex_attention
+
+
+def flex_available() -> bool:
+    """Whether this torch has FlexAttention (``torch.nn.attention.flex_attention``)."""
+    return _flex_module() is not None
+
+
+def _compiled() -> Callable[..., Any]:
+    """``torch.compile(flex_attention)``, made once per process: torch compiles it once per
+    shape and per structure of score_mod and mask_mod (not per captured tensor)."""
+    with _LOCK:
+        if not _COMPILED:
+            module = _flex_module()
+            if module is None:
+                raise RuntimeError("attnkit internal error: flex ran without FlexAttention")
+            _COMPILED.append(torch.compile(module.flex_attention, dynamic=False))
+        return _COMPILED[0]
+
+
+def _eager(*args: Any, **kwargs: Any) -> Any:
+    """``flex_attention`` unfused (the CPU's form with the log-sum-exp), without its advice to
+    compile it: the compiled form has no log-sum-exp there."""
+    module = _flex_module()
+    if module is None:
+        raise RuntimeError("attnkit internal error: flex ran without FlexAttention")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return module.flex_attention(*args, **kwargs)
+
+
+def _needs_lse(call: AttentionCall, inputs_sinks: bool) -> bool:
+    return call.return_lse or inputs_sinks
+
+
+def run_lowered(lowered: Lowered, *, lse: bool, compiled: bool) -> tuple[Tensor, Tensor | None]:
+    """``flex_attention`` on a lowered call: ``(out (B, H, Tq, Dv), lse (B, H, Tq) or None)``,
+    torch's compiled form when ``compiled``, else its eager one."""
+    module = _flex_module()
+    if module is None:
+        raise RuntimeError("attnkit internal error: flex ran without FlexAttention")
+    fn = _compiled() if compiled else _eager
+    aux = module.AuxRequest(lse=True) if lse else None
+    result = fn(lowered.q, lowered.k, lowered.v, return_aux=aux, **lowered.kwargs())
+    if aux is None:
+        return result, None
+    return result[0], result[1].lse
+
+
+class Flex(Backend):
+    """torch's FlexAttention as a backend (see :mod:`attnkit.backends.flex`)."""
+
+    accepts_score_mod = True
+
+    def __init__(self) -> None:
+        super().__init__("flex")
+
+    def check(self, call: AttentionCall) -> list[str]:
+        reasons = []
+        if _flex_module() is None:
+            reasons.append("this torch has no torch.nn.attention.flex_attention")
+        device = call.device.type
+        if device == "cpu" and call.requires_grad:
+            reasons.append(
+                "torch's FlexAttention on the CPU computes no gradients (inference only); "
+                "attnkit's kernel (chunked) serves score_mods and masks with gradients"
+            )
+        elif device not in (*GRADIENT_DEVICES, "cpu"):
+            reasons.append(
+                f"torch's compiled FlexAttention runs on CUDA, ROCm and XPU (and on the CPU "
+                f"for inference), not on {device}"
+            )
+        if torch.compiler.is_compiling():
+            reasons.append(
+                "the lowering reads the mask's block plan, which torch.compile/export cannot "
+                "trace (call flex_attention directly inside a compiled model)"
+            )
+        if transforms_active():
+            reasons.append("torch.func's transforms are active (FlexAttention's kernel has none)")
+        refusal = lowering_refusal(call)
+        if refusal is not None:
+            reasons.append(refusal)
+        if call.finite is False:
+            reasons.append(
+                "q, k or v hold NaN/inf: torch's kernel would let masked ones into the outputs "
+                "and gradients"
+            )
+        return reasons
+
+    def cost(self, call: AttentionCall) -> list[str]:
+        if call.device.type != "cpu":
+            return []
+        return [
+            "runs torch's FlexAttention on the CPU, compiled once per shape and mask kind "
+            "(seconds each), or unfused with the (..., H, Tq, Tk) scores written out where the "
+            "log-sum-exp is needed: auto leaves CPU calls to the kernels made for it"
+        ]
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        notes = ["torch.compile(flex_attention): compiles once per shape and kind of mask"]
+        if call.mask is not None:
+            notes.append(f"mask {call.mask.describe()} as a mask_mod")
+            if readable(call.device):  # not meta, nor a device explain() describes
+                plan = plan_of(call.mask, call.geometry, call.groups, (BLOCK, BLOCK))
+                notes.append(f"BlockMask from the block plan: {plan.grid.describe()}")
+        notes += _score_notes(call)
+        if call.sinks:
+            notes.append("sinks folded in through the log-sum-exp: out * sigmoid(lse - sink)")
+        if call.device.type == "cpu" and (call.return_lse or call.sinks):
+            notes.append(
+                "on the CPU the log-sum-exp comes from flex_attention's unfused form (torch's "
+                "CPU compile has none)"
+            )
+        return notes
+
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        readable = not torch.compiler.is_compiling() and call.device.type != "meta"
+        if call.finite is None and readable and not finite(inputs.q, inputs.k, inputs.v):
+            return self.hand_over(
+                call,
+                inputs,
+                "chunked",
+                "q, k or v hold NaN/inf, which torch's FlexAttention would let through from "
+                "masked keys",
+            )
+        lowered = lower_call(call, inputs.q, inputs.k, inputs.v, inputs.bias)
+        lse_needed = _needs_lse(call, inputs.sinks is not None)
+        compiled = call.device.type != "cpu" or not lse_needed
+        out, lse = run_lowered(lowered, lse=lse_needed, compiled=compiled)
+        if inputs.sinks is not None and lse is not None:
+            out, lse = fold_sinks(out, lse, inputs.sinks)
+        out = out.reshape(*call.batch_shape, *out.shape[1:])
+        if not call.return_lse or lse is None:
+            return out
+        return out, lse.reshape(*call.batch_shape, *lse.shape[1:])
+
+
+def _score_notes(call: AttentionCall) -> list[str]:
+    """What the score_mod computes, and the size of what it reads."""
+    parts = []
+    if call.softcap is not None:
+        parts.append(f"softcap={call.softcap}")
+    if call.bias_shape is not None:
+        parts.append("the bias read by index")
+    term = call.score_term
+    if term is not None:
+        parts.append(f"{term.describe()} read by index")
+    if call.score_mod is not None:
+        parts.append(describe_score_mod(call.score_mod))
+    notes = [f"score_mod: {', then '.join(parts)}"] if parts else []
+    from ...scores import DistanceBias, RelativePositionTerm
+
+    if isinstance(term, RelativePositionTerm) and not term.legacy:
+        geo = call.geometry
+        reach = call.mask.distances(geo) if call.mask is not None else (-float("inf"), float("inf"))
+        width = relative_width(term, geo, reach)
+        bound = "the mask's window" if width < geo.q_len + geo.kv_len - 1 else "no window: O(T^2)"
+        notes.append(f"position term as q . r over {width} distances per query ({bound})")
+    elif term is not None and not isinstance(term, DistanceBias):
+        notes.append(f"{term.describe()} written out dense, (B, H, Tq, Tk): O(T^2)")
+    return notes

@@ -1,0 +1,25 @@
+"""Sinks through the log-sum-exp: FlexAttention has no sink, and needs none.
+
+A sink is one more logit per head that every query's softmax shares and no value answers. With
+``lse`` the log-sum-exp of a row's scores, the softmax over the scores and the sink gives each key
+``exp(s_j) / (exp(lse) + exp(sink))``, the plain weights times ``sigmoid(lse - sink)``: the output
+is FlexAttention's times that factor, and the row's log-sum-exp is ``logaddexp(lse, sink)``. A
+row with no visible key (``lse = -inf``) keeps output 0; its log-sum-exp is the sink's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["fold_sinks"]
+
+
+def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """``out (B, H, Tq, Dv)`` and ``lse (B, H, Tq)`` of the scores alone, with ``sinks (H,)``
+    folded in: the output and log-sum-exp of the softmax that includes each head's sink.
+    Differentiable in all three."""
+    sink = sinks.to(lse.dtype)[None, :, None]  # (1, H, 1)
+    share = torch.sigmoid(lse - sink)  # (B, H, Tq): the keys' share of the row's weight
+    folded = (out.to(share.dtype) * share.unsqueeze(-1)).to(out.dtype)
+    return folded, torch.logaddexp(lse, sink)

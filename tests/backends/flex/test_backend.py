@@ -1,0 +1,112 @@
+"""The flex backend: backend="flex" on the CPU runs torch's compiled FlexAttention for inference
+(unfused where the log-sum-exp is needed) and equals the float64 reference; it declines what it
+cannot serve with reasons explain() shows, hands non-finite inputs to chunked visibly, and auto
+never takes it on the CPU. Two shapes are compiled here, a few seconds each the first time."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import attnkit
+from attnkit import masks
+from attnkit.backends.base import record_dispatch
+from attnkit.backends.flex import Flex, flex_available
+from attnkit.modules.positional import alibi_term
+from attnkit.testing import assert_close
+
+from .helpers import H, call_of, qkv, randn, reference
+
+
+def _squared(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return s * s / 4
+
+
+def test_compiled_inference_equals_the_reference() -> None:
+    # One compiled kernel holds every kind of mask_mod and score_mod piece at once: packed
+    # documents, a window off the diagonal, key padding, a from_fn mask, softcap, ALiBi and a
+    # score_mod; with fewer queries than keys (bottom-right) and grouped-query heads. (The
+    # unfused form runs every other kind and both alignments: test_lowering.py.)
+    def early(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx < 30
+
+    mask = (masks.documents([20, 20]) & masks.sliding_window(6, right=-1)) | (
+        masks.key_padding([8, 3]) & masks.from_fn(early)
+    )
+    q, k, v = qkv(24, 40)
+    kw = {
+        "mask": mask,
+        "softcap": 5.0,
+        "bias": alibi_term(attnkit.alibi_slopes(H), 24, 40),
+        "score_mod": _squared,
+    }
+    with torch.no_grad(), record_dispatch() as calls:
+        out = attnkit.attention(q, k, v, backend="flex", **kw)
+    assert [c.served_by for c in calls] == ["flex"]
+    assert_close(out, reference(q, k, v, **kw))  # type: ignore[arg-type]
+
+
+def test_sinks_and_the_lse_on_the_cpu() -> None:
+    q, k, v = qkv(12, 20)
+    sinks = randn(H, seed=4)
+    kw = {"mask": masks.sliding_window(3) & masks.key_padding([20, 0]), "sinks": sinks}
+    out, lse = attnkit.attention(q, k, v, backend="flex", return_lse=True, **kw)  # type: ignore[call-overload]
+    want, want_lse = reference(q, k, v, return_lse=True, **kw)  # type: ignore[misc]
+    assert_close(out, want)
+    assert_close(lse, want_lse)
+    assert bool((out[1] == 0).all())  # no visible key: 0
+
+
+def test_a_masked_nan_is_handed_to_chunked() -> None:
+    q, k, v = qkv(8, 8)
+    k[:, :, 6] = float("nan")  # keys the padding hides
+    v[:, :, 7] = float("inf")
+    kw = {"mask": masks.key_padding([6, 4])}
+    with record_dispatch() as calls:
+        out = attnkit.attention(q, k, v, backend="flex", **kw)  # type: ignore[arg-type]
+    assert calls[0].handovers
+    assert calls[0].handovers[0][:2] == ("flex", "chunked")
+    assert "NaN/inf" in calls[0].handovers[0][2]
+    assert_close(out, reference(q, k, v, **kw))  # type: ignore[arg-type]
+
+
+def test_what_it_declines_and_why() -> None:
+    q, k, v = qkv(8, 8)
+    grad = call_of(q.requires_grad_(), k, v, causal=True)
+    assert any("computes no gradients (inference only)" in r for r in Flex().check(grad))
+    report = str(attnkit.explain(q, k, v, dropout_p=0.1, backend="flex"))
+    assert "FlexAttention has no dropout (dropout_p=0.1)" in report
+    report = str(attnkit.explain(q, k, v, return_weights=True, backend="flex"))
+    assert "FlexAttention returns no attention weights" in report
+    meta = call_of(*(torch.empty(1, 2, 8, 4, device="meta") for _ in range(3)))
+    assert any("not on meta" in r for r in Flex().check(meta))
+
+
+def test_auto_never_takes_flex_on_the_cpu() -> None:
+    q, k, v = qkv(16, 16)
+    calls: list[dict[str, object]] = [
+        {},
+        {"causal": True},
+        {"mask": masks.sliding_window(4)},
+        {"softcap": 2.0, "mask": masks.documents([8, 8])},
+        {"score_mod": _squared},
+        {"sinks": randn(H, seed=1), "return_lse": True},
+    ]
+    for kw in calls:
+        for grad in (False, True):
+            qq = q.detach().requires_grad_(grad)
+            chosen = attnkit.explain(qq, k, v, **kw).chosen  # type: ignore[arg-type]
+            assert chosen not in ("flex", None), (kw, grad, chosen)
+    costs = Flex().cost(call_of(q, k, v))
+    assert costs
+    assert "auto leaves CPU calls" in costs[0]
+
+
+def test_the_backend_is_registered_as_flex() -> None:
+    # The package is backends/flex (beside attnkit.flex, FlexAttention's API); the name a call
+    # passes as backend= is "flex", in auto's order after sdpa and before chunked.
+    assert Flex().name == "flex"
+    names = attnkit.available_backends()
+    assert ("flex" in names) == flex_available()
+    if flex_available():
+        assert names.index("sdpa") < names.index("flex") < names.index("chunked")
