@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
@@ -17,7 +19,7 @@ def whole_sequence(q, k, v, sinks: int, window: int):
     reference): what a streaming cache must give, token by token."""
     t = k.size(-2)
     keep = masks.sliding_window(window - 1) | (
-        masks.causal() & masks.key_padding([sinks] * k.size(0))
+        masks.causal() & masks.key_padding([min(sinks, t)] * k.size(0))
     )
     assert t == q.size(-2)
     return attnkit.attention(q, k, v, mask=keep, backend="reference")
@@ -123,3 +125,27 @@ def test_reset_and_update_return_what_to_attend() -> None:
     cache.reset()
     assert cache.length == 0
     assert cache.held == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sinks=st.integers(0, 4),
+    window=st.integers(1, 6),
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    heads=st.sampled_from([(1, 1), (4, 2), (3, 3)]),
+)
+def test_streaming_fuzz(sinks: int, window: int, chunks: list[int], heads: tuple[int, int]) -> None:
+    h, hkv = heads
+    n = sum(chunks)
+    q, k, v = randn(1, h, n, 4), randn(1, hkv, n, 4), randn(1, hkv, n, 4)
+    want = whole_sequence(q, k, v, sinks, window)
+    cache = StreamingKVCache(1, hkv, 4, sink_tokens=sinks, window=window, dtype=F64)
+    at = 0
+    with torch.no_grad():
+        for t in chunks:
+            out, _ = cache.attention(
+                q[:, :, at : at + t], k[:, :, at : at + t], v[:, :, at : at + t]
+            )
+            torch.testing.assert_close(out, want[:, :, at : at + t], atol=1e-12, rtol=1e-12)
+            at += t
+    assert cache.held == min(n, sinks + window)
