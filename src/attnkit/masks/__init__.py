@@ -84,15 +84,19 @@ __all__ = [
     "FULL",
     "PARTIAL",
     "Geometry",
+    "KeyIndices",
     "Mask",
     "band_visibility",
     "block_diagonal_mask",
+    "block_indices",
     "causal",
     "causal_mask",
     "check_mask",
     "combine_masks",
     "documents",
+    "first_entries",
     "from_fn",
+    "key_indices",
     "key_padding",
     "padding_mask",
     "sliding_window",
@@ -1253,3 +1257,6 @@ for _cls in (_Band, _Causal, _Window, _Documents, _TracedDocuments, _KeyPadding,
         serialized_type_name=f"attnkit.masks.{_cls.__name__.lstrip('_')}",
         flatten_with_keys_fn=_flatten_with_keys,  # type: ignore[arg-type]
     )
+
+# Index masks subclass Mask: imported once it exists.
+from ._indices import KeyIndices, block_indices, first_entries, key_indices  # noqa: E402

@@ -1,0 +1,214 @@
+"""Index masks: the keys each query may attend, given as their positions.
+
+A sparse-attention indexer (DeepSeek V3.2's top-k, NSA's block selection) picks for every query
+a few keys out of many: :func:`key_indices` takes their positions, :func:`block_indices` the
+blocks of keys. Both are :class:`KeyIndices` masks, which compose with ``&`` and ``|`` like every
+mask (``key_indices(idx) & causal()``). The chunked backend serves them by gathering each query's
+selected keys (:mod:`attnkit._kernel.gathered`), in O(Tq * k) time and memory; every other
+backend asks them for tiles, as for any mask (the reference writes the ``(Tq, Tk)`` mask out).
+
+Shape letters: ``B`` batch rows, ``Hi`` heads of the indices (1, or a divisor of ``H``: query
+head ``h`` reads the indices of head ``h // (H / Hi)``, so ``Hi = Hkv`` gives each key/value head
+its own selection), ``Tq`` queries, ``k`` selected keys (or blocks) per query, ``Tk`` keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+from torch import Tensor
+
+from .._base.checks import check_int, shape_str
+from . import Geometry, Mask
+from ._blocks import EMPTY, PARTIAL
+
+__all__ = ["KeyIndices", "block_indices", "first_entries", "key_indices"]
+
+
+class KeyIndices(Mask):
+    """A mask that lists, for each query, the keys it may attend: what :func:`key_indices` and
+    :func:`block_indices` build.
+
+    ``indices`` is ``(B|1, Hi, Tq, k)``, integer, ``-1`` for no key; ``block`` is the number of
+    keys an entry stands for (1 for key positions; entry ``x`` then covers keys ``x * block`` to
+    ``x * block + block - 1``). Repeated entries count once. :meth:`selected` gives the keys in
+    the form the gathered kernel reads.
+    """
+
+    def __init__(self, indices: Tensor, block: int) -> None:
+        self.indices = indices
+        self.block = block
+        # (kv_len, device) -> the sorted keys of that call (see selected), for the tensor's version
+        self._kept: dict[tuple[int, torch.device], tuple[int, Tensor]] = {}
+
+    def describe(self) -> str:
+        if self.block == 1:
+            return f"key_indices(indices {shape_str(self.indices.shape)})"
+        return f"block_indices(indices {shape_str(self.indices.shape)}, block={self.block})"
+
+    @property
+    def plan_key(self) -> Hashable | None:
+        try:
+            return ("key_indices", id(self.indices), self.indices._version, self.block)
+        except RuntimeError:  # made under inference_mode: no version counter
+            return None
+
+    @property
+    def heads(self) -> int:
+        """``Hi``: the heads the selection is given for."""
+        return self.indices.size(1)
+
+    @property
+    def width(self) -> int:
+        """Keys each query may attend at most: ``k * block``."""
+        return self.indices.size(-1) * self.block
+
+    def check(self, geo: Geometry, name: str) -> None:
+        idx = self.indices
+        rows, heads, q_len, _ = idx.shape
+        if rows not in (1, geo.batch):
+            raise ValueError(
+                f"{name}: {self.describe()} has {rows} batch rows but the call has B = {geo.batch}"
+            )
+        if geo.heads % heads:
+            raise ValueError(
+                f"{name}: {self.describe()} gives {heads} heads, which do not divide the call's "
+                f"H = {geo.heads} query heads (give 1, or the key/value heads)"
+            )
+        if q_len != geo.q_len:
+            raise ValueError(
+                f"{name}: {self.describe()} selects keys for {q_len} queries but the call has "
+                f"Tq = {geo.q_len}"
+            )
+        # The values are data: not read while torch.compile traces, nor on meta.
+        if torch.compiler.is_compiling() or idx.device.type == "meta" or not idx.numel():
+            return
+        slots = -(-geo.kv_len // self.block)
+        lo, hi = (int(x) for x in torch.aminmax(idx))
+        if lo < -1 or hi >= slots:
+            what = "key" if self.block == 1 else f"block of {self.block} keys"
+            raise ValueError(
+                f"{name}: {self.describe()} holds entries from {lo} to {hi}, and each must be -1 "
+                f"(none) or a {what} of the call's Tk = {geo.kv_len} keys (0 to {slots - 1})"
+            )
+
+    def selected(self, kv_len: int, device: torch.device) -> Tensor:
+        """``(B|1, Hi, Tq, k * block)`` int64 key positions on ``device``, sorted in each row:
+        first the ``-1`` (none, and the keys past ``Tk`` of a last partial block), then the keys
+        in order, a repeated key as often as given (:func:`first_entries` says which entry
+        counts). Made once per tensor version and call size: the forward and the backward, and
+        the tiles of a plan, share it."""
+        version = getattr(self.indices, "_version", -1)
+        kept = self._kept.get((kv_len, device))
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        keys = self.indices.to(device=device, dtype=torch.long)
+        if self.block > 1:
+            offsets = torch.arange(self.block, device=device)
+            wide = keys.unsqueeze(-1) * self.block + offsets  # (..., k, block)
+            keys = torch.where((keys.unsqueeze(-1) >= 0) & (wide < kv_len), wide, -1).flatten(-2)
+        # In order, a gather reads the keys as they lie, and a repeat sits beside its first.
+        keys = keys.sort(-1).values
+        if version != -1:
+            self._kept = {(kv_len, device): (version, keys)}
+        return keys
+
+    def _rows(self, geo: Geometry, qs: int, qe: int) -> Tensor:
+        """``(B|1, H|1, rows, k * block)`` selected keys of queries ``qs:qe``, per query head."""
+        keys = self.selected(geo.kv_len, geo.device)[:, :, qs:qe]
+        if keys.size(1) not in (1, geo.heads):
+            keys = keys.repeat_interleave(geo.heads // keys.size(1), dim=1)
+        return keys
+
+    def tile(self, geo: Geometry, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+        keys = self._rows(geo, qs, qe) - ks
+        width = ke - ks
+        # Keys outside ks:ke (and none) go to one spare column, dropped after the scatter.
+        keys = torch.where((keys >= 0) & (keys < width), keys, width)
+        out = torch.zeros((*keys.shape[:-1], width + 1), dtype=torch.bool, device=geo.device)
+        return out.scatter_(-1, keys, True)[..., :width]
+
+    def block_states(
+        self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
+    ) -> Tensor:
+        # A block holds a visible pair iff some query of it selected some key of it; no block is
+        # said FULL (PARTIAL is always sound).
+        (q0, q1, bq), (k0, k1, bk) = q, k
+        nq, nk = -(-(q1 - q0) // bq), -(-(k1 - k0) // bk)
+        keys = self.selected(geo.kv_len, geo.device)[:, :, q0:q1]  # (B|1, Hi, rows, w)
+        qb = (torch.arange(q1 - q0, device=geo.device) // bq).view(1, 1, -1, 1)
+        inside = (keys >= k0) & (keys < k1)
+        flat = torch.where(inside, qb * nk + (keys - k0) // bk, nq * nk)
+        counts = torch.bincount(flat.flatten(), minlength=nq * nk + 1)[: nq * nk]
+        return torch.where(counts > 0, PARTIAL, EMPTY).to(torch.uint8).view(nq, nk)
+
+
+def first_entries(keys: Tensor) -> Tensor:
+    """Bool, the shape of ``keys`` (rows sorted, as :meth:`KeyIndices.selected` gives them): True
+    at each key's first entry, False at its repeats and at ``-1``."""
+    first = keys >= 0
+    first[..., 1:] &= keys[..., 1:] != keys[..., :-1]
+    return first
+
+
+def _checked(indices: object, what: str) -> Tensor:
+    if not isinstance(indices, Tensor) or indices.is_floating_point() or indices.is_complex():
+        got = str(indices.dtype) if isinstance(indices, Tensor) else type(indices).__name__
+        raise TypeError(f"{what}() takes an integer tensor (B|1, Hi, Tq, k), got {got}")
+    if indices.dtype == torch.bool:
+        raise TypeError(
+            f"{what}() takes integer positions, got a bool tensor: a bool mask (True = may "
+            "attend) is a mask= of its own"
+        )
+    if indices.ndim != 4:
+        hint = (
+            f"; a (B, Tq, k) selection shared by all heads is {what}(indices.unsqueeze(1))"
+            if indices.ndim == 3
+            else ""
+        )
+        raise ValueError(
+            f"{what}() takes indices (B|1, Hi, Tq, k), got {shape_str(indices.shape)}{hint}"
+        )
+    return indices
+
+
+def key_indices(indices: Tensor) -> KeyIndices:
+    """The keys each query may attend, by position: ``indices`` ``(B|1, Hi, Tq, k)`` integer,
+    ``-1`` for none (a query with none attends nothing: its output is 0). Repeated entries count
+    once. ``Hi`` is 1 (every head attends the same keys) or divides ``H`` (``Hi = Hkv``: one
+    selection per key/value head). AND it with other masks (``& causal()``) to restrict it.
+
+    The chunked backend gathers each query's ``k`` keys instead of scanning all ``Tk``: time and
+    memory O(Tq * k), forward and backward.
+
+    >>> import torch
+    >>> from attnkit.masks import causal
+    >>> idx = torch.tensor([[0, 2], [1, 1], [3, -1]]).view(1, 1, 3, 2)
+    >>> key_indices(idx).dense(3, 4)[0, 0].int()
+    tensor([[1, 0, 1, 0],
+            [0, 1, 0, 0],
+            [0, 0, 0, 1]], dtype=torch.int32)
+    >>> (key_indices(idx) & causal()).dense(3, 4)[0, 0].int()     # queries at keys 1, 2, 3
+    tensor([[1, 0, 0, 0],
+            [0, 1, 0, 0],
+            [0, 0, 0, 1]], dtype=torch.int32)
+    """
+    return KeyIndices(_checked(indices, "key_indices"), 1)
+
+
+def block_indices(indices: Tensor, *, block: int) -> KeyIndices:
+    """The blocks of keys each query may attend (NSA's selected blocks): entry ``x`` of
+    ``indices`` ``(B|1, Hi, Tq, n)`` lets the query attend keys ``x * block`` to
+    ``x * block + block - 1`` (those that exist); ``-1`` for none. Otherwise as
+    :func:`key_indices`, with ``k = n * block`` keys a query.
+
+    >>> import torch
+    >>> from attnkit.masks import causal
+    >>> idx = torch.tensor([[0], [2], [0]]).view(1, 1, 3, 1)
+    >>> (block_indices(idx, block=2) & causal()).dense(3, 5)[0, 0].int()
+    tensor([[1, 1, 0, 0, 0],
+            [0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0]], dtype=torch.int32)
+    """
+    return KeyIndices(_checked(indices, "block_indices"), check_int("block", block))

@@ -1,0 +1,134 @@
+"""Index masks (``attnkit.masks.key_indices``, ``block_indices``): what they let through, drawn
+against a brute-force reading of the indices; their tiles and block states against their dense
+form; their checks' words; the reference backend with them against the formula over the selected
+keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit.masks import EMPTY, Geometry
+
+
+def _brute(indices: torch.Tensor, kv_len: int, block: int = 1) -> torch.Tensor:
+    """``(B, Hi, Tq, Tk)`` bool, by a loop over the entries."""
+    b, h, tq, _ = indices.shape
+    out = torch.zeros(b, h, tq, kv_len, dtype=torch.bool)
+    for i in range(b):
+        for j in range(h):
+            for t in range(tq):
+                for x in indices[i, j, t].tolist():
+                    if x >= 0:
+                        out[i, j, t, x * block : min(kv_len, x * block + block)] = True
+    return out
+
+
+def _random(b: int, h: int, tq: int, k: int, hi: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1, hi, (b, h, tq, k), generator=g)
+
+
+def test_key_indices_let_through_the_listed_keys_once() -> None:
+    idx = _random(2, 3, 7, 5, 11, seed=0)
+    idx[0, 0, 0] = torch.tensor([4, 4, 4, -1, 4])  # repeated and none
+    idx[1, 2, 3] = -1  # a row with none
+    dense = masks.key_indices(idx).dense(7, 11, batch_size=2, num_heads=3)
+    assert torch.equal(dense, _brute(idx, 11))
+    assert dense[0, 0, 0].nonzero().flatten().tolist() == [4]
+    assert not dense[1, 2, 3].any()
+
+
+def test_block_indices_let_through_whole_blocks_cut_at_tk() -> None:
+    idx = _random(1, 2, 6, 3, 4, seed=1)  # blocks of 3 over 10 keys: the last one holds key 9
+    idx[0, 0, 0] = torch.tensor([3, 3, -1])
+    dense = masks.block_indices(idx, block=3).dense(6, 10, num_heads=2)
+    assert torch.equal(dense, _brute(idx, 10, block=3))
+    assert dense[0, 0, 0].nonzero().flatten().tolist() == [9]
+
+
+def test_heads_of_the_indices_map_to_groups_of_query_heads() -> None:
+    # 2 selections for 4 query heads: heads 0, 1 read the first, heads 2, 3 the second.
+    idx = _random(1, 2, 5, 2, 6, seed=2)
+    dense = masks.key_indices(idx).dense(5, 6, num_heads=4)
+    want = _brute(idx, 6).repeat_interleave(2, dim=1)
+    assert torch.equal(dense.expand(1, 4, 5, 6), want)
+
+
+def test_composition_with_causal_and_padding() -> None:
+    idx = _random(2, 1, 6, 4, 9, seed=3)
+    mask = masks.key_indices(idx) & masks.causal() & masks.key_padding([9, 5])
+    want = _brute(idx, 9) & masks.causal_mask(6, 9) & masks.padding_mask([9, 5])
+    assert torch.equal(mask.dense(6, 9, batch_size=2), want)
+    union = masks.key_indices(idx) | masks.key_indices(idx.flip(0))
+    assert torch.equal(union.dense(6, 9, batch_size=2), _brute(idx, 9) | _brute(idx.flip(0), 9))
+
+
+def test_tiles_and_block_states_agree_with_the_dense_mask() -> None:
+    idx = _random(2, 2, 13, 3, 17, seed=4)
+    mask = masks.block_indices(idx, block=2)
+    geo = Geometry((2,), 4, 13, 34, torch.device("cpu"))
+    whole = mask.dense(13, 34, batch_size=2, num_heads=4)
+    assert torch.equal(mask.tile(geo, 3, 9, 5, 30), whole[:, :, 3:9, 5:30])
+    states = mask.block_states(geo, (0, 13, 4), (0, 34, 8))
+    for i, qs in enumerate(range(0, 13, 4)):
+        for j, ks in enumerate(range(0, 34, 8)):
+            seen = bool(whole[:, :, qs : qs + 4, ks : ks + 8].any())
+            assert (int(states[i, j]) != EMPTY) == seen, (i, j)
+
+
+def test_describe_and_a_plan_key_that_follows_writes() -> None:
+    idx = torch.zeros(1, 1, 4, 2, dtype=torch.long)
+    mask = masks.key_indices(idx)
+    assert repr(mask) == "key_indices(indices (1, 1, 4, 2))"
+    assert repr(masks.block_indices(idx, block=64) & masks.causal()) == (
+        "block_indices(indices (1, 1, 4, 2), block=64) & causal()"
+    )
+    key = mask.plan_key
+    idx[0, 0, 0, 0] = 3
+    assert mask.plan_key != key
+    # the selection read for the call follows the write too
+    assert mask.selected(4, torch.device("cpu"))[0, 0, 0].tolist() == [0, 3]
+
+
+def test_checks_quote_the_values() -> None:
+    q = torch.randn(2, 4, 5, 8)
+    with pytest.raises(
+        ValueError, match=r"entries from 5 to 5, and each must be -1 \(none\) .*\(0 to 4\)"
+    ):
+        attnkit.attention(q, q, q, mask=masks.key_indices(torch.full((1, 1, 5, 2), 5)))
+    with pytest.raises(ValueError, match=r"gives 3 heads, which do not divide the call's H = 4"):
+        attnkit.attention(q, q, q, mask=masks.key_indices(torch.zeros(1, 3, 5, 2, dtype=torch.int)))
+    with pytest.raises(ValueError, match=r"selects keys for 6 queries but the call has Tq = 5"):
+        attnkit.attention(q, q, q, mask=masks.key_indices(torch.zeros(1, 1, 6, 2, dtype=torch.int)))
+    with pytest.raises(ValueError, match=r"has 3 batch rows but the call has B = 2"):
+        attnkit.attention(q, q, q, mask=masks.key_indices(torch.zeros(3, 1, 5, 2, dtype=torch.int)))
+    with pytest.raises(ValueError, match=r"a block of 2 keys of the call's Tk = 5 keys \(0 to 2\)"):
+        attnkit.attention(q, q, q, mask=masks.block_indices(torch.full((1, 1, 5, 1), 3), block=2))
+    with pytest.raises(ValueError, match=r"is key_indices\(indices.unsqueeze\(1\)\)"):
+        masks.key_indices(torch.zeros(2, 5, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"integer tensor \(B\|1, Hi, Tq, k\), got torch.float32"):
+        masks.key_indices(torch.zeros(1, 1, 5, 3))
+    with pytest.raises(TypeError, match=r"got a bool tensor"):
+        masks.key_indices(torch.zeros(1, 1, 5, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"block must be >= 1, got 0"):
+        masks.block_indices(torch.zeros(1, 1, 5, 3, dtype=torch.long), block=0)
+
+
+def test_the_reference_attends_the_selected_keys_only() -> None:
+    # The formula over each row's own keys, written out: the spec the kernels are tested against.
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    idx = _random(1, 1, 6, 3, 6, seed=6)
+    idx[0, 0, 2] = -1  # a query with no key: output 0
+    out = attnkit.attention(q, k, v, mask=masks.key_indices(idx), backend="reference")
+    for h in range(2):
+        for t in range(6):
+            keys = sorted({x for x in idx[0, 0, t].tolist() if x >= 0})
+            if not keys:
+                assert not out[0, h, t].any()
+                continue
+            w = torch.softmax(q[0, h, t] @ k[0, h, keys].T / 2.0, -1)
+            torch.testing.assert_close(out[0, h, t], w @ v[0, h, keys])
