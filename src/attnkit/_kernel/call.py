@@ -38,6 +38,7 @@ from . import (
     sink_grad,
 )
 from .choice import choose
+from .gathered import gathered_attention
 
 __all__ = [
     "kernel_attention",
@@ -389,6 +390,13 @@ def kernel_attention(
     then the forward, differentiable (``return_lse``: also return the natural-log log-sum-exp
     ``(..., H, Tq)``, differentiable too; ``captured``: the tensors the ``score_mod`` captures
     that need gradients, which receive theirs)."""
+    served = gathered_attention(  # an index mask: each query's selected keys gathered
+        q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks,
+        score_mod=score_mod, captured=captured, dropout_p=dropout_p, return_lse=return_lse,
+        is_finite=is_finite,
+    )  # fmt: skip
+    if served is not None:
+        return served
     spec, dense, term_inputs = plan_call(
         q,
         k,

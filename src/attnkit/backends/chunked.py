@@ -32,6 +32,7 @@ from .._call import AttentionCall
 from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
 from .._kernel.call import kernel_attention
 from .._kernel.choice import decode_sized, decodes, why_not_native
+from .._kernel.gathered import gathered_note
 from .._kernel.operator import traceable, traced_attention
 from .._kernel.planning import decode_plan, planned
 from .._native import status as native_status
@@ -238,6 +239,10 @@ class Chunked(Backend):
         if call.device.type == "meta":
             return []
         call, rewrite = self._rewritten(call)
+        index = gathered_note(call)  # an index mask: its keys gathered, or why they are scanned
+        if index is not None and index[0]:
+            return [*rewrite, index[1]]
+        rewrite += [] if index is None else [index[1]]
         why = why_not_native(call, self.native)
         plan = self.block_plan(call)
         notes = [*rewrite, *([] if call.mask is None else [f"block plan: {plan.describe()}"])]

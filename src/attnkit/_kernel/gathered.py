@@ -1,0 +1,696 @@
+"""The kernel of index masks: each query's selected keys gathered, instead of a scan of every key.
+
+A call whose mask is an index mask (:func:`attnkit.masks.key_indices`,
+:func:`~attnkit.masks.block_indices`), alone or ANDed with masks that can be read at any pair
+(causal and other bands, key padding, dense tensors, other index masks), lets each query attend
+at most ``k`` keys. This kernel reads just those: for a chunk of query rows it gathers their
+``k`` key and value rows, computes the ``(rows, G, k)`` scores with everything the call adds
+(``scale``, softcap, a dense ``bias`` or a :class:`~attnkit.scores.DistanceBias` read at the
+gathered pairs, a ``score_mod``), masks the pairs the other masks hide, and takes the softmax
+over them at once (no online softmax: a row's keys are all there). Sinks join afterwards, as in
+the blocked kernel (:func:`~attnkit._kernel.sinks.finish`). The backward recomputes each chunk's
+scores from the saved log-sum-exp and scatters the keys' and values' gradients back with
+``index_add_``. Time and memory are O(Tq * k); no ``(Tq, Tk)`` tensor exists.
+
+Each query reads its own keys, so a key is not reused across queries as in a dense product: the
+work is a matrix-vector product per query and key/value head, bound by the bytes gathered
+(``k * (Dk + Dv)`` values per query and gathered head) rather than by arithmetic. Queries that
+share their keys share the gather: with one selection for all heads (``Hi = 1``) and grouped
+heads, the ``G`` query heads of a key/value head read one gathered copy.
+
+Shape letters: ``C`` gathered heads (``lcm(Hi, Hkv)``: each reads one key/value head with one
+selection), ``G'`` query heads per gathered head (``H / C``), ``W`` the keys a query may attend
+(``k * block``, several index masks joined by ``|`` side by side), ``n`` query rows of a chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._base.finite import finite
+from .._call import AttentionCall
+from .._record import note_kernel
+from .._score_mod import ScoreMod
+from .._score_mod import apply as apply_score_mod
+from ..masks import Geometry, KeyIndices, Mask, band_visibility, first_entries
+from ..scores import DistanceBias, ScoreTerm, cap_scores
+from .problem import no_autocast
+from .sinks import finish, sink_grad
+
+__all__ = ["GATHER_SHARE", "Gathered", "gathered_attention", "gathered_note", "selection"]
+
+#: An index mask is gathered when a query may attend at most this share of the keys; a wider
+#: selection reads fewer bytes through a scan of the keys, where one key serves a block of queries.
+GATHER_SHARE = 0.5
+#: The dtypes of keys and values the kernel gathers as they are.
+_READ = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Gathered key rows per chunk (its keys, values and scores are a few MiB each).
+CHUNK_ENTRIES = 1 << 16
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the gathered kernel reads of a mask: the index masks whose keys it gathers (several
+    joined by ``|``), and the other masks ANDed with them, evaluated at the gathered pairs."""
+
+    covers: tuple[KeyIndices, ...]
+    rest: tuple[Mask, ...]
+
+    @property
+    def width(self) -> int:
+        """Keys a query may attend at most: ``W``."""
+        return sum(m.width for m in self.covers)
+
+
+def _readable(mask: Mask) -> bool:
+    """Whether :func:`_visible` can read ``mask`` at any pairs of positions."""
+    if isinstance(mask, KeyIndices) or mask.band is not None or mask.tensor is not None:
+        return True
+    if mask.op is not None:
+        return all(_readable(p) for p in mask.parts)
+    return mask.keys_only
+
+
+def selection(
+    mask: Mask | None, term: ScoreTerm | None, dropout_p: float, kv_len: int
+) -> Selection | str | None:
+    """The :class:`Selection` of a call the gathered kernel serves; None for a call without an
+    index mask; else why the kernel that scans the keys serves it (in ``explain()``'s words)."""
+    if mask is None or not any(isinstance(p, KeyIndices) for p in _leaves(mask)):
+        return None
+    if isinstance(mask, KeyIndices):
+        found: Selection | str = Selection((mask,), ())
+    elif mask.op == "or" and all(isinstance(p, KeyIndices) for p in mask.parts):
+        found = Selection(tuple(p for p in mask.parts if isinstance(p, KeyIndices)), ())
+    elif mask.op == "and" and any(isinstance(p, KeyIndices) for p in mask.parts):
+        cover = min((p for p in mask.parts if isinstance(p, KeyIndices)), key=lambda m: m.width)
+        rest = tuple(p for p in mask.parts if p is not cover)
+        unread = [p.describe() for p in rest if not _readable(p)]
+        found = (
+            Selection((cover,), rest)
+            if not unread
+            else f"{unread[0]} cannot be read at the gathered keys"
+        )
+    else:
+        found = (
+            f"{mask.describe()} selects keys beyond its index masks (an index mask gathers "
+            "alone, ORed with index masks, or ANDed with other masks)"
+        )
+    if isinstance(found, str):
+        return found
+    if dropout_p:
+        return "dropout's mask is drawn over blocks of the (Tq, Tk) scores"
+    if term is not None and type(term) is not DistanceBias:
+        return f"the score term {term.describe()} is computed over blocks of keys"
+    if found.width > GATHER_SHARE * kv_len:
+        return (
+            f"each query may attend {found.width} of Tk = {kv_len} keys: a scan reads fewer "
+            f"bytes than a gather above {GATHER_SHARE:.0%} of them"
+        )
+    return found
+
+
+def _leaves(mask: Mask) -> list[Mask]:
+    return [q for p in mask.parts for q in (_leaves(p) if p.op is not None else [p])]
+
+
+def gathered_note(call: AttentionCall) -> tuple[bool, str] | None:
+    """``(served, words)`` for ``explain()``: whether the gathered kernel serves a call and how,
+    or why the kernel that scans the keys does; None for a call without an index mask."""
+    return _note(call.mask, call.score_term, call.dropout_p, call.geometry, call.num_kv_heads)
+
+
+def _note(
+    mask: Mask | None, term: ScoreTerm | None, dropout_p: float, geo: Geometry, kv_heads: int
+) -> tuple[bool, str] | None:
+    found = selection(mask, term, dropout_p, geo.kv_len)
+    if found is None:
+        return None
+    if isinstance(found, str):
+        return False, f"index mask scanned, not gathered: {found}"
+    heads = _gathered_heads(found, geo.heads, kv_heads)
+    per = geo.heads // heads
+    return True, (
+        f"gathered: each query's {found.width} selected keys of Tk = {geo.kv_len} read by "
+        f"position, {heads} gathered head{'s' if heads > 1 else ''} of {per} query "
+        f"head{'s' if per > 1 else ''} each (O(Tq * k) time and memory, eager PyTorch); the "
+        "scanning kernel where q, k or v hold NaN or inf"
+    )
+
+
+def _gathered_heads(found: Selection, heads: int, kv_heads: int) -> int:
+    """``C``: heads that each read one key/value head with one selection."""
+    return math.lcm(kv_heads, *(m.heads for m in found.covers))
+
+
+# --------------------------------------------------------------------------------------------------
+# The call's layout: query rows (b, c, t), each with its G' query heads and its W keys
+
+
+@dataclass
+class Gathered:
+    """One call of the gathered kernel, in its layout: ``rows = B * C * Tq`` query rows, row
+    ``r`` for batch row ``r // (C Tq)``, gathered head ``r // Tq % C``, query ``r % Tq``."""
+
+    found: Selection
+    geo: Geometry
+    kv_heads: int
+    scale: float
+    softcap: float | None
+    bias: Tensor | None  # (B|1, H|1, Tq|1, Tk|1): the call's dense bias, batch dims flattened
+    term: DistanceBias | None
+    score_mod: ScoreMod | None
+    n_mod: int  # tensors the score_mod captures that need gradients (the last of the extras)
+    chunk: int = CHUNK_ENTRIES
+    keys: Tensor = field(init=False)  # (B|1, Hc, Tq, W) sorted key positions
+    first: Tensor = field(init=False)  # (B|1, Hc, Tq, W) bool: the entries that count
+    _read: dict[int, Tensor] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        geo, covers = self.geo, self.found.covers
+        heads = math.lcm(*(m.heads for m in covers))
+        parts = [m.selected(geo.kv_len, geo.device) for m in covers]
+        if len(parts) > 1:  # side by side per query (one head count, one batch), in order again
+            rows = max(p.size(0) for p in parts)
+            parts = [
+                p.repeat_interleave(heads // p.size(1), 1).expand(rows, heads, -1, -1)
+                for p in parts
+            ]
+            self.keys = torch.cat(parts, -1).sort(-1).values
+        else:
+            self.keys = parts[0]
+        self.first = first_entries(self.keys)
+        self.c = math.lcm(self.keys.size(1), self.kv_heads)
+        self.g = geo.heads // self.c
+        self.rows = geo.batch * self.c * geo.q_len
+        self.width = self.keys.size(-1)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The chunks of query rows, about :attr:`chunk` gathered keys each."""
+        step = max(1, self.chunk // max(1, self.width * self.g))
+        return [(r, min(r + step, self.rows)) for r in range(0, self.rows, step)]
+
+    def where(self, r0: int, r1: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(b, c, t)`` of rows ``r0:r1``, each ``(n,)``."""
+        r = torch.arange(r0, r1, device=self.geo.device)
+        tq = self.geo.q_len
+        return r // (self.c * tq), r // tq % self.c, r % tq
+
+    def chunk_keys(self, b: Tensor, c: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        """``(keys, first)`` of the rows, ``(n, W)``."""
+        bi = b if self.keys.size(0) > 1 else torch.zeros_like(b)
+        hi = c // (self.c // self.keys.size(1))
+        return self.keys[bi, hi, t], self.first[bi, hi, t]
+
+    def flat_rows(self, b: Tensor, c: Tensor, keys: Tensor) -> Tensor:
+        """``(n, W)`` rows of the keys in k and v flattened to ``(B * Hkv * Tk, D)``."""
+        kv = b * self.kv_heads + c // (self.c // self.kv_heads)
+        return kv.unsqueeze(-1) * self.geo.kv_len + keys.clamp_min(0)
+
+    def heads_of(self, c: Tensor) -> Tensor:
+        """``(n, G')`` query heads of the rows."""
+        return c.unsqueeze(-1) * self.g + torch.arange(self.g, device=c.device)
+
+    # ----------------------------------------------------------------------------------------------
+    # Visibility at the gathered pairs
+
+    def visible(self, b: Tensor, c: Tensor, t: Tensor, keys: Tensor, first: Tensor) -> Tensor:
+        """``(n, G'|1, W)`` bool: the entries that count and that every other mask lets through."""
+        vis = first.unsqueeze(1)
+        for part in self.found.rest:
+            vis = vis & self._read_at(part, b, c, t, keys)
+        return vis
+
+    def _read_at(self, mask: Mask, b: Tensor, c: Tensor, t: Tensor, keys: Tensor) -> Tensor:
+        """``mask`` at the pairs (query row, gathered key): ``(n, G'|1, W)`` bool."""
+        geo = self.geo
+        if mask.op is not None:
+            parts = [self._read_at(p, b, c, t, keys) for p in mask.parts]
+            out = parts[0]
+            for p in parts[1:]:
+                out = out & p if mask.op == "and" else out | p
+            return out
+        if isinstance(mask, KeyIndices):
+            return _members(mask, geo, b, self.heads_of(c), t, keys)
+        if mask.band is not None:
+            lo, hi, align = mask.band
+            at = t + (geo.shift if align == "bottom_right" else 0)
+            return band_visibility(at.unsqueeze(-1), keys, lo, hi).unsqueeze(1)
+        if mask.tensor is not None:
+            return _at(self._whole(mask), b, self.heads_of(c), t, keys)
+        table = self._whole(mask)  # (B|1, Tk): a mask of keys only
+        bi = b if table.size(0) > 1 else torch.zeros_like(b)
+        return table[bi.unsqueeze(-1), keys.clamp_min(0)].unsqueeze(1)
+
+    def _whole(self, mask: Mask) -> Tensor:
+        """A dense mask's ``(B|1, H|1, Tq|1, Tk|1)`` tile, or a key mask's ``(B|1, Tk)`` keys,
+        read once per call."""
+        if id(mask) not in self._read:
+            geo = self.geo
+            whole = (
+                mask.tile(geo, 0, geo.q_len, 0, geo.kv_len)
+                if mask.tensor is not None
+                else mask.key_tile(geo, 0, geo.kv_len)
+            )
+            self._read[id(mask)] = whole
+        return self._read[id(mask)]
+
+    # ----------------------------------------------------------------------------------------------
+    # The scores of a chunk, with all the call adds to them
+
+    def added(
+        self, b: Tensor, c: Tensor, t: Tensor, keys: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """``(bias, term)`` at the chunk's pairs, ``(n, G'|1, W)`` each (None where absent)."""
+        bias = None if self.bias is None else _at(self.bias, b, self.heads_of(c), t, keys)
+        term = None
+        if self.term is not None:
+            table = self.term_table(self.term.table)
+            at = t + self.geo.shift
+            distance = (keys - at.unsqueeze(-1) - self.term.first).unsqueeze(1)
+            term = _at3(table, b, self.heads_of(c), distance)
+        return bias, term
+
+    def term_table(self, table: Tensor) -> Tensor:
+        """A :class:`DistanceBias` table as ``(B|1, H|1, L)``."""
+        return table.reshape((1,) * (3 - table.ndim) + tuple(table.shape))
+
+    def scores(
+        self,
+        raw: Tensor,
+        added: tuple[Tensor | None, Tensor | None],
+        vis: Tensor,
+        b: Tensor,
+        c: Tensor,
+        t: Tensor,
+        keys: Tensor,
+    ) -> Tensor:
+        """Natural-log scores ``(n, G', W)`` from ``raw = scale * q . k``: softcap, then the
+        bias and the term (``added``), then the score_mod; differentiable, for the backward's
+        autograd. Pairs ``vis`` hides enter the softcap and the score_mod as 0, as in the
+        reference: what a function gives there is masked, and its gradient must not be NaN."""
+        s = raw if self.softcap is None else cap_scores(raw.masked_fill(~vis, 0.0), self.softcap)
+        for extra in added:
+            if extra is not None:
+                s = s + extra
+        if self.score_mod is not None:
+            s = s.masked_fill(~vis, 0.0)
+            n, g, w = s.shape
+            idx = (
+                b.view(n, 1, 1, 1),
+                self.heads_of(c).view(n, g, 1, 1),
+                t.view(n, 1, 1, 1),
+                keys.view(n, 1, 1, w),
+            )
+            s = apply_score_mod(self.score_mod, s.view(n, g, 1, w), idx).view(n, g, w)
+        return s
+
+
+def _at(t4: Tensor, b: Tensor, h: Tensor, t: Tensor, keys: Tensor) -> Tensor:
+    """``t4`` ``(B|1, H|1, Tq|1, Tk|1)`` at the rows' pairs: ``(n, G'|1, W|1)``."""
+    bi = (b if t4.size(0) > 1 else torch.zeros_like(b)).view(-1, 1, 1)
+    hi = h.unsqueeze(-1) if t4.size(1) > 1 else torch.zeros_like(bi)
+    ti = (t if t4.size(2) > 1 else torch.zeros_like(t)).view(-1, 1, 1)
+    ki = keys.clamp_min(0).unsqueeze(1) if t4.size(3) > 1 else torch.zeros_like(bi)
+    return t4[bi, hi, ti, ki]
+
+
+def _bias_index(
+    t4: Tensor, b: Tensor, h: Tensor, t: Tensor, keys: Tensor, shape: tuple[int, int, int]
+) -> tuple[Tensor, ...]:
+    """:func:`_at`'s indices of ``t4``, each expanded to ``shape`` ``(n, G', W)`` (what
+    ``index_put_`` adds a chunk's gradient at)."""
+    zero = torch.zeros((1, 1, 1), dtype=torch.long, device=b.device)
+    bi = b.view(-1, 1, 1) if t4.size(0) > 1 else zero
+    hi = h.unsqueeze(-1) if t4.size(1) > 1 else zero
+    ti = t.view(-1, 1, 1) if t4.size(2) > 1 else zero
+    ki = keys.clamp_min(0).unsqueeze(1) if t4.size(3) > 1 else zero
+    return tuple(i.expand(shape) for i in (bi, hi, ti, ki))
+
+
+def _at3(table: Tensor, b: Tensor, h: Tensor, distance: Tensor) -> Tensor:
+    """A ``(B|1, H|1, L)`` table at ``distance`` ``(n, 1, W)`` (an index of the table, clamped
+    for the entries that do not count): ``(n, G'|1, W)``."""
+    bi = (b if table.size(0) > 1 else torch.zeros_like(b)).view(-1, 1, 1)
+    hi = h.unsqueeze(-1) if table.size(1) > 1 else torch.zeros_like(bi)
+    return table[bi, hi, distance.clamp(0, table.size(-1) - 1)]
+
+
+def _members(
+    mask: KeyIndices, geo: Geometry, b: Tensor, h: Tensor, t: Tensor, keys: Tensor
+) -> Tensor:
+    """Whether ``mask`` (an index mask other than the gathered one) lists each gathered key:
+    ``(n, G', W)``, by a binary search of its sorted rows."""
+    listed = mask.selected(geo.kv_len, geo.device)  # (B|1, Hi, Tq, w)
+    bi = (b if listed.size(0) > 1 else torch.zeros_like(b)).unsqueeze(-1)
+    rows = listed[bi, h // (geo.heads // listed.size(1)), t.unsqueeze(-1)]  # (n, G', w)
+    wanted = keys.unsqueeze(1).expand(-1, rows.size(1), -1).contiguous()
+    at = torch.searchsorted(rows.contiguous(), wanted).clamp_max(rows.size(-1) - 1)
+    return rows.gather(-1, at) == wanted
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward and backward
+
+
+@dataclass
+class _Inputs:
+    """q in rows ``(B C Tq, G', Dk)``, k and v flattened to ``(B Hkv Tk, D)``, in the work dtype
+    for q (k and v are gathered as they are, then converted)."""
+
+    q_rows: Tensor
+    k_flat: Tensor
+    v_flat: Tensor
+
+
+def _inputs(call: Gathered, q: Tensor, k: Tensor, v: Tensor, work: torch.dtype) -> _Inputs:
+    geo = call.geo
+    q5 = q.reshape(geo.batch, call.c, call.g, geo.q_len, q.size(-1)).transpose(2, 3)
+    return _Inputs(
+        q5.to(work).reshape(call.rows, call.g, q.size(-1)),
+        k.reshape(-1, k.size(-1)),
+        v.reshape(-1, v.size(-1)),
+    )
+
+
+def _from_rows(call: Gathered, rows: Tensor) -> Tensor:
+    """``(B C Tq, G', X)`` -> ``(B, H, Tq, X)``."""
+    geo = call.geo
+    x = rows.view(geo.batch, call.c, geo.q_len, call.g, -1).transpose(2, 3)
+    return x.reshape(geo.batch, geo.heads, geo.q_len, -1)
+
+
+def _to_rows(call: Gathered, t: Tensor) -> Tensor:
+    """``(B, H, Tq, X)`` -> ``(B C Tq, G', X)`` (a copy)."""
+    geo = call.geo
+    x = t.reshape(geo.batch, call.c, call.g, geo.q_len, -1).transpose(2, 3)
+    return x.reshape(call.rows, call.g, -1)
+
+
+def _forward(
+    call: Gathered, ins: _Inputs, bias_term: bool, work: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(out (B C Tq, G', Dv), lse (B C Tq, G'))`` in the work dtype, without sinks."""
+    dv = ins.v_flat.size(-1)
+    out = ins.q_rows.new_empty(call.rows, call.g, dv)
+    lse = ins.q_rows.new_empty(call.rows, call.g)
+    for r0, r1 in call.spans():
+        b, c, t = call.where(r0, r1)
+        keys, first = call.chunk_keys(b, c, t)
+        flat = call.flat_rows(b, c, keys).view(-1)
+        n = r1 - r0
+        kg = ins.k_flat.index_select(0, flat).view(n, call.width, -1).to(work)
+        raw = torch.bmm(ins.q_rows[r0:r1], kg.transpose(1, 2)).mul_(call.scale)
+        added = call.added(b, c, t, keys) if bias_term else (None, None)
+        vis = _hidden_by(call.visible(b, c, t, keys, first), added)
+        s = call.scores(raw, added, vis, b, c, t, keys).masked_fill(~vis, float("-inf"))
+        top = s.amax(-1, keepdim=True)
+        top = top.masked_fill(top == float("-inf"), 0.0)  # a row with no key: weights 0
+        p = (s - top).exp_()
+        total = p.sum(-1)
+        vg = ins.v_flat.index_select(0, flat).view(n, call.width, dv).to(work)
+        o = torch.bmm(p, vg)
+        out[r0:r1] = o / total.clamp_min(torch.finfo(work).tiny).unsqueeze(-1)
+        lse[r0:r1] = top.squeeze(-1) + total.log()
+    return out, lse
+
+
+@dataclass
+class _Grads:
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dbias: Tensor | None
+    dtable: Tensor | None
+    dmod: list[Tensor | None]
+
+
+def _backward(
+    call: Gathered,
+    ins: _Inputs,
+    lse: Tensor,
+    delta: Tensor,
+    dout: Tensor,
+    wants: tuple[bool, bool, tuple[Tensor, ...]],
+    work: torch.dtype,
+) -> _Grads:
+    """The gradients of q (rows), k, v (flat), the bias and the term's table (their ``(B|1,
+    H|1, ...)`` views) and the score_mod's captured tensors, chunk by chunk (``lse``, ``delta``
+    ``(B C Tq, G')``, ``dout`` ``(B C Tq, G', Dv)``; ``wants``: the bias's gradient, the
+    table's, and the captured tensors that need theirs)."""
+    want_bias, want_table, mod_inputs = wants
+    grads = _Grads(
+        torch.zeros_like(ins.q_rows),
+        torch.zeros(ins.k_flat.shape, dtype=work, device=ins.k_flat.device),
+        torch.zeros(ins.v_flat.shape, dtype=work, device=ins.v_flat.device),
+        None,
+        None,
+        [None] * len(mod_inputs),
+    )
+    device = ins.q_rows.device
+    if want_bias and call.bias is not None:
+        grads.dbias = torch.zeros(call.bias.shape, dtype=work, device=device)
+    if want_table and call.term is not None:
+        grads.dtable = torch.zeros(
+            call.term_table(call.term.table).shape, dtype=work, device=device
+        )
+    modified = call.softcap is not None or call.score_mod is not None
+    lse_safe = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
+    for r0, r1 in call.spans():
+        b, c, t = call.where(r0, r1)
+        keys, first = call.chunk_keys(b, c, t)
+        flat = call.flat_rows(b, c, keys).view(-1)
+        n = r1 - r0
+        kg = ins.k_flat.index_select(0, flat).view(n, call.width, -1).to(work)
+        vg = ins.v_flat.index_select(0, flat).view(n, call.width, -1).to(work)
+        qc = ins.q_rows[r0:r1]
+        raw = torch.bmm(qc, kg.transpose(1, 2)).mul_(call.scale)
+        bias, term = call.added(b, c, t, keys)
+        vis = _hidden_by(call.visible(b, c, t, keys, first), (bias, term))
+        leaves = [x.requires_grad_() for x in (raw, bias, term) if x is not None]
+        with torch.enable_grad():
+            s = call.scores(raw, (bias, term), vis, b, c, t, keys)
+        p = (s.detach() - lse_safe[r0:r1]).exp_().masked_fill_(~vis, 0.0)
+        dp = torch.bmm(dout[r0:r1], vg.transpose(1, 2))
+        ds = p * (dp - delta[r0:r1].unsqueeze(-1))
+        if modified or bias is not None or term is not None:
+            got = torch.autograd.grad(s, [*leaves, *mod_inputs], ds, allow_unused=True)
+            draw = _or_zeros(got[0], raw)
+            _add_chunk_grads(call, grads, got, bias, term, (b, c, t, keys), len(mod_inputs))
+        else:
+            draw = ds
+        draw = draw.mul_(call.scale)
+        torch.baddbmm(grads.dq[r0:r1], draw, kg, out=grads.dq[r0:r1])
+        grads.dk.index_add_(0, flat, torch.bmm(draw.transpose(1, 2), qc).view(-1, kg.size(-1)))
+        grads.dv.index_add_(0, flat, torch.bmm(p.transpose(1, 2), dout[r0:r1]).flatten(0, 1))
+    return grads
+
+
+def _hidden_by(vis: Tensor, added: tuple[Tensor | None, ...]) -> Tensor:
+    """``vis`` with the pairs a ``-inf`` bias or term entry masks hidden too."""
+    for extra in added:
+        if extra is not None:
+            vis = vis & (extra != float("-inf"))
+    return vis
+
+
+def _or_zeros(g: Tensor | None, like: Tensor) -> Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+def _add_chunk_grads(
+    call: Gathered,
+    grads: _Grads,
+    got: tuple[Tensor | None, ...],
+    bias: Tensor | None,
+    term: Tensor | None,
+    where: tuple[Tensor, Tensor, Tensor, Tensor],
+    n_mod: int,
+) -> None:
+    """Add a chunk's gradients of the bias, the term's table and the captured tensors (``got``:
+    the autograd answers for raw, the bias, the term, then the captured tensors)."""
+    b, c, t, keys = where
+    i = 1
+    for extra, total in ((bias, grads.dbias), (term, grads.dtable)):
+        if extra is None:
+            continue
+        d = got[i]
+        i += 1
+        if total is None or d is None:
+            continue
+        n, g, w = d.shape
+        if extra is bias:
+            index = _bias_index(total, b, call.heads_of(c), t, keys, (n, g, w))
+        else:
+            at = t + call.geo.shift
+            distance = keys - at.unsqueeze(-1) - call.term.first  # type: ignore[union-attr]
+            lead = _bias_index(total.unsqueeze(2), b, call.heads_of(c), t, keys, (n, g, w))[:2]
+            last = distance.clamp(0, total.size(-1) - 1).unsqueeze(1).expand(n, g, w)
+            index = (*lead, last)
+        total.index_put_(index, d.to(total.dtype).expand(n, g, w), accumulate=True)
+    for j in range(n_mod):
+        d = got[i + j]
+        if d is not None:
+            kept = grads.dmod[j]
+            grads.dmod[j] = d.clone() if kept is None else kept.add_(d)
+
+
+def _bias4(bias: Tensor, batch: tuple[int, ...], n: int) -> Tensor:
+    """A bias broadcastable to ``(*batch, H, Tq, Tk)`` as ``(B|1, H|1, Tq|1, Tk|1)`` (a view
+    where the batch dims broadcast)."""
+    t = bias.reshape((1,) * (len(batch) + 3 - bias.ndim) + tuple(bias.shape))
+    rest = t.shape[len(batch) :]
+    if all(s == 1 for s in t.shape[: len(batch)]):
+        return t.reshape(1, *rest)
+    return t.expand(*batch, *rest).reshape(n, *rest)
+
+
+def _bias_grad(d4: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Tensor:
+    """:func:`_bias4`'s layout of a gradient -> the bias's own shape and dtype."""
+    lead = batch if d4.size(0) != 1 else (1,) * len(batch)
+    padded = (1,) * (len(batch) + 3 - bias.ndim) + tuple(bias.shape)
+    d = d4.reshape(*lead, *d4.shape[1:]).sum_to_size(padded)
+    return d.reshape(bias.shape).to(bias.dtype)
+
+
+class _GatheredAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        call: Gathered,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        bias: Tensor | None,
+        sinks: Tensor | None,
+        *extra: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        geo = call.geo
+        work = torch.promote_types(q.dtype, torch.float32)
+        with no_autocast(q.device):
+            out_rows, lse_rows = _forward(call, _inputs(call, q, k, v, work), True, work)
+            out = _from_rows(call, out_rows)  # (B, H, Tq, Dv)
+            lse = _from_rows(call, lse_rows.unsqueeze(-1)).squeeze(-1)  # (B, H, Tq)
+            if sinks is not None:
+                hkv = call.kv_heads
+                out5, lse4 = finish(
+                    out.view(geo.batch, hkv, -1, geo.q_len, out.size(-1)),
+                    lse.view(geo.batch, hkv, -1, geo.q_len),
+                    sinks.view(hkv, -1),
+                )
+                out, lse = out5.view(out.shape), lse4.view(lse.shape)
+        ctx.save_for_backward(q, k, v, out, lse, bias, sinks, *extra)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        shape = q.shape[:-1]
+        return out.to(q.dtype).reshape(*shape, v.size(-1)), lse.reshape(shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+        call: Gathered = ctx.call
+        q, k, v, out, lse, bias, sinks, *extra = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        geo = call.geo
+        work = out.dtype
+        with no_autocast(q.device):
+            dout4 = torch.zeros_like(out) if dout is None else dout.reshape(out.shape).to(work)
+            delta = (dout4 * out).sum(-1)  # (B, H, Tq): rowsum(dO * O)
+            if dlse is not None:  # d lse / d s = the softmax: P * (dP - delta) gains P * dlse
+                delta = delta - dlse.reshape(delta.shape).to(work)
+            dsinks = None
+            if sinks is not None and needs[5]:
+                hkv = call.kv_heads
+                shape4 = (geo.batch, hkv, -1, geo.q_len)
+                p_sinks = sink_grad(lse.view(shape4), delta.view(shape4), sinks.view(hkv, -1))
+                dsinks = p_sinks.reshape(sinks.shape).to(sinks.dtype)
+            n_term = len(extra) - call.n_mod
+            wants = (bias is not None and needs[4], n_term > 0 and needs[6], tuple(extra[n_term:]))
+            grads = _backward(
+                call,
+                _inputs(call, q, k, v, work),
+                _to_rows(call, lse.unsqueeze(-1)).squeeze(-1),
+                _to_rows(call, delta.unsqueeze(-1)).squeeze(-1),
+                _to_rows(call, dout4),
+                wants,
+                work,
+            )
+        dbias = None
+        if grads.dbias is not None and bias is not None:
+            dbias = _bias_grad(grads.dbias, bias, geo.batch_shape)
+        dterm = [
+            None if grads.dtable is None else grads.dtable.reshape(t.shape).to(t.dtype)
+            for t in extra[:n_term]
+        ]
+        dmod = [
+            None if d is None else d.to(t.dtype)
+            for d, t in zip(grads.dmod, extra[n_term:], strict=True)
+        ]
+        return (
+            None,
+            _from_rows(call, grads.dq).reshape(q.shape).to(q.dtype),
+            grads.dk.reshape(k.shape).to(k.dtype),
+            grads.dv.reshape(v.shape).to(v.dtype),
+            dbias,
+            dsinks,
+            *dterm,
+            *dmod,
+        )
+
+
+# Function.apply is untyped in torch; give it its type once.
+_apply: Callable[..., tuple[Tensor, Tensor]] = _GatheredAttention.apply
+
+
+def gathered_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | None,
+    bias: Tensor | ScoreTerm | None,
+    scale: float,
+    softcap: float | None,
+    sinks: Tensor | None,
+    score_mod: ScoreMod | None,
+    captured: tuple[Tensor, ...],
+    dropout_p: float,
+    return_lse: bool,
+    is_finite: bool | None,
+) -> Tensor | tuple[Tensor, Tensor] | None:
+    """A validated call (the chunked backend's) through the gathered kernel, differentiable; None
+    when the kernel does not serve it (see :func:`selection`; also a call with nothing to
+    compute, or whose q, k or v hold NaN or inf: the scanning kernel's careful mode takes those)."""
+    term = bias if isinstance(bias, ScoreTerm) else None
+    found = selection(mask, term, dropout_p, k.size(-2))
+    if not isinstance(found, Selection) or not found.width or not q.numel() or not k.numel():
+        return None
+    if k.dtype not in _READ or v.dtype not in _READ:  # int8/float8 keys read with their scales
+        return None
+    if q.device.type == "meta" or not (finite(q, k, v) if is_finite is None else is_finite):
+        return None
+    batch = tuple(q.shape[:-3])
+    geo = Geometry(batch, q.size(-3), q.size(-2), k.size(-2), q.device)
+    dense = bias if isinstance(bias, Tensor) else None
+    call = Gathered(
+        found,
+        geo,
+        k.size(-3),
+        scale,
+        softcap,
+        None if dense is None else _bias4(dense, batch, geo.batch),
+        term if isinstance(term, DistanceBias) else None,
+        score_mod,
+        len(captured),
+    )
+    words = _note(mask, term, dropout_p, geo, k.size(-3))
+    note_kernel(words[1].partition("; the scanning")[0] if words is not None else "gathered")
+    extra = (*(term.inputs() if term is not None else ()), *captured)
+    out, lse = _apply(call, q, k, v, dense, sinks, *extra)
+    return (out, lse) if return_lse else out

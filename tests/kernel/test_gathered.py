@@ -1,0 +1,221 @@
+"""The gathered kernel (``attnkit._kernel.gathered``): index masks served by reading each query's
+selected keys, against the float64 reference, forward and backward, with every modifier; which
+calls it serves and what explain() says; and that a call whose (Tq, Tk) tensor would be large
+allocates none."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+import attnkit
+from attnkit import masks
+from attnkit._kernel.gathered import selection
+from attnkit.masks import Mask
+from attnkit.scores import DistanceBias
+from attnkit.testing import assert_close
+
+F64 = torch.float64
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype = F64) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+
+def _indices(b: int, h: int, tq: int, k: int, tk: int, seed: int, kind: str = "random") -> Tensor:
+    """Random positions (with repeats and -1), or each row's sorted distinct keys, or causal
+    ones (each query picks among the keys at or before it, as an indexer's top-k would)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "sorted":
+        return torch.rand(b, h, tq, tk, generator=g).argsort(-1)[..., :k].sort(-1).values
+    if kind == "causal":
+        at = torch.arange(tq).view(1, 1, tq, 1) + (tk - tq) + 1
+        return (torch.rand(b, h, tq, k, generator=g) * at).long()
+    idx = torch.randint(-1, tk, (b, h, tq, k), generator=g)
+    idx[..., 1] = idx[..., 0]  # a repeat in every row
+    return idx
+
+
+def _compare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask,
+    inputs: tuple[Tensor, ...] = (),
+    **kwargs: object,
+) -> None:
+    """The chunked backend (which must take the gathered kernel) against the reference, on the
+    outputs, the log-sum-exp and the gradients of every input that needs one."""
+    with attnkit.record_dispatch() as calls:
+        out, lse = attnkit.attention(
+            q, k, v, mask=mask, backend="chunked", return_lse=True, **kwargs
+        )
+    assert calls[0].kernel is not None
+    assert calls[0].kernel.startswith("gathered"), calls[0].kernel
+    want, want_lse = attnkit.attention(
+        q, k, v, mask=mask, backend="reference", return_lse=True, **kwargs
+    )
+    assert_close(out, want, dtype=q.dtype)
+    assert torch.equal(lse == -torch.inf, want_lse == -torch.inf)
+    finite = want_lse > -torch.inf
+    assert_close(lse[finite], want_lse[finite], dtype=q.dtype)
+    g = torch.Generator().manual_seed(9)
+    w, wl = torch.randn(out.shape, generator=g, dtype=F64), torch.randn(lse.shape, generator=g)
+    wl = wl.to(F64).masked_fill(~finite, 0.0)
+    tensors = (q, k, v, *inputs)
+
+    def loss(o: Tensor, lse_: Tensor) -> Tensor:
+        return (o.to(F64) * w).sum() + (lse_.masked_fill(~finite, 0.0).to(F64) * wl).sum()
+
+    got = torch.autograd.grad(loss(out, lse), tensors, retain_graph=True)
+    expected = torch.autograd.grad(loss(want, want_lse), tensors)
+    for a, e in zip(got, expected, strict=True):
+        assert_close(a, e, dtype=q.dtype)
+
+
+@pytest.mark.parametrize("kind", ["random", "sorted", "causal"])
+@pytest.mark.parametrize("heads", [1, 2, 4], ids=lambda h: f"Hi={h}")
+def test_index_masks_equal_the_reference(kind: str, heads: int) -> None:
+    # 4 query heads on 2 key/value heads; Hi = 1 (shared), Hkv or H selections.
+    q, k, v = _randn(2, 4, 24, 8, seed=1), _randn(2, 2, 40, 8, seed=2), _randn(2, 2, 40, 6, seed=3)
+    idx = _indices(2, heads, 24, 6, 40, seed=4, kind=kind)
+    _compare(q, k, v, masks.key_indices(idx), scale=0.7)
+    _compare(q, k, v, masks.key_indices(idx) & masks.causal())
+
+
+def test_rows_with_no_key_give_zero_and_lse_minus_inf() -> None:
+    q, k, v = _randn(1, 2, 12, 4, seed=5), _randn(1, 2, 32, 4, seed=6), _randn(1, 2, 32, 4, seed=7)
+    idx = _indices(1, 1, 12, 3, 32, seed=8)
+    idx[0, 0, :4] = -1  # no key at all
+    idx[0, 0, 4:8] = 31  # keys the causal mask hides from them (queries at 20..23)
+    mask = masks.key_indices(idx) & masks.causal()
+    out, lse = attnkit.attention(q, k, v, mask=mask, backend="chunked", return_lse=True)
+    assert not out[0, :, :8].any()
+    assert bool((lse[0, :, :8] == -torch.inf).all())
+    _compare(q, k, v, mask)
+
+
+CASE = Callable[[Tensor, Tensor], dict[str, object]]
+
+
+@pytest.mark.parametrize(
+    "modifier",
+    [
+        pytest.param(lambda t, q: {"softcap": 1.5}, id="softcap"),
+        pytest.param(lambda t, q: {"sinks": t[0, 0, 0, :4] * 3}, id="sinks"),
+        pytest.param(lambda t, q: {"bias": t}, id="bias"),
+        pytest.param(lambda t, q: {"bias": t[:, :1, :, :]}, id="bias-broadcast"),
+        pytest.param(
+            lambda t, q: {"bias": DistanceBias(torch.cat([t[0, :, 0], t[0, :, 1, :15]], -1), -31)},
+            id="distance",
+        ),
+        pytest.param(
+            lambda t, q: {
+                "score_mod": lambda s, b, h, i, j: s * (1 + t[0, 0, 0, 0]) - (i - j) * 0.05
+            },
+            id="score_mod",
+        ),
+    ],
+)
+def test_every_modifier_equals_the_reference(modifier: CASE) -> None:
+    # GQA (4 on 2), Tq < Tk (queries at the last keys), softcap with bias where they stack.
+    q, k, v = (
+        _randn(2, 4, 16, 8, seed=10),
+        _randn(2, 2, 32, 8, seed=11),
+        _randn(2, 2, 32, 8, seed=12),
+    )
+    table = _randn(2, 4, 16, 32, seed=13)
+    kwargs = modifier(table, q)
+    idx = _indices(2, 2, 16, 5, 32, seed=14, kind="causal")
+    mask = masks.key_indices(idx) & masks.causal()
+    inputs = () if "softcap" in kwargs else (table,)
+    _compare(q, k, v, mask, inputs, **kwargs)
+
+
+def test_block_indices_and_composition_with_readable_masks() -> None:
+    q, k, v = (
+        _randn(2, 4, 20, 8, seed=15),
+        _randn(2, 2, 64, 8, seed=16),
+        _randn(2, 2, 64, 8, seed=17),
+    )
+    blocks = _indices(2, 2, 20, 3, 16, seed=18)
+    dense = torch.rand(2, 1, 20, 64, generator=torch.Generator().manual_seed(19)) > 0.3
+    for mask in [
+        masks.block_indices(blocks, block=4) & masks.sliding_window(30),
+        masks.block_indices(blocks, block=4) & masks.key_padding([64, 41]),
+        masks.key_indices(_indices(2, 1, 20, 8, 64, seed=20)) & dense,
+        masks.key_indices(_indices(2, 1, 20, 8, 64, seed=21))
+        & masks.key_indices(_indices(2, 4, 20, 24, 64, seed=22)),
+        masks.key_indices(_indices(2, 1, 20, 6, 64, seed=23))
+        | masks.key_indices(_indices(2, 2, 20, 6, 64, seed=24)),
+    ]:
+        _compare(q, k, v, mask)
+
+
+def test_float32_and_bfloat16_at_their_tolerances() -> None:
+    idx = _indices(1, 1, 64, 16, 256, seed=25, kind="causal")
+    mask = masks.key_indices(idx) & masks.causal()
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (
+            _randn(1, 4, *s, seed=26 + i, dtype=dtype)
+            for i, s in enumerate([(64, 32), (256, 32), (256, 32)])
+        )
+        out = attnkit.attention(q, k, v, mask=mask, backend="chunked")
+        ref = attnkit.attention(
+            *(t.detach().double() for t in (q, k, v)), mask=mask, backend="reference"
+        )
+        assert out.dtype == dtype
+        assert_close(out, ref, dtype=dtype)
+
+
+def test_which_calls_are_gathered_and_what_explain_says() -> None:
+    idx = _indices(1, 1, 8, 4, 64, seed=27)
+    gathered = masks.key_indices(idx)
+    assert selection(None, None, 0.0, 64) is None
+    assert selection(masks.causal(), None, 0.0, 64) is None
+    assert "dropout" in str(selection(gathered, None, 0.1, 64))
+    wide = selection(gathered, None, 0.0, 6)
+    assert wide == (
+        "each query may attend 4 of Tk = 6 keys: a scan reads fewer bytes than a gather above "
+        "50% of them"
+    )
+    odd = masks.from_fn(lambda b, h, i, j: j != 3)
+    assert (
+        selection(gathered & odd, None, 0.0, 64)
+        == "from_fn(<lambda>) cannot be read at the gathered keys"
+    )
+    assert "beyond its index masks" in str(selection(gathered | masks.causal(), None, 0.0, 64))
+    q = torch.randn(1, 2, 8, 16)
+    k = torch.randn(1, 2, 64, 16)
+    text = str(attnkit.explain(q, k, k, mask=gathered & masks.causal()))
+    assert "mask key_indices(indices (1, 1, 8, 4)) & causal()" in text
+    assert "gathered: each query's 4 selected keys of Tk = 64 read by position" in text
+    text = str(attnkit.explain(q, k, k, mask=gathered & odd))
+    assert "index mask scanned, not gathered: from_fn(<lambda>) cannot be read" in text
+    # the scanning kernel serves what the gathered one does not, exactly
+    out = attnkit.attention(q, k, k, mask=gathered & odd, backend="chunked")
+    assert_close(out, attnkit.attention(q, k, k, mask=gathered & odd, backend="reference"))
+
+
+def test_a_long_call_allocates_no_query_by_key_tensor() -> None:
+    # Tq = Tk = 16384: a (Tq, Tk) bool mask would be 256 MiB, float scores 1 GiB per head.
+    tq = tk = 1 << 14
+    g = torch.Generator().manual_seed(28)
+    q, k, v = (torch.randn(1, 2, tq, 8, generator=g) for _ in range(3))
+    idx = _indices(1, 1, tq, 8, tk, seed=29, kind="causal")
+    mask = masks.key_indices(idx) & masks.causal()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = attnkit.attention(q, k, v, mask=mask, backend="chunked")
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest < tq * tk // 16, largest  # the largest one allocation, far below (Tq, Tk)
+    # a few rows against the formula over their own keys
+    for t in (0, 5000, tq - 1):
+        keys = sorted(set(idx[0, 0, t].tolist()))
+        w = torch.softmax(q[0, 1, t] @ k[0, 1, keys].T / 8**0.5, -1)
+        torch.testing.assert_close(out[0, 1, t], w @ v[0, 1, keys], atol=1e-5, rtol=1e-5)
