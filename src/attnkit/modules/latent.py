@@ -213,14 +213,14 @@ class MultiHeadLatentAttention(nn.Module):
 
     >>> mla = MultiHeadLatentAttention(64, 4, kv_lora_rank=32, qk_nope_head_dim=16,
     ...                                qk_rope_head_dim=8, v_head_dim=16)
-    >>> x = torch.randn(2, 10, 64)
-    >>> cache = mla.make_cache(batch_size=2, max_len=12)
+    >>> x = torch.randn(2, 21, 64)
+    >>> cache = mla.make_cache(batch_size=2, max_len=32)
     >>> with torch.no_grad():
-    ...     prompt = mla(x[:, :9], causal=True, cache=cache)       # expanded
-    ...     step = mla(x[:, 9:], causal=True, cache=cache)         # absorbed, over the latents
+    ...     prompt = mla(x[:, :20], causal=True, cache=cache)   # 20 tokens: expanded
+    ...     step = mla(x[:, 20:], causal=True, cache=cache)     # 1 token: absorbed
     ...     whole = mla(x, causal=True)
-    >>> bool(torch.allclose(step, whole[:, 9:], atol=1e-5)), cache.length
-    (True, 10)
+    >>> bool(torch.allclose(step, whole[:, 20:], atol=1e-5)), cache.length
+    (True, 21)
     """
 
     q_proj: nn.Linear | None
