@@ -138,19 +138,20 @@ def test_32_generated_tokens_equal_transformers_with_its_cache() -> None:
     theirs = module(c)
     ours = deepseek.latent_attention(theirs)
     prompt, steps = 5, 32
+    # (transformers' cache is its attention's fourth argument: named past_key_values, then cache)
     their_cache, our_cache = DynamicCache(config=c), ours.make_cache(2, prompt + steps)
     x = randn(2, prompt, D)
     keys = torch.arange(prompt)
     with torch.no_grad(), attnkit.record_dispatch() as calls:
         want, _ = theirs(
-            x, rope_table(c, keys[None]), additive(keys[None] <= keys[:, None]), cache=their_cache
+            x, rope_table(c, keys[None]), additive(keys[None] <= keys[:, None]), their_cache
         )
         got = ours(x, causal=True, cache=our_cache, form="expanded")
         agrees(got, want, TOL)
         last = want[:, -1:]
         for step in range(prompt, prompt + steps):
             x = last / last.square().mean(-1, keepdim=True).sqrt()
-            last, _ = theirs(x, rope_table(c, torch.tensor([[step]])), None, cache=their_cache)
+            last, _ = theirs(x, rope_table(c, torch.tensor([[step]])), None, their_cache)
             agrees(ours(x, causal=True, cache=our_cache), last, TOL)
     assert our_cache.length == their_cache.get_seq_length() == prompt + steps
     # every step after the prompt was one multi-query call over the latents: Dk = R + Dr, Hkv = 1
