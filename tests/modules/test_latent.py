@@ -113,6 +113,20 @@ def test_decoding_over_the_latent_cache_is_the_whole_forward(prompt: int) -> Non
     torch.testing.assert_close(torch.cat(steps, 1), whole, atol=1e-12, rtol=0)
 
 
+def test_chunks_of_a_prompt_over_the_cache_are_the_whole_forward() -> None:
+    """Chunks longer than a decode step run expanded over every cached latent; each form of a
+    chunk after a cached prefix sees the prefix at its positions."""
+    m, x = make(), randn(2, 40, D)
+    n = latent_module.DECODE_TOKENS + 2
+    with torch.no_grad():
+        whole = m(x, causal=True)
+        for form in ("expanded", "absorbed"):
+            cache = m.make_cache(batch_size=2, max_len=40)
+            parts = [m(x[:, i : i + n], causal=True, cache=cache, form=form) for i in (0, n)]
+            parts.append(m(x[:, 2 * n :], causal=True, cache=cache))
+            torch.testing.assert_close(torch.cat(parts, 1), whole, atol=1e-12, rtol=0)
+
+
 def test_auto_takes_the_absorbed_form_to_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[Tensor, Tensor, Tensor]] = []
 
