@@ -557,7 +557,43 @@ def test_indexer_selection_is_applied() -> None:
     selected = torch.zeros(2, 5, 5, dtype=torch.bool).scatter(-1, indices, True).unsqueeze(1)
     want = sdpa_attention_forward(layer, q, k, v, allowed & selected, scaling=0.3)[0]
     for mask in [hf.build_mask(batch_size=2, q_length=5, kv_length=5), allowed]:
-        out = AttentionInterface()["attnkit"](layer, q, k, v, mask, scaling=0.3, indices=indices)[0]
+        with attnkit.record_dispatch() as calls:
+            out = AttentionInterface()["attnkit"](
+                layer, q, k, v, mask, scaling=0.3, indices=indices
+            )[0]
         torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+        # read as an index mask: each query's two keys gathered, no (B, 1, Tq, Tk) selection
+        assert str(calls[0].kernel).startswith("gathered: each query's 2 selected keys"), calls
     with pytest.raises(ValueError, match=r"block-sparse selection \(block_indices\)"):
         AttentionInterface()["attnkit"](layer, q, k, v, allowed, block_indices=indices)
+
+
+def test_deepseek_v32_reads_its_indexer_selection_by_position() -> None:
+    """DeepSeek V3.2 (a tiny one from its config): the indexer's top-4 keys of 32 reach attnkit as
+    ``indices`` and run as ``masks.key_indices``, each query's keys gathered; logits equal sdpa's
+    and eager's (which fold the selection into a dense mask; eager takes its softmax in float32),
+    and greedy tokens and gradients equal sdpa's."""
+    from .helpers import sweep
+
+    config = sweep().tiny_config("deepseek_v32")
+    config.index_topk = 4
+    config.mlp_layer_types = ["dense"] * config.num_hidden_layers  # float64 throughout
+    torch.manual_seed(0)
+    m = transformers.DeepseekV32ForCausalLM(config).double().eval()
+    ids = torch.randint(3, V, (2, 32), generator=torch.Generator().manual_seed(1))
+    with attnkit.record_dispatch() as calls:
+        got = run(m, "attnkit", input_ids=ids).logits
+    kernels = {str(c.kernel).partition(" selected")[0] for c in calls}
+    assert kernels == {"gathered: each query's 4"}, kernels
+    torch.testing.assert_close(got, run(m, "sdpa", input_ids=ids).logits, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(got, run(m, "eager", input_ids=ids).logits, atol=1e-6, rtol=0)
+    tokens, grads = {}, {}
+    for impl in ["sdpa", "attnkit"]:
+        with use(m, impl), torch.no_grad():
+            tokens[impl] = m.generate(ids[:, :20], max_new_tokens=6, do_sample=False)
+        m.zero_grad()
+        with use(m, impl):
+            m(input_ids=ids, labels=ids).loss.backward()
+        grads[impl] = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+    assert torch.equal(tokens["attnkit"], tokens["sdpa"])
+    torch.testing.assert_close(grads["attnkit"], grads["sdpa"], atol=1e-12, rtol=1e-10)

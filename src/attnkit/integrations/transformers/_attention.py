@@ -178,18 +178,22 @@ def _sharded(
 
 
 def _selected_keys(
-    module: nn.Module, indices: Tensor, batch: int, q_len: int, kv_len: int
-) -> Tensor:
-    """``(B, 1, Tq, Tk)`` bool, True at the keys a sparse-attention indexer selected for each query
-    (DeepSeek V3.2's ``indices``, ``(B, Tq, topk)`` key positions): what transformers' eager and
-    sdpa paths AND into the mask before they attend."""
+    module: nn.Module, indices: Tensor, batch: int, q_len: int, keys: int
+) -> masks.KeyIndices:
+    """The keys a sparse-attention indexer selected for each query (DeepSeek V3.2's ``indices``,
+    ``(B, Tq, topk)`` key positions), one selection for every head, over the ``keys`` the call
+    keeps: what transformers' eager and sdpa paths AND into a ``(B, 1, Tq, Tk)`` mask before they
+    attend, as an index mask, which the chunked backend serves by reading each query's ``topk``
+    keys (O(Tq * topk)) instead of scanning all of them."""
     if indices.ndim != 3 or indices.shape[:2] != (batch, q_len) or indices.is_floating_point():
         raise ValueError(
             f"{_layer(module)}: indices must be integer key positions (B, Tq, topk) = "
             f"({batch}, {q_len}, topk), got {indices.dtype} of shape {shape_str(indices.shape)}"
         )
-    selected = torch.zeros(batch, q_len, kv_len, dtype=torch.bool, device=indices.device)
-    return selected.scatter(-1, indices.long(), True).unsqueeze(1)
+    selected = indices.long()
+    # A static cache's slots past the keys kept can only be empty: no key there to attend.
+    selected = torch.where(selected < keys, selected, -1)
+    return masks.key_indices(selected.unsqueeze(1))
 
 
 def _sink_share(module: nn.Module, sinks: Tensor, lse: Tensor) -> Tensor:
@@ -209,12 +213,11 @@ def _with_selection(
     module: nn.Module,
     mask: Mask | Tensor | None,
     query: Tensor,
-    kv_len: int,
     keys: int,
     kwargs: dict[str, Any],
 ) -> Mask | Tensor | None:
-    """``mask`` with the keys a sparse-attention indexer selected ANDed in (``indices``), over the
-    ``keys`` the call keeps."""
+    """``mask`` with the keys a sparse-attention indexer selected ANDed in (``indices``, as
+    :func:`attnkit.masks.key_indices`), over the ``keys`` the call keeps."""
     if kwargs.get("block_indices") is not None:
         # MiniMax M3's block selection: attending every key instead would be another model.
         raise ValueError(
@@ -225,9 +228,8 @@ def _with_selection(
     indices = kwargs.get("indices")
     if not isinstance(indices, Tensor):
         return mask
-    selected = _selected_keys(module, indices, query.size(0), query.size(-2), kv_len)
-    selected = selected[..., :keys]
-    return selected if mask is None else mask & selected
+    selected = _selected_keys(module, indices, query.size(0), query.size(-2), keys)
+    return selected if mask is None else selected & mask
 
 
 def _with_sinks(
@@ -372,7 +374,7 @@ def attention_forward(
         return out.transpose(1, 2).contiguous(), None
     kv_len = key.size(-2)
     keys, mask, bias, causal = _read_mask(module, query, key, attention_mask, is_causal, kwargs)
-    mask = _with_selection(module, mask, query, kv_len, keys, kwargs)
+    mask = _with_selection(module, mask, query, keys, kwargs)
     if isinstance(attention_mask, TransformersMask) and not attention_mask.packed:
         mask = _with_packing(module, mask, query, key, kwargs)
     if position_bias is not None:
