@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .._base.checks import dtype_str
 from .._base.finite import finite
-from .._native.kernel import NativeCall, native_call
+from .._base.quantized import dequantize
+from .._native.kernel import NativeCall, native_call, scale_rows
 from .._record import note_kernel
 from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
@@ -37,7 +39,7 @@ from . import (
     no_autocast,
     sink_grad,
 )
-from .choice import choose
+from .choice import choose, quantized_refusal
 from .gathered import gathered_attention
 
 __all__ = [
@@ -73,21 +75,28 @@ def _unlayout_bias_grad(d5: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Ten
     return d.reshape(bias.shape).to(bias.dtype)
 
 
-def _check_term(term: ScoreTerm, lse: Tensor, unchecked: tuple[Tensor, ...] = ()) -> None:
+def _check_term(
+    term: ScoreTerm,
+    lse: Tensor,
+    unchecked: tuple[Tensor, ...] | Callable[[], tuple[Tensor, ...]] = (),
+) -> None:
     """Raise when a score term gave NaN or +inf at a visible pair (one host synchronisation).
 
     With finite q, k, v and term inputs (and a bias already checked), only the term can make a
     visible score NaN or +inf, and any such score makes its row's log-sum-exp NaN or +inf: one
     look at the ``(B, H, Tq)`` log-sum-exp replaces a pass over every tile. (Scores overflowing
     the work dtype, ``|q . k| * scale`` beyond 3e38 in float32, would read the same.)
-    ``unchecked``: q, k and v when they were not read beforehand (the decode path): they are read
-    only when the log-sum-exp says something is not finite, and a NaN they hold is theirs.
+    ``unchecked``: q, k and v when they were not read beforehand (the decode path), or what
+    gives them (quantized keys and values, dequantized only then): they are read only when the
+    log-sum-exp says something is not finite, and a NaN they hold is theirs.
     """
     if not lse.numel():
         return
     top = float(lse.max())  # NaN propagates through max; -inf rows (no visible key) are fine
-    if (math.isnan(top) or top == math.inf) and (not unchecked or finite(*unchecked)):
-        raise term_error(term)
+    if math.isnan(top) or top == math.inf:
+        tensors = unchecked() if callable(unchecked) else unchecked
+        if not tensors or finite(*tensors):
+            raise term_error(term)
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,9 @@ class _Spec:
     #: q, k and v were not read for NaN and inf beforehand: the native kernel's decode path,
     #: which handles them itself, serves an inference call (see plan_call)
     unchecked: bool = False
+    #: int8/float8 k and v's (k_scale, v_scale), each broadcastable to (*batch, Hkv, Tk, 1),
+    #: where the native decode path reads them in place (see kernel_attention)
+    scales: tuple[Tensor, Tensor] | None = None
 
 
 def _layout(
@@ -199,11 +211,15 @@ def run_forward(
             q5, k4, v4, bias5 = _layout(spec, q, k, v, bias, native=True)
             # (sinks rescale the output after the kernel: in the work dtype)
             reduced = not for_backward and sinks is None
-            out5, lse = spec.native.forward(q5, k4, v4, bias5, term_inputs, reduced)
+            scales = None
+            if spec.scales is not None:
+                n = spec.geo.batch
+                scales = (scale_rows(spec.scales[0], k, n), scale_rows(spec.scales[1], v, n))
+            out5, lse = spec.native.forward(q5, k4, v4, bias5, term_inputs, reduced, scales)
         else:
             out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs, mod_inputs))
         if spec.check_term and spec.term is not None:
-            _check_term(spec.term, lse, (q, k, v) if spec.unchecked else ())
+            _check_term(spec.term, lse, _unchecked(spec, q, k, v))
         sinks2 = None if sinks is None else sinks.view(hkv, -1)
         out5, lse = finish(out5, lse, sinks2)
     # (B, Hkv, G, Tq, Dv) laid out as (B, Tq, H, Dv): a view of q's shape, like torch's SDPA.
@@ -300,6 +316,19 @@ def run_backward(
     )
 
 
+def _unchecked(
+    spec: _Spec, q: Tensor, k: Tensor, v: Tensor
+) -> tuple[Tensor, ...] | Callable[[], tuple[Tensor, ...]]:
+    """What :func:`_check_term` reads when a call's log-sum-exp is not finite: q, k and v when
+    they were not read beforehand, dequantized where they are int8/float8; else nothing."""
+    if not spec.unchecked:
+        return ()
+    scales = spec.scales
+    if scales is None:
+        return (q, k, v)
+    return lambda: (q, dequantize(k, scales[0], q.dtype), dequantize(v, scales[1], q.dtype))
+
+
 class _KernelAttention(torch.autograd.Function):
     # The forward apart from its context, as torch.func's transforms (grad, vjp, jacrev, vmap)
     # need it; under vmap, torch runs the forward and backward per batch of examples.
@@ -385,11 +414,25 @@ def kernel_attention(
     dropout_p: float = 0.0,
     register_tiles: bool = True,
     skewed_position: bool = True,
+    kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Run the kernel on a validated call (what the ``chunked`` backend does): :func:`plan_call`,
     then the forward, differentiable (``return_lse``: also return the natural-log log-sum-exp
     ``(..., H, Tq)``, differentiable too; ``captured``: the tensors the ``score_mod`` captures
-    that need gradients, which receive theirs)."""
+    that need gradients, which receive theirs). ``kv_scales``: int8/float8 k and v's
+    ``(k_scale, v_scale)`` (see :mod:`attnkit._base.quantized`), read in place by the native
+    decode path, else dequantized first (:func:`attnkit._kernel.choice.quantized_refusal`)."""
+    quantized = ""
+    if kv_scales is not None:
+        why = _quantized_refusal(
+            q, k, mask, bias, sinks, block_q, block_k, native, score_mod, kv_scales
+        )
+        if why is None:
+            quantized, is_finite = f"{dtype_str(k.dtype)} k and v read in place", None
+        else:
+            quantized = f"on {dtype_str(k.dtype)} k and v dequantized first: {why}"
+            k, v = dequantize(k, kv_scales[0], q.dtype), dequantize(v, kv_scales[1], q.dtype)
+            kv_scales = None
     served = gathered_attention(  # an index mask: each query's selected keys gathered
         q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks,
         score_mod=score_mod, captured=captured, dropout_p=dropout_p, return_lse=return_lse,
@@ -416,6 +459,8 @@ def kernel_attention(
         register_tiles=register_tiles,
         skewed_position=skewed_position,
     )
+    if quantized:
+        spec = replace(spec, scales=kv_scales, kernel=f"{spec.kernel} ({quantized})")
     note_kernel(spec.kernel)
     extra = (*term_inputs, *captured)
     if _wants_grads(q, k, v, dense, sinks, *extra):
@@ -424,6 +469,36 @@ def kernel_attention(
         # sizable part of a small decode step's)
         out, lse = run_forward(spec, q, k, v, dense, sinks, extra, for_backward=False)[:2]
     return (out, lse) if return_lse else out
+
+
+def _quantized_refusal(
+    q: Tensor,
+    k: Tensor,
+    mask: Mask | None,
+    bias: Tensor | ScoreTerm | None,
+    sinks: Tensor | None,
+    block_q: int | None,
+    block_k: int | None,
+    native: bool,
+    score_mod: ScoreMod | None,
+    kv_scales: tuple[Tensor, Tensor],
+) -> str | None:
+    """:func:`attnkit._kernel.choice.quantized_refusal` for a call about to run."""
+    term = bias if isinstance(bias, ScoreTerm) else None
+    inputs = () if term is None else tuple(term.inputs())
+    dense = bias if isinstance(bias, Tensor) else None
+    return quantized_refusal(
+        q,
+        mask=mask,
+        geo=Geometry(tuple(q.shape[:-3]), q.size(-3), q.size(-2), k.size(-2), q.device),
+        groups=q.size(-3) // k.size(-3),
+        term=term,
+        block_q=block_q,
+        block_k=block_k,
+        native=native,
+        score_mod=score_mod is not None,
+        wants_grads=_wants_grads(q, dense, sinks, *inputs, *kv_scales),
+    )
 
 
 def plan_call(

@@ -32,6 +32,7 @@ __all__ = [
     "decode_sized",
     "decodes",
     "native_serves",
+    "quantized_refusal",
     "refusal",
     "why_not_native",
 ]
@@ -188,6 +189,48 @@ def choose(
         and (finite(*term_inputs) if term_finite is None else term_finite)
     )
     return Choice(plan, why, careful, False, check_term, zero_offset)
+
+
+def quantized_refusal(
+    q: Tensor,
+    *,
+    mask: Mask | None,
+    geo: Geometry,
+    groups: int,
+    term: ScoreTerm | None,
+    block_q: int | None,
+    block_k: int | None,
+    native: bool,
+    score_mod: bool,
+    wants_grads: bool,
+) -> str | None:
+    """None when the native kernel's decode path reads a call's int8/float8 keys and values in
+    place (dequantized in registers, each product times its key's scale, each weight times its
+    value's scale); else why they are dequantized first, in ``explain()``'s words. (Only the
+    decode path reads them: the blocked forward and the backward take float keys and values.)"""
+    if wants_grads:
+        return "a call that needs gradients (the native backward takes float keys and values)"
+    if q.dtype == torch.float64:
+        return "float64 queries (the native kernel reads them with float32 products)"
+    if not decode_sized(geo.q_len, block_q):
+        return (
+            f"{geo.q_len} queries: the native kernel reads them on its decode path alone (at "
+            f"most {DECODE_QUERIES} queries in one block)"
+        )
+    why = refusal(
+        native=native,
+        device=q.device,
+        term=term,
+        score_mod=score_mod,
+        finite=None,
+        geo=geo,
+        build=True,
+    )
+    if why is not None:
+        return f"{why} runs the call"
+    if _decode(mask, geo, groups, term is not None, block_q, block_k) is None:
+        return "the call's plan is not the decode path's"
+    return None
 
 
 def _decode(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._base.quantized import QUANTIZED
 from .._kernel.plan import BlockPlan
 from ..masks import Geometry
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm, softcap_form
@@ -31,6 +32,7 @@ __all__ = [
     "cpu_has",
     "fuses",
     "native_call",
+    "scale_rows",
 ]
 
 #: The dtypes of keys and values that the native kernel reads as they are, computing in float32.
@@ -191,6 +193,8 @@ class NativeCall:
         output in bfloat16 (no float32 copy of the queries or the output)."""
         work = torch.promote_types(q5.dtype, torch.float32)
         kv = k4.dtype if self.reads_as_is(k4.dtype, backward) and v4.dtype == k4.dtype else work
+        if k4.dtype in QUANTIZED and not backward:  # read as they are, with their scales
+            kv = k4.dtype
         reduced = reduced_out and not backward and q5.dtype == kv == torch.bfloat16
         qv = enc = None
         if self.position is not None:
@@ -219,13 +223,18 @@ class NativeCall:
         bias5: Tensor | None,
         term_inputs: tuple[Tensor, ...] = (),
         reduced_out: bool = False,
+        scales: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``(out5, lse)`` in the work dtype, as :func:`attnkit._kernel.forward` returns them
         (``term_inputs``: the position term's ``(qv, enc)``, or a bias by distance's table);
-        with ``reduced_out``, out5 in bfloat16 when q, k and v are (see :meth:`tensors`)."""
+        with ``reduced_out``, out5 in bfloat16 when q, k and v are (see :meth:`tensors`).
+        ``scales``: int8/float8 k4 and v4's ``(k_scale, v_scale)``, float32 ``(N, Hkv, Tk)``
+        (see :func:`scale_rows`), which the decode path reads with them."""
         if not load():
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         args = self.tensors(q5, k4, v4, bias5, term_inputs, reduced_out=reduced_out)
+        if scales is not None:
+            args = (*args, *scales)
         with no_graph(args):
             out, lse = torch.ops.attnkit.native_forward(*args, **self.settings())
         return out, lse
@@ -280,6 +289,14 @@ class NativeCall:
         elif self.layout:
             dterm, dbias = [dbias if table_grad else None], None
         return dq, dk, dv, (dbias if asked and not self.layout else None), dterm
+
+
+def scale_rows(scale: Tensor, k: Tensor, n: int) -> Tensor:
+    """A scale broadcastable to ``(*batch, Hkv, Tk, 1)`` of quantized keys or values ``k``
+    ``(*batch, Hkv, Tk, D)`` as the operators read it: float32 ``(N, Hkv, Tk)`` (``N`` the batch
+    flattened), strides 0 where it is broadcast (no copy of a scale per head)."""
+    rows = scale.to(torch.float32).expand(*k.shape[:-1], 1)[..., 0]
+    return rows.reshape(n, k.size(-3), k.size(-2))
 
 
 def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:

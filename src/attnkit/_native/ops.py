@@ -2,9 +2,12 @@
 
 ``attention.cpp``'s successors (``csrc/ops.cpp``) define the operators and their CPU kernels:
 
-* ``torch.ops.attnkit.native_forward(q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, *,
-  block_q, block_k, scale, ...) -> (out, lse)``: q in the work dtype (float32, float64), or
-  bfloat16 with bfloat16 keys and values, out then in bfloat16 and lse in float32;
+* ``torch.ops.attnkit.native_forward(q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc,
+  k_scale, v_scale, *, block_q, block_k, scale, ...) -> (out, lse)``: q in the work dtype
+  (float32, float64), or bfloat16 with bfloat16 keys and values, out then in bfloat16 and lse in
+  float32; on the decode path, int8 or float8 keys and values with their float32 scales
+  ``(N, Hkv, Tk)`` (``k_scale``, ``v_scale``: key j is ``k[..., j, :] * k_scale[..., j]``), read
+  as they are (no backward: a call that needs gradients dequantizes them first);
 * ``torch.ops.attnkit.native_backward(dout, lse, delta, <the same>, *, ..., bias_grad, qv_grad,
   enc_grad) -> (dq, dk, dv, dbias, dqv, denc)`` (an empty tensor where a gradient is not asked);
 * ``torch.ops.attnkit.native_backward_into(dout, lse, delta, dq!, dk!, dv!, ...)``, the same
@@ -109,6 +112,8 @@ def _fake_backward(
     tiles: Tensor | None = None,
     qv: Tensor | None = None,
     enc: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     *,
     bias_grad: bool = False,
     qv_grad: bool = False,
@@ -137,6 +142,8 @@ def _fake_backward_into(
     tiles: Tensor | None = None,
     qv: Tensor | None = None,
     enc: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     *,
     bias_grad: bool = False,
     qv_grad: bool = False,
@@ -165,7 +172,10 @@ def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextMa
 
 
 # native_forward's positional tensors, in order; the backward returns one gradient for each.
-_INPUTS = ("q", "k", "v", "offsets", "visits", "bias", "key_ok", "tiles", "qv", "enc")
+_INPUTS = (
+    "q", "k", "v", "offsets", "visits", "bias", "key_ok", "tiles", "qv", "enc", "k_scale",
+    "v_scale",
+)  # fmt: skip
 
 
 def _setup_context(
@@ -178,7 +188,14 @@ def _setup_context(
 
 
 def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, out, lse = ctx.saved_tensors
+    q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, k_scale, v_scale, out, lse = (
+        ctx.saved_tensors
+    )
+    if k_scale is not None or v_scale is not None:
+        raise RuntimeError(
+            "attnkit::native_forward: no backward through int8/float8 keys and values; a call "
+            "that needs gradients dequantizes them first (k.float() * k_scale)"
+        )
     # One flag per positional input given (trailing inputs left at their default have none).
     needs = (*ctx.needs_input_grad, *(False,) * len(_INPUTS))[: len(_INPUTS)]
     q_dtype = q.dtype
@@ -230,6 +247,8 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
         None,
         dqv if needs[8] and position else None,
         denc if needs[9] and position else None,
+        None,
+        None,
     )
     return grads[: len(ctx.needs_input_grad)]
 

@@ -104,10 +104,51 @@ Rows<P> rows_of(const at::Tensor& t, P p) {
 template <typename X>
 constexpr bool is_reduced = std::is_same_v<X, at::BFloat16> || std::is_same_v<X, at::Half>;
 
+// Quantized keys and values (the decode path's alone): int8, or float8 in either format, read as
+// they are (a byte each) and converted in registers; their scales multiply the products they
+// enter (see decode_pages.h), never the elements.
+template <typename X>
+constexpr bool is_quantized = std::is_same_v<X, int8_t> || std::is_same_v<X, c10::Float8_e4m3fn> ||
+                              std::is_same_v<X, c10::Float8_e5m2>;
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 bytes of quantized elements as 16 float32 lanes, exactly: int8 through int32; float8 e5m2 is
+// float16's upper byte; e4m3fn's bits moved into float16's places (exponent bias 15 rather than
+// 7, so the float16 is the value times 2^-8, subnormals included) and scaled back, its one NaN
+// (S.1111.111) made NaN.
+template <typename X>
+inline __m512 quantized16(__m128i bytes) {
+  if constexpr (std::is_same_v<X, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  } else if constexpr (std::is_same_v<X, c10::Float8_e5m2>) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
+  } else {
+    static_assert(std::is_same_v<X, c10::Float8_e4m3fn>, "int8, float8_e4m3fn or float8_e5m2");
+    // Sign-extended and shifted by 7: the sign lands in bits 15 and 14, exponent and mantissa in
+    // 13 to 7; clearing bit 14 leaves float16's layout.
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                                       _mm256_set1_epi16(int16_t(0xbf80)));
+    const __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    const __m256i nan_bits = _mm256_set1_epi16(0x3f80);
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, nan_bits), nan_bits);
+    return _mm512_mask_mov_ps(x, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  }
+}
+#endif
+
 template <typename T, typename X>
 inline at::vec::Vectorized<T> load_as(const X* x) {
   if constexpr (std::is_same_v<T, X>) {
     return at::vec::Vectorized<T>::loadu(x);
+  } else if constexpr (is_quantized<X>) {
+    static_assert(std::is_same_v<T, float>, "float32 from int8/float8");
+#if defined(CPU_CAPABILITY_AVX512)
+    return quantized16<X>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+#else
+    alignas(64) float part[Vec::size()];
+    for (int64_t i = 0; i < Vec::size(); ++i) part[i] = float(x[i]);
+    return Vec::loadu(part);
+#endif
   } else {
     static_assert(std::is_same_v<T, float> && is_reduced<X>, "float32 from bfloat16/float16");
     Vec out;

@@ -8,7 +8,8 @@
 // stretch), and the parts of one row's keys (split-K) are merged exactly from their log-sum-exps by
 // whichever thread finishes the last part, in the same parallel region.
 //
-// Keys and values are read in place, as pages (X, Hkv, page, D) at any strides: a cache laid out
+// Keys and values are read in place, as pages (X, Hkv, page, D) at any strides (in q's dtype, in
+// bfloat16 or float16, or in int8 or float8 with a scale per row: see decode_pages.h): a cache laid out
 // (B, Tk, Hkv, D) or (B, Hkv, Tk, D) is one page per batch row, and a paged cache is read through
 // its block table, page by page (no gather).
 //
@@ -189,6 +190,27 @@ void divide(Decode<T, KV>& d, int64_t span) {
   d.grain = std::max<int64_t>(1, kThreadBytes / item_bytes);
 }
 
+// f(T(), KV()) as with_kv_types gives it, and for a float32 call with scales int8 or float8 keys
+// and values (KV int8_t, c10::Float8_e4m3fn or c10::Float8_e5m2).
+template <typename F>
+void with_decode_types(const CallArgs& a, const char* name, F&& f) {
+  const at::ScalarType kv = a.k.scalar_type();
+  if (!is_quantized_type(kv)) {
+    with_kv_types(a.q, a.k, name, f);
+    return;
+  }
+  TORCH_CHECK(a.k_scale.has_value() && a.v_scale.has_value(), name, ": ", kv,
+              " keys and values take k_scale and v_scale");
+  check_dtypes(a.q, a.k, a.v, true);
+  if (kv == at::kChar) {
+    f(float(), int8_t());
+  } else if (kv == at::kFloat8_e4m3fn) {
+    f(float(), c10::Float8_e4m3fn());
+  } else {
+    f(float(), c10::Float8_e5m2());
+  }
+}
+
 }  // namespace
 
 bool decodes(const CallArgs& a) {
@@ -201,15 +223,15 @@ std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a) {
               " and ", a.v.sizes());
   at::Tensor out = like_q(a.q, a.v.size(3));
   at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
-  with_kv_types(a.q, a.k, "attnkit::native_forward", [&](auto t, auto kv) {
+  with_decode_types(a, "attnkit::native_forward", [&](auto t, auto kv) {
     using T = decltype(t);
     using KV = decltype(kv);
     Decode<T, KV> d;
     d.c = make_call<T>(a);
     TORCH_CHECK(d.c.nqb <= 1, "attnkit: a decode call has one query block, got ", d.c.nqb);
+    d.k = pages_of<KV>(a.k, a.k_scale, "k");
+    d.v = pages_of<KV>(a.v, a.v_scale, "v");
     if (d.c.nqb == 0 || d.c.N * d.c.Hkv * d.c.G == 0) return;
-    d.k = pages_of<KV>(a.k);
-    d.v = pages_of<KV>(a.v);
     d.bq = d.c.Tq;
     d.nqb = 1;
     d.q_total = d.c.Tq;

@@ -31,7 +31,8 @@ constexpr int64_t kTokenBlock = 8;
 
 // A decode call: the call (its plan, when the visits come from it), the pages, and how its items
 // divide the work. The products are computed in T; keys and values are KV, T itself or, for a
-// float32 call, bfloat16 or float16 read as they are (half the bytes) and converted in registers.
+// float32 call, bfloat16 or float16 read as they are (half the bytes) and converted in registers,
+// or int8 or float8 with their scales (a quarter of the bytes).
 template <typename T, typename KV = T>
 struct Decode {
   Call<T> c;
@@ -63,6 +64,8 @@ struct DecodeBuffers {
   // CPU has AVX512-BF16 (q16_ok): q k^T then runs on its dot products (see key_dots).
   std::vector<at::BFloat16> q16;
   bool q16_ok = false;
+  // A step's scales of quantized keys and values, for each head of the item (see run_step).
+  std::vector<float> k_scales, v_scales;
   std::vector<T> t;             // a careful step's terms alone (see run_step)
   std::vector<uint8_t> hidden;  // a careful step's hidden pairs
   // The rows of this step's keys and values, and of the next step's, for the item's first head.
@@ -82,6 +85,8 @@ struct DecodeBuffers {
         acc(d.heads * d.rows() * d.c.Dv),
         m(d.heads * d.rows()),
         l(d.heads * d.rows()),
+        k_scales(is_quantized<KV> ? d.heads * kStep : 0),
+        v_scales(k_scales.size()),
         t(d.rows() * kStep),
         hidden(d.rows() * kStep),
         keys(kStep),

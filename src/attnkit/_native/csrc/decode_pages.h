@@ -19,10 +19,18 @@ struct Pages {
   Rows<const T*> x;
   const int64_t* table = nullptr;  // (N, table_ld)
   int64_t table_ld = 0, page = 1;
+  // Quantized rows' scales: float32 (X, Hkv, page), one per row, at strides ss (0 where
+  // broadcast); a row's elements times its scale are the keys or values the call sees.
+  const float* scale = nullptr;
+  int64_t ss[3] = {0, 0, 0};
 
   const T* at(int64_t n, int64_t hk, int64_t j) const {
     if (table == nullptr) return x.at(n, hk, 0, j);
     return x.at(table[n * table_ld + j / page], hk, 0, j % page);
+  }
+  float scale_at(int64_t n, int64_t hk, int64_t j) const {
+    if (table == nullptr) return scale[n * ss[0] + hk * ss[1] + j * ss[2]];
+    return scale[table[n * table_ld + j / page] * ss[0] + hk * ss[1] + (j % page) * ss[2]];
   }
   // One past the last key of j's page (a row's last key + 1 without a table: e).
   int64_t page_end(int64_t j, int64_t e) const {
@@ -94,11 +102,48 @@ void rows_of_keys(const Pages<T>& x, int64_t n, int64_t hk, int64_t j0, int64_t 
   }
 }
 
+// The scales of keys [j0, j1) of (n, hk): out[j - j0].
+template <typename T>
+void scales_of(const Pages<T>& x, int64_t n, int64_t hk, int64_t j0, int64_t j1, float* out) {
+  for (int64_t j = j0; j < j1; ++j) out[j - j0] = x.scale_at(n, hk, j);
+}
+
+// s's columns (rows of nk, ld apart) times their keys' scales: the product of a query with a
+// quantized key is the product with its elements times the key's scale, and a weight times a
+// value's scale weighs its elements.
+inline void scale_columns(float* s, int64_t nr, int64_t nk, int64_t ld, const float* scale) {
+  for (int64_t r = 0; r < nr; ++r) {
+    float* row = s + r * ld;
+    for (int64_t j = 0; j < nk; ++j) row[j] *= scale[j];
+  }
+}
+
 template <typename T>
 Pages<T> pages_of(const at::Tensor& x) {
   Pages<T> p;
   p.x = rows_of<const T*>(x, x.data_ptr<T>());
   p.page = std::max<int64_t>(x.size(2), 1);
+  return p;
+}
+
+// Quantized pages with their scales: a float32 (X, Hkv, page) tensor of any strides.
+template <typename T>
+Pages<T> pages_of(const at::Tensor& x, const c10::optional<at::Tensor>& scale, const char* name) {
+  Pages<T> p = pages_of<T>(x);
+  if constexpr (is_quantized<T>) {
+    TORCH_CHECK(scale.has_value(), "attnkit: ", x.scalar_type(), " ", name, " takes ", name,
+                "_scale");
+    const at::Tensor& s = *scale;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 && s.size(0) == x.size(0) &&
+                    s.size(1) == x.size(1) && s.size(2) == x.size(2),
+                "attnkit: ", name, "_scale must be float32 (", x.size(0), ", ", x.size(1), ", ",
+                x.size(2), ") (strides 0 where broadcast), got ", s.scalar_type(), " ", s.sizes());
+    p.scale = s.data_ptr<float>();
+    for (int d = 0; d < 3; ++d) p.ss[d] = s.stride(d);
+  } else {
+    TORCH_CHECK(!scale.has_value(), "attnkit: ", name, "_scale is for int8/float8 ", name,
+                ", got ", name, " of ", x.scalar_type());
+  }
   return p;
 }
 

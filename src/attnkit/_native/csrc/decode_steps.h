@@ -144,6 +144,15 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
     const T* k = rows_in<T>(d.k, keys, n, hk, ks, nk, c.Dk, b.wide_k.data(), ld);
     gemm<T>(c.register_tiles, false, true, nr, nk, c.Dk, alpha, qrows, c.Dk, k, ld, T(0), s, nk);
   }
+  float* k_scales = nullptr;
+  float* v_scales = nullptr;
+  if constexpr (is_quantized<KV>) {
+    k_scales = b.k_scales.data() + hh * kStep;
+    v_scales = b.v_scales.data() + hh * kStep;
+    scales_of(d.k, n, hk, ks, ks + nk, k_scales);
+    scales_of(d.v, n, hk, ks, ks + nk, v_scales);
+    scale_columns(s, nr, nk, nk, k_scales);
+  }
   if (c.softcap > 0 || c.bias != nullptr || c.qv.p != nullptr || vis[4]) {
     add_terms(c, b, n, hk, qs, vis, col0, s, nk);
   }
@@ -159,6 +168,7 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
   }
   T* acc = b.acc.data() + (hh * R + first) * c.Dv;
   softmax_step(c, n, hk, qs, vis, s, acc, b.m.data() + hh * R + first, b.l.data() + hh * R + first);
+  if constexpr (is_quantized<KV>) scale_columns(s, nr, nk, nk, v_scales);
   if (careful) {
     weigh_seen(nr, nk, c.Dv, s, b.hidden.data(), values, acc);
   } else if (few) {
@@ -212,6 +222,19 @@ void run_token_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, K
                RowList<KV>{keys + j0, hh * d.k.x.s[1]}, s + hh * nr * nk + j0, nk, Ahead<KV>{});
     }
   }
+  // Quantized keys: each head's scales in the keys' order, and the scores (in reading order)
+  // times them.
+  if constexpr (is_quantized<KV>) {
+    for (int64_t hh = 0; hh < it.heads; ++hh) {
+      float* ks = b.k_scales.data() + hh * kStep;
+      scales_of(d.k, it.n, it.hk0 + hh, vis[0], vis[1], ks);
+      scales_of(d.v, it.n, it.hk0 + hh, vis[0], vis[1], b.v_scales.data() + hh * kStep);
+      for (int64_t r = 0; r < nr; ++r) {
+        T* row = s + (hh * nr + r) * nk;
+        for (int64_t j = 0; j < nk; ++j) row[j] *= ks[P > 1 ? order[j] : j];
+      }
+    }
+  }
   T* w = s;  // the scores in the keys' order
   if (reordered) {
     w = b.key_s.data();
@@ -228,6 +251,16 @@ void run_token_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, K
   if (reordered) {
     for (int64_t x = 0; x < it.heads * nr; ++x)
       for (int64_t j = 0; j < nk; ++j) s[x * nk + j] = w[x * nk + order[j]];
+  }
+  // Quantized values: the weights (in reading order) times their values' scales.
+  if constexpr (is_quantized<KV>) {
+    for (int64_t hh = 0; hh < it.heads; ++hh) {
+      const float* vs = b.v_scales.data() + hh * kStep;
+      for (int64_t r = 0; r < nr; ++r) {
+        T* row = s + (hh * nr + r) * nk;
+        for (int64_t j = 0; j < nk; ++j) row[j] *= vs[P > 1 ? order[j] : j];
+      }
+    }
   }
   for (int64_t j0 = 0; j0 < nk; j0 += kTokenBlock) {
     const int64_t nb = std::min(kTokenBlock, nk - j0);

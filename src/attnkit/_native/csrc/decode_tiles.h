@@ -62,11 +62,14 @@ void dot_rows(int64_t n, int64_t d, T alpha, const T* a, int64_t lda, RowList<X>
 
 #if defined(CPU_CAPABILITY_AVX512)
 // The elements of x that m selects as 16 float32 lanes (the others 0): bfloat16 widened to 32 bits
-// and shifted into the float's upper half, float16 converted.
+// and shifted into the float's upper half, float16 converted, int8 and float8 as quantized16 reads
+// them.
 template <typename X>
 inline __m512 load16(__mmask16 m, const X* x) {
   if constexpr (std::is_same_v<X, float>) {
     return _mm512_maskz_loadu_ps(m, x);
+  } else if constexpr (is_quantized<X>) {
+    return quantized16<X>(_mm_maskz_loadu_epi8(m, x));
   } else {
     const __m256i h = _mm256_maskz_loadu_epi16(m, x);
     if constexpr (std::is_same_v<X, at::BFloat16>) {

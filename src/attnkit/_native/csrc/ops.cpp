@@ -19,7 +19,8 @@ namespace {
 // give each its gradient), then its settings.
 #define ATTNKIT_CALL_ARGS                                                                        \
   "Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor visits, Tensor? bias=None, "             \
-  "Tensor? key_ok=None, Tensor? tiles=None, Tensor? qv=None, Tensor? enc=None, *, int block_q, " \
+  "Tensor? key_ok=None, Tensor? tiles=None, Tensor? qv=None, Tensor? enc=None, "                 \
+  "Tensor? k_scale=None, Tensor? v_scale=None, *, int block_q, "                                   \
   "int block_k, float scale, float softcap=0., int[] bias_layout=[], float[] band=[], "          \
   "int shift=0, int stretch=0, float dropout_p=0., int seed=0, float rel_scale=0., "             \
   "int rel_top=0, int whole_width=0, bool register_tiles=True, bool skewed_position=True"
@@ -28,14 +29,17 @@ namespace {
   const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &offsets,       \
       const at::Tensor &visits, const c10::optional<at::Tensor>&bias,                             \
       const c10::optional<at::Tensor>&key_ok, const c10::optional<at::Tensor>&tiles,              \
-      const c10::optional<at::Tensor>&qv, const c10::optional<at::Tensor>&enc, int64_t block_q,   \
+      const c10::optional<at::Tensor>&qv, const c10::optional<at::Tensor>&enc,                    \
+      const c10::optional<at::Tensor>&k_scale, const c10::optional<at::Tensor>&v_scale,           \
+      int64_t block_q,                                                                            \
       int64_t block_k, double scale, double softcap, c10::IntArrayRef bias_layout,                \
       c10::ArrayRef<double> band, int64_t shift, int64_t stretch, double dropout_p, int64_t seed, \
       double rel_scale, int64_t rel_top, int64_t whole_width, bool register_tiles,                \
       bool skewed_position
 
 #define ATTNKIT_CALL_VALUES                                                                 \
-  q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, block_q, block_k, scale, softcap, \
+  q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, k_scale, v_scale, block_q, block_k, \
+      scale, softcap,                                                                      \
       bias_layout, band, shift, stretch, dropout_p, seed, rel_scale, rel_top, whole_width,  \
       register_tiles, skewed_position
 
@@ -51,6 +55,8 @@ CallArgs call_args(ATTNKIT_CALL_PARAMS) {
   a.tiles = tiles;
   a.qv = qv;
   a.enc = enc;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
   a.block_q = block_q;
   a.block_k = block_k;
   a.scale = scale;
@@ -69,6 +75,15 @@ CallArgs call_args(ATTNKIT_CALL_PARAMS) {
   return a;
 }
 
+// The backward reads keys and values in q's dtype, or bfloat16: int8 and float8 ones (and their
+// scales) are dequantized by the caller, whose gradients then reach the scales.
+void no_quantized_backward(const c10::optional<at::Tensor>& k_scale,
+                           const c10::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(),
+              "attnkit::native_backward: no backward through int8/float8 keys and values; "
+              "dequantize them (k.float() * k_scale) for a call that needs gradients");
+}
+
 // A gradient not asked for: an empty tensor (schemas return Tensor, not Tensor?).
 at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
   return t.defined() ? t : at::empty({0}, like.options());
@@ -76,6 +91,18 @@ at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
 
 std::tuple<at::Tensor, at::Tensor> native_forward(ATTNKIT_CALL_PARAMS) {
   const CallArgs a = call_args(ATTNKIT_CALL_VALUES);
+  // int8 and float8 keys and values, with their scales: the decode path alone reads them (their
+  // products in float32; bfloat16 queries converted first and the output back).
+  if (k_scale.has_value() || v_scale.has_value() || is_quantized_type(k.scalar_type())) {
+    TORCH_CHECK(decodes(a), "attnkit::native_forward: ", k.scalar_type(), " keys and values are ",
+                "read on the decode path alone (one query block of at most 16 queries), got ",
+                q.dim() == 5 ? q.size(3) : -1, " queries in blocks of ", block_q);
+    if (q.scalar_type() != at::kBFloat16) return decode(a);
+    CallArgs f = a;
+    f.q = q.to(at::kFloat);
+    auto [out, lse] = decode(f);
+    return {out.to(at::kBFloat16), lse};
+  }
   // bfloat16 queries, with bfloat16 keys and values: the output in bfloat16, the log-sum-exp in
   // float32. The matrix unit's forward reads them as they are; elsewhere (decode steps included,
   // whose queries are few) they are converted to float32 first and the output back.
@@ -127,6 +154,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   b.bias_grad = bias_grad;
   b.qv_grad = qv_grad;
   b.enc_grad = enc_grad;
+  no_quantized_backward(k_scale, v_scale);
   const auto g = backward(call_args(ATTNKIT_CALL_VALUES), b);
   return {g[0], g[1], g[2], or_empty(g[3], q), or_empty(g[4], q), or_empty(g[5], q)};
 }
@@ -145,6 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_backward_into(
   b.dq = dq;
   b.dk = dk;
   b.dv = dv;
+  no_quantized_backward(k_scale, v_scale);
   const auto g = backward(call_args(ATTNKIT_CALL_VALUES), b);
   return {or_empty(g[3], q), or_empty(g[4], q), or_empty(g[5], q)};
 }

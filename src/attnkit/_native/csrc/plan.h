@@ -22,6 +22,9 @@ struct CallArgs {
   double p_drop = 0;
   int64_t seed = 0;
   c10::optional<at::Tensor> qv, enc;  // Transformer-XL's position term
+  // Quantized keys and values' scales (the decode path's alone): float32 (N, Hkv, Tk) at any
+  // strides (0 where broadcast); key j of (n, hk) is k[n, hk, j] * k_scale[n, hk, j].
+  c10::optional<at::Tensor> k_scale, v_scale;
   double rel_scale = 0;
   int64_t top = 0, whole_width = 0;
   bool register_tiles = true, skewed_position = true;
@@ -32,12 +35,22 @@ namespace {
 
 // q's dtype is the one the kernel computes in; keys and values come in it, or, for float32, in
 // bfloat16 or float16, read as they are and converted in registers (half the bytes to read).
-inline void check_dtypes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+inline bool is_quantized_type(at::ScalarType t) {
+  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
+// q's dtype is the one the kernel computes in; keys and values come in it, or, for float32, in
+// bfloat16 or float16, read as they are and converted in registers (half the bytes to read), or
+// where `quantized` (the decode path, with scales) in int8, float8_e4m3fn or float8_e5m2.
+inline void check_dtypes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         bool quantized = false) {
   const at::ScalarType t = q.scalar_type(), kv = k.scalar_type();
   const bool reduced = kv == at::kBFloat16 || kv == at::kHalf;
-  TORCH_CHECK(v.scalar_type() == kv && (kv == t || (t == at::kFloat && reduced)),
-              "attnkit: k and v must have q's dtype, or bfloat16/float16 with a float32 q; got q ",
-              t, ", k ", kv, " and v ", v.scalar_type());
+  const bool narrow = quantized && is_quantized_type(kv);
+  TORCH_CHECK(v.scalar_type() == kv && (kv == t || (t == at::kFloat && (reduced || narrow))),
+              "attnkit: k and v must have q's dtype, or bfloat16/float16 with a float32 q",
+              quantized ? " (or int8/float8 with their scales)" : "", "; got q ", t, ", k ", kv,
+              " and v ", v.scalar_type());
 }
 
 // The dtype a call computes in: q's, float32 for bfloat16 queries (which only the forward on the
@@ -329,7 +342,7 @@ Call<T> make_call(const CallArgs& a) {
   TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4,
               "attnkit: q must be (N, Hkv, G, Tq, Dk) and k, v (N, Hkv, Tk, D), got q of ", q.dim(),
               " dimensions, k of ", k.dim(), ", v of ", v.dim());
-  check_dtypes(q, k, v);
+  check_dtypes(q, k, v, a.k_scale.has_value());
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "attnkit: the native kernel runs on CPU tensors");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) &&
