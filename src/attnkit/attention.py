@@ -32,6 +32,15 @@ import torch
 from torch import Tensor
 
 from ._base.checks import shape_str
+from ._base.devices import (
+    Target,
+    assuming,
+    compiled_refusal,
+    flex_kernel_options,
+    parse_device,
+    slow_paths_cost_more,
+    target,
+)
 from ._base.hints import torch_keywords, warn_torch_convention
 from ._base.shapes import Bool, Float, shape_checked
 from ._call import AttentionCall, check_attention_args, describe_call
@@ -189,12 +198,44 @@ class Explanation:
     notes: dict[str, list[str]] = field(default_factory=dict)
     #: each backend's slow paths for the call (see :meth:`Backend.slower`)
     slower: dict[str, list[str]] = field(default_factory=dict)
+    #: the device the call was decided for, where it is a GPU (``explain(..., device="cuda")``,
+    #: or a call on one): its rules weigh a slow path above a cost (see :func:`_rank`)
+    device: Target | None = None
 
     def _rank(self, name: str | None) -> int:
-        return _rank(self.costs.get(name, []), self.slower.get(name, [])) if name else 0
+        gpu = self.device is not None
+        return _rank(self.costs.get(name, []), self.slower.get(name, []), gpu) if name else 0
+
+    def _chosen(self, name: str) -> str:
+        """The chosen backend's line: on a GPU, what it costs or its slow path, and that every
+        backend before it cannot serve the call or costs more."""
+        said = self.costs[name] + (self.slower.get(name, []) if self.device is not None else [])
+        if not said:
+            return "chosen"
+        if self.device is None:
+            return "chosen (the only choice, although it " + "; ".join(said) + ")"
+        return "chosen, the best that can serve it, although it " + "; ".join(said)
+
+    def _device_lines(self, device: Target) -> list[str]:
+        """The device the call was decided for, and what torch's compiled FlexAttention does
+        there: whether it runs with gradients, the ``kernel_options`` it gets for this call."""
+        refused = compiled_refusal(device)
+        if refused is not None:
+            return [f"device: {device.describe()}; {refused}"]
+        call = self.call
+        captures = call.bias_requires_grad or (
+            call.score_mod is not None and bool(captured_tensors(call.score_mod))
+        )
+        _, why = flex_kernel_options(device, call.dtype, (call.qk_dim, call.v_dim), captures)
+        return [
+            f"device: {device.describe()}; torch's FlexAttention compiles here, with gradients",
+            f"FlexAttention's {why}",
+        ]
 
     def __str__(self) -> str:
         lines = [f"attention call: {self.call.describe()}"]
+        if self.device is not None:
+            lines += self._device_lines(self.device)
         if self.requested == "auto":
             lines.append(f"auto picks: {self.chosen}")
         elif self.chosen is None:
@@ -205,15 +246,15 @@ class Explanation:
         before = self.chosen is not None  # still before the chosen backend in the order
         for name in self.reasons:
             before = before and name != self.chosen
+            gpu = self.device is not None
+            worse = self._rank(name) > self._rank(self.chosen) and (before or gpu)
             if name == self.chosen:
-                head = "chosen"
-                if self.costs[name]:
-                    head += " (the only choice, although it " + "; ".join(self.costs[name]) + ")"
+                head = self._chosen(name)
             elif self.reasons[name]:
                 head = "cannot: " + "; ".join(self.reasons[name])
             elif self.requested != "auto":
                 head = "could serve it (not requested)"
-            elif self.costs[name] or (self._rank(name) > self._rank(self.chosen) and before):
+            elif self.costs[name] or worse:
                 head = "avoided: " + "; ".join(self.costs[name] + self.slower.get(name, []))
             else:
                 head = "could serve it, but comes later in the order"
@@ -223,9 +264,14 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _rank(costs: list[str], slower: list[str]) -> int:
+def _rank(costs: list[str], slower: list[str], gpu: bool = False) -> int:
     """auto's preference among backends that can serve a call: 0 (no costs, no slow path), 1 (a
-    slow path of its own), 2 (costs). The first backend of the lowest rank wins."""
+    slow path of its own), 2 (costs). The first backend of the lowest rank wins. On a GPU the
+    last two swap (see :func:`attnkit._base.devices.slow_paths_cost_more`): a slow path there is
+    a loop of small kernels or torch's math kernel, which costs more than a mask written out for
+    a fused kernel."""
+    if gpu:
+        return 2 if slower else 1 if costs else 0
     return 2 if costs else 1 if slower else 0
 
 
@@ -241,6 +287,7 @@ def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
         requested = next(n for n, b in registry.items() if b is backend)
     else:
         requested = backend
+    gpu = slow_paths_cost_more(target(call.device))
     reasons, costs, notes, slower = {}, {}, {}, {}
     for name, b in registry.items():
         reasons[name], costs[name] = b.reasons(call)
@@ -251,9 +298,10 @@ def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
         chosen = None if reasons[requested] else requested
     else:
         able_auto = [n for n, b in registry.items() if b.auto and not reasons[n]]
-        ranked = sorted(able_auto, key=lambda n: _rank(costs[n], slower[n]))  # stable: in order
+        ranked = sorted(able_auto, key=lambda n: _rank(costs[n], slower[n], gpu))  # stable
         chosen = ranked[0] if ranked else None
-    return Explanation(call, requested, chosen, reasons, costs, notes, slower)
+    device = target(call.device) if gpu else None
+    return Explanation(call, requested, chosen, reasons, costs, notes, slower, device)
 
 
 def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
@@ -265,13 +313,15 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
             return backend
     elif backend == "auto":
         best, best_rank = None, 3
+        gpu = slow_paths_cost_more(target(call.device))
         for b in registry.values():
             if not b.auto:
                 continue
             refused, costs = b.reasons(call)
             if refused:
                 continue
-            rank = _rank(costs, b.slower_reasons(call) if not costs else [])
+            slow = b.slower_reasons(call) if gpu or not costs else []
+            rank = _rank(costs, slow, gpu)
             if rank == 0:
                 return b
             if rank < best_rank:
@@ -748,6 +798,7 @@ def explain(
     return_weights: bool = False,
     return_lse: bool = False,
     backend: str | Backend = "auto",
+    device: str | torch.device | None = None,
 ) -> Explanation:
     """Which backend :func:`attention` would use for these arguments, and why not the others.
 
@@ -781,6 +832,23 @@ def explain(
     also says how many blocks the chunked kernel computes; for a call that needs gradients it
     reads whether q, k and v are finite, as :func:`attention` does, so it names the backend that
     will run.
+
+    ``device="cuda"`` (or ``"rocm"``, ``"xpu"``, ``"cpu"``) explains the call as it would run on
+    that device, whatever device the tensors are on and on any machine: the same rules decide
+    (torch's version, whether its compiled FlexAttention runs there, which of SDPA's kernels
+    serves the call), read for a GPU this process has, else for the one they assume (for
+    ``"cuda"``, an H100). Nothing is read from the tensors then (no block plan):
+
+    >>> q = torch.empty(1, 8, 4096, 64, device="meta", dtype=torch.bfloat16)
+    >>> print(explain(q, q, q, mask=masks.sliding_window(512), device="cuda"))
+    attention call: q (1, 8, 4096, 64), k (1, 8, 4096, 64), v (1, 8, 4096, 64) bfloat16 on cuda, ...
+    device: cuda (NVIDIA, sm_90, assumed: not on this machine), torch ...
+    auto picks: flex
+      sdpa       avoided: would materialise the mask sliding_window(left=512, right=0) as a ...
+      flex       chosen
+                 ...
+      chunked    avoided: runs the eager kernel (the native kernel runs on CPUs, not cuda)
+      reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
     """
     args, _, autocast_dtype = _under_autocast((q, k, v, bias, sinks))  # the call attention() makes
     call = _call_of(
@@ -795,7 +863,15 @@ def explain(
         autocast_dtype,
         score_mod,
     )
-    return _decide(call, check_backend(backend))
+    chosen = check_backend(backend)
+    if device is None:
+        return _decide(call, chosen)
+    where = parse_device(device)
+    if where.present and call.device.type == where.type:
+        return _decide(call, chosen)  # the tensors are on it: as attention() decides
+    # The call as on that device, its tensors (on meta or elsewhere) not read.
+    with assuming(where):
+        return _decide(dataclasses.replace(call, device=torch.device(where.type)), chosen)
 
 
 def merge_attention(

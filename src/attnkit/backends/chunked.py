@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .._base.checks import check_int, shape_str
+from .._base.devices import readable
 from .._base.transforms import transforms_active
 from .._call import AttentionCall
 from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
@@ -222,7 +223,7 @@ class Chunked(Backend):
                 f"(c * tanh(score / c) exactly): runs as attention(softcap={cap})"
             )
             return replace(call, softcap=cap, score_mod=None), [said]
-        by_distance = as_distance_bias(call) if call.device.type != "meta" else None
+        by_distance = as_distance_bias(call) if readable(call.device) else None
         if by_distance is not None and call.score_mod is not None:
             table = shape_str(by_distance.table.shape)
             said = (
@@ -236,7 +237,7 @@ class Chunked(Backend):
         """The block plan of a structured mask, which kernel runs it ("native kernel" or why
         not), and the share of torch's fused CPU kernel (what can be told without data: nothing
         on ``meta`` tensors)."""
-        if call.device.type == "meta":
+        if not readable(call.device):  # meta, or a device explain(device=...) describes
             return []
         call, rewrite = self._rewritten(call)
         index = gathered_note(call)  # an index mask: its keys gathered, or why they are scanned

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 
 from .._base.checks import shape_str
+from .._base.devices import slow_paths_cost_more, target
 from .._base.transforms import transforms_active
 from .._call import AttentionCall
 from .._score_mod import ScoreMod, index_tensors
@@ -149,6 +150,13 @@ class Reference(Backend):
             f"would materialise the scores (..., H, Tq, Tk) = {shape_str(call.scores_shape)}; "
             "auto takes it only when nothing else can"
         ]
+
+    def slower(self, call: AttentionCall) -> list[str]:
+        # On a GPU auto weighs a slow path above a cost (attnkit._base.devices): saying both keeps
+        # the reference the last resort there too, behind attnkit's eager kernel.
+        if not slow_paths_cost_more(target(call.device)):
+            return []
+        return ["computes the formula operation by operation, the scores written out"]
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
         return formula(
