@@ -120,4 +120,4 @@ def test_what_cannot_be_lowered_says_why_on_any_device(kw: dict[str, object], wo
 def test_empty_sizes_are_refused() -> None:
     why = lowering_refusal(call_of(*_meta(0, 8)))
     assert why is not None
-    assert "(B=2, Tq=0, Tk=8)" in why
+    assert "(B=2, Hkv=4, Tq=0, Tk=8, Dk=8, Dv=8)" in why

@@ -13,8 +13,9 @@ attnkit's promises hold on this path: a query with no visible key gives 0 (and a
 ``-inf``), as FlexAttention gives; a NaN or inf in q, k or v, which torch's kernel would let
 through from masked keys (a masked value times a zero weight), sends the call to attnkit's kernel
 (``chunked``), which follows the non-finite policy: a hand-over ``record_dispatch()`` records.
-Calls that need gradients bring that answer with them (``call.finite``); for the others the
-backend reads it, one host read.
+Calls that need gradients bring their inputs' finiteness with them (``call.finite``, declined when
+False); for the others the backend reads its output (one host read): FlexAttention's output is
+finite whenever the inputs are.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..._base.finite import finite
 from ..._base.transforms import transforms_active
 from ..._call import AttentionCall
 from ..._score_mod import describe as describe_score_mod
+from ...scores import DistanceBias, RelativePositionTerm
 from ..base import Backend, CallInputs, Output
 from .block_mask import BLOCK, plan_of
 from .lowering import Lowered, lower_call, lowering_refusal
@@ -81,10 +83,6 @@ def _eager(*args: Any, **kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return module.flex_attention(*args, **kwargs)
-
-
-def _needs_lse(call: AttentionCall, inputs_sinks: bool) -> bool:
-    return call.return_lse or inputs_sinks
 
 
 def run_lowered(lowered: Lowered, *, lse: bool, compiled: bool) -> tuple[Tensor, Tensor | None]:
@@ -168,25 +166,35 @@ class Flex(Backend):
         return notes
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
-        readable = not torch.compiler.is_compiling() and call.device.type != "meta"
-        if call.finite is None and readable and not finite(inputs.q, inputs.k, inputs.v):
+        lowered = lower_call(call, inputs.q, inputs.k, inputs.v, inputs.bias)
+        lse_needed = call.return_lse or inputs.sinks is not None
+        compiled = call.device.type != "cpu" or not lse_needed
+        out, lse = run_lowered(lowered, lse=lse_needed, compiled=compiled)
+        if _leaked(call, out):
             return self.hand_over(
                 call,
                 inputs,
                 "chunked",
-                "q, k or v hold NaN/inf, which torch's FlexAttention would let through from "
-                "masked keys",
+                "torch's FlexAttention gave a NaN or inf: q, k or v hold one, which its kernel "
+                "lets through from masked keys",
             )
-        lowered = lower_call(call, inputs.q, inputs.k, inputs.v, inputs.bias)
-        lse_needed = _needs_lse(call, inputs.sinks is not None)
-        compiled = call.device.type != "cpu" or not lse_needed
-        out, lse = run_lowered(lowered, lse=lse_needed, compiled=compiled)
         if inputs.sinks is not None and lse is not None:
             out, lse = fold_sinks(out, lse, inputs.sinks)
         out = out.reshape(*call.batch_shape, *out.shape[1:])
         if not call.return_lse or lse is None:
             return out
         return out, lse.reshape(*call.batch_shape, *lse.shape[1:])
+
+
+def _leaked(call: AttentionCall, out: Tensor) -> bool:
+    """Whether the output breaks the non-finite policy, or may: FlexAttention's output is finite
+    unless q, k or v hold a NaN or inf, and then only the exact policy can tell a value the mask
+    hides (a masked value times a zero weight) from one it shows. One host read of the output,
+    the smallest tensor of the call; none for a call whose inputs are known to be finite, or while
+    torch.compile traces."""
+    if call.finite is True or torch.compiler.is_compiling() or out.device.type == "meta":
+        return False
+    return not finite(out)
 
 
 def _score_notes(call: AttentionCall) -> list[str]:
@@ -202,8 +210,6 @@ def _score_notes(call: AttentionCall) -> list[str]:
     if call.score_mod is not None:
         parts.append(describe_score_mod(call.score_mod))
     notes = [f"score_mod: {', then '.join(parts)}"] if parts else []
-    from ...scores import DistanceBias, RelativePositionTerm
-
     if isinstance(term, RelativePositionTerm) and not term.legacy:
         geo = call.geometry
         reach = call.mask.distances(geo) if call.mask is not None else (-float("inf"), float("inf"))

@@ -48,10 +48,12 @@ def lowering_refusal(call: AttentionCall) -> str | None:
     n = 1
     for s in call.batch_shape:
         n *= s
-    if n == 0 or call.q_len == 0 or call.kv_len == 0:
+    sizes = (n, call.num_kv_heads, call.q_len, call.kv_len, call.qk_dim, call.v_dim)
+    if 0 in sizes:
         reasons.append(
-            f"FlexAttention needs a batch row, a query and a key (B={n}, Tq={call.q_len}, "
-            f"Tk={call.kv_len})"
+            "FlexAttention needs a batch row, a head, a query, a key and head sizes of 1 or more "
+            f"(B={n}, Hkv={call.num_kv_heads}, Tq={call.q_len}, Tk={call.kv_len}, "
+            f"Dk={call.qk_dim}, Dv={call.v_dim})"
         )
     why = mask_refusal(call.mask)
     if why is not None:
