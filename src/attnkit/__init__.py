@@ -48,12 +48,14 @@ from .modules.positional import (
     relative_encoding,
 )
 from .modules.relative import RelativeMultiHeadAttention
+from .stats import AttentionStats, attention_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionCall",
     "AttentionMaps",
+    "AttentionStats",
     "Backend",
     "BackendError",
     "BlockPlan",
@@ -78,6 +80,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "attention",
+    "attention_stats",
     "available_backends",
     "backends",
     "capture_attention",

@@ -1,0 +1,221 @@
+"""``attention_stats``: how much attention each key receives, and how spread each query's is,
+without the ``(Tq, Tk)`` weights.
+
+Cache eviction (H2O's heavy hitters, SnapKV's keys the last queries attend most) and attention
+analysis need, per key, the weight it receives summed over the queries and its largest one, and
+per query the entropy of its weights. ``attention(..., return_weights=True)`` gives them at the
+price of a ``(..., H, Tq, Tk)`` tensor; :func:`attention_stats` computes them in one pass over
+the kernel's block plan that recomputes the scores tile by tile and normalises them with each
+query's log-sum-exp (see :mod:`attnkit._kernel.stats`), in memory of the outputs' size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._base.checks import dtype_str, shape_str
+from ._base.hints import torch_keywords, warn_torch_convention
+from ._base.shapes import Bool, Float, shape_checked
+from ._call import AttentionCall, check_attention_args
+from ._kernel.stats import kernel_stats
+from ._score_mod import ScoreMod, check_elementwise
+from .attention import attention
+from .masks import Mask
+from .scores import ScoreTerm
+
+__all__ = ["AttentionStats", "attention_stats"]
+
+_BACKENDS = ("auto", "reference")
+
+_MaskArg = Bool[Tensor, "*#mb #Tk"] | Mask | None
+_BiasArg = Float[Tensor, "*#bb #Tk"] | ScoreTerm | None
+
+
+@dataclass(frozen=True)
+class AttentionStats:
+    """What :func:`attention_stats` returns, in the dtype the scores are computed in (float32
+    for float16, bfloat16 and float32 inputs, float64 for float64).
+
+    Attributes:
+        key_mass: ``(..., H, Tk)``: the weight each key receives, summed over the queries
+            (``(..., Hkv, Tk)``, summed over each group's query heads too, with
+            ``per_kv_head=True``).
+        key_max: ``(..., H, Tk)``: the largest weight each key receives from one query (its
+            maximum over each group's query heads with ``per_kv_head=True``); 0 for a key no
+            query sees.
+        entropy: ``(..., H, Tq)``: ``-sum_j w_j log w_j`` over each query's weights ``w`` (in
+            nats; 0 for a query with no visible key). With sinks the weights sum to less than
+            1 and the sink's own share is not a term: it is not a key.
+    """
+
+    key_mass: Tensor
+    key_max: Tensor
+    entropy: Tensor
+
+
+def _check_lse(lse: object, call: AttentionCall) -> Tensor:
+    """A natural-log log-sum-exp ``(..., H, Tq)``: a float tensor on the call's device."""
+    want = (*call.batch_shape, call.num_heads, call.q_len)
+    if not isinstance(lse, Tensor) or not lse.is_floating_point():
+        got = dtype_str(lse.dtype) if isinstance(lse, Tensor) else type(lse).__name__
+        raise TypeError(
+            f"lse must be a float tensor (..., H, Tq), as attention(..., return_lse=True) "
+            f"returns it, or None; got {got}"
+        )
+    if tuple(lse.shape) != want:
+        raise ValueError(
+            f"lse must have shape (..., H, Tq) = {shape_str(want)} for q "
+            f"{shape_str((*call.batch_shape, call.num_heads, call.q_len, call.qk_dim))}, got "
+            f"{shape_str(lse.shape)}"
+        )
+    if lse.device != call.device:
+        raise ValueError(f"lse is on {lse.device} but q is on {call.device}")
+    return lse
+
+
+def _reference_stats(
+    q: Tensor, k: Tensor, lse: Tensor | None, arguments: dict[str, object]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The statistics of the reference's weights ``(..., H, Tq, Tk)`` (normalised by ``lse``
+    where it is given): the spec the one-pass form is tested against."""
+    _, w, own = attention(
+        q, k, k, **arguments, return_weights=True, return_lse=True, backend="reference"
+    )  # type: ignore[call-overload]
+    work = own.dtype
+    w = w.to(work)
+    if lse is not None:  # the weights exp(s - lse) of the given log-sum-exp
+        ratio = (own - lse.to(work)).exp().masked_fill(own == float("-inf"), 0.0)
+        w = w * ratio.unsqueeze(-1)
+    # (no queries: no key receives any weight)
+    top = w.amax(-2) if w.size(-2) else w.new_zeros((*w.shape[:-2], w.size(-1)))
+    return w.sum(-2), top, torch.special.entr(w).sum(-1)
+
+
+@torch_keywords
+@shape_checked
+def attention_stats(
+    q: Float[Tensor, "*batch H Tq Dk"],
+    k: Float[Tensor, "*batch Hkv Tk Dk"],
+    *,
+    mask: _MaskArg = None,
+    bias: _BiasArg = None,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
+    sinks: Float[Tensor, " H"] | None = None,
+    lse: Float[Tensor, "*batch H Tq"] | None = None,
+    per_kv_head: bool = False,
+    backend: str = "auto",
+) -> AttentionStats:
+    """Per key, the attention weight it receives (summed and largest); per query, the entropy of
+    its weights; for the call :func:`attention` would make, without its ``(Tq, Tk)`` weights.
+
+    The weights are those of ``attention(q, k, v, ...)`` with the same arguments
+    (``return_weights=True`` returns them): every mask, ``causal``, ``bias`` (a tensor or a
+    :class:`~attnkit.scores.ScoreTerm`), ``softcap``, ``score_mod`` and ``sinks``, checked as
+    :func:`attention` checks them. Values play no part.
+
+    Args:
+        q, k, mask, bias, causal, scale, softcap, score_mod, sinks: as :func:`attention`.
+        lse: each query's natural-log log-sum-exp ``(..., H, Tq)``, as
+            ``attention(q, k, v, ..., return_lse=True)`` returned it for the same call (sinks
+            included): the statistics then take one pass over the scores. None: a first pass
+            computes it (``attention()`` with ``return_lse=True`` and no values).
+        per_kv_head: with grouped-query attention, ``key_mass`` and ``key_max`` per key/value
+            head ``(..., Hkv, Tk)``: summed (and maxed) over the query heads that share it, the
+            statistic a cache of ``Hkv`` heads evicts by. ``entropy`` stays per query head.
+        backend: ``"auto"``: one pass over the kernel's block plan, recomputing the scores tile
+            by tile, in memory of the outputs' size (plus a few tiles); ``"reference"``: from
+            the reference backend's weights, written out (the spec the first is tested against).
+
+    Returns:
+        An :class:`AttentionStats` with ``key_mass``, ``key_max`` and ``entropy``.
+
+    >>> import torch, attnkit
+    >>> q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    >>> out, lse = attnkit.attention(q, k, v, causal=True, return_lse=True)
+    >>> stats = attnkit.attention_stats(q, k, causal=True, lse=lse)
+    >>> stats.key_mass.shape, stats.entropy.shape
+    (torch.Size([1, 2, 6]), torch.Size([1, 2, 6]))
+    >>> round(float(stats.key_mass.sum()), 4)  # each of 2 x 6 queries gives out weight 1
+    12.0
+    >>> stats.key_mass[0, 0, -1] == stats.key_max[0, 0, -1]  # the last key: the last query only
+    tensor(True)
+
+    Shape legend: ``...`` batch dims, ``H`` query heads, ``Hkv`` key/value heads, ``Tq`` queries,
+    ``Tk`` keys, ``Dk`` query/key size.
+    """
+    call = check_attention_args(
+        q,
+        k,
+        k,  # (no values: any tensor of k's heads and length passes their check)
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        scale=scale,
+        softcap=softcap,
+        sinks=sinks,
+        score_mod=score_mod,
+    )
+    given = None if lse is None else _check_lse(lse, call)
+    if not isinstance(per_kv_head, bool):
+        raise TypeError(f"per_kv_head must be a bool, got {per_kv_head!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(
+            f"attention_stats computes with backend='auto' (one pass over the kernel's block "
+            f"plan) or 'reference' (from the reference's weights), got {backend!r}"
+        )
+    if isinstance(mask, Tensor):
+        warn_torch_convention(mask)  # True = may NOT attend, as in torch's modules? (warned once)
+    arguments: dict[str, object] = dict(
+        mask=mask, bias=bias, causal=causal, scale=scale, softcap=softcap, score_mod=score_mod
+    )
+    # Both passes read q and k as given: under autocast the log-sum-exp pass would round them.
+    off = torch.autocast(q.device.type, enabled=False)
+    with off if torch.amp.is_autocast_available(q.device.type) else contextlib.nullcontext():
+        if backend == "reference":
+            mass, top, entropy = _reference_stats(q, k, given, {**arguments, "sinks": sinks})
+        else:
+            mass, top, entropy = _one_pass(q, k, call, given, sinks, arguments)
+    if per_kv_head and call.groups > 1:
+        mass = mass.unflatten(-2, (call.num_kv_heads, call.groups)).sum(-2)
+        top = top.unflatten(-2, (call.num_kv_heads, call.groups)).amax(-2)
+    return AttentionStats(key_mass=mass, key_max=top, entropy=entropy)
+
+
+def _one_pass(
+    q: Tensor,
+    k: Tensor,
+    call: AttentionCall,
+    lse: Tensor | None,
+    sinks: Tensor | None,
+    arguments: dict[str, object],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's pass, after the log-sum-exp pass where no ``lse`` is given."""
+    if lse is None:
+        _, lse = attention(q, k, k[..., :0], **arguments, sinks=sinks, return_lse=True)  # type: ignore[call-overload]
+    elif call.score_mod is not None:
+        # attention() probes a score_mod once per function: the pass calls it on tiles too
+        work = torch.promote_types(call.dtype, torch.float32)
+        check_elementwise(call.score_mod, dataclasses.replace(call.geometry, dtype=work))
+    return kernel_stats(
+        q,
+        k,
+        lse.detach(),
+        mask=call.mask,
+        bias=call.score_term if call.score_term is not None else _dense(arguments["bias"]),
+        scale=call.scale,
+        softcap=call.softcap,
+        score_mod=call.score_mod,
+    )
+
+
+def _dense(bias: object) -> Tensor | None:
+    """A checked call's dense bias (None when it has none or a score term)."""
+    return bias if isinstance(bias, Tensor) else None
