@@ -5,6 +5,8 @@
   ``mask_mod``, what the call adds to the scores as a ``score_mod``), compiled on GPUs with
   gradients and on the CPU for inference (registered where torch has FlexAttention; ``auto``
   takes it on GPUs only);
+* ``flash_attn`` (:class:`FlashAttnPackage`): the flash-attn package's kernels for packed
+  documents and sliding windows on GPUs (registered where flash-attn is installed);
 * ``chunked`` (:class:`Chunked`): attnkit's own blocked kernel (:mod:`attnkit._kernel`), O(T)
   memory, every mask, score term, softcap and sinks;
 * ``reference`` (:class:`Reference`): the formula as it reads, materialised
@@ -17,9 +19,10 @@ Pass a name (``backend="chunked"``) or an instance (``backend=Chunked(block_q=64
 
 from .base import Backend, BackendError, BackendFn, CallInputs, Dispatch, record_dispatch
 from .chunked import Chunked
+from .flash_package import FlashAttnPackage, flash_attn_installed
+from .flex import Flex, flex_available
 from .reference import Reference
 from .sdpa import SDPA
-from .flex import Flex, flex_available
 
 __all__ = [
     "SDPA",
@@ -29,6 +32,7 @@ __all__ = [
     "CallInputs",
     "Chunked",
     "Dispatch",
+    "FlashAttnPackage",
     "Flex",
     "Reference",
     "builtin_backends",
@@ -38,6 +42,8 @@ __all__ = [
 
 def builtin_backends() -> tuple[Backend, ...]:
     """New instances of the built-in backends, in ``auto``'s order of preference: the fastest
-    first, the materialising spec last; ``flex`` where torch has FlexAttention."""
+    first, the materialising spec last; ``flash_attn`` where the flash-attn package is installed,
+    ``flex`` where torch has FlexAttention."""
+    flash = (FlashAttnPackage(),) if flash_attn_installed() else ()
     flex = (Flex(),) if flex_available() else ()
-    return (SDPA(), *flex, Chunked(), Reference())
+    return (SDPA(), *flash, *flex, Chunked(), Reference())
