@@ -1,0 +1,94 @@
+"""Writing keys and values into a quantized cache: int8 with a scale per token and key/value head,
+float8 (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) with a scale per key/value head.
+
+Each function takes new keys or values ``x (..., Hkv, T, D)`` in any float dtype and returns
+``(xq, scale)`` such that ``xq.float() * scale`` is the value ``attention(..., k_scale=scale)``
+reads (see :mod:`attnkit._base.quantized`); a cache stores ``xq`` where the tokens go and their
+scales beside them. Symmetric (no zero point): the largest magnitude of a row (int8) or of a head
+(float8) maps to the format's largest number.
+
+* int8: ``scale = amax(|x|, over D) / 127``, ``xq = round(x / scale)``: each element within half
+  a step (``scale / 2``) of the input, about 1e-2 relative error on random data. A row of zeros
+  gets the scale 1 (its elements are 0 whatever the scale).
+* float8: ``scale = amax(|x|, over T and D) / max`` (448 for e4m3fn, 57344 for e5m2) on the first
+  write, or the cache's scale for later tokens (``scale=``), ``xq = (x / scale).to(dtype)``
+  rounded to nearest, saturating at ``±max`` (torch's own conversion gives NaN out of range for
+  e4m3fn): 3 and 2 bits of mantissa, a relative error of at most 2^-4 and 2^-3 in range.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._base.checks import dtype_str, shape_str
+
+__all__ = ["FLOAT8", "quantize_fp8", "quantize_int8"]
+
+#: The float8 formats a cache stores.
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_float(x: object) -> Tensor:
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dtype in FLOAT8:
+        got = dtype_str(x.dtype) if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"x must be a float16, bfloat16, float32 or float64 tensor, got {got}")
+    if x.dim() < 2:
+        raise ValueError(f"x must be (..., Hkv, T, D), got {shape_str(x.shape)}")
+    return x
+
+
+def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x (..., Hkv, T, D)`` as int8 ``(..., Hkv, T, D)`` and a float32 scale per token and
+    key/value head ``(..., Hkv, T, 1)``.
+
+    >>> x = torch.tensor([[[[0.5, -1.0, 0.25]]]])
+    >>> xq, scale = quantize_int8(x)
+    >>> xq.tolist(), round(scale.item() * 127, 6)
+    ([[[[64, -127, 32]]]], 1.0)
+    """
+    x = _check_float(x)
+    amax = x.detach().abs().amax(-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    xq = torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
+    return xq, scale
+
+
+def quantize_fp8(
+    x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, scale: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``x (..., Hkv, T, D)`` as ``dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``)
+    and a float32 scale per key/value head ``(..., Hkv, 1, 1)``: computed from ``x`` (a cache's
+    first write), or ``scale`` as given (the cache's, for the tokens that follow; those beyond
+    its range saturate at the format's largest number).
+
+    >>> x = torch.tensor([[[[448.0, -2.0], [1.0, 0.5]]]])
+    >>> xq, scale = quantize_fp8(x)
+    >>> (xq.float() * scale).tolist(), scale.shape
+    ([[[[448.0, -2.0], [1.0, 0.5]]]], torch.Size([1, 1, 1, 1]))
+    """
+    x = _check_float(x)
+    if dtype not in FLOAT8:
+        raise TypeError(
+            f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype_str(dtype)}"
+        )
+    top = torch.finfo(dtype).max
+    if scale is None:
+        amax = x.detach().abs().amax((-2, -1), keepdim=True).float()
+        scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    elif not isinstance(scale, Tensor) or not scale.is_floating_point():
+        raise TypeError(f"scale must be a float tensor, got {type(scale).__name__}")
+    else:
+        want = (*x.shape[:-2], 1, 1)
+        try:
+            fits = torch.broadcast_shapes(scale.shape, want) == torch.Size(want)
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"scale must be broadcastable to (..., Hkv, 1, 1) = {shape_str(want)}, got "
+                f"{shape_str(scale.shape)}"
+            )
+        scale = scale.float()
+    xq = (x.float() / scale).clamp_(-top, top).to(dtype)
+    return xq, scale
