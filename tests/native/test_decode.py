@@ -558,3 +558,167 @@ def test_reduced_keys_and_values_need_a_float32_q() -> None:
     q = args[0].double()  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="k and v must have q's dtype, or bfloat16/float16"):
         torch.ops.attnkit.native_forward(q, *args[1:], **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# int8 and float8 keys and values, read in place with their scales (dequantized in registers)
+
+QUANTIZED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _quantize(
+    x: torch.Tensor, dtype: torch.dtype, per_token: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x (B, Hkv, Tk, D)`` as ``(xq, scale)``: a scale per token and head, or per head."""
+    top = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
+    amax = x.abs().amax(-1, keepdim=True) if per_token else x.abs().amax((-2, -1), keepdim=True)
+    scale = (amax / top).clamp_min(1e-30).float()
+    y = x / scale
+    y = y.round().clamp(-127, 127) if dtype == torch.int8 else y
+    return y.to(dtype), scale
+
+
+def _dequantized(xq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (xq.float() * scale).double()  # the values the call uses, in float64
+
+
+def _quantized_call(
+    dtype: torch.dtype, b: int, h: int, hkv: int, tq: int, tk: int, per_token: bool = True
+) -> tuple[torch.Tensor, ...]:
+    q, k, v = _inputs(b, h, hkv, tq, tk, dk=40, dv=24, seed=tk + tq)
+    (kq, ks), (vq, vs) = _quantize(k, dtype, per_token), _quantize(v, dtype, per_token)
+    return q.float(), kq, vq, ks, vs
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize(
+    ("mask", "kw"),
+    [
+        ("none", {}),
+        ("causal", {"softcap": 4.0}),
+        ("window", {"sinks": True}),
+        ("padding", {}),
+        ("padding & window", {"softcap": 2.0, "sinks": True}),
+        ("documents", {}),
+        ("tiles", {}),
+    ],
+)
+@pytest.mark.parametrize(("h", "hkv", "tq"), [(4, 4, 1), (8, 2, 3), (6, 1, 16)])
+def test_quantized_keys_and_values_equal_the_formula_over_their_values(
+    dtype: torch.dtype, mask: str, kw: dict[str, object], h: int, hkv: int, tq: int
+) -> None:
+    # The kernel adds no error of its own: against the float64 formula over the dequantized keys
+    # and values, float32's rounding alone.
+    q, kq, vq, ks, vs = _quantized_call(dtype, 2, h, hkv, tq, 300)
+    extra: dict[str, Any] = dict(kw)
+    if extra.pop("sinks", False):
+        extra["sinks"] = torch.linspace(-1.0, 2.0, h)
+    m = MASKS[mask](2, 300)
+    with torch.inference_mode(), attnkit.record_dispatch() as calls:
+        out = attention(q, kq, vq, k_scale=ks, v_scale=vs, mask=m, backend=DECODE, **extra)
+    assert calls[-1].kernel == f"native kernel ({str(dtype)[6:]} k and v read in place)"
+    if "sinks" in extra:
+        extra["sinks"] = extra["sinks"].double()
+    ref = attention(
+        q.double(), _dequantized(kq, ks), _dequantized(vq, vs), mask=m, backend="reference", **extra
+    )
+    assert _rel(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("layout", ["token-major", "per-head scale", "split by keys"])
+def test_quantized_layouts_and_scales(dtype: torch.dtype, layout: str) -> None:
+    # (B, Tk, Hkv, D) memory (all heads of a token read together), a scale per head broadcast
+    # over the tokens (strides 0), and a long cache split across threads by keys, merged exactly.
+    tk = 3000 if layout == "split by keys" else 200
+    q, kq, vq, ks, vs = _quantized_call(dtype, 1, 8, 4, 1, tk, per_token=layout != "per-head scale")
+    if layout == "token-major":
+        kq, vq = _token_major(kq), _token_major(vq)
+    if layout == "per-head scale":
+        ks, vs = ks[0], vs[0]  # (Hkv, 1, 1)
+    with torch.inference_mode():
+        out = attention(q, kq, vq, k_scale=ks, v_scale=vs, causal=True, backend=DECODE)
+    ref = attention(
+        q.double(), _dequantized(kq, ks), _dequantized(vq, vs), causal=True, backend="reference"
+    )
+    assert _rel(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_float8_number_is_read_exactly(dtype: torch.dtype) -> None:
+    # All 256 codes, NaN and inf included, as the values of one key the query sees with weight 1:
+    # the output is the values as torch converts them (NaN where the non-finite policy says).
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(1, 1, 2, 128)
+    q = torch.zeros(1, 1, 1, 128)
+    one = torch.ones(1, 1, 1, 1)
+    for i in range(2):
+        v = codes[:, :, i : i + 1]
+        k = torch.zeros(1, 1, 1, 128, dtype=dtype)
+        with torch.inference_mode():
+            out = attention(q, k, v, k_scale=one, v_scale=one, backend=DECODE)
+            ref = attention(q, k.float(), v.float(), backend=DECODE)
+        assert torch.equal(out.nan_to_num(7.0, 8.0, 9.0), ref.nan_to_num(7.0, 8.0, 9.0))
+
+
+def test_quantized_nan_where_the_mask_hides_it_changes_nothing() -> None:
+    q, kq, vq, ks, vs = _quantized_call(torch.float8_e4m3fn, 1, 4, 2, 1, 64)
+    nan = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
+    kq[..., 60:, :], vq[..., 60:, :] = nan, nan  # keys 60 to 63: hidden by the padding below
+    m = masks.key_padding([60])
+    with torch.inference_mode():
+        out = attention(q, kq, vq, k_scale=ks, v_scale=vs, mask=m, backend=DECODE)
+    ref = attention(
+        q.double(), _dequantized(kq, ks), _dequantized(vq, vs), mask=m, backend="reference"
+    )
+    assert out.isfinite().all()
+    assert _rel(out, ref) <= 1e-5
+
+
+def test_bfloat16_queries_with_quantized_keys_and_values() -> None:
+    q, kq, vq, ks, vs = _quantized_call(torch.int8, 2, 8, 2, 2, 100)
+    with torch.inference_mode(), attnkit.record_dispatch() as calls:
+        out = attention(q.bfloat16(), kq, vq, k_scale=ks, v_scale=vs, backend=DECODE)
+    assert out.dtype == torch.bfloat16
+    assert "read in place" in str(calls[-1].kernel)
+    # The keys and values the call uses are in q's dtype: rounded to bfloat16 by the reference,
+    # read in float32 here; bfloat16's tolerance covers both.
+    ref = attention(q.bfloat16().double(), _dequantized(kq, ks), _dequantized(vq, vs))
+    assert_close(out, ref)
+
+
+def _quantized_arguments() -> tuple[tuple[object, ...], dict[str, object]]:
+    q, kq, vq, ks, vs = _quantized_call(torch.int8, 2, 4, 2, 3, 45)
+    spec, dense, terms = plan_call(
+        q, kq, vq, mask=masks.sliding_window(7), bias=None, scale=0.3, softcap=5.0, block_q=8
+    )
+    assert decodes(spec.plan)
+    args, kwargs = native_arguments(spec, q, kq, vq, dense, terms)
+    scales = tuple(s.expand(2, 2, 45, 1)[..., 0].contiguous() for s in (ks, vs))
+    return (*args, *scales), kwargs
+
+
+def test_opcheck_native_forward_on_quantized_keys_and_values() -> None:
+    args, kwargs = _quantized_arguments()
+    torch.library.opcheck(torch.ops.attnkit.native_forward.default, args, kwargs)
+
+
+def test_the_operator_refuses_quantized_keys_and_values_it_cannot_read() -> None:
+    args, kwargs = _quantized_arguments()
+    op = torch.ops.attnkit.native_forward
+    with pytest.raises(RuntimeError, match="Char keys and values take k_scale and v_scale"):
+        op(*args[:10], **kwargs)
+    with pytest.raises(RuntimeError, match=r"k_scale must be float32 \(2, 2, 45\)"):
+        op(*args[:10], args[10][..., :44], args[11], **kwargs)  # type: ignore[index]
+    with pytest.raises(RuntimeError, match="k_scale is for int8/float8 k, got k of Float"):
+        op(args[0], args[1].float(), args[2].float(), *args[3:], **kwargs)  # type: ignore[union-attr]
+    many = {**kwargs, "block_q": 2}  # two query blocks: the blocked forward's call
+    with pytest.raises(RuntimeError, match="read on the decode path alone"):
+        op(*args, **many)
+    q = args[0].requires_grad_()  # type: ignore[union-attr]
+    out, _ = op(q, *args[1:], **kwargs)
+    with pytest.raises(RuntimeError, match="no backward through int8/float8 keys and values"):
+        out.sum().backward()
