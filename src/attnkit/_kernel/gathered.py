@@ -1,22 +1,25 @@
-"""The kernel of index masks: each query's selected keys gathered, instead of a scan of every key.
+"""The kernel of index masks: each query's selected keys read by position, instead of a scan of
+every key.
 
 A call whose mask is an index mask (:func:`attnkit.masks.key_indices`,
 :func:`~attnkit.masks.block_indices`), alone or ANDed with masks that can be read at any pair
 (causal and other bands, key padding, dense tensors, other index masks), lets each query attend
-at most ``k`` keys. This kernel reads just those: for a chunk of query rows it gathers their
-``k`` key and value rows, computes the ``(rows, G, k)`` scores with everything the call adds
-(``scale``, softcap, a dense ``bias`` or a :class:`~attnkit.scores.DistanceBias` read at the
-gathered pairs, a ``score_mod``), masks the pairs the other masks hide, and takes the softmax
-over them at once (no online softmax: a row's keys are all there). Sinks join afterwards, as in
-the blocked kernel (:func:`~attnkit._kernel.sinks.finish`). The backward recomputes each chunk's
-scores from the saved log-sum-exp and scatters the keys' and values' gradients back with
-``index_add_``. Time and memory are O(Tq * k); no ``(Tq, Tk)`` tensor exists.
+at most ``k`` keys. This kernel computes just those pairs. For a chunk of query rows (one batch
+row and key/value head), the pairs form a sparse ``(rows, Tk)`` matrix of ``k`` entries a row,
+and torch's sparse kernels read each selected key or value row once: the scores
+``scale * q . k_j`` at the pairs (a sampled dense-dense product, SDDMM), then everything the call
+adds to them (softcap, a dense ``bias`` or a :class:`~attnkit.scores.DistanceBias` read at the
+pairs, a ``score_mod``), the other ANDed masks read there too, a softmax over each row's ``k``
+scores at once (no online softmax: a row's keys are all there), and the weighted sum of the
+values (a sparse-dense product, SpMM). Sinks join afterwards, as in the blocked kernel
+(:func:`~attnkit._kernel.sinks.finish`). The backward recomputes each chunk's scores from the
+saved log-sum-exp; the queries' gradients are SpMMs, the keys' and values' those of the
+transposed pairs. Time and memory are O(Tq * k); no ``(Tq, Tk)`` tensor exists.
 
 Each query reads its own keys, so a key is not reused across queries as in a dense product: the
-work is a matrix-vector product per query and key/value head, bound by the bytes gathered
-(``k * (Dk + Dv)`` values per query and gathered head) rather than by arithmetic. Queries that
-share their keys share the gather: with one selection for all heads (``Hi = 1``) and grouped
-heads, the ``G`` query heads of a key/value head read one gathered copy.
+work is bound by the bytes read (``k * (Dk + Dv)`` values per query and key/value head), not by
+arithmetic. Queries that share their keys share the reads: with one selection for all heads
+(``Hi = 1``) and grouped heads, the ``G`` query heads of a key/value head are rows of one pattern.
 
 Shape letters: ``C`` gathered heads (``lcm(Hi, Hkv)``: each reads one key/value head with one
 selection), ``G'`` query heads per gathered head (``H / C``), ``W`` the keys a query may attend
@@ -26,6 +29,7 @@ selection), ``G'`` query heads per gathered head (``H / C``), ``W`` the keys a q
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,8 +54,8 @@ __all__ = ["GATHER_SHARE", "Gathered", "gathered_attention", "gathered_note", "s
 GATHER_SHARE = 0.5
 #: The dtypes of keys and values the kernel gathers as they are.
 _READ = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: Gathered key rows per chunk (its keys, values and scores are a few MiB each).
-CHUNK_ENTRIES = 1 << 16
+#: Pairs per chunk (its scores, weights and indices are a few MiB each).
+CHUNK_ENTRIES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,8 @@ def _note(
     return True, (
         f"gathered: each query's {found.width} selected keys of Tk = {geo.kv_len} read by "
         f"position, {heads} gathered head{'s' if heads > 1 else ''} of {per} query "
-        f"head{'s' if per > 1 else ''} each (O(Tq * k) time and memory, eager PyTorch); the "
-        "scanning kernel where q, k or v hold NaN or inf"
+        f"head{'s' if per > 1 else ''} each (O(Tq * k) time and memory, torch's sparse "
+        "products); the scanning kernel where q, k or v hold NaN or inf"
     )
 
 
@@ -192,9 +196,15 @@ class Gathered:
         self.width = self.keys.size(-1)
 
     def spans(self) -> list[tuple[int, int]]:
-        """The chunks of query rows, about :attr:`chunk` gathered keys each."""
+        """The chunks of query rows, about :attr:`chunk` gathered keys each, each within one
+        batch row and gathered head (whose keys and values it reads)."""
         step = max(1, self.chunk // max(1, self.width * self.g))
-        return [(r, min(r + step, self.rows)) for r in range(0, self.rows, step)]
+        tq = self.geo.q_len
+        return [
+            (r, min(r + step, head + tq))
+            for head in range(0, self.rows, tq)
+            for r in range(head, head + tq, step)
+        ]
 
     def where(self, r0: int, r1: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(b, c, t)`` of rows ``r0:r1``, each ``(n,)``."""
@@ -202,16 +212,21 @@ class Gathered:
         tq = self.geo.q_len
         return r // (self.c * tq), r // tq % self.c, r % tq
 
-    def chunk_keys(self, b: Tensor, c: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        """``(keys, first)`` of the rows, ``(n, W)``."""
-        bi = b if self.keys.size(0) > 1 else torch.zeros_like(b)
+    def chunk_keys(self, r0: int, r1: int) -> tuple[Tensor, Tensor]:
+        """``(keys, first)`` of rows ``r0:r1`` (one batch row and gathered head), ``(n, W)``."""
+        tq = self.geo.q_len
+        b, c = divmod(r0 // tq, self.c)
+        bi = b if self.keys.size(0) > 1 else 0
         hi = c // (self.c // self.keys.size(1))
-        return self.keys[bi, hi, t], self.first[bi, hi, t]
+        t0, t1 = r0 % tq, (r1 - 1) % tq + 1
+        return self.keys[bi, hi, t0:t1], self.first[bi, hi, t0:t1]
 
-    def flat_rows(self, b: Tensor, c: Tensor, keys: Tensor) -> Tensor:
-        """``(n, W)`` rows of the keys in k and v flattened to ``(B * Hkv * Tk, D)``."""
+    def kv_rows(self, r0: int) -> slice:
+        """The rows of k and v, flattened to ``(B * Hkv * Tk, D)``, that query row ``r0`` reads."""
+        tq, tk = self.geo.q_len, self.geo.kv_len
+        b, c = divmod(r0 // tq, self.c)
         kv = b * self.kv_heads + c // (self.c // self.kv_heads)
-        return kv.unsqueeze(-1) * self.geo.kv_len + keys.clamp_min(0)
+        return slice(kv * tk, (kv + 1) * tk)
 
     def heads_of(self, c: Tensor) -> Tensor:
         """``(n, G')`` query heads of the rows."""
@@ -361,8 +376,8 @@ def _members(
 
 @dataclass
 class _Inputs:
-    """q in rows ``(B C Tq, G', Dk)``, k and v flattened to ``(B Hkv Tk, D)``, in the work dtype
-    for q (k and v are gathered as they are, then converted)."""
+    """q in rows ``(B C Tq, G', Dk)`` in the work dtype, k and v flattened to ``(B Hkv Tk, D)``
+    as they are (each chunk converts its key/value head's rows)."""
 
     q_rows: Tensor
     k_flat: Tensor
@@ -393,6 +408,77 @@ def _to_rows(call: Gathered, t: Tensor) -> Tensor:
     return x.reshape(call.rows, call.g, -1)
 
 
+def _csr(crow: Tensor, cols: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # torch calls its sparse CSR support beta: it is used here
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        return torch.sparse_csr_tensor(crow, cols, values, size=shape, check_invariants=False)
+
+
+@dataclass
+class _Pattern:
+    """A chunk's pairs as a sparse ``(n G', Tk)`` matrix: row ``i G' + g`` (query ``i``, head
+    ``g``) holds the query's ``W`` keys, in order (an entry that does not count at column 0, its
+    weight 0). Products with it read each selected row of k or v once, in torch's sparse kernels:
+    ``sampled`` gives ``a . k_j`` at the pairs (SDDMM), ``times`` the rows' weighted sums of
+    values (SpMM), ``transposed_times`` the keys' sums over their queries (the backward's)."""
+
+    crow: Tensor
+    cols: Tensor
+    rows: int
+    kv_len: int
+    _t: tuple[Tensor, Tensor, Tensor] | None = None
+
+    @classmethod
+    def of(cls, keys: Tensor, g: int, kv_len: int) -> _Pattern:
+        n, w = keys.shape
+        # int32 indices where they fit: torch's sparse kernels (MKL's) read them without a copy
+        index = torch.int32 if max(kv_len, n * g * w) < 2**31 else torch.long
+        cols = keys.clamp_min(0).to(index).unsqueeze(1).expand(n, g, w).reshape(-1)
+        crow = torch.arange(0, n * g * w + 1, max(w, 1), device=keys.device, dtype=index)
+        return cls(crow, cols, n * g, kv_len)
+
+    def sampled(self, a: Tensor, b: Tensor) -> Tensor:
+        """``(a @ b^T)`` at the pairs, ``(n G' W,)``: ``a`` ``(n G', D)``, ``b`` ``(Tk, D)``."""
+        zeros = a.new_zeros(self.cols.numel())
+        pairs = _csr(self.crow, self.cols, zeros, (self.rows, self.kv_len))
+        out: Tensor = torch.sparse.sampled_addmm(pairs, a, b.t(), beta=0.0)
+        return out.values()
+
+    def times(self, values: Tensor, b: Tensor) -> Tensor:
+        """``(n G', D)``: each row's weighted sum of ``b``'s rows, ``values`` ``(n G' W,)``."""
+        out: Tensor = torch.sparse.mm(
+            _csr(self.crow, self.cols, values, (self.rows, self.kv_len)), b
+        )
+        return out
+
+    def transposed_times(self, values: Tensor, a: Tensor) -> Tensor:
+        """``(Tk, D)``: for each key the sum over its pairs of ``value * a[row]``."""
+        if self._t is None:  # the pairs by key, made once per chunk
+            order = self.cols.argsort(stable=True)
+            counts = torch.bincount(self.cols, minlength=self.kv_len)
+            crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(self.cols.dtype)
+            width = max(1, self.cols.numel() // max(1, self.rows))
+            self._t = (crow, (order // width).to(self.cols.dtype), order)
+        crow, rows, order = self._t
+        out: Tensor = torch.sparse.mm(_csr(crow, rows, values[order], (self.kv_len, self.rows)), a)
+        return out
+
+
+def _chunk(
+    call: Gathered, ins: _Inputs, r0: int, r1: int, work: torch.dtype
+) -> tuple[tuple[Tensor, ...], _Pattern, Tensor, Tensor, Tensor]:
+    """What the forward and the backward compute alike for rows ``r0:r1``: ``((b, c, t, keys),
+    the pattern, k and v of the rows' key/value head, raw = scale * q . k (n, G', W))``."""
+    b, c, t = call.where(r0, r1)
+    keys, first = call.chunk_keys(r0, r1)
+    pattern = _Pattern.of(keys, call.g, call.geo.kv_len)
+    rows = call.kv_rows(r0)
+    kc, vc = ins.k_flat[rows].to(work), ins.v_flat[rows].to(work)
+    qc = ins.q_rows[r0:r1].view(-1, kc.size(-1))
+    raw = pattern.sampled(qc, kc).view(r1 - r0, call.g, call.width).mul_(call.scale)
+    return (b, c, t, keys, first), pattern, kc, vc, raw
+
+
 def _forward(
     call: Gathered, ins: _Inputs, bias_term: bool, work: torch.dtype
 ) -> tuple[Tensor, Tensor]:
@@ -401,12 +487,7 @@ def _forward(
     out = ins.q_rows.new_empty(call.rows, call.g, dv)
     lse = ins.q_rows.new_empty(call.rows, call.g)
     for r0, r1 in call.spans():
-        b, c, t = call.where(r0, r1)
-        keys, first = call.chunk_keys(b, c, t)
-        flat = call.flat_rows(b, c, keys).view(-1)
-        n = r1 - r0
-        kg = ins.k_flat.index_select(0, flat).view(n, call.width, -1).to(work)
-        raw = torch.bmm(ins.q_rows[r0:r1], kg.transpose(1, 2)).mul_(call.scale)
+        (b, c, t, keys, first), pattern, _, vc, raw = _chunk(call, ins, r0, r1, work)
         added = call.added(b, c, t, keys) if bias_term else (None, None)
         vis = _hidden_by(call.visible(b, c, t, keys, first), added)
         s = call.scores(raw, added, vis, b, c, t, keys).masked_fill(~vis, float("-inf"))
@@ -414,8 +495,7 @@ def _forward(
         top = top.masked_fill(top == float("-inf"), 0.0)  # a row with no key: weights 0
         p = (s - top).exp_()
         total = p.sum(-1)
-        vg = ins.v_flat.index_select(0, flat).view(n, call.width, dv).to(work)
-        o = torch.bmm(p, vg)
+        o = pattern.times(p.view(-1), vc).view(r1 - r0, call.g, dv)
         out[r0:r1] = o / total.clamp_min(torch.finfo(work).tiny).unsqueeze(-1)
         lse[r0:r1] = top.squeeze(-1) + total.log()
     return out, lse
@@ -463,21 +543,15 @@ def _backward(
     modified = call.softcap is not None or call.score_mod is not None
     lse_safe = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
     for r0, r1 in call.spans():
-        b, c, t = call.where(r0, r1)
-        keys, first = call.chunk_keys(b, c, t)
-        flat = call.flat_rows(b, c, keys).view(-1)
-        n = r1 - r0
-        kg = ins.k_flat.index_select(0, flat).view(n, call.width, -1).to(work)
-        vg = ins.v_flat.index_select(0, flat).view(n, call.width, -1).to(work)
-        qc = ins.q_rows[r0:r1]
-        raw = torch.bmm(qc, kg.transpose(1, 2)).mul_(call.scale)
+        (b, c, t, keys, first), pattern, kc, vc, raw = _chunk(call, ins, r0, r1, work)
         bias, term = call.added(b, c, t, keys)
         vis = _hidden_by(call.visible(b, c, t, keys, first), (bias, term))
         leaves = [x.requires_grad_() for x in (raw, bias, term) if x is not None]
         with torch.enable_grad():
             s = call.scores(raw, (bias, term), vis, b, c, t, keys)
         p = (s.detach() - lse_safe[r0:r1]).exp_().masked_fill_(~vis, 0.0)
-        dp = torch.bmm(dout[r0:r1], vg.transpose(1, 2))
+        dout_c = dout[r0:r1].reshape(-1, dout.size(-1))
+        dp = pattern.sampled(dout_c, vc).view(p.shape)
         ds = p * (dp - delta[r0:r1].unsqueeze(-1))
         if modified or bias is not None or term is not None:
             got = torch.autograd.grad(s, [*leaves, *mod_inputs], ds, allow_unused=True)
@@ -485,10 +559,12 @@ def _backward(
             _add_chunk_grads(call, grads, got, bias, term, (b, c, t, keys), len(mod_inputs))
         else:
             draw = ds
-        draw = draw.mul_(call.scale)
-        torch.baddbmm(grads.dq[r0:r1], draw, kg, out=grads.dq[r0:r1])
-        grads.dk.index_add_(0, flat, torch.bmm(draw.transpose(1, 2), qc).view(-1, kg.size(-1)))
-        grads.dv.index_add_(0, flat, torch.bmm(p.transpose(1, 2), dout[r0:r1]).flatten(0, 1))
+        draw = draw.mul_(call.scale).reshape(-1)
+        qc = ins.q_rows[r0:r1].view(-1, kc.size(-1))
+        grads.dq[r0:r1] += pattern.times(draw, kc).view(r1 - r0, call.g, -1)
+        rows = call.kv_rows(r0)
+        grads.dk[rows] += pattern.transposed_times(draw, qc)
+        grads.dv[rows] += pattern.transposed_times(p.reshape(-1), dout_c)
     return grads
 
 
