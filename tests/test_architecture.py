@@ -450,7 +450,6 @@ KERNEL_CALLS = {
 }
 KERNEL_CALLERS_KNOWN = {
     # go through attention() (caches through the door)
-    ("caches/paged.py", "cache_attention"),
     ("flash_attn/_kvcache.py", "cache_attention"),
     ("flash_attn/_api.py", "cache_attention"),
     # ring attention's pair of shards: a rectangle of a call that attention() dispatched to the

@@ -28,8 +28,9 @@ from ._base.finite import finite_if_readable
 from ._base.transforms import carries_tangent
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
+from .caches.view import CacheView, band_of
 from .masks import Geometry, Mask, check_mask, visibility
-from .scores import ScoreShape, ScoreTerm
+from .scores import DistanceBias, ScoreShape, ScoreTerm
 
 __all__ = ["AttentionCall", "check_attention_args", "describe_call"]
 
@@ -84,6 +85,10 @@ class AttentionCall:
     #: q, k, v, the bias or the sinks carry forward-mode tangents (torch.func.jvp,
     #: torch.autograd.forward_ad): only backends made of torch's differentiable operations serve it
     forward_ad: bool = False
+    #: the keys and values of a KV cache where they lie (``attention(q, view)``): row ``n`` of the
+    #: batch attends its own stretch of keys; only backends whose ``accepts_cache`` is True serve
+    #: it. The call's ``Tk`` is then the stretch the rows share, else the longest row's end.
+    cache: CacheView | None = None
 
     @property
     def mask_given(self) -> str | None:
@@ -112,10 +117,14 @@ class AttentionCall:
     def describe(self) -> str:
         """One line: ``q (2, 8, 128, 64), k (2, 2, 256, 64), v (...) float32 on cpu, causal``."""
         b = self.batch_shape
-        parts = [
-            f"q {shape_str((*b, self.num_heads, self.q_len, self.qk_dim))}, "
+        kv = (
             f"k {shape_str((*b, self.num_kv_heads, self.kv_len, self.qk_dim))}, "
-            f"v {shape_str((*b, self.num_kv_heads, self.kv_len, self.v_dim))} "
+            f"v {shape_str((*b, self.num_kv_heads, self.kv_len, self.v_dim))}"
+            if self.cache is None
+            else f"k, v {self.cache.describe()}"
+        )
+        parts = [
+            f"q {shape_str((*b, self.num_heads, self.q_len, self.qk_dim))}, {kv} "
             f"{dtype_str(self.dtype)} on {self.device}"
         ]
         if self.mask_given is not None:
@@ -262,6 +271,69 @@ def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]
     return q, k, v
 
 
+def _check_view(q: object, view: CacheView, v: object) -> tuple[Tensor, Tensor, Tensor, CacheView]:
+    """q against a cache view (``attention(q, view)``), and stand-ins without data for the keys
+    and values ``(N, Hkv, Tk, Dk|Dv)`` the call reads, which the other checks read as k and v."""
+    if v is not None:
+        raise TypeError(
+            "attention(q, view) reads the keys and values from the cache view: v must be None, "
+            f"got {type(v).__name__}"
+        )
+    q = require_tensor("q", q)
+    rows, hkv, dk = view.rows, view.num_kv_heads, view.k.size(-1)
+    if q.ndim != 4 or q.size(0) != rows or q.size(1) % hkv or q.size(-1) != dk:
+        raise ValueError(
+            f"q must be (N, H, Tq, Dk) for a cache view of N = {rows} rows, H a multiple of its "
+            f"Hkv = {hkv} and Dk = {dk}, got {shape_str(q.shape)}"
+        )
+    if q.dtype != view.k.dtype:
+        raise TypeError(
+            f"q, k and v must share a dtype, got q {dtype_str(q.dtype)}, k "
+            f"{dtype_str(view.k.dtype)}, v {dtype_str(view.v.dtype)} (the cache view's pages)"
+        )
+    if q.device != view.k.device:
+        raise ValueError(f"q is on {q.device} but the cache view's pages are on {view.k.device}")
+    view = view.with_queries(q.size(2))
+    if view.q_lens is not None and max(view.q_lens) > q.size(2):
+        raise ValueError(
+            f"the cache view's q_lens {list(view.q_lens)} are more than q's Tq = {q.size(2)} "
+            "in a row"
+        )
+    zero = view.k.new_zeros(())
+    keys = zero.expand(rows, hkv, view.width, dk)
+    return q, keys, zero.expand(rows, hkv, view.width, view.v.size(-1)), view
+
+
+def _check_rows(view: CacheView, scores: _Scores, q: Tensor, score_mod: object) -> None:
+    """A cache call whose rows attend stretches of their own: a band for a mask (each row's own
+    keys already say which exist), a bias by distance or none, no score_mod."""
+    if view.shared:
+        return
+    if band_of(visibility(scores.given, scores.causal)) is None:
+        given = scores.given
+        what = given.describe() if isinstance(given, Mask) else f"a {type(given).__name__}"
+        raise ValueError(
+            f"mask: a cache call whose rows attend keys of their own takes causal=True, causal() "
+            f"or sliding_window() (or their &), got {what}: each row's keys already say which "
+            "keys exist"
+        )
+    term = scores.term
+    if scores.dense is not None or (term is not None and not isinstance(term, DistanceBias)):
+        got = term.describe() if term is not None else "a dense tensor"
+        raise TypeError(
+            "bias: a cache call whose rows attend keys of their own takes a bias by distance "
+            f"(DistanceBias, attnkit.alibi_term), got {got}"
+        )
+    if term is not None:  # the distances of the real queries
+        q_len = q.size(2) if view.q_lens is None else max(view.q_lens, default=0)
+        term.check(Geometry((view.rows,), q.size(1), q_len, view.kv_len, q.device))
+    if score_mod is not None:
+        raise ValueError(
+            "score_mod: a cache call whose rows attend keys of their own takes none (its indices "
+            "would be each row's own)"
+        )
+
+
 def _check_mask_arg(
     mask: object, q: Tensor, scores: tuple[int, ...], legend: str
 ) -> tuple[Tensor | Mask | None, tuple[int, ...] | None]:
@@ -395,10 +467,16 @@ def check_attention_args(
     whether q, k and v hold NaN/inf, so that backends whose backward would let masked ones into
     the gradients can decline it. Skipped while torch.compile traces and on ``meta`` tensors.
     """
-    q, k, v = _check_qkv(q, k, v)
+    view = None
+    if isinstance(k, CacheView):
+        q, k, v, view = _check_view(q, k, v)
+    else:
+        q, k, v = _check_qkv(q, k, v)
     scores = _check_scores(q, k, mask, bias, causal)
     sink_t = None if sinks is None else _check_sinks(sinks, q, q.shape[-3])
     mod = check_score_mod(score_mod)
+    if view is not None:
+        _check_rows(view, scores, q, mod)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     if not isinstance(return_lse, bool):
@@ -420,13 +498,14 @@ def check_attention_args(
         return_lse=return_lse,
         score_mod=mod,
         check_finite=check_finite,
+        cache=view,
     )
 
 
 def describe_call(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    k: Tensor | CacheView,
+    v: Tensor | None,
     *,
     mask: object,
     bias: object,
@@ -440,12 +519,21 @@ def describe_call(
     """The call a module makes: ``q``, ``k``, ``v``, ``sinks``, ``dropout_p`` and the flags are the
     module's own, built from its checked arguments and parameters, so they are not checked again;
     the caller's ``mask``, ``bias`` and ``causal``, which the module passes on, are checked here,
-    once. The scale is ``1/sqrt(Dk)``."""
+    once. The scale is ``1/sqrt(Dk)``. ``k`` may be a cache view (and ``v`` None): a module's call
+    on its cache, checked as :func:`attention` checks one."""
+    view = None
+    if isinstance(k, CacheView):
+        q, k, v, view = _check_view(q, k, v)
+    if v is None:
+        raise TypeError("describe_call: v is None without a cache view")
+    scores = _check_scores(q, k, mask, bias, causal)
+    if view is not None:
+        _check_rows(view, scores, q, None)
     return _described(
         q,
         k,
         v,
-        _check_scores(q, k, mask, bias, causal),
+        scores,
         scale=1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0,
         softcap=None,
         sinks=sinks,
@@ -454,6 +542,7 @@ def describe_call(
         return_lse=return_lse,
         score_mod=None,
         check_finite=check_finite,
+        cache=view,
     )
 
 
@@ -471,8 +560,12 @@ def _described(
     return_lse: bool,
     score_mod: ScoreMod | None,
     check_finite: bool,
+    cache: CacheView | None = None,
 ) -> AttentionCall:
-    """The :class:`AttentionCall` of checked parts."""
+    """The :class:`AttentionCall` of checked parts (``k`` and ``v`` stand-ins for a ``cache``'s
+    pages, whose own tensors say whether they need gradients)."""
+    if cache is not None:
+        k, v = cache.k, cache.v
     requires_grad = torch.is_grad_enabled() and (
         scores.bias_grad
         or q.requires_grad
@@ -484,6 +577,7 @@ def _described(
     is_finite = None
     if (
         check_finite
+        and cache is None
         and requires_grad
         and q.device.type != "meta"
         and not torch.compiler.is_compiling()
@@ -496,7 +590,7 @@ def _described(
         num_heads=q.shape[-3],
         num_kv_heads=k.shape[-3],
         q_len=q.shape[-2],
-        kv_len=k.shape[-2],
+        kv_len=k.shape[-2] if cache is None else cache.width,
         qk_dim=q.shape[-1],
         v_dim=v.shape[-1],
         dtype=q.dtype,
@@ -518,4 +612,5 @@ def _described(
         finite=is_finite,
         score_mod=score_mod,
         forward_ad=carries_tangent(q, k, v, scores.dense, sinks),
+        cache=cache,
     )

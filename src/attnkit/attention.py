@@ -58,6 +58,7 @@ from .backends.base import (
     registry_of_call,
     restore_registry,
 )
+from .caches.view import CacheView
 from .masks import Mask
 from .scores import ScoreTerm
 
@@ -356,6 +357,8 @@ def _under_autocast(
     dtype = torch.get_autocast_dtype(device)
 
     def cast(t: object) -> object:
+        if isinstance(t, CacheView):  # its rows' keys, copied in the autocast dtype
+            return t.to(dtype) if t.k.dtype != torch.float64 else t
         ok = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
         return t.to(dtype) if ok and isinstance(t, Tensor) else t
 
@@ -407,10 +410,20 @@ def _call_of(
         raise _autocast_hint(error, autocast) from None
 
 
+def _keys_values(k: object, v: object) -> tuple[Tensor, Tensor]:
+    """What a backend receives as k and v: a cache view's pages (it reads the view itself as
+    ``call.cache``), else k and v as checked."""
+    if isinstance(k, CacheView):
+        return k.k, k.v
+    if not isinstance(k, Tensor) or not isinstance(v, Tensor):
+        raise TypeError(f"attnkit internal error: k and v unchecked ({type(k).__name__})")
+    return k, v
+
+
 def _run(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    k: Tensor | CacheView,
+    v: Tensor | None,
     mask: Tensor | Mask | None,
     bias: Tensor | ScoreTerm | None,
     causal: bool,
@@ -441,6 +454,7 @@ def _run(
     if isinstance(mask, Tensor):
         warn_torch_convention(mask)  # True = may NOT attend, as in torch's modules? (warned once)
     q, k, v, bias, sinks = args  # type: ignore[assignment]
+    k, v = _keys_values(k, v)
     dense = bias if isinstance(bias, Tensor) else None
     captured: tuple[Tensor, ...] = ()
     if call.score_mod is not None:
@@ -459,8 +473,8 @@ def _run(
 
 def attend(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    k: Tensor | CacheView,
+    v: Tensor | None,
     *,
     mask: Tensor | Mask | None,
     bias: Tensor | ScoreTerm | None,
@@ -477,7 +491,8 @@ def attend(
     built from arguments and parameters it has checked (its inputs' shapes, dtypes and devices at
     each call, its settings and backend when it was built), so they are not checked again; the
     caller's ``mask``, ``bias`` and ``causal``, which the module passes on, are checked here, by
-    the same checks as :func:`attention`'s. The scale is ``1/sqrt(Dk)``; what follows (autocast,
+    the same checks as :func:`attention`'s (``k`` a cache view and ``v`` None: the call on a
+    module's cache). The scale is ``1/sqrt(Dk)``; what follows (autocast,
     the torch-convention warning, the choice of backend) is :func:`attention`'s."""
     args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
     q, k, v, bias, sinks = args  # type: ignore[assignment]
@@ -499,6 +514,7 @@ def attend(
         raise _autocast_hint(error, autocast_dtype) from None
     if isinstance(mask, Tensor):
         warn_torch_convention(mask)  # True = may NOT attend, as in torch's modules? (warned once)
+    k, v = _keys_values(k, v)
     inputs = CallInputs(q, k, v, bias if isinstance(bias, Tensor) else None, sinks)
     with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
         return dispatch(call, inputs, backend)
@@ -522,14 +538,17 @@ def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) ->
 
 
 _MaskArg = Bool[Tensor, "*#mb #Tk"] | Mask | None
+# keys: a tensor, or a KV cache's keys and values where they lie (then no values tensor)
+_KeysArg = Float[Tensor, "*batch Hkv Tk Dk"] | CacheView
+_ValuesArg = Float[Tensor, "*batch Hkv Tk Dv"] | None
 _BiasArg = Float[Tensor, "*#bb #Tk"] | ScoreTerm | None
 
 
 @overload
 def attention(
     q: Float[Tensor, "*batch H Tq Dk"],
-    k: Float[Tensor, "*batch Hkv Tk Dk"],
-    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    k: _KeysArg,
+    v: _ValuesArg = None,
     *,
     mask: _MaskArg = None,
     bias: _BiasArg = None,
@@ -548,8 +567,8 @@ def attention(
 @overload
 def attention(
     q: Float[Tensor, "*batch H Tq Dk"],
-    k: Float[Tensor, "*batch Hkv Tk Dk"],
-    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    k: _KeysArg,
+    v: _ValuesArg = None,
     *,
     mask: _MaskArg = None,
     bias: _BiasArg = None,
@@ -568,8 +587,8 @@ def attention(
 @overload
 def attention(
     q: Float[Tensor, "*batch H Tq Dk"],
-    k: Float[Tensor, "*batch Hkv Tk Dk"],
-    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    k: _KeysArg,
+    v: _ValuesArg = None,
     *,
     mask: _MaskArg = None,
     bias: _BiasArg = None,
@@ -588,8 +607,8 @@ def attention(
 @overload
 def attention(
     q: Float[Tensor, "*batch H Tq Dk"],
-    k: Float[Tensor, "*batch Hkv Tk Dk"],
-    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    k: _KeysArg,
+    v: _ValuesArg = None,
     *,
     mask: _MaskArg = None,
     bias: _BiasArg = None,
@@ -611,8 +630,8 @@ def attention(
 @overload
 def attention(
     q: Float[Tensor, "*batch H Tq Dk"],
-    k: Float[Tensor, "*batch Hkv Tk Dk"],
-    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    k: _KeysArg,
+    v: _ValuesArg = None,
     *,
     mask: _MaskArg = None,
     bias: _BiasArg = None,
@@ -641,8 +660,8 @@ def attention(
 @shape_checked
 def attention(
     q: Float[Tensor, "*batch H Tq Dk"],
-    k: Float[Tensor, "*batch Hkv Tk Dk"],
-    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    k: _KeysArg,
+    v: _ValuesArg = None,
     *,
     mask: _MaskArg = None,
     bias: _BiasArg = None,
@@ -672,7 +691,18 @@ def attention(
         k: keys ``(..., Hkv, Tk, Dk)``. ``H`` must be a multiple of ``Hkv``: with ``Hkv < H`` each
             group of ``H / Hkv`` query heads shares one key/value head (grouped-query attention;
             ``Hkv = 1`` is multi-query attention). k and v are not copied per head.
-        v: values ``(..., Hkv, Tk, Dv)``.
+
+            Or the keys and values of a KV cache where they lie, a
+            :class:`~attnkit.caches.view.CacheView` (then no ``v``): ``attention(q, view)`` with
+            ``q`` ``(N, H, Tq, Dk)`` attends row ``n``'s queries to its own keys
+            ``view.kv_range[n]`` of a contiguous cache or of pages through a block table, the
+            queries aligned bottom-right to the end of the row's keys. Rows whose keys differ
+            take a band for a mask (``causal``, :func:`~attnkit.masks.causal`,
+            :func:`~attnkit.masks.sliding_window`, their ``&``) and a bias by distance or none;
+            rows that share their keys take anything a dense call takes. ``chunked`` reads the
+            cache in place (the native kernel's decode path), ``reference`` gathers each row's
+            keys; :func:`explain` says which, and why.
+        v: values ``(..., Hkv, Tk, Dv)``; None with a cache view.
         mask: which pairs may attend, **True = this query may attend this key** (torch SDPA's
             convention): a bool tensor broadcastable to ``(..., H, Tq, Tk)``, or a structured
             :class:`~attnkit.masks.Mask` (:func:`~attnkit.masks.causal`,
@@ -758,6 +788,10 @@ def attention(
     >>> window = masks.sliding_window(3) & masks.key_padding([7, 4])
     >>> attention(q, kv, kv, mask=window, softcap=30.0).shape
     torch.Size([2, 8, 5, 16])
+    >>> from attnkit.caches.view import CacheView
+    >>> cache = torch.randn(2, 2, 64, 16)  # a KV cache of 64 positions a row, 12 and 30 held
+    >>> attention(q[:, :, -1:], CacheView(cache, cache, [(0, 12), (0, 30)]), causal=True).shape
+    torch.Size([2, 8, 1, 16])
 
     Shape legend: ``...`` batch dims, ``H`` query heads, ``Hkv`` key/value heads, ``Tq`` queries,
     ``Tk`` keys, ``Dk`` query/key size, ``Dv`` value size.
@@ -784,8 +818,8 @@ def attention(
 @shape_checked
 def explain(
     q: Float[Tensor, "*batch H Tq Dk"],
-    k: Float[Tensor, "*batch Hkv Tk Dk"],
-    v: Float[Tensor, "*batch Hkv Tk Dv"],
+    k: _KeysArg,
+    v: _ValuesArg = None,
     *,
     mask: _MaskArg = None,
     bias: _BiasArg = None,

@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 from attnkit import MultiHeadAttention, PagedKVCache, RotaryEmbedding, _native, masks
-from attnkit.caches import paged
+from attnkit._kernel import cache as kernel_cache
+from attnkit.backends import chunked
 from attnkit.modules.positional import alibi_term
 from attnkit.testing import assert_close
 
@@ -197,17 +198,17 @@ def test_eager_path_equals_in_place_path() -> None:
     """The gathered path (no native kernel) computes what the kernel computes in place; the
     kernel is what serves a CPU float64 call."""
     calls: list[int] = []
-    real = paged.cache_attention
+    real = kernel_cache.cache_attention
 
     def counted(*a: Any, **kw: Any) -> Any:
         calls.append(1)
         return real(*a, **kw)
 
-    with mock.patch.object(paged, "cache_attention", counted):
+    with mock.patch.object(kernel_cache, "cache_attention", counted):
         _steps(PagedKVCache(16, 4, 1, 8, max_seqs=2, dtype=F64), 2, [[5, 2], [1, 1]],
                torch.Generator().manual_seed(5), causal=True)  # fmt: skip
     assert len(calls) == 2
-    with mock.patch.object(paged, "cache_refusal", return_value="refused for the test"):
+    with mock.patch.object(chunked, "in_place_refusal", return_value="refused for the test"):
         _steps(PagedKVCache(16, 4, 1, 8, max_seqs=2, dtype=F64), 2, [[5, 2], [1, 1]],
                torch.Generator().manual_seed(5), causal=True)  # fmt: skip
 
@@ -413,7 +414,7 @@ def test_attention_refuses_what_attention_refuses_before_writing(
     c.schedule(None)
     q, (k, v) = torch.randn(2, 2, 1, 2, dtype=F64), _kv(2, 1)
     before = _snapshot(c)
-    gathered = mock.patch.object(paged, "cache_refusal", return_value="a gather")
+    gathered = mock.patch.object(chunked, "in_place_refusal", return_value="a gather")
     with contextlib.nullcontext() if native else gathered, torch.no_grad():
         with pytest.raises(exc, match=re.escape(message)):
             c.attention(q, k, v, **kw)
@@ -562,7 +563,7 @@ def test_fuzz_paged_and_decode_paths(case: dict[str, Any]) -> None:
     blocks = sum(-(-sum(s[b] for s in case["steps"]) // case["page"]) for b in range(case["rows"]))
     c = PagedKVCache(blocks, case["page"], case["hkv"], 4, max_seqs=case["rows"], dtype=F64)
     refusal = "the gathered path" if case["eager"] else None
-    with mock.patch.object(paged, "cache_refusal", return_value=refusal):
+    with mock.patch.object(chunked, "in_place_refusal", return_value=refusal):
         _steps(c, h, case["steps"], gen, **kw)
     assert c.num_free_pages == 0  # the pool was sized to the pages the sequences need
 

@@ -717,7 +717,8 @@ def test_explain_describes_the_call_the_module_makes() -> None:
     with torch.no_grad():
         m(x, cache=cache)
         step = m.explain(x[:, :1], cache=cache)
-    assert "k (2, 2, 11, 4)" in str(step)  # the cached keys count
+    assert "k, v 2 rows of keys 0..11, 0..11 of a contiguous cache" in str(step)  # the cached keys
+    assert step.chosen == "chunked"
     assert cache.length == 10  # explain wrote nothing
     assert m.explain(x, need_weights=True).chosen == "reference"
 

@@ -5,9 +5,10 @@ This is what a decoding server asks: flash-attn's ``flash_attn_with_kvcache`` (`
 ``cache_leftpad``, ``cache_batch_idx``, ``block_table``), its paged ``flash_attn_varlen_func``,
 vLLM's paged attention. The native kernel's ``native_cache_forward`` reads the keys and values
 where they are (no gather of pages, no slice of rows), on its decode path (split across threads by
-keys, each key/value head read once for all its query heads); :func:`cache_refusal` says when it
-cannot serve such a call, and the caller then gathers the rows and calls
-:func:`attnkit.attention`.
+keys, each key/value head read once for all its query heads). A cache call reaches it through
+:func:`attnkit.attention` with a :class:`~attnkit.caches.view.CacheView`: the ``chunked`` backend
+asks :func:`in_place_refusal` and reads the cache with :func:`read_cache`, or else gathers the
+rows' keys for its dense kernel.
 
 The pages are ``(X, Hkv, page, D)`` tensors at any strides: flash-attn's ``(blocks, page, Hkv, D)``
 cache is ``k_cache.permute(0, 2, 1, 3)``, vLLM's and Intel's ``(blocks, Hkv, page, D)`` is itself,
@@ -16,22 +17,23 @@ and a contiguous ``(B, Tk, Hkv, D)`` cache is one page of ``Tk`` keys per row.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .._native import load
-from .._native.kernel import REDUCED
+from .._native.kernel import DECODE_QUERIES, REDUCED
 from ..masks import Geometry
 from ..scores import DistanceBias, softcap_form
 from .choice import refusal
 from .sinks import finish
 
-__all__ = ["IN_PLACE", "cache_attention", "cache_refusal"]
+__all__ = ["IN_PLACE", "cache_attention", "cache_refusal", "in_place_refusal", "read_cache"]
 
-#: What :func:`attnkit.record_dispatch` says served a cache call that the native kernel read in
-#: place (:attr:`attnkit.Dispatch.chosen`): such a call is not dispatched to a backend.
+#: The kernel :func:`attnkit.record_dispatch` names (:attr:`attnkit.Dispatch.kernel`) for a cache
+#: call that the chunked backend served by reading the cache in place.
 IN_PLACE = "native kernel, the cache read in place"
 
 _CACHE_DTYPES = (torch.float32, torch.float64, *REDUCED)
@@ -43,30 +45,18 @@ def cache_refusal(q: Tensor, k: Tensor, v: Tensor, *others: Tensor | None) -> st
     keys and values it reads as they are, computing in float32), no gradient asked of them or
     of the call's ``others`` (the kernel has no backward for pages), no autocast, not while
     torch.compile traces, and the kernel available (built on first use)."""
-    why = refusal(
-        native=True,
-        device=q.device,
-        term=None,
-        score_mod=False,
-        finite=None,
-        geo=None,
-        build=True,
-    )
-    if why is not None:
-        return why
-    if q.dtype not in _CACHE_DTYPES or not q.dtype == k.dtype == v.dtype:
+    if not q.dtype == k.dtype == v.dtype:
         dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in (q, k, v))
         return (
             "the native kernel reads caches of q, k and v of one dtype (float32, float64, "
             f"bfloat16 or float16), got {dtypes}"
         )
-    if torch.is_grad_enabled() and any(
+    grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, *others)
-    ):
-        return "gradients are asked (the native kernel reads caches for inference only)"
-    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
-        return "autocast or torch.compile (the native kernel reads caches in eager inference)"
-    return None
+    )
+    return in_place_refusal(
+        device=q.device, dtype=q.dtype, requires_grad=grad, q_len=q.size(-2), shared_rows=False
+    )
 
 
 def _int64(x: Tensor | Sequence[Sequence[int]]) -> Tensor:
@@ -151,3 +141,80 @@ def cache_attention(
     if sinks is not None:
         out5, lse = finish(out5, lse, sinks.view(hkv, -1).to(work))
     return out5.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+
+
+def in_place_refusal(
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    requires_grad: bool,
+    q_len: int,
+    shared_rows: bool,
+    build: bool = True,
+) -> str | None:
+    """None when the native kernel reads a cache call in place, else why not: what
+    :func:`cache_refusal` asks, of the call's description (``shared_rows``: every row one page of
+    the same stretch of keys, which the blocked kernel runs faster as a prefill than the decode
+    path reads it; ``build``: load the kernel, building it if needed, as a call about to run does,
+    or only ask whether it would be available, as questions do)."""
+    if shared_rows and q_len > DECODE_QUERIES:
+        return "a prefill of rows that share their keys: the blocked kernel on the cache's rows"
+    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return "autocast or torch.compile (the native kernel reads caches in eager inference)"
+    why = refusal(
+        native=True, device=device, term=None, score_mod=False, finite=None, geo=None, build=build
+    )
+    if why is not None:
+        return why
+    if dtype not in _CACHE_DTYPES:
+        return (
+            "the native kernel reads caches of one dtype (float32, float64, bfloat16 or "
+            f"float16), got {str(dtype).removeprefix('torch.')}"
+        )
+    if requires_grad:
+        return "gradients are asked (the native kernel reads caches for inference only)"
+    return None
+
+
+def read_cache(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    kv_range: Sequence[tuple[int, int]],
+    block_table: Tensor | None,
+    q_lens: Sequence[int] | None,
+    band: tuple[float, float] | None,
+    scale: float,
+    softcap: float | None,
+    bias: DistanceBias | None,
+    sinks: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`cache_attention` on queries ``(N, H, Tq, Dk)`` of which row ``n``'s first
+    ``q_lens[n]`` are real (all when None): ``(out (N, H, Tq, Dv), lse (N, H, Tq))``, 0 and
+    ``-inf`` for the padding queries."""
+    ranges = [list(r) for r in kv_range]
+    kw = {"band": band, "scale": scale, "softcap": softcap, "bias": bias, "sinks": sinks}
+    if q_lens is None:
+        return cache_attention(q, k, v, kv_range=ranges, block_table=block_table, **kw)  # type: ignore[arg-type]
+    b, h, t, dk = q.shape
+    # Rows of their own query counts: the queries of all rows packed as one row of N * Tq, row n's
+    # from n * Tq on (a view when q's rows are evenly strided).
+    flat = q.transpose(1, 2).reshape(1, b * t, h, dk).transpose(1, 2)
+    out, lse = cache_attention(
+        flat,
+        k,
+        v,
+        kv_range=ranges,
+        block_table=block_table,
+        q_range=[[r * t, n] for r, n in enumerate(q_lens)],
+        **kw,  # type: ignore[arg-type]
+    )
+    real = (torch.arange(t)[None, :] < torch.tensor(q_lens)[:, None]).to(q.device)  # (N, Tq)
+    # (1, H, N * Tq, ...) -> (N, H, Tq, ...); the padding positions were never written.
+    out = out[0].unflatten(1, (b, t)).transpose(0, 1)
+    lse = lse[0].unflatten(1, (b, t)).transpose(0, 1)
+    return (
+        out.masked_fill(~real[:, None, :, None], 0.0),
+        lse.masked_fill(~real[:, None, :], -math.inf),
+    )

@@ -143,6 +143,10 @@ class Backend:
 
     #: Whether :meth:`run` applies ``call.score_mod`` (the dispatcher declines the call otherwise).
     accepts_score_mod: bool = False
+    #: Whether :meth:`run` reads ``call.cache``, a KV cache's keys where they lie (``inputs.k`` and
+    #: ``inputs.v`` are then its pages; :meth:`~attnkit.caches.view.CacheView.attend_rows` gives
+    #: dense calls): the dispatcher declines such calls otherwise.
+    accepts_cache: bool = False
 
     def __init__(
         self,
@@ -222,10 +226,16 @@ class Backend:
 
     def reasons(self, call: AttentionCall) -> tuple[list[str], list[str]]:
         """``(check(call), cost(call))``, each checked to be a list of strings; a call with a
-        ``score_mod`` gains a reason unless :attr:`accepts_score_mod`."""
+        ``score_mod`` gains a reason unless :attr:`accepts_score_mod`, one on a cache unless
+        :attr:`accepts_cache`."""
         reasons = self._strings("check", self.check(call))
         if call.score_mod is not None and not self.accepts_score_mod:
             reasons = [*reasons, "does not apply a score_mod (chunked and reference do)"]
+        if call.cache is not None and not self.accepts_cache:
+            reasons = [
+                *reasons,
+                "reads no KV cache view (chunked reads the cache in place, reference gathers it)",
+            ]
         return reasons, self._strings("cost", self.cost(call))
 
     def slower_reasons(self, call: AttentionCall) -> list[str]:

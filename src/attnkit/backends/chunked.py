@@ -21,6 +21,7 @@ kernel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -31,6 +32,7 @@ from .._base.devices import readable
 from .._base.transforms import transforms_active
 from .._call import AttentionCall
 from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
+from .._kernel.cache import IN_PLACE, in_place_refusal, read_cache
 from .._kernel.call import kernel_attention
 from .._kernel.choice import decode_sized, decodes, why_not_native
 from .._kernel.gathered import gathered_note
@@ -38,10 +40,12 @@ from .._kernel.operator import traceable, traced_attention
 from .._kernel.planning import decode_plan, planned
 from .._native import status as native_status
 from .._native.kernel import BF16_PRODUCTS
+from .._record import note_kernel
 from .._score_mod import captured_tensors, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
+from ..caches.view import band_of, row_term
 from ..scores import DistanceBias, softcap_form
-from .base import Backend, CallInputs
+from .base import Backend, CallInputs, Output
 
 __all__ = [
     "Chunked",
@@ -175,6 +179,7 @@ class Chunked(Backend):
     """
 
     accepts_score_mod = True
+    accepts_cache = True
 
     def __init__(
         self,
@@ -208,9 +213,58 @@ class Chunked(Backend):
         return chunked_check(call)
 
     def slower(self, call: AttentionCall) -> list[str]:
-        """The eager kernel, where the native one would not serve the call (never builds it)."""
+        """The eager kernel, where the native one would not serve the call (never builds it); on
+        a cache whose keys it cannot read in place, the gather of its rows' keys."""
+        if call.cache is not None:
+            why = self.cache_refusal(call)
+            if why is None:
+                return []
+            if not self._views_of_rows(call):
+                return [f"gathers each row's keys from the cache ({why})"]
+            call = self._dense(call, call.q_len, call.kv_len, None)
         why = why_not_native(self._rewritten(call)[0], self.native)
         return [] if why is None else [f"runs {why}"]
+
+    def cache_refusal(self, call: AttentionCall, build: bool = False) -> str | None:
+        """None when the native kernel reads a call's cache (:attr:`AttentionCall.cache`) where it
+        lies; else why the call runs as dense calls on the rows' keys (views of a contiguous
+        cache whose rows share their keys, else gathered). ``build``: as a call about to run,
+        load the kernel (questions never build it)."""
+        if call.cache is None:
+            return "the call is not on a cache"
+        if not self.native:
+            return "native=False"
+        if call.return_weights or call.dropout_p or call.score_mod is not None:
+            return "weights, dropout or a score_mod, which the cache read does not apply"
+        if call.bias_shape is not None or not (
+            call.score_term is None or isinstance(call.score_term, DistanceBias)
+        ):
+            return "a bias other than a bias by distance, which the cache read does not add"
+        if band_of(call.mask) is None:
+            return f"a mask that is not a band ({call.mask.describe() if call.mask else ''})"
+        view = call.cache
+        return in_place_refusal(
+            device=call.device,
+            dtype=call.dtype,
+            requires_grad=call.requires_grad,
+            q_len=call.q_len,
+            shared_rows=view.shared and view.contiguous,
+            build=build,
+        )
+
+    @staticmethod
+    def _views_of_rows(call: AttentionCall) -> bool:
+        """Whether a cache call's dense form is views of the cache (no gather)."""
+        return call.cache is not None and call.cache.shared and call.cache.block_table is None
+
+    @staticmethod
+    def _dense(call: AttentionCall, q_len: int, kv_len: int, row: int | None) -> AttentionCall:
+        """A cache call's dense call on row ``row``'s keys (every row's when None)."""
+        rows = call.batch_shape if row is None else (1,)
+        term = row_term(call.score_term, row)
+        return replace(
+            call, cache=None, batch_shape=rows, q_len=q_len, kv_len=kv_len, score_term=term
+        )
 
     def _rewritten(self, call: AttentionCall) -> tuple[AttentionCall, list[str]]:
         """The call as :meth:`run` serves it: a score_mod that is exactly a softcap runs as
@@ -239,6 +293,14 @@ class Chunked(Backend):
         on ``meta`` tensors)."""
         if not readable(call.device):  # meta, or a device explain(device=...) describes
             return []
+        if call.cache is not None:
+            why = self.cache_refusal(call)
+            if why is None:
+                return [f"reads the cache in place: {native_status()[1]}"]
+            if not self._views_of_rows(call):
+                return [f"each row's keys gathered from the cache, one call a row or all ({why})"]
+            dense = self._dense(call, call.q_len, call.kv_len, None)
+            return [f"the rows' keys as views of the cache ({why})", *self.notes(dense)]
         call, rewrite = self._rewritten(call)
         index = gathered_note(call)  # an index mask: its keys gathered, or why they are scanned
         if index is not None and index[0]:
@@ -291,7 +353,9 @@ class Chunked(Backend):
             native,
         )
 
-    def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
+    def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        if call.cache is not None:
+            return self._run_cache(call, inputs)
         meta = inputs.q.device.type == "meta"
         if torch.compiler.is_compiling() or meta:
             # A meta tensor holds no values for the kernel to read (the plan, whether q, k and v
@@ -350,6 +414,37 @@ class Chunked(Backend):
             score_mod=mod,
             captured=() if mod is None else inputs.captured,
         )
+
+    def _run_cache(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        """A call on a cache: its pages read in place by the native kernel, else dense calls on
+        the rows' keys (views or gathered, see :meth:`cache_refusal`), each served as any call."""
+        view = call.cache
+        if view is None:
+            raise ValueError("attnkit internal error: a cache call without its cache view")
+        if self.cache_refusal(call, build=True) is None:
+            band = band_of(call.mask)
+            term = call.score_term
+            note_kernel(IN_PLACE)
+            out, lse = read_cache(
+                inputs.q,
+                view.k,
+                view.v,
+                kv_range=view.kv_range,
+                block_table=view.block_table,
+                q_lens=view.q_lens,
+                band=None if band == (-math.inf, math.inf) else band,
+                scale=call.scale,
+                softcap=call.softcap,
+                bias=term if isinstance(term, DistanceBias) else None,
+                sinks=inputs.sinks,
+            )
+            return (out, lse) if call.return_lse else out
+
+        def dense(q: Tensor, k: Tensor, v: Tensor, row: int | None) -> Output:
+            sub = self._dense(call, q.size(2), k.size(2), row)
+            return self.run(sub, replace(inputs, q=q, k=k, v=v))
+
+        return view.attend_rows(inputs.q, dense, weights=False, lse=call.return_lse)
 
     def __repr__(self) -> str:
         sizes = [f"{n}={v}" for n, v in (("block_q", self.block_q), ("block_k", self.block_k)) if v]

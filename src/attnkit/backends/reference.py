@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from .._base.transforms import transforms_active
 from .._call import AttentionCall
 from .._score_mod import ScoreMod, index_tensors
 from .._score_mod import apply as apply_score_mod
+from ..caches.view import row_term
 from ..masks import Geometry, Mask, decode
 from ..scores import ScoreTerm, cap_scores, decode_term, term_error
 from .base import Backend, CallInputs, Output
@@ -138,9 +140,11 @@ def formula(
 
 class Reference(Backend):
     """The reference as a backend: it serves every call, and ``auto`` takes it only when nothing
-    else can (it materialises the scores)."""
+    else can (it materialises the scores). A call on a cache it computes on each row's keys,
+    gathered (:meth:`~attnkit.caches.view.CacheView.attend_rows`)."""
 
     accepts_score_mod = True
+    accepts_cache = True
 
     def __init__(self) -> None:
         super().__init__("reference")
@@ -159,12 +163,25 @@ class Reference(Backend):
         return ["computes the formula operation by operation, the scores written out"]
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        if call.cache is not None:
+
+            def dense(q: Tensor, k: Tensor, v: Tensor, row: int | None) -> Output:
+                rows = replace(inputs, q=q, k=k, v=v)
+                return self._formula(call, rows, row_term(call.score_term, row))
+
+            return call.cache.attend_rows(
+                inputs.q, dense, weights=call.return_weights, lse=call.return_lse
+            )
+        return self._formula(call, inputs, call.score_term)
+
+    @staticmethod
+    def _formula(call: AttentionCall, inputs: CallInputs, term: ScoreTerm | None) -> Output:
         return formula(
             inputs.q,
             inputs.k,
             inputs.v,
             mask=call.mask,
-            bias=inputs.bias if inputs.bias is not None else call.score_term,
+            bias=inputs.bias if inputs.bias is not None else term,
             scale=call.scale,
             softcap=call.softcap,
             sinks=inputs.sinks,

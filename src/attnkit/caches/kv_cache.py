@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._base.checks import check_float_tensor, check_int
+from .._base.checks import check_int
 from .._base.shapes import Float, shape_checked
+from ._tokens import check_tokens, write
+from .view import CacheView
 
 __all__ = ["KVCache"]
 
@@ -108,42 +110,16 @@ class KVCache:
         next :meth:`stage` or :meth:`update` writes over them. Every check runs before anything
         is written, so a call that raises leaves the cache as it was.
         """
-        check_float_tensor("k", k)
-        check_float_tensor("v", v)
         keys, values = self.k_cache, self.v_cache
         cached = keys.size(0)
-        if k.ndim == 4 and k.size(0) != cached:
+        if isinstance(k, Tensor) and k.ndim == 4 and k.size(0) != cached:
             # The caller's batch, not "k and v", which a module's user never passed.
             raise ValueError(
                 f"this KVCache holds a batch of {cached} sequences (batch_size={cached}) but the "
                 f"call brings a batch of {k.size(0)} (the keys and values k, v): make a cache "
                 f"with batch_size={k.size(0)} for this batch (make_cache(batch_size=...))"
             )
-        t = k.size(-2) if k.ndim == 4 else "T"  # v must bring as many tokens as k
-        heads = keys.size(1)
-        want_k = (cached, heads, t, keys.size(3))
-        want_v = (cached, heads, t, values.size(3))
-        if k.shape != want_k or v.shape != want_v:
-            raise ValueError(
-                f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = "
-                f"{want_v} for this cache, got k {tuple(k.shape)} and v {tuple(v.shape)}"
-            )
-        if k.dtype != keys.dtype or v.dtype != values.dtype:
-            raise TypeError(
-                f"k and v must have the cache's dtype ({keys.dtype}), got k {k.dtype} and "
-                f"v {v.dtype}"
-            )
-        if k.device != keys.device or v.device != keys.device:
-            # (a copy_ would move them, or fail half-way with v on the meta device)
-            raise ValueError(
-                f"k and v must be on the cache's device ({keys.device}), got k on {k.device} and "
-                f"v on {v.device}"
-            )
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            raise ValueError(
-                "KVCache got keys that require grad: the cache is for inference, run "
-                "decoding under torch.no_grad() or torch.inference_mode()"
-            )
+        k, v = check_tokens(k, v, keys, values, cached, "KVCache")
         start = self.length
         end = start + k.size(-2)
         if end > self.max_len:
@@ -151,10 +127,35 @@ class KVCache:
                 f"KV cache overflow: {k.size(-2)} new tokens after the {start} cached exceed "
                 f"max_len ({self.max_len}); make a larger cache or reset() it"
             )
-        keys.narrow(2, start, end - start).copy_(k)
-        values.narrow(2, start, end - start).copy_(v)
+        write(keys, values, k, v, at=[start] * cached)
         self._staged = end - start
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+
+    def view(self) -> CacheView:
+        """The keys and values held and staged, as :func:`attnkit.attention` reads them where
+        they lie: row ``b``'s first ``length`` (and staged) positions of the cache."""
+        end = self.length + self._staged
+        return CacheView(self.k_cache, self.v_cache, ((0, end),) * self.k_cache.size(0))
+
+    def stand_in(self, new_tokens: int) -> CacheView:
+        """The view a call of ``new_tokens`` tokens will read once they are staged, without data
+        (one zero, expanded): what ``explain()`` describes."""
+        b, h, _, dk = self.k_cache.shape
+        zero = self.k_cache.new_zeros(())
+        end = self.length + new_tokens
+        return CacheView(
+            zero.expand(b, h, end, dk),
+            zero.expand(b, h, end, self.v_cache.size(-1)),
+            ((0, end),) * b,
+        )
+
+    def stage_call(self, q: Tensor, k: Tensor, v: Tensor, **call: object) -> CacheView:
+        """:meth:`stage` ``k`` and ``v`` for the attention call of ``q`` and return the
+        :meth:`view` that call reads: what a module does before its one
+        :func:`attnkit.attention` call. The staged tokens lie past ``length``, where nothing reads
+        them until :meth:`commit`, so a call that then fails leaves the cache as it was."""
+        self.stage(k, v)
+        return self.view()
 
     def commit(self) -> None:
         """Hold the tokens of the last :meth:`stage` (nothing happens if none are staged)."""

@@ -21,28 +21,24 @@ pages per sequence at most.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from .._base.checks import check_bool, check_float_tensor, check_int, dtype_str, shape_str
+from .._base.checks import check_float_tensor, check_int, dtype_str, shape_str
 from .._base.shapes import Float, shape_checked
 from .._call import AttentionCall, check_attention_args
-from .._kernel.cache import cache_attention, cache_refusal
 from ..attention import attention
-from ..masks import Mask, sliding_window
-from ..masks._blocks import Geometry
+from ..masks import Mask
 from ..scores import DistanceBias
+from ._tokens import check_tokens, put, write
+from .view import CacheView, band_of
 
 __all__ = ["PagedKVCache"]
 
 Layout = Literal["flash", "vllm"]
-
-# A window's reach past every sequence: sliding_window() saturates it.
-_UNBOUNDED = 2**62
 
 
 def _counts(name: str, value: object, rows: int, most: int) -> list[int]:
@@ -66,37 +62,19 @@ def _counts(name: str, value: object, rows: int, most: int) -> list[int]:
     return list(value)
 
 
-def band_of(mask: Tensor | Mask | None, causal: bool) -> tuple[float, float]:
-    """``(lo, hi)``: a call's ``mask`` and ``causal`` as the band of distances ``j - p_i`` each
-    query may attend, ``p_i`` its own position. A paged cache takes the masks that are bands
-    (causal(), sliding_window(), and ``&`` of them): each row's keys are its own tokens, so no
-    key padding is needed, and a mask over a ``(Tq, Tk)`` matrix has no meaning when every row
-    has its own ``Tk``."""
-    lo, hi = -math.inf, math.inf
-    if check_bool("causal", causal):
-        hi = 0.0
-    if mask is None:
-        return lo, hi
+def _check_band(mask: Tensor | Mask | None) -> None:
+    """A paged cache takes the masks that are bands (causal(), sliding_window(), and ``&`` of
+    them, with ``causal=True``): each row's keys are its own tokens, so no key padding is needed,
+    and a mask over a ``(Tq, Tk)`` matrix has no meaning when every row has its own ``Tk``."""
     parts = mask.parts if isinstance(mask, Mask) and mask.op == "and" else (mask,)
     for part in parts:
-        band = part.band if isinstance(part, Mask) else None
-        if band is None or band[2] != "bottom_right":
+        if part is not None and band_of(part) is None:
             what = part.describe() if isinstance(part, Mask) else f"a {type(part).__name__}"
             raise ValueError(
                 f"mask: a PagedKVCache call takes causal=True, causal() or sliding_window() (or "
                 f"their &), got {what}: each sequence attends its own tokens, so its lengths "
                 "already say which keys exist"
             )
-        lo, hi = max(lo, band[0]), min(hi, band[1])
-    return lo, hi
-
-
-def _band_mask(lo: float, hi: float) -> Mask | None:
-    if lo == -math.inf and hi == math.inf:
-        return None
-    left = _UNBOUNDED if lo == -math.inf else int(-lo)
-    right = _UNBOUNDED if hi == math.inf else int(hi)
-    return sliding_window(left, right)
 
 
 class PagedKVCache(nn.Module):
@@ -251,33 +229,10 @@ class PagedKVCache(nn.Module):
 
     def _plan(self, k: Tensor, v: Tensor) -> list[int]:
         """The checks of a stage of ``k`` and ``v``; the new tokens of each row."""
-        check_float_tensor("k", k)
-        check_float_tensor("v", v)
-        rows, hkv = self.max_seqs, self.k_pages.size(2 if self.layout == "flash" else 1)
-        dk, dv = self.k_pages.size(-1), self.v_pages.size(-1)
-        t = k.size(-2) if k.ndim == 4 else "T"
-        want_k, want_v = (rows, hkv, t, dk), (rows, hkv, t, dv)
-        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
-            raise ValueError(
-                f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = "
-                f"{want_v} for this cache of B = max_seqs = {rows} sequences, got k "
-                f"{shape_str(k.shape)} and v {shape_str(v.shape)}"
-            )
-        if k.dtype != self.k_pages.dtype or v.dtype != self.v_pages.dtype:
-            raise TypeError(
-                f"k and v must have the cache's dtype ({dtype_str(self.k_pages.dtype)}), got k "
-                f"{dtype_str(k.dtype)} and v {dtype_str(v.dtype)}"
-            )
-        if k.device != self.k_pages.device or v.device != self.k_pages.device:
-            raise ValueError(
-                f"k and v must be on the cache's device ({self.k_pages.device}), got k on "
-                f"{k.device} and v on {v.device}"
-            )
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            raise ValueError(
-                "PagedKVCache got keys that require grad: the cache is for inference, run "
-                "decoding under torch.no_grad() or torch.inference_mode()"
-            )
+        rows = self.max_seqs
+        kp, vp = self._head_major()
+        what = f"PagedKVCache of B = max_seqs = {rows} sequences"
+        k, v = check_tokens(k, v, kp, vp, rows, what)
         new = [k.size(-2)] * rows if self._next is None else self._next
         if any(n > k.size(-2) for n in new):
             raise ValueError(
@@ -331,13 +286,11 @@ class PagedKVCache(nn.Module):
         Returns the ``(N,)`` int64 slots written (vLLM's ``slot_mapping``: ``page * page_size +
         offset``), row by row.
         """
-        new = self._plan(k, v)
+        return self._stage(k, v, self._plan(k, v))
+
+    def _stage(self, k: Tensor, v: Tensor, new: list[int]) -> Tensor:
+        """:meth:`stage` of checked tokens, ``new[b]`` of them in row ``b``."""
         self._drop_staged()
-        size = self.page_size
-        slots: list[int] = []
-        # Where each row's new tokens go: (row, page, first place in the page, tokens, first new
-        # token of the row), a stretch of consecutive places in one page each.
-        parts: list[tuple[int, int, int, int, int]] = []
         for b, n in enumerate(new):
             first = len(self._pages[b])
             for _ in range(self._used(self.lengths[b] + n) - first):
@@ -346,38 +299,12 @@ class PagedKVCache(nn.Module):
                 self.block_table[b, first : len(self._pages[b])] = torch.tensor(
                     self._pages[b][first:], dtype=torch.int32
                 )
-            t, end = self.lengths[b], self.lengths[b] + n
-            while t < end:
-                page, at = self._pages[b][t // size], t % size
-                m = min(size - at, end - t)
-                parts.append((b, page, at, m, t - self.lengths[b]))
-                slots.extend(range(page * size + at, page * size + at + m))
-                t += m
+        kp, vp = self._head_major()
+        pieces = write(kp, vp, k, v, at=self.lengths, counts=new, block_table=self._pages)
         self._staged = new
-        written = torch.tensor(slots, dtype=torch.int64, device=self.block_table.device)
-        if len(parts) <= self.max_seqs:
-            # A decode step (a page a row): a copy into each page. Not an index_put_ of a boolean
-            # selection: torch's indexing kernels start the OpenMP threads from a few thousand
-            # elements on (B Hkv D of a step), and where the cores are busy, each start waits for
-            # one; the five of a step made it twice as long as a KVCache's.
-            kp, vp = self.token_major()
-            for b, page, at, m, i in parts:
-                kp[page, at : at + m] = k[b, :, i : i + m].transpose(0, 1)
-                vp[page, at : at + m] = v[b, :, i : i + m].transpose(0, 1)
-            return written
-        # A prompt: all its tokens at once, (B, Hkv, T, D) -> the (N, Hkv, D) real ones, row by
-        # row (a copy a page would cost more than the threads).
-        real = torch.arange(k.size(-2))[None, :] < torch.tensor(new)[:, None]
-        real = real.to(k.device)
-        self._put(k.transpose(1, 2)[real], v.transpose(1, 2)[real], written)
-        return written
-
-    def _put(self, k: Tensor, v: Tensor, slots: Tensor) -> None:
-        kp, vp = self.token_major()
-        slots = slots.to(kp.device)
-        where = (slots // self.page_size, slots % self.page_size)
-        kp.index_put_(where, k)
-        vp.index_put_(where, v)
+        size = self.page_size
+        slots = [s for _, p, at, m, _ in pieces for s in range(p * size + at, p * size + at + m)]
+        return torch.tensor(slots, dtype=torch.int64, device=self.block_table.device)
 
     def write(
         self, k: Float[Tensor, "N Hkv Dk"], v: Float[Tensor, "N Hkv Dv"], slot_mapping: Tensor
@@ -436,7 +363,8 @@ class PagedKVCache(nn.Module):
             )
         if int(slots[keep].unique().numel()) != int(keep.sum()):
             raise ValueError("slot_mapping names a slot twice: which token would it hold?")
-        self._put(k[keep.to(k.device)], v[keep.to(v.device)], slots[keep])
+        kp, vp = self._head_major()
+        put(kp, vp, k[keep.to(k.device)], v[keep.to(v.device)], slots[keep])
 
     def commit(self) -> None:
         """Hold the tokens of the last :meth:`stage`, and forget :meth:`schedule`."""
@@ -476,17 +404,18 @@ class PagedKVCache(nn.Module):
         self,
         q: Tensor,
         new: list[int],
-        band: tuple[float, float],
         *,
+        mask: object,
+        causal: object,
         scale: object,
         softcap: object,
         bias: object,
         sinks: object,
     ) -> AttentionCall:
         """Every argument of an attention call, before anything is written: q against the cache,
-        then what :func:`attnkit.attention` checks (the same checks, asked of stand-ins for the
-        keys without data: ``scale``, ``softcap``, the sinks' shape, dtype and values, the mask
-        and the bias against the longest row)."""
+        then what :func:`attnkit.attention` checks of the call on the cache's view after the
+        write, asked of a stand-in for it without data (``scale``, ``softcap``, the sinks'
+        shape, dtype and values, the mask and the bias against each row's keys)."""
         check_float_tensor("q", q)
         hkv = self.k_pages.size(2 if self.layout == "flash" else 1)
         dk = self.k_pages.size(-1)
@@ -502,29 +431,86 @@ class PagedKVCache(nn.Module):
             )
         if any(n > q.size(2) for n in new):
             raise ValueError(f"the new tokens {new} are more than q's T = {q.size(2)} in a row")
-        kv_len = max(n + s for n, s in zip(self.lengths, new, strict=True))
-        if bias is not None:
-            if not isinstance(bias, DistanceBias):
-                raise TypeError(
-                    "bias: a PagedKVCache call takes a bias by distance (DistanceBias, "
-                    f"attnkit.alibi_term), got {type(bias).__name__}"
-                )
-            bias.check(Geometry((self.max_seqs,), q.size(1), max(new), kv_len, q.device))
-        # The longest row's keys and values, as one call would see them: one zero, expanded.
-        zero = q.new_zeros(())
-        keys = zero.expand(self.max_seqs, hkv, kv_len, dk)
-        values = zero.expand(self.max_seqs, hkv, kv_len, self.v_pages.size(-1))
+        if bias is not None and not isinstance(bias, DistanceBias):
+            raise TypeError(
+                "bias: a PagedKVCache call takes a bias by distance (DistanceBias, "
+                f"attnkit.alibi_term), got {type(bias).__name__}"
+            )
         return check_attention_args(
             q,
-            keys,
-            values,
-            mask=_band_mask(*band),
+            self.stand_in(q.size(2)),
+            None,
+            mask=mask,
             bias=bias,
-            causal=False,
+            causal=causal,
             scale=scale,
             softcap=softcap,
             sinks=sinks,
         )
+
+    def stand_in(self, new_tokens: int) -> CacheView:
+        """The view a call of ``new_tokens`` tokens a row (or :meth:`schedule`'s) will read once
+        they are staged, without data (one zero, expanded, a row on a page): what the checks
+        before a write ask, and what ``explain()`` describes."""
+        new = [new_tokens] * self.max_seqs if self._next is None else self._next
+        ends = [n + s for n, s in zip(self.lengths, new, strict=True)]
+        zero = self.k_pages.new_zeros(())
+        hkv, longest = self.k_pages.size(2 if self.layout == "flash" else 1), max(ends)
+        return CacheView(
+            zero.expand(self.max_seqs, hkv, longest, self.k_pages.size(-1)),
+            zero.expand(self.max_seqs, hkv, longest, self.v_pages.size(-1)),
+            tuple((0, e) for e in ends),
+            q_lens=None if self._next is None else tuple(new),
+            trusted=True,
+        )
+
+    def view(self) -> CacheView:
+        """The keys and values held and staged, as :func:`attnkit.attention` reads them where
+        they lie: the pages through the block table, row ``b``'s keys its ``lengths[b]`` held
+        and staged tokens, and with :meth:`schedule` its staged tokens its real queries."""
+        ends = [n + s for n, s in zip(self.lengths, self._staged, strict=True)]
+        width = max(1, *(self._used(e) for e in ends))
+        kp, vp = self._head_major()
+        return CacheView(
+            kp,
+            vp,
+            tuple((0, e) for e in ends),
+            self.block_table[:, :width],
+            None if self._next is None else tuple(self._staged),
+            trusted=True,
+        )
+
+    def stage_call(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Tensor | Mask | None = None,
+        causal: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        bias: object = None,
+        sinks: Tensor | None = None,
+    ) -> CacheView:
+        """Check the attention call of ``q`` on the keys held and the new ``k``, ``v`` (every
+        argument, before anything is written), stage ``k`` and ``v``, and return the
+        :meth:`view` that call reads: what a module does before its one
+        :func:`attnkit.attention` call."""
+        _check_band(mask)
+        new = self._plan(k, v)
+        self._check_attention(
+            q,
+            new,
+            mask=mask,
+            causal=causal,
+            scale=scale,
+            softcap=softcap,
+            bias=bias,
+            sinks=sinks,
+        )
+        self._stage(k, v, new)
+        return self.view()
 
     def attention(
         self,
@@ -558,111 +544,15 @@ class PagedKVCache(nn.Module):
             padding positions get 0 and ``-inf``.
 
         Every argument is checked before anything is written. The new tokens are staged, not
-        held: :meth:`commit` holds them. On CPUs without gradients (float32, float64, bfloat16,
-        float16), the native kernel reads the pages through the block table where they lie;
-        otherwise each row's keys are gathered for one :func:`attnkit.attention` call per row.
+        held: :meth:`commit` holds them. The call is one :func:`attnkit.attention` call on the
+        cache's :meth:`view` (``explain()`` shows it, ``record_dispatch()`` records it): on CPUs
+        without gradients (float32, float64, bfloat16, float16) the chunked backend's native
+        kernel reads the pages through the block table where they lie; otherwise each row's keys
+        are gathered.
         """
-        band = band_of(mask, causal)
-        new = self._plan(k, v)
-        call = self._check_attention(
-            q, new, band, scale=scale, softcap=softcap, bias=bias, sinks=sinks
-        )
-        self.stage(k, v)
-        kp, vp = self._head_major()
-        table = bias.table if bias is not None else None
-        if cache_refusal(q, kp, vp, sinks, table) is None:
-            return self._in_place(q, new, band, call.scale, call.softcap, bias, sinks)
-        return self._gathered(q, new, band, call.scale, call.softcap, bias, sinks)
-
-    def _in_place(
-        self,
-        q: Tensor,
-        new: list[int],
-        band: tuple[float, float],
-        scale: float,
-        softcap: float | None,
-        bias: DistanceBias | None,
-        sinks: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        """The native kernel on the pages through the block table: no page is gathered."""
-        b, h, t, _ = q.shape
-        kp, vp = self._head_major()
-        ends = [n + s for n, s in zip(self.lengths, new, strict=True)]
-        kv_range = [[0, e] for e in ends]
-        width = max(1, *(self._used(e) for e in ends))
-        # Entries past a row's pages are never read; -1 becomes 0 all the same.
-        table = self.block_table[:, :width].long().clamp_min(0)
-        packed = any(n != t for n in new)
-        lo, hi = band
-        kw = {
-            "block_table": table,
-            "band": None if lo == -math.inf and hi == math.inf else band,
-            "scale": scale,
-            "softcap": softcap,
-            "bias": bias,
-            "sinks": sinks,
-        }
-        if not packed:
-            return cache_attention(q, kp, vp, kv_range=kv_range, **kw)  # type: ignore[arg-type]
-        # Rows of their own query counts: the queries of all rows packed as one row of B * T,
-        # row b's from b * T on (a view when q's rows are evenly strided).
-        flat = q.transpose(1, 2).reshape(1, b * t, h, q.size(-1)).transpose(1, 2)
-        q_range = [[r * t, n] for r, n in enumerate(new)]
-        out, lse = cache_attention(
-            flat,
-            kp,
-            vp,
-            kv_range=kv_range,
-            q_range=q_range,
-            **kw,  # type: ignore[arg-type]
-        )
-        real = (torch.arange(t)[None, :] < torch.tensor(new)[:, None]).to(q.device)  # (B, T)
-        # (1, H, B * T, ...) -> (B, H, T, ...); the padding positions were never written.
-        out = out[0].unflatten(1, (b, t)).transpose(0, 1)
-        lse = lse[0].unflatten(1, (b, t)).transpose(0, 1)
-        out = out.masked_fill(~real[:, None, :, None], 0.0)
-        lse = lse.masked_fill(~real[:, None, :], -math.inf)
-        return out, lse
-
-    def _gathered(
-        self,
-        q: Tensor,
-        new: list[int],
-        band: tuple[float, float],
-        scale: float,
-        softcap: float | None,
-        bias: DistanceBias | None,
-        sinks: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        """Each row's keys gathered from its pages, one :func:`attnkit.attention` call a row."""
-        b, h, t, _ = q.shape
-        kp, vp = self.token_major()
-        out = q.new_zeros(b, h, t, vp.size(-1))
-        lse = q.new_full((b, h, t), -math.inf)
-        mask = _band_mask(*band)
-        for r, n in enumerate(new):
-            if not n:
-                continue
-            s = self.lengths[r] + n
-            pages = torch.tensor(self._pages[r][: self._used(s)], device=kp.device)
-            keys = kp[pages].flatten(0, 1)[:s].permute(1, 0, 2)[None]  # (1, Hkv, S, Dk)
-            values = vp[pages].flatten(0, 1)[:s].permute(1, 0, 2)[None]
-            row_bias = bias
-            if bias is not None and bias.table.ndim == 3 and bias.table.size(0) > 1:
-                row_bias = DistanceBias(bias.table[r : r + 1], bias.first)
-            o, ls = attention(
-                q[r : r + 1, :, :n],
-                keys,
-                values,
-                mask=mask,
-                bias=row_bias,
-                scale=scale,
-                softcap=softcap,
-                sinks=sinks,
-                return_lse=True,
-            )
-            out[r, :, :n] = o[0]
-            lse[r, :, :n] = ls[0].to(lse.dtype)
+        kw = {"mask": mask, "causal": causal, "scale": scale, "softcap": softcap}
+        view = self.stage_call(q, k, v, bias=bias, sinks=sinks, **kw)  # type: ignore[arg-type]
+        out, lse = attention(q, view, bias=bias, sinks=sinks, return_lse=True, **kw)  # type: ignore[call-overload]
         return out, lse
 
     def extra_repr(self) -> str:

@@ -39,6 +39,7 @@ from .._base.shapes import Bool, Float, shape_checked
 from ..attention import Backend, Explanation, attend, check_backend, explain
 from ..caches.kv_cache import KVCache
 from ..caches.paged import PagedKVCache
+from ..caches.view import CacheView
 from ..masks import Mask
 from ..scores import DistanceBias, ScoreTerm
 from ._packing import split_packed
@@ -353,20 +354,9 @@ class MultiHeadAttention(nn.Module):
                 "the sequence (sequence_parallel): decode with a copy made before it"
             )
 
-    def _paged(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cache: PagedKVCache,
-        mask: Tensor | Mask | None,
-        bias: Tensor | ScoreTerm | None,
-        causal: bool,
-        need_weights: bool,
-    ) -> Tensor:
-        """The call on a :class:`~attnkit.PagedKVCache`: the cache stages the new keys and values
-        and attends each row's queries to its own pages; the tokens are held once the output
-        exists. Whatever the cache refuses, it refuses before writing."""
+    def _check_paged(self, bias: object, need_weights: bool) -> None:
+        """What a call on a :class:`~attnkit.PagedKVCache` cannot be, refused before the cache is
+        written: each row has its own keys, read from its pages where they lie."""
         if getattr(self, "sequence_shards", None) is not None:
             raise ValueError(
                 "a PagedKVCache decodes whole sequences in one process; this module runs on a "
@@ -387,20 +377,21 @@ class MultiHeadAttention(nn.Module):
                 "bias: a PagedKVCache call takes a bias by distance (DistanceBias, "
                 f"attnkit.alibi_term), got {type(bias).__name__}"
             )
-        if self.rotary is not None:
-            # Each row's new tokens sit after its own held ones: rows of one offset rotate together.
-            q, k = self._rotated_rows(q, cache.lengths), self._rotated_rows(k, cache.lengths)
-        sinks = q.new_zeros(self.num_heads) if self.add_zero_attn else None
-        out, lse = cache.attention(q, k, v, mask=mask, causal=causal, bias=bias, sinks=sinks)
-        if self.bias_k is not None:
-            out, _ = self._extra_tokens(q, out, None, lse, 0.0)
-        result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
-        cache.commit()
-        return result
+
+    @staticmethod
+    def _offsets(cache: KVCache | PagedKVCache | None, rows: int) -> list[int]:
+        """The position of each row's first new token: the tokens its cache holds."""
+        if cache is None:
+            return [0] * rows
+        if isinstance(cache, PagedKVCache):
+            return list(cache.lengths)
+        return [cache.length] * rows
 
     def _rotated_rows(self, x: Tensor, offsets: list[int]) -> Tensor:
         """``x`` ``(B, heads, T, Dh)`` with row ``b`` rotated from position ``offsets[b]``."""
-        if len(set(offsets)) == 1:
+        # (comparisons, not a set: a compiled step's offset is a symbolic size, which a set would
+        # make a constant, and so a new graph at every step)
+        if offsets and all(o == offsets[0] for o in offsets):
             return self._rotated(x, offsets[0])
         out = torch.empty_like(x)
         for offset in sorted(set(offsets)):
@@ -432,8 +423,8 @@ class MultiHeadAttention(nn.Module):
     def _attend(
         self,
         q: Tensor,
-        k: Tensor,
-        v: Tensor,
+        k: Tensor | CacheView,
+        v: Tensor | None,
         mask: Tensor | Mask | None,
         bias: Tensor | ScoreTerm | None,
         causal: bool,
@@ -445,8 +436,11 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, ...]:
         """The one attention call, on this rank's shard of the sequence or on the whole. q, k, v
         and the settings are this module's, built from what it checked and when it was built:
-        attend() checks only the caller's mask, bias and causal, once."""
+        attend() checks only the caller's mask, bias and causal, once. ``k`` is the cache's view
+        (and ``v`` None) for a call on a cache."""
         if shards is not None:
+            if isinstance(k, CacheView) or v is None:
+                raise ValueError("a module on a shard of the sequence attends no cache")
             return shards.attention(
                 q,
                 k,
@@ -535,31 +529,35 @@ class MultiHeadAttention(nn.Module):
         k = k.view(*k.shape[:-1], self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(*v.shape[:-1], self.num_kv_heads, self.v_head_dim).transpose(1, 2)
         if isinstance(cache, PagedKVCache):
-            return self._paged(q, k, v, cache, mask, bias, causal, need_weights)
+            self._check_paged(bias, need_weights)
         shards = self.sequence_shards
         if shards is not None:
             self._check_sharded(bias, need_weights, cache)
         if self.rotary is not None and shards is not None:
             q, k = self._rotated_shard(q, shards), self._rotated_shard(k, shards)
         elif self.rotary is not None:
-            offset = 0 if cache is None else cache.length
-            q = self._rotated(q, offset)
-            k = self._rotated(k, offset)
-        if cache is not None:
-            # Written past the cache's length, invisible until the commit below: attention()
-            # validates mask, bias and causal, and a call it refuses must leave the cache as it was.
-            k, v = cache.stage(k, v)
+            # Each row's new tokens sit after its own held ones: rows of one offset rotate together.
+            offsets = self._offsets(cache, q.size(0))
+            q, k = self._rotated_rows(q, offsets), self._rotated_rows(k, offsets)
 
         capturing = is_capturing(self)
         want_weights = need_weights or capturing
         dropout_p = self.dropout if self.training else 0.0
         # The zero key scores q . 0 = 0 and adds 0 to the output: exactly a sink of logit 0.
         sinks = q.new_zeros(self.num_heads) if self.add_zero_attn else None
+        keys: Tensor | CacheView = k
+        values: Tensor | None = v
+        if cache is not None:
+            # The cache checks what it must refuse before it writes, then stages the new keys
+            # past what it holds, invisible until the commit below: a call attention() refuses
+            # leaves the cache as it was. The call reads the cache's keys where they lie.
+            view = cache.stage_call(q, k, v, mask=mask, causal=causal, bias=bias, sinks=sinks)
+            keys, values = view, None
         # The log-sum-exp merges the learned token in, and scales the weights to make room for
         # the extra tokens' columns.
         want_lse = self.bias_k is not None or (want_weights and self.add_zero_attn)
         got = self._attend(
-            q, k, v, mask, bias, causal, sinks, dropout_p, want_weights, want_lse, shards
+            q, keys, values, mask, bias, causal, sinks, dropout_p, want_weights, want_lse, shards
         )
         parts = [got] if isinstance(got, Tensor) else list(got)
         out = parts[0]
@@ -588,7 +586,7 @@ class MultiHeadAttention(nn.Module):
         bias: Tensor | ScoreTerm | None = None,
         causal: bool = False,
         need_weights: bool = False,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
     ) -> Explanation:
         """Which backend ``self(query, key, value, ...)`` would run its attention on, and why:
         :func:`attnkit.explain` for the call the module makes. Runs nothing (no projection, no
@@ -605,7 +603,7 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
-        b, tq, tk = query.size(0), query.size(1), key.size(1) + (cache.length if cache else 0)
+        b, tq, tk = query.size(0), query.size(1), key.size(1)
         ref = self.out_proj.weight
 
         # Tensors of the call's shapes that hold nothing (stride 0); they need gradients when the
@@ -619,10 +617,14 @@ class MultiHeadAttention(nn.Module):
             return base.expand(b, heads, t, d)
 
         weights = need_weights or is_capturing(self)
+        keys: Tensor | CacheView = shaped(self.num_kv_heads, tk, self.head_dim)
+        values: Tensor | None = shaped(self.num_kv_heads, tk, self.v_head_dim)
+        if cache is not None:  # the cache's keys where the call will read them, as stand-ins
+            keys, values = cache.stand_in(tk), None
         return explain(
             shaped(self.num_heads, tq, self.head_dim),
-            shaped(self.num_kv_heads, tk, self.head_dim),
-            shaped(self.num_kv_heads, tk, self.v_head_dim),
+            keys,
+            values,
             mask=mask,
             bias=bias,
             causal=causal,

@@ -1,0 +1,139 @@
+"""New tokens into a cache: the one check of new keys and values, and the one writer.
+
+Every cache writes the same way (:class:`~attnkit.KVCache`, :class:`~attnkit.PagedKVCache`,
+flash-attn's ``flash_attn_with_kvcache``): row ``n``'s new tokens go to its key positions ``at[n],
+at[n] + 1, ...`` of pages ``(X, Hkv, page, D)``, named by a block table or, without one, page ``n``
+(see :mod:`attnkit.caches.view`). The writer is called once everything is checked, so a refused
+call writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .._base.checks import check_float_tensor, dtype_str, shape_str
+
+__all__ = ["Piece", "check_tokens", "put", "write"]
+
+#: A stretch of a write in one page: ``(row, page, offset in the page, tokens, row's first token)``.
+Piece = tuple[int, int, int, int, int]
+
+
+def check_tokens(
+    k: object, v: object, k_pages: Tensor, v_pages: Tensor, rows: int, what: str
+) -> tuple[Tensor, Tensor]:
+    """New keys ``(N, Hkv, T, Dk)`` and values ``(N, Hkv, T, Dv)`` for ``rows`` rows of the
+    pages ``(X, Hkv, page, D)`` of ``what`` (a cache's name and its rows, for the messages): of
+    the pages' heads, sizes, dtype and device, and needing no gradient (a cache is for
+    inference: stored keys would keep the graph of every step alive)."""
+    k = check_float_tensor("k", k)
+    v = check_float_tensor("v", v)
+    t = k.size(-2) if k.ndim == 4 else "T"  # v must bring as many tokens as k
+    want_k = (rows, k_pages.size(1), t, k_pages.size(3))
+    want_v = (rows, v_pages.size(1), t, v_pages.size(3))
+    if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+        raise ValueError(
+            f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = {want_v} "
+            f"for this {what}, got k {shape_str(k.shape)} and v {shape_str(v.shape)}"
+        )
+    if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
+        raise TypeError(
+            f"k and v must have the cache's dtype ({dtype_str(k_pages.dtype)}), got k "
+            f"{dtype_str(k.dtype)} and v {dtype_str(v.dtype)}"
+        )
+    if k.device != k_pages.device or v.device != k_pages.device:
+        # (a copy_ would move them, or fail half-way with v on the meta device)
+        raise ValueError(
+            f"k and v must be on the cache's device ({k_pages.device}), got k on {k.device} and "
+            f"v on {v.device}"
+        )
+    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        raise ValueError(
+            f"{what.split()[0]} got keys that require grad: the cache is for inference, run "
+            "decoding under torch.no_grad() or torch.inference_mode()"
+        )
+    return k, v
+
+
+def write(
+    k_pages: Tensor,
+    v_pages: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    at: Sequence[int],
+    counts: Sequence[int] | None = None,
+    block_table: Tensor | Sequence[Sequence[int]] | None = None,
+) -> list[Piece]:
+    """Write row ``n``'s first ``counts[n]`` new tokens (all ``T`` when None) of ``k`` ``(N, Hkv,
+    T, Dk)`` and ``v`` at its key positions ``at[n]`` on, through ``block_table`` ``(N, P)`` (a
+    tensor, or each row's pages as ints) or row ``n`` on page ``n``, converting to the pages'
+    dtype. Returns the stretches written (none listed for the one copy of rows in order).
+
+    How it writes is chosen by the shape of the write: rows in order at one position, one copy
+    (a contiguous cache's step); a stretch a row or fewer pieces than rows (a decode step), a copy
+    a piece, since torch's indexing kernels start their threads from a few thousand elements on
+    and, where the cores are busy, each start waits for one; more pieces (a prompt over pages),
+    one indexed write of all the tokens."""
+    rows, _, t, _ = k.shape
+    new = [t] * rows if counts is None else list(counts)
+    # (comparisons, not a set: a compiled step's position is a symbolic size, which a set would
+    # make a constant, and so a new graph at every step)
+    if block_table is None and counts is None and rows and all(a == at[0] for a in at):
+        k_pages[:rows, :, at[0] : at[0] + t].copy_(k)
+        v_pages[:rows, :, at[0] : at[0] + t].copy_(v)
+        return []
+    pieces = _pieces(k_pages.size(2), at, new, block_table)
+    if len(pieces) <= rows:
+        for n, page, offset, m, i in pieces:
+            k_pages[page, :, offset : offset + m].copy_(k[n, :, i : i + m])
+            v_pages[page, :, offset : offset + m].copy_(v[n, :, i : i + m])
+        return pieces
+    size = k_pages.size(2)
+    slots = [page * size + offset + j for _, page, offset, m, _ in pieces for j in range(m)]
+    real = torch.arange(t)[None, :] < torch.tensor(new)[:, None]  # (N, T): the tokens written
+    real = real.to(k.device)
+    where = torch.tensor(slots, dtype=torch.int64)
+    put(k_pages, v_pages, k.transpose(1, 2)[real], v.transpose(1, 2)[real], where)
+    return pieces
+
+
+def _pieces(
+    page: int,
+    at: Sequence[int],
+    new: list[int],
+    block_table: Tensor | Sequence[Sequence[int]] | None,
+) -> list[Piece]:
+    """The write's stretches of one page (a tensor table: one read of the columns it reaches)."""
+    lo = min((a // page for a, n in zip(at, new, strict=True) if n), default=0)
+    hi = max((-(-(a + n) // page) for a, n in zip(at, new, strict=True) if n), default=0)
+    table = (
+        block_table[:, lo:hi].tolist()
+        if isinstance(block_table, Tensor)
+        else None
+        if block_table is None
+        else [row[lo:hi] for row in block_table]
+    )
+    pieces = []
+    for row, (start, n) in enumerate(zip(at, new, strict=True)):
+        pos, end = start, start + n
+        while pos < end:
+            col, offset = divmod(pos, page)
+            m = min(page - offset, end - pos)
+            number = row if table is None else int(table[row][col - lo])
+            pieces.append((row, number, offset, m, pos - start))
+            pos += m
+    return pieces
+
+
+def put(k_pages: Tensor, v_pages: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    """Token ``n`` of ``k`` ``(tokens, Hkv, Dk)`` and ``v`` into slot ``slots[n]`` (page
+    ``slot // page``, row ``slot % page``) of the pages, in one indexed write each."""
+    size = k_pages.size(2)
+    slots = slots.to(k_pages.device)
+    where = (slots // size, slots % size)
+    k_pages.transpose(1, 2).index_put_(where, k.to(k_pages.dtype))
+    v_pages.transpose(1, 2).index_put_(where, v.to(v_pages.dtype))

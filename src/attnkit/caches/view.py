@@ -1,0 +1,355 @@
+"""CacheView: a KV cache as an :func:`attnkit.attention` call reads it, where its keys lie.
+
+A decoding server's keys are rows of a preallocated cache, or pages of a pool named through a block
+table, and each row holds a stretch of its own: ``attention(q, view)`` attends row ``n``'s queries
+to the keys ``kv_range[n][0] <= j < kv_range[n][1]`` of its pages, the queries aligned
+bottom-right to the end of that stretch (query ``i`` of ``Tq`` sits at key position ``end - Tq +
+i``), as everywhere in attnkit.
+
+The keys and values are pages ``(X, Hkv, page, D)`` at any strides: a contiguous ``(B, Hkv, L,
+D)`` cache is ``B`` pages of ``L`` keys, row ``n`` on page ``n``; flash-attn's ``(blocks, page,
+Hkv, D)`` pages are ``k_cache.permute(0, 2, 1, 3)``; vLLM's ``(blocks, Hkv, page, D)`` are
+themselves. With a block table, row ``n``'s key ``j`` is row ``j % page`` of page ``block_table[n,
+j // page]``.
+
+Backends read the view as :attr:`attnkit.AttentionCall.cache`: ``chunked`` reads the pages where
+they lie (the native kernel), ``reference`` gathers each row's keys into dense tensors and computes
+its formula; a backend of one's own serves such calls when its ``accepts_cache`` is True
+(:meth:`CacheView.attend_rows` gives it dense calls).
+
+>>> import torch, attnkit
+>>> k = torch.randn(2, 2, 16, 8)                 # a contiguous cache: 2 rows of 16 positions
+>>> view = CacheView(k, k, kv_range=[(0, 5), (0, 9)])
+>>> view
+CacheView(k, v: 2 rows of keys 0..5, 0..9 of a contiguous cache (2, 2, 16, 8) / (2, 2, 16, 8))
+>>> attnkit.attention(torch.randn(2, 4, 1, 8), view, causal=True).shape
+torch.Size([2, 4, 1, 8])
+
+Shape letters: ``N`` rows (the call's batch), ``X`` pages, ``P`` pages per row in the block table,
+``Hkv`` key/value heads, ``H`` query heads, ``Tq`` queries, ``Dk``/``Dv`` head sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from .._base.checks import dtype_str, shape_str
+from ..masks import Mask
+from ..scores import DistanceBias, ScoreTerm
+
+__all__ = ["CacheView", "RowCall", "band_of", "row_term"]
+
+#: ``attend(q, k, v, row)``: one dense call of :meth:`CacheView.attend_rows`, on row ``row``'s
+#: queries and keys (``(1, ...)``), or on every row's (``row`` None) when they share their keys'
+#: stretch; it returns what :func:`attnkit.attention` returns for the call's flags.
+RowCall = Callable[[Tensor, Tensor, Tensor, int | None], Tensor | tuple[Tensor, ...]]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _ints(name: str, value: object, rows: int | None = None) -> tuple[int, ...]:
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if not isinstance(value, Sequence) or any(
+        isinstance(x, bool) or not isinstance(x, int) for x in value
+    ):
+        raise TypeError(f"{name} must be a sequence of ints, got {value!r}")
+    if rows is not None and len(value) != rows:
+        raise ValueError(f"{name} must hold {rows} ints, one a row, got {list(value)}")
+    return tuple(value)
+
+
+def _ranges(value: object) -> tuple[tuple[int, int], ...]:
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if not isinstance(value, Sequence) or not all(
+        isinstance(r, Sequence | Tensor) and len(r) == 2 for r in value
+    ):
+        raise TypeError(f"kv_range must be a (start, end) pair of ints a row, got {value!r}")
+    pairs = tuple((a, e) for a, e in (_ints("kv_range", r) for r in value))
+    bad = [list(r) for r in pairs if not 0 <= r[0] <= r[1]]
+    if bad:
+        raise ValueError(
+            f"kv_range: each row's keys run from start to end >= start >= 0, got {bad}"
+        )
+    return pairs
+
+
+@dataclass(frozen=True, eq=False)
+class CacheView:
+    """The keys and values an attention call reads from a KV cache, where they lie.
+
+    Args:
+        k, v: the pages ``(X, Hkv, page, Dk)`` and ``(X, Hkv, page, Dv)`` (any strides, one dtype
+            and device; see the module's docstring for the layouts they view).
+        kv_range: ``(start, end)`` a row: row ``n`` attends its keys ``start <= j < end``.
+        block_table: ``(N, P)`` integers, row ``n``'s pages in order (entries past a row's keys
+            are never read); None: row ``n``'s keys are page ``n``.
+        q_lens: per row, how many of the call's ``Tq`` queries are real: row ``n``'s first
+            ``q_lens[n]`` (aligned to the end of its keys), the rest padding whose outputs are 0
+            (and log-sum-exp ``-inf``); None: all of them.
+
+    Every field is checked when the view is made (its ranges against the pages, each page the
+    table names for a row's keys against the pool, with one read of the table), so a view that
+    exists can be read.
+    """
+
+    k: Tensor
+    v: Tensor
+    kv_range: tuple[tuple[int, int], ...]
+    block_table: Tensor | None = None
+    q_lens: tuple[int, ...] | None = None
+    #: the table already checked by its maker (a cache's own, kept right by construction)
+    trusted: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if torch.compiler.is_compiling():
+            return  # checked in eager; while tracing, the ends may be symbolic sizes
+        k, v = self.k, self.v
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.ndim != 4:
+                got = shape_str(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise TypeError(f"CacheView: {name} must be pages (X, Hkv, page, D), got {got}")
+            if t.dtype not in _FLOATS:
+                raise TypeError(
+                    f"CacheView: {name} must be float16, bfloat16, float32 or float64, got "
+                    f"{dtype_str(t.dtype)}"
+                )
+        if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(
+                f"CacheView: k and v must be the same pages (X, Hkv, page, ...) of one dtype on "
+                f"one device, got k {shape_str(k.shape)} {dtype_str(k.dtype)} on {k.device} and "
+                f"v {shape_str(v.shape)} {dtype_str(v.dtype)} on {v.device}"
+            )
+        ranges = _ranges(self.kv_range)
+        object.__setattr__(self, "kv_range", ranges)
+        if self.q_lens is not None:
+            lens = _ints("q_lens", self.q_lens, len(ranges))
+            if any(n < 0 for n in lens):
+                raise ValueError(f"q_lens must be counts >= 0, got {list(lens)}")
+            object.__setattr__(self, "q_lens", lens)
+        self._check_pages()
+
+    def _check_pages(self) -> None:
+        """Each row's keys within its pages, and each page it names within the pool."""
+        rows, pages, page = len(self.kv_range), self.k.size(0), self.k.size(2)
+        table = self.block_table
+        if table is None:
+            if rows > pages or self.kv_len > page:
+                raise ValueError(
+                    f"CacheView: without a block table row n's keys are page n: {rows} rows of "
+                    f"keys up to {self.kv_len} need {rows} pages of as many keys, the cache has "
+                    f"{pages} of {page} ({shape_str(self.k.shape)})"
+                )
+            return
+        if not isinstance(table, Tensor) or table.is_floating_point() or table.dtype == torch.bool:
+            got = dtype_str(table.dtype) if isinstance(table, Tensor) else type(table).__name__
+            raise TypeError(f"CacheView: block_table must be an integer tensor (N, P), got {got}")
+        if table.ndim != 2 or table.size(0) != rows or self.kv_len > table.size(1) * page:
+            raise ValueError(
+                f"CacheView: block_table must be (N, P) with N = {rows} rows and P pages of "
+                f"{page} keys holding the longest row's {self.kv_len}, got "
+                f"{shape_str(table.shape)}"
+            )
+        if self.trusted or table.device.type == "meta" or torch.compiler.is_compiling():
+            return
+        used = torch.tensor([-(-e // page) for _, e in self.kv_range], device=table.device)
+        needed = torch.arange(table.size(1), device=table.device) < used[:, None]
+        bad = needed & ((table < 0) | (table >= pages))
+        if bool(bad.any()):
+            row, col = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"CacheView: block_table[{row}, {col}] = {int(table[row, col])} is not a page: "
+                f"the cache holds {pages} (row {row} reads its first {int(used[row])} entries)"
+            )
+
+    # ---------------------------------------------------------------------------------------------
+    # What it holds
+
+    @property
+    def rows(self) -> int:
+        """``N``: the rows of the call."""
+        return len(self.kv_range)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.size(1)
+
+    @property
+    def page_size(self) -> int:
+        return self.k.size(2)
+
+    @property
+    def kv_len(self) -> int:
+        """The end of the longest row's keys."""
+        longest = 0
+        for _, end in self.kv_range:  # (a loop, not max(): its ends may be symbolic sizes)
+            longest = end if end > longest else longest
+        return longest
+
+    @property
+    def shared(self) -> bool:
+        """Whether every row attends the same stretch of keys with all its queries: the call is
+        then a dense call on those keys (any mask, any bias)."""
+        first = self.kv_range[0] if self.kv_range else None
+        return self.q_lens is None and all(r == first for r in self.kv_range)
+
+    @property
+    def width(self) -> int:
+        """``Tk`` of the call: the shared stretch's keys, else the longest row's end (the keys of
+        the weights ``(N, H, Tq, Tk)``, row ``n``'s at their positions)."""
+        if self.shared and self.kv_range:
+            start, end = self.kv_range[0]
+            return end - start
+        return self.kv_len
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether each row's keys lie on one page (a contiguous cache, its rows named by a table
+        of one column or in order)."""
+        return self.block_table is None or self.block_table.size(1) == 1
+
+    def describe(self) -> str:
+        """``2 rows of keys 0..5, 0..9 of a contiguous cache (2, 2, 16, 8) / (2, 2, 16, 8)``."""
+        ranges = ", ".join(f"{a}..{e}" for a, e in self.kv_range[:4])
+        if self.rows > 4:
+            ranges += ", ..."
+        what = (
+            "a contiguous cache"
+            if self.block_table is None
+            else f"{self.k.size(0)} pages of {self.page_size} through a block table"
+        )
+        text = (
+            f"{self.rows} row{'s' if self.rows != 1 else ''} of keys {ranges} of {what} "
+            f"{shape_str(self.k.shape)} / {shape_str(self.v.shape)}"
+        )
+        if self.q_lens is not None:
+            text += f", queries {list(self.q_lens)}"
+        return text
+
+    def __repr__(self) -> str:
+        return f"CacheView(k, v: {self.describe()})"
+
+    def with_queries(self, q_len: int) -> CacheView:
+        """The view for a call of ``q_len`` queries a row: ``q_lens`` None when every row's are
+        all real."""
+        if self.q_lens is not None and all(n == q_len for n in self.q_lens):
+            return replace(self, q_lens=None, trusted=True)
+        return self
+
+    # ---------------------------------------------------------------------------------------------
+    # Reading the keys into dense tensors
+
+    def row(self, n: int) -> tuple[Tensor, Tensor]:
+        """Row ``n``'s keys and values ``(1, Hkv, end - start, D)``: a view of a contiguous
+        cache, a gather of its pages."""
+        start, end = self.kv_range[n]
+        if self.block_table is None:
+            return self.k[n : n + 1, :, start:end], self.v[n : n + 1, :, start:end]
+        page = self.page_size
+        first, last = start // page, -(-end // page)
+        pages = self.block_table[n, first:last].to(self.k.device).long()
+        at = start - first * page
+
+        def read(t: Tensor) -> Tensor:  # (p, Hkv, page, D) -> (1, Hkv, p * page, D)
+            return t[pages].transpose(0, 1).flatten(1, 2)[None, :, at : at + end - start]
+
+        return read(self.k), read(self.v)
+
+    def dense(self) -> tuple[Tensor, Tensor]:
+        """Every row's keys and values ``(N, Hkv, width, D)`` of a :attr:`shared` view: views
+        of a contiguous cache in order, else its pages gathered."""
+        if not self.shared:
+            raise ValueError(
+                f"a view whose rows attend keys of their own has no dense form: {self.describe()}"
+            )
+        start, end = self.kv_range[0] if self.kv_range else (0, 0)
+        if self.block_table is None:
+            return self.k[: self.rows, :, start:end], self.v[: self.rows, :, start:end]
+        page = self.page_size
+        pages = self.block_table[:, : -(-end // page)].to(self.k.device).long()
+
+        def read(t: Tensor) -> Tensor:  # (N, p, Hkv, page, D) -> (N, Hkv, p * page, D)
+            return t[pages].transpose(1, 2).flatten(2, 3)[:, :, start:end]
+
+        return read(self.k), read(self.v)
+
+    def to(self, dtype: torch.dtype) -> CacheView:
+        """The rows' keys and values in ``dtype``, copied into a contiguous view of their own
+        (what ``torch.autocast`` hands a call): the pages stay as they are."""
+        if dtype == self.k.dtype:
+            return self
+        keys = self.k.new_zeros(
+            self.rows, self.num_kv_heads, self.kv_len, self.k.size(-1), dtype=dtype
+        )
+        values = self.v.new_zeros(
+            self.rows, self.num_kv_heads, self.kv_len, self.v.size(-1), dtype=dtype
+        )
+        for n, (start, end) in enumerate(self.kv_range):
+            k, v = self.row(n)
+            keys[n, :, start:end], values[n, :, start:end] = k[0], v[0]
+        return CacheView(keys, values, self.kv_range, None, self.q_lens, trusted=True)
+
+    def attend_rows(
+        self, q: Tensor, attend: RowCall, *, weights: bool, lse: bool
+    ) -> Tensor | tuple[Tensor, ...]:
+        """The call as dense calls: one on every row's keys (:meth:`dense`) when the rows share
+        them, else one a row on its real queries and its own keys (:meth:`row`), its output,
+        weights and log-sum-exp put back in place (0, and ``-inf``, for padding queries; a row's
+        weights at its keys' positions). ``attend(q, k, v, row)`` returns what
+        :func:`attnkit.attention` returns for the flags ``weights`` and ``lse``."""
+        if self.shared:
+            k, v = self.dense()
+            return attend(q, k, v, None)
+        rows, heads, q_len = q.shape[:3]
+        out = q.new_zeros(rows, heads, q_len, self.v.size(-1))
+        probs = q.new_zeros(rows, heads, q_len, self.kv_len) if weights else None
+        work = torch.promote_types(q.dtype, torch.float32)
+        lses = q.new_full((rows, heads, q_len), -math.inf, dtype=work) if lse else None
+        counts = self.q_lens if self.q_lens is not None else (q_len,) * rows
+        for n, ((start, end), m) in enumerate(zip(self.kv_range, counts, strict=True)):
+            if not m:
+                continue
+            k, v = self.row(n)
+            got = attend(q[n : n + 1, :, :m], k, v, n)
+            parts = [got] if isinstance(got, Tensor) else list(got)
+            out[n, :, :m] = parts[0][0]
+            if probs is not None:
+                probs[n, :, :m, start:end] = parts[1][0]
+            if lses is not None:
+                lses[n, :, :m] = parts[-1][0]
+        extra = [t for t in (probs, lses) if t is not None]
+        return (out, *extra) if extra else out
+
+
+def band_of(mask: Tensor | Mask | None) -> tuple[float, float] | None:
+    """``(lo, hi)`` when a call's visibility (``mask`` and ``causal`` as one mask) is a band of
+    distances, bottom-right aligned: query ``i`` may attend key ``j`` iff ``lo <= j - p_i <= hi``,
+    ``p_i`` its key position (``-inf``, ``inf``: no bound); None for any other mask. Bands are
+    what rows of their own lengths can share: :func:`~attnkit.masks.causal`,
+    :func:`~attnkit.masks.sliding_window`, and their ``&``."""
+    lo, hi = -math.inf, math.inf
+    if mask is None:
+        return lo, hi
+    parts = mask.parts if isinstance(mask, Mask) and mask.op == "and" else (mask,)
+    for part in parts:
+        band = part.band if isinstance(part, Mask) else None
+        if band is None or band[2] != "bottom_right":
+            return None
+        lo, hi = max(lo, band[0]), min(hi, band[1])
+    return lo, hi
+
+
+def row_term(term: ScoreTerm | None, n: int | None) -> ScoreTerm | None:
+    """A call's score term for row ``n``'s call of :meth:`CacheView.attend_rows` (None: every
+    row's): a bias by distance with a table per row gives that row's table."""
+    if n is None or not isinstance(term, DistanceBias):
+        return term
+    if term.table.ndim == 3 and term.table.size(0) > 1:
+        return DistanceBias(term.table[n : n + 1], term.first)
+    return term

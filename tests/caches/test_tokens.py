@@ -1,0 +1,78 @@
+"""The one writer of new tokens: each way it writes (one copy, a copy a piece, one indexed write)
+puts every token where a token-by-token write puts it, and nothing elsewhere; the one check of new
+keys and values names what is wrong."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import Tensor
+
+from attnkit.caches._tokens import check_tokens, put, write
+
+
+def _by_hand(
+    pages: Tensor, k: Tensor, at: list[int], counts: list[int], table: list[list[int]] | None
+) -> Tensor:
+    out = pages.clone()
+    size = pages.size(2)
+    for n, (start, c) in enumerate(zip(at, counts, strict=True)):
+        for i in range(c):
+            pos = start + i
+            page = n if table is None else table[n][pos // size]
+            out[page, :, pos % size] = k[n, :, i]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("at", "counts", "paged"),
+    [
+        ([2, 2], None, False),  # rows in order at one position: one copy
+        ([2, 5], None, False),  # a stretch a row: a copy each
+        ([1, 3], None, True),  # one token a row over pages: a copy each
+        ([0, 4], [5, 2], True),  # a prompt over pages: one indexed write
+    ],
+)
+def test_every_way_of_writing_puts_each_token_in_its_place(
+    at: list[int], counts: list[int] | None, paged: bool
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    t = 1 if paged and counts is None else 5 if counts else 3
+    k = torch.randn(2, 2, t, 4, generator=gen)
+    v = torch.randn(2, 2, t, 3, generator=gen)
+    table = [[5, 1, 3, 0], [2, 4, 6, 7]] if paged else None
+    shape = (8, 2, 3, 4) if paged else (2, 2, 9, 4)
+    k_pages = torch.randn(shape, generator=gen)
+    v_pages = torch.randn(*shape[:3], 3, generator=gen).to(torch.float64)  # converted on write
+    want_k = _by_hand(k_pages, k, at, counts or [t, t], table)
+    want_v = _by_hand(v_pages, v.double(), at, counts or [t, t], table)
+    block_table = None if table is None else torch.tensor(table)
+    write(k_pages, v_pages, k, v, at=at, counts=counts, block_table=block_table)
+    assert torch.equal(k_pages, want_k)
+    assert torch.equal(v_pages, want_v)
+
+
+def test_put_writes_slots() -> None:
+    pages = torch.zeros(3, 1, 2, 1)
+    put(pages, pages.clone(), torch.tensor([[[1.0]], [[2.0]]]), torch.zeros(2, 1, 1),
+        torch.tensor([5, 0]))  # fmt: skip
+    assert pages.flatten().tolist() == [2.0, 0, 0, 0, 0, 1.0]
+
+
+def test_the_check_names_what_is_wrong() -> None:
+    pages = torch.zeros(2, 2, 8, 4)
+    ok = torch.zeros(2, 2, 1, 4)
+    check_tokens(ok, ok, pages, pages, 2, "KVCache")
+    message = "k and v must have shapes (B, Hkv, T, Dk) = (2, 2, 1, 4) and (B, Hkv, T, Dv) = "
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_tokens(ok, torch.zeros(2, 2, 2, 4), pages, pages, 2, "KVCache")
+    with pytest.raises(
+        TypeError, match=re.escape("cache's dtype (float32), got k float64")
+    ):
+        check_tokens(ok.double(), ok, pages, pages, 2, "KVCache")
+    with pytest.raises(ValueError, match="KVCache got keys that require grad"):
+        check_tokens(ok.requires_grad_(), ok, pages, pages, 2, "KVCache")
+    with pytest.raises(TypeError, match="k must be a float tensor"):
+        check_tokens(ok.int(), ok, pages, pages, 2, "KVCache")
