@@ -219,3 +219,19 @@ def test_a_long_call_allocates_no_query_by_key_tensor() -> None:
         keys = sorted(set(idx[0, 0, t].tolist()))
         w = torch.softmax(q[0, 1, t] @ k[0, 1, keys].T / 8**0.5, -1)
         torch.testing.assert_close(out[0, 1, t], w @ v[0, 1, keys], atol=1e-5, rtol=1e-5)
+
+
+def test_nan_in_a_key_no_query_selects_reaches_no_output() -> None:
+    # Non-finite inputs go to the scanning kernel's careful mode, which keeps the policy: a NaN
+    # reaches exactly the outputs whose visible keys hold it.
+    q, k, v = (t.detach() for t in (_randn(1, 2, 8, 4, seed=30), _randn(1, 2, 32, 4, seed=31),
+                                    _randn(1, 2, 32, 4, seed=32)))  # fmt: skip
+    idx = _indices(1, 1, 8, 3, 32, seed=33).clamp(0, 30)
+    k[0, 0, 31] = torch.nan
+    v[0, 1, 31] = torch.nan
+    mask = masks.key_indices(idx)
+    with attnkit.record_dispatch() as calls:
+        out = attnkit.attention(q, k, v, mask=mask, backend="chunked")
+    assert not str(calls[0].kernel).startswith("gathered")
+    assert bool(out.isfinite().all())
+    assert_close(out, attnkit.attention(q, k, v, mask=mask, backend="reference"))
