@@ -175,6 +175,9 @@ class Gathered:
     keys: Tensor = field(init=False)  # (B|1, Hc, Tq, W) sorted key positions
     first: Tensor = field(init=False)  # (B|1, Hc, Tq, W) bool: the entries that count
     _read: dict[int, Tensor] = field(init=False, default_factory=dict)
+    _memo: tuple[tuple[int, ...], tuple[Tensor, Tensor, _Pattern, Tensor | None]] | None = field(
+        init=False, default=None
+    )
 
     def __post_init__(self) -> None:
         geo, covers = self.geo, self.found.covers
@@ -196,15 +199,34 @@ class Gathered:
         self.width = self.keys.size(-1)
 
     def spans(self) -> list[tuple[int, int]]:
-        """The chunks of query rows, about :attr:`chunk` gathered keys each, each within one
-        batch row and gathered head (whose keys and values it reads)."""
+        """The chunks of query rows, about :attr:`chunk` pairs each, each within one batch row
+        and gathered head (whose keys and values it reads); the heads of one stretch of queries
+        one after another, so that they share its pattern (see :meth:`shared`)."""
         step = max(1, self.chunk // max(1, self.width * self.g))
         tq = self.geo.q_len
         return [
-            (r, min(r + step, head + tq))
-            for head in range(0, self.rows, tq)
-            for r in range(head, head + tq, step)
+            (head + t0, head + min(t0 + step, tq))
+            for b in range(self.geo.batch)
+            for t0 in range(0, tq, step)
+            for head in range(b * self.c * tq, (b + 1) * self.c * tq, tq)
         ]
+
+    def shared(
+        self, r0: int, r1: int, b: Tensor, c: Tensor, t: Tensor
+    ) -> tuple[Tensor, Tensor, _Pattern, Tensor | None]:
+        """``(keys, first, pattern, visibility)`` of rows ``r0:r1``, made once for the gathered
+        heads that read one selection (the visibility too where the other masks do not depend
+        on the head; None where they do)."""
+        tq = self.geo.q_len
+        batch, head = divmod(r0 // tq, self.c)
+        key = (batch, head // (self.c // self.keys.size(1)), r0 % tq, r1 - r0)
+        if self._memo is None or self._memo[0] != key:
+            keys, first = self.chunk_keys(r0, r1)
+            pattern = _Pattern.of(keys, self.g, self.geo.kv_len)
+            free = all(_head_free(p, self) for p in self.found.rest)
+            vis = self.visible(b, c, t, keys, first) if free else None
+            self._memo = (key, (keys, first, pattern, vis))
+        return self._memo[1]
 
     def where(self, r0: int, r1: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(b, c, t)`` of rows ``r0:r1``, each ``(n,)``."""
@@ -262,6 +284,10 @@ class Gathered:
         table = self._whole(mask)  # (B|1, Tk): a mask of keys only
         bi = b if table.size(0) > 1 else torch.zeros_like(b)
         return table[bi.unsqueeze(-1), keys.clamp_min(0)].unsqueeze(1)
+
+    def tensor_heads(self, mask: Mask) -> int:
+        """The heads a dense mask's tile has (1: it broadcasts over them)."""
+        return self._whole(mask).size(1)
 
     def _whole(self, mask: Mask) -> Tensor:
         """A dense mask's ``(B|1, H|1, Tq|1, Tk|1)`` tile, or a key mask's ``(B|1, Tk)`` keys,
@@ -325,6 +351,18 @@ class Gathered:
             )
             s = apply_score_mod(self.score_mod, s.view(n, g, 1, w), idx).view(n, g, w)
         return s
+
+
+def _head_free(mask: Mask, call: Gathered) -> bool:
+    """Whether ``mask`` lets the same pairs through for every head (it is read once for the
+    gathered heads of one selection)."""
+    if mask.op is not None:
+        return all(_head_free(p, call) for p in mask.parts)
+    if isinstance(mask, KeyIndices):
+        return mask.heads == 1
+    if mask.band is not None or mask.tensor is None:
+        return True  # a band, or a mask of keys only
+    return call.tensor_heads(mask) == 1
 
 
 def _at(t4: Tensor, b: Tensor, h: Tensor, t: Tensor, keys: Tensor) -> Tensor:
@@ -437,11 +475,12 @@ class _Pattern:
         crow = torch.arange(0, n * g * w + 1, max(w, 1), device=keys.device, dtype=index)
         return cls(crow, cols, n * g, kv_len)
 
-    def sampled(self, a: Tensor, b: Tensor) -> Tensor:
-        """``(a @ b^T)`` at the pairs, ``(n G' W,)``: ``a`` ``(n G', D)``, ``b`` ``(Tk, D)``."""
+    def sampled(self, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+        """``alpha * (a @ b^T)`` at the pairs, ``(n G' W,)``: ``a`` ``(n G', D)``, ``b``
+        ``(Tk, D)``."""
         zeros = a.new_zeros(self.cols.numel())
         pairs = _csr(self.crow, self.cols, zeros, (self.rows, self.kv_len))
-        out: Tensor = torch.sparse.sampled_addmm(pairs, a, b.t(), beta=0.0)
+        out: Tensor = torch.sparse.sampled_addmm(pairs, a, b.t(), beta=0.0, alpha=alpha)
         return out.values()
 
     def times(self, values: Tensor, b: Tensor) -> Tensor:
@@ -470,13 +509,14 @@ def _chunk(
     """What the forward and the backward compute alike for rows ``r0:r1``: ``((b, c, t, keys),
     the pattern, k and v of the rows' key/value head, raw = scale * q . k (n, G', W))``."""
     b, c, t = call.where(r0, r1)
-    keys, first = call.chunk_keys(r0, r1)
-    pattern = _Pattern.of(keys, call.g, call.geo.kv_len)
+    keys, first, pattern, vis = call.shared(r0, r1, b, c, t)
     rows = call.kv_rows(r0)
     kc, vc = ins.k_flat[rows].to(work), ins.v_flat[rows].to(work)
     qc = ins.q_rows[r0:r1].view(-1, kc.size(-1))
-    raw = pattern.sampled(qc, kc).view(r1 - r0, call.g, call.width).mul_(call.scale)
-    return (b, c, t, keys, first), pattern, kc, vc, raw
+    raw = pattern.sampled(qc, kc, call.scale).view(r1 - r0, call.g, call.width)
+    if vis is None:
+        vis = call.visible(b, c, t, keys, first)
+    return (b, c, t, keys, vis), pattern, kc, vc, raw
 
 
 def _forward(
@@ -487,9 +527,9 @@ def _forward(
     out = ins.q_rows.new_empty(call.rows, call.g, dv)
     lse = ins.q_rows.new_empty(call.rows, call.g)
     for r0, r1 in call.spans():
-        (b, c, t, keys, first), pattern, _, vc, raw = _chunk(call, ins, r0, r1, work)
+        (b, c, t, keys, vis), pattern, _, vc, raw = _chunk(call, ins, r0, r1, work)
         added = call.added(b, c, t, keys) if bias_term else (None, None)
-        vis = _hidden_by(call.visible(b, c, t, keys, first), added)
+        vis = _hidden_by(vis, added)
         s = call.scores(raw, added, vis, b, c, t, keys).masked_fill(~vis, float("-inf"))
         top = s.amax(-1, keepdim=True)
         top = top.masked_fill(top == float("-inf"), 0.0)  # a row with no key: weights 0
@@ -543,9 +583,9 @@ def _backward(
     modified = call.softcap is not None or call.score_mod is not None
     lse_safe = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
     for r0, r1 in call.spans():
-        (b, c, t, keys, first), pattern, kc, vc, raw = _chunk(call, ins, r0, r1, work)
+        (b, c, t, keys, vis), pattern, kc, vc, raw = _chunk(call, ins, r0, r1, work)
         bias, term = call.added(b, c, t, keys)
-        vis = _hidden_by(call.visible(b, c, t, keys, first), (bias, term))
+        vis = _hidden_by(vis, (bias, term))
         leaves = [x.requires_grad_() for x in (raw, bias, term) if x is not None]
         with torch.enable_grad():
             s = call.scores(raw, (bias, term), vis, b, c, t, keys)
