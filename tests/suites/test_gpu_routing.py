@@ -17,6 +17,7 @@ import attnkit
 from attnkit import masks
 from attnkit._base import devices
 from attnkit.attention import _choose, _decide
+from attnkit.backends.flex import lowering_refusal
 from attnkit.modules.positional import alibi_slopes, alibi_term
 from attnkit.scores import DistanceBias, RelativePositionTerm
 
@@ -236,6 +237,20 @@ def test_a_call_on_the_gpu_is_routed_as_explained(
     with devices.assuming(devices.parse_device("cuda")):
         assert _choose(on_gpu, "auto").name == backend
         assert _decide(on_gpu, "auto").chosen == backend
+
+
+@pytest.mark.parametrize(("name", "kwargs", "inputs", "backend", "words"), CASES)
+def test_flex_lowers_every_call_it_is_given(
+    name: str,
+    kwargs: Callable[[], dict[str, Any]],
+    inputs: Callable[[], tuple[Any, ...]],
+    backend: str,
+    words: str,
+) -> None:
+    # what goes to flex on a GPU is what FlexAttention can express, on any device
+    call = explained(kwargs(), inputs(), "cuda").call
+    if backend == "flex":
+        assert lowering_refusal(call) is None
 
 
 @pytest.mark.parametrize(("name", "kwargs", "inputs", "backend", "words"), CASES)
