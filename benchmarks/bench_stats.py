@@ -16,12 +16,14 @@ statistics pass, ``q k^T`` and ``p v`` for the forward; the log-sum-exp pass add
 
     python benchmarks/bench_stats.py                           # T=32768 (several minutes)
     python benchmarks/bench_stats.py --t 4096 --rounds 5       # a quick look
+    python benchmarks/bench_stats.py --threads 1                # one thread: no parallel regions
     python benchmarks/bench_stats.py --json docs/benchmarks/data/stats.json
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 from collections.abc import Callable
 
@@ -48,7 +50,7 @@ def build(case: str, t: int) -> tuple[Callable[[], object], int]:
     q, k, v = _inputs(t)
     out_bytes = 4 * H * t * D
     stats_bytes = 4 * 3 * H * t
-    lse = attnkit.attention(q, k, v, causal=True, return_lse=True)[1]
+    lse = attnkit.attention(q, k, v, causal=True, return_lse=True)[1] if "given" in case else None
     calls: dict[str, tuple[Callable[[], object], int]] = {
         "forward": (lambda: attnkit.attention(q, k, v, causal=True), out_bytes),
         "forward + lse": (
@@ -86,9 +88,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--min-run-time", type=float, default=0.5)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch's threads (default: torch's own)")
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     t = args.t
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ["ATTNKIT_BENCH_THREADS"] = str(args.threads)  # the memory children's
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
         f"B=1 H={H} T={t} D={D} causal float32"
@@ -100,7 +106,9 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for case in CASES:
-        mem = None if args.no_memory else extra_peak_memory(build, case, t)
+        # (forward + lse: the forward's memory and its log-sum-exp, not measured apart)
+        skip = args.no_memory or case == "forward + lse"
+        mem = None if skip else extra_peak_memory(build, case, t)
         size = build(case, 8)[1] * t // 8  # result bytes scale with T
         mib = "" if mem is None else f"{mem / 2**20:.1f}"
         rate = _macs(case, t) / times[case] / 1e9
