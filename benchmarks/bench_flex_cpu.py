@@ -68,7 +68,9 @@ def _by_hand(t: int) -> tuple[object, object]:
     """torch's compiled flex_attention and a BlockMask for the window, written by hand."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    def window(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
+    def window(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
         return (kv_idx <= q_idx) & (q_idx - kv_idx <= 256)
 
     block_mask = create_block_mask(window, None, None, t, t, device="cpu")

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask
 
 from attnkit import masks
-from attnkit.backends.flex.block_mask import block_mask
+from attnkit.backends.flex.block_mask import block_mask, plan_of
 from attnkit.backends.flex.mask_mod import lower_mask
 
 from .helpers import B, H, catalogue
@@ -85,3 +85,29 @@ def test_one_block_mask_per_plan() -> None:
     assert second.mask_mod is second_mod
     other = block_mask(masks.sliding_window(3), geo, first_mod, block=(BLOCK, BLOCK))
     assert other.kv_indices is not first.kv_indices
+
+
+_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu")
+
+
+def test_the_block_mask_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The plan is asked of the mask once (one read, kept for calls like it); the BlockMask is
+    # written from the plan's visits, which are on the host already: no read of any tensor.
+    reads: list[str] = []
+    for t in (256, 4096):
+        geo = masks.Geometry((1,), 2, t, t, torch.device("cpu"))
+        mask = masks.sliding_window(200) & masks.key_padding([t - 7])
+        plan_of(mask, geo, 1, (128, 128))  # the plan, as a call like it would have made it
+        mod = lower_mask(mask, geo)
+        for name in _READS:
+            original = getattr(torch.Tensor, name)
+
+            def read(self: Tensor, *a: object, _name: str = name, _f: object = original) -> object:
+                reads.append(_name)
+                return _f(self, *a)  # type: ignore[operator]
+
+            monkeypatch.setattr(torch.Tensor, name, read)
+        made = block_mask(mask, geo, mod)
+        monkeypatch.undo()
+        assert made.kv_num_blocks.shape == (1, 1, t // 128)
+    assert reads == []
