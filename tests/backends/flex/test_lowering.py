@@ -65,8 +65,14 @@ def _modifiers(tq: int, tk: int) -> dict[str, dict[str, object]]:
     }
 
 
-@pytest.mark.parametrize(("tq", "tk"), [(10, 24), (24, 10)])
-@pytest.mark.parametrize("kind", list(_modifiers(24, 24)))
+# What reads the pair's distance or position runs in both alignments; the rest with fewer queries
+ALIGNED = ("alibi", "distance table per row", "relative term, window", "relative term, causal")
+
+
+@pytest.mark.parametrize(
+    ("kind", "tq", "tk"),
+    [(kind, 10, 24) for kind in _modifiers(24, 24)] + [(kind, 24, 10) for kind in ALIGNED],
+)
 def test_every_modifier(kind: str, tq: int, tk: int) -> None:
     q, k, v = qkv(tq, tk)
     _check(q, k, v, **_modifiers(tq, tk)[kind])
