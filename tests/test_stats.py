@@ -255,3 +255,20 @@ def test_fuzz_against_the_reference(data: st.DataObject) -> None:
         top = top.unflatten(-2, (hkv, h // hkv)).amax(-2)
     check(stats, (mass, top, entropy), torch.float64)
     assert math.isfinite(float(stats.entropy.sum()))
+
+
+def test_no_graph_and_no_autocast_rounding() -> None:
+    q = _randn(1, 2, 9, 8, seed=1, dtype=torch.float32).requires_grad_()
+    k = _randn(1, 2, 9, 8, seed=2, dtype=torch.float32)
+    plain = attention_stats(q, k, causal=True)
+    assert not plain.key_mass.requires_grad
+    assert not plain.entropy.requires_grad
+    # inside autocast both passes read the float32 inputs as given, not rounded to bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = attention_stats(q, k, causal=True)
+    for a, b in zip(
+        (cast.key_mass, cast.key_max, cast.entropy),
+        (plain.key_mass, plain.key_max, plain.entropy),
+        strict=True,
+    ):
+        assert_close(a, b, dtype=torch.float32)

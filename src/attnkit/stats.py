@@ -119,7 +119,8 @@ def attention_stats(
     The weights are those of ``attention(q, k, v, ...)`` with the same arguments
     (``return_weights=True`` returns them): every mask, ``causal``, ``bias`` (a tensor or a
     :class:`~attnkit.scores.ScoreTerm`), ``softcap``, ``score_mod`` and ``sinks``, checked as
-    :func:`attention` checks them. Values play no part.
+    :func:`attention` checks them. Values play no part. The statistics carry no gradient (a
+    call under autograd records nothing).
 
     Args:
         q, k, mask, bias, causal, scale, softcap, score_mod, sinks: as :func:`attention`.
@@ -178,7 +179,8 @@ def attention_stats(
     )
     # Both passes read q and k as given: under autocast the log-sum-exp pass would round them.
     off = torch.autocast(q.device.type, enabled=False)
-    with off if torch.amp.is_autocast_available(q.device.type) else contextlib.nullcontext():
+    autocast = off if torch.amp.is_autocast_available(q.device.type) else contextlib.nullcontext()
+    with autocast, torch.no_grad():
         if backend == "reference":
             mass, top, entropy = _reference_stats(q, k, given, {**arguments, "sinks": sinks})
         else:
