@@ -25,6 +25,7 @@ from attnkit._call import check_attention_args
 from attnkit.backends import builtin_backends
 from attnkit.backends import flash_package as fp
 from attnkit.backends.base import CallInputs
+from attnkit.caches.view import CacheView
 from attnkit.testing import assert_close
 
 H100 = devices.Target("cuda", "nvidia", (9, 0), present=False)
@@ -73,6 +74,23 @@ def fake_flash_attn() -> ModuleType:
         lse = torch.cat([p[1] for p in parts], dim=1)
         return (out, lse, None) if kw["return_attn_probs"] else out
 
+    def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, **kw: Any) -> Any:
+        calls.append(("flash_attn_with_kvcache", kw))
+        table, ends, pad = kw["block_table"], kw["cache_seqlens"].tolist(), kw["cache_leftpad"]
+        starts = [0] * len(ends) if pad is None else pad.tolist()
+        outs, lses = [], []
+        for n, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            if table is None:
+                keys, values = k_cache[n, start:end], v_cache[n, start:end]
+            else:  # (X, page, Hkv, D): the row's pages in order, their first `end` keys
+                keys, values = (t[table[n].long()].flatten(0, 1)[:end] for t in (k_cache, v_cache))
+            out, lse = _sequence(q[n], keys, values, {**kw, "softmax_scale": kw["softmax_scale"]})
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.stack(outs), torch.stack(lses)
+        return (out, lse) if kw["return_softmax_lse"] else out
+
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache  # type: ignore[attr-defined]
     module.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
     module.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
     module.calls = calls  # type: ignore[attr-defined]
@@ -223,3 +241,63 @@ def test_auto_takes_it_where_torch_is_not_the_fastest(
     assert picks(mask=masks.from_fn(lambda b, h, i, j: (i - j).abs() < 9)) == "flex"
     text = str(attnkit.explain(q, q, q, mask=masks.documents([256, 768]), device="cuda"))
     assert "flash_attn_varlen_func over 4 packed sequences" in text, text
+    # a decode step on a cache, read where it lies
+    cache = torch.empty(B, 2, 4096, 64, device="meta", dtype=torch.bfloat16)
+    view = CacheView(cache, cache, [(0, 1000), (0, 4000)])
+    step = torch.empty(B, H, 1, 64, device="meta", dtype=torch.bfloat16)
+    text = str(attnkit.explain(step, view, causal=True, device="cuda"))
+    assert "auto picks: flash_attn" in text, text
+    assert "flash_attn_with_kvcache, window_size=(-1, 0), the cache read in place" in text, text
+
+
+def _view(paged: bool, q_lens: Any = None) -> tuple[Tensor, CacheView]:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, 3, D, generator=gen, dtype=torch.float64)
+    if paged:  # pages of 256 keys, rows through a block table
+        pages = torch.randn(4, 2, 256, D, generator=gen, dtype=torch.float64)
+        table = torch.tensor([[2, 0], [1, 3]])
+        return q, CacheView(pages, pages * 2, [(0, 300), (0, 100)], table, q_lens=q_lens)
+    cache = torch.randn(B, 2, 64, D, generator=gen, dtype=torch.float64)
+    return q, CacheView(cache, cache * 2, [(0, 20), (5, 40)], q_lens=q_lens)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize(
+    "kwargs", [{"causal": True}, {"mask": masks.sliding_window(7)}, {"softcap": 3.0}, {}]
+)
+def test_a_cache_read_where_it_lies(fake: ModuleType, paged: bool, kwargs: dict[str, Any]) -> None:
+    q, view = _view(paged)
+    call = checked(q, view, None, **kwargs, return_lse=True)
+    got = fp.FlashAttnPackage().run(call, CallInputs(q, view.k, view.v))
+    want = attnkit.attention(q, view, **kwargs, return_lse=True, backend="reference")
+    assert isinstance(got, tuple)
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1])
+    (called, kw), *_ = fake.calls
+    assert called == "flash_attn_with_kvcache"
+    assert (kw["block_table"] is not None) == paged
+
+
+def test_the_caches_it_declines(fake: ModuleType) -> None:
+    def reasons(view: CacheView, **kwargs: Any) -> list[str]:
+        q = torch.empty(B, H, 3, D, dtype=torch.bfloat16, device="meta")
+        meta = CacheView(
+            view.k.to("meta", torch.bfloat16),
+            view.v.to("meta", torch.bfloat16),
+            view.kv_range,
+            view.block_table,
+            q_lens=view.q_lens,
+        )
+        call = dataclasses.replace(checked(q, meta, None, **kwargs), device=torch.device("cuda"))
+        with devices.assuming(H100):
+            return fp.FlashAttnPackage().check(call)
+
+    assert reasons(_view(paged=True)[1], causal=True) == []
+    assert reasons(_view(paged=False)[1], causal=True) == []
+    assert any("no padding queries" in r for r in reasons(_view(False, q_lens=[3, 1])[1]))
+    small = CacheView(
+        *(torch.zeros(8, 2, 16, D) for _ in range(2)),
+        [(0, 20), (0, 9)],
+        torch.tensor([[0, 1], [2, 3]]),
+    )
+    assert any("multiple of 256 keys, not 16" in r for r in reasons(small, causal=True))

@@ -9,7 +9,8 @@ skip the keys outside them. A GPU user who has flash-attn installed gets it for 
 It serves, on NVIDIA GPUs from sm_80 and on AMD GPUs, in float16 and bfloat16, with head sizes up
 to 256 (multiples of 8) and grouped-query heads: calls without a mask, with a band (causal,
 bottom-right as flash-attn's; sliding windows) and packed documents (alone or with a band), with
-softcap, dropout and ``return_lse``. Everything else (a bias, a score term or ``score_mod``,
+softcap, dropout and ``return_lse``; and decode steps on a KV cache read where it lies
+(``attention(q, view)``) through ``flash_attn_with_kvcache``. Everything else (a bias, a score term or ``score_mod``,
 sinks, key padding, the weights) it declines, with the reason, and ``auto`` goes on to the next
 backend. It is in ``auto``'s order after ``sdpa`` (whose flash kernel serves plain and causal
 calls) and before ``flex``.
@@ -34,13 +35,16 @@ from torch import Tensor
 
 from .._base.devices import target
 from .._call import AttentionCall
+from ..caches.view import band_of
 from ..masks import Mask
 from .base import Backend, CallInputs, Output
 
 __all__ = ["FlashAttnPackage", "flash_attn_installed", "package"]
 
 _HALF = (torch.float16, torch.bfloat16)
-_FUNCTIONS = ("flash_attn_func", "flash_attn_varlen_func")
+_FUNCTIONS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
+#: flash-attn reads a paged cache in pages of a multiple of this many keys.
+PAGE_MULTIPLE = 256
 
 
 @functools.cache
@@ -116,8 +120,38 @@ def _shape(mask: Mask | None, q_len: int, kv_len: int) -> tuple[tuple[int, int],
     return window, starts
 
 
+def _bounds(lo: float, hi: float) -> tuple[int, int]:
+    """flash-attn's ``window_size`` of a band of distances ``lo <= j - p_i <= hi``."""
+    return (-1 if lo == -math.inf else int(-lo)), (-1 if hi == math.inf else int(hi))
+
+
+def _cache_refusal(call: AttentionCall) -> str | None:
+    """Why ``flash_attn_with_kvcache`` cannot read a call's cache where it lies (None: it can)."""
+    view = call.cache
+    if view is None:
+        return None
+    band = band_of(call.mask)
+    if band is None or band[0] > 0 or band[1] < 0:
+        return "flash_attn_with_kvcache takes a band holding each query's own position"
+    if call.requires_grad or call.dropout_p:
+        return "flash_attn_with_kvcache has no backward and no dropout"
+    if view.q_lens is not None:
+        return "flash_attn_with_kvcache takes no padding queries (the view's q_lens)"
+    if view.block_table is not None and view.page_size % PAGE_MULTIPLE:
+        return f"flash-attn reads pages of a multiple of {PAGE_MULTIPLE} keys, not {view.page_size}"
+    if view.block_table is not None and any(start for start, _ in view.kv_range):
+        return "flash-attn reads a paged cache's rows from their first key"
+    return None
+
+
 class FlashAttnPackage(Backend):
-    """The flash-attn package's kernels as a backend (see :mod:`attnkit.backends.flash_package`)."""
+    """The flash-attn package's kernels as a backend (see :mod:`attnkit.backends.flash_package`).
+
+    It reads a KV cache where it lies (``attention(q, view)``) through
+    ``flash_attn_with_kvcache``: a contiguous cache, or pages of a multiple of 256 keys through a
+    block table."""
+
+    accepts_cache = True
 
     def __init__(self) -> None:
         super().__init__("flash_attn")
@@ -139,13 +173,12 @@ class FlashAttnPackage(Backend):
                 f"flash-attn takes one head size up to 256, a multiple of 8, not Dk={call.qk_dim}, "
                 f"Dv={call.v_dim}"
             )
-        shape = (
-            _shape(call.mask, call.q_len, call.kv_len)
-            if not torch.compiler.is_compiling()
-            else None
-        )
-        if isinstance(shape, str):
-            reasons.append(shape)
+        if call.cache is not None:
+            refused = _cache_refusal(call)
+            reasons += [refused] if refused is not None else []
+        elif not torch.compiler.is_compiling():
+            shape = _shape(call.mask, call.q_len, call.kv_len)
+            reasons += [shape] if isinstance(shape, str) else []
         if torch.compiler.is_compiling():
             reasons.append("torch.compile/export is tracing (the documents' starts are read)")
         added = call.bias_shape is not None or call.score_term is not None
@@ -165,6 +198,11 @@ class FlashAttnPackage(Backend):
         return reasons
 
     def notes(self, call: AttentionCall) -> list[str]:
+        band = band_of(call.mask)
+        if call.cache is not None and band is not None:
+            return [
+                f"flash_attn_with_kvcache, window_size={_bounds(*band)}, the cache read in place"
+            ]
         shape = _shape(call.mask, call.q_len, call.kv_len)
         if isinstance(shape, str):
             return []
@@ -177,6 +215,8 @@ class FlashAttnPackage(Backend):
         return [f"flash_attn_varlen_func over {n} packed sequences, window_size={window}"]
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        if call.cache is not None:
+            return _kvcache(call, inputs)
         pkg = package()
         shape = _shape(call.mask, call.q_len, call.kv_len)
         if pkg is None or isinstance(shape, str):
@@ -233,3 +273,34 @@ def _varlen(
     if lse is not None:  # (H, total) -> (B, H, T)
         lse = lse.reshape(lse.size(0), batch, length).transpose(0, 1)
     return out, lse
+
+
+def _kvcache(call: AttentionCall, inputs: CallInputs) -> Output:
+    """A call on a cache view as ``flash_attn_with_kvcache``: each row's queries against its
+    keys ``start <= j < end`` (``cache_leftpad``, ``cache_seqlens``), aligned to their end as
+    attnkit's, pages through the view's block table."""
+    pkg, view, band = package(), call.cache, band_of(call.mask)
+    if pkg is None or view is None or band is None or _cache_refusal(call) is not None:
+        raise RuntimeError("attnkit internal error: flash_attn ran a cache call it declines")
+    device = inputs.q.device
+    ends = torch.tensor([e for _, e in view.kv_range], dtype=torch.int32, device=device)
+    starts = [s for s, _ in view.kv_range]
+    window = _bounds(*band)
+    causal = window == (-1, 0)
+    table = None if view.block_table is None else view.block_table.to(device, torch.int32)
+    leftpad = torch.tensor(starts, dtype=torch.int32, device=device) if any(starts) else None
+    result = pkg.flash_attn_with_kvcache(
+        inputs.q.transpose(1, 2),  # (N, Tq, H, D)
+        inputs.k.transpose(1, 2),  # pages (X, page, Hkv, D), as flash-attn lays them
+        inputs.v.transpose(1, 2),
+        cache_seqlens=ends,
+        cache_leftpad=leftpad,
+        block_table=table,
+        softmax_scale=call.scale,
+        causal=causal,
+        window_size=(-1, -1) if causal else window,
+        softcap=call.softcap or 0.0,
+        return_softmax_lse=call.return_lse,
+    )
+    out: Tensor = (result[0] if call.return_lse else result).transpose(1, 2)
+    return (out, result[1]) if call.return_lse else out

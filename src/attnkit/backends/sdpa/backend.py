@@ -34,6 +34,7 @@ from ..._kernel import no_autocast
 from ...masks import Geometry, Mask
 from ..base import Backend, CallInputs
 from . import screen, terms
+from .caches import cache_attention, cache_cost, cache_refusal
 from .costs import sdpa_slower
 from .documents import document_cuts, per_document
 from .kernels import KernelChoice, TorchArgs, torch_kernel
@@ -75,6 +76,9 @@ def _cheap_mask(mask: Mask) -> bool:
 def sdpa_check(call: AttentionCall) -> list[str]:
     """Why torch's SDPA cannot serve a call (empty when it can)."""
     reasons = []
+    refused = cache_refusal(call)
+    if refused is not None:
+        reasons.append(refused)
     if call.return_weights:
         reasons.append("does not return attention weights (only reference does)")
     if call.return_lse:
@@ -130,7 +134,8 @@ def torch_args(call: AttentionCall) -> TorchArgs:
         kv_len=call.kv_len,
         num_heads=call.num_heads,
         num_kv_heads=call.num_kv_heads,
-        mask=docs is None and (has_bias or call.score_term is not None or causal is None),
+        mask=call.cache is not None
+        or (docs is None and (has_bias or call.score_term is not None or causal is None)),
         causal=bool(docs[1]) if docs else bool(causal),
         dropout_p=call.dropout_p,
         requires_grad=call.requires_grad,
@@ -147,7 +152,7 @@ def gpu_kernel(call: AttentionCall) -> KernelChoice | None:
 
 def sdpa_cost(call: AttentionCall) -> list[str]:
     """Why ``auto`` should prefer another backend although torch's SDPA could serve the call."""
-    costs = []
+    costs = cache_cost(call)
     kernel = gpu_kernel(call)
     if kernel is not None and not kernel.fused:
         costs.append(
@@ -257,6 +262,9 @@ class SDPA(Backend):
     happen.
     """
 
+    # a contiguous KV cache where it lies, on GPUs (see caches.py)
+    accepts_cache = True
+
     def __init__(
         self, *, block_q: int = 192, product_q: int = 64, term_keys: int = TERM_KEYS
     ) -> None:
@@ -298,7 +306,16 @@ class SDPA(Backend):
     def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
         q, k, v = inputs.q, inputs.k, inputs.v
         mask, scale, dropout_p = call.mask, call.scale, call.dropout_p
-        if call.score_term is not None:
+        if call.cache is not None:
+            rows, length = call.cache.rows, call.cache.kv_len  # every row's first Tk positions
+            k, v = k[:rows, :, :length], v[:rows, :, :length]
+            out, attn_mask = cache_attention(call, q, k, v)
+            trusted = (
+                torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and out.requires_grad)
+                or screen.trustworthy(out, attn_mask, qkv=(q, k, v), dropout=dropout_p > 0)
+            )
+        elif call.score_term is not None:
             with no_autocast(q.device):
                 out, trusted = terms.blocked_term(
                     q, k, v, mask, None, call.score_term, scale, dropout_p, self.block_q,

@@ -1,0 +1,85 @@
+"""sdpa on a contiguous KV cache read where it lies, on GPUs: every row's stretch and band as one
+bool mask over views of the cache, checked against the float64 reference on each row's own keys;
+declined on the CPU (the native kernel reads caches there) and for paged caches."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit._base import devices
+from attnkit._call import check_attention_args
+from attnkit.backends import SDPA
+from attnkit.backends.base import CallInputs
+from attnkit.caches.view import CacheView
+from attnkit.testing import assert_close
+
+H100 = devices.Target("cuda", "nvidia", (9, 0), present=False)
+RANGES = [(0, 20), (5, 40), (7, 7)]  # a row from its first key, one left-padded, one empty
+
+
+def checked(q: torch.Tensor, view: CacheView, **kwargs: Any) -> Any:
+    defaults: dict[str, Any] = {"mask": None, "bias": None, "causal": False, "scale": None}
+    return check_attention_args(q, view, None, **{**defaults, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"causal": True}, {"mask": masks.sliding_window(6)}],
+)
+@pytest.mark.parametrize("q_lens", [None, (3, 1, 0)])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_every_row_reads_its_own_stretch(kwargs: dict[str, Any], q_lens: Any, hkv: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 3, 8, generator=gen, dtype=torch.float64)
+    cache = torch.randn(3, hkv, 48, 8, generator=gen, dtype=torch.float64)
+    view = CacheView(cache, cache.flip(-1), RANGES, q_lens=q_lens)
+    call = checked(q, view, **kwargs)
+    got = SDPA().run(call, CallInputs(q, view.k, view.v))
+    want = attnkit.attention(q, view, **kwargs, backend="reference")
+    assert_close(got, want)
+    assert not got[2].any()  # the empty row gives 0
+
+
+def on_gpu(view: CacheView, **kwargs: Any) -> list[str]:
+    q = torch.empty(view.rows, 4, 1, 8, device="meta", dtype=torch.bfloat16)
+    call = dataclasses.replace(checked(q, view, **kwargs), device=torch.device("cuda"))
+    with devices.assuming(H100):
+        return SDPA().check(call)
+
+
+def test_what_it_reads_where() -> None:
+    cache = torch.empty(3, 2, 48, 8, device="meta", dtype=torch.bfloat16)
+    view = CacheView(cache, cache, RANGES)
+    assert on_gpu(view, causal=True) == []
+    assert any("no softcap" in r for r in on_gpu(view, causal=True, softcap=2.0))
+    pages = torch.zeros(6, 2, 16, 8, dtype=torch.bfloat16)
+    paged = CacheView(
+        pages, pages, [(0, 20), (0, 9), (0, 3)], torch.tensor([[0, 1], [2, 3], [4, 5]])
+    )
+    paged = dataclasses.replace(paged, k=pages.to("meta"), v=pages.to("meta"))
+    assert any("reads no KV cache view of pages" in r for r in on_gpu(paged, causal=True))
+    q = torch.empty(3, 4, 1, 8, device="meta", dtype=torch.bfloat16)
+    refused = SDPA().check(checked(q, view, causal=True))
+    assert any(
+        "reads no KV cache view on meta (chunked reads the cache in place" in r for r in refused
+    )
+
+
+def test_a_decode_step_on_a_gpu_runs_a_fused_kernel() -> None:
+    cache = torch.empty(2, 2, 4096, 64, device="meta", dtype=torch.bfloat16)
+    view = CacheView(cache, cache, [(0, 1000), (0, 4000)])
+    step = torch.empty(2, 8, 1, 64, device="meta", dtype=torch.bfloat16)
+    text = str(attnkit.explain(step, view, causal=True, device="cuda"))
+    if "flash_attn  chosen" not in text:  # where the flash-attn package is installed, it reads it
+        assert "auto picks: sdpa" in text, text
+        assert "runs torch's memory-efficient kernel" in text, text
+    assert "(2, 1, 1, 4000) bool mask" in text, text
+    # on the CPU the native kernel reads the cache where it lies, as before
+    on_cpu = attnkit.explain(step, view, causal=True, device="cpu")
+    assert on_cpu.chosen == "chunked", str(on_cpu)
