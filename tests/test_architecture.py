@@ -446,12 +446,9 @@ def test_native_imports_only_the_plan_from_kernel() -> None:
 KERNEL_CALLS = {
     "BlockPlan": ("_kernel/planning.py",),
     "native_call": ("_kernel/", "_native/", "backends/"),
-    "cache_attention": ("_kernel/", "_native/", "backends/"),
+    "cache_attention": ("_kernel/", "backends/"),
 }
 KERNEL_CALLERS_KNOWN = {
-    # go through attention() (caches through the door)
-    ("flash_attn/_kvcache.py", "cache_attention"),
-    ("flash_attn/_api.py", "cache_attention"),
     # ring attention's pair of shards: a rectangle of a call that attention() dispatched to the
     # ring backend, run on the kernel with the plan of that rectangle
     ("distributed/_pair.py", "native_call"),

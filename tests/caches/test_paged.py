@@ -583,3 +583,24 @@ def test_a_cache_on_the_meta_device_attends_as_the_cpu_one_in_shape() -> None:
     for real, meta in zip(*outs, strict=True):
         assert meta.is_meta
         assert (meta.shape, meta.dtype) == (real.shape, real.dtype)
+
+
+def test_a_paged_call_is_an_attention_call_that_explain_shows_and_record_dispatch_records() -> None:
+    """The cache's call goes through attention(): recorded with its view, and the module's
+    explain() describes it on the pages, the chosen backend reading them in place."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, num_kv_heads=2).eval().double()
+    cache = m.make_paged_cache(num_blocks=8, page_size=4, max_seqs=2)
+    x = torch.randn(2, 3, 16, dtype=F64)
+    with torch.no_grad(), attnkit.record_dispatch() as calls:
+        m(x, cache=cache, causal=True)
+        m(x[:, :1], cache=cache, causal=True)
+    assert [c.chosen for c in calls] == ["chunked", "chunked"]
+    assert all(c.call.cache is not None for c in calls)
+    with torch.no_grad():
+        said = str(m.explain(x[:, :1], cache=cache, causal=True))
+    assert "k, v 2 rows of keys 0..5, 0..5 of 8 pages of 4 through a block table" in said
+    assert "auto picks: chunked" in said
+    if _native.load():
+        assert calls[-1].kernel == kernel_cache.IN_PLACE
+        assert "reads the cache in place: native kernel" in said

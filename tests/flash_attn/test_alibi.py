@@ -41,7 +41,8 @@ def test_flash_attn_func_alibi_runs_in_the_native_kernel_and_equals_the_referenc
         out = fa.flash_attn_func(*leaves, causal=True, alibi_slopes=slopes)
     (call,) = calls
     assert isinstance(call.call.score_term, DistanceBias)
-    assert call.kernel == "native kernel"
+    assert call.kernel is not None
+    assert call.kernel.startswith("native kernel")  # the cache read in place
     want, _ = reference(*(t.clone().requires_grad_() for t in (q, k, v)), causal=True,
                         slopes=slopes)  # fmt: skip
     assert_close(out, want)
@@ -82,7 +83,8 @@ def test_a_kv_cache_of_rows_of_several_lengths_takes_alibi_in_the_native_kernel(
         )
     (call,) = calls
     assert isinstance(call.call.score_term, DistanceBias)
-    assert call.kernel == "native kernel"
+    assert call.kernel is not None
+    assert call.kernel.startswith("native kernel")  # the cache read in place
     for b, n in enumerate(seen.tolist()):
         keys = torch.cat([before[0][b, :n], k[b]])[None]
         values = torch.cat([before[1][b, :n], v[b]])[None]

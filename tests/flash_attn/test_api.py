@@ -381,8 +381,8 @@ def test_varlen_reads_a_paged_cache_in_place(page: int) -> None:
 
     in_place = run(q)
     gathered = run(q.clone().requires_grad_())
-    assert [c.chosen for c in in_place[2]] == [IN_PLACE]
-    assert [c.chosen for c in gathered[2]] != [IN_PLACE]
+    assert [(c.chosen, c.kernel) for c in in_place[2]] == [("chunked", IN_PLACE)]
+    assert [c.kernel for c in gathered[2]] != [IN_PLACE]
     for a, b in zip(in_place[:2], gathered[:2], strict=True):
         assert_close(a, b, dtype=torch.float32)
     first = 0

@@ -290,12 +290,12 @@ def test_a_paged_cache_is_read_in_place_as_the_contiguous_one(
     q.requires_grad_()
     gathered = run(k_cache.clone(), v_cache.clone())
     for got in (contiguous, paged):
-        assert [c.chosen for c in got[2]] == [IN_PLACE]
+        assert [(c.chosen, c.kernel) for c in got[2]] == [("chunked", IN_PLACE)]
         assert got[0].dtype == dtype
         assert got[1].dtype == gathered[1].dtype
         assert_close(got[0], gathered[0], dtype=dtype)
         assert_close(got[1], gathered[1], dtype=dtype)
-    assert [c.chosen for c in gathered[2]] != [IN_PLACE]
+    assert [c.kernel for c in gathered[2]] != [IN_PLACE]
     # The new tokens were written into the pages too.
     rows = torch.arange(batch)
     at = table.long()[rows, seen.long() // page], seen.long() % page
@@ -313,7 +313,7 @@ def test_cache_batch_idx_selects_rows_in_place() -> None:
         out = fa.flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=seen, cache_batch_idx=idx, causal=True
         )
-    assert [c.chosen for c in calls] == [IN_PLACE]
+    assert [(c.chosen, c.kernel) for c in calls] == [("chunked", IN_PLACE)]
     for b, (row, n) in enumerate(zip(idx.tolist(), seen.tolist(), strict=True)):
         want, _ = reference(
             q[b : b + 1], k_cache[row : row + 1, :n], v_cache[row : row + 1, :n], causal=True
@@ -391,3 +391,21 @@ def test_a_meta_block_table_over_real_pages_is_refused_before_writing() -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         fa.flash_attn_with_kvcache(**call)
     assert_unchanged(call, before)
+
+
+def test_a_kvcache_call_is_recorded_with_the_cache_it_reads() -> None:
+    """flash_attn_with_kvcache is one attention() call on the cache's view: record_dispatch()
+    records it with the rows' keys where they lie, and explain() of that call says the same."""
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 16, 2, 8, generator=g), torch.randn(2, 16, 2, 8, generator=g)
+    q = torch.randn(2, 1, 4, 8, generator=g)
+    with torch.no_grad(), attnkit.record_dispatch() as calls:
+        fa.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=torch.tensor([5, 9], dtype=torch.int32), causal=True
+        )
+    (call,) = calls
+    assert call.chosen == "chunked"
+    assert call.call.cache is not None
+    assert "2 rows of keys 0..5, 0..9 of a contiguous cache" in call.call.describe()
+    said = str(attnkit.explain(q.transpose(1, 2), call.call.cache, causal=True))
+    assert "auto picks: chunked" in said

@@ -86,6 +86,8 @@ def write(
         k_pages[:rows, :, at[0] : at[0] + t].copy_(k)
         v_pages[:rows, :, at[0] : at[0] + t].copy_(v)
         return []
+    if isinstance(block_table, Tensor) and block_table.device.type == "meta":
+        return []  # no page numbers to read, and pages on the meta device hold no values
     pieces = _pieces(k_pages.size(2), at, new, block_table)
     if len(pieces) <= rows:
         for n, page, offset, m, i in pieces:

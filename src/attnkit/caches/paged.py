@@ -450,17 +450,19 @@ class PagedKVCache(nn.Module):
 
     def stand_in(self, new_tokens: int) -> CacheView:
         """The view a call of ``new_tokens`` tokens a row (or :meth:`schedule`'s) will read once
-        they are staged, without data (one zero, expanded, a row on a page): what the checks
-        before a write ask, and what ``explain()`` describes."""
+        they are staged: the pages and the block table as they are, the rows' keys as they will
+        be (pages not taken yet are named, but nothing reads them). What the checks before a
+        write ask, and what ``explain()`` describes."""
         new = [new_tokens] * self.max_seqs if self._next is None else self._next
         ends = [n + s for n, s in zip(self.lengths, new, strict=True)]
-        zero = self.k_pages.new_zeros(())
-        hkv, longest = self.k_pages.size(2 if self.layout == "flash" else 1), max(ends)
+        width = min(max(1, *(self._used(e) for e in ends)), self.block_table.size(1))
+        kp, vp = self._head_major()
         return CacheView(
-            zero.expand(self.max_seqs, hkv, longest, self.k_pages.size(-1)),
-            zero.expand(self.max_seqs, hkv, longest, self.v_pages.size(-1)),
+            kp,
+            vp,
             tuple((0, e) for e in ends),
-            q_lens=None if self._next is None else tuple(new),
+            self.block_table[:, :width],
+            None if self._next is None else tuple(new),
             trusted=True,
         )
 

@@ -1,20 +1,15 @@
 """flash-attn's attention functions over ``(B, T, H, D)`` tensors and packed sequences, each one
-:func:`attnkit.attention` call (see the package's conventions), but for a paged cache that the
-native kernel reads through its block table (:mod:`attnkit._kernel.cache`)."""
+:func:`attnkit.attention` call (see the package's conventions); packed sequences on a paged cache
+are a call on its :class:`~attnkit.caches.view.CacheView`, its pages read where they lie."""
 
 from __future__ import annotations
-
-import itertools
-import math
 
 import torch
 from torch import Tensor
 
 from .._base.checks import check_bool, check_probability, shape_str
-from .._call import check_attention_args
-from .._kernel.cache import IN_PLACE, cache_attention, cache_refusal
-from .._record import note_served
 from ..attention import attention
+from ..caches.view import CacheView
 from ..masks import Mask
 from ..scores import ScoreTerm
 from ._alibi import alibi, varlen_alibi
@@ -47,8 +42,8 @@ _Result = Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]
 
 def attend(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    k: Tensor | CacheView,
+    v: Tensor | None,
     *,
     mask: Mask | None,
     bias: ScoreTerm | None,
@@ -59,9 +54,10 @@ def attend(
     want_lse: bool,
     want_probs: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """One :func:`attnkit.attention` call on ``(B, H, T, D)`` views: the output ``(B, Tq, H,
-    Dv)``, the LSE ``(B, H, Tq)`` if wanted, the weights if wanted (``softmax_scale`` and
-    ``softcap`` already checked: softcap None for none)."""
+    """One :func:`attnkit.attention` call on ``(B, H, T, D)`` views (``k`` a cache's view and
+    ``v`` None: the call on a cache): the output ``(B, Tq, H, Dv)``, the LSE ``(B, H, Tq)`` if
+    wanted, the weights if wanted (``softmax_scale`` and ``softcap`` already checked: softcap None
+    for none)."""
     result = attention(
         q,
         k,
@@ -307,12 +303,13 @@ def flash_attn_varlen_func(
     cap = softcap_of(softcap)
     scale = scale_of(softmax_scale, q.dtype)
     sinks = sinks_of(learnable_sink, s_aux, q, q.size(1))
-    if table is not None:
-        if p == 0 and cache_refusal(q, k, v, alibi_slopes, sinks) is None:
-            sizes = (q_lengths, k_lengths)
-            return _varlen_in_place(
-                q, k, v, table, sizes, (lo, hi), scale, cap, alibi_slopes, sinks, asked
-            )
+    if table is not None and not (asked and p > 0):
+        sizes = (q_lengths, k_lengths)
+        paged_lse, paged_out = _paged(
+            q, k, v, table, sizes, (lo, hi), p, scale, cap, alibi_slopes, sinks
+        )
+        return _finish(paged_out, paged_lse, None, asked)
+    if table is not None:  # the weights of a call with dropout, over the packed keys: gathered
         k, v = gather_pages(k, table, k_lengths), gather_pages(v, table, k_lengths)
     bias = None
     if alibi_slopes is not None:
@@ -335,58 +332,61 @@ def flash_attn_varlen_func(
     )
 
 
-def _varlen_in_place(
+def _paged(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     table: Tensor,
     sizes: tuple[list[int], list[int]],
     window: tuple[float, float],
+    dropout_p: float,
     scale: float | None,
     cap: float | None,
     alibi_slopes: object,
     sinks: Tensor | None,
-    asked: bool,
-) -> _Result:
-    """:func:`flash_attn_varlen_func` on a paged cache that the native kernel reads through the
-    block table (see :mod:`attnkit._kernel.cache`): each sequence's queries against its pages
-    (``sizes``: the sequences' query and key lengths)."""
+) -> tuple[Tensor, Tensor]:
+    """:func:`flash_attn_varlen_func` on a paged cache: one :func:`attnkit.attention` call on its
+    view, sequence ``s``'s queries (padded to the longest, its first ``q_lengths[s]`` real)
+    against its pages (``sizes``: the sequences' query and key lengths); ``(lse (H, total_q),
+    out (total_q, H, Dv))``."""
     q_lengths, k_lengths = sizes
-    heads, head_dim = q.size(1), q.size(2)
-    starts = [0, *itertools.accumulate(q_lengths)][:-1]
+    rows, heads = len(q_lengths), q.size(1)
     q_len, kv_len = max(q_lengths, default=0), max(k_lengths, default=0)
-    bias = None
-    if alibi_slopes is not None:  # from each sequence's own alignment
-        bias = alibi(alibi_slopes, heads, len(q_lengths), q.dtype, q_len, kv_len)
-    lo, hi = window
-    # The call as attention() would be asked it, on stand-ins without data, for record_dispatch.
-    zero = torch.zeros((), dtype=q.dtype, device=q.device)
-    call = check_attention_args(
-        zero.expand(len(q_lengths), heads, q_len, head_dim),
-        zero.expand(len(q_lengths), k.size(2), kv_len, k.size(3)),
-        zero.expand(len(q_lengths), v.size(2), kv_len, v.size(3)),
-        mask=None,
-        bias=bias,
-        causal=False,
-        scale=scale,
-        softcap=cap,
-        sinks=sinks,
-    )
-    note_served(call, IN_PLACE, "native kernel")
-    out, lse = cache_attention(
-        q.transpose(0, 1).unsqueeze(0),
+    # (total_q, H, D) -> (N, q_len, H, D): each sequence's queries in a row of its own
+    # (int indices from the host lengths: no read of a mask, which the meta device cannot give)
+    seq = torch.repeat_interleave(torch.arange(rows), torch.tensor(q_lengths, dtype=torch.long))
+    pos = torch.cat([torch.arange(n) for n in q_lengths]) if rows else seq
+    seq, pos = seq.to(q.device), pos.to(q.device)
+    padded = q.new_zeros(rows, q_len, heads, q.size(2))
+    padded[seq, pos] = q
+    view = CacheView(
         k.permute(0, 2, 1, 3),
         v.permute(0, 2, 1, 3),
-        kv_range=[[0, n] for n in k_lengths],
-        block_table=table,
-        q_range=[[s, n] for s, n in zip(starts, q_lengths, strict=True)],
-        band=None if lo == -math.inf and hi == math.inf else (lo, hi),
-        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
-        softcap=cap,
-        bias=bias,
-        sinks=sinks,
+        tuple((0, n) for n in k_lengths),
+        table,
+        tuple(q_lengths),
+        trusted=True,
     )
-    return _finish(out[0].transpose(0, 1).contiguous(), lse[0], None, asked)
+    bias = None
+    if alibi_slopes is not None:  # from each sequence's own alignment
+        bias = alibi(alibi_slopes, heads, rows, q.dtype, q_len, kv_len)
+    out, lse, _ = attend(
+        padded.transpose(1, 2),
+        view,
+        None,
+        mask=band_mask(*window, q_len, kv_len),
+        bias=bias,
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        softcap=cap,
+        sinks=sinks,
+        want_lse=True,
+        want_probs=False,
+    )
+    # (N, q_len, H, Dv) -> (total_q, H, Dv); (N, H, q_len) -> (H, total_q)
+    if lse is None:
+        raise ValueError("attnkit internal error: the paged call gave no log-sum-exp")
+    return lse[seq, :, pos].transpose(0, 1), out[seq, pos]
 
 
 def flash_attn_varlen_qkvpacked_func(

@@ -1,10 +1,11 @@
 """flash-attn's ``flash_attn_with_kvcache``: decoding with a preallocated or paged cache.
 
 One call, in named steps: every argument is checked (:func:`_checked_rows`, and what
-:func:`attnkit.attention` will check, on stand-ins without data) before the new tokens are written,
-so a refused call leaves the cache as it was; then the new keys and queries are rotated, written
-into the cache, and the rows' keys read back for one :func:`attnkit.attention` call whose mask
-holds each row to its own keys.
+:func:`attnkit.attention` will check, on a stand-in of the cache's view without data) before the
+new tokens are written, so a refused call leaves the cache as it was; then the new keys and queries
+are rotated, written into the cache, and the queries attend each row's own keys in one
+:func:`attnkit.attention` call on the cache's :class:`~attnkit.caches.view.CacheView`, where they
+lie (``explain()`` shows it, ``record_dispatch()`` records it).
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from torch import Tensor
 
 from .._base.checks import check_bool, dtype_str, shape_str
 from .._call import AttentionCall, check_attention_args
-from .._kernel.cache import IN_PLACE, cache_attention, cache_refusal
-from .._native.kernel import DECODE_QUERIES
-from .._record import note_served
+from ..caches._tokens import write
+from ..caches.view import CacheView
 from ..masks import Mask
 from ..scores import ScoreTerm
 from ._alibi import alibi
@@ -27,7 +27,6 @@ from ._api import attend
 from ._args import band, band_mask, four_d, host_ints, scale_of, sinks_of, softcap_of
 from ._paging import check_block_table, page_table, pages_used
 from ._rotary import check_rotary, rotate
-from ._varlen import Sequences
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -202,26 +201,26 @@ def flash_attn_with_kvcache(
         # flash-attn's rule: causal or windowed queries sit at their own positions.
         positional = causal or not (lo == -math.inf and hi == math.inf)
         q, k = _rotated(q, k, rows, rotary_cos, rotary_sin, rotary_interleaved, positional)
-    mask = _rows_mask(rows, q_len, lo, hi, q.device)
+    view = _view(k_cache, v_cache, rows)
+    mask = band_mask(lo, hi, q_len, view.width)
     bias = None
-    if alibi_slopes is not None:
-        shifts = None if rows.uniform else [rows.kv_len - n for n in rows.lengths]
-        bias = alibi(alibi_slopes, heads, batch, q.dtype, q_len, rows.kv_len, shifts)
-    call = _check_as_attention(q, k_cache, v_cache, rows.kv_len, mask, bias, scale, cap, sinks)
+    if alibi_slopes is not None:  # each row's call from its own alignment
+        bias = alibi(alibi_slopes, heads, batch, q.dtype, q_len, view.width)
+    _check_as_attention(q, view, mask, bias, scale, cap, sinks)
 
     if k is not None and v is not None and rows.new:
-        _append(k_cache, v_cache, k, v, rows)
-    if _in_place(q, k_cache, v_cache, rows, alibi_slopes, sinks) is None:
-        note_served(call, IN_PLACE, "native kernel")
-        read = _attend_in_place(
-            q, k_cache, v_cache, rows, (lo, hi), scale, cap, alibi_slopes, sinks
+        write(
+            view.k,
+            view.v,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            at=rows.seen,
+            block_table=view.block_table,
         )
-        return read if want_lse else read[0]
-    keys, values = _read(k_cache, v_cache, rows)
     out, lse, _ = attend(
         q.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
+        view,
+        None,
         mask=mask,
         bias=bias,
         dropout_p=0.0,
@@ -252,16 +251,6 @@ class _Rows:
     @property
     def lengths(self) -> list[int]:
         return [s + self.new for s in self.seen]
-
-    @property
-    def kv_len(self) -> int:
-        """The keys of the call: the longest row's."""
-        return max(self.lengths, default=0)
-
-    @property
-    def uniform(self) -> bool:
-        """Whether every row attends all ``kv_len`` keys (then no mask holds rows apart)."""
-        return all(n == self.kv_len for n in self.lengths) and not any(self.start)
 
 
 def _checked_rows(
@@ -364,32 +353,25 @@ def _rotated(
     return rotate(q, cos, sin, q_pos, interleaved), rotate(k, cos, sin, k_pos, interleaved)
 
 
-def _rows_mask(rows: _Rows, q_len: int, lo: float, hi: float, device: torch.device) -> Mask | None:
-    """The band within each row's keys ``start[b] <= j < lengths[b]``, the row's queries aligned
-    bottom-right to them: the band alone when every row attends all keys."""
-    kv_len, lengths = rows.kv_len, rows.lengths
-    if rows.uniform:
-        return band_mask(lo, hi, q_len, kv_len)
-    batch = len(lengths)
-    diag = torch.arange(q_len)[None] + (torch.tensor(lengths) - q_len)[:, None]  # (B, Tq)
-    j = torch.arange(kv_len)
-    held = (j >= torch.tensor(rows.start)[:, None]) & (j < torch.tensor(lengths)[:, None])
-    what = f"flash_attn kv cache (keys {rows.start}..{lengths}; band {lo:g}..{hi:g})"
-    return Sequences(
-        torch.ones(batch, q_len, dtype=torch.long).to(device),
-        diag.to(device),
-        (held.long() * 2 - 1).to(device),  # 1: a key of the row, -1: none
-        lo,
-        hi,
-        what,
+def _view(k_cache: Tensor, v_cache: Tensor, rows: _Rows) -> CacheView:
+    """The cache as the call reads it: row ``b``'s keys ``cache_leftpad[b] <= j < lengths[b]``
+    of its pages (the block table, checked), of its cache row (``cache_batch_idx``: a page of the
+    whole capacity a row), or of row ``b``."""
+    table = rows.table
+    if table is None and rows.cache_rows is not None:
+        table = torch.tensor(rows.cache_rows, dtype=torch.int64, device=k_cache.device)[:, None]
+    return CacheView(
+        k_cache.permute(0, 2, 1, 3),
+        v_cache.permute(0, 2, 1, 3),
+        tuple(zip(rows.start, rows.lengths, strict=True)),
+        table,
+        trusted=True,
     )
 
 
 def _check_as_attention(
     q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    kv_len: int,
+    view: CacheView,
     mask: Mask | None,
     bias: ScoreTerm | None,
     scale: float | None,
@@ -397,13 +379,16 @@ def _check_as_attention(
     sinks: Tensor | None,
 ) -> AttentionCall:
     """What attention() checks of the call it will get (dtypes, devices, the mask's and the score
-    term's fit), asked on stand-ins without data, before anything is written: the call."""
+    term's fit), asked of a stand-in of the cache's view without data, before anything is
+    written: the call."""
     batch, q_len, heads, head_dim = q.shape
-    kv_heads = k_cache.size(2)
+    kv_heads, kv_len = view.num_kv_heads, view.kv_len
+    k = _stand_in(view.k, (batch, kv_heads, kv_len, view.k.size(3)))
+    v = _stand_in(view.v, (batch, kv_heads, kv_len, view.v.size(3)))
     return check_attention_args(
         _stand_in(q, (batch, heads, q_len, head_dim)),
-        _stand_in(k_cache, (batch, kv_heads, kv_len, k_cache.size(3))),
-        _stand_in(v_cache, (batch, kv_heads, kv_len, v_cache.size(3))),
+        CacheView(k, v, view.kv_range, trusted=True),
+        None,
         mask=mask,
         bias=bias,
         causal=False,
@@ -411,87 +396,3 @@ def _check_as_attention(
         softcap=cap,
         sinks=None if sinks is None else _stand_in(sinks, tuple(sinks.shape)),
     )
-
-
-def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, rows: _Rows) -> None:
-    """Write the new keys and values into the cache, in place, after each row's tokens."""
-    batch, new = k.shape[:2]
-    at = torch.tensor(rows.seen)[:, None] + torch.arange(new)  # (B, new) positions in each row
-    if rows.table is not None:
-        page, table = rows.page, rows.table
-        where = (table[torch.arange(batch)[:, None], (at // page).to(table.device)], at % page)
-    else:
-        cache_rows = torch.tensor(
-            list(range(batch)) if rows.cache_rows is None else rows.cache_rows, dtype=torch.long
-        )
-        where = (cache_rows[:, None].expand(batch, new), at)
-    index = tuple(w.to(k_cache.device) for w in where)
-    k_cache.index_put_(index, k.to(k_cache.dtype))
-    v_cache.index_put_(index, v.to(v_cache.dtype))
-
-
-def _in_place(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: _Rows, *others: Tensor | None
-) -> str | None:
-    """None when the native kernel reads the rows' keys where they are (see
-    :mod:`attnkit._kernel.cache`): pages, a few queries (decoding), or rows of their own lengths
-    (which attention() would hold apart with a mask of tiles); else why the rows are read into one
-    tensor for attention() (the native kernel's blocked forward runs a long prefill faster)."""
-    if rows.table is None and q.size(1) > DECODE_QUERIES and rows.uniform:
-        return "a prefill of equal rows: attention() on the cache's rows"
-    return cache_refusal(q, k_cache, v_cache, *others)
-
-
-def _attend_in_place(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    rows: _Rows,
-    window: tuple[float, float],
-    scale: float | None,
-    cap: float | None,
-    alibi_slopes: object,
-    sinks: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """``(out (B, Tq, H, Dv), lse (B, H, Tq))`` of the call, the cache read where it lies: its
-    pages through the block table, or the rows of a contiguous cache (``cache_batch_idx``)."""
-    batch, q_len, heads, head_dim = q.shape
-    table = rows.table
-    if table is None and rows.cache_rows is not None:  # one page of the whole capacity per row
-        table = torch.tensor(rows.cache_rows, dtype=torch.int64)[:, None]
-    lo, hi = window
-    bias = None
-    if alibi_slopes is not None:  # from each row's own alignment (the kernel shifts each row)
-        bias = alibi(alibi_slopes, heads, batch, q.dtype, q_len, rows.kv_len)
-    out, lse = cache_attention(
-        q.transpose(1, 2),
-        k_cache.permute(0, 2, 1, 3),
-        v_cache.permute(0, 2, 1, 3),
-        kv_range=[[a, n] for a, n in zip(rows.start, rows.lengths, strict=True)],
-        block_table=table,
-        band=None if lo == -math.inf and hi == math.inf else (lo, hi),
-        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
-        softcap=cap,
-        bias=bias,
-        sinks=sinks,
-    )
-    return out.transpose(1, 2).contiguous(), lse
-
-
-def _read(k_cache: Tensor, v_cache: Tensor, rows: _Rows) -> tuple[Tensor, Tensor]:
-    """The first ``kv_len`` keys and values of each batch row's cache row, ``(B, kv_len, Hkv,
-    D|Dv)``: gathered from the row's pages, or indexed by ``cache_batch_idx``, or a view."""
-    kv_len = rows.kv_len
-    if rows.table is not None:
-        pages = rows.table[:, : pages_used([kv_len], rows.page)[0]].to(k_cache.device)
-        return (
-            k_cache[pages].flatten(1, 2)[:, :kv_len],
-            v_cache[pages].flatten(1, 2)[:, :kv_len],
-        )
-    if rows.cache_rows is not None:
-        cache_rows = torch.tensor(rows.cache_rows, dtype=torch.long)
-        return (
-            k_cache[cache_rows.to(k_cache.device), :kv_len],
-            v_cache[cache_rows.to(v_cache.device), :kv_len],
-        )
-    return k_cache[:, :kv_len], v_cache[:, :kv_len]
