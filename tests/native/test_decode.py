@@ -722,3 +722,63 @@ def test_the_operator_refuses_quantized_keys_and_values_it_cannot_read() -> None
     out, _ = op(q, *args[1:], **kwargs)
     with pytest.raises(RuntimeError, match="no backward through int8/float8 keys and values"):
         out.sum().backward()
+
+
+def _pool(x: torch.Tensor, table: torch.Tensor | None, token_major: bool) -> torch.Tensor:
+    """``x (N, Hkv, L, ...)`` as the kernel reads a cache: a page a row, or pages of 16 keys in
+    a pool through ``table``; token-major: ``(X, page, Hkv, ...)`` memory (flash-attn's)."""
+    if table is None:
+        return x
+    n, hkv, length = x.shape[:3]
+    rest = x.shape[3:]
+    pages = x.reshape(n, hkv, length // 16, 16, *rest).transpose(1, 2).reshape(-1, hkv, 16, *rest)
+    pool = torch.empty_like(pages)
+    pool[table.flatten()] = pages
+    return pool.transpose(1, 2).contiguous().transpose(1, 2) if token_major else pool
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("layout", ["rows", "pages", "token-major pages"])
+def test_quantized_caches_are_read_in_place(dtype: torch.dtype, layout: str) -> None:
+    # native_cache_forward's rows (each a stretch of its keys, its queries aligned to the end)
+    # on int8/float8 pages with a scale per token: against the same call on the dequantized keys
+    # and values in float64.
+    n, length = 3, 96
+    q, k, v = _inputs(n, 8, 2, 2, length, dk=32, dv=24, seed=5)
+    (kq, ks), (vq, vs) = _quantize(k, dtype), _quantize(v, dtype)
+    table = None
+    if layout != "rows":
+        table = torch.randperm(n * 6, generator=torch.Generator().manual_seed(2)).view(n, 6)
+    major = layout == "token-major pages"
+    kp, vp = _pool(kq, table, major), _pool(vq, table, major)
+    ksp, vsp = _pool(ks[..., 0], table, False), _pool(vs[..., 0], table, False)
+    q5 = q.float().view(n, 2, 4, 2, 32)
+    ranges = torch.tensor([[0, 96], [5, 70], [30, 31]])
+    kw: dict[str, Any] = {"scale": 0.3, "band": [-40.0, 0.0], "softcap": 3.0}
+    out, lse = torch.ops.attnkit.native_cache_forward(
+        q5, kp, vp, table, ranges, None, None, None, ksp, vsp, **kw
+    )
+    kd, vd = ((x.float() * s[..., None]).double() for x, s in ((kp, ksp), (vp, vsp)))
+    ref, ref_lse = torch.ops.attnkit.native_cache_forward(q5.double(), kd, vd, table, ranges, **kw)
+    assert _rel(out, ref) <= 1e-5
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck_native_cache_forward_on_quantized_pages() -> None:
+    q, k, v = _inputs(2, 4, 2, 1, 32, dk=16, dv=8, seed=9)
+    # (int8: torch's schema check multiplies the inputs, which float8 tensors do not support)
+    (kq, ks), (vq, vs) = _quantize(k, torch.int8), _quantize(v, torch.int8)
+    table = torch.tensor([[3, 0], [1, 2]])
+    args = (
+        q.float().view(2, 2, 2, 1, 16),
+        _pool(kq, table, False),
+        _pool(vq, table, False),
+        table,
+        torch.tensor([[0, 32], [4, 20]]),
+        None,
+        None,
+        None,
+        _pool(ks[..., 0], table, False),
+        _pool(vs[..., 0], table, False),
+    )
+    torch.library.opcheck(torch.ops.attnkit.native_cache_forward.default, args, {"scale": 0.3})

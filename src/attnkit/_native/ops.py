@@ -12,9 +12,10 @@
   enc_grad) -> (dq, dk, dv, dbias, dqv, denc)`` (an empty tensor where a gradient is not asked);
 * ``torch.ops.attnkit.native_backward_into(dout, lse, delta, dq!, dk!, dv!, ...)``, the same
   writing dq, dk and dv into given tensors;
-* ``torch.ops.attnkit.native_cache_forward(q, k, v, block_table, kv_range, bias, key_ok, *,
-  scale, ...) -> (out, lse)``: queries against a KV cache read in place, each batch row's keys a
-  stretch of it, contiguous or in pages through a block table; forward only;
+* ``torch.ops.attnkit.native_cache_forward(q, k, v, block_table, kv_range, q_range, bias, key_ok,
+  k_scale, v_scale, *, scale, ...) -> (out, lse)``: queries against a KV cache read in place,
+  each batch row's keys a stretch of it, contiguous or in pages through a block table; int8 or
+  float8 pages with their float32 scales ``(X, Hkv, page)``; forward only;
 * ``torch.ops.attnkit.all_finite(tensors) -> bool``.
 
 Here, once the library is loaded (:func:`register`): each operator's fake kernel, which gives its

@@ -9,9 +9,9 @@
 // whichever thread finishes the last part, in the same parallel region.
 //
 // Keys and values are read in place, as pages (X, Hkv, page, D) at any strides (in q's dtype, in
-// bfloat16 or float16, or in int8 or float8 with a scale per row: see decode_pages.h): a cache laid out
-// (B, Tk, Hkv, D) or (B, Hkv, Tk, D) is one page per batch row, and a paged cache is read through
-// its block table, page by page (no gather).
+// bfloat16 or float16, or in int8 or float8 with a scale per row: see decode_pages.h): a cache
+// laid out (B, Tk, Hkv, D) or (B, Hkv, Tk, D) is one page per batch row, and a paged cache is
+// read through its block table, page by page (no gather).
 //
 // A decode streams the cache from memory as fast as the hardware prefetchers bring it in: they
 // follow ascending lines within each 4 KiB page, a few dozen pages at a time. Head-major rows are
@@ -193,15 +193,17 @@ void divide(Decode<T, KV>& d, int64_t span) {
 // f(T(), KV()) as with_kv_types gives it, and for a float32 call with scales int8 or float8 keys
 // and values (KV int8_t, c10::Float8_e4m3fn or c10::Float8_e5m2).
 template <typename F>
-void with_decode_types(const CallArgs& a, const char* name, F&& f) {
-  const at::ScalarType kv = a.k.scalar_type();
+void with_decode_types(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& k_scale,
+                       const c10::optional<at::Tensor>& v_scale, const char* name, F&& f) {
+  const at::ScalarType kv = k.scalar_type();
   if (!is_quantized_type(kv)) {
-    with_kv_types(a.q, a.k, name, f);
+    with_kv_types(q, k, name, f);
     return;
   }
-  TORCH_CHECK(a.k_scale.has_value() && a.v_scale.has_value(), name, ": ", kv,
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), name, ": ", kv,
               " keys and values take k_scale and v_scale");
-  check_dtypes(a.q, a.k, a.v, true);
+  check_dtypes(q, k, v, true);
   if (kv == at::kChar) {
     f(float(), int8_t());
   } else if (kv == at::kFloat8_e4m3fn) {
@@ -223,7 +225,8 @@ std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a) {
               " and ", a.v.sizes());
   at::Tensor out = like_q(a.q, a.v.size(3));
   at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
-  with_decode_types(a, "attnkit::native_forward", [&](auto t, auto kv) {
+  const char* name = "attnkit::native_forward";
+  with_decode_types(a.q, a.k, a.v, a.k_scale, a.v_scale, name, [&](auto t, auto kv) {
     using T = decltype(t);
     using KV = decltype(kv);
     Decode<T, KV> d;
@@ -258,7 +261,7 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
   TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4,
               "attnkit: q must be (N, Hkv, G, Tq, Dk) and k, v pages (X, Hkv, page, D), got q of ",
               q.dim(), " dimensions, k of ", k.dim(), ", v of ", v.dim());
-  check_dtypes(q, k, v);
+  check_dtypes(q, k, v, a.k_scale.has_value());
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "attnkit: the native kernel runs on CPU tensors");
   TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(3) == q.size(4) &&
@@ -323,7 +326,8 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
     out.zero_();
     lse.fill_(-std::numeric_limits<double>::infinity());
   }
-  with_kv_types(q, k, "attnkit::native_cache_forward", [&](auto t, auto kv) {
+  const char* name = "attnkit::native_cache_forward";
+  with_decode_types(q, k, v, a.k_scale, a.v_scale, name, [&](auto t, auto kv) {
     using T = decltype(t);
     using KV = decltype(kv);
     Decode<T, KV> d;
@@ -366,9 +370,9 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
     // The band is relative to each row's alignment (its shift is set per row, see run_item).
     read_band(a.band, c);
     read_key_ok(a.key_ok, c, "Tk the longest row's end, ");
+    d.k = pages_of<KV>(k, a.k_scale, "k");
+    d.v = pages_of<KV>(v, a.v_scale, "v");
     if (N * c.Hkv * c.G * q_len == 0) return;
-    d.k = pages_of<KV>(k);
-    d.v = pages_of<KV>(v);
     if (table != nullptr) {
       d.k.table = d.v.table = table;
       d.k.table_ld = d.v.table_ld = capacity / page;

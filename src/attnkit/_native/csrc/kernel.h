@@ -31,10 +31,12 @@ std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a);
 // queries [q_range[n][0], q_range[n][0] + q_range[n][1]) of q's one batch row, aligned to the end
 // of its keys; masked by a band relative to each row's alignment, key flags (N|1, Tk) and a bias
 // (N|1, Hkv|1, G|1, Tq|1, Tk|1) or by distance from each row's alignment, Tq and Tk the longest
-// row's queries and end of keys.
+// row's queries and end of keys. int8 or float8 pages come with their scales (k_scale, v_scale).
 struct CacheArgs {
   at::Tensor q, k, v;  // (N, Hkv, G, Tq, Dk), (X, Hkv, page, Dk), (X, Hkv, page, Dv)
   c10::optional<at::Tensor> block_table, kv_range, q_range, bias, key_ok;
+  // int8/float8 pages' scales: float32 (X, Hkv, page), strides 0 where broadcast
+  c10::optional<at::Tensor> k_scale, v_scale;
   double scale = 1, softcap = 0;
   std::vector<int64_t> bias_layout;
   std::vector<double> band;

@@ -123,10 +123,13 @@ std::tuple<at::Tensor, at::Tensor> native_cache_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& kv_range,
     const c10::optional<at::Tensor>& q_range, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& key_ok, double scale, double softcap,
+    const c10::optional<at::Tensor>& key_ok, const c10::optional<at::Tensor>& k_scale,
+    const c10::optional<at::Tensor>& v_scale, double scale, double softcap,
     c10::IntArrayRef bias_layout, c10::ArrayRef<double> band, int64_t block_q,
     bool register_tiles) {
   CacheArgs a;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
   a.q = q;
   a.k = k;
   a.v = v;
@@ -195,7 +198,8 @@ TORCH_LIBRARY(attnkit, m) {
       "Tensor dqv, Tensor denc)");
   m.def(
       "native_cache_forward(Tensor q, Tensor k, Tensor v, Tensor? block_table=None, "
-      "Tensor? kv_range=None, Tensor? q_range=None, Tensor? bias=None, Tensor? key_ok=None, *, "
+      "Tensor? kv_range=None, Tensor? q_range=None, Tensor? bias=None, Tensor? key_ok=None, "
+      "Tensor? k_scale=None, Tensor? v_scale=None, *, "
       "float scale, float softcap=0., int[] bias_layout=[], float[] band=[], int block_q=16, "
       "bool register_tiles=True) -> (Tensor out, Tensor lse)");
   m.def("all_finite(Tensor[] tensors) -> bool");
