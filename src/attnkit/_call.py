@@ -25,6 +25,7 @@ from ._base.checks import (
     shape_str,
 )
 from ._base.finite import finite_if_readable
+from ._base.quantized import QuantizedKV
 from ._base.transforms import carries_tangent
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
@@ -85,6 +86,10 @@ class AttentionCall:
     #: q, k, v, the bias or the sinks carry forward-mode tangents (torch.func.jvp,
     #: torch.autograd.forward_ad): only backends made of torch's differentiable operations serve it
     forward_ad: bool = False
+    #: int8/float8 keys and values with their scales (``attention(..., k_scale=, v_scale=)``):
+    #: a backend whose ``reads_quantized`` is True receives them as they are, any other the keys
+    #: and values they stand for, dequantized by the dispatcher
+    quantized: QuantizedKV | None = None
     #: the keys and values of a KV cache where they lie (``attention(q, view)``): row ``n`` of the
     #: batch attends its own stretch of keys; only backends whose ``accepts_cache`` is True serve
     #: it. The call's ``Tk`` is then the stretch the rows share, else the longest row's end.

@@ -42,7 +42,8 @@ from ._base.devices import (
     target,
 )
 from ._base.hints import torch_keywords, warn_torch_convention
-from ._base.shapes import Bool, Float, shape_checked
+from ._base.quantized import QuantizedKV, check_kv_scales, stand_in
+from ._base.shapes import Bool, Float, Int, shape_checked
 from ._call import AttentionCall, check_attention_args, describe_call
 from ._score_mod import ScoreMod, captured_tensors, check_captured, check_elementwise
 from .backends import builtin_backends
@@ -54,6 +55,7 @@ from .backends.base import (
     CallInputs,
     Dispatch,
     Output,
+    dequantized,
     recording,
     registry_of_call,
     restore_registry,
@@ -410,6 +412,22 @@ def _call_of(
         raise _autocast_hint(error, autocast) from None
 
 
+def _quantized(
+    q: object, k: object, v: object, k_scale: object, v_scale: object
+) -> tuple[object, object, QuantizedKV | None]:
+    """int8/float8 ``k`` and ``v``: stand-ins of their shapes in q's dtype, which the checks of
+    the other arguments read, and the call's quantized keys and values (their scales checked);
+    else ``k`` and ``v`` as given and None."""
+    scales = check_kv_scales(q, k, v, k_scale, v_scale)
+    if scales is None or not (
+        isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    ):
+        return k, v, None
+    grads = torch.is_grad_enabled() and any(s.requires_grad for s in scales)
+    quantized = QuantizedKV(k.dtype, *scales)
+    return stand_in(k, q.dtype, grads), stand_in(v, q.dtype, grads), quantized
+
+
 def _keys_values(k: object, v: object) -> tuple[Tensor, Tensor]:
     """What a backend receives as k and v: a cache view's pages (it reads the view itself as
     ``call.cache``), else k and v as checked."""
@@ -435,10 +453,14 @@ def _run(
     return_lse: bool,
     backend: str | Backend,
     score_mod: ScoreMod | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Output:
+    given_k, given_v = k, v
+    checked_k, checked_v, quantized = _quantized(q, k, v, k_scale, v_scale)
     # Under torch.autocast, as torch's SDPA: inputs go to the autocast dtype. The backend then runs
     # with autocast off, or it would turn the float32 softmax accumulation back into bf16 GEMMs.
-    args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
+    args, autocast, autocast_dtype = _under_autocast((q, checked_k, checked_v, bias, sinks))
     call = _call_of(
         args,
         mask,
@@ -455,6 +477,9 @@ def _run(
         warn_torch_convention(mask)  # True = may NOT attend, as in torch's modules? (warned once)
     q, k, v, bias, sinks = args  # type: ignore[assignment]
     k, v = _keys_values(k, v)
+    if quantized is not None and isinstance(given_k, Tensor) and isinstance(given_v, Tensor):
+        k, v = given_k, given_v  # int8/float8, read with call.quantized's scales
+        call = dataclasses.replace(call, quantized=quantized)
     dense = bias if isinstance(bias, Tensor) else None
     captured: tuple[Tensor, ...] = ()
     if call.score_mod is not None:
@@ -524,6 +549,8 @@ def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) ->
     """Choose the backend for a validated call and run it (what :func:`attention` does after
     validating; entry points that validate a call themselves, such as ring attention, call it)."""
     chosen = _choose(call, backend)
+    if call.quantized is not None and not chosen.reads_quantized:
+        call, inputs = dequantized(call, inputs)
     if torch.compiler.is_compiling():  # a traced call records and hands over nothing
         return chosen.run(call, inputs)
     record = recording()
@@ -539,8 +566,8 @@ def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) ->
 
 _MaskArg = Bool[Tensor, "*#mb #Tk"] | Mask | None
 # keys: a tensor, or a KV cache's keys and values where they lie (then no values tensor)
-_KeysArg = Float[Tensor, "*batch Hkv Tk Dk"] | CacheView
-_ValuesArg = Float[Tensor, "*batch Hkv Tk Dv"] | None
+_KeysArg = Float[Tensor, "*batch Hkv Tk Dk"] | Int[Tensor, "*batch Hkv Tk Dk"] | CacheView
+_ValuesArg = Float[Tensor, "*batch Hkv Tk Dv"] | Int[Tensor, "*batch Hkv Tk Dv"] | None
 _BiasArg = Float[Tensor, "*#bb #Tk"] | ScoreTerm | None
 
 
@@ -558,6 +585,8 @@ def attention(
     score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     return_weights: Literal[False] = False,
     return_lse: Literal[False] = False,
     backend: str | Backend = "auto",
@@ -578,6 +607,8 @@ def attention(
     score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     return_weights: Literal[True],
     return_lse: Literal[False] = False,
     backend: str | Backend = "auto",
@@ -598,6 +629,8 @@ def attention(
     score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     return_weights: Literal[False] = False,
     return_lse: Literal[True],
     backend: str | Backend = "auto",
@@ -618,6 +651,8 @@ def attention(
     score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     return_weights: bool,
     return_lse: Literal[False] = False,
     backend: str | Backend = "auto",
@@ -641,6 +676,8 @@ def attention(
     score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
     backend: str | Backend = "auto",
@@ -671,6 +708,8 @@ def attention(
     score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
     backend: str | Backend = "auto",
@@ -811,6 +850,8 @@ def attention(
         return_lse,
         backend,
         score_mod,
+        k_scale,
+        v_scale,
     )
 
 
@@ -829,6 +870,8 @@ def explain(
     score_mod: ScoreMod | None = None,
     sinks: Float[Tensor, " H"] | None = None,
     dropout_p: float = 0.0,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
     backend: str | Backend = "auto",
@@ -884,7 +927,9 @@ def explain(
       chunked    avoided: runs the eager kernel (the native kernel runs on CPUs, not cuda)
       reference  avoided: would materialise the scores (..., H, Tq, Tk) = (1, 8, 4096, 4096); ...
     """
-    args, _, autocast_dtype = _under_autocast((q, k, v, bias, sinks))  # the call attention() makes
+    checked_k, checked_v, quantized = _quantized(q, k, v, k_scale, v_scale)
+    # the call attention() makes
+    args, _, autocast_dtype = _under_autocast((q, checked_k, checked_v, bias, sinks))
     call = _call_of(
         args,
         mask,
@@ -897,6 +942,8 @@ def explain(
         autocast_dtype,
         score_mod,
     )
+    if quantized is not None:
+        call = dataclasses.replace(call, quantized=quantized)
     chosen = check_backend(backend)
     if device is None:
         return _decide(call, chosen)

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
+from .._base.quantized import dequantize
 from .._call import AttentionCall
 from .._record import Dispatch, note_handover, record_dispatch, recording
 from ..masks import Mask
@@ -45,6 +46,8 @@ __all__ = [
     "CallCheck",
     "CallInputs",
     "Dispatch",
+    "dequantized",
+    "dequantized_cost",
     "record_dispatch",
     "recording",
     "registry_of_call",
@@ -66,6 +69,25 @@ class CallInputs:
     bias: Tensor | None = None
     sinks: Tensor | None = None
     captured: tuple[Tensor, ...] = ()
+
+
+def dequantized_cost(call: AttentionCall) -> str:
+    """The cost of reading a call's int8/float8 keys and values (``call.quantized``) dequantized,
+    in ``explain()``'s words."""
+    what = "" if call.quantized is None else call.quantized.describe()
+    return f"would dequantize {what} first (a copy of them in q's dtype)"
+
+
+def dequantized(call: AttentionCall, inputs: CallInputs) -> tuple[AttentionCall, CallInputs]:
+    """A call on int8/float8 keys and values (``call.quantized``) as one on the keys and values
+    they stand for, ``(k.float() * k_scale).to(q.dtype)``: what a backend that does not read
+    them receives (differentiable in the scales)."""
+    quantized = call.quantized
+    if quantized is None:
+        return call, inputs
+    k = dequantize(inputs.k, quantized.k_scale, call.dtype)
+    v = dequantize(inputs.v, quantized.v_scale, call.dtype)
+    return replace(call, quantized=None), replace(inputs, k=k, v=v)
 
 
 #: What a backend returns: the output, or a tuple of the output, the weights and/or the lse.
@@ -143,6 +165,9 @@ class Backend:
 
     #: Whether :meth:`run` applies ``call.score_mod`` (the dispatcher declines the call otherwise).
     accepts_score_mod: bool = False
+    #: Whether :meth:`run` reads ``call.quantized``, int8/float8 ``inputs.k`` and ``inputs.v``
+    #: with their scales: the dispatcher hands other backends the keys and values they stand for.
+    reads_quantized: bool = False
     #: Whether :meth:`run` reads ``call.cache``, a KV cache's keys where they lie (``inputs.k`` and
     #: ``inputs.v`` are then its pages; :meth:`~attnkit.caches.view.CacheView.attend_rows` gives
     #: dense calls): the dispatcher declines such calls otherwise.
@@ -236,7 +261,10 @@ class Backend:
                 *reasons,
                 "reads no KV cache view (chunked reads the cache in place, reference gathers it)",
             ]
-        return reasons, self._strings("cost", self.cost(call))
+        costs = self._strings("cost", self.cost(call))
+        if call.quantized is not None and not self.reads_quantized:
+            costs = [*costs, dequantized_cost(call)]
+        return reasons, costs
 
     def slower_reasons(self, call: AttentionCall) -> list[str]:
         """``slower(call)``, checked to be a list of strings."""

@@ -45,7 +45,7 @@ from .._score_mod import captured_tensors, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
 from ..caches.view import band_of, row_term
 from ..scores import DistanceBias, softcap_form
-from .base import Backend, CallInputs, Output
+from .base import Backend, CallInputs, Output, dequantized, dequantized_cost
 
 __all__ = [
     "Chunked",
@@ -180,6 +180,9 @@ class Chunked(Backend):
 
     accepts_score_mod = True
     accepts_cache = True
+    # int8/float8 keys and values: read in place on the native decode path, else dequantized
+    # first (see kernel_attention)
+    reads_quantized = True
 
     def __init__(
         self,
@@ -309,6 +312,8 @@ class Chunked(Backend):
         why = why_not_native(call, self.native)
         plan = self.block_plan(call)
         notes = [*rewrite, *([] if call.mask is None else [f"block plan: {plan.describe()}"])]
+        if call.quantized is not None and self._reads_in_place(call):
+            notes.append(f"reads {call.quantized.describe()} in place on the native decode path")
         if why is None:
             # "native kernel", and where it is not loaded yet where it comes from
             kernel = native_status()[1]
@@ -326,6 +331,22 @@ class Chunked(Backend):
             return [*notes, kernel]
         fused = fused_note(call, plan.grid, self.fused_rows)
         return [*notes, why, *([fused] if fused else [])]
+
+    def _reads_in_place(self, call: AttentionCall) -> bool:
+        """Whether the native decode path reads a call's int8/float8 keys and values in place
+        (else they are dequantized first: see attnkit._kernel.choice.quantized_refusal)."""
+        if call.requires_grad or call.dtype == torch.float64 or call.cache is not None:
+            return False
+        if not readable(call.device) or not decode_sized(call.q_len, self.block_q):
+            return False
+        return why_not_native(self._rewritten(call)[0], self.native) is None
+
+    def cost(self, call: AttentionCall) -> list[str]:
+        """int8/float8 keys and values dequantized first, where the native decode path does not
+        read them in place."""
+        if call.quantized is None or self._reads_in_place(call):
+            return []
+        return [f"{dequantized_cost(call)}: only the native decode path reads them in place"]
 
     def block_plan(self, call: AttentionCall) -> BlockPlan:
         """The :class:`~attnkit.BlockPlan` this backend would run ``call`` with: the native
@@ -354,9 +375,13 @@ class Chunked(Backend):
         )
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
+        meta = inputs.q.device.type == "meta"
+        if call.quantized is not None and (
+            call.cache is not None or meta or torch.compiler.is_compiling()
+        ):  # the native decode path alone reads int8/float8 keys and values in place
+            call, inputs = dequantized(call, inputs)
         if call.cache is not None:
             return self._run_cache(call, inputs)
-        meta = inputs.q.device.type == "meta"
         if torch.compiler.is_compiling() or meta:
             # A meta tensor holds no values for the kernel to read (the plan, whether q, k and v
             # are finite): the operator's fake kernel gives the outputs' shapes, and its autograd
@@ -393,6 +418,7 @@ class Chunked(Backend):
         by_distance = None if cap is not None else as_distance_bias(call)
         mod = None if cap is not None or by_distance is not None else call.score_mod
         added = inputs.bias if inputs.bias is not None else call.score_term
+        quantized = call.quantized
         return kernel_attention(
             inputs.q,
             inputs.k,
@@ -413,6 +439,7 @@ class Chunked(Backend):
             skewed_position=self.skewed_position,
             score_mod=mod,
             captured=() if mod is None else inputs.captured,
+            kv_scales=None if quantized is None else (quantized.k_scale, quantized.v_scale),
         )
 
     def _run_cache(self, call: AttentionCall, inputs: CallInputs) -> Output:
