@@ -785,6 +785,13 @@ def attention(
             weights sum to less than 1. Differentiable. ``-inf`` is no sink for that head; NaN
             and ``+inf`` are a ``ValueError``.
         dropout_p: dropout on the attention weights (always applied when > 0: pass 0 in eval).
+        k_scale, v_scale: for ``k`` and ``v`` stored as ``torch.int8``, ``torch.float8_e4m3fn``
+            or ``torch.float8_e5m2`` (a quantized KV cache): float tensors broadcastable to
+            ``(..., Hkv, Tk, 1)``, a scale per token and key/value head, per head, or one. The
+            keys used are ``(k.float() * k_scale).to(q.dtype)``, the values likewise. The native
+            kernel's decode path (``chunked``: at most 16 queries, no gradients, q not float64)
+            reads them in place, dequantized in registers; every other path dequantizes them
+            first, a copy that :func:`explain` lists as a cost. Gradients reach q and the scales.
         return_weights: also return the softmax weights ``(..., H, Tq, Tk)`` (before dropout,
             without the sinks' share). Only the ``reference`` backend computes them, so ask only
             when you need them.
