@@ -166,7 +166,10 @@ def _present(kind: str, index: int | None) -> Target:
     if found is not None:
         return found
     if kind not in GPU_TYPES:
-        return Target(kind, triton=False)  # nothing to probe: not kept
+        found = Target(kind, triton=False)  # nothing to probe
+        if not torch.compiler.is_compiling():
+            _SEEN[(kind, index)] = found
+        return found
     if torch.compiler.is_compiling():
         # a GPU first seen while torch.compile traces: what tracing can read, not kept
         amd = torch.version.hip is not None
