@@ -1,6 +1,6 @@
-"""sdpa on a contiguous KV cache read where it lies, on GPUs: every row's stretch and band as one
-bool mask over views of the cache, checked against the float64 reference on each row's own keys;
-declined on the CPU (the native kernel reads caches there) and for paged caches."""
+"""sdpa on a KV cache view, on GPUs: every row's stretch and band as one bool mask over views of a
+contiguous cache or a paged cache's pages gathered, checked against the float64 reference on each
+row's own keys; declined on the CPU (the native kernel reads caches there)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,19 @@ def checked(q: torch.Tensor, view: CacheView, **kwargs: Any) -> Any:
 )
 @pytest.mark.parametrize("q_lens", [None, (3, 1, 0)])
 @pytest.mark.parametrize("hkv", [4, 2])
-def test_every_row_reads_its_own_stretch(kwargs: dict[str, Any], q_lens: Any, hkv: int) -> None:
+@pytest.mark.parametrize("paged", [False, True])
+def test_every_row_reads_its_own_stretch(
+    kwargs: dict[str, Any], q_lens: Any, hkv: int, paged: bool
+) -> None:
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(3, 4, 3, 8, generator=gen, dtype=torch.float64)
-    cache = torch.randn(3, hkv, 48, 8, generator=gen, dtype=torch.float64)
-    view = CacheView(cache, cache.flip(-1), RANGES, q_lens=q_lens)
+    if paged:  # pages of 16 keys, each row's in a scrambled order
+        cache = torch.randn(9, hkv, 16, 8, generator=gen, dtype=torch.float64)
+        table = torch.tensor([[4, 0, 7], [2, 8, 1], [3, 5, 6]])
+        view = CacheView(cache, cache.flip(-1), RANGES, table, q_lens=q_lens)
+    else:
+        cache = torch.randn(3, hkv, 48, 8, generator=gen, dtype=torch.float64)
+        view = CacheView(cache, cache.flip(-1), RANGES, q_lens=q_lens)
     call = checked(q, view, **kwargs)
     got = SDPA().run(call, CallInputs(q, view.k, view.v))
     want = attnkit.attention(q, view, **kwargs, backend="reference")
@@ -63,7 +71,7 @@ def test_what_it_reads_where() -> None:
         pages, pages, [(0, 20), (0, 9), (0, 3)], torch.tensor([[0, 1], [2, 3], [4, 5]])
     )
     paged = dataclasses.replace(paged, k=pages.to("meta"), v=pages.to("meta"))
-    assert any("reads no KV cache view of pages" in r for r in on_gpu(paged, causal=True))
+    assert on_gpu(paged, causal=True) == []
     q = torch.empty(3, 4, 1, 8, device="meta", dtype=torch.bfloat16)
     refused = SDPA().check(checked(q, view, causal=True))
     assert any(
@@ -83,3 +91,13 @@ def test_a_decode_step_on_a_gpu_runs_a_fused_kernel() -> None:
     # on the CPU the native kernel reads the cache where it lies, as before
     on_cpu = attnkit.explain(step, view, causal=True, device="cpu")
     assert on_cpu.chosen == "chunked", str(on_cpu)
+
+
+def test_a_paged_cache_is_gathered_and_says_so() -> None:
+    pages = torch.empty(8, 2, 256, 64, device="meta", dtype=torch.bfloat16)
+    table = torch.arange(8).reshape(2, 4)
+    view = CacheView(pages, pages, [(0, 1000), (0, 700)], table, trusted=True)
+    step = torch.empty(2, 8, 1, 64, device="meta", dtype=torch.bfloat16)
+    text = str(attnkit.explain(step, view, causal=True, device="cuda"))
+    assert "would gather the pages into dense keys and values (2, 2, 1000)" in text, text
+    assert "chunked    avoided: " in text, text

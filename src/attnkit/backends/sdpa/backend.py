@@ -34,7 +34,7 @@ from ..._kernel import no_autocast
 from ...masks import Geometry, Mask
 from ..base import Backend, CallInputs
 from . import screen, terms
-from .caches import cache_attention, cache_cost, cache_refusal
+from .caches import cache_attention, cache_cost, cache_refusal, dense_rows
 from .costs import sdpa_slower
 from .documents import document_cuts, per_document
 from .kernels import KernelChoice, TorchArgs, torch_kernel
@@ -262,7 +262,7 @@ class SDPA(Backend):
     happen.
     """
 
-    # a contiguous KV cache where it lies, on GPUs (see caches.py)
+    # a KV cache view, on GPUs (see caches.py)
     accepts_cache = True
 
     def __init__(
@@ -307,8 +307,7 @@ class SDPA(Backend):
         q, k, v = inputs.q, inputs.k, inputs.v
         mask, scale, dropout_p = call.mask, call.scale, call.dropout_p
         if call.cache is not None:
-            rows, length = call.cache.rows, call.cache.kv_len  # every row's first Tk positions
-            k, v = k[:rows, :, :length], v[:rows, :, :length]
+            k, v = dense_rows(call.cache)  # every row's first Tk positions
             out, attn_mask = cache_attention(call, q, k, v)
             trusted = (
                 torch.compiler.is_compiling()

@@ -1,11 +1,11 @@
-"""A contiguous KV cache read where it lies (``attention(q, view)``), on GPUs: one fused call.
+"""A KV cache view (``attention(q, view)``) on GPUs: one fused call.
 
 Row ``n`` of the cache attends its keys ``start_n <= j < end_n``, its queries aligned to the end of
 that stretch. torch's kernel takes one key length for every row, so the call reads every row's
-first ``Tk`` positions (views of the cache, nothing copied) under a bool mask ``(N, 1, Tq, Tk)``
-that says each row's stretch and band: a cost (the mask) that a GPU pays gladly where the
-alternative is attnkit's eager loop. On the CPU the native kernel reads caches in place, and a
-paged cache (pages through a block table) would have to be gathered: sdpa declines both.
+first ``Tk`` positions under a bool mask ``(N, 1, Tq, Tk)`` that says each row's stretch and band:
+views of a contiguous cache, nothing copied, or a paged cache's pages gathered in order. Both are
+costs (the mask, the copy) that a GPU pays gladly where the alternative is attnkit's eager loop.
+On the CPU the native kernel reads caches in place, and sdpa declines them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..._base.devices import target
 from ..._call import AttentionCall
 from ...caches.view import CacheView, band_of
 
-__all__ = ["cache_attention", "cache_cost", "cache_refusal"]
+__all__ = ["cache_attention", "cache_cost", "cache_refusal", "dense_rows"]
 
 
 def cache_refusal(call: AttentionCall) -> str | None:
@@ -34,8 +34,6 @@ def cache_refusal(call: AttentionCall) -> str | None:
             f"reads no KV cache view on {call.device.type} (chunked reads the cache in place "
             "there; sdpa reads contiguous caches on GPUs)"
         )
-    if view.block_table is not None:
-        return "reads no KV cache view of pages through a block table (they would be gathered)"
     if band_of(call.mask) is None:
         return "reads a cache under a band only (causal, sliding windows)"
     if call.bias_shape is not None or call.score_term is not None:
@@ -49,7 +47,25 @@ def cache_cost(call: AttentionCall) -> list[str]:
     if view is None or (view.shared and call.mask is None):
         return []
     size = shape_str((view.rows, 1, call.q_len, view.kv_len))
-    return [f"would write each row's stretch of the cache out as a {size} bool mask"]
+    costs = [f"would write each row's stretch of the cache out as a {size} bool mask"]
+    if view.block_table is not None:
+        keys = shape_str((view.rows, view.num_kv_heads, view.kv_len))
+        costs.append(f"would gather the pages into dense keys and values {keys}")
+    return costs
+
+
+def dense_rows(view: CacheView) -> tuple[Tensor, Tensor]:
+    """Every row's first ``Tk`` positions ``(N, Hkv, Tk, D)``: views of a contiguous cache, a
+    paged cache's pages gathered in order (pages past a row's keys read as any, then masked)."""
+    rows, length = view.rows, view.kv_len
+    if view.block_table is None:
+        return view.k[:rows, :, :length], view.v[:rows, :, :length]
+    pages = view.block_table[:, : -(-length // view.page_size)].to(view.k.device).long()
+
+    def read(t: Tensor) -> Tensor:  # (N, p, Hkv, page, D) -> (N, Hkv, p * page, D)
+        return t[pages].transpose(1, 2).flatten(2, 3)[:, :, :length]
+
+    return read(view.k), read(view.v)
 
 
 def _visible(
