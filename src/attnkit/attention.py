@@ -36,7 +36,6 @@ from ._base.devices import (
     Target,
     assuming,
     compiled_refusal,
-    flex_kernel_options,
     parse_device,
     slow_paths_cost_more,
     target,
@@ -220,20 +219,10 @@ class Explanation:
         return "chosen, the best that can serve it, although it " + "; ".join(said)
 
     def _device_lines(self, device: Target) -> list[str]:
-        """The device the call was decided for, and what torch's compiled FlexAttention does
-        there: whether it runs with gradients, the ``kernel_options`` it gets for this call."""
-        refused = compiled_refusal(device)
-        if refused is not None:
-            return [f"device: {device.describe()}; {refused}"]
-        call = self.call
-        captures = call.bias_requires_grad or (
-            call.score_mod is not None and bool(captured_tensors(call.score_mod))
-        )
-        _, why = flex_kernel_options(device, call.dtype, (call.qk_dim, call.v_dim), captures)
-        return [
-            f"device: {device.describe()}; torch's FlexAttention compiles here, with gradients",
-            f"FlexAttention's {why}",
-        ]
+        """The device the call was decided for, and whether torch's compiled FlexAttention runs
+        there with gradients."""
+        flex = compiled_refusal(device) or "torch's FlexAttention compiles here, with gradients"
+        return [f"device: {device.describe()}; {flex}"]
 
     def __str__(self) -> str:
         lines = [f"attention call: {self.call.describe()}"]

@@ -6,6 +6,7 @@ never takes ``flex``."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -338,3 +339,30 @@ def test_explaining_for_a_gpu_reads_no_tensor() -> None:
     text = str(attnkit.explain(q, q, q, mask=masks.sliding_window(8), device="cuda"))
     assert "block plan" not in text, text
     assert "native kernel" not in text.replace("the native kernel runs on CPUs", ""), text
+
+
+def test_flexattention_kernel_options_one_rule_for_explain_and_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    flex_backend = importlib.import_module("attnkit.backends.flex.backend")
+    h100 = dataclasses.replace(devices.parse_device("cuda"), flash_cute=True)
+    q, k, v = qkv()
+    with devices.assuming(h100):
+        text = str(attnkit.explain(q, k, v, mask=masks.sliding_window(128), device="cuda"))
+        assert "kernel_options={'BACKEND': 'FLASH'}: FlashAttention-4" in text, text
+        call = dataclasses.replace(attnkit.explain(q, k, v, softcap=5.0, device="cuda").call)
+        assert flex_backend.kernel_options(call)[0] == {"BACKEND": "FLASH"}
+        bias = torch.zeros(H, T, T, device=META, dtype=torch.bfloat16, requires_grad=True)
+        trained = attnkit.explain(*qkv(grad=True), bias=bias, device="cuda").call
+        assert flex_backend.kernel_options(trained)[0] == {}  # a captured tensor needs gradients
+    # what run() hands torch's compiled FlexAttention
+    seen: dict[str, Any] = {}
+
+    def compiled(*args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return args[0]
+
+    monkeypatch.setattr(flex_backend, "_compiled", lambda: compiled)
+    lowered = flex_backend.lower_call(call, *(torch.zeros(2, H, 16, D) for _ in range(3)), None)
+    flex_backend.run_lowered(lowered, lse=False, compiled=True, options={"BACKEND": "FLASH"})
+    assert seen["kernel_options"] == {"BACKEND": "FLASH"}

@@ -215,8 +215,9 @@ _NAMES = {"cuda": ("cuda", ""), "rocm": ("cuda", "amd"), "xpu": ("xpu", ""), "cp
 def parse_device(device: object) -> Target:
     """``explain(device=...)``'s argument as a :class:`Target`: ``"cuda"`` (NVIDIA, or AMD on
     torch's ROCm builds, which name their GPUs so), ``"rocm"`` (an AMD GPU, which torch names
-    ``"cuda"``), ``"xpu"``, ``"cpu"``, or a ``torch.device`` of those. The device itself where
-    this process has it; else the GPU the rules assume (NVIDIA: an H100, sm_90)."""
+    ``"cuda"``), ``"xpu"``, ``"cpu"``, or a ``torch.device`` of those. The GPU an enclosing
+    :func:`assuming` describes, else the device itself where this process has it, else the GPU
+    the rules assume (NVIDIA: an H100, sm_90)."""
     text = str(device) if isinstance(device, torch.device) else device
     if not isinstance(text, str):
         raise TypeError(
@@ -230,6 +231,9 @@ def parse_device(device: object) -> Target:
             f"{device!r}"
         )
     torch_type, vendor = _NAMES[kind]
+    assumed = _ASSUMED.get()
+    if assumed is not None and assumed.type == torch_type and vendor in ("", assumed.vendor):
+        return assumed  # a GPU described by an enclosing assuming(...)
     found = _present(torch_type, int(index) if index else None)
     if not found.present or (vendor and found.vendor != vendor):
         return _assumed(torch_type, vendor or found.vendor)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..._base.devices import readable
+from ..._base.devices import flex_kernel_options, readable, target
 from ..._base.finite import finite
 from ..._base.transforms import transforms_active
 from ..._call import AttentionCall
@@ -85,15 +85,29 @@ def _eager(*args: Any, **kwargs: Any) -> Any:
         return module.flex_attention(*args, **kwargs)
 
 
-def run_lowered(lowered: Lowered, *, lse: bool, compiled: bool) -> tuple[Tensor, Tensor | None]:
+def kernel_options(call: AttentionCall) -> tuple[dict[str, str], str]:
+    """The ``kernel_options`` torch's compiled FlexAttention gets for ``call`` on its device, and
+    why (:func:`attnkit._base.devices.flex_kernel_options`; the score_mod's captured tensors
+    count as needing gradients whenever the call does)."""
+    added = call.bias_shape is not None or call.score_term is not None or call.score_mod is not None
+    captures = call.requires_grad and (added or call.sinks)
+    dims = (call.qk_dim, call.v_dim)
+    return flex_kernel_options(target(call.device), call.dtype, dims, captures)
+
+
+def run_lowered(
+    lowered: Lowered, *, lse: bool, compiled: bool, options: dict[str, str] | None = None
+) -> tuple[Tensor, Tensor | None]:
     """``flex_attention`` on a lowered call: ``(out (B, H, Tq, Dv), lse (B, H, Tq) or None)``,
-    torch's compiled form when ``compiled``, else its eager one."""
+    torch's compiled form when ``compiled`` (with ``options`` as its ``kernel_options``), else
+    its eager one."""
     module = _flex_module()
     if module is None:
         raise RuntimeError("attnkit internal error: flex ran without FlexAttention")
     fn = _compiled() if compiled else _eager
     aux = module.AuxRequest(lse=True) if lse else None
-    result = fn(lowered.q, lowered.k, lowered.v, return_aux=aux, **lowered.kwargs())
+    extra = {"kernel_options": options} if compiled and options else {}
+    result = fn(lowered.q, lowered.k, lowered.v, return_aux=aux, **lowered.kwargs(), **extra)
     if aux is None:
         return result, None
     return result[0], result[1].lse
@@ -150,6 +164,8 @@ class Flex(Backend):
 
     def notes(self, call: AttentionCall) -> list[str]:
         notes = ["torch.compile(flex_attention): compiles once per shape and kind of mask"]
+        if target(call.device).gpu:
+            notes.append(kernel_options(call)[1])
         if call.mask is not None:
             notes.append(f"mask {call.mask.describe()} as a mask_mod")
             if readable(call.device):  # not meta, nor a device explain() describes
@@ -169,7 +185,8 @@ class Flex(Backend):
         lowered = lower_call(call, inputs.q, inputs.k, inputs.v, inputs.bias)
         lse_needed = call.return_lse or inputs.sinks is not None
         compiled = call.device.type != "cpu" or not lse_needed
-        out, lse = run_lowered(lowered, lse=lse_needed, compiled=compiled)
+        options = kernel_options(call)[0] if target(call.device).gpu else None
+        out, lse = run_lowered(lowered, lse=lse_needed, compiled=compiled, options=options)
         if _leaked(call, out):
             return self.hand_over(
                 call,
