@@ -16,7 +16,8 @@ tile of weights is final the moment it is computed. Each tile adds to three accu
 The plan's EMPTY blocks are skipped, as in the forward; a query with no visible key (log-sum-exp
 ``-inf``) takes offset ``+inf``, so its weights are 0 and so is its entropy. Sinks take part only
 through the log-sum-exp: a row's weights then sum to less than 1. The accumulators are the
-outputs' size; the work per visit lives in two buffers the whole pass reuses.
+outputs' size; a visit's work lives in a few buffers the whole pass reuses (its scores, its
+weights, the entropy's products), a tile each (:data:`TILE`).
 """
 
 from __future__ import annotations
