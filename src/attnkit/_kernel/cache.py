@@ -112,14 +112,14 @@ def cache_attention(
     packed = None if q_range is None else _int64(q_range)
     table = None if block_table is None else _int64(block_table)
     rows = ranges.size(0)
-    q_len = tq if packed is None else int(packed[:, 1].max()) if rows else 0
-    kv_len = int(ranges[:, 1].max()) if rows else 0
     work = torch.promote_types(q.dtype, torch.float32)
     q5 = q.reshape(nq, hkv, h // hkv, tq, dk).to(work)
     if q5.stride(-1) != 1:
         q5 = q5.contiguous()
     bias_table, layout = None, []
-    if bias is not None:
+    if bias is not None:  # (the lengths read from the host only here)
+        q_len = tq if packed is None else int(packed[:, 1].max()) if rows else 0
+        kv_len = int(ranges[:, 1].max()) if rows else 0
         geo = Geometry((rows,), h, q_len, kv_len, q.device)
         layout = bias.layout(geo, h // hkv)
         bias_table = bias.table.to(work).contiguous()

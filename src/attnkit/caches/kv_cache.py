@@ -135,7 +135,8 @@ class KVCache:
         """The keys and values held and staged, as :func:`attnkit.attention` reads them where
         they lie: row ``b``'s first ``length`` (and staged) positions of the cache."""
         end = self.length + self._staged
-        return CacheView(self.k_cache, self.v_cache, ((0, end),) * self.k_cache.size(0))
+        rows = ((0, end),) * self.k_cache.size(0)
+        return CacheView(self.k_cache, self.v_cache, rows, trusted=True)
 
     def stand_in(self, new_tokens: int) -> CacheView:
         """The view a call of ``new_tokens`` tokens will read once they are staged, without data

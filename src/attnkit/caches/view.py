@@ -104,12 +104,14 @@ class CacheView:
     kv_range: tuple[tuple[int, int], ...]
     block_table: Tensor | None = None
     q_lens: tuple[int, ...] | None = None
-    #: the table already checked by its maker (a cache's own, kept right by construction)
+    #: made by a cache from its own state, right by construction: not checked again
     trusted: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if torch.compiler.is_compiling():
-            return  # checked in eager; while tracing, the ends may be symbolic sizes
+        if self.trusted or torch.compiler.is_compiling():
+            # a cache's own view, right by construction (a decode step makes one per call); or,
+            # while tracing, checked in eager, its ends maybe symbolic sizes
+            return
         k, v = self.k, self.v
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.ndim != 4:
@@ -156,7 +158,7 @@ class CacheView:
                 f"{page} keys holding the longest row's {self.kv_len}, got "
                 f"{shape_str(table.shape)}"
             )
-        if self.trusted or table.device.type == "meta" or torch.compiler.is_compiling():
+        if table.device.type == "meta":
             return
         used = torch.tensor([-(-e // page) for _, e in self.kv_range], device=table.device)
         needed = torch.arange(table.size(1), device=table.device) < used[:, None]
