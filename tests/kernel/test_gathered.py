@@ -178,10 +178,10 @@ def test_which_calls_are_gathered_and_what_explain_says() -> None:
     assert selection(None, None, 0.0, 64) is None
     assert selection(masks.causal(), None, 0.0, 64) is None
     assert "dropout" in str(selection(gathered, None, 0.1, 64))
-    wide = selection(gathered, None, 0.0, 6)
+    wide = selection(gathered, None, 0.0, 12)
     assert wide == (
-        "each query may attend 4 of Tk = 6 keys: a scan reads fewer bytes than a gather above "
-        "50% of them"
+        "each query may attend 4 of Tk = 12 keys: above 25% of them a scan, which reuses each "
+        "key across a block of queries, is as fast as a gather"
     )
     odd = masks.from_fn(lambda b, h, i, j: j != 3)
     assert (
