@@ -110,3 +110,16 @@ def test_the_backend_is_registered_as_flex() -> None:
     assert ("flex" in names) == flex_available()
     if flex_available():
         assert names.index("sdpa") < names.index("flex") < names.index("chunked")
+
+
+def test_float64_on_the_cpu_runs_unfused() -> None:
+    # torch's CPU compile of FlexAttention refuses float64; the backend serves it unfused.
+    q, k, v = (torch.randn(1, 2, 9, 16, dtype=torch.float64) for _ in range(3))
+    mask = masks.sliding_window(3) & masks.key_padding([7])
+    with torch.no_grad():
+        got = attnkit.attention(q, k, v, mask=mask, backend="flex")
+    want = attnkit.attention(q, k, v, mask=mask, backend="reference")
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert "float64 on the CPU runs flex_attention's unfused form" in str(
+        attnkit.explain(q, k, v, mask=mask, backend="flex")
+    )

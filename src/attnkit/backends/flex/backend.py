@@ -174,7 +174,12 @@ class Flex(Backend):
         notes += _score_notes(call)
         if call.sinks:
             notes.append("sinks folded in through the log-sum-exp: out * sigmoid(lse - sink)")
-        if call.device.type == "cpu" and (call.return_lse or call.sinks):
+        if call.device.type == "cpu" and call.dtype == torch.float64:
+            notes.append(
+                "float64 on the CPU runs flex_attention's unfused form (torch's CPU "
+                "compile takes float32 and the half types)"
+            )
+        elif call.device.type == "cpu" and (call.return_lse or call.sinks):
             notes.append(
                 "on the CPU the log-sum-exp comes from flex_attention's unfused form (torch's "
                 "CPU compile has none)"
@@ -184,7 +189,10 @@ class Flex(Backend):
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
         lowered = lower_call(call, inputs.q, inputs.k, inputs.v, inputs.bias)
         lse_needed = call.return_lse or inputs.sinks is not None
-        compiled = call.device.type != "cpu" or not lse_needed
+        # torch's CPU compile of FlexAttention takes float32 and the half types, not float64:
+        # float64 runs unfused there, as calls that need the log-sum-exp do.
+        on_cpu = call.device.type == "cpu"
+        compiled = not on_cpu or not (lse_needed or call.dtype == torch.float64)
         options = kernel_options(call)[0] if target(call.device).gpu else None
         out, lse = run_lowered(lowered, lse=lse_needed, compiled=compiled, options=options)
         if _leaked(call, out):
