@@ -40,7 +40,8 @@ Rows per section (what the scripts write; times in seconds unless the key says `
   ``strategy``, ``seconds``, ``compute_s``, ``links_s``, ``exposed_s``, ``sent_mib``, ``steps``.
 * ``ring`` (bench_ring.py): ``candidate``, ``causal``, ``seconds``, ``ratio``, ``inputs_mib``,
   ``extra_mib`` (one entry per rank).
-* ``gpu`` (gpu_check.py): ``T``, ``causal``, ``mode``, ``candidate``, ``ms``, ``ratio``.
+* ``gpu`` (gpu_check.py): ``call``, ``T``, ``causal``, ``mode``, ``candidate``, ``ms``, ``ratio``,
+  ``baseline`` (the candidate a row's ratio is to: FlexAttention written by hand, or SDPA).
 * ``cli`` (attnkit bench --json): ``scenario``, ``candidate``, ``ms``, ``ratio``, ``extra_mib``.
 * ``generate`` (bench_generate.py): ``dtype``, ``impl`` (sdpa, attnkit), ``prefill_s``,
   ``generate_s``, ``decode_s`` (generate - prefill), ``prefill_tok_s``, ``decode_tok_s``,
@@ -749,12 +750,20 @@ def _gpu(run: Run, images: dict[str, bytes]) -> str:
     rows = run.rows
     failures = run.config.get("failures", [])
     body = table(
-        ["T", "causal", "pass", "candidate", "ms", "ratio to torch sdpa"],
+        ["call", "T", "pass", "candidate", "ms", "ratio", "to"],
         [
-            [r["T"], r["causal"], r["mode"], r["candidate"], f"{r['ms']:.3f}", _ratio(r["ratio"])]
+            [
+                r.get("call", "causal" if r["causal"] else "plain"),
+                r["T"],
+                r["mode"],
+                r["candidate"],
+                f"{r['ms']:.3f}",
+                _ratio(r["ratio"]),
+                r.get("baseline", r["candidate"]),
+            ]
             for r in rows
         ],
-        right=(0, 4, 5),
+        right=(1, 4, 5),
     )
     checks = f"{len(failures)} failed correctness checks" + (
         ": " + ", ".join(failures) if failures else ""
