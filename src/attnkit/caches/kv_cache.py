@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .._base.checks import check_int
 from .._base.shapes import Float, shape_checked
+from ._evict import check_indices, compact_rows
 from ._tokens import check_tokens, write
 from .view import CacheView
 
@@ -168,6 +169,33 @@ class KVCache:
         never run: what a multi-step call (a layer, a stack of layers) uses to undo its earlier
         steps when a later one fails."""
         self.length = min(self.length, length)
+        self._staged = 0
+
+    def keep(self, indices: Tensor) -> None:
+        """Keep only the tokens ``indices`` ``(B, Hkv, K)`` of each batch row and key/value head
+        (positions from 0 to ``length - 1``, none twice in a row, in any order): they move to
+        the first ``K`` positions, in time order, and ``length`` becomes ``K``. H2O and SnapKV
+        evict this way (the inference guide builds both from :func:`attnkit.attention_stats`).
+
+        ``K`` is the same for every row and head. Tokens staged and not committed are dropped.
+        Everything is checked before anything moves: a refused call leaves the cache as it was.
+        Attention over the cache is then attention over exactly the kept tokens, and the next
+        tokens are appended after them. Keys move as they are stored: a key rotated at its
+        position (RoPE) keeps that rotation, while ``length`` (the offset a module rotates new
+        tokens by) now counts the kept tokens, not the sequence's.
+
+        >>> cache = KVCache(batch_size=1, max_len=8, num_kv_heads=2, head_dim=1)
+        >>> k = torch.arange(5.0).expand(1, 2, 5).unsqueeze(-1)  # tokens 0..4, their own value
+        >>> _ = cache.update(k, k)
+        >>> cache.keep(torch.tensor([[[4, 0, 2], [1, 3, 4]]]))  # per head, in any order
+        >>> cache.length, cache.k_cache[0, :, :3, 0].tolist()
+        (3, [[0.0, 2.0, 4.0], [1.0, 3.0, 4.0]])
+        """
+        b, h = self.k_cache.shape[:2]
+        what = f"indices for this KVCache (B={b}, Hkv={h})"
+        index = check_indices(indices, (b, h), self.length, what)
+        compact_rows((self.k_cache, self.v_cache), index)
+        self.length = index.size(-1)
         self._staged = 0
 
     def reset(self) -> None:

@@ -33,6 +33,7 @@ from .._call import AttentionCall, check_attention_args
 from ..attention import attention
 from ..masks import Mask
 from ..scores import DistanceBias
+from ._evict import check_indices, compact_pages
 from ._tokens import check_tokens, put, write
 from .view import CacheView, band_of
 
@@ -388,6 +389,42 @@ class PagedKVCache(nn.Module):
         self._drop_staged()
         self.lengths[b] = 0
         self._trim(b, 0)
+
+    def keep(self, seq: int, indices: Tensor) -> None:
+        """Keep only the tokens ``indices`` ``(Hkv, K)`` of sequence ``seq``, per key/value head
+        (positions from 0 to ``lengths[seq] - 1``, none twice in a head, in any order): they
+        move to the sequence's first ``K`` positions through its block table, in time order,
+        ``lengths[seq]`` becomes ``K`` and the pages no longer needed return to the pool. H2O
+        and SnapKV evict this way (the inference guide builds both from
+        :func:`attnkit.attention_stats`).
+
+        ``K`` is the same for every head. Any uncommitted stage is dropped, as :meth:`free`
+        drops it. Everything is checked before anything moves: a refused call leaves the pages,
+        the block table and the lengths as they were. Attention over the sequence is then
+        attention over exactly the kept tokens, and its next tokens are appended after them.
+        Keys move as they are stored: a key rotated at its position (RoPE) keeps that rotation,
+        while ``lengths[seq]`` (the offset a module rotates new tokens by) now counts the kept
+        tokens, not the sequence's.
+
+        >>> cache = PagedKVCache(num_blocks=4, page_size=2, num_kv_heads=1, head_dim=1, max_seqs=1)
+        >>> k = torch.arange(5.0).view(1, 1, 5, 1)  # tokens 0..4, their own value
+        >>> _ = cache.stage(k, k); cache.commit()
+        >>> cache.pages_of(0), cache.num_free_pages
+        ([0, 1, 2], 1)
+        >>> cache.keep(0, torch.tensor([[4, 1]]))
+        >>> cache.lengths, cache.pages_of(0), cache.num_free_pages
+        ([2], [0], 3)
+        >>> cache.k_pages[0, :, 0, 0].tolist()  # page 0 holds tokens 1 and 4
+        [1.0, 4.0]
+        """
+        b = self._seq(seq)
+        h = self.k_pages.size(2 if self.layout == "flash" else 1)
+        what = f"indices for sequence {b} of this PagedKVCache (Hkv={h})"
+        index = check_indices(indices, (h,), self.lengths[b], what)
+        self._drop_staged()
+        compact_pages(self._head_major(), self._pages[b], index, self.page_size)
+        self.lengths[b] = index.size(-1)
+        self._trim(b, self.lengths[b])
 
     def reset(self) -> None:
         """Forget every sequence (the memory stays allocated)."""
