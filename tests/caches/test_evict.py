@@ -283,3 +283,26 @@ def test_check_indices_sorts_into_time_order() -> None:
     index = _evict.check_indices(torch.tensor([[4, 0, 2]], dtype=torch.int32), (1,), 5, "i")
     assert index.dtype == torch.int64
     assert index.tolist() == [[0, 2, 4]]
+
+
+def test_a_module_rotates_new_tokens_at_the_sequences_positions_after_keep() -> None:
+    # After keep, MultiHeadAttention rotates the next token at its position in the sequence
+    # (cache.position), not at the number of tokens kept (cache.length): the step equals the
+    # module over the whole sequence with only the kept keys visible to that token.
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(
+        32, 4, num_kv_heads=2, rotary=attnkit.RotaryEmbedding(8), dtype=torch.float64
+    ).eval()
+    x = torch.randn(1, 11, 32, dtype=torch.float64)
+    kept = [0, 3, 4, 8]
+    visible = torch.ones(11, 11, dtype=torch.bool).tril()
+    visible[10] = False
+    visible[10, [*kept, 10]] = True
+    with torch.no_grad():
+        want = mha(x, mask=visible)[:, 10]
+        cache = mha.make_cache(batch_size=1, max_len=16)
+        mha(x[:, :10], cache=cache, causal=True)
+        cache.keep(torch.tensor(kept).expand(1, 2, 4))
+        got = mha(x[:, 10:], cache=cache, causal=True)[:, 0]
+    assert (cache.length, cache.position) == (5, 11)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)

@@ -58,8 +58,8 @@ def test_streaming_equals_attention_over_exactly_the_kept_tokens(sinks, window, 
             torch.testing.assert_close(out, want[:, :, at : at + t], atol=1e-12, rtol=1e-12)
             assert torch.isfinite(lse).all()
             at += t
-    assert cache.length == n
-    assert cache.held == min(n, sinks + window)
+    assert cache.position == n
+    assert cache.length == min(n, sinks + window)
     assert cache.k_cache.data_ptr() == storage  # the same memory all along
     assert cache.k_cache.size(2) == sinks + window
 
@@ -72,7 +72,7 @@ def test_the_native_kernel_serves_a_step_with_the_cache_in_place() -> None:
             cache.attention(torch.randn(1, 4, 1, 16), x, x)
     assert len(record) == 50
     assert {(d.served_by, d.kernel) for d in record} == {("chunked", "native kernel")}
-    assert cache.held == 36
+    assert cache.length == 36
 
 
 def test_a_refused_call_changes_nothing_a_later_query_sees() -> None:
@@ -86,10 +86,10 @@ def test_a_refused_call_changes_nothing_a_later_query_sees() -> None:
         with pytest.raises(ValueError, match="softcap"):
             cache.attention(q[:, :, 10:13], k[:, :, 10:13], v[:, :, 10:13], softcap=-1.0)
         assert torch.equal(cache.k_cache, held)  # a chunk writes only at commit
-        assert cache.length == 10
+        assert cache.position == 10
         with pytest.raises(ValueError, match="softcap"):
             cache.attention(q[:, :, 10:11], k[:, :, 10:11], v[:, :, 10:11], softcap=-1.0)
-        assert cache.length == 10
+        assert cache.position == 10
         out, _ = cache.attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:])
     torch.testing.assert_close(out, want[:, :, 10:], atol=1e-12, rtol=1e-12)
 
@@ -109,8 +109,8 @@ def test_what_the_cache_refuses() -> None:
     x = torch.randn(2, 1, 1, 8, requires_grad=True)
     with pytest.raises(ValueError, match="inference"):
         cache.update(x, x)
-    assert cache.length == 0
-    assert "sink_tokens=1, window=4, length=0, held=0" in repr(cache)
+    assert cache.position == 0
+    assert "sink_tokens=1, window=4, position=0, length=0" in repr(cache)
 
 
 def test_reset_and_update_return_what_to_attend() -> None:
@@ -123,8 +123,8 @@ def test_reset_and_update_return_what_to_attend() -> None:
     assert mask is None
     assert sorted(keys[0, 0, :, 0].tolist()) == [0, 4, 5]  # sink 0, the window 4 and 5
     cache.reset()
+    assert cache.position == 0
     assert cache.length == 0
-    assert cache.held == 0
 
 
 @settings(max_examples=25, deadline=None)
@@ -148,4 +148,24 @@ def test_streaming_fuzz(sinks: int, window: int, chunks: list[int], heads: tuple
             )
             torch.testing.assert_close(out, want[:, :, at : at + t], atol=1e-12, rtol=1e-12)
             at += t
-    assert cache.held == min(n, sinks + window)
+    assert cache.length == min(n, sinks + window)
+
+
+def test_a_module_decodes_with_it_at_the_tokens_own_positions() -> None:
+    # MultiHeadAttention with rotary decoding through a streaming cache equals the module over
+    # the whole sequence with the mask sinks | window: positions count every token.
+    torch.manual_seed(0)
+    sinks, window, n = 2, 5, 23
+    mha = attnkit.MultiHeadAttention(
+        32, 4, num_kv_heads=2, rotary=attnkit.RotaryEmbedding(8), dtype=F64
+    ).eval()
+    x = torch.randn(1, n, 32, dtype=F64)
+    keep = masks.sliding_window(window - 1) | (masks.causal() & masks.key_padding([sinks]))
+    with torch.no_grad():
+        want = mha(x, mask=keep)
+        cache = StreamingKVCache(1, 2, 8, sink_tokens=sinks, window=window, dtype=F64)
+        got = [mha(x[:, :7], cache=cache, causal=True)]
+        got += [mha(x[:, t : t + 1], cache=cache, causal=True) for t in range(7, n)]
+    torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-12, rtol=1e-12)
+    assert cache.position == n
+    assert cache.length == sinks + window

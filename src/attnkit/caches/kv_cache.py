@@ -83,6 +83,9 @@ class KVCache:
         self.k_cache = torch.zeros(b, h, self.max_len, dk, dtype=dtype, device=device)
         self.v_cache = torch.zeros(b, h, self.max_len, dv, dtype=dtype, device=device)
         self.length = 0  # tokens held; a Python int, so decoding never reads a tensor back
+        #: the next token's position: the tokens appended, those :meth:`keep` let go included
+        #: (the offset a module rotates new tokens by)
+        self.position = 0
         self._staged = 0  # tokens written by stage() after `length` and not yet committed
 
     @shape_checked
@@ -162,12 +165,14 @@ class KVCache:
     def commit(self) -> None:
         """Hold the tokens of the last :meth:`stage` (nothing happens if none are staged)."""
         self.length = self.length + self._staged
+        self.position = self.position + self._staged
         self._staged = 0
 
     def rewind(self, length: int) -> None:
         """Forget every token from position ``length`` on, as if the calls that appended them had
         never run: what a multi-step call (a layer, a stack of layers) uses to undo its earlier
         steps when a later one fails."""
+        self.position -= self.length - min(self.length, length)
         self.length = min(self.length, length)
         self._staged = 0
 
@@ -181,8 +186,9 @@ class KVCache:
         Everything is checked before anything moves: a refused call leaves the cache as it was.
         Attention over the cache is then attention over exactly the kept tokens, and the next
         tokens are appended after them. Keys move as they are stored: a key rotated at its
-        position (RoPE) keeps that rotation, while ``length`` (the offset a module rotates new
-        tokens by) now counts the kept tokens, not the sequence's.
+        position (RoPE) keeps that rotation, and ``position`` (the offset a module rotates new
+        tokens by) still counts every token of the sequence, while ``length`` counts the kept
+        ones.
 
         >>> cache = KVCache(batch_size=1, max_len=8, num_kv_heads=2, head_dim=1)
         >>> k = torch.arange(5.0).expand(1, 2, 5).unsqueeze(-1)  # tokens 0..4, their own value
@@ -201,6 +207,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every token (the memory stays allocated)."""
         self.length = 0
+        self.position = 0
         self._staged = 0
 
     def to(

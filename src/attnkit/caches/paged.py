@@ -164,6 +164,9 @@ class PagedKVCache(nn.Module):
             "block_table", torch.full((rows, width), -1, dtype=torch.int32, device=device), False
         )
         self.lengths = [0] * rows  # tokens each sequence holds
+        #: each sequence's next token position: its tokens appended, those :meth:`keep` let go
+        #: included (the offset a module rotates its new tokens by)
+        self.positions = [0] * rows
         self._pages: list[list[int]] = [[] for _ in range(rows)]
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() takes the lowest first
         self._staged = [0] * rows  # tokens written by stage() after lengths, not yet held
@@ -370,6 +373,7 @@ class PagedKVCache(nn.Module):
     def commit(self) -> None:
         """Hold the tokens of the last :meth:`stage`, and forget :meth:`schedule`."""
         self.lengths = [n + s for n, s in zip(self.lengths, self._staged, strict=True)]
+        self.positions = [n + s for n, s in zip(self.positions, self._staged, strict=True)]
         self._staged = [0] * self.max_seqs
         self._next = None
 
@@ -379,6 +383,7 @@ class PagedKVCache(nn.Module):
         keep = _counts("lengths", lengths, self.max_seqs, 2**62)
         self._drop_staged()
         for b, n in enumerate(keep):
+            self.positions[b] -= self.lengths[b] - min(self.lengths[b], n)
             self.lengths[b] = min(self.lengths[b], n)
             self._trim(b, self.lengths[b])
 
@@ -388,6 +393,7 @@ class PagedKVCache(nn.Module):
         b = self._seq(seq)
         self._drop_staged()
         self.lengths[b] = 0
+        self.positions[b] = 0
         self._trim(b, 0)
 
     def keep(self, seq: int, indices: Tensor) -> None:
@@ -403,8 +409,8 @@ class PagedKVCache(nn.Module):
         the block table and the lengths as they were. Attention over the sequence is then
         attention over exactly the kept tokens, and its next tokens are appended after them.
         Keys move as they are stored: a key rotated at its position (RoPE) keeps that rotation,
-        while ``lengths[seq]`` (the offset a module rotates new tokens by) now counts the kept
-        tokens, not the sequence's.
+        and ``positions[seq]`` (the offset a module rotates new tokens by) still counts every
+        token of the sequence, while ``lengths[seq]`` counts the kept ones.
 
         >>> cache = PagedKVCache(num_blocks=4, page_size=2, num_kv_heads=1, head_dim=1, max_seqs=1)
         >>> k = torch.arange(5.0).view(1, 1, 5, 1)  # tokens 0..4, their own value
@@ -431,6 +437,7 @@ class PagedKVCache(nn.Module):
         self._drop_staged()
         for b in range(self.max_seqs):
             self.lengths[b] = 0
+            self.positions[b] = 0
             self._trim(b, 0)
         self._next = None
 

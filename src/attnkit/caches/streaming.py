@@ -9,7 +9,7 @@ one new query attends every held token, in whatever order the ring holds them (s
 care about the order of its keys).
 
 Positions and rotary embeddings: the cache stores keys as they are given. A model that rotates
-its keys before caching them (RoPE at each token's own position, ``offset = cache.length``, as
+its keys before caching them (RoPE at each token's own position, ``offset = cache.position``, as
 :class:`~attnkit.MultiHeadAttention` does) gets exactly the attention a full cache would give
 over the same tokens: the output equals attention with the mask ``sinks | window`` over the whole
 sequence. Positions then keep growing past the lengths the model was trained on. StreamingLLM's
@@ -46,8 +46,10 @@ class StreamingKVCache:
         window: ``W`` >= 1, the latest tokens each query attends, itself included.
         dtype, device: of the stored keys and values.
 
-    ``length`` counts every token appended (the next token's position, the offset a rotary
-    embedding takes); ``held`` the tokens in memory, ``min(length, S + W)``.
+    ``position`` counts every token appended (the next token's position, the offset a rotary
+    embedding takes); ``length`` the tokens in memory, ``min(position, S + W)``.
+    :class:`~attnkit.MultiHeadAttention` decodes with it as with a :class:`~attnkit.KVCache`
+    (``module(x, cache=cache, causal=True)``).
 
     :meth:`attention` appends the new tokens and attends over what they may see, as one
     :func:`attnkit.attention` call; :meth:`update` returns the keys, values and mask for a call
@@ -60,7 +62,7 @@ class StreamingKVCache:
     >>> cache = StreamingKVCache(1, 1, 8, sink_tokens=2, window=4)
     >>> for _ in range(100):
     ...     out, _ = cache.attention(*(torch.randn(1, 1, 1, 8) for _ in range(3)))
-    >>> cache.length, cache.held, tuple(cache.k_cache.shape)
+    >>> cache.position, cache.length, tuple(cache.k_cache.shape)
     (100, 6, (1, 1, 6, 8))
     """
 
@@ -88,14 +90,14 @@ class StreamingKVCache:
         slots = self.sink_tokens + self.window
         self.k_cache = torch.zeros(b, h, slots, dk, dtype=dtype, device=device)
         self.v_cache = torch.zeros(b, h, slots, dv, dtype=dtype, device=device)
-        self.length = 0  # tokens appended so far: the next token's position
+        self.position = 0  # tokens appended so far: the next token's position
         self._staged: tuple[Tensor, Tensor] | None = None  # a chunk, written at commit
         self._staged_one = False  # one token, written in place at stage
 
     @property
-    def held(self) -> int:
-        """The tokens in memory: ``min(length, S + W)``."""
-        return min(self.length, self.sink_tokens + self.window)
+    def length(self) -> int:
+        """The tokens in memory: ``min(position, S + W)``."""
+        return min(self.position, self.sink_tokens + self.window)
 
     def _slot(self, position: int) -> int:
         s = self.sink_tokens
@@ -146,7 +148,7 @@ class StreamingKVCache:
         everywhere in attnkit).
         """
         self._check(k, v)
-        t, start = k.size(-2), self.length
+        t, start = k.size(-2), self.position
         self._staged, self._staged_one = None, False
         if t == 1:
             slot = self._slot(start)
@@ -178,10 +180,10 @@ class StreamingKVCache:
         """Hold the tokens of the last :meth:`stage`: a chunk's sinks go to their slots and its
         last ``W`` tokens into the ring (nothing happens if nothing is staged)."""
         if self._staged_one:
-            self.length += 1
+            self.position += 1
         elif self._staged is not None:
             k, v = self._staged
-            t, start = k.size(-2), self.length
+            t, start = k.size(-2), self.position
             keep = [
                 i
                 for i in range(t)
@@ -192,7 +194,7 @@ class StreamingKVCache:
             at = torch.tensor(slots, dtype=torch.long, device=k.device)
             self.k_cache.index_copy_(2, at, k.index_select(2, rows))
             self.v_cache.index_copy_(2, at, v.index_select(2, rows))
-            self.length += t
+            self.position += t
         self._staged, self._staged_one = None, False
 
     @shape_checked
@@ -216,7 +218,7 @@ class StreamingKVCache:
     ) -> tuple[Float[Tensor, "B H T Dv"], Float[Tensor, "B H T"]]:
         """Append the new tokens and attend: ``(out (B, H, T, Dv), lse (B, H, T))``, one
         :func:`attnkit.attention` call (``explain()`` and ``record_dispatch()`` see it). Query
-        ``i`` sits at position ``length + i`` and attends the sinks and its window. ``sinks``
+        ``i`` sits at position ``position + i`` and attends the sinks and its window. ``sinks``
         here are attention-sink logits ``(H,)`` (gpt-oss's), which take weight without a value;
         the cache's sink tokens are tokens."""
         keys, values, mask = self.stage(k, v)
@@ -233,9 +235,21 @@ class StreamingKVCache:
         self.commit()
         return out, lse
 
+    def stage_call(
+        self, q: Tensor, k: Tensor, v: Tensor, *, mask: object = None, **call: object
+    ) -> tuple[Tensor, Tensor, Mask | None]:
+        """What a module attends for its new tokens: :meth:`stage`'s keys and values, and the
+        call's ``mask`` with the cache's (``None`` where neither has one)."""
+        keys, values, window = self.stage(k, v)
+        if window is None:
+            return keys, values, mask  # type: ignore[return-value]
+        if mask is None:
+            return keys, values, window
+        return keys, values, window & mask
+
     def reset(self) -> None:
         """Forget every token (the memory stays allocated)."""
-        self.length = 0
+        self.position = 0
         self._staged, self._staged_one = None, False
 
     def to(
@@ -252,6 +266,6 @@ class StreamingKVCache:
         return (
             f"StreamingKVCache(batch_size={b}, num_kv_heads={h}, head_dim={dk}, "
             f"v_head_dim={self.v_cache.size(-1)}, sink_tokens={self.sink_tokens}, "
-            f"window={self.window}, length={self.length}, held={self.held}, "
+            f"window={self.window}, position={self.position}, length={self.length}, "
             f"dtype={self.k_cache.dtype}, device={self.k_cache.device})"
         )

@@ -39,6 +39,7 @@ from .._base.shapes import Bool, Float, shape_checked
 from ..attention import Backend, Explanation, attend, check_backend, explain
 from ..caches.kv_cache import KVCache
 from ..caches.paged import PagedKVCache
+from ..caches.streaming import StreamingKVCache
 from ..caches.view import CacheView
 from ..masks import Mask
 from ..scores import DistanceBias, ScoreTerm
@@ -47,6 +48,9 @@ from ._shards import SequenceShards
 from .capture import is_capturing, record
 
 __all__ = ["MultiHeadAttention"]
+
+#: the caches a module decodes with
+AnyCache = KVCache | PagedKVCache | StreamingKVCache
 
 
 class MultiHeadAttention(nn.Module):
@@ -379,13 +383,14 @@ class MultiHeadAttention(nn.Module):
             )
 
     @staticmethod
-    def _offsets(cache: KVCache | PagedKVCache | None, rows: int) -> list[int]:
-        """The position of each row's first new token: the tokens its cache holds."""
+    def _offsets(cache: AnyCache | None, rows: int) -> list[int]:
+        """The position of each row's first new token: the tokens its cache took (those it let
+        go included)."""
         if cache is None:
             return [0] * rows
         if isinstance(cache, PagedKVCache):
-            return list(cache.lengths)
-        return [cache.length] * rows
+            return list(cache.positions)
+        return [cache.position] * rows
 
     def _rotated_rows(self, x: Tensor, offsets: list[int]) -> Tensor:
         """``x`` ``(B, heads, T, Dh)`` with row ``b`` rotated from position ``offsets[b]``."""
@@ -479,7 +484,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         need_weights: Literal[False] = False,
         average_weights: bool = True,
-        cache: KVCache | PagedKVCache | None = None,
+        cache: AnyCache | None = None,
     ) -> Float[Tensor, "B Tq D"]: ...
 
     @overload
@@ -494,7 +499,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         need_weights: Literal[True],
         average_weights: bool = True,
-        cache: KVCache | PagedKVCache | None = None,
+        cache: AnyCache | None = None,
     ) -> tuple[Float[Tensor, "B Tq D"], Float[Tensor, "B *h Tq S"]]: ...
 
     @torch_keywords
@@ -510,16 +515,17 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         need_weights: bool = False,
         average_weights: bool = True,
-        cache: KVCache | PagedKVCache | None = None,
+        cache: AnyCache | None = None,
     ) -> Float[Tensor, "B Tq D"] | tuple[Float[Tensor, "B Tq D"], Float[Tensor, "B *h Tq S"]]:
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
         check_bool("need_weights", need_weights)
         check_bool("average_weights", average_weights)
-        if cache is not None and not isinstance(cache, KVCache | PagedKVCache):
+        if cache is not None and not isinstance(cache, AnyCache):
             raise TypeError(
-                f"cache must be a KVCache, a PagedKVCache or None, got {type(cache).__name__}"
+                "cache must be a KVCache, a PagedKVCache, a StreamingKVCache or None, got "
+                f"{type(cache).__name__}"
             )
 
         q, k, v = self._project(query, key, value)
@@ -547,7 +553,10 @@ class MultiHeadAttention(nn.Module):
         sinks = q.new_zeros(self.num_heads) if self.add_zero_attn else None
         keys: Tensor | CacheView = k
         values: Tensor | None = v
-        if cache is not None:
+        if isinstance(cache, StreamingKVCache):
+            # The held tokens and the new ones, with the mask of the sinks and the window.
+            keys, values, mask = cache.stage_call(q, k, v, mask=mask)
+        elif cache is not None:
             # The cache checks what it must refuse before it writes, then stages the new keys
             # past what it holds, invisible until the commit below: a call attention() refuses
             # leaves the cache as it was. The call reads the cache's keys where they lie.

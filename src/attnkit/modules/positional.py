@@ -69,7 +69,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     ``forward(x, offset=0)`` takes embeddings ``x`` of shape ``(B, T, D)`` and returns
     ``x + PE[offset : offset + T]``, same shape. ``offset`` is the position of ``x``'s first token:
-    when decoding with a KV cache, pass ``cache.length``. Angles are computed in float64 (on the
+    when decoding with a KV cache, pass ``cache.position``. Angles are computed in float64 (on the
     CPU for a device without float64), so every position below 2^53 gets its own encoding; later
     positions are a ``ValueError``.
 
@@ -440,7 +440,7 @@ class RotaryEmbedding(nn.Module):
 
     ``forward(x, offset=0)`` rotates ``x`` ``(..., T, Dh)`` as positions ``offset, ...,
     offset + T - 1`` and returns the same shape. :class:`~attnkit.MultiHeadAttention` calls it with
-    ``offset = cache.length`` so that tokens decoded one at a time get the positions a full forward
+    ``offset = cache.position`` so that tokens decoded one at a time get the positions a full forward
     gives them.
 
     >>> rope = RotaryEmbedding(8)
