@@ -33,6 +33,7 @@ from .backends.reference import decompositions
 from .caches.kv_cache import KVCache
 from .caches.paged import PagedKVCache
 from .caches.streaming import StreamingKVCache
+from .caches.view import CacheView
 from .modules.capture import AttentionMaps, capture_attention
 from .modules.conformer import ConformerLayer
 from .modules.feedforward import PositionwiseFeedForward
@@ -59,6 +60,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "BlockPlan",
+    "CacheView",
     "CallInputs",
     "ConformerLayer",
     "Dispatch",
