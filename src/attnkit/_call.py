@@ -25,7 +25,7 @@ from ._base.checks import (
     shape_str,
 )
 from ._base.finite import finite_if_readable
-from ._base.quantized import QuantizedKV
+from ._base.quantized import QUANTIZED, QuantizedKV
 from ._base.transforms import carries_tangent
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
@@ -291,7 +291,14 @@ def _check_view(q: object, view: CacheView, v: object) -> tuple[Tensor, Tensor, 
             f"q must be (N, H, Tq, Dk) for a cache view of N = {rows} rows, H a multiple of its "
             f"Hkv = {hkv} and Dk = {dk}, got {shape_str(q.shape)}"
         )
-    if q.dtype != view.k.dtype:
+    if view.quantized:
+        if not q.is_floating_point() or q.dtype in QUANTIZED:
+            raise TypeError(
+                f"q must be float16, bfloat16, float32 or float64 (the dtype the call computes in) "
+                f"with a cache view of {dtype_str(view.k.dtype)} pages, got q of "
+                f"{dtype_str(q.dtype)}"
+            )
+    elif q.dtype != view.k.dtype:
         raise TypeError(
             f"q, k and v must share a dtype, got q {dtype_str(q.dtype)}, k "
             f"{dtype_str(view.k.dtype)}, v {dtype_str(view.v.dtype)} (the cache view's pages)"
@@ -304,7 +311,7 @@ def _check_view(q: object, view: CacheView, v: object) -> tuple[Tensor, Tensor, 
             f"the cache view's q_lens {list(view.q_lens)} are more than q's Tq = {q.size(2)} "
             "in a row"
         )
-    zero = view.k.new_zeros(())
+    zero = q.new_zeros(())  # (in q's dtype: a quantized view's keys are read in it)
     keys = zero.expand(rows, hkv, view.width, dk)
     return q, keys, zero.expand(rows, hkv, view.width, view.v.size(-1)), view
 

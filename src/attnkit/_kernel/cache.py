@@ -77,6 +77,8 @@ def cache_attention(
     softcap: float | None = None,
     bias: DistanceBias | None = None,
     sinks: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of each row's queries to its stretch of a cache, read in place.
 
@@ -98,6 +100,10 @@ def cache_attention(
         scale: multiplies ``q k^T``; ``softcap``: ``softcap * tanh(s / softcap)`` of the scaled
             scores; ``bias``: a bias by distance from each query's key position (ALiBi); its
             table must hold the distances of the longest row; ``sinks``: ``(H,)`` logits.
+        k_scale, v_scale: for int8/float8 pages (q then float32, bfloat16 or float16), their
+            float32 scales ``(X, Hkv, page)`` at any strides (a scale per head: stride 0 along
+            the page): key ``j`` of a page is ``k[..., j, :] * k_scale[..., j]``, dequantized in
+            registers.
 
     Returns:
         ``(out, lse)``: ``(N, H, Tq, Dv)`` laid out as q (a view of ``(N, Tq, H, Dv)`` memory when
@@ -133,6 +139,8 @@ def cache_attention(
         packed,
         bias_table,
         None,
+        k_scale,
+        v_scale,
         scale=float(scale),
         softcap=0.0 if form is None else float(form.cap),
         bias_layout=layout,
@@ -189,12 +197,17 @@ def read_cache(
     softcap: float | None,
     bias: DistanceBias | None,
     sinks: Tensor | None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`cache_attention` on queries ``(N, H, Tq, Dk)`` of which row ``n``'s first
     ``q_lens[n]`` are real (all when None): ``(out (N, H, Tq, Dv), lse (N, H, Tq))``, 0 and
-    ``-inf`` for the padding queries."""
+    ``-inf`` for the padding queries. ``k_scale``, ``v_scale``: int8/float8 pages' scales,
+    float32 ``(X, Hkv, page, 1)`` as a :class:`~attnkit.caches.view.CacheView` holds them."""
     ranges = [list(r) for r in kv_range]
     kw = {"band": band, "scale": scale, "softcap": softcap, "bias": bias, "sinks": sinks}
+    if k_scale is not None and v_scale is not None:
+        kw["k_scale"], kw["v_scale"] = k_scale[..., 0], v_scale[..., 0]  # (X, Hkv, page) views
     if q_lens is None:
         return cache_attention(q, k, v, kv_range=ranges, block_table=block_table, **kw)  # type: ignore[arg-type]
     b, h, t, dk = q.shape

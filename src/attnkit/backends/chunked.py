@@ -246,6 +246,11 @@ class Chunked(Backend):
         if band_of(call.mask) is None:
             return f"a mask that is not a band ({call.mask.describe() if call.mask else ''})"
         view = call.cache
+        if view.quantized and call.dtype == torch.float64:
+            return (
+                f"float64 queries on {str(view.k.dtype).removeprefix('torch.')} pages (read in "
+                "place for float32, bfloat16 and float16 queries)"
+            )
         return in_place_refusal(
             device=call.device,
             dtype=call.dtype,
@@ -257,8 +262,10 @@ class Chunked(Backend):
 
     @staticmethod
     def _views_of_rows(call: AttentionCall) -> bool:
-        """Whether a cache call's dense form is views of the cache (no gather)."""
-        return call.cache is not None and call.cache.shared and call.cache.block_table is None
+        """Whether a cache call's dense form is views of the cache (no gather, no dequantized
+        copy)."""
+        view = call.cache
+        return view is not None and view.shared and view.block_table is None and not view.quantized
 
     @staticmethod
     def _dense(call: AttentionCall, q_len: int, kv_len: int, row: int | None) -> AttentionCall:
@@ -377,7 +384,7 @@ class Chunked(Backend):
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
         meta = inputs.q.device.type == "meta"
         if call.quantized is not None and (
-            call.cache is not None or meta or torch.compiler.is_compiling()
+            meta or torch.compiler.is_compiling()
         ):  # the native decode path alone reads int8/float8 keys and values in place
             call, inputs = dequantized(call, inputs)
         if call.cache is not None:
@@ -464,6 +471,8 @@ class Chunked(Backend):
                 softcap=call.softcap,
                 bias=term if isinstance(term, DistanceBias) else None,
                 sinks=inputs.sinks,
+                k_scale=view.k_scale,  # int8/float8 pages: dequantized in registers
+                v_scale=view.v_scale,
             )
             return (out, lse) if call.return_lse else out
 

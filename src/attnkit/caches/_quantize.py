@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .._base.checks import dtype_str, shape_str
 
-__all__ = ["FLOAT8", "quantize_fp8", "quantize_int8"]
+__all__ = ["FLOAT8", "check_kv_dtype", "new_scales", "quantize", "quantize_fp8", "quantize_int8"]
 
 #: The float8 formats a cache stores.
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -92,3 +92,32 @@ def quantize_fp8(
         scale = scale.float()
     xq = (x.float() / scale).clamp_(-top, top).to(dtype)
     return xq, scale
+
+
+def check_kv_dtype(kv_dtype: object) -> torch.dtype | None:
+    """A cache's ``kv_dtype``: None (keys and values stored in the compute dtype) or one of
+    ``torch.int8``, ``torch.float8_e4m3fn``, ``torch.float8_e5m2``."""
+    if kv_dtype is None or kv_dtype == torch.int8 or kv_dtype in FLOAT8:
+        return kv_dtype
+    got = dtype_str(kv_dtype) if isinstance(kv_dtype, torch.dtype) else repr(kv_dtype)
+    raise TypeError(
+        f"kv_dtype must be None, torch.int8, torch.float8_e4m3fn or torch.float8_e5m2, got {got}"
+    )
+
+
+def new_scales(pages: Tensor) -> Tensor:
+    """The float32 scales of quantized pages ``(X, Hkv, page, D)``, all 1: one per token and
+    key/value head ``(X, Hkv, page, 1)`` for int8, one per page and head ``(X, Hkv, 1, 1)``
+    for float8."""
+    per_token = pages.dtype == torch.int8
+    shape = (*pages.shape[:2], pages.size(2) if per_token else 1, 1)
+    return torch.ones(shape, dtype=torch.float32, device=pages.device)
+
+
+def quantize(x: Tensor, dtype: torch.dtype, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``x (..., Hkv, T, D)`` as ``dtype`` with its scales: int8 a scale per token
+    (:func:`quantize_int8`); float8 ``scale`` as given, or one per head from ``x`` when None
+    (:func:`quantize_fp8`)."""
+    if dtype == torch.int8:
+        return quantize_int8(x)
+    return quantize_fp8(x, dtype, scale=scale)

@@ -21,6 +21,7 @@ from torch import Tensor
 from .._base.checks import check_int
 from .._base.shapes import Float, shape_checked
 from ._evict import check_indices, compact_rows
+from ._quantize import check_kv_dtype, new_scales, quantize
 from ._tokens import check_tokens, write
 from .view import CacheView
 
@@ -36,7 +37,15 @@ class KVCache:
         num_kv_heads: ``Hkv``.
         head_dim: ``Dk``.
         v_head_dim: ``Dv``, default ``Dk``.
-        dtype, device: of the stored keys and values (the projections' dtype and device).
+        dtype, device: of the keys and values given and read (the projections' dtype and
+            device), and of those stored unless ``kv_dtype`` says otherwise.
+        kv_dtype: store keys and values quantized: ``torch.int8`` (symmetric, a float32 scale
+            per token and key/value head, ``k_scale`` ``(B, Hkv, L, 1)``) or
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (a float32 scale per row and
+            key/value head, ``(B, Hkv, 1, 1)``, set by the first write after an empty cache;
+            later tokens beyond its range saturate). Writes quantize; attention reads the cache
+            where it lies with its scales (the native decode kernel dequantizes in registers).
+            None (default): stored in ``dtype``.
 
     :meth:`MultiHeadAttention.make_cache() <attnkit.MultiHeadAttention.make_cache>` builds one with
     the module's sizes. :meth:`to` moves the keys and values. The cache is for inference:
@@ -74,14 +83,21 @@ class KVCache:
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         b = check_int("batch_size", batch_size)
         self.max_len = check_int("max_len", max_len)
         h = check_int("num_kv_heads", num_kv_heads)
         dk = check_int("head_dim", head_dim)
         dv = dk if v_head_dim is None else check_int("v_head_dim", v_head_dim)
-        self.k_cache = torch.zeros(b, h, self.max_len, dk, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(b, h, self.max_len, dv, dtype=dtype, device=device)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.dtype = torch.get_default_dtype() if dtype is None else dtype  # given and read in
+        stored = dtype if self.kv_dtype is None else self.kv_dtype
+        self.k_cache = torch.zeros(b, h, self.max_len, dk, dtype=stored, device=device)
+        self.v_cache = torch.zeros(b, h, self.max_len, dv, dtype=stored, device=device)
+        #: quantized keys' and values' float32 scales (None unless ``kv_dtype``)
+        self.k_scale = None if self.kv_dtype is None else new_scales(self.k_cache)
+        self.v_scale = None if self.kv_dtype is None else new_scales(self.v_cache)
         self.length = 0  # tokens held; a Python int, so decoding never reads a tensor back
         #: the next token's position: the tokens appended, those :meth:`keep` let go included
         #: (the offset a module rotates new tokens by)
@@ -112,9 +128,17 @@ class KVCache:
         writing (the attention call, the layers above) commits only once everything succeeded:
         tokens staged and never committed sit past ``length``, where nothing reads them, and the
         next :meth:`stage` or :meth:`update` writes over them. Every check runs before anything
-        is written, so a call that raises leaves the cache as it was.
+        is written, so a call that raises leaves the cache as it was. A quantized cache
+        (``kv_dtype``) returns its keys and values dequantized, a copy in ``dtype``.
         """
-        keys, values = self.k_cache, self.v_cache
+        end = self._stage(k, v)
+        if self.kv_dtype is not None:
+            return self.view().dense(self.dtype)
+        return self.k_cache.narrow(2, 0, end), self.v_cache.narrow(2, 0, end)
+
+    def _stage(self, k: Tensor, v: Tensor) -> int:
+        """:meth:`stage`'s checks, then its write; the end of the tokens held and staged."""
+        keys, values = self._given()
         cached = keys.size(0)
         if isinstance(k, Tensor) and k.ndim == 4 and k.size(0) != cached:
             # The caller's batch, not "k and v", which a module's user never passed.
@@ -131,16 +155,50 @@ class KVCache:
                 f"KV cache overflow: {k.size(-2)} new tokens after the {start} cached exceed "
                 f"max_len ({self.max_len}); make a larger cache or reset() it"
             )
-        write(keys, values, k, v, at=[start] * cached)
+        self._write(k, v, start)
         self._staged = end - start
-        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+        return end
+
+    def _given(self) -> tuple[Tensor, Tensor]:
+        """The keys and values as they are given and read: the cache, or of a quantized one
+        stand-ins in ``dtype`` without data (what the checks of new tokens compare with)."""
+        if self.kv_dtype is None:
+            return self.k_cache, self.v_cache
+        zero = torch.zeros((), dtype=self.dtype, device=self.k_cache.device)
+        return zero.expand(self.k_cache.shape), zero.expand(self.v_cache.shape)
+
+    def _write(self, k: Tensor, v: Tensor, start: int) -> None:
+        """Checked new tokens into every row from position ``start`` on; quantized (all of it
+        computed before anything is written) for a ``kv_dtype`` cache, their scales beside."""
+        at = [start] * self.k_cache.size(0)
+        if self.kv_dtype is None or self.k_scale is None or self.v_scale is None:
+            write(self.k_cache, self.v_cache, k, v, at=at)
+            return
+        # float8: a scale per row and head, from the first tokens of an empty cache
+        kq, ks = quantize(k, self.kv_dtype, None if start == 0 else self.k_scale)
+        vq, vs = quantize(v, self.kv_dtype, None if start == 0 else self.v_scale)
+        write(self.k_cache, self.v_cache, kq, vq, at=at)
+        if self.kv_dtype == torch.int8:
+            write(self.k_scale, self.v_scale, ks, vs, at=at)
+        else:
+            self.k_scale.copy_(ks)
+            self.v_scale.copy_(vs)
+
+    def _scales(self) -> tuple[Tensor | None, Tensor | None]:
+        """A quantized cache's scales as a view takes them, ``(B, Hkv, L, 1)`` (a float8
+        cache's expanded along ``L``); None for a float cache."""
+        if self.k_scale is None or self.v_scale is None:
+            return None, None
+        shape = (*self.k_cache.shape[:3], 1)
+        return self.k_scale.expand(shape), self.v_scale.expand(shape)
 
     def view(self) -> CacheView:
         """The keys and values held and staged, as :func:`attnkit.attention` reads them where
         they lie: row ``b``'s first ``length`` (and staged) positions of the cache."""
         end = self.length + self._staged
         rows = ((0, end),) * self.k_cache.size(0)
-        return CacheView(self.k_cache, self.v_cache, rows, trusted=True)
+        ks, vs = self._scales()
+        return CacheView(self.k_cache, self.v_cache, rows, k_scale=ks, v_scale=vs, trusted=True)
 
     def stand_in(self, new_tokens: int) -> CacheView:
         """The view a call of ``new_tokens`` tokens will read once they are staged, without data
@@ -148,10 +206,15 @@ class KVCache:
         b, h, _, dk = self.k_cache.shape
         zero = self.k_cache.new_zeros(())
         end = self.length + new_tokens
+        one = None
+        if self.kv_dtype is not None:
+            one = torch.ones((), device=zero.device).expand(b, h, end, 1)
         return CacheView(
             zero.expand(b, h, end, dk),
             zero.expand(b, h, end, self.v_cache.size(-1)),
             ((0, end),) * b,
+            k_scale=one,
+            v_scale=one,
         )
 
     def stage_call(self, q: Tensor, k: Tensor, v: Tensor, **call: object) -> CacheView:
@@ -159,7 +222,7 @@ class KVCache:
         :meth:`view` that call reads: what a module does before its one
         :func:`attnkit.attention` call. The staged tokens lie past ``length``, where nothing reads
         them until :meth:`commit`, so a call that then fails leaves the cache as it was."""
-        self.stage(k, v)
+        self._stage(k, v)
         return self.view()
 
     def commit(self) -> None:
@@ -200,7 +263,10 @@ class KVCache:
         b, h = self.k_cache.shape[:2]
         what = f"indices for this KVCache (B={b}, Hkv={h})"
         index = check_indices(indices, (b, h), self.length, what)
-        compact_rows((self.k_cache, self.v_cache), index)
+        moved = [self.k_cache, self.v_cache]
+        if self.kv_dtype == torch.int8 and self.k_scale is not None and self.v_scale is not None:
+            moved += [self.k_scale, self.v_scale]  # a scale a token moves with it
+        compact_rows(moved, index)
         self.length = index.size(-1)
         self._staged = 0
 
@@ -214,9 +280,14 @@ class KVCache:
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> KVCache:
         """Move the keys and values to ``device`` and/or convert them to ``dtype``, in place;
-        returns the cache. The tokens held stay held."""
-        self.k_cache = self.k_cache.to(device=device, dtype=dtype)
-        self.v_cache = self.v_cache.to(device=device, dtype=dtype)
+        returns the cache. The tokens held stay held. A quantized cache (``kv_dtype``) keeps its
+        storage: ``dtype`` is then the one keys and values are given and read in."""
+        stored = dtype if self.kv_dtype is None else None
+        self.k_cache = self.k_cache.to(device=device, dtype=stored)
+        self.v_cache = self.v_cache.to(device=device, dtype=stored)
+        if self.k_scale is not None and self.v_scale is not None:
+            self.k_scale, self.v_scale = self.k_scale.to(device), self.v_scale.to(device)
+        self.dtype = self.k_cache.dtype if self.kv_dtype is None else (dtype or self.dtype)
         return self
 
     def __repr__(self) -> str:
@@ -224,5 +295,7 @@ class KVCache:
         return (
             f"KVCache(batch_size={b}, max_len={self.max_len}, num_kv_heads={h}, head_dim={dk}, "
             f"v_head_dim={self.v_cache.size(-1)}, length={self.length}, "
-            f"dtype={self.k_cache.dtype}, device={self.k_cache.device})"
+            f"dtype={self.dtype}, "
+            + ("" if self.kv_dtype is None else f"kv_dtype={self.kv_dtype}, ")
+            + f"device={self.k_cache.device})"
         )

@@ -34,7 +34,8 @@ from ..attention import attention
 from ..masks import Mask
 from ..scores import DistanceBias
 from ._evict import check_indices, compact_pages
-from ._tokens import check_tokens, put, write
+from ._quantize import check_kv_dtype, new_scales, quantize
+from ._tokens import Piece, check_tokens, put, write
 from .view import CacheView, band_of
 
 __all__ = ["PagedKVCache"]
@@ -91,7 +92,16 @@ class PagedKVCache(nn.Module):
         layout: ``"flash"``: pages ``(num_blocks, page_size, Hkv, D)``, flash-attn's
             ``k_cache``; ``"vllm"``: ``(num_blocks, Hkv, page_size, D)``, vLLM's ``key_cache``.
             The kernel reads either where it lies.
-        dtype, device: of the pages.
+        dtype, device: of the keys and values given and read, and of the pages unless
+            ``kv_dtype`` says otherwise.
+        kv_dtype: store the pages quantized: ``torch.int8`` (symmetric, a float32 scale per
+            token and key/value head) or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (a
+            float32 scale per sequence and key/value head, set by the sequence's first write
+            and kept on each of its pages; later tokens beyond its range saturate). The scales
+            are the buffers ``k_scales`` and ``v_scales``, head-major ``(num_blocks, Hkv,
+            page_size, 1)`` (int8) or ``(num_blocks, Hkv, 1, 1)`` (float8). Writes quantize;
+            attention reads the pages where they lie with their scales. None (default): pages
+            in ``dtype``.
 
     The pages are the buffers ``k_pages`` and ``v_pages`` (not in ``state_dict()``);
     ``block_table`` ``(B, P)`` int32 names each sequence's pages in order (``-1`` past them),
@@ -120,6 +130,8 @@ class PagedKVCache(nn.Module):
 
     k_pages: Tensor
     v_pages: Tensor
+    k_scales: Tensor | None
+    v_scales: Tensor | None
     block_table: Tensor
 
     def __init__(
@@ -135,8 +147,12 @@ class PagedKVCache(nn.Module):
         layout: Layout = "flash",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.dtype = torch.get_default_dtype() if dtype is None else dtype  # given and read in
+        stored = dtype if self.kv_dtype is None else self.kv_dtype
         self.num_blocks = check_int("num_blocks", num_blocks)
         self.page_size = check_int("page_size", page_size)
         h = check_int("num_kv_heads", num_kv_heads)
@@ -156,10 +172,14 @@ class PagedKVCache(nn.Module):
             shape = (self.num_blocks, self.page_size, h, d)
             if layout == "vllm":
                 shape = (self.num_blocks, h, self.page_size, d)
-            return torch.zeros(shape, dtype=dtype, device=device)
+            return torch.zeros(shape, dtype=stored, device=device)
 
         self.register_buffer("k_pages", pages(dk), False)
         self.register_buffer("v_pages", pages(dv), False)
+        for name, t in (("k_scales", self.k_pages), ("v_scales", self.v_pages)):
+            head_major = t if layout == "vllm" else t.transpose(1, 2)
+            scales = None if self.kv_dtype is None else new_scales(head_major)
+            self.register_buffer(name, scales, False)
         self.register_buffer(
             "block_table", torch.full((rows, width), -1, dtype=torch.int32, device=device), False
         )
@@ -206,6 +226,72 @@ class PagedKVCache(nn.Module):
             return self.k_pages, self.v_pages
         return self.k_pages.transpose(1, 2), self.v_pages.transpose(1, 2)
 
+    def _given(self) -> tuple[Tensor, Tensor]:
+        """The head-major pages as keys and values are given and read: the pages, or of a
+        quantized pool stand-ins in ``dtype`` without data (what the checks compare with)."""
+        kp, vp = self._head_major()
+        if self.kv_dtype is None:
+            return kp, vp
+        zero = torch.zeros((), dtype=self.dtype, device=kp.device)
+        return zero.expand(kp.shape), zero.expand(vp.shape)
+
+    def _scale_views(self) -> tuple[Tensor | None, Tensor | None]:
+        """A quantized pool's scales as a view takes them, ``(X, Hkv, page, 1)`` (float8's
+        expanded along the page); None for float pages."""
+        if self.k_scales is None or self.v_scales is None:
+            return None, None
+        shape = (*self._head_major()[0].shape[:3], 1)
+        return self.k_scales.expand(shape), self.v_scales.expand(shape)
+
+    def _quantized(
+        self, k: Tensor, v: Tensor, new: list[int]
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        """Checked new tokens ``(B, Hkv, T, D)`` as the pages store them, and their scales: int8
+        a scale per token; float8 each row's (a new sequence's from its first ``new[b]`` tokens,
+        else the one its first page holds). Float pages: as given, None."""
+        if self.kv_dtype is None or self.k_scales is None or self.v_scales is None:
+            return k, v, None
+        if self.kv_dtype == torch.int8:
+            (kq, ks), (vq, vs) = quantize(k, torch.int8), quantize(v, torch.int8)
+            return kq, vq, (ks, vs)
+        top = torch.finfo(self.kv_dtype).max
+        real = (
+            torch.arange(k.size(2), device=k.device) < torch.tensor(new, device=k.device)[:, None]
+        )
+        found = []
+        for x, held in ((k, self.k_scales), (v, self.v_scales)):
+            amax = x.abs().mul(real[:, None, :, None]).amax((-2, -1), keepdim=True).float()
+            scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))  # (B, Hkv, 1, 1)
+            for b, n in enumerate(self.lengths):
+                if n:  # a sequence's tokens share the scale of its first write
+                    scale[b] = held[self._pages[b][0]]
+            found.append(scale)
+        (kq, ks), (vq, vs) = (
+            quantize(x, self.kv_dtype, f) for x, f in zip((k, v), found, strict=True)
+        )
+        return kq, vq, (ks, vs)
+
+    def _write(
+        self, k: Tensor, v: Tensor, scales: tuple[Tensor, Tensor] | None, new: list[int]
+    ) -> list[Piece]:
+        """Row ``b``'s first ``new[b]`` stored tokens after its ``lengths[b]``, through its pages
+        (taken already), and their scales: int8 beside each token, float8 on each of the row's
+        pages."""
+        kp, vp = self._head_major()
+        kw = {"at": self.lengths, "counts": new, "block_table": self._pages}
+        pieces = write(kp, vp, k, v, **kw)  # type: ignore[arg-type]
+        if scales is None or self.k_scales is None or self.v_scales is None:
+            return pieces
+        if self.kv_dtype == torch.int8:
+            write(self.k_scales, self.v_scales, *scales, **kw)  # type: ignore[arg-type]
+            return pieces
+        for b, pages in enumerate(self._pages):
+            if pages and new[b]:
+                at = torch.tensor(pages, device=self.k_scales.device)
+                self.k_scales[at] = scales[0][b]
+                self.v_scales[at] = scales[1][b]
+        return pieces
+
     def _seq(self, seq: int) -> int:
         if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self.max_seqs:
             raise ValueError(f"seq must be a sequence from 0 to {self.max_seqs - 1}, got {seq!r}")
@@ -234,7 +320,7 @@ class PagedKVCache(nn.Module):
     def _plan(self, k: Tensor, v: Tensor) -> list[int]:
         """The checks of a stage of ``k`` and ``v``; the new tokens of each row."""
         rows = self.max_seqs
-        kp, vp = self._head_major()
+        kp, vp = self._given()
         what = f"PagedKVCache of B = max_seqs = {rows} sequences"
         k, v = check_tokens(k, v, kp, vp, rows, what)
         new = [k.size(-2)] * rows if self._next is None else self._next
@@ -294,6 +380,7 @@ class PagedKVCache(nn.Module):
 
     def _stage(self, k: Tensor, v: Tensor, new: list[int]) -> Tensor:
         """:meth:`stage` of checked tokens, ``new[b]`` of them in row ``b``."""
+        k, v, scales = self._quantized(k, v, new)  # (before anything is written)
         self._drop_staged()
         for b, n in enumerate(new):
             first = len(self._pages[b])
@@ -303,8 +390,7 @@ class PagedKVCache(nn.Module):
                 self.block_table[b, first : len(self._pages[b])] = torch.tensor(
                     self._pages[b][first:], dtype=torch.int32
                 )
-        kp, vp = self._head_major()
-        pieces = write(kp, vp, k, v, at=self.lengths, counts=new, block_table=self._pages)
+        pieces = self._write(k, v, scales, new)
         self._staged = new
         size = self.page_size
         slots = [s for _, p, at, m, _ in pieces for s in range(p * size + at, p * size + at + m)]
@@ -334,9 +420,9 @@ class PagedKVCache(nn.Module):
                 f"= (N, {vp.size(2)}, {vp.size(3)}), got k {shape_str(k.shape)} and v "
                 f"{shape_str(v.shape)}"
             )
-        if k.dtype != kp.dtype or v.dtype != vp.dtype:
+        if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(
-                f"k and v must have the cache's dtype ({dtype_str(kp.dtype)}), got k "
+                f"k and v must have the cache's dtype ({dtype_str(self.dtype)}), got k "
                 f"{dtype_str(k.dtype)} and v {dtype_str(v.dtype)}"
             )
         if k.device != kp.device or v.device != kp.device:
@@ -368,7 +454,19 @@ class PagedKVCache(nn.Module):
         if int(slots[keep].unique().numel()) != int(keep.sum()):
             raise ValueError("slot_mapping names a slot twice: which token would it hold?")
         kp, vp = self._head_major()
-        put(kp, vp, k[keep.to(k.device)], v[keep.to(v.device)], slots[keep])
+        k, v, slots = k[keep.to(k.device)], v[keep.to(v.device)], slots[keep]
+        if self.kv_dtype is None or self.k_scales is None or self.v_scales is None:
+            put(kp, vp, k, v, slots)
+            return
+        # quantized, every scale computed before anything is written: int8 a scale per token,
+        # float8 the one of the slot's page
+        at = slots.to(kp.device) // self.page_size
+        fp8 = self.kv_dtype != torch.int8
+        kq, ks = quantize(k[:, :, None], self.kv_dtype, self.k_scales[at] if fp8 else None)
+        vq, vs = quantize(v[:, :, None], self.kv_dtype, self.v_scales[at] if fp8 else None)
+        put(kp, vp, kq[:, :, 0], vq[:, :, 0], slots)
+        if not fp8:
+            put(self.k_scales, self.v_scales, ks[:, :, 0], vs[:, :, 0], slots)
 
     def commit(self) -> None:
         """Hold the tokens of the last :meth:`stage`, and forget :meth:`schedule`."""
@@ -428,7 +526,10 @@ class PagedKVCache(nn.Module):
         what = f"indices for sequence {b} of this PagedKVCache (Hkv={h})"
         index = check_indices(indices, (h,), self.lengths[b], what)
         self._drop_staged()
-        compact_pages(self._head_major(), self._pages[b], index, self.page_size)
+        moved = list(self._head_major())
+        if self.kv_dtype == torch.int8 and self.k_scales is not None and self.v_scales is not None:
+            moved += [self.k_scales, self.v_scales]  # a scale a token moves with it
+        compact_pages(moved, self._pages[b], index, self.page_size)
         self.lengths[b] = index.size(-1)
         self._trim(b, self.lengths[b])
 
@@ -468,9 +569,9 @@ class PagedKVCache(nn.Module):
                 f"q must be (B, H, T, Dk) with B = {self.max_seqs}, H a multiple of Hkv = {hkv} "
                 f"and Dk = {dk}, got {shape_str(q.shape)}"
             )
-        if q.dtype != self.k_pages.dtype or q.device != self.k_pages.device:
+        if q.dtype != self.dtype or q.device != self.k_pages.device:
             raise TypeError(
-                f"q must have the cache's dtype and device ({dtype_str(self.k_pages.dtype)} on "
+                f"q must have the cache's dtype and device ({dtype_str(self.dtype)} on "
                 f"{self.k_pages.device}), got {dtype_str(q.dtype)} on {q.device}"
             )
         if any(n > q.size(2) for n in new):
@@ -501,12 +602,15 @@ class PagedKVCache(nn.Module):
         ends = [n + s for n, s in zip(self.lengths, new, strict=True)]
         width = min(max(1, *(self._used(e) for e in ends)), self.block_table.size(1))
         kp, vp = self._head_major()
+        ks, vs = self._scale_views()
         return CacheView(
             kp,
             vp,
             tuple((0, e) for e in ends),
             self.block_table[:, :width],
             None if self._next is None else tuple(new),
+            ks,
+            vs,
             trusted=True,
         )
 
@@ -517,12 +621,15 @@ class PagedKVCache(nn.Module):
         ends = [n + s for n, s in zip(self.lengths, self._staged, strict=True)]
         width = max(1, *(self._used(e) for e in ends))
         kp, vp = self._head_major()
+        ks, vs = self._scale_views()
         return CacheView(
             kp,
             vp,
             tuple((0, e) for e in ends),
             self.block_table[:, :width],
             None if self._next is None else tuple(self._staged),
+            ks,
+            vs,
             trusted=True,
         )
 
@@ -607,4 +714,5 @@ class PagedKVCache(nn.Module):
             f"num_blocks={self.num_blocks}, page_size={self.page_size}, num_kv_heads={kp.size(2)}, "
             f"head_dim={kp.size(3)}, v_head_dim={self.v_pages.size(-1)}, max_seqs="
             f"{self.max_seqs}, layout={self.layout!r}, lengths={self.lengths}"
+            + ("" if self.kv_dtype is None else f", kv_dtype={self.kv_dtype}")
         )

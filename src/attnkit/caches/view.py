@@ -25,6 +25,13 @@ CacheView(k, v: 2 rows of keys 0..5, 0..9 of a contiguous cache (2, 2, 16, 8) / 
 >>> attnkit.attention(torch.randn(2, 4, 1, 8), view, causal=True).shape
 torch.Size([2, 4, 1, 8])
 
+A quantized cache's pages are ``torch.int8``, ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``,
+with float32 scales ``(X, Hkv, page, 1)`` beside them (``k_scale``, ``v_scale``; a scale per head
+is one expanded with stride 0): key ``j`` of a page is ``k[x, h, j].float() * k_scale[x, h, j]``,
+as :func:`attnkit.attention`'s ``k_scale=`` reads it. ``chunked`` reads the pages and their
+scales in place; a row's keys read into dense tensors (:meth:`CacheView.row`,
+:meth:`CacheView.dense`) are dequantized.
+
 Shape letters: ``N`` rows (the call's batch), ``X`` pages, ``P`` pages per row in the block table,
 ``Hkv`` key/value heads, ``H`` query heads, ``Tq`` queries, ``Dk``/``Dv`` head sizes.
 """
@@ -39,6 +46,7 @@ import torch
 from torch import Tensor
 
 from .._base.checks import dtype_str, shape_str
+from .._base.quantized import QUANTIZED, dequantize
 from ..masks import Mask
 from ..scores import DistanceBias, ScoreTerm
 
@@ -93,6 +101,9 @@ class CacheView:
         q_lens: per row, how many of the call's ``Tq`` queries are real: row ``n``'s first
             ``q_lens[n]`` (aligned to the end of its keys), the rest padding whose outputs are 0
             (and log-sum-exp ``-inf``); None: all of them.
+        k_scale, v_scale: for int8/float8 pages, float scales broadcastable to ``(X, Hkv, page,
+            1)`` (kept as float32 ``(X, Hkv, page, 1)``, expanded): the keys are ``k.float() *
+            k_scale``; None for float pages.
 
     Every field is checked when the view is made (its ranges against the pages, each page the
     table names for a row's keys against the pool, with one read of the table), so a view that
@@ -104,6 +115,8 @@ class CacheView:
     kv_range: tuple[tuple[int, int], ...]
     block_table: Tensor | None = None
     q_lens: tuple[int, ...] | None = None
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
     #: made by a cache from its own state, right by construction: not checked again
     trusted: bool = field(default=False, repr=False, compare=False)
 
@@ -117,10 +130,10 @@ class CacheView:
             if not isinstance(t, Tensor) or t.ndim != 4:
                 got = shape_str(t.shape) if isinstance(t, Tensor) else type(t).__name__
                 raise TypeError(f"CacheView: {name} must be pages (X, Hkv, page, D), got {got}")
-            if t.dtype not in _FLOATS:
+            if t.dtype not in _FLOATS and t.dtype not in QUANTIZED:
                 raise TypeError(
-                    f"CacheView: {name} must be float16, bfloat16, float32 or float64, got "
-                    f"{dtype_str(t.dtype)}"
+                    f"CacheView: {name} must be float16, bfloat16, float32 or float64 (or int8, "
+                    f"float8_e4m3fn, float8_e5m2 with scales), got {dtype_str(t.dtype)}"
                 )
         if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
             raise ValueError(
@@ -128,6 +141,7 @@ class CacheView:
                 f"one device, got k {shape_str(k.shape)} {dtype_str(k.dtype)} on {k.device} and "
                 f"v {shape_str(v.shape)} {dtype_str(v.dtype)} on {v.device}"
             )
+        self._check_scales()
         ranges = _ranges(self.kv_range)
         object.__setattr__(self, "kv_range", ranges)
         if self.q_lens is not None:
@@ -136,6 +150,37 @@ class CacheView:
                 raise ValueError(f"q_lens must be counts >= 0, got {list(lens)}")
             object.__setattr__(self, "q_lens", lens)
         self._check_pages()
+
+    def _check_scales(self) -> None:
+        """Scales for int8/float8 pages, none for float ones; kept as float32 ``(X, Hkv, page, 1)``
+        (expanded: a scale per head is one number a head, read with stride 0)."""
+        quantized = self.k.dtype in QUANTIZED
+        given = (self.k_scale is not None, self.v_scale is not None)
+        if given != (quantized, quantized):
+            raise TypeError(
+                f"CacheView: pages of {dtype_str(self.k.dtype)} take "
+                + ("k_scale and v_scale (both)" if quantized else "no k_scale or v_scale")
+                + f", got k_scale {'given' if given[0] else 'None'} and v_scale "
+                f"{'given' if given[1] else 'None'}"
+            )
+        for name, pages, scale in (("k", self.k, self.k_scale), ("v", self.v, self.v_scale)):
+            if scale is None:
+                continue
+            want = (*pages.shape[:3], 1)
+            if not isinstance(scale, Tensor) or scale.dtype not in _FLOATS:
+                got = dtype_str(scale.dtype) if isinstance(scale, Tensor) else type(scale).__name__
+                raise TypeError(f"CacheView: {name}_scale must be a float tensor, got {got}")
+            try:
+                fits = torch.broadcast_shapes(scale.shape, want) == torch.Size(want)
+            except RuntimeError:
+                fits = False
+            if not fits or scale.device != pages.device:
+                raise ValueError(
+                    f"CacheView: {name}_scale must be broadcastable to the pages' "
+                    f"(X, Hkv, page, 1) = {shape_str(want)} on {pages.device}, got "
+                    f"{shape_str(scale.shape)} on {scale.device}"
+                )
+            object.__setattr__(self, f"{name}_scale", scale.float().expand(want))
 
     def _check_pages(self) -> None:
         """Each row's keys within its pages, and each page it names within the pool."""
@@ -181,6 +226,11 @@ class CacheView:
     @property
     def num_kv_heads(self) -> int:
         return self.k.size(1)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages are int8/float8, read with :attr:`k_scale` and :attr:`v_scale`."""
+        return self.k_scale is not None
 
     @property
     def page_size(self) -> int:
@@ -232,6 +282,11 @@ class CacheView:
         )
         if self.q_lens is not None:
             text += f", queries {list(self.q_lens)}"
+        if self.k_scale is not None and self.v_scale is not None:
+            text += (
+                f", {dtype_str(self.k.dtype)} with scales {shape_str(self.k_scale.shape)} / "
+                f"{shape_str(self.v_scale.shape)}"
+            )
         return text
 
     def __repr__(self) -> str:
@@ -247,12 +302,26 @@ class CacheView:
     # ---------------------------------------------------------------------------------------------
     # Reading the keys into dense tensors
 
-    def row(self, n: int) -> tuple[Tensor, Tensor]:
+    def _values(
+        self, read: Callable[[Tensor], Tensor], dtype: torch.dtype | None
+    ) -> tuple[Tensor, Tensor]:
+        """``read`` of the keys and values; of int8/float8 pages, dequantized to ``dtype``
+        (default float32) with their scales read the same way."""
+        if self.k_scale is None or self.v_scale is None:
+            return read(self.k), read(self.v)
+        work = torch.float32 if dtype is None else dtype
+        return (
+            dequantize(read(self.k), read(self.k_scale), work),
+            dequantize(read(self.v), read(self.v_scale), work),
+        )
+
+    def row(self, n: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Row ``n``'s keys and values ``(1, Hkv, end - start, D)``: a view of a contiguous
-        cache, a gather of its pages."""
+        cache, a gather of its pages (of int8/float8 pages, dequantized copies in ``dtype``,
+        default float32)."""
         start, end = self.kv_range[n]
         if self.block_table is None:
-            return self.k[n : n + 1, :, start:end], self.v[n : n + 1, :, start:end]
+            return self._values(lambda t: t[n : n + 1, :, start:end], dtype)
         page = self.page_size
         first, last = start // page, -(-end // page)
         pages = self.block_table[n, first:last].to(self.k.device).long()
@@ -261,30 +330,32 @@ class CacheView:
         def read(t: Tensor) -> Tensor:  # (p, Hkv, page, D) -> (1, Hkv, p * page, D)
             return t[pages].transpose(0, 1).flatten(1, 2)[None, :, at : at + end - start]
 
-        return read(self.k), read(self.v)
+        return self._values(read, dtype)
 
-    def dense(self) -> tuple[Tensor, Tensor]:
+    def dense(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Every row's keys and values ``(N, Hkv, width, D)`` of a :attr:`shared` view: views
-        of a contiguous cache in order, else its pages gathered."""
+        of a contiguous cache in order, else its pages gathered (of int8/float8 pages,
+        dequantized copies in ``dtype``, default float32)."""
         if not self.shared:
             raise ValueError(
                 f"a view whose rows attend keys of their own has no dense form: {self.describe()}"
             )
         start, end = self.kv_range[0] if self.kv_range else (0, 0)
         if self.block_table is None:
-            return self.k[: self.rows, :, start:end], self.v[: self.rows, :, start:end]
+            return self._values(lambda t: t[: self.rows, :, start:end], dtype)
         page = self.page_size
         pages = self.block_table[:, : -(-end // page)].to(self.k.device).long()
 
         def read(t: Tensor) -> Tensor:  # (N, p, Hkv, page, D) -> (N, Hkv, p * page, D)
             return t[pages].transpose(1, 2).flatten(2, 3)[:, :, start:end]
 
-        return read(self.k), read(self.v)
+        return self._values(read, dtype)
 
     def to(self, dtype: torch.dtype) -> CacheView:
         """The rows' keys and values in ``dtype``, copied into a contiguous view of their own
-        (what ``torch.autocast`` hands a call): the pages stay as they are."""
-        if dtype == self.k.dtype:
+        (what ``torch.autocast`` hands a call; int8/float8 pages dequantized): the pages stay as
+        they are."""
+        if dtype == self.k.dtype and not self.quantized:
             return self
         keys = self.k.new_zeros(
             self.rows, self.num_kv_heads, self.kv_len, self.k.size(-1), dtype=dtype
@@ -293,7 +364,7 @@ class CacheView:
             self.rows, self.num_kv_heads, self.kv_len, self.v.size(-1), dtype=dtype
         )
         for n, (start, end) in enumerate(self.kv_range):
-            k, v = self.row(n)
+            k, v = self.row(n, dtype)
             keys[n, :, start:end], values[n, :, start:end] = k[0], v[0]
         return CacheView(keys, values, self.kv_range, None, self.q_lens, trusted=True)
 
@@ -306,7 +377,7 @@ class CacheView:
         weights at its keys' positions). ``attend(q, k, v, row)`` returns what
         :func:`attnkit.attention` returns for the flags ``weights`` and ``lse``."""
         if self.shared:
-            k, v = self.dense()
+            k, v = self.dense(q.dtype)
             return attend(q, k, v, None)
         rows, heads, q_len = q.shape[:3]
         out = q.new_zeros(rows, heads, q_len, self.v.size(-1))
@@ -317,7 +388,7 @@ class CacheView:
         for n, ((start, end), m) in enumerate(zip(self.kv_range, counts, strict=True)):
             if not m:
                 continue
-            k, v = self.row(n)
+            k, v = self.row(n, q.dtype)
             got = attend(q[n : n + 1, :, :m], k, v, n)
             parts = [got] if isinstance(got, Tensor) else list(got)
             out[n, :, :m] = parts[0][0]
