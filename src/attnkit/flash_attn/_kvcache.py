@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .._base.checks import check_bool, dtype_str, shape_str
 from .._call import AttentionCall, check_attention_args
+from ..caches._quantize import FLOAT8, quantize_fp8
 from ..caches._tokens import write
 from ..caches.view import CacheView
 from ..masks import Mask
@@ -137,6 +138,9 @@ def flash_attn_with_kvcache(
     *,
     learnable_sink: Tensor | None = None,
     s_aux: Tensor | None = None,
+    q_descale: Tensor | None = None,
+    k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """flash-attn's ``flash_attn_with_kvcache``: decoding with a preallocated (or paged) cache.
 
@@ -163,6 +167,15 @@ def flash_attn_with_kvcache(
         block_table: ``(B, max_blocks)``: the pages of each row, in order.
         num_splits: accepted, not needed.
         return_softmax_lse: also return ``softmax_lse`` ``(B, H, Tq)``.
+        q_descale, k_descale, v_descale: flash-attn 3's float8 descale factors, ``(B, Hkv)``
+            float tensors (None: 1), for a ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``
+            cache: batch row ``b``'s keys are ``k_cache.float() * k_descale[b, h]`` (the values
+            likewise), read in place (the native decode kernel dequantizes in registers). New
+            ``k`` and ``v`` of the cache's dtype are written as they are; float ones are
+            quantized first, ``k / k_descale`` rounded to the format (saturating). ``q`` may be
+            float8 too, read as ``q.float() * q_descale`` in bfloat16 (flash-attn 3's output
+            dtype for float8 inputs); a float ``q`` is multiplied by ``q_descale``. The pages a
+            row reads take its factors (rows sharing a page share them).
         others: as :func:`~attnkit.flash_attn.flash_attn_func`.
 
     Returns:
@@ -191,6 +204,8 @@ def flash_attn_with_kvcache(
     want_lse = check_bool("return_softmax_lse", return_softmax_lse)
     check_bool("rotary_interleaved", rotary_interleaved)
     _check_cache(q, k_cache, v_cache)
+    descales = _descales(q, k_cache, v_cache, q_descale, k_descale, v_descale)
+    q = _descaled_q(q, descales[0])
     cap = softcap_of(softcap)
     scale = scale_of(softmax_scale, q.dtype)
     sinks = sinks_of(learnable_sink, s_aux, q, heads)
@@ -201,7 +216,7 @@ def flash_attn_with_kvcache(
         # flash-attn's rule: causal or windowed queries sit at their own positions.
         positional = causal or not (lo == -math.inf and hi == math.inf)
         q, k = _rotated(q, k, rows, rotary_cos, rotary_sin, rotary_interleaved, positional)
-    view = _view(k_cache, v_cache, rows)
+    view = _view(k_cache, v_cache, rows, descales[1:])
     mask = band_mask(lo, hi, q_len, view.width)
     bias = None
     if alibi_slopes is not None:  # each row's call from its own alignment
@@ -209,14 +224,8 @@ def flash_attn_with_kvcache(
     _check_as_attention(q, view, mask, bias, scale, cap, sinks)
 
     if k is not None and v is not None and rows.new:
-        write(
-            view.k,
-            view.v,
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            at=rows.seen,
-            block_table=view.block_table,
-        )
+        new_k, new_v = _stored(k, v, k_cache.dtype, descales[1:])
+        write(view.k, view.v, new_k, new_v, at=rows.seen, block_table=view.block_table)
     out, lse, _ = attend(
         q.transpose(1, 2),
         view,
@@ -353,20 +362,112 @@ def _rotated(
     return rotate(q, cos, sin, q_pos, interleaved), rotate(k, cos, sin, k_pos, interleaved)
 
 
-def _view(k_cache: Tensor, v_cache: Tensor, rows: _Rows) -> CacheView:
+def _view(
+    k_cache: Tensor, v_cache: Tensor, rows: _Rows, descales: tuple[Tensor | None, Tensor | None]
+) -> CacheView:
     """The cache as the call reads it: row ``b``'s keys ``cache_leftpad[b] <= j < lengths[b]``
     of its pages (the block table, checked), of its cache row (``cache_batch_idx``: a page of the
-    whole capacity a row), or of row ``b``."""
+    whole capacity a row), or of row ``b``; a float8 cache with each page's scale, the descale
+    factors of the row that reads it."""
     table = rows.table
     if table is None and rows.cache_rows is not None:
         table = torch.tensor(rows.cache_rows, dtype=torch.int64, device=k_cache.device)[:, None]
+    scales = [None if d is None else _page_scales(d, k_cache, rows, table) for d in descales]
     return CacheView(
         k_cache.permute(0, 2, 1, 3),
         v_cache.permute(0, 2, 1, 3),
         tuple(zip(rows.start, rows.lengths, strict=True)),
         table,
+        None,
+        scales[0],
+        scales[1],
         trusted=True,
     )
+
+
+def _descales(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    q_descale: object,
+    k_descale: object,
+    v_descale: object,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The descale factors, each a float32 ``(B, Hkv)`` tensor or None: given for float8
+    inputs only (k and v of a float8 cache default to 1)."""
+    batch, hkv = q.size(0), k_cache.size(2)
+    quantized = k_cache.dtype in FLOAT8
+    if quantized != (v_cache.dtype in FLOAT8) or (quantized and k_cache.dtype != v_cache.dtype):
+        raise TypeError(
+            f"k_cache and v_cache must share a float8 dtype or be float, got "
+            f"{dtype_str(k_cache.dtype)} and {dtype_str(v_cache.dtype)}"
+        )
+    found: list[Tensor | None] = []
+    for name, d, given in (
+        ("q_descale", q_descale, q.dtype in FLOAT8 or quantized),
+        ("k_descale", k_descale, quantized),
+        ("v_descale", v_descale, quantized),
+    ):
+        if d is None:
+            one = torch.ones(batch, hkv, device=q.device) if given and name != "q_descale" else None
+            found.append(one)
+            continue
+        if not given:
+            raise TypeError(
+                f"{name} is for a float8 cache (torch.float8_e4m3fn, torch.float8_e5m2), got "
+                f"k_cache of {dtype_str(k_cache.dtype)}"
+            )
+        if not isinstance(d, Tensor) or not d.is_floating_point() or d.dtype in FLOAT8:
+            raise TypeError(f"{name} must be a float tensor (batch, nheads_k), got {d!r}")
+        if d.shape != (batch, hkv) or d.device != q.device:
+            raise ValueError(
+                f"{name} must be (batch, nheads_k) = ({batch}, {hkv}) on {q.device}, got "
+                f"{shape_str(d.shape)} on {d.device}"
+            )
+        found.append(d.float())
+    return found[0], found[1], found[2]
+
+
+def _descaled_q(q: Tensor, q_descale: Tensor | None) -> Tensor:
+    """``q (B, Tq, H, D)`` times its descale factors ``(B, Hkv)`` (each shared by the ``H /
+    Hkv`` query heads of a key/value head); float8 queries in bfloat16."""
+    fp8 = q.dtype in FLOAT8
+    work = q.float() if fp8 else q
+    if q_descale is not None:
+        groups = q_descale.repeat_interleave(q.size(2) // q_descale.size(1), dim=1)  # (B, H)
+        work = (work.float() * groups[:, None, :, None]).to(work.dtype)
+    return work.to(torch.bfloat16) if fp8 else work
+
+
+def _page_scales(d: Tensor, k_cache: Tensor, rows: _Rows, table: Tensor | None) -> Tensor:
+    """Row ``b``'s descale factors ``d (B, Hkv)`` on the pages it reads: ``(X, Hkv, page, 1)``,
+    each page's one scale a head expanded along the page (1 on pages no row reads)."""
+    pages, page, hkv = k_cache.size(0), k_cache.size(1), k_cache.size(2)
+    scales = torch.ones(pages, hkv, device=k_cache.device)
+    if table is None:
+        scales[: d.size(0)] = d
+    else:
+        used = torch.tensor([-(-n // page) for n in rows.lengths], device=table.device)
+        read = torch.arange(table.size(1), device=table.device) < used[:, None]  # (B, P)
+        where = table.long()[read]
+        scales[where] = d[:, None, :].expand(-1, table.size(1), -1)[read]
+    return scales[:, :, None, None].expand(pages, hkv, page, 1)
+
+
+def _stored(
+    k: Tensor, v: Tensor, dtype: torch.dtype, descales: tuple[Tensor | None, Tensor | None]
+) -> tuple[Tensor, Tensor]:
+    """New ``k``, ``v`` ``(B, T, Hkv, D)`` as ``(B, Hkv, T, D)`` in the cache's dtype: float ones
+    into a float8 cache quantized with the descale factors (computed before any write)."""
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    kd, vd = descales
+    if dtype not in FLOAT8 or kd is None or vd is None:
+        return kt, vt
+    if kt.dtype not in FLOAT8:
+        kt = quantize_fp8(kt, dtype, scale=kd[:, :, None, None])[0]
+    if vt.dtype not in FLOAT8:
+        vt = quantize_fp8(vt, dtype, scale=vd[:, :, None, None])[0]
+    return kt, vt
 
 
 def _check_as_attention(
@@ -385,9 +486,10 @@ def _check_as_attention(
     kv_heads, kv_len = view.num_kv_heads, view.kv_len
     k = _stand_in(view.k, (batch, kv_heads, kv_len, view.k.size(3)))
     v = _stand_in(view.v, (batch, kv_heads, kv_len, view.v.size(3)))
+    one = None if not view.quantized else _stand_in(q.float(), (batch, kv_heads, kv_len, 1))
     return check_attention_args(
         _stand_in(q, (batch, heads, q_len, head_dim)),
-        CacheView(k, v, view.kv_range, trusted=True),
+        CacheView(k, v, view.kv_range, k_scale=one, v_scale=one, trusted=True),
         None,
         mask=mask,
         bias=bias,
