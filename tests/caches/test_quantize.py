@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from attnkit import attention
+from attnkit import KVCache, PagedKVCache, attention, record_dispatch
+from attnkit._kernel.cache import IN_PLACE
+from attnkit.caches import view as view_module
 from attnkit.caches._quantize import FLOAT8, quantize_fp8, quantize_int8
+from attnkit.flash_attn import flash_attn_with_kvcache
 
 
 def _x(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -94,3 +99,267 @@ def test_attention_over_a_written_cache(kind: str) -> None:
     torch.testing.assert_close(out.double(), deq, rtol=1e-5, atol=1e-6)
     err = float((out.double() - exact).norm() / exact.norm())
     assert err < {"int8": 2e-2, "e4m3fn": 6e-2, "e5m2": 1.2e-1}[kind]
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized caches: KVCache and PagedKVCache with kv_dtype=, read in place by attention()
+
+KV_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+# relative error of a decode step against the unquantized cache, on random data
+FORMAT_ERROR = {torch.int8: 2e-2, torch.float8_e4m3fn: 8e-2, torch.float8_e5m2: 1.5e-1}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor's bytes, comparable with torch.equal whatever its dtype (float8 included)."""
+    return None if t is None else t.detach().clone().contiguous().view(torch.uint8)
+
+
+def _same(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _dense_kv(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held and staged keys and values of a KVCache, dequantized by hand in float64."""
+    end = cache.length + cache._staged
+    ks = cache.k_scale.expand(*cache.k_cache.shape[:3], 1)
+    vs = cache.v_scale.expand(*cache.v_cache.shape[:3], 1)
+    k = cache.k_cache[:, :, :end].double() * ks[:, :, :end].double()
+    v = cache.v_cache[:, :, :end].double() * vs[:, :, :end].double()
+    return k, v
+
+
+def _paged_row(cache: PagedKVCache, b: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``b``'s first ``end`` keys and values ``(1, Hkv, end, D)``, dequantized by hand
+    in float64 through its pages."""
+    kp, vp = cache.token_major()  # (X, page, Hkv, D)
+    size = cache.page_size
+    pages = cache._pages[b]
+    rows = []
+    for pages_, scales in ((kp, cache.k_scales), (vp, cache.v_scales)):
+        tokens = []
+        for t in range(end):
+            page, at = pages[t // size], t % size
+            s = scales[page, :, at if scales.size(2) > 1 else 0, 0]  # (Hkv,)
+            tokens.append(pages_[page, at].double() * s.double()[:, None])
+        rows.append(torch.stack(tokens, 1)[None])  # (1, Hkv, end, D)
+    return rows[0], rows[1]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_kv_cache_decodes_in_place_equal_to_the_dequantized_formula(
+    kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g = torch.Generator().manual_seed(1)
+    b, h, hkv, d = 2, 8, 2, 32
+    cache = KVCache(b, 64, hkv, d, kv_dtype=kv_dtype)
+    plain = KVCache(b, 64, hkv, d)
+    prompt = torch.randn(b, hkv, 20, d, generator=g), torch.randn(b, hkv, 20, d, generator=g)
+    cache.update(*prompt)
+    plain.update(*prompt)
+    # no dequantized copy of the cache on the in-place path
+    monkeypatch.setattr(view_module, "dequantize", _no_copy)
+    for step in range(3):
+        q = torch.randn(b, h, 1, d, generator=g)
+        k, v = torch.randn(b, hkv, 1, d, generator=g), torch.randn(b, hkv, 1, d, generator=g)
+        with record_dispatch() as seen:
+            out = attention(q, cache.stage_call(q, k, v), causal=True)
+        assert seen[0].chosen == "chunked"
+        assert seen[0].kernel == IN_PLACE
+        keys, values = _dense_kv(cache)
+        exact = attention(q.double(), keys, values, causal=True, backend="reference")
+        assert _rel(out, exact) <= 1e-5, step
+        unquantized = attention(q, plain.stage_call(q, k, v), causal=True)
+        assert _rel(out, unquantized) <= FORMAT_ERROR[kv_dtype], step
+        cache.commit()
+        plain.commit()
+    assert cache.k_cache.dtype == kv_dtype
+    assert cache.dtype == torch.float32
+
+
+def _no_copy(*args: object) -> torch.Tensor:
+    raise AssertionError("the cache was dequantized into a copy")
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+@pytest.mark.parametrize("page", [3, 16])
+def test_paged_cache_decodes_in_place_equal_to_the_dequantized_formula(
+    kv_dtype: torch.dtype, layout: str, page: int
+) -> None:
+    g = torch.Generator().manual_seed(2)
+    h, hkv, d = 4, 2, 16
+    kw = {"max_seqs": 3, "layout": layout}
+    cache = PagedKVCache(64, page, hkv, d, kv_dtype=kv_dtype, **kw)  # type: ignore[arg-type]
+    plain = PagedKVCache(64, page, hkv, d, **kw)  # type: ignore[arg-type]
+    prompt = torch.randn(3, hkv, 21, d, generator=g), torch.randn(3, hkv, 21, d, generator=g)
+    for c in (cache, plain):
+        c.schedule([21, 5, 17])  # rows that end inside a page
+        c.stage(*prompt)
+        c.commit()
+    for step in range(2):
+        q = torch.randn(3, h, 1, d, generator=g)
+        k, v = torch.randn(3, hkv, 1, d, generator=g), torch.randn(3, hkv, 1, d, generator=g)
+        with record_dispatch() as seen:
+            out = attention(q, cache.stage_call(q, k, v, causal=True), causal=True)
+        assert seen[0].kernel == IN_PLACE
+        for row, n in enumerate(cache.lengths):
+            keys, values = _paged_row(cache, row, n + 1)
+            exact = attention(q[row : row + 1].double(), keys, values, backend="reference")
+            assert _rel(out[row : row + 1], exact) <= 1e-5, (step, row)
+        unquantized = attention(q, plain.stage_call(q, k, v, causal=True), causal=True)
+        assert _rel(out, unquantized) <= FORMAT_ERROR[kv_dtype]
+        cache.commit()
+        plain.commit()
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_refused_write_leaves_a_quantized_cache_bit_identical(kv_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache(2, 8, 2, 4, kv_dtype=kv_dtype)
+
+    def state() -> list[torch.Tensor | None]:
+        return [_bits(t) for t in (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)]
+
+    before = state()
+    with pytest.raises(ValueError, match="overflow"):  # a first write, which sets the scales
+        cache.update(torch.randn(2, 2, 9, 4, generator=g) * 100, torch.randn(2, 2, 9, 4))
+    assert _same(state(), before)
+    assert cache.length == 0
+    cache.update(torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g))
+    before = state()
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(torch.randn(2, 2, 4, 4, generator=g), torch.randn(2, 2, 4, 4, generator=g))
+    with pytest.raises(TypeError, match="cache's dtype"):
+        cache.update(torch.randn(2, 2, 1, 4).double(), torch.randn(2, 2, 1, 4).double())
+    assert _same(state(), before)
+    assert cache.length == 5
+
+    paged = PagedKVCache(3, 2, 2, 4, max_seqs=2, kv_dtype=kv_dtype)
+    paged.stage(torch.randn(2, 2, 2, 4, generator=g), torch.randn(2, 2, 2, 4, generator=g))
+    paged.commit()
+
+    def pstate() -> list[torch.Tensor | None]:
+        return [_bits(t) for t in (paged.k_pages, paged.v_pages, paged.k_scales, paged.v_scales)]
+
+    before = pstate()
+    with pytest.raises(ValueError, match="out of pages"):
+        paged.stage(torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g))
+    q = torch.randn(2, 2, 1, 4)
+    with pytest.raises(ValueError, match="mask"):
+        paged.stage_call(q, q[:, :, :, :] * 1, q * 1, mask=torch.ones(1, 3, dtype=torch.bool))
+    assert _same(pstate(), before)
+    assert paged.lengths == [2, 2]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_keep_carries_the_scales_with_the_tokens(kv_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    cache = KVCache(1, 16, 2, 8, kv_dtype=kv_dtype)
+    x = torch.randn(1, 2, 10, 8, generator=g) * torch.linspace(0.1, 10, 10)[:, None]
+    cache.update(x, -x)
+    keys, values = _dense_kv(cache)
+    index = torch.tensor([[[7, 1, 4], [0, 9, 5]]])
+    cache.keep(index)
+    kept = index.sort(-1).values[..., None].expand(-1, -1, -1, 8)
+    after = _dense_kv(cache)
+    assert torch.equal(after[0], keys.gather(2, kept))
+    assert torch.equal(after[1], values.gather(2, kept))
+
+    paged = PagedKVCache(8, 3, 2, 8, max_seqs=1, kv_dtype=kv_dtype)
+    paged.stage(x, -x)
+    paged.commit()
+    keys, values = _paged_row(paged, 0, 10)
+    paged.keep(0, index[0])
+    after = _paged_row(paged, 0, 3)
+    assert torch.equal(after[0], keys.gather(2, kept))
+    assert torch.equal(after[1], values.gather(2, kept))
+
+
+@pytest.mark.parametrize("kv_dtype", FLOAT8)
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_attn_with_kvcache_reads_float8_with_descale(
+    kv_dtype: torch.dtype, paged: bool
+) -> None:
+    g = torch.Generator().manual_seed(5)
+    b, h, hkv, d, cap, page = 2, 4, 2, 16, 32, 4
+    k_descale = torch.rand(b, hkv, generator=g) + 0.05
+    v_descale = torch.rand(b, hkv, generator=g) + 0.05
+    kc = (torch.randn(b, cap, hkv, d, generator=g) * 3).to(kv_dtype)
+    vc = (torch.randn(b, cap, hkv, d, generator=g) * 3).to(kv_dtype)
+    q = torch.randn(b, 1, h, d, generator=g)
+    k, v = torch.randn(b, 1, hkv, d, generator=g), torch.randn(b, 1, hkv, d, generator=g)
+    seqlens = torch.tensor([5, 11])
+    kw = {"cache_seqlens": seqlens, "causal": True, "k_descale": k_descale, "v_descale": v_descale}
+    if paged:  # each row's pages in reverse order in the pool
+        pages = cap // page
+        table = torch.stack([torch.arange(pages) * b + r for r in range(b)]).flip(1).int()
+        kp = torch.empty(b * pages, page, hkv, d, dtype=kv_dtype)
+        vp = torch.empty_like(kp)
+        kp[table.long()] = kc.view(b, pages, page, hkv, d)
+        vp[table.long()] = vc.view(b, pages, page, hkv, d)
+        with record_dispatch() as seen:
+            out = flash_attn_with_kvcache(q, kp, vp, k, v, block_table=table, **kw)
+        kc = kp[table.long()].flatten(1, 2)
+        vc = vp[table.long()].flatten(1, 2)
+    else:
+        with record_dispatch() as seen:
+            out = flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    assert seen[0].kernel == IN_PLACE
+    for r in range(b):
+        n = int(seqlens[r]) + 1
+        keys = kc[r, :n].double() * k_descale[r].double()[:, None]  # (n, Hkv, D)
+        values = vc[r, :n].double() * v_descale[r].double()[:, None]
+        # the new token was quantized with the row's descale: within the format's step
+        assert _rel(keys[-1], k[r, 0]) <= 0.1
+        exact = attention(
+            q[r : r + 1].transpose(1, 2).double(),
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            backend="reference",
+        )
+        assert _rel(out[r : r + 1].transpose(1, 2), exact) <= 1e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    page=st.integers(1, 9),
+    lengths=st.lists(st.integers(0, 30), min_size=1, max_size=3),
+    magnitude=st.sampled_from([1e-3, 1.0, 300.0]),
+    kv_dtype=st.sampled_from(KV_DTYPES),
+    layout=st.sampled_from(["flash", "vllm"]),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_quantized_paged_cache(
+    page: int, lengths: list[int], magnitude: float, kv_dtype: torch.dtype, layout: str, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    rows, hkv, d = len(lengths), 2, 8
+    cache = PagedKVCache(
+        100,
+        page,
+        hkv,
+        d,
+        max_seqs=rows,
+        layout=layout,
+        kv_dtype=kv_dtype,  # type: ignore[arg-type]
+    )
+    longest = max(lengths)
+    if longest:
+        cache.schedule(lengths)
+        x = torch.randn(rows, hkv, longest, d, generator=g) * magnitude
+        cache.stage(x, x.flip(-1))
+        cache.commit()
+    q = torch.randn(rows, 4, 1, d, generator=g)
+    k = torch.randn(rows, hkv, 1, d, generator=g) * magnitude
+    out = attention(q, cache.stage_call(q, k, -k, causal=True), causal=True)
+    for row, n in enumerate(cache.lengths):
+        keys, values = _paged_row(cache, row, n + 1)
+        exact = attention(q[row : row + 1].double(), keys, values, backend="reference")
+        assert _rel(out[row : row + 1], exact) <= 1e-5

@@ -21,7 +21,7 @@ from torch import Tensor
 from .._base.checks import check_int
 from .._base.shapes import Float, shape_checked
 from ._evict import check_indices, compact_rows
-from ._quantize import check_kv_dtype, new_scales, quantize
+from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
 from ._tokens import check_tokens, write
 from .view import CacheView
 
@@ -263,7 +263,10 @@ class KVCache:
         b, h = self.k_cache.shape[:2]
         what = f"indices for this KVCache (B={b}, Hkv={h})"
         index = check_indices(indices, (b, h), self.length, what)
-        moved = [self.k_cache, self.v_cache]
+        # (float8 moved as its bytes: torch's gather has no float8 kernel)
+        moved = [
+            t.view(torch.uint8) if t.dtype in FLOAT8 else t for t in (self.k_cache, self.v_cache)
+        ]
         if self.kv_dtype == torch.int8 and self.k_scale is not None and self.v_scale is not None:
             moved += [self.k_scale, self.v_scale]  # a scale a token moves with it
         compact_rows(moved, index)

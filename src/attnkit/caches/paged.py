@@ -34,7 +34,7 @@ from ..attention import attention
 from ..masks import Mask
 from ..scores import DistanceBias
 from ._evict import check_indices, compact_pages
-from ._quantize import check_kv_dtype, new_scales, quantize
+from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
 from ._tokens import Piece, check_tokens, put, write
 from .view import CacheView, band_of
 
@@ -526,7 +526,8 @@ class PagedKVCache(nn.Module):
         what = f"indices for sequence {b} of this PagedKVCache (Hkv={h})"
         index = check_indices(indices, (h,), self.lengths[b], what)
         self._drop_staged()
-        moved = list(self._head_major())
+        # (float8 moved as its bytes: torch's indexing has no float8 kernel)
+        moved = [t.view(torch.uint8) if t.dtype in FLOAT8 else t for t in self._head_major()]
         if self.kv_dtype == torch.int8 and self.k_scales is not None and self.v_scales is not None:
             moved += [self.k_scales, self.v_scales]  # a scale a token moves with it
         compact_pages(moved, self._pages[b], index, self.page_size)
