@@ -782,3 +782,63 @@ def test_opcheck_native_cache_forward_on_quantized_pages() -> None:
         _pool(vs[..., 0], table, False),
     )
     torch.library.opcheck(torch.ops.attnkit.native_cache_forward.default, args, {"scale": 0.3})
+
+
+# Many query rows of one key/value head (more than the 8 an item takes as dot products): with keys
+# and values of another dtype than the products', both products run on blocks of them converted
+# once and read by every row (csrc/decode_group.h). (H, Hkv, Tq): 16 heads sharing one (absorbed
+# latent attention), 9, 13 and 20 of one (blocks of rows of 4 and 8 with 1, 5 and 4 left), 12 of
+# two, 3 heads of 16 queries (48 rows), one head of 9 queries.
+GROUPS = [(16, 1, 1), (9, 1, 1), (13, 1, 1), (20, 1, 1), (24, 2, 1), (3, 1, 16), (1, 1, 9)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dims", [(40, 24), (72, 40), (33, 17)])  # (Dk, Dv), not all of 32
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "padding", "tiles"])
+@pytest.mark.parametrize("group", GROUPS)
+def test_many_rows_of_one_head_equal_the_reference(
+    group: tuple[int, int, int], mask: str, dims: tuple[int, int], dtype: torch.dtype
+) -> None:
+    # 77 keys: blocks of 4 keys and of 16 values with some left over.
+    h, hkv, tq = group
+    dk, dv = dims
+    b, tk = 2, 77
+    q, k, v = (t.to(dtype) for t in _inputs(b, h, hkv, tq, tk, dk, dv, seed=h + tq))
+    g = torch.Generator().manual_seed(5)
+    kw: dict[str, Any] = {
+        "mask": MASKS[mask](b, tk),
+        "softcap": 4.0,
+        "bias": torch.randn(h, tq, tk, generator=g).to(dtype),
+        "sinks": torch.randn(h, generator=g).to(dtype),
+        "scale": 0.3,
+    }
+    got = attention(q, k, v, backend=DECODE, return_lse=True, **kw)
+    wide = {**kw, "bias": kw["bias"].double(), "sinks": kw["sinks"].double()}
+    want = attention(
+        q.double(), k.double(), v.double(), backend="reference", return_lse=True, **wide
+    )
+    # The products are float32 sums of exact products; only the output is rounded to the inputs'
+    # dtype (2^-9 relative in bfloat16), far inside bfloat16's tolerance of 3e-2.
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    torch.testing.assert_close(got[0].double(), want[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(got[1].double(), want[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_rows_of_one_head_split_by_keys(threads: int) -> None:
+    # The absorbed latent attention's shape at a small size: 16 heads share one key head whose
+    # values are the first columns of the keys; a long cache split into parts by keys.
+    q, k, _ = (t.to(torch.bfloat16) for t in _inputs(1, 16, 1, 1, 3000, dk=80, dv=8, seed=3))
+    v = k[..., :64]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = attention(q, k, v, backend=DECODE, return_lse=True, mask=masks.sliding_window(2500))
+    finally:
+        torch.set_num_threads(before)
+    want = attention(
+        q.double(), k.double(), v.double(), backend="reference", return_lse=True,
+        mask=masks.sliding_window(2500),
+    )  # fmt: skip
+    torch.testing.assert_close(got[0].double(), want[0], atol=8e-3, rtol=8e-3)
+    torch.testing.assert_close(got[1].double(), want[1], atol=1e-5, rtol=1e-5)

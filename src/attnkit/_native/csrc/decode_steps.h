@@ -5,6 +5,7 @@
 #pragma once
 
 #include "decode_call.h"
+#include "decode_group.h"
 #include "decode_tiles.h"
 #include "position.h"
 #include "scores.h"
@@ -112,6 +113,45 @@ ATTNKIT_INLINE void key_dots(const DecodeBuffers<T, KV>& b, int64_t q0, int64_t 
   dots<T>(nr, nk, dk, alpha, b.q.data() + q0, dk, keys, s, ld, ahead);
 }
 
+// Whether a step of many rows (more than kDotRows) runs on decode_group.h's products: float32
+// products on keys and values of another dtype, read in blocks converted once (an AVX-512 build;
+// register_tiles false keeps the GEMMs, as it keeps the blocked forward's).
+template <typename T, typename KV>
+ATTNKIT_INLINE bool grouped([[maybe_unused]] const Call<T>& c) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float> && !std::is_same_v<KV, float>) return c.register_tiles;
+#endif
+  return false;
+}
+
+// A grouped step's products (see grouped): s (nr x nk) = alpha * the rows from q0 x the keys^T
+// (group_keys), acc += s's weights x the values (group_values).
+template <typename T, typename KV>
+ATTNKIT_INLINE void group_keys([[maybe_unused]] DecodeBuffers<T, KV>& b,
+                               [[maybe_unused]] int64_t q0, [[maybe_unused]] int64_t nr,
+                               [[maybe_unused]] int64_t nk, [[maybe_unused]] int64_t dk,
+                               [[maybe_unused]] T alpha, [[maybe_unused]] RowList<KV> keys,
+                               [[maybe_unused]] T* s, [[maybe_unused]] const Ahead<KV>& ahead) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float> && !std::is_same_v<KV, float>) {
+    group_dots(nr, nk, dk, alpha, b.q.data() + q0, dk, keys, s, nk, b.wide_k.data(), ahead);
+  }
+#endif
+}
+
+template <typename T, typename KV>
+ATTNKIT_INLINE void group_values([[maybe_unused]] DecodeBuffers<T, KV>& b,
+                                 [[maybe_unused]] int64_t nr, [[maybe_unused]] int64_t nk,
+                                 [[maybe_unused]] int64_t dv, [[maybe_unused]] const T* s,
+                                 [[maybe_unused]] RowList<KV> values, [[maybe_unused]] T* acc,
+                                 [[maybe_unused]] const Ahead<KV>& ahead) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float> && !std::is_same_v<KV, float>) {
+    group_weigh(nr, nk, dv, s, nk, values, acc, b.wide_v.data(), ahead);
+  }
+#endif
+}
+
 // One step of keys [vis[0], vis[1]) for rows vis[2]:vis[3] of the query block at qs of head (n,
 // hk), hh the head's place in its item: scores, online softmax, dropout, weighted values. keys and
 // values: the step's rows; ahead: the next step's, asked for while these products run.
@@ -125,11 +165,12 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
   const T* qrows = b.q.data() + (hh * R + first) * c.Dk;
   const T alpha = product_factor(c);
   const bool few = nr <= kDotRows;
-  // Few rows: the next keys are asked for during this step's key products and the next values
-  // during its value products (where weigh can): asked for in one burst, the lines queue behind
-  // each other and stall the products they run beside; spread over both passes, the memory
-  // traffic overlaps the products of both.
-  const bool split = few && !careful && kWeighAsks<T>;
+  const bool group = !few && !careful && grouped<T, KV>(c);
+  // Few rows (and grouped steps): the next keys are asked for during this step's key products and
+  // the next values during its value products (where weigh can): asked for in one burst, the
+  // lines queue behind each other and stall the products they run beside; spread over both
+  // passes, the memory traffic overlaps the products of both.
+  const bool split = (few && !careful && kWeighAsks<T>) || group;
   Ahead<KV> next_keys = ahead, next_values;
   if (split) {
     next_keys.v_bytes = 0;
@@ -138,6 +179,8 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
   }
   if (few) {
     key_dots(b, (hh * R + first) * c.Dk, nr, nk, c.Dk, alpha, keys, s, nk, next_keys);
+  } else if (group) {
+    group_keys(b, (hh * R + first) * c.Dk, nr, nk, c.Dk, alpha, keys, s, next_keys);
   } else {  // the step lies in one page (see run_visit)
     ahead.for_keys(0, nk, nk);
     int64_t ld = 0;
@@ -173,6 +216,8 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
     weigh_seen(nr, nk, c.Dv, s, b.hidden.data(), values, acc);
   } else if (few) {
     weigh<T>(nr, nk, c.Dv, s, nk, values, acc, next_values);
+  } else if (group) {
+    group_values(b, nr, nk, c.Dv, s, values, acc, next_values);
   } else {
     int64_t ld = 0;
     const T* v = rows_in<T>(d.v, values, n, hk, ks, nk, c.Dv, b.wide_v.data(), ld);

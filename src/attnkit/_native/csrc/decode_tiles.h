@@ -120,10 +120,11 @@ ATTNKIT_INLINE void store_block(const __m512 (&acc)[16], float alpha, float* s, 
 
 // s rows 0 .. R - 1, columns 0 .. K - 1 (R K = 16) = alpha * a's rows . x's rows 0 .. K - 1: 16
 // dot products in 16 registers, each vector of a and of x loaded once for them.
+// (R K < 16: a block of fewer, the other sums 0.)
 template <int R, int K, typename X>
 inline void dot_block(int64_t d, float alpha, const float* a, int64_t lda, const X* const* x,
                       float* s, int64_t ld) {
-  static_assert(R * K == 16, "a block of 16 dot products");
+  static_assert(R * K <= 16, "a block of at most 16 dot products");
   // (unrolled: as a loop GCC makes the zeroing a memset, which keeps the sums in memory,
   // stored at every step)
   __m512 acc[16];
