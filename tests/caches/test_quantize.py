@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit import KVCache, PagedKVCache, attention, record_dispatch
+from attnkit import KVCache, PagedKVCache, attention, explain, record_dispatch
 from attnkit._kernel.cache import IN_PLACE
 from attnkit.caches import view as view_module
 from attnkit.caches._quantize import FLOAT8, quantize_fp8, quantize_int8
+from attnkit.caches.view import CacheView
 from attnkit.flash_attn import flash_attn_with_kvcache
 
 
@@ -363,3 +364,36 @@ def test_fuzz_quantized_paged_cache(
         keys, values = _paged_row(cache, row, n + 1)
         exact = attention(q[row : row + 1].double(), keys, values, backend="reference")
         assert _rel(out[row : row + 1], exact) <= 1e-5
+
+
+def test_a_view_takes_scales_with_quantized_pages_only() -> None:
+    pages = torch.zeros(2, 2, 8, 4)
+    with pytest.raises(TypeError, match="pages of float32 take no k_scale or v_scale"):
+        CacheView(pages, pages, [(0, 3)] * 2, k_scale=torch.ones(2, 2, 8, 1))
+    quantized = pages.to(torch.int8)
+    with pytest.raises(TypeError, match=r"int8 take k_scale and v_scale \(both\)"):
+        CacheView(quantized, quantized, [(0, 3)] * 2)
+    one = torch.ones(2, 2, 8, 1)
+    with pytest.raises(ValueError, match=r"k_scale must be broadcastable .* \(2, 2, 8, 1\)"):
+        CacheView(quantized, quantized, [(0, 3)] * 2, k_scale=one[:, :, :3], v_scale=one)
+    view = CacheView(quantized, quantized, [(0, 3)] * 2, k_scale=torch.ones(2, 1, 1), v_scale=one)
+    assert view.k_scale is not None
+    assert view.k_scale.shape == (2, 2, 8, 1)  # a scale per head, expanded
+
+
+def test_float64_queries_and_gpus_dequantize_a_quantized_view() -> None:
+    g = torch.Generator().manual_seed(6)
+    cache = KVCache(2, 16, 2, 8, dtype=torch.float64, kv_dtype=torch.int8)
+    q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cache.update(k, v)
+    view = cache.view()
+    with record_dispatch() as seen:
+        out = attention(q, view, causal=True)
+    assert seen[0].kernel != IN_PLACE  # float64 queries: the rows gathered, dequantized
+    keys, values = _dense_kv(cache)
+    exact = attention(q, keys, values, backend="reference")
+    assert _rel(out, exact) <= 1e-6  # (the keys are k.float() * k_scale: float32 products)
+    # on a GPU the backends that read float pages as they are decline int8 ones
+    said = str(explain(q.float(), cache.view(), causal=True, device="cuda"))
+    assert "sdpa       cannot: reads no int8/float8 cache view" in said

@@ -130,6 +130,8 @@ def _cache_refusal(call: AttentionCall) -> str | None:
     view = call.cache
     if view is None:
         return None
+    if view.quantized:  # (its scales per token and page are not flash-attn's per-row descale)
+        return "reads no int8/float8 cache view (chunked reads it in place, reference dequantizes)"
     band = band_of(call.mask)
     if band is None or band[0] > 0 or band[1] < 0:
         return "flash_attn_with_kvcache takes a band holding each query's own position"

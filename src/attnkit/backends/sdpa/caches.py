@@ -29,6 +29,8 @@ def cache_refusal(call: AttentionCall) -> str | None:
     view = call.cache
     if view is None:
         return None
+    if view.quantized:
+        return "reads no int8/float8 cache view (chunked reads it in place, reference dequantizes)"
     if not target(call.device).gpu:
         return (
             f"reads no KV cache view on {call.device.type} (chunked reads the cache in place "
