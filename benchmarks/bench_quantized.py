@@ -12,6 +12,11 @@ rounds, its ratio to the bfloat16 cache and to its own memory floor, measured in
 * decode: ``attnkit.attention(q, k, v, k_scale=, v_scale=)`` with the ``chunked`` backend (the
   native kernel's decode path, which reads the quantized cache in place); ``bf16`` is the same
   call on the bfloat16 cache.
+* cache steps: one decode step of a cache (``stage_call`` of the new token, then
+  ``attention(q, view, causal=True)``, as ``MultiHeadAttention`` makes it), for a
+  ``KVCache(..., kv_dtype=...)`` and a ``PagedKVCache(page_size=16, kv_dtype=...)`` holding the
+  same tokens (rows on pages in order), int8 and bfloat16: the paged step against the contiguous
+  one, and int8 against bfloat16.
 * accuracy: each quantized output against the float64 formula over the dequantized cache (the
   kernel's own error) and against the float64 formula over the unquantized cache (the format's
   error), as relative errors (norm of the difference over the norm of the exact output).
@@ -59,6 +64,34 @@ def measure(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, floa
             timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
             samples[name].append(timer.blocked_autorange(min_run_time=0.3).median)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def cache_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int) -> dict[str, float]:
+    """Seconds per decode step of a KVCache and a PagedKVCache (page 16), int8 and bfloat16."""
+    t = k.size(2)
+    one_k, one_v = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
+    fns: dict[str, Callable[[], object]] = {}
+    for name, kv_dtype, dtype in (
+        ("int8", torch.int8, torch.float32),
+        ("bf16", None, torch.bfloat16),
+    ):
+        flat = attnkit.KVCache(B, t + 1, HKV, D, dtype=dtype, kv_dtype=kv_dtype)
+        flat.update(k.to(dtype), v.to(dtype))
+        pages = -(-(t + 1) // 16)
+        paged = attnkit.PagedKVCache(
+            B * pages, 16, HKV, D, max_seqs=B, dtype=dtype, kv_dtype=kv_dtype
+        )
+        paged.stage(k.to(dtype), v.to(dtype))
+        paged.commit()
+        qc, kc, vc = q.to(dtype), one_k.to(dtype), one_v.to(dtype)
+
+        def step(cache: attnkit.KVCache | attnkit.PagedKVCache, qc=qc, kc=kc, vc=vc) -> object:
+            # staged, never committed: the next step writes over it, the length stays t + 1
+            return attnkit.attention(qc, cache.stage_call(qc, kc, vc, causal=True), causal=True)
+
+        fns[f"KVCache {name}"] = lambda c=flat, s=step: s(c)
+        fns[f"paged {name}"] = lambda c=paged, s=step: s(c)
+    return measure(fns, rounds)
 
 
 def relative(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -123,9 +156,21 @@ def main() -> None:
                       "error_vs_dequantized": deq, "error_vs_exact": ex}  # fmt: skip
         print(f"{name:>6} {nbytes(name) / 2**20:>6.1f} {ms:>8.2f} {floor:>9.2f} {ms / floor:>8.2f} "
               f"{ratio:>7.2f} {deq:>9.1e} {ex:>10.1e}")  # fmt: skip
+    with torch.inference_mode():
+        steps = cache_steps(q, k, v, args.rounds)
+    print(f"\n{'cache step':>14} {'ms':>8} {'/ KVCache':>9} {'/ bf16':>7}")
+    for name, sec in steps.items():
+        kind, fmt = name.split()
+        flat, same = steps[f"KVCache {fmt}"], steps[f"{kind} bf16"]
+        print(f"{name:>14} {sec * 1e3:>8.2f} {sec / flat:>9.2f} {sec / same:>7.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"B": B, "H": H, "Hkv": HKV, "D": D, "T": t, "rows": rows}, f, indent=1)
+            json.dump(
+                {"B": B, "H": H, "Hkv": HKV, "D": D, "T": t, "rows": rows,
+                 "cache_steps_ms": {n: s * 1e3 for n, s in steps.items()}},
+                f,
+                indent=1,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
