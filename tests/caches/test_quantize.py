@@ -5,6 +5,8 @@ to attention over the dequantized values and near the unquantized one."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -397,3 +399,25 @@ def test_float64_queries_and_gpus_dequantize_a_quantized_view() -> None:
     # on a GPU the backends that read float pages as they are decline int8 ones
     said = str(explain(q.float(), cache.view(), causal=True, device="cuda"))
     assert "sdpa       cannot: reads no int8/float8 cache view" in said
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_slot_writes_quantize_into_the_pool(kv_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    cache = PagedKVCache(4, 4, 2, 8, max_seqs=1, layout="vllm", kv_dtype=kv_dtype)
+    x = torch.randn(1, 2, 6, 8, generator=g)
+    cache.stage(x, -x)  # sets a float8 sequence's scale on its pages
+    cache.commit()
+    new = torch.randn(3, 2, 8, generator=g) * 0.5
+    cache.write(new, -new, torch.tensor([6, -1, 7]))  # vLLM's reshape_and_cache, -1 skipped
+    keys, values = _paged_row(cache, 0, 8)
+    step = {torch.int8: 1 / 127, torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}[kv_dtype]
+    for slot, token in ((6, 0), (7, 2)):
+        got = keys[0, :, slot].float()
+        assert (got - new[token]).abs().max() <= step * new[token].abs().max() * 1.01
+        assert torch.equal(values[0, :, slot], -keys[0, :, slot])
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    # the 8 tokens written, through the pool's pages and scales (write() holds no tokens)
+    out = attention(q, dataclasses.replace(cache.view(), kv_range=((0, 8),)), causal=True)
+    exact = attention(q.double(), keys, values, backend="reference")
+    assert _rel(out, exact) <= 1e-5
