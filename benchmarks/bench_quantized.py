@@ -15,8 +15,9 @@ rounds, its ratio to the bfloat16 cache and to its own memory floor, measured in
 * cache steps: one decode step of a cache (``stage_call`` of the new token, then
   ``attention(q, view, causal=True)``, as ``MultiHeadAttention`` makes it), for a
   ``KVCache(..., kv_dtype=...)`` and a ``PagedKVCache(page_size=16, kv_dtype=...)`` holding the
-  same tokens (rows on pages in order), int8 and bfloat16: the paged step against the contiguous
-  one, and int8 against bfloat16.
+  same tokens (rows on pages in order; ``paged`` flash-attn's token-major pages, ``paged-vllm``
+  vLLM's head-major ones), int8 and bfloat16: the paged step against the contiguous one, and
+  int8 against bfloat16.
 * accuracy: each quantized output against the float64 formula over the dequantized cache (the
   kernel's own error) and against the float64 formula over the unquantized cache (the format's
   error), as relative errors (norm of the difference over the norm of the exact output).
@@ -78,11 +79,13 @@ def cache_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int) 
         flat = attnkit.KVCache(B, t + 1, HKV, D, dtype=dtype, kv_dtype=kv_dtype)
         flat.update(k.to(dtype), v.to(dtype))
         pages = -(-(t + 1) // 16)
-        paged = attnkit.PagedKVCache(
-            B * pages, 16, HKV, D, max_seqs=B, dtype=dtype, kv_dtype=kv_dtype
-        )
-        paged.stage(k.to(dtype), v.to(dtype))
-        paged.commit()
+        paged = {}
+        for layout in ("flash", "vllm"):
+            paged[layout] = attnkit.PagedKVCache(
+                B * pages, 16, HKV, D, max_seqs=B, dtype=dtype, kv_dtype=kv_dtype, layout=layout
+            )
+            paged[layout].stage(k.to(dtype), v.to(dtype))
+            paged[layout].commit()
         qc, kc, vc = q.to(dtype), one_k.to(dtype), one_v.to(dtype)
 
         def step(cache: attnkit.KVCache | attnkit.PagedKVCache, qc=qc, kc=kc, vc=vc) -> object:
@@ -90,7 +93,8 @@ def cache_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int) 
             return attnkit.attention(qc, cache.stage_call(qc, kc, vc, causal=True), causal=True)
 
         fns[f"KVCache {name}"] = lambda c=flat, s=step: s(c)
-        fns[f"paged {name}"] = lambda c=paged, s=step: s(c)
+        fns[f"paged {name}"] = lambda c=paged["flash"], s=step: s(c)
+        fns[f"paged-vllm {name}"] = lambda c=paged["vllm"], s=step: s(c)
     return measure(fns, rounds)
 
 
@@ -158,11 +162,11 @@ def main() -> None:
               f"{ratio:>7.2f} {deq:>9.1e} {ex:>10.1e}")  # fmt: skip
     with torch.inference_mode():
         steps = cache_steps(q, k, v, args.rounds)
-    print(f"\n{'cache step':>14} {'ms':>8} {'/ KVCache':>9} {'/ bf16':>7}")
+    print(f"\n{'cache step':>16} {'ms':>8} {'/ KVCache':>9} {'/ bf16':>7}")
     for name, sec in steps.items():
         kind, fmt = name.split()
         flat, same = steps[f"KVCache {fmt}"], steps[f"{kind} bf16"]
-        print(f"{name:>14} {sec * 1e3:>8.2f} {sec / flat:>9.2f} {sec / same:>7.2f}")
+        print(f"{name:>16} {sec * 1e3:>8.2f} {sec / flat:>9.2f} {sec / same:>7.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
