@@ -60,7 +60,10 @@ GONE_ATTRIBUTES = [
 ]
 GONE_MODULES = [
     "attnkit.checkpoint",
-    "attnkit.backends.flex",
+    "attnkit.backends.torch_flex",  # attnkit.backends.flex
+    "attnkit.multihead",  # attnkit.modules.multihead
+    "attnkit.kv_cache",  # attnkit.caches.kv_cache
+    "attnkit.paged_kv_cache",  # attnkit.caches.paged
     "attnkit._deprecated",
     "attnkit.interop._aliases",
 ]

@@ -37,7 +37,7 @@ def check_tokens(
     if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
         raise ValueError(
             f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = {want_v} "
-            f"for this {what}, got k {shape_str(k.shape)} and v {shape_str(v.shape)}"
+            f"for this cache ({what}), got k {shape_str(k.shape)} and v {shape_str(v.shape)}"
         )
     if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
         raise TypeError(

@@ -182,8 +182,20 @@ def _read_switches() -> _Switches:
     )
 
 
-# Constants while torch.compile traces a call (its guards do not watch torch's switches).
-_switches = cast(Callable[[], _Switches], torch.compiler.assume_constant_result(_read_switches))
+# Constants while torch.compile traces a call (its guards do not watch torch's switches). Marked
+# on the first GPU call, not at import: marking imports torch._dynamo, which `import attnkit`
+# does not.
+_MARKED: list[Callable[[], _Switches]] = []
+
+
+def _switches() -> _Switches:
+    if not _MARKED:
+        if torch.compiler.is_compiling():  # a first call inside a trace: read as it runs
+            return _read_switches()
+        _MARKED.append(
+            cast(Callable[[], _Switches], torch.compiler.assume_constant_result(_read_switches))
+        )
+    return _MARKED[0]()
 
 
 def _order(device: Target) -> list[int]:
