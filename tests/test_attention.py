@@ -314,8 +314,8 @@ def test_explain_report_reads_well() -> None:
         "auto picks: chunked",
         "  sdpa       avoided: would materialise a (Tq, Tk) = (128, 256) causal mask: "
         "Tq != Tk (128 != 256) and torch's is_causal is top-left aligned",
-        "  flex       cannot: torch's compiled FlexAttention runs on CUDA, ROCm and XPU (and on the "
-        "CPU for inference), not on meta",
+        "  flex       cannot: torch's compiled FlexAttention runs on CUDA, ROCm and XPU "
+        "(and on the CPU for inference), not on meta",
         "  chunked    chosen",
         "  reference  avoided: would materialise the scores (..., H, Tq, Tk) = (2, 8, 128, 256); "
         "auto takes it only when nothing else can",

@@ -68,9 +68,7 @@ def test_the_check_names_what_is_wrong() -> None:
     message = "k and v must have shapes (B, Hkv, T, Dk) = (2, 2, 1, 4) and (B, Hkv, T, Dv) = "
     with pytest.raises(ValueError, match=re.escape(message)):
         check_tokens(ok, torch.zeros(2, 2, 2, 4), pages, pages, 2, "KVCache")
-    with pytest.raises(
-        TypeError, match=re.escape("cache's dtype (float32), got k float64")
-    ):
+    with pytest.raises(TypeError, match=re.escape("cache's dtype (float32), got k float64")):
         check_tokens(ok.double(), ok, pages, pages, 2, "KVCache")
     with pytest.raises(ValueError, match="KVCache got keys that require grad"):
         check_tokens(ok.requires_grad_(), ok, pages, pages, 2, "KVCache")

@@ -10,10 +10,10 @@ It serves, on NVIDIA GPUs from sm_80 and on AMD GPUs, in float16 and bfloat16, w
 to 256 (multiples of 8) and grouped-query heads: calls without a mask, with a band (causal,
 bottom-right as flash-attn's; sliding windows) and packed documents (alone or with a band), with
 softcap, dropout and ``return_lse``; and decode steps on a KV cache read where it lies
-(``attention(q, view)``) through ``flash_attn_with_kvcache``. Everything else (a bias, a score term or ``score_mod``,
-sinks, key padding, the weights) it declines, with the reason, and ``auto`` goes on to the next
-backend. It is in ``auto``'s order after ``sdpa`` (whose flash kernel serves plain and causal
-calls) and before ``flex``.
+(``attention(q, view)``) through ``flash_attn_with_kvcache``. Everything else (a bias, a score
+term or ``score_mod``, sinks, key padding, the weights) it declines, with the reason, and
+``auto`` goes on to the next backend. It is in ``auto``'s order after ``sdpa`` (whose flash
+kernel serves plain and causal calls) and before ``flex``.
 
 ``attnkit.flash_attn``'s stand-in for the package (``attnkit.flash_attn.install()``) is not the
 package: calls never go round in a circle through it.

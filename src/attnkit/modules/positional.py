@@ -439,9 +439,9 @@ class RotaryEmbedding(nn.Module):
         base: the wavelength scale (10000 in the paper; long-context models use larger values).
 
     ``forward(x, offset=0)`` rotates ``x`` ``(..., T, Dh)`` as positions ``offset, ...,
-    offset + T - 1`` and returns the same shape. :class:`~attnkit.MultiHeadAttention` calls it with
-    ``offset = cache.position`` so that tokens decoded one at a time get the positions a full forward
-    gives them.
+    offset + T - 1`` and returns the same shape. :class:`~attnkit.MultiHeadAttention` calls it
+    with ``offset = cache.position`` so that tokens decoded one at a time get the positions a full
+    forward gives them.
 
     >>> rope = RotaryEmbedding(8)
     >>> q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
