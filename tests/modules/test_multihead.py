@@ -796,3 +796,26 @@ def test_a_rotary_module_that_changes_its_input_is_refused() -> None:
         ),
     ):
         m(torch.randn(2, 5, 16))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_make_cache_quantized_decodes_near_the_full_precision_cache(paged: bool) -> None:
+    # An int8 cache from make_cache quantizes what the module stores: its decode steps differ from
+    # a float32 cache's by int8's rounding (a scale per token and head), not more, not zero.
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 8, num_kv_heads=2).eval()
+    x = torch.randn(2, 9, 64)
+
+    def decode(kv_dtype: torch.dtype | None) -> Tensor:
+        if paged:
+            cache = mha.make_paged_cache(16, 4, max_seqs=2, kv_dtype=kv_dtype)
+        else:
+            cache = mha.make_cache(2, 16, kv_dtype=kv_dtype)
+        with torch.no_grad():
+            outs = [mha(x[:, :5], cache=cache, causal=True)]
+            outs += [mha(x[:, t : t + 1], cache=cache, causal=True) for t in range(5, 9)]
+        return torch.cat(outs, 1)
+
+    full, int8 = decode(None), decode(torch.int8)
+    error = ((int8 - full).norm() / full.norm()).item()
+    assert 1e-5 < error < 3e-2, error

@@ -648,10 +648,13 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
         )
 
-    def make_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def make_cache(
+        self, batch_size: int, max_len: int, *, kv_dtype: torch.dtype | None = None
+    ) -> KVCache:
         """An empty :class:`~attnkit.KVCache` for this module: ``Hkv`` heads of ``Dh``/``Dhv``, in
         the parameters' dtype and on their device, for ``batch_size`` sequences of up to
-        ``max_len`` tokens."""
+        ``max_len`` tokens; ``kv_dtype`` (``torch.int8``, ``torch.float8_e4m3fn``,
+        ``torch.float8_e5m2``) stores them quantized, as :class:`~attnkit.KVCache` says."""
         w = self.in_weights()[1]
         return KVCache(
             batch_size,
@@ -661,6 +664,7 @@ class MultiHeadAttention(nn.Module):
             self.v_head_dim,
             dtype=w.dtype,
             device=w.device,
+            kv_dtype=kv_dtype,
         )
 
     def make_paged_cache(
@@ -671,10 +675,12 @@ class MultiHeadAttention(nn.Module):
         max_seqs: int,
         max_pages_per_seq: int | None = None,
         layout: Literal["flash", "vllm"] = "flash",
+        kv_dtype: torch.dtype | None = None,
     ) -> PagedKVCache:
         """An empty :class:`~attnkit.PagedKVCache` for this module: a pool of ``num_blocks``
         pages of ``page_size`` tokens of ``Hkv`` heads of ``Dh``/``Dhv``, in the parameters' dtype
-        and on their device, for ``max_seqs`` sequences (the batch rows of every call)."""
+        and on their device, for ``max_seqs`` sequences (the batch rows of every call);
+        ``kv_dtype`` stores them quantized, as :class:`~attnkit.PagedKVCache` says."""
         w = self.in_weights()[1]
         return PagedKVCache(
             num_blocks,
@@ -687,6 +693,7 @@ class MultiHeadAttention(nn.Module):
             layout=layout,
             dtype=w.dtype,
             device=w.device,
+            kv_dtype=kv_dtype,
         )
 
     def extra_repr(self) -> str:
