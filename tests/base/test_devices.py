@@ -55,7 +55,7 @@ def test_assuming_stands_in_for_its_device_type_only() -> None:
 
 def test_describe_says_what_was_assumed() -> None:
     text = H100.describe()
-    assert text.startswith("cuda (NVIDIA, sm_90, assumed: not on this machine), torch ")
+    assert text.startswith("cuda (NVIDIA, sm_90, assumed: torch sees no such device), torch ")
     assert devices.Target("cpu").describe().startswith("cpu, torch ")
 
 

@@ -82,7 +82,7 @@ class Target:
         if self.gpu and not self.triton:
             parts.append("no Triton")
         if not self.present:
-            parts.append("assumed: not on this machine")
+            parts.append("assumed: torch sees no such device")
         inside = f" ({', '.join(parts)})" if parts else ""
         return f"{self.type}{inside}, torch {torch_version_str()}"
 
@@ -161,7 +161,7 @@ def _triton() -> bool:
 
 
 def _present(kind: str, index: int | None) -> Target:
-    """A device of this machine, as it is (``index`` None: the current one), described once."""
+    """A device torch sees, as it is (``index`` None: the current one), described once."""
     found = _SEEN.get((kind, index))
     if found is not None:
         return found
@@ -182,7 +182,7 @@ def _present(kind: str, index: int | None) -> Target:
 
 
 def _probe(kind: str, index: int | None) -> Target:
-    """What a GPU of this machine is: vendor, compute capability, cuDNN, Triton."""
+    """What a GPU torch sees is: vendor, compute capability, cuDNN, Triton."""
     if kind == "cuda" and torch.cuda.is_available():
         amd = torch.version.hip is not None
         cap = None if amd else tuple(torch.cuda.get_device_capability(index))
