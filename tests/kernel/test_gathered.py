@@ -14,6 +14,7 @@ from torch import Tensor
 import attnkit
 from attnkit import masks
 from attnkit._kernel.gathered import selection
+from attnkit.backends import Chunked
 from attnkit.masks import Mask
 from attnkit.scores import DistanceBias
 from attnkit.testing import assert_close
@@ -235,3 +236,138 @@ def test_nan_in_a_key_no_query_selects_reaches_no_output() -> None:
     assert not str(calls[0].kernel).startswith("gathered")
     assert bool(out.isfinite().all())
     assert_close(out, attnkit.attention(q, k, v, mask=mask, backend="reference"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The native kernel (csrc/gathered.cpp): float32, bfloat16 and float16 calls without a dense
+# bias, score term or score_mod
+
+
+def _compare_native(
+    shapes: tuple[tuple[int, ...], ...],
+    mask: Mask,
+    dtype: torch.dtype = torch.float32,
+    **kwargs: object,
+) -> None:
+    """The chunked backend on ``dtype`` inputs, which must take the native gathered kernel,
+    against the float64 reference on the same values: outputs, log-sum-exp and the gradients
+    of q, k, v (and sinks), at ``dtype``'s tolerances."""
+    low = [_randn(*s, seed=40 + i, dtype=dtype) for i, s in enumerate(shapes)]
+    high = [t.detach().double().requires_grad_() for t in low]
+    sinks = kwargs.pop("sinks", None)
+    low_kw, high_kw = dict(kwargs), dict(kwargs)
+    leaves_low, leaves_high = list(low), list(high)
+    if isinstance(sinks, Tensor):
+        s_low = sinks.detach().to(dtype).requires_grad_()
+        s_high = s_low.detach().double().requires_grad_()
+        low_kw["sinks"], high_kw["sinks"] = s_low, s_high
+        leaves_low.append(s_low)
+        leaves_high.append(s_high)
+    with attnkit.record_dispatch() as calls:
+        out, lse = attnkit.attention(*low, mask=mask, backend="chunked", return_lse=True, **low_kw)
+    assert "the native kernel" in str(calls[0].kernel), calls[0].kernel
+    want, want_lse = attnkit.attention(
+        *high, mask=mask, backend="reference", return_lse=True, **high_kw
+    )
+    assert out.dtype == dtype
+    assert_close(out, want, dtype=dtype)
+    assert torch.equal(lse == -torch.inf, want_lse == -torch.inf)
+    finite = want_lse > -torch.inf
+    assert_close(lse[finite], want_lse[finite], dtype=dtype)
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(out.shape, generator=g, dtype=F64)
+    wl = torch.randn(lse.shape, generator=g, dtype=F64).masked_fill(~finite, 0.0)
+
+    def loss(o: Tensor, lse_: Tensor) -> Tensor:
+        return (o.to(F64) * w).sum() + (lse_.masked_fill(~finite, 0.0).to(F64) * wl).sum()
+
+    got = torch.autograd.grad(loss(out, lse), leaves_low)
+    expected = torch.autograd.grad(loss(want, want_lse), leaves_high)
+    for a, e in zip(got, expected, strict=True):
+        assert a.dtype == dtype
+        assert_close(a, e, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", ["random", "sorted", "causal"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(1, 2), (2, 2), (4, 2), (1, 4), (1, 1)])
+@pytest.mark.parametrize("dim", [64, 24])
+def test_native_kernel_equals_the_reference(kind: str, heads: int, kv_heads: int, dim: int) -> None:
+    # Hi = 1 (shared by all heads), Hkv, or H selections; MHA, GQA and MQA; rows of 64 (the
+    # kernel's unrolled loops) and 24 (its loops of any length) elements.
+    shapes = ((2, 4, 40, dim), (2, kv_heads, 96, dim), (2, kv_heads, 96, dim))
+    idx = _indices(2, heads, 40, 20, 96, seed=4, kind=kind)
+    _compare_native(shapes, masks.key_indices(idx), scale=0.3)
+    _compare_native(shapes, masks.key_indices(idx) & masks.causal())
+
+
+def test_native_kernel_rows_with_no_key_repeats_and_none() -> None:
+    idx = _indices(1, 1, 24, 12, 64, seed=8)
+    idx[0, 0, :4] = -1  # no key at all
+    idx[0, 0, 4:8] = 63  # one key, repeated, that the causal mask hides (queries at 40..43)
+    idx[0, 0, 8:12, :6] = idx[0, 0, 8:12, 6:]  # every key twice
+    shapes = ((1, 2, 24, 64), (1, 2, 64, 64), (1, 2, 64, 64))
+    _compare_native(shapes, masks.key_indices(idx) & masks.causal())
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({"softcap": 1.5}, id="softcap"),
+        pytest.param({"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}, id="sinks"),
+        pytest.param({"softcap": 2.0, "sinks": torch.tensor([1.0, 0.0, -1.0, 3.0])}, id="both"),
+    ],
+)
+def test_native_kernel_softcap_and_sinks(extra: dict[str, object]) -> None:
+    shapes = ((2, 4, 32, 64), (2, 2, 80, 64), (2, 2, 80, 64))
+    idx = _indices(2, 1, 32, 16, 80, seed=14, kind="causal")
+    _compare_native(shapes, masks.key_indices(idx) & masks.causal(), **extra)
+
+
+def test_native_kernel_bands_key_padding_and_blocks() -> None:
+    shapes = ((2, 4, 20, 32), (2, 2, 64, 32), (2, 2, 64, 32))
+    blocks = _indices(2, 2, 20, 3, 16, seed=18)
+    for mask in [
+        masks.block_indices(blocks, block=4) & masks.sliding_window(30),
+        masks.block_indices(blocks, block=4) & masks.key_padding([64, 41]) & masks.causal(),
+        masks.key_indices(_indices(2, 1, 20, 6, 64, seed=23))
+        | masks.key_indices(_indices(2, 2, 20, 6, 64, seed=24)),
+    ]:
+        _compare_native(shapes, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_kernel_reads_reduced_keys_as_they_are(dtype: torch.dtype) -> None:
+    shapes = ((1, 4, 48, 64), (1, 2, 256, 64), (1, 2, 256, 64))
+    idx = _indices(1, 1, 48, 32, 256, seed=25, kind="causal")
+    _compare_native(shapes, masks.key_indices(idx) & masks.causal(), dtype=dtype)
+
+
+def test_what_the_native_kernel_leaves_to_the_sparse_products() -> None:
+    q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 64, 16)
+    idx = _indices(1, 1, 8, 4, 64, seed=27)
+    dense = torch.rand(1, 1, 8, 64, generator=torch.Generator().manual_seed(3)) > 0.5
+    cases = [
+        ({"mask": masks.key_indices(idx)}, "the native kernel"),
+        ({"mask": masks.key_indices(idx), "bias": torch.randn(1, 2, 8, 64)},
+         "torch's sparse products: the native kernel does not add a dense bias"),
+        ({"mask": masks.key_indices(idx) & dense},
+         "torch's sparse products: the native kernel reads bands and key masks at the pairs, "
+         "not tensor(1, 1, 8, 64)"),
+    ]  # fmt: skip
+    for kwargs, words in cases:
+        text = str(attnkit.explain(q, k, k, **kwargs))  # type: ignore[arg-type]
+        assert words in text, text
+        with attnkit.record_dispatch() as calls:
+            out = attnkit.attention(q, k, k, backend="chunked", **kwargs)  # type: ignore[arg-type]
+        assert words in str(calls[0].kernel)
+        wide = {n: t.double() if n == "bias" else t for n, t in kwargs.items()}
+        ref = attnkit.attention(q.double(), k.double(), k.double(), backend="reference", **wide)  # type: ignore[arg-type]
+        assert_close(out, ref, dtype=torch.float32)
+    # float64 and Chunked(native=False) take the sparse products too
+    with attnkit.record_dispatch() as calls:
+        attnkit.attention(q.double(), k.double(), k.double(), mask=masks.key_indices(idx),
+                          backend="chunked")  # fmt: skip
+    assert "float64" in str(calls[0].kernel)
+    text = str(attnkit.explain(q, k, k, mask=masks.key_indices(idx),
+                               backend=Chunked(native=False)))  # fmt: skip
+    assert "torch's sparse products: Chunked(native=False)" in text

@@ -5,6 +5,7 @@ when called directly, and arguments that a user can get wrong refused with an er
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import pytest
@@ -368,3 +369,51 @@ def test_a_decode_call_without_a_graph_equals_the_graph_call(grad_mode: str) -> 
     assert_close(out, ref_out)
     assert_close(lse, ref_lse)
     assert all(t.grad is not None and bool(t.grad.abs().sum() > 0) for t in leaves)
+
+
+def _gathered_call(
+    dtype: torch.dtype, *, heads: int = 1, key_ok: bool = False, band: bool = False
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """gathered_forward's arguments: 4 query heads on 2 key/value heads, ``heads`` selections
+    of 6 sorted keys (with -1 and a repeat) among 20."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 7, 16, generator=g)
+    k, v = (torch.randn(2, 2, 20, d, generator=g).to(dtype) for d in (16, 8))
+    keys = torch.randint(-1, 20, (2, heads, 7, 6), generator=g)
+    keys[..., 1] = keys[..., 0]
+    ok = torch.rand(2, 20, generator=g) > 0.3 if key_ok else None
+    kwargs = {"scale": 0.4, "softcap": 0.0, "band": [-math.inf, 0.0, 13.0] if band else []}
+    return (q, k, v, keys.sort(-1).values, ok), kwargs
+
+
+GATHERED = [
+    (torch.float32, {}),
+    (torch.float32, {"heads": 2, "key_ok": True, "band": True}),
+    (torch.bfloat16, {"heads": 4, "band": True}),
+    (torch.float16, {"key_ok": True}),
+]
+
+
+@pytest.mark.parametrize(("dtype", "kw"), GATHERED)
+def test_opcheck_gathered_forward_and_backward(dtype: torch.dtype, kw: dict[str, object]) -> None:
+    args, kwargs = _gathered_call(dtype, **kw)  # type: ignore[arg-type]
+    torch.library.opcheck(torch.ops.attnkit.gathered_forward.default, args, kwargs)
+    out, lse = torch.ops.attnkit.gathered_forward(*args, **kwargs)
+    dout = torch.randn_like(out)
+    delta = (dout * out).sum(-1)
+    q, k, v, keys, ok = args
+    torch.library.opcheck(
+        torch.ops.attnkit.gathered_backward.default,
+        (dout, q, k, v, keys, lse, delta, ok),
+        kwargs,
+    )
+
+
+def test_gathered_operators_refuse_what_they_cannot_read() -> None:
+    (q, k, v, keys, ok), kwargs = _gathered_call(torch.float32)
+    with pytest.raises(RuntimeError, match="q in float32"):
+        torch.ops.attnkit.gathered_forward(q.double(), k, v, keys, ok, **kwargs)
+    with pytest.raises(RuntimeError, match="keys in int64"):
+        torch.ops.attnkit.gathered_forward(q, k, v, keys.int(), ok, **kwargs)
+    with pytest.raises(RuntimeError, match="selection heads must divide H = 4"):
+        torch.ops.attnkit.gathered_forward(q, k, v, keys.expand(2, 3, 7, 6), ok, **kwargs)

@@ -436,7 +436,7 @@ def kernel_attention(
     served = gathered_attention(  # an index mask: each query's selected keys gathered
         q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks,
         score_mod=score_mod, captured=captured, dropout_p=dropout_p, return_lse=return_lse,
-        is_finite=is_finite,
+        is_finite=is_finite, native=native,
     )  # fmt: skip
     if served is not None:
         return served

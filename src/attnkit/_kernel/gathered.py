@@ -39,15 +39,24 @@ from torch import Tensor
 
 from .._base.finite import finite
 from .._call import AttentionCall
+from .._native import load, status
 from .._record import note_kernel
 from .._score_mod import ScoreMod
 from .._score_mod import apply as apply_score_mod
 from ..masks import Geometry, KeyIndices, Mask, band_visibility, first_entries
-from ..scores import DistanceBias, ScoreTerm, cap_scores
+from ..scores import DistanceBias, ScoreTerm, cap_scores, softcap_form
 from .problem import no_autocast
 from .sinks import finish, sink_grad
 
-__all__ = ["GATHER_SHARE", "Gathered", "gathered_attention", "gathered_note", "selection"]
+__all__ = [
+    "GATHER_SHARE",
+    "Gathered",
+    "NativeReading",
+    "gathered_attention",
+    "gathered_note",
+    "native_refusal",
+    "selection",
+]
 
 #: An index mask is gathered when a query may attend at most this share of the keys. Gathering
 #: reads each selected key once per query; the scanning kernel computes every score of the
@@ -56,6 +65,8 @@ __all__ = ["GATHER_SHARE", "Gathered", "gathered_attention", "gathered_note", "s
 GATHER_SHARE = 0.25
 #: The dtypes of keys and values the kernel gathers as they are.
 _READ = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: The dtypes of keys and values the native kernel gathers as they are (others: in float32).
+_NATIVE_READ = (torch.float16, torch.bfloat16, torch.float32)
 #: Pairs per chunk (its scores, weights and indices are a few MiB each).
 CHUNK_ENTRIES = 1 << 20
 
@@ -127,28 +138,111 @@ def _leaves(mask: Mask) -> list[Mask]:
     return [q for p in mask.parts for q in (_leaves(p) if p.op is not None else [p])]
 
 
-def gathered_note(call: AttentionCall) -> tuple[bool, str] | None:
-    """``(served, words)`` for ``explain()``: whether the gathered kernel serves a call and how,
-    or why the kernel that scans the keys does; None for a call without an index mask."""
-    return _note(call.mask, call.score_term, call.dropout_p, call.geometry, call.num_kv_heads)
+def gathered_note(call: AttentionCall, native: bool = True) -> tuple[bool, str] | None:
+    """``(served, words)`` for ``explain()``: whether the gathered kernel serves a call and how
+    (``native``: whether the backend may run the native kernel), or why the kernel that scans
+    the keys does; None for a call without an index mask. Builds nothing."""
+    found = selection(call.mask, call.score_term, call.dropout_p, call.kv_len)
+    why = None
+    if isinstance(found, Selection):
+        added = _added_words(call.score_mod is not None, call.bias_shape is not None,
+                             call.score_term)  # fmt: skip
+        why = native_refusal(
+            found, (call.dtype, call.dtype), added, call.device, native=native, build=False
+        )
+    return _note(found, call.geometry, call.num_kv_heads, why)
+
+
+def _added_words(score_mod: bool, dense_bias: bool, term: ScoreTerm | None) -> str | None:
+    """What a call adds to its scores that the native kernel does not (None: nothing)."""
+    if score_mod:
+        return "a score_mod"
+    if dense_bias:
+        return "a dense bias"
+    return None if term is None else f"the score term {term.describe()}"
 
 
 def _note(
-    mask: Mask | None, term: ScoreTerm | None, dropout_p: float, geo: Geometry, kv_heads: int
+    found: Selection | str | None, geo: Geometry, kv_heads: int, why_not_native: str | None
 ) -> tuple[bool, str] | None:
-    found = selection(mask, term, dropout_p, geo.kv_len)
     if found is None:
         return None
     if isinstance(found, str):
         return False, f"index mask scanned, not gathered: {found}"
     heads = _gathered_heads(found, geo.heads, kv_heads)
     per = geo.heads // heads
+    how = (
+        "the native kernel"
+        if why_not_native is None
+        else f"torch's sparse products: {why_not_native}"
+    )
     return True, (
         f"gathered: each query's {found.width} selected keys of Tk = {geo.kv_len} read by "
         f"position, {heads} gathered head{'s' if heads > 1 else ''} of {per} query "
-        f"head{'s' if per > 1 else ''} each (O(Tq * k) time and memory, torch's sparse "
-        "products); the scanning kernel where q, k or v hold NaN or inf"
+        f"head{'s' if per > 1 else ''} each (O(Tq * k) time and memory, {how}); the scanning "
+        "kernel where q, k or v hold NaN or inf"
     )
+
+
+@dataclass(frozen=True)
+class NativeReading:
+    """What the native gathered kernel reads of a call besides q, k, v and the selected keys:
+    the bands ANDed with the selection, as ``(lo, hi, offset)`` triples (query ``i`` may attend
+    key ``j`` iff ``lo <= j - (i + offset) <= hi``), and the AND of its masks of keys only,
+    ``(B|1, Tk)`` bool."""
+
+    band: tuple[float, ...]
+    key_ok: Tensor | None
+
+    @classmethod
+    def of(cls, found: Selection, geo: Geometry) -> NativeReading:
+        band: list[float] = []
+        key_ok = None
+        for part in _and_leaves(found.rest):
+            if part.band is not None:
+                lo, hi, align = part.band
+                band += [lo, hi, float(geo.shift if align == "bottom_right" else 0)]
+            else:
+                keys = part.key_tile(geo, 0, geo.kv_len)
+                key_ok = keys if key_ok is None else key_ok & keys
+        return cls(tuple(band), None if key_ok is None else key_ok.contiguous())
+
+
+def _and_leaves(parts: tuple[Mask, ...]) -> list[Mask]:
+    """The masks ANDed together in ``parts``, ``&`` combinations opened."""
+    return [q for p in parts for q in (_and_leaves(p.parts) if p.op == "and" else [p])]
+
+
+def native_refusal(
+    found: Selection,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    added: str | None,
+    device: torch.device,
+    *,
+    native: bool,
+    build: bool,
+) -> str | None:
+    """Why torch's sparse products, not the native kernel, gather a call (None: the native
+    kernel does): ``dtypes`` those of q and of k and v, ``added`` what the call adds to its
+    scores that the native kernel does not compute (:func:`_added_words`). ``build``: load the
+    kernel, or build it on first use, if it would serve (else only ask)."""
+    if not native:
+        return "Chunked(native=False)"
+    if device.type != "cpu":
+        return f"the native kernel runs on CPUs, not {device.type}"
+    if added is not None:
+        return f"the native kernel does not add {added}"
+    if torch.float64 in dtypes:
+        return "float64 (the native kernel computes in float32)"
+    for part in _and_leaves(found.rest):
+        if part.band is None and (isinstance(part, KeyIndices) or not part.keys_only):
+            return (
+                f"the native kernel reads bands and key masks at the pairs, not {part.describe()}"
+            )
+    if build and load():
+        return None
+    available, why = status()
+    return None if available and not build else f"native kernel: {why}"
 
 
 def _gathered_heads(found: Selection, heads: int, kv_heads: int) -> int:
@@ -175,6 +269,8 @@ class Gathered:
     score_mod: ScoreMod | None
     n_mod: int  # tensors the score_mod captures that need gradients (the last of the extras)
     chunk: int = CHUNK_ENTRIES
+    #: what the native kernel reads (None: torch's sparse products serve the call)
+    native: NativeReading | None = None
     keys: Tensor = field(init=False)  # (B|1, Hc, Tq, W) sorted key positions
     first: Tensor = field(init=False)  # (B|1, Hc, Tq, W) bool: the entries that count
     _read: dict[int, Tensor] = field(init=False, default_factory=dict)
@@ -693,9 +789,12 @@ class _GatheredAttention(torch.autograd.Function):
         geo = call.geo
         work = torch.promote_types(q.dtype, torch.float32)
         with no_autocast(q.device):
-            out_rows, lse_rows = _forward(call, _inputs(call, q, k, v, work), True, work)
-            out = _from_rows(call, out_rows)  # (B, H, Tq, Dv)
-            lse = _from_rows(call, lse_rows.unsqueeze(-1)).squeeze(-1)  # (B, H, Tq)
+            if call.native is not None:
+                out, lse = _native_forward(call, call.native, q, k, v)
+            else:
+                out_rows, lse_rows = _forward(call, _inputs(call, q, k, v, work), True, work)
+                out = _from_rows(call, out_rows)  # (B, H, Tq, Dv)
+                lse = _from_rows(call, lse_rows.unsqueeze(-1)).squeeze(-1)  # (B, H, Tq)
             if sinks is not None:
                 hkv = call.kv_heads
                 out5, lse4 = finish(
@@ -729,6 +828,9 @@ class _GatheredAttention(torch.autograd.Function):
                 shape4 = (geo.batch, hkv, -1, geo.q_len)
                 p_sinks = sink_grad(lse.view(shape4), delta.view(shape4), sinks.view(hkv, -1))
                 dsinks = p_sinks.reshape(sinks.shape).to(sinks.dtype)
+            if call.native is not None:  # (no bias, score term or score_mod)
+                dq, dk, dv = _native_backward(call, call.native, (q, k, v), dout4, lse, delta)
+                return (None, dq, dk, dv, None, dsinks, *(None,) * len(extra))
             n_term = len(extra) - call.n_mod
             wants = (bias is not None and needs[4], n_term > 0 and needs[6], tuple(extra[n_term:]))
             grads = _backward(
@@ -763,6 +865,58 @@ class _GatheredAttention(torch.autograd.Function):
         )
 
 
+def _native_inputs(call: Gathered, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+    """q ``(B, H, Tq, Dk)`` in float32; k and v ``(B, Hkv, Tk, D)`` as they are where the native
+    kernel reads them so, else in float32."""
+    geo = call.geo
+    q4 = q.reshape(geo.batch, geo.heads, geo.q_len, q.size(-1)).to(torch.float32)
+    if k.dtype != v.dtype or k.dtype not in _NATIVE_READ:
+        k, v = k.to(torch.float32), v.to(torch.float32)
+    k4 = k.reshape(geo.batch, call.kv_heads, geo.kv_len, k.size(-1))
+    return q4, k4, v.reshape(geo.batch, call.kv_heads, geo.kv_len, v.size(-1))
+
+
+def _native_softcap(call: Gathered) -> float:
+    form = None if call.softcap is None else softcap_form(call.softcap, torch.float32)
+    return 0.0 if form is None else form.cap
+
+
+def _native_forward(
+    call: Gathered, reading: NativeReading, q: Tensor, k: Tensor, v: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(out (B, H, Tq, Dv), lse (B, H, Tq))`` in float32, without sinks, from the native
+    kernel."""
+    q4, k4, v4 = _native_inputs(call, q, k, v)
+    out, lse = torch.ops.attnkit.gathered_forward(
+        q4, k4, v4, call.keys, reading.key_ok, scale=call.scale,
+        softcap=_native_softcap(call), band=list(reading.band),
+    )  # fmt: skip
+    return out, lse
+
+
+def _native_backward(
+    call: Gathered,
+    reading: NativeReading,
+    qkv: tuple[Tensor, Tensor, Tensor],
+    dout: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of q, k and v in their shapes and dtypes, from the native kernel (``dout``
+    ``(B, H, Tq, Dv)``, ``lse`` and ``delta`` ``(B, H, Tq)``, float32)."""
+    q, k, v = qkv
+    q4, k4, v4 = _native_inputs(call, q, k, v)
+    dq, dk, dv = torch.ops.attnkit.gathered_backward(
+        dout.float(), q4, k4, v4, call.keys, lse.float(), delta.float(), reading.key_ok,
+        scale=call.scale, softcap=_native_softcap(call), band=list(reading.band),
+    )  # fmt: skip
+    return (
+        dq.reshape(q.shape).to(q.dtype),
+        dk.reshape(k.shape).to(k.dtype),
+        dv.reshape(v.shape).to(v.dtype),
+    )
+
+
 # Function.apply is untyped in torch; give it its type once.
 _apply: Callable[..., tuple[Tensor, Tensor]] = _GatheredAttention.apply
 
@@ -782,10 +936,13 @@ def gathered_attention(
     dropout_p: float,
     return_lse: bool,
     is_finite: bool | None,
+    native: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor] | None:
     """A validated call (the chunked backend's) through the gathered kernel, differentiable; None
     when the kernel does not serve it (see :func:`selection`; also a call with nothing to
-    compute, or whose q, k or v hold NaN or inf: the scanning kernel's careful mode takes those)."""
+    compute, or whose q, k or v hold NaN or inf: the scanning kernel's careful mode takes those).
+    The native kernel gathers it where it can (:func:`native_refusal`; ``native``: whether the
+    backend may run it), else torch's sparse products."""
     term = bias if isinstance(bias, ScoreTerm) else None
     found = selection(mask, term, dropout_p, k.size(-2))
     if not isinstance(found, Selection) or not found.width or not q.numel() or not k.numel():
@@ -808,7 +965,13 @@ def gathered_attention(
         score_mod,
         len(captured),
     )
-    words = _note(mask, term, dropout_p, geo, k.size(-3))
+    dense_bias = dense is not None
+    why = native_refusal(
+        found, (q.dtype, k.dtype), _added_words(score_mod is not None, dense_bias, term),
+        q.device, native=native, build=True,
+    )  # fmt: skip
+    call.native = NativeReading.of(found, geo) if why is None else None
+    words = _note(found, geo, k.size(-3), why)
     note_kernel(words[1].partition("; the scanning")[0] if words is not None else "gathered")
     extra = (*(term.inputs() if term is not None else ()), *captured)
     out, lse = _apply(call, q, k, v, dense, sinks, *extra)

@@ -16,6 +16,13 @@
   k_scale, v_scale, *, scale, ...) -> (out, lse)``: queries against a KV cache read in place,
   each batch row's keys a stretch of it, contiguous or in pages through a block table; int8 or
   float8 pages with their float32 scales ``(X, Hkv, page)``; forward only;
+* ``torch.ops.attnkit.gathered_forward(q, k, v, keys, key_ok, *, scale, softcap, band, span)
+  -> (out, lse)`` and ``gathered_backward(dout, q, k, v, keys, lse, delta, key_ok, *, scale,
+  softcap, band) -> (dq, dk, dv)`` (``csrc/gathered.cpp``): index-selected attention, each
+  query's selected key and value rows read by position; q ``(B, H, Tq, Dk)`` float32, k and v
+  ``(B, Hkv, Tk, D)`` float32, bfloat16 or float16, ``keys`` ``(B|1, Hs, Tq, W)`` int64 sorted
+  rows (-1 = none, a repeat counts once), ``key_ok`` ``(B|1, Tk)`` bool, ``band`` ``(lo, hi,
+  offset)`` triples; outputs in float32 (see :mod:`attnkit._kernel.gathered`);
 * ``torch.ops.attnkit.all_finite(tensors) -> bool``.
 
 Here, once the library is loaded (:func:`register`): each operator's fake kernel, which gives its
@@ -154,6 +161,18 @@ def _fake_backward_into(
     return _grads_like(q, k, v, bias, qv, enc, bias_grad, qv_grad, enc_grad)
 
 
+def _fake_gathered_forward(
+    q: Tensor, k: Tensor, v: Tensor, keys: Tensor, *args: Any, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    return q.new_empty((*q.shape[:3], v.size(3))), q.new_empty(q.shape[:3])
+
+
+def _fake_gathered_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+
+
 def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextManager[object]:
     """Run an operator call straight on its kernel when it records no graph: no tensor of
     ``tensors`` (the call's inputs) requires grad, or grad mode is off.
@@ -262,6 +281,8 @@ def register() -> None:
     torch.library.register_fake("attnkit::native_backward")(_fake_backward)
     torch.library.register_fake("attnkit::native_backward_into")(_fake_backward_into)
     torch.library.register_fake("attnkit::native_cache_forward")(_fake_cache_forward)
+    torch.library.register_fake("attnkit::gathered_forward")(_fake_gathered_forward)
+    torch.library.register_fake("attnkit::gathered_backward")(_fake_gathered_backward)
     torch.library.register_autograd(
         "attnkit::native_forward", _backward, setup_context=_setup_context
     )

@@ -312,7 +312,8 @@ class Chunked(Backend):
             dense = self._dense(call, call.q_len, call.kv_len, None)
             return [f"the rows' keys as views of the cache ({why})", *self.notes(dense)]
         call, rewrite = self._rewritten(call)
-        index = gathered_note(call)  # an index mask: its keys gathered, or why they are scanned
+        # an index mask: its keys gathered, or why they are scanned
+        index = gathered_note(call, self.native)
         if index is not None and index[0]:
             return [*rewrite, index[1]]
         rewrite += [] if index is None else [index[1]]
