@@ -6,7 +6,10 @@ once; a query with fewer than ``k`` keys before it selects among those), as Deep
 indexer hands them over; float32, ``H`` heads with a selection shared by all of them.
 
 * gathered: ``attnkit.attention(q, k, v, mask=key_indices(idx) & causal())``, the chunked
-  backend's gathered kernel (each query's ``k`` key and value rows read by position).
+  backend's gathered kernel (each query's ``k`` key and value rows read by position), on the
+  native kernel.
+* sparse products: the same through ``Chunked(native=False)``, torch's sparse products (SDDMM
+  and SpMM); with ``--sparse``.
 * dense k: torch's ``scaled_dot_product_attention`` of the queries against ``k`` keys, ``(Tq, k)``
   scores: the same multiply-adds, with every key reused by all queries.
 * bool mask: torch's SDPA over all ``Tk`` keys with the selection as a dense ``(Tq, Tk)`` bool
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks
+from attnkit.backends import Chunked
 from attnkit.cli.measure import time_side_by_side
 
 import results
@@ -49,7 +53,7 @@ def selection(tq: int, tk: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 def candidates(
-    tq: int, tk: int, k: int, h: int, d: int, backward: bool, with_bool: bool
+    tq: int, tk: int, k: int, h: int, d: int, backward: bool, with_bool: bool, sparse: bool
 ) -> dict[str, Callable[[], object]]:
     g = torch.Generator().manual_seed(1)
 
@@ -71,6 +75,11 @@ def candidates(
         "gathered": run(lambda: attnkit.attention(q, keys, values, mask=mask, backend="chunked")),
         "dense k": run(lambda: F.scaled_dot_product_attention(q, k_few, v_few)),
     }
+    if sparse:
+        eager = Chunked(native=False)
+        fns["sparse products"] = run(
+            lambda: attnkit.attention(q, keys, values, mask=mask, backend=eager)
+        )
     if with_bool:
         dense = mask.dense(tq, tk)
         fns["bool mask"] = run(
@@ -100,6 +109,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--threads", type=int, help="torch's threads (default: its own count)")
     parser.add_argument("--no-bool", action="store_true", help="leave out the dense bool mask")
+    parser.add_argument("--sparse", action="store_true", help="also time torch's sparse products")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
@@ -117,15 +127,17 @@ def main() -> None:
     per_query = k * h * 2 * d * 4  # bytes each query reads: its k key and value rows, every head
     floor = tq * per_query / bandwidth()
     print(f"bytes gathered per query: {per_query / 2**20:.2f} MiB; read floor {floor:.3f} s")
-    print("\n| pass | gathered s | dense k s | bool mask s | gathered / dense k | "
-          "gathered / bool mask | floor / gathered |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| pass | gathered s | dense k s | bool mask s | sparse products s | "
+          "gathered / dense k | gathered / bool mask | sparse products / dense k | "
+          "floor / gathered |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for backward in (False, True):
-        fns = candidates(tq, tk, k, h, d, backward, not args.no_bool)
+        fns = candidates(tq, tk, k, h, d, backward, not args.no_bool, args.sparse)
         times = time_side_by_side(fns, rounds=args.rounds, min_run_time=0.5)
         ours, dense = times["gathered"], times["dense k"]
         boolean = times.get("bool mask")
+        sparse = times.get("sparse products")
         row = {
             "pass": "fwd+bwd" if backward else "forward",
             "gathered_seconds": ours,
@@ -133,13 +145,17 @@ def main() -> None:
             "bool_mask_seconds": boolean,
             "over_dense_k": ours / dense,
             "over_bool_mask": None if boolean is None else ours / boolean,
+            "sparse_products_seconds": sparse,
+            "sparse_over_dense_k": None if sparse is None else sparse / dense,
             "read_floor_seconds": floor * (3 if backward else 1),
         }
         rows.append(row)
         print(
             f"| {row['pass']} | {ours:.3f} | {dense:.3f} | "
-            f"{'' if boolean is None else f'{boolean:.3f}'} | {ours / dense:.2f} | "
+            f"{'' if boolean is None else f'{boolean:.3f}'} | "
+            f"{'' if sparse is None else f'{sparse:.3f}'} | {ours / dense:.2f} | "
             f"{'' if boolean is None else f'{ours / boolean:.2f}'} | "
+            f"{'' if sparse is None else f'{sparse / dense:.2f}'} | "
             f"{row['read_floor_seconds'] / ours:.2f} |",
             flush=True,
         )

@@ -4,9 +4,21 @@ every key.
 A call whose mask is an index mask (:func:`attnkit.masks.key_indices`,
 :func:`~attnkit.masks.block_indices`), alone or ANDed with masks that can be read at any pair
 (causal and other bands, key padding, dense tensors, other index masks), lets each query attend
-at most ``k`` keys. This kernel computes just those pairs. For a chunk of query rows (one batch
-row and key/value head), the pairs form a sparse ``(rows, Tk)`` matrix of ``k`` entries a row,
-and torch's sparse kernels read each selected key or value row once: the scores
+at most ``k`` keys. This kernel computes just those pairs, on one of two paths.
+
+The native kernel (``torch.ops.attnkit.gathered_forward`` and ``gathered_backward``,
+``csrc/gathered.cpp``) serves float32, bfloat16 and float16 calls whose other masks are bands
+and masks of keys (causal, sliding windows, key padding), with softcap and sinks: one parallel
+region over (batch row, gathered head, block of queries); each selected key row is dotted into
+registers for the ``G'`` query heads that share it, the softmax runs over a query's scores at
+once, then the weighted sum of its value rows; the keys are walked in stretches that stay in the
+core's cache while a block of queries reads them. Its backward owns each key/value head's
+gradients in one thread (or in private copies, summed, where heads are fewer than threads).
+
+Everything else (a dense ``bias`` or :class:`~attnkit.scores.DistanceBias`, a ``score_mod``,
+other masks read at the pairs, float64) takes torch's sparse products: for a chunk of query rows
+(one batch row and key/value head), the pairs form a sparse ``(rows, Tk)`` matrix of ``k``
+entries a row, and torch's sparse kernels read each selected key or value row once: the scores
 ``scale * q . k_j`` at the pairs (a sampled dense-dense product, SDDMM), then everything the call
 adds to them (softcap, a dense ``bias`` or a :class:`~attnkit.scores.DistanceBias` read at the
 pairs, a ``score_mod``), the other ANDed masks read there too, a softmax over each row's ``k``
