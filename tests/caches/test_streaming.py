@@ -356,3 +356,35 @@ def test_a_module_decodes_through_a_quantized_streaming_cache(kv_dtype: torch.dt
 def test_kv_dtype_is_checked() -> None:
     with pytest.raises(TypeError, match=r"kv_dtype must be None, torch\.int8, .*got float16"):
         StreamingKVCache(1, 1, 8, sink_tokens=1, window=2, kv_dtype=torch.float16)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    sinks=st.integers(0, 4),
+    window=st.integers(1, 6),
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    kv_dtype=st.sampled_from(KV_DTYPES),
+    magnitude=st.sampled_from([1e-3, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_quantized_streaming_fuzz(
+    sinks: int, window: int, chunks: list[int], kv_dtype: torch.dtype, magnitude: float, seed: int
+) -> None:
+    # Over sinks, windows, chunk lengths, formats and the scales' magnitudes: every output equals
+    # the float64 formula over the held tokens as stored.
+    g = torch.Generator().manual_seed(seed)
+    n = sum(chunks)
+    q = torch.randn(1, 2, n, 4, generator=g) / magnitude  # scores of order 1 at any scale
+    k, v = (torch.randn(1, 1, n, 4, generator=g) * magnitude for _ in "kv")
+    want = whole_sequence(
+        q.double(), _as_stored(k, kv_dtype, chunks[0]), _as_stored(v, kv_dtype, chunks[0]),
+        sinks, window,
+    )  # fmt: skip
+    cache = StreamingKVCache(1, 1, 4, sink_tokens=sinks, window=window, kv_dtype=kv_dtype)
+    at = 0
+    with torch.no_grad():
+        for t in chunks:
+            out, _ = cache.attention(*(x[:, :, at : at + t] for x in (q, k, v)))
+            assert _rel(out, want[:, :, at : at + t]) <= 1e-5, at
+            at += t
+    assert cache.length == min(n, sinks + window)
