@@ -100,5 +100,8 @@ def test_a_front_end_spells_the_check_in_its_own_names_and_layout() -> None:
         check_tokens(ok.to("meta"), ok, pages, pages, 2, "k_cache", spelling)
     grad = ok.clone().requires_grad_()
     with pytest.raises(ValueError, match=re.escape("flash_attn_with_kvcache got keys that "
-                                                   "require grad (v)")):  # fmt: skip
+                                                   "require grad: the cache is for inference, "
+                                                   "run decoding under torch.no_grad() or "
+                                                   "torch.inference_mode() (got v with "
+                                                   "requires_grad=True)")):  # fmt: skip
         check_tokens(ok, grad, pages, pages, 2, "k_cache", spelling)

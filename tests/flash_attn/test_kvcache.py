@@ -162,8 +162,9 @@ def _refused_kv_calls(paged: bool) -> list[tuple[str, dict[str, Any], type[Excep
          "v must be a float tensor, got int64"),
         ("k list", dict(k=[[1.0]]), TypeError, "k must be a torch.Tensor, got list"),
         ("k grad", dict(k=torch.randn(2, 2, 2, 8, dtype=torch.float64, requires_grad=True)),
-         ValueError, "flash_attn_with_kvcache got keys that require grad (k): the cache is for "
-         "inference"),
+         ValueError, "flash_attn_with_kvcache got keys that require grad: the cache is for "
+         "inference, run decoding under torch.no_grad() or torch.inference_mode() (got k with "
+         "requires_grad=True)"),
         ("rotary wide", dict(rotary_cos=torch.ones(16, 6, dtype=torch.float64),
                              rotary_sin=torch.ones(16, 6, dtype=torch.float64)), ValueError,
          "rotary_cos has 6 columns"),

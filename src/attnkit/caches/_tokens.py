@@ -91,8 +91,9 @@ def check_tokens(
         who = spelling.who or what.split()[0]
         named = " and ".join(n for n, t in (("k", k), ("v", v)) if t.requires_grad)
         raise ValueError(
-            f"{who} got keys that require grad ({named}): the cache is for inference, run "
-            "decoding under torch.no_grad() or torch.inference_mode()"
+            f"{who} got keys that require grad: the cache is for inference, run decoding "
+            f"under torch.no_grad() or torch.inference_mode() (got {named} with "
+            "requires_grad=True)"
         )
     return k, v
 
