@@ -76,11 +76,10 @@ def _problem(
     mod_inputs: tuple[Tensor, ...],
 ) -> Problem:
     """The eager kernel's :class:`Problem` (keys and values as ``(N * Hkv, Tk, D)``)."""
-    n, hkv = k4.shape[:2]
     return Problem(
         q5=q5,
-        k3=k4.reshape(n * hkv, k4.size(-2), k4.size(-1)),
-        v3=v4.reshape(n * hkv, v4.size(-2), v4.size(-1)),
+        k3=k4.flatten(0, 1),
+        v3=v4.flatten(0, 1),
         scale=spec.scale,
         plan=spec.plan.grid,
         geo=spec.geo,
@@ -162,7 +161,6 @@ def kernel_backward(
         term_grads=any(term_needs),
         fold=fold,
     )
-    n, hkv = k4.shape[:2]
-    grads.dk = grads.dk.view(n, hkv, k4.size(-2), -1)
-    grads.dv = grads.dv.view(n, hkv, v4.size(-2), -1)
+    grads.dk = grads.dk.unflatten(0, k4.shape[:2])
+    grads.dv = grads.dv.unflatten(0, v4.shape[:2])
     return grads
