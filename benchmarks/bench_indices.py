@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch's threads (default: its own count)")
     parser.add_argument("--no-bool", action="store_true", help="leave out the dense bool mask")
     parser.add_argument("--sparse", action="store_true", help="also time torch's sparse products")
+    parser.add_argument("--forward-only", action="store_true", help="leave out forward + backward")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
@@ -132,7 +133,7 @@ def main() -> None:
           "floor / gathered |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
-    for backward in (False, True):
+    for backward in (False,) if args.forward_only else (False, True):
         fns = candidates(tq, tk, k, h, d, backward, not args.no_bool, args.sparse)
         times = time_side_by_side(fns, rounds=args.rounds, min_run_time=0.5)
         ours, dense = times["gathered"], times["dense k"]
