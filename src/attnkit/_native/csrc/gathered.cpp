@@ -31,11 +31,9 @@ constexpr int64_t kBlockEntries = 1 << 18;
 constexpr int64_t kBlockQueries = 64;
 // The bytes of one key stretch's rows by default (see walk).
 constexpr int64_t kStretchBytes = 1 << 20;
-// Selected rows fetched ahead of the one being read.
-#ifndef ATTNKIT_GATHER_AHEAD
-#define ATTNKIT_GATHER_AHEAD 16
-#endif
-constexpr int64_t kAhead = ATTNKIT_GATHER_AHEAD;
+// Selected rows fetched ahead of the one being read (their addresses are data: the hardware's
+// prefetchers cannot guess them).
+constexpr int64_t kAhead = 16;
 
 inline float hsum(const Vec& x) {
 #if defined(CPU_CAPABILITY_AVX512)
