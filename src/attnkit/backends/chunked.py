@@ -237,6 +237,8 @@ class Chunked(Backend):
         lies; else why the call runs as dense calls on the rows' keys (views of a contiguous
         cache whose rows share their keys, else gathered). ``build``: as a call about to run,
         load the kernel (questions never build it)."""
+        if torch.compiler.is_compiling():  # (nothing kept while traced: no guard on it)
+            return self._cache_refusal(call, build)
         last = self._read_in_place
         if last is not None and last() is call and native_loaded():
             return None  # (auto asked just now, and the kernel is loaded: a step asks twice)
