@@ -310,12 +310,6 @@ def test_stats_with_index_masks_equal_the_reference_weights_statistics(
     check(attention_stats(q, k, backend="reference", **kw), want, torch.float64)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="the one pass asks attention() for the log-sum-exp with values of Dv = 0, which the "
-    "gathered kernel cannot reshape (_kernel/gathered.py, _inputs: v.reshape(-1, 0))",
-)
 def test_stats_with_an_index_mask_in_one_pass() -> None:
     q, k = _randn(B, H, TQ, D, seed=25), _randn(B, HKV, TK, D, seed=26)
     mask = masks.key_indices(_selection(1, 27))

@@ -538,8 +538,8 @@ def _inputs(call: Gathered, q: Tensor, k: Tensor, v: Tensor, work: torch.dtype) 
     q5 = q.reshape(geo.batch, call.c, call.g, geo.q_len, q.size(-1)).transpose(2, 3)
     return _Inputs(
         q5.to(work).reshape(call.rows, call.g, q.size(-1)),
-        k.reshape(-1, k.size(-1)),
-        v.reshape(-1, v.size(-1)),
+        k.flatten(0, -2),  # (not reshape(-1, D): values of D = 0 have no -1 to infer)
+        v.flatten(0, -2),
     )
 
 
