@@ -9,6 +9,10 @@ B=1, H=8, D=64, causal, float32, T=32768 (``--t`` scales it down). Side by side 
 * stats (lse given): ``attention_stats(q, k, causal=True, lse=lse)``: one pass over the plan;
 * stats: ``attention_stats(q, k, causal=True)``: the log-sum-exp pass, then the same pass.
 
+``--busy`` keeps one core busy with a spinning process while the calls are timed (a machine
+shared with other work): threads of a parallel region that wait for each other then spin on the
+cores the others need, under GNU OpenMP's default wait policy (``OMP_WAIT_POLICY`` unset).
+
 "extra MiB" is the peak resident memory a call adds beyond its inputs and its result, measured in
 a fresh process (see ``attnkit.cli.measure``); the statistics' own outputs are ``3 * H * T``
 floats. "GMAC/s" counts the multiply-adds of the visible pairs' products (``q k^T`` for the
@@ -17,15 +21,19 @@ statistics pass, ``q k^T`` and ``p v`` for the forward; the log-sum-exp pass add
     python benchmarks/bench_stats.py                           # T=32768 (several minutes)
     python benchmarks/bench_stats.py --t 4096 --rounds 5       # a quick look
     python benchmarks/bench_stats.py --threads 1                # one thread: no parallel regions
+    python benchmarks/bench_stats.py --busy                     # one core kept busy meanwhile
     python benchmarks/bench_stats.py --json docs/benchmarks/data/stats.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -82,6 +90,20 @@ def _macs(case: str, t: int) -> float:
     return pairs * D * per_pair
 
 
+@contextlib.contextmanager
+def busy_core(on: bool) -> Iterator[None]:
+    """One core kept busy by a spinning process for the block's time (nothing when not ``on``)."""
+    if not on:
+        yield
+        return
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spin.kill()
+        spin.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--t", type=int, default=32768, help="sequence length (default 32768)")
@@ -89,18 +111,22 @@ def main() -> None:
     parser.add_argument("--min-run-time", type=float, default=0.5)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--threads", type=int, help="torch's threads (default: torch's own)")
+    parser.add_argument("--busy", action="store_true", help="keep one core busy meanwhile")
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     t = args.t
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["ATTNKIT_BENCH_THREADS"] = str(args.threads)  # the memory children's
+    load = "one core busy with a spinning process" if args.busy else "quiet"
+    policy = os.environ.get("OMP_WAIT_POLICY", "default")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
-        f"B=1 H={H} T={t} D={D} causal float32"
+        f"B=1 H={H} T={t} D={D} causal float32; {load}; OMP_WAIT_POLICY {policy}"
     )
     fns = {case: build(case, t)[0] for case in CASES}
-    times = time_side_by_side(fns, rounds=args.rounds, min_run_time=args.min_run_time)
+    with busy_core(args.busy):
+        times = time_side_by_side(fns, rounds=args.rounds, min_run_time=args.min_run_time)
     base = times["forward"]
     print("\n| call | ms | / forward | GMAC/s | extra MiB | result MiB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -128,7 +154,10 @@ def main() -> None:
             }
         )
     if args.json:
-        config = {"B": 1, "H": H, "T": t, "D": D, "dtype": "float32", "rounds": args.rounds}
+        config = {
+            "B": 1, "H": H, "T": t, "D": D, "dtype": "float32", "rounds": args.rounds,
+            "threads": torch.get_num_threads(), "busy": args.busy, "omp_wait_policy": policy,
+        }  # fmt: skip
         results.save(args.json, "stats", rows, config=config)
 
 

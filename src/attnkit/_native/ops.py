@@ -16,6 +16,12 @@
   k_scale, v_scale, *, scale, ...) -> (out, lse)``: queries against a KV cache read in place,
   each batch row's keys a stretch of it, contiguous or in pages through a block table; int8 or
   float8 pages with their float32 scales ``(X, Hkv, page)``; forward only;
+* ``torch.ops.attnkit.native_stats(lse, q, k, v, offsets, visits, ..., *, block_q, ...) ->
+  (key_mass, key_max, entropy)``: the attention statistics of a call (see
+  :mod:`attnkit._kernel.stats`) from its rows' natural-log log-sum-exp ``lse``
+  ``(N, Hkv, G, Tq)``: the weights' column sums and maxima ``(N, Hkv, G, Tk)`` and the rows'
+  entropies ``(N, Hkv, G, Tq)``, float32 or float64 as q and k (v is not read: any tensor of
+  k's ``(N, Hkv, Tk)``, of width 0); no autograd;
 * ``torch.ops.attnkit.all_finite(tensors) -> bool``.
 
 Here, once the library is loaded (:func:`register`): each operator's fake kernel, which gives its
@@ -77,6 +83,13 @@ def _fake_cache_forward(
     q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any
 ) -> tuple[Tensor, Tensor]:
     return like_q(q, v.size(3)), q.new_empty(q.shape[:4])
+
+
+def _fake_stats(
+    lse: Tensor, q: Tensor, k: Tensor, *args: Any, **kwargs: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    cols = (*q.shape[:3], k.size(2))
+    return q.new_empty(cols), q.new_empty(cols), q.new_empty(q.shape[:4])
 
 
 def _grads_like(
@@ -262,6 +275,7 @@ def register() -> None:
     torch.library.register_fake("attnkit::native_backward")(_fake_backward)
     torch.library.register_fake("attnkit::native_backward_into")(_fake_backward_into)
     torch.library.register_fake("attnkit::native_cache_forward")(_fake_cache_forward)
+    torch.library.register_fake("attnkit::native_stats")(_fake_stats)
     torch.library.register_autograd(
         "attnkit::native_forward", _backward, setup_context=_setup_context
     )
