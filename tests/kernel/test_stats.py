@@ -277,6 +277,18 @@ def test_native_float32_stats_are_within_float32_tolerance(case: dict[str, objec
 
 
 @native_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_native_reduced_inputs_are_computed_in_float32(dtype: torch.dtype) -> None:
+    case = {"mask": masks.causal(), "bias": "dense"}
+    q, k, kw = _native_case(case, dtype=dtype)
+    lse, *want = _reference(q, k, kw)  # (of the rounded inputs, in float64)
+    # (the log-sum-exp in float32, as attention() returns it for these inputs)
+    for a, b in zip(_native_stats(q, k, lse.float(), kw), want, strict=True):
+        assert a.dtype == torch.float32
+        assert_close(a, b, dtype=torch.float32)
+
+
+@native_only
 @pytest.mark.parametrize(("tq", "tk"), [(5, 0), (0, 5), (0, 0)])
 def test_native_stats_of_no_keys_or_no_queries(tq: int, tk: int) -> None:
     q, k = randn(2, 4, tq, 8, seed=1), randn(2, 2, tk, 8, seed=2)
