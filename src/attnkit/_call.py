@@ -10,7 +10,7 @@ on ``device="meta"`` tensors too, which is how ``explain`` describes a call with
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import torch
@@ -118,6 +118,26 @@ class AttentionCall:
     @property
     def geometry(self) -> Geometry:
         return Geometry(self.batch_shape, self.num_heads, self.q_len, self.kv_len, self.device)
+
+    @property
+    def dense_views(self) -> AttentionCall | None:
+        """The dense call a cache call is when its keys are plain views of the cache: every row
+        the same stretch of one page each (a contiguous cache), unquantized. Its ``k`` and ``v``
+        are then ``view.k[:N, :, start:end]`` (and v's), nothing copied; None for any other call
+        (worked out once a call in eager: a decode step asks it several times)."""
+        view = self.cache
+        if view is None or not view.shared or view.block_table is not None or view.quantized:
+            return None
+        if torch.compiler.is_compiling():
+            return replace(self, cache=None)
+        made = self.__dict__.get("_dense_views")
+        if made is None:
+            # (the fields as they are but the cache: no __init__ to run again, a step's worth)
+            made = object.__new__(AttentionCall)
+            fields = {k: v for k, v in self.__dict__.items() if k != "_dense_views"}
+            made.__dict__.update(fields, cache=None)
+            self.__dict__["_dense_views"] = made
+        return made
 
     def describe(self) -> str:
         """One line: ``q (2, 8, 128, 64), k (2, 2, 256, 64), v (...) float32 on cpu, causal``."""

@@ -309,7 +309,7 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
         for b in registry.values():
             if not b.auto:
                 continue
-            refused, costs = b.reasons(call)
+            refused, costs = b.reasons(call, refused_costs=False)
             if refused:
                 continue
             slow = b.slower_reasons(call) if gpu or not costs else []

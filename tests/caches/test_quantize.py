@@ -421,3 +421,47 @@ def test_slot_writes_quantize_into_the_pool(kv_dtype: torch.dtype) -> None:
     out = attention(q, dataclasses.replace(cache.view(), kv_range=((0, 8),)), causal=True)
     exact = attention(q.double(), keys, values, backend="reference")
     assert _rel(out, exact) <= 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_refused_keep_leaves_a_quantized_cache_and_its_scales_bit_identical(
+    kv_dtype: torch.dtype,
+) -> None:
+    # keep() moves each token's scale with it: every index is checked before anything moves, so
+    # a refused keep leaves the pages and the scales as they were, and a keep after it works.
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 2, 6, 4, generator=g) * torch.linspace(0.1, 10, 6)[:, None]
+    cache = KVCache(2, 8, 2, 4, kv_dtype=kv_dtype)
+    cache.update(x, -x)
+
+    def state() -> list[torch.Tensor | None]:
+        return [_bits(t) for t in (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)]
+
+    before = state()
+    for bad, match in [
+        (torch.tensor([[[0, 6], [1, 2]], [[0, 1], [2, 3]]]), r"got 6 in row \(0, 0\)"),
+        (torch.tensor([[[0, 1], [1, 1]], [[0, 1], [2, 3]]]), r"row \(0, 1\) keeps token 1 twice"),
+        (torch.tensor([[[0, 1]]]), r"shape \(2, 2, K\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cache.keep(bad)
+        assert _same(state(), before)
+        assert cache.length == 6
+    keys, _ = _dense_kv(cache)
+    cache.keep(torch.tensor([[[5, 0], [3, 1]], [[2, 4], [0, 5]]]))
+    assert torch.equal(_dense_kv(cache)[0][0, 0], keys[0, 0, [0, 5]])
+
+    paged = PagedKVCache(8, 3, 2, 4, max_seqs=1, kv_dtype=kv_dtype)
+    paged.stage(x[:1], -x[:1])
+    paged.commit()
+
+    def pstate() -> list[torch.Tensor | None]:
+        return [_bits(t) for t in (paged.k_pages, paged.v_pages, paged.k_scales, paged.v_scales)]
+
+    before = pstate()
+    with pytest.raises(ValueError, match=r"got 6 in row \(0,\)"):
+        paged.keep(0, torch.tensor([[0, 6], [1, 2]]))
+    with pytest.raises(ValueError, match=r"row \(1,\) keeps token 2 twice"):
+        paged.keep(0, torch.tensor([[0, 1], [2, 2]]))
+    assert _same(pstate(), before)
+    assert paged.lengths == [6]

@@ -9,6 +9,9 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
+from attnkit._kernel.cache import IN_PLACE
+from attnkit.caches import view as view_module
+from attnkit.caches._quantize import quantize_fp8, quantize_int8
 from attnkit.caches.streaming import StreamingKVCache
 
 F64 = torch.float64
@@ -169,3 +172,219 @@ def test_a_module_decodes_with_it_at_the_tokens_own_positions() -> None:
     torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-12, rtol=1e-12)
     assert cache.position == n
     assert cache.length == sinks + window
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized storage (kv_dtype): the sinks and the window as int8 or float8, with their scales
+
+KV_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+# The relative error of a step against the unquantized cache, on random data: the bound the
+# inference guide's table of quantized caches documents (its measured figures lie well inside).
+FORMAT_ERROR = {torch.int8: 2e-2, torch.float8_e4m3fn: 8e-2, torch.float8_e5m2: 1.5e-1}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone().contiguous().view(torch.uint8)
+
+
+def _state(cache: StreamingKVCache) -> list[torch.Tensor | None]:
+    return [_bits(t) for t in (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)]
+
+
+def _same(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _as_stored(x: torch.Tensor, kv_dtype: torch.dtype, first: int) -> torch.Tensor:
+    """Every token of ``x`` (B, Hkv, N, D) as the cache stores it, dequantized in float64,
+    computed apart from the cache: int8 a scale per token; float8 the scale of the first
+    write's ``first`` tokens, for every token."""
+    if kv_dtype == torch.int8:
+        xq, scale = quantize_int8(x)
+    else:
+        _, scale = quantize_fp8(x[:, :, :first], kv_dtype)
+        xq, scale = quantize_fp8(x, kv_dtype, scale=scale)
+    return xq.double() * scale.double()
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_quantized_streaming_equals_the_formula_over_the_dequantized_tokens(
+    kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prompts, steps far past S + W, a chunk that wraps the ring: each output equals the float64
+    # formula over exactly the held tokens as stored (dequantized), so every token and scale is
+    # in its slot after every roll; and stays within the format's error of the float cache.
+    g = torch.Generator().manual_seed(7)
+    sinks, window, b, h, hkv, d = 3, 8, 2, 4, 2, 16
+    chunks = [24] + [1] * 20 + [5] + [1] * 12  # a prompt longer than S + W first
+    n = sum(chunks)
+    q, k, v = (torch.randn(b, heads, n, d, generator=g) for heads in (h, hkv, hkv))
+    want = whole_sequence(
+        q.double(), _as_stored(k, kv_dtype, chunks[0]), _as_stored(v, kv_dtype, chunks[0]),
+        sinks, window,
+    )  # fmt: skip
+    cache = StreamingKVCache(b, hkv, d, sink_tokens=sinks, window=window, kv_dtype=kv_dtype)
+    plain = StreamingKVCache(b, hkv, d, sink_tokens=sinks, window=window)
+    monkeypatch.setattr(view_module, "dequantize", _no_copy)  # a step copies nothing
+    at, outs, unquantized = 0, [], []
+    with torch.no_grad():
+        for t in chunks:
+            part = [x[:, :, at : at + t] for x in (q, k, v)]
+            with attnkit.record_dispatch() as seen:
+                out, _ = cache.attention(*part)
+            assert _rel(out, want[:, :, at : at + t]) <= 1e-5, at
+            if t == 1:
+                assert seen[0].kernel == IN_PLACE, at
+            outs.append(out)
+            unquantized.append(plain.attention(*part)[0])
+            at += t
+    assert _rel(torch.cat(outs, 2), torch.cat(unquantized, 2)) <= FORMAT_ERROR[kv_dtype]
+    assert cache.k_cache.dtype == kv_dtype
+    assert cache.length == sinks + window
+
+
+def _no_copy(*args: object) -> torch.Tensor:
+    raise AssertionError("a step dequantized the cache into a copy")
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_refused_call_leaves_a_quantized_streaming_cache_as_it_was(kv_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(8)
+    sinks, window, d = 2, 4, 8
+    q, k, v = (torch.randn(1, 2, 30, d, generator=g) for _ in "qkv")
+    want = whole_sequence(
+        q.double(), _as_stored(k, kv_dtype, 5), _as_stored(v, kv_dtype, 5), sinks, window
+    )
+    cache = StreamingKVCache(1, 2, d, sink_tokens=sinks, window=window, kv_dtype=kv_dtype)
+    empty = _state(cache)
+    with torch.no_grad():
+        # a first write, which would set the float8 scales: refused before anything is written
+        with pytest.raises(TypeError, match="cache's dtype"):
+            cache.attention(q[:, :, :5], k[:, :, :5].double(), v[:, :, :5].double())
+        with pytest.raises(ValueError, match="softcap"):
+            cache.attention(q[:, :, :5] * 100, k[:, :, :5] * 100, v[:, :, :5], softcap=-1.0)
+        assert _same(_state(cache), empty)
+        assert cache.position == 0
+        cache.attention(q[:, :, :5], k[:, :, :5], v[:, :, :5])
+        for t in range(5, 12):  # past S + W: each step rolls the ring
+            cache.attention(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        held = _state(cache)
+        # a chunk (its evictions happen at commit) and a step, refused: bit for bit as it was
+        with pytest.raises(ValueError, match="softcap"):
+            cache.attention(q[:, :, 12:15], k[:, :, 12:15], v[:, :, 12:15], softcap=-1.0)
+        with pytest.raises(ValueError, match=r"\(B, Hkv, T, Dk\) = \(1, 2, 1, 8\)"):
+            cache.attention(q[:, :, 12:13], k[:, :, 12:13, :4], v[:, :, 12:13])
+        x = k[:, :, 12:13].clone().requires_grad_()
+        with torch.enable_grad(), pytest.raises(ValueError, match="inference"):
+            cache.update(x, x)
+        assert _same(_state(cache), held)
+        assert cache.position == 12
+        # a step refused by attention() after its write: only the slot of the token that had
+        # left the window changed, and the next calls see what they would have seen
+        with pytest.raises(ValueError, match="softcap"):
+            cache.attention(q[:, :, 12:13], k[:, :, 12:13], v[:, :, 12:13], softcap=-1.0)
+        assert cache.position == 12
+        slot = cache._slot(12)
+        now = _state(cache)
+        for before, after in zip(held, now, strict=True):
+            if before is not None and after is not None and before.size(2) > 1:
+                keep = [s for s in range(before.size(2)) if s != slot]
+                assert torch.equal(before[:, :, keep], after[:, :, keep])
+        out, _ = cache.attention(q[:, :, 12:], k[:, :, 12:], v[:, :, 12:])
+    assert _rel(out, want[:, :, 12:]) <= 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_quantized_streaming_cache_keeps_its_memory_past_the_window(
+    kv_dtype: torch.dtype,
+) -> None:
+    sinks, window, b, hkv, d = 4, 16, 2, 2, 32
+    cache = StreamingKVCache(b, hkv, d, sink_tokens=sinks, window=window, kv_dtype=kv_dtype)
+
+    def held() -> list[tuple[int, int]]:  # every tensor the cache holds: (address, bytes)
+        return [
+            (t.data_ptr(), t.untyped_storage().nbytes())
+            for t in vars(cache).values()
+            if isinstance(t, torch.Tensor)
+        ]
+
+    start = held()
+    with torch.no_grad():
+        cache.attention(*(torch.randn(b, n, 7, d) for n in (4, hkv, hkv)))
+        for step in range(5 * (sinks + window)):
+            cache.attention(*(torch.randn(b, n, 1, d) for n in (4, hkv, hkv)))
+            if step % 20 == 0:
+                assert held() == start, step
+    assert held() == start
+    assert cache.length == sinks + window
+    per_token = d + (4 if kv_dtype == torch.int8 else 0)  # int8 keeps a float32 scale a token
+    assert cache.k_cache.nbytes + (cache.k_scale.nbytes if kv_dtype == torch.int8 else 0) == (
+        b * hkv * (sinks + window) * per_token
+    )
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_module_decodes_through_a_quantized_streaming_cache(kv_dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    sinks, window, n = 2, 6, 30
+    mha = attnkit.MultiHeadAttention(
+        32, 4, num_kv_heads=2, rotary=attnkit.RotaryEmbedding(8)
+    ).eval()
+    x = torch.randn(1, n, 32)
+    caches = [
+        StreamingKVCache(1, 2, 8, sink_tokens=sinks, window=window, kv_dtype=kind)
+        for kind in (None, kv_dtype)
+    ]
+    outs = []
+    with torch.no_grad(), attnkit.record_dispatch() as seen:
+        for cache in caches:
+            got = [mha(x[:, :5], cache=cache, causal=True)]
+            got += [mha(x[:, t : t + 1], cache=cache, causal=True) for t in range(5, n)]
+            outs.append(torch.cat(got, 1))
+    assert _rel(outs[1], outs[0]) <= FORMAT_ERROR[kv_dtype]
+    assert sum(s.kernel == IN_PLACE for s in seen) == n - 5  # the quantized steps, in place
+    assert "kv_dtype=" in repr(caches[1])
+
+
+def test_kv_dtype_is_checked() -> None:
+    with pytest.raises(TypeError, match=r"kv_dtype must be None, torch\.int8, .*got float16"):
+        StreamingKVCache(1, 1, 8, sink_tokens=1, window=2, kv_dtype=torch.float16)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    sinks=st.integers(0, 4),
+    window=st.integers(1, 6),
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    kv_dtype=st.sampled_from(KV_DTYPES),
+    magnitude=st.sampled_from([1e-3, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_quantized_streaming_fuzz(
+    sinks: int, window: int, chunks: list[int], kv_dtype: torch.dtype, magnitude: float, seed: int
+) -> None:
+    # Over sinks, windows, chunk lengths, formats and the scales' magnitudes: every output equals
+    # the float64 formula over the held tokens as stored.
+    g = torch.Generator().manual_seed(seed)
+    n = sum(chunks)
+    q = torch.randn(1, 2, n, 4, generator=g) / magnitude  # scores of order 1 at any scale
+    k, v = (torch.randn(1, 1, n, 4, generator=g) * magnitude for _ in "kv")
+    want = whole_sequence(
+        q.double(), _as_stored(k, kv_dtype, chunks[0]), _as_stored(v, kv_dtype, chunks[0]),
+        sinks, window,
+    )  # fmt: skip
+    cache = StreamingKVCache(1, 1, 4, sink_tokens=sinks, window=window, kv_dtype=kv_dtype)
+    at = 0
+    with torch.no_grad():
+        for t in chunks:
+            out, _ = cache.attention(*(x[:, :, at : at + t] for x in (q, k, v)))
+            assert _rel(out, want[:, :, at : at + t]) <= 1e-5, at
+            at += t
+    assert cache.length == min(n, sinks + window)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from attnkit.caches._tokens import check_tokens, put, write
+from attnkit.caches._tokens import Spelling, check_tokens, put, write
 
 
 def _by_hand(
@@ -74,3 +74,34 @@ def test_the_check_names_what_is_wrong() -> None:
         check_tokens(ok.requires_grad_(), ok, pages, pages, 2, "KVCache")
     with pytest.raises(TypeError, match="k must be a float tensor"):
         check_tokens(ok.int(), ok, pages, pages, 2, "KVCache")
+
+
+def test_a_front_end_spells_the_check_in_its_own_names_and_layout() -> None:
+    # flash-attn's token-major (N, T, Hkv, D) tokens, checked against the same pages
+    pages = torch.zeros(2, 2, 8, 4)
+    spelling = Spelling(
+        k_shape="(batch, seqlen_new, nheads_k, headdim)",
+        v_shape="(batch, seqlen_new, nheads_k, headdim_v)",
+        token_major=True,
+        dtype_of="k_cache's dtype",
+        device_of="k_cache's device",
+        who="flash_attn_with_kvcache",
+    )
+    ok = torch.zeros(2, 3, 2, 4)
+    check_tokens(ok, ok, pages, pages, 2, "k_cache", spelling)
+    message = "(batch, seqlen_new, nheads_k, headdim) = (2, T, 2, 4) and "
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_tokens(torch.zeros(2, 2, 4), ok, pages, pages, 2, "k_cache", spelling)
+    with pytest.raises(ValueError, match=re.escape("= (2, 3, 2, 4) for this cache (k_cache)")):
+        check_tokens(ok, torch.zeros(2, 2, 3, 4), pages, pages, 2, "k_cache", spelling)
+    with pytest.raises(TypeError, match=re.escape("k_cache's dtype (float32), got k float64")):
+        check_tokens(ok.double(), ok, pages, pages, 2, "k_cache", spelling)
+    with pytest.raises(ValueError, match=re.escape("on k_cache's device (cpu), got k on meta")):
+        check_tokens(ok.to("meta"), ok, pages, pages, 2, "k_cache", spelling)
+    grad = ok.clone().requires_grad_()
+    with pytest.raises(ValueError, match=re.escape("flash_attn_with_kvcache got keys that "
+                                                   "require grad: the cache is for inference, "
+                                                   "run decoding under torch.no_grad() or "
+                                                   "torch.inference_mode() (got v with "
+                                                   "requires_grad=True)")):  # fmt: skip
+        check_tokens(ok, grad, pages, pages, 2, "k_cache", spelling)

@@ -101,6 +101,12 @@ def test_kvcache_without_new_keys_reads_cache_seqlens() -> None:
         assert_close(out[b], want[0])
 
 
+NEW_SHAPES = (
+    "k and v must have shapes (batch, seqlen_new, nheads_k, headdim) = (2, 2, 2, 8) and "
+    "(batch, seqlen_new, nheads_k, headdim_v) = (2, 2, 2, 6)"
+)
+
+
 def _refused_kv_calls(paged: bool) -> list[tuple[str, dict[str, Any], type[Exception], str]]:
     """(what, overrides of _kv_call, exception, message fragment): each a call that must fail."""
     nan, inf = float("nan"), float("inf")
@@ -137,10 +143,28 @@ def _refused_kv_calls(paged: bool) -> list[tuple[str, dict[str, Any], type[Excep
          ValueError, "q's nheads (3) must be a multiple of the cache's nheads_k (2)"),
         ("q dtype", dict(q=torch.randn(2, 1, 4, 8, generator=g)), TypeError,
          "must share a dtype"),
+        # new k and v: the caches' one check of new tokens, in flash-attn's names and layout
         ("k headdim", dict(k=torch.randn(2, 2, 2, 4, generator=g, dtype=torch.float64)),
-         ValueError, "k (2, 2, 2, 4) must have k_cache's (nheads_k, headdim) = (2, 8)"),
+         ValueError, f"{NEW_SHAPES} for this cache (k_cache "),
         ("v headdim", dict(v=torch.randn(2, 2, 2, 8, generator=g, dtype=torch.float64)),
-         ValueError, "v (2, 2, 2, 8) must have v_cache's (nheads_k, headdim) = (2, 6)"),
+         ValueError, f"{NEW_SHAPES} for this cache (k_cache "),
+        ("k heads", dict(k=torch.randn(2, 2, 1, 8, generator=g, dtype=torch.float64)),
+         ValueError, f"{NEW_SHAPES} for this cache (k_cache "),
+        ("k batch", dict(k=torch.randn(3, 2, 2, 8, generator=g, dtype=torch.float64)),
+         ValueError, f"{NEW_SHAPES} for this cache (k_cache "),
+        ("v tokens", dict(v=torch.randn(2, 3, 2, 6, generator=g, dtype=torch.float64)),
+         ValueError, f"{NEW_SHAPES} for this cache (k_cache "),
+        ("k 3-d", dict(k=torch.randn(2, 2, 8, generator=g, dtype=torch.float64)), ValueError,
+         "(batch, seqlen_new, nheads_k, headdim) = (2, T, 2, 8)"),
+        ("k dtype", dict(k=torch.randn(2, 2, 2, 8, generator=g)), TypeError,
+         "k and v must have k_cache's dtype (float64), got k float32 and v float64"),
+        ("v int", dict(v=torch.ones(2, 2, 2, 6, dtype=torch.int64)), TypeError,
+         "v must be a float tensor, got int64"),
+        ("k list", dict(k=[[1.0]]), TypeError, "k must be a torch.Tensor, got list"),
+        ("k grad", dict(k=torch.randn(2, 2, 2, 8, dtype=torch.float64, requires_grad=True)),
+         ValueError, "flash_attn_with_kvcache got keys that require grad: the cache is for "
+         "inference, run decoding under torch.no_grad() or torch.inference_mode() (got k with "
+         "requires_grad=True)"),
         ("rotary wide", dict(rotary_cos=torch.ones(16, 6, dtype=torch.float64),
                              rotary_sin=torch.ones(16, 6, dtype=torch.float64)), ValueError,
          "rotary_cos has 6 columns"),
@@ -203,6 +227,44 @@ def test_a_refused_kvcache_call_changes_nothing(
     assert_unchanged(call, before)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_new_tokens_on_another_device_are_refused_by_name_before_writing(paged: bool) -> None:
+    call = kv_call(paged)
+    call["v"] = call["v"].to("meta")
+    before = snapshot({n: t for n, t in call.items() if n != "v"})
+    message = "k and v must be on k_cache's device (cpu), got k on cpu and v on meta"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fa.flash_attn_with_kvcache(**call)
+    assert_unchanged(call, before)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_float_tokens_into_a_float8_cache_come_in_qs_dtype(paged: bool) -> None:
+    # Float k and v are quantized with the descale factors before they are written: in q's
+    # dtype, or already in the cache's float8 format; anything else is refused, nothing written.
+    call = kv_call(paged)
+    for name in ("learnable_sink", "alibi_slopes", "softcap", "rotary_cos", "rotary_sin"):
+        del call[name]
+    call["k_cache"] = call["k_cache"].to(torch.float8_e4m3fn)
+    call["v_cache"] = call["v_cache"].to(torch.float8_e4m3fn)
+    call["k"], call["v"] = call["k"].float(), call["v"].float()
+    before = snapshot(call)
+    message = "k and v must have k_cache's float8 dtype or q's (float64), got k float32"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        fa.flash_attn_with_kvcache(**call)
+    assert_unchanged(call, before)
+    call["k"], call["v"] = call["k"].to(torch.float8_e5m2), call["v"].to(torch.float8_e5m2)
+    before = snapshot(call)
+    with pytest.raises(
+        TypeError, match=re.escape("k_cache's dtype (float8_e4m3fn), got k float8_e5m2")
+    ):
+        fa.flash_attn_with_kvcache(**call)
+    assert_unchanged(call, before)
+    for dtype in (torch.float64, torch.float8_e4m3fn):  # both taken
+        ok = {**call, "k": call["k"].to(dtype), "v": call["v"].to(dtype)}
+        assert fa.flash_attn_with_kvcache(**ok).isfinite().all()
+
+
 def test_the_early_checks_follow_autocast() -> None:
     """Under torch.autocast attention() casts q and the cache to one dtype; the checks made
     before the write allow what attention() then serves."""
@@ -213,6 +275,7 @@ def test_the_early_checks_follow_autocast() -> None:
         fa.flash_attn_with_kvcache(**{n: t.clone() if isinstance(t, Tensor) else t
                                       for n, t in call.items()})  # fmt: skip
     call["k_cache"], call["v_cache"] = call["k_cache"].float(), call["v_cache"].float()
+    call["k"], call["v"] = call["k"].float(), call["v"].float()  # new tokens: the cache's dtype
     call["q"] = call["q"].bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = fa.flash_attn_with_kvcache(**call)

@@ -159,6 +159,40 @@ def test_32_generated_tokens_equal_transformers_with_its_cache() -> None:
     assert decoded == [(1, 24 + 6, 24)] * steps
 
 
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_each_form_equals_transformers_in_prefill_and_over_32_generated_tokens(form: str) -> None:
+    """Each form, held for the whole run (a prompt whose batch row 1 has 2 padding tokens, then
+    32 steps over the latent cache), against transformers' eager module over its own cache,
+    given the same keys to attend: so the two forms also equal each other."""
+    c = config()
+    theirs = module(c, seed=3)
+    ours = deepseek.latent_attention(theirs)
+    prompt, steps = 6, 32
+    their_cache, our_cache = DynamicCache(config=c), ours.make_cache(2, prompt + steps)
+    valid = torch.ones(2, prompt + steps, dtype=torch.bool)
+    valid[1, 4:prompt] = False  # row 1's prompt: 4 tokens, then 2 of padding
+    x = randn(2, prompt, D, seed=4)
+    keys = torch.arange(prompt)
+    allowed = valid[:, None, None, :prompt] & (keys[None, :] <= keys[:, None])
+    with torch.no_grad(), attnkit.record_dispatch() as calls:
+        want, _ = theirs(x, rope_table(c, keys[None]), additive(allowed), their_cache)
+        padding = masks.key_padding(valid=valid[:, :prompt])
+        agrees(ours(x, mask=padding, causal=True, cache=our_cache, form=form), want, TOL)
+        last = want[:, -1:]
+        for step in range(prompt, prompt + steps):
+            x = last / last.square().mean(-1, keepdim=True).sqrt()
+            seen = valid[:, : step + 1]
+            position = rope_table(c, torch.tensor([[step]]))
+            last, _ = theirs(x, position, additive(seen[:, None, None]), their_cache)
+            got = ours(x, mask=masks.key_padding(valid=seen), cache=our_cache, form=form)
+            agrees(got, last, TOL)
+    assert our_cache.length == prompt + steps
+    # the form held: the absorbed one attends one latent head (Dk = R + Dr, Dv = R), the
+    # expanded one H heads of Dn + Dr and Dv
+    shapes = {(d.call.num_kv_heads, d.call.qk_dim, d.call.v_dim) for d in calls}
+    assert shapes == ({(1, 24 + 6, 24)} if form == "absorbed" else {(H, 8 + 6, 10)})
+
+
 def test_what_the_loader_refuses() -> None:
     with pytest.raises(TypeError, match=r"takes an nn\.Module, got int"):
         deepseek.latent_attention(3)  # type: ignore[arg-type]

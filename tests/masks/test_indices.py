@@ -132,3 +132,85 @@ def test_the_reference_attends_the_selected_keys_only() -> None:
                 continue
             w = torch.softmax(q[0, h, t] @ k[0, h, keys].T / 2.0, -1)
             torch.testing.assert_close(out[0, h, t], w @ v[0, h, keys])
+
+
+def _formula(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    causal: bool,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """The float64 formula, written out without attnkit: query ``t`` of head ``h`` attends the
+    distinct keys its selection names (-1 none; Hi heads of indices shared by groups of query
+    heads), those after it dropped when ``causal`` (bottom-right); ``softcap * tanh(s /
+    softcap)``; a sink logit per head in the denominator; a query with no key gives 0."""
+    b, h, tq, _ = q.shape
+    tk, hkv, hi = k.size(2), k.size(1), idx.size(1)
+    out = torch.zeros(b, h, tq, v.size(-1), dtype=q.dtype)
+    rows = []
+    for n in range(b):
+        for head in range(h):
+            kv_head, sel = head // (h // hkv), head // (h // hi)
+            for t in range(tq):
+                keys = sorted({x for x in idx[n, sel, t].tolist() if x >= 0})
+                if causal:
+                    keys = [j for j in keys if j <= t + tk - tq]
+                if not keys and sinks is None:
+                    continue
+                at = torch.tensor(keys, dtype=torch.long)
+                s = (k[n, kv_head, at] @ q[n, head, t]) * scale
+                if softcap is not None:
+                    s = softcap * torch.tanh(s / softcap)
+                if sinks is not None:
+                    s = torch.cat([s, sinks[head : head + 1]])
+                w = torch.softmax(s, -1)[: len(keys)]
+                rows.append((n, head, t, w @ v[n, kv_head, at]))
+    for n, head, t, row in rows:
+        out[n, head, t] = row
+    return out
+
+
+@pytest.mark.parametrize("kind", ["random", "sorted"])
+@pytest.mark.parametrize("causal", [False, True], ids=["any", "causal"])
+@pytest.mark.parametrize(
+    ("hi", "modifier"),
+    [(1, "softcap"), (2, "sinks"), (4, "none")],
+    ids=["Hi=1-softcap", "Hi=Hkv-sinks", "Hi=H"],
+)
+def test_index_masks_equal_the_formula_forward_and_backward(
+    kind: str, causal: bool, hi: int, modifier: str
+) -> None:
+    # GQA (4 query heads on 2 key/value heads), Tq < Tk, repeated and -1 entries, a row with
+    # none: the reference's outputs and gradients of q, k, v (and the sinks) equal the formula's.
+    g = torch.Generator().manual_seed(11)
+    b, h, hkv, tq, tk, d = 2, 4, 2, 7, 12, 4
+    q, k, v = (torch.randn(b, n, t, d, generator=g, dtype=torch.float64) for n, t in
+               ((h, tq), (hkv, tk), (hkv, tk)))  # fmt: skip
+    if kind == "sorted":
+        idx = torch.rand(b, hi, tq, tk, generator=g).argsort(-1)[..., :5].sort(-1).values
+    else:
+        idx = _random(b, hi, tq, 5, tk, seed=12)
+        idx[..., 1] = idx[..., 0]  # a repeat in every row
+    idx[0, 0, 2] = -1  # a query (of every head reading selection 0) with no key at all
+    sinks = torch.tensor([0.3, -1.0, 2.0, -0.5], dtype=torch.float64)
+    softcap = 1.5 if modifier == "softcap" else None
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    if modifier == "sinks":
+        leaves.append(sinks.requires_grad_())
+    kw: dict[str, object] = {"scale": 0.6, "softcap": softcap}
+    if modifier == "sinks":
+        kw["sinks"] = sinks
+    mask = masks.key_indices(idx) & masks.causal() if causal else masks.key_indices(idx)
+    got = attnkit.attention(q, k, v, mask=mask, backend="reference", **kw)  # type: ignore[arg-type]
+    want = _formula(q, k, v, idx, causal, 0.6, softcap, kw.get("sinks"))  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    assert not got[0, :, 2].any() if hi == 1 else not got[0, 0, 2].any()
+    w = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((got * w).sum(), leaves)
+    wants = torch.autograd.grad((want * w).sum(), leaves)
+    for a, e in zip(grads, wants, strict=True):
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-10)

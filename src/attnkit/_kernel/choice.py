@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .._base.finite import finite
 from .._call import AttentionCall
-from .._native import load, status
+from .._native import load, loaded, status
 from .._native.kernel import DECODE_QUERIES, fuses
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
@@ -63,7 +63,7 @@ def refusal(
         return "the eager kernel (the native kernel does not fuse a score_mod)"
     if finite is False:
         return "the eager kernel (non-finite values in q/k/v)"
-    if build and load():
+    if (build and load()) or loaded():  # (loaded: no question of files or tools left)
         return None
     available, why = status()
     return None if available and not build else f"the eager kernel (native kernel: {why})"

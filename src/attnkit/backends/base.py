@@ -249,16 +249,21 @@ class Backend:
     # ----------------------------------------------------------------------------------------------
     # For the dispatcher and for backends
 
-    def reasons(self, call: AttentionCall) -> tuple[list[str], list[str]]:
+    def reasons(
+        self, call: AttentionCall, *, refused_costs: bool = True
+    ) -> tuple[list[str], list[str]]:
         """``(check(call), cost(call))``, each checked to be a list of strings; a call with a
         ``score_mod`` gains a reason unless :attr:`accepts_score_mod`, one on a cache unless
         :attr:`accepts_cache` (then nothing else is asked: its other answers would be of a call
-        it never sees)."""
+        it never sees). ``refused_costs=False``: no costs for a call the backend refuses (the
+        dispatcher's choice, which does not read them)."""
         if call.cache is not None and not self.accepts_cache:
             return ["reads no KV cache view (chunked reads it in place, reference gathers it)"], []
         reasons = self._strings("check", self.check(call))
         if call.score_mod is not None and not self.accepts_score_mod:
             reasons = [*reasons, "does not apply a score_mod (chunked and reference do)"]
+        if reasons and not refused_costs:
+            return reasons, []
         costs = self._strings("cost", self.cost(call))
         if call.quantized is not None and not self.reads_quantized:
             costs = [*costs, dequantized_cost(call)]

@@ -10,52 +10,97 @@ call writes nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._base.checks import check_float_tensor, dtype_str, shape_str
 
-__all__ = ["Piece", "check_tokens", "put", "write"]
+__all__ = ["Piece", "Spelling", "check_tokens", "put", "write"]
 
 #: A stretch of a write in one page: ``(row, page, offset in the page, tokens, row's first token)``.
 Piece = tuple[int, int, int, int, int]
 
 
+@dataclass(frozen=True)
+class Spelling:
+    """How :func:`check_tokens` names what its caller was given, in its messages: attnkit's caches
+    by default (tokens ``(B, Hkv, T, D)`` into "the cache"); a front end that takes tokens in
+    another layout or under other names (flash-attn's ``k``, ``v`` ``(batch, seqlen_new,
+    nheads_k, headdim)`` into ``k_cache``) says so, and its users read their own arguments."""
+
+    #: the layouts of k and v as the caller writes them
+    k_shape: str = "(B, Hkv, T, Dk)"
+    v_shape: str = "(B, Hkv, T, Dv)"
+    #: tokens ``(N, T, Hkv, D)`` (token-major, flash-attn's) rather than ``(N, Hkv, T, D)``
+    token_major: bool = False
+    #: whose dtype and device new tokens must have
+    dtype_of: str = "the cache's dtype"
+    device_of: str = "the cache's device"
+    #: who refuses keys that need gradients (None: ``what``'s first word)
+    who: str | None = None
+
+
 def check_tokens(
-    k: object, v: object, k_pages: Tensor, v_pages: Tensor, rows: int, what: str
+    k: object,
+    v: object,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    rows: int,
+    what: str,
+    spelling: Spelling = Spelling(),
 ) -> tuple[Tensor, Tensor]:
-    """New keys ``(N, Hkv, T, Dk)`` and values ``(N, Hkv, T, Dv)`` for ``rows`` rows of the
-    pages ``(X, Hkv, page, D)`` of ``what`` (a cache's name and its rows, for the messages): of
-    the pages' heads, sizes, dtype and device, and needing no gradient (a cache is for
-    inference: stored keys would keep the graph of every step alive)."""
+    """New keys ``(N, Hkv, T, Dk)`` and values ``(N, Hkv, T, Dv)`` (token-major ``(N, T, Hkv,
+    D)`` where ``spelling`` says so) for ``rows`` rows of the pages ``(X, Hkv, page, D)`` of
+    ``what`` (a cache's name and its rows, for the messages): of the pages' heads, sizes, dtype
+    and device, and needing no gradient (a cache is for inference: stored keys would keep the
+    graph of every step alive). Returns ``k`` and ``v`` as given."""
     k = check_float_tensor("k", k)
     v = check_float_tensor("v", v)
-    t = k.size(-2) if k.ndim == 4 else "T"  # v must bring as many tokens as k
-    want_k = (rows, k_pages.size(1), t, k_pages.size(3))
-    want_v = (rows, v_pages.size(1), t, v_pages.size(3))
+    heads = k_pages.size(1)
+    want_k: tuple[int | str, ...]
+    want_v: tuple[int | str, ...]
+    if spelling.token_major:
+        t = k.size(1) if k.ndim == 4 else "T"  # v must bring as many tokens as k
+        want_k = (rows, t, heads, k_pages.size(3))
+        want_v = (rows, t, v_pages.size(1), v_pages.size(3))
+    else:
+        t = k.size(-2) if k.ndim == 4 else "T"
+        want_k = (rows, heads, t, k_pages.size(3))
+        want_v = (rows, v_pages.size(1), t, v_pages.size(3))
     if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
         raise ValueError(
-            f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = {want_v} "
-            f"for this cache ({what}), got k {shape_str(k.shape)} and v {shape_str(v.shape)}"
+            f"k and v must have shapes {spelling.k_shape} = {_dims(want_k)} and "
+            f"{spelling.v_shape} = {_dims(want_v)} for this cache ({what}), got k "
+            f"{shape_str(k.shape)} and v "
+            f"{shape_str(v.shape)}"
         )
     if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
         raise TypeError(
-            f"k and v must have the cache's dtype ({dtype_str(k_pages.dtype)}), got k "
+            f"k and v must have {spelling.dtype_of} ({dtype_str(k_pages.dtype)}), got k "
             f"{dtype_str(k.dtype)} and v {dtype_str(v.dtype)}"
         )
     if k.device != k_pages.device or v.device != k_pages.device:
         # (a copy_ would move them, or fail half-way with v on the meta device)
         raise ValueError(
-            f"k and v must be on the cache's device ({k_pages.device}), got k on {k.device} and "
-            f"v on {v.device}"
+            f"k and v must be on {spelling.device_of} ({k_pages.device}), got k on {k.device} "
+            f"and v on {v.device}"
         )
     if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        who = spelling.who or what.split()[0]
+        named = " and ".join(n for n, t in (("k", k), ("v", v)) if t.requires_grad)
         raise ValueError(
-            f"{what.split()[0]} got keys that require grad: the cache is for inference, run "
-            "decoding under torch.no_grad() or torch.inference_mode()"
+            f"{who} got keys that require grad: the cache is for inference, run decoding "
+            f"under torch.no_grad() or torch.inference_mode() (got {named} with "
+            "requires_grad=True)"
         )
     return k, v
+
+
+def _dims(dims: tuple[int | str, ...]) -> str:
+    """``(2, T, 2, 8)``: a wanted shape, its unknown sizes by their letter."""
+    return f"({', '.join(str(d) for d in dims)})"
 
 
 def write(

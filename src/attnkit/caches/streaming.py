@@ -16,21 +16,50 @@ sequence. Positions then keep growing past the lengths the model was trained on.
 other choice, positions counted inside the cache, needs keys stored before their rotation and
 rotated again at each step: that is a different cache, not this one.
 
+Quantized storage (``kv_dtype``): the sinks and the window are stored as ``torch.int8`` (a scale
+per token and key/value head, in the slot beside its token: a token that leaves the ring takes its
+scale with it, the one that takes its slot brings its own) or as ``torch.float8_e4m3fn`` /
+``torch.float8_e5m2`` (a scale per row and key/value head, set by the first write after an empty
+cache, the same for every token held), as :class:`~attnkit.KVCache` stores them. A step reads the
+held tokens where they lie with their scales (:class:`~attnkit.caches.view.CacheView`); a chunk
+reads them dequantized, in time order.
+
 Shape letters: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``T`` new tokens,
 ``S`` sink tokens, ``W`` window, ``Dk``/``Dv`` head sizes.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple, TypeGuard
+
 import torch
 from torch import Tensor
 
-from .._base.checks import check_float_tensor, check_int
+from .._base.checks import check_int
+from .._base.quantized import dequantize
 from .._base.shapes import Float, shape_checked
 from ..attention import attention
 from ..masks import Mask, causal, key_padding, sliding_window
+from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
+from ._tokens import check_tokens, write
+from .view import CacheView
 
 __all__ = ["StreamingKVCache"]
+
+
+class _New(NamedTuple):
+    """New tokens as they are stored: keys and values ``(B, Hkv, T, D)`` in the cache's dtype,
+    and their float32 scales for a quantized cache (int8 ``(B, Hkv, T, 1)``, float8 ``(B, Hkv,
+    1, 1)``; None for a float cache)."""
+
+    k: Tensor
+    v: Tensor
+    k_scale: Tensor | None
+    v_scale: Tensor | None
+
+
+def _both(pair: tuple[Tensor | None, Tensor | None]) -> TypeGuard[tuple[Tensor, Tensor]]:
+    return pair[0] is not None and pair[1] is not None
 
 
 class StreamingKVCache:
@@ -44,7 +73,14 @@ class StreamingKVCache:
         sink_tokens: ``S``, the first tokens, kept for ever (StreamingLLM keeps 4); 0 for a
             window alone.
         window: ``W`` >= 1, the latest tokens each query attends, itself included.
-        dtype, device: of the stored keys and values.
+        dtype, device: of the keys and values given and read, and of those stored unless
+            ``kv_dtype`` says otherwise.
+        kv_dtype: store the sinks and the window quantized, as :class:`~attnkit.KVCache` does:
+            ``torch.int8`` (a float32 scale per token and key/value head, ``k_scale`` ``(B, Hkv,
+            S + W, 1)``, moved with its token) or ``torch.float8_e4m3fn`` /
+            ``torch.float8_e5m2`` (a float32 scale per row and key/value head, ``(B, Hkv, 1,
+            1)``, set by the first write after an empty cache; later tokens beyond its range
+            saturate). None (default): stored in ``dtype``.
 
     ``position`` counts every token appended (the next token's position, the offset a rotary
     embedding takes); ``length`` the tokens in memory, ``min(position, S + W)``.
@@ -53,11 +89,12 @@ class StreamingKVCache:
 
     :meth:`attention` appends the new tokens and attends over what they may see, as one
     :func:`attnkit.attention` call; :meth:`update` returns the keys, values and mask for a call
-    of your own. A step of one token reads the held tokens where they are, with no mask; a
-    chunk of several tokens (a prompt) attends over the held tokens put in time order, with the
-    mask ``sliding_window(W - 1) | (causal() & key_padding([S] * B))``. Every check runs before
-    anything is written, and a chunk's tokens are written only by :meth:`commit`: a call that
-    raises leaves every token a later query can see as it was.
+    of your own. A step of one token reads the held tokens where they are, with no mask (a
+    quantized cache through its :meth:`view`, with the scales); a chunk of several tokens (a
+    prompt) attends over the held tokens put in time order (dequantized), with the mask
+    ``sliding_window(W - 1) | (causal() & key_padding([S] * B))``. Every check runs before
+    anything is written, and a chunk's tokens (and scales) are written only by :meth:`commit`:
+    a call that raises leaves every token a later query can see as it was.
 
     >>> cache = StreamingKVCache(1, 1, 8, sink_tokens=2, window=4)
     >>> for _ in range(100):
@@ -80,6 +117,7 @@ class StreamingKVCache:
         window: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         b = check_int("batch_size", batch_size)
         h = check_int("num_kv_heads", num_kv_heads)
@@ -87,11 +125,17 @@ class StreamingKVCache:
         dv = dk if v_head_dim is None else check_int("v_head_dim", v_head_dim)
         self.sink_tokens = check_int("sink_tokens", sink_tokens, minimum=0)
         self.window = check_int("window", window)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.dtype = torch.get_default_dtype() if dtype is None else dtype  # given and read in
+        stored = self.dtype if self.kv_dtype is None else self.kv_dtype
         slots = self.sink_tokens + self.window
-        self.k_cache = torch.zeros(b, h, slots, dk, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(b, h, slots, dv, dtype=dtype, device=device)
+        self.k_cache = torch.zeros(b, h, slots, dk, dtype=stored, device=device)
+        self.v_cache = torch.zeros(b, h, slots, dv, dtype=stored, device=device)
+        #: quantized keys' and values' float32 scales (None unless ``kv_dtype``)
+        self.k_scale = None if self.kv_dtype is None else new_scales(self.k_cache)
+        self.v_scale = None if self.kv_dtype is None else new_scales(self.v_cache)
         self.position = 0  # tokens appended so far: the next token's position
-        self._staged: tuple[Tensor, Tensor] | None = None  # a chunk, written at commit
+        self._staged: _New | None = None  # a chunk, written at commit
         self._staged_one = False  # one token, written in place at stage
 
     @property
@@ -103,35 +147,112 @@ class StreamingKVCache:
         s = self.sink_tokens
         return position if position < s else s + (position - s) % self.window
 
+    def _runs(self, start: int, new: int) -> list[tuple[int, int, int]]:
+        """Where the cache keeps ``new`` tokens from position ``start`` on: ``(first token,
+        first slot, tokens)`` stretches, each contiguous in the tokens and in the slots (the
+        sinks; the last ``W`` in the ring, split where it wraps)."""
+        s, slots = self.sink_tokens, self.sink_tokens + self.window
+        sinks = max(0, min(new, s - start))
+        runs = [(0, start, sinks)] if sinks else []
+        i = max(sinks, new - self.window)
+        while i < new:
+            slot = self._slot(start + i)
+            n = min(new - i, slots - slot)
+            runs.append((i, slot, n))
+            i += n
+        return runs
+
+    def _given(self) -> tuple[Tensor, Tensor]:
+        """The keys and values as they are given and read: the cache, or of a quantized one
+        stand-ins in ``dtype`` without data (what the check of new tokens compares with)."""
+        if self.kv_dtype is None:
+            return self.k_cache, self.v_cache
+        zero = torch.zeros((), dtype=self.dtype, device=self.k_cache.device)
+        return zero.expand(self.k_cache.shape), zero.expand(self.v_cache.shape)
+
     def _check(self, k: Tensor, v: Tensor) -> None:
-        check_float_tensor("k", k)
-        check_float_tensor("v", v)
-        keys, values = self.k_cache, self.v_cache
-        b, h = keys.size(0), keys.size(1)
-        t = k.size(-2) if k.ndim == 4 else "T"
-        want_k, want_v = (b, h, t, keys.size(3)), (b, h, t, values.size(3))
-        if k.shape != want_k or v.shape != want_v:
-            raise ValueError(
-                f"k and v must have shapes (B, Hkv, T, Dk) = {want_k} and (B, Hkv, T, Dv) = "
-                f"{want_v} for this cache, got k {tuple(k.shape)} and v {tuple(v.shape)}"
-            )
-        if k.dtype != keys.dtype or v.dtype != values.dtype:
-            raise TypeError(
-                f"k and v must have the cache's dtype ({keys.dtype}), got k {k.dtype} and "
-                f"v {v.dtype}"
-            )
-        if k.device != keys.device or v.device != keys.device:
-            raise ValueError(
-                f"k and v must be on the cache's device ({keys.device}), got k on {k.device} and "
-                f"v on {v.device}"
-            )
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            raise ValueError(
-                "StreamingKVCache got keys that require grad: the cache is for inference, run "
-                "decoding under torch.no_grad() or torch.inference_mode()"
-            )
+        keys, values = self._given()
+        check_tokens(k, v, keys, values, keys.size(0), "StreamingKVCache")
         if k.size(-2) == 0:
             raise ValueError("k and v bring no token (T = 0)")
+
+    def _stored(self, k: Tensor, v: Tensor) -> _New:
+        """Checked new tokens as the cache stores them: quantized with their scales (float8:
+        the cache's scale, or one from these tokens for an empty cache), computed before
+        anything is written."""
+        if self.kv_dtype is None or self.k_scale is None or self.v_scale is None:
+            return _New(k, v, None, None)
+        first = self.position == 0
+        kq, ks = quantize(k, self.kv_dtype, None if first else self.k_scale)
+        vq, vs = quantize(v, self.kv_dtype, None if first else self.v_scale)
+        return _New(kq, vq, ks, vs)
+
+    def _put(self, new: _New, start: int) -> None:
+        """The tokens of ``new`` the cache keeps, from position ``start`` on, into their slots
+        (int8 scales into theirs; float8's per head from a first write)."""
+        own = (self.k_scale, self.v_scale)
+        scales = (new.k_scale, new.v_scale)
+        rows = self.k_cache.size(0)
+        for i, slot, n in self._runs(start, new.k.size(-2)):
+            at = [slot] * rows
+            write(self.k_cache, self.v_cache, new.k[:, :, i : i + n], new.v[:, :, i : i + n], at=at)
+            if self.kv_dtype == torch.int8 and _both(own) and _both(scales):
+                write(*own, scales[0][:, :, i : i + n], scales[1][:, :, i : i + n], at=at)
+        if self.kv_dtype in FLOAT8 and start == 0 and _both(own) and _both(scales):
+            own[0].copy_(scales[0])
+            own[1].copy_(scales[1])
+
+    def _stage(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Mask] | None:
+        """:meth:`stage`'s checks, then a step's write in place (None: the held tokens are read
+        where they lie) or a chunk's keys, values and mask (nothing written)."""
+        self._check(k, v)
+        self._staged, self._staged_one = None, False
+        new = self._stored(k, v)
+        t, start = k.size(-2), self.position
+        if t == 1:
+            self._put(new, start)
+            self._staged_one = True
+            return None
+        held_k, held_v = self._held(self._time_order(start, t))
+        if new.k_scale is not None and new.v_scale is not None:
+            k = dequantize(new.k, new.k_scale, self.dtype)
+            v = dequantize(new.v, new.v_scale, self.dtype)
+        keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)
+        self._staged = new
+        return keys, values, self._mask(keys.size(2))
+
+    def _held(self, order: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values of the slots ``order``, in ``dtype`` (dequantized copies)."""
+        k, v = self.k_cache.index_select(2, order), self.v_cache.index_select(2, order)
+        ks, vs = self._scales()
+        if ks is None or vs is None:
+            return k, v
+        return (
+            dequantize(k, ks.index_select(2, order), self.dtype),
+            dequantize(v, vs.index_select(2, order), self.dtype),
+        )
+
+    def _scales(self) -> tuple[Tensor | None, Tensor | None]:
+        """A quantized cache's scales as a view takes them, ``(B, Hkv, S + W, 1)`` (a float8
+        cache's expanded along the slots); None for a float cache."""
+        if self.k_scale is None or self.v_scale is None:
+            return None, None
+        shape = (*self.k_cache.shape[:3], 1)
+        return self.k_scale.expand(shape), self.v_scale.expand(shape)
+
+    def view(self) -> CacheView:
+        """The tokens held (and a staged step's), as :func:`attnkit.attention` reads them where
+        they lie: each row's first ``length`` slots (the sinks and the ring, in slot order), with
+        the scales of a quantized cache."""
+        n = min(self.position + self._staged_one, self.sink_tokens + self.window)
+        ks, vs = self._scales()
+        rows = ((0, n),) * self.k_cache.size(0)
+        return CacheView(self.k_cache, self.v_cache, rows, k_scale=ks, v_scale=vs, trusted=True)
+
+    def _in_place(self) -> tuple[Tensor, Tensor]:
+        """A float cache's held tokens after a staged step: views of the slots in use."""
+        n = min(self.position + 1, self.sink_tokens + self.window)
+        return self.k_cache.narrow(2, 0, n), self.v_cache.narrow(2, 0, n)
 
     @shape_checked
     def stage(
@@ -142,26 +263,20 @@ class StreamingKVCache:
 
         One token: it is written in the slot of the token that just left the window (a token no
         query can see any more), and the keys and values are views of the held tokens, every one
-        visible (mask None). Several: nothing is written; the keys and values are a copy of the
-        sinks, the window's tokens in time order and the new tokens, with the mask that gives each
-        query the sinks and its own window (``mask`` applies with bottom-right alignment, as
-        everywhere in attnkit).
+        visible (mask None); of a quantized cache, dequantized copies in ``dtype``. Several:
+        nothing is written; the keys and values are a copy of the sinks, the window's tokens in
+        time order and the new tokens (of a quantized cache, all of them as stored, dequantized),
+        with the mask that gives each query the sinks and its own window (``mask`` applies with
+        bottom-right alignment, as everywhere in attnkit).
         """
-        self._check(k, v)
-        t, start = k.size(-2), self.position
-        self._staged, self._staged_one = None, False
-        if t == 1:
-            slot = self._slot(start)
-            self.k_cache.narrow(2, slot, 1).copy_(k)
-            self.v_cache.narrow(2, slot, 1).copy_(v)
-            self._staged_one = True
-            n = min(start + 1, self.sink_tokens + self.window)
-            return self.k_cache.narrow(2, 0, n), self.v_cache.narrow(2, 0, n), None
-        order = self._time_order(start, t)
-        keys = torch.cat([self.k_cache.index_select(2, order), k], dim=2)
-        values = torch.cat([self.v_cache.index_select(2, order), v], dim=2)
-        self._staged = (k, v)
-        return keys, values, self._mask(keys.size(2))
+        got = self._stage(k, v)
+        if got is not None:
+            return got
+        if self.kv_dtype is not None:
+            keys, values = self.view().dense(self.dtype)
+            return keys, values, None
+        keys, values = self._in_place()
+        return keys, values, None
 
     def _time_order(self, start: int, new: int) -> Tensor:
         """The slots of the held tokens the new tokens' queries may see, in time order: the sinks,
@@ -178,23 +293,13 @@ class StreamingKVCache:
 
     def commit(self) -> None:
         """Hold the tokens of the last :meth:`stage`: a chunk's sinks go to their slots and its
-        last ``W`` tokens into the ring (nothing happens if nothing is staged)."""
+        last ``W`` tokens into the ring, with their scales (nothing happens if nothing is
+        staged)."""
         if self._staged_one:
             self.position += 1
         elif self._staged is not None:
-            k, v = self._staged
-            t, start = k.size(-2), self.position
-            keep = [
-                i
-                for i in range(t)
-                if start + i < self.sink_tokens or start + i >= start + t - self.window
-            ]
-            rows = torch.tensor(keep, dtype=torch.long, device=k.device)
-            slots = [self._slot(start + i) for i in keep]
-            at = torch.tensor(slots, dtype=torch.long, device=k.device)
-            self.k_cache.index_copy_(2, at, k.index_select(2, rows))
-            self.v_cache.index_copy_(2, at, v.index_select(2, rows))
-            self.position += t
+            self._put(self._staged, self.position)
+            self.position += self._staged.k.size(-2)
         self._staged, self._staged_one = None, False
 
     @shape_checked
@@ -221,7 +326,7 @@ class StreamingKVCache:
         ``i`` sits at position ``position + i`` and attends the sinks and its window. ``sinks``
         here are attention-sink logits ``(H,)`` (gpt-oss's), which take weight without a value;
         the cache's sink tokens are tokens."""
-        keys, values, mask = self.stage(k, v)
+        keys, values, mask = self.stage_call(q, k, v)
         out, lse = attention(
             q,
             keys,
@@ -237,12 +342,17 @@ class StreamingKVCache:
 
     def stage_call(
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: object = None, **call: object
-    ) -> tuple[Tensor, Tensor, Mask | None]:
-        """What a module attends for its new tokens: :meth:`stage`'s keys and values, and the
-        call's ``mask`` with the cache's (``None`` where neither has one)."""
-        keys, values, window = self.stage(k, v)
-        if window is None:
+    ) -> tuple[Tensor | CacheView, Tensor | None, Mask | None]:
+        """What a module attends for its new tokens: :meth:`stage`'s keys and values (of a
+        quantized cache's step, its :meth:`view` and None, read in place), and the call's
+        ``mask`` with the cache's (``None`` where neither has one)."""
+        got = self._stage(k, v)
+        if got is None:
+            if self.kv_dtype is not None:
+                return self.view(), None, mask  # type: ignore[return-value]
+            keys, values = self._in_place()
             return keys, values, mask  # type: ignore[return-value]
+        keys, values, window = got
         if mask is None:
             return keys, values, window
         return keys, values, window & mask
@@ -256,9 +366,14 @@ class StreamingKVCache:
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> StreamingKVCache:
         """Move the keys and values to ``device`` and/or convert them to ``dtype``, in place;
-        returns the cache."""
-        self.k_cache = self.k_cache.to(device=device, dtype=dtype)
-        self.v_cache = self.v_cache.to(device=device, dtype=dtype)
+        returns the cache. A quantized cache (``kv_dtype``) keeps its storage: ``dtype`` is then
+        the one keys and values are given and read in."""
+        stored = dtype if self.kv_dtype is None else None
+        self.k_cache = self.k_cache.to(device=device, dtype=stored)
+        self.v_cache = self.v_cache.to(device=device, dtype=stored)
+        if self.k_scale is not None and self.v_scale is not None:
+            self.k_scale, self.v_scale = self.k_scale.to(device), self.v_scale.to(device)
+        self.dtype = self.k_cache.dtype if self.kv_dtype is None else (dtype or self.dtype)
         return self
 
     def __repr__(self) -> str:
@@ -267,5 +382,7 @@ class StreamingKVCache:
             f"StreamingKVCache(batch_size={b}, num_kv_heads={h}, head_dim={dk}, "
             f"v_head_dim={self.v_cache.size(-1)}, sink_tokens={self.sink_tokens}, "
             f"window={self.window}, position={self.position}, length={self.length}, "
-            f"dtype={self.k_cache.dtype}, device={self.k_cache.device})"
+            f"dtype={self.dtype}, "
+            + ("" if self.kv_dtype is None else f"kv_dtype={self.kv_dtype}, ")
+            + f"device={self.k_cache.device})"
         )

@@ -11,7 +11,7 @@ lie (``explain()`` shows it, ``record_dispatch()`` records it).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from torch import Tensor
 from .._base.checks import check_bool, dtype_str, shape_str
 from .._call import AttentionCall, check_attention_args
 from ..caches._quantize import FLOAT8, quantize_fp8
-from ..caches._tokens import write
+from ..caches._tokens import Spelling, check_tokens, write
 from ..caches.view import CacheView
 from ..masks import Mask
 from ..scores import ScoreTerm
@@ -81,19 +81,6 @@ def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
             f"q's headdim ({q.size(3)}) must be k_cache's ({k_cache.size(3)}); got q "
             f"{shape_str(q.shape)}, k_cache {shape_str(k_cache.shape)}"
         )
-
-
-def _check_new(name: str, new: Tensor, cache: Tensor, cache_name: str) -> None:
-    """New keys or values against the cache they are written into."""
-    if new.shape[2:] != cache.shape[2:]:
-        raise ValueError(
-            f"{name} {shape_str(new.shape)} must have {cache_name}'s (nheads_k, headdim) = "
-            f"{shape_str(cache.shape[2:])}"
-        )
-    if not new.is_floating_point():
-        raise TypeError(f"{name} must be a float tensor, got {dtype_str(new.dtype)}")
-    if new.device != cache.device:
-        raise ValueError(f"{name} is on {new.device} but {cache_name} is on {cache.device}")
 
 
 def _attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -205,12 +192,22 @@ def flash_attn_with_kvcache(
     check_bool("rotary_interleaved", rotary_interleaved)
     _check_cache(q, k_cache, v_cache)
     descales = _descales(q, k_cache, v_cache, q_descale, k_descale, v_descale)
+    given = q.dtype
     q = _descaled_q(q, descales[0])
     cap = softcap_of(softcap)
     scale = scale_of(softmax_scale, q.dtype)
     sinks = sinks_of(learnable_sink, s_aux, q, heads)
     rows, k, v = _checked_rows(
-        k_cache, v_cache, k, v, batch, cache_seqlens, cache_batch_idx, cache_leftpad, block_table
+        k_cache,
+        v_cache,
+        k,
+        v,
+        batch,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        given,
     )
     if rotary_cos is not None or rotary_sin is not None:
         # flash-attn's rule: causal or windowed queries sit at their own positions.
@@ -272,9 +269,10 @@ def _checked_rows(
     cache_batch_idx: object,
     cache_leftpad: object,
     block_table: object,
+    q_dtype: torch.dtype,
 ) -> tuple[_Rows, Tensor | None, Tensor | None]:
     """The rows the call reads and writes, every index checked against the cache, and the new
-    keys and values (checked) or None."""
+    keys and values (checked; float ones into a float8 cache in ``q_dtype``) or None."""
     table = None
     if block_table is not None:
         table = check_block_table(block_table, batch)
@@ -299,7 +297,7 @@ def _checked_rows(
             raise ValueError(
                 f"cache_batch_idx must index the {k_cache.size(0)} cache rows, got {cache_rows}"
             )
-    k, v = _checked_new(k, v, k_cache, v_cache, batch)
+    k, v = _checked_new(k, v, k_cache, v_cache, batch, q_dtype)
     new = 0 if k is None else k.size(1)
     lengths = [s + new for s in seen]
     if max(lengths, default=0) > capacity or min(seen, default=0) < 0:
@@ -316,22 +314,34 @@ def _checked_rows(
     return rows, k, v
 
 
+#: flash-attn's names and layout in the messages of the caches' one check of new tokens
+_SPELLING = Spelling(
+    k_shape="(batch, seqlen_new, nheads_k, headdim)",
+    v_shape="(batch, seqlen_new, nheads_k, headdim_v)",
+    token_major=True,
+    dtype_of="k_cache's dtype",
+    device_of="k_cache's device",
+    who="flash_attn_with_kvcache",
+)
+
+
 def _checked_new(
-    k: object, v: object, k_cache: Tensor, v_cache: Tensor, batch: int
+    k: object, v: object, k_cache: Tensor, v_cache: Tensor, batch: int, q_dtype: torch.dtype
 ) -> tuple[Tensor | None, Tensor | None]:
-    """The new keys and values, checked against each other and the cache (None: none)."""
+    """The new keys and values (None: none), through the check every cache makes of new tokens
+    (:func:`~attnkit.caches._tokens.check_tokens`), in flash-attn's words: of the cache's heads,
+    sizes, dtype and device, needing no gradient. Float keys into a float8 cache (quantized with
+    the descale factors before they are written) come in q's dtype."""
     if k is None or v is None:
         return None, None
-    k = four_d("k", k, "(batch, seqlen_new, nheads_k, headdim)")
-    v = four_d("v", v, "(batch, seqlen_new, nheads_k, headdim_v)")
-    if k.shape[:3] != v.shape[:3] or k.size(0) != batch:
-        raise ValueError(
-            f"k {shape_str(k.shape)} and v {shape_str(v.shape)} must be (batch={batch}, "
-            "seqlen_new, nheads_k, ...)"
-        )
-    _check_new("k", k, k_cache, "k_cache")
-    _check_new("v", v, v_cache, "v_cache")
-    return k, v
+    k_pages, v_pages = k_cache.permute(0, 2, 1, 3), v_cache.permute(0, 2, 1, 3)
+    spelling = _SPELLING
+    if k_cache.dtype in FLOAT8 and not (isinstance(k, Tensor) and k.dtype in FLOAT8):
+        zero = torch.zeros((), dtype=q_dtype, device=k_cache.device)
+        k_pages, v_pages = zero.expand(k_pages.shape), zero.expand(v_pages.shape)
+        spelling = replace(_SPELLING, dtype_of="k_cache's float8 dtype or q's")
+    what = f"k_cache {shape_str(k_cache.shape)}, v_cache {shape_str(v_cache.shape)}"
+    return check_tokens(k, v, k_pages, v_pages, batch, what, spelling)
 
 
 def _rotated(

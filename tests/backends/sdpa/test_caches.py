@@ -75,8 +75,43 @@ def test_what_it_reads_where() -> None:
     q = torch.empty(3, 4, 1, 8, device="meta", dtype=torch.bfloat16)
     refused = SDPA().check(checked(q, view, causal=True))
     assert any(
-        "reads no KV cache view on meta (chunked reads the cache in place" in r for r in refused
+        "reads a KV cache view on meta only as views of a contiguous cache's rows" in r
+        for r in refused
     )
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "window"])
+def test_a_contiguous_cache_whose_rows_share_their_keys_is_the_dense_call(kind: str) -> None:
+    """A contiguous cache whose rows attend the same stretch (a batch decoding in step) is read
+    as views of its rows, on the CPU too: the dense call, equal to the formula."""
+    gen = torch.Generator().manual_seed(3)
+    cache = attnkit.KVCache(2, 64, 2, 8, dtype=torch.float64)
+    cache.update(*torch.randn(2, 2, 2, 40, 8, generator=gen, dtype=torch.float64))
+    tq = {"decode": 1, "prefill": 5, "window": 5}[kind]
+    q = torch.randn(2, 4, tq, 8, generator=gen, dtype=torch.float64)
+    mask = masks.sliding_window(7) if kind == "window" else None
+    call = checked(q, cache.view(), causal=True, mask=mask)
+    assert call.dense_views is not None
+    assert call.dense_views.cache is None
+    assert SDPA().check(call) == []
+    got = SDPA().run(call, CallInputs(q, cache.view().k, cache.view().v))
+    keys, values = cache.view().dense()
+    want = attnkit.attention(q, keys, values, causal=True, mask=mask, backend="reference")
+    assert_close(got, want)
+    with attnkit.record_dispatch() as seen:
+        attnkit.attention(q, cache.view(), causal=True, mask=mask)
+        attnkit.attention(q, keys, values, causal=True, mask=mask)
+    # auto serves the view as it serves the dense call (a decode step: torch's kernel)
+    assert seen[0].chosen == seen[1].chosen == ("sdpa" if kind == "decode" else "chunked"), seen
+
+
+def test_rows_of_their_own_lengths_on_the_cpu_stay_with_the_native_read() -> None:
+    cache = torch.zeros(2, 2, 48, 8)
+    view = CacheView(cache, cache, [(0, 40), (0, 30)])
+    call = checked(torch.zeros(2, 4, 1, 8), view, causal=True)
+    assert call.dense_views is None
+    refused = SDPA().check(call)
+    assert any("only as views of a contiguous cache's rows" in r for r in refused), refused
 
 
 def test_a_decode_step_on_a_gpu_runs_a_fused_kernel() -> None:

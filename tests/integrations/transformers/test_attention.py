@@ -599,3 +599,35 @@ def test_deepseek_v32_reads_its_indexer_selection_by_position() -> None:
         grads[impl] = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
     assert torch.equal(tokens["attnkit"], tokens["sdpa"])
     torch.testing.assert_close(grads["attnkit"], grads["sdpa"], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_deepseek_v3_and_v32_tiny_models_equal_eager(family: str) -> None:
+    """DeepSeek V3 (latent attention, expanded by transformers) and V3.2 (its indexer's top-4
+    keys too), tiny from their configs, float64: logits through attnkit equal eager's (whose
+    softmax runs in float32) and sdpa's, and 8 greedy tokens equal eager's."""
+    from .helpers import sweep
+
+    config = sweep().tiny_config(family)
+    if family == "deepseek_v32":
+        config.index_topk = 4
+        config.mlp_layer_types = ["dense"] * config.num_hidden_layers
+        cls = transformers.DeepseekV32ForCausalLM
+    else:
+        config.first_k_dense_replace = config.num_hidden_layers  # dense layers: float64 throughout
+        cls = transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    m = cls(config).double().eval()
+    ids = torch.randint(3, V, (2, 24), generator=torch.Generator().manual_seed(2))
+    with attnkit.record_dispatch() as calls:
+        got = run(m, "attnkit", input_ids=ids).logits
+    assert len(calls) == config.num_hidden_layers
+    if family == "deepseek_v32":
+        assert all(str(c.kernel).startswith("gathered") for c in calls), calls
+    torch.testing.assert_close(got, run(m, "eager", input_ids=ids).logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got, run(m, "sdpa", input_ids=ids).logits, atol=1e-12, rtol=1e-10)
+    tokens = {}
+    for impl in ["eager", "attnkit"]:
+        with use(m, impl), torch.no_grad():
+            tokens[impl] = m.generate(ids[:, :16], max_new_tokens=8, do_sample=False)
+    assert torch.equal(tokens["attnkit"], tokens["eager"])

@@ -121,6 +121,7 @@ def torch_args(call: AttentionCall) -> TorchArgs:
     :meth:`SDPA.run` makes for ``call``: an ``attn_mask`` wherever a bias, a score term or a
     mask that is not torch's ``is_causal`` is given (packed documents go one document at a time,
     with none)."""
+    call = call.dense_views or call
     mask, has_bias = call.mask, call.bias_shape is not None
     causal = _is_causal(call.q_len, call.kv_len, mask, has_bias)
     docs = None
@@ -152,6 +153,7 @@ def gpu_kernel(call: AttentionCall) -> KernelChoice | None:
 
 def sdpa_cost(call: AttentionCall) -> list[str]:
     """Why ``auto`` should prefer another backend although torch's SDPA could serve the call."""
+    call = call.dense_views or call
     costs = cache_cost(call)
     kernel = gpu_kernel(call)
     if kernel is not None and not kernel.fused:
@@ -280,6 +282,7 @@ class SDPA(Backend):
         return sdpa_cost(call)
 
     def slower(self, call: AttentionCall) -> list[str]:
+        call = call.dense_views or call
         slow = sdpa_slower(call)
         if target(call.device).gpu and torch_args(call).mask is False and _documents(call):
             # a kernel launch per document, where a variable-length kernel would take one
@@ -287,6 +290,7 @@ class SDPA(Backend):
         return slow
 
     def notes(self, call: AttentionCall) -> list[str]:
+        call = call.dense_views or call
         notes = []
         kernel = gpu_kernel(call)
         if kernel is not None and kernel.fused:
@@ -305,6 +309,10 @@ class SDPA(Backend):
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
         q, k, v = inputs.q, inputs.k, inputs.v
+        given, dense = call, call.dense_views
+        if dense is not None and call.cache is not None:
+            k, v = call.cache.dense()  # views of the cache's rows
+            call = dense
         mask, scale, dropout_p = call.mask, call.scale, call.dropout_p
         if call.cache is not None:
             k, v = dense_rows(call.cache)  # every row's first Tk positions
@@ -339,7 +347,7 @@ class SDPA(Backend):
             return out
         # NaN/inf in the result, or a zero no mask explains: let attnkit's kernel apply the
         # policy (dropout included: it drops in O(T) memory too).
-        result = self.hand_over(call, inputs, EXACT, "torch's output broke the non-finite policy")
+        result = self.hand_over(given, inputs, EXACT, "torch's output broke the non-finite policy")
         return result[0] if isinstance(result, tuple) else result
 
     def __repr__(self) -> str:

@@ -5,7 +5,9 @@ that stretch. torch's kernel takes one key length for every row, so the call rea
 first ``Tk`` positions under a bool mask ``(N, 1, Tq, Tk)`` that says each row's stretch and band:
 views of a contiguous cache, nothing copied, or a paged cache's pages gathered in order. Both are
 costs (the mask, the copy) that a GPU pays gladly where the alternative is attnkit's eager loop.
-On the CPU the native kernel reads caches in place, and sdpa declines them.
+A contiguous cache whose rows all attend the same stretch (a batch decoding in step) is the dense
+call on views of its rows, on every device: nothing to copy and no mask to write. On the CPU the
+native kernel reads the other caches in place, and sdpa declines them.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ def cache_refusal(call: AttentionCall) -> str | None:
         return None
     if view.quantized:
         return "reads no int8/float8 cache view (chunked reads it in place, reference dequantizes)"
+    if call.dense_views is not None:
+        return None  # views of a contiguous cache's rows: the dense call, nothing copied
     if not target(call.device).gpu:
         return (
-            f"reads no KV cache view on {call.device.type} (chunked reads the cache in place "
-            "there; sdpa reads contiguous caches on GPUs)"
+            f"reads a KV cache view on {call.device.type} only as views of a contiguous "
+            "cache's rows that attend the same keys (chunked reads any cache in place there)"
         )
     if band_of(call.mask) is None:
         return "reads a cache under a band only (causal, sliding windows)"
