@@ -11,7 +11,9 @@ against the reference backend in float64 on the same inputs, at attnkit.testing'
 the hand-written baseline's forward against the same reference, so that the timings compare the
 same arithmetic. Part 2 (timings), bfloat16, forward and forward+backward: attnkit against
 torch's FlexAttention written by hand for the same mask and modifier (``torch.compile``d, its
-``BlockMask`` from ``create_block_mask``), and plain, causal and decode calls against torch's SDPA.
+``BlockMask`` from ``create_block_mask``), and plain, causal and decode calls against torch's SDPA,
+and index masks against SDPA with the selection as a dense bool mask (what ``auto`` ran before
+``flex`` took them).
 T runs from 1k to 64k for the calls SDPA serves; the other kinds are timed at 4k first, then at the
 other lengths while ``--budget`` seconds last (each length compiles anew), so the script ends in
 time on one H100. Every attnkit call is recorded (``attnkit.record_dispatch``): the backend that
@@ -190,6 +192,37 @@ def _table(s: Setup, tq: int, tk: int, dt: torch.dtype) -> Inputs:
 
 def _sinks(s: Setup, tq: int, tk: int, dt: torch.dtype) -> Inputs:
     return {"sinks": torch.randn(s.heads, device=s.device, dtype=dt)}
+
+
+def _selection(s: Setup, tq: int, tk: int, n: int, block: int) -> Inputs:
+    """An indexer's choice (``block`` 1: keys, else blocks of keys), ``(B, 1, Tq, n)``: each
+    query's own key (block) and ``n - 1`` more of its causal past at random, repeats allowed;
+    and the selection ANDed with causal as the dense bool mask SDPA reads."""
+    gen = torch.Generator(device=s.device).manual_seed(tq + tk + block)
+    own = (torch.arange(tq, device=s.device) + tk - tq) // block  # (Tq,)
+    u = torch.rand(s.batch, 1, tq, n, generator=gen, device=s.device)
+    idx = (u * (own + 1).view(-1, 1)).long()  # uniform in 0 .. own
+    idx[..., 0] = own
+    mask = masks.key_indices(idx) if block == 1 else masks.block_indices(idx, block=block)
+    visible = (mask & masks.causal()).dense(tq, tk, batch_size=s.batch, device=s.device)
+    return {"idx": idx, "visible": visible}
+
+
+def _selected(block: int) -> tuple[Call, Hand]:
+    def call(i: Inputs, backend: str) -> Tensor:
+        idx = i["idx"]
+        mask = masks.key_indices(idx) if block == 1 else masks.block_indices(idx, block=block)
+        return attnkit.attention(
+            i["q"], i["k"], i["v"], mask=mask & masks.causal(), backend=backend
+        )
+
+    def hand(i: Inputs, flex: Flex) -> Tensor:
+        gqa = i["q"].size(1) != i["k"].size(1)
+        return F.scaled_dot_product_attention(
+            i["q"], i["k"], i["v"], attn_mask=i["visible"], enable_gqa=gqa
+        )
+
+    return call, hand
 
 
 def _relative(s: Setup, tq: int, tk: int, dt: torch.dtype) -> Inputs:
@@ -405,6 +438,22 @@ def kinds() -> list[Kind]:
             causal=True,
             max_t=1 << 12,
             extra=_relative,
+        ),
+        Kind(
+            "key indices, 256 a query, causal",
+            *_selected(1),
+            baseline="sdpa",
+            causal=True,
+            max_t=1 << 14,  # the baseline's (Tq, Tk) bool mask
+            extra=lambda s, tq, tk, dt: _selection(s, tq, tk, 256, 1),
+        ),
+        Kind(
+            "block indices, 16 of 64 keys a query, causal",
+            *_selected(64),
+            baseline="sdpa",
+            causal=True,
+            max_t=1 << 14,
+            extra=lambda s, tq, tk, dt: _selection(s, tq, tk, 16, 64),
         ),
         Kind(
             "decode step, cache",

@@ -448,11 +448,9 @@ KERNEL_CALLS = {
     "native_call": ("_kernel/", "_native/", "backends/"),
     "cache_attention": ("_kernel/", "backends/"),
 }
-KERNEL_CALLERS_KNOWN = {
-    # ring attention's pair of shards: a rectangle of a call that attention() dispatched to the
-    # ring backend, run on the kernel with the plan of that rectangle
-    ("distributed/_pair.py", "native_call"),
-}
+# (ring attention's pairs of shards run through _kernel/rect.py, the kernel on a rectangle of a
+# call: no caller outside the kernel and the backends is left)
+KERNEL_CALLERS_KNOWN: set[tuple[str, str]] = set()
 
 
 def _calls_of(tree: ast.Module, names: set[str]) -> set[str]:

@@ -388,3 +388,23 @@ def test_quantized_streaming_fuzz(
             assert _rel(out, want[:, :, at : at + t]) <= 1e-5, at
             at += t
     assert cache.length == min(n, sinks + window)
+
+
+def test_to_keeps_a_quantized_storage_and_changes_the_dtype_read() -> None:
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(1, 1, 5, 8, generator=g)
+    plain = StreamingKVCache(1, 1, 8, sink_tokens=1, window=3)
+    int8 = StreamingKVCache(1, 1, 8, sink_tokens=1, window=3, kv_dtype=torch.int8)
+    for cache in (plain, int8):
+        cache.update(k, k)
+        cache.to(dtype=F64)
+        keys, _, _ = cache.update(k[:, :, :1].double(), k[:, :, :1].double())
+        assert keys.dtype == F64
+        assert cache.dtype == F64
+    assert plain.k_cache.dtype == F64
+    assert int8.k_cache.dtype == torch.int8
+    assert int8.k_scale is not None
+    assert int8.k_scale.dtype == torch.float32
+    assert "dtype=torch.float64, kv_dtype=torch.int8" in repr(int8)
+    with pytest.raises(TypeError, match=r"cache's dtype \(float64\), got k float32"):
+        int8.update(k[:, :, :1], k[:, :, :1])

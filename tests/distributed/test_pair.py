@@ -11,9 +11,9 @@ import torch
 import attnkit
 from attnkit import _native, masks
 from attnkit._kernel import delta_of, merge
+from attnkit._kernel.rect import RectSettings
 from attnkit.distributed._pair import (
     Rect,
-    Settings,
     ShardKeys,
     backward_pair,
     forward_pair,
@@ -44,9 +44,9 @@ class Linear(ScoreTerm):
         return w[:, None, None] * (k_pos - q_pos).to(w.dtype)
 
 
-def settings(native: bool, term: ScoreTerm | None, dropout: float = 0.0) -> Settings:
+def settings(native: bool, term: ScoreTerm | None, dropout: float = 0.0) -> RectSettings:
     geo = Geometry((B,), H, T, T, torch.device("cpu"), torch.float64)
-    return Settings(
+    return RectSettings(
         geo=geo,
         groups=1,
         scale=D**-0.5,

@@ -244,7 +244,7 @@ def window_bytes(rank: int, world: int, group: dist.ProcessGroup | None) -> dict
 
 
 def plans_made_by_the_backward(rank: int, world: int, group: dist.ProcessGroup | None) -> int:
-    from attnkit.distributed import _pair
+    from attnkit._kernel import rect
 
     x = whole_inputs(torch.float64)
     lay = Layout.zigzag(world)
@@ -252,17 +252,17 @@ def plans_made_by_the_backward(rank: int, world: int, group: dist.ProcessGroup |
     mask = masks.sliding_window(4, right=1) & lay.shard(x["pad"], rank, dim=-1)
     out = ring_attention(*local, mask=mask, layout=lay, group=group)
     made = []
-    real = _pair.block_plan
+    real = rect.block_plan
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         made.append(1)
         return real(*args, **kwargs)
 
-    _pair.block_plan = counted  # type: ignore[assignment]
+    rect.block_plan = counted  # type: ignore[assignment]
     try:
         out.backward(lay.shard(x["dout"], rank))
     finally:
-        _pair.block_plan = real  # type: ignore[assignment]
+        rect.block_plan = real  # type: ignore[assignment]
     return len(made)
 
 

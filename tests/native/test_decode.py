@@ -405,10 +405,7 @@ def test_opcheck_native_forward_on_the_decode_path() -> None:
     )
     assert decodes(spec.plan)
     args, kwargs = native_arguments(spec, q, k, v, dense, terms)
-    args = tuple(
-        a.detach().clone().requires_grad_(i < 3) if isinstance(a, torch.Tensor) else a
-        for i, a in enumerate(args)
-    )
+    args = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(torch.ops.attnkit.native_forward.default, args, kwargs)
 
 
@@ -718,9 +715,11 @@ def test_the_operator_refuses_quantized_keys_and_values_it_cannot_read() -> None
     many = {**kwargs, "block_q": 2}  # two query blocks: the blocked forward's call
     with pytest.raises(RuntimeError, match="read on the decode path alone"):
         op(*args, **many)
+    # No backward through the operator itself (the kernel's autograd entries run the backward
+    # operator, on keys and values dequantized first): torch says so on a backward through it.
     q = args[0].requires_grad_()  # type: ignore[union-attr]
     out, _ = op(q, *args[1:], **kwargs)
-    with pytest.raises(RuntimeError, match="no backward through int8/float8 keys and values"):
+    with pytest.warns(UserWarning, match="an autograd kernel was not registered"):
         out.sum().backward()
 
 

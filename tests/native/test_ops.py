@@ -70,14 +70,22 @@ def _call(
         seed=1234 if dropout else None,
     )
     args, kwargs = native_arguments(spec, q, k, v, dense, term_inputs)
-    differentiable = {0, 1, 2, 5, 8, 9}  # q, k, v, bias, qv, enc
-    args = tuple(
-        a.detach().clone().requires_grad_(i in differentiable and a.is_floating_point())
-        if isinstance(a, torch.Tensor)
-        else a
-        for i, a in enumerate(args)
-    )
+    args = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
     return args, kwargs
+
+
+def _backward(
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    out: tuple[torch.Tensor, torch.Tensor],
+    dout: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """native_backward's (dq, dk, dv) for ``dout``, from native_forward's ``(out, lse)``, as the
+    kernel's backward phase calls it."""
+    lse = out[1]
+    delta = (dout * out[0]).sum(-1)
+    dq, dk, dv, *_ = torch.ops.attnkit.native_backward(dout, lse, delta, *args, **kwargs)
+    return dq, dk, dv
 
 
 CASES = [
@@ -140,8 +148,7 @@ def test_bfloat16_queries_give_the_rounded_output_and_a_float32_lse(
 ) -> None:
     # bfloat16 queries with bfloat16 keys and values (what an inference call passes): the output
     # in bfloat16, equal to the same call's with the queries in float32 rounded; lse the same,
-    # in float32 (as the bias and the position term's inputs). The operator checks out as one
-    # with gradients, too.
+    # in float32 (as the bias and the position term's inputs); the operator checks out on them.
     args, kwargs = _call(mask, torch.bfloat16, **kw)  # type: ignore[arg-type]
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     assert args[0].dtype == torch.float32
@@ -153,8 +160,7 @@ def test_bfloat16_queries_give_the_rounded_output_and_a_float32_lse(
     assert lse16.dtype == torch.float32
     assert torch.equal(out16, out32.bfloat16())
     assert torch.equal(lse16, lse32)
-    leaves = (q16.requires_grad_(), *(a.requires_grad_() for a in args[1:3]))  # type: ignore[union-attr]
-    torch.library.opcheck(torch.ops.attnkit.native_forward.default, (*leaves, *args[3:]), kwargs)
+    torch.library.opcheck(torch.ops.attnkit.native_forward.default, (q16, *args[1:]), kwargs)
 
 
 def test_bfloat16_queries_need_bfloat16_keys_and_values() -> None:
@@ -171,13 +177,14 @@ PLAIN_VALUE_SIZES = [c for c in VALUE_SIZES if "term" not in c.values[2]]  # typ
 def test_the_operators_gradients_equal_the_reference(
     mask: str, dtype: torch.dtype, kw: dict[str, object]
 ) -> None:
-    # The operator's registered autograd, called directly, against attention()'s reference on the
-    # same call (layouts: q (N, Hkv, G, Tq, D), k and v (N, Hkv, Tk, D)).
+    # The operators called directly, the backward with the forward's log-sum-exp and
+    # rowsum(dO * O), against attention()'s reference on the same call (layouts: q (N, Hkv, G,
+    # Tq, D), k and v (N, Hkv, Tk, D)).
     args, kwargs = _call(mask, dtype, **kw)  # type: ignore[arg-type]
     q5, k4, v4 = args[:3]
-    out, _ = torch.ops.attnkit.native_forward(*args, **kwargs)
+    out, lse = torch.ops.attnkit.native_forward(*args, **kwargs)
     cot = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q5, k4, v4), cot)
+    grads = _backward(args, kwargs, (out, lse), cot)
     q = q5.detach().flatten(1, 2).double().requires_grad_()  # type: ignore[union-attr]
     k, v = (t.detach().double().requires_grad_() for t in (k4, v4))  # type: ignore[union-attr]
     bias = None if args[5] is None else args[5].detach().flatten(1, 2).double()  # type: ignore[union-attr]
@@ -201,24 +208,28 @@ def test_the_operators_gradients_equal_the_reference(
 def test_compiled_operators_with_values_of_another_size_equal_the_reference(
     mask: str, dtype: torch.dtype, kw: dict[str, object]
 ) -> None:
-    # native_forward and its backward in one graph (fullgraph, AOTAutograd tracing both passes
-    # from the fake kernels), then a product that reads the output's last size: Dv, not Dk.
+    # native_forward and native_backward in one graph (fullgraph, traced from the fake kernels),
+    # between products that read the output's last size and dout's: Dv, not Dk.
     args, kwargs = _call(mask, dtype, **kw)  # type: ignore[arg-type]
     q5, k4, v4 = args[:3]
     dv = v4.size(-1)  # type: ignore[union-attr]
     w = torch.randn(dv, 3, generator=torch.Generator().manual_seed(dv), dtype=dtype)
+    cot = torch.randn(
+        (*q5.shape[:-1], 3),
+        generator=torch.Generator().manual_seed(1),
+        dtype=dtype,  # type: ignore[union-attr]
+    )
 
-    def f(q5: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> torch.Tensor:
-        out, _ = torch.ops.attnkit.native_forward(q5, k4, v4, *args[3:], **kwargs)
-        return out @ w  # type: ignore[no-any-return]
+    def f(q5: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rest = (q5, k4, v4, *args[3:])
+        out, lse = torch.ops.attnkit.native_forward(*rest, **kwargs)
+        return (out @ w, *_backward(rest, kwargs, (out, lse), cot @ w.T))
 
     torch._dynamo.reset()
     try:
-        got = torch.compile(f, backend="aot_eager", fullgraph=True)(q5, k4, v4)
+        got, *grads = torch.compile(f, backend="aot_eager", fullgraph=True)(q5, k4, v4)
     finally:
         torch._dynamo.reset()
-    cot = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
-    grads = torch.autograd.grad(got, (q5, k4, v4), cot)
     q = q5.detach().flatten(1, 2).double().requires_grad_()  # type: ignore[union-attr]
     k, v = (t.detach().double().requires_grad_() for t in (k4, v4))  # type: ignore[union-attr]
     bias = None if args[5] is None else args[5].detach().flatten(1, 2).double()  # type: ignore[union-attr]

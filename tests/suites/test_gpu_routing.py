@@ -39,6 +39,11 @@ def _window(b: Any, h: Any, q: Any, kv: Any) -> Any:
     return (q - kv).abs() <= 64
 
 
+def _selection(heads: int, k: int) -> torch.Tensor:
+    """A sparse-attention indexer's choice: ``k`` keys (or blocks) for each query."""
+    return torch.empty(B, heads, T, k, device=META, dtype=torch.long)
+
+
 # (name, the call's keyword arguments beyond q, k, v, the inputs, the backend a GPU runs, and the
 # words explain() says about it)
 Case = tuple[str, Callable[[], dict[str, Any]], Callable[[], tuple[Any, ...]], str, str]
@@ -200,6 +205,20 @@ CASES: list[Case] = [
         "score_mod",
     ),
     ("float64, causal", lambda: {"causal": True}, lambda: qkv(torch.float64), "flex", "mask_mod"),
+    (
+        "key indices per key/value head & causal (sdpa would write the (Tq, Tk) mask)",
+        lambda: {"mask": masks.key_indices(_selection(2, 256)) & masks.causal()},
+        lambda: qkv(hkv=2),
+        "flex",
+        "a bit a key for each query and selection head: 0.5 MiB, where the same selection",
+    ),
+    (
+        "block indices, training",
+        lambda: {"mask": masks.block_indices(_selection(1, 16), block=64)},
+        lambda: qkv(grad=True),
+        "flex",
+        "read from a bitmap, a bit a block of 64 keys",
+    ),
 ]
 
 

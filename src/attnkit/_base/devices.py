@@ -162,13 +162,17 @@ def _triton() -> bool:
 
 def _present(kind: str, index: int | None) -> Target:
     """A device torch sees, as it is (``index`` None: the current one), described once."""
+    if kind not in GPU_TYPES:  # nothing to probe
+        if torch.compiler.is_compiling():
+            # (not looked up while traced: the graph would guard on the cache's contents and
+            # be traced again once an eager call fills it)
+            return Target(kind, triton=False)
+        found = _SEEN.get((kind, index))
+        if found is None:
+            found = _SEEN[(kind, index)] = Target(kind, triton=False)
+        return found
     found = _SEEN.get((kind, index))
     if found is not None:
-        return found
-    if kind not in GPU_TYPES:
-        found = Target(kind, triton=False)  # nothing to probe
-        if not torch.compiler.is_compiling():
-            _SEEN[(kind, index)] = found
         return found
     if torch.compiler.is_compiling():
         # a GPU first seen while torch.compile traces: what tracing can read, not kept

@@ -14,7 +14,10 @@ module:
 * :mod:`~attnkit._kernel.merge` and :mod:`~attnkit._kernel.sinks`: parts of a row and sinks,
   combined by log-sum-exp;
 * :mod:`~attnkit._kernel.dropout`: dropout's mask, block by block;
-* :mod:`~attnkit._kernel.call` and :mod:`~attnkit._kernel.operator`: the kernel on a whole call.
+* :mod:`~attnkit._kernel.phases`: the kernel's one forward and one backward on a planned call;
+* :mod:`~attnkit._kernel.call` and :mod:`~attnkit._kernel.operator`: the kernel on a whole call,
+  in eager mode and as an operator in graphs; :mod:`~attnkit._kernel.rect`: on a rectangle of a
+  call (ring attention's pairs of shards).
 """
 
 from .backward import Grads, backward, delta_of, folds

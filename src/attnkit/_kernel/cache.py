@@ -60,8 +60,9 @@ def cache_refusal(q: Tensor, k: Tensor, v: Tensor, *others: Tensor | None) -> st
 
 
 def _int64(x: Tensor | Sequence[Sequence[int]]) -> Tensor:
-    t = x if isinstance(x, Tensor) else torch.tensor(x, dtype=torch.int64)
-    return t.to(torch.int64).contiguous()
+    if not isinstance(x, Tensor):
+        return torch.tensor(x, dtype=torch.int64)
+    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
 
 
 def cache_attention(

@@ -2,16 +2,21 @@
 together with the native operator's arguments, and its forward and backward as one autograd
 function.
 
-:func:`kernel_attention` is what the ``chunked`` backend runs; :func:`plan_call`,
-:func:`run_forward` and :func:`run_backward` are its parts, which attnkit's operator
-(:mod:`attnkit._kernel.operator`) runs inside compiled and exported graphs.
+:func:`kernel_attention` is what the ``chunked`` backend runs. Its parts: :func:`plan_call` (the
+call's :class:`~attnkit._kernel.phases.KernelSpec`), and :func:`run_forward` and
+:func:`run_backward`, which lay a whole call out for the kernel's own two phases
+(:func:`~attnkit._kernel.phases.kernel_forward`, :func:`~attnkit._kernel.phases.kernel_backward`),
+check its score term and fold in its sinks. Two autograd entries adapt them, each in its own
+terms: :class:`_KernelAttention` in eager mode, holding the spec itself; attnkit's operator
+(:mod:`attnkit._kernel.operator`) inside compiled and exported graphs, whose arguments say the
+call as text and tensors and whose backward is an operator of its own.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,27 +25,16 @@ from torch import Tensor
 from .._base.checks import dtype_str
 from .._base.finite import finite
 from .._base.quantized import dequantize
-from .._native.kernel import NativeCall, native_call, scale_rows
+from .._native.kernel import native_call, scale_rows
 from .._record import note_kernel
 from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
 from ..modules._packing import joint_grads
 from ..scores import ScoreTerm, term_error
-from . import (
-    FUSED_ROWS,
-    BlockPlan,
-    Grads,
-    Problem,
-    backward,
-    delta_of,
-    draw_seed,
-    finish,
-    forward,
-    no_autocast,
-    sink_grad,
-)
+from . import FUSED_ROWS, delta_of, draw_seed, finish, no_autocast, sink_grad
 from .choice import choose, quantized_refusal
 from .gathered import gathered_attention
+from .phases import KernelSpec, kernel_backward, kernel_forward
 
 __all__ = [
     "kernel_attention",
@@ -99,87 +93,25 @@ def _check_term(
             raise term_error(term)
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """What the backward needs besides the saved tensors: the call, and its plan."""
-
-    mask: Mask | None
-    geo: Geometry
-    plan: BlockPlan
-    scale: float
-    softcap: float | None
-    term: ScoreTerm | None
-    careful: bool
-    #: q, k, v and the term's inputs are finite: a non-finite log-sum-exp is the term's doing
-    check_term: bool
-    has_bias: bool
-    has_sinks: bool
-    n_term: int
-    fused_rows: int | None
-    native: NativeCall | None  # None: the eager kernel
-    dropout: tuple[float, int] | None  # (p, seed), see attnkit._kernel.dropout
-    score_mod: ScoreMod | None = None
-    zero_offset: bool | None = None
-    #: which kernel runs the call, in explain()'s words (see attnkit._kernel.choice.refusal)
-    kernel: str = "native kernel"
-    #: q, k and v were not read for NaN and inf beforehand: the native kernel's decode path,
-    #: which handles them itself, serves an inference call (see plan_call)
-    unchecked: bool = False
-    #: int8/float8 k and v's (k_scale, v_scale), each broadcastable to (*batch, Hkv, Tk, 1),
-    #: where the native decode path reads them in place (see kernel_attention)
-    scales: tuple[Tensor, Tensor] | None = None
-
-
 def _layout(
-    spec: _Spec, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, native: bool = False
+    spec: KernelSpec, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """q, k, v and a dense bias in the kernel's layout (see :class:`Problem`); for the native
-    kernel k and v stay ``(B, Hkv, Tk, D)``, views at the caller's strides where they can be."""
+    """q, k, v and a dense bias in the kernel's layout (see :mod:`attnkit._kernel.phases`): q
+    ``(N, Hkv, G, Tq, Dk)``, k and v ``(N, Hkv, Tk, D)``, views at the caller's strides where
+    they can be."""
     batch = spec.geo.batch_shape
     n = spec.geo.batch
     hkv = k.size(-3)
-    kv = (n, hkv) if native else (n * hkv,)
     return (
         q.reshape(n, hkv, q.size(-3) // hkv, q.size(-2), q.size(-1)),
-        k.reshape(*kv, k.size(-2), k.size(-1)),
-        v.reshape(*kv, v.size(-2), v.size(-1)),
+        k.reshape(n, hkv, k.size(-2), k.size(-1)),
+        v.reshape(n, hkv, v.size(-2), v.size(-1)),
         None if bias is None else _as_5d(bias, batch, n, hkv),
     )
 
 
-def _problem(
-    spec: _Spec,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None,
-    term_inputs: tuple[Tensor, ...],
-    mod_inputs: tuple[Tensor, ...] = (),
-) -> Problem:
-    q5, k3, v3, bias5 = _layout(spec, q, k, v, bias)
-    return Problem(
-        q5=q5,
-        k3=k3,
-        v3=v3,
-        scale=spec.scale,
-        plan=spec.plan.grid,
-        geo=spec.geo,
-        mask=spec.mask,
-        bias5=bias5,
-        softcap=spec.softcap,
-        term=spec.term,
-        term_inputs=term_inputs,
-        careful=spec.careful,
-        fused_rows=spec.fused_rows,
-        dropout=spec.dropout,
-        score_mod=spec.score_mod,
-        mod_inputs=mod_inputs,
-        zero_offset=spec.zero_offset,
-    )
-
-
 def run_forward(
-    spec: _Spec,
+    spec: KernelSpec,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -207,17 +139,23 @@ def run_forward(
             lse5,
         )
     with no_autocast(q.device):
-        if spec.native is not None:
-            q5, k4, v4, bias5 = _layout(spec, q, k, v, bias, native=True)
+        q5, k4, v4, bias5 = _layout(spec, q, k, v, bias)
+        scales = None
+        if spec.scales is not None:
+            n = spec.geo.batch
+            scales = (scale_rows(spec.scales[0], k, n), scale_rows(spec.scales[1], v, n))
+        out5, lse = kernel_forward(
+            spec,
+            q5,
+            k4,
+            v4,
+            bias5,
+            term_inputs,
+            mod_inputs,
             # (sinks rescale the output after the kernel: in the work dtype)
-            reduced = not for_backward and sinks is None
-            scales = None
-            if spec.scales is not None:
-                n = spec.geo.batch
-                scales = (scale_rows(spec.scales[0], k, n), scale_rows(spec.scales[1], v, n))
-            out5, lse = spec.native.forward(q5, k4, v4, bias5, term_inputs, reduced, scales)
-        else:
-            out5, lse = forward(_problem(spec, q, k, v, bias, term_inputs, mod_inputs))
+            reduced_out=not for_backward and sinks is None,
+            scales=scales,
+        )
         if spec.check_term and spec.term is not None:
             _check_term(spec.term, lse, _unchecked(spec, q, k, v))
         sinks2 = None if sinks is None else sinks.view(hkv, -1)
@@ -231,7 +169,7 @@ def run_forward(
 
 
 def run_backward(
-    spec: _Spec,
+    spec: KernelSpec,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -264,34 +202,21 @@ def run_backward(
         if dlse is not None:
             # d lse / d s = the softmax: the score gradient P * (dP - delta) gains P * dlse.
             delta = delta - dlse.reshape(lse.shape).to(delta.dtype)
-        bias_grad = bias is not None and needs[3]
-        if spec.native is not None:
-            q5, k4, v4, bias5 = _layout(spec, q, k, v, bias, native=True)
-            packed = joint_grads(q, k, v) if joint else None
-            dq, dk, dv, dbias5, dterm5 = spec.native.backward(
-                q5,
-                k4,
-                v4,
-                bias5,
-                dout5,
-                lse,
-                delta,
-                bias_grad,
-                term_inputs,
-                tuple(needs[5 : 5 + spec.n_term]),
-                None if packed is None else _layout(spec, *packed, None, native=True)[:3],
-            )
-            grads = Grads(dq, dk, dv, dbias5, dterm5)
-        else:
-            grads = backward(
-                _problem(spec, q, k, v, bias, term_inputs, mod_inputs),
-                out5,
-                lse,
-                delta,
-                dout5,
-                bias_grad=bias_grad,
-                term_grads=any(needs[5 : 5 + spec.n_term]),
-            )
+        q5, k4, v4, bias5 = _layout(spec, q, k, v, bias)
+        packed = joint_grads(q, k, v) if joint and spec.native is not None else None
+        grads = kernel_backward(
+            spec,
+            q5,
+            k4,
+            v4,
+            bias5,
+            (out5, lse, delta, dout5),
+            bias_grad=bias is not None and needs[3],
+            term_inputs=term_inputs,
+            mod_inputs=mod_inputs,
+            term_needs=tuple(needs[5 : 5 + spec.n_term]),
+            grads_out=None if packed is None else _layout(spec, *packed, None)[:3],
+        )
         dsinks = None
         if sinks is not None and needs[4]:
             groups = sinks.view(out5.size(1), -1)
@@ -317,7 +242,7 @@ def run_backward(
 
 
 def _unchecked(
-    spec: _Spec, q: Tensor, k: Tensor, v: Tensor
+    spec: KernelSpec, q: Tensor, k: Tensor, v: Tensor
 ) -> tuple[Tensor, ...] | Callable[[], tuple[Tensor, ...]]:
     """What :func:`_check_term` reads when a call's log-sum-exp is not finite: q, k and v when
     they were not read beforehand, dequantized where they are int8/float8; else nothing."""
@@ -330,13 +255,17 @@ def _unchecked(
 
 
 class _KernelAttention(torch.autograd.Function):
+    """The eager autograd entry: :func:`run_forward` and :func:`run_backward` on a spec planned
+    once, saved with the tensors. (A call through attnkit's operator instead would serialise its
+    mask and dispatch twice per step: the operator is for graphs, where a spec cannot travel.)"""
+
     # The forward apart from its context, as torch.func's transforms (grad, vjp, jacrev, vmap)
     # need it; under vmap, torch runs the forward and backward per batch of examples.
     generate_vmap_rule = True
 
     @staticmethod
     def forward(
-        spec: _Spec,
+        spec: KernelSpec,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -371,7 +300,7 @@ class _KernelAttention(torch.autograd.Function):
         dlse: Tensor | None,
         *unused: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
-        spec: _Spec = ctx.spec  # type: ignore[attr-defined]
+        spec: KernelSpec = ctx.spec  # type: ignore[attr-defined]
         q, k, v, out5, lse, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
         bias = rest.pop(0) if spec.has_bias else None
         sinks = rest.pop(0) if spec.has_sinks else None
@@ -521,7 +450,7 @@ def plan_call(
     seed: int | None = None,
     register_tiles: bool = True,
     skewed_position: bool = True,
-) -> tuple[_Spec, Tensor | None, tuple[Tensor, ...]]:
+) -> tuple[KernelSpec, Tensor | None, tuple[Tensor, ...]]:
     """Everything a call's forward and backward share, decided once: ``(spec, dense bias, the
     score term's inputs)``. The kernel and its plan are :func:`attnkit._kernel.choice.choose`'s
     (``is_finite``: whether q, k and v hold only finite values, if the caller knows; None: find
@@ -569,7 +498,7 @@ def plan_call(
             register_tiles=register_tiles,
             skewed_position=skewed_position,
         )
-    spec = _Spec(
+    spec = KernelSpec(
         mask=mask,
         geo=geo,
         plan=choice.plan,
@@ -598,7 +527,7 @@ def _wants_grads(*tensors: Tensor | None) -> bool:
 
 
 def native_arguments(
-    spec: _Spec,
+    spec: KernelSpec,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -610,5 +539,5 @@ def native_arguments(
     called with, for calling the operator directly (tests, measurements)."""
     if spec.native is None:
         raise ValueError(f"the native kernel does not serve this call: {spec.kernel}")
-    q5, k4, v4, bias5 = _layout(spec, q, k, v, bias, native=True)
+    q5, k4, v4, bias5 = _layout(spec, q, k, v, bias)
     return spec.native.tensors(q5, k4, v4, bias5, term_inputs), spec.native.settings()

@@ -63,8 +63,10 @@ def refusal(
         return "the eager kernel (the native kernel does not fuse a score_mod)"
     if finite is False:
         return "the eager kernel (non-finite values in q/k/v)"
-    if (build and load()) or loaded():  # (loaded: no question of files or tools left)
+    if build and load():
         return None
+    if not torch.compiler.is_compiling() and loaded():  # no question of files or tools left
+        return None  # (not asked while traced: the graph would guard on the library's state)
     available, why = status()
     return None if available and not build else f"the eager kernel (native kernel: {why})"
 

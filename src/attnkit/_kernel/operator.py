@@ -5,8 +5,10 @@ read from the mask's data and the call's sizes, and the kernel's loop would unro
 the ``chunked`` backend hands the traced call to this operator instead: the graph holds one node,
 and at run time the operator does what the backend does in eager mode (:mod:`attnkit._kernel.call`:
 validate the mask against the call, plan it or take the kept plan, check the inputs, run the
-native kernel or the eager one) in O(T) memory. Its backward is a second operator,
-``torch.ops.attnkit.attention_backward``, registered as its autograd formula.
+native kernel or the eager one) in O(T) memory, through the same forward and backward as an
+eager call (:func:`attnkit._kernel.call.run_forward`, :func:`~attnkit._kernel.call.run_backward`,
+over the kernel's two phases in :mod:`attnkit._kernel.phases`). Its backward is a second
+operator, ``torch.ops.attnkit.attention_backward``, registered as its autograd formula.
 
 The mask and the score term travel as text plus tensors (:func:`attnkit.masks.encode`,
 :func:`attnkit.scores.encode_term`), so a graph's arguments say the whole call. Outputs are
@@ -300,6 +302,10 @@ def _setup_context(
 
 
 def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
+    """The operator's autograd entry: its backward is :func:`attention_backward_op`, an operator
+    of its own (a graph holds it as one node too), which runs the kernel's backward phase
+    (:func:`attnkit._kernel.call.run_backward`) on the call planned again from its arguments
+    (the plan kept from the forward)."""
     q, k, v, bias, sinks, seed, out, lse, *rest = ctx.saved_tensors
     n_mask, n_term = ctx.counts
     mask_tensors, term_tensors = rest[:n_mask], rest[n_mask:]

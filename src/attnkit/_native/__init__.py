@@ -5,7 +5,7 @@ matrix unit, the position term, the plan's reading, the scores, forward, backwar
 path, the finiteness check, the operators' registration) become one library: shipped in a
 wheel built with the kernel, else compiled on first use and cached (see
 :mod:`attnkit._native.build`). Loading it registers the operators; :mod:`attnkit._native.ops`
-adds their fake kernels and autograd; :mod:`attnkit._native.kernel` marshals a planned call (its
+adds their fake kernels; :mod:`attnkit._native.kernel` marshals a planned call (its
 block plan is :mod:`attnkit._kernel`'s, as is the choice of kernel) into the operators' arguments.
 
 ``ATTNKIT_NATIVE=0`` (or ``off``, ``false``, ``no``) turns the kernel off. A kernel that cannot

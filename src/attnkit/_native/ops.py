@@ -1,4 +1,4 @@
-"""The native kernel's operators in Python: their fake kernels and the forward's autograd.
+"""The native kernel's operators in Python: their fake kernels.
 
 ``attention.cpp``'s successors (``csrc/ops.cpp``) define the operators and their CPU kernels:
 
@@ -26,8 +26,14 @@
 
 Here, once the library is loaded (:func:`register`): each operator's fake kernel, which gives its
 outputs' shapes, dtypes and strides without running it (what torch.compile, torch.export and
-fake tensors need), and ``native_forward``'s backward formula, so that the operator is
-differentiable wherever it is called, compiled graphs included.
+fake tensors need).
+
+The operators have no autograd formula of their own: they are the kernel's marshalled calls, run
+by the kernel's two phases (:mod:`attnkit._kernel.phases`: ``native_forward`` in the forward,
+``native_backward`` in the backward), and a graph is recorded only by the kernel's autograd
+entries above them (the eager autograd function and attnkit's operator,
+``torch.ops.attnkit.attention``, whose backward is an operator of its own), which call them with
+no graph to record.
 
 The layouts are the kernel's: q ``(N, Hkv, G, Tq, Dk)``, k and v ``(N, Hkv, Tk, D)``; see
 :mod:`attnkit._native.kernel` for the plan and mask arguments. Outputs are laid out as the
@@ -171,10 +177,10 @@ def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextMa
     """Run an operator call straight on its kernel when it records no graph: no tensor of
     ``tensors`` (the call's inputs) requires grad, or grad mode is off.
 
-    The operator's autograd layer would find the same and hand the call on below autograd, as
-    this does, but through a few Python frames that cost as much as a small decode step's kernel.
-    While torch.compile traces, or under torch.func transforms, the call goes through every
-    layer as usual."""
+    The autograd layer (torch's fallback, for operators without a formula of their own) would
+    find the same and hand the call on below autograd, as this does, after its own look at every
+    input and output, which a small decode step would pay on every call. While torch.compile
+    traces, or under torch.func transforms, the call goes through every layer as usual."""
     if (
         transforms_active()
         or torch.compiler.is_compiling()
@@ -185,90 +191,8 @@ def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextMa
     return below
 
 
-# native_forward's positional tensors, in order; the backward returns one gradient for each.
-_INPUTS = (
-    "q", "k", "v", "offsets", "visits", "bias", "key_ok", "tiles", "qv", "enc", "k_scale",
-    "v_scale",
-)  # fmt: skip
-
-
-def _setup_context(
-    ctx: Any, inputs: tuple[Any, ...], keyword_only_inputs: dict[str, Any], output: Any
-) -> None:
-    out, lse = output
-    ctx.save_for_backward(*inputs, out, lse)
-    ctx.settings = dict(keyword_only_inputs)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, offsets, visits, bias, key_ok, tiles, qv, enc, k_scale, v_scale, out, lse = (
-        ctx.saved_tensors
-    )
-    if k_scale is not None or v_scale is not None:
-        raise RuntimeError(
-            "attnkit::native_forward: no backward through int8/float8 keys and values; a call "
-            "that needs gradients dequantizes them first (k.float() * k_scale)"
-        )
-    # One flag per positional input given (trailing inputs left at their default have none).
-    needs = (*ctx.needs_input_grad, *(False,) * len(_INPUTS))[: len(_INPUTS)]
-    q_dtype = q.dtype
-    if q_dtype == torch.bfloat16:  # bfloat16 queries: the backward computes in float32
-        q, out = q.float(), out.float()
-        dout = None if dout is None else dout.float()
-    if dout is None:
-        dout = torch.zeros_like(out)
-    elif dout.stride(-1) != 1:  # the kernel reads rows at their stride, each row contiguous
-        dout = dout.contiguous()
-    # rowsum(dO * O), less the log-sum-exp's gradient: d lse / d s is the softmax itself.
-    delta = (dout * out).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse
-    position = qv is not None and enc is not None
-    # bfloat16/float16 keys and values, which the forward reads as they are: the backward takes
-    # bfloat16 ones as they are (its products on the CPU's matrix unit where it has one) and
-    # float16 ones converted; it computes in q's dtype (float32), the caller converts back.
-    kv_dtype = k.dtype
-    if k.dtype != q.dtype and k.dtype != torch.bfloat16:
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    dq, dk, dv, dbias, dqv, denc = torch.ops.attnkit.native_backward(
-        dout,
-        lse,
-        delta.contiguous(),
-        q,
-        k,
-        v,
-        offsets,
-        visits,
-        bias,
-        key_ok,
-        tiles,
-        qv,
-        enc,
-        **ctx.settings,
-        bias_grad=bool(needs[5]) and bias is not None,
-        qv_grad=bool(needs[8]) and position,
-        enc_grad=bool(needs[9]) and position,
-    )
-    grads = (
-        dq.to(q_dtype) if needs[0] else None,
-        dk.to(kv_dtype) if needs[1] else None,
-        dv.to(kv_dtype) if needs[2] else None,
-        None,
-        None,
-        dbias if needs[5] and bias is not None else None,
-        None,
-        None,
-        dqv if needs[8] and position else None,
-        denc if needs[9] and position else None,
-        None,
-        None,
-    )
-    return grads[: len(ctx.needs_input_grad)]
-
-
 def register() -> None:
-    """Register the fake kernels and the autograd formula (once, after the library loaded)."""
+    """Register the fake kernels (once, after the library loaded)."""
     if _registered:
         return
     torch.library.register_fake("attnkit::native_forward")(_fake_forward)
@@ -276,7 +200,4 @@ def register() -> None:
     torch.library.register_fake("attnkit::native_backward_into")(_fake_backward_into)
     torch.library.register_fake("attnkit::native_cache_forward")(_fake_cache_forward)
     torch.library.register_fake("attnkit::native_stats")(_fake_stats)
-    torch.library.register_autograd(
-        "attnkit::native_forward", _backward, setup_context=_setup_context
-    )
     _registered.append(True)

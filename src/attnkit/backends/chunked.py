@@ -22,6 +22,7 @@ kernel.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import replace
 
 import torch
@@ -38,6 +39,7 @@ from .._kernel.choice import decode_sized, decodes, why_not_native
 from .._kernel.gathered import gathered_note
 from .._kernel.operator import traceable, traced_attention
 from .._kernel.planning import decode_plan, planned
+from .._native import loaded as native_loaded
 from .._native import status as native_status
 from .._native.kernel import BF16_PRODUCTS
 from .._record import note_kernel
@@ -195,6 +197,8 @@ class Chunked(Backend):
         skewed_position: bool = True,
     ) -> None:
         super().__init__("chunked")
+        # the last cache call the native kernel was found to read in place
+        self._read_in_place: weakref.ref[AttentionCall] | None = None
         for name, flag in (
             ("native", native),
             ("register_tiles", register_tiles),
@@ -233,6 +237,16 @@ class Chunked(Backend):
         lies; else why the call runs as dense calls on the rows' keys (views of a contiguous
         cache whose rows share their keys, else gathered). ``build``: as a call about to run,
         load the kernel (questions never build it)."""
+        if torch.compiler.is_compiling():  # (nothing kept while traced: no guard on it)
+            return self._cache_refusal(call, build)
+        last = self._read_in_place
+        if last is not None and last() is call and native_loaded():
+            return None  # (auto asked just now, and the kernel is loaded: a step asks twice)
+        why = self._cache_refusal(call, build)
+        self._read_in_place = weakref.ref(call) if why is None else None
+        return why
+
+    def _cache_refusal(self, call: AttentionCall, build: bool) -> str | None:
         if call.cache is None:
             return "the call is not on a cache"
         if not self.native:

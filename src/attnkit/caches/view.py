@@ -248,8 +248,15 @@ class CacheView:
     def shared(self) -> bool:
         """Whether every row attends the same stretch of keys with all its queries: the call is
         then a dense call on those keys (any mask, any bias)."""
+        compiling = torch.compiler.is_compiling()  # (nothing kept while traced: no guard on it)
+        known = None if compiling else self.__dict__.get("_shared")
+        if known is not None:
+            return bool(known)
         first = self.kv_range[0] if self.kv_range else None
-        return self.q_lens is None and all(r == first for r in self.kv_range)
+        shared = self.q_lens is None and all(r == first for r in self.kv_range)
+        if not compiling:  # (a step asks it several times; the fields never change)
+            self.__dict__["_shared"] = shared
+        return shared
 
     @property
     def width(self) -> int:

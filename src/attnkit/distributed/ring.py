@@ -8,8 +8,9 @@ queries against its own keys and against the keys of every other rank its querie
 point to point, only where they are seen, the next block in flight while the current one is
 computed (Liu et al., 2023, "Ring Attention with Blockwise Transformers", with the ring cut down
 to the pairs the mask leaves). Each pair of shards is a rectangle of the whole call's scores
-that the native operator (or, where one process would take it, the eager kernel) computes with
-its own block plan, and the pairs' outputs merge through their log-sum-exp in the work dtype.
+that the kernel runs as it runs any rectangle of a call (:mod:`attnkit._kernel.rect`: its own
+block plan, the native operator or, where one process would take it, the eager kernel), and the
+pairs' outputs merge through their log-sum-exp in the work dtype.
 
 The backward walks the same exchanges: the keys come again, each pair's query gradients stay
 home, and its key/value gradients go back to the keys' owner. The forward's block plans are kept
@@ -23,7 +24,6 @@ of the shards (all-reduce them, as for the projections' weights).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,20 +36,8 @@ from .._base.checks import check_int, shape_str
 from .._base.finite import finite
 from .._base.shapes import Bool, Float, shape_checked
 from .._call import AttentionCall
-from .._kernel import (
-    FUSED_ROWS,
-    default_blocks,
-    delta_of,
-    draw_seed,
-    finish,
-    folds,
-    merge,
-    sink_grad,
-    sizes,
-    small_scores,
-)
-from .._kernel.choice import refusal
-from .._kernel.planning import NATIVE_BLOCKS
+from .._kernel import FUSED_ROWS, delta_of, draw_seed, finish, folds, merge, sink_grad, sizes
+from .._kernel.rect import RectSettings, per_query, rect_settings
 from .._record import Dispatch, current, note_kernel
 from .._score_mod import ScoreMod, captured_tensors, check_captured
 from ..backends.base import Backend, CallInputs
@@ -60,12 +48,10 @@ from ._comm import Peers, Pending, agree, require_group
 from ._pair import (
     PairPlan,
     Rect,
-    Settings,
     ShardKeys,
     backward_pair,
     forward_pair,
     kernel_shape,
-    per_query,
     plan_pair,
     work_dtype,
 )
@@ -102,7 +88,7 @@ class _Run:
     """One call's state on this rank: its settings, shard plan and exchanges, and the pairs'
     plans (made in the forward, read by the backward)."""
 
-    s: Settings
+    s: RectSettings
     peers: Peers
     shards: ShardPlan
     layout: Layout
@@ -291,6 +277,15 @@ def _backward(
 
 
 class _RingFunction(torch.autograd.Function):
+    """The ring's one autograd node per call: its forward runs the kernel's forward phase on each
+    pair of shards (:func:`attnkit._kernel.rect.forward_rect`) and merges them, its backward the
+    kernel's backward phase on each pair (:func:`attnkit._kernel.rect.backward_rect`).
+
+    One node for the call, not one per pair: a pair's key and value gradients belong to the
+    rank that sent it the keys, and the backward sends them back around the ring while the next
+    block of keys is in flight. Autograd nodes per pair could route those gradients only through
+    differentiable sends and receives; here the walk schedules the exchanges itself."""
+
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
@@ -406,53 +401,18 @@ def _settings(
     blocks: tuple[int | None, int | None],
     fused_rows: int | None,
     native: bool,
-) -> Settings:
-    geo = whole_geometry(call, world)
-    careful = not all(f[0] for f in facts)
-    why = refusal(
-        native=native,
-        device=call.device,
-        term=call.score_term,
-        score_mod=call.score_mod is not None,
-        finite=not careful,
-        geo=call.geometry,
-        build=True,
-    )
-    if not native:
-        why = "the eager kernel (RingBackend(native=False))"
-    if why is None and call.dropout_p:
-        why = (
-            "the eager kernel (dropout across ranks: the native kernel numbers the pairs it "
-            "drops by its own inputs' positions, the eager one by the whole call's)"
-        )
-    k_norm = max(f[2] for f in facts)
-    v_max = max(f[3] for f in facts)
-    plain = call.softcap is None and call.score_term is None and call.score_mod is None
-    zero = (
-        plain
-        and not careful
-        and small_scores(facts[rank][1], k_norm, v_max, call.scale, geo.kv_len, geo.dtype)
-    )
-    banded = call.mask is not None and call.mask.distances(geo)[1] < math.inf
-    if why is None:
-        bq, bk = NATIVE_BLOCKS[banded]
-    else:
-        bq, bk = default_blocks(banded, call.groups, call.q_len, call.score_term is not None)
-    return Settings(
-        geo=geo,
-        groups=call.groups,
-        scale=call.scale,
-        softcap=call.softcap,
-        term=call.score_term,
-        dropout=(call.dropout_p, facts[0][4]) if call.dropout_p else None,
-        score_mod=call.score_mod,
-        native=why is None,
-        kernel="native kernel" if why is None else why,
-        careful=careful,
-        zero_offset=zero if why is not None else None,
+) -> RectSettings:
+    """The kernel's choice for the call's pairs, from every rank's facts alike."""
+    return rect_settings(
+        call,
+        whole_geometry(call, world),
+        finite=all(f[0] for f in facts),
+        norms=(facts[rank][1], max(f[2] for f in facts), max(f[3] for f in facts)),
+        seed=facts[0][4],
+        blocks=blocks,
         fused_rows=fused_rows,
-        blocks=(blocks[0] or bq, blocks[1] or bk),
-        dtype=call.dtype,
+        native=native,
+        off="the eager kernel (RingBackend(native=False))",
     )
 
 

@@ -4,7 +4,9 @@ A sparse-attention indexer (DeepSeek V3.2's top-k, NSA's block selection) picks 
 a few keys out of many: :func:`key_indices` takes their positions, :func:`block_indices` the
 blocks of keys. Both are :class:`KeyIndices` masks, which compose with ``&`` and ``|`` like every
 mask (``key_indices(idx) & causal()``). The chunked backend serves them by gathering each query's
-selected keys (:mod:`attnkit._kernel.gathered`), in O(Tq * k) time and memory; every other
+selected keys (:mod:`attnkit._kernel.gathered`), in O(Tq * k) time and memory; the flex backend
+(torch's FlexAttention, what a GPU runs) reads each query's selection from a bitmap of
+``Tq * Tk / 8`` bytes per selection head (:mod:`attnkit.backends.flex.mask_mod`); every other
 backend asks them for tiles, as for any mask (the reference writes the ``(Tq, Tk)`` mask out).
 
 Shape letters: ``B`` batch rows, ``Hi`` heads of the indices (1, or a divisor of ``H``: query

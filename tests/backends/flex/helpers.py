@@ -67,6 +67,18 @@ def _flex_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return kv_idx <= q_idx
 
 
+def selection(rows: int, heads: int, tq: int, slots: int, k: int, *, seed: int) -> Tensor:
+    """``(rows, heads, tq, k)`` entries of ``-1 .. slots - 1``: random, with repeats (each row's
+    second entry is its first), a row with none (query 1), and ``-1`` here and there."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(-1, slots, (rows, heads, tq, k), generator=g)
+    if k > 1:
+        idx[..., 1] = idx[..., 0]
+    if tq > 1:
+        idx[:, :, 1] = -1
+    return idx
+
+
 def catalogue(tq: int, tk: int) -> dict[str, Callable[[], masks.Mask | Tensor]]:
     """Every mask kind for a call of ``tq`` queries and ``tk`` keys, by name (made when called:
     some hold tensors)."""
@@ -98,6 +110,20 @@ def catalogue(tq: int, tk: int) -> dict[str, Callable[[], masks.Mask | Tensor]]:
         "dense per head": lambda: dense,
         "dense ~ and a window": lambda: masks.sliding_window(6, right=6) & ~dense[0],
         "dense keys": lambda: valid[:, None, None, :],
+        "key indices": lambda: masks.key_indices(selection(1, 1, tq, tk, 6, seed=7)),
+        "key indices sorted, & causal": lambda: (
+            masks.key_indices(selection(1, 1, tq, tk, 9, seed=8).sort(-1).values) & masks.causal()
+        ),
+        "key indices per row and key head": lambda: masks.key_indices(
+            selection(B, HKV, tq, tk, 5, seed=9)
+        ),
+        "block indices": lambda: masks.block_indices(
+            selection(1, 1, tq, -(-tk // 4), 2, seed=10), block=4
+        ),
+        "block indices per query head | window": lambda: (
+            masks.block_indices(selection(1, H, tq, -(-tk // 3), 2, seed=11), block=3)
+            | masks.sliding_window(2)
+        ),
     }
 
 

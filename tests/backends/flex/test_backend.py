@@ -1,7 +1,7 @@
 """The flex backend: backend="flex" on the CPU runs torch's compiled FlexAttention for inference
 (unfused where the log-sum-exp is needed) and equals the float64 reference; it declines what it
 cannot serve with reasons explain() shows, hands non-finite inputs to chunked visibly, and auto
-never takes it on the CPU. Two shapes are compiled here, a few seconds each the first time."""
+never takes it on the CPU. Three kinds of call are compiled here, seconds each the first time."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from attnkit.backends.flex import Flex, flex_available
 from attnkit.modules.positional import alibi_term
 from attnkit.testing import assert_close
 
-from .helpers import H, call_of, qkv, randn, reference
+from .helpers import HKV, B, H, call_of, qkv, randn, reference, selection
 
 
 def _squared(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -44,6 +44,26 @@ def test_compiled_inference_equals_the_reference() -> None:
         out = attnkit.attention(q, k, v, backend="flex", **kw)
     assert [c.served_by for c in calls] == ["flex"]
     assert_close(out, reference(q, k, v, **kw))  # type: ignore[arg-type]
+
+
+def test_compiled_index_masks_equal_the_reference() -> None:
+    # One compiled kernel reads two bitmaps: a selection per key/value head (grouped-query
+    # heads), with repeats, -1 and a query that selects nothing, ANDed with causal, or'ed with
+    # NSA-style selected blocks shared by every head; query 1 selects nothing in either and gets
+    # 0. A second call of the same kind (other indices, sorted) reuses the kernel.
+    tq, tk = 24, 40
+    q, k, v = qkv(tq, tk)
+    for seed in (0, 1):
+        keys = selection(B, HKV, tq, tk, 7, seed=20 + seed)
+        picked = selection(1, 1, tq, tk // 8, 2, seed=30 + seed)
+        if seed:
+            keys, picked = keys.sort(-1).values, picked.sort(-1).values
+        mask = (masks.key_indices(keys) & masks.causal()) | masks.block_indices(picked, block=8)
+        with torch.no_grad(), record_dispatch() as calls:
+            out = attnkit.attention(q, k, v, mask=mask, backend="flex")
+        assert [c.served_by for c in calls] == ["flex"]
+        assert_close(out, reference(q, k, v, mask=mask))
+        assert bool((out[:, :, 1] == 0).all())
 
 
 def test_sinks_and_the_lse_on_the_cpu() -> None:

@@ -28,6 +28,8 @@ PER_ROW = {
     "dense per head",
     "dense ~ and a window",
     "dense keys",
+    "key indices per row and key head",
+    "block indices per query head | window",
 }
 
 

@@ -1,17 +1,22 @@
 """Every attnkit mask as a FlexAttention mask_mod: written out by torch (create_mask, which calls
-it as FlexAttention does), it equals the mask attnkit writes out, in both alignments."""
+it as FlexAttention does), it equals the mask attnkit writes out, in both alignments; an index
+mask's bitmap holds each row's selection, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnkit import masks
-from attnkit.backends.flex.mask_mod import lower_mask, mask_refusal
+from attnkit.backends.flex.block_mask import block_mask
+from attnkit.backends.flex.mask_mod import lower_mask, mask_refusal, selection_bitmap
 
-from .helpers import B, H, catalogue, dense_of
+from .helpers import B, H, catalogue, dense_of, selection
 
 SIZES = [(24, 24), (10, 24), (24, 10)]  # Tq == Tk, fewer queries (a cache), more queries
 
@@ -53,3 +58,82 @@ def test_a_mask_of_its_own_class_needs_a_mask_mod() -> None:
     assert mask_refusal(mask) is None
     got = create_mask(lower_mask(mask, geo), B, H, 6, 6, device="cpu")
     torch.testing.assert_close(got, dense_of(mask, 6, 6))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    slots=st.integers(1, 100),
+    k=st.integers(1, 12),
+    sort=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_selection_bitmap_is_the_dense_selection(
+    rows: int, slots: int, k: int, sort: bool, seed: int
+) -> None:
+    # Bit s % 32 of word s // 32 (bit 31, the int32 sign bit, included) is set iff the row holds
+    # s, however often; -1 sets nothing.
+    idx = selection(rows, 2, 3, slots, k, seed=seed)
+    if sort:
+        idx = idx.sort(-1).values
+    words = selection_bitmap(idx, slots, presorted=sort)
+    assert words.dtype == torch.int32
+    assert words.shape == (rows, 2, 3, -(-slots // 32))
+    s = torch.arange(words.size(-1) * 32)
+    bits = ((words[..., s // 32] >> (s % 32)) & 1).bool()
+    want = torch.zeros(*idx.shape[:-1], slots + 1, dtype=torch.bool)
+    want.scatter_(-1, torch.where(idx >= 0, idx, slots), True)
+    torch.testing.assert_close(bits[..., :slots], want[..., :slots])
+    assert not bits[..., slots:].any()
+
+
+def test_bit_31_and_a_row_of_every_key() -> None:
+    idx = torch.tensor([[31, 31, -1, 63, 0], [-1, -1, -1, -1, -1]])
+    torch.testing.assert_close(
+        selection_bitmap(idx, 64), torch.tensor([[-(2**31) + 1, -(2**31)], [0, 0]]).int()
+    )
+    every = torch.arange(64).flip(0).unsqueeze(0)
+    assert bool((selection_bitmap(every, 64) == -1).all())  # all 32 bits of both words
+
+
+def test_rows_packed_a_stretch_at_a_time() -> None:
+    # 6 rows of 2**20 entries are packed in more than one stretch; each row holds its own keys
+    # (the last one none).
+    idx = torch.randint(-1, 70, (6, 2**20), generator=torch.Generator().manual_seed(3))
+    idx[5] = -1
+    words = selection_bitmap(idx, 70)
+    s = torch.arange(3 * 32)
+    for r in (0, 4, 5):
+        seen = idx[r].unique()
+        want = torch.zeros(3 * 32, dtype=torch.bool)
+        want[seen[seen >= 0]] = True
+        torch.testing.assert_close(((words[r, s // 32] >> (s % 32)) & 1).bool(), want)
+
+
+class _Sizes(TorchDispatchMode):
+    """The largest tensor any torch operation makes while active, in elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_an_index_mask_is_lowered_without_a_dense_mask() -> None:
+    # Lowered, with its BlockMask and a few pairs asked of its mask_mod, a selection of 8 keys a
+    # query over 4096 keys makes nothing near Tq x Tk: the bitmap is Tq x Tk / 32 words.
+    tq, tk = 64, 4096
+    geo = masks.Geometry((B,), H, tq, tk, torch.device("cpu"))
+    mask = masks.key_indices(selection(B, 2, tq, tk, 8, seed=2)) & masks.causal()
+    with _Sizes() as sizes:
+        mod = lower_mask(mask, geo)
+        block_mask(mask, geo, mod, block=(16, 128))
+        i = torch.arange(tq)
+        mod(i % B, i % H, i, i * 64)
+    assert sizes.largest <= B * 2 * tq * tk // 32, sizes.largest

@@ -37,6 +37,7 @@ from ...scores import DistanceBias, RelativePositionTerm
 from ..base import Backend, CallInputs, Output
 from .block_mask import BLOCK, plan_of
 from .lowering import Lowered, lower_call, lowering_refusal
+from .mask_mod import bitmap_bytes, index_masks
 from .score_mod import relative_width
 from .sinks import fold_sinks
 
@@ -168,6 +169,7 @@ class Flex(Backend):
             notes.append(kernel_options(call)[1])
         if call.mask is not None:
             notes.append(f"mask {call.mask.describe()} as a mask_mod")
+            notes += _bitmap_notes(call)
             if readable(call.device):  # not meta, nor a device explain() describes
                 plan = plan_of(call.mask, call.geometry, call.groups, (BLOCK, BLOCK))
                 notes.append(f"BlockMask from the block plan: {plan.grid.describe()}")
@@ -220,6 +222,28 @@ def _leaked(call: AttentionCall, out: Tensor) -> bool:
     if call.finite is True or torch.compiler.is_compiling() or out.device.type == "meta":
         return False
     return not finite(out)
+
+
+def _bitmap_notes(call: AttentionCall) -> list[str]:
+    """What each index mask's bitmap holds, against the ``(Tq, Tk)`` masks other paths write."""
+    geo = call.geometry
+    notes = []
+    for mask in index_masks(call.mask):
+        rows, heads, q_len, _ = mask.indices.shape
+        size = bitmap_bytes(mask, geo)
+        dense = rows * heads * q_len * geo.kv_len  # a bool (Tq, Tk) mask per selection head
+        unit = "key" if mask.block == 1 else f"block of {mask.block} keys"
+        notes.append(
+            f"{mask.describe()} read from a bitmap, a bit a {unit} for each query and selection "
+            f"head: {_mib(size)}, where the same selection as (Tq, Tk) masks (what sdpa's "
+            f"kernels read) takes {_mib(dense)} as bool and {_mib(dense * call.dtype.itemsize)} "
+            f"as {str(call.dtype).removeprefix('torch.')}"
+        )
+    return notes
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.3g} MiB"
 
 
 def _score_notes(call: AttentionCall) -> list[str]:
