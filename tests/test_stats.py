@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
-from attnkit import AttentionStats, attention_stats, masks
+from attnkit import AttentionStats, _native, attention_stats, masks
 from attnkit.scores import ScoreTerm
 from attnkit.testing import assert_close
 
@@ -101,18 +101,45 @@ def _arguments(case: dict[str, object], dtype: torch.dtype) -> dict[str, object]
     return kw
 
 
+# What the native pass does not take: a score_mod, a score term it does not fuse.
+EAGER_ONLY = {"score-term", "score-mod"}
+NATIVE = "native kernel"
+
+
+@pytest.fixture(params=["native", "eager"])
+def stats_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which pass the test asks for: the native kernel's where it serves the call (and the
+    kernel builds), or the eager kernel's loop, forced."""
+    if request.param == "eager":
+        monkeypatch.setattr(attnkit.stats, "stats_refusal", lambda *a: "the eager kernel (forced)")
+    elif not _native.load():
+        pytest.skip(f"native kernel: {_native.status()[1]}")
+    return str(request.param)
+
+
+def _served(calls: list[attnkit.Dispatch]) -> str | None:
+    """The kernel the recorded attention_stats call says served it."""
+    (mine,) = [c for c in calls if c.chosen == "attention_stats"]
+    return mine.kernel
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("with_lse", [False, True], ids=["one-pass-lse", "given-lse"])
 def test_stats_equal_the_reference_weights_statistics(
-    case: dict[str, object], with_lse: bool
+    case: dict[str, object], with_lse: bool, stats_pass: str
 ) -> None:
     q, k = _randn(B, H, TQ, D, seed=1), _randn(B, HKV, TK, D, seed=2)
     kw = _arguments(case, torch.float64)
     lse = None
     if with_lse:
         _, lse = attnkit.attention(q, k, k, return_lse=True, **kw)  # type: ignore[call-overload, misc]
-    stats = attention_stats(q, k, lse=lse, **kw)  # type: ignore[arg-type]
+    with attnkit.record_dispatch() as calls:
+        stats = attention_stats(q, k, lse=lse, **kw)  # type: ignore[arg-type]
     check(stats, expected(q, k, **kw), torch.float64)
+    eager_only = [c.values[0] for c in CASES if c.id in EAGER_ONLY]
+    native = stats_pass == "native" and not any(case is c for c in eager_only)
+    served = _served(calls)
+    assert (served == NATIVE) if native else (served != NATIVE and "eager kernel" in str(served))
     # the reference form, written from the same weights, says the same
     check(attention_stats(q, k, lse=lse, backend="reference", **kw), expected(q, k, **kw), q.dtype)  # type: ignore[arg-type]
 
@@ -121,7 +148,9 @@ FLOAT32 = {"causal", "padding-causal", "softcap", "sinks", "score-term", "paddin
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in FLOAT32])
-def test_float32_stats_are_within_float32_tolerance_of_float64(case: dict[str, object]) -> None:
+def test_float32_stats_are_within_float32_tolerance_of_float64(
+    case: dict[str, object], stats_pass: str
+) -> None:
     q, k = _randn(B, H, TQ, D, seed=3).float(), _randn(B, HKV, TK, D, seed=4).float()
     kw32 = _arguments(case, torch.float32)
     kw64 = _arguments(case, torch.float64)
@@ -131,7 +160,7 @@ def test_float32_stats_are_within_float32_tolerance_of_float64(case: dict[str, o
     check(attention_stats(q, k, lse=lse, **kw32), want, torch.float32)  # type: ignore[arg-type]
 
 
-def test_per_kv_head_sums_the_mass_and_maxes_the_maximum_over_a_group() -> None:
+def test_per_kv_head_sums_the_mass_and_maxes_the_maximum_over_a_group(stats_pass: str) -> None:
     q, k = _randn(B, H, TQ, D, seed=5), _randn(B, HKV, TK, D, seed=6)
     mass, top, entropy = expected(q, k, causal=True)
     stats = attention_stats(q, k, causal=True, per_kv_head=True)
@@ -142,7 +171,7 @@ def test_per_kv_head_sums_the_mass_and_maxes_the_maximum_over_a_group() -> None:
     assert stats.key_mass.shape == (B, HKV, TK)
 
 
-def test_a_query_with_no_visible_key_has_entropy_zero_and_gives_nothing() -> None:
+def test_a_query_with_no_visible_key_has_entropy_zero_and_gives_nothing(stats_pass: str) -> None:
     q, k = _randn(1, 2, 6, 4, seed=1), _randn(1, 2, 9, 4, seed=2)
     # causal with Tq > Tk... here top-left from a shifted window: the first 3 queries see no key
     mask = masks.from_fn(lambda b, h, i, j: (j <= i - 3) & (i >= 3))
@@ -163,7 +192,7 @@ def test_entropy_of_uniform_weights_is_log_of_the_keys_seen() -> None:
 
 
 @pytest.mark.parametrize(("tq", "tk"), [(5, 0), (0, 5), (0, 0)])
-def test_no_keys_or_no_queries(tq: int, tk: int) -> None:
+def test_no_keys_or_no_queries(tq: int, tk: int, stats_pass: str) -> None:
     q, k = _randn(2, 4, tq, 8, seed=1), _randn(2, 2, tk, 8, seed=2)
     for backend in ("auto", "reference"):
         stats = attention_stats(

@@ -22,7 +22,8 @@ from ._base.checks import dtype_str, shape_str
 from ._base.hints import torch_keywords, warn_torch_convention
 from ._base.shapes import Bool, Float, shape_checked
 from ._call import AttentionCall, check_attention_args
-from ._kernel.stats import kernel_stats
+from ._kernel.stats import kernel_stats, stats_refusal
+from ._record import note_served
 from ._score_mod import ScoreMod, check_elementwise
 from .attention import attention
 from .masks import Mask
@@ -199,22 +200,28 @@ def _one_pass(
     sinks: Tensor | None,
     arguments: dict[str, object],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The kernel's pass, after the log-sum-exp pass where no ``lse`` is given."""
+    """The kernel's pass, after the log-sum-exp pass where no ``lse`` is given: the native
+    kernel's where it serves the call, else the eager one's, recorded as the kernel of an
+    ``attention_stats`` call (:func:`attnkit.record_dispatch`, :attr:`attnkit.Dispatch.kernel`)."""
     if lse is None:
         _, lse = attention(q, k, k[..., :0], **arguments, sinks=sinks, return_lse=True)  # type: ignore[call-overload]
     elif call.score_mod is not None:
         # attention() probes a score_mod once per function: the pass calls it on tiles too
         work = torch.promote_types(call.dtype, torch.float32)
         check_elementwise(call.score_mod, dataclasses.replace(call.geometry, dtype=work))
+    bias = call.score_term if call.score_term is not None else _dense(arguments["bias"])
+    why = stats_refusal(q, k, bias, call.score_mod)
+    note_served(call, "attention_stats", "native kernel" if why is None else why)
     return kernel_stats(
         q,
         k,
         lse.detach(),
         mask=call.mask,
-        bias=call.score_term if call.score_term is not None else _dense(arguments["bias"]),
+        bias=bias,
         scale=call.scale,
         softcap=call.softcap,
         score_mod=call.score_mod,
+        native=why is None,
     )
 
 

@@ -1,20 +1,27 @@
 """The statistics pass (``attnkit._kernel.stats``) in blocks of a few rows and keys, against the
 weights of the formula in float64: every visit of the plan and only those, the ``-inf`` of
 partial blocks and of a bias in full blocks, NaN where a masked pair hides it and where a
-visible one shows it, and a log-sum-exp that includes sinks."""
+visible one shows it, and a log-sum-exp that includes sinks. The native pass
+(``torch.ops.attnkit.native_stats``) against the float64 reference's weights for every mask
+kind, grouped heads, softcap, sinks, a dense bias with ``-inf``, the position term and a bias by
+distance, padding, ``Tk = 0`` and rows that see no key; its schema and fake kernel through
+``torch.library.opcheck``; and which pass serves a call."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
-from attnkit import masks
+import attnkit
+from attnkit import _native, masks, scores
 from attnkit._kernel import Problem
-from attnkit._kernel.planning import block_plan
-from attnkit._kernel.stats import TILE, kernel_stats, stats_blocks
+from attnkit._kernel.planning import block_plan, planned
+from attnkit._kernel.stats import TILE, kernel_stats, stats_blocks, stats_refusal
+from attnkit._native.kernel import native_call
 from attnkit.masks import Geometry, Mask, visibility
 from attnkit.testing import assert_close
 
@@ -171,3 +178,173 @@ def test_the_blocks_keep_a_visits_tile_within_its_budget(
     assert 16 <= bq <= 512
     assert bq & (bq - 1) == 0  # a power of two
     assert geo.batch * heads * bq * bk <= TILE or bq == 16
+
+
+# The native pass (torch.ops.attnkit.native_stats): the same statistics, against the float64
+# reference's weights, for every modifier the native forward takes.
+
+native_only = pytest.mark.skipif(not _native.load(), reason=f"native: {_native.status()[1]}")
+
+NATIVE_CASES = [
+    pytest.param({}, id="none"),
+    pytest.param({"mask": masks.causal()}, id="causal"),
+    pytest.param({"mask": masks.causal(align="top_left")}, id="causal-top-left"),
+    pytest.param({"mask": masks.sliding_window(3, right=2)}, id="window"),
+    pytest.param({"mask": masks.documents([4, 9, 4])}, id="documents"),
+    pytest.param({"mask": masks.key_padding([0, 11])}, id="padding-a-row-with-no-keys"),
+    pytest.param({"mask": masks.from_fn(lambda b, h, i, j: (i + j) % 3 != 0)}, id="tiles"),
+    pytest.param({"mask": masks.causal(), "softcap": 1.5}, id="softcap"),
+    pytest.param({"mask": masks.causal(), "sinks": True}, id="sinks"),
+    pytest.param({"bias": "dense"}, id="dense-bias-with-minus-inf"),
+    pytest.param({"mask": masks.causal(), "bias": "position"}, id="position-term"),
+    pytest.param({"mask": masks.sliding_window(4), "bias": "distance"}, id="distance-bias"),
+]
+
+
+def _native_case(
+    case: dict[str, object], tq: int = 13, tk: int = 17, dtype: torch.dtype = torch.float64
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """q (2, 4, tq, 8), k (2, 2, tk, 8) (grouped heads) and the case's attention() arguments."""
+    q, k = randn(2, 4, tq, 8, seed=21).to(dtype), randn(2, 2, tk, 8, seed=22).to(dtype)
+    kw: dict[str, Any] = {key: val for key, val in case.items() if key in ("mask", "softcap")}
+    if case.get("sinks"):
+        kw["sinks"] = torch.tensor([1.5, -0.5, -math.inf, 0.25], dtype=dtype)
+    if case.get("bias") == "dense":
+        bias = randn(2, 4, tq, tk, seed=23)
+        kw["bias"] = bias.masked_fill(bias > 1.0, -math.inf).to(dtype)
+    elif case.get("bias") == "position":
+        qv, enc = randn(2, 4, tq, 8, seed=24).to(dtype), randn(4, tq + tk - 1, 8, seed=25).to(dtype)
+        kw["bias"] = scores.RelativePositionTerm(qv, enc, 0.3)
+    elif case.get("bias") == "distance":
+        kw["bias"] = scores.DistanceBias(randn(4, tq + tk - 1, seed=26).to(dtype), first=-(tk - 1))
+    return q, k, kw
+
+
+def _reference(q: Tensor, k: Tensor, kw: dict[str, Any]) -> tuple[Tensor, ...]:
+    """The float64 reference's natural-log log-sum-exp (sinks included) and its weights'
+    statistics."""
+    kw = {key: val.double() if isinstance(val, Tensor) else val for key, val in kw.items()}
+    f64 = q.double(), k.double(), k.double()
+    out: Any = attnkit.attention(
+        *f64, backend="reference", return_weights=True, return_lse=True, scale=0.35, **kw
+    )
+    return (out[2], *statistics(out[1]))
+
+
+def _native_stats(
+    q: Tensor, k: Tensor, lse: Tensor, kw: dict[str, Any], **blocks: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    work = torch.promote_types(q.dtype, torch.float32)
+    return kernel_stats(
+        q,
+        k,
+        lse.to(work),
+        mask=kw.get("mask"),
+        bias=kw.get("bias"),
+        scale=0.35,
+        softcap=kw.get("softcap"),
+        native=True,
+        **blocks,
+    )
+
+
+@native_only
+@pytest.mark.parametrize("case", NATIVE_CASES)
+@pytest.mark.parametrize("blocks", [{}, {"block_q": 4, "block_k": 8}], ids=["default", "4x8"])
+def test_native_stats_equal_the_reference_weights(
+    case: dict[str, object], blocks: dict[str, int]
+) -> None:
+    q, k, kw = _native_case(case)
+    lse, *want = _reference(q, k, kw)
+    got = _native_stats(q, k, lse, kw, **blocks)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == torch.float64
+        assert_close(a, b, dtype=torch.float64)
+    if case.get("mask") is not None and "padding" in str(case["mask"]):
+        assert not got[2][0].any()  # batch row 0 sees no key
+        assert not got[0][0].any()
+
+
+@native_only
+@pytest.mark.parametrize("case", [NATIVE_CASES[1], NATIVE_CASES[7], NATIVE_CASES[10]])
+def test_native_float32_stats_are_within_float32_tolerance(case: dict[str, object]) -> None:
+    q, k, kw = _native_case(case, tq=70, tk=70, dtype=torch.float32)
+    lse, *want = _reference(q, k, kw)
+    kw32 = _native_case(case, tq=70, tk=70, dtype=torch.float32)[2]
+    for a, b in zip(_native_stats(q, k, lse.float(), kw32), want, strict=True):
+        assert a.dtype == torch.float32
+        assert_close(a, b, dtype=torch.float32)
+
+
+@native_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_native_reduced_inputs_are_computed_in_float32(dtype: torch.dtype) -> None:
+    case = {"mask": masks.causal(), "bias": "dense"}
+    q, k, kw = _native_case(case, dtype=dtype)
+    lse, *want = _reference(q, k, kw)  # (of the rounded inputs, in float64)
+    # (the log-sum-exp in float32, as attention() returns it for these inputs)
+    for a, b in zip(_native_stats(q, k, lse.float(), kw), want, strict=True):
+        assert a.dtype == torch.float32
+        assert_close(a, b, dtype=torch.float32)
+
+
+@native_only
+@pytest.mark.parametrize(("tq", "tk"), [(5, 0), (0, 5), (0, 0)])
+def test_native_stats_of_no_keys_or_no_queries(tq: int, tk: int) -> None:
+    q, k = randn(2, 4, tq, 8, seed=1), randn(2, 2, tk, 8, seed=2)
+    lse = torch.full((2, 4, tq), -math.inf, dtype=torch.float64)
+    mass, top, entropy = _native_stats(q, k, lse, {"mask": masks.causal()})
+    assert mass.shape == top.shape == (2, 4, tk)
+    assert entropy.shape == (2, 4, tq)
+    for t in (mass, top, entropy):
+        assert not t.any()
+
+
+def _op_arguments(case: dict[str, object]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``torch.ops.attnkit.native_stats``'s arguments for a case, as the pass makes them."""
+    q, k, kw = _native_case(case, dtype=torch.float32)
+    lse = _reference(q, k, kw)[0].float()
+    bias = kw.get("bias")
+    term = bias if isinstance(bias, scores.ScoreTerm) else None
+    geo = Geometry((2,), 4, q.size(-2), k.size(-2), CPU)
+    plan = planned(kw.get("mask"), geo, 2, term is not None, 4, 8, native=True)
+    softcap = kw.get("softcap")
+    call = native_call(plan, geo, scale=0.35, softcap=softcap, dtype=q.dtype, term=term, groups=2)
+    q5, k4 = q.reshape(2, 2, 2, q.size(-2), 8), k.contiguous()
+    bias5 = bias.reshape(2, 2, 2, q.size(-2), k.size(-2)) if isinstance(bias, Tensor) else None
+    args = call.tensors(q5, k4, k4[..., :0], bias5, () if term is None else tuple(term.inputs()))
+    return (lse.reshape(2, 2, 2, -1).contiguous(), *args), call.settings()
+
+
+@native_only
+@pytest.mark.parametrize("case", NATIVE_CASES[1::2])
+def test_opcheck_native_stats(case: dict[str, object]) -> None:
+    args, kwargs = _op_arguments(case)
+    torch.library.opcheck(torch.ops.attnkit.native_stats.default, args, kwargs)
+
+
+@native_only
+def test_native_stats_refuses_what_it_cannot_read() -> None:
+    args, kwargs = _op_arguments({"mask": masks.causal()})
+    with pytest.raises(
+        RuntimeError, match=r"lse must be contiguous \(N, Hkv, G, Tq\) = \[2, 2, 2, 13\]"
+    ):
+        torch.ops.attnkit.native_stats(args[0][..., :5], *args[1:], **kwargs)
+    with pytest.raises(RuntimeError, match="the statistics take no dropout"):
+        torch.ops.attnkit.native_stats(*args, **{**kwargs, "dropout_p": 0.1})
+    with pytest.raises(
+        RuntimeError, match="q and k must both be float32 or float64, got q Float and k BFloat16"
+    ):
+        torch.ops.attnkit.native_stats(*args[:2], args[2].bfloat16(), *args[3:], **kwargs)
+
+
+@native_only
+def test_the_native_pass_serves_what_the_native_forward_takes() -> None:
+    q, k = randn(1, 2, 5, 4, seed=1), randn(1, 2, 5, 4, seed=2)
+    assert stats_refusal(q, k, None, None) is None
+    assert stats_refusal(q, k, scores.DistanceBias(randn(2, 9, seed=3), first=-4), None) is None
+    mod = stats_refusal(q, k, None, lambda s, b, h, i, j: s)
+    assert mod is not None
+    assert "does not fuse a score_mod" in mod
+    k[0, 0, 2, 1] = math.inf
+    assert stats_refusal(q, k, None, None) == "the eager kernel (non-finite values in q/k)"

@@ -18,6 +18,14 @@ The plan's EMPTY blocks are skipped, as in the forward; a query with no visible 
 through the log-sum-exp: a row's weights then sum to less than 1. The accumulators are the
 outputs' size; a visit's work lives in a few buffers the whole pass reuses (its scores, its
 weights, the entropy's products), a tile each (:data:`TILE`).
+
+That loop is a few PyTorch operations per visit, each a parallel region of its own: on a CPU
+whose cores are busy with other work, the threads of each region wait for each other. Where the
+native kernel serves the call (:func:`stats_refusal`: what it takes in the forward, finite q and
+k, no score_mod), the same pass runs there instead, in one parallel region
+(``torch.ops.attnkit.native_stats``, ``csrc/stats.cpp``): each thread computes a visit's scores
+in the forward's register tiles and ``p``, ``sum p t`` and the columns' sums and maxima in one
+sweep over them, its columns in arrays of its own added into the outputs once per head.
 """
 
 from __future__ import annotations
@@ -26,14 +34,16 @@ import torch
 from torch import Tensor
 
 from .._base.finite import finite
+from .._native.kernel import native_call
 from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
 from ..scores import ScoreTerm
+from .choice import refusal
 from .plan import QueryBlock
 from .planning import planned
 from .problem import LN2, LOG2E, Problem, no_autocast
 
-__all__ = ["TILE", "kernel_stats", "stats_blocks"]
+__all__ = ["TILE", "kernel_stats", "stats_blocks", "stats_refusal"]
 
 # A visit's work tensors (its scores, its weights, the entropy's products) hold about this many
 # elements each, whatever the batch and heads: 2 MiB in float32, so that the pass's few buffers
@@ -124,6 +134,30 @@ def _block(p: Problem, qb: QueryBlock, off: Tensor, sums: _Sums, inf_free: bool)
     sums.plogp[:, rows0 : rows0 + rows] = plogp.sum(-1)
 
 
+def stats_refusal(
+    q: Tensor, k: Tensor, bias: Tensor | ScoreTerm | None, score_mod: ScoreMod | None
+) -> str | None:
+    """Which pass computes a call's statistics: None for the native kernel's, else the eager
+    kernel's and why, in the words :func:`attnkit._kernel.choice.refusal` gives the forward's
+    choice. The native pass takes what the native forward takes (every mask, softcap, a dense
+    bias, sinks through the log-sum-exp, Transformer-XL's position term, a bias by distance),
+    with finite q and k (the term's inputs too) read once, here, where it would serve."""
+    term = bias if isinstance(bias, ScoreTerm) else None
+    geo = Geometry(tuple(q.shape[:-3]), q.size(-3), q.size(-2), k.size(-2), q.device)
+    why = refusal(
+        native=True,
+        device=q.device,
+        term=term,
+        score_mod=score_mod is not None,
+        finite=None,
+        geo=geo,
+        build=True,
+    )
+    if why is None and not finite(q, k, *(() if term is None else term.inputs())):
+        return "the eager kernel (non-finite values in q/k)"
+    return why
+
+
 def kernel_stats(
     q: Tensor,
     k: Tensor,
@@ -136,18 +170,22 @@ def kernel_stats(
     score_mod: ScoreMod | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    native: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(key_mass, key_max, entropy)`` of a validated call, ``(*batch, H, Tk)``,
     ``(*batch, H, Tk)`` and ``(*batch, H, Tq)`` in the work dtype (float32 for float16 and
     bfloat16), from each query's natural-log log-sum-exp ``lse`` ``(*batch, H, Tq)`` (the sinks'
     share included, when the call has sinks): one pass over the eager kernel's plan of the call
     (``mask`` the call's visibility, causal folded in), in blocks of :func:`stats_blocks` unless
-    given."""
+    given; with ``native`` (where :func:`stats_refusal` says the native kernel serves the call),
+    the native kernel's pass over its own plan, in its blocks unless given."""
     term = bias if isinstance(bias, ScoreTerm) else None
     dense = bias if isinstance(bias, Tensor) else None
     batch, h, tq, tk = tuple(q.shape[:-3]), q.size(-3), q.size(-2), k.size(-2)
     geo = Geometry(batch, h, tq, tk, q.device)
     groups = h // k.size(-3)
+    if native:
+        return _native_stats(q, k, lse, mask, dense, term, scale, softcap, geo, block_q, block_k)
     bq, bk = stats_blocks(geo)
     plan = planned(mask, geo, groups, term is not None, block_q or bq, block_k or bk, native=False)
     q5, k3, bias5 = _layout(q, k, dense, geo)
@@ -181,3 +219,41 @@ def kernel_stats(
     plogp = sums.plogp.view(p.n, p.hkv, tq, groups).transpose(2, 3)
     entropy = plogp.mul(-LN2).reshape(*batch, h, tq)
     return mass, top, entropy
+
+
+def _native_stats(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    mask: Mask | None,
+    dense: Tensor | None,
+    term: ScoreTerm | None,
+    scale: float,
+    softcap: float | None,
+    geo: Geometry,
+    block_q: int | None,
+    block_k: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`kernel_stats` on the native kernel: its plan of the call (the forward's), the
+    operator's arguments as the forward's (:func:`attnkit._native.kernel.native_call`)."""
+    groups = geo.heads // k.size(-3)
+    plan = planned(mask, geo, groups, term is not None, block_q, block_k, native=True)
+    call = native_call(
+        plan, geo, scale=scale, softcap=softcap, dtype=q.dtype, term=term, groups=groups
+    )
+    q5, _, bias5 = _layout(q, k, dense, geo)
+    n, hkv = geo.batch, k.size(-3)
+    k4 = k.reshape(n, hkv, geo.kv_len, k.size(-1))  # (a view at the caller's strides)
+    with no_autocast(q.device), torch.no_grad():
+        mass, top, entropy = call.stats(
+            q5,
+            k4,
+            bias5,
+            lse.reshape(n, hkv, groups, geo.q_len),
+            () if term is None else tuple(term.inputs()),
+        )
+    return (
+        mass.reshape(*geo.batch_shape, geo.heads, geo.kv_len),
+        top.reshape(*geo.batch_shape, geo.heads, geo.kv_len),
+        entropy.reshape(*geo.batch_shape, geo.heads, geo.q_len),
+    )

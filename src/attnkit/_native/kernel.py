@@ -239,6 +239,28 @@ class NativeCall:
             out, lse = torch.ops.attnkit.native_forward(*args, **self.settings())
         return out, lse
 
+    def stats(
+        self,
+        q5: Tensor,
+        k4: Tensor,
+        bias5: Tensor | None,
+        lse: Tensor,
+        term_inputs: tuple[Tensor, ...] = (),
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(key_mass, key_max, entropy)`` of the call, ``(N, Hkv, G, Tk)``, ``(N, Hkv, G, Tk)``
+        and ``(N, Hkv, G, Tq)`` in the work dtype, from its rows' natural-log log-sum-exp ``lse``
+        ``(N, Hkv, G, Tq)`` (see :mod:`attnkit._kernel.stats`): one pass over the plan, keys in
+        the work dtype (bfloat16 and float16 ones converted first)."""
+        if not load():
+            raise RuntimeError("attnkit internal error: native call without the native kernel")
+        work = torch.promote_types(q5.dtype, torch.float32)
+        k4 = k4.to(work)
+        args = self.tensors(q5, k4, k4[..., :0], bias5, term_inputs)
+        lse = lse.to(work).contiguous()
+        with no_graph(args):
+            mass, top, entropy = torch.ops.attnkit.native_stats(lse, *args, **self.settings())
+        return mass, top, entropy
+
     def backward(
         self,
         q5: Tensor,

@@ -23,6 +23,12 @@
   ``(B, Hkv, Tk, D)`` float32, bfloat16 or float16, ``keys`` ``(B|1, Hs, Tq, W)`` int64 sorted
   rows (-1 = none, a repeat counts once), ``key_ok`` ``(B|1, Tk)`` bool, ``band`` ``(lo, hi,
   offset)`` triples; outputs in float32 (see :mod:`attnkit._kernel.gathered`);
+* ``torch.ops.attnkit.native_stats(lse, q, k, v, offsets, visits, ..., *, block_q, ...) ->
+  (key_mass, key_max, entropy)``: the attention statistics of a call (see
+  :mod:`attnkit._kernel.stats`) from its rows' natural-log log-sum-exp ``lse``
+  ``(N, Hkv, G, Tq)``: the weights' column sums and maxima ``(N, Hkv, G, Tk)`` and the rows'
+  entropies ``(N, Hkv, G, Tq)``, float32 or float64 as q and k (v is not read: any tensor of
+  k's ``(N, Hkv, Tk)``, of width 0); no autograd;
 * ``torch.ops.attnkit.all_finite(tensors) -> bool``.
 
 Here, once the library is loaded (:func:`register`): each operator's fake kernel, which gives its
@@ -90,6 +96,13 @@ def _fake_cache_forward(
     q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any
 ) -> tuple[Tensor, Tensor]:
     return like_q(q, v.size(3)), q.new_empty(q.shape[:4])
+
+
+def _fake_stats(
+    lse: Tensor, q: Tensor, k: Tensor, *args: Any, **kwargs: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    cols = (*q.shape[:3], k.size(2))
+    return q.new_empty(cols), q.new_empty(cols), q.new_empty(q.shape[:4])
 
 
 def _grads_like(
@@ -207,4 +220,5 @@ def register() -> None:
     torch.library.register_fake("attnkit::native_cache_forward")(_fake_cache_forward)
     torch.library.register_fake("attnkit::gathered_forward")(_fake_gathered_forward)
     torch.library.register_fake("attnkit::gathered_backward")(_fake_gathered_backward)
+    torch.library.register_fake("attnkit::native_stats")(_fake_stats)
     _registered.append(True)

@@ -51,6 +51,11 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a);
 // undefined where not asked for.
 std::vector<at::Tensor> backward(const CallArgs& a, const BackwardArgs& b);
 
+// (key_mass, key_max, entropy) of a call whose rows' natural-log log-sum-exp is lse (N, Hkv, G,
+// Tq): the weights' column sums and maxima (N, Hkv, G, Tk) and the rows' entropies (N, Hkv, G,
+// Tq), in q's dtype (float32 or float64, as k's); v is unused (stats.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats(const CallArgs& a, const at::Tensor& lse);
+
 // Whether every element of these float32, float64, bfloat16 or float16 tensors is finite (one
 // read of each).
 bool all_finite(at::TensorList tensors);

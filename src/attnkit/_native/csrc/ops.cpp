@@ -1,5 +1,5 @@
 // The kernel as PyTorch operators: torch.ops.attnkit.native_forward, native_backward,
-// native_backward_into, native_cache_forward and all_finite. Their fake (meta) kernels and the
+// native_backward_into, native_cache_forward, native_stats and all_finite. Their fake (meta) kernels and the
 // forward's autograd formula are registered in Python (attnkit/_native/ops.py), beside the
 // operators' users. native_forward takes the decode path (decode.cpp) for calls of a few queries.
 //
@@ -181,6 +181,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_backward_into(
   return {or_empty(g[3], q), or_empty(g[4], q), or_empty(g[5], q)};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_stats(const at::Tensor& lse,
+                                                            ATTNKIT_CALL_PARAMS) {
+  return stats(call_args(ATTNKIT_CALL_VALUES), lse);
+}
+
 bool all_finite_op(at::TensorList tensors) { return all_finite(tensors); }
 
 }  // namespace
@@ -202,6 +207,8 @@ TORCH_LIBRARY(attnkit, m) {
       "Tensor? k_scale=None, Tensor? v_scale=None, *, "
       "float scale, float softcap=0., int[] bias_layout=[], float[] band=[], int block_q=16, "
       "bool register_tiles=True) -> (Tensor out, Tensor lse)");
+  m.def("native_stats(Tensor lse, " ATTNKIT_CALL_ARGS
+        ") -> (Tensor key_mass, Tensor key_max, Tensor entropy)");
   m.def("all_finite(Tensor[] tensors) -> bool");
 }
 
@@ -210,6 +217,7 @@ TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
   m.impl("native_backward", &attnkit::native_backward);
   m.impl("native_backward_into", &attnkit::native_backward_into);
   m.impl("native_cache_forward", &attnkit::native_cache_forward);
+  m.impl("native_stats", &attnkit::native_stats);
 }
 
 // No dispatch by device: it refuses tensors that are not on the CPU itself.
