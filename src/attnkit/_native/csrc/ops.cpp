@@ -1,7 +1,9 @@
 // The kernel as PyTorch operators: torch.ops.attnkit.native_forward, native_backward,
-// native_backward_into, native_cache_forward, native_stats and all_finite. Their fake (meta) kernels and the
-// forward's autograd formula are registered in Python (attnkit/_native/ops.py), beside the
-// operators' users. native_forward takes the decode path (decode.cpp) for calls of a few queries.
+// native_backward_into, native_cache_forward, native_stats and all_finite (gathered.cpp adds
+// gathered_forward and gathered_backward). Their fake (meta) kernels are registered in Python
+// (attnkit/_native/ops.py); none has an autograd formula: the kernel's autograd entries call them
+// (attnkit/_kernel/phases.py). native_forward takes the decode path (decode.cpp) for calls of a
+// few queries.
 //
 // A call's block plan comes as tensors (offsets, visits) and its mask as band, key flags or bool
 // tiles (see attnkit/_native/kernel.py); every index in them is checked before the kernel follows
