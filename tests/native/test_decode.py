@@ -645,6 +645,39 @@ def test_quantized_layouts_and_scales(dtype: torch.dtype, layout: str) -> None:
     assert _rel(out, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dk", [40, 100, 128])
+def test_int8_keys_against_queries_of_any_magnitude(group: int, dk: int) -> None:
+    # int8 keys dequantized in registers must keep the products at float32's rounding for query
+    # rows of every magnitude (huge, tiny, near float32's limits, a few large elements among
+    # small ones, all zero), widths that are not a multiple of 16, GQA groups of 1, 4 and 8 query
+    # heads, and key counts that are not a multiple of the kernel's blocks: what a faster product
+    # (integer dot products on split query rows, say) must keep too.
+    hkv, tk = 8, 203
+    h = hkv * group
+    q, k, v = _inputs(2, h, hkv, 1, tk, dk=dk, dv=24, seed=dk + group)
+    (kq, ks), (vq, vs) = _quantize(k, torch.int8), _quantize(v, torch.int8)
+    # each key/value head's query rows times a factor and its keys' scales divided by it, so
+    # that the scores stay near 1
+    factor = torch.tensor([1e12, 1e-12, 1e-25, 1e-37, 1e31, 3.0, 1.0, 0.5], dtype=torch.float64)
+    within = torch.linspace(0.5, 2.0, group, dtype=torch.float64)  # the rows of a group
+    q = q * (factor[:, None] * within).reshape(1, h, 1, 1)
+    ks = ks / factor.float().reshape(1, hkv, 1, 1)
+    q[0, -1, 0, dk // 4 :] *= 1e-4  # a quarter of a row much larger than the rest
+    q[1, -1] = 0.0  # a row of zeros: every key weighs the same
+    q32 = q.float()
+    with torch.inference_mode(), attnkit.record_dispatch() as calls:
+        out = attention(q32, kq, vq, k_scale=ks, v_scale=vs, backend=DECODE)
+    assert calls[-1].kernel == "native kernel (int8 k and v read in place)"
+    ref = attention(q32.double(), _dequantized(kq, ks), _dequantized(vq, vs), backend="reference")
+    assert out.isfinite().all()
+    assert _rel(out, ref) <= 1e-5
+    # each row on its own (the tolerance above is relative to the largest output)
+    for n in range(2):
+        for head in range(h):
+            assert _rel(out[n, head], ref[n, head]) <= 1e-5, (n, head)
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_every_float8_number_is_read_exactly(dtype: torch.dtype) -> None:
     # All 256 codes, NaN and inf included, as the values of one key the query sees with weight 1:
