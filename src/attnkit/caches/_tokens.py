@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._base.checks import check_float_tensor, dtype_str, shape_str
 
-__all__ = ["Piece", "Spelling", "check_tokens", "put", "write"]
+__all__ = ["Piece", "Spelling", "check_tokens", "given", "put", "write"]
 
 #: A stretch of a write in one page: ``(row, page, offset in the page, tokens, row's first token)``.
 Piece = tuple[int, int, int, int, int]
@@ -40,6 +40,18 @@ class Spelling:
     device_of: str = "the cache's device"
     #: who refuses keys that need gradients (None: ``what``'s first word)
     who: str | None = None
+
+
+def given(
+    k_pages: Tensor, v_pages: Tensor, quantized_as: torch.dtype | None
+) -> tuple[Tensor, Tensor]:
+    """The pages as new tokens must match them in :func:`check_tokens`: the pages themselves, or
+    for int8/float8 pages (``quantized_as``: the dtype tokens come in) stand-ins of their shapes
+    in that dtype, without data."""
+    if quantized_as is None:
+        return k_pages, v_pages
+    zero = torch.zeros((), dtype=quantized_as, device=k_pages.device)
+    return zero.expand(k_pages.shape), zero.expand(v_pages.shape)
 
 
 def check_tokens(

@@ -22,7 +22,7 @@ from .._base.checks import check_int
 from .._base.shapes import Float, shape_checked
 from ._evict import check_indices, compact_rows
 from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
-from ._tokens import check_tokens, write
+from ._tokens import check_tokens, given, write
 from .view import CacheView
 
 __all__ = ["KVCache"]
@@ -162,10 +162,7 @@ class KVCache:
     def _given(self) -> tuple[Tensor, Tensor]:
         """The keys and values as they are given and read: the cache, or of a quantized one
         stand-ins in ``dtype`` without data (what the checks of new tokens compare with)."""
-        if self.kv_dtype is None:
-            return self.k_cache, self.v_cache
-        zero = torch.zeros((), dtype=self.dtype, device=self.k_cache.device)
-        return zero.expand(self.k_cache.shape), zero.expand(self.v_cache.shape)
+        return given(self.k_cache, self.v_cache, None if self.kv_dtype is None else self.dtype)
 
     def _write(self, k: Tensor, v: Tensor, start: int) -> None:
         """Checked new tokens into every row from position ``start`` on; quantized (all of it

@@ -35,7 +35,7 @@ from ..masks import Mask
 from ..scores import DistanceBias
 from ._evict import check_indices, compact_pages
 from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
-from ._tokens import Piece, check_tokens, put, write
+from ._tokens import Piece, check_tokens, given, put, write
 from .view import CacheView, band_of
 
 __all__ = ["PagedKVCache"]
@@ -230,10 +230,7 @@ class PagedKVCache(nn.Module):
         """The head-major pages as keys and values are given and read: the pages, or of a
         quantized pool stand-ins in ``dtype`` without data (what the checks compare with)."""
         kp, vp = self._head_major()
-        if self.kv_dtype is None:
-            return kp, vp
-        zero = torch.zeros((), dtype=self.dtype, device=kp.device)
-        return zero.expand(kp.shape), zero.expand(vp.shape)
+        return given(kp, vp, None if self.kv_dtype is None else self.dtype)
 
     def _scale_views(self) -> tuple[Tensor | None, Tensor | None]:
         """A quantized pool's scales as a view takes them, ``(X, Hkv, page, 1)`` (float8's

@@ -41,7 +41,7 @@ from .._base.shapes import Float, shape_checked
 from ..attention import attention
 from ..masks import Mask, causal, key_padding, sliding_window
 from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
-from ._tokens import check_tokens, write
+from ._tokens import check_tokens, given, write
 from .view import CacheView
 
 __all__ = ["StreamingKVCache"]
@@ -165,10 +165,7 @@ class StreamingKVCache:
     def _given(self) -> tuple[Tensor, Tensor]:
         """The keys and values as they are given and read: the cache, or of a quantized one
         stand-ins in ``dtype`` without data (what the check of new tokens compares with)."""
-        if self.kv_dtype is None:
-            return self.k_cache, self.v_cache
-        zero = torch.zeros((), dtype=self.dtype, device=self.k_cache.device)
-        return zero.expand(self.k_cache.shape), zero.expand(self.v_cache.shape)
+        return given(self.k_cache, self.v_cache, None if self.kv_dtype is None else self.dtype)
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         keys, values = self._given()
