@@ -420,6 +420,69 @@ def test_opcheck_gathered_forward_and_backward(dtype: torch.dtype, kw: dict[str,
     )
 
 
+def _gathered_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    ok: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    band: list[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gathered_forward's ``(out, lse)`` in float64, from its definition: query t of head h
+    attends the distinct keys its selection row names (not -1) that lie in every band and that
+    ``ok`` keeps, through a dense (Tq, Tk) mask."""
+    b, h, tq, _ = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    sel = keys.expand(b, -1, -1, -1).repeat_interleave(h // keys.shape[1], dim=1)
+    allowed = torch.zeros(b, h, tq, tk + 1, dtype=torch.bool)
+    allowed.scatter_(-1, sel.clamp(min=-1) % (tk + 1), True)  # -1 lands in the extra column
+    allowed = allowed[..., :tk]
+    i, j = torch.arange(tq).view(tq, 1), torch.arange(tk).view(1, tk)
+    for lo, hi, offset in zip(band[::3], band[1::3], band[2::3], strict=True):
+        allowed &= (j - (i + offset) >= lo) & (j - (i + offset) <= hi)
+    if ok is not None:
+        allowed &= ok.view(ok.shape[0], 1, 1, tk)
+    kk, vv = (t.double().repeat_interleave(h // hkv, dim=1) for t in (k, v))
+    s = scale * q.double() @ kk.transpose(-1, -2)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    weights = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return weights @ vv.double(), lse
+
+
+@pytest.mark.parametrize("span", [0, 7, 32])
+@pytest.mark.parametrize(
+    ("dtype", "heads", "softcap"),
+    [(torch.float32, 1, 0.0), (torch.float32, 2, 2.5), (torch.bfloat16, 1, 0.0)],
+)
+def test_gathered_forward_in_stretches_equals_its_definition(
+    span: int, dtype: torch.dtype, heads: int, softcap: float
+) -> None:
+    # Rows of 64 (the unrolled loops) and more selected keys per query than one piece of the
+    # forward holds, walked in stretches of `span` keys (0: the kernel's own) whose pieces run
+    # past a stretch's end; enough queries that the kernel lays each key's heads side by side.
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 4, 24, 64, generator=g)
+    k, v = (torch.randn(2, 2, 96, 64, generator=g).to(dtype) for _ in range(2))
+    keys = torch.randint(-1, 96, (2, heads, 24, 40), generator=g)
+    keys[..., 1] = keys[..., 0]
+    keys[0, 0, 3] = -1  # a query with no key
+    keys = keys.sort(-1).values
+    ok = torch.rand(2, 96, generator=g) > 0.2
+    kwargs = {"scale": 0.2, "softcap": softcap, "band": [-math.inf, 0.0, 70.0]}
+    out, lse = torch.ops.attnkit.gathered_forward(q, k, v, keys, ok, span=span, **kwargs)
+    want, want_lse = _gathered_reference(q, k, v, keys, ok, **kwargs)  # type: ignore[arg-type]
+    assert torch.equal(lse == -math.inf, want_lse == -math.inf)
+    assert bool((want_lse == -math.inf).any())
+    finite = want_lse > -math.inf
+    assert_close(out, want.float(), dtype=torch.float32)
+    assert_close(lse[finite], want_lse[finite].float(), dtype=torch.float32)
+
+
 def test_gathered_operators_refuse_what_they_cannot_read() -> None:
     (q, k, v, keys, ok), kwargs = _gathered_call(torch.float32)
     with pytest.raises(RuntimeError, match="q in float32"):

@@ -8,14 +8,21 @@
 // each row sorted (-1 = none first, a repeated key beside its first entry, which alone counts).
 // Query head h reads key/value head h / (H / Hkv) and selection head h / (H / Hs): the C =
 // lcm(Hs, Hkv) "gathered heads" each read one key/value head with one selection, for their
-// G = H / C query heads together, so each selected row is read once for all of them.
+// G = H / C query heads together.
 //
-// The forward works on blocks of queries of one gathered head, in three phases: the scores of
-// every selected pair, a softmax over each query's scores at once (its keys are all there, so no
-// online rescaling), and the weighted sum of the values. The products walk the keys in stretches
-// of `span` keys, every query of the block taking its keys of one stretch before the next
-// stretch: the stretch's rows then stay in the core's cache while the block's queries read them
-// (nearby queries select many of the same keys), instead of coming from memory for each query.
+// The forward works on blocks of queries of one selection head, with all H / Hs query heads
+// that read it: each query's visible keys are worked out once, and a selected key's rows for
+// all those heads are read together (a copy of k and v with each key's heads side by side,
+// see token_major). Each (query, head) keeps an online softmax, so that a query's keys may come
+// in any order and only its accumulators stay between them. The block walks the keys in
+// stretches of `span` keys, every query of the block taking its keys of one stretch before the
+// next stretch: the stretch's rows then stay in the core's cache while the block's queries read
+// them (nearby queries select many of the same keys), instead of coming from memory for each
+// query. Reading the rows, not the arithmetic, is what the forward's time goes to.
+//
+// The backward (gathered_backward.h) works on blocks of one gathered head, in phases: the
+// scores and dO . v of every selected pair, the weights and the scores' gradients, then the
+// gradients' sums, walked the same way.
 
 // common.h first: it reads the compiler's AVX-512 header with its false warnings off.
 #include "common.h"
@@ -25,13 +32,19 @@
 namespace attnkit {
 namespace {
 
-// A row's scores and selected keys at most this many floats per block of queries (1 MiB).
+// The backward's blocks: a row's scores and selected keys at most this many floats per block of
+// queries (1 MiB), at most kBlockQueries queries, and a key stretch's rows (see walk) of
+// kStretchBytes by default.
 constexpr int64_t kBlockEntries = 1 << 18;
-// Queries per block at most.
 constexpr int64_t kBlockQueries = 64;
-// The bytes of one key stretch's rows by default (see walk).
 constexpr int64_t kStretchBytes = 1 << 20;
-// Selected rows fetched ahead of the one being read (their addresses are data: the hardware's
+// The forward's blocks: the more queries a block holds, the more of them read each row of a
+// stretch while the core's cache holds it (each selects a few of the stretch's keys, at random),
+// up to where their own rows and accumulators crowd the stretch's rows out; 4 MiB a thread.
+constexpr int64_t kForwardEntries = 1 << 20;
+constexpr int64_t kForwardQueries = 512;
+constexpr int64_t kForwardStretchBytes = 1 << 19;
+// Selected rows the backward fetches ahead of the one being read (their addresses are data: the hardware's
 // prefetchers cannot guess them).
 constexpr int64_t kAhead = 16;
 
@@ -123,8 +136,12 @@ struct Gather {
 
   // The keys query t of (b, gathered head c) attends, in order, each once: their count, at out.
   int64_t visible(int64_t b, int64_t c, int64_t t, int32_t* out) const {
-    const int64_t* row =
-        keys + (((sel_rows > 1 ? b : 0) * Hs + c / (C / Hs)) * Tq + t) * W;
+    return visible_of(b, c / (C / Hs), t, out);
+  }
+
+  // The same for query t of (b, selection head s), which all the gathered heads of s share.
+  int64_t visible_of(int64_t b, int64_t s, int64_t t, int32_t* out) const {
+    const int64_t* row = keys + (((sel_rows > 1 ? b : 0) * Hs + s) * Tq + t) * W;
     int64_t lo = 0, hi = Tk - 1;
     for (size_t i = 0; i + 3 <= band.size(); i += 3) {
       const double at = double(t) + band[i + 2];
@@ -151,6 +168,12 @@ struct Gather {
       n = kept;
     }
     return n;
+  }
+
+  // Natural-log scores from raw = scale * q . k, one vector.
+  Vec cap(const Vec& s) const {
+    if (softcap <= 0.0f) return s;
+    return Vec(softcap) * (s * Vec(1.0f / softcap)).tanh();
   }
 
   // Natural-log scores from raw = scale * q . k, in place.
@@ -183,178 +206,210 @@ inline float exp_sum(float* s, int64_t n, float top) {
   return sum;
 }
 
-inline float max_of(const float* s, int64_t n) {
-  Vec top(-std::numeric_limits<float>::infinity());
-  int64_t e = 0;
-  for (; e + Vec::size() <= n; e += Vec::size()) top = at::vec::maximum(top, Vec::loadu(s + e));
-  float m = at::vec::vec_reduce_all<float>(
-      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, top);
-  for (; e < n; ++e) m = std::max(m, s[e]);
-  return m;
-}
-
-// One block of queries' buffers: per query its visible keys and count, per (query, head) its
-// scores (then weights) and output accumulator, and its scaled query rows.
-struct Block {
+// One block of queries' selections: per query its visible keys, their count, and how far a
+// walk over them has come.
+struct Selected {
+  int64_t W;
   std::vector<int32_t> idx;
   std::vector<int64_t> count, cursor;
-  std::vector<float> s, acc, qs, total;
-  Block(const Gather& g, int64_t nq)
-      : idx(nq * g.W),
-        count(nq),
-        cursor(nq),
-        s(nq * g.G * g.W),
-        acc(nq * g.G * g.Dv),
-        qs(nq * g.G * g.Dk),
-        total(nq * g.G) {}
+  Selected(int64_t nq, int64_t w) : W(w), idx(nq * w), count(nq), cursor(nq) {}
 };
 
 // Walks the block's (query, selected key) pairs stretch by stretch of `span` keys: f(query, m0,
-// m1) for each query's entries m0:m1 whose keys lie in the stretch, in order.
+// m1) for each query's entries m0:m1 whose keys lie in the stretch, in order; f returns where
+// that query's next entries start (m1, or beyond it where f took a few more).
 template <typename F>
-inline void walk(Block& blk, int64_t nq, int64_t tk, int64_t span, F&& f) {
-  const int64_t w = int64_t(blk.idx.size()) / int64_t(blk.count.size());
-  std::fill(blk.cursor.begin(), blk.cursor.begin() + nq, 0);
+inline void walk(Selected& sel, int64_t nq, int64_t tk, int64_t span, F&& f) {
+  std::fill(sel.cursor.begin(), sel.cursor.begin() + nq, 0);
   for (int64_t r1 = std::min(span, tk);; r1 = std::min(r1 + span, tk)) {
     for (int64_t i = 0; i < nq; ++i) {
-      const int32_t* idx = blk.idx.data() + i * w;
-      const int64_t m0 = blk.cursor[i];
-      int64_t m = r1 >= tk ? blk.count[i] : m0;
-      while (m < blk.count[i] && idx[m] < r1) ++m;
-      if (m > m0) f(i, m0, m);
-      blk.cursor[i] = m;
+      const int32_t* idx = sel.idx.data() + i * sel.W;
+      const int64_t m0 = sel.cursor[i], n = sel.count[i];
+      int64_t m = r1 >= tk ? std::max(n, m0) : m0;
+      while (m < n && idx[m] < r1) ++m;
+      if (m > m0) sel.cursor[i] = f(i, m0, m);
     }
     if (r1 >= tk) break;
   }
 }
 
-// The products of one query's keys idx[m0:m1] with its G heads, in pieces of kPiece keys: each
-// piece's rows are read from memory for the first head and from the core's nearest cache for
-// the others. Rows of VK (VV) vectors, a constant where the instantiation fixes it (0: any
-// length, read element by element at the end).
-constexpr int64_t kPiece = 64;
+// Rows of k or v as the kernel reads them: the row of (batch row b, key/value head h, key j) at
+// b * sb + h * sh + j * sj, whichever of (B, Hkv, Tk, D) and (B, Tk, Hkv, D) the layout is.
+template <typename X>
+struct Source {
+  const X* p = nullptr;
+  int64_t sb = 0, sh = 0, sj = 0;
+  Source(const at::Tensor& t)
+      : p(reinterpret_cast<const X*>(t.data_ptr())),
+        sb(t.stride(0)),
+        sh(t.stride(1)),
+        sj(t.stride(2)) {}
+};
 
-// The products of query i's rows (one a head: `rows` holds (query, head) rows of d elements)
-// with its selected rows m0:m1 of `base`: out[(i G + h) W + m] = rows_ih . base_idx[m]. The
-// scores (q scaled, k), or the backward's dO . v.
-template <int VD, typename X>
-void dots_run(const Gather& g, const Block& blk, const float* rows, int64_t d, const X* base,
-              float* out, int64_t i, int64_t m0, int64_t m1) {
-  const int64_t G = g.G, W = g.W, n = blk.count[i];
-  const int32_t* idx = blk.idx.data() + i * W;
-  for (int64_t p0 = m0; p0 < m1; p0 += kPiece) {
-    const int64_t p1 = std::min(p0 + kPiece, m1);
-    for (int64_t h = 0; h < G; ++h) {
-      const float* q = rows + (i * G + h) * d;
-      float* o = out + (i * G + h) * W;
-      int64_t m = p0;
-      if constexpr (VD > 0) {
-        Vec qv[VD];
-        for (int v = 0; v < VD; ++v) qv[v] = Vec::loadu(q + v * kLanes);
-        for (; m + kLanes <= p1; m += kLanes) {
-          Vec part[kLanes];
-          for (int u = 0; u < kLanes; ++u) {
-            if (h == 0 && m + u + kAhead < n) fetch_row(base + idx[m + u + kAhead] * d, d);
-            const X* row = base + idx[m + u] * d;
-            Vec acc = load_as<float>(row) * qv[0];
-            for (int v = 1; v < VD; ++v) {
-              acc = at::vec::fmadd(load_as<float>(row + v * kLanes), qv[v], acc);
-            }
-            part[u] = acc;
-          }
-          sums(part).store(o + m);
-        }
-      }
-      for (; m < p1; ++m) {
-        if (h == 0 && m + kAhead < n) fetch_row(base + idx[m + kAhead] * d, d);
-        o[m] = dot(q, base + idx[m] * d, d);
-      }
+// The forward's block: queries t0:t0+nq of one selection head s of batch row b, and all NH = H /
+// Hs query heads that read that selection (the gathered heads of s, each with its G query heads).
+// Each query's visible keys are worked out once for all of them, and each selected key's rows
+// (one a head) are read together. Per (query, head) the scaled query row and an online softmax:
+// the output accumulator, a score near the largest so far (see kSlack) and the sums of the
+// weights relative to it, one a lane.
+struct Forward {
+  int64_t NH;
+  Selected sel;
+  std::vector<float> qs, acc, top, total;
+  std::vector<int64_t> koff, voff;  // each head's key/value head, as an offset in a key's rows
+  Forward(const Gather& g, int64_t nq)
+      : NH(g.H / g.Hs),
+        sel(nq, g.W),
+        qs(nq * NH * g.Dk),
+        acc(nq * NH * g.Dv),
+        top(nq * NH),
+        total(nq * NH * kLanes),
+        koff(NH),
+        voff(NH) {}
+};
+
+// The weights are taken relative to the largest score seen when it was last raised, which may
+// lag behind the largest score so far by up to kSlack: weights up to e^kSlack, far from float32's
+// range, and the accumulators rescaled only when a score passes that (for most pieces, never).
+constexpr float kSlack = 8.0f;
+
+inline bool any_above(const Vec& s, float x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cmp_ps_mask(__m512(s), _mm512_set1_ps(x), _CMP_GT_OQ) != 0;
+#else
+  alignas(64) float v[kLanes];
+  s.store(v);
+  return std::any_of(v, v + kLanes, [x](float e) { return e > x; });
+#endif
+}
+
+inline float hmax(const Vec& x) {
+  return at::vec::vec_reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
+}
+
+// The scores of one (query, head) row q with kLanes key rows (row[u] + off), one vector.
+template <int VK, typename X>
+inline Vec piece_scores(const float* q, const X* const* row, int64_t off, int64_t d) {
+  if constexpr (VK > 0) {
+    Vec qv[VK];
+    for (int e = 0; e < VK; ++e) qv[e] = Vec::loadu(q + e * kLanes);
+    Vec part[kLanes];
+    for (int u = 0; u < kLanes; ++u) {
+      const X* r = row[u] + off;
+      Vec acc = load_as<float>(r) * qv[0];
+      for (int e = 1; e < VK; ++e) acc = at::vec::fmadd(load_as<float>(r + e * kLanes), qv[e], acc);
+      part[u] = acc;
     }
+    return sums(part);
+  } else {
+    alignas(64) float s[kLanes];
+    for (int u = 0; u < kLanes; ++u) s[u] = dot(q, row[u] + off, d);
+    return Vec::loadu(s);
   }
 }
 
-// The weighted sums of query i's values m0:m1 (every head), added into its accumulators.
+// acc += sum over u < n of w[u] * (row[u] + off), d elements.
 template <int VV, typename X>
-void value_run(const Gather& g, Block& blk, const X* vb, int64_t i, int64_t m0, int64_t m1) {
-  const int64_t G = g.G, W = g.W, Dv = g.Dv, n = blk.count[i];
-  const int32_t* idx = blk.idx.data() + i * W;
-  for (int64_t p0 = m0; p0 < m1; p0 += kPiece) {
-    const int64_t p1 = std::min(p0 + kPiece, m1);
-    for (int64_t h = 0; h < G; ++h) {
-      const float* w = blk.s.data() + (i * G + h) * W;
-      float* acc = blk.acc.data() + (i * G + h) * Dv;
-      if constexpr (VV > 0) {
-        Vec a[VV];
-        for (int v = 0; v < VV; ++v) a[v] = Vec::loadu(acc + v * Vec::size());
-        for (int64_t m = p0; m < p1; ++m) {
-          if (h == 0 && m + kAhead < n) fetch_row(vb + int64_t(idx[m + kAhead]) * Dv, Dv);
-          const X* row = vb + int64_t(idx[m]) * Dv;
-          const Vec wm(w[m]);
-          for (int v = 0; v < VV; ++v) a[v] = at::vec::fmadd(load_as<float>(row + v * Vec::size()), wm, a[v]);
-        }
-        for (int v = 0; v < VV; ++v) a[v].store(acc + v * Vec::size());
-      } else {
-        for (int64_t m = p0; m < p1; ++m) {
-          if (h == 0 && m + kAhead < n) fetch_row(vb + int64_t(idx[m + kAhead]) * Dv, Dv);
-          add_scaled(acc, w[m], vb + int64_t(idx[m]) * Dv, Dv);
-        }
-      }
+inline void piece_values(float* acc, const float* w, const X* const* row, int64_t off, int64_t n,
+                         int64_t d) {
+  if constexpr (VV > 0) {
+    Vec a[VV];
+    for (int e = 0; e < VV; ++e) a[e] = Vec::loadu(acc + e * kLanes);
+    for (int64_t u = 0; u < n; ++u) {
+      const X* r = row[u] + off;
+      const Vec wu(w[u]);
+      for (int e = 0; e < VV; ++e) a[e] = at::vec::fmadd(load_as<float>(r + e * kLanes), wu, a[e]);
     }
+    for (int e = 0; e < VV; ++e) a[e].store(acc + e * kLanes);
+  } else {
+    for (int64_t u = 0; u < n; ++u) add_scaled(acc, w[u], row[u] + off, d);
   }
 }
 
+// Query i's entries p:p+n (0 < n <= kLanes) with each of its heads: the scores, the online
+// softmax's step (the accumulator rescaled where the largest score grows) and the weighted
+// values. Lanes past n read entry p's rows again and get weight 0, so that every piece takes
+// the vector path.
 template <int VK, int VV, typename X>
-void forward_block(const Gather& g, const float* q, const X* k, const X* v, float* out,
-                   float* lse, int64_t b, int64_t c, int64_t t0, int64_t nq, int64_t span,
-                   Block& blk) {
-  const int64_t G = g.G, W = g.W, Dk = g.Dk, Dv = g.Dv;
-  const int64_t kv = b * g.Hkv + g.kv_head(c);
-  const X* kb = k + kv * g.Tk * Dk;
-  const X* vb = v + kv * g.Tk * Dv;
-  for (int64_t i = 0; i < nq; ++i) {
-    blk.count[i] = g.visible(b, c, t0 + i, blk.idx.data() + i * W);
-    for (int64_t h = 0; h < G; ++h) {
-      const float* row = q + ((b * g.H + c * G + h) * g.Tq + t0 + i) * Dk;
-      float* dst = blk.qs.data() + (i * G + h) * Dk;
-      for (int64_t e = 0; e < Dk; ++e) dst[e] = row[e] * g.scale;
-    }
+void forward_piece(const Gather& g, Forward& f, const X* kb, int64_t kj, const X* vb, int64_t vj,
+                   int64_t i, int64_t p, int64_t n) {
+  const int32_t* idx = f.sel.idx.data() + i * g.W + p;
+  const X* kr[kLanes];
+  const X* vr[kLanes];
+  for (int u = 0; u < kLanes; ++u) {
+    const int64_t j = idx[u < n ? u : 0];
+    kr[u] = kb + j * kj;
+    vr[u] = vb + j * vj;
   }
-  // The scores of every pair.
-  walk(blk, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
-    dots_run<VK>(g, blk, blk.qs.data(), Dk, kb, blk.s.data(), i, m0, m1);
-  });
-  // The softmax of each (query, head), its keys all at once.
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t h = 0; h < G; ++h) {
-      float* s = blk.s.data() + (i * G + h) * W;
-      const int64_t n = blk.count[i];
-      g.cap(s, n);
-      const float top = n ? max_of(s, n) : 0.0f;
-      const float sum = exp_sum(s, n, top);
-      blk.total[i * G + h] = sum;
-      lse[(b * g.H + c * G + h) * g.Tq + t0 + i] =
-          n ? top + std::log(sum) : -std::numeric_limits<float>::infinity();
+  const Vec none(-std::numeric_limits<float>::infinity());
+  alignas(64) float w[kLanes];
+  for (int64_t r = 0; r < f.NH; ++r) {
+    const int64_t ir = i * f.NH + r;
+    Vec s = g.cap(piece_scores<VK>(f.qs.data() + ir * g.Dk, kr, f.koff[r], g.Dk));
+    if (n < kLanes) s = Vec::set(none, s, n);
+    float* acc = f.acc.data() + ir * g.Dv;
+    float* total = f.total.data() + ir * kLanes;
+    const float old = f.top[ir];
+    if (any_above(s, old + kSlack)) {
+      // (the first piece: old is -inf, and the accumulator and sums are 0 times 0)
+      const float top = std::max(old, hmax(s)), scale = std::exp(old - top);
+      for (int64_t e = 0; e < g.Dv; ++e) acc[e] *= scale;
+      (Vec::loadu(total) * Vec(scale)).store(total);
+      f.top[ir] = top;
     }
-  }
-  // The weighted sums of the values.
-  std::fill(blk.acc.begin(), blk.acc.begin() + nq * G * Dv, 0.0f);
-  walk(blk, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
-    value_run<VV>(g, blk, vb, i, m0, m1);
-  });
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t h = 0; h < G; ++h) {
-      const float sum = blk.total[i * G + h];
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const float* a = blk.acc.data() + (i * G + h) * Dv;
-      float* o = out + ((b * g.H + c * G + h) * g.Tq + t0 + i) * Dv;
-      for (int64_t e = 0; e < Dv; ++e) o[e] = a[e] * inv;
-    }
+    const Vec e = (s - Vec(f.top[ir])).exp();
+    (Vec::loadu(total) + e).store(total);
+    e.store(w);
+    piece_values<VV>(acc, w, vr, f.voff[r], n, g.Dv);
   }
 }
 
-// Queries per block: at most kBlockQueries, their scores within kBlockEntries floats.
-int64_t block_queries(const Gather& g) {
-  return std::clamp<int64_t>(kBlockEntries / std::max<int64_t>(1, g.G * g.W), 1, kBlockQueries);
+// Queries t0:t0+nq of selection head s of batch row b, every head that reads the selection:
+// out and lse written. The pairs are walked stretch by stretch (see walk), each query's keys
+// of the stretch in pieces of kLanes.
+template <int VK, int VV, typename X>
+void forward_block(const Gather& g, const float* q, const Source<X>& k, const Source<X>& v,
+                   float* out, float* lse, int64_t b, int64_t s, int64_t t0, int64_t nq,
+                   int64_t span, Forward& f) {
+  const int64_t NH = f.NH, W = g.W, Dk = g.Dk, Dv = g.Dv;
+  for (int64_t r = 0; r < NH; ++r) {
+    const int64_t kv = (s * NH + r) / (g.H / g.Hkv);
+    f.koff[r] = kv * k.sh;
+    f.voff[r] = kv * v.sh;
+  }
+  const int64_t head0 = b * g.H + s * NH;  // the block's first query head, of all B * H
+  for (int64_t i = 0; i < nq; ++i) {
+    f.sel.count[i] = g.visible_of(b, s, t0 + i, f.sel.idx.data() + i * W);
+    for (int64_t r = 0; r < NH; ++r) {
+      const float* row = q + ((head0 + r) * g.Tq + t0 + i) * Dk;
+      const int64_t ir = i * NH + r;
+      for (int64_t e = 0; e < Dk; ++e) f.qs[ir * Dk + e] = row[e] * g.scale;
+      f.top[ir] = -std::numeric_limits<float>::infinity();
+    }
+  }
+  std::fill(f.acc.begin(), f.acc.begin() + nq * NH * Dv, 0.0f);
+  std::fill(f.total.begin(), f.total.begin() + nq * NH * kLanes, 0.0f);
+  const X* kb = k.p + b * k.sb;
+  const X* vb = v.p + b * v.sb;
+  walk(f.sel, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
+    const int64_t n = f.sel.count[i];
+    int64_t m = m0;
+    for (; m < m1; m += kLanes) {
+      forward_piece<VK, VV>(g, f, kb, k.sj, vb, v.sj, i, m, std::min<int64_t>(kLanes, n - m));
+    }
+    return std::min(m, n);
+  });
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t r = 0; r < NH; ++r) {
+      const int64_t ir = i * NH + r, row = (head0 + r) * g.Tq + t0 + i;
+      const float sum = hsum(Vec::loadu(f.total.data() + ir * kLanes));
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float* a = f.acc.data() + ir * Dv;
+      for (int64_t e = 0; e < Dv; ++e) out[row * Dv + e] = a[e] * inv;
+      lse[row] = sum > 0.0f ? f.top[ir] + std::log(sum) : -std::numeric_limits<float>::infinity();
+    }
+  }
 }
 
 Gather gather_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -425,23 +480,45 @@ struct Held {
   }
 };
 
+// Queries per forward block: at most kForwardQueries, their selections and rows within
+// kForwardEntries floats, and fewer where that leaves too few blocks for every thread.
+int64_t forward_queries(const Gather& g) {
+  const int64_t NH = g.H / g.Hs;
+  const int64_t per = g.W + NH * (g.Dk + g.Dv);
+  int64_t nq = std::clamp<int64_t>(kForwardEntries / std::max<int64_t>(1, per), 1, kForwardQueries);
+  const int64_t rows = g.B * g.Hs * g.Tq, want = 4 * int64_t(at::get_num_threads());
+  if (rows < want * nq) nq = std::max<int64_t>(1, rows / want);
+  return nq;
+}
+
+// k or v (B, Hkv, Tk, D) with each key's rows of every head side by side (strides of a (B, Tk,
+// Hkv, D) tensor): a block reads a selected key's rows for all its heads at once, so they come
+// as one run of memory rather than Hkv rows far apart (fewer pages, and the cache's own
+// prefetchers fetch the run's next lines). A copy, made where the rows gathered outnumber the
+// rows copied several times over (not for a few queries over a long cache).
+at::Tensor token_major(const Gather& g, const at::Tensor& t) {
+  const bool heads_apart = g.Hkv > 1 && t.stride(1) > t.stride(2);
+  if (!heads_apart || g.Hs * g.Tq * g.W < 8 * g.Tk) return t;
+  return t.transpose(1, 2).contiguous().transpose(1, 2);
+}
+
 template <typename X, int VK, int VV>
 void run_forward(const Gather& g, const Held& t, at::Tensor& out, at::Tensor& lse, int64_t span) {
-  const int64_t nq = block_queries(g);
+  const int64_t nq = forward_queries(g);
   const int64_t blocks = (g.Tq + nq - 1) / nq;
   const float* q = t.q.data_ptr<float>();
-  const X* k = reinterpret_cast<const X*>(t.k.data_ptr());
-  const X* v = reinterpret_cast<const X*>(t.v.data_ptr());
+  const at::Tensor kt = token_major(g, t.k), vt = token_major(g, t.v);
+  const Source<X> k(kt), v(vt);
   float* o = out.data_ptr<float>();
   float* l = lse.data_ptr<float>();
   std::atomic<int64_t> next{0};
-  const int64_t items = g.B * g.C * blocks;
+  const int64_t items = g.B * g.Hs * blocks;
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
-    Block blk(g, nq);
+    Forward f(g, nq);
     for (int64_t item = claim(next); item < items; item = claim(next)) {
-      const int64_t bc = item / blocks, t0 = item % blocks * nq;
-      forward_block<VK, VV, X>(g, q, k, v, o, l, bc / g.C, bc % g.C, t0, std::min(nq, g.Tq - t0),
-                       span, blk);
+      const int64_t bs = item / blocks, t0 = item % blocks * nq;
+      forward_block<VK, VV, X>(g, q, k, v, o, l, bs / g.Hs, bs % g.Hs, t0,
+                               std::min(nq, g.Tq - t0), span, f);
     }
   });
 }
@@ -467,9 +544,11 @@ std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const a
   at::Tensor out = at::empty({g.B, g.H, g.Tq, g.Dv}, q.options());
   at::Tensor lse = at::empty({g.B, g.H, g.Tq}, q.options());
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  // By default a stretch's keys fill about half the core's own cache (1 MiB).
-  const int64_t row = std::max<int64_t>(1, std::max(g.Dk, g.Dv) * k.element_size());
-  const int64_t stretch = span > 0 ? span : std::max<int64_t>(kPiece, kStretchBytes / row);
+  // By default a stretch's rows (a key's of every key/value head a block reads) fill about a
+  // quarter of the core's own cache: its queries' rows and accumulators take about as much.
+  const int64_t heads = std::max<int64_t>(1, g.H / g.Hs * g.Hkv / g.H);
+  const int64_t row = std::max<int64_t>(1, heads * (g.Dk + g.Dv) * k.element_size());
+  const int64_t stretch = span > 0 ? span : std::max<int64_t>(kLanes, kForwardStretchBytes / row);
   switch (k.scalar_type()) {
     case at::kBFloat16:
       run_forward_rows<at::BFloat16>(g, t, out, lse, stretch);

@@ -13,6 +13,63 @@
 namespace attnkit {
 namespace {
 
+// The products walk each query's pairs in pieces of kPiece keys, and every head of a gathered
+// head takes a piece before the next piece: its rows are read from memory for the first head
+// and from the core's nearest cache for the others.
+constexpr int64_t kPiece = 64;
+
+// One block of queries' buffers (of one gathered head): per query its visible keys, per
+// (query, head) its scores (then weights) and its scaled query row.
+struct Block {
+  Selected sel;
+  std::vector<float> s, qs;
+  Block(const Gather& g, int64_t nq) : sel(nq, g.W), s(nq * g.G * g.W), qs(nq * g.G * g.Dk) {}
+};
+
+// Queries per block: at most kBlockQueries, their scores within kBlockEntries floats.
+int64_t block_queries(const Gather& g) {
+  return std::clamp<int64_t>(kBlockEntries / std::max<int64_t>(1, g.G * g.W), 1, kBlockQueries);
+}
+
+// The products of query i's rows (one a head: `rows` holds (query, head) rows of d elements)
+// with its selected rows m0:m1 of `base`: out[(i G + h) W + m] = rows_ih . base_idx[m]. The
+// scores (q scaled, k), or dO . v. Rows of VD vectors, a constant where the instantiation
+// fixes it (0: any length). No prefetching: within a stretch most rows are already in the
+// core's cache, and fetching each row's lines ahead cost more instructions than it saved.
+template <int VD, typename X>
+void dots_run(const Gather& g, const Block& blk, const float* rows, int64_t d, const X* base,
+              float* out, int64_t i, int64_t m0, int64_t m1) {
+  const int64_t G = g.G, W = g.W;
+  const int32_t* idx = blk.sel.idx.data() + i * W;
+  for (int64_t p0 = m0; p0 < m1; p0 += kPiece) {
+    const int64_t p1 = std::min(p0 + kPiece, m1);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* q = rows + (i * G + h) * d;
+      float* o = out + (i * G + h) * W;
+      int64_t m = p0;
+      if constexpr (VD > 0) {
+        Vec qv[VD];
+        for (int v = 0; v < VD; ++v) qv[v] = Vec::loadu(q + v * kLanes);
+        for (; m + kLanes <= p1; m += kLanes) {
+          Vec part[kLanes];
+          for (int u = 0; u < kLanes; ++u) {
+            const X* row = base + idx[m + u] * d;
+            Vec acc = load_as<float>(row) * qv[0];
+            for (int v = 1; v < VD; ++v) {
+              acc = at::vec::fmadd(load_as<float>(row + v * kLanes), qv[v], acc);
+            }
+            part[u] = acc;
+          }
+          sums(part).store(o + m);
+        }
+      }
+      for (; m < p1; ++m) {
+        o[m] = dot(q, base + idx[m] * d, d);
+      }
+    }
+  }
+}
+
 struct Grads {
   const float *dout = nullptr, *lse = nullptr, *delta = nullptr;
   float* dq = nullptr;
@@ -35,8 +92,8 @@ struct BackBlock {
 template <int VK, int VV, typename X>
 void grad_run(const Gather& g, BackBlock& bb, const X* kb, float* dk, float* dv, int64_t i,
               int64_t m0, int64_t m1) {
-  const int64_t G = g.G, W = g.W, Dk = g.Dk, Dv = g.Dv, n = bb.blk.count[i];
-  const int32_t* idx = bb.blk.idx.data() + i * W;
+  const int64_t G = g.G, W = g.W, Dk = g.Dk, Dv = g.Dv, n = bb.blk.sel.count[i];
+  const int32_t* idx = bb.blk.sel.idx.data() + i * W;
   for (int64_t p0 = m0; p0 < m1; p0 += kPiece) {
     const int64_t p1 = std::min(p0 + kPiece, m1);
     for (int64_t h = 0; h < G; ++h) {
@@ -121,22 +178,24 @@ void backward_block(const Gather& g, const Grads& a, const float* q, const X* k,
   const X* vb = v + kv * g.Tk * Dv;
   auto row_of = [&](int64_t i, int64_t h) { return (b * g.H + c * G + h) * g.Tq + t0 + i; };
   for (int64_t i = 0; i < nq; ++i) {
-    blk.count[i] = g.visible(b, c, t0 + i, blk.idx.data() + i * W);
+    blk.sel.count[i] = g.visible(b, c, t0 + i, blk.sel.idx.data() + i * W);
     for (int64_t h = 0; h < G; ++h) {
       const int64_t r = row_of(i, h), ih = i * G + h;
       for (int64_t e = 0; e < Dk; ++e) blk.qs[ih * Dk + e] = q[r * Dk + e] * g.scale;
       std::copy(a.dout + r * Dv, a.dout + (r + 1) * Dv, bb.dout.data() + ih * Dv);
     }
   }
-  walk(blk, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
+  walk(blk.sel, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
     dots_run<VK>(g, blk, blk.qs.data(), Dk, kb, blk.s.data(), i, m0, m1);
+    return m1;
   });
-  walk(blk, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
+  walk(blk.sel, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
     dots_run<VV>(g, blk, bb.dout.data(), Dv, vb, bb.ds.data(), i, m0, m1);
+    return m1;
   });
   for (int64_t i = 0; i < nq; ++i) {
     for (int64_t h = 0; h < G; ++h) {
-      const int64_t n = blk.count[i], ih = i * G + h;
+      const int64_t n = blk.sel.count[i], ih = i * G + h;
       float* s = blk.s.data() + ih * W;
       float* p = bb.p.data() + ih * W;
       g.cap(s, n);
@@ -147,8 +206,9 @@ void backward_block(const Gather& g, const Grads& a, const float* q, const X* k,
     }
   }
   std::fill(bb.dq.begin(), bb.dq.begin() + nq * G * Dk, 0.0f);
-  walk(blk, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
+  walk(blk.sel, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
     grad_run<VK, VV>(g, bb, kb, dk, dv, i, m0, m1);
+    return m1;
   });
   for (int64_t i = 0; i < nq; ++i) {
     for (int64_t h = 0; h < G; ++h) {
