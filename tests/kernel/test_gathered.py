@@ -137,6 +137,19 @@ def test_every_modifier_equals_the_reference(modifier: CASE) -> None:
     _compare(q, k, v, mask, inputs, **kwargs)
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["float64", "float32-bias"])
+def test_one_batch_row_of_one_key_head_shared_by_query_heads(dtype: torch.dtype) -> None:
+    # B = 1, Hkv = Hi = 1, H = 4 (an absorbed MLA decode's layout): the queries' rows are one
+    # view of q that the sparse products read (float64, or a bias keeps float32 off the native
+    # kernel), where they once failed to flatten a chunk.
+    q = _randn(1, 4, 3, 8, seed=40, dtype=dtype)
+    k, v = _randn(1, 1, 32, 8, seed=41, dtype=dtype), _randn(1, 1, 32, 6, seed=42, dtype=dtype)
+    table = _randn(1, 4, 3, 32, seed=43, dtype=dtype)
+    idx = _indices(1, 1, 3, 4, 32, seed=44, kind="causal")
+    kwargs: dict[str, object] = {"bias": table} if dtype != F64 else {}
+    _compare(q, k, v, masks.key_indices(idx) & masks.causal(), (table,) if kwargs else (), **kwargs)
+
+
 def test_block_indices_and_composition_with_readable_masks() -> None:
     q, k, v = (
         _randn(2, 4, 20, 8, seed=15),

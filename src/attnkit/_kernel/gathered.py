@@ -537,7 +537,9 @@ def _inputs(call: Gathered, q: Tensor, k: Tensor, v: Tensor, work: torch.dtype) 
     geo = call.geo
     q5 = q.reshape(geo.batch, call.c, call.g, geo.q_len, q.size(-1)).transpose(2, 3)
     return _Inputs(
-        q5.to(work).reshape(call.rows, call.g, q.size(-1)),
+        # contiguous: with one batch row and one gathered head the reshape is a view whose
+        # (query, head) rows a chunk could not flatten
+        q5.to(work).reshape(call.rows, call.g, q.size(-1)).contiguous(),
         k.flatten(0, -2),  # (not reshape(-1, D): values of D = 0 have no -1 to infer)
         v.flatten(0, -2),
     )
