@@ -34,7 +34,7 @@ from ..attention import attention
 from ..masks import Mask
 from ..scores import DistanceBias
 from ._evict import check_indices, compact_pages
-from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
+from ._quantize import FLOAT8, check_kv_dtype, fp8_scale, new_scales, quantize
 from ._tokens import Piece, check_tokens, given, put, write
 from .view import CacheView, band_of
 
@@ -251,14 +251,13 @@ class PagedKVCache(nn.Module):
         if self.kv_dtype == torch.int8:
             (kq, ks), (vq, vs) = quantize(k, torch.int8), quantize(v, torch.int8)
             return kq, vq, (ks, vs)
-        top = torch.finfo(self.kv_dtype).max
         real = (
             torch.arange(k.size(2), device=k.device) < torch.tensor(new, device=k.device)[:, None]
         )
         found = []
         for x, held in ((k, self.k_scales), (v, self.v_scales)):
-            amax = x.abs().mul(real[:, None, :, None]).amax((-2, -1), keepdim=True).float()
-            scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))  # (B, Hkv, 1, 1)
+            # (B, Hkv, 1, 1), from each row's real tokens: what its padding holds sets nothing
+            scale = fp8_scale(x, self.kv_dtype, real[:, None, :, None])
             for b, n in enumerate(self.lengths):
                 if n:  # a sequence's tokens share the scale of its first write
                     scale[b] = held[self._pages[b][0]]
