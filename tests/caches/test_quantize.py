@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit import KVCache, PagedKVCache, attention, explain, record_dispatch
+from attnkit import KVCache, PagedKVCache, StreamingKVCache, attention, explain, record_dispatch
 from attnkit._kernel.cache import IN_PLACE
 from attnkit.caches import view as view_module
 from attnkit.caches._quantize import FLOAT8, quantize_fp8, quantize_int8
@@ -525,3 +525,29 @@ def test_a_refused_keep_leaves_a_quantized_cache_and_its_scales_bit_identical(
         paged.keep(0, torch.tensor([[0, 1], [2, 2]]))
     assert _same(pstate(), before)
     assert paged.lengths == [6]
+
+
+@pytest.mark.parametrize("wrong", [torch.int8, torch.float8_e4m3fn, torch.int64])
+def test_a_caches_dtype_is_a_float_dtype_and_quantized_storage_is_kv_dtype(
+    wrong: torch.dtype,
+) -> None:
+    # dtype=torch.int8 made a store of int8 with no scales, whose tokens were then refused as
+    # "not the cache's dtype"; .to(dtype=torch.int8) turned a float cache into one.
+    hint = "pass kv_dtype=" if wrong != torch.int64 else ""
+    want = rf"dtype must be torch\.float16, .* got {str(wrong)[6:]}.*{hint}"
+    makers = [
+        lambda: KVCache(1, 8, 2, 4, dtype=wrong),
+        lambda: PagedKVCache(4, 2, 2, 4, max_seqs=1, dtype=wrong, kv_dtype=torch.int8),
+        lambda: StreamingKVCache(1, 2, 4, sink_tokens=1, window=2, dtype=wrong),
+    ]
+    for make in makers:
+        with pytest.raises(TypeError, match=want):
+            make()
+    for cache in (
+        KVCache(1, 8, 2, 4),
+        StreamingKVCache(1, 2, 4, sink_tokens=1, window=2, kv_dtype=torch.int8),
+    ):
+        before = (cache.k_cache.dtype, cache.dtype)
+        with pytest.raises(TypeError, match=want):
+            cache.to(dtype=wrong)
+        assert (cache.k_cache.dtype, cache.dtype) == before

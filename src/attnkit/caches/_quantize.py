@@ -31,6 +31,8 @@ from .._base.checks import dtype_str, shape_str
 
 __all__ = [
     "FLOAT8",
+    "READ_DTYPES",
+    "check_dtype",
     "check_kv_dtype",
     "fp8_scale",
     "new_scales",
@@ -126,6 +128,27 @@ def quantize_fp8(
     if dtype == torch.float8_e4m3fn:  # no inf: torch's conversion would saturate it
         y = y.masked_fill(y.isinf(), float("nan"))
     return y.to(dtype), scale
+
+
+#: The dtypes a cache's keys and values are given and read in (its ``dtype``).
+READ_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_dtype(dtype: object) -> torch.dtype:
+    """A cache's ``dtype``, the one keys and values are given and read in: float16, bfloat16,
+    float32 or float64 (None: torch's default dtype). An int8 or float8 store is ``kv_dtype``."""
+    if dtype is None:
+        return torch.get_default_dtype()
+    if dtype in READ_DTYPES:
+        return dtype
+    got = dtype_str(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)
+    hint = ""
+    if dtype == torch.int8 or dtype in FLOAT8:
+        hint = f" (to store keys and values as {got}, pass kv_dtype={dtype} with a float dtype)"
+    raise TypeError(
+        "dtype must be torch.float16, torch.bfloat16, torch.float32 or torch.float64 (the dtype "
+        f"keys and values are given and read in), got {got}{hint}"
+    )
 
 
 def check_kv_dtype(kv_dtype: object) -> torch.dtype | None:

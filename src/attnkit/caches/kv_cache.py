@@ -21,7 +21,7 @@ from torch import Tensor
 from .._base.checks import check_int
 from .._base.shapes import Float, shape_checked
 from ._evict import check_indices, compact_rows
-from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
+from ._quantize import FLOAT8, check_dtype, check_kv_dtype, new_scales, quantize
 from ._tokens import check_tokens, given, write
 from .view import CacheView
 
@@ -91,8 +91,8 @@ class KVCache:
         dk = check_int("head_dim", head_dim)
         dv = dk if v_head_dim is None else check_int("v_head_dim", v_head_dim)
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.dtype = torch.get_default_dtype() if dtype is None else dtype  # given and read in
-        stored = dtype if self.kv_dtype is None else self.kv_dtype
+        self.dtype = check_dtype(dtype)  # given and read in
+        stored = self.dtype if self.kv_dtype is None else self.kv_dtype
         self.k_cache = torch.zeros(b, h, self.max_len, dk, dtype=stored, device=device)
         self.v_cache = torch.zeros(b, h, self.max_len, dv, dtype=stored, device=device)
         #: quantized keys' and values' float32 scales (None unless ``kv_dtype``)
@@ -282,6 +282,8 @@ class KVCache:
         """Move the keys and values to ``device`` and/or convert them to ``dtype``, in place;
         returns the cache. The tokens held stay held. A quantized cache (``kv_dtype``) keeps its
         storage: ``dtype`` is then the one keys and values are given and read in."""
+        if dtype is not None:
+            check_dtype(dtype)  # before anything moves
         stored = dtype if self.kv_dtype is None else None
         self.k_cache = self.k_cache.to(device=device, dtype=stored)
         self.v_cache = self.v_cache.to(device=device, dtype=stored)

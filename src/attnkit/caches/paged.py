@@ -21,7 +21,7 @@ pages per sequence at most.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -34,7 +34,7 @@ from ..attention import attention
 from ..masks import Mask
 from ..scores import DistanceBias
 from ._evict import check_indices, compact_pages
-from ._quantize import FLOAT8, check_kv_dtype, fp8_scale, new_scales, quantize
+from ._quantize import FLOAT8, check_dtype, check_kv_dtype, fp8_scale, new_scales, quantize
 from ._tokens import Piece, check_tokens, given, put, write
 from .view import CacheView, band_of
 
@@ -151,8 +151,8 @@ class PagedKVCache(nn.Module):
     ) -> None:
         super().__init__()
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.dtype = torch.get_default_dtype() if dtype is None else dtype  # given and read in
-        stored = dtype if self.kv_dtype is None else self.kv_dtype
+        self.dtype = check_dtype(dtype)  # given and read in
+        stored = self.dtype if self.kv_dtype is None else self.kv_dtype
         self.num_blocks = check_int("num_blocks", num_blocks)
         self.page_size = check_int("page_size", page_size)
         h = check_int("num_kv_heads", num_kv_heads)
@@ -225,6 +225,22 @@ class PagedKVCache(nn.Module):
         if self.layout == "vllm":
             return self.k_pages, self.v_pages
         return self.k_pages.transpose(1, 2), self.v_pages.transpose(1, 2)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PagedKVCache:
+        """``nn.Module``'s conversions (``.to()``, ``.half()``, ``.double()``, ``.cuda()``, those
+        of a model that holds the cache) change ``dtype``, the one keys and values are given and
+        read in: a float pool's pages follow it, while quantized pages and their float32 scales
+        keep their formats and only move (a float8 page is a float tensor to torch)."""
+        probe = torch.zeros((), dtype=self.dtype, device=self.block_table.device)
+        read = check_dtype(fn(probe).dtype)  # (a refused one moves nothing)
+
+        for name, t in self._buffers.items():  # (no parameters and no submodules)
+            if t is not None:
+                out = fn(t)
+                keep = self.kv_dtype is not None and out.dtype != t.dtype
+                self._buffers[name] = t.to(out.device) if keep else out
+        self.dtype = read
+        return self
 
     def _given(self) -> tuple[Tensor, Tensor]:
         """The head-major pages as keys and values are given and read: the pages, or of a
