@@ -100,6 +100,25 @@ def test_rows_with_no_key_give_zero_and_lse_minus_inf() -> None:
     _compare(q, k, v, mask)
 
 
+def test_sinks_with_values_of_no_width() -> None:
+    # attention_stats asks the log-sum-exp of a call with values of Dv = 0; with sinks the
+    # folding of the sinks inferred a size of 0 elements (-1) and failed
+    q, k, sinks = (
+        _randn(*shape, seed=seed, dtype=torch.float32).detach()
+        for shape, seed in (((2, 4, 24, 8), 9), ((2, 2, 40, 8), 10), ((4,), 11))
+    )
+    mask = masks.key_indices(_indices(2, 2, 24, 6, 40, seed=12))
+    out, lse = attnkit.attention(
+        q, k, k[..., :0], mask=mask, sinks=sinks, backend="chunked", return_lse=True
+    )
+    _, want = attnkit.attention(
+        q.double(), k.double(), k.double(), mask=mask, sinks=sinks.double(),
+        backend="reference", return_lse=True,
+    )  # fmt: skip
+    assert out.shape == (2, 4, 24, 0)
+    assert_close(lse, want)
+
+
 CASE = Callable[[Tensor, Tensor], dict[str, object]]
 
 
