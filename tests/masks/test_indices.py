@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import attnkit
 from attnkit import masks
@@ -242,6 +243,10 @@ def test_an_index_mask_crosses_into_the_operator_as_text_and_its_tensor() -> Non
     assert torch.equal(
         back.dense(4, 9), (masks.block_indices(idx, block=3) & masks.causal()).dense(4, 9)
     )
+    # a pytree node, so that torch.export takes it as an input
+    leaves, spec = pytree.tree_flatten(masks.key_indices(idx))
+    assert leaves == [idx]
+    assert pytree.tree_unflatten(leaves, spec).describe() == "key_indices(indices (1, 1, 4, 2))"
 
 
 @pytest.mark.parametrize("backend", ["chunked", "sdpa", "reference"])
