@@ -131,6 +131,40 @@ def test_gradients_reach_q_and_the_scales(tq: int) -> None:
         torch.testing.assert_close(g, r)
 
 
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("backend", ["auto", "chunked", "reference"])
+@pytest.mark.parametrize("tq", [1, 20])
+def test_nan_and_inf_at_masked_keys_touch_no_output_or_gradient(
+    dtype: torch.dtype, backend: str, tq: int
+) -> None:
+    # A call that needs gradients reads whether its inputs are finite to pick a kernel that
+    # follows the non-finite policy: it must read the scales and values, not the stand-ins.
+    q, kq, vq, ks, vs = _call(dtype, tq)
+    mask = masks.key_padding(torch.tensor([50, 30]))  # row 1's keys 30.. are padding
+    bad_ks, bad_vs, bad_kq = ks.clone(), vs.clone(), kq.clone()
+    bad_ks[1, 0, 35] = float("nan")
+    bad_vs[1, 1, 40] = float("inf")
+    if dtype != torch.int8:
+        bad_kq[1, 1, 45, 3] = float("nan")
+
+    def run(kq: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, ks, vs)]
+        out = attention(leaves[0], kq, vq, k_scale=leaves[1], v_scale=leaves[2], mask=mask,
+                        backend=backend)  # fmt: skip
+        return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+
+    got, want = run(bad_kq, bad_ks, bad_vs), run(kq, ks, vs)
+    hidden = torch.zeros_like(ks, dtype=torch.bool)
+    hidden[1, :, 30:] = True  # the padding's scales: a gradient of 0 whatever they hold
+    got[2], got[3] = got[2].masked_fill(hidden, 0.0), got[3].masked_fill(hidden, 0.0)
+    want[2], want[3] = want[2].masked_fill(hidden, 0.0), want[3].masked_fill(hidden, 0.0)
+    for g, w in zip(got, want, strict=True):  # (float32 on two kernels: rounding apart)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    with pytest.raises(attnkit.BackendError, match="hold NaN/inf and gradients are needed"):
+        attention(q.requires_grad_(), bad_kq, vq, k_scale=bad_ks, v_scale=bad_vs, mask=mask,
+                  backend="sdpa")  # fmt: skip
+
+
 def test_the_error_of_int8_on_random_data_is_about_a_hundredth() -> None:
     # Against the unquantized keys and values: the quantization's own error, not the kernel's.
     g = torch.Generator().manual_seed(3)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .checks import dtype_str, shape_str
+from .finite import finite_if_readable
 
 __all__ = [
     "QUANTIZED",
@@ -117,6 +118,15 @@ class QuantizedKV:
 
     def __repr__(self) -> str:
         return f"QuantizedKV({self.describe()})"
+
+    def finite(self, q: Tensor, k: Tensor, v: Tensor) -> bool | None:
+        """Whether ``q`` and the keys and values the call reads (``k`` and ``v`` dequantized
+        with these scales) hold no NaN or inf, as a call that needs gradients asks of its
+        inputs (None where no value can be read, under torch.func.vmap)."""
+        with torch.no_grad():
+            keys = dequantize(k, self.k_scale, q.dtype)
+            values = dequantize(v, self.v_scale, q.dtype)
+        return finite_if_readable(q, keys, values)
 
     @property
     def requires_grad(self) -> bool:
