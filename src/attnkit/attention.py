@@ -407,6 +407,11 @@ def _quantized(
     """int8/float8 ``k`` and ``v``: stand-ins of their shapes in q's dtype, which the checks of
     the other arguments read, and the call's quantized keys and values (their scales checked);
     else ``k`` and ``v`` as given and None."""
+    if isinstance(k, CacheView) and (k_scale is not None or v_scale is not None):
+        raise TypeError(
+            "k_scale and v_scale are for int8/float8 k and v tensors: a CacheView carries its "
+            "pages' scales (CacheView(..., k_scale=, v_scale=), as a quantized cache's view())"
+        )
     scales = check_kv_scales(q, k, v, k_scale, v_scale)
     if scales is None or not (
         isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)

@@ -81,6 +81,14 @@ def test_scales_with_float_keys_are_refused() -> None:
         attention(q, kq.float(), vq.float(), k_scale=ks, v_scale=vs)
 
 
+def test_scales_with_a_cache_view_are_refused_by_what_carries_them() -> None:
+    q, _, _, ks, vs = _call(torch.int8, 1)
+    cache = attnkit.KVCache(2, 60, 2, 16, kv_dtype=torch.int8)
+    cache.update(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16))
+    with pytest.raises(TypeError, match=r"a CacheView carries its pages' scales"):
+        attention(q, cache.view(), k_scale=ks, v_scale=vs)
+
+
 def test_other_arguments_are_checked_on_the_dequantized_shapes() -> None:
     q, kq, vq, ks, vs = _call(torch.int8, 1, h=4, hkv=3)
     with pytest.raises(ValueError, match=r"q \(H=4\) must be a multiple of the heads of k and v"):
