@@ -279,3 +279,15 @@ def test_compiled_index_masks_equal_the_reference_and_refuse_entries_past_tk(
     idx[0, 0, 0, 0] = 40
     with pytest.raises(RuntimeError, match=r"each entry of key_indices must be -1 \(none\) or a"):
         compiled(q, idx)
+
+
+def test_a_block_wider_than_the_keys_is_read_as_the_keys() -> None:
+    # Block 0 of 2**26 keys is the call's Tk keys: read so, not written out 2**26 wide per entry
+    # (64 GiB here).
+    g = torch.Generator().manual_seed(27)
+    q, k = torch.randn(1, 2, 64, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    mask = masks.block_indices(torch.zeros(1, 1, 64, 2, dtype=torch.long), block=2**26)
+    want = attnkit.attention(q.double(), k.double(), k.double(), causal=True, backend="reference")
+    for backend in ("reference", "chunked", "sdpa"):
+        got = attnkit.attention(q, k, k, mask=mask & masks.causal(), backend=backend)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)

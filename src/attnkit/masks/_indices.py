@@ -120,7 +120,9 @@ class KeyIndices(Mask):
             return kept[1]
         keys = self.indices.to(device=device, dtype=torch.long)
         if self.block > 1:
-            offsets = torch.arange(self.block, device=device)
+            # A block's keys from Tk on do not exist: a block wider than the call is read as Tk
+            # keys, not written out whole.
+            offsets = torch.arange(min(self.block, kv_len), device=device)
             wide = keys.unsqueeze(-1) * self.block + offsets  # (..., k, block)
             keys = torch.where((keys.unsqueeze(-1) >= 0) & (wide < kv_len), wide, -1).flatten(-2)
         # In order, a gather reads the keys as they lie, and a repeat sits beside its first.
