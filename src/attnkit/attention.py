@@ -417,9 +417,8 @@ def _quantized(
         isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
     ):
         return k, v, None
-    grads = torch.is_grad_enabled() and any(s.requires_grad for s in scales)
     quantized = QuantizedKV(k.dtype, *scales)
-    return stand_in(k, q.dtype, grads), stand_in(v, q.dtype, grads), quantized
+    return stand_in(k, q.dtype, scales[0]), stand_in(v, q.dtype, scales[1]), quantized
 
 
 def _with_quantized(

@@ -173,6 +173,25 @@ def test_nan_and_inf_at_masked_keys_touch_no_output_or_gradient(
                   backend="sdpa")  # fmt: skip
 
 
+def test_a_compiled_call_takes_gradients_of_the_scales_in_one_graph() -> None:
+    # The checks' stand-ins for k and v need gradients where the scales do: made as a leaf with
+    # requires_grad=True, torch.compile(fullgraph=True) refused to trace the call.
+    q, kq, vq, ks, vs = _call(torch.int8, 3)
+    leaves = [t.double().requires_grad_() for t in (q, ks, vs)]
+
+    def step(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+        return attention(q, kq, vq, k_scale=ks, v_scale=vs, causal=True)
+
+    out = torch.compile(step, fullgraph=True, backend="eager")(*leaves)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    ref_leaves = [t.double().requires_grad_() for t in (q, ks, vs)]
+    ref = _formula(ref_leaves[0], kq, vq, ref_leaves[1], ref_leaves[2], causal=True)
+    ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
 def test_the_error_of_int8_on_random_data_is_about_a_hundredth() -> None:
     # Against the unquantized keys and values: the quantization's own error, not the kernel's.
     g = torch.Generator().manual_seed(3)

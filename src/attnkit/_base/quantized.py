@@ -142,9 +142,13 @@ def dequantize(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (x.float() * scale).to(dtype)
 
 
-def stand_in(x: Tensor, dtype: torch.dtype, requires_grad: bool = False) -> Tensor:
+def stand_in(x: Tensor, dtype: torch.dtype, scale: Tensor | None = None) -> Tensor:
     """A tensor of ``x``'s shape in ``dtype`` that holds no memory of its own (zeros, one element
     expanded): what the checks of ``attention()``'s arguments read in place of quantized keys or
-    values; ``requires_grad`` where their scales need gradients."""
-    zero = torch.zeros((), dtype=dtype, device=x.device, requires_grad=requires_grad)
+    values; needing gradients where its ``scale`` does (under grad mode)."""
+    zero = torch.zeros((), dtype=dtype, device=x.device)
+    if scale is not None and scale.requires_grad and torch.is_grad_enabled():
+        # 0 from the scale, not a leaf made with requires_grad=True, which torch.compile
+        # cannot trace in a call whose scales need gradients
+        zero = zero + scale.flatten()[:0].sum().to(dtype)
     return zero.expand(x.shape)
