@@ -343,3 +343,21 @@ def test_stats_with_an_index_mask_in_one_pass() -> None:
     q, k = _randn(B, H, TQ, D, seed=25), _randn(B, HKV, TK, D, seed=26)
     mask = masks.key_indices(_selection(1, 27))
     check(attention_stats(q, k, mask=mask), expected(q, k, mask=mask), torch.float64)
+
+
+def test_a_compiled_function_calls_it_between_its_graphs() -> None:
+    # The pass reads whether q and k are finite to choose its kernel: traced, that read failed
+    # (attnkit::all_finite on fake tensors) and took down the whole compiled function.
+    q = _randn(B, H, TQ, D, seed=40, dtype=torch.float32)
+    k = _randn(B, HKV, TK, D, seed=41, dtype=torch.float32)
+
+    def h2o_step(q: Tensor, k: Tensor, mass: Tensor) -> Tensor:
+        out, lse = attnkit.attention(q, k, k, causal=True, return_lse=True)
+        stats = attention_stats(q, k, causal=True, lse=lse, per_kv_head=True)
+        return mass + stats.key_mass + out.sum() * 0
+
+    mass = torch.zeros(B, HKV, TK)
+    got = torch.compile(h2o_step, backend="eager")(q, k, mass)
+    _, w = attnkit.attention(q.double(), k.double(), k.double(), causal=True,
+                             return_weights=True, backend="reference")  # fmt: skip
+    assert_close(got, w.unflatten(1, (HKV, H // HKV)).sum((2, 3)))

@@ -407,14 +407,29 @@ def _quantized(
     """int8/float8 ``k`` and ``v``: stand-ins of their shapes in q's dtype, which the checks of
     the other arguments read, and the call's quantized keys and values (their scales checked);
     else ``k`` and ``v`` as given and None."""
+    if isinstance(k, CacheView) and (k_scale is not None or v_scale is not None):
+        raise TypeError(
+            "k_scale and v_scale are for int8/float8 k and v tensors: a CacheView carries its "
+            "pages' scales (CacheView(..., k_scale=, v_scale=), as a quantized cache's view())"
+        )
     scales = check_kv_scales(q, k, v, k_scale, v_scale)
     if scales is None or not (
         isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
     ):
         return k, v, None
-    grads = torch.is_grad_enabled() and any(s.requires_grad for s in scales)
     quantized = QuantizedKV(k.dtype, *scales)
-    return stand_in(k, q.dtype, grads), stand_in(v, q.dtype, grads), quantized
+    return stand_in(k, q.dtype, scales[0]), stand_in(v, q.dtype, scales[1]), quantized
+
+
+def _with_quantized(
+    call: AttentionCall, quantized: QuantizedKV, q: Tensor, k: Tensor, v: Tensor
+) -> AttentionCall:
+    """The call on int8/float8 ``k`` and ``v`` with their scales. Where its checks read whether
+    the inputs are finite (a call that needs gradients), they read the stand-ins: the answer is
+    the one for the keys and values the call reads, so a NaN or inf scale (or float8 value)
+    routes it as a NaN in float keys does."""
+    finite = None if call.finite is None else quantized.finite(q, k, v)
+    return dataclasses.replace(call, quantized=quantized, finite=finite)
 
 
 def _keys_values(k: object, v: object) -> tuple[Tensor, Tensor]:
@@ -468,7 +483,7 @@ def _run(
     k, v = _keys_values(k, v)
     if quantized is not None and isinstance(given_k, Tensor) and isinstance(given_v, Tensor):
         k, v = given_k, given_v  # int8/float8, read with call.quantized's scales
-        call = dataclasses.replace(call, quantized=quantized)
+        call = _with_quantized(call, quantized, q, k, v)
     dense = bias if isinstance(bias, Tensor) else None
     captured: tuple[Tensor, ...] = ()
     if call.score_mod is not None:
@@ -938,8 +953,11 @@ def explain(
         autocast_dtype,
         score_mod,
     )
-    if quantized is not None:
-        call = dataclasses.replace(call, quantized=quantized)
+    read = args[0]  # q as the call reads it (under autocast, in its dtype)
+    if quantized is not None and (
+        isinstance(read, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    ):
+        call = _with_quantized(call, quantized, read, k, v)
     chosen = check_backend(backend)
     if device is None:
         return _decide(call, chosen)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +122,9 @@ def attention_stats(
     (``return_weights=True`` returns them): every mask, ``causal``, ``bias`` (a tensor or a
     :class:`~attnkit.scores.ScoreTerm`), ``softcap``, ``score_mod`` and ``sinks``, checked as
     :func:`attention` checks them. Values play no part. The statistics carry no gradient (a
-    call under autograd records nothing).
+    call under autograd records nothing). Inside a ``torch.compile``'d function the pass runs
+    eagerly between its graphs (it reads whether q and k are finite to choose its kernel), so
+    ``fullgraph=True`` refuses it.
 
     Args:
         q, k, mask, bias, causal, scale, softcap, score_mod, sinks: as :func:`attention`.
@@ -185,7 +188,7 @@ def attention_stats(
         if backend == "reference":
             mass, top, entropy = _reference_stats(q, k, given, {**arguments, "sinks": sinks})
         else:
-            mass, top, entropy = _one_pass(q, k, call, given, sinks, arguments)
+            mass, top, entropy = _eager_pass(q, k, call, given, sinks, arguments)
     if per_kv_head and call.groups > 1:
         mass = mass.unflatten(-2, (call.num_kv_heads, call.groups)).sum(-2)
         top = top.unflatten(-2, (call.num_kv_heads, call.groups)).amax(-2)
@@ -223,6 +226,15 @@ def _one_pass(
         score_mod=call.score_mod,
         native=why is None,
     )
+
+
+# Run eagerly inside a compiled function (a graph break there): the pass reads whether q and k
+# are finite (one host read) to choose its kernel, which no traced graph can answer.
+_eager_pass: Callable[..., tuple[Tensor, Tensor, Tensor]] = torch.compiler.disable(
+    _one_pass,
+    reason="attention_stats reads whether q and k are finite to choose its kernel: it runs "
+    "eagerly, between compiled graphs",
+)
 
 
 def _dense(bias: object) -> Tensor | None:

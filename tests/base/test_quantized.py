@@ -81,6 +81,14 @@ def test_scales_with_float_keys_are_refused() -> None:
         attention(q, kq.float(), vq.float(), k_scale=ks, v_scale=vs)
 
 
+def test_scales_with_a_cache_view_are_refused_by_what_carries_them() -> None:
+    q, _, _, ks, vs = _call(torch.int8, 1)
+    cache = attnkit.KVCache(2, 60, 2, 16, kv_dtype=torch.int8)
+    cache.update(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16))
+    with pytest.raises(TypeError, match=r"a CacheView carries its pages' scales"):
+        attention(q, cache.view(), k_scale=ks, v_scale=vs)
+
+
 def test_other_arguments_are_checked_on_the_dequantized_shapes() -> None:
     q, kq, vq, ks, vs = _call(torch.int8, 1, h=4, hkv=3)
     with pytest.raises(ValueError, match=r"q \(H=4\) must be a multiple of the heads of k and v"):
@@ -126,6 +134,59 @@ def test_gradients_reach_q_and_the_scales(tq: int) -> None:
     ref_leaves = [t.double().requires_grad_() for t in (q, ks, vs)]
     ref = _formula(ref_leaves[0], kq, vq, ref_leaves[1], ref_leaves[2], causal=True)
     ref_grads = torch.autograd.grad(ref.sum(), ref_leaves)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("backend", ["auto", "chunked", "reference"])
+@pytest.mark.parametrize("tq", [1, 20])
+def test_nan_and_inf_at_masked_keys_touch_no_output_or_gradient(
+    dtype: torch.dtype, backend: str, tq: int
+) -> None:
+    # A call that needs gradients reads whether its inputs are finite to pick a kernel that
+    # follows the non-finite policy: it must read the scales and values, not the stand-ins.
+    q, kq, vq, ks, vs = _call(dtype, tq)
+    mask = masks.key_padding(torch.tensor([50, 30]))  # row 1's keys 30.. are padding
+    bad_ks, bad_vs, bad_kq = ks.clone(), vs.clone(), kq.clone()
+    bad_ks[1, 0, 35] = float("nan")
+    bad_vs[1, 1, 40] = float("inf")
+    if dtype != torch.int8:
+        bad_kq[1, 1, 45, 3] = float("nan")
+
+    def run(kq: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, ks, vs)]
+        out = attention(leaves[0], kq, vq, k_scale=leaves[1], v_scale=leaves[2], mask=mask,
+                        backend=backend)  # fmt: skip
+        return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+
+    got, want = run(bad_kq, bad_ks, bad_vs), run(kq, ks, vs)
+    hidden = torch.zeros_like(ks, dtype=torch.bool)
+    hidden[1, :, 30:] = True  # the padding's scales: a gradient of 0 whatever they hold
+    got[2], got[3] = got[2].masked_fill(hidden, 0.0), got[3].masked_fill(hidden, 0.0)
+    want[2], want[3] = want[2].masked_fill(hidden, 0.0), want[3].masked_fill(hidden, 0.0)
+    for g, w in zip(got, want, strict=True):  # (float32 on two kernels: rounding apart)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    with pytest.raises(attnkit.BackendError, match="hold NaN/inf and gradients are needed"):
+        attention(q.requires_grad_(), bad_kq, vq, k_scale=bad_ks, v_scale=bad_vs, mask=mask,
+                  backend="sdpa")  # fmt: skip
+
+
+def test_a_compiled_call_takes_gradients_of_the_scales_in_one_graph() -> None:
+    # The checks' stand-ins for k and v need gradients where the scales do: made as a leaf with
+    # requires_grad=True, torch.compile(fullgraph=True) refused to trace the call.
+    q, kq, vq, ks, vs = _call(torch.int8, 3)
+    leaves = [t.double().requires_grad_() for t in (q, ks, vs)]
+
+    def step(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+        return attention(q, kq, vq, k_scale=ks, v_scale=vs, causal=True)
+
+    out = torch.compile(step, fullgraph=True, backend="eager")(*leaves)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    ref_leaves = [t.double().requires_grad_() for t in (q, ks, vs)]
+    ref = _formula(ref_leaves[0], kq, vq, ref_leaves[1], ref_leaves[2], causal=True)
+    ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r)

@@ -25,6 +25,7 @@ from attnkit.modules.positional import alibi_term
 from attnkit.testing import assert_close
 
 F64 = torch.float64
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _snapshot(c: PagedKVCache) -> tuple[Any, ...]:
@@ -604,3 +605,70 @@ def test_a_paged_call_is_an_attention_call_that_explain_shows_and_record_dispatc
     if _native.load():
         assert calls[-1].kernel == kernel_cache.IN_PLACE
         assert "reads the cache in place: native kernel" in said
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), 1e30])
+def test_a_float8_sequences_scale_comes_from_its_tokens_not_its_padding(
+    kv_dtype: torch.dtype, garbage: float
+) -> None:
+    # A scheduled call's padding positions are never written and never attended: what they
+    # hold must not set the scale a new float8 sequence keeps for all its tokens.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g)
+    k, v = (torch.randn(2, 2, 5, 8, generator=g) * 1e-3 for _ in "kv")
+    caches = []
+    for pad in (0.0, garbage):
+        cache = PagedKVCache(8, 4, 2, 8, max_seqs=2, kv_dtype=kv_dtype)
+        cache.schedule([3, 5])  # row 0: 3 tokens, then 2 positions of padding
+        kp, vp = k.clone(), v.clone()
+        kp[0, :, 3:] = vp[0, :, 3:] = pad
+        out, _ = cache.attention(q, kp, vp, causal=True)
+        cache.commit()
+        assert not out.isnan().any()
+        caches.append(cache)
+    clean, dirty = caches
+    for name in ("k_pages", "v_pages", "k_scales", "v_scales"):
+        a, b = getattr(clean, name), getattr(dirty, name)
+        assert torch.equal(a.view(torch.uint8) if a.dtype in FLOAT8 else a,
+                           b.view(torch.uint8) if b.dtype in FLOAT8 else b), name  # fmt: skip
+    page = dirty.pages_of(0)[0]  # head 0's scale: its largest real key at the format's largest
+    want = float(k[0, 0, :3].abs().amax()) / torch.finfo(kv_dtype).max
+    assert dirty.k_scales[page, 0].item() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_module_conversions_change_the_read_dtype_and_keep_a_quantized_pool(
+    kv_dtype: torch.dtype | None,
+) -> None:
+    # .double() (or a model's .to(dtype)) is a conversion of the dtype keys and values are given
+    # and read in; a float8 page is a float tensor to torch, and must not become a float64 one.
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(8, 4, 2, 8, max_seqs=2, kv_dtype=kv_dtype)
+    q, k, v = (
+        torch.randn(2, 4, 6, 8, generator=g),
+        *(torch.randn(2, 2, 6, 8, generator=g) for _ in "kv"),
+    )
+    cache.attention(q, k, v, causal=True)
+    cache.commit()
+    stored = {n: b.clone() for n, b in cache.named_buffers()}
+    assert cache.double() is cache
+    assert cache.dtype == F64
+    for name, before in stored.items():
+        after = getattr(cache, name)
+        if kv_dtype is None and name.endswith("pages"):
+            assert torch.equal(after, before.double())
+        else:  # quantized pages, their float32 scales, the block table: as they were
+            assert after.dtype == before.dtype, name
+            assert torch.equal(after.view(torch.uint8), before.view(torch.uint8)), name
+    q1, k1, v1 = (torch.randn(2, h, 1, 8, generator=g, dtype=F64) for h in (4, 2, 2))
+    out, _ = cache.attention(q1, k1, v1, causal=True)
+    view = cache.view()
+    for b in range(2):
+        keys, values = view.row(b, F64)
+        want = attnkit.attention(q1[b : b + 1], keys, values, backend="reference")
+        assert_close(out[b : b + 1], want, dtype=F64)
+    with pytest.raises(TypeError, match=r"dtype must be torch\.float16, .* got float8_e4m3fn"):
+        cache.to(torch.float8_e4m3fn)
+    assert cache.dtype == F64
+    assert cache.k_pages.dtype == (F64 if kv_dtype is None else kv_dtype)

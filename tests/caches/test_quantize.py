@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit import KVCache, PagedKVCache, attention, explain, record_dispatch
+from attnkit import KVCache, PagedKVCache, StreamingKVCache, attention, explain, record_dispatch
 from attnkit._kernel.cache import IN_PLACE
 from attnkit.caches import view as view_module
 from attnkit.caches._quantize import FLOAT8, quantize_fp8, quantize_int8
@@ -68,6 +68,66 @@ def test_float8_with_the_caches_scale_saturates(dtype: torch.dtype) -> None:
     assert torch.equal(same, scale)
     assert not xq.float().isnan().any()
     assert float(xq.float().abs().max()) == torch.finfo(dtype).max
+
+
+def test_int8_a_token_holding_nan_or_inf_reads_as_nan_and_leaves_the_others_alone() -> None:
+    # int8 has no NaN or inf: the token's scale carries it, so it reaches the outputs as NaN
+    # (attnkit's non-finite policy) instead of a NaN read as 0 and a row rounded at scale 1
+    x = _x(1, 2, 4, 8)
+    bad = x.clone()
+    bad[0, 0, 1, 3] = float("nan")
+    bad[0, 1, 2, 5] = float("inf")
+    xq, scale = quantize_int8(bad)
+    want_q, want_scale = quantize_int8(x)
+    hit = torch.zeros(1, 2, 4, 1, dtype=torch.bool)
+    hit[0, 0, 1] = hit[0, 1, 2] = True
+    assert bool(scale[hit].isnan().all())
+    assert torch.equal(scale[~hit], want_scale[~hit])  # every other token as without them
+    assert torch.equal(xq[~hit.expand_as(xq)], want_q[~hit.expand_as(want_q)])
+    back = xq.float() * scale
+    assert bool(back[hit.expand_as(back)].isnan().all())
+    assert not back[~hit.expand_as(back)].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+def test_float8_nan_and_inf_set_no_scale_and_stay_non_finite(dtype: torch.dtype) -> None:
+    x = _x(1, 2, 6, 8)
+    bad = x.clone()
+    bad[0, 0, 1, 3] = float("nan")
+    bad[0, 1, 2, 5] = float("inf")
+    bad[0, 1, 4, 0] = -float("inf")
+    xq, scale = quantize_fp8(bad, dtype)
+    finite = bad.isfinite()
+    want_q, want_scale = quantize_fp8(x.where(finite, 0.0), dtype)
+    assert torch.equal(scale, want_scale)  # the finite elements' range, not 1 or inf
+    assert torch.equal(_bits(xq)[finite], _bits(want_q)[finite])
+    back = xq.float() * scale
+    assert bool(back[0, 0, 1, 3].isnan())
+    if dtype == torch.float8_e5m2:  # inf where the format has it
+        assert back[0, 1, 2, 5].item() == float("inf")
+        assert back[0, 1, 4, 0].item() == -float("inf")
+    else:  # e4m3fn has none: NaN, never its largest number
+        assert bool(back[0, 1, 2, 5].isnan())
+        assert bool(back[0, 1, 4, 0].isnan())
+    # later tokens with the cache's scale: an inf is no saturated number either
+    later, _ = quantize_fp8(bad[..., 2:3, :], dtype, scale=scale)
+    assert not later.float()[0, 1, 0, 5].isfinite()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_nan_key_in_a_quantized_cache_reaches_exactly_the_queries_that_see_it(
+    kv_dtype: torch.dtype,
+) -> None:
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache(2, 16, 2, 8, kv_dtype=kv_dtype)
+    k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in "kv")
+    k[1, 0, 4, 2] = float("nan")  # row 1, key/value head 0, token 4
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    out = attention(q, cache.stage_call(q, k, v), causal=True)
+    nan = out.isnan().any(-1)  # (B, H, Tq)
+    want = torch.zeros(2, 4, 6, dtype=torch.bool)
+    want[1, :2, 4:] = True  # the query heads of KV head 0 from token 4 on
+    assert torch.equal(nan, want)
 
 
 def test_arguments_refused_with_their_values() -> None:
@@ -465,3 +525,29 @@ def test_a_refused_keep_leaves_a_quantized_cache_and_its_scales_bit_identical(
         paged.keep(0, torch.tensor([[0, 1], [2, 2]]))
     assert _same(pstate(), before)
     assert paged.lengths == [6]
+
+
+@pytest.mark.parametrize("wrong", [torch.int8, torch.float8_e4m3fn, torch.int64])
+def test_a_caches_dtype_is_a_float_dtype_and_quantized_storage_is_kv_dtype(
+    wrong: torch.dtype,
+) -> None:
+    # dtype=torch.int8 made a store of int8 with no scales, whose tokens were then refused as
+    # "not the cache's dtype"; .to(dtype=torch.int8) turned a float cache into one.
+    hint = "pass kv_dtype=" if wrong != torch.int64 else ""
+    want = rf"dtype must be torch\.float16, .* got {str(wrong)[6:]}.*{hint}"
+    makers = [
+        lambda: KVCache(1, 8, 2, 4, dtype=wrong),
+        lambda: PagedKVCache(4, 2, 2, 4, max_seqs=1, dtype=wrong, kv_dtype=torch.int8),
+        lambda: StreamingKVCache(1, 2, 4, sink_tokens=1, window=2, dtype=wrong),
+    ]
+    for make in makers:
+        with pytest.raises(TypeError, match=want):
+            make()
+    for cache in (
+        KVCache(1, 8, 2, 4),
+        StreamingKVCache(1, 2, 4, sink_tokens=1, window=2, kv_dtype=torch.int8),
+    ):
+        before = (cache.k_cache.dtype, cache.dtype)
+        with pytest.raises(TypeError, match=want):
+            cache.to(dtype=wrong)
+        assert (cache.k_cache.dtype, cache.dtype) == before

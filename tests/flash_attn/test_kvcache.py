@@ -472,3 +472,16 @@ def test_a_kvcache_call_is_recorded_with_the_cache_it_reads() -> None:
     assert "2 rows of keys 0..5, 0..9 of a contiguous cache" in call.call.describe()
     said = str(attnkit.explain(q.transpose(1, 2), call.call.cache, causal=True))
     assert "auto picks: chunked" in said
+
+
+def test_an_int8_cache_is_refused_by_name_before_writing() -> None:
+    # flash-attn's quantized caches are float8 with descale factors; an int8 one was refused
+    # later, as "q, k and v must share a dtype", which names neither the cache nor its way in
+    call = kv_call(paged=False)
+    call["k_cache"] = call["k_cache"].to(torch.int8)
+    call["v_cache"] = call["v_cache"].to(torch.int8)
+    before = snapshot(call)
+    message = "k_cache and v_cache must be float, or float8 with k_descale/v_descale"
+    with pytest.raises(TypeError, match=re.escape(message) + ".*got int8 and int8.*kv_dtype="):
+        fa.flash_attn_with_kvcache(**call)
+    assert_unchanged(call, before)

@@ -202,3 +202,70 @@ def test_what_the_loader_refuses() -> None:
         deepseek.latent_attention(m)
     with pytest.raises(ValueError, match=r"inv_freq must be 1-d \(Dh / 2,\), got \(2, 3\)"):
         deepseek.FrequencyRotary(torch.ones(2, 3))
+
+
+def _their_v2(seed: int = 0) -> tuple[Any, Any]:
+    """transformers' DeepseekV2Attention (tiny, float64, weights away from their init) and its
+    config."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+
+    c = transformers.DeepseekV2Config(
+        hidden_size=D, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=20,
+        kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+        num_hidden_layers=1, vocab_size=32, max_position_embeddings=64,
+    )  # fmt: skip
+    c._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = v2.DeepseekV2Attention(c, layer_idx=0).to(F64).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m, v2.DeepseekV2RotaryEmbedding(c)
+
+
+def test_deepseek_v2_rotates_interleaved_pairs_and_loads_so() -> None:
+    # V2's config has no rope_interleave, and its rotation (by complex numbers) always takes the
+    # pairs (x0, x1), (x2, x3), ...: copied as halves, its rotary products were another model's.
+    theirs, rotary = _their_v2()
+    ours = deepseek.latent_attention(theirs)
+    x, keys = randn(2, 9, D, seed=5), torch.arange(9)
+    with torch.no_grad():
+        freqs = rotary(x, keys[None].expand(2, -1))
+        want, _ = theirs(x, additive(keys[None] <= keys[:, None]), position_embeddings=freqs)
+        got = ours(x, causal=True)
+    agrees(got, want, TOL)
+
+
+def test_deepseek_v32_loads_without_its_indexer_only_when_told() -> None:
+    """DeepSeek V3.2's attention attends the keys its indexer selects: refused, or loaded with
+    ignore_indexer=True and given the indexer's selection as an index mask, equal to
+    transformers' eager module (which always rotates interleaved pairs)."""
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
+
+    c = transformers.DeepseekV32Config(
+        hidden_size=D, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=20,
+        kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+        index_topk=3, index_n_heads=2, index_head_dim=12, num_hidden_layers=1, vocab_size=32,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    c._attn_implementation = "eager"
+    torch.manual_seed(1)
+    theirs = v32.DeepseekV32Attention(c, layer_idx=0).to(F64).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    with pytest.raises(ValueError, match=r"attends only the keys its indexer selects \(index_topk"):
+        deepseek.latent_attention(theirs)
+    ours = deepseek.latent_attention(theirs, ignore_indexer=True)
+    x, keys = randn(2, 9, D, seed=6), torch.arange(9)
+    picked: list[Tensor] = []
+    theirs.indexer.register_forward_hook(lambda mod, args, out: picked.append(out))
+    allowed = (keys[None] <= keys[:, None]).expand(2, 1, 9, 9)
+    with torch.no_grad():
+        want, _ = theirs(
+            x, rope_table(c, keys[None], v32.DeepseekV32RotaryEmbedding(c)), additive(allowed),
+            position_ids=keys[None],
+        )  # fmt: skip
+        selected = masks.key_indices(picked[0].unsqueeze(1))
+        got = ours(x, mask=selected & masks.causal())
+    agrees(got, want, TOL)

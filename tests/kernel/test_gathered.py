@@ -100,6 +100,25 @@ def test_rows_with_no_key_give_zero_and_lse_minus_inf() -> None:
     _compare(q, k, v, mask)
 
 
+def test_sinks_with_values_of_no_width() -> None:
+    # attention_stats asks the log-sum-exp of a call with values of Dv = 0; with sinks the
+    # folding of the sinks inferred a size of 0 elements (-1) and failed
+    q, k, sinks = (
+        _randn(*shape, seed=seed, dtype=torch.float32).detach()
+        for shape, seed in (((2, 4, 24, 8), 9), ((2, 2, 40, 8), 10), ((4,), 11))
+    )
+    mask = masks.key_indices(_indices(2, 2, 24, 6, 40, seed=12))
+    out, lse = attnkit.attention(
+        q, k, k[..., :0], mask=mask, sinks=sinks, backend="chunked", return_lse=True
+    )
+    _, want = attnkit.attention(
+        q.double(), k.double(), k.double(), mask=mask, sinks=sinks.double(),
+        backend="reference", return_lse=True,
+    )  # fmt: skip
+    assert out.shape == (2, 4, 24, 0)
+    assert_close(lse, want)
+
+
 CASE = Callable[[Tensor, Tensor], dict[str, object]]
 
 
@@ -135,6 +154,19 @@ def test_every_modifier_equals_the_reference(modifier: CASE) -> None:
     mask = masks.key_indices(idx) & masks.causal()
     inputs = () if "softcap" in kwargs else (table,)
     _compare(q, k, v, mask, inputs, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["float64", "float32-bias"])
+def test_one_batch_row_of_one_key_head_shared_by_query_heads(dtype: torch.dtype) -> None:
+    # B = 1, Hkv = Hi = 1, H = 4 (an absorbed MLA decode's layout): the queries' rows are one
+    # view of q that the sparse products read (float64, or a bias keeps float32 off the native
+    # kernel), where they once failed to flatten a chunk.
+    q = _randn(1, 4, 3, 8, seed=40, dtype=dtype)
+    k, v = _randn(1, 1, 32, 8, seed=41, dtype=dtype), _randn(1, 1, 32, 6, seed=42, dtype=dtype)
+    table = _randn(1, 4, 3, 32, seed=43, dtype=dtype)
+    idx = _indices(1, 1, 3, 4, 32, seed=44, kind="causal")
+    kwargs: dict[str, object] = {"bias": table} if dtype != F64 else {}
+    _compare(q, k, v, masks.key_indices(idx) & masks.causal(), (table,) if kwargs else (), **kwargs)
 
 
 def test_block_indices_and_composition_with_readable_masks() -> None:

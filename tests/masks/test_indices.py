@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import attnkit
 from attnkit import masks
@@ -214,3 +215,79 @@ def test_index_masks_equal_the_formula_forward_and_backward(
     wants = torch.autograd.grad((want * w).sum(), leaves)
     for a, e in zip(grads, wants, strict=True):
         torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "sdpa", "flex"])
+def test_indices_made_under_inference_mode(backend: str) -> None:
+    # A tensor made under torch.inference_mode has no version counter: the selection read for
+    # the call is then made afresh each time instead of being kept by version.
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 4, t, 8, generator=g) for t in (6, 40, 40))
+    with torch.inference_mode():
+        idx = _random(2, 2, 6, 5, 40, seed=22)
+        mask = masks.key_indices(idx) & masks.causal()
+        got = attnkit.attention(q, k, v, mask=mask, backend=backend)
+    want = attnkit.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_an_index_mask_crosses_into_the_operator_as_text_and_its_tensor() -> None:
+    idx = _random(1, 1, 4, 2, 3, seed=23)
+    tensors: list[torch.Tensor] = []
+    text = masks.encode(masks.block_indices(idx, block=3) & masks.causal(), tensors)
+    assert text is not None
+    assert tensors[0] is idx
+    back = masks.decode(text, tensors)
+    assert back is not None
+    assert back.describe() == ("block_indices(indices (1, 1, 4, 2), block=3) & causal()")
+    assert torch.equal(
+        back.dense(4, 9), (masks.block_indices(idx, block=3) & masks.causal()).dense(4, 9)
+    )
+    # a pytree node, so that torch.export takes it as an input
+    leaves, spec = pytree.tree_flatten(masks.key_indices(idx))
+    assert leaves == [idx]
+    assert pytree.tree_unflatten(leaves, spec).describe() == "key_indices(indices (1, 1, 4, 2))"
+
+
+@pytest.mark.parametrize("backend", ["chunked", "sdpa", "reference"])
+def test_compiled_index_masks_equal_the_reference_and_refuse_entries_past_tk(
+    backend: str,
+) -> None:
+    # The indices are an input of the compiled function (their values are data while torch
+    # traces): fullgraph, gradients, new values without a new trace, and entries outside the
+    # keys refused when the graph runs.
+    g = torch.Generator().manual_seed(24)
+    q, k, v = (torch.randn(2, 4, t, 8, generator=g) for t in (6, 40, 40))
+
+    def call(q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        mask = masks.key_indices(idx) & masks.causal()
+        return attnkit.attention(q, k, v, mask=mask, backend=backend)
+
+    compiled = torch.compile(call, fullgraph=True)
+    for seed in (25, 26):
+        idx = _random(2, 2, 6, 5, 40, seed=seed)
+        leaf = q.clone().requires_grad_()
+        got = compiled(leaf, idx)
+        want = attnkit.attention(
+            q.double().requires_grad_(), k.double(), v.double(),
+            mask=masks.key_indices(idx) & masks.causal(), backend="reference",
+        )  # fmt: skip
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+        got.sum().backward()
+        assert leaf.grad is not None
+        assert torch.isfinite(leaf.grad).all()
+    idx[0, 0, 0, 0] = 40
+    with pytest.raises(RuntimeError, match=r"each entry of key_indices must be -1 \(none\) or a"):
+        compiled(q, idx)
+
+
+def test_a_block_wider_than_the_keys_is_read_as_the_keys() -> None:
+    # Block 0 of 2**26 keys is the call's Tk keys: read so, not written out 2**26 wide per entry
+    # (64 GiB here).
+    g = torch.Generator().manual_seed(27)
+    q, k = torch.randn(1, 2, 64, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    mask = masks.block_indices(torch.zeros(1, 1, 64, 2, dtype=torch.long), block=2**26)
+    want = attnkit.attention(q.double(), k.double(), k.double(), causal=True, backend="reference")
+    for backend in ("reference", "chunked", "sdpa"):
+        got = attnkit.attention(q, k, k, mask=mask & masks.causal(), backend=backend)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)

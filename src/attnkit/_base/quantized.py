@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .checks import dtype_str, shape_str
+from .finite import finite_if_readable
 
 __all__ = [
     "QUANTIZED",
@@ -118,6 +119,15 @@ class QuantizedKV:
     def __repr__(self) -> str:
         return f"QuantizedKV({self.describe()})"
 
+    def finite(self, q: Tensor, k: Tensor, v: Tensor) -> bool | None:
+        """Whether ``q`` and the keys and values the call reads (``k`` and ``v`` dequantized
+        with these scales) hold no NaN or inf, as a call that needs gradients asks of its
+        inputs (None where no value can be read, under torch.func.vmap)."""
+        with torch.no_grad():
+            keys = dequantize(k, self.k_scale, q.dtype)
+            values = dequantize(v, self.v_scale, q.dtype)
+        return finite_if_readable(q, keys, values)
+
     @property
     def requires_grad(self) -> bool:
         """Whether autograd will ask for a scale's gradient."""
@@ -132,9 +142,13 @@ def dequantize(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (x.float() * scale).to(dtype)
 
 
-def stand_in(x: Tensor, dtype: torch.dtype, requires_grad: bool = False) -> Tensor:
+def stand_in(x: Tensor, dtype: torch.dtype, scale: Tensor | None = None) -> Tensor:
     """A tensor of ``x``'s shape in ``dtype`` that holds no memory of its own (zeros, one element
     expanded): what the checks of ``attention()``'s arguments read in place of quantized keys or
-    values; ``requires_grad`` where their scales need gradients."""
-    zero = torch.zeros((), dtype=dtype, device=x.device, requires_grad=requires_grad)
+    values; needing gradients where its ``scale`` does (under grad mode)."""
+    zero = torch.zeros((), dtype=dtype, device=x.device)
+    if scale is not None and scale.requires_grad and torch.is_grad_enabled():
+        # 0 from the scale, not a leaf made with requires_grad=True, which torch.compile
+        # cannot trace in a call whose scales need gradients
+        zero = zero + scale.flatten()[:0].sum().to(dtype)
     return zero.expand(x.shape)

@@ -537,7 +537,9 @@ def _inputs(call: Gathered, q: Tensor, k: Tensor, v: Tensor, work: torch.dtype) 
     geo = call.geo
     q5 = q.reshape(geo.batch, call.c, call.g, geo.q_len, q.size(-1)).transpose(2, 3)
     return _Inputs(
-        q5.to(work).reshape(call.rows, call.g, q.size(-1)),
+        # contiguous: with one batch row and one gathered head the reshape is a view whose
+        # (query, head) rows a chunk could not flatten
+        q5.to(work).reshape(call.rows, call.g, q.size(-1)).contiguous(),
         k.flatten(0, -2),  # (not reshape(-1, D): values of D = 0 have no -1 to infer)
         v.flatten(0, -2),
     )
@@ -808,11 +810,11 @@ class _GatheredAttention(torch.autograd.Function):
                 out = _from_rows(call, out_rows)  # (B, H, Tq, Dv)
                 lse = _from_rows(call, lse_rows.unsqueeze(-1)).squeeze(-1)  # (B, H, Tq)
             if sinks is not None:
-                hkv = call.kv_heads
-                out5, lse4 = finish(
-                    out.view(geo.batch, hkv, -1, geo.q_len, out.size(-1)),
-                    lse.view(geo.batch, hkv, -1, geo.q_len),
-                    sinks.view(hkv, -1),
+                hkv, groups = call.kv_heads, geo.heads // call.kv_heads
+                out5, lse4 = finish(  # (groups named: with Dv = 0 there is no -1 to infer)
+                    out.view(geo.batch, hkv, groups, geo.q_len, out.size(-1)),
+                    lse.view(geo.batch, hkv, groups, geo.q_len),
+                    sinks.view(hkv, groups),
                 )
                 out, lse = out5.view(out.shape), lse4.view(lse.shape)
         ctx.save_for_backward(q, k, v, out, lse, bias, sinks, *extra)

@@ -12,8 +12,14 @@ scales beside them. Symmetric (no zero point): the largest magnitude of a row (i
   gets the scale 1 (its elements are 0 whatever the scale).
 * float8: ``scale = amax(|x|, over T and D) / max`` (448 for e4m3fn, 57344 for e5m2) on the first
   write, or the cache's scale for later tokens (``scale=``), ``xq = (x / scale).to(dtype)``
-  rounded to nearest, saturating at ``±max`` (torch's own conversion gives NaN out of range for
-  e4m3fn): 3 and 2 bits of mantissa, a relative error of at most 2^-4 and 2^-3 in range.
+  rounded to nearest, finite values saturating at ``±max``: 3 and 2 bits of mantissa, a relative
+  error of at most 2^-4 and 2^-3 in range.
+
+NaN and inf follow attnkit's non-finite policy (they reach the outputs that read them, never
+hidden as a number): the largest magnitudes are those of the finite elements, so one NaN or inf
+sets no scale. int8 has neither: a token holding one is stored with a NaN scale, so all its
+elements read as NaN. float8 keeps NaN, and inf where the format has it (e5m2); e4m3fn, which
+has no inf, stores it as NaN.
 """
 
 from __future__ import annotations
@@ -23,7 +29,17 @@ from torch import Tensor
 
 from .._base.checks import dtype_str, shape_str
 
-__all__ = ["FLOAT8", "check_kv_dtype", "new_scales", "quantize", "quantize_fp8", "quantize_int8"]
+__all__ = [
+    "FLOAT8",
+    "READ_DTYPES",
+    "check_dtype",
+    "check_kv_dtype",
+    "fp8_scale",
+    "new_scales",
+    "quantize",
+    "quantize_fp8",
+    "quantize_int8",
+]
 
 #: The float8 formats a cache stores.
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -47,11 +63,28 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     >>> xq.tolist(), round(scale.item() * 127, 6)
     ([[[[64, -127, 32]]]], 1.0)
     """
-    x = _check_float(x)
-    amax = x.detach().abs().amax(-1, keepdim=True).float()
+    x = _check_float(x).detach()
+    finite = x.isfinite()
+    amax = _finite_magnitudes(x, finite).amax(-1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    xq = torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
-    return xq, scale
+    xq = torch.round(x.float().where(finite, 0.0) / scale).clamp_(-127, 127).to(torch.int8)
+    # int8 holds no NaN or inf: the token's scale carries it (every element reads as NaN)
+    return xq, scale.where(finite.all(-1, keepdim=True), float("nan"))
+
+
+def _finite_magnitudes(x: Tensor, keep: Tensor) -> Tensor:
+    """``|x|`` in float32 where ``keep`` (a bool tensor broadcastable to ``x``), else 0: what a
+    scale is taken from (a NaN or inf, or a padding position, sets none)."""
+    return x.float().abs().where(keep, 0.0)
+
+
+def fp8_scale(x: Tensor, dtype: torch.dtype, real: Tensor | None = None) -> Tensor:
+    """The float32 scale per key/value head ``(..., Hkv, 1, 1)`` that maps the largest finite
+    magnitude of ``x (..., Hkv, T, D)`` to ``dtype``'s largest number (1 for a head without
+    one), over the tokens ``real`` marks (a bool tensor broadcastable to ``x``; None: all)."""
+    keep = x.isfinite() if real is None else x.isfinite() & real
+    amax = _finite_magnitudes(x.detach(), keep).amax((-2, -1), keepdim=True)
+    return torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
 
 
 def quantize_fp8(
@@ -74,8 +107,7 @@ def quantize_fp8(
         )
     top = torch.finfo(dtype).max
     if scale is None:
-        amax = x.detach().abs().amax((-2, -1), keepdim=True).float()
-        scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+        scale = fp8_scale(x, dtype)
     elif not isinstance(scale, Tensor) or not scale.is_floating_point():
         raise TypeError(f"scale must be a float tensor, got {type(scale).__name__}")
     else:
@@ -90,8 +122,33 @@ def quantize_fp8(
                 f"{shape_str(scale.shape)}"
             )
         scale = scale.float()
-    xq = (x.float() / scale).clamp_(-top, top).to(dtype)
-    return xq, scale
+    y = x.detach().float() / scale
+    # finite values saturate; NaN stays NaN, and inf too where the format has it
+    y = y.where(~x.isfinite(), y.clamp(-top, top))
+    if dtype == torch.float8_e4m3fn:  # no inf: torch's conversion would saturate it
+        y = y.masked_fill(y.isinf(), float("nan"))
+    return y.to(dtype), scale
+
+
+#: The dtypes a cache's keys and values are given and read in (its ``dtype``).
+READ_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_dtype(dtype: object) -> torch.dtype:
+    """A cache's ``dtype``, the one keys and values are given and read in: float16, bfloat16,
+    float32 or float64 (None: torch's default dtype). An int8 or float8 store is ``kv_dtype``."""
+    if dtype is None:
+        return torch.get_default_dtype()
+    if dtype in READ_DTYPES:
+        return dtype
+    got = dtype_str(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)
+    hint = ""
+    if dtype == torch.int8 or dtype in FLOAT8:
+        hint = f" (to store keys and values as {got}, pass kv_dtype={dtype} with a float dtype)"
+    raise TypeError(
+        "dtype must be torch.float16, torch.bfloat16, torch.float32 or torch.float64 (the dtype "
+        f"keys and values are given and read in), got {got}{hint}"
+    )
 
 
 def check_kv_dtype(kv_dtype: object) -> torch.dtype | None:

@@ -17,7 +17,16 @@ from torch import Tensor
 
 from .._base.checks import check_float_tensor, dtype_str, shape_str
 
-__all__ = ["Piece", "Spelling", "check_tokens", "given", "put", "write"]
+__all__ = [
+    "Piece",
+    "Spelling",
+    "check_tokens",
+    "check_values",
+    "given",
+    "put",
+    "values_of_keys",
+    "write",
+]
 
 #: A stretch of a write in one page: ``(row, page, offset in the page, tokens, row's first token)``.
 Piece = tuple[int, int, int, int, int]
@@ -110,6 +119,34 @@ def check_tokens(
     return k, v
 
 
+def values_of_keys(k: object, v: object, dv: int) -> tuple[object, bool]:
+    """For a cache whose values are its keys' first ``dv`` columns (a latent cache): the values
+    new keys ``k`` bring, and whether they are to be compared with a ``v`` the caller gave.
+    ``v`` None: the keys' columns themselves (a view), nothing to compare; a ``v`` of the
+    caller's is checked by :func:`check_values` once :func:`check_tokens` has checked both."""
+    if v is None:
+        if isinstance(k, Tensor) and k.ndim >= 1 and k.size(-1) >= dv:
+            return k[..., :dv], False
+        return k, False  # (check_tokens says what is wrong with k)
+    return v, True
+
+
+def check_values(k: Tensor, v: Tensor, dv: int, what: str) -> None:
+    """Refuse values that are not the keys' first ``dv`` columns: a latent cache stores its keys
+    once and reads its values as a view of them, so values of their own would be lost."""
+    kv = k[..., :dv]
+    if v.data_ptr() == kv.data_ptr() and v.stride() == kv.stride():
+        return  # a view of the keys' own columns
+    differ = (v != kv) & ~(v.isnan() & kv.isnan())
+    if bool(differ.any()):
+        at = tuple(differ.nonzero()[0].tolist())
+        raise ValueError(
+            f"{what} reads its values as the first Dv = {dv} columns of its keys "
+            f"(values_in_keys=True) and stores them once: pass v=None, or v equal to k[..., :{dv}]"
+            f"; got v{list(at)} = {float(v[at])} where k{list(at)} = {float(kv[at])}"
+        )
+
+
 def _dims(dims: tuple[int | str, ...]) -> str:
     """``(2, T, 2, 8)``: a wanted shape, its unknown sizes by their letter."""
     return f"({', '.join(str(d) for d in dims)})"
@@ -117,9 +154,9 @@ def _dims(dims: tuple[int | str, ...]) -> str:
 
 def write(
     k_pages: Tensor,
-    v_pages: Tensor,
+    v_pages: Tensor | None,
     k: Tensor,
-    v: Tensor,
+    v: Tensor | None,
     *,
     at: Sequence[int],
     counts: Sequence[int] | None = None,
@@ -129,6 +166,7 @@ def write(
     T, Dk)`` and ``v`` at its key positions ``at[n]`` on, through ``block_table`` ``(N, P)`` (a
     tensor, or each row's pages as ints) or row ``n`` on page ``n``, converting to the pages'
     dtype. Returns the stretches written (none listed for the one copy of rows in order).
+    ``v_pages`` None: the values are a view of the keys' pages (a latent cache), written with them.
 
     How it writes is chosen by the shape of the write: rows in order at one position, one copy
     (a contiguous cache's step); a stretch a row or fewer pieces than rows (a decode step), a copy
@@ -141,7 +179,8 @@ def write(
     # make a constant, and so a new graph at every step)
     if block_table is None and counts is None and rows and all(a == at[0] for a in at):
         k_pages[:rows, :, at[0] : at[0] + t].copy_(k)
-        v_pages[:rows, :, at[0] : at[0] + t].copy_(v)
+        if v_pages is not None and v is not None:
+            v_pages[:rows, :, at[0] : at[0] + t].copy_(v)
         return []
     if isinstance(block_table, Tensor) and block_table.device.type == "meta":
         return []  # no page numbers to read, and pages on the meta device hold no values
@@ -149,14 +188,16 @@ def write(
     if len(pieces) <= rows:
         for n, page, offset, m, i in pieces:
             k_pages[page, :, offset : offset + m].copy_(k[n, :, i : i + m])
-            v_pages[page, :, offset : offset + m].copy_(v[n, :, i : i + m])
+            if v_pages is not None and v is not None:
+                v_pages[page, :, offset : offset + m].copy_(v[n, :, i : i + m])
         return pieces
     size = k_pages.size(2)
     slots = [page * size + offset + j for _, page, offset, m, _ in pieces for j in range(m)]
     real = torch.arange(t)[None, :] < torch.tensor(new)[:, None]  # (N, T): the tokens written
     real = real.to(k.device)
     where = torch.tensor(slots, dtype=torch.int64)
-    put(k_pages, v_pages, k.transpose(1, 2)[real], v.transpose(1, 2)[real], where)
+    values = None if v_pages is None or v is None else v.transpose(1, 2)[real]
+    put(k_pages, v_pages, k.transpose(1, 2)[real], values, where)
     return pieces
 
 
@@ -188,11 +229,15 @@ def _pieces(
     return pieces
 
 
-def put(k_pages: Tensor, v_pages: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
+def put(
+    k_pages: Tensor, v_pages: Tensor | None, k: Tensor, v: Tensor | None, slots: Tensor
+) -> None:
     """Token ``n`` of ``k`` ``(tokens, Hkv, Dk)`` and ``v`` into slot ``slots[n]`` (page
-    ``slot // page``, row ``slot % page``) of the pages, in one indexed write each."""
+    ``slot // page``, row ``slot % page``) of the pages, in one indexed write each (the keys
+    only where ``v_pages`` is None: values that are a view of them)."""
     size = k_pages.size(2)
     slots = slots.to(k_pages.device)
     where = (slots // size, slots % size)
     k_pages.transpose(1, 2).index_put_(where, k.to(k_pages.dtype))
-    v_pages.transpose(1, 2).index_put_(where, v.to(v_pages.dtype))
+    if v_pages is not None and v is not None:
+        v_pages.transpose(1, 2).index_put_(where, v.to(v_pages.dtype))

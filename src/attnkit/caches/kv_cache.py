@@ -18,14 +18,33 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._base.checks import check_int
+from .._base.checks import check_bool, check_int
 from .._base.shapes import Float, shape_checked
 from ._evict import check_indices, compact_rows
-from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
-from ._tokens import check_tokens, given, write
+from ._quantize import FLOAT8, check_dtype, check_kv_dtype, new_scales, quantize
+from ._tokens import check_tokens, check_values, given, values_of_keys, write
 from .view import CacheView
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "check_values_in_keys"]
+
+
+def check_values_in_keys(
+    values_in_keys: object, dk: int, dv: int, kv_dtype: torch.dtype | None
+) -> bool:
+    """``values_in_keys`` of a cache of keys ``Dk = dk`` and values ``Dv = dv``: a bool, and
+    where it is True, values that fit in the keys (``Dv <= Dk``) stored in the cache's dtype."""
+    if check_bool("values_in_keys", values_in_keys) and dv > dk:
+        raise ValueError(
+            f"values_in_keys=True reads the values as the keys' first v_head_dim columns: "
+            f"v_head_dim ({dv}) must be at most head_dim ({dk})"
+        )
+    if values_in_keys and kv_dtype is not None:
+        raise ValueError(
+            f"values_in_keys=True takes no kv_dtype (got {kv_dtype}): a quantized cache keeps "
+            "its keys' and its values' scales apart, and these values are the keys' own "
+            "columns; store the cache in its dtype (kv_dtype=None)"
+        )
+    return bool(values_in_keys)
 
 
 class KVCache:
@@ -46,6 +65,14 @@ class KVCache:
             later tokens beyond its range saturate). Writes quantize; attention reads the cache
             where it lies with its scales (the native decode kernel dequantizes in registers).
             None (default): stored in ``dtype``.
+        values_in_keys: the values are the keys' first ``Dv`` columns (``Dv <= Dk``), stored
+            once: ``v_cache`` is the view ``k_cache[..., :Dv]``. This is multi-head latent
+            attention's cache (one head, ``Hkv = 1``, of ``[c, k_rope]`` a token, whose values
+            are the latent ``c``: :meth:`MultiHeadLatentAttention.make_kv_cache()
+            <attnkit.MultiHeadLatentAttention.make_kv_cache>`). Writes take the keys only
+            (``v=None``), or values equal to the keys' first ``Dv`` columns (anything else is
+            refused, since it could not be stored); an attention call reads the values where the
+            keys lie, each row once for every query head. Not with ``kv_dtype``.
 
     :meth:`MultiHeadAttention.make_cache() <attnkit.MultiHeadAttention.make_cache>` builds one with
     the module's sizes. :meth:`to` moves the keys and values. The cache is for inference:
@@ -84,6 +111,7 @@ class KVCache:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         kv_dtype: torch.dtype | None = None,
+        values_in_keys: bool = False,
     ) -> None:
         b = check_int("batch_size", batch_size)
         self.max_len = check_int("max_len", max_len)
@@ -91,10 +119,16 @@ class KVCache:
         dk = check_int("head_dim", head_dim)
         dv = dk if v_head_dim is None else check_int("v_head_dim", v_head_dim)
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.dtype = torch.get_default_dtype() if dtype is None else dtype  # given and read in
-        stored = dtype if self.kv_dtype is None else self.kv_dtype
+        self.dtype = check_dtype(dtype)  # given and read in
+        #: whether ``v_cache`` is the view ``k_cache[..., :Dv]`` (a latent cache)
+        self.values_in_keys = check_values_in_keys(values_in_keys, dk, dv, self.kv_dtype)
+        stored = self.dtype if self.kv_dtype is None else self.kv_dtype
         self.k_cache = torch.zeros(b, h, self.max_len, dk, dtype=stored, device=device)
-        self.v_cache = torch.zeros(b, h, self.max_len, dv, dtype=stored, device=device)
+        self.v_cache = (
+            self.k_cache[..., :dv]
+            if self.values_in_keys
+            else torch.zeros(b, h, self.max_len, dv, dtype=stored, device=device)
+        )
         #: quantized keys' and values' float32 scales (None unless ``kv_dtype``)
         self.k_scale = None if self.kv_dtype is None else new_scales(self.k_cache)
         self.v_scale = None if self.kv_dtype is None else new_scales(self.v_cache)
@@ -106,12 +140,13 @@ class KVCache:
 
     @shape_checked
     def update(
-        self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"]
+        self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"] | None
     ) -> tuple[Float[Tensor, "B Hkv S Dk"], Float[Tensor, "B Hkv S Dv"]]:
         """Append ``T`` new tokens; return the keys and values of all ``S = length`` tokens held.
 
         The results are views of the cache (no copy), valid until the next :meth:`update`,
         :meth:`stage` or :meth:`reset`. Equivalent to :meth:`stage` then :meth:`commit`.
+        ``v`` None: a ``values_in_keys`` cache's values, the keys' first ``Dv`` columns.
         """
         keys, values = self.stage(k, v)
         self.commit()
@@ -119,7 +154,7 @@ class KVCache:
 
     @shape_checked
     def stage(
-        self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"]
+        self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"] | None
     ) -> tuple[Float[Tensor, "B Hkv S Dk"], Float[Tensor, "B Hkv S Dv"]]:
         """Write ``T`` new tokens after the ``length`` held, without holding them yet.
 
@@ -136,9 +171,12 @@ class KVCache:
             return self.view().dense(self.dtype)
         return self.k_cache.narrow(2, 0, end), self.v_cache.narrow(2, 0, end)
 
-    def _stage(self, k: Tensor, v: Tensor) -> int:
+    def _stage(self, k: Tensor, v: Tensor | None) -> int:
         """:meth:`stage`'s checks, then its write; the end of the tokens held and staged."""
         keys, values = self._given()
+        compare = False
+        if self.values_in_keys:
+            v, compare = values_of_keys(k, v, values.size(-1))  # type: ignore[assignment]
         cached = keys.size(0)
         if isinstance(k, Tensor) and k.ndim == 4 and k.size(0) != cached:
             # The caller's batch, not "k and v", which a module's user never passed.
@@ -148,6 +186,8 @@ class KVCache:
                 f"with batch_size={k.size(0)} for this batch (make_cache(batch_size=...))"
             )
         k, v = check_tokens(k, v, keys, values, cached, "KVCache")
+        if compare:
+            check_values(k, v, values.size(-1), "this KVCache")
         start = self.length
         end = start + k.size(-2)
         if end > self.max_len:
@@ -168,6 +208,9 @@ class KVCache:
         """Checked new tokens into every row from position ``start`` on; quantized (all of it
         computed before anything is written) for a ``kv_dtype`` cache, their scales beside."""
         at = [start] * self.k_cache.size(0)
+        if self.values_in_keys:  # the values are written with the keys, never on their own
+            write(self.k_cache, None, k, None, at=at)
+            return
         if self.kv_dtype is None or self.k_scale is None or self.v_scale is None:
             write(self.k_cache, self.v_cache, k, v, at=at)
             return
@@ -214,7 +257,7 @@ class KVCache:
             v_scale=one,
         )
 
-    def stage_call(self, q: Tensor, k: Tensor, v: Tensor, **call: object) -> CacheView:
+    def stage_call(self, q: Tensor, k: Tensor, v: Tensor | None, **call: object) -> CacheView:
         """:meth:`stage` ``k`` and ``v`` for the attention call of ``q`` and return the
         :meth:`view` that call reads: what a module does before its one
         :func:`attnkit.attention` call. The staged tokens lie past ``length``, where nothing reads
@@ -260,10 +303,10 @@ class KVCache:
         b, h = self.k_cache.shape[:2]
         what = f"indices for this KVCache (B={b}, Hkv={h})"
         index = check_indices(indices, (b, h), self.length, what)
-        # (float8 moved as its bytes: torch's gather has no float8 kernel)
-        moved = [
-            t.view(torch.uint8) if t.dtype in FLOAT8 else t for t in (self.k_cache, self.v_cache)
-        ]
+        # (float8 moved as its bytes: torch's gather has no float8 kernel; values that are a
+        # view of the keys move with them, and would be moved twice on their own)
+        stored = (self.k_cache,) if self.values_in_keys else (self.k_cache, self.v_cache)
+        moved = [t.view(torch.uint8) if t.dtype in FLOAT8 else t for t in stored]
         if self.kv_dtype == torch.int8 and self.k_scale is not None and self.v_scale is not None:
             moved += [self.k_scale, self.v_scale]  # a scale a token moves with it
         compact_rows(moved, index)
@@ -282,9 +325,14 @@ class KVCache:
         """Move the keys and values to ``device`` and/or convert them to ``dtype``, in place;
         returns the cache. The tokens held stay held. A quantized cache (``kv_dtype``) keeps its
         storage: ``dtype`` is then the one keys and values are given and read in."""
+        if dtype is not None:
+            check_dtype(dtype)  # before anything moves
         stored = dtype if self.kv_dtype is None else None
         self.k_cache = self.k_cache.to(device=device, dtype=stored)
-        self.v_cache = self.v_cache.to(device=device, dtype=stored)
+        if self.values_in_keys:  # still a view of the keys, not a copy beside them
+            self.v_cache = self.k_cache[..., : self.v_cache.size(-1)]
+        else:
+            self.v_cache = self.v_cache.to(device=device, dtype=stored)
         if self.k_scale is not None and self.v_scale is not None:
             self.k_scale, self.v_scale = self.k_scale.to(device), self.v_scale.to(device)
         self.dtype = self.k_cache.dtype if self.kv_dtype is None else (dtype or self.dtype)
@@ -297,5 +345,6 @@ class KVCache:
             f"v_head_dim={self.v_cache.size(-1)}, length={self.length}, "
             f"dtype={self.dtype}, "
             + ("" if self.kv_dtype is None else f"kv_dtype={self.kv_dtype}, ")
+            + ("values_in_keys=True, " if self.values_in_keys else "")
             + f"device={self.k_cache.device})"
         )

@@ -21,7 +21,7 @@ pages per sequence at most.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -34,8 +34,9 @@ from ..attention import attention
 from ..masks import Mask
 from ..scores import DistanceBias
 from ._evict import check_indices, compact_pages
-from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
-from ._tokens import Piece, check_tokens, given, put, write
+from ._quantize import FLOAT8, check_dtype, check_kv_dtype, fp8_scale, new_scales, quantize
+from ._tokens import Piece, check_tokens, check_values, given, put, values_of_keys, write
+from .kv_cache import check_values_in_keys
 from .view import CacheView, band_of
 
 __all__ = ["PagedKVCache"]
@@ -102,6 +103,14 @@ class PagedKVCache(nn.Module):
             page_size, 1)`` (int8) or ``(num_blocks, Hkv, 1, 1)`` (float8). Writes quantize;
             attention reads the pages where they lie with their scales. None (default): pages
             in ``dtype``.
+        values_in_keys: the values are the keys' first ``Dv`` columns (``Dv <= Dk``), stored
+            once: ``v_pages`` is the view ``k_pages[..., :Dv]``, in either layout. This is
+            multi-head latent attention's cache (one head of ``[c, k_rope]`` a token, whose
+            values are the latent ``c``: :meth:`MultiHeadLatentAttention.make_paged_cache()
+            <attnkit.MultiHeadLatentAttention.make_paged_cache>`). Writes take the keys only
+            (``v=None``), or values equal to the keys' first ``Dv`` columns (anything else is
+            refused); an attention call reads the values where the keys lie. Not with
+            ``kv_dtype``.
 
     The pages are the buffers ``k_pages`` and ``v_pages`` (not in ``state_dict()``);
     ``block_table`` ``(B, P)`` int32 names each sequence's pages in order (``-1`` past them),
@@ -148,11 +157,12 @@ class PagedKVCache(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         kv_dtype: torch.dtype | None = None,
+        values_in_keys: bool = False,
     ) -> None:
         super().__init__()
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.dtype = torch.get_default_dtype() if dtype is None else dtype  # given and read in
-        stored = dtype if self.kv_dtype is None else self.kv_dtype
+        self.dtype = check_dtype(dtype)  # given and read in
+        stored = self.dtype if self.kv_dtype is None else self.kv_dtype
         self.num_blocks = check_int("num_blocks", num_blocks)
         self.page_size = check_int("page_size", page_size)
         h = check_int("num_kv_heads", num_kv_heads)
@@ -167,6 +177,8 @@ class PagedKVCache(nn.Module):
         if layout not in ("flash", "vllm"):
             raise ValueError(f"layout must be 'flash' or 'vllm', got {layout!r}")
         self.layout: Layout = layout
+        #: whether ``v_pages`` is the view ``k_pages[..., :Dv]`` (a latent cache)
+        self.values_in_keys = check_values_in_keys(values_in_keys, dk, dv, self.kv_dtype)
 
         def pages(d: int) -> Tensor:
             shape = (self.num_blocks, self.page_size, h, d)
@@ -175,7 +187,9 @@ class PagedKVCache(nn.Module):
             return torch.zeros(shape, dtype=stored, device=device)
 
         self.register_buffer("k_pages", pages(dk), False)
-        self.register_buffer("v_pages", pages(dv), False)
+        self.register_buffer(
+            "v_pages", self.k_pages[..., :dv] if values_in_keys else pages(dv), False
+        )
         for name, t in (("k_scales", self.k_pages), ("v_scales", self.v_pages)):
             head_major = t if layout == "vllm" else t.transpose(1, 2)
             scales = None if self.kv_dtype is None else new_scales(head_major)
@@ -226,6 +240,24 @@ class PagedKVCache(nn.Module):
             return self.k_pages, self.v_pages
         return self.k_pages.transpose(1, 2), self.v_pages.transpose(1, 2)
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PagedKVCache:
+        """``nn.Module``'s conversions (``.to()``, ``.half()``, ``.double()``, ``.cuda()``, those
+        of a model that holds the cache) change ``dtype``, the one keys and values are given and
+        read in: a float pool's pages follow it, while quantized pages and their float32 scales
+        keep their formats and only move (a float8 page is a float tensor to torch)."""
+        probe = torch.zeros((), dtype=self.dtype, device=self.block_table.device)
+        read = check_dtype(fn(probe).dtype)  # (a refused one moves nothing)
+
+        for name, t in self._buffers.items():  # (no parameters and no submodules)
+            if t is not None and not (name == "v_pages" and self.values_in_keys):
+                out = fn(t)
+                keep = self.kv_dtype is not None and out.dtype != t.dtype
+                self._buffers[name] = t.to(out.device) if keep else out
+        if self.values_in_keys:  # still a view of the keys, not a copy beside them
+            self._buffers["v_pages"] = self.k_pages[..., : self.v_pages.size(-1)]
+        self.dtype = read
+        return self
+
     def _given(self) -> tuple[Tensor, Tensor]:
         """The head-major pages as keys and values are given and read: the pages, or of a
         quantized pool stand-ins in ``dtype`` without data (what the checks compare with)."""
@@ -251,14 +283,13 @@ class PagedKVCache(nn.Module):
         if self.kv_dtype == torch.int8:
             (kq, ks), (vq, vs) = quantize(k, torch.int8), quantize(v, torch.int8)
             return kq, vq, (ks, vs)
-        top = torch.finfo(self.kv_dtype).max
         real = (
             torch.arange(k.size(2), device=k.device) < torch.tensor(new, device=k.device)[:, None]
         )
         found = []
         for x, held in ((k, self.k_scales), (v, self.v_scales)):
-            amax = x.abs().mul(real[:, None, :, None]).amax((-2, -1), keepdim=True).float()
-            scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))  # (B, Hkv, 1, 1)
+            # (B, Hkv, 1, 1), from each row's real tokens: what its padding holds sets nothing
+            scale = fp8_scale(x, self.kv_dtype, real[:, None, :, None])
             for b, n in enumerate(self.lengths):
                 if n:  # a sequence's tokens share the scale of its first write
                     scale[b] = held[self._pages[b][0]]
@@ -269,13 +300,15 @@ class PagedKVCache(nn.Module):
         return kq, vq, (ks, vs)
 
     def _write(
-        self, k: Tensor, v: Tensor, scales: tuple[Tensor, Tensor] | None, new: list[int]
+        self, k: Tensor, v: Tensor | None, scales: tuple[Tensor, Tensor] | None, new: list[int]
     ) -> list[Piece]:
         """Row ``b``'s first ``new[b]`` stored tokens after its ``lengths[b]``, through its pages
         (taken already), and their scales: int8 beside each token, float8 on each of the row's
         pages."""
         kp, vp = self._head_major()
         kw = {"at": self.lengths, "counts": new, "block_table": self._pages}
+        if self.values_in_keys or v is None:  # values written with the keys, never on their own
+            return write(kp, None, k, None, **kw)  # type: ignore[arg-type]
         pieces = write(kp, vp, k, v, **kw)  # type: ignore[arg-type]
         if scales is None or self.k_scales is None or self.v_scales is None:
             return pieces
@@ -314,12 +347,17 @@ class PagedKVCache(nn.Module):
             return
         self._next = _counts("new_tokens", new_tokens, self.max_seqs, 2**62)
 
-    def _plan(self, k: Tensor, v: Tensor) -> list[int]:
+    def _plan(self, k: Tensor, v: Tensor | None) -> list[int]:
         """The checks of a stage of ``k`` and ``v``; the new tokens of each row."""
         rows = self.max_seqs
         kp, vp = self._given()
         what = f"PagedKVCache of B = max_seqs = {rows} sequences"
+        compare = False
+        if self.values_in_keys:
+            v, compare = values_of_keys(k, v, vp.size(-1))  # type: ignore[assignment]
         k, v = check_tokens(k, v, kp, vp, rows, what)
+        if compare:
+            check_values(k, v, vp.size(-1), "this PagedKVCache")
         new = [k.size(-2)] * rows if self._next is None else self._next
         if any(n > k.size(-2) for n in new):
             raise ValueError(
@@ -364,20 +402,24 @@ class PagedKVCache(nn.Module):
             self.block_table[b, keep : keep + len(extra)] = -1
 
     @shape_checked
-    def stage(self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"]) -> Tensor:
+    def stage(
+        self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"] | None
+    ) -> Tensor:
         """Write each row's new tokens after the ``lengths`` it holds, without holding them yet.
 
         Row ``b`` writes its first ``T`` tokens (or ``new_tokens[b]`` of :meth:`schedule`),
         taking pages from the pool as it needs them. They are held once :meth:`commit` runs;
         until then the next :meth:`stage` or :meth:`rewind` drops them and returns their pages.
         Returns the ``(N,)`` int64 slots written (vLLM's ``slot_mapping``: ``page * page_size +
-        offset``), row by row.
+        offset``), row by row. ``v`` None: a ``values_in_keys`` cache's values, the keys' first
+        ``Dv`` columns.
         """
         return self._stage(k, v, self._plan(k, v))
 
-    def _stage(self, k: Tensor, v: Tensor, new: list[int]) -> Tensor:
+    def _stage(self, k: Tensor, v: Tensor | None, new: list[int]) -> Tensor:
         """:meth:`stage` of checked tokens, ``new[b]`` of them in row ``b``."""
-        k, v, scales = self._quantized(k, v, new)  # (before anything is written)
+        # (before anything is written; a values_in_keys cache's values are its keys')
+        k, v, scales = (k, None, None) if v is None else self._quantized(k, v, new)
         self._drop_staged()
         for b, n in enumerate(new):
             first = len(self._pages[b])
@@ -394,17 +436,24 @@ class PagedKVCache(nn.Module):
         return torch.tensor(slots, dtype=torch.int64, device=self.block_table.device)
 
     def write(
-        self, k: Float[Tensor, "N Hkv Dk"], v: Float[Tensor, "N Hkv Dv"], slot_mapping: Tensor
+        self,
+        k: Float[Tensor, "N Hkv Dk"],
+        v: Float[Tensor, "N Hkv Dv"] | None,
+        slot_mapping: Tensor,
     ) -> None:
         """vLLM's ``reshape_and_cache``: token ``n``'s key and value into slot
         ``slot_mapping[n]`` (``page * page_size + offset``; ``-1``: not written, vLLM's padding).
 
         A write into the pool only: the lengths and block table stay as they are. Every slot is
-        checked (in the pool, none twice) before anything is written.
+        checked (in the pool, none twice) before anything is written. ``v`` None: a
+        ``values_in_keys`` cache's values, the keys' first ``Dv`` columns.
         """
-        check_float_tensor("k", k)
-        check_float_tensor("v", v)
         kp, vp = self.token_major()
+        compare = False
+        if self.values_in_keys:
+            v, compare = values_of_keys(k, v, vp.size(-1))  # type: ignore[assignment]
+        check_float_tensor("k", k)
+        v = check_float_tensor("v", v)
         if (
             k.ndim != 3
             or v.ndim != 3
@@ -438,6 +487,8 @@ class PagedKVCache(nn.Module):
                 else type(slot_mapping).__name__
             )
             raise TypeError(f"slot_mapping must be ({k.size(0)},) integers, got {got}")
+        if compare:
+            check_values(k, v, vp.size(-1), "this PagedKVCache")
         slots = slot_mapping.long()
         keep = slots >= 0
         size = self.num_blocks * self.page_size
@@ -452,6 +503,9 @@ class PagedKVCache(nn.Module):
             raise ValueError("slot_mapping names a slot twice: which token would it hold?")
         kp, vp = self._head_major()
         k, v, slots = k[keep.to(k.device)], v[keep.to(v.device)], slots[keep]
+        if self.values_in_keys:  # the values are written with the keys, never on their own
+            put(kp, None, k, None, slots)
+            return
         if self.kv_dtype is None or self.k_scales is None or self.v_scales is None:
             put(kp, vp, k, v, slots)
             return
@@ -523,8 +577,10 @@ class PagedKVCache(nn.Module):
         what = f"indices for sequence {b} of this PagedKVCache (Hkv={h})"
         index = check_indices(indices, (h,), self.lengths[b], what)
         self._drop_staged()
-        # (float8 moved as its bytes: torch's indexing has no float8 kernel)
-        moved = [t.view(torch.uint8) if t.dtype in FLOAT8 else t for t in self._head_major()]
+        # (float8 moved as its bytes: torch's indexing has no float8 kernel; values that are a
+        # view of the keys move with them, and would be moved twice on their own)
+        stored = self._head_major()[: 1 if self.values_in_keys else 2]
+        moved = [t.view(torch.uint8) if t.dtype in FLOAT8 else t for t in stored]
         if self.kv_dtype == torch.int8 and self.k_scales is not None and self.v_scales is not None:
             moved += [self.k_scales, self.v_scales]  # a scale a token moves with it
         compact_pages(moved, self._pages[b], index, self.page_size)
@@ -635,7 +691,7 @@ class PagedKVCache(nn.Module):
         self,
         q: Tensor,
         k: Tensor,
-        v: Tensor,
+        v: Tensor | None,
         *,
         mask: Tensor | Mask | None = None,
         causal: bool = False,
@@ -667,7 +723,7 @@ class PagedKVCache(nn.Module):
         self,
         q: Float[Tensor, "B H T Dk"],
         k: Float[Tensor, "B Hkv T Dk"],
-        v: Float[Tensor, "B Hkv T Dv"],
+        v: Float[Tensor, "B Hkv T Dv"] | None,
         *,
         mask: Tensor | Mask | None = None,
         causal: bool = False,

@@ -40,7 +40,7 @@ from .._base.quantized import dequantize
 from .._base.shapes import Float, shape_checked
 from ..attention import attention
 from ..masks import Mask, causal, key_padding, sliding_window
-from ._quantize import FLOAT8, check_kv_dtype, new_scales, quantize
+from ._quantize import FLOAT8, check_dtype, check_kv_dtype, new_scales, quantize
 from ._tokens import check_tokens, given, write
 from .view import CacheView
 
@@ -126,7 +126,7 @@ class StreamingKVCache:
         self.sink_tokens = check_int("sink_tokens", sink_tokens, minimum=0)
         self.window = check_int("window", window)
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.dtype = torch.get_default_dtype() if dtype is None else dtype  # given and read in
+        self.dtype = check_dtype(dtype)  # given and read in
         stored = self.dtype if self.kv_dtype is None else self.kv_dtype
         slots = self.sink_tokens + self.window
         self.k_cache = torch.zeros(b, h, slots, dk, dtype=stored, device=device)
@@ -365,6 +365,8 @@ class StreamingKVCache:
         """Move the keys and values to ``device`` and/or convert them to ``dtype``, in place;
         returns the cache. A quantized cache (``kv_dtype``) keeps its storage: ``dtype`` is then
         the one keys and values are given and read in."""
+        if dtype is not None:
+            check_dtype(dtype)  # before anything moves
         stored = dtype if self.kv_dtype is None else None
         self.k_cache = self.k_cache.to(device=device, dtype=stored)
         self.v_cache = self.v_cache.to(device=device, dtype=stored)

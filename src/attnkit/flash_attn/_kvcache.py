@@ -406,6 +406,12 @@ def _descales(
     """The descale factors, each a float32 ``(B, Hkv)`` tensor or None: given for float8
     inputs only (k and v of a float8 cache default to 1)."""
     batch, hkv = q.size(0), k_cache.size(2)
+    if torch.int8 in (k_cache.dtype, v_cache.dtype):
+        raise TypeError(
+            f"k_cache and v_cache must be float, or float8 with k_descale/v_descale (as in "
+            f"flash-attn 3), got {dtype_str(k_cache.dtype)} and {dtype_str(v_cache.dtype)}: an "
+            f"int8 cache with its scales is attnkit's KVCache or PagedKVCache(kv_dtype=torch.int8)"
+        )
     quantized = k_cache.dtype in FLOAT8
     if quantized != (v_cache.dtype in FLOAT8) or (quantized and k_cache.dtype != v_cache.dtype):
         raise TypeError(

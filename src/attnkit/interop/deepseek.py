@@ -24,6 +24,9 @@ then the rotated odds: exactly what attnkit's "rotate half" :class:`~attnkit.Rot
 gives for the input ``(x0, x2, x4, ..., x1, x3, ...)``. The loader permutes the rows of the
 projections that make the rotary parts, so the loaded module computes the same products with
 attnkit's rotary. Without ``rope_interleave`` the rows are copied as they are.
+``DeepseekV2Attention`` (by complex numbers, leaving the pairs in place: the products of the
+queries and keys are those of the same permutation) and ``DeepseekV32Attention`` always rotate
+interleaved pairs (their configs have no ``rope_interleave``), and are loaded so.
 
 **The frequencies.** A ``"default"`` rope is :class:`~attnkit.RotaryEmbedding` with
 ``rope_theta``. Other rope types (DeepSeek V3's YaRN) keep their frequencies and scaling in the
@@ -53,6 +56,10 @@ from ..modules.positional import RotaryEmbedding
 from . import _copy
 
 __all__ = ["FrequencyRotary", "latent_attention", "rotary_embedding"]
+
+#: transformers' latent attention classes that rotate DeepSeek's interleaved pairs whatever their
+#: config says (theirs has no ``rope_interleave``): V2's rotation by complex numbers, V3.2's.
+_ALWAYS_INTERLEAVED = ("DeepseekV2Attention", "DeepseekV32Attention")
 
 
 class FrequencyRotary(nn.Module):
@@ -139,18 +146,55 @@ def _permuted(w: Tensor, rope_at: int, dr: int, period: int) -> Tensor:
     return blocks.reshape(w.shape)
 
 
+def _interleaved(module: nn.Module, config: Any, who: str) -> bool:
+    """Whether ``module`` rotates interleaved pairs (else halves) of its rotary parts."""
+    name = type(module).__name__
+    if name in _ALWAYS_INTERLEAVED:
+        return True
+    given = getattr(config, "rope_interleave", None)
+    if given is None:
+        raise ValueError(
+            f"{who}: the config of {name} has no rope_interleave, so whether it rotates "
+            "DeepSeek's interleaved pairs (True) or halves (False) of the rotary part is "
+            "unknown; set config.rope_interleave"
+        )
+    return bool(given)
+
+
+def _check_indexer(module: nn.Module, ignore: bool, who: str) -> None:
+    """Refuse a module with a sparse-attention indexer (DeepSeek V3.2's) unless told to load
+    its latent attention alone: attending every key instead would be another model."""
+    indexer = getattr(module, "indexer", None)
+    if indexer is None or ignore:
+        return
+    topk = getattr(indexer, "index_topk", "?")
+    raise ValueError(
+        f"{who}: {type(module).__name__} attends only the keys its indexer selects "
+        f"(index_topk = {topk}), which MultiHeadLatentAttention does not compute; pass "
+        "ignore_indexer=True to load the latent attention alone, and give it the indexer's "
+        "selection as mask=attnkit.masks.key_indices(indices)"
+    )
+
+
 def latent_attention(
-    module: nn.Module, *, rotary: nn.Module | None = None
+    module: nn.Module, *, rotary: nn.Module | None = None, ignore_indexer: bool = False
 ) -> MultiHeadLatentAttention:
     """attnkit's copy of transformers' ``DeepseekV3Attention`` (see the module docstring), in
-    the dtype and on the device of its parameters.
+    the dtype and on the device of its parameters. ``DeepseekV2Attention`` loads the same way.
 
     ``rotary``: the rotary embedding, for a rope type other than ``"default"``
     (:func:`rotary_embedding`).
+
+    ``ignore_indexer``: load the latent attention of a module that also has a sparse-attention
+    indexer (DeepSeek V3.2's ``DeepseekV32Attention``) without it; the loaded module then
+    attends every key its mask allows, so give it the indexer's selection
+    (``mask=attnkit.masks.key_indices(indices) & attnkit.masks.causal()``). Without it such a
+    module is refused.
     """
     who = "deepseek.latent_attention()"
     if not isinstance(module, nn.Module):
         raise TypeError(f"{who} takes an nn.Module, got {type(module).__name__}")
+    _check_indexer(module, ignore_indexer, who)
     config = _setting(module, "config", who)
     h = _copy.integer(module, "num_heads", who)
     dn = int(_setting(config, "qk_nope_head_dim", who))
@@ -175,7 +219,7 @@ def latent_attention(
         device=w.device,
         dtype=w.dtype,
     )
-    interleaved = bool(getattr(config, "rope_interleave", False))
+    interleaved = _interleaved(module, config, who)
 
     def rope_rows(t: Tensor, rope_at: int, period: int) -> Tensor:
         return _permuted(t, rope_at, dr, period) if interleaved else t

@@ -1187,6 +1187,8 @@ def _tree(mask: Mask, tensors: list[Tensor]) -> list[object] | None:
         return ["key_padding", lengths, _index(padding.valid, tensors), padding.side]
     if kind is _Dense:
         return ["dense", _index(mask.tensor, tensors)]
+    if kind is KeyIndices:
+        return ["indices", _index(mask.indices, tensors), mask.block]  # type: ignore[attr-defined]
     if kind is _Combined:
         parts = [_tree(p, tensors) for p in mask.parts]
         return None if any(p is None for p in parts) else [mask.op, *parts]
@@ -1221,6 +1223,8 @@ def _from_tree(tree: object, tensors: Sequence[Tensor]) -> Mask | None:
         return _KeyPadding(lengths, valid, args[2])
     if kind == "dense":
         return _Dense(tensors[args[0]])
+    if kind == "indices":
+        return KeyIndices(tensors[args[0]], int(args[1]))
     if kind in ("and", "or"):
         parts = tuple(_from_tree(p, tensors) for p in args)
         return _Combined(kind, parts)  # type: ignore[arg-type]
@@ -1260,3 +1264,11 @@ for _cls in (_Band, _Causal, _Window, _Documents, _TracedDocuments, _KeyPadding,
 
 # Index masks subclass Mask: imported once it exists.
 from ._indices import KeyIndices, block_indices, first_entries, key_indices  # noqa: E402
+
+pytree.register_pytree_node(
+    KeyIndices,
+    _flatten,
+    _unflatten,
+    serialized_type_name="attnkit.masks.KeyIndices",
+    flatten_with_keys_fn=_flatten_with_keys,  # type: ignore[arg-type]
+)

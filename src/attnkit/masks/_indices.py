@@ -83,10 +83,23 @@ class KeyIndices(Mask):
                 f"{name}: {self.describe()} selects keys for {q_len} queries but the call has "
                 f"Tq = {geo.q_len}"
             )
-        # The values are data: not read while torch.compile traces, nor on meta.
-        if torch.compiler.is_compiling() or idx.device.type == "meta" or not idx.numel():
-            return
         slots = -(-geo.kv_len // self.block)
+        # The values are data: while torch.compile traces, attnkit's operator checks them when
+        # it runs, and on the CPU the graph checks them for the backends that run in it (on an
+        # accelerator that would be a device-side assertion, which ends the process's use of
+        # the device: there they are not checked in the graph). Nothing reads them on meta.
+        if torch.compiler.is_compiling():
+            if idx.device.type == "cpu" and idx.numel():
+                fits = ((idx >= -1) & (idx < slots)).all()
+                what = "key_indices" if self.block == 1 else "block_indices"
+                torch._assert_async(
+                    fits,
+                    f"{name}: each entry of {what} must be -1 (none) or a key of the call's"
+                    f" Tk keys" + ("" if self.block == 1 else f" in blocks of {self.block}"),
+                )
+            return
+        if idx.device.type == "meta" or not idx.numel():
+            return
         lo, hi = (int(x) for x in torch.aminmax(idx))
         if lo < -1 or hi >= slots:
             what = "key" if self.block == 1 else f"block of {self.block} keys"
@@ -101,18 +114,20 @@ class KeyIndices(Mask):
         in order, a repeated key as often as given (:func:`first_entries` says which entry
         counts). Made once per tensor version and call size: the forward and the backward, and
         the tiles of a plan, share it."""
-        version = getattr(self.indices, "_version", -1)
+        version = _version(self.indices)
         kept = self._kept.get((kv_len, device))
-        if kept is not None and kept[0] == version:
+        if version is not None and kept is not None and kept[0] == version:
             return kept[1]
         keys = self.indices.to(device=device, dtype=torch.long)
         if self.block > 1:
-            offsets = torch.arange(self.block, device=device)
+            # A block's keys from Tk on do not exist: a block wider than the call is read as Tk
+            # keys, not written out whole.
+            offsets = torch.arange(min(self.block, kv_len), device=device)
             wide = keys.unsqueeze(-1) * self.block + offsets  # (..., k, block)
             keys = torch.where((keys.unsqueeze(-1) >= 0) & (wide < kv_len), wide, -1).flatten(-2)
         # In order, a gather reads the keys as they lie, and a repeat sits beside its first.
         keys = keys.sort(-1).values
-        if version != -1:
+        if version is not None:
             self._kept = {(kv_len, device): (version, keys)}
         return keys
 
@@ -144,6 +159,18 @@ class KeyIndices(Mask):
         flat = torch.where(inside, qb * nk + (keys - k0) // bk, nq * nk)
         counts = torch.bincount(flat.flatten(), minlength=nq * nk + 1)[: nq * nk]
         return torch.where(counts > 0, PARTIAL, EMPTY).to(torch.uint8).view(nq, nk)
+
+
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter, or None where the selected keys cannot be kept by it: a tensor
+    made under ``torch.inference_mode`` has no counter, and while torch.compile traces the
+    counter is symbolic (comparing it would guard on data)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def first_entries(keys: Tensor) -> Tensor:

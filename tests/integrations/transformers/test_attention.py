@@ -570,6 +570,23 @@ def test_indexer_selection_is_applied() -> None:
         AttentionInterface()["attnkit"](layer, q, k, v, allowed, block_indices=indices)
 
 
+def test_deepseek_v32_compiles_with_fullgraph() -> None:
+    """DeepSeek V3.2 asks for transformers' bool tensor (its indexer slices it) and hands over
+    ``indices``: their AND, and the index mask made from the indices (data while torch traces),
+    trace with ``fullgraph=True``; the compiled logits equal sdpa's."""
+    from .helpers import sweep
+
+    config = sweep().tiny_config("deepseek_v32")
+    config.index_topk, config.num_hidden_layers, config.mlp_layer_types = 4, 1, ["dense"]
+    torch.manual_seed(0)
+    m = transformers.DeepseekV32ForCausalLM(config).eval()
+    ids = torch.randint(3, V, (2, 16), generator=torch.Generator().manual_seed(3))
+    want = run(m, "sdpa", input_ids=ids).logits
+    with use(m, "attnkit"), torch.no_grad():
+        compiled = torch.compile(lambda ids: m(input_ids=ids).logits, fullgraph=True)
+        torch.testing.assert_close(compiled(ids), want, atol=1e-5, rtol=1e-5)
+
+
 def test_deepseek_v32_reads_its_indexer_selection_by_position() -> None:
     """DeepSeek V3.2 (a tiny one from its config): the indexer's top-4 keys of 32 reach attnkit as
     ``indices`` and run as ``masks.key_indices``, each query's keys gathered; logits equal sdpa's

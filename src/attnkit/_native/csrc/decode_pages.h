@@ -28,9 +28,9 @@ struct Pages {
     if (table == nullptr) return x.at(n, hk, 0, j);
     return x.at(table[n * table_ld + j / page], hk, 0, j % page);
   }
-  float scale_at(int64_t n, int64_t hk, int64_t j) const {
-    if (table == nullptr) return scale[n * ss[0] + hk * ss[1] + j * ss[2]];
-    return scale[table[n * table_ld + j / page] * ss[0] + hk * ss[1] + (j % page) * ss[2]];
+  const float* scale_at(int64_t n, int64_t hk, int64_t j) const {
+    if (table == nullptr) return scale + n * ss[0] + hk * ss[1] + j * ss[2];
+    return scale + table[n * table_ld + j / page] * ss[0] + hk * ss[1] + (j % page) * ss[2];
   }
   // One past the last key of j's page (a row's last key + 1 without a table: e).
   int64_t page_end(int64_t j, int64_t e) const {
@@ -105,7 +105,13 @@ void rows_of_keys(const Pages<T>& x, int64_t n, int64_t hk, int64_t j0, int64_t 
 // The scales of keys [j0, j1) of (n, hk): out[j - j0].
 template <typename T>
 void scales_of(const Pages<T>& x, int64_t n, int64_t hk, int64_t j0, int64_t j1, float* out) {
-  for (int64_t j = j0; j < j1; ++j) out[j - j0] = x.scale_at(n, hk, j);
+  // A page at a time, as rows_of_keys: one lookup in the block table a page, not a key.
+  for (int64_t j = j0; j < j1;) {
+    const int64_t e = x.page_end(j, j1), step = x.ss[2];
+    const float* p = x.scale_at(n, hk, j);
+    for (int64_t i = j; i < e; ++i) out[i - j0] = p[(i - j) * step];
+    j = e;
+  }
 }
 
 // s's columns (rows of nk, ld apart) times their keys' scales: the product of a query with a

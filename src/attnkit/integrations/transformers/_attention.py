@@ -229,7 +229,9 @@ def _with_selection(
     if not isinstance(indices, Tensor):
         return mask
     selected = _selected_keys(module, indices, query.size(0), query.size(-2), keys)
-    return selected if mask is None else selected & mask
+    # The method, not `&`: torch.compile takes `mask & tensor` for a tensor operation, which it
+    # cannot trace (fullgraph fails), and inlines the method call.
+    return selected if mask is None else selected.__and__(mask)
 
 
 def _with_sinks(
