@@ -483,6 +483,26 @@ def test_gathered_forward_in_stretches_equals_its_definition(
     assert_close(lse[finite], want_lse[finite].float(), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gathered_forward_of_one_query_splits_its_heads_among_threads(threads: int) -> None:
+    # A decode step: one query, one selection head for 8 query heads of 8 key/value heads. With
+    # more threads than blocks, the heads are cut into parts, one an item: same numbers.
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 1, 64, generator=g)
+    k, v = (torch.randn(1, 8, 300, 64, generator=g) for _ in range(2))
+    keys = torch.randint(-1, 300, (1, 1, 1, 48), generator=g).sort(-1).values
+    kwargs = {"scale": 0.125, "softcap": 0.0, "band": []}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = torch.ops.attnkit.gathered_forward(q, k, v, keys, None, span=0, **kwargs)
+    finally:
+        torch.set_num_threads(before)
+    want, want_lse = _gathered_reference(q, k, v, keys, None, **kwargs)  # type: ignore[arg-type]
+    assert_close(out, want.float(), dtype=torch.float32)
+    assert_close(lse, want_lse.float(), dtype=torch.float32)
+
+
 def test_gathered_operators_refuse_what_they_cannot_read() -> None:
     (q, k, v, keys, ok), kwargs = _gathered_call(torch.float32)
     with pytest.raises(RuntimeError, match="q in float32"):

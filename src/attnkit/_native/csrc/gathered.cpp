@@ -246,8 +246,9 @@ struct Source {
         sj(t.stride(2)) {}
 };
 
-// The forward's block: queries t0:t0+nq of one selection head s of batch row b, and all NH = H /
-// Hs query heads that read that selection (the gathered heads of s, each with its G query heads).
+// The forward's block: queries t0:t0+nq of one selection head s of batch row b, and the NH query
+// heads that read that selection (all H / Hs of them, the gathered heads of s with their G query
+// heads each, or one part of them: see head_parts).
 // Each query's visible keys are worked out once for all of them, and each selected key's rows
 // (one a head) are read together. Per (query, head) the scaled query row and an online softmax:
 // the output accumulator, a score near the largest so far (see kSlack) and the sums of the
@@ -257,8 +258,8 @@ struct Forward {
   Selected sel;
   std::vector<float> qs, acc, top, total;
   std::vector<int64_t> koff, voff;  // each head's key/value head, as an offset in a key's rows
-  Forward(const Gather& g, int64_t nq)
-      : NH(g.H / g.Hs),
+  Forward(const Gather& g, int64_t nq, int64_t heads)
+      : NH(heads),
         sel(nq, g.W),
         qs(nq * NH * g.Dk),
         acc(nq * NH * g.Dv),
@@ -370,15 +371,16 @@ void forward_piece(const Gather& g, Forward& f, const X* kb, int64_t kj, const X
 // of the stretch in pieces of kLanes.
 template <int VK, int VV, typename X>
 void forward_block(const Gather& g, const float* q, const Source<X>& k, const Source<X>& v,
-                   float* out, float* lse, int64_t b, int64_t s, int64_t t0, int64_t nq,
-                   int64_t span, Forward& f) {
+                   float* out, float* lse, int64_t b, int64_t s, int64_t part, int64_t t0,
+                   int64_t nq, int64_t span, Forward& f) {
   const int64_t NH = f.NH, W = g.W, Dk = g.Dk, Dv = g.Dv;
+  const int64_t h0 = s * (g.H / g.Hs) + part * NH;  // the block's first query head in row b
   for (int64_t r = 0; r < NH; ++r) {
-    const int64_t kv = (s * NH + r) / (g.H / g.Hkv);
+    const int64_t kv = (h0 + r) / (g.H / g.Hkv);
     f.koff[r] = kv * k.sh;
     f.voff[r] = kv * v.sh;
   }
-  const int64_t head0 = b * g.H + s * NH;  // the block's first query head, of all B * H
+  const int64_t head0 = b * g.H + h0;  // the block's first query head, of all B * H
   for (int64_t i = 0; i < nq; ++i) {
     f.sel.count[i] = g.visible_of(b, s, t0 + i, f.sel.idx.data() + i * W);
     for (int64_t r = 0; r < NH; ++r) {
@@ -491,6 +493,19 @@ int64_t forward_queries(const Gather& g) {
   return nq;
 }
 
+// How many parts a block's query heads (H / Hs) are cut into: 1, unless the call has fewer
+// blocks than threads (a decode step: one query a row), where each part of the heads is an item
+// of its own, so that every thread has one (the rows of a key are then read once a part).
+int64_t head_parts(const Gather& g, int64_t blocks) {
+  const int64_t NH = g.H / g.Hs, threads = at::get_num_threads();
+  if (blocks >= threads) return 1;
+  int64_t parts = 1;
+  for (int64_t p = 2; p <= NH; ++p) {
+    if (NH % p == 0 && blocks * parts < threads) parts = p;
+  }
+  return parts;
+}
+
 // k or v (B, Hkv, Tk, D) with each key's rows of every head side by side (strides of a (B, Tk,
 // Hkv, D) tensor): a block reads a selected key's rows for all its heads at once, so they come
 // as one run of memory rather than Hkv rows far apart (fewer pages, and the cache's own
@@ -512,12 +527,13 @@ void run_forward(const Gather& g, const Held& t, at::Tensor& out, at::Tensor& ls
   float* o = out.data_ptr<float>();
   float* l = lse.data_ptr<float>();
   std::atomic<int64_t> next{0};
-  const int64_t items = g.B * g.Hs * blocks;
+  const int64_t parts = head_parts(g, g.B * g.Hs * blocks);
+  const int64_t items = g.B * g.Hs * parts * blocks;
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
-    Forward f(g, nq);
+    Forward f(g, nq, g.H / g.Hs / parts);
     for (int64_t item = claim(next); item < items; item = claim(next)) {
-      const int64_t bs = item / blocks, t0 = item % blocks * nq;
-      forward_block<VK, VV, X>(g, q, k, v, o, l, bs / g.Hs, bs % g.Hs, t0,
+      const int64_t bsp = item / blocks, t0 = item % blocks * nq, bs = bsp / parts;
+      forward_block<VK, VV, X>(g, q, k, v, o, l, bs / g.Hs, bs % g.Hs, bsp % parts, t0,
                                std::min(nq, g.Tq - t0), span, f);
     }
   });
