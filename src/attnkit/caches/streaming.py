@@ -350,9 +350,11 @@ class StreamingKVCache:
 
         A step reads the held tokens in the ring's order, which a softmax alone does not mind;
         a call's own ``mask`` or ``bias`` (``call["bias"]``) is a function of the keys' order,
-        so with either a step reads them in time order, as a chunk does (sinks, then the
-        window), and both apply there, bottom-right aligned."""
-        got = self._stage(k, v, in_place=mask is None and call.get("bias") is None)
+        and its weights (``call["need_weights"]``) are read in it, so with any of them a step
+        reads the tokens in time order, as a chunk does (sinks, then the window), and the mask
+        and bias apply there, bottom-right aligned."""
+        ordered = mask is not None or call.get("bias") is not None or bool(call.get("need_weights"))
+        got = self._stage(k, v, in_place=not ordered)
         if got is None:
             if self.kv_dtype is not None:
                 return self.view(), None, mask  # type: ignore[return-value]
