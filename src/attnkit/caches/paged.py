@@ -769,4 +769,5 @@ class PagedKVCache(nn.Module):
             f"head_dim={kp.size(3)}, v_head_dim={self.v_pages.size(-1)}, max_seqs="
             f"{self.max_seqs}, layout={self.layout!r}, lengths={self.lengths}"
             + ("" if self.kv_dtype is None else f", kv_dtype={self.kv_dtype}")
+            + (", values_in_keys=True" if self.values_in_keys else "")
         )
