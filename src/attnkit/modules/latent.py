@@ -489,7 +489,7 @@ class MultiHeadLatentAttention(nn.Module):
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
         causal: bool = False,
-        cache: _Cache | None = None,
+        cache: LatentCache | KVCache | PagedKVCache | None = None,
         form: _Form = "auto",
     ) -> Float[Tensor, "B Tq D"]:
         self._check(x, cache)
@@ -514,7 +514,7 @@ class MultiHeadLatentAttention(nn.Module):
         *,
         mask: Tensor | Mask | None = None,
         causal: bool = False,
-        cache: _Cache | None = None,
+        cache: LatentCache | KVCache | PagedKVCache | None = None,
         form: _Form = "auto",
     ) -> Explanation:
         """Which backend ``self(x, ...)`` would run its attention call on, and why:
