@@ -323,10 +323,6 @@ def test_to_keeps_a_latent_caches_values_a_view() -> None:
 def test_what_a_latent_cache_refuses() -> None:
     with pytest.raises(ValueError, match=r"v_head_dim \(8\) must be at most head_dim \(6\)"):
         KVCache(2, 12, 1, 6, 8, values_in_keys=True)
-    with pytest.raises(
-        ValueError, match=r"values_in_keys=True takes no kv_dtype \(got torch.int8\)"
-    ):
-        KVCache(2, 12, 1, 6, 4, values_in_keys=True, kv_dtype=torch.int8)
     with pytest.raises(TypeError, match="values_in_keys must be a bool"):
         KVCache(2, 12, 1, 6, 4, values_in_keys=1)  # type: ignore[arg-type]
 
@@ -356,3 +352,32 @@ def test_the_native_kernel_reads_a_latent_cache_in_place() -> None:
     keys = cache.k_cache[:, :, :31].double()
     want = attnkit.attention(q.double(), keys, keys[..., :32], causal=True, backend="reference")
     assert_close(out, want)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_quantized_latent_cache_reads_its_values_with_the_keys_scales(
+    kv_dtype: torch.dtype,
+) -> None:
+    """Keys stored once, quantized: the values are the keys' first columns read with the keys'
+    own scales (one scale tensor), so V dequantized is K dequantized's first Dv columns, through
+    writes, keep() and the attention call."""
+    cache = KVCache(2, 40, 1, 40, 32, values_in_keys=True, kv_dtype=kv_dtype)
+    assert cache.v_scale is cache.k_scale
+    assert cache.v_cache.data_ptr() == cache.k_cache.data_ptr()
+    g = torch.Generator().manual_seed(0)
+    cache.update(torch.randn(2, 1, 30, 40, generator=g), None)
+    keys, values = cache.update(torch.randn(2, 1, 1, 40, generator=g) * 0.5, None)
+    assert torch.equal(values, keys[..., :32])  # dequantized copies, one the other's columns
+    q = torch.randn(2, 8, 1, 40, generator=g)
+    want = attnkit.attention(
+        q.double(), keys.double(), keys[..., :32].double(), backend="reference"
+    )
+    assert_close(attnkit.attention(q, cache.view(), backend="chunked"), want)
+    index = torch.tensor([[[3, 0, 7]], [[1, 2, 30]]])
+    before = keys.gather(2, index.sort(-1).values[..., None].expand(2, 1, 3, 40))
+    cache.keep(index)
+    keys, values = cache.view().dense()
+    assert torch.equal(keys, before)
+    assert torch.equal(values, before[..., :32])
+    cache.to("meta")  # (each tensor moved on its own)
+    assert cache.v_scale is cache.k_scale

@@ -803,3 +803,48 @@ def test_the_native_kernel_reads_a_latent_pool_in_place(layout: str) -> None:
             q[b : b + 1].double(), keys.double(), keys[..., :32].double(), backend="reference"
         )
         assert_close(out[b : b + 1], want)
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, *FLOAT8])
+def test_a_quantized_latent_pool_reads_its_values_with_the_keys_scales(
+    layout: str, kv_dtype: torch.dtype
+) -> None:
+    """Pages stored once, quantized: the values are the keys' first columns read with the keys'
+    own scales (one buffer), through stage(), write(), keep(), a conversion and the native
+    kernel's in-place read."""
+    c = PagedKVCache(
+        16,
+        5,
+        1,
+        40,
+        32,
+        max_seqs=2,
+        layout=layout,
+        kv_dtype=kv_dtype,
+        values_in_keys=True,  # type: ignore[arg-type]
+    )
+    assert c.v_scales is c.k_scales
+    g = torch.Generator().manual_seed(0)
+    c.schedule([12, 7])
+    c.stage(torch.randn(2, 1, 12, 40, generator=g), None)
+    c.commit()
+    q = torch.randn(2, 8, 1, 40, generator=g)
+    with torch.no_grad():
+        out, _ = c.attention(q, torch.randn(2, 1, 1, 40, generator=g) * 3, None, causal=True)
+    c.commit()
+    for b in range(2):
+        keys, values = c.view().row(b, F64)
+        assert torch.equal(values, keys[..., :32])
+        want = attnkit.attention(q[b : b + 1].double(), keys, keys[..., :32], backend="reference")
+        assert_close(out[b : b + 1], want)
+    slot = c.pages_of(1)[-1] * 5 + c.lengths[1] % 5
+    c.write(torch.randn(1, 1, 40, generator=g), None, torch.tensor([slot]))
+    keys, _ = c.view().row(0, F64)
+    c.keep(0, torch.tensor([[12, 1, 2]]))  # (tokens moved onto the places of others kept)
+    kept, values = c.view().row(0, F64)
+    assert torch.equal(kept, keys[:, :, [1, 2, 12]])
+    assert torch.equal(values, kept[..., :32])
+    c.to("meta")  # (a move of device: each buffer moved on its own)
+    assert c.v_scales is c.k_scales
+    assert c.v_pages.data_ptr() == c.k_pages.data_ptr()

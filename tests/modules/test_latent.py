@@ -357,3 +357,28 @@ def test_a_refused_call_leaves_a_latent_paged_cache_as_it_was() -> None:
     assert cache.lengths == [3, 3]
     assert torch.equal(cache.k_pages, pages)
     assert torch.equal(cache.block_table, table)
+
+
+@pytest.mark.parametrize("kind", ["kv", "paged"])
+@pytest.mark.parametrize(
+    ("kv_dtype", "within"),
+    [(torch.int8, 0.03), (torch.float8_e4m3fn, 0.1), (torch.float8_e5m2, 0.2)],
+)
+def test_decoding_over_a_quantized_latent_cache_is_the_expanded_form_within_its_rounding(
+    kind: str, kv_dtype: torch.dtype, within: float
+) -> None:
+    """Latents stored quantized, the values read with the keys' scales: the decoded tokens are
+    the expanded form's within the format's rounding (relative error of the whole output; the
+    caches' own tests check the reads exactly)."""
+    m, x = make(dtype=torch.float32), randn(2, 20, D, dtype=torch.float32)
+    with torch.no_grad():
+        whole = m(x, causal=True)
+        cache: Any = (
+            m.make_kv_cache(batch_size=2, max_len=20, kv_dtype=kv_dtype)
+            if kind == "kv"
+            else m.make_paged_cache(num_blocks=20, page_size=3, max_seqs=2, kv_dtype=kv_dtype)
+        )
+        steps = [m(x[:, :5], causal=True, cache=cache)]
+        steps += [m(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 20)]
+    got = torch.cat(steps, 1)
+    assert float((got - whole).norm() / whole.norm()) < within

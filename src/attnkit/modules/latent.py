@@ -572,12 +572,15 @@ class MultiHeadLatentAttention(nn.Module):
             device=w.device,
         )
 
-    def make_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def make_kv_cache(
+        self, batch_size: int, max_len: int, *, kv_dtype: torch.dtype | None = None
+    ) -> KVCache:
         """An empty :class:`~attnkit.KVCache` holding this module's latents: one key/value head
         of ``R + Dr`` numbers a token, whose values are their first ``R`` (``values_in_keys=True``,
         stored once), in the parameters' dtype and on their device, for ``batch_size`` sequences
-        of up to ``max_len`` tokens. A decode step reads it where it lies, each latent row once
-        for every head."""
+        of up to ``max_len`` tokens; ``kv_dtype`` (``torch.int8``, ``torch.float8_e4m3fn``,
+        ``torch.float8_e5m2``) stores them quantized, the values read with the keys' scales. A
+        decode step reads it where it lies, each latent row once for every head."""
         w = self.kv_b_proj.weight
         r = self.kv_lora_rank
         return KVCache(
@@ -588,6 +591,7 @@ class MultiHeadLatentAttention(nn.Module):
             r,
             dtype=w.dtype,
             device=w.device,
+            kv_dtype=kv_dtype,
             values_in_keys=True,
         )
 
@@ -599,12 +603,14 @@ class MultiHeadLatentAttention(nn.Module):
         max_seqs: int,
         max_pages_per_seq: int | None = None,
         layout: Layout = "flash",
+        kv_dtype: torch.dtype | None = None,
     ) -> PagedKVCache:
         """An empty :class:`~attnkit.PagedKVCache` holding this module's latents: a pool of
         ``num_blocks`` pages of ``page_size`` tokens of one key/value head of ``R + Dr`` numbers,
         whose values are their first ``R`` (``values_in_keys=True``, stored once), in the
         parameters' dtype and on their device, for ``max_seqs`` sequences (the batch rows of
-        every call). Each row's rotary parts follow its own position in the cache."""
+        every call); ``kv_dtype`` stores them quantized, as :meth:`make_kv_cache` says. Each
+        row's rotary parts follow its own position in the cache."""
         w = self.kv_b_proj.weight
         r = self.kv_lora_rank
         return PagedKVCache(
@@ -618,6 +624,7 @@ class MultiHeadLatentAttention(nn.Module):
             layout=layout,
             dtype=w.dtype,
             device=w.device,
+            kv_dtype=kv_dtype,
             values_in_keys=True,
         )
 
