@@ -576,3 +576,54 @@ def test_exported_key_indices_run_the_gathered_kernel(gathered_runs: dict[str, i
         want = attnkit.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
         assert_close(got, want, dtype=torch.float32)
     assert gathered_runs["_native_forward"] == 2
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_opcheck_attention_operator_on_the_gathered_kernel(
+    sinks: bool, gathered_runs: dict[str, int]
+) -> None:
+    # q token-major, as a module's projection gives it: the gradients the gathered kernel gives
+    # are laid out as the fake kernel says (as their inputs are).
+    from attnkit._kernel.operator import attention_op
+
+    g = torch.Generator().manual_seed(33)
+    q = torch.randn(2, 40, 4, 8, generator=g).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, 2, 40, 8, generator=g).requires_grad_() for _ in range(2))
+    idx = torch.randint(-1, 40, (2, 1, 40, 6), generator=g)
+    kwargs = dict(
+        numbers=[],
+        mask='["and",["indices",0,1],["causal","bottom_right"]]',
+        term="null",
+        scale=0.3,
+        softcap=3.0,
+        dropout_p=0.0,
+        block_q=-1,
+        block_k=-1,
+        fused_rows=768,
+        native=True,
+        register_tiles=True,
+        skewed_position=True,
+    )
+    extra = torch.randn(4, generator=g).requires_grad_() if sinks else None
+    args = (q, k, v, None, extra, [idx], [], None)
+    torch.library.opcheck(attention_op, args, kwargs)
+    out, _ = attention_op(*args, **kwargs)
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert dq.stride() == q.stride()  # as the fake kernel says
+    assert gathered_runs["_native_forward"] > 0, gathered_runs
+    assert gathered_runs["_native_backward"] > 0, gathered_runs
+
+
+def test_compiled_bfloat16_index_masks_equal_the_reference(gathered_runs: dict[str, int]) -> None:
+    q, k, v = _qkv(t=TI, dtype=torch.bfloat16)
+    mask = masks.key_indices(_selection(2)) & masks.causal()
+    compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=mask), fullgraph=True)
+    got = compiled(q, k, v)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = attnkit.attention(*ref, mask=mask, backend="reference")
+    assert_close(got, want, dtype=torch.bfloat16)
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(34), dtype=torch.float64)
+    grads = torch.autograd.grad(got, (q, k, v), cot.bfloat16())
+    for a, b in zip(grads, torch.autograd.grad(want, ref, cot), strict=True):
+        assert_close(a, b, dtype=torch.bfloat16)
+    assert gathered_runs["_native_forward"] == gathered_runs["_native_backward"] == 1

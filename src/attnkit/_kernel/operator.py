@@ -327,7 +327,21 @@ def _gathered_grads(
         call, qkv, (out4, lse3), (bias, sinks, tuple(term_tensors)), given, wants
     )
     found = (dq, dk, dv, dbias, dsinks, *dterm)
-    return tuple(g if need else None for g, need in zip(found, needs, strict=True))
+    inputs = (*qkv, bias, sinks, *term_tensors)
+    return tuple(
+        _laid_like(g, x) if need and g is not None and x is not None else None
+        for g, x, need in zip(found, inputs, needs, strict=True)
+    )
+
+
+def _laid_like(grad: Tensor, x: Tensor) -> Tensor:
+    """``grad`` laid out as its input ``x`` (a token-major q's gradient token-major too), as the
+    fake kernel (``torch.empty_like``) says: a compiled graph reads it with those strides."""
+    if grad.stride() == x.stride():
+        return grad
+    laid = torch.empty_like(x)
+    laid.copy_(grad)
+    return laid
 
 
 @attention_backward_op.register_fake
