@@ -182,6 +182,22 @@ def test_a_query_with_no_visible_key_has_entropy_zero_and_gives_nothing(stats_pa
     assert_close(stats.key_mass.sum(-1), torch.full((1, 2), 3.0, dtype=torch.float64))
 
 
+def test_a_nan_query_reaches_only_the_keys_it_sees(stats_pass: str) -> None:
+    # The non-finite policy: a NaN query's row is NaN where it attends, and a masked pair
+    # influences no output, so a key that query cannot see keeps a finite mass and maximum.
+    q, k = _randn(1, 2, 6, 4, seed=3), _randn(1, 2, 6, 4, seed=4)
+    q[0, 0, 2, 1] = float("nan")  # query 2 of head 0 sees keys 0..2 (causal)
+    stats = attention_stats(q, k, causal=True)
+    want = attention_stats(q, k, causal=True, backend="reference")
+    for name in ("key_mass", "key_max", "entropy"):
+        got, exact = getattr(stats, name), getattr(want, name)
+        assert torch.equal(got.isnan(), exact.isnan()), name
+        torch.testing.assert_close(got.nan_to_num(7.0), exact.nan_to_num(7.0))
+    assert stats.key_mass[0, 0, :3].isnan().all()
+    assert stats.key_mass[0, 0, 3:].isfinite().all()
+    assert stats.key_mass[0, 1].isfinite().all()
+
+
 def test_entropy_of_uniform_weights_is_log_of_the_keys_seen() -> None:
     # all keys equal: query i (causal, Tq = Tk) spreads its weight evenly over i + 1 keys
     q, k = _randn(1, 1, 8, 4, seed=1), torch.ones(1, 1, 8, 4, dtype=torch.float64)

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -228,13 +229,24 @@ def _one_pass(
     )
 
 
-# Run eagerly inside a compiled function (a graph break there): the pass reads whether q and k
-# are finite (one host read) to choose its kernel, which no traced graph can answer.
-_eager_pass: Callable[..., tuple[Tensor, Tensor, Tensor]] = torch.compiler.disable(
-    _one_pass,
-    reason="attention_stats reads whether q and k are finite to choose its kernel: it runs "
-    "eagerly, between compiled graphs",
+_REASON = (
+    "attention_stats reads whether q and k are finite to choose its kernel: it runs eagerly, "
+    "between compiled graphs"
 )
+_disabled_pass: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
+
+
+def _eager_pass(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_one_pass`, run eagerly inside a compiled function (a graph break there): the pass
+    reads whether q and k are finite (one host read) to choose its kernel, which no traced graph
+    can answer. The disabled wrapper is made on the first compiled call, since making it imports
+    torch's compiler, which ``import attnkit`` does not."""
+    global _disabled_pass
+    if not torch.compiler.is_compiling():
+        return _one_pass(*args)
+    if _disabled_pass is None:
+        _disabled_pass = torch.compiler.disable(_one_pass, reason=_REASON)
+    return _disabled_pass(*args)
 
 
 def _dense(bias: object) -> Tensor | None:

@@ -195,3 +195,18 @@ def test_a_minus_inf_bias_hides_a_non_finite_value_as_a_mask_does() -> None:
     assert bool(out[:, :, :2].isfinite().all())
     assert bool(out[0, 1, 2, 0].isnan())  # inf * weight, then NaN: a visible non-finite value
     assert bool(out[0, 0].isfinite().all())  # another head's values are finite
+
+
+def test_a_nan_query_gives_weight_0_at_its_masked_pairs() -> None:
+    # A masked pair influences no output (the weights included): a NaN query's weights are NaN
+    # at the keys it sees, 0 at the others; the other rows are untouched.
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    q[0, 0, 1, 0] = float("nan")
+    _, w = attention(q, k, k, causal=True, return_weights=True, backend="reference")
+    assert w[0, 0, 1, :2].isnan().all()
+    assert torch.equal(w[0, 0, 1, 2:], torch.zeros(2, dtype=torch.float64))
+    clean = q.clone()
+    clean[0, 0, 1] = 0.0
+    _, want = attention(clean, k, k, causal=True, return_weights=True, backend="reference")
+    assert torch.equal(w[0, 0, [0, 2, 3]], want[0, 0, [0, 2, 3]])

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
+import attnkit
 from attnkit import KVCache, MultiHeadAttention, RotaryEmbedding, masks
 from attnkit.testing import assert_close
 
@@ -244,3 +245,139 @@ def test_a_cache_of_another_batch_size_names_both() -> None:
     assert "brings a batch of 2" in message
     assert "k and v" not in message
     assert cache.length == 0
+
+
+# -------------------------------------------------------------------------------------------------
+# A latent cache: values stored once, as the keys' first Dv columns (values_in_keys=True)
+
+
+def latent_cache(**kw: object) -> KVCache:
+    return KVCache(2, 12, 1, 6, 4, dtype=torch.float64, values_in_keys=True, **kw)  # type: ignore[arg-type]
+
+
+def test_a_latent_caches_values_are_a_view_of_its_keys() -> None:
+    """One memory: V is k_cache[..., :Dv] (same pointer, same strides), so writing keys is
+    writing values, and attention over the cache reads V = the keys' first columns."""
+    cache = latent_cache()
+    assert cache.v_cache.data_ptr() == cache.k_cache.data_ptr()
+    assert cache.v_cache.stride() == cache.k_cache.stride()
+    assert cache.v_cache.shape == (2, 1, 12, 4)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 1, 5, 6, dtype=torch.float64, generator=g)
+    keys, values = cache.update(k, None)
+    assert values.data_ptr() == keys.data_ptr()
+    assert values.stride() == keys.stride()
+    assert torch.equal(values, k[..., :4])
+    step = torch.randn(2, 1, 1, 6, dtype=torch.float64, generator=g)
+    keys, values = cache.update(step, step[..., :4].clone())  # values equal to the keys' columns
+    assert torch.equal(values[:, :, 5], step[:, :, 0, :4])
+    cache.k_cache[0, 0, 2, :4] = 7.0  # a key written is a value written
+    assert torch.equal(cache.v_cache[0, 0, 2], torch.full((4,), 7.0, dtype=torch.float64))
+    q = torch.randn(2, 3, 1, 6, dtype=torch.float64, generator=g)
+    whole = torch.cat((k, step), 2)
+    whole[0, 0, 2, :4] = 7.0
+    want = attnkit.attention(q, whole, whole[..., :4], backend="reference")
+    assert_close(attnkit.attention(q, cache.view()), want)
+    assert "values_in_keys=True" in repr(cache)
+
+
+def test_a_refused_write_into_a_latent_cache_changes_nothing() -> None:
+    cache = latent_cache()
+    k = torch.randn(2, 1, 3, 6, dtype=torch.float64)
+    cache.update(k, None)
+    held = cache.k_cache.clone()
+    other = k[..., :4].clone()
+    other[1, 0, 2, 3] += 1.0
+    with pytest.raises(ValueError, match=r"v\[1, 0, 2, 3\] = .* where k\[1, 0, 2, 3\] = "):
+        cache.update(k, other)
+    with pytest.raises(ValueError, match=re.escape("(B, Hkv, T, Dv) = (2, 1, 3, 4)")):
+        cache.update(k, k)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(torch.randn(2, 1, 10, 6, dtype=torch.float64), None)
+    assert cache.length == 3
+    assert torch.equal(cache.k_cache, held)
+
+
+def test_keep_on_a_latent_cache_keeps_its_values_the_keys_first_columns() -> None:
+    """The tokens kept move once: values that are a view of the keys move with them."""
+    cache = latent_cache()
+    k = torch.arange(2 * 7 * 6, dtype=torch.float64).view(2, 1, 7, 6)
+    cache.update(k, None)
+    index = torch.tensor([[[6, 1, 3]], [[0, 2, 5]]])
+    cache.keep(index)
+    kept = k.gather(2, index.sort(-1).values[..., None].expand(2, 1, 3, 6))
+    assert torch.equal(cache.k_cache[:, :, :3], kept)
+    assert torch.equal(cache.v_cache[:, :, :3], kept[..., :4])
+    assert cache.v_cache.data_ptr() == cache.k_cache.data_ptr()
+
+
+def test_to_keeps_a_latent_caches_values_a_view() -> None:
+    cache = latent_cache()
+    cache.update(torch.randn(2, 1, 3, 6, dtype=torch.float64), None)
+    cache.to(dtype=torch.float32)
+    assert cache.v_cache.dtype == torch.float32
+    assert cache.v_cache.data_ptr() == cache.k_cache.data_ptr()
+    assert torch.equal(cache.v_cache, cache.k_cache[..., :4])
+
+
+def test_what_a_latent_cache_refuses() -> None:
+    with pytest.raises(ValueError, match=r"v_head_dim \(8\) must be at most head_dim \(6\)"):
+        KVCache(2, 12, 1, 6, 8, values_in_keys=True)
+    with pytest.raises(TypeError, match="values_in_keys must be a bool"):
+        KVCache(2, 12, 1, 6, 4, values_in_keys=1)  # type: ignore[arg-type]
+
+
+def test_the_native_kernel_reads_a_latent_cache_in_place() -> None:
+    """float32 on the CPU: the chunked backend's native kernel reads the keys and the values
+    where they lie, the values at the keys' own address (no copy of V)."""
+    from attnkit import _native
+    from attnkit._kernel import cache as kernel_cache
+
+    if not _native.load():
+        pytest.skip("the native kernel is not available")
+    cache = KVCache(2, 40, 1, 40, 32, values_in_keys=True)
+    g = torch.Generator().manual_seed(0)
+    cache.update(torch.randn(2, 1, 30, 40, generator=g), None)
+    q = torch.randn(2, 8, 1, 40, generator=g)
+    with torch.no_grad(), attnkit.record_dispatch() as calls:
+        view = cache.stage_call(q, torch.randn(2, 1, 1, 40, generator=g), None)
+        out = attnkit.attention(q, view, causal=True, backend="chunked")
+        said = str(attnkit.explain(q, view, causal=True, backend="chunked"))
+    (call,) = calls
+    assert call.kernel == kernel_cache.IN_PLACE
+    read = call.call.cache
+    assert read is not None
+    assert read.v.data_ptr() == read.k.data_ptr() == cache.k_cache.data_ptr()
+    assert "reads the cache in place: native kernel" in said
+    keys = cache.k_cache[:, :, :31].double()
+    want = attnkit.attention(q.double(), keys, keys[..., :32], causal=True, backend="reference")
+    assert_close(out, want)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_quantized_latent_cache_reads_its_values_with_the_keys_scales(
+    kv_dtype: torch.dtype,
+) -> None:
+    """Keys stored once, quantized: the values are the keys' first columns read with the keys'
+    own scales (one scale tensor), so V dequantized is K dequantized's first Dv columns, through
+    writes, keep() and the attention call."""
+    cache = KVCache(2, 40, 1, 40, 32, values_in_keys=True, kv_dtype=kv_dtype)
+    assert cache.v_scale is cache.k_scale
+    assert cache.v_cache.data_ptr() == cache.k_cache.data_ptr()
+    g = torch.Generator().manual_seed(0)
+    cache.update(torch.randn(2, 1, 30, 40, generator=g), None)
+    keys, values = cache.update(torch.randn(2, 1, 1, 40, generator=g) * 0.5, None)
+    assert torch.equal(values, keys[..., :32])  # dequantized copies, one the other's columns
+    q = torch.randn(2, 8, 1, 40, generator=g)
+    want = attnkit.attention(
+        q.double(), keys.double(), keys[..., :32].double(), backend="reference"
+    )
+    assert_close(attnkit.attention(q, cache.view(), backend="chunked"), want)
+    index = torch.tensor([[[3, 0, 7]], [[1, 2, 30]]])
+    before = keys.gather(2, index.sort(-1).values[..., None].expand(2, 1, 3, 40))
+    cache.keep(index)
+    keys, values = cache.view().dense()
+    assert torch.equal(keys, before)
+    assert torch.equal(values, before[..., :32])
+    cache.to("meta")  # (each tensor moved on its own)
+    assert cache.v_scale is cache.k_scale

@@ -672,3 +672,179 @@ def test_module_conversions_change_the_read_dtype_and_keep_a_quantized_pool(
         cache.to(torch.float8_e4m3fn)
     assert cache.dtype == F64
     assert cache.k_pages.dtype == (F64 if kv_dtype is None else kv_dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# A latent pool: values stored once, as the keys' first Dv columns (values_in_keys=True)
+
+
+def _latent_pool(layout: str, dtype: torch.dtype = F64) -> PagedKVCache:
+    return PagedKVCache(
+        12,
+        3,
+        1,
+        6,
+        4,
+        max_seqs=3,
+        layout=layout,
+        dtype=dtype,
+        values_in_keys=True,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_a_latent_pools_values_are_a_view_of_its_keys(layout: str) -> None:
+    """One memory in either layout: v_pages is k_pages[..., :Dv]. Rows of their own lengths,
+    written by stage() and by write(), attend V = their keys' first columns."""
+    c = _latent_pool(layout)
+    assert c.v_pages.data_ptr() == c.k_pages.data_ptr()
+    assert c.v_pages.stride() == c.k_pages.stride()
+    assert c.v_pages.shape == (*c.k_pages.shape[:3], 4)
+    g = torch.Generator().manual_seed(0)
+    rows = Rows(3, 1, 6, 4)
+    for new in ([5, 1, 7], [1, 1, 1], [2, 4, 1]):  # lengths that pages of 3 do not divide
+        c.schedule(new)
+        k = torch.randn(3, 1, 7, 6, dtype=F64, generator=g)
+        q = torch.randn(3, 4, 7, 6, dtype=F64, generator=g)
+        out, _ = c.attention(q, k, None, causal=True)
+        c.commit()
+        rows.add(k, k[..., :4], new)
+        for b, n in enumerate(new):
+            want = attnkit.attention(
+                q[b : b + 1, :, :n],
+                rows.k[b][None],
+                rows.k[b][None, ..., :4],
+                causal=True,
+                backend="reference",
+            )
+            assert_close(out[b : b + 1, :, :n], want)
+            assert_close(rows.v[b], rows.k[b][..., :4])
+    # vLLM's reshape_and_cache writes the keys, and so the values
+    slot = c.pages_of(1)[-1] * 3 + (c.lengths[1] - 1) % 3
+    key = torch.randn(1, 1, 6, dtype=F64, generator=g)
+    c.write(key, None, torch.tensor([slot]))
+    vp = c.token_major()[1]
+    assert torch.equal(vp[slot // 3, slot % 3], key[0, :, :4])
+    c.write(key * 2, key[..., :4] * 2, torch.tensor([slot]))  # values equal to the keys' columns
+    assert torch.equal(vp[slot // 3, slot % 3], 2 * key[0, :, :4])
+    assert "values_in_keys=True" in repr(c)
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_a_refused_write_into_a_latent_pool_changes_nothing(layout: str) -> None:
+    c = _latent_pool(layout)
+    k = torch.randn(3, 1, 4, 6, dtype=F64)
+    c.stage(k, None)
+    c.commit()
+    before = _snapshot(c)
+    other = k[..., :4].clone()
+    other[2, 0, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"v\[2, 0, 1, 0\] = nan where k\[2, 0, 1, 0\] = "):
+        c.stage(k, other)
+    with pytest.raises(ValueError, match=r"v\[2, 0, 0\] = nan"):
+        c.write(k[:, :, 1], other[:, :, 1], torch.tensor([20, 21, 22]))
+    with pytest.raises(ValueError, match="out of pages"):
+        c.stage(torch.randn(3, 1, 12, 6, dtype=F64), None)
+    assert _same(_snapshot(c), before)
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_keep_on_a_latent_pool_keeps_its_values_the_keys_first_columns(layout: str) -> None:
+    """The kept tokens move once: values that are a view of the keys move with them."""
+    c = _latent_pool(layout)
+    k = torch.arange(3 * 8 * 6, dtype=F64).view(3, 1, 8, 6)
+    c.stage(k, None)
+    c.commit()
+    c.keep(1, torch.tensor([[7, 2, 4, 0]]))
+    view = c.view()
+    keys, values = view.row(1)
+    want = k[1:2, :, [0, 2, 4, 7]]
+    assert torch.equal(keys, want)
+    assert torch.equal(values, want[..., :4])
+    assert c.v_pages.data_ptr() == c.k_pages.data_ptr()
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_a_latent_pool_converted_keeps_its_values_a_view(layout: str) -> None:
+    c = _latent_pool(layout)
+    c.stage(torch.randn(3, 1, 4, 6, dtype=F64), None)
+    c.commit()
+    c.float()
+    assert c.v_pages.dtype == torch.float32
+    assert c.v_pages.data_ptr() == c.k_pages.data_ptr()
+    assert torch.equal(c.v_pages, c.k_pages[..., :4])
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_the_native_kernel_reads_a_latent_pool_in_place(layout: str) -> None:
+    """float32 on the CPU: one attention call whose keys and values the native kernel reads from
+    the pages where they lie, the values at the keys' own address (no copy of V)."""
+    if not _native.load():
+        pytest.skip("the native kernel is not available")
+    c = PagedKVCache(16, 5, 1, 40, 32, max_seqs=2, layout=layout, values_in_keys=True)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(0)
+    c.schedule([12, 7])
+    c.stage(torch.randn(2, 1, 12, 40, generator=g), None)
+    c.commit()
+    q = torch.randn(2, 8, 1, 40, generator=g)
+    with torch.no_grad(), attnkit.record_dispatch() as calls:
+        out, _ = c.attention(q, torch.randn(2, 1, 1, 40, generator=g), None, causal=True)
+    (call,) = calls
+    assert call.kernel == kernel_cache.IN_PLACE
+    read = call.call.cache
+    assert read is not None
+    assert read.v.data_ptr() == read.k.data_ptr() == c.k_pages.data_ptr()
+    said = str(attnkit.explain(q, c.view(), causal=True))
+    assert "auto picks: chunked" in said
+    assert "reads the cache in place: native kernel" in said
+    for b in range(2):
+        keys, _ = c.view().row(b)
+        want = attnkit.attention(
+            q[b : b + 1].double(), keys.double(), keys[..., :32].double(), backend="reference"
+        )
+        assert_close(out[b : b + 1], want)
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, *FLOAT8])
+def test_a_quantized_latent_pool_reads_its_values_with_the_keys_scales(
+    layout: str, kv_dtype: torch.dtype
+) -> None:
+    """Pages stored once, quantized: the values are the keys' first columns read with the keys'
+    own scales (one buffer), through stage(), write(), keep(), a conversion and the native
+    kernel's in-place read."""
+    c = PagedKVCache(
+        16,
+        5,
+        1,
+        40,
+        32,
+        max_seqs=2,
+        layout=layout,
+        kv_dtype=kv_dtype,
+        values_in_keys=True,  # type: ignore[arg-type]
+    )
+    assert c.v_scales is c.k_scales
+    g = torch.Generator().manual_seed(0)
+    c.schedule([12, 7])
+    c.stage(torch.randn(2, 1, 12, 40, generator=g), None)
+    c.commit()
+    q = torch.randn(2, 8, 1, 40, generator=g)
+    with torch.no_grad():
+        out, _ = c.attention(q, torch.randn(2, 1, 1, 40, generator=g) * 3, None, causal=True)
+    c.commit()
+    for b in range(2):
+        keys, values = c.view().row(b, F64)
+        assert torch.equal(values, keys[..., :32])
+        want = attnkit.attention(q[b : b + 1].double(), keys, keys[..., :32], backend="reference")
+        assert_close(out[b : b + 1], want)
+    slot = c.pages_of(1)[-1] * 5 + c.lengths[1] % 5
+    c.write(torch.randn(1, 1, 40, generator=g), None, torch.tensor([slot]))
+    keys, _ = c.view().row(0, F64)
+    c.keep(0, torch.tensor([[12, 1, 2]]))  # (tokens moved onto the places of others kept)
+    kept, values = c.view().row(0, F64)
+    assert torch.equal(kept, keys[:, :, [1, 2, 12]])
+    assert torch.equal(values, kept[..., :32])
+    c.to("meta")  # (a move of device: each buffer moved on its own)
+    assert c.v_scales is c.k_scales
+    assert c.v_pages.data_ptr() == c.k_pages.data_ptr()

@@ -408,3 +408,40 @@ def test_to_keeps_a_quantized_storage_and_changes_the_dtype_read() -> None:
     assert "dtype=torch.float64, kv_dtype=torch.int8" in repr(int8)
     with pytest.raises(TypeError, match=r"cache's dtype \(float64\), got k float32"):
         int8.update(k[:, :, :1], k[:, :, :1])
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_a_step_with_a_mask_or_bias_of_its_own_reads_the_held_tokens_in_time_order(
+    kv_dtype: torch.dtype | None,
+) -> None:
+    # A step read the held tokens in the ring's order; a call's own mask or bias, which depend
+    # on the keys' order, then fell on the wrong tokens once the ring wrapped.
+    b, h, hkv, d, sinks, window, n = 1, 2, 1, 8, 1, 4, 12
+    q, k, v = randn(b, h, n, d), randn(b, hkv, n, d), randn(b, hkv, n, d)
+    for own in ("mask", "bias"):
+        cache = StreamingKVCache(b, hkv, d, sink_tokens=sinks, window=window, dtype=F64,
+                                 kv_dtype=kv_dtype)  # fmt: skip
+        stored_k, stored_v = [], []
+        for t in range(n):
+            new = (k[:, :, t : t + 1], v[:, :, t : t + 1])
+            held = [p for p in range(t + 1) if p < sinks or t - p < window]  # in time order
+            bias = torch.linspace(-1, 1, len(held), dtype=F64) if own == "bias" else None
+            own_mask = masks.sliding_window(1) if own == "mask" else None
+            keys, values, mask = cache.stage_call(q[:, :, t : t + 1], *new, mask=own_mask,
+                                                  bias=bias)  # fmt: skip
+            out = attnkit.attention(q[:, :, t : t + 1], keys, values, mask=mask, bias=bias)
+            cache.commit()
+            if kv_dtype is None:
+                stored_k.append(new[0])
+                stored_v.append(new[1])
+            else:  # the tokens as stored
+                stored_k.append(quantize_int8(new[0])[0].double() * quantize_int8(new[0])[1])
+                stored_v.append(quantize_int8(new[1])[0].double() * quantize_int8(new[1])[1])
+            kk = torch.cat([stored_k[p] for p in held], 2)
+            vv = torch.cat([stored_v[p] for p in held], 2)
+            if own == "mask":  # the query and the token before it, by position
+                near = torch.tensor([t - p <= 1 for p in held])
+                want = attnkit.attention(q[:, :, t : t + 1], kk, vv, mask=near, backend="reference")
+            else:
+                want = attnkit.attention(q[:, :, t : t + 1], kk, vv, bias=bias, backend="reference")
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)

@@ -374,3 +374,256 @@ def test_opcheck_attention_operator_with_values_of_another_size(dropout_p: float
     seed = torch.tensor(77) if dropout_p else None
     args = (q, k, v, None, None, [torch.tensor([12, 5])], [], seed)
     torch.library.opcheck(attention_op, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Index masks in a graph: the operator runs the gathered kernel (O(Tq * k)) where an eager call
+# would, forward and backward, by the same rules.
+
+TI, KI = 64, 8  # keys, and the keys each query selects (an eighth: gathered, not scanned)
+
+
+def _selection(hi: int, tq: int = TI, seed: int = 30) -> Tensor:
+    """``(2, hi, tq, KI)`` key positions, with -1 entries and a repeat in every row."""
+    idx = torch.randint(-1, TI, (2, hi, tq, KI), generator=torch.Generator().manual_seed(seed))
+    idx[..., 1] = idx[..., 0]
+    return idx
+
+
+GATHERED_CALLS: dict[str, Callable[[], dict[str, object]]] = {
+    "key_indices & causal, grouped heads": lambda: {
+        "mask": masks.key_indices(_selection(2)) & masks.causal()
+    },
+    "key_indices, softcap & sinks": lambda: {
+        "mask": masks.key_indices(_selection(1)),
+        "softcap": 4.0,
+        "sinks": torch.linspace(-1, 1, 4).requires_grad_(),
+    },
+    "block_indices & padding, lse": lambda: {
+        "mask": masks.block_indices(_selection(1)[..., :2] // 4, block=4)
+        & masks.key_padding(torch.tensor([64, 41])),
+        "return_lse": True,
+    },
+    "key_indices, dense bias (sparse products)": lambda: {
+        "mask": masks.key_indices(_selection(2)),
+        "bias": torch.randn(
+            4, TI, TI, generator=torch.Generator().manual_seed(31)
+        ).requires_grad_(),
+    },
+    "key_indices, distance bias (sparse products)": lambda: {
+        "mask": masks.key_indices(_selection(1)) & masks.causal(),
+        "bias": scores.DistanceBias(torch.randn(4, 2 * TI - 1).requires_grad_(), first=1 - TI),
+    },
+}
+
+
+@pytest.fixture
+def gathered_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How many times each pass of the gathered kernel ran (native, or torch's sparse products)."""
+    from attnkit._kernel import gathered
+
+    runs = dict.fromkeys(["_native_forward", "_native_backward", "_forward", "_backward"], 0)
+
+    def spy(name: str) -> Callable[..., object]:
+        inner = getattr(gathered, name)
+
+        def counted(*args: object, **kwargs: object) -> object:
+            runs[name] += 1
+            return inner(*args, **kwargs)
+
+        return counted
+
+    for name in runs:
+        monkeypatch.setattr(gathered, name, spy(name))
+    return runs
+
+
+def _wide(kw: dict[str, object]) -> dict[str, object]:
+    """The call's arguments in float64, each a leaf that needs gradients where it did."""
+    out: dict[str, object] = {}
+    for name, x in kw.items():
+        if isinstance(x, Tensor) and x.is_floating_point():
+            x = x.detach().double().requires_grad_(x.requires_grad)
+        elif isinstance(x, scores.DistanceBias):
+            x = scores.DistanceBias(x.table.detach().double().requires_grad_(), first=x.first)
+        out[name] = x
+    return out
+
+
+def _joined(q: Tensor, k: Tensor, v: Tensor, backend: str, kw: dict[str, object]) -> Tensor:
+    """The call's output, plus its log-sum-exp where it returns one."""
+    out = attnkit.attention(q, k, v, backend=backend, **kw)  # type: ignore[arg-type]
+    return out[0] + out[1].unsqueeze(-1) if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("name", list(GATHERED_CALLS))
+def test_compiled_index_masks_run_the_gathered_kernel_and_equal_the_reference(
+    name: str, gathered_runs: dict[str, int]
+) -> None:
+    kw = GATHERED_CALLS[name]()
+    q, k, v = _qkv(t=TI)
+
+    compiled = torch.compile(_joined, fullgraph=True)
+    with attnkit.record_dispatch() as calls:
+        got = compiled(q, k, v, "chunked", kw)
+    assert [c.kernel.split(":")[0] for c in calls if c.kernel] == ["gathered"], calls
+    wide = _wide(kw)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = _joined(*ref_leaves, "reference", wide)
+    assert_close(got, want, dtype=torch.float32)
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+    grads = torch.autograd.grad(got, [q, k, v, *_leaves(kw)], cot.float())
+    wants = torch.autograd.grad(want, [*ref_leaves, *_leaves(wide)], cot)
+    for a, b in zip(grads, wants, strict=True):
+        assert_close(a, b, dtype=torch.float32)
+    sparse = "sparse" in name
+    assert gathered_runs["_forward" if sparse else "_native_forward"] == 1, gathered_runs
+    assert gathered_runs["_backward" if sparse else "_native_backward"] == 1, gathered_runs
+
+
+REFUSED_CALLS: dict[str, Callable[[], dict[str, object]]] = {
+    "gathered": lambda: {"mask": masks.key_indices(_selection(2)) & masks.causal()},
+    "too many keys a query": lambda: {
+        "mask": masks.key_indices(torch.arange(TI // 2).expand(2, 2, TI, -1))
+    },
+    "ORed with a band": lambda: {"mask": masks.key_indices(_selection(2)) | masks.causal()},
+    "dropout": lambda: {"mask": masks.key_indices(_selection(2)), "dropout_p": 0.2},
+    "NaN in a key": lambda: {"mask": masks.key_indices(_selection(2))},
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_CALLS))
+def test_compiled_index_masks_take_the_kernel_an_eager_call_takes(name: str) -> None:
+    # The same rules inside the graph: the kernel recorded there is the eager call's, the
+    # gathered one where it serves, the scanning one (and why) where it does not.
+    q, k, v = (x.detach() for x in _qkv(t=TI))
+    if name == "NaN in a key":
+        k[0, 0, 3, 0] = torch.nan
+    kw = REFUSED_CALLS[name]()
+
+    def f(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attnkit.attention(q, k, v, backend="chunked", **kw)  # type: ignore[arg-type]
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with attnkit.record_dispatch() as calls:
+        compiled(q, k, v)
+        f(q, k, v)
+    assert len(calls) == 2
+    assert calls[0].kernel is not None
+    assert calls[0].kernel == calls[1].kernel
+    assert calls[0].kernel.startswith("gathered") == (name == "gathered"), calls[0].kernel
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_one_graph_serves_new_indices_on_the_gathered_kernel(
+    dynamic: bool, gathered_runs: dict[str, int]
+) -> None:
+    # The indices are an input of the graph: new values (and, with dynamic shapes, new lengths)
+    # run the same graph, each on the gathered kernel, forward and backward.
+    graphs = AotGraphs()
+
+    @torch.compile(backend=graphs, dynamic=dynamic, fullgraph=True)
+    def f(q: Tensor, k: Tensor, v: Tensor, idx: Tensor) -> Tensor:
+        return attnkit.attention(q, k, v, mask=masks.key_indices(idx) & masks.causal())
+
+    lengths = (TI, TI + 24) if dynamic else (TI, TI)
+    traced = []
+    for seed, t in enumerate(lengths):
+        q, k, v = _qkv(t=t)
+        idx = torch.randint(-1, t, (2, 2, t, KI), generator=torch.Generator().manual_seed(seed))
+        got = f(q, k, v, idx)
+        ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        want = attnkit.attention(
+            *ref, mask=masks.key_indices(idx) & masks.causal(), backend="reference"
+        )
+        assert_close(got, want, dtype=torch.float32)
+        for a, b in zip(
+            torch.autograd.grad(got.sum(), (q, k, v)),
+            torch.autograd.grad(want.sum(), ref),
+            strict=True,
+        ):
+            assert_close(a, b, dtype=torch.float32)
+        traced.append(len(graphs.graphs))
+    assert traced[0] == traced[1]
+    assert graphs.targets().count("attnkit.attention") == 1
+    assert gathered_runs["_native_forward"] == gathered_runs["_native_backward"] == 2
+
+
+def test_exported_key_indices_run_the_gathered_kernel(gathered_runs: dict[str, int]) -> None:
+    class Sparse(torch.nn.Module):
+        def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: masks.Mask) -> Tensor:
+            return attnkit.attention(q, k, v, mask=mask)
+
+    q, k, v = (x.detach() for x in _qkv(t=TI))
+    mask = masks.key_indices(_selection(2)) & masks.causal()
+    t = torch.export.Dim("T", min=16, max=512)
+    dims = {"q": {2: t}, "k": {2: t}, "v": {2: t}, "mask": [{2: t}]}
+    program = torch.export.export(Sparse(), (q, k, v, mask), dynamic_shapes=dims)
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert "attnkit.attention.default" in targets
+    run = program.module()
+    for length in (TI, 100):
+        q, k, v = (x.detach() for x in _qkv(t=length))
+        idx = torch.randint(
+            -1, length, (2, 2, length, KI), generator=torch.Generator().manual_seed(length)
+        )
+        mask = masks.key_indices(idx) & masks.causal()
+        with attnkit.record_dispatch() as calls:
+            got = run(q, k, v, mask)
+        (call,) = calls
+        assert call.kernel is not None
+        assert call.kernel.startswith("gathered"), call.kernel
+        want = attnkit.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+        assert_close(got, want, dtype=torch.float32)
+    assert gathered_runs["_native_forward"] == 2
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_opcheck_attention_operator_on_the_gathered_kernel(
+    sinks: bool, gathered_runs: dict[str, int]
+) -> None:
+    # q token-major, as a module's projection gives it: the gradients the gathered kernel gives
+    # are laid out as the fake kernel says (as their inputs are).
+    from attnkit._kernel.operator import attention_op
+
+    g = torch.Generator().manual_seed(33)
+    q = torch.randn(2, 40, 4, 8, generator=g).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, 2, 40, 8, generator=g).requires_grad_() for _ in range(2))
+    idx = torch.randint(-1, 40, (2, 1, 40, 6), generator=g)
+    kwargs = dict(
+        numbers=[],
+        mask='["and",["indices",0,1],["causal","bottom_right"]]',
+        term="null",
+        scale=0.3,
+        softcap=3.0,
+        dropout_p=0.0,
+        block_q=-1,
+        block_k=-1,
+        fused_rows=768,
+        native=True,
+        register_tiles=True,
+        skewed_position=True,
+    )
+    extra = torch.randn(4, generator=g).requires_grad_() if sinks else None
+    args = (q, k, v, None, extra, [idx], [], None)
+    torch.library.opcheck(attention_op, args, kwargs)
+    out, _ = attention_op(*args, **kwargs)
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert dq.stride() == q.stride()  # as the fake kernel says
+    assert gathered_runs["_native_forward"] > 0, gathered_runs
+    assert gathered_runs["_native_backward"] > 0, gathered_runs
+
+
+def test_compiled_bfloat16_index_masks_equal_the_reference(gathered_runs: dict[str, int]) -> None:
+    q, k, v = _qkv(t=TI, dtype=torch.bfloat16)
+    mask = masks.key_indices(_selection(2)) & masks.causal()
+    compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=mask), fullgraph=True)
+    got = compiled(q, k, v)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = attnkit.attention(*ref, mask=mask, backend="reference")
+    assert_close(got, want, dtype=torch.bfloat16)
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(34), dtype=torch.float64)
+    grads = torch.autograd.grad(got, (q, k, v), cot.bfloat16())
+    for a, b in zip(grads, torch.autograd.grad(want, ref, cot), strict=True):
+        assert_close(a, b, dtype=torch.bfloat16)
+    assert gathered_runs["_native_forward"] == gathered_runs["_native_backward"] == 1

@@ -4,6 +4,7 @@ the formula, in float64; the latent cache; the native kernel's decode path on th
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -218,8 +219,19 @@ def test_errors_quote_the_values() -> None:
         m.explain(randn(2, 1, D), form="x")
     with pytest.raises(ValueError, match=r"kv_lora_rank=24 \+ qk_rope_head_dim=6 wide"):
         m(randn(2, 1, D), cache=LatentCache(2, 4, 16, 6, dtype=F64))
-    with pytest.raises(TypeError, match="cache must be a LatentCache or None, got KVCache"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "as num_kv_heads=1, head_dim = kv_lora_rank + qk_rope_head_dim = 24 + 6, v_head_dim = "
+            "kv_lora_rank = 24 and values_in_keys=True (make_kv_cache(), make_paged_cache()), got "
+            "num_kv_heads=1, head_dim=30, v_head_dim=30, values_in_keys=False"
+        ),
+    ):
         m.explain(randn(2, 1, D), cache=attnkit.KVCache(2, 4, 1, 30, dtype=F64))
+    with pytest.raises(ValueError, match="got num_kv_heads=1, head_dim=30, v_head_dim=20, values"):
+        m(randn(2, 1, D), cache=attnkit.PagedKVCache(4, 2, 1, 30, 20, max_seqs=2, dtype=F64))
+    with pytest.raises(TypeError, match="a PagedKVCache holding the latents, or None, got str"):
+        m.explain(randn(2, 1, D), cache="cache")  # type: ignore[arg-type]
     with torch.no_grad():
         m(randn(2, 2, D), cache=cache)
         with pytest.raises(ValueError, match=r"3 new tokens after the 2 cached"):
@@ -245,3 +257,128 @@ def test_cache_helpers() -> None:
     cache.reset()
     assert cache.length == 0
     assert "kv_lora_rank=3, rope_dim=2" in repr(cache)
+
+
+# -------------------------------------------------------------------------------------------------
+# The latents in a KVCache or a PagedKVCache: one head whose values are its keys' first R columns
+
+
+@pytest.mark.parametrize("prompt_form", ["expanded", "absorbed"])
+def test_decoding_over_a_latent_kv_cache_is_the_expanded_form_and_the_formula(
+    prompt_form: str,
+) -> None:
+    m, x = make(), randn(2, 24, D)
+    with torch.no_grad():
+        whole = m(x, causal=True, form="expanded")
+        want = formula(m, x, padding_and_causal([24, 24], 24))
+        cache = m.make_kv_cache(batch_size=2, max_len=24)
+        steps = [m(x[:, :5], causal=True, cache=cache, form=prompt_form)]
+        for t in range(5, 24):
+            steps.append(m(x[:, t : t + 1], causal=True, cache=cache))  # auto: absorbed
+    assert (cache.length, cache.values_in_keys) == (24, True)
+    got = torch.cat(steps, 1)
+    torch.testing.assert_close(got, whole, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+@pytest.mark.parametrize("prompt_form", ["expanded", "absorbed"])
+def test_decoding_over_a_latent_paged_cache_is_the_expanded_form_and_the_formula(
+    layout: str, prompt_form: str
+) -> None:
+    """Rows of their own lengths over pages of 3 tokens (which divide none of them): each row's
+    prompt, then steps of 1 and 3 tokens, each output the expanded form's and the formula's at
+    the row's own positions (its rotary parts rotated there)."""
+    m, x = make(), randn(3, 24, D)
+    with torch.no_grad():
+        whole = m(x, causal=True, form="expanded")
+        want = formula(m, x, padding_and_causal([24] * 3, 24))
+        cache = m.make_paged_cache(num_blocks=30, page_size=3, max_seqs=3, layout=layout)  # type: ignore[arg-type]
+        lengths = [5, 2, 7]
+        cache.schedule(lengths)
+        out = m(x[:, :7], causal=True, cache=cache, form=prompt_form)
+        got = [[out[b, :n]] for b, n in enumerate(lengths)]
+        for n in [1] * 6 + [3] + [1] * 8:
+            step = torch.stack([x[b, t : t + n] for b, t in enumerate(lengths)])
+            out = m(step, causal=True, cache=cache)  # auto: absorbed
+            for b in range(3):
+                got[b].append(out[b])
+            lengths = [t + n for t in lengths]
+    assert cache.lengths == lengths == [22, 19, 24]
+    for b, n in enumerate(lengths):
+        row = torch.cat(got[b])
+        torch.testing.assert_close(row, whole[b, :n], atol=1e-12, rtol=0)
+        torch.testing.assert_close(row, want[b, :n], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["kv", "flash", "vllm"])
+def test_the_absorbed_decode_reads_a_latent_cache_in_place(kind: str) -> None:
+    """float32 on the CPU: the decode step is one attention call on the cache's view, which the
+    native kernel reads where it lies, the values at the keys' own address (no copy of V)."""
+    from attnkit import _native
+    from attnkit._kernel import cache as kernel_cache
+
+    if not _native.load():
+        pytest.skip("the native kernel is not available")
+    # (auto reads a short contiguous cache with sdpa, as views of its rows)
+    m = make(dtype=torch.float32, backend="chunked" if kind == "kv" else "auto")
+    x = randn(2, 20, D, dtype=torch.float32)
+    cache: Any = (
+        m.make_kv_cache(batch_size=2, max_len=20)
+        if kind == "kv"
+        else m.make_paged_cache(num_blocks=20, page_size=4, max_seqs=2, layout=kind)
+    )
+    storage = cache.k_cache if kind == "kv" else cache.k_pages
+    with torch.no_grad():
+        m(x[:, :19], causal=True, cache=cache)
+        said = str(m.explain(x[:, 19:], causal=True, cache=cache))
+        with attnkit.record_dispatch() as calls:
+            step = m(x[:, 19:], causal=True, cache=cache)
+        whole = m(x, causal=True, form="expanded")
+    (call,) = calls
+    assert (call.chosen, call.kernel) == ("chunked", kernel_cache.IN_PLACE)
+    read = call.call.cache
+    assert read is not None
+    assert read.v.data_ptr() == read.k.data_ptr() == storage.data_ptr()
+    assert (call.call.groups, call.call.q_len) == (H, 1)
+    assert "chunked    chosen" in said
+    assert "reads the cache in place: native kernel" in said
+    torch.testing.assert_close(step, whole[:, 19:], atol=2e-5, rtol=2e-5)
+
+
+def test_a_refused_call_leaves_a_latent_paged_cache_as_it_was() -> None:
+    m, x = make(), randn(2, 3, D)
+    cache = m.make_paged_cache(num_blocks=8, page_size=2, max_seqs=2)
+    with torch.no_grad():
+        m(x, causal=True, cache=cache)
+        pages, table = cache.k_pages.clone(), cache.block_table.clone()
+        with pytest.raises(ValueError, match="a PagedKVCache call takes causal=True"):
+            m(x[:, :1], mask=masks.key_padding([4, 3]), cache=cache)
+    assert cache.lengths == [3, 3]
+    assert torch.equal(cache.k_pages, pages)
+    assert torch.equal(cache.block_table, table)
+
+
+@pytest.mark.parametrize("kind", ["kv", "paged"])
+@pytest.mark.parametrize(
+    ("kv_dtype", "within"),
+    [(torch.int8, 0.03), (torch.float8_e4m3fn, 0.1), (torch.float8_e5m2, 0.2)],
+)
+def test_decoding_over_a_quantized_latent_cache_is_the_expanded_form_within_its_rounding(
+    kind: str, kv_dtype: torch.dtype, within: float
+) -> None:
+    """Latents stored quantized, the values read with the keys' scales: the decoded tokens are
+    the expanded form's within the format's rounding (relative error of the whole output; the
+    caches' own tests check the reads exactly)."""
+    m, x = make(dtype=torch.float32), randn(2, 20, D, dtype=torch.float32)
+    with torch.no_grad():
+        whole = m(x, causal=True)
+        cache: Any = (
+            m.make_kv_cache(batch_size=2, max_len=20, kv_dtype=kv_dtype)
+            if kind == "kv"
+            else m.make_paged_cache(num_blocks=20, page_size=3, max_seqs=2, kv_dtype=kv_dtype)
+        )
+        steps = [m(x[:, :5], causal=True, cache=cache)]
+        steps += [m(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 20)]
+    got = torch.cat(steps, 1)
+    assert float((got - whole).norm() / whole.norm()) < within

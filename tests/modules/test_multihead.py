@@ -823,3 +823,42 @@ def test_make_cache_quantized_decodes_near_the_full_precision_cache(paged: bool)
     full, int8 = decode(None), decode(torch.int8)
     error = ((int8 - full).norm() / full.norm()).item()
     assert 1e-5 < error < 3e-2, error
+
+
+def test_a_bias_of_a_streaming_step_falls_on_the_held_tokens_in_time_order() -> None:
+    # The module hands its bias to the streaming cache, which then reads a step's held tokens in
+    # time order (in the ring's order the bias fell on the wrong tokens once the ring wrapped).
+    torch.manual_seed(0)
+    sinks, window, n = 1, 3, 9
+    m = attnkit.MultiHeadAttention(16, 2).double().eval()
+    cache = attnkit.StreamingKVCache(1, 2, 8, sink_tokens=sinks, window=window, dtype=torch.float64)
+    x = torch.randn(1, n, 16, dtype=torch.float64)
+    with torch.no_grad():
+        for t in range(n):
+            held = [p for p in range(t + 1) if p < sinks or t - p < window]
+            bias = torch.linspace(-2, 2, len(held), dtype=torch.float64)[None]  # (Tq, Tk)
+            got = m(x[:, t : t + 1], cache=cache, causal=True, bias=bias)
+            whole = torch.zeros(t + 1, t + 1, dtype=torch.float64)
+            whole[t, held] = bias[0]
+            visible = torch.zeros(t + 1, t + 1, dtype=torch.bool)
+            for i in range(t + 1):
+                visible[i, [p for p in range(i + 1) if p < sinks or i - p < window]] = True
+            want = m(x[:, : t + 1], mask=visible, bias=whole)[:, t:]
+            torch.testing.assert_close(got, want)
+
+
+def test_the_weights_of_a_streaming_step_are_the_held_tokens_in_time_order() -> None:
+    torch.manual_seed(0)
+    sinks, window, n = 1, 3, 9
+    m = attnkit.MultiHeadAttention(16, 2).double().eval()
+    cache = attnkit.StreamingKVCache(1, 2, 8, sink_tokens=sinks, window=window, dtype=torch.float64)
+    x = torch.randn(1, n, 16, dtype=torch.float64)
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        visible[i, [p for p in range(i + 1) if p < sinks or i - p < window]] = True
+    with torch.no_grad():
+        _, whole = m(x, mask=visible, need_weights=True)  # (1, n, n), averaged over heads
+        for t in range(n):
+            _, got = m(x[:, t : t + 1], cache=cache, causal=True, need_weights=True)
+            held = [p for p in range(t + 1) if p < sinks or t - p < window]
+            torch.testing.assert_close(got[0, 0], whole[0, t, held])

@@ -26,7 +26,14 @@ scores at once (no online softmax: a row's keys are all there), and the weighted
 values (a sparse-dense product, SpMM). Sinks join afterwards, as in the blocked kernel
 (:func:`~attnkit._kernel.sinks.finish`). The backward recomputes each chunk's scores from the
 saved log-sum-exp; the queries' gradients are SpMMs, the keys' and values' those of the
-transposed pairs. Time and memory are O(Tq * k); no ``(Tq, Tk)`` tensor exists.
+transposed pairs; softcap's, the bias's and the term's by their formulas (a score_mod's alone by
+autograd, which records nothing inside attnkit's operator). Time and memory are O(Tq * k); no
+``(Tq, Tk)`` tensor exists.
+
+Eager calls run the kernel through one autograd function (:func:`gathered_attention`); attnkit's
+operator in compiled and exported graphs (:mod:`attnkit._kernel.operator`) asks
+:func:`gathered_call` the same question when it runs and calls the two passes
+(:func:`gathered_forward`, :func:`gathered_backward`) itself.
 
 Each query reads its own keys, so a key is not reused across queries as in a dense product: the
 work is bound by the bytes read (``k * (Dk + Dv)`` values per query and key/value head), not by
@@ -63,8 +70,12 @@ from .sinks import finish, sink_grad
 __all__ = [
     "GATHER_SHARE",
     "Gathered",
+    "GatheredGrads",
     "NativeReading",
     "gathered_attention",
+    "gathered_backward",
+    "gathered_call",
+    "gathered_forward",
     "gathered_note",
     "native_refusal",
     "selection",
@@ -693,25 +704,19 @@ def _backward(
         grads.dtable = torch.zeros(
             call.term_table(call.term.table).shape, dtype=work, device=device
         )
-    modified = call.softcap is not None or call.score_mod is not None
     lse_safe = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
     for r0, r1 in call.spans():
         (b, c, t, keys, vis), pattern, kc, vc, raw = _chunk(call, ins, r0, r1, work)
         bias, term = call.added(b, c, t, keys)
         vis = _hidden_by(vis, (bias, term))
-        leaves = [x.requires_grad_() for x in (raw, bias, term) if x is not None]
-        with torch.enable_grad():
-            s = call.scores(raw, (bias, term), vis, b, c, t, keys)
-        p = (s.detach() - lse_safe[r0:r1]).exp_().masked_fill_(~vis, 0.0)
+        s, score_grads = _differentiable_scores(call, raw, (bias, term), vis, (b, c, t, keys))
+        p = (s - lse_safe[r0:r1]).exp_().masked_fill_(~vis, 0.0)
         dout_c = dout[r0:r1].reshape(-1, dout.size(-1))
         dp = pattern.sampled(dout_c, vc).view(p.shape)
         ds = p * (dp - delta[r0:r1].unsqueeze(-1))
-        if modified or bias is not None or term is not None:
-            got = torch.autograd.grad(s, [*leaves, *mod_inputs], ds, allow_unused=True)
-            draw = _or_zeros(got[0], raw)
-            _add_chunk_grads(call, grads, got, bias, term, (b, c, t, keys), len(mod_inputs))
-        else:
-            draw = ds
+        got = score_grads(ds, mod_inputs)
+        draw = _or_zeros(got[0], raw)
+        _add_chunk_grads(call, grads, got, bias, term, (b, c, t, keys), len(mod_inputs))
         draw = draw.mul_(call.scale).reshape(-1)
         qc = ins.q_rows[r0:r1].view(-1, kc.size(-1))
         grads.dq[r0:r1] += pattern.times(draw, kc).view(r1 - r0, call.g, -1)
@@ -719,6 +724,49 @@ def _backward(
         grads.dk[rows] += pattern.transposed_times(draw, qc)
         grads.dv[rows] += pattern.transposed_times(p.reshape(-1), dout_c)
     return grads
+
+
+#: The gradients of a chunk's scores by raw, the bias, the term (those the chunk has) and the
+#: score_mod's captured tensors, from the scores' own gradient and those captured tensors.
+_ScoreGrads = Callable[[Tensor, tuple[Tensor, ...]], tuple[Tensor | None, ...]]
+
+
+def _differentiable_scores(
+    call: Gathered,
+    raw: Tensor,
+    added: tuple[Tensor | None, Tensor | None],
+    vis: Tensor,
+    where: tuple[Tensor, Tensor, Tensor, Tensor],
+) -> tuple[Tensor, _ScoreGrads]:
+    """A chunk's scores ``(n, G', W)`` (see :meth:`Gathered.scores`, detached) and the map from
+    their gradient to those of what they are made of. A score_mod's gradients come from autograd;
+    softcap, the bias and the term's by their formulas, which also hold where autograd records
+    nothing (inside attnkit's operator, run below autograd in compiled graphs)."""
+    b, c, t, keys = where
+    bias, term = added
+    if call.score_mod is not None:
+        leaves = [x.requires_grad_() for x in (raw, bias, term) if x is not None]
+        with torch.enable_grad():
+            s = call.scores(raw, added, vis, b, c, t, keys)
+
+        def by_autograd(ds: Tensor, mod_inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+            return torch.autograd.grad(s, [*leaves, *mod_inputs], ds, allow_unused=True)
+
+        return s.detach(), by_autograd
+    capped = call.scores(raw, (None, None), vis, b, c, t, keys)  # softcap alone
+    form = None if call.softcap is None else softcap_form(call.softcap, raw.dtype)
+    # d(cap tanh(x / cap))/dx = 1 - tanh(x / cap)^2
+    slope = None if form is None else 1.0 - (capped / form.cap).square()
+    s = capped
+    for extra in added:
+        if extra is not None:
+            s = s + extra
+
+    def by_formula(ds: Tensor, mod_inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+        sums = [ds.sum_to_size(x.shape) for x in added if x is not None]
+        return (ds if slope is None else ds * slope, *sums)
+
+    return s, by_formula
 
 
 def _hidden_by(vis: Tensor, added: tuple[Tensor | None, ...]) -> Tensor:
@@ -788,6 +836,100 @@ def _bias_grad(d4: Tensor, bias: Tensor, batch: tuple[int, ...]) -> Tensor:
     return d.reshape(bias.shape).to(bias.dtype)
 
 
+def gathered_forward(
+    call: Gathered, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The forward of a :func:`gathered_call`: ``(out (B, H, Tq, Dv), lse (B, H, Tq))`` in the
+    work dtype (batch dims flattened), sinks folded in. Records no graph."""
+    geo = call.geo
+    work = torch.promote_types(q.dtype, torch.float32)
+    with no_autocast(q.device):
+        if call.native is not None:
+            out, lse = _native_forward(call, call.native, q, k, v)
+        else:
+            out_rows, lse_rows = _forward(call, _inputs(call, q, k, v, work), True, work)
+            out = _from_rows(call, out_rows)  # (B, H, Tq, Dv)
+            lse = _from_rows(call, lse_rows.unsqueeze(-1)).squeeze(-1)  # (B, H, Tq)
+        if sinks is not None:
+            hkv, groups = call.kv_heads, geo.heads // call.kv_heads
+            out5, lse4 = finish(  # (groups named: with Dv = 0 there is no -1 to infer)
+                out.view(geo.batch, hkv, groups, geo.q_len, out.size(-1)),
+                lse.view(geo.batch, hkv, groups, geo.q_len),
+                sinks.view(hkv, groups),
+            )
+            out, lse = out5.view(out.shape), lse4.view(lse.shape)
+    return out, lse
+
+
+#: The gradients :func:`gathered_backward` gives: q, k, v, the bias, the sinks, then the score
+#: term's inputs and the score_mod's captured tensors (None where not asked for).
+GatheredGrads = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, list[Tensor | None]]
+
+
+def gathered_backward(
+    call: Gathered,
+    qkv: tuple[Tensor, Tensor, Tensor],
+    saved: tuple[Tensor, Tensor],
+    added: tuple[Tensor | None, Tensor | None, tuple[Tensor, ...]],
+    grads_out: tuple[Tensor | None, Tensor | None],
+    wants: tuple[bool, bool, bool],
+) -> GatheredGrads:
+    """The backward of a :func:`gathered_call`, recomputed from its forward's ``saved`` ``(out
+    (B, H, Tq, Dv), lse (B, H, Tq))`` (sinks folded in; the work dtype): the gradients of q, k,
+    v and of ``added`` (the dense bias, the sinks, then ``extra``: the score term's inputs and the
+    score_mod's captured tensors) from ``grads_out`` (those of out and lse; None: not used).
+    ``wants``: whether the bias, the sinks and the score term's inputs need theirs."""
+    q, k, v = qkv
+    out, lse = saved
+    bias, sinks, extra = added
+    dout, dlse = grads_out
+    geo = call.geo
+    work = out.dtype
+    with no_autocast(q.device):
+        dout4 = torch.zeros_like(out) if dout is None else dout.reshape(out.shape).to(work)
+        delta = (dout4 * out).sum(-1)  # (B, H, Tq): rowsum(dO * O)
+        if dlse is not None:  # d lse / d s = the softmax: P * (dP - delta) gains P * dlse
+            delta = delta - dlse.reshape(delta.shape).to(work)
+        dsinks = None
+        if sinks is not None and wants[1]:
+            hkv = call.kv_heads
+            shape4 = (geo.batch, hkv, -1, geo.q_len)
+            p_sinks = sink_grad(lse.view(shape4), delta.view(shape4), sinks.view(hkv, -1))
+            dsinks = p_sinks.reshape(sinks.shape).to(sinks.dtype)
+        if call.native is not None:  # (no bias, score term or score_mod)
+            dq, dk, dv = _native_backward(call, call.native, (q, k, v), dout4, lse, delta)
+            return dq, dk, dv, None, dsinks, [None] * len(extra)
+        n_term = len(extra) - call.n_mod
+        grads = _backward(
+            call,
+            _inputs(call, q, k, v, work),
+            _to_rows(call, lse.unsqueeze(-1)).squeeze(-1),
+            _to_rows(call, delta.unsqueeze(-1)).squeeze(-1),
+            _to_rows(call, dout4),
+            (bias is not None and wants[0], n_term > 0 and wants[2], tuple(extra[n_term:])),
+            work,
+        )
+    dbias = None
+    if grads.dbias is not None and bias is not None:
+        dbias = _bias_grad(grads.dbias, bias, geo.batch_shape)
+    dterm = [
+        None if grads.dtable is None else grads.dtable.reshape(t.shape).to(t.dtype)
+        for t in extra[:n_term]
+    ]
+    dmod = [
+        None if d is None else d.to(t.dtype)
+        for d, t in zip(grads.dmod, extra[n_term:], strict=True)
+    ]
+    return (
+        _from_rows(call, grads.dq).reshape(q.shape).to(q.dtype),
+        grads.dk.reshape(k.shape).to(k.dtype),
+        grads.dv.reshape(v.shape).to(v.dtype),
+        dbias,
+        dsinks,
+        [*dterm, *dmod],
+    )
+
+
 class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -800,23 +942,7 @@ class _GatheredAttention(torch.autograd.Function):
         sinks: Tensor | None,
         *extra: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        geo = call.geo
-        work = torch.promote_types(q.dtype, torch.float32)
-        with no_autocast(q.device):
-            if call.native is not None:
-                out, lse = _native_forward(call, call.native, q, k, v)
-            else:
-                out_rows, lse_rows = _forward(call, _inputs(call, q, k, v, work), True, work)
-                out = _from_rows(call, out_rows)  # (B, H, Tq, Dv)
-                lse = _from_rows(call, lse_rows.unsqueeze(-1)).squeeze(-1)  # (B, H, Tq)
-            if sinks is not None:
-                hkv, groups = call.kv_heads, geo.heads // call.kv_heads
-                out5, lse4 = finish(  # (groups named: with Dv = 0 there is no -1 to infer)
-                    out.view(geo.batch, hkv, groups, geo.q_len, out.size(-1)),
-                    lse.view(geo.batch, hkv, groups, geo.q_len),
-                    sinks.view(hkv, groups),
-                )
-                out, lse = out5.view(out.shape), lse4.view(lse.shape)
+        out, lse = gathered_forward(call, q, k, v, sinks)
         ctx.save_for_backward(q, k, v, out, lse, bias, sinks, *extra)
         ctx.call = call
         ctx.set_materialize_grads(False)
@@ -826,57 +952,17 @@ class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-        call: Gathered = ctx.call
         q, k, v, out, lse, bias, sinks, *extra = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        geo = call.geo
-        work = out.dtype
-        with no_autocast(q.device):
-            dout4 = torch.zeros_like(out) if dout is None else dout.reshape(out.shape).to(work)
-            delta = (dout4 * out).sum(-1)  # (B, H, Tq): rowsum(dO * O)
-            if dlse is not None:  # d lse / d s = the softmax: P * (dP - delta) gains P * dlse
-                delta = delta - dlse.reshape(delta.shape).to(work)
-            dsinks = None
-            if sinks is not None and needs[5]:
-                hkv = call.kv_heads
-                shape4 = (geo.batch, hkv, -1, geo.q_len)
-                p_sinks = sink_grad(lse.view(shape4), delta.view(shape4), sinks.view(hkv, -1))
-                dsinks = p_sinks.reshape(sinks.shape).to(sinks.dtype)
-            if call.native is not None:  # (no bias, score term or score_mod)
-                dq, dk, dv = _native_backward(call, call.native, (q, k, v), dout4, lse, delta)
-                return (None, dq, dk, dv, None, dsinks, *(None,) * len(extra))
-            n_term = len(extra) - call.n_mod
-            wants = (bias is not None and needs[4], n_term > 0 and needs[6], tuple(extra[n_term:]))
-            grads = _backward(
-                call,
-                _inputs(call, q, k, v, work),
-                _to_rows(call, lse.unsqueeze(-1)).squeeze(-1),
-                _to_rows(call, delta.unsqueeze(-1)).squeeze(-1),
-                _to_rows(call, dout4),
-                wants,
-                work,
-            )
-        dbias = None
-        if grads.dbias is not None and bias is not None:
-            dbias = _bias_grad(grads.dbias, bias, geo.batch_shape)
-        dterm = [
-            None if grads.dtable is None else grads.dtable.reshape(t.shape).to(t.dtype)
-            for t in extra[:n_term]
-        ]
-        dmod = [
-            None if d is None else d.to(t.dtype)
-            for d, t in zip(grads.dmod, extra[n_term:], strict=True)
-        ]
-        return (
-            None,
-            _from_rows(call, grads.dq).reshape(q.shape).to(q.dtype),
-            grads.dk.reshape(k.shape).to(k.dtype),
-            grads.dv.reshape(v.shape).to(v.dtype),
-            dbias,
-            dsinks,
-            *dterm,
-            *dmod,
+        dq, dk, dv, dbias, dsinks, dextra = gathered_backward(
+            ctx.call,
+            (q, k, v),
+            (out, lse),
+            (bias, sinks, tuple(extra)),
+            (dout, dlse),
+            (bool(needs[4]), bool(needs[5]), len(needs) > 6 and bool(needs[6])),
         )
+        return (None, dq, dk, dv, dbias, dsinks, *dextra)
 
 
 def _native_inputs(call: Gathered, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
@@ -935,7 +1021,7 @@ def _native_backward(
 _apply: Callable[..., tuple[Tensor, Tensor]] = _GatheredAttention.apply
 
 
-def gathered_attention(
+def gathered_call(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -944,19 +1030,18 @@ def gathered_attention(
     bias: Tensor | ScoreTerm | None,
     scale: float,
     softcap: float | None,
-    sinks: Tensor | None,
     score_mod: ScoreMod | None,
-    captured: tuple[Tensor, ...],
+    n_captured: int,
     dropout_p: float,
-    return_lse: bool,
     is_finite: bool | None,
     native: bool = True,
-) -> Tensor | tuple[Tensor, Tensor] | None:
-    """A validated call (the chunked backend's) through the gathered kernel, differentiable; None
-    when the kernel does not serve it (see :func:`selection`; also a call with nothing to
-    compute, or whose q, k or v hold NaN or inf: the scanning kernel's careful mode takes those).
-    The native kernel gathers it where it can (:func:`native_refusal`; ``native``: whether the
-    backend may run it), else torch's sparse products."""
+) -> tuple[Gathered, str] | None:
+    """A validated call as the gathered kernel's :class:`Gathered`, with the words
+    ``record_dispatch()`` records for it; None when the kernel does not serve it (see
+    :func:`selection`; also a call with nothing to compute, or whose q, k or v hold NaN or inf:
+    the scanning kernel's careful mode takes those). The native kernel gathers it where it can
+    (:func:`native_refusal`; ``native``: whether the backend may run it), else torch's sparse
+    products. ``n_captured``: the tensors the ``score_mod`` captures that need gradients."""
     term = bias if isinstance(bias, ScoreTerm) else None
     found = selection(mask, term, dropout_p, k.size(-2))
     if not isinstance(found, Selection) or not found.width or not q.numel() or not k.numel():
@@ -977,16 +1062,45 @@ def gathered_attention(
         None if dense is None else _bias4(dense, batch, geo.batch),
         term if isinstance(term, DistanceBias) else None,
         score_mod,
-        len(captured),
+        n_captured,
     )
-    dense_bias = dense is not None
     why = native_refusal(
-        found, (q.dtype, k.dtype), _added_words(score_mod is not None, dense_bias, term),
+        found, (q.dtype, k.dtype), _added_words(score_mod is not None, dense is not None, term),
         q.device, native=native, build=True,
     )  # fmt: skip
     call.native = NativeReading.of(found, geo) if why is None else None
     words = _note(found, geo, k.size(-3), why)
-    note_kernel(words[1].partition("; the scanning")[0] if words is not None else "gathered")
-    extra = (*(term.inputs() if term is not None else ()), *captured)
+    return call, (words[1].partition("; the scanning")[0] if words is not None else "gathered")
+
+
+def gathered_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | None,
+    bias: Tensor | ScoreTerm | None,
+    scale: float,
+    softcap: float | None,
+    sinks: Tensor | None,
+    score_mod: ScoreMod | None,
+    captured: tuple[Tensor, ...],
+    dropout_p: float,
+    return_lse: bool,
+    is_finite: bool | None,
+    native: bool = True,
+) -> Tensor | tuple[Tensor, Tensor] | None:
+    """A validated call (the chunked backend's) through the gathered kernel, differentiable; None
+    when the kernel does not serve it (see :func:`gathered_call`)."""
+    served = gathered_call(
+        q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, score_mod=score_mod,
+        n_captured=len(captured), dropout_p=dropout_p, is_finite=is_finite, native=native,
+    )  # fmt: skip
+    if served is None:
+        return None
+    call, words = served
+    note_kernel(words)
+    dense = bias if isinstance(bias, Tensor) else None
+    extra = (*(call.term.inputs() if call.term is not None else ()), *captured)
     out, lse = _apply(call, q, k, v, dense, sinks, *extra)
     return (out, lse) if return_lse else out

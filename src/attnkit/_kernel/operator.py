@@ -10,6 +10,15 @@ eager call (:func:`attnkit._kernel.call.run_forward`, :func:`~attnkit._kernel.ca
 over the kernel's two phases in :mod:`attnkit._kernel.phases`). Its backward is a second
 operator, ``torch.ops.attnkit.attention_backward``, registered as its autograd formula.
 
+A call with an index mask (:func:`attnkit.masks.key_indices`, :func:`~attnkit.masks.block_indices`)
+runs where an eager call runs it, by the same rules
+(:func:`attnkit._kernel.gathered.gathered_call`): on the gathered kernel, which reads each
+query's selected keys (O(Tq * k) time and memory), or on the scanning kernel where that one
+serves it (too many keys a query, dropout, NaN or inf in q, k or v, ...). The choice reads the
+indices and the inputs, so it is made when the operator runs, not while tracing: a graph holds
+one node whichever kernel serves, and new indices run it without a new trace. The backward
+operator asks the same question of the same tensors, so it takes the forward's kernel.
+
 The mask and the score term travel as text plus tensors (:func:`attnkit.masks.encode`,
 :func:`attnkit.scores.encode_term`), so a graph's arguments say the whole call. Outputs are
 laid out as q is (token-major when q is a transposed ``(B, T, H, D)`` view), which the fake
@@ -30,9 +39,10 @@ from torch import Tensor
 
 from .._call import check_attention_args
 from .._record import Dispatch, note_kernel, recording
-from ..masks import Geometry, decode, encode
+from ..masks import Geometry, Mask, decode, encode
 from ..scores import ScoreTerm, decode_term, encode_term
 from .call import plan_call, run_backward, run_forward
+from .gathered import Gathered, gathered_backward, gathered_call, gathered_forward
 
 __all__ = ["attention_op", "traceable", "traced_attention"]
 
@@ -55,26 +65,53 @@ def _optional(x: int) -> int | None:
     return None if x < 0 else x
 
 
-def _planned(
+def _decoded(
     q: Tensor,
     k: Tensor,
-    v: Tensor,
-    bias: Tensor | None,
-    sinks: Tensor | None,
     mask_tensors: list[Tensor],
     term_tensors: list[Tensor],
-    seed: Tensor | None,
     numbers: list[int],
     settings: dict[str, Any],
-) -> tuple[Any, Tensor | None, tuple[Tensor, ...]]:
-    """The call's plan (see :func:`attnkit._kernel.call.plan_call`), its mask checked against
-    the call first: while tracing only its structure could be."""
+) -> tuple[Mask | None, ScoreTerm | None]:
+    """The call's mask and score term, the mask checked against the call: while tracing only its
+    structure could be."""
     mask = decode(settings["mask"], mask_tensors, numbers)
     term = decode_term(settings["term"], term_tensors, numbers)
     if mask is not None:
         geo = Geometry(tuple(q.shape[:-3]), q.size(-3), q.size(-2), k.size(-2), q.device)
         mask.check(geo, "mask")
-    added: Tensor | ScoreTerm | None = term if term is not None else bias
+    return mask, term
+
+
+def _gathered(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    added: Tensor | ScoreTerm | None,
+    mask: Mask | None,
+    settings: dict[str, Any],
+) -> tuple[Gathered, str] | None:
+    """The gathered kernel's call where it serves this one, by the rules of an eager call (see
+    :func:`attnkit._kernel.gathered.gathered_call`): an index mask runs in O(Tq * k) in a graph
+    too. The operator's forward and its backward ask alike, of the same tensors."""
+    return gathered_call(
+        q, k, v, mask=mask, bias=added, scale=settings["scale"], softcap=settings["softcap"],
+        score_mod=None, n_captured=0, dropout_p=settings["dropout_p"], is_finite=None,
+        native=settings["native"],
+    )  # fmt: skip
+
+
+def _planned(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    added: Tensor | ScoreTerm | None,
+    sinks: Tensor | None,
+    mask: Mask | None,
+    seed: Tensor | None,
+    settings: dict[str, Any],
+) -> tuple[Any, Tensor | None, tuple[Tensor, ...]]:
+    """The call's plan (see :func:`attnkit._kernel.call.plan_call`)."""
     return plan_call(
         q,
         k,
@@ -99,13 +136,15 @@ def _record(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    mask: Mask | None,
     added: Tensor | ScoreTerm | None,
     sinks: Tensor | None,
-    spec: Any,
+    kernel: str,
     settings: dict[str, Any],
 ) -> None:
     """Inside a compiled graph the dispatcher ran while tracing: a call that runs records itself
-    here, as the chunked backend's, with the kernel that serves it."""
+    here, as the chunked backend's, with the kernel that serves it (``kernel``, in the words an
+    eager call records)."""
     record = recording()
     if record is None:
         return
@@ -113,7 +152,7 @@ def _record(
         q,
         k,
         v,
-        mask=spec.mask,
+        mask=mask,
         bias=added,
         causal=False,
         scale=settings["scale"],
@@ -122,7 +161,7 @@ def _record(
         dropout_p=settings["dropout_p"],
     )
     record.append(Dispatch(call, "chunked"))
-    note_kernel(spec.kernel)
+    note_kernel(kernel)
 
 
 @torch.library.custom_op("attnkit::attention", mutates_args=())
@@ -168,11 +207,18 @@ def attention_op(
         register_tiles=register_tiles,
         skewed_position=skewed_position,
     )
-    spec, dense, term_inputs = _planned(
-        q, k, v, bias, sinks, mask_tensors, term_tensors, seed, numbers, settings
-    )
-    _record(q, k, v, dense if dense is not None else spec.term, sinks, spec, settings)
-    out, lse, _, _ = run_forward(spec, q, k, v, dense, sinks, term_inputs)
+    decoded, term_ = _decoded(q, k, mask_tensors, term_tensors, numbers, settings)
+    added = term_ if term_ is not None else bias
+    gathered = _gathered(q, k, v, added, decoded, settings)
+    if gathered is not None:
+        _record(q, k, v, decoded, added, sinks, gathered[1], settings)
+        out, lse = gathered_forward(gathered[0], q, k, v, sinks)
+        out, lse = out.to(q.dtype).reshape(*q.shape[:-1], v.size(-1)), lse.reshape(q.shape[:-1])
+    else:
+        spec, dense, term_inputs = _planned(q, k, v, added, sinks, decoded, seed, settings)
+        _record(q, k, v, spec.mask, dense if dense is not None else spec.term, sinks,
+                spec.kernel, settings)  # fmt: skip
+        out, lse, _, _ = run_forward(spec, q, k, v, dense, sinks, term_inputs)
     laid = _like_q(q, v.size(-1))
     if laid.stride() != out.stride():
         laid.copy_(out)
@@ -231,32 +277,71 @@ def attention_backward_op(
         register_tiles=register_tiles,
         skewed_position=skewed_position,
     )
-    spec, dense, term_inputs = _planned(
-        q, k, v, bias, sinks, mask_tensors, term_tensors, seed, numbers, settings
-    )
-    work = _work(q.dtype)
-    hkv = k.size(-3)
-    n, g = spec.geo.batch, q.size(-3) // hkv  # g spelled out: -1 is ambiguous for B = 0
-    out5 = out.to(work).reshape(n, hkv, g, q.size(-2), v.size(-1))
-    lse5 = lse.to(work).reshape(n, hkv, g, q.size(-2))
-    grads = run_backward(
-        spec,
-        q,
-        k,
-        v,
-        out5,
-        lse5,
-        dense,
-        sinks,
-        term_inputs,
+    decoded, term_ = _decoded(q, k, mask_tensors, term_tensors, numbers, settings)
+    added = term_ if term_ is not None else bias
+    given = (
         dout if dout.numel() or not out.numel() else None,
         dlse if dlse.numel() or not lse.numel() else None,
-        tuple(needs),
-        joint=False,
     )
+    gathered = _gathered(q, k, v, added, decoded, settings)
+    grads: tuple[Tensor | None, ...]
+    if gathered is not None:
+        grads = _gathered_grads(gathered[0], (q, k, v), (out, lse), bias, sinks, term_tensors,
+                                given, needs)  # fmt: skip
+    else:
+        spec, dense, term_inputs = _planned(q, k, v, added, sinks, decoded, seed, settings)
+        work = _work(q.dtype)
+        hkv = k.size(-3)
+        n, g = spec.geo.batch, q.size(-3) // hkv  # g spelled out: -1 is ambiguous for B = 0
+        out5 = out.to(work).reshape(n, hkv, g, q.size(-2), v.size(-1))
+        lse5 = lse.to(work).reshape(n, hkv, g, q.size(-2))
+        grads = run_backward(
+            spec, q, k, v, out5, lse5, dense, sinks, term_inputs, *given, tuple(needs), joint=False
+        )
     # An output not asked for is an empty tensor of its own (outputs may not alias each other).
     dq, dk, dv, dbias, dsinks, *dterm = (q.new_empty((0,)) if g is None else g for g in grads)
     return dq, dk, dv, dbias, dsinks, list(dterm)
+
+
+def _gathered_grads(
+    call: Gathered,
+    qkv: tuple[Tensor, Tensor, Tensor],
+    saved: tuple[Tensor, Tensor],
+    bias: Tensor | None,
+    sinks: Tensor | None,
+    term_tensors: list[Tensor],
+    given: tuple[Tensor | None, Tensor | None],
+    needs: list[bool],
+) -> tuple[Tensor | None, ...]:
+    """:func:`attention_backward_op`'s gradients on the gathered kernel, from the forward's
+    ``saved`` ``(out, lse)`` (laid out as q is; read in the work dtype, as the kernel saves
+    them), None where ``needs`` does not ask."""
+    q = qkv[0]
+    work = _work(q.dtype)
+    geo = call.geo
+    out, lse = saved
+    out4 = out.to(work).reshape(geo.batch, geo.heads, geo.q_len, out.size(-1))
+    lse3 = lse.to(work).reshape(geo.batch, geo.heads, geo.q_len)
+    wants = (bool(needs[3]), bool(needs[4]), any(needs[5:]))
+    dq, dk, dv, dbias, dsinks, dterm = gathered_backward(
+        call, qkv, (out4, lse3), (bias, sinks, tuple(term_tensors)), given, wants
+    )
+    found = (dq, dk, dv, dbias, dsinks, *dterm)
+    inputs = (*qkv, bias, sinks, *term_tensors)
+    return tuple(
+        _laid_like(g, x) if need and g is not None and x is not None else None
+        for g, x, need in zip(found, inputs, needs, strict=True)
+    )
+
+
+def _laid_like(grad: Tensor, x: Tensor) -> Tensor:
+    """``grad`` laid out as its input ``x`` (a token-major q's gradient token-major too), as the
+    fake kernel (``torch.empty_like``) says: a compiled graph reads it with those strides."""
+    if grad.stride() == x.stride():
+        return grad
+    laid = torch.empty_like(x)
+    laid.copy_(grad)
+    return laid
 
 
 @attention_backward_op.register_fake

@@ -120,7 +120,9 @@ def formula(
     w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     # (..., H, Tq), the sinks' share included; -inf (and no gradient) for a row with nothing.
     lse = torch.logsumexp(s.masked_fill(empty, 0.0), -1).masked_fill(empty[..., 0], float("-inf"))
-    w = w[..., :tk]  # (..., H, Tq, Tk): without the sink's share
+    # (..., H, Tq, Tk): without the sink's share, and 0 at every masked pair, also in a row that
+    # a NaN query made NaN (a masked pair influences no output, the weights included)
+    w = w[..., :tk].masked_fill(~visible, 0.0)
 
     p = F.dropout(w, dropout_p) if dropout_p else w
     bad = ~torch.isfinite(vg)  # a non-finite value reaches exactly the outputs that see its key

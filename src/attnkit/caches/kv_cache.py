@@ -28,21 +28,13 @@ from .view import CacheView
 __all__ = ["KVCache", "check_values_in_keys"]
 
 
-def check_values_in_keys(
-    values_in_keys: object, dk: int, dv: int, kv_dtype: torch.dtype | None
-) -> bool:
+def check_values_in_keys(values_in_keys: object, dk: int, dv: int) -> bool:
     """``values_in_keys`` of a cache of keys ``Dk = dk`` and values ``Dv = dv``: a bool, and
-    where it is True, values that fit in the keys (``Dv <= Dk``) stored in the cache's dtype."""
+    where it is True, values that fit in the keys (``Dv <= Dk``)."""
     if check_bool("values_in_keys", values_in_keys) and dv > dk:
         raise ValueError(
             f"values_in_keys=True reads the values as the keys' first v_head_dim columns: "
             f"v_head_dim ({dv}) must be at most head_dim ({dk})"
-        )
-    if values_in_keys and kv_dtype is not None:
-        raise ValueError(
-            f"values_in_keys=True takes no kv_dtype (got {kv_dtype}): a quantized cache keeps "
-            "its keys' and its values' scales apart, and these values are the keys' own "
-            "columns; store the cache in its dtype (kv_dtype=None)"
         )
     return bool(values_in_keys)
 
@@ -72,7 +64,9 @@ class KVCache:
             <attnkit.MultiHeadLatentAttention.make_kv_cache>`). Writes take the keys only
             (``v=None``), or values equal to the keys' first ``Dv`` columns (anything else is
             refused, since it could not be stored); an attention call reads the values where the
-            keys lie, each row once for every query head. Not with ``kv_dtype``.
+            keys lie, each row once for every query head. With ``kv_dtype`` the values are
+            read with the keys' scales (``v_scale`` is ``k_scale``): the keys' first ``Dv``
+            columns, dequantized.
 
     :meth:`MultiHeadAttention.make_cache() <attnkit.MultiHeadAttention.make_cache>` builds one with
     the module's sizes. :meth:`to` moves the keys and values. The cache is for inference:
@@ -121,7 +115,7 @@ class KVCache:
         self.kv_dtype = check_kv_dtype(kv_dtype)
         self.dtype = check_dtype(dtype)  # given and read in
         #: whether ``v_cache`` is the view ``k_cache[..., :Dv]`` (a latent cache)
-        self.values_in_keys = check_values_in_keys(values_in_keys, dk, dv, self.kv_dtype)
+        self.values_in_keys = check_values_in_keys(values_in_keys, dk, dv)
         stored = self.dtype if self.kv_dtype is None else self.kv_dtype
         self.k_cache = torch.zeros(b, h, self.max_len, dk, dtype=stored, device=device)
         self.v_cache = (
@@ -132,6 +126,8 @@ class KVCache:
         #: quantized keys' and values' float32 scales (None unless ``kv_dtype``)
         self.k_scale = None if self.kv_dtype is None else new_scales(self.k_cache)
         self.v_scale = None if self.kv_dtype is None else new_scales(self.v_cache)
+        if self.values_in_keys:  # values read from the keys' columns read with the keys' scales
+            self.v_scale = self.k_scale
         self.length = 0  # tokens held; a Python int, so decoding never reads a tensor back
         #: the next token's position: the tokens appended, those :meth:`keep` let go included
         #: (the offset a module rotates new tokens by)
@@ -208,21 +204,25 @@ class KVCache:
         """Checked new tokens into every row from position ``start`` on; quantized (all of it
         computed before anything is written) for a ``kv_dtype`` cache, their scales beside."""
         at = [start] * self.k_cache.size(0)
-        if self.values_in_keys:  # the values are written with the keys, never on their own
-            write(self.k_cache, None, k, None, at=at)
-            return
         if self.kv_dtype is None or self.k_scale is None or self.v_scale is None:
-            write(self.k_cache, self.v_cache, k, v, at=at)
+            # (the values written with the keys where they are a view of them, never on their own)
+            write(self.k_cache, None if self.values_in_keys else self.v_cache, k, v, at=at)
             return
         # float8: a scale per row and head, from the first tokens of an empty cache
         kq, ks = quantize(k, self.kv_dtype, None if start == 0 else self.k_scale)
-        vq, vs = quantize(v, self.kv_dtype, None if start == 0 else self.v_scale)
-        write(self.k_cache, self.v_cache, kq, vq, at=at)
-        if self.kv_dtype == torch.int8:
-            write(self.k_scale, self.v_scale, ks, vs, at=at)
+        if self.values_in_keys:  # values and their scales the keys' own
+            vq = vs = None
+            v_cache = v_scale = None
         else:
-            self.k_scale.copy_(ks)
-            self.v_scale.copy_(vs)
+            vq, vs = quantize(v, self.kv_dtype, None if start == 0 else self.v_scale)
+            v_cache, v_scale = self.v_cache, self.v_scale
+        write(self.k_cache, v_cache, kq, vq, at=at)
+        if self.kv_dtype == torch.int8:
+            write(self.k_scale, v_scale, ks, vs, at=at)
+            return
+        self.k_scale.copy_(ks)
+        if v_scale is not None and vs is not None:
+            v_scale.copy_(vs)
 
     def _scales(self) -> tuple[Tensor | None, Tensor | None]:
         """A quantized cache's scales as a view takes them, ``(B, Hkv, L, 1)`` (a float8
@@ -308,7 +308,8 @@ class KVCache:
         stored = (self.k_cache,) if self.values_in_keys else (self.k_cache, self.v_cache)
         moved = [t.view(torch.uint8) if t.dtype in FLOAT8 else t for t in stored]
         if self.kv_dtype == torch.int8 and self.k_scale is not None and self.v_scale is not None:
-            moved += [self.k_scale, self.v_scale]  # a scale a token moves with it
+            # a scale a token moves with it (once, where the values' are the keys')
+            moved += [self.k_scale] if self.values_in_keys else [self.k_scale, self.v_scale]
         compact_rows(moved, index)
         self.length = index.size(-1)
         self._staged = 0
@@ -335,6 +336,8 @@ class KVCache:
             self.v_cache = self.v_cache.to(device=device, dtype=stored)
         if self.k_scale is not None and self.v_scale is not None:
             self.k_scale, self.v_scale = self.k_scale.to(device), self.v_scale.to(device)
+            if self.values_in_keys:
+                self.v_scale = self.k_scale
         self.dtype = self.k_cache.dtype if self.kv_dtype is None else (dtype or self.dtype)
         return self
 

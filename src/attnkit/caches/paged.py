@@ -109,8 +109,9 @@ class PagedKVCache(nn.Module):
             values are the latent ``c``: :meth:`MultiHeadLatentAttention.make_paged_cache()
             <attnkit.MultiHeadLatentAttention.make_paged_cache>`). Writes take the keys only
             (``v=None``), or values equal to the keys' first ``Dv`` columns (anything else is
-            refused); an attention call reads the values where the keys lie. Not with
-            ``kv_dtype``.
+            refused); an attention call reads the values where the keys lie. With
+            ``kv_dtype`` the values are read with the keys' scales (``v_scales`` is
+            ``k_scales``): the keys' first ``Dv`` columns, dequantized.
 
     The pages are the buffers ``k_pages`` and ``v_pages`` (not in ``state_dict()``);
     ``block_table`` ``(B, P)`` int32 names each sequence's pages in order (``-1`` past them),
@@ -178,7 +179,7 @@ class PagedKVCache(nn.Module):
             raise ValueError(f"layout must be 'flash' or 'vllm', got {layout!r}")
         self.layout: Layout = layout
         #: whether ``v_pages`` is the view ``k_pages[..., :Dv]`` (a latent cache)
-        self.values_in_keys = check_values_in_keys(values_in_keys, dk, dv, self.kv_dtype)
+        self.values_in_keys = check_values_in_keys(values_in_keys, dk, dv)
 
         def pages(d: int) -> Tensor:
             shape = (self.num_blocks, self.page_size, h, d)
@@ -193,6 +194,8 @@ class PagedKVCache(nn.Module):
         for name, t in (("k_scales", self.k_pages), ("v_scales", self.v_pages)):
             head_major = t if layout == "vllm" else t.transpose(1, 2)
             scales = None if self.kv_dtype is None else new_scales(head_major)
+            if name == "v_scales" and values_in_keys:  # the values read with the keys' scales
+                scales = self.k_scales
             self.register_buffer(name, scales, False)
         self.register_buffer(
             "block_table", torch.full((rows, width), -1, dtype=torch.int32, device=device), False
@@ -240,6 +243,9 @@ class PagedKVCache(nn.Module):
             return self.k_pages, self.v_pages
         return self.k_pages.transpose(1, 2), self.v_pages.transpose(1, 2)
 
+    #: the buffers that are views of others in a values_in_keys pool, made again after a conversion
+    _SHARED = ("v_pages", "v_scales")
+
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PagedKVCache:
         """``nn.Module``'s conversions (``.to()``, ``.half()``, ``.double()``, ``.cuda()``, those
         of a model that holds the cache) change ``dtype``, the one keys and values are given and
@@ -249,12 +255,13 @@ class PagedKVCache(nn.Module):
         read = check_dtype(fn(probe).dtype)  # (a refused one moves nothing)
 
         for name, t in self._buffers.items():  # (no parameters and no submodules)
-            if t is not None and not (name == "v_pages" and self.values_in_keys):
+            if t is not None and not (name in self._SHARED and self.values_in_keys):
                 out = fn(t)
                 keep = self.kv_dtype is not None and out.dtype != t.dtype
                 self._buffers[name] = t.to(out.device) if keep else out
         if self.values_in_keys:  # still a view of the keys, not a copy beside them
             self._buffers["v_pages"] = self.k_pages[..., : self.v_pages.size(-1)]
+            self._buffers["v_scales"] = self.k_scales
         self.dtype = read
         return self
 
@@ -273,53 +280,64 @@ class PagedKVCache(nn.Module):
         return self.k_scales.expand(shape), self.v_scales.expand(shape)
 
     def _quantized(
-        self, k: Tensor, v: Tensor, new: list[int]
-    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        self, k: Tensor, v: Tensor | None, new: list[int]
+    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor | None] | None]:
         """Checked new tokens ``(B, Hkv, T, D)`` as the pages store them, and their scales: int8
         a scale per token; float8 each row's (a new sequence's from its first ``new[b]`` tokens,
-        else the one its first page holds). Float pages: as given, None."""
+        else the one its first page holds). Float pages: as given, None. ``v`` None (values
+        that are the keys' columns): the keys only."""
         if self.kv_dtype is None or self.k_scales is None or self.v_scales is None:
             return k, v, None
-        if self.kv_dtype == torch.int8:
-            (kq, ks), (vq, vs) = quantize(k, torch.int8), quantize(v, torch.int8)
-            return kq, vq, (ks, vs)
-        real = (
-            torch.arange(k.size(2), device=k.device) < torch.tensor(new, device=k.device)[:, None]
-        )
-        found = []
-        for x, held in ((k, self.k_scales), (v, self.v_scales)):
-            # (B, Hkv, 1, 1), from each row's real tokens: what its padding holds sets nothing
-            scale = fp8_scale(x, self.kv_dtype, real[:, None, :, None])
-            for b, n in enumerate(self.lengths):
-                if n:  # a sequence's tokens share the scale of its first write
-                    scale[b] = held[self._pages[b][0]]
-            found.append(scale)
+        if v is None:
+            kq, ks = self._quantized_one(k, self.k_scales, new)
+            return kq, None, (ks, None)
         (kq, ks), (vq, vs) = (
-            quantize(x, self.kv_dtype, f) for x, f in zip((k, v), found, strict=True)
+            self._quantized_one(x, held, new)
+            for x, held in ((k, self.k_scales), (v, self.v_scales))
         )
         return kq, vq, (ks, vs)
 
+    def _quantized_one(self, x: Tensor, held: Tensor, new: list[int]) -> tuple[Tensor, Tensor]:
+        """:meth:`_quantized` of the keys or of the values, whose scales are ``held``."""
+        if self.kv_dtype is None or self.kv_dtype == torch.int8:
+            return quantize(x, torch.int8)
+        real = (
+            torch.arange(x.size(2), device=x.device) < torch.tensor(new, device=x.device)[:, None]
+        )
+        # (B, Hkv, 1, 1), from each row's real tokens: what its padding holds sets nothing
+        scale = fp8_scale(x, self.kv_dtype, real[:, None, :, None])
+        for b, n in enumerate(self.lengths):
+            if n:  # a sequence's tokens share the scale of its first write
+                scale[b] = held[self._pages[b][0]]
+        return quantize(x, self.kv_dtype, scale)
+
     def _write(
-        self, k: Tensor, v: Tensor | None, scales: tuple[Tensor, Tensor] | None, new: list[int]
+        self,
+        k: Tensor,
+        v: Tensor | None,
+        scales: tuple[Tensor, Tensor | None] | None,
+        new: list[int],
     ) -> list[Piece]:
         """Row ``b``'s first ``new[b]`` stored tokens after its ``lengths[b]``, through its pages
         (taken already), and their scales: int8 beside each token, float8 on each of the row's
-        pages."""
+        pages. ``v`` None: values that are the keys' columns, written with them (and read with
+        their scales), never on their own."""
         kp, vp = self._head_major()
         kw = {"at": self.lengths, "counts": new, "block_table": self._pages}
-        if self.values_in_keys or v is None:  # values written with the keys, never on their own
-            return write(kp, None, k, None, **kw)  # type: ignore[arg-type]
-        pieces = write(kp, vp, k, v, **kw)  # type: ignore[arg-type]
+        pieces = write(kp, None if v is None else vp, k, v, **kw)  # type: ignore[arg-type]
         if scales is None or self.k_scales is None or self.v_scales is None:
             return pieces
+        ks, vs = scales
+        v_scales = None if vs is None else self.v_scales
         if self.kv_dtype == torch.int8:
-            write(self.k_scales, self.v_scales, *scales, **kw)  # type: ignore[arg-type]
+            write(self.k_scales, v_scales, ks, vs, **kw)  # type: ignore[arg-type]
             return pieces
         for b, pages in enumerate(self._pages):
             if pages and new[b]:
                 at = torch.tensor(pages, device=self.k_scales.device)
-                self.k_scales[at] = scales[0][b]
-                self.v_scales[at] = scales[1][b]
+                self.k_scales[at] = ks[b]
+                if v_scales is not None and vs is not None:
+                    v_scales[at] = vs[b]
         return pieces
 
     def _seq(self, seq: int) -> int:
@@ -419,7 +437,7 @@ class PagedKVCache(nn.Module):
     def _stage(self, k: Tensor, v: Tensor | None, new: list[int]) -> Tensor:
         """:meth:`stage` of checked tokens, ``new[b]`` of them in row ``b``."""
         # (before anything is written; a values_in_keys cache's values are its keys')
-        k, v, scales = (k, None, None) if v is None else self._quantized(k, v, new)
+        k, v, scales = self._quantized(k, None if self.values_in_keys else v, new)
         self._drop_staged()
         for b, n in enumerate(new):
             first = len(self._pages[b])
@@ -503,11 +521,10 @@ class PagedKVCache(nn.Module):
             raise ValueError("slot_mapping names a slot twice: which token would it hold?")
         kp, vp = self._head_major()
         k, v, slots = k[keep.to(k.device)], v[keep.to(v.device)], slots[keep]
-        if self.values_in_keys:  # the values are written with the keys, never on their own
-            put(kp, None, k, None, slots)
-            return
+        # (the values of values_in_keys written with the keys, and read with their scales)
+        vp_or_none = None if self.values_in_keys else vp
         if self.kv_dtype is None or self.k_scales is None or self.v_scales is None:
-            put(kp, vp, k, v, slots)
+            put(kp, vp_or_none, k, v, slots)
             return
         # quantized, every scale computed before anything is written: int8 a scale per token,
         # float8 the one of the slot's page
@@ -515,9 +532,10 @@ class PagedKVCache(nn.Module):
         fp8 = self.kv_dtype != torch.int8
         kq, ks = quantize(k[:, :, None], self.kv_dtype, self.k_scales[at] if fp8 else None)
         vq, vs = quantize(v[:, :, None], self.kv_dtype, self.v_scales[at] if fp8 else None)
-        put(kp, vp, kq[:, :, 0], vq[:, :, 0], slots)
+        put(kp, vp_or_none, kq[:, :, 0], vq[:, :, 0], slots)
         if not fp8:
-            put(self.k_scales, self.v_scales, ks[:, :, 0], vs[:, :, 0], slots)
+            v_scales = None if self.values_in_keys else self.v_scales
+            put(self.k_scales, v_scales, ks[:, :, 0], vs[:, :, 0], slots)
 
     def commit(self) -> None:
         """Hold the tokens of the last :meth:`stage`, and forget :meth:`schedule`."""
@@ -582,7 +600,8 @@ class PagedKVCache(nn.Module):
         stored = self._head_major()[: 1 if self.values_in_keys else 2]
         moved = [t.view(torch.uint8) if t.dtype in FLOAT8 else t for t in stored]
         if self.kv_dtype == torch.int8 and self.k_scales is not None and self.v_scales is not None:
-            moved += [self.k_scales, self.v_scales]  # a scale a token moves with it
+            # a scale a token moves with it (once, where the values' are the keys')
+            moved += [self.k_scales] if self.values_in_keys else [self.k_scales, self.v_scales]
         compact_pages(moved, self._pages[b], index, self.page_size)
         self.lengths[b] = index.size(-1)
         self._trim(b, self.lengths[b])
@@ -769,4 +788,5 @@ class PagedKVCache(nn.Module):
             f"head_dim={kp.size(3)}, v_head_dim={self.v_pages.size(-1)}, max_seqs="
             f"{self.max_seqs}, layout={self.layout!r}, lengths={self.lengths}"
             + ("" if self.kv_dtype is None else f", kv_dtype={self.kv_dtype}")
+            + (", values_in_keys=True" if self.values_in_keys else "")
         )

@@ -90,8 +90,9 @@ class StreamingKVCache:
     :meth:`attention` appends the new tokens and attends over what they may see, as one
     :func:`attnkit.attention` call; :meth:`update` returns the keys, values and mask for a call
     of your own. A step of one token reads the held tokens where they are, with no mask (a
-    quantized cache through its :meth:`view`, with the scales); a chunk of several tokens (a
-    prompt) attends over the held tokens put in time order (dequantized), with the mask
+    quantized cache through its :meth:`view`, with the scales), unless a module's call brings
+    a mask or bias of its own (:meth:`stage_call`); a chunk of several tokens (a prompt) attends
+    over the held tokens put in time order (dequantized), with the mask
     ``sliding_window(W - 1) | (causal() & key_padding([S] * B))``. Every check runs before
     anything is written, and a chunk's tokens (and scales) are written only by :meth:`commit`:
     a call that raises leaves every token a later query can see as it was.
@@ -199,14 +200,17 @@ class StreamingKVCache:
             own[0].copy_(scales[0])
             own[1].copy_(scales[1])
 
-    def _stage(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Mask] | None:
+    def _stage(
+        self, k: Tensor, v: Tensor, in_place: bool = True
+    ) -> tuple[Tensor, Tensor, Mask] | None:
         """:meth:`stage`'s checks, then a step's write in place (None: the held tokens are read
-        where they lie) or a chunk's keys, values and mask (nothing written)."""
+        where they lie) or a chunk's keys, values and mask (nothing written); ``in_place``
+        False: a step as a chunk of one token, its keys in time order."""
         self._check(k, v)
         self._staged, self._staged_one = None, False
         new = self._stored(k, v)
         t, start = k.size(-2), self.position
-        if t == 1:
+        if t == 1 and in_place:
             self._put(new, start)
             self._staged_one = True
             return None
@@ -342,8 +346,15 @@ class StreamingKVCache:
     ) -> tuple[Tensor | CacheView, Tensor | None, Mask | None]:
         """What a module attends for its new tokens: :meth:`stage`'s keys and values (of a
         quantized cache's step, its :meth:`view` and None, read in place), and the call's
-        ``mask`` with the cache's (``None`` where neither has one)."""
-        got = self._stage(k, v)
+        ``mask`` with the cache's (``None`` where neither has one).
+
+        A step reads the held tokens in the ring's order, which a softmax alone does not mind;
+        a call's own ``mask`` or ``bias`` (``call["bias"]``) is a function of the keys' order,
+        and its weights (``call["need_weights"]``) are read in it, so with any of them a step
+        reads the tokens in time order, as a chunk does (sinks, then the window), and the mask
+        and bias apply there, bottom-right aligned."""
+        ordered = mask is not None or call.get("bias") is not None or bool(call.get("need_weights"))
+        got = self._stage(k, v, in_place=not ordered)
         if got is None:
             if self.kv_dtype is not None:
                 return self.view(), None, mask  # type: ignore[return-value]

@@ -20,8 +20,16 @@ where ``W_uk`` and ``W_uv`` are the two halves of ``kv_b_proj``. The same attent
   the cache, never a copy). A decode step reads ``R + Dr`` numbers per cached token instead of
   ``H (Dn + Dr + Dv)``.
 
-The cache (:class:`LatentCache`) holds the latent form only, ``[c, k_rope]`` per token: 576
-numbers a token for DeepSeek V3's sizes, against 40,960 for its expanded keys and values.
+The cache holds the latent form only, ``[c, k_rope]`` per token: 576 numbers a token for DeepSeek
+V3's sizes, against 40,960 for its expanded keys and values. Three caches hold it:
+:class:`LatentCache` (:meth:`MultiHeadLatentAttention.make_cache`), and a
+:class:`~attnkit.KVCache` or a :class:`~attnkit.PagedKVCache` of one key/value head whose values
+are its keys' first ``R`` columns (``values_in_keys=True``:
+:meth:`MultiHeadLatentAttention.make_kv_cache`,
+:meth:`MultiHeadLatentAttention.make_paged_cache`). On the last two a decode
+step is one :func:`attnkit.attention` call on the cache's view, which the native kernel reads
+where it lies (a paged cache's rows each at their own length), each latent row once for all
+heads.
 
 Shape letters: ``B`` batch, ``Tq`` new tokens, ``S`` keys attended (the cached ones and the new),
 ``L`` a cache's capacity, ``D`` d_model, ``H`` heads, ``R`` kv_lora_rank, ``Dn``
@@ -48,6 +56,9 @@ from .._base.checks import (
 )
 from .._base.shapes import Bool, Float, shape_checked
 from ..attention import Backend, Explanation, attention, check_backend, explain
+from ..caches.kv_cache import KVCache
+from ..caches.paged import Layout, PagedKVCache
+from ..caches.view import CacheView
 from ..masks import Mask
 from .positional import RotaryEmbedding
 
@@ -170,6 +181,42 @@ class LatentCache:
         )
 
 
+#: the caches the module decodes with: the latents' own, or a KV cache holding them as one head
+#: whose values are its keys' first ``R`` columns (``values_in_keys=True``)
+_Cache = LatentCache | KVCache | PagedKVCache
+
+
+def _latent_cache_refusal(cache: object, r: int, dr: int) -> str | None:
+    """Why ``cache`` cannot hold this module's latents (``R = r``, ``Dr = dr``), None if it can:
+    a KV cache of one head of ``R + Dr`` numbers whose values are their first ``R``."""
+    if isinstance(cache, KVCache):
+        keys, values = cache.k_cache, cache.v_cache
+        heads, dk, dv = keys.size(1), keys.size(-1), values.size(-1)
+    elif isinstance(cache, PagedKVCache):
+        keys, values = cache.token_major()
+        heads, dk, dv = keys.size(2), keys.size(-1), values.size(-1)
+    else:
+        return None
+    if not cache.values_in_keys or (heads, dk, dv) != (1, r + dr, r):
+        return (
+            f"a {type(cache).__name__} holds this module's latents as num_kv_heads=1, head_dim = "
+            f"kv_lora_rank + qk_rope_head_dim = {r} + {dr}, v_head_dim = kv_lora_rank = {r} and "
+            f"values_in_keys=True (make_kv_cache(), make_paged_cache()), got num_kv_heads="
+            f"{heads}, head_dim={dk}, v_head_dim={dv}, values_in_keys={cache.values_in_keys}"
+        )
+    return None
+
+
+def _offsets(cache: _Cache | None, rows: int) -> list[int]:
+    """The position of each row's first new token: where its rotary parts are rotated from (the
+    tokens a cache took, those :meth:`KVCache.keep` let go included)."""
+    if isinstance(cache, PagedKVCache):
+        return list(cache.positions)
+    if isinstance(cache, KVCache):
+        return [cache.position] * rows
+    return [0 if cache is None else cache.length] * rows
+
+
 class MultiHeadLatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3), batch-first, on :func:`attnkit.attention`.
 
@@ -205,8 +252,14 @@ class MultiHeadLatentAttention(nn.Module):
     * ``mask``: bool, broadcastable to ``(B, H, Tq, S)``, **True = may attend**, or a structured
       mask (:func:`attnkit.masks.key_padding`, ...), as :class:`~attnkit.MultiHeadAttention`
       takes it; ``causal``: query ``i`` attends keys ``j <= i + S - Tq`` (bottom-right).
-    * ``cache``: a :class:`LatentCache` (:meth:`make_cache`): the new tokens' latents are
-      appended and the queries attend every cached token; held once the call succeeded.
+    * ``cache``: a :class:`LatentCache` (:meth:`make_cache`), or a :class:`~attnkit.KVCache`
+      (:meth:`make_kv_cache`) or :class:`~attnkit.PagedKVCache` (:meth:`make_paged_cache`)
+      holding the latents as one head whose values are its keys' first ``R`` columns: the new
+      tokens' latents are appended and the queries attend every cached token; held once the
+      call succeeded. The rotary parts are rotated at each row's position in the cache (a
+      paged cache's rows each at their own; :meth:`PagedKVCache.schedule
+      <attnkit.PagedKVCache.schedule>` says how many of a row's ``Tq`` are new). A paged
+      cache takes the masks that are bands (``causal``, ``sliding_window``).
     * ``form``: ``"expanded"``, ``"absorbed"`` or ``"auto"``: absorbed for a call with a cache
       and at most :data:`DECODE_TOKENS` new tokens (a decode step), expanded otherwise (a
       prefill). The two compute the same attention.
@@ -283,7 +336,20 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(r, h * (dn + dv), bias=False, **kw)
         self.out_proj = nn.Linear(h * dv, d_model, bias=bias, **kw)
 
-    def _queries(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor]:
+    def _rotated(self, x: Tensor, offsets: list[int]) -> Tensor:
+        """``x`` ``(B, heads, T, Dr)`` with row ``b`` rotated from position ``offsets[b]``: rows
+        of one offset together (a paged cache's rows each sit at their own)."""
+        # (comparisons, not a set: a compiled step's offset is a symbolic size)
+        if all(o == offsets[0] for o in offsets):
+            rotated: Tensor = self.rotary(x, offset=offsets[0])
+            return rotated
+        out = torch.empty_like(x)
+        for offset in sorted(set(offsets)):
+            rows = torch.tensor([b for b, o in enumerate(offsets) if o == offset], device=x.device)
+            out[rows] = self.rotary(x[rows], offset=offset)
+        return out
+
+    def _queries(self, x: Tensor, offsets: list[int]) -> tuple[Tensor, Tensor]:
         """``(B, H, Tq, Dn)`` and the rotated ``(B, H, Tq, Dr)``."""
         if self.q_proj is not None:
             q = self.q_proj(x)
@@ -293,14 +359,14 @@ class MultiHeadLatentAttention(nn.Module):
         b, t, _ = x.shape
         q = q.view(b, t, self.num_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split((self.qk_nope_head_dim, self.qk_rope_head_dim), dim=-1)
-        return q_nope, self.rotary(q_rope, offset=offset)
+        return q_nope, self._rotated(q_rope, offsets)
 
-    def _latent(self, x: Tensor, offset: int) -> Tensor:
+    def _latent(self, x: Tensor, offsets: list[int]) -> Tensor:
         """The new tokens' ``[c, k_rope]`` ``(B, 1, Tq, R + Dr)``: c normalised, k_rope rotated."""
         c, k_rope = (
             self.kv_a_proj(x).unsqueeze(1).split((self.kv_lora_rank, self.qk_rope_head_dim), dim=-1)
         )
-        return torch.cat((self.kv_a_norm(c), self.rotary(k_rope, offset=offset)), dim=-1)
+        return torch.cat((self.kv_a_norm(c), self._rotated(k_rope, offsets)), dim=-1)
 
     def _up(self) -> tuple[Tensor, Tensor]:
         """``W_uk`` ``(H, Dn, R)`` and ``W_uv`` ``(H, Dv, R)``: views of ``kv_b_proj.weight``."""
@@ -328,25 +394,93 @@ class MultiHeadLatentAttention(nn.Module):
         # copy W_uk for every batch row
         return torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope), dim=-1)
 
-    def _form(self, form: object, tq: int, cache: LatentCache | None) -> str:
+    def _form(self, form: object, tq: int, cache: _Cache | None) -> str:
         if form not in ("auto", "expanded", "absorbed"):
             raise ValueError(f'form must be "auto", "expanded" or "absorbed", got {form!r}')
         if form != "auto":
             return str(form)
         return "absorbed" if cache is not None and tq <= DECODE_TOKENS else "expanded"
 
-    def _check(self, x: Tensor, cache: LatentCache | None) -> None:
+    def _check(self, x: Tensor, cache: _Cache | None) -> None:
         check_input("x", x, f"(B, Tq, d_model={self.d_model})", self.d_model, self.kv_b_proj.weight)
         if cache is None:
             return
+        if not isinstance(cache, LatentCache | KVCache | PagedKVCache):
+            raise TypeError(
+                "cache must be a LatentCache, a KVCache or a PagedKVCache holding the latents, or "
+                f"None, got {type(cache).__name__}"
+            )
+        refusal = _latent_cache_refusal(cache, self.kv_lora_rank, self.qk_rope_head_dim)
+        if refusal is not None:
+            raise ValueError(refusal)
         if not isinstance(cache, LatentCache):
-            raise TypeError(f"cache must be a LatentCache or None, got {type(cache).__name__}")
+            return
         width = self.kv_lora_rank + self.qk_rope_head_dim
         if cache.kv_lora_rank != self.kv_lora_rank or cache.latent.size(-1) != width:
             raise ValueError(
                 f"this module's latents are kv_lora_rank={self.kv_lora_rank} + "
                 f"qk_rope_head_dim={self.qk_rope_head_dim} wide, the cache holds {cache!r}"
             )
+
+    def _attend(
+        self,
+        q_nope: Tensor,
+        q_rope: Tensor,
+        keys: Tensor | CacheView,
+        absorbed: bool,
+        mask: Tensor | Mask | None,
+        causal: bool,
+        dropout_p: float,
+    ) -> Tensor:
+        """The one attention call ``(B, H, Tq, Dv)`` on the latents ``keys``: ``(B, 1, S, R +
+        Dr)`` tensors, or a cache's view of them where they lie."""
+        kw: dict[str, Any] = {
+            "mask": mask,
+            "causal": causal,
+            "scale": self.scale,
+            "dropout_p": dropout_p,
+            "backend": self.backend,
+        }
+        if absorbed:
+            q = self._absorbed_query(q_nope, q_rope)
+            # V: the first R columns of the latents, a view of K (of the cache's memory); a view
+            # of a cache carries it already.
+            values = None if isinstance(keys, CacheView) else keys[..., : self.kv_lora_rank]
+            out = attention(q, keys, values, **kw)  # (B, H, Tq, R)
+            # (B, H, Tq, Dv): W_uv applied once, to the weighted sum of the latents
+            return torch.einsum("bhtr,hvr->bhtv", out, self._up()[1])
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        if isinstance(keys, Tensor):
+            _, k, v = self._expanded(q_nope, q_rope, keys)
+            return attention(q, k, v, **kw)  # type: ignore[no-any-return]
+        if keys.shared:  # every row the same keys: expanded from their latents as they are
+            _, k, v = self._expanded(q_nope, q_rope, keys.dense()[0])
+            return attention(q, k, v, **kw)  # type: ignore[no-any-return]
+        # Rows of their own lengths (a paged cache): each row's latents expanded at its keys'
+        # positions, attended as a view of the same rows and queries.
+        latents = keys.k.new_zeros(keys.rows, 1, keys.kv_len, keys.k.size(-1))
+        for n, (start, end) in enumerate(keys.kv_range):
+            latents[n, :, start:end] = keys.row(n)[0][0]
+        _, k, v = self._expanded(q_nope, q_rope, latents)
+        view = CacheView(k, v, keys.kv_range, None, keys.q_lens, trusted=True)
+        return attention(q, view, None, **kw)  # type: ignore[no-any-return]
+
+    def _stage(
+        self,
+        cache: _Cache,
+        q_nope: Tensor,
+        latent: Tensor,
+        mask: Tensor | Mask | None,
+        causal: bool,
+    ) -> Tensor | CacheView:
+        """The new tokens' latents written into ``cache`` past what it holds (held only once the
+        call succeeded); what the call reads: the held and new latents, or a KV cache's view of
+        them. A paged cache checks the call first, on a query of the latents' width."""
+        if isinstance(cache, LatentCache):
+            return cache.stage(latent)
+        b, h, t, _ = q_nope.shape
+        stand_in = q_nope.new_zeros(()).expand(b, h, t, latent.size(-1))
+        return cache.stage_call(stand_in, latent, None, mask=mask, causal=causal, scale=self.scale)
 
     @shape_checked
     def forward(
@@ -355,46 +489,20 @@ class MultiHeadLatentAttention(nn.Module):
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
         causal: bool = False,
-        cache: LatentCache | None = None,
+        cache: LatentCache | KVCache | PagedKVCache | None = None,
         form: _Form = "auto",
     ) -> Float[Tensor, "B Tq D"]:
         self._check(x, cache)
-        form = self._form(form, x.size(1), cache)  # type: ignore[assignment]
-        offset = 0 if cache is None else cache.length
-        q_nope, q_rope = self._queries(x, offset)
-        latent = self._latent(x, offset)
+        absorbed = self._form(form, x.size(1), cache) == "absorbed"
+        offsets = _offsets(cache, x.size(0))
+        q_nope, q_rope = self._queries(x, offsets)
+        latent = self._latent(x, offsets)
+        keys: Tensor | CacheView = latent
         if cache is not None:
             # Written past the cache's length, held only once attention() accepted the call.
-            latent = cache.stage(latent)
+            keys = self._stage(cache, q_nope, latent, mask, causal)
         dropout_p = self.dropout if self.training else 0.0
-        if form == "absorbed":
-            q = self._absorbed_query(q_nope, q_rope)
-            # V: the first R columns of the latents, a view of K (of the cache's memory).
-            v = latent[..., : self.kv_lora_rank]
-            out = attention(
-                q,
-                latent,
-                v,
-                mask=mask,
-                causal=causal,
-                scale=self.scale,
-                dropout_p=dropout_p,
-                backend=self.backend,
-            )  # (B, H, Tq, R)
-            # (B, H, Tq, Dv): W_uv applied once, to the weighted sum of the latents
-            out = torch.einsum("bhtr,hvr->bhtv", out, self._up()[1])
-        else:
-            q, k, v = self._expanded(q_nope, q_rope, latent)
-            out = attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                causal=causal,
-                scale=self.scale,
-                dropout_p=dropout_p,
-                backend=self.backend,
-            )  # (B, H, Tq, Dv)
+        out = self._attend(q_nope, q_rope, keys, absorbed, mask, causal, dropout_p)
         result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
         if cache is not None:
             cache.commit()
@@ -406,7 +514,7 @@ class MultiHeadLatentAttention(nn.Module):
         *,
         mask: Tensor | Mask | None = None,
         causal: bool = False,
-        cache: LatentCache | None = None,
+        cache: LatentCache | KVCache | PagedKVCache | None = None,
         form: _Form = "auto",
     ) -> Explanation:
         """Which backend ``self(x, ...)`` would run its attention call on, and why:
@@ -418,6 +526,10 @@ class MultiHeadLatentAttention(nn.Module):
         >>> print(mla.explain(torch.randn(2, 1, 64), cache=cache))  # doctest: +ELLIPSIS
         attention call: q (2, 4, 1, 40), k (2, 1, 1, 40), v (2, 1, 1, 32) float32 on cpu
         ...
+
+        On a :class:`~attnkit.KVCache` or :class:`~attnkit.PagedKVCache` (:meth:`make_kv_cache`,
+        :meth:`make_paged_cache`) a decode step's call reads the cache where it lies, and the
+        explanation names that read.
         """
         self._check(x, cache)
         absorbed = self._form(form, x.size(1), cache) == "absorbed"
@@ -432,10 +544,14 @@ class MultiHeadLatentAttention(nn.Module):
 
         h, r, dr = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
         dk = r + dr if absorbed else self.qk_nope_head_dim + dr
+        keys: Tensor | CacheView = shaped(1 if absorbed else h, s, dk)
+        values: Tensor | None = shaped(1 if absorbed else h, s, r if absorbed else self.v_head_dim)
+        if absorbed and isinstance(cache, KVCache | PagedKVCache):
+            keys, values = cache.stand_in(tq), None  # the cache's latents where the call reads them
         return explain(
             shaped(h, tq, dk),
-            shaped(1 if absorbed else h, s, dk),
-            shaped(1 if absorbed else h, s, r if absorbed else self.v_head_dim),
+            keys,
+            values,
             mask=mask,
             causal=causal,
             scale=self.scale,
@@ -454,6 +570,62 @@ class MultiHeadLatentAttention(nn.Module):
             self.qk_rope_head_dim,
             dtype=w.dtype,
             device=w.device,
+        )
+
+    def make_kv_cache(
+        self, batch_size: int, max_len: int, *, kv_dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """An empty :class:`~attnkit.KVCache` holding this module's latents: one key/value head
+        of ``R + Dr`` numbers a token, whose values are their first ``R`` (``values_in_keys=True``,
+        stored once), in the parameters' dtype and on their device, for ``batch_size`` sequences
+        of up to ``max_len`` tokens; ``kv_dtype`` (``torch.int8``, ``torch.float8_e4m3fn``,
+        ``torch.float8_e5m2``) stores them quantized, the values read with the keys' scales. A
+        decode step reads it where it lies, each latent row once for every head."""
+        w = self.kv_b_proj.weight
+        r = self.kv_lora_rank
+        return KVCache(
+            batch_size,
+            max_len,
+            1,
+            r + self.qk_rope_head_dim,
+            r,
+            dtype=w.dtype,
+            device=w.device,
+            kv_dtype=kv_dtype,
+            values_in_keys=True,
+        )
+
+    def make_paged_cache(
+        self,
+        num_blocks: int,
+        page_size: int,
+        *,
+        max_seqs: int,
+        max_pages_per_seq: int | None = None,
+        layout: Layout = "flash",
+        kv_dtype: torch.dtype | None = None,
+    ) -> PagedKVCache:
+        """An empty :class:`~attnkit.PagedKVCache` holding this module's latents: a pool of
+        ``num_blocks`` pages of ``page_size`` tokens of one key/value head of ``R + Dr`` numbers,
+        whose values are their first ``R`` (``values_in_keys=True``, stored once), in the
+        parameters' dtype and on their device, for ``max_seqs`` sequences (the batch rows of
+        every call); ``kv_dtype`` stores them quantized, as :meth:`make_kv_cache` says. Each
+        row's rotary parts follow its own position in the cache."""
+        w = self.kv_b_proj.weight
+        r = self.kv_lora_rank
+        return PagedKVCache(
+            num_blocks,
+            page_size,
+            1,
+            r + self.qk_rope_head_dim,
+            r,
+            max_seqs=max_seqs,
+            max_pages_per_seq=max_pages_per_seq,
+            layout=layout,
+            dtype=w.dtype,
+            device=w.device,
+            kv_dtype=kv_dtype,
+            values_in_keys=True,
         )
 
     def extra_repr(self) -> str:

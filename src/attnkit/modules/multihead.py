@@ -555,7 +555,9 @@ class MultiHeadAttention(nn.Module):
         values: Tensor | None = v
         if isinstance(cache, StreamingKVCache):
             # The held tokens and the new ones, with the mask of the sinks and the window.
-            keys, values, mask = cache.stage_call(q, k, v, mask=mask)
+            keys, values, mask = cache.stage_call(
+                q, k, v, mask=mask, bias=bias, need_weights=want_weights
+            )
         elif cache is not None:
             # The cache checks what it must refuse before it writes, then stages the new keys
             # past what it holds, invisible until the commit below: a call attention() refuses
