@@ -500,6 +500,11 @@ SWEEP = {
     "axk2": "equal", "hy_v4": "equal", "kolibri1_1": "equal", "doge": "equal",
     "deepseek_v4": "equal", "inkling2_text": "equal", "bloom": "refused", "gpt_neo": "refused",
     "encoder-decoder": "equal",  # a BERT decoder's cross-attention mask, sized from its cache
+    # Per-layer head sizes; the last layers reuse earlier keys and values and slice the mask.
+    "gemma4_text": "equal", "gemma3n_text": "equal",
+    "bamba": "equal", "jamba": "equal",  # Mamba hybrids: attention in some layers only
+    "qwen4_exp_text": "equal", "dots3_note_text": "equal",
+    "git": "refused",  # its text layers pick their class from an eager-only table
 }  # fmt: skip
 
 
