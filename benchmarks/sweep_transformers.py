@@ -190,14 +190,14 @@ def _shrunk(config_class: type, default: Any) -> dict[str, Any]:
             kwargs[name] = 0.0
         if name == "layerdrop" or name.endswith("_layerdrop"):
             kwargs[name] = 0.0
-    # A value some configs derive (a property without a setter, maybe under another name) is left
-    # to them; OVERRIDES sets what they derive it from.
     kwargs.update(OVERRIDES.get(getattr(config_class, "model_type", ""), {}))
     kwargs.update(OVERRIDES.get(config_class.__name__, {}))
     # An alias (attribute_map) is set after the config's __post_init__ has read the field it
     # names: pass the field itself.
     aliases = getattr(config_class, "attribute_map", {}) or {}
     kwargs = {aliases.get(k, k): v for k, v in kwargs.items()}
+    # A value some configs derive (a property without a setter) is left to them; OVERRIDES sets
+    # what they derive it from.
     derived = [k for k in kwargs if isinstance(getattr(config_class, k, None), property)]
     for name in derived:
         del kwargs[name]
