@@ -113,6 +113,12 @@ class TransformersMask:
             device=self.device,
         )
 
+    def flip(self, *dims: Any, **kwargs: Any) -> Tensor:
+        """The dense mask it stands for, flipped as ``Tensor.flip`` would: Gemma 4's assistant
+        (a draft model for assisted generation) flips its sliding-window mask along the keys
+        to read the window over past keys instead of future ones."""
+        return self.dense().flip(*dims, **kwargs)
+
     @property
     def constrains_nothing(self) -> bool:
         """Whether every query may attend every key (bidirectional, no padding, no key left out)."""
