@@ -382,3 +382,21 @@ def test_decoding_over_a_quantized_latent_cache_is_the_expanded_form_within_its_
         steps += [m(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 20)]
     got = torch.cat(steps, 1)
     assert float((got - whole).norm() / whole.norm()) < within
+
+
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+@pytest.mark.parametrize(("rows", "tokens"), [(0, 3), (2, 0)])
+def test_a_call_of_no_rows_or_no_tokens_gives_an_empty_output(
+    form: str, rows: int, tokens: int
+) -> None:
+    """No batch rows, or no new tokens (with and without a cache): an empty output, and a cache
+    that then decodes as if the empty call had not happened (the formula's tokens)."""
+    m, x = make(), randn(2, 4, D)
+    with torch.no_grad():
+        assert m(randn(rows, tokens, D), causal=True, form=form).shape == (rows, tokens, D)
+        cache = m.make_kv_cache(batch_size=2, max_len=8)
+        assert m(x[:, :0], causal=True, cache=cache, form=form).shape == (2, 0, D)
+        got = torch.cat([m(x[:, t : t + 1], causal=True, cache=cache) for t in range(4)], 1)
+    torch.testing.assert_close(
+        got, formula(m, x, padding_and_causal([4, 4], 4)), atol=1e-12, rtol=0
+    )
