@@ -400,3 +400,35 @@ def test_a_call_of_no_rows_or_no_tokens_gives_an_empty_output(
     torch.testing.assert_close(
         got, formula(m, x, padding_and_causal([4, 4], 4)), atol=1e-12, rtol=0
     )
+
+
+@pytest.mark.parametrize("kind", ["kv", "paged"])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_the_expanded_form_over_a_quantized_latent_cache_is_the_absorbed_form(
+    kind: str, kv_dtype: torch.dtype
+) -> None:
+    """float64 parameters over int8/float8 latents, rows of their own lengths on pages: the
+    expanded form reads the latents dequantized in the module's dtype and equals the absorbed
+    form over the same cache (the same dequantized latents) to float64 rounding."""
+    m, x = make(), randn(2, 8, D)
+    outs: dict[str, list[Tensor]] = {}
+    with torch.no_grad():
+        for form in ("expanded", "absorbed"):
+            cache: Any = (
+                m.make_kv_cache(batch_size=2, max_len=8, kv_dtype=kv_dtype)
+                if kind == "kv"
+                else m.make_paged_cache(num_blocks=8, page_size=3, max_seqs=2, kv_dtype=kv_dtype)
+            )
+            lengths = [4, 4]
+            if kind == "paged":
+                lengths = [4, 2]
+                cache.schedule(lengths)
+            first = m(x[:, :4], causal=True, cache=cache, form=form)
+            outs[form] = [first[b, :n] for b, n in enumerate(lengths)]
+            for _ in range(2):
+                step = torch.stack([x[b, t : t + 1] for b, t in enumerate(lengths)])
+                out = m(step, causal=True, cache=cache, form=form)
+                outs[form] += [out[0], out[1]]
+                lengths = [t + 1 for t in lengths]
+    for got, want in zip(outs["expanded"], outs["absorbed"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)

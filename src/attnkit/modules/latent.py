@@ -457,14 +457,15 @@ class MultiHeadLatentAttention(nn.Module):
         if isinstance(keys, Tensor):
             _, k, v = self._expanded(q_nope, q_rope, keys)
             return attention(q, k, v, **kw)  # type: ignore[no-any-return]
+        # (a quantized cache's latents dequantized in the queries' dtype, not its float32 default)
         if keys.shared:  # every row the same keys: expanded from their latents as they are
-            _, k, v = self._expanded(q_nope, q_rope, keys.dense()[0])
+            _, k, v = self._expanded(q_nope, q_rope, keys.dense(q.dtype)[0])
             return attention(q, k, v, **kw)  # type: ignore[no-any-return]
         # Rows of their own lengths (a paged cache): each row's latents expanded at its keys'
         # positions, attended as a view of the same rows and queries.
-        latents = keys.k.new_zeros(keys.rows, 1, keys.kv_len, keys.k.size(-1))
+        latents = q.new_zeros(keys.rows, 1, keys.kv_len, keys.k.size(-1))
         for n, (start, end) in enumerate(keys.kv_range):
-            latents[n, :, start:end] = keys.row(n)[0][0]
+            latents[n, :, start:end] = keys.row(n, q.dtype)[0][0]
         _, k, v = self._expanded(q_nope, q_rope, latents)
         view = CacheView(k, v, keys.kv_range, None, keys.q_lens, trusted=True)
         return attention(q, view, None, **kw)  # type: ignore[no-any-return]
