@@ -425,7 +425,25 @@ def test_fuzz_quantized_paged_cache(
     for row, n in enumerate(cache.lengths):
         keys, values = _paged_row(cache, row, n + 1)
         exact = attention(q[row : row + 1].double(), keys, values, backend="reference")
-        assert _rel(out[row : row + 1], exact) <= 1e-5
+        got = out[row : row + 1].double()
+        bound = 1e-5 * exact.norm() + _rounded_scores(q[row : row + 1], keys, values, exact)
+        assert (got - exact).norm() <= bound
+
+
+def _rounded_scores(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, exact: torch.Tensor
+) -> torch.Tensor:
+    """What float32 scores may move an output by, to first order: each score s_j = q . k_j / sqrt(D)
+    summed in float32 is off by up to (D + 2) u sum_i |q_i k_ji| / sqrt(D) (u = 2^-24), which
+    moves the output by sum_j p_j |ds_j| |v_j - out|. Next to 1e-5 relative it matters only where
+    scores are large: with keys of magnitude 300 two near-tied weights of scores near 1,000 move
+    the output by 3e-5 relative, the float32 reference's own rounding as much as the kernel's."""
+    g = q.size(1) // keys.size(1)
+    k, v = (t.repeat_interleave(g, dim=1) for t in (keys, values))
+    scale = q.size(-1) ** -0.5
+    p = torch.softmax(q.double() @ k.transpose(-1, -2) * scale, dim=-1)
+    ds = (q.size(-1) + 2) * 2.0**-24 * (q.double().abs() @ k.abs().transpose(-1, -2)) * scale
+    return ((p * ds).unsqueeze(-1) * (v.unsqueeze(2) - exact.unsqueeze(3)).abs()).sum(3).norm()
 
 
 def test_a_view_takes_scales_with_quantized_pages_only() -> None:
