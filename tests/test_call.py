@@ -308,3 +308,27 @@ def test_the_good_call_of_the_table_passes() -> None:
     assert call_of(Q, K, V, dropout_p=0).dropout_p == 0.0  # an int 0 is checked, and fine
     assert call_of(Q, K, V, scale=2).scale == 2.0
     assert call_of(Q, K, V, bias=torch.full((5,), -float("inf"))).bias_shape == (5,)
+
+
+@pytest.mark.parametrize("backend", ["auto", "chunked"])
+def test_scales_of_a_quantized_cache_view_that_need_gradients_get_them(backend: str) -> None:
+    # A view's int8 scales that need gradients make the call one that needs gradients: the
+    # native cache read (inference only) then serves nothing, and the scales' gradients are the
+    # reference's (they were silently disconnected: "appears to not have been used in the
+    # graph").
+    import attnkit
+    from attnkit import CacheView
+
+    g = torch.Generator().manual_seed(61)
+    k, v = (torch.randint(-20, 20, (4, 2, 3, 8), generator=g, dtype=torch.int8) for _ in "kv")
+    q = torch.randn(2, 4, 1, 8, generator=g)  # (float32: what the native cache read takes)
+    table, rows = torch.tensor([[0, 1], [2, 3]]), [(0, 5), (1, 6)]
+    grads = []
+    for chosen in (backend, "reference"):
+        ks = (torch.rand(4, 2, 3, 1, generator=g.manual_seed(62)) * 0.05).requires_grad_()
+        vs = (torch.rand(2, 1, 1, generator=g.manual_seed(63)) * 0.05).requires_grad_()
+        view = CacheView(k, v, rows, table, k_scale=ks, v_scale=vs)
+        out = attnkit.attention(q, view, None, backend=chosen)
+        grads.append(torch.autograd.grad(out.sin().sum(), (ks, vs)))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

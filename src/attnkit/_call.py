@@ -608,13 +608,16 @@ def _described(
 ) -> AttentionCall:
     """The :class:`AttentionCall` of checked parts (``k`` and ``v`` stand-ins for a ``cache``'s
     pages, whose own tensors say whether they need gradients)."""
+    scales: tuple[Tensor | None, ...] = ()
     if cache is not None:
         k, v = cache.k, cache.v
+        scales = (cache.k_scale, cache.v_scale)  # (an int8/float8 view's scales, differentiable)
     requires_grad = torch.is_grad_enabled() and (
         scores.bias_grad
         or q.requires_grad
         or k.requires_grad
         or v.requires_grad
+        or any(s is not None and s.requires_grad for s in scales)
         or (sinks is not None and sinks.requires_grad)
         or (score_mod is not None and bool(captured_tensors(score_mod)))
     )
