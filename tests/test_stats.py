@@ -391,3 +391,16 @@ def test_torch_export_refuses_it_in_its_own_words() -> None:
     with pytest.raises(RuntimeError, match=r"attention_stats cannot run inside torch.export: .*"
                        r"compute the statistics outside the exported program"):  # fmt: skip
         torch.export.export(Stats(), (q, q))
+
+
+def test_a_cache_view_or_quantized_keys_are_refused_in_its_own_words() -> None:
+    # attention()'s checks spoke of values attention_stats never takes: "attention(q, view)
+    # reads the keys and values from the cache view: v must be None, got CacheView".
+    cache = attnkit.KVCache(1, 8, 2, 4, kv_dtype=torch.int8)
+    cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    q = torch.randn(1, 4, 1, 4)
+    with attnkit_checks_only():
+        with pytest.raises(TypeError, match=r"keys k as a tensor .* got a CacheView \(1 row"):
+            attention_stats(q, cache.view())  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"float keys, got k of int8: give them dequantized"):
+            attention_stats(q, cache.k_cache)

@@ -22,12 +22,14 @@ from torch import Tensor
 
 from ._base.checks import dtype_str, shape_str
 from ._base.hints import torch_keywords, warn_torch_convention
+from ._base.quantized import is_quantized
 from ._base.shapes import Bool, Float, shape_checked
 from ._call import AttentionCall, check_attention_args
 from ._kernel.stats import kernel_stats, stats_refusal
 from ._record import note_served
 from ._score_mod import ScoreMod, check_elementwise
 from .attention import attention
+from .caches.view import CacheView
 from .masks import Mask
 from .scores import ScoreTerm
 
@@ -157,6 +159,7 @@ def attention_stats(
     Shape legend: ``...`` batch dims, ``H`` query heads, ``Hkv`` key/value heads, ``Tq`` queries,
     ``Tk`` keys, ``Dk`` query/key size.
     """
+    _check_keys(k)
     call = check_attention_args(
         q,
         k,
@@ -194,6 +197,22 @@ def attention_stats(
         mass = mass.unflatten(-2, (call.num_kv_heads, call.groups)).sum(-2)
         top = top.unflatten(-2, (call.num_kv_heads, call.groups)).amax(-2)
     return AttentionStats(key_mass=mass, key_max=top, entropy=entropy)
+
+
+def _check_keys(k: object) -> None:
+    """``k`` as attention_stats takes it: float keys, not a cache's view or quantized keys (the
+    checks of attention() would speak of its values, which attention_stats has none of)."""
+    if isinstance(k, CacheView):
+        raise TypeError(
+            f"attention_stats takes the keys k as a tensor (*batch, Hkv, Tk, Dk), got a "
+            f"CacheView ({k.describe()}): give a cache's keys as view.dense() (rows sharing "
+            f"their keys) or view.row(n)"
+        )
+    if isinstance(k, Tensor) and is_quantized(k):
+        raise TypeError(
+            f"attention_stats takes float keys, got k of {dtype_str(k.dtype)}: give them "
+            f"dequantized (k.float() * k_scale)"
+        )
 
 
 def _one_pass(
