@@ -202,6 +202,8 @@ _REFUSED: list[tuple[Any, type[Exception], str]] = [
     (torch.tensor([[[0.0, 1.0]], [[1.0, 2.0]]]), TypeError, "integer tensor, got float32"),
     (torch.ones(2, 1, 2, dtype=torch.bool), TypeError, "integer tensor, got bool"),
     ([[[0, 1]], [[1, 2]]], TypeError, "integer tensor, got list"),
+    # (meta indices hold no values to move: torch's "Cannot copy out of meta tensor")
+    (torch.zeros(2, 1, 2, dtype=torch.int64, device="meta"), ValueError, "on meta, .* on cpu"),
 ]
 
 
@@ -306,3 +308,15 @@ def test_a_module_rotates_new_tokens_at_the_sequences_positions_after_keep() -> 
         got = mha(x[:, 10:], cache=cache, causal=True)[:, 0]
     assert (cache.length, cache.position) == (5, 11)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_paged_keep_refuses_indices_on_meta_and_changes_no_token() -> None:
+    # (torch's "Cannot copy out of meta tensor" before; the check reads no value on meta)
+    c = _paged("flash", 2)
+    c.schedule([5, 0])
+    c.stage(torch.randn(2, 2, 5, 8, dtype=F64), torch.randn(2, 2, 5, 8, dtype=F64))
+    c.commit()
+    before = _paged_snapshot(c)
+    with pytest.raises(ValueError, match="kept are on meta, which holds no values, but the cache"):
+        c.keep(0, torch.zeros(2, 1, dtype=torch.int64, device="meta"))
+    _same(before, _paged_snapshot(c))

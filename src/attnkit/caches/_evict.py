@@ -65,10 +65,21 @@ def check_indices(indices: object, lead: tuple[int, ...], length: int, what: str
     return index
 
 
+def _check_device(index: Tensor, device: torch.device) -> None:
+    """Indices elsewhere are moved to the cache's device; meta ones hold no values to move (the
+    cache on meta reads none)."""
+    if index.device.type == "meta" and device.type != "meta":
+        raise ValueError(
+            f"the tokens kept are on meta, which holds no values, but the cache is on {device}: "
+            f"give the indices on {device}"
+        )
+
+
 def compact_rows(tensors: Sequence[Tensor], index: Tensor) -> None:
     """Each of ``tensors`` ``(B, Hkv, L, *)`` (keys, values: any trailing sizes) gets, at its
     first ``K`` positions, its tokens ``index`` ``(B, Hkv, K)`` (sorted, checked)."""
     k = index.size(-1)
+    _check_device(index, tensors[0].device)
     for t in tensors:
         where = index.to(t.device).reshape(*index.shape, *([1] * (t.ndim - 3)))
         kept = t.gather(2, where.expand(*index.shape, *t.shape[3:]))  # (B, Hkv, K, *): a copy
@@ -83,9 +94,10 @@ def compact_pages(
     token ``t`` of the sequence lies at row ``t % page_size`` of page ``pages[t // page_size]``.
     """
     heads, k = index.shape
+    device = tensors[0].device
+    _check_device(index, device)
     if not k:
         return
-    device = tensors[0].device
     table = torch.tensor(list(pages), dtype=torch.int64, device=device)
     index = index.to(device)
     head = torch.arange(heads, device=device)[:, None]  # (Hkv, 1)
