@@ -161,11 +161,13 @@ def write(
     at: Sequence[int],
     counts: Sequence[int] | None = None,
     block_table: Tensor | Sequence[Sequence[int]] | None = None,
+    pieces: list[Piece] | None = None,
 ) -> list[Piece]:
     """Write row ``n``'s first ``counts[n]`` new tokens (all ``T`` when None) of ``k`` ``(N, Hkv,
     T, Dk)`` and ``v`` at its key positions ``at[n]`` on, through ``block_table`` ``(N, P)`` (a
     tensor, or each row's pages as ints) or row ``n`` on page ``n``, converting to the pages'
-    dtype. Returns the stretches written (none listed for the one copy of rows in order).
+    dtype. Returns the stretches written (none listed for the one copy of rows in order), which
+    a write of the same tokens' scales takes as ``pieces`` rather than working them out again.
     ``v_pages`` None: the values are a view of the keys' pages (a latent cache), written with them.
 
     How it writes is chosen by the shape of the write: rows in order at one position, one copy
@@ -186,22 +188,24 @@ def write(
         return []
     if isinstance(block_table, Tensor) and block_table.device.type == "meta":
         return []  # no page numbers to read, and pages on the meta device hold no values
-    pieces = _pieces(k_pages.size(2), at, new, block_table)
+    if pieces is None:
+        pieces = _pieces(k_pages.size(2), at, new, block_table)
     # (while traced, a copy a piece: the positions may be symbolic sizes, never read as numbers)
     rows_at_once = t == 1 and len(pieces) == rows >= _ROWS_COPIED
-    index = None
+    k_rows = None
     if rows_at_once and not torch.compiler.is_compiling():
+        k_rows = _memory_rows(k_pages)
+    if k_rows is not None:
         index = _row_index(k_pages, pieces)
-    if index is not None:
-        _write_rows(k_pages, k, index)
+        _write_rows(k_rows, k, index)
         if v_pages is not None and v is not None:
-            same = v_pages.stride()[:3] == k_pages.stride()[:3] and v.size(-1) == k.size(-1)
-            index = index if same else _row_index(v_pages, pieces)
-            if index is not None:
-                _write_rows(v_pages, v, index)
-            else:
+            v_rows = _memory_rows(v_pages)
+            if v_rows is None:
                 for n, page, offset, _, _ in pieces:  # (values at strides of their own)
                     v_pages[page, :, offset : offset + 1].copy_(v[n])
+            else:
+                same = v_pages.stride()[:3] == k_pages.stride()[:3] and v.size(-1) == k.size(-1)
+                _write_rows(v_rows, v, index if same else _row_index(v_pages, pieces))
         return pieces
     if len(pieces) <= rows:
         for n, page, offset, m, i in pieces:
@@ -242,25 +246,20 @@ def _memory_rows(pages: Tensor) -> Tensor | None:
     return dense.view(-1, d)
 
 
-def _row_index(pages: Tensor, pieces: list[Piece]) -> Tensor | None:
+def _row_index(pages: Tensor, pieces: list[Piece]) -> Tensor:
     """The rows of :func:`_memory_rows` that each piece's one token fills, a head after another
-    (piece ``n``, head ``h`` at ``n * Hkv + h``); None where the pages' memory is not rows."""
-    if _memory_rows(pages) is None:
-        return None
+    (piece ``n``, head ``h`` at ``n * Hkv + h``)."""
     d, (s0, s1, s2) = pages.size(-1), pages.stride()[:3]
     heads = [h * s1 // d for h in range(pages.size(1))]  # (a size-1 dim's stride is never used)
     index = [(page * s0 + offset * s2) // d + h for _, page, offset, _, _ in pieces for h in heads]
     return torch.tensor(index, device=pages.device)
 
 
-def _write_rows(pages: Tensor, x: Tensor, index: Tensor) -> None:
-    """Row ``n``'s one token of ``x`` ``(N, Hkv, 1, D)`` into the pages' memory rows
-    ``index[n * Hkv : (n + 1) * Hkv]``, in one ``index_copy_``."""
-    rows = _memory_rows(pages)
-    if rows is None:
-        raise ValueError("attnkit internal error: pages that are not rows of their memory")
-    src = x[:, :, 0].to(pages.dtype).reshape(-1, pages.size(-1))
-    if pages.dtype in _FLOAT8:  # (torch's index_copy_ has no float8 kernel: moved as bytes)
+def _write_rows(rows: Tensor, x: Tensor, index: Tensor) -> None:
+    """Row ``n``'s one token of ``x`` ``(N, Hkv, 1, D)`` into the memory rows ``rows`` of its
+    pages at ``index[n * Hkv : (n + 1) * Hkv]``, in one ``index_copy_``."""
+    src = x[:, :, 0].to(rows.dtype).reshape(-1, rows.size(-1))
+    if rows.dtype in _FLOAT8:  # (torch's index_copy_ has no float8 kernel: moved as bytes)
         rows, src = rows.view(torch.uint8), src.view(torch.uint8)
     rows.index_copy_(0, index, src)
 

@@ -335,7 +335,7 @@ class PagedKVCache(nn.Module):
         ks, vs = scales
         v_scales = None if vs is None else self.v_scales
         if self.kv_dtype == torch.int8:
-            write(self.k_scales, v_scales, ks, vs, **kw)  # type: ignore[arg-type]
+            write(self.k_scales, v_scales, ks, vs, pieces=pieces, **kw)  # type: ignore[arg-type]
             return pieces
         # float8: the row's scale on the pages new to it (those past its held tokens' pages,
         # all of a new sequence's); the pages of its held tokens carry it already
