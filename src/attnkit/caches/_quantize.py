@@ -63,11 +63,12 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     >>> xq.tolist(), round(scale.item() * 127, 6)
     ([[[[64, -127, 32]]]], 1.0)
     """
-    x = _check_float(x).detach()
+    x = _check_float(x).detach().float()
     finite = x.isfinite()
-    amax = _finite_magnitudes(x, finite).amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    xq = torch.round(x.float().where(finite, 0.0) / scale).clamp_(-127, 127).to(torch.int8)
+    x = x.where(finite, 0.0)  # (a decode step's write: each operation here is one per step)
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, 1.0)
+    xq = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
     # int8 holds no NaN or inf: the token's scale carries it (every element reads as NaN)
     return xq, scale.where(finite.all(-1, keepdim=True), float("nan"))
 
