@@ -249,10 +249,11 @@ def _memory_rows(pages: Tensor) -> Tensor | None:
 def _row_index(pages: Tensor, pieces: list[Piece]) -> Tensor:
     """The rows of :func:`_memory_rows` that each piece's one token fills, a head after another
     (piece ``n``, head ``h`` at ``n * Hkv + h``)."""
-    d, (s0, s1, s2) = pages.size(-1), pages.stride()[:3]
-    heads = [h * s1 // d for h in range(pages.size(1))]  # (a size-1 dim's stride is never used)
-    index = [(page * s0 + offset * s2) // d + h for _, page, offset, _, _ in pieces for h in heads]
-    return torch.tensor(index, device=pages.device)
+    d, (s0, s1, s2), device = pages.size(-1), pages.stride()[:3], pages.device
+    first = [(page * s0 + offset * s2) // d for _, page, offset, _, _ in pieces]
+    # (a size-1 dim's stride is never used: it may be any number)
+    heads = torch.arange(pages.size(1), device=device) * (s1 // d if pages.size(1) > 1 else 0)
+    return (torch.tensor(first, dtype=torch.int64, device=device)[:, None] + heads).view(-1)
 
 
 def _write_rows(rows: Tensor, x: Tensor, index: Tensor) -> None:
