@@ -376,7 +376,11 @@ def test_a_cache_step_is_checked_once_and_attention_dispatches_that_call() -> No
         ({"causal": 1}, TypeError, "causal must be a bool, got 1"),
         ({"sinks": torch.full((4,), math.nan, dtype=torch.float64)}, ValueError, "sinks holds NaN"),
         ({"return_lse": "yes"}, TypeError, "return_lse must be a bool, got 'yes'"),
-        ({"mask": masks.key_padding([3, 4])}, ValueError, "has 2 batch rows but the call has B = 4"),
+        (
+            {"mask": masks.key_padding([3, 4])},
+            ValueError,
+            "has 2 batch rows but the call has B = 4",
+        ),
     ],
 )
 def test_a_call_on_a_checked_view_with_other_arguments_is_checked(
@@ -410,4 +414,5 @@ def test_a_step_checked_without_gradients_is_described_again_with_them() -> None
         out = attnkit.attention(q, view, causal=True)
     assert calls[0].call.requires_grad
     out.sum().backward()
-    assert q.grad is not None and q.grad.abs().sum() > 0
+    assert q.grad is not None
+    assert q.grad.abs().sum() > 0

@@ -525,16 +525,19 @@ def test_a_stage_staged_again_keeps_its_pages_and_a_refused_one_changes_nothing(
     with torch.no_grad():
         out, _ = c.attention(q, k, v, causal=True)  # staged again over the first stage
     assert [list(p) for p in c._pages] == staged
-    assert torch.equal(c.block_table, table) and c.num_free_pages == free
+    assert torch.equal(c.block_table, table)
+    assert c.num_free_pages == free
     before = _snapshot(c)
     with pytest.raises(ValueError, match="takes causal=True"), torch.no_grad():
         c.attention(q, k, v, mask=masks.key_padding([1, 2, 3, 4]))
-    assert _same(before, _snapshot(c)) and torch.equal(c.block_table, table)
+    assert _same(before, _snapshot(c))
+    assert torch.equal(c.block_table, table)
     c.commit()
     for b in range(4):  # the held tokens then the last stage's
         keys = c.token_major()[0][c.pages_of(b)].flatten(0, 1)[: c.lengths[b]].permute(1, 0, 2)
         values = c.token_major()[1][c.pages_of(b)].flatten(0, 1)[: c.lengths[b]].permute(1, 0, 2)
-        assert torch.equal(keys[:, -1:], k[b]) and torch.equal(values[:, -1:], v[b])
+        assert torch.equal(keys[:, -1:], k[b])
+        assert torch.equal(values[:, -1:], v[b])
         want = attnkit.attention(q[b : b + 1], keys[None], values[None], backend="reference")
         assert_close(out[b : b + 1], want)
     c.schedule([0, 1, 0, 0])
