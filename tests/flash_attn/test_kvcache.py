@@ -485,3 +485,37 @@ def test_an_int8_cache_is_refused_by_name_before_writing() -> None:
     with pytest.raises(TypeError, match=re.escape(message) + ".*got int8 and int8.*kv_dtype="):
         fa.flash_attn_with_kvcache(**call)
     assert_unchanged(call, before)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["cache_batch_idx", "shared_pages"])
+def test_rows_sharing_float8_pages_read_them_with_their_own_descale_factors(paged: bool) -> None:
+    # Two batch rows read the same float8 keys (one cache row through cache_batch_idx, or the
+    # same pages: a shared prefix) with factors of their own, as flash-attn 3 takes them per
+    # batch row: each row's output and log-sum-exp are the reference's over its own dequantized
+    # keys (row 0 was read with row 1's factors), softcap and sinks included.
+    g = torch.Generator().manual_seed(51)
+    hkv, d, length = 2, 8, 6
+    k_cache = torch.randn(1, length, hkv, d, generator=g).to(torch.float8_e4m3fn)
+    v_cache = torch.randn(1, length, hkv, d, generator=g).to(torch.float8_e4m3fn)
+    q = torch.randn(2, 1, 4, d, generator=g)
+    sinks = torch.randn(4, generator=g)
+    kd, vd = torch.tensor([[0.5, 1.0], [3.0, 2.0]]), torch.tensor([[1.5, 0.25], [2.0, 4.0]])
+    call: dict[str, Any] = {"cache_seqlens": torch.tensor([length, length]), "softcap": 2.0,
+                            "learnable_sink": sinks, "k_descale": kd, "v_descale": vd,
+                            "return_softmax_lse": True}  # fmt: skip
+    if paged:
+        pages = (k_cache.view(3, 2, hkv, d), v_cache.view(3, 2, hkv, d))
+        call["block_table"] = torch.tensor([[0, 1, 2], [0, 1, 2]], dtype=torch.int32)
+    else:
+        pages = (k_cache, v_cache)
+        call["cache_batch_idx"] = torch.tensor([0, 0], dtype=torch.int32)
+    out, lse = fa.flash_attn_with_kvcache(q, *pages, **call)
+    for b in range(2):
+        keys = (k_cache[0].double() * kd[b].double()[:, None]).transpose(0, 1)[None]
+        values = (v_cache[0].double() * vd[b].double()[:, None]).transpose(0, 1)[None]
+        want, want_lse = attnkit.attention(
+            q[b : b + 1].transpose(1, 2).double(), keys, values, softcap=2.0,
+            sinks=sinks.double(), return_lse=True, backend="reference",
+        )  # fmt: skip
+        assert_close(out[b : b + 1].transpose(1, 2), want)
+        assert_close(lse[b : b + 1], want_lse)

@@ -162,7 +162,8 @@ def flash_attn_with_kvcache(
             quantized first, ``k / k_descale`` rounded to the format (saturating). ``q`` may be
             float8 too, read as ``q.float() * q_descale`` in bfloat16 (flash-attn 3's output
             dtype for float8 inputs); a float ``q`` is multiplied by ``q_descale``. The pages a
-            row reads take its factors (rows sharing a page share them).
+            row reads take its factors (rows sharing a page with factors of their own each read
+            it with theirs, folded into ``q`` and the output).
         others: as :func:`~attnkit.flash_attn.flash_attn_func`.
 
     Returns:
@@ -213,7 +214,9 @@ def flash_attn_with_kvcache(
         # flash-attn's rule: causal or windowed queries sit at their own positions.
         positional = causal or not (lo == -math.inf and hi == math.inf)
         q, k = _rotated(q, k, rows, rotary_cos, rotary_sin, rotary_interleaved, positional)
-    view = _view(k_cache, v_cache, rows, descales[1:])
+    view, fold = _view(k_cache, v_cache, rows, descales[1:])
+    if fold is not None:  # rows sharing a page with factors of their own: k_descale into q
+        q = _descaled_q(q, fold[0])
     mask = band_mask(lo, hi, q_len, view.width)
     bias = None
     if alibi_slopes is not None:  # each row's call from its own alignment
@@ -236,6 +239,8 @@ def flash_attn_with_kvcache(
         want_lse=want_lse,
         want_probs=False,
     )
+    if fold is not None:  # and v_descale into the output: sum_j w_j (d v_j) = d sum_j w_j v_j
+        out = _descaled_q(out, fold[1])
     return (out, lse) if want_lse and lse is not None else out
 
 
@@ -374,14 +379,23 @@ def _rotated(
 
 def _view(
     k_cache: Tensor, v_cache: Tensor, rows: _Rows, descales: tuple[Tensor | None, Tensor | None]
-) -> CacheView:
+) -> tuple[CacheView, tuple[Tensor, Tensor] | None]:
     """The cache as the call reads it: row ``b``'s keys ``cache_leftpad[b] <= j < lengths[b]``
     of its pages (the block table, checked), of its cache row (``cache_batch_idx``: a page of the
     whole capacity a row), or of row ``b``; a float8 cache with each page's scale, the descale
-    factors of the row that reads it."""
+    factors of the row that reads it. Where rows that read one page have factors of their own,
+    the page has no one scale: the view's scales are then 1 and the factors ``(k_descale,
+    v_descale)`` come back, for the call to fold into q (the scores ``q . (d k)`` are ``(d q) .
+    k``) and into the output (else None)."""
     table = rows.table
     if table is None and rows.cache_rows is not None:
         table = torch.tensor(rows.cache_rows, dtype=torch.int64, device=k_cache.device)[:, None]
+    kd, vd = descales
+    fold = None
+    if kd is not None and vd is not None and table is not None:
+        one = _one_factor(kd, k_cache, rows, table) and _one_factor(vd, k_cache, rows, table)
+        if not one:
+            fold, descales = (kd, vd), (torch.ones_like(kd), torch.ones_like(vd))
     scales = [None if d is None else _page_scales(d, k_cache, rows, table) for d in descales]
     return CacheView(
         k_cache.permute(0, 2, 1, 3),
@@ -392,7 +406,18 @@ def _view(
         scales[0],
         scales[1],
         trusted=True,
-    )
+    ), fold
+
+
+def _one_factor(d: Tensor, k_cache: Tensor, rows: _Rows, table: Tensor) -> bool:
+    """Whether every page rows read is read with one factor ``d (B, Hkv)`` a head (rows that
+    share a page, prefix sharing or one ``cache_batch_idx`` row, may give their own)."""
+    page = k_cache.size(1)
+    scales = _page_scales(d, k_cache, rows, table)[:, :, 0, 0]  # (X, Hkv): the last row's
+    used = torch.tensor([-(-n // page) for n in rows.lengths], device=table.device)
+    read = torch.arange(table.size(1), device=table.device) < used[:, None]  # (B, P)
+    given = d[:, None, :].expand(-1, table.size(1), -1)[read]  # (pages read, Hkv)
+    return bool((scales[table.long()[read]] == given).all())
 
 
 def _descales(
