@@ -16,14 +16,17 @@ rounds, its ratio to the bfloat16 cache and to its own memory floor, measured in
   ``attention(q, view, causal=True)``, as ``MultiHeadAttention`` makes it), for a
   ``KVCache(..., kv_dtype=...)`` and a ``PagedKVCache(page_size=16, kv_dtype=...)`` holding the
   same tokens (rows on pages in order; ``paged`` flash-attn's token-major pages, ``paged-vllm``
-  vLLM's head-major ones), int8 and bfloat16: the paged step against the contiguous one, and
-  int8 against bfloat16.
+  vLLM's head-major ones), int8, float8 e4m3 and bfloat16: the paged step against the
+  contiguous one, and each format against bfloat16. ``--steps`` times these steps alone (at
+  ``--batch`` rows), ``--cpu`` by the process's processor time rather than the wall clock.
 * accuracy: each quantized output against the float64 formula over the dequantized cache (the
   kernel's own error) and against the float64 formula over the unquantized cache (the format's
   error), as relative errors (norm of the difference over the norm of the exact output).
 
     python benchmarks/bench_quantized.py
     python benchmarks/bench_quantized.py --rounds 7 --json docs/benchmarks/data/quantized.json
+    python benchmarks/bench_quantized.py --steps --threads 2
+    python benchmarks/bench_quantized.py --steps --batch 1 --tokens 512
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -55,34 +59,45 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return (x / scale).to(dtype), scale
 
 
-def measure(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Each candidate's median seconds per call over interleaved rounds."""
+def measure(
+    fns: dict[str, Callable[[], object]], rounds: int, cpu: bool = False
+) -> dict[str, float]:
+    """Each candidate's median seconds per call over interleaved rounds (``cpu``: the process's
+    processor seconds per call, which other processes on a busy machine do not add to)."""
     for fn in fns.values():
         fn()  # warm-up (and the native kernel's build or load)
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+            if cpu:
+                timer = benchmark.Timer("fn()", globals={"fn": fn}, timer=time.process_time)
+            else:
+                threads = torch.get_num_threads()
+                timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=threads)
             samples[name].append(timer.blocked_autorange(min_run_time=0.3).median)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def cache_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int) -> dict[str, float]:
-    """Seconds per decode step of a KVCache and a PagedKVCache (page 16), int8 and bfloat16."""
-    t = k.size(2)
+def cache_steps(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int, cpu: bool = False
+) -> dict[str, float]:
+    """Seconds per decode step of a KVCache and a PagedKVCache (page 16), int8, float8 e4m3
+    and bfloat16."""
+    b, t = k.size(0), k.size(2)
     one_k, one_v = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
     fns: dict[str, Callable[[], object]] = {}
     for name, kv_dtype, dtype in (
         ("int8", torch.int8, torch.float32),
+        ("e4m3", torch.float8_e4m3fn, torch.float32),
         ("bf16", None, torch.bfloat16),
     ):
-        flat = attnkit.KVCache(B, t + 1, HKV, D, dtype=dtype, kv_dtype=kv_dtype)
+        flat = attnkit.KVCache(b, t + 1, HKV, D, dtype=dtype, kv_dtype=kv_dtype)
         flat.update(k.to(dtype), v.to(dtype))
         pages = -(-(t + 1) // 16)
         paged = {}
         for layout in ("flash", "vllm"):
             paged[layout] = attnkit.PagedKVCache(
-                B * pages, 16, HKV, D, max_seqs=B, dtype=dtype, kv_dtype=kv_dtype, layout=layout
+                b * pages, 16, HKV, D, max_seqs=b, dtype=dtype, kv_dtype=kv_dtype, layout=layout
             )
             paged[layout].stage(k.to(dtype), v.to(dtype))
             paged[layout].commit()
@@ -95,7 +110,15 @@ def cache_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int) 
         fns[f"KVCache {name}"] = lambda c=flat, s=step: s(c)
         fns[f"paged {name}"] = lambda c=paged["flash"], s=step: s(c)
         fns[f"paged-vllm {name}"] = lambda c=paged["vllm"], s=step: s(c)
-    return measure(fns, rounds)
+    return measure(fns, rounds, cpu)
+
+
+def print_steps(steps: dict[str, float]) -> None:
+    print(f"{'cache step':>16} {'ms':>8} {'/ KVCache':>9} {'/ bf16':>7}")
+    for name, sec in steps.items():
+        kind, fmt = name.split()
+        flat, same = steps[f"KVCache {fmt}"], steps[f"{kind} bf16"]
+        print(f"{name:>16} {sec * 1e3:>8.2f} {sec / flat:>9.2f} {sec / same:>7.2f}")
 
 
 def relative(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -108,10 +131,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--tokens", type=int, default=T)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--steps", action="store_true", help="time the cache steps alone")
+    parser.add_argument("--batch", type=int, default=B, help="rows of the cache steps")
+    parser.add_argument("--cpu", action="store_true", help="time by processor time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     t = args.tokens
+    if args.steps:
+        shape = (args.batch, HKV, t, D)
+        q = torch.randn(args.batch, H, 1, D, generator=g)
+        k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        with torch.inference_mode():
+            steps = cache_steps(q, k, v, args.rounds, args.cpu)
+        clock = "processor" if args.cpu else "wall"
+        print(f"B={args.batch} H={H} Hkv={HKV} D={D} T={t}, {args.threads} threads, {clock} time")
+        print_steps(steps)
+        return
     q = torch.randn(B, H, 1, D, generator=g)
     k = torch.randn(B, HKV, t, D, generator=g)
     v = torch.randn(B, HKV, t, D, generator=g)
@@ -162,11 +198,8 @@ def main() -> None:
               f"{ratio:>7.2f} {deq:>9.1e} {ex:>10.1e}")  # fmt: skip
     with torch.inference_mode():
         steps = cache_steps(q, k, v, args.rounds)
-    print(f"\n{'cache step':>16} {'ms':>8} {'/ KVCache':>9} {'/ bf16':>7}")
-    for name, sec in steps.items():
-        kind, fmt = name.split()
-        flat, same = steps[f"KVCache {fmt}"], steps[f"{kind} bf16"]
-        print(f"{name:>16} {sec * 1e3:>8.2f} {sec / flat:>9.2f} {sec / same:>7.2f}")
+    print()
+    print_steps(steps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import fields, replace
+from unittest import mock
 
 import pytest
 import torch
 from torch import Tensor
 
-from attnkit import masks
-from attnkit._call import AttentionCall, check_attention_args
+import attnkit
+from attnkit import PagedKVCache, _call, masks
+from attnkit._call import AttentionCall, CheckedCall, check_attention_args
+from attnkit.caches.view import CacheView
 from attnkit.scores import RelativePositionTerm
 
 
@@ -332,3 +336,107 @@ def test_scales_of_a_quantized_cache_view_that_need_gradients_get_them(backend: 
         grads.append(torch.autograd.grad(out.sin().sum(), (ks, vs)))
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# A cache step checked once: the call a PagedKVCache checks before its write, carried by its view
+
+
+def _paged_step(**kw: object) -> tuple[Tensor, CacheView]:
+    """A decode step's view of a PagedKVCache of 4 rows (16-token prompts, pages of 4): staged,
+    its call checked (``causal=True`` and ``kw``), not committed."""
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(24, 4, 2, 8, max_seqs=4, dtype=torch.float64, layout="vllm")
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    cache.stage(rand(4, 2, 16, 8), rand(4, 2, 16, 8))
+    cache.commit()
+    q = rand(4, 4, 1, 8)
+    with torch.no_grad():
+        return q, cache.stage_call(q, rand(4, 2, 1, 8), rand(4, 2, 1, 8), causal=True, **kw)
+
+
+def _recorded(q: Tensor, view: CacheView, **kw: object) -> tuple[AttentionCall, Tensor]:
+    with torch.no_grad(), attnkit.record_dispatch() as calls:
+        out = attnkit.attention(q, view, **kw)  # type: ignore[call-overload]
+    assert len(calls) == 1
+    return calls[0].call, out[0] if isinstance(out, tuple) else out
+
+
+def _same_call(got: AttentionCall, want: AttentionCall) -> None:
+    for f in fields(AttentionCall):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(a, masks.Mask) and isinstance(b, masks.Mask):
+            assert repr(a) == repr(b), f.name
+        elif f.name != "cache":
+            assert a == b, f.name
+
+
+def test_a_cache_step_is_checked_once_and_attention_dispatches_that_call() -> None:
+    """The view a PagedKVCache step hands out carries the call its check described before the
+    write; attention() on the view with the same arguments dispatches that call, field by field
+    the call a fresh check of the view describes, on this very view, without checking it again."""
+    q, view = _paged_step()
+    assert isinstance(view.checked_call, CheckedCall)
+    fresh = call_of(q, replace(view, checked_call=None), None, causal=True, return_lse=True)
+    with mock.patch.object(_call, "_check_view", side_effect=AssertionError("checked again")):
+        got, out = _recorded(q, view, causal=True, return_lse=True)
+        got_plain, _ = _recorded(q, view, causal=True)
+    _same_call(got, fresh)
+    assert got.cache is view
+    assert got_plain.return_lse is False
+    keys, values = view.dense()
+    want = attnkit.attention(q, keys, values, causal=True, backend="reference")
+    assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "message"),
+    [
+        ({"softcap": -1.0}, ValueError, "softcap must be a finite number > 0, got -1.0"),
+        ({"scale": math.nan}, ValueError, "scale must be finite"),
+        ({"causal": 1}, TypeError, "causal must be a bool, got 1"),
+        ({"sinks": torch.full((4,), math.nan, dtype=torch.float64)}, ValueError, "sinks holds NaN"),
+        ({"return_lse": "yes"}, TypeError, "return_lse must be a bool, got 'yes'"),
+        (
+            {"mask": masks.key_padding([3, 4])},
+            ValueError,
+            "has 2 batch rows but the call has B = 4",
+        ),
+    ],
+)
+def test_a_call_on_a_checked_view_with_other_arguments_is_checked(
+    kw: dict[str, object], exc: type[Exception], message: str
+) -> None:
+    """Only the arguments the cache checked are taken as checked: any other is checked (and
+    refused) as attention() checks it, in the grad mode the view was checked in."""
+    q, view = _paged_step()
+    call = {"causal": True, **kw}
+    with torch.no_grad(), pytest.raises(exc, match=re.escape(message)):
+        call_of(q, view, None, **call)
+
+
+def test_a_call_on_a_checked_view_with_other_valid_arguments_is_described_afresh() -> None:
+    q, view = _paged_step()
+    bare = replace(view, checked_call=None)
+    for kw in ({"softcap": 5.0}, {"scale": 0.25}, {"causal": False, "mask": masks.causal()}):
+        got, out = _recorded(q, view, **kw)
+        _same_call(got, call_of(q, bare, None, **kw))
+        assert torch.equal(out, _recorded(q, bare, **kw)[1])
+    got, _ = _recorded(q.clone(), view, causal=True)  # other queries: described afresh
+    assert got.cache is not view.checked_call.call.cache  # type: ignore[union-attr]
+
+
+def test_a_step_checked_without_gradients_is_described_again_with_them() -> None:
+    """The grad mode and q's requires_grad are part of what was checked: a call made with
+    gradients on a view checked without them asks for them (and so is not read in place)."""
+    q, view = _paged_step()
+    q.requires_grad_(True)
+    with attnkit.record_dispatch() as calls:
+        out = attnkit.attention(q, view, causal=True)
+    assert calls[0].call.requires_grad
+    out.sum().backward()
+    assert q.grad is not None
+    assert q.grad.abs().sum() > 0

@@ -33,7 +33,14 @@ from .caches.view import CacheView, band_of
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import DistanceBias, ScoreShape, ScoreTerm
 
-__all__ = ["AttentionCall", "check_attention_args", "describe_call"]
+__all__ = [
+    "AttentionCall",
+    "CheckedCall",
+    "check_attention_args",
+    "check_cache_call",
+    "copy_call",
+    "describe_call",
+]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -132,10 +139,7 @@ class AttentionCall:
             return replace(self, cache=None)
         made = self.__dict__.get("_dense_views")
         if made is None:
-            # (the fields as they are but the cache: no __init__ to run again, a step's worth)
-            made = object.__new__(AttentionCall)
-            fields = {k: v for k, v in self.__dict__.items() if k != "_dense_views"}
-            made.__dict__.update(fields, cache=None)
+            made = copy_call(self, cache=None)
             self.__dict__["_dense_views"] = made
         return made
 
@@ -509,6 +513,12 @@ def check_attention_args(
     whether q, k and v hold NaN/inf, so that backends whose backward would let masked ones into
     the gradients can decline it. Skipped while torch.compile traces and on ``meta`` tensors.
     """
+    if isinstance(k, CacheView) and isinstance(k.checked_call, CheckedCall):
+        call = k.checked_call.reuse(
+            q, k, v, mask, bias, causal, scale, softcap, sinks, dropout_p, return_weights, score_mod
+        )
+        if call is not None and isinstance(return_lse, bool):
+            return call if call.return_lse is return_lse else copy_call(call, return_lse=return_lse)
     view = None
     if isinstance(k, CacheView):
         q, k, v, view = _check_view(q, k, v)
@@ -564,6 +574,14 @@ def describe_call(
     the caller's ``mask``, ``bias`` and ``causal``, which the module passes on, are checked here,
     once. The scale is ``1/sqrt(Dk)``. ``k`` may be a cache view (and ``v`` None): a module's call
     on its cache, checked as :func:`attention` checks one."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    if isinstance(k, CacheView) and isinstance(k.checked_call, CheckedCall):
+        checked = k.checked_call
+        call = checked.reuse(
+            q, k, v, mask, bias, causal, checked.scale, None, sinks, dropout_p, return_weights
+        )
+        if call is not None and call.scale == scale:
+            return call if call.return_lse is return_lse else copy_call(call, return_lse=return_lse)
     view = None
     if isinstance(k, CacheView):
         q, k, v, view = _check_view(q, k, v)
@@ -578,7 +596,7 @@ def describe_call(
         k,
         v,
         scores,
-        scale=1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0,
+        scale=scale,
         softcap=None,
         sinks=sinks,
         dropout_p=dropout_p,
@@ -661,3 +679,116 @@ def _described(
         forward_ad=carries_tangent(q, k, v, scores.dense, sinks),
         cache=cache,
     )
+
+
+def copy_call(call: AttentionCall, **changes: object) -> AttentionCall:
+    """``call`` with ``changes`` to its fields, the others as they are: no ``__init__`` and no
+    check to run again (a decode step's worth of time), and none of the answers kept on the call
+    (they are of its own fields)."""
+    made = object.__new__(AttentionCall)
+    fields = call.__dict__.copy()
+    fields.pop("_dense_views", None)
+    fields.update(changes)
+    made.__dict__.update(fields)
+    return made
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedCall:
+    """A cache call checked before the cache wrote its new tokens, and the arguments it was
+    checked with.
+
+    A :class:`~attnkit.PagedKVCache` checks every argument of a step's attention call before it
+    writes (so a refused call changes nothing), on the view the call will read once the new
+    tokens are written; the view it then hands out carries this (``CacheView.checked_call``).
+    :func:`attnkit.attention` (or a module's call) on that view with the same ``q``, ``mask``,
+    ``bias``, ``sinks`` (the same objects), ``causal``, ``scale`` and ``softcap``, in the same
+    grad mode and without dropout, weights or a ``score_mod``, takes :attr:`call` rather than
+    describing and checking the call a second time: a step is checked once. Any other call on
+    the view is checked as usual.
+    """
+
+    #: the call as described on the view before the write (its ``cache`` that view)
+    call: AttentionCall
+    q: Tensor
+    mask: object
+    bias: object
+    causal: object
+    scale: object
+    softcap: object
+    sinks: object
+    #: ``torch.is_grad_enabled()``, ``q.requires_grad`` and the sinks' when checked
+    grad: tuple[bool, bool, bool]
+
+    def reuse(
+        self,
+        q: object,
+        view: CacheView,
+        v: object,
+        mask: object,
+        bias: object,
+        causal: object,
+        scale: object,
+        softcap: object,
+        sinks: object,
+        dropout_p: object = 0.0,
+        return_weights: object = False,
+        score_mod: object = None,
+    ) -> AttentionCall | None:
+        """The call on ``view`` (this call's view, or its copy for the call's queries) of these
+        arguments, if they are the ones checked; else None (the call is to be checked)."""
+        if (
+            q is not self.q
+            or mask is not self.mask
+            or bias is not self.bias
+            or sinks is not self.sinks
+            or causal is not self.causal
+            or type(scale) is not type(self.scale)
+            or scale != self.scale
+            or type(softcap) is not type(self.softcap)
+            or softcap != self.softcap
+            or v is not None
+            or score_mod is not None
+            or return_weights is not False
+            or type(dropout_p) is not float
+            or dropout_p != 0.0
+            or self.grad != _grad(self.q, sinks)
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        return copy_call(self.call, cache=view.with_queries(self.q.size(2)))
+
+
+def _grad(q: Tensor, sinks: object) -> tuple[bool, bool, bool]:
+    sinks_grad = isinstance(sinks, Tensor) and sinks.requires_grad
+    return torch.is_grad_enabled(), q.requires_grad, sinks_grad
+
+
+def check_cache_call(
+    q: object,
+    view: CacheView,
+    *,
+    mask: object,
+    bias: object,
+    causal: object,
+    scale: object,
+    softcap: object,
+    sinks: object,
+) -> CheckedCall:
+    """:func:`check_attention_args` of ``attention(q, view, ...)``, before the cache writes the
+    tokens ``view`` will hold (raising what that call would raise), and the arguments checked:
+    what the view the cache hands out then carries."""
+    call = check_attention_args(
+        q,
+        view,
+        None,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        scale=scale,
+        softcap=softcap,
+        sinks=sinks,
+    )
+    if not isinstance(q, Tensor):  # (check_attention_args refuses anything else)
+        raise TypeError(f"q must be a tensor, got {type(q).__name__}")
+    return CheckedCall(call, q, mask, bias, causal, scale, softcap, sinks, _grad(q, sinks))

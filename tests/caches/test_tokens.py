@@ -105,3 +105,63 @@ def test_a_front_end_spells_the_check_in_its_own_names_and_layout() -> None:
                                                    "torch.inference_mode() (got v with "
                                                    "requires_grad=True)")):  # fmt: skip
         check_tokens(ok, grad, pages, pages, 2, "k_cache", spelling)
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+@pytest.mark.parametrize("rows", [4, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e5m2])
+@pytest.mark.parametrize("layout", ["head-major", "token-major", "strided", "latent"])
+def test_a_decode_step_over_pages_puts_each_token_in_its_place(
+    rows: int, dtype: torch.dtype, layout: str
+) -> None:
+    """One token in each of several rows (a decode step), written as rows of the pages' memory
+    in one index_copy_ where the pages lie densely (either order of a pool), a copy a row where
+    they do not (pages that are a slice of wider ones): every token where a token-by-token write
+    puts it, every other byte as it was."""
+    gen = torch.Generator().manual_seed(1)
+    pages, hkv, size, dk, dv = 12, 3, 4, 8, 8 if layout != "strided" else 5
+
+    def rand(*shape: int) -> Tensor:
+        x = torch.randn(*shape, generator=gen) * 10
+        return x.round().to(dtype) if dtype == torch.int8 else x.to(dtype)
+
+    if layout == "token-major":  # (X, page, Hkv, D), seen head-major
+        k_pages, v_pages = rand(pages, size, hkv, dk).transpose(1, 2), rand(pages, size, hkv, dv)
+        v_pages = v_pages.transpose(1, 2)
+    elif layout == "strided":  # values a slice of wider pages: not rows of their memory
+        k_pages, v_pages = rand(pages, hkv, size, dk), rand(pages, hkv, size, dv + 3)[..., :dv]
+    else:
+        k_pages, v_pages = rand(pages, hkv, size, dk), rand(pages, hkv, size, dv)
+    table = torch.randperm(pages, generator=gen)[: rows * 2].view(rows, 2).tolist()
+    at = [int(a) for a in torch.randint(0, 2 * size, (rows,), generator=gen)]
+    k, v = rand(rows, hkv, 1, dk), rand(rows, hkv, 1, dv)
+    latent = layout == "latent"  # values a view of the keys: written with them
+    want_k = _as_bytes(_by_hand(k_pages, k, at, [1] * rows, table))
+    want_v = _as_bytes(_by_hand(v_pages, v, at, [1] * rows, table))
+    before_v = _as_bytes(v_pages.clone())
+    pieces = write(
+        k_pages, None if latent else v_pages, k, None if latent else v, at=at,
+        block_table=torch.tensor(table),
+    )  # fmt: skip
+    assert [(n, p, o, m) for n, p, o, m, _ in pieces] == [
+        (n, table[n][a // size], a % size, 1) for n, a in enumerate(at)
+    ]
+    assert torch.equal(_as_bytes(k_pages), want_k)
+    assert torch.equal(_as_bytes(v_pages), before_v if latent else want_v)
+
+
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
+def test_a_decode_steps_rows_are_those_of_the_pages_memory(layout: str) -> None:
+    """The rows written are where the pages lie: a token of page ``p``, head ``h``, offset
+    ``o`` is row ``(p * s0 + h * s1 + o * s2) / D`` of the memory, whichever order."""
+    shape = (5, 3, 4, 2) if layout == "head-major" else (5, 4, 3, 2)
+    memory = torch.zeros(shape)
+    pages = memory if layout == "head-major" else memory.transpose(1, 2)
+    k = torch.arange(4 * 3 * 2, dtype=torch.float32).view(4, 3, 1, 2) + 1
+    write(pages, None, k, None, at=[0, 1, 2, 3], block_table=torch.tensor([[4], [0], [3], [1]]))
+    for n, (page, offset) in enumerate([(4, 0), (0, 1), (3, 2), (1, 3)]):
+        assert torch.equal(pages[page, :, offset], k[n, :, 0])
+    assert int(memory.ne(0).sum()) == k.numel()

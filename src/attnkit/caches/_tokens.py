@@ -161,18 +161,22 @@ def write(
     at: Sequence[int],
     counts: Sequence[int] | None = None,
     block_table: Tensor | Sequence[Sequence[int]] | None = None,
+    pieces: list[Piece] | None = None,
 ) -> list[Piece]:
     """Write row ``n``'s first ``counts[n]`` new tokens (all ``T`` when None) of ``k`` ``(N, Hkv,
     T, Dk)`` and ``v`` at its key positions ``at[n]`` on, through ``block_table`` ``(N, P)`` (a
     tensor, or each row's pages as ints) or row ``n`` on page ``n``, converting to the pages'
-    dtype. Returns the stretches written (none listed for the one copy of rows in order).
+    dtype. Returns the stretches written (none listed for the one copy of rows in order), which
+    a write of the same tokens' scales takes as ``pieces`` rather than working them out again.
     ``v_pages`` None: the values are a view of the keys' pages (a latent cache), written with them.
 
     How it writes is chosen by the shape of the write: rows in order at one position, one copy
-    (a contiguous cache's step); a stretch a row or fewer pieces than rows (a decode step), a copy
-    a piece, since torch's indexing kernels start their threads from a few thousand elements on
-    and, where the cores are busy, each start waits for one; more pieces (a prompt over pages),
-    one indexed write of all the tokens."""
+    (a contiguous cache's step); one token in each of several rows (a decode step over pages),
+    one ``index_copy_`` of its heads' rows into each of the pages' memory, which torch runs on
+    one thread below 32768 elements; other stretches a row or fewer pieces than rows, a copy a
+    piece, since torch's other indexing kernels start their threads from a few thousand elements
+    on and, where the cores are busy, each start waits for one; more pieces (a prompt over
+    pages), one indexed write of all the tokens."""
     rows, _, t, _ = k.shape
     new = [t] * rows if counts is None else list(counts)
     # (comparisons, not a set: a compiled step's position is a symbolic size, which a set would
@@ -184,7 +188,25 @@ def write(
         return []
     if isinstance(block_table, Tensor) and block_table.device.type == "meta":
         return []  # no page numbers to read, and pages on the meta device hold no values
-    pieces = _pieces(k_pages.size(2), at, new, block_table)
+    if pieces is None:
+        pieces = _pieces(k_pages.size(2), at, new, block_table)
+    # (while traced, a copy a piece: the positions may be symbolic sizes, never read as numbers)
+    rows_at_once = t == 1 and len(pieces) == rows >= _ROWS_COPIED
+    k_rows = None
+    if rows_at_once and not torch.compiler.is_compiling():
+        k_rows = _memory_rows(k_pages)
+    if k_rows is not None:
+        index = _row_index(k_pages, pieces)
+        _write_rows(k_rows, k, index)
+        if v_pages is not None and v is not None:
+            v_rows = _memory_rows(v_pages)
+            if v_rows is None:
+                for n, page, offset, _, _ in pieces:  # (values at strides of their own)
+                    v_pages[page, :, offset : offset + 1].copy_(v[n])
+            else:
+                same = v_pages.stride()[:3] == k_pages.stride()[:3] and v.size(-1) == k.size(-1)
+                _write_rows(v_rows, v, index if same else _row_index(v_pages, pieces))
+        return pieces
     if len(pieces) <= rows:
         for n, page, offset, m, i in pieces:
             k_pages[page, :, offset : offset + m].copy_(k[n, :, i : i + m])
@@ -199,6 +221,48 @@ def write(
     values = None if v_pages is None or v is None else v.transpose(1, 2)[real]
     put(k_pages, v_pages, k.transpose(1, 2)[real], values, where)
     return pieces
+
+
+#: from this many rows of one token each on, a decode step's write is one ``index_copy_`` of
+#: rows rather than a copy a row (each copy costs a few microseconds of dispatch)
+_ROWS_COPIED = 4
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _memory_rows(pages: Tensor) -> Tensor | None:
+    """Pages ``(X, Hkv, page, D)`` as a view ``(rows, D)`` of their memory, each row one token's
+    head, where they lie densely in some order of their first three dims with ``D`` contiguous
+    (a cache's own pages, token-major or head-major); None otherwise. Row ``(x*s0 + h*s1 +
+    p*s2) // D`` is ``pages[x, h, p]`` for the pages' strides ``s``."""
+    d = pages.size(-1)
+    if pages.stride(-1) != 1 and d != 1:
+        return None
+    strides = pages.stride()
+    order = sorted(range(3), key=lambda i: -strides[i])
+    dense = pages.permute(*order, 3)
+    if not dense.is_contiguous():
+        return None
+    return dense.view(-1, d)
+
+
+def _row_index(pages: Tensor, pieces: list[Piece]) -> Tensor:
+    """The rows of :func:`_memory_rows` that each piece's one token fills, a head after another
+    (piece ``n``, head ``h`` at ``n * Hkv + h``)."""
+    d, (s0, s1, s2), device = pages.size(-1), pages.stride()[:3], pages.device
+    first = [(page * s0 + offset * s2) // d for _, page, offset, _, _ in pieces]
+    # (a size-1 dim's stride is never used: it may be any number)
+    heads = torch.arange(pages.size(1), device=device) * (s1 // d if pages.size(1) > 1 else 0)
+    return (torch.tensor(first, dtype=torch.int64, device=device)[:, None] + heads).view(-1)
+
+
+def _write_rows(rows: Tensor, x: Tensor, index: Tensor) -> None:
+    """Row ``n``'s one token of ``x`` ``(N, Hkv, 1, D)`` into the memory rows ``rows`` of its
+    pages at ``index[n * Hkv : (n + 1) * Hkv]``, in one ``index_copy_``."""
+    src = x[:, :, 0].to(rows.dtype).reshape(-1, rows.size(-1))
+    if rows.dtype in _FLOAT8:  # (torch's index_copy_ has no float8 kernel: moved as bytes)
+        rows, src = rows.view(torch.uint8), src.view(torch.uint8)
+    rows.index_copy_(0, index, src)
 
 
 def _pieces(

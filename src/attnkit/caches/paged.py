@@ -22,6 +22,7 @@ pages per sequence at most.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from .._base.checks import check_float_tensor, check_int, dtype_str, shape_str
 from .._base.shapes import Float, shape_checked
-from .._call import AttentionCall, check_attention_args
+from .._call import CheckedCall, check_cache_call
 from ..attention import attention
 from ..masks import Mask
 from ..scores import DistanceBias
@@ -301,14 +302,18 @@ class PagedKVCache(nn.Module):
         """:meth:`_quantized` of the keys or of the values, whose scales are ``held``."""
         if self.kv_dtype is None or self.kv_dtype == torch.int8:
             return quantize(x, torch.int8)
+        # a sequence's tokens share the scale of its first write, which its first page holds
+        holding = [b for b, n in enumerate(self.lengths) if n]
+        firsts = torch.tensor([self._pages[b][0] for b in holding], device=held.device)
+        if len(holding) == len(new):  # (a decode step: no row starts a sequence)
+            return quantize(x, self.kv_dtype, held[firsts].to(x.device))
         real = (
             torch.arange(x.size(2), device=x.device) < torch.tensor(new, device=x.device)[:, None]
         )
         # (B, Hkv, 1, 1), from each row's real tokens: what its padding holds sets nothing
         scale = fp8_scale(x, self.kv_dtype, real[:, None, :, None])
-        for b, n in enumerate(self.lengths):
-            if n:  # a sequence's tokens share the scale of its first write
-                scale[b] = held[self._pages[b][0]]
+        if holding:
+            scale[torch.tensor(holding, device=x.device)] = held[firsts].to(x.device)
         return quantize(x, self.kv_dtype, scale)
 
     def _write(
@@ -330,14 +335,22 @@ class PagedKVCache(nn.Module):
         ks, vs = scales
         v_scales = None if vs is None else self.v_scales
         if self.kv_dtype == torch.int8:
-            write(self.k_scales, v_scales, ks, vs, **kw)  # type: ignore[arg-type]
+            write(self.k_scales, v_scales, ks, vs, pieces=pieces, **kw)  # type: ignore[arg-type]
             return pieces
-        for b, pages in enumerate(self._pages):
-            if pages and new[b]:
-                at = torch.tensor(pages, device=self.k_scales.device)
-                self.k_scales[at] = ks[b]
-                if v_scales is not None and vs is not None:
-                    v_scales[at] = vs[b]
+        # float8: the row's scale on the pages new to it (those past its held tokens' pages,
+        # all of a new sequence's); the pages of its held tokens carry it already
+        owners, pages = [], []
+        for b, taken in enumerate(self._pages):
+            if new[b]:
+                fresh = taken[self._used(self.lengths[b]) :]
+                owners += [b] * len(fresh)
+                pages += fresh
+        if pages:
+            device = self.k_scales.device
+            at, who = torch.tensor(pages, device=device), torch.tensor(owners, device=ks.device)
+            self.k_scales[at] = ks[who].to(device)
+            if v_scales is not None and vs is not None:
+                v_scales[at] = vs[who].to(device)
         return pieces
 
     def _seq(self, seq: int) -> int:
@@ -432,26 +445,42 @@ class PagedKVCache(nn.Module):
         offset``), row by row. ``v`` None: a ``values_in_keys`` cache's values, the keys' first
         ``Dv`` columns.
         """
-        return self._stage(k, v, self._plan(k, v))
-
-    def _stage(self, k: Tensor, v: Tensor | None, new: list[int]) -> Tensor:
-        """:meth:`stage` of checked tokens, ``new[b]`` of them in row ``b``."""
-        # (before anything is written; a values_in_keys cache's values are its keys')
-        k, v, scales = self._quantized(k, None if self.values_in_keys else v, new)
-        self._drop_staged()
-        for b, n in enumerate(new):
-            first = len(self._pages[b])
-            for _ in range(self._used(self.lengths[b] + n) - first):
-                self._pages[b].append(self._free.pop())
-            if len(self._pages[b]) > first:
-                self.block_table[b, first : len(self._pages[b])] = torch.tensor(
-                    self._pages[b][first:], dtype=torch.int32
-                )
-        pieces = self._write(k, v, scales, new)
-        self._staged = new
+        pieces = self._stage(k, v, self._plan(k, v))
         size = self.page_size
         slots = [s for _, p, at, m, _ in pieces for s in range(p * size + at, p * size + at + m)]
         return torch.tensor(slots, dtype=torch.int64, device=self.block_table.device)
+
+    def _stage(self, k: Tensor, v: Tensor | None, new: list[int]) -> list[Piece]:
+        """:meth:`stage` of checked tokens, ``new[b]`` of them in row ``b``; the stretches
+        written."""
+        # (before anything is written; a values_in_keys cache's values are its keys')
+        k, v, scales = self._quantized(k, None if self.values_in_keys else v, new)
+        self._take_pages(new)
+        pieces = self._write(k, v, scales, new)
+        self._staged = new
+        return pieces
+
+    def _take_pages(self, new: list[int]) -> None:
+        """Row ``b``'s pages for its held tokens and ``new[b]`` more. The pages of an uncommitted
+        stage that are still needed stay (a step staged again takes no page and writes no entry
+        of the block table), those past them return to the pool, and the pages taken are named
+        in the block table in one write."""
+        cells: list[tuple[int, int, int]] = []  # (row, column, page) of the pages taken
+        for b, n in enumerate(new):
+            need = self._used(self.lengths[b] + n)
+            self._trim(b, self.lengths[b] + n)
+            pages = self._pages[b]
+            while len(pages) < need:
+                cells.append((b, len(pages), self._free.pop()))
+                pages.append(cells[-1][2])
+        if len(cells) == 1:
+            b, column, page = cells[0]
+            self.block_table[b, column] = page
+        elif cells:
+            device = self.block_table.device
+            rows, columns, taken = zip(*cells, strict=True)
+            at = torch.tensor([rows, columns], device=device)
+            self.block_table[at[0], at[1]] = torch.tensor(taken, dtype=torch.int32, device=device)
 
     def write(
         self,
@@ -622,6 +651,7 @@ class PagedKVCache(nn.Module):
         self,
         q: Tensor,
         new: list[int],
+        view: CacheView,
         *,
         mask: object,
         causal: object,
@@ -629,11 +659,11 @@ class PagedKVCache(nn.Module):
         softcap: object,
         bias: object,
         sinks: object,
-    ) -> AttentionCall:
+    ) -> CheckedCall:
         """Every argument of an attention call, before anything is written: q against the cache,
-        then what :func:`attnkit.attention` checks of the call on the cache's view after the
-        write, asked of a stand-in for it without data (``scale``, ``softcap``, the sinks'
-        shape, dtype and values, the mask and the bias against each row's keys)."""
+        then what :func:`attnkit.attention` checks of the call on ``view``, the view it reads
+        once the ``new`` tokens are written (``scale``, ``softcap``, the sinks' shape, dtype and
+        values, the mask and the bias against each row's keys); the call so checked."""
         check_float_tensor("q", q)
         hkv = self.k_pages.size(2 if self.layout == "flash" else 1)
         dk = self.k_pages.size(-1)
@@ -654,24 +684,14 @@ class PagedKVCache(nn.Module):
                 "bias: a PagedKVCache call takes a bias by distance (DistanceBias, "
                 f"attnkit.alibi_term), got {type(bias).__name__}"
             )
-        return check_attention_args(
-            q,
-            self.stand_in(q.size(2)),
-            None,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            scale=scale,
-            softcap=softcap,
-            sinks=sinks,
+        return check_cache_call(
+            q, view, mask=mask, bias=bias, causal=causal, scale=scale, softcap=softcap, sinks=sinks
         )
 
-    def stand_in(self, new_tokens: int) -> CacheView:
-        """The view a call of ``new_tokens`` tokens a row (or :meth:`schedule`'s) will read once
-        they are staged: the pages and the block table as they are, the rows' keys as they will
-        be (pages not taken yet are named, but nothing reads them). What the checks before a
-        write ask, and what ``explain()`` describes."""
-        new = [new_tokens] * self.max_seqs if self._next is None else self._next
+    def _view_of(self, new: Sequence[int]) -> CacheView:
+        """The view of each row's held tokens and ``new[b]`` more (with :meth:`schedule`, its
+        real queries): the pages and the block table where they lie, views that show what a
+        stage then writes into them."""
         ends = [n + s for n, s in zip(self.lengths, new, strict=True)]
         width = min(max(1, *(self._used(e) for e in ends)), self.block_table.size(1))
         kp, vp = self._head_major()
@@ -687,24 +707,18 @@ class PagedKVCache(nn.Module):
             trusted=True,
         )
 
+    def stand_in(self, new_tokens: int) -> CacheView:
+        """The view a call of ``new_tokens`` tokens a row (or :meth:`schedule`'s) will read once
+        they are staged: the pages and the block table as they are, the rows' keys as they will
+        be (pages not taken yet are named, but nothing reads them). What ``explain()``
+        describes."""
+        return self._view_of([new_tokens] * self.max_seqs if self._next is None else self._next)
+
     def view(self) -> CacheView:
         """The keys and values held and staged, as :func:`attnkit.attention` reads them where
         they lie: the pages through the block table, row ``b``'s keys its ``lengths[b]`` held
         and staged tokens, and with :meth:`schedule` its staged tokens its real queries."""
-        ends = [n + s for n, s in zip(self.lengths, self._staged, strict=True)]
-        width = max(1, *(self._used(e) for e in ends))
-        kp, vp = self._head_major()
-        ks, vs = self._scale_views()
-        return CacheView(
-            kp,
-            vp,
-            tuple((0, e) for e in ends),
-            self.block_table[:, :width],
-            None if self._next is None else tuple(self._staged),
-            ks,
-            vs,
-            trusted=True,
-        )
+        return self._view_of(self._staged)
 
     def stage_call(
         self,
@@ -722,21 +736,16 @@ class PagedKVCache(nn.Module):
         """Check the attention call of ``q`` on the keys held and the new ``k``, ``v`` (every
         argument, before anything is written), stage ``k`` and ``v``, and return the
         :meth:`view` that call reads: what a module does before its one
-        :func:`attnkit.attention` call."""
+        :func:`attnkit.attention` call. The view carries the call so checked: the
+        :func:`attnkit.attention` call on it with the same arguments (the same ``q``, ``mask``,
+        ``bias`` and ``sinks``) is not described and checked a second time."""
         _check_band(mask)
         new = self._plan(k, v)
-        self._check_attention(
-            q,
-            new,
-            mask=mask,
-            causal=causal,
-            scale=scale,
-            softcap=softcap,
-            bias=bias,
-            sinks=sinks,
-        )
+        view = self._view_of(new)  # (what the call reads once the new tokens are written)
+        kw = {"mask": mask, "causal": causal, "scale": scale, "softcap": softcap}
+        checked = self._check_attention(q, new, view, bias=bias, sinks=sinks, **kw)
         self._stage(k, v, new)
-        return self.view()
+        return replace(view, checked_call=checked)
 
     def attention(
         self,

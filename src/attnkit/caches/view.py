@@ -119,6 +119,10 @@ class CacheView:
     v_scale: Tensor | None = None
     #: made by a cache from its own state, right by construction: not checked again
     trusted: bool = field(default=False, repr=False, compare=False)
+    #: the attention call a cache checked on this view before it wrote the tokens the view
+    #: holds, with the arguments it was checked with (``attnkit._call.CheckedCall``): a call
+    #: on the view with the same arguments takes it rather than being checked again
+    checked_call: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.trusted or torch.compiler.is_compiling():
