@@ -303,3 +303,17 @@ def test_a_call_on_meta_takes_a_mask_on_meta(name: str, backend: str) -> None:
     assert qm.grad.shape == qm.shape
     want, want_lse = attnkit.attention(q, q, q, backend="reference", return_lse=True)
     assert (out.shape, out.dtype, lse.shape) == (want.shape, want.dtype, want_lse.shape)
+
+
+@pytest.mark.parametrize("backend", ["auto", "chunked", "sdpa", "reference"])
+def test_documents_of_ids_take_an_empty_batch(backend: str) -> None:
+    # With no rows the native plan read the first row's starts and raised IndexError.
+    mask = masks.documents(ids=torch.zeros(0, 5, dtype=torch.long))
+    assert mask.document_starts() is None
+    q = torch.randn(0, 2, 3, 4, requires_grad=True)
+    k, v = (torch.randn(0, 2, 5, 4, requires_grad=True) for _ in range(2))
+    out = attnkit.attention(q, k, v, mask=mask, causal=True, backend=backend)
+    want = attnkit.attention(q, k, v, mask=mask, causal=True, backend="reference")
+    assert out.shape == want.shape == (0, 2, 3, 4)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

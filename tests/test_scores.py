@@ -222,6 +222,95 @@ def test_relative_term_with_a_window_table_equals_the_full_table() -> None:
     assert (wrong - want).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize(
+    ("qv", "enc", "scale", "error", "words"),
+    [
+        ((2, 4, 5, 7), (4, 10, 8), 0.5, ValueError, r"qv \(2, 4, 5, 7\) and enc \(4, 10, 8\)"),
+        ((2, 4, 5, 8), (3, 10, 8), 0.5, ValueError, r"qv \(2, 4, 5, 8\) and enc \(3, 10, 8\)"),
+        ((2, 4, 5, 8), (10, 8), 0.5, ValueError, r"enc \(10, 8\)"),
+        ((2, 4, 5, 8), (4, 10, 8), "legacy", ValueError, r"Tq = 5, Tk = 6 and enc \(4, 10, 8\)"),
+        ((4, 5, 8), (4, 10, 8), 0.5, ValueError, r"qv \(4, 5, 8\)"),
+        (
+            (2, 4, 3, 8),
+            (4, 10, 8),
+            0.5,
+            ValueError,
+            r"\(B, H, Tq\) = \(2, 4, 5\), got \(2, 4, 3, 8\)",
+        ),
+        (
+            (3, 4, 5, 8),
+            (4, 10, 8),
+            0.5,
+            ValueError,
+            r"\(B, H, Tq\) = \(2, 4, 5\), got \(3, 4, 5, 8\)",
+        ),
+        ((1, 4, 5, 8), (4, 10, 8), 0.5, ValueError, r"= \(2, 4, 5\), got \(1, 4, 5, 8\)"),
+        (
+            (2, 2, 5, 8),
+            (2, 10, 8),
+            0.5,
+            ValueError,
+            r"\(B, H, Tq\) = \(2, 4, 5\), got \(2, 2, 5, 8\)",
+        ),
+        ((2, 4, 5, 8), (4, 10, 8), "1", TypeError, r"scale must be a float, got '1'"),
+        ((2, 4, 5, 8), (4, 10, 8), math.nan, ValueError, r"scale must be finite, got nan"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "chunked", "reference", "flex"])
+def test_a_relative_term_that_does_not_fit_the_call_is_named(
+    qv: tuple[int, ...],
+    enc: tuple[int, ...],
+    scale: object,
+    error: type[Exception],
+    words: str,
+    backend: str,
+) -> None:
+    # Each of these reached a kernel and failed there with torch's own words (a bmm's sizes, a
+    # reshape, the native kernel's check), or ran: a term is checked before anything reads it.
+    q = torch.randn(2, 4, 5, 8)
+    k = v = torch.randn(2, 2, 6, 8)
+
+    def call() -> None:
+        legacy = scale == "legacy"
+        term = RelativePositionTerm(
+            torch.randn(*qv),
+            torch.randn(*enc),
+            0.5 if legacy else scale,
+            legacy=legacy,  # type: ignore[arg-type]
+        )
+        attention(q, k, v, bias=term, backend=backend)
+
+    with pytest.raises(error, match=words):
+        call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_relative_term_of_one_table_for_every_head_serves_each_backend(
+    dtype: torch.dtype,
+) -> None:
+    # An enc of one head ran on the reference and flex but failed in the native kernel (float32)
+    # and in sdpa; it broadcasts over the heads, with its gradient summed over them.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    qv = torch.randn(2, 4, 5, 8, dtype=torch.float64, generator=g)
+    enc = torch.randn(1, 10, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    window = masks.sliding_window(3)
+    whole = RelativePositionTerm(qv, enc.expand(4, -1, -1), 0.5)
+    want = attention(q, k, v, bias=whole, mask=window, backend="reference")
+    (want_grad,) = torch.autograd.grad(want.sum(), enc)
+    q, k, v, qv = (t.to(dtype) for t in (q, k, v, qv))
+    for backend in ("chunked", "reference", "flex", "sdpa"):
+        mine = enc.detach().to(dtype).requires_grad_(backend in ("chunked", "reference"))
+        got = attention(
+            q, k, v, bias=RelativePositionTerm(qv, mine, 0.5), mask=window, backend=backend
+        )
+        assert_close(got, want.to(dtype))
+        if mine.requires_grad:
+            (grad,) = torch.autograd.grad(got.sum(), mine)
+            assert_close(grad, want_grad.to(dtype))
+
+
 @pytest.mark.parametrize("mask", [None, "causal", "window", "padding"])
 def test_relative_products_per_tile_equal_the_reference(
     monkeypatch: pytest.MonkeyPatch, mask: str | None

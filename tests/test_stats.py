@@ -377,3 +377,17 @@ def test_a_compiled_function_calls_it_between_its_graphs() -> None:
     _, w = attnkit.attention(q.double(), k.double(), k.double(), causal=True,
                              return_weights=True, backend="reference")  # fmt: skip
     assert_close(got, w.unflatten(1, (HKV, H // HKV)).sum((2, 3)))
+
+
+def test_torch_export_refuses_it_in_its_own_words() -> None:
+    # An exported program is one graph, with no eager code between graphs for the pass's read
+    # of whether q and k are finite: the read met fake tensors and failed deep in the kernel's
+    # choice (attnkit::all_finite: CPU tensors, got one on meta).
+    class Stats(torch.nn.Module):
+        def forward(self, q: Tensor, k: Tensor) -> Tensor:
+            return attention_stats(q, k, causal=True).key_mass
+
+    q = _randn(1, 2, 3, 8, seed=42, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"attention_stats cannot run inside torch.export: .*"
+                       r"compute the statistics outside the exported program"):  # fmt: skip
+        torch.export.export(Stats(), (q, q))

@@ -406,6 +406,16 @@ def _check_term(term: ScoreTerm, q: Tensor) -> bool:
     return any(t.requires_grad for t in term.inputs())
 
 
+def _check_term_fits(term: ScoreTerm | None, q: Tensor, k: Tensor, view: CacheView | None) -> None:
+    """A score term asked whether it serves the call (its :meth:`~ScoreTerm.check`), before a
+    kernel reads its tensors; the terms of cache rows that attend keys of their own are asked
+    at their real queries by :func:`_check_rows`."""
+    if term is None or (view is not None and not view.shared):
+        return
+    batch = tuple(q.shape[:-3])
+    term.check(ScoreShape(batch, q.size(-3), q.size(-2), k.size(-2), q.device))
+
+
 def _check_bias_arg(bias: object, q: Tensor, scores: tuple[int, ...], legend: str) -> Tensor:
     """A dense ``bias``: a float tensor in q's dtype and on its device, broadcastable to the
     scores, holding no NaN or +inf."""
@@ -509,6 +519,7 @@ def check_attention_args(
     mod = check_score_mod(score_mod)
     if view is not None:
         _check_rows(view, scores, q, mod)
+    _check_term_fits(scores.term, q, k, view)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     if not isinstance(return_lse, bool):
@@ -561,6 +572,7 @@ def describe_call(
     scores = _check_scores(q, k, mask, bias, causal)
     if view is not None:
         _check_rows(view, scores, q, None)
+    _check_term_fits(scores.term, q, k, view)
     return _described(
         q,
         k,

@@ -137,6 +137,10 @@ class ScoreTerm:
         """A few words for :func:`attnkit.explain`."""
         return type(self).__name__
 
+    def check(self, shape: ScoreShape) -> None:
+        """Refuse (``ValueError``) a call of ``shape`` the term cannot serve, before any kernel
+        reads it. Default: refuses none."""
+
     def __repr__(self) -> str:
         return self.describe()
 
@@ -412,12 +416,47 @@ class _Skew(NamedTuple):
     stride: int
 
 
+def _check_relative_inputs(qv: object, enc: object, legacy: bool) -> tuple[Tensor, Tensor]:
+    """``qv (B, H, Tq, Dh)`` and ``enc (H, P, Dh)`` if they are float tensors of one ``H`` and
+    ``Dh`` (openspeech's ``enc``: ``P = Tq + 1``), else an error quoting their shapes."""
+    for name, t in (("qv", qv), ("enc", enc)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = str(t.dtype) if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"RelativePositionTerm: {name} must be a float tensor, got {got}")
+    if not isinstance(qv, Tensor) or not isinstance(enc, Tensor):  # for type checkers
+        raise TypeError("RelativePositionTerm: qv and enc must be tensors")
+    if qv.ndim != 4 or enc.ndim != 3 or not one_or(enc.size(0), qv.size(1)):
+        wrong = True
+    else:
+        wrong = enc.size(2) != qv.size(3)
+    if wrong:
+        rows = "Tq + 1" if legacy else "P"
+        raise ValueError(
+            f"RelativePositionTerm: qv must be (B, H, Tq, Dh) and enc (H, {rows}, Dh) (or (1, "
+            f"{rows}, Dh) for every head) with the same H and Dh, got qv {shape_str(qv.shape)} "
+            f"and enc {shape_str(enc.shape)}"
+        )
+    if enc.size(0) != qv.size(1):  # one table for every head: each kernel reads (H, P, Dh)
+        enc = enc.expand(qv.size(1), -1, -1)
+    return qv, enc
+
+
+def _check_term_scale(scale: object) -> float:
+    """A term's ``scale``: a finite real number (a symbolic one under torch.compile)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymInt, torch.SymFloat)):
+        raise TypeError(f"RelativePositionTerm: scale must be a float, got {scale!r}")
+    if isinstance(scale, (int, float)) and not math.isfinite(scale):
+        raise ValueError(f"RelativePositionTerm: scale must be finite, got {scale!r}")
+    return scale  # type: ignore[return-value]
+
+
 class RelativePositionTerm(ScoreTerm):
     """Transformer-XL's position term (Dai et al., 2019): ``scale * qv_i . R[i' - j]``.
 
     Args:
         qv: the position queries ``q + v`` ``(B, H, Tq, Dh)``.
-        enc: the projected encodings ``(H, P, Dh)`` of the distances ``max_distance``,
+        enc: the projected encodings ``(H, P, Dh)`` (or ``(1, P, Dh)``, one table for every
+            head) of the distances ``max_distance``,
             ``max_distance - 1``, ..., ``max_distance - P + 1`` (largest first), where the distance
             of query ``i`` to key ``j`` is ``i' - j`` with ``i' = i + Tk - Tq``. A pair whose
             distance the table does not list gets a term of 0 (give the table every distance the
@@ -449,7 +488,8 @@ class RelativePositionTerm(ScoreTerm):
         legacy: bool = False,
         whole_width: int = WHOLE_WIDTH,
     ) -> None:
-        self.qv, self.enc, self.scale = qv, enc, scale
+        self.qv, self.enc = _check_relative_inputs(qv, enc, legacy)
+        self.scale = _check_term_scale(scale)
         self.max_distance = max_distance
         self.legacy = legacy
         self.whole_width = check_int("whole_width", whole_width, minimum=0)
@@ -462,6 +502,23 @@ class RelativePositionTerm(ScoreTerm):
     def describe(self) -> str:
         kind = "openspeech " if self.legacy else ""
         return f"{kind}relative position term ({self.enc.size(1)} distances)"
+
+    def check(self, shape: ScoreShape) -> None:
+        """Refuse a call whose batch rows (flattened), heads or queries ``qv`` does not match,
+        or an openspeech term's call that is not self-attention over ``enc``'s ``T``."""
+        want = (shape.batch, shape.heads, shape.q_len)
+        # size by size with ==: sizes traced by torch.compile are compared by value
+        if not all(got == size for got, size in zip(self.qv.shape[:3], want, strict=True)):
+            raise ValueError(
+                f"bias: {self.describe()}: qv must be (B, H, Tq, Dh) with (B, H, Tq) = "
+                f"{shape_str(want)}, got {shape_str(self.qv.shape)}"
+            )
+        if self.legacy and (shape.q_len != shape.kv_len or self.enc.size(1) != shape.q_len + 1):
+            raise ValueError(
+                f"bias: {self.describe()} is for self-attention (Tq == Tk) with enc (H, T + 1, "
+                f"Dh), got Tq = {shape.q_len}, Tk = {shape.kv_len} and enc "
+                f"{shape_str(self.enc.shape)}"
+            )
 
     def top(self, shape: ScoreShape) -> int:
         """The distance of ``enc``'s first row in a call of ``shape``: ``max_distance``, else

@@ -125,7 +125,7 @@ def attention_stats(
     :func:`attention` checks them. Values play no part. The statistics carry no gradient (a
     call under autograd records nothing). Inside a ``torch.compile``'d function the pass runs
     eagerly between its graphs (it reads whether q and k are finite to choose its kernel), so
-    ``fullgraph=True`` refuses it.
+    ``fullgraph=True`` and ``torch.export`` refuse it.
 
     Args:
         q, k, mask, bias, causal, scale, softcap, score_mod, sinks: as :func:`attention`.
@@ -244,6 +244,13 @@ def _eager_pass(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
     global _disabled_pass
     if not torch.compiler.is_compiling():
         return _one_pass(*args)
+    if torch.compiler.is_exporting():
+        # (an exported program has no eager code between graphs: the read would meet fake
+        # tensors, and fail deep in the kernel's choice)
+        raise RuntimeError(
+            f"attention_stats cannot run inside torch.export: {_REASON}, and an exported program "
+            "is one graph; compute the statistics outside the exported program"
+        )
     if _disabled_pass is None:
         _disabled_pass = torch.compiler.disable(_one_pass, reason=_REASON)
     return _disabled_pass(*args)

@@ -151,12 +151,19 @@ def _import(value: str | None, *hidden: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("hidden", [("beartype",), ("jaxtyping", "beartype")])
-def test_shape_checks_without_their_libraries_warn_and_import(hidden: tuple[str, ...]) -> None:
+def test_shape_checks_without_their_libraries_warn(
+    hidden: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """ATTNKIT_SHAPE_CHECKS=1 without the test extras made ``import attnkit`` fail with "No
-    module named 'beartype'"; it imports, warns once, and runs without the checks."""
-    report = _import("1", *hidden)
-    assert (report["checks"], report["wrapped"], report["held"]) == (False, False, 1)
-    assert report["warnings"] == [
+    module named 'beartype'"; the switch now reads off after one warning."""
+    from attnkit._base import shapes
+
+    monkeypatch.setenv("ATTNKIT_SHAPE_CHECKS", "1")
+    for name in hidden:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.warns(RuntimeWarning) as caught:
+        assert shapes._shape_checks() is False
+    assert [str(w.message) for w in caught] == [
         "attnkit: ATTNKIT_SHAPE_CHECKS is on, but the shape checks need jaxtyping and beartype "
         '(pip install "attnkit[test]", or ".[test]" from a checkout) and '
         f"{' and '.join(hidden)} cannot be imported: attnkit "
@@ -164,17 +171,41 @@ def test_shape_checks_without_their_libraries_warn_and_import(hidden: tuple[str,
     ]
 
 
+def test_a_fresh_import_without_the_libraries_runs_unchecked() -> None:
+    """The same at import, in a fresh process: it imports, warns once, and a cache still works."""
+    report = _import("1", "jaxtyping", "beartype")
+    assert (report["checks"], report["wrapped"], report["held"]) == (False, False, 1)
+    assert len(report["warnings"]) == 1  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("value", "checks", "warned"),
     [("1", True, False), ("Yes", True, False), ("off", False, False), (None, False, False),
      ("sometimes", False, True)],
 )  # fmt: skip
-def test_shape_checks_take_every_spelling(value: str | None, checks: bool, warned: bool) -> None:
+def test_shape_checks_take_every_spelling(
+    value: str | None, checks: bool, warned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """ATTNKIT_SHAPE_CHECKS=off turned the checks on (anything but "" and "0" did)."""
-    report = _import(value)
-    assert (report["checks"], report["wrapped"]) == (checks, checks)
+    from attnkit._base import shapes
+
+    if value is None:
+        monkeypatch.delenv("ATTNKIT_SHAPE_CHECKS", raising=False)
+    else:
+        monkeypatch.setenv("ATTNKIT_SHAPE_CHECKS", value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert shapes._shape_checks() is checks
     expected = [
         f"attnkit: ATTNKIT_SHAPE_CHECKS={value!r}, which is neither on (1, on, true, yes) nor off "
         "(0, off, false, no), in any case; taken as off, the default"
     ]
-    assert report["warnings"] == (expected if warned else [])
+    assert [str(w.message) for w in caught] == (expected if warned else [])
+
+
+@pytest.mark.parametrize(("value", "checks"), [("yes", True), ("off", False)])
+def test_the_switch_read_at_import_wraps_or_not(value: str, checks: bool) -> None:
+    """What a fresh ``import attnkit`` makes of the switch: public functions wrapped or not."""
+    report = _import(value)
+    assert (report["checks"], report["wrapped"], report["held"]) == (checks, checks, 1)
+    assert report["warnings"] == []

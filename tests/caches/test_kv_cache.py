@@ -381,3 +381,22 @@ def test_a_quantized_latent_cache_reads_its_values_with_the_keys_scales(
     assert torch.equal(values, before[..., :32])
     cache.to("meta")  # (each tensor moved on its own)
     assert cache.v_scale is cache.k_scale
+
+
+def test_rewind_refuses_a_length_that_is_not_a_count_and_leaves_the_cache() -> None:
+    # rewind(-1) made length -1 and the next update returned no keys; rewind(1.0) a float length
+    # that failed later in a slice.
+    cache = KVCache(batch_size=1, max_len=8, num_kv_heads=1, head_dim=2)
+    k = torch.randn(1, 1, 5, 2)
+    cache.update(k, k)
+    with pytest.raises(ValueError, match="length must be >= 0, got -1"):
+        cache.rewind(-1)
+    with pytest.raises(TypeError, match=re.escape("length must be an int, got 1.0")):
+        cache.rewind(1.0)  # type: ignore[arg-type]
+    assert (cache.length, cache.position) == (5, 5)
+    cache.rewind(9)  # past the tokens held: all kept
+    assert (cache.length, cache.position) == (5, 5)
+    cache.rewind(3)
+    new = torch.randn(1, 1, 1, 2)
+    keys, _ = cache.update(new, new)
+    assert torch.equal(keys, torch.cat([k[:, :, :3], new], 2))

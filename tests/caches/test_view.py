@@ -178,6 +178,16 @@ def test_a_view_is_checked_when_it_is_made() -> None:
         CacheView(pages, pages, [(0, 2)], q_lens=(1, 1))
 
 
+def test_a_block_table_without_data_is_refused_for_pages_that_are_read() -> None:
+    # It was taken unread, and the call then failed in torch ("Cannot copy out of meta tensor").
+    pages = torch.zeros(4, 1, 2, 3)
+    with pytest.raises(ValueError, match="block_table is on meta but the pages are on cpu"):
+        CacheView(pages, pages, [(0, 3)], torch.zeros(1, 2, dtype=torch.int32, device="meta"))
+    meta = pages.to("meta")  # explain(device=...) describes such a view: nothing is read
+    view = CacheView(meta, meta, [(0, 3)], torch.zeros(1, 2, dtype=torch.int32, device="meta"))
+    assert view.kv_len == 3
+
+
 def test_under_autocast_the_rows_are_cast_as_q_is() -> None:
     gen = torch.Generator().manual_seed(6)
     k, v, _, paged = _rows(gen, [(0, 6), (1, 4)])

@@ -405,3 +405,31 @@ def test_a_bad_index_is_refused_before_it_is_followed() -> None:
             assert words in (said[case] or ""), (case, said[case])
         else:
             assert said[case] is None, (case, said[case])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_a_call_of_no_rows_gives_an_empty_output(kv_dtype: torch.dtype) -> None:
+    """No batch rows: the pairs of no rows are still ``(0, 2)`` ranges, and the call gives an
+    empty output and log-sum-exp, as the reference does (flash_attn_with_kvcache of a float8
+    cache at B = 0 failed in the operator's check of kv_range)."""
+    from attnkit import CacheView
+    from attnkit.flash_attn import flash_attn_with_kvcache
+
+    pages = torch.zeros(0, 2, 8, 4).to(kv_dtype)
+    scales: dict[str, torch.Tensor] = {}
+    if kv_dtype != torch.float32:
+        scales = {"k_scale": torch.ones(0, 2, 8, 1), "v_scale": torch.ones(0, 2, 8, 1)}
+    q = torch.randn(0, 4, 1, 4)
+    flat = {name: s[..., 0] for name, s in scales.items()}  # (X, Hkv, page)
+    out, lse = cache_attention(q, pages, pages, kv_range=[], scale=0.5, **flat)  # type: ignore[arg-type]
+    assert out.shape == (0, 4, 1, 4)
+    assert lse.shape == (0, 4, 1)
+    view = CacheView(pages, pages, [], **scales)
+    want = attention(q, view, None, backend="reference")
+    assert torch.equal(attention(q, view, None, backend="chunked"), want)
+    if kv_dtype == torch.float8_e4m3fn:
+        cache = pages.transpose(1, 2)  # (B, capacity, Hkv, D)
+        got = flash_attn_with_kvcache(
+            q.transpose(1, 2), cache, cache, k_descale=torch.ones(0, 2), v_descale=torch.ones(0, 2)
+        )
+        assert got.shape == (0, 1, 4, 4)

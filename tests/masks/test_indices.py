@@ -291,3 +291,33 @@ def test_a_block_wider_than_the_keys_is_read_as_the_keys() -> None:
     for backend in ("reference", "chunked", "sdpa"):
         got = attnkit.attention(q, k, k, mask=mask & masks.causal(), backend=backend)
         torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "sdpa"])
+def test_indices_on_meta_are_refused_with_the_device_named(backend: str) -> None:
+    # Indices on another device are moved to q's; meta ones hold no values to move (the call
+    # failed in torch: Cannot copy out of meta tensor).
+    q = torch.randn(1, 2, 3, 8)
+    idx = torch.zeros(1, 1, 3, 2, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match=r"\(1, 1, 3, 2\)\) is on meta, .* q is on cpu"):
+        attnkit.attention(q, q, q, mask=masks.key_indices(idx), backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.uint8])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_a_decode_step_with_indices_of_any_integer_dtype_and_strides(
+    dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> None:
+    # Tq = 1 through a (quantized) cache's view, per key/value head, the indices transposed
+    # (not contiguous) and of a narrow integer dtype: the float64 formula over the selected keys.
+    g = torch.Generator().manual_seed(31)
+    cache = attnkit.KVCache(2, 16, 2, 8, kv_dtype=kv_dtype)
+    cache.update(*(torch.randn(2, 2, 11, 8, generator=g) for _ in range(2)))
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    idx = torch.randint(0, 11, (2, 2, 3, 1), generator=g).transpose(2, 3).to(dtype)
+    keys, values = (t.double() for t in cache.view().dense(torch.float64))
+    got = attnkit.attention(q, cache.view(), None, mask=masks.key_indices(idx))
+    chosen = _brute(idx.long(), 11).repeat_interleave(2, 1)  # (B, H, 1, Tk)
+    scores = (q.double() @ keys.repeat_interleave(2, 1).mT / 8**0.5).masked_fill(~chosen, -1e300)
+    want = scores.softmax(-1) @ values.repeat_interleave(2, 1)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

@@ -382,3 +382,53 @@ def test_decoding_over_a_quantized_latent_cache_is_the_expanded_form_within_its_
         steps += [m(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 20)]
     got = torch.cat(steps, 1)
     assert float((got - whole).norm() / whole.norm()) < within
+
+
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+@pytest.mark.parametrize(("rows", "tokens"), [(0, 3), (2, 0)])
+def test_a_call_of_no_rows_or_no_tokens_gives_an_empty_output(
+    form: str, rows: int, tokens: int
+) -> None:
+    """No batch rows, or no new tokens (with and without a cache): an empty output, and a cache
+    that then decodes as if the empty call had not happened (the formula's tokens)."""
+    m, x = make(), randn(2, 4, D)
+    with torch.no_grad():
+        assert m(randn(rows, tokens, D), causal=True, form=form).shape == (rows, tokens, D)
+        cache = m.make_kv_cache(batch_size=2, max_len=8)
+        assert m(x[:, :0], causal=True, cache=cache, form=form).shape == (2, 0, D)
+        got = torch.cat([m(x[:, t : t + 1], causal=True, cache=cache) for t in range(4)], 1)
+    torch.testing.assert_close(
+        got, formula(m, x, padding_and_causal([4, 4], 4)), atol=1e-12, rtol=0
+    )
+
+
+@pytest.mark.parametrize("kind", ["kv", "paged"])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_the_expanded_form_over_a_quantized_latent_cache_is_the_absorbed_form(
+    kind: str, kv_dtype: torch.dtype
+) -> None:
+    """float64 parameters over int8/float8 latents, rows of their own lengths on pages: the
+    expanded form reads the latents dequantized in the module's dtype and equals the absorbed
+    form over the same cache (the same dequantized latents) to float64 rounding."""
+    m, x = make(), randn(2, 8, D)
+    outs: dict[str, list[Tensor]] = {}
+    with torch.no_grad():
+        for form in ("expanded", "absorbed"):
+            cache: Any = (
+                m.make_kv_cache(batch_size=2, max_len=8, kv_dtype=kv_dtype)
+                if kind == "kv"
+                else m.make_paged_cache(num_blocks=8, page_size=3, max_seqs=2, kv_dtype=kv_dtype)
+            )
+            lengths = [4, 4]
+            if kind == "paged":
+                lengths = [4, 2]
+                cache.schedule(lengths)
+            first = m(x[:, :4], causal=True, cache=cache, form=form)
+            outs[form] = [first[b, :n] for b, n in enumerate(lengths)]
+            for _ in range(2):
+                step = torch.stack([x[b, t : t + 1] for b, t in enumerate(lengths)])
+                out = m(step, causal=True, cache=cache, form=form)
+                outs[form] += [out[0], out[1]]
+                lengths = [t + 1 for t in lengths]
+    for got, want in zip(outs["expanded"], outs["absorbed"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)

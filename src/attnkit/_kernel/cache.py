@@ -115,8 +115,9 @@ def cache_attention(
         raise RuntimeError("attnkit internal error: a cache call without the native kernel")
     nq, h, tq, dk = q.shape
     hkv = k.size(1)
-    ranges = _int64(kv_range)
-    packed = None if q_range is None else _int64(q_range)
+    # (N, 2) also for N = 0: the pairs of no rows make a tensor of shape (0,)
+    ranges = _int64(kv_range).view(-1, 2)
+    packed = None if q_range is None else _int64(q_range).view(-1, 2)
     table = None if block_table is None else _int64(block_table)
     rows = ranges.size(0)
     work = torch.promote_types(q.dtype, torch.float32)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._base.finite import finite
 from .._call import check_attention_args
 from .._record import Dispatch, note_kernel, recording
 from ..masks import Geometry, Mask, decode, encode
@@ -110,6 +111,7 @@ def _planned(
     mask: Mask | None,
     seed: Tensor | None,
     settings: dict[str, Any],
+    is_finite: bool | None = None,
 ) -> tuple[Any, Tensor | None, tuple[Tensor, ...]]:
     """The call's plan (see :func:`attnkit._kernel.call.plan_call`)."""
     return plan_call(
@@ -125,6 +127,7 @@ def _planned(
         block_k=_optional(settings["block_k"]) or None,
         fused_rows=_optional(settings["fused_rows"]),
         native=settings["native"],
+        is_finite=is_finite,
         dropout_p=settings["dropout_p"],
         seed=None if seed is None else int(seed),
         register_tiles=settings["register_tiles"],
@@ -289,7 +292,9 @@ def attention_backward_op(
         grads = _gathered_grads(gathered[0], (q, k, v), (out, lse), bias, sinks, term_tensors,
                                 given, needs)  # fmt: skip
     else:
-        spec, dense, term_inputs = _planned(q, k, v, added, sinks, decoded, seed, settings)
+        spec, dense, term_inputs = _planned(
+            q, k, v, added, sinks, decoded, seed, settings, is_finite=finite(q, k, v)
+        )
         work = _work(q.dtype)
         hkv = k.size(-3)
         n, g = spec.geo.batch, q.size(-3) // hkv  # g spelled out: -1 is ambiguous for B = 0

@@ -274,7 +274,8 @@ class KVCache:
     def rewind(self, length: int) -> None:
         """Forget every token from position ``length`` on, as if the calls that appended them had
         never run: what a multi-step call (a layer, a stack of layers) uses to undo its earlier
-        steps when a later one fails."""
+        steps when a later one fails. A ``length`` past the tokens held keeps them all."""
+        length = check_int("length", length, minimum=0, saturate=True)
         self.position -= self.length - min(self.length, length)
         self.length = min(self.length, length)
         self._staged = 0

@@ -204,6 +204,11 @@ class CacheView:
                 f"{shape_str(table.shape)}"
             )
         if table.device.type == "meta":
+            if self.k.device.type != "meta":  # a table without data, for pages that are read
+                raise ValueError(
+                    f"CacheView: block_table is on meta but the pages are on {self.k.device}: "
+                    "give the table with its entries (on the pages' device)"
+                )
             return
         used = torch.tensor([-(-e // page) for _, e in self.kv_range], device=table.device)
         needed = torch.arange(table.size(1), device=table.device) < used[:, None]

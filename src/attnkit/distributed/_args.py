@@ -107,16 +107,32 @@ def split_mask(
     return rebuild(mask, leaf), travel, reasons
 
 
+_OPENSPEECH = (
+    "openspeech's position term reads absolute encodings of the whole sequence in one "
+    "process; give the Transformer-XL form (RelativePositionTerm(qv, enc, scale))"
+)
+
+
+def _check_rank_term(bias: object, q: object) -> None:
+    """A position term refused for what ranks make of it, before the call's own check of the
+    term (which knows nothing of ranks) could word it otherwise."""
+    if not isinstance(bias, RelativePositionTerm) or not isinstance(q, Tensor) or q.dim() < 3:
+        return
+    if bias.legacy:
+        raise ValueError(_OPENSPEECH)
+    want = (math.prod(q.shape[:-3]), q.size(-3), q.size(-2))
+    if tuple(bias.qv.shape[:3]) != want:
+        raise ValueError(
+            f"bias: the position term's qv {shape_str(bias.qv.shape)} must be this rank's "
+            f"rows of the position queries, (B, H, Tq, Dh) with (B, H, Tq) = {shape_str(want)}"
+        )
+
+
 def term_reasons(term: ScoreTerm | None, geo: Geometry, batch: int) -> list[str]:
     """Why a score term cannot run across ranks, for a call of ``geo`` (the whole sequence)
     whose ranks hold ``batch`` rows and ``Tq`` queries each (empty when it can)."""
     if isinstance(term, RelativePositionTerm):
-        if term.legacy:
-            return [
-                "openspeech's position term reads absolute encodings of the whole sequence in one "
-                "process; give the Transformer-XL form (RelativePositionTerm(qv, enc, scale))"
-            ]
-        return []
+        return [_OPENSPEECH] if term.legacy else []
     if isinstance(term, DistanceBias):
         try:
             term.check(geo)
@@ -177,6 +193,7 @@ def validated(
     local = None
     for t in dense:
         local = t if local is None else local & t
+    _check_rank_term(bias, q)
     call = check_attention_args(
         q, k, v, mask=local, bias=bias, causal=False, scale=scale, softcap=softcap, sinks=sinks,
         dropout_p=dropout_p, return_lse=return_lse, score_mod=score_mod,
@@ -190,14 +207,6 @@ def validated(
     reasons = term_reasons(call.score_term, whole, 0)
     if reasons:
         raise ValueError("; ".join(reasons))
-    term = call.score_term
-    if isinstance(term, RelativePositionTerm):
-        want = (math.prod(call.batch_shape), call.num_heads, call.q_len)
-        if term.qv.dim() != 4 or tuple(term.qv.shape[:3]) != want:
-            raise ValueError(
-                f"bias: the position term's qv {shape_str(term.qv.shape)} must be this rank's "
-                f"rows of the position queries, (B, H, Tq, Dh) with (B, H, Tq) = {shape_str(want)}"
-            )
     given = mask if isinstance(mask, Mask) else None
     return replace(
         call,

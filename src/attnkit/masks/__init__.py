@@ -553,8 +553,11 @@ class _Documents(Mask):
             starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
             distinct = [int(torch.unique(r).numel()) for r in ids]
             cuts = [[*r.nonzero().flatten().tolist(), ids.size(1)] for r in starts]
+            # no rows (an empty batch): nothing to describe, and a reader takes starts[0]
             runs = (
-                None if any(len(c) - 1 != n for c, n in zip(cuts, distinct, strict=True)) else cuts
+                None
+                if not cuts or any(len(c) - 1 != n for c, n in zip(cuts, distinct, strict=True))
+                else cuts
             )
             self._run_bounds: list[list[int]] | None = runs
         return self._run_bounds

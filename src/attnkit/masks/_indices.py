@@ -83,6 +83,12 @@ class KeyIndices(Mask):
                 f"{name}: {self.describe()} selects keys for {q_len} queries but the call has "
                 f"Tq = {geo.q_len}"
             )
+        if idx.device.type == "meta" and geo.device.type != "meta":
+            # (indices elsewhere are moved to the call's device; meta ones hold no values to move)
+            raise ValueError(
+                f"{name}: {self.describe()} is on meta, which holds no values, but the call's q "
+                f"is on {geo.device}: give the indices on {geo.device}"
+            )
         slots = -(-geo.kv_len // self.block)
         # The values are data: while torch.compile traces, attnkit's operator checks them when
         # it runs, and on the CPU the graph checks them for the backends that run in it (on an

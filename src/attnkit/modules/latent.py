@@ -340,8 +340,9 @@ class MultiHeadLatentAttention(nn.Module):
         """``x`` ``(B, heads, T, Dr)`` with row ``b`` rotated from position ``offsets[b]``: rows
         of one offset together (a paged cache's rows each sit at their own)."""
         # (comparisons, not a set: a compiled step's offset is a symbolic size)
-        if all(o == offsets[0] for o in offsets):
-            rotated: Tensor = self.rotary(x, offset=offsets[0])
+        first = offsets[0] if offsets else 0  # (a batch of no rows has no offsets)
+        if all(o == first for o in offsets):
+            rotated: Tensor = self.rotary(x, offset=first)
             return rotated
         out = torch.empty_like(x)
         for offset in sorted(set(offsets)):
@@ -357,7 +358,9 @@ class MultiHeadLatentAttention(nn.Module):
             down = present(self.q_a_proj, "q_a_proj")
             q = present(self.q_b_proj, "q_b_proj")(present(self.q_a_norm, "q_a_norm")(down(x)))
         b, t, _ = x.shape
-        q = q.view(b, t, self.num_heads, -1).transpose(1, 2)
+        # (sizes spelled out, not -1: a call of no tokens or no rows has no size to infer)
+        width = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = q.view(b, t, self.num_heads, width).transpose(1, 2)
         q_nope, q_rope = q.split((self.qk_nope_head_dim, self.qk_rope_head_dim), dim=-1)
         return q_nope, self._rotated(q_rope, offsets)
 
@@ -381,7 +384,8 @@ class MultiHeadLatentAttention(nn.Module):
         head's keys and values computed from the latents."""
         b, _, s, _ = latent.shape
         c, k_rope = latent.split((self.kv_lora_rank, self.qk_rope_head_dim), dim=-1)
-        kv = self.kv_b_proj(c.squeeze(1)).view(b, s, self.num_heads, -1).transpose(1, 2)
+        width = self.qk_nope_head_dim + self.v_head_dim
+        kv = self.kv_b_proj(c.squeeze(1)).view(b, s, self.num_heads, width).transpose(1, 2)
         k_nope, v = kv.split((self.qk_nope_head_dim, self.v_head_dim), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
         return torch.cat((q_nope, q_rope), dim=-1), k, v
@@ -453,14 +457,15 @@ class MultiHeadLatentAttention(nn.Module):
         if isinstance(keys, Tensor):
             _, k, v = self._expanded(q_nope, q_rope, keys)
             return attention(q, k, v, **kw)  # type: ignore[no-any-return]
+        # (a quantized cache's latents dequantized in the queries' dtype, not its float32 default)
         if keys.shared:  # every row the same keys: expanded from their latents as they are
-            _, k, v = self._expanded(q_nope, q_rope, keys.dense()[0])
+            _, k, v = self._expanded(q_nope, q_rope, keys.dense(q.dtype)[0])
             return attention(q, k, v, **kw)  # type: ignore[no-any-return]
         # Rows of their own lengths (a paged cache): each row's latents expanded at its keys'
         # positions, attended as a view of the same rows and queries.
-        latents = keys.k.new_zeros(keys.rows, 1, keys.kv_len, keys.k.size(-1))
+        latents = q.new_zeros(keys.rows, 1, keys.kv_len, keys.k.size(-1))
         for n, (start, end) in enumerate(keys.kv_range):
-            latents[n, :, start:end] = keys.row(n)[0][0]
+            latents[n, :, start:end] = keys.row(n, q.dtype)[0][0]
         _, k, v = self._expanded(q_nope, q_rope, latents)
         view = CacheView(k, v, keys.kv_range, None, keys.q_lens, trusted=True)
         return attention(q, view, None, **kw)  # type: ignore[no-any-return]

@@ -148,3 +148,44 @@ def test_transformers_own_flags_keep_the_structured_mask() -> None:
     )
     assert isinstance(ours, hf.TransformersMask), ours
     assert ours.packed
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("sizes", [(7, 7, 0, 0, 7), (3, 12, 4, 0, 7)], ids=str)
+def test_the_last_queries_of_a_mask(pattern: str, sizes: tuple[int, ...]) -> None:
+    """Gemma 4 keeps the last queries once its remaining layers reuse earlier layers' keys and
+    values (``mask[:, :, -n:, :]``, also with n = Tq): the structured mask of those queries, the
+    rows of transformers' mask, and attention over them as eager computes it. Indexing failed
+    with ``'TransformersMask' object is not subscriptable``."""
+    from transformers import AttentionInterface
+
+    from .helpers import Layer
+
+    q_len, kv_len, q_offset, kv_offset, seen = sizes
+    kwargs = dict(
+        batch_size=2,
+        q_length=q_len,
+        kv_length=kv_len,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=PATTERNS[pattern](),
+        attention_mask=padded([seen, seen - 3], seen, "left")[1].bool(),
+    )
+    ours = hf.build_mask(**kwargs)
+    theirs = hf_dense(**kwargs)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, kv_len, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    for n in (2, q_len):
+        rows = ours[:, :, -n:, :]
+        assert isinstance(rows, hf.TransformersMask), rows
+        want = theirs[:, :, -n:, :]
+        assert torch.equal(rows.dense().expand(want.shape), want), rows
+        q = torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64)
+        out, _ = AttentionInterface()["attnkit"](Layer(), q, k, v, rows, scaling=0.3)
+        bias = torch.zeros(want.shape, dtype=q.dtype).masked_fill(~want, -torch.inf)
+        weights = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.3 + bias, -1)
+        expected = (weights.nan_to_num() @ v.repeat_interleave(2, 1)).transpose(1, 2)
+        real = want.any(-1)[:, 0]  # a query that sees no key: eager averages, attnkit gives 0
+        torch.testing.assert_close(out[real], expected[real], atol=1e-12, rtol=1e-10)
+    other = ours[:, :, :2, :]  # not the last queries: the dense mask's rows
+    assert torch.equal(other.expand(theirs[:, :, :2].shape), theirs[:, :, :2]), other

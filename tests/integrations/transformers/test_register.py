@@ -103,6 +103,20 @@ def test_models_with_attention_code_of_their_own_are_refused_at_load(
         m._check_and_adjust_attn_implementation("attnkit")  # what set_attn_implementation runs
 
 
+def test_models_picking_their_attention_class_from_a_table_are_refused_at_load() -> None:
+    """GIT's text layers take their class from ``GIT_SELF_ATTENTION_CLASSES[name]`` (eager only),
+    while its vision layers call transformers' interface: loading it with attnkit raised
+    ``KeyError: 'attnkit'`` from inside its constructor."""
+    config = _tiny("GitConfig", intermediate_size=32, max_position_embeddings=64)
+    message = (
+        r"^GitForCausalLM does not support attn_implementation='attnkit': its attention layers "
+        r"pick their class by the implementation's name from a table of their own "
+        r"\(GIT_SELF_ATTENTION_CLASSES \['eager'\]\), which has none for attnkit"
+    )
+    with pytest.raises(ValueError, match=message):
+        transformers.GitForCausalLM._from_config(config, attn_implementation="attnkit")
+
+
 def test_a_model_transformers_runs_with_eager_only_gets_eager_masks() -> None:
     """DeepSeek V4 (no sdpa, flash or flex) widens its mask for its compressed keys when it is a
     tensor, in eager's float convention: it gets that mask, and attnkit computes the layer."""

@@ -91,6 +91,34 @@ class TransformersMask:
         self.form = form
         self.device = torch.device(device)
 
+    def __getitem__(self, index: Any) -> TransformersMask | Tensor:
+        """The mask of some of the queries, as models slice the ``(B, 1, Tq, Tk)`` tensor it stands
+        for: Gemma 4 keeps the last ``n`` queries (``mask[:, :, -n:, :]``) once its remaining layers
+        reuse earlier layers' keys and values. The last queries keep their places relative to the
+        keys, so they keep the structured mask; any other index gets the dense one, indexed."""
+        rows = _trailing_rows(index, self.q_len)
+        if rows is None or self.packed:
+            return self.dense()[index]
+        mask = self.mask
+        if isinstance(mask, Tensor) and mask.ndim == 4 and mask.size(-2) == self.q_len:
+            mask = mask[:, :, self.q_len - rows :, :]
+        return TransformersMask(
+            batch_size=self.batch_size,
+            q_len=rows,
+            kv_len=self.kv_len,
+            keys=self.keys,
+            mask=mask,
+            causal=self.causal,
+            form=self.form,
+            device=self.device,
+        )
+
+    def flip(self, *dims: Any, **kwargs: Any) -> Tensor:
+        """The dense mask it stands for, flipped as ``Tensor.flip`` would: Gemma 4's assistant
+        (a draft model for assisted generation) flips its sliding-window mask along the keys
+        to read the window over past keys instead of future ones."""
+        return self.dense().flip(*dims, **kwargs)
+
     @property
     def constrains_nothing(self) -> bool:
         """Whether every query may attend every key (bidirectional, no padding, no key left out)."""
@@ -188,6 +216,23 @@ class TransformersMask:
             device=device,
             packed=docs is not None,
         )
+
+
+def _trailing_rows(index: Any, q_len: int) -> int | None:
+    """How many queries ``index`` keeps when it keeps the last ones of every row and every key
+    (``[:, :, -n:, :]`` or ``[:, :, -n:]``); None for any other index."""
+    everything = slice(None)
+    if not isinstance(index, tuple) or len(index) not in (3, 4):
+        return None
+    if index[:2] != (everything, everything) or index[3:] not in ((), (everything,)):
+        return None
+    rows = index[2]
+    if not isinstance(rows, slice):
+        return None
+    start, stop, step = rows.indices(q_len)
+    if step != 1 or stop != q_len:
+        return None
+    return q_len - start
 
 
 def _real_keys(padding: Tensor, kv_offset: int, keys: int) -> Tensor | None:

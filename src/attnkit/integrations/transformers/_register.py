@@ -71,6 +71,18 @@ def _own_attention_code(model_class: type) -> bool:
     return _OWN_CODE[model_class]
 
 
+def _attention_class_tables(model_class: type) -> dict[str, list[str]]:
+    """The tables of ``model_class``'s module that map an implementation's name to an attention
+    layer class (``GIT_SELF_ATTENTION_CLASSES = {"eager": GitSelfAttention}``), each with its
+    names: a layer built from one looks the name up there, so it has no class for attnkit's."""
+    module = sys.modules.get(model_class.__module__)
+    found: dict[str, list[str]] = {}
+    for key, value in vars(module).items() if module is not None else ():
+        if key.endswith("ATTENTION_CLASSES") and isinstance(value, dict):
+            found[key] = sorted(str(k) for k in value)
+    return found
+
+
 def check_model(model: nn.Module, name: str) -> None:
     """Refuse, at load, a model attnkit cannot serve; note one that needs eager's masks.
 
@@ -87,6 +99,14 @@ def check_model(model: nn.Module, name: str) -> None:
             "compute attention in their own code instead of calling transformers' "
             "AttentionInterface, so attnkit would never be called. Load it with "
             'attn_implementation="eager"'
+        )
+    tables = {k: v for k, v in _attention_class_tables(cls).items() if name not in v}
+    if tables:
+        listed = ", ".join(f"{k} {v}" for k, v in tables.items())
+        raise ValueError(
+            f"{cls.__name__} does not support attn_implementation={name!r}: its attention layers "
+            f"pick their class by the implementation's name from a table of their own ({listed}), "
+            'which has none for attnkit. Load it with attn_implementation="eager"'
         )
     served = ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn")
     config = getattr(model, "config", None)
