@@ -21,10 +21,13 @@ indexer hands them over; float32, ``H`` heads with a selection shared by all of 
   gradients back).
 
 Forward alone and forward + backward, medians of interleaved torch.utils.benchmark rounds; each
-ratio is a time over another in the same run.
+ratio is a time over another in the same run. ``--clock cpu`` times each call by the CPU time of
+the process instead (all its threads), which a loaded machine's other processes disturb less than
+the wall clock: with one thread, that thread's time.
 
     python benchmarks/bench_indices.py                                 # Tq = Tk = 32768, k = 2048
     python benchmarks/bench_indices.py --tq 4096 --k 512 --threads 1 --json indices.json
+    python benchmarks/bench_indices.py --tq 16384 --k 1024 --threads 1 --clock cpu --no-bool
 """
 
 from __future__ import annotations
@@ -88,6 +91,20 @@ def candidates(
     return fns
 
 
+def cpu_side_by_side(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median CPU seconds (the process's, all threads) per call of each callable, in ``rounds``
+    interleaved rounds of one call each after a warm-up call."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.process_time()
+            fn()
+            samples[name].append(time.process_time() - start)
+    return {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
+
+
 def bandwidth() -> float:
     """Bytes per second of a sum over a 512 MiB float32 tensor (the median of 5)."""
     x = torch.ones(1 << 27)
@@ -112,6 +129,9 @@ def main() -> None:
     parser.add_argument("--sparse", action="store_true", help="also time torch's sparse products")
     parser.add_argument("--forward-only", action="store_true", help="leave out forward + backward")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall", help="wall clock or the CPU time"
+    )
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     if args.threads:
@@ -135,7 +155,10 @@ def main() -> None:
     rows = []
     for backward in (False,) if args.forward_only else (False, True):
         fns = candidates(tq, tk, k, h, d, backward, not args.no_bool, args.sparse)
-        times = time_side_by_side(fns, rounds=args.rounds, min_run_time=0.5)
+        if args.clock == "cpu":
+            times = cpu_side_by_side(fns, args.rounds)
+        else:
+            times = time_side_by_side(fns, rounds=args.rounds, min_run_time=0.5)
         ours, dense = times["gathered"], times["dense k"]
         boolean = times.get("bool mask")
         sparse = times.get("sparse products")
@@ -162,7 +185,7 @@ def main() -> None:
         )
     if args.json:
         config = {"Tq": tq, "Tk": tk, "k": k, "H": h, "D": d, "dtype": "float32"}
-        config |= {"rounds": args.rounds, "bytes_per_query": per_query}
+        config |= {"rounds": args.rounds, "bytes_per_query": per_query, "clock": args.clock}
         results.save(args.json, "indices", rows, config=config)
 
 

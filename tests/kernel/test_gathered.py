@@ -367,6 +367,35 @@ def test_native_kernel_bands_key_padding_and_blocks() -> None:
         _compare_native(shapes, mask)
 
 
+@pytest.mark.parametrize(
+    ("threads", "batch", "heads", "kv_heads", "sel_heads"),
+    [
+        (1, 1, 4, 2, 1),  # one thread
+        (3, 1, 4, 2, 1),  # fewer key/value heads than threads: query parts, their rows summed
+        (3, 1, 8, 4, 2),  # more key/value heads than threads, two selections
+        (2, 1, 4, 1, 4),  # one key/value head read with four selections, by two threads
+        (3, 2, 4, 2, 2),  # batch rows
+    ],
+)
+@pytest.mark.parametrize("dim", [64, 24])
+def test_native_backward_cut_across_threads(
+    threads: int, batch: int, heads: int, kv_heads: int, sel_heads: int, dim: int
+) -> None:
+    # The backward's threads own dk and dv rows by key/value head, and where there are fewer
+    # (batch row, key/value head) pairs than threads they cut the queries into parts, each adding
+    # into rows of its own that are summed at the end: every cut gives the reference's gradients.
+    shapes = ((batch, heads, 48, dim), (batch, kv_heads, 128, dim), (batch, kv_heads, 128, dim))
+    idx = _indices(batch, sel_heads, 48, 24, 128, seed=50, kind="causal")
+    idx[..., :4, :] = -1  # rows with no key
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _compare_native(shapes, masks.key_indices(idx) & masks.causal(), scale=0.3)
+        _compare_native(shapes, masks.key_indices(idx) & masks.key_padding([100, 90][:batch]))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_native_kernel_reads_reduced_keys_as_they_are(dtype: torch.dtype) -> None:
     shapes = ((1, 4, 48, 64), (1, 2, 256, 64), (1, 2, 256, 64))
