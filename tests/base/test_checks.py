@@ -25,8 +25,8 @@ BAD = [
         TypeError,
         "lens must be a sequence of ints, got str",
     ),
-    (lambda: checks.check_lengths("lens", [1, -1]), ValueError, "lens[] must be >= 0, got -1"),
-    (lambda: checks.check_lengths("lens", [1, 2.5]), TypeError, "lens[] must be an int, got 2.5"),
+    (lambda: checks.check_lengths("lens", [1, -1]), ValueError, "lens[1] must be >= 0, got -1"),
+    (lambda: checks.check_lengths("lens", [1, 2.5]), TypeError, "lens[1] must be an int, got 2.5"),
     (lambda: checks.check_bool("causal", 1), TypeError, "causal must be a bool, got 1"),
     (lambda: checks.check_bool("causal", None), TypeError, "causal must be a bool, got None"),
     (lambda: checks.check_positive("eps", "1"), TypeError, "eps must be a number > 0, got '1'"),
@@ -147,3 +147,23 @@ def test_strings_of_shapes_dims_and_dtypes() -> None:
     assert checks.dim_str(7) == "7"
     assert checks.dtype_str(torch.bfloat16) == "bfloat16"
     assert checks.dtype_str(torch.float64) == "float64"
+
+
+def test_numpy_integers_are_ints() -> None:
+    """Lengths read from a numpy array (``key_padding([np.int64(3), 6])``) were refused as "not
+    an int"; numpy's floats and bools still are."""
+    np = pytest.importorskip("numpy")
+    assert checks.check_lengths("lens", [np.int64(3), np.int32(0), 6]) == [3, 0, 6]
+    got = checks.check_int("block_q", np.uint8(7))
+    assert got == 7
+    assert type(got) is int
+    with pytest.raises(TypeError, match=re.escape("lens[0] must be an int, got np.float64(2.0)")):
+        checks.check_lengths("lens", [np.float64(2.0)])
+    with pytest.raises(TypeError, match="block_q must be an int"):
+        checks.check_int("block_q", np.bool_(True))
+    from attnkit import attention, masks
+
+    q = torch.randn(2, 2, 5, 4, dtype=torch.float64)
+    got_out = attention(q, q, q, mask=masks.key_padding(list(np.array([3, 5]))))
+    want = attention(q, q, q, mask=masks.key_padding([3, 5]), backend="reference")
+    torch.testing.assert_close(got_out, want)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 from collections.abc import Sequence
 from typing import TypeVar, cast
 
@@ -59,13 +60,15 @@ INT_MAX = 2**63 - 1
 
 
 def check_int(name: str, value: object, *, minimum: int = 1, saturate: bool = False) -> int:
-    """``value`` if it is an int (not a bool) from ``minimum`` to :data:`INT_MAX`, else
-    TypeError/ValueError naming ``name``.
+    """``value`` if it is an int (not a bool; numpy's integers count, as Python ints) from
+    ``minimum`` to :data:`INT_MAX`, else TypeError/ValueError naming ``name``.
 
     ``saturate``: for a size that only bounds a window (a sliding window's reach, a block size),
     where any value past every sequence means the same, a larger value is taken as ``INT_MAX``.
     A ``torch.SymInt`` (a length while torch.export traces with dynamic shapes) is an int here.
     """
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        value = int(value)  # numpy's integers (lengths read from an array), as Python's
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < minimum:
@@ -94,7 +97,7 @@ def check_lengths(name: str, lengths: object) -> list[int]:
     """A sequence of ints >= 0, each checked; a lone int is a TypeError naming ``name``."""
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(lengths).__name__}")
-    return [check_int(f"{name}[]", n, minimum=0) for n in lengths]
+    return [check_int(f"{name}[{i}]", n, minimum=0) for i, n in enumerate(lengths)]
 
 
 def check_bool(name: str, value: object) -> bool:
