@@ -187,6 +187,12 @@ BAD: list[tuple[dict[str, object], type[Exception], str]] = [
         "got q (2, 4, 3, 8), k (2, 3, 5, 8)",
     ),
     (
+        {"k": torch.zeros(2, 0, 5, 8), "v": torch.zeros(2, 0, 5, 6)},
+        ValueError,
+        "k and v must have at least one head (Hkv = k.shape[-3] >= 1); "
+        "got q (2, 4, 3, 8), k (2, 0, 5, 8)",
+    ),
+    (
         {"q": Q.long(), "k": K.long(), "v": V.long()},
         TypeError,
         "q must be float16, bfloat16, float32 or float64, got int64",

@@ -249,7 +249,12 @@ def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
             f"q and k must share the last dim Dk: got q {shape_str(q.shape)} (Dk={qk_dim}) and "
             f"k {shape_str(k.shape)} (Dk={k_dim})"
         )
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
+    if num_kv_heads == 0:
+        raise ValueError(
+            f"k and v must have at least one head (Hkv = k.shape[-3] >= 1); got q "
+            f"{shape_str(q.shape)}, k {shape_str(k.shape)}"
+        )
+    if num_heads % num_kv_heads:
         raise ValueError(
             f"the heads of q (H={num_heads}) must be a multiple of the heads of k and v "
             f"(Hkv={num_kv_heads}); got q {shape_str(q.shape)}, k {shape_str(k.shape)}"
