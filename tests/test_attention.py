@@ -487,6 +487,19 @@ def test_compile_fullgraph_and_export_match_eager() -> None:
     torch.testing.assert_close(exported(q, k, pad), eager)
 
 
+def test_a_refused_backend_under_compile_fullgraph_says_why() -> None:
+    # The refusal's report used to gather every backend's notes, one of which reads a block plan
+    # under a lock that dynamo cannot enter: the error named a lock, not the reason.
+    q = torch.randn(1, 2, 8, 4)
+
+    def attend(q: Tensor) -> Tensor:
+        return attention(q, q, q, mask=masks.sliding_window(2), backend="flex")
+
+    with pytest.raises(Exception, match=re.escape("torch.compile/export cannot trace")) as err:
+        torch.compile(attend, fullgraph=True, backend="eager")(q)
+    assert "context manager" not in str(err.value)
+
+
 @pytest.mark.usefixtures("no_shape_checks")
 def test_autocast_dtype_errors_say_what_autocast_did() -> None:
     # float64 stays float64 under autocast while float32 becomes bfloat16: the message says so,

@@ -281,11 +281,14 @@ def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
         requested = backend
     gpu = slow_paths_cost_more(target(call.device))
     reasons, costs, notes, slower = {}, {}, {}, {}
+    # Notes are for people and may read a block plan (under a lock torch.compile cannot enter):
+    # while tracing, a refusal's error names the reasons without them.
+    tracing = torch.compiler.is_compiling()
     for name, b in registry.items():
         reasons[name], costs[name] = b.reasons(call)
         able = not reasons[name]
         slower[name] = b.slower_reasons(call) if able else []
-        notes[name] = b.explain_notes(call) if able else []
+        notes[name] = b.explain_notes(call) if able and not tracing else []
     if requested != "auto":
         chosen = None if reasons[requested] else requested
     else:
