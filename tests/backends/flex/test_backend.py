@@ -143,3 +143,18 @@ def test_float64_on_the_cpu_runs_unfused() -> None:
     assert "float64 on the CPU runs flex_attention's unfused form" in str(
         attnkit.explain(q, k, v, mask=mask, backend="flex")
     )
+
+
+def test_tensors_that_require_grad_under_no_grad_and_inference_mode() -> None:
+    # Under no_grad / inference_mode the call needs no gradients, so flex serves it on the CPU;
+    # torch's CPU FlexAttention refuses any input whose requires_grad is set, whatever the grad
+    # mode, so the backend hands it detached tensors.
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    kw = {"mask": masks.sliding_window(3), "sinks": sinks, "return_lse": True}
+    want, want_lse = attnkit.attention(q, k, v, backend="reference", **kw)  # type: ignore[call-overload]
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            out, lse = attnkit.attention(q, k, v, backend="flex", **kw)  # type: ignore[call-overload]
+        torch.testing.assert_close(out, want.detach(), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(lse, want_lse.detach(), atol=1e-12, rtol=1e-12)

@@ -189,11 +189,17 @@ class Flex(Backend):
         return notes
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
-        lowered = lower_call(call, inputs.q, inputs.k, inputs.v, inputs.bias)
+        q, k, v = inputs.q, inputs.k, inputs.v
+        on_cpu = call.device.type == "cpu"
+        if on_cpu:
+            # A CPU call here needs no gradients (check), but its tensors may still say
+            # requires_grad (under torch.no_grad or inference_mode), which torch's CPU
+            # FlexAttention refuses whatever the grad mode.
+            q, k, v = q.detach(), k.detach(), v.detach()
+        lowered = lower_call(call, q, k, v, inputs.bias)
         lse_needed = call.return_lse or inputs.sinks is not None
         # torch's CPU compile of FlexAttention takes float32 and the half types, not float64:
         # float64 runs unfused there, as calls that need the log-sum-exp do.
-        on_cpu = call.device.type == "cpu"
         compiled = not on_cpu or not (lse_needed or call.dtype == torch.float64)
         options = kernel_options(call)[0] if target(call.device).gpu else None
         out, lse = run_lowered(lowered, lse=lse_needed, compiled=compiled, options=options)
