@@ -11,6 +11,7 @@ from torch import Tensor
 
 import attnkit
 from attnkit import BackendError, attention, explain, masks
+from attnkit.backends.flash_package import flash_attn_installed
 from attnkit.testing import assert_close
 
 from .helpers import brute_force, needs_cxx
@@ -485,6 +486,16 @@ def test_compile_fullgraph_and_export_match_eager() -> None:
     torch.testing.assert_close(compiled(q, k, pad), eager)
     exported = torch.export.export(Attend(), (q, k, pad)).module()
     torch.testing.assert_close(exported(q, k, pad), eager)
+
+
+@pytest.mark.skipif(flash_attn_installed(), reason="the flash-attn package is installed")
+def test_a_builtin_backend_this_process_lacks_says_what_it_needs() -> None:
+    # Without the flash-attn package the flash_attn backend is not registered: naming it used to
+    # answer "unknown backend ... a backend of your own must be registered".
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="where the flash-attn package is installed") as err:
+        attention(q, q, q, backend="flash_attn")
+    assert "a backend of your own" not in str(err.value)
 
 
 def test_a_refused_backend_under_compile_fullgraph_says_why() -> None:

@@ -45,7 +45,7 @@ from ._base.quantized import QuantizedKV, check_kv_scales, stand_in
 from ._base.shapes import Bool, Float, Int, shape_checked
 from ._call import AttentionCall, check_attention_args, describe_call
 from ._score_mod import ScoreMod, captured_tensors, check_captured, check_elementwise
-from .backends import builtin_backends
+from .backends import builtin_backends, missing_builtins
 from .backends.base import (
     Backend,
     BackendError,
@@ -173,6 +173,12 @@ def check_backend(backend: object, name: str = "backend") -> str | Backend:
         )
     registry = _REGISTRY
     if backend != "auto" and backend not in registry:
+        why = missing_builtins().get(backend)
+        if why is not None:
+            raise ValueError(
+                f"{name} {backend!r} is not available: it is {why}; choose 'auto' or one of: "
+                f"{', '.join(registry)}"
+            )
         raise ValueError(
             f"unknown {name} {backend!r}; choose 'auto' or one of: {', '.join(registry)} (a "
             "backend of your own must be registered with attnkit.register_backend before it is "

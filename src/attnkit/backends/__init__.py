@@ -17,6 +17,8 @@ Pass a name (``backend="chunked"``) or an instance (``backend=Chunked(block_q=64
 :func:`attnkit.attention`.
 """
 
+import torch
+
 from .base import Backend, BackendError, BackendFn, CallInputs, Dispatch, record_dispatch
 from .chunked import Chunked
 from .flash_package import FlashAttnPackage, flash_attn_installed
@@ -47,3 +49,20 @@ def builtin_backends() -> tuple[Backend, ...]:
     flash = (FlashAttnPackage(),) if flash_attn_installed() else ()
     flex = (Flex(),) if flex_available() else ()
     return (SDPA(), *flash, *flex, Chunked(), Reference())
+
+
+def missing_builtins() -> dict[str, str]:
+    """The built-in backends this process does not register, each with what it needs (for the
+    error of a call that names one)."""
+    missing = {}
+    if not flash_attn_installed():
+        missing["flash_attn"] = (
+            "registered where the flash-attn package is installed (pip install flash-attn, for "
+            "NVIDIA and AMD GPUs); it is not installed here"
+        )
+    if not flex_available():
+        missing["flex"] = (
+            "registered where torch has FlexAttention (torch.nn.attention.flex_attention); this "
+            f"torch ({torch.__version__}) has none"
+        )
+    return missing
