@@ -727,6 +727,28 @@ def test_explain_describes_the_call_the_module_makes() -> None:
     assert m.explain(x, need_weights=True).chosen == "reference"
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_explain_describes_a_streaming_cache_call_as_it_runs(kv_dtype: torch.dtype | None) -> None:
+    # forward takes a StreamingKVCache; explain() took only the caches with stand_in()
+    # (AttributeError). A step reads the held slots in place, a chunk or a step with a mask of
+    # its own the tokens in time order with the cache's mask: explain() describes what runs.
+    m = MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    for t, mask in ((1, None), (1, masks.sliding_window(2)), (4, None)):
+        cache = attnkit.StreamingKVCache(2, 2, 8, sink_tokens=2, window=6, kv_dtype=kv_dtype)
+        x = torch.randn(2, t, 32)
+        with torch.no_grad():
+            m(torch.randn(2, 5, 32), causal=True, cache=cache)
+            said = m.explain(x, causal=True, mask=mask, cache=cache)
+            assert cache.position == 5  # explain wrote nothing
+            with attnkit.record_dispatch() as calls:
+                m(x, causal=True, mask=mask, cache=cache)
+        ran = calls[-1].call
+        assert (said.call.q_len, said.call.kv_len) == (ran.q_len, ran.kv_len), (t, mask)
+        assert str(said.call.mask) == str(ran.mask), (t, mask)
+        assert (said.call.cache is None) == (ran.cache is None), (t, mask)
+        assert said.chosen == calls[-1].served_by, (t, mask)
+
+
 def test_from_torch_refuses_a_sequence_first_module_and_says_how() -> None:
     theirs = nn.MultiheadAttention(8, 2, dtype=torch.float64).eval()  # batch_first=False
     with pytest.raises(ValueError, match="has batch_first=False, so it takes") as err:

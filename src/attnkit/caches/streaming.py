@@ -365,6 +365,33 @@ class StreamingKVCache:
             return keys, values, window
         return keys, values, window & mask
 
+    def stand_in(
+        self, new_tokens: int, *, mask: object = None, **call: object
+    ) -> tuple[Tensor | CacheView, Tensor | None, Mask | None]:
+        """What :meth:`stage_call` would give a call of ``new_tokens`` tokens (with the same
+        ``mask``, ``bias`` and ``need_weights``), without data and without writing: keys and
+        values of the shapes it reads (one zero, expanded; a quantized step's view with unit
+        scales) and the mask it attends with. What ``explain()`` describes."""
+        new = check_int("new_tokens", new_tokens)
+        ordered = mask is not None or call.get("bias") is not None or bool(call.get("need_weights"))
+        b, h, _, dk = self.k_cache.shape
+        zero = torch.zeros((), dtype=self.dtype, device=self.k_cache.device)
+        if new == 1 and not ordered:  # a step: every held slot and the new token, in place
+            n = min(self.position + 1, self.sink_tokens + self.window)
+            keys = zero.expand(b, h, n, dk)
+            values = zero.expand(b, h, n, self.v_cache.size(-1))
+            if self.kv_dtype is None:
+                return keys, values, None
+            one = torch.ones((), device=zero.device).expand(b, h, n, 1)
+            stored = self.k_cache.new_zeros(())
+            pages = (stored.expand(b, h, n, dk), stored.expand(b, h, n, self.v_cache.size(-1)))
+            view = CacheView(*pages, ((0, n),) * b, k_scale=one, v_scale=one)
+            return view, None, None
+        n = self._time_order(self.position, new).numel() + new
+        keys, values = zero.expand(b, h, n, dk), zero.expand(b, h, n, self.v_cache.size(-1))
+        window = self._mask(n)
+        return keys, values, window if mask is None else window & mask
+
     def reset(self) -> None:
         """Forget every token (the memory stays allocated)."""
         self.position = 0

@@ -597,7 +597,7 @@ class MultiHeadAttention(nn.Module):
         bias: Tensor | ScoreTerm | None = None,
         causal: bool = False,
         need_weights: bool = False,
-        cache: KVCache | PagedKVCache | None = None,
+        cache: AnyCache | None = None,
     ) -> Explanation:
         """Which backend ``self(query, key, value, ...)`` would run its attention on, and why:
         :func:`attnkit.explain` for the call the module makes. Runs nothing (no projection, no
@@ -630,7 +630,9 @@ class MultiHeadAttention(nn.Module):
         weights = need_weights or is_capturing(self)
         keys: Tensor | CacheView = shaped(self.num_kv_heads, tk, self.head_dim)
         values: Tensor | None = shaped(self.num_kv_heads, tk, self.v_head_dim)
-        if cache is not None:  # the cache's keys where the call will read them, as stand-ins
+        if isinstance(cache, StreamingKVCache):  # its held tokens and window, with its mask
+            keys, values, mask = cache.stand_in(tk, mask=mask, bias=bias, need_weights=weights)
+        elif cache is not None:  # the cache's keys where the call will read them, as stand-ins
             keys, values = cache.stand_in(tk), None
         return explain(
             shaped(self.num_heads, tq, self.head_dim),
