@@ -445,3 +445,33 @@ def test_a_step_with_a_mask_or_bias_of_its_own_reads_the_held_tokens_in_time_ord
             else:
                 want = attnkit.attention(q[:, :, t : t + 1], kk, vv, bias=bias, backend="reference")
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+def test_rewind_undoes_the_last_step_or_chunk_and_refuses_what_the_ring_let_go(kv_dtype) -> None:
+    sinks, window, b, d, n = 1, 3, 1, 8, 20
+    q, k, v = randn(b, 2, n, d), randn(b, 2, n, d), randn(b, 2, n, d)
+    cache = StreamingKVCache(b, 2, d, sink_tokens=sinks, window=window, kv_dtype=kv_dtype)
+    model = StreamingKVCache(b, 2, d, sink_tokens=sinks, window=window, kv_dtype=kv_dtype)
+
+    def run(c, at, t):
+        part = (x[:, :, at : at + t].float() for x in (q, k, v))
+        return c.attention(*part)[0]
+
+    with torch.no_grad():
+        for c in (cache, model):
+            run(c, 0, 6)
+        run(cache, 6, 5)  # a chunk past the window: its commit wrote over the whole ring
+        cache.rewind(6)
+        torch.testing.assert_close(run(cache, 6, 1), run(model, 6, 1), atol=0, rtol=0)
+        run(cache, 7, 1)
+        cache.rewind(7)  # a step back: the window still holds what a query at 7 attends
+        torch.testing.assert_close(run(cache, 7, 1), run(model, 7, 1), atol=0, rtol=0)
+        held_k, held_v = cache.k_cache.clone(), cache.v_cache.clone()
+        with pytest.raises(ValueError, match=r"cannot rewind to position 6: .* back to position 7"):
+            cache.rewind(6)
+        assert cache.position == 8
+        assert torch.equal(held_k, cache.k_cache)
+        assert torch.equal(held_v, cache.v_cache)
+        cache.rewind(100)  # past the tokens appended: all kept
+        assert cache.position == 8

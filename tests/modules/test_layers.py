@@ -12,6 +12,7 @@ import attnkit
 from attnkit import (
     MultiHeadAttention,
     RelativeMultiHeadAttention,
+    StreamingKVCache,
     Transformer,
     TransformerDecoderLayer,
     TransformerEncoderLayer,
@@ -19,6 +20,8 @@ from attnkit import (
 )
 from attnkit.interop.torch import from_torch_masks
 from attnkit.testing import assert_close
+
+F64 = torch.float64
 
 
 def randomize(module: nn.Module) -> None:
@@ -440,3 +443,35 @@ def test_layer_with_attention_built_elsewhere_rewinds_its_cache() -> None:
         attn.fail = False
         steps += [layer(x[:, i : i + 1], causal=True, cache=cache) for i in (2, 3)]
     assert_close(torch.cat(steps, 1), full)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+@pytest.mark.parametrize("chunks", [[6, 1, 1, 1], [2, 1, 5, 1]], ids=["steps", "chunk"])
+def test_transformer_decode_step_through_streaming_caches_is_all_or_nothing(chunks) -> None:
+    # A streaming cache lets tokens go as it takes new ones: a step that fails in a later layer
+    # must still leave the earlier layers' caches at the position they had, or their rotary
+    # positions and windows drift apart from the other layers'.
+    torch.manual_seed(0)
+    model = Transformer(16, 4, num_encoder_layers=1, num_decoder_layers=2, dtype=F64).eval()
+    src, tgt = torch.randn(1, 5, 16, dtype=F64), torch.randn(1, sum(chunks), 16, dtype=F64)
+    with torch.no_grad():
+        memory = model.encode(src)
+        want = model.decode(tgt, memory, mask=_sink_window(sum(chunks), 1, 3))
+        cache = [StreamingKVCache(1, 4, 4, sink_tokens=1, window=3, dtype=F64) for _ in range(2)]
+        last, steps, at = model.decoder_layers[1], [], 0
+        for t in chunks:
+            ffn = last.ffn
+            last.ffn = Interrupted(RuntimeError("boom"))
+            with pytest.raises(RuntimeError, match="boom"):
+                model.decode(tgt[:, at : at + t], memory, cache=cache)
+            assert [c.position for c in cache] == [at, at]
+            last.ffn = ffn
+            steps.append(model.decode(tgt[:, at : at + t], memory, cache=cache))
+            at += t
+    assert_close(torch.cat(steps, 1), want)
+
+
+def _sink_window(n: int, sinks: int, window: int) -> Tensor:
+    """Which of ``n`` tokens each may attend in a streaming cache: the sinks and its window."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return (j <= i) & ((j < sinks) | (j > i - window))

@@ -58,6 +58,16 @@ class _New(NamedTuple):
     v_scale: Tensor | None
 
 
+class _Undo(NamedTuple):
+    """What a chunk's commit wrote over: the position it started at, the slots it wrote
+    ``(n,)`` and their tensors' old contents there (keys and values, an int8 cache's scales;
+    float8 as bytes), so that :meth:`StreamingKVCache.rewind` can put them back."""
+
+    start: int
+    slots: Tensor
+    old: list[Tensor]
+
+
 def _both(pair: tuple[Tensor | None, Tensor | None]) -> TypeGuard[tuple[Tensor, Tensor]]:
     return pair[0] is not None and pair[1] is not None
 
@@ -138,6 +148,7 @@ class StreamingKVCache:
         self.position = 0  # tokens appended so far: the next token's position
         self._staged: _New | None = None  # a chunk, written at commit
         self._staged_one = False  # one token, written in place at stage
+        self._undo: _Undo | None = None  # what the last chunk's commit wrote over
 
     @property
     def length(self) -> int:
@@ -207,7 +218,7 @@ class StreamingKVCache:
         where they lie) or a chunk's keys, values and mask (nothing written); ``in_place``
         False: a step as a chunk of one token, its keys in time order."""
         self._check(k, v)
-        self._staged, self._staged_one = None, False
+        self._staged, self._staged_one, self._undo = None, False, None
         new = self._stored(k, v)
         t, start = k.size(-2), self.position
         if t == 1 and in_place:
@@ -299,9 +310,73 @@ class StreamingKVCache:
         if self._staged_one:
             self.position += 1
         elif self._staged is not None:
+            self._undo = self._overwritten(self.position, self._staged.k.size(-2))
             self._put(self._staged, self.position)
             self.position += self._staged.k.size(-2)
         self._staged, self._staged_one = None, False
+
+    def _stored_tensors(self) -> list[Tensor]:
+        """The tensors a token's slot is in: keys and values (float8 as their bytes: torch's
+        index_select has no float8 kernel) and an int8 cache's scales."""
+        out = [
+            t.view(torch.uint8) if t.dtype in FLOAT8 else t for t in (self.k_cache, self.v_cache)
+        ]
+        if self.kv_dtype == torch.int8 and self.k_scale is not None and self.v_scale is not None:
+            out += [self.k_scale, self.v_scale]
+        return out
+
+    def _overwritten(self, start: int, new: int) -> _Undo:
+        """The slots ``new`` tokens from position ``start`` on are written to, and what they
+        hold before."""
+        slots = [slot + j for _, slot, n in self._runs(start, new) for j in range(n)]
+        at = torch.tensor(slots, dtype=torch.long, device=self.k_cache.device)
+        return _Undo(start, at, [t.index_select(2, at) for t in self._stored_tensors()])
+
+    def rewind(self, position: int) -> None:
+        """Forget every token from ``position`` on, as if the calls that appended them had never
+        run: what a stack of layers uses to undo a step when a later layer fails. A
+        ``position`` past the tokens appended keeps them all.
+
+        The ring has let older tokens go, so it can go back only where a query still finds
+        every token it attends: by one token (the window still holds the ``W - 1`` before it),
+        by the whole last chunk (its commit keeps what it wrote over, until the next stage),
+        or anywhere while no slot has been written twice (``position <= S + W``). Any other
+        ``position`` is a ``ValueError``, and changes nothing. An uncommitted stage is dropped.
+        A forgotten token stays in its slot until the next stage writes over it (:attr:`length`
+        and :meth:`view` count it until then)."""
+        position = check_int("position", position, minimum=0, saturate=True)
+        if position >= self.position:
+            self._staged, self._staged_one = None, False
+            return
+        undo = self._undo
+        if undo is not None and position == undo.start:
+            for t, old in zip(self._stored_tensors(), undo.old, strict=True):
+                t.index_copy_(2, undo.slots, old)
+        elif not self._reachable(position):
+            raise ValueError(
+                f"this StreamingKVCache (position={self.position}, window={self.window}) cannot "
+                f"rewind to position {position}: tokens a query there attends have left its "
+                f"ring; it can go back to {self._reachable_text()}"
+            )
+        self.position = position
+        self._staged, self._staged_one, self._undo = None, False, None
+
+    def _reachable(self, position: int) -> bool:
+        """Whether every token a query at ``position`` attends is still in its slot."""
+        if self.position + self._staged_one <= self.sink_tokens + self.window:
+            return True  # no slot written twice
+        # (a staged step wrote over the oldest token of its window, which a query one step
+        # earlier attends)
+        return not self._staged_one and position >= self.position - 1
+
+    def _reachable_text(self) -> str:
+        """The positions :meth:`rewind` can go back to once the ring has wrapped, in words."""
+        if self._staged_one:
+            return f"position {self.position} (a staged step wrote over its window's oldest token)"
+        choices = [self.position - 1]
+        if self._undo is not None and self._undo.start < self.position - 1:
+            choices.insert(0, self._undo.start)
+        return " or ".join(f"position {p}" for p in choices)
 
     @shape_checked
     def update(
@@ -395,7 +470,7 @@ class StreamingKVCache:
     def reset(self) -> None:
         """Forget every token (the memory stays allocated)."""
         self.position = 0
-        self._staged, self._staged_one = None, False
+        self._staged, self._staged_one, self._undo = None, False, None
 
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None

@@ -12,7 +12,8 @@ The self-attention of a layer can be built elsewhere and passed in (``attention=
 attention for a Conformer-style stack. It is called as ``attention(x, mask=mask, causal=causal)``
 (plus ``cache=cache`` when a cache is given) and returns ``(B, T, D)``. Whatever fails in a layer
 called with a :class:`~attnkit.KVCache` (that module included), the cache keeps the length it had
-before the call.
+before the call (a :class:`~attnkit.PagedKVCache` its lengths, a
+:class:`~attnkit.StreamingKVCache` its position).
 
 Masks follow attnkit's one convention (bool, True = may attend) and broadcast to the scores
 ``(B, H, Tq, Tk)``; for padded batches pass :func:`attnkit.masks.padding_mask` ``(B, 1, 1, T)``.
@@ -41,6 +42,7 @@ from .._base.hints import torch_keywords
 from .._base.shapes import Bool, Float, shape_checked
 from ..caches.kv_cache import KVCache
 from ..caches.paged import PagedKVCache
+from ..caches.streaming import StreamingKVCache
 from ..masks import Mask, check_mask
 from .feedforward import PositionwiseFeedForward
 from .multihead import MultiHeadAttention
@@ -80,9 +82,9 @@ def _call_self_attention(
 
 
 def _undo_on_error(caches: Sequence[object], step: Callable[[], Tensor]) -> Tensor:
-    """``step()``; if it raises (or is interrupted), every :class:`KVCache` and
-    :class:`PagedKVCache` in ``caches`` is wound back to the lengths it had before, whichever
-    sublayer or layer failed.
+    """``step()``; if it raises (or is interrupted), every :class:`KVCache`,
+    :class:`PagedKVCache` and :class:`StreamingKVCache` in ``caches`` is wound back to the
+    lengths (a streaming cache: the position) it had before, whichever sublayer or layer failed.
 
     A layer appends to its cache in its self-attention and can still fail afterwards (in the
     cross-attention, in a module built elsewhere, on Ctrl-C); a stack of layers can fail in its
@@ -92,6 +94,9 @@ def _undo_on_error(caches: Sequence[object], step: Callable[[], Tensor]) -> Tens
     """
     held = [(c, c.length) for c in caches if isinstance(c, KVCache)]
     paged = [(c, list(c.lengths)) for c in caches if isinstance(c, PagedKVCache)]
+    # (a streaming cache goes back by its position: its ring has let tokens go, and it can undo
+    # the one step it took)
+    streaming = [(c, c.position) for c in caches if isinstance(c, StreamingKVCache)]
     try:
         return step()
     except BaseException:
@@ -99,6 +104,8 @@ def _undo_on_error(caches: Sequence[object], step: Callable[[], Tensor]) -> Tens
             c.rewind(length)
         for p, lengths in paged:
             p.rewind(lengths)
+        for s, position in streaming:
+            s.rewind(position)
         raise
 
 
