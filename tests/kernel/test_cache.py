@@ -433,3 +433,50 @@ def test_a_call_of_no_rows_gives_an_empty_output(kv_dtype: torch.dtype) -> None:
             q.transpose(1, 2), cache, cache, k_descale=torch.ones(0, 2), v_descale=torch.ones(0, 2)
         )
         assert got.shape == (0, 1, 4, 4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("ranges", [[(0, 9)], [(0, 9), (0, 5)], [(2, 9), (2, 9)]])
+def test_a_view_of_fewer_rows_than_the_cache_reads_its_first_pages(
+    ranges: list[tuple[int, int]], kv_dtype: torch.dtype
+) -> None:
+    """A contiguous cache of 4 rows viewed for a call of fewer (a batch that shrank): row n's
+    keys are page n, the pages past the rows unread (the native read refused the call: 'k and v
+    hold one page per row: 2 rows, got 4')."""
+    from attnkit import CacheView
+    from attnkit.caches.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(4, 12, 2, 8, kv_dtype=None if kv_dtype == torch.float32 else kv_dtype)
+    cache.update(*(torch.randn(4, 2, 9, 8, generator=g) for _ in range(2)))
+    whole = cache.view()
+    view = CacheView(whole.k, whole.v, ranges, k_scale=whole.k_scale, v_scale=whole.v_scale)
+    for q_len in (1, 3):
+        q = torch.randn(len(ranges), 4, q_len, 8, generator=g)
+        want = attention(q, view, causal=True, backend="reference")
+        assert_close(attention(q, view, causal=True, backend="chunked"), want)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_bias_by_distance_over_rows_whose_keys_start_after_0(paged: bool) -> None:
+    """Rows that share a stretch of keys starting after 0 (a window, left padding) make a call of
+    Tk = the stretch's keys, and a bias by distance built for it holds its distances; the native
+    read laid the table out from the stretch's end and refused it ('the call (Tq=2, Tk=9) has
+    distances -8 to 1')."""
+    from attnkit import CacheView, alibi_slopes
+
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(2))
+    table = None
+    if paged:  # pages of 4 through a table
+        k = k.view(2, 2, 3, 4, 8).transpose(1, 2).reshape(6, 2, 4, 8)
+        v = v.view(2, 2, 3, 4, 8).transpose(1, 2).reshape(6, 2, 4, 8)
+        table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    view = CacheView(k, v, [(3, 9), (3, 9)], block_table=table)
+    q = torch.randn(2, 4, 2, 8, generator=g)
+    bias = alibi_term(alibi_slopes(4), 2, view.width)  # the call's Tk: the stretch of 6 keys
+    want = attention(q, view, causal=True, bias=bias, backend="reference")
+    assert_close(attention(q, view, causal=True, bias=bias, backend="chunked"), want)
+    short = alibi_term(alibi_slopes(4), 2, view.width - 1)  # one distance short: refused
+    with pytest.raises(ValueError, match="the table must hold all of them"):
+        attention(q, view, causal=True, bias=short, backend="chunked")

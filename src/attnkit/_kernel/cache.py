@@ -120,6 +120,12 @@ def cache_attention(
     packed = None if q_range is None else _int64(q_range).view(-1, 2)
     table = None if block_table is None else _int64(block_table)
     rows = ranges.size(0)
+    if table is None and k.size(0) > rows:
+        # Row n's keys are page n: a call of fewer rows than the cache holds (a batch that
+        # shrank) reads its first pages, which the kernel takes as one page a row.
+        k, v = k[:rows], v[:rows]
+        k_scale = None if k_scale is None else k_scale[:rows]
+        v_scale = None if v_scale is None else v_scale[:rows]
     work = torch.promote_types(q.dtype, torch.float32)
     q5 = q.reshape(nq, hkv, h // hkv, tq, dk).to(work)
     if q5.stride(-1) != 1:
@@ -128,6 +134,8 @@ def cache_attention(
     if bias is not None:  # (the lengths read from the host only here)
         q_len = tq if packed is None else int(packed[:, 1].max()) if rows else 0
         kv_len = int(ranges[:, 1].max()) if rows else 0
+        stretch = int((ranges[:, 1] - ranges[:, 0]).max()) if rows else 0
+        bias = _from_longest_end(bias, Geometry((rows,), h, q_len, stretch, q.device), kv_len)
         geo = Geometry((rows,), h, q_len, kv_len, q.device)
         layout = bias.layout(geo, h // hkv)
         bias_table = bias.table.to(work).contiguous()
@@ -151,6 +159,20 @@ def cache_attention(
     if sinks is not None:
         out5, lse = finish(out5, lse, sinks.view(hkv, -1).to(work))
     return out5.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+
+
+def _from_longest_end(bias: DistanceBias, rows: Geometry, kv_len: int) -> DistanceBias:
+    """``bias`` checked against the distances the rows meet (``rows``: ``Tk`` the longest
+    stretch of keys a row attends), as a table the kernel lays out from the longest end
+    ``kv_len``: a row whose keys start after 0 (a window, left padding) meets no distance below
+    ``-(end - start - 1)``, so a table built for its stretch is padded below, with entries no
+    row reads."""
+    bias.check(rows)
+    lowest = -(kv_len - 1)
+    if kv_len == 0 or bias.first <= lowest:
+        return bias
+    table = torch.nn.functional.pad(bias.table, (bias.first - lowest, 0))
+    return DistanceBias(table, lowest)
 
 
 def in_place_refusal(
