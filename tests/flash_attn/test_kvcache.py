@@ -519,3 +519,26 @@ def test_rows_sharing_float8_pages_read_them_with_their_own_descale_factors(page
         )  # fmt: skip
         assert_close(out[b : b + 1].transpose(1, 2), want)
         assert_close(lse[b : b + 1], want_lse)
+
+
+@pytest.mark.skipif(not _native.load(), reason="the native cache read")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_alibi_with_rows_that_start_after_0(batch: int) -> None:
+    # cache_leftpad the same in every row: the rows share a stretch of keys from 4 on, and the
+    # native read refused the ALiBi table built for it ('the call (Tq=2, Tk=10) has distances
+    # -9 to 1') where the reference served it.
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(batch, 12, 2, 8, generator=g) for _ in range(2))
+    q = torch.randn(batch, 2, 4, 8, generator=g)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    got = fa.flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=torch.full((batch,), 10, dtype=torch.int32),
+        cache_leftpad=torch.full((batch,), 4, dtype=torch.int32),
+        causal=True,
+        alibi_slopes=slopes,
+    )
+    want, _ = reference(q, k_cache[:, 4:10], v_cache[:, 4:10], causal=True, slopes=slopes)
+    assert_close(got, want.float())
