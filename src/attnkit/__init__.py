@@ -46,6 +46,7 @@ from .modules.positional import (
     SinusoidalPositionalEncoding,
     alibi_bias,
     alibi_slopes,
+    alibi_term,
     relative_encoding,
 )
 from .modules.relative import RelativeMultiHeadAttention
@@ -81,6 +82,7 @@ __all__ = [
     "__version__",
     "alibi_bias",
     "alibi_slopes",
+    "alibi_term",
     "attention",
     "attention_stats",
     "available_backends",

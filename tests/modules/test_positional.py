@@ -161,6 +161,22 @@ def test_alibi_bias_reads_alibi_term() -> None:
     assert torch.equal(alibi_bias(3, 4, 6), term.tile(term.inputs(), i, j))
 
 
+def test_the_alibi_term_the_messages_name_is_public() -> None:
+    # A paged cache, a module with a cache and attention() refuse a dense bias by naming
+    # attnkit.alibi_term: it must be there, and serve the call they refused.
+    cache = attnkit.PagedKVCache(4, 4, 2, 8, max_seqs=1, dtype=torch.float64)
+    q, k = (
+        torch.randn(1, 2, 3, 8, dtype=torch.float64),
+        torch.randn(1, 2, 3, 8, dtype=torch.float64),
+    )
+    with pytest.raises(TypeError, match=r"attnkit\.alibi_term"):
+        cache.attention(q, k, k, bias=alibi_bias(2, 3, 3, dtype=torch.float64), causal=True)
+    term = attnkit.alibi_term(alibi_slopes(2).double(), 3, 3)
+    out, _ = cache.attention(q, k, k, bias=term, causal=True)
+    want = attnkit.attention(q, k, k, bias=alibi_bias(2, 3, 3, dtype=torch.float64), causal=True)
+    assert_close(out, want)
+
+
 def test_alibi_in_attention_and_multihead() -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 6, 8, dtype=torch.float64) for _ in range(3))
