@@ -923,3 +923,23 @@ def test_a_quantized_latent_pool_reads_its_values_with_the_keys_scales(
     c.to("meta")  # (a move of device: each buffer moved on its own)
     assert c.v_scales is c.k_scales
     assert c.v_pages.data_ptr() == c.k_pages.data_ptr()
+
+
+def test_a_sequence_is_named_by_any_integer_and_a_wrong_one_said_so() -> None:
+    # Finished sequences found with numpy (np.nonzero(done)) are numpy integers: the message said
+    # "seq must be a sequence from 0 to 1, got np.int64(1)", of a sequence in that range.
+    np = pytest.importorskip("numpy")
+    cache = PagedKVCache(4, 2, 1, 4, max_seqs=2, dtype=torch.float64)
+    k = torch.arange(3, dtype=torch.float64).view(1, 1, 3, 1).expand(2, 1, 3, 4)
+    cache.stage(k, k)
+    cache.commit()
+    cache.keep(np.int64(1), torch.tensor([[2]]))
+    assert cache.lengths == [3, 1]
+    assert cache.pages_of(np.int32(1)) == [2]
+    cache.free(np.int64(0))
+    assert cache.lengths == [0, 1]
+    with pytest.raises(TypeError, match=r"seq must be an int, got tensor\(1\)"):
+        cache.free(torch.tensor(1))
+    with pytest.raises(ValueError, match=r"seq must be a sequence from 0 to 1, got 2"):
+        cache.free(2)
+    assert cache.lengths == [0, 1]

@@ -354,7 +354,9 @@ class PagedKVCache(nn.Module):
         return pieces
 
     def _seq(self, seq: int) -> int:
-        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self.max_seqs:
+        # (any integer: numpy's too, as rows found with np.nonzero are)
+        seq = check_int("seq", seq, minimum=0) if not isinstance(seq, int) else seq
+        if isinstance(seq, bool) or not 0 <= seq < self.max_seqs:
             raise ValueError(f"seq must be a sequence from 0 to {self.max_seqs - 1}, got {seq!r}")
         return seq
 
