@@ -4,10 +4,13 @@ A sink is one more logit per head that every query's softmax shares and no value
 ``lse`` the log-sum-exp of a row's scores, the softmax over the scores and the sink gives each key
 ``exp(s_j) / (exp(lse) + exp(sink))``, the plain weights times ``sigmoid(lse - sink)``: the output
 is FlexAttention's times that factor, and the row's log-sum-exp is ``logaddexp(lse, sink)``. A
-row with no visible key (``lse = -inf``) keeps output 0; its log-sum-exp is the sink's.
+row with no visible key (``lse = -inf``) keeps output 0; its log-sum-exp is the sink's (``-inf``
+for a head whose sink is ``-inf``, no sink).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -20,6 +23,10 @@ def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]
     folded in: the output and log-sum-exp of the softmax that includes each head's sink.
     Differentiable in all three."""
     sink = sinks.to(lse.dtype)[None, :, None]  # (1, H, 1)
-    share = torch.sigmoid(lse - sink)  # (B, H, Tq): the keys' share of the row's weight
+    # A row with no visible key is read apart: with a -inf sink, lse - sink would be
+    # -inf - -inf = NaN (and its gradients NaN through logaddexp).
+    empty = lse == -math.inf
+    share = torch.sigmoid(torch.where(empty, -math.inf, lse - sink))  # the keys' share of weight
     folded = (out.to(share.dtype) * share.unsqueeze(-1)).to(out.dtype)
-    return folded, torch.logaddexp(lse, sink)
+    total = torch.logaddexp(torch.where(empty, 0.0, lse), sink)
+    return folded, torch.where(empty, sink.expand_as(lse), total)
