@@ -165,3 +165,24 @@ def test_a_decode_steps_rows_are_those_of_the_pages_memory(layout: str) -> None:
     for n, (page, offset) in enumerate([(4, 0), (0, 1), (3, 2), (1, 3)]):
         assert torch.equal(pages[page, :, offset], k[n, :, 0])
     assert int(memory.ne(0).sum()) == k.numel()
+
+
+def test_a_module_under_autocast_is_told_to_make_its_cache_in_the_autocast_dtype() -> None:
+    # Under torch.autocast a module's float32 projections give bfloat16 keys; the cache the
+    # module made in its parameters' dtype refused them without saying why they were bfloat16.
+    # Made in the autocast dtype as the message says, the decode equals the whole call's output.
+    from attnkit import MultiHeadAttention
+    from attnkit.testing import assert_close
+
+    m = MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    x = torch.randn(2, 6, 32)
+    cache = m.make_cache(2, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = m(x, causal=True)
+        with pytest.raises(TypeError, match=r"under torch\.autocast .*cache\.to\(dtype="):
+            m(x[:, :4], causal=True, cache=cache)
+        assert cache.length == 0
+        cache.to(dtype=torch.bfloat16)
+        steps = [m(x[:, :4], causal=True, cache=cache), m(x[:, 4:5], causal=True, cache=cache)]
+        steps.append(m(x[:, 5:], causal=True, cache=cache))
+    assert_close(torch.cat(steps, 1), whole)

@@ -100,7 +100,7 @@ def check_tokens(
     if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
         raise TypeError(
             f"k and v must have {spelling.dtype_of} ({dtype_str(k_pages.dtype)}), got k "
-            f"{dtype_str(k.dtype)} and v {dtype_str(v.dtype)}"
+            f"{dtype_str(k.dtype)} and v {dtype_str(v.dtype)}" + _autocast_hint(k)
         )
     if k.device != k_pages.device or v.device != k_pages.device:
         # (a copy_ would move them, or fail half-way with v on the meta device)
@@ -117,6 +117,19 @@ def check_tokens(
             "requires_grad=True)"
         )
     return k, v
+
+
+def _autocast_hint(k: Tensor) -> str:
+    """Why keys may come in another dtype than the cache's: under ``torch.autocast`` a module's
+    float32 projections give keys in the autocast dtype, and a cache made with the module's
+    parameters' dtype then refuses them."""
+    device = k.device.type
+    if not torch.is_autocast_enabled(device) or k.dtype != torch.get_autocast_dtype(device):
+        return ""
+    return (
+        f": under torch.autocast the projections give {dtype_str(k.dtype)} keys and values; "
+        f"make the cache in it (cache.to(dtype={k.dtype}))"
+    )
 
 
 def values_of_keys(k: object, v: object, dv: int) -> tuple[object, bool]:
