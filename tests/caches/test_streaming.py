@@ -475,3 +475,14 @@ def test_rewind_undoes_the_last_step_or_chunk_and_refuses_what_the_ring_let_go(k
         assert torch.equal(held_v, cache.v_cache)
         cache.rewind(100)  # past the tokens appended: all kept
         assert cache.position == 8
+
+
+def test_a_conversion_forgets_what_the_last_chunk_wrote_over() -> None:
+    cache = StreamingKVCache(1, 1, 4, sink_tokens=1, window=2)
+    for t in (2, 5):
+        cache.update(torch.randn(1, 1, t, 4), torch.randn(1, 1, t, 4))
+    cache.to(dtype=F64)  # the chunk's old tokens were float32: refused, not a dtype clash
+    with pytest.raises(ValueError, match=r"cannot rewind to position 2: .* back to position 6"):
+        cache.rewind(2)
+    cache.rewind(6)
+    assert cache.position == 6

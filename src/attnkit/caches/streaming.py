@@ -483,6 +483,7 @@ class StreamingKVCache:
         stored = dtype if self.kv_dtype is None else None
         self.k_cache = self.k_cache.to(device=device, dtype=stored)
         self.v_cache = self.v_cache.to(device=device, dtype=stored)
+        self._undo = None  # (what a chunk wrote over, in the old dtype and place)
         if self.k_scale is not None and self.v_scale is not None:
             self.k_scale, self.v_scale = self.k_scale.to(device), self.v_scale.to(device)
         self.dtype = self.k_cache.dtype if self.kv_dtype is None else (dtype or self.dtype)
