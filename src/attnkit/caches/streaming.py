@@ -339,9 +339,10 @@ class StreamingKVCache:
 
         The ring has let older tokens go, so it can go back only where a query still finds
         every token it attends: by one token (the window still holds the ``W - 1`` before it),
-        by the whole last chunk (its commit keeps what it wrote over, until the next stage),
-        or anywhere while no slot has been written twice (``position <= S + W``). Any other
-        ``position`` is a ``ValueError``, and changes nothing. An uncommitted stage is dropped.
+        by the whole last chunk (its commit keeps a copy of the slots it wrote over, at most
+        ``S + W`` tokens, until the next stage), or anywhere while the cache has taken no more
+        than ``S + W`` tokens (no slot written twice). Any other ``position`` is a
+        ``ValueError``, and changes nothing. An uncommitted stage is dropped.
         A forgotten token stays in its slot until the next stage writes over it (:attr:`length`
         and :meth:`view` count it until then)."""
         position = check_int("position", position, minimum=0, saturate=True)
