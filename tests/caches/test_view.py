@@ -198,3 +198,18 @@ def test_under_autocast_the_rows_are_cast_as_q_is() -> None:
     assert out.dtype == torch.bfloat16
     want = _expected(q.double(), k, v, [(0, 6), (1, 4)], [1, 1], causal=True)
     assert_close(out, want, dtype=torch.bfloat16)
+
+
+def test_a_view_made_while_compiling_never_reads_past_its_pages() -> None:
+    # Made inside a compiled function, a view's ends were not checked (its checks ran in eager
+    # only): keys past a row's page were sliced away and the call gave numbers over fewer keys.
+    pages = torch.randn(2, 2, 16, 8)
+
+    def step(q: torch.Tensor, ends: tuple[int, int]) -> torch.Tensor:
+        view = CacheView(pages, pages, [(0, ends[0]), (0, ends[1])])
+        return attnkit.attention(q, view, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    q = torch.randn(2, 4, 1, 8)
+    with pytest.raises(Exception, match="past the keys its pages hold"):
+        compiled(q, (20, 3))

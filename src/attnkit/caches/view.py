@@ -125,9 +125,12 @@ class CacheView:
     checked_call: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.trusted or torch.compiler.is_compiling():
-            # a cache's own view, right by construction (a decode step makes one per call); or,
-            # while tracing, checked in eager, its ends maybe symbolic sizes
+        if self.trusted:  # a cache's own view, right by construction (a step makes one per call)
+            return
+        if torch.compiler.is_compiling():
+            # While tracing its ends may be symbolic sizes: checked as the graph's guards, so a
+            # view made inside a compiled function never reads past its pages.
+            self._check_traced()
             return
         k, v = self.k, self.v
         for name, t in (("k", k), ("v", v)):
@@ -154,6 +157,27 @@ class CacheView:
                 raise ValueError(f"q_lens must be counts >= 0, got {list(lens)}")
             object.__setattr__(self, "q_lens", lens)
         self._check_pages()
+
+    def _check_traced(self) -> None:
+        """The ranges against the pages, as ``torch._check`` s of their (maybe symbolic) ends:
+        ``0 <= start <= end``, each row's keys within its page (a table's pages, without reading
+        the table)."""
+        page = self.k.size(2)
+        table = self.block_table
+        room = page if table is None else table.size(1) * page
+        if table is None:
+            torch._check(
+                len(self.kv_range) <= self.k.size(0),
+                lambda: (
+                    "CacheView: without a block table row n's keys are page n: more rows than pages"
+                ),
+            )
+        for start, end in self.kv_range:
+            torch._check(start >= 0, lambda: "CacheView: a row's keys start at 0 or after")
+            torch._check(end >= start, lambda: "CacheView: a row's keys end at or after start")
+            torch._check(
+                end <= room, lambda: "CacheView: a row's keys end past the keys its pages hold"
+            )
 
     def _check_scales(self) -> None:
         """Scales for int8/float8 pages, none for float ones; kept as float32 ``(X, Hkv, page, 1)``
