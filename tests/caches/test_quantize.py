@@ -569,3 +569,23 @@ def test_a_caches_dtype_is_a_float_dtype_and_quantized_storage_is_kv_dtype(
         with pytest.raises(TypeError, match=want):
             cache.to(dtype=wrong)
         assert (cache.k_cache.dtype, cache.dtype) == before
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
+def test_a_write_of_no_token_into_an_empty_cache_sets_no_scale(kv_dtype: torch.dtype) -> None:
+    # A float8 cache's first write takes its scale from the tokens; a write of none (a call of
+    # T = 0) raised torch's 'amax(): Expected reduction dim -2 to have non-zero size'.
+    from attnkit import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 3, 8, generator=g) * 50 for _ in range(2))
+    once = KVCache(2, 8, 2, 8, kv_dtype=kv_dtype)
+    once.update(k, v)
+    after_none = KVCache(2, 8, 2, 8, kv_dtype=kv_dtype)
+    keys, values = after_none.update(k[:, :, :0], v[:, :, :0])
+    assert keys.shape == values.shape == (2, 2, 0, 8)
+    after_none.update(k, v)
+    for got, want in zip(after_none.view().dense(), once.view().dense(), strict=True):
+        assert torch.equal(got, want)
+    _, scale = quantize_fp8(torch.zeros(2, 3, 0, 8))
+    assert torch.equal(scale, torch.ones(2, 3, 1, 1))

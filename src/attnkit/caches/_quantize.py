@@ -83,6 +83,8 @@ def fp8_scale(x: Tensor, dtype: torch.dtype, real: Tensor | None = None) -> Tens
     """The float32 scale per key/value head ``(..., Hkv, 1, 1)`` that maps the largest finite
     magnitude of ``x (..., Hkv, T, D)`` to ``dtype``'s largest number (1 for a head without
     one), over the tokens ``real`` marks (a bool tensor broadcastable to ``x``; None: all)."""
+    if x.size(-2) == 0 or x.size(-1) == 0:  # no token (a write of none): no magnitude, 1
+        return torch.ones((*x.shape[:-2], 1, 1), device=x.device)
     keep = x.isfinite() if real is None else x.isfinite() & real
     amax = _finite_magnitudes(x.detach(), keep).amax((-2, -1), keepdim=True)
     return torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
