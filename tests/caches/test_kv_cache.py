@@ -245,6 +245,10 @@ def test_a_cache_of_another_batch_size_names_both() -> None:
     assert "brings a batch of 2" in message
     assert "k and v" not in message
     assert cache.length == 0
+    # An empty batch: no cache holds one (batch_size >= 1), so the advice is not a cache of 0.
+    with torch.no_grad(), pytest.raises(ValueError, match="empty batch") as err:
+        mha(torch.randn(0, 1, 16), cache=cache)
+    assert "batch_size=0" not in str(err.value)
 
 
 # -------------------------------------------------------------------------------------------------

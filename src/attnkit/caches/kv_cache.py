@@ -176,6 +176,12 @@ class KVCache:
         cached = keys.size(0)
         if isinstance(k, Tensor) and k.ndim == 4 and k.size(0) != cached:
             # The caller's batch, not "k and v", which a module's user never passed.
+            if k.size(0) == 0:  # (no cache holds an empty batch: batch_size is at least 1)
+                raise ValueError(
+                    f"this KVCache holds a batch of {cached} sequences (batch_size={cached}) but "
+                    "the call brings an empty batch (B = 0): it has no tokens to cache; make the "
+                    "call without the cache"
+                )
             raise ValueError(
                 f"this KVCache holds a batch of {cached} sequences (batch_size={cached}) but the "
                 f"call brings a batch of {k.size(0)} (the keys and values k, v): make a cache "
