@@ -5,6 +5,9 @@ never takes it on the CPU. Three kinds of call are compiled here, seconds each t
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch
 from torch import Tensor
 
@@ -12,6 +15,7 @@ import attnkit
 from attnkit import masks
 from attnkit.backends.base import record_dispatch
 from attnkit.backends.flex import Flex, flex_available
+from attnkit.backends.flex.backend import cpu_compile_refusal
 from attnkit.modules.positional import alibi_term
 from attnkit.testing import assert_close
 
@@ -158,3 +162,27 @@ def test_tensors_that_require_grad_under_no_grad_and_inference_mode() -> None:
             out, lse = attnkit.attention(q, k, v, backend="flex", **kw)  # type: ignore[call-overload]
         torch.testing.assert_close(out, want.detach(), atol=1e-12, rtol=1e-12)
         torch.testing.assert_close(lse, want_lse.detach(), atol=1e-12, rtol=1e-12)
+
+
+def test_a_cpu_torch_cannot_compile_for_runs_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where torch's CPU kernel is not built (macOS, no AVX2, ATEN_CPU_CAPABILITY=default) or no
+    # C++ compiler is on PATH, the call crashed in inductor's lowering ("torch.compile on current
+    # platform is not supported for CPU") while explain() said it compiles.
+    q, k, v = (randn(1, 2, 11, 4, seed=s) for s in (7, 8, 9))
+    mask = masks.sliding_window(3)
+    want = reference(q, k, v, mask=mask)
+    for patch in ("capability", "compiler"):
+        with monkeypatch.context() as m:
+            if patch == "capability":
+                m.setenv("ATEN_CPU_CAPABILITY", "default")
+            else:
+                m.setattr(shutil, "which", lambda name: None)
+            why = cpu_compile_refusal()
+            assert why is not None
+            assert ("AVX2" if patch == "capability" else "C++ compiler") in why
+            with torch.no_grad():
+                out = attnkit.attention(q, k, v, mask=mask, backend="flex")
+            report = str(attnkit.explain(q, k, v, mask=mask, backend="flex"))
+        assert_close(out, want)
+        assert "torch cannot compile FlexAttention for this CPU" in report
+        assert "torch.compile(flex_attention)" not in report

@@ -5,9 +5,11 @@ On CUDA (ROCm's included) and Intel GPUs torch compiles ``flex_attention`` with 
 every call :func:`~.lowering.lowering_refusal` accepts there, with gradients. On the CPU torch's
 compiled FlexAttention serves inference only, and without the log-sum-exp: the backend serves CPU
 calls that need no gradients, compiled, and those that need the log-sum-exp (``return_lse``,
-sinks) through ``flex_attention``'s eager form, which writes the scores out. ``auto`` leaves CPU
-calls to attnkit's kernel (a ``cost``), so there ``backend="flex"`` runs only when asked for:
-what a GPU would compute, checked on a machine without one.
+sinks) through ``flex_attention``'s eager form, which writes the scores out, as it does every
+call where torch cannot compile FlexAttention for the CPU (:func:`cpu_compile_refusal`: macOS,
+no AVX2, no C++ compiler). ``auto`` leaves CPU calls to attnkit's kernel (a ``cost``), so there
+``backend="flex"`` runs only when asked for: what a GPU would compute, checked on a machine
+without one.
 
 attnkit's promises hold on this path: a query with no visible key gives 0 (and a log-sum-exp of
 ``-inf``), as FlexAttention gives; a NaN or inf in q, k or v, which torch's kernel would let
@@ -20,6 +22,9 @@ finite whenever the inputs are.
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -41,7 +46,7 @@ from .mask_mod import bitmap_bytes, index_masks
 from .score_mod import relative_width
 from .sinks import fold_sinks
 
-__all__ = ["GRADIENT_DEVICES", "Flex", "flex_available", "run_lowered"]
+__all__ = ["GRADIENT_DEVICES", "Flex", "cpu_compile_refusal", "flex_available", "run_lowered"]
 
 #: Devices where torch's compiled FlexAttention runs with gradients.
 GRADIENT_DEVICES = ("cuda", "xpu")
@@ -84,6 +89,51 @@ def _eager(*args: Any, **kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return module.flex_attention(*args, **kwargs)
+
+
+def cpu_compile_refusal() -> str | None:
+    """Why torch cannot compile FlexAttention for this CPU (None: it can), by the rules of
+    torch's CPU kernel: it needs AVX2 (and ``ATEN_CPU_CAPABILITY`` other than ``default``), is
+    not built on macOS nor beside an Intel GPU, and inductor builds it with a C++ compiler
+    (``$CXX``, else ``g++``, on PATH). Builds nothing; the unfused form serves those calls."""
+    if sys.platform == "darwin":
+        return "torch compiles it for Linux and Windows CPUs, not macOS"
+    avx2 = getattr(torch.cpu, "_is_avx2_supported", lambda: True)()
+    if not avx2 or os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        return "its CPU kernel needs AVX2 (and ATEN_CPU_CAPABILITY other than 'default')"
+    if torch.xpu.is_available():
+        return "torch compiles it for the Intel GPU present, not the CPU"
+    config = sys.modules.get("torch._inductor.config")  # read when loaded, never imported here
+    cxx = config.cpp.cxx if config is not None else (os.environ.get("CXX", "g++"),)
+    search = tuple(cxx) if isinstance(cxx, (list, tuple)) else (cxx,)
+    if not any(c is not None and shutil.which(c) for c in search):
+        named = ", ".join(c for c in search if c is not None)
+        return f"inductor builds it with a C++ compiler, and {named or 'none'} is not on PATH"
+    return None
+
+
+def runs_compiled(call: AttentionCall) -> tuple[bool, str | None]:
+    """Whether ``call`` runs torch's compiled FlexAttention (else its unfused form, which writes
+    the scores out), and why not: one rule for the run and for ``explain()``."""
+    if call.device.type != "cpu":
+        return True, None
+    if call.dtype == torch.float64:
+        return False, (
+            "float64 on the CPU runs flex_attention's unfused form (torch's CPU compile takes "
+            "float32 and the half types)"
+        )
+    if call.return_lse or call.sinks:
+        return False, (
+            "on the CPU the log-sum-exp comes from flex_attention's unfused form (torch's CPU "
+            "compile has none)"
+        )
+    why = cpu_compile_refusal()
+    if why is not None:
+        return False, (
+            f"torch cannot compile FlexAttention for this CPU ({why}): flex_attention's "
+            "unfused form runs, the (..., H, Tq, Tk) scores written out"
+        )
+    return True, None
 
 
 def kernel_options(call: AttentionCall) -> tuple[dict[str, str], str]:
@@ -164,7 +214,10 @@ class Flex(Backend):
         ]
 
     def notes(self, call: AttentionCall) -> list[str]:
-        notes = ["torch.compile(flex_attention): compiles once per shape and kind of mask"]
+        compiled, unfused = runs_compiled(call)
+        notes = []
+        if compiled:
+            notes.append("torch.compile(flex_attention): compiles once per shape and kind of mask")
         if target(call.device).gpu:
             notes.append(kernel_options(call)[1])
         if call.mask is not None:
@@ -176,16 +229,8 @@ class Flex(Backend):
         notes += _score_notes(call)
         if call.sinks:
             notes.append("sinks folded in through the log-sum-exp: out * sigmoid(lse - sink)")
-        if call.device.type == "cpu" and call.dtype == torch.float64:
-            notes.append(
-                "float64 on the CPU runs flex_attention's unfused form (torch's CPU "
-                "compile takes float32 and the half types)"
-            )
-        elif call.device.type == "cpu" and (call.return_lse or call.sinks):
-            notes.append(
-                "on the CPU the log-sum-exp comes from flex_attention's unfused form (torch's "
-                "CPU compile has none)"
-            )
+        if unfused is not None:
+            notes.append(unfused)
         return notes
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Output:
@@ -198,9 +243,7 @@ class Flex(Backend):
             q, k, v = q.detach(), k.detach(), v.detach()
         lowered = lower_call(call, q, k, v, inputs.bias)
         lse_needed = call.return_lse or inputs.sinks is not None
-        # torch's CPU compile of FlexAttention takes float32 and the half types, not float64:
-        # float64 runs unfused there, as calls that need the log-sum-exp do.
-        compiled = not on_cpu or not (lse_needed or call.dtype == torch.float64)
+        compiled = runs_compiled(call)[0]
         options = kernel_options(call)[0] if target(call.device).gpu else None
         out, lse = run_lowered(lowered, lse=lse_needed, compiled=compiled, options=options)
         if _leaked(call, out):
