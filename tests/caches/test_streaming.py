@@ -486,3 +486,17 @@ def test_a_conversion_forgets_what_the_last_chunk_wrote_over() -> None:
         cache.rewind(2)
     cache.rewind(6)
     assert cache.position == 6
+
+
+@pytest.mark.parametrize(("queries", "tokens"), [(3, 1), (1, 3), (2, 4)])
+def test_a_query_per_new_token(queries: int, tokens: int) -> None:
+    # Query i sits at position `position + i`: more queries than tokens attended the whole ring
+    # (a step reads it with no mask), fewer sat at the chunk's last positions; both silently.
+    cache = StreamingKVCache(1, 2, 8, sink_tokens=1, window=3)
+    cache.attention(torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    held = cache.k_cache.clone()
+    k = torch.randn(1, 2, tokens, 8)
+    with pytest.raises(ValueError, match=rf"q brings {queries} queries .* {tokens} new tokens"):
+        cache.attention(torch.randn(1, 4, queries, 8), k, k)
+    assert cache.position == 5
+    assert torch.equal(cache.k_cache, held)

@@ -400,7 +400,8 @@ class StreamingKVCache:
     ) -> tuple[Float[Tensor, "B H T Dv"], Float[Tensor, "B H T"]]:
         """Append the new tokens and attend: ``(out (B, H, T, Dv), lse (B, H, T))``, one
         :func:`attnkit.attention` call (``explain()`` and ``record_dispatch()`` see it). Query
-        ``i`` sits at position ``position + i`` and attends the sinks and its window. ``sinks``
+        ``i`` sits at position ``position + i`` (a query per new token: ``q`` and ``k`` bring
+        the same ``T``) and attends the sinks and its window. ``sinks``
         here are attention-sink logits ``(H,)`` (gpt-oss's), which take weight without a value;
         the cache's sink tokens are tokens."""
         keys, values, mask = self.stage_call(q, k, v)
@@ -429,6 +430,15 @@ class StreamingKVCache:
         and its weights (``call["need_weights"]``) are read in it, so with any of them a step
         reads the tokens in time order, as a chunk does (sinks, then the window), and the mask
         and bias apply there, bottom-right aligned."""
+        # (a step reads the ring with no mask: a query past the new tokens would see all of it,
+        # and a chunk's mask would put fewer queries at its last positions)
+        shaped = isinstance(q, Tensor) and isinstance(k, Tensor) and q.ndim == k.ndim == 4
+        if shaped and q.size(-2) != k.size(-2):
+            raise ValueError(
+                f"q brings {q.size(-2)} queries but k and v {k.size(-2)} new tokens: a "
+                "StreamingKVCache call has a query per new token (query i at position "
+                "position + i)"
+            )
         ordered = mask is not None or call.get("bias") is not None or bool(call.get("need_weights"))
         got = self._stage(k, v, in_place=not ordered)
         if got is None:
