@@ -13,9 +13,11 @@ from torch import Tensor
 
 import attnkit
 from attnkit import masks
+from attnkit._base import devices
+from attnkit._base.devices import Target
 from attnkit.backends.base import record_dispatch
 from attnkit.backends.flex import Flex, flex_available
-from attnkit.backends.flex.backend import cpu_compile_refusal
+from attnkit.backends.flex.backend import cpu_compile_refusal, kernel_options
 from attnkit.modules.positional import alibi_term
 from attnkit.testing import assert_close
 
@@ -186,3 +188,31 @@ def test_a_cpu_torch_cannot_compile_for_runs_unfused(monkeypatch: pytest.MonkeyP
         assert_close(out, want)
         assert "torch cannot compile FlexAttention for this CPU" in report
         assert "torch.compile(flex_attention)" not in report
+
+
+def test_deterministic_training_under_a_mask_keeps_to_triton() -> None:
+    # torch's FLASH backward under a BlockMask raises when deterministic algorithms are on
+    # (NotImplementedError before sm_100, missing dQ write-order tables on sm_100): the backend
+    # asked for FLASH there all the same.
+    h100 = Target("cuda", "nvidia", (9, 0), present=False, flash_cute=True)
+    q = torch.empty(1, 2, 256, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    window = masks.sliding_window(32)
+
+    def options_of(t: Tensor) -> tuple[dict[str, str], str]:
+        return kernel_options(attnkit.explain(t, t, t, mask=window, device="cuda").call)
+
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    with devices.assuming(h100):
+        assert options_of(q)[0] == {"BACKEND": "FLASH"}
+        try:
+            torch.use_deterministic_algorithms(True)
+            options, why = options_of(q)
+            inference = options_of(q.detach())
+            report = str(attnkit.explain(q, q, q, mask=window, device="cuda"))
+        finally:
+            torch.use_deterministic_algorithms(before, warn_only=warn_only)
+    assert options == {}
+    assert "deterministic algorithms are on" in why
+    assert "deterministic algorithms are on" in report
+    assert inference[0] == {"BACKEND": "FLASH"}  # no backward: FLASH serves it

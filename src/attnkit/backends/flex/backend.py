@@ -143,7 +143,17 @@ def kernel_options(call: AttentionCall) -> tuple[dict[str, str], str]:
     added = call.bias_shape is not None or call.score_term is not None or call.score_mod is not None
     captures = call.requires_grad and (added or call.sinks)
     dims = (call.qk_dim, call.v_dim)
-    return flex_kernel_options(target(call.device), call.dtype, dims, captures)
+    options, why = flex_kernel_options(target(call.device), call.dtype, dims, captures)
+    # torch's FLASH backward under a BlockMask is deterministic only on sm_100 with dQ
+    # write-order tables (which a BlockMask from the plan has not): elsewhere it raises.
+    strict = torch.are_deterministic_algorithms_enabled()
+    strict = strict and not torch.is_deterministic_algorithms_warn_only_enabled()
+    if options and strict and call.mask is not None and call.requires_grad:
+        return {}, (
+            "kernel_options={}: torch's Triton kernels (deterministic algorithms are on, and "
+            "the FLASH backend's backward under a block mask raises there)"
+        )
+    return options, why
 
 
 def run_lowered(
