@@ -480,3 +480,17 @@ def test_a_bias_by_distance_over_rows_whose_keys_start_after_0(paged: bool) -> N
     short = alibi_term(alibi_slopes(4), 2, view.width - 1)  # one distance short: refused
     with pytest.raises(ValueError, match="the table must hold all of them"):
         attention(q, view, causal=True, bias=short, backend="chunked")
+
+
+def test_queries_expanded_along_tq_are_read_as_their_values() -> None:
+    """Queries that share their memory along Tq (one query expanded, stride 0): the native read
+    took them for overlapping rows and raised 'rows must not overlap'."""
+    from attnkit import CacheView
+
+    g = torch.Generator().manual_seed(0)
+    pages = torch.randn(3, 2, 16, 8, generator=g)
+    q = torch.randn(1, 1, 1, 8, generator=g).expand(3, 4, 5, 8)
+    for ranges in ([(0, 9), (0, 5), (2, 12)], [(0, 9)] * 3):
+        view = CacheView(pages, pages, ranges)
+        want = attention(q.contiguous(), view, causal=True, backend="reference")
+        assert_close(attention(q, view, causal=True, backend="chunked"), want)

@@ -128,7 +128,8 @@ def cache_attention(
         v_scale = None if v_scale is None else v_scale[:rows]
     work = torch.promote_types(q.dtype, torch.float32)
     q5 = q.reshape(nq, hkv, h // hkv, tq, dk).to(work)
-    if q5.stride(-1) != 1:
+    if q5.stride(-1) != 1 or (tq > 1 and q5.stride(-2) < dk):
+        # (the kernel reads a row of Dk a query: queries expanded along Tq share their memory)
         q5 = q5.contiguous()
     bias_table, layout = None, []
     if bias is not None:  # (the lengths read from the host only here)
