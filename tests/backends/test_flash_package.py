@@ -50,8 +50,11 @@ def _sequence(q: Tensor, k: Tensor, v: Tensor, kw: dict[str, Any]) -> tuple[Tens
     if right >= 0:
         seen &= d <= right
     s = s.masked_fill(~seen, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v), lse
+    # a query that sees no key: output 0 and, as flash-attn writes it, a log-sum-exp of +inf
+    empty = ~seen.any(-1)  # (Tq,)
+    lse = torch.logsumexp(s, -1).masked_fill(empty, math.inf)
+    weights = torch.softmax(s, -1).masked_fill(empty[:, None], 0.0)
+    return torch.einsum("hqk,khd->qhd", weights, v), lse
 
 
 def fake_flash_attn() -> ModuleType:
@@ -276,6 +279,22 @@ def test_a_cache_read_where_it_lies(fake: ModuleType, paged: bool, kwargs: dict[
     (called, kw), *_ = fake.calls
     assert called == "flash_attn_with_kvcache"
     assert (kw["block_table"] is not None) == paged
+
+
+def test_a_cache_row_with_no_visible_key_has_lse_minus_inf(fake: ModuleType) -> None:
+    # flash-attn writes +inf as the log-sum-exp of a query that sees no key (output 0): attnkit's
+    # is -inf, which merge_attention reads as "no weight" (+inf would take all of it).
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(B, H, 3, D, generator=gen, dtype=torch.float64)
+    cache = torch.randn(B, 2, 64, D, generator=gen, dtype=torch.float64)
+    view = CacheView(cache, cache * 2, [(0, 20), (5, 6)])  # row 1: its first 2 queries see none
+    call = checked(q, view, None, causal=True, return_lse=True)
+    got = fp.FlashAttnPackage().run(call, CallInputs(q, view.k, view.v))
+    want = attnkit.attention(q, view, causal=True, return_lse=True, backend="reference")
+    assert isinstance(got, tuple)
+    assert bool((want[1][1, :, :2] == -math.inf).all())
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1])
 
 
 def test_the_caches_it_declines(fake: ModuleType) -> None:

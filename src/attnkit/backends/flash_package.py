@@ -248,7 +248,7 @@ class FlashAttnPackage(Backend):
         out = out.transpose(1, 2).reshape(*call.batch_shape, call.num_heads, call.q_len, call.v_dim)
         if lse is None:
             return out
-        return out, lse.reshape(*call.batch_shape, call.num_heads, call.q_len)
+        return out, _no_key_lse(out, lse.reshape(*call.batch_shape, call.num_heads, call.q_len))
 
 
 def _varlen(
@@ -275,6 +275,15 @@ def _varlen(
     if lse is not None:  # (H, total) -> (B, H, T)
         lse = lse.reshape(lse.size(0), batch, length).transpose(0, 1)
     return out, lse
+
+
+def _no_key_lse(out: Tensor, lse: Tensor) -> Tensor:
+    """flash-attn's log-sum-exp ``(..., H, Tq)`` in attnkit's convention: flash-attn writes
+    ``+inf`` for a query that sees no key (its output row 0), attnkit ``-inf`` (no weight, as
+    :func:`attnkit.merge_attention` reads it). A row whose scores hold NaN or inf has ``+inf``
+    too, but its output is not 0, and keeps it."""
+    empty = (lse == math.inf) & (out == 0).all(-1)
+    return lse.masked_fill(empty, -math.inf)
 
 
 def _kvcache(call: AttentionCall, inputs: CallInputs) -> Output:
@@ -305,4 +314,4 @@ def _kvcache(call: AttentionCall, inputs: CallInputs) -> Output:
         return_softmax_lse=call.return_lse,
     )
     out: Tensor = (result[0] if call.return_lse else result).transpose(1, 2)
-    return (out, result[1]) if call.return_lse else out
+    return (out, _no_key_lse(out, result[1])) if call.return_lse else out
