@@ -452,3 +452,19 @@ def test_a_module_built_on_the_meta_device_runs_there() -> None:
     assert x.grad is not None
     assert meta.bias_k.grad is not None
     assert meta.bias_k.grad.shape == meta.bias_k.shape
+
+
+def test_pages_with_strided_rows_are_gathered_not_read_in_place() -> None:
+    # A CacheView takes pages at any strides; the native read takes rows of contiguous Dk and
+    # raised 'rows must be contiguous' for pages that are every other column of a wider tensor.
+    from attnkit import CacheView
+
+    g = torch.Generator().manual_seed(0)
+    pages = torch.randn(3, 2, 16, 16, generator=g)[..., ::2]  # (3, 2, 16, 8), stride 2 along D
+    for ranges in ([(0, 9), (0, 5), (2, 12)], [(0, 9)] * 3):
+        view = CacheView(pages, pages, ranges)
+        q = torch.randn(3, 4, 4, 8, generator=g)
+        said = attnkit.explain(q, view, causal=True, backend="chunked")
+        assert "rows are not contiguous" in str(said), ranges
+        want = attnkit.attention(q, view, causal=True, backend="reference")
+        assert_close(attnkit.attention(q, view, causal=True, backend="chunked"), want)

@@ -260,6 +260,9 @@ class Chunked(Backend):
         if band_of(call.mask) is None:
             return f"a mask that is not a band ({call.mask.describe() if call.mask else ''})"
         view = call.cache
+        strides = (view.k.stride(-1), view.v.stride(-1))
+        if any(s != 1 and t.size(-1) > 1 for s, t in zip(strides, (view.k, view.v), strict=True)):
+            return f"pages whose rows are not contiguous (strides {strides} along D)"
         if view.quantized and call.dtype == torch.float64:
             return (
                 f"float64 queries on {str(view.k.dtype).removeprefix('torch.')} pages (read in "
