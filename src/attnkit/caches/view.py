@@ -159,25 +159,22 @@ class CacheView:
         self._check_pages()
 
     def _check_traced(self) -> None:
-        """The ranges against the pages, as ``torch._check`` s of their (maybe symbolic) ends:
+        """The ranges against the pages while tracing, where their ends may be symbolic sizes:
         ``0 <= start <= end``, each row's keys within its page (a table's pages, without reading
-        the table)."""
+        the table). The comparisons become the graph's guards, and the messages are constants
+        (no symbolic size is printed while tracing)."""
         page = self.k.size(2)
         table = self.block_table
         room = page if table is None else table.size(1) * page
-        if table is None:
-            torch._check(
-                len(self.kv_range) <= self.k.size(0),
-                lambda: (
-                    "CacheView: without a block table row n's keys are page n: more rows than pages"
-                ),
+        if table is None and len(self.kv_range) > self.k.size(0):
+            raise ValueError(
+                "CacheView: without a block table row n's keys are page n: more rows than pages"
             )
         for start, end in self.kv_range:
-            torch._check(start >= 0, lambda: "CacheView: a row's keys start at 0 or after")
-            torch._check(end >= start, lambda: "CacheView: a row's keys end at or after start")
-            torch._check(
-                end <= room, lambda: "CacheView: a row's keys end past the keys its pages hold"
-            )
+            if start < 0 or end < start:
+                raise ValueError("CacheView: each row's keys run from start to end >= start >= 0")
+            if end > room:
+                raise ValueError("CacheView: a row's keys end past the keys its pages hold")
 
     def _check_scales(self) -> None:
         """Scales for int8/float8 pages, none for float ones; kept as float32 ``(X, Hkv, page, 1)``
