@@ -213,3 +213,18 @@ def test_a_view_made_while_compiling_never_reads_past_its_pages() -> None:
     q = torch.randn(2, 4, 1, 8)
     with pytest.raises(Exception, match="past the keys its pages hold"):
         compiled(q, (20, 3))
+
+
+def test_a_view_made_while_compiling_reads_ends_given_as_a_tensor() -> None:
+    # kv_range as a tensor (N, 2) is read on the host, as in eager; while compiling it was left
+    # a tensor and the call failed in 'Boolean value of Tensor with more than one value'.
+    pages = torch.randn(2, 2, 16, 8)
+
+    def step(q: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        return attnkit.attention(q, CacheView(pages, pages, ends), causal=True)
+
+    q, ends = torch.randn(2, 4, 1, 8), torch.tensor([[0, 5], [2, 9]])
+    got = torch.compile(step, backend="eager")(q, ends)
+    assert_close(
+        got, attnkit.attention(q, CacheView(pages, pages, ends), backend="reference", causal=True)
+    )

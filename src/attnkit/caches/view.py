@@ -163,14 +163,20 @@ class CacheView:
         ``0 <= start <= end``, each row's keys within its page (a table's pages, without reading
         the table). The comparisons become the graph's guards, and the messages are constants
         (no symbolic size is printed while tracing)."""
+        ranges = self.kv_range
+        if isinstance(ranges, Tensor) or any(isinstance(x, Tensor) for r in ranges for x in r):
+            # Ends held in a tensor are data: read on the host, as in eager (a graph break;
+            # under fullgraph=True, torch's error about data-dependent values).
+            ranges = _ranges(ranges)
+            object.__setattr__(self, "kv_range", ranges)
         page = self.k.size(2)
         table = self.block_table
         room = page if table is None else table.size(1) * page
-        if table is None and len(self.kv_range) > self.k.size(0):
+        if table is None and len(ranges) > self.k.size(0):
             raise ValueError(
                 "CacheView: without a block table row n's keys are page n: more rows than pages"
             )
-        for start, end in self.kv_range:
+        for start, end in ranges:
             if start < 0 or end < start:
                 raise ValueError("CacheView: each row's keys run from start to end >= start >= 0")
             if end > room:
