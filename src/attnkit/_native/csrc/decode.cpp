@@ -6,7 +6,7 @@
 // of the keys): it reads each step of its keys and values once, for the queries of every query head
 // that shares them (rows ordered (query, head), so that a visit's rows r0:r1 of all heads are one
 // stretch), and the parts of one row's keys (split-K) are merged exactly from their log-sum-exps by
-// whichever thread finishes the last part, in the same parallel region.
+// whichever thread finishes the last part, in the same call.
 //
 // Keys and values are read in place, as pages (X, Hkv, page, D) at any strides (in q's dtype, in
 // bfloat16 or float16, or in int8 or float8 with a scale per row: see decode_pages.h): a cache
@@ -38,6 +38,7 @@
 #include "decode_call.h"
 #include "decode_split_k.h"
 #include "decode_steps.h"
+#include "share.h"
 
 namespace attnkit {
 namespace {
@@ -157,10 +158,12 @@ void decode_impl(const Decode<T, KV>& d, const Rows<T*>& out, T* lse) {
   const int64_t items = d.items();
   Parts<T> parts(d);
   std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
-  at::parallel_for(0, items, d.grain, [&](int64_t, int64_t) {
+  auto body = [&] {
+    int64_t item = claim(next);
+    if (item >= items) return;  // a helper that came late
     OneBlasThread one;
     DecodeBuffers<T, KV> b(d);
-    for (int64_t item = claim(next); item < items; item = claim(next)) {
+    for (; item < items; item = claim(next)) {
       const Item it = item_of(d, item);
       load_queries(d, b, it);
       run_item(d, b, it, false);
@@ -168,7 +171,10 @@ void decode_impl(const Decode<T, KV>& d, const Rows<T*>& out, T* lse) {
       if (!finite_rows(d, b, it)) run_item(d, b, it, true);
       finish_item(d, b, parts, item, it, out, lse);
     }
-  });
+  };
+  // A thread for every d.grain items, as many as torch's intra-op threads.
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (items + d.grain - 1) / d.grain);
+  share(threads - 1, body);
 }
 
 // Items: all key/value heads together where rows are token-major, else one each; parts of each

@@ -1,6 +1,6 @@
 // Split-K: a row's keys cut into parts (part_of), each part's online-softmax state (acc, m, l)
 // kept (Parts) and merged exactly, from the parts' maxima and sums, by the thread that finishes
-// the last part of an item (finish_item), in the same parallel region; out and lse written from a
+// the last part of an item (finish_item), in the same call; out and lse written from a
 // row's state (write_row).
 #pragma once
 

@@ -1,8 +1,9 @@
 // The finiteness check of a call's inputs: whether every element of some float tensors is
-// finite, in one read of each and one parallel region. float32 and float64 by arithmetic (x * 0 is
+// finite, in one read of each, shared by threads. float32 and float64 by arithmetic (x * 0 is
 // 0 for a finite x), bfloat16 and float16 by their bits (an exponent of all ones is inf or NaN).
 
 #include "kernel.h"
+#include "share.h"
 
 namespace attnkit {
 namespace {
@@ -126,7 +127,7 @@ struct Stretches {
 }  // namespace
 
 // Whether every element of these float32, float64, bfloat16 or float16 tensors is finite: one
-// read of each, in one parallel region (a sum would take a pass per tensor, and overflow past
+// read of each, shared by threads (share.h; a sum would take a pass per tensor, and overflow past
 // 1e38; a reduced-precision one converts first).
 bool all_finite(at::TensorList ts) {
   std::vector<Stretches> parts;
@@ -142,13 +143,23 @@ bool all_finite(at::TensorList ts) {
     parts.emplace_back(t);
     first.push_back(first.back() + parts.back().count);
   }
+  // Chunks of at least 8 stretches, a few per thread, claimed one at a time.
+  const int64_t total = first.back(), threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(8, (total + 4 * threads - 1) / (4 * threads));
+  const int64_t chunks = (total + chunk - 1) / chunk;
   std::atomic<bool> ok{true};
-  at::parallel_for(0, first.back(), 8, [&](int64_t begin, int64_t end) {
-    for (size_t i = 0; i < parts.size() && ok.load(std::memory_order_relaxed); ++i) {
-      const int64_t a = std::max(begin, first[i]), b = std::min(end, first[i + 1]);
-      if (a < b && !parts[i].finite(a - first[i], b - first[i])) ok = false;
+  std::atomic<int64_t> next{0};
+  auto body = [&] {
+    for (int64_t x = claim(next); x < chunks && ok.load(std::memory_order_relaxed);
+         x = claim(next)) {
+      const int64_t begin = x * chunk, end = std::min(total, begin + chunk);
+      for (size_t i = 0; i < parts.size() && ok.load(std::memory_order_relaxed); ++i) {
+        const int64_t a = std::max(begin, first[i]), b = std::min(end, first[i + 1]);
+        if (a < b && !parts[i].finite(a - first[i], b - first[i])) ok = false;
+      }
     }
-  });
+  };
+  share(std::min(threads, (total + 7) / 8) - 1, body);
   return ok.load();
 }
 

@@ -1,4 +1,4 @@
-// The forward: one parallel region per call. Its items are (batch, key/value head, query block),
+// The forward: its items are (batch, key/value head, query block), shared by threads (share.h),
 // claimed in the plan's order (see Call::item_of); each runs every visit of its query block's row
 // of the plan, for each of the G query heads that share the key/value head, with thread-local
 // buffers: the visit's scores (scores.h), the online softmax's running maximum and sum, and a GEMM
@@ -10,6 +10,7 @@
 #include "matrix_unit.h"
 #include "position.h"
 #include "scores.h"
+#include "share.h"
 
 namespace attnkit {
 namespace {
@@ -393,7 +394,9 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
   }
 #endif
   std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+  auto body = [&] {
+    int64_t item = claim(next);
+    if (item >= items) return;  // a helper that came late
     OneBlasThread one;
     ForwardBuffers<T> b(c);
     Widened<T, KV> wide = kv;
@@ -401,7 +404,7 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
     MatrixUnitThread unit;
     MatrixRows mr;
 #endif
-    for (int64_t item = claim(next); item < items; item = claim(next)) {
+    for (; item < items; item = claim(next)) {
       int64_t n, hk, qb;
       c.item_of(item, n, hk, qb);
       const int64_t rows = std::min(c.bq, c.Tq - qb * c.bq);
@@ -421,7 +424,8 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
         forward_head(c, b, wide, n, hk, g, qb, skew, bounded, out, lse);
       }
     }
-  });
+  };
+  share(std::min<int64_t>(at::get_num_threads(), items) - 1, body);
 }
 
 }  // namespace

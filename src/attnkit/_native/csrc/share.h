@@ -1,0 +1,97 @@
+// Work shared by the calling thread and helpers that may start late (share).
+//
+// A parallel region (at::parallel_for, OpenMP underneath) ends when every thread it woke has
+// passed its end, including threads that found nothing left to do. On a machine whose other
+// cores are busy, a woken thread may wait a time slice of the scheduler (milliseconds) before it
+// runs at all, and a small call (a decode step against a short cache, a fraction of a
+// millisecond) then takes several times as long with two threads as with one. Here the calling
+// thread starts on the work at once, helpers from torch's inter-op pool join when they get a core,
+// and the caller waits only for helpers that joined before it ran out of work: one that starts
+// later finds the work closed and returns without touching it.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <pthread.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+
+namespace attnkit {
+// Internal linkage, as in one translation unit (see common.h).
+namespace {
+
+// Set in a child process made by fork(): the inter-op pool it inherited has no threads (and a
+// lock one of them held at the fork stays held), and an OpenMP region there can wait forever for
+// the parent's threads, so calls there run on the calling thread alone.
+inline std::atomic<bool>& forked() {
+  static std::atomic<bool> flag{false};
+  static const int registered = pthread_atfork(nullptr, nullptr, [] { forked().store(true); });
+  (void)registered;
+  return flag;
+}
+
+// Runs body() on the calling thread and on up to `helpers` threads of torch's inter-op pool (see
+// the top of this file). Each run of body must claim its work (see claim) and return when none is
+// left; the runs share only what body's claims hand out. An exception from any run is rethrown
+// here, after every run that started has returned. Inside a parallel region, in a child made by
+// fork(), or with no helpers asked for, body runs on the calling thread alone.
+template <typename F>
+void share(int64_t helpers, F& body) {
+  if (helpers <= 0 || at::in_parallel_region() || forked().load()) {
+    body();
+    return;
+  }
+  // The helpers hold the state (not the caller's stack) until they return: a helper that starts
+  // after the call has returned reads only `open` and `inside` here.
+  struct State {
+    std::atomic<bool> open{true};
+    std::atomic<int> inside{0};  // helpers between their check of `open` and their return
+    std::mutex m;
+    std::condition_variable left;
+    std::exception_ptr error;
+    F* body = nullptr;
+  };
+  auto s = std::make_shared<State>();
+  s->body = &body;
+  auto helper = [s] {
+    // Sequentially consistent, as the caller's close below: either the caller sees this helper
+    // inside and waits for it, or the helper sees the work closed.
+    s->inside.fetch_add(1);
+    if (s->open.load()) {
+      try {
+        (*s->body)();
+      } catch (...) {
+        std::lock_guard<std::mutex> g(s->m);
+        if (!s->error) s->error = std::current_exception();
+      }
+    }
+    if (s->inside.fetch_sub(1) == 1) {
+      std::lock_guard<std::mutex> g(s->m);
+      s->left.notify_all();
+    }
+  };
+  try {
+    for (int64_t i = 0; i < helpers; ++i) at::launch(helper);
+  } catch (...) {
+    // A helper the pool could not take is one helper fewer: the caller does its share.
+  }
+  std::exception_ptr mine;
+  try {
+    body();
+  } catch (...) {
+    mine = std::current_exception();
+  }
+  s->open.store(false);
+  {
+    std::unique_lock<std::mutex> g(s->m);
+    s->left.wait(g, [&] { return s->inside.load() == 0; });
+  }
+  if (mine) std::rethrow_exception(mine);
+  if (s->error) std::rethrow_exception(s->error);
+}
+
+}  // namespace
+}  // namespace attnkit

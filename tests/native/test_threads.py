@@ -1,0 +1,129 @@
+"""How the native kernel's forward and decode share a call between threads (``csrc/share.h``).
+
+The calling thread starts on the work at once and threads of torch's inter-op pool join it when
+they get a core; the call waits only for the threads that joined. Each test runs in a child
+process (they set torch's thread counts, which a process sets once, and a hang must fail the test
+rather than the suite): a call whose helper cannot start (the only inter-op thread held by other
+work) returns, right, without it; the helper that starts after the call returned changes nothing;
+a child made by ``fork()`` after calls that used helpers calls the kernel and exits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from attnkit import _native
+
+pytestmark = pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
+
+# A decode call (one query, 20,000 keys: a call the kernel splits between threads) and a causal
+# forward (300 queries), each with its float64 reference; and the largest difference of the
+# kernel's output from it, taken in numpy (in a child made by fork(), torch's own parallel
+# regions may wait forever for the parent's threads).
+WORST = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    import attnkit
+
+    def cases() -> list:
+        out = []
+        for tq, tk, causal in ((1, 20000, False), (300, 2000, True)):
+            g = torch.Generator().manual_seed(tq)
+            q = torch.randn(2, 8, tq, 64, generator=g)
+            k, v = (torch.randn(2, 2, tk, 64, generator=g) for _ in range(2))
+            ref = attnkit.attention(
+                q.double(), k.double(), v.double(), backend="reference", causal=causal
+            )
+            out.append((q, k, v, causal, ref.numpy()))
+        return out
+
+    def worst(cs: list) -> float:
+        out = 0.0
+        for q, k, v, causal, ref in cs:
+            got = attnkit.attention(q, k, v, backend="chunked", causal=causal)
+            out = max(out, float(abs(got.numpy().astype("float64") - ref).max()))
+        return out
+    """
+)
+
+
+def run_child(tmp_path: Path, body: str) -> str:
+    script = tmp_path / "child.py"  # a file: TorchScript reads the source of what it compiles
+    script.write_text(WORST + textwrap.dedent(body))
+    child = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    return child.stdout
+
+
+def test_a_call_does_not_wait_for_a_helper_that_cannot_start(tmp_path: Path) -> None:
+    out = run_child(
+        tmp_path,
+        """
+        torch.set_num_interop_threads(1)
+        torch.set_num_threads(2)
+
+        @torch.jit.script
+        def hold(flag: torch.Tensor) -> int:
+            n = 0
+            while bool(flag[0] == 0):
+                n += 1
+            return n
+
+        @torch.jit.script
+        def start(flag: torch.Tensor) -> torch.jit.Future[int]:
+            return torch.jit.fork(hold, flag)
+
+        cs = cases()
+        flag = torch.zeros(1, dtype=torch.int64)
+        held = start(flag)  # the only inter-op thread spins until the flag is set
+        errors = [worst(cs), worst(cs)]
+        flag.fill_(1)
+        held.wait()
+        errors.append(worst(cs))  # the helpers queued above have run (and found nothing to do)
+        print(max(errors))
+        """,
+    )
+    assert float(out.split()[-1]) < 1e-5
+
+
+def test_a_forked_child_calls_the_kernel_after_its_parent_shared_calls(tmp_path: Path) -> None:
+    out = run_child(
+        tmp_path,
+        """
+        torch.set_num_threads(2)
+        cs = cases()
+        parent = worst(cs)
+        pid = os.fork()
+        if pid == 0:
+            code = 4
+            try:
+                code = 0 if worst(cs) < 1e-5 else 3
+            finally:
+                os._exit(code)
+        for _ in range(1200):  # a minute
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            sys.exit("the child hung")
+        print(parent, os.waitstatus_to_exitcode(status))
+        """,
+    )
+    parent, child = out.split()[-2:]
+    assert float(parent) < 1e-5
+    assert child == "0"
