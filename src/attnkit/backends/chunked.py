@@ -261,7 +261,11 @@ class Chunked(Backend):
             return f"a mask that is not a band ({call.mask.describe() if call.mask else ''})"
         view = call.cache
         strides = (view.k.stride(-1), view.v.stride(-1))
-        if any(s != 1 and t.size(-1) > 1 for s, t in zip(strides, (view.k, view.v), strict=True)):
+        # (a stand-in of one zero, expanded, is what explain() describes: no page to read)
+        strided = [
+            t.stride(-1) != 1 and t.size(-1) > 1 and any(t.stride()) for t in (view.k, view.v)
+        ]
+        if any(strided):
             return f"pages whose rows are not contiguous (strides {strides} along D)"
         if view.quantized and call.dtype == torch.float64:
             return (
