@@ -304,6 +304,7 @@ NOT_A_MIRROR = {
     "native/test_decode.py": "the native kernel's decode path (_native/csrc/decode.cpp)",
     "native/test_matrix_unit.py": "bfloat16 products: AMX, AVX512-BF16 (csrc/matrix_unit.h)",
     "native/test_softcap_bias.py": "the native kernel with softcap and something added to scores",
+    "native/test_threads.py": "how the native kernel shares a call between threads (csrc/share.h)",
 }
 
 

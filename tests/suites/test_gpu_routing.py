@@ -102,6 +102,22 @@ CASES: list[Case] = [
         "sdpa",
         "memory-efficient",
     ),
+    # A decode step or a short chunk against a cache: the mask's dense form is small next to
+    # the keys and values, and FlexAttention would compile once per length of the cache.
+    (
+        "decode step, sliding window",
+        lambda: {"mask": masks.sliding_window(128)},
+        lambda: qkv(tq=1, hkv=2),
+        "sdpa",
+        "memory-efficient",
+    ),
+    (
+        "a chunk of 16 queries against a cache, causal & key padding",
+        lambda: {"mask": masks.causal() & masks.key_padding(lengths)},
+        lambda: qkv(tq=16, hkv=2),
+        "sdpa",
+        "memory-efficient",
+    ),
     ("sliding window", lambda: {"mask": masks.sliding_window(128)}, qkv, "flex", "mask_mod"),
     (
         "sliding window both sides",

@@ -73,6 +73,17 @@ def _cheap_mask(mask: Mask) -> bool:
     return mask.tensor is not None or mask.keys_only
 
 
+def _small_next_to_the_cache(call: AttentionCall) -> bool:
+    """On a GPU, a mask's dense form (Tq booleans a key) is small next to the keys and values
+    the call reads anyway (a decode step or a short chunk against a cache): at most a sixteenth
+    of their bytes. torch's fused kernels then take it at little cost, where FlexAttention would
+    compile once per length of the cache."""
+    if not target(call.device).gpu:
+        return False
+    kv_bytes = call.num_kv_heads * (call.qk_dim + call.v_dim) * call.dtype.itemsize
+    return bool(16 * call.q_len <= kv_bytes)
+
+
 def sdpa_check(call: AttentionCall) -> list[str]:
     """Why torch's SDPA cannot serve a call (empty when it can)."""
     reasons = []
@@ -169,6 +180,7 @@ def sdpa_cost(call: AttentionCall) -> list[str]:
         and call.score_term is None
         and _is_causal(call.q_len, call.kv_len, mask, call.bias_shape is not None) is None
         and not _cheap_mask(mask)
+        and not _small_next_to_the_cache(call)
         and (call.bias_shape is not None or document_cuts(mask, call.q_len, call.kv_len) is None)
     ):
         size = shape_str((call.q_len, call.kv_len))
