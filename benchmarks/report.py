@@ -806,6 +806,24 @@ def _policy(run: Run, images: dict[str, bytes]) -> str:
     )
 
 
+def _sharing(run: Run, images: dict[str, bytes]) -> str:
+    return table(
+        ["ATTNKIT_SHARE", "load", "T", "1 thread (ms)", "2 threads (ms)", "2 / 1"],
+        [
+            [
+                r["way"],
+                r["load"],
+                str(r["T"]),
+                _ms(r["one_thread"]),
+                _ms(r["two_threads"]),
+                _ratio(r["ratio"]),
+            ]
+            for r in run.rows
+        ],
+        right=(2, 3, 4, 5),
+    )
+
+
 def _long_audio(run: Run, images: dict[str, bytes]) -> str:
     rows = run.rows
     fig, axes = plt.subplots(1, 2, figsize=(8, 3))
@@ -1012,6 +1030,7 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
     ),
     "scaling_model": (_scaling_model, (), "python benchmarks/bench_scaling.py --curves"),
     "policy": (_policy, ("threads",), "python benchmarks/bench_policy.py"),
+    "sharing": (_sharing, ("B", "H", "D", "dtype", "rounds"), "python benchmarks/bench_sharing.py"),
     "long_audio": (
         _long_audio,
         ("B", "D", "H", "context", "dtype"),

@@ -1,15 +1,18 @@
 """How the native kernel's forward and decode share a call between threads (``csrc/share.h``).
 
-The calling thread starts on the work at once and threads of torch's inter-op pool join it when
-they get a core; the call waits only for the threads that joined. Each test runs in a child
-process (they set torch's thread counts, which a process sets once, and a hang must fail the test
-rather than the suite): a call whose helper cannot start (the only inter-op thread held by other
-work) returns, right, without it; the helper that starts after the call returned changes nothing;
-a child made by ``fork()`` after calls that used helpers calls the kernel and exits.
+In a parallel region, or, for a while after a region's thread came late (always with
+``ATTNKIT_SHARE=helpers``), with threads of torch's inter-op pool: the calling thread starts on
+the work at once, they join when they get a core, and the call waits only for those that joined.
+Each test runs in a child process (they set torch's thread counts, which a process sets once, and
+a hang must fail the test rather than the suite): a call whose helper cannot start (the only
+inter-op thread held by other work) returns, right, without it; the helper that starts after the
+call returned changes nothing; a child made by ``fork()`` after calls that shared their work calls
+the kernel and exits.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -53,11 +56,12 @@ WORST = textwrap.dedent(
 )
 
 
-def run_child(tmp_path: Path, body: str) -> str:
+def run_child(tmp_path: Path, body: str, **env: str) -> str:
     script = tmp_path / "child.py"  # a file: TorchScript reads the source of what it compiles
     script.write_text(WORST + textwrap.dedent(body))
     child = subprocess.run(
         [sys.executable, str(script)],
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=180,
@@ -94,6 +98,7 @@ def test_a_call_does_not_wait_for_a_helper_that_cannot_start(tmp_path: Path) -> 
         errors.append(worst(cs))  # the helpers queued above have run (and found nothing to do)
         print(max(errors))
         """,
+        ATTNKIT_SHARE="helpers",  # as after a parallel region's thread came late
     )
     assert float(out.split()[-1]) < 1e-5
 
