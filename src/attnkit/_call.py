@@ -21,6 +21,7 @@ from ._base.checks import (
     check_logits,
     check_probability,
     dtype_str,
+    plain_number,
     require_tensor,
     shape_str,
 )
@@ -192,6 +193,7 @@ def _check_scale(scale: object, qk_dim: int, dtype: torch.dtype) -> float:
     if scale is None:
         return 1.0 / math.sqrt(qk_dim) if qk_dim else 1.0
     work = torch.promote_types(dtype, torch.float32)
+    scale = plain_number(scale)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
     limit = torch.finfo(work).max
@@ -208,6 +210,7 @@ def _check_scale(scale: object, qk_dim: int, dtype: torch.dtype) -> float:
 def _check_softcap(softcap: object) -> float | None:
     if softcap is None:
         return None
+    softcap = plain_number(softcap)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a number > 0 or None, got {softcap!r}")
     if not 0.0 < softcap < math.inf:

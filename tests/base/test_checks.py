@@ -167,3 +167,28 @@ def test_numpy_integers_are_ints() -> None:
     got_out = attention(q, q, q, mask=masks.key_padding(list(np.array([3, 5]))))
     want = attention(q, q, q, mask=masks.key_padding([3, 5]), backend="reference")
     torch.testing.assert_close(got_out, want)
+
+
+def test_numpy_floats_are_floats() -> None:
+    """A scale, softcap or dropout rate computed in numpy (``np.float32(0.125)``) was refused as
+    "must be a float"; the argument checks of attention() and of the flash-attn functions take
+    it as the Python float of its value. numpy's bools still are refused. (With the runtime type
+    checks on, the hints, ``float``, refuse it first, as they say.)"""
+    np = pytest.importorskip("numpy")
+    from attnkit._call import _check_scale, _check_softcap
+    from attnkit.flash_attn._args import scale_of, softcap_of
+
+    for got, want in [
+        (checks.check_probability("dropout_p", np.float32(0.25)), 0.25),
+        (checks.check_positive("eps", np.float16(0.5)), 0.5),
+        (_check_scale(np.float32(0.5), 8, torch.float32), 0.5),
+        (_check_softcap(np.float64(30.0)), 30.0),
+        (scale_of(np.float32(0.25), torch.bfloat16), 0.25),
+        (softcap_of(np.float32(2.5)), 2.5),
+    ]:
+        assert got == want
+        assert type(got) is float
+    with pytest.raises(TypeError, match="dropout_p must be a float"):
+        checks.check_probability("dropout_p", np.bool_(False))
+    with pytest.raises(ValueError, match="scale must be finite"):
+        _check_scale(np.float32("nan"), 8, torch.float32)

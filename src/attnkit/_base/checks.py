@@ -100,6 +100,14 @@ def check_lengths(name: str, lengths: object) -> list[int]:
     return [check_int(f"{name}[{i}]", n, minimum=0) for i, n in enumerate(lengths)]
 
 
+def plain_number(value: object) -> object:
+    """numpy's real scalars (``np.float32(0.125)``, a rate read from an array) as Python's float or
+    int; anything else as it is (a check after this one refuses what is not a number)."""
+    if type(value).__module__ == "numpy" and isinstance(value, numbers.Real):
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    return value
+
+
 def check_bool(name: str, value: object) -> bool:
     """``value`` if it is a bool: a flag given 0, "yes" or None is a mistake, not a truth value."""
     if not isinstance(value, bool):
@@ -109,6 +117,7 @@ def check_bool(name: str, value: object) -> bool:
 
 def check_positive(name: str, value: object) -> float:
     """``value`` as a float if it is a finite number > 0 (an epsilon, a scale)."""
+    value = plain_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number > 0, got {value!r}")
     if not 0.0 < value < math.inf:
@@ -118,6 +127,7 @@ def check_positive(name: str, value: object) -> float:
 
 def check_probability(name: str, value: object) -> float:
     """``value`` as a float if it is a number in [0, 1) (a dropout rate)."""
+    value = plain_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float in [0, 1), got {value!r}")
     if not 0.0 <= value < 1.0:

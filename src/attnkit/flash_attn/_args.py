@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._base.checks import check_logits, dtype_str, shape_str
+from .._base.checks import check_logits, dtype_str, plain_number, shape_str
 from ..masks import Mask, causal
 from ..masks import sliding_window as _sliding_window
 
@@ -139,6 +139,7 @@ def sinks_of(learnable_sink: object, s_aux: object, q: Tensor, heads: int) -> Te
 
 
 def softcap_of(softcap: object) -> float | None:
+    softcap = plain_number(softcap)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a number (0.0: no softcap), got {softcap!r}")
     # NaN is neither < 0 nor > 0: without the explicit range it would pass as "no softcap".
@@ -152,6 +153,7 @@ def scale_of(softmax_scale: object, dtype: torch.dtype) -> float | None:
     dtype (q's, at least float32) holds."""
     if softmax_scale is None:
         return None
+    softmax_scale = plain_number(softmax_scale)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(
             f"softmax_scale must be a float or None (1 / sqrt(headdim)), got {softmax_scale!r}"
