@@ -99,6 +99,22 @@ def test_any_other_number_warns_once_and_takes_the_default(
     ]
 
 
+def test_a_choice_in_any_case_or_a_warning_and_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    words = ("timed", "region", "helpers")
+    for text, want in [(" Region ", "region"), ("HELPERS", "helpers"), ("", "timed")]:
+        monkeypatch.setenv("ATTNKIT_TEST_CHOICE", text)
+        assert _env.choice("ATTNKIT_TEST_CHOICE", words, "timed") == want
+    monkeypatch.setenv("ATTNKIT_TEST_CHOICE", "helper")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [_env.choice("ATTNKIT_TEST_CHOICE", words, "timed") for _ in range(2)]
+    assert got == ["timed", "timed"]
+    assert [str(w.message) for w in caught] == [
+        "attnkit: ATTNKIT_TEST_CHOICE='helper', which is none of timed, region, helpers; "
+        "taken as timed, the default"
+    ]
+
+
 def test_the_build_timeout_is_such_a_number(monkeypatch: pytest.MonkeyPatch) -> None:
     """ATTNKIT_BUILD_TIMEOUT=nan used to be a timeout of 0 s, and "ten" 600 s, without a word."""
     from attnkit._native import build

@@ -132,3 +132,20 @@ def test_a_forked_child_calls_the_kernel_after_its_parent_shared_calls(tmp_path:
     parent, child = out.split()[-2:]
     assert float(parent) < 1e-5
     assert child == "0"
+
+
+def test_a_misspelt_way_warns_when_the_kernel_loads_and_the_default_runs() -> None:
+    code = (
+        "import torch, attnkit; q = torch.randn(1, 1, 1, 8); "
+        "print(float(attnkit.attention(q, q, q, backend='chunked').sum()))"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "ATTNKIT_SHARE": "helper"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "ATTNKIT_SHARE='helper', which is none of timed, region, helpers" in child.stderr

@@ -3,7 +3,7 @@
 A switch (``ATTNKIT_NATIVE``, ``ATTNKIT_SHAPE_CHECKS``) takes ``1``, ``on``, ``true``, ``yes`` or
 ``0``, ``off``, ``false``, ``no``, in any case and with spaces around; unset or empty, its
 default. A number (``ATTNKIT_BUILD_TIMEOUT``, ``ATTNKIT_BENCH_THREADS``) takes a decimal in its
-range.
+range. A choice (``ATTNKIT_SHARE``) takes one of its words, in any case and with spaces around.
 
 Any other value warns, naming the variable, the value, what is accepted and the default taken
 instead, once per variable and value, and the default runs. Not an error: the variables are read
@@ -23,7 +23,7 @@ import os
 import threading
 import warnings
 
-__all__ = ["number", "switch", "switch_value"]
+__all__ = ["choice", "number", "switch", "switch_value"]
 
 ON = ("1", "on", "true", "yes")
 OFF = ("0", "off", "false", "no")
@@ -79,6 +79,19 @@ def number(name: str, default: float, *, minimum: float, integer: bool = False) 
         _warn(name, text, f"which is not {kind} >= {minimum:g}; taken as {default:g}, the default")
         return default
     return value
+
+
+def choice(name: str, words: tuple[str, ...], default: str) -> str:
+    """The choice ``name`` from the environment, one of ``words`` (lower case): ``default`` when
+    unset or empty, or (after a warning) when it is none of them."""
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    word = text.strip().lower()
+    if word not in words:
+        _warn(name, text, f"which is none of {', '.join(words)}; taken as {default}, the default")
+        return default
+    return word
 
 
 def _warn(name: str, text: str, why: str) -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .._base.env import number, switch
+from .._base.env import choice, number, switch
 from ._flags import CAPABILITY_FLAGS, CFLAGS, LDFLAGS
 
 __all__ = ["BuildState", "cache_dir", "capability", "load", "loaded", "state"]
@@ -358,6 +358,8 @@ def load() -> bool:
                 _loaded["result"] = result
                 if not result[0]:
                     _warn_once(result[1])
+                else:  # read by the kernel itself (csrc/share.h); said here when misspelt
+                    choice("ATTNKIT_SHARE", ("timed", "region", "helpers"), "timed")
     return _loaded["result"][0]
 
 

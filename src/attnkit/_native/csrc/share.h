@@ -19,6 +19,7 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -53,12 +54,16 @@ inline int64_t now_ns() {
 }
 
 // $ATTNKIT_SHARE: "region" or "helpers" fixes how calls share their work (a server that knows
-// its machine is shared, a test); unset or anything else, the timing decides.
+// its machine is shared, a test); unset, "timed" or anything else, the timing decides.
 enum class Sharing { timed, region, helpers };
 inline Sharing sharing() {
   static const Sharing chosen = [] {
     const char* text = std::getenv("ATTNKIT_SHARE");
-    const std::string name = text == nullptr ? "" : text;
+    std::string name = text == nullptr ? "" : text;
+    // As attnkit reads it (which warns of a misspelling): any case, spaces around.
+    name.erase(0, name.find_first_not_of(" \t\r\n"));
+    name.erase(name.find_last_not_of(" \t\r\n") + 1);
+    for (char& ch : name) ch = char(std::tolower(static_cast<unsigned char>(ch)));
     return name == "region" ? Sharing::region : name == "helpers" ? Sharing::helpers : Sharing::timed;
   }();
   return chosen;
