@@ -448,6 +448,47 @@ def test_a_step_with_a_mask_or_bias_of_its_own_reads_the_held_tokens_in_time_ord
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+def test_rewinding_a_step_puts_back_the_token_it_wrote_over(kv_dtype) -> None:
+    # Once the ring is full a step writes its token over its window's oldest, in place, when it
+    # is staged. Rewinding the step, staged (a call that failed after staging) or committed,
+    # puts that token back: the view holds exactly the tokens kept.
+    b, d = 2, 8
+    k, v = randn(b, 2, 8, d, dtype=torch.float32), randn(b, 2, 8, d, dtype=torch.float32)
+    cache = StreamingKVCache(b, 2, d, sink_tokens=1, window=3, kv_dtype=kv_dtype)
+
+    def held() -> list[torch.Tensor]:
+        return [t.clone() for t in cache.view().dense()]
+
+    def same(a: list[torch.Tensor], c: list[torch.Tensor]) -> None:
+        for x, y in zip(a, c, strict=True):
+            assert torch.equal(x, y)
+
+    with torch.no_grad():
+        cache.stage(k[:, :, :5], v[:, :, :5])  # (past the 4 slots: the ring is full)
+        cache.commit()
+        cache.stage(k[:, :, 5:6], v[:, :, 5:6])
+        cache.commit()
+        at_6 = held()
+        cache.stage(k[:, :, 6:7], v[:, :, 6:7])  # staged, not committed
+        cache.rewind(6)
+        same(held(), at_6)
+        cache.commit()  # nothing staged any more
+        same(held(), at_6)
+        cache.stage(k[:, :, 6:7], v[:, :, 6:7])
+        cache.commit()
+        cache.rewind(6)  # a committed step
+        same(held(), at_6)
+        # One step further back, a query at 5 finds its window (5, 4, 3) and the sink whole.
+        cache.rewind(5)
+        model = StreamingKVCache(b, 2, d, sink_tokens=1, window=3, kv_dtype=kv_dtype)
+        model.stage(k[:, :, :5], v[:, :, :5])
+        model.commit()
+        q = randn(b, 2, 1, d, dtype=torch.float32)
+        step = (q, k[:, :, 5:6], v[:, :, 5:6])
+        torch.testing.assert_close(cache.attention(*step), model.attention(*step), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
 def test_rewind_undoes_the_last_step_or_chunk_and_refuses_what_the_ring_let_go(kv_dtype) -> None:
     sinks, window, b, d, n = 1, 3, 1, 8, 20
     q, k, v = randn(b, 2, n, d), randn(b, 2, n, d), randn(b, 2, n, d)

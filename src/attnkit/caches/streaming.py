@@ -59,9 +59,10 @@ class _New(NamedTuple):
 
 
 class _Undo(NamedTuple):
-    """What a chunk's commit wrote over: the position it started at, the slots it wrote
-    ``(n,)`` and their tensors' old contents there (keys and values, an int8 cache's scales;
-    float8 as bytes), so that :meth:`StreamingKVCache.rewind` can put them back."""
+    """What a chunk's commit, or a step's stage once the ring is full, wrote over: the position
+    it started at, the slots it wrote ``(n,)`` and their tensors' old contents there (keys and
+    values, an int8 cache's scales; float8 as bytes), so that :meth:`StreamingKVCache.rewind`
+    can put them back."""
 
     start: int
     slots: Tensor
@@ -222,6 +223,10 @@ class StreamingKVCache:
         new = self._stored(k, v)
         t, start = k.size(-2), self.position
         if t == 1 and in_place:
+            if start >= self.sink_tokens + self.window:
+                # (the slot holds the window's oldest token: kept, so that a dropped stage or a
+                # rewind by this step puts it back)
+                self._undo = self._overwritten(start, 1)
             self._put(new, start)
             self._staged_one = True
             return None
@@ -342,17 +347,17 @@ class StreamingKVCache:
         by the whole last chunk (its commit keeps a copy of the slots it wrote over, at most
         ``S + W`` tokens, until the next stage), or anywhere while the cache has taken no more
         than ``S + W`` tokens (no slot written twice). Any other ``position`` is a
-        ``ValueError``, and changes nothing. An uncommitted stage is dropped.
-        A forgotten token stays in its slot until the next stage writes over it (:attr:`length`
-        and :meth:`view` count it until then)."""
+        ``ValueError``, and changes nothing. An uncommitted stage is dropped (a step's slot gets
+        back the token it held), so ``rewind(position)`` undoes a call that failed after it
+        staged. A forgotten token stays in its slot until the next stage writes over it
+        (:attr:`length` and :meth:`view` count it until then)."""
         position = check_int("position", position, minimum=0, saturate=True)
         if position >= self.position:
-            self._staged, self._staged_one = None, False
+            self._drop_staged()
             return
         undo = self._undo
         if undo is not None and position == undo.start:
-            for t, old in zip(self._stored_tensors(), undo.old, strict=True):
-                t.index_copy_(2, undo.slots, old)
+            self._put_back(undo)
         elif not self._reachable(position):
             raise ValueError(
                 f"this StreamingKVCache (position={self.position}, window={self.window}) cannot "
@@ -361,6 +366,20 @@ class StreamingKVCache:
             )
         self.position = position
         self._staged, self._staged_one, self._undo = None, False, None
+
+    def _put_back(self, undo: _Undo) -> None:
+        """The slots ``undo`` names, as they were before the write it kept them from."""
+        for t, old in zip(self._stored_tensors(), undo.old, strict=True):
+            t.index_copy_(2, undo.slots, old)
+
+    def _drop_staged(self) -> None:
+        """Forget an uncommitted stage: a step's token leaves the slot it was written to, which
+        gets back the token it held."""
+        undo = self._undo
+        if self._staged_one and undo is not None and undo.start == self.position:
+            self._put_back(undo)
+            self._undo = None
+        self._staged, self._staged_one = None, False
 
     def _reachable(self, position: int) -> bool:
         """Whether every token a query at ``position`` attends is still in its slot."""
