@@ -432,3 +432,50 @@ def test_the_expanded_form_over_a_quantized_latent_cache_is_the_absorbed_form(
                 lengths = [t + 1 for t in lengths]
     for got, want in zip(outs["expanded"], outs["absorbed"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+class _Refused(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("new", [1, 3])
+@pytest.mark.parametrize("kind", ["latent", "kv", "paged"])
+def test_a_call_that_fails_after_staging_leaves_the_cache_as_it_was(kind: str, new: int) -> None:
+    # out_proj raises after attention() read the staged latents: the error reaches the caller as
+    # it was raised, the cache holds what it held (a stray commit() adds nothing), and the next
+    # call is the whole forward's.
+    m, x, failed = make(), randn(2, 4 + new, D), randn(2, new, D)
+    if kind == "latent":
+        cache = m.make_cache(batch_size=2, max_len=12)
+    elif kind == "kv":
+        cache = m.make_kv_cache(batch_size=2, max_len=12)
+    else:
+        cache = m.make_paged_cache(num_blocks=8, page_size=2, max_seqs=2)
+    raised = _Refused("out_proj refused")
+
+    def refuse(*_: object) -> None:
+        raise raised
+
+    def held() -> list[Tensor]:
+        if isinstance(cache, LatentCache):
+            return [cache.latent[:, :, : cache.length].clone()]
+        view = cache.view()
+        return [view.row(n, F64)[0].clone() for n in range(len(view.kv_range))]
+
+    with torch.no_grad():
+        m(x[:, :4], causal=True, cache=cache)
+        before = held()
+        hook = m.out_proj.register_forward_pre_hook(refuse)
+        with pytest.raises(_Refused) as info:
+            m(failed, causal=True, cache=cache)
+        hook.remove()
+        assert info.value is raised
+        for _ in range(2):  # as the call left it, and after a stray commit()
+            after = held()
+            assert len(after) == len(before)
+            for a, b in zip(before, after, strict=True):
+                assert torch.equal(a, b)
+            cache.commit()
+        got = m(x[:, 4:], causal=True, cache=cache)
+        want = m(x, causal=True)[:, 4:]
+    torch.testing.assert_close(got, want)

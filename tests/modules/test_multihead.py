@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import math
 import re
 from typing import Any
@@ -884,3 +885,75 @@ def test_the_weights_of_a_streaming_step_are_the_held_tokens_in_time_order() -> 
             _, got = m(x[:, t : t + 1], cache=cache, causal=True, need_weights=True)
             held = [p for p in range(t + 1) if p < sinks or t - p < window]
             torch.testing.assert_close(got[0, 0], whole[0, t, held])
+
+
+# --------------------------------------------------------------------------------------------------
+# A cached call that fails after its new tokens were staged leaves the cache as it was
+
+
+class _Refused(RuntimeError):
+    pass
+
+
+def _held(cache: Any) -> list[tuple[Tensor, Tensor]]:
+    """Copies of each row's keys and values as the cache's view reads them (dequantized,
+    float32; a contiguous cache's rows are views of its buffers)."""
+    view = cache.view()
+    rows = (view.row(n) for n in range(len(view.kv_range)))
+    return [(k.clone(), v.clone()) for k, v in rows]
+
+
+def _failing_cache(kind: str, m: MultiHeadAttention) -> Any:
+    if kind.startswith("paged"):
+        layout = kind.split("-")[1]
+        return m.make_paged_cache(16, 4, max_seqs=2, layout=layout)  # type: ignore[arg-type]
+    if kind.startswith("streaming"):
+        kv = torch.int8 if kind.endswith("int8") else None
+        # (1 sink, a window of 4: the 9 tokens held already wrapped the ring)
+        return attnkit.StreamingKVCache(2, 2, 8, sink_tokens=1, window=4, kv_dtype=kv)
+    return m.make_cache(2, 16, kv_dtype=torch.int8 if kind.endswith("int8") else None)
+
+
+@pytest.mark.parametrize("new", [1, 3])
+@pytest.mark.parametrize(
+    "kind", ["kv", "kv-int8", "paged-flash", "paged-vllm", "streaming", "streaming-int8"]
+)
+def test_a_call_that_fails_after_staging_leaves_the_cache_as_it_was(kind: str, new: int) -> None:
+    # out_proj raises after attention() read the staged tokens: the error reaches the caller as
+    # it was raised, the view holds the committed tokens only (a streaming step's slot gets its
+    # token back), a stray commit() adds nothing, and the next call attends the right tokens.
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    cache = _failing_cache(kind, m)
+    x, failed = torch.randn(2, 9 + new, 32), torch.randn(2, new, 32)
+    raised = _Refused("out_proj refused")
+
+    def refuse(*_: object) -> None:
+        raise raised
+
+    with torch.no_grad():
+        m(x[:, :9], causal=True, cache=cache)
+        before = _held(cache)
+        hook = m.out_proj.register_forward_pre_hook(refuse)
+        with pytest.raises(_Refused) as info:
+            m(failed, causal=True, cache=cache)
+        hook.remove()
+        assert info.value is raised
+        for _ in range(2):  # as the call left it, and after a stray commit()
+            after = _held(cache)
+            assert len(after) == len(before)
+            for (k0, v0), (k1, v1) in zip(before, after, strict=True):
+                assert torch.equal(k0, k1)
+                assert torch.equal(v0, v1)
+            cache.commit()
+        got = m(x[:, 9:], causal=True, cache=cache)
+    visible = torch.ones(9 + new, 9 + new, dtype=torch.bool).tril()
+    if kind.startswith("streaming"):  # the sink and each query's window of 4
+        distance = torch.arange(9 + new)[:, None] - torch.arange(9 + new)
+        visible &= (distance < 4) | (torch.arange(9 + new) < 1)
+    with torch.no_grad():
+        want = copy.deepcopy(m).double()(x.double(), mask=visible)[:, 9:]
+    if kind.endswith("int8"):  # int8's rounding of the held keys and values, not more
+        assert ((got.double() - want).norm() / want.norm()).item() < 3e-2
+    else:
+        assert_close(got, want)

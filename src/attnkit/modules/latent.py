@@ -186,6 +186,15 @@ class LatentCache:
 _Cache = LatentCache | KVCache | PagedKVCache
 
 
+def _drop_staged(cache: _Cache) -> None:
+    """Forget the latents a failed call staged in ``cache``, and nothing it held before (each
+    cache's ``rewind`` to what it holds drops an uncommitted stage)."""
+    if isinstance(cache, PagedKVCache):
+        cache.rewind(cache.lengths)
+    else:
+        cache.rewind(cache.length)
+
+
 def _latent_cache_refusal(cache: object, r: int, dr: int) -> str | None:
     """Why ``cache`` cannot hold this module's latents (``R = r``, ``Dr = dr``), None if it can:
     a KV cache of one head of ``R + Dr`` numbers whose values are their first ``R``."""
@@ -503,12 +512,19 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = self._queries(x, offsets)
         latent = self._latent(x, offsets)
         keys: Tensor | CacheView = latent
-        if cache is not None:
-            # Written past the cache's length, held only once attention() accepted the call.
-            keys = self._stage(cache, q_nope, latent, mask, causal)
-        dropout_p = self.dropout if self.training else 0.0
-        out = self._attend(q_nope, q_rope, keys, absorbed, mask, causal, dropout_p)
-        result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
+        try:
+            if cache is not None:
+                # Written past the cache's length, held only once the call succeeded.
+                keys = self._stage(cache, q_nope, latent, mask, causal)
+            dropout_p = self.dropout if self.training else 0.0
+            out = self._attend(q_nope, q_rope, keys, absorbed, mask, causal, dropout_p)
+            result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
+        except BaseException:
+            # A call that fails after its latents were staged (in attention(), in out_proj, in
+            # a hook) leaves the cache as it was, as a call the cache refuses does.
+            if cache is not None:
+                _drop_staged(cache)
+            raise
         if cache is not None:
             cache.commit()
         return result

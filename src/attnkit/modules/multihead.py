@@ -53,6 +53,19 @@ __all__ = ["MultiHeadAttention"]
 AnyCache = KVCache | PagedKVCache | StreamingKVCache
 
 
+def _drop_staged(cache: AnyCache) -> None:
+    """Forget the tokens a failed call staged in ``cache``, and nothing it held before: each
+    cache's ``rewind`` to what it holds drops an uncommitted stage (and a streaming cache's puts
+    back the slot its step wrote over), so neither ``view()`` nor a later ``commit()`` sees
+    them."""
+    if isinstance(cache, PagedKVCache):
+        cache.rewind(cache.lengths)
+    elif isinstance(cache, StreamingKVCache):
+        cache.rewind(cache.position)
+    else:
+        cache.rewind(cache.length)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (Vaswani et al., 2017), batch-first, on :func:`attnkit.attention`.
 
@@ -425,6 +438,29 @@ class MultiHeadAttention(nn.Module):
                 f"value {shape_str(value.shape)}"
             )
 
+    def _stage(
+        self,
+        cache: AnyCache,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | Mask | None,
+        bias: Tensor | ScoreTerm | None,
+        causal: bool,
+        sinks: Tensor | None,
+        want_weights: bool,
+    ) -> tuple[Tensor | CacheView, Tensor | None, Tensor | Mask | None]:
+        """The new ``k`` and ``v`` staged in ``cache``, held only once :meth:`forward`'s call
+        succeeded; the keys, values (None: in the keys' view) and mask the call attends."""
+        if isinstance(cache, StreamingKVCache):
+            # The held tokens and the new ones, with the mask of the sinks and the window.
+            return cache.stage_call(q, k, v, mask=mask, bias=bias, need_weights=want_weights)
+        # The cache checks what it must refuse before it writes, then stages the new keys past
+        # what it holds, invisible until the commit: a call attention() refuses leaves the cache
+        # as it was. The call reads the cache's keys where they lie.
+        view = cache.stage_call(q, k, v, mask=mask, causal=causal, bias=bias, sinks=sinks)
+        return view, None, mask
+
     def _attend(
         self,
         q: Tensor,
@@ -436,17 +472,21 @@ class MultiHeadAttention(nn.Module):
         sinks: Tensor | None,
         dropout_p: float,
         want_weights: bool,
-        want_lse: bool,
         shards: SequenceShards | None,
-    ) -> Tensor | tuple[Tensor, ...]:
-        """The one attention call, on this rank's shard of the sequence or on the whole. q, k, v
-        and the settings are this module's, built from what it checked and when it was built:
-        attend() checks only the caller's mask, bias and causal, once. ``k`` is the cache's view
-        (and ``v`` None) for a call on a cache."""
+    ) -> tuple[Tensor, Tensor | None]:
+        """The one attention call, on this rank's shard of the sequence or on the whole, with
+        the extra tokens merged in: the output ``(B, H, Tq, Dhv)`` and the weights (None unless
+        ``want_weights``). q, k, v and the settings are this module's, built from what it checked
+        and when it was built: attend() checks only the caller's mask, bias and causal, once.
+        ``k`` is the cache's view (and ``v`` None) for a call on a cache."""
+        # The log-sum-exp merges the learned token in, and scales the weights to make room for
+        # the extra tokens' columns.
+        want_lse = self.bias_k is not None or (want_weights and self.add_zero_attn)
+        got: Tensor | tuple[Tensor, ...]
         if shards is not None:
             if isinstance(k, CacheView) or v is None:
                 raise ValueError("a module on a shard of the sequence attends no cache")
-            return shards.attention(
+            got = shards.attention(
                 q,
                 k,
                 v,
@@ -458,19 +498,25 @@ class MultiHeadAttention(nn.Module):
                 dropout_p=dropout_p,
                 return_lse=want_lse,
             )
-        return attend(
-            q,
-            k,
-            v,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            sinks=sinks,
-            dropout_p=dropout_p,
-            return_weights=want_weights,
-            return_lse=want_lse,
-            backend=self.backend,
-        )
+        else:
+            got = attend(
+                q,
+                k,
+                v,
+                mask=mask,
+                bias=bias,
+                causal=causal,
+                sinks=sinks,
+                dropout_p=dropout_p,
+                return_weights=want_weights,
+                return_lse=want_lse,
+                backend=self.backend,
+            )
+        parts = [got] if isinstance(got, Tensor) else list(got)
+        out, weights = parts[0], (parts[1] if want_weights else None)
+        if want_lse:
+            out, weights = self._extra_tokens(q, out, weights, parts[-1], dropout_p)
+        return out, weights
 
     @overload
     def forward(
@@ -553,33 +599,25 @@ class MultiHeadAttention(nn.Module):
         sinks = q.new_zeros(self.num_heads) if self.add_zero_attn else None
         keys: Tensor | CacheView = k
         values: Tensor | None = v
-        if isinstance(cache, StreamingKVCache):
-            # The held tokens and the new ones, with the mask of the sinks and the window.
-            keys, values, mask = cache.stage_call(
-                q, k, v, mask=mask, bias=bias, need_weights=want_weights
+        try:
+            if cache is not None:
+                keys, values, mask = self._stage(
+                    cache, q, k, v, mask, bias, causal, sinks, want_weights
+                )
+            out, weights = self._attend(
+                q, keys, values, mask, bias, causal, sinks, dropout_p, want_weights, shards
             )
-        elif cache is not None:
-            # The cache checks what it must refuse before it writes, then stages the new keys
-            # past what it holds, invisible until the commit below: a call attention() refuses
-            # leaves the cache as it was. The call reads the cache's keys where they lie.
-            view = cache.stage_call(q, k, v, mask=mask, causal=causal, bias=bias, sinks=sinks)
-            keys, values = view, None
-        # The log-sum-exp merges the learned token in, and scales the weights to make room for
-        # the extra tokens' columns.
-        want_lse = self.bias_k is not None or (want_weights and self.add_zero_attn)
-        got = self._attend(
-            q, keys, values, mask, bias, causal, sinks, dropout_p, want_weights, want_lse, shards
-        )
-        parts = [got] if isinstance(got, Tensor) else list(got)
-        out = parts[0]
-        weights = parts[1] if want_weights else None
-        if want_lse:
-            out, weights = self._extra_tokens(q, out, weights, parts[-1], dropout_p)
-        if capturing:
-            record(self, present(weights, "weights"))
-        # (B, H, Tq, Dhv) -> (B, Tq, H*Dhv): a free view when the kernel laid its output out as
-        # (B, Tq, H, Dhv), which torch's fused CPU kernel does; a copy otherwise.
-        result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
+            if capturing:
+                record(self, present(weights, "weights"))
+            # (B, H, Tq, Dhv) -> (B, Tq, H*Dhv): a free view when the kernel laid its output out
+            # as (B, Tq, H, Dhv), which torch's fused CPU kernel does; a copy otherwise.
+            result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
+        except BaseException:
+            # A call that fails after its tokens were staged (in attention(), in out_proj, in a
+            # hook) leaves the cache as it was, as a call the cache refuses does.
+            if cache is not None:
+                _drop_staged(cache)
+            raise
         if cache is not None:
             cache.commit()
         if not need_weights:
