@@ -87,3 +87,41 @@ def test_packed_sequences_unpack_into_their_pattern_and_document_ids() -> None:
     assert inner is mu.causal_mask_function
     assert torch.equal(got_ids, ids)
     assert patterns.unpack(mu.causal_mask_function) is None
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "misread-window"])
+def test_a_compiled_fullgraph_call_may_be_the_first_to_check_a_pattern(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A compiled ``fullgraph=True`` training step can be a process's first forward: the probe
+    on sample positions then runs while torch.compile traces, and its answer holds there (a
+    window served as attnkit's mask, a misread one as transformers' dense mask)."""
+
+    def overlay(sliding_window: int) -> Callable[..., Tensor]:
+        def inner_mask(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return k >= q - sliding_window  # one key more than transformers' window
+
+        inner_mask.__qualname__ = "sliding_window_overlay.<locals>.inner_mask"
+        return inner_mask
+
+    fn = {
+        "causal": mu.causal_mask_function,
+        "window": mu.sliding_window_causal_mask_function(3),
+        "misread-window": mu.and_masks(overlay(3), mu.causal_mask_function),
+    }[kind]
+    pad = padded([5, 8], 8, "left")[1]
+    monkeypatch.setattr(patterns, "_AGREED", {})
+
+    def dense(pad: Tensor) -> Tensor:
+        built = hf.build_mask(
+            batch_size=2, q_length=8, kv_length=8, mask_function=fn, attention_mask=pad
+        )
+        return built.dense() if isinstance(built, hf.TransformersMask) else built
+
+    got = torch.compile(dense, fullgraph=True, backend="eager")(pad)
+    want = hf_dense(batch_size=2, q_length=8, kv_length=8, mask_function=fn, attention_mask=pad)
+    assert torch.equal(got, want)
+    if kind == "misread-window":  # the sample told the windows apart, traced too
+        window = mu.sliding_window_causal_mask_function(3)
+        read = dict(batch_size=2, q_length=8, kv_length=8, attention_mask=pad)
+        assert not torch.equal(got, hf_dense(**read, mask_function=window))

@@ -13,7 +13,7 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -125,21 +125,38 @@ def agrees(fn: Callable[..., Tensor], pattern: Pattern) -> bool:
     Queries near the start and around one and two windows in; keys around each query, around its
     window's edges and at the start. Checked once per pattern and process.
     """
-    if pattern not in _AGREED:
-        w = pattern.window or 4
-        queries = sorted({0, 1, 2, 3, w - 1, w, w + 1, 2 * w, 2 * w + 1})
-        keys = {0, 1, 2, 3}
-        for q in queries:
-            for edge in (q - w, q, q + w):
-                keys.update(range(max(0, edge - 2), edge + 3))
-        q_pos = torch.tensor(queries).view(1, 1, -1, 1)
-        k_pos = torch.tensor(sorted(keys)).view(1, 1, 1, -1)
-        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-        try:
-            theirs = torch.as_tensor(fn(zero, zero, q_pos, k_pos)).expand(
-                1, 1, q_pos.numel(), k_pos.numel()
-            )
-            _AGREED[pattern] = bool(torch.equal(theirs, pattern.visible(q_pos, k_pos)))
-        except (RuntimeError, TypeError, IndexError):
-            _AGREED[pattern] = False
-    return _AGREED[pattern]
+    if pattern in _AGREED:
+        return _AGREED[pattern]
+    agreed = _agrees_on_samples(fn, pattern.causal, pattern.window)
+    if not torch.compiler.is_compiling():  # a traced store would have to rebuild the Pattern
+        _AGREED[pattern] = agreed
+    return agreed
+
+
+def _sampled_agreement(fn: Callable[..., Tensor], causal: bool, window: int | None) -> bool:
+    pattern = Pattern(causal=causal, window=window)
+    w = window or 4
+    queries = sorted({0, 1, 2, 3, w - 1, w, w + 1, 2 * w, 2 * w + 1})
+    keys = {0, 1, 2, 3}
+    for q in queries:
+        for edge in (q - w, q, q + w):
+            keys.update(range(max(0, edge - 2), edge + 3))
+    q_pos = torch.tensor(queries).view(1, 1, -1, 1)
+    k_pos = torch.tensor(sorted(keys)).view(1, 1, 1, -1)
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    try:
+        theirs = torch.as_tensor(fn(zero, zero, q_pos, k_pos)).expand(
+            1, 1, q_pos.numel(), k_pos.numel()
+        )
+        return bool(torch.equal(theirs, pattern.visible(q_pos, k_pos)))
+    except (RuntimeError, TypeError, IndexError):
+        return False
+
+
+# The answer reads the samples' values, which torch.compile cannot turn into a Python bool while it
+# traces; it runs the check then and takes the answer as a constant, so a compiled fullgraph=True
+# step can be the first call of a process. (Plain arguments: it rebuilds them for the call.)
+_agrees_on_samples = cast(
+    Callable[[Callable[..., Tensor], bool, "int | None"], bool],
+    torch.compiler.assume_constant_result(_sampled_agreement),
+)
