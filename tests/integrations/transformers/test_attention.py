@@ -689,3 +689,30 @@ def test_gemma4_assistant_matches_eager() -> None:
         logits[impl] = out.logits
     # eager takes its softmax in float32 whatever the inputs: float32 rounding, not float64's
     torch.testing.assert_close(logits["attnkit"], logits["eager"], atol=1e-6, rtol=1e-5)
+
+
+def test_export_takes_a_dynamic_length_from_two() -> None:
+    """torch.export of a layer's call with a dynamic length ``Dim(min=2)``, as sdpa's exports:
+    the packing read from ``position_ids`` in the graph must not narrow it (steps of length
+    ``T - 1`` made it start at 3). The exported call equals the eager one at T = 2 and 7."""
+    layer = Layer()
+
+    class Call(torch.nn.Module):
+        def forward(self, q: Tensor, k: Tensor, v: Tensor, pad: Tensor) -> Tensor:
+            t = q.size(-2)
+            mask = hf.build_mask(batch_size=2, q_length=t, kv_length=t, attention_mask=pad)
+            positions = torch.arange(t).unsqueeze(0)
+            out = attention_module.attention_forward(
+                layer, q, k, v, mask, backend="auto", position_ids=positions
+            )
+            return out[0]
+
+    t = torch.export.Dim("T", min=2, max=16)
+    shapes = {"q": {2: t}, "k": {2: t}, "v": {2: t}, "pad": {1: t}}
+    exported = torch.export.export(Call(), (*qkv(7, 7), padded([7, 4], 7, "left")[1].bool()),
+                                   dynamic_shapes=shapes).module()  # fmt: skip
+    for n in (2, 7):
+        args = (*qkv(n, n), padded([n, 1], n, "left")[1].bool())
+        real = args[-1][:, :, None, None]  # (B, T, 1, 1): real queries
+        want = Call()(*args)
+        torch.testing.assert_close(exported(*args) * real, want * real)

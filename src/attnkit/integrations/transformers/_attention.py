@@ -75,8 +75,10 @@ def _traced_packing(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Mask 
         return None
     if ids.size(1) != query.size(-2) or query.size(-2) != key.size(-2) or ids.size(1) < 2:
         return None
-    starts = torch.diff(ids[0]) != 1
-    return masks.documents(ids=torch.cat([starts.new_zeros(1), starts]).long().cumsum(0))
+    # Prepending the first position less 1 keeps every step the length of the positions: a
+    # (T - 1,) difference would make torch.export's dynamic T start at 3 instead of 2.
+    starts = torch.diff(ids[0], prepend=ids[0, :1] - 1) != 1
+    return masks.documents(ids=starts.long().cumsum(0))
 
 
 def _model_collects_weights() -> bool:
