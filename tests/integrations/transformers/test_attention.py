@@ -716,3 +716,29 @@ def test_export_takes_a_dynamic_length_from_two() -> None:
         real = args[-1][:, :, None, None]  # (B, T, 1, 1): real queries
         want = Call()(*args)
         torch.testing.assert_close(exported(*args) * real, want * real)
+
+
+def test_compiled_packing_positions_and_a_dense_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled with ``fullgraph=True``, the packing read from ``position_ids`` is ANDed with a
+    dense mask too (transformers' own, for a pattern attnkit does not know), as eager attnkit
+    does: the call equals the eager one."""
+    # Outside a model's forward no output collector is active (a model's own compiles).
+    monkeypatch.setattr(attention_module, "_model_collects_weights", lambda: False)
+    layer = Layer()
+    pad = torch.tensor([[False, True, True, True, True, True]])
+    chunked = mu.chunked_causal_mask_function(4, torch.tensor([0]))
+
+    def call(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, positions: Tensor) -> Tensor:
+        mask = hf.build_mask(
+            batch_size=1, q_length=6, kv_length=6, mask_function=chunked, attention_mask=pad
+        )
+        out = attention_module.attention_forward(
+            layer, q, k, v, mask, backend="auto", position_ids=positions
+        )
+        return out[0]
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])  # two packed sequences of 3
+    args = (*(t[:1] for t in qkv(6, 6)), pad, positions)
+    got = torch.compile(call, fullgraph=True, backend="eager")(*args)
+    real = pad[:, :, None, None]
+    torch.testing.assert_close(got * real, call(*args) * real)

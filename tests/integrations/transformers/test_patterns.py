@@ -89,7 +89,7 @@ def test_packed_sequences_unpack_into_their_pattern_and_document_ids() -> None:
     assert patterns.unpack(mu.causal_mask_function) is None
 
 
-@pytest.mark.parametrize("kind", ["causal", "window", "misread-window"])
+@pytest.mark.parametrize("kind", ["causal", "window", "misread-window", "window-made-traced"])
 def test_a_compiled_fullgraph_call_may_be_the_first_to_check_a_pattern(
     monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
@@ -108,13 +108,16 @@ def test_a_compiled_fullgraph_call_may_be_the_first_to_check_a_pattern(
         "causal": mu.causal_mask_function,
         "window": mu.sliding_window_causal_mask_function(3),
         "misread-window": mu.and_masks(overlay(3), mu.causal_mask_function),
+        "window-made-traced": mu.sliding_window_causal_mask_function(3),
     }[kind]
     pad = padded([5, 8], 8, "left")[1]
     monkeypatch.setattr(patterns, "_AGREED", {})
 
     def dense(pad: Tensor) -> Tensor:
+        # A model makes its window function in its forward: traced, its closure cannot be read.
+        made = mu.sliding_window_causal_mask_function(3) if kind == "window-made-traced" else fn
         built = hf.build_mask(
-            batch_size=2, q_length=8, kv_length=8, mask_function=fn, attention_mask=pad
+            batch_size=2, q_length=8, kv_length=8, mask_function=made, attention_mask=pad
         )
         return built.dense() if isinstance(built, hf.TransformersMask) else built
 

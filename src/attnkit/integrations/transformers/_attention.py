@@ -335,8 +335,8 @@ def _with_packing(
     flash-attention path reads the packing from the positions whatever the mask, and so does
     this one."""
     traced = _traced_packing(query, key, kwargs)
-    if traced is not None:
-        return traced if mask is None else traced & mask
+    if traced is not None:  # the method, as in _with_selection: the mask may be a tensor
+        return traced if mask is None else traced.__and__(mask)
     packed = _packed(module, query, key, kwargs)
     if packed is None:
         return mask

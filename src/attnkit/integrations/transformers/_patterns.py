@@ -48,7 +48,12 @@ def _free_variables(fn: object) -> dict[str, Any]:
     """The variables a Python function closes over (none for other callables)."""
     if not inspect.isfunction(fn):
         return {}
-    return dict(inspect.getclosurevars(fn).nonlocals)
+    try:
+        return dict(inspect.getclosurevars(fn).nonlocals)
+    except AttributeError:
+        # torch.compile cannot read the closure of a function made while it traces (a model's
+        # window function): the pattern goes unrecognised, and transformers' dense mask serves.
+        return {}
 
 
 def recognise(fn: object) -> Pattern | None:
