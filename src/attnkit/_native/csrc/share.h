@@ -43,7 +43,7 @@ inline std::atomic<bool>& forked() {
 }
 
 // A region's calling thread that waited at its end for longer than this (and a quarter of the
-// region's time) saw a thread come late: calls share work with helpers for kBusyFor after.
+// region's time) saw a thread come late: calls share work with helpers for kBusyForNs after.
 constexpr int64_t kLateNs = 200 * 1000;
 constexpr int64_t kBusyForNs = 1000 * 1000 * 1000;
 
