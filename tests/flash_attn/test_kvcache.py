@@ -73,10 +73,10 @@ def test_kvcache_appends_in_place_and_attends(
         r = b if rows is None else int(rows[b])
         start = 0 if pad is None else int(pad[b])
         n = int(seen[b])
-        k_rot = rotate(k[b], cos, sin, torch.arange(new) + n - start, interleaved)
+        k_rot = rotate(k[b], cos, sin, torch.arange(new) + n, interleaved)
         positional = is_causal or window != (-1, -1)
         q_at = torch.arange(tq) if positional else torch.zeros(tq, dtype=torch.long)
-        q_rot = rotate(q[b], cos, sin, q_at + n - start, interleaved)
+        q_rot = rotate(q[b], cos, sin, q_at + n, interleaved)
         keys = torch.cat([full_k[r, start:n], k_rot])
         values = torch.cat([full_v[r, start:n], v[b]])
         if paged:

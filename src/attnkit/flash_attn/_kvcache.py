@@ -142,9 +142,10 @@ def flash_attn_with_kvcache(
             ``(blocks, page, Hkv, D|Dv)`` (any page size).
         k, v: ``(B, seqlen_new, Hkv, D|Dv)`` new keys and values, or None.
         rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)``: rotate the first ``rotary_dim``
-            dims of ``k`` at its positions ``cache_seqlens[b] - cache_leftpad[b] + t``, and of
-            ``q`` at the same positions when ``causal`` or windowed (else all at
-            ``cache_seqlens[b] - cache_leftpad[b]``), pairs as ``rotary_interleaved`` says
+            dims of ``k`` at its positions ``cache_seqlens[b] + t`` (the rows of the tables are
+            indices into the cache row, ``cache_leftpad`` included, as flash-attn's kernel reads
+            them), and of ``q`` at the same positions when ``causal`` or windowed (else all at
+            ``cache_seqlens[b]``), pairs as ``rotary_interleaved`` says
             (True: dims ``(0, 1), (2, 3), ...``; False: ``(0, rotary_dim / 2), ...``, GPT-NeoX).
             Needs ``k`` and ``v``, as in flash-attn.
         cache_seqlens: an int or ``(B,)``: the tokens each row holds before this call (None: the
@@ -358,16 +359,17 @@ def _rotated(
     interleaved: bool,
     positional: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``q`` and the new keys rotated at their positions in each row, counted from the row's
-    ``cache_leftpad``: the keys at theirs, the queries at theirs when ``positional`` (causal or
-    windowed), else all at the row's first new position."""
+    """``q`` and the new keys rotated at their positions in each row: the keys at their indices
+    in the cache row (``cache_seqlens[b] + t``; flash-attn counts them from the row's start, not
+    from its ``cache_leftpad``), the queries at theirs when ``positional`` (causal or windowed),
+    else all at the row's first new position."""
     if rotary_cos is None or rotary_sin is None or k is None:
         raise TypeError(
             "rotary_cos and rotary_sin come together, and with k and v (the new tokens they "
             "rotate), as in flash-attn"
         )
     batch, q_len = q.shape[:2]
-    base = [s - a for s, a in zip(rows.seen, rows.start, strict=True)]
+    base = rows.seen
     reach = max((b + max(rows.new, q_len if positional else 1) for b in base), default=0)
     cos, sin = check_rotary(rotary_cos, rotary_sin, q.size(3), max(reach, *rows.lengths, 0))
     at = torch.tensor(base, device=q.device)
