@@ -60,7 +60,8 @@ Where attnkit and flash-attn differ, on purpose:
   ``S_dmask`` is what flash-attn makes of it: an empty tensor when ``dropout_p == 0`` (so asking
   for the LSE costs no ``(Tq, Tk)`` tensor); with ``dropout_p > 0`` the softmax weights
   ``(batch, nheads, seqlen_q, seqlen_k)`` before dropout, correctly normalised (flash-attn's
-  unnormalised, sign-encoded dropout pattern is not reproduced). For the weights of any call use
+  unnormalised, sign-encoded dropout pattern is not reproduced); the output, dropout included,
+  is the one the same seed gives without ``return_attn_probs``. For the weights of any call use
   ``attnkit.attention(..., return_weights=True)``;
 * the output is returned contiguous, as flash-attn's, and differentiable (the KV-cache function
   too, although flash-attn's has no backward);

@@ -57,7 +57,12 @@ def attend(
     """One :func:`attnkit.attention` call on ``(B, H, T, D)`` views (``k`` a cache's view and
     ``v`` None: the call on a cache): the output ``(B, Tq, H, Dv)``, the LSE ``(B, H, Tq)`` if
     wanted, the weights if wanted (``softmax_scale`` and ``softcap`` already checked: softcap None
-    for none)."""
+    for none).
+
+    The weights come from a second call without dropout: asking for the weights must not change
+    the output, and a backend that returns weights may draw its dropout otherwise than the one
+    that serves the call without them (flash-attn's output is the same with or without
+    ``return_attn_probs``, for one seed)."""
     result = attention(
         q,
         k,
@@ -68,18 +73,22 @@ def attend(
         softcap=softcap,
         sinks=sinks,
         dropout_p=dropout_p,
-        return_weights=want_probs,
         return_lse=want_lse,
     )
-    lse = probs = None
-    if isinstance(result, tuple):
-        out, *rest = result
-        if want_probs:
-            probs = rest.pop(0)
-        if want_lse:
-            lse = rest.pop(0)
-    else:
-        out = result
+    out, lse = (result[0], result[-1]) if isinstance(result, tuple) else (result, None)
+    probs = None
+    if want_probs:
+        _, probs = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            scale=softmax_scale,
+            softcap=softcap,
+            sinks=sinks,
+            return_weights=True,
+        )
     return out.transpose(1, 2).contiguous(), lse, probs
 
 
