@@ -434,6 +434,11 @@ REFUSED: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         _r(2, 1, 4, 16), _r(4, 16, 2, 16), _r(4, 16, 2, 16), cache_seqlens=torch.tensor([3, 20]),
         block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)),
      ValueError, "block_table[1, 1] = 4 is not a page"),
+    ("paged batch idx", lambda: fa.flash_attn_with_kvcache(
+        _r(2, 1, 4, 16), _r(4, 16, 2, 16), _r(4, 16, 2, 16), cache_seqlens=3,
+        cache_batch_idx=torch.tensor([1, 0]),
+        block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)),
+     ValueError, "cache_batch_idx is for a cache of rows, not with block_table"),
     ("descale", lambda: fa.flash_attn_with_kvcache(
         _r(2, 1, 4, 16), _r(2, 8, 2, 16), _r(2, 8, 2, 16), cache_seqlens=3,
         k_descale=torch.ones(2, 2)),

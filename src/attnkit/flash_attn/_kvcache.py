@@ -150,7 +150,8 @@ def flash_attn_with_kvcache(
             Needs ``k`` and ``v``, as in flash-attn.
         cache_seqlens: an int or ``(B,)``: the tokens each row holds before this call (None: the
             whole capacity, and no ``k``/``v``).
-        cache_batch_idx: ``(B,)``: the cache rows of the batch rows (default ``0..B-1``).
+        cache_batch_idx: ``(B,)``: the cache rows of the batch rows (default ``0..B-1``); not
+            with ``block_table``, whose rows say that already (as in flash-attn).
         cache_leftpad: ``(B,)``: each row's keys start there (default 0).
         block_table: ``(B, max_blocks)``: the pages of each row, in order.
         num_splits: accepted, not needed.
@@ -281,6 +282,12 @@ def _checked_rows(
     keys and values (checked; float ones into a float8 cache in ``q_dtype``) or None."""
     table = None
     if block_table is not None:
+        if cache_batch_idx is not None:  # the table's rows already say which pages a row reads
+            raise ValueError(
+                "cache_batch_idx is for a cache of rows, not with block_table: order the block "
+                "table's rows instead (flash-attn refuses it too: 'Paged KVcache does not support "
+                f"cache_batch_idx'), got cache_batch_idx={cache_batch_idx!r}"
+            )
         table = check_block_table(block_table, batch)
         capacity = table.size(1) * k_cache.size(1)
     else:
