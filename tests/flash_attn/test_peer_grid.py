@@ -459,3 +459,27 @@ def test_what_flash_attn_refuses_is_refused_by_name(
     with pytest.raises(error) as info:
         call()
     assert words in str(info.value)
+
+
+def test_kvcache_rotates_bfloat16_in_float32_as_flash_attn() -> None:
+    """flash-attn rotates in float32 and rounds once to the cache's dtype: the bfloat16 keys it
+    writes are the exact rotation rounded once (a rounding after each product and sum moves
+    about a third of them by one step)."""
+    g = torch.Generator().manual_seed(9)
+    batch, hkv, d, new = 2, 2, 64, 16
+    k_cache = torch.zeros(batch, 32, hkv, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.randn(batch, 1, 4, d, generator=g).bfloat16()
+    k = torch.randn(batch, new, hkv, d, generator=g).bfloat16()
+    v = torch.randn(batch, new, hkv, d, generator=g).bfloat16()
+    angles = torch.rand(32, d // 2, generator=g) * 6
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    for interleaved in (True, False):
+        k_cache.zero_()
+        fa.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cos, sin, 3, rotary_interleaved=interleaved
+        )
+        for b in range(batch):
+            exact = _rotate(k[b], cos, sin, torch.arange(new) + 3, interleaved).bfloat16()
+            differ = k_cache[b, 3 : 3 + new] != exact
+            assert float(differ.float().mean()) < 0.01

@@ -14,18 +14,21 @@ __all__ = ["check_rotary", "rotate"]
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
     """``x`` ``(B, T, H, D)`` with its first ``2 * cos.size(-1)`` dims rotated at ``positions``
     ``(B, T)``: pairs ``(2i, 2i + 1)`` when ``interleaved`` (GPT-J), else ``(i, i + d/2)``
-    (GPT-NeoX)."""
+    (GPT-NeoX). Computed in float32 at least and rounded once to ``x``'s dtype, as flash-attn's
+    kernel does: rounding a half-precision product and sum each would move about a third of the
+    rotated values by one step."""
     half = cos.size(-1)
-    c = cos[positions].unsqueeze(2).to(x.dtype)  # (B, T, 1, half)
-    s = sin[positions].unsqueeze(2).to(x.dtype)
-    part, rest = x[..., : 2 * half], x[..., 2 * half :]
+    work = torch.promote_types(x.dtype, torch.float32)
+    c = cos[positions].unsqueeze(2).to(work)  # (B, T, 1, half)
+    s = sin[positions].unsqueeze(2).to(work)
+    part, rest = x[..., : 2 * half].to(work), x[..., 2 * half :]
     if interleaved:
         a, b = part[..., 0::2], part[..., 1::2]
         turned = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
     else:
         a, b = part[..., :half], part[..., half:]
         turned = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
-    return torch.cat((turned, rest), dim=-1)
+    return torch.cat((turned.to(x.dtype), rest), dim=-1)
 
 
 def _rotary_table(name: str, t: object) -> Tensor:
