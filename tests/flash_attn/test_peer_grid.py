@@ -439,6 +439,9 @@ REFUSED: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         cache_batch_idx=torch.tensor([1, 0]),
         block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)),
      ValueError, "cache_batch_idx is for a cache of rows, not with block_table"),
+    ("num_splits", lambda: fa.flash_attn_with_kvcache(
+        _r(2, 1, 4, 16), _r(2, 8, 2, 16), _r(2, 8, 2, 16), cache_seqlens=3, num_splits="2"),
+     TypeError, "num_splits must be an int (0: flash-attn's choice), got '2'"),
     ("descale", lambda: fa.flash_attn_with_kvcache(
         _r(2, 1, 4, 16), _r(2, 8, 2, 16), _r(2, 8, 2, 16), cache_seqlens=3,
         k_descale=torch.ones(2, 2)),

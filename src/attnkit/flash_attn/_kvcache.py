@@ -192,6 +192,8 @@ def flash_attn_with_kvcache(
     batch, q_len, heads = q.shape[:3]
     lo, hi = band(window_size, causal)
     want_lse = check_bool("return_softmax_lse", return_softmax_lse)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int (0: flash-attn's choice), got {num_splits!r}")
     check_bool("rotary_interleaved", rotary_interleaved)
     _check_cache(q, k_cache, v_cache)
     descales = _descales(q, k_cache, v_cache, q_descale, k_descale, v_descale)
