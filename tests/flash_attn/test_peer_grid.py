@@ -186,6 +186,68 @@ def test_dropout_returns_the_softmax_and_drops_its_entries() -> None:
     assert bool(((kept - scaled).abs().lt(1e-12) | kept.eq(0)).all())
     dropped = kept.eq(0) & want_probs.gt(0)
     assert 0 < int(dropped.sum()) < int(want_probs.gt(0).sum())
+    cu = _cu([2, 3])  # packed sequences: the output is the same with or without the weights
+    torch.manual_seed(1)
+    packed, _, _ = fa.flash_attn_varlen_func(
+        q[0], k[0, :5], k[0, :5], cu, cu, 3, 3, 0.3, return_attn_probs=True
+    )
+    torch.manual_seed(1)
+    assert torch.equal(
+        packed, fa.flash_attn_varlen_func(q[0], k[0, :5], k[0, :5], cu, cu, 3, 3, 0.3)
+    )
+
+
+@pytest.mark.parametrize(
+    ("tq", "tk", "causal", "window", "alibi", "softcap"),
+    [
+        (113, 203, True, (17, 0), "bh", 4.0),
+        (256, 512, False, (64, 64), "h", 0.0),
+        (300, 1, False, (-1, -1), None, 0.0),
+        (239, 239, False, (100, -1), "h", 2.0),
+    ],
+)
+def test_func_across_many_blocks(
+    tq: int, tk: int, causal: bool, window: _Window, alibi: str | None, softcap: float
+) -> None:
+    """Lengths that cross the kernels' blocks unevenly, where a block plan decides what is
+    empty, full or partial."""
+    g = torch.Generator().manual_seed(tq + tk)
+    q = torch.randn(2, tq, 6, 40, generator=g)
+    k = torch.randn(2, tk, 2, 40, generator=g)
+    v = torch.randn(2, tk, 2, 40, generator=g)
+    slopes = (
+        None if alibi is None else torch.rand(*((2, 6) if alibi == "bh" else (6,)), generator=g)
+    )
+    out, lse, _ = fa.flash_attn_func(
+        q, k, v, 0.0, None, causal, window, softcap, slopes, return_attn_probs=True
+    )
+    want, want_lse, _ = _ref(q, k, v, causal=causal, window=window, softcap=softcap, slopes=slopes)
+    assert_close(out, want)
+    _same_lse(lse, want_lse, torch.float32)
+
+
+def test_varlen_across_many_blocks() -> None:
+    g = torch.Generator().manual_seed(10)
+    q_lengths, k_lengths = [64, 0, 130, 7, 200], [129, 1, 257, 63, 0]
+    q = torch.randn(sum(q_lengths), 4, 32, generator=g)
+    k = torch.randn(sum(k_lengths), 2, 32, generator=g)
+    v = torch.randn(sum(k_lengths), 2, 32, generator=g)
+    slopes = torch.rand(5, 4, generator=g)
+    cq, ck = _cu(q_lengths), _cu(k_lengths)
+    out, lse, _ = fa.flash_attn_varlen_func(
+        q, k, v, cq, ck, 200, 257, causal=True, window_size=(40, 0), alibi_slopes=slopes,
+        softcap=4.0, return_attn_probs=True,
+    )  # fmt: skip
+    for s in range(5):
+        qs, ks = slice(int(cq[s]), int(cq[s + 1])), slice(int(ck[s]), int(ck[s + 1]))
+        if not q_lengths[s]:
+            continue
+        want, want_lse, _ = _ref(
+            q[None, qs], k[None, ks], v[None, ks], causal=True, window=(40, 0), softcap=4.0,
+            slopes=slopes[s],
+        )  # fmt: skip
+        assert_close(out[qs], want[0])
+        _same_lse(lse[:, qs], want_lse[0], torch.float32)
 
 
 def _cu(lengths: list[int]) -> Tensor:
