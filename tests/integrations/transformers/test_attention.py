@@ -721,11 +721,12 @@ def test_export_takes_a_dynamic_length_from_two() -> None:
 def test_compiled_packing_positions_and_a_dense_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled with ``fullgraph=True``, the packing read from ``position_ids`` is ANDed with a
     dense mask too (transformers' own, for a pattern attnkit does not know), as eager attnkit
-    does: the call equals the eager one."""
+    does: the call equals the eager one. (A 2-d mask without padding: one that hides a token
+    turns the packing off.)"""
     # Outside a model's forward no output collector is active (a model's own compiles).
     monkeypatch.setattr(attention_module, "_model_collects_weights", lambda: False)
     layer = Layer()
-    pad = torch.tensor([[False, True, True, True, True, True]])
+    pad = torch.ones(1, 6, dtype=torch.bool)
     chunked = mu.chunked_causal_mask_function(4, torch.tensor([0]))
 
     def call(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, positions: Tensor) -> Tensor:

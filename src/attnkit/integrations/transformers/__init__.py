@@ -50,7 +50,9 @@ a float 4-d tensor             ``bias=``: an additive, eager-style mask the call
 ``cu_seq_lens_q/k``             packed sequences without padding, as transformers' flash-attention
 ``max_length_q/k``               path takes them: :func:`attnkit.flash_attn.varlen_mask` (documents,
                                causal within each when the module is causal) ANDed with the mask
-packed ``position_ids``        with no mask: the same, the sequences read from the positions
+packed ``position_ids``        the same, the sequences read from the positions (one batch row, a
+                               new one wherever they do not step by 1); not when the 2-d mask
+                               hides a token: flash-attention then attends by the mask alone
 ``dropout``                    ``dropout_p=``, only while ``module.training``
 attention weights wanted       ``return_weights=True`` when the model collects them
                                (``output_attentions=True``) or :func:`attnkit.capture_attention`

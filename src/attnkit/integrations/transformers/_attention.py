@@ -33,11 +33,12 @@ def _top_left_causal(q_len: int, kv_len: int, device: torch.device) -> Tensor:
 
 
 def _packed(
-    module: nn.Module, query: Tensor, key: Tensor, kwargs: dict[str, Any]
+    module: nn.Module, query: Tensor, key: Tensor, kwargs: dict[str, Any], positions: bool = True
 ) -> tuple[Tensor, Tensor] | None:
     """``(cu_seq_lens_q, cu_seq_lens_k)`` of packed sequences without padding, as transformers
-    hands them to its flash-attention path: given, or read from packed ``position_ids`` of one
-    batch row (a new sequence wherever the positions do not step by 1). None otherwise."""
+    hands them to its flash-attention path: given, or (unless ``positions`` is False) read from
+    packed ``position_ids`` of one batch row (a new sequence wherever the positions do not step
+    by 1). None otherwise."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if (cu_q is None) != (cu_k is None):
         raise ValueError(
@@ -45,6 +46,8 @@ def _packed(
             f"only {'cu_seq_lens_q' if cu_k is None else 'cu_seq_lens_k'}"
         )
     if cu_q is None:
+        if not positions:
+            return None
         ids = kwargs.get("position_ids")
         if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.size(0) != 1:
             return None
@@ -63,11 +66,14 @@ def _packed(
     return torch.as_tensor(cu_q), torch.as_tensor(cu_q if cu_k is None else cu_k)
 
 
-def _traced_packing(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Mask | None:
+def _traced_packing(
+    query: Tensor, key: Tensor, kwargs: dict[str, Any], padding: Tensor | None = None
+) -> Mask | None:
     """While torch.compile traces, packed ``position_ids`` of one batch row as a documents mask:
     where the positions reset is data, so :func:`_packed`'s boundaries cannot be read there; a
-    new sequence starts wherever the positions do not step by 1, as there. None when there are
-    no such positions (or cumulative lengths are given: :func:`_packed` reads those)."""
+    new sequence starts wherever the positions do not step by 1, as there, unless the row's 2-d
+    ``padding`` hides a token (then it is one sequence). None when there are no such positions
+    (or cumulative lengths are given: :func:`_packed` reads those)."""
     if not torch.compiler.is_compiling() or kwargs.get("cu_seq_lens_q") is not None:
         return None
     ids = kwargs.get("position_ids")
@@ -78,6 +84,8 @@ def _traced_packing(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Mask 
     # Prepending the first position less 1 keeps every step the length of the positions: a
     # (T - 1,) difference would make torch.export's dynamic T start at 3 instead of 2.
     starts = torch.diff(ids[0], prepend=ids[0, :1] - 1) != 1
+    if padding is not None:  # whether it hides a token is data here: no start where it does
+        starts = starts & padding.to(torch.bool).all()
     return masks.documents(ids=starts.long().cumsum(0))
 
 
@@ -328,16 +336,19 @@ def _with_packing(
     mask: Mask | Tensor | None,
     query: Tensor,
     key: Tensor,
+    padding: Tensor | None,
     kwargs: dict[str, Any],
 ) -> Mask | Tensor | None:
     """``mask`` ANDed with the packed sequences the positions show. transformers builds a packed
     mask only without a cache (training usually runs with use_cache=True all the same); its
-    flash-attention path reads the packing from the positions whatever the mask, and so does
-    this one."""
-    traced = _traced_packing(query, key, kwargs)
+    flash-attention path reads the packing from the positions whatever the cache, and so does
+    this one. Not where the 2-d mask hides a token (``padding``): flash-attention then attends
+    by the mask alone, as eager and sdpa do, and a row with a hole in it (generate() numbers the
+    real tokens on past the hole) is one sequence."""
+    traced = _traced_packing(query, key, kwargs, padding)
     if traced is not None:  # the method, as in _with_selection: the mask may be a tensor
         return traced if mask is None else traced.__and__(mask)
-    packed = _packed(module, query, key, kwargs)
+    packed = _packed(module, query, key, kwargs, positions=padding is None)
     if packed is None:
         return mask
     sequences = varlen_mask(*packed)  # the mask holds the pattern; the sequences are ANDed in
@@ -380,7 +391,7 @@ def attention_forward(
     keys, mask, bias, causal = _read_mask(module, query, key, attention_mask, is_causal, kwargs)
     mask = _with_selection(module, mask, query, keys, kwargs)
     if isinstance(attention_mask, TransformersMask) and not attention_mask.packed:
-        mask = _with_packing(module, mask, query, key, kwargs)
+        mask = _with_packing(module, mask, query, key, attention_mask.padding, kwargs)
     if position_bias is not None:
         position_bias = position_bias.to(query.dtype)
         bias = position_bias if bias is None else position_bias + bias

@@ -39,7 +39,10 @@ class TransformersMask:
       (they can only be a static cache's empty slots), and pads the weights back with zeros;
     * ``mask``, ``causal``: :func:`attnkit.attention`'s arguments over those keys;
     * ``form``: one line on what it is (printed by ``repr()``), naming the reason when the mask had
-      to be dense.
+      to be dense;
+    * ``padding``: transformers' 2-d mask of one row of queries and keys alike when it hides a
+      token, else None: the row's positions then say nothing of packed sequences (every
+      transformers path attends by the mask alone), which the attention call otherwise reads.
 
     transformers' queries sit at positions ``q_offset + i`` and its keys at ``kv_offset + j``, and
     a causal query sees the keys at or before its own position. Mapped to attnkit, query ``i`` sits
@@ -80,8 +83,10 @@ class TransformersMask:
         form: str,
         device: torch.device | str,
         packed: bool = False,
+        padding: Tensor | None = None,
     ) -> None:
         self.packed = packed
+        self.padding = padding
         self.batch_size = batch_size
         self.q_len = q_len
         self.kv_len = kv_len
@@ -111,6 +116,7 @@ class TransformersMask:
             causal=self.causal,
             form=self.form,
             device=self.device,
+            padding=self.padding,
         )
 
     def flip(self, *dims: Any, **kwargs: Any) -> Tensor:
@@ -215,6 +221,7 @@ class TransformersMask:
             form="; ".join(notes),
             device=device,
             packed=docs is not None,
+            padding=_hidden_tokens(padding, batch_size, q_len, kv_len),
         )
 
 
@@ -248,6 +255,17 @@ def _real_keys(padding: Tensor, kv_offset: int, keys: int) -> Tensor | None:
     if torch.compiler.is_compiling():
         return valid
     return None if bool(valid.all()) else valid
+
+
+def _hidden_tokens(padding: Tensor | None, batch: int, q_len: int, kv_len: int) -> Tensor | None:
+    """The 2-d mask of a call whose positions could show packed sequences (one row, as many
+    queries as keys) when it hides a token; None otherwise. Under torch.compile whether it hides
+    one is data: the mask is kept, and the call reads it in the graph."""
+    if not isinstance(padding, Tensor) or padding.ndim != 2 or (batch, q_len) != (1, kv_len):
+        return None
+    if torch.compiler.is_compiling():
+        return padding
+    return None if bool(padding.all()) else padding
 
 
 def _both(a: Mask | None, b: Mask | None) -> Mask | None:
@@ -285,6 +303,9 @@ def _dense(reason: str, **kwargs: Any) -> TransformersMask:
         causal=False,
         form=f"dense (B, 1, Tq, Tk) = {shape_str(mask.shape)}: {reason}",
         device=mask.device,
+        padding=_hidden_tokens(
+            kwargs["attention_mask"], kwargs["batch_size"], kwargs["q_length"], kwargs["kv_length"]
+        ),
     )
 
 
