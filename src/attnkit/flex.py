@@ -45,6 +45,7 @@ Shape legend: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``T`` (``
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -208,8 +209,9 @@ def create_block_mask(
     ``mask_mod`` is called with int64 index tensors shaped ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``,
     ``(1, 1, rows, 1)``, ``(1, 1, 1, keys)`` for one tile at a time (never for the whole
     matrix): write it with tensor operations, as FlexAttention requires. ``device``,
-    ``BLOCK_SIZE``, ``_compile`` and torch's other tuning arguments are accepted and change
-    nothing: attnkit chooses its own blocks for each call.
+    ``BLOCK_SIZE`` (an int or a pair ``(queries, keys)``, each 1 or more), ``_compile`` and
+    torch's other tuning arguments are accepted and change nothing: attnkit chooses its own
+    blocks for each call.
     """
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask() takes a mask_mod function, got {mask_mod!r}")
@@ -217,9 +219,20 @@ def create_block_mask(
     h = 1 if H is None else check_int("H", H)
     q_len = check_int("Q_LEN", Q_LEN, minimum=0)
     kv_len = check_int("KV_LEN", KV_LEN, minimum=0)
-    sizes = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
     dev = None if device is None else torch.device(device)
-    return BlockMask(mask_mod, (b, h, q_len, kv_len), dev, (int(sizes[0]), int(sizes[1])))
+    return BlockMask(mask_mod, (b, h, q_len, kv_len), dev, _block_size(BLOCK_SIZE))
+
+
+def _block_size(size: object) -> tuple[int, int]:
+    """``BLOCK_SIZE`` as ``(queries, keys)``: one int for both, or a pair, each 1 or more."""
+    if isinstance(size, (tuple, list)):
+        if len(size) != 2:
+            raise ValueError(
+                f"BLOCK_SIZE must be an int or a pair (queries, keys), got {tuple(size)!r}"
+            )
+        return check_int("BLOCK_SIZE[0]", size[0]), check_int("BLOCK_SIZE[1]", size[1])
+    n = check_int("BLOCK_SIZE", size)
+    return n, n
 
 
 @dataclass(frozen=True)
@@ -307,6 +320,49 @@ def _check_4d(name: str, t: object) -> Tensor:
     return t
 
 
+def _check_kernel_options(options: object) -> None:
+    """Refuse the ``kernel_options`` torch's flex_attention refuses: a ``BACKEND`` it does not
+    name, and the outputs it decides itself from ``return_aux``. The others are tuning, which
+    attnkit's kernels choose for themselves."""
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {options!r}")
+    for key in ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX"):
+        if key in options:
+            raise ValueError(
+                f"kernel_options must not hold {key} (got {options[key]!r}): ask for the "
+                "log-sum-exp or the maximum with return_aux=AuxRequest(...), as torch requires"
+            )
+    backends = _torch_backends()
+    if backends and "BACKEND" in options and options["BACKEND"] not in backends:
+        raise ValueError(
+            f"kernel_options['BACKEND'] must be one of {backends}, got {options['BACKEND']!r}"
+        )
+
+
+def _torch_backends() -> tuple[str, ...]:
+    """The ``kernel_options['BACKEND']`` values this torch's FlexAttention names (none: it
+    names none, and any is taken)."""
+    try:
+        from torch.nn.attention import flex_attention as module
+    except ImportError:  # a torch without FlexAttention
+        return ()
+    return tuple(typing.get_args(getattr(module, "_Backend", None)))
+
+
+def _as_query_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """``key`` and ``value`` in ``query``'s dtype where theirs is another floating one (float8
+    included), as torch's flex_attention takes them: it computes the scores in query's working
+    precision and multiplies the weights by ``value`` in query's dtype."""
+
+    def cast(t: Tensor) -> Tensor:
+        same = t.dtype == query.dtype or not t.dtype.is_floating_point
+        return t if same or not query.dtype.is_floating_point else t.to(query.dtype)
+
+    return cast(key), cast(value)
+
+
 def flex_attention(
     query: Tensor,
     key: Tensor,
@@ -325,6 +381,8 @@ def flex_attention(
     Args:
         query: ``(B, H, Q_LEN, D)``.
         key: ``(B|1, Hkv, KV_LEN, D)``; a batch of 1 is shared by every query batch row.
+            key and value of another floating dtype than query's (float8 included) are cast
+            to query's, as torch computes in query's precision.
         value: ``(B|1, Hkv, KV_LEN, Dv)``.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled
             scores (float32 for float16/bfloat16 inputs) with broadcastable int64 index tensors
@@ -339,7 +397,9 @@ def flex_attention(
         enable_gqa: must be True when ``Hkv < H`` (each ``H / Hkv`` query heads share a
             key/value head), as in torch.
         return_lse: also return the log-sum-exp ``(B, H, Q_LEN)`` (torch's older form).
-        kernel_options: torch's kernel tuning; accepted, and changes nothing here.
+        kernel_options: torch's kernel tuning; accepted, and changes nothing here (a
+            ``BACKEND`` torch does not name, ``OUTPUT_LOGSUMEXP`` and ``OUTPUT_MAX`` are
+            refused, as torch refuses them).
         return_aux: ``AuxRequest(lse=True)``: return ``(out, AuxOutput(lse=...))``.
 
     Returns:
@@ -348,6 +408,7 @@ def flex_attention(
         ``-inf``), with zero gradients.
     """
     query, key, value = _check_4d("query", query), _check_4d("key", key), _check_4d("value", value)
+    key, value = _as_query_dtype(query, key, value)
     b, h, q_len, _ = query.shape
     kb, hkv, kv_len, _ = key.shape
     if value.size(0) != kb:
@@ -369,8 +430,7 @@ def flex_attention(
             f"query has {h} heads and key/value {hkv}: pass enable_gqa=True for grouped-query "
             "attention (as torch's flex_attention requires)"
         )
-    if kernel_options is not None and not isinstance(kernel_options, dict):
-        raise TypeError(f"kernel_options must be a dict or None, got {kernel_options!r}")
+    _check_kernel_options(kernel_options)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if return_aux is not None:
