@@ -205,6 +205,11 @@ def _checked(indices: object, what: str) -> Tensor:
         raise ValueError(
             f"{what}() takes indices (B|1, Hi, Tq, k), got {shape_str(indices.shape)}{hint}"
         )
+    if not indices.size(1):  # (every call has a head: Hi = 0 divides none of them)
+        raise ValueError(
+            f"{what}() takes indices (B|1, Hi, Tq, k) for at least one head (Hi >= 1), got "
+            f"{shape_str(indices.shape)}"
+        )
     return indices
 
 
