@@ -126,9 +126,16 @@ class LatentCache:
                 f"cache, got {shape_str(latent.shape)}"
             )
         if latent.dtype != store.dtype or latent.device != store.device:
+            kind, hint = latent.device.type, ""
+            if torch.is_autocast_enabled(kind) and latent.dtype == torch.get_autocast_dtype(kind):
+                # the module's float32 projections give latents in the autocast dtype
+                hint = (
+                    f": under torch.autocast the projections give {latent.dtype} latents; make "
+                    f"the cache in it (cache.to(dtype={latent.dtype}))"
+                )
             raise TypeError(
                 f"latent must have the cache's dtype and device ({store.dtype} on {store.device}), "
-                f"got {latent.dtype} on {latent.device}"
+                f"got {latent.dtype} on {latent.device}{hint}"
             )
         if torch.is_grad_enabled() and latent.requires_grad:
             raise ValueError(
