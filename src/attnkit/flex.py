@@ -47,8 +47,7 @@ from __future__ import annotations
 import math
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -235,19 +234,18 @@ def _block_size(size: object) -> tuple[int, int]:
     return n, n
 
 
-@dataclass(frozen=True)
-class AuxRequest:
-    """Which extra outputs :func:`flex_attention` returns (torch's ``AuxRequest``; torch's own
-    class works too). ``max_scores`` is not available in attnkit."""
+class AuxRequest(NamedTuple):
+    """Which extra outputs :func:`flex_attention` returns (torch's ``AuxRequest``, a named tuple
+    as torch's is; torch's own class works too). ``max_scores`` is not available in attnkit."""
 
     lse: bool = False
     max_scores: bool = False
 
 
-@dataclass(frozen=True)
-class AuxOutput:
+class AuxOutput(NamedTuple):
     """The extra outputs of :func:`flex_attention`: ``lse (B, H, Q_LEN)``, the natural-log
-    log-sum-exp of each query's modified scores (``-inf`` for a query that sees no key)."""
+    log-sum-exp of each query's modified scores (``-inf`` for a query that sees no key); a
+    named tuple, as torch's is, so ``out, (lse, _) = flex_attention(...)`` unpacks it."""
 
     lse: Tensor | None = None
     max_scores: Tensor | None = None

@@ -483,3 +483,17 @@ def test_flex_attention_under_torch_compile() -> None:
     )
     assert_close(got, want)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_aux_request_and_output_are_tuples_as_torch_s() -> None:
+    """torch's AuxRequest and AuxOutput are named tuples: code unpacks and indexes them."""
+    q, k, v = _qkv(9, 17)
+    want, want_lse = _torch(q, k, v)
+    out, (lse, max_scores) = flex.flex_attention(
+        q, k, v, enable_gqa=True, return_aux=flex.AuxRequest(True)
+    )
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)
+    assert max_scores is None
+    assert tuple(flex.AuxRequest(lse=True)) == tuple(tf.AuxRequest(lse=True)) == (True, False)
+    assert flex.AuxOutput()._fields == tf.AuxOutput()._fields
