@@ -301,6 +301,8 @@ NOT_A_MIRROR = {
     "cli/test_main.py": "cli/__init__.py: the command's entry point",
     "distributed/test_ddp.py": "distributed/backend.py under DistributedDataParallel",
     "interop/test_hyperparameters.py": "every loader of interop/: each number it copies",
+    "integrations/transformers/test_families.py": "integrations/transformers/ in whole models of "
+    "the families with unusual attention (sinks, chunks, NoPE, encoders, encoder-decoders)",
     "native/test_decode.py": "the native kernel's decode path (_native/csrc/decode.cpp)",
     "native/test_matrix_unit.py": "bfloat16 products: AMX, AVX512-BF16 (csrc/matrix_unit.h)",
     "native/test_softcap_bias.py": "the native kernel with softcap and something added to scores",
