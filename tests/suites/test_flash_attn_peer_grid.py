@@ -197,6 +197,31 @@ def test_dropout_returns_the_softmax_and_drops_its_entries() -> None:
     )
 
 
+def test_paged_varlen_dropout_is_the_same_with_or_without_weights() -> None:
+    """Packed sequences on pages: asking for the weights changes neither the output of a seed nor
+    what the weights are (each sequence's softmax over its own keys, zero across sequences)."""
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(5, 2, 16, generator=g, dtype=torch.float64)
+    pages = torch.randn(4, 16, 2, 16, generator=g, dtype=torch.float64)
+    values = torch.randn(4, 16, 2, 16, generator=g, dtype=torch.float64)
+    cq, ck = _cu([2, 3]), _cu([7, 13])
+    table = torch.tensor([[0, 3], [1, 2]], dtype=torch.int32)
+    torch.manual_seed(0)
+    plain = fa.flash_attn_varlen_func(q, pages, values, cq, ck, 3, 13, 0.3, block_table=table)
+    torch.manual_seed(0)
+    out, _, probs = fa.flash_attn_varlen_func(
+        q, pages, values, cq, ck, 3, 13, 0.3, block_table=table, return_attn_probs=True
+    )
+    assert torch.equal(out, plain)
+    keys = [pages[table[s]].flatten(0, 1)[:n] for s, n in enumerate([7, 13])]
+    assert probs.shape == (2, 5, 20)
+    for s, (qs, ks) in enumerate([(slice(0, 2), slice(0, 7)), (slice(2, 5), slice(7, 20))]):
+        _, _, want = _ref(q[None, qs], keys[s][None], keys[s][None])
+        assert_close(probs[:, qs, ks], want[0])
+    assert not bool(probs[:, :2, 7:].any())
+    assert not bool(probs[:, 2:, :7].any())
+
+
 @pytest.mark.parametrize(
     ("tq", "tk", "causal", "window", "alibi", "softcap"),
     [

@@ -312,14 +312,35 @@ def flash_attn_varlen_func(
     cap = softcap_of(softcap)
     scale = scale_of(softmax_scale, q.dtype)
     sinks = sinks_of(learnable_sink, s_aux, q, q.size(1))
-    if table is not None and not (asked and p > 0):
-        sizes = (q_lengths, k_lengths)
-        paged_lse, paged_out = _paged(
-            q, k, v, table, sizes, (lo, hi), p, scale, cap, alibi_slopes, sinks
-        )
-        return _finish(paged_out, paged_lse, None, asked)
-    if table is not None:  # the weights of a call with dropout, over the packed keys: gathered
+    sizes, args = (q_lengths, k_lengths), (scale, cap, alibi_slopes, sinks)
+    if table is None:
+        return _finish(*_packed(q, k, v, sizes, (lo, hi), p, args, asked, asked and p > 0), asked)
+    paged_lse, paged_out = _paged(q, k, v, table, sizes, (lo, hi), p, *args)
+    probs = None
+    if (
+        asked and p > 0
+    ):  # the weights over the packed keys, gathered; the output is the paged call's
         k, v = gather_pages(k, table, k_lengths), gather_pages(v, table, k_lengths)
+        probs = _packed(q, k, v, sizes, (lo, hi), 0.0, args, False, True)[2]
+    return _finish(paged_out, paged_lse, probs, asked)
+
+
+def _packed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sizes: tuple[list[int], list[int]],
+    window: tuple[float, float],
+    dropout_p: float,
+    args: tuple[float | None, float | None, object, Tensor | None],
+    want_lse: bool,
+    want_probs: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """:func:`flash_attn_varlen_func` on packed keys ``(total_k, Hkv, D)``: one
+    :func:`attnkit.attention` call over ``(1, H, total, D)`` views (``sizes``: the sequences'
+    query and key lengths; ``args``: the checked scale, softcap, ALiBi slopes and sinks);
+    ``(out (total_q, H, Dv), lse (H, total_q), weights (H, total_q, total_k))``, as wanted."""
+    (q_lengths, k_lengths), (scale, cap, alibi_slopes, sinks) = sizes, args
     bias = None
     if alibi_slopes is not None:
         bias = varlen_alibi(alibi_slopes, q.size(1), q_lengths, k_lengths, q.dtype)
@@ -327,18 +348,16 @@ def flash_attn_varlen_func(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
-        mask=sequences_mask(q_lengths, k_lengths, lo, hi, q.device),
+        mask=sequences_mask(q_lengths, k_lengths, *window, q.device),
         bias=bias,
-        dropout_p=p,
+        dropout_p=dropout_p,
         softmax_scale=scale,
         softcap=cap,
         sinks=sinks,
-        want_lse=asked,
-        want_probs=asked and p > 0,
+        want_lse=want_lse,
+        want_probs=want_probs,
     )
-    return _finish(
-        out[0], None if lse is None else lse[0], None if probs is None else probs[0], asked
-    )
+    return out[0], None if lse is None else lse[0], None if probs is None else probs[0]
 
 
 def _paged(
