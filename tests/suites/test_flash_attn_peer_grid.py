@@ -573,3 +573,14 @@ def test_kvcache_rotates_bfloat16_in_float32_as_flash_attn() -> None:
             exact = _rotate(k[b], cos, sin, torch.arange(new) + 3, interleaved).bfloat16()
             differ = k_cache[b, 3 : 3 + new] != exact
             assert float(differ.float().mean()) < 0.01
+
+
+def test_window_bounds_read_from_numpy_are_ints() -> None:
+    """flash-attn's binding takes any integer for a window bound (numpy's, read from a config
+    array, included), as attnkit takes numpy numbers for its other arguments."""
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 6, 2, 8, generator=g, dtype=torch.float64)
+    got = fa.flash_attn_func(q, q, q, window_size=(np.int64(2), np.int32(0)))
+    want, _, _ = _ref(q, q, q, window=(2, 0))
+    assert_close(got, want)

@@ -39,7 +39,8 @@ def band(window_size: object, is_causal: object) -> tuple[float, float]:
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}")
     bounds = []
-    for side, x in zip(("left", "right"), window_size, strict=True):
+    for side, given in zip(("left", "right"), window_size, strict=True):
+        x = plain_number(given)  # numpy's ints, as flash-attn's binding takes them
         if x is None or (type(x) is int and x == -1):
             bounds.append(math.inf)
         elif isinstance(x, bool) or not isinstance(x, int):
