@@ -280,14 +280,62 @@ def _is_torch_block_mask(obj: object) -> bool:
     return isinstance(obj, TorchBlockMask)
 
 
-def _mask_of(block_mask: object, b: int, h: int, q_len: int, kv_len: int) -> Mask | None:
-    """The attnkit mask of a ``block_mask`` argument, checked against the call's sizes."""
+#: the tile of ``(b, h, q_idx, kv_idx)`` on which a mask_mod is probed (at most the call's)
+_PROBE = (2, 2, 8, 8)
+
+
+def _check_mask_elementwise(mask_mod: MaskMod, sizes: tuple[int, ...], device: Any) -> None:
+    """Refuse a mask_mod that is not elementwise with a ValueError. FlexAttention calls it on one
+    pair at a time, attnkit on tiles, the same thing unless it reduces over its index tensors
+    (``q_idx.min()``, ``kv_idx.numel()``): the probe calls it on a tile of the call's first
+    indices and on that tile without its first, then its last, index of each size (where there
+    are two or more), and the answers must agree where the tiles do. A function that returns no
+    tensor is left to the mask's own check."""
+    dims = tuple(min(n, p) for n, p in zip(sizes, _PROBE, strict=True))
+    if math.prod(dims) <= 1 or torch.device(device).type == "meta":
+        return
+    if torch.compiler.is_compiling():
+        return
+
+    def at(spans: list[tuple[int, int]]) -> Tensor | None:
+        idx = [
+            torch.arange(lo, hi, device=device).view([-1 if d == i else 1 for d in range(4)])
+            for i, (lo, hi) in enumerate(spans)
+        ]
+        out = mask_mod(*idx)
+        return out.expand(*(hi - lo for lo, hi in spans)) if isinstance(out, Tensor) else None
+
+    full = at([(0, n) for n in dims])
+    for first in (True, False):
+        spans = [((1, n) if first else (0, n - 1)) if n > 1 else (0, n) for n in dims]
+        part = at(spans)
+        if full is None or part is None:
+            return
+        want = full[tuple(slice(lo, hi) for lo, hi in spans)]
+        if not torch.equal(part, want):
+            where = [int(i) for i in (part != want).nonzero()[0]]
+            pair = tuple(w + lo for w, (lo, _) in zip(where, spans, strict=True))
+            raise ValueError(
+                f"mask_mod {_name(mask_mod)} is not elementwise: at (b, h, q_idx, kv_idx) = "
+                f"{pair} it gives {bool(want[tuple(where)])} on the indices {shape_str(dims)} "
+                f"and {bool(part[tuple(where)])} on fewer of them. FlexAttention calls a "
+                "mask_mod on one pair at a time, attnkit on tiles of pairs: write it without "
+                "reductions over its index tensors (min, max, sum, numel, ...)"
+            )
+
+
+def _mask_of(
+    block_mask: object, b: int, h: int, q_len: int, kv_len: int, device: Any
+) -> Mask | None:
+    """The attnkit mask of a ``block_mask`` argument, checked against the call's sizes and
+    probed for being elementwise on its device."""
     if block_mask is None:
         return None
     mask: Mask | None
     if isinstance(block_mask, BlockMask):
         shape = block_mask.shape
         mask = None if block_mask.mask_mod is noop_mask else block_mask.mask
+        fn = block_mask.mask_mod
     elif _is_torch_block_mask(block_mask):
         fn, shape = _torch_block_mask_fn(block_mask)
         mask = _ModMask(fn, _name(block_mask.mask_mod))  # type: ignore[attr-defined]
@@ -304,6 +352,8 @@ def _mask_of(block_mask: object, b: int, h: int, q_len: int, kv_len: int) -> Mas
             f"has {shape_str((b, h, q_len, kv_len))}: B and H must match or be 1 (None), and "
             "the lengths must be at least the call's"
         )
+    if mask is not None:
+        _check_mask_elementwise(fn, (b, h, q_len, kv_len), device)
     return mask
 
 
@@ -441,7 +491,7 @@ def flex_attention(
                 "return_aux=AuxRequest(max_scores=True) is not available in attnkit: its kernel "
                 "keeps no per-row maximum of the modified scores"
             )
-    mask = _mask_of(block_mask, b, h, q_len, kv_len)
+    mask = _mask_of(block_mask, b, h, q_len, kv_len, query.device)
     mod = check_score_mod(score_mod)
     if mod is not None:
         work = torch.promote_types(query.dtype, torch.float32)  # the dtype the mod sees

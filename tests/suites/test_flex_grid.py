@@ -497,3 +497,29 @@ def test_aux_request_and_output_are_tuples_as_torch_s() -> None:
     assert max_scores is None
     assert tuple(flex.AuxRequest(lse=True)) == tuple(tf.AuxRequest(lse=True)) == (True, False)
     assert flex.AuxOutput()._fields == tf.AuxOutput()._fields
+
+
+@pytest.mark.parametrize(
+    ("name", "mask_mod"),
+    [
+        ("min over the queries", lambda b, h, q, kv: kv <= q.min() + 5),
+        ("max over the keys", lambda b, h, q, kv: q + 2 >= kv.max()),
+        ("count of the keys", lambda b, h, q, kv: kv <= q + kv.numel() - 8),
+        ("mean over the heads", lambda b, h, q, kv: (h.float().mean() < 1) & (q >= kv)),
+    ],
+)
+def test_a_mask_mod_that_is_not_elementwise_is_refused(name: str, mask_mod: MaskMod) -> None:
+    """torch calls a mask_mod on one pair at a time, where a reduction over an index tensor is
+    that index; attnkit calls it on tiles, where it would be the tile's: refused, not run."""
+    q, k, v = _qkv(300, 300)
+    with pytest.raises(ValueError, match=r"mask_mod .* not elementwise.*\(b, h, q_idx, kv_idx\)"):
+        flex.flex_attention(
+            q,
+            k,
+            v,
+            block_mask=flex.create_block_mask(mask_mod, None, None, 300, 300),
+            enable_gqa=True,
+        )
+    theirs = tf.create_block_mask(mask_mod, None, None, 300, 300, device="cpu")
+    with pytest.raises(ValueError, match=r"mask_mod .* not elementwise"):
+        flex.flex_attention(q, k, v, block_mask=theirs, enable_gqa=True)
