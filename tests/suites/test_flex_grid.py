@@ -523,3 +523,53 @@ def test_a_mask_mod_that_is_not_elementwise_is_refused(name: str, mask_mod: Mask
     theirs = tf.create_block_mask(mask_mod, None, None, 300, 300, device="cpu")
     with pytest.raises(ValueError, match=r"mask_mod .* not elementwise"):
         flex.flex_attention(q, k, v, block_mask=theirs, enable_gqa=True)
+
+
+@pytest.mark.parametrize("key_batch", [B, 1])
+@pytest.mark.parametrize("mod_name", ["distance_table", "softcap"])
+def test_fused_score_mods_train_like_the_reference(mod_name: str, key_batch: int) -> None:
+    """A bias by distance read from a table that needs gradients, and a softcap, run fused
+    (the native kernel): values, lse and every gradient (the table's included) equal the
+    reference's, with keys of batch 1 shared by every query row."""
+    tq, tk = 37, 45
+    q, k, v = _qkv(tq, tk, seed=7)
+    k, v = k[:key_batch].requires_grad_(), v[:key_batch].requires_grad_()
+    q.requires_grad_()
+    g = torch.Generator().manual_seed(7)
+    table = torch.randn(H, tq + tk, generator=g, dtype=torch.float64, requires_grad=True)
+    mods: dict[str, ScoreMod] = {
+        "distance_table": lambda s, b, h, qi, kv: s + table[h, kv - qi + tq],
+        "softcap": lambda s, b, h, qi, kv: 2.5 * torch.tanh(s / 2.5),
+    }
+    mod = mods[mod_name]
+    block_mask = flex.create_block_mask(_mask_mods(tq, tk)["sliding_window"], None, None, tq, tk)
+    leaves = [q, k, v, table]
+
+    def grads(out: Tensor, lse: Tensor) -> list[Tensor]:
+        loss = 1.3 * out.sum() + lse.masked_fill(lse == -math.inf, 0).sum()
+        got = torch.autograd.grad(loss, leaves, allow_unused=True)
+        zeros = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, got, strict=True)]
+        return [out, lse, *zeros]
+
+    with attnkit.record_dispatch() as record:
+        ours = grads(
+            *flex.flex_attention(
+                q, k, v, mod, block_mask, scale=0.6, enable_gqa=True, return_lse=True
+            )
+        )
+    assert record[0].kernel == "native kernel"
+    kk, vv = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+    want = grads(
+        *attnkit.attention(
+            q,
+            kk,
+            vv,
+            mask=block_mask.mask,
+            score_mod=mod,
+            scale=0.6,
+            backend="reference",
+            return_lse=True,
+        )
+    )
+    for got, expected in zip(ours, want, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
