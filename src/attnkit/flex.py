@@ -304,7 +304,13 @@ def _check_mask_elementwise(mask_mod: MaskMod, sizes: tuple[int, ...], device: A
             for i, (lo, hi) in enumerate(spans)
         ]
         out = mask_mod(*idx)
-        return out.expand(*(hi - lo for lo, hi in spans)) if isinstance(out, Tensor) else None
+        shape = tuple(hi - lo for lo, hi in spans)
+        try:
+            fits = isinstance(out, Tensor) and torch.broadcast_shapes(out.shape, shape) == shape
+        except RuntimeError:
+            fits = False
+        # one that does not fit the tile is left to the mask's own check, which says why
+        return out.expand(shape) if fits else None
 
     full = at([(0, n) for n in dims])
     for first in (True, False):

@@ -573,3 +573,26 @@ def test_fused_score_mods_train_like_the_reference(mod_name: str, key_batch: int
     )
     for got, expected in zip(ours, want, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("mask_mod", "error", "words"),
+    [
+        (lambda b, h, q, kv: (q >= kv)[None], ValueError, r"shape \(1, 1, 1, 20, 20\).*broadcast"),
+        (
+            lambda b, h, q, kv: torch.ones(3, 3, dtype=torch.bool),
+            ValueError,
+            r"\(3, 3\).*broadcast",
+        ),
+        (lambda b, h, q, kv: True, TypeError, r"bool tensor"),
+        (lambda b, h, q, kv: (q >= kv).int(), TypeError, r"bool tensor.*int32"),
+    ],
+)
+def test_a_mask_mod_of_the_wrong_shape_or_type_is_refused_saying_so(
+    mask_mod: MaskMod, error: type[Exception], words: str
+) -> None:
+    q = torch.randn(1, 2, 20, 8)
+    with pytest.raises(error, match=words):
+        flex.flex_attention(
+            q, q, q, block_mask=flex.create_block_mask(mask_mod, None, None, 20, 20)
+        )
