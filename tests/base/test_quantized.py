@@ -62,6 +62,10 @@ def test_scales_are_float_tensors_broadcastable_to_one_per_token_and_head() -> N
     # One scale per head, or for the whole cache, broadcast
     for k_scale in (ks.amax((0, 2), keepdim=True)[0], ks.max().reshape(())):
         check_kv_scales(q, kq, vq, k_scale, vs)
+    # A scale that only broadcasts to a larger shape (more dims, a width of 2) is refused
+    for bad in (ks[None], ks.expand(2, 2, 50, 2), ks[:, :1, :1].expand(2, 1, 1, 2)):
+        with pytest.raises(ValueError, match=r"k_scale must be broadcastable"):
+            check_kv_scales(q, kq, vq, bad, vs)
 
 
 def test_q_must_be_float_and_k_and_v_share_their_dtype() -> None:
