@@ -46,7 +46,9 @@ Shape legend: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``T`` (``
 from __future__ import annotations
 
 import math
+import threading
 import typing
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -284,6 +286,24 @@ def _is_torch_block_mask(obj: object) -> bool:
 #: the tile of ``(b, h, q_idx, kv_idx)`` on which a mask_mod is probed (at most the call's)
 _PROBE = (2, 2, 8, 8)
 
+# mask_mods that passed the probe, with the tiles and device types they passed on: a training
+# loop that reuses its block mask reads the device once, on its first call
+_PROBED: weakref.WeakKeyDictionary[Any, set[tuple[tuple[int, ...], str]]]
+_PROBED = weakref.WeakKeyDictionary()
+_PROBED_LOCK = threading.Lock()
+
+
+def _probed(mask_mod: Any, key: tuple[tuple[int, ...], str], passed: bool = False) -> bool:
+    """Whether ``mask_mod`` passed the probe on ``key`` already; ``passed``: it just did."""
+    with _PROBED_LOCK:
+        try:
+            seen = _PROBED.setdefault(mask_mod, set()) if passed else _PROBED.get(mask_mod)
+        except TypeError:  # an object without weak references is probed every time
+            return False
+        if passed and seen is not None:
+            seen.add(key)
+        return seen is not None and key in seen
+
 
 def _check_mask_elementwise(mask_mod: MaskMod, sizes: tuple[int, ...], device: Any) -> None:
     """Refuse a mask_mod that is not elementwise with a ValueError. FlexAttention calls it on one
@@ -295,7 +315,7 @@ def _check_mask_elementwise(mask_mod: MaskMod, sizes: tuple[int, ...], device: A
     dims = tuple(min(n, p) for n, p in zip(sizes, _PROBE, strict=True))
     if math.prod(dims) <= 1 or torch.device(device).type == "meta":
         return
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _probed(mask_mod, (dims, torch.device(device).type)):
         return
 
     def at(spans: list[tuple[int, int]]) -> Tensor | None:
@@ -329,6 +349,7 @@ def _check_mask_elementwise(mask_mod: MaskMod, sizes: tuple[int, ...], device: A
                 "mask_mod on one pair at a time, attnkit on tiles of pairs: write it without "
                 "reductions over its index tensors (min, max, sum, numel, ...)"
             )
+    _probed(mask_mod, (dims, torch.device(device).type), passed=True)
 
 
 def _mask_of(
@@ -344,8 +365,9 @@ def _mask_of(
         mask = None if block_mask.mask_mod is noop_mask else block_mask.mask
         fn = block_mask.mask_mod
     elif _is_torch_block_mask(block_mask):
-        fn, shape = _torch_block_mask_fn(block_mask)
-        mask = _ModMask(fn, _name(block_mask.mask_mod))  # type: ignore[attr-defined]
+        read, shape = _torch_block_mask_fn(block_mask)
+        mask = _ModMask(read, _name(block_mask.mask_mod))  # type: ignore[attr-defined]
+        fn = block_mask.mask_mod  # type: ignore[attr-defined]  # the table is read by index
     else:
         raise TypeError(
             "block_mask must be a BlockMask from attnkit.flex.create_block_mask or "

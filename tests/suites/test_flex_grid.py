@@ -596,3 +596,20 @@ def test_a_mask_mod_of_the_wrong_shape_or_type_is_refused_saying_so(
         flex.flex_attention(
             q, q, q, block_mask=flex.create_block_mask(mask_mod, None, None, 20, 20)
         )
+
+
+def test_a_mask_mod_is_probed_once_not_on_every_call() -> None:
+    """The elementwise probe of a mask_mod (a host read on a GPU) runs on the first call with a
+    mask_mod, not again on the calls of a training loop that reuse it."""
+    probes = []
+
+    def causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        if q.numel() == 7 and int(q.min()) == 1:  # the probe's tile without its first query
+            probes.append(1)
+        return q >= kv
+
+    q, k, v = _qkv(40, 40)
+    block_mask = flex.create_block_mask(causal, None, None, 40, 40)
+    for _ in range(3):
+        flex.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    assert len(probes) == 1
