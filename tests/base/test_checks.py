@@ -192,3 +192,37 @@ def test_numpy_floats_are_floats() -> None:
         checks.check_probability("dropout_p", np.bool_(False))
     with pytest.raises(ValueError, match="scale must be finite"):
         _check_scale(np.float32("nan"), 8, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("shape", "target"),
+    [
+        ((), (2, 3, 1)),
+        ((3, 1), (2, 3, 1)),
+        ((1, 1, 1), (2, 3, 1)),
+        ((2, 3, 1), (2, 3, 1)),
+        ((2, 3, 2), (2, 3, 1)),
+        ((1, 2, 3, 1), (2, 3, 1)),
+        ((4, 1), (2, 3, 1)),
+        ((0, 1), (2, 0, 1)),
+        ((2, 1), (2, 0, 1)),
+        ((3,), (3,)),
+    ],
+)
+def test_broadcasts_to_follows_torchs_rule(shape: tuple[int, ...], target: tuple[int, ...]) -> None:
+    try:
+        torchs = torch.broadcast_shapes(shape, target) == torch.Size(target)
+    except RuntimeError:
+        torchs = False
+    assert checks.broadcasts_to(shape, target) is torchs
+
+
+def test_broadcasts_to_while_tracing_with_symbolic_sizes() -> None:
+    @torch.compile(fullgraph=True, dynamic=True)
+    def fits(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if checks.broadcasts_to(scale.shape, (*x.shape[:-1], 1)) else x - 1
+
+    x = torch.zeros(2, 3, 5, 4)
+    assert fits(torch.ones(3, 5, 1), x).eq(1).all()
+    assert fits(torch.ones(2, 3, 5, 1), x).eq(1).all()
+    assert fits(torch.ones(2, 3, 5, 2), x).eq(-1).all()

@@ -267,3 +267,13 @@ def spec_read(text: str, numbers: Sequence[object] = ()) -> object:
         return x
 
     return fill(json.loads(text))
+
+
+def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to exactly ``target``, by torch's rule: plain
+    comparisons of the sizes (torch.broadcast_shapes costs tens of microseconds a call, a share
+    of a decode step's checks, and raises inside a compiled function where this returns
+    False)."""
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target), strict=False))

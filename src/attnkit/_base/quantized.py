@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .checks import dtype_str, shape_str
+from .checks import broadcasts_to, dtype_str, shape_str
 from .finite import finite_if_readable
 
 __all__ = [
@@ -39,20 +39,6 @@ def is_quantized(t: object) -> bool:
     return isinstance(t, Tensor) and t.dtype in QUANTIZED
 
 
-def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    """Whether a tensor of ``shape`` broadcasts to exactly ``target``. Sizes read as ints where
-    they are (a decode step's call, where torch.broadcast_shapes costs a fifth of the call), by
-    torch's rule while tracing (sizes that are symbols)."""
-    if torch.compiler.is_compiling():
-        try:
-            return bool(torch.broadcast_shapes(shape, target) == torch.Size(target))
-        except RuntimeError:
-            return False
-    if len(shape) > len(target):
-        return False
-    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
-
-
 def _check_scale(name: str, scale: object, x: Tensor, q: Tensor) -> Tensor:
     """``scale`` for the quantized ``x`` (named ``name``): a float tensor on q's device,
     broadcastable to ``(*batch, Hkv, Tk, 1)``."""
@@ -72,7 +58,7 @@ def _check_scale(name: str, scale: object, x: Tensor, q: Tensor) -> Tensor:
     if scale.device != q.device:
         raise ValueError(f"{arg} must be on q's device ({q.device}), got {scale.device}")
     target = (*x.shape[:-1], 1)
-    if not _broadcasts_to(tuple(scale.shape), target):
+    if not broadcasts_to(tuple(scale.shape), target):
         raise ValueError(
             f"{arg} must be broadcastable to (*batch, Hkv, Tk, 1) = {shape_str(target)} (one "
             f"scale per token and key/value head, or fewer), got {shape_str(scale.shape)}"

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from .._base.checks import dtype_str, shape_str
+from .._base.checks import broadcasts_to, dtype_str, shape_str
 from .._base.quantized import QUANTIZED, dequantize
 from ..masks import Mask
 from ..scores import DistanceBias, ScoreTerm
@@ -201,11 +201,7 @@ class CacheView:
             if not isinstance(scale, Tensor) or scale.dtype not in _FLOATS:
                 got = dtype_str(scale.dtype) if isinstance(scale, Tensor) else type(scale).__name__
                 raise TypeError(f"CacheView: {name}_scale must be a float tensor, got {got}")
-            try:
-                fits = torch.broadcast_shapes(scale.shape, want) == torch.Size(want)
-            except RuntimeError:
-                fits = False
-            if not fits or scale.device != pages.device:
+            if not broadcasts_to(tuple(scale.shape), want) or scale.device != pages.device:
                 raise ValueError(
                     f"CacheView: {name}_scale must be broadcastable to the pages' "
                     f"(X, Hkv, page, 1) = {shape_str(want)} on {pages.device}, got "
