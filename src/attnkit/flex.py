@@ -30,8 +30,9 @@ score and its own ``b``, ``h``, ``q_idx``, ``kv_idx``. :func:`flex_attention` pr
 small tile once per call (a plain function once for its code) and refuses one that is not (a
 sum, mean or maximum over the tile, ``score[..., :1]``, ``flip``, ``roll``, ``cumsum``, a
 matmul) with a ``ValueError``. A result that broadcasts to the tile, a constant or a function of
-the indices alone, is elementwise and taken. A ``mask_mod`` is probed the same way on each
-call: one that reduces over its index tensors (``q_idx.min()``, ``kv_idx.numel()``) is refused.
+the indices alone, is elementwise and taken. A ``mask_mod`` is probed the same way (once per
+function, tile and device type): one that reduces over its index tensors (``q_idx.min()``,
+``kv_idx.numel()``) is refused.
 
 **Captured tensors.** A ``score_mod`` may read tensors (a learnable bias table, per-head
 multipliers): gradients reach those that need them when attnkit can see them, in the function's
