@@ -4,6 +4,7 @@ arguments are explained (the dense helpers are tested in ``tests/masks/test_dens
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -317,3 +318,30 @@ def test_documents_of_ids_take_an_empty_batch(backend: str) -> None:
     assert out.shape == want.shape == (0, 2, 3, 4)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_from_tensor_is_the_tensors_mask_without_the_convention_check() -> None:
+    from attnkit._base import hints
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64) for n in (5, 7, 7))
+    allowed = torch.rand(2, 1, 5, 7, generator=g) > 0.4
+    allowed[1] = False  # a batch element of padding alone: meant
+    for backend in ("reference", "chunked", "sdpa"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the raw tensor: checked, and warned about
+            want = attnkit.attention(q, k, v, mask=allowed, backend="reference")
+        saved = set(hints._warned)
+        hints._warned.clear()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                got = attnkit.attention(q, k, v, mask=masks.from_tensor(allowed), backend=backend)
+        finally:
+            hints._warned.clear()
+            hints._warned.update(saved)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(
+        TypeError, match=r"from_tensor\(\) takes a bool tensor .* got a float32 tensor"
+    ):
+        masks.from_tensor(allowed.float())

@@ -100,7 +100,8 @@ def warn_torch_convention(mask: Tensor, name: str = "mask") -> None:
                 "any key, which gives that element all-zero outputs. attnkit's masks are True = "
                 "may attend; torch's key_padding_mask and attn_mask are True = may NOT attend. "
                 f"If this is one of those, {_CONVERT}, or invert it (~{name}); "
-                "for padding, attnkit.masks.key_padding(lengths) says it without a tensor",
+                "for padding, attnkit.masks.key_padding(lengths) says it without a tensor; "
+                f"if it is meant, attnkit.masks.from_tensor({name}) says so",
             )
     t = mask.size(-1)
     if "triu" not in _warned and t > 1 and mask.shape[-2:] == (t, t) and mask.numel() == t * t:

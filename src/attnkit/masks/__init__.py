@@ -96,6 +96,7 @@ __all__ = [
     "documents",
     "first_entries",
     "from_fn",
+    "from_tensor",
     "key_indices",
     "key_padding",
     "padding_mask",
@@ -918,6 +919,30 @@ def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Mask:
     if not callable(fn):
         raise TypeError(f"from_fn() takes a function, got {type(fn).__name__}")
     return _FromFn(fn)
+
+
+def from_tensor(mask: Tensor) -> Mask:
+    """A bool tensor (True = may attend, broadcastable to ``(..., H, Tq, Tk)``) as a mask: the same
+    pairs as passing the tensor itself, saying that it is in attnkit's convention.
+
+    :func:`attnkit.attention` checks a bool tensor for the signs of torch's convention (True = may
+    NOT attend), and warns once when a whole batch element sees no key. A batch that holds an
+    element of padding alone, or a mask made by a library in attnkit's convention, is meant that
+    way: given through ``from_tensor`` it is not checked.
+
+    >>> m = torch.tensor([[True, False], [True, True]])
+    >>> from_tensor(m).dense(2)[0, 0]
+    tensor([[ True, False],
+            [ True,  True]])
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = (
+            f"a {str(mask.dtype).removeprefix('torch.')} tensor"
+            if isinstance(mask, Tensor)
+            else type(mask).__name__
+        )
+        raise TypeError(f"from_tensor() takes a bool tensor (True = may attend), got {got}")
+    return _Dense(mask)
 
 
 class _Dense(Mask):

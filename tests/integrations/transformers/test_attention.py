@@ -8,6 +8,7 @@ which reaches no real token."""
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any
 
 import pytest
@@ -743,3 +744,27 @@ def test_compiled_packing_positions_and_a_dense_mask(monkeypatch: pytest.MonkeyP
     got = torch.compile(call, fullgraph=True, backend="eager")(*args)
     real = pad[:, :, None, None]
     torch.testing.assert_close(got * real, call(*args) * real)
+
+
+def test_a_batch_element_of_padding_alone_gives_no_warning_about_torchs_convention() -> None:
+    # transformers' masks are True = may attend: a batch element that sees no key (a row of
+    # padding alone, left padding under chunked prefill) is meant, and matches sdpa.
+    from attnkit._base import hints
+
+    layer = Layer().eval()
+    q, k, v = qkv(4, 6)
+    f = AttentionInterface()["attnkit"]
+    allowed = torch.ones(2, 1, 4, 6, dtype=torch.bool)
+    allowed[1] = False
+    saved = set(hints._warned)
+    hints._warned.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ours = f(layer, q, k, v, allowed, scaling=0.3)[0]
+    finally:
+        hints._warned.clear()
+        hints._warned.update(saved)
+    theirs = sdpa_attention_forward(layer, q, k, v, allowed, scaling=0.3)[0]
+    torch.testing.assert_close(ours[0], theirs[0])
+    assert torch.equal(ours[1], torch.zeros_like(ours[1]))

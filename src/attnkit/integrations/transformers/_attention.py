@@ -399,6 +399,10 @@ def attention_forward(
         key, value = key[..., :keys, :], value[..., :keys, :]
         if bias is not None and bias.size(-1) != 1:
             bias = bias[..., :keys]
+    if isinstance(mask, Tensor) and mask.dtype == torch.bool:
+        # transformers' own mask, True = may attend: a row of padding alone is meant, not a sign
+        # of torch's convention
+        mask = masks.from_tensor(mask)
     sink = s_aux if s_aux is not None else sinks
     per_query_sinks = sink is not None and sink.ndim > 1  # Inkling 2's (B, H, Tq, 1)
     dropout_p = float(dropout) if module.training else 0.0
