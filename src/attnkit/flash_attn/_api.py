@@ -317,9 +317,9 @@ def flash_attn_varlen_func(
         return _finish(*_packed(q, k, v, sizes, (lo, hi), p, args, asked, asked and p > 0), asked)
     paged_lse, paged_out = _paged(q, k, v, table, sizes, (lo, hi), p, *args)
     probs = None
-    if (
-        asked and p > 0
-    ):  # the weights over the packed keys, gathered; the output is the paged call's
+    # With dropout, the weights come from the packed keys, gathered; the output is the paged
+    # call's.
+    if asked and p > 0:
         k, v = gather_pages(k, table, k_lengths), gather_pages(v, table, k_lengths)
         probs = _packed(q, k, v, sizes, (lo, hi), 0.0, args, False, True)[2]
     return _finish(paged_out, paged_lse, probs, asked)
