@@ -59,10 +59,11 @@ def attend(
     wanted, the weights if wanted (``softmax_scale`` and ``softcap`` already checked: softcap None
     for none).
 
-    The weights come from a second call without dropout: asking for the weights must not change
-    the output, and a backend that returns weights may draw its dropout otherwise than the one
-    that serves the call without them (flash-attn's output is the same with or without
-    ``return_attn_probs``, for one seed)."""
+    With dropout, the weights come from a second call without it: asking for the weights must
+    not change the output, and a backend that returns weights may draw its dropout otherwise than
+    the one that serves the call without them (flash-attn's output is the same with or without
+    ``return_attn_probs``, for one seed). Without dropout one call gives both."""
+    together = want_probs and dropout_p == 0
     result = attention(
         q,
         k,
@@ -73,11 +74,13 @@ def attend(
         softcap=softcap,
         sinks=sinks,
         dropout_p=dropout_p,
+        return_weights=together,
         return_lse=want_lse,
     )
-    out, lse = (result[0], result[-1]) if isinstance(result, tuple) else (result, None)
-    probs = None
-    if want_probs:
+    parts: tuple[Tensor, ...] = result if isinstance(result, tuple) else (result,)
+    out, lse = parts[0], parts[-1] if want_lse else None
+    probs = parts[1] if together else None
+    if want_probs and not together:
         _, probs = attention(
             q,
             k,
