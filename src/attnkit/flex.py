@@ -56,7 +56,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._base.checks import check_int, one_or, shape_str
+from ._base.checks import broadcasts_to, check_int, one_or, shape_str
 from ._score_mod import ScoreMod, check_elementwise, check_score_mod
 from .attention import attention
 from .masks import Geometry, Mask, from_fn
@@ -326,10 +326,7 @@ def _check_mask_elementwise(mask_mod: MaskMod, sizes: tuple[int, ...], device: A
         ]
         out = mask_mod(*idx)
         shape = tuple(hi - lo for lo, hi in spans)
-        try:
-            fits = isinstance(out, Tensor) and torch.broadcast_shapes(out.shape, shape) == shape
-        except RuntimeError:
-            fits = False
+        fits = isinstance(out, Tensor) and broadcasts_to(tuple(out.shape), shape)
         # one that does not fit the tile is left to the mask's own check, which says why
         return out.expand(shape) if fits else None
 
