@@ -345,3 +345,26 @@ def test_from_tensor_is_the_tensors_mask_without_the_convention_check() -> None:
         TypeError, match=r"from_tensor\(\) takes a bool tensor .* got a float32 tensor"
     ):
         masks.from_tensor(allowed.float())
+
+
+def test_from_tensor_on_flex_and_compiled_with_the_tensor_as_an_input() -> None:
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
+    allowed = torch.rand(2, 1, 9, 9, generator=g) > 0.3
+    allowed[..., 0] = True
+    want = attnkit.attention(q.double(), k.double(), v.double(), mask=allowed, backend="reference")
+    with torch.no_grad():
+        got = attnkit.attention(q, k, v, mask=masks.from_tensor(allowed), backend="flex")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+    def loss(q: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return (attnkit.attention(q, k, v, mask=masks.from_tensor(m)) * v[..., :9, :]).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    for m in (allowed, ~allowed | (torch.arange(9) == 0)):  # new values, the same graph
+        q1, q2 = q.clone().requires_grad_(), q.clone().requires_grad_()
+        got_loss, want_loss = compiled(q1, m), loss(q2, m)
+        got_loss.backward()
+        want_loss.backward()
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(q1.grad, q2.grad, rtol=1e-5, atol=1e-5)
