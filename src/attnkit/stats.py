@@ -127,14 +127,18 @@ def attention_stats(
     :func:`attention` checks them. Values play no part. The statistics carry no gradient (a
     call under autograd records nothing). Inside a ``torch.compile``'d function the pass runs
     eagerly between its graphs (it reads whether q and k are finite to choose its kernel), so
-    ``fullgraph=True`` and ``torch.export`` refuse it.
+    ``fullgraph=True`` and ``torch.export`` refuse it. On ``device="meta"`` tensors it returns
+    the statistics' shapes and dtype, on meta, and computes nothing.
 
     Args:
         q, k, mask, bias, causal, scale, softcap, score_mod, sinks: as :func:`attention`.
         lse: each query's natural-log log-sum-exp ``(..., H, Tq)``, as
             ``attention(q, k, v, ..., return_lse=True)`` returned it for the same call (sinks
             included): the statistics then take one pass over the scores. None: a first pass
-            computes it (``attention()`` with ``return_lse=True`` and no values).
+            computes it (``attention()`` with ``return_lse=True`` and no values). Its shape
+            and dtype are checked, its values not checked (that would take the pass it saves):
+            the weights are ``exp(s - lse)``, so an ``lse`` larger by ``c`` than the call's
+            scales a query's weights by ``e^-c`` and its entropy to ``e^-c (h + c)``.
         per_kv_head: with grouped-query attention, ``key_mass`` and ``key_max`` per key/value
             head ``(..., Hkv, Tk)``: summed (and maxed) over the query heads that share it, the
             statistic a cache of ``Hkv`` heads evicts by. ``entropy`` stays per query head.
@@ -186,10 +190,16 @@ def attention_stats(
         mask=mask, bias=bias, causal=causal, scale=scale, softcap=softcap, score_mod=score_mod
     )
     # Both passes read q and k as given: under autocast the log-sum-exp pass would round them.
-    off = torch.autocast(q.device.type, enabled=False)
-    autocast = off if torch.amp.is_autocast_available(q.device.type) else contextlib.nullcontext()
+    # (made only where autocast exists: torch.autocast("meta") itself raises)
+    autocast = (
+        torch.autocast(q.device.type, enabled=False)
+        if torch.amp.is_autocast_available(q.device.type)
+        else contextlib.nullcontext()
+    )
     with autocast, torch.no_grad():
-        if backend == "reference":
+        if call.device.type == "meta":
+            mass, top, entropy = _shapes(call)
+        elif backend == "reference":
             mass, top, entropy = _reference_stats(q, k, given, {**arguments, "sinks": sinks})
         else:
             mass, top, entropy = _eager_pass(q, k, call, given, sinks, arguments)
@@ -197,6 +207,16 @@ def attention_stats(
         mass = mass.unflatten(-2, (call.num_kv_heads, call.groups)).sum(-2)
         top = top.unflatten(-2, (call.num_kv_heads, call.groups)).amax(-2)
     return AttentionStats(key_mass=mass, key_max=top, entropy=entropy)
+
+
+def _shapes(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+    """A call on the meta device: the statistics' shapes and dtype, on meta. Such a call holds
+    no values for a plan (the mask's) or a kernel (whether q and k are finite) to read."""
+    work = torch.promote_types(call.dtype, torch.float32)
+    keys = (*call.batch_shape, call.num_heads, call.kv_len)
+    queries = (*call.batch_shape, call.num_heads, call.q_len)
+    empty = [torch.empty(shape, dtype=work, device="meta") for shape in (keys, keys, queries)]
+    return empty[0], empty[1], empty[2]
 
 
 def _check_keys(k: object) -> None:

@@ -1,0 +1,412 @@
+"""Attention statistics, eviction and streaming caches, checked as a grid against the float64
+reference.
+
+* ``attention_stats``: the column sums, column maxima and row entropies of the reference's
+  float64 weights (``attention(..., backend="reference", return_weights=True)``), for every mask
+  kind, bias, softcap, sinks, scale, grouped heads both ways, empty sizes, fully masked rows,
+  extreme scores, low-precision inputs, a given (or stale) log-sum-exp, the meta device,
+  ``torch.compile`` and inputs that need gradients; and the O(T) memory promise at 16k tokens.
+* ``keep()``: on contiguous and paged caches (both layouts), float and quantized, latent
+  (values a view of the keys): the tokens kept, in time order, with their scales, and attention
+  over them equal to the reference over exactly those tokens; every refusal leaves the whole
+  state as it was.
+* ``StreamingKVCache``: StreamingLLM's sinks and rolling window re-derived here (a query at
+  position ``t`` sees tokens ``0 .. S - 1`` and ``t - W + 1 .. t``), against the reference over
+  exactly those tokens at every step of long runs, chunks and prompts longer than the cache,
+  quantized storage, rotary positions as the docs give them, and a compiled decode step.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnkit
+from attnkit import attention_stats, masks
+from attnkit.scores import DistanceBias
+from attnkit.testing import assert_close
+
+from ..helpers import attnkit_checks_only
+
+F64 = torch.float64
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype)
+
+
+def _double(x: object) -> object:
+    return x.double() if isinstance(x, Tensor) and x.is_floating_point() else x
+
+
+def reference_stats(q: Tensor, k: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Column sums, column maxima and row entropies of the float64 reference's weights
+    ``(..., H, Tq, Tk)`` (``per_kv_head``: sums and maxima over each group's query heads)."""
+    per_kv = kw.pop("per_kv_head", False)
+    kw = {name: _double(value) for name, value in kw.items()}
+    _, w = attnkit.attention(
+        q.double(), k.double(), k.double(), return_weights=True, backend="reference", **kw
+    )
+    top = w.amax(-2) if w.size(-2) else w.new_zeros((*w.shape[:-2], w.size(-1)))
+    entropy = torch.where(w > 0, -w * w.log(), torch.zeros_like(w)).sum(-1)
+    mass = w.sum(-2)
+    if per_kv and q.size(-3) != k.size(-3):
+        mass = mass.unflatten(-2, (k.size(-3), -1)).sum(-2)
+        top = top.unflatten(-2, (k.size(-3), -1)).amax(-2)
+    return mass, top, entropy
+
+
+def check_stats(
+    got: attnkit.AttentionStats,
+    want: tuple[Tensor, Tensor, Tensor],
+    dtype: torch.dtype = torch.float32,
+    atol: float | None = None,
+) -> None:
+    work = torch.promote_types(dtype, torch.float32)
+    for name, ref in zip(("key_mass", "key_max", "entropy"), want, strict=True):
+        value = getattr(got, name)
+        assert value.dtype == work, (name, value.dtype)
+        assert value.shape == ref.shape, (name, value.shape, ref.shape)
+        if atol is None:
+            assert_close(value, ref, dtype=dtype)
+        else:
+            torch.testing.assert_close(value.double(), ref, atol=atol, rtol=0, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_stats: every mask kind and modifier
+
+B, H, HKV, TQ, TK, D = 2, 4, 2, 23, 37, 8
+
+
+def _slopes() -> Tensor:
+    return attnkit.alibi_slopes(H)
+
+
+def _index_rows() -> Tensor:
+    idx = torch.randint(0, TK, (B, 1, TQ, 5), generator=torch.Generator().manual_seed(3))
+    return idx.masked_fill(idx % 4 == 0, -1)  # -1: no key
+
+
+STATS_CASES: dict[str, Callable[[], dict[str, Any]]] = {
+    "none": lambda: {},
+    "causal-bottom-right": lambda: {"causal": True},
+    "causal-top-left": lambda: {"mask": masks.causal(align="top_left")},
+    "sliding-window": lambda: {"mask": masks.sliding_window(5)},
+    "sliding-window-both-sides": lambda: {"mask": masks.sliding_window(4, right=3)},
+    "documents-lengths": lambda: {"mask": masks.documents([10, 20, 7])},
+    "documents-ids": lambda: {
+        "mask": masks.documents(ids=torch.tensor([[0] * 12 + [1] * 25, [0] * 30 + [2] * 7]))
+    },
+    "key-padding-lengths": lambda: {"mask": masks.key_padding([0, 30])},
+    "key-padding-tensor": lambda: {"mask": masks.key_padding(torch.tensor([37, 5]))},
+    "key-padding-left": lambda: {"mask": masks.key_padding([3, 30], side="left")},
+    "chunks": lambda: {"mask": masks.documents([8, 8, 8, 8, 5]) & masks.causal()},
+    "prefix-lm": lambda: {"mask": masks.causal() | masks.key_padding([6, 6])},
+    "from-fn": lambda: {"mask": masks.from_fn(lambda b, h, i, j: ((i + j + h) % 3 == 0) | (j < b))},
+    "key-indices": lambda: {"mask": masks.key_indices(_index_rows())},
+    "block-indices": lambda: {
+        "mask": masks.block_indices(torch.tensor([[[[0, 3]] * TQ]] * B), block=8) & masks.causal()
+    },
+    "and": lambda: {"mask": masks.sliding_window(6) & masks.key_padding([20, 37])},
+    "or": lambda: {"mask": masks.sliding_window(2) | masks.documents([10, 27])},
+    "dense-bool": lambda: {"mask": randn(B, 1, TQ, TK, seed=5) > 0.2},
+    "dense-bool-negated": lambda: {"mask": ~masks.causal_mask(TQ, TK)},
+    "bias-dense": lambda: {"bias": randn(B, H, TQ, TK, seed=6)},
+    "bias-broadcast": lambda: {"bias": randn(H, 1, TK, seed=7), "causal": True},
+    "bias-with-minus-inf": lambda: {
+        "bias": randn(TQ, TK, seed=8).masked_fill(randn(TQ, TK, seed=9) > 0.8, -math.inf)
+    },
+    "alibi-dense": lambda: {"bias": attnkit.alibi_bias(H, TQ, TK), "causal": True},
+    "alibi-term": lambda: {"bias": attnkit.alibi_term(_slopes(), TQ, TK), "causal": True},
+    "distance-bias": lambda: {
+        "bias": DistanceBias(randn(H, TQ + TK - 1, seed=10), first=-(TK - 1)),
+        "mask": masks.sliding_window(9),
+    },
+    "softcap": lambda: {"softcap": 0.7, "causal": True},
+    "sinks": lambda: {"sinks": torch.tensor([0.5, -1.0, -math.inf, 3.0]), "causal": True},
+    "sinks-padding": lambda: {
+        "sinks": torch.tensor([1.0, 2.0, 0.0, -2.0]),
+        "mask": masks.key_padding([0, 9]),
+    },
+    "scale": lambda: {"scale": 0.05},
+    "scale-negative": lambda: {"scale": -2.0, "causal": True},
+    "score-mod": lambda: {
+        "score_mod": lambda s, b, h, i, j: s - 0.2 * (i - j).abs(),
+        "causal": True,
+    },
+}
+
+
+@pytest.fixture(params=["native", "eager"])
+def stats_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The native kernel's pass where it serves the call (when it builds), or the eager loop."""
+    if request.param == "eager":
+        monkeypatch.setattr(attnkit.stats, "stats_refusal", lambda *a: "the eager kernel (forced)")
+    elif not attnkit._native.load():
+        pytest.skip(f"native kernel: {attnkit._native.status()[1]}")
+    return str(request.param)
+
+
+@pytest.mark.parametrize("case", list(STATS_CASES))
+@pytest.mark.parametrize("given_lse", [False, True], ids=["lse-pass", "lse-given"])
+@pytest.mark.parametrize("per_kv_head", [False, True], ids=["per-q-head", "per-kv-head"])
+def test_stats_equal_the_reference_weights(
+    case: str, given_lse: bool, per_kv_head: bool, stats_pass: str
+) -> None:
+    q, k = randn(B, H, TQ, D, seed=1), randn(B, HKV, TK, D, seed=2)
+    kw = STATS_CASES[case]()
+    lse = None
+    if given_lse:
+        lse = attnkit.attention(q, k, randn(B, HKV, TK, 3, seed=4), **kw, return_lse=True)[1]
+    got = attention_stats(q, k, **kw, lse=lse, per_kv_head=per_kv_head)
+    check_stats(got, reference_stats(q, k, **kw, per_kv_head=per_kv_head))
+
+
+def test_a_sinks_share_is_no_keys_mass() -> None:
+    # A sink of logit +40 takes almost all of each row: the keys' mass is what is left.
+    q, k = randn(1, 2, 6, D, seed=1), randn(1, 2, 6, D, seed=2)
+    sinks = torch.tensor([40.0, -math.inf])
+    got = attention_stats(q, k, sinks=sinks)
+    assert float(got.key_mass[0, 0].sum()) < 1e-9
+    assert_close(got.key_mass[0, 1].sum(), torch.tensor(6.0), dtype=torch.float32)
+    check_stats(got, reference_stats(q, k, sinks=sinks))
+
+
+def test_negating_a_structured_mask_is_refused_in_words() -> None:
+    with pytest.raises(TypeError, match=r"~causal\(\): attnkit masks cannot be negated"):
+        ~masks.causal()
+
+
+@pytest.mark.parametrize(
+    ("bq", "h", "hkv", "tq", "tk"),
+    [(1, 4, 2, 7, 0), (1, 4, 2, 0, 7), (0, 4, 2, 7, 7), (2, 4, 1, 1, 1), (1, 2, 2, 40, 3)],
+    ids=["Tk=0", "Tq=0", "B=0", "one-pair", "Tq>Tk"],
+)
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_empty_and_degenerate_sizes(
+    bq: int, h: int, hkv: int, tq: int, tk: int, given_lse: bool
+) -> None:
+    q, k = randn(bq, h, tq, D, seed=1), randn(bq, hkv, tk, D, seed=2)
+    kw: dict[str, Any] = {"causal": True, "sinks": torch.zeros(h)}
+    lse = attnkit.attention(q, k, k, **kw, return_lse=True)[1] if given_lse else None
+    for per_kv in (False, True):
+        got = attention_stats(q, k, **kw, lse=lse, per_kv_head=per_kv)
+        check_stats(got, reference_stats(q, k, **kw, per_kv_head=per_kv))
+
+
+def test_fully_masked_rows_give_no_mass_and_entropy_zero_as_documented(stats_pass: str) -> None:
+    q, k = randn(2, 2, 5, D, seed=1), randn(2, 2, 9, D, seed=2)
+    for kw in (
+        {"mask": masks.key_padding([0, 9])},
+        {"mask": torch.zeros(5, 9, dtype=torch.bool)},
+        {"bias": torch.full((5, 9), -math.inf)},
+        {"mask": masks.key_padding([0, 4]), "sinks": torch.tensor([2.0, -1.0])},
+    ):
+        got = attention_stats(q, k, **kw)  # type: ignore[arg-type]
+        assert torch.equal(got.entropy[0], torch.zeros(2, 5))
+        assert torch.equal(got.key_mass[0], torch.zeros(2, 9))
+        assert torch.equal(got.key_max[0], torch.zeros(2, 9))
+        check_stats(got, reference_stats(q, k, **kw))
+    doc = attnkit.AttentionStats.__doc__ or ""
+    assert "0 for a query with no visible key" in doc
+    assert "0 for a key no" in doc
+
+
+def test_extreme_scores_in_float64_are_exact_to_their_rounding(stats_pass: str) -> None:
+    q, k = randn(1, 2, 9, D, seed=1), randn(1, 2, 13, D, seed=2)
+    q = q.double() * 1e3  # scores of thousands: one key takes a row's whole weight
+    q[0, 0, 0] = 1e6
+    # (scores up to ~1e9: float64's rounding of s - lse is ~1e-10 there)
+    for kw in ({}, {"causal": True}, {"scale": 100.0, "mask": masks.sliding_window(3)}):
+        got = attention_stats(q, k.double(), **kw)  # type: ignore[arg-type]
+        check_stats(got, reference_stats(q, k, **kw), dtype=F64, atol=1e-9)
+
+
+def test_large_float32_scores_stay_within_their_rounding() -> None:
+    # float32 scores of ~1e3 carry ~1e-4 of rounding into the exponent: the weights' error
+    q, k = randn(1, 2, 9, D, seed=1) * 300, randn(1, 2, 13, D, seed=2)
+    got = attention_stats(q, k, causal=True)
+    check_stats(got, reference_stats(q, k, causal=True), atol=2e-3)
+    assert_close(got.key_mass.sum(-1), torch.full((1, 2), 9.0), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs_against_float64_of_the_same_values(dtype: torch.dtype) -> None:
+    q, k = randn(2, 4, 17, D, seed=1, dtype=dtype), randn(2, 2, 17, D, seed=2, dtype=dtype)
+    bias = randn(17, 17, seed=3, dtype=dtype)
+    sinks = torch.tensor([0.5, 1.0, -1.0, 0.0], dtype=dtype)
+    kw: dict[str, Any] = {"causal": True, "bias": bias, "sinks": sinks}
+    lse = attnkit.attention(q, k, k, **kw, return_lse=True)[1]
+    for given in (None, lse):
+        check_stats(attention_stats(q, k, **kw, lse=given), reference_stats(q, k, **kw), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_stats: the log-sum-exp given
+
+
+def test_a_wrong_lse_is_refused_in_words() -> None:
+    q, k = randn(2, 4, 5, D, seed=1), randn(2, 2, 7, D, seed=2)
+    lse = attnkit.attention(q, k, k, return_lse=True)[1]
+    want = r"lse must have shape \(\.\.\., H, Tq\) = \(2, 4, 5\) for q \(2, 4, 5, 8\), got "
+    shapes = (
+        (lse[..., :-1], r"\(2, 4, 4\)"),
+        (lse[0], r"\(4, 5\)"),
+        (lse[None], r"\(1, 2, 4, 5\)"),
+    )
+    with attnkit_checks_only():
+        for bad, shape in shapes:
+            with pytest.raises(ValueError, match=want + shape):
+                attention_stats(q, k, lse=bad)
+        for bad, got in ((lse.long(), "int64"), (lse.tolist(), "list"), (lse.numpy(), "ndarray")):
+            with pytest.raises(TypeError, match=f"lse must be a float tensor .*got {got}"):
+                attention_stats(q, k, lse=bad)  # type: ignore[arg-type]
+
+
+def test_a_stale_lse_scales_each_row_as_documented() -> None:
+    """An lse ``c`` larger than the call's (not checked: that would be the pass it saves) gives
+    the weights ``exp(s - lse) = w e^-c``: mass and maxima ``e^-c`` times, entropy
+    ``e^-c (h + c)``."""
+    q, k = randn(1, 2, 6, D, seed=1), randn(1, 2, 6, D, seed=2)
+    lse = attnkit.attention(q, k, k, causal=True, return_lse=True)[1]
+    shift = torch.tensor([0.0, 1.0, 2.0, -0.5, 3.0, 0.25])  # per query
+    fresh = attention_stats(q, k, causal=True, lse=lse)
+    stale = attention_stats(q, k, causal=True, lse=lse + shift)
+    _, w = attnkit.attention(
+        q.double(), k.double(), k.double(), causal=True, return_weights=True, backend="reference"
+    )
+    w = w * (-shift.double()).exp()[:, None]
+    assert_close(stale.key_mass, w.sum(-2), dtype=torch.float32)
+    assert_close(stale.key_max, w.amax(-2), dtype=torch.float32)
+    want = (-shift).exp() * (fresh.entropy + shift)
+    assert_close(stale.entropy, want, dtype=torch.float32)
+    assert "not checked" in (attention_stats.__doc__ or "")
+
+
+def test_tensors_are_required_where_tensors_are_expected() -> None:
+    q, k = randn(1, 2, 5, D, seed=1), randn(1, 2, 7, D, seed=2)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"q": q.tolist(), "k": k}, "q must be a torch.Tensor, got list"),
+        ({"q": q.numpy(), "k": k}, "q must be a torch.Tensor, got ndarray"),
+        ({"q": q, "k": k.numpy()}, "k must be a torch.Tensor, got ndarray"),
+        (
+            {"q": q, "k": k, "sinks": [0.0, 1.0]},
+            r"sinks must be a float tensor \(H,\) or None, got list",
+        ),
+        (
+            {"q": q, "k": k, "mask": np.ones((5, 7), bool)},
+            "mask must be a bool tensor .* got ndarray",
+        ),
+        ({"q": q, "k": k, "bias": np.zeros((5, 7))}, "bias must be a float tensor .* got ndarray"),
+    ]
+    with attnkit_checks_only():
+        for kw, message in cases:
+            with pytest.raises(TypeError, match=message):
+                attention_stats(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"causal": True},
+        {"mask": masks.key_padding(torch.tensor([3, 9], device="meta"))},
+        {"bias": attnkit.alibi_term(torch.ones(4, device="meta"), 5, 9)},
+        {"sinks": "sinks", "per_kv_head": True},
+        {"lse": torch.empty(2, 4, 5, device="meta")},
+        {"backend": "reference", "causal": True},
+    ],
+    ids=["causal", "padding", "alibi", "sinks-per-kv", "lse", "reference"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_meta_tensors_give_the_shapes_and_dtype(kw: dict[str, Any], dtype: torch.dtype) -> None:
+    q = torch.empty(2, 4, 5, D, device="meta", dtype=dtype)
+    k = torch.empty(2, 2, 9, D, device="meta", dtype=dtype)
+    if kw.get("sinks") == "sinks":
+        kw = {**kw, "sinks": torch.zeros(4, device="meta", dtype=dtype)}
+    got = attention_stats(q, k, **kw)
+    heads = 2 if kw.get("per_kv_head") else 4
+    work = torch.promote_types(dtype, torch.float32)
+    for t, shape in (
+        (got.key_mass, (2, heads, 9)),
+        (got.key_max, (2, heads, 9)),
+        (got.entropy, (2, 4, 5)),
+    ):
+        assert (t.device.type, tuple(t.shape), t.dtype) == ("meta", shape, work)
+
+
+def test_inputs_that_need_gradients_give_statistics_without_one() -> None:
+    q = randn(1, 4, 6, D, seed=1).requires_grad_()
+    k = randn(1, 2, 8, D, seed=2).requires_grad_()
+    out, lse = attnkit.attention(q, k, k, causal=True, return_lse=True)
+    got = attention_stats(q, k, causal=True, lse=lse)
+    assert not any(t.requires_grad for t in (got.key_mass, got.key_max, got.entropy))
+    check_stats(got, reference_stats(q.detach(), k.detach(), causal=True))
+    out.sum().backward()  # the forward's graph is untouched by the pass
+    assert q.grad is not None
+    assert k.grad is not None
+    assert "carry no gradient" in (attention_stats.__doc__ or "")
+
+
+def test_compiled_calls_run_the_pass_between_graphs_and_fullgraph_refuses_in_words() -> None:
+    def f(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        got = attention_stats(q, k, mask=masks.sliding_window(3))
+        return got.key_mass * 2, got.entropy + 1
+
+    torch._dynamo.reset()
+    try:
+        for dynamic in (False, True):
+            compiled = torch.compile(f, dynamic=dynamic, backend="aot_eager")
+            for t in (6, 9):
+                q, k = randn(1, 2, t, D, seed=t), randn(1, 2, t, D, seed=t + 1)
+                want = reference_stats(q, k, mask=masks.sliding_window(3))
+                mass, entropy = compiled(q, k)
+                assert_close(mass, want[0] * 2, dtype=torch.float32)
+                assert_close(entropy, want[2] + 1, dtype=torch.float32)
+        torch._dynamo.reset()  # (else the graphs made above serve the call)
+        strict = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+        with pytest.raises(Exception, match="reads whether q and k are finite"):
+            strict(randn(1, 2, 6, D, seed=1), randn(1, 2, 6, D, seed=2))
+    finally:
+        torch._dynamo.reset()
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The most elements any operation's output held, over the operations run inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_sixteen_thousand_tokens_make_no_scores_sized_tensor() -> None:
+    """The O(T) promise at T = 16,384 (one head: a (Tq, Tk) float32 tensor would be 1 GiB): no
+    operation makes a tensor of more than T * 16 elements, and the process's peak memory grows
+    by far less than the weights' size."""
+    t = 16384
+    q, k = randn(1, 1, t, 16, seed=1), randn(1, 1, t, 16, seed=2)
+    lse = attnkit.attention(q, k, k[..., :0], causal=True, return_lse=True)[1]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    with _LargestTensor() as seen:
+        got = attention_stats(q, k, causal=True, lse=lse)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert seen.largest <= t * 16, seen.largest
+    assert grown * 1024 < t * t * 4 // 4, grown
+    # every query gives out weight 1; the last key is seen by the last query alone
+    assert_close(got.key_mass.sum(), torch.tensor(float(t)), dtype=torch.float32)
+    assert_close(got.key_mass[0, 0, -1], got.key_max[0, 0, -1], dtype=torch.float32)
