@@ -655,6 +655,31 @@ def setup_of(args: argparse.Namespace) -> Setup:
     return Setup("cuda", 2, 16, 64, 256, lengths, 4096, 0.2, args.budget, compiled=True)
 
 
+def growing_cache(setup: Setup, tally: Tally) -> None:
+    """Decode steps with a softcap (which ``flex`` serves) over a cache that grows by one key a
+    step: torch compiles the lowered call a few times (a length, then every length), not once per
+    length. On a GPU only (the CPU compiles flex_attention once per shape)."""
+    if setup.device == "cpu":
+        return
+    from torch._dynamo.utils import counters
+
+    b, h, d = setup.batch, setup.heads, setup.dim
+    before = counters["stats"]["unique_graphs"]
+    worst = 0.0
+    for tk in range(1000, 1008):
+        q = torch.randn(b, h, 1, d, device=setup.device, dtype=torch.bfloat16)
+        k, v = (torch.randn(b, h, tk, d, device=setup.device, dtype=torch.bfloat16) for _ in "kv")
+        out = attnkit.attention(q, k, v, causal=True, softcap=30.0)
+        ref = attnkit.attention(q, k, v, causal=True, softcap=30.0, backend="reference")
+        worst = max(worst, float((out.float() - ref.float()).abs().max()))
+    graphs = counters["stats"]["unique_graphs"] - before
+    print(
+        f"decode over a growing cache, softcap: {graphs} compiles for 8 lengths, error {worst:.1e}"
+    )
+    if graphs > 3 or worst > 2e-2:
+        tally.failures.append(f"growing cache: {graphs} compiles for 8 lengths, error {worst:.1e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows and the checks' results to this file")
@@ -675,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     flex, tally = Flex(setup), Tally()
     for kind in chosen:
         check(setup, kind, flex, tally)
+    growing_cache(setup, tally)
     rows = timings(setup, plan(setup, chosen), flex, tally)
     print(
         f"\n{len(tally.failures)} failed checks"

@@ -397,7 +397,7 @@ def test_flexattention_kernel_options_one_rule_for_explain_and_run(
         seen.update(kwargs)
         return args[0]
 
-    monkeypatch.setattr(flex_backend, "_compiled", lambda: compiled)
+    monkeypatch.setattr(flex_backend, "_compiled", lambda gpu: compiled)
     lowered = flex_backend.lower_call(call, *(torch.zeros(2, H, 16, D) for _ in range(3)), None)
     flex_backend.run_lowered(lowered, lse=False, compiled=True, options={"BACKEND": "FLASH"})
     assert seen["kernel_options"] == {"BACKEND": "FLASH"}

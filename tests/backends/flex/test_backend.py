@@ -216,3 +216,50 @@ def test_deterministic_training_under_a_mask_keeps_to_triton() -> None:
     assert "deterministic algorithms are on" in why
     assert "deterministic algorithms are on" in report
     assert inference[0] == {"BACKEND": "FLASH"}  # no backward: FLASH serves it
+
+
+def test_gpus_compile_flex_with_dynamic_lengths_and_the_cpu_per_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A second length of a kind compiles one kernel for every length on a GPU (torch's default),
+    # not a kernel per length up to torch's limit and then the unfused form; torch's CPU template
+    # does not build every mask_mod with symbolic sizes, so the CPU compiles per shape.
+    from attnkit.backends.flex import backend as flex_backend
+
+    made: dict[bool, object] = {}
+
+    def compile_(fn: object, **kwargs: object) -> object:
+        made[kwargs["dynamic"] is None] = kwargs["dynamic"]
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(flex_backend, "_COMPILED", {})
+    flex_backend._compiled(True)
+    flex_backend._compiled(False)
+    flex_backend._compiled(True)  # made once per kind of device
+    assert made == {True: None, False: False}
+
+
+def test_compiled_calls_run_under_a_raised_recompile_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every kind of call attnkit lowers compiles flex_attention itself, so a model's kinds share
+    # torch's per-function limit (8): attnkit's calls raise it while they run, and only then.
+    from attnkit.backends.flex import backend as flex_backend
+
+    config = torch._dynamo.config
+    seen: list[int] = []
+
+    def compiled(*args: Tensor, **kwargs: object) -> Tensor:
+        seen.append(config.recompile_limit)
+        return args[0]
+
+    monkeypatch.setattr(flex_backend, "_compiled", lambda gpu: compiled)
+    q, k, v = qkv(8, 8)
+    call = attnkit.explain(q, k, v, causal=True).call
+    lowered = flex_backend.lower_call(call, q, k, v, None)
+    with config.patch(recompile_limit=8):
+        flex_backend.run_lowered(lowered, lse=False, compiled=True)
+        assert seen == [flex_backend.RECOMPILE_LIMIT]
+        assert config.recompile_limit == 8
+    with config.patch(recompile_limit=1000):  # a higher limit of the user's stays
+        flex_backend.run_lowered(lowered, lse=False, compiled=True)
+    assert seen[-1] == 1000

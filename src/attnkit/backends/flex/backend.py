@@ -22,6 +22,7 @@ finite whenever the inputs are.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -52,7 +53,13 @@ __all__ = ["GRADIENT_DEVICES", "Flex", "cpu_compile_refusal", "flex_available", 
 GRADIENT_DEVICES = ("cuda", "xpu")
 
 _LOCK = threading.Lock()
-_COMPILED: list[Callable[..., Any]] = []
+_COMPILED: dict[bool, Callable[..., Any]] = {}
+
+#: The recompile limit attnkit's compiled FlexAttention calls run under (torch's own, when
+#: higher): every kind of call attnkit lowers compiles ``flex_attention`` itself, so the kinds of
+#: one model share torch's per-function limit (8 by default), past which torch runs the rest
+#: unfused, the (..., H, Tq, Tk) scores written out.
+RECOMPILE_LIMIT = 64
 
 
 def _flex_module() -> Any | None:
@@ -68,16 +75,32 @@ def flex_available() -> bool:
     return _flex_module() is not None
 
 
-def _compiled() -> Callable[..., Any]:
-    """``torch.compile(flex_attention)``, made once per process: torch compiles it once per
-    shape and per structure of score_mod and mask_mod (not per captured tensor)."""
+def _compiled(gpu: bool = True) -> Callable[..., Any]:
+    """``torch.compile(flex_attention)``, made once per process and kind of device: torch
+    compiles it once per structure of score_mod and mask_mod (not per captured tensor). On GPUs
+    with torch's default dynamic shapes, as its own front ends compile it: the first length of a
+    kind compiles for that length, a second one compiles a kernel for every length (its sizes
+    symbolic), so a model whose lengths vary, or a decode step over a growing cache, compiles a
+    few times, not once per length. On the CPU once per shape (``dynamic=False``): torch's CPU
+    template does not build every mask_mod with symbolic sizes."""
     with _LOCK:
-        if not _COMPILED:
+        if gpu not in _COMPILED:
             module = _flex_module()
             if module is None:
                 raise RuntimeError("attnkit internal error: flex ran without FlexAttention")
-            _COMPILED.append(torch.compile(module.flex_attention, dynamic=False))
-        return _COMPILED[0]
+            dynamic = None if gpu else False
+            _COMPILED[gpu] = torch.compile(module.flex_attention, dynamic=dynamic)
+        return _COMPILED[gpu]
+
+
+def _recompile_limit() -> Any:
+    """A context in which torch compiles ``flex_attention`` up to :data:`RECOMPILE_LIMIT` times
+    (or its own limit, if higher); a no-op where torch has no such setting."""
+    config = torch._dynamo.config
+    name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n)), None)
+    if name is None or getattr(config, name) >= RECOMPILE_LIMIT:
+        return contextlib.nullcontext()
+    return config.patch({name: RECOMPILE_LIMIT})
 
 
 def _eager(*args: Any, **kwargs: Any) -> Any:
@@ -165,10 +188,16 @@ def run_lowered(
     module = _flex_module()
     if module is None:
         raise RuntimeError("attnkit internal error: flex ran without FlexAttention")
-    fn = _compiled() if compiled else _eager
     aux = module.AuxRequest(lse=True) if lse else None
-    extra = {"kernel_options": options} if compiled and options else {}
-    result = fn(lowered.q, lowered.k, lowered.v, return_aux=aux, **lowered.kwargs(), **extra)
+    if compiled:
+        fn = _compiled(lowered.q.device.type != "cpu")
+        extra = {"kernel_options": options} if options else {}
+        with _recompile_limit():
+            result = fn(
+                lowered.q, lowered.k, lowered.v, return_aux=aux, **lowered.kwargs(), **extra
+            )
+    else:
+        result = _eager(lowered.q, lowered.k, lowered.v, return_aux=aux, **lowered.kwargs())
     if aux is None:
         return result, None
     return result[0], result[1].lse
@@ -226,7 +255,12 @@ class Flex(Backend):
     def notes(self, call: AttentionCall) -> list[str]:
         compiled, unfused = runs_compiled(call)
         notes = []
-        if compiled:
+        if compiled and target(call.device).gpu:
+            notes.append(
+                "torch.compile(flex_attention): compiles once per kind of mask, then again for "
+                "dynamic lengths (a kernel for every length)"
+            )
+        elif compiled:
             notes.append("torch.compile(flex_attention): compiles once per shape and kind of mask")
         if target(call.device).gpu:
             notes.append(kernel_options(call)[1])
