@@ -18,6 +18,7 @@ reference.
 
 from __future__ import annotations
 
+import copy
 import math
 import resource
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
-from attnkit import attention_stats, masks
+from attnkit import KVCache, PagedKVCache, attention_stats, masks
 from attnkit.scores import DistanceBias
 from attnkit.testing import assert_close
 
@@ -410,3 +411,253 @@ def test_sixteen_thousand_tokens_make_no_scores_sized_tensor() -> None:
     # every query gives out weight 1; the last key is seen by the last query alone
     assert_close(got.key_mass.sum(), torch.tensor(float(t)), dtype=torch.float32)
     assert_close(got.key_mass[0, 0, -1], got.key_max[0, 0, -1], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# keep(): eviction on contiguous and paged caches
+
+KINDS = [None, torch.int8, torch.float8_e4m3fn]
+KIND_IDS = ["float", "int8", "fp8"]
+DV_LATENT = 6  # a latent cache's values: the keys' first 6 columns
+
+
+def snapshot(cache: object) -> dict[str, object]:
+    """Every attribute of a cache, tensors cloned (float8 as bytes), the rest deep-copied."""
+    out: dict[str, object] = {}
+    items = dict(vars(cache))
+    items.update({f"buffer.{n}": t for n, t in items.pop("_buffers", {}).items()})
+    for name, value in items.items():
+        if name.startswith("_") and ("hooks" in name or name in ("_parameters", "_modules")):
+            continue
+        if isinstance(value, Tensor):
+            out[name] = (
+                value.view(torch.uint8).clone() if value.element_size() == 1 else value.clone()
+            )
+        else:
+            out[name] = copy.deepcopy(value)
+    return out
+
+
+def assert_same_state(before: dict[str, object], after: dict[str, object]) -> None:
+    assert before.keys() == after.keys()
+    for name, value in before.items():
+        other = after[name]
+        if isinstance(value, Tensor):
+            assert isinstance(other, Tensor), name
+            assert value.shape == other.shape, name
+            assert torch.equal(value, other), name
+        else:
+            assert value == other, name
+
+
+def held(cache: KVCache | PagedKVCache, row: int | None = None) -> tuple[Tensor, Tensor]:
+    """The tokens a cache holds, as stored (dequantized), float64 copies: a contiguous cache's
+    ``(B, Hkv, L, D)``, a paged sequence's ``(1, Hkv, L, D)``."""
+    view = cache.view()
+    k, v = view.dense(F64) if row is None else view.row(row, F64)
+    return k.double().clone(), v.double().clone()  # (a float cache's are views, in its dtype)
+
+
+def make_contiguous(kv_dtype: torch.dtype | None, latent: bool) -> tuple[KVCache, Tensor, Tensor]:
+    """A cache of 2 rows holding 11 tokens (latent: one head whose values are its keys' first
+    columns), and the tokens as stored, dequantized ``(B, Hkv, 11, D)``."""
+    heads = 1 if latent else 2
+    cache = KVCache(
+        2, 24, heads, D, DV_LATENT if latent else None, kv_dtype=kv_dtype, values_in_keys=latent
+    )
+    k = randn(2, heads, 11, D, seed=11) * 2
+    cache.update(k, None if latent else randn(2, heads, 11, D, seed=12))
+    keys, values = held(cache)
+    return cache, keys, values
+
+
+def make_paged(
+    kv_dtype: torch.dtype | None, latent: bool, layout: str
+) -> tuple[PagedKVCache, list[tuple[Tensor, Tensor]]]:
+    """A pool of pages of 4 holding two sequences of 13 and 6 tokens, and each sequence's tokens
+    as stored, dequantized ``(1, Hkv, L, D)``."""
+    heads = 1 if latent else 2
+    cache = PagedKVCache(
+        16,
+        4,
+        heads,
+        D,
+        DV_LATENT if latent else None,
+        max_seqs=2,
+        layout=layout,  # type: ignore[arg-type]
+        kv_dtype=kv_dtype,
+        values_in_keys=latent,
+    )
+    cache.schedule([13, 6])
+    k = randn(2, heads, 13, D, seed=13) * 2
+    cache.stage(k, None if latent else randn(2, heads, 13, D, seed=14))
+    cache.commit()
+    return cache, [held(cache, n) for n in range(2)]
+
+
+def chosen(rows: int, heads: int, length: int, kept: int, seed: int) -> Tensor:
+    """``(rows, heads, kept)`` distinct tokens per row and head, unsorted."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack(
+        [torch.randperm(length, generator=g)[:kept] for _ in range(rows * heads)]
+    ).view(rows, heads, kept)
+
+
+def gathered(t: Tensor, index: Tensor) -> Tensor:
+    """``t`` ``(..., Hkv, L, D)`` at the tokens ``index`` ``(..., Hkv, K)``, in time order."""
+    at = index.sort(-1).values
+    return t.gather(-2, at.unsqueeze(-1).expand(*at.shape, t.size(-1)))
+
+
+def step_against_reference(
+    cache: KVCache | PagedKVCache, keys: list[Tensor], values: list[Tensor], seed: int
+) -> None:
+    """One decoding step of 4 query heads through the cache against the float64 reference over
+    ``keys``/``values`` per row (the tokens the cache should hold) and the new token as stored."""
+    heads = keys[0].size(1)
+    latent = cache.values_in_keys
+    q = randn(len(keys), 4, 1, D, seed=seed)
+    new_k = randn(len(keys), heads, 1, D, seed=seed + 1)
+    new_v = None if latent else randn(len(keys), heads, 1, D, seed=seed + 2)
+    if isinstance(cache, KVCache):
+        out = attnkit.attention(q, cache.stage_call(q, new_k, new_v), None)
+        cache.commit()
+        held_k, held_v = held(cache)
+        stored = [(held_k[n : n + 1, :, -1:], held_v[n : n + 1, :, -1:]) for n in range(len(keys))]
+    else:
+        out, _ = cache.attention(q, new_k, new_v)
+        cache.commit()
+        stored = [tuple(t[:, :, -1:] for t in held(cache, n)) for n in range(len(keys))]
+    for n, (k_n, v_n) in enumerate(zip(keys, values, strict=True)):
+        kk = torch.cat([k_n, stored[n][0]], 2)
+        vv = torch.cat([v_n, stored[n][1]], 2)
+        want = attnkit.attention(q[n : n + 1].double(), kk, vv, backend="reference")
+        assert_close(out[n : n + 1], want, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("latent", [False, True], ids=["mha", "latent"])
+def test_keep_on_a_contiguous_cache(kv_dtype: torch.dtype | None, latent: bool) -> None:
+    cache, keys, values = make_contiguous(kv_dtype, latent)
+    heads = keys.size(1)
+    index = chosen(2, heads, 11, 5, seed=1)
+    scales = None if cache.k_scale is None else cache.k_scale.clone()
+    cache.keep(index)
+    assert (cache.length, cache.position) == (5, 11)  # positions still count every token
+    held_k, held_v = held(cache)
+    assert torch.equal(held_k, gathered(keys, index))
+    assert torch.equal(held_v, gathered(values, index))
+    if kv_dtype == torch.int8:  # each token's scale moved with it
+        assert scales is not None
+        assert cache.k_scale is not None
+        assert torch.equal(cache.k_scale[:, :, :5], gathered(scales, index))
+    if latent:  # the values are still the keys' first columns, not a copy beside them
+        assert cache.v_cache.data_ptr() == cache.k_cache.data_ptr()
+        assert cache.v_cache.stride() == cache.k_cache.stride()
+        assert cache.v_scale is cache.k_scale
+    # cached == uncached: a step over the kept tokens equals the reference over exactly them
+    kept_k, kept_v = gathered(keys, index), gathered(values, index)
+    step_against_reference(cache, list(kept_k.split(1)), list(kept_v.split(1)), seed=20)
+    if kv_dtype is None:  # and a fresh cache of the same tokens gives the same output
+        fresh = KVCache(2, 24, heads, D, DV_LATENT if latent else None, values_in_keys=latent)
+        fresh.update(kept_k.float(), None if latent else kept_v.float())
+        assert torch.equal(held(fresh)[0], held(cache)[0][:, :, :5])
+
+
+@pytest.mark.parametrize("kv_dtype", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("latent", [False, True], ids=["mha", "latent"])
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_keep_on_a_paged_cache(kv_dtype: torch.dtype | None, latent: bool, layout: str) -> None:
+    cache, rows = make_paged(kv_dtype, latent, layout)
+    heads = rows[0][0].size(1)
+    index = chosen(1, heads, 13, 5, seed=2)[0]
+    free = cache.num_free_pages
+    assert cache.pages_of(0) == [0, 1, 2, 3]
+    cache.keep(0, index)
+    assert (cache.lengths, cache.positions) == ([5, 6], [13, 6])
+    assert len(cache.pages_of(0)) == 2  # ceil(5 / 4): the other two back in the pool
+    assert cache.num_free_pages == free + 2
+    kept_k, kept_v = gathered(rows[0][0], index[None]), gathered(rows[0][1], index[None])
+    got_k, got_v = held(cache, 0)
+    assert torch.equal(got_k, kept_k)
+    assert torch.equal(got_v, kept_v)
+    assert all(torch.equal(a, b) for a, b in zip(held(cache, 1), rows[1], strict=True))
+    if latent:
+        assert cache.v_pages.data_ptr() == cache.k_pages.data_ptr()
+        assert cache.v_scales is cache.k_scales
+    step_against_reference(cache, [kept_k, rows[1][0]], [kept_v, rows[1][1]], seed=30)
+    # keep everything, then nothing: the sequence empties and takes a new first write
+    cache.keep(1, torch.arange(7).expand(heads, 7))
+    assert cache.lengths == [6, 7]
+    cache.keep(0, torch.zeros(heads, 0, dtype=torch.long))
+    assert (cache.lengths, cache.pages_of(0), cache.positions) == ([0, 7], [], [14, 7])
+    other = held(cache, 1)
+    step_against_reference(cache, [kept_k[:, :, :0], other[0]], [kept_v[:, :, :0], other[1]], 40)
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_a_float8_sequence_grows_again_after_keep_with_its_scale(layout: str) -> None:
+    """After keep, new pages come from the pool: the tokens written there are read with the
+    sequence's scale (within float8's rounding of the values given)."""
+    cache, _ = make_paged(torch.float8_e5m2, False, layout)
+    cache.keep(0, chosen(1, 2, 13, 2, seed=3)[0])
+    new = randn(2, 2, 9, D, seed=50)
+    cache.schedule([9, 0])
+    cache.stage(new, new)
+    cache.commit()
+    got = held(cache, 0)[0][:, :, 2:]
+    torch.testing.assert_close(got, new[:1].double(), atol=0.1, rtol=0.13)
+
+
+BAD_INDICES: list[tuple[Callable[[int, int], object], type[Exception], str]] = [
+    (lambda h, n: [[0, 1]] * h, TypeError, "must be an integer tensor, got list"),
+    (lambda h, n: torch.zeros(h, 2), TypeError, "must be an integer tensor, got float32"),
+    (
+        lambda h, n: torch.ones(h, 2, dtype=torch.bool),
+        TypeError,
+        "must be an integer tensor, got bool",
+    ),
+    (lambda h, n: torch.zeros(h + 1, 2, dtype=torch.long), ValueError, r"must have shape"),
+    (
+        lambda h, n: torch.arange(n + 1).expand(h, n + 1),
+        ValueError,
+        "keeps {n1} tokens of a row",
+    ),
+    (lambda h, n: torch.tensor([[0, n]] * h), ValueError, "must be from 0 to {last}.*got {n}"),
+    (lambda h, n: torch.tensor([[-1, 2]] * h), ValueError, "must be from 0 to {last}.*got -1"),
+    (lambda h, n: torch.tensor([[3, 1, 3]] * h), ValueError, "keeps token 3 twice"),
+    (lambda h, n: torch.zeros(h, 2, dtype=torch.long, device="meta"), ValueError, "on meta"),
+]
+
+
+@pytest.mark.parametrize("bad", range(len(BAD_INDICES)))
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged-flash", "paged-vllm"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["float", "int8"])
+def test_a_refused_keep_changes_nothing(
+    bad: int, cache_kind: str, kv_dtype: torch.dtype | None
+) -> None:
+    make, error, message = BAD_INDICES[bad]
+    if cache_kind == "contiguous":
+        cache, _keys, _ = make_contiguous(kv_dtype, False)
+        n, indices = 11, make(2, 11)
+        if isinstance(indices, Tensor) and indices.ndim == 2:
+            indices = indices.expand(2, *indices.shape)
+        cache.stage(randn(2, 2, 3, D, seed=60), randn(2, 2, 3, D, seed=61))  # a stage pending
+
+        def keep() -> None:
+            cache.keep(indices)  # type: ignore[arg-type]
+    else:
+        cache, _ = make_paged(kv_dtype, False, cache_kind.split("-")[1])  # type: ignore[assignment]
+        n, indices = 13, make(2, 13)
+        cache.stage(randn(2, 2, 3, D, seed=60), randn(2, 2, 3, D, seed=61))
+
+        def keep() -> None:
+            cache.keep(0, indices)  # type: ignore[call-arg, arg-type]
+
+    before = snapshot(cache)
+    message = (
+        message.replace("{n1}", str(n + 1)).replace("{last}", str(n - 1)).replace("{n}", str(n))
+    )
+    with attnkit_checks_only(), pytest.raises(error, match=message):
+        keep()
+    assert_same_state(before, snapshot(cache))

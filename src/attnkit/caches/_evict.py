@@ -25,9 +25,16 @@ from .._base.checks import dtype_str, shape_str
 __all__ = ["check_indices", "compact_pages", "compact_rows"]
 
 
-def check_indices(indices: object, lead: tuple[int, ...], length: int, what: str) -> Tensor:
+def check_indices(
+    indices: object,
+    lead: tuple[int, ...],
+    length: int,
+    what: str,
+    device: torch.device | None = None,
+) -> Tensor:
     """``indices`` ``(*lead, K)``: an integer tensor of tokens ``0 .. length - 1``, none twice in
-    a row (``what`` names the argument and the cache's shape, for the messages). Returns them
+    a row (``what`` names the argument and the cache's shape, for the messages), that can be
+    moved to the cache's ``device`` (where given; not meta for a real cache). Returns them
     sorted along ``K``, as int64 on their device."""
     if (
         not isinstance(indices, Tensor)
@@ -46,6 +53,8 @@ def check_indices(indices: object, lead: tuple[int, ...], length: int, what: str
         raise ValueError(
             f"{what} keeps {indices.size(-1)} tokens of a row of {length}: at most {length}"
         )
+    if device is not None:  # (before a caller drops a stage: a refused keep changes nothing)
+        _check_device(indices, device)
     index = indices.long().sort(-1).values
     if index.numel() and index.device.type != "meta":
         bad = (index < 0) | (index >= length)

@@ -624,7 +624,7 @@ class PagedKVCache(nn.Module):
         b = self._seq(seq)
         h = self.k_pages.size(2 if self.layout == "flash" else 1)
         what = f"indices for sequence {b} of this PagedKVCache (Hkv={h})"
-        index = check_indices(indices, (h,), self.lengths[b], what)
+        index = check_indices(indices, (h,), self.lengths[b], what, self.k_pages.device)
         self._drop_staged()
         # (float8 moved as its bytes: torch's indexing has no float8 kernel; values that are a
         # view of the keys move with them, and would be moved twice on their own)
