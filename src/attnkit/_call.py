@@ -30,7 +30,7 @@ from ._base.quantized import QUANTIZED, QuantizedKV
 from ._base.transforms import carries_tangent
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
-from .caches.view import CacheView, band_of
+from .caches.view import CacheView, rows_refusal
 from .masks import Geometry, Mask, check_mask, visibility
 from .scores import DistanceBias, ScoreShape, ScoreTerm
 
@@ -353,13 +353,12 @@ def _check_rows(view: CacheView, scores: _Scores, q: Tensor, score_mod: object) 
     keys already say which exist), a bias by distance or none, no score_mod."""
     if view.shared:
         return
-    if band_of(visibility(scores.given, scores.causal)) is None:
-        given = scores.given
-        what = given.describe() if isinstance(given, Mask) else f"a {type(given).__name__}"
+    what = rows_refusal(visibility(scores.given, scores.causal))
+    if what is not None:
         raise ValueError(
-            f"mask: a cache call whose rows attend keys of their own takes causal=True, causal() "
-            f"or sliding_window() (or their &), got {what}: each row's keys already say which "
-            "keys exist"
+            f"mask: a cache call whose rows attend keys of their own takes bands (causal=True, "
+            f"causal(), sliding_window()), index masks (key_indices(), block_indices()) and bool "
+            f"tensors, joined by & and |, got {what}: each row's keys already say which keys exist"
         )
     term = scores.term
     if scores.dense is not None or (term is not None and not isinstance(term, DistanceBias)):

@@ -13,24 +13,46 @@ rows' keys for its dense kernel.
 The pages are ``(X, Hkv, page, D)`` tensors at any strides: flash-attn's ``(blocks, page, Hkv, D)``
 cache is ``k_cache.permute(0, 2, 1, 3)``, vLLM's and Intel's ``(blocks, Hkv, page, D)`` is itself,
 and a contiguous ``(B, Tk, Hkv, D)`` cache is one page of ``Tk`` keys per row.
+
+An index mask on a cache (:func:`~attnkit.masks.key_indices`, :func:`~attnkit.masks.block_indices`:
+DeepSeek V3.2's top-k selection decoding over a paged latent cache) is served by
+:func:`indexed_cache_attention`: each query's selected keys are gathered through the block table
+(key ``j`` of row ``n`` is row ``j % page`` of page ``block_table[n, j // page]``) into compact
+``(N, C, Tq, W, D)`` keys and values, int8/float8 ones dequantized with their scales, and the
+attention runs over them: O(Tq * W) time and memory, no ``(Tq, Tk)`` tensor and no read of the
+keys no query selected.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .._base.quantized import dequantize
+from .._call import AttentionCall
 from .._native import load
 from .._native.kernel import DECODE_QUERIES, REDUCED
-from ..masks import Geometry
-from ..scores import DistanceBias, softcap_form
+from ..caches.view import CacheView
+from ..masks import Geometry, Mask
+from ..scores import DistanceBias, cap_scores, softcap_form
 from .choice import refusal
+from .gathered import Gathered, Selection, native_refusal, selection
 from .sinks import finish
 
-__all__ = ["IN_PLACE", "cache_attention", "cache_refusal", "in_place_refusal", "read_cache"]
+__all__ = [
+    "IN_PLACE",
+    "cache_attention",
+    "cache_refusal",
+    "in_place_refusal",
+    "indexed_cache",
+    "indexed_cache_attention",
+    "read_cache",
+]
 
 #: The kernel :func:`attnkit.record_dispatch` names (:attr:`attnkit.Dispatch.kernel`) for a cache
 #: call that the chunked backend served by reading the cache in place.
@@ -256,3 +278,284 @@ def read_cache(
         out.masked_fill(~real[:, None, :, None], 0.0),
         lse.masked_fill(~real[:, None, :], -math.inf),
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Index masks on a cache: the selected keys gathered through the block table
+
+#: Gathered keys and values (elements of both) a chunk of queries holds at most: a few tens of
+#: MiB in float32, and at least one query a chunk.
+_INDEXED_ELEMENTS = 1 << 23
+#: The dtypes the native gathered kernel reads keys and values in (others: dequantized first).
+_NATIVE_KV = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class IndexedCache:
+    """A cache call whose index mask :func:`indexed_cache_attention` serves: its selection, the
+    bands ANDed with it (``(lo, hi)`` over ``j - p_i``, each row's queries aligned to its end),
+    whether the native gathered kernel attends the gathered keys (else torch's products), and
+    the words ``explain()`` and ``record_dispatch()`` say."""
+
+    found: Selection
+    bands: tuple[tuple[float, float], ...]
+    native: bool
+    words: str
+
+
+def _and_leaves(parts: Sequence[Mask]) -> list[Mask]:
+    return [q for p in parts for q in (_and_leaves(p.parts) if p.op == "and" else [p])]
+
+
+def indexed_cache(
+    call: AttentionCall, native: bool = True, build: bool = False
+) -> IndexedCache | str | None:
+    """The :class:`IndexedCache` of a cache call whose mask holds an index mask, when
+    :func:`indexed_cache_attention` serves it; else why not (the call then runs on each row's
+    keys, gathered), or None for a call that is not on a cache or holds no index mask. A view
+    whose rows share their keys as views of a contiguous cache is left to the dense call on
+    those views (None), which gathers each query's keys there. ``native``: whether the backend
+    may run the native kernel; ``build``: load it (building it on first use), as a call about
+    to run does, or only ask whether it would be available, as questions do."""
+    view = call.cache
+    if view is None or call.mask is None:
+        return None
+    # (no share of Tk bounds it: the other way reads every key of every row)
+    found = selection(call.mask, None, 0.0, sys.maxsize)
+    if found is None or (call.dense_views is not None and view.shared):
+        return None
+    if isinstance(found, str):
+        return f"index mask on a cache: {found}"
+    if call.return_weights or call.dropout_p or call.score_mod is not None:
+        return "index mask on a cache: weights, dropout or a score_mod ask for the whole rows"
+    if call.bias_shape is not None or call.score_term is not None:
+        return "index mask on a cache: a bias, which its gather does not add"
+    bands = []
+    for part in _and_leaves(found.rest):
+        band = part.band
+        if band is None or band[2] != "bottom_right":
+            return f"index mask on a cache: {part.describe()} is not a band of each row's keys"
+        bands.append((band[0], band[1]))
+    why = native_refusal(found, (call.dtype, call.dtype), None, call.device, native=native,
+                         build=build)  # fmt: skip
+    if why is None and call.requires_grad:
+        why = "gradients are asked (the native kernel attends the gathered keys for inference)"
+    pages = "through the block table" if view.block_table is not None else "from the cache's rows"
+    words = (
+        f"index mask on a cache: each query's {found.width} selected keys gathered {pages}"
+        + (", dequantized with their scales" if view.quantized else "")
+        + " (O(Tq * k) time and memory), attended by "
+        + ("the native kernel" if why is None else f"torch's products: {why}")
+    )
+    return IndexedCache(found, tuple(bands), why is None, words)
+
+
+def indexed_cache_attention(
+    call: AttentionCall, served: IndexedCache, q: Tensor, sinks: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``(out (N, H, Tq, Dv), lse (N, H, Tq))`` of a cache call :func:`indexed_cache` serves (q
+    ``(N, H, Tq, Dk)``; ``lse`` in the work dtype, q's and at least float32), differentiable on
+    torch's products (the native kernel's calls record no graph).
+
+    Key positions are those of the call's keys (of the weights' columns): from a row's first
+    key where every row shares its stretch, else from 0 of its pages. A query attends its
+    selected keys that its row holds (``start <= j < end``; others are ignored, as keys the row
+    does not have), that the bands let through from its position ``end - q_lens[n] + i``, each
+    once. A query that attends none gets 0 and ``-inf`` (with sinks, the sink's log-sum-exp);
+    a padding query 0 and ``-inf``."""
+    view = call.cache
+    if view is None:
+        raise ValueError("attnkit internal error: an indexed cache call without its cache view")
+    geo = Geometry((view.rows,), q.size(1), q.size(2), call.kv_len, q.device)
+    plan = Gathered(served.found, geo, view.num_kv_heads, call.scale, call.softcap,
+                    None, None, None, 0)  # fmt: skip
+    work = torch.promote_types(q.dtype, torch.float32)
+    rows = _RowPositions.of(view, q.size(2), q.device)
+    per_query = plan.c * plan.width * (view.k.size(-1) + view.v.size(-1)) * max(1, view.rows)
+    step = max(1, _INDEXED_ELEMENTS // max(1, per_query))
+    outs, lses = [], []
+    for t0 in range(0, q.size(2), step):
+        t1 = min(q.size(2), t0 + step)
+        vis, keys = _visible(plan, served.bands, rows, t0, t1)  # (N, t, C, W)
+        if served.native:  # float keys read as they are, the entries that do not count skipped
+            k, v = _gather(view, keys, None, _native_dtype(view.k.dtype))
+        else:
+            k, v = _gather(view, keys, vis, work)
+        run = _native_attend if served.native else _attend
+        out, lse = run(call, q[:, :, t0:t1], k, v, vis)  # (N, H, t, Dv), (N, H, t)
+        outs.append(out)
+        lses.append(lse)
+    return _finish(view, q, outs, lses, sinks, rows.real, work)
+
+
+def _native_dtype(stored: torch.dtype) -> torch.dtype:
+    return stored if stored in _NATIVE_KV else torch.float32
+
+
+def _finish(
+    view: CacheView,
+    q: Tensor,
+    outs: list[Tensor],
+    lses: list[Tensor],
+    sinks: Tensor | None,
+    real: Tensor,
+    work: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """The chunks' outputs and log-sum-exps put together, the sinks folded in (padding queries
+    stay 0 and ``-inf``)."""
+    n, h, tq = q.shape[:3]
+    hkv, dv = view.num_kv_heads, view.v.size(-1)
+    if tq:
+        out5 = torch.cat(outs, 2).to(work).view(n, hkv, h // hkv, tq, dv)
+        lse4 = torch.cat(lses, 2).to(work).view(n, hkv, h // hkv, tq)
+    else:
+        out5 = q.new_zeros(n, hkv, h // hkv, 0, dv, dtype=work)
+        lse4 = q.new_zeros(n, hkv, h // hkv, 0, dtype=work)
+    if sinks is not None:
+        out5, lse4 = finish(out5, lse4, sinks.view(hkv, -1).to(work))
+        padding = torch.arange(tq, device=q.device) >= real.view(-1, 1, 1, 1)
+        lse4 = lse4.masked_fill(padding, -math.inf)
+    return out5.reshape(n, h, tq, dv).to(q.dtype), lse4.reshape(n, h, tq)
+
+
+@dataclass(frozen=True)
+class _RowPositions:
+    """Each row's keys and queries as ``(N, 1, 1, 1)`` tensors: ``base`` (the key position 0
+    stands for: the shared stretch's start, else 0), ``start``, ``end``, and ``real`` (its real
+    queries, aligned to ``end``)."""
+
+    base: Tensor
+    start: Tensor
+    end: Tensor
+    real: Tensor
+
+    @classmethod
+    def of(cls, view: CacheView, q_len: int, device: torch.device) -> _RowPositions:
+        ranges = torch.tensor(view.kv_range, dtype=torch.long).view(-1, 2)
+        real = torch.tensor(view.q_lens if view.q_lens is not None else [q_len] * view.rows)
+        base = ranges[:, 0] if view.shared else torch.zeros_like(ranges[:, 0])
+        return cls(*(t.to(device).view(-1, 1, 1, 1) for t in (base, *ranges.unbind(1), real)))
+
+
+def _visible(
+    plan: Gathered, bands: tuple[tuple[float, float], ...], rows: _RowPositions, t0: int, t1: int
+) -> tuple[Tensor, Tensor]:
+    """``(vis, keys)`` of queries ``t0:t1``, ``(N, t, C, W)`` each: whether each gathered entry
+    counts (its first entry, a key its row holds, inside every band, a real query), and its
+    key position in the row's pages (0 where it does not count: a key every row may read)."""
+    n = rows.end.size(0)
+    keys = plan.keys[:, :, t0:t1] + rows.base  # (N, Hs, t, W)
+    first = plan.first[:, :, t0:t1]
+    i = torch.arange(t0, t1, device=keys.device).view(1, 1, -1, 1)
+    vis = first & (keys >= rows.start) & (keys < rows.end) & (i < rows.real)
+    at = rows.end - rows.real + i  # each query's key position
+    for lo, hi in bands:
+        d = keys - at
+        vis = vis & (d >= lo) & (d <= hi)
+    vis = vis.expand(n, -1, -1, -1).repeat_interleave(plan.c // keys.size(1), 1).transpose(1, 2)
+    keys = keys.expand(n, -1, -1, -1).repeat_interleave(plan.c // keys.size(1), 1).transpose(1, 2)
+    return vis, torch.where(vis, keys, 0)
+
+
+def _gather(
+    view: CacheView, keys: Tensor, hide: Tensor | None, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The keys and values at ``keys`` ``(N, t, C, W)`` (gathered head ``c`` reads key/value
+    head ``c // (C / Hkv)``), ``(N, t, C, W, Dk|Dv)`` in ``dtype``, read through the block table;
+    0 where ``hide`` (the entries that do not count) is False, so that no masked NaN reaches a
+    product. Values that are the keys' first columns (a latent cache) are read with them."""
+    n, _, c, _ = keys.shape
+    page = view.page_size
+    if view.block_table is None:
+        pages = torch.arange(n, device=keys.device).view(-1, 1, 1, 1).expand_as(keys)
+    else:
+        table = view.block_table.to(keys.device).long()
+        col = (keys // page).clamp_max(table.size(1) - 1)
+        pages = table.gather(1, col.flatten(1)).view_as(keys)
+        if hide is not None:
+            pages = torch.where(hide, pages, 0)
+        else:  # (the table's entries past a row's pages are never read, whatever they hold)
+            pages = pages.clamp(0, view.k.size(0) - 1)
+    heads = (torch.arange(c, device=keys.device) // (c // view.num_kv_heads)).view(1, 1, -1, 1)
+    at = (pages, heads, keys % page)
+
+    def read(pool: Tensor, scale: Tensor | None) -> Tensor:
+        raw = _rows_at(pool, at)
+        got = raw.to(dtype) if scale is None else dequantize(raw, scale[at], dtype)
+        return got if hide is None else got.masked_fill_(~hide.unsqueeze(-1), 0.0)
+
+    k = read(view.k, view.k_scale)
+    dv = view.v.size(-1)
+    prefix = (
+        view.v.data_ptr() == view.k.data_ptr()
+        and view.v.stride() == view.k.stride()
+        and view.v_scale is view.k_scale
+    )
+    return k, (k[..., :dv] if prefix else read(view.v, view.v_scale))
+
+
+def _rows_at(pool: Tensor, at: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """``pool[at]`` ``(..., D)`` of pages ``(X, Hkv, page, D)`` at any strides, as one
+    ``index_select`` of rows: the pages seen as rows of ``D`` a step of ``e`` elements apart (the
+    greatest common divisor of the strides), so each selected row is one copy of ``D`` values."""
+    strides = [s for s in pool.stride()[:3] if s]
+    e = math.gcd(*strides) if strides else 1
+    extent = sum((n - 1) * s for n, s in zip(pool.shape[:3], pool.stride()[:3], strict=True))
+    rows = pool.as_strided((extent // e + 1, pool.size(-1)), (e, pool.stride(-1)))
+    ids = (at[0] * pool.stride(0) + at[1] * pool.stride(1) + at[2] * pool.stride(2)) // e
+    if pool.element_size() == 1:  # (int8 and float8 read as their bytes: no float8 kernel)
+        rows = rows.view(torch.uint8)
+    shape = torch.broadcast_shapes(*(i.shape for i in at))
+    got = rows.index_select(0, ids.expand(shape).reshape(-1))
+    return got.view(pool.dtype).view(*shape, pool.size(-1))
+
+
+def _attend(
+    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, vis: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(out (N, H, t, Dv), lse (N, H, t))`` in the work dtype of queries ``q`` ``(N, H, t,
+    Dk)`` over their gathered keys and values ``(N, t, C, W, D)``, without sinks, by torch's
+    products (differentiable)."""
+    n, h, t, dk = q.shape
+    c = k.size(2)
+    work = k.dtype
+    q5 = q.reshape(n, c, h // c, t, dk).permute(0, 3, 1, 2, 4).to(work)  # (N, t, C, G', Dk)
+    s = (q5 @ k.transpose(-1, -2)) * call.scale  # (N, t, C, G', W)
+    if call.softcap is not None:
+        s = cap_scores(s, call.softcap)
+    s = s.masked_fill(~vis.unsqueeze(-2), -math.inf)
+    top = s.amax(-1, keepdim=True)
+    top = top.masked_fill(top == -math.inf, 0.0)  # a query with no key: weights 0
+    p = (s - top).exp()
+    total = p.sum(-1)
+    tiny = torch.finfo(work).tiny
+    out = (p @ v) / total.clamp_min(tiny).unsqueeze(-1)  # (N, t, C, G', Dv)
+    lse = torch.where(total > 0, top.squeeze(-1) + total.clamp_min(tiny).log(), -math.inf)
+    return out.permute(0, 2, 3, 1, 4).reshape(n, h, t, -1), lse.permute(0, 2, 3, 1).reshape(n, h, t)
+
+
+def _native_attend(
+    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, vis: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`_attend` by the native gathered kernel (float32 outputs; no graph): each query a
+    batch row of its own, whose keys are its gathered ``W`` (those that count, in order)."""
+    n, h, t, dk = q.shape
+    c, w, dv = k.size(2), k.size(3), v.size(-1)
+    local = torch.where(vis, torch.arange(w, device=vis.device), -1).sort(-1).values
+    form = None if call.softcap is None else softcap_form(call.softcap, torch.float32)
+    k4 = k.reshape(n * t, c, w, dk)
+    # Values that are the keys' first Dv columns (a latent cache): the kernel reads the keys' rows
+    # whole, rather than a copy of their first columns, and the output's first Dv are kept.
+    prefix = v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+    out, lse = torch.ops.attnkit.gathered_forward(
+        q.transpose(1, 2).reshape(n * t, h, 1, dk).float(),
+        k4,
+        k4 if prefix else v.reshape(n * t, c, w, dv),
+        local.reshape(n * t, c, 1, w),
+        None,
+        scale=float(call.scale),
+        softcap=0.0 if form is None else float(form.cap),
+        band=[],
+    )
+    out = out.reshape(n, t, h, -1)[..., :dv].transpose(1, 2)
+    return out, lse.reshape(n, t, h).transpose(1, 2)

@@ -33,7 +33,14 @@ from .._base.devices import readable
 from .._base.transforms import transforms_active
 from .._call import AttentionCall
 from .._kernel import FUSED_ROWS, BlockPlan, Plan, fused_serves, split_runs
-from .._kernel.cache import IN_PLACE, in_place_refusal, read_cache
+from .._kernel.cache import (
+    IN_PLACE,
+    IndexedCache,
+    in_place_refusal,
+    indexed_cache,
+    indexed_cache_attention,
+    read_cache,
+)
 from .._kernel.call import kernel_attention
 from .._kernel.choice import decode_sized, decodes, why_not_native
 from .._kernel.gathered import gathered_note
@@ -45,7 +52,7 @@ from .._native.kernel import BF16_PRODUCTS
 from .._record import note_kernel
 from .._score_mod import captured_tensors, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
-from ..caches.view import band_of, row_term
+from ..caches.view import band_of, row_mask, row_term
 from ..scores import DistanceBias, softcap_form
 from .base import Backend, CallInputs, Output, dequantized, dequantized_cost
 
@@ -224,7 +231,7 @@ class Chunked(Backend):
         a cache whose keys it cannot read in place, the gather of its rows' keys."""
         if call.cache is not None:
             why = self.cache_refusal(call)
-            if why is None:
+            if why is None or isinstance(indexed_cache(call, self.native), IndexedCache):
                 return []
             if not self._views_of_rows(call):
                 return [f"gathers each row's keys from the cache ({why})"]
@@ -293,9 +300,13 @@ class Chunked(Backend):
         """A cache call's dense call on row ``row``'s keys (every row's when None)."""
         rows = call.batch_shape if row is None else (1,)
         term = row_term(call.score_term, row)
+        mask = call.mask if row is None or call.cache is None else row_mask(
+            call.mask, call.cache, row, q_len
+        )  # fmt: skip
         return replace(
-            call, cache=None, batch_shape=rows, q_len=q_len, kv_len=kv_len, score_term=term
-        )
+            call, cache=None, batch_shape=rows, q_len=q_len, kv_len=kv_len, score_term=term,
+            mask=mask,
+        )  # fmt: skip
 
     def _rewritten(self, call: AttentionCall) -> tuple[AttentionCall, list[str]]:
         """The call as :meth:`run` serves it: a score_mod that is exactly a softcap runs as
@@ -328,7 +339,11 @@ class Chunked(Backend):
             why = self.cache_refusal(call)
             if why is None:
                 return [f"reads the cache in place: {native_status()[1]}"]
+            indexed = indexed_cache(call, self.native)
+            if isinstance(indexed, IndexedCache):
+                return [indexed.words]
             if not self._views_of_rows(call):
+                why = why if indexed is None else f"{why}; {indexed}"
                 return [f"each row's keys gathered from the cache, one call a row or all ({why})"]
             dense = self._dense(call, call.q_len, call.kv_len, None)
             return [f"the rows' keys as views of the cache ({why})", *self.notes(dense)]
@@ -496,6 +511,11 @@ class Chunked(Backend):
                 k_scale=view.k_scale,  # int8/float8 pages: dequantized in registers
                 v_scale=view.v_scale,
             )
+            return (out, lse) if call.return_lse else out
+        indexed = indexed_cache(call, self.native, build=True)
+        if isinstance(indexed, IndexedCache):
+            note_kernel(indexed.words)
+            out, lse = indexed_cache_attention(call, indexed, inputs.q, inputs.sinks)
             return (out, lse) if call.return_lse else out
 
         def dense(q: Tensor, k: Tensor, v: Tensor, row: int | None) -> Output:

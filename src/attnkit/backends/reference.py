@@ -23,7 +23,7 @@ from .._base.transforms import transforms_active
 from .._call import AttentionCall
 from .._score_mod import ScoreMod, index_tensors
 from .._score_mod import apply as apply_score_mod
-from ..caches.view import row_term
+from ..caches.view import row_mask, row_term
 from ..masks import Geometry, Mask, decode
 from ..scores import ScoreTerm, cap_scores, decode_term, term_error
 from .base import Backend, CallInputs, Output
@@ -169,7 +169,10 @@ class Reference(Backend):
 
             def dense(q: Tensor, k: Tensor, v: Tensor, row: int | None) -> Output:
                 rows = replace(inputs, q=q, k=k, v=v)
-                return self._formula(call, rows, row_term(call.score_term, row))
+                own = call
+                if row is not None and call.cache is not None:  # the row's entries of its mask
+                    own = replace(call, mask=row_mask(call.mask, call.cache, row, q.size(2)))
+                return self._formula(own, rows, row_term(call.score_term, row))
 
             return call.cache.attend_rows(
                 inputs.q, dense, weights=call.return_weights, lse=call.return_lse

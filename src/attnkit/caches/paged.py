@@ -38,7 +38,7 @@ from ._evict import check_indices, compact_pages
 from ._quantize import FLOAT8, check_dtype, check_kv_dtype, fp8_scale, new_scales, quantize
 from ._tokens import Piece, check_tokens, check_values, given, put, values_of_keys, write
 from .kv_cache import check_values_in_keys
-from .view import CacheView, band_of
+from .view import CacheView, rows_refusal
 
 __all__ = ["PagedKVCache"]
 
@@ -66,19 +66,19 @@ def _counts(name: str, value: object, rows: int, most: int) -> list[int]:
     return list(value)
 
 
-def _check_band(mask: Tensor | Mask | None) -> None:
-    """A paged cache takes the masks that are bands (causal(), sliding_window(), and ``&`` of
-    them, with ``causal=True``): each row's keys are its own tokens, so no key padding is needed,
-    and a mask over a ``(Tq, Tk)`` matrix has no meaning when every row has its own ``Tk``."""
-    parts = mask.parts if isinstance(mask, Mask) and mask.op == "and" else (mask,)
-    for part in parts:
-        if part is not None and band_of(part) is None:
-            what = part.describe() if isinstance(part, Mask) else f"a {type(part).__name__}"
-            raise ValueError(
-                f"mask: a PagedKVCache call takes causal=True, causal() or sliding_window() (or "
-                f"their &), got {what}: each sequence attends its own tokens, so its lengths "
-                "already say which keys exist"
-            )
+def _check_mask(mask: Tensor | Mask | None) -> None:
+    """A paged cache takes masks read at each row's own pairs of (query, key position): bands
+    (causal(), sliding_window(), with ``causal=True``), index masks (key_indices(),
+    block_indices()) and bool tensors, joined by ``&`` and ``|``. Each row's keys are its own
+    tokens, so no key padding is needed, and masks that say which keys exist have no meaning
+    when every row has its own ``Tk``."""
+    what = rows_refusal(mask)
+    if what is not None:
+        raise ValueError(
+            f"mask: a PagedKVCache call takes causal=True, causal(), sliding_window(), "
+            f"key_indices(), block_indices() or a bool tensor (or their & and |), got {what}: "
+            "each sequence attends its own tokens, so its lengths already say which keys exist"
+        )
 
 
 class PagedKVCache(nn.Module):
@@ -741,7 +741,7 @@ class PagedKVCache(nn.Module):
         :func:`attnkit.attention` call. The view carries the call so checked: the
         :func:`attnkit.attention` call on it with the same arguments (the same ``q``, ``mask``,
         ``bias`` and ``sinks``) is not described and checked a second time."""
-        _check_band(mask)
+        _check_mask(mask)
         new = self._plan(k, v)
         view = self._view_of(new)  # (what the call reads once the new tokens are written)
         kw = {"mask": mask, "causal": causal, "scale": scale, "softcap": softcap}
@@ -768,8 +768,13 @@ class PagedKVCache(nn.Module):
 
         Args:
             q: the queries of the new tokens (row ``b``'s first ``new_tokens[b]`` are real).
-            mask, causal: a band over distances (``causal=True``, :func:`~attnkit.masks.causal`,
-                :func:`~attnkit.masks.sliding_window`, their ``&``).
+            mask, causal: which of its keys each query attends: bands over distances
+                (``causal=True``, :func:`~attnkit.masks.causal`,
+                :func:`~attnkit.masks.sliding_window`), index masks
+                (:func:`~attnkit.masks.key_indices`, :func:`~attnkit.masks.block_indices`:
+                positions in the row's tokens from 0, ``(B|1, Hi, T, k)``; an entry past the
+                row's own length is ignored, one past the longest row's refused) and bool tensors
+                ``(B|1, H|1, T, S)`` at (query, key position), joined by ``&`` and ``|``.
             scale: multiplies ``q k^T`` (default ``1/sqrt(Dk)``); ``softcap``: ``softcap *
                 tanh(s / softcap)`` of the scaled scores.
             bias: a bias by distance (ALiBi: :func:`attnkit.alibi_term`) whose table holds the
@@ -785,7 +790,8 @@ class PagedKVCache(nn.Module):
         cache's :meth:`view` (``explain()`` shows it, ``record_dispatch()`` records it): on CPUs
         without gradients (float32, float64, bfloat16, float16) the chunked backend's native
         kernel reads the pages through the block table where they lie; otherwise each row's keys
-        are gathered.
+        are gathered. With an index mask only each query's selected keys are gathered, through
+        the block table (O(T * k) time and memory), and attended.
         """
         kw = {"mask": mask, "causal": causal, "scale": scale, "softcap": softcap}
         view = self.stage_call(q, k, v, bias=bias, sinks=sinks, **kw)  # type: ignore[arg-type]

@@ -38,7 +38,9 @@ Shape letters: ``N`` rows (the call's batch), ``X`` pages, ``P`` pages per row i
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -47,10 +49,10 @@ from torch import Tensor
 
 from .._base.checks import broadcasts_to, dtype_str, shape_str
 from .._base.quantized import QUANTIZED, dequantize
-from ..masks import Mask
+from ..masks import KeyIndices, Mask, from_tensor
 from ..scores import DistanceBias, ScoreTerm
 
-__all__ = ["CacheView", "RowCall", "band_of", "row_term"]
+__all__ = ["CacheView", "RowCall", "band_of", "row_mask", "row_term", "rows_refusal"]
 
 #: ``attend(q, k, v, row)``: one dense call of :meth:`CacheView.attend_rows`, on row ``row``'s
 #: queries and keys (``(1, ...)``), or on every row's (``row`` None) when they share their keys'
@@ -465,3 +467,69 @@ def row_term(term: ScoreTerm | None, n: int | None) -> ScoreTerm | None:
     if term.table.ndim == 3 and term.table.size(0) > 1:
         return DistanceBias(term.table[n : n + 1], term.first)
     return term
+
+
+def rows_refusal(mask: Tensor | Mask | None) -> str | None:
+    """None when a call whose rows attend keys of their own can take ``mask`` (``mask`` and
+    ``causal`` as one mask), else what it holds that such a call cannot: its parts, joined by
+    ``&`` and ``|``, must be bands (:func:`~attnkit.masks.causal`,
+    :func:`~attnkit.masks.sliding_window`; bottom-right aligned, to each row's own end), index
+    masks (:func:`~attnkit.masks.key_indices`, :func:`~attnkit.masks.block_indices`) or bool
+    tensors ``(N|1, H|1, Tq|1, Tk|1)``: what can be read at a row's pairs of (query, key
+    position). A mask that says which keys exist (key padding, documents) has no meaning there:
+    each row's keys are its own stretch."""
+    if mask is None or isinstance(mask, Tensor):
+        return None
+    if mask.op in ("and", "or"):
+        for part in mask.parts:
+            why = rows_refusal(part)
+            if why is not None:
+                return why
+        return None
+    band = mask.band
+    if isinstance(mask, KeyIndices) or mask.tensor is not None:
+        return None
+    if band is not None and band[2] == "bottom_right":
+        return None
+    return mask.describe()
+
+
+def row_mask(mask: Mask | None, view: CacheView, n: int, q_len: int) -> Mask | None:
+    """A call's mask (with ``causal`` folded in) for row ``n``'s call of
+    :meth:`CacheView.attend_rows` on its own ``q_len`` real queries and its keys ``start <= j <
+    end`` (``(1, H, q_len, end - start)``): bands as they are (each aligned to the row's own
+    end), an index mask's entries of the row made positions in its keys (those outside them
+    ``-1``: keys the row does not hold are not attended), a bool tensor's rows, real queries and
+    keys of the row. See :func:`rows_refusal` for the masks it takes."""
+    if mask is None:
+        return None
+    start, end = view.kv_range[n]
+    if mask.op in ("and", "or"):
+        parts = [row_mask(p, view, n, q_len) for p in mask.parts]
+        join = operator.and_ if mask.op == "and" else operator.or_
+        return functools.reduce(join, parts)
+    if isinstance(mask, KeyIndices):
+        return _row_indices(mask, n, q_len, start, end)
+    t = mask.tensor
+    if t is not None:
+        t4 = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
+        t4 = t4[n : n + 1] if t4.size(0) > 1 else t4
+        t4 = t4[:, :, :q_len] if t4.size(2) > 1 else t4
+        return from_tensor(t4[..., start:end] if t4.size(3) > 1 else t4)
+    if rows_refusal(mask) is not None:
+        raise ValueError(f"mask: {mask.describe()} cannot be read on one row of a cache's keys")
+    return mask
+
+
+def _row_indices(mask: KeyIndices, n: int, q_len: int, start: int, end: int) -> KeyIndices:
+    """Row ``n``'s entries of an index mask for its first ``q_len`` queries, as positions in its
+    keys ``start <= j < end`` (``-1`` for none and for keys outside them); blocks written out
+    as their keys."""
+    idx = mask.indices
+    idx = (idx[n : n + 1] if idx.size(0) > 1 else idx)[:, :, :q_len].long()
+    if mask.block > 1:  # (..., k) blocks -> (..., k * block) keys
+        offsets = torch.arange(mask.block, device=idx.device)
+        wide = idx.unsqueeze(-1) * mask.block + offsets
+        idx = torch.where(idx.unsqueeze(-1) >= 0, wide, -1).flatten(-2)
+    inside = (idx >= start) & (idx < end)
+    return KeyIndices(torch.where(inside, idx - start, -1), 1)
