@@ -103,7 +103,10 @@ class Flex:
         if _flex_module is None:
             raise SystemExit("this torch has no FlexAttention: nothing to compare with")
         self.setup = setup
-        self.attend = torch.compile(_flex_module.flex_attention, dynamic=False)
+        # as torch's documentation writes it (default dynamic shapes), which attnkit's flex
+        # backend also compiles with on GPUs: both compile static kernels for the first length
+        # of a kind and a kernel for every length from the second on
+        self.attend = torch.compile(_flex_module.flex_attention)
 
     def __call__(
         self,
