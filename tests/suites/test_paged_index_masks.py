@@ -441,3 +441,65 @@ def test_masks_that_say_which_keys_exist_are_refused_with_their_names() -> None:
     with pytest.raises(ValueError, match=r"key_indices\(\), block_indices\(\).*got key_padding"):
         cache.attention(q, k, k, mask=masks.key_padding(torch.tensor([1, 1])))
     assert cache.lengths == [0, 0]
+
+
+def test_rows_that_start_past_0_read_positions_of_their_pages() -> None:
+    """Rows whose keys start past 0 (left padding, ``cache_leftpad``) on a contiguous cache:
+    positions are those of the row's pages, entries before its start ignored; the gather and
+    the reference's rows agree."""
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 2, 12, 8, generator=g, dtype=F64)
+    v = torch.randn(2, 2, 12, 8, generator=g, dtype=F64)
+    view = CacheView(k, v, kv_range=((3, 10), (0, 6)))
+    q = torch.randn(2, 4, 2, 8, dtype=F64)
+    idx = selection(2, 2, 2, 5, 10, seed=11)
+    mask = masks.key_indices(idx) & masks.causal()
+    out, lse = attnkit.attention(q, view, mask=mask, return_lse=True)
+    want = attnkit.attention(q, view, mask=mask, return_lse=True, backend="reference")
+    torch.testing.assert_close((out, lse), want, atol=1e-12, rtol=0)
+    # by hand: row 0's keys 3..9, its queries at positions 8 and 9
+    sel = dense_selection(idx, 0, 4, 10)[:, :, :, 3:] & aligned_band(2, 7, -math.inf, 0)
+    alone = attnkit.attention(q[:1], k[:1, :, 3:10], v[:1, :, 3:10],
+                              mask=masks.from_tensor(sel), backend="reference")  # fmt: skip
+    torch.testing.assert_close(out[:1], alone, atol=1e-12, rtol=0)
+
+
+def test_index_masks_anded_with_a_tensor_run_on_each_rows_keys() -> None:
+    """``key_indices & a bool tensor``: not a band beside the selection, so each row's keys are
+    gathered and the row's own entries of both masks read (explain() says why)."""
+    view = paged_view([6, 10])
+    q = torch.randn(2, 4, 1, 8, dtype=F64)
+    idx = selection(2, 1, 1, 4, 10, seed=12)
+    dense = torch.rand(2, 1, 1, 10, generator=torch.Generator().manual_seed(2)) < 0.7
+    out = attnkit.attention(q, view, mask=masks.key_indices(idx) & dense)
+    allowed = [
+        dense_selection(idx, n, 4, L) & dense[n : n + 1, :, :, :L] for n, L in enumerate((6, 10))
+    ]
+    want, _ = reference_rows(q, row_keys(view), allowed, [1, 1])
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    said = str(attnkit.explain(q, view, mask=masks.key_indices(idx) & dense))
+    assert "is not a band of each row's keys" in said
+
+
+def test_a_quantized_kv_cache_gathers_its_selected_rows_with_their_scales() -> None:
+    """An int8 ``KVCache`` whose rows share their keys: the selected rows gathered and
+    dequantized, as the reference reads the whole rows dequantized."""
+    cache = attnkit.KVCache(2, 16, 2, 8, kv_dtype=torch.int8)
+    g = torch.Generator().manual_seed(6)
+    cache.update(torch.randn(2, 2, 11, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g))
+    view = cache.view()
+    q = torch.randn(2, 4, 1, 8)
+    mask = masks.key_indices(selection(2, 2, 1, 5, 11, seed=13))
+    out = attnkit.attention(q, view, mask=mask, causal=True)
+    want = attnkit.attention(q, view, mask=mask, causal=True, backend="reference")
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert "dequantized with their scales" in str(attnkit.explain(q, view, mask=mask))
+
+
+def test_no_rows_and_no_queries() -> None:
+    view = paged_view([4, 7])
+    for q in (torch.randn(2, 4, 0, 8, dtype=F64),):
+        mask = masks.key_indices(torch.zeros(2, 1, 0, 3, dtype=torch.long))
+        out, lse = attnkit.attention(q, view, mask=mask, return_lse=True)
+        assert out.shape == (2, 4, 0, 8)
+        assert lse.shape == (2, 4, 0)
