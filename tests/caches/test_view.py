@@ -13,7 +13,7 @@ from torch import Tensor
 import attnkit
 from attnkit import masks
 from attnkit.backends.base import CallInputs, Output
-from attnkit.caches.view import CacheView, band_of
+from attnkit.caches.view import CacheView, band_of, row_mask, rows_refusal
 from attnkit.testing import assert_close
 from tests.helpers import brute_force
 
@@ -164,6 +164,34 @@ def test_rows_of_their_own_take_bands_and_biases_by_distance_only() -> None:
     window = masks.sliding_window(2) & masks.causal()
     assert band_of(window) == (-2, 0)
     assert band_of(masks.key_padding([1])) is None
+
+
+def test_rows_of_their_own_take_masks_read_at_their_own_pairs() -> None:
+    """Bands aligned to the row's end, index masks and bool tensors, joined by & and |; a mask
+    that says which keys exist, or a band from the top-left corner, is named."""
+    idx = masks.key_indices(torch.zeros(1, 1, 1, 1, dtype=torch.long))
+    assert rows_refusal(idx & masks.causal() | torch.ones(1, 1, 1, 1, dtype=torch.bool)) is None
+    assert rows_refusal(masks.key_padding([1]) & idx) == "key_padding(lengths=[1])"
+    assert rows_refusal(masks.causal("top_left")) == masks.causal("top_left").describe()
+
+
+def test_a_rows_own_mask_reads_its_entries_at_its_keys() -> None:
+    """Row 0 holds keys 2..5, row 1 keys 0..2: NSA's blocks of 2, ``[0, 2]`` and ``[1, -1]``, are
+    keys 0, 1, 4, 5 and 2, 3, of which each row attends those it holds, at their places in its
+    own keys; a tensor's row, its real queries and the row's keys."""
+    k = torch.zeros(2, 1, 8, 1)
+    view = CacheView(k, k, kv_range=((2, 6), (0, 3)))
+    blocks = masks.block_indices(torch.tensor([[0, 2], [1, -1]]).view(2, 1, 1, 2), block=2)
+    row0, row1 = (row_mask(blocks, view, n, 1) for n in (0, 1))
+    assert row0 is not None
+    assert row1 is not None
+    assert row0.dense(1, 4)[0, 0].int().tolist() == [[0, 0, 1, 1]]
+    assert row1.dense(1, 3)[0, 0].int().tolist() == [[0, 0, 1]]
+    dense = torch.arange(2 * 2 * 6).view(2, 1, 2, 6) % 3 == 0  # (N, 1, Tq, Tk)
+    own = row_mask(masks.from_tensor(dense) & masks.causal(), view, 0, 1)
+    assert own is not None
+    assert torch.equal(own.parts[0].tensor, dense[:1, :, :1, 2:6])  # type: ignore[arg-type]
+    assert own.parts[1].band == (-float("inf"), 0, "bottom_right")
 
 
 def test_a_view_is_checked_when_it_is_made() -> None:
