@@ -18,6 +18,7 @@ from attnkit.caches import view as view_module
 from attnkit.caches._quantize import FLOAT8, quantize_fp8, quantize_int8
 from attnkit.caches.view import CacheView
 from attnkit.flash_attn import flash_attn_with_kvcache
+from attnkit.masks import key_padding
 
 
 def _x(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -316,7 +317,7 @@ def test_a_refused_write_leaves_a_quantized_cache_bit_identical(kv_dtype: torch.
         paged.stage(torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g))
     q = torch.randn(2, 2, 1, 4)
     with pytest.raises(ValueError, match="mask"):
-        paged.stage_call(q, q[:, :, :, :] * 1, q * 1, mask=torch.ones(1, 3, dtype=torch.bool))
+        paged.stage_call(q, q[:, :, :, :] * 1, q * 1, mask=key_padding([1, 1]))
     assert _same(pstate(), before)
     assert paged.lengths == [2, 2]
 
