@@ -503,3 +503,26 @@ def test_no_rows_and_no_queries() -> None:
         out, lse = attnkit.attention(q, view, mask=mask, return_lse=True)
         assert out.shape == (2, 4, 0, 8)
         assert lse.shape == (2, 4, 0)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_latent_decode_over_quantized_pages(kv_dtype: torch.dtype) -> None:
+    """An int8/float8 paged latent cache (the values the keys' first columns, read with the
+    keys' scales) with ``key_indices``: the absorbed step equals the same step over a
+    contiguous cache quantized alike, and the expanded form's over the paged latents (read
+    whole, dequantized, expanded per head)."""
+    m = latent_module().float()
+    x = torch.randn(2, 10, 32)
+    idx = causal_selection(2, 1, 10, 4, seed=10)
+    with torch.no_grad():
+        paged = m.make_paged_cache(num_blocks=8, page_size=4, max_seqs=2, kv_dtype=kv_dtype)
+        contiguous = m.make_kv_cache(batch_size=2, max_len=12, kv_dtype=kv_dtype)
+        got = []
+        for cache in (paged, contiguous):
+            m(x[:, :9], causal=True, cache=cache)
+            step = masks.key_indices(idx[:, :, 9:])
+            got.append(m(x[:, 9:], mask=step, causal=True, cache=cache))
+        paged.rewind(9)
+        expanded = m(x[:, 9:], mask=step, causal=True, cache=paged, form="expanded")
+    torch.testing.assert_close(got[0], got[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], expanded, atol=1e-4, rtol=1e-4)

@@ -486,12 +486,16 @@ def _gather(
 
     k = read(view.k, view.k_scale)
     dv = view.v.size(-1)
-    prefix = (
-        view.v.data_ptr() == view.k.data_ptr()
-        and view.v.stride() == view.k.stride()
-        and view.v_scale is view.k_scale
-    )
+    prefix = _same(view.v, view.k) and _same(view.v_scale, view.k_scale)
     return k, (k[..., :dv] if prefix else read(view.v, view.v_scale))
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether ``a`` starts where ``b`` does, at its strides (the values of a latent cache: the
+    keys' first columns, read with the keys' scales)."""
+    if a is None or b is None:
+        return a is b
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
 
 
 def _rows_at(pool: Tensor, at: tuple[Tensor, Tensor, Tensor]) -> Tensor:

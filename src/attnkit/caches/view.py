@@ -17,6 +17,13 @@ they lie (the native kernel), ``reference`` gathers each row's keys into dense t
 its formula; a backend of one's own serves such calls when its ``accepts_cache`` is True
 (:meth:`CacheView.attend_rows` gives it dense calls).
 
+A call whose rows attend keys of their own takes the masks that can be read at a row's own pairs
+of (query, key position) (:func:`rows_refusal`): bands aligned to each row's end, index masks
+(:func:`~attnkit.masks.key_indices`; positions in the row's pages, an entry outside the row's
+keys ignored) and bool tensors ``(N|1, H|1, Tq|1, Tk|1)``. :func:`row_mask` gives a row's call
+of :meth:`CacheView.attend_rows` its own entries of such a mask; ``chunked`` gathers an index
+mask's selected keys alone (:mod:`attnkit._kernel.cache`).
+
 >>> import torch, attnkit
 >>> k = torch.randn(2, 2, 16, 8)                 # a contiguous cache: 2 rows of 16 positions
 >>> view = CacheView(k, k, kv_range=[(0, 5), (0, 9)])
