@@ -1116,6 +1116,8 @@ def _batch_rows(mask: Mask) -> int | None:
         return mask.ids.size(0) if mask.ids.ndim == 2 else None
     if isinstance(mask, _Dense):
         return mask.t.shape[:-3].numel() if mask.t.ndim >= 4 else None
+    if isinstance(mask, KeyIndices):
+        return mask.indices.size(0)
     if isinstance(mask, _Combined):
         found = [r for r in map(_batch_rows, mask.parts) if r is not None]
         return max(found) if found else None

@@ -121,8 +121,10 @@ class KeyIndices(Mask):
         counts). Made once per tensor version and call size: the forward and the backward, and
         the tiles of a plan, share it."""
         version = _version(self.indices)
-        kept = self._kept.get((kv_len, device))
-        if version is not None and kept is not None and kept[0] == version:
+        if not isinstance(kv_len, int):  # a SymInt (an export of dynamic shapes): not hashable
+            version = None
+        kept = None if version is None else self._kept.get((kv_len, device))
+        if kept is not None and kept[0] == version:
             return kept[1]
         keys = self.indices.to(device=device, dtype=torch.long)
         if self.block > 1:
@@ -150,7 +152,7 @@ class KeyIndices(Mask):
         # Keys outside ks:ke (and none) go to one spare column, dropped after the scatter.
         keys = torch.where((keys >= 0) & (keys < width), keys, width)
         out = torch.zeros((*keys.shape[:-1], width + 1), dtype=torch.bool, device=geo.device)
-        return out.scatter_(-1, keys, True)[..., :width]
+        return out.scatter(-1, keys, True)[..., :width]
 
     def block_states(
         self, geo: Geometry, q: tuple[int, int, int], k: tuple[int, int, int]
