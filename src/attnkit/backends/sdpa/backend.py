@@ -242,12 +242,15 @@ def _plain(
         dropout_p=dropout_p,
         is_causal=is_causal,
         scale=scale,
-        enable_gqa=q.size(-3) != k.size(-3),
+        # (a branch, not the comparison: under dynamic shapes that is a SymBool, which torch's
+        # binding refuses; torch.compile guards on the branch)
+        enable_gqa=True if q.size(-3) != k.size(-3) else False,  # noqa: SIM210
     )
     empty = screen.empty_rows(attn_mask)
-    if empty is not None and q.device.type != "cpu":
+    if empty is not None and (q.device.type != "cpu" or torch.compiler.is_compiling()):
         # On CPU torch >= 2.5 returns 0 for a query with no visible key (its math and flash kernels
-        # use a safe softmax); the CUDA kernels have differed between releases, so make sure.
+        # use a safe softmax); the CUDA kernels have differed between releases, so make sure. A
+        # traced graph says it too: ONNX's attention gives such a query the mean of the values.
         out = out.masked_fill(empty, 0.0)
     return out, attn_mask
 
