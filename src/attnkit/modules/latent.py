@@ -329,6 +329,11 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = 1 / math.sqrt(dn + dr) if scale is None else check_positive("scale", scale)
         self.dropout = check_probability("dropout", dropout)
         if rotary is None:
+            if dr % 2:
+                raise ValueError(
+                    f"qk_rope_head_dim ({dr}) must be even for the default rotary embedding, "
+                    "which rotates pairs of its numbers; give rotary= for another"
+                )
             rotary = RotaryEmbedding(dr)
         if not isinstance(rotary, nn.Module):
             raise TypeError(f"rotary must be an nn.Module or None, got {type(rotary).__name__}")
