@@ -31,7 +31,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
-from attnkit import KVCache, PagedKVCache, attention_stats, masks
+from attnkit import KVCache, PagedKVCache, StreamingKVCache, attention_stats, masks
+from attnkit.caches._quantize import quantize_fp8, quantize_int8
 from attnkit.scores import DistanceBias
 from attnkit.testing import assert_close
 
@@ -158,8 +159,12 @@ def stats_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.parametrize("case", list(STATS_CASES))
-@pytest.mark.parametrize("given_lse", [False, True], ids=["lse-pass", "lse-given"])
-@pytest.mark.parametrize("per_kv_head", [False, True], ids=["per-q-head", "per-kv-head"])
+# (per_kv_head sums the pass's outputs afterwards: one pairing of the two covers both)
+@pytest.mark.parametrize(
+    ("given_lse", "per_kv_head"),
+    [(False, False), (True, True)],
+    ids=["lse-pass-per-q-head", "lse-given-per-kv-head"],
+)
 def test_stats_equal_the_reference_weights(
     case: str, given_lse: bool, per_kv_head: bool, stats_pass: str
 ) -> None:
@@ -364,14 +369,13 @@ def test_compiled_calls_run_the_pass_between_graphs_and_fullgraph_refuses_in_wor
 
     torch._dynamo.reset()
     try:
-        for dynamic in (False, True):
-            compiled = torch.compile(f, dynamic=dynamic, backend="aot_eager")
-            for t in (6, 9):
-                q, k = randn(1, 2, t, D, seed=t), randn(1, 2, t, D, seed=t + 1)
-                want = reference_stats(q, k, mask=masks.sliding_window(3))
-                mass, entropy = compiled(q, k)
-                assert_close(mass, want[0] * 2, dtype=torch.float32)
-                assert_close(entropy, want[2] + 1, dtype=torch.float32)
+        compiled = torch.compile(f, dynamic=True, backend="aot_eager")
+        for t in (6, 9):
+            q, k = randn(1, 2, t, D, seed=t), randn(1, 2, t, D, seed=t + 1)
+            want = reference_stats(q, k, mask=masks.sliding_window(3))
+            mass, entropy = compiled(q, k)
+            assert_close(mass, want[0] * 2, dtype=torch.float32)
+            assert_close(entropy, want[2] + 1, dtype=torch.float32)
         torch._dynamo.reset()  # (else the graphs made above serve the call)
         strict = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
         with pytest.raises(Exception, match="reads whether q and k are finite"):
@@ -661,3 +665,210 @@ def test_a_refused_keep_changes_nothing(
     with attnkit_checks_only(), pytest.raises(error, match=message):
         keep()
     assert_same_state(before, snapshot(cache))
+
+
+# ---------------------------------------------------------------------------------------------
+# StreamingKVCache: StreamingLLM's sinks and window
+
+
+def streaming_visible(start: int, new: int, seen: int, sinks: int, window: int) -> Tensor:
+    """StreamingLLM's rule, from the paper's description: the query at position ``t`` sees the
+    first ``sinks`` tokens and the ``window`` latest up to itself, ``t - window + 1 .. t``.
+    ``(new, seen)`` for queries ``start .. start + new - 1`` over tokens ``0 .. seen - 1``."""
+    t = torch.arange(start, start + new)[:, None]
+    j = torch.arange(seen)[None, :]
+    return (j <= t) & ((j < sinks) | (j > t - window))
+
+
+def stored_form(
+    x: Tensor, kv_dtype: torch.dtype | None, scale: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """Tokens as a streaming cache of ``kv_dtype`` stores them, dequantized as attnkit reads
+    them (``k.float() * k_scale``), in float64, and the float8 scale of the cache (set by its
+    first write)."""
+    if kv_dtype is None:
+        return x.double(), None
+    if kv_dtype == torch.int8:
+        xq, s = quantize_int8(x)
+        return (xq.float() * s).double(), None
+    xq, s = quantize_fp8(x, kv_dtype, scale=scale)
+    return (xq.float() * s).double(), s
+
+
+def run_streaming(
+    sinks: int,
+    window: int,
+    chunks: list[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> StreamingKVCache:
+    """Feed ``chunks`` of tokens through a cache (2 rows, 4 query heads over 2 key/value heads)
+    and check every output against the float64 reference over exactly the tokens StreamingLLM
+    keeps for each query; the cache's memory never moves or grows."""
+    cache = StreamingKVCache(
+        2, 2, D, sink_tokens=sinks, window=window, dtype=dtype, kv_dtype=kv_dtype
+    )
+    memory = [(t.data_ptr(), t.shape) for t in (cache.k_cache, cache.v_cache)]
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    scales: list[Tensor | None] = [None, None]
+    start = 0
+    for i, n in enumerate(chunks):
+        q = randn(2, 4, n, D, seed=seed + 3 * i, dtype=dtype)
+        k = randn(2, 2, n, D, seed=seed + 3 * i + 1, dtype=dtype) * 2
+        v = randn(2, 2, n, D, seed=seed + 3 * i + 2, dtype=dtype)
+        out, lse = cache.attention(q, k, v)
+        for store, x, at in ((keys, k, 0), (values, v, 1)):
+            form, scale = stored_form(x, kv_dtype, scales[at])
+            scales[at] = scales[at] if scales[at] is not None else scale
+            store.append(form.to(dtype).double())
+        kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
+        allowed = streaming_visible(start, n, kk.size(2), sinks, window)
+        want, want_lse = attnkit.attention(
+            q.double(), kk, vv, mask=allowed, backend="reference", return_lse=True
+        )
+        assert_close(out, want, dtype=dtype)
+        assert_close(lse, want_lse, dtype=dtype)
+        start += n
+        assert (cache.position, cache.length) == (start, min(start, sinks + window))
+        assert [(t.data_ptr(), t.shape) for t in (cache.k_cache, cache.v_cache)] == memory
+    return cache
+
+
+SINKS_AND_WINDOWS = [(4, 8), (0, 5), (3, 1), (1, 1), (0, 1), (6, 3)]
+
+
+@pytest.mark.parametrize(("sinks", "window"), SINKS_AND_WINDOWS)
+def test_decoding_three_caches_long_keeps_the_sinks_and_the_window(sinks: int, window: int) -> None:
+    run_streaming(sinks, window, [1] * (3 * (sinks + window)))
+
+
+@pytest.mark.parametrize(("sinks", "window"), SINKS_AND_WINDOWS)
+def test_prompts_longer_than_the_cache_and_chunks_longer_than_the_window(
+    sinks: int, window: int
+) -> None:
+    size = sinks + window
+    run_streaming(sinks, window, [2 * size + 3] + [1] * size + [window + 2, 1, size + 1, 1])
+    run_streaming(sinks, window, [max(1, sinks // 2), 1, window + 1, 1, 3, 2 * window, 1])
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_dtypes_and_stored_formats_against_the_tokens_as_stored(
+    dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> None:
+    run_streaming(2, 4, [7, 1, 1, 5, 1, 1, 1, 9, 1, 1], dtype=dtype, kv_dtype=kv_dtype)
+
+
+def test_memory_stays_flat_over_a_long_run() -> None:
+    """Every tensor the cache holds keeps its size over 40 caches' worth of steps."""
+    cache = StreamingKVCache(1, 1, 4, sink_tokens=2, window=3, kv_dtype=torch.int8)
+
+    def held_bytes() -> int:
+        return sum(
+            t.untyped_storage().nbytes() for t in vars(cache).values() if isinstance(t, Tensor)
+        )
+
+    x = torch.randn(1, 1, 1, 4)
+    cache.attention(x, x, x)
+    first = held_bytes()
+    for _ in range(200):
+        cache.attention(x, x, x)
+        assert held_bytes() == first
+    assert (cache.position, cache.length) == (201, 5)
+
+
+def test_a_window_of_zero_or_negative_sinks_are_refused_in_words() -> None:
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        StreamingKVCache(1, 1, 4, sink_tokens=2, window=0)
+    with pytest.raises(ValueError, match="sink_tokens must be >= 0, got -1"):
+        StreamingKVCache(1, 1, 4, sink_tokens=-1, window=2)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_reset_starts_a_new_stream(kv_dtype: torch.dtype | None) -> None:
+    cache = run_streaming(2, 3, [9, 1, 1], kv_dtype=kv_dtype)
+    cache.reset()
+    assert (cache.position, cache.length) == (0, 0)
+    # a stream of much larger values: a float8 cache takes a new scale from its first write
+    big = randn(2, 2, 4, D, seed=90) * 300
+    q = randn(2, 4, 4, D, seed=91)
+    out, _ = cache.attention(q, big, big)
+    form, _ = stored_form(big, kv_dtype, None)
+    want = attnkit.attention(
+        q.double(), form, form, mask=streaming_visible(0, 4, 4, 2, 3), backend="reference"
+    )
+    assert_close(out, want, dtype=torch.float32)
+
+
+def test_a_refused_call_changes_nothing_a_later_query_sees() -> None:
+    cache = run_streaming(2, 3, [7, 1])
+    before = [t.clone() for t in (cache.k_cache, cache.v_cache)]
+    with pytest.raises((TypeError, ValueError)):
+        cache.attention(
+            torch.randn(2, 4, 3, D), torch.randn(2, 2, 3, D).double(), torch.randn(2, 2, 3, D)
+        )
+    with pytest.raises(ValueError, match="q brings 2 queries but k and v 3 new tokens"):
+        cache.attention(torch.randn(2, 4, 2, D), torch.randn(2, 2, 3, D), torch.randn(2, 2, 3, D))
+    assert cache.position == 8
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, (cache.k_cache, cache.v_cache), strict=True)
+    )
+
+
+def test_rotary_positions_are_the_sequence_positions_as_documented() -> None:
+    """A module with rotary embeddings decoding through the cache rotates each key at its own
+    position in the sequence (``offset = cache.position``), not at its slot: its outputs equal
+    the module over the whole sequence with the sinks-or-window mask."""
+    torch.manual_seed(0)
+    m = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2, rotary=attnkit.RotaryEmbedding(4)).eval()
+    sinks, window, steps = 2, 3, 14
+    x = torch.randn(1, steps, 16, dtype=F64)
+    m = m.double()
+    cache = StreamingKVCache(1, 2, 4, sink_tokens=sinks, window=window, dtype=F64)
+    with torch.no_grad():
+        full = m(x, mask=streaming_visible(0, steps, steps, sinks, window))
+        got = [m(x[:, :5], cache=cache, causal=True)]
+        got += [m(x[:, i : i + 1], cache=cache, causal=True) for i in range(5, steps)]
+    assert_close(torch.cat(got, 1), full, dtype=F64)
+
+
+def test_a_compiled_decode_step_is_one_graph_once_the_ring_is_full() -> None:
+    """torch.compile(fullgraph=True, dynamic=True) of a decode step, the cache an argument: the
+    outputs equal the reference over the kept tokens at every step, and the graphs are one per
+    phase of the cache (sinks filling, window filling, ring full), not one per step."""
+
+    def step(cache: StreamingKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return cache.attention(q, k, v)[0]
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+        cache = StreamingKVCache(1, 2, D, sink_tokens=1, window=2)
+        keys: list[Tensor] = []
+        values: list[Tensor] = []
+        stats = torch._dynamo.utils.counters["stats"]
+        full = 0
+        for i in range(7):
+            q, k, v = (
+                randn(1, 4, 1, D, seed=3 * i),
+                randn(1, 2, 1, D, seed=3 * i + 1),
+                randn(1, 2, 1, D, seed=3 * i + 2),
+            )
+            keys.append(k.double())
+            values.append(v.double())
+            out = compiled(cache, q, k, v)
+            kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
+            want = attnkit.attention(
+                q.double(), kk, vv, mask=streaming_visible(i, 1, i + 1, 1, 2), backend="reference"
+            )
+            assert_close(out, want, dtype=torch.float32)
+            if i == 3:  # the ring is full from position 3 on (S + W = 3)
+                full = stats["unique_graphs"]
+        assert 0 < full <= 4, full
+        assert stats["unique_graphs"] == full  # no graph made for the steps after
+    finally:
+        torch._dynamo.reset()
