@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .._base.checks import dtype_str, shape_str
+from ..caches._quantize import FLOAT8
 
 __all__ = ["check_rotary", "rotate"]
 
@@ -18,7 +19,12 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: 
     kernel does: rounding a half-precision product and sum each would move about a third of the
     rotated values by one step."""
     half = cos.size(-1)
-    work = torch.promote_types(x.dtype, torch.float32)
+    # (float8 promotes with no dtype and has no indexing kernel: float8 keys and tables are
+    # read in float32, and the rotated keys go back to the format saturating, as flash-attn 3
+    # stores its float8 keys)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if cos.dtype in FLOAT8:
+        cos, sin = cos.float(), sin.float()
     c = cos[positions].unsqueeze(2).to(work)  # (B, T, 1, half)
     s = sin[positions].unsqueeze(2).to(work)
     part, rest = x[..., : 2 * half].to(work), x[..., 2 * half :]
@@ -28,6 +34,9 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: 
     else:
         a, b = part[..., :half], part[..., half:]
         turned = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    if x.dtype in FLOAT8:
+        top = torch.finfo(x.dtype).max
+        return torch.cat((turned.clamp(-top, top).to(x.dtype), rest), dim=-1)
     return torch.cat((turned.to(x.dtype), rest), dim=-1)
 
 
