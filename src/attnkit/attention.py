@@ -55,6 +55,7 @@ from .backends.base import (
     Dispatch,
     Output,
     dequantized,
+    own_costs,
     recording,
     registry_of_call,
     restore_registry,
@@ -267,10 +268,12 @@ def _rank(costs: list[str], slower: list[str], gpu: bool = False) -> int:
     slow path of its own), 2 (costs). The first backend of the lowest rank wins. On a GPU the
     last two swap (see :func:`attnkit._base.devices.slow_paths_cost_more`): a slow path there is
     a loop of small kernels or torch's math kernel, which costs more than a mask written out for
-    a fused kernel."""
-    if gpu:
-        return 2 if slower else 1 if costs else 0
-    return 2 if costs else 1 if slower else 0
+    a fused kernel. Dequantizing int8/float8 keys and values weighs less than any other cost:
+    every path but the native decode pays it, so the other costs decide between those that do
+    (the rank doubled, plus 1 with the copy)."""
+    own = own_costs(costs)
+    rank = (2 if slower else 1 if own else 0) if gpu else (2 if own else 1 if slower else 0)
+    return 2 * rank + (len(own) != len(costs))
 
 
 def _decide(call: AttentionCall, backend: str | Backend) -> Explanation:
@@ -313,7 +316,7 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
         if not backend.reasons(call)[0]:
             return backend
     elif backend == "auto":
-        best, best_rank = None, 3
+        best, best_rank = None, 6
         gpu = slow_paths_cost_more(target(call.device))
         for b in registry.values():
             if not b.auto:
@@ -321,7 +324,7 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
             refused, costs = b.reasons(call, refused_costs=False)
             if refused:
                 continue
-            slow = b.slower_reasons(call) if gpu or not costs else []
+            slow = b.slower_reasons(call) if gpu or not own_costs(costs) else []
             rank = _rank(costs, slow, gpu)
             if rank == 0:
                 return b

@@ -48,6 +48,7 @@ __all__ = [
     "Dispatch",
     "dequantized",
     "dequantized_cost",
+    "own_costs",
     "record_dispatch",
     "recording",
     "registry_of_call",
@@ -71,11 +72,22 @@ class CallInputs:
     captured: tuple[Tensor, ...] = ()
 
 
+#: how a cost of :func:`dequantized_cost` begins (a backend may add its own words after it)
+DEQUANTIZE = "would dequantize "
+
+
 def dequantized_cost(call: AttentionCall) -> str:
     """The cost of reading a call's int8/float8 keys and values (``call.quantized``) dequantized,
     in ``explain()``'s words."""
     what = "" if call.quantized is None else call.quantized.describe()
-    return f"would dequantize {what} first (a copy of them in q's dtype)"
+    return f"{DEQUANTIZE}{what} first (a copy of them in q's dtype)"
+
+
+def own_costs(costs: list[str]) -> list[str]:
+    """``costs`` without the copy of dequantized keys and values (:func:`dequantized_cost`):
+    what sets backends apart on an int8/float8 call, where every path but the native decode
+    pays that copy."""
+    return [c for c in costs if not c.startswith(DEQUANTIZE)]
 
 
 def dequantized(call: AttentionCall, inputs: CallInputs) -> tuple[AttentionCall, CallInputs]:
