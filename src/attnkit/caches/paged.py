@@ -433,6 +433,13 @@ class PagedKVCache(nn.Module):
             del self._pages[b][keep:]
             self._free.extend(reversed(extra))
             self.block_table[b, keep : keep + len(extra)] = -1
+            if self.kv_dtype in FLOAT8 and self.k_scales is not None:
+                # a page back in the pool holds no sequence's scale: write() quantizes into it
+                # with 1 (as into a new pool), not with the scale of the sequence it last held
+                at = torch.tensor(extra, device=self.k_scales.device)
+                self.k_scales[at] = 1.0
+                if self.v_scales is not None and not self.values_in_keys:
+                    self.v_scales[at] = 1.0
 
     @shape_checked
     def stage(
@@ -495,7 +502,10 @@ class PagedKVCache(nn.Module):
 
         A write into the pool only: the lengths and block table stay as they are. Every slot is
         checked (in the pool, none twice) before anything is written. ``v`` None: a
-        ``values_in_keys`` cache's values, the keys' first ``Dv`` columns.
+        ``values_in_keys`` cache's values, the keys' first ``Dv`` columns. A quantized pool
+        stores them as :meth:`stage` does: int8 with a scale per token, float8 with the scale
+        of the slot's page (a sequence's, or 1 on a page no sequence holds: vLLM's default
+        ``k_scale``), ``x / scale`` saturating at the format's largest number.
         """
         kp, vp = self.token_major()
         compare = False
@@ -558,7 +568,7 @@ class PagedKVCache(nn.Module):
             put(kp, vp_or_none, k, v, slots)
             return
         # quantized, every scale computed before anything is written: int8 a scale per token,
-        # float8 the one of the slot's page
+        # float8 the one of the slot's page (1 on a page no sequence holds, vLLM's default)
         at = slots.to(kp.device) // self.page_size
         fp8 = self.kv_dtype != torch.int8
         kq, ks = quantize(k[:, :, None], self.kv_dtype, self.k_scales[at] if fp8 else None)
