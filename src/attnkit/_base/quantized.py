@@ -7,6 +7,18 @@ broadcastable to ``(*batch, Hkv, Tk, 1)``: one per token and key/value head, one
 (``(Hkv, 1, 1)``), one for the whole cache, or any shape between. Here: the checks of those
 arguments (messages quote the values), and the dequantized tensors that a backend which does not
 read quantized values itself receives.
+
+What a call may hand over, on every backend alike:
+
+* Scales are tensors (a Python number or list is refused, naming the argument: a cache's scales
+  live beside it as tensors, and a tensor is what torch.compile and export take as an input), of
+  any float dtype, on q's device. Their values are not checked: zero, negative, NaN and inf
+  scales follow the formula, so a NaN or inf scale reaches the outputs of the queries that see
+  its keys, as a NaN key would (the non-finite policy).
+* ``k`` and ``v`` are quantized together, in one dtype: int8 keys with float8 or float values
+  (or the reverse) are refused, naming both dtypes.
+* int8 is read over its whole range, ``-128`` included (``-128 * scale``); attnkit's own
+  writers store ``-127..127`` (symmetric), so a cache they fill never holds ``-128``.
 """
 
 from __future__ import annotations
