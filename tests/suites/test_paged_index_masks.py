@@ -16,6 +16,7 @@ from torch import Tensor
 import attnkit
 from attnkit import masks
 from attnkit.caches.view import CacheView
+from attnkit.testing import assert_close
 
 F64 = torch.float64
 
@@ -526,3 +527,21 @@ def test_latent_decode_over_quantized_pages(kv_dtype: torch.dtype) -> None:
         expanded = m(x[:, 9:], mask=step, causal=True, cache=paged, form="expanded")
     torch.testing.assert_close(got[0], got[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[0], expanded, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_pages_are_read_as_they_are(dtype: torch.dtype) -> None:
+    """bfloat16 and float16 pages (the native kernel reads them as they are, torch's products
+    in float32): both within the dtype's tolerance of the float64 reference."""
+    cache = attnkit.PagedKVCache(num_blocks=12, page_size=4, num_kv_heads=2, head_dim=8,
+                                 max_seqs=2, dtype=dtype)  # fmt: skip
+    fill(cache, [6, 13])
+    view = cache.view()
+    q = torch.randn(2, 4, 2, 8).to(dtype)
+    mask = masks.key_indices(selection(2, 2, 2, 5, 13, seed=14)) & masks.causal()
+    wide = CacheView(view.k.double(), view.v.double(), view.kv_range, view.block_table)
+    want = attnkit.attention(q.double(), wide, mask=mask, backend="reference")
+    for backend in ("chunked", attnkit.backends.Chunked(native=False)):
+        out = attnkit.attention(q, view, mask=mask, backend=backend)
+        assert out.dtype == dtype
+        assert_close(out, want)
