@@ -772,3 +772,54 @@ def test_fuzz_paged_pools_against_their_own_pages(
             top = torch.finfo(dtype).max if dtype in F8 else math.inf
             inside = (exact.abs() <= top * scales.transpose(0, 1)[None]).all(-1, keepdim=True)
             assert bool(((keys - exact).abs() <= tol * 1.001)[inside.expand_as(keys)].all())
+
+
+_FORMS = {  # a scale's shape for keys (*batch, Hkv, Tk, D), each broadcastable to its target
+    "(*B, Hkv, Tk, 1)": lambda b, h, t: (*b, h, t, 1),
+    "(*B, Hkv, 1, 1)": lambda b, h, t: (*b, h, 1, 1),
+    "(*B, 1, Tk, 1)": lambda b, h, t: (*b, 1, t, 1),
+    "(Hkv, Tk, 1)": lambda b, h, t: (h, t, 1),
+    "(Hkv, 1, 1)": lambda b, h, t: (h, 1, 1),
+    "(Tk, 1)": lambda b, h, t: (t, 1),
+    "()": lambda b, h, t: (),
+}
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(ALL),
+    batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    hkv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    tq=st.integers(1, 6),
+    tk=st.integers(0, 9),
+    forms=st.tuples(st.sampled_from(sorted(_FORMS)), st.sampled_from(sorted(_FORMS))),
+    backend=st.sampled_from(["auto", "chunked", "reference"]),
+    causal=st.booleans(),
+    magnitude=st.floats(1e-4, 1e3),
+)
+def test_fuzz_scales_of_every_broadcast_shape(
+    dtype: torch.dtype,
+    batch: list[int],
+    hkv: int,
+    group: int,
+    tq: int,
+    tk: int,
+    forms: tuple[str, str],
+    backend: str,
+    causal: bool,
+    magnitude: float,
+) -> None:
+    """Any batch dims (none, one, two), GQA, any number of keys (0 included), scales of any
+    shape broadcastable to ``(*batch, Hkv, Tk, 1)`` and of any magnitude: the formula over the
+    dequantized values."""
+    g = torch.Generator().manual_seed(tq * 10 + tk)
+    q = torch.randn(*batch, hkv * group, tq, 8, generator=g)
+    kq, _ = _quantized(torch.randn(*batch, hkv, tk, 8, generator=g), dtype)
+    vq, _ = _quantized(torch.randn(*batch, hkv, tk, 8, generator=g), dtype)
+    k_scale = torch.rand(_FORMS[forms[0]](batch, hkv, tk), generator=g) * magnitude
+    v_scale = torch.rand(_FORMS[forms[1]](batch, hkv, tk), generator=g) + 0.5
+    out = attention(q, kq, vq, k_scale=k_scale, v_scale=v_scale, causal=causal, backend=backend)
+    want = _formula(q, kq, vq, k_scale, v_scale, causal=causal)
+    assert out.shape == want.shape
+    assert_close(out, want, conditioning=max(1.0, magnitude / 16))
