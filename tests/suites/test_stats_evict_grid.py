@@ -177,6 +177,43 @@ def test_stats_equal_the_reference_weights(
     check_stats(got, reference_stats(q, k, **kw, per_kv_head=per_kv_head))
 
 
+STRIDED: dict[str, Callable[[], tuple[Tensor, Tensor]]] = {
+    "k-expanded-along-Tk": lambda: (
+        randn(3, 4, 40, D, seed=1),
+        randn(3, 2, 1, D, seed=2).expand(-1, -1, 70, -1),
+    ),
+    "k-expanded-along-batch": lambda: (
+        randn(3, 4, 40, D, seed=1),
+        randn(1, 2, 70, D, seed=2).expand(3, -1, -1, -1),
+    ),
+    "k-expanded-along-heads": lambda: (
+        randn(3, 4, 40, D, seed=1),
+        randn(3, 1, 70, D, seed=2).expand(-1, 2, -1, -1),
+    ),
+    "q-expanded-along-batch": lambda: (
+        randn(1, 4, 40, D, seed=1).expand(3, -1, -1, -1),
+        randn(3, 2, 70, D, seed=2),
+    ),
+    "token-major-views": lambda: (
+        randn(3, 40, 4, D, seed=1).transpose(1, 2),
+        randn(3, 70, 4, D, seed=2)[:, :, ::2].transpose(1, 2),
+    ),
+    "every-other-column": lambda: (
+        randn(3, 4, 40, 2 * D, seed=1)[..., ::2],
+        randn(3, 2, 70, 2 * D, seed=2)[..., 1::2],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(STRIDED))
+@pytest.mark.parametrize("given_lse", [False, True], ids=["lse-pass", "lse-given"])
+def test_strided_and_expanded_inputs(layout: str, given_lse: bool, stats_pass: str) -> None:
+    q, k = STRIDED[layout]()
+    kw: dict[str, Any] = {"causal": True, "bias": randn(40, 70, seed=3)}
+    lse = attnkit.attention(q, k, k, **kw, return_lse=True)[1] if given_lse else None
+    check_stats(attention_stats(q, k, **kw, lse=lse), reference_stats(q, k, **kw))
+
+
 def test_a_sinks_share_is_no_keys_mass() -> None:
     # A sink of logit +40 takes almost all of each row: the keys' mass is what is left.
     q, k = randn(1, 2, 6, D, seed=1), randn(1, 2, 6, D, seed=2)

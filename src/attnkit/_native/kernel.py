@@ -327,7 +327,11 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     t = t.to(dtype)
     unit = t.stride(-1) == 1 or t.size(-1) <= 1
     apart = t.dim() < 2 or t.size(-2) <= 1 or t.stride(-2) >= max(t.size(-1), 1)
-    return t if unit and apart else t.contiguous()
+    if unit and apart:
+        return t
+    # (an empty tensor is contiguous to torch at any strides: k[..., :0] of keys expanded along
+    # Tk keeps their stride 0, which .contiguous() would return as it is)
+    return t.contiguous() if t.numel() else t.new_empty(t.shape)
 
 
 def native_call(
