@@ -650,6 +650,44 @@ def test_a_float8_sequence_grows_again_after_keep_with_its_scale(layout: str) ->
     torch.testing.assert_close(got, new[:1].double(), atol=0.1, rtol=0.13)
 
 
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["float", "int8"])
+def test_keep_through_pages_interleaved_with_other_sequences(
+    layout: str, kv_dtype: torch.dtype | None
+) -> None:
+    """Sequences that grew a token at a time side by side, one freed and taken again: their
+    pages interleave in the pool, and keep moves tokens through the block table alone."""
+    cache = PagedKVCache(20, 2, 2, D, max_seqs=3, layout=layout, kv_dtype=kv_dtype)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for i in range(12):
+            if i == 9:
+                cache.free(2)
+            cache.schedule([1, i % 2, 1])
+            x = randn(3, 2, 1, D, seed=100 + i)
+            cache.stage(x, x)
+            cache.commit()
+    pages = cache.pages_of(0)
+    assert pages != sorted(pages) or pages != list(range(pages[0], pages[0] + len(pages)))
+    rows = [held(cache, n) for n in range(3)]
+    index = torch.tensor([[11, 0, 3, 5, 8], [7, 6, 1, 2, 10]])
+    cache.keep(0, index)
+    for got, was in zip(held(cache, 0), rows[0], strict=True):
+        assert torch.equal(got, gathered(was, index[None]))
+    for n in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(held(cache, n), rows[n], strict=True))
+    assert len(cache.pages_of(0)) == 3
+
+
+def test_a_float8_cache_kept_to_nothing_takes_a_new_scale() -> None:
+    """As documented: a float8 cache's scale is set by the first write after it is empty."""
+    cache, _, _ = make_contiguous(torch.float8_e4m3fn, False)
+    cache.keep(torch.zeros(2, 2, 0, dtype=torch.long))
+    big = randn(2, 2, 3, D, seed=70) * 500  # far beyond the first tokens' range
+    cache.update(big, big)
+    got, _ = held(cache)
+    torch.testing.assert_close(got, big.double(), atol=0.0, rtol=0.07)
+
+
 BAD_INDICES: list[tuple[Callable[[int, int], object], type[Exception], str]] = [
     (lambda h, n: [[0, 1]] * h, TypeError, "must be an integer tensor, got list"),
     (lambda h, n: torch.zeros(h, 2), TypeError, "must be an integer tensor, got float32"),
@@ -797,6 +835,50 @@ def test_dtypes_and_stored_formats_against_the_tokens_as_stored(
     dtype: torch.dtype, kv_dtype: torch.dtype | None
 ) -> None:
     run_streaming(2, 4, [7, 1, 1, 5, 1, 1, 1, 9, 1, 1], dtype=dtype, kv_dtype=kv_dtype)
+
+
+def test_scale_softcap_and_sink_logits_of_a_streaming_call() -> None:
+    """The call's own modifiers apply over the kept tokens: scale, softcap and gpt-oss's sink
+    logits (which take weight without a value, unlike the cache's sink tokens)."""
+    cache = StreamingKVCache(1, 2, D, sink_tokens=2, window=3, kv_dtype=torch.int8)
+    logits = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    start = 0
+    for i, n in enumerate([4, 1, 1, 1, 6, 1, 2, 1, 1]):
+        q, k, v = (randn(1, h, n, D, seed=10 * i + j) for j, h in enumerate((4, 2, 2)))
+        keys.append(stored_form(k, torch.int8, None)[0])
+        values.append(stored_form(v, torch.int8, None)[0])
+        out, lse = cache.attention(q, k, v, scale=0.3, softcap=2.0, sinks=logits)
+        kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
+        want, want_lse = attnkit.attention(
+            q.double(),
+            kk,
+            vv,
+            mask=streaming_visible(start, n, kk.size(2), 2, 3),
+            scale=0.3,
+            softcap=2.0,
+            sinks=logits.double(),
+            backend="reference",
+            return_lse=True,
+        )
+        assert_close(out, want, dtype=torch.float32)
+        assert_close(lse, want_lse, dtype=torch.float32)
+        start += n
+
+
+def test_rewinding_a_chunk_gives_back_what_it_wrote_over() -> None:
+    cache = run_streaming(1, 2, [3, 1, 1])
+    before = [t.clone() for t in (cache.k_cache, cache.v_cache)]
+    x = randn(2, 2, 4, D, seed=80)
+    cache.attention(randn(2, 4, 4, D, seed=81), x, x)
+    cache.rewind(5)
+    assert cache.position == 5
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, (cache.k_cache, cache.v_cache), strict=True)
+    )
+    with pytest.raises(ValueError, match=r"cannot rewind to position 3: .* go back to position 4"):
+        cache.rewind(3)
 
 
 def test_memory_stays_flat_over_a_long_run() -> None:
