@@ -545,3 +545,22 @@ def test_half_precision_pages_are_read_as_they_are(dtype: torch.dtype) -> None:
         out = attnkit.attention(q, view, mask=mask, backend=backend)
         assert out.dtype == dtype
         assert_close(out, want)
+
+
+def test_gradients_reach_the_pages_through_the_gathered_rows() -> None:
+    """Pages that need gradients (a cache of trained keys): each page row's gradient is the sum
+    over the queries that selected it, as the reference's over the rows gathered whole."""
+    base = paged_view([5, 8])
+    k = base.k.detach().float().requires_grad_()
+    v = base.v.detach().float().requires_grad_()
+    view = CacheView(k, v, base.kv_range, base.block_table)
+    q = torch.randn(2, 4, 2, 8)
+    mask = masks.key_indices(selection(2, 2, 2, 4, 8, seed=15)) & masks.causal()
+    out = attnkit.attention(q, view, mask=mask)
+    want = attnkit.attention(q, view, mask=mask, backend="reference")
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (k, v), grad)
+    expected = torch.autograd.grad(want, (k, v), grad)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert bool(got[0].abs().sum() > 0)

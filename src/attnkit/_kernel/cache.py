@@ -338,7 +338,8 @@ def indexed_cache(
         bands.append((band[0], band[1]))
     why = native_refusal(found, (call.dtype, call.dtype), None, call.device, native=native,
                          build=build)  # fmt: skip
-    if why is None and call.requires_grad:
+    pages_grad = torch.is_grad_enabled() and (view.k.requires_grad or view.v.requires_grad)
+    if why is None and (call.requires_grad or pages_grad):
         why = "gradients are asked (the native kernel attends the gathered keys for inference)"
     pages = "through the block table" if view.block_table is not None else "from the cache's rows"
     words = (
@@ -507,11 +508,13 @@ def _rows_at(pool: Tensor, at: tuple[Tensor, Tensor, Tensor]) -> Tensor:
     extent = sum((n - 1) * s for n, s in zip(pool.shape[:3], pool.stride()[:3], strict=True))
     rows = pool.as_strided((extent // e + 1, pool.size(-1)), (e, pool.stride(-1)))
     ids = (at[0] * pool.stride(0) + at[1] * pool.stride(1) + at[2] * pool.stride(2)) // e
-    if pool.element_size() == 1:  # (int8 and float8 read as their bytes: no float8 kernel)
-        rows = rows.view(torch.uint8)
     shape = torch.broadcast_shapes(*(i.shape for i in at))
-    got = rows.index_select(0, ids.expand(shape).reshape(-1))
-    return got.view(pool.dtype).view(*shape, pool.size(-1))
+    flat = ids.expand(shape).reshape(-1)
+    if pool.element_size() == 1:  # (int8 and float8 read as their bytes: no float8 kernel)
+        got = rows.view(torch.uint8).index_select(0, flat).view(pool.dtype)
+    else:  # (differentiable: pages that need gradients get them)
+        got = rows.index_select(0, flat)
+    return got.view(*shape, pool.size(-1))
 
 
 def _attend(
