@@ -564,3 +564,22 @@ def test_gradients_reach_the_pages_through_the_gathered_rows() -> None:
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert bool(got[0].abs().sum() > 0)
+
+
+def test_a_prefill_that_selects_more_rows_than_its_rows_hold_reads_each_row_once() -> None:
+    """20 queries a row, 8 keys each, over rows of 30 and 40 keys: gathering each query's keys
+    would copy 640 rows where the rows hold 140, so each row's keys are gathered once and its
+    queries read there by position (explain() says why); the reference's result either way."""
+    view = paged_view([30, 40], page=4)
+    q = torch.randn(2, 4, 20, 8, dtype=F64)
+    idx = selection(2, 1, 20, 8, 40, seed=16)
+    mask = masks.key_indices(idx) & masks.causal()
+    said = str(attnkit.explain(q, view, mask=mask))
+    assert "its 20 queries select 640 rows, more than its rows hold" in said
+    out = attnkit.attention(q, view, mask=mask)
+    allowed = [
+        dense_selection(idx, n, 4, L) & aligned_band(20, L, -math.inf, 0)
+        for n, L in enumerate((30, 40))
+    ]
+    want, _ = reference_rows(q, row_keys(view), allowed, [20, 20])
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)

@@ -330,6 +330,12 @@ def indexed_cache(
         return "index mask on a cache: weights, dropout or a score_mod ask for the whole rows"
     if call.bias_shape is not None or call.score_term is not None:
         return "index mask on a cache: a bias, which its gather does not add"
+    selected = _selected_rows(call, found)
+    if call.q_len > DECODE_QUERIES and selected > view.num_kv_heads * _held(view):
+        return (
+            f"index mask on a cache: its {call.q_len} queries select {selected} rows, more than "
+            "its rows hold: each row's keys gathered once, each query's read there by position"
+        )
     bands = []
     for part in _and_leaves(found.rest):
         band = part.band
@@ -349,6 +355,18 @@ def indexed_cache(
         + ("the native kernel" if why is None else f"torch's products: {why}")
     )
     return IndexedCache(found, tuple(bands), why is None, words)
+
+
+def _selected_rows(call: AttentionCall, found: Selection) -> int:
+    """Rows of keys the gather of a call's selection copies: a query's ``W`` for each gathered
+    head (``lcm(Hi, Hkv)``)."""
+    heads = math.lcm(call.num_kv_heads, *(m.heads for m in found.covers))
+    return call.batch_shape[0] * call.q_len * heads * found.width if call.batch_shape else 0
+
+
+def _held(view: CacheView) -> int:
+    """Keys the rows of a view hold, summed."""
+    return sum(end - start for start, end in view.kv_range)
 
 
 def indexed_cache_attention(
