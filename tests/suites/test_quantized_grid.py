@@ -548,8 +548,9 @@ def test_degenerate_sizes(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS[:4])
-def test_gradients_of_q_and_the_scales(backend: str) -> None:
-    q, kq, vq, ks, vs = _call(torch.float8_e5m2, tq=5)
+@pytest.mark.parametrize("tq", [1, 5])
+def test_gradients_of_q_and_the_scales(backend: str, tq: int) -> None:
+    q, kq, vq, ks, vs = _call(torch.float8_e5m2, tq=tq)
     leaves = [t.double().requires_grad_() for t in (q, ks.mean((0, 2))[..., None], vs)]
     cap = None if backend == "sdpa" else 3.0  # (torch's SDPA takes no softcap)
     out = attention(leaves[0], kq, vq, k_scale=leaves[1], v_scale=leaves[2], causal=True,
