@@ -346,6 +346,7 @@ def _scales(ks: Tensor) -> dict[str, Tensor]:
         "float64": ks.double(),
         "bfloat16": ks.bfloat16(),
         "expanded": ks.mean().expand(2, 2, ks.size(2), 1),
+        "strided": torch.cat([ks, ks], 2)[:, :, ::2].transpose(0, 1).contiguous().transpose(0, 1),
     }
 
 
