@@ -104,8 +104,11 @@ LAYOUTS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    ("layout", "backend"),
+    [(lay, b) for lay in LAYOUTS for b in EAGER]
+    + [(lay, "flex") for lay in ("int32", "transposed", "batch_expanded", "head_expanded")],
+)
 def test_index_layouts_and_dtypes_on_every_backend_are_the_formula(
     layout: str, backend: str
 ) -> None:
@@ -125,8 +128,11 @@ def test_a_batch_of_one_selection_broadcasts_over_the_batch(backend: str) -> Non
     assert_close(got, formula(q, k, v, allowed(idx, T)), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("block", [3, 7, 64])  # 40 keys: blocks that do not divide Tk, one past
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("block", "backend"),
+    # 40 keys: blocks that do not divide Tk, and one past all of them
+    [(n, b) for n in (3, 7, 64) for b in EAGER] + [(7, "flex"), (64, "flex")],
+)
 def test_block_indices_of_blocks_that_do_not_divide_the_keys(block: int, backend: str) -> None:
     q, k, v = qkv(5)
     blocks = -(-T // block)
@@ -246,6 +252,10 @@ def test_compositions_are_the_formula_and_explain_says_how_each_runs() -> None:
         "gathered": (masks.key_indices(a) & masks.key_indices(b), sel_a & sel_b),
         "gathered ": (masks.key_indices(a) | masks.key_indices(b), sel_a | sel_b),
         "scanned, not gathered": (masks.key_indices(a) | masks.causal(), sel_a | near),
+        " gathered": (
+            masks.key_indices(a) & masks.key_padding(torch.tensor([40, 25])),
+            sel_a & (torch.arange(T) < torch.tensor([40, 25])[:, None]).view(B, 1, 1, T),
+        ),
     }
     for says, (mask, visible) in cases.items():
         assert_close(attnkit.attention(q, k, v, mask=mask), formula(q, k, v, visible))
@@ -254,15 +264,29 @@ def test_compositions_are_the_formula_and_explain_says_how_each_runs() -> None:
         ~masks.key_indices(a)
 
 
+@pytest.mark.parametrize("backend", EAGER)
+def test_indices_changed_in_place_between_calls_are_read_again(backend: str) -> None:
+    # (the selected keys and the call's plan are kept per tensor version)
+    q, k, v = qkv(56)
+    idx = picks(B, 1, T, K, high=T, seed=57)
+    mask = masks.key_indices(idx) & masks.causal()
+    attnkit.attention(q, k, v, mask=mask, backend=backend)
+    idx.copy_(picks(B, 1, T, K, high=T, seed=58))
+    got = attnkit.attention(q, k, v, mask=mask, backend=backend)
+    assert_close(got, formula(q, k, v, allowed(idx, T) & causal_pairs(T, T)), dtype=torch.float32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Gradients
 
 
 @pytest.mark.parametrize("backend", ["auto", "chunked", "reference", "sdpa"])
 def test_gradcheck_through_each_backend(backend: str) -> None:
-    # Tk = 24, k = 2: the chunked backend gathers (torch's sparse products in float64)
-    q, k, v = (randn(1, 2, n, 3, seed=23 + n, dtype=F64).requires_grad_() for n in (6, 24, 24))
-    idx = picks(1, 2, 6, 2, high=24, seed=27)
+    # Tk = 24, k = 2: the chunked backend gathers (torch's sparse products in float64); H = 4
+    # query heads over Hkv = 2, each query head its own selection (Hi = 4 > Hkv)
+    q = randn(1, 4, 6, 3, seed=23, dtype=F64).requires_grad_()
+    k, v = (randn(1, 2, 24, 3, seed=n, dtype=F64).requires_grad_() for n in (24, 25))
+    idx = picks(1, 4, 6, 2, high=24, seed=27)
     mask = masks.key_indices(idx) & masks.causal()
     softcap = None if backend == "sdpa" else 3.0  # (torch's kernel has none)
     fn = lambda *t: attnkit.attention(*t, mask=mask, backend=backend, softcap=softcap)  # noqa: E731
@@ -280,8 +304,14 @@ def test_flex_on_the_cpu_says_it_computes_no_gradients() -> None:
 # torch.compile, torch.export, ONNX, autocast
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("backend", ["auto", "chunked", "reference", "sdpa"])
+@pytest.mark.parametrize(
+    ("backend", "dynamic"),
+    [
+        ("auto", None),
+        ("sdpa", None),
+        *((b, True) for b in ("auto", "chunked", "reference", "sdpa")),
+    ],
+)
 def test_compiled_with_the_indices_as_an_input_runs_new_indices_without_recompiling(
     backend: str, dynamic: bool | None
 ) -> None:
@@ -299,6 +329,23 @@ def test_compiled_with_the_indices_as_an_input_runs_new_indices_without_recompil
         idx = causal_picks(B, 1, T, K, seed)
         want = formula(q, k, v, allowed(idx, T) & causal_pairs(T, T))
         assert_close(compiled(q, k, v, idx), want, dtype=torch.float32)
+    assert counter.frame_count == 1
+
+
+def test_a_mask_object_as_a_compiled_input_takes_new_masks_without_recompiling() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    def step(q: Tensor, k: Tensor, v: Tensor, mask: masks.Mask) -> Tensor:
+        return attnkit.attention(q, k, v, mask=mask)  # type: ignore[no-any-return]
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    q, k, v = qkv(59)
+    for seed in (60, 61):
+        idx = picks(B, 1, T, K, high=T, seed=seed)
+        got = compiled(q, k, v, masks.key_indices(idx) & masks.causal())
+        assert_close(got, formula(q, k, v, allowed(idx, T) & causal_pairs(T, T)))
     assert counter.frame_count == 1
 
 
@@ -322,19 +369,19 @@ def test_export_with_dynamic_lengths_runs_other_lengths_and_indices() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
-@pytest.mark.parametrize("backend", ["chunked", "sdpa"])
-def test_onnx_of_a_sparse_call_runs_in_onnxruntime_at_other_lengths(
-    backend: str, tmp_path: Path
-) -> None:
-    # Dynamic lengths, and queries that select no key they may see (their output is 0): chunked's
-    # operator is written as its dense form, sdpa's call as torch's attention.
+def test_onnx_of_sparse_calls_runs_in_onnxruntime_at_other_lengths(tmp_path: Path) -> None:
+    # One program, two calls: chunked's operator, which the exporter writes as its dense form, and
+    # sdpa's call as torch's attention. Dynamic lengths, and queries that select no key they may
+    # see (their output is 0, where ONNX's attention alone would give the mean of the values).
     pytest.importorskip("onnxscript", reason="ONNX export needs the test extra onnxscript")
     ort = pytest.importorskip("onnxruntime", reason="the test extra onnxruntime runs the model")
 
     class Sparse(torch.nn.Module):
-        def forward(self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor) -> Tensor:
+        def forward(self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
             mask = masks.key_indices(idx) & masks.causal()
-            return attnkit.attention(q, k, v, mask=mask, backend=backend)  # type: ignore[no-any-return]
+            a = attnkit.attention(q, k, v, mask=mask, backend="chunked")
+            b = attnkit.attention(q, k, v, mask=mask, backend="sdpa")
+            return a, b  # type: ignore[return-value]
 
     length = torch.export.Dim("T", min=8, max=128)
     program = torch.export.export(
@@ -355,8 +402,8 @@ def test_onnx_of_a_sparse_call_runs_in_onnxruntime_at_other_lengths(
         visible = allowed(idx, t) & causal_pairs(t, t)
         assert not visible.any(-1).all()  # some queries see no key
         feeds = dict(zip(names, (x.numpy() for x in (q, k, v, idx)), strict=True))
-        (got,) = session.run(None, feeds)
-        assert_close(torch.from_numpy(got), formula(q, k, v, visible), dtype=torch.float32)
+        for got in session.run(None, feeds):
+            assert_close(torch.from_numpy(got), formula(q, k, v, visible), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["auto", "chunked", "sdpa"])
