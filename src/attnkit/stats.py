@@ -94,7 +94,10 @@ def _reference_stats(
     work = own.dtype
     w = w.to(work)
     if lse is not None:  # the weights exp(s - lse) of the given log-sum-exp
-        ratio = (own - lse.to(work)).exp().masked_fill(own == float("-inf"), 0.0)
+        given = lse.to(work)
+        # (a row given -inf has no weight, as in the one-pass form: not exp(s + inf))
+        none = (own == float("-inf")) | (given == float("-inf"))
+        ratio = (own - given).exp().masked_fill(none, 0.0)
         w = w * ratio.unsqueeze(-1)
     # (no queries: no key receives any weight)
     top = w.amax(-2) if w.size(-2) else w.new_zeros((*w.shape[:-2], w.size(-1)))
@@ -138,7 +141,8 @@ def attention_stats(
             computes it (``attention()`` with ``return_lse=True`` and no values). Its shape
             and dtype are checked, its values not checked (that would take the pass it saves):
             the weights are ``exp(s - lse)``, so an ``lse`` larger by ``c`` than the call's
-            scales a query's weights by ``e^-c`` and its entropy to ``e^-c (h + c)``.
+            scales a query's weights by ``e^-c`` and its entropy to ``e^-c (h + c)``; a query
+            given ``-inf`` has no weight, as one with no visible key.
         per_kv_head: with grouped-query attention, ``key_mass`` and ``key_max`` per key/value
             head ``(..., Hkv, Tk)``: summed (and maxed) over the query heads that share it, the
             statistic a cache of ``Hkv`` heads evicts by. ``entropy`` stays per query head.

@@ -335,6 +335,24 @@ def test_a_stale_lse_scales_each_row_as_documented() -> None:
     assert "not checked" in (attention_stats.__doc__ or "")
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_stale_lse_of_minus_inf_gives_the_row_no_weight(backend: str) -> None:
+    """As documented: a query given -inf has no weight (the rule of a query with no visible
+    key), on the one-pass form and the reference's alike; +inf gives weights e^-inf = 0."""
+    q, k = randn(1, 2, 4, D, seed=1), randn(1, 2, 6, D, seed=2)
+    lse = attnkit.attention(q, k, k, causal=True, return_lse=True)[1].clone()
+    lse[0, 0, 1], lse[0, 1, 2] = -math.inf, math.inf
+    got = attention_stats(q, k, causal=True, lse=lse, backend=backend)
+    _, w = attnkit.attention(
+        q.double(), k.double(), k.double(), causal=True, return_weights=True, backend="reference"
+    )
+    w[0, 0, 1] = w[0, 1, 2] = 0.0
+    assert_close(got.key_mass, w.sum(-2), dtype=torch.float32)
+    assert_close(got.key_max, w.amax(-2), dtype=torch.float32)
+    assert_close(got.entropy, torch.special.entr(w).sum(-1), dtype=torch.float32)
+    assert "given ``-inf`` has no weight" in (attention_stats.__doc__ or "")
+
+
 def test_tensors_are_required_where_tensors_are_expected() -> None:
     q, k = randn(1, 2, 5, D, seed=1), randn(1, 2, 7, D, seed=2)
     cases: list[tuple[dict[str, Any], str]] = [
