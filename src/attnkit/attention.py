@@ -222,7 +222,11 @@ class Explanation:
         if not said:
             return "chosen"
         if self.device is None:
-            return "chosen (the only choice, although it " + "; ".join(said) + ")"
+            # (a quantized prefill: every backend dequantizes, the chosen one with the least else)
+            able = any(not why for n, why in self.reasons.items() if n != name)
+            which = "as requested" if self.requested != "auto" else "the only choice"
+            which = "the least costly choice" if able and self.requested == "auto" else which
+            return f"chosen ({which}, although it " + "; ".join(said) + ")"
         return "chosen, the best that can serve it, although it " + "; ".join(said)
 
     def _device_lines(self, device: Target) -> list[str]:

@@ -570,11 +570,15 @@ def test_auto_takes_the_kernel_for_a_quantized_prefill_or_training_call() -> Non
     # took the first registered backend, sdpa, which writes out a (Tq, Tk) mask for a
     # bottom-right causal call and trains slowly on a CPU, where the kernel took the same call
     # on float keys.
-    q, kq, vq, ks, vs = _call(torch.int8, tq=6)
+    q, kq, vq, ks, vs = _call(torch.int8, tq=20, tk=30)  # (more queries than a decode reads)
     for grad in (False, True):
         a = q.clone().requires_grad_(grad)
         said = attnkit.explain(a, kq, vq, k_scale=ks, v_scale=vs, causal=True)
         assert said.chosen == "chunked", str(said)
+        # (every backend would dequantize: the chosen one is not the only one that can serve it)
+        assert "chunked    chosen (the least costly choice, although it would dequantize" in str(
+            said
+        )
         with attnkit.record_dispatch() as calls:
             out = attention(a, kq, vq, k_scale=ks, v_scale=vs, causal=True)
         assert calls[-1].chosen == "chunked"
