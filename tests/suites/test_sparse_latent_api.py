@@ -566,3 +566,15 @@ def test_the_module_on_no_rows_and_no_tokens() -> None:
         for store in latent_caches(m).values():
             assert m(x[:, :0], causal=True, cache=store).shape == (2, 0, 32)
             assert_close(m(x, causal=True, cache=store), m(x, causal=True))
+
+
+def test_a_cache_of_another_batch_size_is_refused_naming_both_sizes() -> None:
+    m = mla()
+    x = randn(2, 5, 32, seed=62, dtype=F64)
+    for store in (m.make_cache(3, 8), m.make_kv_cache(3, 8)):
+        with (
+            torch.no_grad(),
+            pytest.raises(ValueError, match=r"a batch of 3 .* batch of 2\b.*: make a cache"),
+        ):
+            m(x, causal=True, cache=store)
+        assert store.length == 0

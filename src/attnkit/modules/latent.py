@@ -119,6 +119,12 @@ class LatentCache:
         written, so a call that raises leaves the cache as it was."""
         check_float_tensor("latent", latent)
         store = self.latent
+        if latent.ndim == 4 and latent.size(0) != store.size(0):
+            raise ValueError(
+                f"this LatentCache holds a batch of {store.size(0)} sequences (batch_size="
+                f"{store.size(0)}) but the call brings a batch of {latent.size(0)}: make a cache "
+                f"with batch_size={latent.size(0)} for this batch (make_cache(batch_size=...))"
+            )
         want = (store.size(0), 1, latent.size(-2) if latent.ndim == 4 else "T", store.size(3))
         if latent.ndim != 4 or tuple(latent.shape) != want:
             raise ValueError(
