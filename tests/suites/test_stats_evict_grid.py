@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attnkit
 from attnkit import KVCache, PagedKVCache, StreamingKVCache, attention_stats, masks
 from attnkit.caches._quantize import quantize_fp8, quantize_int8
-from attnkit.scores import DistanceBias
+from attnkit.scores import DistanceBias, RelativePositionTerm
 from attnkit.testing import assert_close
 
 from ..helpers import attnkit_checks_only
@@ -132,6 +132,12 @@ STATS_CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "distance-bias": lambda: {
         "bias": DistanceBias(randn(H, TQ + TK - 1, seed=10), first=-(TK - 1)),
         "mask": masks.sliding_window(9),
+    },
+    "transformer-xl-term": lambda: {
+        "bias": RelativePositionTerm(
+            randn(B, H, TQ, D, seed=11), randn(H, TQ + TK - 1, D, seed=12), 0.3
+        ),
+        "causal": True,
     },
     "softcap": lambda: {"softcap": 0.7, "causal": True},
     "sinks": lambda: {"sinks": torch.tensor([0.5, -1.0, -math.inf, 3.0]), "causal": True},
@@ -570,9 +576,10 @@ def gathered(t: Tensor, index: Tensor) -> Tensor:
 
 def step_against_reference(
     cache: KVCache | PagedKVCache, keys: list[Tensor], values: list[Tensor], seed: int
-) -> None:
+) -> Tensor:
     """One decoding step of 4 query heads through the cache against the float64 reference over
-    ``keys``/``values`` per row (the tokens the cache should hold) and the new token as stored."""
+    ``keys``/``values`` per row (the tokens the cache should hold) and the new token as stored;
+    returns the step's output."""
     heads = keys[0].size(1)
     latent = cache.values_in_keys
     q = randn(len(keys), 4, 1, D, seed=seed)
@@ -592,6 +599,7 @@ def step_against_reference(
         vv = torch.cat([v_n, stored[n][1]], 2)
         want = attnkit.attention(q[n : n + 1].double(), kk, vv, backend="reference")
         assert_close(out[n : n + 1], want, dtype=torch.float32)
+    return out
 
 
 @pytest.mark.parametrize("kv_dtype", KINDS, ids=KIND_IDS)
@@ -616,11 +624,14 @@ def test_keep_on_a_contiguous_cache(kv_dtype: torch.dtype | None, latent: bool) 
         assert cache.v_scale is cache.k_scale
     # cached == uncached: a step over the kept tokens equals the reference over exactly them
     kept_k, kept_v = gathered(keys, index), gathered(values, index)
-    step_against_reference(cache, list(kept_k.split(1)), list(kept_v.split(1)), seed=20)
-    if kv_dtype is None:  # and a fresh cache of the same tokens gives the same output
+    if kv_dtype is None:  # and a fresh cache of the same tokens: the same step, the same output
         fresh = KVCache(2, 24, heads, D, DV_LATENT if latent else None, values_in_keys=latent)
         fresh.update(kept_k.float(), None if latent else kept_v.float())
-        assert torch.equal(held(fresh)[0], held(cache)[0][:, :, :5])
+        uncached = step_against_reference(fresh, list(kept_k.split(1)), list(kept_v.split(1)), 20)
+    out = step_against_reference(cache, list(kept_k.split(1)), list(kept_v.split(1)), seed=20)
+    if kv_dtype is None:
+        assert torch.equal(out, uncached)
+        assert torch.equal(held(fresh)[0], held(cache)[0])
 
 
 @pytest.mark.parametrize("kv_dtype", KINDS, ids=KIND_IDS)
@@ -644,7 +655,27 @@ def test_keep_on_a_paged_cache(kv_dtype: torch.dtype | None, latent: bool, layou
     if latent:
         assert cache.v_pages.data_ptr() == cache.k_pages.data_ptr()
         assert cache.v_scales is cache.k_scales
-    step_against_reference(cache, [kept_k, rows[1][0]], [kept_v, rows[1][1]], seed=30)
+    if kv_dtype is None:  # a fresh pool of the same tokens: the same step, the same output
+        fresh = PagedKVCache(
+            16,
+            4,
+            heads,
+            D,
+            DV_LATENT if latent else None,
+            max_seqs=2,
+            layout=layout,  # type: ignore[arg-type]
+            values_in_keys=latent,
+        )
+        fresh.schedule([5, 6])
+        pad = (0, 0, 0, 1)  # row 0's 5 tokens padded to row 1's 6
+        k_both = torch.cat([torch.nn.functional.pad(kept_k, pad), rows[1][0]]).float()
+        v_both = torch.cat([torch.nn.functional.pad(kept_v, pad), rows[1][1]]).float()
+        fresh.stage(k_both, None if latent else v_both)
+        fresh.commit()
+        uncached = step_against_reference(fresh, [kept_k, rows[1][0]], [kept_v, rows[1][1]], 30)
+    out = step_against_reference(cache, [kept_k, rows[1][0]], [kept_v, rows[1][1]], seed=30)
+    if kv_dtype is None:
+        assert_close(out, uncached.double(), dtype=torch.float32)
     # keep everything, then nothing: the sequence empties and takes a new first write
     cache.keep(1, torch.arange(7).expand(heads, 7))
     assert cache.lengths == [6, 7]
