@@ -578,3 +578,18 @@ def test_a_cache_of_another_batch_size_is_refused_naming_both_sizes() -> None:
         ):
             m(x, causal=True, cache=store)
         assert store.length == 0
+
+
+def test_a_loaded_rotary_keeps_its_frequencies_through_to_bfloat16() -> None:
+    # module.to(dtype) reaches the rotary's frequencies (deepseek.rotary_embedding's, YaRN's):
+    # rounded to bfloat16 they would turn the angles at position 4,000 by whole radians
+    from attnkit.interop import deepseek
+
+    inv_freq = 10000.0 ** -(torch.arange(0, 8, 2, dtype=F64) / 8) / 4.0
+    rotary = deepseek.FrequencyRotary(inv_freq, scaling=1.1)
+    m = MultiHeadLatentAttention(32, 4, **{**SIZES, "qk_rope_head_dim": 8}, rotary=rotary)
+    x = randn(2, 4, 3, 8, seed=63, dtype=F64)
+    want = m.double().rotary(x, offset=4000)
+    m.to(torch.bfloat16)
+    assert_close(m.rotary(x.bfloat16(), offset=4000), want, dtype=torch.bfloat16)
+    assert rotary.inv_freq.dtype == F64

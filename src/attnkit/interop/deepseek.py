@@ -100,6 +100,15 @@ class FrequencyRotary(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
+    def _apply(self, fn: Any, recurse: bool = True) -> FrequencyRotary:
+        # ``module.to(torch.bfloat16)`` would round the frequencies to 8 bits, which turns the
+        # angles at position 4,000 by whole radians: they stay float64, on the new device.
+        freq = self.inv_freq
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if self.inv_freq.dtype != torch.float64:
+            self.inv_freq = freq.to(device=self.inv_freq.device)
+        return self
+
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, scaling={self.scaling:g}"
 
