@@ -87,12 +87,24 @@ def _reference_stats(
     q: Tensor, k: Tensor, lse: Tensor | None, arguments: dict[str, object]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The statistics of the reference's weights ``(..., H, Tq, Tk)`` (normalised by ``lse``
-    where it is given): the spec the one-pass form is tested against."""
+    where it is given): the spec the one-pass form is tested against. The weights are those of
+    q, k and the call's float tensors in the dtype the scores are computed in: the reference
+    returns float16 and bfloat16 calls' weights rounded to their dtype, whose sums would carry
+    that rounding."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    raised = {
+        name: value.to(work) if isinstance(value, Tensor) and value.is_floating_point() else value
+        for name, value in arguments.items()
+    }
     _, w, own = attention(
-        q, k, k, **arguments, return_weights=True, return_lse=True, backend="reference"
+        q.to(work),
+        k.to(work),
+        k.to(work),
+        **raised,
+        return_weights=True,
+        return_lse=True,
+        backend="reference",
     )  # type: ignore[call-overload]
-    work = own.dtype
-    w = w.to(work)
     if lse is not None:  # the weights exp(s - lse) of the given log-sum-exp
         given = lse.to(work)
         # (a row given -inf has no weight, as in the one-pass form: not exp(s + inf))
