@@ -593,3 +593,49 @@ def test_a_loaded_rotary_keeps_its_frequencies_through_to_bfloat16() -> None:
     m.to(torch.bfloat16)
     assert_close(m.rotary(x.bfloat16(), offset=4000), want, dtype=torch.bfloat16)
     assert rotary.inv_freq.dtype == F64
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers' DeepSeek V3 and V3.2 through attn_implementation="attnkit"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_deepseek_left_padded_generation_equals_eager_in_float32(family: str) -> None:
+    # (in float64 transformers' eager gives NaN past a left-padded row's first layer)
+    transformers = pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+    from transformers import masking_utils as mu
+
+    from attnkit.integrations import transformers as hf
+
+    from ..integrations.transformers.helpers import run, sweep, use
+
+    config = sweep().tiny_config(family)
+    if family == "deepseek_v32":
+        config.index_topk = 4  # of up to 20 keys: the selection matters
+        cls = transformers.DeepseekV32ForCausalLM
+    else:
+        config.first_k_dense_replace = config.num_hidden_layers
+        cls = transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(64)
+    m = cls(config).eval()
+    ids = torch.randint(3, 90, (2, 12), generator=gen(65))
+    pad = torch.ones(2, 12, dtype=torch.long)
+    pad[1, :5] = 0
+    hf.register()
+    try:
+        logits = {
+            i: run(m, i, input_ids=ids, attention_mask=pad).logits for i in ("eager", "attnkit")
+        }
+        real = pad.bool()
+        assert_close(logits["attnkit"][real], logits["eager"][real].double(), dtype=torch.float32)
+        tokens = {}
+        for impl in ("eager", "attnkit"):
+            with use(m, impl), torch.no_grad():
+                tokens[impl] = m.generate(
+                    ids, attention_mask=pad, max_new_tokens=8, do_sample=False, pad_token_id=0
+                )
+        assert torch.equal(tokens["attnkit"], tokens["eager"])
+    finally:
+        AttentionInterface._global_mapping.pop("attnkit", None)
+        mu.AttentionMaskInterface._global_mapping.pop("attnkit", None)
