@@ -142,8 +142,10 @@ def attention_stats(
     :func:`attention` checks them. Values play no part. The statistics carry no gradient (a
     call under autograd records nothing). Inside a ``torch.compile``'d function the pass runs
     eagerly between its graphs (it reads whether q and k are finite to choose its kernel), so
-    ``fullgraph=True`` and ``torch.export`` refuse it. On ``device="meta"`` tensors it returns
-    the statistics' shapes and dtype, on meta, and computes nothing.
+    ``fullgraph=True`` and ``torch.export`` refuse it; so does ``torch.func.vmap``, where
+    ``backend="reference"`` runs (every leading dim of q and k is a batch dim already). On
+    ``device="meta"`` tensors it returns the statistics' shapes and dtype, on meta, and
+    computes nothing.
 
     Args:
         q, k, mask, bias, causal, scale, softcap, score_mod, sinks: as :func:`attention`.

@@ -451,6 +451,16 @@ def test_compiled_calls_run_the_pass_between_graphs_and_fullgraph_refuses_in_wor
         torch._dynamo.reset()
 
 
+def test_vmap_is_refused_in_words_and_the_reference_form_runs_there() -> None:
+    q, k = randn(3, 1, 2, 5, D, seed=1), randn(3, 1, 2, 7, D, seed=2)
+    with pytest.raises(RuntimeError, match=r"torch\.func\.vmap cannot read: give it the batched q"):
+        torch.func.vmap(lambda q, k: attention_stats(q, k, causal=True).key_mass)(q, k)
+    mapped = torch.func.vmap(
+        lambda q, k: attention_stats(q, k, causal=True, backend="reference").key_mass
+    )(q, k)
+    assert_close(mapped, reference_stats(q, k, causal=True)[0], dtype=torch.float32)
+
+
 class _LargestTensor(TorchDispatchMode):
     """The most elements any operation's output held, over the operations run inside."""
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._base.finite import finite
+from .._base.finite import finite, finite_if_readable
+from .._base.transforms import transforms_active
 from .._native.kernel import native_call
 from .._score_mod import ScoreMod
 from ..masks import Geometry, Mask
@@ -153,7 +154,18 @@ def stats_refusal(
         geo=geo,
         build=True,
     )
-    if why is None and not finite(q, k, *(() if term is None else term.inputs())):
+    if why is not None and not transforms_active():
+        return why  # (read nothing: the eager kernel follows the non-finite policy itself)
+    readable = finite_if_readable(q, k, *(() if term is None else term.inputs()))
+    if readable is None:
+        # (under torch.func.vmap no value can be read, and the eager kernel writes with out=,
+        # which vmap has no rule for)
+        raise RuntimeError(
+            "attention_stats reads whether q and k are finite to choose its kernel, which "
+            "torch.func.vmap cannot read: give it the batched q and k (every leading dim is a "
+            "batch dim), or backend='reference' (from the weights, written out)"
+        )
+    if why is None and not readable:
         return "the eager kernel (non-finite values in q/k)"
     return why
 
