@@ -651,6 +651,16 @@ def test_keep_on_a_contiguous_cache(kv_dtype: torch.dtype | None, latent: bool) 
 
 
 @pytest.mark.parametrize("kv_dtype", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("order", ["sorted", "reversed"])
+def test_keeping_every_token_changes_nothing(kv_dtype: torch.dtype | None, order: str) -> None:
+    cache, _, _ = make_contiguous(kv_dtype, False)
+    every = torch.arange(11).expand(2, 2, 11)
+    before = snapshot(cache)
+    cache.keep(every if order == "sorted" else every.flip(-1))
+    assert_same_state(before, snapshot(cache))
+
+
+@pytest.mark.parametrize("kv_dtype", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("latent", [False, True], ids=["mha", "latent"])
 @pytest.mark.parametrize("layout", ["flash", "vllm"])
 def test_keep_on_a_paged_cache(kv_dtype: torch.dtype | None, latent: bool, layout: str) -> None:
