@@ -1024,8 +1024,8 @@ def test_rotary_positions_are_the_sequence_positions_as_documented() -> None:
     cache = StreamingKVCache(1, 2, 4, sink_tokens=sinks, window=window, dtype=F64)
     with torch.no_grad():
         full = m(x, mask=streaming_visible(0, steps, steps, sinks, window))
-        got = [m(x[:, :5], cache=cache, causal=True)]
-        got += [m(x[:, i : i + 1], cache=cache, causal=True) for i in range(5, steps)]
+        got = [m(x[:, :8], cache=cache, causal=True)]  # a prompt longer than S + W
+        got += [m(x[:, i : i + 1], cache=cache, causal=True) for i in range(8, steps)]
     assert_close(torch.cat(got, 1), full, dtype=F64)
 
 
