@@ -254,20 +254,73 @@ def test_a_long_call_allocates_no_query_by_key_tensor() -> None:
         torch.testing.assert_close(out[0, 1, t], w @ v[0, 1, keys], atol=1e-5, rtol=1e-5)
 
 
-def test_nan_in_a_key_no_query_selects_reaches_no_output() -> None:
-    # Non-finite inputs go to the scanning kernel's careful mode, which keeps the policy: a NaN
-    # reaches exactly the outputs whose visible keys hold it.
-    q, k, v = (t.detach() for t in (_randn(1, 2, 8, 4, seed=30), _randn(1, 2, 32, 4, seed=31),
+@pytest.mark.parametrize("tq", [8, 16])
+def test_nan_in_a_key_no_query_selects_reaches_no_output(tq: int) -> None:
+    # A NaN reaches exactly the outputs whose visible keys hold it. Queries that select fewer
+    # keys than a row holds (8 x 3 < 32) are gathered without reading every key first (the
+    # kernel never reads the NaN); more of them (16 x 3) are read first, and non-finite inputs go
+    # to the scanning kernel's careful mode.
+    q, k, v = (t.detach() for t in (_randn(1, 2, tq, 4, seed=30), _randn(1, 2, 32, 4, seed=31),
                                     _randn(1, 2, 32, 4, seed=32)))  # fmt: skip
-    idx = _indices(1, 1, 8, 3, 32, seed=33).clamp(0, 30)
+    idx = _indices(1, 1, tq, 3, 32, seed=33).clamp(0, 30)
     k[0, 0, 31] = torch.nan
     v[0, 1, 31] = torch.nan
     mask = masks.key_indices(idx)
     with attnkit.record_dispatch() as calls:
         out = attnkit.attention(q, k, v, mask=mask, backend="chunked")
-    assert not str(calls[0].kernel).startswith("gathered")
+    assert str(calls[0].kernel).startswith("gathered") == (tq == 8)
     assert bool(out.isfinite().all())
     assert_close(out, attnkit.attention(q, k, v, mask=mask, backend="reference"))
+
+
+@pytest.mark.parametrize("where", ["key", "value", "query", "inf key"])
+def test_a_non_finite_selected_row_of_a_decode_step_reaches_its_outputs(where: str) -> None:
+    # A decode step over a long cache: its output is read instead of every key. A NaN or inf in a
+    # row the step selects reaches the outputs the formula's reaches, through the careful mode.
+    q, k, v = (t.detach().float() for t in (_randn(2, 4, 1, 8, seed=34),
+                                            _randn(2, 2, 256, 8, seed=35),
+                                            _randn(2, 2, 256, 8, seed=36)))  # fmt: skip
+    idx = _indices(2, 1, 1, 16, 256, seed=37, kind="sorted")
+    chosen = int(idx[1, 0, 0, 5])
+    if where == "key":
+        k[1, 0, chosen, 3] = torch.nan
+    elif where == "value":
+        v[1, 1, chosen, 2] = torch.nan
+    elif where == "query":
+        q[0, 2, 0, 1] = torch.inf
+    else:
+        k[1, 1, chosen, 0] = torch.inf
+    mask = masks.key_indices(idx)
+    with attnkit.record_dispatch() as calls:
+        out = attnkit.attention(q, k, v, mask=mask, backend="chunked")
+    assert not str(calls[0].kernel).startswith("gathered")
+    expected = attnkit.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    assert out.isnan().equal(expected.isnan())
+    assert bool(out.isnan().any())
+    assert_close(out.nan_to_num(), expected.nan_to_num().float())
+
+
+def test_a_decode_step_reads_its_selected_keys_only() -> None:
+    # One query a row selecting 64 of 4096 keys, its values a view of the keys' rows (a latent
+    # cache's layout): neither a pass over every key for NaN nor a copy of the values.
+    g = torch.Generator().manual_seed(38)
+    latents = torch.randn(2, 1, 4096, 96, generator=g)
+    q = torch.randn(2, 8, 1, 96, generator=g)
+    idx = torch.randint(0, 4096, (2, 1, 1, 64), generator=g)
+    mask = masks.key_indices(idx)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out = attnkit.attention(q, latents, latents[..., :64], mask=mask, backend="chunked")
+    whole = [
+        e.name
+        for e in prof.events()
+        if e.name in ("attnkit::all_finite", "aten::copy_", "aten::clone")
+        and any(len(s) > 2 and 4096 in s for s in e.input_shapes)
+    ]
+    assert whole == []
+    expected = attnkit.attention(
+        q.double(), latents.double(), latents[..., :64].double(), mask=mask, backend="reference"
+    )
+    assert_close(out, expected.float())
 
 
 # --------------------------------------------------------------------------------------------------

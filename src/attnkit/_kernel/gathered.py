@@ -1035,20 +1035,24 @@ def gathered_call(
     dropout_p: float,
     is_finite: bool | None,
     native: bool = True,
+    check_inputs: bool = True,
 ) -> tuple[Gathered, str] | None:
     """A validated call as the gathered kernel's :class:`Gathered`, with the words
     ``record_dispatch()`` records for it; None when the kernel does not serve it (see
     :func:`selection`; also a call with nothing to compute, or whose q, k or v hold NaN or inf:
     the scanning kernel's careful mode takes those). The native kernel gathers it where it can
     (:func:`native_refusal`; ``native``: whether the backend may run it), else torch's sparse
-    products. ``n_captured``: the tensors the ``score_mod`` captures that need gradients."""
+    products. ``n_captured``: the tensors the ``score_mod`` captures that need gradients.
+    ``check_inputs``: read whether q, k and v are finite (else the caller checks the output)."""
     term = bias if isinstance(bias, ScoreTerm) else None
     found = selection(mask, term, dropout_p, k.size(-2))
     if not isinstance(found, Selection) or not found.width or not q.numel() or not k.numel():
         return None
     if k.dtype not in _READ or v.dtype not in _READ:  # int8/float8 keys read with their scales
         return None
-    if q.device.type == "meta" or not (finite(q, k, v) if is_finite is None else is_finite):
+    if q.device.type == "meta" or is_finite is False:
+        return None
+    if is_finite is None and check_inputs and not finite(q, k, v):
         return None
     batch = tuple(q.shape[:-3])
     geo = Geometry(batch, q.size(-3), q.size(-2), k.size(-2), q.device)
@@ -1091,16 +1095,59 @@ def gathered_attention(
     native: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor] | None:
     """A validated call (the chunked backend's) through the gathered kernel, differentiable; None
-    when the kernel does not serve it (see :func:`gathered_call`)."""
+    when the kernel does not serve it (see :func:`gathered_call`).
+
+    Whether q, k and v hold NaN or inf is read before the call, except for a call without
+    gradients whose queries select fewer keys than the keys held (a decode step's few queries
+    over a long cache): reading every key for it would cost more than the call, so its output is
+    read instead. The kernel reads only the selected keys, whose NaN or inf reach the output as
+    they do the formula's; an output that is not finite goes to the scanning kernel's careful
+    mode, as a non-finite input does."""
+    dense = bias if isinstance(bias, Tensor) else None
+    after = (
+        is_finite is None
+        and _few_rows(q, k, mask)
+        and not _wants_grads(
+            q,
+            k,
+            v,
+            dense,
+            sinks,
+            *captured,
+            *(bias.inputs() if isinstance(bias, ScoreTerm) else ()),
+        )
+    )
     served = gathered_call(
         q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, score_mod=score_mod,
         n_captured=len(captured), dropout_p=dropout_p, is_finite=is_finite, native=native,
+        check_inputs=not after,
     )  # fmt: skip
     if served is None:
         return None
     call, words = served
-    note_kernel(words)
-    dense = bias if isinstance(bias, Tensor) else None
     extra = (*(call.term.inputs() if call.term is not None else ()), *captured)
     out, lse = _apply(call, q, k, v, dense, sinks, *extra)
+    if after and not finite(out):
+        return None
+    note_kernel(words)
     return (out, lse) if return_lse else out
+
+
+def _few_rows(q: Tensor, k: Tensor, mask: Mask | None) -> bool:
+    """Whether each selection head's queries select fewer keys, all together, than the keys of
+    a row (a decode step over a long cache): reads no tensor data."""
+    widths = _widths(mask)
+    return bool(widths) and q.size(-2) * sum(widths) < k.size(-2)
+
+
+def _widths(mask: Mask | None) -> list[int]:
+    """The widths (keys a query may select) of ``mask``'s index masks."""
+    if mask is None:
+        return []
+    if isinstance(mask, KeyIndices):
+        return [mask.width]
+    return [w for p in mask.parts for w in _widths(p)] if mask.op is not None else []
+
+
+def _wants_grads(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

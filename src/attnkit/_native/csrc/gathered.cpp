@@ -468,12 +468,22 @@ Gather gather_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return g;
 }
 
-// The tensors' data in the kernel's layout: contiguous (a copy where they are not).
+// The tensors' data in the kernel's layout: contiguous (a copy where they are not); with
+// `strided_rows`, k and v at any strides whose rows hold their elements in order, as the forward
+// reads them (a cache's rows, or values that are a view of the keys' rows: no copy of the whole
+// cache for a few queries that each read k of its rows).
+inline at::Tensor rows_of(const at::Tensor& t, bool strided_rows) {
+  return strided_rows && t.stride(-1) == 1 ? t : t.contiguous();
+}
+
 struct Held {
   at::Tensor q, k, v, keys, key_ok;
   Held(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& keys_,
-       const c10::optional<at::Tensor>& ok)
-      : q(q_.contiguous()), k(k_.contiguous()), v(v_.contiguous()), keys(keys_.contiguous()) {
+       const c10::optional<at::Tensor>& ok, bool strided_rows = false)
+      : q(q_.contiguous()),
+        k(rows_of(k_, strided_rows)),
+        v(rows_of(v_, strided_rows)),
+        keys(keys_.contiguous()) {
     if (ok.has_value()) key_ok = ok->contiguous();
   }
   void point(Gather& g) const {
@@ -555,7 +565,7 @@ std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const a
                                                     double scale, double softcap,
                                                     c10::ArrayRef<double> band, int64_t span) {
   Gather g = gather_of(q, k, v, keys, key_ok, scale, softcap, band);
-  const Held t(q, k, v, keys, key_ok);
+  const Held t(q, k, v, keys, key_ok, /*strided_rows=*/true);
   t.point(g);
   at::Tensor out = at::empty({g.B, g.H, g.Tq, g.Dv}, q.options());
   at::Tensor lse = at::empty({g.B, g.H, g.Tq}, q.options());
