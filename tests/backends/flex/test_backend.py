@@ -92,8 +92,24 @@ def test_a_masked_nan_is_handed_to_chunked() -> None:
         out = attnkit.attention(q, k, v, backend="flex", **kw)  # type: ignore[arg-type]
     assert calls[0].handovers
     assert calls[0].handovers[0][:2] == ("flex", "chunked")
-    assert "gave a NaN or inf" in calls[0].handovers[0][2]
+    assert "lets through from masked keys" in calls[0].handovers[0][2]
     assert_close(out, reference(q, k, v, **kw))  # type: ignore[arg-type]
+
+
+def test_a_query_whose_visible_keys_are_all_nan_gives_nan() -> None:
+    # torch's compiled kernel gives such a query 0, as one with no visible key: a zero row of the
+    # output sends a call whose inputs hold NaN to chunked; the padding queries' zero rows (no
+    # visible key) stay 0.
+    q, k, v = qkv(8, 8)
+    k[0, :, :3] = float("nan")  # row 0's first document: its queries see only these keys
+    kw = {"mask": masks.documents([3, 5]) & masks.key_padding([8, 0])}
+    with record_dispatch() as calls:
+        out = attnkit.attention(q, k, v, backend="flex", **kw)  # type: ignore[arg-type]
+    assert calls[0].handovers[0][:2] == ("flex", "chunked")
+    expected = reference(q, k, v, **kw)
+    assert bool(out[0, :, :3].isnan().all())
+    assert bool((out[1] == 0).all())
+    assert_close(out.nan_to_num(), expected.nan_to_num())  # type: ignore[union-attr]
 
 
 def test_what_it_declines_and_why() -> None:

@@ -290,13 +290,13 @@ class Flex(Backend):
         compiled = runs_compiled(call)[0]
         options = kernel_options(call)[0] if target(call.device).gpu else None
         out, lse = run_lowered(lowered, lse=lse_needed, compiled=compiled, options=options)
-        if _leaked(call, out):
+        if _leaked(call, out, q, k, v):
             return self.hand_over(
                 call,
                 inputs,
                 "chunked",
-                "torch's FlexAttention gave a NaN or inf: q, k or v hold one, which its kernel "
-                "lets through from masked keys",
+                "q, k or v hold a NaN or inf, which torch's FlexAttention lets through from "
+                "masked keys, and turns into zeros where a query's visible keys all give NaN",
             )
         if inputs.sinks is not None and lse is not None:
             out, lse = fold_sinks(out, lse, inputs.sinks)
@@ -306,15 +306,21 @@ class Flex(Backend):
         return out, lse.reshape(*call.batch_shape, *lse.shape[1:])
 
 
-def _leaked(call: AttentionCall, out: Tensor) -> bool:
+def _leaked(call: AttentionCall, out: Tensor, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the output breaks the non-finite policy, or may: FlexAttention's output is finite
     unless q, k or v hold a NaN or inf, and then only the exact policy can tell a value the mask
-    hides (a masked value times a zero weight) from one it shows. One host read of the output,
-    the smallest tensor of the call; none for a call whose inputs are known to be finite, or while
-    torch.compile traces."""
+    hides (a masked value times a zero weight) from one it shows. A query whose visible keys all
+    give NaN scores comes out 0 there, as a query with no visible key does: so an output that is
+    finite but has a row of zeros is trusted only once q, k and v are read to be finite (a
+    zero row is otherwise a masked query, and the read costs a fraction of the call). One host
+    read of the output, the smallest tensor of the call; none for a call whose inputs are known
+    to be finite, or while torch.compile traces."""
     if call.finite is True or torch.compiler.is_compiling() or out.device.type == "meta":
         return False
-    return not finite(out)
+    if not finite(out):
+        return True
+    zero_rows = out.numel() > 0 and bool((out == 0).all(-1).any())
+    return zero_rows and not finite(q, k, v)
 
 
 def _bitmap_notes(call: AttentionCall) -> list[str]:
