@@ -416,7 +416,7 @@ def _quantized_refusal(
     term = bias if isinstance(bias, ScoreTerm) else None
     inputs = () if term is None else tuple(term.inputs())
     dense = bias if isinstance(bias, Tensor) else None
-    return quantized_refusal(
+    why = quantized_refusal(
         q,
         mask=mask,
         geo=Geometry(tuple(q.shape[:-3]), q.size(-3), q.size(-2), k.size(-2), q.device),
@@ -428,6 +428,12 @@ def _quantized_refusal(
         score_mod=score_mod is not None,
         wants_grads=_wants_grads(q, dense, sinks, *inputs, *kv_scales),
     )
+    # The native read scales each product, (q . k) s, where the formula scales each element,
+    # q . (k s): the same for finite scales, not for an inf one (inf - inf within the sum is the
+    # formula's NaN). The scales are a small fraction of the bytes the call reads.
+    if why is None and not finite(*kv_scales):
+        return "a scale is NaN or inf (the formula's products of its elements decide the values)"
+    return why
 
 
 def plan_call(
