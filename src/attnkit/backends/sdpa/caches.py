@@ -113,7 +113,7 @@ def cache_attention(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor) -> tup
         attn_mask=attn_mask,
         dropout_p=call.dropout_p,
         scale=call.scale,
-        enable_gqa=q.size(-3) != k.size(-3),
+        enable_gqa=True if q.size(-3) != k.size(-3) else False,  # noqa: SIM210 (a SymBool is refused)
     )
     # a query with no key (an empty stretch, a padding query) gives 0, whatever the kernel wrote
     return out.masked_fill(~attn_mask.any(-1, keepdim=True), 0.0), attn_mask

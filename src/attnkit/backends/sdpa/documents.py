@@ -52,7 +52,7 @@ def per_document(
     dropout_p: float,
 ) -> Tensor:
     """One fused call per document of each batch row, the outputs joined along the queries."""
-    gqa = q.size(-3) != k.size(-3)
+    gqa = True if q.size(-3) != k.size(-3) else False  # noqa: SIM210 (a SymBool is refused)
 
     def row(q: Tensor, k: Tensor, v: Tensor, cuts: list[int]) -> Tensor:
         pieces = []

@@ -98,7 +98,7 @@ def blocked_term(
             attn_mask=attn_mask.to(q.dtype),
             dropout_p=dropout_p,
             scale=scale,
-            enable_gqa=h != hkv,
+            enable_gqa=True if h != hkv else False,  # noqa: SIM210 (a SymBool is refused)
         )
         if bias4 is not None:  # a -inf bias may empty a row too
             empty = (attn_mask == float("-inf")).all(-1)
