@@ -943,3 +943,29 @@ def test_a_sequence_is_named_by_any_integer_and_a_wrong_one_said_so() -> None:
     with pytest.raises(ValueError, match=r"seq must be a sequence from 0 to 1, got 2"):
         cache.free(2)
     assert cache.lengths == [0, 1]
+
+
+def test_a_compiled_decode_loop_compiles_a_few_times_not_once_a_token() -> None:
+    # The page bookkeeping runs eagerly between graphs: its host-side lengths, taken into a graph,
+    # were guarded as constants, so the staging frames compiled again at every token (until
+    # torch's recompile limit). The steps equal an eager module's on its own cache.
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(5)
+    mha = MultiHeadAttention(32, 4).eval()
+    eager_pool, pool = (PagedKVCache(32, 4, 4, 8, max_seqs=2) for _ in range(2))
+
+    def step(x: Tensor, cache: PagedKVCache) -> Tensor:
+        return mha(x, causal=True, cache=cache)
+
+    compiled = torch.compile(step, backend="eager")  # dynamo's guards, no code generated
+    with torch.no_grad():
+        x = torch.randn(2, 6, 32)
+        assert_close(compiled(x, pool), step(x, eager_pool))
+        graphs = []
+        for _ in range(10):
+            x = torch.randn(2, 1, 32)
+            assert_close(compiled(x, pool), step(x, eager_pool))
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert pool.lengths == eager_pool.lengths == [16, 16]
+    assert graphs[-1] - graphs[2] <= 2, graphs  # the graphs of the first steps, then few more

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,15 @@ from .view import CacheView, rows_refusal
 __all__ = ["PagedKVCache"]
 
 Layout = Literal["flash", "vllm"]
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _between_graphs(method: _Method) -> _Method:
+    """``method`` run eagerly under ``torch.compile``, a graph break around it: the page
+    bookkeeping reads and changes host-side lengths and tables, which a graph would take as
+    constants and compile again for at every token."""
+    return cast(_Method, torch.compiler.disable(method))
 
 
 def _counts(name: str, value: object, rows: int, most: int) -> list[int]:
@@ -130,6 +139,12 @@ class PagedKVCache(nn.Module):
     row appends ``T`` tokens, unless :meth:`schedule` said otherwise: then row ``b`` appends its
     first ``new_tokens[b]`` and the rest of its ``T`` positions are padding, so that one call
     prefills a prompt in one row while the others decode one token each.
+
+    Under ``torch.compile`` the page bookkeeping (:meth:`stage`, :meth:`stage_call`,
+    :meth:`write`, :meth:`commit`, :meth:`rewind`, :meth:`free`, :meth:`keep`, :meth:`reset`)
+    runs eagerly between graphs: it allocates pages from host-side lengths, which a graph would
+    otherwise take as constants and compile again at every token. The attention on the cache's
+    view compiles.
 
     >>> cache = PagedKVCache(num_blocks=8, page_size=4, num_kv_heads=2, head_dim=8, max_seqs=2)
     >>> cache.schedule([5, 1])                       # a 5-token prompt; one token in row 1
@@ -442,6 +457,7 @@ class PagedKVCache(nn.Module):
                     self.v_scales[at] = 1.0
 
     @shape_checked
+    @_between_graphs
     def stage(
         self, k: Float[Tensor, "B Hkv T Dk"], v: Float[Tensor, "B Hkv T Dv"] | None
     ) -> Tensor:
@@ -491,6 +507,7 @@ class PagedKVCache(nn.Module):
             at = torch.tensor([rows, columns], device=device)
             self.block_table[at[0], at[1]] = torch.tensor(taken, dtype=torch.int32, device=device)
 
+    @_between_graphs
     def write(
         self,
         k: Float[Tensor, "N Hkv Dk"],
@@ -578,6 +595,7 @@ class PagedKVCache(nn.Module):
             v_scales = None if self.values_in_keys else self.v_scales
             put(self.k_scales, v_scales, ks[:, :, 0], vs[:, :, 0], slots)
 
+    @_between_graphs
     def commit(self) -> None:
         """Hold the tokens of the last :meth:`stage`, and forget :meth:`schedule`."""
         self.lengths = [n + s for n, s in zip(self.lengths, self._staged, strict=True)]
@@ -585,6 +603,7 @@ class PagedKVCache(nn.Module):
         self._staged = [0] * self.max_seqs
         self._next = None
 
+    @_between_graphs
     def rewind(self, lengths: int | Sequence[int]) -> None:
         """Forget every token of sequence ``b`` from position ``lengths[b]`` on (an int: the same
         for every sequence), and any uncommitted stage, returning the pages no longer needed."""
@@ -595,6 +614,7 @@ class PagedKVCache(nn.Module):
             self.lengths[b] = min(self.lengths[b], n)
             self._trim(b, self.lengths[b])
 
+    @_between_graphs
     def free(self, seq: int) -> None:
         """Forget sequence ``seq`` and return its pages to the pool: its row takes a new sequence
         (a prompt of its own length) at the next call."""
@@ -604,6 +624,7 @@ class PagedKVCache(nn.Module):
         self.positions[b] = 0
         self._trim(b, 0)
 
+    @_between_graphs
     def keep(self, seq: int, indices: Tensor) -> None:
         """Keep only the tokens ``indices`` ``(Hkv, K)`` of sequence ``seq``, per key/value head
         (positions from 0 to ``lengths[seq] - 1``, none twice in a head, in any order): they
@@ -647,6 +668,7 @@ class PagedKVCache(nn.Module):
         self.lengths[b] = index.size(-1)
         self._trim(b, self.lengths[b])
 
+    @_between_graphs
     def reset(self) -> None:
         """Forget every sequence (the memory stays allocated)."""
         self._drop_staged()
@@ -732,6 +754,7 @@ class PagedKVCache(nn.Module):
         and staged tokens, and with :meth:`schedule` its staged tokens its real queries."""
         return self._view_of(self._staged)
 
+    @_between_graphs
     def stage_call(
         self,
         q: Tensor,
