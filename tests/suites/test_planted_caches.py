@@ -77,6 +77,14 @@ def test_e4m3fn_stores_inf_as_nan_and_e5m2_keeps_it() -> None:
     assert e5.float()[0, 0, 0].tolist() == [1.0, float("inf"), -float("inf"), 2.0]
 
 
+def test_fp8_saturates_finite_values_beyond_its_range() -> None:
+    x = torch.tensor([[[[1e6, -1e6, 3.0]]]])
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        xq, _ = quantize_fp8(x, dtype, scale=torch.ones(1, 1, 1, 1))
+        top = torch.finfo(dtype).max
+        assert xq.float()[0, 0, 0].tolist() == [top, -top, 3.0]
+
+
 def test_fp8_scale_reads_only_the_real_tokens() -> None:
     x = randn(2, 1, 4, D, seed=4)
     x[0, 0, 3] = 1000.0  # padding of row 0: sets no scale
@@ -110,6 +118,23 @@ def test_a_value_scale_alone_gets_its_gradient() -> None:
     )
     (want_grad,) = torch.autograd.grad(want.square().sum(), vs64)
     assert_close(grad, want_grad, dtype=torch.float32)
+
+
+def test_a_scale_per_element_is_refused() -> None:
+    q = randn(1, 2, 3, D, seed=54)
+    k8, ks = quantize_int8(randn(1, 2, 5, D, seed=55))
+    with pytest.raises(ValueError, match=r"k_scale must be broadcastable to .*\(1, 2, 5, 1\)"):
+        attnkit.attention(q, k8, k8, k_scale=ks.expand(1, 2, 5, D), v_scale=ks)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_bfloat16_queries_read_int8_keys_and_values_dequantized_to_bfloat16(backend: str) -> None:
+    q = randn(1, 2, 3, D, seed=56).bfloat16()
+    (k8, ks), (v8, vs) = (quantize_int8(randn(1, 2, 5, D, seed=s)) for s in (57, 58))
+    out = attnkit.attention(q, k8, v8, k_scale=ks, v_scale=vs, backend=backend)
+    # the keys and values the call sees: (k.float() * k_scale).to(q.dtype)
+    keys, values = ((x.float() * s).bfloat16() for x, s in ((k8, ks), (v8, vs)))
+    assert torch.equal(out, attnkit.attention(q, keys, values, backend=backend))
 
 
 # eviction: KVCache.keep
@@ -226,13 +251,14 @@ def streamed(cache: StreamingKVCache, q: Tensor) -> Tensor:
     return attnkit.attention(q.double(), keys.double(), values.double(), backend="reference")
 
 
-def test_rewinding_a_staged_step_on_a_full_ring_puts_the_oldest_token_back() -> None:
-    cache = streaming(6)
+@pytest.mark.parametrize("position", [4, 6], ids=["just-full", "wrapped"])
+def test_rewinding_a_staged_step_on_a_full_ring_puts_the_oldest_token_back(position: int) -> None:
+    cache = streaming(position)  # S + W = 4: the step writes over a held token
     q = randn(1, 1, 1, D, seed=34)
     want = streamed(cache, q)
     cache.stage(randn(1, 1, 1, D, seed=35), randn(1, 1, 1, D, seed=36))
-    cache.rewind(6)
-    assert cache.position == 6
+    cache.rewind(position)
+    assert cache.position == position
     assert_close(attnkit.attention(q, cache.view(), None), want, dtype=torch.float32)
 
 
@@ -259,6 +285,11 @@ def test_a_streaming_chunk_moved_then_rewound_is_refused_or_put_back_in_the_new_
 
 
 def reference(q: Tensor, k: Tensor, **kw: object) -> tuple[Tensor, Tensor, Tensor]:
+    """Column sums, column maxima and row entropies of the float64 reference's weights."""
+    kw = {
+        n: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v
+        for n, v in kw.items()
+    }
     _, w = attnkit.attention(
         q.double(), k.double(), k.double(), return_weights=True, backend="reference", **kw
     )
@@ -322,3 +353,23 @@ def test_the_eager_pass_over_a_causal_diagonal_gives_finite_entropies() -> None:
     assert_close(stats.entropy[0, 1], entropy[0, 1], dtype=torch.float32)
     assert_close(stats.entropy[0, 0, :-1], entropy[0, 0, :-1], dtype=torch.float32)
     assert math.isnan(float(stats.entropy[0, 0, -1]))
+
+
+def test_the_eager_pass_with_grouped_heads_normalises_each_query_head_by_its_own_lse() -> None:
+    q, k = nan_row(randn(1, 4, 5, D, seed=48)), randn(1, 2, 7, D, seed=49)
+    stats = attention_stats(q, k, causal=True)
+    mass, top, entropy = reference(q, k, causal=True)
+    # (head 0's last query is NaN: the second group's heads are the ones to compare)
+    assert_close(stats.key_mass[:, 2:], mass[:, 2:], dtype=torch.float32)
+    assert_close(stats.key_max[:, 2:], top[:, 2:], dtype=torch.float32)
+    assert_close(stats.entropy[:, 1:], entropy[:, 1:], dtype=torch.float32)
+
+
+def test_the_eager_pass_with_grouped_heads_reads_each_query_heads_bias() -> None:
+    q, k = nan_row(randn(1, 4, 5, D, seed=59)), randn(1, 2, 5, D, seed=60)
+    bias = randn(4, 5, 5, seed=61) * 3
+    stats = attention_stats(q, k, bias=bias)
+    mass, top, entropy = reference(q, k, bias=bias)
+    assert_close(stats.key_mass[:, 1:], mass[:, 1:], dtype=torch.float32)
+    assert_close(stats.key_max[:, 1:], top[:, 1:], dtype=torch.float32)
+    assert_close(stats.entropy[:, 1:], entropy[:, 1:], dtype=torch.float32)
