@@ -224,6 +224,48 @@ def test_a_window_on_a_cache_keeps_its_oldest_key() -> None:
     torch.testing.assert_close(got, want)
 
 
+def test_torchs_products_per_batch_row_with_alibi_and_gradients() -> None:
+    """The gathered call on torch's products (no native kernel): a selection per batch row and
+    key/value head, ALiBi on fewer queries than keys (each query at its aligned position), a
+    scale of its own; outputs and gradients against the reference's."""
+    q = randn(2, 4, 3, 8, seed=31, dtype=F64).requires_grad_()
+    k = randn(2, 2, 64, 8, seed=32, dtype=F64).requires_grad_()
+    v = randn(2, 2, 64, 8, seed=33, dtype=F64).requires_grad_()
+    # (4 keys of 64 a query: few enough that the keys are gathered, not scanned)
+    idx = torch.randint(40, 64, (2, 2, 3, 4), generator=torch.Generator().manual_seed(34))
+    bias = DistanceBias(randn(4, 66, seed=35, dtype=F64), first=-63)
+    mask = masks.key_indices(idx) & masks.causal()
+    grads = []
+    for backend in (attnkit.backends.Chunked(native=False), "reference"):
+        out = attnkit.attention(q, k, v, mask=mask, bias=bias, scale=0.6, backend=backend)
+        grads.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v))))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_two_selections_per_head_anded() -> None:
+    """Two index masks of a selection per key/value head ANDed, 4 query heads on 2: query head
+    ``h`` reads selection ``h // 2`` of each."""
+    q, k, v = randn(1, 4, 3, 8, seed=36), randn(1, 2, 64, 8, seed=37), randn(1, 2, 64, 8, seed=38)
+    g = torch.Generator().manual_seed(39)
+    a, b = (
+        torch.randint(0, 16, (1, 2, 3, 8), generator=g),
+        torch.randint(0, 16, (1, 2, 3, 8), generator=g),
+    )
+    mask = masks.key_indices(a) & masks.key_indices(b)
+    got = attnkit.attention(q, k, v, mask=mask, backend=attnkit.backends.Chunked(native=False))
+    want = attnkit.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_selection_of_other_batch_rows_is_refused() -> None:
+    """Indices of 2 batch rows for a call of 3: refused with both numbers (1 or B rows)."""
+    q = randn(3, 2, 4, 8, seed=40)
+    idx = torch.zeros(2, 1, 4, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="has 2 batch rows but the call has B = 3"):
+        attnkit.attention(q, q, q, mask=masks.key_indices(idx))
+
+
 # --------------------------------------------------------------------------------------------------
 # Latent attention
 
