@@ -446,3 +446,16 @@ def test_the_frequencies_stay_float64_when_the_module_is_cast() -> None:
     rotary = FrequencyRotary(inv_freq).to(torch.bfloat16)
     assert rotary.inv_freq.dtype == F64
     torch.testing.assert_close(rotary.inv_freq, inv_freq, rtol=0, atol=0)
+
+
+def test_a_bias_over_two_batch_dims_on_flex() -> None:
+    """q ``(2, 3, H, Tq, D)`` and a bias ``(1, 3, H, Tq, Tk)`` that broadcasts over the first
+    batch dim only: each batch row reads its own bias."""
+    q, k, v = (randn(2, 3, 2, 4, 8, seed=s) for s in (44, 45, 46))
+    bias = randn(1, 3, 2, 4, 4, seed=47)
+    call = attnkit.explain(q, k, v, bias=bias).call
+    got, _ = run_lowered(lower_call(call, q, k, v, bias), lse=False, compiled=False)
+    want = attnkit.attention(
+        q.double(), k.double(), v.double(), bias=bias.double(), backend="reference"
+    )
+    torch.testing.assert_close(got.reshape(want.shape).double(), want, atol=1e-5, rtol=1e-5)
