@@ -951,6 +951,7 @@ def test_a_compiled_decode_loop_compiles_a_few_times_not_once_a_token() -> None:
     # torch's recompile limit). The steps equal an eager module's on its own cache.
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # no frames compiled by earlier tests (their limits, their guards)
     torch.manual_seed(5)
     mha = MultiHeadAttention(32, 4).eval()
     eager_pool, pool = (PagedKVCache(32, 4, 4, 8, max_seqs=2) for _ in range(2))
