@@ -21,6 +21,7 @@ pages per sequence at most.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal, TypeVar, cast
@@ -50,8 +51,22 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 def _between_graphs(method: _Method) -> _Method:
     """``method`` run eagerly under ``torch.compile``, a graph break around it: the page
     bookkeeping reads and changes host-side lengths and tables, which a graph would take as
-    constants and compile again for at every token."""
-    return cast(_Method, torch.compiler.disable(method))
+    constants and compile again for at every token. The disabled form is made on the first
+    compiled call, since making it imports torch's compiler, which ``import attnkit`` does not."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return method(*args, **kwargs)
+        disabled = _DISABLED.get(method.__qualname__)
+        if disabled is None:
+            disabled = _DISABLED[method.__qualname__] = torch.compiler.disable(method)
+        return disabled(*args, **kwargs)
+
+    return cast(_Method, run)
+
+
+_DISABLED: dict[str, Callable[..., Any]] = {}
 
 
 def _counts(name: str, value: object, rows: int, most: int) -> list[int]:
