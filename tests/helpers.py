@@ -14,6 +14,7 @@ import jaxtyping
 import pytest
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 
@@ -99,3 +100,19 @@ def attnkit_checks_only() -> Iterator[None]:
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements any torch operation's output held, over the operations run while
+    active: what an O(T) promise bounds (no ``(Tq, Tk)`` tensor made)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

@@ -13,14 +13,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 from attnkit import AttentionStats, _native, attention_stats, masks
 from attnkit.scores import ScoreTerm
 from attnkit.testing import assert_close
 
-from .helpers import attnkit_checks_only
+from .helpers import LargestTensor, attnkit_checks_only
 from .strategies import structured_masks
 
 
@@ -246,21 +245,6 @@ def test_checks_read_as_attentions() -> None:
             attention_stats(q, k, is_causal=True)  # type: ignore[call-arg]
 
 
-class _LargestTensor(TorchDispatchMode):
-    """The most elements any operation's output held, over the operations run inside."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_no_tensor_of_the_scores_size_is_allocated(with_lse: bool) -> None:
     # 2048 x 2048 scores per head: the reference writes 8M weights; the pass's largest tensor is a
@@ -268,10 +252,10 @@ def test_no_tensor_of_the_scores_size_is_allocated(with_lse: bool) -> None:
     t, h = 2048, 1
     q, k = torch.randn(1, h, t, 16), torch.randn(1, h, t, 16)
     lse = attnkit.attention(q, k, k, causal=True, return_lse=True)[1] if with_lse else None
-    with _LargestTensor() as seen:
+    with LargestTensor() as seen:
         attention_stats(q, k, causal=True, lse=lse)
     assert seen.largest <= h * t * t // 16, seen.largest
-    with _LargestTensor() as dense:
+    with LargestTensor() as dense:
         attention_stats(q, k, causal=True, lse=lse, backend="reference")
     assert dense.largest >= h * t * t  # the property can fail: the dense form does
 

@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 from attnkit import KVCache, PagedKVCache, StreamingKVCache, attention_stats, masks
@@ -36,7 +35,7 @@ from attnkit.caches._quantize import quantize_fp8, quantize_int8
 from attnkit.scores import DistanceBias, RelativePositionTerm
 from attnkit.testing import assert_close
 
-from ..helpers import attnkit_checks_only
+from ..helpers import LargestTensor, attnkit_checks_only
 
 F64 = torch.float64
 
@@ -461,21 +460,6 @@ def test_vmap_is_refused_in_words_and_the_reference_form_runs_there() -> None:
     assert_close(mapped, reference_stats(q, k, causal=True)[0], dtype=torch.float32)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """The most elements any operation's output held, over the operations run inside."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_sixteen_thousand_tokens_make_no_scores_sized_tensor() -> None:
     """The O(T) promise at T = 16,384 (one head: a (Tq, Tk) float32 tensor would be 1 GiB): no
     operation makes a tensor of more than T * 16 elements, and the process's peak memory grows
@@ -484,7 +468,7 @@ def test_sixteen_thousand_tokens_make_no_scores_sized_tensor() -> None:
     q, k = randn(1, 1, t, 16, seed=1), randn(1, 1, t, 16, seed=2)
     lse = attnkit.attention(q, k, k[..., :0], causal=True, return_lse=True)[1]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    with _LargestTensor() as seen:
+    with LargestTensor() as seen:
         got = attention_stats(q, k, causal=True, lse=lse)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert seen.largest <= t * 16, seen.largest

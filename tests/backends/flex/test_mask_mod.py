@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnkit import masks
 from attnkit.backends.flex.block_mask import block_mask
 from attnkit.backends.flex.mask_mod import lower_mask, mask_refusal, selection_bitmap
 
+from ...helpers import LargestTensor
 from .helpers import B, H, catalogue, dense_of, selection
 
 SIZES = [(24, 24), (10, 24), (24, 10)]  # Tq == Tk, fewer queries (a cache), more queries
@@ -110,28 +110,13 @@ def test_rows_packed_a_stretch_at_a_time() -> None:
         torch.testing.assert_close(((words[r, s // 32] >> (s % 32)) & 1).bool(), want)
 
 
-class _Sizes(TorchDispatchMode):
-    """The largest tensor any torch operation makes while active, in elements."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_an_index_mask_is_lowered_without_a_dense_mask() -> None:
     # Lowered, with its BlockMask and a few pairs asked of its mask_mod, a selection of 8 keys a
     # query over 4096 keys makes nothing near Tq x Tk: the bitmap is Tq x Tk / 32 words.
     tq, tk = 64, 4096
     geo = masks.Geometry((B,), H, tq, tk, torch.device("cpu"))
     mask = masks.key_indices(selection(B, 2, tq, tk, 8, seed=2)) & masks.causal()
-    with _Sizes() as sizes:
+    with LargestTensor() as sizes:
         mod = lower_mask(mask, geo)
         block_mask(mask, geo, mod, block=(16, 128))
         i = torch.arange(tq)
