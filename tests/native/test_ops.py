@@ -511,3 +511,16 @@ def test_gathered_operators_refuse_what_they_cannot_read() -> None:
         torch.ops.attnkit.gathered_forward(q, k, v, keys.int(), ok, **kwargs)
     with pytest.raises(RuntimeError, match="selection heads must divide H = 4"):
         torch.ops.attnkit.gathered_forward(q, k, v, keys.expand(2, 3, 7, 6), ok, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_forward_reads_values_that_are_a_view_of_the_keys(dtype: torch.dtype) -> None:
+    # A latent cache's values are the first columns of its keys' rows (strided rows): the forward
+    # reads them in place, with the results of the same values made contiguous, and opcheck holds.
+    (q, k, _, keys, ok), kwargs = _gathered_call(dtype)
+    v = k[..., :8]
+    torch.library.opcheck(torch.ops.attnkit.gathered_forward.default, (q, k, v, keys, ok), kwargs)
+    out, lse = torch.ops.attnkit.gathered_forward(q, k, v, keys, ok, **kwargs)
+    want, want_lse = torch.ops.attnkit.gathered_forward(q, k, v.contiguous(), keys, ok, **kwargs)
+    assert torch.equal(out, want)
+    assert torch.equal(lse, want_lse)
