@@ -226,8 +226,21 @@ def test_checks_read_as_attentions() -> None:
             attnkit.attention(q, k, k)
         with pytest.raises(ValueError, match="multiple of the heads") as ours:
             attention_stats(q, k)
-        assert str(ours.value) == str(theirs.value)
+        # the same words, of q and k: attention_stats takes no values
+        assert str(ours.value) == str(theirs.value).replace("k and v", "k")
         assert "Hkv=3" in str(ours.value)
+        wrong = [  # each of attention()'s shape, dtype and device checks, of the keys
+            torch.randn(2, 3, 6, 8),
+            torch.randn(1, 0, 6, 8),
+            torch.randn(1, 2, 6, 8, dtype=torch.float64),
+            torch.randn(1, 2, 6, 8, device="meta"),
+        ]
+        for keys in wrong:
+            with pytest.raises((TypeError, ValueError)) as error:
+                attention_stats(q, keys)
+            assert " v " not in str(error.value), error.value
+            assert ", v" not in str(error.value), error.value
+            assert str(error.value).startswith(("q and k", "k must")), str(error.value)
         k = torch.randn(1, 2, 6, 8)
         with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(4,\)"):
             attention_stats(q, k, sinks=torch.zeros(3))

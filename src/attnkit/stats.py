@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -182,18 +183,23 @@ def attention_stats(
     ``Tk`` keys, ``Dk`` query/key size.
     """
     _check_keys(k)
-    call = check_attention_args(
-        q,
-        k,
-        k,  # (no values: any tensor of k's heads and length passes their check)
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        scale=scale,
-        softcap=softcap,
-        sinks=sinks,
-        score_mod=score_mod,
-    )
+    try:
+        call = check_attention_args(
+            q,
+            k,
+            k,  # (no values: any tensor of k's heads and length passes their check)
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+            score_mod=score_mod,
+        )
+    except (TypeError, ValueError) as error:
+        if type(error) not in (TypeError, ValueError):
+            raise
+        raise type(error)(_without_values(str(error))) from None
     given = None if lse is None else _check_lse(lse, call)
     if not isinstance(per_kv_head, bool):
         raise TypeError(f"per_kv_head must be a bool, got {per_kv_head!r}")
@@ -235,6 +241,13 @@ def _shapes(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     queries = (*call.batch_shape, call.num_heads, call.q_len)
     empty = [torch.empty(shape, dtype=work, device="meta") for shape in (keys, keys, queries)]
     return empty[0], empty[1], empty[2]
+
+
+def _without_values(message: str) -> str:
+    """attention()'s message about q, k and v as one about q and k: attention_stats takes no
+    values (the check was given the keys in their place, so what it says of v it says of k)."""
+    message = message.replace("q, k and v", "q and k").replace("k and v", "k")
+    return re.sub(r",\s+v (?:on \S+|\([^)]*\)|\S+)$", "", message)
 
 
 def _check_keys(k: object) -> None:

@@ -136,13 +136,6 @@ class QuantizedKV:
             values = dequantize(v, self.v_scale, q.dtype)
         return finite_if_readable(q, keys, values)
 
-    @property
-    def requires_grad(self) -> bool:
-        """Whether autograd will ask for a scale's gradient."""
-        return torch.is_grad_enabled() and (
-            self.k_scale.requires_grad or self.v_scale.requires_grad
-        )
-
 
 def dequantize(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """The keys or values a quantized ``x`` stands for, in ``dtype``: ``x.float() * scale``
