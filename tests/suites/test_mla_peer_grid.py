@@ -754,3 +754,33 @@ def test_a_paged_step_whose_rows_decode_none_one_and_two_tokens() -> None:
         want = mla(m, seqs[b][None, :s], allowed)[:, n:]
         torch.testing.assert_close(out[b : b + 1, :t], want, atol=1e-10, rtol=1e-10)
         assert not out[b, t:].any()
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_explain_of_an_expanded_step_on_a_paged_cache_describes_the_rows_it_reads(
+    sparse: bool,
+) -> None:
+    # The expanded form on rows of their own lengths (vLLM's mixed batch) attends each row's
+    # expanded keys as a view of the rows: explain() describes that call, not a dense one over
+    # the longest row's keys for every query.
+    torch.manual_seed(23)
+    m = small_mla(16, F32)
+    cache = m.make_paged_cache(12, PAGE, max_seqs=3)
+    with torch.no_grad():
+        cache.schedule([70, 30, 5])
+        m(torch.randn(3, 70, 32), causal=True, cache=cache)
+        cache.commit()
+        cache.schedule([20, 1, 0])
+        x = torch.randn(3, 20, 32)
+        idx = torch.randint(-1, 31, (3, 1, 20, 4))
+        mask = masks.key_indices(idx) & masks.causal() if sparse else None
+        explained = str(m.explain(x, mask=mask, causal=not sparse, cache=cache, form="expanded"))
+        with attnkit.record_dispatch() as calls:
+            m(x, mask=mask, causal=not sparse, cache=cache, form="expanded")
+    first = explained.splitlines()[0]
+    assert "3 rows of keys 0..90, 0..31, 0..5" in first, first
+    assert "queries [20, 1, 0]" in first, first
+    assert calls[0].call.cache is not None
+    chosen_note = explained.split("chunked    chosen")[1].split("reference")[0]
+    path = "index mask on a cache" if sparse else "reads the cache in place"
+    assert path in chosen_note, explained

@@ -583,10 +583,19 @@ class MultiHeadLatentAttention(nn.Module):
 
         h, r, dr = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
         dk = r + dr if absorbed else self.qk_nope_head_dim + dr
+        dv = r if absorbed else self.v_head_dim
         keys: Tensor | CacheView = shaped(1 if absorbed else h, s, dk)
-        values: Tensor | None = shaped(1 if absorbed else h, s, r if absorbed else self.v_head_dim)
-        if absorbed and isinstance(cache, KVCache | PagedKVCache):
-            keys, values = cache.stand_in(tq), None  # the cache's latents where the call reads them
+        values: Tensor | None = shaped(1 if absorbed else h, s, dv)
+        if isinstance(cache, KVCache | PagedKVCache):
+            view = cache.stand_in(tq)
+            if absorbed:  # the cache's latents where the call reads them
+                keys, values = view, None
+            elif not view.shared:
+                # rows of their own lengths: each row's keys expanded, read as a view of the rows
+                # (as _attend calls it), not a dense call over the longest row's keys
+                k, v = shaped(h, view.kv_len, dk), shaped(h, view.kv_len, dv)
+                keys = CacheView(k, v, view.kv_range, None, view.q_lens, trusted=True)
+                values = None
         return explain(
             shaped(h, tq, dk),
             keys,
