@@ -11,7 +11,7 @@ DEV_STAMP  := $(VENV)/.installed-dev
 # (pip's default torch on Linux is the multi-GB CUDA build). Empty: torch comes with the rest.
 TORCH_INDEX ?=
 
-.PHONY: demo test lint typecheck pytest docs bench clean
+.PHONY: demo test lint typecheck pytest docs native bench clean
 
 # $(call install,EXTRAS): .venv if missing, then torch pinned by constraints.txt (from TORCH_INDEX
 # when set) and attnkit from this checkout, editable, with EXTRAS.
@@ -34,9 +34,22 @@ $(DEV_STAMP): pyproject.toml constraints.txt
 demo: $(DEMO_STAMP)
 	$(BIN)/attnkit demo
 
-# The tests read the site `docs` just built (ATTNKIT_BUILT_SITE) instead of building it again.
-test: lint typecheck docs
-	ATTNKIT_BUILT_SITE=site $(BIN)/pytest -q
+# The tests run in TEST_PROCESSES processes (pytest-xdist; default: the cores, at most 4), each
+# test on whichever process is free. TEST_PROCESSES=0 runs them in this one.
+TEST_PROCESSES ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
+PYTEST := $(BIN)/pytest -q -n $(TEST_PROCESSES) --dist worksteal
+
+# The checks, the docs and the native kernel's build (a minute or more, once: the kernel is kept
+# in attnkit's cache folder) run side by side, each target's output printed whole as it ends;
+# then the tests, which read the site just built (ATTNKIT_BUILT_SITE) instead of building it.
+test: $(DEV_STAMP)
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint typecheck docs native
+	ATTNKIT_BUILT_SITE=site $(PYTEST)
+
+# The native kernel, compiled for this CPU and torch unless already built (see docs/deploying.md).
+native: $(DEV_STAMP)
+	$(BIN)/python -c "from attnkit import _native; _native.load(); ok, why = _native.status(); \
+		print('native kernel:', 'ready' if ok else why)"
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks docs
@@ -46,7 +59,7 @@ typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
 pytest: $(DEV_STAMP)
-	$(BIN)/pytest -q
+	$(PYTEST)
 
 # The site, built strictly: a broken cross-reference, a docstring that does not parse or a tutorial
 # step that raises fails the build. It runs the tutorial's code and draws the benchmark plots from

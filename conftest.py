@@ -36,7 +36,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-torch.set_num_threads(min(torch.get_num_threads(), 2))
+# At most two threads a test; when pytest-xdist runs the tests in several processes (`make test`
+# does), each takes its share of the cores, so that the processes do not fight over them.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(torch.get_num_threads() // _workers, 2)))
 
 
 @pytest.fixture
