@@ -784,3 +784,86 @@ def test_explain_of_an_expanded_step_on_a_paged_cache_describes_the_rows_it_read
     chosen_note = explained.split("chunked    chosen")[1].split("reference")[0]
     path = "index mask on a cache" if sparse else "reads the cache in place"
     assert path in chosen_note, explained
+
+
+def cached_latents(cache: attnkit.KVCache | attnkit.PagedKVCache, b: int) -> Tensor:
+    """Row ``b``'s latents ``(1, 1, n, R + Dr)`` as the cache holds them, dequantized by hand."""
+    if isinstance(cache, attnkit.PagedKVCache):
+        return held_keys(cache, b)
+    k = cache.k_cache[b : b + 1, :, : cache.length].double()
+    return k if cache.k_scale is None else k * cache.k_scale[b : b + 1, :, : cache.length].double()
+
+
+def absorbed(
+    m: attnkit.MultiHeadLatentAttention, x: Tensor, latents: Tensor, allowed: Tensor
+) -> Tensor:
+    """MLA's absorbed form in float64 over given latents ``(1, 1, S, R + Dr)``: each query moved
+    into the latent's space by ``W_uk``, attention with the latents' first ``R`` columns as values,
+    ``W_uv`` on the result; ``x`` ``(1, Tq, D)``."""
+    h, r, dn, dv = m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
+    tq = x.size(1)
+    assert m.q_proj is not None
+    q = linear(x, m.q_proj).view(1, tq, h, -1).transpose(1, 2)
+    w = m.kv_b_proj.weight.double().view(h, dn + dv, r)
+    q = torch.cat((torch.einsum("bhtn,hnr->bhtr", q[..., :dn], w[:, :dn]), q[..., dn:]), -1)
+    out, _ = formula(q, latents, r, allowed, m.scale)
+    out = torch.einsum("bhtr,hvr->bhtv", out, w[:, dn:])
+    return linear(out.transpose(1, 2).reshape(1, tq, h * dv), m.out_proj)
+
+
+@pytest.mark.parametrize("kind", ["kv", "paged"])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantized_latent_caches_decode_as_the_absorbed_form_of_what_they_hold(
+    kv_dtype: torch.dtype, kind: str
+) -> None:
+    # The latents stored quantized once, their values read with the keys' scales: a top-k step
+    # and an MTP step equal the absorbed formula over the cache's latents, dequantized here.
+    torch.manual_seed(24)
+    m = small_mla(16, BF16)
+    rows = 2
+    if kind == "kv":
+        cache: Any = m.make_kv_cache(rows, 100, kv_dtype=kv_dtype)
+    else:
+        cache = m.make_paged_cache(8, PAGE, max_seqs=rows, kv_dtype=kv_dtype)
+    exact = copy.deepcopy(m).double()
+    x = torch.randn(rows, 73, 32).to(BF16)
+    with torch.no_grad():
+        m(x[:, :70], causal=True, cache=cache)
+        for start, tq in ((70, 1), (71, 2)):
+            s = start + tq
+            idx = torch.randint(-1, s, (rows, 1, tq, 10))
+            out = m(x[:, start:s], mask=masks.key_indices(idx) & masks.causal(), cache=cache)
+            for b in range(rows):
+                allowed = chosen(idx[b : b + 1], s) & end_causal(tq, s)
+                want = absorbed(
+                    exact, x[b : b + 1, start:s].double(), cached_latents(cache, b), allowed
+                )
+                torch.testing.assert_close(out[b : b + 1].double(), want, atol=6e-2, rtol=6e-2)
+
+
+@pytest.mark.parametrize("backend", ["auto", "chunked"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_rows_sharing_prefix_pages_get_their_gradients_summed(sparse: bool, backend: str) -> None:
+    # vLLM's prefix caching: two rows name the same first page. The pages' gradient is the sum
+    # of both rows' (keys and values alike: the values are a view of the keys).
+    g = gen(25)
+    pages = randn(4, 1, 8, D, g=g).requires_grad_()
+    table = torch.tensor([[2, 0], [2, 1], [3, -1]])
+    lengths = [12, 16, 5]
+    view = CacheView(pages, pages[..., :DV], [(0, n) for n in lengths], table)
+    q = randn(3, 4, 2, D, g=g).requires_grad_()
+    idx = torch.randint(-1, 16, (3, 1, 2, 6), generator=g)
+    mask = masks.key_indices(idx) if sparse else None
+    out = attnkit.attention(q, view, mask=mask, causal=True, backend=backend)
+    grad_out = randn(*out.shape, g=g)
+    got = torch.autograd.grad((out * grad_out).sum(), [q, pages])
+    q64, pages64 = (t.detach().double().requires_grad_() for t in (q, pages))
+    total = q64.new_zeros(())
+    for b, n in enumerate(lengths):
+        keys = pages64[table[b, : -(-n // 8)]].transpose(0, 1).reshape(1, 1, -1, D)[:, :, :n]
+        allowed = end_causal(2, n) & (chosen(idx[b : b + 1], n) if sparse else True)
+        row, _ = formula(q64[b : b + 1], keys, DV, allowed, 1 / math.sqrt(D))
+        total = total + (row * grad_out[b : b + 1].double()).sum()
+    want = torch.autograd.grad(total, [q64, pages64])
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), w, atol=1e-5, rtol=1e-5)
