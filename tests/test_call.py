@@ -66,6 +66,46 @@ def test_fields_and_properties_of_a_grouped_query_call() -> None:
     assert call_of(*qkv(dtype=torch.bfloat16)).score_shape().dtype == torch.float32
 
 
+def test_a_described_call_holds_its_fields_as_the_dataclass_makes_them() -> None:
+    """A described call is made without the dataclass's ``__init__`` (it costs a small call
+    several microseconds): it must hold every field, defaults included, and nothing else, and
+    equal the call ``AttentionCall(**fields)`` makes."""
+    q, k, v = qkv()
+    calls = [
+        call_of(q, k, v),
+        call_of(q, k, v, causal=True, softcap=30, sinks=torch.zeros(4), return_lse=True),
+        call_of(q.requires_grad_(), k, v, mask=masks.sliding_window(2), check_finite=True),
+    ]
+    names = {f.name for f in fields(AttentionCall)}
+    for call in calls:
+        assert set(vars(call)) == names
+        again = AttentionCall(**{n: getattr(call, n) for n in names})
+        assert call == again
+        assert hash(call) == hash(again)
+        assert call.describe() == again.describe()
+    assert calls[2].finite is True  # (a default, replaced for a call that needs gradients)
+    assert calls[0].quantized is None  # defaults
+    assert calls[0].cache is None
+
+
+def test_a_cache_calls_dense_form_is_worked_out_once_and_copies_forget_it() -> None:
+    """``dense_views`` keeps its answer on the call, None included (a decode step asks it
+    several times), and a copy of the call with other fields works it out afresh."""
+    cache = attnkit.KVCache(1, 8, 2, 4)
+    cache.update(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+    q = torch.randn(1, 2, 1, 4)
+    call = call_of(q, cache.view(), None)
+    dense = call.dense_views
+    assert dense is not None
+    assert dense.cache is None
+    assert call.dense_views is dense
+    assert dense.kv_len == 5
+    paged = _call.copy_call(call, cache=replace(call.cache, q_lens=(1,)))
+    assert paged.dense_views is None
+    assert paged.dense_views is None  # (the kept answer)
+    assert _call.copy_call(paged, cache=call.cache).dense_views is not None
+
+
 def test_the_mask_folds_causal_in_and_keeps_what_was_given() -> None:
     q, k, v = qkv()
     dense = torch.rand(2, 1, 3, 5) < 0.5

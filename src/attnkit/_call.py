@@ -10,8 +10,8 @@ on ``device="meta"`` tensors too, which is how ``explain`` describes a call with
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import NoReturn
+from dataclasses import MISSING, dataclass, fields, replace
+from typing import NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
@@ -134,13 +134,18 @@ class AttentionCall:
         are then ``view.k[:N, :, start:end]`` (and v's), nothing copied; None for any other call
         (worked out once a call in eager: a decode step asks it several times)."""
         view = self.cache
-        if view is None or not view.shared or view.block_table is not None or view.quantized:
+        if view is None:
             return None
-        if torch.compiler.is_compiling():
-            return replace(self, cache=None)
-        made = self.__dict__.get("_dense_views")
-        if made is None:
+        compiling = torch.compiler.is_compiling()
+        if not compiling and "_dense_views" in self.__dict__:  # (asked before: read first)
+            known: AttentionCall | None = self.__dict__["_dense_views"]
+            return known
+        made = None
+        if view.shared and view.block_table is None and not view.quantized:
+            if compiling:
+                return replace(self, cache=None)
             made = copy_call(self, cache=None)
+        if not compiling:
             self.__dict__["_dense_views"] = made
         return made
 
@@ -470,9 +475,10 @@ def _check_sinks(sinks: object, q: Tensor, num_heads: int) -> Tensor:
     return sinks
 
 
-@dataclass(frozen=True)
-class _Scores:
-    """What the caller's ``mask``, ``causal`` and ``bias`` say about the scores, checked."""
+class _Scores(NamedTuple):
+    """What the caller's ``mask``, ``causal`` and ``bias`` say about the scores, checked (a named
+    tuple: made on every call, where a frozen dataclass's ``__init__`` costs several times
+    more)."""
 
     given: Tensor | Mask | None
     mask_shape: tuple[int, ...] | None
@@ -533,10 +539,11 @@ def check_attention_args(
         q, k, v = _check_qkv(q, k, v)
     scores = _check_scores(q, k, mask, bias, causal)
     sink_t = None if sinks is None else _check_sinks(sinks, q, q.shape[-3])
-    mod = check_score_mod(score_mod)
+    mod = None if score_mod is None else check_score_mod(score_mod)
     if view is not None:
         _check_rows(view, scores, q, mod)
-    _check_term_fits(scores.term, q, k, view)
+    if scores.term is not None:
+        _check_term_fits(scores.term, q, k, view)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     if not isinstance(return_lse, bool):
@@ -657,17 +664,18 @@ def _described(
         # (None under vmap, where no value can be read: the backends that must know refuse then)
         is_finite = finite_if_readable(q, k, v)
     given = scores.given
-    return AttentionCall(
-        batch_shape=tuple(q.shape[:-3]),
-        num_heads=q.shape[-3],
-        num_kv_heads=k.shape[-3],
-        q_len=q.shape[-2],
-        kv_len=k.shape[-2] if cache is None else cache.width,
-        qk_dim=q.shape[-1],
+    qs, ks = q.shape, k.shape
+    return _made(
+        batch_shape=tuple(qs[:-3]),
+        num_heads=qs[-3],
+        num_kv_heads=ks[-3],
+        q_len=qs[-2],
+        kv_len=ks[-2] if cache is None else cache.width,
+        qk_dim=qs[-1],
         v_dim=v.shape[-1],
         dtype=q.dtype,
         device=q.device,
-        mask=visibility(given, scores.causal),
+        mask=None if given is None and not scores.causal else visibility(given, scores.causal),
         given_mask=given if isinstance(given, Mask) else scores.mask_shape,
         mask_shape=scores.mask_shape,
         causal=scores.causal,
@@ -686,6 +694,22 @@ def _described(
         forward_ad=carries_tangent(q, k, v, scores.dense, sinks),
         cache=cache,
     )
+
+
+# Every field's default, for _made.
+_DEFAULTS = {f.name: f.default for f in fields(AttentionCall) if f.default is not MISSING}
+
+
+def _made(**values: object) -> AttentionCall:
+    """``AttentionCall(**values)`` of checked values, as :func:`copy_call` makes a copy: the
+    frozen dataclass's ``__init__`` sets each of its 27 fields through ``object.__setattr__``, a
+    sizable part of a small call's checks."""
+    if torch.compiler.is_compiling():  # (what tracing reads plainly)
+        return AttentionCall(**values)  # type: ignore[arg-type]
+    made = object.__new__(AttentionCall)
+    made.__dict__.update(_DEFAULTS)
+    made.__dict__.update(values)
+    return made
 
 
 def copy_call(call: AttentionCall, **changes: object) -> AttentionCall:
