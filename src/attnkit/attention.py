@@ -20,7 +20,6 @@ consistent snapshot of it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import threading
@@ -41,7 +40,7 @@ from ._base.devices import (
     target,
 )
 from ._base.hints import torch_keywords, warn_torch_convention
-from ._base.quantized import QuantizedKV, check_kv_scales, stand_in
+from ._base.quantized import QuantizedKV, check_kv_scales, is_quantized, stand_in
 from ._base.shapes import Bool, Float, Int, shape_checked
 from ._call import AttentionCall, check_attention_args, describe_call
 from ._score_mod import ScoreMod, captured_tensors, check_captured, check_elementwise
@@ -328,10 +327,10 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
             refused, costs = b.reasons(call, refused_costs=False)
             if refused:
                 continue
-            slow = b.slower_reasons(call) if gpu or not own_costs(costs) else []
-            rank = _rank(costs, slow, gpu)
-            if rank == 0:
+            slow = b.slower_reasons(call) if gpu or not costs or not own_costs(costs) else []
+            if not costs and not slow:  # rank 0: the first such backend wins
                 return b
+            rank = _rank(costs, slow, gpu)
             if rank < best_rank:
                 best, best_rank = b, rank
         if best is not None:
@@ -423,6 +422,8 @@ def _quantized(
     """int8/float8 ``k`` and ``v``: stand-ins of their shapes in q's dtype, which the checks of
     the other arguments read, and the call's quantized keys and values (their scales checked);
     else ``k`` and ``v`` as given and None."""
+    if k_scale is None and v_scale is None and not is_quantized(k) and not is_quantized(v):
+        return k, v, None  # (the common call: nothing quantized, no scales)
     if isinstance(k, CacheView) and (k_scale is not None or v_scale is not None):
         raise TypeError(
             "k_scale and v_scale are for int8/float8 k and v tensors: a CacheView carries its "
@@ -512,8 +513,11 @@ def _run(
         if not torch.compiler.is_compiling():
             check_captured(call.score_mod, captured, q.dtype, q.device)
     inputs = CallInputs(q, k, v, dense, sinks, captured)
-    with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        return dispatch(call, inputs, check_backend(backend))
+    chosen = check_backend(backend)
+    if not autocast:
+        return dispatch(call, inputs, chosen)
+    with torch.autocast(q.device.type, enabled=False):
+        return dispatch(call, inputs, chosen)
 
 
 def attend(
@@ -561,7 +565,9 @@ def attend(
         warn_torch_convention(mask)  # True = may NOT attend, as in torch's modules? (warned once)
     k, v = _keys_values(k, v)
     inputs = CallInputs(q, k, v, bias if isinstance(bias, Tensor) else None, sinks)
-    with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
+    if not autocast:
+        return dispatch(call, inputs, backend)
+    with torch.autocast(q.device.type, enabled=False):
         return dispatch(call, inputs, backend)
 
 

@@ -290,6 +290,8 @@ class Backend:
         return self._strings("notes", self.notes(call))
 
     def _strings(self, what: str, got: object) -> list[str]:
+        if type(got) is list and not got:  # (the common answer, nothing to look through)
+            return got
         if not isinstance(got, list) or not all(isinstance(r, str) for r in got):
             raise TypeError(
                 f"backend {self.name!r}: {what}(call) must return a list of strings, got {got!r}"
