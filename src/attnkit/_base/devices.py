@@ -125,6 +125,9 @@ def target(device: torch.device) -> Target:
         assumed = _ASSUMED.get()
         if assumed is not None and assumed.type == device.type:
             return assumed
+        found = _SEEN.get((device.type, device.index))  # (what _present keeps, read first)
+        if found is not None:
+            return found
     return _present(device.type, device.index)
 
 

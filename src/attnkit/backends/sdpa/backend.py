@@ -215,8 +215,8 @@ def _plain(
     dropout_p: float,
 ) -> tuple[Tensor, Tensor | None]:
     """One fused call; returns the output and the float/bool mask torch saw."""
-    batch = tuple(q.shape[:-3])
-    h, tq, _ = q.shape[-3:]
+    shape = q.shape
+    batch, h, tq = tuple(shape[:-3]), shape[-3], shape[-2]
     tk = k.size(-2)
     is_causal = False
     attn_mask: Tensor | None = None
@@ -246,7 +246,7 @@ def _plain(
         # binding refuses; torch.compile guards on the branch)
         enable_gqa=True if q.size(-3) != k.size(-3) else False,  # noqa: SIM210
     )
-    empty = screen.empty_rows(attn_mask)
+    empty = None if attn_mask is None else screen.empty_rows(attn_mask)
     if empty is not None and (q.device.type != "cpu" or torch.compiler.is_compiling()):
         # On CPU torch >= 2.5 returns 0 for a query with no visible key (its math and flash kernels
         # use a safe softmax); the CUDA kernels have differed between releases, so make sure. A
@@ -347,7 +347,7 @@ class SDPA(Backend):
             bias = inputs.bias
             # Documents read their lengths on the host: not while torch.compile traces.
             docs = None
-            if bias is None and not torch.compiler.is_compiling():
+            if bias is None and mask is not None and not torch.compiler.is_compiling():
                 docs = document_cuts(mask, q.size(-2), k.size(-2))
             if docs:
                 out, attn_mask = per_document(q, k, v, *docs, scale, dropout_p), None

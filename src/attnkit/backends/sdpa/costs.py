@@ -171,9 +171,11 @@ def _slow_forward(call: AttentionCall) -> list[str]:
     """Why torch's CPU forward serves an inference call in float32/float64 slower than a blocked
     kernel, or nothing."""
     if call.q_len <= DECODE_QUERIES:
-        size = _decode_bytes(call)
         if _fast_torch_cpu():
-            return _grouped_decode(call, size)
+            if call.num_heads == call.num_kv_heads:  # no shared heads to read once
+                return []
+            return _grouped_decode(call, _decode_bytes(call))
+        size = _decode_bytes(call)
         least = _T.float_decode_bytes.least
         if size >= least:
             return [

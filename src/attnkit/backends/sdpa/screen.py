@@ -48,7 +48,7 @@ def screened(out: Tensor) -> bool:
         rows = out.transpose(-3, -2).view(-1, d)
     else:
         return False
-    if rows.size(0) <= _SCREEN_WIDENED_ROWS and out.dtype in _HALVES and out.device.type == "cpu":
+    if out.dtype in _HALVES and rows.size(0) <= _SCREEN_WIDENED_ROWS and out.device.type == "cpu":
         # A bfloat16/float16 product right after torch's CPU attention was measured at about a
         # millisecond per decode step on a CPU with AMX, a few microseconds in float32.
         rows = rows.float()
