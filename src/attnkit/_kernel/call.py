@@ -99,14 +99,16 @@ def _layout(
     """q, k, v and a dense bias in the kernel's layout (see :mod:`attnkit._kernel.phases`): q
     ``(N, Hkv, G, Tq, Dk)``, k and v ``(N, Hkv, Tk, D)``, views at the caller's strides where
     they can be."""
-    batch = spec.geo.batch_shape
     n = spec.geo.batch
-    hkv = k.size(-3)
+    qs, ks, vs = q.shape, k.shape, v.shape
+    hkv = ks[-3]
+    k4, v4 = (n, hkv, ks[-2], ks[-1]), (n, hkv, vs[-2], vs[-1])
     return (
-        q.reshape(n, hkv, q.size(-3) // hkv, q.size(-2), q.size(-1)),
-        k.reshape(n, hkv, k.size(-2), k.size(-1)),
-        v.reshape(n, hkv, v.size(-2), v.size(-1)),
-        None if bias is None else _as_5d(bias, batch, n, hkv),
+        q.reshape(n, hkv, qs[-3] // hkv, qs[-2], qs[-1]),
+        # (keys and values already (N, Hkv, Tk, D), the common 4-d call, are taken as they are)
+        k if ks == k4 else k.reshape(k4),
+        v if vs == v4 else v.reshape(v4),
+        None if bias is None else _as_5d(bias, spec.geo.batch_shape, n, hkv),
     )
 
 
@@ -161,7 +163,8 @@ def run_forward(
         sinks2 = None if sinks is None else sinks.view(hkv, -1)
         out5, lse = finish(out5, lse, sinks2)
     # (B, Hkv, G, Tq, Dv) laid out as (B, Tq, H, Dv): a view of q's shape, like torch's SDPA.
-    out = out5.flatten(1, 2).reshape(*q.shape[:-1], v.size(-1)).to(q.dtype)
+    out = out5.flatten(1, 2).reshape(*q.shape[:-1], v.size(-1))
+    out = out if out.dtype == q.dtype else out.to(q.dtype)
     # (B, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included
     # (a copy when lse is kept for the backward, which a caller's in-place change must not reach).
     lse_out = lse.flatten(1, 2).reshape(q.shape[:-1])
@@ -369,10 +372,15 @@ def kernel_attention(
     )  # fmt: skip
     if served is not None:
         return served
+    # (asked once, here and for the plan; a score term's inputs are asked for by the plan)
+    wants_grads = None
+    if not isinstance(bias, ScoreTerm):
+        wants_grads = _wants_grads(q, k, v, bias, sinks)
     spec, dense, term_inputs = plan_call(
         q,
         k,
         v,
+        wants_grads=wants_grads,
         mask=mask,
         bias=bias,
         scale=scale,
@@ -392,7 +400,9 @@ def kernel_attention(
         spec = replace(spec, scales=kv_scales, kernel=f"{spec.kernel} ({quantized})")
     note_kernel(spec.kernel)
     extra = (*term_inputs, *captured)
-    if _wants_grads(q, k, v, dense, sinks, *extra):
+    if wants_grads is None:
+        wants_grads = _wants_grads(q, k, v, dense, sinks, *term_inputs)
+    if wants_grads or (captured and _wants_grads(*captured)):
         out, lse = _apply(spec, q, k, v, dense, sinks, *extra)
     else:  # no graph to record: the forward alone (autograd.Function's own costs are a
         # sizable part of a small decode step's)
@@ -456,6 +466,7 @@ def plan_call(
     seed: int | None = None,
     register_tiles: bool = True,
     skewed_position: bool = True,
+    wants_grads: bool | None = None,
 ) -> tuple[KernelSpec, Tensor | None, tuple[Tensor, ...]]:
     """Everything a call's forward and backward share, decided once: ``(spec, dense bias, the
     score term's inputs)``. The kernel and its plan are :func:`attnkit._kernel.choice.choose`'s
@@ -466,7 +477,9 @@ def plan_call(
     ``native``: use the native kernel where it computes the same thing (see
     :func:`attnkit._kernel.choice.refusal`; never with a ``score_mod``). ``dropout_p``: both
     kernels drop the same pairs for ``seed`` (None: one drawn from torch's generator, see
-    :mod:`attnkit._kernel.dropout`)."""
+    :mod:`attnkit._kernel.dropout`). ``wants_grads``: whether autograd will ask for a gradient
+    of q, k, v, the bias, the sinks or the term's inputs, if the caller found out (None: find
+    out)."""
     term = bias if isinstance(bias, ScoreTerm) else None
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
@@ -484,7 +497,11 @@ def plan_call(
         is_finite=is_finite,
         native=native,
         score_mod=score_mod is not None,
-        wants_grads=_wants_grads(q, k, v, dense, sinks, *term_inputs),
+        wants_grads=(
+            _wants_grads(q, k, v, dense, sinks, *term_inputs)
+            if wants_grads is None
+            else wants_grads
+        ),
         plain=softcap is None and bias is None and score_mod is None,
         scale=scale,
     )

@@ -25,18 +25,33 @@ from .build import cache_dir, state
 from .build import load as _load_library
 from .build import loaded as _loaded_library
 
-__all__ = ["cache_dir", "load", "loaded", "state", "status"]
+__all__ = ["cache_dir", "load", "loaded", "ready", "state", "status"]
+
+
+# Set once the operators are loaded and their fake kernels registered (they stay so: a library
+# is never unloaded).
+_READY: list[bool] = []
 
 
 def load() -> bool:
     """Make the operators available in this process, building them on first use if needed;
-    False when they are not (:func:`status` says why). Never raises."""
+    False when they are not (:func:`status` says why). Never raises. ``ATTNKIT_NATIVE`` is read
+    at every call (see :mod:`attnkit._base.env`)."""
     if not _load_library():
         return False
-    from .ops import register
+    if not _READY:
+        from .ops import register
 
-    register()
+        register()
+        _READY.append(True)
     return True
+
+
+def ready() -> bool:
+    """Whether :func:`load` made the operators available in this process, without reading
+    ``ATTNKIT_NATIVE`` again: for a call that the kernel's choice already gave the native kernel
+    (which loaded it), in the same call."""
+    return bool(_READY)
 
 
 def loaded() -> bool:

@@ -19,7 +19,7 @@ from .._base.quantized import QUANTIZED
 from .._kernel.plan import BlockPlan
 from ..masks import Geometry
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm, softcap_form
-from . import load
+from . import load, ready
 from .ops import no_graph
 
 __all__ = [
@@ -230,7 +230,7 @@ class NativeCall:
         with ``reduced_out``, out5 in bfloat16 when q, k and v are (see :meth:`tensors`).
         ``scales``: int8/float8 k4 and v4's ``(k_scale, v_scale)``, float32 ``(N, Hkv, Tk)``
         (see :func:`scale_rows`), which the decode path reads with them."""
-        if not load():
+        if not (ready() or load()):  # (loaded already by the call's choice of kernel)
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         args = self.tensors(q5, k4, v4, bias5, term_inputs, reduced_out=reduced_out)
         if scales is not None:
@@ -251,7 +251,7 @@ class NativeCall:
         and ``(N, Hkv, G, Tq)`` in the work dtype, from its rows' natural-log log-sum-exp ``lse``
         ``(N, Hkv, G, Tq)`` (see :mod:`attnkit._kernel.stats`): one pass over the plan, keys in
         the work dtype (bfloat16 and float16 ones converted first)."""
-        if not load():
+        if not (ready() or load()):  # (loaded already by the call's choice of kernel)
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         work = torch.promote_types(q5.dtype, torch.float32)
         k4 = k4.to(work)
@@ -279,7 +279,7 @@ class NativeCall:
         ``dterm``: the gradients of ``term_inputs`` that ``term_grads`` asks for, else None).
         ``grads_out``: tensors of q5's, k4's and v4's shapes to write dq5, dk4 and dv4 into (used
         when the inputs are in the work dtype with contiguous rows)."""
-        if not load():
+        if not (ready() or load()):  # (loaded already by the call's choice of kernel)
             raise RuntimeError("attnkit internal error: native call without the native kernel")
         work = torch.promote_types(q5.dtype, torch.float32)
         qv_grad, enc_grad = term_grads if self.position is not None else (False, False)
@@ -324,7 +324,8 @@ def scale_rows(scale: Tensor, k: Tensor, n: int) -> Tensor:
 def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` in ``dtype`` with contiguous rows (its last dimension), at any other strides: the
     kernel reads rows at their stride, so a ``(B, T, H, D)`` view needs no copy."""
-    t = t.to(dtype)
+    if t.dtype != dtype:
+        t = t.to(dtype)
     unit = t.stride(-1) == 1 or t.size(-1) <= 1
     apart = t.dim() < 2 or t.size(-2) <= 1 or t.stride(-2) >= max(t.size(-1), 1)
     if unit and apart:
