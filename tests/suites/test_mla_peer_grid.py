@@ -867,3 +867,43 @@ def test_rows_sharing_prefix_pages_get_their_gradients_summed(sparse: bool, back
     want = torch.autograd.grad(total, [q64, pages64])
     for a, w in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize(
+    "layout",
+    ["table_slice", "table_int64", "table_column_major", "pages_wider", "pages_interleaved"],
+)
+def test_block_tables_pages_and_queries_of_other_strides(layout: str, sparse: bool) -> None:
+    # A server's persistent block table sliced to the batch, an int64 one, a column-major one;
+    # pages inside wider rows, or every other page of a pool holding keys and values together
+    # (NaN between them); queries (B, s_q, H, d) seen as (B, H, s_q, d), as FlashMLA takes them.
+    pool = Pool(LENGTHS, 1, D, DV, BF16, seed=26)
+    table, pages = pool.table, pool.pages
+    if layout == "table_slice":
+        wide = torch.full((table.size(0), 2 * table.size(1)), 7, dtype=torch.int32)
+        wide[:, : table.size(1)] = table
+        table = wide[:, : table.size(1)]
+    elif layout == "table_int64":
+        table = table.long()
+    elif layout == "table_column_major":
+        table = table.t().contiguous().t()
+    elif layout == "pages_wider":
+        wider = torch.full((*pages.shape[:3], D + 24), math.nan, dtype=BF16)
+        wider[..., :D] = pages
+        pages = wider[..., :D]
+    else:
+        both = torch.full((pages.size(0), 2, *pages.shape[1:]), math.nan, dtype=BF16)
+        both[:, 0] = pages
+        pages = both[:, 0]
+    view = CacheView(pages, pages[..., :DV], [(0, n) for n in LENGTHS], table)
+    g = gen(27)
+    q = (randn(len(LENGTHS), 2, 16, D, g=g, dtype=BF16) / 3).transpose(1, 2)
+    idx = torch.randint(-1, 130, (len(LENGTHS), 1, 2, 9), generator=g)
+    mask = masks.key_indices(idx) if sparse else None
+    out, lse = attnkit.attention(q, view, mask=mask, causal=True, return_lse=True)
+
+    def allowed(b: int, n: int) -> Tensor:
+        return end_causal(2, n) & (chosen(idx[b : b + 1], n) if sparse else True)
+
+    check_rows(pool, q, out, lse, allowed, 1 / math.sqrt(D))
