@@ -10,7 +10,7 @@ on ``device="meta"`` tensors too, which is how ``explain`` describes a call with
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple, NoReturn
 
 import torch
@@ -27,6 +27,7 @@ from ._base.checks import (
 )
 from ._base.finite import finite_if_readable
 from ._base.quantized import QUANTIZED, QuantizedKV
+from ._base.records import made
 from ._base.transforms import carries_tangent
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
@@ -140,14 +141,14 @@ class AttentionCall:
         if not compiling and "_dense_views" in self.__dict__:  # (asked before: read first)
             known: AttentionCall | None = self.__dict__["_dense_views"]
             return known
-        made = None
+        dense = None
         if view.shared and view.block_table is None and not view.quantized:
             if compiling:
                 return replace(self, cache=None)
-            made = copy_call(self, cache=None)
+            dense = copy_call(self, cache=None)
         if not compiling:
-            self.__dict__["_dense_views"] = made
-        return made
+            self.__dict__["_dense_views"] = dense
+        return dense
 
     def describe(self) -> str:
         """One line: ``q (2, 8, 128, 64), k (2, 2, 256, 64), v (...) float32 on cpu, causal``."""
@@ -395,7 +396,11 @@ def _check_mask_arg(
         return mask, tuple(mask.shape)
     if isinstance(mask, Mask):
         *batch, heads, q_len, kv_len = scores
-        mask.check(Geometry(tuple(batch), heads, q_len, kv_len, q.device), "mask")
+        geo = made(
+            Geometry, batch_shape=tuple(batch), heads=heads, q_len=q_len, kv_len=kv_len,
+            device=q.device,
+        )  # fmt: skip
+        mask.check(geo, "mask")
         dense = [p.tensor for p in mask.parts if p.tensor is not None]
         for t in dense:
             if t.device != q.device:
@@ -665,7 +670,8 @@ def _described(
         is_finite = finite_if_readable(q, k, v)
     given = scores.given
     qs, ks = q.shape, k.shape
-    return _made(
+    return made(
+        AttentionCall,
         batch_shape=tuple(qs[:-3]),
         num_heads=qs[-3],
         num_kv_heads=ks[-3],
@@ -696,32 +702,16 @@ def _described(
     )
 
 
-# Every field's default, for _made.
-_DEFAULTS = {f.name: f.default for f in fields(AttentionCall) if f.default is not MISSING}
-
-
-def _made(**values: object) -> AttentionCall:
-    """``AttentionCall(**values)`` of checked values, as :func:`copy_call` makes a copy: the
-    frozen dataclass's ``__init__`` sets each of its 27 fields through ``object.__setattr__``, a
-    sizable part of a small call's checks."""
-    if torch.compiler.is_compiling():  # (what tracing reads plainly)
-        return AttentionCall(**values)  # type: ignore[arg-type]
-    made = object.__new__(AttentionCall)
-    made.__dict__.update(_DEFAULTS)
-    made.__dict__.update(values)
-    return made
-
-
 def copy_call(call: AttentionCall, **changes: object) -> AttentionCall:
     """``call`` with ``changes`` to its fields, the others as they are: no ``__init__`` and no
     check to run again (a decode step's worth of time), and none of the answers kept on the call
     (they are of its own fields)."""
-    made = object.__new__(AttentionCall)
+    copy = object.__new__(AttentionCall)
     fields = call.__dict__.copy()
     fields.pop("_dense_views", None)
     fields.update(changes)
-    made.__dict__.update(fields)
-    return made
+    copy.__dict__.update(fields)
+    return copy
 
 
 @dataclass(frozen=True, eq=False)

@@ -25,6 +25,7 @@ from torch import Tensor
 from .._base.checks import dtype_str
 from .._base.finite import finite
 from .._base.quantized import dequantize
+from .._base.records import made
 from .._native.kernel import native_call, scale_rows
 from .._record import note_kernel
 from .._score_mod import ScoreMod
@@ -128,11 +129,9 @@ def run_forward(
     then the tensors the score_mod captures). Without ``for_backward``, a bfloat16 call's out5
     may be in bfloat16: the native kernel then writes the output rounded, with no float32 copy
     of the queries or the output, and the log-sum-exp returned may be a view of lse5."""
-    hkv = k.size(-3)
-    term_inputs, mod_inputs = extra[: spec.n_term], extra[spec.n_term :]
     if not q.shape[:-1].numel():  # no query rows at all (an empty batch, no heads or queries)
         work = torch.promote_types(q.dtype, torch.float32)
-        out5 = q.new_zeros((spec.geo.batch, hkv, 0, q.size(-2), v.size(-1)), dtype=work)
+        out5 = q.new_zeros((spec.geo.batch, k.size(-3), 0, q.size(-2), v.size(-1)), dtype=work)
         lse5 = q.new_zeros(out5.shape[:-1], dtype=work)
         return (
             q.new_zeros((*q.shape[:-1], v.size(-1))),
@@ -140,6 +139,25 @@ def run_forward(
             out5,
             lse5,
         )
+    out5, lse = _forward(spec, q, k, v, bias, sinks, extra, for_backward)
+    # (B, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included
+    # (a copy when lse is kept for the backward, which a caller's in-place change must not reach).
+    lse_out = lse.flatten(1, 2).reshape(q.shape[:-1])
+    return _output(out5, q, v), lse_out.clone() if for_backward else lse_out, out5, lse
+
+
+def _forward(
+    spec: KernelSpec,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    sinks: Tensor | None,
+    extra: tuple[Tensor, ...],
+    for_backward: bool,
+) -> tuple[Tensor, Tensor]:
+    """:func:`run_forward`'s ``(out5, lse5)`` of a call with query rows."""
+    term_inputs, mod_inputs = extra[: spec.n_term], extra[spec.n_term :]
     with no_autocast(q.device):
         q5, k4, v4, bias5 = _layout(spec, q, k, v, bias)
         scales = None
@@ -160,15 +178,31 @@ def run_forward(
         )
         if spec.check_term and spec.term is not None:
             _check_term(spec.term, lse, _unchecked(spec, q, k, v))
-        sinks2 = None if sinks is None else sinks.view(hkv, -1)
-        out5, lse = finish(out5, lse, sinks2)
+        sinks2 = None if sinks is None else sinks.view(k.size(-3), -1)
+        return finish(out5, lse, sinks2)
+
+
+def _output(out5: Tensor, q: Tensor, v: Tensor) -> Tensor:
+    """The output in q's layout and dtype."""
     # (B, Hkv, G, Tq, Dv) laid out as (B, Tq, H, Dv): a view of q's shape, like torch's SDPA.
     out = out5.flatten(1, 2).reshape(*q.shape[:-1], v.size(-1))
-    out = out if out.dtype == q.dtype else out.to(q.dtype)
-    # (B, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included
-    # (a copy when lse is kept for the backward, which a caller's in-place change must not reach).
-    lse_out = lse.flatten(1, 2).reshape(q.shape[:-1])
-    return out, lse_out.clone() if for_backward else lse_out, out5, lse
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _output_only(
+    spec: KernelSpec,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    sinks: Tensor | None,
+    extra: tuple[Tensor, ...],
+) -> Tensor:
+    """:func:`run_forward`'s output of a call that records no graph and returns no log-sum-exp
+    (the log-sum-exp not laid out for the caller)."""
+    if not q.shape[:-1].numel():
+        return run_forward(spec, q, k, v, bias, sinks, extra, for_backward=False)[0]
+    return _output(_forward(spec, q, k, v, bias, sinks, extra, False)[0], q, v)
 
 
 def run_backward(
@@ -365,13 +399,15 @@ def kernel_attention(
             quantized = f"on {dtype_str(k.dtype)} k and v dequantized first: {why}"
             k, v = dequantize(k, kv_scales[0], q.dtype), dequantize(v, kv_scales[1], q.dtype)
             kv_scales = None
-    served = gathered_attention(  # an index mask: each query's selected keys gathered
-        q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks,
-        score_mod=score_mod, captured=captured, dropout_p=dropout_p, return_lse=return_lse,
-        is_finite=is_finite, native=native,
-    )  # fmt: skip
-    if served is not None:
-        return served
+    # An index mask: each query's selected keys gathered (a call without a mask holds none).
+    if mask is not None:
+        served = gathered_attention(
+            q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks,
+            score_mod=score_mod, captured=captured, dropout_p=dropout_p, return_lse=return_lse,
+            is_finite=is_finite, native=native,
+        )  # fmt: skip
+        if served is not None:
+            return served
     # (asked once, here and for the plan; a score term's inputs are asked for by the plan)
     wants_grads = None
     if not isinstance(bias, ScoreTerm):
@@ -404,9 +440,11 @@ def kernel_attention(
         wants_grads = _wants_grads(q, k, v, dense, sinks, *term_inputs)
     if wants_grads or (captured and _wants_grads(*captured)):
         out, lse = _apply(spec, q, k, v, dense, sinks, *extra)
-    else:  # no graph to record: the forward alone (autograd.Function's own costs are a
-        # sizable part of a small decode step's)
+    elif return_lse:  # no graph to record: the forward alone (autograd.Function's own costs
+        # are a sizable part of a small decode step's)
         out, lse = run_forward(spec, q, k, v, dense, sinks, extra, for_backward=False)[:2]
+    else:
+        return _output_only(spec, q, k, v, dense, sinks, extra)
     return (out, lse) if return_lse else out
 
 
@@ -483,7 +521,11 @@ def plan_call(
     term = bias if isinstance(bias, ScoreTerm) else None
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
-    geo = Geometry(tuple(q.shape[:-3]), q.size(-3), q.size(-2), k.size(-2), q.device)
+    qs = q.shape
+    geo = made(
+        Geometry, batch_shape=tuple(qs[:-3]), heads=qs[-3], q_len=qs[-2], kv_len=k.size(-2),
+        device=q.device,
+    )  # fmt: skip
     choice = choose(
         q,
         k,
@@ -521,7 +563,8 @@ def plan_call(
             register_tiles=register_tiles,
             skewed_position=skewed_position,
         )
-    spec = KernelSpec(
+    spec = made(
+        KernelSpec,
         mask=mask,
         geo=geo,
         plan=choice.plan,

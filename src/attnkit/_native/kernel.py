@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .._base.quantized import QUANTIZED
+from .._base.records import made
 from .._kernel.plan import BlockPlan
 from ..masks import Geometry
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm, softcap_form
@@ -356,7 +357,8 @@ def native_call(
     head; ``register_tiles``, ``skewed_position``: see :class:`NativeCall`)."""
     work = torch.promote_types(dtype, torch.float32)
     form = None if softcap is None else softcap_form(softcap, work)
-    return NativeCall(
+    return made(
+        NativeCall,
         plan=plan,
         scale=float(scale),
         softcap=0.0 if form is None else float(form.cap),
