@@ -157,6 +157,11 @@ class CacheView:
                 f"one device, got k {shape_str(k.shape)} {dtype_str(k.dtype)} on {k.device} and "
                 f"v {shape_str(v.shape)} {dtype_str(v.dtype)} on {v.device}"
             )
+        if k.size(1) == 0:  # (a call's H is a multiple of Hkv: none of 0)
+            raise ValueError(
+                f"CacheView: the pages must hold at least one key/value head (Hkv = k.shape[1] "
+                f">= 1), got k {shape_str(k.shape)}"
+            )
         self._check_scales()
         ranges = _ranges(self.kv_range)
         object.__setattr__(self, "kv_range", ranges)
