@@ -907,3 +907,35 @@ def test_block_tables_pages_and_queries_of_other_strides(layout: str, sparse: bo
         return end_causal(2, n) & (chosen(idx[b : b + 1], n) if sparse else True)
 
     check_rows(pool, q, out, lse, allowed, 1 / math.sqrt(D))
+
+
+def test_a_compiled_decode_loop_over_a_paged_latent_cache_compiles_a_few_times() -> None:
+    # The rows' positions (where their rotary parts turn from) are integers of a module, the
+    # paged cache, which a graph takes as constants: read inside the graph they were guarded,
+    # and the module's forward compiled again at every token until torch's recompile limit,
+    # then ran uncompiled. The steps equal an eager module's on its own cache.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # no frames compiled by earlier tests (their limits, their guards)
+    torch.manual_seed(28)
+    m = attnkit.MultiHeadLatentAttention(
+        32, 16, kv_lora_rank=64, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=8
+    )
+    eager = copy.deepcopy(m)
+    pool, eager_pool = (
+        m.make_paged_cache(12, PAGE, max_seqs=2),
+        eager.make_paged_cache(12, PAGE, max_seqs=2),
+    )
+    step = torch.compile(lambda x: m(x, causal=True, cache=pool), backend="eager")
+    x = torch.randn(2, 72, 32)
+    graphs = []
+    with torch.no_grad():
+        m(x[:, :60], causal=True, cache=pool)
+        eager(x[:, :60], causal=True, cache=eager_pool)
+        for t in range(60, 72):
+            got = step(x[:, t : t + 1])
+            torch.testing.assert_close(got, eager(x[:, t : t + 1], causal=True, cache=eager_pool))
+            graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert pool.lengths == eager_pool.lengths == [72, 72]
+    assert graphs[-1] - graphs[2] <= 2, graphs  # the graphs of the first steps, then few more
