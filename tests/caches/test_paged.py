@@ -970,3 +970,30 @@ def test_a_compiled_decode_loop_compiles_a_few_times_not_once_a_token() -> None:
             graphs.append(counters["stats"]["unique_graphs"])
     assert pool.lengths == eager_pool.lengths == [16, 16]
     assert graphs[-1] - graphs[2] <= 2, graphs  # the graphs of the first steps, then few more
+
+
+def test_a_compiled_decode_loop_with_rotary_reads_the_positions_between_graphs() -> None:
+    # With a rotary, a module reads each row's position: a paged cache's are integers of a module,
+    # which a graph read inside it took as constants, compiling again at every token until
+    # torch's recompile limit. next_positions() reads them between graphs.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # no frames compiled by earlier tests (their limits, their guards)
+    torch.manual_seed(6)
+    mha = MultiHeadAttention(32, 4, rotary=RotaryEmbedding(8)).eval()
+    eager_pool, pool = (PagedKVCache(32, 4, 4, 8, max_seqs=2) for _ in range(2))
+    compiled = torch.compile(lambda x: mha(x, causal=True, cache=pool), backend="eager")
+    with torch.no_grad():
+        x = torch.randn(2, 6, 32)
+        assert_close(compiled(x), mha(x, causal=True, cache=eager_pool))
+        graphs = []
+        for _ in range(12):
+            x = torch.randn(2, 1, 32)
+            assert_close(compiled(x), mha(x, causal=True, cache=eager_pool))
+            graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert pool.lengths == eager_pool.lengths == [18, 18]
+    assert graphs[-1] - graphs[2] <= 2, graphs
+    positions = pool.next_positions()
+    assert positions == pool.positions == [18, 18]
+    assert positions is not pool.positions

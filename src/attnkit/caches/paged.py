@@ -257,6 +257,14 @@ class PagedKVCache(nn.Module):
         """Pages of the pool that no sequence holds."""
         return len(self._free) + sum(self._staged_pages(b) for b in range(self.max_seqs))
 
+    @_between_graphs
+    def next_positions(self) -> list[int]:
+        """Each sequence's next token position (:attr:`positions`, a new list): where a module
+        rotates its new tokens from. Under ``torch.compile`` it is read between graphs, so the
+        positions reach the next graph as inputs: read inside one, they are integers of a module,
+        which the graph takes as constants and compiles again for at every token."""
+        return list(self.positions)
+
     def pages_of(self, seq: int) -> list[int]:
         """The pages sequence ``seq`` holds, in order."""
         return list(self._pages[self._seq(seq)][: self._used(self.lengths[seq])])

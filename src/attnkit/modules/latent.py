@@ -39,7 +39,6 @@ qk_nope_head_dim, ``Dr`` qk_rope_head_dim, ``Dv`` v_head_dim.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -230,28 +229,11 @@ def _latent_cache_refusal(cache: object, r: int, dr: int) -> str | None:
     return None
 
 
-def _positions(cache: PagedKVCache) -> list[int]:
-    """Each row's next position, as Python ints read from the cache (see :func:`_offsets`)."""
-    return list(cache.positions)
-
-
-_READ_POSITIONS: list[Callable[[PagedKVCache], list[int]]] = []
-
-
 def _offsets(cache: _Cache | None, rows: int) -> list[int]:
     """The position of each row's first new token: where its rotary parts are rotated from (the
     tokens a cache took, those :meth:`KVCache.keep` let go included)."""
     if isinstance(cache, PagedKVCache):
-        if not torch.compiler.is_compiling():
-            return list(cache.positions)
-        # A paged cache is a module, whose integers a graph takes as constants: read while
-        # tracing, each row's position was guarded, and forward compiled again at every token
-        # (until torch's recompile limit). Read between graphs, they are the next graph's inputs.
-        # (The disabled form is made on the first compiled call: making it imports torch's
-        # compiler, which import attnkit does not.)
-        if not _READ_POSITIONS:
-            _READ_POSITIONS.append(torch.compiler.disable(_positions))
-        return _READ_POSITIONS[0](cache)
+        return cache.next_positions()  # (read between graphs under torch.compile)
     if isinstance(cache, KVCache):
         return [cache.position] * rows
     return [0 if cache is None else cache.length] * rows

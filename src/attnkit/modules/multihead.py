@@ -402,7 +402,7 @@ class MultiHeadAttention(nn.Module):
         if cache is None:
             return [0] * rows
         if isinstance(cache, PagedKVCache):
-            return list(cache.positions)
+            return cache.next_positions()  # (read between graphs under torch.compile)
         return [cache.position] * rows
 
     def _rotated_rows(self, x: Tensor, offsets: list[int]) -> Tensor:
