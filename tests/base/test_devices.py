@@ -53,6 +53,23 @@ def test_assuming_stands_in_for_its_device_type_only() -> None:
     assert not devices.readable(torch.device("meta"))
 
 
+def test_on_gpu_is_the_targets_answer_from_the_type_alone() -> None:
+    """A device's target is of its own type, inside ``assuming`` too (which stands in for one
+    type), so ``on_gpu`` answers what ``target(device).gpu`` does without the look-up."""
+    kinds = ["cpu", "meta", "cuda", "cuda:1", "xpu"]
+    for kind in kinds:
+        device = torch.device(kind)
+        assert devices.on_gpu(device) == devices.target(device).gpu
+        assert devices.target(device).type == device.type
+    for stand_in in (H100, Target("cpu"), Target("xpu", "intel", present=False)):
+        with devices.assuming(stand_in):
+            for kind in kinds:
+                device = torch.device(kind)
+                assert devices.on_gpu(device) == devices.target(device).gpu, (kind, stand_in)
+    assert devices.on_gpu(torch.device("cuda"))
+    assert not devices.on_gpu(torch.device("meta"))
+
+
 def test_describe_says_what_was_assumed() -> None:
     text = H100.describe()
     assert text.startswith("cuda (NVIDIA, sm_90, assumed: torch sees no such device), torch ")

@@ -29,6 +29,7 @@ __all__ = [
     "assuming",
     "compiled_refusal",
     "flex_kernel_options",
+    "on_gpu",
     "parse_device",
     "readable",
     "slow_paths_cost_more",
@@ -129,6 +130,13 @@ def target(device: torch.device) -> Target:
         if found is not None:
             return found
     return _present(device.type, device.index)
+
+
+def on_gpu(device: torch.device) -> bool:
+    """``target(device).gpu``, from the device's type alone: the target of a device is of its
+    type (the device itself, or the one :func:`assuming` stands in for it), so a rule that only
+    asks whether a call runs on a GPU need not look the device up."""
+    return device.type in GPU_TYPES
 
 
 def readable(device: torch.device) -> bool:

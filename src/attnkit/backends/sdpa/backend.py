@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._base.checks import check_int, dim_str, shape_str
-from ..._base.devices import target
+from ..._base.devices import on_gpu, target
 from ..._call import AttentionCall
 from ..._kernel import no_autocast
 from ...masks import Geometry, Mask
@@ -78,7 +78,7 @@ def _small_next_to_the_cache(call: AttentionCall) -> bool:
     the call reads anyway (a decode step or a short chunk against a cache): at most a sixteenth
     of their bytes. torch's fused kernels then take it at little cost, where FlexAttention would
     compile once per length of the cache."""
-    if not target(call.device).gpu:
+    if not on_gpu(call.device):
         return False
     kv_bytes = call.num_kv_heads * (call.qk_dim + call.v_dim) * call.dtype.itemsize
     return bool(16 * call.q_len <= kv_bytes)
@@ -156,10 +156,9 @@ def torch_args(call: AttentionCall) -> TorchArgs:
 
 def gpu_kernel(call: AttentionCall) -> KernelChoice | None:
     """Which of torch's kernels serves ``call`` on the GPU it runs on (None: not on a GPU)."""
-    device = target(call.device)
-    if not device.gpu:
+    if not on_gpu(call.device):
         return None
-    return torch_kernel(device, torch_args(call))
+    return torch_kernel(target(call.device), torch_args(call))
 
 
 def sdpa_cost(call: AttentionCall) -> list[str]:
@@ -299,7 +298,7 @@ class SDPA(Backend):
     def slower(self, call: AttentionCall) -> list[str]:
         call = call.dense_views or call
         slow = sdpa_slower(call)
-        if target(call.device).gpu and torch_args(call).mask is False and _documents(call):
+        if on_gpu(call.device) and torch_args(call).mask is False and _documents(call):
             # a kernel launch per document, where a variable-length kernel would take one
             slow.append(f"would run one fused call per document ({_documents(call)} calls)")
         return slow

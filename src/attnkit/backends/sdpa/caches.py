@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._base.checks import shape_str
-from ..._base.devices import target
+from ..._base.devices import on_gpu
 from ..._call import AttentionCall
 from ...caches.view import CacheView, band_of
 
@@ -35,7 +35,7 @@ def cache_refusal(call: AttentionCall) -> str | None:
         return "reads no int8/float8 cache view (chunked reads it in place, reference dequantizes)"
     if call.dense_views is not None:
         return None  # views of a contiguous cache's rows: the dense call, nothing copied
-    if not target(call.device).gpu:
+    if not on_gpu(call.device):
         return (
             f"reads a KV cache view on {call.device.type} only as views of a contiguous "
             "cache's rows that attend the same keys (chunked reads any cache in place there)"
