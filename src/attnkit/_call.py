@@ -396,11 +396,7 @@ def _check_mask_arg(
         return mask, tuple(mask.shape)
     if isinstance(mask, Mask):
         *batch, heads, q_len, kv_len = scores
-        geo = made(
-            Geometry, batch_shape=tuple(batch), heads=heads, q_len=q_len, kv_len=kv_len,
-            device=q.device,
-        )  # fmt: skip
-        mask.check(geo, "mask")
+        mask.check(Geometry(tuple(batch), heads, q_len, kv_len, q.device), "mask")
         dense = [p.tensor for p in mask.parts if p.tensor is not None]
         for t in dense:
             if t.device != q.device:

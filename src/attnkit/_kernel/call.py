@@ -522,10 +522,7 @@ def plan_call(
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
     qs = q.shape
-    geo = made(
-        Geometry, batch_shape=tuple(qs[:-3]), heads=qs[-3], q_len=qs[-2], kv_len=k.size(-2),
-        device=q.device,
-    )  # fmt: skip
+    geo = Geometry(tuple(qs[:-3]), qs[-3], qs[-2], k.size(-2), q.device)
     choice = choose(
         q,
         k,

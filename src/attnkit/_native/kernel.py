@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from .._base.quantized import QUANTIZED
-from .._base.records import made
 from .._kernel.plan import BlockPlan
 from ..masks import Geometry
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm, softcap_form
@@ -157,7 +156,7 @@ class NativeCall:
             "scale": self.scale,
             "softcap": self.softcap,
             "bias_layout": list(self.layout),
-            "band": list(self.band),
+            "band": self.band,  # (a new list)
             "shift": self.shift,
             "stretch": self.plan.stretch,
             "dropout_p": self.p_drop,
@@ -327,8 +326,9 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     kernel reads rows at their stride, so a ``(B, T, H, D)`` view needs no copy."""
     if t.dtype != dtype:
         t = t.to(dtype)
-    unit = t.stride(-1) == 1 or t.size(-1) <= 1
-    apart = t.dim() < 2 or t.size(-2) <= 1 or t.stride(-2) >= max(t.size(-1), 1)
+    shape, stride = t.shape, t.stride()
+    unit = stride[-1] == 1 or shape[-1] <= 1
+    apart = len(shape) < 2 or shape[-2] <= 1 or stride[-2] >= max(shape[-1], 1)
     if unit and apart:
         return t
     # (an empty tensor is contiguous to torch at any strides: k[..., :0] of keys expanded along
@@ -357,8 +357,7 @@ def native_call(
     head; ``register_tiles``, ``skewed_position``: see :class:`NativeCall`)."""
     work = torch.promote_types(dtype, torch.float32)
     form = None if softcap is None else softcap_form(softcap, work)
-    return made(
-        NativeCall,
+    return NativeCall(
         plan=plan,
         scale=float(scale),
         softcap=0.0 if form is None else float(form.cap),
