@@ -972,10 +972,14 @@ def test_a_compiled_decode_loop_compiles_a_few_times_not_once_a_token() -> None:
     assert graphs[-1] - graphs[2] <= 2, graphs  # the graphs of the first steps, then few more
 
 
-def test_a_compiled_decode_loop_with_rotary_reads_the_positions_between_graphs() -> None:
+@pytest.mark.parametrize("prompts", [[6, 6], [6, 3]])
+def test_a_compiled_decode_loop_with_rotary_reads_the_positions_between_graphs(
+    prompts: list[int],
+) -> None:
     # With a rotary, a module reads each row's position: a paged cache's are integers of a module,
     # which a graph read inside it took as constants, compiling again at every token until
-    # torch's recompile limit. next_positions() reads them between graphs.
+    # torch's recompile limit; rows at positions of their own were grouped by a set of their
+    # positions, which made them constants too. next_positions() reads them between graphs.
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # no frames compiled by earlier tests (their limits, their guards)
@@ -985,6 +989,8 @@ def test_a_compiled_decode_loop_with_rotary_reads_the_positions_between_graphs()
     compiled = torch.compile(lambda x: mha(x, causal=True, cache=pool), backend="eager")
     with torch.no_grad():
         x = torch.randn(2, 6, 32)
+        pool.schedule(prompts)
+        eager_pool.schedule(prompts)
         assert_close(compiled(x), mha(x, causal=True, cache=eager_pool))
         graphs = []
         for _ in range(12):
@@ -992,8 +998,9 @@ def test_a_compiled_decode_loop_with_rotary_reads_the_positions_between_graphs()
             assert_close(compiled(x), mha(x, causal=True, cache=eager_pool))
             graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
-    assert pool.lengths == eager_pool.lengths == [18, 18]
+    want = [n + 12 for n in prompts]
+    assert pool.lengths == eager_pool.lengths == want
     assert graphs[-1] - graphs[2] <= 2, graphs
     positions = pool.next_positions()
-    assert positions == pool.positions == [18, 18]
+    assert positions == pool.positions == want
     assert positions is not pool.positions

@@ -909,11 +909,16 @@ def test_block_tables_pages_and_queries_of_other_strides(layout: str, sparse: bo
     check_rows(pool, q, out, lse, allowed, 1 / math.sqrt(D))
 
 
-def test_a_compiled_decode_loop_over_a_paged_latent_cache_compiles_a_few_times() -> None:
+@pytest.mark.parametrize("prompts", [[60, 60], [60, 33]])
+def test_a_compiled_decode_loop_over_a_paged_latent_cache_compiles_a_few_times(
+    prompts: list[int],
+) -> None:
     # The rows' positions (where their rotary parts turn from) are integers of a module, the
     # paged cache, which a graph takes as constants: read inside the graph they were guarded,
     # and the module's forward compiled again at every token until torch's recompile limit,
-    # then ran uncompiled. The steps equal an eager module's on its own cache.
+    # then ran uncompiled; rows at positions of their own (vLLM's batches) were grouped by a
+    # set of their positions, which made them constants too. The steps equal an eager module's
+    # on its own cache.
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # no frames compiled by earlier tests (their limits, their guards)
@@ -930,12 +935,13 @@ def test_a_compiled_decode_loop_over_a_paged_latent_cache_compiles_a_few_times()
     x = torch.randn(2, 67, 32)
     graphs = []
     with torch.no_grad():
-        m(x[:, :60], causal=True, cache=pool)
-        eager(x[:, :60], causal=True, cache=eager_pool)
+        for cache, module in ((pool, m), (eager_pool, eager)):
+            cache.schedule(prompts)
+            module(x[:, :60], causal=True, cache=cache)
         for t in range(60, 67):
             got = step(x[:, t : t + 1])
             torch.testing.assert_close(got, eager(x[:, t : t + 1], causal=True, cache=eager_pool))
             graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
-    assert pool.lengths == eager_pool.lengths == [67, 67]
+    assert pool.lengths == eager_pool.lengths == [n + 7 for n in prompts]
     assert graphs[-1] - graphs[2] <= 2, graphs  # the graphs of the first steps, then few more

@@ -60,7 +60,7 @@ from ..caches.kv_cache import KVCache
 from ..caches.paged import Layout, PagedKVCache
 from ..caches.view import CacheView
 from ..masks import Mask
-from .positional import RotaryEmbedding
+from .positional import RotaryEmbedding, rows_by_offset
 
 __all__ = ["DECODE_TOKENS", "LatentCache", "MultiHeadLatentAttention"]
 
@@ -372,8 +372,8 @@ class MultiHeadLatentAttention(nn.Module):
             rotated: Tensor = self.rotary(x, offset=first)
             return rotated
         out = torch.empty_like(x)
-        for offset in sorted(set(offsets)):
-            rows = torch.tensor([b for b, o in enumerate(offsets) if o == offset], device=x.device)
+        for offset, group in rows_by_offset(offsets):
+            rows = torch.tensor(group, device=x.device)
             out[rows] = self.rotary(x[rows], offset=offset)
         return out
 

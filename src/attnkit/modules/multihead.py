@@ -46,6 +46,7 @@ from ..scores import DistanceBias, ScoreTerm
 from ._packing import split_packed
 from ._shards import SequenceShards
 from .capture import is_capturing, record
+from .positional import rows_by_offset
 
 __all__ = ["MultiHeadAttention"]
 
@@ -412,9 +413,9 @@ class MultiHeadAttention(nn.Module):
         if offsets and all(o == offsets[0] for o in offsets):
             return self._rotated(x, offsets[0])
         out = torch.empty_like(x)
-        for offset in sorted(set(offsets)):
-            rows = torch.tensor([b for b, o in enumerate(offsets) if o == offset])
-            out[rows.to(x.device)] = self._rotated(x[rows.to(x.device)], offset)
+        for offset, group in rows_by_offset(offsets):
+            rows = torch.tensor(group, device=x.device)
+            out[rows] = self._rotated(x[rows], offset)
         return out
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "relative_encoding",
+    "rows_by_offset",
 ]
 
 
@@ -423,6 +424,28 @@ def _check_encoding(encoding: object, encoding_dtype: object, legacy: object) ->
             f"encoding_dtype={encoding_dtype} does not apply to legacy={legacy!r}, which "
             "reproduces that toolkit's own float32 table"
         )
+
+
+def rows_by_offset(offsets: list[int]) -> list[tuple[int, list[int]]]:
+    """The rows of each distinct offset, ``(offset, rows)`` in the order they first appear: the
+    rows a rotary turns together, each batch row ``b`` at its own ``offsets[b]``.
+
+    Found by comparing offsets, not with a set: under ``torch.compile`` an offset is a symbolic
+    size, which a set (or a sort) makes a constant, so a graph would be compiled again at every
+    step; a comparison is guarded as it stands (rows apart stay apart).
+
+    >>> rows_by_offset([7, 3, 7])
+    [(7, [0, 2]), (3, [1])]
+    """
+    groups: list[tuple[int, list[int]]] = []
+    for b, offset in enumerate(offsets):
+        for seen, rows in groups:
+            if seen == offset:
+                rows.append(b)
+                break
+        else:
+            groups.append((offset, [b]))
+    return groups
 
 
 class RotaryEmbedding(nn.Module):
