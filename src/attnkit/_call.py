@@ -491,9 +491,10 @@ class _Scores(NamedTuple):
 
 def _check_scores(q: Tensor, k: Tensor, mask: object, bias: object, causal: object) -> _Scores:
     """The caller's ``mask``, ``causal`` and ``bias``, checked against q and k."""
-    scores = (*q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2])
+    qs = q.shape
+    scores = (*qs[:-3], qs[-3], qs[-2], k.shape[-2])
     legend = "(..., H, Tq, Tk)"
-    given, mask_shape = _check_mask_arg(mask, q, scores, legend)
+    given, mask_shape = (None, None) if mask is None else _check_mask_arg(mask, q, scores, legend)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     term = bias if isinstance(bias, ScoreTerm) else None
@@ -650,7 +651,7 @@ def _described(
         or q.requires_grad
         or k.requires_grad
         or v.requires_grad
-        or any(s is not None and s.requires_grad for s in scales)
+        or (bool(scales) and any(s is not None and s.requires_grad for s in scales))
         or (sinks is not None and sinks.requires_grad)
         or (score_mod is not None and bool(captured_tensors(score_mod)))
     )

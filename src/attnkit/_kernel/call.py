@@ -29,7 +29,7 @@ from .._base.records import made
 from .._native.kernel import native_call, scale_rows
 from .._record import note_kernel
 from .._score_mod import ScoreMod
-from ..masks import Geometry, Mask
+from ..masks import Geometry, KeyIndices, Mask
 from ..modules._packing import joint_grads
 from ..scores import ScoreTerm, term_error
 from . import FUSED_ROWS, delta_of, draw_seed, finish, no_autocast, sink_grad
@@ -399,8 +399,9 @@ def kernel_attention(
             quantized = f"on {dtype_str(k.dtype)} k and v dequantized first: {why}"
             k, v = dequantize(k, kv_scales[0], q.dtype), dequantize(v, kv_scales[1], q.dtype)
             kv_scales = None
-    # An index mask: each query's selected keys gathered (a call without a mask holds none).
-    if mask is not None:
+    # An index mask, alone or joined with others: each query's selected keys gathered (a call
+    # without a mask, or with one mask of another kind, holds none).
+    if mask is not None and (mask.op is not None or isinstance(mask, KeyIndices)):
         served = gathered_attention(
             q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks,
             score_mod=score_mod, captured=captured, dropout_p=dropout_p, return_lse=return_lse,
