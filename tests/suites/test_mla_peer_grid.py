@@ -909,10 +909,7 @@ def test_block_tables_pages_and_queries_of_other_strides(layout: str, sparse: bo
     check_rows(pool, q, out, lse, allowed, 1 / math.sqrt(D))
 
 
-@pytest.mark.parametrize("prompts", [[60, 60], [60, 33]])
-def test_a_compiled_decode_loop_over_a_paged_latent_cache_compiles_a_few_times(
-    prompts: list[int],
-) -> None:
+def test_a_compiled_decode_loop_over_a_paged_latent_cache_compiles_a_few_times() -> None:
     # The rows' positions (where their rotary parts turn from) are integers of a module, the
     # paged cache, which a graph takes as constants: read inside the graph they were guarded,
     # and the module's forward compiled again at every token until torch's recompile limit,
@@ -921,6 +918,7 @@ def test_a_compiled_decode_loop_over_a_paged_latent_cache_compiles_a_few_times(
     # on its own cache.
     from torch._dynamo.utils import counters
 
+    prompts = [60, 33]  # rows at positions of their own
     torch._dynamo.reset()  # no frames compiled by earlier tests (their limits, their guards)
     torch.manual_seed(28)
     m = attnkit.MultiHeadLatentAttention(
