@@ -150,15 +150,16 @@ class NativeCall:
     def settings(self) -> dict[str, object]:
         """The operators' keyword arguments for this call."""
         rel_scale, top, whole = self.position if self.position is not None else (0.0, 0, 0)
+        plan = self.plan  # (read once: the properties above are its fields)
         return {
-            "block_q": self.block_q,
-            "block_k": self.block_k,
+            "block_q": plan.block_q,
+            "block_k": plan.block_k,
             "scale": self.scale,
             "softcap": self.softcap,
             "bias_layout": list(self.layout),
-            "band": self.band,  # (a new list)
-            "shift": self.shift,
-            "stretch": self.plan.stretch,
+            "band": [] if plan.band is None else [float(x) for x in plan.band],
+            "shift": plan.shift,
+            "stretch": plan.stretch,
             "dropout_p": self.p_drop,
             "seed": self.seed,
             "rel_scale": rel_scale,
@@ -202,15 +203,16 @@ class NativeCall:
         bias = None if bias5 is None else bias5.to(work)
         if self.layout:  # a bias by distance: its table
             bias = term_inputs[0].to(work).contiguous()
+        plan = self.plan
         return (
             _rows(q5, torch.bfloat16 if reduced else work),
             _rows(k4, kv),
             _rows(v4, kv),
-            self.off,
-            self.visits,
+            plan.offsets,
+            plan.visits,
             bias,
-            self.key_ok,
-            self.tiles,
+            plan.key_ok,
+            plan.tiles,
             qv,
             enc,
         )
