@@ -47,8 +47,12 @@ def made(cls: type[T], **values: Any) -> T:
     """``cls(**values)`` for a dataclass ``cls`` whose ``__init__`` only assigns its fields, made
     without calling it: ``values`` name fields of ``cls`` (they are not checked: the caller's
     are), the others take their defaults. While torch.compile traces, ``cls(**values)``."""
+    if torch.compiler.is_compiling():
+        # First: dynamo cannot trace dataclasses.fields() (a graph break, and under
+        # fullgraph=True an error), which a process whose first call is compiled would reach.
+        return cls(**values)
     defaults = _DEFAULTS[cls] if cls in _DEFAULTS else _defaults(cls)
-    if defaults is None or torch.compiler.is_compiling():
+    if defaults is None:
         return cls(**values)
     obj: T = object.__new__(cls)
     obj.__dict__.update(defaults)
