@@ -415,3 +415,98 @@ def test_flex_refuses_to_train_on_the_cpu_by_name_eager_and_compiled(no_shape_ch
     torch._dynamo.reset()
     with pytest.raises(attnkit.BackendError, match=reason):
         torch.compile(loss, dynamic=True)(q, torch.tensor([8, 5]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Context parallelism through attention()
+
+
+def ranks_attend_through_the_door(rank: int, world: int) -> dict[str, str | float]:
+    """This rank's largest difference (outputs and gradients of q, k, v) between the ring and the
+    all-to-all as ``attention()`` backends on its zigzag shards and its shard of the reference on
+    the whole sequence; and what a cache view gets from them."""
+    from attnkit.distributed import Layout, register_ring_backend
+    from attnkit.distributed.ulysses import UlyssesBackend
+
+    register_ring_backend("door-ring", layout="zigzag")
+    attnkit.register_backend(
+        "door-ulysses", UlyssesBackend(layout="zigzag", name="door-ulysses"), auto=False
+    )
+    lay = Layout.zigzag(world)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 32, 8, generator=gen, dtype=F64) for h in (4, 2, 2))
+    call = {
+        "mask": masks.causal() & masks.key_padding(torch.tensor([11, 13], dtype=torch.int32)),
+        "softcap": 2.0,
+        "sinks": torch.randn(4, generator=gen, dtype=F64),
+    }
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attnkit.attention(*whole, backend="reference", **call)
+    wants = [want, *torch.autograd.grad(want.square().sum(), whole)]
+    result: dict[str, str | float] = {}
+    try:
+        for name in ("door-ring", "door-ulysses"):
+            shard = [lay.shard(t, rank).clone().requires_grad_() for t in (q, k, v)]
+            got = attnkit.attention(*shard, backend=name, **call)
+            gots = [got, *torch.autograd.grad(got.square().sum(), shard)]
+            result[name] = max(
+                float((a - lay.shard(b, rank)).abs().max())
+                for a, b in zip(gots, wants, strict=True)
+            )
+            try:
+                attnkit.attention(q[:, :, :1], CacheView(k, v, [(0, 32), (0, 29)]), backend=name)
+                result[f"{name} view"] = "served"
+            except attnkit.BackendError as err:
+                result[f"{name} view"] = str(err)
+    finally:
+        attnkit.unregister_backend("door-ring")
+        attnkit.unregister_backend("door-ulysses")
+    return result
+
+
+def test_ring_and_ulysses_through_attention_equal_the_reference_and_refuse_a_cache() -> None:
+    """Two gloo ranks, grouped heads, softcap, sinks and causal padding from an int32 tensor of the
+    whole sequence's lengths: each rank's output and gradients equal its shard of the reference,
+    through both strategies as backends; a cache view is refused by name, not crashed on."""
+    from tests.distributed.harness import run_ranks
+
+    for result in run_ranks(ranks_attend_through_the_door, 2):
+        for name in ("door-ring", "door-ulysses"):
+            assert isinstance(result[name], float)
+            assert result[name] < 1e-12, result
+            assert f"backend '{name}' cannot serve this call" in str(result[f"{name} view"])
+
+
+def test_a_process_whose_first_call_is_compiled_traces_it_in_one_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The call's description is made without its dataclass ``__init__`` after the first call has
+    read the class's fields; while torch.compile traced the first call of a process, reading them
+    was a graph break (dataclasses.fields), so ``fullgraph=True`` failed on any call."""
+    from attnkit._base import records
+
+    monkeypatch.setattr(records, "_DEFAULTS", {})  # as in a new process
+    q = torch.randn(2, 4, 8, 8)
+    mask = masks.causal() & masks.key_padding(torch.tensor([8, 5]))
+    step = torch.compile(
+        lambda q: attnkit.attention(q, q, q, mask=mask), fullgraph=True, backend="eager"
+    )
+    assert_close(step(q), attnkit.attention(q.double(), q.double(), q.double(), mask=mask))
+
+
+def test_a_compiled_call_on_pages_of_rows_that_share_their_keys_runs() -> None:
+    """Two rows of the same stretch of pages, the view passed into a function compiled with
+    ``dynamic=True`` (as a compiled module gets a PagedKVCache's view): equal to the reference at
+    two lengths. The rows' ends were each a symbol of their own, found equal while tracing, and
+    inductor's code named the first row's, which it never bound: NameError."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    pages = torch.randn(8, 2, 4, 8, generator=gen)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    step = torch.compile(lambda q, view: attnkit.attention(q, view, causal=True), dynamic=True)
+    for end in (5, 9):
+        q = torch.randn(2, 4, 2, 8, generator=gen)
+        view = CacheView(pages, pages, [(1, end)] * 2, table)
+        with torch.no_grad():
+            got = step(q, view)
+        assert_close(got, attnkit.attention(q.double(), view.to(F64), causal=True))

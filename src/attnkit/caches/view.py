@@ -393,7 +393,11 @@ class CacheView:
             raise ValueError(
                 f"a view whose rows attend keys of their own has no dense form: {self.describe()}"
             )
-        start, end = self.kv_range[0] if self.kv_range else (0, 0)
+        # The last row's ends, not the first's: while torch.compile traces, each row's ends are
+        # symbols of their own, and `shared` found them equal, which makes the last row's the
+        # symbols the graph binds; sizes made from the first row's then named a symbol the
+        # generated code never bound (a NameError from inductor's code for pages).
+        start, end = self.kv_range[-1] if self.kv_range else (0, 0)
         if self.block_table is None:
             return self._values(lambda t: t[: self.rows, :, start:end], dtype)
         page = self.page_size
