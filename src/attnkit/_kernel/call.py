@@ -142,7 +142,9 @@ def run_forward(
     out5, lse = _forward(spec, q, k, v, bias, sinks, extra, for_backward)
     # (B, Hkv, G, Tq) -> (..., H, Tq): the natural-log log-sum-exp, the sinks' share included
     # (a copy when lse is kept for the backward, which a caller's in-place change must not reach).
-    lse_out = lse.flatten(1, 2).reshape(q.shape[:-1])
+    lse_out = lse.flatten(1, 2)
+    if lse_out.shape != q.shape[:-1]:
+        lse_out = lse_out.reshape(q.shape[:-1])
     return _output(out5, q, v), lse_out.clone() if for_backward else lse_out, out5, lse
 
 
@@ -185,7 +187,10 @@ def _forward(
 def _output(out5: Tensor, q: Tensor, v: Tensor) -> Tensor:
     """The output in q's layout and dtype."""
     # (B, Hkv, G, Tq, Dv) laid out as (B, Tq, H, Dv): a view of q's shape, like torch's SDPA.
-    out = out5.flatten(1, 2).reshape(*q.shape[:-1], v.size(-1))
+    out = out5.flatten(1, 2)
+    shape = (*q.shape[:-1], v.size(-1))
+    if out.shape != shape:  # (several batch dims, or none)
+        out = out.reshape(shape)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
