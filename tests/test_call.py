@@ -67,8 +67,8 @@ def test_fields_and_properties_of_a_grouped_query_call() -> None:
 
 
 def test_a_described_call_holds_its_fields_as_the_dataclass_makes_them() -> None:
-    """A described call is made without the dataclass's ``__init__`` (it costs a small call
-    several microseconds): it must hold every field, defaults included, and nothing else, and
+    """A described call is made without the dataclass's ``__init__`` (one ``object.__setattr__``
+    a field, on every call): it must hold every field, defaults included, and nothing else, and
     equal the call ``AttentionCall(**fields)`` makes."""
     q, k, v = qkv()
     calls = [
