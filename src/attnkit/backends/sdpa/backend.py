@@ -87,7 +87,7 @@ def _small_next_to_the_cache(call: AttentionCall) -> bool:
 def sdpa_check(call: AttentionCall) -> list[str]:
     """Why torch's SDPA cannot serve a call (empty when it can)."""
     reasons = []
-    refused = cache_refusal(call)
+    refused = None if call.cache is None else cache_refusal(call)
     if refused is not None:
         reasons.append(refused)
     if call.return_weights:
@@ -163,8 +163,9 @@ def gpu_kernel(call: AttentionCall) -> KernelChoice | None:
 
 def sdpa_cost(call: AttentionCall) -> list[str]:
     """Why ``auto`` should prefer another backend although torch's SDPA could serve the call."""
-    call = call.dense_views or call
-    costs = cache_cost(call)
+    if call.cache is not None:
+        call = call.dense_views or call
+    costs = [] if call.cache is None else cache_cost(call)
     kernel = gpu_kernel(call)
     if kernel is not None and not kernel.fused:
         costs.append(
@@ -296,7 +297,8 @@ class SDPA(Backend):
         return sdpa_cost(call)
 
     def slower(self, call: AttentionCall) -> list[str]:
-        call = call.dense_views or call
+        if call.cache is not None:
+            call = call.dense_views or call
         slow = sdpa_slower(call)
         if on_gpu(call.device) and torch_args(call).mask is False and _documents(call):
             # a kernel launch per document, where a variable-length kernel would take one
@@ -323,7 +325,7 @@ class SDPA(Backend):
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
         q, k, v = inputs.q, inputs.k, inputs.v
-        given, dense = call, call.dense_views
+        given, dense = call, None if call.cache is None else call.dense_views
         if dense is not None and call.cache is not None:
             k, v = call.cache.dense()  # views of the cache's rows
             call = dense
