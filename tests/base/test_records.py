@@ -68,3 +68,22 @@ def test_a_class_whose_init_does_more_is_made_by_its_init() -> None:
     first, second = made(_Listed, a=1), made(_Listed, a=2)
     assert first.xs == []
     assert first.xs is not second.xs  # each its own list, as the factory makes it
+
+
+def test_a_record_first_made_inside_a_compiled_graph_breaks_nothing() -> None:
+    """The first ``made`` of a class inside ``torch.compile(fullgraph=True)`` is its
+    ``__init__``: dynamo cannot trace the look at its fields, which would break the graph."""
+
+    @dataclass(frozen=True)
+    class Fresh:  # (a class no call has made yet)
+        x: torch.Tensor
+        k: int = 2
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        r = made(Fresh, x=x)
+        return r.x * r.k
+
+    x = torch.arange(3.0)
+    assert torch.equal(scaled(x), x * 2)
+    assert made(Fresh, x=x) == Fresh(x)  # (eagerly, afterwards: made without its __init__)
