@@ -120,6 +120,28 @@ def test_rotary_angles_survive_half_precision() -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rotary_takes_one_offset_per_row_as_a_tensor(dtype: torch.dtype) -> None:
+    from attnkit.interop.deepseek import FrequencyRotary
+
+    x = torch.randn(3, 2, 4, 8, dtype=torch.float64)
+    offsets = [7, 0, 4000]
+    for rope in (RotaryEmbedding(8), FrequencyRotary(torch.rand(4) + 0.01, scaling=1.3)):
+        want = torch.stack(
+            [rope(x[b : b + 1].to(dtype), offset=o)[0] for b, o in enumerate(offsets)]
+        )
+        for given_as in (torch.tensor(offsets), torch.tensor(offsets, dtype=torch.int32)):
+            assert torch.equal(rope(x.to(dtype), offset=given_as), want)
+        assert torch.equal(rope(x.to(dtype), offset=torch.tensor(5)), rope(x.to(dtype), offset=5))
+        if isinstance(rope, RotaryEmbedding) and dtype == torch.float64:  # the formula itself
+            for b, o in enumerate(offsets):
+                assert_close(want[b], rope_complex(x[b], torch.arange(o, o + 4)))
+        with pytest.raises(ValueError, match=r"one int per row of x's first dim, shape \(3,\)"):
+            rope(x, offset=torch.tensor([1, 2]))
+        with pytest.raises(TypeError, match=r"integer tensor, got torch\.float32"):
+            rope(x, offset=torch.tensor([1.0, 2.0, 3.0]))
+
+
 def test_alibi_slopes_follow_the_paper() -> None:
     assert_close(alibi_slopes(8), torch.tensor([2.0**-i for i in range(1, 9)]))
     # Not a power of two: the 4-head slopes, then every other slope of 8 heads.

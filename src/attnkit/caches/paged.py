@@ -258,12 +258,16 @@ class PagedKVCache(nn.Module):
         return len(self._free) + sum(self._staged_pages(b) for b in range(self.max_seqs))
 
     @_between_graphs
-    def next_positions(self) -> list[int]:
-        """Each sequence's next token position (:attr:`positions`, a new list): where a module
-        rotates its new tokens from. Under ``torch.compile`` it is read between graphs, so the
-        positions reach the next graph as inputs: read inside one, they are integers of a module,
-        which the graph takes as constants and compiles again for at every token."""
-        return list(self.positions)
+    def next_positions(self) -> Tensor:
+        """Each sequence's next token position (:attr:`positions`) as an int64 tensor
+        ``(max_seqs,)`` on the pages' device: where a module rotates its new tokens from, one
+        offset per row (``rotary(x, offset=positions)``, see
+        :func:`~attnkit.modules.positional.rotary_positions`). Under ``torch.compile`` it is made
+        between graphs, so the positions reach the next graph as a tensor input: read inside one,
+        they are integers of a module, which the graph takes as constants and compiles again for
+        at every token (and as symbolic sizes, passed from one graph to the next, inductor's code
+        lost them)."""
+        return torch.tensor(self.positions, dtype=torch.int64, device=self.block_table.device)
 
     def pages_of(self, seq: int) -> list[int]:
         """The pages sequence ``seq`` holds, in order."""

@@ -49,10 +49,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._base.checks import check_float_tensor, check_int
+from .._base.checks import check_float_tensor
 from .._base.shapes import Float, shape_checked
 from ..modules.latent import MultiHeadLatentAttention
-from ..modules.positional import RotaryEmbedding
+from ..modules.positional import RotaryEmbedding, rotary_positions
 from . import _copy
 
 __all__ = ["FrequencyRotary", "latent_attention", "rotary_embedding"]
@@ -67,8 +67,10 @@ class FrequencyRotary(nn.Module):
     :class:`~attnkit.RotaryEmbedding`'s rotation with a model's own ``inv_freq`` (YaRN's,
     for one) and its cos and sin multiplied by ``scaling`` (YaRN's ``attention_factor``).
 
-    ``forward(x, offset=0)`` rotates ``x`` ``(..., T, Dh)`` as positions ``offset, ...``. The
-    angles are computed in float64 for float64 inputs, float32 otherwise.
+    ``forward(x, offset=0)`` rotates ``x`` ``(..., T, Dh)`` as positions ``offset, ...``
+    (``offset`` an int, or a tensor of one per row: see
+    :func:`~attnkit.modules.positional.rotary_positions`). The angles are computed in float64
+    for float64 inputs, float32 otherwise.
     """
 
     inv_freq: Tensor
@@ -82,19 +84,22 @@ class FrequencyRotary(nn.Module):
         self.scaling = float(scaling)
         self.register_buffer("inv_freq", inv_freq.detach().to(torch.float64), persistent=False)
 
+    #: ``forward`` takes a tensor of one offset per row (see RotaryEmbedding's).
+    per_row_offsets = True
+
     @shape_checked
     def forward(
-        self, x: Float[Tensor, "*batch T Dh"], *, offset: int = 0
+        self, x: Float[Tensor, "*batch T Dh"], *, offset: int | Tensor = 0
     ) -> Float[Tensor, "*batch T Dh"]:
         check_float_tensor("x", x)
         if x.ndim < 2 or x.size(-1) != self.head_dim:
             raise ValueError(
                 f"x must have shape (..., T, head_dim={self.head_dim}), got {tuple(x.shape)}"
             )
-        offset = check_int("offset", offset, minimum=0)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        pos = torch.arange(offset, offset + x.size(-2), dtype=work, device=x.device)
-        angle = (pos[:, None] * self.inv_freq.to(device=x.device, dtype=work)).repeat(1, 2)
+        pos = rotary_positions(offset, x, work)  # (..., T, 1)
+        angle = pos * self.inv_freq.to(device=x.device, dtype=work)
+        angle = torch.cat((angle, angle), dim=-1)
         cos = (angle.cos() * self.scaling).to(x.dtype)
         sin = (angle.sin() * self.scaling).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)

@@ -229,11 +229,12 @@ def _latent_cache_refusal(cache: object, r: int, dr: int) -> str | None:
     return None
 
 
-def _offsets(cache: _Cache | None, rows: int) -> list[int]:
+def _offsets(cache: _Cache | None, rows: int) -> list[int] | Tensor:
     """The position of each row's first new token: where its rotary parts are rotated from (the
-    tokens a cache took, those :meth:`KVCache.keep` let go included)."""
+    tokens a cache took, those :meth:`KVCache.keep` let go included); a tensor of them for a
+    paged cache, whose rows each sit at their own."""
     if isinstance(cache, PagedKVCache):
-        return cache.next_positions()  # (read between graphs under torch.compile)
+        return cache.next_positions()  # (made between graphs under torch.compile)
     if isinstance(cache, KVCache):
         return [cache.position] * rows
     return [0 if cache is None else cache.length] * rows
@@ -363,9 +364,15 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(r, h * (dn + dv), bias=False, **kw)
         self.out_proj = nn.Linear(h * dv, d_model, bias=bias, **kw)
 
-    def _rotated(self, x: Tensor, offsets: list[int]) -> Tensor:
-        """``x`` ``(B, heads, T, Dr)`` with row ``b`` rotated from position ``offsets[b]``: rows
-        of one offset together (a paged cache's rows each sit at their own)."""
+    def _rotated(self, x: Tensor, offsets: list[int] | Tensor) -> Tensor:
+        """``x`` ``(B, heads, T, Dr)`` with row ``b`` rotated from position ``offsets[b]``: in
+        one call from a tensor of them (a paged cache's rows each sit at their own), else rows
+        of one offset together."""
+        if isinstance(offsets, Tensor):
+            if getattr(self.rotary, "per_row_offsets", False):
+                by_row: Tensor = self.rotary(x, offset=offsets)
+                return by_row
+            offsets = [int(o) for o in offsets.tolist()]  # a rotary of ints only
         # (comparisons, not a set: a compiled step's offset is a symbolic size)
         first = offsets[0] if offsets else 0  # (a batch of no rows has no offsets)
         if all(o == first for o in offsets):
@@ -377,7 +384,7 @@ class MultiHeadLatentAttention(nn.Module):
             out[rows] = self.rotary(x[rows], offset=offset)
         return out
 
-    def _queries(self, x: Tensor, offsets: list[int]) -> tuple[Tensor, Tensor]:
+    def _queries(self, x: Tensor, offsets: list[int] | Tensor) -> tuple[Tensor, Tensor]:
         """``(B, H, Tq, Dn)`` and the rotated ``(B, H, Tq, Dr)``."""
         if self.q_proj is not None:
             q = self.q_proj(x)
@@ -391,7 +398,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = q.split((self.qk_nope_head_dim, self.qk_rope_head_dim), dim=-1)
         return q_nope, self._rotated(q_rope, offsets)
 
-    def _latent(self, x: Tensor, offsets: list[int]) -> Tensor:
+    def _latent(self, x: Tensor, offsets: list[int] | Tensor) -> Tensor:
         """The new tokens' ``[c, k_rope]`` ``(B, 1, Tq, R + Dr)``: c normalised, k_rope rotated."""
         c, k_rope = (
             self.kv_a_proj(x).unsqueeze(1).split((self.kv_lora_rank, self.qk_rope_head_dim), dim=-1)

@@ -332,7 +332,7 @@ class MultiHeadAttention(nn.Module):
             )
         return out, weights
 
-    def _rotated(self, x: Tensor, offset: int) -> Tensor:
+    def _rotated(self, x: Tensor, offset: int | Tensor) -> Tensor:
         """``rotary(x, offset=offset)``, which must keep ``x``'s shape and dtype (the attention
         call takes the result as this module's own, unchecked)."""
         out = self.rotary(x, offset=offset)  # type: ignore[misc]
@@ -397,17 +397,21 @@ class MultiHeadAttention(nn.Module):
             )
 
     @staticmethod
-    def _offsets(cache: AnyCache | None, rows: int) -> list[int]:
+    def _offsets(cache: AnyCache | None, rows: int) -> list[int] | Tensor:
         """The position of each row's first new token: the tokens its cache took (those it let
-        go included)."""
+        go included); a tensor of them for a paged cache, whose rows each sit at their own."""
         if cache is None:
             return [0] * rows
         if isinstance(cache, PagedKVCache):
-            return cache.next_positions()  # (read between graphs under torch.compile)
+            return cache.next_positions()  # (made between graphs under torch.compile)
         return [cache.position] * rows
 
-    def _rotated_rows(self, x: Tensor, offsets: list[int]) -> Tensor:
+    def _rotated_rows(self, x: Tensor, offsets: list[int] | Tensor) -> Tensor:
         """``x`` ``(B, heads, T, Dh)`` with row ``b`` rotated from position ``offsets[b]``."""
+        if isinstance(offsets, Tensor):
+            if getattr(self.rotary, "per_row_offsets", False):
+                return self._rotated(x, offsets)
+            offsets = [int(o) for o in offsets.tolist()]  # a rotary of ints only
         # (comparisons, not a set: a compiled step's offset is a symbolic size, which a set would
         # make a constant, and so a new graph at every step)
         if offsets and all(o == offsets[0] for o in offsets):

@@ -46,6 +46,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "relative_encoding",
+    "rotary_positions",
     "rows_by_offset",
 ]
 
@@ -448,6 +449,42 @@ def rows_by_offset(offsets: list[int]) -> list[tuple[int, list[int]]]:
     return groups
 
 
+def rotary_positions(offset: int | Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The positions a rotary turns ``x`` ``(..., T, Dh)`` to, in ``dtype``, shaped to broadcast
+    against ``x``'s angles ``(..., T, Dh / 2)``: ``offset, ..., offset + T - 1``.
+
+    ``offset``: an int, or an integer tensor of one offset per row of ``x``'s first dim ``(B,)``
+    (or one, 0-d), on any device: read where ``x`` is, with no copy to the host, so that a
+    compiled step takes each row's position as an input rather than as a constant of its graph.
+
+    >>> rotary_positions(torch.tensor([5, 0]), torch.zeros(2, 1, 3, 4), torch.float32).squeeze()
+    tensor([[5., 6., 7.],
+            [0., 1., 2.]])
+    """
+    length = x.size(-2)
+    if not isinstance(offset, Tensor):
+        offset = check_int("offset", offset, minimum=0)
+        if offset + length > _MAX_POSITION:
+            raise ValueError(
+                f"offset ({offset}) + length ({length}) must be at most 2^53 = "
+                f"{_MAX_POSITION}: float64 cannot tell later positions apart"
+            )
+        return torch.arange(offset, offset + length, device=x.device).to(dtype)[:, None]
+    if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool:
+        raise TypeError(f"offset must be an int or an integer tensor, got {offset.dtype}")
+    rows = x.size(0) if x.ndim > 2 else None
+    if offset.ndim > 1 or (offset.ndim == 1 and offset.size(0) != rows):
+        raise ValueError(
+            f"offset must be one int per row of x's first dim, shape ({rows},), or 0-d, got "
+            f"{tuple(offset.shape)} for x {tuple(x.shape)}"
+        )
+    first = offset.to(device=x.device, dtype=torch.int64)
+    if offset.ndim == 1:
+        first = first.reshape(-1, *[1] * (x.ndim - 1))  # (B, 1, ..., 1)
+    steps = torch.arange(length, device=x.device)[:, None]  # (T, 1)
+    return (first + steps).to(dtype)  # (integers added, then rounded once, as arange rounds)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE) for queries and keys of shape ``(B, H, T, Dh)``.
 
@@ -462,9 +499,11 @@ class RotaryEmbedding(nn.Module):
         base: the wavelength scale (10000 in the paper; long-context models use larger values).
 
     ``forward(x, offset=0)`` rotates ``x`` ``(..., T, Dh)`` as positions ``offset, ...,
-    offset + T - 1`` and returns the same shape. :class:`~attnkit.MultiHeadAttention` calls it
-    with ``offset = cache.position`` so that tokens decoded one at a time get the positions a full
-    forward gives them.
+    offset + T - 1`` and returns the same shape; ``offset`` may be a tensor of one offset per row
+    of ``x``'s first dim (see :func:`rotary_positions`). :class:`~attnkit.MultiHeadAttention`
+    calls it with ``offset = cache.position`` so that tokens decoded one at a time get the
+    positions a full forward gives them (on a :class:`~attnkit.PagedKVCache`, whose rows each sit
+    at their own, with the tensor of :meth:`~attnkit.PagedKVCache.next_positions`).
 
     >>> rope = RotaryEmbedding(8)
     >>> q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
@@ -473,6 +512,10 @@ class RotaryEmbedding(nn.Module):
     >>> torch.allclose(a, b, atol=1e-5)
     True
     """
+
+    #: ``forward`` takes a tensor of one offset per row (:func:`rotary_positions`): the modules
+    #: rotate a paged cache's rows, each at its own position, in one call, from a tensor.
+    per_row_offsets = True
 
     def __init__(self, head_dim: int, *, base: float = 10000.0) -> None:
         super().__init__()
@@ -510,19 +553,19 @@ class RotaryEmbedding(nn.Module):
 
     @shape_checked
     def forward(
-        self, x: Float[Tensor, "*batch T Dh"], *, offset: int = 0
+        self, x: Float[Tensor, "*batch T Dh"], *, offset: int | Tensor = 0
     ) -> Float[Tensor, "*batch T Dh"]:
         check_float_tensor("x", x)
         if x.ndim < 2 or x.size(-1) != self.head_dim:
             raise ValueError(
                 f"x must have shape (..., T, head_dim={self.head_dim}), got {tuple(x.shape)}"
             )
-        cos, sin = self.cos_sin(
-            x.size(-2),
-            offset=check_int("offset", offset, minimum=0),
-            dtype=x.dtype,
-            device=x.device,
-        )
+        work = _angle_dtype(x.dtype)
+        half = self.head_dim // 2
+        inv_freq = self.base ** (-torch.arange(half, dtype=work, device=x.device) / half)
+        angle = rotary_positions(offset, x, work) * inv_freq  # (..., T, Dh / 2)
+        angle = torch.cat((angle, angle), dim=-1)
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
