@@ -816,8 +816,10 @@ def attention(
             ``(..., Hkv, Tk, 1)``, a scale per token and key/value head, per head, or one. The
             keys used are ``(k.float() * k_scale).to(q.dtype)``, the values likewise. The native
             kernel's decode path (``chunked``: at most 16 queries, no gradients, q not float64)
-            reads them in place, dequantized in registers; every other path dequantizes them
-            first, a copy that :func:`explain` lists as a cost. Gradients reach q and the scales.
+            reads them in place, dequantized in registers in float32 (for a float16/bfloat16 q,
+            closer to ``k.float() * k_scale`` than that formula rounded to q's dtype); every
+            other path dequantizes them first, a copy that :func:`explain` lists as a cost.
+            Gradients reach q and the scales.
         return_weights: also return the softmax weights ``(..., H, Tq, Tk)`` (before dropout,
             without the sinks' share). Only the ``reference`` backend computes them, so ask only
             when you need them.
