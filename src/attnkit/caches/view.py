@@ -20,7 +20,11 @@ its formula; a backend of one's own serves such calls when its ``accepts_cache``
 A call whose rows attend keys of their own takes the masks that can be read at a row's own pairs
 of (query, key position) (:func:`rows_refusal`): bands aligned to each row's end, index masks
 (:func:`~attnkit.masks.key_indices`; positions in the row's pages, an entry outside the row's
-keys ignored) and bool tensors ``(N|1, H|1, Tq|1, Tk|1)``. :func:`row_mask` gives a row's call
+keys ignored) and bool tensors ``(N|1, H|1, Tq|1, Tk|1)``. A call whose rows all attend one
+stretch ``start <= j < end`` with all their queries (:attr:`CacheView.shared`) is the dense
+call over those keys instead, and takes any mask as that call does: its masks count the keys
+from ``start`` (the same as positions in the pages when ``start`` is 0, as in every view the
+caches make). :func:`row_mask` gives a row's call
 of :meth:`CacheView.attend_rows` its own entries of such a mask; ``chunked`` gathers an index
 mask's selected keys alone (:mod:`attnkit._kernel.cache`).
 
