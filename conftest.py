@@ -10,12 +10,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-# Under pytest-xdist each worker has its share of the cores: torch.compile's code generation
-# compiles in the worker itself rather than in a pool of processes of its own (read by
-# torch._inductor.config when first imported: set before torch is).
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
