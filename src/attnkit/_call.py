@@ -494,7 +494,7 @@ def _check_scores(q: Tensor, k: Tensor, mask: object, bias: object, causal: obje
     qs = q.shape
     scores = (*qs[:-3], qs[-3], qs[-2], k.shape[-2])
     legend = "(..., H, Tq, Tk)"
-    given, mask_shape = (None, None) if mask is None else _check_mask_arg(mask, q, scores, legend)
+    given, mask_shape = _check_mask_arg(mask, q, scores, legend)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     term = bias if isinstance(bias, ScoreTerm) else None
@@ -541,11 +541,10 @@ def check_attention_args(
         q, k, v = _check_qkv(q, k, v)
     scores = _check_scores(q, k, mask, bias, causal)
     sink_t = None if sinks is None else _check_sinks(sinks, q, q.shape[-3])
-    mod = None if score_mod is None else check_score_mod(score_mod)
+    mod = check_score_mod(score_mod)
     if view is not None:
         _check_rows(view, scores, q, mod)
-    if scores.term is not None:
-        _check_term_fits(scores.term, q, k, view)
+    _check_term_fits(scores.term, q, k, view)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     if not isinstance(return_lse, bool):

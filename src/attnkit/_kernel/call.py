@@ -194,22 +194,6 @@ def _output(out5: Tensor, q: Tensor, v: Tensor) -> Tensor:
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _output_only(
-    spec: KernelSpec,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None,
-    sinks: Tensor | None,
-    extra: tuple[Tensor, ...],
-) -> Tensor:
-    """:func:`run_forward`'s output of a call that records no graph and returns no log-sum-exp
-    (the log-sum-exp not laid out for the caller)."""
-    if not q.shape[:-1].numel():
-        return run_forward(spec, q, k, v, bias, sinks, extra, for_backward=False)[0]
-    return _output(_forward(spec, q, k, v, bias, sinks, extra, False)[0], q, v)
-
-
 def run_backward(
     spec: KernelSpec,
     q: Tensor,
@@ -446,11 +430,9 @@ def kernel_attention(
         wants_grads = _wants_grads(q, k, v, dense, sinks, *term_inputs)
     if wants_grads or (captured and _wants_grads(*captured)):
         out, lse = _apply(spec, q, k, v, dense, sinks, *extra)
-    elif return_lse:  # no graph to record: the forward alone (autograd.Function's own costs
-        # are a sizable part of a small decode step's)
+    else:  # no graph to record: the forward alone (autograd.Function's own costs are a
+        # sizable part of a small decode step's)
         out, lse = run_forward(spec, q, k, v, dense, sinks, extra, for_backward=False)[:2]
-    else:
-        return _output_only(spec, q, k, v, dense, sinks, extra)
     return (out, lse) if return_lse else out
 
 

@@ -458,14 +458,11 @@ class Chunked(Backend):
             return (out, lse) if call.return_lse else out
         # A score_mod that is exactly a softcap runs as softcap=: in the native kernel, with no
         # Python per tile. It captures no tensor needing gradients (softcap_of refuses those).
-        cap = by_distance = mod = None
-        if call.score_mod is not None:
-            cap = None if inputs.captured else as_softcap(call)
-            # A score_mod that adds a bias by distance runs as a DistanceBias: in the native
-            # kernel, its table's gradient reaching what the score_mod read through the table's
-            # autograd.
-            by_distance = None if cap is not None else as_distance_bias(call)
-            mod = None if cap is not None or by_distance is not None else call.score_mod
+        cap = None if inputs.captured else as_softcap(call)
+        # A score_mod that adds a bias by distance runs as a DistanceBias: in the native kernel,
+        # its table's gradient reaching what the score_mod read through the table's autograd.
+        by_distance = None if cap is not None else as_distance_bias(call)
+        mod = None if cap is not None or by_distance is not None else call.score_mod
         added = inputs.bias if inputs.bias is not None else call.score_term
         quantized = call.quantized
         return kernel_attention(

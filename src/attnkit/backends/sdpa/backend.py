@@ -87,7 +87,7 @@ def _small_next_to_the_cache(call: AttentionCall) -> bool:
 def sdpa_check(call: AttentionCall) -> list[str]:
     """Why torch's SDPA cannot serve a call (empty when it can)."""
     reasons = []
-    refused = None if call.cache is None else cache_refusal(call)
+    refused = cache_refusal(call)
     if refused is not None:
         reasons.append(refused)
     if call.return_weights:
@@ -163,9 +163,8 @@ def gpu_kernel(call: AttentionCall) -> KernelChoice | None:
 
 def sdpa_cost(call: AttentionCall) -> list[str]:
     """Why ``auto`` should prefer another backend although torch's SDPA could serve the call."""
-    if call.cache is not None:
-        call = call.dense_views or call
-    costs = [] if call.cache is None else cache_cost(call)
+    call = call.dense_views or call
+    costs = cache_cost(call)
     kernel = gpu_kernel(call)
     if kernel is not None and not kernel.fused:
         costs.append(
@@ -246,7 +245,7 @@ def _plain(
         # binding refuses; torch.compile guards on the branch)
         enable_gqa=True if q.size(-3) != k.size(-3) else False,  # noqa: SIM210
     )
-    empty = None if attn_mask is None else screen.empty_rows(attn_mask)
+    empty = screen.empty_rows(attn_mask)
     if empty is not None and (q.device.type != "cpu" or torch.compiler.is_compiling()):
         # On CPU torch >= 2.5 returns 0 for a query with no visible key (its math and flash kernels
         # use a safe softmax); the CUDA kernels have differed between releases, so make sure. A
@@ -297,8 +296,7 @@ class SDPA(Backend):
         return sdpa_cost(call)
 
     def slower(self, call: AttentionCall) -> list[str]:
-        if call.cache is not None:
-            call = call.dense_views or call
+        call = call.dense_views or call
         slow = sdpa_slower(call)
         if on_gpu(call.device) and torch_args(call).mask is False and _documents(call):
             # a kernel launch per document, where a variable-length kernel would take one
@@ -325,7 +323,7 @@ class SDPA(Backend):
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor:
         q, k, v = inputs.q, inputs.k, inputs.v
-        given, dense = call, None if call.cache is None else call.dense_views
+        given, dense = call, call.dense_views
         if dense is not None and call.cache is not None:
             k, v = call.cache.dense()  # views of the cache's rows
             call = dense
@@ -348,7 +346,7 @@ class SDPA(Backend):
             bias = inputs.bias
             # Documents read their lengths on the host: not while torch.compile traces.
             docs = None
-            if bias is None and mask is not None and not torch.compiler.is_compiling():
+            if bias is None and not torch.compiler.is_compiling():
                 docs = document_cuts(mask, q.size(-2), k.size(-2))
             if docs:
                 out, attn_mask = per_document(q, k, v, *docs, scale, dropout_p), None

@@ -150,14 +150,17 @@ def _slow_training(call: AttentionCall) -> list[str]:
     return []
 
 
-def _grouped_decode(call: AttentionCall, size: int) -> list[str]:
+def _grouped_decode(call: AttentionCall) -> list[str]:
     """On CPUs with AVX512-BF16, why torch decodes slower: the step reads enough of shared
-    key/value heads' caches (``size`` bytes) for the native kernel's single read of each to beat
-    torch's one read per query head; else nothing."""
+    key/value heads' caches for the native kernel's single read of each to beat torch's one read
+    per query head; else nothing (and no bytes counted where no heads are shared)."""
+    if call.num_heads == call.num_kv_heads:
+        return []
+    size = _decode_bytes(call)
     least, cpus = _T.matrix_grouped_decode_bytes.least, "CPUs with AMX"
     if not _matrix_unit():
         least, cpus = _T.dot_grouped_decode_bytes.least, "CPUs with AVX512-BF16 and no AMX"
-    if call.num_heads == call.num_kv_heads or size < least:
+    if size < least:
         return []
     name = "" if call.dtype not in _REDUCED else _name(call.dtype) + " "
     return [
@@ -172,9 +175,7 @@ def _slow_forward(call: AttentionCall) -> list[str]:
     kernel, or nothing."""
     if call.q_len <= DECODE_QUERIES:
         if _fast_torch_cpu():
-            if call.num_heads == call.num_kv_heads:  # no shared heads to read once
-                return []
-            return _grouped_decode(call, _decode_bytes(call))
+            return _grouped_decode(call)
         size = _decode_bytes(call)
         least = _T.float_decode_bytes.least
         if size >= least:
@@ -211,11 +212,11 @@ def _slow_reduced_inference(call: AttentionCall) -> list[str]:
     kernel, or nothing."""
     if call.q_len > DECODE_QUERIES:
         return _slow_reduced_prefill(call)
-    size = _decode_bytes(call)
     # float16 on a CPU with AMX-BF16 only: torch's float16 decode is as slow as on any CPU without
     # float16 products.
     if _products_in(call.dtype):
-        return _grouped_decode(call, size)
+        return _grouped_decode(call)
+    size = _decode_bytes(call)
     least = _T.reduced_decode_bytes.least
     if size < least:
         return []
