@@ -541,3 +541,68 @@ def test_a_query_per_new_token(queries: int, tokens: int) -> None:
         cache.attention(torch.randn(1, 4, queries, 8), k, k)
     assert cache.position == 5
     assert torch.equal(cache.k_cache, held)
+
+
+# ---------------------------------------------------------------------------------------------
+# Under torch.compile
+
+
+def _own_mask(kind: str, rows: int, kept: int, sinks: int) -> object:
+    """The call's own mask of a step over ``kept`` held keys: none, a band, or a bool tensor that
+    hides the sinks from row 1 (its keys in time order, the sinks first)."""
+    if kind == "window":
+        return masks.sliding_window(2)
+    if kind == "bool":
+        valid = torch.ones(rows, 1, 1, kept, dtype=torch.bool)
+        valid[1, ..., :sinks] = False
+        return valid
+    return None
+
+
+@pytest.mark.parametrize("kind", ["none", "window", "bool"])
+def test_a_compiled_decode_loop_past_the_wrap_settles_at_a_few_graphs(kind: str) -> None:
+    # A call's own mask (or bias, or weights) has a step read the held tokens in time order:
+    # their slots were a Python list over the range of positions, which torch.compile took as
+    # constants, compiling the step again at every token until its recompile limit. Past the
+    # ring's wrap the graphs stop growing, and every step equals the eager module on its own
+    # cache and the module over the whole sequence with the mask sinks | window (and the call's).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # no frames compiled by earlier tests (their limits, their guards)
+    torch.manual_seed(3)
+    b, sinks, window, prompt, n = 2, 2, 4, 3, 3 + 12  # 3 windows of steps after the prompt
+    mha = attnkit.MultiHeadAttention(
+        32, 4, num_kv_heads=2, rotary=attnkit.RotaryEmbedding(8), dtype=F64
+    ).eval()
+    x = torch.randn(b, n, 32, dtype=F64)
+    keep = masks.sliding_window(window - 1) | (masks.causal() & masks.key_padding([sinks] * b))
+    if kind == "window":
+        keep = keep & masks.sliding_window(2)  # (inside the window: the same keys either way)
+    if kind == "bool":  # row 1's steps see no sink (the prompt is left out of the comparison)
+        keep = keep & masks.key_padding([n, n - sinks], side="left")
+    caches = [StreamingKVCache(b, 2, 8, sink_tokens=sinks, window=window, dtype=F64) for _ in "ab"]
+
+    def step(x: torch.Tensor, cache: StreamingKVCache, own: object) -> torch.Tensor:
+        return mha(x, cache=cache, causal=True, mask=own)
+
+    compiled = torch.compile(step, backend="aot_eager")
+    got, graphs = [], []
+    before = counters["stats"]["unique_graphs"]  # (counted since the process started)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
+        want = mha(x, mask=keep)
+        for at, t in [(0, prompt), *((p, 1) for p in range(prompt, n))]:
+            kept = min(at, sinks + window - 1) + t
+            own = _own_mask(kind, b, kept, sinks) if t == 1 else None
+            out = compiled(x[:, at : at + t], caches[0], own)
+            torch.testing.assert_close(out, step(x[:, at : at + t], caches[1], own))
+            got.append(out)
+            graphs.append(counters["stats"]["unique_graphs"] - before)
+    torch._dynamo.reset()
+    first = 1 if kind == "bool" else 0
+    torch.testing.assert_close(
+        torch.cat(got[first:], 1), want[:, first * prompt :], atol=1e-12, rtol=1e-12
+    )
+    assert caches[0].position == caches[1].position == n
+    wrapped = sinks + window - prompt + 1  # the first step whose slot held another token
+    assert graphs[-1] == graphs[wrapped], graphs
+    assert graphs[-1] <= 8, graphs

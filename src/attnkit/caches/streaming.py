@@ -298,11 +298,16 @@ class StreamingKVCache:
     def _time_order(self, start: int, new: int) -> Tensor:
         """The slots of the held tokens the new tokens' queries may see, in time order: the sinks,
         then the window tokens from ``start - W + 1`` on (older ones no new query sees)."""
-        s = self.sink_tokens
-        sinks = list(range(min(start, s)))
-        first = max(s, start - self.window + 1)
-        window = [self._slot(p) for p in range(first, start)]
-        return torch.tensor(sinks + window, dtype=torch.long, device=self.k_cache.device)
+        s, w = self.sink_tokens, self.window
+        device = self.k_cache.device
+        # Tensor arithmetic on the position, no Python list of its slots: under torch.compile the
+        # position is a symbolic size, which a loop over its range would make a constant (a new
+        # graph at every token). Before the ring wraps each held token is in its position's slot;
+        # after, the sinks and the W - 1 latest slots, a fixed number rotated by the position.
+        if start - w + 1 <= s:  # every held token in its own position's slot
+            return torch.arange(start, device=device)
+        rotated = torch.arange(start - w + 1 - s, start - s, device=device).remainder_(w).add_(s)
+        return torch.cat([torch.arange(s, device=device), rotated])
 
     def _mask(self, kv_len: int) -> Mask:
         lengths = [min(self.sink_tokens, kv_len)] * self.k_cache.size(0)
@@ -468,7 +473,9 @@ class StreamingKVCache:
         keys, values, window = got
         if mask is None:
             return keys, values, window
-        return keys, values, window & mask
+        # (the method, not `&`: torch.compile traces the method, where `&` with a bool tensor
+        # on the right breaks the graph)
+        return keys, values, window.__and__(mask)
 
     def stand_in(
         self, new_tokens: int, *, mask: object = None, **call: object
