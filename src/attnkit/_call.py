@@ -28,7 +28,7 @@ from ._base.checks import (
 from ._base.finite import finite_if_readable
 from ._base.quantized import QUANTIZED, QuantizedKV
 from ._base.records import made
-from ._base.transforms import carries_tangent
+from ._base.transforms import carries_tangent, tracked_beneath, transforms_active
 from ._score_mod import ScoreMod, captured_tensors, check_score_mod
 from ._score_mod import describe as describe_score_mod
 from .caches.view import CacheView, rows_refusal
@@ -653,6 +653,8 @@ def _described(
         or (bool(scales) and any(s is not None and s.requires_grad for s in scales))
         or (sinks is not None and sinks.requires_grad)
         or (score_mod is not None and bool(captured_tensors(score_mod)))
+        # (under vmap, autograd outside it tracks tensors that say they need no gradients)
+        or (transforms_active() and tracked_beneath(q, k, v, scores.dense, sinks))
     )
     is_finite = None
     if (

@@ -12,12 +12,26 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
-__all__ = ["carries_tangent", "transforms_active"]
+__all__ = ["carries_tangent", "tracked_beneath", "transforms_active"]
 
 
 def transforms_active() -> bool:
     """True inside any of torch.func's transforms."""
     return bool(torch._C._are_functorch_transforms_active())
+
+
+def tracked_beneath(*tensors: Tensor | None) -> bool:
+    """Whether any of ``tensors``, or a tensor it wraps, requires grad. Under ``vmap`` a batched
+    tensor says ``requires_grad=False`` even when the tensor it wraps is one that autograd, outside
+    the ``vmap``, tracks: the operations run on the wrapped tensor and are recorded there. Ask it
+    only where :func:`transforms_active`."""
+    functorch = torch._C._functorch
+    for t in tensors:
+        while t is not None:
+            if t.requires_grad:
+                return True
+            t = functorch.get_unwrapped(t) if functorch.is_functorch_wrapped_tensor(t) else None
+    return False
 
 
 def carries_tangent(*tensors: Tensor | None) -> bool:

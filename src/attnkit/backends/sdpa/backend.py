@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..._base.checks import check_int, dim_str, shape_str
 from ..._base.devices import on_gpu, target
+from ..._base.transforms import transforms_active
 from ..._call import AttentionCall
 from ..._kernel import no_autocast
 from ...masks import Geometry, Mask
@@ -119,6 +120,13 @@ def sdpa_check(call: AttentionCall) -> list[str]:
                 f"its float mask would round the score term to {str(call.dtype)[6:]}; chunked "
                 "keeps it in float32"
             )
+    if not call.requires_grad and transforms_active() and not torch.compiler.is_compiling():
+        # (run() screens an output without gradients by reading its values)
+        reasons.append(
+            "screens torch's output for the non-finite policy by reading its values on the host, "
+            "which torch.func.vmap cannot (an inference call under vmap: chunked applies the "
+            "policy itself)"
+        )
     if call.finite is False and call.requires_grad:
         reasons.append(
             "q, k or v hold NaN/inf and gradients are needed: torch's backward would let masked "
@@ -333,6 +341,7 @@ class SDPA(Backend):
             out, attn_mask = cache_attention(call, q, k, v)
             trusted = (
                 torch.compiler.is_compiling()
+                or given.requires_grad  # (under vmap, out says False for what autograd tracks)
                 or (torch.is_grad_enabled() and out.requires_grad)
                 or screen.trustworthy(out, attn_mask, qkv=(q, k, v), dropout=dropout_p > 0)
             )
@@ -354,6 +363,7 @@ class SDPA(Backend):
                 out, attn_mask = _plain(q, k, v, mask, bias, scale, dropout_p)
             trusted = (
                 torch.compiler.is_compiling()
+                or given.requires_grad  # (under vmap, out says False for what autograd tracks)
                 or (torch.is_grad_enabled() and out.requires_grad)
                 or screen.trustworthy(out, attn_mask, qkv=(q, k, v), dropout=dropout_p > 0)
             )
