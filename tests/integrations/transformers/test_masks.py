@@ -189,3 +189,38 @@ def test_the_last_queries_of_a_mask(pattern: str, sizes: tuple[int, ...]) -> Non
         torch.testing.assert_close(out[real], expected[real], atol=1e-12, rtol=1e-10)
     other = ours[:, :, :2, :]  # not the last queries: the dense mask's rows
     assert torch.equal(other.expand(theirs[:, :, :2].shape), theirs[:, :, :2]), other
+
+
+def test_a_model_reading_the_mask_gets_the_bool_tensor_it_stands_for() -> None:
+    """LASR's convolution module reads the layer mask itself (its ``dtype``, then ``~mask``) to
+    zero the frames that no query may see: it gets what sdpa's bool mask would give it, and the
+    encoder's output at real frames equals eager's."""
+    config_class = getattr(transformers, "LasrEncoderConfig", None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no LASR")
+    mask = hf.build_mask(
+        batch_size=2,
+        q_length=5,
+        kv_length=5,
+        mask_function=mu.bidirectional_mask_function,
+        attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+    )
+    assert isinstance(mask, hf.TransformersMask)
+    assert mask.dtype == torch.bool
+    assert torch.equal(~mask, ~mask.dense())
+    config = config_class(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+        num_mel_bins=16, subsampling_conv_channels=8, conv_kernel_size=5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    encoder = transformers.AutoModel.from_config(config).eval()
+    features = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(1))
+    frames = torch.ones(2, 40, dtype=torch.long)
+    frames[1, 28:] = 0
+    outs = {}
+    for impl in ("eager", "attnkit"):
+        out = run(encoder, impl, input_features=features, attention_mask=frames)
+        outs[impl] = out.last_hidden_state
+    real = encoder._get_output_attention_mask(frames, outs["eager"].size(1)).bool()
+    assert not real.all()  # the second row's padding reaches the encoder's frames
+    torch.testing.assert_close(outs["attnkit"][real], outs["eager"][real], atol=1e-5, rtol=1e-4)

@@ -66,6 +66,9 @@ class TransformersMask:
     # generate() builds the masks ahead of the forward when the cache is static and treats them as
     # prepared 4-d masks: it asks for ``ndim`` and (before transformers 5.24) ``contiguous()``.
     ndim = 4
+    # Some models read the layer mask in their own code as the bool tensor sdpa gets (LASR's
+    # convolution module zeroes the frames no query may see: ``dtype``, then ``~mask``).
+    dtype = torch.bool
 
     def contiguous(self) -> TransformersMask:
         """Itself: it holds nothing to lay out."""
@@ -118,6 +121,11 @@ class TransformersMask:
             device=self.device,
             padding=self.padding,
         )
+
+    def __invert__(self) -> Tensor:
+        """The dense mask it stands for, inverted (True = may not attend), as ``~`` inverts the
+        bool tensor a model reading the mask would otherwise get."""
+        return ~self.dense()
 
     def flip(self, *dims: Any, **kwargs: Any) -> Tensor:
         """The dense mask it stands for, flipped as ``Tensor.flip`` would: Gemma 4's assistant
