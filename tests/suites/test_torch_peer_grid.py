@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 
-from attnkit import BackendError, attention, masks
-from attnkit.interop.torch import from_torch
+from attnkit import BackendError, MultiHeadAttention, attention, masks
+from attnkit.interop.torch import from_torch, from_torch_masks, to_torch
 from attnkit.testing import assert_close
 
 F64 = torch.float64
@@ -301,8 +301,6 @@ def test_strided_and_expanded_inputs(layout: str) -> None:
     (bias_row,) = _qkv((11,), seed=15)
     for backend in BACKENDS:
         for kwargs in (
-            {},
-            {"causal": True},
             {"mask": pad},
             {"mask": expanded_mask, "bias": bias_row.expand(2, 4, 9, 11)},
             {"mask": transposed_mask, "causal": True},
@@ -362,16 +360,16 @@ def test_gradients_of_the_inputs_that_need_them(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gradcheck_in_float64(backend: str) -> None:
-    """torch.autograd.gradcheck on small shapes: grouped heads, causal, a mask with an empty row,
-    and a bias that needs gradients."""
-    q, k, v, bias = _qkv((1, 2, 3, 4), (1, 1, 5, 4), (1, 1, 5, 3), (1, 2, 3, 5), dtype=F64)
-    keep = _bool((3, 5), 21, p=0.4)
-    keep[1] = False
+    """torch.autograd.gradcheck on small shapes: grouped heads, causal with ``Tq < Tk``, a mask
+    with an empty row, and a bias that needs gradients."""
+    q, k, v, bias = _qkv((1, 2, 2, 3), (1, 1, 4, 3), (1, 1, 4, 2), (1, 2, 2, 4), dtype=F64)
+    keep = torch.tensor([[True, False, True, True], [False, False, False, False]])
     leaves = [t.requires_grad_() for t in (q, k, v, bias)]
-    for kwargs in ({}, {"causal": True}, {"mask": keep}):
+    for kwargs in ({"causal": True}, {"mask": keep}):
         assert torch.autograd.gradcheck(
             lambda q, k, v, b, kw=kwargs: attention(q, k, v, bias=b, backend=backend, **kw),
             leaves,
+            fast_mode=True,
         )
 
 
@@ -390,43 +388,31 @@ def test_second_derivatives_exact_on_reference_and_refused_loudly_by_chunked() -
         dq.square().sum().backward()
 
 
-COMPILE_CASES: dict[str, dict[str, Any]] = {
-    "causal Tq < Tk": {"causal": True},
-    "mask with an empty row": {"mask": "empty row"},
-    "-inf bias row": {"bias": "-inf row"},
-}
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_call_and_its_gradients_equal_the_formula(backend: str) -> None:
-    """The same calls under torch.compile (aot_eager, fullgraph): outputs and gradients, with a
-    row that sees nothing."""
+    """The same call under torch.compile (aot_eager, fullgraph): causal with ``Tq < Tk``, a mask
+    with an empty row and a bias with a ``-inf`` row; outputs and gradients."""
     q, k, v = _qkv((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8), seed=22)
     keep = _bool((2, 1, 5, 7), 23)
     keep[0, 0, 2] = False
     (bias,) = _qkv((1, 4, 5, 7), seed=24)
     bias[..., 1, :] = -math.inf
-    for case in COMPILE_CASES.values():
-        kwargs = {"causal": True} if "causal" in case else {}
-        if "mask" in case:
-            kwargs["mask"] = keep
-        if "bias" in case:
-            kwargs["bias"] = bias
-        torch._dynamo.reset()
-        compiled = torch.compile(
-            lambda q, k, v, kw=kwargs: attention(q, k, v, backend=backend, **kw),
-            backend="aot_eager",
-            fullgraph=True,
-        )
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        exact = [t.double().requires_grad_() for t in (q, k, v)]
-        out = compiled(*leaves)
-        out.square().sum().backward()
-        want = _ref(*exact, **kwargs)
-        want.square().sum().backward()
-        assert_close(out, want)
-        for leaf, e in zip(leaves, exact, strict=True):
-            assert_close(leaf.grad, e.grad)
+    kwargs = {"causal": True, "mask": keep, "bias": bias}
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v: attention(q, k, v, backend=backend, **kwargs),
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    out = compiled(*leaves)
+    out.square().sum().backward()
+    want = _ref(*exact, **kwargs)
+    want.square().sum().backward()
+    assert_close(out, want)
+    for leaf, e in zip(leaves, exact, strict=True):
+        assert_close(leaf.grad, e.grad)
 
 
 def test_compiled_causal_call_over_dynamic_shapes() -> None:
@@ -501,3 +487,223 @@ def test_what_attnkit_refuses_where_torch_broadcasts_or_accepts() -> None:
     for name, advice in [("is_causal", "causal=True"), ("attn_mask", "mask="), ("enable_gqa", "")]:
         with pytest.raises(TypeError, match=f"instead of {name}=, pass {advice}"):
             attention(q, k, v, **{name: True})
+
+
+# -- MultiHeadAttention and interop with torch's modules ------------------------------------------
+
+E, NH = 16, 4
+
+
+def _torch_masks(
+    attn_dims: int | None, padding: bool, dtype: torch.dtype, seed: int, tq: int, tk: int
+) -> tuple[Tensor | None, Tensor | None]:
+    """torch's ``attn_mask`` ``(Tq, Tk)`` or ``(B*H, Tq, Tk)`` and ``key_padding_mask`` ``(B,
+    Tk)``, True = may NOT attend; as float masks, -inf there plus a small additive term."""
+    shapes: list[tuple[int, ...] | None] = [
+        None if attn_dims is None else ((tq, tk) if attn_dims == 2 else (B * NH, tq, tk)),
+        (B, tk) if padding else None,
+    ]
+    out: list[Tensor | None] = []
+    for i, shape in enumerate(shapes):
+        if shape is None:
+            out.append(None)
+            continue
+        blocked = ~_bool(shape, seed + i, p=0.3)
+        if dtype != torch.bool:
+            (extra,) = _qkv(shape, dtype=dtype, seed=seed + 10 + i)
+            out.append((extra * 0.1).masked_fill(blocked, -math.inf))
+        else:
+            out.append(blocked)
+    return out[0], out[1]
+
+
+MODULES = {
+    "plain": {},
+    "no bias": {"bias": False},
+    "kdim vdim": {"kdim": 6, "vdim": 10},
+    "bias_kv": {"add_bias_kv": True},
+    "zero_attn": {"add_zero_attn": True},
+    "all": {"kdim": 6, "vdim": 10, "add_bias_kv": True, "add_zero_attn": True},
+}
+
+
+def _module_pair(options: dict[str, Any]) -> tuple[nn.MultiheadAttention, MultiHeadAttention]:
+    torch.manual_seed(29)
+    theirs = nn.MultiheadAttention(E, NH, batch_first=True, **options).double().eval()
+    if theirs.in_proj_bias is not None:
+        with torch.no_grad():
+            theirs.in_proj_bias.normal_()
+            theirs.out_proj.bias.normal_()
+    return theirs, from_torch(theirs)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_multihead_equals_torch_with_every_mask_torch_takes(name: str) -> None:
+    """from_torch's copy, given from_torch_masks' translation of each combination torch's tests
+    use (attn_mask 2-d or 3-d, key_padding_mask, bool or float), returns torch's output and
+    weights, averaged or per head. Where every key of a query is masked torch gives NaN and
+    attnkit (documented) attends nothing: the output projection's bias, and weights 0."""
+    theirs, ours = _module_pair(MODULES[name])
+    tq, tk = 5, 7
+    x, key, value = _qkv((B, tq, E), (B, tk, ours.kdim), (B, tk, ours.vdim), dtype=F64, seed=30)
+    combos = itertools.product((None, 2, 3), (False, True), (torch.bool, F64))
+    for i, (attn_dims, padding, dtype) in enumerate(combos):
+        if attn_dims is None and not padding and dtype == F64:
+            continue
+        attn_mask, pad = _torch_masks(attn_dims, padding, dtype, 31 + i, tq, tk)
+        average = i % 2 == 0
+        want, want_w = theirs(
+            x, key, value, attn_mask=attn_mask, key_padding_mask=pad,
+            average_attn_weights=average,
+        )  # fmt: skip
+        mask, bias = from_torch_masks(attn_mask, pad, num_heads=NH, dtype=F64)
+        got, got_w = ours(
+            x, key, value, mask=mask, bias=bias, need_weights=True, average_weights=average
+        )
+        assert_close(ours(x, key, value, mask=mask, bias=bias), got)
+        rows = torch.isfinite(want).all(-1)  # (B, Tq): the queries torch answers
+        assert_close(got[rows], want[rows])
+        assert_close(got_w[torch.isfinite(want_w)], want_w[torch.isfinite(want_w)])
+        if ours.bias_k is None and not ours.add_zero_attn:
+            assert torch.equal(rows, torch.isfinite(want).any(-1))
+            out_bias = theirs.out_proj.bias
+            out_bias = torch.zeros(E, dtype=F64) if out_bias is None else out_bias
+            assert_close(got[~rows], out_bias.expand_as(got)[~rows])
+            nothing = ~torch.isfinite(want_w)
+            assert bool((got_w[nothing] == 0).all())
+        else:  # the extra tokens are seen by every query: torch answers every one
+            assert bool(rows.all())
+
+
+def test_multihead_self_and_cross_attention_paths_equal_torch() -> None:
+    """Self-attention (one projection), cross-attention on one memory (keys and values from one
+    projection) and three inputs: torch's outputs; torch's MultiheadAttention is batch_first=False
+    by default, taken with batch_first=True and transposed inputs."""
+    torch.manual_seed(32)
+    theirs = nn.MultiheadAttention(E, NH).double().eval()
+    with pytest.raises(ValueError, match="batch_first=False"):
+        from_torch(theirs)
+    ours = from_torch(theirs, batch_first=True)
+    x, memory, value = _qkv((6, B, E), (9, B, E), (9, B, E), dtype=F64, seed=33)
+    _, pad = _torch_masks(None, True, torch.bool, 34, 6, 9)
+    mask, _ = from_torch_masks(None, pad, num_heads=NH)
+
+    def batch_first(t: Tensor) -> Tensor:
+        return t.transpose(0, 1)
+
+    causal = nn.Transformer.generate_square_subsequent_mask(6, dtype=F64)
+    want = theirs(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
+    assert_close(batch_first(ours(batch_first(x), causal=True)), want)
+    want = theirs(x, memory, memory, key_padding_mask=pad, need_weights=False)[0]
+    assert_close(batch_first(ours(batch_first(x), batch_first(memory), mask=mask)), want)
+    want = theirs(x, memory, value, key_padding_mask=pad, need_weights=False)[0]
+    got = ours(batch_first(x), batch_first(memory), batch_first(value), mask=mask)
+    assert_close(batch_first(got), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_multihead_in_half_precision_equals_torch_in_float64(dtype: torch.dtype) -> None:
+    """torch's test_multihead_attention_dtype: the module in float16/bfloat16 (its parameters
+    rounded) against torch's in float64 on the same rounded parameters and inputs."""
+    theirs, ours = _module_pair(MODULES["all"])
+    ours = ours.to(dtype)
+    theirs.load_state_dict({n: p.to(dtype).double() for n, p in theirs.state_dict().items()})
+    x, key, value = _qkv((B, 5, E), (B, 7, 6), (B, 7, 10), dtype=dtype, seed=35)
+    _, pad = _torch_masks(None, True, torch.bool, 36, 5, 7)
+    mask, _ = from_torch_masks(None, pad, num_heads=NH, dtype=dtype)
+    got, got_w = ours(x, key, value, mask=mask, need_weights=True)
+    want, want_w = theirs(x.double(), key.double(), value.double(), key_padding_mask=pad)
+    assert got.dtype == dtype
+    assert_close(got, want)
+    assert_close(got_w, want_w, dtype=dtype)
+
+
+def test_multihead_gradients_equal_torch() -> None:
+    """Gradients of the inputs and of every parameter, torch's names for torch's tensors."""
+    theirs, ours = _module_pair(MODULES["all"])
+    x, key, value = _qkv((B, 5, E), (B, 7, 6), (B, 7, 10), dtype=F64, seed=37)
+    attn_mask, pad = _torch_masks(2, True, torch.bool, 38, 5, 7)
+    mask, _ = from_torch_masks(attn_mask, pad, num_heads=NH)
+    inputs = [t.requires_grad_() for t in (x, key, value)]
+    want = theirs(*inputs, attn_mask=attn_mask, key_padding_mask=pad, need_weights=False)[0]
+    theirs_grads = torch.autograd.grad(want.square().sum(), [*inputs, *theirs.parameters()])
+    got = ours(*inputs, mask=mask)
+    ours_grads = torch.autograd.grad(got.square().sum(), [*inputs, *ours.parameters()])
+    assert [n for n, _ in theirs.named_parameters()] == [n for n, _ in ours.named_parameters()]
+    for g, w in zip(ours_grads, theirs_grads, strict=True):
+        assert_close(g, w)
+
+
+@pytest.mark.parametrize(("batch", "tq", "tk"), [(0, 3, 4), (2, 0, 4), (2, 3, 0)])
+def test_multihead_with_empty_dims(batch: int, tq: int, tk: int) -> None:
+    """An empty batch, no queries, or no keys: torch's output; with no keys every query attends
+    nothing and gets the output projection's bias (torch gives NaN)."""
+    theirs, ours = _module_pair(MODULES["plain"])
+    x, memory = _qkv((batch, tq, E), (batch, tk, E), dtype=F64, seed=39)
+    got = ours(x, memory)
+    if tk == 0:
+        assert_close(got, theirs.out_proj.bias.expand(batch, tq, E))
+    else:
+        assert_close(got, theirs(x, memory, memory, need_weights=False)[0])
+
+
+def test_to_torch_and_back_compute_the_same() -> None:
+    """to_torch of a module with kdim/vdim and both extra tokens, batch_first=False: torch's
+    module computes what it computes, and from_torch of that is the module again."""
+    torch.manual_seed(40)
+    ours = MultiHeadAttention(E, NH, kdim=6, vdim=10, add_bias_kv=True, add_zero_attn=True)
+    ours = ours.double().eval()
+    theirs = to_torch(ours, batch_first=False)
+    x, key, value = _qkv((6, B, E), (8, B, 6), (8, B, 10), dtype=F64, seed=41)
+    want = theirs(x, key, value, need_weights=False)[0]
+    for module in (ours, from_torch(theirs, batch_first=True)):
+        got = module(x.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
+        assert_close(got.transpose(0, 1), want)
+
+
+def test_compiled_module_equals_torch() -> None:
+    theirs, ours = _module_pair(MODULES["all"])
+    x, key, value = _qkv((B, 5, E), (B, 7, 6), (B, 7, 10), dtype=F64, seed=42)
+    _, pad = _torch_masks(None, True, torch.bool, 43, 5, 7)
+    mask, _ = from_torch_masks(None, pad, num_heads=NH)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, k, v: ours(x, k, v, mask=mask, need_weights=True),
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    got, got_w = compiled(x, key, value)
+    want, want_w = theirs(x, key, value, key_padding_mask=pad)
+    assert_close(got, want)
+    assert_close(got_w, want_w)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_layers_equal_torch(norm_first: bool) -> None:
+    """from_torch of torch's encoder and decoder layers (post- and pre-norm), eval: a bool
+    src_mask with src_key_padding_mask, causal self-attention (torch's float causal mask with
+    is_causal), and the decoder's causal self-attention with memory padding."""
+    torch.manual_seed(44)
+    encoder = nn.TransformerEncoderLayer(
+        E, NH, 24, activation="gelu", norm_first=norm_first, batch_first=True
+    )
+    decoder = nn.TransformerDecoderLayer(E, NH, 24, norm_first=norm_first, batch_first=True)
+    encoder, decoder = encoder.double().eval(), decoder.double().eval()
+    ours_enc, ours_dec = from_torch(encoder), from_torch(decoder)
+    x, memory = _qkv((B, 6, E), (B, 8, E), dtype=F64, seed=45)
+    src_mask, pad = _torch_masks(2, True, torch.bool, 46, 6, 6)
+    pad[:, 0] = False  # (torch's fast path gives padded rows other numbers; see below)
+    mask, _ = from_torch_masks(src_mask, pad, num_heads=NH)
+    with torch.no_grad():
+        want = encoder(x, src_mask=src_mask, src_key_padding_mask=pad)
+        rows = torch.isfinite(want).all(-1)
+        assert_close(ours_enc(x, mask=mask)[rows], want[rows])
+        causal = nn.Transformer.generate_square_subsequent_mask(6, dtype=F64)
+        assert_close(ours_enc(x, causal=True), encoder(x, src_mask=causal, is_causal=True))
+        _, memory_pad = _torch_masks(None, True, torch.bool, 47, 6, 8)
+        memory_pad[:, 0] = False
+        memory_mask, _ = from_torch_masks(None, memory_pad, num_heads=NH)
+        want = decoder(
+            x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=memory_pad
+        )
+        assert_close(ours_dec(x, memory, causal=True, memory_mask=memory_mask), want)
