@@ -20,7 +20,10 @@ DeepSeek V3.2's top-k selection decoding over a paged latent cache) is served by
 (key ``j`` of row ``n`` is row ``j % page`` of page ``block_table[n, j // page]``) into compact
 ``(N, C, Tq, W, D)`` keys and values, int8/float8 ones dequantized with their scales, and the
 attention runs over them: O(Tq * W) time and memory, no ``(Tq, Tk)`` tensor and no read of the
-keys no query selected.
+keys no query selected. Inside a compiled graph the rows' positions are made by an operator of
+their own, ``torch.ops.attnkit.indexed_cache_rows``, which records the call for
+:func:`attnkit.record_dispatch` when the graph runs (the dispatcher ran while tracing), as an
+eager call records it.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ import torch
 from torch import Tensor
 
 from .._base.quantized import dequantize
-from .._call import AttentionCall
+from .._call import AttentionCall, check_attention_args
 from .._native import load
 from .._native.kernel import DECODE_QUERIES, REDUCED
+from .._record import Dispatch, recording
 from ..caches.view import CacheView
-from ..masks import Geometry, Mask
+from ..masks import Geometry, Mask, decode, encode
 from ..scores import DistanceBias, cap_scores, softcap_form
 from .choice import refusal
 from .gathered import Gathered, Selection, native_refusal, selection
@@ -389,7 +393,10 @@ def indexed_cache_attention(
     plan = Gathered(served.found, geo, view.num_kv_heads, call.scale, call.softcap,
                     None, None, None, 0)  # fmt: skip
     work = torch.promote_types(q.dtype, torch.float32)
-    rows = _RowPositions.of(view, q.size(2), q.device)
+    if torch.compiler.is_compiling():  # (made when the graph runs, which records the call)
+        rows = _RowPositions.traced(call, served, q, sinks)
+    else:
+        rows = _RowPositions.of(view, q.size(2), q.device)
     per_query = plan.c * plan.width * (view.k.size(-1) + view.v.size(-1)) * max(1, view.rows)
     step = max(1, _INDEXED_ELEMENTS // max(1, per_query))
     outs, lses = [], []
@@ -450,10 +457,98 @@ class _RowPositions:
 
     @classmethod
     def of(cls, view: CacheView, q_len: int, device: torch.device) -> _RowPositions:
-        ranges = torch.tensor(view.kv_range, dtype=torch.long).view(-1, 2)
-        real = torch.tensor(view.q_lens if view.q_lens is not None else [q_len] * view.rows)
-        base = ranges[:, 0] if view.shared else torch.zeros_like(ranges[:, 0])
-        return cls(*(t.to(device).view(-1, 1, 1, 1) for t in (base, *ranges.unbind(1), real)))
+        return cls.unpacked(
+            _positions(_flat(view.kv_range), _real(view, q_len), view.shared, device)
+        )
+
+    @classmethod
+    def unpacked(cls, table: Tensor) -> _RowPositions:
+        """The positions of :func:`_positions`' ``(4, N)`` table."""
+        return cls(*(t.view(-1, 1, 1, 1) for t in table.unbind(0)))
+
+    @classmethod
+    def traced(
+        cls, call: AttentionCall, served: IndexedCache, q: Tensor, sinks: Tensor | None
+    ) -> _RowPositions:
+        """The positions as a node of a compiled graph, :func:`indexed_cache_rows`, which
+        records the call when the graph runs (while tracing, the dispatcher records nothing)."""
+        view = call.cache
+        if view is None:
+            raise ValueError("attnkit internal error: an indexed cache call without its view")
+        tensors: list[Tensor] = []
+        numbers: list[object] = []
+        mask = encode(call.mask, tensors, numbers) or "null"
+        table = torch.ops.attnkit.indexed_cache_rows(
+            q, view.k, view.v, view.block_table, view.k_scale, view.v_scale, sinks, tensors,
+            ranges=_flat(view.kv_range), q_lens=list(view.q_lens or ()), shared=view.shared,
+            numbers=numbers, mask=mask, scale=float(call.scale),
+            softcap=None if call.softcap is None else float(call.softcap), kernel=served.words,
+        )  # fmt: skip
+        return cls.unpacked(table)
+
+
+def _flat(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    return [x for pair in ranges for x in pair]
+
+
+def _real(view: CacheView, q_len: int) -> list[int]:
+    """Each row's real queries."""
+    return list(view.q_lens) if view.q_lens is not None else [q_len] * view.rows
+
+
+def _positions(ranges: list[int], real: list[int], shared: bool, device: torch.device) -> Tensor:
+    """``(4, N)`` int64: each row's base (its first key where the rows share their stretch,
+    else 0), first key, end and real queries, from the rows' ``(start, end)`` pairs (flat)."""
+    pairs = torch.tensor(ranges, dtype=torch.long).view(-1, 2)
+    base = pairs[:, 0] if shared else torch.zeros_like(pairs[:, 0])
+    real_t = torch.tensor(real, dtype=torch.long).view(-1)
+    return torch.stack([base, pairs[:, 0], pairs[:, 1], real_t]).to(device)
+
+
+@torch.library.custom_op("attnkit::indexed_cache_rows", mutates_args=())
+def indexed_cache_rows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_table: Tensor | None,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    sinks: Tensor | None,
+    mask_tensors: list[Tensor],
+    *,
+    ranges: list[int],
+    q_lens: list[int],
+    shared: bool,
+    numbers: list[int],
+    mask: str,
+    scale: float,
+    softcap: float | None,
+    kernel: str,
+) -> Tensor:
+    """The rows' positions of an index mask on a cache (``(4, N)`` int64: base, first key, end,
+    real queries; see :func:`_positions`), as a compiled graph's node: when it runs under
+    :func:`attnkit.record_dispatch` it records the call, as the chunked backend's, with the
+    kernel that serves it (``kernel``, the words an eager call records), as attnkit's operator
+    does for the calls it serves. The call is the view of pages ``k``, ``v`` (its rows
+    ``ranges``, flat ``(start, end)`` pairs; ``block_table``; ``q_lens``, empty for None; the
+    scales) with the mask that :func:`attnkit.masks.encode` wrote as ``mask``."""
+    record = recording()
+    if record is not None:
+        pairs = tuple(zip(ranges[::2], ranges[1::2], strict=True))
+        view = CacheView(k, v, pairs, block_table, tuple(q_lens) if q_lens else None, k_scale,
+                         v_scale, trusted=True)  # fmt: skip
+        call = check_attention_args(
+            q, view, None, mask=decode(mask, mask_tensors, numbers), bias=None, causal=False,
+            scale=scale, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
+        record.append(Dispatch(call, "chunked", kernel=kernel))
+    real = q_lens or [q.size(-2)] * (len(ranges) // 2)
+    return _positions(ranges, real, shared, q.device)
+
+
+@indexed_cache_rows.register_fake
+def _(q: Tensor, *args: object, ranges: list[int], **kwargs: object) -> Tensor:
+    return q.new_empty((4, len(ranges) // 2), dtype=torch.long)
 
 
 def _visible(
@@ -514,6 +609,11 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
     keys' first columns, read with the keys' scales)."""
     if a is None or b is None:
         return a is b
+    if torch.compiler.is_compiling():
+        # (torch.compile cannot compare the data pointers of tensors that differ: the graph
+        # would break, in a loop, and the whole call would run uncompiled; the values are then
+        # read on their own, the same numbers)
+        return False
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
 
 
@@ -571,7 +671,7 @@ def _native_attend(
     k4 = k.reshape(n * t, c, w, dk)
     # Values that are the keys' first Dv columns (a latent cache): the kernel reads the keys' rows
     # whole, rather than a copy of their first columns, and the output's first Dv are kept.
-    prefix = v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+    prefix = _same(v, k)
     out, lse = torch.ops.attnkit.gathered_forward(
         q.transpose(1, 2).reshape(n * t, h, 1, dk).float(),
         k4,

@@ -516,7 +516,8 @@ class Chunked(Backend):
             return (out, lse) if call.return_lse else out
         indexed = indexed_cache(call, self.native, build=True)
         if isinstance(indexed, IndexedCache):
-            note_kernel(indexed.words)
+            if not torch.compiler.is_compiling():  # (a graph records it when it runs)
+                note_kernel(indexed.words)
             out, lse = indexed_cache_attention(call, indexed, inputs.q, inputs.sinks)
             return (out, lse) if call.return_lse else out
 
