@@ -377,10 +377,12 @@ def test_second_derivatives_exact_on_reference_and_refused_loudly_by_chunked() -
     """gradgradcheck holds on the reference (torch's differentiable operations); the chunked
     kernel's backward is differentiable once, and a second derivative through it raises rather
     than returning a wrong number."""
-    q, k, v = _qkv((1, 2, 3, 4), (1, 1, 5, 4), (1, 1, 5, 3), dtype=F64)
+    q, k, v = _qkv((1, 2, 2, 3), (1, 1, 4, 3), (1, 1, 4, 2), dtype=F64)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     assert torch.autograd.gradgradcheck(
-        lambda q, k, v: attention(q, k, v, causal=True, backend="reference"), leaves
+        lambda q, k, v: attention(q, k, v, causal=True, backend="reference"),
+        leaves,
+        fast_mode=True,
     )
     out = attention(*leaves, causal=True, backend="chunked")
     (dq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
@@ -707,3 +709,31 @@ def test_transformer_layers_equal_torch(norm_first: bool) -> None:
             x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=memory_pad
         )
         assert_close(ours_dec(x, memory, causal=True, memory_mask=memory_mask), want)
+
+
+def test_transformer_layers_take_torchs_float_masks_as_a_bias() -> None:
+    """torch's layers take float masks (added to the scores) as well as bool ones; from_torch_masks
+    turns them into a bias, which the converted layers take: ``bias=`` for the self-attention and
+    the decoder's ``memory_bias=`` for the cross-attention. (torch's answer is its layer's own
+    path with gradients: its inference fast path, under no_grad, reads such a mask otherwise.)"""
+    torch.manual_seed(48)
+    encoder = nn.TransformerEncoderLayer(E, NH, 24, batch_first=True).double().eval()
+    decoder = nn.TransformerDecoderLayer(E, NH, 24, batch_first=True).double().eval()
+    ours_enc, ours_dec = from_torch(encoder), from_torch(decoder)
+    x, memory = _qkv((B, 6, E), (B, 8, E), dtype=F64, seed=49)
+    src_mask, pad = _torch_masks(2, True, F64, 50, 6, 6)
+    src_mask[:, 0] = pad[:, 0] = 0.0  # (every query sees a key: torch's rows are all finite)
+    mask, bias = from_torch_masks(src_mask, pad, num_heads=NH, dtype=F64)
+    assert mask is None
+    assert bias is not None
+    want = encoder(x, src_mask=src_mask, src_key_padding_mask=pad)
+    assert_close(ours_enc(x, bias=bias), want)
+    memory_mask, memory_pad = _torch_masks(2, True, F64, 51, 6, 8)
+    memory_mask[:, 0] = memory_pad[:, 0] = 0.0
+    _, memory_bias = from_torch_masks(memory_mask, memory_pad, num_heads=NH, dtype=F64)
+    _, self_bias = from_torch_masks(src_mask, None, num_heads=NH, dtype=F64)
+    want = decoder(
+        x, memory, tgt_mask=src_mask, memory_mask=memory_mask, memory_key_padding_mask=memory_pad
+    )
+    got = ours_dec(x, memory, bias=self_bias, memory_bias=memory_bias, causal=False)
+    assert_close(got, want)

@@ -64,7 +64,8 @@ def from_torch(
     returns torch's weights, the extra tokens' columns included. Translate torch's
     ``attn_mask``/``key_padding_mask`` (and a layer's ``src_mask``, ``src_key_padding_mask``, ...)
     with :func:`from_torch_masks`: they cover the keys only, and the extra tokens stay visible to
-    every query, as torch pads its masks for them.
+    every query, as torch pads its masks for them. A layer takes the translation as ``mask=`` and
+    ``bias=`` (the decoder's cross-attention as ``memory_mask=`` and ``memory_bias=``).
 
     attnkit's modules are batch-first: they take ``(B, T, E)``. torch's default,
     ``batch_first=False``, takes ``(T, B, E)``, which the copy would read as a batch of ``T``

@@ -10,13 +10,14 @@ sublayer (``norm_first=True``, pre-norm, which trains deep stacks without warm-u
 
 The self-attention of a layer can be built elsewhere and passed in (``attention=``), e.g. relative
 attention for a Conformer-style stack. It is called as ``attention(x, mask=mask, causal=causal)``
-(plus ``cache=cache`` when a cache is given) and returns ``(B, T, D)``. Whatever fails in a layer
-called with a :class:`~attnkit.KVCache` (that module included), the cache keeps the length it had
-before the call (a :class:`~attnkit.PagedKVCache` its lengths, a
+(plus ``bias=bias`` and ``cache=cache`` when they are given) and returns ``(B, T, D)``. Whatever
+fails in a layer called with a :class:`~attnkit.KVCache` (that module included), the cache keeps
+the length it had before the call (a :class:`~attnkit.PagedKVCache` its lengths, a
 :class:`~attnkit.StreamingKVCache` its position).
 
 Masks follow attnkit's one convention (bool, True = may attend) and broadcast to the scores
 ``(B, H, Tq, Tk)``; for padded batches pass :func:`attnkit.masks.padding_mask` ``(B, 1, 1, T)``.
+A ``bias`` (float, added to the scores, as torch's float masks are) broadcasts likewise.
 
 Shape letters: ``B`` batch, ``T`` target (or encoder input) positions, ``Tm`` memory positions,
 ``D`` d_model, ``Dm`` memory width.
@@ -44,6 +45,7 @@ from ..caches.kv_cache import KVCache
 from ..caches.paged import PagedKVCache
 from ..caches.streaming import StreamingKVCache
 from ..masks import Mask, check_mask
+from ..scores import ScoreTerm
 from .feedforward import PositionwiseFeedForward
 from .multihead import MultiHeadAttention
 
@@ -72,12 +74,15 @@ def _call_self_attention(
     mask: Tensor | Mask | None,
     causal: bool,
     cache: KVCache | PagedKVCache | None,
+    bias: Tensor | ScoreTerm | None = None,
 ) -> Tensor:
-    # cache= only when there is one, so that an injected module need not know about caches.
-    if cache is None:
-        out: Tensor = attn(x, mask=mask, causal=causal)
-    else:
-        out = attn(x, mask=mask, causal=causal, cache=cache)
+    # bias= and cache= only when given, so that an injected module need not know about them.
+    extra: dict[str, object] = {}
+    if bias is not None:
+        extra["bias"] = bias
+    if cache is not None:
+        extra["cache"] = cache
+    out: Tensor = attn(x, mask=mask, causal=causal, **extra)
     return out
 
 
@@ -154,9 +159,9 @@ class TransformerEncoderLayer(nn.Module):
         attention: a self-attention module built elsewhere, instead of the default one.
         device, dtype: of the parameters.
 
-    ``forward(x, *, mask=None, causal=False, cache=None)``: ``x`` ``(B, T, D)`` -> ``(B, T, D)``.
-    With ``causal=True`` and a :class:`~attnkit.KVCache` this is a decoder-only block that decodes
-    incrementally.
+    ``forward(x, *, mask=None, bias=None, causal=False, cache=None)``: ``x`` ``(B, T, D)`` ->
+    ``(B, T, D)``; ``bias`` is added to the self-attention's scores. With ``causal=True`` and a
+    :class:`~attnkit.KVCache` this is a decoder-only block that decodes incrementally.
 
     >>> layer = TransformerEncoderLayer(32, 4, norm_first=True).eval()
     >>> x = torch.randn(2, 6, 32)
@@ -232,24 +237,26 @@ class TransformerEncoderLayer(nn.Module):
         x: Float[Tensor, "B T D"],
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
+        bias: Float[Tensor, "..."] | ScoreTerm | None = None,
         causal: bool = False,
         cache: KVCache | PagedKVCache | None = None,
     ) -> Float[Tensor, "B T D"]:
         _check_sequence(self, "x", x, self.d_model)
         if cache is None:
-            return self._layer(x, mask, causal, None)
-        return _undo_on_error([cache], lambda: self._layer(x, mask, causal, cache))
+            return self._layer(x, mask, bias, causal, None)
+        return _undo_on_error([cache], lambda: self._layer(x, mask, bias, causal, cache))
 
     def _layer(
         self,
         x: Tensor,
         mask: Tensor | Mask | None,
+        bias: Tensor | ScoreTerm | None,
         causal: bool,
         cache: KVCache | PagedKVCache | None,
     ) -> Tensor:
         def sa(h: Tensor) -> Tensor:
             out: Tensor = self.dropout1(
-                _call_self_attention(self.self_attn, h, mask, causal, cache)
+                _call_self_attention(self.self_attn, h, mask, causal, cache, bias)
             )
             return out
 
@@ -271,12 +278,14 @@ class TransformerDecoderLayer(nn.Module):
 
     Takes :class:`TransformerEncoderLayer`'s arguments, plus ``memory_dim`` (``Dm``, the width of
     the memory, default ``D``) and ``cross_attention=`` (a cross-attention module built elsewhere,
-    called as ``cross_attention(x, memory, mask=memory_mask)``).
+    called as ``cross_attention(x, memory, mask=memory_mask)``, plus ``bias=memory_bias`` when
+    given).
 
-    ``forward(x, memory, *, mask=None, memory_mask=None, causal=True, cache=None)``: ``x``
-    ``(B, T, D)`` and ``memory`` ``(B, Tm, Dm)`` -> ``(B, T, D)``. ``mask`` is the self-attention's
-    (broadcast to ``(B, H, T, S)``), ``memory_mask`` the cross-attention's (to ``(B, H, T, Tm)``,
-    typically the encoder's padding mask). ``cache`` is the self-attention's
+    ``forward(x, memory, *, mask=None, bias=None, memory_mask=None, memory_bias=None,
+    causal=True, cache=None)``: ``x`` ``(B, T, D)`` and ``memory`` ``(B, Tm, Dm)`` -> ``(B, T, D)``.
+    ``mask`` and ``bias`` are the self-attention's (broadcast to ``(B, H, T, S)``), ``memory_mask``
+    and ``memory_bias`` the cross-attention's (to ``(B, H, T, Tm)``; the mask typically the
+    encoder's padding mask). ``cache`` is the self-attention's
     :class:`~attnkit.KVCache`.
 
     >>> layer = TransformerDecoderLayer(32, 4).eval()
@@ -374,7 +383,9 @@ class TransformerDecoderLayer(nn.Module):
         memory: Float[Tensor, "B Tm Dm"],
         *,
         mask: Bool[Tensor, "..."] | Mask | None = None,
+        bias: Float[Tensor, "..."] | ScoreTerm | None = None,
         memory_mask: Bool[Tensor, "..."] | Mask | None = None,
+        memory_bias: Float[Tensor, "..."] | ScoreTerm | None = None,
         causal: bool = True,
         cache: KVCache | PagedKVCache | None = None,
     ) -> Float[Tensor, "B T D"]:
@@ -385,29 +396,36 @@ class TransformerDecoderLayer(nn.Module):
         _check_layer_mask(
             "memory_mask", memory_mask, self.cross_attn, x.size(0), x.size(1), memory.size(1)
         )
+        masks = (mask, bias, memory_mask, memory_bias)
         if cache is None:
-            return self._layer(x, memory, mask, memory_mask, causal, None)
-        return _undo_on_error(
-            [cache], lambda: self._layer(x, memory, mask, memory_mask, causal, cache)
-        )
+            return self._layer(x, memory, masks, causal, None)
+        return _undo_on_error([cache], lambda: self._layer(x, memory, masks, causal, cache))
 
     def _layer(
         self,
         x: Tensor,
         memory: Tensor,
-        mask: Tensor | Mask | None,
-        memory_mask: Tensor | Mask | None,
+        masks: tuple[
+            Tensor | Mask | None,
+            Tensor | ScoreTerm | None,
+            Tensor | Mask | None,
+            Tensor | ScoreTerm | None,
+        ],
         causal: bool,
         cache: KVCache | PagedKVCache | None,
     ) -> Tensor:
+        """The layer on ``masks``: the self-attention's mask and bias, the cross-attention's."""
+        mask, bias, memory_mask, memory_bias = masks
+
         def sa(h: Tensor) -> Tensor:
             out: Tensor = self.dropout1(
-                _call_self_attention(self.self_attn, h, mask, causal, cache)
+                _call_self_attention(self.self_attn, h, mask, causal, cache, bias)
             )
             return out
 
         def ca(h: Tensor) -> Tensor:
-            out: Tensor = self.dropout2(self.cross_attn(h, memory, mask=memory_mask))
+            extra = {} if memory_bias is None else {"bias": memory_bias}
+            out: Tensor = self.dropout2(self.cross_attn(h, memory, mask=memory_mask, **extra))
             return out
 
         def ff(h: Tensor) -> Tensor:
