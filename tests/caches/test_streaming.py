@@ -585,7 +585,7 @@ def test_a_compiled_decode_loop_past_the_wrap_settles_at_a_few_graphs(kind: str)
     def step(x: torch.Tensor, cache: StreamingKVCache, own: object) -> torch.Tensor:
         return mha(x, cache=cache, causal=True, mask=own)
 
-    compiled = torch.compile(step, backend="aot_eager")
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)  # a step: one graph
     got, graphs = [], []
     before = counters["stats"]["unique_graphs"]  # (counted since the process started)
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
