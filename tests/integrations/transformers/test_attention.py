@@ -517,6 +517,30 @@ def test_sweep_families_match_eager(family: str) -> None:
     assert verdict == SWEEP[family], f"{family}: {verdict} ({detail})"
 
 
+# The sweep's other settings, and families without a language-model head (``--heads other``): a
+# static cache and bfloat16 on a causal LM, a dual encoder (token ids and images), an audio
+# encoder on a spectrogram, and LASR, whose convolution module reads the layer mask itself.
+SWEEP_SETTINGS = {
+    "llama, static cache": ("llama", {"static": True}),
+    "gemma2, bfloat16, static cache": ("gemma2", {"dtype": torch.bfloat16, "static": True}),
+    "clip": ("clip", {"sdpa": True}),
+    "audio-spectrogram-transformer": ("audio-spectrogram-transformer", {}),
+    "lasr_encoder": ("lasr_encoder", {"sdpa": True}),
+}
+
+
+@pytest.mark.parametrize("case", SWEEP_SETTINGS)
+def test_sweep_settings_and_other_families_match_eager(case: str) -> None:
+    from .helpers import sweep
+
+    family, options = SWEEP_SETTINGS[case]
+    row = sweep().sweep_row(family, sweep().Options(**options))
+    assert row.verdict == "equal", f"{case}: {row.verdict} ({row.detail})"
+    assert row.sdpa == ("equal" if options.get("sdpa") else None), row.detail
+    if options.get("static"):
+        assert "static cache same" in row.detail, row.detail
+
+
 def _eager_with_sinks(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor) -> Tensor:
     """Inkling 2's eager attention: one more logit per query (``sinks``, (B, H, Tq, 1)) in each
     row's softmax, with a zero value."""
