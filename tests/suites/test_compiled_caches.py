@@ -53,7 +53,7 @@ def test_a_compiled_index_mask_on_pages_records_what_an_eager_one_does(dtype: to
         x = torch.randn(2, 6, 32, dtype=dtype)
         for cache in (pool, eager_pool):
             mha(x, cache=cache, causal=True)
-        for t in range(3):
+        for t in range(2):
             x = torch.randn(2, 1, 32, dtype=dtype)
             idx = torch.tensor([[[[0, 3 + t, 6 + t]]], [[[1, 2, 5]]]])  # (B, 1, 1, k)
             with attnkit.record_dispatch() as eager:
@@ -64,14 +64,16 @@ def test_a_compiled_index_mask_on_pages_records_what_an_eager_one_does(dtype: to
             assert _said(traced) == _said(eager)
             (call,) = traced
             assert str(call.kernel).startswith("index mask on a cache")
-    assert pool.lengths == eager_pool.lengths == [9, 9]
+    assert pool.lengths == eager_pool.lengths == [8, 8]
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_a_compiled_index_mask_on_a_view_of_rows_records_what_an_eager_one_does() -> None:
+def test_an_inductor_compiled_index_mask_on_a_view_of_rows_records_what_an_eager_one_does() -> None:
     # attention(q, view) on rows of their own lengths of a contiguous cache (no block table),
     # with an index mask and a band: recorded when the graph runs, as an eager call is, and
-    # equal to the reference over each row's keys.
+    # equal to the reference over each row's keys. Inductor's code, since it lowers the
+    # operator that records as a call of its own (an argument named as one of that call's
+    # failed there).
     torch.manual_seed(5)
     k, v = torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
     q = torch.randn(2, 4, 1, 8)
@@ -82,7 +84,7 @@ def test_a_compiled_index_mask_on_a_view_of_rows_records_what_an_eager_one_does(
         view = CacheView(k, v, kv_range=[(0, 9), (0, 13)])
         return attnkit.attention(q, view, mask=mask, backend="chunked")
 
-    compiled = torch.compile(call, backend="aot_eager")
+    compiled = torch.compile(call)
     with attnkit.record_dispatch() as eager:
         want = call(q, k, v)
     compiled(q, k, v)  # (traced outside the record)

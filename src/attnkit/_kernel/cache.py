@@ -482,7 +482,7 @@ class _RowPositions:
             q, view.k, view.v, view.block_table, view.k_scale, view.v_scale, sinks, tensors,
             ranges=_flat(view.kv_range), q_lens=list(view.q_lens or ()), shared=view.shared,
             numbers=numbers, mask=mask, scale=float(call.scale),
-            softcap=None if call.softcap is None else float(call.softcap), kernel=served.words,
+            softcap=None if call.softcap is None else float(call.softcap), words=served.words,
         )  # fmt: skip
         return cls.unpacked(table)
 
@@ -523,12 +523,12 @@ def indexed_cache_rows(
     mask: str,
     scale: float,
     softcap: float | None,
-    kernel: str,
+    words: str,
 ) -> Tensor:
     """The rows' positions of an index mask on a cache (``(4, N)`` int64: base, first key, end,
     real queries; see :func:`_positions`), as a compiled graph's node: when it runs under
     :func:`attnkit.record_dispatch` it records the call, as the chunked backend's, with the
-    kernel that serves it (``kernel``, the words an eager call records), as attnkit's operator
+    kernel that serves it (``words``, those an eager call records), as attnkit's operator
     does for the calls it serves. The call is the view of pages ``k``, ``v`` (its rows
     ``ranges``, flat ``(start, end)`` pairs; ``block_table``; ``q_lens``, empty for None; the
     scales) with the mask that :func:`attnkit.masks.encode` wrote as ``mask``."""
@@ -541,7 +541,7 @@ def indexed_cache_rows(
             q, view, None, mask=decode(mask, mask_tensors, numbers), bias=None, causal=False,
             scale=scale, softcap=softcap, sinks=sinks,
         )  # fmt: skip
-        record.append(Dispatch(call, "chunked", kernel=kernel))
+        record.append(Dispatch(call, "chunked", kernel=words))
     real = q_lens or [q.size(-2)] * (len(ranges) // 2)
     return _positions(ranges, real, shared, q.device)
 
