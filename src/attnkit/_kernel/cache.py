@@ -457,9 +457,10 @@ class _RowPositions:
 
     @classmethod
     def of(cls, view: CacheView, q_len: int, device: torch.device) -> _RowPositions:
-        return cls.unpacked(
-            _positions(_flat(view.kv_range), _real(view, q_len), view.shared, device)
-        )
+        ranges = torch.tensor(view.kv_range, dtype=torch.long).view(-1, 2)
+        real = torch.tensor(view.q_lens if view.q_lens is not None else [q_len] * view.rows)
+        base = ranges[:, 0] if view.shared else torch.zeros_like(ranges[:, 0])
+        return cls(*(t.to(device).view(-1, 1, 1, 1) for t in (base, *ranges.unbind(1), real)))
 
     @classmethod
     def unpacked(cls, table: Tensor) -> _RowPositions:
@@ -491,14 +492,10 @@ def _flat(ranges: Sequence[tuple[int, int]]) -> list[int]:
     return [x for pair in ranges for x in pair]
 
 
-def _real(view: CacheView, q_len: int) -> list[int]:
-    """Each row's real queries."""
-    return list(view.q_lens) if view.q_lens is not None else [q_len] * view.rows
-
-
 def _positions(ranges: list[int], real: list[int], shared: bool, device: torch.device) -> Tensor:
     """``(4, N)`` int64: each row's base (its first key where the rows share their stretch,
-    else 0), first key, end and real queries, from the rows' ``(start, end)`` pairs (flat)."""
+    else 0), first key, end and real queries, from the rows' ``(start, end)`` pairs (flat), as
+    :meth:`_RowPositions.of` makes them in eager calls."""
     pairs = torch.tensor(ranges, dtype=torch.long).view(-1, 2)
     base = pairs[:, 0] if shared else torch.zeros_like(pairs[:, 0])
     real_t = torch.tensor(real, dtype=torch.long).view(-1)
