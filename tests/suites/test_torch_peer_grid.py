@@ -319,6 +319,29 @@ def test_strided_and_expanded_inputs(layout: str) -> None:
             assert_close(attention(q, k, v, backend=backend, **kwargs), _ref(q, k, v, **kwargs))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_qkv_views_and_their_gradient(backend: str) -> None:
+    """q, k and v as views of one packed projection ``(B, T, 3*H*D)`` (rows 3*H*D apart, as torch's
+    packed tests and a fused QKV projection make them), the gradient flowing into the packed
+    tensor; and a head size of 1 whose elements are 2 apart."""
+    (packed,) = _qkv((2, 9, 3 * 4 * 8), seed=52)
+
+    def split(t: Tensor) -> list[Tensor]:
+        return [part.view(2, 9, 4, 8).transpose(1, 2) for part in t.split(32, -1)]
+
+    (grad,) = _qkv((2, 4, 9, 8), seed=53)
+    pad = _bool((2, 1, 1, 9), 54)
+    for kwargs in ({"causal": True}, {"mask": pad}):
+        leaf, exact = packed.clone().requires_grad_(), packed.double().requires_grad_()
+        out = attention(*split(leaf), backend=backend, **kwargs)
+        out.backward(grad)
+        _ref(*split(exact), **kwargs).backward(grad.double())
+        assert_close(out, _ref(*split(exact), **kwargs))
+        assert_close(leaf.grad, exact.grad)
+    q, k, v = (t[..., :1] for t in _qkv((2, 4, 5, 2), (2, 4, 7, 2), (2, 4, 7, 2), seed=55))
+    assert_close(attention(q, k, v, causal=True, backend=backend), _ref(q, k, v, causal=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_every_float_dtype_against_float64(dtype: torch.dtype) -> None:
     q, k, v = _qkv((2, 4, 9, 16), (2, 2, 11, 16), (2, 2, 11, 8), dtype=dtype)
