@@ -611,6 +611,20 @@ def test_multihead_equals_torch_with_every_mask_torch_takes(name: str) -> None:
             assert bool(rows.all())
 
 
+@pytest.mark.parametrize(("tq", "tk"), [(3, 6), (6, 3)])
+def test_multihead_causal_with_extra_tokens_is_torchs_lower_right_mask(tq: int, tk: int) -> None:
+    """``causal=True`` with ``Tq != Tk`` is torch's attn_mask blocking ``j > i + Tk - Tq``; the
+    learned token and the zero key stay visible to every query, as torch pads its mask for them
+    (so with ``Tq > Tk`` the first queries see only them)."""
+    theirs, ours = _module_pair(MODULES["all"])
+    x, key, value = _qkv((B, tq, E), (B, tk, 6), (B, tk, 10), dtype=F64, seed=56)
+    blocked = ~torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)
+    want, want_w = theirs(x, key, value, attn_mask=blocked)
+    got, got_w = ours(x, key, value, causal=True, need_weights=True)
+    assert_close(got, want)
+    assert_close(got_w, want_w)
+
+
 def test_multihead_self_and_cross_attention_paths_equal_torch() -> None:
     """Self-attention (one projection), cross-attention on one memory (keys and values from one
     projection) and three inputs: torch's outputs; torch's MultiheadAttention is batch_first=False
@@ -760,8 +774,15 @@ def test_transformer_layers_take_torchs_float_masks_as_a_bias() -> None:
     mask, bias = from_torch_masks(src_mask, pad, num_heads=NH, dtype=F64)
     assert mask is None
     assert bias is not None
-    want = encoder(x, src_mask=src_mask, src_key_padding_mask=pad)
-    assert_close(ours_enc(x, bias=bias), want)
+    leaf, exact = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = encoder(exact, src_mask=src_mask, src_key_padding_mask=pad)
+    got = ours_enc(leaf, bias=bias)
+    assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    assert_close(leaf.grad, exact.grad)
+    for ours_p, theirs_p in zip(ours_enc.parameters(), encoder.parameters(), strict=True):
+        assert_close(ours_p.grad, theirs_p.grad)
     memory_mask, memory_pad = _torch_masks(2, True, F64, 51, 6, 8)
     memory_mask[:, 0] = memory_pad[:, 0] = 0.0
     _, memory_bias = from_torch_masks(memory_mask, memory_pad, num_heads=NH, dtype=F64)
