@@ -260,10 +260,12 @@ def test_module_dropout_is_off_in_eval_and_distributed_as_torchs_in_training() -
 )
 def test_empty_dims(q_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> None:
     """Empty query, key, batch and head-size dims: torch's results (``Tk = 0``: every query sees
-    nothing, output 0 and zero gradients, where torch's SDPA gives NaN)."""
+    nothing, output 0 as torch's SDPA gives, and zero gradients)."""
     q, k = _qkv(q_shape, kv_shape)
     (v,) = _qkv((*kv_shape[:-1], 6))
     scale = 1.0 if q_shape[-1] == 0 else None  # (any scale: the scores are all 0)
+    theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale)
+    assert_close(attention(q, k, v), theirs)
     for backend, causal in itertools.product(BACKENDS, (False, True)):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attention(*leaves, causal=causal, backend=backend)
@@ -686,15 +688,14 @@ def test_multihead_gradients_equal_torch() -> None:
 
 @pytest.mark.parametrize(("batch", "tq", "tk"), [(0, 3, 4), (2, 0, 4), (2, 3, 0)])
 def test_multihead_with_empty_dims(batch: int, tq: int, tk: int) -> None:
-    """An empty batch, no queries, or no keys: torch's output; with no keys every query attends
-    nothing and gets the output projection's bias (torch gives NaN)."""
+    """An empty batch, no queries, or no keys: torch's output (with no keys every query attends
+    nothing and gets the output projection's bias)."""
     theirs, ours = _module_pair(MODULES["plain"])
     x, memory = _qkv((batch, tq, E), (batch, tk, E), dtype=F64, seed=39)
     got = ours(x, memory)
+    assert_close(got, theirs(x, memory, memory, need_weights=False)[0])
     if tk == 0:
         assert_close(got, theirs.out_proj.bias.expand(batch, tq, E))
-    else:
-        assert_close(got, theirs(x, memory, memory, need_weights=False)[0])
 
 
 def test_to_torch_and_back_compute_the_same() -> None:
