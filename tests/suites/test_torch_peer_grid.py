@@ -184,7 +184,7 @@ def test_grouped_query_heads_are_torchs_enable_gqa(heads: int, kv_heads: int) ->
         assert_close(attention(q, k, v, causal=True, backend=backend), _ref(q, k, v, causal=True))
 
 
-@pytest.mark.parametrize("scale", [0.0, 1.0, 0.01, 3.5, -0.7])
+@pytest.mark.parametrize("scale", [0.0, 1.0, 0.01, 3.5, -0.7, 2])
 def test_explicit_scale_is_torchs(scale: float) -> None:
     q, k, v = _qkv((B, H, 5, D), (B, H, 7, D), (B, H, 7, 12))
     want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale)

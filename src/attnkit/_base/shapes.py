@@ -73,10 +73,11 @@ def shape_checked(fn: _F) -> _F:
     """Check ``fn``'s jaxtyping annotations on every call when ``ATTNKIT_SHAPE_CHECKS=1``."""
     if not SHAPE_CHECKS:
         return fn
-    from beartype import beartype
+    from beartype import BeartypeConf, beartype
     from jaxtyping import jaxtyped
 
-    checked = jaxtyped(typechecker=beartype)(fn)
+    # PEP 484's numeric tower: an int where a float is annotated (scale=1), as the code takes it.
+    checked = jaxtyped(typechecker=beartype(conf=BeartypeConf(is_pep484_tower=True)))(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
