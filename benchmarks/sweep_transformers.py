@@ -19,7 +19,8 @@ its training step moves any statistics) and the same inputs, made from the model
 ``main_input_name`` and config: 2 rows of 12 token ids, the second padded by 3 (left for a
 language model, right for an encoder; ordinary tokens under the padding), with images too where
 the forward takes them; ``pixel_values`` at the config's image size and channels (frames for a
-video model); ``input_features`` (mel frames) or ``input_values`` (samples); decoder ids for an
+video model); ``input_features`` (mel frames) or ``input_values`` (samples); two images' patches
+and their grid for a vision tower that takes them packed (Qwen2-VL's); decoder ids for an
 encoder-decoder:
 
 * ``logits``: the largest difference at real tokens, relative to the largest logit (a model
@@ -108,7 +109,8 @@ TINY: dict[str, Any] = {
     "mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16,
     "audio_hidden_size": 32, "vocab_size_per_layer_input": V, "hidden_size_per_layer_input": 8,
     "rel_extent": 8, "d_rel": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-    "decoder_start_token_id": 1, "mask_time_prob": 0.0, "mask_feature_prob": 0.0,
+    "decoder_start_token_id": 1, "mask_time_prob": 0.0, "mask_feature_prob": 0.0, "depth": 2,
+    "out_hidden_size": 32, "text_hidden_size": 32,
 }  # fmt: skip
 
 
@@ -439,6 +441,21 @@ def _audio(config: Any, name: str, dtype: torch.dtype) -> Tensor:
     return torch.randn(shape, generator=g).to(dtype)
 
 
+def _patches(config: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Two images as a vision tower of packed patches takes them (Qwen2-VL's): every patch of
+    both, flattened, ``(patches, channels * frames * size * size)``, and each image's
+    ``(frames, rows, columns)`` of patches, whole multiples of the patches merged."""
+    channels = _find(config, "in_channels") or _find(config, "num_channels") or 3
+    frames = _find(config, "temporal_patch_size") or 1
+    size = _find(config, "patch_size") or 14
+    merge = _find(config, "spatial_merge_size") or 1
+    grid = torch.tensor([[1, 2 * merge, 2 * merge], [1, merge, 2 * merge]])
+    count = int(grid.prod(-1).sum())
+    g = torch.Generator().manual_seed(4)
+    patches = torch.randn(count, channels * frames * size * size, generator=g)
+    return patches.to(dtype), grid
+
+
 def inputs_to_try(model: Any, dtype: torch.dtype = torch.float32) -> list[dict[str, Tensor]]:
     """The inputs a family's model is run with, from its ``main_input_name`` and config, in the
     order tried: token ids with images too where the forward takes them (a dual encoder needs
@@ -446,6 +463,11 @@ def inputs_to_try(model: Any, dtype: torch.dtype = torch.float32) -> list[dict[s
     images, audio features or samples."""
     name = getattr(model, "main_input_name", "input_ids")
     params = inspect.signature(model.forward).parameters
+    grid = next((k for k in ("grid_thw", "image_grid_thw") if k in params), None)
+    if grid is not None and "input_ids" not in params:  # a vision tower of packed patches
+        first = next(iter(params))
+        patches, sizes = _patches(model.config, dtype)
+        return [{first: patches, grid: sizes}]
     if name == "input_ids":
         ids = batch(model)
         if "pixel_values" in params and not _lm(model):

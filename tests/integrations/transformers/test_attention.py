@@ -519,12 +519,15 @@ def test_sweep_families_match_eager(family: str) -> None:
 
 # The sweep's other settings, and families without a language-model head (``--heads other``): a
 # static cache and bfloat16 on a causal LM, a dual encoder (token ids and images), an audio
-# encoder on a spectrogram, and LASR, whose convolution module reads the layer mask itself.
+# encoder on a spectrogram, a vision tower taking two images' patches packed in one sequence
+# (Qwen2.5-VL's, attending within each image), and LASR, whose convolution module reads the layer
+# mask itself.
 SWEEP_SETTINGS = {
     "llama, static cache": ("llama", {"static": True}),
     "gemma2, bfloat16, static cache": ("gemma2", {"dtype": torch.bfloat16, "static": True}),
     "clip": ("clip", {"sdpa": True}),
     "audio-spectrogram-transformer": ("audio-spectrogram-transformer", {}),
+    "qwen2_5_vl_vision": ("qwen2_5_vl_vision", {"sdpa": True}),
     "lasr_encoder": ("lasr_encoder", {"sdpa": True}),
 }
 
