@@ -214,13 +214,22 @@ void backward_impl(const Call<T>& c, const Grads<T>& grads, const void* matrix) 
 
 }  // namespace
 
+// Zeros laid out as x where x is dense (at::zeros_like's memory format), else contiguous.
+at::Tensor zeros_laid_out_as(const at::Tensor& x) {
+  at::Tensor t = x.is_non_overlapping_and_dense()
+                     ? at::Tensor(at::detail::empty_strided_cpu(x.sizes(), x.strides(), x.options()))
+                     : empty(x.sizes(), x.options());
+  t.zero_();
+  return t;
+}
+
 // A (N, Hkv, T, D) tensor like k or v: token-major when it is, else contiguous. (The operators'
 // fake kernels lay their outputs out the same way.)
 at::Tensor like_kv(const at::Tensor& k, c10::optional<at::ScalarType> dtype) {
   const auto options = k.options().dtype(dtype.value_or(k.scalar_type()));
   const bool token_major = k.size(2) > 1 && k.stride(2) >= k.size(1) * k.size(3);
-  if (!token_major) return at::empty(k.sizes(), options);
-  return at::empty({k.size(0), k.size(2), k.size(1), k.size(3)}, options).permute({0, 2, 1, 3});
+  if (!token_major) return empty(k.sizes(), options);
+  return empty({k.size(0), k.size(2), k.size(1), k.size(3)}, options).permute({0, 2, 1, 3});
 }
 
 
@@ -294,7 +303,7 @@ std::vector<at::Tensor> backward(const CallArgs& given, const BackwardArgs& b) {
   int64_t dbias_base = 0;
   if (b.bias_grad) {
     TORCH_CHECK(a.bias.has_value(), "attnkit: bias_grad without a bias");
-    dbias = at::zeros(a.bias->sizes(), q.options());  // the bias's shape, not the scores'
+    dbias = zeros(a.bias->sizes(), q.options());  // the bias's shape, not the scores'
     if (a.bias_layout.empty()) {
       TORCH_CHECK(dbias.dim() == 5, "attnkit: a dense bias is 5-d");
       for (int d = 0; d < 5; ++d) ds[d] = dbias.size(d) == 1 ? 0 : dbias.stride(d);
@@ -309,7 +318,7 @@ std::vector<at::Tensor> backward(const CallArgs& given, const BackwardArgs& b) {
   // dqv laid out as qv (token-major or contiguous; every row is written), denc as enc, so that
   // the caller's transposes back are free.
   if (position && b.qv_grad) dqv = like_kv(*a.qv);
-  if (position && b.enc_grad) denc = at::zeros_like(*a.enc);  // enc's layout where it is dense
+  if (position && b.enc_grad) denc = zeros_laid_out_as(*a.enc);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit::native_backward", [&] {
     using T = scalar_t;
     Call<T> c = make_call<T>(a);

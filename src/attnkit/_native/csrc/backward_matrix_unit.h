@@ -234,7 +234,7 @@ inline void item_grads_bf16(const Call<float>& c, MatrixRowsBackward& mr, const 
 // Whether every element of a float32 tensor is a bfloat16 number (NaN: no). Only the matrix
 // unit's products ask (an unused function would be a warning where they are not built).
 bool bf16_numbers(const at::Tensor& x) {
-  return x.numel() == 0 || at::equal(x, x.to(at::kBFloat16).to(at::kFloat));
+  return x.numel() == 0 || x.equal(x.to(at::kBFloat16).to(at::kFloat));
 }
 #endif
 

@@ -16,7 +16,11 @@
 #pragma GCC diagnostic pop
 #endif
 
-#include <ATen/ATen.h>
+// The tensor, and CPU allocation without the operator dispatch: ATen/ATen.h declares every
+// operator torch has, and parsing it was most of each source file's build time.
+#include <ATen/Dispatch.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -47,6 +51,17 @@ namespace attnkit {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+
+// The kernel's outputs and buffers: CPU tensors, allocated directly (what at::empty and at::zeros
+// do for a CPU tensor, without going through the dispatcher).
+inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::Tensor(at::detail::empty_cpu(sizes, options));
+}
+inline at::Tensor zeros(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = empty(sizes, options);
+  t.zero_();
+  return t;
+}
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
 

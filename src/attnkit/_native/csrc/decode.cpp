@@ -230,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const CallArgs& a) {
               "attnkit: q must be (N, Hkv, G, Tq, Dk) and v (N, Hkv, Tk, Dv), got ", a.q.sizes(),
               " and ", a.v.sizes());
   at::Tensor out = like_q(a.q, a.v.size(3));
-  at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
+  at::Tensor lse = empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
   const char* name = "attnkit::native_forward";
   with_decode_types(a.q, a.k, a.v, a.k_scale, a.v_scale, name, [&](auto t, auto kv) {
     using T = decltype(t);
@@ -327,7 +327,7 @@ std::tuple<at::Tensor, at::Tensor> cache_forward(const CacheArgs& a) {
   TORCH_CHECK(!packed || !a.bias.has_value() || !a.bias_layout.empty(),
               "attnkit: packed queries take a bias by distance, not a dense bias");
   at::Tensor out = like_q(q, v.size(3));
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  at::Tensor lse = empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
   if (packed) {  // queries no row holds: no key
     out.zero_();
     lse.fill_(-std::numeric_limits<double>::infinity());

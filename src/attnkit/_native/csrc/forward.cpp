@@ -435,8 +435,8 @@ void forward_impl(const Call<T>& c, const Widened<T, KV>& kv, const Rows<T*>& ou
 // is free; else contiguous. (The operators' fake kernels lay their outputs out the same way.)
 at::Tensor like_q(const at::Tensor& q, int64_t d) {
   const bool token_major = q.size(3) > 1 && q.stride(3) >= q.size(1) * q.size(2) * q.size(4);
-  if (!token_major) return at::empty({q.size(0), q.size(1), q.size(2), q.size(3), d}, q.options());
-  return at::empty({q.size(0), q.size(3), q.size(1), q.size(2), d}, q.options())
+  if (!token_major) return empty({q.size(0), q.size(1), q.size(2), q.size(3), d}, q.options());
+  return empty({q.size(0), q.size(3), q.size(1), q.size(2), d}, q.options())
       .permute({0, 2, 3, 1, 4});
 }
 
@@ -454,7 +454,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a) {
     wide.v = rows_of<const at::BFloat16*>(a.v, a.v.data_ptr<at::BFloat16>());
     if (matrix_unit_serves(c, wide.k)) {
       at::Tensor out = like_q(a.q, a.v.size(3));
-      at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)},
+      at::Tensor lse = empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)},
                                  a.q.options().dtype(at::kFloat));
       const auto tables = skew_table(c, a.enc);  // kept alive while the kernel reads them
       forward_impl(c, wide, Rows<float*>(), lse.data_ptr<float>(),
@@ -468,7 +468,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const CallArgs& a) {
     return {out.to(at::kBFloat16), lse};
   }
   at::Tensor out = like_q(a.q, a.v.size(3));
-  at::Tensor lse = at::empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
+  at::Tensor lse = empty({a.q.size(0), a.q.size(1), a.q.size(2), a.q.size(3)}, a.q.options());
   with_kv_types(a.q, a.k, "attnkit::native_forward", [&](auto t, auto kv) {
     using T = decltype(t);
     using KV = decltype(kv);

@@ -567,8 +567,8 @@ std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const a
   Gather g = gather_of(q, k, v, keys, key_ok, scale, softcap, band);
   const Held t(q, k, v, keys, key_ok, /*strided_rows=*/true);
   t.point(g);
-  at::Tensor out = at::empty({g.B, g.H, g.Tq, g.Dv}, q.options());
-  at::Tensor lse = at::empty({g.B, g.H, g.Tq}, q.options());
+  at::Tensor out = empty({g.B, g.H, g.Tq, g.Dv}, q.options());
+  at::Tensor lse = empty({g.B, g.H, g.Tq}, q.options());
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   // By default a stretch's rows (a key's of every key/value head a block reads) fill about a
   // quarter of the core's own cache: its queries' rows and accumulators take about as much.

@@ -302,9 +302,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gathered_backward(
               " and delta ", delta.sizes(), " for q ", q.sizes(), " and v ", v.sizes());
   const at::Tensor dout_c = dout.contiguous(), lse_c = lse.contiguous();
   const at::Tensor delta_c = delta.contiguous();
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::zeros(k.sizes(), q.options());
-  at::Tensor dv = at::zeros(v.sizes(), q.options());
+  at::Tensor dq = empty(q.sizes(), q.options());
+  at::Tensor dk = zeros(k.sizes(), q.options());
+  at::Tensor dv = zeros(v.sizes(), q.options());
   if (dq.numel() == 0) return {dq, dk, dv};
   Grads a;
   a.dout = dout_c.data_ptr<float>();

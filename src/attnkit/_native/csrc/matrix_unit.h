@@ -125,7 +125,7 @@ struct PackedRows {
     // (pairs: 16 rows of zeros after the last, which products over 32 keys at a time may read;
     // words: 32 more columns after the last head's, read as the same)
     per_head = words ? D * ld : ((T + 1) / 2 + 16) * D * 2;
-    buf = at::empty({N * H * per_head + 64}, at::kBFloat16);
+    buf = empty({N * H * per_head + 64}, at::kBFloat16);
     buf.narrow(0, N * H * per_head, 64).zero_();
   }
 

@@ -88,7 +88,7 @@ void no_quantized_backward(const c10::optional<at::Tensor>& k_scale,
 
 // A gradient not asked for: an empty tensor (schemas return Tensor, not Tensor?).
 at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
-  return t.defined() ? t : at::empty({0}, like.options());
+  return t.defined() ? t : empty({0}, like.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> native_forward(ATTNKIT_CALL_PARAMS) {

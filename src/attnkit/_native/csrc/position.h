@@ -277,8 +277,8 @@ std::vector<at::Tensor> skew_table(Call<T>& c, const c10::optional<at::Tensor>& 
     constexpr int64_t W = Vec::size();
     const int64_t panels = (hi - lo + W) / W;
     const int64_t H = c.Hkv * c.G, D = c.Dh;
-    at::Tensor ez = at::empty({H, panels * W, D}, enc->options());
-    at::Tensor et = at::empty({H, panels, D, W}, enc->options());
+    at::Tensor ez = empty({H, panels * W, D}, enc->options());
+    at::Tensor et = empty({H, panels, D, W}, enc->options());
     float* z = ez.data_ptr<float>();
     float* t = et.data_ptr<float>();
     // One pass per panel: its encodings row-major into ez and transposed into et.

@@ -204,9 +204,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats(const CallArgs& a, const at
               c10::IntArrayRef(rows),
               " of q's dtype ", a.q.scalar_type(), ", got ", lse.scalar_type(), " ", lse.sizes());
   const std::vector<int64_t> cols = {a.q.size(0), a.q.size(1), a.q.size(2), a.k.size(2)};
-  at::Tensor mass = at::zeros(cols, a.q.options());
-  at::Tensor top = at::zeros(cols, a.q.options());
-  at::Tensor entropy = at::zeros(rows, a.q.options());
+  at::Tensor mass = zeros(cols, a.q.options());
+  at::Tensor top = zeros(cols, a.q.options());
+  at::Tensor entropy = zeros(rows, a.q.options());
   AT_DISPATCH_FLOATING_TYPES(a.q.scalar_type(), "attnkit::native_stats", [&] {
     Call<scalar_t> c = make_call<scalar_t>(a);
     const auto tables = skew_table(c, a.enc);  // kept alive while the kernel reads them
