@@ -13,8 +13,9 @@ from torch import Tensor
 
 import attnkit
 from attnkit import masks
-from attnkit._kernel.gathered import selection
+from attnkit._kernel.gathered import Selection, selection
 from attnkit.backends import Chunked
+from attnkit.caches.view import CacheView
 from attnkit.masks import Mask
 from attnkit.scores import DistanceBias
 from attnkit.testing import assert_close
@@ -232,6 +233,45 @@ def test_which_calls_are_gathered_and_what_explain_says() -> None:
     # the scanning kernel serves what the gathered one does not, exactly
     out = attnkit.attention(q, k, k, mask=gathered & odd, backend="chunked")
     assert_close(out, attnkit.attention(q, k, k, mask=gathered & odd, backend="reference"))
+
+
+def test_an_index_mask_anded_with_others_compiles_into_one_graph() -> None:
+    # On the rows of a cache the selection is read while tracing: the narrowest of two index
+    # masks ANDed with a window was picked by ``min(key=)``, which torch.compile cannot trace
+    # (fullgraph=True refused the call). The narrowest gathers, the graph equals the eager call
+    # and each row equals the reference over its own keys.
+    wide_idx = torch.tensor([0, 2, 4, 8, 11, 12]).view(1, 1, 1, 6)
+    narrow_idx = torch.tensor([2, 8, 11, 12]).view(1, 1, 1, 4)
+
+    def both(end: int) -> Mask:  # (entries past a row's keys are ignored on a cache)
+        wide, narrow = (
+            masks.key_indices(i.masked_fill(i >= end, -1)) for i in (wide_idx, narrow_idx)
+        )
+        return wide & narrow & masks.sliding_window(6)
+
+    mask = both(16)
+    found = selection(mask, None, 0.0, 64)
+    assert isinstance(found, Selection)
+    assert [c.width for c in found.covers] == [4]
+    g = torch.Generator().manual_seed(29)
+    k, v = (torch.randn(2, 2, 16, 8, generator=g) for _ in "kv")
+    q = torch.randn(2, 4, 1, 8, generator=g)
+
+    def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        view = CacheView(k, v, kv_range=[(0, 9), (0, 13)])
+        return attnkit.attention(q, view, mask=mask, backend="chunked")
+
+    torch._dynamo.reset()
+    got = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch._dynamo.reset()
+    assert torch.equal(got, call(q, k, v))
+    for n, end in enumerate((9, 13)):
+        ref = attnkit.attention(
+            *(t[n : n + 1].double() for t in (q, k[:, :, :end], v[:, :, :end])),
+            mask=both(end),
+            backend="reference",
+        )
+        assert_close(got[n : n + 1], ref, dtype=torch.float32)
 
 
 def test_a_long_call_allocates_no_query_by_key_tensor() -> None:

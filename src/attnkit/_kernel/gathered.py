@@ -129,7 +129,12 @@ def selection(
     elif mask.op == "or" and all(isinstance(p, KeyIndices) for p in mask.parts):
         found = Selection(tuple(p for p in mask.parts if isinstance(p, KeyIndices)), ())
     elif mask.op == "and" and any(isinstance(p, KeyIndices) for p in mask.parts):
-        cover = min((p for p in mask.parts if isinstance(p, KeyIndices)), key=lambda m: m.width)
+        # the narrowest index mask gathers (a loop: torch.compile traces no ``min(key=)``)
+        covers = [p for p in mask.parts if isinstance(p, KeyIndices)]
+        cover = covers[0]
+        for p in covers[1:]:
+            if p.width < cover.width:
+                cover = p
         rest = tuple(p for p in mask.parts if p is not cover)
         unread = [p.describe() for p in rest if not _readable(p)]
         found = (
