@@ -972,6 +972,36 @@ def test_a_compiled_decode_loop_compiles_a_few_times_not_once_a_token() -> None:
     assert graphs[-1] - graphs[2] <= 2, graphs  # the graphs of the first steps, then few more
 
 
+def test_a_compiled_decode_step_breaks_its_graph_only_around_the_bookkeeping() -> None:
+    # Each method that runs between graphs looked its disabled form up in a table keyed by the
+    # method's name, and hashing that name broke the graph once more at every trace
+    # ("Missing hash_impl override"). Once the disabled forms are made (the first trace makes
+    # them), the only breaks are the intended ones, and the steps equal an eager module's.
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(8)
+    mha = MultiHeadAttention(32, 4).eval()
+
+    def step(x: Tensor, cache: PagedKVCache) -> Tensor:
+        return mha(x, causal=True, cache=cache)
+
+    reasons: dict[str, int] = {}
+    with torch.no_grad():
+        for _ in range(2):  # the first makes the disabled forms; the second is counted
+            torch._dynamo.reset()
+            counters.clear()
+            eager_pool, pool = (PagedKVCache(16, 4, 4, 8, max_seqs=2) for _ in range(2))
+            compiled = torch.compile(step, backend="eager")
+            for t in (6, 1, 1):
+                x = torch.randn(2, t, 32)
+                assert_close(compiled(x, pool), step(x, eager_pool))
+        for reason, n in counters["graph_break"].items():
+            reasons[reason.splitlines()[0]] = reasons.get(reason.splitlines()[0], 0) + n
+    torch._dynamo.reset()
+    assert pool.lengths == eager_pool.lengths == [8, 8]
+    assert list(reasons) == ["Skip calling `torch.compiler.disable()`d function"], reasons
+
+
 def test_an_inductor_compiled_rotary_decode_loop_on_rows_at_their_own_positions() -> None:
     # The rows' positions reach the graph as a tensor (next_positions()): as integers passed
     # from one graph to the next, inductor's generated code lost their symbol (NameError).

@@ -52,21 +52,20 @@ def _between_graphs(method: _Method) -> _Method:
     """``method`` run eagerly under ``torch.compile``, a graph break around it: the page
     bookkeeping reads and changes host-side lengths and tables, which a graph would take as
     constants and compile again for at every token. The disabled form is made on the first
-    compiled call, since making it imports torch's compiler, which ``import attnkit`` does not."""
+    compiled call, since making it imports torch's compiler, which ``import attnkit`` does not;
+    it is kept in the wrapper's own closure, which a trace reads as it is (a table keyed by the
+    method's name broke the graph once more at every trace, on hashing that name)."""
+    disabled: list[Callable[..., Any]] = []
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():
             return method(*args, **kwargs)
-        disabled = _DISABLED.get(method.__qualname__)
-        if disabled is None:
-            disabled = _DISABLED[method.__qualname__] = torch.compiler.disable(method)
-        return disabled(*args, **kwargs)
+        if not disabled:  # (the first trace only)
+            disabled.append(torch.compiler.disable(method))
+        return disabled[0](*args, **kwargs)
 
     return cast(_Method, run)
-
-
-_DISABLED: dict[str, Callable[..., Any]] = {}
 
 
 def _counts(name: str, value: object, rows: int, most: int) -> list[int]:
