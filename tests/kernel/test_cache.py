@@ -329,6 +329,25 @@ def test_opcheck_native_cache_forward() -> None:
     torch.library.opcheck(torch.ops.attnkit.native_cache_forward.default, args, kwargs)
 
 
+def test_opcheck_indexed_cache_rows() -> None:
+    """The operator a compiled index-mask call on a cache makes its rows' positions with: each
+    row's base, first key, end and real queries, for rows of their own and for shared ones."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = _case(g, 2, 4, 2, 3, 60, torch.float32)
+    for ranges, q_lens, shared in (([0, 60, 7, 33], [3, 2], False), ([5, 40, 5, 40], [], True)):
+        args = (q, k, v, None, None, None, None, [])
+        kwargs = {
+            "ranges": ranges, "q_lens": q_lens, "shared": shared, "numbers": [], "mask": "null",
+            "scale": 0.3, "softcap": None, "words": "index mask on a cache",
+        }  # fmt: skip
+        op = torch.ops.attnkit.indexed_cache_rows.default
+        torch.library.opcheck(op, args, kwargs)
+        base = [ranges[0], ranges[2]] if shared else [0, 0]
+        real = q_lens or [3, 3]
+        want = torch.tensor([base, ranges[0::2], ranges[1::2], real])
+        assert torch.equal(op(*args, **kwargs), want)
+
+
 def test_who_is_served() -> None:
     q, k = torch.randn(1, 2, 1, 8), torch.randn(3, 2, 16, 8)
     assert cache_refusal(q, k, k) is None
