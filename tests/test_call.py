@@ -486,3 +486,37 @@ def test_a_step_checked_without_gradients_is_described_again_with_them() -> None
     out.sum().backward()
     assert q.grad is not None
     assert q.grad.abs().sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_tensors_are_refused_with_the_way_to_attend_sequences_of_their_own_lengths() -> None:
+    # attention(nt, nt, nt) on jagged nested tensors failed deep inside a backend's cost model
+    # ("ValueError: ge: relation is indeterminate", from comparing a ragged length). Refused at
+    # the check of q, naming the masks that do the same, and those masks on the padded tensors
+    # give what torch's own attention gives on the nested ones.
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(11)
+    lens = [3, 5]
+    seqs = [[torch.randn(t, 2, 8, generator=g, dtype=torch.float64) for t in lens] for _ in "qkv"]
+    nested = [torch.nested.nested_tensor(s, layout=torch.jagged).transpose(1, 2) for s in seqs]
+    message = "q is a nested tensor: attention takes dense (..., H, T, D) tensors"
+    with pytest.raises(TypeError, match=re.escape(message)) as caught:
+        attnkit.attention(nested[0], nested[0], nested[0])
+    assert "masks.key_padding(lengths)" in str(caught.value)
+    assert "masks.documents(lengths)" in str(caught.value)
+    strided = torch.nested.nested_tensor([s.transpose(0, 1) for s in seqs[0]])  # (no shape)
+    with pytest.raises(TypeError, match=re.escape(message)):  # (the test suite's shape checks
+        _call._check_qkv(strided, strided, strided)  # cannot read it: the check itself)
+    view = CacheView(torch.zeros(2, 2, 6, 8), torch.zeros(2, 2, 6, 8), kv_range=[(0, 3), (0, 5)])
+    with pytest.raises(TypeError, match=re.escape(message)):
+        attnkit.attention(nested[0], view)
+    want = F.scaled_dot_product_attention(*nested).transpose(1, 2).to_padded_tensor(0.0)
+    padded = [n.transpose(1, 2).to_padded_tensor(0.0).transpose(1, 2) for n in nested]
+    got = attnkit.attention(*padded, mask=masks.key_padding(lens))
+    for b, t in enumerate(lens):
+        torch.testing.assert_close(got[b, :, :t], want[b, :t].transpose(0, 1))
+    packed = [torch.cat(list(s)).transpose(0, 1) for s in seqs]  # (H, 8, D): one row
+    got = attnkit.attention(*packed, mask=masks.documents(lens))
+    torch.testing.assert_close(got[:, :3], want[0, :3].transpose(0, 1))
+    torch.testing.assert_close(got[:, 3:], want[1, :5].transpose(0, 1))

@@ -224,11 +224,25 @@ def _check_softcap(softcap: object) -> float | None:
     return float(softcap)
 
 
+def _refuse_nested(name: str) -> NoReturn:
+    """Raise the error for a nested tensor given as q, k or v (torch's variable-length batch,
+    whose lengths no check or kernel here reads)."""
+    raise TypeError(
+        f"{name} is a nested tensor: attention takes dense (..., H, T, D) tensors. For sequences "
+        "of different lengths, pad them to one length and pass mask=masks.key_padding(lengths), "
+        "or pack them into one row and pass mask=masks.documents(lengths) (& masks.causal() "
+        "for causal ones); t.to_padded_tensor(0.0) pads a nested tensor t"
+    )
+
+
 def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
     """Raise the error that says what is wrong with q, k and v (they failed the quick check)."""
     q = require_tensor("q", q)
     k = require_tensor("k", k)
     v = require_tensor("v", v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.is_nested:
+            _refuse_nested(name)
     if q.ndim < 3:
         raise ValueError(
             f"q must have shape (..., H, Tq, Dk) with 3 or more dims, got {q.ndim}-d "
@@ -289,7 +303,9 @@ def _explain_qkv(q: object, k: object, v: object) -> NoReturn:
 def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
     """q, k and v if they fit together; one quick test on every call (a decode step included),
     the messages worked out only when it fails."""
-    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)) or (
+        q.is_nested  # (before its shape: a strided nested tensor has none)
+    ):
         _explain_qkv(q, k, v)
     qs, ks, vs = q.shape, k.shape, v.shape
     dt, dev = q.dtype, q.device
@@ -323,6 +339,8 @@ def _check_view(q: object, view: CacheView, v: object) -> tuple[Tensor, Tensor, 
             f"got {type(v).__name__}"
         )
     q = require_tensor("q", q)
+    if q.is_nested:
+        _refuse_nested("q")
     rows, hkv, dk = view.rows, view.num_kv_heads, view.k.size(-1)
     if q.ndim != 4 or q.size(0) != rows or q.size(1) % hkv or q.size(-1) != dk:
         raise ValueError(
