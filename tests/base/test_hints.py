@@ -125,6 +125,27 @@ def test_modules_name_attnkit_s_argument_for_torch_s(keyword: str, advice: str) 
         assert advice in str(err.value)
 
 
+@pytest.mark.parametrize("average", [True, False])
+def test_torch_s_average_attn_weights_names_average_weights(average: bool) -> None:
+    # MultiHeadAttention.forward(average_attn_weights=...) got Python's plain "unexpected keyword
+    # argument": it names average_weights=, which gives torch's weights; elsewhere the advice is
+    # to average the per-head weights.
+    torch.manual_seed(1)
+    theirs = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    ours = attnkit.interop.torch.from_torch(theirs).eval()
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(TypeError, match=r"instead of average_attn_weights=, pass average_weights="):
+        ours(x, need_weights=True, average_attn_weights=average)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"weights.mean\(dim=-3\) averages them"):
+        q = x[:, None]
+        attnkit.attention(q, q, q, average_attn_weights=average)  # type: ignore[call-arg]
+    with torch.no_grad():
+        got_out, got = ours(x, need_weights=True, average_weights=average)
+        want_out, want = theirs(x, x, x, need_weights=True, average_attn_weights=average)
+    assert_close(got_out, want_out)
+    assert_close(got, want)
+
+
 def test_the_padding_hint_only_for_a_b_tk_mask() -> None:
     assert "key_padding(valid=mask)" in _hints.padding_mask_hint((2, 7), (2, 4, 5, 7))
     assert "mask[:, None, None, :]" in _hints.padding_mask_hint((2, 7), (2, 4, 5, 7))

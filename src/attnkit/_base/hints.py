@@ -42,7 +42,16 @@ TORCH_KEYWORDS: dict[str, str] = {
         "(True = real key); torch's key_padding_mask is True = padding: " + _CONVERT
     ),
     "need_weights": "return_weights=True",
+    "average_attn_weights": (
+        "nothing: where attnkit returns weights they come per head, (..., H, Tq, Tk), and "
+        "weights.mean(dim=-3) averages them (MultiHeadAttention takes average_weights=)"
+    ),
     "enable_gqa": "nothing: attnkit takes k and v with fewer heads than q as they are",
+}
+
+# torch's keyword -> (attnkit's parameter, what to pass where the function takes that parameter).
+_RENAMED: dict[str, tuple[str, str]] = {
+    "average_attn_weights": ("average_weights", "average_weights= (same meaning)"),
 }
 
 
@@ -54,6 +63,9 @@ def torch_keywords(fn: Callable[P, R]) -> Callable[P, R]:
     its keywords."""
     taken = set(inspect.signature(fn).parameters)
     foreign = {k: v for k, v in TORCH_KEYWORDS.items() if k not in taken}
+    for k, (own, advice) in _RENAMED.items():
+        if k in foreign and own in taken:
+            foreign[k] = advice
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", "the function"))
 
     @functools.wraps(fn)
