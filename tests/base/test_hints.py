@@ -136,8 +136,8 @@ def test_torch_s_average_attn_weights_names_average_weights(average: bool) -> No
     x = torch.randn(2, 5, 8)
     with pytest.raises(TypeError, match=r"instead of average_attn_weights=, pass average_weights="):
         ours(x, need_weights=True, average_attn_weights=average)  # type: ignore[call-overload]
+    q = x[:, None]
     with pytest.raises(TypeError, match=r"weights.mean\(dim=-3\) averages them"):
-        q = x[:, None]
         attnkit.attention(q, q, q, average_attn_weights=average)  # type: ignore[call-arg]
     with torch.no_grad():
         got_out, got = ours(x, need_weights=True, average_weights=average)
