@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attnkit
 from attnkit import masks
 from attnkit._kernel import backward, delta_of, forward
 from attnkit.masks import Geometry, Mask
@@ -95,3 +96,46 @@ def test_every_score_level_is_exact_in_float64(level: float) -> None:
     assert_close(grads.dq.flatten(1, 2), want_grads[0], conditioning=max(1.0, abs(level)))
     assert_close(grads.dk.view(k.shape), want_grads[1], conditioning=max(1.0, abs(level)))
     assert_close(grads.dv.view(v.shape), want_grads[2])
+
+
+def _penalty(backend: str, q: torch.Tensor, w: torch.Tensor, mask: Mask | None = None) -> None:
+    """A gradient penalty through attention: the gradient of q, then a backward through it."""
+    out = attnkit.attention(q @ w, q, q, mask=mask, causal=mask is None, backend=backend)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    dq.square().sum().backward()
+
+
+def test_second_derivatives_name_the_backends_that_take_them() -> None:
+    # The chunked backend's backward is first-order: differentiating its gradients failed with
+    # torch's "element 0 of tensors does not require grad" (the gradient had no graph), or, where
+    # another path to the input had one (q @ w below), left the kernel's part out of the second
+    # derivative without an error. Both now raise an error naming the backends that serve it.
+    g = torch.Generator().manual_seed(31)
+    q = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    with attnkit.record_dispatch() as calls:
+        attnkit.attention(q, q, q, causal=True)
+    assert calls[0].chosen == "chunked"  # what auto takes for a call that needs gradients
+    message = "attnkit's chunked kernel computes first-order gradients only"
+    for backend in ("auto", "chunked"):
+        with pytest.raises(RuntimeError, match=message) as caught:
+            _penalty(backend, q, w)
+        assert 'backend="reference"' in str(caught.value)
+        assert "SDPBackend.MATH" in str(caught.value)
+    idx = torch.tensor([0, 2, 1, 4, 3, 5]).view(1, 1, 6, 1)  # one key a query: gathered
+    with attnkit.record_dispatch() as calls, pytest.raises(RuntimeError, match=message):
+        _penalty("chunked", q, w, masks.key_indices(idx))  # the gathered kernel's backward
+    assert str(calls[0].kernel).startswith("gathered")
+    # The first-order gradients under create_graph=True are the reference's.
+    out = attnkit.attention(q, q, q, causal=True, backend="chunked")
+    (got,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    ref = attnkit.attention(q, q, q, causal=True, backend="reference")
+    (want,) = torch.autograd.grad(ref.sum(), q)
+    assert_close(got, want)
+    q.grad = w.grad = None
+    _penalty("reference", q, w)  # the way out: torch's operations, differentiated twice
+    want = q.grad.clone()
+    q.grad = None
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        _penalty("sdpa", q, w)
+    assert_close(q.grad, want)

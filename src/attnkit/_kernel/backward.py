@@ -15,11 +15,18 @@ pairs explicitly, the softcap's factor included. A score_mod's tile is called ag
 ``torch.enable_grad()`` and its gradient taken with ``torch.autograd.grad``
 (:meth:`~attnkit._kernel.problem.Problem.mod_backward`); a masked pair's score gets no gradient,
 whatever the mod.
+
+The backward is differentiable once: :func:`first_order` marks the gradients it gives where a
+graph of them is asked for (``create_graph=True``), so that differentiating them again raises an
+error that names the backends whose backward torch differentiates.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,7 +36,7 @@ from .fused import fused_backward
 from .plan import Visit
 from .problem import LOG2E, ZERO_BITS, Problem, tile5
 
-__all__ = ["Grads", "backward", "delta_of", "folds"]
+__all__ = ["SECOND_ORDER", "Grads", "backward", "delta_of", "first_order", "folds"]
 
 
 @dataclass
@@ -189,3 +196,60 @@ def delta_of(out: Tensor, dout: Tensor) -> Tensor:
     float16 O and a near one-hot softmax, ``dO . (v_j - O)`` cancels and O's rounding error would
     dominate the gradients."""
     return (dout.to(out.dtype) * out).sum(-1)
+
+
+#: Why the gradients of attnkit's kernel cannot be differentiated again, and what can.
+SECOND_ORDER = (
+    "attnkit's chunked kernel computes first-order gradients only: its backward cannot be "
+    "differentiated again (a gradient penalty, a Hessian-vector product, MAML's inner step). "
+    'Run such a call with backend="reference", whose backward is made of torch\'s '
+    'differentiable operations, or backend="sdpa" inside '
+    "torch.nn.attention.sdpa_kernel(SDPBackend.MATH) (torch's fused kernels are first-order "
+    'too). backend="auto" picks chunked for training on CPUs: nothing at the forward tells it '
+    "that a second derivative will be taken"
+)
+
+
+class _FirstOrder(torch.autograd.Function):
+    """A gradient, as it is, whose own backward raises :data:`SECOND_ORDER`. It hangs on the
+    ``anchors``, the tensors the gradient depends on, so that it needs a gradient where they do
+    (a gradient made from an ``out.sum()`` that needs none would otherwise need none either)."""
+
+    generate_vmap_rule = True  # (torch.func.vmap over grad: per-example gradients)
+
+    @staticmethod
+    def forward(grad: Tensor, *anchors: Tensor) -> Tensor:
+        return grad.view_as(grad)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *unused: Tensor | None) -> Tensor:
+        raise RuntimeError(SECOND_ORDER)
+
+
+_Backward = Callable[..., tuple[Any, ...]]
+
+
+def first_order(backward: _Backward) -> _Backward:
+    """An ``autograd.Function``'s ``backward`` run without a graph (as torch's
+    ``once_differentiable`` runs it); where a graph of its gradients is asked for
+    (``create_graph=True``: grad mode is on in the backward), each gradient it gives is marked,
+    so that differentiating it again raises :data:`SECOND_ORDER` rather than leaving the
+    kernel's part out of the second derivative or failing on a gradient without a graph.
+    ``ctx.saved_tensors`` must hold the inputs the gradients depend on."""
+
+    @functools.wraps(backward)
+    def run(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
+        graphed = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        if not graphed:
+            return grads
+        anchors = [t for t in ctx.saved_tensors if isinstance(t, Tensor) and t.requires_grad]
+        apply: Callable[..., Tensor] = _FirstOrder.apply
+        return tuple(apply(g, *anchors) if isinstance(g, Tensor) else g for g in grads)
+
+    return run

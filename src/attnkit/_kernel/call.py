@@ -33,6 +33,7 @@ from ..masks import Geometry, KeyIndices, Mask
 from ..modules._packing import joint_grads
 from ..scores import ScoreTerm, term_error
 from . import FUSED_ROWS, delta_of, draw_seed, finish, no_autocast, sink_grad
+from .backward import first_order
 from .choice import choose, quantized_refusal
 from .gathered import gathered_attention
 from .phases import KernelSpec, kernel_backward, kernel_forward
@@ -319,7 +320,7 @@ class _KernelAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(
         ctx: torch.autograd.function.FunctionCtx,
         dout: Tensor | None,

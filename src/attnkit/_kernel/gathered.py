@@ -64,6 +64,7 @@ from .._score_mod import ScoreMod
 from .._score_mod import apply as apply_score_mod
 from ..masks import Geometry, KeyIndices, Mask, band_visibility, first_entries
 from ..scores import DistanceBias, ScoreTerm, cap_scores, softcap_form
+from .backward import first_order
 from .problem import no_autocast
 from .sinks import finish, sink_grad
 
@@ -955,7 +956,7 @@ class _GatheredAttention(torch.autograd.Function):
         return out.to(q.dtype).reshape(*shape, v.size(-1)), lse.reshape(shape)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, bias, sinks, *extra = ctx.saved_tensors
         needs = ctx.needs_input_grad
