@@ -170,8 +170,10 @@ def test_nan_and_inf_at_masked_keys_touch_no_output_or_gradient(
     hidden[1, :, 30:] = True  # the padding's scales: a gradient of 0 whatever they hold
     got[2], got[3] = got[2].masked_fill(hidden, 0.0), got[3].masked_fill(hidden, 0.0)
     want[2], want[3] = want[2].masked_fill(hidden, 0.0), want[3].masked_fill(hidden, 0.0)
-    for g, w in zip(got, want, strict=True):  # (float32 on two kernels: rounding apart)
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    # float32 on two kernels, rounding apart: a scale's gradient sums products of either sign,
+    # so its error is float32's relative to the largest of them, not to the sum
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * max(1.0, w.abs().max().item()))
     with pytest.raises(attnkit.BackendError, match="hold NaN/inf and gradients are needed"):
         attention(q.requires_grad_(), bad_kq, vq, k_scale=bad_ks, v_scale=bad_vs, mask=mask,
                   backend="sdpa")  # fmt: skip
