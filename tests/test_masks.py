@@ -368,3 +368,22 @@ def test_from_tensor_on_flex_and_compiled_with_the_tensor_as_an_input() -> None:
         want_loss.backward()
         torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(q1.grad, q2.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_documents_from_ids_under_compile() -> None:
+    """Document ids of any values (negative, out of order) give the same mask compiled as not,
+    in one graph (ranking them with ``torch.unique`` broke it: its output shape is data)."""
+    from torch._dynamo.utils import counters
+
+    ids = torch.tensor([[5, 5, -3, -3, 9], [2, 7, 7, 2, 2]])
+
+    def dense(ids: torch.Tensor) -> torch.Tensor:
+        return masks.documents(ids=ids).dense(5, batch_size=2)
+
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(dense, backend="aot_eager")(ids)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    want = (ids.unsqueeze(-1) == ids.unsqueeze(-2)).unsqueeze(1)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(dense(ids), want)

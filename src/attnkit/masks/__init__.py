@@ -669,10 +669,16 @@ def documents(
         if ids.ndim not in (1, 2):
             raise ValueError(f"ids must be (Tk,) or (B, Tk), got {shape_str(ids.shape)}")
         # Dense ranks keep which positions share a document and free -1 for "before key 0".
-        # (on meta there are no values to rank: the ids stand for their ranks)
-        ranks = (
-            ids if ids.device.type == "meta" else torch.unique(ids, return_inverse=True)[1]
-        ).reshape(1 if ids.ndim == 1 else ids.size(0), ids.size(-1))
+        # (on meta there are no values to rank: the ids stand for their ranks; while
+        # torch.compile traces, unique's output shape is data and breaks the graph: the ids less
+        # their smallest keep the documents apart and free -1 too)
+        if ids.device.type == "meta":
+            ranks = ids
+        elif torch.compiler.is_compiling():
+            ranks = ids.long() - ids.long().flatten().amin(0) if ids.numel() else ids
+        else:
+            ranks = torch.unique(ids, return_inverse=True)[1]
+        ranks = ranks.reshape(1 if ids.ndim == 1 else ids.size(0), ids.size(-1))
         batch = "" if ids.ndim == 1 else f", B={dim_str(ids.size(0))}"
         return _Documents(ranks.long(), f"ids of Tk={dim_str(ids.size(-1))}{batch}")
     if isinstance(lengths, Tensor) and (

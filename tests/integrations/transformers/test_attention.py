@@ -795,3 +795,22 @@ def test_a_batch_element_of_padding_alone_gives_no_warning_about_torchs_conventi
     theirs = sdpa_attention_forward(layer, q, k, v, allowed, scaling=0.3)[0]
     torch.testing.assert_close(ours[0], theirs[0])
     assert torch.equal(ours[1], torch.zeros_like(ours[1]))
+
+
+def test_a_compiled_model_traces_attnkit_without_graph_breaks() -> None:
+    """Compiled with torch.compile's defaults (graph breaks allowed), a model's attention traces
+    in one graph: without packed sequences its ``position_ids`` are one row (0..T-1), which
+    attnkit turns into a documents mask while torch.compile traces, and ranking those ids with
+    ``torch.unique`` (an output shape that depends on data) broke the graph at every layer. The
+    compiled logits equal eager's uncompiled ones at the real tokens."""
+    from torch._dynamo.utils import counters
+
+    m = model("llama")
+    batch, real = inputs("llama", "left", torch.float32)
+    want = run(m, "eager", **batch).logits
+    torch._dynamo.reset()
+    counters.clear()
+    with use(m, "attnkit"), torch.no_grad():
+        got = torch.compile(m, backend="aot_eager")(**batch).logits
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
