@@ -48,6 +48,15 @@ when every attention output is zeroed is noted, as it is compared on little else
     python benchmarks/sweep_transformers.py --heads other   # the families without an LM head
     python benchmarks/sweep_transformers.py --dtype bfloat16 --static-cache --sdpa
     python benchmarks/sweep_transformers.py --json out.json
+    python benchmarks/sweep_transformers.py llama gpt2 --compile  # under torch.compile
+
+With ``--compile`` a family is compared on its forward alone: the logits of the padded batch
+(under ``torch.no_grad``) of the model compiled with ``torch.compile(model, backend=...)``
+(``aot_eager`` by default; ``--compile-backend inductor`` generates code) against eager's
+uncompiled logits. The row is ``equal`` or ``differ`` by the tolerance above, ``fails`` when the
+compiled attnkit model raises where the compiled eager model does not, ``skipped`` when the
+compiled eager model raises too (or eager cannot run uncompiled); it gives the graphs and graph
+breaks of both compiled models (a break in attention code splits every layer's graph).
 """
 
 from __future__ import annotations
@@ -348,6 +357,7 @@ class Options:
     dtype: torch.dtype = torch.float32
     static: bool = False
     sdpa: bool = False
+    compile: str | None = None  # a torch.compile backend: compare compiled forwards only
 
     @property
     def tolerance(self) -> float:
@@ -653,6 +663,8 @@ def _eager(model_type: str, options: Options) -> tuple[dict[str, Any], dict[str,
 
 def sweep_row(model_type: str, options: Options = Options()) -> Row:
     """One family, as :class:`Row`."""
+    if options.compile:
+        return compile_row(model_type, options)
     if model_type in SKIP:
         return Row("skipped", SKIP[model_type])
     try:
@@ -691,6 +703,68 @@ def sweep_row(model_type: str, options: Options = Options()) -> Row:
         detail += f"; attention's share of the logits only {share:.0e}"
     row.detail = detail
     return row
+
+
+def _compiled_logits(
+    model: Any, inputs: dict[str, Tensor], backend: str
+) -> tuple[Tensor, int, int]:
+    """What is compared of the forward of ``model`` compiled with ``backend``, with the graphs
+    torch.compile made of it and the graph breaks it met."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # each family compiles afresh, within the recompile limit
+    counters.clear()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        logits = _compared(model, inputs, compiled(**inputs))
+    return logits, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def compile_row(model_type: str, options: Options) -> Row:
+    """One family under ``torch.compile`` (backend ``options.compile``): the compiled attnkit
+    model's logits against the uncompiled eager model's, as :class:`Row`, with the graphs and
+    graph breaks of both compiled models."""
+    backend = options.compile or "aot_eager"
+    if model_type in SKIP:
+        return Row("skipped", SKIP[model_type])
+    try:
+        eager = build(model_type, "eager", options.dtype)
+        state = copy.deepcopy(eager.state_dict())
+        for inputs in inputs_to_try(eager, options.dtype):
+            try:
+                with torch.no_grad():
+                    truth = _compared(eager, inputs, eager(**inputs))
+                break
+            except Exception:
+                eager.load_state_dict(state)
+        else:
+            raise RuntimeError("no inputs eager takes")
+    except Exception as e:
+        return Row("skipped", "eager: " + _reason(e))
+    try:
+        torch.manual_seed(0)
+        model = build(model_type, "attnkit", options.dtype)
+    except Exception as e:
+        return Row("refused", _reason(e)) if _refused(e) else Row("fails", "build: " + _reason(e))
+    model.load_state_dict(copy.deepcopy(state))
+    try:
+        theirs: tuple[Tensor, int, int] | BaseException = _compiled_logits(eager, inputs, backend)
+    except Exception as e:
+        theirs = e
+    try:
+        ours, graphs, breaks = _compiled_logits(model, inputs, backend)
+    except Exception as e:
+        if isinstance(theirs, BaseException):
+            return Row("skipped", f"compiled eager: {_reason(theirs)}")
+        return Row("fails", f"compiled ({backend}): {_reason(e)}")
+    logits = _relative(ours, truth)
+    verdict = "equal" if logits <= options.tolerance else "differ"
+    detail = f"compiled ({backend}) logits {logits:.1e}, {graphs} graphs, {breaks} breaks"
+    if isinstance(theirs, BaseException):
+        detail += f" (compiled eager raises: {_reason(theirs)[:60]})"
+    else:
+        detail += f" (eager: {theirs[1]} graphs, {theirs[2]} breaks)"
+    return Row(verdict, detail)
 
 
 def sweep_one(model_type: str, options: Options = Options()) -> tuple[str, str]:
@@ -781,20 +855,33 @@ def _parse() -> argparse.Namespace:
         "--static-cache", action="store_true", help="causal LMs also generate with a static cache"
     )
     parser.add_argument("--sdpa", action="store_true", help="compare with sdpa too")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compare the forward under torch.compile with eager's uncompiled one",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        default="aot_eager",
+        help="the torch.compile backend with --compile (default aot_eager; inductor too)",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     return parser.parse_args()
 
 
 def main() -> None:
     args = _parse()
-    options = Options(getattr(torch, args.dtype), args.static_cache, args.sdpa)
+    backend = args.compile_backend if args.compile else None
+    options = Options(getattr(torch, args.dtype), args.static_cache, args.sdpa, backend)
     register()
     transformers.logging.disable_default_handler()  # its warnings about the tiny configs
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # tiny models: a second thread costs more than it saves
     every = {"lm": list(families()), "other": list(other_families())}
     names = args.families or every.get(args.heads, every["lm"] + every["other"])
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.dtype}\n")
+    compiled = f", torch.compile({args.compile_backend})" if args.compile else ""
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.dtype}"
+          f"{compiled}\n")  # fmt: skip
     print("| family | result | seconds | detail |")
     print("| --- | --- | ---: | --- |")
     rows = []
@@ -814,7 +901,8 @@ def main() -> None:
     if args.json:
         import results
 
-        config = {"T": T, "B": B, "dtype": args.dtype, "static_cache": args.static_cache}
+        config = {"T": T, "B": B, "dtype": args.dtype, "static_cache": args.static_cache,
+                  "compile": backend}  # fmt: skip
         results.save(args.json, "transformers_sweep", rows, config=config)
 
 
