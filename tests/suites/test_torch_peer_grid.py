@@ -37,6 +37,8 @@ from attnkit import BackendError, MultiHeadAttention, attention, masks
 from attnkit.interop.torch import from_torch, from_torch_masks, to_torch
 from attnkit.testing import assert_close
 
+from ..helpers import brute_force
+
 F64 = torch.float64
 BACKENDS = ["auto", "reference", "chunked", "sdpa"]
 
@@ -47,33 +49,12 @@ pytestmark = [
 ]
 
 
-def _ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-) -> Tensor:
-    """attnkit's documented attention in float64: ``softmax(q k^T * scale + bias)`` over the keys
-    that ``mask`` (True = may attend) and the bottom-right causal band leave visible, key/value
-    head ``h // (H / Hkv)`` for query head ``h``; a row with no visible key is 0 (and so are its
-    gradients)."""
-    q, k, v = q.to(F64), k.to(F64), v.to(F64)
-    group = q.size(-3) // k.size(-3)
-    k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
-    s = q @ k.transpose(-1, -2) * (q.size(-1) ** -0.5 if scale is None else scale)
-    if bias is not None:
-        s = s + bias.to(F64)
-    tq, tk = q.size(-2), k.size(-2)
-    seen = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq) if causal else torch.ones(tq, tk)
-    seen = seen.bool() if mask is None else seen.bool() & mask
-    s = s.masked_fill(~seen, -math.inf)
-    empty = (s == -math.inf).all(-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
-    return p @ v
+def _ref(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+    """attnkit's documented attention in float64 (``tests/helpers.brute_force``, row by row from
+    the definition): the keys ``mask`` (True = may attend) and the bottom-right causal band leave
+    visible, key/value head ``h // (H / Hkv)`` for query head ``h``; a row with no visible key is
+    0 (and so are its gradients)."""
+    return brute_force(q, k, v, **kwargs)[0]
 
 
 def _qkv(
