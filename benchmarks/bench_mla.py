@@ -22,6 +22,10 @@ absorbed call is printed with the kernel that served it.
 
     python benchmarks/bench_mla.py
     python benchmarks/bench_mla.py --rounds 5 --json mla.json
+    python benchmarks/bench_mla.py --load busy   # another process spinning on one core
+
+On CPUs with AVX512-BF16 where its dot products outrun float32 FMAs (AMD's), the absorbed call's
+products run on them; ``ATTNKIT_BF16_DOTS=never`` times the float32 FMAs instead.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_native import measure
+from bench_native import Load, measure
 
 import attnkit
 
@@ -106,13 +110,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--load",
+        choices=["quiet", "busy"],
+        default="quiet",
+        help="busy: another process keeps one core spinning for the whole run",
+    )
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     fns, costs = candidates()
-    print(f"auto serves the absorbed call with: {auto_choice()} ({args.threads} threads)")
-    with torch.inference_mode():
-        samples = measure(fns, args.rounds, [False], None)
+    print(
+        f"auto serves the absorbed call with: {auto_choice()} ({args.threads} threads, {args.load})"
+    )
+    spinner = Load() if args.load == "busy" else None
+    try:
+        with torch.inference_mode():
+            samples = measure(fns, args.rounds, [False], None)
+    finally:
+        if spinner is not None:
+            spinner.stop()
     seconds = {name: statistics.median(samples[name, False]) for name in fns}
     rate = {name: 2 * costs[name][0] / seconds[name] for name in fns}
     print(
@@ -139,8 +156,8 @@ def main() -> None:
         )
     over_expanded = seconds["absorbed"] / seconds["expanded"]
     of_matmul = rate["absorbed"] / rate["matmul"]
-    print(f"absorbed / expanded time: {over_expanded:.2f}x (target <= 0.30x)")
-    print(f"absorbed / matmul GFLOP/s: {of_matmul:.2f} (target >= 0.50)")
+    print(f"absorbed / expanded time: {over_expanded:.2f}x")
+    print(f"absorbed / matmul GFLOP/s: {of_matmul:.2f}")
     print(f"per head / absorbed time: {seconds['per head'] / seconds['absorbed']:.2f}x")
     print(f"absorbed / floor time: {seconds['absorbed'] / seconds['floor']:.1f}x")
     if args.json:
@@ -154,6 +171,7 @@ def main() -> None:
             "Tk": T,
             "dtype": "bfloat16",
             "threads": args.threads,
+            "load": args.load,
             "auto": auto_choice(),
             "absorbed_over_expanded": over_expanded,
             "absorbed_of_matmul": of_matmul,

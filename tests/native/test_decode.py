@@ -8,6 +8,9 @@ an inference call does not read beforehand.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any, cast
 
 import pytest
@@ -21,7 +24,7 @@ from attnkit._base import finite as finite_module
 from attnkit._kernel import draw_seed, dropout_mask
 from attnkit._kernel.call import native_arguments, plan_call
 from attnkit._kernel.choice import decodes
-from attnkit._native.kernel import DECODE_QUERIES
+from attnkit._native.kernel import BF16_DOT, BF16_GROUP_DOTS, DECODE_QUERIES
 from attnkit.backends import Chunked
 from attnkit.testing import assert_close
 
@@ -500,10 +503,12 @@ def test_reduced_keys_and_values_are_read_as_they_are(
 ) -> None:
     # 1 and 5 queries take the decode path, 40 the blocked forward (3 query blocks).
     args, kwargs, args32, kwargs32 = _reduced_call(dtype, tq, case)
-    if dtype == torch.bfloat16 and tq > 16:
+    if dtype == torch.bfloat16 and (tq > 16 or (BF16_GROUP_DOTS and tq * 4 > 8)):
         # On a CPU that multiplies bfloat16, the blocked forward's products run in bfloat16 with
-        # the probabilities rounded for p v (tests/native/test_matrix_unit.py); without register
-        # tiles they are float32 products of the same numbers, which this test is about.
+        # the probabilities rounded for p v (tests/native/test_matrix_unit.py), and so do a
+        # decode step's of more than 8 rows a head where the dot products outrun float32 FMAs
+        # (test_grouped_bf16_dot_products_stay_within_the_rounding_of_the_weights); without
+        # register tiles they are float32 products of the same numbers, which this test is about.
         kwargs["register_tiles"] = False
     q, k, v = args[:3]
     assert q.dtype == torch.float32  # type: ignore[union-attr]
@@ -548,6 +553,69 @@ def test_reduced_keys_and_values_split_by_keys(dtype: torch.dtype) -> None:
     )  # fmt: skip
     for a, w in zip(got, want, strict=True):
         assert_close(a, w, dtype=dtype)
+
+
+# A decode step of many bfloat16 rows a key/value head, in a process that fixes how it runs
+# ($ATTNKIT_BF16_DOTS, read once): the error against float64 and a digest of the outputs.
+_GROUPED = """
+import sys
+import torch
+import attnkit
+from attnkit import masks
+from attnkit._native.kernel import BF16_GROUP_DOTS
+assert BF16_GROUP_DOTS == (sys.argv[1] == "always"), BF16_GROUP_DOTS
+g = torch.Generator().manual_seed(0)
+cases = [  # (B, H, Hkv, Tq, Tk, Dk, Dv or None: v the first 512 columns of k), keywords
+    ((2, 16, 1, 1, 300, 576, None), {}),  # latent attention's absorbed decode
+    ((2, 16, 1, 3, 301, 576, None), {"causal": True}),
+    ((1, 12, 1, 1, 301, 72, 40), {"mask": masks.sliding_window(200), "softcap": 5.0}),
+    ((2, 8, 2, 3, 257, 33, 17), {"mask": masks.key_padding([250, 3])}),
+    ((1, 18, 2, 2, 129, 64, 64), {"sinks": torch.randn(18, generator=g).bfloat16()}),
+]
+worst, digest = 0.0, 0.0
+for (b, h, hkv, tq, tk, dk, dv), kw in cases:
+    q = torch.randn(b, h, tq, dk, generator=g).bfloat16()
+    k = torch.randn(b, hkv, tk, dk, generator=g).bfloat16()
+    v = k[..., :512] if dv is None else torch.randn(b, hkv, tk, dv, generator=g).bfloat16()
+    with torch.inference_mode():
+        out = attnkit.attention(q, k, v, backend="chunked", **kw)
+    said = str(attnkit.explain(q, k, v, backend="chunked", **kw))
+    assert ("AVX512-BF16's dot products, the weights rounded" in said) == BF16_GROUP_DOTS, said
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    kw = {n: x.double() if n == "sinks" else x for n, x in kw.items()}
+    want = attnkit.attention(q64, k64, v64, backend="reference", **kw)
+    # each weight rounded to bfloat16 moves its term by at most 2^-8 of it (bfloat16 keeps 8
+    # significant bits), and the output's own rounding moves it by 2^-8 of itself: 2^-8 of
+    # sum_j p_j |v_j| bounds each
+    reach = attnkit.attention(q64, k64, v64.abs(), backend="reference", **kw)
+    worst = max(worst, ((out.double() - want).abs() / (2.0**-7 * reach + 1e-6)).max().item())
+    digest += out.double().sum().item()
+print(worst, digest)
+"""
+
+
+def _grouped_run(word: str) -> tuple[float, float]:
+    env = {**os.environ, "ATTNKIT_BF16_DOTS": word}
+    done = subprocess.run(
+        [sys.executable, "-c", _GROUPED, word], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    worst, digest = done.stdout.split()
+    return float(worst), float(digest)
+
+
+@pytest.mark.skipif(not BF16_DOT, reason="the CPU has no AVX512-BF16")
+def test_grouped_bf16_dot_products_stay_within_the_rounding_of_the_weights() -> None:
+    # The query heads that share a key/value head (grouped heads, latent attention's absorbed
+    # form), on AVX512-BF16's dot products: the keys as they are, the weights rounded to bfloat16
+    # for p v. Their error stays within that rounding's; the float32 FMAs' run too, and the two
+    # runs differ (the switch chooses).
+    worst, digest = _grouped_run("always")
+    worst32, digest32 = _grouped_run("never")
+    assert worst <= 1.0, worst
+    assert worst32 <= 1.0, worst32
+    assert digest != digest32
 
 
 def test_reduced_keys_and_values_need_a_float32_q() -> None:

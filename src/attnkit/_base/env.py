@@ -3,7 +3,8 @@
 A switch (``ATTNKIT_NATIVE``, ``ATTNKIT_SHAPE_CHECKS``) takes ``1``, ``on``, ``true``, ``yes`` or
 ``0``, ``off``, ``false``, ``no``, in any case and with spaces around; unset or empty, its
 default. A number (``ATTNKIT_BUILD_TIMEOUT``, ``ATTNKIT_BENCH_THREADS``) takes a decimal in its
-range. A choice (``ATTNKIT_SHARE``) takes one of its words, in any case and with spaces around.
+range. A choice (``ATTNKIT_SHARE``, ``ATTNKIT_BF16_DOTS``) takes one of its words, in any case
+and with spaces around.
 
 Any other value warns, naming the variable, the value, what is accepted and the default taken
 instead, once per variable and value, and the default runs. Not an error: the variables are read

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._base.env import choice
 from .._base.quantized import QUANTIZED
 from .._kernel.plan import BlockPlan
 from ..masks import Geometry
@@ -24,6 +25,7 @@ from .ops import no_graph
 
 __all__ = [
     "BF16_DOT",
+    "BF16_GROUP_DOTS",
     "BF16_PRODUCTS",
     "DECODE_QUERIES",
     "MATRIX_UNIT",
@@ -62,6 +64,34 @@ MATRIX_UNIT = cpu_has("_is_amx_tile_supported")
 # Whether it has AVX512-BF16 (every CPU with AMX has): without the matrix unit the kernel runs
 # those products as AVX512-BF16's dot products (AMD's Zen 4 on, Intel's Cooper Lake).
 BF16_DOT = cpu_has("_is_avx512_bf16_supported")
+
+
+def _amd() -> bool:
+    """Whether the CPU is AMD's (Linux's /proc/cpuinfo; elsewhere, or unreadable: no)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() == "AuthenticAMD"
+    except OSError:
+        pass
+    return False
+
+
+def _bf16_dots_outrun_fma() -> bool:
+    # As csrc/matrix_unit.h's bf16_dots_outrun_fma decides: $ATTNKIT_BF16_DOTS, else the vendor.
+    if not BF16_DOT:
+        return False
+    word = choice("ATTNKIT_BF16_DOTS", ("auto", "always", "never"), "auto")
+    return word == "always" if word != "auto" else _amd()
+
+
+#: Whether the decode path runs a step of more than 8 query rows per key/value head (grouped
+#: heads, latent attention's absorbed form) of bfloat16 queries, keys and values on AVX512-BF16's
+#: dot products, the weights rounded to bfloat16 for ``p v`` (csrc/decode_group.h): where those
+#: outrun float32 FMAs (AMD's cores; ``ATTNKIT_BF16_DOTS=always|never`` fixes it).
+BF16_GROUP_DOTS = _bf16_dots_outrun_fma()
+
 #: Where the native kernel runs a bfloat16 call's products (products of bfloat16 summed in
 #: float32), in words; None: in float32, on bfloat16 converted to float32.
 BF16_PRODUCTS = (

@@ -48,7 +48,7 @@ from .._kernel.operator import traceable, traced_attention
 from .._kernel.planning import decode_plan, planned
 from .._native import loaded as native_loaded
 from .._native import status as native_status
-from .._native.kernel import BF16_PRODUCTS
+from .._native.kernel import BF16_GROUP_DOTS, BF16_PRODUCTS
 from .._record import note_kernel
 from .._score_mod import captured_tensors, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
@@ -374,9 +374,27 @@ class Chunked(Backend):
                 and not decodes(plan)
             ):
                 kernel += f"; its bfloat16 products on {BF16_PRODUCTS}"
+            elif self._group_dots(call, plan):
+                kernel += (
+                    "; the query heads that share a key/value head take their products on "
+                    "AVX512-BF16's dot products, the weights rounded to bfloat16"
+                )
             return [*notes, kernel]
         fused = fused_note(call, plan.grid, self.fused_rows)
         return [*notes, why, *([fused] if fused else [])]
+
+    def _group_dots(self, call: AttentionCall, plan: BlockPlan) -> bool:
+        """Whether the native decode path runs a bfloat16 call's rows sharing a key/value head
+        (more than 8 of them) on AVX512-BF16's dot products (see BF16_GROUP_DOTS)."""
+        rows = call.q_len * (call.num_heads // max(call.num_kv_heads, 1))
+        return (
+            BF16_GROUP_DOTS
+            and decodes(plan)
+            and self.register_tiles
+            and call.dtype == torch.bfloat16
+            and call.quantized is None
+            and rows > 8
+        )
 
     def _reads_in_place(self, call: AttentionCall) -> bool:
         """Whether the native decode path reads a call's int8/float8 keys and values in place

@@ -55,6 +55,11 @@ struct Decode {
   int64_t rows() const { return bq * c.G; }  // an item's rows per key/value head
 };
 
+// Whether a thread's buffers hold room for bfloat16 weights and value pairs (float32 products
+// of bfloat16 keys and values).
+template <typename T, typename KV>
+constexpr bool kBf16Pairs = std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>;
+
 // One thread's buffers: the item's query rows (heads x rows x Dk, rows ordered (query, head)), a
 // step's scores, the position term's window, and the online softmax's state of every row.
 template <typename T, typename KV>
@@ -64,6 +69,9 @@ struct DecodeBuffers {
   // CPU has AVX512-BF16 (q16_ok): q k^T then runs on its dot products (see key_dots).
   std::vector<at::BFloat16> q16;
   bool q16_ok = false;
+  // A grouped step's weights in bfloat16 and its values in pairs, where its products run on
+  // AVX512-BF16's dot products (see group_weigh_bf16).
+  std::vector<at::BFloat16> w16, pairs16;
   // A step's scales of quantized keys and values, for each head of the item (see run_step).
   std::vector<float> k_scales, v_scales;
   std::vector<T> t;             // a careful step's terms alone (see run_step)
@@ -85,6 +93,8 @@ struct DecodeBuffers {
         acc(d.heads * d.rows() * d.c.Dv),
         m(d.heads * d.rows()),
         l(d.heads * d.rows()),
+        w16(kBf16Pairs<T, KV> ? d.rows() * (kStep + 2) : 0),
+        pairs16(kBf16Pairs<T, KV> ? kStep / 2 * ((d.c.Dv + 31) / 32 * 64) : 0),
         k_scales(is_quantized<KV> ? d.heads * kStep : 0),
         v_scales(k_scales.size()),
         t(d.rows() * kStep),

@@ -132,6 +132,14 @@ ATTNKIT_INLINE void group_keys([[maybe_unused]] DecodeBuffers<T, KV>& b,
                                [[maybe_unused]] int64_t nk, [[maybe_unused]] int64_t dk,
                                [[maybe_unused]] T alpha, [[maybe_unused]] RowList<KV> keys,
                                [[maybe_unused]] T* s, [[maybe_unused]] const Ahead<KV>& ahead) {
+#if defined(ATTNKIT_MATRIX_UNIT)
+  if constexpr (kBf16Pairs<T, KV>) {
+    if (b.q16_ok && bf16_dots_outrun_fma()) {
+      group_dots_bf16(nr, nk, dk, alpha, b.q16.data() + q0, dk, keys, s, nk, ahead);
+      return;
+    }
+  }
+#endif
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float> && !std::is_same_v<KV, float>) {
     group_dots(nr, nk, dk, alpha, b.q.data() + q0, dk, keys, s, nk, b.wide_k.data(), ahead);
@@ -145,6 +153,14 @@ ATTNKIT_INLINE void group_values([[maybe_unused]] DecodeBuffers<T, KV>& b,
                                  [[maybe_unused]] int64_t dv, [[maybe_unused]] const T* s,
                                  [[maybe_unused]] RowList<KV> values, [[maybe_unused]] T* acc,
                                  [[maybe_unused]] const Ahead<KV>& ahead) {
+#if defined(ATTNKIT_MATRIX_UNIT)
+  if constexpr (kBf16Pairs<T, KV>) {
+    if (b.q16_ok && bf16_dots_outrun_fma()) {
+      group_weigh_bf16(nr, nk, dv, s, nk, values, acc, b.w16.data(), b.pairs16.data(), ahead);
+      return;
+    }
+  }
+#endif
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float> && !std::is_same_v<KV, float>) {
     group_weigh(nr, nk, dv, s, nk, values, acc, b.wide_v.data(), ahead);

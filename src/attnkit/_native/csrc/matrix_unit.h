@@ -20,9 +20,12 @@
 #define ATTNKIT_CPUID 1
 #endif
 
+#include <cctype>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "common.h"
@@ -71,6 +74,34 @@ inline bool has_bf16_dot() {
 
 // Whether the bfloat16 products run natively here: on the matrix unit or on AVX512-BF16.
 inline bool has_bf16_products() { return has_matrix_unit() || has_bf16_dot(); }
+
+// Whether AVX512-BF16's dot products outrun float32 FMAs on rows converted to float32, where a
+// product's operands are read from L1 anyway (the decode path's grouped steps, decode_group.h).
+// AMD's cores (Zen 4 on) issue a 512-bit vdpbf16ps, 32 multiply-adds, at the rate of a 512-bit
+// FMA, 16; Intel's without the matrix unit issue it at half their FMAs' rate, no faster than the
+// FMAs. $ATTNKIT_BF16_DOTS ("always" or "never"; "auto", the default, as above) fixes the
+// choice; "always" still needs AVX512-BF16.
+inline bool bf16_dots_outrun_fma() {
+  static const bool yes = [] {
+    if (!has_bf16_dot()) return false;
+    const char* text = std::getenv("ATTNKIT_BF16_DOTS");
+    std::string word = text == nullptr ? "" : text;
+    // As attnkit reads it (which warns of a misspelling): any case, spaces around.
+    word.erase(0, word.find_first_not_of(" \t\r\n"));
+    word.erase(word.find_last_not_of(" \t\r\n") + 1);
+    for (char& ch : word) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+    if (word == "always" || word == "never") return word == "always";
+#if defined(ATTNKIT_CPUID)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    // CPUID leaf 0: the vendor's name in EBX, EDX, ECX ("Auth", "enti", "cAMD")
+    return __get_cpuid(0, &a, &b, &c, &d) != 0 && b == 0x68747541u && d == 0x69746e65u &&
+           c == 0x444d4163u;
+#else
+    return false;
+#endif
+  }();
+  return yes;
+}
 
 #define ATTNKIT_BF16 __attribute__((target("avx512bf16")))
 ATTNKIT_BF16 inline void dot_product(int64_t m, int64_t n, int64_t k, const at::BFloat16* a,
