@@ -25,22 +25,42 @@ namespace attnkit {
 namespace {
 
 #if defined(CPU_CAPABILITY_AVX512)
-// dot_block for rows of R of a block of K keys (K = kb at run time, 1 to 4) of float32 rows.
-template <int R>
-inline void key_block(int64_t kb, int64_t d, float alpha, const float* a, int64_t lda,
-                      const float* const* x, float* s, int64_t ld) {
-  switch (kb) {
-    case 4:
-      dot_block<R, 4>(d, alpha, a, lda, x, s, ld);
-      break;
+// f(r, R) for each block of 4 of m rows, from row r, the last of R = m % 4 rows if m is not a
+// multiple of 4 (R a std::integral_constant: each block size runs a template of its own).
+template <typename F>
+ATTNKIT_INLINE void row_blocks(int64_t m, F&& f) {
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) f(r, std::integral_constant<int, 4>{});
+  switch (m - r) {
     case 3:
-      dot_block<R, 3>(d, alpha, a, lda, x, s, ld);
+      f(r, std::integral_constant<int, 3>{});
       break;
     case 2:
-      dot_block<R, 2>(d, alpha, a, lda, x, s, ld);
+      f(r, std::integral_constant<int, 2>{});
+      break;
+    case 1:
+      f(r, std::integral_constant<int, 1>{});
       break;
     default:
-      dot_block<R, 1>(d, alpha, a, lda, x, s, ld);
+      break;
+  }
+}
+
+// f(K) for a block of K = kb keys (1 to 4; K a std::integral_constant, as row_blocks gives R).
+template <typename F>
+ATTNKIT_INLINE void key_blocks(int64_t kb, F&& f) {
+  switch (kb) {
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    default:
+      f(std::integral_constant<int, 1>{});
       break;
   }
 }
@@ -61,26 +81,13 @@ void group_dots(int64_t m, int64_t n, int64_t d, float alpha, const float* a, in
     // The next step's rows of this block asked for a few at a time, one share per block of rows:
     // asked for at once, their lines fill every buffer of misses and the prefetches stall.
     const int64_t blocks = (m + 3) / 4;
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4) {
-      const int64_t i = r / 4;
-      ahead.for_keys(j + kb * i / blocks, j + kb * (i + 1) / blocks, n);
-      key_block<4>(kb, d, alpha, a + r * lda, lda, rows, s + r * ld + j, ld);
-    }
-    if (r < m) ahead.for_keys(j + kb * (blocks - 1) / blocks, j + kb, n);
-    switch (m - r) {
-      case 3:
-        key_block<3>(kb, d, alpha, a + r * lda, lda, rows, s + r * ld + j, ld);
-        break;
-      case 2:
-        key_block<2>(kb, d, alpha, a + r * lda, lda, rows, s + r * ld + j, ld);
-        break;
-      case 1:
-        key_block<1>(kb, d, alpha, a + r * lda, lda, rows, s + r * ld + j, ld);
-        break;
-      default:
-        break;
-    }
+    row_blocks(m, [&](int64_t r, auto R) {
+      ahead.for_keys(j + kb * (r / 4) / blocks, j + kb * (r / 4 + 1) / blocks, n);
+      key_blocks(kb, [&](auto K) {
+        dot_block<decltype(R)::value, decltype(K)::value>(d, alpha, a + r * lda, lda, rows,
+                                                          s + r * ld + j, ld);
+      });
+    });
   }
 }
 
@@ -113,27 +120,6 @@ void group_weigh(int64_t m, int64_t n, int64_t dv, const float* p, int64_t ld, R
 // (no conversion); the weights are rounded to bfloat16 for p v, as the forward's bfloat16
 // products round them, and the softmax's sums keep them in float32.
 
-// dot_block_bf16 for rows of R of a block of K keys (K = kb at run time, 1 to 4).
-template <int R>
-ATTNKIT_BF16 inline void key_block_bf16(int64_t kb, int64_t d, float alpha,
-                                        const at::BFloat16* a, int64_t lda,
-                                        const at::BFloat16* const* x, float* s, int64_t ld) {
-  switch (kb) {
-    case 4:
-      dot_block_bf16<R, 4>(d, alpha, a, lda, x, s, ld);
-      break;
-    case 3:
-      dot_block_bf16<R, 3>(d, alpha, a, lda, x, s, ld);
-      break;
-    case 2:
-      dot_block_bf16<R, 2>(d, alpha, a, lda, x, s, ld);
-      break;
-    default:
-      dot_block_bf16<R, 1>(d, alpha, a, lda, x, s, ld);
-      break;
-  }
-}
-
 // group_dots on the dot products: s (m x n, ld) = alpha * a (m bfloat16 rows, lda) . x's rows,
 // for each block of 4 keys every block of 4 rows.
 ATTNKIT_BF16 void group_dots_bf16(int64_t m, int64_t n, int64_t d, float alpha,
@@ -144,26 +130,13 @@ ATTNKIT_BF16 void group_dots_bf16(int64_t m, int64_t n, int64_t d, float alpha,
     const at::BFloat16* rows[4];
     for (int64_t i = 0; i < kb; ++i) rows[i] = x[j + i];
     const int64_t blocks = (m + 3) / 4;  // the next step's rows asked for as group_dots asks
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4) {
-      const int64_t i = r / 4;
-      ahead.for_keys(j + kb * i / blocks, j + kb * (i + 1) / blocks, n);
-      key_block_bf16<4>(kb, d, alpha, a + r * lda, lda, rows, s + r * ld + j, ld);
-    }
-    if (r < m) ahead.for_keys(j + kb * (blocks - 1) / blocks, j + kb, n);
-    switch (m - r) {
-      case 3:
-        key_block_bf16<3>(kb, d, alpha, a + r * lda, lda, rows, s + r * ld + j, ld);
-        break;
-      case 2:
-        key_block_bf16<2>(kb, d, alpha, a + r * lda, lda, rows, s + r * ld + j, ld);
-        break;
-      case 1:
-        key_block_bf16<1>(kb, d, alpha, a + r * lda, lda, rows, s + r * ld + j, ld);
-        break;
-      default:
-        break;
-    }
+    row_blocks(m, [&](int64_t r, auto R) {
+      ahead.for_keys(j + kb * (r / 4) / blocks, j + kb * (r / 4 + 1) / blocks, n);
+      key_blocks(kb, [&](auto K) {
+        dot_block_bf16<decltype(R)::value, decltype(K)::value>(d, alpha, a + r * lda, lda, rows,
+                                                               s + r * ld + j, ld);
+      });
+    });
   }
 }
 
@@ -217,11 +190,12 @@ ATTNKIT_BF16 ATTNKIT_INLINE void weigh_tile_bf16(int64_t np, const uint32_t* w, 
                             o[r][v]);
 }
 
-// weigh_tile_bf16 over a row's width, rows of R.
+// weigh_tile_bf16 over a row's width, rows of R. (Not always inlined: a lambda that calls it
+// is compiled without AVX512-BF16.)
 template <int R>
-ATTNKIT_BF16 ATTNKIT_INLINE void weigh_rows_bf16(int64_t np, const uint32_t* w, int64_t ldw,
-                                                 const at::BFloat16* pairs, int64_t pw,
-                                                 int64_t dv, float* acc, int64_t ldc) {
+ATTNKIT_BF16 inline void weigh_rows_bf16(int64_t np, const uint32_t* w, int64_t ldw,
+                                         const at::BFloat16* pairs, int64_t pw, int64_t dv,
+                                         float* acc, int64_t ldc) {
   int64_t c0 = 0;
   for (; c0 + 64 <= dv; c0 += 64) weigh_tile_bf16<R, 4>(np, w, ldw, pairs, pw, c0, 0, acc, ldc);
   for (; c0 < dv; c0 += 16) {
@@ -251,23 +225,10 @@ ATTNKIT_BF16 void group_weigh_bf16(int64_t m, int64_t n, int64_t dv, const float
                       pairs + t * pw);
     }
     const uint32_t* wj = w + j / 2;
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4) {
-      weigh_rows_bf16<4>(np, wj + r * lw / 2, lw / 2, pairs, pw, dv, acc + r * dv, dv);
-    }
-    switch (m - r) {
-      case 3:
-        weigh_rows_bf16<3>(np, wj + r * lw / 2, lw / 2, pairs, pw, dv, acc + r * dv, dv);
-        break;
-      case 2:
-        weigh_rows_bf16<2>(np, wj + r * lw / 2, lw / 2, pairs, pw, dv, acc + r * dv, dv);
-        break;
-      case 1:
-        weigh_rows_bf16<1>(np, wj + r * lw / 2, lw / 2, pairs, pw, dv, acc + r * dv, dv);
-        break;
-      default:
-        break;
-    }
+    row_blocks(m, [&](int64_t r, auto R) {
+      weigh_rows_bf16<decltype(R)::value>(np, wj + r * lw / 2, lw / 2, pairs, pw, dv,
+                                          acc + r * dv, dv);
+    });
   }
 }
 #endif
