@@ -15,6 +15,9 @@ constexpr int64_t kStep = 128;
 // Query rows (over all heads of an item) up to which the product q k^T runs as dot products here;
 // more take a GEMM.
 constexpr int64_t kDotRows = 8;
+// Values per block of a step of more rows (decode_group.h's group_weigh): converted once, then
+// read by every row.
+constexpr int64_t kGroupValues = 16;
 // Keys per step of an item of at most kDotRows rows whose rows are read a head at a time (see
 // run_visit): short steps alternate the products of keys and of values, and with them the
 // prefetches of the next keys and values (see run_step), often enough to keep memory busy
@@ -55,10 +58,14 @@ struct Decode {
   int64_t rows() const { return bq * c.G; }  // an item's rows per key/value head
 };
 
-// Whether a thread's buffers hold room for bfloat16 weights and value pairs (float32 products
-// of bfloat16 keys and values).
+// Whether a call's products may run on bfloat16 weights and value pairs (float32 products of
+// bfloat16 keys and values, more than kDotRows rows a key/value head: see group_weigh_bf16).
 template <typename T, typename KV>
 constexpr bool kBf16Pairs = std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>;
+template <typename T, typename KV>
+bool holds_bf16_pairs(const Decode<T, KV>& d) {
+  return kBf16Pairs<T, KV> && d.rows() > kDotRows;
+}
 
 // One thread's buffers: the item's query rows (heads x rows x Dk, rows ordered (query, head)), a
 // step's scores, the position term's window, and the online softmax's state of every row.
@@ -93,8 +100,8 @@ struct DecodeBuffers {
         acc(d.heads * d.rows() * d.c.Dv),
         m(d.heads * d.rows()),
         l(d.heads * d.rows()),
-        w16(kBf16Pairs<T, KV> ? d.rows() * (kStep + 2) : 0),
-        pairs16(kBf16Pairs<T, KV> ? kStep / 2 * ((d.c.Dv + 31) / 32 * 64) : 0),
+        w16(holds_bf16_pairs(d) ? d.rows() * (kStep + 2) : 0),
+        pairs16(holds_bf16_pairs(d) ? kGroupValues / 2 * ((d.c.Dv + 31) / 32 * 64) : 0),
         k_scales(is_quantized<KV> ? d.heads * kStep : 0),
         v_scales(k_scales.size()),
         t(d.rows() * kStep),

@@ -91,9 +91,6 @@ void group_dots(int64_t m, int64_t n, int64_t d, float alpha, const float* a, in
   }
 }
 
-// Values per block of group_weigh.
-constexpr int64_t kGroupValues = 16;
-
 // acc (m rows, dv wide) += p (m x n, ld) x's rows: values in blocks of kGroupValues, each
 // converted to float32 once (into wide, kGroupValues dv) and weighed from there for all m rows
 // (weigh's register tiles). The next step's rows are asked for block by block.
