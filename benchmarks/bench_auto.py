@@ -2,7 +2,8 @@
 native kernel), side by side, at the sizes around each threshold.
 
 One thread by default, B=1 H=8 D=64 for prefill (``Tq = Tk``, with and without a causal mask),
-and decode steps (one query) against caches of 0.5 to 256 MiB of keys and values, in each dtype
+and decode steps (one query) against caches of 0.5 to 256 MiB of keys and values (with
+``--short-decode`` also 2 KiB to 1 MiB), in each dtype
 of ``--dtype``. Each row gives both backends' medians over interleaved rounds of
 ``torch.utils.benchmark`` and their ratio (chunked / sdpa: below 1, the native kernel is the
 faster). ``auto`` sends a call to the native kernel from the sizes where the ratio stays below 1
@@ -38,6 +39,19 @@ DECODE = [
     (1, 8, 8, 4096, 64),
     (8, 32, 8, 4096, 128),
 ]
+# Short caches (--short-decode), where a call's fixed cost weighs: torch reads a key/value head
+# once per query head of its group, so each group size comes in steps of the bytes that makes.
+DECODE_SHORT = [
+    (1, 16, 16, 16, 64),
+    (1, 16, 16, 64, 64),
+    (1, 16, 16, 256, 64),
+    (1, 32, 8, 4, 128),
+    (1, 32, 8, 16, 128),
+    (1, 32, 8, 64, 128),
+    (1, 8, 1, 16, 128),
+    (1, 8, 1, 64, 128),
+    (1, 8, 1, 256, 128),
+]
 
 
 def _prefill(t: int, causal: bool, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
@@ -66,6 +80,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--long", action="store_true", help="also causal prefill at T=1024, 4096")
+    parser.add_argument(
+        "--short-decode",
+        action="store_true",
+        help="also decode steps against caches of 2 KiB to 1 MiB (the bytes torch reads, over "
+        "the query heads, in brackets)",
+    )
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -77,6 +97,8 @@ def main() -> None:
     if args.long:
         cases += [("prefill", c) for c in PREFILL_LONG]
     cases += [("decode", s) for s in DECODE]
+    if args.short_decode:
+        cases += [("decode", s) for s in DECODE_SHORT]
     with torch.inference_mode():
         for name in args.dtype:
             dtype = DTYPES[name]
@@ -86,9 +108,11 @@ def main() -> None:
                     label = f"T={size[0]}{' causal' if size[1] else ''}"
                 else:
                     fns = _decode(size, dtype)
-                    b, _, hkv, tk, d = size
+                    b, h, hkv, tk, d = size
                     mib = b * hkv * tk * 2 * d * dtype.itemsize / 2**20
                     label = f"{','.join(map(str, size))} {mib:g} MiB"
+                    if size in DECODE_SHORT:
+                        label += f" ({mib * h / hkv:g})"
                 t = time_side_by_side(fns, rounds=args.rounds, min_run_time=0.2)
                 ratio = t["chunked"] / t["sdpa"]
                 print(

@@ -371,14 +371,19 @@ _DOT_CHOICES = [
     # but from there the native kernel's register tiles outrun torch's BLAS calls
     ((1, 8, 8, 768, 768, 64), torch.float32, "chunked", "4718592 scores without a mask"),
     ((1, 8, 8, 1024, 1024, 64), torch.float64, "chunked", "AVX512-BF16 and no AMX"),
-    ((1, 32, 32, 1, 4096, 128), torch.bfloat16, "chunked", "64 MiB of bfloat16 keys"),
-    ((1, 8, 8, 1, 512, 64), torch.bfloat16, "chunked", "1 MiB of bfloat16 keys"),
-    ((1, 8, 8, 1, 128, 64), torch.bfloat16, "sdpa", None),  # 0.25 MiB
+    # torch's bfloat16/float16 decode is slow there: from 256 KiB read over the query heads
+    ((1, 32, 32, 1, 4096, 128), torch.bfloat16, "chunked", "65536 KiB of bfloat16 keys"),
+    ((1, 8, 8, 1, 512, 64), torch.bfloat16, "chunked", "1024 KiB of bfloat16 keys"),
+    ((1, 8, 8, 1, 128, 64), torch.bfloat16, "chunked", "256 KiB of bfloat16 keys"),
+    ((1, 8, 8, 1, 64, 64), torch.bfloat16, "sdpa", None),  # 128 KiB
+    ((1, 32, 8, 1, 16, 128), torch.bfloat16, "chunked", "256 KiB of bfloat16 keys"),
+    ((1, 32, 8, 1, 8, 128), torch.bfloat16, "sdpa", None),  # 128 KiB read, 32 KiB held
+    ((1, 16, 16, 1, 64, 64), torch.float16, "chunked", "256 KiB of float16 keys"),
     ((1, 8, 8, 128, 128, 64), torch.bfloat16, "chunked", "AVX512-BF16's dot products"),
     ((1, 8, 8, 4096, 4096, 128), torch.bfloat16, "chunked", "AVX512-BF16's dot products"),
     ((1, 8, 8, 64, 64, 64), torch.bfloat16, "sdpa", None),  # below 8 x 128 x 128 scores
     ((1, 8, 8, 256, 256, 64), torch.float16, "chunked", "torch's float16 CPU forward"),
-    ((1, 8, 8, 1, 4096, 64), torch.float16, "chunked", "8 MiB of float16 keys"),
+    ((1, 8, 8, 1, 4096, 64), torch.float16, "chunked", "8192 KiB of float16 keys"),
 ]
 
 

@@ -33,6 +33,8 @@ AT = {
     "dot_grouped_decode_bytes": (ZEN4, Spec((1,), 8, 2, 1, 4096, 64, 64, "f32")),
     "dot_unmasked_scores": (ZEN4, Spec((1,), 8, 8, 768, 768, 64, 64, "f32")),
     "dot_bfloat16_forward_scores": (ZEN4, Spec((1,), 8, 8, 128, 128, 64, 64, "bf16")),
+    # 8 query heads reading one key/value head of 128 tokens: 8 x 128 x 256 bytes
+    "dot_reduced_decode_reads": (ZEN4, Spec((1,), 8, 1, 1, 128, 64, 64, "bf16")),
 }
 
 

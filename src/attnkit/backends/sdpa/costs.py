@@ -17,7 +17,9 @@ sits beside its measurement; the rules that read them are here, by kind of CPU:
   products run on the matrix unit too); unmasked float32 and float16 prefill stay with torch;
 * CPUs with AVX512-BF16 and no AMX: float32 as with AMX but for grouped decode steps from fewer
   bytes and unmasked calls from many scores; bfloat16 prefill from many scores (the native
-  kernel's products are AVX512-BF16's dot products); otherwise the rules of CPUs without products.
+  kernel's products are AVX512-BF16's dot products); bfloat16/float16 decode steps from the bytes
+  torch reads over its query heads (few: its reduced-precision decode is slow there); otherwise
+  the rules of CPUs without products.
 
 What the CPU has is read once (the probes ``_register_tiles``, ``_matrix_unit``, ``_bf16_dot``,
 ``_products_in``): the checks are not traceable by torch.compile, and a compiled call consults
@@ -216,6 +218,8 @@ def _slow_reduced_inference(call: AttentionCall) -> list[str]:
     # float16 products.
     if _products_in(call.dtype):
         return _grouped_decode(call)
+    if _bf16_dot():
+        return _dot_reduced_decode(call)
     size = _decode_bytes(call)
     least = _T.reduced_decode_bytes.least
     if size < least:
@@ -224,6 +228,22 @@ def _slow_reduced_inference(call: AttentionCall) -> list[str]:
         f"decodes slower on CPUs: {size / 2**20:.0f} MiB of {_name(call.dtype)} keys and values, "
         f"which torch reads once per query head and the native kernel once, converting them in "
         f"registers (bfloat16/float16 from {least >> 20} MiB on)"
+    ]
+
+
+def _dot_reduced_decode(call: AttentionCall) -> list[str]:
+    """On CPUs with AVX512-BF16 and no AMX, why torch decodes bfloat16/float16 slower: its reads
+    of the keys and values, once per query head, cost more than the native kernel's call from
+    fewer bytes than elsewhere; else nothing."""
+    reads = _decode_bytes(call) * (call.num_heads // max(call.num_kv_heads, 1))
+    rule = _T.dot_reduced_decode_reads
+    if reads < rule.least:
+        return []
+    return [
+        f"decodes slower on CPUs with AVX512-BF16 and no AMX: torch reads "
+        f"{reads / 2**10:.0f} KiB of {_name(call.dtype)} keys and values (once per query head), "
+        f"where the native kernel reads them once, converting them in registers "
+        f"({rule.quoted} torch's time from {rule.least >> 10} KiB on)"
     ]
 
 

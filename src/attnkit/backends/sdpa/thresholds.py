@@ -51,6 +51,7 @@ class Thresholds:
     dot_grouped_decode_bytes: Threshold
     dot_unmasked_scores: Threshold
     dot_bfloat16_forward_scores: Threshold
+    dot_reduced_decode_reads: Threshold
 
 
 _EPYC_AVX512 = "AMD EPYC with AVX-512, one thread"
@@ -180,5 +181,17 @@ THRESHOLDS: Final = Thresholds(
         measured="bfloat16, one thread: 1.42x at T=64, 1.03x at T=96, 0.85x at T=128, 0.60x at "
         "T=256, 0.36-0.40x causal at T=256-4096",
         quoted="0.36-0.85x",
+    ),
+    dot_reduced_decode_reads=Threshold(
+        least=256 * 1024,
+        unit="bytes torch reads in a bfloat16/float16 decode step: the keys and values once per "
+        "query head",
+        cpu=_ZEN4,
+        command="python benchmarks/bench_auto.py --dtype bfloat16 float16 float32 --rounds 5 "
+        "--long --short-decode (docs/benchmarks/data/auto-avx512bf16.json)",
+        measured="one thread, 1, 4 and 8 query heads per key/value head: bfloat16 1.99-2.39x at "
+        "64 KiB, 0.73-0.81x at 256 KiB, 0.20-0.27x at 1 MiB; float16 1.08-1.29x at 64 KiB, "
+        "0.44x at 256 KiB",
+        quoted="0.2-0.81x",
     ),
 )
