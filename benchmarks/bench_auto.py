@@ -3,7 +3,8 @@ native kernel), side by side, at the sizes around each threshold.
 
 One thread by default, B=1 H=8 D=64 for prefill (``Tq = Tk``, with and without a causal mask),
 and decode steps (one query) against caches of 0.5 to 256 MiB of keys and values (with
-``--short-decode`` also 2 KiB to 1 MiB), in each dtype
+``--short-decode`` also 2 KiB to 1 MiB, with ``--long-decode`` 8 to 64 MiB without grouped
+heads), in each dtype
 of ``--dtype``. Each row gives both backends' medians over interleaved rounds of
 ``torch.utils.benchmark`` and their ratio (chunked / sdpa: below 1, the native kernel is the
 faster). ``auto`` sends a call to the native kernel from the sizes where the ratio stays below 1
@@ -38,6 +39,16 @@ DECODE = [
     (1, 32, 8, 1024, 128),
     (1, 8, 8, 4096, 64),
     (8, 32, 8, 4096, 128),
+]
+# Long caches without grouped heads (--long-decode): from where they outgrow the last-level cache.
+DECODE_LONG = [
+    (1, 8, 8, 2048, 64),
+    (1, 8, 8, 8192, 64),
+    (1, 8, 8, 16384, 64),
+    (1, 32, 32, 256, 128),
+    (1, 32, 32, 512, 128),
+    (1, 8, 8, 4096, 128),
+    (1, 32, 32, 2048, 128),
 ]
 # Short caches (--short-decode), where a call's fixed cost weighs: torch reads a key/value head
 # once per query head of its group, so each group size comes in steps of the bytes that makes.
@@ -86,6 +97,11 @@ def main() -> None:
         help="also decode steps against caches of 2 KiB to 1 MiB (the bytes torch reads, over "
         "the query heads, in brackets)",
     )
+    parser.add_argument(
+        "--long-decode",
+        action="store_true",
+        help="also decode steps without grouped heads against caches of 8 to 64 MiB",
+    )
     parser.add_argument("--json", help="also write the results to this file as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -99,6 +115,8 @@ def main() -> None:
     cases += [("decode", s) for s in DECODE]
     if args.short_decode:
         cases += [("decode", s) for s in DECODE_SHORT]
+    if args.long_decode:
+        cases += [("decode", s) for s in DECODE_LONG]
     with torch.inference_mode():
         for name in args.dtype:
             dtype = DTYPES[name]

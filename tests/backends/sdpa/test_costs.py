@@ -366,6 +366,9 @@ _DOT_CHOICES = [
     ((1, 8, 2, 1, 4096, 64), torch.float32, "chunked", "4 MiB of keys and values shared"),
     ((1, 8, 2, 1, 2048, 64), torch.float32, "sdpa", None),  # 2 MiB
     ((1, 8, 8, 1, 4096, 64), torch.float32, "sdpa", None),  # one query head per cache
+    # and from 64 MiB, past the last-level cache, the native kernel streams it faster
+    ((1, 8, 8, 1, 16384, 64), torch.float32, "chunked", "64 MiB of keys and values, one query"),
+    ((1, 32, 32, 1, 1024, 128), torch.float32, "sdpa", None),  # 32 MiB
     ((1, 8, 8, 256, 256, 64), torch.float32, "sdpa", None),  # no mask: nothing to skip
     ((1, 8, 8, 512, 512, 64), torch.float32, "sdpa", None),  # below 8 * 768 * 768 scores
     # but from there the native kernel's register tiles outrun torch's BLAS calls

@@ -35,6 +35,8 @@ AT = {
     "dot_bfloat16_forward_scores": (ZEN4, Spec((1,), 8, 8, 128, 128, 64, 64, "bf16")),
     # 8 query heads reading one key/value head of 128 tokens: 8 x 128 x 256 bytes
     "dot_reduced_decode_reads": (ZEN4, Spec((1,), 8, 1, 1, 128, 64, 64, "bf16")),
+    # 8 heads of 16,384 tokens of 64 + 64 in float32
+    "dot_ungrouped_decode_bytes": (ZEN4, Spec((1,), 8, 8, 1, 16384, 64, 64, "f32")),
 }
 
 

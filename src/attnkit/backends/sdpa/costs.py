@@ -16,7 +16,8 @@ sits beside its measurement; the rules that read them are here, by kind of CPU:
   many bytes, long bfloat16 inference and large bfloat16 training steps (the native kernel's
   products run on the matrix unit too); unmasked float32 and float16 prefill stay with torch;
 * CPUs with AVX512-BF16 and no AMX: float32 as with AMX but for grouped decode steps from fewer
-  bytes and unmasked calls from many scores; bfloat16 prefill from many scores (the native
+  bytes, decode steps without groups from caches past the last-level cache, and unmasked calls
+  from many scores; bfloat16 prefill from many scores (the native
   kernel's products are AVX512-BF16's dot products); bfloat16/float16 decode steps from the bytes
   torch reads over its query heads (few: its reduced-precision decode is slow there); otherwise
   the rules of CPUs without products.
@@ -157,7 +158,7 @@ def _grouped_decode(call: AttentionCall) -> list[str]:
     key/value heads' caches for the native kernel's single read of each to beat torch's one read
     per query head; else nothing (and no bytes counted where no heads are shared)."""
     if call.num_heads == call.num_kv_heads:
-        return []
+        return _ungrouped_decode(call)
     size = _decode_bytes(call)
     least, cpus = _T.matrix_grouped_decode_bytes.least, "CPUs with AMX"
     if not _matrix_unit():
@@ -169,6 +170,21 @@ def _grouped_decode(call: AttentionCall) -> list[str]:
         f"decodes slower on CPUs: {size / 2**20:.0f} MiB of {name}keys and values shared by "
         f"{call.num_heads // call.num_kv_heads} query heads each, which torch reads once per "
         f"query head and the native kernel once (from {least >> 20} MiB on {cpus})"
+    ]
+
+
+def _ungrouped_decode(call: AttentionCall) -> list[str]:
+    """On CPUs with AVX512-BF16 and no AMX, why torch decodes float32/float64 slower without
+    grouped heads: a cache past the last-level cache, which the native kernel streams faster;
+    else nothing."""
+    rule = _T.dot_ungrouped_decode_bytes
+    size = _decode_bytes(call)
+    if _matrix_unit() or call.dtype not in _CPU_SLOW_BACKWARD or size < rule.least:
+        return []
+    return [
+        f"decodes slower on CPUs with AVX512-BF16 and no AMX: {size / 2**20:.0f} MiB of keys and "
+        f"values, one query head each ({rule.quoted} torch's time from {rule.least >> 20} MiB "
+        f"on)"
     ]
 
 

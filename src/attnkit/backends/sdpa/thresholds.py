@@ -52,6 +52,7 @@ class Thresholds:
     dot_unmasked_scores: Threshold
     dot_bfloat16_forward_scores: Threshold
     dot_reduced_decode_reads: Threshold
+    dot_ungrouped_decode_bytes: Threshold
 
 
 _EPYC_AVX512 = "AMD EPYC with AVX-512, one thread"
@@ -193,5 +194,16 @@ THRESHOLDS: Final = Thresholds(
         "64 KiB, 0.73-0.81x at 256 KiB, 0.20-0.27x at 1 MiB; float16 1.08-1.29x at 64 KiB, "
         "0.44x at 256 KiB",
         quoted="0.2-0.81x",
+    ),
+    dot_ungrouped_decode_bytes=Threshold(
+        least=64 * MIB,
+        unit="bytes of keys and values, one query head per key/value head, a float32/float64 "
+        "decode step",
+        cpu=_ZEN4,
+        command="python benchmarks/bench_auto.py --dtype float32 --rounds 5 --long-decode",
+        measured="float32, one and two threads, two runs: H=8 D=64 0.75-0.79x at 64 MiB, "
+        "0.69-1.30x at 32 MiB, 1.28-2.34x at 8-16 MiB; H=8-32 D=128 0.42-0.55x at 32-64 MiB, "
+        "0.69-1.17x at 16 MiB, 1.09-1.84x at 8 MiB",
+        quoted="0.42-0.79x",
     ),
 )
