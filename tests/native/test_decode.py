@@ -527,6 +527,14 @@ def test_opcheck_native_forward_on_bfloat16_keys_and_values() -> None:
     torch.library.opcheck(torch.ops.attnkit.native_forward.default, args, kwargs)
 
 
+def test_opcheck_native_forward_on_grouped_bfloat16_rows() -> None:
+    # 16 query heads over one key/value head: a grouped step (on AVX512-BF16's dot products
+    # where they outrun float32 FMAs)
+    args, kwargs, _, _ = _reduced_call(torch.bfloat16, 1, "window & softcap", heads=(16, 1))
+    args = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+    torch.library.opcheck(torch.ops.attnkit.native_forward.default, args, kwargs)
+
+
 @pytest.mark.parametrize("tq", [1, 2])  # 4 and 8 rows of the item: its dot products
 def test_queries_that_are_not_bfloat16_values_are_not_rounded(tq: int) -> None:
     # Where the CPU has bfloat16 dot products, a decode step runs q k^T on them when the queries
@@ -571,6 +579,8 @@ cases = [  # (B, H, Hkv, Tq, Tk, Dk, Dv or None: v the first 512 columns of k), 
     ((1, 12, 1, 1, 301, 72, 40), {"mask": masks.sliding_window(200), "softcap": 5.0}),
     ((2, 8, 2, 3, 257, 33, 17), {"mask": masks.key_padding([250, 3])}),
     ((1, 18, 2, 2, 129, 64, 64), {"sinks": torch.randn(18, generator=g).bfloat16()}),
+    ((1, 12, 1, 1, 1, 2, 1), {}),  # one key, widths of 2 and 1
+    ((2, 16, 1, 2, 33, 576, None), {"mask": masks.key_padding([0, 33])}),  # a row of no keys
 ]
 worst, digest = 0.0, 0.0
 for (b, h, hkv, tq, tk, dk, dv), kw in cases:

@@ -124,6 +124,15 @@ ATTNKIT_INLINE bool grouped([[maybe_unused]] const Call<T>& c) {
   return false;
 }
 
+#if defined(ATTNKIT_MATRIX_UNIT)
+// Whether a grouped step of bfloat16 queries (b.q16_ok), keys and values runs on AVX512-BF16's dot
+// products (decode_group.h's group_dots_bf16 and group_weigh_bf16) rather than float32 FMAs.
+template <typename T, typename KV>
+ATTNKIT_INLINE bool on_bf16_dots(const DecodeBuffers<T, KV>& b) {
+  return b.q16_ok && bf16_dots_outrun_fma();
+}
+#endif
+
 // A grouped step's products (see grouped): s (nr x nk) = alpha * the rows from q0 x the keys^T
 // (group_keys), acc += s's weights x the values (group_values).
 template <typename T, typename KV>
@@ -134,7 +143,7 @@ ATTNKIT_INLINE void group_keys([[maybe_unused]] DecodeBuffers<T, KV>& b,
                                [[maybe_unused]] T* s, [[maybe_unused]] const Ahead<KV>& ahead) {
 #if defined(ATTNKIT_MATRIX_UNIT)
   if constexpr (kBf16Pairs<T, KV>) {
-    if (b.q16_ok && bf16_dots_outrun_fma()) {
+    if (on_bf16_dots(b)) {
       group_dots_bf16(nr, nk, dk, alpha, b.q16.data() + q0, dk, keys, s, nk, ahead);
       return;
     }
@@ -155,7 +164,7 @@ ATTNKIT_INLINE void group_values([[maybe_unused]] DecodeBuffers<T, KV>& b,
                                  [[maybe_unused]] const Ahead<KV>& ahead) {
 #if defined(ATTNKIT_MATRIX_UNIT)
   if constexpr (kBf16Pairs<T, KV>) {
-    if (b.q16_ok && bf16_dots_outrun_fma()) {
+    if (on_bf16_dots(b)) {
       group_weigh_bf16(nr, nk, dv, s, nk, values, acc, b.w16.data(), b.pairs16.data(), ahead);
       return;
     }
