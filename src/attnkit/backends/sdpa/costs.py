@@ -29,7 +29,6 @@ them while it is traced.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -77,14 +76,22 @@ def _bf16_dot() -> bool:
     return BF16_DOT and not MATRIX_UNIT
 
 
-@functools.cache
-def _register_tiles() -> bool:
-    """Whether this CPU has AVX-512, where a blocked kernel computes its products in register
-    tiles (elsewhere it calls the BLAS per block, as torch's CPU forward does)."""
+def _avx512() -> bool:
     try:
         return torch.backends.cpu.get_cpu_capability() == "AVX512"
     except (AttributeError, RuntimeError):
         return False
+
+
+# Read at import, not under a cache: torch.compile traces through ``functools.cache`` into
+# ``get_cpu_capability``, which it cannot put in a graph.
+_AVX512 = _avx512()
+
+
+def _register_tiles() -> bool:
+    """Whether this CPU has AVX-512, where a blocked kernel computes its products in register
+    tiles (elsewhere it calls the BLAS per block, as torch's CPU forward does)."""
+    return _AVX512
 
 
 def _fast_torch_cpu() -> bool:
