@@ -192,6 +192,13 @@ def write(
     pages), one indexed write of all the tokens."""
     rows, _, t, _ = k.shape
     new = [t] * rows if counts is None else list(counts)
+    if k_pages.dtype in _FLOAT8:
+        # float8 moved as its bytes: torch's index_copy_ has no float8 kernel, and inductor
+        # compiles a second copy into one float8 tensor as a select of a bool and float8, which
+        # torch refuses (a streaming cache's prompt writes its sinks and its ring so)
+        k_pages, k = _bytes(k_pages, k)
+        if v_pages is not None and v is not None:
+            v_pages, v = _bytes(v_pages, v)
     # (comparisons, not a set: a compiled step's position is a symbolic size, which a set would
     # make a constant, and so a new graph at every step)
     if block_table is None and counts is None and rows and all(a == at[0] for a in at):
@@ -243,6 +250,12 @@ _ROWS_COPIED = 4
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _bytes(pages: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """float8 ``pages`` and new tokens ``x`` (converted to the pages' dtype) as views of their
+    bytes, which every copy and indexed write takes."""
+    return pages.view(torch.uint8), x.to(pages.dtype).view(torch.uint8)
+
+
 def _memory_rows(pages: Tensor) -> Tensor | None:
     """Pages ``(X, Hkv, page, D)`` as a view ``(rows, D)`` of their memory, each row one token's
     head, where they lie densely in some order of their first three dims with ``D`` contiguous
@@ -273,8 +286,6 @@ def _write_rows(rows: Tensor, x: Tensor, index: Tensor) -> None:
     """Row ``n``'s one token of ``x`` ``(N, Hkv, 1, D)`` into the memory rows ``rows`` of its
     pages at ``index[n * Hkv : (n + 1) * Hkv]``, in one ``index_copy_``."""
     src = x[:, :, 0].to(rows.dtype).reshape(-1, rows.size(-1))
-    if rows.dtype in _FLOAT8:  # (torch's index_copy_ has no float8 kernel: moved as bytes)
-        rows, src = rows.view(torch.uint8), src.view(torch.uint8)
     rows.index_copy_(0, index, src)
 
 

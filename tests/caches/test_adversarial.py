@@ -1,0 +1,56 @@
+"""Quantized and evicting caches under hostile use: compiled steps, refused calls, odd inputs.
+
+Each test compares numbers (the float64 formula over the dequantized values, the eager cache) or
+the cache's state bit for bit before and after a call that must change nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.caches.streaming import StreamingKVCache
+
+F8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _state(cache: StreamingKVCache, slots: int | None = None) -> list[torch.Tensor]:
+    """A streaming cache's stored tensors (their first ``slots`` slots: None, all of them),
+    float8 as bytes, to compare bit for bit."""
+    out = []
+    for t in (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale):
+        if t is not None:
+            t = t.view(torch.uint8) if t.dtype in F8 else t
+            out.append(t[:, :, :slots].clone() if t.size(2) > 1 else t.clone())
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", F8)
+def test_a_compiled_float8_streaming_prompt_equals_the_eager_cache(kv_dtype) -> None:
+    # A prompt into a float8 StreamingKVCache writes its sinks and the ring's tokens as two copies
+    # into one float8 tensor: inductor lowered the second as a select on a bool and float8, which
+    # torch refuses ("Promotion for Float8 Types is not supported"), and the compiled step failed.
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    b, h, hkv, d = 2, 4, 2, 8
+
+    def step(q, k, v, cache):
+        keys, values, mask = cache.stage_call(q, k, v)
+        out = attnkit.attention(q, keys, values, mask=mask)
+        cache.commit()
+        return out
+
+    caches = [StreamingKVCache(b, hkv, d, sink_tokens=2, window=3, kv_dtype=kv_dtype) for _ in "ab"]
+    compiled = torch.compile(step, fullgraph=True)
+    with torch.no_grad():
+        for t in (6, 1, 1):  # a prompt past S + W (sinks, and a ring that wraps), then steps
+            q = torch.randn(b, h, t, d, generator=gen)
+            k, v = (
+                torch.randn(b, hkv, t, d, generator=gen),
+                torch.randn(b, hkv, t, d, generator=gen),
+            )
+            torch.testing.assert_close(compiled(q, k, v, caches[0]), step(q, k, v, caches[1]))
+    torch._dynamo.reset()
+    for got, want in zip(_state(caches[0]), _state(caches[1]), strict=True):
+        assert torch.equal(got, want)
