@@ -54,3 +54,36 @@ def test_a_compiled_float8_streaming_prompt_equals_the_eager_cache(kv_dtype) -> 
     torch._dynamo.reset()
     for got, want in zip(_state(caches[0]), _state(caches[1]), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("position", [3, 9])  # the ring not full yet; wrapped
+@pytest.mark.parametrize("bad", ["softcap", "sinks", "scale"])
+def test_a_refused_streaming_attention_call_leaves_the_cache_as_it_was(
+    kv_dtype, position, bad
+) -> None:
+    # StreamingKVCache.attention() staged its step (writing the new token over the window's oldest
+    # one) before attention() checked softcap, sinks and scale: a refused call left the token in
+    # the ring and the step staged, and rewind(position - 1), which the cache allowed before the
+    # call, was then refused.
+    gen = torch.Generator().manual_seed(1)
+    b, h, hkv, d = 2, 4, 2, 8
+    cache = StreamingKVCache(b, hkv, d, sink_tokens=1, window=4, kv_dtype=kv_dtype)
+    with torch.no_grad():
+        for _ in range(position):
+            cache.update(*(torch.randn(b, hkv, 1, d, generator=gen) for _ in "kv"))
+    before = _state(cache, cache.length)  # the slots a later query may read
+    wrong = {
+        "softcap": {"softcap": -1.0},
+        "sinks": {"sinks": torch.full((h,), float("nan"))},
+        "scale": {"scale": float("nan")},
+    }[bad]
+    q = torch.randn(b, h, 1, d, generator=gen)
+    k, v = torch.randn(b, hkv, 1, d, generator=gen), torch.randn(b, hkv, 1, d, generator=gen)
+    with torch.no_grad(), pytest.raises(ValueError, match=bad):
+        cache.attention(q, k, v, **wrong)
+    assert cache.position == position
+    for got, want in zip(_state(cache, cache.length), before, strict=True):
+        assert torch.equal(got, want)
+    cache.rewind(position - 1)  # (allowed before the refused call)
+    assert cache.position == position - 1

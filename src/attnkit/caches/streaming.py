@@ -427,18 +427,26 @@ class StreamingKVCache:
         ``i`` sits at position ``position + i`` (a query per new token: ``q`` and ``k`` bring
         the same ``T``) and attends the sinks and its window. ``sinks``
         here are attention-sink logits ``(H,)`` (gpt-oss's), which take weight without a value;
-        the cache's sink tokens are tokens."""
+        the cache's sink tokens are tokens. A call that raises (``scale``, ``softcap`` or
+        ``sinks`` refused) drops its stage: the cache is as it was, and :meth:`rewind` goes back
+        where it could before."""
+        undo = self._undo  # (the last chunk's copy, for rewind: kept if the call fails)
         keys, values, mask = self.stage_call(q, k, v)
-        out, lse = attention(
-            q,
-            keys,
-            values,
-            mask=mask,
-            scale=scale,
-            softcap=softcap,
-            sinks=sinks,
-            return_lse=True,
-        )
+        try:
+            out, lse = attention(
+                q,
+                keys,
+                values,
+                mask=mask,
+                scale=scale,
+                softcap=softcap,
+                sinks=sinks,
+                return_lse=True,
+            )
+        except BaseException:
+            self._drop_staged()  # (a step's slot gets back the token it held)
+            self._undo = undo
+            raise
         self.commit()
         return out, lse
 
