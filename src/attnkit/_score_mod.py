@@ -36,6 +36,7 @@ import math
 import operator
 import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -92,6 +93,17 @@ def _tensors_in(obj: object, depth: int = 0) -> Iterator[Tensor]:
             yield from _tensors_in(item, 1)
 
 
+def _attribute(fn: object, name: str) -> Any:
+    """``fn``'s attribute ``name``, or None. torch.compile cannot read some attributes of a
+    function made inside the compiled region (``__closure__``, ``__kwdefaults__``,
+    ``__globals__``) and raises AttributeError there even under ``getattr``'s default; what
+    such a function captures is in the graph torch traces, which differentiates it itself."""
+    try:
+        return getattr(fn, name)
+    except AttributeError:
+        return None
+
+
 def captured_tensors(score_mod: ScoreMod) -> tuple[Tensor, ...]:
     """The tensors ``score_mod`` captures that need gradients (see the module docstring for what is
     seen), each once, in a stable order."""
@@ -119,15 +131,15 @@ def captured_tensors(score_mod: ScoreMod) -> tuple[Tensor, ...]:
         call = type(fn).__call__
         code = getattr(call, "__code__", None)
         fn = call
-    for cell in getattr(fn, "__closure__", None) or ():
+    for cell in _attribute(fn, "__closure__") or ():
         try:
             add(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-    add(list(getattr(fn, "__defaults__", None) or ()))
-    add(dict(getattr(fn, "__kwdefaults__", None) or {}))
+    add(list(_attribute(fn, "__defaults__") or ()))
+    add(dict(_attribute(fn, "__kwdefaults__") or {}))
     if code is not None:
-        module_globals = getattr(fn, "__globals__", {})
+        module_globals = _attribute(fn, "__globals__") or {}
         for name in code.co_names:
             if name in module_globals:
                 add(module_globals[name])

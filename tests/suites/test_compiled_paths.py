@@ -48,3 +48,44 @@ def test_float_bias_without_a_mask_compiles_in_one_graph(bias_kind: str) -> None
     for lengths in (torch.tensor([T, 9]), torch.tensor([4, T])):
         with torch.no_grad():
             torch.testing.assert_close(compiled(q, k, v, lengths), fn(q, k, v, lengths))
+
+
+def _generic(w: Tensor) -> object:
+    def score_mod(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return s + w[h] * (q_idx * kv_idx) * 1e-3
+
+    return score_mod
+
+
+def _by_distance(w: Tensor) -> object:
+    def score_mod(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return s + w[h, q_idx - kv_idx + T]
+
+    return score_mod
+
+
+@pytest.mark.parametrize(("kind", "shape"), [("generic", (H,)), ("distance", (H, 2 * T))])
+def test_score_mod_made_in_the_compiled_step_trains(kind: str, shape: tuple[int, ...]) -> None:
+    """A score_mod defined inside the compiled function (FlexAttention's idiom), capturing a
+    tensor that needs gradients: one graph, and the loss and every gradient (the captured
+    tensor's included) equal eager execution's. torch.compile cannot read such a function's
+    closure, which attnkit looks into for captured tensors."""
+    torch._dynamo.reset()
+    make = _generic if kind == "generic" else _by_distance
+
+    def loss(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, w: Tensor) -> Tensor:
+        mask = attnkit.masks.causal() & attnkit.masks.key_padding(lengths)
+        out = attnkit.attention(q, k, v, mask=mask, score_mod=make(w))  # type: ignore[arg-type]
+        return out.square().mean()
+
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+    lengths = torch.tensor([T, 11])
+    eager = [t.clone().requires_grad_() for t in (*_inputs(1), w)]
+    traced = [t.clone().requires_grad_() for t in (*_inputs(1), w)]
+    expected = loss(*eager[:3], lengths, eager[3])
+    got = torch.compile(loss, fullgraph=True)(*traced[:3], lengths, traced[3])
+    expected.backward()
+    got.backward()
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(traced, eager, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
