@@ -189,6 +189,10 @@ def first_entries(keys: Tensor) -> Tensor:
     return first
 
 
+#: Unsigned integer dtypes wider than 8 bits, which torch's kernels barely support.
+_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def _checked(indices: object, what: str) -> Tensor:
     if not isinstance(indices, Tensor) or indices.is_floating_point() or indices.is_complex():
         got = str(indices.dtype) if isinstance(indices, Tensor) else type(indices).__name__
@@ -197,6 +201,17 @@ def _checked(indices: object, what: str) -> Tensor:
         raise TypeError(
             f"{what}() takes integer positions, got a bool tensor: a bool mask (True = may "
             "attend) is a mask= of its own"
+        )
+    if indices.dtype in _UNSIGNED:
+        # (torch's CPU kernels have no minimum, maximum or comparison for them)
+        raise TypeError(
+            f"{what}() takes indices of int64, int32, int16, int8 or uint8, got "
+            f"{indices.dtype}: give indices.long()"
+        )
+    if indices.layout != torch.strided:
+        raise TypeError(
+            f"{what}() takes a dense (strided) tensor of indices, got one of layout "
+            f"{indices.layout}: give indices.to_dense()"
         )
     if indices.ndim != 4:
         hint = (
@@ -216,10 +231,11 @@ def _checked(indices: object, what: str) -> Tensor:
 
 
 def key_indices(indices: Tensor) -> KeyIndices:
-    """The keys each query may attend, by position: ``indices`` ``(B|1, Hi, Tq, k)`` integer,
-    ``-1`` for none (a query with none attends nothing: its output is 0). Repeated entries count
-    once. ``Hi`` is 1 (every head attends the same keys) or divides ``H`` (``Hi = Hkv``: one
-    selection per key/value head). AND it with other masks (``& causal()``) to restrict it.
+    """The keys each query may attend, by position: ``indices`` ``(B|1, Hi, Tq, k)`` integer
+    (int64, int32, int16, int8 or uint8), ``-1`` for none (a query with none attends nothing:
+    its output is 0). Repeated entries count once. ``Hi`` is 1 (every head attends the same
+    keys) or divides ``H`` (``Hi = Hkv``: one selection per key/value head). AND it with other
+    masks (``& causal()``) to restrict it.
 
     The chunked backend gathers each query's ``k`` keys instead of scanning all ``Tk``: time and
     memory O(Tq * k), forward and backward.
