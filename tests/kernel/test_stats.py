@@ -95,6 +95,23 @@ def test_a_minus_inf_bias_in_a_full_block_gives_no_nan() -> None:
     assert got[2][0, 1, 2] == 0.0
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["eager", "native"])
+@pytest.mark.parametrize("mask", [None, masks.causal()], ids=["full-blocks", "causal"])
+def test_a_row_given_an_infinite_log_sum_exp_has_no_weight(native: bool, mask: Mask | None) -> None:
+    # lse = +inf or -inf: the weights exp(s - lse) of that row are 0, and so is its entropy
+    # (the eager pass took +inf as its offset: t = -inf in a full block, and 0 * -inf NaN).
+    if native and not _native.load():
+        pytest.skip(f"native: {_native.status()[1]}")
+    q, k = randn(1, 2, 6, 4, seed=40), randn(1, 2, 9, 4, seed=41)
+    w, lse = weights(q, k, 0.5, _visible(mask, 1, 2, 6, 9))
+    lse[0, 0, 1], lse[0, 1, 4] = math.inf, -math.inf
+    w[0, 0, 1], w[0, 1, 4] = 0.0, 0.0
+    got = kernel_stats(q, k, lse, mask=mask, bias=None, scale=0.5, native=native)
+    for a, b in zip(got, statistics(w), strict=True):
+        assert_close(a, b, dtype=torch.float64)
+    assert got[2][0, 0, 1] == got[2][0, 1, 4] == 0.0
+
+
 def test_sinks_take_their_share_through_the_log_sum_exp() -> None:
     q, k = randn(1, 2, 7, 4, seed=6), randn(1, 1, 7, 4, seed=7)
     sinks = torch.tensor([1.5, -0.5], dtype=torch.float64)

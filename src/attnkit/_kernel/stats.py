@@ -14,10 +14,11 @@ tile of weights is final the moment it is computed. Each tile adds to three accu
   score_mod) has it replaced by the dtype's lowest value first (``0 * lowest = 0``).
 
 The plan's EMPTY blocks are skipped, as in the forward; a query with no visible key (log-sum-exp
-``-inf``, or given so) takes the largest finite offset, so its weights are 0 and so is its
-entropy. Sinks take part only through the log-sum-exp: a row's weights then sum to less than 1.
-The accumulators are the outputs' size; a visit's work lives in a few buffers the whole pass
-reuses (its scores, its weights, the entropy's products), a tile each (:data:`TILE`).
+``-inf``, or given ``-inf`` or ``+inf``) takes the largest finite offset, so its weights are 0
+and so is its entropy. Sinks take part only through the log-sum-exp: a row's weights then sum
+to less than 1. The accumulators are the outputs' size; a visit's work lives in a few buffers
+the whole pass reuses (its scores, its weights, the entropy's products), a tile each
+(:data:`TILE`).
 
 That loop is a few PyTorch operations per visit, each a parallel region of its own: on a CPU
 whose cores are busy with other work, the threads of each region wait for each other. Where the
@@ -85,12 +86,12 @@ def stats_blocks(geo: Geometry) -> tuple[int, int]:
 def _offsets(lse: Tensor, p: Problem) -> Tensor:
     """The natural-log log-sum-exp ``(*batch, H, Tq)`` as the rows' base-2 offsets
     ``(B*Hkv, Tq*G, 1)`` (query-major, as the kernel's rows); the dtype's largest number for a
-    query with no visible key, or one given ``-inf``: its weights are then ``2^(s - max) = 0``,
-    and ``t = s - max`` stays finite, so its entropy's products ``p t`` are 0 in a visit that
-    replaces no ``-inf`` (``+inf`` would make every ``t`` of the row ``-inf``, and ``0 * -inf``
-    NaN)."""
+    query with no visible key, or one given ``-inf`` or ``+inf``: its weights are then
+    ``2^(s - max) = 0``, and ``t = s - max`` stays finite, so its entropy's products ``p t`` are
+    0 in a visit that replaces no ``-inf`` (an offset of ``+inf`` would make every ``t`` of the
+    row ``-inf``, and ``0 * -inf`` NaN)."""
     off = lse.to(p.work).reshape(p.n, p.hkv, p.g, p.tq).transpose(2, 3) * LOG2E
-    off = off.masked_fill(off == float("-inf"), torch.finfo(p.work).max)
+    off = off.masked_fill(off.isinf(), torch.finfo(p.work).max)
     return off.reshape(p.n * p.hkv, p.tq * p.g, 1)
 
 
