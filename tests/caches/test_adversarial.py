@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit.caches.paged import PagedKVCache
 from attnkit.caches.streaming import StreamingKVCache
 
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -87,3 +88,35 @@ def test_a_refused_streaming_attention_call_leaves_the_cache_as_it_was(
         assert torch.equal(got, want)
     cache.rewind(position - 1)  # (allowed before the refused call)
     assert cache.position == position - 1
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+def test_a_paged_stage_may_take_the_pages_of_a_later_rows_dropped_stage(kv_dtype) -> None:
+    # A stage drops the uncommitted stage before it and counts that stage's pages as free, but
+    # each row took its pages before the rows after it had given theirs back: row 0 found the
+    # pool empty (an IndexError, "pop from empty list") and kept a page the block table did not
+    # name, lost to the pool.
+    gen = torch.Generator().manual_seed(2)
+    b, h, hkv, d = 2, 4, 1, 4
+    pool = PagedKVCache(3, 1, hkv, d, max_seqs=b, kv_dtype=kv_dtype)
+    with torch.no_grad():
+        pool.schedule([0, 2])  # row 1 takes pages 0 and 1, not committed
+        pool.stage(
+            torch.randn(b, hkv, 2, d, generator=gen), torch.randn(b, hkv, 2, d, generator=gen)
+        )
+        pool.schedule([3, 0])  # row 0 needs all three pages: row 1's stage is dropped first
+        q = torch.randn(b, h, 3, d, generator=gen)
+        k, v = torch.randn(b, hkv, 3, d, generator=gen), torch.randn(b, hkv, 3, d, generator=gen)
+        out, _ = pool.attention(q, k, v, causal=True)
+        pool.commit()
+    assert pool.lengths == [3, 0]
+    assert pool.num_free_pages == 0
+    assert sorted(pool.pages_of(0)) == [0, 1, 2]
+    assert pool.block_table[0].tolist() == pool.pages_of(0)
+    keys, values = (t.double() for t in pool.view().row(0, torch.float64))
+    if kv_dtype is None:
+        assert torch.equal(keys[0].float(), k[0])
+        assert torch.equal(values[0].float(), v[0])
+    want = attnkit.attention(q[:1].double(), keys, values, causal=True, backend="reference")
+    torch.testing.assert_close(out[:1].double(), want, atol=1e-5, rtol=1e-5)
+    assert not out[1].any()  # (a row without new tokens: padding, 0)

@@ -514,12 +514,14 @@ class PagedKVCache(nn.Module):
     def _take_pages(self, new: list[int]) -> None:
         """Row ``b``'s pages for its held tokens and ``new[b]`` more. The pages of an uncommitted
         stage that are still needed stay (a step staged again takes no page and writes no entry
-        of the block table), those past them return to the pool, and the pages taken are named
+        of the block table), those past them return to the pool, every row's before any row
+        takes one (:meth:`_check_room` counted them all as free), and the pages taken are named
         in the block table in one write."""
+        for b, n in enumerate(new):
+            self._trim(b, self.lengths[b] + n)
         cells: list[tuple[int, int, int]] = []  # (row, column, page) of the pages taken
         for b, n in enumerate(new):
             need = self._used(self.lengths[b] + n)
-            self._trim(b, self.lengths[b] + n)
             pages = self._pages[b]
             while len(pages) < need:
                 cells.append((b, len(pages), self._free.pop()))
