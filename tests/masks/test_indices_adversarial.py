@@ -35,3 +35,23 @@ def test_narrow_integer_indices_equal_int64_ones(dtype: torch.dtype) -> None:
         got = attnkit.attention(q, k, v, mask=masks.key_indices(idx.to(dtype)), backend=backend)
         want = attnkit.attention(q, k, v, mask=masks.key_indices(idx), backend="reference")
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_a_block_wider_than_a_cache_rows_keys_is_read_as_its_keys(backend: str) -> None:
+    # Rows of 10 and 6 keys on pages: a block of 2^62 keys is each row's keys (a dense call
+    # reads it as Tk keys); written out whole it was a tensor of 2^62 offsets.
+    g = torch.Generator().manual_seed(3)
+    cache = attnkit.PagedKVCache(num_blocks=8, page_size=4, num_kv_heads=2, head_dim=8, max_seqs=2)
+    cache.schedule([10, 6])
+    cache.stage(*(torch.randn(2, 2, 10, 8, generator=g) for _ in range(2)))
+    cache.commit()
+    q = torch.randn(2, 4, 3, 8, generator=g)
+    idx = torch.zeros(2, 1, 3, 2, dtype=torch.long)
+    idx[0, ..., 1] = -1  # none, beside the block
+    mask = masks.block_indices(idx, block=2**62) & masks.causal()
+    got = attnkit.attention(q, cache.view(), None, mask=mask, backend=backend)
+    for n in range(2):
+        k, v = (t.double() for t in cache.view().row(n))
+        want = attnkit.attention(q[n : n + 1].double(), k, v, causal=True, backend="reference")
+        torch.testing.assert_close(got[n : n + 1].double(), want, atol=1e-5, rtol=1e-5)

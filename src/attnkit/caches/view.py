@@ -547,8 +547,8 @@ def _row_indices(mask: KeyIndices, n: int, q_len: int, start: int, end: int) -> 
     as their keys."""
     idx = mask.indices
     idx = (idx[n : n + 1] if idx.size(0) > 1 else idx)[:, :, :q_len].long()
-    if mask.block > 1:  # (..., k) blocks -> (..., k * block) keys
-        offsets = torch.arange(mask.block, device=idx.device)
+    if mask.block > 1:  # (..., k) blocks -> (..., k * block) keys, none from the row's end on
+        offsets = torch.arange(min(mask.block, end), device=idx.device)
         wide = idx.unsqueeze(-1) * mask.block + offsets
         idx = torch.where(idx.unsqueeze(-1) >= 0, wide, -1).flatten(-2)
     inside = (idx >= start) & (idx < end)
