@@ -55,3 +55,22 @@ def test_a_block_wider_than_a_cache_rows_keys_is_read_as_its_keys(backend: str) 
         k, v = (t.double() for t in cache.view().row(n))
         want = attnkit.attention(q[n : n + 1].double(), k, v, causal=True, backend="reference")
         torch.testing.assert_close(got[n : n + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_values_of_no_dims_are_gathered_forward_and_backward() -> None:
+    # float64 takes torch's sparse products: the backward's reshape(-1, 0) of the output's
+    # gradient (no elements) had no size to infer.
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64) for n in (3, 40))
+    v = torch.zeros(1, 2, 40, 0, dtype=torch.float64)
+    q.requires_grad_()
+    k.requires_grad_()
+    idx = torch.randint(-1, 40, (1, 1, 3, 4), generator=g)
+    grads = []
+    for backend in ("chunked", "reference"):
+        out = attnkit.attention(q, k, v, mask=masks.key_indices(idx), backend=backend)
+        assert out.shape == (1, 2, 3, 0)
+        grads.append(torch.autograd.grad(out.sum(), (q, k)))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+        assert not a.any()
