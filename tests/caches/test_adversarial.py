@@ -10,10 +10,24 @@ import pytest
 import torch
 
 import attnkit
+from attnkit.caches._quantize import fp8_scale, quantize_fp8, quantize_int8
 from attnkit.caches.paged import PagedKVCache
 from attnkit.caches.streaming import StreamingKVCache
 
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _as_stored(x: torch.Tensor, kv_dtype, first_write: int) -> torch.Tensor:
+    """Tokens ``x (B, Hkv, T, D)`` as a cache of ``kv_dtype`` stores them, dequantized to float64:
+    int8 a scale per token, float8 the scale of the cache's first write (its first
+    ``first_write`` tokens)."""
+    if kv_dtype is None:
+        return x.double()
+    if kv_dtype == torch.int8:
+        xq, scale = quantize_int8(x)
+    else:
+        xq, scale = quantize_fp8(x, kv_dtype, scale=fp8_scale(x[:, :, :first_write], kv_dtype))
+    return (xq.float() * scale).double()
 
 
 def _state(cache: StreamingKVCache, slots: int | None = None) -> list[torch.Tensor]:
@@ -120,3 +134,37 @@ def test_a_paged_stage_may_take_the_pages_of_a_later_rows_dropped_stage(kv_dtype
     want = attnkit.attention(q[:1].double(), keys, values, causal=True, backend="reference")
     torch.testing.assert_close(out[:1].double(), want, atol=1e-5, rtol=1e-5)
     assert not out[1].any()  # (a row without new tokens: padding, 0)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("first", ["step", "chunk"])
+def test_a_wrapped_streaming_cache_rewinds_one_token_only_once(kv_dtype, first) -> None:
+    # rewind() went back "by one token" from wherever the cache stood: after rewind(p - 1) it took
+    # rewind(p - 2) too, though the token at p - 1 - W, which a query at p - 2 attends, had been
+    # written over by the token at p - 1. The next steps then attended the wrong token. (A step
+    # keeps a copy of the slot it wrote over, so after steps the cache goes back one more.)
+    gen = torch.Generator().manual_seed(3)
+    b, h, hkv, d, sinks, window = 2, 4, 2, 4, 1, 3
+    cache = StreamingKVCache(b, hkv, d, sink_tokens=sinks, window=window, kv_dtype=kv_dtype)
+    k, v = torch.randn(b, hkv, 12, d, generator=gen), torch.randn(b, hkv, 12, d, generator=gen)
+    with torch.no_grad():
+        if first == "chunk":
+            cache.update(k[:, :, :10], v[:, :, :10])
+            cache.rewind(9)  # by one: the window still holds positions 7 and 8
+        else:
+            for t in range(10):
+                cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            cache.rewind(9)  # the last step's copy puts position 6 back in its slot
+            cache.rewind(8)  # by one: the window holds positions 6 and 7
+        at = cache.position
+        with pytest.raises(ValueError, match=f"cannot rewind to position {at - 1}"):
+            cache.rewind(at - 1)  # position at - 1 - W was written over by position at
+        assert cache.position == at
+        q = torch.randn(b, h, 1, d, generator=gen)
+        out, _ = cache.attention(q, k[:, :, at : at + 1], v[:, :, at : at + 1])
+    # the float64 formula over the tokens as stored: the sink and the window up to position at
+    keep = [0, *range(at + 1 - window, at + 1)]
+    first_write = 10 if first == "chunk" else 1
+    keys, values = (_as_stored(x, kv_dtype, first_write)[:, :, keep] for x in (k, v))
+    want = attnkit.attention(q.double(), keys, values, backend="reference")
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)

@@ -62,11 +62,13 @@ class _Undo(NamedTuple):
     """What a chunk's commit, or a step's stage once the ring is full, wrote over: the position
     it started at, the slots it wrote ``(n,)`` and their tensors' old contents there (keys and
     values, an int8 cache's scales; float8 as bytes), so that :meth:`StreamingKVCache.rewind`
-    can put them back."""
+    can put them back; and the end of the positions written before it, which that makes the
+    cache's again."""
 
     start: int
     slots: Tensor
     old: list[Tensor]
+    written: int
 
 
 def _both(pair: tuple[Tensor | None, Tensor | None]) -> TypeGuard[tuple[Tensor, Tensor]]:
@@ -150,6 +152,9 @@ class StreamingKVCache:
         self._staged: _New | None = None  # a chunk, written at commit
         self._staged_one = False  # one token, written in place at stage
         self._undo: _Undo | None = None  # what the last chunk's commit wrote over
+        #: the end of the positions written to their slots (a rewind leaves them there): a
+        #: query before ``_written - 1`` may attend a token that a later one wrote over
+        self._written = 0
 
     @property
     def length(self) -> int:
@@ -211,6 +216,9 @@ class StreamingKVCache:
         if self.kv_dtype in FLOAT8 and start == 0 and _both(own) and _both(scales):
             own[0].copy_(scales[0])
             own[1].copy_(scales[1])
+        end = start + new.k.size(-2)
+        if end > self._written:  # (a comparison: a compiled step's position is a symbolic size)
+            self._written = end
 
     def _stage(
         self, k: Tensor, v: Tensor, in_place: bool = True
@@ -340,7 +348,8 @@ class StreamingKVCache:
         hold before."""
         slots = [slot + j for _, slot, n in self._runs(start, new) for j in range(n)]
         at = torch.tensor(slots, dtype=torch.long, device=self.k_cache.device)
-        return _Undo(start, at, [t.index_select(2, at) for t in self._stored_tensors()])
+        old = [t.index_select(2, at) for t in self._stored_tensors()]
+        return _Undo(start, at, old, self._written)
 
     def rewind(self, position: int) -> None:
         """Forget every token from ``position`` on, as if the calls that appended them had never
@@ -348,10 +357,11 @@ class StreamingKVCache:
         ``position`` past the tokens appended keeps them all.
 
         The ring has let older tokens go, so it can go back only where a query still finds
-        every token it attends: by one token (the window still holds the ``W - 1`` before it),
+        every token it attends: by one token from the last one written (the window still holds
+        the ``W - 1`` before it; once only, since that token wrote over the one before them),
         by the whole last chunk (its commit keeps a copy of the slots it wrote over, at most
-        ``S + W`` tokens, until the next stage), or anywhere while the cache has taken no more
-        than ``S + W`` tokens (no slot written twice). Any other ``position`` is a
+        ``S + W`` tokens, until the next stage), or anywhere while no more than ``S + W``
+        positions have been written (no slot written twice). Any other ``position`` is a
         ``ValueError``, and changes nothing. An uncommitted stage is dropped (a step's slot gets
         back the token it held), so ``rewind(position)`` undoes a call that failed after it
         staged. A forgotten token stays in its slot until the next stage writes over it
@@ -376,6 +386,7 @@ class StreamingKVCache:
         """The slots ``undo`` names, as they were before the write it kept them from."""
         for t, old in zip(self._stored_tensors(), undo.old, strict=True):
             t.index_copy_(2, undo.slots, old)
+        self._written = undo.written
 
     def _drop_staged(self) -> None:
         """Forget an uncommitted stage: a step's token leaves the slot it was written to, which
@@ -388,18 +399,18 @@ class StreamingKVCache:
 
     def _reachable(self, position: int) -> bool:
         """Whether every token a query at ``position`` attends is still in its slot."""
-        if self.position + self._staged_one <= self.sink_tokens + self.window:
+        if self._written <= self.sink_tokens + self.window:
             return True  # no slot written twice
-        # (a staged step wrote over the oldest token of its window, which a query one step
-        # earlier attends)
-        return not self._staged_one and position >= self.position - 1
+        # (the last token written, a staged step's too, wrote over the oldest token of its
+        # window, which a query one step earlier attends)
+        return not self._staged_one and position >= self._written - 1
 
     def _reachable_text(self) -> str:
         """The positions :meth:`rewind` can go back to once the ring has wrapped, in words."""
         if self._staged_one:
             return f"position {self.position} (a staged step wrote over its window's oldest token)"
-        choices = [self.position - 1]
-        if self._undo is not None and self._undo.start < self.position - 1:
+        choices = [self._written - 1]
+        if self._undo is not None and self._undo.start < self._written - 1:
             choices.insert(0, self._undo.start)
         return " or ".join(f"position {p}" for p in choices)
 
@@ -516,6 +527,7 @@ class StreamingKVCache:
         """Forget every token (the memory stays allocated)."""
         self.position = 0
         self._staged, self._staged_one, self._undo = None, False, None
+        self._written = 0
 
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
