@@ -74,3 +74,26 @@ def test_values_of_no_dims_are_gathered_forward_and_backward() -> None:
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b)
         assert not a.any()
+
+
+@pytest.mark.parametrize("backend", ["chunked", "auto"])
+def test_torch_func_grad_and_vmap_over_an_index_mask(backend: str) -> None:
+    # The gathered kernel's autograd function has no rules for torch.func's transforms: under
+    # them the scanning kernel serves the call (it raised "must override the setup_context").
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 2, n, 8, generator=g, dtype=torch.float64) for n in (5, 40, 40))
+    mask = masks.key_indices(torch.randint(-1, 40, (1, 1, 5, 4), generator=g)) & masks.causal()
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
+        out = attnkit.attention(q[None], k[None], v[None], mask=mask, backend=backend)
+        return out.square().sum()
+
+    for n in range(3):
+        got = torch.func.grad(loss)(q[n], k[n], v[n], backend)
+        want = torch.func.grad(loss)(q[n], k[n], v[n], "reference")
+        torch.testing.assert_close(got, want)
+    got = torch.func.vmap(lambda *t: attnkit.attention(*t, mask=mask, backend=backend))(
+        q[:, None], k[:, None], v[:, None]
+    )
+    want = attnkit.attention(q, k, v, mask=mask, backend="reference")
+    torch.testing.assert_close(got[:, 0], want)

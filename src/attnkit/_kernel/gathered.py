@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from .._base.finite import finite
+from .._base.transforms import transforms_active
 from .._call import AttentionCall
 from .._native import load, status
 from .._record import note_kernel
@@ -1108,7 +1109,10 @@ def gathered_attention(
     over a long cache): reading every key for it would cost more than the call, so its output is
     read instead. The kernel reads only the selected keys, whose NaN or inf reach the output as
     they do the formula's; an output that is not finite goes to the scanning kernel's careful
-    mode, as a non-finite input does."""
+    mode, as a non-finite input does. Under torch.func's transforms (``grad``, ``vmap``) the
+    scanning kernel serves the call: its autograd function has the rules they need."""
+    if transforms_active():
+        return None
     dense = bias if isinstance(bias, Tensor) else None
     after = (
         is_finite is None
