@@ -168,3 +168,42 @@ def test_a_wrapped_streaming_cache_rewinds_one_token_only_once(kv_dtype, first) 
     keys, values = (_as_stored(x, kv_dtype, first_write)[:, :, keep] for x in (k, v))
     want = attnkit.attention(q.double(), keys, values, backend="reference")
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["cache_batch_idx", "block_table"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_flash_attn_with_kvcache_refuses_rows_that_write_one_slot(paged, fp8) -> None:
+    # Two batch rows writing their new keys to one slot (one cache row named twice by
+    # cache_batch_idx, or one page in both rows' block tables) were accepted: the last write
+    # won, and row 0 attended row 1's key in place of its own. No answer is right there (flash-
+    # attn's kernels race): the call is refused, naming the rows, and writes nothing.
+    from attnkit.flash_attn import flash_attn_with_kvcache
+
+    gen = torch.Generator().manual_seed(4)
+    b, h, hkv, d = 2, 2, 1, 4
+    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    k_cache, v_cache = (torch.randn(3, 4, hkv, d, generator=gen).to(dtype) for _ in "kv")
+    before = [t.view(torch.uint8).clone() if fp8 else t.clone() for t in (k_cache, v_cache)]
+    q = torch.randn(b, 1, h, d, generator=gen)
+    k, v = torch.randn(b, 1, hkv, d, generator=gen), torch.randn(b, 1, hkv, d, generator=gen)
+    call = {"cache_seqlens": torch.tensor([2, 2])}
+    if paged:  # page 0 in both rows, at the column both write
+        call["block_table"] = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32)
+    else:
+        call["cache_batch_idx"] = torch.tensor([1, 1])
+    with pytest.raises(ValueError, match="batch rows 0 and 1 write their new keys to one slot"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **call)
+    after = [t.view(torch.uint8) if fp8 else t for t in (k_cache, v_cache)]
+    assert all(torch.equal(x, y) for x, y in zip(after, before, strict=True))
+    # the same call with rows of their own (cache row 2, or page 2 at the column written)
+    if paged:
+        call["block_table"] = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
+    else:
+        call["cache_batch_idx"] = torch.tensor([1, 2])
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **call)
+    for n, row in enumerate([0, 2] if paged else [1, 2]):
+        keys, values = (
+            c[row, :3].float().transpose(0, 1)[None].double() for c in (k_cache, v_cache)
+        )
+        want = attnkit.attention(q[n : n + 1].transpose(1, 2).double(), keys, values)
+        torch.testing.assert_close(out[n : n + 1].transpose(1, 2).double(), want)

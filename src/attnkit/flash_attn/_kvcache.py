@@ -140,7 +140,10 @@ def flash_attn_with_kvcache(
         q: ``(B, Tq, H, D)``.
         k_cache, v_cache: ``(B_cache, capacity, Hkv, D|Dv)``, or with ``block_table`` pages
             ``(blocks, page, Hkv, D|Dv)`` (any page size).
-        k, v: ``(B, seqlen_new, Hkv, D|Dv)`` new keys and values, or None.
+        k, v: ``(B, seqlen_new, Hkv, D|Dv)`` new keys and values, or None. Batch rows whose
+            new tokens would go to one slot (a cache row named twice by ``cache_batch_idx``, a
+            page two rows' block tables name where both write) are a ``ValueError``: flash-attn
+            leaves the slot to whichever write lands last.
         rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)``: rotate the first ``rotary_dim``
             dims of ``k`` at its positions ``cache_seqlens[b] + t`` (the rows of the tables are
             indices into the cache row, ``cache_leftpad`` included, as flash-attn's kernel reads
@@ -228,6 +231,7 @@ def flash_attn_with_kvcache(
     _check_as_attention(q, view, mask, bias, scale, cap, sinks)
 
     if k is not None and v is not None and rows.new:
+        _check_apart(rows, view.block_table, k_cache.size(1))
         new_k, new_v = _stored(k, v, k_cache.dtype, descales[1:])
         write(view.k, view.v, new_k, new_v, at=rows.seen, block_table=view.block_table)
     out, lse, _ = attend(
@@ -418,6 +422,36 @@ def _view(
         scales[1],
         trusted=True,
     ), fold
+
+
+def _check_apart(rows: _Rows, table: Tensor | None, page: int) -> None:
+    """Refuse batch rows whose new tokens go to one slot of the cache (a cache row named twice
+    by ``cache_batch_idx``, a page in two rows' block tables at the positions they write): the
+    last write would win, and the other row attend a key that is not its own."""
+    if table is None or table.size(0) < 2 or table.device.type == "meta":
+        return  # (without a table row b writes its own row b; a meta table names no page)
+    at = torch.tensor(rows.seen, device=table.device)[:, None] + torch.arange(
+        rows.new, device=table.device
+    )  # (B, new): the positions each row writes
+    slots = table.long().gather(1, at // page) * page + at % page
+    flat = slots.flatten()
+    ordered, order = flat.sort()
+    twice = (ordered[1:] == ordered[:-1]).nonzero()
+    if twice.numel():
+        i = int(twice[0, 0])
+        first, second = sorted(int(order[j]) // rows.new for j in (i, i + 1))
+        slot = int(ordered[i])
+        where = (
+            f"page {slot // page}, position {slot % page}"
+            if rows.table is not None
+            else f"cache row {slot // page}, position {slot % page}"
+        )
+        raise ValueError(
+            f"batch rows {first} and {second} write their new keys to one slot of the cache "
+            f"({where}): the last write would win and the other row attend a key not its own; "
+            "give each row's new tokens slots of their own (cache_batch_idx, block_table, "
+            "cache_seqlens)"
+        )
 
 
 def _one_factor(d: Tensor, k_cache: Tensor, rows: _Rows, table: Tensor) -> bool:
