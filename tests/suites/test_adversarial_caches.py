@@ -11,6 +11,7 @@ import torch
 
 import attnkit
 from attnkit.caches._quantize import fp8_scale, quantize_fp8, quantize_int8
+from attnkit.caches.kv_cache import KVCache
 from attnkit.caches.paged import PagedKVCache
 from attnkit.caches.streaming import StreamingKVCache
 
@@ -207,3 +208,24 @@ def test_flash_attn_with_kvcache_refuses_rows_that_write_one_slot(paged, fp8) ->
         )
         want = attnkit.attention(q[n : n + 1].transpose(1, 2).double(), keys, values)
         torch.testing.assert_close(out[n : n + 1].transpose(1, 2).double(), want)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, *F8])
+def test_a_quantized_cache_of_tiny_keys_reads_them_as_numbers(kv_dtype) -> None:
+    # A head (float8) or token (int8) whose largest magnitude is tiny (1e-43: a subnormal
+    # float32) got the scale amax / max, which is below float32's smallest number: 0. Its zeros
+    # were then 0 / 0 = NaN (float8 keeps NaN), and every query that saw them gave NaN.
+    gen = torch.Generator().manual_seed(5)
+    b, h, hkv, d = 1, 2, 1, 4
+    k = torch.tensor([1e-43, 0.0, -1e-44, 0.0]).expand(b, hkv, 3, d).clone()
+    v = torch.randn(b, hkv, 3, d, generator=gen)
+    cache = KVCache(b, 8, hkv, d, kv_dtype=kv_dtype)
+    q = torch.randn(b, h, 1, d, generator=gen)
+    with torch.no_grad():
+        cache.update(k, v)
+        out = attnkit.attention(q, cache.view())
+    keys, _ = cache.view().dense(torch.float64)
+    assert bool(keys.isfinite().all())
+    torch.testing.assert_close(keys, k.double(), atol=1e-42, rtol=0)
+    want = attnkit.attention(q.double(), k.double(), _as_stored(v, kv_dtype, 3))
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=1e-6)

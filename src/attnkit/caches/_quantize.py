@@ -13,7 +13,8 @@ scales beside them. Symmetric (no zero point): the largest magnitude of a row (i
 * float8: ``scale = amax(|x|, over T and D) / max`` (448 for e4m3fn, 57344 for e5m2) on the first
   write, or the cache's scale for later tokens (``scale=``), ``xq = (x / scale).to(dtype)``
   rounded to nearest, finite values saturating at ``±max``: 3 and 2 bits of mantissa, a relative
-  error of at most 2^-4 and 2^-3 in range.
+  error of at most 2^-4 and 2^-3 in range. A scale is never below float32's smallest normal
+  number (a head of magnitudes below about 1e-36 is read to within that number).
 
 NaN and inf follow attnkit's non-finite policy (they reach the outputs that read them, never
 hidden as a number): the largest magnitudes are those of the finite elements, so one NaN or inf
@@ -87,7 +88,10 @@ def fp8_scale(x: Tensor, dtype: torch.dtype, real: Tensor | None = None) -> Tens
         return torch.ones((*x.shape[:-2], 1, 1), device=x.device)
     keep = x.isfinite() if real is None else x.isfinite() & real
     amax = _finite_magnitudes(x.detach(), keep).amax((-2, -1), keepdim=True)
-    return torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
+    # at least float32's smallest normal number: below ~1e-36 amax / max would round to 0 (or
+    # lose its bits), and the head's zeros be stored as 0 / 0 = NaN
+    scale = (amax / torch.finfo(dtype).max).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
 def quantize_fp8(
