@@ -157,7 +157,8 @@ def attention_stats(
             and dtype are checked, its values not checked (that would take the pass it saves):
             the weights are ``exp(s - lse)``, so an ``lse`` larger by ``c`` than the call's
             scales a query's weights by ``e^-c`` and its entropy to ``e^-c (h + c)``; a query
-            given ``-inf`` or ``+inf`` has no weight, as one with no visible key.
+            given ``-inf`` has no weight, as one with no visible key (and one given ``+inf``:
+            its weights are ``e^-inf = 0``).
         per_kv_head: with grouped-query attention, ``key_mass`` and ``key_max`` per key/value
             head ``(..., Hkv, Tk)``: summed (and maxed) over the query heads that share it, the
             statistic a cache of ``Hkv`` heads evicts by. ``entropy`` stays per query head.
