@@ -72,6 +72,40 @@ def test_a_compiled_float8_streaming_prompt_equals_the_eager_cache(kv_dtype) -> 
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_compiled_flash_attn_with_kvcache_writes_a_float8_cache(paged) -> None:
+    # The same inductor refusal, for flash_attn_with_kvcache's write of each batch row's new
+    # keys into a float8 cache: one copy a row into one float8 tensor.
+    from attnkit.flash_attn import flash_attn_with_kvcache
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(6)
+    b, h, hkv, d = 2, 4, 2, 8
+
+    def step(q, k_cache, v_cache, k, v, seen, kd, vd, table):
+        return flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=seen, k_descale=kd, v_descale=vd,
+            block_table=table, causal=True,
+        )  # fmt: skip
+
+    shape = (8, 4, hkv, d) if paged else (b, 16, hkv, d)
+    table = torch.arange(8, dtype=torch.int32).view(b, 4) if paged else None
+    caches = [torch.randn(*shape, generator=gen).to(torch.float8_e4m3fn) for _ in "kv"]
+    copies = [t.clone() for t in caches]
+    kd, vd = torch.rand(b, hkv, generator=gen) + 0.5, torch.rand(b, hkv, generator=gen) + 0.5
+    compiled = torch.compile(step)
+    with torch.no_grad():
+        for at in range(3):
+            q = torch.randn(b, 1, h, d, generator=gen)
+            k, v = (torch.randn(b, 1, hkv, d, generator=gen) for _ in "kv")
+            seen = torch.tensor([3, 5]) + at
+            got = compiled(q, *caches, k, v, seen, kd, vd, table)
+            torch.testing.assert_close(got, step(q, *copies, k, v, seen, kd, vd, table))
+    torch._dynamo.reset()
+    for got, want in zip(caches, copies, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("position", [3, 9])  # the ring not full yet; wrapped
 @pytest.mark.parametrize("bad", ["softcap", "sinks", "scale"])
