@@ -263,3 +263,28 @@ def test_a_quantized_cache_of_tiny_keys_reads_them_as_numbers(kv_dtype) -> None:
     torch.testing.assert_close(keys, k.double(), atol=1e-42, rtol=0)
     want = attnkit.attention(q.double(), k.double(), _as_stored(v, kv_dtype, 3))
     torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+def test_a_paged_cache_on_meta_takes_a_prompt_over_several_pages(kv_dtype) -> None:
+    # A prompt longer than a page in more rows than one was written as one indexed write of the
+    # real tokens, picked by a bool mask: on the meta device that index needs nonzero(), which
+    # torch does not run there (NotImplementedError). Pages on meta hold no values to write: the
+    # call gives the CPU call's slots, lengths, block table and output shape.
+    got = {}
+    for device in ("cpu", "meta"):
+        pool = PagedKVCache(8, 2, 2, 4, max_seqs=2, kv_dtype=kv_dtype, device=device)
+        pool.schedule([3, 2])
+        q = torch.zeros(2, 4, 3, 4, device=device)
+        k, v = (torch.zeros(2, 2, 3, 4, device=device) for _ in "kv")
+        with torch.no_grad():
+            slots = pool.stage(k, v)
+            out, lse = pool.attention(q, k, v, causal=True)
+            pool.commit()
+        got[device] = (slots, out, lse, pool)
+    (slots, out, lse, pool), (meta_slots, meta_out, meta_lse, meta_pool) = got["cpu"], got["meta"]
+    assert meta_slots.is_meta
+    assert meta_slots.shape == slots.shape
+    assert meta_pool.lengths == pool.lengths == [3, 2]
+    assert [meta_pool.pages_of(n) for n in (0, 1)] == [pool.pages_of(n) for n in (0, 1)]
+    assert (meta_out.shape, meta_lse.shape) == (out.shape, lse.shape)

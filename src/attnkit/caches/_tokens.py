@@ -210,6 +210,8 @@ def write(
         return []  # no page numbers to read, and pages on the meta device hold no values
     if pieces is None:
         pieces = _pieces(k_pages.size(2), at, new, block_table)
+    if k_pages.device.type == "meta":
+        return pieces  # (pages on the meta device hold no values: nothing to write)
     # (while traced, a copy a piece: the positions may be symbolic sizes, never read as numbers)
     rows_at_once = t == 1 and len(pieces) == rows >= _ROWS_COPIED
     k_rows = None
