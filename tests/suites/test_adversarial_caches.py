@@ -288,3 +288,36 @@ def test_a_paged_cache_on_meta_takes_a_prompt_over_several_pages(kv_dtype) -> No
     assert meta_pool.lengths == pool.lengths == [3, 2]
     assert [meta_pool.pages_of(n) for n in (0, 1)] == [pool.pages_of(n) for n in (0, 1)]
     assert (meta_out.shape, meta_lse.shape) == (out.shape, lse.shape)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+def test_paged_write_with_slots_or_pages_on_meta(kv_dtype) -> None:
+    # PagedKVCache.write (vLLM's reshape_and_cache) read the slots' values to check them: slots
+    # on meta failed in torch ("Tensor.item() cannot be called on meta tensors"), on a meta pool
+    # as on a CPU one. Meta slots are refused for a pool that holds values (naming the argument);
+    # a meta pool checks slots it can read and writes nothing.
+    k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    pool = PagedKVCache(4, 2, 2, 4, max_seqs=1, kv_dtype=kv_dtype)
+    before = [t.clone() for t in (pool.k_pages, pool.v_pages)]
+    with pytest.raises(ValueError, match="slot_mapping is on meta"):
+        pool.write(k, v, torch.tensor([0, 3], device="meta"))
+    for got, want in zip((pool.k_pages, pool.v_pages), before, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    pool.write(k, v, torch.tensor([0, 3]))  # the same slots on the CPU: written
+    stored = pool.k_pages[0, 0].float()  # slot 0: page 0, row 0, (Hkv, D)
+    if kv_dtype is not None:
+        stored = stored * pool.k_scales[0, :, 0]  # (float8: 1 on a page no sequence holds)
+    want = k[0, :, None]  # (Hkv, 1, D)
+    if kv_dtype == torch.int8:
+        xq, scale = quantize_int8(want)
+        want = xq.float() * scale
+    elif kv_dtype is not None:
+        xq, scale = quantize_fp8(want, kv_dtype, scale=torch.ones(2, 1, 1))
+        want = xq.float() * scale
+    torch.testing.assert_close(stored, want[:, 0])
+    meta = PagedKVCache(4, 2, 2, 4, max_seqs=1, kv_dtype=kv_dtype, device="meta")
+    k, v = k.to("meta"), v.to("meta")
+    meta.write(k, v, torch.tensor([0, 3], device="meta"))
+    meta.write(k, v, torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="is not a slot"):
+        meta.write(k, v, torch.tensor([0, 8]))

@@ -593,18 +593,10 @@ class PagedKVCache(nn.Module):
             raise TypeError(f"slot_mapping must be ({k.size(0)},) integers, got {got}")
         if compare:
             check_values(k, v, vp.size(-1), "this PagedKVCache")
-        slots = slot_mapping.long()
+        slots = self._checked_slots(slot_mapping, kp.device)
+        if slots is None:
+            return  # (pages on the meta device hold no values to write)
         keep = slots >= 0
-        size = self.num_blocks * self.page_size
-        bad = (slots < -1) | (slots >= size)
-        if bool(bad.any()):
-            n = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"slot_mapping[{n}] = {int(slots[n])} is not a slot: the pool holds {size} "
-                f"({self.num_blocks} pages of {self.page_size}), -1 for a token not written"
-            )
-        if int(slots[keep].unique().numel()) != int(keep.sum()):
-            raise ValueError("slot_mapping names a slot twice: which token would it hold?")
         kp, vp = self._head_major()
         k, v, slots = k[keep.to(k.device)], v[keep.to(v.device)], slots[keep]
         # (the values of values_in_keys written with the keys, and read with their scales)
@@ -622,6 +614,31 @@ class PagedKVCache(nn.Module):
         if not fp8:
             v_scales = None if self.values_in_keys else self.v_scales
             put(self.k_scales, v_scales, ks[:, :, 0], vs[:, :, 0], slots)
+
+    def _checked_slots(self, slot_mapping: Tensor, device: torch.device) -> Tensor | None:
+        """:meth:`write`'s ``slot_mapping`` as int64, each slot in the pool or -1 and none twice;
+        None for pages on the meta device (slots on meta hold no values to check: refused for
+        pages elsewhere)."""
+        if slot_mapping.device.type == "meta":
+            if device.type != "meta":
+                raise ValueError(
+                    f"slot_mapping is on meta, which holds no values, but the cache is on "
+                    f"{device}: give the slots on {device}"
+                )
+            return None
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        size = self.num_blocks * self.page_size
+        bad = (slots < -1) | (slots >= size)
+        if bool(bad.any()):
+            n = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"slot_mapping[{n}] = {int(slots[n])} is not a slot: the pool holds {size} "
+                f"({self.num_blocks} pages of {self.page_size}), -1 for a token not written"
+            )
+        if int(slots[keep].unique().numel()) != int(keep.sum()):
+            raise ValueError("slot_mapping names a slot twice: which token would it hold?")
+        return None if device.type == "meta" else slots
 
     @_between_graphs
     def commit(self) -> None:
