@@ -89,3 +89,40 @@ def test_score_mod_made_in_the_compiled_step_trains(kind: str, shape: tuple[int,
     torch.testing.assert_close(got, expected)
     for a, b in zip(traced, eager, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "form", ["mask & tensor", "tensor & mask", "mask | tensor", "tensor | mask"]
+)
+def test_a_mask_combined_with_a_bool_tensor_compiles(form: str) -> None:
+    """A structured mask and a bool tensor joined by ``&`` or ``|`` (either side) inside the
+    compiled function: one graph, equal to eager. torch.compile takes an operator with a tensor
+    operand for a tensor operation unless the other operand says otherwise."""
+    torch._dynamo.reset()
+    q, k, v = _inputs(2)
+
+    def fn(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+        structured = attnkit.masks.key_padding(lengths)
+        lower = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        mask = {
+            "mask & tensor": lambda: structured & lower,
+            "tensor & mask": lambda: lower & structured,
+            "mask | tensor": lambda: structured | lower,
+            "tensor | mask": lambda: lower | structured,
+        }[form]()
+        return attnkit.attention(q, k, v, mask=mask)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    for lengths in (torch.tensor([T, 9]), torch.tensor([0, 5])):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(q, k, v, lengths), fn(q, k, v, lengths))
+
+
+def test_a_mask_and_a_float_tensor_is_still_refused() -> None:
+    """The hook that lets torch.compile combine a mask with a bool tensor keeps eager's refusal
+    of other operands, with attnkit's message, on either side."""
+    floats = torch.ones(3, 3)
+    with pytest.raises(TypeError, match="combines with masks and bool tensors"):
+        attnkit.masks.causal() & floats
+    with pytest.raises(TypeError, match="combines with masks and bool tensors"):
+        floats | attnkit.masks.causal()

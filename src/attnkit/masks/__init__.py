@@ -40,6 +40,7 @@ queries, ``Tk`` keys.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -132,6 +133,23 @@ class Mask:
 
     def __and__(self, other: object) -> Mask:
         return _combine("and", self, other)
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """``mask & tensor`` and ``tensor | mask`` as masks: torch.compile takes a binary operator
+        with a tensor operand for a tensor operation, and asks the other operand's
+        ``__torch_function__`` before it puts one in the graph. Any other torch function is not
+        for a mask (NotImplemented: a ``TypeError``, as without this hook)."""
+        op = _TORCH_BINARY_OPS.get(func)
+        if op is None or kwargs or len(args) != 2:
+            return NotImplemented
+        return _combine(op, *args)
 
     def __rand__(self, other: object) -> Mask:
         return _combine("and", other, self)
@@ -1103,6 +1121,21 @@ def _combine(op: str, a: object, b: object) -> Mask:
     for m in (ma, mb):
         parts += m.parts if isinstance(m, _Combined) and m.op == op else [m]
     return _Combined(op, tuple(parts))
+
+
+# The binary operators a mask takes a bool tensor in, as torch's dispatch names them: the Tensor
+# methods eagerly, Python's operators or the tensor's bitwise method while torch.compile traces
+# (which may hand the tensor first: both operators are symmetric).
+_TORCH_BINARY_OPS: dict[object, str] = {
+    operator.and_: "and",
+    operator.or_: "or",
+    Tensor.__and__: "and",
+    Tensor.__rand__: "and",
+    Tensor.__or__: "or",
+    Tensor.__ror__: "or",
+    torch._C.TensorBase.bitwise_and: "and",
+    torch._C.TensorBase.bitwise_or: "or",
+}
 
 
 def visibility(mask: Tensor | Mask | None, causal_flag: bool) -> Mask | None:

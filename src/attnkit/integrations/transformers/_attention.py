@@ -239,8 +239,8 @@ def _with_selection(
     if not isinstance(indices, Tensor):
         return mask
     selected = _selected_keys(module, indices, query.size(0), query.size(-2), keys)
-    # The method, not `&`: torch.compile takes `mask & tensor` for a tensor operation, which it
-    # cannot trace (fullgraph fails), and inlines the method call.
+    # The method, not `&`: the mask may be a tensor, and the method call is inlined as it is,
+    # without torch's dispatch of an operator with a tensor operand.
     return selected if mask is None else selected.__and__(mask)
 
 
