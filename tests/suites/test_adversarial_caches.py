@@ -321,3 +321,25 @@ def test_paged_write_with_slots_or_pages_on_meta(kv_dtype) -> None:
     meta.write(k, v, torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="is not a slot"):
         meta.write(k, v, torch.tensor([0, 8]))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("backend", ["chunked", "auto"])
+def test_quantized_attention_under_vmap(kv_dtype, backend) -> None:
+    # Before reading int8/float8 keys in place, chunked asks whether their scales are finite:
+    # under torch.func.vmap no value can be read, and the call failed ("before a call that needs
+    # gradients ... vmap cannot read a value") where float keys and values run. The scales that
+    # cannot be read go the dequantizing way.
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 2, 4, 3, 8, generator=gen)
+    k = (torch.randn(3, 2, 2, 5, 8, generator=gen) * 40).clamp(-127, 127).to(kv_dtype)
+    scale = torch.rand(3, 2, 2, 5, 1, generator=gen) / 50
+
+    def one(q, k, scale):
+        return attnkit.attention(q, k, k, k_scale=scale, v_scale=scale, backend=backend)
+
+    with torch.no_grad():
+        out = torch.func.vmap(one)(q, k, scale)
+    kd = (k.float() * scale).double()
+    want = attnkit.attention(q.double(), kd, kd, backend="reference")
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)

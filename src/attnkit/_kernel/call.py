@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .._base.checks import dtype_str
-from .._base.finite import finite
+from .._base.finite import finite, finite_if_readable
 from .._base.quantized import dequantize
 from .._base.records import made
 from .._native.kernel import native_call, scale_rows
@@ -467,8 +467,12 @@ def _quantized_refusal(
     )
     # The native read scales each product, (q . k) s, where the formula scales each element,
     # q . (k s): the same for finite scales, not for an inf one (inf - inf within the sum is the
-    # formula's NaN). The scales are a small fraction of the bytes the call reads.
-    if why is None and not finite(*kv_scales):
+    # formula's NaN). The scales are a small fraction of the bytes the call reads; under
+    # torch.func.vmap none can be read, and the keys and values are dequantized first.
+    readable = None if why is not None else finite_if_readable(*kv_scales)
+    if why is None and readable is None:
+        return "the scales cannot be read (torch.func.vmap)"
+    if why is None and not readable:
         return "a scale is NaN or inf (the formula's products of its elements decide the values)"
     return why
 
