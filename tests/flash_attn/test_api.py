@@ -430,3 +430,61 @@ def test_meta_packed_sequences_with_lengths_on_the_cpu_run() -> None:
     for real, m in ((out, m_out), (lse, m_lse)):
         assert m.is_meta
         assert (m.shape, m.dtype) == (real.shape, real.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("q8", [False, True])
+def test_float8_inputs_with_their_descale_factors(dtype: torch.dtype, q8: bool) -> None:
+    # flash-attn 3's float8 call: keys and values k.float() * k_descale[b, h], read in place;
+    # against the float64 formula over those values (causal, GQA, a window, softcap).
+    g = torch.Generator().manual_seed(5)
+    B, Tq, Tk, H, Hkv, D = 2, 6, 9, 4, 2, 16
+    q = torch.randn(B, Tq, H, D, generator=g)
+    k, v = (torch.randn(B, Tk, Hkv, D, generator=g) * 3 for _ in range(2))
+    top = torch.finfo(dtype).max
+    kd, vd = (x.abs().amax((1, 3)) / top for x in (k, v))  # (B, Hkv)
+    k8, v8 = (x / d[:, None, :, None] for x, d in ((k, kd), (v, vd)))
+    k8, v8 = k8.to(dtype), v8.to(dtype)
+    qd = torch.rand(B, Hkv, generator=g) + 0.5
+    qin = q.to(dtype) if q8 else q
+    out, lse, _ = fa.flash_attn_func(
+        qin,
+        k8,
+        v8,
+        causal=True,
+        window_size=(4, 0),
+        softcap=20.0,
+        return_attn_probs=True,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+    )
+    qf = qin.double() * qd.repeat_interleave(H // Hkv, 1)[:, None, :, None].double()
+    if q8:  # float8 queries are read in bfloat16, flash-attn 3's output dtype for them
+        qf = qf.bfloat16().double()
+    kf, vf = (x.double() * d[:, None, :, None].double() for x, d in ((k8, kd), (v8, vd)))
+    want, want_lse, _ = fa.flash_attn_func(
+        qf, kf, vf, causal=True, window_size=(4, 0), softcap=20.0, return_attn_probs=True
+    )
+    assert out.dtype == (torch.bfloat16 if q8 else torch.float32)
+    tol = 1e-2 if q8 else 1e-5
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+
+
+def test_float8_descale_factors_are_checked() -> None:
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 5, 2, 8)
+    k8 = k.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"k_descale must be \(batch, nheads_k\) = \(2, 2\)"):
+        fa.flash_attn_func(q, k8, k8, k_descale=torch.ones(1, 2))
+    with pytest.raises(TypeError, match="k_descale is for a float8 k and v"):
+        fa.flash_attn_func(q, k, k, k_descale=torch.ones(2, 2))
+    with pytest.raises(TypeError, match=r"go to attnkit.attention\(q, k, v, k_scale"):
+        fa.flash_attn_func(q, k.to(torch.int8), k.to(torch.int8))
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        fa.flash_attn_func(torch.randn(2, 3, 3, 8), k8, k8, q_descale=torch.ones(2, 2))
+    # no factors: a float8 call reads its keys and values as they are (factors of 1)
+    out = fa.flash_attn_func(q, k8, k8)
+    torch.testing.assert_close(
+        out, fa.flash_attn_func(q, k8.float(), k8.float()), atol=1e-5, rtol=1e-5
+    )

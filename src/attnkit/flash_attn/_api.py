@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._base.checks import check_bool, check_probability, shape_str
 from ..attention import attention
+from ..caches._quantize import FLOAT8
 from ..caches.view import CacheView
 from ..masks import Mask
 from ..scores import ScoreTerm
@@ -16,6 +17,8 @@ from ._alibi import alibi, varlen_alibi
 from ._args import (
     band,
     band_mask,
+    descaled_q,
+    descales,
     four_d,
     lengths_of,
     scale_of,
@@ -53,6 +56,8 @@ def attend(
     sinks: Tensor | None,
     want_lse: bool,
     want_probs: bool,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One :func:`attnkit.attention` call on ``(B, H, T, D)`` views (``k`` a cache's view and
     ``v`` None: the call on a cache): the output ``(B, Tq, H, Dv)``, the LSE ``(B, H, Tq)`` if
@@ -62,7 +67,8 @@ def attend(
     With dropout, the weights come from a second call without it: asking for the weights must
     not change the output, and a backend that returns weights may draw its dropout otherwise than
     the one that serves the call without them (flash-attn's output is the same with or without
-    ``return_attn_probs``, for one seed). Without dropout one call gives both."""
+    ``return_attn_probs``, for one seed). Without dropout one call gives both. ``k_scale`` and
+    ``v_scale``: float8 keys' and values' scales, as :func:`attnkit.attention` takes them."""
     together = want_probs and dropout_p == 0
     result = attention(
         q,
@@ -74,6 +80,8 @@ def attend(
         softcap=softcap,
         sinks=sinks,
         dropout_p=dropout_p,
+        k_scale=k_scale,
+        v_scale=v_scale,
         return_weights=together,
         return_lse=want_lse,
     )
@@ -90,6 +98,8 @@ def attend(
             scale=softmax_scale,
             softcap=softcap,
             sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
             return_weights=True,
         )
     return out.transpose(1, 2).contiguous(), lse, probs
@@ -119,6 +129,9 @@ def flash_attn_func(
     *,
     learnable_sink: Tensor | None = None,
     s_aux: Tensor | None = None,
+    q_descale: Tensor | None = None,
+    k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
 ) -> _Result:
     """flash-attn's ``flash_attn_func``: attention over ``(B, T, H, D)`` tensors.
 
@@ -130,6 +143,12 @@ def flash_attn_func(
             as in flash-attn (see the module's conventions).
         return_attn_probs: also return ``softmax_lse`` ``(B, H, Tq)`` and ``S_dmask``.
         learnable_sink, s_aux: ``(H,)`` attention-sink logits (flash-attn 4's and 3's names).
+        q_descale, k_descale, v_descale: flash-attn 3's float8 descale factors, float ``(B,
+            Hkv)``, for ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` inputs (default 1):
+            batch row ``b``'s keys are ``k.float() * k_descale[b, h]``, read in place (the
+            native kernel dequantizes in registers), and likewise the values. A float8 ``q`` is
+            read as ``q.float() * q_descale`` in bfloat16, flash-attn 3's output dtype for float8
+            inputs; a float ``q`` is multiplied by ``q_descale``.
 
     Returns:
         ``out`` ``(B, Tq, H, Dv)``, or ``(out, softmax_lse, S_dmask)``.
@@ -151,6 +170,7 @@ def flash_attn_func(
     scale = scale_of(softmax_scale, q.dtype)
     batch, q_len, heads = q.shape[:3]
     kv_len = k.size(1)
+    q, k_scale, v_scale = _float8(q, k, v, q_descale, k_descale, v_descale)
     bias = None
     if alibi_slopes is not None:
         bias = alibi(alibi_slopes, heads, batch, q.dtype, q_len, kv_len)
@@ -166,8 +186,26 @@ def flash_attn_func(
         sinks=sinks_of(learnable_sink, s_aux, q, heads),
         want_lse=asked,
         want_probs=asked and p > 0,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return _finish(out, lse, probs, asked)
+
+
+def _float8(
+    q: Tensor, k: Tensor, v: Tensor, q_descale: object, k_descale: object, v_descale: object
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``q`` descaled (float8 queries in bfloat16) and the keys' and values' scales as
+    :func:`attnkit.attention` takes them, ``(B, Hkv, 1, 1)``, from flash-attn 3's descale
+    factors ``(B, Hkv)``; float inputs without factors come back as they are."""
+    if (q_descale is not None or q.dtype in FLOAT8) and q.size(2) % max(k.size(2), 1):
+        raise ValueError(
+            f"the query heads ({q.size(2)}) must be a multiple of the key/value heads ({k.size(2)})"
+        )
+    qd, kd, vd = descales(q, k, v, q_descale, k_descale, v_descale, names=("k", "v"))
+    k_scale = kd[:, :, None, None] if kd is not None else None
+    v_scale = vd[:, :, None, None] if vd is not None else None
+    return descaled_q(q, qd), k_scale, v_scale
 
 
 def flash_attn_qkvpacked_func(
@@ -338,6 +376,8 @@ def _packed(
     args: tuple[float | None, float | None, object, Tensor | None],
     want_lse: bool,
     want_probs: bool,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """:func:`flash_attn_varlen_func` on packed keys ``(total_k, Hkv, D)``: one
     :func:`attnkit.attention` call over ``(1, H, total, D)`` views (``sizes``: the sequences'

@@ -14,12 +14,15 @@ import torch
 from torch import Tensor
 
 from .._base.checks import check_logits, dtype_str, plain_number, shape_str
+from ..caches._quantize import FLOAT8
 from ..masks import Mask, causal
 from ..masks import sliding_window as _sliding_window
 
 __all__ = [
     "band",
     "band_mask",
+    "descaled_q",
+    "descales",
     "four_d",
     "host_ints",
     "lengths_of",
@@ -203,3 +206,71 @@ def three_d(name: str, t: object, layout: str) -> Tensor:
     if t.ndim != 3:
         raise ValueError(f"{name} must be {layout}, got shape {shape_str(t.shape)}")
     return t
+
+
+def descales(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_descale: object,
+    k_descale: object,
+    v_descale: object,
+    names: tuple[str, str] = ("k_cache", "v_cache"),
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """flash-attn 3's float8 descale factors, each a float32 ``(B, Hkv)`` tensor or None: given
+    for float8 inputs only (float8 keys and values default to 1). ``k`` and ``v`` are
+    ``(B, T, Hkv, D)`` (or a cache's pages), named ``names`` in the errors."""
+    batch, hkv = q.size(0), k.size(2)
+    kn, vn = names
+    if torch.int8 in (k.dtype, v.dtype):
+        int8 = (
+            "attnkit's KVCache or PagedKVCache(kv_dtype=torch.int8)"
+            if kn == "k_cache"
+            else "attnkit.attention(q, k, v, k_scale=..., v_scale=...)"
+        )
+        raise TypeError(
+            f"{kn} and {vn} must be float, or float8 with k_descale/v_descale (as in "
+            f"flash-attn 3), got {dtype_str(k.dtype)} and {dtype_str(v.dtype)}: int8 keys and "
+            f"values with their scales go to {int8}"
+        )
+    quantized = k.dtype in FLOAT8
+    if quantized != (v.dtype in FLOAT8) or (quantized and k.dtype != v.dtype):
+        raise TypeError(
+            f"{kn} and {vn} must share a float8 dtype or be float, got "
+            f"{dtype_str(k.dtype)} and {dtype_str(v.dtype)}"
+        )
+    found: list[Tensor | None] = []
+    for name, d, given in (
+        ("q_descale", q_descale, q.dtype in FLOAT8 or quantized),
+        ("k_descale", k_descale, quantized),
+        ("v_descale", v_descale, quantized),
+    ):
+        if d is None:
+            one = torch.ones(batch, hkv, device=q.device) if given and name != "q_descale" else None
+            found.append(one)
+            continue
+        if not given:
+            raise TypeError(
+                f"{name} is for a float8 {'cache' if kn == 'k_cache' else 'k and v'} "
+                f"(torch.float8_e4m3fn, torch.float8_e5m2), got {kn} of {dtype_str(k.dtype)}"
+            )
+        if not isinstance(d, Tensor) or not d.is_floating_point() or d.dtype in FLOAT8:
+            raise TypeError(f"{name} must be a float tensor (batch, nheads_k), got {d!r}")
+        if d.shape != (batch, hkv) or d.device != q.device:
+            raise ValueError(
+                f"{name} must be (batch, nheads_k) = ({batch}, {hkv}) on {q.device}, got "
+                f"{shape_str(d.shape)} on {d.device}"
+            )
+        found.append(d.float())
+    return found[0], found[1], found[2]
+
+
+def descaled_q(q: Tensor, q_descale: Tensor | None) -> Tensor:
+    """``q (B, Tq, H, D)`` times its descale factors ``(B, Hkv)`` (each shared by the ``H /
+    Hkv`` query heads of a key/value head); float8 queries in bfloat16."""
+    fp8 = q.dtype in FLOAT8
+    work = q.float() if fp8 else q
+    if q_descale is not None:
+        groups = q_descale.repeat_interleave(q.size(2) // q_descale.size(1), dim=1)  # (B, H)
+        work = (work.float() * groups[:, None, :, None]).to(work.dtype)
+    return work.to(torch.bfloat16) if fp8 else work

@@ -25,7 +25,17 @@ from ..masks import Mask
 from ..scores import ScoreTerm
 from ._alibi import alibi
 from ._api import attend
-from ._args import band, band_mask, four_d, host_ints, scale_of, sinks_of, softcap_of
+from ._args import (
+    band,
+    band_mask,
+    descaled_q,
+    descales,
+    four_d,
+    host_ints,
+    scale_of,
+    sinks_of,
+    softcap_of,
+)
 from ._paging import check_block_table, page_table, pages_used
 from ._rotary import check_rotary, rotate
 
@@ -199,9 +209,9 @@ def flash_attn_with_kvcache(
         raise TypeError(f"num_splits must be an int (0: flash-attn's choice), got {num_splits!r}")
     check_bool("rotary_interleaved", rotary_interleaved)
     _check_cache(q, k_cache, v_cache)
-    descales = _descales(q, k_cache, v_cache, q_descale, k_descale, v_descale)
+    factors = descales(q, k_cache, v_cache, q_descale, k_descale, v_descale)
     given = q.dtype
-    q = _descaled_q(q, descales[0])
+    q = descaled_q(q, factors[0])
     cap = softcap_of(softcap)
     scale = scale_of(softmax_scale, q.dtype)
     sinks = sinks_of(learnable_sink, s_aux, q, heads)
@@ -221,9 +231,9 @@ def flash_attn_with_kvcache(
         # flash-attn's rule: causal or windowed queries sit at their own positions.
         positional = causal or not (lo == -math.inf and hi == math.inf)
         q, k = _rotated(q, k, rows, rotary_cos, rotary_sin, rotary_interleaved, positional)
-    view, fold = _view(k_cache, v_cache, rows, descales[1:])
+    view, fold = _view(k_cache, v_cache, rows, factors[1:])
     if fold is not None:  # rows sharing a page with factors of their own: k_descale into q
-        q = _descaled_q(q, fold[0])
+        q = descaled_q(q, fold[0])
     mask = band_mask(lo, hi, q_len, view.width)
     bias = None
     if alibi_slopes is not None:  # each row's call from its own alignment
@@ -232,7 +242,7 @@ def flash_attn_with_kvcache(
 
     if k is not None and v is not None and rows.new:
         _check_apart(rows, view.block_table, k_cache.size(1))
-        new_k, new_v = _stored(k, v, k_cache.dtype, descales[1:])
+        new_k, new_v = _stored(k, v, k_cache.dtype, factors[1:])
         write(view.k, view.v, new_k, new_v, at=rows.seen, block_table=view.block_table)
     out, lse, _ = attend(
         q.transpose(1, 2),
@@ -248,7 +258,7 @@ def flash_attn_with_kvcache(
         want_probs=False,
     )
     if fold is not None:  # and v_descale into the output: sum_j w_j (d v_j) = d sum_j w_j v_j
-        out = _descaled_q(out, fold[1])
+        out = descaled_q(out, fold[1])
     return (out, lse) if want_lse and lse is not None else out
 
 
@@ -463,66 +473,6 @@ def _one_factor(d: Tensor, k_cache: Tensor, rows: _Rows, table: Tensor) -> bool:
     read = torch.arange(table.size(1), device=table.device) < used[:, None]  # (B, P)
     given = d[:, None, :].expand(-1, table.size(1), -1)[read]  # (pages read, Hkv)
     return bool((scales[table.long()[read]] == given).all())
-
-
-def _descales(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    q_descale: object,
-    k_descale: object,
-    v_descale: object,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """The descale factors, each a float32 ``(B, Hkv)`` tensor or None: given for float8
-    inputs only (k and v of a float8 cache default to 1)."""
-    batch, hkv = q.size(0), k_cache.size(2)
-    if torch.int8 in (k_cache.dtype, v_cache.dtype):
-        raise TypeError(
-            f"k_cache and v_cache must be float, or float8 with k_descale/v_descale (as in "
-            f"flash-attn 3), got {dtype_str(k_cache.dtype)} and {dtype_str(v_cache.dtype)}: an "
-            f"int8 cache with its scales is attnkit's KVCache or PagedKVCache(kv_dtype=torch.int8)"
-        )
-    quantized = k_cache.dtype in FLOAT8
-    if quantized != (v_cache.dtype in FLOAT8) or (quantized and k_cache.dtype != v_cache.dtype):
-        raise TypeError(
-            f"k_cache and v_cache must share a float8 dtype or be float, got "
-            f"{dtype_str(k_cache.dtype)} and {dtype_str(v_cache.dtype)}"
-        )
-    found: list[Tensor | None] = []
-    for name, d, given in (
-        ("q_descale", q_descale, q.dtype in FLOAT8 or quantized),
-        ("k_descale", k_descale, quantized),
-        ("v_descale", v_descale, quantized),
-    ):
-        if d is None:
-            one = torch.ones(batch, hkv, device=q.device) if given and name != "q_descale" else None
-            found.append(one)
-            continue
-        if not given:
-            raise TypeError(
-                f"{name} is for a float8 cache (torch.float8_e4m3fn, torch.float8_e5m2), got "
-                f"k_cache of {dtype_str(k_cache.dtype)}"
-            )
-        if not isinstance(d, Tensor) or not d.is_floating_point() or d.dtype in FLOAT8:
-            raise TypeError(f"{name} must be a float tensor (batch, nheads_k), got {d!r}")
-        if d.shape != (batch, hkv) or d.device != q.device:
-            raise ValueError(
-                f"{name} must be (batch, nheads_k) = ({batch}, {hkv}) on {q.device}, got "
-                f"{shape_str(d.shape)} on {d.device}"
-            )
-        found.append(d.float())
-    return found[0], found[1], found[2]
-
-
-def _descaled_q(q: Tensor, q_descale: Tensor | None) -> Tensor:
-    """``q (B, Tq, H, D)`` times its descale factors ``(B, Hkv)`` (each shared by the ``H /
-    Hkv`` query heads of a key/value head); float8 queries in bfloat16."""
-    fp8 = q.dtype in FLOAT8
-    work = q.float() if fp8 else q
-    if q_descale is not None:
-        groups = q_descale.repeat_interleave(q.size(2) // q_descale.size(1), dim=1)  # (B, H)
-        work = (work.float() * groups[:, None, :, None]).to(work.dtype)
-    return work.to(torch.bfloat16) if fp8 else work
 
 
 def _page_scales(d: Tensor, k_cache: Tensor, rows: _Rows, table: Tensor | None) -> Tensor:
