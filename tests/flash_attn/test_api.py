@@ -483,6 +483,10 @@ def test_float8_descale_factors_are_checked() -> None:
         fa.flash_attn_func(q, k.to(torch.int8), k.to(torch.int8))
     with pytest.raises(ValueError, match="multiple of the key/value heads"):
         fa.flash_attn_func(torch.randn(2, 3, 3, 8), k8, k8, q_descale=torch.ones(2, 2))
+    with pytest.raises(TypeError, match="a float8 q is read in bfloat16"):
+        fa.flash_attn_func(q.to(torch.float8_e4m3fn), k, k)
+    with pytest.raises(TypeError, match="so k_cache and v_cache must be float8 or bfloat16"):
+        fa.flash_attn_with_kvcache(q.to(torch.float8_e4m3fn), k, k)
     # no factors: a float8 call reads its keys and values as they are (factors of 1)
     out = fa.flash_attn_func(q, k8, k8)
     torch.testing.assert_close(

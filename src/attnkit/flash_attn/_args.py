@@ -239,6 +239,11 @@ def descales(
             f"{kn} and {vn} must share a float8 dtype or be float, got "
             f"{dtype_str(k.dtype)} and {dtype_str(v.dtype)}"
         )
+    if q.dtype in FLOAT8 and not quantized and k.dtype != torch.bfloat16:
+        raise TypeError(
+            f"a float8 q is read in bfloat16 (q.float() * q_descale), so {kn} and {vn} must be "
+            f"float8 or bfloat16, got q {dtype_str(q.dtype)} and {kn} {dtype_str(k.dtype)}"
+        )
     found: list[Tensor | None] = []
     for name, d, given in (
         ("q_descale", q_descale, q.dtype in FLOAT8 or quantized),
