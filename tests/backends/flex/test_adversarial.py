@@ -15,6 +15,7 @@ from torch import Tensor
 
 import attnkit
 from attnkit import masks
+from attnkit.backends.flex.backend import cpu_compile_refusal
 from attnkit.scores import DistanceBias, RelativePositionTerm
 
 D = 8
@@ -136,3 +137,36 @@ def test_position_terms_under_windows(tq: int, tk: int) -> None:
         _both(q, k, v, bias=term, mask=mask)
     table = DistanceBias(_randn(2, 4, tq + tk - 1, seed=23), first=-(tk - 1))
     _both(q, k, v, bias=table, mask=masks.causal() & masks.key_padding(torch.tensor([tk, 1])))
+
+
+def _constant(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return torch.tensor(0.0)
+
+
+def _by_key_alone(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return s * 0 + kv_idx * 0.25
+
+
+def _in_place(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return s.mul_(2)
+
+
+@pytest.mark.skipif(cpu_compile_refusal() is not None, reason="torch cannot compile flex here")
+@pytest.mark.parametrize(
+    "score_mod", [_constant, _by_key_alone, _in_place], ids=lambda f: f.__name__
+)
+def test_compiled_score_mods_that_ignore_or_write_the_scores(score_mod: object) -> None:
+    """torch's compiled CPU FlexAttention computed a score_mod whose result does not read the
+    score (a constant, ``score * 0 + x``) wrongly (by more than 1), and failed to build one that
+    writes the scores in place; both are elementwise, and equal the reference in float32."""
+    q, k, v = (t.float() for t in (_randn(2, 4, 17, D, seed=s) for s in (24, 25, 26)))
+    got = attnkit.attention(q, k, v, score_mod=score_mod, mask=masks.causal(), backend="flex")  # type: ignore[arg-type]
+    want = attnkit.attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        score_mod=score_mod,
+        mask=masks.causal(),
+        backend="reference",  # type: ignore[arg-type]
+    )
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)

@@ -38,6 +38,7 @@ from ..._base.devices import flex_kernel_options, readable, target
 from ..._base.finite import finite
 from ..._base.transforms import transforms_active
 from ..._call import AttentionCall
+from ..._score_mod import ScoreMod
 from ..._score_mod import describe as describe_score_mod
 from ...scores import DistanceBias, RelativePositionTerm
 from ..base import Backend, CallInputs, Output
@@ -192,15 +193,32 @@ def run_lowered(
     if compiled:
         fn = _compiled(lowered.q.device.type != "cpu")
         extra = {"kernel_options": options} if options else {}
+        kwargs = lowered.kwargs()
+        if lowered.q.device.type == "cpu" and lowered.score_mod is not None:
+            kwargs["score_mod"] = _on_its_own_scores(lowered.score_mod)
         with _recompile_limit():
-            result = fn(
-                lowered.q, lowered.k, lowered.v, return_aux=aux, **lowered.kwargs(), **extra
-            )
+            result = fn(lowered.q, lowered.k, lowered.v, return_aux=aux, **kwargs, **extra)
     else:
         result = _eager(lowered.q, lowered.k, lowered.v, return_aux=aux, **lowered.kwargs())
     if aux is None:
         return result, None
     return result[0], result[1].lse
+
+
+def _on_its_own_scores(score_mod: ScoreMod) -> ScoreMod:
+    """``score_mod`` as torch's compiled CPU FlexAttention computes it right: on a copy of the
+    scores (its template fails to build a score_mod that writes them in place), and with a result
+    that reads them (one that does not, a constant, ``score * 0 + x`` or a function of the
+    indices alone, comes out wrong there). The result is the function's wherever the score is
+    not NaN; a NaN score (from a NaN in q or k) stays NaN, and the backend hands such a call to
+    attnkit's kernel."""
+
+    def on_its_own_scores(
+        score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> Tensor:
+        return torch.where(torch.isnan(score), score, score_mod(score.clone(), b, h, q_idx, kv_idx))
+
+    return on_its_own_scores
 
 
 class Flex(Backend):
