@@ -196,3 +196,25 @@ class _BandAttention(torch.nn.Module):
         )  # type: ignore[attr-defined]
         out: torch.Tensor = self.attn(x, mask=dense)
         return out
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("kernel_size", [1, 5])
+def test_empty_sequences_give_an_empty_output(training: bool, kernel_size: int) -> None:
+    # T = 0 as the attention modules take it: torch's Conv1d refuses an input shorter than its
+    # kernel, so the convolution of no frames is no frames; the running statistics stay as
+    # nn.BatchNorm1d leaves them on an empty batch, and a backward through it runs.
+    torch.manual_seed(0)
+    layer = ConformerLayer(16, 4, 32, kernel_size=kernel_size, dropout=0.0, dtype=F64)
+    layer.train(training)
+    bn = copy.deepcopy(layer.conv.norm)
+    x = randn(2, 0, 16).requires_grad_()
+    y = layer(x)
+    assert y.shape == (2, 0, 16)
+    bn(torch.zeros(2, 16, 0, dtype=F64))
+    assert_close(layer.conv.norm.running_mean, bn.running_mean)
+    assert_close(layer.conv.norm.running_var, bn.running_var)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert grad.shape == (2, 0, 16)
+    if not training:  # a padding mask of no frames, in eval mode
+        assert layer(x, mask=torch.ones(2, 0, dtype=torch.bool)).shape == (2, 0, 16)

@@ -179,7 +179,12 @@ class ConformerConvolution(nn.Module):
         if keep is not None:
             h = h.masked_fill(~keep, 0.0)  # padded frames hold pointwise1's bias after the GLU
         shards = self.sequence_shards
-        h = self.depthwise(h) if shards is None else self._depthwise_shard(h, shards)  # (B, D, T)
+        if h.size(-1) == 0:
+            pass  # no frames, none to convolve: Conv1d refuses an input shorter than its kernel
+        elif shards is None:
+            h = self.depthwise(h)  # (B, D, T)
+        else:
+            h = self._depthwise_shard(h, shards)
         batch_statistics = self.norm.training or self.norm.running_mean is None
         if shards is not None and batch_statistics:
             keep = torch.ones_like(h[:, :1], dtype=torch.bool) if keep is None else keep
