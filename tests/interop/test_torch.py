@@ -301,3 +301,23 @@ def _compare_with_torch(
         for name, p in theirs.state_dict().items():
             assert torch.equal(back.state_dict()[name], p), name
         assert_close(back(*inputs, **forward)[0], want)
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [torch.relu, nn.functional.silu, nn.SiLU(), nn.functional.gelu, nn.ReLU()],
+    ids=["torch.relu", "F.silu", "nn.SiLU", "F.gelu", "nn.ReLU"],
+)
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_layers_with_an_activation_given_as_a_callable(activation: Any, kind: str) -> None:
+    # torch's layers keep whatever callable they are given; those attnkit's feed-forward computes
+    # (relu, gelu, silu) load, with torch's outputs in float64.
+    cls = nn.TransformerEncoderLayer if kind == "encoder" else nn.TransformerDecoderLayer
+    theirs = cls(16, 4, 24, dropout=0.0, activation=activation, batch_first=True)
+    theirs = drawn(theirs.to(torch.float64), seed=0).eval()
+    ours = from_torch(theirs).eval()
+    x, memory = randn(2, 5, 16, seed=1), randn(2, 7, 16, seed=2)
+    if kind == "encoder":
+        assert_close(ours(x), theirs(x))
+    else:
+        assert_close(ours(x, memory, causal=False), theirs(x, memory))

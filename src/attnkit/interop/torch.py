@@ -53,7 +53,8 @@ def from_torch(
 
     * ``torch.nn.MultiheadAttention`` -> :class:`~attnkit.MultiHeadAttention`;
     * ``torch.nn.TransformerEncoderLayer`` -> :class:`~attnkit.TransformerEncoderLayer` (post- or
-      pre-norm);
+      pre-norm; the activation a string or a callable: ``F.relu``, ``torch.relu``, ``nn.ReLU``,
+      ``F.gelu``, ``nn.GELU()``, ``F.silu``, ``nn.SiLU``);
     * ``torch.nn.TransformerDecoderLayer`` -> :class:`~attnkit.TransformerDecoderLayer`. torch's
       decoder layer is causal only when given a causal ``tgt_mask``: call the result with
       ``causal=True`` for that, ``causal=False`` otherwise.
@@ -109,13 +110,18 @@ def from_torch(
 
 def _activation(m: nn.Module) -> str:
     """The name of a torch Transformer layer's activation, for the attnkit feed-forward."""
-    # torch keeps the function it was given: F.relu/F.gelu for the strings, or a module.
+    # torch keeps the function it was given: F.relu/F.gelu for the strings, or any callable.
     act = getattr(m, "activation", None)
-    if act is F.relu or isinstance(act, nn.ReLU):
+    if any(act is f for f in (F.relu, torch.relu)) or isinstance(act, nn.ReLU):
         return "relu"
     if act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
         return "gelu"
-    raise ValueError(f"from_torch(): activation {act!r} has no attnkit equivalent (relu, gelu)")
+    if act is F.silu or isinstance(act, nn.SiLU):
+        return "silu"
+    raise ValueError(
+        f"from_torch(): activation {act!r} has no attnkit equivalent (relu, gelu with "
+        "approximate='none', silu)"
+    )
 
 
 def _layer_options(m: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer) -> dict[str, Any]:
