@@ -138,8 +138,8 @@ def test_refusals_quote_the_values() -> None:
     with pytest.raises(
         TypeError,
         match=re.escape(
-            "from_torch() takes a torch.nn.MultiheadAttention, TransformerEncoderLayer or "
-            "TransformerDecoderLayer, got Linear"
+            "from_torch() takes a torch.nn.MultiheadAttention, TransformerEncoderLayer, "
+            "TransformerDecoderLayer or Transformer, got Linear"
         ),
     ):
         from_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
@@ -321,3 +321,39 @@ def test_layers_with_an_activation_given_as_a_callable(activation: Any, kind: st
         assert_close(ours(x), theirs(x))
     else:
         assert_close(ours(x, memory, causal=False), theirs(x, memory))
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_from_torch_computes_what_torch_computes(norm_first: bool) -> None:
+    # torch's stacks end with a LayerNorm after post-norm layers too: the copy keeps both.
+    theirs = nn.Transformer(16, 4, 2, 1, 24, dropout=0.0, norm_first=norm_first, batch_first=True)
+    theirs = drawn(theirs.to(torch.float64), seed=0).eval()
+    ours = from_torch(theirs).eval()
+    assert isinstance(ours, attnkit.Transformer)
+    src = randn(2, 7, 16, seed=1).requires_grad_()
+    tgt = randn(2, 5, 16, seed=2)
+    src_pad = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])  # torch: True = padding
+    want = theirs(
+        src,
+        tgt,
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64),
+        src_key_padding_mask=src_pad,
+        memory_key_padding_mask=src_pad,
+    )
+    pad, _ = from_torch_masks(key_padding_mask=src_pad, num_heads=4)
+    got = ours(src, tgt, src_mask=pad, memory_mask=pad)
+    assert_close(got, want)
+    grad = randn(2, 5, 16, seed=3)
+    (want_grad,) = torch.autograd.grad(want, src, grad)
+    (got_grad,) = torch.autograd.grad(got, src, grad)
+    assert_close(got_grad, want_grad)
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+def test_transformer_from_torch_refuses_custom_stacks() -> None:
+    custom = nn.Transformer(16, 4, custom_encoder=nn.Identity(), batch_first=True)
+    with pytest.raises(TypeError, match=r"encoder is a Identity \(a custom_encoder\)"):
+        from_torch(custom)
+    with pytest.raises(ValueError, match="batch_first=False"):
+        from_torch(nn.Transformer(16, 4, 1, 1, 24))

@@ -2,8 +2,8 @@
 and its masks.
 
 * :func:`from_torch`: the attnkit module computing what a ``torch.nn.MultiheadAttention``,
-  ``TransformerEncoderLayer`` or ``TransformerDecoderLayer`` computes, with copies of its
-  parameters;
+  ``TransformerEncoderLayer``, ``TransformerDecoderLayer`` or ``Transformer`` computes, with
+  copies of its parameters;
 * :func:`to_torch`: a ``torch.nn.MultiheadAttention`` from a :class:`~attnkit.MultiHeadAttention`;
 * :func:`from_torch_masks`: torch's ``attn_mask``/``key_padding_mask`` (True = may NOT attend) as
   attnkit's ``(mask, bias)`` (True = may attend).
@@ -11,6 +11,7 @@ and its masks.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, overload
 
 import torch
@@ -19,12 +20,14 @@ from torch import Tensor, nn
 
 from .._base.checks import check_int, present, shape_str
 from .._base.shapes import Bool, Float, shape_checked
-from ..modules.layers import TransformerDecoderLayer, TransformerEncoderLayer
+from ..modules.layers import Transformer, TransformerDecoderLayer, TransformerEncoderLayer
 from ..modules.multihead import MultiHeadAttention
 
 __all__ = ["from_torch", "from_torch_masks", "to_torch"]
 
-_TorchModule = nn.MultiheadAttention | nn.TransformerEncoderLayer | nn.TransformerDecoderLayer
+_TorchModule = (
+    nn.MultiheadAttention | nn.TransformerEncoderLayer | nn.TransformerDecoderLayer | nn.Transformer
+)
 
 
 @overload
@@ -45,9 +48,13 @@ def from_torch(
 ) -> TransformerDecoderLayer: ...
 
 
+@overload
+def from_torch(m: nn.Transformer, *, batch_first: bool | None = None) -> Transformer: ...
+
+
 def from_torch(
     m: _TorchModule, *, batch_first: bool | None = None
-) -> MultiHeadAttention | TransformerEncoderLayer | TransformerDecoderLayer:
+) -> MultiHeadAttention | TransformerEncoderLayer | TransformerDecoderLayer | Transformer:
     """The attnkit module that computes what the torch module ``m`` computes, with copies of its
     parameters:
 
@@ -57,7 +64,12 @@ def from_torch(
       ``F.gelu``, ``nn.GELU()``, ``F.silu``, ``nn.SiLU``);
     * ``torch.nn.TransformerDecoderLayer`` -> :class:`~attnkit.TransformerDecoderLayer`. torch's
       decoder layer is causal only when given a causal ``tgt_mask``: call the result with
-      ``causal=True`` for that, ``causal=False`` otherwise.
+      ``causal=True`` for that, ``causal=False`` otherwise;
+    * ``torch.nn.Transformer`` -> :class:`~attnkit.Transformer`, each layer as above and the
+      final LayerNorms of both stacks (which torch has after post-norm layers too). Its decoder
+      is causal: it computes what torch's computes given a causal ``tgt_mask``
+      (``nn.Transformer.generate_square_subsequent_mask(T)``). Only torch's own stacks are
+      taken, not a ``custom_encoder`` or ``custom_decoder``.
 
     For ``torch.nn.MultiheadAttention``: packed or separate projections, with or without bias,
     ``kdim``/``vdim``, ``add_bias_kv`` (``bias_k`` and ``bias_v`` are copied) and
@@ -102,10 +114,45 @@ def from_torch(
         )
         _copy_layer(decoder, m, norms=3)
         return decoder.train(m.training)
+    if isinstance(m, nn.Transformer):
+        return _transformer(m, batch_first)
     raise TypeError(
-        "from_torch() takes a torch.nn.MultiheadAttention, TransformerEncoderLayer or "
-        f"TransformerDecoderLayer, got {type(m).__name__}"
+        "from_torch() takes a torch.nn.MultiheadAttention, TransformerEncoderLayer, "
+        f"TransformerDecoderLayer or Transformer, got {type(m).__name__}"
     )
+
+
+def _transformer(m: nn.Transformer, batch_first: bool | None) -> Transformer:
+    """A copy of a ``torch.nn.Transformer`` (see :func:`from_torch`)."""
+    stacks = {"encoder": nn.TransformerEncoder, "decoder": nn.TransformerDecoder}
+    for name, cls in stacks.items():
+        stack = getattr(m, name)
+        if type(stack) is not cls:
+            raise TypeError(
+                f"from_torch(): this torch.nn.Transformer's {name} is a "
+                f"{type(stack).__name__} (a custom_{name}), not torch's {cls.__name__}: convert "
+                "its layers one by one"
+            )
+    encoders, decoders = list(m.encoder.layers), list(m.decoder.layers)
+    first = (encoders + decoders)[:1]
+    if not first:
+        raise ValueError("from_torch(): this torch.nn.Transformer has no layer")
+    options = _layer_options(first[0])
+    ours = Transformer(
+        m.d_model,
+        m.nhead,
+        num_encoder_layers=len(encoders),
+        num_decoder_layers=len(decoders),
+        **options,
+    )
+    for i, layer in enumerate(encoders):
+        ours.encoder_layers[i] = from_torch(layer, batch_first=batch_first)
+    for i, layer in enumerate(decoders):
+        ours.decoder_layers[i] = from_torch(layer, batch_first=batch_first)
+    # torch's stacks end with a LayerNorm (nn.Transformer builds one whatever norm_first) or None.
+    ours.encoder_norm = nn.Identity() if m.encoder.norm is None else copy.deepcopy(m.encoder.norm)
+    ours.decoder_norm = nn.Identity() if m.decoder.norm is None else copy.deepcopy(m.decoder.norm)
+    return ours.train(m.training)
 
 
 def _activation(m: nn.Module) -> str:
