@@ -133,3 +133,22 @@ def test_bad_modules_are_named() -> None:
     double.pos_proj = nn.Identity()  # type: ignore[assignment]
     with pytest.raises(TypeError, match=r"OpenspeechDouble.pos_proj to be an nn.Linear"):
         attnkit.interop.openspeech.relative_attention(double)
+
+
+@pytest.mark.parametrize("without", ["query_proj", "key_proj", "value_proj", "out_proj"])
+def test_projections_of_which_only_some_have_a_bias_are_refused(without: str) -> None:
+    # attnkit's proj_bias is one flag for the four projections; a module with a bias on only some
+    # of them was loaded from query_proj's, dropping the others' biases (a wrong output).
+    torch.manual_seed(0)
+    theirs = OpenspeechDouble(8, 2, 0.0, wrapped=False).double().eval()
+    setattr(theirs, without, nn.Linear(8, 8, bias=False, dtype=torch.float64))
+    with pytest.raises(
+        ValueError, match=rf"only some projections have a bias: .*'{without}': False"
+    ):
+        attnkit.interop.openspeech.relative_attention(theirs)
+    for name in ("query_proj", "key_proj", "value_proj", "out_proj"):  # none has one: it loads
+        setattr(theirs, name, nn.Linear(8, 8, bias=False, dtype=torch.float64))
+    ours = attnkit.interop.openspeech.relative_attention(theirs)
+    x = randn(2, 5, 8)
+    pos = openspeech_encoding(5, 8).double().expand(2, 5, 8)
+    assert_close(ours(x), theirs(x, x, x, pos, torch.zeros(2, 1, 5, dtype=torch.bool)))

@@ -61,7 +61,8 @@ def relative_attention(module: nn.Module) -> RelativeMultiHeadAttention:
 
     ``module`` needs openspeech's attributes: ``query_proj``, ``key_proj``, ``value_proj``,
     ``out_proj`` (``nn.Linear`` or openspeech's wrapper with ``.linear``), ``pos_proj`` (no
-    bias), ``u_bias``, ``v_bias`` ``(num_heads, d_head)``, and ``num_heads``.
+    bias), ``u_bias``, ``v_bias`` ``(num_heads, d_head)``, and ``num_heads``. The four other
+    projections all have a bias or none has (a ``ValueError`` otherwise).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"{WHO} takes an nn.Module, got {type(module).__name__}")
@@ -77,7 +78,11 @@ def relative_attention(module: nn.Module) -> RelativeMultiHeadAttention:
     d_model = linears["query_proj"].in_features
     if linears["pos_proj"].bias is not None:
         raise ValueError(f"{WHO}: openspeech's pos_proj has no bias, this one does")
-    has_bias = linears["query_proj"].bias is not None
+    # attnkit's proj_bias is one flag for the four: a bias on only some would be lost.
+    with_bias = {name: linears[name].bias is not None for name in PARTS if name != "pos_proj"}
+    if len(set(with_bias.values())) > 1:
+        raise ValueError(f"{WHO}: only some projections have a bias: {with_bias}")
+    has_bias = with_bias["query_proj"]
     dropout = getattr(module, "dropout", None)
     weight = linears["query_proj"].weight
     new = RelativeMultiHeadAttention(
@@ -105,9 +110,7 @@ def relative_attention(module: nn.Module) -> RelativeMultiHeadAttention:
                     f"expected {shape_str(target.weight.shape)} for d_model={d_model}"
                 )
             target.weight.copy_(linear.weight)
-            if target.bias is not None:
-                if linear.bias is None:
-                    raise ValueError(f"{WHO}: {name} has no bias, query_proj does")
+            if target.bias is not None and linear.bias is not None:
                 if linear.bias.shape != target.bias.shape:  # copy_ would broadcast it
                     raise ValueError(
                         f"{WHO}: {name}.bias is {shape_str(linear.bias.shape)}, "
