@@ -145,3 +145,15 @@ def test_layouts_refuse_a_world_size_that_is_no_count_of_ranks(
     ):
         with pytest.raises(exc, match=re.escape(message)):
             make(world_size)
+
+
+def test_unshard_refuses_shards_that_do_not_cut_into_the_ranks_chunks() -> None:
+    lay = Layout.zigzag(2)
+    x = torch.arange(8.0).view(1, 8, 1)
+    assert torch.equal(lay.unshard([lay.shard(x, r) for r in range(2)]), x)
+    # Shards of 7 rows would be read as chunks of 3: a row of each lost, with no error.
+    with pytest.raises(ValueError, match=r"divides into the 2 chunks .* got \(1, 7, 1\), \(1, 7"):
+        lay.unshard([torch.zeros(1, 7, 1), torch.zeros(1, 7, 1)])
+    # Shards of different lengths would be cut by the first one's length.
+    with pytest.raises(ValueError, match=r"share one shape .* got \(4\), \(2\)"):
+        lay.unshard([torch.zeros(4), torch.zeros(2)], dim=0)

@@ -123,3 +123,24 @@ def test_a_world_size_that_is_no_count_of_ranks_is_refused(
     with pytest.raises(exc, match=re.escape(message)):
         cost(q, q, q, world_size=world_size, hardware=GPU_NODES)  # type: ignore[arg-type]
     assert explain(q, q, q, world_size=1).chosen is not None  # one rank is a world
+
+
+def test_a_shard_that_the_layouts_chunks_do_not_cut_is_refused_by_every_strategy() -> None:
+    # Zigzag gives each rank two chunks: a local length of 7 cannot be cut into them, for the
+    # all-to-all (which reorders the chunks into the whole sequence) as for the ring.
+    q = shard(4, t=7)
+    found = explain(q, q, q, layout="zigzag", world_size=2)
+    assert found.chosen is None
+    for name in ("ring", "ulysses"):
+        assert any("divide by 2, got Tq=7 and Tk=7" in r for r in found.reasons[name]), name
+    assert explain(
+        shard(4, t=8), shard(4, t=8), shard(4, t=8), layout="zigzag", world_size=2
+    ).chosen
+
+
+def test_a_hardware_that_is_not_one_is_a_type_error() -> None:
+    q = shard(4)
+    with pytest.raises(TypeError, match=r"hardware must be an attnkit\.distributed\.Hardware"):
+        explain(q, q, q, world_size=2, hardware="gpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backward must be a bool"):
+        explain(q, q, q, world_size=2, hardware=GPU_NODES, backward=1)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import attnkit
 from attnkit import BackendError
 from attnkit.distributed import UlyssesBackend, parallel_attention, ulysses_attention
 
+from .harness import run_ranks
 from .test_ring import (
     DK,
     DV,
@@ -25,6 +26,7 @@ from .test_ring import (
     H,
     T,
     compare,
+    error_message,
     failure_of,
     long_and_seeded,
     ranks_of,
@@ -146,3 +148,35 @@ def test_parallel_attention_drops_out_under_rank_0s_seed(layout: str, case: str)
     # the seed of the group's first rank, as ring_attention promises.
     for r, report in enumerate(long_and_seeded()):
         assert report["parallel seeded apart", layout, case] is None, f"rank {r % 2}"
+
+
+def empty_and_odd_calls(rank: int, world: int) -> dict[str, Any]:
+    """The all-to-all on calls with no rows (B = 0, T = 0) and on zigzag shards of an odd
+    length, which its chunks cannot cut: the outputs (with their lse) or the errors."""
+    report: dict[str, Any] = {}
+    for name, shape in (("B=0", (0, 2, 4, 3)), ("T=0", (1, 2, 0, 3))):
+        q = torch.randn(*shape, dtype=torch.float64)
+        v = torch.randn(*shape[:-1], 5, dtype=torch.float64)
+        for strategy in (ulysses_attention, parallel_attention):
+            got = strategy(q, q, v, return_lse=True, layout="zigzag")
+            assert isinstance(got, tuple)
+            report[name, strategy.__name__] = (tuple(got[0].shape), tuple(got[1].shape))
+    odd = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    for strategy in (ulysses_attention, parallel_attention):
+        report["odd", strategy.__name__] = error_message(
+            lambda f=strategy: f(odd, odd, odd, layout="zigzag")
+        )
+    return report
+
+
+def test_calls_with_no_rows_and_odd_zigzag_shards_give_a_result_or_a_clear_error() -> None:
+    for report in run_ranks(empty_and_odd_calls, 2):
+        for strategy in ("ulysses_attention", "parallel_attention"):
+            # Empty outputs of the call's shape (their value is all there is: nothing).
+            assert report["B=0", strategy] == ((0, 2, 4, 5), (0, 2, 4))
+            assert report["T=0", strategy] == ((1, 2, 0, 5), (1, 2, 0))
+            # Shards of 3 rows cannot be cut into zigzag's 2 chunks per rank: every strategy
+            # says so, rather than reshaping the exchanged rows wrongly.
+            message = report["odd", strategy]
+            assert message.startswith("ValueError"), message
+            assert "must divide by 2, got Tq=3 and Tk=3" in message, message

@@ -223,12 +223,33 @@ class Layout:
         if len(shards) != self.world_size or not all(isinstance(s, Tensor) for s in shards):
             raise TypeError(f"shards must be {self.world_size} tensors, one per rank")
         d = _check_dim(shards[0], dim)
+        shapes = [tuple(s.shape) for s in shards]
+        if len(set(shapes)) != 1 or shapes[0][d] % self.per_rank:
+            # A shard of another length, or one that does not cut into the rank's chunks,
+            # would be read in pieces of the wrong size: rows lost or misplaced.
+            raise ValueError(
+                f"shards must share one shape whose dim {dim} divides into the {self.per_rank} "
+                f"chunks each rank holds, got {', '.join(map(shape_str, shapes))}"
+            )
         c = shards[0].size(d) // self.per_rank
         pieces: dict[int, Tensor] = {}
         for rank, shard in enumerate(shards):
             for i, chunk in enumerate(self.chunks[rank]):
                 pieces[chunk] = shard.narrow(d, i * c, c)
         return torch.cat([pieces[i] for i in range(self.count)], dim=d)
+
+
+def length_reasons(q_len: int, kv_len: int, layout: str | Layout) -> list[str]:
+    """Why a rank's local lengths cannot be cut into the chunks ``layout`` gives each rank
+    (empty when they can)."""
+    per_rank = layout.per_rank if isinstance(layout, Layout) else 2 if layout == "zigzag" else 1
+    if q_len % per_rank or kv_len % per_rank:
+        return [
+            f"the layout holds {per_rank} equal chunks per rank, so the local lengths must "
+            f"divide by {per_rank}, got Tq={q_len} and Tk={kv_len}; shard with "
+            "attnkit.distributed.shard_zigzag or Layout.shard"
+        ]
+    return []
 
 
 def layout_of(layout: str | Layout, world_size: int) -> Layout:

@@ -55,7 +55,7 @@ from ._pair import (
     plan_pair,
     work_dtype,
 )
-from .layout import LAYOUTS, Layout, layout_of
+from .layout import LAYOUTS, Layout, layout_of, length_reasons
 from .plan import ShardPlan
 
 __all__ = ["RingBackend", "ring_attention", "ring_check"]
@@ -369,13 +369,7 @@ def ring_check(call: AttentionCall, layout: Layout | str = "contiguous") -> list
         reasons.append("no weights: they would be the whole sequence's (Tq, Tk) matrix")
     if isinstance(call.score_term, RelativePositionTerm) and call.score_term.legacy:
         reasons += term_reasons(call.score_term, call.geometry, 0)
-    per_rank = layout.per_rank if isinstance(layout, Layout) else 2 if layout == "zigzag" else 1
-    if call.q_len % per_rank or call.kv_len % per_rank:
-        reasons.append(
-            f"the layout holds {per_rank} equal chunks per rank, so the local lengths must "
-            f"divide by {per_rank}, got Tq={call.q_len} and Tk={call.kv_len}; shard with "
-            "attnkit.distributed.shard_zigzag or Layout.shard"
-        )
+    reasons += length_reasons(call.q_len, call.kv_len, layout)
     reasons += split_mask(call.mask, call.kv_len)[2]
     return reasons
 

@@ -99,8 +99,8 @@ def _decide(
     structure, travel, _ = split_mask(call.mask, call.kv_len)
     reasons: dict[str, list[str]] = {
         "ring": ring_check(call, lay),
-        "ulysses": ulysses_check(call, world),
-        "hybrid": ulysses_check(call, world),
+        "ulysses": ulysses_check(call, world, lay),
+        "hybrid": ulysses_check(call, world, lay),
     }
     u = heads_group(call.num_heads, call.num_kv_heads, world)
     if u != world:
@@ -269,6 +269,13 @@ def explain(
             raise ValueError("explain() needs world_size=, or an initialised process group")
         world_size = dist.get_world_size(group)
     world_size = check_int("world_size", world_size)
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise TypeError(
+            "hardware must be an attnkit.distributed.Hardware (such as GPU_NODES) or None, got "
+            f"{type(hardware).__name__}"
+        )
+    if not isinstance(backward, bool):
+        raise TypeError(f"backward must be a bool, got {backward!r}")
     call = validated(
         q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, softcap=softcap, sinks=sinks,
         dropout_p=dropout_p, return_lse=return_lse, score_mod=score_mod, world=world_size,
@@ -348,7 +355,9 @@ def parallel_attention(
             layout=layout, strategy=strategy, group=group,
         )  # fmt: skip
         if found.chosen is None:
-            raise ValueError("parallel_attention: " + str(found).splitlines()[1])
+            # The pick and each strategy's reason, not the pick alone.
+            lines = [line.strip() for line in str(found).splitlines()[1:5]]
+            raise ValueError("parallel_attention: " + "; ".join(lines))
     except (TypeError, ValueError) as error:
         agree(group, "parallel_attention", str(error), {})
         raise

@@ -38,7 +38,7 @@ from ..masks import Geometry, Mask
 from ..scores import DistanceBias, RelativePositionTerm, ScoreTerm
 from ._args import Travel, describe, rebuild, split_mask, validated
 from ._comm import agree, nbytes, require_group
-from .layout import LAYOUTS, Layout, layout_of
+from .layout import LAYOUTS, Layout, layout_of, length_reasons
 
 __all__ = [
     "UlyssesBackend",
@@ -278,10 +278,12 @@ def _mod_heads(score_mod: ScoreMod | None, h0: int) -> ScoreMod | None:
 # The call
 
 
-def ulysses_check(call: AttentionCall, world: int) -> list[str]:
+def ulysses_check(
+    call: AttentionCall, world: int, layout: str | Layout = "contiguous"
+) -> list[str]:
     """Why the all-to-all (with the ring across groups where heads run short) cannot serve a
-    call of this rank's shard (empty when it can)."""
-    reasons = []
+    call of this rank's shard laid out as ``layout`` (empty when it can)."""
+    reasons = length_reasons(call.q_len, call.kv_len, layout)
     if call.bias_shape is not None:
         reasons.append(
             f"a dense bias {call.bias_shape} would need the whole sequence's rows of scores; give "
@@ -353,7 +355,7 @@ def _ulysses(
     try:
         lay = layout_of(layout, world)
         description["layout"] = lay.chunks
-        reasons += ulysses_check(call, world)
+        reasons += ulysses_check(call, world, lay)
     except ValueError as err:
         reasons.append(str(err))
     u = heads_group(call.num_heads, call.num_kv_heads, world)
@@ -416,7 +418,7 @@ def _ulysses(
             group=ring_pg,
         )  # fmt: skip
     out, lse = (got[0], got[1]) if isinstance(got, tuple) else (got, None)
-    out = _to_sequence(out, ex).reshape(*batch, h, call.q_len, -1)
+    out = _to_sequence(out, ex).reshape(*batch, h, call.q_len, call.v_dim)  # 0 rows or batch
     if lse is None:
         return out
     return out, _to_sequence(lse.unsqueeze(-1), ex).reshape(*batch, h, call.q_len)
@@ -447,7 +449,7 @@ class UlyssesBackend(Backend):
         self.layout, self.group, self.backend = layout, group, backend
 
     def check(self, call: AttentionCall) -> list[str]:
-        return ulysses_check(call, 1)
+        return ulysses_check(call, 1, self.layout)
 
     def run(self, call: AttentionCall, inputs: CallInputs) -> Tensor | tuple[Tensor, Tensor]:
         return _ulysses(call, inputs, layout=self.layout, group=self.group, backend=self.backend)
@@ -502,7 +504,7 @@ def ulysses_attention(
             sinks=sinks, dropout_p=0.0, return_lse=return_lse, score_mod=score_mod, world=world,
         )  # fmt: skip
         layout_of(layout, world)
-        reasons = ulysses_check(call, world)
+        reasons = ulysses_check(call, world, layout)
         if reasons:
             raise ValueError("ulysses_attention: " + "; ".join(reasons))
         captured: tuple[Tensor, ...] = ()
