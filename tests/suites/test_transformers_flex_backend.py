@@ -19,7 +19,9 @@ from transformers import masking_utils as mu  # noqa: E402
 import attnkit  # noqa: E402
 from attnkit.integrations import transformers as hf  # noqa: E402
 
-from .helpers import inputs, main_output, model, run, use  # noqa: E402
+# attnkit registered as 'attnkit' and 'attnkit_chunked' for this module, on one thread
+from ..integrations.transformers.conftest import registered  # noqa: E402, F401
+from ..integrations.transformers.helpers import inputs, main_output, model, run, use  # noqa: E402
 
 LOWERED = "attnkit_lowered"  # a name with "flex" in it is transformers' own
 
