@@ -466,6 +466,13 @@ def _check_bias_arg(bias: object, q: Tensor, scores: tuple[int, ...], legend: st
             f"bias must have the dtype of q ({dtype_str(q.dtype)}), got "
             f"{dtype_str(bias.dtype)}; use bias.to(q.dtype)"
         )
+    if bias.ndim == 0:
+        # torch's SDPA and FlexAttention index a bias's last two dims: refused here, on every
+        # backend, rather than failing in one of them.
+        raise ValueError(
+            f"bias must have at least one dim (..., Tk), got a 0-d tensor ({float(bias)}); one "
+            "value added to every score changes no output: leave it out"
+        )
     check_broadcastable("bias", bias, scores, legend)
     if bias.device != q.device:
         raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
