@@ -59,6 +59,7 @@ def test_forced_backend_that_cannot_exits_1(capsys: pytest.CaptureFixture[str]) 
         (["--dropout", "1.5"], "dropout_p must be in [0, 1), got 1.5"),
         (["--backend", "flash"], "unknown backend 'flash'"),
         (["--device", "cuda"], "no CUDA device here"),
+        (["--device", "gpu0"], "--device 'gpu0': not a device (cpu, cuda, cuda:1, meta...)"),
     ],
 )
 def test_bad_values_exit_2_with_the_reason(

@@ -113,7 +113,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:  # torch's message lists its device types, naming no option
+        raise ValueError(
+            f"--device {args.device!r}: not a device (cpu, cuda, cuda:1, meta...): {err}"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here (--device meta describes any call)")
     dtype = DTYPES[args.dtype]
