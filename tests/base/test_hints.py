@@ -166,3 +166,34 @@ def test_attention_itself_names_torch_s_keywords_and_warns_at_the_callers_line()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
         attnkit.attention(q, q, q, mask=kpm)
+
+
+@pytest.mark.parametrize(
+    ("keyword", "advice"),
+    [
+        ("src_key_padding_mask", "mask=attnkit.masks.key_padding(lengths)"),
+        ("tgt_key_padding_mask", "mask=attnkit.masks.key_padding(lengths)"),
+        ("memory_key_padding_mask", "memory_mask=attnkit.masks.key_padding(memory_lengths)"),
+        ("src_is_causal", "causal=True"),
+        ("tgt_is_causal", "causal unless given causal=False"),
+        ("memory_is_causal", "memory_mask=attnkit.masks.causal()"),
+    ],
+)
+def test_layers_name_attnkit_s_argument_for_torch_s_transformer_names(
+    keyword: str, advice: str
+) -> None:
+    # torch's nn.TransformerEncoderLayer / DecoderLayer / Transformer keywords
+    x = torch.randn(1, 3, 8)
+    calls = [
+        lambda **kw: attnkit.TransformerEncoderLayer(8, 2)(x, **kw),
+        lambda **kw: attnkit.TransformerDecoderLayer(8, 2)(x, x, **kw),
+        lambda **kw: attnkit.Transformer(8, 2, num_encoder_layers=1, num_decoder_layers=1)(
+            x, x, **kw
+        ),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=f"takes no {keyword}= .torch's name.") as err:
+            call(**{keyword: None})
+        assert advice in str(err.value)
+    with pytest.raises(TypeError, match="torch's bool src_mask is True = may NOT attend"):
+        attnkit.TransformerEncoderLayer(8, 2)(x, src_mask=None)

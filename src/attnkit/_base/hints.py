@@ -47,6 +47,30 @@ TORCH_KEYWORDS: dict[str, str] = {
         "weights.mean(dim=-3) averages them (MultiHeadAttention takes average_weights=)"
     ),
     "enable_gqa": "nothing: attnkit takes k and v with fewer heads than q as they are",
+    # nn.TransformerEncoderLayer / DecoderLayer / Transformer's names
+    "src_mask": (
+        "mask= (bool, True = may attend) or bias= (float, added to the scores); torch's bool "
+        "src_mask is True = may NOT attend: " + _CONVERT
+    ),
+    "tgt_mask": (
+        "causal=True, or mask= (bool, True = may attend) or bias= (float, added to the scores); "
+        "torch's bool tgt_mask is True = may NOT attend: " + _CONVERT
+    ),
+    "src_key_padding_mask": (
+        "mask=attnkit.masks.key_padding(lengths) (True = real key); torch's "
+        "src_key_padding_mask is True = padding: " + _CONVERT
+    ),
+    "tgt_key_padding_mask": (
+        "mask=attnkit.masks.key_padding(lengths) (True = real key); torch's "
+        "tgt_key_padding_mask is True = padding: " + _CONVERT
+    ),
+    "memory_key_padding_mask": (
+        "memory_mask=attnkit.masks.key_padding(memory_lengths) (True = real key); torch's "
+        "memory_key_padding_mask is True = padding: " + _CONVERT
+    ),
+    "src_is_causal": "causal=True (a layer's argument)",
+    "tgt_is_causal": "nothing: attnkit's decoder layers are causal unless given causal=False",
+    "memory_is_causal": "memory_mask=attnkit.masks.causal()",
 }
 
 # torch's keyword -> (attnkit's parameter, what to pass where the function takes that parameter).
