@@ -21,6 +21,7 @@ consistent snapshot of it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import threading
 from collections.abc import Sequence
@@ -179,8 +180,10 @@ def check_backend(backend: object, name: str = "backend") -> str | Backend:
                 f"{name} {backend!r} is not available: it is {why}; choose 'auto' or one of: "
                 f"{', '.join(registry)}"
             )
+        near = difflib.get_close_matches(backend.strip().lower(), ["auto", *registry], n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
         raise ValueError(
-            f"unknown {name} {backend!r}; choose 'auto' or one of: {', '.join(registry)} (a "
+            f"unknown {name} {backend!r}; {hint}choose 'auto' or one of: {', '.join(registry)} (a "
             "backend of your own must be registered with attnkit.register_backend before it is "
             "named)"
         )

@@ -43,3 +43,15 @@ def test_a_bias_of_few_dims_broadcasts_on_every_backend(
     (dwant,) = torch.autograd.grad(want.sin().sum(), b64)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dbias.double(), dwant, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [("SDPA", "sdpa"), ("refrence", "reference"), ("chunk", "chunked"), (" auto", "auto")],
+)
+def test_a_misspelled_backend_is_named_with_the_one_meant(name: str, meant: str) -> None:
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match=rf"unknown backend '{name}'; did you mean '{meant}'\?"):
+        attnkit.attention(q, k, v, backend=name)
+    with pytest.raises(ValueError, match=r"unknown backend 'xyz'; choose 'auto' or one of"):
+        attnkit.attention(q, k, v, backend="xyz")
