@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -475,3 +477,20 @@ def _sink_window(n: int, sinks: int, window: int) -> Tensor:
     """Which of ``n`` tokens each may attend in a streaming cache: the sinks and its window."""
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     return (j <= i) & ((j < sinks) | (j > i - window))
+
+
+def test_transformer_refuses_a_float_mask_saying_what_to_pass() -> None:
+    # torch's nn.Transformer takes float masks (generate_square_subsequent_mask); attnkit's
+    # Transformer takes bool ones: the error says what a 0/-inf mask is in its terms.
+    torch.manual_seed(0)
+    model = attnkit.Transformer(8, 2, num_encoder_layers=1, num_decoder_layers=1).eval()
+    src, tgt = torch.randn(1, 4, 8), torch.randn(1, 3, 8)
+    causal = nn.Transformer.generate_square_subsequent_mask(3)
+    # forward's own check, past the annotations' runtime check that the tests turn on
+    forward = inspect.unwrap(attnkit.Transformer.forward)
+    with pytest.raises(TypeError, match=r"tgt_mask must be a bool .* \(tgt_mask == 0\)"):
+        forward(model, src, tgt, tgt_mask=causal)
+    with pytest.raises(TypeError, match=r"memory_mask .* takes no additive scores"):
+        forward(model, src, tgt, memory_mask=torch.zeros(3, 4))
+    # what the error says: the bool mask gives the decoder's causal result
+    assert_close(model(src, tgt, tgt_mask=causal == 0), model(src, tgt))

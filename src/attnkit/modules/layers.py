@@ -611,6 +611,14 @@ class Transformer(nn.Module):
             ("tgt_mask", tgt_mask, t, t),
             ("memory_mask", memory_mask, t, ts),
         ):
+            if isinstance(mask, Tensor) and mask.is_floating_point():
+                raise TypeError(
+                    f"{name} must be a bool tensor (True = may attend) or a Mask, got "
+                    f"{str(mask.dtype).removeprefix('torch.')}: Transformer takes no additive "
+                    f"scores. A float mask of 0 and -inf is the bool mask ({name} == 0); torch's "
+                    "generate_square_subsequent_mask is causal, which the decoder already is; "
+                    "other float scores go to a layer's bias= (encoder_layers[i](x, bias=...))"
+                )
             if mask is not None:
                 check_mask(name, mask, (b, self.num_heads, q_len, kv_len))
         memory = self.encode(src, mask=src_mask)
