@@ -15,7 +15,12 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit import BackendError
-from attnkit.distributed import UlyssesBackend, parallel_attention, ulysses_attention
+from attnkit.distributed import (
+    UlyssesBackend,
+    parallel_attention,
+    ring_attention,
+    ulysses_attention,
+)
 
 from .harness import run_ranks
 from .test_ring import (
@@ -152,7 +157,8 @@ def test_parallel_attention_drops_out_under_rank_0s_seed(layout: str, case: str)
 
 def empty_and_odd_calls(rank: int, world: int) -> dict[str, Any]:
     """The all-to-all on calls with no rows (B = 0, T = 0) and on zigzag shards of an odd
-    length, which its chunks cannot cut: the outputs (with their lse) or the errors."""
+    length, which its chunks cannot cut, and both strategies given other sinks on each rank:
+    the outputs (with their lse) or the errors."""
     report: dict[str, Any] = {}
     for name, shape in (("B=0", (0, 2, 4, 3)), ("T=0", (1, 2, 0, 3))):
         q = torch.randn(*shape, dtype=torch.float64)
@@ -166,10 +172,17 @@ def empty_and_odd_calls(rank: int, world: int) -> dict[str, Any]:
         report["odd", strategy.__name__] = error_message(
             lambda f=strategy: f(odd, odd, odd, layout="zigzag")
         )
+    # Sinks are held whole by every rank: a rank with other values would weigh its rows apart.
+    q = torch.randn(1, 2, 4, 3, dtype=torch.float64)
+    sinks = torch.tensor([0.5, float(rank)], dtype=torch.float64)
+    for strategy in (ring_attention, ulysses_attention):
+        report["sinks", strategy.__name__] = error_message(
+            lambda f=strategy: f(q, q, q, sinks=sinks)
+        )
     return report
 
 
-def test_calls_with_no_rows_and_odd_zigzag_shards_give_a_result_or_a_clear_error() -> None:
+def test_no_rows_odd_zigzag_shards_and_other_sinks_give_a_result_or_a_clear_error() -> None:
     for report in run_ranks(empty_and_odd_calls, 2):
         for strategy in ("ulysses_attention", "parallel_attention"):
             # Empty outputs of the call's shape (their value is all there is: nothing).
@@ -180,3 +193,8 @@ def test_calls_with_no_rows_and_odd_zigzag_shards_give_a_result_or_a_clear_error
             message = report["odd", strategy]
             assert message.startswith("ValueError"), message
             assert "must divide by 2, got Tq=3 and Tk=3" in message, message
+        for strategy in ("ring_attention", "ulysses_attention"):
+            assert report["sinks", strategy] == (
+                f"ValueError: {strategy} needs the same sinks on every rank, got rank 0: "
+                "[0.5, 0.0], rank 1: [0.5, 1.0]"
+            )

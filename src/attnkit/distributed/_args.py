@@ -142,9 +142,17 @@ def term_reasons(term: ScoreTerm | None, geo: Geometry, batch: int) -> list[str]
 
 
 def describe(
-    call: AttentionCall, structure: Mask | None, travel: list[Tensor]
+    call: AttentionCall,
+    structure: Mask | None,
+    travel: list[Tensor],
+    sinks: Tensor | None = None,
 ) -> dict[str, object]:
+    """What must agree between the ranks: shapes, masks, flags, and the sinks' values (``(H,)``,
+    held whole by every rank: a rank with other sinks would weigh its rows differently)."""
     term = call.score_term
+    sink_values: object = call.sinks
+    if sinks is not None and sinks.device.type != "meta":
+        sink_values = sinks.detach().tolist()
     return {
         "q shape": (*call.batch_shape, call.num_heads, call.q_len, call.qk_dim),
         "k shape": (*call.batch_shape, call.num_kv_heads, call.kv_len, call.qk_dim),
@@ -155,7 +163,7 @@ def describe(
         "key mask shape": [tuple(t.shape) for t in travel] or None,
         "scale": call.scale,
         "softcap": call.softcap,
-        "sinks": call.sinks,
+        "sinks": sink_values,
         "dropout_p": call.dropout_p,
         "return_lse": call.return_lse,
         "score term": None

@@ -428,7 +428,7 @@ def _ring(
     structure, travel, reasons = split_mask(call.mask, call.kv_len)
     term = call.score_term
     term_inputs = () if term is None else tuple(term.inputs())
-    description = describe(call, structure, travel)
+    description = describe(call, structure, travel, inputs.sinks)
     try:
         lay = layout_of(layout, world)
         description["layout"] = lay.chunks

@@ -351,7 +351,7 @@ def _ulysses(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     structure, travel, reasons = split_mask(call.mask, call.kv_len)
     term = call.score_term
-    description = describe(call, structure, travel)
+    description = describe(call, structure, travel, inputs.sinks)
     try:
         lay = layout_of(layout, world)
         description["layout"] = lay.chunks
