@@ -321,3 +321,34 @@ def test_a_decode_step_with_indices_of_any_integer_dtype_and_strides(
     scores = (q.double() @ keys.repeat_interleave(2, 1).mT / 8**0.5).masked_fill(~chosen, -1e300)
     want = scores.softmax(-1) @ values.repeat_interleave(2, 1)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_index_masks_joined_by_or_are_one_list_of_keys_and_gathered() -> None:
+    # key_indices | key_indices: one index mask listing both (the call gathers it), equal to the
+    # union of the two; rows and heads broadcast, dtypes promote.
+    a = _random(1, 1, 40, 3, 200, seed=7)
+    b = _random(2, 2, 40, 2, 200, seed=8).to(torch.int32)
+    union = masks.key_indices(a) | masks.key_indices(b)
+    assert isinstance(union, masks.KeyIndices)
+    assert tuple(union.indices.shape) == (2, 2, 40, 5)
+    want = _brute(a, 200) | _brute(b, 200)
+    assert torch.equal(union.dense(40, 200, batch_size=2, num_heads=2), want)
+    with_causal = (masks.key_indices(a) | masks.key_indices(b)) & masks.causal()
+    q, k, v = (
+        torch.randn(2, 2, n, 8, generator=torch.Generator().manual_seed(n)) for n in (40, 200, 200)
+    )
+    with attnkit.record_dispatch() as record:
+        out = attnkit.attention(q, k, v, mask=with_causal, backend="chunked")
+    assert record[0].kernel is not None
+    assert "gathered" in record[0].kernel
+    dense = want & masks.causal_mask(40, 200)
+    ref = attnkit.attention(q.double(), k.double(), v.double(), mask=dense, backend="reference")
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # blocks of another size, or heads that do not broadcast, stay a union of two masks
+    other = masks.key_indices(a) | masks.block_indices(a, block=2)
+    assert not isinstance(other, masks.KeyIndices)
+    assert torch.equal(other.dense(40, 400), _brute(a, 400) | _brute(a, 400, block=2))
+    apart = masks.key_indices(_random(1, 2, 9, 1, 12, 0)) | masks.key_indices(
+        _random(1, 3, 9, 1, 12, 1)
+    )
+    assert not isinstance(apart, masks.KeyIndices)

@@ -1119,8 +1119,19 @@ def _combine(op: str, a: object, b: object) -> Mask:
     ma, mb = _as_mask(a, "left"), _as_mask(b, "right")
     parts: list[Mask] = []
     for m in (ma, mb):
-        parts += m.parts if isinstance(m, _Combined) and m.op == op else [m]
-    return _Combined(op, tuple(parts))
+        for part in m.parts if isinstance(m, _Combined) and m.op == op else (m,):
+            # Index masks joined by | are one list of keys (gathered, not scanned).
+            merged = None
+            if op == "or" and isinstance(part, KeyIndices):
+                for i, seen in enumerate(parts):
+                    if isinstance(seen, KeyIndices):
+                        merged = joined(seen, part)
+                        if merged is not None:
+                            parts[i] = merged
+                            break
+            if merged is None:
+                parts.append(part)
+    return parts[0] if len(parts) == 1 else _Combined(op, tuple(parts))
 
 
 # The binary operators a mask takes a bool tensor in, as torch's dispatch names them: the Tensor
@@ -1332,7 +1343,7 @@ for _cls in (_Band, _Causal, _Window, _Documents, _TracedDocuments, _KeyPadding,
     )
 
 # Index masks subclass Mask: imported once it exists.
-from ._indices import KeyIndices, block_indices, first_entries, key_indices  # noqa: E402
+from ._indices import KeyIndices, block_indices, first_entries, joined, key_indices  # noqa: E402
 
 pytree.register_pytree_node(
     KeyIndices,

@@ -25,7 +25,7 @@ from .._base.checks import check_int, shape_str
 from . import Geometry, Mask
 from ._blocks import EMPTY, PARTIAL
 
-__all__ = ["KeyIndices", "block_indices", "first_entries", "key_indices"]
+__all__ = ["KeyIndices", "block_indices", "first_entries", "joined", "key_indices"]
 
 
 class KeyIndices(Mask):
@@ -167,6 +167,23 @@ class KeyIndices(Mask):
         flat = torch.where(inside, qb * nk + (keys - k0) // bk, nq * nk)
         counts = torch.bincount(flat.flatten(), minlength=nq * nk + 1)[: nq * nk]
         return torch.where(counts > 0, PARTIAL, EMPTY).to(torch.uint8).view(nq, nk)
+
+
+def joined(a: KeyIndices, b: KeyIndices) -> KeyIndices | None:
+    """``a | b`` as one index mask listing the keys of both (so a call gathers it rather than
+    scanning every key), where the two can be one: blocks of one size, the same queries, batch
+    rows and heads that are equal or 1, one device. None where they cannot."""
+    ia, ib = a.indices, b.indices
+    if a.block != b.block or ia.device != ib.device or ia.size(2) != ib.size(2):
+        return None
+    sizes = []
+    for x, y in ((ia.size(0), ib.size(0)), (ia.size(1), ib.size(1))):
+        if x != y and 1 not in (x, y):
+            return None
+        sizes.append(max(x, y))
+    dtype = torch.promote_types(ia.dtype, ib.dtype)
+    both = [t.expand(*sizes, -1, -1).to(dtype) for t in (ia, ib)]
+    return KeyIndices(torch.cat(both, dim=-1), a.block)
 
 
 def _version(t: Tensor) -> int | None:
