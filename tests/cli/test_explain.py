@@ -60,6 +60,7 @@ def test_forced_backend_that_cannot_exits_1(capsys: pytest.CaptureFixture[str]) 
         (["--backend", "flash"], "unknown backend 'flash'"),
         (["--device", "cuda"], "no CUDA device here"),
         (["--device", "gpu0"], "--device 'gpu0': not a device (cpu, cuda, cuda:1, meta...)"),
+        (["-b", "99999999999", "-t", "99999999999"], "more than torch holds (9223372036854775807)"),
     ],
 )
 def test_bad_values_exit_2_with_the_reason(

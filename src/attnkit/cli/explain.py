@@ -11,6 +11,7 @@ see every key there: the command knows its shape, not its content.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 import torch
@@ -112,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+_MOST_ELEMENTS = 2**63 - 1  # a tensor's element count is an int64
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         device = torch.device(args.device)
@@ -128,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
     dv = dk if args.v_dim is None else args.v_dim
 
     def empty(*shape: int, grad: bool = False) -> torch.Tensor:
+        if math.prod(shape) > _MOST_ELEMENTS:  # torch's own error names no option
+            raise ValueError(
+                f"a tensor of shape {shape} has {math.prod(shape)} elements, more than torch "
+                f"holds ({_MOST_ELEMENTS}): lower -b/--batch, --heads, -t/--q-len, --kv-len "
+                "or -d/--head-dim"
+            )
         return _expanded(0.0, shape, dtype, device, grad)
 
     mask = _mask(args.mask, b, h, tq, tk, device)
