@@ -157,8 +157,8 @@ def test_parallel_attention_drops_out_under_rank_0s_seed(layout: str, case: str)
 
 def empty_and_odd_calls(rank: int, world: int) -> dict[str, Any]:
     """The all-to-all on calls with no rows (B = 0, T = 0) and on zigzag shards of an odd
-    length, which its chunks cannot cut, and both strategies given other sinks on each rank:
-    the outputs (with their lse) or the errors."""
+    length, which its chunks cannot cut; both strategies given other sinks on each rank, and
+    under torch.autocast: the outputs (with their lse) or the errors."""
     report: dict[str, Any] = {}
     for name, shape in (("B=0", (0, 2, 4, 3)), ("T=0", (1, 2, 0, 3))):
         q = torch.randn(*shape, dtype=torch.float64)
@@ -179,10 +179,20 @@ def empty_and_odd_calls(rank: int, world: int) -> dict[str, Any]:
         report["sinks", strategy.__name__] = error_message(
             lambda f=strategy: f(q, q, q, sinks=sinks)
         )
+    # Under torch.autocast, as attention(): the inputs in bfloat16, the output too.
+    g = torch.Generator().manual_seed(3)
+    whole = [torch.randn(1, 2, 8, 4, generator=g) for _ in range(3)]
+    want = attnkit.attention(*(t.bfloat16().double() for t in whole), causal=True)
+    for strategy in (ring_attention, ulysses_attention, parallel_attention):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = strategy(*(t.chunk(world, -2)[rank] for t in whole), causal=True)
+        error = (got.double() - want.chunk(world, -2)[rank]).abs().max().item()
+        report["autocast", strategy.__name__] = (got.dtype, error < 2e-2)
     return report
 
 
-def test_no_rows_odd_zigzag_shards_and_other_sinks_give_a_result_or_a_clear_error() -> None:
+def test_edge_calls_give_attentions_result_or_a_clear_error() -> None:
+    # No rows, odd zigzag shards, other sinks on each rank, torch.autocast.
     for report in run_ranks(empty_and_odd_calls, 2):
         for strategy in ("ulysses_attention", "parallel_attention"):
             # Empty outputs of the call's shape (their value is all there is: nothing).
@@ -193,6 +203,8 @@ def test_no_rows_odd_zigzag_shards_and_other_sinks_give_a_result_or_a_clear_erro
             message = report["odd", strategy]
             assert message.startswith("ValueError"), message
             assert "must divide by 2, got Tq=3 and Tk=3" in message, message
+        for strategy in ("ring_attention", "ulysses_attention", "parallel_attention"):
+            assert report["autocast", strategy] == (torch.bfloat16, True), strategy
         for strategy in ("ring_attention", "ulysses_attention"):
             assert report["sinks", strategy] == (
                 f"ValueError: {strategy} needs the same sinks on every rank, got rank 0: "

@@ -624,9 +624,13 @@ def ring_attention(
     this rank's query/key count, ``Dk`` query/key size, ``Dv`` value size, ``Dh`` the position
     term's size.
     """
-    from ..attention import dispatch
+    from ..attention import _under_autocast, dispatch
 
     require_group(group, "ring_attention")
+    # Under torch.autocast, as attention(): q, k, v and sinks in the autocast dtype, the call
+    # itself run with autocast off.
+    args, autocast, _ = _under_autocast((q, k, v, sinks))
+    q, k, v, sinks = args  # type: ignore[assignment]
     world = dist.get_world_size(group)
     try:
         backend = RingBackend(layout=layout, group=group, block_q=block_q, block_k=block_k)
@@ -647,4 +651,7 @@ def ring_attention(
         raise
     # The call is validated once, here; the dispatcher runs it across the ranks.
     inputs = CallInputs(q, k, v, None, sinks, captured)
-    return dispatch(call, inputs, backend)  # type: ignore[return-value]
+    if not autocast:
+        return dispatch(call, inputs, backend)  # type: ignore[return-value]
+    with torch.autocast(q.device.type, enabled=False):
+        return dispatch(call, inputs, backend)  # type: ignore[return-value]

@@ -493,9 +493,13 @@ def ulysses_attention(
     the ranks compare their arguments (one small all-gather) and raise together. The bytes a rank
     sent are in its :func:`attnkit.record_dispatch` record (``Dispatch.sent``).
     """
-    from ..attention import dispatch
+    from ..attention import _under_autocast, dispatch
 
     require_group(group, "ulysses_attention")
+    # Under torch.autocast, as attention(): q, k, v and sinks in the autocast dtype, the call
+    # itself run with autocast off.
+    args, autocast, _ = _under_autocast((q, k, v, sinks))
+    q, k, v, sinks = args  # type: ignore[assignment]
     world = dist.get_world_size(group)
     try:
         ulysses = UlyssesBackend(layout=layout, group=group, backend=backend)
@@ -514,4 +518,8 @@ def ulysses_attention(
     except (TypeError, ValueError) as error:
         agree(group, "ulysses_attention", str(error), {})
         raise
-    return dispatch(call, CallInputs(q, k, v, None, sinks, captured), ulysses)  # type: ignore[return-value]
+    inputs = CallInputs(q, k, v, None, sinks, captured)
+    if not autocast:
+        return dispatch(call, inputs, ulysses)  # type: ignore[return-value]
+    with torch.autocast(q.device.type, enabled=False):
+        return dispatch(call, inputs, ulysses)  # type: ignore[return-value]
