@@ -134,6 +134,56 @@ def test_a_forked_child_calls_the_kernel_after_its_parent_shared_calls(tmp_path:
     assert child == "0"
 
 
+def test_a_forked_child_trains_after_its_parent_ran_inference_calls(tmp_path: Path) -> None:
+    # The parent's calls shared their work (forward, decode) but never checked inputs for NaN
+    # and inf across threads nor ran a backward: the child's finiteness check (of inputs large
+    # enough to share it) and its backward (of a call small enough that torch's own operations
+    # run on one thread) must still run on the calling thread alone, not wait for the parent's.
+    out = run_child(
+        tmp_path,
+        """
+        import faulthandler
+        torch.set_num_threads(2)
+        cs = cases()
+        worst(cs)
+        big_q, big_k, big_v, _, big_ref = cs[1]
+        big_q.requires_grad_()
+        g = torch.Generator().manual_seed(1)
+        small = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+                 for s in ((2, 4, 64, 32), (2, 2, 64, 32), (2, 2, 64, 32))]
+        ref = attnkit.attention(*small, backend="reference", causal=True)
+        refs = [t.numpy() for t in torch.autograd.grad(ref.sum(), small)]
+        inputs = [t.detach().float().requires_grad_() for t in small]
+        ones = torch.ones(2, 4, 64, 32)
+        pid = os.fork()
+        if pid == 0:
+            faulthandler.dump_traceback_later(50, exit=True)
+            code = 4
+            try:
+                out = attnkit.attention(big_q, big_k, big_v, backend="chunked", causal=True)
+                err = float(abs(out.detach().numpy().astype("float64") - big_ref).max())
+                out = attnkit.attention(*inputs, backend="chunked", causal=True)
+                grads = torch.autograd.grad(out, inputs, ones)
+                for got, want in zip(grads, refs):
+                    err = max(err, float(abs(got.numpy().astype("float64") - want).max()))
+                code = 0 if err < 1e-4 else 3
+            finally:
+                os._exit(code)
+        for _ in range(1200):  # a minute
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            sys.exit("the child hung")
+        print(os.waitstatus_to_exitcode(status))
+        """,
+    )
+    assert out.split()[-1] == "0"
+
+
 def test_a_misspelt_way_warns_when_the_kernel_loads_and_the_default_runs() -> None:
     code = (
         "import torch, attnkit; q = torch.randn(1, 1, 1, 8); "

@@ -115,7 +115,7 @@ void sum_denc(Backward<T>& w) {
   const Call<T>& c = w.c;
   const int64_t e0 = std::max<int64_t>(0, c.dfirst), e1 = std::min(c.P, c.dfirst + c.drows);
   const int64_t per_head = std::max<int64_t>(0, e1 - e0);
-  at::parallel_for(0, c.Hkv * c.G * per_head, 64, [&](int64_t begin, int64_t end) {
+  parallel(0, c.Hkv * c.G * per_head, 64, [&](int64_t begin, int64_t end) {
     for (const auto& own : w.denc_threads) {
       if (own.empty()) continue;
       for (int64_t x = begin; x < end; ++x) {
@@ -131,7 +131,7 @@ void sum_denc(Backward<T>& w) {
 // The other threads' buffers of a shared dbias, into dbias.
 template <typename T>
 void sum_dbias(Backward<T>& w) {
-  at::parallel_for(0, w.o.dbias_numel, 4096, [&](int64_t begin, int64_t end) {
+  parallel(0, w.o.dbias_numel, 4096, [&](int64_t begin, int64_t end) {
     for (const auto& part : w.dbias_parts) {
       for (int64_t x = begin; x < end; ++x) w.o.dbias[x] += part[x];
     }
@@ -143,7 +143,7 @@ template <typename T>
 void sum_dkdv(Backward<T>& w) {
   const Call<T>& c = w.c;
   const QueryStretches& st = w.st;
-  at::parallel_for(0, c.N * c.Hkv, 1, [&](int64_t begin, int64_t end) {
+  parallel(0, c.N * c.Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nh = begin; nh < end; ++nh) {
       const int64_t n = nh / c.Hkv, hk = nh % c.Hkv;
       zero_rows(w.o.dk, n, hk, 0, c.Tk, c.Dk);
@@ -169,7 +169,7 @@ void backward_impl(const Call<T>& c, const Grads<T>& grads, const void* matrix) 
   Backward<T> w(c, grads);
   const int64_t items = c.N * c.Hkv * w.st.parts;
   std::atomic<int64_t> next{0};  // items are claimed one at a time (see claim)
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t) {
+  parallel(0, items, 1, [&](int64_t begin, int64_t) {
     OneBlasThread one;
     BackwardBuffers<T> b(w, begin == 0);
 #if defined(ATTNKIT_MATRIX_UNIT)

@@ -33,6 +33,8 @@
 #include <mutex>
 #include <vector>
 
+#include "share.h"
+
 extern "C" {
 // The BLAS that torch links (weak: a build without it uses the loops below).
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,

@@ -539,7 +539,7 @@ void run_forward(const Gather& g, const Held& t, at::Tensor& out, at::Tensor& ls
   std::atomic<int64_t> next{0};
   const int64_t parts = head_parts(g, g.B * g.Hs * blocks);
   const int64_t items = g.B * g.Hs * parts * blocks;
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+  parallel(0, items, 1, [&](int64_t, int64_t) {
     Forward f(g, nq, g.H / g.Hs / parts);
     for (int64_t item = claim(next); item < items; item = claim(next)) {
       const int64_t bsp = item / blocks, t0 = item % blocks * nq, bs = bsp / parts;

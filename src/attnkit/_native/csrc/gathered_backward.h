@@ -241,7 +241,7 @@ void run_backward(const Gather& g, const Held& t, const Grads& a, at::Tensor& dk
   const int64_t per = g.C / g.Hkv;  // gathered heads per key/value head
   std::atomic<int64_t> next{0};
   const int64_t items = heads * parts;
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+  parallel(0, items, 1, [&](int64_t, int64_t) {
     BackBlock bb(g, nq);
     for (int64_t item = claim(next); item < items; item = claim(next)) {
       const int64_t head = item / parts, part = item % parts;
@@ -261,7 +261,7 @@ void run_backward(const Gather& g, const Held& t, const Grads& a, at::Tensor& dk
     }
   });
   if (parts == 1) return;
-  at::parallel_for(0, heads, 1, [&](int64_t h0, int64_t h1) {
+  parallel(0, heads, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t head = h0; head < h1; ++head) {
       for (int64_t part = 1; part < parts; ++part) {
         const float* src = own.data() + (head * (parts - 1) + part - 1) * (kd + vd);

@@ -171,7 +171,7 @@ struct PackedRows {
       items += p->N * p->H * ((p->T + kStretch - 1) / kStretch);
     }
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    parallel(0, items, 1, [&](int64_t, int64_t) {
       for (int64_t item = claim(next); item < items; item = claim(next)) {
         size_t i = first.size() - 1;
         while (first[i].second > item) --i;

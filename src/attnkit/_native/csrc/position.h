@@ -282,7 +282,7 @@ std::vector<at::Tensor> skew_table(Call<T>& c, const c10::optional<at::Tensor>& 
     float* z = ez.data_ptr<float>();
     float* t = et.data_ptr<float>();
     // One pass per panel: its encodings row-major into ez and transposed into et.
-    at::parallel_for(0, H * panels, 16, [&](int64_t begin, int64_t end) {
+    parallel(0, H * panels, 16, [&](int64_t begin, int64_t end) {
       for (int64_t x = begin; x < end; ++x) {
         const int64_t h = x / panels, i = x % panels;
         float* zp = z + (h * panels + i) * W * D;

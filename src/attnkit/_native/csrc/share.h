@@ -41,6 +41,20 @@ inline std::atomic<bool>& forked() {
   (void)registered;
   return flag;
 }
+// Each source file has its own flag (internal linkage): each registers it when the library loads,
+// so a fork after any call at all (or none) sets it, whichever file's code the parent ran.
+[[maybe_unused]] const bool kForkWatched = (forked(), true);
+
+// at::parallel_for, or f(begin, end) on the calling thread in a child made by fork() (see
+// forked), as within a parallel region.
+template <typename F>
+void parallel(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (forked().load()) {
+    if (begin < end) f(begin, end);
+    return;
+  }
+  at::parallel_for(begin, end, grain, f);
+}
 
 // A region's calling thread that waited at its end for longer than this (and a quarter of the
 // region's time) saw a thread come late: calls share work with helpers for kBusyForNs after.

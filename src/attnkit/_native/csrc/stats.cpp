@@ -159,7 +159,7 @@ void stats_impl(const Call<T>& c, const T* lse, T* mass, T* top, T* entropy) {
   std::vector<std::mutex> locks(static_cast<size_t>(heads));
   Columns<T> out{mass, top, locks};
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+  parallel(0, items, 1, [&](int64_t, int64_t) {
     OneBlasThread one;
     StatsBuffers<T> b(c);
     for (int64_t item = claim(next); item < items; item = claim(next)) {
