@@ -8,6 +8,7 @@ on the CPU, the lowering exactly as compiled) and equals the reference backend t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -168,5 +169,35 @@ def test_compiled_score_mods_that_ignore_or_write_the_scores(score_mod: object) 
         score_mod=score_mod,
         mask=masks.causal(),
         backend="reference",  # type: ignore[arg-type]
+    )
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(cpu_compile_refusal() is not None, reason="torch cannot compile flex here")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.randn(1, 1, generator=g).expand(17, 17),  # every stride 0
+        lambda g: torch.randn(1, 1, 1, 17, generator=g).expand(2, 4, 17, 17),
+        lambda g: torch.randn(4, 17, 17, generator=g)[:, :1, :1].expand(4, 17, 17),
+        lambda g: torch.randn(17, 1, generator=g).expand(17, 17),
+        lambda g: torch.randn(2, 1, 1, 1, generator=g).expand(2, 4, 17, 17),
+    ],
+    ids=["all-strides-0", "key-row", "a-value-a-head", "query-column", "a-value-a-row"],
+)
+def test_compiled_bias_broadcast_by_zero_strides(make: Any) -> None:
+    """A bias broadcast by stride 0 in every dim (one value in its storage) failed to build in
+    torch's compiled CPU FlexAttention; the dims it broadcasts are read as one value."""
+    g = torch.Generator().manual_seed(30)
+    bias = make(g)
+    q, k, v = (t.float() for t in (_randn(2, 4, 17, D, seed=s) for s in (27, 28, 29)))
+    got = attnkit.attention(q, k, v, bias=bias, mask=masks.causal(), backend="flex")
+    want = attnkit.attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        bias=bias.double(),
+        mask=masks.causal(),
+        backend="reference",
     )
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)

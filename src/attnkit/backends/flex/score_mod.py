@@ -101,7 +101,13 @@ def added_bias(bias: Tensor, geo: Geometry, work: torch.dtype) -> Added:
         t = t.reshape(1, *t.shape[nb:])
     else:
         t = t.expand(*geo.batch_shape, *t.shape[nb:]).reshape(geo.batch, *t.shape[nb:])
-    return Added(t.expand(geo.batch, geo.heads, geo.q_len, geo.kv_len), "pair", 0, "bias")
+    values = t.expand(geo.batch, geo.heads, geo.q_len, geo.kv_len)
+    if geo.kv_len > 1 and values.stride(-1) == 0 and values.stride(-2) == 0:
+        # One value for all of a head's scores: inductor's FlexAttention fails to build such a
+        # captured tensor (strides 0 in both of the scores' dims), so the keys' dim holds it
+        # Tk times.
+        values = t.expand(*t.shape[:-1], geo.kv_len).contiguous().expand_as(values)
+    return Added(values, "pair", 0, "bias")
 
 
 def lower_scores(
