@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from attnkit import _native, attention, masks
+from attnkit import BackendError, _native, attention, masks
 
 pytestmark = pytest.mark.skipif(not _native.load(), reason=f"native kernel: {_native.status()[1]}")
 
@@ -119,3 +119,18 @@ def test_calls_from_several_python_threads_equal_the_single_threaded_ones() -> N
     for outs in got.values():
         for a, b in zip(outs, want, strict=True):
             assert torch.equal(a, b)
+
+
+def test_vmap_over_an_inference_call_of_many_queries() -> None:
+    # Beyond the decode path's 16 queries the kernel reads whether q, k and v hold NaN or inf
+    # before it runs, which vmap cannot: chunked refuses with that reason and auto runs the
+    # reference (sdpa refuses an inference call under vmap too).
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 2, 20, 8, generator=g)
+    k, v = (torch.randn(3, 1, 20, 8, generator=g) for _ in range(2))
+    want = attention(q.double(), k.double(), v.double(), causal=True, backend="reference")
+    got = torch.vmap(lambda a, b, c: attention(a, b, c, causal=True))(q, k, v)
+    assert _largest(got.double() - want) <= 2e-5
+    with pytest.raises(BackendError, match=r"torch\.func\.vmap cannot") as refused:
+        torch.vmap(lambda a, b, c: attention(a, b, c, causal=True, backend="chunked"))(q, k, v)
+    assert "needs gradients" not in str(refused.value)

@@ -48,7 +48,7 @@ from .._kernel.operator import traceable, traced_attention
 from .._kernel.planning import decode_plan, planned
 from .._native import loaded as native_loaded
 from .._native import status as native_status
-from .._native.kernel import BF16_GROUP_DOTS, BF16_PRODUCTS
+from .._native.kernel import BF16_GROUP_DOTS, BF16_PRODUCTS, DECODE_QUERIES
 from .._record import note_kernel
 from .._score_mod import captured_tensors, distance_bias_of, softcap_of
 from .._score_mod import describe as describe_score_mod
@@ -224,7 +224,23 @@ class Chunked(Backend):
         )
 
     def check(self, call: AttentionCall) -> list[str]:
-        return chunked_check(call)
+        reasons = chunked_check(call)
+        if (
+            not call.requires_grad
+            and call.cache is None
+            and transforms_active()
+            and not torch.compiler.is_compiling()
+            and not (self.native and decode_sized(call.q_len, self.block_q))
+        ):
+            # Only the native decode path takes care of NaN and inf itself; every other
+            # inference call is read for them first (and the eager kernel writes with out=,
+            # which vmap has no rule for).
+            reasons.append(
+                "reads whether q, k and v hold NaN or inf before an inference call of more than "
+                f"{DECODE_QUERIES} queries (the native decode path's), which torch.func.vmap "
+                "cannot: backend='reference' runs it"
+            )
+        return reasons
 
     def slower(self, call: AttentionCall) -> list[str]:
         """The eager kernel, where the native one would not serve the call (never builds it); on
