@@ -76,6 +76,7 @@ __all__ = [
     "explain",
     "merge_attention",
     "register_backend",
+    "under_autocast",
     "unregister_backend",
 ]
 
@@ -346,7 +347,7 @@ def _choose(call: AttentionCall, backend: str | Backend) -> Backend:
     return backend if isinstance(backend, Backend) else registry[decision.chosen]
 
 
-def _under_autocast(
+def under_autocast(
     tensors: tuple[object, ...],
 ) -> tuple[tuple[object, ...], bool, str | None]:
     """The tensors as torch's SDPA takes them under ``torch.autocast``, whether it is on, and the
@@ -484,7 +485,7 @@ def _run(
     checked_k, checked_v, quantized = _quantized(q, k, v, k_scale, v_scale)
     # Under torch.autocast, as torch's SDPA: inputs go to the autocast dtype. The backend then runs
     # with autocast off, or it would turn the float32 softmax accumulation back into bf16 GEMMs.
-    args, autocast, autocast_dtype = _under_autocast((q, checked_k, checked_v, bias, sinks))
+    args, autocast, autocast_dtype = under_autocast((q, checked_k, checked_v, bias, sinks))
     call = _call_of(
         args,
         mask,
@@ -546,7 +547,7 @@ def attend(
     the same checks as :func:`attention`'s (``k`` a cache view and ``v`` None: the call on a
     module's cache). The scale is ``1/sqrt(Dk)``; what follows (autocast,
     the torch-convention warning, the choice of backend) is :func:`attention`'s."""
-    args, autocast, autocast_dtype = _under_autocast((q, k, v, bias, sinks))
+    args, autocast, autocast_dtype = under_autocast((q, k, v, bias, sinks))
     q, k, v, bias, sinks = args  # type: ignore[assignment]
     try:
         call = describe_call(
@@ -967,7 +968,7 @@ def explain(
     """
     checked_k, checked_v, quantized = _quantized(q, k, v, k_scale, v_scale)
     # the call attention() makes
-    args, _, autocast_dtype = _under_autocast((q, checked_k, checked_v, bias, sinks))
+    args, _, autocast_dtype = under_autocast((q, checked_k, checked_v, bias, sinks))
     call = _call_of(
         args,
         mask,

@@ -624,12 +624,12 @@ def ring_attention(
     this rank's query/key count, ``Dk`` query/key size, ``Dv`` value size, ``Dh`` the position
     term's size.
     """
-    from ..attention import _under_autocast, dispatch
+    from ..attention import dispatch, under_autocast
 
     require_group(group, "ring_attention")
     # Under torch.autocast, as attention(): q, k, v and sinks in the autocast dtype, the call
     # itself run with autocast off.
-    args, autocast, _ = _under_autocast((q, k, v, sinks))
+    args, autocast, _ = under_autocast((q, k, v, sinks))
     q, k, v, sinks = args  # type: ignore[assignment]
     world = dist.get_world_size(group)
     try:

@@ -493,12 +493,12 @@ def ulysses_attention(
     the ranks compare their arguments (one small all-gather) and raise together. The bytes a rank
     sent are in its :func:`attnkit.record_dispatch` record (``Dispatch.sent``).
     """
-    from ..attention import _under_autocast, dispatch
+    from ..attention import dispatch, under_autocast
 
     require_group(group, "ulysses_attention")
     # Under torch.autocast, as attention(): q, k, v and sinks in the autocast dtype, the call
     # itself run with autocast off.
-    args, autocast, _ = _under_autocast((q, k, v, sinks))
+    args, autocast, _ = under_autocast((q, k, v, sinks))
     q, k, v, sinks = args  # type: ignore[assignment]
     world = dist.get_world_size(group)
     try:
