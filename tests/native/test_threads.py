@@ -52,6 +52,18 @@ WORST = textwrap.dedent(
             got = attnkit.attention(q, k, v, backend="chunked", causal=causal)
             out = max(out, float(abs(got.numpy().astype("float64") - ref).max()))
         return out
+
+    def exit_code_of(pid: int) -> int:
+        # The forked child's exit code; a child still running after a minute hung: killed,
+        # and this process exits saying so.
+        for _ in range(1200):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        sys.exit("the child hung")
     """
 )
 
@@ -117,16 +129,7 @@ def test_a_forked_child_calls_the_kernel_after_its_parent_shared_calls(tmp_path:
                 code = 0 if worst(cs) < 1e-5 else 3
             finally:
                 os._exit(code)
-        for _ in range(1200):  # a minute
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            sys.exit("the child hung")
-        print(parent, os.waitstatus_to_exitcode(status))
+        print(parent, exit_code_of(pid))
         """,
     )
     parent, child = out.split()[-2:]
@@ -169,16 +172,7 @@ def test_a_forked_child_trains_after_its_parent_ran_inference_calls(tmp_path: Pa
                 code = 0 if err < 1e-4 else 3
             finally:
                 os._exit(code)
-        for _ in range(1200):  # a minute
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            sys.exit("the child hung")
-        print(os.waitstatus_to_exitcode(status))
+        print(exit_code_of(pid))
         """,
     )
     assert out.split()[-1] == "0"
