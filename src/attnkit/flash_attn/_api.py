@@ -198,6 +198,9 @@ def _float8(
     """``q`` descaled (float8 queries in bfloat16) and the keys' and values' scales as
     :func:`attnkit.attention` takes them, ``(B, Hkv, 1, 1)``, from flash-attn 3's descale
     factors ``(B, Hkv)``; float inputs without factors come back as they are."""
+    plain = q_descale is None and k_descale is None and v_descale is None
+    if plain and not {q.dtype, k.dtype, v.dtype} & {*FLOAT8, torch.int8}:
+        return q, None, None  # (the common call: nothing to check or scale)
     if (q_descale is not None or q.dtype in FLOAT8) and q.size(2) % max(k.size(2), 1):
         raise ValueError(
             f"the query heads ({q.size(2)}) must be a multiple of the key/value heads ({k.size(2)})"
