@@ -489,6 +489,29 @@ def test_native_backward_cut_across_threads(
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_on_token_major_rows_at_a_power_of_two_stride(dtype: torch.dtype) -> None:
+    # Keys and values as a model's projections give them, (B, T, Hkv, D) transposed: a key's
+    # heads 2 KiB (float32) or 1 KiB apart, which the forward copies into padded runs.
+    def rows(seed: int, t: int) -> Tensor:
+        return _randn(1, t, 8, 64, seed=seed, dtype=dtype).transpose(1, 2).requires_grad_()
+
+    q, k, v = rows(60, 64), rows(61, 96), rows(62, 96)
+    idx = _indices(1, 1, 64, 24, 96, seed=63, kind="causal")
+    mask = masks.key_indices(idx) & masks.causal()
+    with attnkit.record_dispatch() as calls:
+        out = attnkit.attention(q, k, v, mask=mask, backend="chunked")
+    assert "the native kernel" in str(calls[0].kernel), calls[0].kernel
+    high = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = attnkit.attention(*high, mask=mask, backend="reference")
+    assert_close(out, want, dtype=dtype)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    got = torch.autograd.grad((out.to(F64) * w).sum(), (q, k, v))
+    expected = torch.autograd.grad((want * w).sum(), high)
+    for a, e in zip(got, expected, strict=True):
+        assert_close(a, e, dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_native_kernel_reads_reduced_keys_as_they_are(dtype: torch.dtype) -> None:
     shapes = ((1, 4, 48, 64), (1, 2, 256, 64), (1, 2, 256, 64))

@@ -519,12 +519,22 @@ int64_t head_parts(const Gather& g, int64_t blocks) {
 // k or v (B, Hkv, Tk, D) with each key's rows of every head side by side (strides of a (B, Tk,
 // Hkv, D) tensor): a block reads a selected key's rows for all its heads at once, so they come
 // as one run of memory rather than Hkv rows far apart (fewer pages, and the cache's own
-// prefetchers fetch the run's next lines). A copy, made where the rows gathered outnumber the
-// rows copied several times over (not for a few queries over a long cache).
+// prefetchers fetch the run's next lines). A key's run is padded by one cache line: at a stride
+// of a power of two (Hkv D elements often is one, 2 KiB at 8 heads of 64 float32) a head's rows
+// of every key fall in the same few sets of the first-level cache, and a piece's sixteen keys'
+// rows evict each other (see docs/latent-and-sparse.md for what it costs). A copy, made
+// where the rows gathered outnumber the rows copied several times over (not for a few queries
+// over a long cache), and where the heads lie apart or a key's stride is such a power of two.
 at::Tensor token_major(const Gather& g, const at::Tensor& t) {
-  const bool heads_apart = g.Hkv > 1 && t.stride(1) > t.stride(2);
-  if (!heads_apart || g.Hs * g.Tq * g.W < 8 * g.Tk) return t;
-  return t.transpose(1, 2).contiguous().transpose(1, 2);
+  if (g.Hkv < 2 || g.Hs * g.Tq * g.W < 8 * g.Tk) return t;
+  const bool heads_apart = t.stride(1) > t.stride(2);
+  const bool aliased = t.stride(2) * t.element_size() % 512 == 0;
+  if (!heads_apart && !aliased) return t;
+  const int64_t B = t.size(0), H = t.size(1), T = t.size(2), D = t.size(3);
+  const at::Tensor runs = empty({B, T, H * D + 64 / t.element_size()}, t.options());
+  const at::Tensor rows = runs.narrow(2, 0, H * D).view({B, T, H, D});
+  rows.copy_(t.transpose(1, 2));
+  return rows.transpose(1, 2);
 }
 
 template <typename X, int VK, int VV>
