@@ -313,7 +313,7 @@ class RelativePositionEmbedding(nn.Module):
         if (
             (torch.is_grad_enabled() and weight.requires_grad)
             # autocast runs F.linear in its own dtype: a table kept from outside it would not be
-            or torch.is_autocast_enabled(weight.device.type)
+            or _autocast_on(weight)
             or weight.device.type == "meta"
         ):
             return self._project(top, bottom)
@@ -334,7 +334,7 @@ class RelativePositionEmbedding(nn.Module):
             not self.legacy
             and not torch.compiler.is_compiling()
             and min(top, -bottom) >= self._MIRROR_ROWS
-            and not torch.is_autocast_enabled(weight.device.type)
+            and not _autocast_on(weight)
         )
         if not mirrored:
             return nn.functional.linear(self._encodings(top, bottom), weight)
@@ -392,6 +392,13 @@ class RelativePositionEmbedding(nn.Module):
         if self.encoding_dtype == torch.float32:
             return _relpos.float32_sinusoid(distances, self.d_model)
         return _relpos.relative_sinusoid(distances, self.d_model)
+
+
+def _autocast_on(t: Tensor) -> bool:
+    """Whether ``torch.autocast`` is on for ``t``'s device: never for a device autocast does not
+    know, such as "meta" (torch refuses to be asked about it, a RuntimeError)."""
+    kind = t.device.type
+    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
 
 
 def _same_bits(a: Tensor, b: Tensor) -> bool:
