@@ -124,7 +124,11 @@ def _autocast_hint(k: Tensor) -> str:
     float32 projections give keys in the autocast dtype, and a cache made with the module's
     parameters' dtype then refuses them."""
     device = k.device.type
-    if not torch.is_autocast_enabled(device) or k.dtype != torch.get_autocast_dtype(device):
+    # (a device autocast does not know, such as "meta", is never under it: torch refuses the
+    # question with a RuntimeError)
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return ""
+    if k.dtype != torch.get_autocast_dtype(device):
         return ""
     return (
         f": under torch.autocast the projections give {dtype_str(k.dtype)} keys and values; "

@@ -133,7 +133,11 @@ class LatentCache:
             )
         if latent.dtype != store.dtype or latent.device != store.device:
             kind, hint = latent.device.type, ""
-            if torch.is_autocast_enabled(kind) and latent.dtype == torch.get_autocast_dtype(kind):
+            if (
+                torch.amp.is_autocast_available(kind)  # (torch refuses to be asked about "meta")
+                and torch.is_autocast_enabled(kind)
+                and latent.dtype == torch.get_autocast_dtype(kind)
+            ):
                 # the module's float32 projections give latents in the autocast dtype
                 hint = (
                     f": under torch.autocast the projections give {latent.dtype} latents; make "
