@@ -25,6 +25,8 @@ has no inf, stores it as NaN.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -37,9 +39,11 @@ __all__ = [
     "check_kv_dtype",
     "fp8_scale",
     "new_scales",
+    "pickled_state",
     "quantize",
     "quantize_fp8",
     "quantize_int8",
+    "unpickled_state",
 ]
 
 #: The float8 formats a cache stores.
@@ -184,3 +188,52 @@ def quantize(x: Tensor, dtype: torch.dtype, scale: Tensor | None = None) -> tupl
     if dtype == torch.int8:
         return quantize_int8(x)
     return quantize_fp8(x, dtype, scale=scale)
+
+
+class _Float8Bytes(NamedTuple):
+    """A float8 tensor as it pickles: its bytes (a ``uint8`` view) and its dtype."""
+
+    data: Tensor
+    dtype: torch.dtype
+
+
+def _to_pickle(x: object) -> object:
+    if isinstance(x, Tensor):
+        return _Float8Bytes(x.view(torch.uint8), x.dtype) if x.dtype in FLOAT8 else x
+    if isinstance(x, dict):
+        return type(x)((key, _to_pickle(value)) for key, value in x.items())
+    if isinstance(x, list):
+        return [_to_pickle(item) for item in x]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple
+        return type(x)(*(_to_pickle(item) for item in x))
+    if isinstance(x, tuple):
+        return tuple(_to_pickle(item) for item in x)
+    return x
+
+
+def _from_pickle(x: object) -> object:
+    if isinstance(x, _Float8Bytes):
+        return x.data.view(x.dtype)
+    if isinstance(x, dict):
+        return type(x)((key, _from_pickle(value)) for key, value in x.items())
+    if isinstance(x, list):
+        return [_from_pickle(item) for item in x]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_from_pickle(item) for item in x))
+    if isinstance(x, tuple):
+        return tuple(_from_pickle(item) for item in x)
+    return x
+
+
+def pickled_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A cache's ``__dict__`` as its ``__getstate__`` gives it to ``pickle``, ``copy`` and
+    ``torch.save``: float8 tensors (in dicts, lists and tuples too) as their bytes, since torch's
+    unpickler cannot rebuild a float8 tensor (it fails on loading, deep inside
+    ``torch.serialization``). :func:`unpickled_state` turns them back."""
+    return {key: _to_pickle(value) for key, value in state.items()}
+
+
+def unpickled_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The ``__dict__`` of a cache :func:`pickled_state` gave, its float8 tensors remade (views
+    of the bytes, as they were)."""
+    return {key: _from_pickle(value) for key, value in state.items()}

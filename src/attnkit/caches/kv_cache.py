@@ -15,13 +15,23 @@ Shape letters: ``B`` batch, ``Hkv`` key/value heads, ``L`` maximum length, ``T``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from .._base.checks import check_bool, check_int
 from .._base.shapes import Float, shape_checked
 from ._evict import check_indices, compact_rows
-from ._quantize import FLOAT8, check_dtype, check_kv_dtype, new_scales, quantize
+from ._quantize import (
+    FLOAT8,
+    check_dtype,
+    check_kv_dtype,
+    new_scales,
+    pickled_state,
+    quantize,
+    unpickled_state,
+)
 from ._tokens import check_tokens, check_values, given, values_of_keys, write
 from .view import CacheView
 
@@ -347,6 +357,21 @@ class KVCache:
                 self.v_scale = self.k_scale
         self.dtype = self.k_cache.dtype if self.kv_dtype is None else (dtype or self.dtype)
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle``, ``copy`` and ``torch.save`` store: float8 keys and values as their
+        bytes (torch cannot unpickle a float8 tensor), and of a ``values_in_keys`` cache the
+        values' width instead of their view, which pickle would store as a copy beside the keys
+        (later tokens' values would then be written where nothing reads them)."""
+        state = pickled_state(self.__dict__)
+        if self.values_in_keys:
+            state["v_cache"] = self.v_cache.size(-1)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(unpickled_state(state))
+        if self.values_in_keys:  # the values a view of the keys' first columns again
+            self.v_cache = self.k_cache[..., : state["v_cache"]]
 
     def __repr__(self) -> str:
         b, h, _, dk = self.k_cache.shape

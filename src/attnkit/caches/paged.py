@@ -36,7 +36,16 @@ from ..attention import attention
 from ..masks import Mask
 from ..scores import DistanceBias
 from ._evict import check_indices, compact_pages
-from ._quantize import FLOAT8, check_dtype, check_kv_dtype, fp8_scale, new_scales, quantize
+from ._quantize import (
+    FLOAT8,
+    check_dtype,
+    check_kv_dtype,
+    fp8_scale,
+    new_scales,
+    pickled_state,
+    quantize,
+    unpickled_state,
+)
 from ._tokens import Piece, check_tokens, check_values, given, put, values_of_keys, write
 from .kv_cache import check_values_in_keys
 from .view import CacheView, rows_refusal
@@ -306,6 +315,21 @@ class PagedKVCache(nn.Module):
             self._buffers["v_scales"] = self.k_scales
         self.dtype = read
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle``, ``copy`` and ``torch.save`` store: float8 pages as their bytes (torch
+        cannot unpickle a float8 tensor), and of a ``values_in_keys`` pool the values' width
+        instead of their view, which pickle would store as a copy beside the keys (later
+        tokens' values would then be written where nothing reads them)."""
+        state = pickled_state(super().__getstate__())
+        if self.values_in_keys:
+            state["_buffers"]["v_pages"] = self.v_pages.size(-1)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(unpickled_state(state))
+        if self.values_in_keys:  # the values a view of the keys' first columns again
+            self._buffers["v_pages"] = self.k_pages[..., : state["_buffers"]["v_pages"]]
 
     def _given(self) -> tuple[Tensor, Tensor]:
         """The head-major pages as keys and values are given and read: the pages, or of a

@@ -30,7 +30,7 @@ Shape letters: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``T`` ne
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 import torch
 from torch import Tensor
@@ -40,7 +40,15 @@ from .._base.quantized import dequantize
 from .._base.shapes import Float, shape_checked
 from ..attention import attention
 from ..masks import Mask, causal, key_padding, sliding_window
-from ._quantize import FLOAT8, check_dtype, check_kv_dtype, new_scales, quantize
+from ._quantize import (
+    FLOAT8,
+    check_dtype,
+    check_kv_dtype,
+    new_scales,
+    pickled_state,
+    quantize,
+    unpickled_state,
+)
 from ._tokens import check_tokens, given, write
 from .view import CacheView
 
@@ -545,6 +553,14 @@ class StreamingKVCache:
             self.k_scale, self.v_scale = self.k_scale.to(device), self.v_scale.to(device)
         self.dtype = self.k_cache.dtype if self.kv_dtype is None else (dtype or self.dtype)
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle``, ``copy`` and ``torch.save`` store: float8 keys and values (a staged
+        chunk's too) as their bytes, since torch cannot unpickle a float8 tensor."""
+        return pickled_state(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(unpickled_state(state))
 
     def __repr__(self) -> str:
         b, h, _, dk = self.k_cache.shape

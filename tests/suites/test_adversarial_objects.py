@@ -1,0 +1,372 @@
+"""attnkit's objects copied, serialized and moved: masks, score terms, caches mid-generation and
+modules through ``copy``, ``pickle``, ``torch.save``, ``state_dict()``, dtype and device moves.
+
+Each test compares numbers: the object after the round trip against the original on the same
+inputs (bit for bit), a float64 computation without a cache, or the module in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import attnkit
+from attnkit import KVCache, PagedKVCache, StreamingKVCache, masks
+from attnkit.modules.latent import LatentCache, MultiHeadLatentAttention
+from attnkit.scores import DistanceBias, RelativePositionTerm
+
+F64 = torch.float64
+B, H, HKV, D = 2, 4, 2, 8
+ROUND_TRIPS = ("deepcopy", "pickle", "torch.save")
+
+
+def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def round_trip(obj: Any, how: str) -> Any:
+    """``obj`` copied by ``copy.deepcopy``, ``copy.copy``, ``pickle`` or ``torch.save``/
+    ``torch.load``."""
+    if how == "deepcopy":
+        return copy.deepcopy(obj)
+    if how == "copy":
+        return copy.copy(obj)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(obj))
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Masks and score terms
+
+
+def _masks() -> dict[str, masks.Mask]:
+    gen = torch.Generator().manual_seed(0)
+    t = 7
+    picks = torch.stack([torch.randperm(t, generator=gen)[:3] for _ in range(B * H)])
+    idx = picks.view(B, H, 1, 3).expand(B, H, t, 3).contiguous()
+    dense = torch.rand(t, t, generator=gen) > 0.3
+    return {
+        "causal": masks.causal(),
+        "causal_top_left": masks.causal("top_left"),
+        "window": masks.sliding_window(2, 1),
+        "documents": masks.documents([3, 4]),
+        "document_ids": masks.documents(ids=torch.tensor([[0, 0, 1, 1, 1, 2, 2]])),
+        "key_padding": masks.key_padding(torch.tensor([5, 7])),
+        "key_padding_left": masks.key_padding([5, 7], side="left"),
+        "key_padding_valid": masks.key_padding(valid=torch.rand(B, t, generator=gen) > 0.3),
+        "dense": masks.from_tensor(dense),
+        "key_indices": masks.key_indices(idx),
+        "block_indices": masks.block_indices(torch.zeros(B, H, t, 1, dtype=torch.long), block=4),
+        "and": masks.causal() & masks.key_padding([5, 7]),
+        "or": masks.sliding_window(1) | masks.documents([3, 4]),
+        "tensor_and": dense & masks.causal(),
+        "indices_and": masks.key_indices(idx) & masks.causal(),
+    }
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle", "torch.save"])
+def test_masks_and_score_terms_attend_the_same_after_a_round_trip(how: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    t = 7
+    q, k, v = (randn(B, H, t, D, gen=gen, dtype=F64) for _ in range(3))
+    for name, mask in _masks().items():
+        want = attnkit.attention(q, k, v, mask=mask)  # (caches the mask's per-device copies)
+        copied = round_trip(mask, how)
+        torch.testing.assert_close(
+            attnkit.attention(q, k, v, mask=copied), want, rtol=0, atol=0, equal_nan=True
+        )
+        dense = (t, t)
+        assert torch.equal(
+            copied.dense(*dense, batch_size=B, num_heads=H),
+            mask.dense(*dense, batch_size=B, num_heads=H),
+        ), name
+        assert copied.describe() == mask.describe(), name
+    terms = {
+        "alibi": attnkit.alibi_term(attnkit.alibi_slopes(H).double(), t, t),
+        "distance": DistanceBias(randn(H, 2 * t - 1, gen=gen, dtype=F64), -(t - 1)),
+        "relative": RelativePositionTerm(
+            randn(B, H, t, D, gen=gen, dtype=F64), randn(H, 2 * t - 1, D, gen=gen, dtype=F64), 0.3
+        ),
+    }
+    for name, term in terms.items():
+        want = attnkit.attention(q, k, v, bias=term, causal=True)
+        got = attnkit.attention(q, k, v, bias=round_trip(term, how), causal=True)
+        assert torch.equal(got, want), name
+
+
+# --------------------------------------------------------------------------------------------------
+# Caches mid-generation
+
+F8 = torch.float8_e4m3fn
+LATENT_DV = 4  # a values_in_keys cache's values: its keys' first 4 columns
+
+
+class Decode:
+    """A cache kind and the step that appends new tokens and attends over it."""
+
+    def __init__(self, make: Callable[[], Any], step: Callable[..., Tensor], latent: bool):
+        self.make, self.step, self.latent = make, step, latent
+
+    def inputs(
+        self, t: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``t`` new tokens' queries, keys and values (values the keys' first columns for a
+        latent cache)."""
+        hkv = 1 if self.latent else HKV
+        q, k = randn(B, H, t, D, gen=gen, dtype=dtype), randn(B, hkv, t, D, gen=gen, dtype=dtype)
+        v = k[..., :LATENT_DV].clone() if self.latent else randn(B, hkv, t, D, gen=gen, dtype=dtype)
+        return q, k, v
+
+
+def _kv_step(cache: KVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    view = cache.stage_call(q, k, None if cache.values_in_keys else v)
+    out = attnkit.attention(q, view, causal=True)
+    cache.commit()
+    return out
+
+
+def _paged_step(cache: PagedKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    out, _ = cache.attention(q, k, None if cache.values_in_keys else v, causal=True)
+    cache.commit()
+    return out
+
+
+def _streaming_step(cache: StreamingKVCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return cache.attention(q, k, v)[0]
+
+
+def _latent_step(cache: LatentCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    keys = cache.stage(k)
+    cache.commit()
+    return attnkit.attention(q, keys, cache.values(keys), causal=True)
+
+
+def _decodes() -> dict[str, Decode]:
+    out = {}
+    for kv_dtype in (None, torch.int8, F8):
+        tag = "float" if kv_dtype is None else str(kv_dtype).split(".")[-1]
+        for latent in (False, True):
+            hkv, dv = (1, LATENT_DV) if latent else (HKV, D)
+            kw = {"kv_dtype": kv_dtype, "values_in_keys": latent}
+            name = f"{tag}{'-latent' if latent else ''}"
+            out[f"kv-{name}"] = Decode(
+                lambda hkv=hkv, dv=dv, kw=kw: KVCache(B, 32, hkv, D, dv, **kw), _kv_step, latent
+            )
+            out[f"paged-{name}"] = Decode(
+                lambda hkv=hkv, dv=dv, kw=kw: PagedKVCache(16, 4, hkv, D, dv, max_seqs=B, **kw),
+                _paged_step,
+                latent,
+            )
+        out[f"streaming-{tag}"] = Decode(
+            lambda kv_dtype=kv_dtype: StreamingKVCache(
+                B, HKV, D, sink_tokens=2, window=3, kv_dtype=kv_dtype
+            ),
+            _streaming_step,
+            False,
+        )
+    out["latent"] = Decode(lambda: LatentCache(B, 32, LATENT_DV, D - LATENT_DV), _latent_step, True)
+    return out
+
+
+DECODES = _decodes()
+
+
+@pytest.mark.parametrize("how", ROUND_TRIPS)
+@pytest.mark.parametrize("kind", DECODES)
+def test_a_cache_copied_mid_generation_decodes_as_the_original_and_on_its_own(
+    kind: str, how: str
+) -> None:
+    # pickle broke two kinds. A values_in_keys cache (a latent one: values that are a view of
+    # its keys) came back with its values a copy beside the keys, so that the next tokens'
+    # values were never written where the keys were and the copy attended stale values. A
+    # float8 cache could not be loaded at all: torch's unpickler fails on float8 tensors
+    # (AttributeError: 'UntypedStorage' has no attribute 'dtype').
+    decode = DECODES[kind]
+    gen = torch.Generator().manual_seed(0)
+    original, twin = decode.make(), decode.make()
+    with torch.no_grad():
+        for t in (5, 1):  # a prompt, then a step
+            x = decode.inputs(t, gen)
+            decode.step(original, *x)
+            decode.step(twin, *x)
+        copied = round_trip(original, how)
+        # The copy decodes as the original would ...
+        for t in (1, 2, 1):
+            x = decode.inputs(t, gen)
+            torch.testing.assert_close(
+                decode.step(copied, *x), decode.step(twin, *x), rtol=0, atol=0
+            )
+        # ... and on its own: what it wrote is nowhere in the original.
+        x = decode.inputs(1, gen)
+        assert torch.equal(decode.step(original, *x), _replay(decode, x))
+
+
+@pytest.mark.parametrize("kind", DECODES)
+def test_a_cache_on_the_meta_device_refuses_keys_of_another_dtype_as_on_the_cpu(kind: str) -> None:
+    # The refusal asks whether autocast is on for the keys' device, to say why they may come in
+    # another dtype: asked about "meta", torch raised a RuntimeError ("unknown device type for
+    # autocast") in place of the TypeError a cache on the CPU gives.
+    decode = DECODES[kind]
+    gen = torch.Generator().manual_seed(0)
+    errors = []
+    for device in ("cpu", "meta"):
+        cache = decode.make().to(device=device)
+        with torch.no_grad():
+            decode.step(cache, *(t.to(device) for t in decode.inputs(3, gen)))
+            wrong = tuple(t.to(device) for t in decode.inputs(1, gen, F64))
+            with pytest.raises(TypeError) as refused:
+                decode.step(cache, *wrong)
+        errors.append(str(refused.value).replace(device, "DEVICE"))
+    assert errors[0] == errors[1]
+
+
+def _replay(decode: Decode, last: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """What a fresh cache given the test's prompt and first step, then ``last``, gives for
+    ``last``: the original's output, if its copy changed nothing in it."""
+    gen = torch.Generator().manual_seed(0)
+    cache = decode.make()
+    for t in (5, 1):
+        decode.step(cache, *decode.inputs(t, gen))
+    return decode.step(cache, *last)
+
+
+# --------------------------------------------------------------------------------------------------
+# Modules
+
+WIDTH = 16
+
+
+def _module(name: str, **kw: Any) -> nn.Module:
+    """A small module of each kind attnkit has, with ``kw`` (``device``, ``dtype``)."""
+    if name == "mha":
+        return attnkit.MultiHeadAttention(WIDTH, 4, num_kv_heads=2, **kw)
+    if name == "mha-cross":
+        return attnkit.MultiHeadAttention(
+            WIDTH, 4, kdim=12, vdim=10, add_bias_kv=True, add_zero_attn=True, **kw
+        )
+    if name == "mha-rotary":
+        return attnkit.MultiHeadAttention(WIDTH, 4, rotary=attnkit.RotaryEmbedding(4), **kw)
+    if name == "mla":
+        return MultiHeadLatentAttention(
+            WIDTH, 2, kv_lora_rank=8, q_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4,
+            v_head_dim=4, proj_bias=True, **kw,
+        )  # fmt: skip
+    if name == "relative":
+        return attnkit.RelativeMultiHeadAttention(WIDTH, 4, **kw)
+    if name == "relative-espnet":
+        return attnkit.RelativeMultiHeadAttention(
+            WIDTH, 4, legacy="espnet", legacy_max_len=32, **kw
+        )
+    if name == "conformer":
+        return attnkit.ConformerLayer(WIDTH, 4, kernel_size=3, dropout=0.0, **kw)
+    if name == "encoder":
+        return attnkit.TransformerEncoderLayer(WIDTH, 4, dropout=0.0, **kw)
+    if name == "decoder":
+        return attnkit.TransformerDecoderLayer(WIDTH, 4, dropout=0.0, **kw)
+    if name == "transformer":
+        return attnkit.Transformer(
+            WIDTH, 4, num_encoder_layers=1, num_decoder_layers=1, dropout=0.0, **kw
+        )
+    return attnkit.RelativePositionEmbedding(WIDTH, **kw)
+
+
+MODULES = (
+    "mha", "mha-cross", "mha-rotary", "mla", "relative", "relative-espnet", "conformer",
+    "encoder", "decoder", "transformer", "relative-position",
+)  # fmt: skip
+
+
+def _inputs(
+    name: str, dtype: torch.dtype = F64, device: str = "cpu"
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of a call of the module ``name``, the same every time (in ``dtype`` on
+    ``device``)."""
+    gen = torch.Generator().manual_seed(1)
+
+    def x(*shape: int) -> Tensor:
+        return randn(*shape, gen=gen).to(dtype=dtype, device=device)
+
+    inputs = x(2, 6, WIDTH)
+    if name == "mha-cross":
+        return (inputs, x(2, 5, 12), x(2, 5, 10)), {}
+    if name in ("mha", "mha-rotary", "mla", "encoder"):
+        return (inputs,), {"causal": True}
+    if name == "decoder":
+        return (inputs, x(2, 4, WIDTH)), {}
+    if name == "transformer":
+        return (x(2, 4, WIDTH), inputs), {}
+    if name == "relative-position":
+        return (5, -5), {}
+    return (inputs,), {}
+
+
+def _run(name: str, m: nn.Module, dtype: torch.dtype = F64, device: str = "cpu") -> Tensor:
+    """``m``'s output on :func:`_inputs`."""
+    args, kwargs = _inputs(name, dtype, device)
+    out: Tensor = m(*args, **kwargs)
+    return out
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_a_module_copied_saved_or_reloaded_gives_the_same_outputs(name: str) -> None:
+    torch.manual_seed(0)
+    m = _module(name, dtype=F64).eval()
+    with torch.no_grad():
+        want = _run(name, m)
+        for how in ROUND_TRIPS:
+            assert torch.equal(_run(name, round_trip(m, how)), want), how
+        fresh = _module(name, dtype=F64).eval()
+        fresh.load_state_dict(m.state_dict(), strict=True)
+        assert torch.equal(_run(name, fresh), want)
+        # On the meta device, where a call without gradients gives the output's shape and
+        # dtype (the relative position embedding asked torch whether autocast is on for "meta",
+        # a device torch's autocast does not know: RuntimeError), then materialised and loaded.
+        moved = copy.deepcopy(m).to("meta")
+        shape = _run(name, moved, device="meta")
+        assert (shape.device.type, shape.shape, shape.dtype) == ("meta", want.shape, want.dtype)
+        if name == "relative-position":  # a table long enough to be mirrored, with gradients
+            assert moved(40, -40).shape == m(40, -40).shape
+        moved = moved.to_empty(device="cpu")
+        moved.load_state_dict(m.state_dict(), strict=True)
+        with torch.device("meta"):
+            built = _module(name, dtype=F64)
+        built = built.to_empty(device="cpu").eval()
+        built.load_state_dict(m.state_dict(), strict=True)
+        assert torch.equal(_run(name, moved), want)
+        assert torch.equal(_run(name, built), want)
+        # Other parameters through torch.func.functional_call, and the module's own after.
+        other = _module(name, dtype=F64).eval()
+        replaced = torch.func.functional_call(m, other.state_dict(), *_inputs(name))
+        torch.testing.assert_close(replaced, _run(name, other))
+        assert torch.equal(_run(name, m), want)
+    frozen = copy.deepcopy(m).requires_grad_(False)
+    torch.testing.assert_close(_run(name, frozen), want)
+
+
+@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_module_converted_or_loaded_across_dtypes_computes_on_its_rounded_parameters(
+    name: str, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    m32 = _module(name).eval()
+    converted = copy.deepcopy(m32).to(dtype)
+    loaded = _module(name, dtype=dtype).eval()  # float32 weights loaded into a dtype module
+    loaded.load_state_dict(m32.state_dict(), strict=True)
+    exact = copy.deepcopy(converted).double()  # float64 on the rounded parameters
+    tol = {torch.float16: 2e-2, torch.bfloat16: 8e-2, torch.float32: 1e-5}[dtype]
+    with torch.no_grad():
+        got = _run(name, converted, dtype)
+        assert torch.equal(_run(name, loaded, dtype), got)
+        torch.testing.assert_close(got.double(), _run(name, exact), rtol=tol, atol=tol)
