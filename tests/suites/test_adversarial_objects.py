@@ -370,3 +370,108 @@ def test_a_module_converted_or_loaded_across_dtypes_computes_on_its_rounded_para
         got = _run(name, converted, dtype)
         assert torch.equal(_run(name, loaded, dtype), got)
         torch.testing.assert_close(got.double(), _run(name, exact), rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------------------------------------------------
+# Caches and modules moved mid-generation
+
+
+def _uncached(kind: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The float64 attention of the last queries ``q`` over every token so far ``k``, ``v``
+    without a cache: causal, or a streaming cache's sinks and window."""
+    mask: masks.Mask = masks.causal()
+    if kind.startswith("streaming"):
+        mask = masks.sliding_window(3 - 1) | (masks.causal() & masks.key_padding([2] * B))
+    return attnkit.attention(q.double(), k.double(), v.double(), mask=mask)
+
+
+@pytest.mark.parametrize("kind", DECODES)
+def test_a_cache_moved_to_another_dtype_or_to_meta_mid_generation_decodes_on(kind: str) -> None:
+    decode = DECODES[kind]
+    quantized = "int8" in kind or "float8" in kind
+    gen = torch.Generator().manual_seed(0)
+    moved, kept, meta = decode.make(), decode.make(), decode.make()
+    ks, vs = [], []
+    with torch.no_grad():
+        for t in (5, 1):  # in float32
+            x = decode.inputs(t, gen)
+            for cache in (moved, kept, meta):
+                decode.step(cache, *x)
+            ks.append(x[1])
+            vs.append(x[2])
+        moved.to(dtype=F64)
+        meta.to(device="meta")
+        for t in (1, 2, 1):  # in float64 (float32 numbers), on meta in float32
+            q, k, v = decode.inputs(t, gen)
+            got = decode.step(moved, q.double(), k.double(), v.double())
+            ks.append(k)
+            vs.append(v)
+            if quantized:  # what the cache holds is its own numbers: the float32 cache's
+                want = decode.step(kept, q, k, v).double()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            else:
+                want = _uncached(kind, q, torch.cat(ks, 2), torch.cat(vs, 2))
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            on_meta = decode.step(meta, q.to("meta"), k.to("meta"), v.to("meta"))
+            assert (on_meta.device.type, on_meta.shape) == ("meta", got.shape)
+
+
+class _Decoder(nn.Module):
+    """A module that holds its paged cache: ``module.double()`` moves the pages with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = attnkit.MultiHeadAttention(WIDTH, 4, num_kv_heads=2)
+        self.cache = self.attn.make_paged_cache(8, 4, max_seqs=2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.attn(x, causal=True, cache=self.cache)
+        return out
+
+
+def test_modules_converted_to_float64_mid_generation_decode_as_float64_without_a_cache() -> None:
+    torch.manual_seed(0)
+    x = randn(2, 9, WIDTH, gen=torch.Generator().manual_seed(1))
+    holder = _Decoder().eval()
+    mla = _module("mla").eval()
+    caches = {
+        "latent": lambda: mla.make_cache(2, 16),
+        "kv": lambda: mla.make_kv_cache(2, 16),
+        "paged": lambda: mla.make_paged_cache(8, 4, max_seqs=2),
+    }
+    with torch.no_grad():
+        holder(x[:, :5])  # a float32 prompt, then float64 steps
+        holder.double()
+        steps = torch.cat([holder(x[:, i : i + 1].double()) for i in range(5, 9)], 1)
+        want = copy.deepcopy(holder.attn)(x.double(), causal=True)[:, 5:]
+        torch.testing.assert_close(steps, want, rtol=1e-5, atol=1e-6)  # (a float32 prompt)
+        for name, make in caches.items():
+            m, cache = copy.deepcopy(mla), make()
+            m(x[:, :5], causal=True, cache=cache)
+            m.double()
+            cache.to(dtype=F64)
+            steps = torch.cat(
+                [m(x[:, i : i + 1].double(), causal=True, cache=cache) for i in range(5, 9)], 1
+            )
+            want = m(x.double(), causal=True)[:, 5:]
+            torch.testing.assert_close(steps, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_latent_cache_refuses_a_dtype_it_cannot_hold_latents_in() -> None:
+    # LatentCache.to(dtype=torch.int64) (or bool, or a float8 dtype) converted the latents held
+    # and went on: the next tokens were refused for their dtype, and the cache's tokens were
+    # already truncated to integers.
+    gen = torch.Generator().manual_seed(0)
+    decode = DECODES["latent"]
+    cache, twin = decode.make(), decode.make()
+    with torch.no_grad():
+        x = decode.inputs(5, gen)
+        decode.step(cache, *x)
+        decode.step(twin, *x)
+        for dtype in (torch.int64, torch.bool, torch.float8_e4m3fn):
+            with pytest.raises(TypeError, match="dtype must be"):
+                cache.to(dtype=dtype)
+            with pytest.raises(TypeError, match="dtype must be"):
+                LatentCache(B, 8, LATENT_DV, D - LATENT_DV, dtype=dtype)
+        x = decode.inputs(1, gen)
+        assert torch.equal(decode.step(cache, *x), decode.step(twin, *x))

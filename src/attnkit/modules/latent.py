@@ -75,6 +75,22 @@ DECODE_TOKENS = 16
 _Form = Literal["auto", "expanded", "absorbed"]
 
 
+def _latent_dtype(dtype: object) -> torch.dtype | None:
+    """A :class:`LatentCache`'s dtype: None (torch's default) or float16, bfloat16, float32 or
+    float64, the latents' own. In any other the latents held would be truncated (an integer
+    dtype, bool) or rounded with no scale (float8), and the module's refused."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize > 1:
+        return dtype
+    got = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else repr(dtype)
+    raise TypeError(
+        "dtype must be torch.float16, torch.bfloat16, torch.float32 or torch.float64 (the dtype "
+        f"the latents are given and read in), got {got}; a quantized latent cache is "
+        "MultiHeadLatentAttention.make_kv_cache(..., kv_dtype=...)"
+    )
+
+
 class LatentCache:
     """The latents ``[c, k_rope]`` of the tokens decoded so far: ``(B, 1, L, R + Dr)``, one head.
 
@@ -108,6 +124,7 @@ class LatentCache:
         self.kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank)
         rope = check_int("rope_dim", rope_dim)
         width = self.kv_lora_rank + rope
+        dtype = _latent_dtype(dtype)
         self.latent = torch.zeros(b, 1, self.max_len, width, dtype=dtype, device=device)
         self.length = 0  # tokens held; a Python int, so decoding never reads a tensor back
         self._staged = 0  # tokens written by stage() after `length` and not yet committed
@@ -185,7 +202,10 @@ class LatentCache:
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> LatentCache:
         """Move the latents to ``device`` and/or convert them to ``dtype``, in place; returns the
-        cache. The tokens held stay held."""
+        cache. The tokens held stay held. ``dtype`` is a float dtype the latents are given and
+        read in: float16, bfloat16, float32 or float64."""
+        if dtype is not None:
+            _latent_dtype(dtype)  # (before anything moves)
         self.latent = self.latent.to(device=device, dtype=dtype)
         return self
 
