@@ -530,8 +530,14 @@ class PagedKVCache(nn.Module):
         written."""
         # (before anything is written; a values_in_keys cache's values are its keys')
         k, v, scales = self._quantized(k, None if self.values_in_keys else v, new)
-        self._take_pages(new)
-        pieces = self._write(k, v, scales, new)
+        try:
+            self._take_pages(new)
+            pieces = self._write(k, v, scales, new)
+        except BaseException:
+            # A write cut short (a KeyboardInterrupt lands between any two of its operations)
+            # returns the pages it took, and names none of them in the block table.
+            self._drop_staged()
+            raise
         self._staged = new
         return pieces
 
@@ -888,16 +894,26 @@ class PagedKVCache(nn.Module):
             padding positions get 0 and ``-inf``.
 
         Every argument is checked before anything is written. The new tokens are staged, not
-        held: :meth:`commit` holds them. The call is one :func:`attnkit.attention` call on the
-        cache's :meth:`view` (``explain()`` shows it, ``record_dispatch()`` records it): on CPUs
-        without gradients (float32, float64, bfloat16, float16) the chunked backend's native
-        kernel reads the pages through the block table where they lie; otherwise each row's keys
-        are gathered. With an index mask only each query's selected keys are gathered, through
-        the block table (O(T * k) time and memory), and attended.
+        held: :meth:`commit` holds them. A call that raises after it staged them (an interrupt
+        included) drops its stage: the lengths, the block table and the free pages are as they
+        were, and a later :meth:`commit` holds nothing of it. The call is one
+        :func:`attnkit.attention` call on the cache's :meth:`view` (``explain()`` shows it,
+        ``record_dispatch()`` records it): on CPUs without gradients (float32, float64, bfloat16,
+        float16) the chunked backend's native kernel reads the pages through the block table
+        where they lie; otherwise each row's keys are gathered. With an index mask only each
+        query's selected keys are gathered, through the block table (O(T * k) time and memory),
+        and attended.
         """
         kw = {"mask": mask, "causal": causal, "scale": scale, "softcap": softcap}
         view = self.stage_call(q, k, v, bias=bias, sinks=sinks, **kw)  # type: ignore[arg-type]
-        out, lse = attention(q, view, bias=bias, sinks=sinks, return_lse=True, **kw)  # type: ignore[call-overload]
+        try:
+            out, lse = attention(q, view, bias=bias, sinks=sinks, return_lse=True, **kw)  # type: ignore[call-overload]
+        except BaseException:
+            # The call failed (a KeyboardInterrupt in the kernel's call included): its tokens
+            # are not left staged, where a later commit() would hold them, and its pages go
+            # back to the pool.
+            self._drop_staged()
+            raise
         return out, lse
 
     def extra_repr(self) -> str:

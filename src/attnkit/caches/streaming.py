@@ -231,28 +231,42 @@ class StreamingKVCache:
     def _stage(
         self, k: Tensor, v: Tensor, in_place: bool = True
     ) -> tuple[Tensor, Tensor, Mask] | None:
-        """:meth:`stage`'s checks, then a step's write in place (None: the held tokens are read
-        where they lie) or a chunk's keys, values and mask (nothing written); ``in_place``
-        False: a step as a chunk of one token, its keys in time order."""
-        self._check(k, v)
-        self._staged, self._staged_one, self._undo = None, False, None
+        """:meth:`stage` of checked tokens (:meth:`_check`), inside :meth:`_begin` and
+        :meth:`_abandon`: a step's write in place (None: the held tokens are read where they
+        lie) or a chunk's keys, values and mask (nothing written); ``in_place`` False: a step as
+        a chunk of one token, its keys in time order."""
         new = self._stored(k, v)
         t, start = k.size(-2), self.position
         if t == 1 and in_place:
-            if start >= self.sink_tokens + self.window:
-                # (the slot holds the window's oldest token: kept, so that a dropped stage or a
-                # rewind by this step puts it back)
-                self._undo = self._overwritten(start, 1)
+            # (the slot holds the window's oldest token once the ring is full: kept, so that a
+            # dropped stage or a rewind by this step puts it back; kept before the write, so
+            # that a write cut short, by an interrupt, is put back too)
+            full = start >= self.sink_tokens + self.window
+            undo = self._overwritten(start, 1) if full else None
+            self._staged, self._staged_one, self._undo = None, True, undo
             self._put(new, start)
-            self._staged_one = True
             return None
         held_k, held_v = self._held(self._time_order(start, t))
         if new.k_scale is not None and new.v_scale is not None:
             k = dequantize(new.k, new.k_scale, self.dtype)
             v = dequantize(new.v, new.v_scale, self.dtype)
         keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)
-        self._staged = new
+        self._staged, self._staged_one, self._undo = new, False, None
         return keys, values, self._mask(keys.size(2))
+
+    def _begin(self) -> _Undo | None:
+        """Before a checked stage: an earlier uncommitted stage is dropped (a step's slot gets
+        back the token it held); returns the last chunk's copy for :meth:`rewind`, which
+        :meth:`_abandon` keeps."""
+        self._drop_staged()
+        return self._undo
+
+    def _abandon(self, undo: _Undo | None) -> None:
+        """After a stage cut short (an interrupt lands between any two of its operations, or
+        of what follows it in the same call): the stage dropped, a step's slot back as it was,
+        and ``undo`` (:meth:`_begin`'s) kept for :meth:`rewind`."""
+        self._drop_staged()
+        self._undo = undo
 
     def _held(self, order: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values of the slots ``order``, in ``dtype`` (dequantized copies)."""
@@ -301,15 +315,24 @@ class StreamingKVCache:
         time order and the new tokens (of a quantized cache, all of them as stored, dequantized),
         with the mask that gives each query the sinks and its own window (``mask`` applies with
         bottom-right alignment, as everywhere in attnkit).
+
+        An earlier stage not committed is dropped first (a step's slot gets back the token it
+        held); a stage cut short (an interrupt) is dropped, and changes nothing.
         """
-        got = self._stage(k, v)
-        if got is not None:
-            return got
-        if self.kv_dtype is not None:
-            keys, values = self.view().dense(self.dtype)
+        self._check(k, v)
+        undo = self._begin()
+        try:
+            got = self._stage(k, v)
+            if got is not None:
+                return got
+            if self.kv_dtype is not None:
+                keys, values = self.view().dense(self.dtype)
+                return keys, values, None
+            keys, values = self._in_place()
             return keys, values, None
-        keys, values = self._in_place()
-        return keys, values, None
+        except BaseException:
+            self._abandon(undo)
+            raise
 
     def _time_order(self, start: int, new: int) -> Tensor:
         """The slots of the held tokens the new tokens' queries may see, in time order: the sinks,
@@ -336,8 +359,13 @@ class StreamingKVCache:
         if self._staged_one:
             self.position += 1
         elif self._staged is not None:
-            self._undo = self._overwritten(self.position, self._staged.k.size(-2))
-            self._put(self._staged, self.position)
+            undo = self._overwritten(self.position, self._staged.k.size(-2))
+            try:
+                self._put(self._staged, self.position)
+            except BaseException:  # (a write cut short, by an interrupt: the slots as they were)
+                self._put_back(undo)
+                raise
+            self._undo = undo
             self.position += self._staged.k.size(-2)
         self._staged, self._staged_one = None, False
 
@@ -447,10 +475,12 @@ class StreamingKVCache:
         the same ``T``) and attends the sinks and its window. ``sinks``
         here are attention-sink logits ``(H,)`` (gpt-oss's), which take weight without a value;
         the cache's sink tokens are tokens. A call that raises (``scale``, ``softcap`` or
-        ``sinks`` refused) drops its stage: the cache is as it was, and :meth:`rewind` goes back
-        where it could before."""
+        ``sinks`` refused, or a KeyboardInterrupt wherever it lands: in the stage, the kernel's
+        call or the commit) drops its stage: the cache is as it was, and :meth:`rewind` goes
+        back where it could before."""
+        self._drop_staged()  # (an earlier uncommitted stage: before the copy below is taken)
         undo = self._undo  # (the last chunk's copy, for rewind: kept if the call fails)
-        keys, values, mask = self.stage_call(q, k, v)
+        keys, values, mask = self.stage_call(q, k, v)  # (all or nothing, as the rest below)
         try:
             out, lse = attention(
                 q,
@@ -462,11 +492,10 @@ class StreamingKVCache:
                 sinks=sinks,
                 return_lse=True,
             )
-        except BaseException:
-            self._drop_staged()  # (a step's slot gets back the token it held)
-            self._undo = undo
+            self.commit()
+        except BaseException:  # (an interrupt included: in the kernel's call, in the commit)
+            self._abandon(undo)  # (a step's slot gets back the token it held)
             raise
-        self.commit()
         return out, lse
 
     def stage_call(
@@ -491,18 +520,24 @@ class StreamingKVCache:
                 "position + i)"
             )
         ordered = mask is not None or call.get("bias") is not None or bool(call.get("need_weights"))
-        got = self._stage(k, v, in_place=not ordered)
-        if got is None:
-            if self.kv_dtype is not None:
-                return self.view(), None, mask  # type: ignore[return-value]
-            keys, values = self._in_place()
-            return keys, values, mask  # type: ignore[return-value]
-        keys, values, window = got
-        if mask is None:
-            return keys, values, window
-        # (the method, not `&`: torch.compile traces the method, where `&` with a bool tensor
-        # on the right breaks the graph)
-        return keys, values, window.__and__(mask)
+        self._check(k, v)
+        undo = self._begin()
+        try:
+            got = self._stage(k, v, in_place=not ordered)
+            if got is None:
+                if self.kv_dtype is not None:
+                    return self.view(), None, mask  # type: ignore[return-value]
+                keys, values = self._in_place()
+                return keys, values, mask  # type: ignore[return-value]
+            keys, values, window = got
+            if mask is None:
+                return keys, values, window
+            # (the method, not `&`: torch.compile traces the method, where `&` with a bool
+            # tensor on the right breaks the graph)
+            return keys, values, window.__and__(mask)
+        except BaseException:
+            self._abandon(undo)
+            raise
 
     def stand_in(
         self, new_tokens: int, *, mask: object = None, **call: object

@@ -617,14 +617,14 @@ class MultiHeadAttention(nn.Module):
             # (B, H, Tq, Dhv) -> (B, Tq, H*Dhv): a free view when the kernel laid its output out
             # as (B, Tq, H, Dhv), which torch's fused CPU kernel does; a copy otherwise.
             result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
+            if cache is not None:
+                cache.commit()  # (a streaming cache's chunk writes here: an interrupt may land)
         except BaseException:
             # A call that fails after its tokens were staged (in attention(), in out_proj, in a
-            # hook) leaves the cache as it was, as a call the cache refuses does.
+            # hook, in the commit) leaves the cache as it was, as a call the cache refuses does.
             if cache is not None:
                 _drop_staged(cache)
             raise
-        if cache is not None:
-            cache.commit()
         if not need_weights:
             return result
         weights = present(weights, "weights")
