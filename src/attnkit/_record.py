@@ -49,8 +49,9 @@ class Dispatch:
         return self.handovers[-1][1] if self.handovers else self.chosen
 
 
-_RECORD: contextvars.ContextVar[list[Dispatch] | None] = contextvars.ContextVar(
-    "attnkit_dispatch_record", default=None
+# The records of the blocks open in this context, innermost last (the one calls go to).
+_RECORD: contextvars.ContextVar[tuple[list[Dispatch], ...]] = contextvars.ContextVar(
+    "attnkit_dispatch_record", default=()
 )
 
 
@@ -65,37 +66,44 @@ def record_dispatch() -> Iterator[list[Dispatch]]:
     ...     _ = attnkit.attention(q, q, q, softcap=5.0)
     >>> [(c.chosen, c.served_by) for c in calls]
     [('chunked', 'chunked')]
+
+    Calls go to the innermost block open. Blocks closed out of order (two generators, each
+    with a block open around its ``yield``, run in turns) each remove their own record: once a
+    block is closed nothing more is added to its record, and calls go to the blocks still open.
     """
     record: list[Dispatch] = []
-    token = _RECORD.set(record)
+    _RECORD.set((*_RECORD.get(), record))
     try:
         yield record
     finally:
-        _RECORD.reset(token)
+        # (by identity rather than ContextVar.reset(): a reset restores the value this block
+        # found, which holds a block closed since, and would leave it recording)
+        _RECORD.set(tuple(r for r in _RECORD.get() if r is not record))
 
 
 def recording() -> list[Dispatch] | None:
     """The active record of :func:`record_dispatch`, if any (what the dispatcher appends to)."""
-    return _RECORD.get()
+    records = _RECORD.get()
+    return records[-1] if records else None
 
 
 def current() -> Dispatch | None:
     """The record of the call being dispatched, if one is being recorded (a distributed call
     keeps it, to add its backward's bytes to :attr:`Dispatch.sent` when that runs)."""
-    record = _RECORD.get()
+    record = recording()
     return record[-1] if record else None
 
 
 def note_kernel(kernel: str) -> None:
     """Record which kernel serves the call being recorded (see :attr:`Dispatch.kernel`)."""
-    record = _RECORD.get()
+    record = recording()
     if record:
         record[-1].kernel = kernel
 
 
 def note_handover(source: str, to: str, why: str) -> None:
     """Record that backend ``source`` handed the call being recorded to ``to``, and why."""
-    record = _RECORD.get()
+    record = recording()
     if record:
         record[-1].handovers.append((source, to, why))
 
@@ -104,6 +112,6 @@ def note_served(call: AttentionCall, by: str, kernel: str) -> None:
     """Record a call that ``by`` served without the dispatcher, as :func:`attnkit.attention` would
     have been asked it (a KV cache that the native kernel reads in place, see
     :mod:`attnkit._kernel.cache`)."""
-    record = _RECORD.get()
+    record = recording()
     if record is not None:
         record.append(Dispatch(call, by, kernel=kernel))

@@ -406,3 +406,30 @@ def test_a_thread_interrupted_by_its_callback_leaves_the_others_unharmed() -> No
         assert torch.equal(got[name], want)  # type: ignore[arg-type]
         assert got[name + " record"] == 1
     assert torch.equal(attention(q, k, k, score_mod=mod), want)
+
+
+def test_record_dispatch_blocks_closed_out_of_order_each_stop_recording() -> None:
+    # Two generations, each a generator with a record_dispatch() block open around its yield,
+    # run in turns: the first closed while the second was open. The block's exit restored the
+    # value it had found (the second's record), so the second, once closed, restored the first's:
+    # a record of a closed block went on recording every later call of the thread.
+    q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
+
+    def generation(steps: int, records: list[list[Any]]):  # type: ignore[no-untyped-def]
+        with attnkit.record_dispatch() as record:
+            records.append(record)
+            for _ in range(steps):
+                attention(q, q, q)
+                yield
+
+    records: list[list[Any]] = []
+    first, second = generation(2, records), generation(3, records)
+    for g in (first, second, first, second, first, second, second):
+        next(g, None)
+    sizes = [len(r) for r in records]
+    assert sum(sizes) == 5  # every call made while a block was open, recorded once
+    attention(q, q, q)
+    with attnkit.record_dispatch() as later:
+        attention(q, q, q)
+    assert [len(r) for r in records] == sizes  # closed: nothing more
+    assert len(later) == 1
