@@ -355,6 +355,39 @@ def test_a_module_copied_saved_or_reloaded_gives_the_same_outputs(name: str) -> 
 
 
 @pytest.mark.parametrize("name", MODULES)
+def test_a_module_built_on_meta_is_initialised_by_reset_parameters(name: str) -> None:
+    # Deferred initialisation (FSDP's): build on the meta device, to_empty(), then
+    # reset_parameters() on every module that has one. RelativeMultiHeadAttention and
+    # RelativePositionEmbedding had none, and their pos_bias_u, pos_bias_v and position
+    # projection (a ConformerLayer's too) kept whatever memory to_empty() gave them.
+    with torch.device("meta"):
+        m = _module(name, dtype=F64)
+    m = m.to_empty(device="cpu").eval()
+    with torch.no_grad():
+        for t in (*m.parameters(), *m.buffers()):
+            if t.is_floating_point():
+                t.fill_(float("nan"))  # (what to_empty() left: any bits)
+    for module in m.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+    state = m.state_dict()
+    assert [k for k, t in state.items() if t.is_floating_point() and t.isnan().any()] == []
+    if not name.startswith("relative"):
+        return
+    # The relative modules' reset_parameters() draws what their constructor draws, in the same
+    # order (MultiHeadAttention's constructor draws more: nn.Linear's own initialisation of
+    # out_proj, before its reset_parameters() call).
+    torch.manual_seed(3)
+    m.reset_parameters()
+    torch.manual_seed(3)
+    built = _module(name, dtype=F64).eval()
+    for key, t in built.state_dict().items():
+        assert torch.equal(state[key], t), key
+    with torch.no_grad():
+        assert torch.equal(_run(name, m), _run(name, built))
+
+
+@pytest.mark.parametrize("name", MODULES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_a_module_converted_or_loaded_across_dtypes_computes_on_its_rounded_parameters(
     name: str, dtype: torch.dtype

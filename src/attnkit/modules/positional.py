@@ -281,12 +281,16 @@ class RelativePositionEmbedding(nn.Module):
         self.legacy_max_len = legacy_max_len
         self.weight = nn.Parameter(torch.empty(d_model, d_model, device=device, dtype=dtype))
         self.register_parameter("bias", None)
-        # nn.Linear's initialisation, as W_r was an nn.Linear's weight.
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.reset_parameters()
         # (device, dtype) -> (size, encodings of distances size .. -size, or the legacy table)
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[int, Tensor]] = {}
         # The last projection made without gradients: ((top, bottom), the weight's copy, table)
         self._kept: tuple[tuple[int, int], Tensor, Tensor] | None = None
+
+    def reset_parameters(self) -> None:
+        """Initialise ``weight`` again as ``nn.Linear`` initialises its weight, as ``W_r`` was
+        one (what a module built on the meta device runs after ``to_empty()``)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def extra_repr(self) -> str:
         parts = [f"{self.d_model}"]

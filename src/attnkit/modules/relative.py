@@ -176,6 +176,20 @@ class RelativeMultiHeadAttention(nn.Module):
         self.pos_bias_v = nn.Parameter(
             torch.empty(num_heads, self.head_dim, device=device, dtype=dtype)
         )
+        self._reset_position_biases()
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter again, as the constructor does: the projections (and
+        ``pos_proj``, where it has a ``reset_parameters``) as ``nn.Linear`` initialises them,
+        Xavier-uniform ``pos_bias_u`` and ``pos_bias_v``. What a module built on the meta device
+        runs after ``to_empty()``."""
+        for module in (self.q_proj, self.k_proj, self.v_proj, self.pos_proj, self.out_proj):
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        self._reset_position_biases()
+
+    def _reset_position_biases(self) -> None:
         nn.init.xavier_uniform_(self.pos_bias_u)
         nn.init.xavier_uniform_(self.pos_bias_v)
 
