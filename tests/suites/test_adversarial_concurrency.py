@@ -433,3 +433,28 @@ def test_record_dispatch_blocks_closed_out_of_order_each_stop_recording() -> Non
         attention(q, q, q)
     assert [len(r) for r in records] == sizes  # closed: nothing more
     assert len(later) == 1
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=str)
+def test_a_streaming_step_staged_again_before_its_commit_is_dropped_whole(kv_dtype) -> None:
+    # A second stage() of a step before the first was committed (a retried step) kept, for its
+    # undo, the first stage's token rather than the one the ring held: dropping it put back the
+    # retried token, and the window's oldest token was lost (rewind() one step was refused).
+    def make() -> StreamingKVCache:
+        cache = StreamingKVCache(2, 2, 8, sink_tokens=1, window=3, kv_dtype=kv_dtype)
+        for t in range(6):
+            cache.attention(_tokens(1, 4, t), _tokens(1, seed=t), _tokens(1, seed=t + 9))
+        return cache
+
+    cache, twin = make(), make()
+    with torch.no_grad():
+        cache.stage(_tokens(1, seed=20), _tokens(1, seed=21))
+        cache.stage(_tokens(1, seed=22), _tokens(1, seed=23))
+    cache.rewind(cache.position)  # (drops the stage)
+    seen = []
+    for c in (cache, twin):
+        slots = [t.clone() for t in (c.k_cache, c.v_cache, c.k_scale) if t is not None]
+        c.rewind(c.position - 1)
+        out = c.attention(_tokens(1, 4, 30), _tokens(1, seed=31), _tokens(1, seed=32))
+        seen.append([c.position, *slots, *out, *c.view().dense(torch.float32)])
+    assert _same(seen[0], seen[1])
