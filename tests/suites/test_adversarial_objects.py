@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 import attnkit
 from attnkit import KVCache, PagedKVCache, StreamingKVCache, masks
+from attnkit.interop.deepseek import FrequencyRotary
 from attnkit.modules.latent import LatentCache, MultiHeadLatentAttention
 from attnkit.scores import DistanceBias, RelativePositionTerm
 
@@ -245,6 +246,8 @@ def _replay(decode: Decode, last: tuple[Tensor, Tensor, Tensor]) -> Tensor:
 # Modules
 
 WIDTH = 16
+#: a model's rotary frequencies, on the host (under torch.device("meta") too)
+FREQUENCIES = torch.tensor([1.0, 0.03], dtype=F64)
 
 
 def _module(name: str, **kw: Any) -> nn.Module:
@@ -257,6 +260,9 @@ def _module(name: str, **kw: Any) -> nn.Module:
         )
     if name == "mha-rotary":
         return attnkit.MultiHeadAttention(WIDTH, 4, rotary=attnkit.RotaryEmbedding(4), **kw)
+    if name == "mha-frequencies":  # a rotary of a model's own frequencies, a buffer
+        rotary = FrequencyRotary(FREQUENCIES, scaling=1.1)
+        return attnkit.MultiHeadAttention(WIDTH, 4, rotary=rotary, **kw)
     if name == "mla":
         return MultiHeadLatentAttention(
             WIDTH, 2, kv_lora_rank=8, q_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4,
@@ -282,8 +288,8 @@ def _module(name: str, **kw: Any) -> nn.Module:
 
 
 MODULES = (
-    "mha", "mha-cross", "mha-rotary", "mla", "relative", "relative-espnet", "conformer",
-    "encoder", "decoder", "transformer", "relative-position",
+    "mha", "mha-cross", "mha-rotary", "mha-frequencies", "mla", "relative", "relative-espnet",
+    "conformer", "encoder", "decoder", "transformer", "relative-position",
 )  # fmt: skip
 
 
@@ -300,7 +306,7 @@ def _inputs(
     inputs = x(2, 6, WIDTH)
     if name == "mha-cross":
         return (inputs, x(2, 5, 12), x(2, 5, 10)), {}
-    if name in ("mha", "mha-rotary", "mla", "encoder"):
+    if name in ("mha", "mha-rotary", "mha-frequencies", "mla", "encoder"):
         return (inputs,), {"causal": True}
     if name == "decoder":
         return (inputs, x(2, 4, WIDTH)), {}
@@ -359,7 +365,9 @@ def test_a_module_built_on_meta_is_initialised_by_reset_parameters(name: str) ->
     # Deferred initialisation (FSDP's): build on the meta device, to_empty(), then
     # reset_parameters() on every module that has one. RelativeMultiHeadAttention and
     # RelativePositionEmbedding had none, and their pos_bias_u, pos_bias_v and position
-    # projection (a ConformerLayer's too) kept whatever memory to_empty() gave them.
+    # projection (a ConformerLayer's too) kept whatever memory to_empty() gave them; a
+    # FrequencyRotary's frequencies, a buffer outside state_dict(), were lost the same way, and
+    # load_state_dict() has none to give back.
     with torch.device("meta"):
         m = _module(name, dtype=F64)
     m = m.to_empty(device="cpu").eval()
@@ -371,7 +379,8 @@ def test_a_module_built_on_meta_is_initialised_by_reset_parameters(name: str) ->
         if callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
     state = m.state_dict()
-    assert [k for k, t in state.items() if t.is_floating_point() and t.isnan().any()] == []
+    held = [*m.named_parameters(), *m.named_buffers()]  # (buffers outside state_dict() too)
+    assert [k for k, t in held if t.is_floating_point() and t.isnan().any()] == []
     if not name.startswith("relative"):
         return
     # The relative modules' reset_parameters() draws what their constructor draws, in the same

@@ -82,7 +82,14 @@ class FrequencyRotary(nn.Module):
             raise ValueError(f"inv_freq must be 1-d (Dh / 2,), got {tuple(inv_freq.shape)}")
         self.head_dim = 2 * inv_freq.numel()
         self.scaling = float(scaling)
-        self.register_buffer("inv_freq", inv_freq.detach().to(torch.float64), persistent=False)
+        freq = inv_freq.detach().to(torch.float64)
+        # The frequencies on the host: the buffer is not in state_dict() (transformers' is not),
+        # so a module materialised off the meta device (to_empty()) gets them from here, where
+        # load_state_dict() has none to give.
+        self._frequencies = None if freq.device.type == "meta" else freq.to("cpu", copy=True)
+        if torch.get_default_device().type == "meta":  # built under torch.device("meta")
+            freq = freq.to("meta")
+        self.register_buffer("inv_freq", freq, persistent=False)
 
     #: ``forward`` takes a tensor of one offset per row (see RotaryEmbedding's).
     per_row_offsets = True
@@ -110,9 +117,20 @@ class FrequencyRotary(nn.Module):
         # angles at position 4,000 by whole radians: they stay float64, on the new device.
         freq = self.inv_freq
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        if self.inv_freq.dtype != torch.float64:
+        if freq.device.type == "meta" and self.inv_freq.device.type != "meta":
+            # off the meta device (to_empty()), where the frequencies had no values
+            self.reset_parameters()
+        elif self.inv_freq.dtype != torch.float64:
             self.inv_freq = freq.to(device=self.inv_freq.device)
         return self
+
+    def reset_parameters(self) -> None:
+        """Put the frequencies the module was made with back into ``inv_freq`` (float64, where
+        it lies): what a module built on the meta device runs after ``to_empty()``, which moving
+        it off the meta device does already."""
+        if self._frequencies is not None and self.inv_freq.device.type != "meta":
+            # (a copy: the buffer is the module's to change, the host's copy stays as made)
+            self.inv_freq = self._frequencies.to(self.inv_freq.device, copy=True)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, scaling={self.scaling:g}"
