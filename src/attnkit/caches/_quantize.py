@@ -25,7 +25,7 @@ has no inf, stores it as NaN.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -197,6 +197,14 @@ class _Float8Bytes(NamedTuple):
     dtype: torch.dtype
 
 
+def _same_tuple(x: tuple[object, ...], items: list[object]) -> tuple[object, ...]:
+    """``items`` as a tuple of ``x``'s type: a NamedTuple's fields by position."""
+    if hasattr(x, "_fields"):
+        named: Any = type(x)
+        return cast(tuple[object, ...], named(*items))
+    return tuple(items)
+
+
 def _to_pickle(x: object) -> object:
     if isinstance(x, Tensor):
         return _Float8Bytes(x.view(torch.uint8), x.dtype) if x.dtype in FLOAT8 else x
@@ -204,10 +212,8 @@ def _to_pickle(x: object) -> object:
         return type(x)((key, _to_pickle(value)) for key, value in x.items())
     if isinstance(x, list):
         return [_to_pickle(item) for item in x]
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple
-        return type(x)(*(_to_pickle(item) for item in x))
     if isinstance(x, tuple):
-        return tuple(_to_pickle(item) for item in x)
+        return _same_tuple(x, [_to_pickle(item) for item in x])
     return x
 
 
@@ -218,10 +224,8 @@ def _from_pickle(x: object) -> object:
         return type(x)((key, _from_pickle(value)) for key, value in x.items())
     if isinstance(x, list):
         return [_from_pickle(item) for item in x]
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_from_pickle(item) for item in x))
     if isinstance(x, tuple):
-        return tuple(_from_pickle(item) for item in x)
+        return _same_tuple(x, [_from_pickle(item) for item in x])
     return x
 
 

@@ -321,13 +321,13 @@ class PagedKVCache(nn.Module):
         cannot unpickle a float8 tensor), and of a ``values_in_keys`` pool the values' width
         instead of their view, which pickle would store as a copy beside the keys (later
         tokens' values would then be written where nothing reads them)."""
-        state = pickled_state(super().__getstate__())
+        state = pickled_state(super().__getstate__())  # type: ignore[no-untyped-call]
         if self.values_in_keys:
             state["_buffers"]["v_pages"] = self.v_pages.size(-1)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(unpickled_state(state))
+        super().__setstate__(unpickled_state(state))  # type: ignore[no-untyped-call]
         if self.values_in_keys:  # the values a view of the keys' first columns again
             self._buffers["v_pages"] = self.k_pages[..., : state["_buffers"]["v_pages"]]
 
