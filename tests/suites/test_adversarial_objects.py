@@ -335,6 +335,13 @@ def test_a_module_copied_saved_or_reloaded_gives_the_same_outputs(name: str) -> 
         fresh = _module(name, dtype=F64).eval()
         fresh.load_state_dict(m.state_dict(), strict=True)
         assert torch.equal(_run(name, fresh), want)
+        # A checkpoint of the state only loads with weights_only=True.
+        buf = io.BytesIO()
+        torch.save(m.state_dict(), buf)
+        buf.seek(0)
+        fresh = _module(name, dtype=F64).eval()
+        fresh.load_state_dict(torch.load(buf, weights_only=True), strict=True)
+        assert torch.equal(_run(name, fresh), want)
         # On the meta device, where a call without gradients gives the output's shape and
         # dtype (the relative position embedding asked torch whether autocast is on for "meta",
         # a device torch's autocast does not know: RuntimeError), then materialised and loaded.
@@ -394,6 +401,45 @@ def test_a_module_built_on_meta_is_initialised_by_reset_parameters(name: str) ->
         assert torch.equal(state[key], t), key
     with torch.no_grad():
         assert torch.equal(_run(name, m), _run(name, built))
+
+
+class _Halved(nn.Module):
+    def forward(self, w: Tensor) -> Tensor:
+        return w * 0.5
+
+
+@pytest.mark.parametrize("name", ["mha", "mha-cross", "mla", "relative", "conformer"])
+def test_parametrized_and_spectral_normed_modules_compute_with_the_weights_they_make(
+    name: str,
+) -> None:
+    torch.manual_seed(0)
+    m = _module(name, dtype=F64).eval()
+    plain = copy.deepcopy(m)
+    for key, _ in list(m.named_parameters()):
+        *path, leaf = key.split(".")
+        owner, twin = m, plain
+        for part in path:
+            owner, twin = getattr(owner, part), getattr(twin, part)
+        nn.utils.parametrize.register_parametrization(owner, leaf, _Halved())
+        with torch.no_grad():
+            getattr(twin, leaf).mul_(0.5)
+    with torch.no_grad():
+        want = _run(name, plain)
+        # (torch pickles a parametrized module through its state_dict() only)
+        for got in (_run(name, m), _run(name, copy.deepcopy(m))):
+            torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(_run(name, m), _run(name, plain), rtol=1e-14, atol=1e-14)
+    # torch's hook-based spectral norm on the output projection: computed with the weight it
+    # sets, W / sigma, which the plain module takes as its own.
+    normed = copy.deepcopy(plain)
+    out_proj = normed.out_proj if name != "conformer" else normed.attn.out_proj
+    nn.utils.spectral_norm(out_proj)
+    with torch.no_grad():
+        got = _run(name, normed)  # (in eval: the weight its last power iteration set)
+        target = plain.out_proj if name != "conformer" else plain.attn.out_proj
+        target.weight.copy_(out_proj.weight)
+        torch.testing.assert_close(got, _run(name, plain), rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(_run(name, round_trip(normed, "deepcopy")), got)
 
 
 @pytest.mark.parametrize("name", MODULES)
