@@ -20,9 +20,9 @@
 // them (nearby queries select many of the same keys), instead of coming from memory for each
 // query. Reading the rows, not the arithmetic, is what the forward's time goes to.
 //
-// The backward (gathered_backward.h) works on blocks of one gathered head, in phases: the
-// scores and dO . v of every selected pair, the weights and the scores' gradients, then the
-// gradients' sums, walked the same way.
+// The backward (gathered_backward.h) works on blocks of one gathered head, walked the same way,
+// each piece of a query's keys in one pass: its scores and dO . v, the weights and the scores'
+// gradients, then the gradients' sums, while the piece's rows are in the first-level cache.
 
 // common.h first: it reads the compiler's AVX-512 header with its false warnings off.
 #include "common.h"
@@ -32,21 +32,19 @@
 namespace attnkit {
 namespace {
 
-// The backward's blocks: a row's scores and selected keys at most this many floats per block of
-// queries (1 MiB), at most kBlockQueries queries, and a key stretch's rows (see walk) of
-// kStretchBytes by default.
-constexpr int64_t kBlockEntries = 1 << 18;
-constexpr int64_t kBlockQueries = 64;
-constexpr int64_t kStretchBytes = 1 << 20;
+// The backward's blocks: a block's selections and rows at most this many floats (16 MiB a
+// thread), at most kBlockQueries queries, and a key stretch's rows (see walk) of kStretchBytes.
+// It keeps no buffer per pair, so a block holds many queries: the more of them read each row of
+// a stretch while the core's cache holds it, the fewer times the row comes from memory.
+constexpr int64_t kBlockEntries = 1 << 22;
+constexpr int64_t kBlockQueries = 1024;
+constexpr int64_t kStretchBytes = 1 << 19;
 // The forward's blocks: the more queries a block holds, the more of them read each row of a
 // stretch while the core's cache holds it (each selects a few of the stretch's keys, at random),
 // up to where their own rows and accumulators crowd the stretch's rows out; 4 MiB a thread.
 constexpr int64_t kForwardEntries = 1 << 20;
 constexpr int64_t kForwardQueries = 512;
 constexpr int64_t kForwardStretchBytes = 1 << 19;
-// Selected rows the backward fetches ahead of the one being read (their addresses are data: the hardware's
-// prefetchers cannot guess them).
-constexpr int64_t kAhead = 16;
 
 inline float hsum(const Vec& x) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -109,18 +107,6 @@ inline void add_scaled(float* out, float w, const X* x, int64_t d) {
   for (; e < d; ++e) out[e] += w * float(x[e]);
 }
 
-template <typename X>
-inline void fetch_row(const X* row, int64_t d, bool write = false) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < d * int64_t(sizeof(X)); off += 64) {
-    if (write) {
-      __builtin_prefetch(p + off, 1, 3);
-    } else {
-      __builtin_prefetch(p + off, 0, 3);
-    }
-  }
-}
-
 // What a call is: its sizes, and the masks ANDed with the selection (bands and a key table),
 // read at each pair.
 struct Gather {
@@ -175,36 +161,7 @@ struct Gather {
     if (softcap <= 0.0f) return s;
     return Vec(softcap) * (s * Vec(1.0f / softcap)).tanh();
   }
-
-  // Natural-log scores from raw = scale * q . k, in place.
-  void cap(float* s, int64_t n) const {
-    if (softcap <= 0.0f) return;
-    const Vec c(softcap), inv(1.0f / softcap);
-    int64_t e = 0;
-    for (; e + Vec::size() <= n; e += Vec::size()) {
-      (c * (Vec::loadu(s + e) * inv).tanh()).store(s + e);
-    }
-    for (; e < n; ++e) s[e] = softcap * std::tanh(s[e] / softcap);
-  }
 };
-
-// exp(s - top) in place over n scores; their sum.
-inline float exp_sum(float* s, int64_t n, float top) {
-  const Vec m(top);
-  Vec total(0.0f);
-  int64_t e = 0;
-  for (; e + Vec::size() <= n; e += Vec::size()) {
-    const Vec p = (Vec::loadu(s + e) - m).exp();
-    p.store(s + e);
-    total = total + p;
-  }
-  float sum = hsum(total);
-  for (; e < n; ++e) {
-    s[e] = std::exp(s[e] - top);
-    sum += s[e];
-  }
-  return sum;
-}
 
 // One block of queries' selections: per query its visible keys, their count, and how far a
 // walk over them has come.

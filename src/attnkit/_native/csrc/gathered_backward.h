@@ -13,202 +13,135 @@
 namespace attnkit {
 namespace {
 
-// The products walk each query's pairs in pieces of kPiece keys, and every head of a gathered
-// head takes a piece before the next piece: its rows are read from memory for the first head
-// and from the core's nearest cache for the others.
-constexpr int64_t kPiece = 64;
-
-// One block of queries' buffers (of one gathered head): per query its visible keys, per
-// (query, head) its scores (then weights) and its scaled query row.
-struct Block {
-  Selected sel;
-  std::vector<float> s, qs;
-  Block(const Gather& g, int64_t nq) : sel(nq, g.W), s(nq * g.G * g.W), qs(nq * g.G * g.Dk) {}
-};
-
-// Queries per block: at most kBlockQueries, their scores within kBlockEntries floats.
-int64_t block_queries(const Gather& g) {
-  return std::clamp<int64_t>(kBlockEntries / std::max<int64_t>(1, g.G * g.W), 1, kBlockQueries);
-}
-
-// The products of query i's rows (one a head: `rows` holds (query, head) rows of d elements)
-// with its selected rows m0:m1 of `base`: out[(i G + h) W + m] = rows_ih . base_idx[m]. The
-// scores (q scaled, k), or dO . v. Rows of VD vectors, a constant where the instantiation
-// fixes it (0: any length). No prefetching: within a stretch most rows are already in the
-// core's cache, and fetching each row's lines ahead cost more instructions than it saved.
-template <int VD, typename X>
-void dots_run(const Gather& g, const Block& blk, const float* rows, int64_t d, const X* base,
-              float* out, int64_t i, int64_t m0, int64_t m1) {
-  const int64_t G = g.G, W = g.W;
-  const int32_t* idx = blk.sel.idx.data() + i * W;
-  for (int64_t p0 = m0; p0 < m1; p0 += kPiece) {
-    const int64_t p1 = std::min(p0 + kPiece, m1);
-    for (int64_t h = 0; h < G; ++h) {
-      const float* q = rows + (i * G + h) * d;
-      float* o = out + (i * G + h) * W;
-      int64_t m = p0;
-      if constexpr (VD > 0) {
-        Vec qv[VD];
-        for (int v = 0; v < VD; ++v) qv[v] = Vec::loadu(q + v * kLanes);
-        for (; m + kLanes <= p1; m += kLanes) {
-          Vec part[kLanes];
-          for (int u = 0; u < kLanes; ++u) {
-            const X* row = base + idx[m + u] * d;
-            Vec acc = load_as<float>(row) * qv[0];
-            for (int v = 1; v < VD; ++v) {
-              acc = at::vec::fmadd(load_as<float>(row + v * kLanes), qv[v], acc);
-            }
-            part[u] = acc;
-          }
-          sums(part).store(o + m);
-        }
-      }
-      for (; m < p1; ++m) {
-        o[m] = dot(q, base + idx[m] * d, d);
-      }
-    }
-  }
-}
-
 struct Grads {
   const float *dout = nullptr, *lse = nullptr, *delta = nullptr;
   float* dq = nullptr;
 };
 
-// A block of queries' buffers beyond the forward's: per (query, head) the weights p, the
-// products dO . v then the scores' gradients ds, dO's row and dq's.
+// One block of queries of one gathered head: per query its visible keys; per (query, head) its
+// scaled query row, dO's row, dq's sum, its log-sum-exp and delta.
 struct BackBlock {
-  Block blk;
-  std::vector<float> p, ds, dout, dq;
+  Selected sel;
+  std::vector<float> qs, dout, dq, lse, delta;
   BackBlock(const Gather& g, int64_t nq)
-      : blk(g, nq),
-        p(nq * g.G * g.W),
-        ds(nq * g.G * g.W),
+      : sel(nq, g.W),
+        qs(nq * g.G * g.Dk),
         dout(nq * g.G * g.Dv),
-        dq(nq * g.G * g.Dk) {}
+        dq(nq * g.G * g.Dk),
+        lse(nq * g.G),
+        delta(nq * g.G) {}
 };
 
-// Query i's pairs m0:m1 (every head): dq_ih += ds k_j, dk_j += ds qs_ih, dv_j += p dO_ih.
+// Queries per block: at most kBlockQueries, their selections and rows within kBlockEntries
+// floats.
+int64_t block_queries(const Gather& g) {
+  const int64_t per = g.W + g.G * (2 * g.Dk + g.Dv + 2);
+  return std::clamp<int64_t>(kBlockEntries / std::max<int64_t>(1, per), 1, kBlockQueries);
+}
+
+// One (query, head)'s gradients from n (<= kLanes) pairs, their weights p and scores'
+// gradients ds: dq += ds_u k_u, dk_u += ds_u qs, dv_u += p_u dO. The key rows were just read
+// for the scores: they come from the first-level cache.
 template <int VK, int VV, typename X>
-void grad_run(const Gather& g, BackBlock& bb, const X* kb, float* dk, float* dv, int64_t i,
-              int64_t m0, int64_t m1) {
-  const int64_t G = g.G, W = g.W, Dk = g.Dk, Dv = g.Dv, n = bb.blk.sel.count[i];
-  const int32_t* idx = bb.blk.sel.idx.data() + i * W;
-  for (int64_t p0 = m0; p0 < m1; p0 += kPiece) {
-    const int64_t p1 = std::min(p0 + kPiece, m1);
-    for (int64_t h = 0; h < G; ++h) {
-      const int64_t ih = i * G + h;
-      const float* qs = bb.blk.qs.data() + ih * Dk;
-      const float* dout = bb.dout.data() + ih * Dv;
-      const float* ds = bb.ds.data() + ih * W;
-      const float* p = bb.p.data() + ih * W;
-      float* dq = bb.dq.data() + ih * Dk;
-      if constexpr (VK > 0 && VV > 0) {
-        Vec qv[VK], dqv[VK], ov[VV];
-        for (int e = 0; e < VK; ++e) qv[e] = Vec::loadu(qs + e * kLanes);
-        for (int e = 0; e < VK; ++e) dqv[e] = Vec::loadu(dq + e * kLanes);
-        for (int e = 0; e < VV; ++e) ov[e] = Vec::loadu(dout + e * kLanes);
-        for (int64_t m = p0; m < p1; ++m) {
-          if (h == 0 && m + kAhead < n) {
-            const int64_t ahead = idx[m + kAhead];
-            fetch_row(kb + ahead * Dk, Dk);
-            fetch_row(dk + ahead * Dk, Dk, true);
-            fetch_row(dv + ahead * Dv, Dv, true);
-          }
-          const int64_t j = idx[m];
-          const Vec w(ds[m]), pw(p[m]);
-          const X* krow = kb + j * Dk;
-          float* dkrow = dk + j * Dk;
-          float* dvrow = dv + j * Dv;
-          for (int e = 0; e < VK; ++e) {
-            dqv[e] = at::vec::fmadd(load_as<float>(krow + e * kLanes), w, dqv[e]);
-            at::vec::fmadd(qv[e], w, Vec::loadu(dkrow + e * kLanes)).store(dkrow + e * kLanes);
-          }
-          for (int e = 0; e < VV; ++e) {
-            at::vec::fmadd(ov[e], pw, Vec::loadu(dvrow + e * kLanes)).store(dvrow + e * kLanes);
-          }
-        }
-        for (int e = 0; e < VK; ++e) dqv[e].store(dq + e * kLanes);
-      } else {
-        for (int64_t m = p0; m < p1; ++m) {
-          const int64_t j = idx[m];
-          add_scaled(dq, ds[m], kb + j * Dk, Dk);
-          add_scaled(dk + j * Dk, ds[m], qs, Dk);
-          add_scaled(dv + j * Dv, p[m], dout, Dv);
-        }
+inline void piece_grads(const Gather& g, float* dq, const float* qs, const float* dout,
+                        const float* p, const float* ds, const X* const* kr, float* const* dkr,
+                        float* const* dvr, int64_t n) {
+  if constexpr (VK > 0 && VV > 0) {
+    Vec dqv[VK], qv[VK], ov[VV];
+    for (int e = 0; e < VK; ++e) {
+      dqv[e] = Vec::loadu(dq + e * kLanes);
+      qv[e] = Vec::loadu(qs + e * kLanes);
+    }
+    for (int e = 0; e < VV; ++e) ov[e] = Vec::loadu(dout + e * kLanes);
+    for (int64_t u = 0; u < n; ++u) {
+      const Vec w(ds[u]), pu(p[u]);
+      for (int e = 0; e < VK; ++e) {
+        dqv[e] = at::vec::fmadd(load_as<float>(kr[u] + e * kLanes), w, dqv[e]);
+        at::vec::fmadd(qv[e], w, Vec::loadu(dkr[u] + e * kLanes)).store(dkr[u] + e * kLanes);
       }
+      for (int e = 0; e < VV; ++e) {
+        at::vec::fmadd(ov[e], pu, Vec::loadu(dvr[u] + e * kLanes)).store(dvr[u] + e * kLanes);
+      }
+    }
+    for (int e = 0; e < VK; ++e) dqv[e].store(dq + e * kLanes);
+  } else {
+    for (int64_t u = 0; u < n; ++u) {
+      add_scaled(dq, ds[u], kr[u], g.Dk);
+      add_scaled(dkr[u], ds[u], qs, g.Dk);
+      add_scaled(dvr[u], p[u], dout, g.Dv);
     }
   }
 }
 
-// The scores' gradients of one (query, head) from its weights p, its products dp = dO . v (in
-// ds, replaced) and its capped scores s: ds = p (dp - delta), times the cap's derivative.
-inline void score_grads(const Gather& g, const float* s, const float* p, float* ds, int64_t n,
-                        float delta) {
-  const Vec dv(delta), one(1.0f), inv(g.softcap > 0.0f ? 1.0f / g.softcap : 0.0f);
-  int64_t m = 0;
-  for (; m + kLanes <= n; m += kLanes) {
-    Vec d = Vec::loadu(p + m) * (Vec::loadu(ds + m) - dv);
-    if (g.softcap > 0.0f) {
-      const Vec th = Vec::loadu(s + m) * inv;
-      d = d * (one - th * th);
-    }
-    d.store(ds + m);
+// Query i's entries e:e+n (0 < n <= kLanes) with every head of the block's gathered head, in one
+// pass: the scores and dO . v (one vector of kLanes each), the weights p = exp(s - lse) and
+// ds = p (dp - delta) (times the cap's derivative), then the gradients. Lanes past n read entry
+// e's rows and get weight 0.
+template <int VK, int VV, typename X>
+void backward_piece(const Gather& g, BackBlock& bb, const X* kb, const X* vb, float* dk,
+                    float* dv, int64_t i, int64_t e, int64_t n) {
+  const int32_t* idx = bb.sel.idx.data() + i * g.W + e;
+  const X* kr[kLanes];
+  const X* vr[kLanes];
+  float* dkr[kLanes];
+  float* dvr[kLanes];
+  for (int u = 0; u < kLanes; ++u) {
+    const int64_t j = idx[u < n ? u : 0];
+    kr[u] = kb + j * g.Dk;
+    vr[u] = vb + j * g.Dv;
+    dkr[u] = dk + j * g.Dk;
+    dvr[u] = dv + j * g.Dv;
   }
-  for (; m < n; ++m) {
-    float d = p[m] * (ds[m] - delta);
+  alignas(64) float p[kLanes], ds[kLanes];
+  for (int64_t h = 0; h < g.G; ++h) {
+    const int64_t ih = i * g.G + h;
+    const float* qs = bb.qs.data() + ih * g.Dk;
+    const float* dout = bb.dout.data() + ih * g.Dv;
+    const Vec s = g.cap(piece_scores<VK>(qs, kr, 0, g.Dk));
+    const Vec dp = piece_scores<VV>(dout, vr, 0, g.Dv);
+    Vec pv = (s - Vec(bb.lse[ih])).exp();
+    if (n < kLanes) pv = Vec::set(Vec(0.0f), pv, n);
+    Vec d = pv * (dp - Vec(bb.delta[ih]));
     if (g.softcap > 0.0f) {
-      const float th = s[m] / g.softcap;
-      d *= 1.0f - th * th;
+      const Vec th = s * Vec(1.0f / g.softcap);
+      d = d * (Vec(1.0f) - th * th);
     }
-    ds[m] = d;
+    pv.store(p);
+    d.store(ds);
+    piece_grads<VK, VV>(g, bb.dq.data() + ih * g.Dk, qs, dout, p, ds, kr, dkr, dvr, n);
   }
 }
 
 // The gradients of queries t0:t0+nq of gathered head c of batch row b: dq written, dk and dv
-// (the key/value head's (Tk, D) rows) added to; in the forward's phases, stretch by stretch.
+// (the key/value head's (Tk, D) rows) added to; the pairs walked stretch by stretch as the
+// forward walks them, each query's keys of the stretch in pieces of kLanes.
 template <int VK, int VV, typename X>
 void backward_block(const Gather& g, const Grads& a, const float* q, const X* k, const X* v,
                     int64_t b, int64_t c, int64_t t0, int64_t nq, int64_t span, float* dk,
                     float* dv, BackBlock& bb) {
   const int64_t G = g.G, W = g.W, Dk = g.Dk, Dv = g.Dv;
-  Block& blk = bb.blk;
   const int64_t kv = b * g.Hkv + g.kv_head(c);
   const X* kb = k + kv * g.Tk * Dk;
   const X* vb = v + kv * g.Tk * Dv;
   auto row_of = [&](int64_t i, int64_t h) { return (b * g.H + c * G + h) * g.Tq + t0 + i; };
   for (int64_t i = 0; i < nq; ++i) {
-    blk.sel.count[i] = g.visible(b, c, t0 + i, blk.sel.idx.data() + i * W);
+    bb.sel.count[i] = g.visible(b, c, t0 + i, bb.sel.idx.data() + i * W);
     for (int64_t h = 0; h < G; ++h) {
       const int64_t r = row_of(i, h), ih = i * G + h;
-      for (int64_t e = 0; e < Dk; ++e) blk.qs[ih * Dk + e] = q[r * Dk + e] * g.scale;
+      for (int64_t e = 0; e < Dk; ++e) bb.qs[ih * Dk + e] = q[r * Dk + e] * g.scale;
       std::copy(a.dout + r * Dv, a.dout + (r + 1) * Dv, bb.dout.data() + ih * Dv);
-    }
-  }
-  walk(blk.sel, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
-    dots_run<VK>(g, blk, blk.qs.data(), Dk, kb, blk.s.data(), i, m0, m1);
-    return m1;
-  });
-  walk(blk.sel, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
-    dots_run<VV>(g, blk, bb.dout.data(), Dv, vb, bb.ds.data(), i, m0, m1);
-    return m1;
-  });
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t h = 0; h < G; ++h) {
-      const int64_t n = blk.sel.count[i], ih = i * G + h;
-      float* s = blk.s.data() + ih * W;
-      float* p = bb.p.data() + ih * W;
-      g.cap(s, n);
-      std::copy(s, s + n, p);
-      // (a row with no key has lse -inf and no pair: nothing to weigh)
-      if (n) exp_sum(p, n, a.lse[row_of(i, h)]);
-      score_grads(g, s, p, bb.ds.data() + ih * W, n, a.delta[row_of(i, h)]);
+      bb.lse[ih] = a.lse[r];
+      bb.delta[ih] = a.delta[r];
     }
   }
   std::fill(bb.dq.begin(), bb.dq.begin() + nq * G * Dk, 0.0f);
-  walk(blk.sel, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
-    grad_run<VK, VV>(g, bb, kb, dk, dv, i, m0, m1);
-    return m1;
+  walk(bb.sel, nq, g.Tk, span, [&](int64_t i, int64_t m0, int64_t m1) {
+    const int64_t n = bb.sel.count[i];
+    int64_t m = m0;
+    for (; m < m1; m += kLanes) {
+      backward_piece<VK, VV>(g, bb, kb, vb, dk, dv, i, m, std::min<int64_t>(kLanes, n - m));
+    }
+    return std::min(m, n);
   });
   for (int64_t i = 0; i < nq; ++i) {
     for (int64_t h = 0; h < G; ++h) {
@@ -235,9 +168,9 @@ void run_backward(const Gather& g, const Held& t, const Grads& a, at::Tensor& dk
   float* dkp = dk.data_ptr<float>();
   float* dvp = dv.data_ptr<float>();
   const int64_t nq = block_queries(g);
-  // A stretch's rows of k, dk and dv fill about half the core's own cache.
-  const int64_t row = g.Dk * int64_t(sizeof(X)) + (g.Dk + g.Dv) * int64_t(sizeof(float));
-  const int64_t span = std::max<int64_t>(kPiece, kStretchBytes / row);
+  // A stretch's rows of k, v, dk and dv fill about half the core's own cache.
+  const int64_t row = (g.Dk + g.Dv) * int64_t(sizeof(X) + sizeof(float));
+  const int64_t span = std::max<int64_t>(kLanes, kStretchBytes / row);
   const int64_t per = g.C / g.Hkv;  // gathered heads per key/value head
   std::atomic<int64_t> next{0};
   const int64_t items = heads * parts;
