@@ -563,3 +563,50 @@ def test_a_latent_cache_refuses_a_dtype_it_cannot_hold_latents_in() -> None:
                 LatentCache(B, 8, LATENT_DV, D - LATENT_DV, dtype=dtype)
         x = decode.inputs(1, gen)
         assert torch.equal(decode.step(cache, *x), decode.step(twin, *x))
+
+
+@pytest.mark.parametrize("how", ROUND_TRIPS)
+@pytest.mark.parametrize(
+    "kind", ["mha-int8", "mha-paged-float8", "mha-streaming", "decoder", "mla-kv-float8",
+             "mla-paged", "mla-latent"],
+)  # fmt: skip
+def test_a_module_and_its_cache_copied_mid_generation_decode_as_the_originals(
+    kind: str, how: str
+) -> None:
+    torch.manual_seed(0)
+    x = randn(2, 9, WIDTH, gen=torch.Generator().manual_seed(1))
+    memory = randn(2, 4, WIDTH, gen=torch.Generator().manual_seed(2))
+    m: nn.Module
+    if kind.startswith("mla"):
+        m = _module("mla").eval()
+        make = {
+            "mla-kv-float8": lambda: m.make_kv_cache(2, 16, kv_dtype=F8),
+            "mla-paged": lambda: m.make_paged_cache(8, 4, max_seqs=2),
+            "mla-latent": lambda: m.make_cache(2, 16),
+        }[kind]
+    elif kind == "decoder":
+        m = attnkit.TransformerDecoderLayer(
+            WIDTH, 4, dropout=0.0, rotary=attnkit.RotaryEmbedding(4)
+        )
+        make = lambda: KVCache(2, 16, 4, 4)  # noqa: E731
+    else:
+        m = _module("mha-rotary").eval()
+        make = {
+            "mha-int8": lambda: m.make_cache(2, 16, kv_dtype=torch.int8),
+            "mha-paged-float8": lambda: m.make_paged_cache(8, 4, max_seqs=2, kv_dtype=F8),
+            "mha-streaming": lambda: StreamingKVCache(2, 4, 4, sink_tokens=2, window=3),
+        }[kind]
+    m.eval()
+
+    def call(module: nn.Module, cache: Any, tokens: Tensor) -> Tensor:
+        if kind == "decoder":
+            return module(tokens, memory, cache=cache)
+        return module(tokens, causal=True, cache=cache)
+
+    with torch.no_grad():
+        cache = make()
+        call(m, cache, x[:, :5])
+        m2, cache2 = round_trip((m, cache), how)
+        for i in range(5, 9):
+            token = x[:, i : i + 1]
+            assert torch.equal(call(m2, cache2, token), call(m, cache, token)), i
