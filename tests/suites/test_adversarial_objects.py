@@ -610,3 +610,45 @@ def test_a_module_and_its_cache_copied_mid_generation_decode_as_the_originals(
         for i in range(5, 9):
             token = x[:, i : i + 1]
             assert torch.equal(call(m2, cache2, token), call(m, cache, token)), i
+
+
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, F8])
+def test_a_paged_cache_materialised_off_the_meta_device_is_an_empty_pool(
+    kv_dtype: torch.dtype | None, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A model built on the meta device and materialised with to_empty() takes its paged cache
+    # along: the block table and a float8 pool's page scales kept whatever memory to_empty()
+    # gave (here 7s), where a new pool holds -1 past each row's pages and scales of 1; vLLM's
+    # write() into a page no sequence holds then quantized with that scale.
+    full_like = torch.full_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: full_like(t, 7, **kw))
+    kw: dict[str, Any] = {"max_seqs": B, "kv_dtype": kv_dtype, "layout": layout}
+    with torch.device("meta"):
+        built = PagedKVCache(8, 4, HKV, D, **kw)
+    built.to_empty(device="cpu")
+    moved = PagedKVCache(8, 4, HKV, D, **kw).to("meta").to_empty(device="cpu")
+    monkeypatch.undo()
+    new = PagedKVCache(8, 4, HKV, D, **kw)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in (5, 1):
+            q, k, v = (randn(B, h, t, D, gen=gen) for h in (H, HKV, HKV))
+            want = new.attention(q, k, v, causal=True)[0]
+            for cache in (built, moved):
+                assert torch.equal(cache.attention(q, k, v, causal=True)[0], want)
+                cache.commit()
+            new.commit()
+        k, v = (randn(2, HKV, D, gen=gen) for _ in "kv")
+        slots = torch.tensor([7 * 4, 7 * 4 + 1])  # page 7: no sequence holds it
+        new.write(k, v, slots)
+        for cache in (built, moved):
+            cache.write(k, v, slots)
+            assert torch.equal(cache.block_table, new.block_table)
+            for got, want in zip(cache.token_major(), new.token_major(), strict=True):
+                stored = (got[7, :2], want[7, :2])
+                if kv_dtype is not None:
+                    stored = tuple(s.view(torch.uint8) for s in stored)  # type: ignore[assignment]
+                assert torch.equal(*stored)
+            if kv_dtype is not None:
+                assert torch.equal(cache.k_scales[7], new.k_scales[7])
