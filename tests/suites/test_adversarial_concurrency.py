@@ -458,3 +458,64 @@ def test_a_streaming_step_staged_again_before_its_commit_is_dropped_whole(kv_dty
         out = c.attention(_tokens(1, 4, 30), _tokens(1, seed=31), _tokens(1, seed=32))
         seen.append([c.position, *slots, *out, *c.view().dense(torch.float32)])
     assert _same(seen[0], seen[1])
+
+
+def _kept_kv(kv_dtype: torch.dtype | None) -> attnkit.KVCache:
+    cache = attnkit.KVCache(2, 16, 2, 8, kv_dtype=kv_dtype)
+    with torch.no_grad():
+        cache.update(_tokens(9), _tokens(9, seed=1))
+    return cache
+
+
+def _kept_paged(kv_dtype: torch.dtype | None) -> PagedKVCache:
+    cache = PagedKVCache(8, 4, num_kv_heads=2, head_dim=8, max_seqs=2, kv_dtype=kv_dtype)
+    with torch.no_grad():
+        cache.stage(_tokens(9), _tokens(9, seed=1))
+    cache.commit()
+    return cache
+
+
+_KEPT = torch.tensor([[0, 2, 3, 7, 8], [1, 4, 5, 6, 8]])  # per key/value head
+
+
+def _kv_seen(cache: attnkit.KVCache) -> list[object]:
+    with torch.no_grad():
+        return [cache.length, attention(_tokens(1, 4, 3), cache.view())]
+
+
+def _paged_seen(cache: PagedKVCache) -> list[object]:
+    seen: list[object] = [cache.lengths, cache.num_free_pages, cache.block_table.clone()]
+    with torch.no_grad():
+        out = cache.attention(_tokens(1, 4, 3), _tokens(1, seed=5), _tokens(1, seed=6))
+    return [*seen, *out]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=str)
+@pytest.mark.parametrize("kind", ["KVCache", "PagedKVCache"])
+def test_an_interrupted_eviction_leaves_the_cache_as_before_or_as_after(kind, kv_dtype) -> None:
+    # keep() moved the keys, then the values (then an int8 cache's scales), then set the length:
+    # an interrupt between two moves left the keys of the kept tokens beside the values of the
+    # old ones, at the old length, and attention read that mix.
+    if kind == "KVCache":
+        make, seen = _kept_kv, _kv_seen
+        keep: Callable[[Any], None] = lambda c: c.keep(_KEPT.expand(2, 2, 5))  # noqa: E731
+    else:
+        make, seen = _kept_paged, _paged_seen  # type: ignore[assignment]
+        keep = lambda c: c.keep(1, _KEPT)  # noqa: E731
+    before = seen(make(kv_dtype))
+    done = make(kv_dtype)
+    keep(done)
+    after = seen(done)
+    n = 1
+    while True:
+        cache = make(kv_dtype)
+        try:
+            with _InterruptAt(n):
+                keep(cache)
+        except KeyboardInterrupt:
+            got = seen(cache)
+            assert _same(got, before) or _same(got, after), f"interrupted at operation {n}"
+            n += 1
+            continue
+        break
+    assert n > 10

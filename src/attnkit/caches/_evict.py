@@ -15,14 +15,15 @@ Shape letters: ``B`` batch rows, ``Hkv`` key/value heads, ``L`` tokens held, ``K
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from .._base.checks import dtype_str, shape_str
 
-__all__ = ["check_indices", "compact_pages", "compact_rows"]
+__all__ = ["check_indices", "compact_pages", "compact_rows", "run_through"]
 
 
 def check_indices(
@@ -84,28 +85,56 @@ def _check_device(index: Tensor, device: torch.device) -> None:
         )
 
 
-def compact_rows(tensors: Sequence[Tensor], index: Tensor) -> None:
+def run_through(steps: Sequence[Callable[[], object]]) -> None:
+    """Run ``steps`` in order, all of them: once the first has begun, an interrupt (a
+    KeyboardInterrupt lands between any two operations) or another error in one does not stop
+    the rest, which run before it propagates. Each step can run again (a copy from tensors read
+    beforehand, bookkeeping that sets values), so that a move cut short never leaves the keys
+    moved and the values not, or the tokens moved and the lengths not."""
+    done = 0
+    try:
+        for step in steps:
+            step()
+            done += 1
+    except BaseException:
+        for step in steps[done:]:
+            step()
+        raise
+
+
+def compact_rows(tensors: Sequence[Tensor], index: Tensor, then: Callable[[], None]) -> None:
     """Each of ``tensors`` ``(B, Hkv, L, *)`` (keys, values: any trailing sizes) gets, at its
-    first ``K`` positions, its tokens ``index`` ``(B, Hkv, K)`` (sorted, checked)."""
+    first ``K`` positions, its tokens ``index`` ``(B, Hkv, K)`` (sorted, checked); then
+    ``then()`` (the cache's lengths), run through as :func:`run_through` says once the first
+    write began (everything is read before)."""
     k = index.size(-1)
     _check_device(index, tensors[0].device)
+    steps: list[Callable[[], object]] = []
     for t in tensors:
         where = index.to(t.device).reshape(*index.shape, *([1] * (t.ndim - 3)))
         kept = t.gather(2, where.expand(*index.shape, *t.shape[3:]))  # (B, Hkv, K, *): a copy
-        t[:, :, :k].copy_(kept)
+        steps.append(functools.partial(Tensor.copy_, t[:, :, :k], kept))
+    run_through([*steps, then])
 
 
 def compact_pages(
-    tensors: Sequence[Tensor], pages: Sequence[int], index: Tensor, page_size: int
+    tensors: Sequence[Tensor],
+    pages: Sequence[int],
+    index: Tensor,
+    page_size: int,
+    then: Callable[[], None],
 ) -> None:
     """Each of ``tensors`` ``(X, Hkv, page_size, *)`` (a pool's pages, head-major views) gets,
     at a sequence's first ``K`` positions, its tokens ``index`` ``(Hkv, K)`` (sorted, checked);
     token ``t`` of the sequence lies at row ``t % page_size`` of page ``pages[t // page_size]``.
+    Then ``then()`` (the sequence's length and pages), run through as :func:`run_through` says
+    once the first write began (everything is read before).
     """
     heads, k = index.shape
     device = tensors[0].device
     _check_device(index, device)
     if not k:
+        then()
         return
     table = torch.tensor(list(pages), dtype=torch.int64, device=device)
     index = index.to(device)
@@ -113,6 +142,8 @@ def compact_pages(
     src = (table[index // page_size], head, index % page_size)  # each (Hkv, K)
     to = torch.arange(k, device=device)[None, :]  # (1, K): the first K positions
     dst = (table[to // page_size], head, to % page_size)
-    for t in tensors:
-        kept = t[src]  # (Hkv, K, *): a copy, read before anything is written
-        t.index_put_(dst, kept)
+    kept = [t[src] for t in tensors]  # (Hkv, K, *): copies, read before anything is written
+    steps = [
+        functools.partial(Tensor.index_put_, t, dst, x) for t, x in zip(tensors, kept, strict=True)
+    ]
+    run_through([*steps, then])

@@ -304,11 +304,13 @@ class KVCache:
 
         ``K`` is the same for every row and head. Tokens staged and not committed are dropped.
         Everything is checked before anything moves: a refused call leaves the cache as it was.
-        Attention over the cache is then attention over exactly the kept tokens, and the next
-        tokens are appended after them. Keys move as they are stored: a key rotated at its
-        position (RoPE) keeps that rotation, and ``position`` (the offset a module rotates new
-        tokens by) still counts every token of the sequence, while ``length`` counts the kept
-        ones.
+        A call interrupted once the tokens began to move (a KeyboardInterrupt) moves them all and
+        sets ``length`` before the interrupt goes on: the cache is as after the call, never
+        its keys moved and its values not. Attention over the cache is then attention over
+        exactly the kept tokens, and the next tokens are appended after them. Keys move as they
+        are stored: a key rotated at its position (RoPE) keeps that rotation, and ``position``
+        (the offset a module rotates new tokens by) still counts every token of the sequence,
+        while ``length`` counts the kept ones.
 
         >>> cache = KVCache(batch_size=1, max_len=8, num_kv_heads=2, head_dim=1)
         >>> k = torch.arange(5.0).expand(1, 2, 5).unsqueeze(-1)  # tokens 0..4, their own value
@@ -327,9 +329,12 @@ class KVCache:
         if self.kv_dtype == torch.int8 and self.k_scale is not None and self.v_scale is not None:
             # a scale a token moves with it (once, where the values' are the keys')
             moved += [self.k_scale] if self.values_in_keys else [self.k_scale, self.v_scale]
-        compact_rows(moved, index)
-        self.length = index.size(-1)
-        self._staged = 0
+
+        def held() -> None:
+            self.length = index.size(-1)
+            self._staged = 0
+
+        compact_rows(moved, index, held)  # (an interrupt once it writes: it completes first)
 
     def reset(self) -> None:
         """Forget every token (the memory stays allocated)."""

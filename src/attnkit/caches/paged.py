@@ -332,7 +332,6 @@ class PagedKVCache(nn.Module):
             self.k_scales.fill_(1.0)
             self.v_scales.fill_(1.0)
 
-
     def __getstate__(self) -> dict[str, Any]:
         """What ``pickle``, ``copy`` and ``torch.save`` store: float8 pages as their bytes (torch
         cannot unpickle a float8 tensor), and of a ``values_in_keys`` pool the values' width
@@ -512,8 +511,8 @@ class PagedKVCache(nn.Module):
         keep = self._used(tokens)
         extra = self._pages[b][keep:]
         if extra:
-            del self._pages[b][keep:]
-            self._free.extend(reversed(extra))
+            # (the tensors first, the lists last: cut short by an interrupt, the same call again
+            # finds the pages still the row's, and returns them)
             self.block_table[b, keep : keep + len(extra)] = -1
             if self.kv_dtype in FLOAT8 and self.k_scales is not None:
                 # a page back in the pool holds no sequence's scale: write() quantizes into it
@@ -522,6 +521,8 @@ class PagedKVCache(nn.Module):
                 self.k_scales[at] = 1.0
                 if self.v_scales is not None and not self.values_in_keys:
                     self.v_scales[at] = 1.0
+            del self._pages[b][keep:]
+            self._free.extend(reversed(extra))
 
     @shape_checked
     @_between_graphs
@@ -727,11 +728,13 @@ class PagedKVCache(nn.Module):
 
         ``K`` is the same for every head. Any uncommitted stage is dropped, as :meth:`free`
         drops it. Everything is checked before anything moves: a refused call leaves the pages,
-        the block table and the lengths as they were. Attention over the sequence is then
-        attention over exactly the kept tokens, and its next tokens are appended after them.
-        Keys move as they are stored: a key rotated at its position (RoPE) keeps that rotation,
-        and ``positions[seq]`` (the offset a module rotates new tokens by) still counts every
-        token of the sequence, while ``lengths[seq]`` counts the kept ones.
+        the block table and the lengths as they were; a call interrupted once the tokens began
+        to move (a KeyboardInterrupt) completes first, leaving the cache as after the call.
+        Attention over the sequence is then attention over exactly the kept tokens, and its next
+        tokens are appended after them. Keys move as they are stored: a key rotated at its
+        position (RoPE) keeps that rotation, and ``positions[seq]`` (the offset a module rotates
+        new tokens by) still counts every token of the sequence, while ``lengths[seq]`` counts
+        the kept ones.
 
         >>> cache = PagedKVCache(num_blocks=4, page_size=2, num_kv_heads=1, head_dim=1, max_seqs=1)
         >>> k = torch.arange(5.0).view(1, 1, 5, 1)  # tokens 0..4, their own value
@@ -756,9 +759,13 @@ class PagedKVCache(nn.Module):
         if self.kv_dtype == torch.int8 and self.k_scales is not None and self.v_scales is not None:
             # a scale a token moves with it (once, where the values' are the keys')
             moved += [self.k_scales] if self.values_in_keys else [self.k_scales, self.v_scales]
-        compact_pages(moved, self._pages[b], index, self.page_size)
-        self.lengths[b] = index.size(-1)
-        self._trim(b, self.lengths[b])
+
+        def held() -> None:
+            self.lengths[b] = index.size(-1)
+            self._trim(b, self.lengths[b])
+
+        # (an interrupt once it writes: it completes first)
+        compact_pages(moved, self._pages[b], index, self.page_size, held)
 
     @_between_graphs
     def reset(self) -> None:
