@@ -41,9 +41,9 @@ constexpr int64_t kBlockQueries = 1024;
 constexpr int64_t kStretchBytes = 1 << 19;
 // The forward's blocks: the more queries a block holds, the more of them read each row of a
 // stretch while the core's cache holds it (each selects a few of the stretch's keys, at random),
-// up to where their own rows and accumulators crowd the stretch's rows out; 4 MiB a thread.
-constexpr int64_t kForwardEntries = 1 << 20;
-constexpr int64_t kForwardQueries = 512;
+// up to where their own rows and accumulators crowd the stretch's rows out; 16 MiB a thread.
+constexpr int64_t kForwardEntries = 1 << 22;
+constexpr int64_t kForwardQueries = 1024;
 constexpr int64_t kForwardStretchBytes = 1 << 19;
 
 inline float hsum(const Vec& x) {
