@@ -652,3 +652,42 @@ def test_a_paged_cache_materialised_off_the_meta_device_is_an_empty_pool(
                 assert torch.equal(*stored)
             if kv_dtype is not None:
                 assert torch.equal(cache.k_scales[7], new.k_scales[7])
+
+
+@pytest.mark.parametrize("name", ["relative", "relative-espnet", "conformer", "relative-position"])
+def test_torch_func_transforms_through_a_module_leave_nothing_of_theirs_in_it(name: str) -> None:
+    # The relative position embedding keeps its tables of encodings (and, without gradients,
+    # its last projection) between calls. Made inside torch.func.grad or vmap, they were the
+    # transform's wrapper tensors, kept after it returned: copy.deepcopy and pickle of the module
+    # then failed ("Cannot access storage of TensorWrapper"). A table of 32 distances or more,
+    # made by an autograd.Function without torch.func's rules, was refused by every transform.
+    torch.manual_seed(0)
+    m = _module(name, dtype=F64).eval()
+    with torch.no_grad():
+        want = _run(name, copy.deepcopy(m))
+    params = {k: p.detach() for k, p in m.named_parameters()}
+    args, kwargs = _inputs(name)
+
+    def loss(p: dict[str, Tensor]) -> Tensor:
+        return torch.func.functional_call(m, p, args, kwargs).square().sum()
+
+    grads = torch.func.grad(loss)(params)
+    loss(dict(m.named_parameters())).backward()
+    for key, p in m.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[key], p.grad, rtol=1e-12, atol=1e-12, msg=key)
+    if name == "relative-position":  # distances enough for the mirrored table, too
+        table = torch.func.grad(
+            lambda p: torch.func.functional_call(m, p, (40, -40)).square().sum()
+        )(params)
+        m.zero_grad()
+        m(40, -40).square().sum().backward()
+        torch.testing.assert_close(table["weight"], m.weight.grad, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        if name == "relative-position":  # (the attention modules' score term reads values)
+            stacked = {k: torch.stack([p, 2 * p]) for k, p in params.items()}
+            twice = torch.func.vmap(lambda p: torch.func.functional_call(m, p, args))(stacked)
+            torch.testing.assert_close(twice[1], 2 * want, rtol=1e-12, atol=1e-12)
+        for how in ROUND_TRIPS:
+            assert torch.equal(_run(name, round_trip(m, how)), want), how
+        assert torch.equal(_run(name, m), want)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from .._base.checks import check_float_tensor, check_int, check_probability
 from .._base.shapes import Float, Int, shape_checked
+from .._base.transforms import transforms_active
 from ..scores import DistanceBias
 from . import _relpos
 
@@ -307,8 +308,10 @@ class RelativePositionEmbedding(nn.Module):
     def forward(self, top: int, bottom: int) -> Float[Tensor, "P D"]:
         """``(top - bottom + 1, d_model)``: ``W_r r(d)`` for ``d = top, top - 1, ..., bottom``
         (legacy: the toolkit's table of ``top + 1`` frames, projected)."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or transforms_active():
             # Traced lengths stay symbolic: int() or a comparison would fix them to the example's.
+            # Under torch.func's transforms the weight is a wrapper: a projection kept from it
+            # would outlive the transform.
             return self._project(top, bottom)
         top, bottom = int(top), int(bottom)
         if top < bottom:
@@ -337,6 +340,7 @@ class RelativePositionEmbedding(nn.Module):
         mirrored = (
             not self.legacy
             and not torch.compiler.is_compiling()
+            and not transforms_active()  # (its autograd.Function has no rule for torch.func)
             and min(top, -bottom) >= self._MIRROR_ROWS
             and not _autocast_on(weight)
         )
@@ -353,9 +357,11 @@ class RelativePositionEmbedding(nn.Module):
         ``weight``'s dtype."""
         weight = self.weight
         frames = top + 1
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or transforms_active():
             # Tracing: a table cached across calls would be a fake tensor left behind after
-            # export, and its size a guard on the traced lengths; make exactly the rows needed.
+            # export, and its size a guard on the traced lengths; under torch.func's transforms,
+            # one of the transform's wrappers, left behind after it returns (and a module that
+            # copy.deepcopy and pickle refuse). Make exactly the rows needed.
             if self.legacy:
                 return self._table(frames, weight.device).to(weight.device, weight.dtype)
             distances = torch.arange(top, bottom - 1, -1, device=weight.device)
