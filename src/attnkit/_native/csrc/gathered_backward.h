@@ -32,11 +32,12 @@ struct BackBlock {
         delta(nq * g.G) {}
 };
 
-// Queries per block: at most kBlockQueries, their selections and rows within kBlockEntries
-// floats.
+// Queries per block: at most kBlockQueries (and the call's queries), their selections and rows
+// within kBlockEntries floats.
 int64_t block_queries(const Gather& g) {
   const int64_t per = g.W + g.G * (2 * g.Dk + g.Dv + 2);
-  return std::clamp<int64_t>(kBlockEntries / std::max<int64_t>(1, per), 1, kBlockQueries);
+  const int64_t most = std::clamp<int64_t>(g.Tq, 1, kBlockQueries);
+  return std::clamp<int64_t>(kBlockEntries / std::max<int64_t>(1, per), 1, most);
 }
 
 // One (query, head)'s gradients from n (<= kLanes) pairs, their weights p and scores'
