@@ -358,6 +358,10 @@ def test_a_module_copied_saved_or_reloaded_gives_the_same_outputs(name: str) -> 
         built.load_state_dict(m.state_dict(), strict=True)
         assert torch.equal(_run(name, moved), want)
         assert torch.equal(_run(name, built), want)
+        with torch.device("meta"):  # built there, given the checkpoint's tensors themselves
+            assigned = _module(name, dtype=F64)
+        assigned.load_state_dict(m.state_dict(), strict=True, assign=True)
+        assert torch.equal(_run(name, assigned.eval()), want)
         # Other parameters through torch.func.functional_call, and the module's own after.
         other = _module(name, dtype=F64).eval()
         replaced = torch.func.functional_call(m, other.state_dict(), *_inputs(name))

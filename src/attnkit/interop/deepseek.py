@@ -84,11 +84,9 @@ class FrequencyRotary(nn.Module):
         self.scaling = float(scaling)
         freq = inv_freq.detach().to(torch.float64)
         # The frequencies on the host: the buffer is not in state_dict() (transformers' is not),
-        # so a module materialised off the meta device (to_empty()) gets them from here, where
-        # load_state_dict() has none to give.
+        # so a module materialised by to_empty() (off the meta device, or built under
+        # torch.device("meta")) gets them from here, where load_state_dict() has none to give.
         self._frequencies = None if freq.device.type == "meta" else freq.to("cpu", copy=True)
-        if torch.get_default_device().type == "meta":  # built under torch.device("meta")
-            freq = freq.to("meta")
         self.register_buffer("inv_freq", freq, persistent=False)
 
     #: ``forward`` takes a tensor of one offset per row (see RotaryEmbedding's).
@@ -113,21 +111,24 @@ class FrequencyRotary(nn.Module):
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
     def _apply(self, fn: Any, recurse: bool = True) -> FrequencyRotary:
-        # ``module.to(torch.bfloat16)`` would round the frequencies to 8 bits, which turns the
-        # angles at position 4,000 by whole radians: they stay float64, on the new device.
+        # The frequencies are constants, moved and never converted: ``module.to(torch.bfloat16)``
+        # would round them to 8 bits, which turns the angles at position 4,000 by whole
+        # radians. to_empty() leaves a buffer's memory as it finds it (none on meta), so they
+        # are put back from the host's copy, kept as the buffer last held them.
         freq = self.inv_freq
+        if freq.device.type != "meta":
+            self._frequencies = freq.detach().to("cpu", torch.float64, copy=True)
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        if freq.device.type == "meta" and self.inv_freq.device.type != "meta":
-            # off the meta device (to_empty()), where the frequencies had no values
+        if self._frequencies is not None:
             self.reset_parameters()
-        elif self.inv_freq.dtype != torch.float64:
+        elif self.inv_freq.dtype != torch.float64:  # (frequencies given on meta: no values)
             self.inv_freq = freq.to(device=self.inv_freq.device)
         return self
 
     def reset_parameters(self) -> None:
-        """Put the frequencies the module was made with back into ``inv_freq`` (float64, where
-        it lies): what a module built on the meta device runs after ``to_empty()``, which moving
-        it off the meta device does already."""
+        """Put the frequencies back into ``inv_freq`` (float64, where it lies) from the host's
+        copy: what a module built on the meta device runs after ``to_empty()``, which moving
+        it does already."""
         if self._frequencies is not None and self.inv_freq.device.type != "meta":
             # (a copy: the buffer is the module's to change, the host's copy stays as made)
             self.inv_freq = self._frequencies.to(self.inv_freq.device, copy=True)
