@@ -10,6 +10,7 @@ returns, never a hang or a crash.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -521,3 +522,52 @@ def test_an_interrupted_eviction_leaves_the_cache_as_before_or_as_after(kind, kv
             continue
         break
     assert n > 10
+
+
+_FORK_CHILD = """
+import fcntl, os, signal, sys, threading, time
+from attnkit._native import build
+name = build.build_name(build.capability())
+folder = build.cache_dir() / name
+folder.mkdir(parents=True)
+holder = open(folder / "build.lock", "a")  # another builder's lock: load() waits for it
+fcntl.flock(holder, fcntl.LOCK_EX)
+loading = threading.Thread(target=build.load)
+loading.start()
+while not build._LOCK.locked():  # the thread is inside load(), holding its lock
+    time.sleep(0.01)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)
+    print("child", build.load(), build.state().why.split(" s ")[0], flush=True)
+    os._exit(0)
+loading.join()
+_, status = os.waitpid(pid, 0)
+print("status", status, flush=True)
+"""
+
+
+def test_a_process_forked_while_a_thread_loads_the_kernel_can_load_it(tmp_path) -> None:
+    # A thread loading (or building, a minute) the native kernel held the loader's lock when
+    # the main thread forked (a DataLoader's workers): the child's first call waited for a lock
+    # no thread of its own would ever release.
+    from attnkit._native.build import compiler
+
+    if compiler() is None or not hasattr(os, "fork"):
+        pytest.skip("no C++ compiler (load() then returns before it waits) or no fork()")
+    env = {
+        **os.environ,
+        "ATTNKIT_CACHE_DIR": str(tmp_path),
+        "ATTNKIT_BUILD_TIMEOUT": "1",
+        "ATTNKIT_NATIVE": "1",
+    }
+    ran = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", textwrap.dedent(_FORK_CHILD)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    lines = ran.stdout.split("\n")
+    assert "child False waited 1" in lines, ran.stdout + ran.stderr
+    assert "status 0" in lines, ran.stdout + ran.stderr

@@ -283,6 +283,18 @@ _loaded: dict[str, tuple[bool, str]] = {}  # "result": (loaded, why), once tried
 _warned: set[str] = set()
 
 
+def _unlock_in_child() -> None:
+    """After ``fork()``: a lock of its own for the child. A thread of the parent that was
+    loading or building the kernel (for as long as a build takes) held the lock at the fork, and
+    no thread of the child would ever release it: the child's first call waited for ever."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_unlock_in_child)
+
+
 def disabled() -> bool:
     """Whether ``ATTNKIT_NATIVE`` turns the kernel off (0, off, false or no; any other value
     warns once and keeps it on, see :mod:`attnkit._base.env`)."""
