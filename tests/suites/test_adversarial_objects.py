@@ -695,3 +695,25 @@ def test_torch_func_transforms_through_a_module_leave_nothing_of_theirs_in_it(na
         for how in ROUND_TRIPS:
             assert torch.equal(_run(name, round_trip(m, how)), want), how
         assert torch.equal(_run(name, m), want)
+
+
+def test_a_mask_copied_or_pickled_carries_none_of_what_calls_made_of_it() -> None:
+    # A mask keeps copies of its tensors per device it served (and an index mask its sorted
+    # keys): a mask used on a GPU and pickled would name that device and fail to load without
+    # it. Copies and pickles start those empty, and attend as the original.
+    lengths, idx = torch.tensor([5, 3]), torch.randint(0, 6, (2, 1, 6, 3))
+    padding, selected = masks.key_padding(lengths), masks.key_indices(idx)
+    q = torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    meta = q.to("meta")
+    want = {}
+    for name, mask in (("padding", padding), ("selected", selected)):
+        attnkit.attention(meta, meta, meta, mask=mask, backend="reference")
+        want[name] = attnkit.attention(q, q, q, mask=mask, backend="chunked")
+    assert padding._devices  # (what the calls made)
+    assert selected._kept
+    for name, mask in (("padding", padding), ("selected", selected)):
+        for other in (pickle.loads(pickle.dumps(mask)), copy.deepcopy(mask)):
+            assert getattr(other, "_devices", {}) == {}
+            assert getattr(other, "_kept", {}) == {}
+            got = attnkit.attention(q, q, q, mask=other, backend="chunked")
+            torch.testing.assert_close(got, want[name], rtol=0, atol=0)

@@ -131,6 +131,18 @@ class Mask:
     pair, one said ``FULL`` no hidden pair (``PARTIAL`` is always safe).
     """
 
+    #: Attributes holding what calls made of the mask's tensors (copies on other devices, sorted
+    #: selections): a copy or a pickle of the mask starts them empty, so a mask used on a GPU
+    #: and saved loads where that device is absent, and a copy never shares them.
+    _MADE_BY_CALLS: tuple[str, ...] = ("_devices", "_kept")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self._MADE_BY_CALLS:
+            if name in state:
+                state[name] = {}
+        return state
+
     def __and__(self, other: object) -> Mask:
         return _combine("and", self, other)
 
