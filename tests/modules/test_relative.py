@@ -884,3 +884,17 @@ def test_explain_describes_the_call_the_module_makes(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(chunked_module, "kernel_attention", spy)
     m(x, mask=window)
     assert ran == ["chunked"]
+
+
+@pytest.mark.parametrize("t", [5, 24])
+def test_vmap_over_the_module_equals_a_loop_over_examples(t: int) -> None:
+    # torch.func.vmap over a whole module (per-example evaluation): its projections are batched
+    # wrappers without storage, and the call's position term is read for nothing; 5 queries take
+    # the native kernel's decode path, 24 the reference.
+    torch.manual_seed(0)
+    m = RelativeMultiHeadAttention(16, 2).eval().double()
+    x = torch.randn(3, 2, t, 16, dtype=torch.float64)
+    with torch.no_grad():
+        got = torch.vmap(m)(x)
+        want = torch.stack([m(e) for e in x])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -44,10 +44,10 @@ def finite(*tensors: Tensor) -> bool:
     answer = finite_if_readable(*tensors)
     if answer is None:
         raise RuntimeError(
-            "attnkit reads whether q, k and v hold NaN or inf before a call that needs gradients "
-            "(it picks the kernel that follows the non-finite policy), and torch.func.vmap cannot "
-            "read a value: vmap over grad (per-example gradients) runs with backend='reference' "
-            "or backend='sdpa'; grad, vjp and jacrev run on every backend"
+            "attnkit reads whether q, k and v hold NaN or inf before this call (it picks the "
+            "kernel that follows the non-finite policy), and torch.func.vmap cannot read a "
+            "value: vmap (and vmap over grad, per-example gradients) runs with "
+            "backend='reference' or backend='sdpa'; grad, vjp and jacrev run on every backend"
         )
     return answer
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._base.finite import finite
+from .._base.finite import finite, finite_if_readable
 from .._call import AttentionCall
 from .._native import load, loaded, status
 from .._native.kernel import DECODE_QUERIES, fuses
@@ -173,7 +173,8 @@ def choose(
     if is_finite is None and why is None and not wants_grads:
         plan = _decode(mask, geo, groups, term is not None, block_q, block_k)
         if plan is not None:
-            check_term = term is not None and finite(*term_inputs)
+            # (under torch.func.vmap no value can be read: nothing to check it against)
+            check_term = term is not None and finite_if_readable(*term_inputs) is True
             return Choice(plan, None, False, True, check_term, None)
     term_finite: bool | None = None
     zero_offset = None

@@ -52,12 +52,20 @@ def _product(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _check_term(term: ScoreTerm, dense: Tensor, visible: Tensor) -> None:
-    """Raise when the term holds NaN or +inf at a visible pair although its inputs are finite."""
+    """Raise when the term holds NaN or +inf at a visible pair although its inputs are finite
+    (where the values can be read: not under torch.func.vmap)."""
     if torch.compiler.is_compiling() or dense.device.type == "meta":
         return
-    if not all(bool(torch.isfinite(t).all()) for t in term.inputs() if t.is_floating_point()):
-        return  # a NaN the inputs bring spreads like a NaN in q
-    if bool((visible & ~(dense < math.inf)).any()):  # NaN or +inf, where visible
+    try:
+        inputs = [t for t in term.inputs() if t.is_floating_point()]
+        if not all(bool(torch.isfinite(t).all()) for t in inputs):
+            return  # a NaN the inputs bring spreads like a NaN in q
+        bad = bool((visible & ~(dense < math.inf)).any())  # NaN or +inf, where visible
+    except RuntimeError:
+        if not transforms_active():
+            raise
+        return
+    if bad:
         raise term_error(term)
 
 

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from .._base.checks import check_bool, check_input, check_int, check_positive, present, shape_str
 from .._base.hints import torch_keywords
 from .._base.shapes import Bool, Float
+from .._base.transforms import transforms_active
 from ..attention import Explanation, attention, check_backend, explain
 from ..backends.base import Backend
 from ..masks import Geometry, Mask, check_mask, visibility
@@ -410,6 +411,8 @@ class RelativeMultiHeadAttention(nn.Module):
         owned = not (
             q.requires_grad
             or torch.compiler.is_compiling()
+            # torch.func's wrappers have no storage to compare (and may wrap tracked tensors)
+            or transforms_active()
             # a q_proj replaced by one that returns its input (nn.Identity) must not write to it
             or q.untyped_storage().data_ptr() == query.untyped_storage().data_ptr()
         )
