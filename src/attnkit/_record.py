@@ -18,7 +18,9 @@ from ._call import AttentionCall
 
 __all__ = [
     "Dispatch",
+    "begin_call",
     "current",
+    "end_call",
     "note_handover",
     "note_kernel",
     "note_served",
@@ -87,25 +89,56 @@ def recording() -> list[Dispatch] | None:
     return records[-1] if records else None
 
 
+# The record of the call the dispatcher runs in this context, which notes of its kernel and
+# hand-overs go to: not the record's last entry, which a call in another thread that shares the
+# record (asyncio.to_thread copies the context, the record with it) may have appended since.
+_CALL: contextvars.ContextVar[Dispatch | None] = contextvars.ContextVar(
+    "attnkit_dispatch_call", default=None
+)
+
+
+def begin_call(call: AttentionCall, chosen: str) -> contextvars.Token[Dispatch | None] | None:
+    """Where a record is open, append the call that backend ``chosen`` is about to serve, and
+    make it the call that notes go to in this context until :func:`end_call` (the dispatcher
+    does, around ``backend.run``); None where nothing is recorded."""
+    record = recording()
+    if record is None:
+        return None
+    dispatch = Dispatch(call, chosen)
+    record.append(dispatch)
+    return _CALL.set(dispatch)
+
+
+def end_call(token: contextvars.Token[Dispatch | None] | None) -> None:
+    """Undo :func:`begin_call`."""
+    if token is not None:
+        _CALL.reset(token)
+
+
 def current() -> Dispatch | None:
     """The record of the call being dispatched, if one is being recorded (a distributed call
-    keeps it, to add its backward's bytes to :attr:`Dispatch.sent` when that runs)."""
+    keeps it, to add its backward's bytes to :attr:`Dispatch.sent` when that runs): the one
+    :func:`begin_call` made in this context, else (a call served without the dispatcher) the
+    record's last."""
+    noted = _CALL.get()
+    if noted is not None:
+        return noted
     record = recording()
     return record[-1] if record else None
 
 
 def note_kernel(kernel: str) -> None:
     """Record which kernel serves the call being recorded (see :attr:`Dispatch.kernel`)."""
-    record = recording()
-    if record:
-        record[-1].kernel = kernel
+    noted = current()
+    if noted is not None:
+        noted.kernel = kernel
 
 
 def note_handover(source: str, to: str, why: str) -> None:
     """Record that backend ``source`` handed the call being recorded to ``to``, and why."""
-    record = recording()
-    if record:
-        record[-1].handovers.append((source, to, why))
+    noted = current()
+    if noted is not None:
+        noted.handovers.append((source, to, why))
 
 
 def note_served(call: AttentionCall, by: str, kernel: str) -> None:

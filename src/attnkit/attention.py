@@ -44,6 +44,7 @@ from ._base.hints import torch_keywords, warn_torch_convention
 from ._base.quantized import QuantizedKV, check_kv_scales, is_quantized, stand_in
 from ._base.shapes import Bool, Float, Int, shape_checked
 from ._call import AttentionCall, check_attention_args, describe_call
+from ._record import begin_call, end_call
 from ._score_mod import ScoreMod, captured_tensors, check_captured, check_elementwise
 from .backends import builtin_backends, missing_builtins
 from .backends.base import (
@@ -52,11 +53,9 @@ from .backends.base import (
     BackendFn,
     CallCheck,
     CallInputs,
-    Dispatch,
     Output,
     dequantized,
     own_costs,
-    recording,
     registry_of_call,
     restore_registry,
 )
@@ -583,15 +582,14 @@ def dispatch(call: AttentionCall, inputs: CallInputs, backend: str | Backend) ->
         call, inputs = dequantized(call, inputs)
     if torch.compiler.is_compiling():  # a traced call records and hands over nothing
         return chosen.run(call, inputs)
-    record = recording()
-    if record is not None:
-        record.append(Dispatch(call, chosen.name))
+    noted = begin_call(call, chosen.name)  # (recorded where record_dispatch() is open)
     # A hand-over names its target; it is looked up in the registry this call was dispatched from.
     token = registry_of_call(_REGISTRY)
     try:
         return chosen.run(call, inputs)
     finally:
         restore_registry(token)
+        end_call(noted)
 
 
 _MaskArg = Bool[Tensor, "*#mb #Tk"] | Mask | None

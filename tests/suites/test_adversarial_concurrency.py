@@ -571,3 +571,37 @@ def test_a_process_forked_while_a_thread_loads_the_kernel_can_load_it(tmp_path) 
     lines = ran.stdout.split("\n")
     assert "child False waited 1" in lines, ran.stdout + ran.stderr
     assert "status 0" in lines, ran.stdout + ran.stderr
+
+
+def test_calls_in_threads_sharing_one_record_each_get_their_own_kernel() -> None:
+    # asyncio.to_thread() runs a function in a copy of the caller's context, the open record
+    # with it: the kernel a call noted went to the record's last entry, which another thread's
+    # call had appended meanwhile (a reference call recorded as served by the native kernel).
+    import asyncio
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 300, 32, generator=g)
+    p = torch.randn(1, 2, 64, 32, generator=g)
+
+    def chunked() -> torch.Tensor:
+        return attention(q, q, q, softcap=5.0)
+
+    def reference() -> torch.Tensor:
+        return attention(p, p, p, backend="reference")
+
+    assert attnkit.explain(q, q, q, softcap=5.0).chosen == "chunked"
+    with attnkit.record_dispatch() as record:
+        alone = chunked()
+        kernel = record[0].kernel
+
+        async def together() -> list[torch.Tensor]:
+            runs = [asyncio.to_thread(f) for f in (chunked, reference) * 20]
+            return list(await asyncio.gather(*runs))
+
+        outs = asyncio.run(together())
+    assert kernel is not None
+    assert len(record) == 41
+    for d in record:
+        assert (d.chosen, d.kernel) in (("chunked", kernel), ("reference", None))
+    for out in outs[::2]:
+        assert torch.equal(out, alone)

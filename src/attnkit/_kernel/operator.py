@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .._base.finite import finite
 from .._call import check_attention_args
-from .._record import Dispatch, note_kernel, recording
+from .._record import Dispatch, recording
 from ..masks import Geometry, Mask, decode, encode
 from ..scores import ScoreTerm, decode_term, encode_term
 from .call import plan_call, run_backward, run_forward
@@ -163,8 +163,7 @@ def _record(
         sinks=sinks,
         dropout_p=settings["dropout_p"],
     )
-    record.append(Dispatch(call, "chunked"))
-    note_kernel(kernel)
+    record.append(Dispatch(call, "chunked", kernel=kernel))
 
 
 @torch.library.custom_op("attnkit::attention", mutates_args=())
