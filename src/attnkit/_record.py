@@ -69,9 +69,12 @@ def record_dispatch() -> Iterator[list[Dispatch]]:
     >>> [(c.chosen, c.served_by) for c in calls]
     [('chunked', 'chunked')]
 
-    Calls go to the innermost block open. Blocks closed out of order (two generators, each
-    with a block open around its ``yield``, run in turns) each remove their own record: once a
-    block is closed nothing more is added to its record, and calls go to the blocks still open.
+    A block belongs to the context that opened it (a :mod:`contextvars` context): calls of
+    other threads are not recorded, unless they run in a copy of it (``asyncio.to_thread``
+    makes one), where each call's record holds its own kernel and hand-overs. Calls go to the
+    innermost block open. Blocks closed out of order (two generators, each with a block open
+    around its ``yield``, run in turns) each remove their own record: once a block is closed
+    nothing more is added to its record, and calls go to the blocks still open.
     """
     record: list[Dispatch] = []
     _RECORD.set((*_RECORD.get(), record))
