@@ -976,6 +976,36 @@ def _auto_inference(run: Run, images: dict[str, bytes]) -> str:
     )
 
 
+def _indices(run: Run, images: dict[str, bytes]) -> str:
+    return table(
+        ["pass", "gathered (s)", "dense over k (s)", "bool mask (s)", "gathered / dense over k",
+         "gathered / bool mask"],
+        [
+            [r["pass"], _s(r["gathered_seconds"]), _s(r["dense_k_seconds"]),
+             _s(r["bool_mask_seconds"]), _ratio(r["over_dense_k"]), _ratio(r["over_bool_mask"])]
+            for r in run.rows
+        ],
+        right=(1, 2, 3, 4, 5),
+    )  # fmt: skip
+
+
+def _mla(run: Run, images: dict[str, bytes]) -> str:
+    body = table(
+        ["candidate", "ms", "multiply-adds (G)", "MB read", "GFLOP/s"],
+        [
+            [r["candidate"], _ms(r["seconds"]), f"{r['multiply_adds'] / 1e9:.3f}",
+             f"{r['bytes_read'] / 1e6:.1f}", f"{r['flops_per_second'] / 1e9:.0f}"]
+            for r in run.rows
+        ],
+        right=(1, 2, 3, 4),
+    )  # fmt: skip
+    conf = run.config
+    return (
+        f"{body}\n\nabsorbed / expanded time: {conf['absorbed_over_expanded']:.2f}x; the "
+        f"absorbed step's rate / the matrix product's: {conf['absorbed_of_matmul']:.2f}."
+    )
+
+
 SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str], str]] = {
     # name: (renderer, config keys worth a line, the command that produces it)
     "backends": (
@@ -1055,6 +1085,16 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         _front_ends,
         ("B", "H", "T", "D", "dtype", "threads", "rounds", "load"),
         "python benchmarks/bench_flex.py",
+    ),
+    "indices": (
+        _indices,
+        ("Tq", "Tk", "k", "H", "D", "dtype", "clock"),
+        "python benchmarks/bench_indices.py --threads 1",
+    ),
+    "mla": (
+        _mla,
+        ("B", "H", "R", "Dr", "Tk", "dtype", "threads", "load"),
+        "python benchmarks/bench_mla.py",
     ),
     "gpu": (_gpu, ("B", "H", "D", "dtype"), "python benchmarks/gpu_check.py"),
     "cli": (_cli, (), "attnkit bench --json"),
