@@ -310,3 +310,23 @@ def test_front_door_code_lines_fit_without_a_sideways_scroll(page: str) -> None:
         elif fenced and len(line) > CODE_LINE_LIMIT:
             long.append(f"{page}:{number} ({len(line)} characters)")
     assert not long, f"code lines longer than {CODE_LINE_LIMIT} characters: {', '.join(long)}"
+
+
+def test_every_code_fence_of_the_pages_opens_and_closes_on_a_line_of_its_own() -> None:
+    # A closing fence with text after it ("``` The loaded module ...") is no closing fence:
+    # Markdown runs the code block on through the next fence, headings and all, and the page's
+    # anchors below it vanish.
+    pages = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
+    broken = []
+    for page in pages:
+        inside = False
+        for number, line in enumerate(page.read_text().splitlines(), start=1):
+            fence = re.match(r"\s*(`{3,})(.*)$", line)
+            if fence is None:
+                continue
+            rest = fence.group(2).strip()
+            if inside and rest:  # (a line of the block, which goes on)
+                broken.append(f"{page.relative_to(ROOT)}:{number}: {line.strip()[:60]}")
+                continue
+            inside = not inside
+    assert not broken, broken
