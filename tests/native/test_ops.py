@@ -524,3 +524,32 @@ def test_gathered_forward_reads_values_that_are_a_view_of_the_keys(dtype: torch.
     want, want_lse = torch.ops.attnkit.gathered_forward(q, k, v.contiguous(), keys, ok, **kwargs)
     assert torch.equal(out, want)
     assert torch.equal(lse, want_lse)
+
+
+def test_vmap_over_the_kernels_calls_them_per_example_without_torch_warning(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # torch.vmap over inference calls the native kernel's decode path serves (a per-example
+    # evaluation): each example's call, stacked, equal to a loop over examples; vmapped dims
+    # anywhere, on some inputs only, nested, or of size 0; torch's fallback for operators without
+    # a rule would print a warning of a missing batching rule (to the process's stderr), and
+    # fails on a vmapped dim of size 0.
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 4, 8, generator=g)
+    k = torch.randn(5, 2, 3, 6, 8, generator=g)
+    with torch.inference_mode(False), torch.no_grad():
+        got = torch.vmap(lambda kk: attention(q, kk, kk, causal=True))(k)
+        want = torch.stack([attention(q, kk, kk, causal=True, backend="reference") for kk in k])
+        assert_close(got, want, dtype=torch.float32)
+        xs = torch.randn(2, 3, 4, 1, 5, 8, generator=g)
+        got2, lse = torch.vmap(
+            torch.vmap(lambda t: attention(t, t, t, return_lse=True), in_dims=1), in_dims=2
+        )(xs)
+        for i, j in itertools.product(range(4), range(3)):
+            x = xs[:, j, i]
+            o, ll = attention(x, x, x, return_lse=True, backend="reference")
+            assert_close(got2[i, j], o, dtype=torch.float32)
+            assert_close(lse[i, j], ll, dtype=torch.float32)
+        empty = torch.vmap(lambda t: attention(t, t, t))(torch.randn(0, 1, 2, 5, 8))
+        assert empty.shape == (0, 1, 2, 5, 8)
+    assert "batching rule" not in capfd.readouterr().err

@@ -210,10 +210,43 @@ def no_graph(tensors: tuple[Tensor | None, ...]) -> contextlib.AbstractContextMa
     return below
 
 
+def _one_by_one(op_name: str) -> Any:
+    """A ``torch.vmap`` rule for the operator ``op_name`` that calls it once per example and
+    stacks the results along dimension 0. The kernels take whole calls, and vmap over them is
+    what a per-example evaluation runs (a few queries a call, on the decode path): torch's own
+    fallback does the same, but warns, on every call, of a missing batching rule."""
+    op = getattr(torch.ops.attnkit, op_name).default
+
+    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any, **kwargs: Any) -> Any:
+        def example(i: int) -> list[Any]:
+            taken = []
+            for a, d in zip(args, in_dims, strict=True):
+                if d is None or not isinstance(a, Tensor):
+                    taken.append(a)
+                elif info.batch_size:
+                    taken.append(a.select(d, i))
+                else:  # no example at all: zeros of one example's shape, for the results' shapes
+                    taken.append(a.new_zeros(a.shape[:d] + a.shape[d + 1 :]))
+            return taken
+
+        results = [op(*example(i), **kwargs) for i in range(max(info.batch_size, 1))]
+        single = isinstance(results[0], Tensor)
+        rows = [(r,) for r in results] if single else results  # per example, its outputs
+        outs = tuple(
+            torch.stack(list(each)) if info.batch_size else each[0].new_empty((0, *each[0].shape))
+            for each in zip(*rows, strict=True)
+        )
+        return (outs[0], 0) if single else (outs, (0,) * len(outs))
+
+    return rule
+
+
 def register() -> None:
-    """Register the fake kernels (once, after the library loaded)."""
+    """Register the fake kernels and the vmap rules (once, after the library loaded)."""
     if _registered:
         return
+    for name in ("native_forward", "native_cache_forward", "gathered_forward", "native_stats"):
+        torch.library.register_vmap(f"attnkit::{name}", _one_by_one(name))
     torch.library.register_fake("attnkit::native_forward")(_fake_forward)
     torch.library.register_fake("attnkit::native_backward")(_fake_backward)
     torch.library.register_fake("attnkit::native_backward_into")(_fake_backward_into)
