@@ -51,6 +51,8 @@ reproduce.
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from typing import Any
 
 import torch
@@ -61,6 +63,20 @@ from .._base.transforms import transforms_active
 __all__ = ["like_kv", "like_q", "no_graph", "register"]
 
 _registered: list[bool] = []
+# Held while one thread registers (threads loading the kernel at once wait for it: registering
+# an operator's kernel twice overrides the first and warns).
+_REGISTERING = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    """After ``fork()``: a lock of its own for the child (a thread of the parent may have held
+    it at the fork, and none of the child's would release it)."""
+    global _REGISTERING
+    _REGISTERING = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def like_q(q: Tensor, d: int) -> Tensor:
@@ -242,16 +258,20 @@ def _one_by_one(op_name: str) -> Any:
 
 
 def register() -> None:
-    """Register the fake kernels and the vmap rules (once, after the library loaded)."""
+    """Register the fake kernels and the vmap rules (once, after the library loaded; threads
+    that ask at once wait for the first)."""
     if _registered:
         return
-    for name in ("native_forward", "native_cache_forward", "gathered_forward", "native_stats"):
-        torch.library.register_vmap(f"attnkit::{name}", _one_by_one(name))
-    torch.library.register_fake("attnkit::native_forward")(_fake_forward)
-    torch.library.register_fake("attnkit::native_backward")(_fake_backward)
-    torch.library.register_fake("attnkit::native_backward_into")(_fake_backward_into)
-    torch.library.register_fake("attnkit::native_cache_forward")(_fake_cache_forward)
-    torch.library.register_fake("attnkit::gathered_forward")(_fake_gathered_forward)
-    torch.library.register_fake("attnkit::gathered_backward")(_fake_gathered_backward)
-    torch.library.register_fake("attnkit::native_stats")(_fake_stats)
-    _registered.append(True)
+    with _REGISTERING:
+        if _registered:
+            return
+        for name in ("native_forward", "native_cache_forward", "gathered_forward", "native_stats"):
+            torch.library.register_vmap(f"attnkit::{name}", _one_by_one(name))
+        torch.library.register_fake("attnkit::native_forward")(_fake_forward)
+        torch.library.register_fake("attnkit::native_backward")(_fake_backward)
+        torch.library.register_fake("attnkit::native_backward_into")(_fake_backward_into)
+        torch.library.register_fake("attnkit::native_cache_forward")(_fake_cache_forward)
+        torch.library.register_fake("attnkit::gathered_forward")(_fake_gathered_forward)
+        torch.library.register_fake("attnkit::gathered_backward")(_fake_gathered_backward)
+        torch.library.register_fake("attnkit::native_stats")(_fake_stats)
+        _registered.append(True)
