@@ -168,7 +168,8 @@ void run_backward(const Gather& g, const Held& t, const Grads& a, at::Tensor& dk
   const X* v = reinterpret_cast<const X*>(t.v.data_ptr());
   float* dkp = dk.data_ptr<float>();
   float* dvp = dv.data_ptr<float>();
-  const int64_t nq = block_queries(g);
+  // (no more than a part's queries: each thread holds one block's buffers)
+  const int64_t nq = std::min(block_queries(g), (g.Tq + parts - 1) / parts);
   // A stretch's rows of k, v, dk and dv fill about half the core's own cache.
   const int64_t row = (g.Dk + g.Dv) * int64_t(sizeof(X) + sizeof(float));
   const int64_t span = std::max<int64_t>(kLanes, kStretchBytes / row);
