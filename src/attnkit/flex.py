@@ -255,22 +255,43 @@ class AuxOutput(NamedTuple):
     max_scores: Tensor | None = None
 
 
+def _block_table(num: Tensor, idx: Tensor, rows: int, cols: int) -> Tensor:
+    """The blocks a torch ``BlockMask`` lists, bool ``(B, H, rows, cols)``: in each row of
+    blocks the first ``num`` entries of ``idx``. Read from the lists themselves, not from
+    torch's ``to_dense()``, which drops the blocks past ``idx``'s last column (the lists may be
+    shorter than the number of key blocks: only their first ``num`` entries are read)."""
+    num, idx = num[..., :rows].long(), idx[..., :rows, :].long()
+    taken = torch.arange(idx.size(-1), device=idx.device) < num.unsqueeze(-1)
+    taken &= (idx >= 0) & (idx < cols)
+    table = idx.new_zeros((*idx.shape[:-1], cols + 1), dtype=torch.bool)
+    table.scatter_(-1, torch.where(taken, idx, cols), True)
+    table = table[..., :cols]
+    if table.size(-2) < rows:  # rows of blocks the lists do not reach list no block
+        table = torch.nn.functional.pad(table, (0, 0, 0, rows - table.size(-2)))
+    return table
+
+
 def _torch_block_mask_fn(block_mask: Any) -> tuple[MaskMod, tuple[int, int, int, int]]:
     """A mask_mod equal to a torch ``BlockMask``'s visibility, and its ``(B, H, Q_LEN, KV_LEN)``:
-    its mask_mod, and its block table (blocks it lists neither as partial nor as full are
-    hidden), which a BlockMask built with ``from_kv_blocks`` needs."""
+    as torch's kernel reads it, a pair in a block listed as full is visible, one in a block
+    listed as partial where the mask_mod allows it, any other hidden (a BlockMask built with
+    ``from_kv_blocks`` may list blocks that are not what its mask_mod gives)."""
     inner: MaskMod = block_mask.mask_mod
     shape = tuple(int(s) for s in block_mask.shape)
     q_len, kv_len = (int(s) for s in block_mask.seq_lengths)
-    table = block_mask.to_dense().to(torch.bool)  # (B, H, Q_LEN / BQ, KV_LEN / BK), block-sized
     bq, bk = (int(s) for s in block_mask.BLOCK_SIZE)
-    many_b, many_h = table.size(0) > 1, table.size(1) > 1
+    rows, cols = max(-(-q_len // bq), 1), max(-(-kv_len // bk), 1)
+    partial = _block_table(block_mask.kv_num_blocks, block_mask.kv_indices, rows, cols)
+    full: Tensor | None = None
+    if block_mask.full_kv_num_blocks is not None:
+        full = _block_table(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rows, cols)
+    many_b, many_h = partial.size(0) > 1, partial.size(1) > 1
     name = _name(inner)
 
     def block_table_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        t = table.to(q_idx.device)
-        listed: Tensor = t[b if many_b else 0, h if many_h else 0, q_idx // bq, kv_idx // bk]
-        return listed & inner(b, h, q_idx, kv_idx)
+        at = (b if many_b else 0, h if many_h else 0, q_idx // bq, kv_idx // bk)
+        seen: Tensor = partial.to(q_idx.device)[at] & inner(b, h, q_idx, kv_idx)
+        return seen if full is None else seen | full.to(q_idx.device)[at]
 
     block_table_mask.__name__ = name
     return block_table_mask, (shape[0], shape[1], q_len, kv_len)
