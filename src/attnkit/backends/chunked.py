@@ -283,6 +283,8 @@ class Chunked(Backend):
         if band_of(call.mask) is None:
             return f"a mask that is not a band ({call.mask.describe() if call.mask else ''})"
         view = call.cache
+        if not view.k.size(2):  # (the kernel finds key j on page j // page)
+            return "pages of no keys (page size 0), which hold no key to read"
         strides = (view.k.stride(-1), view.v.stride(-1))
         # (a stand-in of one zero, expanded, is what explain() describes: no page to read)
         strided = [

@@ -255,7 +255,7 @@ class CacheView:
                     "give the table with its entries (on the pages' device)"
                 )
             return
-        used = torch.tensor([-(-e // page) for _, e in self.kv_range], device=table.device)
+        used = torch.tensor([-(-e // max(page, 1)) for _, e in self.kv_range], device=table.device)
         needed = torch.arange(table.size(1), device=table.device) < used[:, None]
         bad = needed & ((table < 0) | (table >= pages))
         if bool(bad.any()):
@@ -379,7 +379,7 @@ class CacheView:
         start, end = self.kv_range[n]
         if self.block_table is None:
             return self._values(lambda t: t[n : n + 1, :, start:end], dtype)
-        page = self.page_size
+        page = max(self.page_size, 1)  # (pages of no keys hold rows of none)
         first, last = start // page, -(-end // page)
         pages = self.block_table[n, first:last].to(self.k.device).long()
         at = start - first * page
@@ -404,7 +404,7 @@ class CacheView:
         start, end = self.kv_range[-1] if self.kv_range else (0, 0)
         if self.block_table is None:
             return self._values(lambda t: t[: self.rows, :, start:end], dtype)
-        page = self.page_size
+        page = max(self.page_size, 1)  # (pages of no keys hold rows of none)
         pages = self.block_table[:, : -(-end // page)].to(self.k.device).long()
 
         def read(t: Tensor) -> Tensor:  # (N, p, Hkv, page, D) -> (N, Hkv, p * page, D)
