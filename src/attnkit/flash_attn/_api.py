@@ -41,6 +41,22 @@ __all__ = [
 
 _Window = tuple[int | None, int | None]
 _Result = Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]
+#: the layouts of q, k and v that refusals name
+_DENSE = (
+    "(batch, seqlen_q, nheads, headdim)",
+    "(batch, seqlen_k, nheads_k, headdim)",
+    "(batch, seqlen_k, nheads_k, headdim_v)",
+)
+_PACKED = (
+    "(total_q, nheads, headdim)",
+    "(total_k, nheads_k, headdim)",
+    "(total_k, nheads_k, headdim_v)",
+)
+_PAGED = (
+    "(total_q, nheads, headdim)",
+    "(num_blocks, page_block_size, nheads_k, headdim)",
+    "(num_blocks, page_block_size, nheads_k, headdim_v)",
+)
 
 
 def attend(
@@ -162,6 +178,7 @@ def flash_attn_func(
     q = four_d("q", q, "(batch, seqlen_q, nheads, headdim)")
     k = four_d("k", k, "(batch, seqlen_k, nheads_k, headdim)")
     v = four_d("v", v, "(batch, seqlen_k, nheads_k, headdim_v)")
+    _check_layout(q, k, v, _DENSE)
     lo, hi = band(window_size, causal)
     check_bool("deterministic", deterministic)
     asked = check_bool("return_attn_probs", return_attn_probs)
@@ -190,6 +207,29 @@ def flash_attn_func(
         v_scale=v_scale,
     )
     return _finish(out, lse, probs, asked)
+
+
+def _check_layout(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str]) -> None:
+    """``q``, ``k`` and ``v`` against each other in flash-attn's layout, their shapes as given
+    (``names``: each one's dims, heads and head size last): the same batch dims, ``k`` and ``v``
+    the same but for the head size, the heads of ``q`` a multiple of theirs, and one head size
+    for ``q`` and ``k`` (attention() would find the same faults in its own ``(B, H, T, D)``
+    layout, and name the shapes transposed)."""
+    got = f"got q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)}"
+    spelled = f"q {names[0]}, k {names[1]}, v {names[2]}"
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree on all but the head size ({spelled}); {got}")
+    if q.ndim == 4 and q.size(0) != k.size(0):
+        raise ValueError(f"q, k and v must share their batch ({spelled}); {got}")
+    if k.size(-2) == 0 or q.size(-2) % k.size(-2):
+        raise ValueError(
+            f"q's nheads ({q.size(-2)}) must be a multiple of the key/value heads (k's and v's "
+            f"nheads_k, {k.size(-2)}) ({spelled}); {got}"
+        )
+    if q.size(-1) != k.size(-1):
+        raise ValueError(
+            f"q's headdim ({q.size(-1)}) must be k's ({k.size(-1)}) ({spelled}); {got}"
+        )
 
 
 def _float8(
@@ -340,9 +380,11 @@ def flash_attn_varlen_func(
     table = None
     if block_table is not None:
         k, v, table, k_lengths = checked_pages(k, v, cu_seqlens_k, block_table, rows)
+        _check_layout(q, k, v, _PAGED)
     else:
         k = three_d("k", k, "(total_k, nheads_k, headdim)")
         v = three_d("v", v, "(total_k, nheads_k, headdim_v)")
+        _check_layout(q, k, v, _PACKED)
         k_lengths = lengths_of("cu_seqlens_k", cu_seqlens_k, k.size(0))
     if len(k_lengths) != rows:
         raise ValueError(
