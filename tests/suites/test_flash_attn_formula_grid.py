@@ -385,3 +385,22 @@ def test_mismatched_shapes_are_named_as_given(call: Any, words: str) -> None:
     assert words in message
     assert "(1, 2, 5, 4)" not in message
     assert "(1, 3, 3, 4)" not in message
+
+
+@pytest.mark.parametrize(
+    "name", ["cu_seqlens_q", "cache_seqlens", "cache_leftpad", "cache_batch_idx"]
+)
+def test_complex_lengths_are_refused_by_name(name: str) -> None:
+    """Complex lengths or indices are refused by the argument's name (they reached ``int()``,
+    whose message names no argument)."""
+    lengths = torch.tensor([0, 1, 3], dtype=torch.complex64)
+    x, cache = torch.zeros(3, 2, 4), torch.zeros(3, 8, 2, 4)
+    kw: dict[str, Any] = {"cache_seqlens": 3, name: lengths}
+
+    def call() -> object:
+        if name == "cu_seqlens_q":
+            return fa.flash_attn_varlen_func(x, x, x, lengths, _cu([1, 2]))
+        return fa.flash_attn_with_kvcache(torch.zeros(3, 1, 2, 4), cache, cache, **kw)
+
+    with pytest.raises((TypeError, ValueError), match=f"{name} must be .*integer tensor"):
+        call()

@@ -104,7 +104,7 @@ def lengths_of(name: str, cu: object, total: int | None) -> list[int]:
     """The sequence lengths that cumulative lengths ``cu`` describe (one host read); they must
     end at ``total`` packed tokens (None: at whatever ``cu`` ends)."""
     if isinstance(cu, Tensor):
-        if cu.ndim != 1 or cu.is_floating_point() or cu.dtype == torch.bool:
+        if cu.ndim != 1 or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
             raise TypeError(
                 f"{name} must be a 1-d integer tensor (batch + 1,), got {dtype_str(cu.dtype)} of "
                 f"shape {shape_str(cu.shape)}"

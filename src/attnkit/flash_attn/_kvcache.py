@@ -61,6 +61,7 @@ def _per_row(name: str, value: object, rows: int, default: int) -> list[int]:
     if (
         not isinstance(value, Tensor)
         or value.is_floating_point()
+        or value.is_complex()
         or value.dtype == torch.bool
         or value.shape != (rows,)
     ):
