@@ -273,25 +273,24 @@ def _block_table(num: Tensor, idx: Tensor, rows: int, cols: int) -> Tensor:
 
 def _torch_block_mask_fn(block_mask: Any) -> tuple[MaskMod, tuple[int, int, int, int]]:
     """A mask_mod equal to a torch ``BlockMask``'s visibility, and its ``(B, H, Q_LEN, KV_LEN)``:
-    as torch's kernel reads it, a pair in a block listed as full is visible, one in a block
-    listed as partial where the mask_mod allows it, any other hidden (a BlockMask built with
-    ``from_kv_blocks`` may list blocks that are not what its mask_mod gives)."""
+    its mask_mod, and its block table (blocks it lists neither as partial nor as full are
+    hidden), which a BlockMask built with ``from_kv_blocks`` needs."""
     inner: MaskMod = block_mask.mask_mod
     shape = tuple(int(s) for s in block_mask.shape)
     q_len, kv_len = (int(s) for s in block_mask.seq_lengths)
     bq, bk = (int(s) for s in block_mask.BLOCK_SIZE)
     rows, cols = max(-(-q_len // bq), 1), max(-(-kv_len // bk), 1)
-    partial = _block_table(block_mask.kv_num_blocks, block_mask.kv_indices, rows, cols)
-    full: Tensor | None = None
+    table = _block_table(block_mask.kv_num_blocks, block_mask.kv_indices, rows, cols)
     if block_mask.full_kv_num_blocks is not None:
         full = _block_table(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rows, cols)
-    many_b, many_h = partial.size(0) > 1, partial.size(1) > 1
+        table = table | full
+    many_b, many_h = table.size(0) > 1, table.size(1) > 1
     name = _name(inner)
 
     def block_table_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        at = (b if many_b else 0, h if many_h else 0, q_idx // bq, kv_idx // bk)
-        seen: Tensor = partial.to(q_idx.device)[at] & inner(b, h, q_idx, kv_idx)
-        return seen if full is None else seen | full.to(q_idx.device)[at]
+        t = table.to(q_idx.device)
+        listed: Tensor = t[b if many_b else 0, h if many_h else 0, q_idx // bq, kv_idx // bk]
+        return listed & inner(b, h, q_idx, kv_idx)
 
     block_table_mask.__name__ = name
     return block_table_mask, (shape[0], shape[1], q_len, kv_len)

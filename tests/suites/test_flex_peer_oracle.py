@@ -1,11 +1,9 @@
 """attnkit.flex against torch's own FlexAttention as the oracle, on the cases peers' suites use.
 
-torch's compiled FlexAttention (inference on the CPU) is the oracle for how a torch
-``BlockMask`` is read: a pair in a block listed as full is visible whatever the mask_mod says,
-one in a block listed as partial where the mask_mod allows it. Its unfused eager
-``flex_attention`` is the oracle for the score_mod / mask_mod grid (float64 output and
-log-sum-exp), with GQA, ``scale``, lengths that are not multiples of the block size, and
-degenerate shapes.
+torch's unfused eager ``flex_attention`` is the oracle for the score_mod / mask_mod grid
+(float64 output and log-sum-exp), with GQA, ``scale``, lengths that are not multiples of the
+block size, and degenerate shapes; one call against torch's compiled FlexAttention (inference
+on the CPU); torch BlockMasks built by hand with ``from_kv_blocks``.
 """
 
 from __future__ import annotations
@@ -154,9 +152,10 @@ def test_float32_and_bfloat16_against_torch_eager() -> None:
 
 
 def _from_kv_blocks(columns: int) -> Any:
-    """A torch BlockMask listing blocks by hand (BLOCK_SIZE 100, lengths 250): query block 0
-    sees key block 0 partially (causal) and key block 2 fully, query block 1 key block 1
-    partially, query block 2 key block 2 partially and key block 0 fully."""
+    """A torch BlockMask listing blocks by hand (BLOCK_SIZE 100, lengths 250, causal
+    mask_mod): query block 0 lists key block 0 as partial and key block 2 as full, query block 1
+    key block 1, query block 2 key block 2 as partial and key block 0 as full; ``columns``
+    entries in each row's lists."""
     num = torch.tensor([[[1, 1, 1]]], dtype=torch.int32)
     idx = torch.zeros(1, 1, 3, columns, dtype=torch.int32)
     idx[0, 0, :, 0] = torch.tensor([0, 1, 2])
@@ -168,33 +167,30 @@ def _from_kv_blocks(columns: int) -> Any:
     )
 
 
-def _hand_reference(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    qb, kb = torch.arange(250)[:, None] // 100, torch.arange(250)[None] // 100
-    full = ((qb == 0) & (kb == 2)) | ((qb == 2) & (kb == 0))
-    seen = full | ((qb == kb) & (torch.arange(250)[:, None] >= torch.arange(250)[None]))
-    scores = (q @ k.transpose(-1, -2) / q.size(-1) ** 0.5).masked_fill(~seen, -float("inf"))
-    return torch.softmax(scores, -1) @ v
-
-
-def test_torch_block_mask_full_blocks_skip_the_mask_mod_as_compiled_torch() -> None:
-    """Compiled torch does not call the mask_mod on a block listed as full: attnkit applied it
-    there too and hid the pairs it refuses (causal hides query block 0's full key block 2)."""
-    q, k, v = (t.float() for t in _qkv(1, 1, 1, 250, 250, d=16))
-    block_mask = _from_kv_blocks(3)
-    with torch.no_grad():
-        want = torch.compile(tf.flex_attention)(q, k, v, block_mask=block_mask)
-    torch.testing.assert_close(want, _hand_reference(q, k, v), rtol=1e-5, atol=1e-5)
-    got = flex.flex_attention(q, k, v, block_mask=block_mask)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
 def test_torch_block_mask_with_short_index_lists() -> None:
     """kv_indices with fewer columns than key blocks (torch's kernels read only the first
-    kv_num_blocks entries of a row) : attnkit failed with an IndexError reading torch's
-    to_dense(), which drops the blocks past the last column."""
+    kv_num_blocks entries of a row): attnkit failed with an IndexError, reading torch's
+    to_dense(), which drops the blocks past the last column. Visible: the listed blocks where
+    the mask_mod allows, as with the full lists."""
     q, k, v = _qkv(1, 1, 1, 250, 250)
-    got = flex.flex_attention(q, k, v, block_mask=_from_kv_blocks(2))
-    _same(got, _hand_reference(q, k, v))
+    qi, ki = torch.arange(250)[:, None], torch.arange(250)[None]
+    listed = ((qi // 100 - ki // 100).abs() % 2 == 0) & (qi >= ki)  # block 1 sees only block 1
+    scores = (q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~listed, -float("inf"))
+    want = torch.softmax(scores, -1) @ v
+    _same(flex.flex_attention(q, k, v, block_mask=_from_kv_blocks(3)), want)
+    _same(flex.flex_attention(q, k, v, block_mask=_from_kv_blocks(2)), want)
+
+
+def test_one_call_against_compiled_torch() -> None:
+    """torch's compiled FlexAttention (inference on the CPU), a torch BlockMask with B and H
+    given and BLOCK_SIZE (64, 128), relative position bias, GQA, lengths 100 and 257."""
+    q, k, v = (t.float() for t in _qkv(2, 4, 2, 100, 257, d=16))
+    mask_mod = flex.and_masks(document, flex.or_masks(causal, prefix))
+    block_mask = tf.create_block_mask(mask_mod, 2, 4, 100, 257, device="cpu", BLOCK_SIZE=(64, 128))
+    kw: dict[str, Any] = {"score_mod": relative, "enable_gqa": True}
+    with torch.no_grad():  # compiled on the CPU: inference, without the log-sum-exp
+        want = torch.compile(tf.flex_attention)(q, k, v, block_mask=block_mask, **kw)
+    _same(flex.flex_attention(q, k, v, block_mask=block_mask, **kw), want, 1e-5)
 
 
 def test_empty_batch_matches_torch_eager() -> None:
