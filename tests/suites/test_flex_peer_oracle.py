@@ -81,6 +81,10 @@ def _eager(*args: Any, **kwargs: Any) -> Any:
         return tf.flex_attention(*args, **kwargs)
 
 
+def _ours(*args: Any, **kwargs: Any) -> Any:
+    return flex.flex_attention(*args, **kwargs)
+
+
 def _same(got: Tensor, want: Tensor, tol: float = 1e-10) -> None:
     assert got.shape == want.shape
     assert torch.equal(got.isfinite(), want.isfinite())
@@ -109,9 +113,7 @@ def test_grid_against_torch_eager(score_mod: Any, mask_mod: Callable[..., Tensor
     theirs = tf.create_block_mask(mask_mod, None, 4, 100, 257, device="cpu", BLOCK_SIZE=(64, 128))
     want, want_lse = _eager(q, k, v, score_mod=score_mod, block_mask=theirs, return_lse=True)
     for block_mask in (ours, theirs):
-        got, lse = flex.flex_attention(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True
-        )
+        got, lse = _ours(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
         _same(got, want)
         _same(lse, want_lse)
 
@@ -134,7 +136,7 @@ def test_gqa_scale_and_short_shapes_against_torch_eager(
     ours = flex.create_block_mask(document, b, None, q_len, kv_len)
     kw: dict[str, Any] = {"score_mod": bias, "scale": scale, "enable_gqa": True}
     want, want_lse = _eager(q, k, v, block_mask=theirs, return_lse=True, **kw)
-    got, lse = flex.flex_attention(q, k, v, block_mask=ours, return_lse=True, **kw)
+    got, lse = _ours(q, k, v, block_mask=ours, return_lse=True, **kw)
     _same(got, want)
     _same(lse, want_lse)
 
@@ -146,7 +148,7 @@ def test_float32_and_bfloat16_against_torch_eager() -> None:
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         args = [t.to(dtype) for t in (q, k, v)]
         want = _eager(*args, score_mod=softcap, block_mask=block_mask)
-        got = flex.flex_attention(*args, score_mod=softcap, block_mask=block_mask)
+        got = _ours(*args, score_mod=softcap, block_mask=block_mask)
         assert got.dtype == dtype
         _same(got.double(), want.double(), tol)
 
@@ -177,8 +179,8 @@ def test_torch_block_mask_with_short_index_lists() -> None:
     listed = ((qi // 100 - ki // 100).abs() % 2 == 0) & (qi >= ki)  # block 1 sees only block 1
     scores = (q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~listed, -float("inf"))
     want = torch.softmax(scores, -1) @ v
-    _same(flex.flex_attention(q, k, v, block_mask=_from_kv_blocks(3)), want)
-    _same(flex.flex_attention(q, k, v, block_mask=_from_kv_blocks(2)), want)
+    _same(_ours(q, k, v, block_mask=_from_kv_blocks(3)), want)
+    _same(_ours(q, k, v, block_mask=_from_kv_blocks(2)), want)
 
 
 def test_one_call_against_compiled_torch() -> None:
@@ -189,14 +191,15 @@ def test_one_call_against_compiled_torch() -> None:
     block_mask = tf.create_block_mask(mask_mod, 2, 4, 100, 257, device="cpu", BLOCK_SIZE=(64, 128))
     kw: dict[str, Any] = {"score_mod": relative, "enable_gqa": True}
     with torch.no_grad():  # compiled on the CPU: inference, without the log-sum-exp
-        want = torch.compile(tf.flex_attention)(q, k, v, block_mask=block_mask, **kw)
-    _same(flex.flex_attention(q, k, v, block_mask=block_mask, **kw), want, 1e-5)
+        compiled: Any = torch.compile(tf.flex_attention)
+        want = compiled(q, k, v, block_mask=block_mask, **kw)
+    _same(_ours(q, k, v, block_mask=block_mask, **kw), want, 1e-5)
 
 
 def test_empty_batch_matches_torch_eager() -> None:
     """B=0: an empty output, as torch's."""
     q, k, v = _qkv(0, 2, 2, 100, 100)
     block_mask = flex.create_block_mask(causal, None, None, 100, 100)
-    got = flex.flex_attention(q, k, v, score_mod=relative, block_mask=block_mask)
+    got = _ours(q, k, v, score_mod=relative, block_mask=block_mask)
     theirs = tf.create_block_mask(causal, None, None, 100, 100, device="cpu")
     _same(got, _eager(q, k, v, score_mod=relative, block_mask=theirs))
