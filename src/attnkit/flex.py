@@ -207,7 +207,8 @@ def create_block_mask(
     **kwargs: Any,
 ) -> BlockMask:
     """A :class:`BlockMask` for ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend),
-    torch's signature. ``B`` or ``H`` None: the same mask for every batch row or head.
+    torch's signature. ``B`` or ``H`` None: the same mask for every batch row or head; ``B``
+    may be 0, for an empty batch, as in torch.
 
     ``mask_mod`` is called with int64 index tensors shaped ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``,
     ``(1, 1, rows, 1)``, ``(1, 1, 1, keys)`` for one tile at a time (never for the whole
@@ -218,7 +219,7 @@ def create_block_mask(
     """
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask() takes a mask_mod function, got {mask_mod!r}")
-    b = 1 if B is None else check_int("B", B)
+    b = 1 if B is None else check_int("B", B, minimum=0)
     h = 1 if H is None else check_int("H", H)
     q_len = check_int("Q_LEN", Q_LEN, minimum=0)
     kv_len = check_int("KV_LEN", KV_LEN, minimum=0)
@@ -284,7 +285,7 @@ def _torch_block_mask_fn(block_mask: Any) -> tuple[MaskMod, tuple[int, int, int,
     if block_mask.full_kv_num_blocks is not None:
         full = _block_table(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rows, cols)
         table = table | full
-    many_b, many_h = table.size(0) > 1, table.size(1) > 1
+    many_b, many_h = table.size(0) != 1, table.size(1) != 1  # 0: an empty batch
     name = _name(inner)
 
     def block_table_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

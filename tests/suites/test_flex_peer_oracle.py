@@ -203,3 +203,17 @@ def test_empty_batch_matches_torch_eager() -> None:
     got = _ours(q, k, v, score_mod=relative, block_mask=block_mask)
     theirs = tf.create_block_mask(causal, None, None, 100, 100, device="cpu")
     _same(got, _eager(q, k, v, score_mod=relative, block_mask=theirs))
+
+
+def test_block_mask_for_an_empty_batch() -> None:
+    """create_block_mask(B=0), which torch takes, was refused ("B must be >= 1"): an empty
+    batch runs as torch's, and a mask of no rows is refused for a call that has some."""
+    q, k, v = _qkv(0, 2, 2, 37, 37)
+    ours = flex.create_block_mask(causal, 0, None, 37, 37)
+    theirs = tf.create_block_mask(causal, 0, None, 37, 37, device="cpu")
+    assert ours.shape == tuple(theirs.shape)
+    want = _eager(q, k, v, block_mask=theirs)
+    _same(_ours(q, k, v, block_mask=ours), want)
+    _same(_ours(q, k, v, block_mask=theirs), want)  # torch's mask of no rows read an index 0
+    with pytest.raises(ValueError, match="block_mask was made for"):
+        _ours(*_qkv(2, 2, 2, 37, 37), block_mask=ours)
