@@ -495,7 +495,7 @@ def _r(*shape: int) -> Tensor:
 
 REFUSED: list[tuple[str, Callable[[], object], type[Exception], str]] = [
     ("heads", lambda: fa.flash_attn_func(_r(2, 3, 6, 16), _r(2, 5, 4, 16), _r(2, 5, 4, 16)),
-     ValueError, "must be a multiple of the heads of k and v"),
+     ValueError, "must be a multiple of the key/value heads"),
     ("dtypes", lambda: fa.flash_attn_func(
         _r(2, 3, 4, 16).half(), _r(2, 5, 4, 16).bfloat16(), _r(2, 5, 4, 16).bfloat16()),
      TypeError, "must share a dtype"),
