@@ -25,6 +25,7 @@ has no inf, stores it as NaN.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -205,28 +206,29 @@ def _same_tuple(x: tuple[object, ...], items: list[object]) -> tuple[object, ...
     return tuple(items)
 
 
-def _to_pickle(x: object) -> object:
-    if isinstance(x, Tensor):
-        return _Float8Bytes(x.view(torch.uint8), x.dtype) if x.dtype in FLOAT8 else x
+def _mapped(x: object, leaf: Callable[[object], object]) -> object:
+    """``x`` with ``leaf`` applied to it and, where that leaves it as it is, to each value in
+    it (of dicts, lists and tuples)."""
+    y = leaf(x)
+    if y is not x:
+        return y
     if isinstance(x, dict):
-        return type(x)((key, _to_pickle(value)) for key, value in x.items())
+        return type(x)((key, _mapped(value, leaf)) for key, value in x.items())
     if isinstance(x, list):
-        return [_to_pickle(item) for item in x]
+        return [_mapped(item, leaf) for item in x]
     if isinstance(x, tuple):
-        return _same_tuple(x, [_to_pickle(item) for item in x])
+        return _same_tuple(x, [_mapped(item, leaf) for item in x])
+    return x
+
+
+def _to_pickle(x: object) -> object:
+    if isinstance(x, Tensor) and x.dtype in FLOAT8:
+        return _Float8Bytes(x.view(torch.uint8), x.dtype)
     return x
 
 
 def _from_pickle(x: object) -> object:
-    if isinstance(x, _Float8Bytes):
-        return x.data.view(x.dtype)
-    if isinstance(x, dict):
-        return type(x)((key, _from_pickle(value)) for key, value in x.items())
-    if isinstance(x, list):
-        return [_from_pickle(item) for item in x]
-    if isinstance(x, tuple):
-        return _same_tuple(x, [_from_pickle(item) for item in x])
-    return x
+    return x.data.view(x.dtype) if isinstance(x, _Float8Bytes) else x
 
 
 def pickled_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -234,10 +236,10 @@ def pickled_state(state: dict[str, Any]) -> dict[str, Any]:
     ``torch.save``: float8 tensors (in dicts, lists and tuples too) as their bytes, since torch's
     unpickler cannot rebuild a float8 tensor (it fails on loading, deep inside
     ``torch.serialization``). :func:`unpickled_state` turns them back."""
-    return {key: _to_pickle(value) for key, value in state.items()}
+    return {key: _mapped(value, _to_pickle) for key, value in state.items()}
 
 
 def unpickled_state(state: dict[str, Any]) -> dict[str, Any]:
     """The ``__dict__`` of a cache :func:`pickled_state` gave, its float8 tensors remade (views
     of the bytes, as they were)."""
-    return {key: _from_pickle(value) for key, value in state.items()}
+    return {key: _mapped(value, _from_pickle) for key, value in state.items()}
