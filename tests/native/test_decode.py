@@ -581,12 +581,22 @@ cases = [  # (B, H, Hkv, Tq, Tk, Dk, Dv or None: v the first 512 columns of k), 
     ((1, 18, 2, 2, 129, 64, 64), {"sinks": torch.randn(18, generator=g).bfloat16()}),
     ((1, 12, 1, 1, 1, 2, 1), {}),  # one key, widths of 2 and 1
     ((2, 16, 1, 2, 33, 576, None), {"mask": masks.key_padding([0, 33])}),  # a row of no keys
+    # blocks of 16 rows and a part block (40 = 16 + 16 + 8), an odd width, value columns that
+    # end inside a register, 128 heads on one latent
+    ((1, 40, 1, 1, 203, 575, 100), {}),
+    ((1, 128, 1, 1, 70, 64, 48), {"causal": True}),
+    # token-major keys and values ((B, Tk, Hkv, D) transposed): every key/value head of an item
+    # packs its own rows
+    ((2, 32, 2, 1, 150, 64, 40), {"token_major": True}),
 ]
 worst, digest = 0.0, 0.0
 for (b, h, hkv, tq, tk, dk, dv), kw in cases:
+    token_major = kw.pop("token_major", False)
     q = torch.randn(b, h, tq, dk, generator=g).bfloat16()
     k = torch.randn(b, hkv, tk, dk, generator=g).bfloat16()
     v = k[..., :512] if dv is None else torch.randn(b, hkv, tk, dv, generator=g).bfloat16()
+    if token_major:
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
     with torch.inference_mode():
         out = attnkit.attention(q, k, v, backend="chunked", **kw)
     said = str(attnkit.explain(q, k, v, backend="chunked", **kw))

@@ -76,6 +76,7 @@ void load_queries(const Decode<T, KV>& d, DecodeBuffers<T, KV>& b, const Item& i
   if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>) {
     b.q16_ok = has_bf16_dot();
     b.q16.resize(b.q.size());
+    std::fill(b.lanes_first.begin(), b.lanes_first.end(), -1);
     for (int64_t hh = 0; hh < it.heads && b.q16_ok; ++hh) {
       const int64_t at = hh * d.rows() * c.Dk;
       b.q16_ok = to_bf16_exact(b.q.data() + at, it.nq * c.G * c.Dk, b.q16.data() + at);

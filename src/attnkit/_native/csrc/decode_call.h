@@ -76,9 +76,19 @@ struct DecodeBuffers {
   // CPU has AVX512-BF16 (q16_ok): q k^T then runs on its dot products (see key_dots).
   std::vector<at::BFloat16> q16;
   bool q16_ok = false;
-  // A grouped step's weights in bfloat16 and its values in pairs, where its products run on
-  // AVX512-BF16's dot products (see group_weigh_bf16).
-  std::vector<at::BFloat16> w16, pairs16;
+  // A grouped step's weights in bfloat16, where its products run on AVX512-BF16's dot products
+  // (see group_weigh_bf16).
+  std::vector<at::BFloat16> w16;
+  // There, each key/value head's query rows packed in 16 lanes (see pack_lanes), lanes_count
+  // rows from row lanes_first of the head's first (-1: none yet since the item's queries were loaded).
+  std::vector<at::BFloat16> q_lanes;
+  std::vector<int64_t> lanes_first, lanes_count;
+  // Where q_lanes' blocks start: its first 64-byte boundary (a register's load of a packed word
+  // of 16 rows then never spans two cache lines).
+  at::BFloat16* lanes() {
+    const auto at = reinterpret_cast<std::uintptr_t>(q_lanes.data());
+    return q_lanes.data() + ((64 - at % 64) % 64) / sizeof(at::BFloat16);
+  }
   // A step's scales of quantized keys and values, for each head of the item (see run_step).
   std::vector<float> k_scales, v_scales;
   std::vector<T> t;             // a careful step's terms alone (see run_step)
@@ -86,8 +96,18 @@ struct DecodeBuffers {
   // The rows of this step's keys and values, and of the next step's, for the item's first head.
   std::vector<const KV*> keys, values, next_keys, next_values;
   // A step's keys and values in T, for the GEMMs of steps of many rows (keys and values in
-  // another dtype than T only).
+  // another dtype than T only), made on first use (wide_keys, wide_values): steps on AVX512-BF16's
+  // dot products never take them, and a call's first touch of half a MiB cost it 40 us.
   std::vector<T> wide_k, wide_v;
+  int64_t wide_k_size = 0, wide_v_size = 0;
+  T* wide_keys() {
+    if (int64_t(wide_k.size()) < wide_k_size) wide_k.resize(wide_k_size);
+    return wide_k.data();
+  }
+  T* wide_values() {
+    if (int64_t(wide_v.size()) < wide_v_size) wide_v.resize(wide_v_size);
+    return wide_v.data();
+  }
   // A token-major step's scores of every head of the item, in the order its keys are read and,
   // when that is another, in the keys' order (see run_token_step); the rows in reading order.
   std::vector<T> read_s, key_s;
@@ -101,7 +121,11 @@ struct DecodeBuffers {
         m(d.heads * d.rows()),
         l(d.heads * d.rows()),
         w16(holds_bf16_pairs(d) ? d.rows() * (kStep + 2) : 0),
-        pairs16(holds_bf16_pairs(d) ? kGroupValues / 2 * ((d.c.Dv + 31) / 32 * 64) : 0),
+        q_lanes(holds_bf16_pairs(d)
+                    ? d.heads * ((d.rows() + 15) / 16) * 32 * ((d.c.Dk + 1) / 2) + 32
+                    : 0),
+        lanes_first(d.heads, -1),
+        lanes_count(d.heads, -1),
         k_scales(is_quantized<KV> ? d.heads * kStep : 0),
         v_scales(k_scales.size()),
         t(d.rows() * kStep),
@@ -110,8 +134,8 @@ struct DecodeBuffers {
         values(kStep),
         next_keys(kStep),
         next_values(kStep),
-        wide_k(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dk),
-        wide_v(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dv),
+        wide_k_size(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dk),
+        wide_v_size(std::is_same_v<T, KV> ? 0 : kStep * d.c.Dv),
         read_s(d.heads > 1 ? d.heads * kDotRows * kTokenStep : 0),
         key_s(read_s.size()),
         read_keys(d.heads > 1 ? kTokenStep : 0),

@@ -89,6 +89,26 @@ struct Ahead {
   void for_keys(int64_t j0, int64_t j1, int64_t n) const {
     if (j0 < rows) ask(j0, j1 >= n ? rows : std::min(j1, rows));
   }
+  // The lines for_keys would ask for, into out for the caller to ask for one by one among its
+  // products (at most cap of them; the rest asked for now). Returns how many out holds.
+  int64_t lines_for_keys(int64_t j0, int64_t j1, int64_t n, const char** out, int64_t cap) const {
+    if (j0 >= rows) return 0;
+    int64_t count = 0;
+    auto add = [&](const char* line) {
+      if (count < cap) {
+        out[count++] = line;
+      } else {
+        to_l2(line);
+      }
+    };
+    for (int64_t j = j0; j < (j1 >= n ? rows : std::min(j1, rows)); ++j) {
+      const char* kr = reinterpret_cast<const char*>(k[j]);
+      const char* vr = reinterpret_cast<const char*>(v[j]);
+      for (int64_t at = 0; at < k_bytes; at += 64) add(kr + at);
+      for (int64_t at = 0; at < v_bytes; at += 64) add(vr + at);
+    }
+    return count;
+  }
 };
 
 // The rows of keys [j0, j1) of (n, hk): out[j - j0].

@@ -133,25 +133,34 @@ ATTNKIT_INLINE bool on_bf16_dots(const DecodeBuffers<T, KV>& b) {
 }
 #endif
 
-// A grouped step's products (see grouped): s (nr x nk) = alpha * the rows from q0 x the keys^T
-// (group_keys), acc += s's weights x the values (group_values).
+// A grouped step's products (see grouped): s (nr x nk) = alpha * rows first .. first + nr of
+// head hh's queries x the keys^T (group_keys), acc += s's weights x the values (group_values).
 template <typename T, typename KV>
-ATTNKIT_INLINE void group_keys([[maybe_unused]] DecodeBuffers<T, KV>& b,
-                               [[maybe_unused]] int64_t q0, [[maybe_unused]] int64_t nr,
+ATTNKIT_INLINE void group_keys([[maybe_unused]] const Decode<T, KV>& d,
+                               [[maybe_unused]] DecodeBuffers<T, KV>& b, [[maybe_unused]] int64_t hh,
+                               [[maybe_unused]] int64_t first, [[maybe_unused]] int64_t nr,
                                [[maybe_unused]] int64_t nk, [[maybe_unused]] int64_t dk,
                                [[maybe_unused]] T alpha, [[maybe_unused]] RowList<KV> keys,
                                [[maybe_unused]] T* s, [[maybe_unused]] const Ahead<KV>& ahead) {
+  const int64_t q0 = (hh * d.rows() + first) * dk;
 #if defined(ATTNKIT_MATRIX_UNIT)
   if constexpr (kBf16Pairs<T, KV>) {
     if (on_bf16_dots(b)) {
-      group_dots_bf16(nr, nk, dk, alpha, b.q16.data() + q0, dk, keys, s, nk, ahead);
+      // The rows packed once for all the steps that take the same rows.
+      at::BFloat16* qp = b.lanes() + hh * ((d.rows() + 15) / 16) * lane_block(dk);
+      if (b.lanes_first[hh] != first || b.lanes_count[hh] != nr) {
+        pack_lanes(b.q16.data() + q0, dk, nr, dk, qp);
+        b.lanes_first[hh] = first;
+        b.lanes_count[hh] = nr;
+      }
+      group_dots_bf16(nr, nk, dk, alpha, qp, keys, s, nk, ahead);
       return;
     }
   }
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float> && !std::is_same_v<KV, float>) {
-    group_dots(nr, nk, dk, alpha, b.q.data() + q0, dk, keys, s, nk, b.wide_k.data(), ahead);
+    group_dots(nr, nk, dk, alpha, b.q.data() + q0, dk, keys, s, nk, b.wide_keys(), ahead);
   }
 #endif
 }
@@ -165,14 +174,14 @@ ATTNKIT_INLINE void group_values([[maybe_unused]] DecodeBuffers<T, KV>& b,
 #if defined(ATTNKIT_MATRIX_UNIT)
   if constexpr (kBf16Pairs<T, KV>) {
     if (on_bf16_dots(b)) {
-      group_weigh_bf16(nr, nk, dv, s, nk, values, acc, b.w16.data(), b.pairs16.data(), ahead);
+      group_weigh_bf16(nr, nk, dv, s, nk, values, acc, b.w16.data(), ahead);
       return;
     }
   }
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float> && !std::is_same_v<KV, float>) {
-    group_weigh(nr, nk, dv, s, nk, values, acc, b.wide_v.data(), ahead);
+    group_weigh(nr, nk, dv, s, nk, values, acc, b.wide_values(), ahead);
   }
 #endif
 }
@@ -201,15 +210,22 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
     next_keys.v_bytes = 0;
     next_values = ahead;
     next_values.k_bytes = 0;
+    // Values that lie in the keys' rows (latent attention's, the first columns of its keys): the
+    // keys' asks bring them.
+    const int64_t last = ahead.rows - 1;
+    if (last >= 0 && ahead.v[0] == ahead.k[0] && ahead.v[last] == ahead.k[last] &&
+        ahead.v_bytes <= ahead.k_bytes) {
+      next_values.rows = 0;
+    }
   }
   if (few) {
     key_dots(b, (hh * R + first) * c.Dk, nr, nk, c.Dk, alpha, keys, s, nk, next_keys);
   } else if (group) {
-    group_keys(b, (hh * R + first) * c.Dk, nr, nk, c.Dk, alpha, keys, s, next_keys);
+    group_keys(d, b, hh, first, nr, nk, c.Dk, alpha, keys, s, next_keys);
   } else {  // the step lies in one page (see run_visit)
     ahead.for_keys(0, nk, nk);
     int64_t ld = 0;
-    const T* k = rows_in<T>(d.k, keys, n, hk, ks, nk, c.Dk, b.wide_k.data(), ld);
+    const T* k = rows_in<T>(d.k, keys, n, hk, ks, nk, c.Dk, b.wide_keys(), ld);
     gemm<T>(c.register_tiles, false, true, nr, nk, c.Dk, alpha, qrows, c.Dk, k, ld, T(0), s, nk);
   }
   float* k_scales = nullptr;
@@ -245,7 +261,7 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
     group_values(b, nr, nk, c.Dv, s, values, acc, next_values);
   } else {
     int64_t ld = 0;
-    const T* v = rows_in<T>(d.v, values, n, hk, ks, nk, c.Dv, b.wide_v.data(), ld);
+    const T* v = rows_in<T>(d.v, values, n, hk, ks, nk, c.Dv, b.wide_values(), ld);
     gemm<T>(c.register_tiles, false, false, nr, c.Dv, nk, T(1), s, nk, v, ld, T(1), acc, c.Dv);
   }
 }
