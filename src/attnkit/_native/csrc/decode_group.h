@@ -143,21 +143,20 @@ inline void pack_lanes(const at::BFloat16* a, int64_t lda, int64_t m, int64_t d,
 }
 
 // acc[i] (16 lanes: the block's rows) += the packed rows q (np words, the last odd: a single
-// element) . key rows x[i], i < K. Among the products, one of the lines ask (nask of them) is
-// asked for every other word: the next step's rows, spread over the products so that their
-// misses overlap them instead of queueing at once.
+// element) . key rows x[i], i < K. Among the products, `asks` of the next step's lines are asked
+// for (lines), one every other word: spread over the products, their misses overlap them
+// instead of queueing at once.
 template <int K>
 ATTNKIT_BF16 ATTNKIT_INLINE void lane_dots(int64_t np, bool odd, const uint32_t* q,
                                            const at::BFloat16* const* x, __m512* acc,
-                                           const char* const* ask, int64_t nask) {
+                                           AskedLines<at::BFloat16>& lines, int64_t asks) {
   __m512 o[K];
   for (int i = 0; i < K; ++i) o[i] = _mm512_setzero_ps();
   const uint32_t* w[K];
   for (int i = 0; i < K; ++i) w[i] = reinterpret_cast<const uint32_t*>(x[i]);
   const int64_t whole = odd ? np - 1 : np;
   for (int64_t p = 0; p < whole; ++p) {
-    // (the compiler's prefetch here: to_l2's asm statement, kept in place, made the loop slower)
-    if (p % 2 == 0 && p / 2 < nask) __builtin_prefetch(ask[p / 2], 0, 2);
+    if (p % 2 == 0 && p / 2 < asks) lines.next();
     const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + 16 * p);
     for (int i = 0; i < K; ++i) {
       uint32_t word;
@@ -165,7 +164,7 @@ ATTNKIT_BF16 ATTNKIT_INLINE void lane_dots(int64_t np, bool odd, const uint32_t*
       o[i] = _mm512_dpbf16_ps(o[i], qv, (__m512bh)_mm512_set1_epi32(int(word)));
     }
   }
-  for (int64_t i = (whole + 1) / 2; i < nask; ++i) to_l2(ask[i]);
+  for (int64_t i = (whole + 1) / 2; i < asks; ++i) lines.next();
   if (odd) {  // the last element alone: the key's row ends there
     const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + 16 * whole);
     for (int i = 0; i < K; ++i) {
@@ -205,14 +204,14 @@ ATTNKIT_INLINE void transpose16(__m512* t) {
   }
 }
 
-// lane_dots for keys [i, i + K) of a block of kk, with their share of the block's nask asks.
+// lane_dots for keys [i, i + K) of a block of kk, with their share of the block's nask lines.
 template <int K>
 ATTNKIT_BF16 ATTNKIT_INLINE void key_share(int64_t np, bool odd, const uint32_t* q,
                                            const at::BFloat16* const* rows, __m512* t,
-                                           const char* const* asks, int64_t nask, int64_t kk,
-                                           int64_t i) {
+                                           AskedLines<at::BFloat16>& lines, int64_t nask,
+                                           int64_t kk, int64_t i) {
   const int64_t a0 = nask * i / kk, a1 = nask * (i + K) / kk;
-  lane_dots<K>(np, odd, q, rows + i, t + i, asks + a0, a1 - a0);
+  lane_dots<K>(np, odd, q, rows + i, t + i, lines, a1 - a0);
 }
 
 // s (m x n, ld) = alpha * the packed rows qp (pack_lanes: m rows of width d) . x's rows: for each
@@ -225,22 +224,22 @@ ATTNKIT_BF16 void group_dots_bf16(int64_t m, int64_t n, int64_t d, float alpha,
   const int64_t np = lane_pairs(d);
   const bool odd = d % 2 != 0;
   const __m512 scale = _mm512_set1_ps(alpha);
-  constexpr int64_t kAsks = 1024;
-  const char* asks[kAsks];
   for (int64_t r0 = 0; r0 < m; r0 += 16) {
     const uint32_t* q = reinterpret_cast<const uint32_t*>(qp + (r0 / 16) * lane_block(d));
     const int64_t rows = std::min<int64_t>(16, m - r0);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t kk = std::min<int64_t>(16, n - j0);
-      const int64_t nask = r0 == 0 ? ahead.lines_for_keys(j0, j0 + kk, n, asks, kAsks) : 0;
+      AskedLines<at::BFloat16> lines;
+      if (r0 == 0) lines = ahead.lines_for_keys(j0, j0 + kk, n);
+      const int64_t nask = lines.count();
       const at::BFloat16* rows_of[16];
       for (int64_t i = 0; i < kk; ++i) rows_of[i] = x[j0 + i];
       __m512 t[16];
       int64_t i = 0;
-      for (; i + 8 <= kk; i += 8) key_share<8>(np, odd, q, rows_of, t, asks, nask, kk, i);
-      for (; i + 4 <= kk; i += 4) key_share<4>(np, odd, q, rows_of, t, asks, nask, kk, i);
-      for (; i + 2 <= kk; i += 2) key_share<2>(np, odd, q, rows_of, t, asks, nask, kk, i);
-      for (; i < kk; ++i) key_share<1>(np, odd, q, rows_of, t, asks, nask, kk, i);
+      for (; i + 8 <= kk; i += 8) key_share<8>(np, odd, q, rows_of, t, lines, nask, kk, i);
+      for (; i + 4 <= kk; i += 4) key_share<4>(np, odd, q, rows_of, t, lines, nask, kk, i);
+      for (; i + 2 <= kk; i += 2) key_share<2>(np, odd, q, rows_of, t, lines, nask, kk, i);
+      for (; i < kk; ++i) key_share<1>(np, odd, q, rows_of, t, lines, nask, kk, i);
       for (; i < 16; ++i) t[i] = _mm512_setzero_ps();
       transpose16(t);
       const __mmask16 keys = __mmask16((1u << kk) - 1);

@@ -68,6 +68,24 @@ struct RowList {
   const T* operator[](int64_t j) const { return p[j] + off; }
 };
 
+// Lines of rows [j, end) (bytes each) to ask for one at a time: count() of them, from row j's
+// first; next() asks for one. (The compiler's prefetch: to_l2's asm statement, kept in place,
+// made the products it sits among slower.)
+template <typename X>
+struct AskedLines {
+  RowList<X> k;
+  int64_t j = 0, end = 0, at = 0, bytes = 0;
+  int64_t count() const { return (end - j) * ((bytes + 63) / 64) - at / 64; }
+  void next() {
+    __builtin_prefetch(reinterpret_cast<const char*>(k[j]) + at, 0, 2);
+    at += 64;
+    if (at >= bytes) {
+      at = 0;
+      ++j;
+    }
+  }
+};
+
 // The rows of keys and values of the step after this one, asked of memory while this step's
 // products run, a row for each of its keys: the hardware's prefetchers alone do not run far enough
 // ahead of a core that also computes (a decode then takes the time of its memory traffic plus that
@@ -89,25 +107,20 @@ struct Ahead {
   void for_keys(int64_t j0, int64_t j1, int64_t n) const {
     if (j0 < rows) ask(j0, j1 >= n ? rows : std::min(j1, rows));
   }
-  // The lines for_keys would ask for, into out for the caller to ask for one by one among its
-  // products (at most cap of them; the rest asked for now). Returns how many out holds.
-  int64_t lines_for_keys(int64_t j0, int64_t j1, int64_t n, const char** out, int64_t cap) const {
-    if (j0 >= rows) return 0;
-    int64_t count = 0;
-    auto add = [&](const char* line) {
-      if (count < cap) {
-        out[count++] = line;
-      } else {
-        to_l2(line);
-      }
-    };
-    for (int64_t j = j0; j < (j1 >= n ? rows : std::min(j1, rows)); ++j) {
-      const char* kr = reinterpret_cast<const char*>(k[j]);
+  // The lines of the keys' rows that for_keys(j0, j1, n) asks for, for a caller that asks for
+  // them one at a time among its products (AskedLines); the values' lines are asked for now.
+  AskedLines<X> lines_for_keys(int64_t j0, int64_t j1, int64_t n) const {
+    AskedLines<X> out;
+    if (j0 >= rows) return out;
+    out.k = k;
+    out.j = j0;
+    out.end = j1 >= n ? rows : std::min(j1, rows);
+    out.bytes = k_bytes;
+    for (int64_t j = j0; j < out.end; ++j) {
       const char* vr = reinterpret_cast<const char*>(v[j]);
-      for (int64_t at = 0; at < k_bytes; at += 64) add(kr + at);
-      for (int64_t at = 0; at < v_bytes; at += 64) add(vr + at);
+      for (int64_t at = 0; at < v_bytes; at += 64) to_l2(vr + at);
     }
-    return count;
+    return out;
   }
 };
 
