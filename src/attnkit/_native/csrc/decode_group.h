@@ -131,14 +131,19 @@ inline int64_t lane_pairs(int64_t d) { return (d + 1) / 2; }
 inline int64_t lane_block(int64_t d) { return 16 * 2 * lane_pairs(d); }
 
 // a's m rows of width d (lda apart) in blocks of 16 rows (the last padded with zeros): word p of
-// lane l of a block holds row l's elements 2p and 2p + 1 (0 past d).
+// lane l of a block holds row l's elements 2p and 2p + 1 (0 past d), copied a word at a time.
 inline void pack_lanes(const at::BFloat16* a, int64_t lda, int64_t m, int64_t d,
                        at::BFloat16* out) {
-  const int64_t blocks = (m + 15) / 16;
-  std::fill(out, out + blocks * lane_block(d), at::BFloat16(0.0f));
-  for (int64_t r = 0; r < m; ++r) {
-    at::BFloat16* block = out + (r / 16) * lane_block(d) + 2 * (r % 16);
-    for (int64_t e = 0; e < d; ++e) block[(e / 2) * 32 + (e % 2)] = a[r * lda + e];
+  const int64_t np = lane_pairs(d), whole = d / 2;
+  for (int64_t b = 0; b < (m + 15) / 16; ++b) {
+    at::BFloat16* block = out + b * lane_block(d);
+    const int64_t rows = std::min<int64_t>(16, m - 16 * b);
+    if (rows < 16 || whole < np) std::fill(block, block + lane_block(d), at::BFloat16(0.0f));
+    for (int64_t l = 0; l < rows; ++l) {
+      const at::BFloat16* row = a + (16 * b + l) * lda;
+      for (int64_t p = 0; p < whole; ++p) std::memcpy(block + 2 * (16 * p + l), row + 2 * p, 4);
+      if (whole < np) block[2 * (16 * whole + l)] = row[d - 1];
+    }
   }
 }
 
