@@ -24,43 +24,9 @@ from torch import Tensor
 import attnkit.flash_attn as fa
 from attnkit.testing import assert_close
 
+from ..helpers import flash_attn_formula as _formula
+
 _F64 = torch.float64
-
-
-def _formula(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool,
-    window: tuple[int, int],
-    softcap: float,
-    slopes: Tensor | None,
-    scale: float | None,
-) -> tuple[Tensor, Tensor]:
-    """One sequence: ``q (Tq, H, D)``, ``k (Tk, Hkv, D)``, ``v (Tk, Hkv, Dv)``, ``slopes (H,)``;
-    ``(out (Tq, H, Dv), lse (H, Tq))`` in float64."""
-    q, k, v = q.double(), k.double(), v.double()
-    tq, heads, d = q.shape
-    tk, kv_heads = k.shape[:2]
-    k = k.repeat_interleave(heads // kv_heads, 1)
-    v = v.repeat_interleave(heads // kv_heads, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * (d**-0.5 if scale is None else scale)
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    diag = torch.arange(tq)[:, None] + (tk - tq)
-    j = torch.arange(tk)[None, :]
-    if slopes is not None:
-        s = s - slopes.double()[:, None, None] * (diag - j).abs()
-    left, right = window[0], 0 if causal else window[1]
-    seen = torch.ones(tq, tk, dtype=torch.bool)
-    if left >= 0:
-        seen &= j >= diag - left
-    if right >= 0:
-        seen &= j <= diag + right
-    s = s.masked_fill(~seen, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    probs = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return torch.einsum("hqk,khd->qhd", probs, v), lse
 
 
 def _same(out: Tensor, lse: Tensor, want: Tensor, want_lse: Tensor, dtype: torch.dtype) -> None:

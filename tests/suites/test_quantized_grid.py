@@ -39,6 +39,8 @@ from attnkit._base.quantized import check_kv_scales
 from attnkit.caches._quantize import quantize_fp8, quantize_int8
 from attnkit.testing import assert_close
 
+from ..helpers import flash_attn_formula
+
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 ALL = (torch.int8, *F8)
 BACKENDS = ("auto", "chunked", "reference", "sdpa", "flex")
@@ -75,31 +77,6 @@ def _call(dtype: torch.dtype, tq: int = 3, tk: int = 12, seed: int = 0) -> tuple
 
 # --------------------------------------------------------------------------------------------------
 # flash-attn 3: the float8 KV-cache call
-
-
-def _fa_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: tuple[int, int],
-            softcap: float) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """flash-attn's ``attention_ref`` for one row in float64: ``q (Tq, H, D)``, ``k``, ``v``
-    ``(Tk, Hkv, D)`` (already descaled), queries aligned bottom-right; ``(out, lse)``."""
-    q, k, v = q.double(), k.double(), v.double()
-    tq, heads, d = q.shape
-    tk, hkv = k.shape[:2]
-    k, v = (x.repeat_interleave(heads // hkv, dim=1) for x in (k, v))
-    s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    diag = torch.arange(tq)[:, None] + (tk - tq)
-    j = torch.arange(tk)[None, :]
-    left, right = window[0], 0 if causal else window[1]
-    seen = torch.ones(tq, tk, dtype=torch.bool)
-    if left >= 0:
-        seen &= j >= diag - left
-    if right >= 0:
-        seen &= j <= diag + right
-    s = s.masked_fill(~seen, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    probs = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return torch.einsum("hqk,khd->qhd", probs, v), lse
 
 
 def _fa_rotate(x: Tensor, cos: Tensor, sin: Tensor, at: Tensor) -> Tensor:
@@ -230,7 +207,7 @@ def test_flash_attn_3_float8_kvcache(
         keys = torch.cat([full_k[row, pad[b] : n].double(), stored_k]) * kd[b].double()[:, None]
         values = torch.cat([full_v[row, pad[b] : n].double(), stored_v])
         values = values * vd[b].double()[:, None]
-        want, want_lse = _fa_ref(q_b, keys, values, causal, window, softcap)
+        want, want_lse = flash_attn_formula(q_b, keys, values, causal, window, softcap)
         assert_close(out[b], want.to(out.dtype).double() if q_kind == "fp8" else want,
                      dtype=out.dtype, conditioning=4.0)  # fmt: skip
         finite = want_lse.isfinite()
