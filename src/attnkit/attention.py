@@ -43,7 +43,7 @@ from ._base.devices import (
 from ._base.hints import torch_keywords, warn_torch_convention
 from ._base.quantized import QuantizedKV, check_kv_scales, is_quantized, stand_in
 from ._base.shapes import Bool, Float, Int, shape_checked
-from ._call import AttentionCall, check_attention_args, describe_call
+from ._call import AttentionCall, check_attention_args, copy_call, describe_call
 from ._record import begin_call, end_call
 from ._score_mod import ScoreMod, captured_tensors, check_captured, check_elementwise
 from .backends import builtin_backends, missing_builtins
@@ -449,7 +449,9 @@ def _with_quantized(
     the one for the keys and values the call reads, so a NaN or inf scale (or float8 value)
     routes it as a NaN in float keys does."""
     finite = None if call.finite is None else quantized.finite(q, k, v)
-    return dataclasses.replace(call, quantized=quantized, finite=finite)
+    if torch.compiler.is_compiling():  # (dynamo traces a dataclass's own copy)
+        return dataclasses.replace(call, quantized=quantized, finite=finite)
+    return copy_call(call, quantized=quantized, finite=finite)
 
 
 def _keys_values(k: object, v: object) -> tuple[Tensor, Tensor]:

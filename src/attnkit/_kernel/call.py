@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -422,9 +421,8 @@ def kernel_attention(
         dropout_p=dropout_p,
         register_tiles=register_tiles,
         skewed_position=skewed_position,
+        quantized=(kv_scales, quantized) if quantized else None,
     )
-    if quantized:
-        spec = replace(spec, scales=kv_scales, kernel=f"{spec.kernel} ({quantized})")
     note_kernel(spec.kernel)
     extra = (*term_inputs, *captured)
     if wants_grads is None:
@@ -498,6 +496,7 @@ def plan_call(
     register_tiles: bool = True,
     skewed_position: bool = True,
     wants_grads: bool | None = None,
+    quantized: tuple[tuple[Tensor, Tensor] | None, str] | None = None,
 ) -> tuple[KernelSpec, Tensor | None, tuple[Tensor, ...]]:
     """Everything a call's forward and backward share, decided once: ``(spec, dense bias, the
     score term's inputs)``. The kernel and its plan are :func:`attnkit._kernel.choice.choose`'s
@@ -510,7 +509,9 @@ def plan_call(
     kernels drop the same pairs for ``seed`` (None: one drawn from torch's generator, see
     :mod:`attnkit._kernel.dropout`). ``wants_grads``: whether autograd will ask for a gradient
     of q, k, v, the bias, the sinks or the term's inputs, if the caller found out (None: find
-    out)."""
+    out). ``quantized``: for int8/float8 k and v, ``(scales, words)``: their ``(k_scale, v_scale)``
+    where the native decode path reads them in place (else None: they were dequantized first),
+    and the words that say how, which follow the kernel's in parentheses."""
     term = bias if isinstance(bias, ScoreTerm) else None
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
@@ -553,6 +554,7 @@ def plan_call(
             register_tiles=register_tiles,
             skewed_position=skewed_position,
         )
+    kernel = "native kernel" if choice.why is None else choice.why
     spec = made(
         KernelSpec,
         mask=mask,
@@ -571,8 +573,9 @@ def plan_call(
         dropout=(dropout_p, seed) if dropout_p else None,
         score_mod=score_mod,
         zero_offset=choice.zero_offset,
-        kernel="native kernel" if choice.why is None else choice.why,
+        kernel=kernel if quantized is None else f"{kernel} ({quantized[1]})",
         unchecked=choice.unchecked,
+        scales=None if quantized is None else quantized[0],
     )
     return spec, dense, term_inputs
 
