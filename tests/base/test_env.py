@@ -225,3 +225,33 @@ def test_the_switch_read_at_import_wraps_or_not(value: str, checks: bool) -> Non
     report = _import(value)
     assert (report["checks"], report["wrapped"], report["held"]) == (checks, checks, 1)
     assert report["warnings"] == []
+
+
+def test_a_switch_follows_every_change_between_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switch read at every call (ATTNKIT_NATIVE) sees each change of its variable, set, unset,
+    or spelt anew, as a fresh read of os.environ does; and an os.environ replaced by a plain
+    mapping is read as it is."""
+    name = "ATTNKIT_TEST_SWITCH"
+    for text, want in [("on", True), ("off", False), (" ON ", True), ("no", False), (None, True)]:
+        if text is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, text)
+        assert [_env.switch(name, True) for _ in range(2)] == [want, want]
+        assert _env.switch(name, False) is (want if text is not None else False)
+    monkeypatch.setattr(os, "environ", {name: "off"})
+    assert _env.switch(name, True) is False
+    os.environ[name] = "1"
+    assert _env.switch(name, False) is True
+
+
+def test_a_switch_that_warns_warns_again_once_its_warnings_are_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A misspelt value is read anew each time (never kept as an answer), so that its warning is
+    the long way's: once per variable and value."""
+    monkeypatch.setenv("ATTNKIT_TEST_SWITCH", "maybe")
+    for _ in range(2):
+        monkeypatch.setattr(_env, "_warned", set())
+        with pytest.warns(RuntimeWarning, match="ATTNKIT_TEST_SWITCH='maybe'"):
+            assert _env.switch("ATTNKIT_TEST_SWITCH", True) is True

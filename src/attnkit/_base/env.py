@@ -23,6 +23,7 @@ import math
 import os
 import threading
 import warnings
+from typing import Any
 
 __all__ = ["choice", "number", "switch", "switch_value"]
 
@@ -46,21 +47,55 @@ def switch_value(text: str | None) -> bool | None:
     return None
 
 
+# The answers of switch() (read at every call, ATTNKIT_NATIVE) for each variable, default and
+# entry of the environment as the OS holds it: an entry that changes is read anew. Values that
+# warn are not kept (each is read the long way, which warns once per variable and value).
+_SWITCHES: dict[tuple[str, bool, object], bool] = {}
+_KEYS: dict[str, object] = {}  # each variable's name as os.environ keys its entries
+
+
+def _entry(name: str) -> tuple[bool, Any]:
+    """``(True, raw)``: the environment's own entry for ``name`` (None where unset), what
+    ``os.environ.get(name)`` decodes, read without the decoding; ``(False, None)`` where
+    ``os.environ`` is not CPython's mapping of them (replaced by a plain mapping)."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if type(data) is not dict or not isinstance(env, os._Environ):
+        return False, None
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = env.encodekey(name)
+    return True, data.get(key)
+
+
 def switch(name: str, default: bool) -> bool:
     """The switch ``name`` from the environment: ``default`` when unset or empty, or (after a
     warning) when it is no spelling of on or off."""
-    text = os.environ.get(name)
+    direct, raw = _entry(name)
+    if direct:
+        known = _SWITCHES.get((name, default, raw))
+        if known is not None:
+            return known
+        text = None if raw is None else os.environ.decodevalue(raw)
+    else:
+        text = os.environ.get(name)
     if text is None or not text.strip():
-        return default
-    value = switch_value(text)
-    if value is None:
-        _warn(
-            name,
-            text,
-            f"which is neither on ({', '.join(ON)}) nor off ({', '.join(OFF)}), in any case; "
-            f"taken as {'on' if default else 'off'}, the default",
-        )
-        return default
+        value = default
+    else:
+        spelt = switch_value(text)
+        if spelt is None:
+            _warn(
+                name,
+                text,
+                f"which is neither on ({', '.join(ON)}) nor off ({', '.join(OFF)}), in any "
+                f"case; taken as {'on' if default else 'off'}, the default",
+            )
+            return default
+        value = spelt
+    if direct:
+        if len(_SWITCHES) >= 64:  # (a process that sets ever new values: kept bounded)
+            _SWITCHES.clear()
+        _SWITCHES[(name, default, raw)] = value
     return value
 
 
