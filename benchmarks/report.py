@@ -1006,6 +1006,20 @@ def _mla(run: Run, images: dict[str, bytes]) -> str:
     )
 
 
+def _cache_memory(run: Run, images: dict[str, bytes]) -> str:
+    body = table(
+        ["case", "4 KiB pages (ms)", "huge pages (ms)", "huge / 4 KiB"],
+        [
+            [r["case"], _ms(r["plain_seconds"]), _ms(r["huge_seconds"]),
+             _ratio(r["huge_seconds"] / r["plain_seconds"])]
+            for r in run.rows
+        ],
+        right=(1, 2, 3),
+    )  # fmt: skip
+    ratios = "; ".join(f"{k}: {v:.2f}x" for k, v in run.config["ratios"].items())
+    return f"{body}\n\n{ratios}."
+
+
 SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str], str]] = {
     # name: (renderer, config keys worth a line, the command that produces it)
     "backends": (
@@ -1095,6 +1109,11 @@ SECTIONS: dict[str, tuple[Callable[[Run, dict[str, bytes]], str], Sequence[str],
         _mla,
         ("B", "H", "R", "Dr", "Tk", "dtype", "threads", "load"),
         "python benchmarks/bench_mla.py",
+    ),
+    "cache_memory": (
+        _cache_memory,
+        ("B", "Tk", "threads", "load"),
+        "python benchmarks/bench_cache_memory.py",
     ),
     "gpu": (_gpu, ("B", "H", "D", "dtype"), "python benchmarks/gpu_check.py"),
     "cli": (_cli, (), "attnkit bench --json"),

@@ -23,6 +23,7 @@ from torch import Tensor
 from .._base.checks import check_bool, check_int
 from .._base.shapes import Float, shape_checked
 from ._evict import check_indices, compact_rows
+from ._memory import cache_zeros
 from ._quantize import (
     FLOAT8,
     check_dtype,
@@ -127,11 +128,11 @@ class KVCache:
         #: whether ``v_cache`` is the view ``k_cache[..., :Dv]`` (a latent cache)
         self.values_in_keys = check_values_in_keys(values_in_keys, dk, dv)
         stored = self.dtype if self.kv_dtype is None else self.kv_dtype
-        self.k_cache = torch.zeros(b, h, self.max_len, dk, dtype=stored, device=device)
+        self.k_cache = cache_zeros((b, h, self.max_len, dk), dtype=stored, device=device)
         self.v_cache = (
             self.k_cache[..., :dv]
             if self.values_in_keys
-            else torch.zeros(b, h, self.max_len, dv, dtype=stored, device=device)
+            else cache_zeros((b, h, self.max_len, dv), dtype=stored, device=device)
         )
         #: quantized keys' and values' float32 scales (None unless ``kv_dtype``)
         self.k_scale = None if self.kv_dtype is None else new_scales(self.k_cache)

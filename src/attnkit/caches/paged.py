@@ -36,6 +36,7 @@ from ..attention import attention
 from ..masks import Mask
 from ..scores import DistanceBias
 from ._evict import check_indices, compact_pages
+from ._memory import cache_zeros
 from ._quantize import (
     FLOAT8,
     check_dtype,
@@ -224,7 +225,7 @@ class PagedKVCache(nn.Module):
             shape = (self.num_blocks, self.page_size, h, d)
             if layout == "vllm":
                 shape = (self.num_blocks, h, self.page_size, d)
-            return torch.zeros(shape, dtype=stored, device=device)
+            return cache_zeros(shape, dtype=stored, device=device)
 
         self.register_buffer("k_pages", pages(dk), False)
         self.register_buffer(

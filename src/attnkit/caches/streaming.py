@@ -40,6 +40,7 @@ from .._base.quantized import dequantize
 from .._base.shapes import Float, shape_checked
 from ..attention import attention
 from ..masks import Mask, causal, key_padding, sliding_window
+from ._memory import cache_zeros
 from ._quantize import (
     FLOAT8,
     check_dtype,
@@ -151,8 +152,8 @@ class StreamingKVCache:
         self.dtype = check_dtype(dtype)  # given and read in
         stored = self.dtype if self.kv_dtype is None else self.kv_dtype
         slots = self.sink_tokens + self.window
-        self.k_cache = torch.zeros(b, h, slots, dk, dtype=stored, device=device)
-        self.v_cache = torch.zeros(b, h, slots, dv, dtype=stored, device=device)
+        self.k_cache = cache_zeros((b, h, slots, dk), dtype=stored, device=device)
+        self.v_cache = cache_zeros((b, h, slots, dv), dtype=stored, device=device)
         #: quantized keys' and values' float32 scales (None unless ``kv_dtype``)
         self.k_scale = None if self.kv_dtype is None else new_scales(self.k_cache)
         self.v_scale = None if self.kv_dtype is None else new_scales(self.v_cache)
