@@ -349,6 +349,9 @@ def scale_rows(scale: Tensor, k: Tensor, n: int) -> Tensor:
     """A scale broadcastable to ``(*batch, Hkv, Tk, 1)`` of quantized keys or values ``k``
     ``(*batch, Hkv, Tk, D)`` as the operators read it: float32 ``(N, Hkv, Tk)`` (``N`` the batch
     flattened), strides 0 where it is broadcast (no copy of a scale per head)."""
+    ks = k.shape
+    if scale.dtype == torch.float32 and len(ks) == 4 and scale.shape == (*ks[:-1], 1):
+        return scale.select(-1, 0)  # (a scale per row already: the same view, made directly)
     rows = scale.to(torch.float32).expand(*k.shape[:-1], 1)[..., 0]
     return rows.reshape(n, k.size(-3), k.size(-2))
 
