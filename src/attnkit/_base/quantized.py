@@ -70,7 +70,7 @@ def _check_scale(name: str, scale: object, x: Tensor, q: Tensor) -> Tensor:
     if scale.device != q.device:
         raise ValueError(f"{arg} must be on q's device ({q.device}), got {scale.device}")
     target = (*x.shape[:-1], 1)
-    if not broadcasts_to(tuple(scale.shape), target):
+    if scale.shape != target and not broadcasts_to(tuple(scale.shape), target):
         raise ValueError(
             f"{arg} must be broadcastable to (*batch, Hkv, Tk, 1) = {shape_str(target)} (one "
             f"scale per token and key/value head, or fewer), got {shape_str(scale.shape)}"
