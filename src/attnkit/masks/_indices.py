@@ -16,6 +16,7 @@ its own selection), ``Tq`` queries, ``k`` selected keys (or blocks) per query, `
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 
 import torch
@@ -38,11 +39,50 @@ class KeyIndices(Mask):
     the form the gathered kernel reads.
     """
 
-    def __init__(self, indices: Tensor, block: int) -> None:
-        self.indices = indices
+    #: what calls made of the mask (see Mask): also the joined selections' concatenation
+    _MADE_BY_CALLS = ("_devices", "_kept", "_joined")
+
+    def __init__(self, indices: Tensor, block: int, *, sources: tuple[Tensor, ...] = ()) -> None:
+        self._indices = indices
         self.block = block
+        # Index masks joined by | (see joined): the selections listed side by side, read from
+        # their own tensors at every use, so that one changed in place is read again (as a
+        # single index mask reads its tensor); `indices` their concatenation, made once per
+        # version of theirs.
+        self._sources = sources
+        self._joined: dict[Hashable, Tensor] = {}
         # (kv_len, device) -> the sorted keys of that call (see selected), for the tensor's version
-        self._kept: dict[tuple[int, torch.device], tuple[int, Tensor]] = {}
+        self._kept: dict[tuple[int, torch.device], tuple[Hashable, Tensor]] = {}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        if "indices" in state:  # pickled before joined selections were read at each use
+            state["_indices"] = state.pop("indices")
+        self.__dict__.update({"_sources": (), "_joined": {}, **state})
+
+    @property
+    def indices(self) -> Tensor:
+        """``(B|1, Hi, Tq, k)`` integer: the entries, ``-1`` for none (of index masks joined by
+        ``|``, their selections side by side, as they hold now)."""
+        if not self._sources:
+            return self._indices
+        version = self._version()
+        held = None if version is None else self._joined.get(version)
+        if held is not None:
+            return held
+        rows, heads = (max(t.size(d) for t in self._sources) for d in (0, 1))
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in self._sources))
+        both = torch.cat([t.expand(rows, heads, -1, -1).to(dtype) for t in self._sources], -1)
+        if version is not None:
+            self._joined = {version: both}
+        return both
+
+    def _version(self) -> Hashable | None:
+        """The entries' version: the tensor's version counter (a tuple of them for joined
+        selections), or None where there is none to keep a result by (see :func:`_version`)."""
+        if not self._sources:
+            return _version(self._indices)
+        versions = tuple(_version(t) for t in self._sources)
+        return None if None in versions else versions
 
     def describe(self) -> str:
         if self.block == 1:
@@ -51,10 +91,12 @@ class KeyIndices(Mask):
 
     @property
     def plan_key(self) -> Hashable | None:
+        tensors = self._sources or (self._indices,)
         try:
-            return ("key_indices", id(self.indices), self.indices._version, self.block)
+            versions = tuple(t._version for t in tensors)
         except RuntimeError:  # made under inference_mode: no version counter
             return None
+        return ("key_indices", tuple(map(id, tensors)), versions, self.block)
 
     @property
     def heads(self) -> int:
@@ -120,7 +162,7 @@ class KeyIndices(Mask):
         in order, a repeated key as often as given (:func:`first_entries` says which entry
         counts). Made once per tensor version and call size: the forward and the backward, and
         the tiles of a plan, share it."""
-        version = _version(self.indices)
+        version = self._version()
         if not isinstance(kv_len, int):  # a SymInt (an export of dynamic shapes): not hashable
             version = None
         kept = None if version is None else self._kept.get((kv_len, device))
@@ -176,14 +218,13 @@ def joined(a: KeyIndices, b: KeyIndices) -> KeyIndices | None:
     ia, ib = a.indices, b.indices
     if a.block != b.block or ia.device != ib.device or ia.size(2) != ib.size(2):
         return None
-    sizes = []
     for x, y in ((ia.size(0), ib.size(0)), (ia.size(1), ib.size(1))):
         if x != y and 1 not in (x, y):
             return None
-        sizes.append(max(x, y))
-    dtype = torch.promote_types(ia.dtype, ib.dtype)
-    both = [t.expand(*sizes, -1, -1).to(dtype) for t in (ia, ib)]
-    return KeyIndices(torch.cat(both, dim=-1), a.block)
+    # Read from a's and b's own tensors at each use (KeyIndices.indices), not copied now: a
+    # selection refilled in place is read again, as it is on its own.
+    sources = (a._sources or (ia,)) + (b._sources or (ib,))
+    return KeyIndices(ia, a.block, sources=sources)
 
 
 def _version(t: Tensor) -> int | None:
