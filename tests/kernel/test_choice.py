@@ -4,6 +4,9 @@ the plan each one runs with."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 
@@ -116,3 +119,60 @@ def test_a_call_with_nan_runs_the_eager_kernel_and_says_why() -> None:
     assert spec.plan.band is None  # the eager kernel's plan: the grid's own visits
     if serves:
         assert spec.kernel == "the eager kernel (non-finite values in q/k/v)"
+
+
+@pytest.mark.parametrize("name", list(DECODE_MASKS))
+@pytest.mark.parametrize("tq", [1, 4])
+def test_a_quantized_call_is_planned_as_choose_plans_it(name: str, tq: int) -> None:
+    """int8 keys and values read in place: the plan quantized_decode finds, which plan_call
+    then takes rather than deciding again, is the one choose gives the same call, and the
+    output is that of the keys and values dequantized first (float64 reference)."""
+    if not choice_module.native_serves(torch.device("cpu"), None, False, True):
+        pytest.skip("native kernel unavailable")
+    mask = DECODE_MASKS[name][0]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, tq, 16, generator=g)
+    k8, v8 = (torch.randint(-127, 128, (2, 2, 700, 16), generator=g).to(torch.int8) for _ in "kv")
+    ks, vs = (torch.rand(2, 2, 700, 1, generator=g) / 50 for _ in "kv")
+    geo = masks.Geometry((2,), 4, tq, 700, q.device)
+    asked: dict[str, Any] = dict(
+        mask=mask, geo=geo, term=None, block_q=None, block_k=None, native=True
+    )
+    why, plan = choice_module.quantized_decode(
+        q, groups=2, score_mod=False, wants_grads=False, **asked
+    )
+    assert why is None
+    assert plan is not None
+    chosen, given = (
+        choice_module.choose(
+            q,
+            k8,
+            v8,
+            term_inputs=(),
+            is_finite=None,
+            score_mod=False,
+            wants_grads=False,
+            plain=True,
+            scale=0.25,
+            decode=decode,
+            **asked,
+        )
+        for decode in (None, plan)
+    )
+    assert _fields(chosen) == _fields(given)
+    assert _fields(chosen.plan) == _fields(plan)
+    with torch.no_grad():
+        got = attention(q, k8, v8, mask=mask, k_scale=ks, v_scale=vs, backend="chunked")
+        want = attention(
+            q.double(), k8.double() * ks.double(), v8.double() * vs.double(), mask=mask,
+            backend="reference",
+        )  # fmt: skip
+    assert_close(got, want)
+
+
+def _fields(obj: object) -> list[object]:
+    """A dataclass's fields, tensors as lists (a plan's tiles are made anew for each call)."""
+    return [
+        v.tolist() if isinstance(v, torch.Tensor) else repr(v) if hasattr(v, "offsets") else v
+        for v in (getattr(obj, f.name) for f in dataclasses.fields(obj))  # type: ignore[arg-type]
+    ]

@@ -33,9 +33,10 @@ from ..modules._packing import joint_grads
 from ..scores import ScoreTerm, term_error
 from . import FUSED_ROWS, delta_of, draw_seed, finish, no_autocast, sink_grad
 from .backward import first_order
-from .choice import choose, quantized_refusal
+from .choice import choose, quantized_decode
 from .gathered import gathered_attention
 from .phases import KernelSpec, kernel_backward, kernel_forward
+from .plan import BlockPlan
 
 __all__ = [
     "kernel_attention",
@@ -377,9 +378,9 @@ def kernel_attention(
     that need gradients, which receive theirs). ``kv_scales``: int8/float8 k and v's
     ``(k_scale, v_scale)`` (see :mod:`attnkit._base.quantized`), read in place by the native
     decode path, else dequantized first (:func:`attnkit._kernel.choice.quantized_refusal`)."""
-    quantized = ""
+    quantized, decode = "", None
     if kv_scales is not None:
-        why = _quantized_refusal(
+        why, decode = _quantized_refusal(
             q, k, mask, bias, sinks, block_q, block_k, native, score_mod, kv_scales
         )
         if why is None:
@@ -422,6 +423,7 @@ def kernel_attention(
         register_tiles=register_tiles,
         skewed_position=skewed_position,
         quantized=(kv_scales, quantized) if quantized else None,
+        decode=decode,
     )
     note_kernel(spec.kernel)
     extra = (*term_inputs, *captured)
@@ -446,15 +448,17 @@ def _quantized_refusal(
     native: bool,
     score_mod: ScoreMod | None,
     kv_scales: tuple[Tensor, Tensor],
-) -> str | None:
-    """:func:`attnkit._kernel.choice.quantized_refusal` for a call about to run."""
+) -> tuple[str | None, tuple[Geometry, BlockPlan] | None]:
+    """:func:`attnkit._kernel.choice.quantized_refusal` for a call about to run, and where it is
+    None the call's geometry and decode plan (:func:`plan_call`'s ``decode``)."""
     term = bias if isinstance(bias, ScoreTerm) else None
     inputs = () if term is None else tuple(term.inputs())
     dense = bias if isinstance(bias, Tensor) else None
-    why = quantized_refusal(
+    geo = Geometry(tuple(q.shape[:-3]), q.size(-3), q.size(-2), k.size(-2), q.device)
+    why, plan = quantized_decode(
         q,
         mask=mask,
-        geo=Geometry(tuple(q.shape[:-3]), q.size(-3), q.size(-2), k.size(-2), q.device),
+        geo=geo,
         groups=q.size(-3) // k.size(-3),
         term=term,
         block_q=block_q,
@@ -469,10 +473,13 @@ def _quantized_refusal(
     # torch.func.vmap none can be read, and the keys and values are dequantized first.
     readable = None if why is not None else finite_if_readable(*kv_scales)
     if why is None and readable is None:
-        return "the scales cannot be read (torch.func.vmap)"
+        return "the scales cannot be read (torch.func.vmap)", None
     if why is None and not readable:
-        return "a scale is NaN or inf (the formula's products of its elements decide the values)"
-    return why
+        return (
+            "a scale is NaN or inf (the formula's products of its elements decide the values)",
+            None,
+        )
+    return why, None if why is not None or plan is None else (geo, plan)
 
 
 def plan_call(
@@ -497,6 +504,7 @@ def plan_call(
     skewed_position: bool = True,
     wants_grads: bool | None = None,
     quantized: tuple[tuple[Tensor, Tensor] | None, str] | None = None,
+    decode: tuple[Geometry, BlockPlan] | None = None,
 ) -> tuple[KernelSpec, Tensor | None, tuple[Tensor, ...]]:
     """Everything a call's forward and backward share, decided once: ``(spec, dense bias, the
     score term's inputs)``. The kernel and its plan are :func:`attnkit._kernel.choice.choose`'s
@@ -511,12 +519,17 @@ def plan_call(
     of q, k, v, the bias, the sinks or the term's inputs, if the caller found out (None: find
     out). ``quantized``: for int8/float8 k and v, ``(scales, words)``: their ``(k_scale, v_scale)``
     where the native decode path reads them in place (else None: they were dequantized first),
-    and the words that say how, which follow the kernel's in parentheses."""
+    and the words that say how, which follow the kernel's in parentheses. ``decode``: the call's
+    geometry and the decode plan the native decode path serves it with, where the caller found
+    them (see :func:`attnkit._kernel.choice.quantized_decode`): not decided a second time."""
     term = bias if isinstance(bias, ScoreTerm) else None
     dense = bias if isinstance(bias, Tensor) else None
     term_inputs = () if term is None else tuple(term.inputs())
     qs = q.shape
-    geo = Geometry(tuple(qs[:-3]), qs[-3], qs[-2], k.size(-2), q.device)
+    if decode is None:
+        geo = Geometry(tuple(qs[:-3]), qs[-3], qs[-2], k.size(-2), q.device)
+    else:
+        geo = decode[0]
     choice = choose(
         q,
         k,
@@ -537,6 +550,7 @@ def plan_call(
         ),
         plain=softcap is None and bias is None and score_mod is None,
         scale=scale,
+        decode=None if decode is None else decode[1],
     )
     seed = (draw_seed() if seed is None else seed) if dropout_p else 0
     fast = None

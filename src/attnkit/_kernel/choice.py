@@ -32,6 +32,7 @@ __all__ = [
     "decode_sized",
     "decodes",
     "native_serves",
+    "quantized_decode",
     "quantized_refusal",
     "refusal",
     "why_not_native",
@@ -151,6 +152,7 @@ def choose(
     wants_grads: bool,
     plain: bool,
     scale: float,
+    decode: BlockPlan | None = None,
 ) -> Choice:
     """The kernel of a call about to run, and its plan (see :class:`Choice`).
 
@@ -159,7 +161,11 @@ def choose(
     if the caller knows (None: read them, in the same host read as the sizes that tell whether
     the eager kernel may take offset 0 throughout, see :func:`attnkit._kernel.sizes`);
     ``wants_grads``: autograd will ask for gradients; ``plain``: nothing but ``q k^T`` makes the
-    scores (no softcap, bias, term or score_mod)."""
+    scores (no softcap, bias, term or score_mod). ``decode``: the plan
+    :func:`quantized_decode` gave the call, which the native kernel's decode path serves (an
+    inference call whose inputs are not read beforehand), not decided a second time."""
+    if decode is not None:
+        return _decode_choice(decode, term, term_inputs)
     groups = q.size(-3) // k.size(-3)
     why = refusal(
         native=native,
@@ -173,9 +179,7 @@ def choose(
     if is_finite is None and why is None and not wants_grads:
         plan = _decode(mask, geo, groups, term is not None, block_q, block_k)
         if plan is not None:
-            # (under torch.func.vmap no value can be read: nothing to check it against)
-            check_term = term is not None and finite_if_readable(*term_inputs) is True
-            return Choice(plan, None, False, True, check_term, None)
+            return _decode_choice(plan, term, term_inputs)
     term_finite: bool | None = None
     zero_offset = None
     if is_finite is None and why is None:
@@ -192,6 +196,16 @@ def choose(
         and (finite(*term_inputs) if term_finite is None else term_finite)
     )
     return Choice(plan, why, careful, False, check_term, zero_offset)
+
+
+def _decode_choice(
+    plan: BlockPlan, term: ScoreTerm | None, term_inputs: tuple[Tensor, ...]
+) -> Choice:
+    """The choice of an inference call that the native kernel's decode path serves on ``plan``,
+    its inputs not read beforehand."""
+    # (under torch.func.vmap no value can be read: nothing to check it against)
+    check_term = term is not None and finite_if_readable(*term_inputs) is True
+    return Choice(plan, None, False, True, check_term, None)
 
 
 def quantized_refusal(
@@ -211,15 +225,45 @@ def quantized_refusal(
     place (dequantized in registers, each product times its key's scale, each weight times its
     value's scale); else why they are dequantized first, in ``explain()``'s words. (Only the
     decode path reads them: the blocked forward and the backward take float keys and values.)"""
+    return quantized_decode(
+        q,
+        mask=mask,
+        geo=geo,
+        groups=groups,
+        term=term,
+        block_q=block_q,
+        block_k=block_k,
+        native=native,
+        score_mod=score_mod,
+        wants_grads=wants_grads,
+    )[0]
+
+
+def quantized_decode(
+    q: Tensor,
+    *,
+    mask: Mask | None,
+    geo: Geometry,
+    groups: int,
+    term: ScoreTerm | None,
+    block_q: int | None,
+    block_k: int | None,
+    native: bool,
+    score_mod: bool,
+    wants_grads: bool,
+) -> tuple[str | None, BlockPlan | None]:
+    """``(why, plan)``: :func:`quantized_refusal`'s answer, and where it is None the decode
+    path's plan, which :func:`choose` takes for the call (``decode=``) rather than deciding
+    again."""
     if wants_grads:
-        return "a call that needs gradients (the native backward takes float keys and values)"
+        return "a call that needs gradients (the native backward takes float keys and values)", None
     if q.dtype == torch.float64:
-        return "float64 queries (the native kernel reads them with float32 products)"
+        return "float64 queries (the native kernel reads them with float32 products)", None
     if not decode_sized(geo.q_len, block_q):
         return (
             f"{geo.q_len} queries: the native kernel reads them on its decode path alone (at "
             f"most {DECODE_QUERIES} queries in one block)"
-        )
+        ), None
     why = refusal(
         native=native,
         device=q.device,
@@ -230,10 +274,11 @@ def quantized_refusal(
         build=True,
     )
     if why is not None:
-        return f"{why} runs the call"
-    if _decode(mask, geo, groups, term is not None, block_q, block_k) is None:
-        return "the call's plan is not the decode path's"
-    return None
+        return f"{why} runs the call", None
+    plan = _decode(mask, geo, groups, term is not None, block_q, block_k)
+    if plan is None:
+        return "the call's plan is not the decode path's", None
+    return None, plan
 
 
 def _decode(
