@@ -85,3 +85,19 @@ def test_a_joined_selection_pickled_or_copied_reads_its_own_tensors() -> None:
         allowed = selection(a, 9, 2) | selection(b, 9, 2)
         torch.testing.assert_close(got.double(), formula(q, k, v, allowed), atol=1e-5, rtol=1e-5)
         a.copy_(torch.tensor([[[[0], [4], [8]]]]))
+
+
+def test_a_joined_selection_given_to_a_compiled_call_is_read_as_it_holds_now() -> None:
+    # The mask object as an input of a compiled call: each run reads the selections' tensors.
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    a = torch.randint(-1, 6, (1, 1, 6, 2), generator=g)
+    b = torch.randint(-1, 6, (1, 2, 6, 1), generator=g)
+    mask = masks.key_indices(a) | masks.key_indices(b)
+    run = torch.compile(
+        lambda q, k, v, m: attnkit.attention(q, k, v, mask=m), fullgraph=True, backend="aot_eager"
+    )
+    for _ in range(2):
+        want = formula(q, k, v, selection(a, 6, 2) | selection(b, 6, 2))
+        torch.testing.assert_close(run(q, k, v, mask).double(), want, atol=1e-5, rtol=1e-5)
+        a.copy_(torch.randint(-1, 6, a.shape, generator=g))
