@@ -41,7 +41,7 @@ def formula(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
     return w @ v
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "chunked", "flex", "auto"])
 def test_indices_joined_by_or_are_read_again_after_an_in_place_change(backend: str) -> None:
     # `key_indices(a) | key_indices(b)` is one index mask listing both selections; it was made
     # as a copy of a and b (torch.cat) when the mask was built, so a selection changed in place
