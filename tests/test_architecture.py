@@ -185,6 +185,7 @@ _FOREIGN = {
     "_version",  # Tensor._version: the in-place counter autograd checks
     "_base",  # Tensor._base: the tensor a view was made from
     "_assert_async",  # torch's check of a tensor's value inside a compiled graph (masks.py)
+    "_Environ",  # os.environ's class: _base/env.py reads its entries raw where it is CPython's
     # nn.Module's hooks, and torch.nn.modules.module's global ones: a projection that has any
     # must run as a module, not as its weight
     "_forward_hooks",
