@@ -25,11 +25,12 @@ inline void part_of(int64_t k0, int64_t k1, int64_t p, int64_t P, int64_t& a, in
 }
 
 // A row's out and lse from its (m, l, acc) in base 2: a row that sees no key gets zeros and -inf, a
-// NaN sum (a NaN or +inf score it sees) NaN, as in the blocked forward.
+// NaN sum (a NaN or +inf score it sees) NaN, as in the blocked forward. unit: what the values were
+// read as, over their values (kQuantizedUnit).
 template <typename T>
-void write_row(T m, T l, const T* acc, int64_t dv, T* o, T* lse) {
+void write_row(T m, T l, const T* acc, int64_t dv, T* o, T* lse, T unit) {
   if (l > T(0) || std::isnan(l)) {
-    const T inv = T(1) / l;
+    const T inv = T(1) / l / unit;
     for (int64_t e = 0; e < dv; ++e) o[e] = acc[e] * inv;
     *lse = T((m + std::log2(l)) * kLn2);
   } else {
@@ -80,7 +81,8 @@ void finish_item(const Decode<T, KV>& d, DecodeBuffers<T, KV>& b, Parts<T>& part
       for (int64_t r = 0; r < it.nq * G; ++r) {
         const int64_t x = hh * R + r, hk = it.hk0 + hh, g = r % G, i = it.qs + r / G;
         write_row(b.m[x], b.l[x], b.acc.data() + x * Dv, Dv,
-                  out.at(d.q_row(it.n), hk, g, d.q_first(it.n) + i), lse_at(hk, g, i));
+                  out.at(d.q_row(it.n), hk, g, d.q_first(it.n) + i), lse_at(hk, g, i),
+                  T(kQuantizedUnit<KV>));
       }
     }
     return;
@@ -107,7 +109,7 @@ void finish_item(const Decode<T, KV>& d, DecodeBuffers<T, KV>& b, Parts<T>& part
         for (int64_t e = 0; e < Dv; ++e) o[e] += a[e] * w;
       }
       write_row(top, l, o.data(), Dv, out.at(d.q_row(it.n), hk, g, d.q_first(it.n) + i),
-                lse_at(hk, g, i));
+                lse_at(hk, g, i), T(kQuantizedUnit<KV>));
     }
   }
 }

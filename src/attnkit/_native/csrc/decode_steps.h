@@ -53,7 +53,10 @@ void weigh_seen(int64_t nr, int64_t nk, int64_t dv, const T* p, const uint8_t* h
         const V xv = load_as<T>(xr + e);  // xv * 0: 0, or NaN where xv is NaN or inf
         (at::vec::fmadd(w, xv, V::loadu(o + e)) + xv * zero).store(o + e);
       }
-      for (; e < dv; ++e) o[e] += p[r * nk + j] * T(xr[e]) + T(xr[e]) * T(0);
+      for (; e < dv; ++e) {
+        const T xe = element_as<T>(xr[e]);
+        o[e] += p[r * nk + j] * xe + xe * T(0);
+      }
     }
   }
 }
@@ -225,7 +228,8 @@ void run_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, KV>& b,
   const int64_t G = c.G, R = d.rows(), first = r0 * G, nr = (r1 - r0) * G;
   T* s = b.s.data();
   const T* qrows = b.q.data() + (hh * R + first) * c.Dk;
-  const T alpha = product_factor(c);
+  // (kQuantizedUnit: the keys as the products read them, over their values)
+  const T alpha = product_factor(c) / T(kQuantizedUnit<KV>);
   const bool few = nr <= kDotRows;
   const bool group = !few && !careful && grouped<T, KV>(c);
   // Few rows (and grouped steps): the next keys are asked for during this step's key products and
@@ -333,7 +337,8 @@ void run_token_step(const Decode<T, KV>& d, const Call<T>& c, DecodeBuffers<T, K
   const bool terms = c.softcap > 0 || c.bias != nullptr || c.qv.p != nullptr || vis[4];
   const bool reordered = P > 1 && (terms || c.p_drop > 0);
   T* s = b.read_s.data();  // head hh's scores: nr rows of nk from s + hh nr nk
-  const T alpha = product_factor(c);
+  // (kQuantizedUnit: the keys as the products read them, over their values)
+  const T alpha = product_factor(c) / T(kQuantizedUnit<KV>);
   for (int64_t j0 = 0; j0 < nk; j0 += kTokenBlock) {
     const int64_t nb = std::min(kTokenBlock, nk - j0);
     for (int64_t hh = 0; hh < it.heads; ++hh) {

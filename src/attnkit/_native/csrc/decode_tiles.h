@@ -352,7 +352,7 @@ void weigh_rows(int64_t n, int64_t dv, const T* p, int64_t ld, RowList<X> x, T* 
   for (; c0 + W <= dv; c0 += W) weigh_vectors<T, R, 1>(n, p, ld, x, c0, acc, ldc);
   for (; c0 < dv; ++c0) {
     for (int64_t j = 0; j < n; ++j) {
-      const T xe = T(x[j][c0]);
+      const T xe = element_as<T>(x[j][c0]);
       for (int r = 0; r < R; ++r) acc[r * ldc + c0] += p[r * ld + j] * xe;
     }
   }
