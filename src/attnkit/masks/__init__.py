@@ -839,6 +839,9 @@ def key_padding(
     ``side="left"``) or ``valid``, a ``(B, Tk)`` bool tensor, True = real key (a Hugging Face
     ``attention_mask.bool()``). A query whose row has no real key gets output 0.
 
+    The mask keeps a copy of ``lengths`` made when it is built: a lengths tensor changed in place
+    afterwards does not change it (make a new mask for new lengths).
+
     >>> key_padding([3, 1]).dense(2, 4, batch_size=2)[:, 0, 0].int()
     tensor([[1, 1, 1, 0],
             [1, 0, 0, 0]], dtype=torch.int32)
