@@ -148,7 +148,7 @@ def test_a_compiled_transformers_training_step_equals_eager() -> None:
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
