@@ -372,6 +372,28 @@ class CacheView:
             dequantize(read(self.v), read(self.v_scale), work),
         )
 
+    def _pages_named(self, entries: Tensor, row0: int, col0: int) -> Tensor:
+        """The pages that ``entries`` of the block table name (``entries[0, 0]`` is the table's
+        ``[row0, col0]``), as int64 on the pages' device, each checked to be a page of the pool
+        before anything is gathered.
+
+        A cache's own view shares the cache's block table, which ``free()``, ``keep()`` and
+        ``rewind()`` change: a view kept past them may name -1 where its row held pages, which
+        indexing would read as the pool's last page. (While tracing, the gather's own bounds
+        apply; the native kernel checks the table it reads itself.)"""
+        pages = entries.to(self.k.device).long()
+        if torch.compiler.is_compiling() or pages.numel() == 0 or pages.device.type == "meta":
+            return pages
+        bad = (pages < 0) | (pages >= self.k.size(0))
+        if bool(bad.any()):
+            row, col = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"CacheView: block_table[{row0 + row}, {col0 + col}] = {int(pages[row, col])} is "
+                f"not a page of the {self.k.size(0)} the cache holds: the cache's block table "
+                "changed since this view was taken (free(), keep(), rewind()); take a new view()"
+            )
+        return pages
+
     def row(self, n: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Row ``n``'s keys and values ``(1, Hkv, end - start, D)``: a view of a contiguous
         cache, a gather of its pages (of int8/float8 pages, dequantized copies in ``dtype``,
@@ -381,7 +403,7 @@ class CacheView:
             return self._values(lambda t: t[n : n + 1, :, start:end], dtype)
         page = max(self.page_size, 1)  # (pages of no keys hold rows of none)
         first, last = start // page, -(-end // page)
-        pages = self.block_table[n, first:last].to(self.k.device).long()
+        pages = self._pages_named(self.block_table[n : n + 1, first:last], n, first)[0]
         at = start - first * page
 
         def read(t: Tensor) -> Tensor:  # (p, Hkv, page, D) -> (1, Hkv, p * page, D)
@@ -405,7 +427,7 @@ class CacheView:
         if self.block_table is None:
             return self._values(lambda t: t[: self.rows, :, start:end], dtype)
         page = max(self.page_size, 1)  # (pages of no keys hold rows of none)
-        pages = self.block_table[:, : -(-end // page)].to(self.k.device).long()
+        pages = self._pages_named(self.block_table[:, : -(-end // page)], 0, 0)
 
         def read(t: Tensor) -> Tensor:  # (N, p, Hkv, page, D) -> (N, Hkv, p * page, D)
             return t[pages].transpose(1, 2).flatten(2, 3)[:, :, start:end]
