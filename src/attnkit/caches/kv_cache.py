@@ -251,7 +251,12 @@ class KVCache:
 
     def view(self) -> CacheView:
         """The keys and values held and staged, as :func:`attnkit.attention` reads them where
-        they lie: row ``b``'s first ``length`` (and staged) positions of the cache."""
+        they lie: row ``b``'s first ``length`` (and staged) positions of the cache.
+
+        The view reads the cache's buffers when a call runs, not a copy made now: tokens
+        appended later leave what it reads as it was, while :meth:`keep` moves tokens into its
+        positions and :meth:`rewind` or :meth:`reset` followed by new tokens write over them,
+        which it then reads. Take a new view after those."""
         end = self.length + self._staged
         rows = ((0, end),) * self.k_cache.size(0)
         ks, vs = self._scales()

@@ -851,7 +851,13 @@ class PagedKVCache(nn.Module):
     def view(self) -> CacheView:
         """The keys and values held and staged, as :func:`attnkit.attention` reads them where
         they lie: the pages through the block table, row ``b``'s keys its ``lengths[b]`` held
-        and staged tokens, and with :meth:`schedule` its staged tokens its real queries."""
+        and staged tokens, and with :meth:`schedule` its staged tokens its real queries.
+
+        The view reads the pool and the block table when a call runs, not copies made now:
+        tokens appended later leave what it reads as it was; the pages that :meth:`free`,
+        :meth:`keep` or :meth:`rewind` return to the pool are -1 in the table, which a call on
+        the view refuses, and pages taken again hold another sequence's tokens. Take a new
+        view after those."""
         return self._view_of(self._staged)
 
     @_between_graphs

@@ -291,7 +291,11 @@ class StreamingKVCache:
     def view(self) -> CacheView:
         """The tokens held (and a staged step's), as :func:`attnkit.attention` reads them where
         they lie: each row's first ``length`` slots (the sinks and the ring, in slot order), with
-        the scales of a quantized cache."""
+        the scales of a quantized cache.
+
+        The view reads the cache's buffers when a call runs, not a copy made now: once the ring
+        is full each new token writes over a slot the view reads, as :meth:`rewind` and
+        :meth:`reset` followed by new tokens do. Take a new view after them."""
         n = min(self.position + self._staged_one, self.sink_tokens + self.window)
         ks, vs = self._scales()
         rows = ((0, n),) * self.k_cache.size(0)
