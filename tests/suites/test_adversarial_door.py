@@ -168,7 +168,8 @@ def test_a_compiled_cross_attention_step_with_tensor_lengths_equals_eager() -> N
     x, memory = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
 
     def step(x: Tensor, memory: Tensor, lengths: Tensor) -> Tensor:
-        return mha(x, memory, mask=masks.key_padding(lengths)).pow(2).sum()
+        out: Tensor = mha(x, memory, mask=masks.key_padding(lengths))
+        return out.pow(2).sum()
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
     for lengths in ([7, 3], [2, 6], [0, 0]):
@@ -178,7 +179,12 @@ def test_a_compiled_cross_attention_step_with_tensor_lengths_equals_eager() -> N
             mha.zero_grad()
             loss = fn(x, memory, lens)
             loss.backward()
-            results.append((loss.detach(), [p.grad.clone() for p in mha.parameters()]))
+            results.append(
+                (
+                    loss.detach(),
+                    [torch.clone(p.grad) for p in mha.parameters() if p.grad is not None],
+                )
+            )
         (eager_loss, eager_grads), (loss, grads) = results
         torch.testing.assert_close(loss, eager_loss, atol=1e-6, rtol=1e-6)
         for got, want in zip(grads, eager_grads, strict=True):
@@ -213,7 +219,8 @@ class _Decoder(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """One step into the cache."""
-        return self.attn(x, causal=True, cache=self.cache)
+        out: Tensor = self.attn(x, causal=True, cache=self.cache)
+        return out
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
