@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..._base.checks import shape_str
+from ..._score_mod import captured_tensors
 from ...masks import Geometry, KeyIndices, Mask, band_visibility, encode, first_entries
 
 __all__ = [
@@ -64,7 +66,8 @@ def _document_kind(mask: Mask) -> tuple[str, list[Tensor]] | None:
 
 
 def mask_refusal(mask: Mask | None) -> str | None:
-    """Why ``mask`` has no ``mask_mod`` here (None: it has one). Reads no tensor data."""
+    """Why ``mask`` has no ``mask_mod`` here (None: it has one), or has one torch refuses: a
+    ``mask_mod`` that captures a tensor needing gradients. Reads no tensor data."""
     if mask is None:
         return None
     if mask.op is not None:
@@ -75,8 +78,16 @@ def mask_refusal(mask: Mask | None) -> str | None:
             if why is not None:
                 return why
         return None
+    own = _own_mask_mod(mask)
+    if own is not None and captured_tensors(own):
+        shapes = ", ".join(shape_str(t.shape) for t in captured_tensors(own))
+        return (
+            f"the mask {mask.describe()}'s mask_mod reads a tensor that needs gradients "
+            f"({shapes}), which torch's FlexAttention refuses in a mask_mod (even under no_grad): "
+            "have it read a detached copy (t = table.detach(), made outside it) to lower it"
+        )
     known = (
-        _own_mask_mod(mask) is not None
+        own is not None
         or mask.tensor is not None
         or mask.band is not None
         or mask.keys_only
