@@ -763,6 +763,10 @@ class CheckedCall:
     sinks: object
     #: ``torch.is_grad_enabled()``, ``q.requires_grad`` and the sinks' when checked
     grad: tuple[bool, bool, bool]
+    #: the sinks' version counter when their values were checked (None: not a tensor, or one
+    #: made under inference mode, which keeps none): sinks changed in place since are checked
+    #: again, as they may now hold NaN
+    sinks_version: int | None = None
 
     def reuse(
         self,
@@ -798,9 +802,18 @@ class CheckedCall:
             or dropout_p != 0.0
             or self.grad != _grad(self.q, sinks)
             or torch.compiler.is_compiling()
+            or _version(sinks) != self.sinks_version
         ):
             return None
         return copy_call(self.call, cache=view.with_queries(self.q.size(2)))
+
+
+def _version(t: object) -> int | None:
+    """A tensor's version counter (bumped by every in-place change); None for anything else
+    and for a tensor made under inference mode, which keeps none."""
+    if not isinstance(t, Tensor) or t.is_inference():
+        return None
+    return int(t._version)
 
 
 def _grad(q: Tensor, sinks: object) -> tuple[bool, bool, bool]:
@@ -835,4 +848,6 @@ def check_cache_call(
     )
     if not isinstance(q, Tensor):  # (check_attention_args refuses anything else)
         raise TypeError(f"q must be a tensor, got {type(q).__name__}")
-    return CheckedCall(call, q, mask, bias, causal, scale, softcap, sinks, _grad(q, sinks))
+    return CheckedCall(
+        call, q, mask, bias, causal, scale, softcap, sinks, _grad(q, sinks), _version(sinks)
+    )

@@ -265,3 +265,19 @@ def test_record_dispatch_opened_inside_a_whole_graph_is_refused_by_name() -> Non
         match=r"record_dispatch\(\) runs between graphs: open it around the compiled call",
     ):
         compiled(q, k)
+
+
+def test_sinks_changed_in_place_after_stage_call_are_checked_again() -> None:
+    """``stage_call`` checks the step's call (finite sinks) before it writes; the same sinks
+    tensor set to NaN in place before the ``attention()`` call on that view is refused as NaN
+    sinks are anywhere, not taken as checked (which gave NaN outputs)."""
+    cache, _ = decoded_paged_cache()
+    q, k = torch.randn(2, 4, 2, 8), torch.randn(2, 2, 2, 8)
+    sinks = torch.zeros(4)
+    view = cache.stage_call(q, k, k, causal=True, sinks=sinks)
+    out = attnkit.attention(q, view, causal=True, sinks=sinks)
+    want = attnkit.attention(q, view, causal=True, sinks=sinks.clone(), backend="reference")
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    sinks.fill_(float("nan"))
+    with pytest.raises(ValueError, match="sinks holds NaN"):
+        attnkit.attention(q, view, causal=True, sinks=sinks)
