@@ -281,3 +281,35 @@ def test_sinks_changed_in_place_after_stage_call_are_checked_again() -> None:
     sinks.fill_(float("nan"))
     with pytest.raises(ValueError, match="sinks holds NaN"):
         attnkit.attention(q, view, causal=True, sinks=sinks)
+
+
+@pytest.mark.parametrize("which", ["encoder", "relative"])
+def test_compiled_layers_with_tensor_lengths_equal_eager_down_to_a_batch_of_one(which: str) -> None:
+    """``TransformerEncoderLayer`` and ``RelativeMultiHeadAttention`` in a compiled training step
+    (aot_eager, ``fullgraph=True``) whose padding lengths are a tensor: loss and gradients equal
+    eager for a batch of two (a row of length 0 among them) and for a batch of one."""
+    torch.manual_seed(5)
+    layer: torch.nn.Module
+    if which == "encoder":
+        layer = attnkit.TransformerEncoderLayer(16, 2, dropout=0.0)
+    else:
+        layer = attnkit.RelativeMultiHeadAttention(16, 2)
+
+    def step(x: Tensor, lengths: Tensor) -> Tensor:
+        out: Tensor = layer(x, mask=masks.key_padding(lengths))
+        return out.pow(2).sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for x, lengths in ((torch.randn(2, 5, 16), [5, 0]), (torch.randn(1, 5, 16), [3])):
+        results = []
+        for fn in (step, compiled):
+            layer.zero_grad()
+            loss = fn(x, torch.tensor(lengths))
+            loss.backward()
+            grads = [torch.clone(p.grad) for p in layer.parameters() if p.grad is not None]
+            results.append((loss.detach(), grads))
+        (eager_loss, eager_grads), (loss, grads) = results
+        torch.testing.assert_close(loss, eager_loss, atol=1e-6, rtol=1e-6)
+        assert len(grads) == len(eager_grads) == len(list(layer.parameters()))
+        for got, want in zip(grads, eager_grads, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
