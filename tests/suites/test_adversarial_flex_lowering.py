@@ -66,3 +66,46 @@ def test_a_mask_mod_reading_a_tensor_that_needs_gradients_is_refused_by_name() -
     visible = (table[:, i[:, None] - i[None, :] + T - 1] > 0) | torch.eye(T, dtype=torch.bool)
     visible = visible & torch.ones(T, T, dtype=torch.bool).tril()
     torch.testing.assert_close(got.double(), _formula(q, k, v, visible), atol=2e-6, rtol=0)
+
+
+def _selected(indices: Tensor, tq: int, tk: int) -> Tensor:
+    """The bool (B, Hi, Tq, Tk) pairs ``indices`` (B, Hi, Tq, k) selects (-1: none)."""
+    dense = torch.zeros(*indices.shape[:3], tk + 1, dtype=torch.bool)
+    dense.scatter_(-1, indices.where(indices >= 0, tk), True)
+    return dense[..., :tk]
+
+
+def test_one_index_mask_kind_with_new_and_rewritten_indices() -> None:
+    """key_indices & causal, three calls of one compiled kind: a mask, another of new indices,
+    then the first mask again after its indices are rewritten in place. Each output is that
+    call's selection's: no BlockMask, bitmap or plan of an earlier call is read again."""
+    q, k, v = _qkv(seed=1)
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(-1, T, (B, HKV, T, 5), generator=g)
+    second = torch.randint(-1, T, (B, HKV, T, 5), generator=g)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = masks.key_indices(first) & masks.causal()
+    with torch.no_grad():
+        for indices, call_mask in ((first, mask), (second, None), (first, mask)):
+            if call_mask is None:  # between the calls of `mask`: another one, then a rewrite
+                call_mask = masks.key_indices(second) & masks.causal()
+            got = _flex(q, k, v, mask=call_mask)
+            seen = _selected(indices, T, T).repeat_interleave(H // HKV, 1) & causal
+            torch.testing.assert_close(got.double(), _formula(q, k, v, seen), atol=2e-6, rtol=0)
+            if indices is second:
+                first.copy_(torch.randint(-1, T, first.shape, generator=g))
+
+
+def test_interleaved_documents_over_several_blocks() -> None:
+    """Documents whose positions interleave (ids 0, 1, 2, 0, 1, ... by stretches of 20) over 300
+    keys, three of FlexAttention's 128-key blocks, then other ids of the same kind: a query sees
+    its own document's keys in every block, however far."""
+    t = 300
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, t, D, generator=g) for _ in range(3))
+    pos = torch.arange(t)
+    with torch.no_grad():
+        for ids in ((pos // 20) % 3, (pos // 7) % 5):
+            got = _flex(q, k, v, mask=masks.documents(ids=ids) & masks.causal())
+            seen = (ids[:, None] == ids[None, :]) & (pos[:, None] >= pos[None, :])
+            torch.testing.assert_close(got.double(), _formula(q, k, v, seen), atol=2e-6, rtol=0)
