@@ -104,9 +104,9 @@ def _attribute(fn: object, name: str) -> Any:
         return None
 
 
-def captured_tensors(score_mod: ScoreMod) -> tuple[Tensor, ...]:
-    """The tensors ``score_mod`` captures that need gradients (see the module docstring for what is
-    seen), each once, in a stable order."""
+def captured_tensors(score_mod: Callable[..., Tensor]) -> tuple[Tensor, ...]:
+    """The tensors ``score_mod`` (or a ``mask_mod``) captures that need gradients (see the module
+    docstring for what is seen), each once, in a stable order."""
     found: list[Tensor] = []
     seen: set[int] = set()
 

@@ -79,8 +79,9 @@ def mask_refusal(mask: Mask | None) -> str | None:
                 return why
         return None
     own = _own_mask_mod(mask)
-    if own is not None and captured_tensors(own):
-        shapes = ", ".join(shape_str(t.shape) for t in captured_tensors(own))
+    needing = () if own is None else captured_tensors(own)
+    if needing:
+        shapes = ", ".join(shape_str(t.shape) for t in needing)
         return (
             f"the mask {mask.describe()}'s mask_mod reads a tensor that needs gradients "
             f"({shapes}), which torch's FlexAttention refuses in a mask_mod (even under no_grad): "
