@@ -109,3 +109,18 @@ def test_interleaved_documents_over_several_blocks() -> None:
             got = _flex(q, k, v, mask=masks.documents(ids=ids) & masks.causal())
             seen = (ids[:, None] == ids[None, :]) & (pos[:, None] >= pos[None, :])
             torch.testing.assert_close(got.double(), _formula(q, k, v, seen), atol=2e-6, rtol=0)
+
+
+def test_a_score_mod_that_returns_another_float_dtype() -> None:
+    """A score_mod's result is taken in the scores' dtype (float32 here), whatever dtype it comes
+    in: ``score.double() * 2`` is the scores doubled, compiled on the CPU as everywhere."""
+    q, k, v = _qkv(seed=4)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def doubled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score.double() * 2
+
+    with torch.no_grad():
+        got = _flex(q, k, v, mask=masks.causal(), score_mod=doubled)
+    want = _formula(q * 2, k, v, causal)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)

@@ -207,16 +207,18 @@ def run_lowered(
 
 def _on_its_own_scores(score_mod: ScoreMod) -> ScoreMod:
     """``score_mod`` as torch's compiled CPU FlexAttention computes it right: on a copy of the
-    scores (its template fails to build a score_mod that writes them in place), and with a result
+    scores (its template fails to build a score_mod that writes them in place), with a result
     that reads them (one that does not, a constant, ``score * 0 + x`` or a function of the
-    indices alone, comes out wrong there). The result is the function's wherever the score is
-    not NaN; a NaN score (from a NaN in q or k) stays NaN, and the backend hands such a call to
-    attnkit's kernel."""
+    indices alone, comes out wrong there), and in the scores' dtype (a result of another one,
+    ``score.double() * 2`` in a float32 call, comes out wrong too). The result is the function's
+    wherever the score is not NaN; a NaN score (from a NaN in q or k) stays NaN, and the backend
+    hands such a call to attnkit's kernel."""
 
     def on_its_own_scores(
         score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
     ) -> Tensor:
-        return torch.where(torch.isnan(score), score, score_mod(score.clone(), b, h, q_idx, kv_idx))
+        modified = score_mod(score.clone(), b, h, q_idx, kv_idx).to(score.dtype)
+        return torch.where(torch.isnan(score), score, modified)
 
     return on_its_own_scores
 
