@@ -1,9 +1,8 @@
 """The flex backend's lowering of masks and modifiers, probed as an outside reviewer would: masks
 whose functions read tensors that need gradients, masks of one kind called twice with other data
-or changed in place (no stale compiled kernel or BlockMask), and documents that are not contiguous
-over several of FlexAttention's 128-key blocks. Outputs are checked against a float64 softmax
-written out here and against the reference backend; compiled shapes are shared between checks to
-keep the compiles few."""
+or changed in place (no stale compiled kernel or BlockMask), and score_mods whose results come in
+another dtype than the scores'. Outputs are checked against a float64 softmax written out here;
+compiled shapes are shared between checks to keep the compiles few."""
 
 from __future__ import annotations
 
@@ -96,31 +95,21 @@ def test_one_index_mask_kind_with_new_and_rewritten_indices() -> None:
                 first.copy_(torch.randint(-1, T, first.shape, generator=g))
 
 
-def test_interleaved_documents_over_several_blocks() -> None:
-    """Documents whose positions interleave (ids 0, 1, 2, 0, 1, ... by stretches of 20) over 300
-    keys, three of FlexAttention's 128-key blocks, then other ids of the same kind: a query sees
-    its own document's keys in every block, however far."""
-    t = 300
-    g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, 2, t, D, generator=g) for _ in range(3))
-    pos = torch.arange(t)
-    with torch.no_grad():
-        for ids in ((pos // 20) % 3, (pos // 7) % 5):
-            got = _flex(q, k, v, mask=masks.documents(ids=ids) & masks.causal())
-            seen = (ids[:, None] == ids[None, :]) & (pos[:, None] >= pos[None, :])
-            torch.testing.assert_close(got.double(), _formula(q, k, v, seen), atol=2e-6, rtol=0)
-
-
 def test_a_score_mod_that_returns_another_float_dtype() -> None:
     """A score_mod's result is taken in the scores' dtype (float32 here), whatever dtype it comes
-    in: ``score.double() * 2`` is the scores doubled, compiled on the CPU as everywhere."""
+    in: ``score.double() * 2`` is the scores doubled, compiled on the CPU as everywhere, and a
+    float64 constant weights every visible key alike."""
     q, k, v = _qkv(seed=4)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
 
     def doubled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score.double() * 2
 
+    def constant(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return torch.tensor(0.5, dtype=torch.float64)  # every visible key weighted alike
+
     with torch.no_grad():
         got = _flex(q, k, v, mask=masks.causal(), score_mod=doubled)
-    want = _formula(q * 2, k, v, causal)
-    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
+        alike = _flex(q, k, v, mask=masks.causal(), score_mod=constant)
+    torch.testing.assert_close(got.double(), _formula(q * 2, k, v, causal), atol=2e-6, rtol=0)
+    torch.testing.assert_close(alike.double(), _formula(q * 0, k, v, causal), atol=2e-6, rtol=0)

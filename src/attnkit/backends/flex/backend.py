@@ -217,8 +217,8 @@ def _on_its_own_scores(score_mod: ScoreMod) -> ScoreMod:
     def on_its_own_scores(
         score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
     ) -> Tensor:
-        modified = score_mod(score.clone(), b, h, q_idx, kv_idx).to(score.dtype)
-        return torch.where(torch.isnan(score), score, modified)
+        modified = score_mod(score.clone(), b, h, q_idx, kv_idx)
+        return torch.where(torch.isnan(score), score, modified).to(score.dtype)
 
     return on_its_own_scores
 
