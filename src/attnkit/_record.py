@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-import torch
 
 from ._call import AttentionCall
 
@@ -77,47 +75,15 @@ def record_dispatch() -> Iterator[list[Dispatch]]:
     innermost block open. Blocks closed out of order (two generators, each with a block open
     around its ``yield``, run in turns) each remove their own record: once a block is closed
     nothing more is added to its record, and calls go to the blocks still open.
-
-    A compiled call is recorded when its graph runs: open the block around it. A block inside a
-    function that torch.compile traces runs between graphs (the graph is broken around its
-    opening and closing), and ``fullgraph=True`` refuses it by name.
     """
     record: list[Dispatch] = []
-    _open(record)
+    _RECORD.set((*_RECORD.get(), record))
     try:
         yield record
     finally:
-        _close(record)
-
-
-_EAGER = (
-    "record_dispatch() runs between graphs: open it around the compiled call, which it records "
-    "when it runs, rather than inside a function compiled as one graph (fullgraph=True)"
-)
-
-
-def _between_graphs(fn: Callable[[list[Dispatch]], None]) -> Callable[[list[Dispatch]], None]:
-    """``fn`` run eagerly under torch.compile, its graph broken around it (refused under
-    ``fullgraph=True``, with :data:`_EAGER` as the reason where torch takes one): a block traced
-    into a graph would never be open when the graph's calls run."""
-    try:
-        return torch.compiler.disable(fn, reason=_EAGER)  # type: ignore[call-arg,no-any-return,unused-ignore]
-    except TypeError:  # (torch before 2.6 takes no reason)
-        return torch.compiler.disable(fn)  # type: ignore[no-any-return,unused-ignore]
-
-
-@_between_graphs
-def _open(record: list[Dispatch]) -> None:
-    """Make ``record`` the innermost block open in this context."""
-    _RECORD.set((*_RECORD.get(), record))
-
-
-@_between_graphs
-def _close(record: list[Dispatch]) -> None:
-    """Remove ``record`` from the blocks open in this context."""
-    # (by identity rather than ContextVar.reset(): a reset restores the value this block
-    # found, which holds a block closed since, and would leave it recording)
-    _RECORD.set(tuple(r for r in _RECORD.get() if r is not record))
+        # (by identity rather than ContextVar.reset(): a reset restores the value this block
+        # found, which holds a block closed since, and would leave it recording)
+        _RECORD.set(tuple(r for r in _RECORD.get() if r is not record))
 
 
 def recording() -> list[Dispatch] | None:

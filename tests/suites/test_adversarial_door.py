@@ -248,25 +248,6 @@ def test_a_module_holding_a_paged_cache_copies_and_decodes_on_alike(how: str) ->
     assert model.cache.k_pages.data_ptr() != twin.cache.k_pages.data_ptr()
 
 
-def test_record_dispatch_opened_inside_a_whole_graph_is_refused_by_name() -> None:
-    """A record opened inside a ``fullgraph=True`` function cannot see the calls its graph runs:
-    refused with an error that names ``record_dispatch()`` and says to open it around the
-    compiled call (where it records them, as above), not torch's own about a ContextVar."""
-    q, k = torch.randn(B, H, TQ, D), torch.randn(B, H, TK, D)
-
-    def call(q: Tensor, k: Tensor) -> Tensor:
-        with attnkit.record_dispatch():
-            out: Tensor = attnkit.attention(q, k, k, softcap=5.0)
-        return out
-
-    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
-    with pytest.raises(
-        Exception,
-        match=r"record_dispatch\(\) runs between graphs: open it around the compiled call",
-    ):
-        compiled(q, k)
-
-
 def test_sinks_changed_in_place_after_stage_call_are_checked_again() -> None:
     """``stage_call`` checks the step's call (finite sinks) before it writes; the same sinks
     tensor set to NaN in place before the ``attention()`` call on that view is refused as NaN
